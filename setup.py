@@ -1,0 +1,94 @@
+"""Builds torch_sagemaker, its native extension torch_sagemaker._C and the import aliases.
+
+- ``csrc/**/*.cpp`` -> ``torch_sagemaker._C`` (the smddp collective backend), built with
+  torch.utils.cpp_extension against the installed torch. Build without isolation
+  (``pip install --no-build-isolation``) so the extension matches the torch you run.
+- ``policies/`` is installed as ``torch_sagemaker.policies`` (never as a top-level package).
+- ``smdistributed/`` is the compatibility shim SMP scripts import for the "smddp" backend.
+- ``torch_sagemaker.pth`` + ``_torch_sagemaker_alias.py`` make ``import torch.sagemaker``
+  work; see that module's docstring. The .pth file is added to both the regular wheel
+  (build_py) and the editable wheel (editable_wheel).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+from setuptools.command.editable_wheel import editable_wheel
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PTH_FILE = "torch_sagemaker.pth"
+
+
+def _version() -> str:
+    scope: dict[str, str] = {}
+    with open(os.path.join(HERE, "torch_sagemaker", "_version.py")) as f:
+        exec(f.read(), scope)
+    return scope["__version__"]
+
+
+class BuildPyWithPth(build_py):
+    """Copies the start-up .pth file to the root of the regular wheel."""
+
+    def run(self) -> None:
+        super().run()
+        shutil.copy(os.path.join(HERE, PTH_FILE), os.path.join(self.build_lib, PTH_FILE))
+
+
+class EditableWheelWithPth(editable_wheel):
+    """Adds the start-up .pth file to the editable wheel as well."""
+
+    def _select_strategy(self, name, tag, build_lib):
+        strategy = super()._select_strategy(name, tag, build_lib)
+        class _WithPth:
+            def __enter__(self):
+                strategy.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return strategy.__exit__(*exc)
+
+            def __call__(self, wheel, files, mapping):
+                strategy(wheel, files, mapping)
+                with open(os.path.join(HERE, PTH_FILE), "rb") as f:
+                    wheel.writestr(PTH_FILE, f.read())
+
+        return _WithPth()
+
+
+csrc_sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
+
+setup(
+    name="torch_sagemaker",
+    version=_version(),
+    description="Open re-implementation of SageMaker model parallelism v2 and SMDDP on PyTorch",
+    python_requires=">=3.10",
+    packages=find_packages(include=["torch_sagemaker", "torch_sagemaker.*", "smdistributed", "smdistributed.*"])
+    + ["torch_sagemaker.policies"],
+    package_dir={"torch_sagemaker.policies": "policies"},
+    py_modules=["_torch_sagemaker_alias"],
+    ext_modules=[
+        CppExtension(
+            name="torch_sagemaker._C",
+            sources=csrc_sources,
+            include_dirs=[os.path.join(HERE, "csrc")],
+            extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden"],
+        )
+    ],
+    cmdclass={
+        "build_ext": BuildExtension.with_options(use_ninja=True),
+        "build_py": BuildPyWithPth,
+        "editable_wheel": EditableWheelWithPth,
+    },
+    install_requires=["torch>=2.13"],
+    extras_require={
+        "hf": ["transformers>=5", "accelerate", "safetensors"],
+        "examples": ["tqdm", "matplotlib"],
+        "dev": ["pytest", "pytest-timeout", "ruff", "ninja"],
+    },
+)

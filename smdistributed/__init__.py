@@ -1,0 +1,1 @@
+"""Compatibility namespace for scripts written against SageMaker's SMDDP (smdistributed)."""

@@ -1,0 +1,1 @@
+"""Compatibility namespace: ``smdistributed.dataparallel.torch``."""

@@ -1,0 +1,320 @@
+"""SMP v2 configuration: the frozen ``SMPConfig``, where it comes from, and its validation.
+
+This module owns every read of configuration input: the argument given to ``tsm.init``
+(a dict or a JSON file path) and the environment variable ``SM_HP_MP_PARAMETERS`` that
+SageMaker sets from the estimator's ``mp_parameters``. Nothing else in the package reads
+the environment for configuration.
+
+Precedence, lowest to highest (as on SageMaker, the launcher wins over the script):
+defaults < ``tsm.init(config)`` < ``SM_HP_MP_PARAMETERS`` < assignments made on
+``tsm.state`` before ``tsm.init()`` (SMP's example scripts use those to force native mode).
+
+Validation never rewrites the config: it either returns an ``SMPConfig`` or raises one
+``ConfigError`` listing every problem, each naming the key, the value, the rule and a fix.
+Derived values (the resolved shard degree, the replicate degree) live in
+``torch_sagemaker.topology.Layout``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+ENV_VAR = "SM_HP_MP_PARAMETERS"
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class SMPConfig:
+    """The nine SMP v2 parameters, with SMP's documented defaults.
+
+    Attributes:
+        hybrid_shard_degree: Size of the FSDP sharding group. ``0`` keeps native FSDP
+            behaviour (the script's ``sharding_strategy`` decides: FULL_SHARD shards over
+            all data-parallel ranks, HYBRID_SHARD within a host); ``1`` means NO_SHARD;
+            ``k >= 2`` shards over ``k`` ranks and replicates across
+            ``world_size / (k * tensor_parallel_degree)`` groups. Includes the context
+            parallel ranks, so it must be a multiple of ``context_parallel_degree``.
+        sm_activation_offloading: ``True`` makes ``offload_wrapper`` use the prefetching
+            offloader; ``False`` keeps PyTorch's native offloading. The script still has to
+            apply ``offload_wrapper`` itself. Default ``True`` as in the SMP reference.
+        activation_loading_horizon: Maximum number of offloaded layers whose activations
+            may be resident on the compute device at once (prefetch depth). Positive.
+            Has an effect only with ``sm_activation_offloading``.
+        fsdp_cache_flush_warnings: Warn when the CUDA caching allocator had to flush its
+            cache (allocation retries) during a step. No effect on CPU.
+        allow_empty_shards: Allow FSDP shards that are empty because a tensor is smaller
+            than the shard count. ``False`` keeps stock PyTorch behaviour.
+        tensor_parallel_degree: Number of ranks a transformed model's layers are split
+            over. Innermost, contiguous ranks. Needs ``tsm.transform``.
+        context_parallel_degree: Number of ranks the sequence is split over; must not exceed
+            the shard degree. Needs ``tsm.transform``.
+        expert_parallel_degree: Number of ranks the experts of an MoE model are split
+            over. Not compatible with tensor parallelism.
+        random_seed: Seed for random operations inside tensor/expert parallel regions;
+            each rank uses ``random_seed + tp_rank``. Not stated by SMP; we use 12345,
+            the default of SMP's ``MoEConfig``.
+    """
+
+    hybrid_shard_degree: int = 0
+    sm_activation_offloading: bool = True
+    activation_loading_horizon: int = 2
+    fsdp_cache_flush_warnings: bool = True
+    allow_empty_shards: bool = False
+    tensor_parallel_degree: int = 1
+    context_parallel_degree: int = 1
+    expert_parallel_degree: int = 1
+    random_seed: int = 12345
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the parameters as a plain dict (JSON-serialisable)."""
+        return dataclasses.asdict(self)
+
+
+FIELD_TYPES: dict[str, type] = {f.name: (bool if f.type in (bool, "bool") else int) for f in fields(SMPConfig)}
+FIELD_NAMES = tuple(FIELD_TYPES)
+
+# Keys people carry over from SMP v1, SageMaker recipes or blog posts, with what to use instead.
+_RENAMED_KEYS = {
+    "tensor_parallel_seed": "random_seed",
+    "sharded_data_parallel_degree": "hybrid_shard_degree",
+    "shard_degree": "hybrid_shard_degree",
+    "offload_activations": "sm_activation_offloading",
+    "tensor_model_parallel_degree": "tensor_parallel_degree",
+    "expert_model_parallel_degree": "expert_parallel_degree",
+}
+_SMP_V1_KEYS = frozenset(
+    {"partitions", "pipeline", "microbatches", "ddp", "ddp_dist_backend", "placement_strategy",
+     "optimize", "pipeline_parallel_degree", "auto_partition", "default_partition"}
+)
+
+
+class ConfigError(ValueError):
+    """Raised with every configuration problem at once.
+
+    Attributes:
+        problems: One human-readable line per problem.
+    """
+
+    def __init__(self, problems: list[str], source: str = "SMP config") -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"Invalid {source} ({len(problems)} problem(s)):\n{lines}")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _parse_json(text: str, source: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            [f"{source} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno} "
+             f"(character {e.pos}). Fix the JSON there, e.g. quote keys and drop trailing commas."],
+            source,
+        ) from None
+    if not isinstance(value, dict):
+        raise ConfigError(
+            [f"{source} must hold a JSON object like {{\"tensor_parallel_degree\": 2}}, "
+             f"got a JSON {type(value).__name__}."],
+            source,
+        )
+    return value
+
+
+def _from_argument(config: str | os.PathLike[str] | Mapping[str, Any] | None) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        return dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError as e:
+            raise ConfigError([f"cannot read config file {path!r}: {e.strerror}."], "tsm.init config") from None
+        return _parse_json(text, f"config file {path!r}")
+    raise TypeError(
+        f"tsm.init(config=...) takes a dict, a path to a JSON file or None, got {type(config).__name__}."
+    )
+
+
+def load_raw(
+    config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Merges the config sources into one raw dict, without validating values.
+
+    Args:
+        config: The argument of ``tsm.init``: a dict, a JSON file path, or ``None``.
+        environ: Environment to read ``SM_HP_MP_PARAMETERS`` from (default ``os.environ``).
+        overrides: Values assigned on ``tsm.state`` before ``tsm.init()``; they win.
+
+    Returns:
+        The merged dict (may contain unknown keys; ``validate`` reports them).
+
+    Raises:
+        ConfigError: If the file or the environment value is not a JSON object.
+        TypeError: If ``config`` is of an unsupported type.
+    """
+    environ = os.environ if environ is None else environ
+    merged = _from_argument(config)
+    env_text = environ.get(ENV_VAR)
+    if env_text is not None and env_text.strip():
+        merged.update(_parse_json(env_text, f"environment variable {ENV_VAR}"))
+    merged.update(overrides or {})
+    return merged
+
+
+# ------------------------------------------------------------------------- validation
+
+
+def _type_problem(key: str, value: Any) -> str | None:
+    expected = FIELD_TYPES[key]
+    if expected is bool:
+        if isinstance(value, bool):
+            return None
+        return f"{key}={value!r}: must be a boolean (true or false), got {type(value).__name__}."
+    if isinstance(value, bool) or not isinstance(value, int):
+        hint = " (booleans are not integers)" if isinstance(value, bool) else ""
+        return f"{key}={value!r}: must be an integer{hint}, got {type(value).__name__}. Write e.g. {key}=2."
+    return None
+
+
+def _unknown_key_problem(key: str) -> str:
+    if key in _RENAMED_KEYS:
+        return f"unknown key {key!r}: SMP v2 calls it {_RENAMED_KEYS[key]!r}. Rename the key."
+    if key in _SMP_V1_KEYS:
+        return (f"unknown key {key!r}: this is an SMP v1 parameter with no SMP v2 equivalent. "
+                f"Remove it; valid keys are {', '.join(FIELD_NAMES)}.")
+    close = difflib.get_close_matches(key, FIELD_NAMES, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}?" if close else f"valid keys are {', '.join(FIELD_NAMES)}."
+    return f"unknown key {key!r}: {hint}"
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _range_problems(values: dict[str, Any]) -> list[str]:
+    problems = []
+    for key in ("tensor_parallel_degree", "context_parallel_degree", "expert_parallel_degree"):
+        if key in values and values[key] < 1:
+            problems.append(f"{key}={values[key]}: must be >= 1 (1 disables it).")
+    if "hybrid_shard_degree" in values and values["hybrid_shard_degree"] < 0:
+        problems.append(
+            f"hybrid_shard_degree={values['hybrid_shard_degree']}: must be >= 0 "
+            "(0 = native FSDP behaviour, 1 = no sharding, k >= 2 = shard over k ranks)."
+        )
+    if "activation_loading_horizon" in values and values["activation_loading_horizon"] < 1:
+        problems.append(
+            f"activation_loading_horizon={values['activation_loading_horizon']}: must be >= 1 "
+            "(number of layers prefetched ahead of backward; SMP's default is 2)."
+        )
+    if "random_seed" in values and not 0 <= values["random_seed"] <= MAX_SEED:
+        problems.append(f"random_seed={values['random_seed']}: must be in [0, 2**63 - 1].")
+    return problems
+
+
+def _world_problems(cfg: dict[str, Any], world_size: int) -> list[str]:
+    """Checks the degrees against the number of ranks (only for values that passed type checks)."""
+    problems = []
+    tp, cp, ep = cfg["tensor_parallel_degree"], cfg["context_parallel_degree"], cfg["expert_parallel_degree"]
+    hsd = cfg["hybrid_shard_degree"]
+    for key, deg in (("tensor_parallel_degree", tp), ("context_parallel_degree", cp),
+                     ("expert_parallel_degree", ep)):
+        if deg >= 1 and world_size % deg:
+            problems.append(
+                f"{key}={deg}: must divide world_size={world_size}. Use one of {_divisors(world_size)}."
+            )
+    if tp > 1 and ep > 1:
+        problems.append(
+            f"expert_parallel_degree={ep} with tensor_parallel_degree={tp}: expert parallelism is not "
+            "compatible with tensor parallelism (as in SMP v2). Set one of them to 1."
+        )
+    if problems or min(tp, cp, ep) < 1 or hsd < 0:
+        return problems
+    max_hsd = world_size // (tp * ep)
+    if hsd > max_hsd:
+        problems.append(
+            f"hybrid_shard_degree={hsd}: must be at most world_size // (tensor_parallel_degree * "
+            f"expert_parallel_degree) = {world_size} // ({tp} * {ep}) = {max_hsd}."
+        )
+    elif hsd > 0 and world_size % (hsd * tp * ep):
+        choices = _divisors(max_hsd)
+        problems.append(
+            f"hybrid_shard_degree={hsd}: world_size % (hybrid_shard_degree * tensor_parallel_degree * "
+            f"expert_parallel_degree) must be 0, but {world_size} % ({hsd} * {tp} * {ep}) = "
+            f"{world_size % (hsd * tp * ep)}. Use one of {choices} (or 0 for native FSDP)."
+        )
+    resolved = hsd if hsd > 0 else max_hsd
+    if cp > 1 and cp > resolved:
+        problems.append(
+            f"context_parallel_degree={cp} > hybrid_shard_degree={hsd}"
+            f"{' (resolved to ' + str(resolved) + ')' if hsd == 0 else ''}: the context parallel ranks "
+            "live inside the FSDP shard group, so context_parallel_degree <= hybrid_shard_degree. "
+            "Raise hybrid_shard_degree or lower context_parallel_degree."
+        )
+    elif cp > 1 and resolved % cp:
+        problems.append(
+            f"context_parallel_degree={cp}: must divide the shard degree {resolved} (the shard group "
+            "is made of whole context parallel groups). Use a multiple of it as hybrid_shard_degree."
+        )
+    return problems
+
+
+def validate(raw: Mapping[str, Any], world_size: int | None = None) -> SMPConfig:
+    """Validates a raw config dict and returns the frozen ``SMPConfig``.
+
+    Args:
+        raw: Merged config values (see ``load_raw``).
+        world_size: Number of ranks; when given, degrees are checked against it.
+
+    Returns:
+        The validated configuration.
+
+    Raises:
+        ConfigError: Listing every problem found (unknown keys, types, ranges, degrees).
+    """
+    problems = [_unknown_key_problem(k) for k in raw if k not in FIELD_TYPES]
+    typed = {}
+    for key in FIELD_NAMES:
+        if key not in raw:
+            continue
+        problem = _type_problem(key, raw[key])
+        if problem:
+            problems.append(problem)
+        else:
+            typed[key] = raw[key]
+    range_problems = _range_problems(typed)
+    problems += range_problems
+    defaults = SMPConfig().to_dict()
+    merged = {**defaults, **typed}
+    degree_keys = ("hybrid_shard_degree", "tensor_parallel_degree", "context_parallel_degree",
+                   "expert_parallel_degree")
+    degrees_typed = all(k in typed or k not in raw for k in degree_keys)
+    if world_size is not None and degrees_typed and not range_problems:
+        problems += _world_problems(merged, world_size)
+    if problems:
+        raise ConfigError(problems)
+    return SMPConfig(**merged)
+
+
+def load(
+    config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    *,
+    world_size: int | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> SMPConfig:
+    """Loads and validates the configuration (``load_raw`` then ``validate``)."""
+    return validate(load_raw(config, environ=environ, overrides=overrides), world_size)

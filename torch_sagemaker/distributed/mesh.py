@@ -1,0 +1,72 @@
+"""Builds the one named DeviceMesh and the process groups of a ``Layout``.
+
+All groups come from one ``init_device_mesh`` call over the axes of
+``torch_sagemaker.topology.AXES`` plus flattened views of it, so every group here is the
+same object PyTorch's FSDP2 and DTensor see when they are handed ``tsm.state``'s meshes.
+Expert parallel groups are the one exception (EP splits the replicate axis, which a mesh
+slice cannot express); they are created with ``new_subgroups_by_enumeration``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from torch_sagemaker.state import _Groups
+from torch_sagemaker.topology import AXES, Layout
+
+
+def mesh_device_type() -> str:
+    """Device type of the mesh: ``cuda`` when the default group can talk CUDA, else ``cpu``."""
+    if torch.cuda.is_available() and "cuda" in str(dist.get_backend_config()):
+        return "cuda"
+    return "cpu"
+
+
+def build_groups(layout: Layout) -> _Groups:
+    """Creates the DeviceMesh and the SMP process groups for ``layout`` (collective call).
+
+    Args:
+        layout: The resolved layout; ``layout.world_size`` must equal the default group's size.
+
+    Returns:
+        The meshes and groups that ``tsm.state`` exposes.
+    """
+    if dist.get_world_size() != layout.world_size:
+        raise RuntimeError(
+            f"layout is for {layout.world_size} ranks but the default process group has "
+            f"{dist.get_world_size()}."
+        )
+    mesh = init_device_mesh(mesh_device_type(), layout.mesh_shape, mesh_dim_names=AXES)
+    shard_cp = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    replica = mesh["dp_shard", "cp", "tp"]._flatten("replica")
+    dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    fsdp_mesh = mesh["dp_replicate", "dp_shard_cp"]
+    ep_group, ep_groups = dist.new_subgroups_by_enumeration(layout.ep_groups())
+    owned = [g for g in mesh.get_all_groups()] + [shard_cp.get_group(), replica.get_group(),
+                                                    dp.get_group()] + list(ep_groups)
+    world = dist.group.WORLD
+    owned = [g for g in dict.fromkeys(owned) if g is not world]
+    return _Groups(
+        device_mesh=mesh,
+        fsdp_mesh=fsdp_mesh,
+        dp_mesh=dp,
+        tp=mesh.get_group("tp"),
+        cp=mesh.get_group("cp"),
+        ep=ep_group,
+        world=world,
+        rep_rank=replica.get_group(),
+        fsdp_shard=shard_cp.get_group(),
+        fsdp_replicate=mesh.get_group("dp_replicate"),
+        dp=dp.get_group(),
+        owned=owned,
+    )
+
+
+def group_ranks(group: dist.ProcessGroup) -> list[int]:
+    """Global ranks of ``group``, in group-rank order."""
+    return dist.get_process_group_ranks(group)
+
+
+__all__ = ["DeviceMesh", "build_groups", "group_ranks", "mesh_device_type"]

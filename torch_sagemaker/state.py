@@ -1,0 +1,337 @@
+"""The process-wide SMP state behind ``tsm.state``.
+
+``State`` holds what ``tsm.init`` resolved: the validated config, the ``Layout``, the one
+DeviceMesh and the process groups built from it. Everything else in the package receives
+the mesh or a group as an argument; only user-facing entry points read ``tsm.state``.
+
+Before ``tsm.init()`` the config attributes can be assigned (SMP's example scripts do
+``tsm.state.tensor_parallel_degree = 1`` to force native mode): the value is recorded as
+an override that wins over the other config sources. After ``init`` the state is
+read-only. ``reset()`` returns to the pristine state (for tests) and destroys the groups
+that ``init`` created.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from torch_sagemaker.config import FIELD_NAMES, SMPConfig
+from torch_sagemaker.topology import Layout
+
+# SMP's short aliases, mapped to the config keys they stand for.
+_ALIASES = {"tp_size": "tensor_parallel_degree", "cp_size": "context_parallel_degree",
+            "ep_size": "expert_parallel_degree"}
+
+
+@dataclass
+class _Groups:
+    """Process groups and meshes built by ``torch_sagemaker.distributed.mesh``."""
+
+    device_mesh: Any
+    fsdp_mesh: Any
+    dp_mesh: Any
+    tp: Any
+    cp: Any
+    ep: Any
+    world: Any
+    rep_rank: Any
+    fsdp_shard: Any
+    fsdp_replicate: Any
+    dp: Any
+    owned: list[Any] = field(default_factory=list)
+
+
+class Ranker:
+    """Replication-rank helpers with SMP's names (``tsm.state.ranker``)."""
+
+    def __init__(self, layout: Layout) -> None:
+        self._layout = layout
+
+    def get_rep_rank(self, global_rank: int | None = None) -> int:
+        """Replica index of ``global_rank`` (default: this rank); 0 for the "action" rank."""
+        return self._layout.rep_rank(dist.get_rank() if global_rank is None else global_rank)
+
+    def get_rep_groups(self) -> list[list[int]]:
+        """Rank lists of the replication groups (ranks holding the same shard in each replica)."""
+        return self._layout.groups("dp_replicate")
+
+
+class State:
+    """SMP state: ranks, degrees, the mesh and the groups (``tsm.state``)."""
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_overrides", {})
+        self._clear()
+
+    def _clear(self) -> None:
+        object.__setattr__(self, "_config", None)
+        object.__setattr__(self, "_layout", None)
+        object.__setattr__(self, "_groups", None)
+        object.__setattr__(self, "_rng_tracker", None)
+
+    # ----------------------------------------------------------- life cycle
+    def _set(self, config: SMPConfig, layout: Layout, groups: _Groups) -> None:
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_layout", layout)
+        object.__setattr__(self, "_groups", groups)
+
+    @property
+    def initialized(self) -> bool:
+        """Whether ``tsm.init`` has completed."""
+        return self._config is not None
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        """Config values assigned on ``tsm.state`` before ``init`` (a copy)."""
+        return dict(self._overrides)
+
+    def reset(self) -> None:
+        """Forgets the config, the overrides and the layout; destroys groups ``init`` created."""
+        groups = self._groups
+        if groups is not None and dist.is_initialized():
+            for group in groups.owned:
+                try:
+                    dist.destroy_process_group(group)
+                except (ValueError, RuntimeError):
+                    pass  # already destroyed together with the default group
+        object.__setattr__(self, "_overrides", {})
+        self._clear()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        key = _ALIASES.get(name, name)
+        if self.initialized:
+            raise AttributeError(
+                f"tsm.state.{name} cannot be changed after tsm.init(); set it in the SMP config "
+                "(dict, JSON file or SM_HP_MP_PARAMETERS) or before tsm.init()."
+            )
+        if key not in FIELD_NAMES:
+            raise AttributeError(
+                f"tsm.state.{name} is not a config parameter; before tsm.init() only "
+                f"{', '.join(FIELD_NAMES)} (and tp_size, cp_size, ep_size) can be assigned."
+            )
+        self._overrides[key] = value
+
+    # --------------------------------------------------------------- helpers
+    def _require(self, what: str) -> None:
+        if not self.initialized:
+            raise RuntimeError(f"tsm.state.{what} is only available after torch.sagemaker.init().")
+
+    def _config_value(self, key: str) -> Any:
+        if self._config is not None:
+            return getattr(self._config, key)
+        if key in self._overrides:
+            return self._overrides[key]
+        return getattr(SMPConfig(), key)
+
+    @property
+    def config(self) -> SMPConfig:
+        """The validated configuration."""
+        self._require("config")
+        return self._config
+
+    @property
+    def layout(self) -> Layout:
+        """The resolved rank layout."""
+        self._require("layout")
+        return self._layout
+
+    # ----------------------------------------------------------------- ranks
+    @property
+    def rank(self) -> int:
+        """Global rank."""
+        self._require("rank")
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        self._require("world_size")
+        return self._layout.world_size
+
+    @property
+    def local_rank(self) -> int:
+        """Rank within the host (``LOCAL_RANK`` from the launcher, else rank % local size)."""
+        self._require("local_rank")
+        return int(os.environ.get("LOCAL_RANK", self.rank % self.local_world_size))  # noqa: TID251
+
+    @property
+    def local_world_size(self) -> int:
+        """Ranks on this host (``LOCAL_WORLD_SIZE`` from the launcher, else the world size)."""
+        self._require("local_world_size")
+        return int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))  # noqa: TID251
+
+    # --------------------------------------------------------------- degrees
+    @property
+    def hybrid_shard_degree(self) -> int:
+        """Resolved FSDP shard-group size (after init), else the configured value."""
+        if self._layout is not None:
+            return self._layout.hybrid_shard_degree
+        return self._config_value("hybrid_shard_degree")
+
+    @property
+    def tensor_parallel_degree(self) -> int:
+        """Tensor parallel degree (alias ``tp_size``)."""
+        return self._config_value("tensor_parallel_degree")
+
+    @property
+    def context_parallel_degree(self) -> int:
+        """Context parallel degree (alias ``cp_size``)."""
+        return self._config_value("context_parallel_degree")
+
+    @property
+    def expert_parallel_degree(self) -> int:
+        """Expert parallel degree (alias ``ep_size``)."""
+        return self._config_value("expert_parallel_degree")
+
+    @property
+    def sm_activation_offloading(self) -> bool:
+        """Whether ``offload_wrapper`` uses the prefetching offloader."""
+        return self._config_value("sm_activation_offloading")
+
+    @property
+    def activation_loading_horizon(self) -> int:
+        """Prefetch depth of activation offloading, in layers."""
+        return self._config_value("activation_loading_horizon")
+
+    @property
+    def fsdp_cache_flush_warnings(self) -> bool:
+        """Whether CUDA allocator cache flushes are reported."""
+        return self._config_value("fsdp_cache_flush_warnings")
+
+    @property
+    def allow_empty_shards(self) -> bool:
+        """Whether empty FSDP shards are allowed."""
+        return self._config_value("allow_empty_shards")
+
+    @property
+    def random_seed(self) -> int:
+        """Seed of the random streams inside tensor parallel regions."""
+        return self._config_value("random_seed")
+
+    @property
+    def tp_rank(self) -> int:
+        """Rank inside the tensor parallel group."""
+        self._require("tp_rank")
+        return self._layout.coordinates(self.rank)["tp"]
+
+    @property
+    def cp_rank(self) -> int:
+        """Rank inside the context parallel group."""
+        self._require("cp_rank")
+        return self._layout.coordinates(self.rank)["cp"]
+
+    @property
+    def ep_rank(self) -> int:
+        """Rank inside the expert parallel group."""
+        self._require("ep_rank")
+        return self._layout.ep_rank(self.rank)
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size for the data loader: world / (tp * cp)."""
+        self._require("dp_size")
+        return self._layout.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """Data-parallel rank for the data loader: rank // (tp * cp)."""
+        self._require("dp_rank")
+        return self._layout.dp_rank(self.rank)
+
+    @property
+    def rep_rank(self) -> int:
+        """Replica index of this rank."""
+        self._require("rep_rank")
+        return self._layout.rep_rank(self.rank)
+
+    @property
+    def ranker(self) -> Ranker:
+        """SMP's ranker helper (``get_rep_rank``, ``get_rep_groups``)."""
+        self._require("ranker")
+        return Ranker(self._layout)
+
+    # ---------------------------------------------------------- mesh, groups
+    def _group(self, name: str) -> Any:
+        self._require(name)
+        return self._groups
+
+    @property
+    def device_mesh(self) -> Any:
+        """The one DeviceMesh, axes ``("dp_replicate", "dp_shard", "cp", "tp")``."""
+        return self._group("device_mesh").device_mesh
+
+    @property
+    def fsdp_mesh(self) -> Any:
+        """2-D mesh ``("dp_replicate", "dp_shard_cp")`` to pass to FSDP (HSDP when replicas > 1)."""
+        return self._group("fsdp_mesh").fsdp_mesh
+
+    @property
+    def dp_mesh(self) -> Any:
+        """1-D mesh over the data-parallel ranks (``"dp"`` = replicate x shard)."""
+        return self._group("dp_mesh").dp_mesh
+
+    @property
+    def tp_mesh(self) -> Any:
+        """1-D mesh of the tensor parallel axis."""
+        return self.device_mesh["tp"]
+
+    @property
+    def tp_process_group(self) -> Any:
+        """Ranks that differ only in tensor parallel rank."""
+        return self._group("tp_process_group").tp
+
+    @property
+    def cp_process_group(self) -> Any:
+        """Ranks that differ only in context parallel rank."""
+        return self._group("cp_process_group").cp
+
+    @property
+    def ep_process_group(self) -> Any:
+        """Expert parallel group of this rank."""
+        return self._group("ep_process_group").ep
+
+    @property
+    def world_process_group(self) -> Any:
+        """All ranks (the default group)."""
+        return self._group("world_process_group").world
+
+    @property
+    def rep_rank_process_group(self) -> Any:
+        """All ranks with this rank's replication rank (one whole replica)."""
+        return self._group("rep_rank_process_group").rep_rank
+
+    @property
+    def fsdp_shard_process_group(self) -> Any:
+        """The FSDP shard group (``dp_shard`` x ``cp``), size ``hybrid_shard_degree``."""
+        return self._group("fsdp_shard_process_group").fsdp_shard
+
+    @property
+    def fsdp_replicate_process_group(self) -> Any:
+        """The FSDP replicate group (``dp_replicate``), i.e. this rank's rep group."""
+        return self._group("fsdp_replicate_process_group").fsdp_replicate
+
+    @property
+    def dp_process_group(self) -> Any:
+        """All data-parallel peers of this rank (replicate x shard, same cp/tp coordinates)."""
+        return self._group("dp_process_group").dp
+
+    def get_rng_state_tracker(self) -> Any:
+        """The RNG tracker of tensor parallel regions (see ``tensor_parallel.random``)."""
+        self._require("get_rng_state_tracker")
+        if self._rng_tracker is None:
+            from torch_sagemaker.tensor_parallel.random import RNGStatesTracker
+
+            object.__setattr__(self, "_rng_tracker", RNGStatesTracker.for_state(self))
+        return self._rng_tracker
+
+    def __repr__(self) -> str:
+        if not self.initialized:
+            return f"<tsm.state: not initialized, overrides={self._overrides}>"
+        return f"<tsm.state: rank {self.rank}/{self.world_size}, {self._layout.axis_sizes}>"
+
+
+state = State()
