@@ -1,0 +1,235 @@
+"""Runs a function on N ranks in spawned processes, for the distributed tests.
+
+``run_distributed(fn, world_size=..., backend=...)`` calls ``fn(*args)`` on every rank and
+returns the per-rank results, or raises ``DistributedTestError`` carrying the traceback of
+each failing rank (which pytest then shows in its report).
+
+Start-up is expensive here (importing torch and transformers takes seconds per rank on a
+2-core machine), so by default the ranks are kept in a *pool* keyed by (world size,
+backend, extra environment) and reused by later calls: the default process group is
+created once and each call runs in it. After every call the ranks reset ``tsm.state``.
+A pool whose call failed or timed out is torn down (its ranks may be stuck inside a
+collective); the next call starts a fresh one. ``fresh=True`` runs in a throw-away pool,
+for tests that break the process group on purpose (dead ranks, timeouts) or that need to
+create it themselves (``init_process_group=False``).
+
+Each call has a hard timeout: when it expires the ranks are killed and the error names the
+ranks that did not finish. Ranks use one intra-op thread each and a free TCP port.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+_CTX = mp.get_context("spawn")
+
+
+class DistributedTestError(AssertionError):
+    """One or more ranks raised, or the call timed out."""
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _reset_after_call() -> None:
+    import sys
+
+    if "torch_sagemaker" in sys.modules:
+        sys.modules["torch_sagemaker"].state.reset()
+
+
+def _worker(rank: int, world_size: int, backend: str, port: int, env: dict[str, str],
+            init_pg: bool, pg_timeout_s: float, tasks: Any, results: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+        TSM_LOG_LEVEL=os.environ.get("TSM_LOG_LEVEL", "WARNING"),
+    )
+    os.environ.update(env)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        import torch_sagemaker  # noqa: F401  (registers the smddp backend)
+
+        if init_pg:
+            dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=pg_timeout_s))
+    except BaseException:
+        results.put((rank, False, "start-up failed:\n" + traceback.format_exc()))
+        return
+    results.put((rank, True, "ready"))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            value = fn(*args, **kwargs)
+            results.put((rank, True, value))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+        finally:
+            try:
+                _reset_after_call()
+            except BaseException:
+                pass
+    with contextlib.suppress(Exception):
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class _Pool:
+    def __init__(self, world_size: int, backend: str, env: dict[str, str], init_pg: bool,
+                 pg_timeout_s: float, start_timeout_s: float) -> None:
+        self.world_size = world_size
+        self.results = _CTX.Queue()
+        self.tasks = [_CTX.Queue() for _ in range(world_size)]
+        port = free_port()
+        self.procs = [
+            _CTX.Process(target=_worker, daemon=True,
+                         args=(r, world_size, backend, port, env, init_pg, pg_timeout_s,
+                               self.tasks[r], self.results))
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+        self._collect(start_timeout_s, what="start-up")
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def _collect(self, timeout_s: float, what: str) -> list[Any]:
+        deadline = time.monotonic() + timeout_s
+        values: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        first_failure_at = None
+        while len(values) + len(failures) < self.world_size:
+            now = time.monotonic()
+            # Once a rank failed, give the others a short grace period to report (they are
+            # often blocked in a collective with the failed rank) instead of the full timeout.
+            limit = deadline if first_failure_at is None else min(deadline, first_failure_at + 10)
+            if now >= limit:
+                break
+            try:
+                rank, ok, value = self.results.get(timeout=min(1.0, limit - now))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs)
+                        if not p.is_alive() and r not in values and r not in failures]
+                for r in dead:
+                    failures[r] = f"process exited with code {self.procs[r].exitcode} during {what}"
+                    first_failure_at = first_failure_at or time.monotonic()
+                continue
+            if ok:
+                values[rank] = value
+            else:
+                failures[rank] = value
+                first_failure_at = first_failure_at or time.monotonic()
+        missing = [r for r in range(self.world_size) if r not in values and r not in failures]
+        if failures or missing:
+            self.shutdown(force=True)
+            parts = [f"--- rank {r} ---\n{failures[r]}" for r in sorted(failures)]
+            if missing:
+                reason = ("did not finish after another rank failed" if failures
+                          else f"did not finish within {timeout_s:.0f} s")
+                parts.append(f"--- ranks {missing} {reason} (killed) ---")
+            raise DistributedTestError(f"{what} failed on {self.world_size} ranks:\n" + "\n".join(parts))
+        return [values[r] for r in range(self.world_size)]
+
+    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout_s: float) -> list[Any]:
+        for q in self.tasks:
+            q.put((fn, args, kwargs))
+        return self._collect(timeout_s, what=f"{getattr(fn, '__name__', fn)}")
+
+    def shutdown(self, force: bool = False) -> None:
+        if not force:
+            for q in self.tasks:
+                with contextlib.suppress(Exception):
+                    q.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        for key, pool in list(_CACHE.items()):
+            if pool is self:
+                del _CACHE[key]
+
+
+_CACHE: dict[tuple, _Pool] = {}
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for pool in list(_CACHE.values()):
+        pool.shutdown()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int = 2,
+    backend: str = "gloo",
+    timeout: float = 180.0,
+    env: dict[str, str] | None = None,
+    fresh: bool = False,
+    init_process_group: bool = True,
+    pg_timeout: float = 120.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Runs ``fn(*args, **kwargs)`` on ``world_size`` ranks and returns the results by rank.
+
+    Args:
+        fn: A module-level (picklable) function.
+        *args: Positional arguments for ``fn`` (picklable).
+        world_size: Number of ranks.
+        backend: Backend of the default process group ("gloo" or "smddp").
+        timeout: Seconds the call may take before the ranks are killed.
+        env: Extra environment variables for the ranks (part of the pool key).
+        fresh: Use a throw-away pool instead of the shared one.
+        init_process_group: Create the default process group before calling ``fn``
+            (False implies ``fresh``).
+        pg_timeout: Timeout given to ``init_process_group``.
+        **kwargs: Keyword arguments for ``fn``.
+
+    Returns:
+        ``[result of rank 0, result of rank 1, ...]``.
+
+    Raises:
+        DistributedTestError: With the traceback of each failing rank, or the ranks that
+            did not finish in time.
+    """
+    env = dict(env or {})
+    fresh = fresh or not init_process_group
+    key = (world_size, backend, tuple(sorted(env.items())), pg_timeout)
+    pool = None if fresh else _CACHE.get(key)
+    if pool is not None and not pool.alive():
+        pool.shutdown(force=True)
+        pool = None
+    if pool is None:
+        pool = _Pool(world_size, backend, env, init_process_group, pg_timeout, start_timeout_s=180)
+        if not fresh:
+            _CACHE[key] = pool
+    try:
+        return pool.run(fn, args, kwargs, timeout)
+    finally:
+        if fresh:
+            pool.shutdown()

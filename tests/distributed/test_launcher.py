@@ -1,0 +1,47 @@
+"""The test harness itself: results by rank, failures with tracebacks, timeouts."""
+
+import time
+
+import pytest
+
+from tests.distributed.launcher import DistributedTestError, run_distributed
+
+
+def _rank_and_sum(offset):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([dist.get_rank() + offset], dtype=torch.float32)
+    dist.all_reduce(t)
+    return dist.get_rank(), t.item()
+
+
+def _fail_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("rank one exploded")
+    return "fine"
+
+
+def _sleep_forever():
+    time.sleep(3600)
+
+
+def test_results_come_back_by_rank():
+    assert run_distributed(_rank_and_sum, 10, world_size=2) == [(0, 21.0), (1, 21.0)]
+
+
+def test_failing_rank_traceback_is_reported():
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_fail_on_rank_one, world_size=2)
+    assert "rank one exploded" in str(info.value) and "--- rank 1 ---" in str(info.value)
+    # The pool was torn down; the next call gets a fresh one and works.
+    assert run_distributed(_rank_and_sum, 0, world_size=2) == [(0, 1.0), (1, 1.0)]
+
+
+def test_timeout_kills_ranks():
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError, match="did not finish within 3 s"):
+        run_distributed(_sleep_forever, world_size=2, timeout=3, fresh=True)
+    assert time.monotonic() - start < 30
