@@ -187,6 +187,22 @@ class State:
         """Expert parallel degree (alias ``ep_size``)."""
         return self._config_value("expert_parallel_degree")
 
+    # SMP's short spellings of the degrees (read-only aliases).
+    @property
+    def tp_size(self) -> int:
+        """Alias of ``tensor_parallel_degree``."""
+        return self.tensor_parallel_degree
+
+    @property
+    def cp_size(self) -> int:
+        """Alias of ``context_parallel_degree``."""
+        return self.context_parallel_degree
+
+    @property
+    def ep_size(self) -> int:
+        """Alias of ``expert_parallel_degree``."""
+        return self.expert_parallel_degree
+
     @property
     def sm_activation_offloading(self) -> bool:
         """Whether ``offload_wrapper`` uses the prefetching offloader."""

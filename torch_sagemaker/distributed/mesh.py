@@ -42,7 +42,10 @@ def build_groups(layout: Layout) -> _Groups:
     shard_cp = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     replica = mesh["dp_shard", "cp", "tp"]._flatten("replica")
     dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    fsdp_mesh = mesh["dp_replicate", "dp_shard_cp"]
+    # The 2-D (replicate, shard) mesh FSDP takes: concatenated from the root mesh's axis and
+    # the flattened shard axis, so its groups are the ones created above (slicing a flattened
+    # axis back out of the root mesh is deprecated in PyTorch).
+    fsdp_mesh = DeviceMesh._concatenate([mesh["dp_replicate"], shard_cp])
     ep_group, ep_groups = dist.new_subgroups_by_enumeration(layout.ep_groups())
     owned = [g for g in mesh.get_all_groups()] + [shard_cp.get_group(), replica.get_group(),
                                                     dp.get_group()] + list(ep_groups)
