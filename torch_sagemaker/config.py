@@ -242,6 +242,10 @@ def _world_problems(cfg: dict[str, Any], world_size: int) -> list[str]:
             "compatible with tensor parallelism (as in SMP v2). Set one of them to 1."
         )
     if problems or min(tp, cp, ep) < 1 or hsd < 0:
+        # The combined rules below would only echo the problems above; check hsd alone.
+        if hsd > 0 and world_size % hsd:
+            problems.append(f"hybrid_shard_degree={hsd}: must divide world_size={world_size}. "
+                            f"Use one of {_divisors(world_size)} (or 0 for native FSDP).")
         return problems
     max_hsd = world_size // (tp * ep)
     if hsd > max_hsd:
@@ -295,14 +299,15 @@ def validate(raw: Mapping[str, Any], world_size: int | None = None) -> SMPConfig
             problems.append(problem)
         else:
             typed[key] = raw[key]
-    range_problems = _range_problems(typed)
-    problems += range_problems
-    defaults = SMPConfig().to_dict()
-    merged = {**defaults, **typed}
+    problems += _range_problems(typed)
+    merged = {**SMPConfig().to_dict(), **typed}
+    # Degrees are checked against the world only when they are all well-typed and in range,
+    # so one mistake is not reported twice.
     degree_keys = ("hybrid_shard_degree", "tensor_parallel_degree", "context_parallel_degree",
                    "expert_parallel_degree")
-    degrees_typed = all(k in typed or k not in raw for k in degree_keys)
-    if world_size is not None and degrees_typed and not range_problems:
+    degrees_ok = all(k in typed or k not in raw for k in degree_keys) and not _range_problems(
+        {k: merged[k] for k in degree_keys})
+    if world_size is not None and degrees_ok:
         problems += _world_problems(merged, world_size)
     if problems:
         raise ConfigError(problems)

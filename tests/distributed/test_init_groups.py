@@ -25,7 +25,6 @@ EXPECTED = {
 
 def _groups_for_layouts(layouts):
     import torch.distributed as dist
-
     import torch.sagemaker as tsm
 
     out = {}

@@ -1,0 +1,121 @@
+"""tsm.init in real processes: sources, precedence, process-group creation, re-init rules."""
+
+import json
+
+import pytest
+
+from tests.distributed.launcher import DistributedTestError, run_distributed
+
+
+def _init_with_env_and_argument(path):
+    import os
+
+    import torch.sagemaker as tsm
+
+    os.environ["SM_HP_MP_PARAMETERS"] = json.dumps({"hybrid_shard_degree": 2})
+    try:
+        tsm.init(path)  # the file asks for hybrid_shard_degree=1, tensor_parallel_degree=2
+        first = (tsm.state.hybrid_shard_degree, tsm.state.tensor_parallel_degree)
+        tsm.init(path)  # same config again: a no-op
+        try:
+            tsm.init({"tensor_parallel_degree": 1})
+            different = "no error"
+        except RuntimeError as e:
+            different = str(e)
+        try:
+            tsm.state.tensor_parallel_degree = 1
+            frozen = "no error"
+        except AttributeError as e:
+            frozen = str(e)
+    finally:
+        del os.environ["SM_HP_MP_PARAMETERS"]
+    return first, different, frozen
+
+
+def _override_before_init():
+    import torch.sagemaker as tsm
+
+    tsm.state.tensor_parallel_degree = 1  # as SMP's example scripts do
+    tsm.init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 1})
+    return tsm.state.tensor_parallel_degree, tsm.is_initialized()
+
+
+def _bad_config_raises_everywhere():
+    import torch.sagemaker as tsm
+
+    try:
+        tsm.init({"hybrid_shard_degree": 3, "tensor_parallel_degree": 3})
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_env_wins_and_reinit_rules(tmp_path):
+    path = tmp_path / "smp.json"
+    path.write_text(json.dumps({"hybrid_shard_degree": 1, "tensor_parallel_degree": 2}))
+    for first, different, frozen in run_distributed(_init_with_env_and_argument, str(path), world_size=4):
+        assert first == (2, 2)
+        assert "already called with a different config" in different
+        assert "cannot be changed after tsm.init()" in frozen
+
+
+@pytest.mark.distributed
+def test_pre_init_assignment_and_bad_config():
+    assert run_distributed(_override_before_init, world_size=2) == [(1, True), (1, True)]
+    for message in run_distributed(_bad_config_raises_everywhere, world_size=4):
+        assert "tensor_parallel_degree=3: must divide world_size=4" in message
+        assert "hybrid_shard_degree=3" in message
+
+
+def _init_from_torchrun_env():
+    import logging
+
+    import torch.distributed as dist
+
+    import torch.sagemaker as tsm
+    from torch_sagemaker.logger import get_logger
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    get_logger().addHandler(handler)
+    get_logger().setLevel(logging.INFO)
+    assert not dist.is_initialized()
+    tsm.init()
+    return dist.get_backend(), tsm.state.world_size, [r.getMessage() for r in records]
+
+
+def _init_without_anything():
+    import os
+
+    import torch.sagemaker as tsm
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(var, None)
+    try:
+        tsm.init()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_init_creates_process_group_from_torchrun_env():
+    results = run_distributed(_init_from_torchrun_env, world_size=2, init_process_group=False)
+    from torch_sagemaker.distributed.backend import default_backend
+
+    for backend, world, messages in results:
+        assert backend == default_backend() and world == 2
+    assert any("created the default process group" in m for m in results[0][2])
+
+
+@pytest.mark.distributed
+def test_init_without_process_group_or_torchrun_is_a_clear_error():
+    (message,) = run_distributed(_init_without_anything, world_size=1, init_process_group=False)
+    assert "needs a default process group" in message and "torchrun" in message
+    assert "missing here: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT" in message
+
+
+def test_launcher_error_type_is_assertion():
+    assert issubclass(DistributedTestError, AssertionError)
