@@ -1,0 +1,311 @@
+"""Delayed parameter initialization (``torch.sagemaker.delayed_param``).
+
+A model built on the meta device (or under ``accelerate.init_empty_weights()``) has no
+parameter storage. ``DelayedParamIniter`` materializes and initializes it module by module,
+after sharding decided where each piece lives:
+
+- FSDP1: pass ``get_param_init_fn()`` as ``param_init_fn``; FSDP calls it once per module
+  and it touches that module's own tensors only.
+- FSDP2 and tensor parallelism: build on meta, apply ``tsm.transform`` / ``fully_shard``,
+  then call ``init_model()``; every rank allocates and fills only its local shards.
+
+Note [Layout-independent init]
+    Each module is initialized on full-size CPU "shadow" tensors by the Hugging Face model's
+    own ``_init_weights`` (or the generic rules below for other models) under a random seed
+    derived from (base seed, module name). Each rank then copies the piece it owns: the
+    whole tensor for FSDP1 before flattening, the local shard of a DTensor for FSDP2 and TP.
+    The values therefore depend on the seed and the module names only, never on the world
+    size, the shard or TP degree, or the order FSDP visits modules in. They are not the
+    values ``from_config`` would draw (that consumes one global RNG stream), but they follow
+    the same distributions. The cost is one full-size temporary per module at a time.
+
+Note [Buffers after delayed init]
+    Non-persistent buffers (rotary ``inv_freq``) of a meta model have no values, and
+    ``to_empty`` leaves garbage in every buffer. Shadow buffers start as NaN (floating point)
+    and are recomputed by ``_init_weights``; buffers that had real values before
+    ``init_model`` are restored from a snapshot. Anything still NaN afterwards raises, so
+    uninitialized memory never reaches training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from torch_sagemaker.logger import log_rank0
+from torch_sagemaker.utils.module_utils import (
+    default_device,
+    empty_module_params,
+    move_buffers_to_device,
+)
+
+_DEFAULT_STD = 0.02
+
+
+def _module_seed(base_seed: int, name: str) -> int:
+    """A 63-bit seed from the base seed and a module name, stable across processes."""
+    digest = hashlib.sha256(f"{base_seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _generic_init(module: nn.Module, std: float) -> None:
+    """The generic Hugging Face rules, for models without an ``_init_weights``."""
+    name = type(module).__name__
+    if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if module.padding_idx is not None:
+            module.weight[module.padding_idx].zero_()
+    elif isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or "LayerNorm" in name or "RMSNorm" in name:
+        if getattr(module, "weight", None) is not None:
+            nn.init.ones_(module.weight)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+
+
+def _local_piece(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` on ``like``'s device, as a DTensor with ``like``'s sharding when it has one."""
+    if isinstance(like, DTensor):
+        # src_data_rank=None: every rank cuts its own shard out of its identical full copy,
+        # no communication (Note [Layout-independent init]).
+        return distribute_tensor(full.to(like.device), like.device_mesh, like.placements,
+                                 src_data_rank=None)
+    return full.to(like.device)
+
+
+class DelayedParamIniter:
+    """Materializes and initializes the parameters of a meta-device model, module by module.
+
+    Args:
+        model: The model, built on the meta device or under ``init_empty_weights``.
+        init_method_using_config: Optional ``fn(module)`` replacing the default init; it must
+            materialize and fill the module's own tensors (``empty_module_params``, init by
+            type, ``move_buffers_to_device``). It runs under the per-module seed.
+        verbose: Log every initialized module on rank 0.
+        device: Where to materialize; default the current CUDA device, else CPU.
+        seed: Base seed; default ``torch.initial_seed()`` (the last ``torch.manual_seed``).
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = AutoModelForCausalLM.from_config(config)
+        >>> initer = DelayedParamIniter(model)
+        >>> with initer.validate_params_and_buffers_inited():
+        ...     model = FSDP(model, param_init_fn=initer.get_param_init_fn(), ...)
+    """
+
+    def __init__(self, model: nn.Module, init_method_using_config: Callable | None = None,
+                 verbose: bool = False, *, device: torch.device | str | None = None,
+                 seed: int | None = None) -> None:
+        self.model = model
+        self.init_method_using_config = init_method_using_config
+        self.verbose = verbose
+        self.device = torch.device(device) if device is not None else default_device()
+        self.seed = torch.initial_seed() if seed is None else int(seed)
+        self._names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+        # A tied parameter belongs to the first module holding it (the input embedding
+        # before the output head), whichever module FSDP happens to visit first.
+        self._canonical_owner: dict[int, nn.Module] = {}
+        for _, m in model.named_modules():
+            for p in m.parameters(recurse=False):
+                self._canonical_owner.setdefault(id(p), m)
+        self._init_owner = self._find_init_owners(model)
+        self._total_numel = sum(p.numel() for p in self._unique_params(model))
+        self._materialized: dict[int, nn.Parameter] = {}  # id(meta param) -> its replacement
+        self._done_modules: set[int] = set()
+        self._inited_params: set[int] = set()
+        self._inited_numel = 0
+
+    # ------------------------------------------------------------ bookkeeping
+    @staticmethod
+    def _unique_params(module: nn.Module, recurse: bool = True) -> list[nn.Parameter]:
+        return list({id(p): p for p in module.parameters(recurse=recurse)}.values())
+
+    @staticmethod
+    def _find_init_owners(model: nn.Module) -> dict[int, nn.Module]:
+        """Maps each module to the nearest enclosing module that defines ``_init_weights``."""
+        owners: dict[int, nn.Module] = {}
+
+        def visit(module: nn.Module, owner: nn.Module | None) -> None:
+            if hasattr(module, "_init_weights") and hasattr(module, "config"):
+                owner = module
+            owners.setdefault(id(module), owner)
+            for child in module.children():
+                visit(child, owner)
+
+        visit(model, None)
+        return owners
+
+    def count_num_params(self, module: nn.Module, *args: object) -> int:
+        """Number of elements in ``module``'s own parameters (each tied tensor once).
+
+        Args:
+            module: The module to count.
+            *args: Ignored (kept for SMP's signature).
+        """
+        return sum(p.numel() for p in self._unique_params(module, recurse=False))
+
+    def _std(self, owner: nn.Module | None) -> float:
+        config = getattr(owner if owner is not None else self.model, "config", None)
+        return float(getattr(config, "initializer_range", None) or _DEFAULT_STD)
+
+    # ------------------------------------------------------------- public API
+    def get_param_init_fn(self) -> Callable[[nn.Module], None]:
+        """The ``param_init_fn`` for FSDP1: materializes and initializes one module's own tensors."""
+        return lambda module: self._init_module(module, force=False, snapshot=None)
+
+    def get_post_param_init_fn(self) -> Callable[[nn.Module], None]:
+        """A function that re-ties weights (``module.tie_weights()``) once init is done."""
+
+        def post_param_init_fn(module: nn.Module) -> None:
+            tie = getattr(module, "tie_weights", None)
+            if callable(tie):
+                tie()
+
+        return post_param_init_fn
+
+    def init_model(self) -> nn.Module:
+        """Materializes and initializes the whole model in place (FSDP2 and TP path).
+
+        Call it after ``tsm.transform`` and ``fully_shard``: parameters are then DTensors on
+        the meta device and each rank allocates and fills only its local shards. Every
+        parameter is (re)initialized; load pretrained weights afterwards if you have them.
+
+        Returns:
+            The model.
+        """
+        # Buffers that hold real values now (init_empty_weights keeps buffers on CPU) would
+        # become garbage in to_empty; keep a copy (Note [Buffers after delayed init]).
+        snapshot = {(id(m), n): b.detach().clone() for m in self.model.modules()
+                    for n, b in m._buffers.items() if b is not None and not b.is_meta}
+        self.model.to_empty(device=self.device)
+        for module in self.model.modules():
+            self._init_module(module, force=True, snapshot=snapshot)
+        self.get_post_param_init_fn()(self.model)
+        return self.model
+
+    @contextlib.contextmanager
+    def validate_params_and_buffers_inited(self, enabled: bool = True) -> Iterator[None]:
+        """Checks, on exit, that every parameter was initialized and nothing is left on meta.
+
+        Wrap the FSDP constructor (or ``init_model``) in it.
+
+        Args:
+            enabled: ``False`` turns the check off.
+
+        Raises:
+            AssertionError: Naming the tensors still on the meta device, or the counts of
+                initialized and total parameters when they differ.
+        """
+        yield
+        if not enabled:
+            return
+        on_meta = [n for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]
+                   if t.is_meta]
+        if on_meta:
+            raise AssertionError(
+                f"delayed init left {len(on_meta)} tensors on the meta device: {on_meta[:10]}. "
+                "Pass initer.get_param_init_fn() to FSDP (or call initer.init_model())."
+            )
+        if self._inited_numel != self._total_numel:
+            raise AssertionError(
+                f"delayed init initialized {self._inited_numel} parameter elements of "
+                f"{self._total_numel}; some modules were never given to the init function."
+            )
+
+    # -------------------------------------------------------------- internals
+    def _init_module(self, module: nn.Module, *, force: bool,
+                     snapshot: dict[tuple[int, str], torch.Tensor] | None) -> None:
+        """Initializes ``module``'s own parameters and buffers once (see the module notes)."""
+        if id(module) in self._done_modules:
+            return
+        self._done_modules.add(id(module))
+        # Tied parameters: initialized through their canonical owner, then shared.
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            owner = self._canonical_owner.get(id(p), module)
+            if owner is not module:
+                self._init_module(owner, force=force, snapshot=snapshot)
+                module._parameters[name] = self._materialized.get(id(p), p)
+        pending = [n for n, p in module._parameters.items() if p is not None
+                   and id(p) not in self._inited_params and (force or p.is_meta)]
+        meta_ids = {n: id(p) for n, p in module._parameters.items() if p is not None and p.is_meta}
+        name = self._names.get(id(module), type(module).__name__)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_module_seed(self.seed, name))
+            if self.init_method_using_config is not None:
+                self.init_method_using_config(module)
+            else:
+                self._default_init(module, name, pending, force, snapshot)
+        for n, old_id in meta_ids.items():
+            self._materialized[old_id] = module._parameters[n]
+        for n in pending:
+            p = module._parameters[n]
+            if id(p) not in self._inited_params:
+                self._inited_params.add(id(p))
+                self._inited_numel += p.numel()
+        if self.verbose and pending:
+            log_rank0(f"delayed init: {name} ({type(module).__name__}) {pending}")
+
+    def _default_init(self, module: nn.Module, name: str, pending: list[str], force: bool,
+                      snapshot: dict[tuple[int, str], torch.Tensor] | None) -> None:
+        empty_module_params(module, self.device)
+        buffers = [n for n, b in module._buffers.items() if b is not None and (force or b.is_meta)]
+        move_buffers_to_device(module, self.device)
+        if not pending and not buffers:
+            return
+        real = {"_parameters": {n: module._parameters[n] for n in pending},
+                "_buffers": {n: module._buffers[n] for n in buffers}}
+        shadows: dict[str, dict[str, torch.Tensor]] = {"_parameters": {}, "_buffers": {}}
+        checked: list[tuple[str, torch.Tensor]] = []
+        for kind, tensors in real.items():
+            for n, t in tensors.items():
+                saved = snapshot.get((id(module), n)) if snapshot and kind == "_buffers" else None
+                if saved is not None:
+                    shadow = saved.clone()
+                else:
+                    shadow = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                    if shadow.is_floating_point() or shadow.is_complex():
+                        shadow.fill_(float("nan"))
+                        checked.append((f"{kind[1:-1]} {n}", shadow))
+                    else:
+                        shadow.zero_()
+                if kind == "_parameters":
+                    shadow = nn.Parameter(shadow, requires_grad=False)
+                shadows[kind][n] = shadow
+        owner = self._init_owner.get(id(module))
+        try:
+            for kind in shadows:
+                getattr(module, kind).update(shadows[kind])
+            with torch.no_grad():
+                if owner is not None:
+                    owner._init_weights(module)
+                else:
+                    _generic_init(module, self._std(None))
+        finally:
+            for kind in real:
+                getattr(module, kind).update(real[kind])
+        bad = [what for what, s in checked if torch.isnan(s).any()]
+        if bad:
+            raise RuntimeError(
+                f"delayed init of module {name!r} ({type(module).__name__}) left {bad} "
+                "uninitialized: the model's _init_weights does not set them. Pass "
+                "DelayedParamIniter(model, init_method_using_config=fn) with an fn that fills them."
+            )
+        with torch.no_grad():
+            for kind in real:
+                for n, t in real[kind].items():
+                    t.copy_(_local_piece(shadows[kind][n].detach(), t))
+
+
+__all__ = ["DelayedParamIniter"]

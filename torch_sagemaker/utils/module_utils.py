@@ -1,0 +1,100 @@
+"""Materializing parameters and buffers of meta-device modules (``torch.sagemaker.utils.module_utils``).
+
+These are the building blocks of delayed parameter initialization: a model created on the
+meta device (or under ``accelerate.init_empty_weights()``) has parameters without storage.
+``empty_module_params`` gives them storage on a real device and ``move_buffers_to_device``
+does the same for buffers; neither writes values, which is the job of the init function that
+follows (see ``torch_sagemaker.delayed_param``).
+
+Both functions are non-recursive by default because FSDP1 calls ``param_init_fn`` once per
+module and expects it to touch that module's own tensors only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def default_device() -> torch.device:
+    """The device delayed init materializes on: the current CUDA device if any, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Uninitialized storage with ``t``'s shape, dtype and (for DTensor) sharding."""
+    if isinstance(t, DTensor):
+        local = torch.empty_like(t.to_local(), device=device)
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+    return torch.empty_like(t, device=device)
+
+
+def _owners(module: nn.Module, recurse: bool, kind: str):
+    """Yields ``(owner_module, attribute_name, tensor)`` for direct or all tensors of ``kind``."""
+    modules = module.modules() if recurse else [module]
+    for owner in modules:
+        for name, tensor in list(getattr(owner, kind).items()):
+            if tensor is not None:
+                yield owner, name, tensor
+
+
+def empty_module_params(module: nn.Module, device: torch.device | str | None = None,
+                        recurse: bool = False) -> nn.Module:
+    """Gives meta-device parameters uninitialized storage on ``device``.
+
+    Parameters that already have storage are left alone, so calling this twice is harmless.
+    Parameters shared between modules (tied weights) stay shared when they are visited in the
+    same call; ``DelayedParamIniter`` also keeps ties across calls.
+
+    Args:
+        module: The module whose parameters to materialize.
+        device: Target device; ``None`` means the current CUDA device, or CPU without CUDA.
+        recurse: Also materialize the parameters of all submodules.
+
+    Returns:
+        ``module`` (modified in place).
+    """
+    device = torch.device(device) if device is not None else default_device()
+    replaced: dict[int, nn.Parameter] = {}
+    for owner, name, param in _owners(module, recurse, "_parameters"):
+        if not param.is_meta:
+            continue
+        new = replaced.get(id(param))
+        if new is None:
+            new = nn.Parameter(_empty_like(param, device), requires_grad=param.requires_grad)
+            # Keep user attributes (e.g. markers set by a TP plan) on the new parameter.
+            new.__dict__.update({k: v for k, v in param.__dict__.items() if k not in new.__dict__})
+            replaced[id(param)] = new
+        owner._parameters[name] = new
+    return module
+
+
+def move_buffers_to_device(module: nn.Module, device: torch.device | str | None,
+                           recurse: bool = False) -> nn.Module:
+    """Moves buffers to ``device``; meta buffers get uninitialized storage there.
+
+    Values of meta buffers are unknown (they were never computed), so the caller must
+    recompute them; ``DelayedParamIniter`` does, and fails loudly if it cannot.
+
+    Args:
+        module: The module whose buffers to move.
+        device: Target device; ``None`` means the current CUDA device, or CPU without CUDA.
+        recurse: Also move the buffers of all submodules.
+
+    Returns:
+        ``module`` (modified in place; persistence of each buffer is unchanged).
+    """
+    device = torch.device(device) if device is not None else default_device()
+    for owner, name, buf in _owners(module, recurse, "_buffers"):
+        if buf.is_meta:
+            owner._buffers[name] = _empty_like(buf, device)
+        elif buf.device != device:
+            owner._buffers[name] = buf.to(device)
+    return module
+
+
+__all__ = ["default_device", "empty_module_params", "move_buffers_to_device"]
