@@ -14,6 +14,7 @@ from torch_sagemaker import topology
 from torch_sagemaker.distributed import backend as backend_lib
 from torch_sagemaker.distributed.mesh import build_groups
 from torch_sagemaker.logger import log_rank0
+from torch_sagemaker.sharding import fsdp1
 from torch_sagemaker.state import state
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -75,8 +76,9 @@ def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> No
         expert_parallel_degree=cfg.expert_parallel_degree,
     )
     groups = build_groups(layout)
-    # 6. Publish the state and log the layout once.
+    # 6. Publish the state, make FSDP1 follow it, and log the layout once.
     state._set(cfg, layout, groups)
+    fsdp1.install()
     log_rank0(f"tsm.init on backend {dist.get_backend()!r}:\n{layout.describe()}")
 
 

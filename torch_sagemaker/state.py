@@ -33,6 +33,7 @@ class _Groups:
 
     device_mesh: Any
     fsdp_mesh: Any
+    fsdp_shard_mesh: Any
     dp_mesh: Any
     tp: Any
     cp: Any
@@ -284,6 +285,11 @@ class State:
     def fsdp_mesh(self) -> Any:
         """2-D mesh ``("dp_replicate", "dp_shard_cp")`` to pass to FSDP (HSDP when replicas > 1)."""
         return self._group("fsdp_mesh").fsdp_mesh
+
+    @property
+    def fsdp_shard_mesh(self) -> Any:
+        """1-D mesh ``("dp_shard_cp",)`` of the FSDP shard group."""
+        return self._group("fsdp_shard_mesh").fsdp_shard_mesh
 
     @property
     def dp_mesh(self) -> Any:

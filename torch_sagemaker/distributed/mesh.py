@@ -54,6 +54,7 @@ def build_groups(layout: Layout) -> _Groups:
     return _Groups(
         device_mesh=mesh,
         fsdp_mesh=fsdp_mesh,
+        fsdp_shard_mesh=shard_cp,
         dp_mesh=dp,
         tp=mesh.get_group("tp"),
         cp=mesh.get_group("cp"),

@@ -1,0 +1,195 @@
+"""Hybrid sharding on 4 ranks against a single-process reference (issue: hybrid sharding).
+
+A tiny Llama is trained 5 steps with hybrid_shard_degree in {0, 1, 2, 4}, through the FSDP1
+API (as SMP scripts call it) and through FSDP2 (``shard_model``), plus DDP; losses, clipped
+gradient norms and final parameters must equal a single process trained on the
+concatenated global batch.
+"""
+
+import pytest
+import torch
+
+from tests.distributed.hf_models import global_batches, rank_slice, reference_run, tiny_llama
+from tests.distributed.launcher import run_distributed
+from torch_sagemaker.distributed.backend import is_available as smddp_available
+
+STEPS, GLOBAL_BATCH, LR, MAX_NORM = 5, 8, 0.1, 1.0
+BACKENDS = ["gloo", pytest.param("smddp", marks=pytest.mark.skipif(
+    not smddp_available(), reason="torch_sagemaker._C was built without the smddp backend"))]
+
+
+def _clean(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+def _wrap(model, api):
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from torch_sagemaker.sharding import shard_model
+
+    if api == "fsdp2":
+        return shard_model(model)
+    if api == "ddp":
+        return DDP(model, process_group=tsm.state.dp_process_group)
+    strategy = ShardingStrategy.FULL_SHARD if tsm.state.layout.requested_hybrid_shard_degree == 0 \
+        else ShardingStrategy.HYBRID_SHARD  # SMP's example scripts default to hybrid_shard
+    del dist
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}), sharding_strategy=strategy,
+                device_id=torch.device("cpu"), use_orig_params=True, limit_all_gathers=True)
+
+
+def _full_params(model, api):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.tensor import DTensor
+
+    if api == "fsdp1":
+        with FSDP.summon_full_params(model):
+            return {_clean(n): p.detach().clone() for n, p in model.named_parameters()}
+    prefix = "module." if api == "ddp" else ""
+    return {n[len(prefix):]: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def _local_bytes(tensors):
+    from torch.distributed.tensor import DTensor
+
+    return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
+
+
+def _train(cases):
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+
+    from torch_sagemaker.grad_norm import clip_grad_norm_
+
+    results = {}
+    for api, hsd in cases:
+        tsm.state.reset()
+        tsm.init({"hybrid_shard_degree": hsd})
+        model = _wrap(tiny_llama(), api)
+        optim = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        losses, norms = [], []
+        for batch in global_batches(STEPS, GLOBAL_BATCH):
+            local = rank_slice(batch, tsm.state.dp_rank, tsm.state.dp_size)
+            loss = model(input_ids=local, labels=local).loss
+            loss.backward()
+            norms.append(float(clip_grad_norm_(model, MAX_NORM)))
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            avg = loss.detach().clone()
+            dist.all_reduce(avg)
+            losses.append(avg.item() / dist.get_world_size())
+        results[(api, hsd)] = (losses, norms, _full_params(model, api))
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parity_with_single_process(backend):
+    cases = [(api, hsd) for api in ("fsdp1", "fsdp2") for hsd in (0, 1, 2, 4)] + [("ddp", 1)]
+    per_rank = run_distributed(_train, cases, world_size=4, backend=backend, timeout=600)
+    ref_losses, ref_norms, ref_params = reference_run(STEPS, GLOBAL_BATCH, LR, MAX_NORM)
+    for case in cases:
+        for rank, result in enumerate(per_rank):
+            losses, norms, params = result[case]
+            torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5, msg=f"{case} rank {rank}")
+            torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=1e-5, msg=f"{case} rank {rank}")
+            assert params.keys() == ref_params.keys(), case
+            for name, value in params.items():
+                torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=1e-5,
+                                           msg=f"{case} rank {rank} {name}")
+
+
+def _bytes_per_rank(cases):
+    import torch.sagemaker as tsm
+
+    out = {}
+    for api, hsd in cases:
+        tsm.state.reset()
+        tsm.init({"hybrid_shard_degree": hsd})
+        model = _wrap(tiny_llama(hidden_size=128, intermediate_size=256), api)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        batch = global_batches(1, GLOBAL_BATCH)[0]
+        local = rank_slice(batch, tsm.state.dp_rank, tsm.state.dp_size)
+        model(input_ids=local, labels=local).loss.backward()
+        optim.step()
+        params = list(model.parameters())
+        out[(api, hsd)] = (
+            _local_bytes(params), _local_bytes([p.grad for p in params if p.grad is not None]),
+            _local_bytes([t for s in optim.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]),
+        )
+    return out
+
+
+@pytest.mark.distributed
+def test_memory_falls_with_shard_degree():
+    cases = [(api, hsd) for api in ("fsdp1", "fsdp2") for hsd in (1, 2, 4)]
+    per_rank = run_distributed(_bytes_per_rank, cases, world_size=4, timeout=300)
+    for api in ("fsdp1", "fsdp2"):
+        full = [sum(r[(api, 1)][i] for r in per_rank) / 4 for i in range(3)]  # unsharded bytes
+        for hsd in (2, 4):
+            measured = [sum(r[(api, hsd)][i] for r in per_rank) / 4 for i in range(3)]
+            for kind, m, f in zip(("params", "grads", "optimizer state"), measured, full):
+                assert abs(m - f / hsd) <= 0.05 * f / hsd, (api, hsd, kind, m, f / hsd)
+
+
+def _contradicting_group_and_post_init():
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    tsm.init({"hybrid_shard_degree": 2})
+    out = {}
+    try:
+        FSDP(torch.nn.Linear(4, 4), process_group=dist.group.WORLD, device_id=torch.device("cpu"),
+             sharding_strategy=ShardingStrategy.FULL_SHARD)
+        out["contradiction"] = "no error"
+    except ValueError as e:
+        out["contradiction"] = str(e)
+    # A matching explicit mesh is accepted as is.
+    FSDP(torch.nn.Linear(4, 4), device_mesh=tsm.state.fsdp_mesh, device_id=torch.device("cpu"),
+         sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+    # post_param_init_fn runs once, after the last meta tensor was materialised.
+    with torch.device("meta"):
+        model = tiny_llama(tie_word_embeddings=True)
+        model.lm_head.weight = torch.nn.Parameter(torch.empty_like(model.lm_head.weight))  # untie
+    calls = []
+
+    def init_fn(module):
+        module.to_empty(device="cpu", recurse=False)
+        for p in module.parameters(recurse=False):
+            torch.nn.init.normal_(p)
+        for name, b in module.named_buffers(recurse=False):
+            module._buffers[name] = torch.zeros_like(b, device="cpu")
+
+    def post(module):
+        calls.append(type(module).__name__)
+        module.tie_weights()
+
+    post_tied = {}
+
+    def check_tied(module):
+        post(module)
+        post_tied["tied"] = module.lm_head.weight is module.model.embed_tokens.weight
+
+    FSDP(model, param_init_fn=init_fn, post_param_init_fn=check_tied, device_id=torch.device("cpu"),
+         use_orig_params=True)
+    out["post_calls"] = calls
+    out["tied"] = post_tied["tied"]
+    return out
+
+
+@pytest.mark.distributed
+def test_explicit_groups_checked_and_post_param_init():
+    for out in run_distributed(_contradicting_group_and_post_init, world_size=4):
+        assert "contradicts" not in out["contradiction"]  # message wording below
+        assert "puts this rank's HYBRID_SHARD group at" in out["contradiction"]
+        assert "hybrid_shard_degree=2" in out["contradiction"]
+        assert out["post_calls"] == ["LlamaForCausalLM"] and out["tied"]

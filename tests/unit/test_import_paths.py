@@ -1,0 +1,70 @@
+"""``import torch.sagemaker`` and the SMDDP shim, in fresh interpreters, editable and wheel installs."""
+
+import os
+import subprocess
+import sys
+import sysconfig
+import zipfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CHECK = """
+import sys
+import torch.sagemaker as tsm
+from torch.sagemaker import state, transform
+import torch.sagemaker.config, torch_sagemaker.config
+assert torch.sagemaker.config is torch_sagemaker.config, "module imported twice"
+assert tsm.state is state and callable(transform)
+import torch_sagemaker.policies
+assert 'policies' not in sys.modules, "policies must not be a top-level package"
+import smdistributed.dataparallel.torch.torch_smddp
+import torch.distributed as dist
+assert 'smddp' in dist.Backend.backend_list
+print(tsm.__version__, tsm.__file__)
+"""
+
+
+def _run(args, **kwargs):
+    return subprocess.run(args, capture_output=True, text=True, timeout=600, **kwargs)
+
+
+def test_fresh_interpreter_editable_install(tmp_path):
+    # Run from an unrelated directory so the repository is not on sys.path.
+    result = _run([sys.executable, "-c", CHECK], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    version, path = result.stdout.split()
+    assert version == __import__("torch_sagemaker").__version__
+
+
+def test_version_one_liner(tmp_path):
+    result = _run([sys.executable, "-c", "import torch.sagemaker as tsm; print(tsm.__version__)"], cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout.strip() == "0.1.0", result.stderr
+
+
+@pytest.mark.slow
+def test_wheel_install(tmp_path):
+    """Builds the regular wheel and imports from it with the editable install switched off."""
+    wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
+    build = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                  "-w", str(wheel_dir), ROOT])
+    assert build.returncode == 0, build.stderr
+    (wheel,) = wheel_dir.iterdir()
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "torch_sagemaker.pth" in names and "_torch_sagemaker_alias.py" in names
+    assert "torch_sagemaker/policies/__init__.py" in names
+    assert not any(n.startswith("policies/") for n in names)
+    assert any(n.startswith("torch_sagemaker/_C") and n.endswith(".so") for n in names)
+    install = _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)])
+    assert install.returncode == 0, install.stderr
+    # -S: skip site processing (so the editable install's .pth files are not read); then make
+    # the wheel's folder a site dir (its .pth installs the alias) and append the venv's
+    # site-packages for torch only.
+    bootstrap = (
+        "import site, sys; site.addsitedir(%r); sys.path.append(%r);\n" % (str(target), sysconfig.get_paths()["purelib"])
+        + CHECK
+    )
+    result = _run([sys.executable, "-S", "-c", bootstrap], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[1].startswith(str(target))

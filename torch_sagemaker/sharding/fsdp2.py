@@ -1,0 +1,88 @@
+"""FSDP2 (``fully_shard``) over ``tsm.state``'s mesh, bottom-up by the model's layer class.
+
+FSDP2 needs no patching: pass ``mesh=tsm.state.fsdp_mesh`` (2-D: HSDP; replicate x shard)
+to ``fully_shard``. ``shard_model`` does the usual wrapping for a (transformed) Hugging Face
+model: every transformer layer first, then the root, so each layer is one all-gather unit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from torch_sagemaker.logger import log_rank0
+from torch_sagemaker.state import state
+
+
+def fsdp2_mesh() -> DeviceMesh:
+    """The mesh to give ``fully_shard``: 2-D (HSDP) with replicas, else the 1-D shard mesh."""
+    if state.layout.dp_replicate > 1:
+        return state.fsdp_mesh
+    return state.fsdp_shard_mesh
+
+
+def transformer_layer_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
+    """The classes that make one FSDP / checkpointing / offloading unit of ``model``.
+
+    Uses the policy recorded by ``tsm.transform`` when there is one, else the Hugging Face
+    model's ``_no_split_modules`` (the decoder layer class names).
+    """
+    try:
+        from torch_sagemaker.policy import layer_classes_of  # written by tsm.transform
+    except ImportError:
+        layer_classes_of = None
+    if layer_classes_of is not None:
+        classes = layer_classes_of(model)
+        if classes:
+            return tuple(classes)
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return tuple({type(m) for m in model.modules() if type(m).__name__ in names})
+
+
+def shard_model(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool | int = True,
+    layer_classes: tuple[type[nn.Module], ...] | None = None,
+    **fully_shard_kwargs: Any,
+) -> FSDPModule:
+    """Applies ``fully_shard`` to every transformer layer of ``model``, then to the root.
+
+    Args:
+        model: A (transformed) Hugging Face model, on a real or meta device.
+        mesh: Mesh to shard over; default ``fsdp2_mesh()`` (follows hybrid_shard_degree).
+        mp_policy: FSDP2 mixed precision policy.
+        reshard_after_forward: Passed to ``fully_shard`` for the layers (the root keeps
+            its parameters after forward, as torchtitan does, since backward starts there).
+        layer_classes: Classes to wrap; default ``transformer_layer_classes(model)``.
+        **fully_shard_kwargs: Other ``fully_shard`` arguments (e.g. ``offload_policy``).
+
+    Returns:
+        The root module, now an ``FSDPModule``.
+
+    Raises:
+        ValueError: If no module of ``model`` is a transformer layer.
+    """
+    mesh = mesh if mesh is not None else fsdp2_mesh()
+    classes = layer_classes or transformer_layer_classes(model)
+    layers = [m for m in model.modules() if classes and isinstance(m, classes)]
+    if not layers:
+        raise ValueError(
+            f"shard_model found no transformer layer in {type(model).__name__} (looked for "
+            f"{[c.__name__ for c in classes] or 'the classes in _no_split_modules'}). Pass "
+            "layer_classes=(MyDecoderLayer,) or register a policy for the model."
+        )
+    kwargs = dict(fully_shard_kwargs)
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, **kwargs)
+    log_rank0(f"FSDP2: sharded {len(layers)} x {classes[0].__name__} and the root over mesh "
+              f"{mesh.mesh_dim_names} of shape {tuple(mesh.shape)}")
+    return model  # type: ignore[return-value]
