@@ -62,8 +62,8 @@ def test_wheel_install(tmp_path):
     # the wheel's folder a site dir (its .pth installs the alias) and append the venv's
     # site-packages for torch only.
     bootstrap = (
-        "import site, sys; site.addsitedir(%r); sys.path.append(%r);\n" % (str(target), sysconfig.get_paths()["purelib"])
-        + CHECK
+        f"import site, sys; site.addsitedir({str(target)!r}); "
+        f"sys.path.append({sysconfig.get_paths()['purelib']!r});\n" + CHECK
     )
     result = _run([sys.executable, "-S", "-c", bootstrap], cwd=tmp_path)
     assert result.returncode == 0, result.stderr

@@ -1,8 +1,8 @@
 """tsm.state before init: defaults, overrides recorded by assignment, clear errors."""
 
 import pytest
-
 import torch.sagemaker as tsm
+
 from torch_sagemaker.state import State
 
 
