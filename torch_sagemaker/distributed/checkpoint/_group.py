@@ -1,0 +1,82 @@
+"""The ranks taking part in one save or load, and the few collectives the protocol needs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+class Participants:
+    """Ranks of ``process_group`` (or every rank), with the coordinator as a global rank.
+
+    Without an initialized process group everything is local (``distributed`` is False).
+
+    Args:
+        process_group: The group that saves or loads together; ``None`` means all ranks.
+        coordinator_rank: Global rank that writes the marker and renames the directory.
+            SMP passes ``min(global ranks of the group)``; any member is accepted.
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None, coordinator_rank: int = 0) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.group = process_group
+        if not self.distributed:
+            self.ranks = [0]
+            self.rank = 0
+            self.coordinator = 0
+            return
+        self.ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+        self.rank = dist.get_rank()
+        if self.rank not in self.ranks:
+            raise ValueError(
+                f"rank {self.rank} called a checkpoint function with a process_group of ranks "
+                f"{self.ranks} it is not part of; only members of the group may call it."
+            )
+        if coordinator_rank not in self.ranks:
+            # SMP scripts pass 0 by default even for sub-groups; fall back to the group's
+            # first rank, which is what DCP itself coordinates with.
+            coordinator_rank = self.ranks[0]
+        self.coordinator = coordinator_rank
+
+    @property
+    def is_coordinator(self) -> bool:
+        """Whether this rank is the coordinator."""
+        return self.rank == self.coordinator
+
+    def barrier(self) -> None:
+        """Waits for every participant (no-op without a process group)."""
+        if self.distributed:
+            dist.barrier(group=self.group)
+
+    def run_on_coordinator(self, fn: Callable[[], T]) -> T | None:
+        """Runs ``fn`` on the coordinator and re-raises its exception on every participant.
+
+        The broadcast doubles as a barrier: when it returns, ``fn`` has finished.
+        """
+        result: list[Any] = [None]
+        if self.is_coordinator:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - forwarded to every rank below
+                result[0] = f"{type(e).__name__}: {e}"
+                if not self.distributed:
+                    raise
+        if self.distributed:
+            dist.broadcast_object_list(result, src=self.coordinator, group=self.group)
+        if result[0] is not None:
+            from torch_sagemaker.distributed.checkpoint.atomic_dir import CheckpointError
+
+            raise CheckpointError(f"rank {self.coordinator} failed to finish the checkpoint: {result[0]}")
+        return None
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every participant's ``obj`` in group-rank order (``[obj]`` without a process group)."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * len(self.ranks)
+        dist.all_gather_object(out, obj, group=self.group)
+        return out

@@ -1,0 +1,158 @@
+"""Makes a checkpoint directory visible only once it is complete.
+
+Note [Checkpoint commit protocol]
+    A save of ``<parent>/<name>`` writes into the sibling ``<parent>/.<name>.partial``. When
+    every rank has written its files (PyTorch DCP's coordinator writes ``.metadata`` only
+    after collecting every rank's write results), the coordinator
+      1. writes the completion marker (format, layout, the size of every file) and fsyncs it,
+      2. renames an existing ``<name>`` out of the way to ``.<name>.replaced``,
+      3. renames the staging directory to ``<name>`` (atomic on POSIX file systems),
+      4. deletes the replaced directory.
+    A crash before step 3 leaves the previous ``<name>`` untouched; the next save removes the
+    stale staging directory. A crash between steps 2 and 3 leaves the previous checkpoint
+    complete under ``.<name>.replaced``, and loading ``<name>`` says so. Loading requires the
+    marker and checks the recorded file sizes, so a partial or truncated checkpoint is
+    reported instead of read. All ranks must see one shared file system (as DCP requires).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from torch_sagemaker.checkpoint.constants import (
+    COMPLETION_MARKER,
+    FORMAT_VERSION,
+    REPLACED_SUFFIX,
+    STAGING_SUFFIX,
+)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or does not match what is loaded into it."""
+
+
+def checkpoint_path(checkpoint_id: str | os.PathLike[str] | None) -> Path:
+    """Validates ``checkpoint_id`` and returns it as an absolute local path.
+
+    Raises:
+        ValueError: If it is ``None`` or an S3 URI (not supported here).
+    """
+    if checkpoint_id is None:
+        raise ValueError("checkpoint_id is required: pass the checkpoint directory.")
+    text = os.fspath(checkpoint_id)
+    if text.startswith("s3://"):
+        raise ValueError(
+            f"checkpoint_id={text!r}: S3 paths are not supported; save to a local or shared "
+            "file system path and upload the directory afterwards."
+        )
+    return Path(text).absolute()
+
+
+def staging_path(path: Path) -> Path:
+    """The temporary sibling directory a save of ``path`` writes into."""
+    return path.parent / f".{path.name}{STAGING_SUFFIX}"
+
+
+def replaced_path(path: Path) -> Path:
+    """Where a previous checkpoint at ``path`` waits while it is being replaced."""
+    return path.parent / f".{path.name}{REPLACED_SUFFIX}"
+
+
+def prepare_staging(path: Path) -> Path:
+    """Removes a stale staging directory of ``path`` and creates an empty one (coordinator only)."""
+    staging = staging_path(path)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _file_sizes(directory: Path) -> dict[str, int]:
+    return {str(p.relative_to(directory)): p.stat().st_size
+            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != COMPLETION_MARKER}
+
+
+def commit(staging: Path, path: Path, info: dict[str, Any]) -> None:
+    """Marks ``staging`` complete and renames it to ``path`` (Note [Checkpoint commit protocol]).
+
+    Args:
+        staging: The fully written staging directory.
+        path: The final checkpoint directory.
+        info: JSON-serializable facts stored in the marker (kind, layout, ...).
+    """
+    for f in staging.rglob("*"):
+        if f.is_file():
+            _fsync(f)
+    marker = {"format_version": FORMAT_VERSION, "time": time.time(),
+              "files": _file_sizes(staging), **info}
+    marker_file = staging / COMPLETION_MARKER
+    marker_file.write_text(json.dumps(marker, indent=1, sort_keys=True))
+    _fsync(marker_file)
+    old = replaced_path(path)
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(staging, path)
+    _fsync(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def read_marker(path: Path) -> dict[str, Any]:
+    """Returns the completion marker of ``path`` after checking the directory is whole.
+
+    Raises:
+        CheckpointError: If the directory is missing, has no marker (the save did not
+            finish), has an unreadable marker, or a file is missing or has another size than
+            when it was written.
+    """
+    if not path.is_dir():
+        hint = ""
+        if replaced_path(path).is_dir():
+            hint = (f" A previous complete checkpoint is at {replaced_path(path)} (a save was "
+                    "interrupted while replacing it); rename it back to use it.")
+        elif staging_path(path).is_dir():
+            hint = f" Only an unfinished save exists ({staging_path(path)})."
+        raise CheckpointError(f"checkpoint {path} does not exist.{hint}")
+    marker_file = path / COMPLETION_MARKER
+    if not marker_file.is_file():
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete: it has no completion marker {COMPLETION_MARKER} "
+            "(its save did not finish, or it was not written by torch.sagemaker). Load an "
+            "earlier checkpoint."
+        )
+    try:
+        marker = json.loads(marker_file.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt: its marker {marker_file} is "
+                              f"unreadable ({e}).") from e
+    actual = _file_sizes(path)
+    problems = []
+    for name, size in marker.get("files", {}).items():
+        if name not in actual:
+            problems.append(f"{name} is missing")
+        elif actual[name] != size:
+            problems.append(f"{name} has {actual[name]} bytes, {size} were written")
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is corrupt: " + "; ".join(problems) + ".")
+    return marker
+
+
+def is_complete(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a complete checkpoint directory (it has the completion marker)."""
+    return (Path(path) / COMPLETION_MARKER).is_file()
+
+
+__all__ = ["CheckpointError", "checkpoint_path", "commit", "is_complete", "prepare_staging",
+           "read_marker", "replaced_path", "staging_path"]

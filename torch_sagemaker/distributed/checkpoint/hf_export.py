@@ -1,0 +1,115 @@
+"""Full export to a Hugging Face directory (SMP's ``translate_on_save``).
+
+``save_hf_checkpoint`` gathers the sharded (FSDP1, FSDP2, TP) model into full tensors with
+``torch.distributed.checkpoint.state_dict.get_model_state_dict``, which also strips wrapper
+prefixes, so the keys are the Hugging Face module names. The coordinator then writes
+``config.json`` and ``model.safetensors`` (or shards plus an index) into a staging directory
+and publishes it atomically; ``AutoModelForCausalLM.from_pretrained(dir)`` loads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from huggingface_hub import constants as hub_constants
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from torch_sagemaker.distributed.checkpoint import atomic_dir
+from torch_sagemaker.distributed.checkpoint._group import Participants
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside FSDP1 / DDP wrappers (FSDP2 keeps the object)."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module) and not hasattr(model, "config"):
+        model = model.module
+    return model
+
+
+def _drop_shared(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keeps the first key of tensors sharing storage (tied weights; safetensors refuses them)."""
+    seen: set[tuple[int, int]] = set()
+    out = {}
+    for k, v in state_dict.items():
+        ident = (v.untyped_storage().data_ptr(), v.storage_offset())
+        if ident in seen and v.numel() > 0:
+            continue
+        seen.add(ident)
+        out[k] = v
+    return out
+
+
+def _write_weights(state_dict: dict[str, torch.Tensor], directory: os.PathLike[str] | str,
+                   max_shard_size: int | str) -> None:
+    split = split_torch_state_dict_into_shards(state_dict, max_shard_size=max_shard_size)
+    for filename, keys in split.filename_to_tensors.items():
+        save_file({k: state_dict[k].contiguous() for k in keys}, os.path.join(directory, filename),
+                  metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        with open(os.path.join(directory, hub_constants.SAFETENSORS_INDEX_FILE), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+
+
+def save_hf_checkpoint(model: nn.Module, output_dir: str | os.PathLike[str], *,
+                       config: Any = None, translate_on_save: bool = True,
+                       translate_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+                       max_shard_size: int | str = "5GB",
+                       process_group: dist.ProcessGroup | None = None,
+                       coordinator_rank: int = 0) -> None:
+    """Writes the full model as a Hugging Face directory (config + safetensors), atomically.
+
+    Every rank must call it (the gather is collective); only the coordinator writes.
+
+    Args:
+        model: The model, possibly FSDP1/FSDP2-wrapped and tensor parallel.
+        output_dir: Target directory (replaced atomically if it exists).
+        config: A ``PretrainedConfig``; default the model's own ``config``.
+        translate_on_save: Map the state dict to the Hugging Face key layout with
+            ``translate_fn`` (the model keeps its HF names under ``tsm.transform``, so by
+            default nothing changes).
+        translate_fn: Optional ``fn(state_dict) -> state_dict`` for models whose parallel
+            form renames or fuses tensors.
+        max_shard_size: Largest safetensors file; bigger models get several plus an index.
+        process_group: Ranks that hold the model; default all ranks.
+        coordinator_rank: Global rank that writes; default the group's first rank.
+
+    Raises:
+        ValueError: If no config is given and the model has none.
+        CheckpointError: If writing failed on the coordinator (on every rank).
+    """
+    inner = _unwrap(model)
+    config = config if config is not None else getattr(inner, "config", None)
+    if config is None:
+        raise ValueError(f"{type(inner).__name__} has no .config; pass config=PretrainedConfig(...).")
+    participants = Participants(process_group, coordinator_rank)
+    # On CPU every rank gathers (FSDP1's CPU offload of full state dicts crashes on CPU-only
+    # jobs); with CUDA tensors the gather offloads to CPU on rank 0 only.
+    on_cuda = any(p.is_cuda for p in model.parameters())
+    options = StateDictOptions(full_state_dict=True, cpu_offload=on_cuda)
+    full = get_model_state_dict(model, options=options)
+    if translate_on_save and translate_fn is not None:
+        full = translate_fn(full)
+    path = atomic_dir.checkpoint_path(output_dir)
+
+    def write() -> None:
+        staging = atomic_dir.prepare_staging(path)
+        config.save_pretrained(staging)
+        generation_config = getattr(inner, "generation_config", None)
+        if generation_config is not None:
+            generation_config.save_pretrained(staging)
+        weights = _drop_shared({k: v.detach().cpu() for k, v in full.items()})
+        _write_weights(weights, staging, max_shard_size)
+        atomic_dir.commit(staging, path, {"kind": "hugging_face", "keys": len(weights)})
+
+    participants.run_on_coordinator(write)
+
+
+__all__ = ["save_hf_checkpoint"]

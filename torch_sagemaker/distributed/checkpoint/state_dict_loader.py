@@ -1,0 +1,162 @@
+"""Loading checkpoints (``torch.sagemaker.distributed.checkpoint.state_dict_loader``).
+
+``load`` refuses a checkpoint that is missing, unfinished or truncated (``atomic_dir``), then
+compares what is asked for with what the checkpoint holds and reports every missing key and
+every shape mismatch at once, before PyTorch DCP reads anything. DCP then reads each rank's
+pieces of the saved tensors, whatever layout wrote them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+# DCP's own flattening, so that the keys compared here are exactly the keys DCP stores.
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
+
+from torch_sagemaker.distributed.checkpoint import atomic_dir
+from torch_sagemaker.distributed.checkpoint._group import Participants
+from torch_sagemaker.distributed.checkpoint.atomic_dir import CheckpointError
+from torch_sagemaker.distributed.checkpoint.state_dict_utils import (
+    current_layout,
+    find_local_layout,
+    resolve_stateful,
+    shard_coordinates,
+)
+
+_SHOWN = 20  # how many offending keys an error lists
+
+
+def read_metadata(checkpoint_id: str | os.PathLike[str]) -> Metadata:
+    """DCP metadata (keys, global shapes) of a complete checkpoint.
+
+    Raises:
+        CheckpointError: If the checkpoint is missing, incomplete or its metadata is unreadable.
+    """
+    path = atomic_dir.checkpoint_path(checkpoint_id)
+    atomic_dir.read_marker(path)
+    try:
+        return FileSystemReader(path).read_metadata()
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt: its DCP metadata is unreadable "
+                              f"({type(e).__name__}: {e}).") from e
+
+
+def _describe(key: str, value: Any, saved: Any) -> str | None:
+    """Why ``value`` cannot be loaded from the saved entry, or ``None`` when it can."""
+    if isinstance(value, torch.Tensor):
+        if not isinstance(saved, TensorStorageMetadata):
+            return f"{key}: a tensor of shape {tuple(value.shape)} is requested, the checkpoint holds a non-tensor"
+        if tuple(saved.size) != tuple(value.shape):
+            return f"{key}: checkpoint shape {tuple(saved.size)}, requested {tuple(value.shape)}"
+    elif isinstance(saved, TensorStorageMetadata):
+        return f"{key}: the checkpoint holds a tensor of shape {tuple(saved.size)}, a {type(value).__name__} is requested"
+    elif not isinstance(saved, BytesStorageMetadata):
+        return f"{key}: unsupported entry {type(saved).__name__}"
+    return None
+
+
+def check_state_dict_matches(state_dict: dict[str, Any], metadata: Metadata, path: Path) -> list[str]:
+    """Raises if any requested key is missing from the checkpoint or has another shape.
+
+    Returns:
+        The flattened keys of ``state_dict`` (as DCP names them).
+
+    Raises:
+        CheckpointError: Listing the missing keys and the shape or type mismatches.
+    """
+    flat, _ = flatten_state_dict(state_dict)
+    saved = metadata.state_dict_metadata
+    missing = sorted(k for k in flat if k not in saved)
+    mismatched = [m for k, v in sorted(flat.items()) if k in saved
+                  if (m := _describe(k, v, saved[k])) is not None]
+    if missing or mismatched:
+        parts = [f"checkpoint {path} does not match the state dict being loaded."]
+        if missing:
+            parts.append(f"{len(missing)} keys are missing from the checkpoint: {missing[:_SHOWN]}")
+            extra = sorted(k for k in saved if k not in flat)
+            if extra:
+                parts.append(f"keys it holds that were not requested: {extra[:_SHOWN]}")
+        if mismatched:
+            parts.append(f"{len(mismatched)} keys differ: " + "; ".join(mismatched[:_SHOWN]))
+        raise CheckpointError("\n  ".join(parts))
+    return sorted(flat)
+
+
+def _check_local_layout(marker: dict[str, Any], path: Path, state_dict: dict[str, Any]) -> None:
+    """An SM-local checkpoint loads only under the shard layout that wrote it."""
+    saved = marker.get("layout", {})
+    here = {**current_layout(), **shard_coordinates()}
+    keys = ("hybrid_shard_degree", "tensor_parallel_degree", "context_parallel_degree",
+            "expert_parallel_degree", "tp_rank", "ep_rank", "fsdp_rank")
+    diff = {k: (saved.get(k), here.get(k)) for k in keys if saved.get(k) != here.get(k)}
+    if diff:
+        raise CheckpointError(
+            f"SM-local checkpoint {path} was saved under another shard layout; it loads only "
+            "under the same hybrid_shard_degree, tensor/context/expert parallel degrees and "
+            "from the directory of this rank's shard. Differences (saved, here): "
+            + ", ".join(f"{k}={a}/{b}" for k, (a, b) in diff.items())
+            + ". Save a sharded checkpoint (the default kind) to change the layout."
+        )
+
+
+def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
+         storage_reader: Any = None, planner: Any = None,
+         process_group: dist.ProcessGroup | None = None, check_keys_matched: bool = True,
+         coordinator_rank: int = 0, s3_region: str | None = None, s3client_config: Any = None) -> None:
+    """Loads a checkpoint in place into ``state_dict`` (its tensors, DTensors and ``Stateful`` values).
+
+    Args:
+        state_dict: The template to fill; its DTensors may be sharded differently than at save.
+        checkpoint_id: The checkpoint directory.
+        storage_reader: Optional DCP ``StorageReader`` (pointed at ``checkpoint_id``).
+        planner: Optional DCP ``LoadPlanner``.
+        process_group: Ranks that load together; default all ranks.
+        check_keys_matched: Verify that every rank of the group requests the same keys.
+        coordinator_rank: Accepted for SMP compatibility.
+        s3_region: Unsupported (S3 paths raise ``ValueError``).
+        s3client_config: Unsupported.
+
+    Raises:
+        CheckpointError: Naming the path and the reason: missing, incomplete, corrupt,
+            another SM-local layout, missing keys, mismatched shapes, or ranks disagreeing.
+    """
+    del coordinator_rank, s3_region, s3client_config
+    path = atomic_dir.checkpoint_path(checkpoint_id)
+    marker = atomic_dir.read_marker(path)
+    metadata = read_metadata(path)
+    resolved = resolve_stateful(state_dict)
+    if marker.get("kind") == "sm_local" or find_local_layout(resolved) is not None:
+        _check_local_layout(marker, path, resolved)
+    keys = check_state_dict_matches(resolved, metadata, path)
+    participants = Participants(process_group)
+    if check_keys_matched and participants.distributed:
+        digest = hashlib.sha256("\n".join(keys).encode()).hexdigest()
+        digests = participants.all_gather(digest)
+        if len(set(digests)) > 1:
+            odd = [r for r, d in zip(participants.ranks, digests) if d != digests[0]]
+            raise CheckpointError(
+                f"loading {path}: ranks {odd} request other keys than rank {participants.ranks[0]}; "
+                "every rank must load the same state dict keys (or pass check_keys_matched=False)."
+            )
+    try:
+        dcp.load(state_dict, checkpoint_id=path, storage_reader=storage_reader, planner=planner,
+                 process_group=participants.group, no_dist=not participants.distributed)
+    except Exception as e:
+        raise CheckpointError(f"reading checkpoint {path} failed, a file is probably corrupt: "
+                              f"{type(e).__name__}: {e}") from e
+
+
+__all__ = ["check_state_dict_matches", "load", "read_metadata"]

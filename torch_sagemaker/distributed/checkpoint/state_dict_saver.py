@@ -1,0 +1,163 @@
+"""Saving checkpoints (``torch.sagemaker.distributed.checkpoint.state_dict_saver``).
+
+``save`` writes a state dict with PyTorch DCP into a staging directory and publishes it
+atomically (Note [Checkpoint commit protocol] in ``atomic_dir``). ``async_save`` copies the
+state to CPU memory, returns, and runs the same save on a background thread over a
+dedicated gloo process group, so training collectives and checkpoint collectives never
+share a communicator.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+from torch_sagemaker.distributed.checkpoint import atomic_dir
+from torch_sagemaker.distributed.checkpoint._group import Participants
+from torch_sagemaker.distributed.checkpoint.async_utils import (
+    DEFAULT_ASYNC_REQUEST_QUEUE,
+    AsyncCallsQueue,
+)
+from torch_sagemaker.distributed.checkpoint.state_dict_utils import (
+    current_layout,
+    find_local_layout,
+    resolve_stateful,
+)
+
+
+def _write(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *,
+           storage_writer: Any, planner: Any, participants: Participants,
+           info: dict[str, Any], on_commit: Callable[[], None] | None) -> None:
+    """The save protocol shared by ``save`` and ``async_save``."""
+    path = atomic_dir.checkpoint_path(checkpoint_id)
+    staging = atomic_dir.staging_path(path)
+    # 1. Fresh staging directory (a stale one is what an earlier crash left behind).
+    participants.run_on_coordinator(lambda: atomic_dir.prepare_staging(path))
+    # 2. Every rank writes its shards; DCP's coordinator writes .metadata last.
+    dcp.save(state_dict, checkpoint_id=staging, storage_writer=storage_writer, planner=planner,
+             process_group=participants.group, no_dist=not participants.distributed)
+
+    # 3. Marker and atomic rename, then the optional hook (e.g. retention), on the coordinator.
+    def finish() -> None:
+        atomic_dir.commit(staging, path, {**info, "num_ranks": len(participants.ranks)})
+        if on_commit is not None:
+            on_commit()
+
+    participants.run_on_coordinator(finish)
+
+
+def _info(state_dict: dict[str, Any]) -> dict[str, Any]:
+    local = find_local_layout(state_dict)
+    if local is not None:
+        return {"kind": "sm_local", "layout": local}
+    return {"kind": "sharded", "layout": current_layout()}
+
+
+def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
+         storage_writer: Any = None, planner: Any = None,
+         process_group: dist.ProcessGroup | None = None, coordinator_rank: int = 0,
+         wait_error_handling: bool = True, force_check_all_plans: bool = True,
+         s3_region: str | None = None, s3client_config: Any = None,
+         on_commit: Callable[[], None] | None = None) -> None:
+    """Saves ``state_dict`` to the directory ``checkpoint_id``, visible only once complete.
+
+    Every rank of ``process_group`` must call it. DTensor and sharded values are written as
+    shards with their global layout, so the checkpoint loads under another world size or
+    parallel layout; values replicated across ranks are written once.
+
+    Args:
+        state_dict: Nested dict of tensors, DTensors, ``Stateful`` objects and picklable values.
+        checkpoint_id: Directory of the checkpoint (replaced atomically if it exists).
+        storage_writer: Optional DCP ``StorageWriter``; it is pointed at the staging directory.
+        planner: Optional DCP ``SavePlanner``.
+        process_group: Ranks that save together; default all ranks.
+        coordinator_rank: Global rank that publishes the checkpoint; default the group's first.
+        wait_error_handling: Accepted for SMP compatibility; errors always reach every rank.
+        force_check_all_plans: Accepted for SMP compatibility (DCP always checks plans).
+        s3_region: Unsupported (S3 paths raise ``ValueError``).
+        s3client_config: Unsupported.
+        on_commit: Called on the coordinator right after the checkpoint became visible.
+
+    Raises:
+        CheckpointError: If any rank failed to write or the checkpoint could not be published;
+            a previous checkpoint at ``checkpoint_id`` then stays as it was.
+    """
+    del wait_error_handling, force_check_all_plans, s3_region, s3client_config
+    participants = Participants(process_group, coordinator_rank)
+    state_dict = resolve_stateful(state_dict)
+    _write(state_dict, checkpoint_id, storage_writer=storage_writer, planner=planner,
+           participants=participants, info=_info(state_dict), on_commit=on_commit)
+
+
+# One dedicated gloo group per rank set, for the background thread (see module docstring).
+_ASYNC_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_ASYNC_GROUPS_LOCK = threading.Lock()
+
+
+def _async_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
+    with _ASYNC_GROUPS_LOCK:
+        if ranks not in _ASYNC_GROUPS:
+            # Only the members create it (use_local_synchronization), so sub-groups that save
+            # on their own do not need the other ranks to join.
+            _ASYNC_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo",
+                                                  use_local_synchronization=True)
+        return _ASYNC_GROUPS[ranks]
+
+
+def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
+               storage_writer: Any = None, planner: Any = None,
+               process_group: dist.ProcessGroup | None = None, coordinator_rank: int = 0,
+               queue: AsyncCallsQueue | None = None, sharded_strategy: Any = None,
+               wait_error_handling: bool = True, force_check_all_plans: bool = True,
+               s3_region: str | None = None, s3client_config: Any = None,
+               on_commit: Callable[[], None] | None = None) -> int:
+    """Like ``save``, but writes in the background; training may go on meanwhile.
+
+    The state is copied to CPU memory before the call returns, so later updates of the
+    model do not leak into the checkpoint. Call ``maybe_finalize_async_calls`` to collect
+    results (and errors); the checkpoint becomes visible as soon as its write finished.
+
+    Args:
+        state_dict: As for ``save``.
+        checkpoint_id: As for ``save``.
+        storage_writer: As for ``save`` (used from the background thread).
+        planner: As for ``save``.
+        process_group: As for ``save``; a gloo group with the same ranks carries the
+            background collectives.
+        coordinator_rank: As for ``save``.
+        queue: The ``AsyncCallsQueue`` to run on; default the module's global queue.
+        sharded_strategy: Accepted for SMP compatibility (DCP is the only strategy).
+        wait_error_handling: As for ``save``.
+        force_check_all_plans: As for ``save``.
+        s3_region: As for ``save``.
+        s3client_config: As for ``save``.
+        on_commit: As for ``save`` (runs on the background thread).
+
+    Returns:
+        The index of the request in ``queue``.
+    """
+    del sharded_strategy, wait_error_handling, force_check_all_plans, s3_region, s3client_config
+    queue = queue if queue is not None else DEFAULT_ASYNC_REQUEST_QUEUE
+    atomic_dir.checkpoint_path(checkpoint_id)  # fail fast on a bad id, before staging
+    resolved = resolve_stateful(state_dict)
+    info = _info(resolved)
+    staged = BlockingAsyncStager().stage(resolved)
+    participants = Participants(process_group, coordinator_rank)
+    participants.group = _async_group(process_group)
+    return queue.schedule_async_request(
+        lambda: _write(staged, checkpoint_id, storage_writer=storage_writer, planner=planner,
+                       participants=participants, info=info, on_commit=on_commit),
+        description=f"async save of {checkpoint_id}",
+    )
+
+
+__all__ = ["async_save", "save"]

@@ -1,0 +1,221 @@
+"""Everything a training job needs to resume, in one checkpoint.
+
+``TrainingState`` bundles the model, optimizer, LR scheduler, step, data position and every
+rank's RNG states. It is a DCP ``Stateful`` and adds ``save`` / ``load`` with the
+checkpoint kinds of ``state_dict_utils``:
+
+checkpoint keys (sharded kind)      | what
+------------------------------------|-----------------------------------------------------
+``model.<fqn>``                     | DTensor shards from ``get_state_dict`` (HF names)
+``optimizer.state.<fqn>.<name>``    | optimizer state keyed by parameter name (reshardable)
+``optimizer.param_groups``          | hyper-parameters
+``lr_scheduler.*``                  | ``lr_scheduler.state_dict()``
+``step``, ``data_position``         | int, JSON text (the data position must be JSON-able)
+``rng_rank<r>``                     | JSON text: torch (CPU and CUDA), Python, NumPy states
+
+RNG states are per rank. After a resume on more ranks the new ranks keep their current RNG
+(a warning says so); parity of dropout-free models does not depend on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+from torch_sagemaker.distributed.checkpoint import state_dict_utils as sdu
+from torch_sagemaker.distributed.checkpoint.async_utils import AsyncCallsQueue
+from torch_sagemaker.distributed.checkpoint.state_dict_loader import load, read_metadata
+from torch_sagemaker.distributed.checkpoint.state_dict_saver import async_save, save
+from torch_sagemaker.logger import warn_once
+
+_KINDS = ("sharded", "local")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def rng_state_json() -> str:
+    """This process's RNG states (torch CPU/CUDA, Python, NumPy) as JSON text."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state().tolist(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [kind, keys.tolist(), pos, has_gauss, cached]
+    except ImportError:
+        pass
+    return json.dumps(state)
+
+
+def set_rng_state_json(text: str) -> None:
+    """Restores the RNG states written by ``rng_state_json``."""
+    state = json.loads(text)
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+class TrainingState:
+    """Model, optimizer, LR scheduler, step, data position and RNG states of a training job.
+
+    Args:
+        model: The (sharded) model.
+        optimizer: Optional optimizer over the model's parameters.
+        lr_scheduler: Optional LR scheduler (anything with ``state_dict``/``load_state_dict``).
+        step: Number of optimizer steps taken.
+        data_position: JSON-serializable position in the data (e.g. consumed samples); the
+            same on every rank (it is saved once).
+        save_rng: Save and restore every rank's RNG states.
+
+    Example:
+        >>> ts = TrainingState(model, optim, sched, step=step, data_position={"samples": n})
+        >>> ts.save(f"{ckpt_dir}/step{step}", num_kept=2)      # or use_async=True
+        >>> ts.load(f"{ckpt_dir}/step{step}")                  # in a new job; ts.step restored
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 lr_scheduler: Any = None, *, step: int = 0, data_position: Any = None,
+                 save_rng: bool = True) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.step = step
+        self.data_position = data_position
+        self.save_rng = save_rng
+
+    # ------------------------------------------------------------ Stateful
+    def state_dict(self, kind: str = "sharded") -> dict[str, Any]:
+        """The checkpoint content (see the module docstring); tensors are not copied."""
+        if kind not in _KINDS:
+            raise ValueError(f"kind={kind!r}; expected one of {_KINDS}.")
+        sd: dict[str, Any] = {"step": self.step, "data_position": json.dumps(self.data_position)}
+        if kind == "local":
+            sd["model"] = sdu.local_state_dict(self.model)
+            if self.optimizer is not None:
+                sdu.init_optim_state(self.optimizer)
+                sd["optimizer"] = sdu.local_optim_state_dict(self.optimizer)
+        else:
+            optims = [self.optimizer] if self.optimizer is not None else []
+            model_sd, optim_sd = get_state_dict(self.model, optims, options=StateDictOptions())
+            sd["model"] = model_sd
+            if self.optimizer is not None:
+                sd["optimizer"] = optim_sd
+        if self.lr_scheduler is not None:
+            sd["lr_scheduler"] = self.lr_scheduler.state_dict()
+        if self.save_rng:
+            sd[f"rng_rank{_rank()}"] = rng_state_json()
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any], kind: str = "sharded") -> None:
+        """Applies a (loaded) ``state_dict()`` to the model, optimizer, scheduler and RNG."""
+        if kind == "local":
+            sdu.load_local_state_dict(self.model, state_dict["model"])
+            if self.optimizer is not None and "optimizer" in state_dict:
+                sdu.load_local_optim_state_dict(self.optimizer, state_dict["optimizer"])
+        else:
+            optims = [self.optimizer] if self.optimizer is not None else []
+            set_state_dict(self.model, optims, model_state_dict=state_dict["model"],
+                           optim_state_dict=state_dict.get("optimizer", {}))
+        if self.lr_scheduler is not None and "lr_scheduler" in state_dict:
+            self.lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
+        self.step = int(state_dict["step"])
+        self.data_position = json.loads(state_dict["data_position"])
+        rng = state_dict.get(f"rng_rank{_rank()}")
+        if rng is not None:
+            set_rng_state_json(rng)
+
+    # -------------------------------------------------------- save / load
+    def _location(self, checkpoint_id: str | os.PathLike[str], kind: str) -> tuple[Path, Any, int]:
+        """Directory, process group and coordinator of this rank's part of the save."""
+        path = Path(checkpoint_id)
+        if kind == "sharded":
+            return path, None, 0
+        from torch_sagemaker.state import state
+
+        group = state.fsdp_replicate_process_group if state.initialized else None
+        ranks = dist.get_process_group_ranks(group) if group is not None else [_rank()]
+        return path / sdu.local_subdir(), group, min(ranks)
+
+    def save(self, checkpoint_id: str | os.PathLike[str], *, kind: str = "sharded",
+             use_async: bool = False, queue: AsyncCallsQueue | None = None,
+             num_kept: int | None = None, regex: str = r".*") -> None:
+        """Saves the training state to the directory ``checkpoint_id`` (all ranks call it).
+
+        Args:
+            checkpoint_id: The checkpoint directory (one per step, e.g. ``.../step300``).
+            kind: ``"sharded"`` (reshardable) or ``"local"`` (SM-local: one directory per
+                shard ``tp{r}_ep{r}_fsdp{r}``, written by one rank of each replication group).
+            use_async: Write in the background (see ``async_save``).
+            queue: Queue for ``use_async``; default the global one.
+            num_kept: After the save, keep only this many checkpoints in the parent
+                directory (sharded kind; see ``limit_num_subdirs``).
+            regex: Which sibling directories count for ``num_kept``.
+        """
+        from torch_sagemaker.checkpoint.utils import limit_num_subdirs
+
+        path, group, coordinator = self._location(checkpoint_id, kind)
+        parent = Path(checkpoint_id).absolute().parent
+
+        def retain() -> None:
+            limit_num_subdirs(parent, num_kept, regex=regex)
+
+        on_commit = retain if (num_kept is not None and kind == "sharded") else None
+        sd = self.state_dict(kind)
+        if use_async:
+            async_save(sd, checkpoint_id=path, process_group=group, coordinator_rank=coordinator,
+                       queue=queue, on_commit=on_commit)
+        else:
+            save(sd, checkpoint_id=path, process_group=group, coordinator_rank=coordinator,
+                 on_commit=on_commit)
+
+    def load(self, checkpoint_id: str | os.PathLike[str], *, kind: str = "sharded",
+             load_optimizer: bool = True) -> None:
+        """Loads a checkpoint written by ``save``, resharding to this job's layout (sharded kind).
+
+        Args:
+            checkpoint_id: The checkpoint directory.
+            kind: The kind it was saved with.
+            load_optimizer: Also restore the optimizer (and its step counts).
+
+        Raises:
+            CheckpointError: If the checkpoint is missing, incomplete, corrupt, or does not
+                match the model (the message names the keys and shapes).
+        """
+        path, group, coordinator = self._location(checkpoint_id, kind)
+        sd = self.state_dict(kind)
+        if not load_optimizer:
+            sd.pop("optimizer", None)
+        rng_key = f"rng_rank{_rank()}"
+        if rng_key in sd and rng_key not in read_metadata(path).state_dict_metadata:
+            warn_once(f"checkpoint {path} has no RNG state for rank {_rank()} (it was saved by "
+                      "fewer ranks); ranks without one keep their current RNG state.")
+            sd.pop(rng_key)
+        # Ranks may differ in the RNG key only, so the key-set agreement check is skipped.
+        load(sd, checkpoint_id=path, process_group=group, coordinator_rank=coordinator,
+             check_keys_matched=False)
+        self.load_state_dict(sd, kind)
+
+
+__all__ = ["TrainingState", "rng_state_json", "set_rng_state_json"]
