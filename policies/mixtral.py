@@ -1,0 +1,31 @@
+"""Mixtral (``MixtralForCausalLM``): Llama attention plus a sparse mixture of experts.
+
+Transformers 5 stores the experts of a layer as two fused 3-D parameters,
+``mlp.experts.gate_up_proj`` (experts, 2 * intermediate, hidden; gate rows then up rows) and
+``mlp.experts.down_proj`` (experts, hidden, intermediate). Splitting the intermediate
+dimension would cut the fused gate/up rows in two different places, so the experts are
+split along the expert dimension instead: each TP rank holds ``num_local_experts / tp``
+whole experts, runs them for all tokens routed to them, and the partial outputs are
+summed and reduce-scattered over the sequence (``reduce_scatter_output`` on the MoE block).
+The router is small and replicated.
+"""
+
+from __future__ import annotations
+
+from torch_sagemaker.policies.llama import llama_style_plan
+from torch_sagemaker.policy import ModelPolicy
+
+MIXTRAL = ModelPolicy(
+    name="mixtral",
+    model_classes=("MixtralForCausalLM",),
+    layer_class="MixtralDecoderLayer",
+    attention="model.layers.*.self_attn",
+    tp_plan={
+        **llama_style_plan(mlp=False),
+        "model.layers.*.mlp": "reduce_scatter_output",
+        "model.layers.*.mlp.gate": "replicate",
+        "model.layers.*.mlp.experts": "experts",
+    },
+    num_experts_attr="num_local_experts",
+    notes="Experts split whole over the TP ranks (degree must divide num_local_experts).",
+)

@@ -1,0 +1,137 @@
+"""``tsm.transform(model)``: policy lookup -> placement -> tensor parallelism -> weights -> record.
+
+The model is changed in place and returned. Module names and ``state_dict`` keys stay
+Hugging Face's; with tensor parallelism each parameter becomes a DTensor on
+``tsm.state.tp_mesh`` (its ``full_tensor()`` is the unsharded value), the LM head returns
+vocabulary-sharded logits (a DTensor; ``logits.full_tensor()`` gathers them) and the model's
+loss function becomes the vocabulary-parallel cross entropy. The policy is recorded on the
+model for FSDP wrapping, activation checkpointing, offloading and checkpointing
+(``torch_sagemaker.policy.get_policy`` / ``transformer_layer_class``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torch_sagemaker.logger import log_rank0
+from torch_sagemaker.policy import POLICY_ATTR, check_model, lookup_policy
+from torch_sagemaker.state import state
+from torch_sagemaker.tensor_parallel import loading
+from torch_sagemaker.tensor_parallel.backend import select_backend
+
+_CP_COMM_TYPES = ("p2p", "all_gather")
+
+
+def _check_arguments(config: Any, cp_comm_type: str) -> None:
+    if not state.initialized:
+        raise RuntimeError("tsm.transform needs torch.sagemaker.init() first (it reads the tensor "
+                           "parallel degree and the mesh from tsm.state).")
+    if cp_comm_type not in _CP_COMM_TYPES:
+        raise ValueError(f"cp_comm_type={cp_comm_type!r}; use one of {_CP_COMM_TYPES}.")
+    if config is not None:
+        raise ValueError("tsm.transform(config=...) only takes an MoE config in SMP, and expert "
+                         "parallelism is not implemented here; pass config=None (Mixtral experts are "
+                         "split over the tensor parallel ranks).")
+    if state.cp_size > 1:
+        raise ValueError(f"context_parallel_degree={state.cp_size}: context parallelism is not "
+                         "implemented by tsm.transform yet; set context_parallel_degree=1.")
+
+
+def _place(model: nn.Module, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
+    """Casts floating parameters to ``dtype`` and moves real tensors to ``device``, keeping ties.
+
+    Buffers keep their dtype (RoPE's ``inv_freq`` must stay fp32); meta tensors stay on meta.
+    """
+    with torch.no_grad():
+        for param in model.parameters():
+            if dtype is not None and param.is_floating_point():
+                param.data = param.data.to(dtype)
+            if device is not None and not param.is_meta:
+                param.data = param.data.to(device)
+        if device is not None:
+            for module in model.modules():
+                for name, buf in module.named_buffers(recurse=False):
+                    if not buf.is_meta:
+                        setattr(module, name, buf.to(device))
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (one tiny all-reduce, so all ranks decide alike)."""
+    t = torch.tensor([int(flag)])
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def transform(model: nn.Module, device: torch.device | str | None = None,
+              dtype: torch.dtype | None = None, config: Any = None,
+              load_state_dict_from_rank0: bool = False, cp_comm_type: str = "p2p") -> nn.Module:
+    """Prepares a Hugging Face causal LM for SMP: tensor parallelism per its model policy.
+
+    Args:
+        model: A supported model (see ``torch_sagemaker.policies``), on a real device or meta.
+        device: Move the model here first (meta tensors stay on meta).
+        dtype: Cast floating parameters to this dtype first (buffers keep theirs); normally
+            ``None``: train in fp32 and let FSDP's mixed precision cast.
+        config: SMP's MoE config; only ``None`` is accepted (no expert parallelism here).
+        load_state_dict_from_rank0: Rank 0 holds the real weights and every other rank a
+            meta-device model; afterwards every rank holds its shards of rank 0's weights.
+        cp_comm_type: ``"p2p"`` or ``"all_gather"`` (context parallelism; validated only).
+
+    Returns:
+        The same ``model`` object, transformed in place.
+
+    Raises:
+        RuntimeError: If ``tsm.init`` was not called.
+        ValueError: For an unsupported model (listing the supported ones and how to register
+            a policy), a degree that does not divide the heads or experts, or rank-0 loading
+            without real weights on rank 0.
+
+    Example:
+        >>> tsm.init({"tensor_parallel_degree": 2})
+        >>> model = tsm.transform(AutoModelForCausalLM.from_config(cfg))
+        >>> loss = model(input_ids=ids, labels=ids).loss
+    """
+    # 1. Arguments, policy and the checks that depend only on the config.
+    _check_arguments(config, cp_comm_type)
+    policy = lookup_policy(model)
+    tp = state.tp_size
+    heads = check_model(policy, model.config, tp)
+    # 2. Placement before sharding (parameter identity, hence weight tying, is kept).
+    _place(model, device, dtype)
+    rank0_state = None
+    if load_state_dict_from_rank0 and state.rank == 0:
+        rank0_state = loading.capture_rank0_state(model)
+    local_split = load_state_dict_from_rank0 or _any_rank(
+        any(t.is_meta for t in model.parameters()))
+    # 3. Tensor parallelism on the "tp" mesh axis.
+    backend = select_backend()
+    if tp > 1:
+        backend.apply(model, policy, heads, tp_mesh=state.tp_mesh,
+                      tracker=state.get_rng_state_tracker(),
+                      src_data_rank=None if local_split else 0)
+    # 4. Weights from rank 0.
+    if load_state_dict_from_rank0 and state.world_size > 1:
+        target = torch.device(device) if device is not None else _default_device()
+        loading.broadcast_from_rank0(model, rank0_state, target)
+    # 5. Record the policy for wrapping and checkpointing.
+    setattr(model, POLICY_ATTR, policy)
+    layer_cls = policy.layer_cls(model)
+    num_layers = sum(1 for m in model.modules() if type(m) is layer_cls)
+    log_rank0(f"tsm.transform: {type(model).__name__} with policy {policy.name!r}, "
+              f"tensor_parallel_degree={tp} ({backend.name}), {num_layers} x {layer_cls.__name__}, "
+              f"{heads.local_heads} heads / {heads.local_kv_heads} kv heads per rank")
+    return model
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+
+
+__all__ = ["transform"]

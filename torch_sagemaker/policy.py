@@ -1,0 +1,241 @@
+"""Model policies: what ``tsm.transform`` needs to know about one model family, as data.
+
+A ``ModelPolicy`` names the Hugging Face classes it covers, the transformer layer class
+(the unit of FSDP wrapping, activation checkpointing and offloading), the attention modules
+(tensor parallel regions, head bookkeeping) and the tensor parallel plan: module-name
+patterns mapped to style names (``STYLES``). The policies themselves live in
+``torch_sagemaker.policies`` (one small module per family, registered in an explicit list);
+this module holds the generic pieces: the dataclass, the lookup, the head arithmetic and
+the accessors other components use to find a transformed model's layer class:
+
+    >>> from torch_sagemaker.policy import get_policy, transformer_layer_class
+    >>> transformer_layer_class(model)          # e.g. LlamaDecoderLayer, for fully_shard
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+from torch import nn
+
+#: Tensor parallel styles a plan may name (see ``tensor_parallel.styles`` for each one).
+STYLES: Mapping[str, str] = {
+    "colwise": "Linear whose output features (heads, MLP columns) are split; input replicated",
+    "kv_colwise": "like colwise for key/value projections; replicates kv heads when kv_heads < tp",
+    "rowwise": "Linear whose input features are split; output reduce-scattered over the sequence",
+    "vocab_embedding": "Embedding split over the vocabulary; output reduce-scattered over the sequence",
+    "lm_head": "output projection split over the vocabulary; logits stay vocab-sharded",
+    "sequence_parallel_norm": "norm computed on a sequence shard; output all-gathered",
+    "sequence_parallel_dropout": "dropout on a sequence shard, drawing the unsharded model's mask",
+    "replicate": "every parameter replicated (e.g. an MoE router)",
+    "experts": "fused MoE experts (expert dim 0) split over the TP ranks",
+    "reduce_scatter_output": "module output summed over TP ranks and split over the sequence",
+}
+
+#: Attribute set by ``tsm.transform`` on the model it transformed.
+POLICY_ATTR = "_tsm_policy"
+
+
+@dataclass(frozen=True)
+class ModelPolicy:
+    """How to tensor-parallelize one model family.
+
+    Attributes:
+        name: Short family name (``"llama"``), used in messages.
+        model_classes: Names of the Hugging Face model classes covered
+            (``"LlamaForCausalLM"``); subclasses match too.
+        layer_class: Name of the transformer layer class (``"LlamaDecoderLayer"``), the unit
+            of FSDP wrapping, activation checkpointing and offloading.
+        attention: Module-name pattern of the attention modules. They are tensor parallel
+            regions (their random draws differ per TP rank) and get per-rank head counts.
+        tp_plan: Module-name pattern (``fnmatch``, full names from the model root) to a
+            style name in ``STYLES``. Every pattern must match at least one module.
+        num_heads_attr: Config attribute holding the number of attention heads.
+        num_kv_heads_attr: Config attribute holding the number of key/value heads, or
+            ``None`` for multi-head attention (as many kv heads as heads).
+        num_experts_attr: Config attribute holding the number of MoE experts, or ``None``.
+        notes: Free text shown in the docs (limits, choices).
+    """
+
+    name: str
+    model_classes: tuple[str, ...]
+    layer_class: str
+    attention: str
+    tp_plan: Mapping[str, str]
+    num_heads_attr: str = "num_attention_heads"
+    num_kv_heads_attr: str | None = "num_key_value_heads"
+    num_experts_attr: str | None = None
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        unknown = {p: s for p, s in self.tp_plan.items() if s not in STYLES}
+        if unknown:
+            raise ValueError(f"policy {self.name!r}: unknown TP styles {unknown}; "
+                             f"known styles: {', '.join(STYLES)}.")
+
+    def matches(self, model: nn.Module) -> bool:
+        """Whether ``model`` is (a subclass of) one of ``model_classes``."""
+        return any(cls.__name__ in self.model_classes for cls in type(model).__mro__)
+
+    def layer_cls(self, model: nn.Module) -> type[nn.Module]:
+        """The transformer layer class of ``model`` (found among its modules by name).
+
+        Raises:
+            ValueError: If no module of ``model`` has class ``layer_class``.
+        """
+        for module in model.modules():
+            if type(module).__name__ == self.layer_class:
+                return type(module)
+        raise ValueError(f"policy {self.name!r}: {type(model).__name__} has no "
+                         f"{self.layer_class} module; the policy does not fit this model.")
+
+    def attention_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """``(name, module)`` of every attention module of ``model``."""
+        return [(n, m) for n, m in model.named_modules() if fnmatchcase(n, self.attention)]
+
+    def head_counts(self, config: Any) -> tuple[int, int]:
+        """``(num_heads, num_kv_heads)`` read from a Hugging Face config."""
+        heads = int(getattr(config, self.num_heads_attr))
+        kv = getattr(config, self.num_kv_heads_attr, None) if self.num_kv_heads_attr else None
+        return heads, int(kv) if kv else heads
+
+    def num_experts(self, config: Any) -> int:
+        """Number of MoE experts (0 for dense models)."""
+        return int(getattr(config, self.num_experts_attr)) if self.num_experts_attr else 0
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """How attention heads are spread over ``tp`` ranks.
+
+    Attributes:
+        num_heads: Query heads of the model.
+        num_kv_heads: Key/value heads of the model.
+        tp: Tensor parallel degree.
+        local_heads: Query heads per rank.
+        local_kv_heads: Key/value heads per rank.
+        kv_replicated: True when ``num_kv_heads < tp``: each rank then holds the one kv head
+            its query heads attend with, and ``tp // num_kv_heads`` ranks share each kv head.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    tp: int
+    local_heads: int
+    local_kv_heads: int
+    kv_replicated: bool
+
+    def kv_head_of(self, tp_rank: int) -> int:
+        """First kv head held by ``tp_rank``."""
+        if self.kv_replicated:
+            return tp_rank * self.num_kv_heads // self.tp
+        return tp_rank * self.local_kv_heads
+
+
+def split_heads(num_heads: int, num_kv_heads: int, tp: int) -> HeadSplit:
+    """Checks that ``tp`` can split the heads and returns the per-rank counts.
+
+    Args:
+        num_heads: Query heads.
+        num_kv_heads: Key/value heads (``num_heads`` divisible by it).
+        tp: Tensor parallel degree.
+
+    Returns:
+        The per-rank head counts.
+
+    Raises:
+        ValueError: If ``tp`` does not divide ``num_heads``, or neither divides the other
+            for ``num_kv_heads`` and ``tp``.
+    """
+    if num_heads % tp:
+        valid = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+        raise ValueError(f"tensor_parallel_degree={tp} does not divide num_attention_heads={num_heads}; "
+                         f"every rank must hold whole heads. Use a degree in {valid}.")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_attention_heads={num_heads} is not a multiple of "
+                         f"num_key_value_heads={num_kv_heads}; the model config is inconsistent.")
+    if num_kv_heads % tp == 0:
+        return HeadSplit(num_heads, num_kv_heads, tp, num_heads // tp, num_kv_heads // tp, False)
+    if tp % num_kv_heads == 0:
+        return HeadSplit(num_heads, num_kv_heads, tp, num_heads // tp, 1, True)
+    raise ValueError(f"tensor_parallel_degree={tp} and num_key_value_heads={num_kv_heads}: one must "
+                     "divide the other (kv heads are split, or replicated when fewer than the degree). "
+                     f"Use a degree that divides {num_kv_heads} or a multiple of it.")
+
+
+def check_model(policy: ModelPolicy, config: Any, tp: int) -> HeadSplit:
+    """Validates ``config`` against ``tp`` (heads, experts) and returns the head split.
+
+    Raises:
+        ValueError: Naming the value, the rule and a fix.
+    """
+    heads = split_heads(*policy.head_counts(config), tp)
+    experts = policy.num_experts(config)
+    if experts and experts % tp:
+        raise ValueError(f"{policy.name}: tensor_parallel_degree={tp} does not divide the number of "
+                         f"experts ({policy.num_experts_attr}={experts}); each rank holds whole "
+                         "experts. Use a degree that divides the expert count.")
+    return heads
+
+
+def _registry() -> list[ModelPolicy]:
+    from torch_sagemaker import policies
+
+    return policies.registered_policies()
+
+
+def lookup_policy(model: nn.Module) -> ModelPolicy:
+    """The registered policy covering ``model`` (the most recently registered wins).
+
+    Raises:
+        ValueError: If no policy covers the model's class; lists the supported classes and
+            how to register a policy.
+    """
+    for policy in _registry():
+        if policy.matches(model):
+            return policy
+    supported = sorted(c for p in _registry() for c in p.model_classes)
+    raise ValueError(
+        f"tsm.transform does not support {type(model).__name__}. Supported models: "
+        f"{', '.join(supported)}. To add one, describe it with a "
+        "torch_sagemaker.policy.ModelPolicy (layer class, attention pattern, TP plan) and call "
+        "torch_sagemaker.policies.register_policy(policy) before tsm.transform; see "
+        "docs/tensor_parallel.md."
+    )
+
+
+def get_policy(model: nn.Module) -> ModelPolicy | None:
+    """The policy ``tsm.transform`` recorded on ``model``, or ``None`` if it was not transformed.
+
+    Works through wrappers that keep the original module reachable (FSDP2 keeps the object;
+    ``checkpoint_wrapper``/FSDP1 expose it as ``_checkpoint_wrapped_module``/``module``).
+    """
+    seen = model
+    for _ in range(8):
+        policy = getattr(seen, POLICY_ATTR, None)
+        if policy is not None:
+            return policy
+        inner = getattr(seen, "_checkpoint_wrapped_module", None) or getattr(seen, "module", None)
+        if not isinstance(inner, nn.Module):
+            return None
+        seen = inner
+    return None
+
+
+def transformer_layer_class(model: nn.Module) -> type[nn.Module]:
+    """The transformer layer class of a model: the unit to ``fully_shard``/checkpoint/offload.
+
+    Uses the policy ``tsm.transform`` recorded, else looks the model up in the registry.
+
+    Raises:
+        ValueError: If the model is not covered by any policy.
+    """
+    policy = get_policy(model) or lookup_policy(model)
+    return policy.layer_cls(model)
+
+
+__all__ = ["POLICY_ATTR", "STYLES", "HeadSplit", "ModelPolicy", "check_model", "get_policy",
+           "lookup_policy", "split_heads", "transformer_layer_class"]

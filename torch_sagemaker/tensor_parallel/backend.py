@@ -1,0 +1,81 @@
+"""The two tensor parallel implementations behind one interface, and the automatic choice.
+
+- ``DTensorBackend``: PyTorch-native (``parallelize_module`` with DTensor styles). Runs on
+  any device, including CPU; this is what the test suite exercises.
+- ``TransformerEngineBackend`` (``tensor_parallel.te``): swaps the plan's linear layers for
+  Transformer Engine modules. Chosen automatically when ``transformer_engine`` imports and
+  CUDA is available; ``use_backend("dtensor")`` overrides the choice.
+
+Both take the same arguments and leave module names and state_dict keys unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from torch_sagemaker.policy import HeadSplit, ModelPolicy
+from torch_sagemaker.tensor_parallel.random import RNGStatesTracker
+
+
+class TPBackend(Protocol):
+    """A tensor parallel implementation."""
+
+    name: str
+
+    def apply(self, model: nn.Module, policy: ModelPolicy, heads: HeadSplit, *, tp_mesh: DeviceMesh,
+              tracker: RNGStatesTracker, src_data_rank: int | None) -> None:
+        """Tensor-parallelizes ``model`` in place (see ``plan.apply_tp_plan`` for the arguments)."""
+        ...
+
+
+class DTensorBackend:
+    """PyTorch DTensor tensor parallelism (``plan.apply_tp_plan``)."""
+
+    name = "dtensor"
+
+    def apply(self, model: nn.Module, policy: ModelPolicy, heads: HeadSplit, *, tp_mesh: DeviceMesh,
+              tracker: RNGStatesTracker, src_data_rank: int | None) -> None:
+        """See ``TPBackend.apply``."""
+        from torch_sagemaker.tensor_parallel.plan import apply_tp_plan
+
+        apply_tp_plan(model, tp_mesh, policy, heads, tracker=tracker, src_data_rank=src_data_rank)
+
+
+_FORCED: str | None = None
+
+
+def te_available() -> bool:
+    """Whether Transformer Engine can be used: the package is installed and CUDA is present."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def use_backend(name: str | None) -> None:
+    """Forces ``"dtensor"`` or ``"te"`` for later ``tsm.transform`` calls; ``None`` restores auto.
+
+    Raises:
+        ValueError: For another name, or ``"te"`` when Transformer Engine is unavailable.
+    """
+    global _FORCED
+    if name not in (None, "dtensor", "te"):
+        raise ValueError(f"tensor parallel backend {name!r}; use 'dtensor', 'te' or None (automatic).")
+    if name == "te" and not te_available():
+        raise ValueError("the 'te' backend needs transformer_engine and CUDA; neither is usable here.")
+    _FORCED = name
+
+
+def select_backend() -> TPBackend:
+    """The forced backend, else Transformer Engine when available, else DTensor."""
+    name = _FORCED or ("te" if te_available() else "dtensor")
+    if name == "te":
+        from torch_sagemaker.tensor_parallel.te import TransformerEngineBackend
+
+        return TransformerEngineBackend()
+    return DTensorBackend()
+
+
+__all__ = ["DTensorBackend", "TPBackend", "select_backend", "te_available", "use_backend"]

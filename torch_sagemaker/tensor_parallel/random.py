@@ -1,0 +1,154 @@
+"""Random streams for tensor parallel regions (``tsm.state.get_rng_state_tracker()``).
+
+Two kinds of randomness exist in a tensor parallel model:
+
+- *Outside* TP regions (embedding and residual dropout), every TP rank computes on the
+  same (or the same but sequence-sharded) activations, so every TP rank must draw the same
+  numbers. They use the ordinary default generator, which all ranks of a TP group seed
+  alike; a TP model then draws exactly what the untransformed model draws.
+- *Inside* TP regions (attention-probability dropout on this rank's heads), each TP rank
+  holds different heads and must draw different numbers, or every head slice would get
+  the same mask. These draws come from a separate stream per TP rank, seeded
+  ``random_seed + tp_rank``, entered with ``tracker.fork()``. Forking swaps that stream in
+  and out of the default generator, so the draws inside never advance the shared stream.
+
+This is the tracker Megatron-style code expects: ``fork(name)``, ``add(name, seed)``,
+``get_states()``, ``set_states(states)`` and ``reset()``; Transformer Engine's
+``checkpoint(get_rng_state_tracker=...)`` uses exactly these.
+
+Note [TP-region RNG and activation checkpointing]: recomputing a forked region during
+backward must replay the same numbers. Transformer Engine's checkpoint saves and restores
+the tracker's states itself. ``torch.utils.checkpoint`` only restores the default
+generators, so pass ``context_fn=tracker.checkpoint_context_fn`` (non-reentrant mode) when a
+TP region draws random numbers (attention dropout > 0) under activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+#: Name of the stream of tensor-parallel regions (Megatron's name for the same thing).
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+
+
+def _device_type() -> str:
+    """The device whose default generator dropout uses: ``cuda`` when present, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _get_rng_state(device_type: str) -> torch.Tensor:
+    return torch.cuda.get_rng_state() if device_type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(state: torch.Tensor, device_type: str) -> None:
+    if device_type == "cuda":
+        torch.cuda.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+class RNGStatesTracker:
+    """Named random-generator states that can be forked into the default generator.
+
+    Args:
+        device_type: ``"cuda"`` or ``"cpu"``: whose default generator ``fork`` swaps.
+    """
+
+    def __init__(self, device_type: str | None = None) -> None:
+        self.device_type = device_type or _device_type()
+        self._states: dict[str, torch.Tensor] = {}
+        self._seeds: set[int] = set()
+
+    @classmethod
+    def for_state(cls, state: Any) -> RNGStatesTracker:
+        """The tracker of an initialized ``tsm.state``: one stream seeded ``random_seed + tp_rank``.
+
+        Args:
+            state: ``tsm.state`` after ``tsm.init``.
+
+        Returns:
+            A tracker holding the ``model-parallel-rng`` stream of this rank.
+        """
+        tracker = cls()
+        tracker.add(MODEL_PARALLEL_RNG, state.random_seed + state.tp_rank)
+        return tracker
+
+    def reset(self) -> None:
+        """Forgets every stream."""
+        self._states.clear()
+        self._seeds.clear()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        """A copy of the generator state of every stream (for checkpoint replay)."""
+        return {name: s.clone() for name, s in self._states.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        """Replaces the stream states with ``states`` (from ``get_states``)."""
+        self._states = {name: s.clone() for name, s in states.items()}
+
+    def add(self, name: str, seed: int) -> None:
+        """Creates the stream ``name`` seeded with ``seed``.
+
+        Raises:
+            ValueError: If ``name`` exists or ``seed`` is used by another stream (two equal
+                streams would draw correlated numbers).
+        """
+        if name in self._states:
+            raise ValueError(f"RNG stream {name!r} already exists; call reset() first.")
+        if seed in self._seeds:
+            raise ValueError(f"seed {seed} is already used by another RNG stream; pick another seed.")
+        saved = _get_rng_state(self.device_type)
+        torch.manual_seed(seed) if self.device_type == "cpu" else torch.cuda.manual_seed(seed)
+        self._states[name] = _get_rng_state(self.device_type)
+        _set_rng_state(saved, self.device_type)
+        self._seeds.add(seed)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
+        """Draws from stream ``name`` inside the block; the default stream is left untouched.
+
+        Raises:
+            KeyError: If ``name`` was never added.
+        """
+        if name not in self._states:
+            raise KeyError(f"RNG stream {name!r} does not exist; known: {sorted(self._states)}.")
+        saved = _get_rng_state(self.device_type)
+        _set_rng_state(self._states[name], self.device_type)
+        try:
+            yield
+        finally:
+            self._states[name] = _get_rng_state(self.device_type)
+            _set_rng_state(saved, self.device_type)
+
+    def checkpoint_context_fn(self) -> tuple[contextlib.AbstractContextManager,
+                                             contextlib.AbstractContextManager]:
+        """``context_fn`` for non-reentrant ``torch.utils.checkpoint`` that replays TP-region draws.
+
+        See Note [TP-region RNG and activation checkpointing]. The forward context records
+        the stream states when the checkpointed block starts; the recompute context replays
+        from them and then puts back the states the real forward left.
+        """
+        recorded: dict[str, torch.Tensor] = {}
+
+        @contextlib.contextmanager
+        def forward_ctx() -> Iterator[None]:
+            recorded.update(self.get_states())
+            yield
+
+        @contextlib.contextmanager
+        def recompute_ctx() -> Iterator[None]:
+            after_forward = self.get_states()
+            self.set_states(recorded)
+            try:
+                yield
+            finally:
+                self.set_states(after_forward)
+
+        return forward_ctx(), recompute_ctx()
+
+
+__all__ = ["MODEL_PARALLEL_RNG", "RNGStatesTracker"]

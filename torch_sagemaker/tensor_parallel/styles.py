@@ -1,0 +1,300 @@
+"""DTensor parallel styles that PyTorch does not ship, and the factory that maps style names to styles.
+
+Layouts between the parallel regions (Megatron's sequence parallelism, in DTensor terms):
+
+    residual stream            DTensor Shard(1)    [batch, seq / tp, hidden] on each rank
+    norm output (gathered)     DTensor Replicate   all-gather over the sequence
+    column-parallel output     local tensor        this rank's heads / MLP columns
+    row-parallel output        DTensor Shard(1)    reduce-scatter back onto the sequence
+    logits                     DTensor Shard(-1)   this rank's vocabulary slice
+
+PyTorch's ``ColwiseParallel``/``RowwiseParallel`` cover the linear layers, embedding and LM
+head; the styles below cover sequence-parallel norms whose output is gathered, residual
+dropout that draws the unsharded model's mask, replicated modules (MoE routers), fused MoE
+experts split over the TP ranks, and key/value projections with fewer heads than ranks.
+
+Every style distributes parameters with ``src_data_rank`` (``0``: TP rank 0's values are
+scattered/broadcast so the group agrees; ``None``: local split, no communication, used for
+meta-device models and rank-0 loading).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleOutput,
+    RowwiseParallel,
+)
+
+
+def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements: list[Placement],
+                       src_data_rank: int | None) -> None:
+    """Replaces each direct parameter of ``module`` by a DTensor with ``placements``."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        dt = distribute_tensor(param.detach(), mesh, placements, src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+
+def to_local_partial_grad(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The local value of a replicated activation whose gradient will differ per TP rank.
+
+    Each rank uses the replicated ``x`` for its own share of a computation (its experts, its
+    kv head), so the gradient each rank produces is a partial sum. Marking it ``Partial``
+    makes DTensor sum it at the next layout change (the reduce-scatter at the sequence
+    boundary). A plain tensor is taken to be replicated.
+    """
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    elif x.placements != (Replicate(),):
+        x = x.redistribute(placements=[Replicate()])
+    return x.to_local(grad_placements=[Partial()])
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    """Identity forward; all-reduce of the gradient over ``group`` in backward (Megatron's ``f``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class SequenceParallelNorm(ParallelStyle):
+    """A norm computed on a sequence shard, its output all-gathered for the next parallel region.
+
+    Parameters are replicated; their gradients come out ``Partial`` (each rank saw part of
+    the sequence) and DTensor sums them over the TP ranks, which is the all-reduce that
+    sequence parallelism needs for norm weights.
+
+    Args:
+        sequence_dim: Sequence dimension of the input.
+        gather_output: All-gather the output to a replicated DTensor (the input of the
+            column-parallel layers that follow).
+    """
+
+    def __init__(self, *, sequence_dim: int = 1, gather_output: bool = True) -> None:
+        super().__init__()
+        self.sequence = (Shard(sequence_dim),)
+        self.gather_output = gather_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(_name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            _distribute_params(mod, mesh, [Replicate()], self.src_data_rank)
+
+        def prepare_input(_mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            x = inputs[0]
+            if isinstance(x, DTensor):
+                if x.placements != self.sequence:
+                    x = x.redistribute(placements=self.sequence)
+            else:
+                x = DTensor.from_local(x, mesh, self.sequence, run_check=False)
+            return (x, *inputs[1:])
+
+        def prepare_output(_mod: nn.Module, out: DTensor, _mesh: DeviceMesh) -> DTensor:
+            return out.redistribute(placements=[Replicate()]) if self.gather_output else out
+
+        return distribute_module(module, device_mesh, partition, prepare_input, prepare_output)
+
+
+class SequenceParallelDropout(ParallelStyle):
+    """Dropout on a sequence-sharded activation that applies the unsharded model's mask.
+
+    Every TP rank draws the mask of the *whole* activation from the shared default stream
+    (all TP ranks hold the same generator state) and keeps its own slice, so the result is
+    exactly what the untransformed model computes, and the stream advances identically on
+    every rank. Costs one activation-sized mask per call.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Dropout):
+            raise TypeError(f"sequence_parallel_dropout applies to nn.Dropout, got {type(module).__name__}.")
+
+        def forward(mod: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
+            if not mod.training or mod.p == 0.0:
+                return x
+            ones = torch.ones(x.shape, dtype=x.dtype, device=x.device)
+            mask = F.dropout(ones, mod.p, training=True)  # same draws as F.dropout(full x)
+            if isinstance(x, DTensor):
+                mask = distribute_tensor(mask, x.device_mesh, x.placements, src_data_rank=None)
+            return x * mask
+
+        module.forward = types.MethodType(forward, module)
+        return module
+
+
+class ReplicateParallel(ParallelStyle):
+    """Every parameter replicated over the TP ranks; the module computes on replicated DTensors.
+
+    For small modules inside a parallel region whose inputs are replicated (an MoE router):
+    keeping them as DTensors lets FSDP and the optimizer see one kind of parameter.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(_name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            _distribute_params(mod, mesh, [Replicate()], self.src_data_rank)
+
+        def prepare_input(_mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+                         and x.is_floating_point() else x for x in inputs)
+
+        return distribute_module(module, device_mesh, partition, prepare_input)
+
+
+class _LocalExpertsView:
+    """Attribute view of an experts module with local parameters and the local expert count.
+
+    ``_is_expert_parallel`` tells Hugging Face's expert kernels that indices may hold the
+    sentinel (they then zero the rows their grouped GEMMs leave uninitialized for it).
+    """
+
+    def __init__(self, module: nn.Module, num_local: int) -> None:
+        self._module = module
+        self.num_experts = num_local
+        self._is_expert_parallel = True
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._module, name)
+        return value.to_local() if isinstance(value, DTensor) else value
+
+
+class ExpertsParallel(ParallelStyle):
+    """Fused MoE experts (3-D parameters, expert dimension first) split whole over the TP ranks.
+
+    Rank ``r`` keeps experts ``[r * E / tp, (r + 1) * E / tp)`` (``Shard(0)``). Its forward
+    remaps the router's expert indices to local ones, marks tokens routed elsewhere with
+    the sentinel index ``E / tp`` (which Hugging Face expert implementations skip, the same
+    convention as their expert parallelism), runs the module's own forward on local
+    parameters and returns a ``Partial`` DTensor: the sum over ranks is the MoE output.
+    The module must have ``num_experts`` and take ``(hidden, top_k_index, top_k_weights)``.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        num_experts = int(module.num_experts)
+        if num_experts % tp:
+            raise ValueError(f"{type(module).__name__}: {num_experts} experts cannot be split over "
+                             f"tensor_parallel_degree={tp} ranks; use a degree dividing {num_experts}.")
+        _distribute_params(module, device_mesh, [Shard(0)], self.src_data_rank)
+        num_local = num_experts // tp
+        first = device_mesh.get_local_rank() * num_local
+        forward_impl = type(module).forward
+
+        def forward(mod: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> DTensor:
+            hidden = to_local_partial_grad(hidden, device_mesh)
+            weights = to_local_partial_grad(top_k_weights, device_mesh)
+            index = top_k_index.to_local() if isinstance(top_k_index, DTensor) else top_k_index
+            local = index - first
+            elsewhere = (local < 0) | (local >= num_local)
+            local = local.masked_fill(elsewhere, num_local)
+            weights = weights.masked_fill(elsewhere, 0.0)
+            out = forward_impl(_LocalExpertsView(mod, num_local), hidden, local, weights)
+            return DTensor.from_local(out, device_mesh, [Partial()], run_check=False)
+
+        module.forward = types.MethodType(forward, module)
+        return module
+
+
+class ReplicatedKVColwise(ParallelStyle):
+    """Key/value projection when the model has fewer kv heads than TP ranks.
+
+    The full projection is replicated; rank ``r`` computes only kv head ``kv_head`` (the one
+    its query heads attend with). Ranks sharing a kv head each produce part of its weight
+    gradient, so the weight gradient is all-reduced over the TP group in backward.
+
+    Args:
+        head_dim: Size of one head.
+        kv_head: Index of the kv head this rank computes.
+    """
+
+    def __init__(self, *, head_dim: int, kv_head: int) -> None:
+        super().__init__()
+        self.rows = slice(kv_head * head_dim, (kv_head + 1) * head_dim)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"kv_colwise applies to nn.Linear, got {type(module).__name__}.")
+        _distribute_params(module, device_mesh, [Replicate()], self.src_data_rank)
+        group, rows = device_mesh.get_group(), self.rows
+
+        def forward(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+            x = to_local_partial_grad(x, device_mesh)
+            weight = _AllReduceGrad.apply(mod.weight.to_local(), group)[rows]
+            bias = None
+            if mod.bias is not None:
+                bias = _AllReduceGrad.apply(mod.bias.to_local(), group)[rows]
+            return F.linear(x, weight, bias)
+
+        module.forward = types.MethodType(forward, module)
+        return module
+
+
+def make_style(name: str, *, src_data_rank: int | None, head_dim: int = 0,
+               kv_head: int | None = None) -> ParallelStyle:
+    """The parallel style for a style name of ``torch_sagemaker.policy.STYLES``.
+
+    Args:
+        name: Style name.
+        src_data_rank: ``0`` to scatter TP rank 0's values, ``None`` for a local split.
+        head_dim: Head size (``kv_colwise`` with replicated kv heads only).
+        kv_head: The kv head this rank computes when kv heads are replicated, else ``None``.
+
+    Returns:
+        A configured ``ParallelStyle``.
+    """
+    if name == "colwise" or (name == "kv_colwise" and kv_head is None):
+        style: ParallelStyle = ColwiseParallel()
+    elif name == "kv_colwise":
+        style = ReplicatedKVColwise(head_dim=head_dim, kv_head=kv_head)
+    elif name == "rowwise":
+        style = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    elif name == "vocab_embedding":
+        style = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                use_local_output=False)
+    elif name == "lm_head":
+        style = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+                                use_local_output=False)
+    elif name == "sequence_parallel_norm":
+        style = SequenceParallelNorm()
+    elif name == "sequence_parallel_dropout":
+        style = SequenceParallelDropout()
+    elif name == "replicate":
+        style = ReplicateParallel()
+    elif name == "experts":
+        style = ExpertsParallel()
+    elif name == "reduce_scatter_output":
+        style = PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Shard(1),
+                                    use_local_output=False)
+    else:
+        raise ValueError(f"unknown tensor parallel style {name!r}.")
+    style.src_data_rank = src_data_rank
+    return style
+
+
+__all__ = ["ExpertsParallel", "ReplicateParallel", "ReplicatedKVColwise", "SequenceParallelDropout",
+           "SequenceParallelNorm", "make_style", "to_local_partial_grad"]
