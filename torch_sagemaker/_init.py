@@ -9,6 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+import torch_sagemaker.offload  # noqa: F401  routes torch's offload_wrapper (offload/torch_patch.py)
 from torch_sagemaker import config as config_lib
 from torch_sagemaker import topology
 from torch_sagemaker.distributed import backend as backend_lib

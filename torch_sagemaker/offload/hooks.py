@@ -1,0 +1,196 @@
+"""The ``saved_tensors_hooks`` glue: what a saved tensor is, and how to rebuild it.
+
+``pack`` decides per tensor: tensors saved outside the wrapped layers, parameters, buffers
+and tensor types we cannot move go back to autograd untouched; everything else is tied to
+the *storage* it views and handed to the engine, which offloads each storage once.
+``unpack`` rebuilds the exact view (dtype, size, stride, storage offset) on top of the
+storage the engine makes resident, so two saved views of one storage still alias after the
+round trip, and a DTensor is rebuilt around its local shard with its original mesh,
+placements, shape and stride.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from torch_sagemaker.offload.engine import OffloadEngine
+    from torch_sagemaker.offload.records import PassRecord, StorageRecord
+
+_dtensor_type: Any = None
+
+
+def _dtensor_class() -> Any:
+    """``torch.distributed.tensor.DTensor``, imported on first use (it is a heavy import)."""
+    global _dtensor_type
+    if _dtensor_type is None:
+        from torch.distributed.tensor import DTensor
+
+        _dtensor_type = DTensor
+    return _dtensor_type
+
+
+@dataclass(frozen=True)
+class DTensorMeta:
+    """What ``DTensor.from_local`` needs to rebuild a DTensor around its local shard."""
+
+    mesh: Any
+    placements: tuple[Any, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ViewSpec:
+    """How a saved tensor views its storage."""
+
+    dtype: torch.dtype
+    size: torch.Size
+    stride: tuple[int, ...]
+    storage_offset: int
+    dtensor: DTensorMeta | None = None
+
+    def rebuild(self, flat: torch.Tensor) -> torch.Tensor:
+        """The saved tensor as a view of ``flat`` (a ``uint8`` tensor over a whole storage)."""
+        local = torch.empty(0, dtype=self.dtype, device=flat.device)
+        local.set_(flat.untyped_storage(), self.storage_offset, self.size, self.stride)
+        if self.dtensor is None:
+            return local
+        meta = self.dtensor
+        with torch.no_grad():  # wrapping only; no graph edge from the shard to the DTensor
+            return _dtensor_class().from_local(local, meta.mesh, meta.placements,
+                                               run_check=False, shape=meta.shape,
+                                               stride=meta.stride)
+
+
+class SavedRef:
+    """What autograd keeps instead of a saved tensor of a wrapped layer.
+
+    Holding it keeps the pass (and so the host copies) alive; see ``records.py``.
+    ``tensor`` is set when the original stays on the device and is returned as is.
+    """
+
+    __slots__ = ("pass_record", "record", "unit", "view", "tensor")
+
+    def __init__(self, pass_record: PassRecord, record: StorageRecord, unit: int,
+                 view: ViewSpec, tensor: torch.Tensor | None) -> None:
+        self.pass_record = pass_record
+        self.record = record
+        self.unit = unit
+        self.view = view
+        self.tensor = tensor
+
+
+def split_dtensor(tensor: torch.Tensor) -> tuple[torch.Tensor, DTensorMeta | None]:
+    """Returns the tensor holding the data (a DTensor's local shard) and the DTensor metadata."""
+    if type(tensor) is torch.Tensor or type(tensor) is nn.Parameter:
+        return tensor, None
+    if isinstance(tensor, _dtensor_class()):
+        # ``_local_tensor`` is the shard object itself; ``to_local()`` would make a new view
+        # per call, whose weak references die at once (see StorageRecord.aliases).
+        meta = DTensorMeta(tensor.device_mesh, tuple(tensor.placements), tensor.shape,
+                           tuple(tensor.stride()))
+        return tensor._local_tensor, meta
+    return tensor, None
+
+
+def is_parameter_like(tensor: torch.Tensor) -> bool:
+    """Whether autograd saved a parameter, a view of one, or a leaf that requires grad.
+
+    These live as long as the model (or the caller) anyway: offloading them would spend
+    copies and host memory and free nothing. FSDP1 hands modules plain-tensor views of its
+    flat parameter, hence the ``_base`` test.
+    """
+    if isinstance(tensor, nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
+        return True
+    base = tensor._base
+    return base is not None and isinstance(base, nn.Parameter)
+
+
+def is_movable(local: torch.Tensor) -> bool:
+    """Whether the storage behind ``local`` can be copied byte for byte and rebuilt."""
+    return (
+        type(local) is torch.Tensor
+        and local.layout == torch.strided
+        and local.device.type not in ("meta", "lazy")
+        and not local.is_conj()
+        and not local.is_neg()
+        and local.untyped_storage().nbytes() > 0
+    )
+
+
+def storage_key(local: torch.Tensor) -> tuple[torch.device, int]:
+    """``(device, data_ptr)`` of the storage behind ``local``."""
+    return local.device, local.untyped_storage().data_ptr()
+
+
+def flat_storage(local: torch.Tensor) -> torch.Tensor:
+    """A 1-D ``uint8`` tensor over the whole storage of ``local`` (shares its memory)."""
+    flat = torch.empty(0, dtype=torch.uint8, device=local.device)
+    return flat.set_(local.untyped_storage())
+
+
+def view_spec(local: torch.Tensor, meta: DTensorMeta | None) -> ViewSpec:
+    """The ``ViewSpec`` that rebuilds ``local`` (and its DTensor) from its storage."""
+    return ViewSpec(local.dtype, local.size(), tuple(local.stride()), local.storage_offset(),
+                    meta)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Logical size in bytes (used for the counters of tensors that are not moved)."""
+    return tensor.numel() * tensor.element_size()
+
+
+class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
+    """``saved_tensors_hooks`` that route the wrapped layers' saved tensors to ``engine``."""
+
+    def __init__(self, engine: OffloadEngine) -> None:
+        engine_ref = weakref.ref(engine)  # the hooks outlive nothing, but avoid a cycle
+
+        def pack(tensor: torch.Tensor) -> Any:
+            return _pack(engine_ref(), tensor)
+
+        def unpack(packed: Any) -> torch.Tensor:
+            return _unpack(engine_ref(), packed)
+
+        super().__init__(pack, unpack)
+
+
+def _pack(engine: OffloadEngine | None, tensor: torch.Tensor) -> Any:
+    unit = engine.current_unit() if engine is not None else None
+    if unit is None:
+        if engine is not None:
+            engine.stats.add("bytes_outside_layers", tensor_bytes(tensor))
+        return tensor
+    local, meta = split_dtensor(tensor)
+    if is_parameter_like(tensor) or is_parameter_like(local):
+        return tensor
+    if not is_movable(local):
+        engine.stats.add("bytes_kept", tensor_bytes(tensor))
+        return tensor
+    key = storage_key(local)
+    if engine.is_module_state(key):
+        return tensor  # a buffer (or a view of one): the module keeps it alive anyway
+    record, keep_original = engine.save_storage(unit, local, tensor, key)
+    return SavedRef(engine.active_pass(), record, unit.index, view_spec(local, meta),
+                    tensor if keep_original else None)
+
+
+def _unpack(engine: OffloadEngine | None, packed: Any) -> torch.Tensor:
+    if not isinstance(packed, SavedRef):
+        return packed
+    if engine is None:
+        raise RuntimeError(
+            "An offloaded activation was unpacked after its offload wrapper was deleted; keep "
+            "the wrapped model alive until backward has run."
+        )
+    engine.note_backward(packed.pass_record, packed.unit)
+    if packed.tensor is not None:
+        return packed.tensor
+    flat = engine.resident_storage(packed.pass_record, packed.record)
+    return packed.view.rebuild(flat)

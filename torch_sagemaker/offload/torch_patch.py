@@ -1,0 +1,65 @@
+"""Routes PyTorch's ``offload_wrapper`` to the prefetching offloader after ``tsm.init()``.
+
+SMP v2 training scripts import ``offload_wrapper`` from
+``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` and get SMP's prefetching
+offloader once SMP is initialized. This module is the one place that reproduces that: it
+replaces the module attribute with a dispatcher that decides *at call time*:
+
+* ``tsm.init()`` has run and ``sm_activation_offloading`` is true: ``PrefetchOffloadWrapper``;
+* otherwise: PyTorch's own function, unchanged.
+
+The patch is installed when ``torch_sagemaker`` is imported (``torch_sagemaker/_init.py``
+imports this package), so a script must import ``torch.sagemaker`` (or ``torch_sagemaker``)
+before it runs ``from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import
+offload_wrapper``; a name bound earlier keeps PyTorch's function. Processes that never call
+``tsm.init()`` see no change in behaviour.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from torch import nn
+from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as _torch_module
+
+# PyTorch's function, captured before the patch (installing twice keeps the first capture).
+_native = getattr(_torch_module.offload_wrapper, "__tsm_native__", _torch_module.offload_wrapper)
+
+
+def native_offload_wrapper(module: nn.Module) -> nn.Module:
+    """PyTorch's ``offload_wrapper``, whatever the patch state."""
+    return _native(module)
+
+
+def _use_prefetching() -> bool:
+    from torch_sagemaker.state import state
+
+    return state.initialized and bool(state.sm_activation_offloading)
+
+
+@functools.wraps(_native)
+def _dispatching_offload_wrapper(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+    if _use_prefetching():
+        from torch_sagemaker.offload.wrapper import offload_wrapper
+
+        return offload_wrapper(module, *args, **kwargs)
+    return _native(module, *args, **kwargs)
+
+
+_dispatching_offload_wrapper.__tsm_native__ = _native  # type: ignore[attr-defined]
+
+
+def install() -> None:
+    """Replaces ``checkpoint_wrapper.offload_wrapper`` with the dispatcher (idempotent)."""
+    _torch_module.offload_wrapper = _dispatching_offload_wrapper
+
+
+def uninstall() -> None:
+    """Restores PyTorch's ``offload_wrapper`` attribute."""
+    _torch_module.offload_wrapper = _native
+
+
+def is_installed() -> bool:
+    """Whether the dispatcher is the module attribute."""
+    return _torch_module.offload_wrapper is _dispatching_offload_wrapper
