@@ -1,0 +1,126 @@
+"""Delayed parameter init on 4 CPU ranks under FSDP1 and FSDP2 and several shard layouts.
+
+Every layout must produce exactly the values of an unsharded delayed init with the same seed
+(gathered full state dicts are compared bit for bit), the rotary buffers must equal a fresh
+eager computation, and the values must have the Hugging Face init statistics.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.launcher import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=4, vocab_size=128, max_position_embeddings=64, pad_token_id=0,
+           attention_bias=True, mlp_bias=True, initializer_range=0.02)
+SEED = 77
+
+
+def _meta_model():
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(LlamaConfig(**CFG))
+
+
+def _reference() -> dict:
+    """Unsharded delayed init (one process) with the same seed."""
+    from torch_sagemaker.delayed_param import DelayedParamIniter
+
+    model = _meta_model()
+    DelayedParamIniter(model, seed=SEED, device="cpu").init_model()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _sharded(hsd: int, fsdp: str):
+    import torch
+    import torch.sagemaker as tsm
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from torch_sagemaker.delayed_param import DelayedParamIniter
+
+    tsm.state.reset()
+    tsm.init({"hybrid_shard_degree": hsd})
+    model = _meta_model()
+    initer = DelayedParamIniter(model, seed=SEED, device="cpu")
+    with initer.validate_params_and_buffers_inited():
+        if fsdp == "fsdp2":
+            from torch_sagemaker.sharding import shard_model
+
+            shard_model(model)
+            initer.init_model()
+            wrapped = model
+        else:
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+            from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+            wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+                           param_init_fn=initer.get_param_init_fn(),
+                           post_param_init_fn=initer.get_post_param_init_fn(),
+                           use_orig_params=True, device_id=torch.device("cpu"))
+    local_numel = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                      for p in wrapped.parameters())
+    full = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True,
+                                                                  cpu_offload=False))
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    return full, buffers, local_numel
+
+
+def _compare_layouts(layouts) -> dict:
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    ref = _reference()
+    eager_inv_freq = LlamaRotaryEmbedding(LlamaConfig(**CFG)).inv_freq
+    out = {"stats": {k: (v.mean().item(), v.std().item(), v.numel()) for k, v in ref.items()},
+           "pad_row": ref["model.embed_tokens.weight"][0].abs().sum().item()}
+    for hsd, fsdp in layouts:
+        full, buffers, local_numel = _sharded(hsd, fsdp)
+        out[(hsd, fsdp)] = dict(
+            equal=sorted(k for k in ref if k in full and torch.equal(full[k], ref[k])),
+            keys=sorted(full),
+            rope=all(torch.equal(b, eager_inv_freq) for n, b in buffers.items() if "inv_freq" in n),
+            local_numel=local_numel,
+        )
+    return out
+
+
+LAYOUTS = [(2, "fsdp1"), (4, "fsdp1"), (2, "fsdp2"), (1, "fsdp2")]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(_compare_layouts, LAYOUTS, world_size=4, timeout=300)
+
+
+def test_reference_statistics(results):
+    r = results[0]
+    assert r["pad_row"] == 0.0
+    for key, (mean, std, numel) in r["stats"].items():
+        if key.endswith("bias"):
+            assert (mean, std) == (0.0, 0.0), key
+        elif "norm" in key:
+            assert (mean, std) == (1.0, 0.0), key
+        else:
+            assert abs(std - CFG["initializer_range"]) < 0.1 * CFG["initializer_range"], (key, std)
+            assert abs(mean) < 3 * std / numel**0.5 + 1e-4, (key, mean)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_matches_unsharded_init(results, layout):
+    total = sum(n for _, _, n in results[0]["stats"].values())
+    for rank, r in enumerate(results):
+        got = r[layout]
+        assert got["keys"] == sorted(results[0]["stats"]), (rank, layout)
+        assert got["equal"] == got["keys"], f"rank {rank} {layout}: values differ from unsharded init"
+        assert got["rope"], f"rank {rank} {layout}: rotary inv_freq not recomputed"
+    hsd = layout[0]
+    # Each rank holds about 1/hsd of the parameters (FSDP pads the last shard).
+    assert sum(r[layout]["local_numel"] for r in results[:hsd]) >= total
+    assert results[0][layout]["local_numel"] <= total // hsd + 1024
