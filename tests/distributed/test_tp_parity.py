@@ -76,56 +76,72 @@ def max_diff(a, b) -> float:
 
 def compare_forward_backward(model, ref, ids) -> dict:
     """Max abs differences of logits, loss and each gradient between ``model`` and ``ref``."""
-    out = model(input_ids=ids, labels=ids)
+    out = model(input_ids=ids, labels=ids, use_cache=False)
     out.loss.backward()
-    expected = ref(input_ids=ids, labels=ids)
+    expected = ref(input_ids=ids, labels=ids, use_cache=False)
     expected.loss.backward()
-    ref_params = dict(ref.named_parameters())
-    grads = {name: max_diff(p.grad, ref_params[name].grad) for name, p in model.named_parameters()}
-    return dict(logits=max_diff(out.logits, expected.logits), loss=abs(float(out.loss - expected.loss)),
-                grads=grads, loss_value=float(expected.loss),
+    return dict(logits=max_diff(out.logits, expected.logits),
+                loss=abs(float(out.loss.detach() - expected.loss.detach())),
+                grads=gradient_diffs(model, ref), loss_value=float(expected.loss),
                 grad_scale=max(float(p.grad.abs().max()) for p in ref.parameters()))
 
 
-def train_losses(model, ids, steps: int = STEPS) -> list[float]:
-    """Loss of each of ``steps`` AdamW steps on the same batch."""
+def train_losses(model, batches: list, mine: int, steps: int = STEPS) -> list[float]:
+    """Loss on ``batches[mine]`` at each of ``steps`` AdamW steps.
+
+    A model given one batch trains on it (FSDP averages the data-parallel gradients); the
+    reference is given every data-parallel rank's batch and averages them itself.
+    """
     import torch
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for _ in range(steps):
         opt.zero_grad()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        for i, ids in enumerate(batches):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            (loss / len(batches)).backward()
+            if i == mine:
+                losses.append(float(loss))
         opt.step()
-        losses.append(float(loss))
     return losses
 
 
-def _parity_all_families(families, tp: int, hybrid_shard_degree: int, fsdp: bool) -> dict:
+def unwrapped_name(name: str) -> str:
+    """A parameter name without activation-checkpoint wrapper prefixes."""
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def gradient_diffs(model, ref) -> dict[str, float]:
+    ref_params = dict(ref.named_parameters())
+    return {unwrapped_name(n): max_diff(p.grad, ref_params[unwrapped_name(n)].grad)
+            for n, p in model.named_parameters()}
+
+
+def _parity_all_families(families, tp: int, hybrid_shard_degree: int, compose: bool) -> dict:
+    """Per family: differences to the reference, and both loss curves (run on every rank)."""
     import torch
     import torch.sagemaker as tsm
 
     tsm.init({"tensor_parallel_degree": tp, "hybrid_shard_degree": hybrid_shard_degree})
+    dp_rank, dp_size = tsm.state.dp_rank, tsm.state.dp_size
+    batches = [batch(d) for d in range(dp_size)]
     results = {}
     for family in families:
         ref = build(family)
         model = tsm.transform(copy.deepcopy(ref))
-        if fsdp:
-            shard_model(model)
-        ids = batch(tsm.state.dp_rank)
-        r = compare_forward_backward(model, ref, ids)
-        if fsdp:
-            # Reference gradients of a data-parallel step: the mean over every dp rank's batch.
-            ref.zero_grad()
-            for dp in range(tsm.state.dp_size):
-                (ref(input_ids=batch(dp), labels=batch(dp)).loss / tsm.state.dp_size).backward()
-            ref_params = dict(ref.named_parameters())
-            r["grads"] = {n: max_diff(p.grad, ref_params[n].grad) for n, p in model.named_parameters()}
+        if compose:
+            checkpoint_and_shard(model)
+        r = compare_forward_backward(model, ref, batches[dp_rank])
+        # Reference gradient of a data-parallel step: the mean over every dp rank's batch.
+        ref.zero_grad()
+        for ids in batches:
+            (ref(input_ids=ids, labels=ids, use_cache=False).loss / dp_size).backward()
+        r["grads"] = gradient_diffs(model, ref)
         model.zero_grad()
         ref.zero_grad()
-        r["tp_losses"] = train_losses(model, ids)
-        r["ref_losses"] = train_losses(ref, ids) if not fsdp else None
+        r["tp_losses"] = train_losses(model, [batches[dp_rank]], 0)
+        r["ref_losses"] = train_losses(ref, batches, dp_rank)
         r["param_types"] = sorted({type(p).__name__ for p in model.parameters()})
         r["keys_equal"] = list(model.state_dict()) == list(ref.state_dict())
         results[family] = r
@@ -133,16 +149,30 @@ def _parity_all_families(families, tp: int, hybrid_shard_degree: int, fsdp: bool
     return results
 
 
-def shard_model(model) -> None:
-    """FSDP2 over ``tsm.state.fsdp_mesh``: each transformer layer, then the root."""
+def checkpoint_and_shard(model) -> None:
+    """Activation checkpointing on each transformer layer, then FSDP2 over ``tsm.state.fsdp_mesh``.
+
+    The layer class comes from the policy ``tsm.transform`` recorded on the model.
+    """
+    from functools import partial
+
     import torch.sagemaker as tsm
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        CheckpointWrapper,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
     from torch.distributed.fsdp import fully_shard
 
     from torch_sagemaker.policy import transformer_layer_class
 
     layer_cls = transformer_layer_class(model)
+    apply_activation_checkpointing(
+        model, check_fn=lambda m: isinstance(m, layer_cls),
+        checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
     for module in model.modules():
-        if isinstance(module, layer_cls):
+        if isinstance(module, CheckpointWrapper):
             fully_shard(module, mesh=tsm.state.fsdp_mesh)
     fully_shard(model, mesh=tsm.state.fsdp_mesh)
 
@@ -156,7 +186,7 @@ def check(results: dict, *, curve: bool = True) -> None:
         assert r["grad_scale"] > 1e-4, family  # gradients are not trivially zero
         bad = {n: d for n, d in r["grads"].items() if d > ATOL}
         assert not bad, (family, bad)
-        if curve and r["ref_losses"] is not None:
+        if curve:
             assert r["tp_losses"][-1] < r["tp_losses"][0] - 0.1, (family, r["tp_losses"])
             for a, b in zip(r["tp_losses"], r["ref_losses"]):
                 assert abs(a - b) < 1e-4, (family, r["tp_losses"], r["ref_losses"])
@@ -167,3 +197,16 @@ def test_tp2_matches_reference_for_every_family():
     per_rank = run_distributed(_parity_all_families, FAMILIES, 2, 0, False, world_size=2, timeout=300)
     for results in per_rank:
         check(results)
+
+
+@pytest.mark.distributed
+def test_tp2_with_hybrid_sharding_and_checkpointing_on_four_ranks():
+    """tp=2 innermost, FSDP2 over hybrid_shard_degree=2, activation checkpointing per layer."""
+    per_rank = run_distributed(_parity_all_families, FAMILIES, 2, 2, True, world_size=4, timeout=400)
+    for results in per_rank:
+        check(results)
+    # The two TP ranks of each group saw the same batch: identical loss curves.
+    for family in FAMILIES:
+        curves = [r[family]["tp_losses"] for r in per_rank]
+        assert curves[0] == curves[1] and curves[2] == curves[3], (family, curves)
+        assert curves[0] != curves[2], (family, "dp groups should see different batches")
