@@ -100,16 +100,16 @@ def split_dtensor(tensor: torch.Tensor) -> tuple[torch.Tensor, DTensorMeta | Non
 
 
 def is_parameter_like(tensor: torch.Tensor) -> bool:
-    """Whether autograd saved a parameter, a view of one, or a leaf that requires grad.
+    """Whether autograd saved a parameter, a leaf that requires grad, or a view of either.
 
     These live as long as the model (or the caller) anyway: offloading them would spend
     copies and host memory and free nothing. FSDP1 hands modules plain-tensor views of its
-    flat parameter, hence the ``_base`` test.
+    flat parameter, hence the look at ``_base``. The test is on the view's base because a
+    view made inside a custom ``Function.forward`` can itself claim to be a leaf that
+    requires grad.
     """
-    if isinstance(tensor, nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
-        return True
-    base = tensor._base
-    return base is not None and isinstance(base, nn.Parameter)
+    root = tensor._base if tensor._base is not None else tensor
+    return isinstance(root, nn.Parameter) or (root.is_leaf and root.requires_grad)
 
 
 def is_movable(local: torch.Tensor) -> bool:
