@@ -27,19 +27,16 @@ def fsdp2_mesh() -> DeviceMesh:
 def transformer_layer_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     """The classes that make one FSDP / checkpointing / offloading unit of ``model``.
 
-    Uses the policy recorded by ``tsm.transform`` when there is one, else the Hugging Face
-    model's ``_no_split_modules`` (the decoder layer class names).
+    Uses the model's policy (the one ``tsm.transform`` recorded, else the registry's) and
+    falls back to the Hugging Face model's ``_no_split_modules`` for unregistered models.
     """
+    from torch_sagemaker.policy import transformer_layer_class
+
     try:
-        from torch_sagemaker.policy import layer_classes_of  # written by tsm.transform
-    except ImportError:
-        layer_classes_of = None
-    if layer_classes_of is not None:
-        classes = layer_classes_of(model)
-        if classes:
-            return tuple(classes)
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    return tuple({type(m) for m in model.modules() if type(m).__name__ in names})
+        return (transformer_layer_class(model),)
+    except ValueError:
+        names = set(getattr(model, "_no_split_modules", None) or ())
+        return tuple({type(m) for m in model.modules() if type(m).__name__ in names})
 
 
 def shard_model(

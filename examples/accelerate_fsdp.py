@@ -1,0 +1,54 @@
+"""The same model trained with Hugging Face accelerate's FSDP plugin on the smddp backend.
+
+    accelerate launch --config_file examples/accelerate_fsdp.yaml examples/accelerate_fsdp.py
+
+The process group is created on "smddp" before the ``Accelerator`` (which then uses it);
+``tsm.init`` lays out the ranks; accelerate wraps the model with FSDP2.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch.sagemaker as tsm  # noqa: E402
+from train_lib import data  # noqa: E402
+from train_lib.arguments import parse_args  # noqa: E402
+from train_lib.model import build_config, build_model  # noqa: E402
+
+import smdistributed.dataparallel.torch.torch_smddp  # noqa: E402,F401  (registers "smddp")
+
+
+def main() -> None:
+    args = parse_args(sys.argv[1:] + ["--max-steps", os.environ.get("STEPS", "30")])
+    dist.init_process_group("smddp", timeout=datetime.timedelta(minutes=10))
+    tsm.init({})
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    torch.manual_seed(args.seed)
+    model = tsm.transform(build_model(build_config(args)))
+    train_set, _ = data.build_datasets("stdlib", args.max_context_width, 1.0, None, 0)
+    loader = torch.utils.data.DataLoader(train_set, batch_size=args.train_batch_size, shuffle=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    for step, batch in enumerate(loader, start=1):
+        loss = model(input_ids=batch, labels=batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % 10 == 0:
+            accelerator.print(f"[accelerate] step {step}: loss {loss.item():.4f} on backend {dist.get_backend()}")
+        if step >= args.max_steps:
+            break
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Train a Hugging Face causal LM with torch.sagemaker (SMP v2 API) — the project's main job.
+
+    torchrun --standalone --nproc_per_node 2 examples/train.py --smp-config examples/configs/full_shard.json
+
+Flow (as in SMP's example scripts): arguments -> process group -> tsm.init -> model from a
+Hugging Face config -> tsm.transform (tensor parallelism) -> FSDP (sharding follows
+hybrid_shard_degree) with delayed init -> activation checkpointing -> activation
+offloading -> optimizer and LR schedule -> resume -> train with validation and
+checkpoints -> Hugging Face export. See examples/README.md for every option.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch.sagemaker as tsm  # noqa: E402
+from torch.sagemaker.grad_norm import clip_grad_norm_  # noqa: E402
+from train_lib import checkpoints, data, metrics  # noqa: E402
+from train_lib.arguments import parse_args, smp_config  # noqa: E402
+from train_lib.model import build_config, build_model  # noqa: E402
+from train_lib.parallel import apply_parallelism  # noqa: E402
+from train_lib.schedule import param_groups, warmup_cosine  # noqa: E402
+
+
+def rank0_print(*values) -> None:
+    if dist.get_rank() == 0:
+        print(*values, flush=True)
+
+
+def evaluate(model, loader, max_batches: int) -> float:
+    """Mean validation loss over ``max_batches`` batches, averaged over data-parallel ranks."""
+    model.eval()
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    with torch.no_grad():
+        for i, batch in enumerate(loader):
+            if i >= max_batches:
+                break
+            total += model(input_ids=batch, labels=batch).loss.double()
+            count += 1
+    model.train()
+    stats = torch.tensor([total.item(), count], dtype=torch.float64)
+    dist.all_reduce(stats)
+    return (stats[0] / stats[1]).item()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    # 1. Process group on the chosen backend, then SMP.
+    if args.distributed_backend == "smddp":
+        import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401  (registers "smddp")
+    dist.init_process_group(args.distributed_backend, timeout=datetime.timedelta(minutes=30))
+    tsm.init(smp_config(args))
+    state = tsm.state
+    torch.manual_seed(args.seed)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    rank0_print(f"[train] {args.model_type} on {state.world_size} ranks over {dist.get_backend()}: "
+                f"dp={state.dp_size} tp={state.tp_size} hybrid_shard_degree={state.hybrid_shard_degree}")
+
+    # 2. Data: every rank of a TP group reads the same batch (DistributedSampler over dp).
+    train_set, val_set = data.build_datasets(args.dataset, args.max_context_width, args.corpus_mb,
+                                             args.data_path, num_synthetic=args.max_steps * args.train_batch_size * state.dp_size)
+    sampler = torch.utils.data.DistributedSampler(train_set, num_replicas=state.dp_size, rank=state.dp_rank,
+                                                  shuffle=True, seed=args.seed, drop_last=True)
+    loader = torch.utils.data.DataLoader(train_set, batch_size=args.train_batch_size, sampler=sampler, drop_last=True)
+    val_loader = None
+    if val_set is not None and args.validation_freq:
+        val_sampler = torch.utils.data.DistributedSampler(val_set, num_replicas=state.dp_size, rank=state.dp_rank,
+                                                          shuffle=False, drop_last=True)
+        val_loader = torch.utils.data.DataLoader(val_set, batch_size=args.val_batch_size, sampler=val_sampler)
+
+    # 3. Model -> transform -> FSDP (+ delayed init) -> checkpointing -> offloading.
+    config = build_config(args)
+    with torch.device("meta") if args.delayed_param else contextlib.nullcontext():
+        model = build_model(config)
+    model = tsm.transform(model)
+    model = apply_parallelism(model, args, dtype)
+    num_params = sum(p.numel() for p in build_model_params_count(config))
+    optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr,
+                                  betas=(args.beta1, args.beta2))
+    scheduler = warmup_cosine(optimizer, args.max_steps, args.warmup, args.lr, args.min_lr)
+    train_state = checkpoints.TrainingState(model, optimizer, scheduler)  # step 0
+    if args.resume_from_checkpoint:
+        path = checkpoints.resume(train_state, args.checkpoint_dir, args.resume_from_checkpoint)
+        rank0_print(f"[train] resumed from {path} at step {train_state.step}" if path
+                    else "[train] no checkpoint to resume from; starting at step 0")
+
+    # 4. Train.
+    writer = metrics.MetricsWriter(args.output_dir, enabled=dist.get_rank() == 0)
+    global_batch = args.train_batch_size * state.dp_size
+    steps_per_epoch = len(loader)
+    progress = None
+    if args.progress and dist.get_rank() == 0:
+        from tqdm import tqdm
+
+        progress = tqdm(total=args.max_steps, initial=train_state.step, desc="train", unit="step",
+                        dynamic_ncols=True, file=sys.stdout)
+    losses, step_times, start = [], [], time.perf_counter()
+    last_step = min(args.max_steps, args.stop_at_step or args.max_steps)
+    while train_state.step < last_step:
+        epoch, offset = divmod(train_state.step, steps_per_epoch)
+        sampler.set_epoch(epoch)
+        for i, batch in enumerate(loader):
+            if i < offset:
+                continue  # resumed mid-epoch: skip what the run before already consumed
+            if train_state.step >= last_step:
+                break
+            t0 = time.perf_counter()
+            loss = model(input_ids=batch, labels=batch).loss  # bf16 via FSDP mixed precision
+            loss.backward()
+            grad_norm = clip_grad_norm_(model, args.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            train_state.step += 1
+            step = train_state.step
+            reduced = loss.detach().float().clone()
+            dist.all_reduce(reduced)
+            reduced = reduced.item() / dist.get_world_size()
+            step_time = time.perf_counter() - t0
+            losses.append(reduced)
+            step_times.append(step_time)
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(loss=f"{reduced:.3f}")
+            if step % args.logging_freq == 0 or step == args.max_steps:
+                tflops = metrics.model_tflops_per_rank(config, global_batch, args.max_context_width, step_time,
+                                                       state.world_size)
+                row = {"train/loss": reduced, "perf/samples_per_s": global_batch / step_time,
+                       "perf/tokens_per_s": global_batch * args.max_context_width / step_time,
+                       "perf/model_tflops_per_rank": tflops, "lr": scheduler.get_last_lr()[0],
+                       "grad_norm": float(grad_norm), **metrics.memory_gb()}
+                writer.log(step, **row)
+                rank0_print(f"[train] step {step}: loss {reduced:.4f}, {row['perf/samples_per_s']:.1f} samples/s, "
+                            f"{row['perf/tokens_per_s']:.0f} tokens/s, {tflops:.4f} model TFLOPs/rank, "
+                            f"lr {row['lr']:.2e}, grad norm {row['grad_norm']:.3f}, "
+                            f"peak mem {row['cpu_peak_gb']:.2f} GB" + offload_note(model, args))
+            if val_loader is not None and step % args.validation_freq == 0:
+                val = evaluate(model, val_loader, args.validation_batches)
+                writer.log(step, **{"val/loss": val, "val/perplexity": math.exp(val)})
+                rank0_print(f"[train] step {step}: validation loss {val:.4f}, perplexity {math.exp(val):.2f}")
+            if args.checkpoint_dir and args.checkpoint_freq and step % args.checkpoint_freq == 0:
+                path = checkpoints.save(train_state, args.checkpoint_dir, args.model_type,
+                                        args.num_kept_checkpoints, args.checkpoint_type == "async_sharded")
+                rank0_print(f"[train] step {step}: checkpoint {path}")
+    if progress is not None:
+        progress.close()
+    checkpoints.finish()
+
+    # 5. Export and summary.
+    if args.export_dir:
+        from torch.sagemaker.distributed.checkpoint.hf_export import save_hf_checkpoint
+
+        save_hf_checkpoint(model, args.export_dir)
+        rank0_print(f"[train] exported a Hugging Face model to {args.export_dir}")
+    median_step = sorted(step_times)[len(step_times) // 2] if step_times else float("nan")
+    summary = {"title": f"{args.model_type}, {state.world_size} ranks, {dist.get_backend()}",
+               "steps": train_state.step, "first_loss": losses[0] if losses else None,
+               "last_loss": losses[-1] if losses else None, "losses": losses,
+               "median_step_s": median_step, "tokens_per_s": global_batch * args.max_context_width / median_step,
+               "minutes": (time.perf_counter() - start) / 60, "num_params": num_params}
+    plot = writer.close(summary)
+    if losses:
+        rank0_print(f"[train] done: {len(losses)} steps in {summary['minutes']:.1f} min, loss "
+                    f"{losses[0]:.3f} -> {losses[-1]:.3f}, median step {median_step * 1e3:.0f} ms, "
+                    f"{summary['tokens_per_s']:.0f} tokens/s" + (f", plot {plot}" if plot else ""))
+    dist.destroy_process_group()
+    return summary
+
+
+def build_model_params_count(config):
+    with torch.device("meta"):
+        return list(build_model(config).parameters())
+
+
+def offload_note(model, args) -> str:
+    """Offload statistics of the last step, when SMP's prefetching offloader is on."""
+    if not (args.offload_activations and tsm.state.sm_activation_offloading):
+        return ""
+    from torch.sagemaker.offload import get_stats
+
+    return f", offload: {get_stats(model)}"
+
+
+if __name__ == "__main__":
+    main()
