@@ -42,7 +42,8 @@ def _train(tmp_path, ranks, *flags, name="run"):
 def test_every_config_is_listed_in_the_readme():
     shipped = sorted(os.listdir(os.path.join(ROOT, "examples", "configs")))
     assert shipped == sorted(CONFIGS)
-    readme = open(os.path.join(ROOT, "examples", "README.md")).read()
+    with open(os.path.join(ROOT, "examples", "README.md")) as f:
+        readme = f.read()
     assert all(name in readme for name in shipped)
 
 
