@@ -2,9 +2,52 @@
 //
 // Python decides, C++ executes: every function exported here has a Python wrapper with a
 // docstring in torch_sagemaker/ (see torch_sagemaker/distributed/backend.py).
+#include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/extension.h>
+
+#include "smddp/backend.h"
+#include "smddp/kernels.h"
+
+namespace py = pybind11;
+
+namespace {
+
+c10::intrusive_ptr<smddp::ProcessGroupSMDDP> create_backend(
+    const c10d::DistributedBackendOptions& opts, const py::object& /*pg_options*/) {
+  return c10::make_intrusive<smddp::ProcessGroupSMDDP>(opts.store, opts.group_rank,
+                                                       opts.group_size, opts.timeout,
+                                                       opts.group_id, opts.global_ranks_in_group);
+}
+
+py::dict layout_of(const smddp::ProcessGroupSMDDP& pg) {
+  const auto& l = pg.comm().layout();
+  py::dict d;
+  d["hosts"] = l.hosts;
+  d["local_size"] = l.local_size;
+  d["host"] = l.host;
+  d["local_rank"] = l.local_rank;
+  d["members"] = l.members;
+  d["forced"] = l.forced;
+  d["uniform"] = l.uniform;
+  return d;
+}
+
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Native parts of torch_sagemaker (the smddp collective backend).";
-  m.attr("has_smddp_backend") = false;
+  m.attr("has_smddp_backend") = true;
+
+  auto base = py::module::import("torch._C._distributed_c10d").attr("Backend");
+  py::class_<smddp::ProcessGroupSMDDP, c10::intrusive_ptr<smddp::ProcessGroupSMDDP>>(
+      m, "ProcessGroupSMDDP", base)
+      .def("_layout", &layout_of)
+      .def("_listen_port", [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().listen_port(); })
+      .def("_rejected_connections",
+           [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().rejected_connections(); });
+
+  // The store wait inside runs without the GIL so other Python threads keep running.
+  m.def("create_backend", &create_backend, py::arg("dist_backend_opts"), py::arg("pg_options"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("kernel_isa", &smddp::kernel_isa);
 }

@@ -1,0 +1,161 @@
+// ProcessGroupSMDDP: construction, shutdown, shared helpers.
+#include "smddp/backend.h"
+
+#include <Python.h>
+#include <pybind11/pybind11.h>
+
+namespace smddp {
+namespace {
+
+// The group's c10d store as the communicator's key-value interface.
+class StoreKV : public KeyValue {
+ public:
+  explicit StoreKV(c10::intrusive_ptr<c10d::Store> s) : store_(std::move(s)) {}
+  void set(const std::string& k, const std::string& v) override {
+    store_->set(k, std::vector<uint8_t>(v.begin(), v.end()));
+  }
+  std::string get(const std::string& k) override {
+    auto v = store_->get(k);
+    return std::string(v.begin(), v.end());
+  }
+  bool check(const std::string& k) override { return store_->check({k}); }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+};
+
+// Joining threads whose futures may run Python callbacks must not hold the GIL.
+template <typename F>
+void without_gil(F&& f) {
+  if (Py_IsInitialized() && PyGILState_Check()) {
+    pybind11::gil_scoped_release release;
+    f();
+  } else {
+    f();
+  }
+}
+
+}  // namespace
+
+DType to_dtype(at::ScalarType t, const char* collective) {
+  switch (t) {
+    case at::kFloat:
+      return DType::F32;
+    case at::kDouble:
+      return DType::F64;
+    case at::kBFloat16:
+      return DType::BF16;
+    case at::kHalf:
+      return DType::F16;
+    case at::kChar:
+      return DType::I8;
+    case at::kByte:
+      return DType::U8;
+    case at::kShort:
+      return DType::I16;
+    case at::kInt:
+      return DType::I32;
+    case at::kLong:
+      return DType::I64;
+    case at::kBool:
+      return DType::BOOL;
+    default:
+      TORCH_CHECK_TYPE(false, "smddp: ", collective, " does not support dtype ", t,
+                       " for reductions; supported: float32, float64, bfloat16, float16, int8, "
+                       "uint8, int16, int32, int64, bool");
+  }
+}
+
+void check_cpu(const at::Tensor& t, const char* collective, const char* what) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "smddp: ", collective, " got ", what, " on device ",
+                    t.device(), "; the smddp backend handles CPU tensors only (use "
+                    "init_process_group(\"cpu:smddp,cuda:nccl\") for accelerator tensors)");
+  TORCH_CHECK_VALUE(t.layout() == at::kStrided, "smddp: ", collective, " got a ", t.layout(),
+                    " tensor as ", what, "; only dense (strided) tensors are supported");
+}
+
+ProcessGroupSMDDP::ProcessGroupSMDDP(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                     int size, std::chrono::duration<float> timeout,
+                                     std::string group_name, std::vector<int64_t> global_ranks)
+    : c10d::Backend(rank, size), timeout_s_(timeout.count()), group_name_(std::move(group_name)) {
+  CommConfig cfg;
+  cfg.rank = rank;
+  cfg.size = size;
+  for (auto g : global_ranks) cfg.global_ranks.push_back(static_cast<int>(g));
+  cfg.group_name = group_name_;
+  cfg.timeout_s = timeout_s_;
+  StoreKV kv(store);
+  comm_ = std::make_unique<Communicator>(kv, cfg);
+}
+
+ProcessGroupSMDDP::~ProcessGroupSMDDP() { shutdown(); }
+
+void ProcessGroupSMDDP::shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  without_gil([&] { exec_.shutdown(); });
+  comm_.reset();  // unmaps the segments, closes sockets, joins the listener
+}
+
+void ProcessGroupSMDDP::abort() {
+  if (comm_) comm_->abort();
+  shutdown();
+}
+
+double ProcessGroupSMDDP::timeout_of(std::chrono::milliseconds t) const {
+  return t.count() > 0 ? t.count() / 1e3 : timeout_s_;
+}
+
+Reduction ProcessGroupSMDDP::reduction_of(const c10d::ReduceOp& op, const at::Tensor& t,
+                                          const char* name) const {
+  Reduction r;
+  r.dtype = to_dtype(t.scalar_type(), name);
+  r.op = static_cast<RedOp>(static_cast<int>(op.op_));
+  TORCH_CHECK_VALUE(static_cast<int>(op.op_) <= static_cast<int>(c10d::ReduceOp::PREMUL_SUM),
+                    "smddp: ", name, " got an unknown reduce op");
+  try {
+    check_reduction(r.dtype, r.op, name);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  r.divisor = size_;
+  if (r.op == RedOp::PREMUL_SUM) {
+    auto* sup = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+    TORCH_CHECK_VALUE(sup, "smddp: ", name, " got PREMUL_SUM without a factor");
+    r.premul = sup->tensor_factor.defined() ? sup->tensor_factor.to(at::kDouble).item<double>()
+                                            : sup->double_factor;
+  }
+  return r;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::track(c10::intrusive_ptr<c10d::Work> w) {
+  if (coalescing_) coalesced_.push_back(w);
+  return w;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::submit(c10d::OpType type,
+                                                         std::vector<at::Tensor> outputs,
+                                                         bool async_op, std::function<void()> fn) {
+  TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
+  auto work = c10::make_intrusive<SmddpWork>(rank_, type, std::move(outputs));
+  if (type == c10d::OpType::SEND) {
+    exec_.submit_send(std::move(fn), work);
+  } else {
+    exec_.submit(std::move(fn), work, async_op || coalescing_);
+  }
+  return track(work);
+}
+
+void ProcessGroupSMDDP::startCoalescing() {
+  coalescing_ = true;
+  coalesced_.clear();
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::endCoalescing() {
+  coalescing_ = false;
+  auto parts = std::move(coalesced_);
+  coalesced_.clear();
+  return c10::make_intrusive<CoalescedWork>(std::move(parts));
+}
+
+}  // namespace smddp

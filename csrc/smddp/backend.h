@@ -1,0 +1,106 @@
+// ProcessGroupSMDDP: the c10d::Backend registered as "smddp" for CPU tensors.
+//
+// This layer validates tensors (device, dtype, sizes) on the caller's thread, stages
+// non-contiguous tensors, and hands raw pointers to the Communicator through the
+// Executor (Note [Execution order] in work.h).
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <memory>
+
+#include "smddp/comm.h"
+#include "smddp/work.h"
+
+namespace smddp {
+
+class ProcessGroupSMDDP : public c10d::Backend {
+ public:
+  ProcessGroupSMDDP(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                    std::chrono::duration<float> timeout, std::string group_name,
+                    std::vector<int64_t> global_ranks);
+  ~ProcessGroupSMDDP() override;
+
+  const std::string getBackendName() const override { return "smddp"; }
+  void setTimeout(std::chrono::milliseconds timeout) override { timeout_s_ = timeout.count() / 1e3; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_splits,
+                                               std::vector<int64_t>& input_splits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+
+  void shutdown() override;
+  void abort() override;
+
+  // Introspection for tests and the benchmark.
+  const Communicator& comm() const { return *comm_; }
+
+ private:
+  // Submits `fn` (run on raw pointers) and returns its Work.
+  c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                        bool async_op, std::function<void()> fn);
+  double timeout_of(std::chrono::milliseconds t) const;
+  Reduction reduction_of(const c10d::ReduceOp& op, const at::Tensor& t, const char* name) const;
+  // Records works issued between startCoalescing and endCoalescing.
+  c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> w);
+
+  std::unique_ptr<Communicator> comm_;
+  Executor exec_;
+  double timeout_s_;
+  std::string group_name_;
+  bool coalescing_ = false;
+  std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
+  bool shut_down_ = false;
+};
+
+// Maps an ATen dtype to ours; throws TypeError naming the collective for unsupported ones.
+DType to_dtype(at::ScalarType t, const char* collective);
+
+// Throws unless `t` is a dense CPU tensor.
+void check_cpu(const at::Tensor& t, const char* collective, const char* what);
+
+}  // namespace smddp

@@ -1,0 +1,445 @@
+// ProcessGroupSMDDP collectives: validation on the caller's thread, then a closure on raw
+// pointers for the executor. Non-contiguous tensors are staged through a contiguous copy.
+#include <sstream>
+
+#include "smddp/backend.h"
+
+namespace smddp {
+namespace {
+
+using c10d::OpType;
+using c10d::Work;
+using WorkPtr = c10::intrusive_ptr<Work>;
+
+at::Tensor contiguous_out(const at::Tensor& t) {
+  return t.is_contiguous() ? t : at::empty(t.sizes(), t.options());
+}
+
+void copy_back(const at::Tensor& staged, const at::Tensor& t) {
+  if (!staged.is_same(t)) t.copy_(staged);
+}
+
+std::string args_of(const at::Tensor& t, const char* op = nullptr) {
+  std::ostringstream os;
+  os << c10::toString(t.scalar_type());
+  if (op) os << ", " << op;
+  os << ", " << t.numel() << " elements";
+  return os.str();
+}
+
+CollDesc desc_of(const at::Tensor& t, int op, uint64_t count, uint64_t extra = 0) {
+  CollDesc d;
+  d.dtype_op = (static_cast<uint32_t>(t.scalar_type()) << 8) | static_cast<uint32_t>(op);
+  d.count = count;
+  d.extra = extra;
+  return d;
+}
+
+void check_single(const std::vector<at::Tensor>& ts, const char* name) {
+  TORCH_CHECK_VALUE(ts.size() == 1, "smddp: ", name, " expects exactly one tensor per call, got ",
+                    ts.size());
+  check_cpu(ts[0], name, "its tensor");
+}
+
+void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* name) {
+  TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), "smddp: ", name,
+                   ": input and output dtypes differ (", a.scalar_type(), " vs ",
+                   b.scalar_type(), ")");
+}
+
+at::Tensor flat_cat(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> flat;
+  for (const auto& t : ts) flat.push_back(t.reshape({-1}));
+  return at::cat(flat);
+}
+
+}  // namespace
+
+WorkPtr ProcessGroupSMDDP::allreduce(std::vector<at::Tensor>& tensors,
+                                     const c10d::AllreduceOptions& opts) {
+  check_single(tensors, "all_reduce");
+  at::Tensor t = tensors[0];
+  Reduction red = reduction_of(opts.reduceOp, t, "all_reduce");
+  OpCtx ctx = comm_->make_ctx("all_reduce", desc_of(t, int(red.op), t.numel()),
+                              args_of(t, redop_name(red.op)), timeout_of(opts.timeout));
+  return submit(OpType::ALLREDUCE, tensors, opts.asyncOp, [this, t, red, ctx] {
+    at::Tensor c = t.contiguous();
+    comm_->allreduce(c.data_ptr(), c.numel(), red, ctx);
+    copy_back(c, t);
+  });
+}
+
+WorkPtr ProcessGroupSMDDP::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                               const c10d::AllreduceCoalescedOptions& opts) {
+  TORCH_CHECK_VALUE(!tensors.empty(), "smddp: all_reduce_coalesced needs at least one tensor");
+  for (const auto& t : tensors) {
+    check_cpu(t, "all_reduce_coalesced", "a tensor");
+    check_same_dtype(tensors[0], t, "all_reduce_coalesced");
+  }
+  Reduction red = reduction_of(opts.reduceOp, tensors[0], "all_reduce_coalesced");
+  int64_t total = 0;
+  for (const auto& t : tensors) total += t.numel();
+  OpCtx ctx = comm_->make_ctx("all_reduce_coalesced", desc_of(tensors[0], int(red.op), total),
+                              args_of(tensors[0], redop_name(red.op)), timeout_of(opts.timeout));
+  auto ts = tensors;
+  return submit(OpType::ALLREDUCE_COALESCED, tensors, opts.asyncOp, [this, ts, red, ctx] {
+    // One collective over the concatenation, then scattered back.
+    at::Tensor flat = flat_cat(ts);
+    comm_->allreduce(flat.data_ptr(), flat.numel(), red, ctx);
+    int64_t off = 0;
+    for (const auto& t : ts) {
+      t.copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
+      off += t.numel();
+    }
+  });
+}
+
+WorkPtr ProcessGroupSMDDP::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
+  check_single(tensors, "reduce");
+  at::Tensor t = tensors[0];
+  int root = static_cast<int>(opts.rootRank);
+  TORCH_CHECK_VALUE(root >= 0 && root < size_, "smddp: reduce root ", root, " out of range");
+  Reduction red = reduction_of(opts.reduceOp, t, "reduce");
+  OpCtx ctx = comm_->make_ctx("reduce", desc_of(t, int(red.op), t.numel(), root),
+                              args_of(t, redop_name(red.op)), timeout_of(opts.timeout));
+  int me = rank_;
+  return submit(OpType::REDUCE, tensors, opts.asyncOp, [this, t, red, ctx, root, me] {
+    // Every rank takes part in an all-reduce; only the root keeps the result.
+    at::Tensor c = me == root ? t.contiguous() : t.clone(at::MemoryFormat::Contiguous);
+    comm_->allreduce(c.data_ptr(), c.numel(), red, ctx);
+    if (me == root) copy_back(c, t);
+  });
+}
+
+WorkPtr ProcessGroupSMDDP::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                           const c10d::AllgatherOptions& opts) {
+  const char* name = "all_gather_into_tensor";
+  check_cpu(input, name, "the input");
+  check_cpu(output, name, "the output");
+  check_same_dtype(input, output, name);
+  TORCH_CHECK_VALUE(output.numel() == input.numel() * size_, "smddp: ", name,
+                    ": the output must have world_size (", size_, ") x input numel (",
+                    input.numel(), ") = ", input.numel() * size_, " elements, got ",
+                    output.numel());
+  const size_t bytes = input.numel() * input.element_size();
+  OpCtx ctx = comm_->make_ctx(name, desc_of(input, 0, bytes), args_of(input),
+                              timeout_of(opts.timeout));
+  at::Tensor in = input, out = output;
+  return submit(OpType::_ALLGATHER_BASE, {output}, opts.asyncOp, [this, in, out, bytes, ctx] {
+    at::Tensor o = contiguous_out(out);
+    // An input that is a view of this rank's slot of the output (FSDP2) is used as is.
+    at::Tensor i = in.contiguous();
+    comm_->allgather(i.data_ptr(), o.data_ptr(), bytes, ctx);
+    copy_back(o, out);
+  });
+}
+
+WorkPtr ProcessGroupSMDDP::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                     std::vector<at::Tensor>& inputs,
+                                     const c10d::AllgatherOptions& opts) {
+  check_single(inputs, "all_gather");
+  TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_,
+                    "smddp: all_gather needs a list of world_size (", size_, ") output tensors");
+  at::Tensor in = inputs[0];
+  for (const auto& o : outputs[0]) {
+    check_cpu(o, "all_gather", "an output");
+    check_same_dtype(in, o, "all_gather");
+    TORCH_CHECK_VALUE(o.numel() == in.numel(), "smddp: all_gather: every output must have ",
+                      in.numel(), " elements like the input, got ", o.numel());
+  }
+  const size_t bytes = in.numel() * in.element_size();
+  OpCtx ctx = comm_->make_ctx("all_gather", desc_of(in, 0, bytes), args_of(in),
+                              timeout_of(opts.timeout));
+  auto outs = outputs[0];
+  int n = size_;
+  return submit(OpType::ALLGATHER, outs, opts.asyncOp, [this, in, outs, bytes, ctx, n] {
+    at::Tensor i = in.contiguous();
+    at::Tensor flat = at::empty({n * i.numel()}, i.options());
+    comm_->allgather(i.data_ptr(), flat.data_ptr(), bytes, ctx);
+    for (int r = 0; r < n; ++r) {
+      outs[r].copy_(flat.narrow(0, r * i.numel(), i.numel()).view(outs[r].sizes()));
+    }
+  });
+}
+
+WorkPtr ProcessGroupSMDDP::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                               std::vector<at::Tensor>& inputs,
+                                               const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(),
+                    "smddp: all_gather_coalesced needs one output list per input");
+  std::vector<WorkPtr> parts;
+  bool was = coalescing_;
+  coalescing_ = false;
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    std::vector<std::vector<at::Tensor>> o{outputs[k]};
+    std::vector<at::Tensor> i{inputs[k]};
+    parts.push_back(allgather(o, i, opts));
+  }
+  coalescing_ = was;
+  return track(c10::make_intrusive<CoalescedWork>(std::move(parts)));
+}
+
+WorkPtr ProcessGroupSMDDP::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                           std::vector<at::Tensor>& inputs,
+                                                           const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(),
+                    "smddp: all_gather_into_tensor_coalesced needs as many outputs as inputs");
+  std::vector<WorkPtr> parts;
+  bool was = coalescing_;
+  coalescing_ = false;
+  for (size_t k = 0; k < inputs.size(); ++k) parts.push_back(_allgather_base(outputs[k], inputs[k], opts));
+  coalescing_ = was;
+  return track(c10::make_intrusive<CoalescedWork>(std::move(parts)));
+}
+
+WorkPtr ProcessGroupSMDDP::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                const c10d::ReduceScatterOptions& opts) {
+  const char* name = "reduce_scatter_tensor";
+  check_cpu(input, name, "the input");
+  check_cpu(output, name, "the output");
+  check_same_dtype(input, output, name);
+  TORCH_CHECK_VALUE(input.numel() == output.numel() * size_, "smddp: ", name,
+                    ": the input must have world_size (", size_, ") x output numel (",
+                    output.numel(), ") = ", output.numel() * size_, " elements, got ",
+                    input.numel());
+  Reduction red = reduction_of(opts.reduceOp, input, name);
+  OpCtx ctx = comm_->make_ctx(name, desc_of(input, int(red.op), output.numel()),
+                              args_of(output, redop_name(red.op)), timeout_of(opts.timeout));
+  at::Tensor in = input, out = output;
+  return submit(OpType::_REDUCE_SCATTER_BASE, {output}, opts.asyncOp, [this, in, out, red, ctx] {
+    at::Tensor i = in.contiguous();
+    at::Tensor o = contiguous_out(out);
+    comm_->reduce_scatter(i.data_ptr(), o.data_ptr(), o.numel(), red, ctx);
+    copy_back(o, out);
+  });
+}
+
+WorkPtr ProcessGroupSMDDP::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                          std::vector<std::vector<at::Tensor>>& inputs,
+                                          const c10d::ReduceScatterOptions& opts) {
+  check_single(outputs, "reduce_scatter");
+  TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_,
+                    "smddp: reduce_scatter needs a list of world_size (", size_, ") inputs");
+  at::Tensor out = outputs[0];
+  for (const auto& i : inputs[0]) {
+    check_cpu(i, "reduce_scatter", "an input");
+    check_same_dtype(i, out, "reduce_scatter");
+    TORCH_CHECK_VALUE(i.numel() == out.numel(), "smddp: reduce_scatter: every input must have ",
+                      out.numel(), " elements like the output, got ", i.numel());
+  }
+  Reduction red = reduction_of(opts.reduceOp, out, "reduce_scatter");
+  OpCtx ctx = comm_->make_ctx("reduce_scatter", desc_of(out, int(red.op), out.numel()),
+                              args_of(out, redop_name(red.op)), timeout_of(opts.timeout));
+  auto ins = inputs[0];
+  return submit(OpType::REDUCE_SCATTER, outputs, opts.asyncOp, [this, ins, out, red, ctx] {
+    at::Tensor flat = flat_cat(ins);
+    at::Tensor o = contiguous_out(out);
+    comm_->reduce_scatter(flat.data_ptr(), o.data_ptr(), o.numel(), red, ctx);
+    copy_back(o, out);
+  });
+}
+
+WorkPtr ProcessGroupSMDDP::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                           std::vector<at::Tensor>& inputs,
+                                                           const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(),
+                    "smddp: reduce_scatter_tensor_coalesced needs as many outputs as inputs");
+  std::vector<WorkPtr> parts;
+  bool was = coalescing_;
+  coalescing_ = false;
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    parts.push_back(_reduce_scatter_base(outputs[k], inputs[k], opts));
+  }
+  coalescing_ = was;
+  return track(c10::make_intrusive<CoalescedWork>(std::move(parts)));
+}
+
+WorkPtr ProcessGroupSMDDP::broadcast(std::vector<at::Tensor>& tensors,
+                                     const c10d::BroadcastOptions& opts) {
+  check_single(tensors, "broadcast");
+  at::Tensor t = tensors[0];
+  int root = static_cast<int>(opts.rootRank);
+  TORCH_CHECK_VALUE(root >= 0 && root < size_, "smddp: broadcast root ", root, " out of range");
+  const size_t bytes = t.numel() * t.element_size();
+  OpCtx ctx = comm_->make_ctx("broadcast", desc_of(t, 0, bytes, root), args_of(t),
+                              timeout_of(opts.timeout));
+  return submit(OpType::BROADCAST, tensors, opts.asyncOp, [this, t, bytes, root, ctx] {
+    at::Tensor c = t.contiguous();
+    comm_->broadcast(c.data_ptr(), bytes, root, ctx);
+    copy_back(c, t);
+  });
+}
+
+WorkPtr ProcessGroupSMDDP::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                  std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
+  check_single(inputs, "gather");
+  int root = static_cast<int>(opts.rootRank);
+  at::Tensor in = inputs[0];
+  std::vector<at::Tensor> outs;
+  if (rank_ == root) {
+    TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_,
+                      "smddp: gather needs a list of world_size (", size_,
+                      ") outputs on the root");
+    outs = outputs[0];
+    for (const auto& o : outs) {
+      check_cpu(o, "gather", "an output");
+      check_same_dtype(in, o, "gather");
+      TORCH_CHECK_VALUE(o.numel() == in.numel(), "smddp: gather: outputs must have ", in.numel(),
+                        " elements like the input, got ", o.numel());
+    }
+  } else {
+    TORCH_CHECK_VALUE(outputs.empty() || outputs[0].empty(),
+                      "smddp: gather takes outputs only on the root rank");
+  }
+  const size_t bytes = in.numel() * in.element_size();
+  OpCtx ctx = comm_->make_ctx("gather", desc_of(in, 0, bytes, root), args_of(in),
+                              timeout_of(opts.timeout));
+  int n = size_;
+  return submit(OpType::GATHER, outs, opts.asyncOp, [this, in, outs, bytes, ctx, n] {
+    // An all-gather of which only the root keeps the result.
+    at::Tensor i = in.contiguous();
+    at::Tensor flat = at::empty({n * i.numel()}, i.options());
+    comm_->allgather(i.data_ptr(), flat.data_ptr(), bytes, ctx);
+    for (size_t r = 0; r < outs.size(); ++r) {
+      outs[r].copy_(flat.narrow(0, r * i.numel(), i.numel()).view(outs[r].sizes()));
+    }
+  });
+}
+
+WorkPtr ProcessGroupSMDDP::scatter(std::vector<at::Tensor>& outputs,
+                                   std::vector<std::vector<at::Tensor>>& inputs,
+                                   const c10d::ScatterOptions& opts) {
+  check_single(outputs, "scatter");
+  int root = static_cast<int>(opts.rootRank);
+  at::Tensor out = outputs[0];
+  std::vector<at::Tensor> ins;
+  if (rank_ == root) {
+    TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_,
+                      "smddp: scatter needs a list of world_size (", size_, ") inputs on the root");
+    ins = inputs[0];
+    for (const auto& i : ins) {
+      check_cpu(i, "scatter", "an input");
+      check_same_dtype(i, out, "scatter");
+      TORCH_CHECK_VALUE(i.numel() == out.numel(), "smddp: scatter: inputs must have ",
+                        out.numel(), " elements like the output, got ", i.numel());
+    }
+  } else {
+    TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(),
+                      "smddp: scatter takes inputs only on the root rank");
+  }
+  const size_t bytes = out.numel() * out.element_size() * size_;
+  OpCtx ctx = comm_->make_ctx("scatter", desc_of(out, 0, bytes, root), args_of(out),
+                              timeout_of(opts.timeout));
+  int n = size_, me = rank_;
+  return submit(OpType::SCATTER, outputs, opts.asyncOp, [this, ins, out, bytes, root, ctx, n, me] {
+    // The root broadcasts the concatenation; every rank keeps its slice.
+    at::Tensor flat = ins.empty() ? at::empty({n * out.numel()}, out.options()) : flat_cat(ins);
+    comm_->broadcast(flat.data_ptr(), bytes, root, ctx);
+    out.copy_(flat.narrow(0, me * out.numel(), out.numel()).view(out.sizes()));
+  });
+}
+
+WorkPtr ProcessGroupSMDDP::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                         std::vector<int64_t>& output_splits,
+                                         std::vector<int64_t>& input_splits,
+                                         const c10d::AllToAllOptions& opts) {
+  const char* name = "all_to_all_single";
+  check_cpu(input, name, "the input");
+  check_cpu(output, name, "the output");
+  check_same_dtype(input, output, name);
+  auto spans = [&](const at::Tensor& t, const std::vector<int64_t>& splits, const char* what) {
+    int64_t rows = t.dim() ? t.size(0) : 1;
+    int64_t row_bytes = rows ? t.numel() * t.element_size() / rows : 0;
+    std::vector<Span> out(size_);
+    if (splits.empty()) {
+      TORCH_CHECK_VALUE(rows % size_ == 0, "smddp: ", name, ": the ", what, " has ", rows,
+                        " rows, not divisible by world_size ", size_, "; pass split sizes");
+      for (int r = 0; r < size_; ++r) out[r] = {size_t(r * rows / size_ * row_bytes), size_t(rows / size_ * row_bytes)};
+      return out;
+    }
+    TORCH_CHECK_VALUE(static_cast<int>(splits.size()) == size_, "smddp: ", name, ": ", what,
+                      " split sizes must have world_size (", size_, ") entries, got ",
+                      splits.size());
+    int64_t off = 0;
+    for (int r = 0; r < size_; ++r) {
+      TORCH_CHECK_VALUE(splits[r] >= 0, "smddp: ", name, ": negative split size");
+      out[r] = {size_t(off * row_bytes), size_t(splits[r] * row_bytes)};
+      off += splits[r];
+    }
+    TORCH_CHECK_VALUE(off == rows, "smddp: ", name, ": ", what, " split sizes sum to ", off,
+                      " but the ", what, " has ", rows, " rows");
+    return out;
+  };
+  std::vector<Span> send = spans(input, input_splits, "input");
+  std::vector<Span> recv = spans(output, output_splits, "output");
+  OpCtx ctx = comm_->make_ctx(name, desc_of(input, 0, 0), args_of(input), timeout_of(opts.timeout));
+  at::Tensor in = input, out = output;
+  return submit(OpType::ALLTOALL_BASE, {output}, opts.asyncOp, [this, in, out, send, recv, ctx] {
+    at::Tensor i = in.contiguous();
+    at::Tensor o = contiguous_out(out);
+    comm_->alltoall(i.data_ptr(), send, o.data_ptr(), recv, ctx);
+    copy_back(o, out);
+  });
+}
+
+WorkPtr ProcessGroupSMDDP::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                    const c10d::AllToAllOptions& opts) {
+  TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == size_ &&
+                        static_cast<int>(outputs.size()) == size_,
+                    "smddp: all_to_all needs world_size (", size_, ") inputs and outputs");
+  std::vector<Span> send(size_), recv(size_);
+  size_t so = 0, ro = 0;
+  for (int r = 0; r < size_; ++r) {
+    check_cpu(inputs[r], "all_to_all", "an input");
+    check_cpu(outputs[r], "all_to_all", "an output");
+    check_same_dtype(inputs[r], outputs[r], "all_to_all");
+    send[r] = {so, size_t(inputs[r].numel() * inputs[r].element_size())};
+    recv[r] = {ro, size_t(outputs[r].numel() * outputs[r].element_size())};
+    so += send[r].len;
+    ro += recv[r].len;
+  }
+  OpCtx ctx = comm_->make_ctx("all_to_all", desc_of(inputs[0], 0, 0), args_of(inputs[0]),
+                              timeout_of(opts.timeout));
+  auto ins = inputs, outs = outputs;
+  return submit(OpType::ALLTOALL, outputs, opts.asyncOp, [this, ins, outs, send, recv, ctx, ro] {
+    at::Tensor flat_in = flat_cat(ins);
+    at::Tensor flat_out = at::empty({static_cast<int64_t>(ro)}, at::kByte);
+    comm_->alltoall(flat_in.data_ptr(), send, flat_out.data_ptr(), recv, ctx);
+    for (size_t r = 0; r < outs.size(); ++r) {
+      auto bytes = flat_out.narrow(0, recv[r].off, recv[r].len);
+      outs[r].copy_(bytes.view(outs[r].scalar_type()).view(outs[r].sizes()));
+    }
+  });
+}
+
+WorkPtr ProcessGroupSMDDP::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
+  check_single(tensors, "send");
+  TORCH_CHECK_VALUE(dst >= 0 && dst < size_ && dst != rank_, "smddp: send to invalid rank ", dst);
+  at::Tensor t = tensors[0];
+  OpCtx ctx = comm_->make_ctx("send", desc_of(t, 0, t.numel()), args_of(t) + ", to rank " + std::to_string(dst),
+                              timeout_s_);
+  return submit(OpType::SEND, tensors, true, [this, t, dst, tag, ctx] {
+    at::Tensor c = t.contiguous();
+    comm_->send(c.data_ptr(), c.numel() * c.element_size(), dst, static_cast<uint32_t>(tag), ctx);
+  });
+}
+
+WorkPtr ProcessGroupSMDDP::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
+  check_single(tensors, "recv");
+  TORCH_CHECK_VALUE(src >= 0 && src < size_ && src != rank_, "smddp: recv from invalid rank ", src);
+  at::Tensor t = tensors[0];
+  OpCtx ctx = comm_->make_ctx("recv", desc_of(t, 0, t.numel()), args_of(t) + ", from rank " + std::to_string(src),
+                              timeout_s_);
+  return submit(OpType::RECV, tensors, true, [this, t, src, tag, ctx] {
+    at::Tensor c = contiguous_out(t);
+    comm_->recv(c.data_ptr(), c.numel() * c.element_size(), src, static_cast<uint32_t>(tag), ctx);
+    copy_back(c, t);
+  });
+}
+
+WorkPtr ProcessGroupSMDDP::barrier(const c10d::BarrierOptions& opts) {
+  OpCtx ctx = comm_->make_ctx("barrier", CollDesc{}, "", timeout_of(opts.timeout));
+  return submit(OpType::BARRIER, {}, opts.asyncOp, [this, ctx] { comm_->barrier(ctx); });
+}
+
+}  // namespace smddp

@@ -1,0 +1,210 @@
+// Communicator set-up: secret and nonce, host discovery, TCP listener, shm segments.
+#include "smddp/comm.h"
+
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <thread>
+
+namespace smddp {
+namespace {
+
+std::string random_hex(size_t bytes) {
+  std::string raw(bytes, '\0');
+  if (getrandom(raw.data(), bytes, 0) != static_cast<ssize_t>(bytes)) {
+    throw CommError("smddp: getrandom() failed");
+  }
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : raw) {
+    out.push_back(digits[c >> 4]);
+    out.push_back(digits[c & 15]);
+  }
+  return out;
+}
+
+std::string read_first_line(const std::string& path) {
+  std::ifstream f(path);
+  std::string line;
+  std::getline(f, line);
+  return line;
+}
+
+// Processes share /dev/shm only on the same machine, boot and IPC namespace.
+std::string real_host_id() {
+  char name[256] = {0};
+  gethostname(name, sizeof(name) - 1);
+  char ns[128] = {0};
+  ssize_t n = readlink("/proc/self/ns/ipc", ns, sizeof(ns) - 1);
+  if (n < 0) n = 0;
+  return std::string(name) + "/" + read_first_line("/proc/sys/kernel/random/boot_id") + "/" +
+         std::string(ns, static_cast<size_t>(n));
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, sep)) out.push_back(item);
+  return out;
+}
+
+// Waits until every key of `keys` (indexed by group rank) exists; names the missing ranks
+// when the deadline passes.
+void wait_keys(KeyValue& kv, const std::vector<std::string>& keys, const std::vector<int>& ranks,
+               const Deadline& dl, const std::string& what) {
+  std::vector<uint8_t> seen(keys.size(), 0);
+  auto pause = std::chrono::microseconds(200);
+  while (true) {
+    bool all = true;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (!seen[i]) seen[i] = kv.check(keys[i]) ? 1 : 0;
+      all = all && seen[i];
+    }
+    if (all) return;
+    if (dl.expired()) {
+      std::vector<int> missing;
+      for (size_t i = 0; i < keys.size(); ++i) {
+        if (!seen[i]) missing.push_back(ranks[i]);
+      }
+      char secs[32];
+      snprintf(secs, sizeof(secs), "%.1f", dl.seconds);
+      throw CommError(what + " timed out after " + secs + " s: ranks " + format_ranks(missing) +
+                      " never arrived");
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(20000));
+  }
+}
+
+}  // namespace
+
+Communicator::Communicator(KeyValue& kv, CommConfig cfg) : cfg_(std::move(cfg)) {
+  if (cfg_.global_ranks.empty()) {
+    for (int i = 0; i < cfg_.size; ++i) cfg_.global_ranks.push_back(i);
+  }
+  Deadline dl = Deadline::after(cfg_.timeout_s);
+  oneshot_bytes_ = static_cast<size_t>(env_int("SMDDP_ONESHOT_BYTES", 256 << 10));
+  // Rank 0 of the group draws the shm nonce and the mesh secret; the store distributes them.
+  if (cfg_.rank == 0) kv.set("smddp/keys", random_hex(16) + ":" + random_hex(32));
+  std::vector<int> zero{0};
+  wait_keys(kv, {"smddp/keys"}, {cfg_.global_ranks[0]}, dl,
+            "smddp: creating group '" + cfg_.group_name + "'");
+  auto keys = split(kv.get("smddp/keys"), ':');
+  nonce_ = keys.at(0);
+  secret_ = keys.at(1);
+  tcp_ = std::make_unique<TcpMesh>(cfg_.rank, cfg_.size, secret_, cfg_.group_name);
+  tcp_->listen();
+  discover(kv, dl);
+  setup_shm(kv, dl);
+}
+
+Communicator::~Communicator() {
+  if (tcp_) tcp_->shutdown();
+}
+
+void Communicator::discover(KeyValue& kv, const Deadline& dl) {
+  const std::string real = real_host_id();
+  std::string host = real;
+  int64_t forced = env_int("SMDDP_FORCE_LOCAL_SIZE", 0);
+  if (forced > 0) {
+    host += "/forced-" + std::to_string(cfg_.global_ranks[cfg_.rank] / forced);
+    layout_.forced = true;
+  }
+  std::ostringstream me;
+  me << host << "|" << real << "|" << local_address() << "|" << tcp_->port();
+  kv.set("smddp/peer/" + std::to_string(cfg_.rank), me.str());
+  std::vector<std::string> keys;
+  for (int r = 0; r < cfg_.size; ++r) keys.push_back("smddp/peer/" + std::to_string(r));
+  wait_keys(kv, keys, cfg_.global_ranks, dl, "smddp: creating group '" + cfg_.group_name + "'");
+
+  std::vector<PeerAddr> peers(cfg_.size);
+  std::map<std::string, int> host_index;
+  for (int r = 0; r < cfg_.size; ++r) {
+    auto f = split(kv.get(keys[r]), '|');
+    if (f.size() != 4) throw CommError("smddp: malformed peer record of rank " + std::to_string(r));
+    // Peers on this very machine are reached over loopback.
+    peers[r] = {f[1] == real ? std::string("127.0.0.1") : f[2], std::stoi(f[3])};
+    auto it = host_index.find(f[0]);
+    if (it == host_index.end()) {
+      it = host_index.emplace(f[0], static_cast<int>(layout_.members.size())).first;
+      layout_.members.emplace_back();
+    }
+    layout_.members[it->second].push_back(r);
+  }
+  tcp_->set_peers(std::move(peers));
+  size_t l0 = layout_.members[0].size();
+  for (const auto& m : layout_.members) layout_.uniform = layout_.uniform && m.size() == l0;
+  if (!layout_.uniform) {
+    // Unequal hosts: every rank is its own "host"; all traffic goes over the mesh.
+    layout_.members.clear();
+    for (int r = 0; r < cfg_.size; ++r) layout_.members.push_back({r});
+  }
+  layout_.hosts = static_cast<int>(layout_.members.size());
+  layout_.local_size = static_cast<int>(layout_.members[0].size());
+  for (int h = 0; h < layout_.hosts; ++h) {
+    const auto& m = layout_.members[h];
+    for (int l = 0; l < static_cast<int>(m.size()); ++l) {
+      if (m[l] == cfg_.rank) {
+        layout_.host = h;
+        layout_.local_rank = l;
+      }
+    }
+  }
+  for (int h = 0; h < layout_.hosts; ++h) rail_.push_back(layout_.members[h][layout_.local_rank]);
+}
+
+void Communicator::setup_shm(KeyValue& kv, const Deadline& dl) {
+  ShmConfig sc;
+  sc.nonce = nonce_ + "_" + std::to_string(layout_.host);
+  sc.group_name = cfg_.group_name;
+  sc.local_rank = layout_.local_rank;
+  sc.group_ranks = layout_.members[layout_.host];
+  size_t buf = static_cast<size_t>(env_int("SMDDP_BUFFER_BYTES", 1 << 20));
+  sc.buffer_bytes = std::max<size_t>(4096, (buf + 4095) & ~static_cast<size_t>(4095));
+  shm_ = std::make_unique<ShmComm>(sc);
+  const auto& local = layout_.members[layout_.host];
+  std::vector<int> local_global;
+  for (int r : local) local_global.push_back(cfg_.global_ranks[r]);
+  auto key = [&](const char* what, int r) { return std::string("smddp/") + what + "/" + std::to_string(r); };
+  std::vector<std::string> created, attached;
+  for (int r : local) {
+    created.push_back(key("shm", r));
+    attached.push_back(key("attached", r));
+  }
+  // Create mine, wait for the local peers' segments, map them, and unlink mine once every
+  // local peer mapped it (Note [Segment lifetime]). Any failure unlinks mine first.
+  shm_->create();
+  try {
+    kv.set(key("shm", cfg_.rank), "1");
+    wait_keys(kv, created, local_global, dl, "smddp: creating group '" + cfg_.group_name + "'");
+    for (int l = 0; l < static_cast<int>(local.size()); ++l) shm_->attach(l);
+    kv.set(key("attached", cfg_.rank), "1");
+    wait_keys(kv, attached, local_global, dl, "smddp: creating group '" + cfg_.group_name + "'");
+  } catch (...) {
+    shm_->unlink_own();
+    throw;
+  }
+  shm_->unlink_own();
+}
+
+OpCtx Communicator::make_ctx(const char* name, CollDesc desc, std::string args, double timeout_s) {
+  OpCtx ctx;
+  ctx.name = name;
+  ctx.desc = desc;
+  ctx.desc.kind = hash_name(name);
+  ctx.args = std::move(args);
+  ctx.deadline = Deadline::after(timeout_s > 0 ? timeout_s : cfg_.timeout_s);
+  return ctx;
+}
+
+void Communicator::abort() {
+  shm_->abort();
+  tcp_->abort();
+}
+
+}  // namespace smddp

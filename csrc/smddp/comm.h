@@ -1,0 +1,105 @@
+// One group's communicator: finds the hosts through the store, sets up the shared-memory
+// transport among the ranks of this host and the TCP mesh between hosts, and composes
+// them into the collectives.
+//
+// Note [Hierarchical collectives]
+// With H hosts of L ranks each (ranks of a host ordered by group rank, hosts by their
+// lowest group rank), the ranks with the same local index form a "rail". Reduce-scatter:
+// inside each host a shared-memory reduce-scatter gives local rank l the host's partial
+// sums of the parts of its rail (in fp32 for bf16/fp16), then every rank exchanges those
+// partials with its rail over TCP (one hop, a full mesh) and reduces them in host order.
+// All-gather is the mirror image: rail exchange over TCP, then a shared-memory all-gather
+// inside the host. All-reduce = reduce-scatter + all-gather over N equal parts. The
+// reduction order (local ranks in order, then hosts in order) is fixed, so every rank gets
+// bit-identical results. Layouts with unequal ranks per host fall back to one rank per
+// "host" (pure TCP mesh). SMDDP_FORCE_LOCAL_SIZE=k splits each real host into blocks of k
+// consecutive global ranks, so the inter-host path runs on one machine.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "smddp/shm.h"
+#include "smddp/tcp.h"
+
+namespace smddp {
+
+// The group's key-value store (c10d::Store in the backend).
+class KeyValue {
+ public:
+  virtual ~KeyValue() = default;
+  virtual void set(const std::string& key, const std::string& value) = 0;
+  virtual std::string get(const std::string& key) = 0;  // key known to exist
+  virtual bool check(const std::string& key) = 0;
+};
+
+struct CommConfig {
+  int rank = 0;
+  int size = 1;
+  std::vector<int> global_ranks;  // group rank -> global rank (identity for WORLD)
+  std::string group_name;
+  double timeout_s = 1800;
+};
+
+struct Layout {
+  int hosts = 1, local_size = 1, host = 0, local_rank = 0;
+  std::vector<std::vector<int>> members;  // host -> group ranks on it (ascending)
+  bool forced = false;                    // SMDDP_FORCE_LOCAL_SIZE in effect
+  bool uniform = true;                    // false: fell back to one rank per host
+};
+
+class Communicator {
+ public:
+  Communicator(KeyValue& kv, CommConfig cfg);
+  ~Communicator();
+
+  const Layout& layout() const { return layout_; }
+  const CommConfig& config() const { return cfg_; }
+  int listen_port() const { return tcp_->port(); }
+  uint64_t rejected_connections() const { return tcp_->rejected_connections(); }
+
+  // A context for the next collective: numbers it and sets its deadline.
+  OpCtx make_ctx(const char* name, CollDesc desc, std::string args, double timeout_s);
+
+  // Collectives. Each call is numbered (OpCtx::seq) and its deadline starts when it runs.
+  void allreduce(void* data, size_t count, const Reduction& red, OpCtx ctx);
+  void reduce_scatter(const void* in, void* out, size_t count, const Reduction& red, OpCtx ctx);
+  void allgather(const void* in, void* out, size_t bytes, OpCtx ctx);
+  void broadcast(void* data, size_t bytes, int root, OpCtx ctx);
+  void barrier(OpCtx ctx);
+  void alltoall(const void* in, const std::vector<Span>& send, void* out,
+                const std::vector<Span>& recv, OpCtx ctx);
+  // Point-to-point over the mesh (tags < 2^32); not numbered as collectives.
+  void send(const void* data, size_t bytes, int peer, uint32_t tag, OpCtx ctx);
+  void recv(void* data, size_t bytes, int peer, uint32_t tag, OpCtx ctx);
+
+  // Makes all waits fail promptly (shutdown/abort).
+  void abort();
+
+ private:
+  template <typename F>
+  void guarded(OpCtx& ctx, bool numbered, F&& body);
+  void discover(KeyValue& kv, const Deadline& dl);
+  void setup_shm(KeyValue& kv, const Deadline& dl);
+  void hier_reduce_scatter(const void* in, const std::vector<Span>& parts, void* dst,
+                           const Reduction& red, const OpCtx& ctx);
+  void hier_allgather(const void* src, void* out, const std::vector<Span>& parts,
+                      const OpCtx& ctx);
+  std::vector<std::vector<int>> rail_owned() const;  // local index -> parts of its rail
+  uint64_t tag(const OpCtx& ctx, int stage) const;
+  char* scratch(size_t bytes);
+
+  CommConfig cfg_;
+  Layout layout_;
+  std::vector<int> rail_;  // host -> group rank with my local index
+  std::unique_ptr<ShmComm> shm_;
+  std::unique_ptr<TcpMesh> tcp_;
+  std::string secret_, nonce_;
+  uint64_t next_seq_ = 0;
+  size_t oneshot_bytes_ = 0;
+  std::string broken_;  // first error; the group is unusable afterwards
+  std::vector<char> scratch_;
+};
+
+}  // namespace smddp

@@ -1,0 +1,225 @@
+// The collectives of a Communicator: shared memory inside a host, hierarchical across
+// hosts (Note [Hierarchical collectives] in comm.h).
+#include <algorithm>
+#include <cstring>
+
+#include "smddp/comm.h"
+#include "smddp/kernels.h"
+#include "smddp/shm_algos.h"
+
+namespace smddp {
+
+template <typename F>
+void Communicator::guarded(OpCtx& ctx, bool numbered, F&& body) {
+  if (!broken_.empty()) {
+    throw CommError("smddp: " + ctx.describe() + " on group '" + cfg_.group_name +
+                    "' refused: the group is unusable after an earlier error: " + broken_);
+  }
+  if (numbered) ctx.seq = next_seq_++;
+  ctx.deadline = Deadline::after(ctx.deadline.seconds);
+  try {
+    body();
+  } catch (const std::exception& e) {
+    // Peers learn about the failure through our control block instead of timing out.
+    broken_ = e.what();
+    shm_->mark_failed(e.what());
+    throw;
+  }
+}
+
+uint64_t Communicator::tag(const OpCtx& ctx, int stage) const {
+  return (1ull << 63) | (ctx.seq << 4) | static_cast<uint64_t>(stage);
+}
+
+static uint64_t check_of(const OpCtx& ctx) {
+  return (static_cast<uint64_t>(ctx.desc.kind) << 32) ^ ctx.desc.dtype_op ^ (ctx.desc.count * 0x9e3779b97f4a7c15ull) ^
+         ctx.desc.extra;
+}
+
+char* Communicator::scratch(size_t bytes) {
+  if (scratch_.size() < bytes) scratch_.resize(bytes);
+  return scratch_.data();
+}
+
+std::vector<std::vector<int>> Communicator::rail_owned() const {
+  std::vector<std::vector<int>> owned(layout_.local_size);
+  for (int l = 0; l < layout_.local_size; ++l) {
+    for (int h = 0; h < layout_.hosts; ++h) owned[l].push_back(layout_.members[h][l]);
+  }
+  return owned;
+}
+
+void Communicator::allreduce(void* data, size_t count, const Reduction& red, OpCtx ctx) {
+  guarded(ctx, true, [&] {
+    if (layout_.hosts == 1) {
+      shm::allreduce(*shm_, data, count, red, ctx, oneshot_bytes_);
+      return;
+    }
+    const size_t esz = dtype_size(red.dtype);
+    std::vector<Span> parts(cfg_.size), bytes(cfg_.size);
+    for (int p = 0; p < cfg_.size; ++p) {
+      parts[p] = partition(count, cfg_.size, p, 64 / esz);
+      bytes[p] = {parts[p].off * esz, parts[p].len * esz};
+    }
+    char* base = static_cast<char*>(data);
+    hier_reduce_scatter(data, parts, base + bytes[cfg_.rank].off, red, ctx);
+    hier_allgather(base + bytes[cfg_.rank].off, data, bytes, ctx);
+  });
+}
+
+void Communicator::reduce_scatter(const void* in, void* out, size_t count, const Reduction& red,
+                                  OpCtx ctx) {
+  guarded(ctx, true, [&] {
+    std::vector<Span> parts(cfg_.size);
+    for (int p = 0; p < cfg_.size; ++p) parts[p] = {p * count, count};
+    if (layout_.hosts == 1) {
+      std::vector<std::vector<int>> owned = rail_owned();
+      shm::reduce_scatter(*shm_, in, parts, owned, {out}, red, true, ctx);
+      return;
+    }
+    hier_reduce_scatter(in, parts, out, red, ctx);
+  });
+}
+
+void Communicator::allgather(const void* in, void* out, size_t bytes, OpCtx ctx) {
+  guarded(ctx, true, [&] {
+    std::vector<Span> parts(cfg_.size);
+    for (int p = 0; p < cfg_.size; ++p) parts[p] = {p * bytes, bytes};
+    if (layout_.hosts == 1) {
+      shm::allgather(*shm_, {in}, out, parts, rail_owned(), ctx);
+      return;
+    }
+    hier_allgather(in, out, parts, ctx);
+  });
+}
+
+void Communicator::hier_reduce_scatter(const void* in, const std::vector<Span>& parts, void* dst,
+                                       const Reduction& red, const OpCtx& ctx) {
+  const int H = layout_.hosts, me = layout_.host;
+  const DType acc = acc_type(red.dtype);
+  const size_t aesz = dtype_size(acc);
+  auto owned = rail_owned();
+  const auto& mine = owned[layout_.local_rank];
+  // Scratch: the host partials of my rail's parts, then the partials received for my part.
+  std::vector<size_t> off(H + 1, 0);
+  for (int h = 0; h < H; ++h) off[h + 1] = off[h] + parts[mine[h]].len * aesz;
+  const size_t my_len = parts[cfg_.rank].len;
+  char* buf = scratch(off[H] + H * my_len * aesz);
+  char* recv_base = buf + off[H];
+  std::vector<void*> partial(H);
+  for (int h = 0; h < H; ++h) partial[h] = buf + off[h];
+  shm::reduce_scatter(*shm_, in, parts, owned, partial, red, false, ctx);
+
+  std::vector<TcpMesh::Op> sends, recvs;
+  const uint64_t chk = check_of(ctx);
+  for (int h = 0; h < H; ++h) {
+    if (h == me) continue;
+    sends.push_back({rail_[h], tag(ctx, 1), buf + off[h], off[h + 1] - off[h], chk});
+    recvs.push_back({rail_[h], tag(ctx, 1), recv_base + h * my_len * aesz, my_len * aesz, chk});
+  }
+  tcp_->exchange(sends, recvs, ctx);
+  std::vector<const void*> srcs(H);
+  for (int h = 0; h < H; ++h) srcs[h] = h == me ? partial[h] : recv_base + h * my_len * aesz;
+  reduce(acc, red.dtype, dst, srcs.data(), H, my_len, red, true);
+}
+
+void Communicator::hier_allgather(const void* src, void* out, const std::vector<Span>& parts,
+                                  const OpCtx& ctx) {
+  const int H = layout_.hosts, me = layout_.host;
+  char* base = static_cast<char*>(out);
+  const Span& own = parts[cfg_.rank];
+  if (src != base + own.off && own.len) std::memmove(base + own.off, src, own.len);
+  std::vector<TcpMesh::Op> sends, recvs;
+  const uint64_t chk = check_of(ctx);
+  for (int h = 0; h < H; ++h) {
+    if (h == me) continue;
+    sends.push_back({rail_[h], tag(ctx, 2), base + own.off, own.len, chk});
+    const Span& p = parts[rail_[h]];
+    recvs.push_back({rail_[h], tag(ctx, 2), base + p.off, p.len, chk});
+  }
+  tcp_->exchange(sends, recvs, ctx);
+  auto owned = rail_owned();
+  std::vector<const void*> srcs;
+  for (int p : owned[layout_.local_rank]) srcs.push_back(base + parts[p].off);
+  shm::allgather(*shm_, srcs, out, parts, owned, ctx);
+}
+
+void Communicator::broadcast(void* data, size_t bytes, int root, OpCtx ctx) {
+  guarded(ctx, true, [&] {
+    int root_host = 0, root_local = 0;
+    for (int h = 0; h < layout_.hosts; ++h) {
+      for (int l = 0; l < layout_.local_size; ++l) {
+        if (layout_.members[h][l] == root) root_host = h, root_local = l;
+      }
+    }
+    if (layout_.hosts > 1 && layout_.local_rank == root_local) {
+      std::vector<TcpMesh::Op> sends, recvs;
+      const uint64_t chk = check_of(ctx);
+      char* p = static_cast<char*>(data);
+      if (cfg_.rank == root) {
+        for (int h = 0; h < layout_.hosts; ++h) {
+          if (h != root_host) sends.push_back({rail_[h], tag(ctx, 3), p, bytes, chk});
+        }
+      } else {
+        recvs.push_back({root, tag(ctx, 3), p, bytes, chk});
+      }
+      tcp_->exchange(sends, recvs, ctx);
+    }
+    shm::broadcast(*shm_, data, bytes, root_local, ctx);
+  });
+}
+
+void Communicator::barrier(OpCtx ctx) {
+  guarded(ctx, true, [&] {
+    shm::barrier(*shm_, ctx);
+    if (layout_.hosts == 1) return;
+    std::vector<TcpMesh::Op> sends, recvs;
+    for (int h = 0; h < layout_.hosts; ++h) {
+      if (h == layout_.host) continue;
+      sends.push_back({rail_[h], tag(ctx, 4), nullptr, 0, check_of(ctx)});
+      recvs.push_back({rail_[h], tag(ctx, 4), nullptr, 0, check_of(ctx)});
+    }
+    tcp_->exchange(sends, recvs, ctx);
+    shm::barrier(*shm_, ctx);
+  });
+}
+
+void Communicator::alltoall(const void* in, const std::vector<Span>& send, void* out,
+                            const std::vector<Span>& recv, OpCtx ctx) {
+  guarded(ctx, true, [&] {
+    if (layout_.hosts == 1) {
+      shm::alltoall(*shm_, in, send, out, recv, ctx);
+      return;
+    }
+    const char* src = static_cast<const char*>(in);
+    char* dst = static_cast<char*>(out);
+    std::vector<TcpMesh::Op> sends, recvs;
+    for (int j = 0; j < cfg_.size; ++j) {
+      if (j == cfg_.rank) continue;
+      // The check carries no size: sizes are checked per message (len must match).
+      sends.push_back({j, tag(ctx, 5), const_cast<char*>(src + send[j].off), send[j].len, ctx.desc.kind});
+      recvs.push_back({j, tag(ctx, 5), dst + recv[j].off, recv[j].len, ctx.desc.kind});
+    }
+    if (recv[cfg_.rank].len != send[cfg_.rank].len) {
+      throw CommError("smddp: " + ctx.describe() + ": this rank sends " +
+                      std::to_string(send[cfg_.rank].len) + " bytes to itself but expects " +
+                      std::to_string(recv[cfg_.rank].len));
+    }
+    std::memmove(dst + recv[cfg_.rank].off, src + send[cfg_.rank].off, recv[cfg_.rank].len);
+    tcp_->exchange(sends, recvs, ctx);
+  });
+}
+
+void Communicator::send(const void* data, size_t bytes, int peer, uint32_t tag, OpCtx ctx) {
+  guarded(ctx, false, [&] {
+    tcp_->exchange({{peer, tag, const_cast<char*>(static_cast<const char*>(data)), bytes, 0}}, {}, ctx);
+  });
+}
+
+void Communicator::recv(void* data, size_t bytes, int peer, uint32_t tag, OpCtx ctx) {
+  guarded(ctx, false, [&] {
+    tcp_->exchange({}, {{peer, tag, static_cast<char*>(data), bytes, 0}}, ctx);
+  });
+}
+
+}  // namespace smddp

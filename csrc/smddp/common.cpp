@@ -1,0 +1,117 @@
+#include "smddp/common.h"
+
+#include <cstdlib>
+#include <sstream>
+
+namespace smddp {
+
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::F64:
+    case DType::I64:
+      return 8;
+    case DType::F32:
+    case DType::I32:
+      return 4;
+    case DType::BF16:
+    case DType::F16:
+    case DType::I16:
+      return 2;
+    default:
+      return 1;
+  }
+}
+
+const char* dtype_name(DType t) {
+  static const char* names[] = {"float32", "float64", "bfloat16", "float16", "int8",
+                                "uint8",   "int16",   "int32",    "int64",   "bool"};
+  return names[static_cast<int>(t)];
+}
+
+const char* redop_name(RedOp op) {
+  static const char* names[] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX",
+                                "BAND", "BOR", "BXOR", "PREMUL_SUM"};
+  return names[static_cast<int>(op)];
+}
+
+bool is_floating(DType t) {
+  return t == DType::F32 || t == DType::F64 || t == DType::BF16 || t == DType::F16;
+}
+
+DType acc_type(DType t) { return (t == DType::BF16 || t == DType::F16) ? DType::F32 : t; }
+
+void check_reduction(DType dtype, RedOp op, const char* collective) {
+  bool bitwise = op == RedOp::BAND || op == RedOp::BOR || op == RedOp::BXOR;
+  bool scaling = op == RedOp::AVG || op == RedOp::PREMUL_SUM;
+  if (bitwise && is_floating(dtype)) {
+    throw std::invalid_argument(std::string("smddp: ") + collective + " does not support ReduceOp." +
+                                redop_name(op) + " for " + dtype_name(dtype) +
+                                " tensors; bitwise ops need an integer or bool dtype");
+  }
+  if (scaling && !is_floating(dtype)) {
+    throw std::invalid_argument(std::string("smddp: ") + collective + " does not support ReduceOp." +
+                                redop_name(op) + " for " + dtype_name(dtype) +
+                                " tensors; use a floating-point dtype or ReduceOp.SUM");
+  }
+}
+
+Deadline Deadline::after(double seconds) {
+  Deadline d;
+  d.seconds = seconds;
+  d.at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                            std::chrono::duration<double>(seconds));
+  return d;
+}
+
+int Deadline::remaining_ms() const {
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(at - Clock::now()).count();
+  return left < 0 ? 0 : static_cast<int>(left > 1 << 30 ? 1 << 30 : left);
+}
+
+std::string OpCtx::describe() const {
+  return args.empty() ? std::string(name) : std::string(name) + " (" + args + ")";
+}
+
+uint32_t hash_name(const char* s) {
+  uint32_t h = 2166136261u;  // FNV-1a
+  for (; *s; ++s) h = (h ^ static_cast<uint8_t>(*s)) * 16777619u;
+  return h;
+}
+
+std::string format_ranks(const std::vector<int>& ranks) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
+  os << "]";
+  return os.str();
+}
+
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  long long x = std::strtoll(v, &end, 10);
+  if (end == v) return fallback;
+  // Accept K/M suffixes for byte sizes.
+  if (*end == 'k' || *end == 'K') x <<= 10;
+  if (*end == 'm' || *end == 'M') x <<= 20;
+  return x;
+}
+
+std::string env_str(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return (v && *v) ? std::string(v) : fallback;
+}
+
+Span partition(size_t n, int parts, int i, size_t align) {
+  size_t blocks = (n + align - 1) / align;
+  size_t base = blocks / parts, extra = blocks % parts;
+  size_t b0 = i * base + (static_cast<size_t>(i) < extra ? i : extra);
+  size_t nb = base + (static_cast<size_t>(i) < extra ? 1 : 0);
+  size_t begin = b0 * align, end = (b0 + nb) * align;
+  if (begin > n) begin = n;
+  if (end > n) end = n;
+  return {begin, end - begin};
+}
+
+}  // namespace smddp

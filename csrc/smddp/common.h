@@ -1,0 +1,100 @@
+// Shared vocabulary of the smddp backend: dtypes, reduce ops, deadlines, errors.
+//
+// Everything below csrc/smddp/ except backend*.cpp and bindings.cpp is plain C++ on raw
+// pointers and byte counts (no ATen), so the algorithms can later be reused on pinned
+// staging buffers for accelerator tensors.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace smddp {
+
+enum class DType : uint8_t { F32, F64, BF16, F16, I8, U8, I16, I32, I64, BOOL };
+enum class RedOp : uint8_t { SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM };
+
+size_t dtype_size(DType t);
+const char* dtype_name(DType t);
+const char* redop_name(RedOp op);
+bool is_floating(DType t);
+
+// The type a reduction accumulates in: fp32 for bf16/fp16 (rounded once at the end),
+// the element type itself otherwise.
+DType acc_type(DType t);
+
+// What to do with the elements of one reduction.
+struct Reduction {
+  DType dtype = DType::F32;
+  RedOp op = RedOp::SUM;
+  double premul = 1.0;  // PREMUL_SUM: every input is scaled by this before it is summed
+  int divisor = 1;      // AVG: the final sum is divided by this (the group size)
+};
+
+// Throws unless `op` is defined for `dtype` (e.g. no bitwise ops on floats, no AVG on ints).
+void check_reduction(DType dtype, RedOp op, const char* collective);
+
+using Clock = std::chrono::steady_clock;
+
+// A point in time after which a wait gives up.
+struct Deadline {
+  Clock::time_point at;
+  double seconds = 0;  // the original budget, for messages
+  static Deadline after(double seconds);
+  bool expired() const { return Clock::now() >= at; }
+  int remaining_ms() const;
+};
+
+// Identifies one call for error messages and mismatch detection. `desc` is compared
+// across ranks: two ranks that issue different collectives (kind, dtype, op, count) at the
+// same sequence number raise instead of exchanging garbage.
+struct CollDesc {
+  uint32_t kind = 0;   // hash of the collective's name
+  uint32_t dtype_op = 0;
+  uint64_t count = 0;  // element or byte count, as the collective defines it
+  uint64_t extra = 0;  // root rank etc.
+  bool operator==(const CollDesc& o) const {
+    return kind == o.kind && dtype_op == o.dtype_op && count == o.count && extra == o.extra;
+  }
+  bool operator!=(const CollDesc& o) const { return !(*this == o); }
+};
+
+struct OpCtx {
+  const char* name = "";  // user-facing collective name, e.g. "all_reduce"
+  uint64_t seq = 0;       // per-group collective sequence number (same on all ranks)
+  CollDesc desc;
+  Deadline deadline;
+  std::string describe() const;  // "all_reduce (float32, sum, 1024 elements)"
+  std::string args;               // human-readable arguments for messages
+};
+
+uint32_t hash_name(const char* s);
+
+// Formats "[0, 2, 3]".
+std::string format_ranks(const std::vector<int>& ranks);
+
+// Reads an integer/string setting of the backend from the environment (documented in
+// docs/collectives.md); `fallback` when unset or malformed.
+int64_t env_int(const char* name, int64_t fallback);
+std::string env_str(const char* name, const std::string& fallback);
+
+// A collective failed on this or another rank. Surfaces as RuntimeError in Python.
+class CommError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A piece of a buffer: [off, off + len) in some unit (elements or bytes).
+struct Span {
+  size_t off = 0;
+  size_t len = 0;
+};
+
+// Splits n units into `parts` contiguous spans whose boundaries are multiples of `align`
+// (except the end); the first spans get the extra blocks.
+Span partition(size_t n, int parts, int i, size_t align);
+
+}  // namespace smddp

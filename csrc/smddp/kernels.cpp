@@ -1,0 +1,309 @@
+#include "smddp/kernels.h"
+
+#include <cstring>
+#include <type_traits>
+
+// Clones for x86-64; other architectures get one generic build.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SMDDP_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define SMDDP_CLONES
+#endif
+#define SMDDP_INLINE inline __attribute__((always_inline))
+
+namespace smddp {
+namespace {
+
+constexpr size_t kBlock = 256;  // elements per inner block (accumulator stays in L1)
+
+struct bf16_t {
+  uint16_t x;
+};
+struct f16_t {
+  uint16_t x;
+};
+
+SMDDP_INLINE float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+SMDDP_INLINE uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// bf16 <-> fp32. Rounds to nearest even; NaN stays a quiet NaN.
+SMDDP_INLINE float load_f(bf16_t v) { return bits_to_float(static_cast<uint32_t>(v.x) << 16); }
+SMDDP_INLINE bf16_t store_f(float f, bf16_t*) {
+  uint32_t u = float_to_bits(f);
+  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+  return bf16_t{static_cast<uint16_t>(nan ? 0x7fc0u : rounded)};
+}
+
+// fp16 <-> fp32 with integer/float tricks that vectorize without F16C; subnormals,
+// infinities and NaN are handled; rounds to nearest even.
+SMDDP_INLINE float load_f(f16_t v) {
+  uint32_t h = v.x;
+  uint32_t sign = (h & 0x8000u) << 16;
+  uint32_t em = h & 0x7fffu;
+  float scaled = bits_to_float(em << 13) * 0x1p112f;  // rebias normal and subnormal values
+  uint32_t bits = em >= 0x7c00u ? ((em << 13) | 0x7f800000u) : float_to_bits(scaled);
+  return bits_to_float(bits | sign);
+}
+SMDDP_INLINE f16_t store_f(float f, f16_t*) {
+  uint32_t u = float_to_bits(f);
+  uint32_t sign = u & 0x80000000u;
+  u ^= sign;
+  // Subnormal results: let the FPU round by adding a magic number.
+  const uint32_t denorm_magic = ((127 - 15) + (23 - 10) + 1) << 23;
+  uint32_t sub = float_to_bits(bits_to_float(u) + bits_to_float(denorm_magic)) - denorm_magic;
+  // Normal results: rebias the exponent and round to nearest even on the dropped bits.
+  uint32_t odd = (u >> 13) & 1u;
+  uint32_t norm = (u + ((15u - 127u) << 23) + 0xfffu + odd) >> 13;
+  uint32_t big = u > 0x7f800000u ? 0x7e00u : 0x7c00u;
+  uint32_t o = u >= 0x47800000u ? big : (u < 0x38800000u ? sub : norm);
+  return f16_t{static_cast<uint16_t>(o | (sign >> 16))};
+}
+
+template <typename T>
+SMDDP_INLINE T load_f(T v) {
+  return v;
+}
+template <typename T>
+SMDDP_INLINE T store_f(T v, T*) {
+  return v;
+}
+
+enum Kind { kSum, kProd, kMin, kMax, kAnd, kOr, kXor };
+
+template <Kind K, typename A>
+SMDDP_INLINE A combine(A a, A b) {
+  if constexpr (K == kSum) {
+    if constexpr (std::is_integral_v<A>) {
+      using U = std::make_unsigned_t<A>;  // wrap-around instead of signed-overflow UB
+      return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
+    } else {
+      return a + b;
+    }
+  } else if constexpr (K == kProd) {
+    if constexpr (std::is_integral_v<A>) {
+      using U = std::make_unsigned_t<A>;
+      return static_cast<A>(static_cast<U>(a) * static_cast<U>(b));
+    } else {
+      return a * b;
+    }
+  } else if constexpr (K == kMin) {
+    return b < a ? b : a;
+  } else if constexpr (K == kMax) {
+    return b > a ? b : a;
+  } else if constexpr (K == kAnd) {
+    return a & b;
+  } else if constexpr (K == kOr) {
+    return a | b;
+  } else {
+    return a ^ b;
+  }
+}
+
+// The blocked loop: the accumulator for kBlock elements lives on the stack.
+template <Kind K, typename In, typename Out, typename A>
+SMDDP_INLINE void reduce_loop(Out* dst, const In* const* srcs, int nsrc, size_t n, bool divide,
+                              A divisor) {
+  A acc[kBlock];
+  for (size_t base = 0; base < n; base += kBlock) {
+    size_t m = n - base < kBlock ? n - base : kBlock;
+    const In* s0 = srcs[0] + base;
+    for (size_t j = 0; j < m; ++j) acc[j] = static_cast<A>(load_f(s0[j]));
+    for (int k = 1; k < nsrc; ++k) {
+      const In* s = srcs[k] + base;
+      for (size_t j = 0; j < m; ++j) acc[j] = combine<K, A>(acc[j], static_cast<A>(load_f(s[j])));
+    }
+    if (divide) {
+      for (size_t j = 0; j < m; ++j) acc[j] = acc[j] / divisor;
+    }
+    Out* d = dst + base;
+    for (size_t j = 0; j < m; ++j) d[j] = store_f(acc[j], static_cast<Out*>(nullptr));
+  }
+}
+
+template <typename In, typename Out, typename A>
+SMDDP_INLINE void reduce_arith(void* dst, const void* const* srcs, int nsrc, size_t n, RedOp op,
+                               bool divide, A divisor) {
+  auto* d = static_cast<Out*>(dst);
+  auto* s = reinterpret_cast<const In* const*>(srcs);
+  switch (op) {
+    case RedOp::SUM:
+    case RedOp::AVG:
+    case RedOp::PREMUL_SUM:
+      return reduce_loop<kSum, In, Out, A>(d, s, nsrc, n, divide, divisor);
+    case RedOp::PRODUCT:
+      return reduce_loop<kProd, In, Out, A>(d, s, nsrc, n, false, divisor);
+    case RedOp::MIN:
+      return reduce_loop<kMin, In, Out, A>(d, s, nsrc, n, false, divisor);
+    case RedOp::MAX:
+      return reduce_loop<kMax, In, Out, A>(d, s, nsrc, n, false, divisor);
+    default:
+      break;
+  }
+  if constexpr (std::is_integral_v<A>) {
+    switch (op) {
+      case RedOp::BAND:
+        return reduce_loop<kAnd, In, Out, A>(d, s, nsrc, n, false, divisor);
+      case RedOp::BOR:
+        return reduce_loop<kOr, In, Out, A>(d, s, nsrc, n, false, divisor);
+      case RedOp::BXOR:
+        return reduce_loop<kXor, In, Out, A>(d, s, nsrc, n, false, divisor);
+      default:
+        break;
+    }
+  }
+  throw std::invalid_argument("smddp: unsupported reduce op");
+}
+
+// One multiversioned entry point per element type (the op switch lives inside, so each
+// clone carries its own vectorized loops).
+SMDDP_CLONES void k_f32(void* d, const void* const* s, int k, size_t n, RedOp op, bool fin, int dv) {
+  reduce_arith<float, float, float>(d, s, k, n, op, fin, static_cast<float>(dv));
+}
+SMDDP_CLONES void k_f64(void* d, const void* const* s, int k, size_t n, RedOp op, bool fin, int dv) {
+  reduce_arith<double, double, double>(d, s, k, n, op, fin, static_cast<double>(dv));
+}
+SMDDP_CLONES void k_bf16(void* d, const void* const* s, int k, size_t n, RedOp op, bool fin, int dv) {
+  reduce_arith<bf16_t, bf16_t, float>(d, s, k, n, op, fin, static_cast<float>(dv));
+}
+SMDDP_CLONES void k_bf16_acc(void* d, const void* const* s, int k, size_t n, RedOp op, bool fin,
+                             int dv) {  // bf16 inputs -> fp32 partial
+  reduce_arith<bf16_t, float, float>(d, s, k, n, op, fin, static_cast<float>(dv));
+}
+SMDDP_CLONES void k_acc_bf16(void* d, const void* const* s, int k, size_t n, RedOp op, bool fin,
+                             int dv) {  // fp32 partials -> bf16 result
+  reduce_arith<float, bf16_t, float>(d, s, k, n, op, fin, static_cast<float>(dv));
+}
+SMDDP_CLONES void k_f16(void* d, const void* const* s, int k, size_t n, RedOp op, bool fin, int dv) {
+  reduce_arith<f16_t, f16_t, float>(d, s, k, n, op, fin, static_cast<float>(dv));
+}
+SMDDP_CLONES void k_f16_acc(void* d, const void* const* s, int k, size_t n, RedOp op, bool fin,
+                            int dv) {
+  reduce_arith<f16_t, float, float>(d, s, k, n, op, fin, static_cast<float>(dv));
+}
+SMDDP_CLONES void k_acc_f16(void* d, const void* const* s, int k, size_t n, RedOp op, bool fin,
+                            int dv) {
+  reduce_arith<float, f16_t, float>(d, s, k, n, op, fin, static_cast<float>(dv));
+}
+SMDDP_CLONES void k_i8(void* d, const void* const* s, int k, size_t n, RedOp op, bool, int) {
+  reduce_arith<int8_t, int8_t, int8_t>(d, s, k, n, op, false, 1);
+}
+SMDDP_CLONES void k_u8(void* d, const void* const* s, int k, size_t n, RedOp op, bool, int) {
+  reduce_arith<uint8_t, uint8_t, uint8_t>(d, s, k, n, op, false, 1);
+}
+SMDDP_CLONES void k_i16(void* d, const void* const* s, int k, size_t n, RedOp op, bool, int) {
+  reduce_arith<int16_t, int16_t, int16_t>(d, s, k, n, op, false, 1);
+}
+SMDDP_CLONES void k_i32(void* d, const void* const* s, int k, size_t n, RedOp op, bool, int) {
+  reduce_arith<int32_t, int32_t, int32_t>(d, s, k, n, op, false, 1);
+}
+SMDDP_CLONES void k_i64(void* d, const void* const* s, int k, size_t n, RedOp op, bool, int) {
+  reduce_arith<int64_t, int64_t, int64_t>(d, s, k, n, op, false, 1);
+}
+
+// bool: SUM/MAX/BOR are logical or, PRODUCT/MIN/BAND logical and, BXOR exclusive or, so
+// the result stays 0/1.
+SMDDP_CLONES void k_bool(void* d, const void* const* s, int k, size_t n, RedOp op, bool, int) {
+  RedOp mapped = RedOp::BXOR;
+  if (op == RedOp::SUM || op == RedOp::MAX || op == RedOp::BOR) mapped = RedOp::BOR;
+  if (op == RedOp::PRODUCT || op == RedOp::MIN || op == RedOp::BAND) mapped = RedOp::BAND;
+  reduce_arith<uint8_t, uint8_t, uint8_t>(d, s, k, n, mapped, false, 1);
+}
+
+template <typename T>
+SMDDP_INLINE void scale_loop(T* d, const T* s, size_t n, float f) {
+  for (size_t i = 0; i < n; ++i) d[i] = store_f(load_f(s[i]) * f, static_cast<T*>(nullptr));
+}
+SMDDP_CLONES void scale_f32(void* d, const void* s, size_t n, double f) {
+  scale_loop(static_cast<float*>(d), static_cast<const float*>(s), n, static_cast<float>(f));
+}
+SMDDP_CLONES void scale_f64(void* d, const void* s, size_t n, double f) {
+  auto* dd = static_cast<double*>(d);
+  auto* ss = static_cast<const double*>(s);
+  for (size_t i = 0; i < n; ++i) dd[i] = ss[i] * f;
+}
+SMDDP_CLONES void scale_bf16(void* d, const void* s, size_t n, double f) {
+  scale_loop(static_cast<bf16_t*>(d), static_cast<const bf16_t*>(s), n, static_cast<float>(f));
+}
+SMDDP_CLONES void scale_f16(void* d, const void* s, size_t n, double f) {
+  scale_loop(static_cast<f16_t*>(d), static_cast<const f16_t*>(s), n, static_cast<float>(f));
+}
+
+}  // namespace
+
+void reduce(DType in_t, DType out_t, void* dst, const void* const* srcs, int nsrc, size_t n,
+            const Reduction& red, bool finish) {
+  if (n == 0) return;
+  bool div = finish && red.op == RedOp::AVG;
+  int dv = red.divisor;
+  const RedOp op = red.op;
+  auto bad = [&] {
+    throw std::invalid_argument(std::string("smddp: no reduction kernel from ") +
+                                dtype_name(in_t) + " to " + dtype_name(out_t));
+  };
+  switch (red.dtype) {
+    case DType::F32:
+      return k_f32(dst, srcs, nsrc, n, op, div, dv);
+    case DType::F64:
+      return k_f64(dst, srcs, nsrc, n, op, div, dv);
+    case DType::BF16:
+      if (in_t == DType::BF16 && out_t == DType::BF16) return k_bf16(dst, srcs, nsrc, n, op, div, dv);
+      if (in_t == DType::BF16) return k_bf16_acc(dst, srcs, nsrc, n, op, div, dv);
+      if (out_t == DType::BF16) return k_acc_bf16(dst, srcs, nsrc, n, op, div, dv);
+      return k_f32(dst, srcs, nsrc, n, op, div, dv);
+    case DType::F16:
+      if (in_t == DType::F16 && out_t == DType::F16) return k_f16(dst, srcs, nsrc, n, op, div, dv);
+      if (in_t == DType::F16) return k_f16_acc(dst, srcs, nsrc, n, op, div, dv);
+      if (out_t == DType::F16) return k_acc_f16(dst, srcs, nsrc, n, op, div, dv);
+      return k_f32(dst, srcs, nsrc, n, op, div, dv);
+    case DType::I8:
+      return k_i8(dst, srcs, nsrc, n, op, div, dv);
+    case DType::U8:
+      return k_u8(dst, srcs, nsrc, n, op, div, dv);
+    case DType::I16:
+      return k_i16(dst, srcs, nsrc, n, op, div, dv);
+    case DType::I32:
+      return k_i32(dst, srcs, nsrc, n, op, div, dv);
+    case DType::I64:
+      return k_i64(dst, srcs, nsrc, n, op, div, dv);
+    case DType::BOOL:
+      return k_bool(dst, srcs, nsrc, n, op, div, dv);
+  }
+  bad();
+}
+
+void scale_copy(DType t, void* dst, const void* src, size_t n, double scale) {
+  switch (t) {
+    case DType::F32:
+      return scale_f32(dst, src, n, scale);
+    case DType::F64:
+      return scale_f64(dst, src, n, scale);
+    case DType::BF16:
+      return scale_bf16(dst, src, n, scale);
+    case DType::F16:
+      return scale_f16(dst, src, n, scale);
+    default:
+      throw std::invalid_argument(std::string("smddp: cannot scale ") + dtype_name(t) + " tensors");
+  }
+}
+
+const char* kernel_isa() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return "avx512";
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2";
+  return "x86-64";
+#else
+  return "generic";
+#endif
+}
+
+}  // namespace smddp

@@ -1,0 +1,31 @@
+// Element-wise reduction kernels with runtime CPU dispatch.
+//
+// Each entry point is compiled three times (AVX-512, AVX2+F16C+FMA, baseline x86-64)
+// through GCC function multiversioning; the loader picks the best clone for the CPU the
+// process runs on, so a machine without AVX-512 still works. Inner loops are written over
+// fixed-size blocks so the compiler vectorizes them.
+#pragma once
+
+#include "smddp/common.h"
+
+namespace smddp {
+
+// dst[i] = finish(src[0][i] (op) src[1][i] (op) ... (op) src[nsrc-1][i]) for i < n, combining
+// the sources strictly in the order given (so every rank that reduces the same inputs gets
+// bit-identical results).
+//   in_t  : element type of the sources (the reduction dtype, or its accumulation type for
+//           partial results that come from another stage)
+//   out_t : element type of dst (same choice)
+//   finish: when true, AVG divides by red.divisor; otherwise dst holds a partial result.
+// bf16/fp16 are accumulated in fp32 and rounded once (round to nearest even) when stored.
+// dst may alias one of the sources (same element index only).
+void reduce(DType in_t, DType out_t, void* dst, const void* const* srcs, int nsrc, size_t n,
+            const Reduction& red, bool finish);
+
+// dst[i] = src[i] * scale (in the element type; bf16/fp16 via fp32). Floating types only.
+void scale_copy(DType t, void* dst, const void* src, size_t n, double scale);
+
+// Name of the instruction set the kernels were dispatched to on this CPU ("avx512", ...).
+const char* kernel_isa();
+
+}  // namespace smddp

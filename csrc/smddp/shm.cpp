@@ -1,0 +1,303 @@
+#include "smddp/shm.h"
+
+#include <fcntl.h>
+#include <immintrin.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <fstream>
+#include <thread>
+
+namespace smddp {
+namespace {
+
+constexpr uint64_t kMagic = 0x736d646470763031ull;  // "smddpv01"
+constexpr size_t kControlBytes = 4096;
+
+// Futexes on the low 32 bits of a progress word (x86-64 is little endian). The words are in
+// memory shared between processes, so the non-private futex ops are used.
+uint32_t* low_word(std::atomic<uint64_t>* w) { return reinterpret_cast<uint32_t*>(w); }
+
+void futex_wait(uint32_t* addr, uint32_t expected, int timeout_us) {
+  timespec ts{0, static_cast<long>(timeout_us) * 1000};
+  syscall(SYS_futex, addr, FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futex_wake(uint32_t* addr) { syscall(SYS_futex, addr, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0); }
+
+inline void cpu_relax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
+}
+
+// A process that exited but was not reaped yet is a zombie and still answers kill(pid, 0),
+// so read its state from /proc.
+bool process_alive(int pid) {
+  if (pid <= 0) return true;
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  if (!f) return false;
+  std::string line;
+  std::getline(f, line);
+  auto p = line.rfind(')');
+  if (p == std::string::npos || p + 2 >= line.size()) return true;
+  char state = line[p + 2];
+  return state != 'Z' && state != 'X';
+}
+
+int online_cpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  return static_cast<int>(std::thread::hardware_concurrency());
+}
+
+}  // namespace
+
+std::string shm_name(const std::string& nonce, int local_rank) {
+  return "/smddp_" + nonce + "_" + std::to_string(local_rank);
+}
+
+ShmComm::ShmComm(ShmConfig cfg) : cfg_(std::move(cfg)) {
+  int n = size();
+  seg_bytes_ = kControlBytes + 2 * cfg_.buffer_bytes;
+  ctl_.assign(n, nullptr);
+  data_.assign(n, nullptr);
+  maps_.assign(n, nullptr);
+  checked_.assign(n, 0);
+  oversubscribed_ = n > online_cpus();
+  spin_us_ = static_cast<int>(env_int("SMDDP_SPIN_US", 50));
+  static_assert(sizeof(RankControl) <= kControlBytes, "control block too large");
+}
+
+ShmComm::~ShmComm() {
+  for (size_t i = 0; i < maps_.size(); ++i) {
+    if (maps_[i]) munmap(maps_[i], seg_bytes_);
+  }
+  if (own_linked_) unlink_own();
+}
+
+void ShmComm::create() {
+  std::string name = shm_name(cfg_.nonce, rank());
+  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) {
+    throw CommError("smddp: cannot create shared memory segment " + name + ": " +
+                    std::strerror(errno));
+  }
+  own_linked_ = true;
+  if (ftruncate(fd, static_cast<off_t>(seg_bytes_)) != 0) {
+    int e = errno;
+    close(fd);
+    unlink_own();
+    throw CommError("smddp: cannot size shared memory segment " + name + " to " +
+                    std::to_string(seg_bytes_) + " bytes (is /dev/shm large enough?): " +
+                    std::strerror(e));
+  }
+  void* p = mmap(nullptr, seg_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) {
+    int e = errno;
+    unlink_own();
+    throw CommError("smddp: cannot map shared memory segment " + name + ": " + std::strerror(e));
+  }
+  maps_[rank()] = p;
+  auto* c = new (p) RankControl();
+  c->pid = getpid();
+  ctl_[rank()] = c;
+  data_[rank()] = static_cast<char*>(p) + kControlBytes;
+  // The magic number is written last: a peer that maps the segment checks it.
+  std::atomic_thread_fence(std::memory_order_release);
+  c->magic = kMagic;
+}
+
+void ShmComm::attach(int peer) {
+  if (peer == rank()) return;
+  std::string name = shm_name(cfg_.nonce, peer);
+  int fd = shm_open(name.c_str(), O_RDWR, 0600);
+  if (fd < 0) {
+    throw CommError("smddp: cannot open the shared memory segment of rank " +
+                    std::to_string(cfg_.group_ranks[peer]) + " of group '" + cfg_.group_name +
+                    "' (" + name + "): " + std::strerror(errno));
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != seg_bytes_) {
+    close(fd);
+    throw CommError("smddp: shared memory segment of rank " +
+                    std::to_string(cfg_.group_ranks[peer]) +
+                    " has an unexpected size; do all ranks use the same SMDDP_BUFFER_BYTES?");
+  }
+  void* p = mmap(nullptr, seg_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) {
+    throw CommError("smddp: cannot map the shared memory segment of rank " +
+                    std::to_string(cfg_.group_ranks[peer]) + ": " + std::strerror(errno));
+  }
+  maps_[peer] = p;
+  ctl_[peer] = static_cast<RankControl*>(p);
+  data_[peer] = static_cast<char*>(p) + kControlBytes;
+  if (ctl_[peer]->magic != kMagic) {
+    throw CommError("smddp: shared memory segment of rank " +
+                    std::to_string(cfg_.group_ranks[peer]) + " is not initialized");
+  }
+}
+
+void ShmComm::unlink_own() {
+  if (!own_linked_) return;
+  shm_unlink(shm_name(cfg_.nonce, rank()).c_str());
+  own_linked_ = false;
+}
+
+uint64_t ShmComm::begin_step(const OpCtx& ctx, bool first) {
+  uint64_t s = next_step_++;
+  // Buffer s % 2 was last used by step s - 2: wait until every peer finished it.
+  if (s > 2) {
+    for (int i = 0; i < size(); ++i) {
+      if (i != rank()) wait_progress(i, 3 * (s - 2), ctx);
+    }
+  }
+  if (first) {
+    first_step_ = s;
+    std::fill(checked_.begin(), checked_.end(), 0);
+    DescSlot& d = ctl(rank())->desc[ctx.seq & 1];
+    d.first_step = s;
+    d.desc = ctx.desc;
+    std::string text = ctx.describe();
+    std::strncpy(d.text, text.c_str(), sizeof(d.text) - 1);
+    d.text[sizeof(d.text) - 1] = 0;
+    d.seq_plus1.store(ctx.seq + 1, std::memory_order_release);
+  }
+  return s;
+}
+
+void ShmComm::post(uint64_t s, int phase) {
+  RankControl* me = ctl(rank());
+  // seq_cst store, then seq_cst load of `sleepers`: either the sleeper sees the new value
+  // before it sleeps, or we see its registration and wake it (Dekker-style handshake).
+  me->progress.store(value(s, phase), std::memory_order_seq_cst);
+  if (me->sleepers.load(std::memory_order_seq_cst) != 0) futex_wake(low_word(&me->progress));
+}
+
+void ShmComm::wait_one(int i, uint64_t s, int phase, const OpCtx& ctx) {
+  if (i == rank()) return;
+  wait_progress(i, value(s, phase), ctx);
+  if (!checked_[i] && s == first_step_) check_desc(i, ctx);
+}
+
+void ShmComm::wait_all(uint64_t s, int phase, const OpCtx& ctx) {
+  for (int i = 0; i < size(); ++i) wait_one(i, s, phase, ctx);
+}
+
+// Waiting policy: a short busy spin (sub-microsecond hand-offs when every rank has a core),
+// then sched_yield (lets a rank that shares our core run: ~4 us per hand-off), then a futex
+// sleep in 1 ms slices (idle ranks stop burning CPU). Every slow-path iteration checks the
+// deadline, the peers' failure flags and whether the peer process still exists.
+void ShmComm::wait_progress(int i, uint64_t target, const OpCtx& ctx) {
+  RankControl* c = ctl(i);
+  if (c->progress.load(std::memory_order_acquire) >= target) return;
+  if (!oversubscribed_) {
+    auto spin_until = Clock::now() + std::chrono::microseconds(spin_us_);
+    do {
+      for (int k = 0; k < 64; ++k) {
+        cpu_relax();
+        if (c->progress.load(std::memory_order_acquire) >= target) return;
+      }
+    } while (Clock::now() < spin_until);
+  }
+  auto yield_until = Clock::now() + std::chrono::microseconds(oversubscribed_ ? 2000 : 300);
+  while (true) {
+    for (int k = 0; k < 32; ++k) {
+      sched_yield();
+      if (c->progress.load(std::memory_order_acquire) >= target) return;
+    }
+    check_health(i, target, ctx);
+    if (Clock::now() > yield_until) break;
+  }
+  while (true) {
+    c->sleepers.fetch_add(1, std::memory_order_seq_cst);
+    uint64_t v = c->progress.load(std::memory_order_seq_cst);
+    if (v < target) futex_wait(low_word(&c->progress), static_cast<uint32_t>(v), 1000);
+    c->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (c->progress.load(std::memory_order_acquire) >= target) return;
+    check_health(i, target, ctx);
+  }
+}
+
+void ShmComm::check_health(int i, uint64_t target, const OpCtx& ctx) {
+  const std::string where =
+      "smddp: " + ctx.describe() + " on group '" + cfg_.group_name + "' (collective #" +
+      std::to_string(ctx.seq) + ")";
+  if (aborted_.load()) throw CommError(where + " was aborted: the process group was shut down");
+  for (int j = 0; j < size(); ++j) {
+    if (j != rank() && ctl(j)->failed.load(std::memory_order_acquire)) {
+      std::string msg(ctl(j)->message, strnlen(ctl(j)->message, sizeof(ctl(j)->message)));
+      fail(where + " failed because rank " + std::to_string(cfg_.group_ranks[j]) +
+           " failed: " + msg);
+    }
+  }
+  auto now = Clock::now();
+  if (now - last_pid_check_ > std::chrono::milliseconds(20)) {
+    last_pid_check_ = now;
+    std::vector<int> dead;
+    for (int j = 0; j < size(); ++j) {
+      if (j != rank() && !process_alive(ctl(j)->pid)) dead.push_back(cfg_.group_ranks[j]);
+    }
+    if (!dead.empty()) {
+      fail(where + " failed: ranks " + format_ranks(dead) +
+           " exited (their processes are gone)");
+    }
+  }
+  if (ctx.deadline.expired()) {
+    std::vector<int> missing;
+    for (int j = 0; j < size(); ++j) {
+      if (j != rank() && ctl(j)->progress.load() < target) missing.push_back(cfg_.group_ranks[j]);
+    }
+    if (missing.empty()) missing.push_back(cfg_.group_ranks[i]);
+    char secs[32];
+    snprintf(secs, sizeof(secs), "%.1f", ctx.deadline.seconds);
+    fail(where + " timed out after " + secs + " s waiting for ranks " + format_ranks(missing) +
+         " (they did not reach this collective: hung, slower, or issued a different sequence "
+         "of collectives)");
+  }
+}
+
+void ShmComm::check_desc(int i, const OpCtx& ctx) {
+  const DescSlot& d = ctl(i)->desc[ctx.seq & 1];
+  uint64_t seq_plus1 = d.seq_plus1.load(std::memory_order_acquire);
+  if (seq_plus1 == ctx.seq + 1 && d.first_step == first_step_ && d.desc == ctx.desc) {
+    checked_[i] = 1;
+    return;
+  }
+  // Describe what the peer is doing: the newest of its two descriptors.
+  const DescSlot& other = ctl(i)->desc[(ctx.seq + 1) & 1];
+  const DescSlot& newest = other.seq_plus1.load() > seq_plus1 ? other : d;
+  std::string theirs(newest.text, strnlen(newest.text, sizeof(newest.text)));
+  uint64_t their_seq = newest.seq_plus1.load();
+  fail("smddp: mismatched collectives on group '" + cfg_.group_name + "': rank " +
+       std::to_string(cfg_.group_ranks[rank()]) + " called " + ctx.describe() +
+       " as collective #" + std::to_string(ctx.seq) + " but rank " +
+       std::to_string(cfg_.group_ranks[i]) + " called " + theirs + " as collective #" +
+       std::to_string(their_seq ? their_seq - 1 : 0) +
+       "; every rank must issue the same collectives with the same dtype, op and size in the "
+       "same order");
+}
+
+void ShmComm::mark_failed(const std::string& message) {
+  RankControl* me = ctl(rank());
+  if (!me || me->failed.load()) return;
+  std::strncpy(me->message, message.c_str(), sizeof(me->message) - 1);
+  me->failed.store(1, std::memory_order_release);
+  futex_wake(low_word(&me->progress));
+}
+
+void ShmComm::fail(const std::string& message) {
+  mark_failed(message);
+  throw CommError(message);
+}
+
+}  // namespace smddp

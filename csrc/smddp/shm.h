@@ -1,0 +1,124 @@
+// Intra-host transport: one POSIX shared-memory segment per local rank, mapped by every
+// local rank of the group, driven by sequence-numbered progress words.
+//
+// Note [Step protocol]
+// Every collective runs as one or more *steps*; all local ranks run the same steps in the
+// same order, numbered 1, 2, 3, ... for the life of the group. Step s uses data buffer
+// s % 2 of every segment (double buffering) and has up to three phases. A rank publishes
+// its progress as one monotonically increasing 64-bit word:
+//     progress = 3 * (s - 1) + phase        phase 1: my data for step s is in my buffer
+//                                           phase 2: my reduced slice is in my buffer
+//                                           phase 3: I am done reading peers' buffers
+// "peer reached (s, phase)" is then one comparison, and a lagging or leading peer is
+// unambiguous. Before a rank writes into buffer s % 2 it waits until every peer finished
+// step s - 2 (progress >= 3 * (s - 2)), the last step that used that buffer; no trailing
+// barrier is needed and a rank can run at most one step ahead of the slowest peer.
+// Progress words are stored with release semantics after the data; readers load them with
+// acquire semantics before reading the data.
+//
+// Note [Mismatch detection]
+// At the first step of collective number `seq` a rank writes a descriptor (kind, dtype, op,
+// count, first step) into desc[seq % 2] of its control block before posting phase 1. Every
+// first-step wait then compares the peer's descriptor with its own; a difference raises on
+// every rank (each rank checks every peer). Two slots are enough because a peer cannot start
+// collective seq + 2 before this rank finished the first step of collective seq.
+//
+// Note [Segment lifetime]
+// Names are "/smddp_<nonce>_<local rank>" with a 128-bit random nonce from the group's
+// store, created O_EXCL with mode 0600. Each rank unlinks its own segment as soon as every
+// local rank has mapped it (or on any failure during set-up), so nothing stays in /dev/shm
+// after a crash; the mappings live until the group is destroyed.
+#pragma once
+
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "smddp/common.h"
+
+namespace smddp {
+
+struct alignas(64) DescSlot {
+  std::atomic<uint64_t> seq_plus1{0};  // collective seq + 1 (0 = never written); stored last
+  uint64_t first_step = 0;
+  CollDesc desc;
+  char text[96] = {0};  // human-readable description for error messages
+};
+
+// Control block at offset 0 of each rank's segment; one cache line per field that another
+// rank polls, so pollers never share a line with unrelated writes.
+struct RankControl {
+  alignas(64) std::atomic<uint64_t> progress{0};  // Note [Step protocol]; written by owner only
+  alignas(64) std::atomic<uint32_t> sleepers{0};  // peers about to sleep in futex on progress
+  alignas(64) DescSlot desc[2];                   // Note [Mismatch detection]
+  alignas(64) std::atomic<uint32_t> failed{0};    // owner hit an error: message is valid
+  char message[480] = {0};
+  int32_t pid = 0;
+  uint64_t magic = 0;
+};
+
+struct ShmConfig {
+  std::string nonce;             // random, from the group's store
+  std::string group_name;        // for messages
+  int local_rank = 0;
+  std::vector<int> group_ranks;  // local index -> rank in the group (for messages)
+  size_t buffer_bytes = 0;       // size of each of the two data buffers of a segment
+};
+
+class ShmComm {
+ public:
+  explicit ShmComm(ShmConfig cfg);
+  ~ShmComm();
+  ShmComm(const ShmComm&) = delete;
+  ShmComm& operator=(const ShmComm&) = delete;
+
+  // Set-up, in this order across ranks: create() on all, attach() on all, unlink_own().
+  void create();
+  void attach(int peer);
+  void unlink_own();
+
+  int rank() const { return cfg_.local_rank; }
+  int size() const { return static_cast<int>(cfg_.group_ranks.size()); }
+  size_t buffer_bytes() const { return cfg_.buffer_bytes; }
+
+  // Note [Step protocol]. begin_step waits until buffer s % 2 may be reused and, for the
+  // first step of a collective, publishes this rank's descriptor.
+  uint64_t begin_step(const OpCtx& ctx, bool first);
+  char* mine(uint64_t s) { return data_[rank()] + (s & 1) * cfg_.buffer_bytes; }
+  const char* peer(int i, uint64_t s) const { return data_[i] + (s & 1) * cfg_.buffer_bytes; }
+  void post(uint64_t s, int phase);
+  void wait_one(int i, uint64_t s, int phase, const OpCtx& ctx);
+  void wait_all(uint64_t s, int phase, const OpCtx& ctx);
+  void end_step(uint64_t s) { post(s, 3); }
+
+  // Tells the local peers that this rank failed (they raise instead of waiting).
+  void mark_failed(const std::string& message);
+  // Makes every wait of this rank throw promptly (group shutdown/abort).
+  void abort() { aborted_.store(true); }
+
+ private:
+  static uint64_t value(uint64_t s, int phase) { return 3 * (s - 1) + phase; }
+  void wait_progress(int i, uint64_t target, const OpCtx& ctx);
+  void check_health(int i, uint64_t target, const OpCtx& ctx);
+  void check_desc(int i, const OpCtx& ctx);
+  [[noreturn]] void fail(const std::string& message);
+  RankControl* ctl(int i) const { return ctl_[i]; }
+
+  ShmConfig cfg_;
+  size_t seg_bytes_ = 0;
+  std::vector<RankControl*> ctl_;
+  std::vector<char*> data_;
+  std::vector<void*> maps_;
+  bool own_linked_ = false;
+  uint64_t next_step_ = 1;
+  uint64_t first_step_ = 0;       // first step of the current collective
+  std::vector<uint8_t> checked_;  // peers whose descriptor matched in this collective
+  std::atomic<bool> aborted_{false};
+  bool oversubscribed_ = false;   // more local ranks than CPUs: skip the busy spin
+  int spin_us_ = 50;              // busy-spin budget per wait (SMDDP_SPIN_US)
+  Clock::time_point last_pid_check_{};
+};
+
+std::string shm_name(const std::string& nonce, int local_rank);
+
+}  // namespace smddp

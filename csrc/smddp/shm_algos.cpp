@@ -1,0 +1,238 @@
+#include "smddp/shm_algos.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "smddp/kernels.h"
+
+namespace smddp {
+namespace shm {
+namespace {
+
+// Copies n elements into a staging buffer, applying the PREMUL_SUM factor if any.
+void copy_in(void* dst, const void* src, size_t n, const Reduction& red) {
+  if (red.op == RedOp::PREMUL_SUM && red.premul != 1.0) {
+    scale_copy(red.dtype, dst, src, n, red.premul);
+  } else {
+    std::memcpy(dst, src, n * dtype_size(red.dtype));
+  }
+}
+
+// Elements per chunk when `ways` pieces must share one buffer, rounded to 64 bytes.
+size_t chunk_elems(size_t buffer_bytes, size_t ways, size_t esz) {
+  size_t per = buffer_bytes / ways / esz;
+  size_t aligned = per & ~static_cast<size_t>(64 / esz - 1);
+  return aligned ? aligned : std::max<size_t>(per, 1);
+}
+
+Span clip(const Span& part, size_t o, size_t c) {
+  if (o >= part.len) return {part.off + part.len, 0};
+  return {part.off + o, std::min(c, part.len - o)};
+}
+
+}  // namespace
+
+void allreduce(ShmComm& c, void* data, size_t count, const Reduction& red, const OpCtx& ctx,
+               size_t oneshot_bytes) {
+  const int n = c.size(), me = c.rank();
+  const size_t esz = dtype_size(red.dtype);
+  char* out = static_cast<char*>(data);
+  std::vector<const void*> srcs(n);
+  if (count * esz <= std::min(oneshot_bytes, c.buffer_bytes())) {
+    uint64_t s = c.begin_step(ctx, true);
+    copy_in(c.mine(s), out, count, red);
+    c.post(s, 1);
+    c.wait_all(s, 1, ctx);
+    for (int i = 0; i < n; ++i) srcs[i] = c.peer(i, s);
+    reduce(red.dtype, red.dtype, out, srcs.data(), n, count, red, true);
+    c.end_step(s);
+    return;
+  }
+  const size_t chunk = chunk_elems(c.buffer_bytes(), 1, esz);
+  bool first = true;
+  for (size_t o = 0; o < count || first; o += chunk) {
+    size_t m = std::min(chunk, count - o);
+    uint64_t s = c.begin_step(ctx, first);
+    first = false;
+    copy_in(c.mine(s), out + o * esz, m, red);
+    c.post(s, 1);
+    c.wait_all(s, 1, ctx);
+    // Reduce my slice of the chunk, in rank order, in place in my own buffer.
+    Span mine = partition(m, n, me, 64 / esz);
+    for (int i = 0; i < n; ++i) srcs[i] = c.peer(i, s) + mine.off * esz;
+    reduce(red.dtype, red.dtype, c.mine(s) + mine.off * esz, srcs.data(), n, mine.len, red, true);
+    c.post(s, 2);
+    // Gather the reduced slices, starting after my own rank to spread the reads.
+    for (int k = 0; k < n; ++k) {
+      int i = (me + k) % n;
+      Span sl = partition(m, n, i, 64 / esz);
+      if (i != me) c.wait_one(i, s, 2, ctx);
+      std::memcpy(out + (o + sl.off) * esz, c.peer(i, s) + sl.off * esz, sl.len * esz);
+    }
+    c.end_step(s);
+    if (m == 0) break;
+  }
+}
+
+void reduce_scatter(ShmComm& c, const void* in, const std::vector<Span>& parts,
+                    const std::vector<std::vector<int>>& owned, const std::vector<void*>& dst,
+                    const Reduction& red, bool finish, const OpCtx& ctx) {
+  const int n = c.size(), me = c.rank();
+  const size_t nparts = parts.size();
+  const size_t esz = dtype_size(red.dtype);
+  const DType out_t = finish ? red.dtype : acc_type(red.dtype);
+  const size_t out_esz = dtype_size(out_t);
+  const char* src = static_cast<const char*>(in);
+  size_t maxlen = 0;
+  for (const Span& p : parts) maxlen = std::max(maxlen, p.len);
+  const size_t chunk = chunk_elems(c.buffer_bytes(), nparts, esz);
+  std::vector<const void*> srcs(n);
+  bool first = true;
+  for (size_t o = 0; o < maxlen || first; o += chunk) {
+    uint64_t s = c.begin_step(ctx, first);
+    first = false;
+    // My buffer holds the same chunk of every part: part p at p * chunk elements.
+    for (size_t p = 0; p < nparts; ++p) {
+      Span piece = clip(parts[p], o, chunk);
+      copy_in(c.mine(s) + p * chunk * esz, src + piece.off * esz, piece.len, red);
+    }
+    c.post(s, 1);
+    c.wait_all(s, 1, ctx);
+    for (size_t k = 0; k < owned[me].size(); ++k) {
+      int p = owned[me][k];
+      Span piece = clip(parts[p], o, chunk);
+      for (int i = 0; i < n; ++i) srcs[i] = c.peer(i, s) + p * chunk * esz;
+      reduce(red.dtype, out_t, static_cast<char*>(dst[k]) + o * out_esz, srcs.data(), n,
+             piece.len, red, finish);
+    }
+    c.end_step(s);
+  }
+}
+
+void allgather(ShmComm& c, const std::vector<const void*>& src, void* out,
+               const std::vector<Span>& parts, const std::vector<std::vector<int>>& owned,
+               const OpCtx& ctx) {
+  const int n = c.size(), me = c.rank();
+  char* dst = static_cast<char*>(out);
+  size_t maxlen = 0, ways = 1;
+  for (const Span& p : parts) maxlen = std::max(maxlen, p.len);
+  for (const auto& o : owned) ways = std::max(ways, o.size());
+  const size_t chunk = chunk_elems(c.buffer_bytes(), ways, 1);
+  // My own parts go straight to their place (FSDP2 passes an input that already is it).
+  for (size_t k = 0; k < owned[me].size(); ++k) {
+    const Span& p = parts[owned[me][k]];
+    if (src[k] != dst + p.off && p.len) std::memcpy(dst + p.off, src[k], p.len);
+  }
+  bool first = true;
+  for (size_t o = 0; o < maxlen || first; o += chunk) {
+    uint64_t s = c.begin_step(ctx, first);
+    first = false;
+    for (size_t k = 0; k < owned[me].size(); ++k) {
+      Span piece = clip(parts[owned[me][k]], o, chunk);
+      std::memcpy(c.mine(s) + k * chunk, static_cast<const char*>(src[k]) + o, piece.len);
+    }
+    c.post(s, 1);
+    for (int step = 1; step < n; ++step) {
+      int i = (me + step) % n;
+      c.wait_one(i, s, 1, ctx);
+      for (size_t k = 0; k < owned[i].size(); ++k) {
+        Span piece = clip(parts[owned[i][k]], o, chunk);
+        std::memcpy(dst + piece.off, c.peer(i, s) + k * chunk, piece.len);
+      }
+    }
+    c.end_step(s);
+  }
+}
+
+void broadcast(ShmComm& c, void* data, size_t bytes, int root, const OpCtx& ctx) {
+  char* buf = static_cast<char*>(data);
+  const size_t chunk = c.buffer_bytes();
+  bool first = true;
+  for (size_t o = 0; o < bytes || first; o += chunk) {
+    size_t m = std::min(chunk, bytes - o);
+    uint64_t s = c.begin_step(ctx, first);
+    if (c.rank() == root) std::memcpy(c.mine(s), buf + o, m);
+    c.post(s, 1);
+    if (first) c.wait_all(s, 1, ctx);  // every rank checks every descriptor once
+    first = false;
+    if (c.rank() != root) {
+      c.wait_one(root, s, 1, ctx);
+      std::memcpy(buf + o, c.peer(root, s), m);
+    }
+    c.end_step(s);
+    if (m == 0) break;
+  }
+}
+
+void barrier(ShmComm& c, const OpCtx& ctx) {
+  uint64_t s = c.begin_step(ctx, true);
+  c.post(s, 1);
+  c.wait_all(s, 1, ctx);
+  c.end_step(s);
+}
+
+void alltoall(ShmComm& c, const void* in, const std::vector<Span>& send, void* out,
+              const std::vector<Span>& recv, const OpCtx& ctx) {
+  const int n = c.size(), me = c.rank();
+  // Step 1: publish my send and receive sizes; every rank reads the whole matrix.
+  uint64_t s = c.begin_step(ctx, true);
+  auto* sizes = reinterpret_cast<uint64_t*>(c.mine(s));
+  for (int j = 0; j < n; ++j) {
+    sizes[j] = send[j].len;
+    sizes[n + j] = recv[j].len;
+  }
+  c.post(s, 1);
+  c.wait_all(s, 1, ctx);
+  std::vector<uint64_t> matrix(static_cast<size_t>(n) * n);  // matrix[i * n + j]: i sends to j
+  for (int i = 0; i < n; ++i) {
+    auto* ps = reinterpret_cast<const uint64_t*>(c.peer(i, s));
+    for (int j = 0; j < n; ++j) matrix[i * n + j] = ps[j];
+  }
+  std::string problem;
+  for (int i = 0; i < n && problem.empty(); ++i) {
+    auto* ps = reinterpret_cast<const uint64_t*>(c.peer(i, s));
+    for (int j = 0; j < n; ++j) {
+      if (ps[n + j] != matrix[j * n + i]) {  // i expects from j what j sends to i
+        problem = "local rank " + std::to_string(i) + " expects " + std::to_string(ps[n + j]) +
+                  " bytes from local rank " + std::to_string(j) + " which sends " +
+                  std::to_string(matrix[j * n + i]);
+        break;
+      }
+    }
+  }
+  c.end_step(s);
+  if (!problem.empty()) {
+    throw CommError("smddp: " + ctx.describe() +
+                    ": input and output split sizes do not match across ranks: " + problem);
+  }
+  const size_t region = chunk_elems(c.buffer_bytes(), n, 1);
+  uint64_t most = 0;
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < n; ++j) {
+      if (i != j) most = std::max(most, matrix[i * n + j]);
+    }
+  }
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  if (recv[me].len) std::memmove(dst + recv[me].off, src + send[me].off, recv[me].len);
+  // Region j of my buffer carries the next piece of what I send to local rank j.
+  for (uint64_t o = 0; o < most; o += region) {
+    s = c.begin_step(ctx, false);
+    for (int j = 0; j < n; ++j) {
+      Span piece = clip(send[j], o, region);
+      if (j != me && piece.len) std::memcpy(c.mine(s) + j * region, src + piece.off, piece.len);
+    }
+    c.post(s, 1);
+    for (int step = 1; step < n; ++step) {
+      int i = (me + step) % n;
+      Span piece = clip(recv[i], o, region);
+      if (o >= matrix[i * n + me] && o > 0) continue;
+      c.wait_one(i, s, 1, ctx);
+      if (piece.len) std::memcpy(dst + piece.off, c.peer(i, s) + me * region, piece.len);
+    }
+    c.end_step(s);
+  }
+}
+
+}  // namespace shm
+}  // namespace smddp

@@ -1,0 +1,236 @@
+#include "smddp/tcp.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "smddp/sha256.h"
+
+namespace smddp {
+namespace {
+
+constexpr char kMagic[8] = {'s', 'm', 'd', 'd', 'p', 't', 'c', '1'};
+constexpr int kHandshakeMs = 5000;
+
+void set_nonblocking(int fd, bool on) {
+  int flags = fcntl(fd, F_GETFL, 0);
+  fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK));
+}
+
+void tune_socket(int fd) {
+  int one = 1, buf = 4 << 20;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof(buf));
+}
+
+// Blocking-style I/O with a time limit on a non-blocking socket.
+bool io_all(int fd, char* p, size_t n, bool write, int timeout_ms) {
+  auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (n) {
+    ssize_t r = write ? ::send(fd, p, n, MSG_NOSIGNAL) : ::recv(fd, p, n, 0);
+    if (r > 0) {
+      p += r;
+      n -= static_cast<size_t>(r);
+      continue;
+    }
+    if (r == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return false;
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) return false;
+    pollfd pfd{fd, static_cast<short>(write ? POLLOUT : POLLIN), 0};
+    poll(&pfd, 1, static_cast<int>(left.count()));
+  }
+  return true;
+}
+
+std::string mac_message(const std::string& challenge, int from, int to) {
+  return "smddp-tcp-hello/" + challenge + "/" + std::to_string(from) + "->" + std::to_string(to);
+}
+
+}  // namespace
+
+std::string local_address() {
+  std::string forced = env_str("SMDDP_SOCKET_ADDR", "");
+  if (!forced.empty()) return forced;
+  ifaddrs* list = nullptr;
+  std::string found = "127.0.0.1";
+  if (getifaddrs(&list) == 0) {
+    for (ifaddrs* a = list; a; a = a->ifa_next) {
+      if (!a->ifa_addr || a->ifa_addr->sa_family != AF_INET) continue;
+      auto* in = reinterpret_cast<sockaddr_in*>(a->ifa_addr);
+      char buf[INET_ADDRSTRLEN];
+      inet_ntop(AF_INET, &in->sin_addr, buf, sizeof(buf));
+      if (std::string(buf).rfind("127.", 0) == 0) continue;
+      found = buf;
+      break;
+    }
+    freeifaddrs(list);
+  }
+  return found;
+}
+
+TcpMesh::TcpMesh(int rank, int size, std::string secret, std::string group_name)
+    : rank_(rank), size_(size), secret_(std::move(secret)), group_name_(std::move(group_name)) {
+  for (int i = 0; i < size; ++i) conns_.emplace_back(std::make_unique<Conn>());
+}
+
+TcpMesh::~TcpMesh() { shutdown(); }
+
+void TcpMesh::listen() {
+  listen_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (listen_fd_ < 0) throw CommError(std::string("smddp: socket(): ") + std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = 0;
+  if (bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::listen(listen_fd_, 128) != 0) {
+    throw CommError(std::string("smddp: cannot listen for mesh connections: ") +
+                    std::strerror(errno));
+  }
+  socklen_t len = sizeof(addr);
+  getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+  port_ = ntohs(addr.sin_port);
+  if (pipe2(wake_pipe_, O_CLOEXEC) != 0) throw CommError("smddp: pipe() failed");
+  listener_ = std::thread([this] { accept_loop(); });
+}
+
+void TcpMesh::accept_loop() {
+  while (true) {
+    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_pipe_[0], POLLIN, 0}};
+    if (poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    if (fds[1].revents) return;  // shutdown
+    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    handshake_incoming(fd);
+  }
+}
+
+void TcpMesh::handshake_incoming(int fd) {
+  set_nonblocking(fd, true);
+  char challenge[32];
+  if (getrandom(challenge, sizeof(challenge), 0) != sizeof(challenge)) {
+    close(fd);
+    return;
+  }
+  char hello[40];
+  std::memcpy(hello, kMagic, 8);
+  std::memcpy(hello + 8, challenge, 32);
+  char reply[36];
+  bool ok = io_all(fd, hello, sizeof(hello), true, kHandshakeMs) &&
+            io_all(fd, reply, sizeof(reply), false, kHandshakeMs);
+  int32_t from = -1;
+  if (ok) {
+    std::memcpy(&from, reply, 4);
+    ok = from >= 0 && from < size_ && from != rank_;
+  }
+  if (ok) {
+    Digest expect = hmac_sha256(secret_, mac_message(std::string(challenge, 32), from, rank_));
+    Digest got;
+    std::memcpy(got.data(), reply + 4, 32);
+    ok = digest_equal(expect, got);
+  }
+  char status = ok ? 1 : 0;
+  if (ok) ok = io_all(fd, &status, 1, true, kHandshakeMs);
+  if (!ok) {
+    rejected_.fetch_add(1);
+    close(fd);
+    return;
+  }
+  tune_socket(fd);
+  std::lock_guard<std::mutex> g(in_mu_);
+  Conn& c = *conns_[from];
+  if (c.in_fd >= 0) close(c.in_fd);  // a peer never reconnects; keep the newest anyway
+  c.in_fd = fd;
+}
+
+int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
+  const PeerAddr& pa = peers_.at(peer);
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  std::string port = std::to_string(pa.port);
+  if (getaddrinfo(pa.host.c_str(), port.c_str(), &hints, &res) != 0 || !res) {
+    fail_peer(peer, "cannot resolve its address " + pa.host, ctx);
+  }
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  set_nonblocking(fd, true);
+  int r = ::connect(fd, res->ai_addr, res->ai_addrlen);
+  freeaddrinfo(res);
+  if (r != 0 && errno != EINPROGRESS) {
+    int e = errno;
+    close(fd);
+    fail_peer(peer, "cannot connect to " + pa.host + ":" + port + ": " + std::strerror(e), ctx);
+  }
+  pollfd pfd{fd, POLLOUT, 0};
+  int limit = std::min(ctx.deadline.remaining_ms(), 60000);
+  int err = 0;
+  socklen_t elen = sizeof(err);
+  if (poll(&pfd, 1, limit) != 1 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &elen) != 0 || err) {
+    close(fd);
+    fail_peer(peer, "cannot connect to " + pa.host + ":" + port + ": " +
+                        (err ? std::strerror(err) : "timed out"),
+              ctx);
+  }
+  char hello[40];
+  if (!io_all(fd, hello, sizeof(hello), false, kHandshakeMs) || std::memcmp(hello, kMagic, 8) != 0) {
+    close(fd);
+    fail_peer(peer, "its listener did not answer the handshake", ctx);
+  }
+  char reply[36];
+  int32_t me = rank_;
+  std::memcpy(reply, &me, 4);
+  Digest mac = hmac_sha256(secret_, mac_message(std::string(hello + 8, 32), rank_, peer));
+  std::memcpy(reply + 4, mac.data(), 32);
+  char status = 0;
+  if (!io_all(fd, reply, sizeof(reply), true, kHandshakeMs) ||
+      !io_all(fd, &status, 1, false, kHandshakeMs) || status != 1) {
+    close(fd);
+    fail_peer(peer, "it refused our credentials (different job secret?)", ctx);
+  }
+  tune_socket(fd);
+  return fd;
+}
+
+int TcpMesh::in_fd(int peer) {
+  std::lock_guard<std::mutex> g(in_mu_);
+  return conns_[peer]->in_fd;
+}
+
+void TcpMesh::fail_peer(int peer, const std::string& what, const OpCtx& ctx) {
+  throw CommError("smddp: " + ctx.describe() + " on group '" + group_name_ + "' failed: rank " +
+                  std::to_string(peer) + ": " + what);
+}
+
+void TcpMesh::shutdown() {
+  if (wake_pipe_[1] >= 0) {
+    char x = 1;
+    (void)!write(wake_pipe_[1], &x, 1);
+  }
+  if (listener_.joinable()) listener_.join();
+  for (int fd : {listen_fd_, wake_pipe_[0], wake_pipe_[1]}) {
+    if (fd >= 0) close(fd);
+  }
+  listen_fd_ = wake_pipe_[0] = wake_pipe_[1] = -1;
+  for (auto& c : conns_) {
+    if (c->out_fd >= 0) close(c->out_fd);
+    if (c->in_fd >= 0) close(c->in_fd);
+    c->out_fd = c->in_fd = -1;
+  }
+}
+
+}  // namespace smddp

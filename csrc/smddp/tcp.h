@@ -1,0 +1,105 @@
+// Inter-host transport: a TCP full mesh (one hop to every peer), authenticated with a
+// per-group secret from the store.
+//
+// Note [TCP connections]
+// Every rank listens on one port per group (published through the store). Connections
+// are one-directional and made lazily: the sender of the first message to a peer connects
+// to it and that socket carries only sender -> receiver traffic, so there is never a race
+// about who connects. A per-group listener thread accepts connections and authenticates
+// them with a challenge/response (HMAC-SHA-256 over a fresh random challenge, the claimed
+// rank and the listener's rank, keyed with the group secret); a stranger or a wrong
+// secret is refused and counted, and the job carries on.
+//
+// Messages are framed as {tag, length, check} + payload. Only the thread that executes
+// collectives reads sockets (so no reader locking); a message that arrives for a tag
+// nobody waits for yet (e.g. a user send overtaking a collective) is stashed. Writers
+// (collectives, and the send lane for isend) take the connection's write lock per message.
+#pragma once
+
+#include <atomic>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "smddp/common.h"
+
+namespace smddp {
+
+struct PeerAddr {
+  std::string host;
+  int port = 0;
+};
+
+class TcpMesh {
+ public:
+  // One message to send or receive. `check` must match on both sides (collective
+  // descriptor hash) or the receiver raises.
+  struct Op {
+    int peer = 0;
+    uint64_t tag = 0;
+    char* data = nullptr;
+    size_t len = 0;
+    uint64_t check = 0;
+  };
+
+  TcpMesh(int rank, int size, std::string secret, std::string group_name);
+  ~TcpMesh();
+
+  // Binds an ephemeral port and starts the listener thread.
+  void listen();
+  int port() const { return port_; }
+  void set_peers(std::vector<PeerAddr> peers) { peers_ = std::move(peers); }
+
+  // Progresses all sends and receives concurrently until done; throws CommError on
+  // timeout (naming the peers still missing), a closed connection or a size mismatch.
+  void exchange(const std::vector<Op>& sends, const std::vector<Op>& recvs, const OpCtx& ctx);
+
+  void shutdown();
+  void abort() { aborted_.store(true); }
+  uint64_t rejected_connections() const { return rejected_.load(); }
+
+ private:
+  struct Stashed {
+    uint64_t tag, check;
+    std::vector<char> data;
+  };
+  struct Conn {
+    std::mutex write_mu;  // held by the writer of one whole message
+    int out_fd = -1;      // I connected: I write
+    int in_fd = -1;       // peer connected: I read (exec thread only)
+    // Receive state of the message being read from in_fd (persists across exchanges).
+    char hdr[24];
+    size_t hdr_got = 0;
+    uint64_t msg_tag = 0, msg_len = 0, msg_check = 0;
+    size_t body_got = 0;
+    char* body = nullptr;     // destination of the current message
+    int target_op = -1;       // index of the recv op it belongs to, or -1 (stash)
+    std::deque<Stashed> stash;
+  };
+
+  void accept_loop();
+  void handshake_incoming(int fd);
+  int connect_to(int peer, const OpCtx& ctx);
+  int in_fd(int peer);
+  [[noreturn]] void fail_peer(int peer, const std::string& what, const OpCtx& ctx);
+
+  int rank_, size_;
+  std::string secret_, group_name_;
+  std::vector<PeerAddr> peers_;
+  std::vector<std::unique_ptr<Conn>> conns_;
+  std::mutex in_mu_;  // guards Conn::in_fd (set by the listener thread)
+  int listen_fd_ = -1, port_ = 0;
+  int wake_pipe_[2] = {-1, -1};
+  std::thread listener_;
+  std::atomic<bool> aborted_{false};
+  std::atomic<uint64_t> rejected_{0};
+};
+
+// Address other hosts can reach this one at (SMDDP_SOCKET_ADDR, else the first
+// non-loopback IPv4 address, else 127.0.0.1).
+std::string local_address();
+
+}  // namespace smddp

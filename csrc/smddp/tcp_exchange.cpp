@@ -1,0 +1,235 @@
+// TcpMesh::exchange: progresses a set of sends and receives over the mesh with poll(),
+// so two ranks sending large messages to each other never deadlock on full socket buffers.
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "smddp/tcp.h"
+
+namespace smddp {
+namespace {
+
+struct SendState {
+  char hdr[24];
+  size_t done = 0;  // bytes of header + payload written
+  bool locked = false, finished = false;
+};
+
+}  // namespace
+
+void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recvs,
+                       const OpCtx& ctx) {
+  std::vector<SendState> ss(sends.size());
+  std::vector<uint8_t> rdone(recvs.size(), 0), rtargeted(recvs.size(), 0);
+  size_t pending = sends.size() + recvs.size();
+
+  auto finish_recv = [&](size_t i) {
+    rdone[i] = 1;
+    --pending;
+  };
+  // A complete stashed message satisfies the oldest matching receive.
+  auto match_stash = [&](int peer) {
+    Conn& c = *conns_[peer];
+    for (auto it = c.stash.begin(); it != c.stash.end();) {
+      bool used = false;
+      for (size_t i = 0; i < recvs.size() && !used; ++i) {
+        const Op& r = recvs[i];
+        if (rdone[i] || rtargeted[i] || r.peer != peer || r.tag != it->tag) continue;
+        if (it->data.size() != r.len || it->check != r.check) {
+          fail_peer(peer, "sent " + std::to_string(it->data.size()) + " bytes where " +
+                              std::to_string(r.len) + " were expected, or ran a different "
+                              "collective (mismatched sizes or collectives across ranks)", ctx);
+        }
+        if (r.len) std::memcpy(r.data, it->data.data(), r.len);
+        finish_recv(i);
+        used = true;
+      }
+      it = used ? c.stash.erase(it) : std::next(it);
+    }
+  };
+  for (const Op& r : recvs) match_stash(r.peer);
+
+  auto wants_from = [&](int peer) {
+    for (size_t i = 0; i < recvs.size(); ++i) {
+      if (!rdone[i] && recvs[i].peer == peer) return true;
+    }
+    return false;
+  };
+
+  // Reads what is available from `peer`; returns false when the socket has nothing more.
+  auto pump_in = [&](int peer, int fd) {
+    Conn& c = *conns_[peer];
+    while (wants_from(peer)) {
+      if (c.hdr_got < sizeof(c.hdr)) {
+        ssize_t r = ::recv(fd, c.hdr + c.hdr_got, sizeof(c.hdr) - c.hdr_got, 0);
+        if (r == 0) fail_peer(peer, "closed its connection (process exited?)", ctx);
+        if (r < 0) {
+          if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
+          fail_peer(peer, std::string("connection error: ") + std::strerror(errno), ctx);
+        }
+        c.hdr_got += static_cast<size_t>(r);
+        if (c.hdr_got < sizeof(c.hdr)) continue;
+        std::memcpy(&c.msg_tag, c.hdr, 8);
+        std::memcpy(&c.msg_len, c.hdr + 8, 8);
+        std::memcpy(&c.msg_check, c.hdr + 16, 8);
+        c.body_got = 0;
+        c.target_op = -1;
+        for (size_t i = 0; i < recvs.size(); ++i) {
+          if (!rdone[i] && !rtargeted[i] && recvs[i].peer == peer && recvs[i].tag == c.msg_tag) {
+            if (recvs[i].len != c.msg_len || recvs[i].check != c.msg_check) {
+              fail_peer(peer, "sent " + std::to_string(c.msg_len) + " bytes where " +
+                                  std::to_string(recvs[i].len) + " were expected, or ran a "
+                                  "different collective (mismatched sizes or collectives "
+                                  "across ranks)", ctx);
+            }
+            c.target_op = static_cast<int>(i);
+            rtargeted[i] = 1;
+            c.body = recvs[i].data;
+            break;
+          }
+        }
+        if (c.target_op < 0) {
+          c.stash.push_back({c.msg_tag, c.msg_check, std::vector<char>(c.msg_len)});
+          c.body = c.stash.back().data.data();
+        }
+      }
+      if (c.body_got < c.msg_len) {
+        ssize_t r = ::recv(fd, c.body + c.body_got, c.msg_len - c.body_got, 0);
+        if (r == 0) fail_peer(peer, "closed its connection (process exited?)", ctx);
+        if (r < 0) {
+          if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
+          fail_peer(peer, std::string("connection error: ") + std::strerror(errno), ctx);
+        }
+        c.body_got += static_cast<size_t>(r);
+        if (c.body_got < c.msg_len) continue;
+      }
+      // Message complete.
+      c.hdr_got = 0;
+      if (c.target_op >= 0) {
+        finish_recv(static_cast<size_t>(c.target_op));
+      } else {
+        // Stash entries only become visible to matching once complete: the in-flight one
+        // is the last entry, and it is complete now.
+        match_stash(peer);
+      }
+      c.target_op = -1;
+    }
+  };
+
+  auto pump_out = [&](size_t i) {
+    const Op& s = sends[i];
+    SendState& st = ss[i];
+    Conn& c = *conns_[s.peer];
+    const size_t total = sizeof(st.hdr) + s.len;
+    while (st.done < total) {
+      ssize_t r;
+      if (st.done < sizeof(st.hdr)) {
+        r = ::send(c.out_fd, st.hdr + st.done, sizeof(st.hdr) - st.done, MSG_NOSIGNAL);
+      } else {
+        size_t o = st.done - sizeof(st.hdr);
+        r = ::send(c.out_fd, s.data + o, s.len - o, MSG_NOSIGNAL);
+      }
+      if (r < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
+        fail_peer(s.peer, std::string("send failed: ") + std::strerror(errno) +
+                              " (process exited?)", ctx);
+      }
+      st.done += static_cast<size_t>(r);
+    }
+    st.finished = true;
+    st.locked = false;
+    c.write_mu.unlock();
+    --pending;
+  };
+
+  // Releases write locks held by unfinished sends if we leave with an error. A partly
+  // written message leaves that connection unusable, which is fine: the group is broken.
+  struct Unlock {
+    std::vector<SendState>& ss;
+    const std::vector<Op>& sends;
+    std::vector<std::unique_ptr<Conn>>& conns;
+    ~Unlock() {
+      for (size_t i = 0; i < ss.size(); ++i) {
+        if (ss[i].locked) conns[sends[i].peer]->write_mu.unlock();
+      }
+    }
+  } unlock{ss, sends, conns_};
+
+  for (size_t i = 0; i < sends.size(); ++i) {
+    std::memcpy(ss[i].hdr, &sends[i].tag, 8);
+    uint64_t len = sends[i].len;
+    std::memcpy(ss[i].hdr + 8, &len, 8);
+    std::memcpy(ss[i].hdr + 16, &sends[i].check, 8);
+  }
+
+  std::vector<pollfd> fds;
+  while (pending) {
+    bool waiting_for_something = false;
+    for (size_t i = 0; i < sends.size(); ++i) {
+      if (ss[i].finished) continue;
+      Conn& c = *conns_[sends[i].peer];
+      if (!ss[i].locked) {
+        // Another send to the same peer in this exchange, or the send lane, owns the
+        // connection: try again on the next round.
+        bool busy = false;
+        for (size_t j = 0; j < i; ++j) {
+          if (ss[j].locked && sends[j].peer == sends[i].peer) busy = true;
+        }
+        if (busy || !c.write_mu.try_lock()) {
+          waiting_for_something = true;
+          continue;
+        }
+        ss[i].locked = true;
+        if (c.out_fd < 0) c.out_fd = connect_to(sends[i].peer, ctx);
+      }
+      pump_out(i);
+    }
+    for (size_t i = 0; i < recvs.size(); ++i) {
+      if (rdone[i]) continue;
+      int fd = in_fd(recvs[i].peer);
+      if (fd < 0) {
+        waiting_for_something = true;  // the peer has not connected yet
+        continue;
+      }
+      pump_in(recvs[i].peer, fd);
+    }
+    if (!pending) break;
+    if (aborted_.load()) {
+      throw CommError("smddp: " + ctx.describe() + " on group '" + group_name_ +
+                      "' was aborted: the process group was shut down");
+    }
+    if (ctx.deadline.expired()) {
+      std::vector<int> missing;
+      for (size_t i = 0; i < recvs.size(); ++i) {
+        if (!rdone[i]) missing.push_back(recvs[i].peer);
+      }
+      for (size_t i = 0; i < sends.size(); ++i) {
+        if (!ss[i].finished) missing.push_back(sends[i].peer);
+      }
+      std::sort(missing.begin(), missing.end());
+      missing.erase(std::unique(missing.begin(), missing.end()), missing.end());
+      char secs[32];
+      snprintf(secs, sizeof(secs), "%.1f", ctx.deadline.seconds);
+      throw CommError("smddp: " + ctx.describe() + " on group '" + group_name_ +
+                      "' timed out after " + secs + " s waiting for ranks " +
+                      format_ranks(missing) + " (over TCP)");
+    }
+    fds.clear();
+    for (size_t i = 0; i < sends.size(); ++i) {
+      if (ss[i].locked && !ss[i].finished) fds.push_back({conns_[sends[i].peer]->out_fd, POLLOUT, 0});
+    }
+    for (size_t i = 0; i < recvs.size(); ++i) {
+      if (rdone[i]) continue;
+      int fd = in_fd(recvs[i].peer);
+      if (fd >= 0) fds.push_back({fd, POLLIN, 0});
+    }
+    int wait_ms = waiting_for_something ? 1 : std::min(100, ctx.deadline.remaining_ms() + 1);
+    poll(fds.data(), fds.size(), wait_ms);
+  }
+}
+
+}  // namespace smddp

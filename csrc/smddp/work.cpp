@@ -1,0 +1,135 @@
+#include "smddp/work.h"
+
+namespace smddp {
+
+SmddpWork::SmddpWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
+    : c10d::Work(rank, type), outputs_(std::move(outputs)) {
+  future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+}
+
+void SmddpWork::complete(std::exception_ptr error) {
+  // The future first: its callbacks (e.g. DDP's bucket division) have run when wait() returns.
+  if (error) {
+    future_->setError(error);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+  finish(error);
+}
+
+CoalescedWork::CoalescedWork(std::vector<c10::intrusive_ptr<c10d::Work>> parts)
+    : c10d::Work(-1, c10d::OpType::COALESCED), parts_(std::move(parts)) {}
+
+bool CoalescedWork::isCompleted() {
+  for (auto& p : parts_) {
+    if (!p->isCompleted()) return false;
+  }
+  return true;
+}
+
+bool CoalescedWork::wait(std::chrono::milliseconds timeout) {
+  for (auto& p : parts_) p->wait(timeout);
+  return true;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> CoalescedWork::getFuture() {
+  std::vector<at::Tensor> all;
+  c10::List<c10::intrusive_ptr<c10::ivalue::Future>> futures(
+      c10::FutureType::create(c10::ListType::create(c10::TensorType::get())));
+  for (auto& p : parts_) futures.push_back(p->getFuture());
+  auto done = c10::collectAll(futures);
+  return done->then(
+      [futures](c10::ivalue::Future& f) -> c10::IValue {
+        std::vector<at::Tensor> out;
+        for (size_t i = 0; i < futures.size(); ++i) {
+          auto list = futures.get(i)->value().toTensorVector();
+          out.insert(out.end(), list.begin(), list.end());
+        }
+        return c10::IValue(out);
+      },
+      c10::ListType::create(c10::TensorType::get()));
+}
+
+void Executor::run(Item& item) {
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> g(exec_mu_);
+    try {
+      item.fn();
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  item.work->complete(error);
+}
+
+void Executor::submit(Fn fn, c10::intrusive_ptr<SmddpWork> work, bool async_op) {
+  Item item{std::move(fn), std::move(work)};
+  if (!async_op) {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (main_.pending == 0 && !stop_) {
+      lk.unlock();
+      run(item);
+      return;
+    }
+  }
+  enqueue(main_, std::move(item));
+}
+
+void Executor::submit_send(Fn fn, c10::intrusive_ptr<SmddpWork> work) {
+  enqueue(send_, Item{std::move(fn), std::move(work)});
+}
+
+void Executor::enqueue(Lane& lane, Item item) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (stop_) {
+    item.work->complete(std::make_exception_ptr(
+        std::runtime_error("smddp: the process group was shut down")));
+    return;
+  }
+  lane.queue.push_back(std::move(item));
+  ++lane.pending;
+  if (!lane.thread.joinable()) lane.thread = std::thread([this, &lane] { run_lane(lane); });
+  cv_.notify_all();
+}
+
+void Executor::run_lane(Lane& lane) {
+  while (true) {
+    Item item;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return stop_ || !lane.queue.empty(); });
+      if (lane.queue.empty()) return;  // stop_ and drained
+      item = std::move(lane.queue.front());
+      lane.queue.pop_front();
+    }
+    if (&lane == &send_) {
+      // Sends do not take exec_mu_: they only write sockets (see Note [TCP connections]).
+      std::exception_ptr error;
+      try {
+        item.fn();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      item.work->complete(error);
+    } else {
+      run(item);
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    --lane.pending;
+    idle_cv_.notify_all();
+  }
+}
+
+void Executor::shutdown() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stop_ = true;
+    cv_.notify_all();
+  }
+  for (Lane* lane : {&main_, &send_}) {
+    if (lane->thread.joinable()) lane->thread.join();
+  }
+}
+
+}  // namespace smddp

@@ -1,0 +1,86 @@
+// Work objects and the per-group executor.
+//
+// Note [Execution order]
+// Collectives of one group must run in the order they were issued (every rank issues the
+// same order, and the shm step protocol relies on it). A synchronous call
+// (opts.asyncOp == false) runs inline in the caller's thread when nothing is queued,
+// avoiding a thread hand-off (a futex wake costs tens of microseconds on a VM); otherwise,
+// and for every async call, the operation is queued to the group's worker thread, which
+// runs the queue in FIFO order so communication overlaps the caller's computation. Sends
+// (isend/send) run on a separate send lane so a large send never blocks a receive queued
+// behind it. `exec_mu_` makes sure inline and worker executions never overlap.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+namespace smddp {
+
+class SmddpWork : public c10d::Work {
+ public:
+  SmddpWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs);
+  // The future's value is the list of output tensors (DDP and FSDP chain on it).
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  // Marks the work (and its future) completed, with an error if `error` is set.
+  void complete(std::exception_ptr error);
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// A Work that completes when all of its parts complete (endCoalescing).
+class CoalescedWork : public c10d::Work {
+ public:
+  explicit CoalescedWork(std::vector<c10::intrusive_ptr<c10d::Work>> parts);
+  bool isCompleted() override;
+  bool wait(std::chrono::milliseconds timeout) override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+ private:
+  std::vector<c10::intrusive_ptr<c10d::Work>> parts_;
+};
+
+class Executor {
+ public:
+  using Fn = std::function<void()>;
+  Executor() = default;
+  ~Executor() { shutdown(); }
+
+  // Note [Execution order].
+  void submit(Fn fn, c10::intrusive_ptr<SmddpWork> work, bool async_op);
+  void submit_send(Fn fn, c10::intrusive_ptr<SmddpWork> work);
+  // Waits for all queued work, then joins the threads. Idempotent.
+  void shutdown();
+
+ private:
+  struct Item {
+    Fn fn;
+    c10::intrusive_ptr<SmddpWork> work;
+  };
+  struct Lane {
+    std::deque<Item> queue;
+    std::thread thread;
+    size_t pending = 0;  // queued or running
+  };
+  void run_lane(Lane& lane);
+  void run(Item& item);
+  void enqueue(Lane& lane, Item item);
+
+  std::mutex mu_;
+  std::condition_variable cv_;       // new work or shutdown
+  std::condition_variable idle_cv_;  // a lane became idle
+  Lane main_, send_;
+  bool stop_ = false;
+  std::mutex exec_mu_;
+};
+
+}  // namespace smddp
