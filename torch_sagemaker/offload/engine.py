@@ -70,6 +70,7 @@ class OffloadEngine:
         self._active: PassRecord | None = None
         self._unit_stack: list[UnitRecord | None] = []
         self._module_state: set[tuple[torch.device, int]] = set()
+        self._device_type: str | None = None
         self._stash: deque[StorageRecord] = deque()  # records whose offload copy is in flight
         self._stash_bytes = 0
         self._callback_queued = False
@@ -107,11 +108,12 @@ class OffloadEngine:
         for pass_record in self._live_passes():
             for unit in pass_record.schedule.on_new_forward():
                 self._release_unit(pass_record, unit, "evict")
-        self._module_state = {
-            hooks_lib.storage_key(hooks_lib.split_dtensor(t)[0])
-            for t in (*root.parameters(), *root.buffers())
-            if hooks_lib.split_dtensor(t)[0].untyped_storage().nbytes() > 0
-        }
+        state = [hooks_lib.split_dtensor(t)[0] for t in (*root.parameters(), *root.buffers())]
+        self._module_state = {hooks_lib.storage_key(t) for t in state
+                              if t.untyped_storage().nbytes() > 0}
+        # Only tensors on the model's device type are moved: in a CUDA run, CPU tensors a
+        # layer saves are in host memory already. A model without state accepts any device.
+        self._device_type = state[0].device.type if state else None
         pass_record = PassRecord(schedule=PrefetchSchedule(self.horizon))
         weakref.finalize(pass_record, _free_pass, pass_record.storages, pass_record.units,
                          self.stats, self._transfers)
@@ -135,6 +137,10 @@ class OffloadEngine:
     def current_unit(self) -> UnitRecord | None:
         """The innermost wrapped layer being run by the current forward pass, if any."""
         return self._unit_stack[-1] if self._unit_stack else None
+
+    def on_compute_device(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives on the device type whose memory offloading frees."""
+        return self._device_type is None or tensor.device.type == self._device_type
 
     def is_module_state(self, key: tuple[torch.device, int]) -> bool:
         """Whether ``key`` is the storage of a parameter or buffer of the root module."""

@@ -170,7 +170,7 @@ def _pack(engine: OffloadEngine | None, tensor: torch.Tensor) -> Any:
     local, meta = split_dtensor(tensor)
     if is_parameter_like(tensor) or is_parameter_like(local):
         return tensor
-    if not is_movable(local):
+    if not is_movable(local) or not engine.on_compute_device(local):
         engine.stats.add("bytes_kept", tensor_bytes(tensor))
         return tensor
     key = storage_key(local)

@@ -26,7 +26,9 @@ class OffloadStats:
         bytes_prefetched: Bytes copied back before the layer's backward started.
         bytes_fetched_on_demand: Bytes copied back only when the backward needed them.
         bytes_kept: Bytes saved by wrapped layers but kept on the device: storages below
-            the size threshold, saved by several layers, or of unsupported tensor types.
+            the size threshold, saved by several layers, of tensor types that cannot be
+            copied byte for byte, or not on the model's device type (e.g. CPU tensors in a
+            CUDA run).
         bytes_outside_layers: Bytes saved outside the wrapped layers (never offloaded).
         resident_bytes: Resident bytes now.
         peak_resident_bytes: Highest resident bytes since the reset.
