@@ -31,7 +31,14 @@ from torch.utils._pytree import tree_leaves
 
 from torch_sagemaker.offload import hooks as hooks_lib
 from torch_sagemaker.offload.buffers import HostBufferPool
-from torch_sagemaker.offload.records import PassRecord, StorageKind, StorageRecord, UnitRecord
+from torch_sagemaker.offload.records import (
+    PassRecord,
+    StorageKind,
+    StorageRecord,
+    UnitRecord,
+    drop_resident,
+    free_pass,
+)
 from torch_sagemaker.offload.schedule import PrefetchSchedule
 from torch_sagemaker.offload.stats import OffloadStats, StatsRecorder
 from torch_sagemaker.offload.streams import CudaStreamTransfer, SyncTransfer, make_transfer
@@ -115,7 +122,7 @@ class OffloadEngine:
         # layer saves are in host memory already. A model without state accepts any device.
         self._device_type = state[0].device.type if state else None
         pass_record = PassRecord(schedule=PrefetchSchedule(self.horizon))
-        weakref.finalize(pass_record, _free_pass, pass_record.storages, pass_record.units,
+        weakref.finalize(pass_record, free_pass, pass_record.storages, pass_record.units,
                          self.stats, self._transfers)
         self._passes.append(weakref.ref(pass_record))
         self._active = pass_record
@@ -353,9 +360,9 @@ class OffloadEngine:
         self._log(why, pass_record.pass_id, unit)
         unit_record = pass_record.units[unit]
         for record in unit_record.offloaded:
-            _drop_resident(record, self.stats, self._transfers)
+            drop_resident(record, self.stats, self._transfers)
         for record in unit_record.small:
-            _drop_resident(record, self.stats, self._transfers)
+            drop_resident(record, self.stats, self._transfers)
         unit_record.small.clear()  # autograd keeps the small tensors themselves
 
     # ------------------------------------------------------------------ helpers
@@ -374,34 +381,3 @@ def _on_input_grad(engine_ref: weakref.ref, pass_ref: weakref.ref, unit: int,
     engine, pass_record = engine_ref(), pass_ref()
     if engine is not None and pass_record is not None:
         engine.end_layer_backward(pass_record, unit)
-
-
-def _drop_resident(record: StorageRecord, stats: StatsRecorder,
-                   transfers: dict[torch.device, Any]) -> None:
-    """Drops the engine's device reference of ``record`` (see Note [Offload stash lifetime])."""
-    if record.resident is None:
-        return
-    if record.fetch is not None:
-        transfers[record.device].retire_fetch(record.fetch)
-        record.fetch = None
-    record.resident = None
-    if record.in_flight is None:
-        stats.change_resident(-record.nbytes)
-    # else: the bytes go back to the stash, which subtracts them when the copy completes.
-
-
-def _free_pass(storages: list[StorageRecord], units: list[UnitRecord], stats: StatsRecorder,
-               transfers: dict[torch.device, Any]) -> None:
-    """Finalizer of a ``PassRecord``: autograd holds none of its saved tensors any more."""
-    for unit in units:
-        if unit.grad_hook is not None:
-            unit.grad_hook.remove()
-    for record in storages:
-        _drop_resident(record, stats, transfers)
-        if record.host is None:
-            continue
-        if record.in_flight is None:
-            transfers[record.device].pool.release(record.host)
-            record.host = None
-        else:
-            record.orphaned = True  # the stash releases the block when the copy completes

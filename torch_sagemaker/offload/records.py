@@ -129,6 +129,47 @@ class PassRecord:
         return None
 
 
+def drop_resident(record: StorageRecord, stats: Any, transfers: dict[torch.device, Any]) -> None:
+    """Drops the engine's device reference of ``record`` (see Note [Offload stash lifetime]).
+
+    Args:
+        record: The storage record.
+        stats: The ``StatsRecorder`` whose resident byte count follows the reference.
+        transfers: The engine's transfers by device (a fetched buffer is retired first).
+    """
+    if record.resident is None:
+        return
+    if record.fetch is not None:
+        transfers[record.device].retire_fetch(record.fetch)
+        record.fetch = None
+    record.resident = None
+    if record.in_flight is None:
+        stats.change_resident(-record.nbytes)
+    # else: the bytes go back to the stash, which subtracts them when the copy completes.
+
+
+def free_pass(storages: list[StorageRecord], units: list[UnitRecord], stats: Any,
+              transfers: dict[torch.device, Any]) -> None:
+    """Finalizer of a ``PassRecord``: autograd holds none of its saved tensors any more.
+
+    Removes the layers' gradient hooks, drops the device references and returns the host
+    blocks to their pool (a block whose offload copy is still in flight is returned by the
+    stash once the copy completes).
+    """
+    for unit in units:
+        if unit.grad_hook is not None:
+            unit.grad_hook.remove()
+    for record in storages:
+        drop_resident(record, stats, transfers)
+        if record.host is None:
+            continue
+        if record.in_flight is None:
+            transfers[record.device].pool.release(record.host)
+            record.host = None
+        else:
+            record.orphaned = True  # the stash releases the block when the copy completes
+
+
 def _storage_ptr(tensor: torch.Tensor) -> int:
     local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's local shard
     return local.untyped_storage().data_ptr()
