@@ -117,18 +117,20 @@ def format_table(results: list[dict], args: argparse.Namespace) -> str:
         f"steps after {args.warmup} warm-up, configurations interleaved.",
         "",
         "| configuration | step ms (median) | overhead vs baseline | peak resident saved "
-        "activations KiB | of no-offload peak | offloaded KiB/step | host pool KiB |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "activations KiB | of no-offload peak | offloaded KiB/step | copy ms/step | "
+        "host pool KiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         s = r["stats"]
         overhead = (r["median_ms"] / base_ms - 1) * 100
         if s is None:
-            cols = ["n/a"] * 4
+            cols = ["n/a"] * 5
         else:
             cols = [f"{s.peak_resident_bytes / kib:.0f}",
                     f"{s.peak_resident_bytes / base_peak:.2f}",
-                    f"{s.bytes_offloaded / kib:.0f}", f"{s.host_pool_bytes / kib:.0f}"]
+                    f"{s.bytes_offloaded / kib:.0f}", f"{s.copy_seconds * 1e3:.2f}",
+                    f"{s.host_pool_bytes / kib:.0f}"]
         lines.append(f"| {r['name']} | {r['median_ms']:.1f} | {overhead:+.1f}% | "
                      + " | ".join(cols) + " |")
     return "\n".join(lines)

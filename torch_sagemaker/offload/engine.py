@@ -226,10 +226,10 @@ class OffloadEngine:
         """A second layer saved this storage: it is needed until the last of them runs its
         backward, so offloading it cannot free memory. Keep it on the device for the pass."""
         owner = pass_record.units[record.owner]
-        if record.kind is StorageKind.SMALL:
-            owner.small.remove(record)
-        else:
-            owner.offloaded.remove(record)
+        owned = owner.small if record.kind is StorageKind.SMALL else owner.offloaded
+        if record in owned:  # a released owner has already let go of its small records
+            owned.remove(record)
+        if record.kind is not StorageKind.SMALL:
             self.stats.add("bytes_kept", record.nbytes)
         if record.resident is None:
             record.resident = hooks_lib.flat_storage(local)
