@@ -31,10 +31,10 @@ def build(hsd: int, tp: int = 1, fsdp: str = "fsdp2", seed: int = INIT_SEED):
     import torch.sagemaker as tsm
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from tests.distributed.test_delayed_param import fresh_layout
     from torch_sagemaker.delayed_param import DelayedParamIniter
 
-    tsm.state.reset()
-    tsm.init({"hybrid_shard_degree": hsd, "tensor_parallel_degree": tp})
+    fresh_layout({"hybrid_shard_degree": hsd, "tensor_parallel_degree": tp})
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(LlamaConfig(**CFG))
     if tp > 1:
@@ -73,6 +73,7 @@ def train(model, optim, sched, steps) -> list[float]:
     """Trains on the given step indices; returns the global mean loss of each step."""
     import torch.distributed as dist
     import torch.sagemaker as tsm
+    from torch.distributed.tensor import DTensor
 
     losses = []
     for step in steps:
@@ -83,6 +84,8 @@ def train(model, optim, sched, steps) -> list[float]:
         sched.step()
         optim.zero_grad(set_to_none=True)
         total = loss.detach().clone()
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
         dist.all_reduce(total, group=tsm.state.dp_process_group)
         losses.append(total.item() / tsm.state.dp_size)
     return losses
@@ -200,6 +203,32 @@ def _local_under_other_layout(root: str) -> str:
     return "no error"
 
 
+def _tensor_parallel_job(root: str) -> dict:
+    """tp=2 x hybrid_shard_degree=2 on 4 ranks: delayed init, then resume from the checkpoint.
+
+    Runs in fresh processes with a single layout: after tsm.state.reset(), a second TP layout
+    in the same process gets DTensors on the earlier (destroyed) TP mesh out of PyTorch's
+    DTensor caches, so the TP checks share one job and one model.
+    """
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from torch_sagemaker.delayed_param import DelayedParamIniter
+    from torch_sagemaker.distributed.checkpoint import TrainingState
+
+    with torch.device("meta"):
+        ref = AutoModelForCausalLM.from_config(LlamaConfig(**CFG))
+    DelayedParamIniter(ref, seed=INIT_SEED + 1, device="cpu").init_model()
+    model, optim, sched = build(hsd=2, tp=2, seed=INIT_SEED + 1)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    delayed_equal = all(torch.equal(full[k], v) for k, v in ref.state_dict().items())
+    ts = TrainingState(model, optim, sched)
+    ts.load(f"{root}/sync/step{SAVE_AT}")
+    losses = train(model, optim, sched, range(ts.data_position["next_step"], STEPS))
+    return dict(delayed_equal=delayed_equal, step=ts.step, losses=losses)
+
+
 # ----------------------------------------------------------------------- the tests
 @pytest.fixture(scope="module")
 def run4(tmp_path_factory):
@@ -240,6 +269,18 @@ def test_resume_under_other_layouts_matches_uninterrupted_run(run4):
         assert got["step"] == SAVE_AT, layout
         torch.testing.assert_close(got["losses"], expected[SAVE_AT:], rtol=1e-5, atol=1e-5,
                                    msg=lambda m, layout=layout: f"layout {layout}: {m}")
+
+
+def test_tensor_parallel_delayed_init_and_resume(run4):
+    import torch
+
+    root, results = run4
+    expected = results[0]["losses"]
+    out = run_distributed(_tensor_parallel_job, root, world_size=4, fresh=True, timeout=300)
+    for rank, r in enumerate(out):
+        assert r["delayed_equal"], f"rank {rank}: TP delayed init differs from unsharded init"
+        assert r["step"] == SAVE_AT
+        torch.testing.assert_close(r["losses"], expected[SAVE_AT:], rtol=1e-5, atol=1e-5)
 
 
 def test_sm_local_resumes_only_under_the_same_shard_layout(run4):

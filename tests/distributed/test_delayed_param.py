@@ -19,6 +19,20 @@ CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atten
 SEED = 77
 
 
+def fresh_layout(config: dict) -> None:
+    """``tsm.init(config)`` after a reset, dropping DTensor plans that hold older meshes.
+
+    PyTorch caches redistribution planners by mesh *value* and the planner keeps its mesh
+    alive, so a new layout equal to an earlier one would reuse the earlier (destroyed) groups.
+    """
+    import torch.sagemaker as tsm
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+
+    tsm.state.reset()
+    clear_redistribute_planner_cache()
+    tsm.init(config)
+
+
 def _meta_model():
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -36,16 +50,17 @@ def _reference() -> dict:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _sharded(hsd: int, fsdp: str):
+def _sharded(hsd: int, fsdp: str, tp: int):
     import torch
     import torch.sagemaker as tsm
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from torch_sagemaker.delayed_param import DelayedParamIniter
 
-    tsm.state.reset()
-    tsm.init({"hybrid_shard_degree": hsd})
+    fresh_layout({"hybrid_shard_degree": hsd, "tensor_parallel_degree": tp})
     model = _meta_model()
+    if tp > 1:
+        model = tsm.transform(model)
     initer = DelayedParamIniter(model, seed=SEED, device="cpu")
     with initer.validate_params_and_buffers_inited():
         if fsdp == "fsdp2":
@@ -80,9 +95,9 @@ def _compare_layouts(layouts) -> dict:
     eager_inv_freq = LlamaRotaryEmbedding(LlamaConfig(**CFG)).inv_freq
     out = {"stats": {k: (v.mean().item(), v.std().item(), v.numel()) for k, v in ref.items()},
            "pad_row": ref["model.embed_tokens.weight"][0].abs().sum().item()}
-    for hsd, fsdp in layouts:
-        full, buffers, local_numel = _sharded(hsd, fsdp)
-        out[(hsd, fsdp)] = dict(
+    for hsd, fsdp, tp in layouts:
+        full, buffers, local_numel = _sharded(hsd, fsdp, tp)
+        out[(hsd, fsdp, tp)] = dict(
             equal=sorted(k for k in ref if k in full and torch.equal(full[k], ref[k])),
             keys=sorted(full),
             rope=all(torch.equal(b, eager_inv_freq) for n, b in buffers.items() if "inv_freq" in n),
@@ -91,7 +106,9 @@ def _compare_layouts(layouts) -> dict:
     return out
 
 
-LAYOUTS = [(2, "fsdp1"), (4, "fsdp1"), (2, "fsdp2"), (1, "fsdp2")]
+# (hybrid_shard_degree, FSDP version, tensor_parallel_degree) on 4 ranks. The tensor parallel
+# case runs in test_checkpoint_reshard.py's fresh job (one TP layout per process, see there).
+LAYOUTS = [(2, "fsdp1", 1), (4, "fsdp1", 1), (2, "fsdp2", 1), (1, "fsdp2", 1)]
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +137,7 @@ def test_every_layout_matches_unsharded_init(results, layout):
         assert got["keys"] == sorted(results[0]["stats"]), (rank, layout)
         assert got["equal"] == got["keys"], f"rank {rank} {layout}: values differ from unsharded init"
         assert got["rope"], f"rank {rank} {layout}: rotary inv_freq not recomputed"
-    hsd = layout[0]
-    # Each rank holds about 1/hsd of the parameters (FSDP pads the last shard).
-    assert sum(r[layout]["local_numel"] for r in results[:hsd]) >= total
-    assert results[0][layout]["local_numel"] <= total // hsd + 1024
+    hsd, _, tp = layout
+    # Each rank holds about 1/(hsd * tp) of the parameters (FSDP pads the last shard).
+    assert sum(r[layout]["local_numel"] for r in results[:hsd * tp]) >= total
+    assert results[0][layout]["local_numel"] <= total // (hsd * tp) + 1024
