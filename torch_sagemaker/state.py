@@ -99,6 +99,14 @@ class State:
                     dist.destroy_process_group(group)
                 except (ValueError, RuntimeError):
                     pass  # already destroyed together with the default group
+            # DTensor caches sharding results keyed by DeviceMesh, whose equality ignores the
+            # process groups: a new mesh over the same ranks would otherwise reuse cached
+            # specs that point at the groups destroyed above.
+            import torch
+            from torch.distributed.tensor import DTensor
+
+            torch._C._clear_DTensor_sharding_propagator_cache()
+            DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
         object.__setattr__(self, "_overrides", {})
         self._clear()
 
