@@ -122,9 +122,9 @@ def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, policy: ModelPolicy, he
             raise ValueError(f"policy {policy.name!r}: TP plan pattern {pattern!r} matches no module "
                              f"of {type(model).__name__}; the policy does not fit this model.")
         for name in names:
-            style = make_style(style_name, src_data_rank=src_data_rank, head_dim=head_dim,
-                               kv_head=kv_head)
-            parallelize_module(model.get_submodule(name), tp_mesh, style)
+            style = make_style(style_name, head_dim=head_dim, kv_head=kv_head)
+            # parallelize_module sets the style's src_data_rank from its own argument.
+            parallelize_module(model.get_submodule(name), tp_mesh, style, src_data_rank=src_data_rank)
         counts[style_name] = counts.get(style_name, 0) + len(names)
     _retie(tied)
     for _, attention in policy.attention_modules(model):

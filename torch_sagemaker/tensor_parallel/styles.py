@@ -254,18 +254,16 @@ class ReplicatedKVColwise(ParallelStyle):
         return module
 
 
-def make_style(name: str, *, src_data_rank: int | None, head_dim: int = 0,
-               kv_head: int | None = None) -> ParallelStyle:
+def make_style(name: str, *, head_dim: int = 0, kv_head: int | None = None) -> ParallelStyle:
     """The parallel style for a style name of ``torch_sagemaker.policy.STYLES``.
 
     Args:
         name: Style name.
-        src_data_rank: ``0`` to scatter TP rank 0's values, ``None`` for a local split.
         head_dim: Head size (``kv_colwise`` with replicated kv heads only).
         kv_head: The kv head this rank computes when kv heads are replicated, else ``None``.
 
     Returns:
-        A configured ``ParallelStyle``.
+        A configured ``ParallelStyle`` (``parallelize_module`` sets its ``src_data_rank``).
     """
     if name == "colwise" or (name == "kv_colwise" and kv_head is None):
         style: ParallelStyle = ColwiseParallel()
@@ -292,7 +290,6 @@ def make_style(name: str, *, src_data_rank: int | None, head_dim: int = 0,
                                     use_local_output=False)
     else:
         raise ValueError(f"unknown tensor parallel style {name!r}.")
-    style.src_data_rank = src_data_rank
     return style
 
 

@@ -1,0 +1,146 @@
+"""tsm.transform edge cases on 2 CPU ranks (tp=2), all cases in one launch.
+
+GQA with fewer kv heads than ranks, a vocabulary the degree does not divide (untied and
+tied), Mixtral's expert split, tp=1 preparation, meta-device models, dtype, and the errors
+for unsupported models and indivisible heads.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from tests.distributed.launcher import run_distributed
+from tests.distributed.test_tp_parity import (
+    ATOL,
+    batch,
+    build,
+    compare_forward_backward,
+    train_losses,
+)
+
+
+def _parity(family: str, **overrides) -> dict:
+    import torch.sagemaker as tsm
+
+    ref = build(family, **overrides)
+    model = tsm.transform(copy.deepcopy(ref))
+    vocab = ref.config.vocab_size
+    r = compare_forward_backward(model, ref, batch(0, vocab=vocab))
+    model.zero_grad()
+    ref.zero_grad()
+    ids = batch(0, vocab=vocab)
+    r["curves"] = (train_losses(model, [ids], 0), train_losses(ref, [ids], 0))
+    return r
+
+
+def _mixtral_split() -> dict:
+    """Each rank's expert shard equals the reference's experts [2r, 2r + 2), for both params."""
+    import torch
+    import torch.sagemaker as tsm
+
+    ref = build("mixtral")
+    model = tsm.transform(copy.deepcopy(ref))
+    r = tsm.state.tp_rank
+    out = {}
+    for name in ("gate_up_proj", "down_proj"):
+        local = getattr(model.model.layers[0].mlp.experts, name)
+        full = getattr(ref.model.layers[0].mlp.experts, name)
+        out[name] = (tuple(local.to_local().shape),
+                     torch.equal(local.to_local(), full[2 * r:2 * r + 2].detach()),
+                     [str(p) for p in local.placements])
+    return out
+
+
+def _features() -> dict:
+    import torch
+    import torch.sagemaker as tsm
+    from torch.distributed.tensor import DTensor
+
+    from torch_sagemaker.policy import get_policy, transformer_layer_class
+
+    out: dict = {}
+    tsm.init({"tensor_parallel_degree": 2})
+    out["gqa_kv1"] = _parity("llama", num_key_value_heads=1)
+    out["vocab_odd"] = _parity("llama", vocab_size=127)
+    out["vocab_odd_tied"] = _parity("qwen2", vocab_size=127)
+    out["mixtral_eager"] = _parity("mixtral", _experts_implementation="eager")
+    out["mixtral_split"] = _mixtral_split()
+    # Tied weights stay one parameter.
+    qwen = tsm.transform(build("qwen2"))
+    out["tied"] = qwen.lm_head.weight is qwen.model.embed_tokens.weight
+    out["layer_cls"] = transformer_layer_class(qwen).__name__
+    # A meta-device model stays on meta (delayed initialization), with its TP layout.
+    with torch.device("meta"):
+        meta = build("llama")
+    tsm.transform(meta)
+    q = meta.model.layers[0].self_attn.q_proj.weight
+    out["meta"] = (all(p.is_meta for p in meta.parameters()), isinstance(q, DTensor),
+                   tuple(q.to_local().shape))
+    # dtype: floating parameters cast, RoPE's inv_freq kept in fp32.
+    cast = tsm.transform(build("llama"), dtype=torch.bfloat16)
+    out["dtype"] = (sorted({str(p.dtype) for p in cast.parameters()}),
+                    str(cast.model.rotary_emb.inv_freq.dtype))
+    # Errors.
+    out["errors"] = {}
+    for name, make in (("unsupported", lambda: torch.nn.Linear(2, 2)),
+                       ("heads", lambda: build("llama", num_attention_heads=3, num_key_value_heads=3,
+                                               hidden_size=48))):
+        try:
+            tsm.transform(make())
+        except ValueError as e:
+            out["errors"][name] = str(e)
+    tsm.state.reset()
+    tsm.init({"tensor_parallel_degree": 1})
+    plain = tsm.transform(build("gpt_neox"))
+    out["tp1"] = (get_policy(plain).name, sorted({type(p).__name__ for p in plain.parameters()}),
+                  transformer_layer_class(plain).__name__)
+    return out
+
+
+@pytest.fixture(scope="module")
+def features():
+    return run_distributed(_features, world_size=2, timeout=300)
+
+
+def _assert_parity(r: dict, what: str) -> None:
+    assert r["logits"] < ATOL and r["loss"] < ATOL, (what, r["logits"], r["loss"])
+    bad = {n: d for n, d in r["grads"].items() if d > ATOL}
+    assert not bad, (what, bad)
+    tp, ref = r["curves"]
+    assert tp[-1] < tp[0] - 0.1, (what, tp)
+    assert max(abs(a - b) for a, b in zip(tp, ref)) < 1e-4, (what, tp, ref)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ["gqa_kv1", "vocab_odd", "vocab_odd_tied", "mixtral_eager"])
+def test_edge_case_parity(features, case):
+    """kv_heads=1 < tp (replicated kv head), vocab 127 (uneven shards), eager experts."""
+    for rank_result in features:
+        _assert_parity(rank_result[case], case)
+
+
+@pytest.mark.distributed
+def test_mixtral_experts_are_split_whole(features):
+    for rank_result in features:
+        for name, (shape, equal, placements) in rank_result["mixtral_split"].items():
+            assert equal, name
+            assert shape[0] == 2 and placements == ["S(0)"], (name, shape, placements)
+
+
+@pytest.mark.distributed
+def test_preparation_semantics(features):
+    r = features[0]
+    assert r["tied"] and r["layer_cls"] == "Qwen2DecoderLayer"
+    assert r["meta"] == (True, True, (32, 64))  # 2 of 4 heads x head_dim 16
+    assert r["dtype"] == (["torch.bfloat16"], "torch.float32")
+    assert r["tp1"] == ("gpt_neox", ["Parameter"], "GPTNeoXLayer")
+
+
+@pytest.mark.distributed
+def test_clear_errors(features):
+    errors = features[0]["errors"]
+    assert "does not support Linear" in errors["unsupported"]
+    assert "LlamaForCausalLM" in errors["unsupported"] and "register_policy" in errors["unsupported"]
+    assert "tensor_parallel_degree=2 does not divide num_attention_heads=3" in errors["heads"]

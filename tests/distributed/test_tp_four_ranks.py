@@ -1,0 +1,86 @@
+"""Four-rank tensor parallel cases: loading from rank 0 across TP and data-parallel groups, and
+tp=4 on a GQA model with two kv heads (each kv head replicated on two ranks)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from tests.distributed.launcher import run_distributed
+from tests.distributed.test_tp_parity import ATOL, batch, build, compare_forward_backward
+
+
+def _rank0_load(family: str) -> dict:
+    """Rank 0 holds real (perturbed) weights, ranks 1-3 a meta model; compare with loading everywhere."""
+    import torch
+    import torch.sagemaker as tsm
+
+    ref = build(family)
+    with torch.no_grad():  # weights that no other rank could produce from the seed
+        for p in ref.parameters():
+            p.add_(0.01 * torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape).sin())
+    if tsm.state.rank == 0:
+        model = copy.deepcopy(ref)
+    else:
+        with torch.device("meta"):
+            model = build(family)
+    tsm.transform(model, load_state_dict_from_rank0=True)
+    everywhere = tsm.transform(copy.deepcopy(ref))
+    mine, theirs = model.state_dict(), everywhere.state_dict()
+    shards_equal = all(torch.equal(mine[k].to_local() if hasattr(mine[k], "to_local") else mine[k],
+                                   theirs[k].to_local() if hasattr(theirs[k], "to_local") else theirs[k])
+                       for k in theirs)
+    buffers_equal = all(torch.equal(b, dict(ref.named_buffers())[n]) for n, b in model.named_buffers())
+    r = compare_forward_backward(model, ref, batch(tsm.state.dp_rank))
+    return dict(shards_equal=shards_equal, buffers_equal=buffers_equal, keys=list(mine) == list(theirs),
+                meta=any(p.is_meta for p in model.parameters()), logits=r["logits"],
+                grads=max(r["grads"].values()))
+
+
+def _gqa_tp4() -> dict:
+    import torch.sagemaker as tsm
+
+    ref = build("llama", num_key_value_heads=2)
+    model = tsm.transform(copy.deepcopy(ref))
+    r = compare_forward_backward(model, ref, batch(0))
+    k = model.model.layers[0].self_attn.k_proj.weight
+    return dict(logits=r["logits"], loss=r["loss"], grads=r["grads"],
+                k_placements=[str(p) for p in k.placements])
+
+
+def _four_rank_cases(families) -> dict:
+    import torch.sagemaker as tsm
+
+    tsm.init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2})
+    out = {"rank0": {family: _rank0_load(family) for family in families}}
+    tsm.state.reset()
+    tsm.init({"tensor_parallel_degree": 4})
+    out["gqa_tp4"] = _gqa_tp4()
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_distributed(_four_rank_cases, ("llama", "mixtral", "gpt_neox"), world_size=4,
+                           timeout=400)
+
+
+@pytest.mark.distributed
+def test_load_state_dict_from_rank0_equals_loading_everywhere(four_ranks):
+    for rank, result in enumerate(four_ranks):
+        for family, r in result["rank0"].items():
+            assert r["keys"] and not r["meta"], (rank, family)
+            assert r["shards_equal"], (rank, family)
+            assert r["buffers_equal"], (rank, family)  # RoPE inv_freq reached the meta ranks
+            assert r["logits"] < ATOL and r["grads"] < ATOL, (rank, family, r)
+
+
+@pytest.mark.distributed
+def test_gqa_with_fewer_kv_heads_than_tp_ranks(four_ranks):
+    for rank, result in enumerate(four_ranks):
+        r = result["gqa_tp4"]
+        assert r["k_placements"] == ["R"], rank  # kv heads replicated, not split
+        assert r["logits"] < ATOL and r["loss"] < ATOL, (rank, r["logits"])
+        bad = {n: d for n, d in r["grads"].items() if d > ATOL}
+        assert not bad, (rank, bad)
