@@ -20,6 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 # DCP's own flattening, so that the keys compared here are exactly the keys DCP stores.
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -49,7 +50,7 @@ def read_metadata(checkpoint_id: str | os.PathLike[str]) -> Metadata:
     atomic_dir.read_marker(path)
     try:
         return FileSystemReader(path).read_metadata()
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         raise CheckpointError(f"checkpoint {path} is corrupt: its DCP metadata is unreadable "
                               f"({type(e).__name__}: {e}).") from e
 
@@ -154,9 +155,11 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
     try:
         dcp.load(state_dict, checkpoint_id=path, storage_reader=storage_reader, planner=planner,
                  process_group=participants.group, no_dist=not participants.distributed)
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+        from torch_sagemaker.distributed.checkpoint.state_dict_saver import describe_failure
+
         raise CheckpointError(f"reading checkpoint {path} failed, a file is probably corrupt: "
-                              f"{type(e).__name__}: {e}") from e
+                              f"{describe_failure(e)}") from e
 
 
 __all__ = ["check_state_dict_matches", "load", "read_metadata"]

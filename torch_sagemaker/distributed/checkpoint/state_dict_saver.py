@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from torch_sagemaker.distributed.checkpoint import atomic_dir
@@ -40,8 +41,15 @@ def _write(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *,
     # 1. Fresh staging directory (a stale one is what an earlier crash left behind).
     participants.run_on_coordinator(lambda: atomic_dir.prepare_staging(path))
     # 2. Every rank writes its shards; DCP's coordinator writes .metadata last.
-    dcp.save(state_dict, checkpoint_id=staging, storage_writer=storage_writer, planner=planner,
-             process_group=participants.group, no_dist=not participants.distributed)
+    try:
+        dcp.save(state_dict, checkpoint_id=staging, storage_writer=storage_writer, planner=planner,
+                 process_group=participants.group, no_dist=not participants.distributed)
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+        raise atomic_dir.CheckpointError(
+            f"writing checkpoint {path} failed ({describe_failure(e)}); a previous checkpoint "
+            "there is unchanged and the unfinished files stay in "
+            f"{staging} until the next save."
+        ) from e
 
     # 3. Marker and atomic rename, then the optional hook (e.g. retention), on the coordinator.
     def finish() -> None:
@@ -50,6 +58,16 @@ def _write(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *,
             on_commit()
 
     participants.run_on_coordinator(finish)
+
+
+def describe_failure(e: BaseException) -> str:
+    """One line per failing rank of a DCP ``CheckpointException`` (else the exception itself)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        # Values are (exception, traceback summary) pairs.
+        errors = {r: x[0] if isinstance(x, tuple) else x for r, x in failures.items()}
+        return "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in sorted(errors.items()))
+    return f"{type(e).__name__}: {e}"
 
 
 def _info(state_dict: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,186 @@
+"""Checkpoint save/load in one process: round trips, the commit protocol, errors, retention."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER
+from torch_sagemaker.checkpoint.utils import limit_num_subdirs
+from torch_sagemaker.distributed.checkpoint import (
+    AsyncCallsQueue,
+    CheckpointError,
+    SMStateDictType,
+    async_save,
+    init_optim_state,
+    is_complete,
+    load,
+    save,
+    sm_state_dict_type,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _state(scale: float = 1.0) -> dict:
+    torch.manual_seed(0)
+    return {"model": {"w": torch.randn(8, 4) * scale, "b": torch.zeros(4) + scale},
+            "step": int(scale * 10), "note": "hello"}
+
+
+def _template() -> dict:
+    return {"model": {"w": torch.empty(8, 4), "b": torch.empty(4)}, "step": 0, "note": ""}
+
+
+def test_round_trip_and_marker(tmp_path):
+    save(_state(), checkpoint_id=tmp_path / "c")
+    assert is_complete(tmp_path / "c") and not (tmp_path / ".c.partial").exists()
+    got = _template()
+    load(got, checkpoint_id=tmp_path / "c")
+    want = _state()
+    assert torch.equal(got["model"]["w"], want["model"]["w"]) and got["step"] == 10
+    assert got["note"] == "hello"
+
+
+def test_missing_partial_and_replaced_checkpoints_are_named(tmp_path):
+    with pytest.raises(CheckpointError, match=r"does not exist"):
+        load(_template(), checkpoint_id=tmp_path / "nope")
+    save(_state(), checkpoint_id=tmp_path / "c")
+    os.remove(tmp_path / "c" / COMPLETION_MARKER)
+    with pytest.raises(CheckpointError, match=r"incomplete.*completion marker") as e:
+        load(_template(), checkpoint_id=tmp_path / "c")
+    assert str(tmp_path / "c") in str(e.value)
+    # A crash between "move the old one away" and "rename the new one" points at the old one.
+    save(_state(), checkpoint_id=tmp_path / "d")
+    os.replace(tmp_path / "d", tmp_path / ".d.replaced")
+    with pytest.raises(CheckpointError, match=r"\.d\.replaced"):
+        load(_template(), checkpoint_id=tmp_path / "d")
+
+
+def test_truncated_and_garbled_files_are_reported(tmp_path):
+    save(_state(), checkpoint_id=tmp_path / "c")
+    data = next(f for f in os.listdir(tmp_path / "c") if f.endswith(".distcp"))
+    with open(tmp_path / "c" / data, "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(CheckpointError, match=rf"corrupt: {data} has 10 bytes"):
+        load(_template(), checkpoint_id=tmp_path / "c")
+    save(_state(), checkpoint_id=tmp_path / "m")
+    meta = tmp_path / "m" / ".metadata"
+    meta.write_bytes(b"\0" * meta.stat().st_size)  # same size, garbage content
+    with pytest.raises(CheckpointError, match=r"corrupt: its DCP metadata is unreadable"):
+        load(_template(), checkpoint_id=tmp_path / "m")
+
+
+def test_mismatched_keys_and_shapes_are_listed(tmp_path):
+    save(_state(), checkpoint_id=tmp_path / "c")
+    wrong = {"model": {"w": torch.empty(4, 8), "b": torch.empty(4), "extra": torch.empty(2)},
+             "step": 0, "note": ""}
+    with pytest.raises(CheckpointError) as e:
+        load(wrong, checkpoint_id=tmp_path / "c")
+    msg = str(e.value)
+    assert str(tmp_path / "c") in msg
+    assert "model.extra" in msg and "missing" in msg
+    assert "model.w: checkpoint shape (8, 4), requested (4, 8)" in msg
+
+
+def test_failed_save_keeps_previous_checkpoint(tmp_path):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class Failing(FileSystemWriter):
+        def write_data(self, plan, planner):
+            raise OSError("disk full")
+
+    save(_state(1.0), checkpoint_id=tmp_path / "c")
+    with pytest.raises(CheckpointError, match=r"rank 0: OSError: disk full.*unchanged"):
+        save(_state(2.0), checkpoint_id=tmp_path / "c", storage_writer=Failing("unused"))
+    got = _template()
+    load(got, checkpoint_id=tmp_path / "c")
+    assert got["step"] == 10
+    save(_state(3.0), checkpoint_id=tmp_path / "c")  # overwrite works and cleans up
+    got = _template()
+    load(got, checkpoint_id=tmp_path / "c")
+    assert got["step"] == 30 and not (tmp_path / ".c.partial").exists()
+
+
+def test_async_save_snapshots_state_and_reports_errors(tmp_path):
+    queue = AsyncCallsQueue()
+    state = _state()
+    gate = threading.Event()
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class Gated(FileSystemWriter):
+        def write_data(self, plan, planner):
+            assert gate.wait(30)
+            return super().write_data(plan, planner)
+
+    index = async_save(state, checkpoint_id=tmp_path / "a", queue=queue, storage_writer=Gated("x"))
+    state["model"]["w"].add_(100.0)  # after the call: must not reach the checkpoint
+    assert queue.maybe_finalize_async_calls(blocking=False) == []
+    assert not (tmp_path / "a").exists()
+    gate.set()
+    assert queue.maybe_finalize_async_calls(blocking=True) == [index]
+    got = _template()
+    load(got, checkpoint_id=tmp_path / "a")
+    assert torch.equal(got["model"]["w"], _state()["model"]["w"])
+
+    class Failing(FileSystemWriter):
+        def write_data(self, plan, planner):
+            raise OSError("bucket gone")
+
+    async_save(_state(), checkpoint_id=tmp_path / "b", queue=queue, storage_writer=Failing("x"))
+    with pytest.raises(CheckpointError, match="bucket gone"):
+        queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+
+
+def test_sm_local_state_dict_round_trip(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    with sm_state_dict_type(model, SMStateDictType.SM_LOCAL_STATE_DICT):
+        sd = model.state_dict()
+        assert sd.layout["world_size"] == 1
+        save({"model": sd}, checkpoint_id=tmp_path / "l")
+    other = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    with sm_state_dict_type(other, SMStateDictType.SM_LOCAL_STATE_DICT):
+        template = {"model": other.state_dict()}
+        load(template, checkpoint_id=tmp_path / "l")
+        other.load_state_dict(template["model"])
+    assert torch.equal(other[0].weight, model[0].weight)
+    assert "state_dict" not in other.__dict__  # the override is gone after the block
+    with pytest.raises(ValueError, match="shape mismatches"), \
+            sm_state_dict_type(other, SMStateDictType.SM_LOCAL_STATE_DICT):
+        other.load_state_dict({**template["model"], "0.weight": torch.zeros(2, 2)})
+
+
+def test_init_optim_state_creates_zero_state_without_moving_params():
+    model = nn.Linear(4, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    init_optim_state(optim)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert len(optim.state) == 2 and all(p.grad is None for p in model.parameters())
+    assert all(float(s["exp_avg"].abs().sum()) == 0.0 for s in optim.state.values())
+    assert optim.param_groups[0]["lr"] == 0.1
+
+
+def test_limit_num_subdirs_keeps_newest_by_number(tmp_path):
+    for n in (1, 2, 10, 11, 12):
+        (tmp_path / f"llama-{n}steps").mkdir()
+    (tmp_path / ".llama-1steps.partial").mkdir()
+    (tmp_path / "notes").mkdir()
+    deleted = limit_num_subdirs(tmp_path, 2, regex=r"^.*\d+steps$", log=False)
+    assert sorted(os.path.basename(d) for d in deleted) == ["llama-10steps", "llama-1steps", "llama-2steps"]
+    assert sorted(os.listdir(tmp_path)) == ["llama-11steps", "llama-12steps", "notes"]
+    assert limit_num_subdirs(tmp_path, None) == []
+    with pytest.raises(ValueError, match="num_kept=-1"):
+        limit_num_subdirs(tmp_path, -1)
+
+
+def test_s3_and_missing_ids_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match="S3 paths are not supported"):
+        save(_state(), checkpoint_id="s3://bucket/ckpt")
+    with pytest.raises(ValueError, match="checkpoint_id is required"):
+        save(_state())
