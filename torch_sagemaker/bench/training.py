@@ -1,0 +1,202 @@
+"""Training-step benchmark: FSDP2 full shard, hybrid shard and DDP, smddp against gloo, in one run.
+
+    python -m torch_sagemaker.bench training [--nprocs 2] [--steps 4] [--plot training.png]
+
+A Llama of about 50M parameters (hidden 512, 8 layers, vocab 32000, sequence 256) is trained
+for a few steps in each mode on each backend; every number is the median over the timed
+steps of the slowest rank. The same run measures one rank alone (same per-rank batch, no
+communication), which gives the scaling ratio and the estimate of exposed communication:
+``step time - single-rank step time`` (what the ranks spend beyond their own compute).
+Ranks use one intra-op thread each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch.multiprocessing as mp
+
+MODES = ("fsdp2_full", "fsdp2_hybrid", "ddp")
+
+
+def _model(args: argparse.Namespace):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+                         num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=8,
+                         max_position_embeddings=args.seq, tie_word_embeddings=False, attn_implementation="sdpa")
+    return LlamaForCausalLM(config).float()
+
+
+def _wrap(model, mode: str, world: int):
+    import torch.sagemaker as tsm
+
+    from torch_sagemaker.sharding import shard_model
+
+    tsm.state.reset()
+    if mode == "ddp":
+        tsm.init({"hybrid_shard_degree": 1})
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, process_group=tsm.state.dp_process_group)
+    tsm.init({"hybrid_shard_degree": 0 if mode == "fsdp2_full" else max(1, world // 2)})
+    return shard_model(model)
+
+
+def _time_steps(model, args: argparse.Namespace, distributed: bool) -> list[tuple[float, float, float]]:
+    """(forward, backward, optimizer) seconds of each timed step, slowest rank."""
+    import torch.distributed as dist
+
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for step in range(args.warmup + args.steps):
+        ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+        if distributed:
+            dist.barrier()
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        times = torch.tensor([t1 - t0, t2 - t1, t3 - t2], dtype=torch.float64)
+        if distributed:
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        if step >= args.warmup:
+            out.append(tuple(times.tolist()))
+    return out
+
+
+def _rank_main(rank: int, world: int, backend: str, port: int, args: argparse.Namespace, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), TSM_LOG_LEVEL="WARNING")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import torch_sagemaker  # noqa: F401  (registers smddp)
+
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=10))
+    for mode in args.modes:
+        steps = _time_steps(_wrap(_model(args), mode, world), args, distributed=True)
+        if rank == 0:
+            results.put((backend, mode, steps))
+    dist.destroy_process_group()
+
+
+def _single_rank(args: argparse.Namespace, results) -> None:
+    torch.set_num_threads(1)
+    results.put(("none", "1 rank", _time_steps(_model(args), args, distributed=False)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(args: argparse.Namespace) -> list[tuple[str, str, list]]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    rows = []
+    single = ctx.Process(target=_single_rank, args=(args, results))
+    single.start()
+    rows.append(results.get())
+    single.join()
+    for backend in args.backends:
+        port = _free_port()
+        procs = [ctx.Process(target=_rank_main, args=(r, args.nprocs, backend, port, args, results))
+                 for r in range(args.nprocs)]
+        for p in procs:
+            p.start()
+        for _ in args.modes:
+            rows.append(results.get())
+        for p in procs:
+            p.join()
+            if p.exitcode:
+                raise RuntimeError(f"benchmark rank exited with code {p.exitcode} on backend {backend}")
+    return rows
+
+
+def _table(rows, args: argparse.Namespace) -> tuple[str, dict]:
+    tokens = args.batch * args.seq
+    single = statistics.median(sum(s) for s in rows[0][2])
+    lines = [f"Llama {args.params_m:.0f}M params, seq {args.seq}, batch {args.batch}/rank, {args.nprocs} ranks, "
+             f"medians of {args.steps} steps (slowest rank)",
+             "| backend | mode | tokens/s | step ms | fwd ms | bwd ms | optim ms | exposed comm ms | vs gloo | vs 2x... |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines[1] = lines[1].replace("vs 2x...", f"vs {args.nprocs} x 1 rank")
+    by_key = {}
+    for backend, mode, steps in rows:
+        step = statistics.median(sum(s) for s in steps)
+        world = 1 if backend == "none" else args.nprocs
+        by_key[(backend, mode)] = tokens * world / step
+    for backend, mode, steps in rows:
+        fwd, bwd, opt = (statistics.median(s[i] for s in steps) for i in range(3))
+        step = statistics.median(sum(s) for s in steps)
+        tps = by_key[(backend, mode)]
+        gloo = by_key.get(("gloo", mode))
+        vs_gloo = f"{tps / gloo:.2f}x" if gloo and backend != "gloo" and backend != "none" else ""
+        scaling = "" if backend == "none" else f"{tps / (args.nprocs * by_key[('none', '1 rank')]):.2f}"
+        exposed = "" if backend == "none" else f"{max(0.0, step - single) * 1e3:.0f}"
+        lines.append(f"| {backend} | {mode} | {tps:.0f} | {step * 1e3:.0f} | {fwd * 1e3:.0f} | {bwd * 1e3:.0f} | "
+                     f"{opt * 1e3:.0f} | {exposed} | {vs_gloo} | {scaling} |")
+    return "\n".join(lines), by_key
+
+
+def _plot(by_key: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{b}\n{m}" for (b, m) in by_key]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.bar(labels, list(by_key.values()), color=["gray" if b == "none" else "C0" if b == "smddp" else "C1"
+                                                 for (b, _m) in by_key])
+    ax.set(ylabel="tokens/s (all ranks)", title="Training throughput")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Runs the benchmark and prints the table (``--help`` for options)."""
+    p = argparse.ArgumentParser(prog="python -m torch_sagemaker.bench training", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nprocs", type=int, default=2)
+    p.add_argument("--backends", default="smddp,gloo")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=1, help="sequences per rank")
+    p.add_argument("--plot", default=None, help="write a PNG of tokens/s")
+    args = p.parse_args(argv)
+    args.backends = args.backends.split(",")
+    args.modes = args.modes.split(",")
+    unknown = set(args.modes) - set(MODES)
+    if unknown:
+        raise SystemExit(f"unknown --modes {sorted(unknown)}; choose from {', '.join(MODES)}")
+    with torch.device("meta"):
+        args.params_m = sum(t.numel() for t in _model(args).parameters()) / 1e6
+    table, by_key = _table(_run(args), args)
+    print(table)
+    if args.plot:
+        _plot(by_key, args.plot)
+        print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
