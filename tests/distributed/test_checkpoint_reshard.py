@@ -191,6 +191,38 @@ def _resume(root: str, layouts: list[tuple[int, int, str]], kind: str = "sharded
     return out
 
 
+def _full_state(model, optim) -> dict:
+    """Full (gathered) model and optimizer state, keyed by parameter name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, [optim], options=StateDictOptions(full_state_dict=True))
+    flat = {f"model.{k}": v for k, v in msd.items()}
+    flat.update({f"optim.{p}.{k}": v for p, s in osd["state"].items() for k, v in s.items()})
+    return {k: v.clone() for k, v in flat.items()}
+
+
+def _fsdp1_round_trip(root: str) -> dict:
+    """FSDP1 (2 replicas) resumes the FSDP2 checkpoint, trains, saves; FSDP2 loads that save."""
+    import torch
+
+    from torch_sagemaker.distributed.checkpoint import TrainingState
+
+    model, optim, sched = build(hsd=1, fsdp="fsdp1", seed=INIT_SEED + 1)
+    ts = TrainingState(model, optim, sched)
+    ts.load(f"{root}/sync/step{SAVE_AT}")
+    losses = train(model, optim, sched, range(SAVE_AT, STEPS))
+    TrainingState(model, optim, sched, step=STEPS, data_position={"next_step": STEPS}).save(
+        f"{root}/fsdp1/step{STEPS}")
+    saved = _full_state(model, optim)
+    model, optim, sched = build(hsd=2, fsdp="fsdp2", seed=INIT_SEED + 2)
+    ts = TrainingState(model, optim, sched)
+    ts.load(f"{root}/fsdp1/step{STEPS}")
+    loaded = _full_state(model, optim)
+    same = sorted(k for k in saved if k in loaded and torch.equal(saved[k], loaded[k]))
+    return dict(losses=losses, keys=sorted(saved), same=same, step=ts.step,
+                lr=sched.get_last_lr())
+
+
 def _local_under_other_layout(root: str) -> str:
     """Loading the SM-local checkpoint with another hybrid_shard_degree must fail clearly."""
     from torch_sagemaker.distributed.checkpoint import CheckpointError, TrainingState
@@ -281,6 +313,18 @@ def test_tensor_parallel_delayed_init_and_resume(run4):
         assert r["delayed_equal"], f"rank {rank}: TP delayed init differs from unsharded init"
         assert r["step"] == SAVE_AT
         torch.testing.assert_close(r["losses"], expected[SAVE_AT:], rtol=1e-5, atol=1e-5)
+
+
+def test_fsdp1_hybrid_saves_and_fsdp2_loads(run4):
+    import torch
+
+    root, results = run4
+    out = run_distributed(_fsdp1_round_trip, root, world_size=2, timeout=300)
+    for r in out:
+        torch.testing.assert_close(r["losses"], results[0]["losses"][SAVE_AT:], rtol=1e-5, atol=1e-5)
+        assert any(k.startswith("optim.") for k in r["keys"])
+        assert r["same"] == r["keys"], sorted(set(r["keys"]) - set(r["same"]))[:5]
+        assert r["step"] == STEPS and r["lr"] == [1e-2 / (1 + STEPS)]
 
 
 def test_sm_local_resumes_only_under_the_same_shard_layout(run4):
