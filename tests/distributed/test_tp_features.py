@@ -91,6 +91,13 @@ def _features() -> dict:
             tsm.transform(make())
         except ValueError as e:
             out["errors"][name] = str(e)
+    # The norm-gradient all-reduce of the Transformer Engine backend (plain CPU collectives).
+    from torch_sagemaker.tensor_parallel.te import allreduce_grads_over
+
+    w = torch.nn.Parameter(torch.ones(3))
+    allreduce_grads_over([w], tsm.state.tp_process_group)
+    (w * (tsm.state.tp_rank + 1)).sum().backward()
+    out["allreduced_grad"] = w.grad.tolist()
     tsm.state.reset()
     tsm.init({"tensor_parallel_degree": 1})
     plain = tsm.transform(build("gpt_neox"))
@@ -136,6 +143,8 @@ def test_preparation_semantics(features):
     assert r["meta"] == (True, True, (32, 64))  # 2 of 4 heads x head_dim 16
     assert r["dtype"] == (["torch.bfloat16"], "torch.float32")
     assert r["tp1"] == ("gpt_neox", ["Parameter"], "GPTNeoXLayer")
+    for rank_result in features:
+        assert rank_result["allreduced_grad"] == [3.0, 3.0, 3.0]  # 1 + 2 over the TP group
 
 
 @pytest.mark.distributed

@@ -62,11 +62,12 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
             module.register_parameter(name, param)
 
 
-def _matching(model: nn.Module, pattern: str) -> list[str]:
+def matching_modules(model: nn.Module, pattern: str) -> list[str]:
+    """Names of the modules of ``model`` whose full name matches ``pattern`` (``fnmatch``)."""
     return [name for name, _ in model.named_modules() if name and fnmatchcase(name, pattern)]
 
 
-def _install_rng_region(module: nn.Module, tracker: RNGStatesTracker) -> None:
+def install_rng_region(module: nn.Module, tracker: RNGStatesTracker) -> None:
     """Runs ``module``'s forward inside ``tracker.fork()`` (a TP region: per-rank random draws)."""
     stack: list[Any] = []
 
@@ -117,7 +118,7 @@ def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, policy: ModelPolicy, he
     tied = _tied_groups(model)
     counts: dict[str, int] = {}
     for pattern, style_name in policy.tp_plan.items():
-        names = _matching(model, pattern)
+        names = matching_modules(model, pattern)
         if not names:
             raise ValueError(f"policy {policy.name!r}: TP plan pattern {pattern!r} matches no module "
                              f"of {type(model).__name__}; the policy does not fit this model.")
@@ -132,7 +133,7 @@ def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, policy: ModelPolicy, he
         # only the query-per-kv grouping is stored, and it changes when kv heads are replicated.
         if hasattr(attention, "num_key_value_groups"):
             attention.num_key_value_groups = heads.local_heads // heads.local_kv_heads
-        _install_rng_region(attention, tracker)
+        install_rng_region(attention, tracker)
     left = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if left:
         raise ValueError(f"policy {policy.name!r} left parameters unsharded: {left[:6]}"
@@ -142,4 +143,4 @@ def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, policy: ModelPolicy, he
     return TPReport(modules=counts, heads=heads)
 
 
-__all__ = ["TPReport", "apply_tp_plan"]
+__all__ = ["TPReport", "apply_tp_plan", "install_rng_region", "matching_modules"]

@@ -1,0 +1,35 @@
+"""Backend choice without CUDA/Transformer Engine, and the vocabulary-shard arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from torch_sagemaker.tensor_parallel import backend
+from torch_sagemaker.tensor_parallel.loss import vocab_shard_offset
+
+
+def test_dtensor_backend_is_chosen_without_te_or_cuda():
+    if backend.te_available():
+        pytest.skip("Transformer Engine and CUDA are available here")
+    assert backend.select_backend().name == "dtensor"
+    with pytest.raises(ValueError, match="needs transformer_engine and CUDA"):
+        backend.use_backend("te")
+    with pytest.raises(ValueError, match="use 'dtensor', 'te' or None"):
+        backend.use_backend("megatron")
+    backend.use_backend("dtensor")
+    try:
+        assert backend.select_backend().name == "dtensor"
+    finally:
+        backend.use_backend(None)
+
+
+@pytest.mark.parametrize("vocab, shards, offsets", [
+    (128, 2, [0, 64]), (127, 2, [0, 64]), (10, 4, [0, 3, 6, 9]), (5, 4, [0, 2, 4, 5]),
+])
+def test_vocab_shard_offsets_follow_torch_chunk(vocab, shards, offsets):
+    import torch
+
+    assert [vocab_shard_offset(vocab, shards, r) for r in range(shards)] == offsets
+    sizes = [c.numel() for c in torch.arange(vocab).chunk(shards)]
+    starts = [sum(sizes[:r]) for r in range(len(sizes))]
+    assert starts == offsets[:len(sizes)]
