@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch_sagemaker.distributed.mesh import mesh_device_type
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.policy import POLICY_ATTR, check_model, lookup_policy
 from torch_sagemaker.state import state
@@ -61,9 +62,7 @@ def _place(model: nn.Module, device: torch.device | str | None, dtype: torch.dty
 
 def _any_rank(flag: bool) -> bool:
     """Whether ``flag`` holds on any rank (one tiny all-reduce, so all ranks decide alike)."""
-    t = torch.tensor([int(flag)])
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
+    t = torch.tensor([int(flag)], device=_default_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
@@ -130,8 +129,10 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
 
 
 def _default_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-        else torch.device("cpu")
+    """The device of the mesh: the current CUDA device when the groups talk CUDA, else CPU."""
+    if mesh_device_type() == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 __all__ = ["transform"]
