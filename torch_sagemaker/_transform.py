@@ -98,6 +98,9 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
     """
     # 1. Arguments, policy and the checks that depend only on the config.
     _check_arguments(config, cp_comm_type)
+    if getattr(model, POLICY_ATTR, None) is not None:
+        raise ValueError(f"{type(model).__name__} was already transformed by tsm.transform; call it "
+                         "once per model (before FSDP wrapping).")
     policy = lookup_policy(model)
     tp = state.tp_size
     heads = check_model(policy, model.config, tp)

@@ -70,6 +70,10 @@ def _features() -> dict:
     # Tied weights stay one parameter.
     qwen = tsm.transform(build("qwen2"))
     out["tied"] = qwen.lm_head.weight is qwen.model.embed_tokens.weight
+    try:
+        tsm.transform(qwen)
+    except ValueError as e:
+        out["twice"] = str(e)
     out["layer_cls"] = transformer_layer_class(qwen).__name__
     # A meta-device model stays on meta (delayed initialization), with its TP layout.
     with torch.device("meta"):
@@ -140,6 +144,7 @@ def test_mixtral_experts_are_split_whole(features):
 def test_preparation_semantics(features):
     r = features[0]
     assert r["tied"] and r["layer_cls"] == "Qwen2DecoderLayer"
+    assert "already transformed" in r["twice"]
     assert r["meta"] == (True, True, (32, 64))  # 2 of 4 heads x head_dim 16
     assert r["dtype"] == (["torch.bfloat16"], "torch.float32")
     assert r["tp1"] == ("gpt_neox", ["Parameter"], "GPTNeoXLayer")

@@ -199,6 +199,7 @@ def test_tp2_matches_reference_for_every_family():
         check(results)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_tp2_with_hybrid_sharding_and_checkpointing_on_four_ranks():
     """tp=2 innermost, FSDP2 over hybrid_shard_degree=2, activation checkpointing per layer."""
