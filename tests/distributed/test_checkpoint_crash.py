@@ -67,6 +67,7 @@ def _save_then_die(root: str) -> None:
 
 def _check_after_crash(root: str) -> dict:
     import torch
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from torch_sagemaker.distributed.checkpoint import CheckpointError, load, save
@@ -86,7 +87,9 @@ def _check_after_crash(root: str) -> dict:
         partial_error = "no error"
     except CheckpointError as e:
         partial_error = str(e)
-    # A later save overwrites the checkpoint and cleans up the unfinished one.
+    # A later save overwrites the checkpoint and cleans up the unfinished one (once every
+    # rank is done looking at it).
+    dist.barrier()
     save({"model": _state(model)["model"], "tag": "W3"}, checkpoint_id=f"{root}/ckpt")
     again = {"model": _state(model)["model"], "tag": ""}
     load(again, checkpoint_id=f"{root}/ckpt")

@@ -303,6 +303,7 @@ def test_resume_under_other_layouts_matches_uninterrupted_run(run4):
                                    msg=lambda m, layout=layout: f"layout {layout}: {m}")
 
 
+@pytest.mark.slow  # a fresh 4-rank job (see _tensor_parallel_job): about a minute here
 def test_tensor_parallel_delayed_init_and_resume(run4):
     import torch
 
