@@ -30,6 +30,7 @@ from torch_sagemaker.distributed.checkpoint.state_dict_utils import (
     find_local_layout,
     resolve_stateful,
 )
+from torch_sagemaker.logger import get_logger
 
 
 def _write(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *,
@@ -55,7 +56,11 @@ def _write(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *,
     def finish() -> None:
         atomic_dir.commit(staging, path, {**info, "num_ranks": len(participants.ranks)})
         if on_commit is not None:
-            on_commit()
+            try:
+                on_commit()
+            except Exception as e:  # noqa: BLE001 - the checkpoint itself is complete
+                get_logger().warning(f"checkpoint {path} is complete, but its on_commit hook "
+                                     f"failed: {type(e).__name__}: {e}")
 
     participants.run_on_coordinator(finish)
 
