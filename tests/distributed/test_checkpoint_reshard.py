@@ -236,7 +236,7 @@ def _local_under_other_layout(root: str) -> str:
 
 
 def _tensor_parallel_job(root: str) -> dict:
-    """tp=2 x hybrid_shard_degree=2 on 4 ranks: delayed init, then resume from the checkpoint.
+    """tp=2 x hybrid_shard_degree=2 on 4 ranks: delayed init, resume, save; reload without TP.
 
     Runs in fresh processes with a single layout: after tsm.state.reset(), a second TP layout
     in the same process gets DTensors on the earlier (destroyed) TP mesh out of PyTorch's
@@ -258,7 +258,15 @@ def _tensor_parallel_job(root: str) -> dict:
     ts = TrainingState(model, optim, sched)
     ts.load(f"{root}/sync/step{SAVE_AT}")
     losses = train(model, optim, sched, range(ts.data_position["next_step"], STEPS))
-    return dict(delayed_equal=delayed_equal, step=ts.step, losses=losses)
+    # And back: save under TP, load without TP (hsd 4), compare full model and optimizer state.
+    TrainingState(model, optim, sched, step=STEPS, data_position={}).save(f"{root}/tp/step{STEPS}")
+    saved = _full_state(model, optim)
+    model, optim, sched = build(hsd=4, tp=1, seed=INIT_SEED + 2)
+    TrainingState(model, optim, sched).load(f"{root}/tp/step{STEPS}")
+    loaded = _full_state(model, optim)
+    same = sorted(k for k in saved if k in loaded and torch.equal(saved[k], loaded[k]))
+    return dict(delayed_equal=delayed_equal, step=ts.step, losses=losses, keys=sorted(saved),
+                same=same)
 
 
 # ----------------------------------------------------------------------- the tests
@@ -314,6 +322,8 @@ def test_tensor_parallel_delayed_init_and_resume(run4):
         assert r["delayed_equal"], f"rank {rank}: TP delayed init differs from unsharded init"
         assert r["step"] == SAVE_AT
         torch.testing.assert_close(r["losses"], expected[SAVE_AT:], rtol=1e-5, atol=1e-5)
+        assert any(k.startswith("optim.") for k in r["keys"])
+        assert r["same"] == r["keys"], sorted(set(r["keys"]) - set(r["same"]))[:5]
 
 
 def test_fsdp1_hybrid_saves_and_fsdp2_loads(run4):
