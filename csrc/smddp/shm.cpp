@@ -161,7 +161,10 @@ uint64_t ShmComm::begin_step(const OpCtx& ctx, bool first) {
       if (i != rank()) wait_progress(i, 3 * (s - 2), ctx);
     }
   }
-  if (first) {
+  // A collective may run several shm phases (hierarchical ones do); its descriptor is
+  // published and checked once, at the first step of its first phase.
+  if (first && ctx.seq + 1 != current_seq_plus1_) {
+    current_seq_plus1_ = ctx.seq + 1;
     first_step_ = s;
     std::fill(checked_.begin(), checked_.end(), 0);
     DescSlot& d = ctl(rank())->desc[ctx.seq & 1];

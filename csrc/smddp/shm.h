@@ -112,6 +112,7 @@ class ShmComm {
   bool own_linked_ = false;
   uint64_t next_step_ = 1;
   uint64_t first_step_ = 0;       // first step of the current collective
+  uint64_t current_seq_plus1_ = 0;  // collective whose descriptor was published last
   std::vector<uint8_t> checked_;  // peers whose descriptor matched in this collective
   std::atomic<bool> aborted_{false};
   bool oversubscribed_ = false;   // more local ranks than CPUs: skip the busy spin

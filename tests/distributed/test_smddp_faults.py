@@ -1,0 +1,233 @@
+"""smddp under faults and bad input: errors name the collective, group and ranks; nothing
+hangs; nothing leaks."""
+
+import time
+
+import pytest
+
+from tests.distributed.launcher import DistributedTestError, run_distributed
+from torch_sagemaker.distributed import backend
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(not backend.is_available(), reason="smddp extension not built"),
+]
+
+
+def _mismatches():
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    messages = []
+    cases = [
+        lambda g: dist.all_reduce(torch.ones(10 + rank), group=g),                  # numel
+        lambda g: dist.all_reduce(torch.ones(10, dtype=[torch.float32, torch.float64][rank]), group=g),
+        lambda g: dist.all_reduce(torch.ones(10), op=[dist.ReduceOp.SUM, dist.ReduceOp.MAX][rank], group=g),
+        lambda g: (dist.all_reduce(torch.ones(4), group=g) if rank == 0
+                   else dist.broadcast(torch.ones(4), 0, group=g)),                    # collective
+    ]
+    for case in cases:
+        g = dist.new_group([0, 1])
+        try:
+            case(g)
+            messages.append(None)
+        except RuntimeError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_mismatched_collectives_raise_on_every_rank():
+    results = run_distributed(_mismatches, world_size=2, backend="smddp", fresh=True, pg_timeout=30)
+    for per_rank in results:
+        assert all(m is not None and "mismatched collectives" in m for m in per_rank), per_rank
+    assert "all_reduce (Float, SUM, 10 elements)" in results[0][0]
+    assert "broadcast" in results[0][3] or "broadcast" in results[1][3]
+
+
+def _dead_peer():
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 2:
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1000))  # raises: rank 2 is gone
+    except RuntimeError as e:
+        raise RuntimeError(f"{e} [after {time.monotonic() - start:.2f} s]") from None
+    return "no error"
+
+
+def test_dead_peer_raises_on_every_other_rank_quickly():
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_dead_peer, world_size=3, backend="smddp", fresh=True, pg_timeout=60)
+    text = str(info.value)
+    for rank in (0, 1):
+        section = text.split(f"--- rank {rank} ---")[1].split("--- rank")[0]
+        assert "RuntimeError" in section and "all_reduce" in section, section
+        assert "[2]" in section and "exited" in section, section
+        # Detected long before the 60 s timeout (the elapsed time is appended above).
+        assert float(section.rsplit("[after ", 1)[1].split(" s]")[0]) < 20, section
+
+
+def _peer_too_late():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(6)
+        return "slept"
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(3))
+    except RuntimeError as e:
+        return str(e), time.monotonic() - start
+    return "no error", 0.0
+
+
+def test_missing_peer_times_out_with_init_timeout():
+    results = run_distributed(_peer_too_late, world_size=2, backend="smddp", fresh=True, pg_timeout=2)
+    message, elapsed = results[0]
+    assert "timed out after 2.0 s" in message and "ranks [1]" in message and "group '0'" in message
+    assert 1.5 < elapsed < 10
+
+
+def _group_creation_missing_member():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(8)
+        return "absent"
+    start = time.monotonic()
+    try:
+        dist.new_group([0, 1], timeout=timedelta(seconds=2), use_local_synchronization=True)
+    except Exception as e:  # torch's store barrier or our rendezvous, whichever is first
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "no error"
+
+
+def test_missing_member_at_group_creation_times_out():
+    results = run_distributed(_group_creation_missing_member, world_size=2, backend="smddp",
+                              fresh=True, pg_timeout=30)
+    kind, message, elapsed = results[0]
+    assert elapsed < 15, message
+    assert "1" in message
+
+
+def _resources():
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    def counts():
+        shm = [f for f in os.listdir("/dev/shm") if f.startswith("smddp_")]
+        return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task")), len(shm)
+
+    def one_round():
+        g = dist.new_group([0, 1])
+        t = torch.ones(100)
+        dist.all_reduce(t, group=g, async_op=True).wait()
+        peer = 1 - dist.get_rank()
+        recv = torch.empty(4)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(4), peer, g),
+                                        dist.P2POp(dist.irecv, recv, peer, g)])
+        for w in works:
+            w.wait()
+        assert t[0].item() == 2 and recv.sum().item() == 4
+        dist.destroy_process_group(g)
+
+    one_round()  # warm-up: lazily created process-wide resources
+    before = counts()
+    for _ in range(15):
+        one_round()
+    dist.barrier()
+    return before, counts()
+
+
+def test_destroying_groups_releases_threads_sockets_and_shm():
+    for before, after in run_distributed(_resources, world_size=2, backend="smddp"):
+        assert after == before, (before, after)
+        assert after[2] == 0  # segments are unlinked as soon as every rank mapped them
+
+
+def _stranger():
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    pg = dist.group.WORLD._get_backend(torch.device("cpu"))
+    rejected = 0
+    if dist.get_rank() == 0:
+        s = socket.create_connection(("127.0.0.1", pg._listen_port()), timeout=10)
+        hello = s.recv(40)
+        s.sendall(b"\x01\x00\x00\x00" + b"x" * 32)  # claims rank 1, wrong MAC
+        answer = s.recv(1)
+        s.close()
+        assert hello[:5] == b"smddp" and answer in (b"", b"\x00")
+        deadline = time.monotonic() + 5
+        while pg._rejected_connections() == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        rejected = pg._rejected_connections()
+    dist.barrier()
+    # The job carries on, including traffic over the mesh.
+    t = torch.ones(5) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    if dist.get_rank() == 0:
+        dist.send(t, 1)
+    else:
+        dist.recv(t, 0)
+    return rejected, t.tolist()
+
+
+def test_stranger_is_refused_and_job_continues():
+    res = run_distributed(_stranger, world_size=2, backend="smddp")
+    assert res[0] == (1, [3.0] * 5) and res[1][1] == [3.0] * 5
+
+
+def _bad_inputs():
+    import torch
+    import torch.distributed as dist
+
+    errors = []
+
+    def expect(exc, fn, *words):
+        try:
+            fn()
+        except exc as e:
+            msg = str(e)
+            assert all(w in msg for w in words), msg
+            errors.append(type(e).__name__)
+            return
+        raise AssertionError(f"no {exc.__name__} for {words}")
+
+    # Through the backend object itself: the dispatcher sends meta tensors elsewhere.
+    pg = dist.group.WORLD._get_backend(torch.device("cpu"))
+    expect(ValueError, lambda: pg.allreduce([torch.ones(3, device="meta")], dist.AllreduceOptions()),
+           "meta", "CPU")
+    expect(ValueError, lambda: dist.all_gather_into_tensor(torch.empty(5), torch.ones(3)),
+           "all_gather_into_tensor", "6", "5")
+    expect(ValueError, lambda: dist.reduce_scatter_tensor(torch.empty(2), torch.ones(3)),
+           "reduce_scatter_tensor")
+    expect(ValueError, lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND), "BAND", "float32")
+    expect(ValueError, lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.AVG),
+           "AVG", "int32")
+    expect(TypeError, lambda: dist.all_reduce(torch.ones(3, dtype=torch.uint16)), "dtype")
+    expect(ValueError, lambda: dist.all_to_all_single(torch.empty(4), torch.ones(4), [1, 1], [3, 2]),
+           "split sizes")
+    # The group is still usable after rejected calls.
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    return errors, t.tolist()
+
+
+def test_bad_input_gets_clear_errors_and_group_survives():
+    for errors, t in run_distributed(_bad_inputs, world_size=2, backend="smddp"):
+        assert len(errors) == 7 and t == [2.0, 2.0]

@@ -1,0 +1,380 @@
+"""Rank-side checks of the smddp backend, shared by the test_smddp_* modules (no tests here).
+
+Every check builds each rank's input deterministically, so every rank can compute the
+expected result of a collective directly (in the backend's documented reduction order:
+local ranks in order inside a host, then hosts in order) and compare bit for bit.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+
+FLOAT_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+INT_DTYPES = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]
+ALL_DTYPES = FLOAT_DTYPES + INT_DTYPES + [torch.bool]
+SIZES = [0, 1, 7, 17, 257, 1031, 65537]
+PREMUL = 0.37
+
+
+def _salt(*parts: str) -> int:
+    """A seed that is the same in every process (unlike hash())."""
+    return zlib.crc32("/".join(parts).encode()) % 997
+
+
+def ops_for(dtype: torch.dtype) -> list[str]:
+    if dtype.is_floating_point:
+        return ["SUM", "AVG", "PREMUL_SUM", "MIN", "MAX", "PRODUCT"]
+    if dtype == torch.bool:
+        return ["SUM", "MIN", "MAX", "PRODUCT", "BAND", "BOR", "BXOR"]
+    return ["SUM", "MIN", "MAX", "PRODUCT", "BAND", "BOR", "BXOR"]
+
+
+def redop(name: str):
+    if name == "PREMUL_SUM":
+        return dist._make_nccl_premul_sum(PREMUL)
+    return getattr(dist.ReduceOp, name)
+
+
+def make_input(rank: int, n: int, dtype: torch.dtype, salt: int, op: str = "SUM") -> torch.Tensor:
+    """A deterministic input of rank `rank` (any rank can compute any rank's input)."""
+    g = torch.Generator().manual_seed(1000003 * salt + 7919 * rank + n)
+    if dtype == torch.bool:
+        return torch.rand(n, generator=g) > 0.5
+    if dtype.is_floating_point:
+        if op == "PRODUCT":
+            return (torch.rand(n, generator=g, dtype=torch.float64) + 0.5).to(dtype)
+        return (torch.randn(n, generator=g, dtype=torch.float64) * 3).to(dtype)
+    lo, hi = (1, 3) if op == "PRODUCT" else ((0, 10) if dtype == torch.uint8 else (-5, 6))
+    return torch.randint(lo, hi, (n,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def _combine(a: torch.Tensor, b: torch.Tensor, op: str) -> torch.Tensor:
+    if a.dtype == torch.bool:
+        if op in ("SUM", "MAX", "BOR"):
+            return a | b
+        if op in ("PRODUCT", "MIN", "BAND"):
+            return a & b
+        return a ^ b
+    if op in ("SUM", "AVG", "PREMUL_SUM"):
+        return a + b
+    if op == "PRODUCT":
+        return a * b
+    if op == "MIN":
+        return torch.minimum(a, b)
+    if op == "MAX":
+        return torch.maximum(a, b)
+    return {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}[op](a, b)
+
+
+def reference_reduce(xs: list[torch.Tensor], op: str, hosts: list[list[int]]) -> torch.Tensor:
+    """Reduces per-rank tensors like the backend: inside each host in rank order, then hosts."""
+    dtype = xs[0].dtype
+    acc = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    if op == "PREMUL_SUM":
+        xs = [x * PREMUL for x in xs]  # scaled in the element type, as the backend does
+    total = None
+    for members in hosts:
+        part = None
+        for r in members:
+            v = xs[r].to(acc)
+            part = v.clone() if part is None else _combine(part, v, op)
+        total = part if total is None else _combine(total, part, op)
+    if op == "AVG":
+        total = total / len(xs)
+    return total.to(dtype)
+
+
+def host_layout() -> list[list[int]]:
+    """The host layout the backend uses for the default group (from its introspection)."""
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    return backend._layout()["members"]
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN-safe, dtype-strict)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.is_floating_point:
+        return torch.equal(a.view(torch.uint8 if a.element_size() == 1 else {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]),
+                           b.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[b.element_size()]))
+    return torch.equal(a, b)
+
+
+def check_all_reduce(sizes=SIZES, dtypes=ALL_DTYPES, async_op=False) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hosts = host_layout()
+    checked = 0
+    for dtype in dtypes:
+        for op in ops_for(dtype):
+            for n in sizes:
+                salt = _salt(str(dtype), op)
+                t = make_input(rank, n, dtype, salt, op)
+                work = dist.all_reduce(t, op=redop(op), async_op=async_op)
+                if async_op:
+                    work.wait()
+                    assert same(work.get_future().value()[0], t)
+                want = reference_reduce([make_input(r, n, dtype, salt, op) for r in range(world)], op, hosts)
+                assert same(t, want), f"all_reduce {dtype} {op} n={n}: {t[:8]} != {want[:8]}"
+                checked += 1
+    return checked
+
+
+def check_reduce_scatter(sizes=(0, 1, 5, 17, 1031, 40000), dtypes=ALL_DTYPES) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hosts = host_layout()
+    checked = 0
+    for dtype in dtypes:
+        ops = [o for o in ops_for(dtype) if o in ("SUM", "AVG", "PREMUL_SUM", "MIN", "MAX")]
+        for op in ops:
+            for n in sizes:
+                salt = _salt("rs", str(dtype), op)
+                inp = make_input(rank, n * world, dtype, salt, op)
+                out = torch.empty(n, dtype=dtype)
+                dist.reduce_scatter_tensor(out, inp, op=redop(op))
+                full = reference_reduce([make_input(r, n * world, dtype, salt, op) for r in range(world)], op, hosts)
+                want = full[rank * n:(rank + 1) * n]
+                assert same(out, want), f"reduce_scatter_tensor {dtype} {op} n={n}"
+                # The list form.
+                out2 = torch.empty(n, dtype=dtype)
+                dist.reduce_scatter(out2, list(inp.chunk(world)) if n else [torch.empty(0, dtype=dtype)] * world, op=redop(op))
+                assert same(out2, want), f"reduce_scatter (list) {dtype} {op} n={n}"
+                checked += 2
+    return checked
+
+
+def check_byte_collectives(sizes=(0, 1, 3, 17, 1031, 70001)) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checked = 0
+    for dtype in ALL_DTYPES + [torch.complex64]:
+        for n in sizes:
+            salt = _salt("ag", str(dtype))
+
+            def mk(r, n=n, salt=salt, dtype=dtype):
+                if dtype == torch.complex64:
+                    return torch.view_as_complex(make_input(r, 2 * n, torch.float32, salt).view(n, 2))
+                return make_input(r, n, dtype, salt)
+
+            inputs = [mk(r) for r in range(world)]
+            want = torch.cat(inputs)
+            out = torch.empty(n * world, dtype=dtype)
+            dist.all_gather_into_tensor(out, inputs[rank])
+            assert same(out, want) if dtype != torch.complex64 else torch.equal(out, want), f"all_gather_into_tensor {dtype} {n}"
+            # Input aliasing this rank's slot of the output (as FSDP2 passes it).
+            out2 = torch.empty(n * world, dtype=dtype)
+            out2[rank * n:(rank + 1) * n] = inputs[rank]
+            dist.all_gather_into_tensor(out2, out2[rank * n:(rank + 1) * n])
+            assert torch.equal(out2, want), f"aliased all_gather_into_tensor {dtype} {n}"
+            outs = [torch.empty(n, dtype=dtype) for _ in range(world)]
+            dist.all_gather(outs, inputs[rank])
+            assert torch.equal(torch.cat(outs), want), f"all_gather {dtype} {n}"
+            for root in range(world):
+                b = inputs[rank].clone()
+                dist.broadcast(b, root)
+                assert torch.equal(b, inputs[root]), f"broadcast {dtype} {n} root {root}"
+            checked += 3 + world
+    return checked
+
+
+def check_rooted(n: int = 1031) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hosts = host_layout()
+    inputs = [make_input(r, n, torch.float32, 5) for r in range(world)]
+    for root in range(world):
+        t = inputs[rank].clone()
+        dist.reduce(t, root, op=dist.ReduceOp.SUM)
+        if rank == root:
+            assert same(t, reference_reduce(inputs, "SUM", hosts)), "reduce"
+        g = [torch.empty(n) for _ in range(world)] if rank == root else None
+        dist.gather(inputs[rank], g, dst=root)
+        if rank == root:
+            assert torch.equal(torch.cat(g), torch.cat(inputs)), "gather"
+        out = torch.empty(n)
+        chunks = [inputs[r] * (root + 1) for r in range(world)]
+        dist.scatter(out, chunks if rank == root else None, src=root)
+        assert torch.equal(out, inputs[rank] * (root + 1)), "scatter"
+    return 3 * world
+
+
+def check_all_to_all() -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checked = 0
+    for rows_per in (0, 1, 3, 4099):
+        # Even splits.
+        inp = torch.arange(world * rows_per * 2, dtype=torch.float32).view(-1, 2) + 1000 * rank
+        out = torch.empty_like(inp)
+        dist.all_to_all_single(out, inp)
+        want = torch.cat([(torch.arange(world * rows_per * 2, dtype=torch.float32).view(-1, 2) + 1000 * r)[rank * rows_per:(rank + 1) * rows_per] for r in range(world)])
+        assert torch.equal(out, want), f"all_to_all_single even {rows_per}"
+        checked += 1
+    # Uneven splits: rank r sends (r + j + 1) * k rows to rank j.
+    for k in (1, 513):
+        send = [(rank + j + 1) * k for j in range(world)]
+        recv = [(r + rank + 1) * k for r in range(world)]
+        inp = torch.cat([torch.full((send[j], 3), float(100 * rank + j), dtype=torch.float64) for j in range(world)])
+        out = torch.empty(sum(recv), 3, dtype=torch.float64)
+        dist.all_to_all_single(out, inp, recv, send)
+        want = torch.cat([torch.full((recv[r], 3), float(100 * r + rank), dtype=torch.float64) for r in range(world)])
+        assert torch.equal(out, want), f"all_to_all_single uneven k={k}"
+        ins = [torch.full((j + 1 + rank,), rank * 10 + j, dtype=torch.int32) for j in range(world)]
+        outs = [torch.empty(rank + 1 + r, dtype=torch.int32) for r in range(world)]
+        dist.all_to_all(outs, ins)
+        for r in range(world):
+            assert torch.equal(outs[r], torch.full((rank + 1 + r,), r * 10 + rank, dtype=torch.int32)), "all_to_all"
+        checked += 2
+    return checked
+
+
+def check_p2p() -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    for n in (1, 100003):
+        s = torch.arange(n, dtype=torch.float32) + rank
+        r = torch.empty(n)
+        ops = [dist.P2POp(dist.isend, s, nxt), dist.P2POp(dist.irecv, r, prv)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        assert torch.equal(r, torch.arange(n, dtype=torch.float32) + prv), "batch_isend_irecv"
+    # Blocking send/recv with tags, out of order.
+    if rank == 0:
+        dist.send(torch.tensor([1.0]), 1, tag=7)
+        dist.send(torch.tensor([2.0]), 1, tag=9)
+    elif rank == 1:
+        b, a = torch.zeros(1), torch.zeros(1)
+        wb = dist.irecv(b, 0, tag=9)
+        wa = dist.irecv(a, 0, tag=7)
+        wb.wait()
+        wa.wait()
+        assert a.item() == 1.0 and b.item() == 2.0, "tagged recv"
+    dist.barrier()
+    return 3
+
+
+def check_coalesced() -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hosts = host_layout()
+    ts = [make_input(rank, n, torch.float32, 11 + n) for n in (3, 1000, 1)]
+    with dist._coalescing_manager(async_ops=False):
+        for t in ts:
+            dist.all_reduce(t)
+    for t, n in zip(ts, (3, 1000, 1)):
+        assert same(t, reference_reduce([make_input(r, n, torch.float32, 11 + n) for r in range(world)], "SUM", hosts))
+    ins = [make_input(rank, n, torch.bfloat16, 3) for n in (5, 64)]
+    outs = [torch.empty(n * world, dtype=torch.bfloat16) for n in (5, 64)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for o, i in zip(outs, ins):
+            dist.all_gather_into_tensor(o, i)
+    cm.wait()
+    for o, n in zip(outs, (5, 64)):
+        assert torch.equal(o, torch.cat([make_input(r, n, torch.bfloat16, 3) for r in range(world)]))
+    ins = [make_input(rank, n * world, torch.float32, 4) for n in (6, 33)]
+    outs = [torch.empty(n) for n in (6, 33)]
+    with dist._coalescing_manager():
+        for o, i in zip(outs, ins):
+            dist.reduce_scatter_tensor(o, i, op=dist.ReduceOp.AVG)
+    for o, n in zip(outs, (6, 33)):
+        full = reference_reduce([make_input(r, n * world, torch.float32, 4) for r in range(world)], "AVG", hosts)
+        assert same(o, full[rank * n:(rank + 1) * n]), "reduce_scatter coalesced"
+    return 7
+
+
+def check_non_contiguous() -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hosts = host_layout()
+    base = [make_input(r, 40 * 6, torch.float32, 9).view(40, 6) for r in range(world)]
+    t = base[rank].clone()[:, ::2]  # strided view
+    dist.all_reduce(t)
+    want = reference_reduce([b[:, ::2].contiguous() for b in base], "SUM", hosts)
+    assert same(t.contiguous(), want), "non-contiguous all_reduce"
+    t2 = base[rank].clone().t()
+    dist.broadcast(t2, 0)
+    assert torch.equal(t2, base[0].t()), "non-contiguous broadcast"
+    out = torch.empty(6, 40 * world).t()  # non-contiguous output
+    dist.all_gather_into_tensor(out, base[rank].clone())
+    assert torch.equal(out, torch.cat(base)), "non-contiguous all_gather output"
+    ins = [make_input(r, world * 240, torch.float32, 10).view(6, world * 40).t() for r in range(world)]
+    assert not ins[rank].is_contiguous()
+    o = torch.empty(40, 6)
+    dist.reduce_scatter_tensor(o, ins[rank])
+    full = reference_reduce([x.contiguous() for x in ins], "SUM", hosts)
+    assert same(o, full[rank * 40:(rank + 1) * 40]), "non-contiguous reduce_scatter input"
+    return 4
+
+
+def check_back_to_back(iters: int = 300) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hosts = host_layout()
+    for i in range(iters):
+        n = (i * 7919) % 5000
+        kind = i % 3
+        if kind == 0:
+            t = make_input(rank, n, torch.float32, i)
+            dist.all_reduce(t)
+            assert same(t, reference_reduce([make_input(r, n, torch.float32, i) for r in range(world)], "SUM", hosts)), i
+        elif kind == 1:
+            out = torch.empty(n * world, dtype=torch.int32)
+            dist.all_gather_into_tensor(out, torch.full((n,), i + rank, dtype=torch.int32))
+            assert torch.equal(out, torch.cat([torch.full((n,), i + r, dtype=torch.int32) for r in range(world)])), i
+        else:
+            out = torch.empty(n, dtype=torch.int64)
+            dist.reduce_scatter_tensor(out, torch.full((n * world,), i + rank, dtype=torch.int64))
+            assert torch.equal(out, torch.full((n,), sum(i + r for r in range(world)), dtype=torch.int64)), i
+    return iters
+
+
+def check_async_two_groups(rounds: int = 40) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g1 = dist.new_group(list(range(world)), backend="smddp")
+    g2 = dist.new_group(list(range(world)), backend="smddp")
+    works, tensors = [], []
+    for i in range(rounds):
+        for g, scale in ((g1, 1), (g2, 1000)):
+            t = torch.full((1000 + i,), float(scale * (rank + 1) + i))
+            works.append(dist.all_reduce(t, group=g, async_op=True))
+            o = torch.empty((i + 1) * world, dtype=torch.int64)
+            works.append(dist.all_gather_into_tensor(o, torch.full((i + 1,), scale * rank + i), group=g, async_op=True))
+            tensors.append((t, o, scale, i))
+    for w in works:
+        w.wait()
+        assert w.is_completed()
+    for t, o, scale, i in tensors:
+        assert torch.all(t == sum(scale * (r + 1) + i for r in range(world))).item()
+        assert torch.equal(o, torch.cat([torch.full((i + 1,), scale * r + i) for r in range(world)]))
+    for g in (g1, g2):
+        dist.destroy_process_group(g)
+    return len(works)
+
+
+def result_digest() -> list[int]:
+    """A small all_reduce of float data whose exact bits every rank returns (must be equal)."""
+    t = make_input(dist.get_rank(), 100003, torch.float32, 77)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    b = make_input(dist.get_rank(), 4099, torch.bfloat16, 78)
+    dist.all_reduce(b)
+    return t.view(torch.int32).tolist()[:: 997] + b.view(torch.int16).tolist()[:: 41]
+
+
+def run_all(quick: bool = False) -> dict:
+    """Runs every check on the default group; returns counts and the digest."""
+    out = {}
+    if quick:
+        out["all_reduce"] = check_all_reduce(sizes=(0, 1, 17, 1031, 70001),
+                                             dtypes=[torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.bool])
+        out["reduce_scatter"] = check_reduce_scatter(sizes=(0, 1, 17, 1031, 40000),
+                                                     dtypes=[torch.float32, torch.bfloat16, torch.int64])
+        out["byte"] = check_byte_collectives(sizes=(0, 1, 17, 70001))
+    else:
+        out["all_reduce"] = check_all_reduce()
+        out["all_reduce_async"] = check_all_reduce(sizes=(5, 300007), dtypes=[torch.float32, torch.bfloat16], async_op=True)
+        out["reduce_scatter"] = check_reduce_scatter()
+        out["byte"] = check_byte_collectives()
+    out["rooted"] = check_rooted()
+    out["all_to_all"] = check_all_to_all()
+    out["p2p"] = check_p2p()
+    out["coalesced"] = check_coalesced()
+    out["non_contiguous"] = check_non_contiguous()
+    out["back_to_back"] = check_back_to_back(100 if quick else 300)
+    out["digest"] = result_digest()
+    return out
