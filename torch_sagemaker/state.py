@@ -104,9 +104,11 @@ class State:
             # specs that point at the groups destroyed above.
             import torch
             from torch.distributed.tensor import DTensor
+            from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
 
             torch._C._clear_DTensor_sharding_propagator_cache()
             DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+            clear_redistribute_planner_cache()  # planners hold meshes (and their groups) too
         object.__setattr__(self, "_overrides", {})
         self._clear()
 
