@@ -188,7 +188,7 @@ def offload_note(model, args) -> str:
         return ""
     from torch.sagemaker.offload import get_stats
 
-    return f", offload: {get_stats(model)}"
+    return f", offload: {get_stats(model, reset=True).summary()}"
 
 
 if __name__ == "__main__":
