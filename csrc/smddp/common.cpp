@@ -78,6 +78,11 @@ uint32_t hash_name(const char* s) {
   return h;
 }
 
+bool& on_worker_thread() {
+  thread_local bool flag = false;
+  return flag;
+}
+
 std::string format_ranks(const std::vector<int>& ranks) {
   std::ostringstream os;
   os << "[";

@@ -73,6 +73,10 @@ struct OpCtx {
 
 uint32_t hash_name(const char* s);
 
+// True on the executor's worker threads. Waits there spin less: a spinning worker would
+// steal the core from the computation the async collective is meant to overlap with.
+bool& on_worker_thread();
+
 // Formats "[0, 2, 3]".
 std::string format_ranks(const std::vector<int>& ranks);
 

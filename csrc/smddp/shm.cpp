@@ -13,6 +13,7 @@
 #include <climits>
 #include <cstring>
 #include <fstream>
+#include <algorithm>
 #include <thread>
 
 namespace smddp {
@@ -72,7 +73,13 @@ ShmComm::ShmComm(ShmConfig cfg) : cfg_(std::move(cfg)) {
   maps_.assign(n, nullptr);
   checked_.assign(n, 0);
   oversubscribed_ = n > online_cpus();
-  spin_us_ = static_cast<int>(env_int("SMDDP_SPIN_US", 50));
+  spin_us_ = static_cast<int>(env_int("SMDDP_SPIN_US", 200));
+  worker_spin_us_ = static_cast<int>(env_int("SMDDP_WORKER_SPIN_US", 20));
+  // Oversubscribed ranks pay a context switch per hand-off: fewer, larger steps.
+  size_t chunk_default = oversubscribed_ ? (1 << 20) : (256 << 10);
+  chunk_bytes_ = std::min<size_t>(cfg_.buffer_bytes,
+                                  static_cast<size_t>(env_int("SMDDP_CHUNK_BYTES", chunk_default)));
+  chunk_bytes_ = std::max<size_t>(chunk_bytes_, 256);
   static_assert(sizeof(RankControl) <= kControlBytes, "control block too large");
 }
 
@@ -196,30 +203,35 @@ void ShmComm::wait_all(uint64_t s, int phase, const OpCtx& ctx) {
   for (int i = 0; i < size(); ++i) wait_one(i, s, phase, ctx);
 }
 
-// Waiting policy: a short busy spin (sub-microsecond hand-offs when every rank has a core),
-// then sched_yield (lets a rank that shares our core run: ~4 us per hand-off), then a futex
-// sleep in 1 ms slices (idle ranks stop burning CPU). Every slow-path iteration checks the
-// deadline, the peers' failure flags and whether the peer process still exists.
+// Waiting policy. With a core per local rank: a busy spin (sub-microsecond hand-offs), then
+// a futex sleep. sched_yield is not used there: the peer runs on another core, so yielding
+// only hands our time slice to unrelated processes (milliseconds on a loaded machine). With
+// more local ranks than cores the peer may need *our* core: skip the spin and yield for a
+// while (~4 us per hand-off), then sleep. Futex sleeps are 1 ms slices so the deadline, the
+// peers' failure flags and whether the peer process still exists are checked regularly.
 void ShmComm::wait_progress(int i, uint64_t target, const OpCtx& ctx) {
   RankControl* c = ctl(i);
   if (c->progress.load(std::memory_order_acquire) >= target) return;
   if (!oversubscribed_) {
-    auto spin_until = Clock::now() + std::chrono::microseconds(spin_us_);
+    int budget = on_worker_thread() ? worker_spin_us_ : spin_us_;
+    auto spin_until = Clock::now() + std::chrono::microseconds(budget);
     do {
       for (int k = 0; k < 64; ++k) {
         cpu_relax();
         if (c->progress.load(std::memory_order_acquire) >= target) return;
       }
     } while (Clock::now() < spin_until);
-  }
-  auto yield_until = Clock::now() + std::chrono::microseconds(oversubscribed_ ? 2000 : 300);
-  while (true) {
-    for (int k = 0; k < 32; ++k) {
-      sched_yield();
-      if (c->progress.load(std::memory_order_acquire) >= target) return;
-    }
     check_health(i, target, ctx);
-    if (Clock::now() > yield_until) break;
+  } else {
+    auto yield_until = Clock::now() + std::chrono::microseconds(2000);
+    while (true) {
+      for (int k = 0; k < 32; ++k) {
+        sched_yield();
+        if (c->progress.load(std::memory_order_acquire) >= target) return;
+      }
+      check_health(i, target, ctx);
+      if (Clock::now() > yield_until) break;
+    }
   }
   while (true) {
     c->sleepers.fetch_add(1, std::memory_order_seq_cst);

@@ -80,6 +80,8 @@ class ShmComm {
   int rank() const { return cfg_.local_rank; }
   int size() const { return static_cast<int>(cfg_.group_ranks.size()); }
   size_t buffer_bytes() const { return cfg_.buffer_bytes; }
+  // Bytes one rank moves per pipelined step: small enough that a step's data stays in cache.
+  size_t chunk_bytes() const { return chunk_bytes_; }
 
   // Note [Step protocol]. begin_step waits until buffer s % 2 may be reused and, for the
   // first step of a collective, publishes this rank's descriptor.
@@ -116,7 +118,9 @@ class ShmComm {
   std::vector<uint8_t> checked_;  // peers whose descriptor matched in this collective
   std::atomic<bool> aborted_{false};
   bool oversubscribed_ = false;   // more local ranks than CPUs: skip the busy spin
-  int spin_us_ = 50;              // busy-spin budget per wait (SMDDP_SPIN_US)
+  int spin_us_ = 200;             // busy-spin budget per wait, caller thread (SMDDP_SPIN_US)
+  int worker_spin_us_ = 20;       // same on worker threads (SMDDP_WORKER_SPIN_US)
+  size_t chunk_bytes_ = 0;        // pipeline chunk (SMDDP_CHUNK_BYTES), <= buffer_bytes
   Clock::time_point last_pid_check_{};
 };
 

@@ -48,7 +48,7 @@ void allreduce(ShmComm& c, void* data, size_t count, const Reduction& red, const
     c.end_step(s);
     return;
   }
-  const size_t chunk = chunk_elems(c.buffer_bytes(), 1, esz);
+  const size_t chunk = chunk_elems(c.chunk_bytes(), 1, esz);
   bool first = true;
   for (size_t o = 0; o < count || first; o += chunk) {
     size_t m = std::min(chunk, count - o);
@@ -85,7 +85,10 @@ void reduce_scatter(ShmComm& c, const void* in, const std::vector<Span>& parts,
   const char* src = static_cast<const char*>(in);
   size_t maxlen = 0;
   for (const Span& p : parts) maxlen = std::max(maxlen, p.len);
-  const size_t chunk = chunk_elems(c.buffer_bytes(), nparts, esz);
+  // Each step carries one chunk of every part: bounded by the buffer, and by the pipeline
+  // chunk per part so the step's reads stay in cache.
+  const size_t chunk = std::min(chunk_elems(c.buffer_bytes(), nparts, esz),
+                                chunk_elems(c.chunk_bytes(), 1, esz));
   std::vector<const void*> srcs(n);
   bool first = true;
   for (size_t o = 0; o < maxlen || first; o += chunk) {
@@ -117,7 +120,7 @@ void allgather(ShmComm& c, const std::vector<const void*>& src, void* out,
   size_t maxlen = 0, ways = 1;
   for (const Span& p : parts) maxlen = std::max(maxlen, p.len);
   for (const auto& o : owned) ways = std::max(ways, o.size());
-  const size_t chunk = chunk_elems(c.buffer_bytes(), ways, 1);
+  const size_t chunk = std::min(chunk_elems(c.buffer_bytes(), ways, 1), c.chunk_bytes());
   // My own parts go straight to their place (FSDP2 passes an input that already is it).
   for (size_t k = 0; k < owned[me].size(); ++k) {
     const Span& p = parts[owned[me][k]];
@@ -146,7 +149,7 @@ void allgather(ShmComm& c, const std::vector<const void*>& src, void* out,
 
 void broadcast(ShmComm& c, void* data, size_t bytes, int root, const OpCtx& ctx) {
   char* buf = static_cast<char*>(data);
-  const size_t chunk = c.buffer_bytes();
+  const size_t chunk = c.chunk_bytes();
   bool first = true;
   for (size_t o = 0; o < bytes || first; o += chunk) {
     size_t m = std::min(chunk, bytes - o);

@@ -1,5 +1,7 @@
 #include "smddp/work.h"
 
+#include "smddp/common.h"
+
 namespace smddp {
 
 SmddpWork::SmddpWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
@@ -94,6 +96,7 @@ void Executor::enqueue(Lane& lane, Item item) {
 }
 
 void Executor::run_lane(Lane& lane) {
+  on_worker_thread() = true;
   while (true) {
     Item item;
     {

@@ -1,0 +1,309 @@
+"""Collective benchmark in the style of nccl-tests: smddp and gloo side by side, one run.
+
+    python -m torch_sagemaker.bench collectives [--nprocs 2] [--max-bytes 256M] [--plot out.png]
+    torchrun --nproc-per-node 2 -m torch_sagemaker.bench collectives
+
+For every operation and size S (8 B .. 256 MiB by default, float32 data) each backend runs
+warm-up iterations, then timed iterations; the reported time is the median over iterations
+of the slowest rank. As in nccl-tests, S is the buffer size for all_reduce and broadcast,
+the *total* (gathered / scattered) size for all_gather_into_tensor and reduce_scatter_tensor,
+and the per-rank send size for all_to_all; algbw = S / time and busbw = algbw x factor
+(all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast 1, all_to_all (n-1)/n).
+The first iteration of every case is checked for correct values.
+
+The same run measures memcpy bandwidth with all ranks copying at once; "copy%" is the time a
+memcpy of the bytes the algorithm must read and write in the user's buffers would take at
+that bandwidth, as a percentage of the measured time (100% = as fast as copying). Ranks use
+one intra-op thread each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all")
+
+# Bytes the user buffers force through memory per rank, in units of S (reads + writes),
+# and how smddp moves them; shared-memory staging goes through cache-sized chunks.
+PASSES = {
+    "all_reduce": (lambda n: 2.0, "read S + write S; chunks staged in shm, reduced by their "
+                   "owner rank and gathered while cache-resident (one-shot below 256 KiB)"),
+    "all_gather_into_tensor": (lambda n: 1 / n + 1, "read S/n + write S; one copy in, "
+                               "n-1 copies out per chunk"),
+    "reduce_scatter_tensor": (lambda n: 1 + 1 / n, "read S + write S/n; every rank reduces "
+                              "only its own block (true reduce-scatter)"),
+    "broadcast": (lambda n: 1.0, "root reads S, others write S"),
+    "all_to_all": (lambda n: 2.0, "read S + write S"),
+}
+
+
+def _busbw_factor(op: str, n: int) -> float:
+    return 2 * (n - 1) / n if op == "all_reduce" else (1.0 if op == "broadcast" else (n - 1) / n)
+
+
+def parse_size(text: str) -> int:
+    """Parses "8", "64K", "1M", "256M", "1G" into bytes."""
+    text = text.strip().upper().rstrip("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text[:-1] if mult > 1 else text) * mult)
+
+
+def format_size(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div} {unit}"
+    return f"{n} B"
+
+
+def _case(op: str, nbytes: int, world: int, rank: int, group):
+    """Returns (run, check, actual_bytes) for one operation at about `nbytes`."""
+    count = max(world, nbytes // 4 // world * world)
+    if op == "all_reduce":
+        t = torch.full((count,), float(rank + 1))
+        want = world * (world + 1) / 2
+
+        def run():
+            dist.all_reduce(t, group=group)
+
+        def check():
+            t.fill_(float(rank + 1))
+            dist.all_reduce(t, group=group)
+            return bool((t[:: max(1, count // 97)] == want).all())
+
+        return run, check, count * 4
+    if op == "all_gather_into_tensor":
+        inp, out = torch.full((count // world,), float(rank + 1)), torch.empty(count)
+
+        def run():
+            dist.all_gather_into_tensor(out, inp, group=group)
+
+        def check():
+            run()
+            return bool(all(out[r * (count // world)].item() == r + 1 for r in range(world)))
+
+        return run, check, count * 4
+    if op == "reduce_scatter_tensor":
+        inp, out = torch.full((count,), float(rank + 1)), torch.empty(count // world)
+
+        def run():
+            dist.reduce_scatter_tensor(out, inp, group=group)
+
+        def check():
+            run()
+            return bool((out == world * (world + 1) / 2).all())
+
+        return run, check, count * 4
+    if op == "broadcast":
+        t = torch.full((count,), float(rank + 1))
+
+        def run():
+            dist.broadcast(t, group_src=0, group=group)
+
+        def check():
+            t.fill_(float(rank + 1))
+            run()
+            return bool((t[:: max(1, count // 97)] == 1).all())
+
+        return run, check, count * 4
+    inp, out = torch.full((count,), float(rank + 1)), torch.empty(count)
+
+    def run():
+        dist.all_to_all_single(out, inp, group=group)
+
+    def check():
+        run()
+        blk = count // world
+        return bool(all(out[r * blk].item() == r + 1 for r in range(world)))
+
+    return run, check, count * 4
+
+
+def _timed(run, iters: int, warmup: int, barrier) -> list[float]:
+    for _ in range(warmup):
+        run()
+    barrier()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _slowest(times: list[float], ctrl) -> float:
+    """Median over iterations of the slowest rank's time (reduced over the control group)."""
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctrl)
+    return statistics.median(t.tolist())
+
+
+def _memcpy_bw(nbytes: int, ctrl) -> float:
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    iters = max(5, min(200, (256 << 20) // nbytes))
+    times = _timed(lambda: dst.copy_(src), iters, 2, lambda: dist.barrier(group=ctrl))
+    return nbytes / _slowest(times, ctrl)
+
+
+def _worker_body(rank: int, world: int, args: argparse.Namespace) -> list[dict] | None:
+    torch.set_num_threads(1)
+    ctrl = dist.new_group(backend="gloo")  # timing reductions, never timed
+    groups = {b: (dist.group.WORLD if b == dist.get_backend() else dist.new_group(backend=b))
+              for b in args.backends}
+    rows: list[dict] = []
+    copy = {"cache": _memcpy_bw(1 << 20, ctrl), "dram": _memcpy_bw(64 << 20, ctrl)}
+    sizes, s = [], args.min_bytes
+    while s <= args.max_bytes:
+        sizes.append(s)
+        s *= args.factor
+    for op in args.ops:
+        for size in sizes:
+            row = {"op": op, "size": size}
+            for b in args.backends:
+                run, check, actual = _case(op, size, world, rank, groups[b])
+                if not check():
+                    raise RuntimeError(f"{b} {op} at {size} bytes produced wrong values")
+                iters = max(args.min_iters, min(args.iters, int(args.budget / max(actual, 1))))
+                med = _slowest(_timed(run, iters, args.warmup, lambda g=groups[b]: dist.barrier(group=g)), ctrl)
+                algbw = actual / med / 1e9
+                bound = PASSES[op][0](world) * actual / 2 / (copy["cache"] if actual <= (1 << 20) else copy["dram"])
+                row[b] = {"time_us": med * 1e6, "algbw": algbw, "busbw": algbw * _busbw_factor(op, world),
+                          "bytes": actual, "copy_pct": 100 * bound / med}
+            rows.append(row)
+            if rank == 0 and args.verbose:
+                print(_format_row(row, args.backends), flush=True)
+    return (rows, copy) if rank == 0 else None
+
+
+def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch_sagemaker  # noqa: F401  (registers smddp)
+
+    dist.init_process_group(args.backends[0], rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
+    try:
+        result = _worker_body(rank, world, args)
+        if rank == 0:
+            queue.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(args: argparse.Namespace):
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        import torch_sagemaker  # noqa: F401
+
+        dist.init_process_group(args.backends[0], timeout=timedelta(seconds=600))
+        try:
+            return _worker_body(dist.get_rank(), dist.get_world_size(), args), dist.get_world_size()
+        finally:
+            dist.destroy_process_group()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_spawned, args=(r, args.nprocs, port, args, queue)) for r in range(args.nprocs)]
+    for p in procs:
+        p.start()
+    result = queue.get()
+    for p in procs:
+        p.join()
+    return result, args.nprocs
+
+
+def _format_row(row: dict, backends: list[str]) -> str:
+    cells = [f"{row['op']:<22}", f"{format_size(row['size']):>9}"]
+    for b in backends:
+        r = row[b]
+        cells.append(f"{r['time_us']:>10.1f} {r['algbw']:>7.3f} {r['busbw']:>7.3f} {r['copy_pct']:>5.0f}%")
+    if len(backends) == 2:
+        cells.append(f"{row[backends[1]]['time_us'] / row[backends[0]]['time_us']:>7.1f}x")
+    return " | ".join(cells)
+
+
+def format_table(rows: list[dict], copy: dict, backends: list[str], world: int) -> str:
+    """Markdown table of the results, one line per (op, size)."""
+    head = ["op", "size"]
+    for b in backends:
+        head += [f"{b} time (us)", f"{b} algbw (GB/s)", f"{b} busbw (GB/s)", f"{b} copy%"]
+    if len(backends) == 2:
+        head.append(f"speed-up ({backends[0]} vs {backends[1]})")
+    lines = [f"{world} ranks; memcpy with all ranks copying: {copy['cache'] / 1e9:.1f} GB/s per rank "
+             f"at 1 MiB (cache), {copy['dram'] / 1e9:.1f} GB/s per rank at 64 MiB (DRAM)", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [row["op"], format_size(row["size"])]
+        for b in backends:
+            r = row[b]
+            cells += [f"{r['time_us']:.1f}", f"{r['algbw']:.3f}", f"{r['busbw']:.3f}", f"{r['copy_pct']:.0f}%"]
+        if len(backends) == 2:
+            cells.append(f"{row[backends[1]]['time_us'] / row[backends[0]]['time_us']:.1f}x")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Memory passes per rank over the user buffers (S = size above):"]
+    lines += [f"- {op}: {PASSES[op][1]}" for op in dict.fromkeys(r["op"] for r in rows)]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], backends: list[str], world: int, path: str) -> None:
+    """Writes busbw against size, one panel per operation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    fig, axes = plt.subplots(1, len(ops), figsize=(4 * len(ops), 3.4), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        mine = [r for r in rows if r["op"] == op]
+        for b in backends:
+            ax.plot([r["size"] for r in mine], [r[b]["busbw"] for r in mine], marker="o", ms=3, label=b)
+        ax.set(xscale="log", yscale="log", title=op, xlabel="bytes", ylabel="busbw (GB/s)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{world} ranks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the sweep and prints the table (``--help`` for options)."""
+    p = argparse.ArgumentParser(prog="python -m torch_sagemaker.bench collectives",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nprocs", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
+    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--backends", default="smddp,gloo", help="first one is the default group's")
+    p.add_argument("--min-bytes", type=parse_size, default=8)
+    p.add_argument("--max-bytes", type=parse_size, default=256 << 20)
+    p.add_argument("--factor", type=int, default=2, help="size multiplier between steps")
+    p.add_argument("--iters", type=int, default=50, help="timed iterations (at most)")
+    p.add_argument("--min-iters", type=int, default=3)
+    p.add_argument("--budget", type=parse_size, default=1 << 30,
+                   help="bytes per case that bound the iteration count for large sizes")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--plot", default=None, help="write busbw vs size to this PNG")
+    p.add_argument("--quiet", dest="verbose", action="store_false", help="only the final table")
+    args = p.parse_args(argv)
+    args.ops = args.ops.split(",")
+    args.backends = args.backends.split(",")
+    bad = set(args.ops) - set(OPS)
+    if bad:
+        raise SystemExit(f"unknown --ops {sorted(bad)}; choose from {', '.join(OPS)}")
+    (rows, copy), world = _run(args)
+    print(format_table(rows, copy, args.backends, world))
+    if args.plot:
+        plot(rows, args.backends, world, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
