@@ -187,6 +187,7 @@ uint64_t ShmComm::begin_step(const OpCtx& ctx, bool first) {
 
 void ShmComm::post(uint64_t s, int phase) {
   RankControl* me = ctl(rank());
+  me->cpu.store(sched_getcpu(), std::memory_order_relaxed);
   // seq_cst store, then seq_cst load of `sleepers`: either the sleeper sees the new value
   // before it sleeps, or we see its registration and wake it (Dekker-style handshake).
   me->progress.store(value(s, phase), std::memory_order_seq_cst);
@@ -203,16 +204,18 @@ void ShmComm::wait_all(uint64_t s, int phase, const OpCtx& ctx) {
   for (int i = 0; i < size(); ++i) wait_one(i, s, phase, ctx);
 }
 
-// Waiting policy. With a core per local rank: a busy spin (sub-microsecond hand-offs), then
-// a futex sleep. sched_yield is not used there: the peer runs on another core, so yielding
-// only hands our time slice to unrelated processes (milliseconds on a loaded machine). With
-// more local ranks than cores the peer may need *our* core: skip the spin and yield for a
-// while (~4 us per hand-off), then sleep. Futex sleeps are 1 ms slices so the deadline, the
-// peers' failure flags and whether the peer process still exists are checked regularly.
+// Waiting policy. When the peer runs on another core: a busy spin (sub-microsecond
+// hand-offs), then a futex sleep. When it may need *our* core (more local ranks than cores,
+// or the scheduler put the peer on this CPU, which it likes to do with processes that talk
+// to each other): sched_yield for a while (~4 us per hand-off on one core), then sleep.
+// Yielding is avoided otherwise because it only hands our time slice to unrelated
+// processes. Futex sleeps are 1 ms slices so the deadline, the peers' failure flags and
+// whether the peer process still exists are checked regularly.
 void ShmComm::wait_progress(int i, uint64_t target, const OpCtx& ctx) {
   RankControl* c = ctl(i);
   if (c->progress.load(std::memory_order_acquire) >= target) return;
-  if (!oversubscribed_) {
+  bool shared_core = oversubscribed_;
+  if (!shared_core) {
     int budget = on_worker_thread() ? worker_spin_us_ : spin_us_;
     auto spin_until = Clock::now() + std::chrono::microseconds(budget);
     do {
@@ -220,9 +223,11 @@ void ShmComm::wait_progress(int i, uint64_t target, const OpCtx& ctx) {
         cpu_relax();
         if (c->progress.load(std::memory_order_acquire) >= target) return;
       }
-    } while (Clock::now() < spin_until);
+      shared_core = c->cpu.load(std::memory_order_relaxed) == sched_getcpu();
+    } while (!shared_core && Clock::now() < spin_until);
     check_health(i, target, ctx);
-  } else {
+  }
+  if (shared_core) {
     auto yield_until = Clock::now() + std::chrono::microseconds(2000);
     while (true) {
       for (int k = 0; k < 32; ++k) {

@@ -49,6 +49,7 @@ struct alignas(64) DescSlot {
 // rank polls, so pollers never share a line with unrelated writes.
 struct RankControl {
   alignas(64) std::atomic<uint64_t> progress{0};  // Note [Step protocol]; written by owner only
+  std::atomic<int32_t> cpu{-1};  // CPU the owner last posted from (same writer, same line)
   alignas(64) std::atomic<uint32_t> sleepers{0};  // peers about to sleep in futex on progress
   alignas(64) DescSlot desc[2];                   // Note [Mismatch detection]
   alignas(64) std::atomic<uint32_t> failed{0};    // owner hit an error: message is valid
