@@ -1,13 +1,32 @@
 """Registers the native "smddp" collective backend with torch.distributed.
 
-The backend itself is C++ (``csrc/``, compiled into ``torch_sagemaker._C``); this module
-only decides whether it can be used and registers its creator under the name "smddp" for
-CPU tensors. Importing ``torch_sagemaker`` (or the SMP compatibility shim
+The backend itself is C++ (``csrc/smddp/``, compiled into ``torch_sagemaker._C``); this
+module only decides whether it can be used, registers its creator under the name "smddp"
+for CPU tensors, and wraps the few introspection entry points. Importing
+``torch_sagemaker`` (or the SMP compatibility shim
 ``smdistributed.dataparallel.torch.torch_smddp``) calls ``register()``.
+
+Ranks on one host communicate through POSIX shared memory; hosts talk over an
+authenticated TCP full mesh, with hierarchical collectives (see docs/collectives.md).
+Settings, read by the backend from the environment of each rank when a group is created:
+
+- ``SMDDP_FORCE_LOCAL_SIZE=k``: treat blocks of ``k`` consecutive global ranks as separate
+  hosts (runs and tests the inter-host path on one machine).
+- ``SMDDP_BUFFER_BYTES`` (default 1 MiB): size of each of the two shared-memory buffers
+  per rank and group.
+- ``SMDDP_CHUNK_BYTES`` (default 256 KiB, 1 MiB when ranks outnumber cores): bytes per
+  rank per pipelined step.
+- ``SMDDP_ONESHOT_BYTES`` (default 256 KiB): all_reduce up to this size uses the
+  one-shot algorithm.
+- ``SMDDP_SPIN_US`` / ``SMDDP_WORKER_SPIN_US`` (default 200 / 20): busy-wait budget before
+  sleeping, for synchronous calls / for the async worker thread.
+- ``SMDDP_SOCKET_ADDR``: address other hosts reach this one at (default: first non-loopback
+  IPv4 address).
 """
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 BACKEND_NAME = "smddp"
@@ -46,3 +65,36 @@ def register() -> bool:
 def default_backend() -> str:
     """The backend ``tsm.init`` uses when it creates the process group itself."""
     return BACKEND_NAME if register() else "gloo"
+
+
+def kernel_isa() -> str:
+    """The instruction set the reduction kernels dispatched to on this CPU.
+
+    Returns:
+        "avx512", "avx2", "x86-64" or "generic".
+    """
+    from torch_sagemaker import _C
+
+    return _C.kernel_isa()
+
+
+def group_layout(group: dist.ProcessGroup | None = None) -> dict:
+    """How the smddp backend of ``group`` sees the hosts.
+
+    Args:
+        group: A process group whose CPU backend is smddp (default: the default group).
+
+    Returns:
+        ``{"hosts", "local_size", "host", "local_rank", "members", "forced", "uniform"}``:
+        ``members`` lists the group ranks of each host; ``forced`` is true when
+        ``SMDDP_FORCE_LOCAL_SIZE`` shaped the layout; ``uniform`` is false when hosts had
+        unequal rank counts and every rank became its own host.
+
+    Raises:
+        ValueError: If the group's CPU backend is not smddp.
+    """
+    group = group or dist.group.WORLD
+    backend = group._get_backend(torch.device("cpu"))
+    if not hasattr(backend, "_layout"):
+        raise ValueError(f"group {group} does not use the smddp backend for CPU tensors")
+    return backend._layout()
