@@ -72,8 +72,8 @@ def _init_from_torchrun_env():
     import logging
 
     import torch.distributed as dist
-
     import torch.sagemaker as tsm
+
     from torch_sagemaker.logger import get_logger
 
     records = []
@@ -105,7 +105,7 @@ def test_init_creates_process_group_from_torchrun_env():
     results = run_distributed(_init_from_torchrun_env, world_size=2, init_process_group=False)
     from torch_sagemaker.distributed.backend import default_backend
 
-    for backend, world, messages in results:
+    for backend, world, _messages in results:
         assert backend == default_backend() and world == 2
     assert any("created the default process group" in m for m in results[0][2])
 
