@@ -17,6 +17,7 @@
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -98,7 +99,8 @@ class Communicator {
   std::string secret_, nonce_;
   uint64_t next_seq_ = 0;
   size_t oneshot_bytes_ = 0;
-  std::string broken_;  // first error; the group is unusable afterwards
+  std::mutex broken_mu_;  // guarded() runs on the executor and on the send lane
+  std::string broken_;    // first error; the group is unusable afterwards
   std::vector<char> scratch_;
 };
 

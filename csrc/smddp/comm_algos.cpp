@@ -11,9 +11,12 @@ namespace smddp {
 
 template <typename F>
 void Communicator::guarded(OpCtx& ctx, bool numbered, F&& body) {
-  if (!broken_.empty()) {
-    throw CommError("smddp: " + ctx.describe() + " on group '" + cfg_.group_name +
-                    "' refused: the group is unusable after an earlier error: " + broken_);
+  {
+    std::lock_guard<std::mutex> g(broken_mu_);
+    if (!broken_.empty()) {
+      throw CommError("smddp: " + ctx.describe() + " on group '" + cfg_.group_name +
+                      "' refused: the group is unusable after an earlier error: " + broken_);
+    }
   }
   if (numbered) ctx.seq = next_seq_++;
   ctx.deadline = Deadline::after(ctx.deadline.seconds);
@@ -21,7 +24,10 @@ void Communicator::guarded(OpCtx& ctx, bool numbered, F&& body) {
     body();
   } catch (const std::exception& e) {
     // Peers learn about the failure through our control block instead of timing out.
-    broken_ = e.what();
+    {
+      std::lock_guard<std::mutex> g(broken_mu_);
+      if (broken_.empty()) broken_ = e.what();
+    }
     shm_->mark_failed(e.what());
     throw;
   }

@@ -84,7 +84,7 @@ def _case(op: str, nbytes: int, world: int, rank: int, group):
         inp, out = torch.full((count // world,), float(rank + 1)), torch.empty(count)
 
         def run():
-            dist.all_gather_into_tensor(out, inp, group=group)
+            dist.all_gather_single(out, inp, group=group)
 
         def check():
             run()
@@ -95,7 +95,7 @@ def _case(op: str, nbytes: int, world: int, rank: int, group):
         inp, out = torch.full((count,), float(rank + 1)), torch.empty(count // world)
 
         def run():
-            dist.reduce_scatter_tensor(out, inp, group=group)
+            dist.reduce_scatter_single(out, inp, group=group)
 
         def check():
             run()
