@@ -297,7 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = set(args.ops) - set(OPS)
     if bad:
         raise SystemExit(f"unknown --ops {sorted(bad)}; choose from {', '.join(OPS)}")
-    (rows, copy), world = _run(args)
+    result, world = _run(args)
+    if result is None:  # a non-zero rank under torchrun: rank 0 prints
+        return 0
+    rows, copy = result
     print(format_table(rows, copy, args.backends, world))
     if args.plot:
         plot(rows, args.backends, world, args.plot)
