@@ -2,8 +2,11 @@
 
     accelerate launch --config_file examples/accelerate_fsdp.yaml examples/accelerate_fsdp.py
 
-The process group is created on "smddp" before the ``Accelerator`` (which then uses it);
-``tsm.init`` lays out the ranks; accelerate wraps the model with FSDP2.
+The process group is created on "smddp" before the ``Accelerator`` (which then uses it) and
+``tsm.init`` lays out the ranks. On GPUs accelerate's FSDP plugin (FSDP2, from the YAML file)
+wraps the model. accelerate does not offer FSDP for CPU processes (it treats them as
+MULTI_CPU, i.e. DDP), so on CPU the model is sharded with ``torch.sagemaker.sharding.shard_model``
+(FSDP2 on ``tsm.state``'s mesh) and accelerate prepares the optimizer and the data loader.
 """
 
 from __future__ import annotations
@@ -31,13 +34,23 @@ def main() -> None:
     tsm.init({})
     from accelerate import Accelerator
 
+    from accelerate.utils import DistributedType
+
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     torch.manual_seed(args.seed)
     model = tsm.transform(build_model(build_config(args)))
     train_set, _ = data.build_datasets("stdlib", args.max_context_width, 1.0, None, 0)
     loader = torch.utils.data.DataLoader(train_set, batch_size=args.train_batch_size, shuffle=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # replaced after CPU sharding
+    if accelerator.distributed_type == DistributedType.FSDP:
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    else:
+        from torch.sagemaker.sharding import shard_model
+
+        model = shard_model(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        optimizer, loader = accelerator.prepare(optimizer, loader)
+    accelerator.print(f"[accelerate] model prepared as {type(model).__name__}")
     for step, batch in enumerate(loader, start=1):
         loss = model(input_ids=batch, labels=batch).loss
         accelerator.backward(loss)

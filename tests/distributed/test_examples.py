@@ -73,3 +73,16 @@ def test_resume_continues_with_the_same_losses(tmp_path):
     assert first["losses"] == pytest.approx(full["losses"][:4], abs=1e-6)
     assert second["losses"] == pytest.approx(full["losses"][4:], abs=1e-6)
     assert len(os.listdir(ckpt)) == 1  # retention kept only the newest
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not smddp_available(), reason="the accelerate example runs on the smddp backend")
+def test_accelerate_example(tmp_path):
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    cmd = [accelerate, "launch", "--config_file", os.path.join(ROOT, "examples", "accelerate_fsdp.yaml"),
+           os.path.join(ROOT, "examples", "accelerate_fsdp.py"), *TINY[:12]]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "STEPS": "10"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert "model prepared as FSDPLlamaForCausalLM" in result.stdout
+    assert "step 10: loss" in result.stdout and "on backend smddp" in result.stdout
