@@ -33,7 +33,6 @@ def main() -> None:
     dist.init_process_group("smddp", timeout=datetime.timedelta(minutes=10))
     tsm.init({})
     from accelerate import Accelerator
-
     from accelerate.utils import DistributedType
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
