@@ -82,9 +82,9 @@ def main(argv: list[str] | None = None) -> dict:
     config = build_config(args)
     with torch.device("meta") if args.delayed_param else contextlib.nullcontext():
         model = build_model(config)
+    num_params = sum(p.numel() for p in model.parameters())  # before sharding (works on meta too)
     model = tsm.transform(model)
     model = apply_parallelism(model, args, dtype)
-    num_params = sum(p.numel() for p in build_model_params_count(config))
     optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr,
                                   betas=(args.beta1, args.beta2))
     scheduler = warmup_cosine(optimizer, args.max_steps, args.warmup, args.lr, args.min_lr)
@@ -175,11 +175,6 @@ def main(argv: list[str] | None = None) -> dict:
                     f"{summary['tokens_per_s']:.0f} tokens/s" + (f", plot {plot}" if plot else ""))
     dist.destroy_process_group()
     return summary
-
-
-def build_model_params_count(config):
-    with torch.device("meta"):
-        return list(build_model(config).parameters())
 
 
 def offload_note(model, args) -> str:

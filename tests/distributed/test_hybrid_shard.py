@@ -23,7 +23,6 @@ def _clean(name: str) -> str:
 
 
 def _wrap(model, api):
-    import torch.distributed as dist
     import torch.sagemaker as tsm
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
@@ -39,7 +38,6 @@ def _wrap(model, api):
         return DDP(model, process_group=tsm.state.dp_process_group)
     strategy = ShardingStrategy.FULL_SHARD if tsm.state.layout.requested_hybrid_shard_degree == 0 \
         else ShardingStrategy.HYBRID_SHARD  # SMP's example scripts default to hybrid_shard
-    del dist
     return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}), sharding_strategy=strategy,
                 device_id=torch.device("cpu"), use_orig_params=True, limit_all_gathers=True)
 

@@ -25,24 +25,27 @@ def _batch(rank):
     return torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)
 
 
-def _ddp_step(group):
+def _train_two_steps(model):
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = DDP(_model(), process_group=group, bucket_cap_mb=0.001)  # several buckets
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(2):
         x, y = _batch(dist.get_rank() + 10 * step)
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
+
+
+def _ddp_step(group):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_model(), process_group=group, bucket_cap_mb=0.001)  # several buckets
+    _train_two_steps(model)
     return [p.detach().clone() for p in model.parameters()]
 
 
 def _fsdp2_step(group):
-    import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -51,12 +54,7 @@ def _fsdp2_step(group):
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(2):
-        x, y = _batch(dist.get_rank() + 10 * step)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    _train_two_steps(model)
     return [p.full_tensor().detach().clone() for p in model.parameters()]
 
 
