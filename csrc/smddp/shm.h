@@ -123,6 +123,7 @@ class ShmComm {
   int worker_spin_us_ = 20;       // same on worker threads (SMDDP_WORKER_SPIN_US)
   size_t chunk_bytes_ = 0;        // pipeline chunk (SMDDP_CHUNK_BYTES), <= buffer_bytes
   Clock::time_point last_pid_check_{};
+  Clock::time_point last_move_{};  // last time a wait moved this thread off a shared CPU
 };
 
 std::string shm_name(const std::string& nonce, int local_rank);
