@@ -1,5 +1,7 @@
 """The benchmark dispatcher and the collective benchmark's pure helpers (no processes)."""
 
+import sys
+
 import pytest
 
 from torch_sagemaker.bench import BENCHMARKS, collectives
@@ -40,3 +42,60 @@ def test_table_has_ratio_column():
         row[b] = {"time_us": t, "algbw": 1.0, "busbw": 1.0, "bytes": 1024, "copy_pct": 5.0}
     table = collectives.format_table([row], {"cache": 4e10, "dram": 5e9}, ["smddp", "gloo"], 2)
     assert "| all_reduce | 1 KiB | 10.0 |" in table and "50.0x" in table
+
+
+def _result(t):
+    return {"time_us": t, "algbw": 1.0, "busbw": 1.0, "bytes": 1024, "copy_pct": 5.0}
+
+
+def test_table_has_one_ratio_column_per_extra_backend():
+    ar = {"op": "all_reduce", "size": 1024, "smddp": _result(10.0), "gloo": _result(500.0),
+          "deepspeed": _result(5.0)}
+    bc = {"op": "broadcast", "size": 1024, "smddp": _result(8.0), "gloo": _result(80.0), "deepspeed": None}
+    table = collectives.format_table([ar, bc], {"cache": 4e10, "dram": 5e9}, ["smddp", "gloo", "deepspeed"], 2)
+    lines = table.splitlines()
+    header = next(line for line in lines if line.startswith("| op |"))
+    assert header.endswith("| speed-up (smddp vs gloo) | speed-up (smddp vs deepspeed) |")
+    ncols = header.count("|")
+    ar_line = next(line for line in lines if line.startswith("| all_reduce |"))
+    bc_line = next(line for line in lines if line.startswith("| broadcast |"))
+    assert ar_line.count("|") == bc_line.count("|") == ncols
+    assert ar_line.endswith("| 50.0x | 0.5x |")
+    assert "| n/a |  |  |  | 10.0x | n/a |" in bc_line  # deepspeed does not run broadcast
+    row = collectives._format_row(bc, ["smddp", "gloo", "deepspeed"])
+    assert "n/a" in row and row.rstrip().endswith("n/a")
+
+
+def test_two_backend_table_keeps_its_single_ratio_column():
+    row = {"op": "all_reduce", "size": 1024, "smddp": _result(10.0), "gloo": _result(500.0)}
+    table = collectives.format_table([row], {"cache": 4e10, "dram": 5e9}, ["smddp", "gloo"], 2)
+    assert table.count("speed-up") == 1 and "| speed-up (smddp vs gloo) |" in table
+
+
+def test_all_reduce_case_uses_a_peer_reduction():
+    calls = []
+    run, check, nbytes = collectives._case("all_reduce", 1024, 1, 0, None, all_reduce=calls.append)
+    assert check() and nbytes == 1024 and len(calls) == 1
+    run()
+    assert len(calls) == 2 and calls[0] is calls[1] and calls[0].numel() == 256
+
+
+def test_missing_deepspeed_names_the_install_command(monkeypatch):
+    from torch_sagemaker.bench import deepspeed_peer
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    with pytest.raises(ImportError, match="DS_ACCELERATOR=cpu pip install deepspeed"):
+        deepspeed_peer.require()
+    with pytest.raises(ImportError, match="DS_ACCELERATOR=cpu pip install deepspeed"):
+        deepspeed_peer.ShmAllReduce(2, 0, lambda: None)
+    # The benchmark stops before starting any process.
+    monkeypatch.setattr(collectives, "_run", lambda args: pytest.fail("ranks were started"))
+    with pytest.raises(SystemExit, match="DS_ACCELERATOR=cpu pip install deepspeed"):
+        collectives.main(["--ops", "all_reduce", "--backends", "smddp,gloo,deepspeed"])
+
+
+def test_deepspeed_cannot_be_the_first_backend(monkeypatch):
+    monkeypatch.setattr(collectives, "_run", lambda args: pytest.fail("ranks were started"))
+    with pytest.raises(SystemExit, match="cannot be first"):
+        collectives.main(["--backends", "deepspeed,smddp"])

@@ -2,6 +2,7 @@
 
     python -m torch_sagemaker.bench collectives [--nprocs 2] [--max-bytes 256M] [--plot out.png]
     torchrun --nproc-per-node 2 -m torch_sagemaker.bench collectives
+    python -m torch_sagemaker.bench collectives --ops all_reduce --backends smddp,gloo,deepspeed
 
 For every operation and size S (8 B .. 256 MiB by default, float32 data) each backend runs
 warm-up iterations, then timed iterations; the reported time is the median over iterations
@@ -10,6 +11,11 @@ the *total* (gathered / scattered) size for all_gather_into_tensor and reduce_sc
 and the per-rank send size for all_to_all; algbw = S / time and busbw = algbw x factor
 (all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast 1, all_to_all (n-1)/n).
 The first iteration of every case is checked for correct values.
+
+--backends lists torch.distributed backends (the first one is the default group's) and
+optionally "deepspeed": DeepSpeed's CPU shared-memory all-reduce, called directly
+(all_reduce only; install with ``DS_ACCELERATOR=cpu pip install deepspeed``). The table has
+one speed-up column per backend after the first: its time / the first one's.
 
 The same run measures memcpy bandwidth with all ranks copying at once; "copy%" is the time a
 memcpy of the bytes the algorithm must read and write in the user's buffers would take at
@@ -31,6 +37,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all")
+# Peers that are not torch.distributed backends: name -> the ops they can run.
+PEER_OPS = {"deepspeed": ("all_reduce",)}
 
 # Bytes the user buffers force through memory per rank, in units of S (reads + writes),
 # and how smddp moves them; shared-memory staging goes through cache-sized chunks.
@@ -64,19 +72,25 @@ def format_size(n: int) -> str:
     return f"{n} B"
 
 
-def _case(op: str, nbytes: int, world: int, rank: int, group):
-    """Returns (run, check, actual_bytes) for one operation at about `nbytes`."""
+def _case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=None):
+    """Returns (run, check, actual_bytes) for one operation at about `nbytes`.
+
+    `all_reduce`, if given, replaces dist.all_reduce (an in-place SUM of one tensor).
+    """
     count = max(world, nbytes // 4 // world * world)
     if op == "all_reduce":
         t = torch.full((count,), float(rank + 1))
         want = world * (world + 1) / 2
-
-        def run():
-            dist.all_reduce(t, group=group)
+        if all_reduce is None:
+            def run():
+                dist.all_reduce(t, group=group)
+        else:
+            def run():
+                all_reduce(t)
 
         def check():
             t.fill_(float(rank + 1))
-            dist.all_reduce(t, group=group)
+            run()
             return bool((t[:: max(1, count // 97)] == want).all())
 
         return run, check, count * 4
@@ -156,8 +170,15 @@ def _memcpy_bw(nbytes: int, ctrl) -> float:
 def _worker_body(rank: int, world: int, args: argparse.Namespace) -> list[dict] | None:
     torch.set_num_threads(1)
     ctrl = dist.new_group(backend="gloo")  # timing reductions, never timed
-    groups = {b: (dist.group.WORLD if b == dist.get_backend() else dist.new_group(backend=b))
-              for b in args.backends}
+    groups, peers = {}, {}
+    for b in args.backends:  # in the same order on every rank: new_group is collective
+        if b == "deepspeed":
+            from torch_sagemaker.bench.deepspeed_peer import ShmAllReduce
+
+            peers[b] = ShmAllReduce(world, rank, lambda: dist.barrier(group=ctrl))
+            groups[b] = ctrl  # only for the barrier before timing
+        else:
+            groups[b] = dist.group.WORLD if b == dist.get_backend() else dist.new_group(backend=b)
     rows: list[dict] = []
     copy = {"cache": _memcpy_bw(1 << 20, ctrl), "dram": _memcpy_bw(64 << 20, ctrl)}
     sizes, s = [], args.min_bytes
@@ -168,7 +189,11 @@ def _worker_body(rank: int, world: int, args: argparse.Namespace) -> list[dict] 
         for size in sizes:
             row = {"op": op, "size": size}
             for b in args.backends:
-                run, check, actual = _case(op, size, world, rank, groups[b])
+                if b in PEER_OPS and op not in PEER_OPS[b]:
+                    row[b] = None  # not measured: a blank cell
+                    continue
+                run, check, actual = _case(op, size, world, rank, groups[b],
+                                           peers[b].all_reduce if b in peers else None)
                 if not check():
                     raise RuntimeError(f"{b} {op} at {size} bytes produced wrong values")
                 iters = max(args.min_iters, min(args.iters, int(args.budget / max(actual, 1))))
@@ -220,23 +245,43 @@ def _run(args: argparse.Namespace):
     return result, args.nprocs
 
 
+def _ratio(row: dict, first: str, other: str) -> float | None:
+    """Speed-up of `first` over `other` (other's time / first's), None if either is missing."""
+    if row.get(first) is None or row.get(other) is None:
+        return None
+    return row[other]["time_us"] / row[first]["time_us"]
+
+
 def _format_row(row: dict, backends: list[str]) -> str:
     cells = [f"{row['op']:<22}", f"{format_size(row['size']):>9}"]
     for b in backends:
         r = row[b]
-        cells.append(f"{r['time_us']:>10.1f} {r['algbw']:>7.3f} {r['busbw']:>7.3f} {r['copy_pct']:>5.0f}%")
-    if len(backends) == 2:
-        cells.append(f"{row[backends[1]]['time_us'] / row[backends[0]]['time_us']:>7.1f}x")
+        cells.append("n/a".center(33) if r is None else
+                     f"{r['time_us']:>10.1f} {r['algbw']:>7.3f} {r['busbw']:>7.3f} {r['copy_pct']:>5.0f}%")
+    for b in backends[1:]:
+        ratio = _ratio(row, backends[0], b)
+        cells.append(f"{'n/a':>8}" if ratio is None else f"{ratio:>7.1f}x")
     return " | ".join(cells)
 
 
 def format_table(rows: list[dict], copy: dict, backends: list[str], world: int) -> str:
-    """Markdown table of the results, one line per (op, size)."""
+    """Markdown table of the results, one line per (op, size).
+
+    Args:
+        rows: one dict per (op, size): "op", "size", and per backend a dict of "time_us",
+            "algbw", "busbw", "copy_pct", or None where that backend did not run the op.
+        copy: memcpy bandwidth in bytes/s, "cache" (1 MiB) and "dram" (64 MiB).
+        backends: backend names in column order; every one after the first gets a
+            speed-up column "(first vs it)": its time / the first one's.
+        world: number of ranks.
+
+    Returns:
+        The table with a header line and the memory-pass notes, as one string.
+    """
     head = ["op", "size"]
     for b in backends:
         head += [f"{b} time (us)", f"{b} algbw (GB/s)", f"{b} busbw (GB/s)", f"{b} copy%"]
-    if len(backends) == 2:
-        head.append(f"speed-up ({backends[0]} vs {backends[1]})")
+    head += [f"speed-up ({backends[0]} vs {b})" for b in backends[1:]]
     lines = [f"{world} ranks; memcpy with all ranks copying: {copy['cache'] / 1e9:.1f} GB/s per rank "
              f"at 1 MiB (cache), {copy['dram'] / 1e9:.1f} GB/s per rank at 64 MiB (DRAM)", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -244,9 +289,9 @@ def format_table(rows: list[dict], copy: dict, backends: list[str], world: int) 
         cells = [row["op"], format_size(row["size"])]
         for b in backends:
             r = row[b]
-            cells += [f"{r['time_us']:.1f}", f"{r['algbw']:.3f}", f"{r['busbw']:.3f}", f"{r['copy_pct']:.0f}%"]
-        if len(backends) == 2:
-            cells.append(f"{row[backends[1]]['time_us'] / row[backends[0]]['time_us']:.1f}x")
+            cells += ["n/a", "", "", ""] if r is None else [
+                f"{r['time_us']:.1f}", f"{r['algbw']:.3f}", f"{r['busbw']:.3f}", f"{r['copy_pct']:.0f}%"]
+        cells += ["n/a" if (x := _ratio(row, backends[0], b)) is None else f"{x:.1f}x" for b in backends[1:]]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Memory passes per rank over the user buffers (S = size above):"]
     lines += [f"- {op}: {PASSES[op][1]}" for op in dict.fromkeys(r["op"] for r in rows)]
@@ -265,7 +310,9 @@ def plot(rows: list[dict], backends: list[str], world: int, path: str) -> None:
     for ax, op in zip(axes[0], ops):
         mine = [r for r in rows if r["op"] == op]
         for b in backends:
-            ax.plot([r["size"] for r in mine], [r[b]["busbw"] for r in mine], marker="o", ms=3, label=b)
+            have = [r for r in mine if r[b] is not None]
+            if have:
+                ax.plot([r["size"] for r in have], [r[b]["busbw"] for r in have], marker="o", ms=3, label=b)
         ax.set(xscale="log", yscale="log", title=op, xlabel="bytes", ylabel="busbw (GB/s)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
@@ -280,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nprocs", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
     p.add_argument("--ops", default=",".join(OPS))
-    p.add_argument("--backends", default="smddp,gloo", help="first one is the default group's")
+    p.add_argument("--backends", default="smddp,gloo",
+                   help="first one is the default group's; add deepspeed for DeepSpeed's CPU "
+                        "shared-memory all_reduce")
     p.add_argument("--min-bytes", type=parse_size, default=8)
     p.add_argument("--max-bytes", type=parse_size, default=256 << 20)
     p.add_argument("--factor", type=int, default=2, help="size multiplier between steps")
@@ -297,6 +346,16 @@ def main(argv: list[str] | None = None) -> int:
     bad = set(args.ops) - set(OPS)
     if bad:
         raise SystemExit(f"unknown --ops {sorted(bad)}; choose from {', '.join(OPS)}")
+    if args.backends[0] in PEER_OPS:
+        raise SystemExit(f"--backends: {args.backends[0]} is not a torch.distributed backend and "
+                         "cannot be first (the default group's); put it after smddp")
+    if "deepspeed" in args.backends:
+        from torch_sagemaker.bench.deepspeed_peer import require
+
+        try:
+            require()
+        except ImportError as exc:
+            raise SystemExit(str(exc)) from None
     result, world = _run(args)
     if result is None:  # a non-zero rank under torchrun: rank 0 prints
         return 0
