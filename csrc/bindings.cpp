@@ -32,6 +32,15 @@ py::dict layout_of(const smddp::ProcessGroupSMDDP& pg) {
   return d;
 }
 
+py::dict pool_stats_of(const smddp::ProcessGroupSMDDP& pg) {
+  auto pool = pg.comm().pool();
+  py::dict d;
+  d["pool_bytes"] = pool ? pool->bytes() : 0;
+  d["in_use"] = pool ? pool->in_use() : 0;
+  d["zero_copy_ops"] = pg.comm().zero_copy_ops();
+  return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -42,6 +51,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<smddp::ProcessGroupSMDDP, c10::intrusive_ptr<smddp::ProcessGroupSMDDP>>(
       m, "ProcessGroupSMDDP", base)
       .def("_layout", &layout_of)
+      .def("_pool_stats", &pool_stats_of)
       .def("_listen_port", [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().listen_port(); })
       .def("_rejected_connections",
            [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().rejected_connections(); });

@@ -90,6 +90,25 @@ ProcessGroupSMDDP::ProcessGroupSMDDP(const c10::intrusive_ptr<c10d::Store>& stor
 
 ProcessGroupSMDDP::~ProcessGroupSMDDP() { shutdown(); }
 
+bool ProcessGroupSMDDP::supportsTensorAlloc(c10::DeviceIndex /*device_index*/) {
+  // Only CPU tensors are dispatched to this backend, whatever index the caller passes.
+  return comm_->pool() != nullptr;
+}
+
+at::Tensor ProcessGroupSMDDP::allocateTensor(long size, at::TensorOptions options) {
+  TORCH_CHECK_VALUE(size >= 0, "smddp: allocate_tensor: size must be >= 0, got ", size);
+  TORCH_CHECK_VALUE(!options.has_device() || options.device().is_cpu(),
+                    "smddp: allocate_tensor serves CPU tensors only, got device ",
+                    options.device());
+  options = options.device(at::kCPU);
+  std::shared_ptr<ShmPool> pool = comm_->pool();
+  const size_t bytes = static_cast<size_t>(size) * options.dtype().itemsize();
+  void* p = pool && bytes ? pool->allocate(bytes) : nullptr;
+  // A full pool (or /dev/shm) is not an error: the collectives stage ordinary memory.
+  if (!p) return at::empty({size}, options);
+  return at::from_blob(p, {size}, [pool](void* q) { pool->release(q); }, options);
+}
+
 void ProcessGroupSMDDP::shutdown() {
   if (shut_down_) return;
   shut_down_ = true;

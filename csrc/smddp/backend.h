@@ -73,6 +73,12 @@ class ProcessGroupSMDDP : public c10d::Backend {
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
+  // Tensors from the group's shared-memory pool, which the collectives read in place
+  // (Note [Zero-copy operands] in shm_algos.h). FSDP2 uses them after
+  // `set_allocate_memory_from_process_group_for_comm(True)`.
+  bool supportsTensorAlloc(c10::DeviceIndex device_index) override;
+  at::Tensor allocateTensor(long size, at::TensorOptions options = {}) override;
+
   void shutdown() override;
   void abort() override;
 

@@ -166,6 +166,13 @@ void Communicator::setup_shm(KeyValue& kv, const Deadline& dl) {
   sc.group_ranks = layout_.members[layout_.host];
   size_t buf = static_cast<size_t>(env_int("SMDDP_BUFFER_BYTES", 1 << 20));
   sc.buffer_bytes = std::max<size_t>(4096, (buf + 4095) & ~static_cast<size_t>(4095));
+  // Tensor pools (Note [Zero-copy operands] in shm_algos.h) pay off only where the whole
+  // group shares memory. The region is sparse until used, so the default is generous.
+  if (layout_.hosts == 1) {
+    size_t pool = static_cast<size_t>(env_int("SMDDP_POOL_BYTES", int64_t(1) << 30));
+    sc.pool_bytes = (pool + 4095) & ~static_cast<size_t>(4095);
+  }
+  zero_copy_ = sc.pool_bytes > 0;
   shm_ = std::make_unique<ShmComm>(sc);
   const auto& local = layout_.members[layout_.host];
   std::vector<int> local_global;

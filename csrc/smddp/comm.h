@@ -16,6 +16,7 @@
 // consecutive global ranks, so the inter-host path runs on one machine.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -78,6 +79,12 @@ class Communicator {
   // Makes all waits fail promptly (shutdown/abort).
   void abort();
 
+  // This rank's tensor pool (nullptr when the group has none: several hosts, or
+  // SMDDP_POOL_BYTES=0).
+  std::shared_ptr<ShmPool> pool() const { return shm_ ? shm_->pool() : nullptr; }
+  // Collectives that read their operands in place from the pools (for tests and stats).
+  uint64_t zero_copy_ops() const { return zero_copy_ops_.load(); }
+
  private:
   template <typename F>
   void guarded(OpCtx& ctx, bool numbered, F&& body);
@@ -99,6 +106,8 @@ class Communicator {
   std::string secret_, nonce_;
   uint64_t next_seq_ = 0;
   size_t oneshot_bytes_ = 0;
+  bool zero_copy_ = false;  // every local rank has a pool: try zero-copy AG/RS
+  std::atomic<uint64_t> zero_copy_ops_{0};
   std::mutex broken_mu_;  // guarded() runs on the executor and on the send lane
   std::string broken_;    // first error; the group is unusable afterwards
   std::vector<char> scratch_;

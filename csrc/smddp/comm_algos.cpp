@@ -79,6 +79,12 @@ void Communicator::reduce_scatter(const void* in, void* out, size_t count, const
     std::vector<Span> parts(cfg_.size);
     for (int p = 0; p < cfg_.size; ++p) parts[p] = {p * count, count};
     if (layout_.hosts == 1) {
+      const bool premul = red.op == RedOp::PREMUL_SUM && red.premul != 1.0;
+      if (zero_copy_ && !premul && count * cfg_.size * dtype_size(red.dtype) >= shm::kZeroCopyMinBytes &&
+          shm::reduce_scatter_zero_copy(*shm_, in, out, count, red, ctx)) {
+        ++zero_copy_ops_;
+        return;
+      }
       std::vector<std::vector<int>> owned = rail_owned();
       shm::reduce_scatter(*shm_, in, parts, owned, {out}, red, true, ctx);
       return;
@@ -92,6 +98,11 @@ void Communicator::allgather(const void* in, void* out, size_t bytes, OpCtx ctx)
     std::vector<Span> parts(cfg_.size);
     for (int p = 0; p < cfg_.size; ++p) parts[p] = {p * bytes, bytes};
     if (layout_.hosts == 1) {
+      if (zero_copy_ && bytes * cfg_.size >= shm::kZeroCopyMinBytes &&
+          shm::allgather_zero_copy(*shm_, in, out, bytes, ctx)) {
+        ++zero_copy_ops_;
+        return;
+      }
       shm::allgather(*shm_, {in}, out, parts, rail_owned(), ctx);
       return;
     }

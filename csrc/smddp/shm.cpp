@@ -81,7 +81,9 @@ std::string shm_name(const std::string& nonce, int local_rank) {
 
 ShmComm::ShmComm(ShmConfig cfg) : cfg_(std::move(cfg)) {
   int n = size();
-  seg_bytes_ = kControlBytes + 2 * cfg_.buffer_bytes;
+  main_bytes_ = kControlBytes + 2 * cfg_.buffer_bytes;
+  seg_bytes_ = main_bytes_ + cfg_.pool_bytes;
+  pool_base_.assign(n, nullptr);
   ctl_.assign(n, nullptr);
   data_.assign(n, nullptr);
   maps_.assign(n, nullptr);
@@ -99,10 +101,20 @@ ShmComm::ShmComm(ShmConfig cfg) : cfg_(std::move(cfg)) {
 
 ShmComm::~ShmComm() {
   for (size_t i = 0; i < maps_.size(); ++i) {
-    if (maps_[i]) munmap(maps_[i], seg_bytes_);
+    if (maps_[i]) munmap(maps_[i], main_bytes_);
+    // My own pool mapping belongs to pool_, which tensors allocated from it keep alive.
+    if (pool_base_[i] && static_cast<int>(i) != rank()) munmap(pool_base_[i], cfg_.pool_bytes);
   }
   if (own_linked_) unlink_own();
 }
+
+namespace {
+// Maps the pool part of a segment: not pre-faulted, pages are committed as they are used.
+char* map_pool(int fd, size_t offset, size_t bytes) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(offset));
+  return p == MAP_FAILED ? nullptr : static_cast<char*>(p);
+}
+}  // namespace
 
 void ShmComm::create() {
   std::string name = shm_name(cfg_.nonce, rank());
@@ -120,12 +132,21 @@ void ShmComm::create() {
                     std::to_string(seg_bytes_) + " bytes (is /dev/shm large enough?): " +
                     std::strerror(e));
   }
-  void* p = mmap(nullptr, seg_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-  close(fd);
-  if (p == MAP_FAILED) {
+  void* p = mmap(nullptr, main_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  char* pool = nullptr;
+  if (p != MAP_FAILED && cfg_.pool_bytes) pool = map_pool(fd, main_bytes_, cfg_.pool_bytes);
+  if (p == MAP_FAILED || (cfg_.pool_bytes && !pool)) {
     int e = errno;
+    if (p != MAP_FAILED) munmap(p, main_bytes_);
+    close(fd);
     unlink_own();
     throw CommError("smddp: cannot map shared memory segment " + name + ": " + std::strerror(e));
+  }
+  if (pool) {
+    pool_ = std::make_shared<ShmPool>(fd, main_bytes_, pool, cfg_.pool_bytes);  // owns fd
+    pool_base_[rank()] = pool;
+  } else {
+    close(fd);
   }
   maps_[rank()] = p;
   auto* c = new (p) RankControl();
@@ -151,9 +172,17 @@ void ShmComm::attach(int peer) {
     close(fd);
     throw CommError("smddp: shared memory segment of rank " +
                     std::to_string(cfg_.group_ranks[peer]) +
-                    " has an unexpected size; do all ranks use the same SMDDP_BUFFER_BYTES?");
+                    " has an unexpected size; do all ranks use the same SMDDP_BUFFER_BYTES and "
+                    "SMDDP_POOL_BYTES?");
   }
-  void* p = mmap(nullptr, seg_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  void* p = mmap(nullptr, main_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  if (p != MAP_FAILED && cfg_.pool_bytes) {
+    pool_base_[peer] = map_pool(fd, main_bytes_, cfg_.pool_bytes);
+    if (!pool_base_[peer]) {
+      munmap(p, main_bytes_);
+      p = MAP_FAILED;
+    }
+  }
   close(fd);
   if (p == MAP_FAILED) {
     throw CommError("smddp: cannot map the shared memory segment of rank " +
@@ -197,6 +226,14 @@ uint64_t ShmComm::begin_step(const OpCtx& ctx, bool first) {
     d.seq_plus1.store(ctx.seq + 1, std::memory_order_release);
   }
   return s;
+}
+
+void ShmComm::publish_operand(const OpCtx& ctx, int64_t offset) {
+  ctl(rank())->desc[ctx.seq & 1].pool_off = offset;
+}
+
+int64_t ShmComm::operand_of(int i, const OpCtx& ctx) const {
+  return ctl(i)->desc[ctx.seq & 1].pool_off;
 }
 
 void ShmComm::post(uint64_t s, int phase) {

@@ -24,17 +24,20 @@
 // collective seq + 2 before this rank finished the first step of collective seq.
 //
 // Note [Segment lifetime]
-// Names are "/smddp_<nonce>_<local rank>" with a 128-bit random nonce from the group's
+// A segment is the control block, two data buffers and, optionally, a tensor pool
+// (shm_pool.h). Names are "/smddp_<nonce>_<local rank>" with a 128-bit random nonce from the group's
 // store, created O_EXCL with mode 0600. Each rank unlinks its own segment as soon as every
 // local rank has mapped it (or on any failure during set-up), so nothing stays in /dev/shm
 // after a crash; the mappings live until the group is destroyed.
 #pragma once
 
 #include <atomic>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "smddp/common.h"
+#include "smddp/shm_pool.h"
 
 namespace smddp {
 
@@ -42,7 +45,8 @@ struct alignas(64) DescSlot {
   std::atomic<uint64_t> seq_plus1{0};  // collective seq + 1 (0 = never written); stored last
   uint64_t first_step = 0;
   CollDesc desc;
-  char text[96] = {0};  // human-readable description for error messages
+  int64_t pool_off = -1;  // Note [Zero-copy operands]: the operand's offset in my pool
+  char text[96] = {0};    // human-readable description for error messages
 };
 
 // Control block at offset 0 of each rank's segment; one cache line per field that another
@@ -64,6 +68,7 @@ struct ShmConfig {
   int local_rank = 0;
   std::vector<int> group_ranks;  // local index -> rank in the group (for messages)
   size_t buffer_bytes = 0;       // size of each of the two data buffers of a segment
+  size_t pool_bytes = 0;         // tensor pool at the end of the segment (0: none)
 };
 
 class ShmComm {
@@ -94,6 +99,15 @@ class ShmComm {
   void wait_all(uint64_t s, int phase, const OpCtx& ctx);
   void end_step(uint64_t s) { post(s, 3); }
 
+  // Tensor pools (Note [Zero-copy operands] in shm_algos.h): this rank's allocator, and
+  // every local rank's pool as mapped here (nullptr when the group has no pools).
+  const std::shared_ptr<ShmPool>& pool() const { return pool_; }
+  const char* pool_base(int i) const { return pool_base_[i]; }
+  // The pool offset of this rank's operand of the current collective (-1: not in the
+  // pool), published with the first step's phase 1; peers read it after waiting for it.
+  void publish_operand(const OpCtx& ctx, int64_t offset);
+  int64_t operand_of(int i, const OpCtx& ctx) const;
+
   // Tells the local peers that this rank failed (they raise instead of waiting).
   void mark_failed(const std::string& message);
   // Makes every wait of this rank throw promptly (group shutdown/abort).
@@ -108,7 +122,10 @@ class ShmComm {
   RankControl* ctl(int i) const { return ctl_[i]; }
 
   ShmConfig cfg_;
-  size_t seg_bytes_ = 0;
+  size_t seg_bytes_ = 0;   // whole segment: control block, data buffers, pool
+  size_t main_bytes_ = 0;  // control block and data buffers (mapped pre-faulted)
+  std::shared_ptr<ShmPool> pool_;
+  std::vector<char*> pool_base_;
   std::vector<RankControl*> ctl_;
   std::vector<char*> data_;
   std::vector<void*> maps_;

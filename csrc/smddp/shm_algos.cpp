@@ -147,6 +147,67 @@ void allgather(ShmComm& c, const std::vector<const void*>& src, void* out,
   }
 }
 
+namespace {
+
+// Handshake of Note [Zero-copy operands]: publishes this rank's operand and returns the
+// step with every rank's operand offset in `offsets`, or 0 (step already ended) when some
+// operand is outside the pools.
+uint64_t exchange_operands(ShmComm& c, const void* operand, size_t bytes, const OpCtx& ctx,
+                           std::vector<int64_t>& offsets) {
+  uint64_t s = c.begin_step(ctx, true);
+  c.publish_operand(ctx, c.pool() ? c.pool()->offset_of(operand, bytes) : -1);
+  c.post(s, 1);
+  c.wait_all(s, 1, ctx);
+  offsets.resize(c.size());
+  for (int i = 0; i < c.size(); ++i) {
+    offsets[i] = c.operand_of(i, ctx);
+    if (offsets[i] < 0 || !c.pool_base(i)) {
+      c.end_step(s);
+      return 0;
+    }
+  }
+  return s;
+}
+
+// Phase 2 of the handshake step: done reading the peers' operands; wait until they are
+// done reading mine.
+void finish_reading(ShmComm& c, uint64_t s, const OpCtx& ctx) {
+  c.post(s, 2);
+  c.wait_all(s, 2, ctx);
+  c.end_step(s);
+}
+
+}  // namespace
+
+bool allgather_zero_copy(ShmComm& c, const void* in, void* out, size_t bytes, const OpCtx& ctx) {
+  const int n = c.size(), me = c.rank();
+  std::vector<int64_t> off;
+  uint64_t s = exchange_operands(c, in, bytes, ctx, off);
+  if (!s) return false;
+  char* dst = static_cast<char*>(out);
+  if (in != dst + me * bytes) std::memcpy(dst + me * bytes, in, bytes);
+  for (int k = 1; k < n; ++k) {
+    int i = (me + k) % n;  // start after my own rank to spread the reads
+    std::memcpy(dst + i * bytes, c.pool_base(i) + off[i], bytes);
+  }
+  finish_reading(c, s, ctx);
+  return true;
+}
+
+bool reduce_scatter_zero_copy(ShmComm& c, const void* in, void* out, size_t count,
+                              const Reduction& red, const OpCtx& ctx) {
+  const int n = c.size(), me = c.rank();
+  const size_t esz = dtype_size(red.dtype);
+  std::vector<int64_t> off;
+  uint64_t s = exchange_operands(c, in, count * n * esz, ctx, off);
+  if (!s) return false;
+  std::vector<const void*> srcs(n);
+  for (int i = 0; i < n; ++i) srcs[i] = c.pool_base(i) + off[i] + me * count * esz;
+  reduce(red.dtype, red.dtype, out, srcs.data(), n, count, red, true);
+  finish_reading(c, s, ctx);
+  return true;
+}
+
 void broadcast(ShmComm& c, void* data, size_t bytes, int root, const OpCtx& ctx) {
   char* buf = static_cast<char*>(data);
   const size_t chunk = c.chunk_bytes();

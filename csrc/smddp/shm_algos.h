@@ -32,6 +32,30 @@ void allgather(ShmComm& c, const std::vector<const void*>& src, void* out,
                const std::vector<Span>& parts, const std::vector<std::vector<int>>& owned,
                const OpCtx& ctx);
 
+// Note [Zero-copy operands]
+// A tensor the backend allocated from a rank's pool (ProcessGroupSMDDP::allocateTensor;
+// FSDP2 asks for its all-gather output and reduce-scatter input that way) lives in shared
+// memory every local peer has mapped, so peers can read it where it is instead of through
+// a staging copy. Each rank publishes its operand's pool offset (or -1) in the first step's
+// descriptor slot; after phase 1 every rank has seen every offset and all take the same
+// path: zero-copy when every operand is in a pool, the staged algorithm otherwise. Phase 2
+// of the same step says "I finished reading your operand"; a rank returns only after every
+// peer reached it, because the caller may free or overwrite the operand once the collective
+// returns. The cost for operands outside the pools is that one extra step, so the
+// handshake runs only from kZeroCopyMinBytes up.
+constexpr size_t kZeroCopyMinBytes = 64 << 10;
+
+// All-gather of equal `bytes`-sized parts, in rank order, with `in` possibly a view of this
+// rank's part of `out`. Returns false, having changed nothing, when some operand is not in
+// a pool (the caller then runs allgather()).
+bool allgather_zero_copy(ShmComm& c, const void* in, void* out, size_t bytes, const OpCtx& ctx);
+
+// Reduce-scatter of `count` elements per rank: this rank reduces, in rank order, block
+// `rank` of every peer's `in` (read in place) into `out`. Returns false as above. Not for
+// PREMUL_SUM with a factor (the factor is applied by the staging copy).
+bool reduce_scatter_zero_copy(ShmComm& c, const void* in, void* out, size_t count,
+                              const Reduction& red, const OpCtx& ctx);
+
 // Broadcast `bytes` from local rank `root`.
 void broadcast(ShmComm& c, void* data, size_t bytes, int root, const OpCtx& ctx);
 

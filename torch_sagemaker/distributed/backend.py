@@ -78,6 +78,37 @@ def kernel_isa() -> str:
     return _C.kernel_isa()
 
 
+def _smddp_backend(group: dist.ProcessGroup | None):
+    group = group or dist.group.WORLD
+    backend = group._get_backend(torch.device("cpu"))
+    if not hasattr(backend, "_layout"):
+        raise ValueError(f"group {group} does not use the smddp backend for CPU tensors")
+    return backend
+
+
+def pool_stats(group: dist.ProcessGroup | None = None) -> dict:
+    """The shared-memory tensor pool of ``group``'s smddp backend on this rank.
+
+    Tensors from ``backend.allocate_tensor`` (what FSDP2 uses after
+    ``set_allocate_memory_from_process_group_for_comm(True)``) live in this pool, and
+    all-gathers and reduce-scatters whose operands are there on every rank read them in
+    place instead of through staging copies. ``SMDDP_POOL_BYTES`` sizes the pool (default
+    1 GiB of address space, committed as it is used; 0 turns it off); groups that span
+    several hosts have none.
+
+    Args:
+        group: A process group whose CPU backend is smddp (default: the default group).
+
+    Returns:
+        ``{"pool_bytes", "in_use", "zero_copy_ops"}``: the pool's size, the bytes held by
+        live tensors, and how many collectives ran zero-copy so far.
+
+    Raises:
+        ValueError: If the group's CPU backend is not smddp.
+    """
+    return _smddp_backend(group)._pool_stats()
+
+
 def group_layout(group: dist.ProcessGroup | None = None) -> dict:
     """How the smddp backend of ``group`` sees the hosts.
 
@@ -93,8 +124,4 @@ def group_layout(group: dist.ProcessGroup | None = None) -> dict:
     Raises:
         ValueError: If the group's CPU backend is not smddp.
     """
-    group = group or dist.group.WORLD
-    backend = group._get_backend(torch.device("cpu"))
-    if not hasattr(backend, "_layout"):
-        raise ValueError(f"group {group} does not use the smddp backend for CPU tensors")
-    return backend._layout()
+    return _smddp_backend(group)._layout()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -46,6 +47,7 @@ def shard_model(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool | int = True,
     layer_classes: tuple[type[nn.Module], ...] | None = None,
+    comm_buffers_from_backend: bool | None = None,
     **fully_shard_kwargs: Any,
 ) -> FSDPModule:
     """Applies ``fully_shard`` to every transformer layer of ``model``, then to the root.
@@ -57,6 +59,10 @@ def shard_model(
         reshard_after_forward: Passed to ``fully_shard`` for the layers (the root keeps
             its parameters after forward, as torchtitan does, since backward starts there).
         layer_classes: Classes to wrap; default ``transformer_layer_classes(model)``.
+        comm_buffers_from_backend: Let FSDP2 allocate its all-gather and reduce-scatter
+            buffers from the process group (``set_allocate_memory_from_process_group_for_comm``).
+            On smddp they then live in shared memory and the collectives read them in place
+            (zero-copy). Default: on when every group of ``mesh`` is served by smddp.
         **fully_shard_kwargs: Other ``fully_shard`` arguments (e.g. ``offload_policy``).
 
     Returns:
@@ -80,6 +86,21 @@ def shard_model(
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, **kwargs)
+    if comm_buffers_from_backend is None:
+        comm_buffers_from_backend = _served_by_smddp(mesh)
+    if comm_buffers_from_backend:
+        # The setting is per FSDP state: the root's call does not reach the layers.
+        for module in [*layers, model]:
+            module.set_allocate_memory_from_process_group_for_comm(True)
     log_rank0(f"FSDP2: sharded {len(layers)} x {classes[0].__name__} and the root over mesh "
-              f"{mesh.mesh_dim_names} of shape {tuple(mesh.shape)}")
+              f"{mesh.mesh_dim_names} of shape {tuple(mesh.shape)}"
+              f"{'; comm buffers from the backend' if comm_buffers_from_backend else ''}")
     return model  # type: ignore[return-value]
+
+
+def _served_by_smddp(mesh: DeviceMesh) -> bool:
+    """True when every group of ``mesh`` runs its CPU collectives on smddp."""
+    if mesh.device_type != "cpu":
+        return False
+    groups = [mesh.get_group(d) for d in range(mesh.ndim)]
+    return all(hasattr(g._get_backend(torch.device("cpu")), "_pool_stats") for g in groups)
