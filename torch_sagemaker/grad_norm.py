@@ -2,23 +2,34 @@
 
 PyTorch's ``clip_grad_norm_`` cannot mix DTensors of different meshes (FSDP2 + TP gives a
 2-D (shard, tp) mesh for TP weights and a 1-D shard mesh for the rest) and FSDP1's method
-only knows its own group. Here every gradient contributes ``||local||_p^p`` (or its max)
-to a bucket keyed by the mesh axes it is *sharded* on; each bucket is summed over exactly
-those axes' groups (replicated axes are not summed, so nothing is counted twice), and the
+only knows its own group. Here every gradient piece contributes ``||local||_p^p`` (or its
+max) to a bucket keyed by the groups it is *sharded* over; each bucket is summed over
+exactly those groups (replicated axes are not summed, so nothing is counted twice), and the
 buckets are added up. Every rank issues the same collectives in the same (sorted) order.
 
-| model                       | gradients                         | handled as                              |
+| model                       | gradients                         | sharded over                            |
 |-----------------------------|-----------------------------------|-----------------------------------------|
-| FSDP2 / HSDP (+ TP)         | DTensors, Shard on shard/tp axes  | buckets per sharded axes                |
-| DTensor TP without FSDP     | DTensors, Shard on tp             | buckets per sharded axes                |
-| DDP, single process         | full tensors                      | local norm                              |
-| FSDP1                       | FlatParameter shards              | ``FullyShardedDataParallel.clip_grad_norm_`` |
+| FSDP2 / HSDP (+ TP)         | DTensors, Shard on shard/tp axes  | the mesh axes with a ``Shard`` placement |
+| DTensor TP without FSDP     | DTensors, Shard on tp             | the tp axis                             |
+| DDP, single process         | full tensors                      | nothing (local norm)                    |
+| FSDP1 (+ TP)                | slices of each FlatParameter shard | FSDP's shard group, plus the tp axis for the slices of TP weights |
+
+Note [FSDP1 with tensor parallelism]: FSDP1 flattens the *local* tensor of a DTensor
+parameter (``DTensorExtensions``), so one FlatParameter mixes slices of TP-sharded weights
+(q/k/v/o, MLP) with slices of TP-replicated ones (norms). FSDP's own ``clip_grad_norm_``
+sums the whole shard over its process group only: it misses the other TP ranks' halves of
+the sharded weights (the norm then differs between TP ranks). The flat parameter records
+each original parameter's DTensor spec (``_param_extensions``) and where it lies in this
+rank's shard (``_shard_param_infos``), so each slice is bucketed by the groups it is really
+sharded over.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -27,20 +38,57 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor, Replicate
 
 
-def _local_and_sharded_axes(grad: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-    """Local values of ``grad`` and a sort-stable key naming the mesh axes it is sharded on."""
+class _Piece(NamedTuple):
+    """Local gradient values and the groups they are sharded over."""
+
+    local: torch.Tensor
+    # Sort-stable name of the groups, identical on the ranks that share them:
+    # ((axis name, ranks of the group), ...).
+    key: tuple
+    groups: tuple[dist.ProcessGroup, ...]
+
+
+def _axes_of(mesh, placements) -> tuple[tuple, tuple]:
+    """Key and groups of the mesh axes with a ``Shard`` placement."""
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    axes = [i for i, p in enumerate(placements) if p.is_shard()]
+    key = tuple((names[i], tuple(dist.get_process_group_ranks(mesh.get_group(i)))) for i in axes)
+    return key, tuple(mesh.get_group(i) for i in axes)
+
+
+def _piece(grad: torch.Tensor) -> _Piece:
+    """A gradient (plain tensor or DTensor) as one piece."""
     if not isinstance(grad, DTensor):
-        return grad, ()
+        return _Piece(grad, (), ())
     placements = grad.placements
     if any(p.is_partial() for p in placements):
         # Partial sums must be reduced before a norm can be taken.
         grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in placements])
-        placements = grad.placements
-    mesh = grad.device_mesh
-    axes = tuple(i for i, p in enumerate(placements) if p.is_shard())
-    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
-    key = tuple((names[i], tuple(dist.get_process_group_ranks(mesh.get_group(i)))) for i in axes)
-    return grad.to_local(), (key, mesh, axes)
+    key, groups = _axes_of(grad.device_mesh, grad.placements)
+    return _Piece(grad.to_local(), key, groups)
+
+
+def _reduce(pieces: list[_Piece], norm_type: float) -> torch.Tensor:
+    """Total p-norm of ``pieces``; each bucket is reduced over its groups (see module doc)."""
+    is_inf = math.isinf(norm_type)
+    buckets: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+    groups: dict[tuple, tuple] = {}
+    for piece in pieces:
+        groups[piece.key] = piece.groups
+        values = piece.local.detach().to(torch.float64)
+        if values.numel() == 0:
+            buckets[piece.key] += 0  # the bucket must exist: its peers reduce it
+        elif is_inf:
+            buckets[piece.key] = torch.maximum(buckets[piece.key], values.abs().max().cpu())
+        else:
+            buckets[piece.key] += torch.linalg.vector_norm(values, norm_type).cpu() ** norm_type
+    result = torch.zeros((), dtype=torch.float64)
+    for key in sorted(buckets):
+        value = buckets[key]
+        for group in groups[key]:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
+        result = torch.maximum(result, value) if is_inf else result + value
+    return result if is_inf else result ** (1.0 / norm_type)
 
 
 def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
@@ -53,32 +101,49 @@ def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tenso
     Returns:
         A 0-d float64 tensor, identical on every rank.
     """
-    is_inf = math.isinf(norm_type)
-    buckets: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
-    meshes: dict[tuple, tuple] = {}
-    for grad in grads:
-        local, info = _local_and_sharded_axes(grad)
-        key = info[0] if info else ()
-        if info and info[2]:
-            meshes[key] = (info[1], info[2])
-        values = local.detach().to(torch.float64)
-        if values.numel() == 0:
-            buckets[key] += 0
+    return _reduce([_piece(g) for g in grads], norm_type)
+
+
+def _fsdp1_pieces(model: nn.Module) -> Iterator[_Piece]:
+    """The gradient slices of every FSDP1 unit in ``model`` (Note [FSDP1 with tensor parallelism]).
+
+    Yields a piece for every original parameter, also those outside this rank's shard (with
+    no values), so that every rank creates the same buckets.
+    """
+    seen: set[int] = set()
+    for fsdp in FullyShardedDataParallel.fsdp_modules(model):
+        handle = fsdp._handle
+        if handle is None:  # a unit that manages no parameters
             continue
-        if is_inf:
-            buckets[key] = torch.maximum(buckets[key], values.abs().max().cpu())
-        else:
-            buckets[key] += torch.linalg.vector_norm(values, norm_type).cpu() ** norm_type
-    result = torch.zeros((), dtype=torch.float64)
-    for key in sorted(buckets):
-        value = buckets[key]
-        if key:
-            mesh, axes = meshes[key]
-            op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
-            for axis in axes:
-                dist.all_reduce(value, op=op, group=mesh.get_group(axis))
-        result = torch.maximum(result, value) if is_inf else result + value
-    return result if is_inf else result ** (1.0 / norm_type)
+        flat = handle.flat_param
+        shard_key: tuple = ()
+        shard_groups: tuple = ()
+        if handle.uses_sharded_strategy:
+            # HYBRID_SHARD's process_group is the shard group; replicas hold equal shards.
+            shard_key = (("fsdp1_shard", tuple(dist.get_process_group_ranks(fsdp.process_group))),)
+            shard_groups = (fsdp.process_group,)
+        for i, info in enumerate(flat._shard_param_infos):
+            if flat._params is not None:  # use_orig_params: gradients are views per parameter
+                if id(flat._params[i]) in seen:
+                    continue
+                seen.add(id(flat._params[i]))
+                grad = flat._params[i].grad if info.in_shard else None
+            elif info.in_shard and flat.grad is not None:
+                grad = flat.grad[info.offset_in_shard:info.offset_in_shard + info.numel_in_shard]
+            else:
+                grad = None
+            key, groups = shard_key, shard_groups
+            spec = flat._param_extensions[i]  # DTensorSpec of a TP parameter, else None
+            if spec is not None:
+                tp_key, tp_groups = _axes_of(spec.mesh, spec.placements)
+                key, groups = key + tp_key, groups + tp_groups
+            local = grad if grad is not None else torch.zeros(0)
+            yield _Piece(local.to_local() if isinstance(local, DTensor) else local, key, groups)
+
+
+def _fsdp1_managed(model: nn.Module) -> set[int]:
+    return {id(p) for fsdp in FullyShardedDataParallel.fsdp_modules(model) if fsdp._handle is not None
+            for p in [fsdp._handle.flat_param, *(fsdp._handle.flat_param._params or ())]}
 
 
 def clip_grad_norm_(
@@ -89,7 +154,8 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clips the gradients of ``model`` in place to a total norm of ``max_norm``.
 
-    Correct for FSDP1, FSDP2 (incl. HSDP), DDP and tensor parallel (DTensor) parameters.
+    Correct for FSDP1 (incl. HYBRID_SHARD and DTensor tensor parallelism inside FSDP1),
+    FSDP2 (incl. HSDP and TP), DDP and tensor parallel (DTensor) parameters.
 
     Args:
         model: The (wrapped) model.
@@ -106,17 +172,21 @@ def clip_grad_norm_(
     Example:
         >>> norm = tsm.grad_norm.clip_grad_norm_(model, 1.0)
     """
-    if isinstance(model, FullyShardedDataParallel):
-        return model.clip_grad_norm_(max_norm, norm_type).to(torch.float64)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = total_norm(grads, norm_type)
+    pieces = list(_fsdp1_pieces(model))
+    managed = _fsdp1_managed(model) if pieces else set()
+    grads = [p.grad for p in model.parameters() if id(p) not in managed and p.grad is not None]
+    norm = _reduce(pieces + [_piece(g) for g in grads], norm_type)
     if error_if_nonfinite and not torch.isfinite(norm):
         raise RuntimeError(
             f"the total gradient norm is {norm.item()}; gradients contain nan or inf. Lower the "
             "learning rate, check the loss, or pass error_if_nonfinite=False to clip anyway."
         )
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for grad in grads:
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
-        local.mul_(coef.to(local.dtype))
+    # FSDP1 pieces are views into the flat gradient shards; other gradients are scaled through
+    # their local tensors (a Partial DTensor's piece is a reduced copy, not the gradient).
+    targets = [piece.local for piece in pieces]
+    targets += [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    for local in targets:
+        if local.numel():
+            local.mul_(coef.to(local.dtype))
     return norm

@@ -3,23 +3,26 @@
 A tiny Llama is trained 5 steps with hybrid_shard_degree in {0, 1, 2, 4}, through the FSDP1
 API (as SMP scripts call it) and through FSDP2 (``shard_model``), plus DDP; losses, clipped
 gradient norms and final parameters must equal a single process trained on the
-concatenated global batch.
+concatenated global batch. FSDP1 over a DTensor tensor-parallel model (tp=2) is checked the
+same way, for ``clip_grad_norm_`` (Note [FSDP1 with tensor parallelism] in grad_norm.py).
 """
 
 import pytest
 import torch
 
-from tests.distributed.hf_models import global_batches, rank_slice, reference_run, tiny_llama
+from tests.distributed.hf_models import (
+    full_params,
+    global_batches,
+    rank_slice,
+    reference_run,
+    tiny_llama,
+)
 from tests.distributed.launcher import run_distributed
 from torch_sagemaker.distributed.backend import is_available as smddp_available
 
 STEPS, GLOBAL_BATCH, LR, MAX_NORM = 5, 8, 0.1, 1.0
 BACKENDS = ["gloo", pytest.param("smddp", marks=pytest.mark.skipif(
     not smddp_available(), reason="torch_sagemaker._C was built without the smddp backend"))]
-
-
-def _clean(name: str) -> str:
-    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 def _wrap(model, api):
@@ -40,18 +43,6 @@ def _wrap(model, api):
         else ShardingStrategy.HYBRID_SHARD  # SMP's example scripts default to hybrid_shard
     return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}), sharding_strategy=strategy,
                 device_id=torch.device("cpu"), use_orig_params=True, limit_all_gathers=True)
-
-
-def _full_params(model, api):
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.tensor import DTensor
-
-    if api == "fsdp1":
-        with FSDP.summon_full_params(model):
-            return {_clean(n): p.detach().clone() for n, p in model.named_parameters()}
-    prefix = "module." if api == "ddp" else ""
-    return {n[len(prefix):]: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in model.named_parameters()}
 
 
 def _local_bytes(tensors):
@@ -83,7 +74,7 @@ def _train(cases):
             avg = loss.detach().clone()
             dist.all_reduce(avg)
             losses.append(avg.item() / dist.get_world_size())
-        results[(api, hsd)] = (losses, norms, _full_params(model, api))
+        results[(api, hsd)] = (losses, norms, full_params(model))
     return results
 
 
@@ -102,6 +93,45 @@ def test_parity_with_single_process(backend):
             for name, value in params.items():
                 torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=1e-5,
                                            msg=f"{case} rank {rank} {name}")
+
+
+def _fsdp1_tensor_parallel():
+    """tp=2 inside FSDP1 (hybrid_shard_degree=2): losses and clipped norms over 5 steps."""
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+
+    from torch_sagemaker.grad_norm import clip_grad_norm_
+
+    tsm.init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2})
+    model = _wrap(tsm.transform(tiny_llama()), "fsdp1")
+    optim = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses, norms = [], []
+    for batch in global_batches(STEPS, GLOBAL_BATCH):
+        local = rank_slice(batch, tsm.state.dp_rank, tsm.state.dp_size)
+        loss = model(input_ids=local, labels=local).loss
+        loss.backward()
+        norms.append(float(clip_grad_norm_(model, MAX_NORM)))
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        avg = loss.detach().clone()
+        dist.all_reduce(avg)
+        losses.append(avg.item() / dist.get_world_size())  # TP ranks hold equal losses
+    return losses, norms
+
+
+@pytest.mark.distributed
+def test_fsdp1_tensor_parallel_clip_grad_norm():
+    # FSDP1's own clip_grad_norm_ sums over its shard group only and misses the other TP
+    # rank's half of every TP weight: its norm is ~30% low here and differs between TP ranks,
+    # so it would not clip at MAX_NORM and the updates would differ. A fresh job:
+    # a second TP layout in a reused process would hit DTensor caches of a destroyed mesh
+    # (see test_checkpoint_reshard._tensor_parallel_job).
+    per_rank = run_distributed(_fsdp1_tensor_parallel, world_size=4, fresh=True, timeout=300)
+    ref_losses, ref_norms, _ = reference_run(STEPS, GLOBAL_BATCH, LR, MAX_NORM)
+    assert min(ref_norms) > MAX_NORM  # every step clips, so a wrong norm changes the update
+    for rank, (losses, norms) in enumerate(per_rank):
+        torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
 
 
 def _bytes_per_rank(cases):
