@@ -6,21 +6,12 @@ from __future__ import annotations
 import argparse
 
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    apply_activation_checkpointing,
-    checkpoint_wrapper,
-)
 from torch.sagemaker.delayed_param import DelayedParamIniter
-from torch.sagemaker.sharding import shard_model, transformer_layer_classes
-
-
-def _checkpoint_layers(model: torch.nn.Module, layer_classes: tuple) -> None:
-    apply_activation_checkpointing(
-        model,
-        checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-        check_fn=lambda m: isinstance(m, layer_classes),
-    )
+from torch.sagemaker.sharding import (
+    apply_activation_checkpointing,
+    shard_model,
+    transformer_layer_classes,
+)
 
 
 def _fsdp1(model: torch.nn.Module, args: argparse.Namespace, dtype: torch.dtype, layer_classes: tuple,
@@ -63,7 +54,7 @@ def apply_parallelism(model: torch.nn.Module, args: argparse.Namespace, dtype: t
     layer_classes = transformer_layer_classes(model)
     initer = DelayedParamIniter(model) if args.delayed_param else None
     if args.activation_checkpointing:
-        _checkpoint_layers(model, layer_classes)
+        apply_activation_checkpointing(model, layer_classes=layer_classes)  # non-reentrant
     wrap = _fsdp1 if args.fsdp == "fsdp1" else _fsdp2
     if initer is not None and args.fsdp == "fsdp1":
         with initer.validate_params_and_buffers_inited():

@@ -4,8 +4,12 @@
   (see ``fsdp1``, the only module that changes FSDP defaults).
 - FSDP2: ``shard_model(model)`` / ``fully_shard(..., mesh=fsdp2_mesh())``.
 - DDP: ``DistributedDataParallel(model, process_group=tsm.state.dp_process_group)``.
+- Activation checkpointing per transformer layer: ``apply_activation_checkpointing(model)``
+  (non-reentrant ``checkpoint_wrapper``), before FSDP2 / before or after FSDP1.
 """
 
+from torch_sagemaker.sharding.checkpointing import CheckpointImpl, apply_activation_checkpointing
 from torch_sagemaker.sharding.fsdp2 import fsdp2_mesh, shard_model, transformer_layer_classes
 
-__all__ = ["fsdp2_mesh", "shard_model", "transformer_layer_classes"]
+__all__ = ["CheckpointImpl", "apply_activation_checkpointing", "fsdp2_mesh", "shard_model",
+           "transformer_layer_classes"]
