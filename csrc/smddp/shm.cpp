@@ -11,6 +11,7 @@
 
 #include <cerrno>
 #include <climits>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <algorithm>
@@ -220,9 +221,12 @@ uint64_t ShmComm::begin_step(const OpCtx& ctx, bool first) {
     DescSlot& d = ctl(rank())->desc[ctx.seq & 1];
     d.first_step = s;
     d.desc = ctx.desc;
-    std::string text = ctx.describe();
-    std::strncpy(d.text, text.c_str(), sizeof(d.text) - 1);
-    d.text[sizeof(d.text) - 1] = 0;
+    // What OpCtx::describe() says, formatted in place: this runs for every collective.
+    if (ctx.args.empty()) {
+      snprintf(d.text, sizeof(d.text), "%s", ctx.name);
+    } else {
+      snprintf(d.text, sizeof(d.text), "%s (%s)", ctx.name, ctx.args.c_str());
+    }
     d.seq_plus1.store(ctx.seq + 1, std::memory_order_release);
   }
   return s;
