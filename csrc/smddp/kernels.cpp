@@ -108,10 +108,28 @@ SMDDP_INLINE A combine(A a, A b) {
   }
 }
 
+// Two sources (every reduction of a 2-rank group): one fused pass, no accumulator.
+template <Kind K, typename In, typename Out, typename A>
+SMDDP_INLINE void reduce_pair(Out* dst, const In* a, const In* b, size_t n, bool divide,
+                              A divisor) {
+  if (divide) {
+    for (size_t j = 0; j < n; ++j) {
+      A v = combine<K, A>(static_cast<A>(load_f(a[j])), static_cast<A>(load_f(b[j])));
+      dst[j] = store_f(static_cast<A>(v / divisor), static_cast<Out*>(nullptr));
+    }
+  } else {
+    for (size_t j = 0; j < n; ++j) {
+      A v = combine<K, A>(static_cast<A>(load_f(a[j])), static_cast<A>(load_f(b[j])));
+      dst[j] = store_f(v, static_cast<Out*>(nullptr));
+    }
+  }
+}
+
 // The blocked loop: the accumulator for kBlock elements lives on the stack.
 template <Kind K, typename In, typename Out, typename A>
 SMDDP_INLINE void reduce_loop(Out* dst, const In* const* srcs, int nsrc, size_t n, bool divide,
                               A divisor) {
+  if (nsrc == 2) return reduce_pair<K, In, Out, A>(dst, srcs[0], srcs[1], n, divide, divisor);
   A acc[kBlock];
   for (size_t base = 0; base < n; base += kBlock) {
     size_t m = n - base < kBlock ? n - base : kBlock;

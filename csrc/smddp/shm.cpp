@@ -93,7 +93,9 @@ ShmComm::ShmComm(ShmConfig cfg) : cfg_(std::move(cfg)) {
   spin_us_ = static_cast<int>(env_int("SMDDP_SPIN_US", 200));
   worker_spin_us_ = static_cast<int>(env_int("SMDDP_WORKER_SPIN_US", 20));
   // Oversubscribed ranks pay a context switch per hand-off: fewer, larger steps.
-  size_t chunk_default = oversubscribed_ ? (1 << 20) : (256 << 10);
+  // 512 KiB measured 15-25% faster than 256 KiB for 1-4 MiB all-reduces on 2 ranks (fewer
+  // syncs; a step's data still fits the 1 MiB L2 of these cores).
+  size_t chunk_default = oversubscribed_ ? (1 << 20) : (512 << 10);
   chunk_bytes_ = std::min<size_t>(cfg_.buffer_bytes,
                                   static_cast<size_t>(env_int("SMDDP_CHUNK_BYTES", chunk_default)));
   chunk_bytes_ = std::max<size_t>(chunk_bytes_, 256);
