@@ -6,7 +6,7 @@
 
 For every operation and size S (8 B .. 256 MiB by default, float32 data) each backend runs
 warm-up iterations, then timed iterations; the reported time is the median over iterations
-of the slowest rank. As in nccl-tests, S is the buffer size for all_reduce and broadcast,
+of the slowest rank (with ``--repeat N``, the median of N whole sweeps' medians). As in nccl-tests, S is the buffer size for all_reduce and broadcast,
 the *total* (gathered / scattered) size for all_gather_into_tensor and reduce_scatter_tensor,
 and the per-rank send size for all_to_all; algbw = S / time and busbw = algbw x factor
 (all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast 1, all_to_all (n-1)/n).
@@ -185,19 +185,32 @@ def _worker_body(rank: int, world: int, args: argparse.Namespace) -> list[dict] 
     while s <= args.max_bytes:
         sizes.append(s)
         s *= args.factor
+    # With --repeat N the whole sweep runs N times and each cell reports the median of its N
+    # medians: slow phases of a shared machine last seconds, longer than one case.
+    medians: dict[tuple, tuple[int, list[float]]] = {}  # (op, size, backend) -> bytes, medians
+    for _ in range(args.repeat):
+        for op in args.ops:
+            for size in sizes:
+                for b in args.backends:
+                    if b in PEER_OPS and op not in PEER_OPS[b]:
+                        continue
+                    run, check, actual = _case(op, size, world, rank, groups[b],
+                                               peers[b].all_reduce if b in peers else None)
+                    if not check():
+                        raise RuntimeError(f"{b} {op} at {size} bytes produced wrong values")
+                    iters = max(args.min_iters, min(args.iters, int(args.budget / max(actual, 1))))
+                    barrier = lambda g=groups[b]: dist.barrier(group=g)  # noqa: E731
+                    med = _slowest(_timed(run, iters, args.warmup, barrier), ctrl)
+                    medians.setdefault((op, size, b), (actual, []))[1].append(med)
     for op in args.ops:
         for size in sizes:
             row = {"op": op, "size": size}
             for b in args.backends:
-                if b in PEER_OPS and op not in PEER_OPS[b]:
+                if (op, size, b) not in medians:
                     row[b] = None  # not measured: a blank cell
                     continue
-                run, check, actual = _case(op, size, world, rank, groups[b],
-                                           peers[b].all_reduce if b in peers else None)
-                if not check():
-                    raise RuntimeError(f"{b} {op} at {size} bytes produced wrong values")
-                iters = max(args.min_iters, min(args.iters, int(args.budget / max(actual, 1))))
-                med = _slowest(_timed(run, iters, args.warmup, lambda g=groups[b]: dist.barrier(group=g)), ctrl)
+                actual, meds = medians[(op, size, b)]
+                med = statistics.median(meds)
                 algbw = actual / med / 1e9
                 bound = PASSES[op][0](world) * actual / 2 / (copy["cache"] if actual <= (1 << 20) else copy["dram"])
                 row[b] = {"time_us": med * 1e6, "algbw": algbw, "busbw": algbw * _busbw_factor(op, world),
@@ -338,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=parse_size, default=1 << 30,
                    help="bytes per case that bound the iteration count for large sizes")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the sweep this many times; each cell is the median of the runs' medians")
     p.add_argument("--plot", default=None, help="write busbw vs size to this PNG")
     p.add_argument("--quiet", dest="verbose", action="store_false", help="only the final table")
     args = p.parse_args(argv)
