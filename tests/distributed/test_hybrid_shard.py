@@ -51,29 +51,37 @@ def _local_bytes(tensors):
     return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
 
 
-def _train(cases):
+def _train_steps(model):
+    """STEPS SGD steps on this rank's slice of the global batches; (losses, clipped norms)."""
     import torch.distributed as dist
     import torch.sagemaker as tsm
 
     from torch_sagemaker.grad_norm import clip_grad_norm_
+
+    optim = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses, norms = [], []
+    for batch in global_batches(STEPS, GLOBAL_BATCH):
+        local = rank_slice(batch, tsm.state.dp_rank, tsm.state.dp_size)
+        loss = model(input_ids=local, labels=local).loss
+        loss.backward()
+        norms.append(float(clip_grad_norm_(model, MAX_NORM)))
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        avg = loss.detach().clone()
+        dist.all_reduce(avg)
+        losses.append(avg.item() / dist.get_world_size())  # the global-batch mean loss
+    return losses, norms
+
+
+def _train(cases):
+    import torch.sagemaker as tsm
 
     results = {}
     for api, hsd in cases:
         tsm.state.reset()
         tsm.init({"hybrid_shard_degree": hsd})
         model = _wrap(tiny_llama(), api)
-        optim = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-        losses, norms = [], []
-        for batch in global_batches(STEPS, GLOBAL_BATCH):
-            local = rank_slice(batch, tsm.state.dp_rank, tsm.state.dp_size)
-            loss = model(input_ids=local, labels=local).loss
-            loss.backward()
-            norms.append(float(clip_grad_norm_(model, MAX_NORM)))
-            optim.step()
-            optim.zero_grad(set_to_none=True)
-            avg = loss.detach().clone()
-            dist.all_reduce(avg)
-            losses.append(avg.item() / dist.get_world_size())
+        losses, norms = _train_steps(model)
         results[(api, hsd)] = (losses, norms, full_params(model))
     return results
 
@@ -97,26 +105,11 @@ def test_parity_with_single_process(backend):
 
 def _fsdp1_tensor_parallel():
     """tp=2 inside FSDP1 (hybrid_shard_degree=2): losses and clipped norms over 5 steps."""
-    import torch.distributed as dist
     import torch.sagemaker as tsm
-
-    from torch_sagemaker.grad_norm import clip_grad_norm_
 
     tsm.init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2})
     model = _wrap(tsm.transform(tiny_llama()), "fsdp1")
-    optim = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    losses, norms = [], []
-    for batch in global_batches(STEPS, GLOBAL_BATCH):
-        local = rank_slice(batch, tsm.state.dp_rank, tsm.state.dp_size)
-        loss = model(input_ids=local, labels=local).loss
-        loss.backward()
-        norms.append(float(clip_grad_norm_(model, MAX_NORM)))
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        avg = loss.detach().clone()
-        dist.all_reduce(avg)
-        losses.append(avg.item() / dist.get_world_size())  # TP ranks hold equal losses
-    return losses, norms
+    return _train_steps(model)  # TP ranks hold equal losses, so the world average is right
 
 
 @pytest.mark.distributed
