@@ -52,6 +52,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       m, "ProcessGroupSMDDP", base)
       .def("_layout", &layout_of)
       .def("_pool_stats", &pool_stats_of)
+      // SUM gets its own overload: converting Python's ReduceOp enum costs ~1 us a call.
+      .def(
+          "_all_reduce_direct",
+          [](smddp::ProcessGroupSMDDP& pg, const at::Tensor& t) {
+            pg.allreduce_direct(t, c10d::ReduceOp(c10d::ReduceOp::SUM));
+          },
+          py::arg("tensor"), py::call_guard<py::gil_scoped_release>())
+      .def("_all_reduce_direct", &smddp::ProcessGroupSMDDP::allreduce_direct, py::arg("tensor"),
+           py::arg("op"), py::call_guard<py::gil_scoped_release>())
       .def("_listen_port", [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().listen_port(); })
       .def("_rejected_connections",
            [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().rejected_connections(); });

@@ -17,11 +17,19 @@ void copy_back(const at::Tensor& staged, const at::Tensor& t) {
   if (!staged.is_same(t)) t.copy_(staged);
 }
 
-// Runs for every collective, so plain appends rather than a stream (~1 us less per call).
-std::string args_of(const at::Tensor& t, const char* op = nullptr) {
-  std::string s = c10::toString(t.scalar_type());
-  if (op) s.append(", ").append(op);
-  return s.append(", ").append(std::to_string(t.numel())).append(" elements");
+OpArgs args_of(const at::Tensor& t, const char* op = nullptr) {
+  OpArgs a;
+  a.dtype = c10::toString(t.scalar_type());
+  a.op = op;
+  a.numel = t.numel();
+  return a;
+}
+
+OpArgs peer_args_of(const at::Tensor& t, int peer, bool to_peer) {
+  OpArgs a = args_of(t);
+  a.peer = peer;
+  a.to_peer = to_peer;
+  return a;
 }
 
 CollDesc desc_of(const at::Tensor& t, int op, uint64_t count, uint64_t extra = 0) {
@@ -60,6 +68,28 @@ WorkPtr ProcessGroupSMDDP::allreduce(std::vector<at::Tensor>& tensors,
   OpCtx ctx = comm_->make_ctx("all_reduce", desc_of(t, int(red.op), t.numel()),
                               args_of(t, redop_name(red.op)), timeout_of(opts.timeout));
   return submit(OpType::ALLREDUCE, tensors, opts.asyncOp, [this, t, red, ctx] {
+    at::Tensor c = t.contiguous();
+    comm_->allreduce(c.data_ptr(), c.numel(), red, ctx);
+    copy_back(c, t);
+  });
+}
+
+void ProcessGroupSMDDP::allreduce_direct(const at::Tensor& tensor, const c10d::ReduceOp& op) {
+  TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
+  check_cpu(tensor, "all_reduce", "its tensor");
+  at::Tensor t = tensor;
+  if (t.is_complex()) {
+    // As torch.distributed does: reduce the real view, for the ops that mean the same there.
+    TORCH_CHECK_VALUE(op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG ||
+                          op == c10d::ReduceOp::PREMUL_SUM,
+                      "smddp: all_reduce does not support this ReduceOp on complex tensors; "
+                      "use SUM, AVG or PREMUL_SUM");
+    t = at::view_as_real(t);
+  }
+  Reduction red = reduction_of(op, t, "all_reduce");
+  OpCtx ctx = comm_->make_ctx("all_reduce", desc_of(t, int(red.op), t.numel()),
+                              args_of(t, redop_name(red.op)), timeout_s_);
+  exec_.run_now([&] {
     at::Tensor c = t.contiguous();
     comm_->allreduce(c.data_ptr(), c.numel(), red, ctx);
     copy_back(c, t);
@@ -413,7 +443,7 @@ WorkPtr ProcessGroupSMDDP::send(std::vector<at::Tensor>& tensors, int dst, int t
   check_single(tensors, "send");
   TORCH_CHECK_VALUE(dst >= 0 && dst < size_ && dst != rank_, "smddp: send to invalid rank ", dst);
   at::Tensor t = tensors[0];
-  OpCtx ctx = comm_->make_ctx("send", desc_of(t, 0, t.numel()), args_of(t) + ", to rank " + std::to_string(dst),
+  OpCtx ctx = comm_->make_ctx("send", desc_of(t, 0, t.numel()), peer_args_of(t, dst, true),
                               timeout_s_);
   return submit(OpType::SEND, tensors, true, [this, t, dst, tag, ctx] {
     at::Tensor c = t.contiguous();
@@ -425,7 +455,7 @@ WorkPtr ProcessGroupSMDDP::recv(std::vector<at::Tensor>& tensors, int src, int t
   check_single(tensors, "recv");
   TORCH_CHECK_VALUE(src >= 0 && src < size_ && src != rank_, "smddp: recv from invalid rank ", src);
   at::Tensor t = tensors[0];
-  OpCtx ctx = comm_->make_ctx("recv", desc_of(t, 0, t.numel()), args_of(t) + ", from rank " + std::to_string(src),
+  OpCtx ctx = comm_->make_ctx("recv", desc_of(t, 0, t.numel()), peer_args_of(t, src, false),
                               timeout_s_);
   return submit(OpType::RECV, tensors, true, [this, t, src, tag, ctx] {
     at::Tensor c = contiguous_out(t);
@@ -435,7 +465,7 @@ WorkPtr ProcessGroupSMDDP::recv(std::vector<at::Tensor>& tensors, int src, int t
 }
 
 WorkPtr ProcessGroupSMDDP::barrier(const c10d::BarrierOptions& opts) {
-  OpCtx ctx = comm_->make_ctx("barrier", CollDesc{}, "", timeout_of(opts.timeout));
+  OpCtx ctx = comm_->make_ctx("barrier", CollDesc{}, OpArgs{}, timeout_of(opts.timeout));
   return submit(OpType::BARRIER, {}, opts.asyncOp, [this, ctx] { comm_->barrier(ctx); });
 }
 

@@ -199,12 +199,12 @@ void Communicator::setup_shm(KeyValue& kv, const Deadline& dl) {
   shm_->unlink_own();
 }
 
-OpCtx Communicator::make_ctx(const char* name, CollDesc desc, std::string args, double timeout_s) {
+OpCtx Communicator::make_ctx(const char* name, CollDesc desc, OpArgs args, double timeout_s) {
   OpCtx ctx;
   ctx.name = name;
   ctx.desc = desc;
   ctx.desc.kind = hash_name(name);
-  ctx.args = std::move(args);
+  ctx.args = args;
   ctx.deadline = Deadline::after(timeout_s > 0 ? timeout_s : cfg_.timeout_s);
   return ctx;
 }

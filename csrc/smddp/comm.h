@@ -62,7 +62,7 @@ class Communicator {
   uint64_t rejected_connections() const { return tcp_->rejected_connections(); }
 
   // A context for the next collective: numbers it and sets its deadline.
-  OpCtx make_ctx(const char* name, CollDesc desc, std::string args, double timeout_s);
+  OpCtx make_ctx(const char* name, CollDesc desc, OpArgs args, double timeout_s);
 
   // Collectives. Each call is numbered (OpCtx::seq) and its deadline starts when it runs.
   void allreduce(void* data, size_t count, const Reduction& red, OpCtx ctx);

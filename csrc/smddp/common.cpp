@@ -68,8 +68,14 @@ int Deadline::remaining_ms() const {
   return left < 0 ? 0 : static_cast<int>(left > 1 << 30 ? 1 << 30 : left);
 }
 
-std::string OpCtx::describe() const {
-  return args.empty() ? std::string(name) : std::string(name) + " (" + args + ")";
+std::string describe_op(const char* name, const OpArgs& args) {
+  std::string s(name);
+  if (!args.dtype) return s;
+  s.append(" (").append(args.dtype);
+  if (args.op) s.append(", ").append(args.op);
+  s.append(", ").append(std::to_string(args.numel)).append(" elements");
+  if (args.peer >= 0) s.append(args.to_peer ? ", to rank " : ", from rank ").append(std::to_string(args.peer));
+  return s.append(")");
 }
 
 uint32_t hash_name(const char* s) {

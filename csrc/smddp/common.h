@@ -62,13 +62,27 @@ struct CollDesc {
   bool operator!=(const CollDesc& o) const { return !(*this == o); }
 };
 
+// A collective's arguments as messages show them. Kept as pointers to static strings and
+// numbers, and formatted only when a message is built: every collective carries one, and
+// formatting eagerly cost a measurable share of a small all-reduce.
+struct OpArgs {
+  const char* dtype = nullptr;  // "float32"; nullptr: no tensor arguments (barrier)
+  const char* op = nullptr;     // "sum"; nullptr: not a reduction
+  int64_t numel = 0;
+  int peer = -1;                // send/recv: the other rank
+  bool to_peer = false;         // send (true) or recv (false)
+};
+
+// "all_reduce (float32, sum, 1024 elements)", or just the name when `args` has no dtype.
+std::string describe_op(const char* name, const OpArgs& args);
+
 struct OpCtx {
   const char* name = "";  // user-facing collective name, e.g. "all_reduce"
   uint64_t seq = 0;       // per-group collective sequence number (same on all ranks)
   CollDesc desc;
   Deadline deadline;
-  std::string describe() const;  // "all_reduce (float32, sum, 1024 elements)"
-  std::string args;               // human-readable arguments for messages
+  OpArgs args;
+  std::string describe() const { return describe_op(name, args); }
 };
 
 uint32_t hash_name(const char* s);

@@ -46,7 +46,12 @@ struct alignas(64) DescSlot {
   uint64_t first_step = 0;
   CollDesc desc;
   int64_t pool_off = -1;  // Note [Zero-copy operands]: the operand's offset in my pool
-  char text[96] = {0};    // human-readable description for error messages
+  // What the peer called, for error messages: OpCtx::name and OpArgs, copied (the
+  // pointers themselves mean nothing in another process).
+  char name[32] = {0};
+  char dtype[16] = {0};
+  char op[16] = {0};
+  int64_t numel = 0;
 };
 
 // Control block at offset 0 of each rank's segment; one cache line per field that another

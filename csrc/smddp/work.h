@@ -58,6 +58,18 @@ class Executor {
   // Note [Execution order].
   void submit(Fn fn, c10::intrusive_ptr<SmddpWork> work, bool async_op);
   void submit_send(Fn fn, c10::intrusive_ptr<SmddpWork> work);
+  // Runs `fn` in the caller's thread once the queued collectives have finished (the order
+  // of Note [Execution order]), without a Work; its exceptions propagate to the caller.
+  template <class F>
+  void run_now(F&& fn) {
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      idle_cv_.wait(lk, [&] { return main_.pending == 0 || stop_; });
+      if (stop_) throw std::runtime_error("smddp: the process group was shut down");
+    }
+    std::lock_guard<std::mutex> g(exec_mu_);
+    fn();
+  }
   // Waits for all queued work, then joins the threads. Idempotent.
   void shutdown();
 

@@ -13,9 +13,11 @@ and the per-rank send size for all_to_all; algbw = S / time and busbw = algbw x 
 The first iteration of every case is checked for correct values.
 
 --backends lists torch.distributed backends (the first one is the default group's) and
-optionally "deepspeed": DeepSpeed's CPU shared-memory all-reduce, called directly
-(all_reduce only; install with ``DS_ACCELERATOR=cpu pip install deepspeed``). The table has
-one speed-up column per backend after the first: its time / the first one's.
+optionally two peers that run all_reduce only: "smddp-direct", smddp's all-reduce through
+``torch_sagemaker.distributed.all_reduce_direct`` (no torch.distributed dispatch), and
+"deepspeed": DeepSpeed's CPU shared-memory all-reduce, called directly (install with
+``DS_ACCELERATOR=cpu pip install deepspeed``). The table has one speed-up column per other
+column: its time / the time of ``--ratio-base`` (default: the first backend).
 
 The same run measures memcpy bandwidth with all ranks copying at once; "copy%" is the time a
 memcpy of the bytes the algorithm must read and write in the user's buffers would take at
@@ -38,7 +40,7 @@ import torch.multiprocessing as mp
 
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all")
 # Peers that are not torch.distributed backends: name -> the ops they can run.
-PEER_OPS = {"deepspeed": ("all_reduce",)}
+PEER_OPS = {"deepspeed": ("all_reduce",), "smddp-direct": ("all_reduce",)}
 
 # Bytes the user buffers force through memory per rank, in units of S (reads + writes),
 # and how smddp moves them; shared-memory staging goes through cache-sized chunks.
@@ -141,6 +143,16 @@ def _case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=None):
     return run, check, count * 4
 
 
+class _DirectAllReduce:
+    """The "smddp-direct" peer: all_reduce_direct on an smddp group."""
+
+    def __init__(self, fn, group):
+        self._fn, self._group = fn, group
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        self._fn(tensor, group=self._group)
+
+
 def _timed(run, iters: int, warmup: int, barrier) -> list[float]:
     for _ in range(warmup):
         run()
@@ -177,6 +189,12 @@ def _worker_body(rank: int, world: int, args: argparse.Namespace) -> list[dict] 
 
             peers[b] = ShmAllReduce(world, rank, lambda: dist.barrier(group=ctrl))
             groups[b] = ctrl  # only for the barrier before timing
+        elif b == "smddp-direct":
+            from torch_sagemaker.distributed.direct import all_reduce_direct
+
+            g = dist.group.WORLD if dist.get_backend() == "smddp" else dist.new_group(backend="smddp")
+            peers[b] = _DirectAllReduce(all_reduce_direct, g)
+            groups[b] = g
         else:
             groups[b] = dist.group.WORLD if b == dist.get_backend() else dist.new_group(backend=b)
     rows: list[dict] = []
@@ -217,7 +235,7 @@ def _worker_body(rank: int, world: int, args: argparse.Namespace) -> list[dict] 
                           "bytes": actual, "copy_pct": 100 * bound / med}
             rows.append(row)
             if rank == 0 and args.verbose:
-                print(_format_row(row, args.backends), flush=True)
+                print(_format_row(row, args.backends, args.ratio_base or args.backends[0]), flush=True)
     return (rows, copy) if rank == 0 else None
 
 
@@ -265,36 +283,42 @@ def _ratio(row: dict, first: str, other: str) -> float | None:
     return row[other]["time_us"] / row[first]["time_us"]
 
 
-def _format_row(row: dict, backends: list[str]) -> str:
+def _format_row(row: dict, backends: list[str], base: str) -> str:
     cells = [f"{row['op']:<22}", f"{format_size(row['size']):>9}"]
     for b in backends:
         r = row[b]
         cells.append("n/a".center(33) if r is None else
                      f"{r['time_us']:>10.1f} {r['algbw']:>7.3f} {r['busbw']:>7.3f} {r['copy_pct']:>5.0f}%")
-    for b in backends[1:]:
-        ratio = _ratio(row, backends[0], b)
+    for b in backends:
+        if b == base:
+            continue
+        ratio = _ratio(row, base, b)
         cells.append(f"{'n/a':>8}" if ratio is None else f"{ratio:>7.1f}x")
     return " | ".join(cells)
 
 
-def format_table(rows: list[dict], copy: dict, backends: list[str], world: int) -> str:
+def format_table(rows: list[dict], copy: dict, backends: list[str], world: int,
+                 base: str | None = None) -> str:
     """Markdown table of the results, one line per (op, size).
 
     Args:
         rows: one dict per (op, size): "op", "size", and per backend a dict of "time_us",
             "algbw", "busbw", "copy_pct", or None where that backend did not run the op.
         copy: memcpy bandwidth in bytes/s, "cache" (1 MiB) and "dram" (64 MiB).
-        backends: backend names in column order; every one after the first gets a
-            speed-up column "(first vs it)": its time / the first one's.
+        backends: backend names in column order; every one but ``base`` gets a speed-up
+            column "(base vs it)": its time / base's.
         world: number of ranks.
+        base: the column the speed-ups are relative to (default: the first backend).
 
     Returns:
         The table with a header line and the memory-pass notes, as one string.
     """
+    base = base or backends[0]
+    others = [b for b in backends if b != base]
     head = ["op", "size"]
     for b in backends:
         head += [f"{b} time (us)", f"{b} algbw (GB/s)", f"{b} busbw (GB/s)", f"{b} copy%"]
-    head += [f"speed-up ({backends[0]} vs {b})" for b in backends[1:]]
+    head += [f"speed-up ({base} vs {b})" for b in others]
     lines = [f"{world} ranks; memcpy with all ranks copying: {copy['cache'] / 1e9:.1f} GB/s per rank "
              f"at 1 MiB (cache), {copy['dram'] / 1e9:.1f} GB/s per rank at 64 MiB (DRAM)", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -304,7 +328,7 @@ def format_table(rows: list[dict], copy: dict, backends: list[str], world: int) 
             r = row[b]
             cells += ["n/a", "", "", ""] if r is None else [
                 f"{r['time_us']:.1f}", f"{r['algbw']:.3f}", f"{r['busbw']:.3f}", f"{r['copy_pct']:.0f}%"]
-        cells += ["n/a" if (x := _ratio(row, backends[0], b)) is None else f"{x:.1f}x" for b in backends[1:]]
+        cells += ["n/a" if (x := _ratio(row, base, b)) is None else f"{x:.1f}x" for b in others]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Memory passes per rank over the user buffers (S = size above):"]
     lines += [f"- {op}: {PASSES[op][1]}" for op in dict.fromkeys(r["op"] for r in rows)]
@@ -341,8 +365,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nprocs", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--backends", default="smddp,gloo",
-                   help="first one is the default group's; add deepspeed for DeepSpeed's CPU "
-                        "shared-memory all_reduce")
+                   help="first one is the default group's; add smddp-direct (all_reduce_direct) "
+                        "or deepspeed (DeepSpeed's CPU shared-memory all_reduce)")
+    p.add_argument("--ratio-base", default=None,
+                   help="the column speed-ups are computed against (default: the first backend)")
     p.add_argument("--min-bytes", type=parse_size, default=8)
     p.add_argument("--max-bytes", type=parse_size, default=256 << 20)
     p.add_argument("--factor", type=int, default=2, help="size multiplier between steps")
@@ -364,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.backends[0] in PEER_OPS:
         raise SystemExit(f"--backends: {args.backends[0]} is not a torch.distributed backend and "
                          "cannot be first (the default group's); put it after smddp")
+    if args.ratio_base is not None and args.ratio_base not in args.backends:
+        raise SystemExit(f"--ratio-base {args.ratio_base!r} is not one of --backends {args.backends}")
     if "deepspeed" in args.backends:
         from torch_sagemaker.bench.deepspeed_peer import require
 
@@ -375,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     if result is None:  # a non-zero rank under torchrun: rank 0 prints
         return 0
     rows, copy = result
-    print(format_table(rows, copy, args.backends, world))
+    print(format_table(rows, copy, args.backends, world, args.ratio_base))
     if args.plot:
         plot(rows, args.backends, world, args.plot)
         print(f"plot: {args.plot}")

@@ -1,0 +1,78 @@
+"""A direct call path to the smddp all-reduce, for latency-bound small messages.
+
+``dist.all_reduce`` on a small tensor spends most of its time outside the collective:
+its Python checks, the c10d dispatcher, and the Work and Future every call creates. On
+these 2-core machines that is about 5 microseconds per call with a single rank, while the
+shared-memory exchange of a 1 KiB all-reduce between two ranks takes about 2. Where such
+calls sit on the critical path (tensor-parallel decoding, scalar reductions in a training
+step), :func:`all_reduce_direct` calls the backend's synchronous all-reduce straight from
+Python: same algorithm, same ordering with the group's other collectives, same errors
+and timeouts, no Work. DeepSpeed's ``inference_all_reduce`` takes the same shortcut.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import GroupMember, _world
+
+_SUM = dist.ReduceOp.SUM
+
+# group -> its smddp CPU backend, or None when the group's CPU backend is something else.
+# Entries of destroyed groups are dropped at the next miss.
+_backends: dict[dist.ProcessGroup, object] = {}
+
+
+def _resolve(group: dist.ProcessGroup):
+    live = set(_world.pg_map)
+    for stale in [g for g in _backends if g not in live]:
+        del _backends[stale]
+    if group is GroupMember.NON_GROUP_MEMBER or group not in live:
+        return None  # dist.all_reduce applies its rules; nothing worth caching
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except RuntimeError:  # the group has no CPU backend
+        backend = None
+    if not hasattr(backend, "_all_reduce_direct"):
+        backend = None
+    _backends[group] = backend
+    return backend
+
+
+def all_reduce_direct(
+    tensor: torch.Tensor,
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Synchronous, in-place all-reduce of ``tensor`` over ``group``, called directly.
+
+    On a group whose CPU backend is smddp, the collective runs in this thread without
+    torch.distributed's dispatch (no Work, no Future; see the module docstring). Anything
+    else (another backend, a non-CPU tensor, a tensor subclass such as DTensor,
+    a rank outside the group) goes through ``dist.all_reduce`` with the same
+    arguments, so the call is always correct and only sometimes faster.
+
+    Args:
+        tensor: The tensor to reduce, in place, on every rank.
+        op: The reduction (``SUM``, ``AVG``, ``PREMUL_SUM``, ``MIN``, ``MAX``, ``PRODUCT``;
+            bitwise ops for integer tensors).
+        group: The process group (default: the default group).
+
+    Raises:
+        RuntimeError: The collective failed on this or another rank, timed out, or the
+            ranks issued different collectives (the message names them).
+        TypeError: The tensor's dtype is not supported by smddp.
+        ValueError: The op does not apply to the tensor's dtype.
+    """
+    # Every check here costs tens of nanoseconds on a path that takes about one microsecond.
+    if group is None:
+        group = _world._default_pg
+    backend = _backends.get(group, False)
+    if backend is False:
+        backend = _resolve(group)
+    if backend is None or type(tensor) is not torch.Tensor or not tensor.is_cpu:
+        dist.all_reduce(tensor, op=op, group=group)
+    elif op is _SUM:
+        backend._all_reduce_direct(tensor)
+    else:
+        backend._all_reduce_direct(tensor, op if isinstance(op, dist.ReduceOp) else dist.ReduceOp(op))
