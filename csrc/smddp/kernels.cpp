@@ -1,7 +1,12 @@
 #include "smddp/kernels.h"
 
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
+
+#if defined(__x86_64__)
+#include <emmintrin.h>  // SSE2: part of every x86-64 CPU
+#endif
 
 // Clones for x86-64; other architectures get one generic build.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -311,6 +316,41 @@ void scale_copy(DType t, void* dst, const void* src, size_t n, double scale) {
     default:
       throw std::invalid_argument(std::string("smddp: cannot scale ") + dtype_name(t) + " tensors");
   }
+}
+
+void copy_streaming(void* dst, const void* src, size_t bytes) {
+#if defined(__x86_64__)
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  if (bytes < 1024) {  // not worth a fence
+    std::memcpy(d, s, bytes);
+    return;
+  }
+  // Ordinary stores up to a 16-byte boundary of dst, 64 bytes per iteration of streaming
+  // stores (one cache line, so lines are written whole), ordinary stores for the tail.
+  size_t head = (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15;
+  std::memcpy(d, s, head);
+  d += head;
+  s += head;
+  bytes -= head;
+  size_t body = bytes & ~static_cast<size_t>(63);
+  for (size_t i = 0; i < body; i += 64) {
+    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
+    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
+    __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
+  }
+  std::memcpy(d + body, s + body, bytes - body);
+  // Streaming stores are weakly ordered: make them visible before anything that follows
+  // (e.g. posting progress that lets a peer read this buffer).
+  _mm_sfence();
+#else
+  std::memcpy(dst, src, bytes);
+#endif
 }
 
 const char* kernel_isa() {

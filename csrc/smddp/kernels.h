@@ -25,6 +25,14 @@ void reduce(DType in_t, DType out_t, void* dst, const void* const* srcs, int nsr
 // dst[i] = src[i] * scale (in the element type; bf16/fp16 via fp32). Floating types only.
 void scale_copy(DType t, void* dst, const void* src, size_t n, double scale);
 
+// memcpy with non-temporal (cache-bypassing) stores for the aligned body, then a store
+// fence. For copies into buffers that will not be read again soon and that together exceed
+// the cache: an ordinary store first reads the destination line into the cache (a third
+// memory pass) and evicts data that is still needed; a streaming store does neither.
+// Measured on these machines: a 16 MiB chunked copy by each of 4 processes on 2 cores,
+// 3.3 ms -> 2.1 ms. Plain memcpy on CPUs without SSE2 streaming stores.
+void copy_streaming(void* dst, const void* src, size_t bytes);
+
 // Name of the instruction set the kernels were dispatched to on this CPU ("avx512", ...).
 const char* kernel_isa();
 

@@ -107,6 +107,9 @@ ShmComm::ShmComm(ShmConfig cfg) : cfg_(std::move(cfg)) {
   chunk_bytes_ = std::min<size_t>(cfg_.buffer_bytes,
                                   static_cast<size_t>(env_int("SMDDP_CHUNK_BYTES", chunk_default)));
   chunk_bytes_ = std::max<size_t>(chunk_bytes_, 256);
+  long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  size_t cache = l3 > 0 ? static_cast<size_t>(l3) : (32u << 20);
+  stream_bytes_ = static_cast<size_t>(env_int("SMDDP_STREAM_BYTES", static_cast<int64_t>(cache / 2 / n)));
   static_assert(sizeof(RankControl) <= kControlBytes, "control block too large");
 }
 

@@ -93,6 +93,11 @@ class ShmComm {
   size_t buffer_bytes() const { return cfg_.buffer_bytes; }
   // Bytes one rank moves per pipelined step: small enough that a step's data stays in cache.
   size_t chunk_bytes() const { return chunk_bytes_; }
+  // Whether copies into a user output of `bytes` per rank should bypass the cache
+  // (copy_streaming): when the local ranks' outputs together exceed about half the shared
+  // cache they would be evicted before anyone reads them (SMDDP_STREAM_BYTES overrides the
+  // per-rank threshold; 0 turns streaming off).
+  bool stream_output(size_t bytes) const { return stream_bytes_ && bytes >= stream_bytes_; }
 
   // Note [Step protocol]. begin_step waits until buffer s % 2 may be reused and, for the
   // first step of a collective, publishes this rank's descriptor.
@@ -144,6 +149,7 @@ class ShmComm {
   int spin_us_ = 200;             // busy-spin budget per wait, caller thread (SMDDP_SPIN_US)
   int worker_spin_us_ = 20;       // same on worker threads (SMDDP_WORKER_SPIN_US)
   size_t chunk_bytes_ = 0;        // pipeline chunk (SMDDP_CHUNK_BYTES), <= buffer_bytes
+  size_t stream_bytes_ = 0;       // see stream_output()
   Clock::time_point last_pid_check_{};
   Clock::time_point last_move_{};  // last time a wait moved this thread off a shared CPU
 };

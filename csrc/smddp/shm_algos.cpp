@@ -18,6 +18,15 @@ void copy_in(void* dst, const void* src, size_t n, const Reduction& red) {
   }
 }
 
+// Copies into a user output; `stream`: see ShmComm::stream_output.
+void copy_out(void* dst, const void* src, size_t bytes, bool stream) {
+  if (stream) {
+    copy_streaming(dst, src, bytes);
+  } else {
+    std::memcpy(dst, src, bytes);
+  }
+}
+
 // Elements per chunk when `ways` pieces must share one buffer, rounded to 64 bytes.
 size_t chunk_elems(size_t buffer_bytes, size_t ways, size_t esz) {
   size_t per = buffer_bytes / ways / esz;
@@ -49,6 +58,7 @@ void allreduce(ShmComm& c, void* data, size_t count, const Reduction& red, const
     return;
   }
   const size_t chunk = chunk_elems(c.chunk_bytes(), 1, esz);
+  const bool stream = c.stream_output(count * esz);
   bool first = true;
   for (size_t o = 0; o < count || first; o += chunk) {
     size_t m = std::min(chunk, count - o);
@@ -67,7 +77,7 @@ void allreduce(ShmComm& c, void* data, size_t count, const Reduction& red, const
       int i = (me + k) % n;
       Span sl = partition(m, n, i, 64 / esz);
       if (i != me) c.wait_one(i, s, 2, ctx);
-      std::memcpy(out + (o + sl.off) * esz, c.peer(i, s) + sl.off * esz, sl.len * esz);
+      copy_out(out + (o + sl.off) * esz, c.peer(i, s) + sl.off * esz, sl.len * esz, stream);
     }
     c.end_step(s);
     if (m == 0) break;
@@ -121,10 +131,13 @@ void allgather(ShmComm& c, const std::vector<const void*>& src, void* out,
   for (const Span& p : parts) maxlen = std::max(maxlen, p.len);
   for (const auto& o : owned) ways = std::max(ways, o.size());
   const size_t chunk = std::min(chunk_elems(c.buffer_bytes(), ways, 1), c.chunk_bytes());
+  size_t total = 0;
+  for (const Span& p : parts) total += p.len;
+  const bool stream = c.stream_output(total);
   // My own parts go straight to their place (FSDP2 passes an input that already is it).
   for (size_t k = 0; k < owned[me].size(); ++k) {
     const Span& p = parts[owned[me][k]];
-    if (src[k] != dst + p.off && p.len) std::memcpy(dst + p.off, src[k], p.len);
+    if (src[k] != dst + p.off && p.len) copy_out(dst + p.off, src[k], p.len, stream);
   }
   bool first = true;
   for (size_t o = 0; o < maxlen || first; o += chunk) {
@@ -140,7 +153,7 @@ void allgather(ShmComm& c, const std::vector<const void*>& src, void* out,
       c.wait_one(i, s, 1, ctx);
       for (size_t k = 0; k < owned[i].size(); ++k) {
         Span piece = clip(parts[owned[i][k]], o, chunk);
-        std::memcpy(dst + piece.off, c.peer(i, s) + k * chunk, piece.len);
+        copy_out(dst + piece.off, c.peer(i, s) + k * chunk, piece.len, stream);
       }
     }
     c.end_step(s);
@@ -185,10 +198,11 @@ bool allgather_zero_copy(ShmComm& c, const void* in, void* out, size_t bytes, co
   uint64_t s = exchange_operands(c, in, bytes, ctx, off);
   if (!s) return false;
   char* dst = static_cast<char*>(out);
-  if (in != dst + me * bytes) std::memcpy(dst + me * bytes, in, bytes);
+  const bool stream = c.stream_output(bytes * n);
+  if (in != dst + me * bytes) copy_out(dst + me * bytes, in, bytes, stream);
   for (int k = 1; k < n; ++k) {
     int i = (me + k) % n;  // start after my own rank to spread the reads
-    std::memcpy(dst + i * bytes, c.pool_base(i) + off[i], bytes);
+    copy_out(dst + i * bytes, c.pool_base(i) + off[i], bytes, stream);
   }
   finish_reading(c, s, ctx);
   return true;
@@ -211,6 +225,7 @@ bool reduce_scatter_zero_copy(ShmComm& c, const void* in, void* out, size_t coun
 void broadcast(ShmComm& c, void* data, size_t bytes, int root, const OpCtx& ctx) {
   char* buf = static_cast<char*>(data);
   const size_t chunk = c.chunk_bytes();
+  const bool stream = c.stream_output(bytes);
   bool first = true;
   for (size_t o = 0; o < bytes || first; o += chunk) {
     size_t m = std::min(chunk, bytes - o);
@@ -221,7 +236,7 @@ void broadcast(ShmComm& c, void* data, size_t bytes, int root, const OpCtx& ctx)
     first = false;
     if (c.rank() != root) {
       c.wait_one(root, s, 1, ctx);
-      std::memcpy(buf + o, c.peer(root, s), m);
+      copy_out(buf + o, c.peer(root, s), m, stream);
     }
     c.end_step(s);
     if (m == 0) break;
@@ -278,6 +293,9 @@ void alltoall(ShmComm& c, const void* in, const std::vector<Span>& send, void* o
   }
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
+  size_t total = 0;
+  for (const Span& r : recv) total += r.len;
+  const bool stream = c.stream_output(total);
   if (recv[me].len) std::memmove(dst + recv[me].off, src + send[me].off, recv[me].len);
   // Region j of my buffer carries the next piece of what I send to local rank j.
   for (uint64_t o = 0; o < most; o += region) {
@@ -292,7 +310,7 @@ void alltoall(ShmComm& c, const void* in, const std::vector<Span>& send, void* o
       Span piece = clip(recv[i], o, region);
       if (o >= matrix[i * n + me] && o > 0) continue;
       c.wait_one(i, s, 1, ctx);
-      if (piece.len) std::memcpy(dst + piece.off, c.peer(i, s) + me * region, piece.len);
+      if (piece.len) copy_out(dst + piece.off, c.peer(i, s) + me * region, piece.len, stream);
     }
     c.end_step(s);
   }

@@ -33,6 +33,12 @@ def test_three_ranks_small_buffers_force_chunking():
     _run(3, env={"SMDDP_BUFFER_BYTES": "4096", "SMDDP_ONESHOT_BYTES": "1024"}, quick=True)
 
 
+def test_three_ranks_every_output_copy_streaming():
+    # Streaming (non-temporal) stores normally start at outputs of several MiB; a 1-byte
+    # threshold sends every copy into an output through them, odd sizes and offsets included.
+    _run(3, env={"SMDDP_STREAM_BYTES": "1"}, quick=True)
+
+
 def test_four_ranks_two_forced_hosts():
     # Two "hosts" of two ranks: shm reduce-scatter, TCP rail exchange, shm all-gather.
     _run(4, env={"SMDDP_FORCE_LOCAL_SIZE": "2"}, quick=True)
