@@ -37,6 +37,8 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor, Replicate
 
+from torch_sagemaker.distributed.direct import all_reduce_direct
+
 
 class _Piece(NamedTuple):
     """Local gradient values and the groups they are sharded over."""
@@ -86,7 +88,7 @@ def _reduce(pieces: list[_Piece], norm_type: float) -> torch.Tensor:
     for key in sorted(buckets):
         value = buckets[key]
         for group in groups[key]:
-            dist.all_reduce(value, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
+            all_reduce_direct(value, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
         result = torch.maximum(result, value) if is_inf else result + value
     return result if is_inf else result ** (1.0 / norm_type)
 

@@ -66,6 +66,17 @@ def test_table_has_one_ratio_column_per_extra_backend():
     assert "n/a" in row and row.rstrip().endswith("n/a")
 
 
+def test_ratio_base_puts_every_other_column_against_it():
+    row = {"op": "all_reduce", "size": 1024, "smddp": _result(8.0), "smddp-direct": _result(2.0),
+           "deepspeed": _result(4.0)}
+    backends = ["smddp", "smddp-direct", "deepspeed"]
+    table = collectives.format_table([row], {"cache": 4e10, "dram": 5e9}, backends, 2, base="smddp-direct")
+    header = next(line for line in table.splitlines() if line.startswith("| op |"))
+    assert header.endswith("| speed-up (smddp-direct vs smddp) | speed-up (smddp-direct vs deepspeed) |")
+    assert next(line for line in table.splitlines() if line.startswith("| all_reduce |")).endswith("| 4.0x | 2.0x |")
+    assert collectives._format_row(row, backends, "smddp-direct").split("|")[-2:] == ["     4.0x ", "     2.0x"]
+
+
 def test_two_backend_table_keeps_its_single_ratio_column():
     row = {"op": "all_reduce", "size": 1024, "smddp": _result(10.0), "gloo": _result(500.0)}
     table = collectives.format_table([row], {"cache": 4e10, "dram": 5e9}, ["smddp", "gloo"], 2)

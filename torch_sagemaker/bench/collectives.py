@@ -235,7 +235,7 @@ def _worker_body(rank: int, world: int, args: argparse.Namespace) -> list[dict] 
                           "bytes": actual, "copy_pct": 100 * bound / med}
             rows.append(row)
             if rank == 0 and args.verbose:
-                print(_format_row(row, args.backends, args.ratio_base or args.backends[0]), flush=True)
+                print(_format_row(row, args.backends, args.ratio_base), flush=True)
     return (rows, copy) if rank == 0 else None
 
 
@@ -283,7 +283,8 @@ def _ratio(row: dict, first: str, other: str) -> float | None:
     return row[other]["time_us"] / row[first]["time_us"]
 
 
-def _format_row(row: dict, backends: list[str], base: str) -> str:
+def _format_row(row: dict, backends: list[str], base: str | None = None) -> str:
+    base = base or backends[0]
     cells = [f"{row['op']:<22}", f"{format_size(row['size']):>9}"]
     for b in backends:
         r = row[b]

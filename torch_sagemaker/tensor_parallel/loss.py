@@ -3,7 +3,7 @@
 The LM head of a tensor parallel model returns logits as a DTensor sharded on the last
 (vocabulary) dimension. ``vocab_parallel_cross_entropy`` computes the loss from each rank's
 slice with three small all-reduces over the TP group (the row maximum, the sum of
-exponentials, the target logit) and, in backward, each rank's slice of
+exponentials, the target logit; latency-bound, so through ``all_reduce_direct``) and, in backward, each rank's slice of
 ``softmax - one_hot(target)`` with no communication. It works for any vocabulary size,
 including sizes the degree does not divide (DTensor's uneven shards: the first ranks hold
 ``ceil(V / tp)`` entries). Unlike ``torch.distributed.tensor.parallel.loss_parallel`` it
@@ -22,6 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
+from torch_sagemaker.distributed.direct import all_reduce_direct
+
 
 def vocab_shard_offset(vocab_size: int, num_shards: int, shard: int) -> int:
     """First vocabulary index of ``shard`` under DTensor's ``Shard`` (``torch.chunk``) split."""
@@ -39,18 +41,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits = logits.float()  # softmax statistics in fp32, as Hugging Face's loss does
         row_max = logits.max(dim=-1).values if logits.shape[-1] else \
             torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        all_reduce_direct(row_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - row_max.unsqueeze(-1)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)
+        all_reduce_direct(sum_exp, group=group)
         local_target = target - offset
         mine = (local_target >= 0) & (local_target < logits.shape[-1])
         safe = local_target.masked_fill(~mine, 0)
         picked = shifted.gather(-1, safe.unsqueeze(-1)).squeeze(-1) if logits.shape[-1] else \
             torch.zeros_like(sum_exp)
         picked = picked.masked_fill(~mine, 0.0)
-        dist.all_reduce(picked, group=group)
+        all_reduce_direct(picked, group=group)
         ignored = target == ignore_index
         loss = (sum_exp.log() - picked).masked_fill(ignored, 0.0)
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), safe, mine, ignored)

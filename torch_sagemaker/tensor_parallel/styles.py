@@ -44,6 +44,8 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
 )
 
+from torch_sagemaker.distributed.direct import all_reduce_direct
+
 
 def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements: list[Placement],
                        src_data_rank: int | None) -> None:
@@ -79,7 +81,7 @@ class _AllReduceGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
+        all_reduce_direct(grad, group=ctx.group)
         return grad, None
 
 
