@@ -137,15 +137,10 @@ def _mismatched_direct():
     from torch_sagemaker.distributed.direct import all_reduce_direct
 
     rank = dist.get_rank()
-    messages = []
-    for case in (lambda: all_reduce_direct(torch.ones(10 + rank)),
-                 lambda: all_reduce_direct(torch.ones(4)) if rank == 0 else dist.broadcast(torch.ones(4), 0)):
-        try:
-            case()
-            messages.append(None)
-        except RuntimeError as e:
-            messages.append(str(e))
-    return messages
+    return checks.runtime_errors([
+        lambda: all_reduce_direct(torch.ones(10 + rank)),
+        lambda: all_reduce_direct(torch.ones(4)) if rank == 0 else dist.broadcast(torch.ones(4), 0),
+    ])
 
 
 def test_mismatches_raise_on_every_rank_naming_both_calls():

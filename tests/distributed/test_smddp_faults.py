@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from tests.distributed import test_smddp_support as checks
 from tests.distributed.launcher import DistributedTestError, run_distributed
 from torch_sagemaker.distributed import backend
 
@@ -19,7 +20,6 @@ def _mismatches():
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    messages = []
     cases = [
         lambda g: dist.all_reduce(torch.ones(10 + rank), group=g),                  # numel
         lambda g: dist.all_reduce(torch.ones(10, dtype=[torch.float32, torch.float64][rank]), group=g),
@@ -27,14 +27,8 @@ def _mismatches():
         lambda g: (dist.all_reduce(torch.ones(4), group=g) if rank == 0
                    else dist.broadcast(torch.ones(4), 0, group=g)),                    # collective
     ]
-    for case in cases:
-        g = dist.new_group([0, 1])
-        try:
-            case(g)
-            messages.append(None)
-        except RuntimeError as e:
-            messages.append(str(e))
-    return messages
+    # A fresh group per case: a failed collective poisons its group.
+    return checks.runtime_errors([lambda case=case: case(dist.new_group([0, 1])) for case in cases])
 
 
 def test_mismatched_collectives_raise_on_every_rank():

@@ -87,6 +87,18 @@ def reference_reduce(xs: list[torch.Tensor], op: str, hosts: list[list[int]]) ->
     return total.to(dtype)
 
 
+def runtime_errors(cases) -> list[str | None]:
+    """Runs each callable; returns the text of the RuntimeError it raised, or None."""
+    messages = []
+    for case in cases:
+        try:
+            case()
+            messages.append(None)
+        except RuntimeError as e:
+            messages.append(str(e))
+    return messages
+
+
 def host_layout() -> list[list[int]]:
     """The host layout the backend uses for the default group (from its introspection)."""
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
