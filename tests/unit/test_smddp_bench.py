@@ -110,3 +110,9 @@ def test_deepspeed_cannot_be_the_first_backend(monkeypatch):
     monkeypatch.setattr(collectives, "_run", lambda args: pytest.fail("ranks were started"))
     with pytest.raises(SystemExit, match="cannot be first"):
         collectives.main(["--backends", "deepspeed,smddp"])
+
+
+def test_unknown_ops_are_refused_before_any_rank_starts(capsys):
+    with pytest.raises(SystemExit):
+        collectives.main(["--ops", "all_reduce,foo"])
+    assert "unknown ['foo']; choose from all_reduce" in capsys.readouterr().err

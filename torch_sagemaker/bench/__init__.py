@@ -7,6 +7,9 @@ dependencies never slow down or break another.
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable, Iterable
+
 # name -> (module, one-line description). Add a benchmark by adding a line here.
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "collectives": ("torch_sagemaker.bench.collectives",
@@ -15,3 +18,25 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                  "training-step time: FSDP2 and DDP over smddp and gloo"),
     "offload": ("torch_sagemaker.bench.offload", "activation offload step times"),
 }
+
+
+def comma_list(allowed: Iterable[str] | None = None) -> Callable[[str], list[str]]:
+    """An argparse ``type`` for comma-separated options, checked against ``allowed``.
+
+    Args:
+        allowed: the values accepted; None accepts any.
+
+    Returns:
+        A function that splits its argument on commas and raises
+        ``argparse.ArgumentTypeError`` naming the unknown values and the accepted ones.
+    """
+    choices = None if allowed is None else tuple(allowed)
+
+    def parse(text: str) -> list[str]:
+        values = text.split(",")
+        unknown = sorted(set(values) - set(choices)) if choices is not None else []
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {', '.join(choices)}")
+        return values
+
+    return parse

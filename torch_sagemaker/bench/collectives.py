@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from torch_sagemaker.bench import comma_list
+
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all")
 # Peers that are not torch.distributed backends: name -> the ops they can run.
 PEER_OPS = {"deepspeed": ("all_reduce",), "smddp-direct": ("all_reduce",)}
@@ -364,8 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m torch_sagemaker.bench collectives",
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nprocs", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
-    p.add_argument("--ops", default=",".join(OPS))
-    p.add_argument("--backends", default="smddp,gloo",
+    p.add_argument("--ops", type=comma_list(OPS), default=",".join(OPS))
+    p.add_argument("--backends", type=comma_list(), default="smddp,gloo",
                    help="first one is the default group's; add smddp-direct (all_reduce_direct) "
                         "or deepspeed (DeepSpeed's CPU shared-memory all_reduce)")
     p.add_argument("--ratio-base", default=None,
@@ -383,11 +385,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=None, help="write busbw vs size to this PNG")
     p.add_argument("--quiet", dest="verbose", action="store_false", help="only the final table")
     args = p.parse_args(argv)
-    args.ops = args.ops.split(",")
-    args.backends = args.backends.split(",")
-    bad = set(args.ops) - set(OPS)
-    if bad:
-        raise SystemExit(f"unknown --ops {sorted(bad)}; choose from {', '.join(OPS)}")
     if args.backends[0] in PEER_OPS:
         raise SystemExit(f"--backends: {args.backends[0]} is not a torch.distributed backend and "
                          "cannot be first (the default group's); put it after smddp")

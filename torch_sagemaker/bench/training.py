@@ -22,6 +22,8 @@ from datetime import timedelta
 import torch
 import torch.multiprocessing as mp
 
+from torch_sagemaker.bench import comma_list
+
 MODES = ("fsdp2_full", "fsdp2_hybrid", "ddp")
 
 
@@ -173,8 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m torch_sagemaker.bench training", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nprocs", type=int, default=2)
-    p.add_argument("--backends", default="smddp,gloo")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--backends", type=comma_list(), default="smddp,gloo")
+    p.add_argument("--modes", type=comma_list(MODES), default=",".join(MODES))
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--hidden", type=int, default=512)
@@ -184,11 +186,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences per rank")
     p.add_argument("--plot", default=None, help="write a PNG of tokens/s")
     args = p.parse_args(argv)
-    args.backends = args.backends.split(",")
-    args.modes = args.modes.split(",")
-    unknown = set(args.modes) - set(MODES)
-    if unknown:
-        raise SystemExit(f"unknown --modes {sorted(unknown)}; choose from {', '.join(MODES)}")
     with torch.device("meta"):
         args.params_m = sum(t.numel() for t in _model(args).parameters()) / 1e6
     table, by_key = _table(_run(args), args)
