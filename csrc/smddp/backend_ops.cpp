@@ -17,6 +17,13 @@ void copy_back(const at::Tensor& staged, const at::Tensor& t) {
   if (!staged.is_same(t)) t.copy_(staged);
 }
 
+// In-place all-reduce of one tensor, staged through a contiguous copy if it is not one.
+void allreduce_tensor(Communicator& comm, const at::Tensor& t, const Reduction& red, const OpCtx& ctx) {
+  at::Tensor c = t.contiguous();
+  comm.allreduce(c.data_ptr(), c.numel(), red, ctx);
+  copy_back(c, t);
+}
+
 OpArgs args_of(const at::Tensor& t, const char* op = nullptr) {
   OpArgs a;
   a.dtype = c10::toString(t.scalar_type());
@@ -67,11 +74,8 @@ WorkPtr ProcessGroupSMDDP::allreduce(std::vector<at::Tensor>& tensors,
   Reduction red = reduction_of(opts.reduceOp, t, "all_reduce");
   OpCtx ctx = comm_->make_ctx("all_reduce", desc_of(t, int(red.op), t.numel()),
                               args_of(t, redop_name(red.op)), timeout_of(opts.timeout));
-  return submit(OpType::ALLREDUCE, tensors, opts.asyncOp, [this, t, red, ctx] {
-    at::Tensor c = t.contiguous();
-    comm_->allreduce(c.data_ptr(), c.numel(), red, ctx);
-    copy_back(c, t);
-  });
+  return submit(OpType::ALLREDUCE, tensors, opts.asyncOp,
+                [this, t, red, ctx] { allreduce_tensor(*comm_, t, red, ctx); });
 }
 
 void ProcessGroupSMDDP::allreduce_direct(const at::Tensor& tensor, const c10d::ReduceOp& op) {
@@ -89,11 +93,7 @@ void ProcessGroupSMDDP::allreduce_direct(const at::Tensor& tensor, const c10d::R
   Reduction red = reduction_of(op, t, "all_reduce");
   OpCtx ctx = comm_->make_ctx("all_reduce", desc_of(t, int(red.op), t.numel()),
                               args_of(t, redop_name(red.op)), timeout_s_);
-  exec_.run_now([&] {
-    at::Tensor c = t.contiguous();
-    comm_->allreduce(c.data_ptr(), c.numel(), red, ctx);
-    copy_back(c, t);
-  });
+  exec_.run_now([&] { allreduce_tensor(*comm_, t, red, ctx); });
 }
 
 WorkPtr ProcessGroupSMDDP::allreduce_coalesced(std::vector<at::Tensor>& tensors,

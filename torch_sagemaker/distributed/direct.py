@@ -21,6 +21,7 @@ _SUM = dist.ReduceOp.SUM
 # group -> its smddp CPU backend, or None when the group's CPU backend is something else.
 # Entries of destroyed groups are dropped at the next miss.
 _backends: dict[dist.ProcessGroup, object] = {}
+_UNRESOLVED = object()
 
 
 def _resolve(group: dist.ProcessGroup):
@@ -67,8 +68,8 @@ def all_reduce_direct(
     # Every check here costs tens of nanoseconds on a path that takes about one microsecond.
     if group is None:
         group = _world._default_pg
-    backend = _backends.get(group, False)
-    if backend is False:
+    backend = _backends.get(group, _UNRESOLVED)
+    if backend is _UNRESOLVED:
         backend = _resolve(group)
     if backend is None or type(tensor) is not torch.Tensor or not tensor.is_cpu:
         dist.all_reduce(tensor, op=op, group=group)
