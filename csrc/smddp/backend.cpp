@@ -165,6 +165,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::submit(c10d::OpType type,
   return track(work);
 }
 
+c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::completed(c10d::OpType type,
+                                                            std::vector<at::Tensor> outputs) {
+  auto work = c10::make_intrusive<SmddpWork>(rank_, type, std::move(outputs));
+  work->complete(nullptr);
+  return track(work);
+}
+
 void ProcessGroupSMDDP::startCoalescing() {
   coalescing_ = true;
   coalesced_.clear();

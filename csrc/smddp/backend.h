@@ -97,6 +97,8 @@ class ProcessGroupSMDDP : public c10d::Backend {
   Reduction reduction_of(const c10d::ReduceOp& op, const at::Tensor& t, const char* name) const;
   // Records works issued between startCoalescing and endCoalescing.
   c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> w);
+  // A Work already completed (Note [Eager point-to-point] in backend_ops.cpp).
+  c10::intrusive_ptr<c10d::Work> completed(c10d::OpType type, std::vector<at::Tensor> outputs);
 
   std::unique_ptr<Communicator> comm_;
   Executor exec_;

@@ -173,6 +173,11 @@ void Communicator::setup_shm(KeyValue& kv, const Deadline& dl) {
     sc.pool_bytes = (pool + 4095) & ~static_cast<size_t>(4095);
   }
   zero_copy_ = sc.pool_bytes > 0;
+  // Point-to-point rings (Note [Shared-memory point-to-point]); sparse until a pair talks.
+  if (layout_.local_size > 1) {
+    size_t p2p = static_cast<size_t>(std::max<int64_t>(0, env_int("SMDDP_P2P_BYTES", 1 << 20)));
+    sc.p2p_bytes = (p2p + 4095) & ~static_cast<size_t>(4095);
+  }
   shm_ = std::make_unique<ShmComm>(sc);
   const auto& local = layout_.members[layout_.host];
   std::vector<int> local_global;
@@ -197,6 +202,7 @@ void Communicator::setup_shm(KeyValue& kv, const Deadline& dl) {
     throw;
   }
   shm_->unlink_own();
+  if (sc.p2p_bytes) p2p_ = std::make_unique<ShmP2P>(*shm_);
 }
 
 OpCtx Communicator::make_ctx(const char* name, CollDesc desc, OpArgs args, double timeout_s) {

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "smddp/shm.h"
+#include "smddp/shm_p2p.h"
 #include "smddp/tcp.h"
 
 namespace smddp {
@@ -72,9 +73,14 @@ class Communicator {
   void barrier(OpCtx ctx);
   void alltoall(const void* in, const std::vector<Span>& send, void* out,
                 const std::vector<Span>& recv, OpCtx ctx);
-  // Point-to-point over the mesh (tags < 2^32); not numbered as collectives.
+  // Point-to-point (tags < 2^32); not numbered as collectives. Peers on this host go through
+  // shared memory (Note [Shared-memory point-to-point] in shm.h), others over the mesh.
   void send(const void* data, size_t bytes, int peer, uint32_t tag, OpCtx ctx);
   void recv(void* data, size_t bytes, int peer, uint32_t tag, OpCtx ctx);
+  // Non-blocking attempts for the caller's thread (shared-memory peers only): true when the
+  // whole send or recv was done now, false when it must be queued.
+  bool try_send_now(const void* data, size_t bytes, int peer, uint32_t tag);
+  bool try_recv_now(void* data, size_t bytes, int peer, uint32_t tag);
 
   // Makes all waits fail promptly (shutdown/abort).
   void abort();
@@ -101,7 +107,11 @@ class Communicator {
   CommConfig cfg_;
   Layout layout_;
   std::vector<int> rail_;  // host -> group rank with my local index
+  int local_index(int group_rank) const;  // index on this host, or -1
+  bool usable();                          // no earlier error broke the group
+
   std::unique_ptr<ShmComm> shm_;
+  std::unique_ptr<ShmP2P> p2p_;  // nullptr: send/recv all go over the mesh
   std::unique_ptr<TcpMesh> tcp_;
   std::string secret_, nonce_;
   uint64_t next_seq_ = 0;

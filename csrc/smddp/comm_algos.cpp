@@ -227,16 +227,47 @@ void Communicator::alltoall(const void* in, const std::vector<Span>& send, void*
   });
 }
 
+int Communicator::local_index(int group_rank) const {
+  const auto& local = layout_.members[layout_.host];
+  auto it = std::find(local.begin(), local.end(), group_rank);
+  return it == local.end() ? -1 : static_cast<int>(it - local.begin());
+}
+
+bool Communicator::usable() {
+  std::lock_guard<std::mutex> g(broken_mu_);
+  return broken_.empty();
+}
+
 void Communicator::send(const void* data, size_t bytes, int peer, uint32_t tag, OpCtx ctx) {
   guarded(ctx, false, [&] {
-    tcp_->exchange({{peer, tag, const_cast<char*>(static_cast<const char*>(data)), bytes, 0}}, {}, ctx);
+    int local = p2p_ ? local_index(peer) : -1;
+    if (local >= 0) {
+      p2p_->send(local, tag, data, bytes, ctx);
+    } else {
+      tcp_->exchange({{peer, tag, const_cast<char*>(static_cast<const char*>(data)), bytes, 0}}, {}, ctx);
+    }
   });
 }
 
 void Communicator::recv(void* data, size_t bytes, int peer, uint32_t tag, OpCtx ctx) {
   guarded(ctx, false, [&] {
-    tcp_->exchange({}, {{peer, tag, static_cast<char*>(data), bytes, 0}}, ctx);
+    int local = p2p_ ? local_index(peer) : -1;
+    if (local >= 0) {
+      p2p_->recv(local, tag, data, bytes, ctx);
+    } else {
+      tcp_->exchange({}, {{peer, tag, static_cast<char*>(data), bytes, 0}}, ctx);
+    }
   });
+}
+
+bool Communicator::try_send_now(const void* data, size_t bytes, int peer, uint32_t tag) {
+  int local = p2p_ ? local_index(peer) : -1;
+  return local >= 0 && usable() && p2p_->try_send(local, tag, data, bytes);
+}
+
+bool Communicator::try_recv_now(void* data, size_t bytes, int peer, uint32_t tag) {
+  int local = p2p_ ? local_index(peer) : -1;
+  return local >= 0 && usable() && p2p_->try_recv(local, tag, data, bytes);
 }
 
 }  // namespace smddp

@@ -82,6 +82,11 @@ int online_cpus() {
   return static_cast<int>(std::thread::hardware_concurrency());
 }
 
+// Throttles of the waits, per thread: point-to-point waits run on the send lane while
+// collectives wait on the main lane.
+thread_local Clock::time_point t_last_move{};       // last time a wait moved this thread
+thread_local Clock::time_point t_last_pid_check{};  // last time a wait looked for dead peers
+
 }  // namespace
 
 std::string shm_name(const std::string& nonce, int local_rank) {
@@ -91,8 +96,9 @@ std::string shm_name(const std::string& nonce, int local_rank) {
 ShmComm::ShmComm(ShmConfig cfg) : cfg_(std::move(cfg)) {
   int n = size();
   main_bytes_ = kControlBytes + 2 * cfg_.buffer_bytes;
-  seg_bytes_ = main_bytes_ + cfg_.pool_bytes;
+  seg_bytes_ = main_bytes_ + cfg_.pool_bytes + p2p_region_bytes();
   pool_base_.assign(n, nullptr);
+  p2p_base_.assign(n, nullptr);
   ctl_.assign(n, nullptr);
   data_.assign(n, nullptr);
   maps_.assign(n, nullptr);
@@ -118,13 +124,15 @@ ShmComm::~ShmComm() {
     if (maps_[i]) munmap(maps_[i], main_bytes_);
     // My own pool mapping belongs to pool_, which tensors allocated from it keep alive.
     if (pool_base_[i] && static_cast<int>(i) != rank()) munmap(pool_base_[i], cfg_.pool_bytes);
+    if (p2p_base_[i]) munmap(p2p_base_[i], p2p_region_bytes());
   }
   if (own_linked_) unlink_own();
 }
 
 namespace {
-// Maps the pool part of a segment: not pre-faulted, pages are committed as they are used.
-char* map_pool(int fd, size_t offset, size_t bytes) {
+// Maps the pool or channel part of a segment: not pre-faulted, pages are committed as they
+// are used.
+char* map_lazy(int fd, size_t offset, size_t bytes) {
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(offset));
   return p == MAP_FAILED ? nullptr : static_cast<char*>(p);
 }
@@ -148,10 +156,16 @@ void ShmComm::create() {
   }
   void* p = mmap(nullptr, main_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   char* pool = nullptr;
-  if (p != MAP_FAILED && cfg_.pool_bytes) pool = map_pool(fd, main_bytes_, cfg_.pool_bytes);
-  if (p == MAP_FAILED || (cfg_.pool_bytes && !pool)) {
+  if (p != MAP_FAILED && cfg_.pool_bytes) pool = map_lazy(fd, main_bytes_, cfg_.pool_bytes);
+  char* p2p = nullptr;
+  if (p != MAP_FAILED && p2p_region_bytes()) {
+    p2p = map_lazy(fd, main_bytes_ + cfg_.pool_bytes, p2p_region_bytes());
+  }
+  if (p == MAP_FAILED || (cfg_.pool_bytes && !pool) || (p2p_region_bytes() && !p2p)) {
     int e = errno;
     if (p != MAP_FAILED) munmap(p, main_bytes_);
+    if (pool) munmap(pool, cfg_.pool_bytes);
+    if (p2p) munmap(p2p, p2p_region_bytes());
     close(fd);
     unlink_own();
     throw CommError("smddp: cannot map shared memory segment " + name + ": " + std::strerror(e));
@@ -163,6 +177,8 @@ void ShmComm::create() {
     close(fd);
   }
   maps_[rank()] = p;
+  p2p_base_[rank()] = p2p;
+  for (int to = 0; p2p && to < size(); ++to) new (p2p + to * channel_slot()) ChannelCtl();
   auto* c = new (p) RankControl();
   c->pid = getpid();
   ctl_[rank()] = c;
@@ -187,13 +203,22 @@ void ShmComm::attach(int peer) {
     throw CommError("smddp: shared memory segment of rank " +
                     std::to_string(cfg_.group_ranks[peer]) +
                     " has an unexpected size; do all ranks use the same SMDDP_BUFFER_BYTES and "
-                    "SMDDP_POOL_BYTES?");
+                    "SMDDP_POOL_BYTES and SMDDP_P2P_BYTES?");
   }
   void* p = mmap(nullptr, main_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   if (p != MAP_FAILED && cfg_.pool_bytes) {
-    pool_base_[peer] = map_pool(fd, main_bytes_, cfg_.pool_bytes);
+    pool_base_[peer] = map_lazy(fd, main_bytes_, cfg_.pool_bytes);
     if (!pool_base_[peer]) {
       munmap(p, main_bytes_);
+      p = MAP_FAILED;
+    }
+  }
+  if (p != MAP_FAILED && p2p_region_bytes()) {
+    p2p_base_[peer] = map_lazy(fd, main_bytes_ + cfg_.pool_bytes, p2p_region_bytes());
+    if (!p2p_base_[peer]) {
+      munmap(p, main_bytes_);
+      if (pool_base_[peer]) munmap(pool_base_[peer], cfg_.pool_bytes);
+      pool_base_[peer] = nullptr;
       p = MAP_FAILED;
     }
   }
@@ -284,6 +309,13 @@ void ShmComm::wait_all(uint64_t s, int phase, const OpCtx& ctx) {
 void ShmComm::wait_progress(int i, uint64_t target, const OpCtx& ctx) {
   RankControl* c = ctl(i);
   if (c->progress.load(std::memory_order_acquire) >= target) return;
+  wait_word(i, c->progress, c->sleepers, target, [&] { check_health(i, target, ctx); });
+}
+
+void ShmComm::wait_word(int i, const std::atomic<uint64_t>& word, std::atomic<uint32_t>& sleepers,
+                        uint64_t target, const std::function<void()>& health) {
+  RankControl* c = ctl(i);
+  if (word.load(std::memory_order_acquire) >= target) return;
   if (!oversubscribed_) {
     int budget = on_worker_thread() ? worker_spin_us_ : spin_us_;
     auto spin_until = Clock::now() + std::chrono::microseconds(budget);
@@ -291,37 +323,63 @@ void ShmComm::wait_progress(int i, uint64_t target, const OpCtx& ctx) {
     do {
       for (int k = 0; k < 64; ++k) {
         cpu_relax();
-        if (c->progress.load(std::memory_order_acquire) >= target) return;
+        if (word.load(std::memory_order_acquire) >= target) return;
       }
       int cpu = sched_getcpu();
       shared_core = c->cpu.load(std::memory_order_relaxed) == cpu;
-      if (shared_core && Clock::now() - last_move_ > std::chrono::milliseconds(5)) {
-        last_move_ = Clock::now();
+      if (shared_core && Clock::now() - t_last_move > std::chrono::milliseconds(5)) {
+        t_last_move = Clock::now();
         if (move_off_cpu(cpu)) {
           ctl(rank())->cpu.store(sched_getcpu(), std::memory_order_relaxed);
           shared_core = false;
         }
       }
     } while (!shared_core && Clock::now() < spin_until);
-    check_health(i, target, ctx);
+    health();
   } else {
     auto yield_until = Clock::now() + std::chrono::microseconds(2000);
     while (true) {
       for (int k = 0; k < 32; ++k) {
         sched_yield();
-        if (c->progress.load(std::memory_order_acquire) >= target) return;
+        if (word.load(std::memory_order_acquire) >= target) return;
       }
-      check_health(i, target, ctx);
+      health();
       if (Clock::now() > yield_until) break;
     }
   }
   while (true) {
-    c->sleepers.fetch_add(1, std::memory_order_seq_cst);
-    uint64_t v = c->progress.load(std::memory_order_seq_cst);
-    if (v < target) futex_wait(low_word(&c->progress), static_cast<uint32_t>(v), 1000);
-    c->sleepers.fetch_sub(1, std::memory_order_seq_cst);
-    if (c->progress.load(std::memory_order_acquire) >= target) return;
-    check_health(i, target, ctx);
+    sleepers.fetch_add(1, std::memory_order_seq_cst);
+    uint64_t v = word.load(std::memory_order_seq_cst);
+    if (v < target) futex_wait(low_word(const_cast<std::atomic<uint64_t>*>(&word)), static_cast<uint32_t>(v), 1000);
+    sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (word.load(std::memory_order_acquire) >= target) return;
+    health();
+  }
+}
+
+void ShmComm::publish(std::atomic<uint64_t>& word, std::atomic<uint32_t>& sleepers, uint64_t value) {
+  // The Dekker-style handshake of post().
+  word.store(value, std::memory_order_seq_cst);
+  if (sleepers.load(std::memory_order_seq_cst) != 0) futex_wake(low_word(&word));
+}
+
+void ShmComm::check_peer(int i, const OpCtx& ctx, const std::string& waiting_for) {
+  const std::string where = "smddp: " + ctx.describe() + " on group '" + cfg_.group_name + "'";
+  const std::string peer = "rank " + std::to_string(cfg_.group_ranks[i]);
+  if (aborted_.load()) throw CommError(where + " was aborted: the process group was shut down");
+  if (ctl(i)->failed.load(std::memory_order_acquire)) {
+    std::string msg(ctl(i)->message, strnlen(ctl(i)->message, sizeof(ctl(i)->message)));
+    throw CommError(where + " failed because " + peer + " failed: " + msg);
+  }
+  auto now = Clock::now();
+  if (now - t_last_pid_check > std::chrono::milliseconds(20)) {
+    t_last_pid_check = now;
+    if (!process_alive(ctl(i)->pid)) throw CommError(where + " failed: " + peer + " exited (its process is gone)");
+  }
+  if (ctx.deadline.expired()) {
+    char secs[32];
+    snprintf(secs, sizeof(secs), "%.1f", ctx.deadline.seconds);
+    throw CommError(where + " timed out after " + secs + " s waiting for " + peer + " " + waiting_for);
   }
 }
 
@@ -338,8 +396,8 @@ void ShmComm::check_health(int i, uint64_t target, const OpCtx& ctx) {
     }
   }
   auto now = Clock::now();
-  if (now - last_pid_check_ > std::chrono::milliseconds(20)) {
-    last_pid_check_ = now;
+  if (now - t_last_pid_check > std::chrono::milliseconds(20)) {
+    t_last_pid_check = now;
     std::vector<int> dead;
     for (int j = 0; j < size(); ++j) {
       if (j != rank() && !process_alive(ctl(j)->pid)) dead.push_back(cfg_.group_ranks[j]);

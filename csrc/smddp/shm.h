@@ -23,6 +23,20 @@
 // every rank (each rank checks every peer). Two slots are enough because a peer cannot start
 // collective seq + 2 before this rank finished the first step of collective seq.
 //
+// Note [Shared-memory point-to-point]
+// send/recv between ranks of one host go through a byte ring per ordered pair, in the
+// sender's segment (slot `to` of its channel region): a control page with two counters,
+// `head` (bytes the sender has written, stored by the sender) and `tail` (bytes the
+// receiver has consumed, stored by the receiver), then the ring. A message is a 64-byte
+// header {length, tag} followed by its payload, padded to 64 bytes, written in pieces so a
+// message larger than the ring streams through it and the receiver copies one piece while
+// the sender writes the next. Messages of one pair are read in the order they were sent; a
+// receive for another tag moves the message at the head aside (into private memory) and
+// reads on, as torch.distributed's tag matching requires. Counters only grow and are
+// published with release semantics after the bytes they cover; waits use the same
+// spin/yield/futex policy as collectives (ShmComm::wait_word) with their own sleeper words.
+// The region is mapped without pre-faulting: a pair that never talks costs no memory.
+//
 // Note [Segment lifetime]
 // A segment is the control block, two data buffers and, optionally, a tensor pool
 // (shm_pool.h). Names are "/smddp_<nonce>_<local rank>" with a 128-bit random nonce from the group's
@@ -32,6 +46,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -67,12 +82,21 @@ struct RankControl {
   uint64_t magic = 0;
 };
 
+// Note [Shared-memory point-to-point]: one page per channel, one cache line per polled word.
+struct ChannelCtl {
+  alignas(64) std::atomic<uint64_t> head{0};        // written by the sender
+  alignas(64) std::atomic<uint32_t> head_sleepers{0};  // receivers about to sleep on head
+  alignas(64) std::atomic<uint64_t> tail{0};        // written by the receiver
+  alignas(64) std::atomic<uint32_t> tail_sleepers{0};  // senders about to sleep on tail
+};
+
 struct ShmConfig {
   std::string nonce;             // random, from the group's store
   std::string group_name;        // for messages
   int local_rank = 0;
   std::vector<int> group_ranks;  // local index -> rank in the group (for messages)
   size_t buffer_bytes = 0;       // size of each of the two data buffers of a segment
+  size_t p2p_bytes = 0;          // ring of each point-to-point channel (0: send/recv use TCP)
   size_t pool_bytes = 0;         // tensor pool at the end of the segment (0: none)
 };
 
@@ -118,6 +142,24 @@ class ShmComm {
   void publish_operand(const OpCtx& ctx, int64_t offset);
   int64_t operand_of(int i, const OpCtx& ctx) const;
 
+  // Note [Shared-memory point-to-point]: the channel from local rank `from` to `to` (in
+  // `from`'s segment); nullptr when the group has no channels.
+  size_t p2p_bytes() const { return cfg_.p2p_bytes; }
+  ChannelCtl* channel(int from, int to) const {
+    return p2p_base_[from] ? reinterpret_cast<ChannelCtl*>(p2p_base_[from] + to * channel_slot()) : nullptr;
+  }
+  char* ring(int from, int to) const { return p2p_base_[from] + to * channel_slot() + 4096; }
+  // Waits until `word` (owned by local rank i) reaches `target`, with the waiting policy of
+  // collectives; `health` runs now and then and throws to end the wait (peer gone,
+  // deadline, shutdown).
+  void wait_word(int i, const std::atomic<uint64_t>& word, std::atomic<uint32_t>& sleepers,
+                 uint64_t target, const std::function<void()>& health);
+  // Stores `value` into `word` and wakes whoever sleeps on it.
+  static void publish(std::atomic<uint64_t>& word, std::atomic<uint32_t>& sleepers, uint64_t value);
+  // Throws a CommError if this group was aborted, or local rank i failed or exited, or the
+  // deadline of `ctx` passed; `waiting_for` ends the timeout message.
+  void check_peer(int i, const OpCtx& ctx, const std::string& waiting_for);
+
   // Tells the local peers that this rank failed (they raise instead of waiting).
   void mark_failed(const std::string& message);
   // Makes every wait of this rank throw promptly (group shutdown/abort).
@@ -130,12 +172,15 @@ class ShmComm {
   void check_desc(int i, const OpCtx& ctx);
   [[noreturn]] void fail(const std::string& message);
   RankControl* ctl(int i) const { return ctl_[i]; }
+  size_t channel_slot() const { return 4096 + cfg_.p2p_bytes; }
+  size_t p2p_region_bytes() const { return cfg_.p2p_bytes ? size() * channel_slot() : 0; }
 
   ShmConfig cfg_;
   size_t seg_bytes_ = 0;   // whole segment: control block, data buffers, pool
   size_t main_bytes_ = 0;  // control block and data buffers (mapped pre-faulted)
   std::shared_ptr<ShmPool> pool_;
   std::vector<char*> pool_base_;
+  std::vector<char*> p2p_base_;  // every local rank's channel region as mapped here
   std::vector<RankControl*> ctl_;
   std::vector<char*> data_;
   std::vector<void*> maps_;
@@ -150,8 +195,6 @@ class ShmComm {
   int worker_spin_us_ = 20;       // same on worker threads (SMDDP_WORKER_SPIN_US)
   size_t chunk_bytes_ = 0;        // pipeline chunk (SMDDP_CHUNK_BYTES), <= buffer_bytes
   size_t stream_bytes_ = 0;       // see stream_output()
-  Clock::time_point last_pid_check_{};
-  Clock::time_point last_move_{};  // last time a wait moved this thread off a shared CPU
 };
 
 std::string shm_name(const std::string& nonce, int local_rank);

@@ -70,6 +70,24 @@ class Executor {
     std::lock_guard<std::mutex> g(exec_mu_);
     fn();
   }
+  // Runs `attempt` (which must not block) in the caller's thread when nothing is queued on
+  // the lane it would otherwise go to, so it cannot overtake earlier operations there;
+  // returns what `attempt` returned, or false when it did not run. Sends hold mu_ while
+  // they try, so nothing can be queued on the send lane meanwhile.
+  template <class F>
+  bool try_now(F&& attempt) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (main_.pending || stop_) return false;
+    }
+    std::lock_guard<std::mutex> g(exec_mu_);
+    return attempt();
+  }
+  template <class F>
+  bool try_send_now(F&& attempt) {
+    std::lock_guard<std::mutex> lk(mu_);
+    return !send_.pending && !stop_ && attempt();
+  }
   // Waits for all queued work, then joins the threads. Idempotent.
   void shutdown();
 

@@ -8,8 +8,10 @@ For every operation and size S (8 B .. 256 MiB by default, float32 data) each ba
 warm-up iterations, then timed iterations; the reported time is the median over iterations
 of the slowest rank (with ``--repeat N``, the median of N whole sweeps' medians). As in nccl-tests, S is the buffer size for all_reduce and broadcast,
 the *total* (gathered / scattered) size for all_gather_into_tensor and reduce_scatter_tensor,
-and the per-rank send size for all_to_all; algbw = S / time and busbw = algbw x factor
-(all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast 1, all_to_all (n-1)/n).
+and the per-rank send size for all_to_all and sendrecv (every rank sends S to the next rank and
+receives S from the previous one with batch_isend_irecv); algbw = S / time and busbw = algbw x
+factor (all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast and sendrecv 1,
+all_to_all (n-1)/n).
 The first iteration of every case is checked for correct values.
 
 --backends lists torch.distributed backends (the first one is the default group's) and
@@ -40,7 +42,8 @@ import torch.multiprocessing as mp
 
 from torch_sagemaker.bench import comma_list
 
-OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all")
+OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all",
+       "sendrecv")
 # Peers that are not torch.distributed backends: name -> the ops they can run.
 PEER_OPS = {"deepspeed": ("all_reduce",), "smddp-direct": ("all_reduce",)}
 
@@ -55,11 +58,15 @@ PASSES = {
                               "only its own block (true reduce-scatter)"),
     "broadcast": (lambda n: 1.0, "root reads S, others write S"),
     "all_to_all": (lambda n: 2.0, "read S + write S"),
+    "sendrecv": (lambda n: 2.0, "read S + write S; through the pair's shared-memory ring in "
+                 "64 KiB pieces while cache-resident (small messages: written by the caller)"),
 }
 
 
 def _busbw_factor(op: str, n: int) -> float:
-    return 2 * (n - 1) / n if op == "all_reduce" else (1.0 if op == "broadcast" else (n - 1) / n)
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    return 1.0 if op in ("broadcast", "sendrecv") else (n - 1) / n
 
 
 def parse_size(text: str) -> int:
@@ -130,6 +137,22 @@ def _case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=None):
             t.fill_(float(rank + 1))
             run()
             return bool((t[:: max(1, count // 97)] == 1).all())
+
+        return run, check, count * 4
+    if op == "sendrecv":
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+        inp, out = torch.full((count,), float(rank + 1)), torch.empty(count)
+
+        def run():
+            ops = [dist.P2POp(dist.isend, inp, group=group, group_peer=nxt),
+                   dist.P2POp(dist.irecv, out, group=group, group_peer=prv)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+        def check():
+            out.zero_()
+            run()
+            return bool((out[:: max(1, count // 97)] == prv + 1).all())
 
         return run, check, count * 4
     inp, out = torch.full((count,), float(rank + 1)), torch.empty(count)

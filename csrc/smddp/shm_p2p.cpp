@@ -1,0 +1,171 @@
+#include "smddp/shm_p2p.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace smddp {
+namespace {
+
+constexpr size_t kHeader = 64;           // one cache line: {bytes, tag}
+constexpr size_t kPiece = 64 << 10;      // both sides publish at least every 64 KiB (pipelining)
+
+struct Header {
+  uint64_t bytes;
+  uint32_t tag;
+};
+
+uint64_t align64(uint64_t pos) { return (pos + 63) & ~uint64_t(63); }
+
+// Ring copies that may cross the end of the ring.
+void ring_write(char* ring, size_t cap, uint64_t pos, const char* src, size_t n) {
+  size_t at = pos % cap, first = std::min(n, cap - at);
+  std::memcpy(ring + at, src, first);
+  std::memcpy(ring, src + first, n - first);
+}
+
+void ring_read(char* dst, const char* ring, size_t cap, uint64_t pos, size_t n) {
+  size_t at = pos % cap, first = std::min(n, cap - at);
+  std::memcpy(dst, ring + at, first);
+  std::memcpy(dst + first, ring, n - first);
+}
+
+}  // namespace
+
+ShmP2P::ShmP2P(ShmComm& shm) : shm_(shm), cap_(shm.p2p_bytes()), in_(shm.size()), out_(shm.size()) {}
+
+void ShmP2P::send(int to, uint32_t tag, const void* data, size_t bytes, const OpCtx& ctx) {
+  std::lock_guard<std::mutex> g(out_[to].mu);
+  ChannelCtl* ch = shm_.channel(shm_.rank(), to);
+  char* ring = shm_.ring(shm_.rank(), to);
+  const char* src = static_cast<const char*>(data);
+  // Waits until the ring can hold everything up to byte position `end`.
+  auto wait_space = [&](uint64_t end) {
+    if (end <= cap_) return;
+    shm_.wait_word(to, ch->tail, ch->tail_sleepers, end - cap_, [&] {
+      shm_.check_peer(to, ctx, "to receive (is a matching recv posted on it?)");
+    });
+  };
+  uint64_t pos = align64(ch->head.load(std::memory_order_relaxed));  // only this rank writes head
+  wait_space(pos + kHeader);
+  Header h{bytes, tag};
+  std::memcpy(ring + pos % cap_, &h, sizeof(h));  // never wraps: pos and cap_ are multiples of 64
+  pos += kHeader;
+  if (bytes == 0) ShmComm::publish(ch->head, ch->head_sleepers, pos);
+  for (size_t done = 0; done < bytes;) {
+    uint64_t used = pos - ch->tail.load(std::memory_order_acquire);
+    if (used == cap_) {
+      ShmComm::publish(ch->head, ch->head_sleepers, pos);  // what is written so far
+      // Wait for a quarter of the ring, not one byte: fewer sleeps and wake-ups when the
+      // threads share cores (16 MiB exchange between 2 ranks: 12.8 -> 2.8 ms).
+      wait_space(pos + std::min<uint64_t>(cap_ / 4, bytes - done));
+      continue;
+    }
+    size_t piece = std::min({cap_ - used, bytes - done, kPiece, cap_ - pos % cap_});
+    std::memcpy(ring + pos % cap_, src + done, piece);
+    pos += piece;
+    done += piece;
+    ShmComm::publish(ch->head, ch->head_sleepers, pos);
+  }
+}
+
+bool ShmP2P::try_send(int to, uint32_t tag, const void* data, size_t bytes) {
+  std::unique_lock<std::mutex> g(out_[to].mu, std::try_to_lock);
+  if (!g.owns_lock()) return false;
+  ChannelCtl* ch = shm_.channel(shm_.rank(), to);
+  uint64_t pos = align64(ch->head.load(std::memory_order_relaxed));
+  if (pos + kHeader + bytes - ch->tail.load(std::memory_order_acquire) > cap_) return false;
+  char* ring = shm_.ring(shm_.rank(), to);
+  Header h{bytes, tag};
+  std::memcpy(ring + pos % cap_, &h, sizeof(h));
+  ring_write(ring, cap_, pos + kHeader, static_cast<const char*>(data), bytes);
+  ShmComm::publish(ch->head, ch->head_sleepers, pos + kHeader + bytes);
+  return true;
+}
+
+void ShmP2P::recv(int from, uint32_t tag, void* data, size_t bytes, const OpCtx& ctx) {
+  Inbox& in = in_[from];
+  std::lock_guard<std::mutex> g(in.mu);
+  if (take_stashed(in, tag, data, bytes, &ctx)) return;
+  ChannelCtl* ch = shm_.channel(from, shm_.rank());
+  const char* ring = shm_.ring(from, shm_.rank());
+  auto wait_data = [&](uint64_t end) {
+    shm_.wait_word(from, ch->head, ch->head_sleepers, end, [&] {
+      shm_.check_peer(from, ctx, "to send (is a matching send posted on it?)");
+    });
+  };
+  while (true) {
+    uint64_t pos = align64(ch->tail.load(std::memory_order_relaxed));  // only this rank writes tail
+    wait_data(pos + kHeader);
+    Header h;
+    std::memcpy(&h, ring + pos % cap_, sizeof(h));
+    const bool mine = h.tag == tag;
+    if (mine && h.bytes != bytes) size_mismatch(tag, h.bytes, bytes, ctx);
+    pos += kHeader;
+    ShmComm::publish(ch->tail, ch->tail_sleepers, pos);
+    char* dst = static_cast<char*>(data);
+    if (!mine) {
+      in.stash.push_back({h.tag, std::vector<char>(h.bytes)});
+      dst = in.stash.back().data.data();
+    }
+    for (size_t done = 0; done < h.bytes;) {
+      uint64_t head = ch->head.load(std::memory_order_acquire);
+      if (head <= pos) {
+        wait_data(pos + 1);
+        continue;
+      }
+      // Freed space is published every piece, so a waiting sender sees progress while it
+      // still spins (one 1 MiB copy before publishing put it to sleep: 16 MiB ping-pong
+      // 2.5 -> 16 ms).
+      size_t piece = std::min<uint64_t>({head - pos, h.bytes - done, cap_ - pos % cap_, kPiece});
+      std::memcpy(dst + done, ring + pos % cap_, piece);
+      pos += piece;
+      done += piece;
+      ShmComm::publish(ch->tail, ch->tail_sleepers, pos);
+    }
+    if (mine) return;
+  }
+}
+
+bool ShmP2P::try_recv(int from, uint32_t tag, void* data, size_t bytes) {
+  Inbox& in = in_[from];
+  std::unique_lock<std::mutex> g(in.mu, std::try_to_lock);
+  if (!g.owns_lock()) return false;
+  if (take_stashed(in, tag, data, bytes, nullptr)) return true;
+  if (!in.stash.empty()) return false;  // let recv() sort out what is stashed
+  ChannelCtl* ch = shm_.channel(from, shm_.rank());
+  const char* ring = shm_.ring(from, shm_.rank());
+  uint64_t pos = align64(ch->tail.load(std::memory_order_relaxed));
+  uint64_t head = ch->head.load(std::memory_order_acquire);
+  if (head < pos + kHeader) return false;
+  Header h;
+  std::memcpy(&h, ring + pos % cap_, sizeof(h));
+  // Anything but the complete message we want is left to recv() (it stashes and raises).
+  if (h.tag != tag || h.bytes != bytes || head < pos + kHeader + bytes) return false;
+  ring_read(static_cast<char*>(data), ring, cap_, pos + kHeader, bytes);
+  ShmComm::publish(ch->tail, ch->tail_sleepers, pos + kHeader + bytes);
+  return true;
+}
+
+bool ShmP2P::take_stashed(Inbox& in, uint32_t tag, void* data, size_t bytes,
+                          const OpCtx* ctx) {
+  for (auto it = in.stash.begin(); it != in.stash.end(); ++it) {
+    if (it->tag != tag) continue;
+    if (it->data.size() != bytes) {
+      if (!ctx) return false;
+      size_mismatch(tag, it->data.size(), bytes, *ctx);
+    }
+    if (bytes) std::memcpy(data, it->data.data(), bytes);
+    in.stash.erase(it);
+    return true;
+  }
+  return false;
+}
+
+void ShmP2P::size_mismatch(uint32_t tag, size_t got, size_t want, const OpCtx& ctx) {
+  throw CommError("smddp: " + ctx.describe() + ": the message with tag " + std::to_string(tag) +
+                  " has " + std::to_string(got) + " bytes but this recv expects " +
+                  std::to_string(want) + " (send and recv must use tensors of the same size "
+                  "and dtype)");
+}
+
+}  // namespace smddp

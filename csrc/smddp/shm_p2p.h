@@ -1,0 +1,54 @@
+// Point-to-point messages between the ranks of one host, over the channels of Note
+// [Shared-memory point-to-point] (shm.h).
+#pragma once
+
+#include <deque>
+#include <mutex>
+#include <vector>
+
+#include "smddp/shm.h"
+
+namespace smddp {
+
+class ShmP2P {
+ public:
+  explicit ShmP2P(ShmComm& shm);
+
+  // Sends `bytes` to local rank `to`, waiting for ring space as needed. Sends to one peer
+  // are written in call order (one at a time per channel).
+  void send(int to, uint32_t tag, const void* data, size_t bytes, const OpCtx& ctx);
+  // Receives the oldest message from local rank `from` with `tag` into `data`; raises if
+  // its size is not `bytes`.
+  void recv(int from, uint32_t tag, void* data, size_t bytes, const OpCtx& ctx);
+
+  // Non-blocking forms for the caller's thread: each completes the whole operation and
+  // returns true, or does nothing and returns false (no ring space for the whole message,
+  // message not fully there, or the channel is busy in another thread).
+  bool try_send(int to, uint32_t tag, const void* data, size_t bytes);
+  bool try_recv(int from, uint32_t tag, void* data, size_t bytes);
+
+ private:
+  struct Stashed {
+    uint32_t tag;
+    std::vector<char> data;
+  };
+  struct Inbox {
+    std::mutex mu;               // one reader at a time
+    std::deque<Stashed> stash;   // messages read past while looking for another tag
+  };
+  struct Outbox {
+    std::mutex mu;  // one writer at a time
+  };
+
+  // Copies the oldest stashed message with `tag` into `data`; with `ctx` a size mismatch
+  // raises, without it the message stays and false is returned.
+  bool take_stashed(Inbox& in, uint32_t tag, void* data, size_t bytes, const OpCtx* ctx);
+  [[noreturn]] static void size_mismatch(uint32_t tag, size_t got, size_t want, const OpCtx& ctx);
+
+  ShmComm& shm_;
+  size_t cap_;  // ring bytes
+  std::vector<Inbox> in_;
+  std::vector<Outbox> out_;
+};
+
+}  // namespace smddp

@@ -1,0 +1,181 @@
+"""smddp point-to-point: send/recv/isend/irecv/batch_isend_irecv over the shared-memory
+rings (tiny rings too, so messages wrap, stream and get stashed), over TCP, and across
+forced hosts; every payload bit-exact; faults end in clear errors."""
+
+import time
+
+import pytest
+
+from tests.distributed import test_smddp_support as checks
+from tests.distributed.launcher import DistributedTestError, run_distributed
+from torch_sagemaker.distributed import backend
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(not backend.is_available(), reason="smddp extension not built"),
+]
+
+
+def _payload(src: int, n: int, dtype, salt: int):
+    return checks.make_input(src, n, dtype, salt)
+
+
+def _p2p_cases(expect_eager: bool) -> int:
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    checked = 0
+    # Ring exchange, every dtype, sizes from empty to larger than the default 1 MiB ring.
+    for dtype in checks.ALL_DTYPES:
+        for n in (0, 1, 7, 1031, 300007):
+            out = torch.empty(n, dtype=dtype)
+            ops = [dist.P2POp(dist.irecv, out, prv), dist.P2POp(dist.isend, _payload(rank, n, dtype, n), nxt)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+            assert checks.same(out, _payload(prv, n, dtype, n)), (dtype, n)
+            checked += 1
+    # Non-contiguous send and receive tensors.
+    src = torch.arange(6000, dtype=torch.float64).reshape(60, 100) + rank
+    out = torch.zeros(100, 60, dtype=torch.float64).t()
+    reqs = [dist.isend(src[:, ::1].t().contiguous().t(), nxt), dist.irecv(out, prv)]
+    for w in reqs:
+        w.wait()
+    assert torch.equal(out, torch.arange(6000, dtype=torch.float64).reshape(60, 100) + prv)
+    checked += 1
+
+    # Once the rings are drained, a small isend over shared memory is buffered in its ring
+    # and complete at once.
+    dist.barrier()
+    if rank == 0:
+        w = dist.isend(torch.ones(16), 1, tag=5)
+        assert w.is_completed() or not expect_eager, "a small isend over shared memory completes at once"
+        w.wait()
+    elif rank == 1:
+        one = torch.empty(16)
+        dist.recv(one, 0, tag=5)
+        assert torch.equal(one, torch.ones(16))
+
+    if rank == 0:
+        # Tags out of order: the large first message must be moved aside, not lost.
+        big, small = _payload(0, 700001, torch.float32, 1), _payload(0, 5, torch.int64, 2)
+        dist.send(big, 1, tag=1)
+        dist.send(small, 1, tag=2)
+        # Many back-to-back sends: more than the ring holds, read in order.
+        works = [dist.isend(torch.full((10000,), float(i)), 1, tag=3) for i in range(60)]
+        for w in works:
+            w.wait()
+        # A send larger than the ring to a receiver that comes late.
+        dist.send(_payload(0, 600000, torch.float32, 4), 1, tag=4)
+        dist.send(torch.ones(16), 1, tag=5)
+        # Interleaved with a collective.
+        dist.isend(torch.full((3,), 7.0), 1, tag=6).wait()
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        checked += 5
+    elif rank == 1:
+        small, big = torch.empty(5, dtype=torch.int64), torch.empty(700001)
+        w_small = dist.irecv(small, 0, tag=2)
+        w_big = dist.irecv(big, 0, tag=1)
+        w_small.wait()
+        w_big.wait()
+        assert checks.same(small, _payload(0, 5, torch.int64, 2))
+        assert checks.same(big, _payload(0, 700001, torch.float32, 1))
+        for i in range(60):
+            got = torch.empty(10000)
+            dist.recv(got, 0, tag=3)
+            assert torch.equal(got, torch.full((10000,), float(i))), i
+        time.sleep(0.3)
+        late = torch.empty(600000)
+        dist.recv(late, 0, tag=4)
+        assert checks.same(late, _payload(0, 600000, torch.float32, 4))
+        one = torch.empty(16)
+        dist.recv(one, 0, tag=5)
+        assert torch.equal(one, torch.ones(16))
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        got = torch.empty(3)
+        dist.recv(got, 0, tag=6)
+        assert torch.equal(got, torch.full((3,), 7.0)) and torch.equal(t, torch.full((4,), float(world)))
+        checked += 5
+    else:
+        dist.all_reduce(torch.ones(4))
+    dist.barrier()
+    return checked
+
+
+@pytest.mark.parametrize(
+    "world_size, env, eager",
+    [
+        (3, {}, True),
+        (3, {"SMDDP_P2P_BYTES": "4096"}, True),  # one-page rings: wrap, stream, stash
+        (3, {"SMDDP_P2P_BYTES": "0"}, False),  # no rings: everything over TCP (may be quick too)
+        (4, {"SMDDP_FORCE_LOCAL_SIZE": "2"}, True),  # pairs inside and across forced hosts
+    ],
+    ids=["shm", "shm-one-page-rings", "tcp", "forced-hosts"],
+)
+def test_p2p_matches_payload_bit_for_bit(world_size, env, eager):
+    results = run_distributed(_p2p_cases, eager, world_size=world_size, backend="smddp", env=env,
+                              timeout=300)
+    assert results[0] == results[1] == 5 * len(checks.ALL_DTYPES) + 1 + 5
+
+
+def _p2p_faults():
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    messages = []
+    # A fresh group per case: a failed send/recv poisons its group.
+    groups = [dist.new_group([0, 1], timeout=timedelta(seconds=2)) for _ in range(2)]
+    if rank == 0:
+        start = time.monotonic()
+        messages += checks.runtime_errors([lambda: dist.recv(torch.empty(4), 1, group=groups[0], tag=9)])
+        messages.append(time.monotonic() - start)
+    else:
+        time.sleep(2.5)  # never sends; rank 0 waits in the recv until its 2 s timeout
+    dist.barrier()
+    if rank == 0:
+        messages += checks.runtime_errors([lambda: dist.recv(torch.empty(4), 1, group=groups[1])])  # size
+    else:
+        dist.send(torch.ones(6), 0, group=groups[1])
+    dist.barrier()
+    return messages
+
+
+def test_p2p_faults_raise_clear_errors_within_the_timeout():
+    results = run_distributed(_p2p_faults, world_size=2, backend="smddp", fresh=True, pg_timeout=2,
+                              timeout=120)
+    timeout_msg, timeout_s, size_msg = results[0]
+    assert "recv" in timeout_msg and "timed out after 2.0 s" in timeout_msg and "rank 1" in timeout_msg
+    assert 1.5 < timeout_s < 10
+    assert "24 bytes but this recv expects 16" in size_msg
+
+
+def _p2p_dead_peer():
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 1:
+        time.sleep(0.5)
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        dist.recv(torch.empty(4), 1)  # raises: rank 1 is gone
+    except RuntimeError as e:
+        raise RuntimeError(f"{e} [after {time.monotonic() - start:.2f} s]") from None
+    return "no error"
+
+
+def test_p2p_dead_peer_raises_quickly():
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_p2p_dead_peer, world_size=2, backend="smddp", fresh=True, pg_timeout=60)
+    section = str(info.value).split("--- rank 0 ---")[1].split("--- rank")[0]
+    assert "RuntimeError" in section and "recv" in section and "rank 1 exited" in section, section
+    assert float(section.rsplit("[after ", 1)[1].split(" s]")[0]) < 20, section
