@@ -112,7 +112,7 @@ at::Tensor ProcessGroupSMDDP::allocateTensor(long size, at::TensorOptions option
 void ProcessGroupSMDDP::shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
-  without_gil([&] { exec_.shutdown(); });
+  without_gil([&] { exec_->shutdown(); });
   comm_.reset();  // unmaps the segments, closes sockets, joins the listener
 }
 
@@ -158,9 +158,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::submit(c10d::OpType type,
   TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
   auto work = c10::make_intrusive<SmddpWork>(rank_, type, std::move(outputs));
   if (type == c10d::OpType::SEND) {
-    exec_.submit_send(std::move(fn), work);
+    exec_->submit_send(std::move(fn), work);
   } else {
-    exec_.submit(std::move(fn), work, async_op || coalescing_);
+    work->set_executor(exec_);
+    exec_->submit(std::move(fn), work, async_op || coalescing_);
   }
   return track(work);
 }

@@ -101,7 +101,7 @@ class ProcessGroupSMDDP : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> completed(c10d::OpType type, std::vector<at::Tensor> outputs);
 
   std::unique_ptr<Communicator> comm_;
-  Executor exec_;
+  std::shared_ptr<Executor> exec_ = std::make_shared<Executor>();  // works hold weak refs
   double timeout_s_;
   std::string group_name_;
   bool coalescing_ = false;

@@ -93,7 +93,7 @@ void ProcessGroupSMDDP::allreduce_direct(const at::Tensor& tensor, const c10d::R
   Reduction red = reduction_of(op, t, "all_reduce");
   OpCtx ctx = comm_->make_ctx("all_reduce", desc_of(t, int(red.op), t.numel()),
                               args_of(t, redop_name(red.op)), timeout_s_);
-  exec_.run_now([&] { allreduce_tensor(*comm_, t, red, ctx); });
+  exec_->run_now([&] { allreduce_tensor(*comm_, t, red, ctx); });
 }
 
 WorkPtr ProcessGroupSMDDP::allreduce_coalesced(std::vector<at::Tensor>& tensors,
@@ -452,7 +452,7 @@ WorkPtr ProcessGroupSMDDP::send(std::vector<at::Tensor>& tensors, int dst, int t
   at::Tensor t = tensors[0];
   at::Tensor c = t.contiguous();
   const size_t bytes = c.numel() * c.element_size();
-  if (exec_.try_send_now([&] { return comm_->try_send_now(c.data_ptr(), bytes, dst, static_cast<uint32_t>(tag)); })) {
+  if (exec_->try_send_now([&] { return comm_->try_send_now(c.data_ptr(), bytes, dst, static_cast<uint32_t>(tag)); })) {
     return completed(OpType::SEND, tensors);
   }
   OpCtx ctx = comm_->make_ctx("send", desc_of(t, 0, t.numel()), peer_args_of(t, dst, true),
@@ -468,7 +468,7 @@ WorkPtr ProcessGroupSMDDP::recv(std::vector<at::Tensor>& tensors, int src, int t
   TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
   at::Tensor t = tensors[0];
   if (t.is_contiguous() &&
-      exec_.try_now([&] { return comm_->try_recv_now(t.data_ptr(), t.numel() * t.element_size(), src, static_cast<uint32_t>(tag)); })) {
+      exec_->try_now([&] { return comm_->try_recv_now(t.data_ptr(), t.numel() * t.element_size(), src, static_cast<uint32_t>(tag)); })) {
     return completed(OpType::RECV, tensors);
   }
   OpCtx ctx = comm_->make_ctx("recv", desc_of(t, 0, t.numel()), peer_args_of(t, src, false),

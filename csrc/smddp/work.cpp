@@ -19,6 +19,11 @@ void SmddpWork::complete(std::exception_ptr error) {
   finish(error);
 }
 
+bool SmddpWork::wait(std::chrono::milliseconds timeout) {
+  if (auto exec = exec_.lock()) exec->run_if_next(this);
+  return c10d::Work::wait(timeout);
+}
+
 CoalescedWork::CoalescedWork(std::vector<c10::intrusive_ptr<c10d::Work>> parts)
     : c10d::Work(-1, c10d::OpType::COALESCED), parts_(std::move(parts)) {}
 
@@ -95,16 +100,36 @@ void Executor::enqueue(Lane& lane, Item item) {
   cv_.notify_all();
 }
 
+bool Executor::run_if_next(const SmddpWork* work) {
+  Item item;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (main_busy_ || main_.queue.empty() || main_.queue.front().work.get() != work) return false;
+    item = std::move(main_.queue.front());
+    main_.queue.pop_front();
+    main_busy_ = true;
+  }
+  run(item);
+  std::lock_guard<std::mutex> lk(mu_);
+  main_busy_ = false;
+  --main_.pending;
+  idle_cv_.notify_all();
+  cv_.notify_all();  // the worker may start the next one
+  return true;
+}
+
 void Executor::run_lane(Lane& lane) {
   on_worker_thread() = true;
+  const bool main = &lane == &main_;
   while (true) {
     Item item;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] { return stop_ || !lane.queue.empty(); });
+      cv_.wait(lk, [&] { return !(main && main_busy_) && (stop_ || !lane.queue.empty()); });
       if (lane.queue.empty()) return;  // stop_ and drained
       item = std::move(lane.queue.front());
       lane.queue.pop_front();
+      if (main) main_busy_ = true;
     }
     if (&lane == &send_) {
       // Sends do not take exec_mu_: they only write sockets (see Note [TCP connections]).
@@ -119,6 +144,7 @@ void Executor::run_lane(Lane& lane) {
       run(item);
     }
     std::lock_guard<std::mutex> g(mu_);
+    if (main) main_busy_ = false;
     --lane.pending;
     idle_cv_.notify_all();
   }

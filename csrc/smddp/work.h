@@ -9,6 +9,15 @@
 // runs the queue in FIFO order so communication overlaps the caller's computation. Sends
 // (isend/send) run on a separate send lane so a large send never blocks a receive queued
 // behind it. `exec_mu_` makes sure inline and worker executions never overlap.
+//
+// Note [Waiting runs the work]
+// A caller that waits for an async work which has not started yet would otherwise sleep
+// until the worker thread wakes up, runs it and wakes the caller again: two hand-offs of
+// tens of microseconds each on these VMs, and with more ranks than cores the worker may not
+// get a core for much longer. So SmddpWork::wait() first asks the executor to run the work
+// in the caller's thread, which it does only when the work is at the front of the main lane
+// and no main-lane work is running (`main_busy_`, which also keeps the worker from starting
+// the next one meanwhile): the issue order of Note [Execution order] holds either way.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -18,14 +27,21 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 
 namespace smddp {
 
+class Executor;
+
 class SmddpWork : public c10d::Work {
  public:
   SmddpWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs);
+  // Note [Waiting runs the work]: wait() first offers to run this work in the caller's
+  // thread; `exec` is the executor it was queued on.
+  void set_executor(std::weak_ptr<Executor> exec) { exec_ = std::move(exec); }
+  bool wait(std::chrono::milliseconds timeout) override;
   // The future's value is the list of output tensors (DDP and FSDP chain on it).
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override { return outputs_; }
@@ -35,6 +51,7 @@ class SmddpWork : public c10d::Work {
  private:
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::weak_ptr<Executor> exec_;
 };
 
 // A Work that completes when all of its parts complete (endCoalescing).
@@ -88,6 +105,9 @@ class Executor {
     std::lock_guard<std::mutex> lk(mu_);
     return !send_.pending && !stop_ && attempt();
   }
+  // Note [Waiting runs the work]: runs `work` in the caller's thread if it is the next work
+  // of the main lane and the worker is not running one; returns whether it did.
+  bool run_if_next(const SmddpWork* work);
   // Waits for all queued work, then joins the threads. Idempotent.
   void shutdown();
 
@@ -109,6 +129,7 @@ class Executor {
   std::condition_variable cv_;       // new work or shutdown
   std::condition_variable idle_cv_;  // a lane became idle
   Lane main_, send_;
+  bool main_busy_ = false;  // a main-lane work is running (worker or run_if_next)
   bool stop_ = false;
   std::mutex exec_mu_;
 };

@@ -7,6 +7,7 @@ local ranks in order inside a host, then hosts in order) and compare bit for bit
 
 from __future__ import annotations
 
+import random
 import zlib
 
 import torch
@@ -348,9 +349,13 @@ def check_async_two_groups(rounds: int = 40) -> int:
             o = torch.empty((i + 1) * world, dtype=torch.int64)
             works.append(dist.all_gather_into_tensor(o, torch.full((i + 1,), scale * rank + i), group=g, async_op=True))
             tensors.append((t, o, scale, i))
-    for w in works:
-        w.wait()
-        assert w.is_completed()
+    # Waits in a different random order on every rank: a wait may run its work in the
+    # caller's thread (when it is next in line), which must not change the issue order.
+    order = list(range(len(works)))
+    random.Random(rank).shuffle(order)
+    for k in order:
+        works[k].wait()
+        assert works[k].is_completed()
     for t, o, scale, i in tensors:
         assert torch.all(t == sum(scale * (r + 1) + i for r in range(world))).item()
         assert torch.equal(o, torch.cat([torch.full((i + 1,), scale * r + i) for r in range(world)]))
