@@ -157,10 +157,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::submit(c10d::OpType type,
                                                          bool async_op, std::function<void()> fn) {
   TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
   auto work = c10::make_intrusive<SmddpWork>(rank_, type, std::move(outputs));
+  work->set_executor(exec_);
   if (type == c10d::OpType::SEND) {
     exec_->submit_send(std::move(fn), work);
   } else {
-    work->set_executor(exec_);
     exec_->submit(std::move(fn), work, async_op || coalescing_);
   }
   return track(work);

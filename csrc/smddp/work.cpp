@@ -20,7 +20,10 @@ void SmddpWork::complete(std::exception_ptr error) {
 }
 
 bool SmddpWork::wait(std::chrono::milliseconds timeout) {
-  if (auto exec = exec_.lock()) exec->run_if_next(this);
+  if (auto exec = exec_.lock()) {
+    while (!isCompleted() && exec->run_next()) {
+    }
+  }
   return c10d::Work::wait(timeout);
 }
 
@@ -100,16 +103,21 @@ void Executor::enqueue(Lane& lane, Item item) {
   cv_.notify_all();
 }
 
-bool Executor::run_if_next(const SmddpWork* work) {
+bool Executor::run_next() {
   Item item;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (main_busy_ || main_.queue.empty() || main_.queue.front().work.get() != work) return false;
+    if (main_busy_ || main_.queue.empty()) return false;
     item = std::move(main_.queue.front());
     main_.queue.pop_front();
     main_busy_ = true;
   }
+  // Async work keeps the worker's waiting policy (a short spin): while this thread waits
+  // on a peer, the send lane of this process may need the core.
+  bool was_worker = on_worker_thread();
+  on_worker_thread() = true;
   run(item);
+  on_worker_thread() = was_worker;
   std::lock_guard<std::mutex> lk(mu_);
   main_busy_ = false;
   --main_.pending;

@@ -14,10 +14,12 @@
 // A caller that waits for an async work which has not started yet would otherwise sleep
 // until the worker thread wakes up, runs it and wakes the caller again: two hand-offs of
 // tens of microseconds each on these VMs, and with more ranks than cores the worker may not
-// get a core for much longer. So SmddpWork::wait() first asks the executor to run the work
-// in the caller's thread, which it does only when the work is at the front of the main lane
-// and no main-lane work is running (`main_busy_`, which also keeps the worker from starting
-// the next one meanwhile): the issue order of Note [Execution order] holds either way.
+// get a core for much longer. So SmddpWork::wait() runs main-lane works in the caller's
+// thread, front first, until its own work is complete (it may be a send, which completes on
+// the send lane once the peer's receive, queued here behind it, drains the ring). A work is
+// taken only from the front of the main lane and only while no main-lane work is running
+// (`main_busy_`, which also keeps the worker from starting the next one meanwhile), so the
+// issue order of Note [Execution order] holds either way.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -105,9 +107,9 @@ class Executor {
     std::lock_guard<std::mutex> lk(mu_);
     return !send_.pending && !stop_ && attempt();
   }
-  // Note [Waiting runs the work]: runs `work` in the caller's thread if it is the next work
-  // of the main lane and the worker is not running one; returns whether it did.
-  bool run_if_next(const SmddpWork* work);
+  // Note [Waiting runs the work]: runs the next work of the main lane in the caller's thread
+  // if no main-lane work is running; returns whether it ran one.
+  bool run_next();
   // Waits for all queued work, then joins the threads. Idempotent.
   void shutdown();
 
