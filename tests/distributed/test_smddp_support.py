@@ -8,6 +8,7 @@ local ranks in order inside a host, then hosts in order) and compare bit for bit
 from __future__ import annotations
 
 import random
+import time
 import zlib
 
 import torch
@@ -98,6 +99,24 @@ def runtime_errors(cases) -> list[str | None]:
         except RuntimeError as e:
             messages.append(str(e))
     return messages
+
+
+def raise_with_elapsed(fn) -> str:
+    """Runs ``fn``; re-raises its RuntimeError with the seconds it took appended ("[after X s]")."""
+    start = time.monotonic()
+    try:
+        fn()
+    except RuntimeError as e:
+        raise RuntimeError(f"{e} [after {time.monotonic() - start:.2f} s]") from None
+    return "no error"
+
+
+def rank_failure(text: str, rank: int) -> tuple[str, float]:
+    """The section of a DistributedTestError's text for ``rank``, and the seconds that
+    raise_with_elapsed appended to it."""
+    section = text.split(f"--- rank {rank} ---")[1].split("--- rank")[0]
+    assert "[after " in section, section
+    return section, float(section.rsplit("[after ", 1)[1].split(" s]")[0])
 
 
 def host_layout() -> list[list[int]]:
