@@ -143,10 +143,10 @@ class ShmComm {
   int64_t operand_of(int i, const OpCtx& ctx) const;
 
   // Note [Shared-memory point-to-point]: the channel from local rank `from` to `to` (in
-  // `from`'s segment); nullptr when the group has no channels.
+  // `from`'s segment) and its ring; only when p2p_bytes() > 0.
   size_t p2p_bytes() const { return cfg_.p2p_bytes; }
   ChannelCtl* channel(int from, int to) const {
-    return p2p_base_[from] ? reinterpret_cast<ChannelCtl*>(p2p_base_[from] + to * channel_slot()) : nullptr;
+    return reinterpret_cast<ChannelCtl*>(p2p_base_[from] + to * channel_slot());
   }
   char* ring(int from, int to) const { return p2p_base_[from] + to * channel_slot() + 4096; }
   // Waits until `word` (owned by local rank i) reaches `target`, with the waiting policy of

@@ -108,9 +108,7 @@ bool Executor::run_next() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (main_busy_ || main_.queue.empty()) return false;
-    item = std::move(main_.queue.front());
-    main_.queue.pop_front();
-    main_busy_ = true;
+    item = take_front(main_);
   }
   // Async work keeps the worker's waiting policy (a short spin): while this thread waits
   // on a peer, the send lane of this process may need the core.
@@ -118,12 +116,23 @@ bool Executor::run_next() {
   on_worker_thread() = true;
   run(item);
   on_worker_thread() = was_worker;
-  std::lock_guard<std::mutex> lk(mu_);
-  main_busy_ = false;
-  --main_.pending;
-  idle_cv_.notify_all();
-  cv_.notify_all();  // the worker may start the next one
+  finished(main_);
+  cv_.notify_all();  // the worker, held back by main_busy_, may start the next one
   return true;
+}
+
+Executor::Item Executor::take_front(Lane& lane) {
+  Item item = std::move(lane.queue.front());
+  lane.queue.pop_front();
+  if (&lane == &main_) main_busy_ = true;
+  return item;
+}
+
+void Executor::finished(Lane& lane) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (&lane == &main_) main_busy_ = false;
+  --lane.pending;
+  idle_cv_.notify_all();
 }
 
 void Executor::run_lane(Lane& lane) {
@@ -135,12 +144,11 @@ void Executor::run_lane(Lane& lane) {
       std::unique_lock<std::mutex> lk(mu_);
       cv_.wait(lk, [&] { return !(main && main_busy_) && (stop_ || !lane.queue.empty()); });
       if (lane.queue.empty()) return;  // stop_ and drained
-      item = std::move(lane.queue.front());
-      lane.queue.pop_front();
-      if (main) main_busy_ = true;
+      item = take_front(lane);
     }
-    if (&lane == &send_) {
-      // Sends do not take exec_mu_: they only write sockets (see Note [TCP connections]).
+    if (!main) {
+      // Sends do not take exec_mu_: they only write sockets (see Note [TCP connections])
+      // or their own shared-memory rings.
       std::exception_ptr error;
       try {
         item.fn();
@@ -151,10 +159,7 @@ void Executor::run_lane(Lane& lane) {
     } else {
       run(item);
     }
-    std::lock_guard<std::mutex> g(mu_);
-    if (main) main_busy_ = false;
-    --lane.pending;
-    idle_cv_.notify_all();
+    finished(lane);
   }
 }
 

@@ -40,8 +40,8 @@ class Executor;
 class SmddpWork : public c10d::Work {
  public:
   SmddpWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs);
-  // Note [Waiting runs the work]: wait() first offers to run this work in the caller's
-  // thread; `exec` is the executor it was queued on.
+  // Note [Waiting runs the work]: wait() runs queued works of `exec` (the executor this
+  // work was submitted to) in the caller's thread until this one is complete.
   void set_executor(std::weak_ptr<Executor> exec) { exec_ = std::move(exec); }
   bool wait(std::chrono::milliseconds timeout) override;
   // The future's value is the list of output tensors (DDP and FSDP chain on it).
@@ -124,6 +124,8 @@ class Executor {
     size_t pending = 0;  // queued or running
   };
   void run_lane(Lane& lane);
+  Item take_front(Lane& lane);  // under mu_; marks the main lane busy
+  void finished(Lane& lane);    // takes mu_; the work taken by take_front is done
   void run(Item& item);
   void enqueue(Lane& lane, Item item);
 
