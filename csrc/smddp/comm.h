@@ -100,6 +100,10 @@ class Communicator {
                            const Reduction& red, const OpCtx& ctx);
   void hier_allgather(const void* src, void* out, const std::vector<Span>& parts,
                       const OpCtx& ctx);
+  // A collective's TCP exchange, which also ends when a rank of this host fails (it may be
+  // the one that learned of a failure on another host).
+  void exchange(const std::vector<TcpMesh::Op>& sends, const std::vector<TcpMesh::Op>& recvs,
+                const OpCtx& ctx);
   std::vector<std::vector<int>> rail_owned() const;  // local index -> parts of its rail
   uint64_t tag(const OpCtx& ctx, int stage) const;
   char* scratch(size_t bytes);

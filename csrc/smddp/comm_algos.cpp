@@ -23,14 +23,21 @@ void Communicator::guarded(OpCtx& ctx, bool numbered, F&& body) {
   try {
     body();
   } catch (const std::exception& e) {
-    // Peers learn about the failure through our control block instead of timing out.
+    // Peers learn about the failure through our control block and failure notices
+    // instead of timing out.
     {
       std::lock_guard<std::mutex> g(broken_mu_);
       if (broken_.empty()) broken_ = e.what();
     }
     shm_->mark_failed(e.what());
+    tcp_->announce_failure(e.what());  // Note [Failure notices]
     throw;
   }
+}
+
+void Communicator::exchange(const std::vector<TcpMesh::Op>& sends,
+                            const std::vector<TcpMesh::Op>& recvs, const OpCtx& ctx) {
+  tcp_->exchange(sends, recvs, ctx, [&] { shm_->check_local_peers(ctx); });
 }
 
 uint64_t Communicator::tag(const OpCtx& ctx, int stage) const {
@@ -134,7 +141,7 @@ void Communicator::hier_reduce_scatter(const void* in, const std::vector<Span>& 
     sends.push_back({rail_[h], tag(ctx, 1), buf + off[h], off[h + 1] - off[h], chk});
     recvs.push_back({rail_[h], tag(ctx, 1), recv_base + h * my_len * aesz, my_len * aesz, chk});
   }
-  tcp_->exchange(sends, recvs, ctx);
+  exchange(sends, recvs, ctx);
   std::vector<const void*> srcs(H);
   for (int h = 0; h < H; ++h) srcs[h] = h == me ? partial[h] : recv_base + h * my_len * aesz;
   reduce(acc, red.dtype, dst, srcs.data(), H, my_len, red, true);
@@ -154,7 +161,7 @@ void Communicator::hier_allgather(const void* src, void* out, const std::vector<
     const Span& p = parts[rail_[h]];
     recvs.push_back({rail_[h], tag(ctx, 2), base + p.off, p.len, chk});
   }
-  tcp_->exchange(sends, recvs, ctx);
+  exchange(sends, recvs, ctx);
   auto owned = rail_owned();
   std::vector<const void*> srcs;
   for (int p : owned[layout_.local_rank]) srcs.push_back(base + parts[p].off);
@@ -180,7 +187,7 @@ void Communicator::broadcast(void* data, size_t bytes, int root, OpCtx ctx) {
       } else {
         recvs.push_back({root, tag(ctx, 3), p, bytes, chk});
       }
-      tcp_->exchange(sends, recvs, ctx);
+      exchange(sends, recvs, ctx);
     }
     shm::broadcast(*shm_, data, bytes, root_local, ctx);
   });
@@ -196,7 +203,7 @@ void Communicator::barrier(OpCtx ctx) {
       sends.push_back({rail_[h], tag(ctx, 4), nullptr, 0, check_of(ctx)});
       recvs.push_back({rail_[h], tag(ctx, 4), nullptr, 0, check_of(ctx)});
     }
-    tcp_->exchange(sends, recvs, ctx);
+    exchange(sends, recvs, ctx);
     shm::barrier(*shm_, ctx);
   });
 }
@@ -223,7 +230,7 @@ void Communicator::alltoall(const void* in, const std::vector<Span>& send, void*
                       std::to_string(recv[cfg_.rank].len));
     }
     std::memmove(dst + recv[cfg_.rank].off, src + send[cfg_.rank].off, recv[cfg_.rank].len);
-    tcp_->exchange(sends, recvs, ctx);
+    exchange(sends, recvs, ctx);
   });
 }
 

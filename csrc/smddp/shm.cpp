@@ -383,15 +383,17 @@ void ShmComm::check_peer(int i, const OpCtx& ctx, const std::string& waiting_for
   }
 }
 
-void ShmComm::check_health(int i, uint64_t target, const OpCtx& ctx) {
-  const std::string where =
-      "smddp: " + ctx.describe() + " on group '" + cfg_.group_name + "' (collective #" +
-      std::to_string(ctx.seq) + ")";
-  if (aborted_.load()) throw CommError(where + " was aborted: the process group was shut down");
+std::string ShmComm::where(const OpCtx& ctx) const {
+  return "smddp: " + ctx.describe() + " on group '" + cfg_.group_name + "' (collective #" +
+         std::to_string(ctx.seq) + ")";
+}
+
+void ShmComm::check_local_peers(const OpCtx& ctx) {
+  if (aborted_.load()) throw CommError(where(ctx) + " was aborted: the process group was shut down");
   for (int j = 0; j < size(); ++j) {
     if (j != rank() && ctl(j)->failed.load(std::memory_order_acquire)) {
       std::string msg(ctl(j)->message, strnlen(ctl(j)->message, sizeof(ctl(j)->message)));
-      fail(where + " failed because rank " + std::to_string(cfg_.group_ranks[j]) +
+      fail(where(ctx) + " failed because rank " + std::to_string(cfg_.group_ranks[j]) +
            " failed: " + msg);
     }
   }
@@ -403,10 +405,14 @@ void ShmComm::check_health(int i, uint64_t target, const OpCtx& ctx) {
       if (j != rank() && !process_alive(ctl(j)->pid)) dead.push_back(cfg_.group_ranks[j]);
     }
     if (!dead.empty()) {
-      fail(where + " failed: ranks " + format_ranks(dead) +
+      fail(where(ctx) + " failed: ranks " + format_ranks(dead) +
            " exited (their processes are gone)");
     }
   }
+}
+
+void ShmComm::check_health(int i, uint64_t target, const OpCtx& ctx) {
+  check_local_peers(ctx);
   if (ctx.deadline.expired()) {
     std::vector<int> missing;
     for (int j = 0; j < size(); ++j) {
@@ -415,7 +421,7 @@ void ShmComm::check_health(int i, uint64_t target, const OpCtx& ctx) {
     if (missing.empty()) missing.push_back(cfg_.group_ranks[i]);
     char secs[32];
     snprintf(secs, sizeof(secs), "%.1f", ctx.deadline.seconds);
-    fail(where + " timed out after " + secs + " s waiting for ranks " + format_ranks(missing) +
+    fail(where(ctx) + " timed out after " + secs + " s waiting for ranks " + format_ranks(missing) +
          " (they did not reach this collective: hung, slower, or issued a different sequence "
          "of collectives)");
   }

@@ -160,6 +160,10 @@ class ShmComm {
   // deadline of `ctx` passed; `waiting_for` ends the timeout message.
   void check_peer(int i, const OpCtx& ctx, const std::string& waiting_for);
 
+  // Throws a CommError (after marking this rank failed) if this group was aborted, or any
+  // local rank failed or exited: for waits that are not on shared memory (the TCP mesh).
+  void check_local_peers(const OpCtx& ctx);
+
   // Tells the local peers that this rank failed (they raise instead of waiting).
   void mark_failed(const std::string& message);
   // Makes every wait of this rank throw promptly (group shutdown/abort).
@@ -169,6 +173,7 @@ class ShmComm {
   static uint64_t value(uint64_t s, int phase) { return 3 * (s - 1) + phase; }
   void wait_progress(int i, uint64_t target, const OpCtx& ctx);
   void check_health(int i, uint64_t target, const OpCtx& ctx);
+  std::string where(const OpCtx& ctx) const;  // "smddp: <collective> on group '<g>' (collective #N)"
   void check_desc(int i, const OpCtx& ctx);
   [[noreturn]] void fail(const std::string& message);
   RankControl* ctl(int i) const { return ctl_[i]; }

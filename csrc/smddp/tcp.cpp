@@ -22,6 +22,7 @@ namespace {
 
 constexpr char kMagic[8] = {'s', 'm', 'd', 'd', 'p', 't', 'c', '1'};
 constexpr int kHandshakeMs = 5000;
+constexpr int kNoticeMs = 200;  // time allowed to write a failure notice
 
 void set_nonblocking(int fd, bool on) {
   int flags = fcntl(fd, F_GETFL, 0);
@@ -214,6 +215,26 @@ int TcpMesh::in_fd(int peer) {
 void TcpMesh::fail_peer(int peer, const std::string& what, const OpCtx& ctx) {
   throw CommError("smddp: " + ctx.describe() + " on group '" + group_name_ + "' failed: rank " +
                   std::to_string(peer) + ": " + what);
+}
+
+void TcpMesh::announce_failure(const std::string& why) {
+  if (announced_.exchange(true)) return;
+  const std::string text = why.substr(0, kMaxNotice);
+  char hdr[24];
+  const uint64_t tag = kFailureTag, len = text.size(), check = 0;
+  std::memcpy(hdr, &tag, 8);
+  std::memcpy(hdr + 8, &len, 8);
+  std::memcpy(hdr + 16, &check, 8);
+  for (auto& c : conns_) {
+    // A connection another thread is writing to stays with it (its write fails or ends).
+    std::unique_lock<std::mutex> lock(c->write_mu, std::try_to_lock);
+    if (!lock.owns_lock() || c->out_fd < 0) continue;
+    // Best effort, briefly: a peer that stopped reading must not hold up this error.
+    if (!c->partial && io_all(c->out_fd, hdr, sizeof(hdr), true, kNoticeMs)) {
+      io_all(c->out_fd, const_cast<char*>(text.data()), text.size(), true, kNoticeMs);
+    }
+    ::shutdown(c->out_fd, SHUT_WR);
+  }
 }
 
 void TcpMesh::shutdown() {

@@ -10,6 +10,13 @@
 // rank and the listener's rank, keyed with the group secret); a stranger or a wrong
 // secret is refused and counted, and the job carries on.
 //
+// Note [Failure notices]
+// A rank whose group failed (a peer died, a timeout, a mismatch) sends each peer it has a
+// connection to a notice with its error in place of the next message, then closes its
+// sending side. A peer waiting for data from it raises at once with that reason, instead
+// of waiting out the timeout for a rank that is alive but has left the group. A connection
+// that carries a partly written message cannot frame a notice; it is only closed.
+//
 // Messages are framed as {tag, length, check} + payload. Only the thread that executes
 // collectives reads sockets (so no reader locking); a message that arrives for a tag
 // nobody waits for yet (e.g. a user send overtaking a collective) is stashed. Writers
@@ -18,6 +25,7 @@
 
 #include <atomic>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -54,14 +62,24 @@ class TcpMesh {
   void set_peers(std::vector<PeerAddr> peers) { peers_ = std::move(peers); }
 
   // Progresses all sends and receives concurrently until done; throws CommError on
-  // timeout (naming the peers still missing), a closed connection or a size mismatch.
-  void exchange(const std::vector<Op>& sends, const std::vector<Op>& recvs, const OpCtx& ctx);
+  // timeout (naming the peers still missing), a closed connection, a peer's failure notice
+  // or a size mismatch. `health`, when given, runs between polls and may throw to end the
+  // wait (the collectives pass a check of the local ranks' failure flags).
+  void exchange(const std::vector<Op>& sends, const std::vector<Op>& recvs, const OpCtx& ctx,
+                const std::function<void()>& health = {});
+
+  // Sends the failure notice (Note [Failure notices]) and closes every outgoing
+  // connection; the first call does it, later ones return.
+  void announce_failure(const std::string& why);
 
   void shutdown();
   void abort() { aborted_.store(true); }
   uint64_t rejected_connections() const { return rejected_.load(); }
 
  private:
+  static constexpr uint64_t kFailureTag = ~0ull;  // no collective or user tag reaches it
+  static constexpr size_t kMaxNotice = 1024;
+  static constexpr int kNotice = -2;  // Conn::target_op of a notice being read
   struct Stashed {
     uint64_t tag, check;
     std::vector<char> data;
@@ -69,6 +87,7 @@ class TcpMesh {
   struct Conn {
     std::mutex write_mu;  // held by the writer of one whole message
     int out_fd = -1;      // I connected: I write
+    bool partial = false;  // a message is partly written to out_fd (under write_mu)
     int in_fd = -1;       // peer connected: I read (exec thread only)
     // Receive state of the message being read from in_fd (persists across exchanges).
     char hdr[24];
@@ -76,7 +95,8 @@ class TcpMesh {
     uint64_t msg_tag = 0, msg_len = 0, msg_check = 0;
     size_t body_got = 0;
     char* body = nullptr;     // destination of the current message
-    int target_op = -1;       // index of the recv op it belongs to, or -1 (stash)
+    int target_op = -1;       // index of the recv op it belongs to, -1 (stash), kNotice
+    std::vector<char> notice;  // body of a failure notice being read
     std::deque<Stashed> stash;
   };
 
@@ -95,6 +115,7 @@ class TcpMesh {
   int wake_pipe_[2] = {-1, -1};
   std::thread listener_;
   std::atomic<bool> aborted_{false};
+  std::atomic<bool> announced_{false};
   std::atomic<uint64_t> rejected_{0};
 };
 

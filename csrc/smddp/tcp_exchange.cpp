@@ -13,6 +13,8 @@
 namespace smddp {
 namespace {
 
+constexpr const char* kClosed = "closed its connection (its process exited, or it left the group after an error)";
+
 struct SendState {
   char hdr[24];
   size_t done = 0;  // bytes of header + payload written
@@ -22,7 +24,7 @@ struct SendState {
 }  // namespace
 
 void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recvs,
-                       const OpCtx& ctx) {
+                       const OpCtx& ctx, const std::function<void()>& health) {
   std::vector<SendState> ss(sends.size());
   std::vector<uint8_t> rdone(recvs.size(), 0), rtargeted(recvs.size(), 0);
   size_t pending = sends.size() + recvs.size();
@@ -66,7 +68,7 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
     while (wants_from(peer)) {
       if (c.hdr_got < sizeof(c.hdr)) {
         ssize_t r = ::recv(fd, c.hdr + c.hdr_got, sizeof(c.hdr) - c.hdr_got, 0);
-        if (r == 0) fail_peer(peer, "closed its connection (process exited?)", ctx);
+        if (r == 0) fail_peer(peer, kClosed, ctx);
         if (r < 0) {
           if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
           fail_peer(peer, std::string("connection error: ") + std::strerror(errno), ctx);
@@ -78,6 +80,12 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
         std::memcpy(&c.msg_check, c.hdr + 16, 8);
         c.body_got = 0;
         c.target_op = -1;
+        if (c.msg_tag == kFailureTag) {  // Note [Failure notices]
+          c.target_op = kNotice;
+          c.notice.assign(std::min<uint64_t>(c.msg_len, kMaxNotice), 0);
+          c.msg_len = c.notice.size();
+          c.body = c.notice.data();
+        }
         for (size_t i = 0; i < recvs.size(); ++i) {
           if (!rdone[i] && !rtargeted[i] && recvs[i].peer == peer && recvs[i].tag == c.msg_tag) {
             if (recvs[i].len != c.msg_len || recvs[i].check != c.msg_check) {
@@ -92,14 +100,14 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
             break;
           }
         }
-        if (c.target_op < 0) {
+        if (c.target_op == -1) {
           c.stash.push_back({c.msg_tag, c.msg_check, std::vector<char>(c.msg_len)});
           c.body = c.stash.back().data.data();
         }
       }
       if (c.body_got < c.msg_len) {
         ssize_t r = ::recv(fd, c.body + c.body_got, c.msg_len - c.body_got, 0);
-        if (r == 0) fail_peer(peer, "closed its connection (process exited?)", ctx);
+        if (r == 0) fail_peer(peer, kClosed, ctx);
         if (r < 0) {
           if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
           fail_peer(peer, std::string("connection error: ") + std::strerror(errno), ctx);
@@ -109,6 +117,10 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
       }
       // Message complete.
       c.hdr_got = 0;
+      if (c.target_op == kNotice) {
+        fail_peer(peer, "left the group after its own error: " +
+                            std::string(c.notice.begin(), c.notice.end()), ctx);
+      }
       if (c.target_op >= 0) {
         finish_recv(static_cast<size_t>(c.target_op));
       } else {
@@ -142,6 +154,7 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
     }
     st.finished = true;
     st.locked = false;
+    c.partial = false;
     c.write_mu.unlock();
     --pending;
   };
@@ -185,6 +198,7 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
         }
         ss[i].locked = true;
         if (c.out_fd < 0) c.out_fd = connect_to(sends[i].peer, ctx);
+        c.partial = true;  // until its last byte is written
       }
       pump_out(i);
     }
@@ -218,6 +232,7 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
                       "' timed out after " + secs + " s waiting for ranks " +
                       format_ranks(missing) + " (over TCP)");
     }
+    if (health) health();
     fds.clear();
     for (size_t i = 0; i < sends.size(); ++i) {
       if (ss[i].locked && !ss[i].finished) fds.push_back({conns_[sends[i].peer]->out_fd, POLLOUT, 0});

@@ -61,6 +61,47 @@ def test_dead_peer_raises_on_every_other_rank_quickly():
         assert elapsed < 20, section  # detected long before the 60 s timeout
 
 
+def _dead_rank_on_other_host(absent_rank):
+    """Forced hosts [0, 1] and [2, 3]: rank 3 dies; ``absent_rank`` (if any) stays alive but
+    away from the collective; the others all_reduce and stay alive after their error."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()  # every mesh connection of the rails exists from here on
+    if dist.get_rank() == 3:
+        os._exit(3)
+    if dist.get_rank() == absent_rank:
+        time.sleep(15)
+        return "away"
+    return checks.raise_with_elapsed(lambda: dist.all_reduce(torch.ones(1000)))
+
+
+def test_dead_rank_on_another_host_fails_every_rank_quickly():
+    # Rank 0 waits over TCP for rank 2, which is alive: it must learn of rank 3's death
+    # from rank 2's failure notice (or rank 1's failure flag), not from the 60 s timeout.
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_dead_rank_on_other_host, None, world_size=4, backend="smddp",
+                        env={"SMDDP_FORCE_LOCAL_SIZE": "2"}, fresh=True, pg_timeout=60)
+    for rank in (0, 1, 2):
+        section, elapsed = checks.rank_failure(str(info.value), rank)
+        assert "RuntimeError" in section and "all_reduce" in section, section
+        assert "rank 3" in section or "[3]" in section, section
+        assert elapsed < 10, section
+
+
+def test_failure_on_this_host_ends_a_wait_over_tcp():
+    # Rank 2 is alive but never joins, so no notice can come from it: rank 0, waiting for it
+    # over TCP, must notice that rank 1 (same host) failed when rank 3 died.
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_dead_rank_on_other_host, 2, world_size=4, backend="smddp",
+                        env={"SMDDP_FORCE_LOCAL_SIZE": "2"}, fresh=True, pg_timeout=60)
+    section, elapsed = checks.rank_failure(str(info.value), 0)
+    assert "because rank 1 failed" in section and "rank 3" in section, section
+    assert elapsed < 10, section
+
+
 def _peer_too_late():
     import torch
     import torch.distributed as dist
