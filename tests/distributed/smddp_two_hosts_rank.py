@@ -1,0 +1,61 @@
+"""One rank of the two-host smddp test (run by torchrun on each simulated host; see
+netns_hosts.py). Writes ``rank<R>.json`` into the directory given as its argument.
+
+First every collective check of test_smddp_support runs on the real two-host layout; then
+rank 3 (on the second host) exits without a word and the other ranks time how long an
+all_reduce takes to fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import torch_sagemaker  # noqa: F401  (registers the smddp backend)
+from tests.distributed import test_smddp_support as checks
+from torch_sagemaker.distributed import backend
+
+PG_TIMEOUT_S = 60
+STAY_ALIVE_S = 5
+
+
+def main(out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("smddp", timeout=timedelta(seconds=PG_TIMEOUT_S))
+    rank = dist.get_rank()
+    result = {"layout": backend.group_layout(), "hostname": os.uname().nodename}
+    result["counts"] = checks.run_all(quick=True)
+    result["async_two_groups"] = checks.check_async_two_groups(rounds=10)
+    dist.barrier()
+
+    if rank == 3:  # dies between collectives, as a crashed host would
+        _write(out_dir, rank, result)
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1000))
+        result["fault"] = {"error": None}
+    except RuntimeError as e:
+        result["fault"] = {"error": str(e), "seconds": time.monotonic() - start}
+    _write(out_dir, rank, result)
+    # Stay alive a while, as a process that handles the error would: the others must learn
+    # of the failure from the group, not from this process closing its connections.
+    time.sleep(STAY_ALIVE_S)
+    os._exit(0)  # the group is broken: skip the collective shutdown
+
+
+def _write(out_dir: str, rank: int, result: dict) -> None:
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
