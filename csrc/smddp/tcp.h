@@ -86,9 +86,9 @@ class TcpMesh {
   };
   struct Conn {
     std::mutex write_mu;  // held by the writer of one whole message
-    int out_fd = -1;      // I connected: I write
+    int out_fd = -1;       // I connected: I write
     bool partial = false;  // a message is partly written to out_fd (under write_mu)
-    int in_fd = -1;       // peer connected: I read (exec thread only)
+    int in_fd = -1;        // peer connected: I read (exec thread only)
     // Receive state of the message being read from in_fd (persists across exchanges).
     char hdr[24];
     size_t hdr_got = 0;

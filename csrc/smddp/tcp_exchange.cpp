@@ -13,7 +13,8 @@
 namespace smddp {
 namespace {
 
-constexpr const char* kClosed = "closed its connection (its process exited, or it left the group after an error)";
+constexpr const char* kClosed =
+    "closed its connection (its process exited, or it left the group after an error)";
 
 struct SendState {
   char hdr[24];
