@@ -368,8 +368,7 @@ void ShmComm::check_peer(int i, const OpCtx& ctx, const std::string& waiting_for
   const std::string peer = "rank " + std::to_string(cfg_.group_ranks[i]);
   if (aborted_.load()) throw CommError(where + " was aborted: the process group was shut down");
   if (ctl(i)->failed.load(std::memory_order_acquire)) {
-    std::string msg(ctl(i)->message, strnlen(ctl(i)->message, sizeof(ctl(i)->message)));
-    throw CommError(where + " failed because " + peer + " failed: " + msg);
+    throw CommError(where + " failed because " + peer + " failed: " + failure_message(i));
   }
   auto now = Clock::now();
   if (now - t_last_pid_check > std::chrono::milliseconds(20)) {
@@ -383,18 +382,22 @@ void ShmComm::check_peer(int i, const OpCtx& ctx, const std::string& waiting_for
   }
 }
 
+std::string ShmComm::failure_message(int i) const {
+  const char* m = ctl(i)->message;
+  return std::string(m, strnlen(m, sizeof(ctl(i)->message)));
+}
+
 std::string ShmComm::where(const OpCtx& ctx) const {
   return "smddp: " + ctx.describe() + " on group '" + cfg_.group_name + "' (collective #" +
          std::to_string(ctx.seq) + ")";
 }
 
-void ShmComm::check_local_peers(const OpCtx& ctx) {
+void ShmComm::check_local_peers(const OpCtx& ctx, uint64_t needed) {
   if (aborted_.load()) throw CommError(where(ctx) + " was aborted: the process group was shut down");
   for (int j = 0; j < size(); ++j) {
     if (j != rank() && ctl(j)->failed.load(std::memory_order_acquire)) {
-      std::string msg(ctl(j)->message, strnlen(ctl(j)->message, sizeof(ctl(j)->message)));
       fail(where(ctx) + " failed because rank " + std::to_string(cfg_.group_ranks[j]) +
-           " failed: " + msg);
+           " failed: " + failure_message(j));
     }
   }
   auto now = Clock::now();
@@ -402,7 +405,12 @@ void ShmComm::check_local_peers(const OpCtx& ctx) {
     t_last_pid_check = now;
     std::vector<int> dead;
     for (int j = 0; j < size(); ++j) {
-      if (j != rank() && !process_alive(ctl(j)->pid)) dead.push_back(cfg_.group_ranks[j]);
+      // A rank that already did all this wait needs from it may have exited normally (the
+      // last rank out of a final barrier): only one that fell short of `needed` counts.
+      if (j != rank() && ctl(j)->progress.load(std::memory_order_acquire) < needed &&
+          !process_alive(ctl(j)->pid)) {
+        dead.push_back(cfg_.group_ranks[j]);
+      }
     }
     if (!dead.empty()) {
       fail(where(ctx) + " failed: ranks " + format_ranks(dead) +
@@ -412,7 +420,7 @@ void ShmComm::check_local_peers(const OpCtx& ctx) {
 }
 
 void ShmComm::check_health(int i, uint64_t target, const OpCtx& ctx) {
-  check_local_peers(ctx);
+  check_local_peers(ctx, target);
   if (ctx.deadline.expired()) {
     std::vector<int> missing;
     for (int j = 0; j < size(); ++j) {

@@ -46,6 +46,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -161,8 +162,9 @@ class ShmComm {
   void check_peer(int i, const OpCtx& ctx, const std::string& waiting_for);
 
   // Throws a CommError (after marking this rank failed) if this group was aborted, or any
-  // local rank failed or exited: for waits that are not on shared memory (the TCP mesh).
-  void check_local_peers(const OpCtx& ctx);
+  // local rank failed, or exited before its progress reached `needed` (default: any exit,
+  // for waits that are not on shared memory, i.e. the TCP mesh).
+  void check_local_peers(const OpCtx& ctx, uint64_t needed = UINT64_MAX);
 
   // Tells the local peers that this rank failed (they raise instead of waiting).
   void mark_failed(const std::string& message);
@@ -174,6 +176,7 @@ class ShmComm {
   void wait_progress(int i, uint64_t target, const OpCtx& ctx);
   void check_health(int i, uint64_t target, const OpCtx& ctx);
   std::string where(const OpCtx& ctx) const;  // "smddp: <collective> on group '<g>' (collective #N)"
+  std::string failure_message(int i) const;   // what local rank i wrote when it failed
   void check_desc(int i, const OpCtx& ctx);
   [[noreturn]] void fail(const std::string& message);
   RankControl* ctl(int i) const { return ctl_[i]; }
