@@ -22,6 +22,7 @@ void Communicator::guarded(OpCtx& ctx, bool numbered, F&& body) {
   ctx.deadline = Deadline::after(ctx.deadline.seconds);
   try {
     body();
+    if (numbered) shm_->mark_finished(ctx.seq);
   } catch (const std::exception& e) {
     // Peers learn about the failure through our control block and failure notices
     // instead of timing out.

@@ -392,7 +392,7 @@ std::string ShmComm::where(const OpCtx& ctx) const {
          std::to_string(ctx.seq) + ")";
 }
 
-void ShmComm::check_local_peers(const OpCtx& ctx, uint64_t needed) {
+void ShmComm::check_local_peers(const OpCtx& ctx, std::optional<uint64_t> needed_progress) {
   if (aborted_.load()) throw CommError(where(ctx) + " was aborted: the process group was shut down");
   for (int j = 0; j < size(); ++j) {
     if (j != rank() && ctl(j)->failed.load(std::memory_order_acquire)) {
@@ -405,18 +405,24 @@ void ShmComm::check_local_peers(const OpCtx& ctx, uint64_t needed) {
     t_last_pid_check = now;
     std::vector<int> dead;
     for (int j = 0; j < size(); ++j) {
-      // A rank that already did all this wait needs from it may have exited normally (the
-      // last rank out of a final barrier): only one that fell short of `needed` counts.
-      if (j != rank() && ctl(j)->progress.load(std::memory_order_acquire) < needed &&
-          !process_alive(ctl(j)->pid)) {
-        dead.push_back(cfg_.group_ranks[j]);
-      }
+      if (j == rank()) continue;
+      // Note [Exits are not failures]: only a rank this wait still needs counts. Its words
+      // are read after its exit was seen, so they hold everything it did before exiting.
+      const RankControl* c = ctl(j);
+      if (process_alive(c->pid)) continue;
+      bool owes = needed_progress ? c->progress.load(std::memory_order_acquire) < *needed_progress
+                                  : c->finished.load(std::memory_order_acquire) <= ctx.seq;
+      if (owes) dead.push_back(cfg_.group_ranks[j]);
     }
     if (!dead.empty()) {
       fail(where(ctx) + " failed: ranks " + format_ranks(dead) +
            " exited (their processes are gone)");
     }
   }
+}
+
+void ShmComm::mark_finished(uint64_t seq) {
+  ctl(rank())->finished.store(seq + 1, std::memory_order_release);
 }
 
 void ShmComm::check_health(int i, uint64_t target, const OpCtx& ctx) {

@@ -43,12 +43,24 @@
 // store, created O_EXCL with mode 0600. Each rank unlinks its own segment as soon as every
 // local rank has mapped it (or on any failure during set-up), so nothing stays in /dev/shm
 // after a crash; the mappings live until the group is destroyed.
+//
+// Note [Exits are not failures]
+// A waiting rank also checks (every 20 ms) whether its local peers' processes still exist,
+// so a rank that died is reported at once instead of at the timeout. But a rank may exit
+// normally as soon as its own part of the last collective is done (the last rank out of a
+// barrier; the end of a job), while a peer is still inside that collective. So an exited
+// peer counts as failed only while the wait still needs something from it: in a
+// shared-memory wait, a progress word below the target; in a TCP wait (hierarchical
+// collectives, whose last exchange between hosts can outlast a local peer's whole
+// collective), that it had not finished the collective (RankControl::finished). A peer that
+// exited owing data to another host is still caught: that host sees its connection close.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -81,6 +93,9 @@ struct RankControl {
   char message[480] = {0};
   int32_t pid = 0;
   uint64_t magic = 0;
+  // Numbered collectives the owner finished (Note [Exits are not failures]); read only by
+  // the peers' periodic process checks, so it shares the rarely read line of pid.
+  std::atomic<uint64_t> finished{0};
 };
 
 // Note [Shared-memory point-to-point]: one page per channel, one cache line per polled word.
@@ -162,9 +177,13 @@ class ShmComm {
   void check_peer(int i, const OpCtx& ctx, const std::string& waiting_for);
 
   // Throws a CommError (after marking this rank failed) if this group was aborted, or any
-  // local rank failed, or exited before its progress reached `needed` (default: any exit,
-  // for waits that are not on shared memory, i.e. the TCP mesh).
-  void check_local_peers(const OpCtx& ctx, uint64_t needed = UINT64_MAX);
+  // local rank failed, or exited while the caller's wait still needs it (Note [Exits are
+  // not failures]): in a shared-memory wait, before its progress reached `needed_progress`;
+  // in a TCP wait (no `needed_progress`), before it finished collective `ctx.seq`.
+  void check_local_peers(const OpCtx& ctx, std::optional<uint64_t> needed_progress = std::nullopt);
+
+  // Records that this rank finished numbered collective `seq`.
+  void mark_finished(uint64_t seq);
 
   // Tells the local peers that this rank failed (they raise instead of waiting).
   void mark_failed(const std::string& message);

@@ -102,6 +102,45 @@ def test_failure_on_this_host_ends_a_wait_over_tcp():
     assert elapsed < 10, section
 
 
+def _exit_after_all_to_all(big_mib):
+    """Forced hosts [0, 1] and [2, 3], all_to_all over the TCP mesh only: ranks 2 and 3 send
+    ``big_mib`` MiB each to rank 0 and a few bytes to everyone else, so rank 1 gets all its
+    data at once, returns and its process exits while rank 0 is still receiving."""
+    import os
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    big = big_mib << 18  # float32 elements
+
+    def count(src, dst):
+        return big if src in (2, 3) and dst == 0 else 3
+
+    send = [count(rank, j) for j in range(world)]
+    recv = [count(j, rank) for j in range(world)]
+    inp = torch.cat([torch.full((n,), float(100 * rank + j)) for j, n in enumerate(send)])
+    out = torch.empty(sum(recv))
+    dist.barrier()
+    dist.all_to_all_single(out, inp, recv, send)
+    expected = torch.cat([torch.full((n,), float(100 * j + rank)) for j, n in enumerate(recv)])
+    assert torch.equal(out, expected)
+    if rank == 1:
+        # Exit as a finished job does, shortly after reporting (the launcher reads the
+        # result from a queue, so the exit must not beat the report).
+        threading.Timer(0.05, os._exit, (0,)).start()
+    return "ok"
+
+
+def test_rank_that_finished_an_all_to_all_may_exit_while_others_receive():
+    # A rank's exit after its part of a collective is not a failure of that collective,
+    # even on the TCP path, where the rank still waiting has no shared-memory step left.
+    results = run_distributed(_exit_after_all_to_all, 128, world_size=4, backend="smddp",
+                              env={"SMDDP_FORCE_LOCAL_SIZE": "2"}, fresh=True, pg_timeout=60)
+    assert results == ["ok"] * 4
+
+
 def _peer_too_late():
     import torch
     import torch.distributed as dist
