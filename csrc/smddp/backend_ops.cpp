@@ -32,6 +32,11 @@ OpArgs args_of(const at::Tensor& t, const char* op = nullptr) {
   return a;
 }
 
+OpArgs rooted(OpArgs a, int root) {
+  a.root = root;
+  return a;
+}
+
 OpArgs peer_args_of(const at::Tensor& t, int peer, bool to_peer) {
   OpArgs a = args_of(t);
   a.peer = peer;
@@ -125,10 +130,12 @@ WorkPtr ProcessGroupSMDDP::reduce(std::vector<at::Tensor>& tensors, const c10d::
   check_single(tensors, "reduce");
   at::Tensor t = tensors[0];
   int root = static_cast<int>(opts.rootRank);
-  TORCH_CHECK_VALUE(root >= 0 && root < size_, "smddp: reduce root ", root, " out of range");
+  TORCH_CHECK_VALUE(root >= 0 && root < size_, "smddp: reduce root ", root,
+                    " is not a rank of this group of ", size_, " ranks (valid: 0..", size_ - 1, ")");
   Reduction red = reduction_of(opts.reduceOp, t, "reduce");
   OpCtx ctx = comm_->make_ctx("reduce", desc_of(t, int(red.op), t.numel(), root),
-                              args_of(t, redop_name(red.op)), timeout_of(opts.timeout));
+                              rooted(args_of(t, redop_name(red.op)), root),
+                              timeout_of(opts.timeout));
   int me = rank_;
   return submit(OpType::REDUCE, tensors, opts.asyncOp, [this, t, red, ctx, root, me] {
     // Every rank takes part in an all-reduce; only the root keeps the result.
@@ -286,9 +293,10 @@ WorkPtr ProcessGroupSMDDP::broadcast(std::vector<at::Tensor>& tensors,
   check_single(tensors, "broadcast");
   at::Tensor t = tensors[0];
   int root = static_cast<int>(opts.rootRank);
-  TORCH_CHECK_VALUE(root >= 0 && root < size_, "smddp: broadcast root ", root, " out of range");
+  TORCH_CHECK_VALUE(root >= 0 && root < size_, "smddp: broadcast root ", root,
+                    " is not a rank of this group of ", size_, " ranks (valid: 0..", size_ - 1, ")");
   const size_t bytes = t.numel() * t.element_size();
-  OpCtx ctx = comm_->make_ctx("broadcast", desc_of(t, 0, bytes, root), args_of(t),
+  OpCtx ctx = comm_->make_ctx("broadcast", desc_of(t, 0, bytes, root), rooted(args_of(t), root),
                               timeout_of(opts.timeout));
   return submit(OpType::BROADCAST, tensors, opts.asyncOp, [this, t, bytes, root, ctx] {
     at::Tensor c = t.contiguous();
@@ -319,7 +327,7 @@ WorkPtr ProcessGroupSMDDP::gather(std::vector<std::vector<at::Tensor>>& outputs,
                       "smddp: gather takes outputs only on the root rank");
   }
   const size_t bytes = in.numel() * in.element_size();
-  OpCtx ctx = comm_->make_ctx("gather", desc_of(in, 0, bytes, root), args_of(in),
+  OpCtx ctx = comm_->make_ctx("gather", desc_of(in, 0, bytes, root), rooted(args_of(in), root),
                               timeout_of(opts.timeout));
   int n = size_;
   return submit(OpType::GATHER, outs, opts.asyncOp, [this, in, outs, bytes, ctx, n] {
@@ -355,7 +363,7 @@ WorkPtr ProcessGroupSMDDP::scatter(std::vector<at::Tensor>& outputs,
                       "smddp: scatter takes inputs only on the root rank");
   }
   const size_t bytes = out.numel() * out.element_size() * size_;
-  OpCtx ctx = comm_->make_ctx("scatter", desc_of(out, 0, bytes, root), args_of(out),
+  OpCtx ctx = comm_->make_ctx("scatter", desc_of(out, 0, bytes, root), rooted(args_of(out), root),
                               timeout_of(opts.timeout));
   int n = size_, me = rank_;
   return submit(OpType::SCATTER, outputs, opts.asyncOp, [this, ins, out, bytes, root, ctx, n, me] {

@@ -31,7 +31,7 @@ void Communicator::guarded(OpCtx& ctx, bool numbered, F&& body) {
       if (broken_.empty()) broken_ = e.what();
     }
     shm_->mark_failed(e.what());
-    tcp_->announce_failure(e.what());  // Note [Failure notices]
+    tcp_->announce_failure(e.what(), rail_);  // Note [Failure notices]
     throw;
   }
 }

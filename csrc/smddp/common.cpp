@@ -1,6 +1,7 @@
 #include "smddp/common.h"
 
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
 
 namespace smddp {
@@ -75,7 +76,53 @@ std::string describe_op(const char* name, const OpArgs& args) {
   if (args.op) s.append(", ").append(args.op);
   s.append(", ").append(std::to_string(args.numel)).append(" elements");
   if (args.peer >= 0) s.append(args.to_peer ? ", to rank " : ", from rank ").append(std::to_string(args.peer));
+  if (args.root >= 0) s.append(", root ").append(std::to_string(args.root));
   return s.append(")");
+}
+
+namespace {
+// Copies a NUL-terminated string (nullptr: empty) into a fixed array, truncating.
+template <size_t N>
+void copy_cstr(char (&dst)[N], const char* src) {
+  size_t n = src ? strnlen(src, N - 1) : 0;
+  std::memcpy(dst, src ? src : "", n);
+  dst[n] = '\0';
+}
+template <size_t N>
+std::string from_cstr(const char (&src)[N]) {
+  return std::string(src, strnlen(src, N));
+}
+}  // namespace
+
+CallSummary CallSummary::of(const OpCtx& ctx) {
+  CallSummary c;
+  copy_cstr(c.name, ctx.name);
+  copy_cstr(c.dtype, ctx.args.dtype);
+  copy_cstr(c.op, ctx.args.op);
+  c.numel = ctx.args.numel;
+  c.root = ctx.args.root;
+  return c;
+}
+
+std::string CallSummary::describe() const {
+  std::string n = from_cstr(name), d = from_cstr(dtype), o = from_cstr(op);
+  OpArgs args;
+  args.dtype = d.empty() ? nullptr : d.c_str();
+  args.op = o.empty() ? nullptr : o.c_str();
+  args.numel = numel;
+  args.root = root;
+  return describe_op(n.c_str(), args);
+}
+
+std::string mismatch_message(const std::string& group, int me, const std::string& mine,
+                             uint64_t my_seq, int them, const std::string& theirs,
+                             uint64_t their_seq) {
+  return "smddp: mismatched collectives on group '" + group + "': rank " + std::to_string(me) +
+         " called " + mine + " as collective #" + std::to_string(my_seq) + " but rank " +
+         std::to_string(them) + " called " + theirs + " as collective #" +
+         std::to_string(their_seq) +
+         "; every rank must issue the same collectives with the same dtype, op, size and root "
+         "in the same order";
 }
 
 uint32_t hash_name(const char* s) {

@@ -71,6 +71,7 @@ struct OpArgs {
   int64_t numel = 0;
   int peer = -1;                // send/recv: the other rank
   bool to_peer = false;         // send (true) or recv (false)
+  int64_t root = -1;            // rooted collectives (broadcast, reduce, gather, scatter)
 };
 
 // "all_reduce (float32, sum, 1024 elements)", or just the name when `args` has no dtype.
@@ -84,6 +85,25 @@ struct OpCtx {
   OpArgs args;
   std::string describe() const { return describe_op(name, args); }
 };
+
+// What a rank called, copied into plain bytes so that another process can print it: the
+// shared-memory descriptor slots and the TCP message headers carry one (Note [Mismatch
+// detection] in shm.h, Note [Mismatches across hosts] in tcp.h).
+struct CallSummary {
+  char name[32] = {0};
+  char dtype[16] = {0};
+  char op[16] = {0};
+  int64_t numel = 0;
+  int64_t root = -1;
+  static CallSummary of(const OpCtx& ctx);  // copies, does not format
+  std::string describe() const;             // as OpCtx::describe()
+};
+
+// "smddp: mismatched collectives on group 'g': rank 0 called <mine> as collective #3 but
+// rank 1 called <theirs> as collective #3; every rank must ...".
+std::string mismatch_message(const std::string& group, int me, const std::string& mine,
+                             uint64_t my_seq, int them, const std::string& theirs,
+                             uint64_t their_seq);
 
 uint32_t hash_name(const char* s);
 

@@ -20,14 +20,6 @@
 namespace smddp {
 namespace {
 
-// Copies a NUL-terminated string (nullptr: empty) into a fixed array, truncating.
-template <size_t N>
-void copy_cstr(char (&dst)[N], const char* src) {
-  size_t n = src ? strnlen(src, N - 1) : 0;
-  std::memcpy(dst, src ? src : "", n);
-  dst[n] = '\0';
-}
-
 constexpr uint64_t kMagic = 0x736d646470763031ull;  // "smddpv01"
 constexpr size_t kControlBytes = 4096;
 
@@ -259,11 +251,7 @@ uint64_t ShmComm::begin_step(const OpCtx& ctx, bool first) {
     DescSlot& d = ctl(rank())->desc[ctx.seq & 1];
     d.first_step = s;
     d.desc = ctx.desc;
-    // Copied, not formatted: this runs for every collective; check_desc formats.
-    copy_cstr(d.name, ctx.name);
-    copy_cstr(d.dtype, ctx.args.dtype);
-    copy_cstr(d.op, ctx.args.op);
-    d.numel = ctx.args.numel;
+    d.call = CallSummary::of(ctx);  // copied, not formatted: check_desc formats
     d.seq_plus1.store(ctx.seq + 1, std::memory_order_release);
   }
   return s;
@@ -451,22 +439,9 @@ void ShmComm::check_desc(int i, const OpCtx& ctx) {
   // Describe what the peer is doing: the newest of its two descriptors.
   const DescSlot& other = ctl(i)->desc[(ctx.seq + 1) & 1];
   const DescSlot& newest = other.seq_plus1.load() > seq_plus1 ? other : d;
-  std::string name(newest.name, strnlen(newest.name, sizeof(newest.name)));
-  std::string dtype(newest.dtype, strnlen(newest.dtype, sizeof(newest.dtype)));
-  std::string op(newest.op, strnlen(newest.op, sizeof(newest.op)));
-  OpArgs args;
-  args.dtype = dtype.empty() ? nullptr : dtype.c_str();
-  args.op = op.empty() ? nullptr : op.c_str();
-  args.numel = newest.numel;
-  std::string theirs = describe_op(name.c_str(), args);
   uint64_t their_seq = newest.seq_plus1.load();
-  fail("smddp: mismatched collectives on group '" + cfg_.group_name + "': rank " +
-       std::to_string(cfg_.group_ranks[rank()]) + " called " + ctx.describe() +
-       " as collective #" + std::to_string(ctx.seq) + " but rank " +
-       std::to_string(cfg_.group_ranks[i]) + " called " + theirs + " as collective #" +
-       std::to_string(their_seq ? their_seq - 1 : 0) +
-       "; every rank must issue the same collectives with the same dtype, op and size in the "
-       "same order");
+  fail(mismatch_message(cfg_.group_name, cfg_.group_ranks[rank()], ctx.describe(), ctx.seq,
+                        cfg_.group_ranks[i], newest.call.describe(), their_seq ? their_seq - 1 : 0));
 }
 
 void ShmComm::mark_failed(const std::string& message) {

@@ -74,12 +74,7 @@ struct alignas(64) DescSlot {
   uint64_t first_step = 0;
   CollDesc desc;
   int64_t pool_off = -1;  // Note [Zero-copy operands]: the operand's offset in my pool
-  // What the peer called, for error messages: OpCtx::name and OpArgs, copied (the
-  // pointers themselves mean nothing in another process).
-  char name[32] = {0};
-  char dtype[16] = {0};
-  char op[16] = {0};
-  int64_t numel = 0;
+  CallSummary call;  // what the peer called, for error messages
 };
 
 // Control block at offset 0 of each rank's segment; one cache line per field that another
@@ -130,6 +125,8 @@ class ShmComm {
 
   int rank() const { return cfg_.local_rank; }
   int size() const { return static_cast<int>(cfg_.group_ranks.size()); }
+  int group_rank(int local) const { return cfg_.group_ranks[local]; }
+  const std::string& group_name() const { return cfg_.group_name; }
   size_t buffer_bytes() const { return cfg_.buffer_bytes; }
   // Bytes one rank moves per pipelined step: small enough that a step's data stays in cache.
   size_t chunk_bytes() const { return chunk_bytes_; }

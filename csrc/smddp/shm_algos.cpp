@@ -272,8 +272,9 @@ void alltoall(ShmComm& c, const void* in, const std::vector<Span>& send, void* o
     auto* ps = reinterpret_cast<const uint64_t*>(c.peer(i, s));
     for (int j = 0; j < n; ++j) {
       if (ps[n + j] != matrix[j * n + i]) {  // i expects from j what j sends to i
-        problem = "local rank " + std::to_string(i) + " expects " + std::to_string(ps[n + j]) +
-                  " bytes from local rank " + std::to_string(j) + " which sends " +
+        problem = "rank " + std::to_string(c.group_rank(i)) + " expects " +
+                  std::to_string(ps[n + j]) + " bytes from rank " +
+                  std::to_string(c.group_rank(j)) + ", which sends it " +
                   std::to_string(matrix[j * n + i]);
         break;
       }
@@ -281,8 +282,9 @@ void alltoall(ShmComm& c, const void* in, const std::vector<Span>& send, void* o
   }
   c.end_step(s);
   if (!problem.empty()) {
-    throw CommError("smddp: " + ctx.describe() +
-                    ": input and output split sizes do not match across ranks: " + problem);
+    throw CommError("smddp: " + ctx.describe() + " on group '" + c.group_name() +
+                    "': input and output split sizes do not match across ranks: " + problem +
+                    " (rank i's output split j must equal rank j's input split i)");
   }
   const size_t region = chunk_elems(c.buffer_bytes(), n, 1);
   uint64_t most = 0;

@@ -217,23 +217,41 @@ void TcpMesh::fail_peer(int peer, const std::string& what, const OpCtx& ctx) {
                   std::to_string(peer) + ": " + what);
 }
 
-void TcpMesh::announce_failure(const std::string& why) {
+void TcpMesh::fail_mismatch(int peer, const Header& theirs, const OpCtx& ctx) {
+  const uint64_t their_seq = (theirs.tag & ~(1ull << 63)) >> 4;  // see Communicator::tag
+  throw CommError(mismatch_message(group_name_, rank_, ctx.describe(), ctx.seq, peer,
+                                   theirs.call.describe(), their_seq));
+}
+
+void TcpMesh::announce_failure(const std::string& why, const std::vector<int>& also_tell) {
   if (announced_.exchange(true)) return;
   const std::string text = why.substr(0, kMaxNotice);
-  char hdr[24];
-  const uint64_t tag = kFailureTag, len = text.size(), check = 0;
-  std::memcpy(hdr, &tag, 8);
-  std::memcpy(hdr + 8, &len, 8);
-  std::memcpy(hdr + 16, &check, 8);
-  for (auto& c : conns_) {
+  Header h;
+  h.tag = kFailureTag;
+  h.len = text.size();
+  char hdr[sizeof(Header)];
+  std::memcpy(hdr, &h, sizeof(h));
+  OpCtx notice;  // for connect_to's messages and time limit only
+  notice.name = "failure notice";
+  notice.deadline = Deadline::after(kNoticeMs / 1000.0);
+  for (int peer = 0; peer < size_; ++peer) {
+    Conn& c = *conns_[peer];
     // A connection another thread is writing to stays with it (its write fails or ends).
-    std::unique_lock<std::mutex> lock(c->write_mu, std::try_to_lock);
-    if (!lock.owns_lock() || c->out_fd < 0) continue;
-    // Best effort, briefly: a peer that stopped reading must not hold up this error.
-    if (!c->partial && io_all(c->out_fd, hdr, sizeof(hdr), true, kNoticeMs)) {
-      io_all(c->out_fd, const_cast<char*>(text.data()), text.size(), true, kNoticeMs);
+    std::unique_lock<std::mutex> lock(c.write_mu, std::try_to_lock);
+    if (!lock.owns_lock()) continue;
+    if (c.out_fd < 0 && peer != rank_ &&
+        std::find(also_tell.begin(), also_tell.end(), peer) != also_tell.end()) {
+      try {
+        c.out_fd = connect_to(peer, notice);
+      } catch (const std::exception&) {  // best effort: the peer may be gone
+      }
     }
-    ::shutdown(c->out_fd, SHUT_WR);
+    if (c.out_fd < 0) continue;
+    // Best effort, briefly: a peer that stopped reading must not hold up this error.
+    if (!c.partial && io_all(c.out_fd, hdr, sizeof(hdr), true, kNoticeMs)) {
+      io_all(c.out_fd, const_cast<char*>(text.data()), text.size(), true, kNoticeMs);
+    }
+    ::shutdown(c.out_fd, SHUT_WR);
   }
 }
 

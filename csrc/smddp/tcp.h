@@ -17,7 +17,19 @@
 // of waiting out the timeout for a rank that is alive but has left the group. A connection
 // that carries a partly written message cannot frame a notice; it is only closed.
 //
-// Messages are framed as {tag, length, check} + payload. Only the thread that executes
+// Note [Mismatches across hosts]
+// A message header carries, besides tag, length and check, a summary of the call that sent
+// it (CallSummary). Collective tags hold the collective's sequence number and stage, and
+// one connection carries a sender's collectives in sequence order, so while a rank waits
+// for a collective message from a peer, the next collective message on that connection is
+// the one it waits for, or the peer is running something else. The receiver then raises
+// naming both calls: a different tag (another collective, or the same one at another
+// point of its algorithm) or a different check (dtype, op, size, root). A rank that fails
+// tells its rail peers on other hosts even where it never opened a connection to them
+// (Note [Failure notices]): hierarchical collectives talk across hosts only along rails,
+// so a peer stuck because of a mismatch is most likely one of them.
+//
+// Messages are framed as a Header + payload. Only the thread that executes
 // collectives reads sockets (so no reader locking); a message that arrives for a tag
 // nobody waits for yet (e.g. a user send overtaking a collective) is stashed. Writers
 // (collectives, and the send lane for isend) take the connection's write lock per message.
@@ -53,6 +65,16 @@ class TcpMesh {
     uint64_t check = 0;
   };
 
+  // What precedes every message's payload on the wire.
+  struct Header {
+    uint64_t tag = 0, len = 0, check = 0;
+    // Bytes the sender expects back from the receiver under the same tag (kNoReply: none),
+    // so a pair exchanging messages both finds a size mismatch, not only its receiver.
+    uint64_t expect = kNoReply;
+    CallSummary call;  // Note [Mismatches across hosts]
+  };
+  static constexpr uint64_t kNoReply = ~0ull;
+
   TcpMesh(int rank, int size, std::string secret, std::string group_name);
   ~TcpMesh();
 
@@ -68,9 +90,10 @@ class TcpMesh {
   void exchange(const std::vector<Op>& sends, const std::vector<Op>& recvs, const OpCtx& ctx,
                 const std::function<void()>& health = {});
 
-  // Sends the failure notice (Note [Failure notices]) and closes every outgoing
-  // connection; the first call does it, later ones return.
-  void announce_failure(const std::string& why);
+  // Sends the failure notice (Note [Failure notices]) on every outgoing connection and on
+  // new ones to `also_tell` (ranks without one yet), then closes them; the first call does
+  // it, later ones return.
+  void announce_failure(const std::string& why, const std::vector<int>& also_tell = {});
 
   void shutdown();
   void abort() { aborted_.store(true); }
@@ -81,7 +104,7 @@ class TcpMesh {
   static constexpr size_t kMaxNotice = 1024;
   static constexpr int kNotice = -2;  // Conn::target_op of a notice being read
   struct Stashed {
-    uint64_t tag, check;
+    Header hdr;
     std::vector<char> data;
   };
   struct Conn {
@@ -90,9 +113,8 @@ class TcpMesh {
     bool partial = false;  // a message is partly written to out_fd (under write_mu)
     int in_fd = -1;        // peer connected: I read (exec thread only)
     // Receive state of the message being read from in_fd (persists across exchanges).
-    char hdr[24];
+    Header hdr;
     size_t hdr_got = 0;
-    uint64_t msg_tag = 0, msg_len = 0, msg_check = 0;
     size_t body_got = 0;
     char* body = nullptr;     // destination of the current message
     int target_op = -1;       // index of the recv op it belongs to, -1 (stash), kNotice
@@ -105,6 +127,9 @@ class TcpMesh {
   int connect_to(int peer, const OpCtx& ctx);
   int in_fd(int peer);
   [[noreturn]] void fail_peer(int peer, const std::string& what, const OpCtx& ctx);
+  // Throws for a message from `peer` that belongs to another collective, or to another
+  // variant of this one (Note [Mismatches across hosts]).
+  [[noreturn]] void fail_mismatch(int peer, const Header& theirs, const OpCtx& ctx);
 
   int rank_, size_;
   std::string secret_, group_name_;

@@ -16,8 +16,10 @@ namespace {
 constexpr const char* kClosed =
     "closed its connection (its process exited, or it left the group after an error)";
 
+bool is_collective(uint64_t tag) { return tag >> 63; }  // Communicator::tag sets bit 63
+
 struct SendState {
-  char hdr[24];
+  char hdr[sizeof(TcpMesh::Header)];
   size_t done = 0;  // bytes of header + payload written
   bool locked = false, finished = false;
 };
@@ -30,6 +32,23 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
   std::vector<uint8_t> rdone(recvs.size(), 0), rtargeted(recvs.size(), 0);
   size_t pending = sends.size() + recvs.size();
 
+  // A message with the tag `r` waits for must also agree on size and check.
+  auto check_match = [&](int peer, const Op& r, const Header& h) {
+    if (h.check != r.check) fail_mismatch(peer, h, ctx);
+    if (h.len != r.len) {
+      fail_peer(peer, "sent " + std::to_string(h.len) + " bytes where this rank expects " +
+                          std::to_string(r.len) + " (split or tensor sizes differ across ranks)",
+                ctx);
+    }
+    if (h.expect == kNoReply) return;
+    for (const Op& s : sends) {
+      if (s.peer == peer && s.tag == h.tag && s.len != h.expect) {
+        fail_peer(peer, "expects " + std::to_string(h.expect) + " bytes from this rank, which "
+                        "sends it " + std::to_string(s.len) +
+                        " (split or tensor sizes differ across ranks)", ctx);
+      }
+    }
+  };
   auto finish_recv = [&](size_t i) {
     rdone[i] = 1;
     --pending;
@@ -41,12 +60,8 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
       bool used = false;
       for (size_t i = 0; i < recvs.size() && !used; ++i) {
         const Op& r = recvs[i];
-        if (rdone[i] || rtargeted[i] || r.peer != peer || r.tag != it->tag) continue;
-        if (it->data.size() != r.len || it->check != r.check) {
-          fail_peer(peer, "sent " + std::to_string(it->data.size()) + " bytes where " +
-                              std::to_string(r.len) + " were expected, or ran a different "
-                              "collective (mismatched sizes or collectives across ranks)", ctx);
-        }
+        if (rdone[i] || rtargeted[i] || r.peer != peer || r.tag != it->hdr.tag) continue;
+        check_match(peer, r, it->hdr);
         if (r.len) std::memcpy(r.data, it->data.data(), r.len);
         finish_recv(i);
         used = true;
@@ -68,7 +83,8 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
     Conn& c = *conns_[peer];
     while (wants_from(peer)) {
       if (c.hdr_got < sizeof(c.hdr)) {
-        ssize_t r = ::recv(fd, c.hdr + c.hdr_got, sizeof(c.hdr) - c.hdr_got, 0);
+        char* h = reinterpret_cast<char*>(&c.hdr);
+        ssize_t r = ::recv(fd, h + c.hdr_got, sizeof(c.hdr) - c.hdr_got, 0);
         if (r == 0) fail_peer(peer, kClosed, ctx);
         if (r < 0) {
           if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
@@ -76,45 +92,42 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
         }
         c.hdr_got += static_cast<size_t>(r);
         if (c.hdr_got < sizeof(c.hdr)) continue;
-        std::memcpy(&c.msg_tag, c.hdr, 8);
-        std::memcpy(&c.msg_len, c.hdr + 8, 8);
-        std::memcpy(&c.msg_check, c.hdr + 16, 8);
         c.body_got = 0;
         c.target_op = -1;
-        if (c.msg_tag == kFailureTag) {  // Note [Failure notices]
+        if (c.hdr.tag == kFailureTag) {  // Note [Failure notices]
           c.target_op = kNotice;
-          c.notice.assign(std::min<uint64_t>(c.msg_len, kMaxNotice), 0);
-          c.msg_len = c.notice.size();
+          c.notice.assign(std::min<uint64_t>(c.hdr.len, kMaxNotice), 0);
+          c.hdr.len = c.notice.size();
           c.body = c.notice.data();
         }
-        for (size_t i = 0; i < recvs.size(); ++i) {
-          if (!rdone[i] && !rtargeted[i] && recvs[i].peer == peer && recvs[i].tag == c.msg_tag) {
-            if (recvs[i].len != c.msg_len || recvs[i].check != c.msg_check) {
-              fail_peer(peer, "sent " + std::to_string(c.msg_len) + " bytes where " +
-                                  std::to_string(recvs[i].len) + " were expected, or ran a "
-                                  "different collective (mismatched sizes or collectives "
-                                  "across ranks)", ctx);
-            }
-            c.target_op = static_cast<int>(i);
-            rtargeted[i] = 1;
-            c.body = recvs[i].data;
-            break;
-          }
+        bool awaits_collective = false;
+        for (size_t i = 0; i < recvs.size() && c.target_op == -1; ++i) {
+          if (rdone[i] || rtargeted[i] || recvs[i].peer != peer) continue;
+          awaits_collective |= is_collective(recvs[i].tag);
+          if (recvs[i].tag != c.hdr.tag) continue;
+          check_match(peer, recvs[i], c.hdr);
+          c.target_op = static_cast<int>(i);
+          rtargeted[i] = 1;
+          c.body = recvs[i].data;
+        }
+        // Note [Mismatches across hosts]: the next collective message is the awaited one.
+        if (c.target_op == -1 && awaits_collective && is_collective(c.hdr.tag)) {
+          fail_mismatch(peer, c.hdr, ctx);
         }
         if (c.target_op == -1) {
-          c.stash.push_back({c.msg_tag, c.msg_check, std::vector<char>(c.msg_len)});
+          c.stash.push_back({c.hdr, std::vector<char>(c.hdr.len)});
           c.body = c.stash.back().data.data();
         }
       }
-      if (c.body_got < c.msg_len) {
-        ssize_t r = ::recv(fd, c.body + c.body_got, c.msg_len - c.body_got, 0);
+      if (c.body_got < c.hdr.len) {
+        ssize_t r = ::recv(fd, c.body + c.body_got, c.hdr.len - c.body_got, 0);
         if (r == 0) fail_peer(peer, kClosed, ctx);
         if (r < 0) {
           if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
           fail_peer(peer, std::string("connection error: ") + std::strerror(errno), ctx);
         }
         c.body_got += static_cast<size_t>(r);
-        if (c.body_got < c.msg_len) continue;
+        if (c.body_got < c.hdr.len) continue;
       }
       // Message complete.
       c.hdr_got = 0;
@@ -173,11 +186,19 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
     }
   } unlock{ss, sends, conns_};
 
-  for (size_t i = 0; i < sends.size(); ++i) {
-    std::memcpy(ss[i].hdr, &sends[i].tag, 8);
-    uint64_t len = sends[i].len;
-    std::memcpy(ss[i].hdr + 8, &len, 8);
-    std::memcpy(ss[i].hdr + 16, &sends[i].check, 8);
+  if (!sends.empty()) {
+    Header h;
+    h.call = CallSummary::of(ctx);
+    for (size_t i = 0; i < sends.size(); ++i) {
+      h.tag = sends[i].tag;
+      h.len = sends[i].len;
+      h.check = sends[i].check;
+      h.expect = kNoReply;
+      for (const Op& r : recvs) {
+        if (r.peer == sends[i].peer && r.tag == sends[i].tag) h.expect = r.len;
+      }
+      std::memcpy(ss[i].hdr, &h, sizeof(h));
+    }
   }
 
   std::vector<pollfd> fds;

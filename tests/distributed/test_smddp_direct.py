@@ -149,7 +149,7 @@ def test_mismatches_raise_on_every_rank_naming_both_calls():
         assert all(m is not None and "mismatched collectives" in m for m in per_rank), per_rank
     assert "all_reduce (Float, SUM, 10 elements)" in results[0][0]
     assert "all_reduce (Float, SUM, 11 elements)" in results[0][0]
-    assert "broadcast (Float, 4 elements)" in results[0][1] + results[1][1]
+    assert "broadcast (Float, 4 elements, root 0)" in results[0][1] + results[1][1]
 
 
 def _peer_never_calls():

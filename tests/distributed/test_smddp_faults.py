@@ -26,17 +26,58 @@ def _mismatches():
         lambda g: dist.all_reduce(torch.ones(10), op=[dist.ReduceOp.SUM, dist.ReduceOp.MAX][rank], group=g),
         lambda g: (dist.all_reduce(torch.ones(4), group=g) if rank == 0
                    else dist.broadcast(torch.ones(4), 0, group=g)),                    # collective
+        # Rank 1 expects 2 elements from rank 0, which sends it 1.
+        lambda g: dist.all_to_all_single(torch.empty(2 + rank), torch.ones(2), [1 + rank, 1],
+                                         [1, 1], group=g),
     ]
     # A fresh group per case: a failed collective poisons its group.
     return checks.runtime_errors([lambda case=case: case(dist.new_group([0, 1])) for case in cases])
 
 
-def test_mismatched_collectives_raise_on_every_rank():
-    results = run_distributed(_mismatches, world_size=2, backend="smddp", fresh=True, pg_timeout=30)
+@pytest.mark.parametrize("transport", ["shared_memory", "tcp"])
+def test_mismatched_collectives_raise_on_every_rank(transport):
+    # Over TCP (one rank per forced host) the receiver of a message from another call
+    # raises and its failure notice ends the other rank's wait.
+    env = {"SMDDP_FORCE_LOCAL_SIZE": "1"} if transport == "tcp" else {}
+    results = run_distributed(_mismatches, world_size=2, backend="smddp", env=env, fresh=True,
+                              pg_timeout=30)
+    for per_rank in results:
+        assert all(m is not None and "mismatched collectives" in m for m in per_rank[:4]), per_rank
+        assert per_rank[4] is not None and "sizes" in per_rank[4], per_rank
+    assert "all_reduce (Float, SUM, 10 elements)" in results[0][0]
+    assert "broadcast (Float, 4 elements, root 0)" in results[0][3] + results[1][3]
+    assert "rank 1 expects 8 bytes from rank 0, which sends it 4" in results[1][4] or (
+        transport == "tcp" and "rank 0: sent 4 bytes where this rank expects 8" in results[1][4]
+    ), results[1][4]
+
+
+def _hosts_disagree():
+    """Forced hosts [0, 1] and [2, 3], each host agreeing within itself, so that only the
+    messages between hosts can show the mismatch."""
+    import torch
+    import torch.distributed as dist
+
+    host = dist.get_rank() // 2
+    cases = [
+        lambda g: (dist.all_reduce(torch.ones(4), group=g) if host == 0
+                   else dist.broadcast(torch.ones(4), 0, group=g)),                    # collective
+        lambda g: dist.all_reduce(torch.ones(4), op=[dist.ReduceOp.SUM, dist.ReduceOp.MAX][host],
+                                  group=g),                                            # op
+        lambda g: dist.all_reduce(torch.ones(4, dtype=[torch.float32, torch.int32][host]),
+                                  group=g),                                            # dtype
+        lambda g: dist.all_gather_into_tensor(torch.empty(4 * (3 + host)), torch.ones(3 + host),
+                                              group=g),                                # numel
+    ]
+    return checks.runtime_errors([lambda case=case: case(dist.new_group()) for case in cases])
+
+
+def test_collectives_that_differ_between_hosts_raise_on_every_rank():
+    results = run_distributed(_hosts_disagree, world_size=4, backend="smddp",
+                              env={"SMDDP_FORCE_LOCAL_SIZE": "2"}, fresh=True, pg_timeout=30)
     for per_rank in results:
         assert all(m is not None and "mismatched collectives" in m for m in per_rank), per_rank
-    assert "all_reduce (Float, SUM, 10 elements)" in results[0][0]
-    assert "broadcast" in results[0][3] or "broadcast" in results[1][3]
+    assert "called broadcast (Float, 4 elements, root 0)" in results[2][0]
+    assert "called all_reduce (Float, MAX, 4 elements)" in results[0][1]
 
 
 def _dead_peer():
