@@ -79,8 +79,8 @@ def test_ddp_and_fsdp2_steps_match_gloo():
         assert r["ddp_changed"] and r["fsdp2_changed"]
         assert r["ddp"], r
         # FSDP2 reduce-scatters with AVG on smddp but SUM + division on gloo: same math, and
-        # with two ranks the same bits.
-        assert r["fsdp2_max_diff"] < 1e-6, r
+        # with two ranks (a sum of two, then an exact halving) the same bits.
+        assert r["fsdp2"], r
 
 
 def _subgroups_and_mesh():
