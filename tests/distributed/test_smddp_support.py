@@ -210,24 +210,36 @@ def check_byte_collectives(sizes=(0, 1, 3, 17, 1031, 70001)) -> int:
     return checked
 
 
-def check_rooted(n: int = 1031) -> int:
+def check_rooted(sizes=(1, 1031), dtypes=(torch.float32, torch.bfloat16, torch.int32)) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     hosts = host_layout()
-    inputs = [make_input(r, n, torch.float32, 5) for r in range(world)]
-    for root in range(world):
-        t = inputs[rank].clone()
-        dist.reduce(t, root, op=dist.ReduceOp.SUM)
-        if rank == root:
-            assert same(t, reference_reduce(inputs, "SUM", hosts)), "reduce"
-        g = [torch.empty(n) for _ in range(world)] if rank == root else None
-        dist.gather(inputs[rank], g, dst=root)
-        if rank == root:
-            assert torch.equal(torch.cat(g), torch.cat(inputs)), "gather"
-        out = torch.empty(n)
-        chunks = [inputs[r] * (root + 1) for r in range(world)]
-        dist.scatter(out, chunks if rank == root else None, src=root)
-        assert torch.equal(out, inputs[rank] * (root + 1)), "scatter"
-    return 3 * world
+    checked = 0
+    for dtype in dtypes:
+        for n in sizes:
+            for op in ("SUM", "MAX", "PRODUCT"):
+                salt = _salt("rooted", str(dtype), op)
+                inputs = [make_input(r, n, dtype, salt, op) for r in range(world)]
+                for root in range(world):
+                    t = inputs[rank].clone()
+                    dist.reduce(t, root, op=redop(op))
+                    if rank == root:
+                        assert same(t, reference_reduce(inputs, op, hosts)), f"reduce {dtype} {op} n={n}"
+                    checked += 1
+            inputs = [make_input(r, n, dtype, _salt("rooted", str(dtype))) for r in range(world)]
+            for root in range(world):
+                g = [torch.empty(n, dtype=dtype) for _ in range(world)] if rank == root else None
+                dist.gather(inputs[rank], g, dst=root)
+                if rank == root:
+                    assert torch.equal(torch.cat(g), torch.cat(inputs)), f"gather {dtype} n={n}"
+                out = torch.empty(n, dtype=dtype)
+                chunks = [inputs[r] * (root + 1) for r in range(world)]
+                dist.scatter(out, chunks if rank == root else None, src=root)
+                assert torch.equal(out, inputs[rank] * (root + 1)), f"scatter {dtype} n={n}"
+                t = inputs[rank].clone()
+                dist.broadcast(t, root)
+                assert torch.equal(t, inputs[root]), f"broadcast {dtype} n={n}"
+                checked += 3
+    return checked
 
 
 def check_all_to_all() -> int:
@@ -315,11 +327,15 @@ def check_coalesced() -> int:
 def check_non_contiguous() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     hosts = host_layout()
+    checked = 0
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
+        base = [make_input(r, 40 * 6, dtype, 9).view(40, 6) for r in range(world)]
+        t = base[rank].clone()[:, ::2]  # strided view
+        dist.all_reduce(t)
+        want = reference_reduce([b[:, ::2].contiguous() for b in base], "SUM", hosts)
+        assert same(t.contiguous(), want), f"non-contiguous all_reduce {dtype}"
+        checked += 1
     base = [make_input(r, 40 * 6, torch.float32, 9).view(40, 6) for r in range(world)]
-    t = base[rank].clone()[:, ::2]  # strided view
-    dist.all_reduce(t)
-    want = reference_reduce([b[:, ::2].contiguous() for b in base], "SUM", hosts)
-    assert same(t.contiguous(), want), "non-contiguous all_reduce"
     t2 = base[rank].clone().t()
     dist.broadcast(t2, 0)
     assert torch.equal(t2, base[0].t()), "non-contiguous broadcast"
@@ -332,7 +348,7 @@ def check_non_contiguous() -> int:
     dist.reduce_scatter_tensor(o, ins[rank])
     full = reference_reduce([x.contiguous() for x in ins], "SUM", hosts)
     assert same(o, full[rank * 40:(rank + 1) * 40]), "non-contiguous reduce_scatter input"
-    return 4
+    return checked + 3
 
 
 def check_back_to_back(iters: int = 300) -> int:
@@ -378,6 +394,20 @@ def check_async_two_groups(rounds: int = 40) -> int:
     for t, o, scale, i in tensors:
         assert torch.all(t == sum(scale * (r + 1) + i for r in range(world))).item()
         assert torch.equal(o, torch.cat([torch.full((i + 1,), scale * r + i) for r in range(world)]))
+    # A future's value is the output tensors themselves (DDP's comm hooks read it).
+    for k, (t, o, _, _) in enumerate(tensors):
+        for work, out in ((works[2 * k], t), (works[2 * k + 1], o)):
+            value = work.get_future().value()
+            assert len(value) == 1 and value[0].data_ptr() == out.data_ptr(), "future value"
+    rs_out, a2a_out = torch.empty(3), torch.empty(2 * world)
+    rs = dist.reduce_scatter_tensor(rs_out, torch.ones(3 * world), group=g1, async_op=True)
+    a2a = dist.all_to_all_single(a2a_out, torch.full((2 * world,), float(rank)), group=g2,
+                                 async_op=True)
+    for work, out in ((rs, rs_out), (a2a, a2a_out)):
+        value = work.get_future().wait()
+        assert len(value) == 1 and value[0].data_ptr() == out.data_ptr(), "future value"
+    assert torch.equal(rs_out, torch.full((3,), float(world)))
+    assert torch.equal(a2a_out, torch.arange(world).repeat_interleave(2).float())
     for g in (g1, g2):
         dist.destroy_process_group(g)
     return len(works)
