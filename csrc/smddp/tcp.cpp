@@ -187,8 +187,10 @@ int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
                         (err ? std::strerror(err) : "timed out"),
               ctx);
   }
+  // The handshake also ends with the caller's deadline (a failure notice allows 200 ms).
+  const int handshake_ms = std::max(1, std::min(kHandshakeMs, ctx.deadline.remaining_ms()));
   char hello[40];
-  if (!io_all(fd, hello, sizeof(hello), false, kHandshakeMs) || std::memcmp(hello, kMagic, 8) != 0) {
+  if (!io_all(fd, hello, sizeof(hello), false, handshake_ms) || std::memcmp(hello, kMagic, 8) != 0) {
     close(fd);
     fail_peer(peer, "its listener did not answer the handshake", ctx);
   }
@@ -198,8 +200,8 @@ int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
   Digest mac = hmac_sha256(secret_, mac_message(std::string(hello + 8, 32), rank_, peer));
   std::memcpy(reply + 4, mac.data(), 32);
   char status = 0;
-  if (!io_all(fd, reply, sizeof(reply), true, kHandshakeMs) ||
-      !io_all(fd, &status, 1, false, kHandshakeMs) || status != 1) {
+  if (!io_all(fd, reply, sizeof(reply), true, handshake_ms) ||
+      !io_all(fd, &status, 1, false, handshake_ms) || status != 1) {
     close(fd);
     fail_peer(peer, "it refused our credentials (different job secret?)", ctx);
   }
