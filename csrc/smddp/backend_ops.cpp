@@ -32,6 +32,11 @@ OpArgs args_of(const at::Tensor& t, const char* op = nullptr) {
   return a;
 }
 
+void check_root(int root, int size, const char* name) {
+  TORCH_CHECK_VALUE(root >= 0 && root < size, "smddp: ", name, " root ", root,
+                    " is not a rank of this group of ", size, " ranks (valid: 0..", size - 1, ")");
+}
+
 OpArgs rooted(OpArgs a, int root) {
   a.root = root;
   return a;
@@ -130,8 +135,7 @@ WorkPtr ProcessGroupSMDDP::reduce(std::vector<at::Tensor>& tensors, const c10d::
   check_single(tensors, "reduce");
   at::Tensor t = tensors[0];
   int root = static_cast<int>(opts.rootRank);
-  TORCH_CHECK_VALUE(root >= 0 && root < size_, "smddp: reduce root ", root,
-                    " is not a rank of this group of ", size_, " ranks (valid: 0..", size_ - 1, ")");
+  check_root(root, size_, "reduce");
   Reduction red = reduction_of(opts.reduceOp, t, "reduce");
   OpCtx ctx = comm_->make_ctx("reduce", desc_of(t, int(red.op), t.numel(), root),
                               rooted(args_of(t, redop_name(red.op)), root),
@@ -293,8 +297,7 @@ WorkPtr ProcessGroupSMDDP::broadcast(std::vector<at::Tensor>& tensors,
   check_single(tensors, "broadcast");
   at::Tensor t = tensors[0];
   int root = static_cast<int>(opts.rootRank);
-  TORCH_CHECK_VALUE(root >= 0 && root < size_, "smddp: broadcast root ", root,
-                    " is not a rank of this group of ", size_, " ranks (valid: 0..", size_ - 1, ")");
+  check_root(root, size_, "broadcast");
   const size_t bytes = t.numel() * t.element_size();
   OpCtx ctx = comm_->make_ctx("broadcast", desc_of(t, 0, bytes, root), rooted(args_of(t), root),
                               timeout_of(opts.timeout));
@@ -309,6 +312,7 @@ WorkPtr ProcessGroupSMDDP::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                   std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
   check_single(inputs, "gather");
   int root = static_cast<int>(opts.rootRank);
+  check_root(root, size_, "gather");
   at::Tensor in = inputs[0];
   std::vector<at::Tensor> outs;
   if (rank_ == root) {
@@ -346,6 +350,7 @@ WorkPtr ProcessGroupSMDDP::scatter(std::vector<at::Tensor>& outputs,
                                    const c10d::ScatterOptions& opts) {
   check_single(outputs, "scatter");
   int root = static_cast<int>(opts.rootRank);
+  check_root(root, size_, "scatter");
   at::Tensor out = outputs[0];
   std::vector<at::Tensor> ins;
   if (rank_ == root) {

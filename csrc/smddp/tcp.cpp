@@ -220,9 +220,8 @@ void TcpMesh::fail_peer(int peer, const std::string& what, const OpCtx& ctx) {
 }
 
 void TcpMesh::fail_mismatch(int peer, const Header& theirs, const OpCtx& ctx) {
-  const uint64_t their_seq = (theirs.tag & ~(1ull << 63)) >> 4;  // see Communicator::tag
   throw CommError(mismatch_message(group_name_, rank_, ctx.describe(), ctx.seq, peer,
-                                   theirs.call.describe(), their_seq));
+                                   theirs.call.describe(), seq_of(theirs.tag)));
 }
 
 void TcpMesh::announce_failure(const std::string& why, const std::vector<int>& also_tell) {

@@ -75,6 +75,14 @@ class TcpMesh {
   };
   static constexpr uint64_t kNoReply = ~0ull;
 
+  // Tags of collective messages: bit 63 set (user send/recv tags are 32-bit), then the
+  // collective's sequence number, then its stage (0-15) in the algorithm.
+  static uint64_t collective_tag(uint64_t seq, int stage) {
+    return (1ull << 63) | (seq << 4) | static_cast<uint64_t>(stage);
+  }
+  static bool is_collective(uint64_t tag) { return tag >> 63; }
+  static uint64_t seq_of(uint64_t tag) { return (tag & ~(1ull << 63)) >> 4; }
+
   TcpMesh(int rank, int size, std::string secret, std::string group_name);
   ~TcpMesh();
 

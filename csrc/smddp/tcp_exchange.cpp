@@ -16,8 +16,6 @@ namespace {
 constexpr const char* kClosed =
     "closed its connection (its process exited, or it left the group after an error)";
 
-bool is_collective(uint64_t tag) { return tag >> 63; }  // Communicator::tag sets bit 63
-
 struct SendState {
   char hdr[sizeof(TcpMesh::Header)];
   size_t done = 0;  // bytes of header + payload written
