@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER
-from torch_sagemaker.checkpoint.utils import limit_num_subdirs
+from torch_sagemaker.checkpoint.utils import SORT_BY_LAST_INT, limit_num_subdirs
 from torch_sagemaker.distributed.checkpoint import (
     AsyncCallsQueue,
     CheckpointError,
@@ -171,12 +171,37 @@ def test_limit_num_subdirs_keeps_newest_by_number(tmp_path):
         (tmp_path / f"llama-{n}steps").mkdir()
     (tmp_path / ".llama-1steps.partial").mkdir()
     (tmp_path / "notes").mkdir()
-    deleted = limit_num_subdirs(tmp_path, 2, regex=r"^.*\d+steps$", log=False)
+    # A rank passing log=False (every rank but 0 in SMP's scripts) leaves everything alone.
+    assert limit_num_subdirs(tmp_path, 2, regex=r"^.*\d+steps$", log=False) == []
+    assert len(os.listdir(tmp_path)) == 7
+    deleted = limit_num_subdirs(tmp_path, 2, regex=r"^.*\d+steps$")
     assert sorted(os.path.basename(d) for d in deleted) == ["llama-10steps", "llama-1steps", "llama-2steps"]
     assert sorted(os.listdir(tmp_path)) == ["llama-11steps", "llama-12steps", "notes"]
     assert limit_num_subdirs(tmp_path, None) == []
     with pytest.raises(ValueError, match="num_kept=-1"):
         limit_num_subdirs(tmp_path, -1)
+
+
+@pytest.mark.parametrize("inside", ["", "tp2-0", "tp0_ep0_fsdp1"])
+def test_limit_num_subdirs_as_smp_scripts_call_it(tmp_path, inside):
+    """The scripts pass the new checkpoint's folder (or a per-rank subfolder), not the root."""
+    root = tmp_path / "ckpts"
+    for n in (4, 8, 12):
+        (root / f"llama_v2-{n}steps" / "tp2-0").mkdir(parents=True)
+    newest = os.path.abspath(os.path.join(root, "llama_v2-12steps", inside))
+    sort_fn = SORT_BY_LAST_INT
+    limit_num_subdirs(newest, 1, sort_fn=sort_fn, regex=r"^.*\d+steps$", log=False)
+    assert len(os.listdir(root)) == 3
+    limit_num_subdirs(newest, 1, sort_fn=sort_fn, regex=r"^.*\d+steps$", log=True)
+    assert os.listdir(root) == ["llama_v2-12steps"]
+    assert os.listdir(root / "llama_v2-12steps") == ["tp2-0"]  # the kept one is untouched
+
+
+def test_limit_num_subdirs_without_regex_counts_every_subdir_of_path(tmp_path):
+    for name in ("a1", "b2", "c3"):
+        (tmp_path / name).mkdir()
+    limit_num_subdirs(tmp_path, 1)
+    assert os.listdir(tmp_path) == ["c3"]
 
 
 def test_s3_and_missing_ids_are_rejected(tmp_path):

@@ -160,7 +160,7 @@ class TrainingState:
 
     def save(self, checkpoint_id: str | os.PathLike[str], *, kind: str = "sharded",
              use_async: bool = False, queue: AsyncCallsQueue | None = None,
-             num_kept: int | None = None, regex: str = r".*") -> None:
+             num_kept: int | None = None, regex: str | None = None) -> None:
         """Saves the training state to the directory ``checkpoint_id`` (all ranks call it).
 
         Args:
@@ -171,7 +171,7 @@ class TrainingState:
             queue: Queue for ``use_async``; default the global one.
             num_kept: After the save, keep only this many checkpoints in the parent
                 directory (sharded kind; see ``limit_num_subdirs``).
-            regex: Which sibling directories count for ``num_kept``.
+            regex: Which sibling directories count for ``num_kept`` (default: all).
         """
         from torch_sagemaker.checkpoint.utils import limit_num_subdirs
 
