@@ -13,9 +13,12 @@ from torch_sagemaker._init import init, is_initialized
 from torch_sagemaker._version import __version__
 from torch_sagemaker.config import ConfigError, SMPConfig
 from torch_sagemaker.distributed.backend import register as _register_backend
+from torch_sagemaker.distributed.checkpoint import torch_compat as _torch_compat
 from torch_sagemaker.state import state
 
 _register_backend()
+# SMP's scripts bind DCP's optimizer loader at import time, before tsm.init(): patch it now.
+_torch_compat.install()
 
 
 def transform(model: Any, *args: Any, **kwargs: Any) -> Any:

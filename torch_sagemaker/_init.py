@@ -15,7 +15,7 @@ from torch_sagemaker import topology
 from torch_sagemaker.distributed import backend as backend_lib
 from torch_sagemaker.distributed.mesh import build_groups
 from torch_sagemaker.logger import log_rank0
-from torch_sagemaker.sharding import fsdp1
+from torch_sagemaker.sharding import fsdp1, fsdp1_state_dict
 from torch_sagemaker.state import state
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -77,9 +77,11 @@ def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> No
         expert_parallel_degree=cfg.expert_parallel_degree,
     )
     groups = build_groups(layout)
-    # 6. Publish the state, make FSDP1 follow it, and log the layout once.
+    # 6. Publish the state, make FSDP1 follow it (and accept SMP's translate_on_save), and log
+    # the layout once.
     state._set(cfg, layout, groups)
     fsdp1.install()
+    fsdp1_state_dict.install()
     log_rank0(f"tsm.init on backend {dist.get_backend()!r}:\n{layout.describe()}")
 
 

@@ -21,7 +21,7 @@ from torch_sagemaker.distributed.mesh import mesh_device_type
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.policy import POLICY_ATTR, check_model, lookup_policy
 from torch_sagemaker.state import state
-from torch_sagemaker.tensor_parallel import loading
+from torch_sagemaker.tensor_parallel import loading, transformer
 from torch_sagemaker.tensor_parallel.backend import select_backend
 
 _CP_COMM_TYPES = ("p2p", "all_gather")
@@ -121,10 +121,10 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
     if load_state_dict_from_rank0 and state.world_size > 1:
         target = torch.device(device) if device is not None else _default_device()
         loading.broadcast_from_rank0(model, rank0_state, target)
-    # 5. Record the policy for wrapping and checkpointing.
+    # 5. Record the policy, and mark the layers as SMP's TransformerLayer (wrap and checkpoint unit).
     setattr(model, POLICY_ATTR, policy)
     layer_cls = policy.layer_cls(model)
-    num_layers = sum(1 for m in model.modules() if type(m) is layer_cls)
+    num_layers = transformer.mark(model, layer_cls)
     log_rank0(f"tsm.transform: {type(model).__name__} with policy {policy.name!r}, "
               f"tensor_parallel_degree={tp} ({backend.name}), {num_layers} x {layer_cls.__name__}, "
               f"{heads.local_heads} heads / {heads.local_kv_heads} kv heads per rank")

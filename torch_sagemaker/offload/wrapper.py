@@ -5,6 +5,14 @@ root tells where a forward pass ends (and prefetching can start), the checkpoint
 are the units whose saved inputs are offloaded. The wrapper subclasses PyTorch's
 ``OffloadWrapper`` so that state dict keys, attribute forwarding and ``isinstance`` checks
 behave exactly as with the native wrapper.
+
+Note [Offloading without checkpointing]
+    SMP's scripts call ``offload_wrapper`` whenever ``sm_activation_offloading`` is true, its
+    default, also with ``--activation_checkpointing 0``. Without checkpointing a layer saves
+    all its intermediate tensors, not just its input; the engine offloads and prefetches those
+    the same way (per layer, per storage), so the transformer layers serve as the units. Only
+    a model with no layers we can recognise falls back to PyTorch's wrapper, as PyTorch's
+    ``offload_wrapper`` would wrap it.
 """
 
 from __future__ import annotations
@@ -19,8 +27,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     OffloadWrapper,
 )
 
+from torch_sagemaker.logger import warn_once
 from torch_sagemaker.offload.engine import DEFAULT_MAX_STASH_BYTES, OffloadEngine
 from torch_sagemaker.offload.stats import OffloadStats
+from torch_sagemaker.policies import registered_policies
+from torch_sagemaker.tensor_parallel.transformer import TransformerLayer
 
 # Storages below this many bytes stay on the device: copying them costs more in launch
 # latency than the memory they free.
@@ -61,6 +72,26 @@ def find_layers(root: nn.Module, layers: LayerSpec = None) -> list[nn.Module]:
             "layers=[...] explicitly, or set sm_activation_offloading=False to use PyTorch's "
             "offload-everything wrapper."
         )
+    return found
+
+
+def default_layers(root: nn.Module) -> list[nn.Module]:
+    """The layers ``offload_wrapper`` uses when none are given (Note [Offloading without checkpointing]).
+
+    The checkpointed layers if there are any, else the model's transformer layers (those
+    ``tsm.transform`` marked, or those of the model family's policy); may be empty.
+    """
+    found = [m for m in root.modules() if isinstance(m, CheckpointWrapper)]
+    if not found:
+        found = [m for m in root.modules() if _is_hf_checkpointed_layer(m)]
+    if not found:
+        found = [m for m in root.modules() if isinstance(m, TransformerLayer)]
+    if not found:
+        for module in root.modules():
+            policy = next((p for p in registered_policies() if p.matches(module)), None)
+            if policy is not None:
+                found = [m for m in module.modules() if type(m).__name__ == policy.layer_class]
+                break
     return found
 
 
@@ -127,13 +158,16 @@ def offload_wrapper(module: nn.Module, *, activation_loading_horizon: int | None
 
     With ``tsm.state.sm_activation_offloading`` true (the default) this returns a
     ``PrefetchOffloadWrapper``; otherwise PyTorch's native ``OffloadWrapper``, which
-    offloads every saved tensor and fetches each one only when backward needs it.
+    offloads every saved tensor and fetches each one only when backward needs it. Without
+    ``layers``, the units are the checkpointed layers, else the transformer layers (Note
+    [Offloading without checkpointing]); a model with neither gets PyTorch's wrapper and a
+    one-time warning, as SMP's scripts wrap every model by default.
 
     Args:
         module: The root module, after activation checkpointing (and FSDP).
         activation_loading_horizon: Overrides ``tsm.state.activation_loading_horizon``.
         min_offload_bytes: Storages smaller than this stay on the device.
-        layers: Which modules are the layers; see ``find_layers``.
+        layers: Which modules are the layers; see ``find_layers``. Default: ``default_layers``.
         trace: Record an event log (``wrapper.offload_trace``).
 
     Returns:
@@ -150,6 +184,14 @@ def offload_wrapper(module: nn.Module, *, activation_loading_horizon: int | None
 
     if not state.sm_activation_offloading:
         return native_offload_wrapper(module)
+    if layers is None:
+        layers = default_layers(module)
+        if not layers:
+            warn_once(f"offload_wrapper: {type(module).__name__} has no checkpointed or transformer "
+                      "layers to prefetch for, so PyTorch's offload_wrapper wraps it (every saved "
+                      "tensor offloaded, fetched when backward needs it). Apply activation "
+                      "checkpointing or pass layers=[...] to get prefetching.")
+            return native_offload_wrapper(module)
     horizon = (state.activation_loading_horizon if activation_loading_horizon is None
                else activation_loading_horizon)
     return PrefetchOffloadWrapper(module, horizon=horizon, min_offload_bytes=min_offload_bytes,

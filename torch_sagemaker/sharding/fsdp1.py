@@ -45,6 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from torch_sagemaker.logger import log_rank0
+from torch_sagemaker.sharding import fsdp1_layout
 from torch_sagemaker.state import state
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -161,6 +162,8 @@ def _patched_init(self: FullyShardedDataParallel, module: nn.Module, process_gro
                           f"{tuple(mesh.shape)} (hybrid_shard_degree="
                           f"{state.layout.requested_hybrid_shard_degree})")
         _original_init(self, module, process_group, sharding_strategy, *args, **kwargs)
+        if state.initialized and kwargs.get("device_mesh") is not None:
+            fsdp1_layout.adapt(self)
     finally:
         _local.depth = depth
 

@@ -113,6 +113,18 @@ def _check_local_layout(marker: dict[str, Any], path: Path, state_dict: dict[str
         )
 
 
+def _checkpoint_id(checkpoint_id: str | os.PathLike[str] | None,
+                   storage_reader: Any) -> str | os.PathLike[str] | None:
+    """``checkpoint_id``, or the directory a file-system ``storage_reader`` reads from."""
+    if checkpoint_id is not None or storage_reader is None:
+        return checkpoint_id
+    reader_path = getattr(storage_reader, "path", None)
+    if reader_path is None:
+        raise ValueError(f"load() got a {type(storage_reader).__name__} that does not say which "
+                         "directory it reads (no .path) and no checkpoint_id; pass checkpoint_id.")
+    return os.fspath(reader_path)
+
+
 def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
          storage_reader: Any = None, planner: Any = None,
          process_group: dist.ProcessGroup | None = None, check_keys_matched: bool = True,
@@ -121,7 +133,8 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
 
     Args:
         state_dict: The template to fill; its DTensors may be sharded differently than at save.
-        checkpoint_id: The checkpoint directory.
+        checkpoint_id: The checkpoint directory; may be left out when ``storage_reader`` knows
+            it (SMP's scripts pass only ``storage_reader=DistributedFileSystemReader(path)``).
         storage_reader: Optional DCP ``StorageReader`` (pointed at ``checkpoint_id``).
         planner: Optional DCP ``LoadPlanner``.
         process_group: Ranks that load together; default all ranks.
@@ -135,7 +148,7 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
             another SM-local layout, missing keys, mismatched shapes, or ranks disagreeing.
     """
     del coordinator_rank, s3_region, s3client_config
-    path = atomic_dir.checkpoint_path(checkpoint_id)
+    path = atomic_dir.checkpoint_path(_checkpoint_id(checkpoint_id, storage_reader))
     marker = atomic_dir.read_marker(path)
     metadata = read_metadata(path)
     resolved = resolve_stateful(state_dict)

@@ -25,6 +25,7 @@ from torch_sagemaker.distributed.checkpoint.async_utils import (
     DEFAULT_ASYNC_REQUEST_QUEUE,
     AsyncCallsQueue,
 )
+from torch_sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemWriter
 from torch_sagemaker.distributed.checkpoint.state_dict_utils import (
     current_layout,
     find_local_layout,
@@ -118,6 +119,41 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
            participants=participants, info=_info(state_dict), on_commit=on_commit)
 
 
+class PyTorchDistSaveShardedStrategy:
+    """How ``async_save`` writes: PyTorch DCP through ``DistributedFileSystemWriter``.
+
+    SMP's default ``sharded_strategy`` (its Megatron-core based "torch_dist" strategy). Here it
+    needs no Megatron: DCP does the sharded write, and replicated values are written once
+    (DCP's de-duplication), which is what ``keep_only_main_replica`` asks for.
+
+    Args:
+        backend: Only ``"torch_dist"``.
+        version: Format version; only ``1``.
+        keep_only_main_replica: Must be ``True`` (DCP always writes one copy of replicas).
+        thread_count: Writer threads per rank.
+
+    Raises:
+        ValueError: For another backend, version or ``keep_only_main_replica=False``, or
+            ``thread_count < 1``.
+    """
+
+    def __init__(self, backend: str = "torch_dist", version: int = 1,
+                 keep_only_main_replica: bool = True, thread_count: int = 2) -> None:
+        if backend != "torch_dist" or version != 1:
+            raise ValueError(f"PyTorchDistSaveShardedStrategy(backend={backend!r}, version={version}): "
+                             "only backend='torch_dist', version=1 exist here.")
+        if not keep_only_main_replica:
+            raise ValueError("keep_only_main_replica=False is not supported: DCP writes every "
+                             "replicated value once.")
+        if thread_count < 1:
+            raise ValueError(f"thread_count={thread_count} must be >= 1.")
+        self.backend, self.version, self.thread_count = backend, version, thread_count
+
+    def storage_writer(self, path: str | os.PathLike[str]) -> DistributedFileSystemWriter:
+        """The writer for a checkpoint directory."""
+        return DistributedFileSystemWriter(path, thread_count=self.thread_count)
+
+
 # One dedicated gloo group per rank set, for the background thread (see module docstring).
 _ASYNC_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 _ASYNC_GROUPS_LOCK = threading.Lock()
@@ -158,7 +194,8 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
             background collectives.
         coordinator_rank: As for ``save``.
         queue: The ``AsyncCallsQueue`` to run on; default the module's global queue.
-        sharded_strategy: Accepted for SMP compatibility (DCP is the only strategy).
+        sharded_strategy: A ``PyTorchDistSaveShardedStrategy`` (the default) that makes the
+            writer when ``storage_writer`` is ``None``.
         wait_error_handling: As for ``save``.
         force_check_all_plans: As for ``save``.
         s3_region: As for ``save``.
@@ -168,9 +205,15 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
     Returns:
         The index of the request in ``queue``.
     """
-    del sharded_strategy, wait_error_handling, force_check_all_plans, s3_region, s3client_config
+    del wait_error_handling, force_check_all_plans, s3_region, s3client_config
     queue = queue if queue is not None else DEFAULT_ASYNC_REQUEST_QUEUE
-    atomic_dir.checkpoint_path(checkpoint_id)  # fail fast on a bad id, before staging
+    path = atomic_dir.checkpoint_path(checkpoint_id)  # fail fast on a bad id, before staging
+    if storage_writer is None:
+        strategy = sharded_strategy or PyTorchDistSaveShardedStrategy()
+        if not isinstance(strategy, PyTorchDistSaveShardedStrategy):
+            raise TypeError(f"sharded_strategy must be a PyTorchDistSaveShardedStrategy, got "
+                            f"{type(strategy).__name__}.")
+        storage_writer = strategy.storage_writer(path)
     resolved = resolve_stateful(state_dict)
     info = _info(resolved)
     staged = BlockingAsyncStager().stage(resolved)
@@ -183,4 +226,4 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
     )
 
 
-__all__ = ["async_save", "save"]
+__all__ = ["PyTorchDistSaveShardedStrategy", "async_save", "save"]

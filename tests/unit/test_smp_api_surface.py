@@ -1,0 +1,337 @@
+"""SMP's module paths and the small APIs behind them, as SMP's example scripts use them (no processes)."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+# (module as SMP's scripts and docs import it, names they use from it)
+SURFACE = [
+    ("torch.sagemaker", ["init", "is_initialized", "state", "transform"]),
+    ("torch.sagemaker.utils.utils", ["timeit"]),
+    ("torch.sagemaker.utils.process_group_utils", ["get_global_ranks"]),
+    ("torch.sagemaker.utils.module_utils", ["empty_module_params", "move_buffers_to_device"]),
+    ("torch.sagemaker.logger", ["get_logger"]),
+    ("torch.sagemaker.grad_norm", ["clip_grad_norm_"]),
+    ("torch.sagemaker.delayed_param", ["DelayedParamIniter"]),
+    ("torch.sagemaker.tensor_parallel.transformer",
+     ["TransformerLayer", "TETransformerLayer", "TransformerLMHead"]),
+    ("torch.sagemaker.checkpoint.utils", ["SORT_BY_LAST_INT", "limit_num_subdirs"]),
+    ("torch.sagemaker.checkpoint.constants", ["SMP_IS_LOAD_INFO_KEY", "SMP_IS_PARTIAL_KEY"]),
+    ("torch.sagemaker.distributed.checkpoint.async_utils",
+     ["AsyncCallsQueue", "maybe_finalize_async_calls"]),
+    ("torch.sagemaker.distributed.checkpoint.state_dict_saver",
+     ["save", "async_save", "PyTorchDistSaveShardedStrategy"]),
+    ("torch.sagemaker.distributed.checkpoint.state_dict_loader", ["load"]),
+    ("torch.sagemaker.distributed.checkpoint.state_dict_utils",
+     ["sm_state_dict_type", "SMStateDictType", "init_optim_state"]),
+    ("torch.sagemaker.distributed.checkpoint.filesystem",
+     ["DistributedFileSystemReader", "DistributedFileSystemWriter", "path_to_file_system"]),
+    ("torch.sagemaker.distributed.fsdp.checkpoint",
+     ["save_model_checkpoint", "load_model_checkpoint", "EXPORT_KEY_MODEL", "EXPORT_KEY_OPTIMIZER",
+      "EXPORT_KEY_SCHEDULER", "EXPORT_KEY_IDENTITY"]),
+    ("torch.sagemaker.nn.attn", ["FlashSelfAttention", "FlashGroupedQueryAttention"]),
+    ("torch.sagemaker.nn.huggingface.llama_flashattn", ["LlamaFlashAttention"]),
+]
+
+
+@pytest.mark.parametrize(("module", "names"), SURFACE, ids=[m for m, _ in SURFACE])
+def test_smp_module_paths_import(module, names):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        mod = importlib.import_module(module)
+    missing = [n for n in names if not hasattr(mod, n)]
+    assert not missing, f"{module} lacks {missing}"
+
+
+def test_deprecated_fsdp_checkpoint_module_warns_on_import():
+    import torch_sagemaker.distributed.fsdp.checkpoint as shim
+
+    with pytest.warns(FutureWarning, match="deprecated .* use torch.sagemaker.distributed.checkpoint"):
+        importlib.reload(shim)
+
+
+def _capture_tsm_log():
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    from torch_sagemaker.logger import get_logger
+
+    get_logger().addHandler(handler)
+    return records, lambda: get_logger().removeHandler(handler)
+
+
+def test_timeit_logs_once_on_rank_zero_only():
+    from torch.sagemaker.utils import utils as tsm_utils
+
+    records, detach = _capture_tsm_log()
+    try:
+        with tsm_utils.timeit(True, "Model creation", 0):
+            pass
+        with tsm_utils.timeit(True, "FSDP constructor", 1):
+            pass
+        with tsm_utils.timeit(False, "disabled", 0):
+            pass
+        with pytest.raises(KeyError), tsm_utils.timeit(True, "failing block", 0):
+            raise KeyError("the error passes through")
+    finally:
+        detach()
+    assert len(records) == 2
+    assert records[0].startswith("Model creation took ") and records[0].endswith(" s")
+    assert records[1].startswith("failing block took ")
+
+
+def _tiny_llama(layers: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
+    return LlamaForCausalLM(cfg)
+
+
+def test_transformer_layer_names_the_layers_tsm_transform_marked():
+    from torch.distributed.fsdp.wrap import _or_policy, transformer_auto_wrap_policy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from torch_sagemaker.tensor_parallel import transformer
+    from torch_sagemaker.tensor_parallel.transformer import (
+        TETransformerLayer,
+        TransformerLayer,
+        TransformerLMHead,
+    )
+
+    model = _tiny_llama()
+    layer = model.model.layers[0]
+    assert not isinstance(layer, TransformerLayer) and not isinstance(model, TransformerLMHead)
+    assert transformer.mark(model, LlamaDecoderLayer) == 2
+    assert isinstance(layer, TransformerLayer) and isinstance(layer, TETransformerLayer)
+    assert isinstance(layer, LlamaDecoderLayer)  # the Hugging Face class is kept
+    assert isinstance(model, TransformerLMHead) and not isinstance(model, TransformerLayer)
+    assert not isinstance(model.model.layers[0].self_attn, TransformerLayer)
+    # As SMP's scripts build their FSDP auto-wrap policy and checkpoint check_fn.
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerLayer})
+    wrapped = [n for n, m in model.named_modules()
+               if n and _or_policy(m, False, 0, [policy])]
+    assert wrapped == ["model.layers.0", "model.layers.1"]
+    with pytest.raises(TypeError, match="names a role.*tsm.transform"):
+        TransformerLayer()
+
+
+@pytest.mark.parametrize("layout", ["b h s d", "b s h d"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_self_attention_matches_softmax_attention(layout, causal):
+    from torch.sagemaker.nn.attn import FlashSelfAttention
+
+    torch.manual_seed(0)
+    b, h, s, d = 2, 4, 7, 8
+    q, k, v = (torch.randn(b, h, s, d, dtype=torch.float64) for _ in range(3))
+    scores = q @ k.transpose(-1, -2) / d**0.5
+    if causal:
+        scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+    expected = scores.softmax(-1) @ v
+    to_layout = (lambda t: t) if layout == "b h s d" else (lambda t: t.transpose(1, 2))
+    attn = FlashSelfAttention()
+    packed = torch.cat([to_layout(t) for t in (q, k, v)], dim=1 if layout == "b h s d" else 2)
+    for qkv in ((to_layout(q), to_layout(k), to_layout(v)), packed):
+        out = attn(qkv, causal=causal, layout=layout)
+        torch.testing.assert_close(out, to_layout(expected))
+    out32 = attn(tuple(to_layout(t) for t in (q, k, v)), causal=causal, layout=layout,
+                 cast_dtype=torch.float32)
+    assert out32.dtype == torch.float64
+    torch.testing.assert_close(out32, to_layout(expected), atol=1e-5, rtol=1e-5)
+
+
+def test_flash_attention_options_and_bad_input_name_the_fix():
+    from torch.sagemaker.nn.attn import FlashGroupedQueryAttention, FlashSelfAttention
+
+    with pytest.raises(NotImplementedError, match="Triton"):
+        FlashSelfAttention(triton_flash_attention=True)
+    with pytest.raises(NotImplementedError, match="ALiBi"):
+        FlashSelfAttention(use_alibi=True)
+    x = torch.zeros(1, 4, 3, 8)
+    with pytest.raises(ValueError, match="layout='bshd'"):
+        FlashSelfAttention()((x, x, x), layout="bshd")
+    with pytest.raises(ValueError, match="not a multiple of 3 key/value heads"):
+        FlashGroupedQueryAttention()(x, (x[:, :3], x[:, :3]))
+    with pytest.raises(ValueError, match="qkv must hold 3 tensors"):
+        FlashSelfAttention()((x, x))
+
+
+def test_llama_flash_attention_swapped_in_as_smp_scripts_do_keeps_logits():
+    from torch.sagemaker.nn.huggingface.llama_flashattn import LlamaFlashAttention
+
+    model = _tiny_llama().eval()
+    model.config.use_cache = False  # SMP's get_model_config sets it
+    ids = torch.randint(0, 64, (2, 9))
+    expected = model(input_ids=ids).logits
+    for layer in model.model.layers:  # what SMP's train_utils does with use_smp_flash_attn
+        prev = layer.self_attn
+        layer.self_attn = LlamaFlashAttention(model.config)
+        layer.self_attn.pretraining_tp = model.config.pretraining_tp
+        with torch.no_grad():
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(layer.self_attn, name).weight.copy_(getattr(prev, name).weight)
+    torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
+    # Padding masks reach the attention as Hugging Face builds them.
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    flash = model(input_ids=ids, attention_mask=mask).logits
+    for layer, attn in zip(model.model.layers, _tiny_llama().model.layers, strict=True):
+        attn.self_attn.load_state_dict(layer.self_attn.state_dict())
+        layer.self_attn = attn.self_attn
+    torch.testing.assert_close(flash[1], model(input_ids=ids, attention_mask=mask).logits[1],
+                               atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="without layer_idx.*use_cache=False"):
+        model.model.layers[0].self_attn = LlamaFlashAttention(model.config)
+        model(input_ids=ids, use_cache=True)
+
+
+def test_llama_flash_attention_with_layer_idx_generates_like_llama_attention():
+    from torch.sagemaker.nn.huggingface.llama_flashattn import LlamaFlashAttention
+
+    model = _tiny_llama().eval()
+    ids = torch.randint(0, 64, (1, 5))
+    expected = model.generate(ids, max_new_tokens=4, do_sample=False)
+    for i, layer in enumerate(model.model.layers):
+        flash = LlamaFlashAttention(model.config, layer_idx=i)
+        flash.load_state_dict(layer.self_attn.state_dict())
+        layer.self_attn = flash
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), expected)
+
+
+def test_file_system_writer_hooks_and_reader_path(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from torch_sagemaker.distributed.checkpoint.filesystem import (
+        DistributedFileSystemReader,
+        DistributedFileSystemWriter,
+        path_to_file_system,
+    )
+
+    seen = []
+    writer = DistributedFileSystemWriter(
+        tmp_path, pre_write_hooks=[lambda w: seen.append(("pre", w.is_coordinator))],
+        post_write_hooks=[lambda w: seen.append(("post", sorted(p.name for p in w.path.iterdir())))])
+    dcp.save({"w": torch.arange(4.0)}, storage_writer=writer, no_dist=True)
+    assert seen[0] == ("pre", True) and seen[1][0] == "post" and any(
+        n.endswith(".distcp") for n in seen[1][1])
+    reader = DistributedFileSystemReader(tmp_path)
+    out = {"w": torch.zeros(4)}
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    assert torch.equal(out["w"], torch.arange(4.0)) and str(reader.path) == str(tmp_path)
+    with pytest.raises(ValueError, match="S3 checkpoints are not supported"):
+        path_to_file_system("s3://bucket/ckpt")
+
+
+def test_load_takes_the_directory_from_storage_reader(tmp_path):
+    from torch_sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemReader
+    from torch_sagemaker.distributed.checkpoint.state_dict_loader import load
+    from torch_sagemaker.distributed.checkpoint.state_dict_saver import save
+
+    path = tmp_path / "llama_v2-3steps"
+    save({"w": torch.arange(3.0), "total_steps": 3}, checkpoint_id=path)
+    out = {"w": torch.zeros(3), "total_steps": 0}
+    load(state_dict=out, storage_reader=DistributedFileSystemReader(path))  # the scripts' spelling
+    assert torch.equal(out["w"], torch.arange(3.0)) and out["total_steps"] == 3
+
+    class Unlocated:
+        pass
+
+    with pytest.raises(ValueError, match="does not say which directory.*pass checkpoint_id"):
+        load(state_dict=out, storage_reader=Unlocated())
+
+
+def test_pytorch_dist_save_sharded_strategy_validates():
+    from torch_sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemWriter
+    from torch_sagemaker.distributed.checkpoint.state_dict_saver import (
+        PyTorchDistSaveShardedStrategy,
+    )
+
+    writer = PyTorchDistSaveShardedStrategy(thread_count=3).storage_writer("/tmp/x")
+    assert isinstance(writer, DistributedFileSystemWriter) and writer.thread_count == 3
+    with pytest.raises(ValueError, match="only backend='torch_dist'"):
+        PyTorchDistSaveShardedStrategy(backend="zarr")
+    with pytest.raises(ValueError, match="keep_only_main_replica=False"):
+        PyTorchDistSaveShardedStrategy(keep_only_main_replica=False)
+    with pytest.raises(ValueError, match="thread_count=0"):
+        PyTorchDistSaveShardedStrategy(thread_count=0)
+
+
+def test_full_state_dict_config_takes_translate_on_save_once_installed():
+    from torch.distributed.fsdp.api import FullStateDictConfig
+
+    from torch_sagemaker.sharding import fsdp1_state_dict
+
+    fsdp1_state_dict.install()
+    try:
+        assert FullStateDictConfig(rank0_only=True, offload_to_cpu=True).translate_on_save is True
+        cfg = FullStateDictConfig(rank0_only=True, translate_on_save=False)
+        assert cfg.translate_on_save is False and cfg.rank0_only is True
+    finally:
+        fsdp1_state_dict.uninstall()
+    with pytest.raises(TypeError):
+        FullStateDictConfig(translate_on_save=True)
+    fsdp1_state_dict.install()  # as tsm.init leaves it for the rest of the session
+
+
+def test_dcp_patches_are_installed_at_import_and_undone_by_uninstall():
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import optimizer as dcp_optimizer
+    from torch.distributed.checkpoint import utils as dcp_utils
+
+    from torch_sagemaker.distributed.checkpoint import torch_compat
+
+    assert dcp_optimizer.load_sharded_optimizer_state_dict is torch_compat.load_sharded_optimizer_state_dict
+    assert dcp.load_sharded_optimizer_state_dict is torch_compat.load_sharded_optimizer_state_dict
+    native = torch_compat.load_sharded_optimizer_state_dict.__tsm_native__
+    torch_compat.uninstall()
+    try:
+        assert dcp_optimizer.load_sharded_optimizer_state_dict is native
+        assert dcp_utils._DistWrapper.__init__ is torch_compat._native_wrapper_init
+    finally:
+        torch_compat.install()
+
+
+class _Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_offload_wrapper_without_checkpointing_prefetches_over_transformer_layers():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import OffloadWrapper
+
+    import torch_sagemaker as tsm
+    from torch_sagemaker.offload.wrapper import PrefetchOffloadWrapper
+
+    reference = _tiny_llama()
+    model = _tiny_llama()
+    ids = torch.randint(0, 64, (2, 8))
+    reference(input_ids=ids, labels=ids).loss.backward()
+    wrapped = tsm.offload_wrapper(model)  # the default config: sm_activation_offloading=True
+    assert isinstance(wrapped, PrefetchOffloadWrapper)
+    wrapped(input_ids=ids, labels=ids).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    from torch_sagemaker.offload import get_stats
+
+    assert get_stats(wrapped).layers == 2  # one unit per LlamaDecoderLayer
+
+    records, detach = _capture_tsm_log()
+    try:
+        plain = tsm.offload_wrapper(_Plain())
+    finally:
+        detach()
+    assert type(plain) is OffloadWrapper  # PyTorch's wrapper, as PyTorch's offload_wrapper gives
+    assert any("no checkpointed or transformer layers" in r for r in records)
+    plain(torch.ones(2, 4)).sum().backward()

@@ -1,0 +1,126 @@
+"""What SMP's PyTorch build adds to ``torch.distributed.checkpoint`` (DCP), for SMP's scripts.
+
+SMP ships a patched PyTorch, and its example scripts rely on two of the patches:
+
+1. ``load_sharded_optimizer_state_dict(model_state_dict, optimizer_key, storage_reader,
+   planner=None, process_group=None)``: the ``process_group`` keyword. With it, the optimizer
+   state is loaded in the layout of ``model_state_dict`` (the FSDP1 ``SHARDED_STATE_DICT``
+   the script just loaded) through a DCP load over ``process_group`` (the FSDP shard group)
+   instead of the whole world (Note [Sharded optimizer state in the model's layout]).
+   Without the keyword, PyTorch's function runs unchanged.
+2. ``coordinator_rank`` as a *global* rank. The scripts pass ``min(global ranks of the
+   group)``; PyTorch 2.13 reads it as a rank inside ``process_group``. A value that is not a
+   rank of the group but is the global rank of a member is translated; every other value
+   keeps PyTorch's meaning.
+
+``install()`` runs when ``torch_sagemaker`` is imported, because the scripts bind
+``load_sharded_optimizer_state_dict`` at import time, before ``tsm.init``. Both patches only
+widen what PyTorch accepts; ``uninstall()`` restores PyTorch's objects.
+
+Note [Sharded optimizer state in the model's layout]
+----------------------------------------------------
+PyTorch's function expects the FSDP1 model state dict to hold ``ShardedTensor``s; from FSDP1
+with a device mesh it holds DTensors (``sharding/fsdp1_layout.py``), so PyTorch falls back to
+chunking every optimizer tensor over the *world*, while ``FSDP.optim_state_dict_to_load``
+gathers it over FSDP's own group: the two disagree whenever they differ. Here each tensor
+``<optimizer_key>.state.<fqn>.<name>`` is allocated like ``model_state_dict[fqn]`` when the
+shapes match (a DTensor with the same mesh and placements, or a plain tensor), scalars and
+other shapes as plain tensors, and DCP fills them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as _dcp
+from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint import optimizer as _dcp_optimizer
+from torch.distributed.checkpoint import utils as _dcp_utils
+from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.distributed.tensor import DTensor
+
+_native_load_sharded = getattr(_dcp_optimizer.load_sharded_optimizer_state_dict, "__tsm_native__",
+                               _dcp_optimizer.load_sharded_optimizer_state_dict)
+_native_wrapper_init = _dcp_utils._DistWrapper.__init__
+
+
+def _allocate_like(template: Any, meta: TensorStorageMetadata) -> torch.Tensor:
+    """An empty tensor for ``meta``, laid out like ``template`` when the shapes agree."""
+    props = meta.properties
+    if isinstance(template, DTensor) and tuple(template.shape) == tuple(meta.size):
+        local = torch.empty(template.to_local().shape, dtype=props.dtype,
+                            device=template.to_local().device)
+        return DTensor.from_local(local, template.device_mesh, template.placements,
+                                  run_check=False, shape=template.shape, stride=template.stride())
+    device = template.device if isinstance(template, torch.Tensor) else torch.device("cpu")
+    if isinstance(template, DTensor):
+        device = template.to_local().device
+    return torch.empty(tuple(meta.size), dtype=props.dtype, device=device)
+
+
+def load_sharded_optimizer_state_dict(model_state_dict: dict[str, Any], optimizer_key: str,
+                                      storage_reader: StorageReader,
+                                      planner: LoadPlanner | None = None,
+                                      process_group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """PyTorch's ``load_sharded_optimizer_state_dict`` plus SMP's ``process_group`` keyword.
+
+    Args:
+        model_state_dict: The model's FSDP1 ``SHARDED_STATE_DICT`` (as loaded by the caller).
+        optimizer_key: The top-level key the optimizer state was saved under.
+        storage_reader: Reader of the checkpoint.
+        planner: Load planner (PyTorch's default when ``None``).
+        process_group: The group that saved the checkpoint (SMP's scripts pass
+            ``model.process_group``). ``None`` runs PyTorch's function unchanged.
+
+    Returns:
+        ``{optimizer_key: optimizer_state_dict}`` ready for ``FSDP.optim_state_dict_to_load``.
+    """
+    if process_group is None:
+        return _native_load_sharded(model_state_dict, optimizer_key, storage_reader, planner)
+    metadata = storage_reader.read_metadata()
+    flat: dict[str, Any] = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        path = metadata.planner_data[key]
+        if path[0] != optimizer_key:
+            continue
+        if isinstance(meta, BytesStorageMetadata):
+            flat[key] = "<bytes>"  # DCP replaces it with the loaded object
+            continue
+        fqn = path[2] if len(path) > 3 and path[1] == "state" else None
+        flat[key] = _allocate_like(model_state_dict.get(fqn), meta)
+    dcp_load(flat, storage_reader=storage_reader, planner=planner, process_group=process_group)
+    return unflatten_state_dict(flat, {k: v for k, v in metadata.planner_data.items() if k in flat})
+
+
+load_sharded_optimizer_state_dict.__tsm_native__ = _native_load_sharded  # type: ignore[attr-defined]
+
+
+def _dist_wrapper_init(self: Any, group: dist.ProcessGroup | None, use_dist: bool,
+                       coordinator_rank: int) -> None:
+    if use_dist and group is not None and not 0 <= coordinator_rank < dist.get_world_size(group):
+        members = dist.get_process_group_ranks(group)
+        if coordinator_rank in members:
+            coordinator_rank = members.index(coordinator_rank)
+    _native_wrapper_init(self, group, use_dist, coordinator_rank)
+
+
+def install() -> None:
+    """Installs both patches (idempotent)."""
+    _dcp_optimizer.load_sharded_optimizer_state_dict = load_sharded_optimizer_state_dict
+    _dcp.load_sharded_optimizer_state_dict = load_sharded_optimizer_state_dict
+    _dcp_utils._DistWrapper.__init__ = _dist_wrapper_init  # type: ignore[method-assign]
+
+
+def uninstall() -> None:
+    """Restores PyTorch's ``load_sharded_optimizer_state_dict`` and coordinator handling."""
+    _dcp_optimizer.load_sharded_optimizer_state_dict = _native_load_sharded
+    _dcp.load_sharded_optimizer_state_dict = _native_load_sharded
+    _dcp_utils._DistWrapper.__init__ = _native_wrapper_init  # type: ignore[method-assign]
+
+
+__all__ = ["install", "load_sharded_optimizer_state_dict", "uninstall"]

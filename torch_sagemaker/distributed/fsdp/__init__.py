@@ -1,0 +1,1 @@
+"""SMP's deprecated ``torch.sagemaker.distributed.fsdp`` package (only ``checkpoint`` remains)."""

@@ -1,0 +1,1 @@
+"""SMP's attention modules (``torch.sagemaker.nn``): ``attn`` and ``huggingface.llama_flashattn``."""

@@ -1,0 +1,1 @@
+"""Hugging Face attention replacements with SMP's module paths (``torch.sagemaker.nn.huggingface``)."""

@@ -1,0 +1,139 @@
+"""FSDP1 over SMP's meshes: what its state dicts look like, and tensor-parallel parameters
+that FSDP1 does not shard.
+
+``sharding/fsdp1.py`` hands FSDP1 a mesh sliced out of ``tsm.state.device_mesh``. PyTorch then
+treats every such FSDP1 unit as "FSDP + TP" and picks its ``DTensorExtensions``, whose
+sharded-state-dict layout assumes a 2-D ``(dp, tp)`` root mesh. On SMP's 4-D root mesh
+``(dp_replicate, dp_shard, cp, tp)`` that layout is wrong (Note [FSDP1 sharded state dict
+layout]). This module replaces the extension of every FSDP1 unit ``tsm.init``'s patch builds
+with ``SMPFSDPExtensions`` and keeps DTensor parameters usable under ``NO_SHARD`` (Note
+[FSDP1 NO_SHARD with DTensor parameters]).
+
+Note [FSDP1 sharded state dict layout]
+--------------------------------------
+SMP's example scripts save ``SHARDED_STATE_DICT`` checkpoints one directory per TP rank
+(``tp{degree}-{rank}``), written by the ranks of one FSDP shard group (``process_group=
+model.process_group``) of replica 0, and load them the same way. So within one directory
+the "global" tensor must be the TP-local tensor, and the shard group must cover it whole:
+
+- PyTorch's layout put ``Shard(0)`` on mesh axis 0 of the root mesh (``dp_replicate``) for
+  plain tensors, and on axis -2 (``cp``) for TP DTensors, with TP kept as a placement. The
+  writing ranks then covered half of each tensor, and DCP refused the plan.
+- Ours: every parameter and optimizer state becomes a DTensor on FSDP's own mesh, ``(Shard(0),)``
+  over the shard group or ``(Replicate(), Shard(0))`` over ``(replicate, shard)`` with HSDP,
+  whose global shape is the TP-local shape. A TP parameter contributes its local shard.
+
+The cost: FSDP1's sharded state dict does not reshard across TP degrees (SMP's doesn't
+either; its directories are per TP rank). ``TrainingState`` (our reshardable checkpoint)
+therefore saves FSDP1 + TP models per TP rank too; FSDP2 + TP checkpoints reshard freely.
+
+Note [FSDP1 NO_SHARD with DTensor parameters]
+---------------------------------------------
+With a shard group of one rank (``hybrid_shard_degree=1``, or TP over the whole world)
+FSDP1 uses ``NO_SHARD``. With ``use_orig_params=True`` it then registers a *new*
+``nn.Parameter`` for every DTensor view each time it exposes the unsharded parameters
+(PyTorch cannot assign ``param.data = view`` for a DTensor). Three things break: the next
+write-back check sees a "changed" parameter of the TP global shape ("Cannot writeback when
+the parameter shape changes"), the optimizer holds parameter objects FSDP no longer updates,
+and PyTorch does not mark the new objects as flattened, so the enclosing unit (the root)
+flattens the layers' parameters a second time. We register FSDP's own parameter objects
+instead (``flat_param._params``, the TP-local tensors), pointing their data at the new views,
+which is what FSDP does for plain tensors and what the sharded strategies expose between
+steps (local shards, not DTensors). Forward and backward still see DTensor views.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel.fsdp import DTensorExtensions
+
+from torch_sagemaker.sharding import fsdp1_state_dict
+
+
+class SMPFSDPExtensions(DTensorExtensions):
+    """FSDP1 extension for SMP's meshes (Note [FSDP1 sharded state dict layout]).
+
+    Flattening and unflattening of TP DTensor parameters are PyTorch's; the sharded
+    state-dict layout is ours: DTensors on FSDP's mesh whose global shape is TP-local.
+    """
+
+    def chunk_dtensor(self, tensor: torch.Tensor, rank: int, device_mesh: DeviceMesh) -> DTensor:
+        """The local FSDP chunk of ``tensor`` (TP-local if a DTensor) as a DTensor on ``device_mesh``.
+
+        Args:
+            tensor: An unsharded parameter or optimizer state (a TP DTensor or a plain tensor).
+            rank: This rank in FSDP's process group (unused: the mesh knows it).
+            device_mesh: The 1-D (shard) or 2-D (replicate, shard) mesh FSDP was given.
+
+        Returns:
+            A DTensor sharded on dim 0 over the last mesh axis, replicated over the others.
+        """
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = local.detach().clone()
+        replicated = [Replicate()] * device_mesh.ndim
+        sharded = [*replicated[:-1], Shard(0)]
+        return DTensor.from_local(local, device_mesh, replicated, run_check=False).redistribute(
+            device_mesh, sharded)
+
+    def all_gather_dtensor(self, tensor: DTensor, parent_mesh: DeviceMesh | None) -> torch.Tensor:
+        """Gathers a ``chunk_dtensor`` DTensor back into the TP-local tensor (for loading)."""
+        mesh = tensor.device_mesh
+        return tensor.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+
+
+def _register_local_parameters(handle: Any) -> None:
+    """Keeps FSDP's own parameter objects registered under NO_SHARD (Note [FSDP1 NO_SHARD with DTensor parameters])."""
+    flat_param = handle.flat_param
+    use_unsharded_views = handle._use_unsharded_views
+
+    def use_unsharded_views_keeping_parameters(as_params: bool) -> None:
+        use_unsharded_views(as_params)
+        if not as_params:
+            return
+        for original, (name, module, _) in zip(flat_param._params, flat_param._param_infos,
+                                                strict=True):
+            current = module._parameters.get(name)
+            if isinstance(current, DTensor) and current is not original:
+                # What FSDP does for plain tensors: the kept parameter points at the new view.
+                original.data = current._local_tensor
+                handle._setattr_param(module, name, original)
+
+    handle._use_unsharded_views = use_unsharded_views_keeping_parameters
+    # FSDP registered fresh DTensor parameters at the end of its constructor; swap them now.
+    use_unsharded_views_keeping_parameters(True)
+
+
+def adapt(fsdp_module: FullyShardedDataParallel) -> None:
+    """Applies this module's two fixes to a freshly built FSDP1 unit on an SMP mesh.
+
+    Args:
+        fsdp_module: The unit just constructed (its children were adapted when they were built).
+    """
+    extension = fsdp_module._fsdp_extension
+    if isinstance(extension, DTensorExtensions) and not isinstance(extension, SMPFSDPExtensions):
+        ours = SMPFSDPExtensions(extension.device_handle)
+        ours.compute_stream = extension.compute_stream
+        fsdp_module._fsdp_extension = ours
+        if fsdp_module._handle is not None:
+            fsdp_module._handle._fsdp_extension = ours
+    if not _flattens_dtensors(fsdp_module):
+        return
+    fsdp1_state_dict.attach(fsdp_module)
+    handle = fsdp_module._handle
+    if (fsdp_module.sharding_strategy is ShardingStrategy.NO_SHARD and handle._use_orig_params
+            and handle.flat_param._params is not None):
+        _register_local_parameters(handle)
+
+
+def _flattens_dtensors(fsdp_module: FullyShardedDataParallel) -> bool:
+    """Whether the unit's flat parameter holds tensor-parallel (DTensor) parameters."""
+    handle = fsdp_module._handle
+    return handle is not None and any(spec is not None for spec in handle.flat_param._param_extensions)
+
+
+__all__ = ["SMPFSDPExtensions", "adapt"]
