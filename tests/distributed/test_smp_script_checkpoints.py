@@ -1,0 +1,144 @@
+"""SMP's example-script checkpoint types, saved and resumed the way the scripts do it (4 ranks).
+
+Every rank runs the scripts' sequence (``tests/distributed/smp_script_steps.py``):
+``tsm.init()`` from ``SM_HP_MP_PARAMETERS``, delayed init, FSDP1 with ``use_orig_params=True``,
+bf16 mixed precision, activation checkpointing and offloading. An uninterrupted run of
+STEPS steps saves the three sharded checkpoint types (``sharded``, ``async_sharded``,
+``async_local``) after RESUME_AT steps; each type is then loaded into a fresh model, and the
+resumed steps must give exactly the uninterrupted run's losses. Layouts: tensor parallelism
+2 x hybrid_shard_degree 2, and hybrid_shard_degree 2 with two replicas (no TP).
+
+The same launch checks the two other checkpoint paths of the scripts under TP: the full
+export (``--save_final_model``) loads with ``from_pretrained`` and gives the trained
+model's logits, and our own ``TrainingState`` resumes an FSDP1 + TP model exactly.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.distributed.launcher import run_distributed
+
+STEPS, RESUME_AT = 4, 2
+TYPES = ("sharded", "async_sharded", "async_local")
+
+
+def _fresh(smp):
+    model, initer = smp.build_model(delayed=True)
+    model = smp.wrap_fsdp1(model, initer)
+    optimizer, scheduler = smp.optimizer_and_scheduler(model)
+    return model, optimizer, scheduler
+
+
+def _logits(model, ids):
+    from torch.distributed.tensor import DTensor
+
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids)["logits"]
+    model.train()
+    return (logits.full_tensor() if isinstance(logits, DTensor) else logits).float()
+
+
+def _gathered(model) -> dict:
+    """Every parameter at full size under its Hugging Face name (FSDP1 unsharded, TP gathered)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.tensor import DTensor
+
+    root = next(m for m in model.modules() if isinstance(m, FSDP))
+    with FSDP.summon_full_params(root):
+        return {n.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""):
+                (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                for n, p in root.named_parameters()}
+
+
+def _resume_all_types(root: str) -> dict:
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+    from torch.sagemaker.distributed.checkpoint.async_utils import AsyncCallsQueue
+
+    from tests.distributed import smp_script_steps as smp
+    from torch_sagemaker.distributed.checkpoint import TrainingState
+
+    tsm.init()  # the config comes from SM_HP_MP_PARAMETERS, as on SageMaker
+    rep = smp.replication_group()
+    queue = AsyncCallsQueue()
+    model, optimizer, scheduler = _fresh(smp)
+    meta = smp.pg_metadata(model)
+    out: dict = {"reference": []}
+    for step in range(STEPS):
+        out["reference"].append(smp.train_step(model, optimizer, scheduler, step))
+        if step + 1 == RESUME_AT:
+            user = {"total_steps": step + 1}
+            smp.save_sharded(model, optimizer, scheduler, f"{root}/sharded", meta, user)
+            smp.save_async_sharded(model, optimizer, scheduler, f"{root}/async_sharded", meta, user, queue)
+            smp.save_async_local(model, optimizer, scheduler, f"{root}/async_local", user, queue, rep)
+            TrainingState(model, optimizer, scheduler, step=step + 1).save(f"{root}/training_state")
+    queue.maybe_finalize_async_calls(blocking=True, process_group=None)
+    ids = smp.batch_for(0)
+    out["logits"] = _logits(model, ids)
+    if tsm.state.tensor_parallel_degree > 1:
+        out["params"] = _gathered(model)
+        smp.save_full(model, f"{root}/final")
+    loaders = {
+        "sharded": lambda m, o, s: smp.load_sharded(m, o, s, f"{root}/sharded", smp.pg_metadata(m)),
+        "async_sharded": lambda m, o, s: smp.load_async_sharded(m, o, s, f"{root}/async_sharded",
+                                                                smp.pg_metadata(m)),
+        "async_local": lambda m, o, s: smp.load_async_local(m, o, s, f"{root}/async_local", rep),
+    }
+
+    def load_training_state(m, o, s):
+        ts = TrainingState(m, o, s)
+        ts.load(f"{root}/training_state")
+        return ts.step
+
+    loaders["training_state"] = load_training_state
+    for kind, load in loaders.items():
+        model, optimizer, scheduler = _fresh(smp)
+        start = load(model, optimizer, scheduler)
+        out[kind] = (start, [smp.train_step(model, optimizer, scheduler, step)
+                             for step in range(start, STEPS)])
+    if tsm.state.tensor_parallel_degree > 1 and dist.get_rank() == 0:
+        from transformers import AutoModelForCausalLM
+
+        exported = AutoModelForCausalLM.from_pretrained(f"{root}/final")
+        out["loaded"] = {n: p.detach().clone() for n, p in exported.named_parameters()}
+        for p in exported.parameters():  # FSDP's bf16 compute; buffers (RoPE) stay fp32
+            p.data = p.data.to(torch.bfloat16)
+        out["exported"] = _logits(exported, ids)
+        out["saved"] = torch.load(f"{root}/final/pytorch_model.bin")
+    return out
+
+
+LAYOUTS = {
+    "tp2_hsd2": {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2},
+    "hsd2_two_replicas": {"hybrid_shard_degree": 2},
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_checkpoint_types_resume_like_the_uninterrupted_run(layout, tmp_path):
+    env = {"SM_HP_MP_PARAMETERS": json.dumps(LAYOUTS[layout])}
+    # A fresh job: TP meshes of an earlier job in a reused process would meet DTensor's caches.
+    results = run_distributed(_resume_all_types, str(tmp_path), world_size=4, backend="smddp",
+                              env=env, fresh=True, timeout=900)
+    for rank, out in enumerate(results):
+        expected = out["reference"][RESUME_AT:]
+        for kind in (*TYPES, "training_state"):
+            start, losses = out[kind]
+            assert start == RESUME_AT, (layout, kind, rank)
+            assert losses == expected, f"{layout} {kind} rank {rank}: {losses} != {expected}"
+    if "exported" in results[0]:
+        first = results[0]
+        # Full plain tensors with Hugging Face keys, exactly the model's (fp32 master) weights.
+        assert first["saved"].keys() == first["params"].keys() == first["loaded"].keys()
+        for name, value in first["saved"].items():
+            assert type(value) is torch.Tensor, name
+            assert torch.equal(value, first["params"][name]), name
+            assert torch.equal(first["loaded"][name], value), name
+        # Same logits, up to bf16 rounding (TP sums the projections in another order).
+        torch.testing.assert_close(first["exported"], first["logits"], atol=3e-2, rtol=3e-2)
