@@ -122,6 +122,12 @@ def test_transformer_layer_names_the_layers_tsm_transform_marked():
     assert wrapped == ["model.layers.0", "model.layers.1"]
     with pytest.raises(TypeError, match="names a role.*tsm.transform"):
         TransformerLayer()
+    # Wrappers that forward attribute lookups to the layer are not layers themselves.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    wrapped_layer = checkpoint_wrapper(model.model.layers[1])
+    assert wrapped_layer._tsm_role == "transformer_layer"  # forwarded by __getattr__
+    assert not isinstance(wrapped_layer, TransformerLayer)
 
 
 @pytest.mark.parametrize("layout", ["b h s d", "b s h d"])

@@ -33,7 +33,9 @@ class _RoleMeta(type):
     _role: str
 
     def __instancecheck__(cls, obj: Any) -> bool:
-        return getattr(obj, ROLE_ATTR, None) == cls._role
+        # The object's own attribute only: FSDP1 units and checkpoint/offload wrappers
+        # forward attribute lookups to the module they wrap, and must not pass for it.
+        return getattr(obj, "__dict__", {}).get(ROLE_ATTR) == cls._role
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(

@@ -154,22 +154,46 @@ class PyTorchDistSaveShardedStrategy:
         return DistributedFileSystemWriter(path, thread_count=self.thread_count)
 
 
-# One dedicated gloo group per rank set, for the background thread (see module docstring).
+# One dedicated gloo group per rank set, for the background thread (see module docstring and
+# Note [Async save groups]).
 _ASYNC_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 _ASYNC_GROUPS_LOCK = threading.Lock()
 
 
 def _async_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The gloo group of ``process_group``'s ranks that background saves run on.
+
+    Note [Async save groups]
+        Only the saving ranks call ``async_save`` (SMP's scripts: the replica-0 ranks of each
+        shard group, or one replication group each), so the group must be created by its
+        members alone. PyTorch's ``new_group(use_local_synchronization=True)`` names such a
+        group after its ranks *and the number of groups the calling rank already has*; ranks
+        that took part in different earlier subsets (an ``async_sharded`` save on the shard
+        group, then an ``async_local`` one on the replication group) then compute different
+        names and wait for each other forever. Here the name depends on the ranks alone, and
+        each rank set gets one group per process, so every member finds the same one.
+    """
     if not (dist.is_available() and dist.is_initialized()):
         return None
     ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
     with _ASYNC_GROUPS_LOCK:
-        if ranks not in _ASYNC_GROUPS:
-            # Only the members create it (use_local_synchronization), so sub-groups that save
-            # on their own do not need the other ranks to join.
-            _ASYNC_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo",
-                                                  use_local_synchronization=True)
-        return _ASYNC_GROUPS[ranks]
+        group = _ASYNC_GROUPS.get(ranks)
+        if group is None or group not in dist.distributed_c10d._world.pg_map:  # destroyed since
+            group = _ASYNC_GROUPS[ranks] = _members_only_gloo_group(ranks)
+        return group
+
+
+def _members_only_gloo_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    """A gloo group created by its members only, named after its ranks (Note [Async save groups])."""
+    c10d = dist.distributed_c10d
+    name = "tsm_async_save_" + "_".join(map(str, ranks))
+    default_store = c10d._world.pg_map[c10d._get_default_group()][1]
+    # The same helper ``new_group`` uses, with a name every member computes alike.
+    group, _ = c10d._new_process_group_helper(
+        len(ranks), ranks.index(dist.get_rank()), list(ranks), "gloo", default_store,
+        group_name=name, timeout=c10d._get_default_timeout("gloo"))
+    c10d._world.pg_group_ranks[group] = {rank: i for i, rank in enumerate(ranks)}
+    return group
 
 
 def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,

@@ -118,7 +118,8 @@ class TrainingState:
                 sd["optimizer"] = sdu.local_optim_state_dict(self.optimizer)
         else:
             optims = [self.optimizer] if self.optimizer is not None else []
-            model_sd, optim_sd = get_state_dict(self.model, optims, options=StateDictOptions())
+            model_sd, optim_sd = get_state_dict(_unwrap_root(self.model), optims,
+                                                options=StateDictOptions())
             sd["model"] = model_sd
             if self.optimizer is not None:
                 sd["optimizer"] = optim_sd
@@ -136,7 +137,7 @@ class TrainingState:
                 sdu.load_local_optim_state_dict(self.optimizer, state_dict["optimizer"])
         else:
             optims = [self.optimizer] if self.optimizer is not None else []
-            set_state_dict(self.model, optims, model_state_dict=state_dict["model"],
+            set_state_dict(_unwrap_root(self.model), optims, model_state_dict=state_dict["model"],
                            optim_state_dict=state_dict.get("optimizer", {}))
         if self.lr_scheduler is not None and "lr_scheduler" in state_dict:
             self.lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
@@ -149,10 +150,22 @@ class TrainingState:
     # -------------------------------------------------------- save / load
     def _location(self, checkpoint_id: str | os.PathLike[str], kind: str) -> tuple[Path, Any, int]:
         """Directory, process group and coordinator of this rank's part of the save."""
+        from torch_sagemaker.state import state
+
         path = Path(checkpoint_id)
         if kind == "sharded":
-            return path, None, 0
-        from torch_sagemaker.state import state
+            if not _fsdp1_tensor_parallel(self.model):
+                return path, None, 0
+            # Note [FSDP1 sharded state dict layout] (sharding/fsdp1_layout.py): one directory
+            # per TP rank, written by the data-parallel ranks that hold that TP shard.
+            if state.cp_size > 1:
+                raise NotImplementedError(
+                    "TrainingState of an FSDP1 model with tensor and context parallelism is not "
+                    "supported: FSDP1 checkpoints are per TP rank; shard the model with FSDP2 "
+                    "(torch_sagemaker.sharding.shard_model) for reshardable checkpoints.")
+            group = state.dp_process_group
+            return (path / f"tp{state.tp_size}-{state.tp_rank}", group,
+                    min(dist.get_process_group_ranks(group)))
 
         group = state.fsdp_replicate_process_group if state.initialized else None
         ranks = dist.get_process_group_ranks(group) if group is not None else [_rank()]
@@ -181,7 +194,10 @@ class TrainingState:
         def retain() -> None:
             limit_num_subdirs(parent, num_kept, regex=regex)
 
-        on_commit = retain if (num_kept is not None and kind == "sharded") else None
+        # Per-TP-rank directories (FSDP1 + TP) commit separately; one of them prunes.
+        per_tp_rank = path != Path(checkpoint_id) and kind == "sharded"
+        prunes = kind == "sharded" and (not per_tp_rank or _tp_rank() == 0)
+        on_commit = retain if (num_kept is not None and prunes) else None
         sd = self.state_dict(kind)
         if use_async:
             async_save(sd, checkpoint_id=path, process_group=group, coordinator_rank=coordinator,
@@ -216,6 +232,37 @@ class TrainingState:
         load(sd, checkpoint_id=path, process_group=group, coordinator_rank=coordinator,
              check_keys_matched=False)
         self.load_state_dict(sd, kind)
+
+
+def _unwrap_root(model: nn.Module) -> nn.Module:
+    """The model under root-level activation wrappers (``offload_wrapper``, ``checkpoint_wrapper``).
+
+    Their state-dict keys are the wrapped module's, but DCP's ``get_state_dict`` maps optimizer
+    parameters to names by walking the module tree and mistakes an FSDP1 root under such a
+    wrapper for a plain attribute (it keeps ``_fsdp_wrapped_module`` in the names), so that
+    ``set_state_dict`` then misses the optimizer state of every root parameter.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+    while isinstance(model, ActivationWrapper):
+        model = model._checkpoint_wrapped_module
+    return model
+
+
+def _tp_rank() -> int:
+    from torch_sagemaker.state import state
+
+    return state.tp_rank if state.initialized else 0
+
+
+def _fsdp1_tensor_parallel(model: nn.Module) -> bool:
+    """Whether ``model`` is FSDP1-wrapped with tensor-parallel parameters inside."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from torch_sagemaker.state import state
+
+    return (state.initialized and state.tp_size > 1
+            and any(isinstance(m, FullyShardedDataParallel) for m in model.modules()))
 
 
 __all__ = ["TrainingState", "rng_state_json", "set_rng_state_json"]
