@@ -1,5 +1,6 @@
 """Load-balancing formulas of ``torch_sagemaker.moe.routing`` against direct computations."""
 
+import dataclasses
 import itertools
 import math
 
@@ -146,5 +147,5 @@ def test_moe_config_defaults_and_errors():
         MoEConfig(smp_moe=1)
     with pytest.raises(ValueError, match=r"random_seed='x'"):
         MoEConfig(random_seed="x")
-    with pytest.raises(Exception):
-        cfg.smp_moe = False  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.smp_moe = False
