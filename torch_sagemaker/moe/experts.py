@@ -136,6 +136,7 @@ def split_experts(module: nn.Module, ep_mesh: DeviceMesh, *, all_to_all: bool,
 
     def forward(mod: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        local_view.compute_dtype = hidden.dtype if hidden.is_floating_point() else None
         if ep == 1:
             return run_local(local_view, hidden, top_k_index, top_k_weights)
         if all_to_all:

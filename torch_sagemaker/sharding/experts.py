@@ -101,13 +101,44 @@ class _WithExperts(_Policy):
         return result
 
 
+def _expert_group_size() -> int:
+    layout = state.layout
+    return layout.edp_replicate * layout.hybrid_shard_degree
+
+
 def fsdp1_root_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> None:
-    """Extends the root FSDP1 call's ``auto_wrap_policy`` and ``mixed_precision`` in place."""
+    """Extends the root FSDP1 call's ``auto_wrap_policy`` and ``mixed_precision`` in place.
+
+    Note [FSDP1 experts on one rank]: when no other rank holds this rank's experts
+    (``ep == dp_size``) there is nothing to shard or average, and PyTorch's FSDP1 cannot
+    keep DTensor parameters in a unit that degenerates to NO_SHARD with
+    ``use_orig_params=True`` (it re-creates the DTensor views on every unshard and then
+    refuses to write them back). The experts are then left out of FSDP
+    (``ignored_modules``): they stay local fp32 DTensors, compute in the dtype of the tokens
+    they receive, and their gradients need no reduction (Note [Expert gradient scale]).
+
+    Raises:
+        ValueError: For ``hybrid_shard_degree=1`` (NO_SHARD) with several ranks per expert
+            and ``use_orig_params=True``, which FSDP1 cannot run (see above); FSDP2 can.
+    """
     targets = expert_modules(model)
+    if _expert_group_size() == 1:
+        key = "ignored_states" if kwargs.get("ignored_states") is not None else "ignored_modules"
+        kwargs[key] = [*(kwargs.get(key) or []), *targets]
+        targets = []
+    elif state.layout.requested_hybrid_shard_degree == 1 and kwargs.get("use_orig_params"):
+        raise ValueError(
+            "hybrid_shard_degree=1 (NO_SHARD) with expert_parallel_degree="
+            f"{state.ep_size} and use_orig_params=True: PyTorch's FSDP1 cannot keep the expert "
+            "DTensors in NO_SHARD units (Note [FSDP1 experts on one rank] in "
+            "torch_sagemaker/sharding/experts.py). Use hybrid_shard_degree >= 2 or 0, or FSDP2 "
+            "(torch_sagemaker.sharding.shard_model).")
     ids = {id(m) for m in targets}
     policy = kwargs.get("auto_wrap_policy")
     wrap_experts = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in ids)
-    if policy is None:
+    if not targets:
+        pass
+    elif policy is None:
         kwargs["auto_wrap_policy"] = wrap_experts
     elif isinstance(policy, _Policy):
         kwargs["auto_wrap_policy"] = _WithExperts(policy, targets)
