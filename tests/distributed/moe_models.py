@@ -18,7 +18,7 @@ def tiny_moe(family: str, seed: int = 0, **overrides):
 
     common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2,
-                  tie_word_embeddings=False)
+                  tie_word_embeddings=False, use_cache=False)
     if family == "mixtral":
         cfg = tf.MixtralConfig(**common, intermediate_size=48, num_local_experts=4)
     elif family == "qwen2_moe":
@@ -92,8 +92,9 @@ def full_grads(model) -> dict[str, torch.Tensor]:
     """Every parameter's unsharded gradient under its Hugging Face name."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    if isinstance(model, FSDP):
-        with FSDP.summon_full_params(model, with_grads=True):
+    units = FSDP.fsdp_modules(model)
+    if units:  # summon from the outermost unit (the model may sit inside the offload wrapper)
+        with FSDP.summon_full_params(units[0], with_grads=True):
             return {clean(n): full(p.grad).detach().clone() for n, p in model.named_parameters()}
     return {clean(n): full(p.grad).detach().clone() for n, p in model.named_parameters()}
 
@@ -111,11 +112,13 @@ def reference_aux(router_logits, num_experts: int, top_k: int, aux_coeff: float,
 
 
 def parity_case(family: str, api: str, moe_kwargs: dict, steps: int = 3, checkpoint: str | None = None,
-                offload: bool = False) -> dict:
+                offload: bool = False, router_logits: bool = True) -> dict:
     """One expert parallel run against one process on the concatenated batch (run on every rank).
 
     Returns per step the max differences of the loss, the router logits, every gradient and the
     gradient norm (``tsm.grad_norm.clip_grad_norm_`` against PyTorch's on the reference).
+    ``router_logits=False`` runs without ``output_router_logits`` (with the token shuffle a
+    rank's router sees other ranks' tokens, and the model's own aux loss would differ).
     """
     import torch.distributed as dist
     import torch.sagemaker as tsm
@@ -141,17 +144,19 @@ def parity_case(family: str, api: str, moe_kwargs: dict, steps: int = 3, checkpo
     out = {"loss": [], "ref_loss": [], "logits": [], "grads": [], "norm": [], "grad_scale": []}
     for _ in range(steps):
         ids = batches[dp_rank]
-        res = model(input_ids=ids, labels=ids, output_router_logits=True)
+        res = model(input_ids=ids, labels=ids, output_router_logits=router_logits)
         res.loss.backward()
         ref_opt.zero_grad()
         for d, ref_ids in enumerate(batches):
             r = ref(input_ids=ref_ids, labels=ref_ids, output_router_logits=True)
-            loss = r.loss + reference_aux(r.router_logits, num_experts, top_k, aux_coeff, z_coeff)
+            loss = (r.loss if router_logits else r.loss - r.aux_loss * ref.router_aux_loss_coef) + \
+                reference_aux(r.router_logits, num_experts, top_k, aux_coeff, z_coeff)
             (loss / dp_size).backward()
             if d == dp_rank:
-                out["ref_loss"].append(float(r.loss))
-                out["logits"].append(max(float((a - b).abs().max())
-                                         for a, b in zip(res.router_logits, r.router_logits, strict=True)))
+                out["ref_loss"].append(float(loss.detach()) - float(reference_aux(
+                    r.router_logits, num_experts, top_k, aux_coeff, z_coeff)))
+                out["logits"].append(max(float((a - b).abs().max()) for a, b in zip(
+                    res.router_logits, r.router_logits, strict=True)) if router_logits else 0.0)
         grads = full_grads(model)
         ref_grads = {n: p.grad for n, p in ref.named_parameters()}
         assert grads.keys() == ref_grads.keys(), sorted(set(grads) ^ set(ref_grads))
@@ -186,14 +191,14 @@ def apply_checkpointing(model, target: str) -> None:
         checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
 
 
-def run_cases(cases: list[tuple], ep: int, hsd: int = 0) -> dict:
-    """``parity_case`` for each (name, family, api, moe_kwargs, extra) under one tsm.init per case."""
+def run_cases(cases: list[tuple]) -> dict:
+    """``parity_case`` for each (name, family, api, moe_kwargs, extra, smp_config), one tsm.init each."""
     import torch.sagemaker as tsm
 
     results = {}
-    for name, family, api, moe_kwargs, extra in cases:
+    for name, family, api, moe_kwargs, extra, smp_config in cases:
         tsm.state.reset()
-        tsm.init({"expert_parallel_degree": ep, "hybrid_shard_degree": hsd})
+        tsm.init(smp_config)
         results[name] = parity_case(family, api, moe_kwargs, **extra)
     return results
 
@@ -209,5 +214,3 @@ def check(results: dict, atol: float = 2e-5) -> None:
             bad = {n: d for n, d in grads.items() if d > atol}
             assert not bad, (name, step, bad)
 
-
-_ = copy  # re-exported for the tests

@@ -122,7 +122,8 @@ def _reduce_scatter(x: torch.Tensor, rows: list[int], rank: int, group: dist.Pro
     out = x.new_empty((width, *x.shape[1:]))
     with DispatchTimer.measure():
         dist.reduce_scatter_tensor(out, padded, group=group)
-    return out[: rows[rank]]
+    # A fresh tensor, not a view: FSDP2 warns about (and in-place ops would break) view outputs.
+    return out if rows[rank] == width else out[: rows[rank]].clone()
 
 
 class _AllGatherRows(torch.autograd.Function):
