@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from torch_sagemaker.distributed.direct import all_reduce_direct
 
@@ -50,10 +51,16 @@ class _Piece(NamedTuple):
     groups: tuple[dist.ProcessGroup, ...]
 
 
+def _is_sharded(placement) -> bool:
+    # FSDP2 shards a parameter that is already sharded on the same tensor dim (EP or TP
+    # Shard(0)) with ``_StridedShard``, which is not a ``Shard`` and says ``is_shard() == False``.
+    return placement.is_shard() or isinstance(placement, _StridedShard)
+
+
 def _axes_of(mesh, placements) -> tuple[tuple, tuple]:
-    """Key and groups of the mesh axes with a ``Shard`` placement."""
+    """Key and groups of the mesh axes with a ``Shard`` (or ``_StridedShard``) placement."""
     names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
-    axes = [i for i, p in enumerate(placements) if p.is_shard()]
+    axes = [i for i, p in enumerate(placements) if _is_sharded(p)]
     key = tuple((names[i], tuple(dist.get_process_group_ranks(mesh.get_group(i)))) for i in axes)
     return key, tuple(mesh.get_group(i) for i in axes)
 
