@@ -56,7 +56,12 @@ def layer_class(model):
 def wrap(model, api: str, mixed_precision: bool = False):
     """FSDP1 exactly as SMP's scripts call it, or FSDP2 through ``shard_model``."""
     import torch.sagemaker as tsm
-    from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
+    from torch.distributed.fsdp import (
+        BackwardPrefetch,
+        MixedPrecision,
+        MixedPrecisionPolicy,
+        ShardingStrategy,
+    )
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
