@@ -126,7 +126,9 @@ def split_experts(module: nn.Module, ep_mesh: DeviceMesh, *, all_to_all: bool,
         if param.dim() == 0 or param.shape[0] != num_experts:
             raise ValueError(f"{type(module).__name__}.{name} has shape {tuple(param.shape)}; expert "
                              f"parallelism needs the expert dimension ({num_experts}) first.")
-        module.register_parameter(name, _ep_parameter(param, ep_mesh, src_data_rank))
+        # Assigned directly: SMP's scripts call tsm.transform under accelerate's
+        # init_empty_weights(), whose patched register_parameter cannot rebuild a DTensor.
+        module._parameters[name] = _ep_parameter(param, ep_mesh, src_data_rank)
     num_local = num_experts // ep
     first = ep_mesh.get_local_rank() * num_local
     group = ep_mesh.get_group()

@@ -125,6 +125,11 @@ def fsdp1_root_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> None:
     if _expert_group_size() == 1:
         key = "ignored_states" if kwargs.get("ignored_states") is not None else "ignored_modules"
         kwargs[key] = [*(kwargs.get(key) or []), *targets]
+        # FSDP never calls param_init_fn on ignored modules: delayed init happens here.
+        init_fn = kwargs.get("param_init_fn")
+        for module in targets:
+            if init_fn is not None and any(p.is_meta for p in module.parameters()):
+                init_fn(module)
         targets = []
     elif state.layout.requested_hybrid_shard_degree == 1 and kwargs.get("use_orig_params"):
         raise ValueError(
