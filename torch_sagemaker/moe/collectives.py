@@ -27,18 +27,26 @@ MAX_ROWS = 2**31 - 1
 
 
 class DispatchTimer:
-    """Wall time of the EP collectives of this process (forward and backward), when enabled."""
+    """Wall time of the EP collectives of this process (forward and backward), when enabled.
+
+    With ``sync`` (benchmarks only) each timed collective is preceded by an untimed barrier
+    of its group, so the time excludes waiting for slower ranks (load imbalance) and is the
+    collective's own cost.
+    """
 
     enabled = False
+    sync = False
     seconds = 0.0
     calls = 0
 
     @classmethod
     @contextmanager
-    def measure(cls) -> Iterator[None]:
+    def measure(cls, group: dist.ProcessGroup | None = None) -> Iterator[None]:
         if not cls.enabled:
             yield
             return
+        if cls.sync and group is not None:
+            dist.barrier(group=group)
         start = time.perf_counter()
         try:
             yield
@@ -47,8 +55,8 @@ class DispatchTimer:
             cls.calls += 1
 
     @classmethod
-    def reset(cls, enabled: bool) -> None:
-        cls.enabled, cls.seconds, cls.calls = enabled, 0.0, 0
+    def reset(cls, enabled: bool, sync: bool = False) -> None:
+        cls.enabled, cls.sync, cls.seconds, cls.calls = enabled, sync, 0.0, 0
 
 
 def checked_counts(counts: torch.Tensor, what: str) -> list[int]:
@@ -69,7 +77,7 @@ def checked_counts(counts: torch.Tensor, what: str) -> list[int]:
 def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """All-to-all of equal chunks of an int64 vector (``counts.numel()`` divisible by the group size)."""
     out = torch.empty_like(counts)
-    with DispatchTimer.measure():
+    with DispatchTimer.measure(group):
         dist.all_to_all_single(out, counts.contiguous(), group=group)
     return out
 
@@ -77,7 +85,7 @@ def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
 def _all_to_all(x: torch.Tensor, out_rows: list[int], in_rows: list[int],
                 group: dist.ProcessGroup) -> torch.Tensor:
     out = x.new_empty((sum(out_rows), *x.shape[1:]))
-    with DispatchTimer.measure():
+    with DispatchTimer.measure(group):
         dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_rows,
                                input_split_sizes=in_rows, group=group)
     return out
@@ -106,7 +114,7 @@ def _gather(x: torch.Tensor, rows: list[int], group: dist.ProcessGroup) -> torch
     padded = x.new_zeros((width, *x.shape[1:]))
     padded[: x.shape[0]] = x
     out = x.new_empty((width * len(rows), *x.shape[1:]))
-    with DispatchTimer.measure():
+    with DispatchTimer.measure(group):
         dist.all_gather_into_tensor(out, padded, group=group)
     return torch.cat([out[i * width : i * width + n] for i, n in enumerate(rows)])
 
@@ -120,7 +128,7 @@ def _reduce_scatter(x: torch.Tensor, rows: list[int], rank: int, group: dist.Pro
     for i, n in enumerate(rows):
         padded[i * width : i * width + n] = x[offsets[i] : offsets[i + 1]]
     out = x.new_empty((width, *x.shape[1:]))
-    with DispatchTimer.measure():
+    with DispatchTimer.measure(group):
         dist.reduce_scatter_tensor(out, padded, group=group)
     # A fresh tensor, not a view: FSDP2 warns about (and in-place ops would break) view outputs.
     return out if rows[rank] == width else out[: rows[rank]].clone()

@@ -182,7 +182,7 @@ def _dispatch_all_gather(hidden: torch.Tensor, index: torch.Tensor, weights: tor
                          group: dist.ProcessGroup) -> torch.Tensor:
     n = torch.tensor([hidden.shape[0]], dtype=torch.long, device=hidden.device)
     sizes = torch.empty(dist.get_world_size(group), dtype=torch.long, device=hidden.device)
-    with coll.DispatchTimer.measure():
+    with coll.DispatchTimer.measure(group):
         dist.all_gather_into_tensor(sizes, n, group=group)
     rows = coll.checked_counts(sizes, "token counts")
     x = coll.all_gather_rows(hidden, rows, group)
