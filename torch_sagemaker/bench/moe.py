@@ -13,8 +13,8 @@ dispatch and combine collectives per step (forward and backward, slowest rank; m
 further steps with a barrier before each of these collectives, so that waiting for a slower
 rank is not counted; it still includes queueing behind FSDP's asynchronous gradient
 reductions on backends that run one group's collectives after another's), the same time
-measured in isolation (one experts module, forward and backward, no other traffic, times
-the layer count), and the
+measured in isolation (one experts module, forward and backward, no other traffic, each
+collective's median over repetitions, times the layer count), and the
 per-rank bytes of parameters + gradients + AdamW state, for the experts and in total. The
 last lines check the issue's targets against the rows of the same run.
 """
@@ -108,7 +108,9 @@ def _isolated_dispatch(model, args: argparse.Namespace) -> float:
 
     One experts module is run on this rank's tokens with random top-2 routing, bypassing its
     FSDP hooks (at hybrid_shard_degree 1 its parameters are whole on each rank), so the only
-    collectives are the dispatcher's; the median of 5 repetitions is scaled by the layer count.
+    collectives are the dispatcher's, each after a barrier. On a shared machine a rank can be
+    descheduled in the middle of any collective, so each collective's time is the median
+    over ``args.isolated_reps`` repetitions (slowest rank); their sum is scaled by the layer count.
     """
     import torch.distributed as dist
 
@@ -116,20 +118,21 @@ def _isolated_dispatch(model, args: argparse.Namespace) -> float:
     from torch_sagemaker.sharding.experts import expert_modules
 
     experts = expert_modules(model)
-    gen = torch.Generator().manual_seed(7 + dist.get_rank())
+    gen = torch.Generator().manual_seed(7)  # the same routing in every repetition
     tokens = args.batch * args.seq
-    times = []
-    for _ in range(6):
-        hidden = torch.randn(tokens, args.hidden, generator=gen, requires_grad=True)
-        logits = torch.randn(tokens, 8, generator=gen)
-        weights, index = torch.softmax(logits, -1).topk(2, dim=-1)
+    hidden0 = torch.randn(tokens, args.hidden, generator=gen)
+    weights, index = torch.softmax(torch.randn(tokens, 8, generator=gen), -1).topk(2, dim=-1)
+    reps = []
+    for _ in range(args.isolated_reps + 1):
+        hidden = hidden0.clone().requires_grad_()
         DispatchTimer.reset(enabled=True, sync=True)
         experts[0].forward(hidden, index, weights).sum().backward()
-        elapsed = torch.tensor([DispatchTimer.seconds], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(float(elapsed) * len(experts))
+        per_call = torch.tensor(DispatchTimer.durations, dtype=torch.float64)
+        dist.all_reduce(per_call, op=dist.ReduceOp.MAX)
+        reps.append(per_call)
     DispatchTimer.reset(enabled=False)
-    return statistics.median(times[1:])
+    per_call_median = torch.stack(reps[1:]).median(dim=0).values
+    return float(per_call_median.sum()) * len(experts)
 
 
 def _configs(world: int) -> list[tuple[int, bool]]:
@@ -227,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    p.add_argument("--isolated-reps", type=int, default=15, help="repetitions of the isolated dispatch")
     args = p.parse_args(argv)
     with torch.device("meta"):
         args.params_m = sum(t.numel() for t in _model(args).parameters()) / 1e6

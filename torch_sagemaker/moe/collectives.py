@@ -38,6 +38,7 @@ class DispatchTimer:
     sync = False
     seconds = 0.0
     calls = 0
+    durations: list[float] = []  # one entry per timed collective, in call order
 
     @classmethod
     @contextmanager
@@ -51,12 +52,14 @@ class DispatchTimer:
         try:
             yield
         finally:
-            cls.seconds += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            cls.seconds += elapsed
             cls.calls += 1
+            cls.durations.append(elapsed)
 
     @classmethod
     def reset(cls, enabled: bool, sync: bool = False) -> None:
-        cls.enabled, cls.sync, cls.seconds, cls.calls = enabled, sync, 0.0, 0
+        cls.enabled, cls.sync, cls.seconds, cls.calls, cls.durations = enabled, sync, 0.0, 0, []
 
 
 def checked_counts(counts: torch.Tensor, what: str) -> list[int]:
