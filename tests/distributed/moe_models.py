@@ -181,7 +181,8 @@ def parity_case(family: str, api: str, moe_kwargs: dict, steps: int = 3, checkpo
 
 
 def apply_checkpointing(model, target: str) -> None:
-    """Non-reentrant activation checkpointing on every decoder layer or on every MoELayer."""
+    """Activation checkpointing on every decoder layer (``"layer"``: reentrant, as SMP's scripts
+    without FP8) or on every MoELayer (``"moe"``: non-reentrant, as SMP's MoE + FP8 path)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
         apply_activation_checkpointing,
@@ -191,9 +192,10 @@ def apply_checkpointing(model, target: str) -> None:
     from torch_sagemaker.moe.moe_layer import MoELayer
 
     cls = MoELayer if target == "moe" else layer_class(model)
+    impl = CheckpointImpl.NO_REENTRANT if target == "moe" else CheckpointImpl.REENTRANT
     apply_activation_checkpointing(
         model, check_fn=lambda m: isinstance(m, cls),
-        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl))
 
 
 def run_cases(cases: list[tuple]) -> dict:

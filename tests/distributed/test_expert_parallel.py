@@ -44,9 +44,14 @@ TWO_RANK_CASES = [
           {"router_logits": False}),
     # smp_moe=False: the Hugging Face block and router stay, only the experts are split.
     _case("mixtral-fsdp1-hf-block", "mixtral", "fsdp1", {**NONE, "smp_moe": False}),
-    # Composition: checkpointing of decoder layers or of MoELayer (with the shuffle, whose
-    # recomputation must reuse the permutation), and the offload wrapper.
-    _case("mixtral-fsdp1-ckpt-layer-offload", "mixtral", "fsdp1", NONE, {"checkpoint": "layer", "offload": True}),
+    # Composition: checkpointing of decoder layers (reentrant, as SMP's scripts) or of MoELayer
+    # (non-reentrant, with the shuffle, whose recomputation must reuse the permutation), and
+    # the offload wrapper.
+    # (Reentrant checkpointing runs the first forward without grad, so the logits Hugging Face
+    # records for output_router_logits carry no gradient and its own aux loss would not
+    # train the router: that case runs without output_router_logits.)
+    _case("mixtral-fsdp1-ckpt-layer-offload", "mixtral", "fsdp1", AUX,
+          {"checkpoint": "layer", "offload": True, "router_logits": False}),
     _case("mixtral-fsdp2-ckpt-moe-shuffle", "mixtral", "fsdp2", {**NONE, "global_token_shuffle": True},
           {"checkpoint": "moe", "router_logits": False}),
 ]
@@ -79,6 +84,8 @@ FOUR_RANK_CASES = [
     _case("ep2-hsd2-qwen2_moe-fsdp2-allgather", "qwen2_moe", "fsdp2", ALL_GATHER,
           smp={**EP2, "hybrid_shard_degree": 2}),
     _case("ep2-hsd2-mixtral-fsdp2-aux", "mixtral", "fsdp2", AUX, smp={**EP2, "hybrid_shard_degree": 2}),
+    # ep 2 x hybrid_shard_degree 1: two replicas hold each expert (FSDP2 HSDP on the expert mesh).
+    _case("ep2-hsd1-mixtral-fsdp2", "mixtral", "fsdp2", NONE, smp={**EP2, "hybrid_shard_degree": 1}),
     # ep 4: one expert per rank.
     _case("ep4-mixtral-fsdp1", "mixtral", "fsdp1", NONE, smp={"expert_parallel_degree": 4}),
     _case("ep4-qwen3_moe-fsdp2-allgather", "qwen3_moe", "fsdp2", ALL_GATHER, smp={"expert_parallel_degree": 4}),
