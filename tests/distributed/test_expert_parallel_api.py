@@ -176,3 +176,19 @@ def _rank0_loading():
 @pytest.mark.distributed
 def test_load_state_dict_from_rank0():
     assert run_distributed(_rank0_loading, world_size=2, timeout=300) == [0.0, 0.0]
+
+
+def _fsdp1_no_shard_refused():
+    import torch.sagemaker as tsm
+
+    from torch_sagemaker.moe.moe_config import MoEConfig
+
+    tsm.init({"expert_parallel_degree": 2, "hybrid_shard_degree": 1})  # two replicas per expert
+    model = tsm.transform(mm.tiny_moe("mixtral"), config=MoEConfig(moe_load_balancing="none"))
+    return _error(lambda: mm.wrap(model, "fsdp1"))
+
+
+@pytest.mark.distributed
+def test_fsdp1_no_shard_with_replicated_experts_is_refused():
+    out = run_distributed(_fsdp1_no_shard_refused, world_size=4, timeout=300)[0]
+    assert "hybrid_shard_degree=1 (NO_SHARD)" in out and "FSDP2" in out, out
