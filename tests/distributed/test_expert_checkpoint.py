@@ -108,3 +108,44 @@ def test_reshard_between_ep2_and_ep1_and_export(tmp_path):
     assert first["hf_shapes"] == {f"model.layers.{i}.mlp.experts.{n}": s for i in range(2)
                                   for n, s in (("gate_up_proj", (4, 96, 32)), ("down_proj", (4, 32, 48)))}
     assert first["hf_logits_diff"] < 1e-5, first["hf_logits_diff"]
+
+
+def _fsdp1_job(root: str) -> dict:
+    """FSDP1 as SMP calls it, ep 2 x hybrid_shard_degree 2 (experts in FSDP1 units of their own)."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+
+    from torch_sagemaker.distributed.checkpoint.training_state import TrainingState
+    from torch_sagemaker.moe.moe_config import MoEConfig
+
+    out = {}
+    for run in ("first", "resumed"):
+        tsm.state.reset()
+        tsm.init({"expert_parallel_degree": 2, "hybrid_shard_degree": 2})
+        model = mm.wrap(tsm.transform(copy.deepcopy(mm.tiny_moe("mixtral")),
+                                      config=MoEConfig(moe_load_balancing="none")), "fsdp1")
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if run == "first":
+            out["first"] = _train(model, optim, [0, 1])
+            try:
+                TrainingState(model, optim, step=2).save(os.path.join(root, "sharded"))
+                out["sharded"] = "saved"
+            except RuntimeError as e:
+                out["sharded"] = str(e)
+            dist.barrier()
+            TrainingState(model, optim, step=2).save(os.path.join(root, "local"), kind="local")
+            out["first"] += _train(model, optim, [2])
+        else:
+            TrainingState(model, optim).load(os.path.join(root, "local"), kind="local")
+            out["resumed"] = _train(model, optim, [2])
+    return out
+
+
+@pytest.mark.distributed
+def test_fsdp1_sm_local_round_trip_and_sharded_refused(tmp_path):
+    out = run_distributed(_fsdp1_job, str(tmp_path), world_size=4, timeout=600)[0]
+    assert "Note [FSDP1 expert checkpoints]" in out["sharded"], out["sharded"]
+    assert abs(out["resumed"][0] - out["first"][2]) < 1e-6, out

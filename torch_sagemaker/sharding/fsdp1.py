@@ -173,6 +173,8 @@ def _patched_init(self: FullyShardedDataParallel, module: nn.Module, process_gro
                           f"{tuple(mesh.shape)} (hybrid_shard_degree="
                           f"{state.layout.requested_hybrid_shard_degree})")
         _original_init(self, module, process_group, sharding_strategy, *args, **kwargs)
+        if state.initialized and is_split(module):
+            experts.refuse_fsdp1_state_dicts(self)  # Note [FSDP1 expert checkpoints]
     finally:
         _local.depth = depth
 
