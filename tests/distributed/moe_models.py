@@ -116,19 +116,39 @@ def reference_aux(router_logits, num_experts: int, top_k: int, aux_coeff: float,
     return total
 
 
+def moe_reference(model, cfg):
+    """``model`` (plain, one process) with its sparse blocks replaced by ``MoELayer`` without any
+    expert parallelism: the reference for the routing options (Sinkhorn, balanced), which
+    Hugging Face's blocks do not have. Each rank's batch then routes as on that rank."""
+    from torch_sagemaker.moe.moe_layer import MoELayer
+    from torch_sagemaker.policy import lookup_policy
+
+    policy = lookup_policy(model)
+    spec = policy.moe
+    for name, block in [(n, m) for n, m in model.named_modules() if type(m).__name__ == spec.block_class]:
+        layer = MoELayer(block, spec, cfg, num_experts=policy.num_experts(model.config),
+                         top_k=spec.top_k(model.config), normalize=spec.normalize(model.config), shuffle=None)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, layer)
+    return model
+
+
 def parity_case(family: str, api: str, moe_kwargs: dict, steps: int = 3, checkpoint: str | None = None,
-                offload: bool = False, router_logits: bool = True) -> dict:
+                offload: bool = False, router_logits: bool = True, moe_ref: bool = False) -> dict:
     """One expert parallel run against one process on the concatenated batch (run on every rank).
 
     Returns per step the max differences of the loss, the router logits, every gradient and the
     gradient norm (``tsm.grad_norm.clip_grad_norm_`` against PyTorch's on the reference).
     ``router_logits=False`` runs without ``output_router_logits`` (with the token shuffle a
     rank's router sees other ranks' tokens, and the model's own aux loss would differ).
+    ``moe_ref=True`` makes the reference's blocks ``MoELayer`` without expert parallelism
+    (``moe_reference``), for the routing options; it adds its own auxiliary terms.
     """
     import torch.distributed as dist
     import torch.sagemaker as tsm
 
     from torch_sagemaker.grad_norm import clip_grad_norm_
+    from torch_sagemaker.moe import set_aux_loss_scale
     from torch_sagemaker.moe.moe_config import MoEConfig
 
     cfg = MoEConfig(**moe_kwargs)
@@ -136,14 +156,16 @@ def parity_case(family: str, api: str, moe_kwargs: dict, steps: int = 3, checkpo
     batches = [batch(d) for d in range(dp_size)]
     ref = tiny_moe(family)
     model = tsm.transform(copy.deepcopy(ref), config=cfg)
+    if moe_ref:
+        ref = moe_reference(ref, cfg)
     if checkpoint:
         apply_checkpointing(model, checkpoint)
     model = wrap(model, api)
     if offload:
         model = tsm.offload_wrapper(model)
     num_experts, top_k = 4, 2
-    aux_coeff = cfg.moe_aux_loss_coeff if cfg.moe_load_balancing == "aux_loss" else 0.0
-    z_coeff = cfg.moe_z_loss_coeff if cfg.smp_moe else 0.0
+    aux_coeff = cfg.moe_aux_loss_coeff if cfg.moe_load_balancing == "aux_loss" and not moe_ref else 0.0
+    z_coeff = cfg.moe_z_loss_coeff if cfg.smp_moe and not moe_ref else 0.0
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     out = {"loss": [], "ref_loss": [], "logits": [], "grads": [], "norm": [], "grad_scale": []}
@@ -152,6 +174,9 @@ def parity_case(family: str, api: str, moe_kwargs: dict, steps: int = 3, checkpo
         res = model(input_ids=ids, labels=ids, output_router_logits=router_logits)
         res.loss.backward()
         ref_opt.zero_grad()
+        # The reference divides each rank's loss by dp_size before backward, so MoELayer's
+        # attached aux terms take the same factor (Note [Auxiliary losses in backward]).
+        set_aux_loss_scale(1.0 / dp_size)
         for d, ref_ids in enumerate(batches):
             r = ref(input_ids=ref_ids, labels=ref_ids, output_router_logits=True)
             loss = (r.loss if router_logits else r.loss - r.aux_loss * ref.router_aux_loss_coef) + \
@@ -162,6 +187,7 @@ def parity_case(family: str, api: str, moe_kwargs: dict, steps: int = 3, checkpo
                     r.router_logits, num_experts, top_k, aux_coeff, z_coeff)))
                 out["logits"].append(max(float((a - b).abs().max()) for a, b in zip(
                     res.router_logits, r.router_logits, strict=True)) if router_logits else 0.0)
+        set_aux_loss_scale(1.0)
         grads = full_grads(model)
         ref_grads = {n: p.grad for n, p in ref.named_parameters()}
         assert grads.keys() == ref_grads.keys(), sorted(set(grads) ^ set(ref_grads))

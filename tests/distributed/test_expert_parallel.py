@@ -39,6 +39,10 @@ TWO_RANK_CASES = [
     # aux_loss (+ z-loss): the reference adds the same per-rank terms to each rank's loss.
     _case("mixtral-fsdp1-aux", "mixtral", "fsdp1", AUX),
     _case("qwen3_moe-fsdp2-aux-allgather", "qwen3_moe", "fsdp2", {**AUX, "moe_all_to_all_dispatcher": False}),
+    # Sinkhorn and balanced routing (with z-loss): the reference is MoELayer in one process.
+    _case("mixtral-fsdp2-sinkhorn", "mixtral", "fsdp2", {"moe_load_balancing": "sinkhorn"}, {"moe_ref": True}),
+    _case("qwen3_moe-fsdp1-balanced-allgather", "qwen3_moe", "fsdp1",
+          {"moe_load_balancing": "balanced", "moe_all_to_all_dispatcher": False}, {"moe_ref": True}),
     # The shuffle changes no token's result with "none" balancing.
     _case("mixtral-fsdp2-shuffle", "mixtral", "fsdp2", {**NONE, "global_token_shuffle": True},
           {"router_logits": False}),
