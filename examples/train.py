@@ -27,7 +27,7 @@ import torch.sagemaker as tsm  # noqa: E402
 from torch.sagemaker.grad_norm import clip_grad_norm_  # noqa: E402
 from train_lib import checkpoints, data, metrics  # noqa: E402
 from train_lib.arguments import parse_args, smp_config  # noqa: E402
-from train_lib.model import build_config, build_model  # noqa: E402
+from train_lib.model import build_config, build_model, moe_config  # noqa: E402
 from train_lib.parallel import apply_parallelism  # noqa: E402
 from train_lib.schedule import param_groups, warmup_cosine  # noqa: E402
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.device("meta") if args.delayed_param else contextlib.nullcontext():
         model = build_model(config)
     num_params = sum(p.numel() for p in model.parameters())  # before sharding (works on meta too)
-    model = tsm.transform(model)
+    model = tsm.transform(model, config=moe_config(args))  # MoEConfig with --moe 1
     model = apply_parallelism(model, args, dtype)
     optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr,
                                   betas=(args.beta1, args.beta2))

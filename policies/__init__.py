@@ -20,10 +20,12 @@ from torch_sagemaker.policies.llama import LLAMA
 from torch_sagemaker.policies.mistral import MISTRAL
 from torch_sagemaker.policies.mixtral import MIXTRAL
 from torch_sagemaker.policies.qwen2 import QWEN2
+from torch_sagemaker.policies.qwen2_moe import QWEN2_MOE
+from torch_sagemaker.policies.qwen3_moe import QWEN3_MOE
 from torch_sagemaker.policy import ModelPolicy
 
 #: The shipped policies, in lookup order.
-POLICIES: tuple[ModelPolicy, ...] = (LLAMA, MISTRAL, MIXTRAL, GPT_NEOX, QWEN2)
+POLICIES: tuple[ModelPolicy, ...] = (LLAMA, MISTRAL, MIXTRAL, GPT_NEOX, QWEN2, QWEN2_MOE, QWEN3_MOE)
 
 # Policies added with register_policy, newest first; consulted before POLICIES.
 _USER_POLICIES: list[ModelPolicy] = []
@@ -57,5 +59,6 @@ def registered_policies() -> list[ModelPolicy]:
     return [*_USER_POLICIES, *POLICIES]
 
 
-__all__ = ["GPT_NEOX", "LLAMA", "MISTRAL", "MIXTRAL", "POLICIES", "QWEN2", "register_policy",
+__all__ = ["GPT_NEOX", "LLAMA", "MISTRAL", "MIXTRAL", "POLICIES", "QWEN2", "QWEN2_MOE", "QWEN3_MOE",
+           "register_policy",
            "registered_policies", "unregister_policy"]

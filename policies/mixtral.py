@@ -8,12 +8,15 @@ split along the expert dimension instead: each TP rank holds ``num_local_experts
 whole experts, runs them for all tokens routed to them, and the partial outputs are
 summed and reduce-scattered over the sequence (``reduce_scatter_output`` on the MoE block).
 The router is small and replicated.
+
+Expert parallelism (``tsm.transform(model, config=MoEConfig(...))``) splits the same fused
+tensors over the EP ranks instead; ``moe`` says where they are.
 """
 
 from __future__ import annotations
 
 from torch_sagemaker.policies.llama import llama_style_plan
-from torch_sagemaker.policy import ModelPolicy
+from torch_sagemaker.policy import ModelPolicy, MoESpec
 
 MIXTRAL = ModelPolicy(
     name="mixtral",
@@ -27,5 +30,6 @@ MIXTRAL = ModelPolicy(
         "model.layers.*.mlp.experts": "experts",
     },
     num_experts_attr="num_local_experts",
+    moe=MoESpec(block_class="MixtralSparseMoeBlock", jitter_attr="jitter_noise"),
     notes="Experts split whole over the TP ranks (degree must divide num_local_experts).",
 )

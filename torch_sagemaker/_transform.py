@@ -19,6 +19,8 @@ from torch import nn
 
 from torch_sagemaker.distributed.mesh import mesh_device_type
 from torch_sagemaker.logger import log_rank0
+from torch_sagemaker.moe import apply as moe_apply
+from torch_sagemaker.moe.moe_config import MoEConfig
 from torch_sagemaker.policy import POLICY_ATTR, check_model, lookup_policy
 from torch_sagemaker.state import state
 from torch_sagemaker.tensor_parallel import loading, transformer
@@ -27,19 +29,17 @@ from torch_sagemaker.tensor_parallel.backend import select_backend
 _CP_COMM_TYPES = ("p2p", "all_gather")
 
 
-def _check_arguments(config: Any, cp_comm_type: str) -> None:
+def _check_arguments(config: Any, cp_comm_type: str) -> MoEConfig | None:
     if not state.initialized:
         raise RuntimeError("tsm.transform needs torch.sagemaker.init() first (it reads the tensor "
                            "parallel degree and the mesh from tsm.state).")
     if cp_comm_type not in _CP_COMM_TYPES:
         raise ValueError(f"cp_comm_type={cp_comm_type!r}; use one of {_CP_COMM_TYPES}.")
-    if config is not None:
-        raise ValueError("tsm.transform(config=...) only takes an MoE config in SMP, and expert "
-                         "parallelism is not implemented here; pass config=None (Mixtral experts are "
-                         "split over the tensor parallel ranks).")
+    moe_config = moe_apply.check_config(config, tp=state.tp_size, cp=state.cp_size, ep=state.ep_size)
     if state.cp_size > 1:
         raise ValueError(f"context_parallel_degree={state.cp_size}: context parallelism is not "
                          "implemented by tsm.transform yet; set context_parallel_degree=1.")
+    return moe_config
 
 
 def _place(model: nn.Module, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
@@ -77,7 +77,9 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
         device: Move the model here first (meta tensors stay on meta).
         dtype: Cast floating parameters to this dtype first (buffers keep theirs); normally
             ``None``: train in fp32 and let FSDP's mixed precision cast.
-        config: SMP's MoE config; only ``None`` is accepted (no expert parallelism here).
+        config: ``None``, or a ``torch.sagemaker.moe.moe_config.MoEConfig`` for an MoE model:
+            its experts are split over the expert parallel ranks and, with ``smp_moe``, its
+            sparse blocks become ``MoELayer`` (see ``torch_sagemaker.moe``).
         load_state_dict_from_rank0: Rank 0 holds the real weights and every other rank a
             meta-device model; afterwards every rank holds its shards of rank 0's weights.
         cp_comm_type: ``"p2p"`` or ``"all_gather"`` (context parallelism; validated only).
@@ -97,7 +99,7 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
         >>> loss = model(input_ids=ids, labels=ids).loss
     """
     # 1. Arguments, policy and the checks that depend only on the config.
-    _check_arguments(config, cp_comm_type)
+    moe_config = _check_arguments(config, cp_comm_type)
     if getattr(model, POLICY_ATTR, None) is not None:
         raise ValueError(f"{type(model).__name__} was already transformed by tsm.transform; call it "
                          "once per model (before FSDP wrapping).")
@@ -117,6 +119,11 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
         backend.apply(model, policy, heads, tp_mesh=state.tp_mesh,
                       tracker=state.get_rng_state_tracker(),
                       src_data_rank=None if local_split else 0)
+    # 3b. Expert parallelism and MoELayer (MoEConfig; never together with TP).
+    moe_report = None
+    if moe_config is not None:
+        moe_report = moe_apply.apply_moe(model, policy, moe_config, ep_mesh=state.ep_mesh,
+                                         src_data_rank=None if local_split else 0)
     # 4. Weights from rank 0.
     if load_state_dict_from_rank0 and state.world_size > 1:
         target = torch.device(device) if device is not None else _default_device()
@@ -127,7 +134,9 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
     num_layers = transformer.mark(model, layer_cls)
     log_rank0(f"tsm.transform: {type(model).__name__} with policy {policy.name!r}, "
               f"tensor_parallel_degree={tp} ({backend.name}), {num_layers} x {layer_cls.__name__}, "
-              f"{heads.local_heads} heads / {heads.local_kv_heads} kv heads per rank")
+              f"{heads.local_heads} heads / {heads.local_kv_heads} kv heads per rank"
+              + (f"; {moe_report.blocks} x {moe_report.layer} with {moe_report.local_experts}/"
+                 f"{moe_report.num_experts} experts per rank" if moe_report else ""))
     return model
 
 

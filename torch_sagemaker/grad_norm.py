@@ -13,6 +13,7 @@ buckets are added up. Every rank issues the same collectives in the same (sorted
 | DTensor TP without FSDP     | DTensors, Shard on tp             | the tp axis                             |
 | DDP, single process         | full tensors                      | nothing (local norm)                    |
 | FSDP1 (+ TP)                | slices of each FlatParameter shard | FSDP's shard group, plus the tp axis for the slices of TP weights |
+| expert parallel experts     | DTensors Shard(0) on ``ep`` (FSDP2: plus ``_StridedShard`` on the expert shard axis; FSDP1: own units, or outside FSDP) | the ``ep`` axis and the expert shard group |
 
 Note [FSDP1 with tensor parallelism]: FSDP1 flattens the *local* tensor of a DTensor
 parameter (``DTensorExtensions``), so one FlatParameter mixes slices of TP-sharded weights
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from torch_sagemaker.distributed.direct import all_reduce_direct
 
@@ -50,10 +52,16 @@ class _Piece(NamedTuple):
     groups: tuple[dist.ProcessGroup, ...]
 
 
+def _is_sharded(placement) -> bool:
+    # FSDP2 shards a parameter that is already sharded on the same tensor dim (EP or TP
+    # Shard(0)) with ``_StridedShard``, which is not a ``Shard`` and says ``is_shard() == False``.
+    return placement.is_shard() or isinstance(placement, _StridedShard)
+
+
 def _axes_of(mesh, placements) -> tuple[tuple, tuple]:
-    """Key and groups of the mesh axes with a ``Shard`` placement."""
+    """Key and groups of the mesh axes with a ``Shard`` (or ``_StridedShard``) placement."""
     names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
-    axes = [i for i, p in enumerate(placements) if p.is_shard()]
+    axes = [i for i, p in enumerate(placements) if _is_sharded(p)]
     key = tuple((names[i], tuple(dist.get_process_group_ranks(mesh.get_group(i)))) for i in axes)
     return key, tuple(mesh.get_group(i) for i in axes)
 

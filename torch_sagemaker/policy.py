@@ -40,6 +40,45 @@ POLICY_ATTR = "_tsm_policy"
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """Where a model keeps its mixture of experts (used by ``tsm.transform`` with an MoEConfig).
+
+    Attributes:
+        block_class: Class name of the sparse MoE block (``"MixtralSparseMoeBlock"``); dense
+            MLP layers of the same model are left alone.
+        router: Child of the block holding the router; called on (N, H), it returns the
+            (N, E) logits (or a tuple starting with them) and has a ``weight``.
+        experts: Child holding the fused experts (3-D parameters, expert dimension first),
+            called as ``experts(hidden, top_k_index, top_k_weights)``.
+        top_k_attr: Config attribute with the number of experts per token.
+        normalize_top_k: ``True``/``False``, or the config attribute saying whether the
+            top-k gating weights are renormalized to sum to one.
+        shared_expert: Child holding an always-active expert (Qwen2-MoE), or ``None``.
+        shared_expert_gate: Child whose sigmoid scales the shared expert's output, or ``None``.
+        jitter_attr: Block attribute with the router jitter noise, or ``None``.
+    """
+
+    block_class: str
+    router: str = "gate"
+    experts: str = "experts"
+    top_k_attr: str = "num_experts_per_tok"
+    normalize_top_k: bool | str = True
+    shared_expert: str | None = None
+    shared_expert_gate: str | None = None
+    jitter_attr: str | None = None
+
+    def top_k(self, config: Any) -> int:
+        """Experts per token."""
+        return int(getattr(config, self.top_k_attr))
+
+    def normalize(self, config: Any) -> bool:
+        """Whether the top-k weights are renormalized."""
+        if isinstance(self.normalize_top_k, bool):
+            return self.normalize_top_k
+        return bool(getattr(config, self.normalize_top_k))
+
+
+@dataclass(frozen=True)
 class ModelPolicy:
     """How to tensor-parallelize one model family.
 
@@ -57,6 +96,7 @@ class ModelPolicy:
         num_kv_heads_attr: Config attribute holding the number of key/value heads, or
             ``None`` for multi-head attention (as many kv heads as heads).
         num_experts_attr: Config attribute holding the number of MoE experts, or ``None``.
+        moe: Where the mixture of experts lives (expert parallelism, ``MoELayer``), or ``None``.
         notes: Free text shown in the docs (limits, choices).
     """
 
@@ -68,6 +108,7 @@ class ModelPolicy:
     num_heads_attr: str = "num_attention_heads"
     num_kv_heads_attr: str | None = "num_key_value_heads"
     num_experts_attr: str | None = None
+    moe: MoESpec | None = None
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -237,5 +278,5 @@ def transformer_layer_class(model: nn.Module) -> type[nn.Module]:
     return policy.layer_cls(model)
 
 
-__all__ = ["POLICY_ATTR", "STYLES", "HeadSplit", "ModelPolicy", "check_model", "get_policy",
+__all__ = ["POLICY_ATTR", "STYLES", "HeadSplit", "MoESpec", "ModelPolicy", "check_model", "get_policy",
            "lookup_policy", "split_heads", "transformer_layer_class"]

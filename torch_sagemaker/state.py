@@ -43,6 +43,8 @@ class _Groups:
     fsdp_shard: Any
     fsdp_replicate: Any
     dp: Any
+    ep_mesh: Any = None
+    expert_fsdp_mesh: Any = None
     owned: list[Any] = field(default_factory=list)
 
 
@@ -310,6 +312,20 @@ class State:
     def tp_mesh(self) -> Any:
         """1-D mesh of the tensor parallel axis."""
         return self.device_mesh["tp"]
+
+    @property
+    def ep_mesh(self) -> Any:
+        """1-D mesh of the expert parallel axis (``ep`` consecutive replicas)."""
+        return self._group("ep_mesh").ep_mesh
+
+    @property
+    def expert_fsdp_mesh(self) -> Any:
+        """2-D mesh ``("edp_replicate", "dp_shard_cp")`` over which expert parameters are sharded.
+
+        Its ranks hold the same experts: the shard group, and the replicas with this rank's
+        expert parallel rank.
+        """
+        return self._group("expert_fsdp_mesh").expert_fsdp_mesh
 
     @property
     def tp_process_group(self) -> Any:

@@ -23,7 +23,14 @@ Derived groups:
 - replication group of a rank ("rep group") = the ranks holding the same shard in every
   replica = the ``dp_replicate`` axis; a rank's rep rank is its ``dp_replicate`` coordinate.
 - expert parallel groups split ``dp_replicate``: ``ep`` consecutive replicas form one EP group
-  (``world % (hybrid_shard_degree * tp * ep) == 0`` guarantees that they exist).
+  (``world % (hybrid_shard_degree * tp * ep) == 0`` guarantees that they exist). EP ranks
+  are data-parallel ranks with their own batches. The ranks holding the same experts
+  ("expert data parallel", ``expert_dp_groups``) are a shard group times the
+  ``edp_replicate = dp_replicate / ep`` replicas with the same EP rank; expert parameters are
+  FSDP-sharded over the shard group and replicated over those replicas. SMP's Mixtral
+  notebooks (ep 2, hybrid_shard_degree 4 on 8 ranks; ep 2, 32 on 64): two replicas, each
+  one whole shard group holding half of the experts, and the EP pairs (r, r + 4) or
+  (r, r + 32) exchange tokens.
 
 Example, world 8, tp 2, hybrid_shard_degree 2: axes (dp_replicate 2, dp_shard 2, cp 1, tp 2);
 tp groups [0,1] [2,3] [4,5] [6,7]; shard groups [0,2] [1,3] [4,6] [5,7]; rep groups [0,4] [1,5] ...
@@ -67,6 +74,11 @@ class Layout:
     def dp_shard(self) -> int:
         """Data-parallel ranks per shard group (the shard group without cp)."""
         return self.hybrid_shard_degree // self.cp
+
+    @property
+    def edp_replicate(self) -> int:
+        """Replicas holding the same experts: ``dp_replicate / ep``."""
+        return self.dp_replicate // self.ep
 
     @property
     def dp_size(self) -> int:
@@ -145,6 +157,21 @@ class Layout:
         for rep_group in self.groups("dp_replicate"):
             for start in range(0, len(rep_group), self.ep):
                 result.append(rep_group[start : start + self.ep])
+        return sorted(result)
+
+    def expert_dp_groups(self) -> list[list[int]]:
+        """Ranks holding the same experts: the shard group times the replicas of one EP rank.
+
+        Expert parameters are FSDP-sharded over the ``dp_shard``/``cp`` ranks of such a group
+        and replicated over its replicas; together the groups partition the ranks.
+        """
+        result = []
+        for tp_rank in range(self.tp):
+            for ep_rank in range(self.ep):
+                replicas = [r for r in range(self.dp_replicate) if r % self.ep == ep_rank]
+                group = [self.rank_at({"dp_replicate": rep, "dp_shard": s, "cp": c, "tp": tp_rank})
+                         for rep in replicas for s in range(self.dp_shard) for c in range(self.cp)]
+                result.append(group)
         return sorted(result)
 
     def describe(self) -> str:

@@ -36,6 +36,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--num-local-experts", type=int, default=4)
     g.add_argument("--num-experts-per-tok", type=int, default=2)
     g.add_argument("--initializer-range", type=float, default=0.02)
+    g.add_argument("--moe", type=_bool, default=False,
+                   help="pass an MoEConfig to tsm.transform (MoELayer, expert parallelism)")
+    g.add_argument("--moe-load-balancing", choices=("sinkhorn", "aux_loss", "balanced", "none"),
+                   default="sinkhorn")
+    g.add_argument("--global-token-shuffle", type=_bool, default=False)
+    g.add_argument("--moe-all-to-all-dispatcher", type=_bool, default=True)
     g = p.add_argument_group("data")
     g.add_argument("--dataset", choices=("stdlib", "synthetic", "jsonl"), default="stdlib",
                    help="stdlib: the Python standard library's own sources as a text corpus")

@@ -44,6 +44,17 @@ def build_config(args: argparse.Namespace) -> PretrainedConfig:
     raise ValueError(f"unknown --model-type {args.model_type!r}")
 
 
+def moe_config(args: argparse.Namespace):
+    """The MoEConfig handed to ``tsm.transform`` with ``--moe 1`` (as SMP's scripts build it), else None."""
+    if not args.moe:
+        return None
+    from torch.sagemaker.moe.moe_config import MoEConfig
+
+    return MoEConfig(smp_moe=True, moe_load_balancing=args.moe_load_balancing,
+                     global_token_shuffle=args.global_token_shuffle,
+                     moe_all_to_all_dispatcher=args.moe_all_to_all_dispatcher)
+
+
 def build_model(config: PretrainedConfig):
     """An fp32 causal LM from ``config`` (on the current default device, e.g. meta)."""
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()

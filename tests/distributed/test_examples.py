@@ -25,6 +25,7 @@ CONFIGS = {
     "tp2_hybrid.json": (4, ["--fsdp", "fsdp2"]),
     "offload.json": (4, ["--activation-checkpointing", "1", "--offload-activations", "1"]),
     "delayed_init.json": (2, ["--delayed-param", "1"]),
+    "mixtral_ep2.json": (2, ["--model-type", "mixtral", "--moe", "1", "--fsdp", "fsdp1"]),
 }
 
 

@@ -90,3 +90,44 @@ def test_invalid_layout_is_a_programming_error():
         resolve(4).coordinates(4)
     with pytest.raises(ValueError, match="unknown mesh axes"):
         resolve(4).groups("pp")
+
+
+@pytest.mark.parametrize("world,hsd,tp,cp,ep", [c for c in LAYOUTS if c[4] > 1])
+def test_expert_data_parallel_groups(world, hsd, tp, cp, ep):
+    """The ranks holding the same experts: a partition into shard group x same-EP-rank replicas."""
+    layout = resolve(world, hybrid_shard_degree=hsd, tensor_parallel_degree=tp,
+                     context_parallel_degree=cp, expert_parallel_degree=ep)
+    groups = layout.expert_dp_groups()
+    assert sorted(r for g in groups for r in g) == list(range(world))
+    assert all(len(g) == layout.edp_replicate * layout.hybrid_shard_degree for g in groups)
+    for group in groups:
+        # One EP rank and one TP rank per group; every EP group meets it exactly once per
+        # (shard, cp, replica pair).
+        assert len({layout.ep_rank(r) for r in group}) == 1
+        assert len({layout.coordinates(r)["tp"] for r in group}) == 1
+        for shard_group in layout.groups(("dp_shard", "cp")):
+            assert set(shard_group) <= set(group) or not set(shard_group) & set(group)
+    for ep_group in layout.ep_groups():
+        assert sorted(layout.ep_rank(r) for r in ep_group) == list(range(ep))
+        assert len({layout.dp_rank(r) for r in ep_group}) == ep  # EP ranks are data-parallel ranks
+
+
+@pytest.mark.parametrize("world,hsd", [(8, 4), (64, 32)])
+def test_smp_mixtral_notebook_layouts(world, hsd):
+    """ep 2 with hybrid_shard_degree 4 on 8 ranks and 32 on 64 (SMP's Mixtral notebooks)."""
+    validate(dict(hybrid_shard_degree=hsd, expert_parallel_degree=2), world)
+    layout = resolve(world, hybrid_shard_degree=hsd, expert_parallel_degree=2)
+    assert (layout.dp_replicate, layout.edp_replicate, layout.dp_size) == (2, 1, world)
+    half = world // 2
+    assert layout.ep_groups() == [[r, r + half] for r in range(half)]
+    # Each half of the world is one shard group and holds one half of the experts.
+    assert layout.expert_dp_groups() == [list(range(half)), list(range(half, world))]
+    assert layout.groups(("dp_shard", "cp")) == layout.expert_dp_groups()
+
+
+def test_default_shard_degree_with_expert_parallelism():
+    """hybrid_shard_degree 0 shards experts over every rank that holds them."""
+    layout = resolve(8, expert_parallel_degree=4)
+    assert (layout.hybrid_shard_degree, layout.dp_replicate, layout.edp_replicate) == (2, 4, 1)
+    assert layout.ep_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert layout.expert_dp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]

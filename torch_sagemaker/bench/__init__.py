@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "training": ("torch_sagemaker.bench.training",
                  "training-step time: FSDP2 and DDP over smddp and gloo"),
     "offload": ("torch_sagemaker.bench.offload", "activation offload step times"),
+    "moe": ("torch_sagemaker.bench.moe", "expert parallelism: Mixtral ep 1 vs ep 2/4, both dispatchers"),
 }
 
 

@@ -3,8 +3,9 @@
 All groups come from one ``init_device_mesh`` call over the axes of
 ``torch_sagemaker.topology.AXES`` plus flattened views of it, so every group here is the
 same object PyTorch's FSDP2 and DTensor see when they are handed ``tsm.state``'s meshes.
-Expert parallel groups are the one exception (EP splits the replicate axis, which a mesh
-slice cannot express); they are created with ``new_subgroups_by_enumeration``.
+Expert parallelism splits the replicate axis: ``_unflatten`` turns ``dp_replicate`` into
+(``edp_replicate``, ``ep``) on the same root mesh, so an expert DTensor on the ``ep`` axis and
+an FSDP mesh over (``edp_replicate``, ``dp_shard_cp``) can be concatenated by FSDP2.
 """
 
 from __future__ import annotations
@@ -46,9 +47,17 @@ def build_groups(layout: Layout) -> _Groups:
     # the flattened shard axis, so its groups are the ones created above (slicing a flattened
     # axis back out of the root mesh is deprecated in PyTorch).
     fsdp_mesh = DeviceMesh._concatenate([mesh["dp_replicate"], shard_cp])
-    ep_group, ep_groups = dist.new_subgroups_by_enumeration(layout.ep_groups())
+    # ``ep`` consecutive replicas form one EP group (topology.Layout.ep_groups): the replicate
+    # coordinate is edp_replicate * ep + ep_rank.
+    experts = mesh._unflatten("dp_replicate", (layout.edp_replicate, layout.ep),
+                              ("edp_replicate", "ep"))
+    ep_mesh, edp_mesh = experts["ep"], experts["edp_replicate"]
+    # Expert parameters are sharded like the others inside a shard group and replicated over
+    # the replicas that hold the same experts.
+    expert_fsdp_mesh = DeviceMesh._concatenate([edp_mesh, shard_cp])
     owned = [g for g in mesh.get_all_groups()] + [shard_cp.get_group(), replica.get_group(),
-                                                    dp.get_group()] + list(ep_groups)
+                                                    dp.get_group(), ep_mesh.get_group(),
+                                                    edp_mesh.get_group()]
     world = dist.group.WORLD
     owned = [g for g in dict.fromkeys(owned) if g is not world]
     return _Groups(
@@ -58,7 +67,9 @@ def build_groups(layout: Layout) -> _Groups:
         dp_mesh=dp,
         tp=mesh.get_group("tp"),
         cp=mesh.get_group("cp"),
-        ep=ep_group,
+        ep=ep_mesh.get_group(),
+        ep_mesh=ep_mesh,
+        expert_fsdp_mesh=expert_fsdp_mesh,
         world=world,
         rep_rank=replica.get_group(),
         fsdp_shard=shard_cp.get_group(),

@@ -19,6 +19,9 @@ Why: without groups, FSDP1 shards over the whole default group (so TP ranks woul
 sharded together) and, on CPU, HYBRID_SHARD silently degenerates to NO_SHARD over a group of
 one (ranks never synchronise). A ``process_group``/``device_mesh`` that the caller passes
 is kept if it matches the table and refused with a ``ValueError`` if it contradicts it.
+Experts modules split by ``tsm.transform`` become units of their own on the expert groups
+(``sharding/experts.py``); with ``hybrid_shard_degree=0`` and expert parallelism the other
+parameters are sharded over every data-parallel rank (``tsm.state.dp_mesh``).
 
 It also accepts SMP's extra keyword ``post_param_init_fn(module)``: called once on the
 module being wrapped after ``param_init_fn`` has materialised its last meta tensor (or
@@ -45,7 +48,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from torch_sagemaker.logger import log_rank0
-from torch_sagemaker.sharding import fsdp1_layout
+from torch_sagemaker.moe.experts import is_split
+from torch_sagemaker.sharding import experts, fsdp1_layout
 from torch_sagemaker.state import state
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -81,7 +85,9 @@ def resolve_sharding(strategy: ShardingStrategy | None) -> tuple[ShardingStrateg
     if requested == 0:
         if strategy in _HYBRID:
             return strategy, _host_mesh()
-        return strategy, state.fsdp_shard_mesh
+        # With expert parallelism the resolved shard group is one of ``ep`` replicas; the
+        # other parameters are sharded over every data-parallel rank.
+        return strategy, state.fsdp_shard_mesh if state.layout.dp_replicate == 1 else state.dp_mesh
     if requested == 1:
         return ShardingStrategy.NO_SHARD, state.device_mesh["dp_replicate"]
     if strategy is not ShardingStrategy._HYBRID_SHARD_ZERO2:
@@ -148,9 +154,14 @@ def _patched_init(self: FullyShardedDataParallel, module: nn.Module, process_gro
             kwargs["param_init_fn"] = _wrap_post_param_init(module, kwargs.get("param_init_fn"),
                                                             post_param_init_fn)
         if state.initialized:
+            if depth == 0 and experts.check_ready(module):
+                experts.fsdp1_root_kwargs(module, kwargs)  # experts and fp32 routers as own units
             strategy, mesh = resolve_sharding(sharding_strategy)
             device_mesh = kwargs.get("device_mesh")
-            if process_group is not None or device_mesh is not None:
+            if is_split(module):  # an experts unit: its own group (sharding/experts.py)
+                strategy, mesh = experts.fsdp1_expert_sharding(strategy)
+                process_group, kwargs["device_mesh"] = None, mesh
+            elif process_group is not None or device_mesh is not None:
                 _check_explicit(strategy, mesh, process_group, device_mesh)
             else:
                 kwargs["device_mesh"] = mesh
@@ -164,6 +175,8 @@ def _patched_init(self: FullyShardedDataParallel, module: nn.Module, process_gro
         _original_init(self, module, process_group, sharding_strategy, *args, **kwargs)
         if state.initialized and kwargs.get("device_mesh") is not None:
             fsdp1_layout.adapt(self)
+        if state.initialized and is_split(module):
+            experts.refuse_fsdp1_state_dicts(self)  # Note [FSDP1 expert checkpoints]
     finally:
         _local.depth = depth
 

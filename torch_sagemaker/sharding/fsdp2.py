@@ -15,12 +15,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from torch_sagemaker.logger import log_rank0
+from torch_sagemaker.sharding.experts import fully_shard_experts
 from torch_sagemaker.state import state
 
 
 def fsdp2_mesh() -> DeviceMesh:
-    """The mesh to give ``fully_shard``: 2-D (HSDP) with replicas, else the 1-D shard mesh."""
-    if state.layout.dp_replicate > 1:
+    """The mesh to give ``fully_shard``: 2-D (HSDP) with replicas, else the 1-D shard mesh.
+
+    With ``hybrid_shard_degree=0`` and expert parallelism (whose replicas hold different
+    experts), the 1-D mesh over every data-parallel rank, as FSDP1's FULL_SHARD.
+    """
+    layout = state.layout
+    if layout.requested_hybrid_shard_degree == 0 and layout.dp_replicate > 1 and layout.cp == 1:
+        return state.dp_mesh
+    if layout.dp_replicate > 1:
         return state.fsdp_mesh
     return state.fsdp_shard_mesh
 
@@ -80,6 +88,9 @@ def shard_model(
             f"{[c.__name__ for c in classes] or 'the classes in _no_split_modules'}). Pass "
             "layer_classes=(MyDecoderLayer,) or register a policy for the model."
         )
+    # Expert parallel models: experts (and fp32 routers) first, as units of their own.
+    inner = fully_shard_experts(model, mesh, mp_policy, reshard_after_forward=reshard_after_forward,
+                                **fully_shard_kwargs)
     kwargs = dict(fully_shard_kwargs)
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
@@ -90,7 +101,7 @@ def shard_model(
         comm_buffers_from_backend = _served_by_smddp(mesh)
     if comm_buffers_from_backend:
         # The setting is per FSDP state: the root's call does not reach the layers.
-        for module in [*layers, model]:
+        for module in [*inner, *layers, model]:
             module.set_allocate_memory_from_process_group_for_comm(True)
     log_rank0(f"FSDP2: sharded {len(layers)} x {classes[0].__name__} and the root over mesh "
               f"{mesh.mesh_dim_names} of shape {tuple(mesh.shape)}"

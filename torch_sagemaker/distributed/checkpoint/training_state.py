@@ -117,6 +117,9 @@ class TrainingState:
                 sdu.init_optim_state(self.optimizer)
                 sd["optimizer"] = sdu.local_optim_state_dict(self.optimizer)
         else:
+            from torch_sagemaker.sharding.experts import check_checkpointable
+
+            check_checkpointable(self.model)  # before FSDP1 starts gathering anything
             optims = [self.optimizer] if self.optimizer is not None else []
             model_sd, optim_sd = get_state_dict(_unwrap_root(self.model), optims,
                                                 options=StateDictOptions())
@@ -167,7 +170,10 @@ class TrainingState:
             return (path / f"tp{state.tp_size}-{state.tp_rank}", group,
                     min(dist.get_process_group_ranks(group)))
 
-        group = state.fsdp_replicate_process_group if state.initialized else None
+        # The ranks writing one ``tp{r}_ep{r}_fsdp{r}`` directory: the replicas that hold the
+        # same shard *and the same experts* (with expert parallelism, replicas of different EP
+        # ranks hold different experts; without it this is the whole replicate group).
+        group = state.expert_fsdp_mesh["edp_replicate"].get_group() if state.initialized else None
         ranks = dist.get_process_group_ranks(group) if group is not None else [_rank()]
         return path / sdu.local_subdir(), group, min(ranks)
 

@@ -1,0 +1,251 @@
+"""Tiny mixture-of-experts models and the parity harness of the expert parallel tests (no downloads)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+
+VOCAB = 128
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def tiny_moe(family: str, seed: int = 0, **overrides):
+    """A 2-layer fp32 MoE causal LM with 4 experts, top-2, identical for the same seed."""
+    import transformers as tf
+    from transformers import AutoModelForCausalLM
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2,
+                  tie_word_embeddings=False, use_cache=False)
+    if family == "mixtral":
+        cfg = tf.MixtralConfig(**common, intermediate_size=48, num_local_experts=4)
+    elif family == "qwen2_moe":
+        # Layer 1 is a dense MLP (mlp_only_layers); the sparse block has a gated shared expert.
+        cfg = tf.Qwen2MoeConfig(**common, intermediate_size=48, moe_intermediate_size=24,
+                                shared_expert_intermediate_size=40, num_experts=4, norm_topk_prob=False,
+                                mlp_only_layers=[1])
+    elif family == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(**common, intermediate_size=48, moe_intermediate_size=24, num_experts=4,
+                                norm_topk_prob=True, head_dim=8)
+    else:
+        raise ValueError(family)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
+    with torch.no_grad():  # Qwen routers start at zero (ties); give them a real routing
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    return model
+
+
+def batch(dp_rank: int, rows: int = 2, seq: int = 8) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + dp_rank)
+    return torch.randint(0, VOCAB, (rows, seq), generator=g)
+
+
+def layer_class(model):
+    from torch_sagemaker.policy import transformer_layer_class
+
+    return transformer_layer_class(model)
+
+
+def wrap(model, api: str, mixed_precision: bool = False):
+    """FSDP1 exactly as SMP's scripts call it, or FSDP2 through ``shard_model``."""
+    import torch.sagemaker as tsm
+    from torch.distributed.fsdp import (
+        BackwardPrefetch,
+        MixedPrecision,
+        MixedPrecisionPolicy,
+        ShardingStrategy,
+    )
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    from torch_sagemaker.sharding import shard_model
+
+    if api == "fsdp2":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) \
+            if mixed_precision else None
+        return shard_model(model, mp_policy=mp)
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer_class(model)})
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                        buffer_dtype=torch.float32) if mixed_precision else None
+    strategy = ShardingStrategy.HYBRID_SHARD if tsm.state.layout.requested_hybrid_shard_degree else \
+        ShardingStrategy.FULL_SHARD
+    return FSDP(model, auto_wrap_policy=policy, mixed_precision=mp, sharding_strategy=strategy,
+                backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True,
+                limit_all_gathers=True, device_id=torch.device("cpu"), use_orig_params=True)
+
+
+def full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def clean(name: str) -> str:
+    for part in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_offload_wrapped_module."):
+        name = name.replace(part, "")
+    return name[len("module."):] if name.startswith("module.") else name
+
+
+def full_grads(model) -> dict[str, torch.Tensor]:
+    """Every parameter's unsharded gradient under its Hugging Face name."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    units = FSDP.fsdp_modules(model)
+    if units:  # summon from the outermost unit (the model may sit inside the offload wrapper)
+        with FSDP.summon_full_params(units[0], with_grads=True):
+            return {clean(n): full(p.grad).detach().clone() for n, p in model.named_parameters()}
+    return {clean(n): full(p.grad).detach().clone() for n, p in model.named_parameters()}
+
+
+def reference_aux(router_logits, num_experts: int, top_k: int, aux_coeff: float, z_coeff: float):
+    """The per-rank auxiliary terms of MoELayer, computed directly from the router logits."""
+    total = torch.zeros(())
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), -1)
+        chosen = torch.topk(probs, top_k, -1).indices
+        fraction = torch.stack([(chosen == e).sum() for e in range(num_experts)]).float() / chosen.numel()
+        total = total + aux_coeff * num_experts * (fraction * probs.mean(0)).sum()
+        total = total + z_coeff * torch.logsumexp(logits.float(), -1).pow(2).mean()
+    return total
+
+
+def moe_reference(model, cfg):
+    """``model`` (plain, one process) with its sparse blocks replaced by ``MoELayer`` without any
+    expert parallelism: the reference for the routing options (Sinkhorn, balanced), which
+    Hugging Face's blocks do not have. Each rank's batch then routes as on that rank."""
+    from torch_sagemaker.moe.moe_layer import MoELayer
+    from torch_sagemaker.policy import lookup_policy
+
+    policy = lookup_policy(model)
+    spec = policy.moe
+    for name, block in [(n, m) for n, m in model.named_modules() if type(m).__name__ == spec.block_class]:
+        layer = MoELayer(block, spec, cfg, num_experts=policy.num_experts(model.config),
+                         top_k=spec.top_k(model.config), normalize=spec.normalize(model.config), shuffle=None)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, layer)
+    return model
+
+
+def parity_case(family: str, api: str, moe_kwargs: dict, steps: int = 3, checkpoint: str | None = None,
+                offload: bool = False, router_logits: bool = True, moe_ref: bool = False) -> dict:
+    """One expert parallel run against one process on the concatenated batch (run on every rank).
+
+    Returns per step the max differences of the loss, the router logits, every gradient and the
+    gradient norm (``tsm.grad_norm.clip_grad_norm_`` against PyTorch's on the reference).
+    ``router_logits=False`` runs without ``output_router_logits`` (with the token shuffle a
+    rank's router sees other ranks' tokens, and the model's own aux loss would differ).
+    ``moe_ref=True`` makes the reference's blocks ``MoELayer`` without expert parallelism
+    (``moe_reference``), for the routing options; it adds its own auxiliary terms.
+    """
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+
+    from torch_sagemaker.grad_norm import clip_grad_norm_
+    from torch_sagemaker.moe import set_aux_loss_scale
+    from torch_sagemaker.moe.moe_config import MoEConfig
+
+    cfg = MoEConfig(**moe_kwargs)
+    dp_rank, dp_size = tsm.state.dp_rank, tsm.state.dp_size
+    batches = [batch(d) for d in range(dp_size)]
+    ref = tiny_moe(family)
+    model = tsm.transform(copy.deepcopy(ref), config=cfg)
+    if moe_ref:
+        ref = moe_reference(ref, cfg)
+    if checkpoint:
+        apply_checkpointing(model, checkpoint)
+    model = wrap(model, api)
+    if offload:
+        model = tsm.offload_wrapper(model)
+    num_experts, top_k = 4, 2
+    aux_coeff = cfg.moe_aux_loss_coeff if cfg.moe_load_balancing == "aux_loss" and not moe_ref else 0.0
+    z_coeff = cfg.moe_z_loss_coeff if cfg.smp_moe and not moe_ref else 0.0
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    out = {"loss": [], "ref_loss": [], "logits": [], "grads": [], "norm": [], "grad_scale": []}
+    for _ in range(steps):
+        ids = batches[dp_rank]
+        res = model(input_ids=ids, labels=ids, output_router_logits=router_logits)
+        res.loss.backward()
+        ref_opt.zero_grad()
+        # The reference divides each rank's loss by dp_size before backward, so MoELayer's
+        # attached aux terms take the same factor (Note [Auxiliary losses in backward]).
+        set_aux_loss_scale(1.0 / dp_size)
+        for d, ref_ids in enumerate(batches):
+            r = ref(input_ids=ref_ids, labels=ref_ids, output_router_logits=True)
+            loss = (r.loss if router_logits else r.loss - r.aux_loss * ref.router_aux_loss_coef) + \
+                reference_aux(r.router_logits, num_experts, top_k, aux_coeff, z_coeff)
+            (loss / dp_size).backward()
+            if d == dp_rank:
+                out["ref_loss"].append(float(loss.detach()) - float(reference_aux(
+                    r.router_logits, num_experts, top_k, aux_coeff, z_coeff)))
+                out["logits"].append(max(float((a - b).abs().max()) for a, b in zip(
+                    res.router_logits, r.router_logits, strict=True)) if router_logits else 0.0)
+        set_aux_loss_scale(1.0)
+        grads = full_grads(model)
+        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+        assert grads.keys() == ref_grads.keys(), sorted(set(grads) ^ set(ref_grads))
+        out["grads"].append({n: float((g - ref_grads[n]).abs().max()) for n, g in grads.items()})
+        out["grad_scale"].append(min(float(g.abs().max()) for n, g in ref_grads.items() if "experts" in n))
+        norm = clip_grad_norm_(model, 1e9)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+        out["norm"].append(abs(float(norm) - float(ref_norm)))
+        out["loss"].append(float(res.loss))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+    out["local_experts"] = sorted({tuple(p.to_local().shape) for n, p in model.named_parameters()
+                                   if "experts." in n and hasattr(p, "to_local")})
+    out["world"] = dist.get_world_size()
+    return out
+
+
+def apply_checkpointing(model, target: str) -> None:
+    """Activation checkpointing on every decoder layer (``"layer"``: reentrant, as SMP's scripts
+    without FP8) or on every MoELayer (``"moe"``: non-reentrant, as SMP's MoE + FP8 path)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    from torch_sagemaker.moe.moe_layer import MoELayer
+
+    cls = MoELayer if target == "moe" else layer_class(model)
+    impl = CheckpointImpl.NO_REENTRANT if target == "moe" else CheckpointImpl.REENTRANT
+    apply_activation_checkpointing(
+        model, check_fn=lambda m: isinstance(m, cls),
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl))
+
+
+def run_cases(cases: list[tuple]) -> dict:
+    """``parity_case`` for each (name, family, api, moe_kwargs, extra, smp_config), one tsm.init each."""
+    import torch.sagemaker as tsm
+
+    results = {}
+    for name, family, api, moe_kwargs, extra, smp_config in cases:
+        tsm.state.reset()
+        tsm.init(smp_config)
+        results[name] = parity_case(family, api, moe_kwargs, **extra)
+    return results
+
+
+def check(results: dict, atol: float = 2e-5) -> None:
+    for name, r in results.items():
+        for step, (loss, ref_loss) in enumerate(zip(r["loss"], r["ref_loss"], strict=True)):
+            assert abs(loss - ref_loss) < 1e-4, (name, step, r["loss"], r["ref_loss"])
+        # Step 0 compares the same weights; later steps compare after AdamW updates whose fp32
+        # rounding differences (normalized by Adam) grow with the logits' magnitude.
+        assert r["logits"][0] < atol and max(r["logits"]) < 5 * atol, (name, r["logits"])
+        assert max(r["norm"]) < 1e-4, (name, r["norm"])
+        assert min(r["grad_scale"]) > 1e-5, (name, "expert gradients are trivially zero")
+        for step, grads in enumerate(r["grads"]):
+            bad = {n: d for n, d in grads.items() if d > atol}
+            assert not bad, (name, step, bad)
+
