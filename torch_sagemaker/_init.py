@@ -14,7 +14,7 @@ from torch_sagemaker import config as config_lib
 from torch_sagemaker import topology
 from torch_sagemaker.distributed import backend as backend_lib
 from torch_sagemaker.distributed.mesh import build_groups
-from torch_sagemaker.logger import log_rank0
+from torch_sagemaker.logger import log_rank0, warn_once
 from torch_sagemaker.sharding import fsdp1, fsdp1_state_dict
 from torch_sagemaker.state import state
 
@@ -83,6 +83,9 @@ def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> No
     fsdp1.install()
     fsdp1_state_dict.install()
     log_rank0(f"tsm.init on backend {dist.get_backend()!r}:\n{layout.describe()}")
+    if cfg.allow_empty_shards:
+        warn_once("allow_empty_shards=true has no effect here: FSDP1's and FSDP2's sharded state "
+                  "dicts are DTensors, which DCP saves and loads with empty shards anyway.")
 
 
 def is_initialized() -> bool:

@@ -341,3 +341,24 @@ def test_offload_wrapper_without_checkpointing_prefetches_over_transformer_layer
     assert type(plain) is OffloadWrapper  # PyTorch's wrapper, as PyTorch's offload_wrapper gives
     assert any("no checkpointed or transformer layers" in r for r in records)
     plain(torch.ones(2, 4)).sum().backward()
+
+
+def test_cache_flush_watch_warns_when_the_allocator_retried(monkeypatch):
+    from torch_sagemaker.sharding import cache_flush
+
+    assert not cache_flush.watch(nn.Linear(2, 2)) or torch.cuda.is_available()  # CPU: nothing to watch
+    retries = [3]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_alloc_retries": retries[0]})
+    model = nn.Linear(2, 2)
+    assert cache_flush.watch(model) and not cache_flush.watch(model)  # once per root
+    records, detach = _capture_tsm_log()
+    try:
+        model(torch.ones(1, 2))  # no retry since the watch started
+        retries[0] = 5
+        model(torch.ones(1, 2))
+        model(torch.ones(1, 2))  # none since the previous step
+    finally:
+        detach()
+    assert len(records) == 1 and "flushed its cache 2 time(s)" in records[0]
+    assert "Raise hybrid_shard_degree" in records[0]

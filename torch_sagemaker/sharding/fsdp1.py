@@ -49,7 +49,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.moe.experts import is_split
-from torch_sagemaker.sharding import experts, fsdp1_layout
+from torch_sagemaker.sharding import cache_flush, experts, fsdp1_layout
 from torch_sagemaker.state import state
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -175,6 +175,8 @@ def _patched_init(self: FullyShardedDataParallel, module: nn.Module, process_gro
         _original_init(self, module, process_group, sharding_strategy, *args, **kwargs)
         if state.initialized and kwargs.get("device_mesh") is not None:
             fsdp1_layout.adapt(self)
+        if state.initialized and depth == 0 and state.fsdp_cache_flush_warnings:
+            cache_flush.watch(self)
         if state.initialized and is_split(module):
             experts.refuse_fsdp1_state_dicts(self)  # Note [FSDP1 expert checkpoints]
     finally:

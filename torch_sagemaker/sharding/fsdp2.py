@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from torch_sagemaker.logger import log_rank0
+from torch_sagemaker.sharding import cache_flush
 from torch_sagemaker.sharding.experts import fully_shard_experts
 from torch_sagemaker.state import state
 
@@ -97,6 +98,8 @@ def shard_model(
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, **kwargs)
+    if state.fsdp_cache_flush_warnings:
+        cache_flush.watch(model)
     if comm_buffers_from_backend is None:
         comm_buffers_from_backend = _served_by_smddp(mesh)
     if comm_buffers_from_backend:
