@@ -49,18 +49,30 @@ class _Groups:
 
 
 class Ranker:
-    """Replication-rank helpers with SMP's names (``tsm.state.ranker``)."""
+    """Replication-rank helpers with SMP's names (``tsm.state.ranker``).
+
+    A replication group is the set of ranks that hold exactly the same shard of every
+    parameter; SMP's scripts save a checkpoint from replication rank 0 only (the "action"
+    ranks) and group SM-local saves by replication group. With expert parallelism the
+    replicas of the ``dp_replicate`` axis hold different experts, so only those with the
+    same EP rank replicate each other: the groups are the ``dp_replicate`` groups split by
+    EP rank, and the replication rank counts within them. Without EP both are the
+    ``dp_replicate`` axis.
+    """
 
     def __init__(self, layout: Layout) -> None:
         self._layout = layout
 
     def get_rep_rank(self, global_rank: int | None = None) -> int:
         """Replica index of ``global_rank`` (default: this rank); 0 for the "action" rank."""
-        return self._layout.rep_rank(dist.get_rank() if global_rank is None else global_rank)
+        rank = dist.get_rank() if global_rank is None else global_rank
+        return self._layout.rep_rank(rank) // self._layout.ep
 
     def get_rep_groups(self) -> list[list[int]]:
         """Rank lists of the replication groups (ranks holding the same shard in each replica)."""
-        return self._layout.groups("dp_replicate")
+        ep = self._layout.ep
+        return sorted(group[first::ep] for group in self._layout.groups("dp_replicate")
+                      for first in range(ep))
 
 
 class State:

@@ -36,3 +36,25 @@ def test_public_surface():
     assert not tsm.is_initialized()
     for name in ("init", "is_initialized", "state", "transform", "offload_wrapper", "SMPConfig", "__version__"):
         assert hasattr(tsm, name), name
+
+
+def test_ranker_replication_groups_hold_identical_shards():
+    from torch_sagemaker.state import Ranker
+    from torch_sagemaker.topology import resolve
+
+    # 8 ranks, tp 2, hybrid_shard_degree 2: replicas (r, r + 4).
+    plain = Ranker(resolve(8, hybrid_shard_degree=2, tensor_parallel_degree=2))
+    assert plain.get_rep_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [plain.get_rep_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    # 8 ranks, ep 2, hybrid_shard_degree 2 (SMP's Mixtral layout scaled down): the four
+    # replicas alternate EP ranks, so only every other replica holds the same experts.
+    moe = resolve(8, hybrid_shard_degree=2, expert_parallel_degree=2)
+    ranker = Ranker(moe)
+    assert ranker.get_rep_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [moe.ep_rank(r) for r in (0, 4)] == [0, 0] and moe.ep_rank(2) == 1
+    assert [ranker.get_rep_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    # Every EP rank has action ranks (rep rank 0), so per-EP-rank checkpoints are complete.
+    assert {moe.ep_rank(r) for r in range(8) if ranker.get_rep_rank(r) == 0} == {0, 1}
+    # ep 2 on 4 ranks with hybrid_shard_degree 2: no two ranks hold the same experts twice.
+    small = Ranker(resolve(4, hybrid_shard_degree=2, expert_parallel_degree=2))
+    assert small.get_rep_groups() == [[0], [1], [2], [3]]
