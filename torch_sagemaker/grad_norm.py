@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from torch_sagemaker.distributed.direct import all_reduce_direct
 
@@ -53,7 +54,9 @@ class _Piece(NamedTuple):
 def _axes_of(mesh, placements) -> tuple[tuple, tuple]:
     """Key and groups of the mesh axes with a ``Shard`` placement."""
     names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
-    axes = [i for i, p in enumerate(placements) if p.is_shard()]
+    # FSDP2 over a TP-sharded dim places the shard axis as _StridedShard, which is not a
+    # Shard subclass (its is_shard() is False) but splits the tensor all the same.
+    axes = [i for i, p in enumerate(placements) if p.is_shard() or isinstance(p, _StridedShard)]
     key = tuple((names[i], tuple(dist.get_process_group_ranks(mesh.get_group(i)))) for i in axes)
     return key, tuple(mesh.get_group(i) for i in axes)
 
