@@ -27,5 +27,6 @@ MIXTRAL = ModelPolicy(
         "model.layers.*.mlp.experts": "experts",
     },
     num_experts_attr="num_local_experts",
+    sliding_window_attr="sliding_window",
     notes="Experts split whole over the TP ranks (degree must divide num_local_experts).",
 )

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch_sagemaker.context_parallel import prepare_model
 from torch_sagemaker.distributed.mesh import mesh_device_type
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.policy import POLICY_ATTR, check_model, lookup_policy
@@ -37,9 +38,6 @@ def _check_arguments(config: Any, cp_comm_type: str) -> None:
         raise ValueError("tsm.transform(config=...) only takes an MoE config in SMP, and expert "
                          "parallelism is not implemented here; pass config=None (Mixtral experts are "
                          "split over the tensor parallel ranks).")
-    if state.cp_size > 1:
-        raise ValueError(f"context_parallel_degree={state.cp_size}: context parallelism is not "
-                         "implemented by tsm.transform yet; set context_parallel_degree=1.")
 
 
 def _place(model: nn.Module, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
@@ -80,7 +78,8 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
         config: SMP's MoE config; only ``None`` is accepted (no expert parallelism here).
         load_state_dict_from_rank0: Rank 0 holds the real weights and every other rank a
             meta-device model; afterwards every rank holds its shards of rank 0's weights.
-        cp_comm_type: ``"p2p"`` or ``"all_gather"`` (context parallelism; validated only).
+        cp_comm_type: ``"p2p"`` (ring of key/value blocks) or ``"all_gather"``; used when
+            ``context_parallel_degree > 1`` (docs/context_parallel.md).
 
     Returns:
         The same ``model`` object, transformed in place.
@@ -117,6 +116,9 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
         backend.apply(model, policy, heads, tp_mesh=state.tp_mesh,
                       tracker=state.get_rng_state_tracker(),
                       src_data_rank=None if local_split else 0)
+    # 3b. Context parallelism over the "cp" mesh axis (attention, positions, loss).
+    if state.cp_size > 1:
+        prepare_model(model, policy, cp_comm_type, state.cp_process_group)
     # 4. Weights from rank 0.
     if load_state_dict_from_rank0 and state.world_size > 1:
         target = torch.device(device) if device is not None else _default_device()

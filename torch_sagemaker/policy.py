@@ -57,6 +57,9 @@ class ModelPolicy:
         num_kv_heads_attr: Config attribute holding the number of key/value heads, or
             ``None`` for multi-head attention (as many kv heads as heads).
         num_experts_attr: Config attribute holding the number of MoE experts, or ``None``.
+        sliding_window_attr: Config attribute holding the sliding attention window (a value
+            other than ``None`` means sliding-window attention, which context parallelism
+            refuses), or ``None`` for families that always attend causally to everything.
         notes: Free text shown in the docs (limits, choices).
     """
 
@@ -68,6 +71,7 @@ class ModelPolicy:
     num_heads_attr: str = "num_attention_heads"
     num_kv_heads_attr: str | None = "num_key_value_heads"
     num_experts_attr: str | None = None
+    sliding_window_attr: str | None = None
     notes: str = ""
 
     def __post_init__(self) -> None:

@@ -44,6 +44,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
+from torch_sagemaker.context_parallel import check_prepared
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.state import state
 
@@ -147,6 +148,8 @@ def _patched_init(self: FullyShardedDataParallel, module: nn.Module, process_gro
             kwargs["param_init_fn"] = _wrap_post_param_init(module, kwargs.get("param_init_fn"),
                                                             post_param_init_fn)
         if state.initialized:
+            if depth == 0:
+                check_prepared(module, state.cp_size, "FSDP")
             strategy, mesh = resolve_sharding(sharding_strategy)
             device_mesh = kwargs.get("device_mesh")
             if process_group is not None or device_mesh is not None:
