@@ -25,6 +25,8 @@ CONFIGS = {
     "tp2_hybrid.json": (4, ["--fsdp", "fsdp2"]),
     "offload.json": (4, ["--activation-checkpointing", "1", "--offload-activations", "1"]),
     "delayed_init.json": (2, ["--delayed-param", "1"]),
+    "cp2.json": (2, ["--cp-comm-type", "all_gather"]),
+    "cp2_tp2.json": (4, ["--fsdp", "fsdp1"]),
 }
 
 
