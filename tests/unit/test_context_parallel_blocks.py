@@ -117,3 +117,27 @@ def test_sliding_window_config_is_refused():
     with pytest.raises(ValueError, match="sliding_window=8: sliding-window attention is not supported"):
         check_supported(MistralForCausalLM(MistralConfig(**cfg, sliding_window=8)), MISTRAL)
     check_supported(MistralForCausalLM(MistralConfig(**cfg, sliding_window=None)), MISTRAL)
+
+
+def test_benchmark_local_comm_keeps_shapes_and_restores():
+    """The benchmark's no-communication mode: same shapes, originals restored."""
+    from torch_sagemaker.context_parallel import allgather, comm
+
+    originals = (comm.Ring.shift, allgather.all_gather_stacked, allgather.reduce_scatter_stacked)
+
+    class Group:
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 1
+
+    from torch_sagemaker.bench.context_parallel import local_attention_comm
+
+    with local_attention_comm():
+        x = torch.arange(6.0).reshape(2, 3)
+        assert torch.equal(comm.Ring.shift(None, x, 17).wait(), x)
+        stacked = allgather.all_gather_stacked(x, Group())
+        assert stacked.shape == (2, 2, 3) and torch.equal(stacked[1], x)
+        assert torch.equal(allgather.reduce_scatter_stacked(stacked, Group()), x)
+    assert (comm.Ring.shift, allgather.all_gather_stacked, allgather.reduce_scatter_stacked) == originals

@@ -17,6 +17,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "training": ("torch_sagemaker.bench.training",
                  "training-step time: FSDP2 and DDP over smddp and gloo"),
     "offload": ("torch_sagemaker.bench.offload", "activation offload step times"),
+    "context_parallel": ("torch_sagemaker.bench.context_parallel",
+                         "context parallelism: tokens/s, activation memory, exposed communication"),
 }
 
 

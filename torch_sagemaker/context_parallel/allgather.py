@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from torch_sagemaker.context_parallel.blocks import block_backward, block_forward, merge_into
-from torch_sagemaker.context_parallel.comm import all_gather_stacked
+from torch_sagemaker.context_parallel.comm import all_gather_stacked, reduce_scatter_stacked
 from torch_sagemaker.context_parallel.layout import chunks_of_rank, merge_locals, split_local
 
 _SEQ_DIM = 3  # of the packed (2, b, kv_h, n, d) key/value tensor
@@ -90,9 +90,8 @@ def allgather_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
             dfull[0, :, :, prefix] += g[1]
             dfull[1, :, :, prefix] += g[2]
     cp = dist.get_world_size(group)
-    by_rank = torch.cat([split_local(dfull, r, cp, dim=_SEQ_DIM).reshape(-1) for r in range(cp)])
-    own = torch.empty((2, *k.shape), dtype=torch.float32, device=k.device)
-    dist.reduce_scatter_tensor(own.view(-1), by_rank, group=group)
+    by_rank = torch.stack([split_local(dfull, r, cp, dim=_SEQ_DIM) for r in range(cp)])
+    own = reduce_scatter_stacked(by_rank, group)
     return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
 
 

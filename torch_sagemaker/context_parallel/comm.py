@@ -1,4 +1,5 @@
-"""Communication over the context parallel group: the ring shift and a stacked all-gather."""
+"""Communication over the context parallel group: the ring shift, a stacked all-gather and
+its inverse reduce-scatter."""
 
 from __future__ import annotations
 
@@ -54,4 +55,19 @@ def all_gather_stacked(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.
     return flat.view(size, *tensor.shape)
 
 
-__all__ = ["Ring", "Transfer", "all_gather_stacked"]
+def reduce_scatter_stacked(stacked: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Inverse of ``all_gather_stacked``: rank ``r`` gets ``sum over ranks of stacked[r]``.
+
+    Args:
+        stacked: ``(group size, *shape)``, one slice per destination rank.
+        group: The process group.
+
+    Returns:
+        ``(*shape)``, this rank's summed slice.
+    """
+    out = torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
+    dist.reduce_scatter_tensor(out.view(-1), stacked.contiguous().view(-1), group=group)
+    return out
+
+
+__all__ = ["Ring", "Transfer", "all_gather_stacked", "reduce_scatter_stacked"]
