@@ -18,5 +18,5 @@ def test_benchmark_prints_every_configuration(capsys):
     for r in rows[1:]:
         # Each rank holds half of a sequence: fewer saved activations than a whole one.
         assert 0.3 < float(r[7]) < 0.9, r
-        assert r[9].strip() and r[10].strip().endswith("%"), r
+        assert r[9].strip() and r[11].strip().endswith("%"), r
 
