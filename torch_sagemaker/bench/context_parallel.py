@@ -25,6 +25,11 @@ blocked in attention communication (posting and waiting for ring transfers; the 
 all-gather and reduce-scatter, which are synchronous); the attention communication alone
 (the same transfers without computation); and the share of it hidden behind computation,
 ``1 - blocked / alone``.
+
+A second table isolates one layer's context parallel attention (forward + backward on
+tensors of the model's shapes): with its communication, with local copies instead, and the
+communication alone. These measurements are short, so other processes disturb them less
+than whole steps; ``hidden = 1 - (with - local) / alone``.
 """
 
 from __future__ import annotations
@@ -159,8 +164,8 @@ def _step(model: nn.Module, optim: torch.optim.Optimizer, ids: torch.Tensor) -> 
     optim.zero_grad(set_to_none=True)
 
 
-def _comm_alone(model: nn.Module, comm: str, ids: torch.Tensor, args: argparse.Namespace) -> float:
-    """Seconds of one step's attention transfers without computation (same sizes and count)."""
+def _comm_alone(comm: str, local_len: int, layers: int, args: argparse.Namespace) -> float:
+    """Seconds of ``layers`` layers' attention transfers without computation (same sizes, count)."""
     import torch.distributed as dist
     import torch.sagemaker as tsm
 
@@ -173,13 +178,13 @@ def _comm_alone(model: nn.Module, comm: str, ids: torch.Tensor, args: argparse.N
     group = tsm.state.cp_process_group
     cp = dist.get_world_size(group)
     head_dim = args.hidden // args.heads
-    kv = torch.randn(2, ids.shape[0], args.heads // 2, ids.shape[1], head_dim)
+    kv = torch.randn(2, 1, args.heads // 2, local_len, head_dim)
     ring = Ring(group)
     times = []
     for _ in range(args.warmup + args.steps):
         dist.barrier()
         start = time.perf_counter()
-        for _layer in range(args.layers):
+        for _layer in range(layers):
             if comm == "p2p":  # forward ring, backward ring, dK/dV accumulators (fp32)
                 for _ in range(2 * (cp - 1)):
                     ring.shift(kv, 17).wait()
@@ -191,6 +196,34 @@ def _comm_alone(model: nn.Module, comm: str, ids: torch.Tensor, args: argparse.N
                 reduce_scatter_stacked(full.float(), group)
         times.append(_slowest(time.perf_counter() - start))
     return statistics.median(times[args.warmup:])
+
+
+def _attention_alone(comm: str, local_len: int, args: argparse.Namespace) -> tuple[float, float]:
+    """Seconds of one attention layer's forward + backward, with its communication and with local
+    copies instead (medians over ``args.attention_reps`` interleaved repetitions)."""
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+
+    from torch_sagemaker.context_parallel.attention import ContextParallelAttention
+
+    head_dim = args.hidden // args.heads
+    gen = torch.Generator().manual_seed(local_len)
+    q = torch.randn(1, args.heads, local_len, head_dim, generator=gen).requires_grad_()
+    k, v = (torch.randn(1, args.heads // 2, local_len, head_dim, generator=gen).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn(q.shape, generator=gen)
+    plan = ContextParallelAttention(tsm.state.cp_process_group, comm)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for rep in range(1 + args.attention_reps):
+        for with_comm in (True, False):
+            dist.barrier()
+            start = time.perf_counter()
+            with contextlib.nullcontext() if with_comm else local_attention_comm():
+                plan.attend(q, k, v, head_dim**-0.5).backward(dout)
+            elapsed = _slowest(time.perf_counter() - start)
+            if rep:
+                times[with_comm].append(elapsed)
+    return statistics.median(times[True]), statistics.median(times[False])
 
 
 def _slowest(seconds: float) -> float:
@@ -255,8 +288,11 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, results) -> None:
                 if step >= args.warmup:
                     row["times"][mode].append(elapsed)
                     row["blocked"][mode].append(_slowest(blocked[0]))
-        row["alone"] = {comm: _comm_alone(models[f"cp2 {comm}"], comm, shared, args)
+        row["alone"] = {comm: _comm_alone(comm, shared.shape[1], args.layers, args)
                         for comm in ("p2p", "all_gather")}
+        row["attention"] = {comm: (*_attention_alone(comm, shared.shape[1], args),
+                                   _comm_alone(comm, shared.shape[1], 1, args))
+                            for comm in ("p2p", "all_gather")}
         if rank == 0:
             results.put(("row", row))
     dist.destroy_process_group()
@@ -317,6 +353,17 @@ def format_table(pytorch: str, rows: list[dict], args: argparse.Namespace) -> st
                              f"{max(0.0, 1 - blocked / alone) * 100:.0f}%"]
             lines.append(f"| {seq} | {name} | {tps:.0f} | {tps / base_tps:.2f} | {med[name] * 1e3:.0f} | "
                          f"{mem / mib:.1f} | {mem / base_mem:.2f} | " + " | ".join(comm_cols) + " |")
+    lines += ["", "Attention alone: one layer's context parallel attention, forward + backward, "
+              f"medians of {args.attention_reps} repetitions (shorter, so less exposed to other "
+              "processes than whole steps).", "",
+              "| seq | comm | with communication ms | local copies ms | exposed ms | "
+              "communication alone ms | hidden |", "|---:|---|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        for comm, (with_comm, local, alone) in row["attention"].items():
+            exposed = with_comm - local
+            lines.append(f"| {row['seq']} | {comm} | {with_comm * 1e3:.1f} | {local * 1e3:.1f} | "
+                         f"{exposed * 1e3:.1f} | {alone * 1e3:.1f} | "
+                         f"{min(1.0, max(0.0, 1 - exposed / alone)) * 100:.0f}% |")
     return "\n".join(lines)
 
 
@@ -328,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", choices=("smddp", "gloo"), default="smddp")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--attention-reps", type=int, default=7)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=8)

@@ -51,13 +51,13 @@ def allgather_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     for rows, chunk, c in _query_chunks(q, group):
         diag = slice(chunk * c, (chunk + 1) * c)
-        blk_out, blk_lse = block_forward(q[:, :, rows], full[0, :, :, diag], full[1, :, :, diag], causal=True,
-                             scale=scale)
+        blk_out, blk_lse = block_forward(q[:, :, rows], full[0, :, :, diag], full[1, :, :, diag],
+                                         causal=True, scale=scale)
         out[:, :, rows], lse[:, :, rows] = blk_out.float(), blk_lse
         if chunk:
             prefix = slice(0, chunk * c)
-            blk_out, blk_lse = block_forward(q[:, :, rows], full[0, :, :, prefix], full[1, :, :, prefix],
-                                 causal=False, scale=scale)
+            blk_out, blk_lse = block_forward(q[:, :, rows], full[0, :, :, prefix],
+                                             full[1, :, :, prefix], causal=False, scale=scale)
             merge_into(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
     return out.to(q.dtype), lse
 
@@ -96,7 +96,8 @@ def allgather_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 
 class AllGatherAttention(torch.autograd.Function):
-    """Autograd wrapper of ``allgather_forward``/``allgather_backward``; returns ``(b, h, 2c, d)``."""
+    """Autograd wrapper of ``allgather_forward``/``allgather_backward``; returns ``(b, h, 2c, d)``.
+    """
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

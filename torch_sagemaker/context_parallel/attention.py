@@ -56,7 +56,8 @@ class ContextParallelAttention:
             raise ValueError(f"cp_comm_type={self.comm_type!r}; use one of {COMM_TYPES}.")
         self._ring = Ring(self.group) if self.comm_type == "p2p" else None
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+               ) -> torch.Tensor:
         """Causal attention of local ``(b, h, 2c, d)`` queries over the whole sequence."""
         if self._ring is not None:
             return RingAttention.apply(q, k, v, self._ring, scale)
@@ -92,12 +93,13 @@ def context_parallel_attention(module: nn.Module, query: torch.Tensor, key: torc
     plan: ContextParallelAttention | None = getattr(module, CP_ATTR, None)
     if plan is None:
         raise RuntimeError(
-            f"{type(module).__name__} runs the {ATTENTION_NAME!r} attention but was not prepared by "
-            "tsm.transform; context parallel attention needs the model to go through "
+            f"{type(module).__name__} runs the {ATTENTION_NAME!r} attention but was not prepared "
+            "by tsm.transform; context parallel attention needs the model to go through "
             "tsm.transform(model) after tsm.init(context_parallel_degree > 1).")
     if attention_mask is not None:
-        raise ValueError("context parallel attention is causal over the whole sequence and takes no "
-                         "attention mask; pass attention_mask=None (mask padding with label -100).")
+        raise ValueError("context parallel attention is causal over the whole sequence and takes "
+                         "no attention mask; pass attention_mask=None (mask padding with label "
+                         "-100).")
     if dropout:
         raise ValueError(f"attention dropout {dropout} is not supported with context parallelism; "
                          "set the config's attention_dropout to 0.")

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 
 class Ring:
-    """The context parallel group seen as a ring: this rank sends to ``next``, receives from ``prev``.
+    """The context parallel group as a ring: this rank sends to ``next``, receives from ``prev``.
 
     Args:
         group: The context parallel process group.

@@ -33,7 +33,7 @@ def chunks_of_rank(rank: int, cp: int) -> tuple[int, int]:
 
 
 def owner_of_chunk(chunk: int, cp: int) -> tuple[int, int]:
-    """``(rank, half)``: the rank holding ``chunk`` and whether it is its first (0) or second (1) chunk."""
+    """``(rank, half)``: the rank holding ``chunk``; ``half`` is 0 (its first chunk) or 1."""
     if not 0 <= chunk < 2 * cp:
         raise ValueError(f"chunk {chunk} is not in [0, {2 * cp}).")
     return (chunk, 0) if chunk < cp else (2 * cp - 1 - chunk, 1)
@@ -66,7 +66,7 @@ def local_positions(rank: int, cp: int, local_len: int, device: torch.device | s
 
 
 def split_local(tensor: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.Tensor:
-    """Rank ``rank``'s part of a whole-sequence ``tensor``: chunks ``r`` and ``2cp-1-r`` along ``dim``.
+    """Rank ``rank``'s part of whole sequences: chunks ``r`` and ``2cp-1-r`` along ``dim``.
 
     Raises:
         ValueError: If the length along ``dim`` is not divisible by ``2 * cp``.

@@ -82,7 +82,8 @@ class InputCheck:
         self.cp = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]
+                 ) -> tuple[tuple, dict]:
         if len(args) > 1:
             raise TypeError("a context parallel model takes its inputs as keywords (input_ids=..., "
                             "labels=...); got more than one positional argument.")
@@ -134,8 +135,8 @@ class InputCheck:
             raise ValueError(problem)
         failed = [r for r, flag in enumerate(gathered[:, 3].tolist()) if flag]
         if failed:
-            raise ValueError(f"context parallel rank(s) {failed} of this group rejected their input "
-                             "(see their error); every rank of the group stops.")
+            raise ValueError(f"context parallel rank(s) {failed} of this group rejected their "
+                             "input (see their error); every rank of the group stops.")
         lengths = gathered[:, 0].tolist()
         if len(set(lengths)) > 1:
             raise ValueError(
@@ -169,8 +170,8 @@ def prepare_model(model: nn.Module, policy: ModelPolicy, comm_type: str,
     plan = attention.ContextParallelAttention(group, comm_type)
     modules = policy.attention_modules(model)
     if not modules:
-        raise ValueError(f"policy {policy.name!r}: attention pattern {policy.attention!r} matches no "
-                         f"module of {type(model).__name__}.")
+        raise ValueError(f"policy {policy.name!r}: attention pattern {policy.attention!r} matches "
+                         f"no module of {type(model).__name__}.")
     for _, module in modules:
         setattr(module, attention.CP_ATTR, plan)
     attention.register()

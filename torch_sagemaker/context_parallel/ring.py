@@ -55,7 +55,9 @@ _DKV_TAG = 18
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of the local queries over the whole sequence (Note [Ring attention schedule]).
+    """Causal attention of the local queries over the whole sequence.
+
+    Note [Ring attention schedule] describes the steps.
 
     Args:
         q: Local queries ``(b, h, 2c, d)`` (chunks ``r`` and ``2cp-1-r``).
@@ -77,7 +79,8 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, 
             out, lse = block_forward(q, k, v, causal=True, scale=scale)
             out, lse = out.float(), lse.clone()
         elif owner < ring.rank:
-            blk_out, blk_lse = block_forward(q, kv[0, :, :, :c], kv[1, :, :, :c], causal=False, scale=scale)
+            blk_out, blk_lse = block_forward(q, kv[0, :, :, :c], kv[1, :, :, :c], causal=False,
+                                             scale=scale)
             merge_into(out, lse, blk_out, blk_lse)
         else:
             blk_out, blk_lse = block_forward(q[:, :, c:], kv[0], kv[1], causal=False, scale=scale)
