@@ -45,7 +45,8 @@ def evaluate(model, loader, max_batches: int) -> float:
         for i, batch in enumerate(loader):
             if i >= max_batches:
                 break
-            total += model(input_ids=batch, labels=batch).loss.double()
+            batch = data.batch_for_cp_rank(batch)
+            total += model(input_ids=batch, attention_mask=None, labels=batch).loss.double()
             count += 1
     model.train()
     stats = torch.tensor([total.item(), count], dtype=torch.float64)
@@ -64,9 +65,11 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     rank0_print(f"[train] {args.model_type} on {state.world_size} ranks over {dist.get_backend()}: "
-                f"dp={state.dp_size} tp={state.tp_size} hybrid_shard_degree={state.hybrid_shard_degree}")
+                f"dp={state.dp_size} tp={state.tp_size} cp={state.cp_size} "
+                f"hybrid_shard_degree={state.hybrid_shard_degree}")
 
-    # 2. Data: every rank of a TP group reads the same batch (DistributedSampler over dp).
+    # 2. Data: every rank of a TP x CP group reads the same batch (DistributedSampler over dp);
+    #    with context parallelism each rank then keeps its part of every sequence.
     train_set, val_set = data.build_datasets(args.dataset, args.max_context_width, args.corpus_mb,
                                              args.data_path, num_synthetic=args.max_steps * args.train_batch_size * state.dp_size)
     sampler = torch.utils.data.DistributedSampler(train_set, num_replicas=state.dp_size, rank=state.dp_rank,
@@ -83,7 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.device("meta") if args.delayed_param else contextlib.nullcontext():
         model = build_model(config)
     num_params = sum(p.numel() for p in model.parameters())  # before sharding (works on meta too)
-    model = tsm.transform(model, config=moe_config(args))  # MoEConfig with --moe 1
+    model = tsm.transform(model, config=moe_config(args),  # MoEConfig with --moe 1
+                          cp_comm_type=args.cp_comm_type)
     model = apply_parallelism(model, args, dtype)
     optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr,
                                   betas=(args.beta1, args.beta2))
@@ -115,7 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
             if train_state.step >= last_step:
                 break
             t0 = time.perf_counter()
-            loss = model(input_ids=batch, labels=batch).loss  # bf16 via FSDP mixed precision
+            batch = data.batch_for_cp_rank(batch)  # whole sequences unless cp > 1
+            loss = model(input_ids=batch, attention_mask=None, labels=batch).loss  # bf16 via FSDP MP
             loss.backward()
             grad_norm = clip_grad_norm_(model, args.grad_clip)
             optimizer.step()

@@ -15,5 +15,6 @@ MISTRAL = ModelPolicy(
     layer_class="MistralDecoderLayer",
     attention="model.layers.*.self_attn",
     tp_plan=llama_style_plan(),
+    sliding_window_attr="sliding_window",
     notes="Sliding window handled by the (unsharded) attention mask.",
 )

@@ -31,5 +31,6 @@ MIXTRAL = ModelPolicy(
     },
     num_experts_attr="num_local_experts",
     moe=MoESpec(block_class="MixtralSparseMoeBlock", jitter_attr="jitter_noise"),
+    sliding_window_attr="sliding_window",
     notes="Experts split whole over the TP ranks (degree must divide num_local_experts).",
 )

@@ -16,5 +16,6 @@ QWEN2 = ModelPolicy(
     layer_class="Qwen2DecoderLayer",
     attention="model.layers.*.self_attn",
     tp_plan=llama_style_plan(),
+    sliding_window_attr="sliding_window",
     notes="q/k/v biases split with their heads; tied embeddings stay tied.",
 )

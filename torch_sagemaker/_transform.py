@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch_sagemaker.context_parallel import prepare_model
 from torch_sagemaker.distributed.mesh import mesh_device_type
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.moe import apply as moe_apply
@@ -35,11 +36,7 @@ def _check_arguments(config: Any, cp_comm_type: str) -> MoEConfig | None:
                            "parallel degree and the mesh from tsm.state).")
     if cp_comm_type not in _CP_COMM_TYPES:
         raise ValueError(f"cp_comm_type={cp_comm_type!r}; use one of {_CP_COMM_TYPES}.")
-    moe_config = moe_apply.check_config(config, tp=state.tp_size, cp=state.cp_size, ep=state.ep_size)
-    if state.cp_size > 1:
-        raise ValueError(f"context_parallel_degree={state.cp_size}: context parallelism is not "
-                         "implemented by tsm.transform yet; set context_parallel_degree=1.")
-    return moe_config
+    return moe_apply.check_config(config, tp=state.tp_size, cp=state.cp_size, ep=state.ep_size)
 
 
 def _place(model: nn.Module, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
@@ -82,7 +79,8 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
             sparse blocks become ``MoELayer`` (see ``torch_sagemaker.moe``).
         load_state_dict_from_rank0: Rank 0 holds the real weights and every other rank a
             meta-device model; afterwards every rank holds its shards of rank 0's weights.
-        cp_comm_type: ``"p2p"`` or ``"all_gather"`` (context parallelism; validated only).
+        cp_comm_type: ``"p2p"`` (ring of key/value blocks) or ``"all_gather"``; used when
+            ``context_parallel_degree > 1`` (docs/context_parallel.md).
 
     Returns:
         The same ``model`` object, transformed in place.
@@ -119,11 +117,14 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
         backend.apply(model, policy, heads, tp_mesh=state.tp_mesh,
                       tracker=state.get_rng_state_tracker(),
                       src_data_rank=None if local_split else 0)
-    # 3b. Expert parallelism and MoELayer (MoEConfig; never together with TP).
+    # 3b. Expert parallelism and MoELayer (MoEConfig; never together with TP or CP).
     moe_report = None
     if moe_config is not None:
         moe_report = moe_apply.apply_moe(model, policy, moe_config, ep_mesh=state.ep_mesh,
                                          src_data_rank=None if local_split else 0)
+    # 3c. Context parallelism over the "cp" mesh axis (attention, positions, loss).
+    if state.cp_size > 1:
+        prepare_model(model, policy, cp_comm_type, state.cp_process_group)
     # 4. Weights from rank 0.
     if load_state_dict_from_rank0 and state.world_size > 1:
         target = torch.device(device) if device is not None else _default_device()

@@ -97,6 +97,9 @@ class ModelPolicy:
             ``None`` for multi-head attention (as many kv heads as heads).
         num_experts_attr: Config attribute holding the number of MoE experts, or ``None``.
         moe: Where the mixture of experts lives (expert parallelism, ``MoELayer``), or ``None``.
+        sliding_window_attr: Config attribute holding the sliding attention window (a value
+            other than ``None`` means sliding-window attention, which context parallelism
+            refuses), or ``None`` for families that always attend causally to everything.
         notes: Free text shown in the docs (limits, choices).
     """
 
@@ -109,6 +112,7 @@ class ModelPolicy:
     num_kv_heads_attr: str | None = "num_key_value_heads"
     num_experts_attr: str | None = None
     moe: MoESpec | None = None
+    sliding_window_attr: str | None = None
     notes: str = ""
 
     def __post_init__(self) -> None:

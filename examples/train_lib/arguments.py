@@ -88,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in SMP_FLAGS:
         g.add_argument("--" + flag.replace("_", "-"), type=int, default=None)
     g.add_argument("--sm-activation-offloading", type=_bool, default=None)
+    g.add_argument("--cp-comm-type", choices=("p2p", "all_gather"), default="p2p",
+                   help="context parallel attention: ring of K/V blocks (p2p) or all-gather")
     args, _unknown = p.parse_known_args(argv)
     return args
 

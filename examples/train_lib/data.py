@@ -80,6 +80,17 @@ class SyntheticTokens(Dataset):
         return self.tokens[index]
 
 
+def batch_for_cp_rank(batch: torch.Tensor) -> torch.Tensor:
+    """This rank's part of each sequence when context parallelism is on (SMP's layout).
+
+    The sequence is cut into ``2 * cp`` chunks and context parallel rank ``r`` keeps chunks
+    ``r`` and ``2 * cp - 1 - r`` (``torch.sagemaker.context_parallel.split_sequence``).
+    """
+    from torch.sagemaker.context_parallel import split_sequence
+
+    return split_sequence(batch, dim=1)
+
+
 def build_datasets(dataset: str, seq_len: int, corpus_mb: float, data_path: str | None,
                    num_synthetic: int) -> tuple[Dataset, Dataset | None]:
     """Train and validation datasets (validation is ``None`` for synthetic data)."""

@@ -26,6 +26,8 @@ CONFIGS = {
     "offload.json": (4, ["--activation-checkpointing", "1", "--offload-activations", "1"]),
     "delayed_init.json": (2, ["--delayed-param", "1"]),
     "mixtral_ep2.json": (2, ["--model-type", "mixtral", "--moe", "1", "--fsdp", "fsdp1"]),
+    "cp2.json": (2, ["--cp-comm-type", "all_gather"]),
+    "cp2_tp2.json": (4, ["--fsdp", "fsdp1"]),
 }
 
 

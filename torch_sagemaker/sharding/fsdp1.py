@@ -47,6 +47,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
+from torch_sagemaker.context_parallel import check_prepared
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.moe.experts import is_split
 from torch_sagemaker.sharding import cache_flush, experts, fsdp1_layout
@@ -154,6 +155,8 @@ def _patched_init(self: FullyShardedDataParallel, module: nn.Module, process_gro
             kwargs["param_init_fn"] = _wrap_post_param_init(module, kwargs.get("param_init_fn"),
                                                             post_param_init_fn)
         if state.initialized:
+            if depth == 0:
+                check_prepared(module, state.cp_size, "FSDP")
             if depth == 0 and experts.check_ready(module):
                 experts.fsdp1_root_kwargs(module, kwargs)  # experts and fp32 routers as own units
             strategy, mesh = resolve_sharding(sharding_strategy)

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from torch_sagemaker.context_parallel import check_prepared
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.sharding import cache_flush
 from torch_sagemaker.sharding.experts import fully_shard_experts
@@ -78,8 +79,10 @@ def shard_model(
         The root module, now an ``FSDPModule``.
 
     Raises:
-        ValueError: If no module of ``model`` is a transformer layer.
+        ValueError: If no module of ``model`` is a transformer layer, or
+            ``context_parallel_degree > 1`` and ``model`` did not go through ``tsm.transform``.
     """
+    check_prepared(model, state.cp_size, "shard_model")
     mesh = mesh if mesh is not None else fsdp2_mesh()
     classes = layer_classes or transformer_layer_classes(model)
     layers = [m for m in model.modules() if classes and isinstance(m, classes)]
