@@ -33,20 +33,42 @@ def llama_config():
                        tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa")
 
 
-def build_model(delayed: bool = True):
-    """``(model, initer)`` as train_lib builds them before FSDP (delayed_param=1 by default)."""
+def mixtral_config():
+    from transformers import MixtralConfig
+
+    return MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+                         use_cache=False, output_router_logits=False, router_aux_loss_coef=0.001,
+                         attn_implementation="sdpa")
+
+
+def build_model(delayed: bool = True, moe: bool = False):
+    """``(model, initer)`` as train_lib builds them before FSDP (delayed_param=1 by default).
+
+    ``moe=True``: a Mixtral with ``MoEConfig`` built from the scripts' default arguments, and,
+    as in the scripts, ``transform`` itself under ``init_empty_weights`` for delayed init.
+    """
+    import contextlib
+
     import torch.sagemaker as tsm
     from accelerate import init_empty_weights
     from torch.sagemaker.delayed_param import DelayedParamIniter
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    if delayed:
-        with init_empty_weights():
-            model = AutoModelForCausalLM.from_config(llama_config())
-    else:
-        model = AutoModelForCausalLM.from_config(llama_config())
-    model = tsm.transform(model, config=None, load_state_dict_from_rank0=False, cp_comm_type="p2p")
+    config = mixtral_config() if moe else llama_config()
+    with init_empty_weights() if delayed else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_config(config)
+    moe_config = None
+    if moe:
+        from torch.sagemaker.moe.moe_config import MoEConfig
+
+        moe_config = MoEConfig(smp_moe=True, moe_load_balancing="sinkhorn", global_token_shuffle=False,
+                               moe_all_to_all_dispatcher=True, use_cpu_initialization=False)
+    with init_empty_weights() if (moe and delayed) else contextlib.nullcontext():
+        model = tsm.transform(model, config=moe_config, load_state_dict_from_rank0=False,
+                              cp_comm_type="p2p")
     return model, (DelayedParamIniter(model) if delayed else None)
 
 
@@ -161,11 +183,15 @@ def train_step(model, optimizer, scheduler, step: int) -> float:
 
 
 def tp_subdir(path: str) -> str:
-    """The per-TP-rank directory the sharded types use when tensor_parallel_degree > 1."""
+    """The per-TP-rank (and per-EP-rank) directory of the sharded types."""
     import torch.sagemaker as tsm
 
-    degree = tsm.state.tensor_parallel_degree
-    return os.path.join(path, f"tp{degree}-{tsm.state.tp_rank}") if degree > 1 else path
+    tp, ep = tsm.state.tensor_parallel_degree, tsm.state.expert_parallel_degree
+    if tp > 1:
+        path = os.path.join(path, f"tp{tp}-{tsm.state.tp_rank}")
+    if ep > 1:
+        path = os.path.join(path, f"ep{ep}-{tsm.state.ep_rank}")
+    return path
 
 
 # ------------------------------------------------------------------ checkpoint type "sharded"
@@ -299,7 +325,7 @@ def load_async_local(model, optimizer, scheduler, path, rep):
     return state_dict["total_steps"]
 
 
-def save_full(model, save_dir):
+def save_full(model, save_dir, config=None):
     """``--save_final_model``: a full state dict on rank 0, ``pytorch_model.bin`` + config."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -312,6 +338,6 @@ def save_full(model, save_dir):
         if dist.get_rank() == 0:
             os.makedirs(save_dir, exist_ok=True)
             torch.save(state_dict, os.path.join(save_dir, "pytorch_model.bin"))
-            llama_config().save_pretrained(save_dir)
+            (config or llama_config()).save_pretrained(save_dir)
         dist.barrier()
     return state_dict

@@ -6,11 +6,12 @@ bf16 mixed precision, activation checkpointing and offloading. An uninterrupted 
 STEPS steps saves the three sharded checkpoint types (``sharded``, ``async_sharded``,
 ``async_local``) after RESUME_AT steps; each type is then loaded into a fresh model, and the
 resumed steps must give exactly the uninterrupted run's losses. Layouts: tensor parallelism
-2 x hybrid_shard_degree 2, and hybrid_shard_degree 2 with two replicas (no TP).
+2 x hybrid_shard_degree 2, hybrid_shard_degree 2 with two replicas (no TP), and SMP's Mixtral
+notebook layout scaled down (MoEConfig, expert parallelism 2 x hybrid_shard_degree 2).
 
-The same launch checks the two other checkpoint paths of the scripts under TP: the full
-export (``--save_final_model``) loads with ``from_pretrained`` and gives the trained
-model's logits, and our own ``TrainingState`` resumes an FSDP1 + TP model exactly.
+The same launch checks the two other checkpoint paths of the scripts under TP and EP: the
+full export (``--save_final_model``) loads with ``from_pretrained`` and gives the trained
+model's logits, and our own ``TrainingState`` resumes the FSDP1 model exactly.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ STEPS, RESUME_AT = 4, 2
 TYPES = ("sharded", "async_sharded", "async_local")
 
 
-def _fresh(smp):
-    model, initer = smp.build_model(delayed=True)
+def _fresh(smp, moe):
+    model, initer = smp.build_model(delayed=True, moe=moe)
     model = smp.wrap_fsdp1(model, initer)
     optimizer, scheduler = smp.optimizer_and_scheduler(model)
     return model, optimizer, scheduler
@@ -55,7 +56,7 @@ def _gathered(model) -> dict:
                 for n, p in root.named_parameters()}
 
 
-def _resume_all_types(root: str) -> dict:
+def _resume_all_types(root: str, moe: bool) -> dict:
     import torch.distributed as dist
     import torch.sagemaker as tsm
     from torch.sagemaker.distributed.checkpoint.async_utils import AsyncCallsQueue
@@ -66,7 +67,7 @@ def _resume_all_types(root: str) -> dict:
     tsm.init()  # the config comes from SM_HP_MP_PARAMETERS, as on SageMaker
     rep = smp.replication_group()
     queue = AsyncCallsQueue()
-    model, optimizer, scheduler = _fresh(smp)
+    model, optimizer, scheduler = _fresh(smp, moe)
     meta = smp.pg_metadata(model)
     out: dict = {"reference": []}
     for step in range(STEPS):
@@ -80,9 +81,10 @@ def _resume_all_types(root: str) -> dict:
     queue.maybe_finalize_async_calls(blocking=True, process_group=None)
     ids = smp.batch_for(0)
     out["logits"] = _logits(model, ids)
-    if tsm.state.tensor_parallel_degree > 1:
+    sharded_model = tsm.state.tensor_parallel_degree > 1 or tsm.state.expert_parallel_degree > 1
+    if sharded_model:
         out["params"] = _gathered(model)
-        smp.save_full(model, f"{root}/final")
+        smp.save_full(model, f"{root}/final", smp.mixtral_config() if moe else None)
     loaders = {
         "sharded": lambda m, o, s: smp.load_sharded(m, o, s, f"{root}/sharded", smp.pg_metadata(m)),
         "async_sharded": lambda m, o, s: smp.load_async_sharded(m, o, s, f"{root}/async_sharded",
@@ -97,11 +99,11 @@ def _resume_all_types(root: str) -> dict:
 
     loaders["training_state"] = load_training_state
     for kind, load in loaders.items():
-        model, optimizer, scheduler = _fresh(smp)
+        model, optimizer, scheduler = _fresh(smp, moe)
         start = load(model, optimizer, scheduler)
         out[kind] = (start, [smp.train_step(model, optimizer, scheduler, step)
                              for step in range(start, STEPS)])
-    if tsm.state.tensor_parallel_degree > 1 and dist.get_rank() == 0:
+    if sharded_model and dist.get_rank() == 0:
         from transformers import AutoModelForCausalLM
 
         exported = AutoModelForCausalLM.from_pretrained(f"{root}/final")
@@ -113,18 +115,20 @@ def _resume_all_types(root: str) -> dict:
     return out
 
 
-LAYOUTS = {
-    "tp2_hsd2": {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2},
-    "hsd2_two_replicas": {"hybrid_shard_degree": 2},
+LAYOUTS = {  # name: (SMP config, Mixtral with MoEConfig)
+    "tp2_hsd2": ({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}, False),
+    "hsd2_two_replicas": ({"hybrid_shard_degree": 2}, False),
+    "mixtral_ep2_hsd2": ({"expert_parallel_degree": 2, "hybrid_shard_degree": 2}, True),
 }
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_checkpoint_types_resume_like_the_uninterrupted_run(layout, tmp_path):
-    env = {"SM_HP_MP_PARAMETERS": json.dumps(LAYOUTS[layout])}
+    config, moe = LAYOUTS[layout]
+    env = {"SM_HP_MP_PARAMETERS": json.dumps(config)}
     # A fresh job: TP meshes of an earlier job in a reused process would meet DTensor's caches.
-    results = run_distributed(_resume_all_types, str(tmp_path), world_size=4, backend="smddp",
+    results = run_distributed(_resume_all_types, str(tmp_path), moe, world_size=4, backend="smddp",
                               env=env, fresh=True, timeout=900)
     for rank, out in enumerate(results):
         expected = out["reference"][RESUME_AT:]

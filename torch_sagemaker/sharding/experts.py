@@ -156,44 +156,6 @@ def fsdp1_root_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> None:
         kwargs["mixed_precision"] = dataclasses.replace(mp, _module_classes_to_ignore=ignored)
 
 
-_FSDP1_CHECKPOINT_ERROR = (
-    "{kind} of an FSDP1 unit of expert parallel experts ({where}) would store the experts with "
-    "wrong global shapes (Note [FSDP1 expert checkpoints] in torch_sagemaker/sharding/experts.py). "
-    "Use FSDP2 (torch_sagemaker.sharding.shard_model) for checkpoints of expert parallel models, or "
-    "SM-local checkpoints (kind='local') at a fixed layout.")
-
-
-def check_checkpointable(model: nn.Module) -> None:
-    """Raises before a sharded save if ``model`` has FSDP1 experts units (see the note below)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    for unit in FullyShardedDataParallel.fsdp_modules(model):
-        if is_split(unit.module):
-            raise RuntimeError(_FSDP1_CHECKPOINT_ERROR.format(kind="A sharded checkpoint",
-                                                              where=type(unit.module).__name__))
-
-
-def refuse_fsdp1_state_dicts(unit: nn.Module) -> None:
-    """Makes an FSDP1 experts unit refuse sharded and full state dicts.
-
-    Note [FSDP1 expert checkpoints]: FSDP1 lays a DTensor parameter out for a 2-D
-    (shard, tp) root mesh (``torch.distributed.tensor.parallel.fsdp._chunk_dtensor``): for
-    the expert DTensors on the ``ep`` axis of our 4-D mesh it records the local (E / ep)
-    shape as global, so EP ranks overwrite each other's experts; a same-layout round trip was
-    measured to resume with a different loss. Rather than write such checkpoints, the unit
-    raises. FSDP2 (``shard_model``) checkpoints reshard correctly, and FSDP1 units of experts
-    that FSDP1 leaves out (one rank per expert group) are saved as plain DTensors, correctly.
-    """
-    from torch.distributed.fsdp import StateDictType
-
-    def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        kind = getattr(module, "_state_dict_type", None)
-        if kind in (StateDictType.SHARDED_STATE_DICT, StateDictType.FULL_STATE_DICT):
-            raise RuntimeError(_FSDP1_CHECKPOINT_ERROR.format(kind=kind.name, where=prefix or "experts"))
-
-    unit.register_state_dict_pre_hook(hook)
-
-
 def expert_fsdp2_mesh() -> DeviceMesh:
     """The mesh ``fully_shard`` gets for experts: 2-D with same-expert replicas, else the shard mesh."""
     if state.layout.edp_replicate > 1:
@@ -229,5 +191,5 @@ def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrec
     return wrapped
 
 
-__all__ = ["check_checkpointable", "check_ready", "expert_fsdp2_mesh", "expert_modules", "fsdp1_expert_sharding",
-           "fsdp1_root_kwargs", "fully_shard_experts", "refuse_fsdp1_state_dicts", "routers"]
+__all__ = ["check_ready", "expert_fsdp2_mesh", "expert_modules", "fsdp1_expert_sharding",
+           "fsdp1_root_kwargs", "fully_shard_experts", "routers"]

@@ -180,8 +180,6 @@ def _patched_init(self: FullyShardedDataParallel, module: nn.Module, process_gro
             fsdp1_layout.adapt(self)
         if state.initialized and depth == 0 and state.fsdp_cache_flush_warnings:
             cache_flush.watch(self)
-        if state.initialized and is_split(module):
-            experts.refuse_fsdp1_state_dicts(self)  # Note [FSDP1 expert checkpoints]
     finally:
         _local.depth = depth
 

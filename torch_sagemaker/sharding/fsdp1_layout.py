@@ -122,6 +122,8 @@ def adapt(fsdp_module: FullyShardedDataParallel) -> None:
         if fsdp_module._handle is not None:
             fsdp_module._handle._fsdp_extension = ours
     if not _flattens_dtensors(fsdp_module):
+        if any(isinstance(p, DTensor) for p in fsdp_module.module.parameters()):
+            fsdp1_state_dict.attach(fsdp_module)  # DTensors FSDP leaves alone (ignored modules)
         return
     fsdp1_state_dict.attach(fsdp_module)
     handle = fsdp_module._handle

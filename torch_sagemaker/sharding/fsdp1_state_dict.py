@@ -74,20 +74,21 @@ def _pre_state_dict(unit: FullyShardedDataParallel, prefix: str, keep_vars: bool
 
 
 def _full_values(unit: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str) -> None:
-    """Replaces the unit's TP values by full tensors (a collective over each TP group)."""
+    """Replaces the unit's TP/EP values by full tensors (collectives over their groups)."""
     handle = unit._handle
-    if handle is None:
-        return
-    flat_param = handle.flat_param
-    for fqn, spec in zip(flat_param._fqns, flat_param._param_extensions, strict=True):
-        key = prefix + clean_tensor_name(fqn)
-        value = state_dict.get(key)
-        if isinstance(value, DTensor):
-            state_dict[key] = value.full_tensor()
-        elif isinstance(value, torch.Tensor) and spec is not None:
-            state_dict[key] = DTensor.from_local(value, spec.mesh, spec.placements,
-                                                 shape=spec.shape, stride=spec.stride,
-                                                 run_check=False).full_tensor()
+    if handle is not None:
+        flat_param = handle.flat_param
+        for fqn, spec in zip(flat_param._fqns, flat_param._param_extensions, strict=True):
+            key = prefix + clean_tensor_name(fqn)
+            value = state_dict.get(key)
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and spec is not None:
+                state_dict[key] = DTensor.from_local(value, spec.mesh, spec.placements,
+                                                     shape=spec.shape, stride=spec.stride,
+                                                     run_check=False).full_tensor()
+    # Flattened DTensors, and those FSDP leaves alone (ignored modules, e.g. experts held
+    # whole by their EP rank); the keys come in the same order on every rank.
+    for key in [k for k, v in state_dict.items() if k.startswith(prefix) and isinstance(v, DTensor)]:
+        state_dict[key] = state_dict[key].full_tensor()
 
 
 def _post_state_dict(unit: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str,
@@ -108,10 +109,10 @@ def _post_state_dict(unit: FullyShardedDataParallel, state_dict: dict[str, Any],
 
 
 def attach(unit: FullyShardedDataParallel) -> None:
-    """Adds the full-state-dict hooks of this module to one FSDP1 unit of a TP model.
+    """Adds the full-state-dict hooks of this module to one FSDP1 unit of a TP or EP model.
 
     Args:
-        unit: An FSDP1 unit whose parameters include DTensors.
+        unit: An FSDP1 unit whose parameters include DTensors (flattened or left to FSDP).
     """
     unit._tsm_requested_config = None
     pre = unit.register_state_dict_pre_hook(_pre_state_dict)

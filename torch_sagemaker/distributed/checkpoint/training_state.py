@@ -117,9 +117,6 @@ class TrainingState:
                 sdu.init_optim_state(self.optimizer)
                 sd["optimizer"] = sdu.local_optim_state_dict(self.optimizer)
         else:
-            from torch_sagemaker.sharding.experts import check_checkpointable
-
-            check_checkpointable(self.model)  # before FSDP1 starts gathering anything
             optims = [self.optimizer] if self.optimizer is not None else []
             model_sd, optim_sd = get_state_dict(_unwrap_root(self.model), optims,
                                                 options=StateDictOptions())
@@ -157,18 +154,29 @@ class TrainingState:
 
         path = Path(checkpoint_id)
         if kind == "sharded":
-            if not _fsdp1_tensor_parallel(self.model):
+            if not _fsdp1_per_rank(self.model):
                 return path, None, 0
-            # Note [FSDP1 sharded state dict layout] (sharding/fsdp1_layout.py): one directory
-            # per TP rank, written by the data-parallel ranks that hold that TP shard.
+            # Note [FSDP1 sharded state dict layout] (sharding/fsdp1_layout.py): FSDP1 shards of
+            # TP and EP models hold TP-/EP-local tensors, so one directory per TP and EP rank,
+            # written by the data-parallel ranks that hold that shard, as SMP's scripts do.
             if state.cp_size > 1:
                 raise NotImplementedError(
-                    "TrainingState of an FSDP1 model with tensor and context parallelism is not "
-                    "supported: FSDP1 checkpoints are per TP rank; shard the model with FSDP2 "
+                    "TrainingState of an FSDP1 model with context parallelism and tensor or expert "
+                    "parallelism is not supported: shard the model with FSDP2 "
                     "(torch_sagemaker.sharding.shard_model) for reshardable checkpoints.")
-            group = state.dp_process_group
-            return (path / f"tp{state.tp_size}-{state.tp_rank}", group,
-                    min(dist.get_process_group_ranks(group)))
+            if state.ep_size > 1:
+                if state.layout.edp_replicate > 1:
+                    raise NotImplementedError(
+                        "TrainingState of an FSDP1 expert-parallel model whose experts are also "
+                        f"replicated ({state.layout.edp_replicate} replicas per EP rank) is not "
+                        "supported: use FSDP2 (torch_sagemaker.sharding.shard_model) or SM-local "
+                        "checkpoints (kind='local').")
+                group = state.fsdp_shard_process_group  # the ranks holding this EP rank's experts
+                path = path / f"ep{state.ep_size}-{state.ep_rank}"
+            else:
+                group = state.dp_process_group
+                path = path / f"tp{state.tp_size}-{state.tp_rank}"
+            return path, group, min(dist.get_process_group_ranks(group))
 
         # The ranks writing one ``tp{r}_ep{r}_fsdp{r}`` directory: the replicas that hold the
         # same shard *and the same experts* (with expert parallelism, replicas of different EP
@@ -201,8 +209,8 @@ class TrainingState:
             limit_num_subdirs(parent, num_kept, regex=regex)
 
         # Per-TP-rank directories (FSDP1 + TP) commit separately; one of them prunes.
-        per_tp_rank = path != Path(checkpoint_id) and kind == "sharded"
-        prunes = kind == "sharded" and (not per_tp_rank or _tp_rank() == 0)
+        per_rank_dirs = path != Path(checkpoint_id) and kind == "sharded"
+        prunes = kind == "sharded" and (not per_rank_dirs or _first_shard_dir())
         on_commit = retain if (num_kept is not None and prunes) else None
         sd = self.state_dict(kind)
         if use_async:
@@ -255,19 +263,20 @@ def _unwrap_root(model: nn.Module) -> nn.Module:
     return model
 
 
-def _tp_rank() -> int:
+def _first_shard_dir() -> bool:
+    """Whether this rank writes the first per-TP/EP-rank directory (whose group prunes)."""
     from torch_sagemaker.state import state
 
-    return state.tp_rank if state.initialized else 0
+    return not state.initialized or (state.tp_rank == 0 and state.ep_rank == 0)
 
 
-def _fsdp1_tensor_parallel(model: nn.Module) -> bool:
-    """Whether ``model`` is FSDP1-wrapped with tensor-parallel parameters inside."""
+def _fsdp1_per_rank(model: nn.Module) -> bool:
+    """Whether ``model`` is FSDP1-wrapped with tensor- or expert-parallel parameters inside."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     from torch_sagemaker.state import state
 
-    return (state.initialized and state.tp_size > 1
+    return (state.initialized and (state.tp_size > 1 or state.ep_size > 1)
             and any(isinstance(m, FullyShardedDataParallel) for m in model.modules()))
 
 
