@@ -38,7 +38,17 @@ SURFACE = [
       "EXPORT_KEY_SCHEDULER", "EXPORT_KEY_IDENTITY"]),
     ("torch.sagemaker.nn.attn", ["FlashSelfAttention", "FlashGroupedQueryAttention"]),
     ("torch.sagemaker.nn.huggingface.llama_flashattn", ["LlamaFlashAttention"]),
+    ("torch.sagemaker.moe.moe_config", ["MoEConfig"]),
+    ("torch.sagemaker.moe.moe_layer", ["MoELayer"]),
+    ("torch.sagemaker.context_parallel.utils", ["setup_transformer_engine_cp_groups"]),
 ]
+
+
+def test_not_implemented_names_say_what_to_use():
+    from torch.sagemaker.context_parallel.utils import setup_transformer_engine_cp_groups
+
+    with pytest.raises(NotImplementedError, match="context_parallel_degree.*tsm.transform"):
+        setup_transformer_engine_cp_groups(None, [0, 1], None)
 
 
 @pytest.mark.parametrize(("module", "names"), SURFACE, ids=[m for m, _ in SURFACE])
