@@ -41,6 +41,9 @@ SURFACE = [
     ("torch.sagemaker.moe.moe_config", ["MoEConfig"]),
     ("torch.sagemaker.moe.moe_layer", ["MoELayer"]),
     ("torch.sagemaker.context_parallel.utils", ["setup_transformer_engine_cp_groups"]),
+    ("torch.sagemaker.distributed.checkpoint.s3_filesystem",
+     ["S3FileSystem", "is_s3_uri", "parse_s3_uri", "format_s3_path", "get_s3_region_from_uri",
+      "retry_with_jitter"]),
 ]
 
 
@@ -49,6 +52,40 @@ def test_not_implemented_names_say_what_to_use():
 
     with pytest.raises(NotImplementedError, match="context_parallel_degree.*tsm.transform"):
         setup_transformer_engine_cp_groups(None, [0, 1], None)
+    from torch.sagemaker.distributed.checkpoint import s3_filesystem as s3
+    from torch.sagemaker.distributed.checkpoint.state_dict_utils import (
+        compute_auto_checkpoint_interval,
+    )
+
+    with pytest.raises(NotImplementedError, match="pick the checkpoint interval"):
+        compute_auto_checkpoint_interval(10.0)
+    with pytest.raises(NotImplementedError, match="local or shared file system"):
+        s3.S3FileSystem(region="us-west-2")
+    with pytest.raises(NotImplementedError, match="not supported"):
+        s3.get_s3_region_from_uri("s3://b/k")
+
+
+def test_s3_uri_helpers_and_retry():
+    from torch.sagemaker.distributed.checkpoint import s3_filesystem as s3
+
+    assert s3.is_s3_uri("s3://bucket/a/b") and not s3.is_s3_uri("/tmp/a") and not s3.is_s3_uri(3)
+    assert s3.parse_s3_uri("s3://bucket/a/b") == ("bucket", "a/b")
+    assert s3.parse_s3_uri("s3://bucket") == ("bucket", "")
+    assert s3.format_s3_path("bucket", "/a/b") == "s3://bucket/a/b"
+    with pytest.raises(ValueError, match="names no bucket"):
+        s3.parse_s3_uri("s3:///key")
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise OSError("transient")
+        return "ok"
+
+    assert s3.retry_with_jitter(flaky, max_attempts=3, base_delay=0.0) == "ok" and len(calls) == 3
+    with pytest.raises(OSError):
+        s3.retry_with_jitter(lambda: (_ for _ in ()).throw(OSError("down")), max_attempts=2,
+                             base_delay=0.0)
 
 
 @pytest.mark.parametrize(("module", "names"), SURFACE, ids=[m for m, _ in SURFACE])

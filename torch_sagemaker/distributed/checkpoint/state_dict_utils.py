@@ -216,7 +216,19 @@ def find_local_layout(state_dict: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-__all__ = ["SMLocalStateDict", "SMStateDictType", "current_layout", "init_optim_state",
+def compute_auto_checkpoint_interval(*args: Any, **kwargs: Any) -> Any:
+    """Not implemented: SMP's automatic checkpoint-interval heuristic (HyperPod) is unpublished.
+
+    Raises:
+        NotImplementedError: Always; choose ``checkpoint_freq`` from the measured save time.
+    """
+    raise NotImplementedError(
+        "compute_auto_checkpoint_interval: SMP's heuristic is not published, so it is not "
+        "reproduced; pick the checkpoint interval yourself (e.g. so that saving takes a few "
+        "percent of training time, from the save times SMP's scripts log).")
+
+
+__all__ = ["SMLocalStateDict", "compute_auto_checkpoint_interval", "SMStateDictType", "current_layout", "init_optim_state",
            "load_local_optim_state_dict", "load_local_state_dict", "local_optim_state_dict",
            "local_state_dict", "local_subdir", "resolve_stateful", "shard_coordinates",
            "sm_state_dict_type"]
