@@ -11,21 +11,26 @@ with ``SMPFSDPExtensions`` and keeps DTensor parameters usable under ``NO_SHARD`
 
 Note [FSDP1 sharded state dict layout]
 --------------------------------------
-SMP's example scripts save ``SHARDED_STATE_DICT`` checkpoints one directory per TP rank
-(``tp{degree}-{rank}``), written by the ranks of one FSDP shard group (``process_group=
-model.process_group``) of replica 0, and load them the same way. So within one directory
-the "global" tensor must be the TP-local tensor, and the shard group must cover it whole:
+SMP's example scripts save ``SHARDED_STATE_DICT`` checkpoints one directory per TP and EP rank
+(``tp{degree}-{rank}``, ``ep{degree}-{rank}``), written by the ranks of one FSDP shard group
+(``process_group=model.process_group``) of replica 0, and load them the same way. So within
+one directory the "global" tensor must be the TP- and EP-local tensor, and the shard group
+must cover it whole:
 
 - PyTorch's layout put ``Shard(0)`` on mesh axis 0 of the root mesh (``dp_replicate``) for
   plain tensors, and on axis -2 (``cp``) for TP DTensors, with TP kept as a placement. The
   writing ranks then covered half of each tensor, and DCP refused the plan.
 - Ours: every parameter and optimizer state becomes a DTensor on FSDP's own mesh, ``(Shard(0),)``
   over the shard group or ``(Replicate(), Shard(0))`` over ``(replicate, shard)`` with HSDP,
-  whose global shape is the TP-local shape. A TP parameter contributes its local shard.
+  whose global shape is the TP-local shape. A TP parameter (or an EP-split expert tensor)
+  contributes its local shard.
 
-The cost: FSDP1's sharded state dict does not reshard across TP degrees (SMP's doesn't
-either; its directories are per TP rank). ``TrainingState`` (our reshardable checkpoint)
-therefore saves FSDP1 + TP models per TP rank too; FSDP2 + TP checkpoints reshard freely.
+The cost: FSDP1's sharded state dict does not reshard across TP or EP degrees (SMP's doesn't
+either; its directories are per TP and EP rank). ``TrainingState`` (our reshardable
+checkpoint) therefore saves FSDP1 + TP/EP models per rank directory too; FSDP2 checkpoints
+reshard freely. Why no test caught PyTorch's layout before: the sharded checkpoints were
+tested through ``TrainingState`` with FSDP2 for TP and with FSDP1 only without replicas or TP,
+never through FSDP1's own state dict saved by a sub-group, as SMP's scripts do.
 
 Note [FSDP1 NO_SHARD with DTensor parameters]
 ---------------------------------------------
