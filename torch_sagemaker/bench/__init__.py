@@ -18,6 +18,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                  "training-step time: FSDP2 and DDP over smddp and gloo"),
     "offload": ("torch_sagemaker.bench.offload", "activation offload step times"),
     "moe": ("torch_sagemaker.bench.moe", "expert parallelism: Mixtral ep 1 vs ep 2/4, both dispatchers"),
+    "checkpoint": ("torch_sagemaker.bench.checkpoint",
+                   "checkpoint save/load with and without checksums"),
 }
 
 
