@@ -6,7 +6,7 @@ sequence, so the Llama plan applies unchanged.
 
 from __future__ import annotations
 
-from torch_sagemaker.policies.llama import llama_style_plan
+from torch_sagemaker.policies.llama import LLAMA_SPLIT_SIZES, llama_style_plan
 from torch_sagemaker.policy import ModelPolicy
 
 MISTRAL = ModelPolicy(
@@ -15,5 +15,6 @@ MISTRAL = ModelPolicy(
     layer_class="MistralDecoderLayer",
     attention="model.layers.*.self_attn",
     tp_plan=llama_style_plan(),
+    tp_split_sizes=LLAMA_SPLIT_SIZES,
     notes="Sliding window handled by the (unsharded) attention mask.",
 )
