@@ -109,9 +109,11 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
 
     Raises:
         RuntimeError: If ``tsm.init`` was not called.
+        TypeError: If ``dtype`` is not a floating ``torch.dtype`` (e.g. the string "float16").
         ValueError: For an unsupported model (listing the supported ones and how to register
-            a policy), a degree that does not divide the heads or experts, or rank-0 loading
-            without real weights on rank 0.
+            a policy), a degree that does not divide the heads, experts or MLP width
+            (``intermediate_size``), a ``device`` torch rejects, or rank-0 loading without
+            real weights on rank 0 (raised on every rank).
 
     Example:
         >>> tsm.init({"tensor_parallel_degree": 2})
