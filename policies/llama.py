@@ -43,11 +43,15 @@ def llama_style_plan(base: str = "model", mlp: bool = True) -> dict[str, str]:
     return plan
 
 
+#: What the Llama-style plan splits besides the heads (MLP columns), for ``check_model``.
+LLAMA_SPLIT_SIZES = {"intermediate_size": "the MLP's columns (gate/up colwise, down rowwise)"}
+
 LLAMA = ModelPolicy(
     name="llama",
     model_classes=("LlamaForCausalLM",),
     layer_class="LlamaDecoderLayer",
     attention="model.layers.*.self_attn",
     tp_plan=llama_style_plan(),
+    tp_split_sizes=LLAMA_SPLIT_SIZES,
     notes="Llama 2/3/3.1 (GQA, rope scaling); kv heads fewer than the degree are replicated.",
 )

@@ -6,7 +6,7 @@ sequence, so the Llama plan applies unchanged.
 
 from __future__ import annotations
 
-from torch_sagemaker.policies.llama import llama_style_plan
+from torch_sagemaker.policies.llama import LLAMA_SPLIT_SIZES, llama_style_plan
 from torch_sagemaker.policy import ModelPolicy
 
 MISTRAL = ModelPolicy(
@@ -16,5 +16,6 @@ MISTRAL = ModelPolicy(
     attention="model.layers.*.self_attn",
     tp_plan=llama_style_plan(),
     sliding_window_attr="sliding_window",
+    tp_split_sizes=LLAMA_SPLIT_SIZES,
     notes="Sliding window handled by the (unsharded) attention mask.",
 )

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 import torch_sagemaker.offload  # noqa: F401  routes torch's offload_wrapper (offload/torch_patch.py)
@@ -46,7 +49,8 @@ def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> No
             values assigned on ``tsm.state`` before ``init`` win over both.
 
     Raises:
-        ConfigError: Every problem in the config at once (a ``ValueError``).
+        ConfigError: Every problem in the config at once (a ``ValueError``), on every rank;
+            also when ranks call it with different configs (naming the ranks and keys).
         RuntimeError: If there is no process group and no torchrun environment, or if
             ``init`` was already called with a different config.
 
@@ -54,12 +58,17 @@ def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> No
         >>> import torch.sagemaker as tsm
         >>> tsm.init({"hybrid_shard_degree": 2, "tensor_parallel_degree": 2})
     """
-    # 1. Merge the sources (argument < environment < pre-init overrides).
-    raw = config_lib.load_raw(config, overrides=state.overrides)
-    # 2. Make sure there is a default process group.
+    # 1. Make sure there is a default process group.
     _ensure_process_group()
-    # 3. Validate everything against the world size, reporting all problems together.
-    cfg = config_lib.validate(raw, world_size=dist.get_world_size())
+    # 2. Merge the sources (argument < environment < pre-init overrides) and 3. validate
+    # everything against the world size, reporting all problems together; 4. every rank must
+    # have the same config (or the same problems), checked with one small collective.
+    try:
+        cfg, error = config_lib.validate(config_lib.load_raw(config, overrides=state.overrides),
+                                         world_size=dist.get_world_size()), None
+    except config_lib.ConfigError as e:
+        cfg, error = None, e
+    _same_on_every_rank(cfg, error)
     if state.initialized:
         if cfg == state.config:
             return
@@ -68,7 +77,7 @@ def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> No
             f"  before: {state.config}\n  now:    {cfg}\n"
             "Call it once per process (tsm.state.reset() exists for tests)."
         )
-    # 4. Resolve the layout (pure arithmetic), then 5. build the mesh and groups (collective).
+    # 5. Resolve the layout (pure arithmetic), then 6. build the mesh and groups (collective).
     layout = topology.resolve(
         dist.get_world_size(),
         hybrid_shard_degree=cfg.hybrid_shard_degree,
@@ -77,7 +86,7 @@ def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> No
         expert_parallel_degree=cfg.expert_parallel_degree,
     )
     groups = build_groups(layout)
-    # 6. Publish the state, make FSDP1 follow it (and accept SMP's translate_on_save), and log
+    # 7. Publish the state, make FSDP1 follow it (and accept SMP's translate_on_save), and log
     # the layout once.
     state._set(cfg, layout, groups)
     fsdp1.install()
@@ -86,6 +95,51 @@ def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> No
     if cfg.allow_empty_shards:
         warn_once("allow_empty_shards=true has no effect here: FSDP1's and FSDP2's sharded state "
                   "dicts are DTensors, which DCP saves and loads with empty shards anyway.")
+
+
+def _same_on_every_rank(cfg: config_lib.SMPConfig | None, error: config_lib.ConfigError | None) -> None:
+    """Raises on every rank unless every rank validated the same config.
+
+    One all-gather of a 64-bit digest of this rank's config (or of its problems); only when
+    the digests differ are the configs themselves gathered, to name the ranks and keys.
+
+    Raises:
+        ConfigError: This rank's own problems; or, on a rank whose config is valid, which
+            ranks have an invalid one or which keys differ between ranks.
+    """
+    mine = cfg.to_dict() if cfg is not None else {"problems": error.problems}
+    text = json.dumps(mine, sort_keys=True)
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+    device = dist.distributed_c10d._get_object_coll_device()
+    digests = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(digests, torch.tensor([digest], dtype=torch.int64, device=device))
+    if len({int(d.item()) for d in digests}) == 1:
+        if error is not None:
+            raise error
+        return
+    views: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(views, mine)
+    if error is not None:
+        raise error
+    invalid = [r for r, v in enumerate(views) if "problems" in v]
+    if invalid:
+        raise config_lib.ConfigError(
+            [f"ranks {invalid} got an invalid config (rank {invalid[0]}: "
+             f"{views[invalid[0]]['problems'][0]}) while this rank's is valid. Every rank must "
+             "call tsm.init with the same config (the same dict or file, and the same "
+             f"{config_lib.ENV_VAR})."], "SMP config across ranks")
+    problems = []
+    for key in config_lib.FIELD_NAMES:
+        ranks_by_value: dict[Any, list[int]] = {}
+        for r, v in enumerate(views):
+            ranks_by_value.setdefault(v[key], []).append(r)
+        if len(ranks_by_value) > 1:
+            spread = ", ".join(f"{config_lib.show_value(value)} on ranks {ranks}"
+                               for value, ranks in ranks_by_value.items())
+            problems.append(f"{key} differs across ranks: {spread}. Every rank must call tsm.init "
+                            "with the same config (the same dict or file, and the same "
+                            f"{config_lib.ENV_VAR}).")
+    raise config_lib.ConfigError(problems, "SMP config across ranks")
 
 
 def is_initialized() -> bool:

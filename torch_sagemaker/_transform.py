@@ -39,6 +39,26 @@ def _check_arguments(config: Any, cp_comm_type: str) -> MoEConfig | None:
     return moe_apply.check_config(config, tp=state.tp_size, cp=state.cp_size, ep=state.ep_size)
 
 
+def _check_placement(device: Any, dtype: Any) -> None:
+    """Raises for a ``dtype`` that is not a floating ``torch.dtype`` or a ``device`` torch rejects.
+
+    (``Tensor.to("float16")`` would read the string as a device and say it is invalid.)
+    """
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        name = str(dtype).removeprefix("torch.")
+        fix = (f"pass dtype=torch.{name}" if isinstance(getattr(torch, name, None), torch.dtype)
+               else "pass e.g. dtype=torch.bfloat16, or None to keep the model's dtype")
+        raise TypeError(f"tsm.transform(dtype={dtype!r}): dtype must be a floating torch.dtype "
+                        f"(it casts the floating parameters), got {type(dtype).__name__}; {fix}.")
+    if device is not None:
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"tsm.transform(device={device!r}) is not a device ({e}); pass e.g. "
+                             "device=torch.device('cuda', local_rank), 'cpu', or None to keep the "
+                             "model where it is (a dtype goes in dtype=).") from None
+
+
 def _place(model: nn.Module, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
     """Casts floating parameters to ``dtype`` and moves real tensors to ``device``, keeping ties.
 
@@ -87,9 +107,11 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
 
     Raises:
         RuntimeError: If ``tsm.init`` was not called.
+        TypeError: If ``dtype`` is not a floating ``torch.dtype`` (e.g. the string "float16").
         ValueError: For an unsupported model (listing the supported ones and how to register
-            a policy), a degree that does not divide the heads or experts, or rank-0 loading
-            without real weights on rank 0.
+            a policy), a degree that does not divide the heads, experts or MLP width
+            (``intermediate_size``), a ``device`` torch rejects, or rank-0 loading without
+            real weights on rank 0 (raised on every rank).
 
     Example:
         >>> tsm.init({"tensor_parallel_degree": 2})
@@ -105,10 +127,9 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
     tp = state.tp_size
     heads = check_model(policy, model.config, tp)
     # 2. Placement before sharding (parameter identity, hence weight tying, is kept).
+    _check_placement(device, dtype)
     _place(model, device, dtype)
-    rank0_state = None
-    if load_state_dict_from_rank0 and state.rank == 0:
-        rank0_state = loading.capture_rank0_state(model)
+    rank0_state = loading.capture_rank0_state(model) if load_state_dict_from_rank0 else None
     local_split = load_state_dict_from_rank0 or _any_rank(
         any(t.is_meta for t in model.parameters()))
     # 3. Tensor parallelism on the "tp" mesh axis.

@@ -13,6 +13,11 @@ Validation never rewrites the config: it either returns an ``SMPConfig`` or rais
 ``ConfigError`` listing every problem, each naming the key, the value, the rule and a fix.
 Derived values (the resolved shard degree, the replicate degree) live in
 ``torch_sagemaker.topology.Layout``.
+
+No input escapes as a raw Python error: files are read in bounded size and decoded as JSON
+text (UTF-8, or UTF-16/32 as ``json`` detects them), and integers too long to convert,
+nesting too deep to parse, non-string keys and values too large to print all become
+``ConfigError`` problems (values are shown through ``show_value``).
 """
 
 from __future__ import annotations
@@ -21,12 +26,17 @@ import dataclasses
 import difflib
 import json
 import os
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 ENV_VAR = "SM_HP_MP_PARAMETERS"
 MAX_SEED = 2**63 - 1
+MAX_COUNT = 2**31 - 1  # bound of the degrees and the horizon (counts of ranks or layers)
+#: Largest config file or environment value read (an SMP config is a few hundred bytes).
+MAX_CONFIG_BYTES = 1 << 20
+_MAX_UNKNOWN_SHOWN = 20  # unknown keys listed one by one; the rest are counted
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +117,29 @@ class ConfigError(ValueError):
         super().__init__(f"Invalid {source} ({len(problems)} problem(s)):\n{lines}")
 
 
+class _ValueRepr(reprlib.Repr):
+    """``repr`` bounded in length and depth, and safe for integers of any size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother, self.maxlong = 3, 60, 60, 40
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 128:  # repr() itself refuses ints of more than 4300 digits
+            return f"<an integer of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+
+_VALUE_REPR = _ValueRepr()
+
+
+def show_value(value: Any) -> str:
+    """How an error message shows a config value: its ``repr``, shortened if huge or deep."""
+    if isinstance(value, bool):
+        return repr(value)
+    return _VALUE_REPR.repr(value)
+
+
 # --------------------------------------------------------------------------- loading
 
 
@@ -118,6 +151,16 @@ def _parse_json(text: str, source: str) -> dict[str, Any]:
             [f"{source} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno} "
              f"(character {e.pos}). Fix the JSON there, e.g. quote keys and drop trailing commas."],
             source,
+        ) from None
+    except RecursionError:
+        raise ConfigError(
+            [f"{source} nests arrays or objects too deeply to parse. An SMP config is one flat "
+             "JSON object like {\"tensor_parallel_degree\": 2}; remove the nesting."], source,
+        ) from None
+    except ValueError as e:  # int() refuses integers of more than sys.get_int_max_str_digits()
+        raise ConfigError(
+            [f"{source} holds a number too long to read ({e}). Every SMP parameter is a small "
+             "integer or a boolean; fix the value."], source,
         ) from None
     if not isinstance(value, dict):
         raise ConfigError(
@@ -136,14 +179,30 @@ def _from_argument(config: str | os.PathLike[str] | Mapping[str, Any] | None) ->
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
         try:
-            with open(path) as f:
-                text = f.read()
+            with open(path, "rb") as f:
+                data = f.read(MAX_CONFIG_BYTES + 1)
         except OSError as e:
             raise ConfigError([f"cannot read config file {path!r}: {e.strerror}."], "tsm.init config") from None
-        return _parse_json(text, f"config file {path!r}")
+        return _parse_json(_decode(data, f"config file {path!r}"), f"config file {path!r}")
     raise TypeError(
         f"tsm.init(config=...) takes a dict, a path to a JSON file or None, got {type(config).__name__}."
     )
+
+
+def _decode(data: bytes, source: str) -> str:
+    """The JSON text of a config file: bounded, UTF-8 (with or without BOM), UTF-16 or UTF-32."""
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError([f"{source} is larger than {MAX_CONFIG_BYTES} bytes; an SMP config is a "
+                           "small JSON object. Pass the JSON file with the SMP parameters."], source)
+    encoding = json.detect_encoding(data)
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            [f"{source} is not JSON text: byte {data[e.start]:#04x} at position {e.start} is not "
+             f"valid {encoding} (is it a binary file?). Save the config as a UTF-8 JSON file."],
+            source,
+        ) from None
 
 
 def load_raw(
@@ -170,7 +229,11 @@ def load_raw(
     merged = _from_argument(config)
     env_text = environ.get(ENV_VAR)
     if env_text is not None and env_text.strip():
-        merged.update(_parse_json(env_text, f"environment variable {ENV_VAR}"))
+        source = f"environment variable {ENV_VAR}"
+        if len(env_text) > MAX_CONFIG_BYTES:
+            raise ConfigError([f"{source} is longer than {MAX_CONFIG_BYTES} characters; it should "
+                               "hold a small JSON object of SMP parameters."], source)
+        merged.update(_parse_json(env_text, source))
     merged.update(overrides or {})
     return merged
 
@@ -183,22 +246,26 @@ def _type_problem(key: str, value: Any) -> str | None:
     if expected is bool:
         if isinstance(value, bool):
             return None
-        return f"{key}={value!r}: must be a boolean (true or false), got {type(value).__name__}."
+        return f"{key}={show_value(value)}: must be a boolean (true or false), got {type(value).__name__}."
     if isinstance(value, bool) or not isinstance(value, int):
         hint = " (booleans are not integers)" if isinstance(value, bool) else ""
-        return f"{key}={value!r}: must be an integer{hint}, got {type(value).__name__}. Write e.g. {key}=2."
+        return (f"{key}={show_value(value)}: must be an integer{hint}, got {type(value).__name__}. "
+                f"Write e.g. {key}=2.")
     return None
 
 
-def _unknown_key_problem(key: str) -> str:
+def _unknown_key_problem(key: Any) -> str:
+    if not isinstance(key, str):
+        return (f"key {show_value(key)} ({type(key).__name__}): config keys must be strings naming "
+                f"an SMP parameter. Use one of {', '.join(FIELD_NAMES)}.")
     if key in _RENAMED_KEYS:
         return f"unknown key {key!r}: SMP v2 calls it {_RENAMED_KEYS[key]!r}. Rename the key."
     if key in _SMP_V1_KEYS:
         return (f"unknown key {key!r}: this is an SMP v1 parameter with no SMP v2 equivalent. "
                 f"Remove it; valid keys are {', '.join(FIELD_NAMES)}.")
-    close = difflib.get_close_matches(key, FIELD_NAMES, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(key, FIELD_NAMES, n=1, cutoff=0.6) if len(key) < 100 else []
     hint = f"did you mean {close[0]!r}?" if close else f"valid keys are {', '.join(FIELD_NAMES)}."
-    return f"unknown key {key!r}: {hint}"
+    return f"unknown key {show_value(key)}: {hint}"
 
 
 def _divisors(n: int) -> str:
@@ -207,21 +274,26 @@ def _divisors(n: int) -> str:
 
 def _range_problems(values: dict[str, Any]) -> list[str]:
     problems = []
+    for key in ("hybrid_shard_degree", "tensor_parallel_degree", "context_parallel_degree",
+                "expert_parallel_degree", "activation_loading_horizon"):
+        if key in values and values[key] > MAX_COUNT:
+            problems.append(f"{key}={show_value(values[key])}: must be at most 2**31 - 1 (it counts "
+                            "ranks or layers). Use the intended small number.")
     for key in ("tensor_parallel_degree", "context_parallel_degree", "expert_parallel_degree"):
         if key in values and values[key] < 1:
-            problems.append(f"{key}={values[key]}: must be >= 1 (1 disables it).")
+            problems.append(f"{key}={show_value(values[key])}: must be >= 1 (1 disables it).")
     if "hybrid_shard_degree" in values and values["hybrid_shard_degree"] < 0:
         problems.append(
-            f"hybrid_shard_degree={values['hybrid_shard_degree']}: must be >= 0 "
+            f"hybrid_shard_degree={show_value(values['hybrid_shard_degree'])}: must be >= 0 "
             "(0 = native FSDP behaviour, 1 = no sharding, k >= 2 = shard over k ranks)."
         )
     if "activation_loading_horizon" in values and values["activation_loading_horizon"] < 1:
         problems.append(
-            f"activation_loading_horizon={values['activation_loading_horizon']}: must be >= 1 "
+            f"activation_loading_horizon={show_value(values['activation_loading_horizon'])}: must be >= 1 "
             "(number of layers prefetched ahead of backward; SMP's default is 2)."
         )
     if "random_seed" in values and not 0 <= values["random_seed"] <= MAX_SEED:
-        problems.append(f"random_seed={values['random_seed']}: must be in [0, 2**63 - 1].")
+        problems.append(f"random_seed={show_value(values['random_seed'])}: must be in [0, 2**63 - 1].")
     return problems
 
 
@@ -289,7 +361,10 @@ def validate(raw: Mapping[str, Any], world_size: int | None = None) -> SMPConfig
     Raises:
         ConfigError: Listing every problem found (unknown keys, types, ranges, degrees).
     """
-    problems = [_unknown_key_problem(k) for k in raw if k not in FIELD_TYPES]
+    unknown = [k for k in raw if k not in FIELD_TYPES]
+    problems = [_unknown_key_problem(k) for k in unknown[:_MAX_UNKNOWN_SHOWN]]
+    if len(unknown) > _MAX_UNKNOWN_SHOWN:
+        problems.append(f"... and {len(unknown) - _MAX_UNKNOWN_SHOWN} more unknown keys.")
     typed = {}
     for key in FIELD_NAMES:
         if key not in raw:

@@ -15,7 +15,7 @@ the accessors other components use to find a transformed model's layer class:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -96,6 +96,9 @@ class ModelPolicy:
         num_kv_heads_attr: Config attribute holding the number of key/value heads, or
             ``None`` for multi-head attention (as many kv heads as heads).
         num_experts_attr: Config attribute holding the number of MoE experts, or ``None``.
+        tp_split_sizes: Config attributes (besides the heads) whose value the plan splits
+            evenly over the TP ranks, each with what is split (``{"intermediate_size": "the
+            MLP's columns"}``); ``check_model`` requires the degree to divide them.
         moe: Where the mixture of experts lives (expert parallelism, ``MoELayer``), or ``None``.
         sliding_window_attr: Config attribute holding the sliding attention window (a value
             other than ``None`` means sliding-window attention, which context parallelism
@@ -111,6 +114,7 @@ class ModelPolicy:
     num_heads_attr: str = "num_attention_heads"
     num_kv_heads_attr: str | None = "num_key_value_heads"
     num_experts_attr: str | None = None
+    tp_split_sizes: Mapping[str, str] = field(default_factory=dict)
     moe: MoESpec | None = None
     sliding_window_attr: str | None = None
     notes: str = ""
@@ -223,6 +227,14 @@ def check_model(policy: ModelPolicy, config: Any, tp: int) -> HeadSplit:
         raise ValueError(f"{policy.name}: tensor_parallel_degree={tp} does not divide the number of "
                          f"experts ({policy.num_experts_attr}={experts}); each rank holds whole "
                          "experts. Use a degree that divides the expert count.")
+    for attr, what in policy.tp_split_sizes.items():
+        size = getattr(config, attr, None)
+        if isinstance(size, int) and size % tp:
+            valid = [d for d in range(1, min(size, 64) + 1) if size % d == 0]
+            raise ValueError(f"{policy.name}: tensor_parallel_degree={tp} does not divide "
+                             f"{attr}={size}; {what} are split evenly over the tensor parallel "
+                             f"ranks. Use a degree that divides {size} ({valid}), or a model "
+                             f"whose {attr} is a multiple of {tp}.")
     return heads
 
 

@@ -119,3 +119,35 @@ def test_init_without_process_group_or_torchrun_is_a_clear_error():
 
 def test_launcher_error_type_is_assertion():
     assert issubclass(DistributedTestError, AssertionError)
+
+
+def _init_with_rank_dependent_configs():
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+
+    rank = dist.get_rank()
+    messages = []
+    for config in ({"tensor_parallel_degree": 2 if rank == 0 else 1, "random_seed": 7},
+                   {"tensor_parallel_degree": 3 if rank == 1 else 1}):
+        try:
+            tsm.init(config)
+            messages.append("no error")
+        except ValueError as e:
+            messages.append(str(e))
+    tsm.init({"hybrid_shard_degree": 2})  # the group is still usable afterwards
+    return messages, tsm.state.hybrid_shard_degree
+
+
+@pytest.mark.distributed
+def test_ranks_with_different_configs_all_fail_naming_the_difference():
+    results = run_distributed(_init_with_rank_dependent_configs, world_size=2)
+    for rank, (messages, hsd) in enumerate(results):
+        differ, invalid = messages
+        assert "tensor_parallel_degree differs across ranks: 2 on ranks [0], 1 on ranks [1]" in differ
+        assert "random_seed" not in differ and "same config" in differ
+        if rank == 1:
+            assert "tensor_parallel_degree=3: must divide world_size=2" in invalid
+        else:
+            assert ("ranks [1] got an invalid config (rank 1: tensor_parallel_degree=3: must divide "
+                    "world_size=2") in invalid
+        assert hsd == 2

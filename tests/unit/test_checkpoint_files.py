@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 
@@ -71,6 +72,13 @@ def test_truncated_and_garbled_files_are_reported(tmp_path):
     save(_state(), checkpoint_id=tmp_path / "m")
     meta = tmp_path / "m" / ".metadata"
     meta.write_bytes(b"\0" * meta.stat().st_size)  # same size, garbage content
+    with pytest.raises(CheckpointError, match=r"corrupt: \.metadata does not match its crc32"):
+        load(_template(), checkpoint_id=tmp_path / "m")
+    # A marker from before checksums (format 1): the garbage is found when DCP unpickles it.
+    marker = json.loads((tmp_path / "m" / COMPLETION_MARKER).read_text())
+    marker.pop("checksums")
+    marker["format_version"] = 1
+    (tmp_path / "m" / COMPLETION_MARKER).write_text(json.dumps(marker))
     with pytest.raises(CheckpointError, match=r"corrupt: its DCP metadata is unreadable"):
         load(_template(), checkpoint_id=tmp_path / "m")
 

@@ -148,3 +148,18 @@ def test_experts_must_divide():
 def test_gpt_neox_is_multi_head():
     model = meta_model("gpt_neox")
     assert lookup_policy(model).head_counts(model.config) == (4, 4)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gpt_neox"])
+def test_intermediate_size_must_divide(family):
+    """Found before any DTensor exists (it used to fail inside DTensor at the first forward)."""
+    kwargs = {} if family == "gpt_neox" else {"num_key_value_heads": 2}
+    model = meta_model(family, **kwargs)
+    model.config.intermediate_size = 129
+    with pytest.raises(ValueError, match=rf"{family}: tensor_parallel_degree=2 does not divide "
+                                         r"intermediate_size=129; the MLP's columns .* are split "
+                                         r"evenly .* Use a degree that divides 129 \(\[1, 3, 43\]\)"):
+        check_model(lookup_policy(model), model.config, 2)
+    assert check_model(lookup_policy(model), model.config, 1).local_heads == 4
+    model.config.intermediate_size = 130
+    assert check_model(lookup_policy(model), model.config, 2).local_heads == 2

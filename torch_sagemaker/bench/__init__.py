@@ -20,6 +20,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "moe": ("torch_sagemaker.bench.moe", "expert parallelism: Mixtral ep 1 vs ep 2/4, both dispatchers"),
     "context_parallel": ("torch_sagemaker.bench.context_parallel",
                          "context parallelism: tokens/s, activation memory, exposed communication"),
+    "checkpoint": ("torch_sagemaker.bench.checkpoint",
+                   "checkpoint save/load with and without checksums"),
 }
 
 

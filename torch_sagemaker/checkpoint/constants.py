@@ -10,5 +10,5 @@ COMPLETION_MARKER = ".sm_checkpoint_complete.json"
 # Suffixes of the directories a save uses on the way (siblings of the final directory).
 STAGING_SUFFIX = ".partial"
 REPLACED_SUFFIX = ".replaced"
-# Version of the marker's contents.
-FORMAT_VERSION = 1
+# Version of the marker's contents: 1 = file sizes; 2 = sizes and checksums.
+FORMAT_VERSION = 2

@@ -30,19 +30,33 @@ def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*model.named_parameters(), *model.named_buffers()]
 
 
-def capture_rank0_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """References to rank 0's full parameters and buffers, by name (call before TP).
+def capture_rank0_state(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """References to rank 0's full parameters and buffers, by name (call before TP, on every rank).
+
+    Collective: rank 0 tells every rank whether its weights are real (one small broadcast),
+    so that a rank-0 model on the meta device stops every rank with the same error instead
+    of rank 0 alone while the others wait in the weight broadcast.
+
+    Returns:
+        The references on rank 0, ``None`` on the other ranks.
 
     Raises:
-        ValueError: If a tensor of rank 0's model is on the meta device.
+        ValueError: On every rank, if a tensor of rank 0's model is on the meta device.
     """
-    tensors = dict(_named_tensors(model))
+    is_src = dist.get_rank() == 0
+    tensors = dict(_named_tensors(model)) if is_src else {}
     meta = [name for name, t in tensors.items() if t.is_meta]
+    problem = [None]
     if meta:
-        raise ValueError(f"load_state_dict_from_rank0=True needs real weights on rank 0, but "
-                         f"{meta[:4]} are on the meta device. Load the weights on rank 0 (e.g. "
-                         "from_pretrained) and build the model on meta only on the other ranks.")
-    return {name: t.detach() for name, t in tensors.items()}
+        problem[0] = (f"load_state_dict_from_rank0=True needs real weights on rank 0, but {len(meta)} "
+                      f"of rank 0's tensors are on the meta device ({meta[:4]}). Load the weights on "
+                      "rank 0 (e.g. from_pretrained) and build the model on meta only on the other "
+                      "ranks.")
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise ValueError(problem[0])
+    return {name: t.detach() for name, t in tensors.items()} if is_src else None
 
 
 def broadcast_from_rank0(model: nn.Module, rank0_state: dict[str, torch.Tensor] | None,

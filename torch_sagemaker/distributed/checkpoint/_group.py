@@ -52,26 +52,52 @@ class Participants:
         if self.distributed:
             dist.barrier(group=self.group)
 
-    def run_on_coordinator(self, fn: Callable[[], T]) -> T | None:
-        """Runs ``fn`` on the coordinator and re-raises its exception on every participant.
+    def run_on_coordinator(self, fn: Callable[[], T], step: str = "a checkpoint step") -> T | None:
+        """Runs ``fn`` on the coordinator; every participant gets its result or its error.
 
         The broadcast doubles as a barrier: when it returns, ``fn`` has finished.
+
+        Args:
+            fn: The work (on the coordinator only).
+            step: What ``fn`` does, for the error when a participant fails meanwhile.
+
+        Raises:
+            CheckpointError: If ``fn`` raised, or the group failed (a rank died) meanwhile.
         """
-        result: list[Any] = [None]
+        from torch_sagemaker.distributed.checkpoint.atomic_dir import CheckpointError
+
+        result: list[Any] = [None, None]  # error text, value
         if self.is_coordinator:
             try:
-                fn()
+                result[1] = fn()
             except Exception as e:  # noqa: BLE001 - forwarded to every rank below
                 result[0] = f"{type(e).__name__}: {e}"
                 if not self.distributed:
                     raise
-        if self.distributed:
-            dist.broadcast_object_list(result, src=self.coordinator, group=self.group)
+        try:
+            result = self.broadcast(result)
+        except Exception as e:  # noqa: BLE001 - a collective failure is a checkpoint failure here
+            raise CheckpointError(f"{step} failed: a rank of the checkpoint group {self.ranks} "
+                                  f"failed meanwhile ({type(e).__name__}: {e}).") from e
         if result[0] is not None:
-            from torch_sagemaker.distributed.checkpoint.atomic_dir import CheckpointError
-
             raise CheckpointError(f"rank {self.coordinator} failed to finish the checkpoint: {result[0]}")
-        return None
+        return result[1]
+
+    def broadcast(self, obj: Any) -> Any:
+        """The coordinator's ``obj`` on every participant."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.coordinator, group=self.group)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every participant's ``obj`` in group-rank order on the coordinator, ``None`` elsewhere."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] | None = [None] * len(self.ranks) if self.is_coordinator else None
+        dist.gather_object(obj, out, dst=self.coordinator, group=self.group)
+        return out
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every participant's ``obj`` in group-rank order (``[obj]`` without a process group)."""

@@ -60,7 +60,9 @@ class AsyncCallsQueue:
             Indices of the finalized requests.
 
         Raises:
-            CheckpointError: If a finalized request failed; later requests stay queued.
+            CheckpointError: If a finalized request failed (``committed=True``: a save whose
+                checkpoint is complete, where a rank failed afterwards); later requests stay
+                queued.
         """
         from torch_sagemaker.distributed.checkpoint.atomic_dir import CheckpointError
 
@@ -81,6 +83,8 @@ class AsyncCallsQueue:
                 call.future.result()
             except Exception as e:
                 self._calls.pop(0)
+                if getattr(e, "committed", False):  # complete; a rank failed afterwards
+                    raise CheckpointError(f"{call.description}: {e}", committed=True) from e
                 raise CheckpointError(f"{call.description} failed: {e}") from e
             self._calls.pop(0)
             done.append(call.index)

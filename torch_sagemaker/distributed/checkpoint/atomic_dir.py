@@ -4,15 +4,18 @@ Note [Checkpoint commit protocol]
     A save of ``<parent>/<name>`` writes into the sibling ``<parent>/.<name>.partial``. When
     every rank has written its files (PyTorch DCP's coordinator writes ``.metadata`` only
     after collecting every rank's write results), the coordinator
-      1. writes the completion marker (format, layout, the size of every file) and fsyncs it,
+      1. writes the completion marker (format, layout, the size and checksum of every file,
+         Note [Checkpoint checksums] in ``integrity``, and the save's id) and fsyncs it,
       2. renames an existing ``<name>`` out of the way to ``.<name>.replaced``,
       3. renames the staging directory to ``<name>`` (atomic on POSIX file systems),
       4. deletes the replaced directory.
     A crash before step 3 leaves the previous ``<name>`` untouched; the next save removes the
     stale staging directory. A crash between steps 2 and 3 leaves the previous checkpoint
     complete under ``.<name>.replaced``, and loading ``<name>`` says so. Loading requires the
-    marker and checks the recorded file sizes, so a partial or truncated checkpoint is
-    reported instead of read. All ranks must see one shared file system (as DCP requires).
+    marker and checks the recorded file sizes and checksums, so a partial, truncated or
+    garbled checkpoint is reported instead of read. All ranks must see one shared file
+    system (as DCP requires). What each rank reports when a peer fails around step 3 is
+    Note [Commit outcome] in ``_commit``.
 """
 
 from __future__ import annotations
@@ -30,10 +33,20 @@ from torch_sagemaker.checkpoint.constants import (
     REPLACED_SUFFIX,
     STAGING_SUFFIX,
 )
+from torch_sagemaker.distributed.checkpoint import integrity
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or does not match what is loaded into it."""
+    """A checkpoint is missing, incomplete, corrupt or does not match what is loaded into it.
+
+    Attributes:
+        committed: ``True`` when a save raised although its checkpoint was committed (it is
+            complete and loadable; a rank failed after the commit, Note [Commit outcome]).
+    """
+
+    def __init__(self, message: str, *, committed: bool = False) -> None:
+        super().__init__(message)
+        self.committed = committed
 
 
 def checkpoint_path(checkpoint_id: str | os.PathLike[str] | None) -> Path:
@@ -84,19 +97,25 @@ def _file_sizes(directory: Path) -> dict[str, int]:
             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != COMPLETION_MARKER}
 
 
-def commit(staging: Path, path: Path, info: dict[str, Any]) -> None:
+def commit(staging: Path, path: Path, info: dict[str, Any],
+           recorded: dict[str, tuple[int, str]] | None = None, *, cleanup: bool = True) -> None:
     """Marks ``staging`` complete and renames it to ``path`` (Note [Checkpoint commit protocol]).
 
     Args:
         staging: The fully written staging directory.
         path: The final checkpoint directory.
         info: JSON-serializable facts stored in the marker (kind, layout, ...).
+        recorded: Checksums computed while writing (``integrity.Recorder``); files missing
+            from it are read once here.
+        cleanup: Delete the replaced previous checkpoint now (else call ``remove_replaced``).
     """
     for f in staging.rglob("*"):
         if f.is_file():
             _fsync(f)
-    marker = {"format_version": FORMAT_VERSION, "time": time.time(),
-              "files": _file_sizes(staging), **info}
+    sizes = _file_sizes(staging)
+    marker = {"format_version": FORMAT_VERSION, "time": time.time(), "files": sizes,
+              "checksum_algorithm": integrity.ALGORITHM,
+              "checksums": integrity.checksums_for(staging, sizes, recorded or {}), **info}
     marker_file = staging / COMPLETION_MARKER
     marker_file.write_text(json.dumps(marker, indent=1, sort_keys=True))
     _fsync(marker_file)
@@ -106,7 +125,13 @@ def commit(staging: Path, path: Path, info: dict[str, Any]) -> None:
         os.replace(path, old)
     os.replace(staging, path)
     _fsync(path.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    if cleanup:
+        remove_replaced(path)
+
+
+def remove_replaced(path: Path) -> None:
+    """Deletes the previous checkpoint a commit of ``path`` moved aside (step 4)."""
+    shutil.rmtree(replaced_path(path), ignore_errors=True)
 
 
 def read_marker(path: Path) -> dict[str, Any]:
@@ -134,12 +159,18 @@ def read_marker(path: Path) -> dict[str, Any]:
         )
     try:
         marker = json.loads(marker_file.read_text())
-    except (OSError, ValueError) as e:
+        files = marker["files"]
+        checksums = marker.get("checksums", {})
+        if (not isinstance(files, dict) or not isinstance(checksums, dict)
+                or (marker.get("format_version", 1) >= 2 and set(checksums) != set(files))):
+            raise ValueError("its file table is malformed")
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {path} is corrupt: its marker {marker_file} is "
-                              f"unreadable ({e}).") from e
+                              f"unreadable ({type(e).__name__}: {e}). Load an earlier "
+                              "checkpoint.") from e
     actual = _file_sizes(path)
     problems = []
-    for name, size in marker.get("files", {}).items():
+    for name, size in files.items():
         if name not in actual:
             problems.append(f"{name} is missing")
         elif actual[name] != size:
@@ -149,10 +180,28 @@ def read_marker(path: Path) -> dict[str, Any]:
     return marker
 
 
+def verify_files(path: Path, marker: dict[str, Any], names: list[str]) -> list[str]:
+    """Re-checksums ``names`` of checkpoint ``path`` against its marker (``read_marker``).
+
+    Returns:
+        One line per file that differs (Note [Checkpoint checksums]); empty when all
+        match or the marker predates checksums.
+    """
+    return integrity.verify(path, names, marker.get("checksums", {}))
+
+
+def corrupt_error(path: Path, problems: list[str]) -> CheckpointError:
+    """The error for files whose checksum no longer matches."""
+    return CheckpointError(
+        f"checkpoint {path} is corrupt: " + "; ".join(problems) + ". Loading it would give "
+        "wrong values; load an earlier checkpoint, or copy this one again from its source.")
+
+
 def is_complete(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a complete checkpoint directory (it has the completion marker)."""
     return (Path(path) / COMPLETION_MARKER).is_file()
 
 
-__all__ = ["CheckpointError", "checkpoint_path", "commit", "is_complete", "prepare_staging",
-           "read_marker", "replaced_path", "staging_path"]
+__all__ = ["CheckpointError", "checkpoint_path", "commit", "corrupt_error", "is_complete",
+           "prepare_staging", "read_marker", "remove_replaced", "replaced_path", "staging_path",
+           "verify_files"]

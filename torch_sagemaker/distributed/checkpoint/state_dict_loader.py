@@ -1,9 +1,10 @@
 """Loading checkpoints (``torch.sagemaker.distributed.checkpoint.state_dict_loader``).
 
-``load`` refuses a checkpoint that is missing, unfinished or truncated (``atomic_dir``), then
-compares what is asked for with what the checkpoint holds and reports every missing key and
-every shape mismatch at once, before PyTorch DCP reads anything. DCP then reads each rank's
-pieces of the saved tensors, whatever layout wrote them.
+``load`` refuses a checkpoint that is missing, unfinished, truncated (``atomic_dir``) or whose
+bytes changed since the save (Note [Checkpoint checksums] in ``integrity``), then compares
+what is asked for with what the checkpoint holds and reports every missing key and every
+shape mismatch at once, before PyTorch DCP reads anything. DCP then reads each rank's pieces
+of the saved tensors, whatever layout wrote them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from torch_sagemaker.distributed.checkpoint import atomic_dir
+from torch_sagemaker.distributed.checkpoint import atomic_dir, integrity
 from torch_sagemaker.distributed.checkpoint._group import Participants
 from torch_sagemaker.distributed.checkpoint.atomic_dir import CheckpointError
 from torch_sagemaker.distributed.checkpoint.state_dict_utils import (
@@ -38,6 +39,7 @@ from torch_sagemaker.distributed.checkpoint.state_dict_utils import (
 )
 
 _SHOWN = 20  # how many offending keys an error lists
+_METADATA = ".metadata"  # the file DCP's FileSystemWriter writes its metadata to
 
 
 def read_metadata(checkpoint_id: str | os.PathLike[str]) -> Metadata:
@@ -47,7 +49,10 @@ def read_metadata(checkpoint_id: str | os.PathLike[str]) -> Metadata:
         CheckpointError: If the checkpoint is missing, incomplete or its metadata is unreadable.
     """
     path = atomic_dir.checkpoint_path(checkpoint_id)
-    atomic_dir.read_marker(path)
+    marker = atomic_dir.read_marker(path)
+    problems = atomic_dir.verify_files(path, marker, [_METADATA])
+    if problems:
+        raise atomic_dir.corrupt_error(path, problems)
     try:
         return FileSystemReader(path).read_metadata()
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException
@@ -113,6 +118,47 @@ def _check_local_layout(marker: dict[str, Any], path: Path, state_dict: dict[str
         )
 
 
+def _check_files_and_keys(path: Path, marker: dict[str, Any], keys: list[str] | None,
+                          participants: Participants) -> None:
+    """Verifies the data files' checksums, split among the ranks, and that ranks agree on keys.
+
+    One all-gather tells every rank every problem, so all of them raise the same error
+    (Note [Checkpoint checksums]). Ranks of one group loading different directories (each
+    rank its own SM-local shard) make the split incomplete; each then checks the rest of its
+    own directory and they agree once more.
+
+    Raises:
+        CheckpointError: Naming each file that differs, or the ranks requesting other keys.
+    """
+    sizes = {n: s for n, s in marker.get("files", {}).items() if n != _METADATA}
+    if not participants.distributed:
+        problems = atomic_dir.verify_files(path, marker, list(sizes))
+        if problems:
+            raise atomic_dir.corrupt_error(path, problems)
+        return
+    mine = integrity.assign(sizes, len(participants.ranks), participants.ranks.index(participants.rank))
+    problems = atomic_dir.verify_files(path, marker, mine)
+    digest = hashlib.sha256("\n".join(keys).encode()).hexdigest() if keys is not None else ""
+    views = participants.all_gather((str(path), digest, problems))
+    if len({v[0] for v in views}) > 1:
+        problems += atomic_dir.verify_files(path, marker, [n for n in sizes if n not in mine])
+        views = participants.all_gather((str(path), digest, problems))
+    corrupt: dict[str, dict[str, None]] = {}  # directory -> problems, ordered, without repeats
+    for where, _, found in views:
+        if found:
+            corrupt.setdefault(where, {}).update(dict.fromkeys(found))
+    if corrupt:
+        where = str(path) if str(path) in corrupt else next(iter(corrupt))
+        raise atomic_dir.corrupt_error(Path(where), list(corrupt[where]))
+    digests = [v[1] for v in views]
+    if len(set(digests)) > 1:
+        odd = [r for r, d in zip(participants.ranks, digests) if d != digests[0]]
+        raise CheckpointError(
+            f"loading {path}: ranks {odd} request other keys than rank {participants.ranks[0]}; "
+            "every rank must load the same state dict keys (or pass check_keys_matched=False)."
+        )
+
+
 def _checkpoint_id(checkpoint_id: str | os.PathLike[str] | None,
                    storage_reader: Any) -> str | os.PathLike[str] | None:
     """``checkpoint_id``, or the directory a file-system ``storage_reader`` reads from."""
@@ -156,15 +202,7 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
         _check_local_layout(marker, path, resolved)
     keys = check_state_dict_matches(resolved, metadata, path)
     participants = Participants(process_group)
-    if check_keys_matched and participants.distributed:
-        digest = hashlib.sha256("\n".join(keys).encode()).hexdigest()
-        digests = participants.all_gather(digest)
-        if len(set(digests)) > 1:
-            odd = [r for r, d in zip(participants.ranks, digests) if d != digests[0]]
-            raise CheckpointError(
-                f"loading {path}: ranks {odd} request other keys than rank {participants.ranks[0]}; "
-                "every rank must load the same state dict keys (or pass check_keys_matched=False)."
-            )
+    _check_files_and_keys(path, marker, keys if check_keys_matched else None, participants)
     try:
         dcp.load(state_dict, checkpoint_id=path, storage_reader=storage_reader, planner=planner,
                  process_group=participants.group, no_dist=not participants.distributed)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-from torch_sagemaker.distributed.checkpoint import atomic_dir
+from torch_sagemaker.distributed.checkpoint import _commit, atomic_dir, integrity
 from torch_sagemaker.distributed.checkpoint._group import Participants
 from torch_sagemaker.distributed.checkpoint.async_utils import (
     DEFAULT_ASYNC_REQUEST_QUEUE,
@@ -40,22 +41,35 @@ def _write(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *,
     """The save protocol shared by ``save`` and ``async_save``."""
     path = atomic_dir.checkpoint_path(checkpoint_id)
     staging = atomic_dir.staging_path(path)
-    # 1. Fresh staging directory (a stale one is what an earlier crash left behind).
-    participants.run_on_coordinator(lambda: atomic_dir.prepare_staging(path))
-    # 2. Every rank writes its shards; DCP's coordinator writes .metadata last.
-    try:
-        dcp.save(state_dict, checkpoint_id=staging, storage_writer=storage_writer, planner=planner,
-                 process_group=participants.group, no_dist=not participants.distributed)
-    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-        raise atomic_dir.CheckpointError(
-            f"writing checkpoint {path} failed ({describe_failure(e)}); a previous checkpoint "
-            "there is unchanged and the unfinished files stay in "
-            f"{staging} until the next save."
-        ) from e
 
-    # 3. Marker and atomic rename, then the optional hook (e.g. retention), on the coordinator.
-    def finish() -> None:
-        atomic_dir.commit(staging, path, {**info, "num_ranks": len(participants.ranks)})
+    # 1. Fresh staging directory (a stale one is what an earlier crash left behind) and the
+    # save's id (Note [Commit outcome]).
+    def prepare() -> str:
+        atomic_dir.prepare_staging(path)
+        return uuid.uuid4().hex
+
+    save_id = participants.run_on_coordinator(prepare, step=f"starting the save of {path}")
+    # 2. Every rank writes its shards, checksumming them on the way (Note [Checkpoint
+    # checksums]); DCP's coordinator writes .metadata last.
+    with integrity.recording(storage_writer, staging) as (writer, recorder):
+        try:
+            dcp.save(state_dict, checkpoint_id=staging, storage_writer=writer, planner=planner,
+                     process_group=participants.group, no_dist=not participants.distributed)
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            raise atomic_dir.CheckpointError(
+                f"writing checkpoint {path} failed ({describe_failure(e)}); a previous checkpoint "
+                "there is unchanged and the unfinished files stay in "
+                f"{staging} until the next save."
+            ) from e
+
+    # 3. Marker and atomic rename on the coordinator, every rank told the outcome; then the
+    # replaced checkpoint's removal and the optional hook (e.g. retention).
+    def commit(recorded: dict[str, tuple[int, str]]) -> None:
+        atomic_dir.commit(staging, path, {**info, "num_ranks": len(participants.ranks),
+                                          "save_id": save_id}, recorded, cleanup=False)
+
+    def after_commit() -> None:
+        atomic_dir.remove_replaced(path)
         if on_commit is not None:
             try:
                 on_commit()
@@ -63,7 +77,7 @@ def _write(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *,
                 get_logger().warning(f"checkpoint {path} is complete, but its on_commit hook "
                                      f"failed: {type(e).__name__}: {e}")
 
-    participants.run_on_coordinator(finish)
+    _commit.publish(participants, path, save_id, recorder.records(), commit, after_commit)
 
 
 def describe_failure(e: BaseException) -> str:
@@ -110,7 +124,9 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
 
     Raises:
         CheckpointError: If any rank failed to write or the checkpoint could not be published;
-            a previous checkpoint at ``checkpoint_id`` then stays as it was.
+            a previous checkpoint at ``checkpoint_id`` then stays as it was. If a rank failed
+            after the commit, the error has ``committed=True``: the checkpoint is complete
+            and loadable (Note [Commit outcome]).
     """
     del wait_error_handling, force_check_all_plans, s3_region, s3client_config
     participants = Participants(process_group, coordinator_rank)

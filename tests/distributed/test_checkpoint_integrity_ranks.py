@@ -1,0 +1,81 @@
+"""Checksum verification on several ranks: the files are split, every rank gets the same error.
+
+Two ranks save a checkpoint (one shard file each). Loading it checks each data file on one
+rank only; after one rank's shard is changed, both ranks refuse the load with the same
+``CheckpointError`` naming that file (the rank that did not read it too, instead of entering
+DCP's load alone). Ranks of one group loading different directories (SM-local style) still
+get every file of their own directory checked. Note [Checkpoint checksums].
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.launcher import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+
+def _shard_checks(root: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from torch_sagemaker.distributed.checkpoint import CheckpointError, integrity, load, save
+
+    rank = dist.get_rank()
+    checked: list[str] = []
+    real = integrity.file_checksum
+
+    def counting(path):
+        checked.append(path.name)
+        return real(path)
+
+    integrity.file_checksum = counting
+    try:
+        state = {f"w{rank}": torch.full((4096,), float(rank + 1))}
+        save(state, checkpoint_id=f"{root}/c")
+        template = {f"w{rank}": torch.zeros(4096)}
+        checked.clear()
+        load(template, checkpoint_id=f"{root}/c", check_keys_matched=False)
+        clean = {"checked": sorted(checked), "value": float(template[f"w{rank}"][0])}
+
+        # Each rank saves its own directory with the whole group, then loads it (both groups'
+        # files are then checked on their own ranks, since the directories differ).
+        save({"w": torch.full((64,), float(rank))}, checkpoint_id=f"{root}/own{rank}",
+             process_group=dist.new_group([rank]))
+        checked.clear()
+        load({"w": torch.zeros(64)}, checkpoint_id=f"{root}/own{rank}")
+        own = sorted(checked)
+
+        dist.barrier()
+        if rank == 0:
+            with open(f"{root}/c/__1_0.distcp", "r+b") as f:  # a bit inside rank 1's tensor
+                middle = f.seek(0, 2) // 2
+                f.seek(middle)
+                byte = f.read(1)[0]
+                f.seek(middle)
+                f.write(bytes([byte ^ 0x01]))
+        dist.barrier()
+        try:
+            load({f"w{rank}": torch.zeros(4096)}, checkpoint_id=f"{root}/c",
+                 check_keys_matched=False)
+            corrupt = "no error"
+        except CheckpointError as e:
+            corrupt = str(e)
+    finally:
+        integrity.file_checksum = real
+    return {**clean, "own": own, "corrupt": corrupt}
+
+
+def test_files_are_checked_once_and_corruption_stops_every_rank(tmp_path):
+    results = run_distributed(_shard_checks, str(tmp_path), world_size=2)
+    # Every data file checked by exactly one rank; .metadata by each (it is tiny).
+    data = [[n for n in r["checked"] if n != ".metadata"] for r in results]
+    assert sorted(data[0] + data[1]) == ["__0_0.distcp", "__1_0.distcp"], results
+    assert [r["value"] for r in results] == [1.0, 2.0]
+    for r in results:
+        assert r["own"] == [".metadata", "__0_0.distcp"], r
+    errors = {r["corrupt"] for r in results}
+    assert len(errors) == 1, errors  # the very same error on both ranks
+    (error,) = errors
+    assert f"{tmp_path}/c is corrupt: __1_0.distcp does not match its crc32 checksum" in error

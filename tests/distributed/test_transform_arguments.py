@@ -1,0 +1,70 @@
+"""``tsm.transform`` arguments that used to fail late or on one rank only fail early and alike.
+
+- ``dtype="float16"`` (a string) was read by ``Tensor.to`` as a device and reported as an
+  invalid device string; a non-device ``device`` failed inside torch.
+- ``intermediate_size`` not divisible by the tensor parallel degree failed inside DTensor
+  at the first forward.
+- ``load_state_dict_from_rank0=True`` with meta weights on rank 0 raised on rank 0 only,
+  while the other ranks went on into the weight broadcast and failed with an unrelated
+  mismatch; now every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.launcher import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+
+def _errors() -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+    from accelerate import init_empty_weights
+
+    from tests.distributed.hf_models import tiny_llama
+
+    tsm.init({"tensor_parallel_degree": 2})
+    out = {}
+
+    def attempt(name, make, **kwargs):
+        try:
+            tsm.transform(make(), **kwargs)
+            out[name] = "no error"
+        except (TypeError, ValueError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+
+    attempt("dtype", tiny_llama, dtype="float16")
+    attempt("int_dtype", tiny_llama, dtype=torch.int8)
+    attempt("device", tiny_llama, device="gpu0")
+    attempt("intermediate", lambda: tiny_llama(intermediate_size=129))
+    with init_empty_weights():  # meta weights on every rank, rank 0 included
+        attempt("rank0_meta", tiny_llama, load_state_dict_from_rank0=True)
+    # The group is still in step: a real rank-0 load works right after.
+    if dist.get_rank() == 0:
+        model = tiny_llama(seed=5)
+    else:
+        with init_empty_weights():
+            model = tiny_llama(seed=9)
+    model = tsm.transform(model, load_state_dict_from_rank0=True)
+    weight = model.model.layers[0].mlp.up_proj.weight.full_tensor()
+    out["loaded"] = bool(torch.equal(weight, tiny_llama(seed=5).model.layers[0].mlp.up_proj.weight))
+    return out
+
+
+def test_transform_argument_errors_are_early_clear_and_on_every_rank():
+    results = run_distributed(_errors, world_size=2, timeout=300)
+    for out in results:
+        assert out["dtype"].startswith("TypeError: tsm.transform(dtype='float16'): dtype must be a "
+                                       "floating torch.dtype"), out
+        assert "pass dtype=torch.float16" in out["dtype"], out
+        assert "dtype must be a floating torch.dtype" in out["int_dtype"], out
+        assert out["device"].startswith("ValueError: tsm.transform(device='gpu0') is not a device")
+        assert ("tensor_parallel_degree=2 does not divide intermediate_size=129"
+                in out["intermediate"]), out
+        assert out["rank0_meta"].startswith(
+            "ValueError: load_state_dict_from_rank0=True needs real weights on rank 0"), out
+        assert out["loaded"] is True
+    assert results[0]["rank0_meta"] == results[1]["rank0_meta"]

@@ -1,0 +1,195 @@
+"""Checkpoint checksums in one process: bytes changed or files swapped after a save are refused.
+
+Each case changes a saved checkpoint the way disks and copies do (a flipped byte inside a
+tensor, two equal-sized shard files swapped) and checks that loading names the file instead
+of returning wrong values; plus where the checksums come from (recorded while writing, read
+back only for writers that cannot be followed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemWriter, StorageWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER
+from torch_sagemaker.distributed.checkpoint import (
+    AsyncCallsQueue,
+    CheckpointError,
+    SMStateDictType,
+    async_save,
+    integrity,
+    load,
+    save,
+    sm_state_dict_type,
+)
+from torch_sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemWriter
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _two_tensors() -> dict:
+    torch.manual_seed(0)
+    return {"a": torch.randn(64, 16), "b": torch.randn(64, 16)}
+
+
+def _flip_byte_inside(directory, tensor: torch.Tensor):
+    """Flips one bit in the middle of ``tensor``'s bytes in the shard file holding them."""
+    for path in _data_files(directory):
+        data = bytearray(path.read_bytes())
+        at = data.find(tensor.numpy().tobytes())
+        if at >= 0:
+            data[at + tensor.numel() * tensor.element_size() // 2] ^= 0x10
+            path.write_bytes(bytes(data))
+            return path
+    raise AssertionError("the tensor's bytes should be stored verbatim in a shard")
+
+
+def _data_files(directory) -> list:
+    return sorted(p for p in directory.iterdir() if p.suffix == ".distcp")
+
+
+def test_flipped_byte_inside_a_shard_is_refused_naming_the_file(tmp_path):
+    want = _two_tensors()
+    save(want, checkpoint_id=tmp_path / "c")
+    shard = _flip_byte_inside(tmp_path / "c", want["a"])
+    got = {"a": torch.zeros(64, 16), "b": torch.zeros(64, 16)}
+    with pytest.raises(CheckpointError, match=rf"corrupt: {shard.name} does not match its crc32 "
+                                              r"checksum .* changed after the save"):
+        load(got, checkpoint_id=tmp_path / "c")
+    assert float(got["a"].abs().sum()) == 0.0, "nothing may be loaded from a corrupt checkpoint"
+
+
+def test_swapped_shard_files_are_refused(tmp_path):
+    want = _two_tensors()
+    # Two writer threads: one file per tensor, of the same size.
+    save(want, checkpoint_id=tmp_path / "c",
+         storage_writer=DistributedFileSystemWriter("unused", thread_count=2))
+    first, second = _data_files(tmp_path / "c")
+    assert first.stat().st_size == second.stat().st_size
+    tmp = first.with_suffix(".tmp")
+    os.replace(first, tmp)
+    os.replace(second, first)
+    os.replace(tmp, second)
+    with pytest.raises(CheckpointError, match=rf"{first.name} holds the bytes written as "
+                                              rf"{second.name} \(files swapped or renamed\)"):
+        load({"a": torch.zeros(64, 16), "b": torch.zeros(64, 16)}, checkpoint_id=tmp_path / "c")
+
+
+def test_garbled_metadata_is_refused(tmp_path):
+    save(_two_tensors(), checkpoint_id=tmp_path / "m")
+    meta = tmp_path / "m" / ".metadata"
+    meta.write_bytes(b"\0" * meta.stat().st_size)
+    with pytest.raises(CheckpointError, match=r"corrupt: \.metadata does not match"):
+        load({"a": torch.zeros(64, 16), "b": torch.zeros(64, 16)}, checkpoint_id=tmp_path / "m")
+
+
+def test_checksums_are_recorded_while_writing(tmp_path, monkeypatch):
+    """DCP's writers are followed: the commit reads nothing back, yet every file has its CRC."""
+    reads = []
+    real = integrity.file_checksum
+    monkeypatch.setattr(integrity, "file_checksum", lambda p: reads.append(p) or real(p))
+    save(_two_tensors(), checkpoint_id=tmp_path / "c",
+         storage_writer=DistributedFileSystemWriter("unused", thread_count=2))
+    assert reads == []
+    marker = json.loads((tmp_path / "c" / COMPLETION_MARKER).read_text())
+    assert marker["format_version"] == 2 and marker["checksum_algorithm"] == "crc32"
+    assert set(marker["checksums"]) == set(marker["files"]) == {
+        ".metadata", "__0_0.distcp", "__0_1.distcp"}
+    for name, crc in marker["checksums"].items():
+        assert real(tmp_path / "c" / name) == crc, name
+
+
+def test_writer_without_a_file_system_is_checksummed_by_reading(tmp_path, monkeypatch):
+    """A custom StorageWriter DCP cannot be followed into still gets a checksum for every file."""
+    reads = []
+    real = integrity.file_checksum
+    monkeypatch.setattr(integrity, "file_checksum", lambda p: reads.append(p.name) or real(p))
+
+    class Delegating(StorageWriter):
+        """Writes through an inner writer it does not expose (as a writer to other storage)."""
+
+        def __init__(self) -> None:
+            self._inner = FileSystemWriter("unused")
+
+        def reset(self, checkpoint_id=None):
+            self._inner.reset(checkpoint_id)
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id):
+            return True
+
+        def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
+            self._inner.set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+        def prepare_local_plan(self, plan):
+            return self._inner.prepare_local_plan(plan)
+
+        def prepare_global_plan(self, plans):
+            return self._inner.prepare_global_plan(plans)
+
+        def write_data(self, plan, planner):
+            return self._inner.write_data(plan, planner)
+
+        def finish(self, metadata, results):
+            self._inner.finish(metadata, results)
+
+    writer = Delegating()
+    save(_two_tensors(), checkpoint_id=tmp_path / "c", storage_writer=writer)
+    assert sorted(reads) == [".metadata", "__0_0.distcp"]
+    marker = json.loads((tmp_path / "c" / COMPLETION_MARKER).read_text())
+    assert marker["checksums"]["__0_0.distcp"] == real(tmp_path / "c" / "__0_0.distcp")
+
+
+def test_async_and_sm_local_saves_are_checksummed(tmp_path):
+    queue = AsyncCallsQueue()
+    want = _two_tensors()
+    async_save(dict(want), checkpoint_id=tmp_path / "a", queue=queue)
+    queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    shard = _flip_byte_inside(tmp_path / "a", want["b"])
+    with pytest.raises(CheckpointError, match=rf"{shard.name} does not match"):
+        load({"a": torch.zeros(64, 16), "b": torch.zeros(64, 16)}, checkpoint_id=tmp_path / "a")
+
+    model = torch.nn.Linear(64, 16)
+    with sm_state_dict_type(model, SMStateDictType.SM_LOCAL_STATE_DICT):
+        save({"model": model.state_dict()}, checkpoint_id=tmp_path / "l")
+        shard = _flip_byte_inside(tmp_path / "l", model.weight.detach())
+        with pytest.raises(CheckpointError, match=rf"{shard.name} does not match"):
+            load({"model": model.state_dict()}, checkpoint_id=tmp_path / "l")
+
+
+def test_marker_without_checksums_of_format_1_still_loads(tmp_path):
+    """Checkpoints written before checksums existed are checked by size, as they were."""
+    want = _two_tensors()
+    save(want, checkpoint_id=tmp_path / "c")
+    marker_file = tmp_path / "c" / COMPLETION_MARKER
+    marker = json.loads(marker_file.read_text())
+    for key in ("checksums", "checksum_algorithm", "save_id"):
+        marker.pop(key)
+    marker["format_version"] = 1
+    marker_file.write_text(json.dumps(marker))
+    got = {"a": torch.zeros(64, 16), "b": torch.zeros(64, 16)}
+    load(got, checkpoint_id=tmp_path / "c")
+    assert torch.equal(got["a"], want["a"])
+    marker["format_version"] = 2  # a format-2 marker must list a checksum for every file
+    marker_file.write_text(json.dumps(marker))
+    with pytest.raises(CheckpointError, match="marker .* is unreadable .*malformed"):
+        load(got, checkpoint_id=tmp_path / "c")
+
+
+def test_crc_stream_gives_up_on_out_of_order_writes(tmp_path):
+    """A stream that seeks back is not trusted; the file is then read at commit."""
+    recorder = integrity.Recorder(tmp_path)
+    fs = integrity._RecordingFileSystem(FileSystem(), recorder)
+    with fs.create_stream(tmp_path / "x", "wb") as s:
+        s.write(b"hello world")
+    with fs.create_stream(tmp_path / "y", "wb") as s:
+        s.write(b"hello world")
+        s.seek(0)
+        s.write(b"j")
+    assert recorder.records() == {"x": (11, integrity.file_checksum(tmp_path / "x"))}
