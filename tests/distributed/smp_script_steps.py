@@ -325,6 +325,38 @@ def load_async_local(model, optimizer, scheduler, path, rep):
     return state_dict["total_steps"]
 
 
+# ---------------------------------------------- checkpoint type "use_pg_with_util" (SMP 2.5.0)
+def _fsdp_checkpoint_module():
+    import importlib
+    import warnings
+
+    with warnings.catch_warnings():  # deprecated in SMP 2.6.1; the 2.5.0 scripts import it
+        warnings.simplefilter("ignore", FutureWarning)
+        return importlib.import_module("torch.sagemaker.distributed.fsdp.checkpoint")
+
+
+def save_with_util(model, optimizer, scheduler, path, meta, user):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import ShardingStrategy, StateDictType
+
+    _fsdp_checkpoint_module().save_model_checkpoint(
+        model, StateDictType.SHARDED_STATE_DICT, path, ShardingStrategy.HYBRID_SHARD, meta,
+        log=dist.get_rank() == 0, optimizer=optimizer, scheduler=scheduler, extra_exports=user)
+
+
+def load_with_util(model, optimizer, scheduler, path, meta):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import ShardingStrategy, StateDictType
+
+    util = _fsdp_checkpoint_module()
+    loaded = util.load_model_checkpoint(
+        model, StateDictType.SHARDED_STATE_DICT, path, ShardingStrategy.HYBRID_SHARD, meta,
+        log=dist.get_rank() == 0, optimizer=optimizer, scheduler=scheduler,
+        extra_imports={"total_steps": 0})
+    assert loaded[util.EXPORT_KEY_MODEL] is model and loaded[util.EXPORT_KEY_OPTIMIZER] is optimizer
+    return loaded[util.EXPORT_KEY_IDENTITY]["total_steps"]
+
+
 def save_full(model, save_dir, config=None):
     """``--save_final_model``: a full state dict on rank 0, ``pytorch_model.bin`` + config."""
     import torch.distributed as dist

@@ -3,8 +3,8 @@
 Every rank runs the scripts' sequence (``tests/distributed/smp_script_steps.py``):
 ``tsm.init()`` from ``SM_HP_MP_PARAMETERS``, delayed init, FSDP1 with ``use_orig_params=True``,
 bf16 mixed precision, activation checkpointing and offloading. An uninterrupted run of
-STEPS steps saves the three sharded checkpoint types (``sharded``, ``async_sharded``,
-``async_local``) after RESUME_AT steps; each type is then loaded into a fresh model, and the
+STEPS steps saves the sharded checkpoint types (``sharded``, ``async_sharded``,
+``async_local``, and SMP 2.5.0's ``use_pg_with_util``) after RESUME_AT steps; each type is then loaded into a fresh model, and the
 resumed steps must give exactly the uninterrupted run's losses. Layouts: tensor parallelism
 2 x hybrid_shard_degree 2, hybrid_shard_degree 2 with two replicas (no TP), and SMP's Mixtral
 notebook layout scaled down (MoEConfig, expert parallelism 2 x hybrid_shard_degree 2).
@@ -24,7 +24,7 @@ import torch
 from tests.distributed.launcher import run_distributed
 
 STEPS, RESUME_AT = 4, 2
-TYPES = ("sharded", "async_sharded", "async_local")
+TYPES = ("sharded", "async_sharded", "async_local", "use_pg_with_util")
 
 
 def _fresh(smp, moe):
@@ -77,6 +77,7 @@ def _resume_all_types(root: str, moe: bool) -> dict:
             smp.save_sharded(model, optimizer, scheduler, f"{root}/sharded", meta, user)
             smp.save_async_sharded(model, optimizer, scheduler, f"{root}/async_sharded", meta, user, queue)
             smp.save_async_local(model, optimizer, scheduler, f"{root}/async_local", user, queue, rep)
+            smp.save_with_util(model, optimizer, scheduler, f"{root}/use_pg_with_util", meta, user)
             TrainingState(model, optimizer, scheduler, step=step + 1).save(f"{root}/training_state")
     queue.maybe_finalize_async_calls(blocking=True, process_group=None)
     ids = smp.batch_for(0)
@@ -90,6 +91,8 @@ def _resume_all_types(root: str, moe: bool) -> dict:
         "async_sharded": lambda m, o, s: smp.load_async_sharded(m, o, s, f"{root}/async_sharded",
                                                                 smp.pg_metadata(m)),
         "async_local": lambda m, o, s: smp.load_async_local(m, o, s, f"{root}/async_local", rep),
+        "use_pg_with_util": lambda m, o, s: smp.load_with_util(m, o, s, f"{root}/use_pg_with_util",
+                                                               smp.pg_metadata(m)),
     }
 
     def load_training_state(m, o, s):

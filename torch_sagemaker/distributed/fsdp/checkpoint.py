@@ -23,6 +23,7 @@ from torch_sagemaker.distributed.checkpoint.state_dict_loader import load
 from torch_sagemaker.distributed.checkpoint.state_dict_saver import save
 from torch_sagemaker.distributed.checkpoint.torch_compat import load_sharded_optimizer_state_dict
 from torch_sagemaker.logger import get_logger
+from torch_sagemaker.state import state
 
 warnings.warn("torch.sagemaker.distributed.fsdp.checkpoint is deprecated (SMP 2.6.1) and was removed "
               "in SMP 2.7.0; use torch.sagemaker.distributed.checkpoint (state_dict_saver.save / "
@@ -33,6 +34,22 @@ EXPORT_KEY_MODEL = "model"
 EXPORT_KEY_OPTIMIZER = "optimizer"
 EXPORT_KEY_SCHEDULER = "scheduler"
 EXPORT_KEY_IDENTITY = "identity"
+
+
+def _model_parallel_dir(path: str | os.PathLike[str]) -> str:
+    """The directory of this rank's TP/EP shard of the model under the checkpoint ``path``.
+
+    The ranks of one FSDP shard group hold one TP rank's (and one EP rank's) slices, and
+    every TP/EP rank has its own shard group saving with its own coordinator, so each writes
+    its own ``tp{degree}-{rank}`` / ``ep{degree}-{rank}`` subdirectory: the names SMP's scripts
+    use for their ``sharded`` type. Without TP and EP the checkpoint is ``path`` itself.
+    """
+    path = os.fspath(path)
+    if state.tp_size > 1:
+        path = os.path.join(path, f"tp{state.tp_size}-{state.tp_rank}")
+    if state.ep_size > 1:
+        path = os.path.join(path, f"ep{state.ep_size}-{state.ep_rank}")
+    return path
 
 
 def _check_type(state_dict_type: StateDictType) -> None:
@@ -72,7 +89,7 @@ def save_model_checkpoint(model: FSDP, state_dict_type: StateDictType, save_dir:
         state_dict[EXPORT_KEY_SCHEDULER] = scheduler.state_dict()
     state_dict.update(extra_exports or {})
     if action_rank:
-        save(state_dict, checkpoint_id=save_dir, process_group=process_group,
+        save(state_dict, checkpoint_id=_model_parallel_dir(save_dir), process_group=process_group,
              coordinator_rank=coordinator_rank)
     if log and dist.get_rank() == coordinator_rank:
         get_logger().info(f"saved sharded checkpoint {save_dir}")
@@ -105,6 +122,7 @@ def load_model_checkpoint(model: FSDP, state_dict_type: StateDictType,
     del sharding_strategy
     _check_type(state_dict_type)
     process_group, _, _ = checkpointing_pg_metadata
+    checkpoint_dir = _model_parallel_dir(checkpoint_dir)
     extra = dict(extra_imports or {})
     with FSDP.state_dict_type(model, state_dict_type):
         model_state = model.state_dict()
