@@ -67,7 +67,9 @@ def _tables_by_heading(text: str) -> dict[str, list[list[dict[str, str]]]]:
         elif is_row and header is None:
             header = _cells(line)
         elif is_row and rows is None:
-            assert set(line.replace("|", "").strip()) <= set("-: "), f"no separator row after {header}"
+            assert set(line.replace("|", "").strip()) <= set("-: "), (
+                f"no separator row after {header}"
+            )
             rows = []
         elif is_row:
             cells = _cells(line)
@@ -81,14 +83,17 @@ SECTIONS = _tables_by_heading(DOC.read_text(encoding="utf-8"))
 
 def table(heading: str, index: int = 0) -> list[dict[str, str]]:
     tables = SECTIONS.get(heading, [])
-    assert len(tables) > index, f"docs/config.md has no table #{index + 1} under the heading {heading!r}"
+    assert len(tables) > index, (
+        f"docs/config.md has no table #{index + 1} under the heading {heading!r}"
+    )
     return tables[index]
 
 
 def code(cell: str) -> str:
     """The text of a cell that is one code span."""
-    assert len(cell) > 2 and cell[0] == cell[-1] == "`" and "`" not in cell[1:-1], \
+    assert len(cell) > 2 and cell[0] == cell[-1] == "`" and "`" not in cell[1:-1], (
         f"expected one `code span` in the cell, got {cell!r}"
+    )
     return cell[1:-1]
 
 
@@ -125,8 +130,9 @@ def test_init_key_type_and_default(row):
         pytest.fail(f"{key} is not a config key")  # reported in full by the test above
     assert row["type"] == config.FIELD_TYPES[key].__name__
     default = json.loads(code(row["default"]))  # JSON, as users write config files
-    assert same(default, getattr(config.SMPConfig(), key)), \
+    assert same(default, getattr(config.SMPConfig(), key)), (
         f"{key}: docs say {default!r}, SMPConfig says {getattr(config.SMPConfig(), key)!r}"
+    )
 
 
 def test_state_aliases():
@@ -169,8 +175,9 @@ def test_transform_arguments():
         for row in rows:
             name = code(row["argument"])
             default = ast.literal_eval(code(row["default"]))
-            assert same(default, params[name].default), \
+            assert same(default, params[name].default), (
                 f"transform({name}=...): docs say {default!r}, the code {params[name].default!r}"
+            )
 
 
 # --------------------------------------------------------------------------- MoEConfig
@@ -205,8 +212,9 @@ def _is_environ(node: ast.AST) -> bool:
 
 
 def _is_getenv(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Attribute) and node.attr == "getenv") or \
-        (isinstance(node, ast.Name) and node.id == "getenv")
+    return (isinstance(node, ast.Attribute) and node.attr == "getenv") or (
+        isinstance(node, ast.Name) and node.id == "getenv"
+    )
 
 
 def _read_keys(tree: ast.AST):
@@ -214,10 +222,15 @@ def _read_keys(tree: ast.AST):
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and node.args:
             func = node.func
-            if _is_getenv(func) or (isinstance(func, ast.Attribute) and func.attr == "get"
-                                    and _is_environ(func.value)):
+            if _is_getenv(func) or (
+                isinstance(func, ast.Attribute) and func.attr == "get" and _is_environ(func.value)
+            ):
                 yield node.args[0]
-        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and _is_environ(node.value):
+        elif (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.ctx, ast.Load)
+            and _is_environ(node.value)
+        ):
             yield node.slice
         elif isinstance(node, ast.Compare):
             operands = [node.left, *node.comparators]
@@ -230,8 +243,12 @@ def _constants(tree: ast.Module) -> dict[str, list[str]]:
     """Module-level ``NAME = "X"`` and ``NAME = ("X", "Y")`` constants."""
     out = {}
     for stmt in tree.body:
-        target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else \
-            stmt.target if isinstance(stmt, ast.AnnAssign) else None
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+            target = stmt.targets[0]
+        elif isinstance(stmt, ast.AnnAssign):
+            target = stmt.target
+        else:
+            continue
         if isinstance(target, ast.Name) and stmt.value is not None:
             values = _strings(stmt.value)
             if values is not None:
@@ -243,7 +260,8 @@ def _strings(node: ast.AST) -> list[str] | None:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return [node.value]
     if isinstance(node, (ast.Tuple, ast.List)) and all(
-            isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+        isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts
+    ):
         return [e.value for e in node.elts]
     return None
 
@@ -257,16 +275,21 @@ def _resolve(key: ast.AST, parents: dict, constants: dict[str, list[str]]) -> li
     node = key
     while node in parents:
         node = parents[node]
-        loops = node.generators if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp,
-                                                     ast.DictComp)) else \
-            [node] if isinstance(node, ast.For) else []
+        if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+            loops = node.generators
+        elif isinstance(node, ast.For):
+            loops = [node]
+        else:
+            continue
         for loop in loops:
             if isinstance(loop.target, ast.Name) and loop.target.id == key.id:
                 return _resolve(loop.iter, parents, constants)
     return constants.get(key.id)
 
 
-def environment_reads(source: str, path: str, reads: dict[str, set[str]], unresolved: list[str]) -> None:
+def environment_reads(
+    source: str, path: str, reads: dict[str, set[str]], unresolved: list[str]
+) -> None:
     """Adds the variables ``source`` reads to ``reads`` (name -> paths) or ``unresolved``."""
     tree = ast.parse(source)
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
@@ -289,7 +312,7 @@ def package_environment_reads() -> tuple[dict[str, set[str]], list[str]]:
 
 
 def test_environment_scan_finds_every_kind_of_read():
-    source = '''
+    source = """
 import os
 from os import environ, getenv
 NAME = "A"
@@ -305,7 +328,7 @@ for w in ("H",):
 os.environ["NOT_A_READ"] = "1"
 os.environ.update(ALSO_NOT="1")
 os.environ.get(f"SMDDP_{NAME}")
-'''
+"""
     reads, unresolved = {}, []
     environment_reads(source, "m.py", reads, unresolved)
     assert sorted(reads) == ["A", "B", "C", "D", "E", "F", "G", "H"]
@@ -314,10 +337,18 @@ os.environ.get(f"SMDDP_{NAME}")
 
 def test_environment_variables_are_the_ones_read():
     reads, unresolved = package_environment_reads()
-    assert not unresolved, (f"environment reads whose variable cannot be named statically: {unresolved}; "
-                            "read a string literal or a module-level constant so that the docs "
-                            "can be checked")
+    assert not unresolved, (
+        f"environment reads whose variable cannot be named statically: {unresolved}; "
+        "read a string literal or a module-level constant so that the docs "
+        "can be checked"
+    )
     rows = table("Environment variables")
-    assert_same_names(names(rows, "variable"), reads, "environment variables read by torch_sagemaker")
-    documented = {code(r["variable"]): {code(c.strip()) for c in r["read by"].split(",")} for r in rows}
-    assert documented == reads, "the 'read by' column differs from the modules that read each variable"
+    assert_same_names(
+        names(rows, "variable"), reads, "environment variables read by torch_sagemaker"
+    )
+    documented = {
+        code(r["variable"]): {code(c.strip()) for c in r["read by"].split(",")} for r in rows
+    }
+    assert documented == reads, (
+        "the 'read by' column differs from the modules that read each variable"
+    )
