@@ -16,6 +16,18 @@ class _RankFilter(logging.Filter):
         return True
 
 
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _level_from_env() -> str:
+    """``TSM_LOG_LEVEL`` (default INFO); an unknown name raises naming the accepted ones."""
+    level = os.environ.get("TSM_LOG_LEVEL", "INFO").strip().upper() or "INFO"  # noqa: TID251
+    if level not in _LEVELS:
+        raise ValueError(f"TSM_LOG_LEVEL={level[:40]!r}: the log level must be one of "
+                         f"{', '.join(_LEVELS)}; set one of them or unset the variable.")
+    return level
+
+
 def get_logger() -> logging.Logger:
     """Returns the library logger (``[tsm rank N] LEVEL message``), configured once.
 
@@ -27,7 +39,7 @@ def get_logger() -> logging.Logger:
         handler.setFormatter(logging.Formatter("[tsm rank %(rank)s] %(levelname)s %(message)s"))
         handler.addFilter(_RankFilter())
         logger.addHandler(handler)
-        logger.setLevel(os.environ.get("TSM_LOG_LEVEL", "INFO").upper())  # noqa: TID251
+        logger.setLevel(_level_from_env())
         logger.propagate = False
         logger._tsm_configured = True  # type: ignore[attr-defined]
     return logger

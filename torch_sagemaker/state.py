@@ -27,6 +27,20 @@ _ALIASES = {"tp_size": "tensor_parallel_degree", "cp_size": "context_parallel_de
             "ep_size": "expert_parallel_degree"}
 
 
+def _launcher_int(name: str, text: str | None, default: int) -> int:
+    """The non-negative integer ``text`` of the launcher's variable ``name``, else ``default``."""
+    if text is None:
+        return default
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name}={text[:40]!r}: the launcher's {name} must be a non-negative "
+                         f"integer; unset it or launch with torchrun, which sets it.")
+    return value
+
+
 @dataclass
 class _Groups:
     """Process groups and meshes built by ``torch_sagemaker.distributed.mesh``."""
@@ -181,13 +195,15 @@ class State:
     def local_rank(self) -> int:
         """Rank within the host (``LOCAL_RANK`` from the launcher, else rank % local size)."""
         self._require("local_rank")
-        return int(os.environ.get("LOCAL_RANK", self.rank % self.local_world_size))  # noqa: TID251
+        return _launcher_int("LOCAL_RANK", os.environ.get("LOCAL_RANK"),  # noqa: TID251
+                             self.rank % self.local_world_size)
 
     @property
     def local_world_size(self) -> int:
         """Ranks on this host (``LOCAL_WORLD_SIZE`` from the launcher, else the world size)."""
         self._require("local_world_size")
-        return int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))  # noqa: TID251
+        return _launcher_int("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_WORLD_SIZE"),  # noqa: TID251
+                             self.world_size)
 
     # --------------------------------------------------------------- degrees
     @property

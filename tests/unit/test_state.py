@@ -58,3 +58,23 @@ def test_ranker_replication_groups_hold_identical_shards():
     # ep 2 on 4 ranks with hybrid_shard_degree 2: no two ranks hold the same experts twice.
     small = Ranker(resolve(4, hybrid_shard_degree=2, expert_parallel_degree=2))
     assert small.get_rep_groups() == [[0], [1], [2], [3]]
+
+
+@pytest.mark.parametrize("text", ["x", "-1", "1.5", ""])
+def test_launcher_variables_that_are_not_integers_are_named(text):
+    from torch_sagemaker.state import _launcher_int
+
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=.*non-negative integer"):
+        _launcher_int("LOCAL_RANK", text, 0)
+    assert _launcher_int("LOCAL_RANK", None, 3) == 3
+    assert _launcher_int("LOCAL_RANK", " 2 ", 3) == 2
+
+
+def test_unknown_log_level_is_named(monkeypatch):
+    from torch_sagemaker.logger import _level_from_env
+
+    monkeypatch.setenv("TSM_LOG_LEVEL", "loud")
+    with pytest.raises(ValueError, match="TSM_LOG_LEVEL='LOUD'.*DEBUG, INFO"):
+        _level_from_env()
+    monkeypatch.setenv("TSM_LOG_LEVEL", "warning")
+    assert _level_from_env() == "WARNING"
