@@ -205,6 +205,21 @@ def test_limit_num_subdirs_as_smp_scripts_call_it(tmp_path, inside):
     assert os.listdir(root / "llama_v2-12steps") == ["tp2-0"]  # the kept one is untouched
 
 
+@pytest.mark.parametrize("inside", ["", "tp2-1", "tp1_ep0_fsdp0"])
+def test_limit_num_subdirs_before_an_async_save_counts_the_new_checkpoint(tmp_path, inside):
+    """The async types call it before writing: the new folder does not exist yet, and after
+    the save ``num_kept`` checkpoints remain (the new one and the newest ``num_kept - 1``)."""
+    root = tmp_path / "ckpts"
+    for n in (2, 4):
+        (root / f"llama_v2-{n}steps" / "tp2-1").mkdir(parents=True)
+    upcoming = os.path.join(root, "llama_v2-6steps", inside)
+    deleted = limit_num_subdirs(upcoming, 2, regex=r"^.*\d+steps$", log=True)
+    assert deleted == [str(root / "llama_v2-2steps")]
+    assert sorted(os.listdir(root)) == ["llama_v2-4steps"]
+    os.makedirs(upcoming)  # the save
+    assert sorted(os.listdir(root)) == ["llama_v2-4steps", "llama_v2-6steps"]
+
+
 def test_limit_num_subdirs_without_regex_counts_every_subdir_of_path(tmp_path):
     for name in ("a1", "b2", "c3"):
         (tmp_path / name).mkdir()

@@ -24,14 +24,14 @@ SORT_BY_LAST_INT = sort_by_last_int
 """The default ``sort_fn`` of ``limit_num_subdirs``."""
 
 
-def _checkpoint_root(path: Path, pattern: re.Pattern[str] | None) -> Path:
-    """The directory holding the checkpoints, given ``path`` as ``limit_num_subdirs`` takes it."""
+def _checkpoint_root(path: Path, pattern: re.Pattern[str] | None) -> tuple[Path, str | None]:
+    """The directory holding the checkpoints, and the checkpoint ``path`` names (if any)."""
     if pattern is None:
-        return path
+        return path, None
     for candidate in (path, *path.parents):
         if candidate.name and pattern.match(candidate.name):
-            return candidate.parent
-    return path
+            return candidate.parent, candidate.name
+    return path, None
 
 
 def limit_num_subdirs(path: str | os.PathLike[str], num_kept: int | None,
@@ -39,10 +39,13 @@ def limit_num_subdirs(path: str | os.PathLike[str], num_kept: int | None,
                       log: bool = True) -> list[str]:
     r"""Deletes all but the newest ``num_kept`` checkpoint directories.
 
-    SMP's example scripts call it on every rank right after a save, with the new
-    checkpoint's own folder (possibly a per-TP-rank subfolder such as
-    ``/ckpt/llama_v2-100steps/tp2-0``), ``regex=r"^.*\d+steps$"`` and ``log=(rank == 0)``;
-    the rank passing ``log=True`` logs and deletes, the others return at once.
+    SMP's example scripts call it with the new checkpoint's own folder (possibly a per-TP-rank
+    subfolder such as ``/ckpt/llama_v2-100steps/tp2-0``), ``regex=r"^.*\d+steps$"`` and
+    ``log=(rank == 0)``; the rank passing ``log=True`` logs and deletes, the others return at
+    once. The ``sharded`` type calls it right after the save; the async types call it just
+    before writing the new checkpoint, whose folder does not exist yet: a checkpoint named
+    by ``path`` counts as one of the ``num_kept`` whether or not it exists, so that either
+    way ``num_kept`` checkpoints remain once the save is done.
 
     Hidden directories (a save in progress or interrupted, ``.<name>.partial``) are never
     counted; those of deleted checkpoints go too.
@@ -71,14 +74,15 @@ def limit_num_subdirs(path: str | os.PathLike[str], num_kept: int | None,
     if not log:
         return []
     pattern = re.compile(regex) if regex is not None else None
-    root = _checkpoint_root(Path(path).absolute(), pattern)
+    root, upcoming = _checkpoint_root(Path(path).absolute(), pattern)
     if not root.is_dir():
         return []
-    names = sorted((p.name for p in root.iterdir()
-                    if p.is_dir() and not p.name.startswith(".")
-                    and (pattern is None or pattern.match(p.name))),
-                   key=sort_fn)
-    doomed = names[: max(len(names) - num_kept, 0)]
+    names = {p.name for p in root.iterdir()
+             if p.is_dir() and not p.name.startswith(".") and (pattern is None or pattern.match(p.name))}
+    if upcoming is not None:
+        names.add(upcoming)  # about to be written (async types): it is kept, never deleted
+    ordered = sorted(names, key=sort_fn)
+    doomed = [name for name in ordered[: max(len(ordered) - num_kept, 0)] if name != upcoming]
     deleted = []
     for name in doomed:
         for victim in (root / name, root / f".{name}{STAGING_SUFFIX}", root / f".{name}{REPLACED_SUFFIX}"):
