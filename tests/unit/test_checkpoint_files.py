@@ -220,6 +220,19 @@ def test_limit_num_subdirs_before_an_async_save_counts_the_new_checkpoint(tmp_pa
     assert sorted(os.listdir(root)) == ["llama_v2-4steps", "llama_v2-6steps"]
 
 
+def test_limit_num_subdirs_before_an_async_save_keeps_the_newest_complete_one(tmp_path):
+    """num_kept=1 before the new checkpoint exists: deleting the only complete one would leave
+    nothing to resume from if the save failed, so it goes at the next call instead."""
+    root = tmp_path / "ckpts"
+    for n in (2, 4):
+        (root / f"llama_v2-{n}steps").mkdir(parents=True)
+    assert limit_num_subdirs(root / "llama_v2-6steps", 1, regex=r"^.*\d+steps$") == [str(root / "llama_v2-2steps")]
+    assert os.listdir(root) == ["llama_v2-4steps"]
+    (root / "llama_v2-6steps").mkdir()
+    assert limit_num_subdirs(root / "llama_v2-8steps", 1, regex=r"^.*\d+steps$") == [str(root / "llama_v2-4steps")]
+    assert os.listdir(root) == ["llama_v2-6steps"]
+
+
 def test_limit_num_subdirs_without_regex_counts_every_subdir_of_path(tmp_path):
     for name in ("a1", "b2", "c3"):
         (tmp_path / name).mkdir()

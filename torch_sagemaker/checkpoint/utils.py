@@ -45,7 +45,9 @@ def limit_num_subdirs(path: str | os.PathLike[str], num_kept: int | None,
     once. The ``sharded`` type calls it right after the save; the async types call it just
     before writing the new checkpoint, whose folder does not exist yet: a checkpoint named
     by ``path`` counts as one of the ``num_kept`` whether or not it exists, so that either
-    way ``num_kept`` checkpoints remain once the save is done.
+    way ``num_kept`` checkpoints remain once the save is done. The newest complete checkpoint
+    is never deleted before the new one exists (with ``num_kept=1`` the async types keep two
+    until their next call), so a save that fails still leaves one to resume from.
 
     Hidden directories (a save in progress or interrupted, ``.<name>.partial``) are never
     counted; those of deleted checkpoints go too.
@@ -79,10 +81,15 @@ def limit_num_subdirs(path: str | os.PathLike[str], num_kept: int | None,
         return []
     names = {p.name for p in root.iterdir()
              if p.is_dir() and not p.name.startswith(".") and (pattern is None or pattern.match(p.name))}
-    if upcoming is not None:
-        names.add(upcoming)  # about to be written (async types): it is kept, never deleted
+    keep = set()
+    if upcoming is not None and upcoming not in names:
+        # About to be written (async types): it counts as kept, and the newest complete
+        # checkpoint stays until it is, so that a failed save never leaves none.
+        existing = sorted(names, key=sort_fn)
+        keep = {upcoming, *existing[-1:]}
+        names.add(upcoming)
     ordered = sorted(names, key=sort_fn)
-    doomed = [name for name in ordered[: max(len(ordered) - num_kept, 0)] if name != upcoming]
+    doomed = [name for name in ordered[: max(len(ordered) - num_kept, 0)] if name not in keep]
     deleted = []
     for name in doomed:
         for victim in (root / name, root / f".{name}{STAGING_SUFFIX}", root / f".{name}{REPLACED_SUFFIX}"):
