@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torch_sagemaker.distributed.checkpoint import state_dict_utils as sdu
 from torch_sagemaker.distributed.checkpoint.async_utils import AsyncCallsQueue
+from torch_sagemaker.distributed.checkpoint.retention import limit_num_subdirs
 from torch_sagemaker.distributed.checkpoint.state_dict_loader import load, read_metadata
 from torch_sagemaker.distributed.checkpoint.state_dict_saver import async_save, save
 from torch_sagemaker.logger import warn_once
@@ -200,8 +201,6 @@ class TrainingState:
                 directory (sharded kind; see ``limit_num_subdirs``).
             regex: Which sibling directories count for ``num_kept`` (default: all).
         """
-        from torch_sagemaker.checkpoint.utils import limit_num_subdirs
-
         path, group, coordinator = self._location(checkpoint_id, kind)
         parent = Path(checkpoint_id).absolute().parent
 
