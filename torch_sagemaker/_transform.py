@@ -25,7 +25,7 @@ from torch_sagemaker.moe.moe_config import MoEConfig
 from torch_sagemaker.policy import POLICY_ATTR, check_model, lookup_policy
 from torch_sagemaker.state import state
 from torch_sagemaker.tensor_parallel import loading, transformer
-from torch_sagemaker.tensor_parallel.backend import select_backend
+from torch_sagemaker.tensor_parallel.implementation import select_backend
 
 _CP_COMM_TYPES = ("p2p", "all_gather")
 

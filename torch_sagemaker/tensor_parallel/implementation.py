@@ -1,5 +1,8 @@
 """The two tensor parallel implementations behind one interface, and the automatic choice.
 
+(``use_backend``/``select_backend`` call them backends, as SMP does; the collective backend
+"smddp" is ``torch_sagemaker.distributed.backend``, unrelated.)
+
 - ``DTensorBackend``: PyTorch-native (``parallelize_module`` with DTensor styles). Runs on
   any device, including CPU; this is what the test suite exercises.
 - ``TransformerEngineBackend`` (``tensor_parallel.te``): swaps the plan's linear layers for
