@@ -6,7 +6,7 @@ Hugging Face's; with tensor parallelism each parameter becomes a DTensor on
 vocabulary-sharded logits (a DTensor; ``logits.full_tensor()`` gathers them) and the model's
 loss function becomes the vocabulary-parallel cross entropy. The policy is recorded on the
 model for FSDP wrapping, activation checkpointing, offloading and checkpointing
-(``torch_sagemaker.policy.get_policy`` / ``transformer_layer_class``).
+(``torch_sagemaker.policies.get_policy`` / ``transformer_layer_class``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch_sagemaker.distributed.mesh import mesh_device_type
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.moe import apply as moe_apply
 from torch_sagemaker.moe.moe_config import MoEConfig
-from torch_sagemaker.policy import POLICY_ATTR, check_model, lookup_policy
+from torch_sagemaker.policies import POLICY_ATTR, check_model, lookup_policy
 from torch_sagemaker.state import state
 from torch_sagemaker.tensor_parallel import loading, transformer
 from torch_sagemaker.tensor_parallel.implementation import select_backend

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torch_sagemaker.policy import HeadSplit, ModelPolicy
+from torch_sagemaker.policies import HeadSplit, ModelPolicy
 from torch_sagemaker.tensor_parallel.random import RNGStatesTracker
 
 
