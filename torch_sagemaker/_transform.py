@@ -84,6 +84,22 @@ def _any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
+def _local_split(model: nn.Module, load_state_dict_from_rank0: bool, tp: int,
+                 moe_config: MoEConfig | None) -> bool:
+    """Whether TP/EP split each rank's own weights (no rank has data to send), not rank 0's.
+
+    Only a split over more than one rank reads it, so only then do the ranks agree on it
+    with an all-reduce; with tensor and expert parallel degrees of 1 ``transform`` makes no
+    collective call on the world group (rank-0 loading aside, which broadcasts by design).
+    """
+    if load_state_dict_from_rank0:
+        return True
+    has_meta = any(t.is_meta for t in model.parameters())
+    if tp > 1 or (moe_config is not None and state.ep_size > 1):
+        return _any_rank(has_meta)
+    return has_meta
+
+
 def transform(model: nn.Module, device: torch.device | str | None = None,
               dtype: torch.dtype | None = None, config: Any = None,
               load_state_dict_from_rank0: bool = False, cp_comm_type: str = "p2p") -> nn.Module:
@@ -104,6 +120,10 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
 
     Returns:
         The same ``model`` object, transformed in place.
+
+    Communication: with tensor, context and expert parallel degrees of 1 it makes no
+    collective call on the world group; ``load_state_dict_from_rank0=True`` broadcasts rank
+    0's weights (and its error, if any) to every rank, as it must.
 
     Raises:
         RuntimeError: If ``tsm.init`` was not called.
@@ -130,8 +150,7 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
     _check_placement(device, dtype)
     _place(model, device, dtype)
     rank0_state = loading.capture_rank0_state(model) if load_state_dict_from_rank0 else None
-    local_split = load_state_dict_from_rank0 or _any_rank(
-        any(t.is_meta for t in model.parameters()))
+    local_split = _local_split(model, load_state_dict_from_rank0, tp, moe_config)
     # 3. Tensor parallelism on the "tp" mesh axis.
     backend = select_backend()
     if tp > 1:
