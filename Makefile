@@ -38,11 +38,13 @@ demo: build
 	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) examples/train.py \
 		--smp-config examples/configs/full_shard.json
 
+# --durations: the 25 slowest tests in every run (CI included), to keep the suite's time in view.
 test: build
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS) tests
 
+# The fast tier: no spawned ranks, no builds (tests/conftest.py marks tests by directory).
 test-fast: build
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -m "not distributed and not slow" $(PYTEST_ARGS) tests
 
 bench: build
 	$(PY) -m torch_sagemaker.bench collectives --nprocs 2

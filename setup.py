@@ -3,7 +3,6 @@
 - ``csrc/**/*.cpp`` -> ``torch_sagemaker._C`` (the smddp collective backend), built with
   torch.utils.cpp_extension against the installed torch. Build without isolation
   (``pip install --no-build-isolation``) so the extension matches the torch you run.
-- ``policies/`` is installed as ``torch_sagemaker.policies`` (never as a top-level package).
 - ``smdistributed/`` is the compatibility shim SMP scripts import for the "smddp" backend.
 - ``torch_sagemaker.pth`` + ``_torch_sagemaker_alias.py`` make ``import torch.sagemaker``
   work; see that module's docstring. The .pth file is added to both the regular wheel
@@ -68,9 +67,7 @@ setup(
     version=_version(),
     description="Open re-implementation of SageMaker model parallelism v2 and SMDDP on PyTorch",
     python_requires=">=3.10",
-    packages=find_packages(include=["torch_sagemaker", "torch_sagemaker.*", "smdistributed", "smdistributed.*"])
-    + ["torch_sagemaker.policies"],
-    package_dir={"torch_sagemaker.policies": "policies"},
+    packages=find_packages(include=["torch_sagemaker", "torch_sagemaker.*", "smdistributed", "smdistributed.*"]),
     py_modules=["_torch_sagemaker_alias"],
     ext_modules=[
         CppExtension(

@@ -7,32 +7,18 @@ collective backend with torch.distributed when it was compiled.
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch_sagemaker._init import init, is_initialized
+from torch_sagemaker._transform import transform
 from torch_sagemaker._version import __version__
 from torch_sagemaker.config import ConfigError, SMPConfig
 from torch_sagemaker.distributed.backend import register as _register_backend
 from torch_sagemaker.distributed.checkpoint import torch_compat as _torch_compat
+from torch_sagemaker.offload import offload_wrapper
 from torch_sagemaker.state import state
 
 _register_backend()
 # SMP's scripts bind DCP's optimizer loader at import time, before tsm.init(): patch it now.
 _torch_compat.install()
-
-
-def transform(model: Any, *args: Any, **kwargs: Any) -> Any:
-    """Applies SMP's per-model transformation (tensor parallelism); see ``_transform.transform``."""
-    from torch_sagemaker._transform import transform as _transform
-
-    return _transform(model, *args, **kwargs)
-
-
-def offload_wrapper(model: Any, *args: Any, **kwargs: Any) -> Any:
-    """Wraps the root module for activation offloading; see ``offload.offload_wrapper``."""
-    from torch_sagemaker.offload import offload_wrapper as _offload_wrapper
-
-    return _offload_wrapper(model, *args, **kwargs)
 
 
 __all__ = ["ConfigError", "SMPConfig", "__version__", "init", "is_initialized", "offload_wrapper",

@@ -6,7 +6,7 @@ Hugging Face's; with tensor parallelism each parameter becomes a DTensor on
 vocabulary-sharded logits (a DTensor; ``logits.full_tensor()`` gathers them) and the model's
 loss function becomes the vocabulary-parallel cross entropy. The policy is recorded on the
 model for FSDP wrapping, activation checkpointing, offloading and checkpointing
-(``torch_sagemaker.policy.get_policy`` / ``transformer_layer_class``).
+(``torch_sagemaker.policies.get_policy`` / ``transformer_layer_class``).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from torch_sagemaker.distributed.mesh import mesh_device_type
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.moe import apply as moe_apply
 from torch_sagemaker.moe.moe_config import MoEConfig
-from torch_sagemaker.policy import POLICY_ATTR, check_model, lookup_policy
+from torch_sagemaker.policies import POLICY_ATTR, check_model, lookup_policy
 from torch_sagemaker.state import state
 from torch_sagemaker.tensor_parallel import loading, transformer
-from torch_sagemaker.tensor_parallel.backend import select_backend
+from torch_sagemaker.tensor_parallel.implementation import select_backend
 
 _CP_COMM_TYPES = ("p2p", "all_gather")
 
@@ -84,6 +84,22 @@ def _any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
+def _local_split(model: nn.Module, load_state_dict_from_rank0: bool, tp: int,
+                 moe_config: MoEConfig | None) -> bool:
+    """Whether TP/EP split each rank's own weights (no rank has data to send), not rank 0's.
+
+    Only a split over more than one rank reads it, so only then do the ranks agree on it
+    with an all-reduce; with tensor and expert parallel degrees of 1 ``transform`` makes no
+    collective call on the world group (rank-0 loading aside, which broadcasts by design).
+    """
+    if load_state_dict_from_rank0:
+        return True
+    has_meta = any(t.is_meta for t in model.parameters())
+    if tp > 1 or (moe_config is not None and state.ep_size > 1):
+        return _any_rank(has_meta)
+    return has_meta
+
+
 def transform(model: nn.Module, device: torch.device | str | None = None,
               dtype: torch.dtype | None = None, config: Any = None,
               load_state_dict_from_rank0: bool = False, cp_comm_type: str = "p2p") -> nn.Module:
@@ -104,6 +120,10 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
 
     Returns:
         The same ``model`` object, transformed in place.
+
+    Communication: with tensor, context and expert parallel degrees of 1 it makes no
+    collective call on the world group; ``load_state_dict_from_rank0=True`` broadcasts rank
+    0's weights (and its error, if any) to every rank, as it must.
 
     Raises:
         RuntimeError: If ``tsm.init`` was not called.
@@ -130,8 +150,7 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
     _check_placement(device, dtype)
     _place(model, device, dtype)
     rank0_state = loading.capture_rank0_state(model) if load_state_dict_from_rank0 else None
-    local_split = load_state_dict_from_rank0 or _any_rank(
-        any(t.is_meta for t in model.parameters()))
+    local_split = _local_split(model, load_state_dict_from_rank0, tp, moe_config)
     # 3. Tensor parallelism on the "tp" mesh axis.
     backend = select_backend()
     if tp > 1:

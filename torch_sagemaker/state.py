@@ -399,6 +399,8 @@ class State:
         """The RNG tracker of tensor parallel regions (see ``tensor_parallel.random``)."""
         self._require("get_rng_state_tracker")
         if self._rng_tracker is None:
+            # Function-local: state sits below every feature package, and importing
+            # tensor_parallel runs its __init__ (plan, styles, policies, DTensor).
             from torch_sagemaker.tensor_parallel.random import RNGStatesTracker
 
             object.__setattr__(self, "_rng_tracker", RNGStatesTracker.for_state(self))

@@ -48,7 +48,7 @@ def batch(dp_rank: int, rows: int = 2, seq: int = 8) -> torch.Tensor:
 
 
 def layer_class(model):
-    from torch_sagemaker.policy import transformer_layer_class
+    from torch_sagemaker.policies import transformer_layer_class
 
     return transformer_layer_class(model)
 
@@ -121,7 +121,7 @@ def moe_reference(model, cfg):
     expert parallelism: the reference for the routing options (Sinkhorn, balanced), which
     Hugging Face's blocks do not have. Each rank's batch then routes as on that rank."""
     from torch_sagemaker.moe.moe_layer import MoELayer
-    from torch_sagemaker.policy import lookup_policy
+    from torch_sagemaker.policies import lookup_policy
 
     policy = lookup_policy(model)
     spec = policy.moe

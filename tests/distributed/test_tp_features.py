@@ -58,7 +58,7 @@ def _features() -> dict:
     import torch.sagemaker as tsm
     from torch.distributed.tensor import DTensor
 
-    from torch_sagemaker.policy import get_policy, transformer_layer_class
+    from torch_sagemaker.policies import get_policy, transformer_layer_class
 
     out: dict = {}
     tsm.init({"tensor_parallel_degree": 2})

@@ -165,7 +165,7 @@ def checkpoint_and_shard(model) -> None:
     )
     from torch.distributed.fsdp import fully_shard
 
-    from torch_sagemaker.policy import transformer_layer_class
+    from torch_sagemaker.policies import transformer_layer_class
 
     layer_cls = transformer_layer_class(model)
     apply_activation_checkpointing(

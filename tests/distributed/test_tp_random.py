@@ -54,7 +54,7 @@ def _checkpointed(model, context_fn):
         checkpoint_wrapper,
     )
 
-    from torch_sagemaker.policy import transformer_layer_class
+    from torch_sagemaker.policies import transformer_layer_class
 
     layer_cls = transformer_layer_class(model)
     kwargs = {"context_fn": context_fn} if context_fn else {}

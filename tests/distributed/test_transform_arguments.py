@@ -7,6 +7,8 @@
 - ``load_state_dict_from_rank0=True`` with meta weights on rank 0 raised on rank 0 only,
   while the other ranks went on into the weight broadcast and failed with an unrelated
   mismatch; now every rank raises the same error.
+- With tp = cp = ep = 1, ``transform`` made an all-reduce on the world group (to agree on
+  meta weights that nothing then read); now it makes no collective call at all.
 """
 
 from __future__ import annotations
@@ -16,6 +18,43 @@ import pytest
 from tests.distributed.launcher import run_distributed
 
 pytestmark = pytest.mark.distributed
+
+# Collective and point-to-point functions of torch.distributed (what code calls by name).
+_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+                "all_gather_object", "broadcast_object_list", "gather", "gather_object", "scatter",
+                "scatter_object_list", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+                "all_to_all_single", "barrier", "monitored_barrier", "send", "recv", "isend",
+                "irecv", "batch_isend_irecv")
+
+
+class _CountCollectives:
+    """Counts calls of ``_COLLECTIVES`` (through ``torch.distributed`` or ``distributed_c10d``)
+    whose group is the world group, while the context is open."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        self.calls: list[str] = []
+        self._saved = []
+        for name in _COLLECTIVES:
+            original = getattr(c10d, name)
+
+            def counting(*args, __name=name, __original=original, **kwargs):
+                group = kwargs.get("group", kwargs.get("process_group"))
+                if group is None or group is dist.group.WORLD or group is c10d._get_default_group():
+                    self.calls.append(__name)
+                return __original(*args, **kwargs)
+
+            for module in (dist, c10d):
+                if getattr(module, name, None) is original:
+                    self._saved.append((module, name, original))
+                    setattr(module, name, counting)
+        return self
+
+    def __exit__(self, *exc):
+        for module, name, original in self._saved:
+            setattr(module, name, original)
 
 
 def _errors() -> dict:
@@ -48,7 +87,9 @@ def _errors() -> dict:
     else:
         with init_empty_weights():
             model = tiny_llama(seed=9)
-    model = tsm.transform(model, load_state_dict_from_rank0=True)
+    with _CountCollectives() as counter:  # the counter sees what transform does with tp=2
+        model = tsm.transform(model, load_state_dict_from_rank0=True)
+    out["tp2_world_calls"] = counter.calls
     weight = model.model.layers[0].mlp.up_proj.weight.full_tensor()
     out["loaded"] = bool(torch.equal(weight, tiny_llama(seed=5).model.layers[0].mlp.up_proj.weight))
     return out
@@ -67,4 +108,27 @@ def test_transform_argument_errors_are_early_clear_and_on_every_rank():
         assert out["rank0_meta"].startswith(
             "ValueError: load_state_dict_from_rank0=True needs real weights on rank 0"), out
         assert out["loaded"] is True
+        assert "broadcast" in out["tp2_world_calls"], out["tp2_world_calls"]
     assert results[0]["rank0_meta"] == results[1]["rank0_meta"]
+
+
+def _world_calls_without_model_parallelism() -> dict:
+    import torch.sagemaker as tsm
+    from accelerate import init_empty_weights
+
+    from tests.distributed.hf_models import tiny_llama
+
+    tsm.init({})  # tp = cp = ep = 1: hybrid sharding over both ranks only
+    out = {}
+    with _CountCollectives() as counter:
+        tsm.transform(tiny_llama())
+    out["real"] = counter.calls
+    with init_empty_weights(), _CountCollectives() as counter:
+        tsm.transform(tiny_llama())
+    out["meta"] = counter.calls
+    return out
+
+
+def test_transform_makes_no_world_collective_without_model_parallelism():
+    for out in run_distributed(_world_calls_without_model_parallelism, world_size=2, timeout=300):
+        assert out == {"real": [], "meta": []}, out

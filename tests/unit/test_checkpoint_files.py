@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch import nn
 
-from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER
 from torch_sagemaker.checkpoint.utils import SORT_BY_LAST_INT, limit_num_subdirs
 from torch_sagemaker.distributed.checkpoint import (
     AsyncCallsQueue,
@@ -23,6 +22,7 @@ from torch_sagemaker.distributed.checkpoint import (
     save,
     sm_state_dict_type,
 )
+from torch_sagemaker.distributed.checkpoint.constants import COMPLETION_MARKER
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -16,7 +16,6 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter, StorageWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER
 from torch_sagemaker.distributed.checkpoint import (
     AsyncCallsQueue,
     CheckpointError,
@@ -27,6 +26,7 @@ from torch_sagemaker.distributed.checkpoint import (
     save,
     sm_state_dict_type,
 )
+from torch_sagemaker.distributed.checkpoint.constants import COMPLETION_MARKER
 from torch_sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemWriter
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

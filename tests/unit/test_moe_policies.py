@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from torch_sagemaker.policy import lookup_policy
+from torch_sagemaker.policies import lookup_policy
 
 
 def _meta(family):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from torch_sagemaker import policies
-from torch_sagemaker.policy import (
+from torch_sagemaker.policies import (
     STYLES,
     ModelPolicy,
     check_model,

@@ -97,6 +97,26 @@ def test_smp_module_paths_import(module, names):
     assert not missing, f"{module} lacks {missing}"
 
 
+def test_public_functions_have_smp_signatures_and_docstrings():
+    """``tsm.transform`` / ``tsm.offload_wrapper`` are the functions themselves, not shims."""
+    import inspect
+
+    import torch.sagemaker as tsm
+
+    transform = inspect.signature(tsm.transform)
+    assert list(transform.parameters) == ["model", "device", "dtype", "config",
+                                          "load_state_dict_from_rank0", "cp_comm_type"]
+    assert transform.parameters["cp_comm_type"].default == "p2p"
+    offload = inspect.signature(tsm.offload_wrapper)
+    assert list(offload.parameters)[0] == "module"
+    assert offload.parameters["activation_loading_horizon"].kind is inspect.Parameter.KEYWORD_ONLY
+    for fn in (tsm.transform, tsm.offload_wrapper, tsm.init):
+        assert not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                       for p in inspect.signature(fn).parameters.values()), fn
+        assert "Args:" in fn.__doc__, fn
+    assert "Returns:" in tsm.transform.__doc__ and "Returns:" in tsm.offload_wrapper.__doc__
+
+
 def test_deprecated_fsdp_checkpoint_module_warns_on_import():
     import torch_sagemaker.distributed.fsdp.checkpoint as shim
 

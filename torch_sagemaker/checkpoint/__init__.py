@@ -1,4 +1,7 @@
-"""Checkpoint helpers with SMP's module paths (``torch.sagemaker.checkpoint``).
+"""SMP's module paths for checkpoint helpers (``torch.sagemaker.checkpoint``), re-exported.
 
-The save/load machinery itself lives in ``torch_sagemaker.distributed.checkpoint``.
+Nothing is defined here: ``constants`` and ``utils`` re-export
+``torch_sagemaker.distributed.checkpoint.constants`` and ``...retention``, where the code
+lives next to the save/load machinery that uses it. The library itself never imports this
+package.
 """

@@ -40,7 +40,7 @@ from torch_sagemaker.context_parallel import attention
 from torch_sagemaker.context_parallel.comm import all_gather_stacked
 from torch_sagemaker.context_parallel.layout import check_local_length, local_positions
 from torch_sagemaker.context_parallel.loss import context_parallel_loss
-from torch_sagemaker.policy import ModelPolicy
+from torch_sagemaker.policies import ModelPolicy
 
 #: Attribute set on a model prepared for context parallelism (its ``ContextParallelAttention``).
 MODEL_ATTR = "_tsm_context_parallel_model"

@@ -11,7 +11,9 @@ Modules, one concern each:
 * ``stats``      the counters; ``wrapper`` the public wrapper; ``torch_patch`` the routing
   of PyTorch's ``offload_wrapper``.
 
-Importing this package installs ``torch_patch`` (a no-op until ``tsm.init()``).
+Importing this package installs ``torch_patch`` (a no-op until ``tsm.init()``). Imports go
+one way: ``wrapper`` -> ``engine`` -> ``hooks``/``records``/``streams``/``buffers``/``schedule``;
+``torch_patch`` is handed the wrapper by this file rather than importing it.
 """
 
 from torch_sagemaker.offload import torch_patch
@@ -25,7 +27,7 @@ from torch_sagemaker.offload.wrapper import (
     offload_wrapper,
 )
 
-torch_patch.install()
+torch_patch.install(offload_wrapper)
 
 __all__ = [
     "DEFAULT_MIN_OFFLOAD_BYTES",

@@ -51,6 +51,8 @@ DEFAULT_MAX_STASH_BYTES = 1 << 30
 class OffloadEngine:
     """Offloads the saved activations of wrapped layers and prefetches them for backward.
 
+    It is the ``hooks.SavedTensorSink`` the saved-tensor hooks report to.
+
     Args:
         horizon: Layers kept resident ahead of the layer whose backward runs.
         min_offload_bytes: Storages smaller than this stay on the device.

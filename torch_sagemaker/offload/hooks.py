@@ -7,20 +7,24 @@ the *storage* it views and handed to the engine, which offloads each storage onc
 storage the engine makes resident, so two saved views of one storage still alias after the
 round trip, and a DTensor is rebuilt around its local shard with its original mesh,
 placements, shape and stride.
+
+The hooks talk to the engine through ``SavedTensorSink``, a protocol defined here: the
+engine (``engine.OffloadEngine``) installs the hooks and implements the protocol, and this
+module never imports the engine, so the two import one way.
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from torch_sagemaker.offload.engine import OffloadEngine
-    from torch_sagemaker.offload.records import PassRecord, StorageRecord
+    from torch_sagemaker.offload.records import PassRecord, StorageRecord, UnitRecord
+    from torch_sagemaker.offload.stats import StatsRecorder
 
 _dtensor_type: Any = None
 
@@ -66,6 +70,41 @@ class ViewSpec:
             return _dtensor_class().from_local(local, meta.mesh, meta.placements,
                                                run_check=False, shape=meta.shape,
                                                stride=meta.stride)
+
+
+class SavedTensorSink(Protocol):
+    """What ``pack``/``unpack`` need from the offload engine (``OffloadEngine`` is one)."""
+
+    stats: StatsRecorder
+
+    def current_unit(self) -> UnitRecord | None:
+        """The innermost wrapped layer running in the current forward pass, if any."""
+        ...
+
+    def active_pass(self) -> PassRecord:
+        """The pass whose forward is running."""
+        ...
+
+    def on_compute_device(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives on the device type whose memory offloading frees."""
+        ...
+
+    def is_module_state(self, key: tuple[torch.device, int]) -> bool:
+        """Whether ``key`` is the storage of a parameter or buffer of the root module."""
+        ...
+
+    def save_storage(self, unit: UnitRecord, local: torch.Tensor, tensor: torch.Tensor,
+                     key: tuple[torch.device, int]) -> tuple[StorageRecord, bool]:
+        """Records a saved tensor; returns its storage's record and whether to keep it as is."""
+        ...
+
+    def note_backward(self, pass_record: PassRecord, unit: int) -> None:
+        """A saved tensor of ``unit`` is being unpacked (its backward may have started)."""
+        ...
+
+    def resident_storage(self, pass_record: PassRecord, record: StorageRecord) -> torch.Tensor:
+        """The device storage of ``record``, fetched now if it is not resident."""
+        ...
 
 
 class SavedRef:
@@ -149,7 +188,7 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     """``saved_tensors_hooks`` that route the wrapped layers' saved tensors to ``engine``."""
 
-    def __init__(self, engine: OffloadEngine) -> None:
+    def __init__(self, engine: SavedTensorSink) -> None:
         engine_ref = weakref.ref(engine)  # the hooks outlive nothing, but avoid a cycle
 
         def pack(tensor: torch.Tensor) -> Any:
@@ -161,7 +200,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(pack, unpack)
 
 
-def _pack(engine: OffloadEngine | None, tensor: torch.Tensor) -> Any:
+def _pack(engine: SavedTensorSink | None, tensor: torch.Tensor) -> Any:
     unit = engine.current_unit() if engine is not None else None
     if unit is None:
         if engine is not None:
@@ -181,7 +220,7 @@ def _pack(engine: OffloadEngine | None, tensor: torch.Tensor) -> Any:
                     tensor if keep_original else None)
 
 
-def _unpack(engine: OffloadEngine | None, packed: Any) -> torch.Tensor:
+def _unpack(engine: SavedTensorSink | None, packed: Any) -> torch.Tensor:
     if not isinstance(packed, SavedRef):
         return packed
     if engine is None:

@@ -13,18 +13,28 @@ imports this package), so a script must import ``torch.sagemaker`` (or ``torch_s
 before it runs ``from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import
 offload_wrapper``; a name bound earlier keeps PyTorch's function. Processes that never call
 ``tsm.init()`` see no change in behaviour.
+
+The prefetching wrapper is handed to ``install`` (``offload/__init__.py`` does it) instead of
+imported here: ``wrapper`` imports this module for PyTorch's function, so this module must
+not import ``wrapper``.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as _torch_module
 
+from torch_sagemaker.state import state
+
 # PyTorch's function, captured before the patch (installing twice keeps the first capture).
 _native = getattr(_torch_module.offload_wrapper, "__tsm_native__", _torch_module.offload_wrapper)
+
+# The prefetching ``offload_wrapper`` the dispatcher routes to, set by ``install``.
+_route: Callable[..., nn.Module] | None = None
 
 
 def native_offload_wrapper(module: nn.Module) -> nn.Module:
@@ -33,25 +43,29 @@ def native_offload_wrapper(module: nn.Module) -> nn.Module:
 
 
 def _use_prefetching() -> bool:
-    from torch_sagemaker.state import state
-
-    return state.initialized and bool(state.sm_activation_offloading)
+    return _route is not None and state.initialized and bool(state.sm_activation_offloading)
 
 
 @functools.wraps(_native)
 def _dispatching_offload_wrapper(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
     if _use_prefetching():
-        from torch_sagemaker.offload.wrapper import offload_wrapper
-
-        return offload_wrapper(module, *args, **kwargs)
+        assert _route is not None
+        return _route(module, *args, **kwargs)
     return _native(module, *args, **kwargs)
 
 
 _dispatching_offload_wrapper.__tsm_native__ = _native  # type: ignore[attr-defined]
 
 
-def install() -> None:
-    """Replaces ``checkpoint_wrapper.offload_wrapper`` with the dispatcher (idempotent)."""
+def install(route: Callable[..., nn.Module]) -> None:
+    """Replaces ``checkpoint_wrapper.offload_wrapper`` with the dispatcher (idempotent).
+
+    Args:
+        route: What the dispatcher calls after ``tsm.init()`` with offloading on
+            (``torch_sagemaker.offload.offload_wrapper``), with the caller's arguments.
+    """
+    global _route
+    _route = route
     _torch_module.offload_wrapper = _dispatching_offload_wrapper
 
 

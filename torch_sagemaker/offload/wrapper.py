@@ -30,7 +30,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch_sagemaker.logger import warn_once
 from torch_sagemaker.offload.engine import DEFAULT_MAX_STASH_BYTES, OffloadEngine
 from torch_sagemaker.offload.stats import OffloadStats
+from torch_sagemaker.offload.torch_patch import native_offload_wrapper
 from torch_sagemaker.policies import registered_policies
+from torch_sagemaker.state import state
 from torch_sagemaker.tensor_parallel.transformer import TransformerLayer
 
 # Storages below this many bytes stay on the device: copying them costs more in launch
@@ -179,9 +181,6 @@ def offload_wrapper(module: nn.Module, *, activation_loading_horizon: int | None
         >>> loss = model(batch).sum(); loss.backward()
         >>> print(torch_sagemaker.offload.get_stats(model, reset=True).summary())
     """
-    from torch_sagemaker.offload.torch_patch import native_offload_wrapper
-    from torch_sagemaker.state import state
-
     if not state.sm_activation_offloading:
         return native_offload_wrapper(module)
     if layers is None:

@@ -8,7 +8,10 @@
   (non-reentrant ``checkpoint_wrapper``), before FSDP2 / before or after FSDP1.
 """
 
-from torch_sagemaker.sharding.checkpointing import CheckpointImpl, apply_activation_checkpointing
+from torch_sagemaker.sharding.activation_checkpointing import (
+           CheckpointImpl,
+           apply_activation_checkpointing,
+)
 from torch_sagemaker.sharding.fsdp2 import fsdp2_mesh, shard_model, transformer_layer_classes
 
 __all__ = ["CheckpointImpl", "apply_activation_checkpointing", "fsdp2_mesh", "shard_model",

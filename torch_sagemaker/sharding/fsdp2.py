@@ -16,6 +16,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from torch_sagemaker.context_parallel import check_prepared
 from torch_sagemaker.logger import log_rank0
+from torch_sagemaker.policies import transformer_layer_class
 from torch_sagemaker.sharding import cache_flush
 from torch_sagemaker.sharding.experts import fully_shard_experts
 from torch_sagemaker.state import state
@@ -41,8 +42,6 @@ def transformer_layer_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     Uses the model's policy (the one ``tsm.transform`` recorded, else the registry's) and
     falls back to the Hugging Face model's ``_no_split_modules`` for unregistered models.
     """
-    from torch_sagemaker.policy import transformer_layer_class
-
     try:
         return (transformer_layer_class(model),)
     except ValueError:

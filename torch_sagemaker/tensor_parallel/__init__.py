@@ -6,7 +6,7 @@ Entry point for users is ``tsm.transform``; the pieces here are public for polic
 
 from __future__ import annotations
 
-from torch_sagemaker.tensor_parallel.backend import select_backend, te_available, use_backend
+from torch_sagemaker.tensor_parallel.implementation import select_backend, te_available, use_backend
 from torch_sagemaker.tensor_parallel.loss import causal_lm_loss, vocab_parallel_cross_entropy
 from torch_sagemaker.tensor_parallel.random import RNGStatesTracker
 

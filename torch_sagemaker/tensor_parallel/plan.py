@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from torch_sagemaker.policy import HeadSplit, ModelPolicy
+from torch_sagemaker.policies import HeadSplit, ModelPolicy
 from torch_sagemaker.tensor_parallel.loss import causal_lm_loss
 from torch_sagemaker.tensor_parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker
 from torch_sagemaker.tensor_parallel.styles import make_style

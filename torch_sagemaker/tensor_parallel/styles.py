@@ -257,7 +257,7 @@ class ReplicatedKVColwise(ParallelStyle):
 
 
 def make_style(name: str, *, head_dim: int = 0, kv_head: int | None = None) -> ParallelStyle:
-    """The parallel style for a style name of ``torch_sagemaker.policy.STYLES``.
+    """The parallel style for a style name of ``torch_sagemaker.policies.STYLES``.
 
     Args:
         name: Style name.

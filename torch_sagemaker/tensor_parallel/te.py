@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torch_sagemaker.policy import HeadSplit, ModelPolicy
+from torch_sagemaker.policies import HeadSplit, ModelPolicy
 from torch_sagemaker.tensor_parallel.plan import install_rng_region, matching_modules
 from torch_sagemaker.tensor_parallel.random import RNGStatesTracker
 

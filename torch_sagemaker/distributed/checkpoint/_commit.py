@@ -34,10 +34,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER
 from torch_sagemaker.distributed.checkpoint import atomic_dir, integrity
 from torch_sagemaker.distributed.checkpoint._group import Participants
 from torch_sagemaker.distributed.checkpoint.atomic_dir import CheckpointError
+from torch_sagemaker.distributed.checkpoint.constants import COMPLETION_MARKER
 
 #: How long a rank that lost its peers waits for the coordinator's outcome.
 OUTCOME_WAIT_S = 60.0

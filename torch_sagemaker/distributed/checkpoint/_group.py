@@ -7,6 +7,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from torch_sagemaker.distributed.checkpoint.atomic_dir import CheckpointError
+
 T = TypeVar("T")
 
 
@@ -64,8 +66,6 @@ class Participants:
         Raises:
             CheckpointError: If ``fn`` raised, or the group failed (a rank died) meanwhile.
         """
-        from torch_sagemaker.distributed.checkpoint.atomic_dir import CheckpointError
-
         result: list[Any] = [None, None]  # error text, value
         if self.is_coordinator:
             try:

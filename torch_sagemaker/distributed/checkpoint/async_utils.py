@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch_sagemaker.distributed.checkpoint.atomic_dir import CheckpointError
+
 
 @dataclass
 class _Call:
@@ -64,8 +66,6 @@ class AsyncCallsQueue:
                 checkpoint is complete, where a rank failed afterwards); later requests stay
                 queued.
         """
-        from torch_sagemaker.distributed.checkpoint.atomic_dir import CheckpointError
-
         if blocking:
             count = len(self._calls)
         else:

@@ -27,13 +27,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torch_sagemaker.checkpoint.constants import (
+from torch_sagemaker.distributed.checkpoint import integrity
+from torch_sagemaker.distributed.checkpoint.constants import (
     COMPLETION_MARKER,
     FORMAT_VERSION,
     REPLACED_SUFFIX,
     STAGING_SUFFIX,
 )
-from torch_sagemaker.distributed.checkpoint import integrity
 
 
 class CheckpointError(RuntimeError):

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch_sagemaker.distributed.checkpoint import atomic_dir, integrity
 from torch_sagemaker.distributed.checkpoint._group import Participants
 from torch_sagemaker.distributed.checkpoint.atomic_dir import CheckpointError
+from torch_sagemaker.distributed.checkpoint.state_dict_saver import describe_failure
 from torch_sagemaker.distributed.checkpoint.state_dict_utils import (
     current_layout,
     find_local_layout,
@@ -207,8 +208,6 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
         dcp.load(state_dict, checkpoint_id=path, storage_reader=storage_reader, planner=planner,
                  process_group=participants.group, no_dist=not participants.distributed)
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-        from torch_sagemaker.distributed.checkpoint.state_dict_saver import describe_failure
-
         raise CheckpointError(f"reading checkpoint {path} failed, a file is probably corrupt: "
                               f"{describe_failure(e)}") from e
 

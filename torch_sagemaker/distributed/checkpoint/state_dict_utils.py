@@ -25,6 +25,8 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from torch_sagemaker.state import state
+
 
 class SMStateDictType(enum.Enum):
     """SMP's additional state-dict kinds (next to ``torch...fsdp.StateDictType``)."""
@@ -40,8 +42,6 @@ class SMLocalStateDict(dict):
 
 def current_layout() -> dict[str, Any]:
     """The parallel layout of this job: world size, degrees and this rank's shard coordinates."""
-    from torch_sagemaker.state import state
-
     distributed = dist.is_available() and dist.is_initialized()
     layout: dict[str, Any] = {"world_size": dist.get_world_size() if distributed else 1}
     if state.initialized:
@@ -56,8 +56,6 @@ def current_layout() -> dict[str, Any]:
 
 def shard_coordinates() -> dict[str, int]:
     """This rank's position inside one replica: (tp rank, ep rank, rank in the FSDP shard group)."""
-    from torch_sagemaker.state import state
-
     if not state.initialized:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         return {"tp_rank": 0, "ep_rank": 0, "fsdp_rank": rank}

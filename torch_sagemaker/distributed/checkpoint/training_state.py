@@ -36,9 +36,11 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torch_sagemaker.distributed.checkpoint import state_dict_utils as sdu
 from torch_sagemaker.distributed.checkpoint.async_utils import AsyncCallsQueue
+from torch_sagemaker.distributed.checkpoint.retention import limit_num_subdirs
 from torch_sagemaker.distributed.checkpoint.state_dict_loader import load, read_metadata
 from torch_sagemaker.distributed.checkpoint.state_dict_saver import async_save, save
 from torch_sagemaker.logger import warn_once
+from torch_sagemaker.state import state as smp_state  # (``state`` names RNG states here)
 
 _KINDS = ("sharded", "local")
 
@@ -150,8 +152,6 @@ class TrainingState:
     # -------------------------------------------------------- save / load
     def _location(self, checkpoint_id: str | os.PathLike[str], kind: str) -> tuple[Path, Any, int]:
         """Directory, process group and coordinator of this rank's part of the save."""
-        from torch_sagemaker.state import state
-
         path = Path(checkpoint_id)
         if kind == "sharded":
             if not _fsdp1_per_rank(self.model):
@@ -159,29 +159,29 @@ class TrainingState:
             # Note [FSDP1 sharded state dict layout] (sharding/fsdp1_layout.py): FSDP1 shards of
             # TP and EP models hold TP-/EP-local tensors, so one directory per TP and EP rank,
             # written by the data-parallel ranks that hold that shard, as SMP's scripts do.
-            if state.cp_size > 1:
+            if smp_state.cp_size > 1:
                 raise NotImplementedError(
                     "TrainingState of an FSDP1 model with context parallelism and tensor or expert "
                     "parallelism is not supported: shard the model with FSDP2 "
                     "(torch_sagemaker.sharding.shard_model) for reshardable checkpoints.")
-            if state.ep_size > 1:
-                if state.layout.edp_replicate > 1:
+            if smp_state.ep_size > 1:
+                if smp_state.layout.edp_replicate > 1:
                     raise NotImplementedError(
                         "TrainingState of an FSDP1 expert-parallel model whose experts are also "
-                        f"replicated ({state.layout.edp_replicate} replicas per EP rank) is not "
+                        f"replicated ({smp_state.layout.edp_replicate} replicas per EP rank) is not "
                         "supported: use FSDP2 (torch_sagemaker.sharding.shard_model) or SM-local "
                         "checkpoints (kind='local').")
-                group = state.fsdp_shard_process_group  # the ranks holding this EP rank's experts
-                path = path / f"ep{state.ep_size}-{state.ep_rank}"
+                group = smp_state.fsdp_shard_process_group  # the ranks holding this EP rank's experts
+                path = path / f"ep{smp_state.ep_size}-{smp_state.ep_rank}"
             else:
-                group = state.dp_process_group
-                path = path / f"tp{state.tp_size}-{state.tp_rank}"
+                group = smp_state.dp_process_group
+                path = path / f"tp{smp_state.tp_size}-{smp_state.tp_rank}"
             return path, group, min(dist.get_process_group_ranks(group))
 
         # The ranks writing one ``tp{r}_ep{r}_fsdp{r}`` directory: the replicas that hold the
         # same shard *and the same experts* (with expert parallelism, replicas of different EP
         # ranks hold different experts; without it this is the whole replicate group).
-        group = state.expert_fsdp_mesh["edp_replicate"].get_group() if state.initialized else None
+        group = smp_state.expert_fsdp_mesh["edp_replicate"].get_group() if smp_state.initialized else None
         ranks = dist.get_process_group_ranks(group) if group is not None else [_rank()]
         return path / sdu.local_subdir(), group, min(ranks)
 
@@ -200,8 +200,6 @@ class TrainingState:
                 directory (sharded kind; see ``limit_num_subdirs``).
             regex: Which sibling directories count for ``num_kept`` (default: all).
         """
-        from torch_sagemaker.checkpoint.utils import limit_num_subdirs
-
         path, group, coordinator = self._location(checkpoint_id, kind)
         parent = Path(checkpoint_id).absolute().parent
 
@@ -265,18 +263,14 @@ def _unwrap_root(model: nn.Module) -> nn.Module:
 
 def _first_shard_dir() -> bool:
     """Whether this rank writes the first per-TP/EP-rank directory (whose group prunes)."""
-    from torch_sagemaker.state import state
-
-    return not state.initialized or (state.tp_rank == 0 and state.ep_rank == 0)
+    return not smp_state.initialized or (smp_state.tp_rank == 0 and smp_state.ep_rank == 0)
 
 
 def _fsdp1_per_rank(model: nn.Module) -> bool:
     """Whether ``model`` is FSDP1-wrapped with tensor- or expert-parallel parameters inside."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    from torch_sagemaker.state import state
-
-    return (state.initialized and (state.tp_size > 1 or state.ep_size > 1)
+    return (smp_state.initialized and (smp_state.tp_size > 1 or smp_state.ep_size > 1)
             and any(isinstance(m, FullyShardedDataParallel) for m in model.modules()))
 
 

@@ -1,26 +1,26 @@
-"""Backend choice without CUDA/Transformer Engine, and the vocabulary-shard arithmetic."""
+"""TP implementation choice without CUDA/Transformer Engine, and the vocabulary-shard arithmetic."""
 
 from __future__ import annotations
 
 import pytest
 
-from torch_sagemaker.tensor_parallel import backend
+from torch_sagemaker.tensor_parallel import implementation
 from torch_sagemaker.tensor_parallel.loss import vocab_shard_offset
 
 
 def test_dtensor_backend_is_chosen_without_te_or_cuda():
-    if backend.te_available():
+    if implementation.te_available():
         pytest.skip("Transformer Engine and CUDA are available here")
-    assert backend.select_backend().name == "dtensor"
+    assert implementation.select_backend().name == "dtensor"
     with pytest.raises(ValueError, match="needs transformer_engine and CUDA"):
-        backend.use_backend("te")
+        implementation.use_backend("te")
     with pytest.raises(ValueError, match="use 'dtensor', 'te' or None"):
-        backend.use_backend("megatron")
-    backend.use_backend("dtensor")
+        implementation.use_backend("megatron")
+    implementation.use_backend("dtensor")
     try:
-        assert backend.select_backend().name == "dtensor"
+        assert implementation.select_backend().name == "dtensor"
     finally:
-        backend.use_backend(None)
+        implementation.use_backend(None)
 
 
 @pytest.mark.parametrize("vocab, shards, offsets", [

@@ -8,7 +8,7 @@ shard over the vocabulary (the tie is kept).
 from __future__ import annotations
 
 from torch_sagemaker.policies.llama import LLAMA_SPLIT_SIZES, llama_style_plan
-from torch_sagemaker.policy import ModelPolicy
+from torch_sagemaker.policies.model_policy import ModelPolicy
 
 QWEN2 = ModelPolicy(
     name="qwen2",

@@ -11,7 +11,7 @@ stay untouched. Expert parallelism only: no tensor parallel plan (``tsm.transfor
 
 from __future__ import annotations
 
-from torch_sagemaker.policy import ModelPolicy, MoESpec
+from torch_sagemaker.policies.model_policy import ModelPolicy, MoESpec
 
 QWEN2_MOE = ModelPolicy(
     name="qwen2_moe",

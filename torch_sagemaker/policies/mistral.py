@@ -7,7 +7,7 @@ sequence, so the Llama plan applies unchanged.
 from __future__ import annotations
 
 from torch_sagemaker.policies.llama import LLAMA_SPLIT_SIZES, llama_style_plan
-from torch_sagemaker.policy import ModelPolicy
+from torch_sagemaker.policies.model_policy import ModelPolicy
 
 MISTRAL = ModelPolicy(
     name="mistral",

@@ -9,7 +9,7 @@ head, and sequence parallelism for the norms between the parallel regions. RoPE 
 
 from __future__ import annotations
 
-from torch_sagemaker.policy import ModelPolicy
+from torch_sagemaker.policies.model_policy import ModelPolicy
 
 
 def llama_style_plan(base: str = "model", mlp: bool = True) -> dict[str, str]:

@@ -9,7 +9,7 @@ and draw the unsharded model's mask. Attention is multi-head (no kv-head attribu
 
 from __future__ import annotations
 
-from torch_sagemaker.policy import ModelPolicy
+from torch_sagemaker.policies.model_policy import ModelPolicy
 
 _LAYER = "gpt_neox.layers.*"
 

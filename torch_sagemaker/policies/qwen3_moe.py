@@ -7,7 +7,7 @@ Expert parallelism only: no tensor parallel plan.
 
 from __future__ import annotations
 
-from torch_sagemaker.policy import ModelPolicy, MoESpec
+from torch_sagemaker.policies.model_policy import ModelPolicy, MoESpec
 
 QWEN3_MOE = ModelPolicy(
     name="qwen3_moe",

@@ -16,7 +16,7 @@ tensors over the EP ranks instead; ``moe`` says where they are.
 from __future__ import annotations
 
 from torch_sagemaker.policies.llama import llama_style_plan
-from torch_sagemaker.policy import ModelPolicy, MoESpec
+from torch_sagemaker.policies.model_policy import ModelPolicy, MoESpec
 
 MIXTRAL = ModelPolicy(
     name="mixtral",

@@ -1,5 +1,8 @@
 """The two tensor parallel implementations behind one interface, and the automatic choice.
 
+(``use_backend``/``select_backend`` call them backends, as SMP does; the collective backend
+"smddp" is ``torch_sagemaker.distributed.backend``, unrelated.)
+
 - ``DTensorBackend``: PyTorch-native (``parallelize_module`` with DTensor styles). Runs on
   any device, including CPU; this is what the test suite exercises.
 - ``TransformerEngineBackend`` (``tensor_parallel.te``): swaps the plan's linear layers for
@@ -18,8 +21,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torch_sagemaker.policy import HeadSplit, ModelPolicy
+from torch_sagemaker.policies import HeadSplit, ModelPolicy
+from torch_sagemaker.tensor_parallel.plan import apply_tp_plan
 from torch_sagemaker.tensor_parallel.random import RNGStatesTracker
+
+# te.py imports transformer_engine only inside its functions: importing it is cheap and works
+# without Transformer Engine.
+from torch_sagemaker.tensor_parallel.te import TransformerEngineBackend
 
 
 class TPBackend(Protocol):
@@ -41,8 +49,6 @@ class DTensorBackend:
     def apply(self, model: nn.Module, policy: ModelPolicy, heads: HeadSplit, *, tp_mesh: DeviceMesh,
               tracker: RNGStatesTracker, src_data_rank: int | None) -> None:
         """See ``TPBackend.apply``."""
-        from torch_sagemaker.tensor_parallel.plan import apply_tp_plan
-
         apply_tp_plan(model, tp_mesh, policy, heads, tracker=tracker, src_data_rank=src_data_rank)
 
 
@@ -72,8 +78,6 @@ def select_backend() -> TPBackend:
     """The forced backend, else Transformer Engine when available, else DTensor."""
     name = _FORCED or ("te" if te_available() else "dtensor")
     if name == "te":
-        from torch_sagemaker.tensor_parallel.te import TransformerEngineBackend
-
         return TransformerEngineBackend()
     return DTensorBackend()
 

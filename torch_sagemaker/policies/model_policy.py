@@ -1,15 +1,12 @@
-"""Model policies: what ``tsm.transform`` needs to know about one model family, as data.
+"""The policy type: what ``tsm.transform`` needs to know about one model family, as data.
 
 A ``ModelPolicy`` names the Hugging Face classes it covers, the transformer layer class
 (the unit of FSDP wrapping, activation checkpointing and offloading), the attention modules
 (tensor parallel regions, head bookkeeping) and the tensor parallel plan: module-name
-patterns mapped to style names (``STYLES``). The policies themselves live in
-``torch_sagemaker.policies`` (one small module per family, registered in an explicit list);
-this module holds the generic pieces: the dataclass, the lookup, the head arithmetic and
-the accessors other components use to find a transformed model's layer class:
-
-    >>> from torch_sagemaker.policy import get_policy, transformer_layer_class
-    >>> transformer_layer_class(model)          # e.g. LlamaDecoderLayer, for fully_shard
+patterns mapped to style names (``STYLES``). This module holds the generic pieces (the
+dataclasses and the head arithmetic that checks a model config against a policy); the
+family modules next to it (``llama``, ``mixtral``, ...) declare policies, and ``registry``
+lists them and finds the one covering a model. Nothing here imports a family module.
 """
 
 from __future__ import annotations
@@ -34,10 +31,6 @@ STYLES: Mapping[str, str] = {
     "experts": "fused MoE experts (expert dim 0) split over the TP ranks",
     "reduce_scatter_output": "module output summed over TP ranks and split over the sequence",
 }
-
-#: Attribute set by ``tsm.transform`` on the model it transformed.
-POLICY_ATTR = "_tsm_policy"
-
 
 @dataclass(frozen=True)
 class MoESpec:
@@ -238,61 +231,4 @@ def check_model(policy: ModelPolicy, config: Any, tp: int) -> HeadSplit:
     return heads
 
 
-def _registry() -> list[ModelPolicy]:
-    from torch_sagemaker import policies
-
-    return policies.registered_policies()
-
-
-def lookup_policy(model: nn.Module) -> ModelPolicy:
-    """The registered policy covering ``model`` (the most recently registered wins).
-
-    Raises:
-        ValueError: If no policy covers the model's class; lists the supported classes and
-            how to register a policy.
-    """
-    for policy in _registry():
-        if policy.matches(model):
-            return policy
-    supported = sorted(c for p in _registry() for c in p.model_classes)
-    raise ValueError(
-        f"tsm.transform does not support {type(model).__name__}. Supported models: "
-        f"{', '.join(supported)}. To add one, describe it with a "
-        "torch_sagemaker.policy.ModelPolicy (layer class, attention pattern, TP plan) and call "
-        "torch_sagemaker.policies.register_policy(policy) before tsm.transform; see "
-        "docs/tensor_parallel.md."
-    )
-
-
-def get_policy(model: nn.Module) -> ModelPolicy | None:
-    """The policy ``tsm.transform`` recorded on ``model``, or ``None`` if it was not transformed.
-
-    Works through wrappers that keep the original module reachable (FSDP2 keeps the object;
-    ``checkpoint_wrapper``/FSDP1 expose it as ``_checkpoint_wrapped_module``/``module``).
-    """
-    seen = model
-    for _ in range(8):
-        policy = getattr(seen, POLICY_ATTR, None)
-        if policy is not None:
-            return policy
-        inner = getattr(seen, "_checkpoint_wrapped_module", None) or getattr(seen, "module", None)
-        if not isinstance(inner, nn.Module):
-            return None
-        seen = inner
-    return None
-
-
-def transformer_layer_class(model: nn.Module) -> type[nn.Module]:
-    """The transformer layer class of a model: the unit to ``fully_shard``/checkpoint/offload.
-
-    Uses the policy ``tsm.transform`` recorded, else looks the model up in the registry.
-
-    Raises:
-        ValueError: If the model is not covered by any policy.
-    """
-    policy = get_policy(model) or lookup_policy(model)
-    return policy.layer_cls(model)
-
-
-__all__ = ["POLICY_ATTR", "STYLES", "HeadSplit", "MoESpec", "ModelPolicy", "check_model", "get_policy",
-           "lookup_policy", "split_heads", "transformer_layer_class"]
+__all__ = ["STYLES", "HeadSplit", "MoESpec", "ModelPolicy", "check_model", "split_heads"]

@@ -1,0 +1,115 @@
+"""The policy registry: the shipped policies, users' own, and the lookups other layers use.
+
+One small module per model family declares its policy as data. ``POLICIES`` lists them
+explicitly (no folder scanning, no import side effects); ``register_policy`` adds a user's
+own policy, which then wins over the shipped ones for the classes it names. Other
+components find a model's policy and layer class here:
+
+    >>> from torch_sagemaker.policies import get_policy, transformer_layer_class
+    >>> transformer_layer_class(model)          # e.g. LlamaDecoderLayer, for fully_shard
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from torch_sagemaker.policies.gpt_neox import GPT_NEOX
+from torch_sagemaker.policies.llama import LLAMA
+from torch_sagemaker.policies.mistral import MISTRAL
+from torch_sagemaker.policies.mixtral import MIXTRAL
+from torch_sagemaker.policies.model_policy import ModelPolicy
+from torch_sagemaker.policies.qwen2 import QWEN2
+from torch_sagemaker.policies.qwen2_moe import QWEN2_MOE
+from torch_sagemaker.policies.qwen3_moe import QWEN3_MOE
+
+#: Attribute set by ``tsm.transform`` on the model it transformed.
+POLICY_ATTR = "_tsm_policy"
+
+#: The shipped policies, in lookup order.
+POLICIES: tuple[ModelPolicy, ...] = (LLAMA, MISTRAL, MIXTRAL, GPT_NEOX, QWEN2, QWEN2_MOE, QWEN3_MOE)
+
+# Policies added with register_policy, newest first; consulted before POLICIES.
+_USER_POLICIES: list[ModelPolicy] = []
+
+
+def register_policy(policy: ModelPolicy) -> None:
+    """Registers ``policy`` so that ``tsm.transform`` accepts the classes it names.
+
+    A policy registered later wins over earlier ones and over the shipped policies.
+
+    Args:
+        policy: The policy to add.
+
+    Raises:
+        TypeError: If ``policy`` is not a ``ModelPolicy``.
+    """
+    if not isinstance(policy, ModelPolicy):
+        raise TypeError(f"register_policy expects a torch_sagemaker.policies.ModelPolicy, got "
+                        f"{type(policy).__name__}.")
+    _USER_POLICIES.insert(0, policy)
+
+
+def unregister_policy(policy: ModelPolicy) -> None:
+    """Removes a policy added with ``register_policy`` (no-op if absent)."""
+    if policy in _USER_POLICIES:
+        _USER_POLICIES.remove(policy)
+
+
+def registered_policies() -> list[ModelPolicy]:
+    """User policies (newest first), then the shipped ones."""
+    return [*_USER_POLICIES, *POLICIES]
+
+
+def lookup_policy(model: nn.Module) -> ModelPolicy:
+    """The registered policy covering ``model`` (the most recently registered wins).
+
+    Raises:
+        ValueError: If no policy covers the model's class; lists the supported classes and
+            how to register a policy.
+    """
+    for policy in registered_policies():
+        if policy.matches(model):
+            return policy
+    supported = sorted(c for p in registered_policies() for c in p.model_classes)
+    raise ValueError(
+        f"tsm.transform does not support {type(model).__name__}. Supported models: "
+        f"{', '.join(supported)}. To add one, describe it with a "
+        "torch_sagemaker.policies.ModelPolicy (layer class, attention pattern, TP plan) and call "
+        "torch_sagemaker.policies.register_policy(policy) before tsm.transform; see "
+        "docs/tensor_parallel.md."
+    )
+
+
+def get_policy(model: nn.Module) -> ModelPolicy | None:
+    """The policy ``tsm.transform`` recorded on ``model``, or ``None`` if it was not transformed.
+
+    Works through wrappers that keep the original module reachable (FSDP2 keeps the object;
+    ``checkpoint_wrapper``/FSDP1 expose it as ``_checkpoint_wrapped_module``/``module``).
+    """
+    seen = model
+    for _ in range(8):
+        policy = getattr(seen, POLICY_ATTR, None)
+        if policy is not None:
+            return policy
+        inner = getattr(seen, "_checkpoint_wrapped_module", None) or getattr(seen, "module", None)
+        if not isinstance(inner, nn.Module):
+            return None
+        seen = inner
+    return None
+
+
+def transformer_layer_class(model: nn.Module) -> type[nn.Module]:
+    """The transformer layer class of a model: the unit to ``fully_shard``/checkpoint/offload.
+
+    Uses the policy ``tsm.transform`` recorded, else looks the model up in the registry.
+
+    Raises:
+        ValueError: If the model is not covered by any policy.
+    """
+    policy = get_policy(model) or lookup_policy(model)
+    return policy.layer_cls(model)
+
+
+__all__ = ["GPT_NEOX", "LLAMA", "MISTRAL", "MIXTRAL", "POLICIES", "POLICY_ATTR", "QWEN2", "QWEN2_MOE",
+           "QWEN3_MOE", "get_policy", "lookup_policy", "register_policy", "registered_policies",
+           "transformer_layer_class", "unregister_policy"]
