@@ -28,15 +28,8 @@ module being wrapped after ``param_init_fn`` has materialised its last meta tens
 before wrapping when nothing is on meta), e.g. to re-tie shared weights before FSDP flattens
 them. The resolved sharding is logged once.
 
-The other changes this library makes to PyTorch objects, all for SMP's scripts, all undone by
-the ``uninstall()`` of the module named:
-
-| patch | installed | module |
-|---|---|---|
-| ``FullyShardedDataParallel.__init__`` (this table, ``post_param_init_fn``) | ``tsm.init`` | ``sharding/fsdp1.py`` |
-| ``FullStateDictConfig(translate_on_save=True)`` | ``tsm.init`` | ``sharding/fsdp1_state_dict.py`` |
-| ``load_sharded_optimizer_state_dict(..., process_group=)``; DCP ``coordinator_rank`` as a global rank | ``import torch.sagemaker`` (the scripts bind the function at import) | ``distributed/checkpoint/torch_compat.py`` |
-| ``checkpoint_wrapper.offload_wrapper`` routed to the prefetching offloader | ``import torch.sagemaker`` | ``offload/torch_patch.py`` |
+Every other change this library makes to PyTorch objects (when it is installed, why, how to
+undo it) is listed once, in docs/architecture.md ("Side effects and patches").
 
 The explicit spelling that needs none of this (and works without ``tsm.init``'s patch):
 
