@@ -68,7 +68,12 @@ def _worker(rank: int, world_size: int, backend: str, port: int, env: dict[str, 
         import torch_sagemaker  # noqa: F401  (registers the smddp backend)
 
         if init_pg:
-            dist.init_process_group(backend, rank=rank, world_size=world_size,
+            # The store gets a start-up allowance of its own: a test's short collective timeout
+            # (pg_timeout_s) must not fail the rendezvous of ranks that start slowly on a busy
+            # machine.
+            store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0,
+                                  timeout=timedelta(seconds=max(pg_timeout_s, 180.0)))
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=pg_timeout_s))
     except BaseException:
         results.put((rank, False, "start-up failed:\n" + traceback.format_exc()))
