@@ -62,6 +62,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("_all_reduce_direct", &smddp::ProcessGroupSMDDP::allreduce_direct, py::arg("tensor"),
            py::arg("op"), py::call_guard<py::gil_scoped_release>())
       .def("_listen_port", [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().listen_port(); })
+      .def("_listen_address",
+           [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().listen_address(); })
       .def("_rejected_connections",
            [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().rejected_connections(); });
 

@@ -19,6 +19,7 @@ class StoreKV : public KeyValue {
     return std::string(v.begin(), v.end());
   }
   bool check(const std::string& k) override { return store_->check({k}); }
+  void remove(const std::string& k) override { store_->deleteKey(k); }
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;
@@ -102,7 +103,11 @@ at::Tensor ProcessGroupSMDDP::allocateTensor(long size, at::TensorOptions option
                     options.device());
   options = options.device(at::kCPU);
   std::shared_ptr<ShmPool> pool = comm_->pool();
-  const size_t bytes = static_cast<size_t>(size) * options.dtype().itemsize();
+  size_t bytes = 0;
+  TORCH_CHECK_VALUE(!__builtin_mul_overflow(static_cast<size_t>(size), options.dtype().itemsize(), &bytes) &&
+                        bytes <= static_cast<size_t>(INT64_MAX),
+                    "smddp: allocate_tensor: ", size, " elements of ", options.dtype().itemsize(),
+                    " bytes (", options.dtype().name(), ") is more than 2^63 bytes; ask for fewer elements");
   void* p = pool && bytes ? pool->allocate(bytes) : nullptr;
   // A full pool (or /dev/shm) is not an error: the collectives stage ordinary memory.
   if (!p) return at::empty({size}, options);

@@ -388,25 +388,33 @@ WorkPtr ProcessGroupSMDDP::alltoall_base(at::Tensor& output, at::Tensor& input,
   check_cpu(output, name, "the output");
   check_same_dtype(input, output, name);
   auto spans = [&](const at::Tensor& t, const std::vector<int64_t>& splits, const char* what) {
-    int64_t rows = t.dim() ? t.size(0) : 1;
-    int64_t row_bytes = rows ? t.numel() * t.element_size() / rows : 0;
+    const int64_t rows = t.dim() ? t.size(0) : 1;
+    // The tensor exists, so its byte count fits; every span below is a part of it.
+    const size_t row_bytes = rows ? size_t(t.numel()) * t.element_size() / size_t(rows) : 0;
     std::vector<Span> out(size_);
     if (splits.empty()) {
       TORCH_CHECK_VALUE(rows % size_ == 0, "smddp: ", name, ": the ", what, " has ", rows,
                         " rows, not divisible by world_size ", size_, "; pass split sizes");
-      for (int r = 0; r < size_; ++r) out[r] = {size_t(r * rows / size_ * row_bytes), size_t(rows / size_ * row_bytes)};
+      for (int r = 0; r < size_; ++r) out[r] = {size_t(r * rows / size_) * row_bytes, size_t(rows / size_) * row_bytes};
       return out;
     }
     TORCH_CHECK_VALUE(static_cast<int>(splits.size()) == size_, "smddp: ", name, ": ", what,
                       " split sizes must have world_size (", size_, ") entries, got ",
                       splits.size());
-    int64_t off = 0;
+    // Each split is checked against the rows still left, never summed first: split sizes
+    // whose sum wraps around 64 bits must not pass as a match (they crashed every rank).
+    int64_t left = rows;
     for (int r = 0; r < size_; ++r) {
-      TORCH_CHECK_VALUE(splits[r] >= 0, "smddp: ", name, ": negative split size");
-      out[r] = {size_t(off * row_bytes), size_t(splits[r] * row_bytes)};
-      off += splits[r];
+      TORCH_CHECK_VALUE(splits[r] >= 0, "smddp: ", name, ": ", what, " split size ", r, " is ",
+                        splits[r], "; split sizes must be >= 0");
+      TORCH_CHECK_VALUE(splits[r] <= left, "smddp: ", name, ": ", what, " split sizes ", c10::IntArrayRef(splits),
+                        " add up to more than the ", rows, " rows of the ", what,
+                        " (split ", r, " is ", splits[r], " with ", left,
+                        " rows left); they must sum to exactly its number of rows");
+      out[r] = {size_t(rows - left) * row_bytes, size_t(splits[r]) * row_bytes};
+      left -= splits[r];
     }
-    TORCH_CHECK_VALUE(off == rows, "smddp: ", name, ": ", what, " split sizes sum to ", off,
+    TORCH_CHECK_VALUE(left == 0, "smddp: ", name, ": ", what, " split sizes sum to ", rows - left,
                       " but the ", what, " has ", rows, " rows");
     return out;
   };

@@ -35,6 +35,7 @@ class KeyValue {
   virtual void set(const std::string& key, const std::string& value) = 0;
   virtual std::string get(const std::string& key) = 0;  // key known to exist
   virtual bool check(const std::string& key) = 0;
+  virtual void remove(const std::string& key) = 0;
 };
 
 struct CommConfig {
@@ -59,7 +60,8 @@ class Communicator {
 
   const Layout& layout() const { return layout_; }
   const CommConfig& config() const { return cfg_; }
-  int listen_port() const { return tcp_->port(); }
+  int listen_port() const { return tcp_->port(); }  // 0: this rank does not listen
+  const std::string& listen_address() const { return tcp_->address(); }
   uint64_t rejected_connections() const { return tcp_->rejected_connections(); }
 
   // A context for the next collective: numbers it and sets its deadline.
@@ -94,8 +96,11 @@ class Communicator {
  private:
   template <typename F>
   void guarded(OpCtx& ctx, bool numbered, F&& body);
+  // Set-up, in this order: host records, the mesh (only where needed), the segments.
   void discover(KeyValue& kv, const Deadline& dl);
+  void connect_mesh(KeyValue& kv, const Deadline& dl);
   void setup_shm(KeyValue& kv, const Deadline& dl);
+  void check_local_peers_alive(const std::string& what);
   void hier_reduce_scatter(const void* in, const std::vector<Span>& parts, void* dst,
                            const Reduction& red, const OpCtx& ctx);
   void hier_allgather(const void* src, void* out, const std::vector<Span>& parts,
@@ -108,8 +113,21 @@ class Communicator {
   uint64_t tag(const OpCtx& ctx, int stage) const;
   char* scratch(size_t bytes);
 
+  // What a rank's peer record says (discover()).
+  struct PeerInfo {
+    std::string real_host;  // machine, boot and IPC namespace
+    std::string pid_ns;     // PID namespace
+    int pid = 0;
+  };
+  // 1 MiB + 64 KiB: a 1 MiB message fits with its header, so it is written by the caller
+  // instead of streamed through the send lane (2-rank 1 MiB exchange: 254-334 -> 86-92 us).
+  static constexpr int64_t kDefaultP2PBytes = (1 << 20) + (64 << 10);
+
   CommConfig cfg_;
   Layout layout_;
+  std::vector<PeerInfo> peers_;  // by group rank
+  size_t p2p_bytes_ = 0;         // ring per ordered pair of local ranks (0: none)
+  Clock::time_point last_setup_check_{};
   std::vector<int> rail_;  // host -> group rank with my local index
   int local_index(int group_rank) const;  // index on this host, or -1
   bool usable();                          // no earlier error broke the group

@@ -161,6 +161,29 @@ std::string env_str(const char* name, const std::string& fallback) {
   return (v && *v) ? std::string(v) : fallback;
 }
 
+namespace {
+[[noreturn]] void overflow(const char* what, const std::string& expr) {
+  throw std::invalid_argument(std::string("smddp: ") + what + " overflows: " + expr +
+                              " does not fit in 64 bits");
+}
+}  // namespace
+
+size_t checked_mul(size_t a, size_t b, const char* what) {
+  size_t r;
+  if (__builtin_mul_overflow(a, b, &r)) overflow(what, std::to_string(a) + " x " + std::to_string(b));
+  return r;
+}
+
+size_t checked_add(size_t a, size_t b, const char* what) {
+  size_t r;
+  if (__builtin_add_overflow(a, b, &r)) overflow(what, std::to_string(a) + " + " + std::to_string(b));
+  return r;
+}
+
+size_t round_up(size_t x, size_t align, const char* what) {
+  return checked_add(x, align - 1, what) & ~(align - 1);
+}
+
 Span partition(size_t n, int parts, int i, size_t align) {
   size_t blocks = (n + align - 1) / align;
   size_t base = blocks / parts, extra = blocks % parts;

@@ -131,6 +131,14 @@ struct Span {
   size_t len = 0;
 };
 
+// Size arithmetic on values that come from users or peers (split sizes, element counts,
+// settings): each throws std::invalid_argument (ValueError in Python) naming `what` when
+// the exact result does not fit in 64 bits, instead of wrapping around.
+size_t checked_mul(size_t a, size_t b, const char* what);
+size_t checked_add(size_t a, size_t b, const char* what);
+// `x` rounded up to a multiple of `align` (a power of two).
+size_t round_up(size_t x, size_t align, const char* what);
+
 // Splits n units into `parts` contiguous spans whose boundaries are multiples of `align`
 // (except the end); the first spans get the extra blocks.
 Span partition(size_t n, int parts, int i, size_t align);

@@ -1,5 +1,7 @@
 #include "smddp/shm.h"
 
+#include "smddp/shm_names.h"
+
 #include <fcntl.h>
 #include <immintrin.h>
 #include <linux/futex.h>
@@ -40,20 +42,6 @@ inline void cpu_relax() {
 #endif
 }
 
-// A process that exited but was not reaped yet is a zombie and still answers kill(pid, 0),
-// so read its state from /proc.
-bool process_alive(int pid) {
-  if (pid <= 0) return true;
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  if (!f) return false;
-  std::string line;
-  std::getline(f, line);
-  auto p = line.rfind(')');
-  if (p == std::string::npos || p + 2 >= line.size()) return true;
-  char state = line[p + 2];
-  return state != 'Z' && state != 'X';
-}
-
 // Moves the calling thread off `cpu` by briefly excluding it from the thread's affinity
 // mask; the kernel migrates the thread at once, and restoring the mask leaves it where it
 // landed. Returns false (and changes nothing) when the mask leaves no other CPU.
@@ -81,14 +69,18 @@ thread_local Clock::time_point t_last_pid_check{};  // last time a wait looked f
 
 }  // namespace
 
-std::string shm_name(const std::string& nonce, int local_rank) {
-  return "/smddp_" + nonce + "_" + std::to_string(local_rank);
-}
-
 ShmComm::ShmComm(ShmConfig cfg) : cfg_(std::move(cfg)) {
   int n = size();
-  main_bytes_ = kControlBytes + 2 * cfg_.buffer_bytes;
-  seg_bytes_ = main_bytes_ + cfg_.pool_bytes + p2p_region_bytes();
+  // The sizes come from settings: a wrapped-around sum would map less than the algorithms
+  // then write to.
+  const char* what = "the shared-memory segment size (SMDDP_BUFFER_BYTES, SMDDP_POOL_BYTES, SMDDP_P2P_BYTES)";
+  main_bytes_ = checked_add(kControlBytes, checked_mul(2, cfg_.buffer_bytes, what), what);
+  const size_t p2p_region = cfg_.p2p_bytes ? checked_mul(n, checked_add(4096, cfg_.p2p_bytes, what), what) : 0;
+  seg_bytes_ = checked_add(checked_add(main_bytes_, cfg_.pool_bytes, what), p2p_region, what);
+  if (seg_bytes_ > static_cast<size_t>(INT64_MAX)) {
+    throw std::invalid_argument(std::string("smddp: ") + what + " of " + std::to_string(seg_bytes_) +
+                                " bytes is more than a file can hold (2^63 bytes)");
+  }
   pool_base_.assign(n, nullptr);
   p2p_base_.assign(n, nullptr);
   ctl_.assign(n, nullptr);
@@ -131,13 +123,18 @@ char* map_lazy(int fd, size_t offset, size_t bytes) {
 }  // namespace
 
 void ShmComm::create() {
-  std::string name = shm_name(cfg_.nonce, rank());
+  // Note [Segment lifetime]: segments of dead processes (a job killed during set-up) go
+  // first; then mine, guarded against a SIGTERM until every peer mapped it.
+  sweep_dead_segments();
+  const std::string name = segment_name(cfg_.nonce, std::to_string(rank()));
   int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) {
     throw CommError("smddp: cannot create shared memory segment " + name + ": " +
                     std::strerror(errno));
   }
+  name_ = name;
   own_linked_ = true;
+  term_guard_ = std::make_unique<UnlinkOnTerm>(name_);
   if (ftruncate(fd, static_cast<off_t>(seg_bytes_)) != 0) {
     int e = errno;
     close(fd);
@@ -173,6 +170,7 @@ void ShmComm::create() {
   for (int to = 0; p2p && to < size(); ++to) new (p2p + to * channel_slot()) ChannelCtl();
   auto* c = new (p) RankControl();
   c->pid = getpid();
+  std::strncpy(c->pid_ns, pid_namespace_id().c_str(), sizeof(c->pid_ns) - 1);
   ctl_[rank()] = c;
   data_[rank()] = static_cast<char*>(p) + kControlBytes;
   // The magic number is written last: a peer that maps the segment checks it.
@@ -180,9 +178,12 @@ void ShmComm::create() {
   c->magic = kMagic;
 }
 
-void ShmComm::attach(int peer) {
+void ShmComm::attach(int peer, const std::string& name) {
   if (peer == rank()) return;
-  std::string name = shm_name(cfg_.nonce, peer);
+  if (name.rfind("/smddp_", 0) != 0 || name.find('/', 1) != std::string::npos) {
+    throw CommError("smddp: rank " + std::to_string(cfg_.group_ranks[peer]) + " of group '" +
+                    cfg_.group_name + "' published '" + name + "' as its segment name");
+  }
   int fd = shm_open(name.c_str(), O_RDWR, 0600);
   if (fd < 0) {
     throw CommError("smddp: cannot open the shared memory segment of rank " +
@@ -230,8 +231,9 @@ void ShmComm::attach(int peer) {
 
 void ShmComm::unlink_own() {
   if (!own_linked_) return;
-  shm_unlink(shm_name(cfg_.nonce, rank()).c_str());
+  shm_unlink(name_.c_str());
   own_linked_ = false;
+  term_guard_.reset();
 }
 
 uint64_t ShmComm::begin_step(const OpCtx& ctx, bool first) {
@@ -361,13 +363,21 @@ void ShmComm::check_peer(int i, const OpCtx& ctx, const std::string& waiting_for
   auto now = Clock::now();
   if (now - t_last_pid_check > std::chrono::milliseconds(20)) {
     t_last_pid_check = now;
-    if (!process_alive(ctl(i)->pid)) throw CommError(where + " failed: " + peer + " exited (its process is gone)");
+    if (process_gone(i)) throw CommError(where + " failed: " + peer + " exited (its process is gone)");
   }
   if (ctx.deadline.expired()) {
     char secs[32];
     snprintf(secs, sizeof(secs), "%.1f", ctx.deadline.seconds);
     throw CommError(where + " timed out after " + secs + " s waiting for " + peer + " " + waiting_for);
   }
+}
+
+bool ShmComm::process_gone(int i) const {
+  // A peer in another PID namespace (a container sharing this IPC namespace) has a pid that
+  // means nothing here: its death shows only through its failure flag or the timeout.
+  const RankControl* c = ctl(i);
+  if (strncmp(c->pid_ns, pid_namespace_id().c_str(), sizeof(c->pid_ns)) != 0) return false;
+  return !process_alive(c->pid);
 }
 
 std::string ShmComm::failure_message(int i) const {
@@ -397,7 +407,7 @@ void ShmComm::check_local_peers(const OpCtx& ctx, std::optional<uint64_t> needed
       // Note [Exits are not failures]: only a rank this wait still needs counts. Its words
       // are read after its exit was seen, so they hold everything it did before exiting.
       const RankControl* c = ctl(j);
-      if (process_alive(c->pid)) continue;
+      if (!process_gone(j)) continue;
       bool owes = needed_progress ? c->progress.load(std::memory_order_acquire) < *needed_progress
                                   : c->finished.load(std::memory_order_acquire) <= ctx.seq;
       if (owes) dead.push_back(cfg_.group_ranks[j]);

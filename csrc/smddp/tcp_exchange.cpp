@@ -64,6 +64,7 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
         finish_recv(i);
         used = true;
       }
+      if (used) c.stash_bytes -= it->hdr.len;
       it = used ? c.stash.erase(it) : std::next(it);
     }
   };
@@ -113,12 +114,35 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
           fail_mismatch(peer, c.hdr, ctx);
         }
         if (c.target_op == -1) {
-          c.stash.push_back({c.hdr, std::vector<char>(c.hdr.len)});
-          c.body = c.stash.back().data.data();
+          // Note [TCP trust model]: a message nobody waits for yet is kept within a budget,
+          // and its buffer grows only as its bytes arrive.
+          if (c.hdr.len > kStashBytes - c.stash_bytes) {
+            fail_peer(peer, "sent a message of " + std::to_string(c.hdr.len) + " bytes (tag " +
+                                std::to_string(c.hdr.tag) + ") that no receive here expects yet, "
+                                "while " + std::to_string(c.stash_bytes) + " bytes of earlier such "
+                                "messages wait; a connection holds at most " +
+                                std::to_string(kStashBytes) + " bytes for receives not yet posted "
+                                "(post the receives in the order of the sends)", ctx);
+          }
+          c.stash_bytes += c.hdr.len;
+          c.stash.push_back({c.hdr, {}});
+          c.body = nullptr;
         }
       }
       if (c.body_got < c.hdr.len) {
-        ssize_t r = ::recv(fd, c.body + c.body_got, c.hdr.len - c.body_got, 0);
+        char* dst = nullptr;
+        size_t room = c.hdr.len - c.body_got;
+        if (c.target_op != -1) {
+          dst = c.body + c.body_got;
+        } else {
+          std::vector<char>& data = c.stash.back().data;
+          if (data.size() == c.body_got) {
+            data.resize(std::min<size_t>(c.hdr.len, std::max<size_t>(2 * data.size(), 64 << 10)));
+          }
+          dst = data.data() + c.body_got;
+          room = data.size() - c.body_got;
+        }
+        ssize_t r = ::recv(fd, dst, room, 0);
         if (r == 0) fail_peer(peer, kClosed, ctx);
         if (r < 0) {
           if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
