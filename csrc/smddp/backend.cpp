@@ -160,8 +160,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::track(c10::intrusive_ptr<c10d:
 c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::submit(c10d::OpType type,
                                                          std::vector<at::Tensor> outputs,
                                                          bool async_op, std::function<void()> fn) {
+  return submit(c10::make_intrusive<SmddpWork>(rank_, type, std::move(outputs)), async_op,
+                std::move(fn));
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::submit(c10::intrusive_ptr<SmddpWork> work,
+                                                         bool async_op, std::function<void()> fn) {
   TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
-  auto work = c10::make_intrusive<SmddpWork>(rank_, type, std::move(outputs));
+  const c10d::OpType type = work->retrieveOpType();
   work->set_executor(exec_);
   if (type == c10d::OpType::SEND) {
     exec_->submit_send(std::move(fn), work);

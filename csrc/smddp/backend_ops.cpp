@@ -2,6 +2,8 @@
 // pointers for the executor. Non-contiguous tensors are staged through a contiguous copy.
 #include "smddp/backend.h"
 
+#include <cstring>
+
 namespace smddp {
 namespace {
 
@@ -200,21 +202,63 @@ WorkPtr ProcessGroupSMDDP::allgather(std::vector<std::vector<at::Tensor>>& outpu
   });
 }
 
+// c10d's all_gather_coalesced: outputs[r][i] receives input i of rank r. The inputs travel
+// as one all-gather of their bytes, concatenated.
 WorkPtr ProcessGroupSMDDP::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                std::vector<at::Tensor>& inputs,
                                                const c10d::AllgatherOptions& opts) {
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size(),
-                    "smddp: all_gather_coalesced needs one output list per input");
-  std::vector<WorkPtr> parts;
-  bool was = coalescing_;
-  coalescing_ = false;
-  for (size_t k = 0; k < inputs.size(); ++k) {
-    std::vector<std::vector<at::Tensor>> o{outputs[k]};
-    std::vector<at::Tensor> i{inputs[k]};
-    parts.push_back(allgather(o, i, opts));
+  const char* name = "all_gather_coalesced";
+  TORCH_CHECK_VALUE(!inputs.empty(), "smddp: ", name, " needs at least one input tensor");
+  TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == size_, "smddp: ", name,
+                    " needs one output list per rank (world_size ", size_, "), got ",
+                    outputs.size());
+  std::vector<size_t> offsets;
+  size_t bytes = 0;
+  for (const auto& in : inputs) {
+    check_cpu(in, name, "an input");
+    offsets.push_back(bytes);
+    bytes += in.numel() * in.element_size();
   }
-  coalescing_ = was;
-  return track(c10::make_intrusive<CoalescedWork>(std::move(parts)));
+  std::vector<at::Tensor> flat_outputs;
+  for (int r = 0; r < size_; ++r) {
+    TORCH_CHECK_VALUE(outputs[r].size() == inputs.size(), "smddp: ", name, ": output list ", r,
+                      " has ", outputs[r].size(), " tensors but there are ", inputs.size(),
+                      " inputs; each rank's list needs one output per input");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const at::Tensor& o = outputs[r][i];
+      check_cpu(o, name, "an output");
+      check_same_dtype(inputs[i], o, name);
+      TORCH_CHECK_VALUE(o.numel() == inputs[i].numel(), "smddp: ", name, ": output ", i,
+                        " of rank ", r, " has ", o.numel(), " elements but input ", i, " has ",
+                        inputs[i].numel());
+      flat_outputs.push_back(o);
+    }
+  }
+  OpCtx ctx = comm_->make_ctx(name, desc_of(inputs[0], 0, bytes), args_of(inputs[0]),
+                              timeout_of(opts.timeout));
+  auto ins = inputs;
+  auto outs = outputs;
+  const int n = size_;
+  return submit(OpType::ALLGATHER_COALESCED, flat_outputs, opts.asyncOp,
+                [this, ins, outs, offsets, bytes, ctx, n] {
+    at::Tensor send = at::empty({static_cast<int64_t>(bytes)}, at::kByte);
+    char* s = static_cast<char*>(send.data_ptr());
+    for (size_t i = 0; i < ins.size(); ++i) {
+      at::Tensor c = ins[i].contiguous();
+      if (c.numel()) std::memcpy(s + offsets[i], c.data_ptr(), c.numel() * c.element_size());
+    }
+    at::Tensor all = at::empty({static_cast<int64_t>(bytes) * n}, at::kByte);
+    comm_->allgather(s, all.data_ptr(), bytes, ctx);
+    const char* a = static_cast<const char*>(all.data_ptr());
+    for (int r = 0; r < n; ++r) {
+      for (size_t i = 0; i < ins.size(); ++i) {
+        const at::Tensor& o = outs[r][i];
+        at::Tensor c = contiguous_out(o);
+        if (c.numel()) std::memcpy(c.data_ptr(), a + r * bytes + offsets[i], c.numel() * c.element_size());
+        copy_back(c, o);
+      }
+    }
+  });
 }
 
 WorkPtr ProcessGroupSMDDP::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
@@ -498,6 +542,26 @@ WorkPtr ProcessGroupSMDDP::recv(std::vector<at::Tensor>& tensors, int src, int t
     at::Tensor c = contiguous_out(t);
     comm_->recv(c.data_ptr(), c.numel() * c.element_size(), src, static_cast<uint32_t>(tag), ctx);
     copy_back(c, t);
+  });
+}
+
+// Note [Receive from any rank]: the receive waits until any peer's next message with this
+// tag is there (shared-memory rings and TCP connections alike), takes it, and reports the
+// sender through the Work's sourceRank().
+WorkPtr ProcessGroupSMDDP::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  check_single(tensors, "recv");
+  TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
+  at::Tensor t = tensors[0];
+  OpCtx ctx = comm_->make_ctx("recv", desc_of(t, 0, t.numel()), peer_args_of(t, kAnyPeer, false),
+                              timeout_s_);
+  auto work = c10::make_intrusive<SmddpWork>(rank_, OpType::RECVANYSOURCE, tensors);
+  SmddpWork* w = work.get();  // the queued item holds the work while fn runs
+  return submit(work, true, [this, t, tag, ctx, w] {
+    at::Tensor c = contiguous_out(t);
+    int from = comm_->recv_any(c.data_ptr(), c.numel() * c.element_size(),
+                               static_cast<uint32_t>(tag), ctx);
+    copy_back(c, t);
+    w->set_source_rank(from);
   });
 }
 

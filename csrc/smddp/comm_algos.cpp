@@ -1,7 +1,9 @@
 // The collectives of a Communicator: shared memory inside a host, hierarchical across
 // hosts (Note [Hierarchical collectives] in comm.h).
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
+#include <thread>
 
 #include "smddp/comm.h"
 #include "smddp/kernels.h"
@@ -267,6 +269,53 @@ void Communicator::recv(void* data, size_t bytes, int peer, uint32_t tag, OpCtx 
       tcp_->exchange({}, {{peer, tag, static_cast<char*>(data), bytes, 0}}, ctx);
     }
   });
+}
+
+int Communicator::recv_any(void* data, size_t bytes, uint32_t tag, OpCtx ctx) {
+  int from = -1;
+  guarded(ctx, false, [&] {
+    std::vector<int> peers;
+    for (int r = 0; r < cfg_.size; ++r) {
+      if (r != cfg_.rank) peers.push_back(r);
+    }
+    if (peers.empty()) throw CommError("smddp: " + ctx.describe() + ": no other rank in the group");
+    auto pause = std::chrono::microseconds(0);
+    auto next_check = Clock::now();
+    for (size_t round = 0;; ++round) {
+      // Peers are polled from a rotating start, so none is always served first.
+      for (size_t k = 0; k < peers.size(); ++k) {
+        const int r = peers[(round + k) % peers.size()];
+        const int local = p2p_ ? local_index(r) : -1;
+        if (local >= 0 ? p2p_->probe(local, tag, ctx)
+                       : tcp_->take(r, tag, static_cast<char*>(data), bytes, ctx)) {
+          if (local >= 0) p2p_->recv(local, tag, data, bytes, ctx);
+          from = r;
+          return;
+        }
+      }
+      if (Clock::now() >= next_check) {
+        next_check = Clock::now() + std::chrono::milliseconds(20);
+        const std::string where = "smddp: " + ctx.describe() + " on group '" + cfg_.group_name + "'";
+        if (shm_->aborted()) throw CommError(where + " was aborted: the process group was shut down");
+        if (ctx.deadline.expired()) {
+          char secs[32];
+          snprintf(secs, sizeof(secs), "%.1f", ctx.deadline.seconds);
+          throw CommError(where + " timed out after " + secs + " s: no rank sent it a message " +
+                          "with tag " + std::to_string(tag));
+        }
+        bool any_alive = false;
+        for (int r : peers) {
+          const int local = local_index(r);
+          any_alive = any_alive || local < 0 || !shm_->peer_lost(local);
+        }
+        if (!any_alive) throw CommError(where + " failed: every other rank failed or exited");
+      }
+      if (pause.count()) std::this_thread::sleep_for(pause);
+      if (round > 64) pause = std::min(std::max(pause * 2, std::chrono::microseconds(20)),
+                                      std::chrono::microseconds(1000));
+    }
+  });
+  return from;
 }
 
 bool Communicator::try_send_now(const void* data, size_t bytes, int peer, uint32_t tag) {

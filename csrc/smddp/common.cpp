@@ -76,6 +76,7 @@ std::string describe_op(const char* name, const OpArgs& args) {
   if (args.op) s.append(", ").append(args.op);
   s.append(", ").append(std::to_string(args.numel)).append(" elements");
   if (args.peer >= 0) s.append(args.to_peer ? ", to rank " : ", from rank ").append(std::to_string(args.peer));
+  if (args.peer == kAnyPeer) s.append(", from any rank");
   if (args.root >= 0) s.append(", root ").append(std::to_string(args.root));
   return s.append(")");
 }

@@ -69,10 +69,12 @@ struct OpArgs {
   const char* dtype = nullptr;  // "float32"; nullptr: no tensor arguments (barrier)
   const char* op = nullptr;     // "sum"; nullptr: not a reduction
   int64_t numel = 0;
-  int peer = -1;                // send/recv: the other rank
+  int peer = -1;                // send/recv: the other rank (kAnyPeer: recv from any rank)
   bool to_peer = false;         // send (true) or recv (false)
   int64_t root = -1;            // rooted collectives (broadcast, reduce, gather, scatter)
 };
+
+constexpr int kAnyPeer = -2;
 
 // "all_reduce (float32, sum, 1024 elements)", or just the name when `args` has no dtype.
 std::string describe_op(const char* name, const OpArgs& args);

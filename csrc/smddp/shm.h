@@ -197,6 +197,9 @@ class ShmComm {
   void mark_failed(const std::string& message);
   // Makes every wait of this rank throw promptly (group shutdown/abort).
   void abort() { aborted_.store(true); }
+  bool aborted() const { return aborted_.load(); }
+  // Local rank i failed (its flag) or its process is gone (when that can be judged).
+  bool peer_lost(int i) const { return ctl(i)->failed.load(std::memory_order_acquire) || process_gone(i); }
 
  private:
   static uint64_t value(uint64_t s, int phase) { return 3 * (s - 1) + phase; }

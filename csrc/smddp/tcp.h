@@ -119,6 +119,12 @@ class TcpMesh {
   void exchange(const std::vector<Op>& sends, const std::vector<Op>& recvs, const OpCtx& ctx,
                 const std::function<void()>& health = {});
 
+  // Takes the next message with `tag` from `peer` into `data` if it has fully arrived,
+  // reading what the connection holds (messages with other tags are stashed); never waits.
+  // Raises if its length is not `len`. For receives from any rank (Note [Receive from any
+  // rank] in backend_ops.cpp).
+  bool take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& ctx);
+
   // Sends the failure notice (Note [Failure notices]) on every outgoing connection and on
   // new ones to `also_tell` (ranks without one yet), then closes them; the first call does
   // it, later ones return.
@@ -156,6 +162,9 @@ class TcpMesh {
   };
   struct Handshake;  // an incoming connection being authenticated (tcp.cpp)
 
+  template <class Route>
+  void read_frames(int peer, int fd, Route& route, const OpCtx& ctx);
+  static bool stash_in_flight(const Conn& c);  // the last stash entry is still arriving
   void accept_loop();
   void accept_new(std::vector<Handshake>& pending);
   // Advances one handshake; returns false when it is over (accepted or refused).
