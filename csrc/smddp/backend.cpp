@@ -77,9 +77,13 @@ void check_cpu(const at::Tensor& t, const char* collective, const char* what) {
 
 ProcessGroupSMDDP::ProcessGroupSMDDP(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                      int size, std::chrono::duration<float> timeout,
-                                     std::string group_name, std::vector<int64_t> global_ranks)
-    : c10d::Backend(rank, size), timeout_s_(timeout.count()), group_name_(std::move(group_name)) {
+                                     std::string group_name, std::vector<int64_t> global_ranks,
+                                     const Settings& settings)
+    : c10d::Backend(rank, size),
+      timeout_s_(settings.timeout_s > 0 ? settings.timeout_s : timeout.count()),
+      group_name_(std::move(group_name)) {
   CommConfig cfg;
+  cfg.settings = settings;
   cfg.rank = rank;
   cfg.size = size;
   for (auto g : global_ranks) cfg.global_ranks.push_back(static_cast<int>(g));

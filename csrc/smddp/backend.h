@@ -18,9 +18,10 @@ namespace smddp {
 
 class ProcessGroupSMDDP : public c10d::Backend {
  public:
+  // `settings`: Note [Settings] in settings.h (its timeout, when set, replaces `timeout`).
   ProcessGroupSMDDP(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                     std::chrono::duration<float> timeout, std::string group_name,
-                    std::vector<int64_t> global_ranks);
+                    std::vector<int64_t> global_ranks, const Settings& settings);
   ~ProcessGroupSMDDP() override;
 
   const std::string getBackendName() const override { return "smddp"; }

@@ -93,7 +93,7 @@ Communicator::Communicator(KeyValue& kv, CommConfig cfg) : cfg_(std::move(cfg)) 
     for (int i = 0; i < cfg_.size; ++i) cfg_.global_ranks.push_back(i);
   }
   Deadline dl = Deadline::after(cfg_.timeout_s);
-  oneshot_bytes_ = static_cast<size_t>(env_int("SMDDP_ONESHOT_BYTES", 256 << 10));
+  oneshot_bytes_ = cfg_.settings.oneshot_bytes;
   const std::string creating = "smddp: creating group '" + cfg_.group_name + "'";
   // Rank 0 of the group draws the shm nonce and the mesh secret; the store distributes them
   // (Note [TCP trust model] in tcp.h).
@@ -123,12 +123,12 @@ Communicator::~Communicator() {
 void Communicator::discover(KeyValue& kv, const Deadline& dl) {
   const std::string real = real_host_id();
   std::string host = real;
-  int64_t forced = env_int("SMDDP_FORCE_LOCAL_SIZE", 0);
+  const int forced = cfg_.settings.force_local_size;
   if (forced > 0) {
     host += "/forced-" + std::to_string(cfg_.global_ranks[cfg_.rank] / forced);
     layout_.forced = true;
   }
-  const int64_t p2p = env_int("SMDDP_P2P_BYTES", kDefaultP2PBytes);
+  const size_t p2p = cfg_.settings.p2p_bytes;
   std::ostringstream me;
   me << host << "|" << real << "|" << pid_namespace_id() << "|" << getpid() << "|" << p2p;
   kv.set("smddp/peer/" + std::to_string(cfg_.rank), me.str());
@@ -177,7 +177,7 @@ void Communicator::discover(KeyValue& kv, const Deadline& dl) {
     }
   }
   for (int h = 0; h < layout_.hosts; ++h) rail_.push_back(layout_.members[h][layout_.local_rank]);
-  p2p_bytes_ = layout_.local_size > 1 ? static_cast<size_t>(std::max<int64_t>(0, p2p)) : 0;
+  p2p_bytes_ = layout_.local_size > 1 ? p2p : 0;
 }
 
 void Communicator::connect_mesh(KeyValue& kv, const Deadline& dl) {
@@ -186,7 +186,7 @@ void Communicator::connect_mesh(KeyValue& kv, const Deadline& dl) {
   // inside a host without shared-memory rings.
   const bool needed = layout_.hosts > 1 || (layout_.local_size > 1 && p2p_bytes_ == 0);
   if (!needed) return;
-  tcp_->listen(layout_.hosts > 1 ? local_address() : std::string("127.0.0.1"));
+  tcp_->listen(layout_.hosts > 1 ? local_address(cfg_.settings) : std::string("127.0.0.1"));
   kv.set("smddp/tcp/" + std::to_string(cfg_.rank), tcp_->address() + "|" + std::to_string(tcp_->port()));
   std::vector<std::string> keys;
   for (int r = 0; r < cfg_.size; ++r) keys.push_back("smddp/tcp/" + std::to_string(r));
@@ -224,13 +224,17 @@ void Communicator::setup_shm(KeyValue& kv, const Deadline& dl) {
   sc.group_name = cfg_.group_name;
   sc.local_rank = layout_.local_rank;
   sc.group_ranks = layout_.members[layout_.host];
-  size_t buf = static_cast<size_t>(env_int("SMDDP_BUFFER_BYTES", 1 << 20));
-  sc.buffer_bytes = std::max<size_t>(4096, round_up(buf, 4096, "SMDDP_BUFFER_BYTES rounded to pages"));
+  const Settings& set = cfg_.settings;
+  sc.buffer_bytes = round_up(set.buffer_bytes, 4096, "SMDDP_BUFFER_BYTES rounded to pages");
+  sc.chunk_bytes = set.chunk_bytes;
+  sc.stream_bytes = set.stream_bytes;
+  sc.spin_us = set.spin_us;
+  sc.worker_spin_us = set.worker_spin_us;
+  sc.move_off_cpu = set.move_off_cpu;
   // Tensor pools (Note [Zero-copy operands] in shm_algos.h) pay off only where the whole
   // group shares memory. The region is sparse until used, so the default is generous.
   if (layout_.hosts == 1) {
-    size_t pool = static_cast<size_t>(env_int("SMDDP_POOL_BYTES", int64_t(1) << 30));
-    sc.pool_bytes = round_up(pool, 4096, "SMDDP_POOL_BYTES rounded to pages");
+    sc.pool_bytes = round_up(set.pool_bytes, 4096, "SMDDP_POOL_BYTES rounded to pages");
   }
   zero_copy_ = sc.pool_bytes > 0;
   // Point-to-point rings (Note [Shared-memory point-to-point]); sparse until a pair talks.

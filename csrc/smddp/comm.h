@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "smddp/settings.h"
 #include "smddp/shm.h"
 #include "smddp/shm_p2p.h"
 #include "smddp/tcp.h"
@@ -44,6 +45,7 @@ struct CommConfig {
   std::vector<int> global_ranks;  // group rank -> global rank (identity for WORLD)
   std::string group_name;
   double timeout_s = 1800;
+  Settings settings;  // Note [Settings] in settings.h
 };
 
 struct Layout {
@@ -122,9 +124,6 @@ class Communicator {
     std::string pid_ns;     // PID namespace
     int pid = 0;
   };
-  // 1 MiB + 64 KiB: a 1 MiB message fits with its header, so it is written by the caller
-  // instead of streamed through the send lane (2-rank 1 MiB exchange: 254-334 -> 86-92 us).
-  static constexpr int64_t kDefaultP2PBytes = (1 << 20) + (64 << 10);
 
   CommConfig cfg_;
   Layout layout_;

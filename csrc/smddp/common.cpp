@@ -145,23 +145,6 @@ std::string format_ranks(const std::vector<int>& ranks) {
   return os.str();
 }
 
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  long long x = std::strtoll(v, &end, 10);
-  if (end == v) return fallback;
-  // Accept K/M suffixes for byte sizes.
-  if (*end == 'k' || *end == 'K') x <<= 10;
-  if (*end == 'm' || *end == 'M') x <<= 20;
-  return x;
-}
-
-std::string env_str(const char* name, const std::string& fallback) {
-  const char* v = std::getenv(name);
-  return (v && *v) ? std::string(v) : fallback;
-}
-
 namespace {
 [[noreturn]] void overflow(const char* what, const std::string& expr) {
   throw std::invalid_argument(std::string("smddp: ") + what + " overflows: " + expr +

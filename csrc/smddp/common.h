@@ -116,11 +116,6 @@ bool& on_worker_thread();
 // Formats "[0, 2, 3]".
 std::string format_ranks(const std::vector<int>& ranks);
 
-// Reads an integer/string setting of the backend from the environment (documented in
-// docs/collectives.md); `fallback` when unset or malformed.
-int64_t env_int(const char* name, int64_t fallback);
-std::string env_str(const char* name, const std::string& fallback);
-
 // A collective failed on this or another rank. Surfaces as RuntimeError in Python.
 class CommError : public std::runtime_error {
  public:

@@ -88,18 +88,17 @@ ShmComm::ShmComm(ShmConfig cfg) : cfg_(std::move(cfg)) {
   maps_.assign(n, nullptr);
   checked_.assign(n, 0);
   oversubscribed_ = n > online_cpus();
-  spin_us_ = static_cast<int>(env_int("SMDDP_SPIN_US", 200));
-  worker_spin_us_ = static_cast<int>(env_int("SMDDP_WORKER_SPIN_US", 20));
+  spin_us_ = cfg_.spin_us;
+  worker_spin_us_ = cfg_.worker_spin_us;
   // Oversubscribed ranks pay a context switch per hand-off: fewer, larger steps.
   // 512 KiB measured 15-25% faster than 256 KiB for 1-4 MiB all-reduces on 2 ranks (fewer
   // syncs; a step's data still fits the 1 MiB L2 of these cores).
   size_t chunk_default = oversubscribed_ ? (1 << 20) : (512 << 10);
-  chunk_bytes_ = std::min<size_t>(cfg_.buffer_bytes,
-                                  static_cast<size_t>(env_int("SMDDP_CHUNK_BYTES", chunk_default)));
+  chunk_bytes_ = std::min<size_t>(cfg_.buffer_bytes, cfg_.chunk_bytes ? cfg_.chunk_bytes : chunk_default);
   chunk_bytes_ = std::max<size_t>(chunk_bytes_, 256);
   long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
   size_t cache = l3 > 0 ? static_cast<size_t>(l3) : (32u << 20);
-  stream_bytes_ = static_cast<size_t>(env_int("SMDDP_STREAM_BYTES", static_cast<int64_t>(cache / 2 / n)));
+  stream_bytes_ = cfg_.stream_bytes >= 0 ? static_cast<size_t>(cfg_.stream_bytes) : cache / 2 / n;
   static_assert(sizeof(RankControl) <= kControlBytes, "control block too large");
 }
 
@@ -292,8 +291,10 @@ void ShmComm::wait_all(uint64_t s, int phase, const OpCtx& ctx) {
 // When there are enough cores but the scheduler stacked the peer on this CPU (its wake-up
 // heuristics like to do that with processes that talk to each other, and a busy pair is
 // then rarely split: measured 40 us per small all-reduce instead of 9 for whole benchmark
-// cases), the waiter steps onto another CPU (move_off_cpu, at most every few milliseconds
-// so two ranks cannot chase each other) and spins on; if it cannot move it sleeps.
+// cases), the waiter sleeps, which leaves the CPU to the peer; with SMDDP_MOVE_OFF_CPU=1 it
+// steps onto another CPU instead (move_off_cpu, at most every few milliseconds so two ranks
+// cannot chase each other) and spins on. Moving is opt-in: it changes the thread's CPU
+// affinity for an instant, which a host that pins threads itself must not see.
 // Futex sleeps are 1 ms slices so the deadline, the peers' failure flags and whether the
 // peer process still exists are checked regularly.
 void ShmComm::wait_progress(int i, uint64_t target, const OpCtx& ctx) {
@@ -307,9 +308,9 @@ void ShmComm::wait_word(int i, const std::atomic<uint64_t>& word, std::atomic<ui
   RankControl* c = ctl(i);
   if (word.load(std::memory_order_acquire) >= target) return;
   if (!oversubscribed_) {
+    bool shared_core = false;
     int budget = on_worker_thread() ? worker_spin_us_ : spin_us_;
     auto spin_until = Clock::now() + std::chrono::microseconds(budget);
-    bool shared_core = false;
     do {
       for (int k = 0; k < 64; ++k) {
         cpu_relax();
@@ -317,7 +318,7 @@ void ShmComm::wait_word(int i, const std::atomic<uint64_t>& word, std::atomic<ui
       }
       int cpu = sched_getcpu();
       shared_core = c->cpu.load(std::memory_order_relaxed) == cpu;
-      if (shared_core && Clock::now() - t_last_move > std::chrono::milliseconds(5)) {
+      if (shared_core && cfg_.move_off_cpu && Clock::now() - t_last_move > std::chrono::milliseconds(5)) {
         t_last_move = Clock::now();
         if (move_off_cpu(cpu)) {
           ctl(rank())->cpu.store(sched_getcpu(), std::memory_order_relaxed);

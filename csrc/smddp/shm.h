@@ -118,6 +118,12 @@ struct ShmConfig {
   size_t buffer_bytes = 0;       // size of each of the two data buffers of a segment
   size_t p2p_bytes = 0;          // ring of each point-to-point channel (0: send/recv use TCP)
   size_t pool_bytes = 0;         // tensor pool at the end of the segment (0: none)
+  // Note [Settings] in settings.h:
+  size_t chunk_bytes = 0;        // 0: automatic
+  int64_t stream_bytes = -1;     // -1: automatic
+  int spin_us = 200;
+  int worker_spin_us = 20;
+  bool move_off_cpu = false;
 };
 
 class ShmComm {
@@ -232,9 +238,9 @@ class ShmComm {
   std::vector<uint8_t> checked_;  // peers whose descriptor matched in this collective
   std::atomic<bool> aborted_{false};
   bool oversubscribed_ = false;   // more local ranks than CPUs: skip the busy spin
-  int spin_us_ = 200;             // busy-spin budget per wait, caller thread (SMDDP_SPIN_US)
-  int worker_spin_us_ = 20;       // same on worker threads (SMDDP_WORKER_SPIN_US)
-  size_t chunk_bytes_ = 0;        // pipeline chunk (SMDDP_CHUNK_BYTES), <= buffer_bytes
+  int spin_us_ = 200;             // busy-spin budget per wait, caller thread
+  int worker_spin_us_ = 20;       // same on worker threads
+  size_t chunk_bytes_ = 0;        // pipeline chunk, <= buffer_bytes
   size_t stream_bytes_ = 0;       // see stream_output()
 };
 

@@ -56,14 +56,20 @@ bool io_all(int fd, char* p, size_t n, bool write, int timeout_ms) {
   return true;
 }
 
+std::string format_names(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+  return out.empty() ? "none" : out;
+}
+
 std::string mac_message(const std::string& challenge, int from, int to) {
   return "smddp-tcp-hello/" + challenge + "/" + std::to_string(from) + "->" + std::to_string(to);
 }
 
 }  // namespace
 
-std::string local_address() {
-  std::string forced = env_str("SMDDP_SOCKET_ADDR", "");
+std::string local_address(const Settings& settings) {
+  const std::string& forced = settings.socket_addr;
   if (!forced.empty()) {
     // A name is resolved here: the listener binds to exactly this address.
     addrinfo hints{}, *res = nullptr;
@@ -78,19 +84,27 @@ std::string local_address() {
     freeaddrinfo(res);
     return buf;
   }
+  const std::string& ifname = settings.socket_ifname;
   ifaddrs* list = nullptr;
-  std::string found = "127.0.0.1";
+  std::string found = ifname.empty() ? "127.0.0.1" : "";
+  std::vector<std::string> names;
   if (getifaddrs(&list) == 0) {
     for (ifaddrs* a = list; a; a = a->ifa_next) {
       if (!a->ifa_addr || a->ifa_addr->sa_family != AF_INET) continue;
       auto* in = reinterpret_cast<sockaddr_in*>(a->ifa_addr);
       char buf[INET_ADDRSTRLEN];
       inet_ntop(AF_INET, &in->sin_addr, buf, sizeof(buf));
-      if (std::string(buf).rfind("127.", 0) == 0) continue;
+      names.push_back(a->ifa_name);
+      if (ifname.empty() ? std::string(buf).rfind("127.", 0) == 0 : ifname != a->ifa_name) continue;
       found = buf;
       break;
     }
     freeifaddrs(list);
+  }
+  if (found.empty()) {
+    throw std::invalid_argument("smddp: SMDDP_SOCKET_IFNAME=" + ifname +
+                                " names no interface with an IPv4 address here (interfaces with "
+                                "one: " + format_names(names) + ")");
   }
   return found;
 }

@@ -65,6 +65,7 @@
 #include <vector>
 
 #include "smddp/common.h"
+#include "smddp/settings.h"
 
 namespace smddp {
 
@@ -191,8 +192,9 @@ class TcpMesh {
   std::atomic<uint64_t> rejected_{0};
 };
 
-// Address other hosts can reach this one at (SMDDP_SOCKET_ADDR, else the first
-// non-loopback IPv4 address, else 127.0.0.1).
-std::string local_address();
+// Address other hosts can reach this one at: settings.socket_addr (resolved), else the IPv4
+// address of settings.socket_ifname, else the first non-loopback IPv4 address, else
+// 127.0.0.1.
+std::string local_address(const Settings& settings);
 
 }  // namespace smddp
