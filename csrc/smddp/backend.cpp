@@ -173,6 +173,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::submit(c10::intrusive_ptr<Smdd
   TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
   const c10d::OpType type = work->retrieveOpType();
   work->set_executor(exec_);
+  if (type != c10d::OpType::SEND && type != c10d::OpType::RECV && type != c10d::OpType::RECVANYSOURCE) {
+    issued_.fetch_add(1);
+  }
   if (type == c10d::OpType::SEND) {
     exec_->submit_send(std::move(fn), work);
   } else {

@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <atomic>
 #include <memory>
 
 #include "smddp/comm.h"
@@ -76,6 +77,13 @@ class ProcessGroupSMDDP : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
+  // c10d's sequence number of the group: collectives issued on it so far (point-to-point
+  // excluded), counted from 0 on every rank, as gloo counts. TORCH_DISTRIBUTED_DEBUG=DETAIL
+  // wraps every backend in a ProcessGroupWrapper that compares it across ranks before each
+  // collective; without it, every group creation failed in that mode.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return issued_.load(); }
+
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
@@ -111,6 +119,7 @@ class ProcessGroupSMDDP : public c10d::Backend {
   bool coalescing_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
   bool shut_down_ = false;
+  std::atomic<uint64_t> issued_{0};  // getSequenceNumberForGroup
 };
 
 // Maps an ATen dtype to ours; throws TypeError naming the collective for unsupported ones.

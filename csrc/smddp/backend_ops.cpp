@@ -93,6 +93,7 @@ WorkPtr ProcessGroupSMDDP::allreduce(std::vector<at::Tensor>& tensors,
 void ProcessGroupSMDDP::allreduce_direct(const at::Tensor& tensor, const c10d::ReduceOp& op) {
   TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
   check_cpu(tensor, "all_reduce", "its tensor");
+  issued_.fetch_add(1);  // a collective like any other (getSequenceNumberForGroup)
   at::Tensor t = tensor;
   if (t.is_complex()) {
     // As torch.distributed does: reduce the real view, for the ops that mean the same there.

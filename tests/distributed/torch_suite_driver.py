@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import time
 
+import torch.distributed as dist
 from torch.testing._internal.common_distributed import DistTestCases
 
 import torch_sagemaker  # noqa: F401  (registers "smddp" in this process and in spawned ranks)
@@ -91,6 +92,9 @@ def run_cases(names: list[str], root: str, case_timeout_s: float = 300) -> dict[
     from torch.testing._internal.common_distributed import MultiProcessTestCase
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # Some cases set TORCH_DISTRIBUTED_DEBUG and leave it set (with_dist_debug_levels); a
+    # spawned rank would start the next case without it.
+    debug_level = os.environ.get("TORCH_DISTRIBUTED_DEBUG")
     results = {}
     for k, name in enumerate(names):
         case_dir = os.path.join(root, f"case{k}")
@@ -100,6 +104,11 @@ def run_cases(names: list[str], root: str, case_timeout_s: float = 300) -> dict[
             open(os.path.join(case_dir, "ready"), "w").close()
         _wait_for(os.path.join(case_dir, "ready"), case_timeout_s)
         os.environ["TEMP_DIR"] = case_dir
+        if debug_level is None:
+            os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
+        else:
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = debug_level
+        dist.set_debug_level_from_env()
         Barrier.barrier_id = 0  # a fresh process starts at 0; its directory is fresh too
         receive, send = multiprocessing.Pipe(duplex=False)
         code, extra = 0, ""
@@ -109,6 +118,10 @@ def run_cases(names: list[str], root: str, case_timeout_s: float = 300) -> dict[
             code = e.code
         except Exception:  # raised outside the test itself (process group creation)
             code, extra = MultiProcessTestCase.TEST_ERROR_EXIT_CODE, traceback.format_exc()
+        # The suite ends a skipped or failed case with sys.exit before its own
+        # destroy_process_group (a spawned rank exits there); here the rank lives on.
+        if dist.is_initialized():
+            dist.destroy_process_group()
         tb = extra
         try:
             if receive.poll():  # run_test sends the traceback of a failure, then closes
