@@ -145,9 +145,9 @@ WorkPtr ProcessGroupSMDDP::reduce(std::vector<at::Tensor>& tensors, const c10d::
                               timeout_of(opts.timeout));
   int me = rank_;
   return submit(OpType::REDUCE, tensors, opts.asyncOp, [this, t, red, ctx, root, me] {
-    // Every rank takes part in an all-reduce; only the root keeps the result.
-    at::Tensor c = me == root ? t.contiguous() : t.clone(at::MemoryFormat::Contiguous);
-    comm_->allreduce(c.data_ptr(), c.numel(), red, ctx);
+    // Note [Rooted collectives] in shm_rooted.h: the other ranks' tensors are only read.
+    at::Tensor c = t.contiguous();
+    comm_->reduce(c.data_ptr(), c.numel(), red, root, ctx);
     if (me == root) copy_back(c, t);
   });
 }
@@ -379,11 +379,11 @@ WorkPtr ProcessGroupSMDDP::gather(std::vector<std::vector<at::Tensor>>& outputs,
   OpCtx ctx = comm_->make_ctx("gather", desc_of(in, 0, bytes, root), rooted(args_of(in), root),
                               timeout_of(opts.timeout));
   int n = size_;
-  return submit(OpType::GATHER, outs, opts.asyncOp, [this, in, outs, bytes, ctx, n] {
-    // An all-gather of which only the root keeps the result.
+  return submit(OpType::GATHER, outs, opts.asyncOp, [this, in, outs, bytes, ctx, n, root] {
+    // Note [Rooted collectives] in shm_rooted.h; `outs` is empty except on the root.
     at::Tensor i = in.contiguous();
-    at::Tensor flat = at::empty({n * i.numel()}, i.options());
-    comm_->allgather(i.data_ptr(), flat.data_ptr(), bytes, ctx);
+    at::Tensor flat = outs.empty() ? at::Tensor() : at::empty({n * i.numel()}, i.options());
+    comm_->gather(i.data_ptr(), bytes, flat.defined() ? flat.data_ptr() : nullptr, root, ctx);
     for (size_t r = 0; r < outs.size(); ++r) {
       outs[r].copy_(flat.narrow(0, r * i.numel(), i.numel()).view(outs[r].sizes()));
     }
@@ -415,12 +415,13 @@ WorkPtr ProcessGroupSMDDP::scatter(std::vector<at::Tensor>& outputs,
   const size_t bytes = out.numel() * out.element_size() * size_;
   OpCtx ctx = comm_->make_ctx("scatter", desc_of(out, 0, bytes, root), rooted(args_of(out), root),
                               timeout_of(opts.timeout));
-  int n = size_, me = rank_;
-  return submit(OpType::SCATTER, outputs, opts.asyncOp, [this, ins, out, bytes, root, ctx, n, me] {
-    // The root broadcasts the concatenation; every rank keeps its slice.
-    at::Tensor flat = ins.empty() ? at::empty({n * out.numel()}, out.options()) : flat_cat(ins);
-    comm_->broadcast(flat.data_ptr(), bytes, root, ctx);
-    out.copy_(flat.narrow(0, me * out.numel(), out.numel()).view(out.sizes()));
+  return submit(OpType::SCATTER, outputs, opts.asyncOp, [this, ins, out, root, ctx] {
+    // Note [Rooted collectives] in shm_rooted.h; `ins` is empty except on the root.
+    at::Tensor flat = ins.empty() ? at::Tensor() : flat_cat(ins);
+    at::Tensor o = contiguous_out(out);
+    comm_->scatter(flat.defined() ? flat.data_ptr() : nullptr, out.numel() * out.element_size(),
+                   o.data_ptr(), root, ctx);
+    copy_back(o, out);
   });
 }
 

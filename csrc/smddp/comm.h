@@ -74,6 +74,13 @@ class Communicator {
   void reduce_scatter(const void* in, void* out, size_t count, const Reduction& red, OpCtx ctx);
   void allgather(const void* in, void* out, size_t bytes, OpCtx ctx);
   void broadcast(void* data, size_t bytes, int root, OpCtx ctx);
+  // Rooted collectives (Note [Rooted collectives] in shm_rooted.h). reduce: `data` is the
+  // result on the root, read-only elsewhere. gather: every rank's `bytes` land at
+  // out + rank * bytes on the root (`out` unused elsewhere). scatter: in + rank * bytes
+  // (`in` read on the root only) lands in each rank's `out`.
+  void reduce(void* data, size_t count, const Reduction& red, int root, OpCtx ctx);
+  void gather(const void* in, size_t bytes, void* out, int root, OpCtx ctx);
+  void scatter(const void* in, size_t bytes, void* out, int root, OpCtx ctx);
   void barrier(OpCtx ctx);
   void alltoall(const void* in, const std::vector<Span>& send, void* out,
                 const std::vector<Span>& recv, OpCtx ctx);
@@ -110,6 +117,13 @@ class Communicator {
                            const Reduction& red, const OpCtx& ctx);
   void hier_allgather(const void* src, void* out, const std::vector<Span>& parts,
                       const OpCtx& ctx);
+  // Rooted gather/scatter of byte parts indexed by group rank (Note [Rooted collectives]).
+  void rooted_gather(const void* in, const std::vector<Span>& parts, void* out, int root,
+                     const OpCtx& ctx);
+  void rooted_scatter(const void* in, const std::vector<Span>& parts, void* out, int root,
+                      const OpCtx& ctx);
+  std::vector<Span> local_parts(const std::vector<Span>& parts) const;  // this host's, local order
+  int host_of(int group_rank) const;
   // A collective's TCP exchange, which also ends when a rank of this host fails (it may be
   // the one that learned of a failure on another host).
   void exchange(const std::vector<TcpMesh::Op>& sends, const std::vector<TcpMesh::Op>& recvs,

@@ -8,6 +8,7 @@
 #include "smddp/comm.h"
 #include "smddp/kernels.h"
 #include "smddp/shm_algos.h"
+#include "smddp/shm_rooted.h"
 
 namespace smddp {
 
@@ -148,7 +149,7 @@ void Communicator::hier_reduce_scatter(const void* in, const std::vector<Span>& 
   exchange(sends, recvs, ctx);
   std::vector<const void*> srcs(H);
   for (int h = 0; h < H; ++h) srcs[h] = h == me ? partial[h] : recv_base + h * my_len * aesz;
-  reduce(acc, red.dtype, dst, srcs.data(), H, my_len, red, true);
+  smddp::reduce(acc, red.dtype, dst, srcs.data(), H, my_len, red, true);
 }
 
 void Communicator::hier_allgather(const void* src, void* out, const std::vector<Span>& parts,
@@ -194,6 +195,103 @@ void Communicator::broadcast(void* data, size_t bytes, int root, OpCtx ctx) {
       exchange(sends, recvs, ctx);
     }
     shm::broadcast(*shm_, data, bytes, root_local, ctx);
+  });
+}
+
+// Note [Rooted collectives] in shm_rooted.h. Across hosts, the ranks of other hosts send
+// to (gather) or receive from (scatter) the root over TCP directly, one message each; the
+// ranks of the root's host run the shared-memory algorithm. reduce is a hierarchical
+// reduce-scatter (as in all_reduce) followed by a rooted gather of the reduced parts.
+int Communicator::host_of(int group_rank) const {
+  for (int h = 0; h < layout_.hosts; ++h) {
+    for (int r : layout_.members[h]) {
+      if (r == group_rank) return h;
+    }
+  }
+  throw CommError("smddp: rank " + std::to_string(group_rank) + " is in no host of the layout");
+}
+
+std::vector<Span> Communicator::local_parts(const std::vector<Span>& parts) const {
+  std::vector<Span> local;
+  for (int r : layout_.members[layout_.host]) local.push_back(parts[r]);
+  return local;
+}
+
+void Communicator::rooted_gather(const void* in, const std::vector<Span>& parts, void* out,
+                                 int root, const OpCtx& ctx) {
+  const int root_host = host_of(root);
+  const uint64_t chk = check_of(ctx);
+  if (layout_.host != root_host) {
+    exchange({{root, tag(ctx, 6), const_cast<char*>(static_cast<const char*>(in)), parts[cfg_.rank].len, chk}},
+             {}, ctx);
+    return;
+  }
+  shm::gather(*shm_, in, local_parts(parts), out, local_index(root), ctx);
+  if (cfg_.rank != root || layout_.hosts == 1) return;
+  std::vector<TcpMesh::Op> recvs;
+  char* dst = static_cast<char*>(out);
+  for (int h = 0; h < layout_.hosts; ++h) {
+    if (h == root_host) continue;
+    for (int r : layout_.members[h]) recvs.push_back({r, tag(ctx, 6), dst + parts[r].off, parts[r].len, chk});
+  }
+  exchange({}, recvs, ctx);
+}
+
+void Communicator::rooted_scatter(const void* in, const std::vector<Span>& parts, void* out,
+                                  int root, const OpCtx& ctx) {
+  const int root_host = host_of(root);
+  const uint64_t chk = check_of(ctx);
+  if (layout_.host != root_host) {
+    exchange({}, {{root, tag(ctx, 7), static_cast<char*>(out), parts[cfg_.rank].len, chk}}, ctx);
+    return;
+  }
+  if (cfg_.rank == root && layout_.hosts > 1) {
+    std::vector<TcpMesh::Op> sends;
+    char* src = const_cast<char*>(static_cast<const char*>(in));
+    for (int h = 0; h < layout_.hosts; ++h) {
+      if (h == root_host) continue;
+      for (int r : layout_.members[h]) sends.push_back({r, tag(ctx, 7), src + parts[r].off, parts[r].len, chk});
+    }
+    exchange(sends, {}, ctx);
+  }
+  shm::scatter(*shm_, in, local_parts(parts), out, local_index(root), ctx);
+}
+
+void Communicator::reduce(void* data, size_t count, const Reduction& red, int root, OpCtx ctx) {
+  guarded(ctx, true, [&] {
+    if (layout_.hosts == 1) {
+      shm::reduce(*shm_, data, count, red, local_index(root), ctx, oneshot_bytes_);
+      return;
+    }
+    const size_t esz = dtype_size(red.dtype);
+    std::vector<Span> parts(cfg_.size), bytes(cfg_.size);
+    for (int p = 0; p < cfg_.size; ++p) {
+      parts[p] = partition(count, cfg_.size, p, 64 / esz);
+      bytes[p] = {parts[p].off * esz, parts[p].len * esz};
+    }
+    // The root reduces its part in place (hier_reduce_scatter reads all of `data` first);
+    // the others into a private buffer, since their `data` is read-only.
+    char* base = static_cast<char*>(data);
+    std::vector<char> own(cfg_.rank == root ? 0 : bytes[cfg_.rank].len);
+    char* mine = cfg_.rank == root ? base + bytes[cfg_.rank].off : own.data();
+    hier_reduce_scatter(data, parts, mine, red, ctx);
+    rooted_gather(mine, bytes, data, root, ctx);
+  });
+}
+
+void Communicator::gather(const void* in, size_t bytes, void* out, int root, OpCtx ctx) {
+  guarded(ctx, true, [&] {
+    std::vector<Span> parts(cfg_.size);
+    for (int p = 0; p < cfg_.size; ++p) parts[p] = {p * bytes, bytes};
+    rooted_gather(in, parts, out, root, ctx);
+  });
+}
+
+void Communicator::scatter(const void* in, size_t bytes, void* out, int root, OpCtx ctx) {
+  guarded(ctx, true, [&] {
+    std::vector<Span> parts(cfg_.size);
+    for (int p = 0; p < cfg_.size; ++p) parts[p] = {p * bytes, bytes};
+    rooted_scatter(in, parts, out, root, ctx);
   });
 }
 
