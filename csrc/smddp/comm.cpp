@@ -78,7 +78,7 @@ void wait_keys(KeyValue& kv, const std::vector<std::string>& keys, const std::ve
       }
       char secs[32];
       snprintf(secs, sizeof(secs), "%.1f", dl.seconds);
-      throw CommError(what + " timed out after " + secs + " s: ranks " + format_ranks(missing) +
+      throw CommError(what + " timed out after " + secs + " s (the timeout of this group): ranks " + format_ranks(missing) +
                       " never arrived");
     }
     std::this_thread::sleep_for(pause);

@@ -398,8 +398,8 @@ int Communicator::recv_any(void* data, size_t bytes, uint32_t tag, OpCtx ctx) {
         if (ctx.deadline.expired()) {
           char secs[32];
           snprintf(secs, sizeof(secs), "%.1f", ctx.deadline.seconds);
-          throw CommError(where + " timed out after " + secs + " s: no rank sent it a message " +
-                          "with tag " + std::to_string(tag));
+          throw CommError(where + " timed out after " + secs + " s (the timeout of this group): " +
+                          "no rank sent it a message with tag " + std::to_string(tag));
         }
         bool any_alive = false;
         for (int r : peers) {

@@ -369,7 +369,7 @@ void ShmComm::check_peer(int i, const OpCtx& ctx, const std::string& waiting_for
   if (ctx.deadline.expired()) {
     char secs[32];
     snprintf(secs, sizeof(secs), "%.1f", ctx.deadline.seconds);
-    throw CommError(where + " timed out after " + secs + " s waiting for " + peer + " " + waiting_for);
+    throw CommError(where + " timed out after " + secs + " s (the timeout of this group) waiting for " + peer + " " + waiting_for);
   }
 }
 
@@ -434,7 +434,7 @@ void ShmComm::check_health(int i, uint64_t target, const OpCtx& ctx) {
     if (missing.empty()) missing.push_back(cfg_.group_ranks[i]);
     char secs[32];
     snprintf(secs, sizeof(secs), "%.1f", ctx.deadline.seconds);
-    fail(where(ctx) + " timed out after " + secs + " s waiting for ranks " + format_ranks(missing) +
+    fail(where(ctx) + " timed out after " + secs + " s (the timeout of this group) waiting for ranks " + format_ranks(missing) +
          " (they did not reach this collective: hung, slower, or issued a different sequence "
          "of collectives)");
   }

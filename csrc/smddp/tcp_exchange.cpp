@@ -313,7 +313,7 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
       char secs[32];
       snprintf(secs, sizeof(secs), "%.1f", ctx.deadline.seconds);
       throw CommError("smddp: " + ctx.describe() + " on group '" + group_name_ +
-                      "' timed out after " + secs + " s waiting for ranks " +
+                      "' timed out after " + secs + " s (the timeout of this group) waiting for ranks " +
                       format_ranks(missing) + " (over TCP)");
     }
     if (health) health();
