@@ -2,7 +2,7 @@
 passes and smddp does not.
 
     python -m tests.distributed.torch_suite_compare [--backends gloo,smddp] [-k SUBSTRING]
-        [--chunk 25] [--spawn] [--out results.json]
+        [--chunk 25] [--spawn] [--run-skipped] [--out results.json]
 
 By default the cases run in chunks, one after another in the same three ranks
 (``torch_suite_driver.run_cases``); a chunk whose ranks fail or hang is rerun case by case
@@ -36,10 +36,10 @@ def case_names() -> list[str]:
     return list(unittest.TestLoader().getTestCaseNames(TestDistBackendWithSpawn))
 
 
-def _chunk(names, root):
+def _chunk(names, root, honour_skips=True):
     from tests.distributed.torch_suite_driver import run_cases
 
-    return run_cases(names, root)
+    return run_cases(names, root, honour_skips=honour_skips)
 
 
 def _merge(per_rank: list[dict]) -> dict[str, tuple[str, str]]:
@@ -57,7 +57,8 @@ def _merge(per_rank: list[dict]) -> dict[str, tuple[str, str]]:
     return merged
 
 
-def run_in_pool(backend: str, names: list[str], chunk: int) -> dict[str, tuple[str, str]]:
+def run_in_pool(backend: str, names: list[str], chunk: int,
+                honour_skips: bool = True) -> dict[str, tuple[str, str]]:
     env = {"BACKEND": backend, "WORLD_SIZE": str(WORLD_SIZE)}
     results: dict[str, tuple[str, str]] = {}
     for start in range(0, len(names), chunk):
@@ -67,7 +68,7 @@ def run_in_pool(backend: str, names: list[str], chunk: int) -> dict[str, tuple[s
             batch = batches.pop(0)
             root = tempfile.mkdtemp(prefix=f"torch_suite_{backend}_")
             try:
-                per_rank = run_distributed(_chunk, batch, root, world_size=WORLD_SIZE,
+                per_rank = run_distributed(_chunk, batch, root, honour_skips, world_size=WORLD_SIZE,
                                            init_process_group=False, timeout=120 + 90 * len(batch),
                                            env={**env, "TEMP_DIR": root})
                 results.update(_merge(per_rank))
@@ -108,6 +109,9 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=25)
     parser.add_argument("--spawn", action="store_true", help="every case in fresh processes")
     parser.add_argument("--out", default="", help="write the outcomes as JSON here")
+    parser.add_argument("--run-skipped", action="store_true",
+                        help="also run cases the suite restricts to other backends by name "
+                             "(in the same ranks only)")
     args = parser.parse_args()
     names = [n for n in case_names() if args.filter in n]
     outcomes = {}
@@ -116,7 +120,7 @@ def main() -> None:
         if args.spawn:
             outcomes[backend] = run_spawned(backend, names)
         else:
-            outcomes[backend] = run_in_pool(backend, names, args.chunk)
+            outcomes[backend] = run_in_pool(backend, names, args.chunk, not args.run_skipped)
         print(f"[{backend}] {len(names)} cases in {time.monotonic() - start:.0f} s", file=sys.stderr)
     if args.out:
         with open(args.out, "w") as f:
