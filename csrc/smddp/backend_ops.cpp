@@ -378,15 +378,18 @@ WorkPtr ProcessGroupSMDDP::gather(std::vector<std::vector<at::Tensor>>& outputs,
   const size_t bytes = in.numel() * in.element_size();
   OpCtx ctx = comm_->make_ctx("gather", desc_of(in, 0, bytes, root), rooted(args_of(in), root),
                               timeout_of(opts.timeout));
-  int n = size_;
-  return submit(OpType::GATHER, outs, opts.asyncOp, [this, in, outs, bytes, ctx, n, root] {
-    // Note [Rooted collectives] in shm_rooted.h; `outs` is empty except on the root.
+  return submit(OpType::GATHER, outs, opts.asyncOp, [this, in, outs, bytes, ctx, root] {
+    // Note [Rooted collectives] in shm_rooted.h; `outs` is empty except on the root, where
+    // each rank's bytes land in its output directly (staged only if not contiguous).
     at::Tensor i = in.contiguous();
-    at::Tensor flat = outs.empty() ? at::Tensor() : at::empty({n * i.numel()}, i.options());
-    comm_->gather(i.data_ptr(), bytes, flat.defined() ? flat.data_ptr() : nullptr, root, ctx);
-    for (size_t r = 0; r < outs.size(); ++r) {
-      outs[r].copy_(flat.narrow(0, r * i.numel(), i.numel()).view(outs[r].sizes()));
+    std::vector<at::Tensor> staged;
+    std::vector<char*> dst;
+    for (const auto& o : outs) {
+      staged.push_back(contiguous_out(o));
+      dst.push_back(static_cast<char*>(staged.back().data_ptr()));
     }
+    comm_->gather(i.data_ptr(), bytes, dst, root, ctx);
+    for (size_t r = 0; r < outs.size(); ++r) copy_back(staged[r], outs[r]);
   });
 }
 
@@ -416,11 +419,16 @@ WorkPtr ProcessGroupSMDDP::scatter(std::vector<at::Tensor>& outputs,
   OpCtx ctx = comm_->make_ctx("scatter", desc_of(out, 0, bytes, root), rooted(args_of(out), root),
                               timeout_of(opts.timeout));
   return submit(OpType::SCATTER, outputs, opts.asyncOp, [this, ins, out, root, ctx] {
-    // Note [Rooted collectives] in shm_rooted.h; `ins` is empty except on the root.
-    at::Tensor flat = ins.empty() ? at::Tensor() : flat_cat(ins);
+    // Note [Rooted collectives] in shm_rooted.h; `ins` is empty except on the root, which
+    // reads each rank's input in place (staged only if not contiguous).
+    std::vector<at::Tensor> staged;
+    std::vector<const char*> src;
+    for (const auto& i : ins) {
+      staged.push_back(i.contiguous());
+      src.push_back(static_cast<const char*>(staged.back().data_ptr()));
+    }
     at::Tensor o = contiguous_out(out);
-    comm_->scatter(flat.defined() ? flat.data_ptr() : nullptr, out.numel() * out.element_size(),
-                   o.data_ptr(), root, ctx);
+    comm_->scatter(src, out.numel() * out.element_size(), o.data_ptr(), root, ctx);
     copy_back(o, out);
   });
 }

@@ -76,11 +76,11 @@ class Communicator {
   void broadcast(void* data, size_t bytes, int root, OpCtx ctx);
   // Rooted collectives (Note [Rooted collectives] in shm_rooted.h). reduce: `data` is the
   // result on the root, read-only elsewhere. gather: every rank's `bytes` land at
-  // out + rank * bytes on the root (`out` unused elsewhere). scatter: in + rank * bytes
-  // (`in` read on the root only) lands in each rank's `out`.
+  // outs[rank] on the root (`outs` empty elsewhere). scatter: ins[rank] (`ins` read on the
+  // root only, empty elsewhere) lands in each rank's `out`.
   void reduce(void* data, size_t count, const Reduction& red, int root, OpCtx ctx);
-  void gather(const void* in, size_t bytes, void* out, int root, OpCtx ctx);
-  void scatter(const void* in, size_t bytes, void* out, int root, OpCtx ctx);
+  void gather(const void* in, size_t bytes, const std::vector<char*>& outs, int root, OpCtx ctx);
+  void scatter(const std::vector<const char*>& ins, size_t bytes, void* out, int root, OpCtx ctx);
   void barrier(OpCtx ctx);
   void alltoall(const void* in, const std::vector<Span>& send, void* out,
                 const std::vector<Span>& recv, OpCtx ctx);
@@ -117,12 +117,20 @@ class Communicator {
                            const Reduction& red, const OpCtx& ctx);
   void hier_allgather(const void* src, void* out, const std::vector<Span>& parts,
                       const OpCtx& ctx);
-  // Rooted gather/scatter of byte parts indexed by group rank (Note [Rooted collectives]).
-  void rooted_gather(const void* in, const std::vector<Span>& parts, void* out, int root,
-                     const OpCtx& ctx);
-  void rooted_scatter(const void* in, const std::vector<Span>& parts, void* out, int root,
-                      const OpCtx& ctx);
-  std::vector<Span> local_parts(const std::vector<Span>& parts) const;  // this host's, local order
+  // Rooted gather/scatter of lens[r] bytes per group rank r (Note [Rooted collectives]);
+  // dst / src: one pointer per group rank, on the root only.
+  void rooted_gather(const void* in, const std::vector<size_t>& lens, const std::vector<char*>& dst,
+                     int root, const OpCtx& ctx);
+  void rooted_scatter(const std::vector<const char*>& src, const std::vector<size_t>& lens,
+                      void* out, int root, const OpCtx& ctx);
+  // The entries of this host's ranks, in local order (empty stays empty).
+  template <typename T>
+  std::vector<T> local_of(const std::vector<T>& by_rank) const {
+    std::vector<T> local;
+    if (by_rank.empty()) return local;
+    for (int r : layout_.members[layout_.host]) local.push_back(by_rank[r]);
+    return local;
+  }
   int host_of(int group_rank) const;
   // A collective's TCP exchange, which also ends when a rank of this host fails (it may be
   // the one that learned of a failure on another host).

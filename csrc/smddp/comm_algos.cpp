@@ -211,50 +211,42 @@ int Communicator::host_of(int group_rank) const {
   throw CommError("smddp: rank " + std::to_string(group_rank) + " is in no host of the layout");
 }
 
-std::vector<Span> Communicator::local_parts(const std::vector<Span>& parts) const {
-  std::vector<Span> local;
-  for (int r : layout_.members[layout_.host]) local.push_back(parts[r]);
-  return local;
-}
-
-void Communicator::rooted_gather(const void* in, const std::vector<Span>& parts, void* out,
-                                 int root, const OpCtx& ctx) {
+void Communicator::rooted_gather(const void* in, const std::vector<size_t>& lens,
+                                 const std::vector<char*>& dst, int root, const OpCtx& ctx) {
   const int root_host = host_of(root);
   const uint64_t chk = check_of(ctx);
   if (layout_.host != root_host) {
-    exchange({{root, tag(ctx, 6), const_cast<char*>(static_cast<const char*>(in)), parts[cfg_.rank].len, chk}},
+    exchange({{root, tag(ctx, 6), const_cast<char*>(static_cast<const char*>(in)), lens[cfg_.rank], chk}},
              {}, ctx);
     return;
   }
-  shm::gather(*shm_, in, local_parts(parts), out, local_index(root), ctx);
+  shm::gather(*shm_, in, local_of(lens), local_of(dst), local_index(root), ctx);
   if (cfg_.rank != root || layout_.hosts == 1) return;
   std::vector<TcpMesh::Op> recvs;
-  char* dst = static_cast<char*>(out);
   for (int h = 0; h < layout_.hosts; ++h) {
     if (h == root_host) continue;
-    for (int r : layout_.members[h]) recvs.push_back({r, tag(ctx, 6), dst + parts[r].off, parts[r].len, chk});
+    for (int r : layout_.members[h]) recvs.push_back({r, tag(ctx, 6), dst[r], lens[r], chk});
   }
   exchange({}, recvs, ctx);
 }
 
-void Communicator::rooted_scatter(const void* in, const std::vector<Span>& parts, void* out,
-                                  int root, const OpCtx& ctx) {
+void Communicator::rooted_scatter(const std::vector<const char*>& src, const std::vector<size_t>& lens,
+                                  void* out, int root, const OpCtx& ctx) {
   const int root_host = host_of(root);
   const uint64_t chk = check_of(ctx);
   if (layout_.host != root_host) {
-    exchange({}, {{root, tag(ctx, 7), static_cast<char*>(out), parts[cfg_.rank].len, chk}}, ctx);
+    exchange({}, {{root, tag(ctx, 7), static_cast<char*>(out), lens[cfg_.rank], chk}}, ctx);
     return;
   }
   if (cfg_.rank == root && layout_.hosts > 1) {
     std::vector<TcpMesh::Op> sends;
-    char* src = const_cast<char*>(static_cast<const char*>(in));
     for (int h = 0; h < layout_.hosts; ++h) {
       if (h == root_host) continue;
-      for (int r : layout_.members[h]) sends.push_back({r, tag(ctx, 7), src + parts[r].off, parts[r].len, chk});
+      for (int r : layout_.members[h]) sends.push_back({r, tag(ctx, 7), const_cast<char*>(src[r]), lens[r], chk});
     }
     exchange(sends, {}, ctx);
   }
-  shm::scatter(*shm_, in, local_parts(parts), out, local_index(root), ctx);
+  shm::scatter(*shm_, local_of(src), local_of(lens), out, local_index(root), ctx);
 }
 
 void Communicator::reduce(void* data, size_t count, const Reduction& red, int root, OpCtx ctx) {
@@ -264,35 +256,32 @@ void Communicator::reduce(void* data, size_t count, const Reduction& red, int ro
       return;
     }
     const size_t esz = dtype_size(red.dtype);
-    std::vector<Span> parts(cfg_.size), bytes(cfg_.size);
+    std::vector<Span> parts(cfg_.size);
+    std::vector<size_t> lens(cfg_.size);
+    std::vector<char*> dst;
+    char* base = static_cast<char*>(data);
     for (int p = 0; p < cfg_.size; ++p) {
       parts[p] = partition(count, cfg_.size, p, 64 / esz);
-      bytes[p] = {parts[p].off * esz, parts[p].len * esz};
+      lens[p] = parts[p].len * esz;
+      if (cfg_.rank == root) dst.push_back(base + parts[p].off * esz);
     }
     // The root reduces its part in place (hier_reduce_scatter reads all of `data` first);
     // the others into a private buffer, since their `data` is read-only.
-    char* base = static_cast<char*>(data);
-    std::vector<char> own(cfg_.rank == root ? 0 : bytes[cfg_.rank].len);
-    char* mine = cfg_.rank == root ? base + bytes[cfg_.rank].off : own.data();
+    std::vector<char> own(cfg_.rank == root ? 0 : lens[cfg_.rank]);
+    char* mine = cfg_.rank == root ? dst[cfg_.rank] : own.data();
     hier_reduce_scatter(data, parts, mine, red, ctx);
-    rooted_gather(mine, bytes, data, root, ctx);
+    rooted_gather(mine, lens, dst, root, ctx);
   });
 }
 
-void Communicator::gather(const void* in, size_t bytes, void* out, int root, OpCtx ctx) {
-  guarded(ctx, true, [&] {
-    std::vector<Span> parts(cfg_.size);
-    for (int p = 0; p < cfg_.size; ++p) parts[p] = {p * bytes, bytes};
-    rooted_gather(in, parts, out, root, ctx);
-  });
+void Communicator::gather(const void* in, size_t bytes, const std::vector<char*>& outs, int root,
+                          OpCtx ctx) {
+  guarded(ctx, true, [&] { rooted_gather(in, std::vector<size_t>(cfg_.size, bytes), outs, root, ctx); });
 }
 
-void Communicator::scatter(const void* in, size_t bytes, void* out, int root, OpCtx ctx) {
-  guarded(ctx, true, [&] {
-    std::vector<Span> parts(cfg_.size);
-    for (int p = 0; p < cfg_.size; ++p) parts[p] = {p * bytes, bytes};
-    rooted_scatter(in, parts, out, root, ctx);
-  });
+void Communicator::scatter(const std::vector<const char*>& ins, size_t bytes, void* out, int root,
+                           OpCtx ctx) {
+  guarded(ctx, true, [&] { rooted_scatter(ins, std::vector<size_t>(cfg_.size, bytes), out, root, ctx); });
 }
 
 void Communicator::barrier(OpCtx ctx) {

@@ -9,8 +9,8 @@ namespace smddp {
 namespace shm {
 namespace {
 
-// Bytes [o, o + c) of a part, clipped to it (offset relative to the part's start).
-size_t piece_len(const Span& part, size_t o, size_t c) { return o >= part.len ? 0 : std::min(c, part.len - o); }
+// Bytes [o, o + c) of a part of `len` bytes, clipped to it.
+size_t piece_len(size_t len, size_t o, size_t c) { return o >= len ? 0 : std::min(c, len - o); }
 
 void copy_out(void* dst, const void* src, size_t bytes, bool stream) {
   if (stream) {
@@ -28,34 +28,31 @@ void copy_in(void* dst, const void* src, size_t n, const Reduction& red) {
   }
 }
 
-size_t max_len(const std::vector<Span>& parts) {
+size_t max_len(const std::vector<size_t>& lens) {
   size_t m = 0;
-  for (const Span& p : parts) m = std::max(m, p.len);
+  for (size_t l : lens) m = std::max(m, l);
   return m;
 }
 
-size_t total_len(const std::vector<Span>& parts) {
+size_t total_len(const std::vector<size_t>& lens) {
   size_t t = 0;
-  for (const Span& p : parts) t += p.len;
+  for (size_t l : lens) t += l;
   return t;
 }
 
 }  // namespace
 
-void gather(ShmComm& c, const void* in, const std::vector<Span>& parts, void* out, int root,
-            const OpCtx& ctx) {
+void gather(ShmComm& c, const void* in, const std::vector<size_t>& lens,
+            const std::vector<char*>& dst, int root, const OpCtx& ctx) {
   const int n = c.size(), me = c.rank();
   const char* src = static_cast<const char*>(in);
-  char* dst = static_cast<char*>(out);
-  const size_t chunk = c.chunk_bytes(), longest = max_len(parts);
-  const bool stream = me == root && c.stream_output(total_len(parts));
-  if (me == root && parts[me].len && src != dst + parts[me].off) {
-    copy_out(dst + parts[me].off, src, parts[me].len, stream);
-  }
+  const size_t chunk = c.chunk_bytes(), longest = max_len(lens);
+  const bool stream = me == root && c.stream_output(total_len(lens));
+  if (me == root && lens[me] && src != dst[me]) copy_out(dst[me], src, lens[me], stream);
   bool first = true;
   for (size_t o = 0; o < longest || first; o += chunk) {
     uint64_t s = c.begin_step(ctx, first);
-    if (me != root) std::memcpy(c.mine(s), src + o, piece_len(parts[me], o, chunk));
+    if (me != root) std::memcpy(c.mine(s), src + o, piece_len(lens[me], o, chunk));
     c.post(s, 1);
     if (first) c.wait_all(s, 1, ctx);  // every rank checks every descriptor once
     first = false;
@@ -63,32 +60,29 @@ void gather(ShmComm& c, const void* in, const std::vector<Span>& parts, void* ou
       for (int k = 1; k < n; ++k) {
         int i = (me + k) % n;
         c.wait_one(i, s, 1, ctx);
-        copy_out(dst + parts[i].off + o, c.peer(i, s), piece_len(parts[i], o, chunk), stream);
+        copy_out(dst[i] + o, c.peer(i, s), piece_len(lens[i], o, chunk), stream);
       }
     }
     c.end_step(s);
   }
 }
 
-void scatter(ShmComm& c, const void* in, const std::vector<Span>& parts, void* out, int root,
-             const OpCtx& ctx) {
+void scatter(ShmComm& c, const std::vector<const char*>& src, const std::vector<size_t>& lens,
+             void* out, int root, const OpCtx& ctx) {
   const int n = c.size(), me = c.rank();
-  const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
   // One chunk of every peer's part per step, in slots of the root's buffer.
   size_t slot = std::min(c.buffer_bytes() / n, c.chunk_bytes()) & ~size_t(63);
   slot = std::max<size_t>(slot, 64);
-  const size_t longest = max_len(parts);
-  const bool stream = c.stream_output(parts[me].len);
-  if (me == root && parts[me].len && src + parts[me].off != dst) {
-    copy_out(dst, src + parts[me].off, parts[me].len, stream);
-  }
+  const size_t longest = max_len(lens);
+  const bool stream = c.stream_output(lens[me]);
+  if (me == root && lens[me] && src[me] != dst) copy_out(dst, src[me], lens[me], stream);
   bool first = true;
   for (size_t o = 0; o < longest || first; o += slot) {
     uint64_t s = c.begin_step(ctx, first);
     if (me == root) {
       for (int i = 0; i < n; ++i) {
-        if (i != me) std::memcpy(c.mine(s) + i * slot, src + parts[i].off + o, piece_len(parts[i], o, slot));
+        if (i != me) std::memcpy(c.mine(s) + i * slot, src[i] + o, piece_len(lens[i], o, slot));
       }
     }
     c.post(s, 1);
@@ -96,7 +90,7 @@ void scatter(ShmComm& c, const void* in, const std::vector<Span>& parts, void* o
     first = false;
     if (me != root) {
       c.wait_one(root, s, 1, ctx);
-      copy_out(dst + o, c.peer(root, s) + me * slot, piece_len(parts[me], o, slot), stream);
+      copy_out(dst + o, c.peer(root, s) + me * slot, piece_len(lens[me], o, slot), stream);
     }
     c.end_step(s);
   }

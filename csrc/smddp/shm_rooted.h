@@ -27,16 +27,15 @@
 namespace smddp {
 namespace shm {
 
-// Gathers local rank i's parts[i].len bytes (this rank's from `in`) to out + parts[i].off
-// on local rank `root`; `out` is used on the root only. The root's own part is copied
-// unless `in` already is its place.
-void gather(ShmComm& c, const void* in, const std::vector<Span>& parts, void* out, int root,
-            const OpCtx& ctx);
+// Gathers local rank i's lens[i] bytes (this rank's from `in`) to dst[i] on local rank
+// `root`; `dst` is used on the root only. The root's own part is copied unless `in`
+// already is its place.
+void gather(ShmComm& c, const void* in, const std::vector<size_t>& lens,
+            const std::vector<char*>& dst, int root, const OpCtx& ctx);
 
-// Scatters in + parts[i].off (parts[i].len bytes, `in` read on the root only) to local rank
-// i's `out`.
-void scatter(ShmComm& c, const void* in, const std::vector<Span>& parts, void* out, int root,
-             const OpCtx& ctx);
+// Scatters src[i] (lens[i] bytes; `src` read on the root only) to local rank i's `out`.
+void scatter(ShmComm& c, const std::vector<const char*>& src, const std::vector<size_t>& lens,
+             void* out, int root, const OpCtx& ctx);
 
 // Reduces `count` elements of every local rank's `data` into the root's `data` (in place
 // there; read-only elsewhere), combining in local rank order like allreduce.
