@@ -3,20 +3,64 @@
 // Python decides, C++ executes: every function exported here has a Python wrapper with a
 // docstring in torch_sagemaker/ (see torch_sagemaker/distributed/backend.py).
 #include <torch/csrc/distributed/c10d/Types.hpp>
+#include <pybind11/stl.h>
 #include <torch/extension.h>
+
+#include <map>
+#include <string>
 
 #include "smddp/backend.h"
 #include "smddp/kernels.h"
+#include "smddp/settings.h"
 
 namespace py = pybind11;
 
 namespace {
 
+// The group's settings: its SMDDPOptions (pg_options) over the environment (Note
+// [Settings]). Called without the GIL (see the binding); takes it to read the options.
 c10::intrusive_ptr<smddp::ProcessGroupSMDDP> create_backend(
-    const c10d::DistributedBackendOptions& opts, const py::object& /*pg_options*/) {
+    const c10d::DistributedBackendOptions& opts, const py::object& pg_options) {
+  std::map<std::string, std::string> overrides;
+  {
+    py::gil_scoped_acquire gil;
+    if (!pg_options.is_none()) {
+      if (!py::hasattr(pg_options, "_smddp_overrides")) {
+        throw py::type_error(
+            "smddp: pg_options must be a torch_sagemaker.distributed.SMDDPOptions, got " +
+            std::string(py::str(py::type::of(pg_options).attr("__name__"))));
+      }
+      overrides = pg_options.attr("_smddp_overrides")().cast<std::map<std::string, std::string>>();
+    }
+  }
+  smddp::Settings settings = smddp::resolve_settings(overrides);
   return c10::make_intrusive<smddp::ProcessGroupSMDDP>(opts.store, opts.group_rank,
                                                        opts.group_size, opts.timeout,
-                                                       opts.group_id, opts.global_ranks_in_group);
+                                                       opts.group_id, opts.global_ranks_in_group,
+                                                       settings);
+}
+
+py::list setting_table() {
+  py::list rows;
+  for (const auto& s : smddp::setting_table()) {
+    py::dict d;
+    d["field"] = s.field;
+    d["env"] = s.env;
+    d["kind"] = s.kind;
+    d["default"] = s.fallback;
+    d["meaning"] = s.meaning;
+    rows.append(d);
+  }
+  return rows;
+}
+
+// What resolve_settings makes of `options` over `environ` (tests of the rules).
+std::map<std::string, std::string> resolve_for_test(const std::map<std::string, std::string>& options,
+                                                    const std::map<std::string, std::string>& environ) {
+  return smddp::describe(smddp::resolve_settings(options, [&](const char* name) -> const char* {
+    auto it = environ.find(name);
+    return it == environ.end() ? nullptr : it->second.c_str();
+  }));
 }
 
 py::dict layout_of(const smddp::ProcessGroupSMDDP& pg) {
@@ -61,7 +105,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("tensor"), py::call_guard<py::gil_scoped_release>())
       .def("_all_reduce_direct", &smddp::ProcessGroupSMDDP::allreduce_direct, py::arg("tensor"),
            py::arg("op"), py::call_guard<py::gil_scoped_release>())
+      .def("_settings",
+           [](const smddp::ProcessGroupSMDDP& pg) { return smddp::describe(pg.comm().config().settings); })
       .def("_listen_port", [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().listen_port(); })
+      .def("_listen_address",
+           [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().listen_address(); })
       .def("_rejected_connections",
            [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().rejected_connections(); });
 
@@ -69,4 +117,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("create_backend", &create_backend, py::arg("dist_backend_opts"), py::arg("pg_options"),
         py::call_guard<py::gil_scoped_release>());
   m.def("kernel_isa", &smddp::kernel_isa);
+  m.def("setting_table", &setting_table);
+  m.def("_resolve_settings", &resolve_for_test, py::arg("options"), py::arg("environ"));
 }

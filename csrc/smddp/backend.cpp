@@ -19,6 +19,7 @@ class StoreKV : public KeyValue {
     return std::string(v.begin(), v.end());
   }
   bool check(const std::string& k) override { return store_->check({k}); }
+  void remove(const std::string& k) override { store_->deleteKey(k); }
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;
@@ -76,9 +77,13 @@ void check_cpu(const at::Tensor& t, const char* collective, const char* what) {
 
 ProcessGroupSMDDP::ProcessGroupSMDDP(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                      int size, std::chrono::duration<float> timeout,
-                                     std::string group_name, std::vector<int64_t> global_ranks)
-    : c10d::Backend(rank, size), timeout_s_(timeout.count()), group_name_(std::move(group_name)) {
+                                     std::string group_name, std::vector<int64_t> global_ranks,
+                                     const Settings& settings)
+    : c10d::Backend(rank, size),
+      timeout_s_(settings.timeout_s > 0 ? settings.timeout_s : timeout.count()),
+      group_name_(std::move(group_name)) {
   CommConfig cfg;
+  cfg.settings = settings;
   cfg.rank = rank;
   cfg.size = size;
   for (auto g : global_ranks) cfg.global_ranks.push_back(static_cast<int>(g));
@@ -102,7 +107,11 @@ at::Tensor ProcessGroupSMDDP::allocateTensor(long size, at::TensorOptions option
                     options.device());
   options = options.device(at::kCPU);
   std::shared_ptr<ShmPool> pool = comm_->pool();
-  const size_t bytes = static_cast<size_t>(size) * options.dtype().itemsize();
+  size_t bytes = 0;
+  TORCH_CHECK_VALUE(!__builtin_mul_overflow(static_cast<size_t>(size), options.dtype().itemsize(), &bytes) &&
+                        bytes <= static_cast<size_t>(INT64_MAX),
+                    "smddp: allocate_tensor: ", size, " elements of ", options.dtype().itemsize(),
+                    " bytes (", options.dtype().name(), ") is more than 2^63 bytes; ask for fewer elements");
   void* p = pool && bytes ? pool->allocate(bytes) : nullptr;
   // A full pool (or /dev/shm) is not an error: the collectives stage ordinary memory.
   if (!p) return at::empty({size}, options);
@@ -155,9 +164,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::track(c10::intrusive_ptr<c10d:
 c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::submit(c10d::OpType type,
                                                          std::vector<at::Tensor> outputs,
                                                          bool async_op, std::function<void()> fn) {
+  return submit(c10::make_intrusive<SmddpWork>(rank_, type, std::move(outputs)), async_op,
+                std::move(fn));
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::submit(c10::intrusive_ptr<SmddpWork> work,
+                                                         bool async_op, std::function<void()> fn) {
   TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
-  auto work = c10::make_intrusive<SmddpWork>(rank_, type, std::move(outputs));
+  const c10d::OpType type = work->retrieveOpType();
   work->set_executor(exec_);
+  if (type != c10d::OpType::SEND && type != c10d::OpType::RECV && type != c10d::OpType::RECVANYSOURCE) {
+    issued_.fetch_add(1);
+  }
   if (type == c10d::OpType::SEND) {
     exec_->submit_send(std::move(fn), work);
   } else {

@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <atomic>
 #include <memory>
 
 #include "smddp/comm.h"
@@ -18,9 +19,10 @@ namespace smddp {
 
 class ProcessGroupSMDDP : public c10d::Backend {
  public:
+  // `settings`: Note [Settings] in settings.h (its timeout, when set, replaces `timeout`).
   ProcessGroupSMDDP(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                     std::chrono::duration<float> timeout, std::string group_name,
-                    std::vector<int64_t> global_ranks);
+                    std::vector<int64_t> global_ranks, const Settings& settings);
   ~ProcessGroupSMDDP() override;
 
   const std::string getBackendName() const override { return "smddp"; }
@@ -72,7 +74,15 @@ class ProcessGroupSMDDP : public c10d::Backend {
                                           const c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  // c10d's sequence number of the group: collectives issued on it so far (point-to-point
+  // excluded), counted from 0 on every rank, as gloo counts. TORCH_DISTRIBUTED_DEBUG=DETAIL
+  // wraps every backend in a ProcessGroupWrapper that compares it across ranks before each
+  // collective; without it, every group creation failed in that mode.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return issued_.load(); }
 
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
@@ -93,6 +103,8 @@ class ProcessGroupSMDDP : public c10d::Backend {
   // Submits `fn` (run on raw pointers) and returns its Work.
   c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, std::vector<at::Tensor> outputs,
                                         bool async_op, std::function<void()> fn);
+  c10::intrusive_ptr<c10d::Work> submit(c10::intrusive_ptr<SmddpWork> work, bool async_op,
+                                        std::function<void()> fn);
   double timeout_of(std::chrono::milliseconds t) const;
   Reduction reduction_of(const c10d::ReduceOp& op, const at::Tensor& t, const char* name) const;
   // Records works issued between startCoalescing and endCoalescing.
@@ -107,6 +119,7 @@ class ProcessGroupSMDDP : public c10d::Backend {
   bool coalescing_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
   bool shut_down_ = false;
+  std::atomic<uint64_t> issued_{0};  // getSequenceNumberForGroup
 };
 
 // Maps an ATen dtype to ours; throws TypeError naming the collective for unsupported ones.

@@ -2,6 +2,8 @@
 // pointers for the executor. Non-contiguous tensors are staged through a contiguous copy.
 #include "smddp/backend.h"
 
+#include <cstring>
+
 namespace smddp {
 namespace {
 
@@ -91,6 +93,7 @@ WorkPtr ProcessGroupSMDDP::allreduce(std::vector<at::Tensor>& tensors,
 void ProcessGroupSMDDP::allreduce_direct(const at::Tensor& tensor, const c10d::ReduceOp& op) {
   TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
   check_cpu(tensor, "all_reduce", "its tensor");
+  issued_.fetch_add(1);  // a collective like any other (getSequenceNumberForGroup)
   at::Tensor t = tensor;
   if (t.is_complex()) {
     // As torch.distributed does: reduce the real view, for the ops that mean the same there.
@@ -142,9 +145,9 @@ WorkPtr ProcessGroupSMDDP::reduce(std::vector<at::Tensor>& tensors, const c10d::
                               timeout_of(opts.timeout));
   int me = rank_;
   return submit(OpType::REDUCE, tensors, opts.asyncOp, [this, t, red, ctx, root, me] {
-    // Every rank takes part in an all-reduce; only the root keeps the result.
-    at::Tensor c = me == root ? t.contiguous() : t.clone(at::MemoryFormat::Contiguous);
-    comm_->allreduce(c.data_ptr(), c.numel(), red, ctx);
+    // Note [Rooted collectives] in shm_rooted.h: the other ranks' tensors are only read.
+    at::Tensor c = t.contiguous();
+    comm_->reduce(c.data_ptr(), c.numel(), red, root, ctx);
     if (me == root) copy_back(c, t);
   });
 }
@@ -200,21 +203,63 @@ WorkPtr ProcessGroupSMDDP::allgather(std::vector<std::vector<at::Tensor>>& outpu
   });
 }
 
+// c10d's all_gather_coalesced: outputs[r][i] receives input i of rank r. The inputs travel
+// as one all-gather of their bytes, concatenated.
 WorkPtr ProcessGroupSMDDP::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                std::vector<at::Tensor>& inputs,
                                                const c10d::AllgatherOptions& opts) {
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size(),
-                    "smddp: all_gather_coalesced needs one output list per input");
-  std::vector<WorkPtr> parts;
-  bool was = coalescing_;
-  coalescing_ = false;
-  for (size_t k = 0; k < inputs.size(); ++k) {
-    std::vector<std::vector<at::Tensor>> o{outputs[k]};
-    std::vector<at::Tensor> i{inputs[k]};
-    parts.push_back(allgather(o, i, opts));
+  const char* name = "all_gather_coalesced";
+  TORCH_CHECK_VALUE(!inputs.empty(), "smddp: ", name, " needs at least one input tensor");
+  TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == size_, "smddp: ", name,
+                    " needs one output list per rank (world_size ", size_, "), got ",
+                    outputs.size());
+  std::vector<size_t> offsets;
+  size_t bytes = 0;
+  for (const auto& in : inputs) {
+    check_cpu(in, name, "an input");
+    offsets.push_back(bytes);
+    bytes += in.numel() * in.element_size();
   }
-  coalescing_ = was;
-  return track(c10::make_intrusive<CoalescedWork>(std::move(parts)));
+  std::vector<at::Tensor> flat_outputs;
+  for (int r = 0; r < size_; ++r) {
+    TORCH_CHECK_VALUE(outputs[r].size() == inputs.size(), "smddp: ", name, ": output list ", r,
+                      " has ", outputs[r].size(), " tensors but there are ", inputs.size(),
+                      " inputs; each rank's list needs one output per input");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const at::Tensor& o = outputs[r][i];
+      check_cpu(o, name, "an output");
+      check_same_dtype(inputs[i], o, name);
+      TORCH_CHECK_VALUE(o.numel() == inputs[i].numel(), "smddp: ", name, ": output ", i,
+                        " of rank ", r, " has ", o.numel(), " elements but input ", i, " has ",
+                        inputs[i].numel());
+      flat_outputs.push_back(o);
+    }
+  }
+  OpCtx ctx = comm_->make_ctx(name, desc_of(inputs[0], 0, bytes), args_of(inputs[0]),
+                              timeout_of(opts.timeout));
+  auto ins = inputs;
+  auto outs = outputs;
+  const int n = size_;
+  return submit(OpType::ALLGATHER_COALESCED, flat_outputs, opts.asyncOp,
+                [this, ins, outs, offsets, bytes, ctx, n] {
+    at::Tensor send = at::empty({static_cast<int64_t>(bytes)}, at::kByte);
+    char* s = static_cast<char*>(send.data_ptr());
+    for (size_t i = 0; i < ins.size(); ++i) {
+      at::Tensor c = ins[i].contiguous();
+      if (c.numel()) std::memcpy(s + offsets[i], c.data_ptr(), c.numel() * c.element_size());
+    }
+    at::Tensor all = at::empty({static_cast<int64_t>(bytes) * n}, at::kByte);
+    comm_->allgather(s, all.data_ptr(), bytes, ctx);
+    const char* a = static_cast<const char*>(all.data_ptr());
+    for (int r = 0; r < n; ++r) {
+      for (size_t i = 0; i < ins.size(); ++i) {
+        const at::Tensor& o = outs[r][i];
+        at::Tensor c = contiguous_out(o);
+        if (c.numel()) std::memcpy(c.data_ptr(), a + r * bytes + offsets[i], c.numel() * c.element_size());
+        copy_back(c, o);
+      }
+    }
+  });
 }
 
 WorkPtr ProcessGroupSMDDP::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
@@ -333,15 +378,18 @@ WorkPtr ProcessGroupSMDDP::gather(std::vector<std::vector<at::Tensor>>& outputs,
   const size_t bytes = in.numel() * in.element_size();
   OpCtx ctx = comm_->make_ctx("gather", desc_of(in, 0, bytes, root), rooted(args_of(in), root),
                               timeout_of(opts.timeout));
-  int n = size_;
-  return submit(OpType::GATHER, outs, opts.asyncOp, [this, in, outs, bytes, ctx, n] {
-    // An all-gather of which only the root keeps the result.
+  return submit(OpType::GATHER, outs, opts.asyncOp, [this, in, outs, bytes, ctx, root] {
+    // Note [Rooted collectives] in shm_rooted.h; `outs` is empty except on the root, where
+    // each rank's bytes land in its output directly (staged only if not contiguous).
     at::Tensor i = in.contiguous();
-    at::Tensor flat = at::empty({n * i.numel()}, i.options());
-    comm_->allgather(i.data_ptr(), flat.data_ptr(), bytes, ctx);
-    for (size_t r = 0; r < outs.size(); ++r) {
-      outs[r].copy_(flat.narrow(0, r * i.numel(), i.numel()).view(outs[r].sizes()));
+    std::vector<at::Tensor> staged;
+    std::vector<char*> dst;
+    for (const auto& o : outs) {
+      staged.push_back(contiguous_out(o));
+      dst.push_back(static_cast<char*>(staged.back().data_ptr()));
     }
+    comm_->gather(i.data_ptr(), bytes, dst, root, ctx);
+    for (size_t r = 0; r < outs.size(); ++r) copy_back(staged[r], outs[r]);
   });
 }
 
@@ -370,12 +418,18 @@ WorkPtr ProcessGroupSMDDP::scatter(std::vector<at::Tensor>& outputs,
   const size_t bytes = out.numel() * out.element_size() * size_;
   OpCtx ctx = comm_->make_ctx("scatter", desc_of(out, 0, bytes, root), rooted(args_of(out), root),
                               timeout_of(opts.timeout));
-  int n = size_, me = rank_;
-  return submit(OpType::SCATTER, outputs, opts.asyncOp, [this, ins, out, bytes, root, ctx, n, me] {
-    // The root broadcasts the concatenation; every rank keeps its slice.
-    at::Tensor flat = ins.empty() ? at::empty({n * out.numel()}, out.options()) : flat_cat(ins);
-    comm_->broadcast(flat.data_ptr(), bytes, root, ctx);
-    out.copy_(flat.narrow(0, me * out.numel(), out.numel()).view(out.sizes()));
+  return submit(OpType::SCATTER, outputs, opts.asyncOp, [this, ins, out, root, ctx] {
+    // Note [Rooted collectives] in shm_rooted.h; `ins` is empty except on the root, which
+    // reads each rank's input in place (staged only if not contiguous).
+    std::vector<at::Tensor> staged;
+    std::vector<const char*> src;
+    for (const auto& i : ins) {
+      staged.push_back(i.contiguous());
+      src.push_back(static_cast<const char*>(staged.back().data_ptr()));
+    }
+    at::Tensor o = contiguous_out(out);
+    comm_->scatter(src, out.numel() * out.element_size(), o.data_ptr(), root, ctx);
+    copy_back(o, out);
   });
 }
 
@@ -388,25 +442,33 @@ WorkPtr ProcessGroupSMDDP::alltoall_base(at::Tensor& output, at::Tensor& input,
   check_cpu(output, name, "the output");
   check_same_dtype(input, output, name);
   auto spans = [&](const at::Tensor& t, const std::vector<int64_t>& splits, const char* what) {
-    int64_t rows = t.dim() ? t.size(0) : 1;
-    int64_t row_bytes = rows ? t.numel() * t.element_size() / rows : 0;
+    const int64_t rows = t.dim() ? t.size(0) : 1;
+    // The tensor exists, so its byte count fits; every span below is a part of it.
+    const size_t row_bytes = rows ? size_t(t.numel()) * t.element_size() / size_t(rows) : 0;
     std::vector<Span> out(size_);
     if (splits.empty()) {
       TORCH_CHECK_VALUE(rows % size_ == 0, "smddp: ", name, ": the ", what, " has ", rows,
                         " rows, not divisible by world_size ", size_, "; pass split sizes");
-      for (int r = 0; r < size_; ++r) out[r] = {size_t(r * rows / size_ * row_bytes), size_t(rows / size_ * row_bytes)};
+      for (int r = 0; r < size_; ++r) out[r] = {size_t(r * rows / size_) * row_bytes, size_t(rows / size_) * row_bytes};
       return out;
     }
     TORCH_CHECK_VALUE(static_cast<int>(splits.size()) == size_, "smddp: ", name, ": ", what,
                       " split sizes must have world_size (", size_, ") entries, got ",
                       splits.size());
-    int64_t off = 0;
+    // Each split is checked against the rows still left, never summed first: split sizes
+    // whose sum wraps around 64 bits must not pass as a match (they crashed every rank).
+    int64_t left = rows;
     for (int r = 0; r < size_; ++r) {
-      TORCH_CHECK_VALUE(splits[r] >= 0, "smddp: ", name, ": negative split size");
-      out[r] = {size_t(off * row_bytes), size_t(splits[r] * row_bytes)};
-      off += splits[r];
+      TORCH_CHECK_VALUE(splits[r] >= 0, "smddp: ", name, ": ", what, " split size ", r, " is ",
+                        splits[r], "; split sizes must be >= 0");
+      TORCH_CHECK_VALUE(splits[r] <= left, "smddp: ", name, ": ", what, " split sizes ", c10::IntArrayRef(splits),
+                        " add up to more than the ", rows, " rows of the ", what,
+                        " (split ", r, " is ", splits[r], " with ", left,
+                        " rows left); they must sum to exactly its number of rows");
+      out[r] = {size_t(rows - left) * row_bytes, size_t(splits[r]) * row_bytes};
+      left -= splits[r];
     }
-    TORCH_CHECK_VALUE(off == rows, "smddp: ", name, ": ", what, " split sizes sum to ", off,
+    TORCH_CHECK_VALUE(left == 0, "smddp: ", name, ": ", what, " split sizes sum to ", rows - left,
                       " but the ", what, " has ", rows, " rows");
     return out;
   };
@@ -490,6 +552,26 @@ WorkPtr ProcessGroupSMDDP::recv(std::vector<at::Tensor>& tensors, int src, int t
     at::Tensor c = contiguous_out(t);
     comm_->recv(c.data_ptr(), c.numel() * c.element_size(), src, static_cast<uint32_t>(tag), ctx);
     copy_back(c, t);
+  });
+}
+
+// Note [Receive from any rank]: the receive waits until any peer's next message with this
+// tag is there (shared-memory rings and TCP connections alike), takes it, and reports the
+// sender through the Work's sourceRank().
+WorkPtr ProcessGroupSMDDP::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  check_single(tensors, "recv");
+  TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
+  at::Tensor t = tensors[0];
+  OpCtx ctx = comm_->make_ctx("recv", desc_of(t, 0, t.numel()), peer_args_of(t, kAnyPeer, false),
+                              timeout_s_);
+  auto work = c10::make_intrusive<SmddpWork>(rank_, OpType::RECVANYSOURCE, tensors);
+  SmddpWork* w = work.get();  // the queued item holds the work while fn runs
+  return submit(work, true, [this, t, tag, ctx, w] {
+    at::Tensor c = contiguous_out(t);
+    int from = comm_->recv_any(c.data_ptr(), c.numel() * c.element_size(),
+                               static_cast<uint32_t>(tag), ctx);
+    copy_back(c, t);
+    w->set_source_rank(from);
   });
 }
 

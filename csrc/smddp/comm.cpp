@@ -5,10 +5,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <functional>
 #include <fstream>
 #include <map>
 #include <sstream>
 #include <thread>
+
+#include "smddp/shm_names.h"
 
 namespace smddp {
 namespace {
@@ -56,10 +59,12 @@ std::vector<std::string> split(const std::string& s, char sep) {
 // Waits until every key of `keys` (indexed by group rank) exists; names the missing ranks
 // when the deadline passes.
 void wait_keys(KeyValue& kv, const std::vector<std::string>& keys, const std::vector<int>& ranks,
-               const Deadline& dl, const std::string& what) {
+               const Deadline& dl, const std::string& what,
+               const std::function<void()>& health = {}) {
   std::vector<uint8_t> seen(keys.size(), 0);
   auto pause = std::chrono::microseconds(200);
   while (true) {
+    if (health) health();
     bool all = true;
     for (size_t i = 0; i < keys.size(); ++i) {
       if (!seen[i]) seen[i] = kv.check(keys[i]) ? 1 : 0;
@@ -73,7 +78,7 @@ void wait_keys(KeyValue& kv, const std::vector<std::string>& keys, const std::ve
       }
       char secs[32];
       snprintf(secs, sizeof(secs), "%.1f", dl.seconds);
-      throw CommError(what + " timed out after " + secs + " s: ranks " + format_ranks(missing) +
+      throw CommError(what + " timed out after " + secs + " s (the timeout of this group): ranks " + format_ranks(missing) +
                       " never arrived");
     }
     std::this_thread::sleep_for(pause);
@@ -88,18 +93,26 @@ Communicator::Communicator(KeyValue& kv, CommConfig cfg) : cfg_(std::move(cfg)) 
     for (int i = 0; i < cfg_.size; ++i) cfg_.global_ranks.push_back(i);
   }
   Deadline dl = Deadline::after(cfg_.timeout_s);
-  oneshot_bytes_ = static_cast<size_t>(env_int("SMDDP_ONESHOT_BYTES", 256 << 10));
-  // Rank 0 of the group draws the shm nonce and the mesh secret; the store distributes them.
+  oneshot_bytes_ = cfg_.settings.oneshot_bytes;
+  const std::string creating = "smddp: creating group '" + cfg_.group_name + "'";
+  // Rank 0 of the group draws the shm nonce and the mesh secret; the store distributes them
+  // (Note [TCP trust model] in tcp.h).
   if (cfg_.rank == 0) kv.set("smddp/keys", random_hex(16) + ":" + random_hex(32));
-  std::vector<int> zero{0};
-  wait_keys(kv, {"smddp/keys"}, {cfg_.global_ranks[0]}, dl,
-            "smddp: creating group '" + cfg_.group_name + "'");
+  wait_keys(kv, {"smddp/keys"}, {cfg_.global_ranks[0]}, dl, creating);
   auto keys = split(kv.get("smddp/keys"), ':');
   nonce_ = keys.at(0);
   secret_ = keys.at(1);
   tcp_ = std::make_unique<TcpMesh>(cfg_.rank, cfg_.size, secret_, cfg_.group_name);
-  tcp_->listen();
   discover(kv, dl);
+  // Every rank read the keys before it published its peer record: nobody needs them now.
+  // Some stores cannot delete (FileStore); the key then stays (Note [TCP trust model]).
+  if (cfg_.rank == 0) {
+    try {
+      kv.remove("smddp/keys");
+    } catch (const std::exception&) {
+    }
+  }
+  connect_mesh(kv, dl);
   setup_shm(kv, dl);
 }
 
@@ -110,25 +123,34 @@ Communicator::~Communicator() {
 void Communicator::discover(KeyValue& kv, const Deadline& dl) {
   const std::string real = real_host_id();
   std::string host = real;
-  int64_t forced = env_int("SMDDP_FORCE_LOCAL_SIZE", 0);
+  const int forced = cfg_.settings.force_local_size;
   if (forced > 0) {
     host += "/forced-" + std::to_string(cfg_.global_ranks[cfg_.rank] / forced);
     layout_.forced = true;
   }
+  const size_t p2p = cfg_.settings.p2p_bytes;
   std::ostringstream me;
-  me << host << "|" << real << "|" << local_address() << "|" << tcp_->port();
+  me << host << "|" << real << "|" << pid_namespace_id() << "|" << getpid() << "|" << p2p;
   kv.set("smddp/peer/" + std::to_string(cfg_.rank), me.str());
   std::vector<std::string> keys;
   for (int r = 0; r < cfg_.size; ++r) keys.push_back("smddp/peer/" + std::to_string(r));
   wait_keys(kv, keys, cfg_.global_ranks, dl, "smddp: creating group '" + cfg_.group_name + "'");
 
-  std::vector<PeerAddr> peers(cfg_.size);
   std::map<std::string, int> host_index;
+  peers_.resize(cfg_.size);
   for (int r = 0; r < cfg_.size; ++r) {
     auto f = split(kv.get(keys[r]), '|');
-    if (f.size() != 4) throw CommError("smddp: malformed peer record of rank " + std::to_string(r));
-    // Peers on this very machine are reached over loopback.
-    peers[r] = {f[1] == real ? std::string("127.0.0.1") : f[2], std::stoi(f[3])};
+    if (f.size() != 5) throw CommError("smddp: malformed peer record of rank " + std::to_string(r));
+    peers_[r].real_host = f[1];
+    peers_[r].pid_ns = f[2];
+    peers_[r].pid = std::stoi(f[3]);
+    if (f[4] != std::to_string(p2p)) {
+      throw std::invalid_argument(
+          "smddp: creating group '" + cfg_.group_name + "': rank " +
+          std::to_string(cfg_.global_ranks[r]) + " has SMDDP_P2P_BYTES=" + f[4] + " but rank " +
+          std::to_string(cfg_.global_ranks[cfg_.rank]) + " has " + std::to_string(p2p) +
+          "; every rank must use the same setting");
+    }
     auto it = host_index.find(f[0]);
     if (it == host_index.end()) {
       it = host_index.emplace(f[0], static_cast<int>(layout_.members.size())).first;
@@ -136,7 +158,6 @@ void Communicator::discover(KeyValue& kv, const Deadline& dl) {
     }
     layout_.members[it->second].push_back(r);
   }
-  tcp_->set_peers(std::move(peers));
   size_t l0 = layout_.members[0].size();
   for (const auto& m : layout_.members) layout_.uniform = layout_.uniform && m.size() == l0;
   if (!layout_.uniform) {
@@ -156,6 +177,45 @@ void Communicator::discover(KeyValue& kv, const Deadline& dl) {
     }
   }
   for (int h = 0; h < layout_.hosts; ++h) rail_.push_back(layout_.members[h][layout_.local_rank]);
+  p2p_bytes_ = layout_.local_size > 1 ? p2p : 0;
+}
+
+void Communicator::connect_mesh(KeyValue& kv, const Deadline& dl) {
+  // Note [TCP connections]: a listener only where a peer will connect, on the address the
+  // peers use: this host's interface across hosts, loopback for point-to-point messages
+  // inside a host without shared-memory rings.
+  const bool needed = layout_.hosts > 1 || (layout_.local_size > 1 && p2p_bytes_ == 0);
+  if (!needed) return;
+  tcp_->listen(layout_.hosts > 1 ? local_address(cfg_.settings) : std::string("127.0.0.1"));
+  kv.set("smddp/tcp/" + std::to_string(cfg_.rank), tcp_->address() + "|" + std::to_string(tcp_->port()));
+  std::vector<std::string> keys;
+  for (int r = 0; r < cfg_.size; ++r) keys.push_back("smddp/tcp/" + std::to_string(r));
+  wait_keys(kv, keys, cfg_.global_ranks, dl, "smddp: creating group '" + cfg_.group_name + "'");
+  std::vector<PeerAddr> addrs(cfg_.size);
+  for (int r = 0; r < cfg_.size; ++r) {
+    auto f = split(kv.get(keys[r]), '|');
+    if (f.size() != 2) throw CommError("smddp: malformed mesh record of rank " + std::to_string(r));
+    addrs[r] = {f[0], std::stoi(f[1])};
+  }
+  tcp_->set_peers(std::move(addrs));
+}
+
+void Communicator::check_local_peers_alive(const std::string& what) {
+  // Set-up waits for the local peers through the store; one that died in the meantime
+  // (killed during set-up) would otherwise be waited for until the timeout, and its
+  // segment would stay in /dev/shm (Note [Segment lifetime] in shm.h).
+  auto now = Clock::now();
+  if (now - last_setup_check_ < std::chrono::milliseconds(20)) return;
+  last_setup_check_ = now;
+  const std::string& ns = pid_namespace_id();
+  for (int r : layout_.members[layout_.host]) {
+    const PeerInfo& p = peers_[r];
+    if (r == cfg_.rank || p.real_host != peers_[cfg_.rank].real_host || p.pid_ns != ns || ns.empty()) continue;
+    if (process_alive(p.pid)) continue;
+    sweep_dead_segments();
+    throw CommError(what + " failed: rank " + std::to_string(cfg_.global_ranks[r]) + " (pid " +
+                    std::to_string(p.pid) + ") exited during set-up");
+  }
 }
 
 void Communicator::setup_shm(KeyValue& kv, const Deadline& dl) {
@@ -164,23 +224,21 @@ void Communicator::setup_shm(KeyValue& kv, const Deadline& dl) {
   sc.group_name = cfg_.group_name;
   sc.local_rank = layout_.local_rank;
   sc.group_ranks = layout_.members[layout_.host];
-  size_t buf = static_cast<size_t>(env_int("SMDDP_BUFFER_BYTES", 1 << 20));
-  sc.buffer_bytes = std::max<size_t>(4096, (buf + 4095) & ~static_cast<size_t>(4095));
+  const Settings& set = cfg_.settings;
+  sc.buffer_bytes = round_up(set.buffer_bytes, 4096, "SMDDP_BUFFER_BYTES rounded to pages");
+  sc.chunk_bytes = set.chunk_bytes;
+  sc.stream_bytes = set.stream_bytes;
+  sc.spin_us = set.spin_us;
+  sc.worker_spin_us = set.worker_spin_us;
+  sc.move_off_cpu = set.move_off_cpu;
   // Tensor pools (Note [Zero-copy operands] in shm_algos.h) pay off only where the whole
   // group shares memory. The region is sparse until used, so the default is generous.
   if (layout_.hosts == 1) {
-    size_t pool = static_cast<size_t>(env_int("SMDDP_POOL_BYTES", int64_t(1) << 30));
-    sc.pool_bytes = (pool + 4095) & ~static_cast<size_t>(4095);
+    sc.pool_bytes = round_up(set.pool_bytes, 4096, "SMDDP_POOL_BYTES rounded to pages");
   }
   zero_copy_ = sc.pool_bytes > 0;
   // Point-to-point rings (Note [Shared-memory point-to-point]); sparse until a pair talks.
-  // 1 MiB + 64 KiB: a 1 MiB message fits with its header, so it is written by the caller
-  // instead of streamed through the send lane (2-rank 1 MiB exchange: 254-334 -> 86-92 us).
-  if (layout_.local_size > 1) {
-    const int64_t p2p_default = (1 << 20) + (64 << 10);
-    size_t p2p = static_cast<size_t>(std::max<int64_t>(0, env_int("SMDDP_P2P_BYTES", p2p_default)));
-    sc.p2p_bytes = (p2p + 4095) & ~static_cast<size_t>(4095);
-  }
+  sc.p2p_bytes = round_up(p2p_bytes_, 4096, "SMDDP_P2P_BYTES rounded to pages");
   shm_ = std::make_unique<ShmComm>(sc);
   const auto& local = layout_.members[layout_.host];
   std::vector<int> local_global;
@@ -191,15 +249,19 @@ void Communicator::setup_shm(KeyValue& kv, const Deadline& dl) {
     created.push_back(key("shm", r));
     attached.push_back(key("attached", r));
   }
+  const std::string creating = "smddp: creating group '" + cfg_.group_name + "'";
+  auto alive = [&] { check_local_peers_alive(creating); };
   // Create mine, wait for the local peers' segments, map them, and unlink mine once every
   // local peer mapped it (Note [Segment lifetime]). Any failure unlinks mine first.
   shm_->create();
   try {
-    kv.set(key("shm", cfg_.rank), "1");
-    wait_keys(kv, created, local_global, dl, "smddp: creating group '" + cfg_.group_name + "'");
-    for (int l = 0; l < static_cast<int>(local.size()); ++l) shm_->attach(l);
+    kv.set(key("shm", cfg_.rank), shm_->name());
+    wait_keys(kv, created, local_global, dl, creating, alive);
+    for (int l = 0; l < static_cast<int>(local.size()); ++l) {
+      if (local[l] != cfg_.rank) shm_->attach(l, kv.get(created[l]));
+    }
     kv.set(key("attached", cfg_.rank), "1");
-    wait_keys(kv, attached, local_global, dl, "smddp: creating group '" + cfg_.group_name + "'");
+    wait_keys(kv, attached, local_global, dl, creating, alive);
   } catch (...) {
     shm_->unlink_own();
     throw;

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "smddp/settings.h"
 #include "smddp/shm.h"
 #include "smddp/shm_p2p.h"
 #include "smddp/tcp.h"
@@ -35,6 +36,7 @@ class KeyValue {
   virtual void set(const std::string& key, const std::string& value) = 0;
   virtual std::string get(const std::string& key) = 0;  // key known to exist
   virtual bool check(const std::string& key) = 0;
+  virtual void remove(const std::string& key) = 0;
 };
 
 struct CommConfig {
@@ -43,6 +45,7 @@ struct CommConfig {
   std::vector<int> global_ranks;  // group rank -> global rank (identity for WORLD)
   std::string group_name;
   double timeout_s = 1800;
+  Settings settings;  // Note [Settings] in settings.h
 };
 
 struct Layout {
@@ -59,7 +62,8 @@ class Communicator {
 
   const Layout& layout() const { return layout_; }
   const CommConfig& config() const { return cfg_; }
-  int listen_port() const { return tcp_->port(); }
+  int listen_port() const { return tcp_->port(); }  // 0: this rank does not listen
+  const std::string& listen_address() const { return tcp_->address(); }
   uint64_t rejected_connections() const { return tcp_->rejected_connections(); }
 
   // A context for the next collective: numbers it and sets its deadline.
@@ -70,6 +74,13 @@ class Communicator {
   void reduce_scatter(const void* in, void* out, size_t count, const Reduction& red, OpCtx ctx);
   void allgather(const void* in, void* out, size_t bytes, OpCtx ctx);
   void broadcast(void* data, size_t bytes, int root, OpCtx ctx);
+  // Rooted collectives (Note [Rooted collectives] in shm_rooted.h). reduce: `data` is the
+  // result on the root, read-only elsewhere. gather: every rank's `bytes` land at
+  // outs[rank] on the root (`outs` empty elsewhere). scatter: ins[rank] (`ins` read on the
+  // root only, empty elsewhere) lands in each rank's `out`.
+  void reduce(void* data, size_t count, const Reduction& red, int root, OpCtx ctx);
+  void gather(const void* in, size_t bytes, const std::vector<char*>& outs, int root, OpCtx ctx);
+  void scatter(const std::vector<const char*>& ins, size_t bytes, void* out, int root, OpCtx ctx);
   void barrier(OpCtx ctx);
   void alltoall(const void* in, const std::vector<Span>& send, void* out,
                 const std::vector<Span>& recv, OpCtx ctx);
@@ -79,6 +90,9 @@ class Communicator {
   void recv(void* data, size_t bytes, int peer, uint32_t tag, OpCtx ctx);
   // Non-blocking attempts for the caller's thread (shared-memory peers only): true when the
   // whole send or recv was done now, false when it must be queued.
+  // Receives the next message with `tag` from whichever peer has one first; returns that
+  // peer's group rank (Note [Receive from any rank] in backend_ops.cpp).
+  int recv_any(void* data, size_t bytes, uint32_t tag, OpCtx ctx);
   bool try_send_now(const void* data, size_t bytes, int peer, uint32_t tag);
   bool try_recv_now(void* data, size_t bytes, int peer, uint32_t tag);
 
@@ -94,12 +108,30 @@ class Communicator {
  private:
   template <typename F>
   void guarded(OpCtx& ctx, bool numbered, F&& body);
+  // Set-up, in this order: host records, the mesh (only where needed), the segments.
   void discover(KeyValue& kv, const Deadline& dl);
+  void connect_mesh(KeyValue& kv, const Deadline& dl);
   void setup_shm(KeyValue& kv, const Deadline& dl);
+  void check_local_peers_alive(const std::string& what);
   void hier_reduce_scatter(const void* in, const std::vector<Span>& parts, void* dst,
                            const Reduction& red, const OpCtx& ctx);
   void hier_allgather(const void* src, void* out, const std::vector<Span>& parts,
                       const OpCtx& ctx);
+  // Rooted gather/scatter of lens[r] bytes per group rank r (Note [Rooted collectives]);
+  // dst / src: one pointer per group rank, on the root only.
+  void rooted_gather(const void* in, const std::vector<size_t>& lens, const std::vector<char*>& dst,
+                     int root, const OpCtx& ctx);
+  void rooted_scatter(const std::vector<const char*>& src, const std::vector<size_t>& lens,
+                      void* out, int root, const OpCtx& ctx);
+  // The entries of this host's ranks, in local order (empty stays empty).
+  template <typename T>
+  std::vector<T> local_of(const std::vector<T>& by_rank) const {
+    std::vector<T> local;
+    if (by_rank.empty()) return local;
+    for (int r : layout_.members[layout_.host]) local.push_back(by_rank[r]);
+    return local;
+  }
+  int host_of(int group_rank) const;
   // A collective's TCP exchange, which also ends when a rank of this host fails (it may be
   // the one that learned of a failure on another host).
   void exchange(const std::vector<TcpMesh::Op>& sends, const std::vector<TcpMesh::Op>& recvs,
@@ -108,8 +140,18 @@ class Communicator {
   uint64_t tag(const OpCtx& ctx, int stage) const;
   char* scratch(size_t bytes);
 
+  // What a rank's peer record says (discover()).
+  struct PeerInfo {
+    std::string real_host;  // machine, boot and IPC namespace
+    std::string pid_ns;     // PID namespace
+    int pid = 0;
+  };
+
   CommConfig cfg_;
   Layout layout_;
+  std::vector<PeerInfo> peers_;  // by group rank
+  size_t p2p_bytes_ = 0;         // ring per ordered pair of local ranks (0: none)
+  Clock::time_point last_setup_check_{};
   std::vector<int> rail_;  // host -> group rank with my local index
   int local_index(int group_rank) const;  // index on this host, or -1
   bool usable();                          // no earlier error broke the group

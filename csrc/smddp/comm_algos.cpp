@@ -1,11 +1,14 @@
 // The collectives of a Communicator: shared memory inside a host, hierarchical across
 // hosts (Note [Hierarchical collectives] in comm.h).
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
+#include <thread>
 
 #include "smddp/comm.h"
 #include "smddp/kernels.h"
 #include "smddp/shm_algos.h"
+#include "smddp/shm_rooted.h"
 
 namespace smddp {
 
@@ -146,7 +149,7 @@ void Communicator::hier_reduce_scatter(const void* in, const std::vector<Span>& 
   exchange(sends, recvs, ctx);
   std::vector<const void*> srcs(H);
   for (int h = 0; h < H; ++h) srcs[h] = h == me ? partial[h] : recv_base + h * my_len * aesz;
-  reduce(acc, red.dtype, dst, srcs.data(), H, my_len, red, true);
+  smddp::reduce(acc, red.dtype, dst, srcs.data(), H, my_len, red, true);
 }
 
 void Communicator::hier_allgather(const void* src, void* out, const std::vector<Span>& parts,
@@ -193,6 +196,92 @@ void Communicator::broadcast(void* data, size_t bytes, int root, OpCtx ctx) {
     }
     shm::broadcast(*shm_, data, bytes, root_local, ctx);
   });
+}
+
+// Note [Rooted collectives] in shm_rooted.h. Across hosts, the ranks of other hosts send
+// to (gather) or receive from (scatter) the root over TCP directly, one message each; the
+// ranks of the root's host run the shared-memory algorithm. reduce is a hierarchical
+// reduce-scatter (as in all_reduce) followed by a rooted gather of the reduced parts.
+int Communicator::host_of(int group_rank) const {
+  for (int h = 0; h < layout_.hosts; ++h) {
+    for (int r : layout_.members[h]) {
+      if (r == group_rank) return h;
+    }
+  }
+  throw CommError("smddp: rank " + std::to_string(group_rank) + " is in no host of the layout");
+}
+
+void Communicator::rooted_gather(const void* in, const std::vector<size_t>& lens,
+                                 const std::vector<char*>& dst, int root, const OpCtx& ctx) {
+  const int root_host = host_of(root);
+  const uint64_t chk = check_of(ctx);
+  if (layout_.host != root_host) {
+    exchange({{root, tag(ctx, 6), const_cast<char*>(static_cast<const char*>(in)), lens[cfg_.rank], chk}},
+             {}, ctx);
+    return;
+  }
+  shm::gather(*shm_, in, local_of(lens), local_of(dst), local_index(root), ctx);
+  if (cfg_.rank != root || layout_.hosts == 1) return;
+  std::vector<TcpMesh::Op> recvs;
+  for (int h = 0; h < layout_.hosts; ++h) {
+    if (h == root_host) continue;
+    for (int r : layout_.members[h]) recvs.push_back({r, tag(ctx, 6), dst[r], lens[r], chk});
+  }
+  exchange({}, recvs, ctx);
+}
+
+void Communicator::rooted_scatter(const std::vector<const char*>& src, const std::vector<size_t>& lens,
+                                  void* out, int root, const OpCtx& ctx) {
+  const int root_host = host_of(root);
+  const uint64_t chk = check_of(ctx);
+  if (layout_.host != root_host) {
+    exchange({}, {{root, tag(ctx, 7), static_cast<char*>(out), lens[cfg_.rank], chk}}, ctx);
+    return;
+  }
+  if (cfg_.rank == root && layout_.hosts > 1) {
+    std::vector<TcpMesh::Op> sends;
+    for (int h = 0; h < layout_.hosts; ++h) {
+      if (h == root_host) continue;
+      for (int r : layout_.members[h]) sends.push_back({r, tag(ctx, 7), const_cast<char*>(src[r]), lens[r], chk});
+    }
+    exchange(sends, {}, ctx);
+  }
+  shm::scatter(*shm_, local_of(src), local_of(lens), out, local_index(root), ctx);
+}
+
+void Communicator::reduce(void* data, size_t count, const Reduction& red, int root, OpCtx ctx) {
+  guarded(ctx, true, [&] {
+    if (layout_.hosts == 1) {
+      shm::reduce(*shm_, data, count, red, local_index(root), ctx, oneshot_bytes_);
+      return;
+    }
+    const size_t esz = dtype_size(red.dtype);
+    std::vector<Span> parts(cfg_.size);
+    std::vector<size_t> lens(cfg_.size);
+    std::vector<char*> dst;
+    char* base = static_cast<char*>(data);
+    for (int p = 0; p < cfg_.size; ++p) {
+      parts[p] = partition(count, cfg_.size, p, 64 / esz);
+      lens[p] = parts[p].len * esz;
+      if (cfg_.rank == root) dst.push_back(base + parts[p].off * esz);
+    }
+    // The root reduces its part in place (hier_reduce_scatter reads all of `data` first);
+    // the others into a private buffer, since their `data` is read-only.
+    std::vector<char> own(cfg_.rank == root ? 0 : lens[cfg_.rank]);
+    char* mine = cfg_.rank == root ? dst[cfg_.rank] : own.data();
+    hier_reduce_scatter(data, parts, mine, red, ctx);
+    rooted_gather(mine, lens, dst, root, ctx);
+  });
+}
+
+void Communicator::gather(const void* in, size_t bytes, const std::vector<char*>& outs, int root,
+                          OpCtx ctx) {
+  guarded(ctx, true, [&] { rooted_gather(in, std::vector<size_t>(cfg_.size, bytes), outs, root, ctx); });
+}
+
+void Communicator::scatter(const std::vector<const char*>& ins, size_t bytes, void* out, int root,
+                           OpCtx ctx) {
+  guarded(ctx, true, [&] { rooted_scatter(ins, std::vector<size_t>(cfg_.size, bytes), out, root, ctx); });
 }
 
 void Communicator::barrier(OpCtx ctx) {
@@ -267,6 +356,53 @@ void Communicator::recv(void* data, size_t bytes, int peer, uint32_t tag, OpCtx 
       tcp_->exchange({}, {{peer, tag, static_cast<char*>(data), bytes, 0}}, ctx);
     }
   });
+}
+
+int Communicator::recv_any(void* data, size_t bytes, uint32_t tag, OpCtx ctx) {
+  int from = -1;
+  guarded(ctx, false, [&] {
+    std::vector<int> peers;
+    for (int r = 0; r < cfg_.size; ++r) {
+      if (r != cfg_.rank) peers.push_back(r);
+    }
+    if (peers.empty()) throw CommError("smddp: " + ctx.describe() + ": no other rank in the group");
+    auto pause = std::chrono::microseconds(0);
+    auto next_check = Clock::now();
+    for (size_t round = 0;; ++round) {
+      // Peers are polled from a rotating start, so none is always served first.
+      for (size_t k = 0; k < peers.size(); ++k) {
+        const int r = peers[(round + k) % peers.size()];
+        const int local = p2p_ ? local_index(r) : -1;
+        if (local >= 0 ? p2p_->probe(local, tag, ctx)
+                       : tcp_->take(r, tag, static_cast<char*>(data), bytes, ctx)) {
+          if (local >= 0) p2p_->recv(local, tag, data, bytes, ctx);
+          from = r;
+          return;
+        }
+      }
+      if (Clock::now() >= next_check) {
+        next_check = Clock::now() + std::chrono::milliseconds(20);
+        const std::string where = "smddp: " + ctx.describe() + " on group '" + cfg_.group_name + "'";
+        if (shm_->aborted()) throw CommError(where + " was aborted: the process group was shut down");
+        if (ctx.deadline.expired()) {
+          char secs[32];
+          snprintf(secs, sizeof(secs), "%.1f", ctx.deadline.seconds);
+          throw CommError(where + " timed out after " + secs + " s (the timeout of this group): " +
+                          "no rank sent it a message with tag " + std::to_string(tag));
+        }
+        bool any_alive = false;
+        for (int r : peers) {
+          const int local = local_index(r);
+          any_alive = any_alive || local < 0 || !shm_->peer_lost(local);
+        }
+        if (!any_alive) throw CommError(where + " failed: every other rank failed or exited");
+      }
+      if (pause.count()) std::this_thread::sleep_for(pause);
+      if (round > 64) pause = std::min(std::max(pause * 2, std::chrono::microseconds(20)),
+                                      std::chrono::microseconds(1000));
+    }
+  });
+  return from;
 }
 
 bool Communicator::try_send_now(const void* data, size_t bytes, int peer, uint32_t tag) {

@@ -76,6 +76,7 @@ std::string describe_op(const char* name, const OpArgs& args) {
   if (args.op) s.append(", ").append(args.op);
   s.append(", ").append(std::to_string(args.numel)).append(" elements");
   if (args.peer >= 0) s.append(args.to_peer ? ", to rank " : ", from rank ").append(std::to_string(args.peer));
+  if (args.peer == kAnyPeer) s.append(", from any rank");
   if (args.root >= 0) s.append(", root ").append(std::to_string(args.root));
   return s.append(")");
 }
@@ -144,21 +145,27 @@ std::string format_ranks(const std::vector<int>& ranks) {
   return os.str();
 }
 
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  long long x = std::strtoll(v, &end, 10);
-  if (end == v) return fallback;
-  // Accept K/M suffixes for byte sizes.
-  if (*end == 'k' || *end == 'K') x <<= 10;
-  if (*end == 'm' || *end == 'M') x <<= 20;
-  return x;
+namespace {
+[[noreturn]] void overflow(const char* what, const std::string& expr) {
+  throw std::invalid_argument(std::string("smddp: ") + what + " overflows: " + expr +
+                              " does not fit in 64 bits");
+}
+}  // namespace
+
+size_t checked_mul(size_t a, size_t b, const char* what) {
+  size_t r;
+  if (__builtin_mul_overflow(a, b, &r)) overflow(what, std::to_string(a) + " x " + std::to_string(b));
+  return r;
 }
 
-std::string env_str(const char* name, const std::string& fallback) {
-  const char* v = std::getenv(name);
-  return (v && *v) ? std::string(v) : fallback;
+size_t checked_add(size_t a, size_t b, const char* what) {
+  size_t r;
+  if (__builtin_add_overflow(a, b, &r)) overflow(what, std::to_string(a) + " + " + std::to_string(b));
+  return r;
+}
+
+size_t round_up(size_t x, size_t align, const char* what) {
+  return checked_add(x, align - 1, what) & ~(align - 1);
 }
 
 Span partition(size_t n, int parts, int i, size_t align) {

@@ -69,10 +69,12 @@ struct OpArgs {
   const char* dtype = nullptr;  // "float32"; nullptr: no tensor arguments (barrier)
   const char* op = nullptr;     // "sum"; nullptr: not a reduction
   int64_t numel = 0;
-  int peer = -1;                // send/recv: the other rank
+  int peer = -1;                // send/recv: the other rank (kAnyPeer: recv from any rank)
   bool to_peer = false;         // send (true) or recv (false)
   int64_t root = -1;            // rooted collectives (broadcast, reduce, gather, scatter)
 };
+
+constexpr int kAnyPeer = -2;
 
 // "all_reduce (float32, sum, 1024 elements)", or just the name when `args` has no dtype.
 std::string describe_op(const char* name, const OpArgs& args);
@@ -114,11 +116,6 @@ bool& on_worker_thread();
 // Formats "[0, 2, 3]".
 std::string format_ranks(const std::vector<int>& ranks);
 
-// Reads an integer/string setting of the backend from the environment (documented in
-// docs/collectives.md); `fallback` when unset or malformed.
-int64_t env_int(const char* name, int64_t fallback);
-std::string env_str(const char* name, const std::string& fallback);
-
 // A collective failed on this or another rank. Surfaces as RuntimeError in Python.
 class CommError : public std::runtime_error {
  public:
@@ -130,6 +127,14 @@ struct Span {
   size_t off = 0;
   size_t len = 0;
 };
+
+// Size arithmetic on values that come from users or peers (split sizes, element counts,
+// settings): each throws std::invalid_argument (ValueError in Python) naming `what` when
+// the exact result does not fit in 64 bits, instead of wrapping around.
+size_t checked_mul(size_t a, size_t b, const char* what);
+size_t checked_add(size_t a, size_t b, const char* what);
+// `x` rounded up to a multiple of `align` (a power of two).
+size_t round_up(size_t x, size_t align, const char* what);
 
 // Splits n units into `parts` contiguous spans whose boundaries are multiples of `align`
 // (except the end); the first spans get the extra blocks.

@@ -1,5 +1,7 @@
 #include "smddp/shm.h"
 
+#include "smddp/shm_names.h"
+
 #include <fcntl.h>
 #include <immintrin.h>
 #include <linux/futex.h>
@@ -40,20 +42,6 @@ inline void cpu_relax() {
 #endif
 }
 
-// A process that exited but was not reaped yet is a zombie and still answers kill(pid, 0),
-// so read its state from /proc.
-bool process_alive(int pid) {
-  if (pid <= 0) return true;
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  if (!f) return false;
-  std::string line;
-  std::getline(f, line);
-  auto p = line.rfind(')');
-  if (p == std::string::npos || p + 2 >= line.size()) return true;
-  char state = line[p + 2];
-  return state != 'Z' && state != 'X';
-}
-
 // Moves the calling thread off `cpu` by briefly excluding it from the thread's affinity
 // mask; the kernel migrates the thread at once, and restoring the mask leaves it where it
 // landed. Returns false (and changes nothing) when the mask leaves no other CPU.
@@ -81,14 +69,18 @@ thread_local Clock::time_point t_last_pid_check{};  // last time a wait looked f
 
 }  // namespace
 
-std::string shm_name(const std::string& nonce, int local_rank) {
-  return "/smddp_" + nonce + "_" + std::to_string(local_rank);
-}
-
 ShmComm::ShmComm(ShmConfig cfg) : cfg_(std::move(cfg)) {
   int n = size();
-  main_bytes_ = kControlBytes + 2 * cfg_.buffer_bytes;
-  seg_bytes_ = main_bytes_ + cfg_.pool_bytes + p2p_region_bytes();
+  // The sizes come from settings: a wrapped-around sum would map less than the algorithms
+  // then write to.
+  const char* what = "the shared-memory segment size (SMDDP_BUFFER_BYTES, SMDDP_POOL_BYTES, SMDDP_P2P_BYTES)";
+  main_bytes_ = checked_add(kControlBytes, checked_mul(2, cfg_.buffer_bytes, what), what);
+  const size_t p2p_region = cfg_.p2p_bytes ? checked_mul(n, checked_add(4096, cfg_.p2p_bytes, what), what) : 0;
+  seg_bytes_ = checked_add(checked_add(main_bytes_, cfg_.pool_bytes, what), p2p_region, what);
+  if (seg_bytes_ > static_cast<size_t>(INT64_MAX)) {
+    throw std::invalid_argument(std::string("smddp: ") + what + " of " + std::to_string(seg_bytes_) +
+                                " bytes is more than a file can hold (2^63 bytes)");
+  }
   pool_base_.assign(n, nullptr);
   p2p_base_.assign(n, nullptr);
   ctl_.assign(n, nullptr);
@@ -96,18 +88,17 @@ ShmComm::ShmComm(ShmConfig cfg) : cfg_(std::move(cfg)) {
   maps_.assign(n, nullptr);
   checked_.assign(n, 0);
   oversubscribed_ = n > online_cpus();
-  spin_us_ = static_cast<int>(env_int("SMDDP_SPIN_US", 200));
-  worker_spin_us_ = static_cast<int>(env_int("SMDDP_WORKER_SPIN_US", 20));
+  spin_us_ = cfg_.spin_us;
+  worker_spin_us_ = cfg_.worker_spin_us;
   // Oversubscribed ranks pay a context switch per hand-off: fewer, larger steps.
   // 512 KiB measured 15-25% faster than 256 KiB for 1-4 MiB all-reduces on 2 ranks (fewer
   // syncs; a step's data still fits the 1 MiB L2 of these cores).
   size_t chunk_default = oversubscribed_ ? (1 << 20) : (512 << 10);
-  chunk_bytes_ = std::min<size_t>(cfg_.buffer_bytes,
-                                  static_cast<size_t>(env_int("SMDDP_CHUNK_BYTES", chunk_default)));
+  chunk_bytes_ = std::min<size_t>(cfg_.buffer_bytes, cfg_.chunk_bytes ? cfg_.chunk_bytes : chunk_default);
   chunk_bytes_ = std::max<size_t>(chunk_bytes_, 256);
   long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
   size_t cache = l3 > 0 ? static_cast<size_t>(l3) : (32u << 20);
-  stream_bytes_ = static_cast<size_t>(env_int("SMDDP_STREAM_BYTES", static_cast<int64_t>(cache / 2 / n)));
+  stream_bytes_ = cfg_.stream_bytes >= 0 ? static_cast<size_t>(cfg_.stream_bytes) : cache / 2 / n;
   static_assert(sizeof(RankControl) <= kControlBytes, "control block too large");
 }
 
@@ -131,13 +122,18 @@ char* map_lazy(int fd, size_t offset, size_t bytes) {
 }  // namespace
 
 void ShmComm::create() {
-  std::string name = shm_name(cfg_.nonce, rank());
+  // Note [Segment lifetime]: segments of dead processes (a job killed during set-up) go
+  // first; then mine, guarded against a SIGTERM until every peer mapped it.
+  sweep_dead_segments();
+  const std::string name = segment_name(cfg_.nonce, std::to_string(rank()));
   int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) {
     throw CommError("smddp: cannot create shared memory segment " + name + ": " +
                     std::strerror(errno));
   }
+  name_ = name;
   own_linked_ = true;
+  term_guard_ = std::make_unique<UnlinkOnTerm>(name_);
   if (ftruncate(fd, static_cast<off_t>(seg_bytes_)) != 0) {
     int e = errno;
     close(fd);
@@ -173,6 +169,7 @@ void ShmComm::create() {
   for (int to = 0; p2p && to < size(); ++to) new (p2p + to * channel_slot()) ChannelCtl();
   auto* c = new (p) RankControl();
   c->pid = getpid();
+  std::strncpy(c->pid_ns, pid_namespace_id().c_str(), sizeof(c->pid_ns) - 1);
   ctl_[rank()] = c;
   data_[rank()] = static_cast<char*>(p) + kControlBytes;
   // The magic number is written last: a peer that maps the segment checks it.
@@ -180,9 +177,12 @@ void ShmComm::create() {
   c->magic = kMagic;
 }
 
-void ShmComm::attach(int peer) {
+void ShmComm::attach(int peer, const std::string& name) {
   if (peer == rank()) return;
-  std::string name = shm_name(cfg_.nonce, peer);
+  if (name.rfind("/smddp_", 0) != 0 || name.find('/', 1) != std::string::npos) {
+    throw CommError("smddp: rank " + std::to_string(cfg_.group_ranks[peer]) + " of group '" +
+                    cfg_.group_name + "' published '" + name + "' as its segment name");
+  }
   int fd = shm_open(name.c_str(), O_RDWR, 0600);
   if (fd < 0) {
     throw CommError("smddp: cannot open the shared memory segment of rank " +
@@ -230,8 +230,9 @@ void ShmComm::attach(int peer) {
 
 void ShmComm::unlink_own() {
   if (!own_linked_) return;
-  shm_unlink(shm_name(cfg_.nonce, rank()).c_str());
+  shm_unlink(name_.c_str());
   own_linked_ = false;
+  term_guard_.reset();
 }
 
 uint64_t ShmComm::begin_step(const OpCtx& ctx, bool first) {
@@ -290,8 +291,10 @@ void ShmComm::wait_all(uint64_t s, int phase, const OpCtx& ctx) {
 // When there are enough cores but the scheduler stacked the peer on this CPU (its wake-up
 // heuristics like to do that with processes that talk to each other, and a busy pair is
 // then rarely split: measured 40 us per small all-reduce instead of 9 for whole benchmark
-// cases), the waiter steps onto another CPU (move_off_cpu, at most every few milliseconds
-// so two ranks cannot chase each other) and spins on; if it cannot move it sleeps.
+// cases), the waiter sleeps, which leaves the CPU to the peer; with SMDDP_MOVE_OFF_CPU=1 it
+// steps onto another CPU instead (move_off_cpu, at most every few milliseconds so two ranks
+// cannot chase each other) and spins on. Moving is opt-in: it changes the thread's CPU
+// affinity for an instant, which a host that pins threads itself must not see.
 // Futex sleeps are 1 ms slices so the deadline, the peers' failure flags and whether the
 // peer process still exists are checked regularly.
 void ShmComm::wait_progress(int i, uint64_t target, const OpCtx& ctx) {
@@ -305,9 +308,9 @@ void ShmComm::wait_word(int i, const std::atomic<uint64_t>& word, std::atomic<ui
   RankControl* c = ctl(i);
   if (word.load(std::memory_order_acquire) >= target) return;
   if (!oversubscribed_) {
+    bool shared_core = false;
     int budget = on_worker_thread() ? worker_spin_us_ : spin_us_;
     auto spin_until = Clock::now() + std::chrono::microseconds(budget);
-    bool shared_core = false;
     do {
       for (int k = 0; k < 64; ++k) {
         cpu_relax();
@@ -315,7 +318,7 @@ void ShmComm::wait_word(int i, const std::atomic<uint64_t>& word, std::atomic<ui
       }
       int cpu = sched_getcpu();
       shared_core = c->cpu.load(std::memory_order_relaxed) == cpu;
-      if (shared_core && Clock::now() - t_last_move > std::chrono::milliseconds(5)) {
+      if (shared_core && cfg_.move_off_cpu && Clock::now() - t_last_move > std::chrono::milliseconds(5)) {
         t_last_move = Clock::now();
         if (move_off_cpu(cpu)) {
           ctl(rank())->cpu.store(sched_getcpu(), std::memory_order_relaxed);
@@ -361,13 +364,21 @@ void ShmComm::check_peer(int i, const OpCtx& ctx, const std::string& waiting_for
   auto now = Clock::now();
   if (now - t_last_pid_check > std::chrono::milliseconds(20)) {
     t_last_pid_check = now;
-    if (!process_alive(ctl(i)->pid)) throw CommError(where + " failed: " + peer + " exited (its process is gone)");
+    if (process_gone(i)) throw CommError(where + " failed: " + peer + " exited (its process is gone)");
   }
   if (ctx.deadline.expired()) {
     char secs[32];
     snprintf(secs, sizeof(secs), "%.1f", ctx.deadline.seconds);
-    throw CommError(where + " timed out after " + secs + " s waiting for " + peer + " " + waiting_for);
+    throw CommError(where + " timed out after " + secs + " s (the timeout of this group) waiting for " + peer + " " + waiting_for);
   }
+}
+
+bool ShmComm::process_gone(int i) const {
+  // A peer in another PID namespace (a container sharing this IPC namespace) has a pid that
+  // means nothing here: its death shows only through its failure flag or the timeout.
+  const RankControl* c = ctl(i);
+  if (strncmp(c->pid_ns, pid_namespace_id().c_str(), sizeof(c->pid_ns)) != 0) return false;
+  return !process_alive(c->pid);
 }
 
 std::string ShmComm::failure_message(int i) const {
@@ -397,7 +408,7 @@ void ShmComm::check_local_peers(const OpCtx& ctx, std::optional<uint64_t> needed
       // Note [Exits are not failures]: only a rank this wait still needs counts. Its words
       // are read after its exit was seen, so they hold everything it did before exiting.
       const RankControl* c = ctl(j);
-      if (process_alive(c->pid)) continue;
+      if (!process_gone(j)) continue;
       bool owes = needed_progress ? c->progress.load(std::memory_order_acquire) < *needed_progress
                                   : c->finished.load(std::memory_order_acquire) <= ctx.seq;
       if (owes) dead.push_back(cfg_.group_ranks[j]);
@@ -423,7 +434,7 @@ void ShmComm::check_health(int i, uint64_t target, const OpCtx& ctx) {
     if (missing.empty()) missing.push_back(cfg_.group_ranks[i]);
     char secs[32];
     snprintf(secs, sizeof(secs), "%.1f", ctx.deadline.seconds);
-    fail(where(ctx) + " timed out after " + secs + " s waiting for ranks " + format_ranks(missing) +
+    fail(where(ctx) + " timed out after " + secs + " s (the timeout of this group) waiting for ranks " + format_ranks(missing) +
          " (they did not reach this collective: hung, slower, or issued a different sequence "
          "of collectives)");
   }

@@ -39,10 +39,17 @@
 //
 // Note [Segment lifetime]
 // A segment is the control block, two data buffers and, optionally, a tensor pool
-// (shm_pool.h). Names are "/smddp_<nonce>_<local rank>" with a 128-bit random nonce from the group's
-// store, created O_EXCL with mode 0600. Each rank unlinks its own segment as soon as every
-// local rank has mapped it (or on any failure during set-up), so nothing stays in /dev/shm
-// after a crash; the mappings live until the group is destroyed.
+// (shm_pool.h). Names are "/smddp_<pid namespace>_<pid>_<nonce>_<host>_<local rank>"
+// (segment_name() in shm_names.h) with a 128-bit random nonce from the group's store,
+// created O_EXCL with mode 0600; each rank publishes its name through the store. Each rank
+// unlinks its own segment as soon as every local rank has mapped it (or on any failure
+// during set-up), so nothing stays in /dev/shm after a crash; the mappings live until the
+// group is destroyed. A rank killed inside that window (set-up takes milliseconds once all
+// ranks arrived) is covered three ways: a SIGTERM with the default disposition unlinks the
+// segment before the process dies (UnlinkOnTerm); a local peer that sees it die during
+// set-up removes it; and every segment creation first removes the segments of dead
+// creators of this PID namespace and user (sweep_dead_segments), which the creator's pid
+// in the name makes possible without opening them.
 //
 // Note [Exits are not failures]
 // A waiting rank also checks (every 20 ms) whether its local peers' processes still exist,
@@ -65,6 +72,7 @@
 #include <vector>
 
 #include "smddp/common.h"
+#include "smddp/shm_names.h"
 #include "smddp/shm_pool.h"
 
 namespace smddp {
@@ -87,6 +95,7 @@ struct RankControl {
   alignas(64) std::atomic<uint32_t> failed{0};    // owner hit an error: message is valid
   char message[480] = {0};
   int32_t pid = 0;
+  char pid_ns[24] = {0};  // the owner's PID namespace (pid_namespace_id())
   uint64_t magic = 0;
   // Numbered collectives the owner finished (Note [Exits are not failures]); read only by
   // the peers' periodic process checks, so it shares the rarely read line of pid.
@@ -109,6 +118,12 @@ struct ShmConfig {
   size_t buffer_bytes = 0;       // size of each of the two data buffers of a segment
   size_t p2p_bytes = 0;          // ring of each point-to-point channel (0: send/recv use TCP)
   size_t pool_bytes = 0;         // tensor pool at the end of the segment (0: none)
+  // Note [Settings] in settings.h:
+  size_t chunk_bytes = 0;        // 0: automatic
+  int64_t stream_bytes = -1;     // -1: automatic
+  int spin_us = 200;
+  int worker_spin_us = 20;
+  bool move_off_cpu = false;
 };
 
 class ShmComm {
@@ -118,9 +133,11 @@ class ShmComm {
   ShmComm(const ShmComm&) = delete;
   ShmComm& operator=(const ShmComm&) = delete;
 
-  // Set-up, in this order across ranks: create() on all, attach() on all, unlink_own().
+  // Set-up, in this order across ranks: create() on all, attach() on all (with the names
+  // the peers' create() chose), unlink_own().
   void create();
-  void attach(int peer);
+  const std::string& name() const { return name_; }
+  void attach(int peer, const std::string& name);
   void unlink_own();
 
   int rank() const { return cfg_.local_rank; }
@@ -186,6 +203,9 @@ class ShmComm {
   void mark_failed(const std::string& message);
   // Makes every wait of this rank throw promptly (group shutdown/abort).
   void abort() { aborted_.store(true); }
+  bool aborted() const { return aborted_.load(); }
+  // Local rank i failed (its flag) or its process is gone (when that can be judged).
+  bool peer_lost(int i) const { return ctl(i)->failed.load(std::memory_order_acquire) || process_gone(i); }
 
  private:
   static uint64_t value(uint64_t s, int phase) { return 3 * (s - 1) + phase; }
@@ -193,6 +213,7 @@ class ShmComm {
   void check_health(int i, uint64_t target, const OpCtx& ctx);
   std::string where(const OpCtx& ctx) const;  // "smddp: <collective> on group '<g>' (collective #N)"
   std::string failure_message(int i) const;   // what local rank i wrote when it failed
+  bool process_gone(int i) const;             // local rank i's process exited (if judgeable)
   void check_desc(int i, const OpCtx& ctx);
   [[noreturn]] void fail(const std::string& message);
   RankControl* ctl(int i) const { return ctl_[i]; }
@@ -208,19 +229,19 @@ class ShmComm {
   std::vector<RankControl*> ctl_;
   std::vector<char*> data_;
   std::vector<void*> maps_;
+  std::string name_;  // of my segment
   bool own_linked_ = false;
+  std::unique_ptr<UnlinkOnTerm> term_guard_;  // while my segment is linked
   uint64_t next_step_ = 1;
   uint64_t first_step_ = 0;       // first step of the current collective
   uint64_t current_seq_plus1_ = 0;  // collective whose descriptor was published last
   std::vector<uint8_t> checked_;  // peers whose descriptor matched in this collective
   std::atomic<bool> aborted_{false};
   bool oversubscribed_ = false;   // more local ranks than CPUs: skip the busy spin
-  int spin_us_ = 200;             // busy-spin budget per wait, caller thread (SMDDP_SPIN_US)
-  int worker_spin_us_ = 20;       // same on worker threads (SMDDP_WORKER_SPIN_US)
-  size_t chunk_bytes_ = 0;        // pipeline chunk (SMDDP_CHUNK_BYTES), <= buffer_bytes
+  int spin_us_ = 200;             // busy-spin budget per wait, caller thread
+  int worker_spin_us_ = 20;       // same on worker threads
+  size_t chunk_bytes_ = 0;        // pipeline chunk, <= buffer_bytes
   size_t stream_bytes_ = 0;       // see stream_output()
 };
-
-std::string shm_name(const std::string& nonce, int local_rank);
 
 }  // namespace smddp

@@ -86,6 +86,12 @@ void ShmP2P::recv(int from, uint32_t tag, void* data, size_t bytes, const OpCtx&
   Inbox& in = in_[from];
   std::lock_guard<std::mutex> g(in.mu);
   if (take_stashed(in, tag, data, bytes, &ctx)) return;
+  while (!read_next(from, tag, data, bytes, ctx)) {
+  }
+}
+
+bool ShmP2P::read_next(int from, uint32_t tag, void* data, size_t bytes, const OpCtx& ctx) {
+  Inbox& in = in_[from];
   ChannelCtl* ch = shm_.channel(from, shm_.rank());
   const char* ring = shm_.ring(from, shm_.rank());
   auto wait_data = [&](uint64_t end) {
@@ -93,36 +99,54 @@ void ShmP2P::recv(int from, uint32_t tag, void* data, size_t bytes, const OpCtx&
       shm_.check_peer(from, ctx, "to send (is a matching send posted on it?)");
     });
   };
+  uint64_t pos = align64(ch->tail.load(std::memory_order_relaxed));  // only this rank writes tail
+  wait_data(pos + kHeader);
+  Header h;
+  std::memcpy(&h, ring + pos % cap_, sizeof(h));
+  const bool mine = h.tag == tag;
+  if (mine && h.bytes != bytes) size_mismatch(tag, h.bytes, bytes, ctx);
+  pos += kHeader;
+  ShmComm::publish(ch->tail, ch->tail_sleepers, pos);
+  char* dst = static_cast<char*>(data);
+  if (!mine) {
+    in.stash.push_back({h.tag, std::vector<char>(h.bytes)});
+    dst = in.stash.back().data.data();
+  }
+  for (size_t done = 0; done < h.bytes;) {
+    uint64_t head = ch->head.load(std::memory_order_acquire);
+    if (head <= pos) {
+      wait_data(pos + 1);
+      continue;
+    }
+    // Freed space is published every piece, so a waiting sender sees progress while it
+    // still spins (one 1 MiB copy before publishing put it to sleep: 16 MiB ping-pong
+    // 2.5 -> 16 ms).
+    size_t piece = std::min<uint64_t>({head - pos, h.bytes - done, cap_ - pos % cap_, kPiece});
+    std::memcpy(dst + done, ring + pos % cap_, piece);
+    pos += piece;
+    done += piece;
+    ShmComm::publish(ch->tail, ch->tail_sleepers, pos);
+  }
+  return mine;
+}
+
+bool ShmP2P::probe(int from, uint32_t tag, const OpCtx& ctx) {
+  Inbox& in = in_[from];
+  std::unique_lock<std::mutex> g(in.mu, std::try_to_lock);
+  if (!g.owns_lock()) return false;
+  for (const Stashed& m : in.stash) {
+    if (m.tag == tag) return true;
+  }
+  ChannelCtl* ch = shm_.channel(from, shm_.rank());
+  const char* ring = shm_.ring(from, shm_.rank());
   while (true) {
-    uint64_t pos = align64(ch->tail.load(std::memory_order_relaxed));  // only this rank writes tail
-    wait_data(pos + kHeader);
+    uint64_t pos = align64(ch->tail.load(std::memory_order_relaxed));
+    if (ch->head.load(std::memory_order_acquire) < pos + kHeader) return false;
     Header h;
     std::memcpy(&h, ring + pos % cap_, sizeof(h));
-    const bool mine = h.tag == tag;
-    if (mine && h.bytes != bytes) size_mismatch(tag, h.bytes, bytes, ctx);
-    pos += kHeader;
-    ShmComm::publish(ch->tail, ch->tail_sleepers, pos);
-    char* dst = static_cast<char*>(data);
-    if (!mine) {
-      in.stash.push_back({h.tag, std::vector<char>(h.bytes)});
-      dst = in.stash.back().data.data();
-    }
-    for (size_t done = 0; done < h.bytes;) {
-      uint64_t head = ch->head.load(std::memory_order_acquire);
-      if (head <= pos) {
-        wait_data(pos + 1);
-        continue;
-      }
-      // Freed space is published every piece, so a waiting sender sees progress while it
-      // still spins (one 1 MiB copy before publishing put it to sleep: 16 MiB ping-pong
-      // 2.5 -> 16 ms).
-      size_t piece = std::min<uint64_t>({head - pos, h.bytes - done, cap_ - pos % cap_, kPiece});
-      std::memcpy(dst + done, ring + pos % cap_, piece);
-      pos += piece;
-      done += piece;
-      ShmComm::publish(ch->tail, ch->tail_sleepers, pos);
-    }
-    if (mine) return;
+    if (h.tag == tag) return true;
+    // Another tag is in the way: set it aside (as recv would) to see what follows.
+    read_next(from, tag, nullptr, 0, ctx);
   }
 }
 

@@ -27,6 +27,12 @@ class ShmP2P {
   bool try_send(int to, uint32_t tag, const void* data, size_t bytes);
   bool try_recv(int from, uint32_t tag, void* data, size_t bytes);
 
+  // Whether a message with `tag` from local rank `from` is ready for recv() to take next
+  // (Note [Receive from any rank] in backend_ops.cpp): stashed, or the next one in the ring.
+  // Messages with other tags that are in the way are stashed. Never waits for a message
+  // to begin (but finishes reading one that has begun).
+  bool probe(int from, uint32_t tag, const OpCtx& ctx);
+
  private:
   struct Stashed {
     uint32_t tag;
@@ -43,6 +49,9 @@ class ShmP2P {
   // Copies the oldest stashed message with `tag` into `data`; with `ctx` a size mismatch
   // raises, without it the message stays and false is returned.
   bool take_stashed(Inbox& in, uint32_t tag, void* data, size_t bytes, const OpCtx* ctx);
+  // Reads the next message from local rank `from` (inbox lock held): into `data` when its
+  // tag is `tag` (returns true), into the stash otherwise (returns false).
+  bool read_next(int from, uint32_t tag, void* data, size_t bytes, const OpCtx& ctx);
   [[noreturn]] static void size_mismatch(uint32_t tag, size_t got, size_t want, const OpCtx& ctx);
 
   ShmComm& shm_;

@@ -21,8 +21,9 @@ namespace smddp {
 namespace {
 
 constexpr char kMagic[8] = {'s', 'm', 'd', 'd', 'p', 't', 'c', '1'};
-constexpr int kHandshakeMs = 5000;
 constexpr int kNoticeMs = 200;  // time allowed to write a failure notice
+constexpr size_t kHelloBytes = 40;  // magic + challenge
+constexpr size_t kReplyBytes = 36;  // claimed rank + HMAC
 
 void set_nonblocking(int fd, bool on) {
   int flags = fcntl(fd, F_GETFL, 0);
@@ -55,28 +56,55 @@ bool io_all(int fd, char* p, size_t n, bool write, int timeout_ms) {
   return true;
 }
 
+std::string format_names(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+  return out.empty() ? "none" : out;
+}
+
 std::string mac_message(const std::string& challenge, int from, int to) {
   return "smddp-tcp-hello/" + challenge + "/" + std::to_string(from) + "->" + std::to_string(to);
 }
 
 }  // namespace
 
-std::string local_address() {
-  std::string forced = env_str("SMDDP_SOCKET_ADDR", "");
-  if (!forced.empty()) return forced;
+std::string local_address(const Settings& settings) {
+  const std::string& forced = settings.socket_addr;
+  if (!forced.empty()) {
+    // A name is resolved here: the listener binds to exactly this address.
+    addrinfo hints{}, *res = nullptr;
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_STREAM;
+    if (getaddrinfo(forced.c_str(), nullptr, &hints, &res) != 0 || !res) {
+      throw std::invalid_argument("smddp: SMDDP_SOCKET_ADDR=" + forced +
+                                  " is neither an IPv4 address nor a name of one");
+    }
+    char buf[INET_ADDRSTRLEN];
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr, buf, sizeof(buf));
+    freeaddrinfo(res);
+    return buf;
+  }
+  const std::string& ifname = settings.socket_ifname;
   ifaddrs* list = nullptr;
-  std::string found = "127.0.0.1";
+  std::string found = ifname.empty() ? "127.0.0.1" : "";
+  std::vector<std::string> names;
   if (getifaddrs(&list) == 0) {
     for (ifaddrs* a = list; a; a = a->ifa_next) {
       if (!a->ifa_addr || a->ifa_addr->sa_family != AF_INET) continue;
       auto* in = reinterpret_cast<sockaddr_in*>(a->ifa_addr);
       char buf[INET_ADDRSTRLEN];
       inet_ntop(AF_INET, &in->sin_addr, buf, sizeof(buf));
-      if (std::string(buf).rfind("127.", 0) == 0) continue;
+      names.push_back(a->ifa_name);
+      if (ifname.empty() ? std::string(buf).rfind("127.", 0) == 0 : ifname != a->ifa_name) continue;
       found = buf;
       break;
     }
     freeifaddrs(list);
+  }
+  if (found.empty()) {
+    throw std::invalid_argument("smddp: SMDDP_SOCKET_IFNAME=" + ifname +
+                                " names no interface with an IPv4 address here (interfaces with "
+                                "one: " + format_names(names) + ")");
   }
   return found;
 }
@@ -88,74 +116,148 @@ TcpMesh::TcpMesh(int rank, int size, std::string secret, std::string group_name)
 
 TcpMesh::~TcpMesh() { shutdown(); }
 
-void TcpMesh::listen() {
-  listen_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (listen_fd_ < 0) throw CommError(std::string("smddp: socket(): ") + std::strerror(errno));
+void TcpMesh::listen(const std::string& address) {
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
   addr.sin_port = 0;
+  if (inet_pton(AF_INET, address.c_str(), &addr.sin_addr) != 1) {
+    throw CommError("smddp: cannot listen for mesh connections on '" + address +
+                    "': not an IPv4 address (set SMDDP_SOCKET_ADDR to this host's address)");
+  }
+  listen_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (listen_fd_ < 0) throw CommError(std::string("smddp: socket(): ") + std::strerror(errno));
   if (bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
       ::listen(listen_fd_, 128) != 0) {
-    throw CommError(std::string("smddp: cannot listen for mesh connections: ") +
+    throw CommError("smddp: cannot listen for mesh connections on " + address + ": " +
                     std::strerror(errno));
   }
   socklen_t len = sizeof(addr);
   getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
   port_ = ntohs(addr.sin_port);
+  address_ = address;
   if (pipe2(wake_pipe_, O_CLOEXEC) != 0) throw CommError("smddp: pipe() failed");
   listener_ = std::thread([this] { accept_loop(); });
 }
 
+// An incoming connection between accept() and the end of its handshake (Note [TCP
+// connections]): the listener writes `hello`, reads exactly `reply`, and answers.
+struct TcpMesh::Handshake {
+  int fd = -1;
+  char hello[kHelloBytes];
+  size_t sent = 0;
+  char reply[kReplyBytes];
+  size_t got = 0;
+  Clock::time_point deadline;
+};
+
 void TcpMesh::accept_loop() {
+  std::vector<Handshake> pending;
+  std::vector<pollfd> fds;
+  auto refuse = [&](Handshake& h) {
+    rejected_.fetch_add(1);
+    close(h.fd);
+  };
   while (true) {
-    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_pipe_[0], POLLIN, 0}};
-    if (poll(fds, 2, -1) < 0) {
-      if (errno == EINTR) continue;
-      return;
+    fds.assign({{listen_fd_, POLLIN, 0}, {wake_pipe_[0], POLLIN, 0}});
+    auto next = Clock::now() + std::chrono::milliseconds(kHandshakeMs);
+    for (const Handshake& h : pending) {
+      fds.push_back({h.fd, static_cast<short>(h.sent < kHelloBytes ? POLLOUT : POLLIN), 0});
+      next = std::min(next, h.deadline);
     }
-    if (fds[1].revents) return;  // shutdown
-    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    handshake_incoming(fd);
+    auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(next - Clock::now()).count();
+    if (poll(fds.data(), fds.size(), static_cast<int>(std::max<int64_t>(1, wait + 1))) < 0 &&
+        errno != EINTR) {
+      break;
+    }
+    if (fds[1].revents) break;  // shutdown
+    // Progress the handshakes first (fds[2 + i] belongs to pending[i]), then expire them.
+    std::vector<Handshake> still;
+    const auto now = Clock::now();
+    for (size_t i = 0; i < pending.size(); ++i) {
+      Handshake& h = pending[i];
+      if (fds[2 + i].revents && !progress(h)) continue;  // finished either way
+      if (now >= h.deadline) {
+        refuse(h);
+        continue;
+      }
+      still.push_back(h);
+    }
+    pending.swap(still);
+    if (fds[0].revents) accept_new(pending);
+  }
+  for (Handshake& h : pending) close(h.fd);
+}
+
+void TcpMesh::accept_new(std::vector<Handshake>& pending) {
+  while (true) {
+    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) return;  // EAGAIN: none left (or a transient error; poll says when to retry)
+    if (pending.size() >= kMaxHandshakes) {  // the oldest has had the most time
+      rejected_.fetch_add(1);
+      close(pending.front().fd);
+      pending.erase(pending.begin());
+    }
+    Handshake h;
+    h.fd = fd;
+    h.deadline = Clock::now() + std::chrono::milliseconds(kHandshakeMs);
+    std::memcpy(h.hello, kMagic, 8);
+    if (getrandom(h.hello + 8, 32, 0) != 32) {
+      close(fd);
+      continue;
+    }
+    if (progress(h)) pending.push_back(h);
   }
 }
 
-void TcpMesh::handshake_incoming(int fd) {
-  set_nonblocking(fd, true);
-  char challenge[32];
-  if (getrandom(challenge, sizeof(challenge), 0) != sizeof(challenge)) {
-    close(fd);
-    return;
+bool TcpMesh::progress(Handshake& h) {
+  auto refuse = [&] {
+    rejected_.fetch_add(1);
+    close(h.fd);
+    return false;
+  };
+  while (h.sent < kHelloBytes) {
+    ssize_t r = ::send(h.fd, h.hello + h.sent, kHelloBytes - h.sent, MSG_NOSIGNAL);
+    if (r > 0) {
+      h.sent += static_cast<size_t>(r);
+    } else if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+      return true;
+    } else {
+      return refuse();
+    }
   }
-  char hello[40];
-  std::memcpy(hello, kMagic, 8);
-  std::memcpy(hello + 8, challenge, 32);
-  char reply[36];
-  bool ok = io_all(fd, hello, sizeof(hello), true, kHandshakeMs) &&
-            io_all(fd, reply, sizeof(reply), false, kHandshakeMs);
+  while (h.got < kReplyBytes) {
+    ssize_t r = ::recv(h.fd, h.reply + h.got, kReplyBytes - h.got, 0);
+    if (r > 0) {
+      h.got += static_cast<size_t>(r);
+    } else if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+      return true;
+    } else {
+      return refuse();
+    }
+  }
   int32_t from = -1;
-  if (ok) {
-    std::memcpy(&from, reply, 4);
-    ok = from >= 0 && from < size_ && from != rank_;
-  }
-  if (ok) {
-    Digest expect = hmac_sha256(secret_, mac_message(std::string(challenge, 32), from, rank_));
-    Digest got;
-    std::memcpy(got.data(), reply + 4, 32);
-    ok = digest_equal(expect, got);
-  }
-  char status = ok ? 1 : 0;
-  if (ok) ok = io_all(fd, &status, 1, true, kHandshakeMs);
-  if (!ok) {
+  std::memcpy(&from, h.reply, 4);
+  if (from < 0 || from >= size_ || from == rank_) return refuse();
+  Digest expect = hmac_sha256(secret_, mac_message(std::string(h.hello + 8, 32), from, rank_));
+  Digest got;
+  std::memcpy(got.data(), h.reply + 4, 32);
+  if (!digest_equal(expect, got)) return refuse();
+  accept_authenticated(h.fd, from);
+  return false;
+}
+
+void TcpMesh::accept_authenticated(int fd, int from) {
+  std::lock_guard<std::mutex> g(in_mu_);
+  Conn& c = *conns_[from];
+  // Note [TCP connections]: a live connection is never replaced.
+  const char status = c.in_fd < 0 ? 1 : 0;
+  if (::send(fd, &status, 1, MSG_NOSIGNAL) != 1 || status == 0) {
     rejected_.fetch_add(1);
     close(fd);
     return;
   }
+  set_nonblocking(fd, true);
   tune_socket(fd);
-  std::lock_guard<std::mutex> g(in_mu_);
-  Conn& c = *conns_[from];
-  if (c.in_fd >= 0) close(c.in_fd);  // a peer never reconnects; keep the newest anyway
   c.in_fd = fd;
 }
 
@@ -189,12 +291,12 @@ int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
   }
   // The handshake also ends with the caller's deadline (a failure notice allows 200 ms).
   const int handshake_ms = std::max(1, std::min(kHandshakeMs, ctx.deadline.remaining_ms()));
-  char hello[40];
+  char hello[kHelloBytes];
   if (!io_all(fd, hello, sizeof(hello), false, handshake_ms) || std::memcmp(hello, kMagic, 8) != 0) {
     close(fd);
     fail_peer(peer, "its listener did not answer the handshake", ctx);
   }
-  char reply[36];
+  char reply[kReplyBytes];
   int32_t me = rank_;
   std::memcpy(reply, &me, 4);
   Digest mac = hmac_sha256(secret_, mac_message(std::string(hello + 8, 32), rank_, peer));

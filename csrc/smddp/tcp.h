@@ -2,13 +2,33 @@
 // per-group secret from the store.
 //
 // Note [TCP connections]
-// Every rank listens on one port per group (published through the store). Connections
-// are one-directional and made lazily: the sender of the first message to a peer connects
-// to it and that socket carries only sender -> receiver traffic, so there is never a race
-// about who connects. A per-group listener thread accepts connections and authenticates
-// them with a challenge/response (HMAC-SHA-256 over a fresh random challenge, the claimed
-// rank and the listener's rank, keyed with the group secret); a stranger or a wrong
-// secret is refused and counted, and the job carries on.
+// A rank listens only where a peer needs it: when its group spans several hosts (or sends
+// point-to-point messages over TCP inside a host, SMDDP_P2P_BYTES=0), on one port bound to
+// the address it publishes through the store (the configured interface; loopback for
+// traffic inside a host), never on every interface. Connections are one-directional and
+// made lazily: the sender of the first message to a peer connects to it and that socket
+// carries only sender -> receiver traffic, so there is never a race about who connects.
+// The listener thread authenticates each connection with a challenge/response
+// (HMAC-SHA-256 over a fresh random challenge, the claimed rank and the listener's rank,
+// keyed with the group secret). Handshakes run concurrently, each with its own deadline
+// (kHandshakeMs), at most kMaxHandshakes at once (the oldest is dropped for a new one), and
+// read a fixed number of bytes: a connection that says nothing, or a flood of them, cannot
+// delay a real rank's handshake by more than its own round trips. A stranger or a wrong
+// secret is refused and counted, and the job carries on. The first authenticated
+// connection of a peer stays: a second one claiming the same rank is refused, so a live
+// connection is never replaced.
+//
+// Note [TCP trust model]
+// As in every c10d backend, the store is trusted: whoever can read it during group creation
+// can join the group. The secret travels through it (rank 0 deletes it once every rank
+// has read it, so a later reader finds nothing; stores that cannot delete keys, such as
+// FileStore, keep it), and a holder of the secret can do what a
+// rank can: send messages and failure notices. What the mesh guarantees beyond that is
+// that no input crashes or exhausts a rank: nothing is allocated before authentication;
+// a message for a posted receive must have exactly the expected length, checked before a
+// byte of it is stored; a message nobody waits for yet is stored only as its bytes arrive
+// and only up to a per-connection budget (kStashBytes), so a header claiming a huge length
+// costs nothing. Without a trusted store, use a private network.
 //
 // Note [Failure notices]
 // A rank whose group failed (a peer died, a timeout, a mismatch) sends each peer it has a
@@ -45,6 +65,7 @@
 #include <vector>
 
 #include "smddp/common.h"
+#include "smddp/settings.h"
 
 namespace smddp {
 
@@ -86,9 +107,10 @@ class TcpMesh {
   TcpMesh(int rank, int size, std::string secret, std::string group_name);
   ~TcpMesh();
 
-  // Binds an ephemeral port and starts the listener thread.
-  void listen();
-  int port() const { return port_; }
+  // Binds an ephemeral port on `address` (an IPv4 address) and starts the listener thread.
+  void listen(const std::string& address);
+  int port() const { return port_; }  // 0: not listening
+  const std::string& address() const { return address_; }
   void set_peers(std::vector<PeerAddr> peers) { peers_ = std::move(peers); }
 
   // Progresses all sends and receives concurrently until done; throws CommError on
@@ -97,6 +119,12 @@ class TcpMesh {
   // wait (the collectives pass a check of the local ranks' failure flags).
   void exchange(const std::vector<Op>& sends, const std::vector<Op>& recvs, const OpCtx& ctx,
                 const std::function<void()>& health = {});
+
+  // Takes the next message with `tag` from `peer` into `data` if it has fully arrived,
+  // reading what the connection holds (messages with other tags are stashed); never waits.
+  // Raises if its length is not `len`. For receives from any rank (Note [Receive from any
+  // rank] in backend_ops.cpp).
+  bool take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& ctx);
 
   // Sends the failure notice (Note [Failure notices]) on every outgoing connection and on
   // new ones to `also_tell` (ranks without one yet), then closes them; the first call does
@@ -110,6 +138,9 @@ class TcpMesh {
  private:
   static constexpr uint64_t kFailureTag = ~0ull;  // no collective or user tag reaches it
   static constexpr size_t kMaxNotice = 1024;
+  static constexpr int kHandshakeMs = 2000;        // Note [TCP connections]
+  static constexpr size_t kMaxHandshakes = 64;
+  static constexpr size_t kStashBytes = size_t(1) << 30;  // Note [TCP trust model]
   static constexpr int kNotice = -2;  // Conn::target_op of a notice being read
   struct Stashed {
     Header hdr;
@@ -128,10 +159,18 @@ class TcpMesh {
     int target_op = -1;       // index of the recv op it belongs to, -1 (stash), kNotice
     std::vector<char> notice;  // body of a failure notice being read
     std::deque<Stashed> stash;
+    size_t stash_bytes = 0;    // declared lengths of the stashed messages (kStashBytes)
   };
+  struct Handshake;  // an incoming connection being authenticated (tcp.cpp)
 
+  template <class Route>
+  void read_frames(int peer, int fd, Route& route, const OpCtx& ctx);
+  static bool stash_in_flight(const Conn& c);  // the last stash entry is still arriving
   void accept_loop();
-  void handshake_incoming(int fd);
+  void accept_new(std::vector<Handshake>& pending);
+  // Advances one handshake; returns false when it is over (accepted or refused).
+  bool progress(Handshake& h);
+  void accept_authenticated(int fd, int from);
   int connect_to(int peer, const OpCtx& ctx);
   int in_fd(int peer);
   [[noreturn]] void fail_peer(int peer, const std::string& what, const OpCtx& ctx);
@@ -145,6 +184,7 @@ class TcpMesh {
   std::vector<std::unique_ptr<Conn>> conns_;
   std::mutex in_mu_;  // guards Conn::in_fd (set by the listener thread)
   int listen_fd_ = -1, port_ = 0;
+  std::string address_;
   int wake_pipe_[2] = {-1, -1};
   std::thread listener_;
   std::atomic<bool> aborted_{false};
@@ -152,8 +192,9 @@ class TcpMesh {
   std::atomic<uint64_t> rejected_{0};
 };
 
-// Address other hosts can reach this one at (SMDDP_SOCKET_ADDR, else the first
-// non-loopback IPv4 address, else 127.0.0.1).
-std::string local_address();
+// Address other hosts can reach this one at: settings.socket_addr (resolved), else the IPv4
+// address of settings.socket_ifname, else the first non-loopback IPv4 address, else
+// 127.0.0.1.
+std::string local_address(const Settings& settings);
 
 }  // namespace smddp

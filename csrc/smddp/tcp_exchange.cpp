@@ -24,6 +24,91 @@ struct SendState {
 
 }  // namespace
 
+bool TcpMesh::stash_in_flight(const Conn& c) {
+  return c.hdr_got == sizeof(c.hdr) && c.target_op == -1 && c.body_got < c.hdr.len;
+}
+
+// Reads the frames available on `peer`'s connection while `route.wants()`, one at a time,
+// and returns when the socket has nothing more. A frame goes where `route.target` says (an
+// operation's buffer, after it checked the header), or to the stash (Note [TCP trust
+// model]); failure notices end the wait with the peer's reason. A frame may span calls:
+// its state lives in the connection.
+template <class Route>
+void TcpMesh::read_frames(int peer, int fd, Route& route, const OpCtx& ctx) {
+  Conn& c = *conns_[peer];
+  auto read_some = [&](char* dst, size_t n) -> bool {
+    ssize_t r = ::recv(fd, dst, n, 0);
+    if (r == 0) fail_peer(peer, kClosed, ctx);
+    if (r < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return false;
+      fail_peer(peer, std::string("connection error: ") + std::strerror(errno), ctx);
+    }
+    (c.hdr_got < sizeof(c.hdr) ? c.hdr_got : c.body_got) += static_cast<size_t>(r);
+    return true;
+  };
+  while (route.wants()) {
+    if (c.hdr_got < sizeof(c.hdr)) {
+      if (!read_some(reinterpret_cast<char*>(&c.hdr) + c.hdr_got, sizeof(c.hdr) - c.hdr_got)) return;
+      if (c.hdr_got < sizeof(c.hdr)) continue;
+      c.body_got = 0;
+      c.target_op = -1;
+      c.body = nullptr;
+      if (c.hdr.tag == kFailureTag) {  // Note [Failure notices]
+        c.target_op = kNotice;
+        c.notice.assign(std::min<uint64_t>(c.hdr.len, kMaxNotice), 0);
+        c.hdr.len = c.notice.size();
+        c.body = c.notice.data();
+      } else {
+        c.body = route.target(c.hdr, c.target_op);
+      }
+      if (c.target_op == -1) {
+        // Note [TCP trust model]: a message nobody waits for yet is kept within a budget,
+        // and its buffer grows only as its bytes arrive.
+        if (c.hdr.len > kStashBytes - c.stash_bytes) {
+          fail_peer(peer, "sent a message of " + std::to_string(c.hdr.len) + " bytes (tag " +
+                              std::to_string(c.hdr.tag) + ") that no receive here expects yet, "
+                              "while " + std::to_string(c.stash_bytes) + " bytes of earlier such "
+                              "messages wait; a connection holds at most " +
+                              std::to_string(kStashBytes) + " bytes for receives not yet posted "
+                              "(post the receives in the order of the sends)", ctx);
+        }
+        c.stash_bytes += c.hdr.len;
+        c.stash.push_back({c.hdr, {}});
+      }
+    }
+    if (c.body_got < c.hdr.len) {
+      char* dst = nullptr;
+      size_t room = c.hdr.len - c.body_got;
+      if (c.target_op != -1) {
+        dst = c.body + c.body_got;
+      } else {
+        std::vector<char>& data = c.stash.back().data;
+        if (data.size() == c.body_got) {
+          data.resize(std::min<size_t>(c.hdr.len, std::max<size_t>(2 * data.size(), 64 << 10)));
+        }
+        dst = data.data() + c.body_got;
+        room = data.size() - c.body_got;
+      }
+      if (!read_some(dst, room)) return;
+      if (c.body_got < c.hdr.len) continue;
+    }
+    // Frame complete.
+    c.hdr_got = 0;
+    const int op = c.target_op;
+    c.target_op = -1;
+    if (op == kNotice) {
+      fail_peer(peer, "left the group after its own error: " +
+                          std::string(c.notice.begin(), c.notice.end()), ctx);
+    }
+    if (op >= 0) {
+      route.delivered(op);
+    } else {
+      route.stashed();
+    }
+  }
+}
+
+
 void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recvs,
                        const OpCtx& ctx, const std::function<void()>& health) {
   std::vector<SendState> ss(sends.size());
@@ -54,17 +139,26 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
   // A complete stashed message satisfies the oldest matching receive.
   auto match_stash = [&](int peer) {
     Conn& c = *conns_[peer];
-    for (auto it = c.stash.begin(); it != c.stash.end();) {
+    // The last entry may still be arriving (a frame started in an earlier exchange).
+    size_t complete = c.stash.size() - (stash_in_flight(c) ? 1 : 0);
+    for (size_t k = 0; k < complete;) {
+      const Stashed& m = c.stash[k];
       bool used = false;
       for (size_t i = 0; i < recvs.size() && !used; ++i) {
         const Op& r = recvs[i];
-        if (rdone[i] || rtargeted[i] || r.peer != peer || r.tag != it->hdr.tag) continue;
-        check_match(peer, r, it->hdr);
-        if (r.len) std::memcpy(r.data, it->data.data(), r.len);
+        if (rdone[i] || rtargeted[i] || r.peer != peer || r.tag != m.hdr.tag) continue;
+        check_match(peer, r, m.hdr);
+        if (r.len) std::memcpy(r.data, m.data.data(), r.len);
         finish_recv(i);
         used = true;
       }
-      it = used ? c.stash.erase(it) : std::next(it);
+      if (!used) {
+        ++k;
+        continue;
+      }
+      c.stash_bytes -= m.hdr.len;
+      c.stash.erase(c.stash.begin() + static_cast<std::ptrdiff_t>(k));
+      --complete;
     }
   };
   for (const Op& r : recvs) match_stash(r.peer);
@@ -76,72 +170,42 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
     return false;
   };
 
-  // Reads what is available from `peer`; returns false when the socket has nothing more.
-  auto pump_in = [&](int peer, int fd) {
-    Conn& c = *conns_[peer];
-    while (wants_from(peer)) {
-      if (c.hdr_got < sizeof(c.hdr)) {
-        char* h = reinterpret_cast<char*>(&c.hdr);
-        ssize_t r = ::recv(fd, h + c.hdr_got, sizeof(c.hdr) - c.hdr_got, 0);
-        if (r == 0) fail_peer(peer, kClosed, ctx);
-        if (r < 0) {
-          if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
-          fail_peer(peer, std::string("connection error: ") + std::strerror(errno), ctx);
-        }
-        c.hdr_got += static_cast<size_t>(r);
-        if (c.hdr_got < sizeof(c.hdr)) continue;
-        c.body_got = 0;
-        c.target_op = -1;
-        if (c.hdr.tag == kFailureTag) {  // Note [Failure notices]
-          c.target_op = kNotice;
-          c.notice.assign(std::min<uint64_t>(c.hdr.len, kMaxNotice), 0);
-          c.hdr.len = c.notice.size();
-          c.body = c.notice.data();
-        }
-        bool awaits_collective = false;
-        for (size_t i = 0; i < recvs.size() && c.target_op == -1; ++i) {
-          if (rdone[i] || rtargeted[i] || recvs[i].peer != peer) continue;
-          awaits_collective |= is_collective(recvs[i].tag);
-          if (recvs[i].tag != c.hdr.tag) continue;
-          check_match(peer, recvs[i], c.hdr);
-          c.target_op = static_cast<int>(i);
-          rtargeted[i] = 1;
-          c.body = recvs[i].data;
-        }
-        // Note [Mismatches across hosts]: the next collective message is the awaited one.
-        if (c.target_op == -1 && awaits_collective && is_collective(c.hdr.tag)) {
-          fail_mismatch(peer, c.hdr, ctx);
-        }
-        if (c.target_op == -1) {
-          c.stash.push_back({c.hdr, std::vector<char>(c.hdr.len)});
-          c.body = c.stash.back().data.data();
-        }
+  // Where exchange() sends the frames of one peer.
+  struct Route {
+    int peer;
+    const std::vector<Op>& recvs;
+    std::vector<uint8_t>& rdone;
+    std::vector<uint8_t>& rtargeted;
+    const decltype(wants_from)& wants_peer;
+    const decltype(check_match)& check;
+    const decltype(finish_recv)& finish;
+    const decltype(match_stash)& rematch;
+    const OpCtx& ctx;
+    TcpMesh& mesh;
+    bool wants() { return wants_peer(peer); }
+    char* target(const Header& h, int& op) {
+      bool awaits_collective = false;
+      for (size_t i = 0; i < recvs.size(); ++i) {
+        if (rdone[i] || rtargeted[i] || recvs[i].peer != peer) continue;
+        awaits_collective |= is_collective(recvs[i].tag);
+        if (recvs[i].tag != h.tag) continue;
+        check(peer, recvs[i], h);
+        op = static_cast<int>(i);
+        rtargeted[i] = 1;
+        return recvs[i].data;
       }
-      if (c.body_got < c.hdr.len) {
-        ssize_t r = ::recv(fd, c.body + c.body_got, c.hdr.len - c.body_got, 0);
-        if (r == 0) fail_peer(peer, kClosed, ctx);
-        if (r < 0) {
-          if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
-          fail_peer(peer, std::string("connection error: ") + std::strerror(errno), ctx);
-        }
-        c.body_got += static_cast<size_t>(r);
-        if (c.body_got < c.hdr.len) continue;
-      }
-      // Message complete.
-      c.hdr_got = 0;
-      if (c.target_op == kNotice) {
-        fail_peer(peer, "left the group after its own error: " +
-                            std::string(c.notice.begin(), c.notice.end()), ctx);
-      }
-      if (c.target_op >= 0) {
-        finish_recv(static_cast<size_t>(c.target_op));
-      } else {
-        // Stash entries only become visible to matching once complete: the in-flight one
-        // is the last entry, and it is complete now.
-        match_stash(peer);
-      }
-      c.target_op = -1;
+      // Note [Mismatches across hosts]: the next collective message is the awaited one.
+      if (awaits_collective && is_collective(h.tag)) mesh.fail_mismatch(peer, h, ctx);
+      op = -1;
+      return nullptr;
     }
+    void delivered(int op) { finish(static_cast<size_t>(op)); }
+    void stashed() { rematch(peer); }
+  };
+  auto pump_in = [&](int peer, int fd) {
+    Route route{peer, recvs, rdone, rtargeted, wants_from, check_match, finish_recv,
+                match_stash, ctx, *this};
+    read_frames(peer, fd, route, ctx);
   };
 
   auto pump_out = [&](size_t i) {
@@ -249,7 +313,7 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
       char secs[32];
       snprintf(secs, sizeof(secs), "%.1f", ctx.deadline.seconds);
       throw CommError("smddp: " + ctx.describe() + " on group '" + group_name_ +
-                      "' timed out after " + secs + " s waiting for ranks " +
+                      "' timed out after " + secs + " s (the timeout of this group) waiting for ranks " +
                       format_ranks(missing) + " (over TCP)");
     }
     if (health) health();
@@ -265,6 +329,47 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
     int wait_ms = waiting_for_something ? 1 : std::min(100, ctx.deadline.remaining_ms() + 1);
     poll(fds.data(), fds.size(), wait_ms);
   }
+}
+
+}  // namespace smddp
+
+namespace smddp {
+
+bool TcpMesh::take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& ctx) {
+  int fd = in_fd(peer);
+  if (fd < 0) return false;
+  Conn& c = *conns_[peer];
+  auto find = [&]() -> int {
+    size_t complete = c.stash.size() - (stash_in_flight(c) ? 1 : 0);
+    for (size_t k = 0; k < complete; ++k) {
+      if (c.stash[k].hdr.tag == tag) return static_cast<int>(k);
+    }
+    return -1;
+  };
+  // Reads until a message with the tag is complete or the socket has nothing more.
+  struct Stashing {
+    const decltype(find)& found;
+    bool wants() { return found() < 0; }
+    char* target(const Header&, int& op) {
+      op = -1;
+      return nullptr;
+    }
+    void delivered(int) {}
+    void stashed() {}
+  } route{find};
+  read_frames(peer, fd, route, ctx);
+  int k = find();
+  if (k < 0) return false;
+  const Stashed& m = c.stash[static_cast<size_t>(k)];
+  if (m.hdr.len != len) {
+    fail_peer(peer, "sent " + std::to_string(m.hdr.len) + " bytes with tag " +
+                        std::to_string(tag) + " where this rank expects " + std::to_string(len) +
+                        " (send and recv must use tensors of the same size and dtype)", ctx);
+  }
+  if (len) std::memcpy(data, m.data.data(), len);
+  c.stash_bytes -= m.hdr.len;
+  c.stash.erase(c.stash.begin() + k);
+  return true;
 }
 
 }  // namespace smddp

@@ -26,6 +26,7 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -47,6 +48,10 @@ class SmddpWork : public c10d::Work {
   // The future's value is the list of output tensors (DDP and FSDP chain on it).
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override { return outputs_; }
+  // The rank a receive from any rank got its message from (-1: not such a receive, or not
+  // complete yet); set before the work completes.
+  int sourceRank() const override { return source_rank_.load(); }
+  void set_source_rank(int rank) { source_rank_.store(rank); }
   // Marks the work (and its future) completed, with an error if `error` is set.
   void complete(std::exception_ptr error);
 
@@ -54,6 +59,7 @@ class SmddpWork : public c10d::Work {
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::weak_ptr<Executor> exec_;
+  std::atomic<int> source_rank_{-1};
 };
 
 // A Work that completes when all of its parts complete (endCoalescing).

@@ -236,7 +236,8 @@ def _resources():
     import torch.distributed as dist
 
     def counts():
-        shm = [f for f in os.listdir("/dev/shm") if f.startswith("smddp_")]
+        # Segment names carry their creator's pid (other jobs on the machine have theirs).
+        shm = [f for f in os.listdir("/dev/shm") if f.startswith("smddp_") and f"_{os.getpid()}_" in f]
         return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task")), len(shm)
 
     def one_round():

@@ -121,6 +121,54 @@ def test_p2p_matches_payload_bit_for_bit(world_size, env, eager):
     assert results[0] == results[1] == 5 * len(checks.ALL_DTYPES) + 1 + 5
 
 
+def _any_source_and_coalesced():
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sources = {}
+    # Every other rank sends rank 0 one message with tag 11, then one with tag 12; rank 0
+    # takes the tag-12 ones first (the tag-11 ones are in the way), from whoever has one.
+    if rank == 0:
+        for tag in (12, 11):
+            got = []
+            for k in range(world - 1):
+                t = torch.empty(5)
+                if k % 2:
+                    src = dist.recv(t, tag=tag)
+                else:
+                    work = dist.irecv(t, tag=tag)
+                    work.wait()
+                    src = work._source_rank()
+                assert torch.equal(t, torch.full((5,), float(100 * src + tag))), (tag, src, t)
+                got.append(src)
+            sources[tag] = sorted(got)
+    else:
+        for tag in (11, 12):
+            dist.send(torch.full((5,), float(100 * rank + tag)), 0, tag=tag)
+    # c10d's all_gather_coalesced: outputs[r][i] is input i of rank r.
+    inputs = [torch.full((3,), float(rank)), torch.arange(4.0).reshape(2, 2) + 10 * rank]
+    outputs = [[torch.empty(3), torch.empty(2, 2)] for _ in range(world)]
+    dist.all_gather_coalesced(outputs, inputs)
+    for r in range(world):
+        assert torch.equal(outputs[r][0], torch.full((3,), float(r)))
+        assert torch.equal(outputs[r][1], torch.arange(4.0).reshape(2, 2) + 10 * r)
+    dist.barrier()
+    return sources
+
+
+@pytest.mark.parametrize(
+    "world_size, env",
+    [(3, {}), (3, {"SMDDP_P2P_BYTES": "0"}), (4, {"SMDDP_FORCE_LOCAL_SIZE": "2"})],
+    ids=["shm", "tcp", "forced-hosts"],
+)
+def test_recv_from_any_rank_and_all_gather_coalesced(world_size, env):
+    results = run_distributed(_any_source_and_coalesced, world_size=world_size, backend="smddp",
+                              env=env, timeout=300)
+    others = list(range(1, world_size))
+    assert results[0] == {11: others, 12: others}
+
+
 def _p2p_faults():
     from datetime import timedelta
 

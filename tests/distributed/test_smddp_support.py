@@ -210,12 +210,13 @@ def check_byte_collectives(sizes=(0, 1, 3, 17, 1031, 70001)) -> int:
     return checked
 
 
-def check_rooted(sizes=(1, 1031), dtypes=(torch.float32, torch.bfloat16, torch.int32)) -> int:
+def check_rooted(sizes=(0, 1, 1031), dtypes=(torch.float32, torch.bfloat16, torch.int32)) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     hosts = host_layout()
     checked = 0
     for dtype in dtypes:
-        for n in sizes:
+        # 70001 float32 elements pass the one-shot threshold: chunked reduce, several steps.
+        for n in sizes + ((70001,) if dtype == torch.float32 else ()):
             for op in ("SUM", "MAX", "PRODUCT"):
                 salt = _salt("rooted", str(dtype), op)
                 inputs = [make_input(r, n, dtype, salt, op) for r in range(world)]
@@ -224,6 +225,8 @@ def check_rooted(sizes=(1, 1031), dtypes=(torch.float32, torch.bfloat16, torch.i
                     dist.reduce(t, root, op=redop(op))
                     if rank == root:
                         assert same(t, reference_reduce(inputs, op, hosts)), f"reduce {dtype} {op} n={n}"
+                    else:  # only read
+                        assert torch.equal(t, inputs[rank]), f"reduce wrote a non-root tensor {dtype} {op}"
                     checked += 1
             inputs = [make_input(r, n, dtype, _salt("rooted", str(dtype))) for r in range(world)]
             for root in range(world):

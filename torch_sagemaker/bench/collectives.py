@@ -6,11 +6,13 @@
 
 For every operation and size S (8 B .. 256 MiB by default, float32 data) each backend runs
 warm-up iterations, then timed iterations; the reported time is the median over iterations
-of the slowest rank (with ``--repeat N``, the median of N whole sweeps' medians). As in nccl-tests, S is the buffer size for all_reduce and broadcast,
-the *total* (gathered / scattered) size for all_gather_into_tensor and reduce_scatter_tensor,
+of the slowest rank (with ``--repeat N``, the median of N whole sweeps' medians). As in nccl-tests, S is the buffer size for all_reduce, broadcast and reduce,
+the *total* (gathered / scattered) size for all_gather_into_tensor, reduce_scatter_tensor,
+gather and scatter,
 and the per-rank send size for all_to_all and sendrecv (every rank sends S to the next rank and
 receives S from the previous one with batch_isend_irecv); algbw = S / time and busbw = algbw x
-factor (all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast and sendrecv 1,
+factor (all_reduce 2(n-1)/n, all_gather, reduce_scatter, gather and scatter (n-1)/n,
+broadcast, reduce and sendrecv 1,
 all_to_all (n-1)/n).
 The first iteration of every case is checked for correct values.
 
@@ -42,8 +44,11 @@ import torch.multiprocessing as mp
 
 from torch_sagemaker.bench import comma_list
 
-OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all",
-       "sendrecv")
+DEFAULT_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+               "all_to_all", "sendrecv")
+# Rooted collectives (root 0), on request: compare reduce with all_reduce, gather with
+# all_gather_into_tensor and scatter with broadcast at the same S to see what rootedness saves.
+OPS = DEFAULT_OPS + ("reduce", "gather", "scatter")
 # Peers that are not torch.distributed backends: name -> the ops they can run.
 PEER_OPS = {"deepspeed": ("all_reduce",), "smddp-direct": ("all_reduce",)}
 
@@ -58,6 +63,12 @@ PASSES = {
                               "only its own block (true reduce-scatter)"),
     "broadcast": (lambda n: 1.0, "root reads S, others write S"),
     "all_to_all": (lambda n: 2.0, "read S + write S"),
+    "reduce": (lambda n: 2.0, "every rank reads S, the root writes S; reduce-scatter of "
+               "each chunk, then only the root gathers the reduced slices"),
+    "gather": (lambda n: 1 / n + 1, "read S/n + write S on the root; only the root reads the "
+               "others' chunks"),
+    "scatter": (lambda n: 1 + 1 / n, "the root reads S, every rank writes S/n; each rank reads "
+                "only its own chunk from the root's buffer"),
     "sendrecv": (lambda n: 2.0, "read S + write S; through the pair's shared-memory ring in "
                  "64 KiB pieces while cache-resident (small messages: written by the caller)"),
 }
@@ -66,7 +77,7 @@ PASSES = {
 def _busbw_factor(op: str, n: int) -> float:
     if op == "all_reduce":
         return 2 * (n - 1) / n
-    return 1.0 if op in ("broadcast", "sendrecv") else (n - 1) / n
+    return 1.0 if op in ("broadcast", "sendrecv", "reduce") else (n - 1) / n
 
 
 def parse_size(text: str) -> int:
@@ -137,6 +148,43 @@ def _case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=None):
             t.fill_(float(rank + 1))
             run()
             return bool((t[:: max(1, count // 97)] == 1).all())
+
+        return run, check, count * 4
+    if op == "reduce":
+        t = torch.full((count,), float(rank + 1))
+
+        def run():
+            dist.reduce(t, group_dst=0, group=group)
+
+        def check():
+            t.fill_(float(rank + 1))
+            run()
+            # Only the root's tensor is defined afterwards (gloo uses the others' as scratch).
+            return rank != 0 or bool((t[:: max(1, count // 97)] == world * (world + 1) / 2).all())
+
+        return run, check, count * 4
+    if op == "gather":
+        inp = torch.full((count // world,), float(rank + 1))
+        outs = [torch.empty(count // world) for _ in range(world)] if rank == 0 else None
+
+        def run():
+            dist.gather(inp, outs, group_dst=0, group=group)
+
+        def check():
+            run()
+            return rank != 0 or all(outs[r][0].item() == r + 1 for r in range(world))
+
+        return run, check, count * 4
+    if op == "scatter":
+        ins = [torch.full((count // world,), float(r + 1)) for r in range(world)] if rank == 0 else None
+        out = torch.empty(count // world)
+
+        def run():
+            dist.scatter(out, ins, group_src=0, group=group)
+
+        def check():
+            run()
+            return bool((out == rank + 1).all())
 
         return run, check, count * 4
     if op == "sendrecv":
@@ -389,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m torch_sagemaker.bench collectives",
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nprocs", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
-    p.add_argument("--ops", type=comma_list(OPS), default=",".join(OPS))
+    p.add_argument("--ops", type=comma_list(OPS), default=",".join(DEFAULT_OPS),
+                   help=f"any of {','.join(OPS)} (default: {','.join(DEFAULT_OPS)})")
     p.add_argument("--backends", type=comma_list(), default="smddp,gloo",
                    help="first one is the default group's; add smddp-direct (all_reduce_direct) "
                         "or deepspeed (DeepSpeed's CPU shared-memory all_reduce)")

@@ -8,20 +8,10 @@ for CPU tensors, and wraps the few introspection entry points. Importing
 
 Ranks on one host communicate through POSIX shared memory; hosts talk over an
 authenticated TCP full mesh, with hierarchical collectives (see docs/collectives.md).
-Settings, read by the backend from the environment of each rank when a group is created:
-
-- ``SMDDP_FORCE_LOCAL_SIZE=k``: treat blocks of ``k`` consecutive global ranks as separate
-  hosts (runs and tests the inter-host path on one machine).
-- ``SMDDP_BUFFER_BYTES`` (default 1 MiB): size of each of the two shared-memory buffers
-  per rank and group.
-- ``SMDDP_CHUNK_BYTES`` (default 256 KiB, 1 MiB when ranks outnumber cores): bytes per
-  rank per pipelined step.
-- ``SMDDP_ONESHOT_BYTES`` (default 256 KiB): all_reduce up to this size uses the
-  one-shot algorithm.
-- ``SMDDP_SPIN_US`` / ``SMDDP_WORKER_SPIN_US`` (default 200 / 20): busy-wait budget before
-  sleeping, for synchronous calls / for the async worker thread.
-- ``SMDDP_SOCKET_ADDR``: address other hosts reach this one at (default: first non-loopback
-  IPv4 address).
+Settings (buffer sizes, spin budgets, the socket address, ...) come from a group's
+``pg_options`` (:class:`torch_sagemaker.distributed.options.SMDDPOptions`), else from the
+``SMDDP_*`` environment variables of the rank, else from their defaults; the table in
+docs/collectives.md lists them all.
 """
 
 from __future__ import annotations
@@ -125,3 +115,19 @@ def group_layout(group: dist.ProcessGroup | None = None) -> dict:
         ValueError: If the group's CPU backend is not smddp.
     """
     return _smddp_backend(group)._layout()
+
+
+def group_settings(group: dist.ProcessGroup | None = None) -> dict[str, str]:
+    """The settings ``group``'s smddp backend resolved at creation (options over environment).
+
+    Args:
+        group: A process group whose CPU backend is smddp (default: the default group).
+
+    Returns:
+        ``{field: value}`` for every setting of the table in docs/collectives.md, as text
+        ("auto" and "" where the backend decides or nothing is set).
+
+    Raises:
+        ValueError: If the group's CPU backend is not smddp.
+    """
+    return _smddp_backend(group)._settings()

@@ -1,0 +1,457 @@
+"""smddp against hostile or broken input: sizes that overflow, idle and forged TCP
+connections, oversized frames, a store reader after set-up, ranks killed during set-up.
+Each test here failed before the change it guards (crash, hang, leak or silent success)."""
+
+import hmac
+import os
+import signal
+import socket
+import struct
+import time
+
+import pytest
+
+from tests.distributed.launcher import run_distributed
+from torch_sagemaker.distributed import backend
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(not backend.is_available(), reason="smddp extension not built"),
+]
+
+
+def _cpu(group=None):
+    import torch
+    import torch.distributed as dist
+
+    return (group or dist.group.WORLD)._get_backend(torch.device("cpu"))
+
+
+# --- sizes from user input are overflow-checked -------------------------------------------
+
+def _overflowing_sizes():
+    import torch
+    import torch.distributed as dist
+
+    out = {}
+    big = 2**63 - 1
+    # Rank r sends row r and receives column r of a symmetric matrix, so every rank agrees
+    # with every other; each row sums to 2 * (2^63 - 1) + 5, which wraps to 3 in int64, the
+    # row count. Before sizes were checked, every rank then copied ~2^64 bytes (SIGSEGV).
+    splits = [[big, big, 5], [big, 5, big], [5, big, big]][dist.get_rank()]
+    try:
+        dist.all_to_all_single(torch.empty(3), torch.ones(3), splits, splits)
+    except ValueError as e:
+        out["splits"] = str(e)
+    try:
+        _cpu().allocate_tensor(2**61 + 1, dtype=torch.float64, device=torch.device("cpu"))
+    except ValueError as e:
+        out["allocate"] = str(e)
+    t = torch.ones(2)
+    dist.all_reduce(t)  # the group is still usable
+    out["after"] = t.tolist()
+    return out
+
+
+def test_split_sizes_and_allocations_that_overflow_raise_on_every_rank():
+    for r in run_distributed(_overflowing_sizes, world_size=3, backend="smddp"):
+        assert "add up to more than the 3 rows" in r.get("splits", ""), r
+        assert "2^63 bytes" in r.get("allocate", "") and "2305843009213693953" in r["allocate"], r
+        assert r["after"] == [3.0, 3.0]
+
+
+def _huge_buffer_setting():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 2, rank == 0,
+                          timeout=timedelta(seconds=60))
+    try:
+        dist.init_process_group("smddp", store=store, rank=rank, world_size=2)
+        message = "created"
+    except ValueError as e:
+        message = str(e)
+    # Rank 0's store must serve rank 1 until rank 1 has made its last call.
+    store.add("done", 1)
+    while store.add("done", 0) < 2:
+        time.sleep(0.01)
+    if rank == 1:
+        store.set("bye", "1")
+    else:
+        store.wait(["bye"])
+    return message
+
+
+def test_a_buffer_size_that_overflows_the_segment_size_is_refused():
+    # 2^63 - 1 bytes rounds up to 2^63: twice that wrapped to 0 and the data buffers then
+    # pointed past the end of a 4 KiB mapping.
+    for message in run_distributed(_huge_buffer_setting, world_size=2, backend="smddp",
+                                   init_process_group=False,
+                                   env={"SMDDP_BUFFER_BYTES": str(2**63 - 1)}):
+        # Refused by the settings' range check now; the segment size is overflow-checked too.
+        assert "SMDDP_BUFFER_BYTES" in message and "between 4K and 1G" in message, message
+
+
+# --- the TCP mesh: where it listens, idle and repeated connections ------------------------
+
+def _listeners():
+    import torch.distributed as dist
+
+    g = dist.new_group([0, 1])
+    return _cpu()._listen_port(), _cpu(g)._listen_port()
+
+
+def test_single_host_groups_do_not_listen():
+    for world, group in run_distributed(_listeners, world_size=2, backend="smddp"):
+        assert world == 0 and group == 0
+
+
+def _listening_addresses(port):
+    """Local addresses (hex ip) of this process's listening IPv4 sockets on ``port``."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = []
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            ip, p = fields[1].split(":")
+            if fields[3] == "0A" and int(p, 16) == port and fields[9] in inodes:
+                found.append(ip)
+    return found
+
+
+def _idle_connections_then_collective():
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    g = dist.new_group([0, 1])
+    pg = _cpu(g)
+    mine = (pg._listen_address(), pg._listen_port())
+    addresses = _listening_addresses(mine[1])
+    infos = [None, None]
+    dist.all_gather_object(infos, mine)
+    # Two connections that never say a word, opened before the first message on g.
+    idle = [socket.create_connection(infos[1 - rank], timeout=10) for _ in range(2)]
+    dist.barrier()
+    start = time.monotonic()
+    t = torch.ones(4) * (rank + 1)
+    dist.all_reduce(t, group=g)
+    elapsed = time.monotonic() - start
+    dist.barrier()
+    for s in idle:
+        s.close()
+    return mine, addresses, t.tolist(), elapsed
+
+
+def test_idle_connections_do_not_delay_a_rank_and_listeners_bind_one_address():
+    # Before: handshakes ran one at a time, 5 s each, so the real rank's handshake timed out.
+    results = run_distributed(_idle_connections_then_collective, world_size=2, backend="smddp",
+                              env={"SMDDP_FORCE_LOCAL_SIZE": "1"}, fresh=True, pg_timeout=60)
+    for (address, port), bound, values, elapsed in results:
+        assert port > 0 and address not in ("", "0.0.0.0"), address
+        assert bound and "00000000" not in bound, bound  # not INADDR_ANY
+        assert values == [3.0] * 4
+        assert elapsed < 20, elapsed
+
+
+# --- the secret, frames and connection replacement (Note [TCP trust model]) ---------------
+
+_HEADER = struct.Struct("<QQQQ32s16s16sqq")  # TcpMesh::Header: tag, len, check, expect, call
+
+
+class _RecordingStore:
+    """Made at runtime (dist.Store is only importable once torch is): a store that forwards to
+    a TCPStore and remembers every key it set or read, as a reader of the store could."""
+
+    @staticmethod
+    def create(host, port, world_size, is_master, block_on=None):
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        class Recording(dist.Store):
+            def __init__(self):
+                super().__init__()
+                self.inner = dist.TCPStore(host, port, world_size, is_master,
+                                           timeout=timedelta(seconds=60))
+                self.seen = {}
+
+            def set(self, key, value):
+                self.inner.set(key, value)
+                self.seen[key] = bytes(value) if not isinstance(value, str) else value.encode()
+                if block_on and key.endswith(block_on[0]):
+                    block_on[1]()
+
+            def get(self, key):
+                value = self.inner.get(key)
+                self.seen[key] = bytes(value)
+                return value
+
+            def add(self, key, n):
+                return self.inner.add(key, n)
+
+            def check(self, keys):
+                return self.inner.check(keys)
+
+            def wait(self, keys, *args):
+                return self.inner.wait(keys, *args)
+
+            def delete_key(self, key):
+                return self.inner.delete_key(key)
+
+            deleteKey = delete_key  # noqa: N815  (the name torch's Python-store binding calls)
+
+            def compare_set(self, key, expected, desired):
+                return self.inner.compare_set(key, expected, desired)
+
+            def num_keys(self):
+                return self.inner.num_keys()
+
+            def set_timeout(self, timeout):
+                return self.inner.set_timeout(timeout)
+
+        return Recording()
+
+
+def _secret_of(store, group_name):
+    for key, value in store.seen.items():
+        if key.endswith("smddp/keys") and f"/{group_name}/" in f"/{key}":
+            return value.decode().split(":")[1]
+    raise AssertionError(f"no secret seen for group {group_name}: {list(store.seen)}")
+
+
+def _authenticate(address, secret, claim, target):
+    """Connects to a listener as rank ``claim`` of the group; returns the socket and the
+    listener's answer (1: accepted)."""
+    s = socket.create_connection(address, timeout=10)
+    hello = b""
+    while len(hello) < 40:
+        hello += s.recv(40 - len(hello))
+    message = b"smddp-tcp-hello/" + hello[8:] + f"/{claim}->{target}".encode()
+    mac = hmac.new(secret.encode(), message, "sha256").digest()
+    s.sendall(struct.pack("<i", claim) + mac)
+    return s, s.recv(1)
+
+
+def _rss_bytes():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _frames_and_replacement():
+    """World of 3 ranks on forced hosts of one rank each. Rank 2 holds every group's secret
+    (read from the store as any reader could) and speaks the mesh protocol to rank 1."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    store = _RecordingStore.create("127.0.0.1", int(os.environ["MASTER_PORT"]), 3, rank == 0)
+    dist.init_process_group("smddp", store=store, rank=rank, world_size=3,
+                            timeout=timedelta(seconds=60))
+    out = {}
+
+    def group_and_addresses():
+        g = dist.new_group([0, 1, 2])
+        pg = _cpu(g)
+        infos = [None] * 3
+        dist.all_gather_object(infos, (pg._listen_address(), pg._listen_port()))
+        return g, pg, infos
+
+    # 1. Frames whose length does not fit what the receiver expects, one group per case.
+    cases = [
+        ("stash_too_big", 77, 1 << 40, b""),                # nobody waits for tag 77
+        ("stash_grows_as_bytes_arrive", 77, 64 << 20, b""),  # 112-byte header, then silence
+        ("posted_wrong_length", 5, 1 << 40, b""),           # tag 5 is posted with 16 bytes
+    ]
+    for name, tag, length, body in cases:
+        g, _, infos = group_and_addresses()
+        if rank == 2:
+            s, status = _authenticate(infos[1], _secret_of(store, g.group_name), 2, 1)
+            s.sendall(_HEADER.pack(tag, length, 0, 2**64 - 1, b"send", b"", b"", 0, -1) + body)
+            dist.barrier()
+            time.sleep(1)  # rank 1 reads the header, then the connection ends
+            s.close()
+            dist.barrier()
+            out[name] = status
+        elif rank == 1:
+            before = _rss_bytes()
+            dist.barrier()
+            try:
+                dist.recv(torch.empty(4), src=2, group=g, tag=5)  # times out or fails
+                out[name] = ("no error", 0)
+            except Exception as e:  # MemoryError before frame lengths were checked
+                out[name] = (f"{type(e).__name__}: {e}", _rss_bytes() - before)
+            dist.barrier()
+        else:
+            dist.barrier()
+            dist.barrier()
+
+    # 2. A second connection claiming a rank that is connected does not replace it.
+    g, pg, infos = group_and_addresses()
+    t = torch.ones(3)
+    dist.all_reduce(t, group=g)  # every mesh connection of g exists now
+    if rank == 0:
+        s, status = _authenticate(infos[1], _secret_of(store, g.group_name), 2, 1)
+        out["replacement_status"] = status
+        s.close()
+    dist.barrier()
+    t = torch.ones(3) * (rank + 1)
+    dist.all_reduce(t, group=g)
+    out["after_replacement"] = t.tolist()
+    out["rejected"] = pg._rejected_connections()
+
+    # 3. Each group's secret left the store once every rank had read it.
+    keys = [k for k in store.seen if k.endswith("smddp/keys")]
+    out["keys_seen"] = len(keys)
+    out["keys_left"] = sum(store.inner.check([k]) for k in keys)
+    dist.barrier()  # rank 0's store serves everyone until here
+    return out
+
+
+def test_store_secret_frames_and_connection_replacement():
+    results = run_distributed(_frames_and_replacement, world_size=3, backend="smddp",
+                              init_process_group=False, timeout=240,
+                              env={"SMDDP_FORCE_LOCAL_SIZE": "1"})
+    for r in results:
+        assert r["keys_seen"] >= 5 and r["keys_left"] == 0, r
+        assert r["after_replacement"] == [6.0] * 3, r
+    victim = results[1]
+    message, grown = victim["stash_too_big"]
+    assert "1099511627776 bytes (tag 77)" in message and "at most" in message, message
+    message, grown = victim["stash_grows_as_bytes_arrive"]
+    assert "closed its connection" in message, message
+    assert grown < 16 << 20, grown  # the 64 MiB it claimed were never allocated
+    message, grown = victim["posted_wrong_length"]
+    assert "sent 1099511627776 bytes where this rank expects 16" in message, message
+    assert results[0]["replacement_status"] == b"\x00"
+    assert victim["rejected"] >= 1
+
+
+# --- /dev/shm segments of ranks killed during set-up ---------------------------------------
+
+def _member(rank, store_port, block, report):
+    """A rank that creates the default group over a store; with ``block``, it stops for good
+    right after publishing its segment (killed there by the test). Reports go through a pipe
+    of its own: a killed rank must not hold a lock that others need to report."""
+    import traceback
+    from datetime import timedelta
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
+    import torch.distributed as dist
+
+    import torch_sagemaker  # noqa: F401
+
+    def nonce_of(store):
+        nonce = [v.decode().split(":")[0] for k, v in store.seen.items() if k.endswith("smddp/keys")]
+        return nonce[0] if nonce else ""
+
+    def stop_here():
+        report.send(("blocked", nonce_of(store)))
+        time.sleep(3600)
+
+    store = _RecordingStore.create("127.0.0.1", store_port, 2, False,
+                                   block_on=(f"smddp/shm/{rank}", stop_here) if block else None)
+    start = time.monotonic()
+    try:
+        dist.init_process_group("smddp", store=store, rank=rank, world_size=2,
+                                timeout=timedelta(seconds=40))
+        report.send(("created", ""))
+    except Exception:
+        report.send(("error", f"{traceback.format_exc()} [after {time.monotonic() - start:.1f} s]"))
+    report.send(("nonce", nonce_of(store)))
+
+
+def _segments_with(nonce):
+    return [f for f in os.listdir("/dev/shm") if f.startswith("smddp_") and nonce in f]
+
+
+def _start_members(blocked, kill_with):
+    """Starts 2 ranks; ``blocked`` ones stop inside set-up and are killed with ``kill_with``
+    once every blocked rank is there. Returns what the ranks reported: {kind: {rank: value}}."""
+    import multiprocessing as mp
+    from datetime import timedelta
+    from multiprocessing.connection import wait
+
+    import torch.distributed as dist
+
+    ctx = mp.get_context("spawn")
+    server = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=timedelta(seconds=60),
+                           wait_for_workers=False)
+    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
+    procs = [ctx.Process(target=_member, args=(r, server.port, r in blocked, pipes[r][1]),
+                         daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+
+    def receive(timeout):
+        for conn in wait([pipes[0][0], pipes[1][0]], timeout=timeout):
+            try:
+                kind, value = conn.recv()
+            except EOFError:
+                continue
+            got.setdefault(kind, {})[0 if conn is pipes[0][0] else 1] = value
+
+    deadline = time.monotonic() + 240
+    while set(got.get("blocked", {})) != set(blocked) and time.monotonic() < deadline:
+        receive(5)
+    assert set(got.get("blocked", {})) == set(blocked), got
+    for r in blocked:
+        os.kill(procs[r].pid, kill_with)
+    deadline = time.monotonic() + 120
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        receive(1)
+    receive(0)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+    del server
+    return got
+
+
+def test_a_rank_killed_during_set_up_is_cleaned_up_by_its_peer():
+    got = _start_members(blocked={1}, kill_with=signal.SIGKILL)
+    error = got["error"][0]
+    assert "rank 1" in error and "exited during set-up" in error, error
+    assert float(error.rsplit("[after ", 1)[1].split(" s]")[0]) < 30, error
+    nonce = got["nonce"][0]
+    assert nonce and _segments_with(nonce) == [], _segments_with(nonce)
+
+
+def _one_rank_group():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_segments_of_a_job_killed_during_set_up_are_removed_by_the_next_job():
+    got = _start_members(blocked={0, 1}, kill_with=signal.SIGKILL)
+    nonce = got["blocked"][0]
+    leftover = _segments_with(nonce)
+    assert nonce and len(leftover) == 2, leftover  # nobody was left to remove them
+    assert run_distributed(_one_rank_group, world_size=1, backend="smddp", fresh=True) == [1.0]
+    assert _segments_with(nonce) == []
+
+
+def test_sigterm_during_set_up_removes_the_segment():
+    got = _start_members(blocked={0, 1}, kill_with=signal.SIGTERM)
+    nonce = got["blocked"][0]
+    assert nonce and _segments_with(nonce) == [], _segments_with(nonce)
