@@ -44,6 +44,7 @@ class EditableWheelWithPth(editable_wheel):
 
     def _select_strategy(self, name, tag, build_lib):
         strategy = super()._select_strategy(name, tag, build_lib)
+
         class _WithPth:
             def __enter__(self):
                 strategy.__enter__()
@@ -67,7 +68,9 @@ setup(
     version=_version(),
     description="Open re-implementation of SageMaker model parallelism v2 and SMDDP on PyTorch",
     python_requires=">=3.10",
-    packages=find_packages(include=["torch_sagemaker", "torch_sagemaker.*", "smdistributed", "smdistributed.*"]),
+    packages=find_packages(
+        include=["torch_sagemaker", "torch_sagemaker.*", "smdistributed", "smdistributed.*"]
+    ),
     py_modules=["_torch_sagemaker_alias"],
     ext_modules=[
         CppExtension(

@@ -56,7 +56,9 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         if step % 10 == 0:
-            accelerator.print(f"[accelerate] step {step}: loss {loss.item():.4f} on backend {dist.get_backend()}")
+            accelerator.print(
+                f"[accelerate] step {step}: loss {loss.item():.4f} on backend {dist.get_backend()}"
+            )
         if step >= args.max_steps:
             break
     accelerator.end_training()

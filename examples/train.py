@@ -64,39 +64,64 @@ def main(argv: list[str] | None = None) -> dict:
     state = tsm.state
     torch.manual_seed(args.seed)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    rank0_print(f"[train] {args.model_type} on {state.world_size} ranks over {dist.get_backend()}: "
-                f"dp={state.dp_size} tp={state.tp_size} cp={state.cp_size} "
-                f"hybrid_shard_degree={state.hybrid_shard_degree}")
+    rank0_print(
+        f"[train] {args.model_type} on {state.world_size} ranks over {dist.get_backend()}: "
+        f"dp={state.dp_size} tp={state.tp_size} cp={state.cp_size} "
+        f"hybrid_shard_degree={state.hybrid_shard_degree}"
+    )
 
     # 2. Data: every rank of a TP x CP group reads the same batch (DistributedSampler over dp);
     #    with context parallelism each rank then keeps its part of every sequence.
-    train_set, val_set = data.build_datasets(args.dataset, args.max_context_width, args.corpus_mb,
-                                             args.data_path, num_synthetic=args.max_steps * args.train_batch_size * state.dp_size)
-    sampler = torch.utils.data.DistributedSampler(train_set, num_replicas=state.dp_size, rank=state.dp_rank,
-                                                  shuffle=True, seed=args.seed, drop_last=True)
-    loader = torch.utils.data.DataLoader(train_set, batch_size=args.train_batch_size, sampler=sampler, drop_last=True)
+    train_set, val_set = data.build_datasets(
+        args.dataset,
+        args.max_context_width,
+        args.corpus_mb,
+        args.data_path,
+        num_synthetic=args.max_steps * args.train_batch_size * state.dp_size,
+    )
+    sampler = torch.utils.data.DistributedSampler(
+        train_set,
+        num_replicas=state.dp_size,
+        rank=state.dp_rank,
+        shuffle=True,
+        seed=args.seed,
+        drop_last=True,
+    )
+    loader = torch.utils.data.DataLoader(
+        train_set, batch_size=args.train_batch_size, sampler=sampler, drop_last=True
+    )
     val_loader = None
     if val_set is not None and args.validation_freq:
-        val_sampler = torch.utils.data.DistributedSampler(val_set, num_replicas=state.dp_size, rank=state.dp_rank,
-                                                          shuffle=False, drop_last=True)
-        val_loader = torch.utils.data.DataLoader(val_set, batch_size=args.val_batch_size, sampler=val_sampler)
+        val_sampler = torch.utils.data.DistributedSampler(
+            val_set, num_replicas=state.dp_size, rank=state.dp_rank, shuffle=False, drop_last=True
+        )
+        val_loader = torch.utils.data.DataLoader(
+            val_set, batch_size=args.val_batch_size, sampler=val_sampler
+        )
 
     # 3. Model -> transform -> FSDP (+ delayed init) -> checkpointing -> offloading.
     config = build_config(args)
     with torch.device("meta") if args.delayed_param else contextlib.nullcontext():
         model = build_model(config)
     num_params = sum(p.numel() for p in model.parameters())  # before sharding (works on meta too)
-    model = tsm.transform(model, config=moe_config(args),  # MoEConfig with --moe 1
-                          cp_comm_type=args.cp_comm_type)
+    model = tsm.transform(
+        model,
+        config=moe_config(args),  # MoEConfig with --moe 1
+        cp_comm_type=args.cp_comm_type,
+    )
     model = apply_parallelism(model, args, dtype)
-    optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr,
-                                  betas=(args.beta1, args.beta2))
+    optimizer = torch.optim.AdamW(
+        param_groups(model, args.weight_decay), lr=args.lr, betas=(args.beta1, args.beta2)
+    )
     scheduler = warmup_cosine(optimizer, args.max_steps, args.warmup, args.lr, args.min_lr)
     train_state = checkpoints.TrainingState(model, optimizer, scheduler)  # step 0
     if args.resume_from_checkpoint:
         path = checkpoints.resume(train_state, args.checkpoint_dir, args.resume_from_checkpoint)
-        rank0_print(f"[train] resumed from {path} at step {train_state.step}" if path
-                    else "[train] no checkpoint to resume from; starting at step 0")
+        rank0_print(
+            f"[train] resumed from {path} at step {train_state.step}"
+            if path
+            else "[train] no checkpoint to resume from; starting at step 0"
+        )
 
     # 4. Train.
     writer = metrics.MetricsWriter(args.output_dir, enabled=dist.get_rank() == 0)
@@ -106,8 +131,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.progress and dist.get_rank() == 0:
         from tqdm import tqdm
 
-        progress = tqdm(total=args.max_steps, initial=train_state.step, desc="train", unit="step",
-                        dynamic_ncols=True, file=sys.stdout)
+        progress = tqdm(
+            total=args.max_steps,
+            initial=train_state.step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stdout,
+        )
     losses, step_times, start = [], [], time.perf_counter()
     last_step = min(args.max_steps, args.stop_at_step or args.max_steps)
     while train_state.step < last_step:
@@ -120,7 +151,9 @@ def main(argv: list[str] | None = None) -> dict:
                 break
             t0 = time.perf_counter()
             batch = data.batch_for_cp_rank(batch)  # whole sequences unless cp > 1
-            loss = model(input_ids=batch, attention_mask=None, labels=batch).loss  # bf16 via FSDP MP
+            loss = model(
+                input_ids=batch, attention_mask=None, labels=batch
+            ).loss  # bf16 via FSDP MP
             loss.backward()
             grad_norm = clip_grad_norm_(model, args.grad_clip)
             optimizer.step()
@@ -138,24 +171,39 @@ def main(argv: list[str] | None = None) -> dict:
                 progress.update(1)
                 progress.set_postfix(loss=f"{reduced:.3f}")
             if step % args.logging_freq == 0 or step == args.max_steps:
-                tflops = metrics.model_tflops_per_rank(config, global_batch, args.max_context_width, step_time,
-                                                       state.world_size)
-                row = {"train/loss": reduced, "perf/samples_per_s": global_batch / step_time,
-                       "perf/tokens_per_s": global_batch * args.max_context_width / step_time,
-                       "perf/model_tflops_per_rank": tflops, "lr": scheduler.get_last_lr()[0],
-                       "grad_norm": float(grad_norm), **metrics.memory_gb()}
+                tflops = metrics.model_tflops_per_rank(
+                    config, global_batch, args.max_context_width, step_time, state.world_size
+                )
+                row = {
+                    "train/loss": reduced,
+                    "perf/samples_per_s": global_batch / step_time,
+                    "perf/tokens_per_s": global_batch * args.max_context_width / step_time,
+                    "perf/model_tflops_per_rank": tflops,
+                    "lr": scheduler.get_last_lr()[0],
+                    "grad_norm": float(grad_norm),
+                    **metrics.memory_gb(),
+                }
                 writer.log(step, **row)
-                rank0_print(f"[train] step {step}: loss {reduced:.4f}, {row['perf/samples_per_s']:.1f} samples/s, "
-                            f"{row['perf/tokens_per_s']:.0f} tokens/s, {tflops:.4f} model TFLOPs/rank, "
-                            f"lr {row['lr']:.2e}, grad norm {row['grad_norm']:.3f}, "
-                            f"peak mem {row['cpu_peak_gb']:.2f} GB" + offload_note(model, args))
+                rank0_print(
+                    f"[train] step {step}: loss {reduced:.4f}, {row['perf/samples_per_s']:.1f} samples/s, "
+                    f"{row['perf/tokens_per_s']:.0f} tokens/s, {tflops:.4f} model TFLOPs/rank, "
+                    f"lr {row['lr']:.2e}, grad norm {row['grad_norm']:.3f}, "
+                    f"peak mem {row['cpu_peak_gb']:.2f} GB" + offload_note(model, args)
+                )
             if val_loader is not None and step % args.validation_freq == 0:
                 val = evaluate(model, val_loader, args.validation_batches)
                 writer.log(step, **{"val/loss": val, "val/perplexity": math.exp(val)})
-                rank0_print(f"[train] step {step}: validation loss {val:.4f}, perplexity {math.exp(val):.2f}")
+                rank0_print(
+                    f"[train] step {step}: validation loss {val:.4f}, perplexity {math.exp(val):.2f}"
+                )
             if args.checkpoint_dir and args.checkpoint_freq and step % args.checkpoint_freq == 0:
-                path = checkpoints.save(train_state, args.checkpoint_dir, args.model_type,
-                                        args.num_kept_checkpoints, args.checkpoint_type == "async_sharded")
+                path = checkpoints.save(
+                    train_state,
+                    args.checkpoint_dir,
+                    args.model_type,
+                    args.num_kept_checkpoints,
+                    args.checkpoint_type == "async_sharded",
+                )
                 rank0_print(f"[train] step {step}: checkpoint {path}")
     if progress is not None:
         progress.close()
@@ -168,16 +216,24 @@ def main(argv: list[str] | None = None) -> dict:
         save_hf_checkpoint(model, args.export_dir)
         rank0_print(f"[train] exported a Hugging Face model to {args.export_dir}")
     median_step = sorted(step_times)[len(step_times) // 2] if step_times else float("nan")
-    summary = {"title": f"{args.model_type}, {state.world_size} ranks, {dist.get_backend()}",
-               "steps": train_state.step, "first_loss": losses[0] if losses else None,
-               "last_loss": losses[-1] if losses else None, "losses": losses,
-               "median_step_s": median_step, "tokens_per_s": global_batch * args.max_context_width / median_step,
-               "minutes": (time.perf_counter() - start) / 60, "num_params": num_params}
+    summary = {
+        "title": f"{args.model_type}, {state.world_size} ranks, {dist.get_backend()}",
+        "steps": train_state.step,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "losses": losses,
+        "median_step_s": median_step,
+        "tokens_per_s": global_batch * args.max_context_width / median_step,
+        "minutes": (time.perf_counter() - start) / 60,
+        "num_params": num_params,
+    }
     plot = writer.close(summary)
     if losses:
-        rank0_print(f"[train] done: {len(losses)} steps in {summary['minutes']:.1f} min, loss "
-                    f"{losses[0]:.3f} -> {losses[-1]:.3f}, median step {median_step * 1e3:.0f} ms, "
-                    f"{summary['tokens_per_s']:.0f} tokens/s" + (f", plot {plot}" if plot else ""))
+        rank0_print(
+            f"[train] done: {len(losses)} steps in {summary['minutes']:.1f} min, loss "
+            f"{losses[0]:.3f} -> {losses[-1]:.3f}, median step {median_step * 1e3:.0f} ms, "
+            f"{summary['tokens_per_s']:.0f} tokens/s" + (f", plot {plot}" if plot else "")
+        )
     dist.destroy_process_group()
     return summary
 

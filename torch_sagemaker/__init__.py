@@ -21,5 +21,13 @@ _register_backend()
 _torch_compat.install()
 
 
-__all__ = ["ConfigError", "SMPConfig", "__version__", "init", "is_initialized", "offload_wrapper",
-           "state", "transform"]
+__all__ = [
+    "ConfigError",
+    "SMPConfig",
+    "__version__",
+    "init",
+    "is_initialized",
+    "offload_wrapper",
+    "state",
+    "transform",
+]

@@ -37,7 +37,9 @@ def _ensure_process_group() -> None:
         )
     backend = backend_lib.default_backend()
     dist.init_process_group(backend, timeout=timedelta(minutes=30))
-    log_rank0(f"tsm.init: created the default process group on backend {backend!r} from torchrun's environment")
+    log_rank0(
+        f"tsm.init: created the default process group on backend {backend!r} from torchrun's environment"
+    )
 
 
 def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> None:
@@ -64,8 +66,13 @@ def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> No
     # everything against the world size, reporting all problems together; 4. every rank must
     # have the same config (or the same problems), checked with one small collective.
     try:
-        cfg, error = config_lib.validate(config_lib.load_raw(config, overrides=state.overrides),
-                                         world_size=dist.get_world_size()), None
+        cfg, error = (
+            config_lib.validate(
+                config_lib.load_raw(config, overrides=state.overrides),
+                world_size=dist.get_world_size(),
+            ),
+            None,
+        )
     except config_lib.ConfigError as e:
         cfg, error = None, e
     _same_on_every_rank(cfg, error)
@@ -93,11 +100,15 @@ def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> No
     fsdp1_state_dict.install()
     log_rank0(f"tsm.init on backend {dist.get_backend()!r}:\n{layout.describe()}")
     if cfg.allow_empty_shards:
-        warn_once("allow_empty_shards=true has no effect here: FSDP1's and FSDP2's sharded state "
-                  "dicts are DTensors, which DCP saves and loads with empty shards anyway.")
+        warn_once(
+            "allow_empty_shards=true has no effect here: FSDP1's and FSDP2's sharded state "
+            "dicts are DTensors, which DCP saves and loads with empty shards anyway."
+        )
 
 
-def _same_on_every_rank(cfg: config_lib.SMPConfig | None, error: config_lib.ConfigError | None) -> None:
+def _same_on_every_rank(
+    cfg: config_lib.SMPConfig | None, error: config_lib.ConfigError | None
+) -> None:
     """Raises on every rank unless every rank validated the same config.
 
     One all-gather of a 64-bit digest of this rank's config (or of its problems); only when
@@ -111,7 +122,9 @@ def _same_on_every_rank(cfg: config_lib.SMPConfig | None, error: config_lib.Conf
     text = json.dumps(mine, sort_keys=True)
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
     device = dist.distributed_c10d._get_object_coll_device()
-    digests = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    digests = [
+        torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())
+    ]
     dist.all_gather(digests, torch.tensor([digest], dtype=torch.int64, device=device))
     if len({int(d.item()) for d in digests}) == 1:
         if error is not None:
@@ -124,21 +137,29 @@ def _same_on_every_rank(cfg: config_lib.SMPConfig | None, error: config_lib.Conf
     invalid = [r for r, v in enumerate(views) if "problems" in v]
     if invalid:
         raise config_lib.ConfigError(
-            [f"ranks {invalid} got an invalid config (rank {invalid[0]}: "
-             f"{views[invalid[0]]['problems'][0]}) while this rank's is valid. Every rank must "
-             "call tsm.init with the same config (the same dict or file, and the same "
-             f"{config_lib.ENV_VAR})."], "SMP config across ranks")
+            [
+                f"ranks {invalid} got an invalid config (rank {invalid[0]}: "
+                f"{views[invalid[0]]['problems'][0]}) while this rank's is valid. Every rank must "
+                "call tsm.init with the same config (the same dict or file, and the same "
+                f"{config_lib.ENV_VAR})."
+            ],
+            "SMP config across ranks",
+        )
     problems = []
     for key in config_lib.FIELD_NAMES:
         ranks_by_value: dict[Any, list[int]] = {}
         for r, v in enumerate(views):
             ranks_by_value.setdefault(v[key], []).append(r)
         if len(ranks_by_value) > 1:
-            spread = ", ".join(f"{config_lib.show_value(value)} on ranks {ranks}"
-                               for value, ranks in ranks_by_value.items())
-            problems.append(f"{key} differs across ranks: {spread}. Every rank must call tsm.init "
-                            "with the same config (the same dict or file, and the same "
-                            f"{config_lib.ENV_VAR}).")
+            spread = ", ".join(
+                f"{config_lib.show_value(value)} on ranks {ranks}"
+                for value, ranks in ranks_by_value.items()
+            )
+            problems.append(
+                f"{key} differs across ranks: {spread}. Every rank must call tsm.init "
+                "with the same config (the same dict or file, and the same "
+                f"{config_lib.ENV_VAR})."
+            )
     raise config_lib.ConfigError(problems, "SMP config across ranks")
 
 

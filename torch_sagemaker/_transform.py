@@ -32,8 +32,10 @@ _CP_COMM_TYPES = ("p2p", "all_gather")
 
 def _check_arguments(config: Any, cp_comm_type: str) -> MoEConfig | None:
     if not state.initialized:
-        raise RuntimeError("tsm.transform needs torch.sagemaker.init() first (it reads the tensor "
-                           "parallel degree and the mesh from tsm.state).")
+        raise RuntimeError(
+            "tsm.transform needs torch.sagemaker.init() first (it reads the tensor "
+            "parallel degree and the mesh from tsm.state)."
+        )
     if cp_comm_type not in _CP_COMM_TYPES:
         raise ValueError(f"cp_comm_type={cp_comm_type!r}; use one of {_CP_COMM_TYPES}.")
     return moe_apply.check_config(config, tp=state.tp_size, cp=state.cp_size, ep=state.ep_size)
@@ -46,17 +48,24 @@ def _check_placement(device: Any, dtype: Any) -> None:
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         name = str(dtype).removeprefix("torch.")
-        fix = (f"pass dtype=torch.{name}" if isinstance(getattr(torch, name, None), torch.dtype)
-               else "pass e.g. dtype=torch.bfloat16, or None to keep the model's dtype")
-        raise TypeError(f"tsm.transform(dtype={dtype!r}): dtype must be a floating torch.dtype "
-                        f"(it casts the floating parameters), got {type(dtype).__name__}; {fix}.")
+        fix = (
+            f"pass dtype=torch.{name}"
+            if isinstance(getattr(torch, name, None), torch.dtype)
+            else "pass e.g. dtype=torch.bfloat16, or None to keep the model's dtype"
+        )
+        raise TypeError(
+            f"tsm.transform(dtype={dtype!r}): dtype must be a floating torch.dtype "
+            f"(it casts the floating parameters), got {type(dtype).__name__}; {fix}."
+        )
     if device is not None:
         try:
             torch.device(device)
         except (RuntimeError, TypeError) as e:
-            raise ValueError(f"tsm.transform(device={device!r}) is not a device ({e}); pass e.g. "
-                             "device=torch.device('cuda', local_rank), 'cpu', or None to keep the "
-                             "model where it is (a dtype goes in dtype=).") from None
+            raise ValueError(
+                f"tsm.transform(device={device!r}) is not a device ({e}); pass e.g. "
+                "device=torch.device('cuda', local_rank), 'cpu', or None to keep the "
+                "model where it is (a dtype goes in dtype=)."
+            ) from None
 
 
 def _place(model: nn.Module, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
@@ -84,8 +93,9 @@ def _any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
-def _local_split(model: nn.Module, load_state_dict_from_rank0: bool, tp: int,
-                 moe_config: MoEConfig | None) -> bool:
+def _local_split(
+    model: nn.Module, load_state_dict_from_rank0: bool, tp: int, moe_config: MoEConfig | None
+) -> bool:
     """Whether TP/EP split each rank's own weights (no rank has data to send), not rank 0's.
 
     Only a split over more than one rank reads it, so only then do the ranks agree on it
@@ -100,9 +110,14 @@ def _local_split(model: nn.Module, load_state_dict_from_rank0: bool, tp: int,
     return has_meta
 
 
-def transform(model: nn.Module, device: torch.device | str | None = None,
-              dtype: torch.dtype | None = None, config: Any = None,
-              load_state_dict_from_rank0: bool = False, cp_comm_type: str = "p2p") -> nn.Module:
+def transform(
+    model: nn.Module,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    config: Any = None,
+    load_state_dict_from_rank0: bool = False,
+    cp_comm_type: str = "p2p",
+) -> nn.Module:
     """Prepares a Hugging Face causal LM for SMP: tensor parallelism per its model policy.
 
     Args:
@@ -141,8 +156,10 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
     # 1. Arguments, policy and the checks that depend only on the config.
     moe_config = _check_arguments(config, cp_comm_type)
     if getattr(model, POLICY_ATTR, None) is not None:
-        raise ValueError(f"{type(model).__name__} was already transformed by tsm.transform; call it "
-                         "once per model (before FSDP wrapping).")
+        raise ValueError(
+            f"{type(model).__name__} was already transformed by tsm.transform; call it "
+            "once per model (before FSDP wrapping)."
+        )
     policy = lookup_policy(model)
     tp = state.tp_size
     heads = check_model(policy, model.config, tp)
@@ -154,14 +171,24 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
     # 3. Tensor parallelism on the "tp" mesh axis.
     backend = select_backend()
     if tp > 1:
-        backend.apply(model, policy, heads, tp_mesh=state.tp_mesh,
-                      tracker=state.get_rng_state_tracker(),
-                      src_data_rank=None if local_split else 0)
+        backend.apply(
+            model,
+            policy,
+            heads,
+            tp_mesh=state.tp_mesh,
+            tracker=state.get_rng_state_tracker(),
+            src_data_rank=None if local_split else 0,
+        )
     # 3b. Expert parallelism and MoELayer (MoEConfig; never together with TP or CP).
     moe_report = None
     if moe_config is not None:
-        moe_report = moe_apply.apply_moe(model, policy, moe_config, ep_mesh=state.ep_mesh,
-                                         src_data_rank=None if local_split else 0)
+        moe_report = moe_apply.apply_moe(
+            model,
+            policy,
+            moe_config,
+            ep_mesh=state.ep_mesh,
+            src_data_rank=None if local_split else 0,
+        )
     # 3c. Context parallelism over the "cp" mesh axis (attention, positions, loss).
     if state.cp_size > 1:
         prepare_model(model, policy, cp_comm_type, state.cp_process_group)
@@ -173,11 +200,17 @@ def transform(model: nn.Module, device: torch.device | str | None = None,
     setattr(model, POLICY_ATTR, policy)
     layer_cls = policy.layer_cls(model)
     num_layers = transformer.mark(model, layer_cls)
-    log_rank0(f"tsm.transform: {type(model).__name__} with policy {policy.name!r}, "
-              f"tensor_parallel_degree={tp} ({backend.name}), {num_layers} x {layer_cls.__name__}, "
-              f"{heads.local_heads} heads / {heads.local_kv_heads} kv heads per rank"
-              + (f"; {moe_report.blocks} x {moe_report.layer} with {moe_report.local_experts}/"
-                 f"{moe_report.num_experts} experts per rank" if moe_report else ""))
+    log_rank0(
+        f"tsm.transform: {type(model).__name__} with policy {policy.name!r}, "
+        f"tensor_parallel_degree={tp} ({backend.name}), {num_layers} x {layer_cls.__name__}, "
+        f"{heads.local_heads} heads / {heads.local_kv_heads} kv heads per rank"
+        + (
+            f"; {moe_report.blocks} x {moe_report.layer} with {moe_report.local_experts}/"
+            f"{moe_report.num_experts} experts per rank"
+            if moe_report
+            else ""
+        )
+    )
     return model
 
 

@@ -86,7 +86,9 @@ class SMPConfig:
         return dataclasses.asdict(self)
 
 
-FIELD_TYPES: dict[str, type] = {f.name: (bool if f.type in (bool, "bool") else int) for f in fields(SMPConfig)}
+FIELD_TYPES: dict[str, type] = {
+    f.name: (bool if f.type in (bool, "bool") else int) for f in fields(SMPConfig)
+}
 FIELD_NAMES = tuple(FIELD_TYPES)
 
 # Keys people carry over from SMP v1, SageMaker recipes or blog posts, with what to use instead.
@@ -99,8 +101,18 @@ _RENAMED_KEYS = {
     "expert_model_parallel_degree": "expert_parallel_degree",
 }
 _SMP_V1_KEYS = frozenset(
-    {"partitions", "pipeline", "microbatches", "ddp", "ddp_dist_backend", "placement_strategy",
-     "optimize", "pipeline_parallel_degree", "auto_partition", "default_partition"}
+    {
+        "partitions",
+        "pipeline",
+        "microbatches",
+        "ddp",
+        "ddp_dist_backend",
+        "placement_strategy",
+        "optimize",
+        "pipeline_parallel_degree",
+        "auto_partition",
+        "default_partition",
+    }
 )
 
 
@@ -148,24 +160,34 @@ def _parse_json(text: str, source: str) -> dict[str, Any]:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(
-            [f"{source} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno} "
-             f"(character {e.pos}). Fix the JSON there, e.g. quote keys and drop trailing commas."],
+            [
+                f"{source} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno} "
+                f"(character {e.pos}). Fix the JSON there, e.g. quote keys and drop trailing commas."
+            ],
             source,
         ) from None
     except RecursionError:
         raise ConfigError(
-            [f"{source} nests arrays or objects too deeply to parse. An SMP config is one flat "
-             "JSON object like {\"tensor_parallel_degree\": 2}; remove the nesting."], source,
+            [
+                f"{source} nests arrays or objects too deeply to parse. An SMP config is one flat "
+                'JSON object like {"tensor_parallel_degree": 2}; remove the nesting.'
+            ],
+            source,
         ) from None
     except ValueError as e:  # int() refuses integers of more than sys.get_int_max_str_digits()
         raise ConfigError(
-            [f"{source} holds a number too long to read ({e}). Every SMP parameter is a small "
-             "integer or a boolean; fix the value."], source,
+            [
+                f"{source} holds a number too long to read ({e}). Every SMP parameter is a small "
+                "integer or a boolean; fix the value."
+            ],
+            source,
         ) from None
     if not isinstance(value, dict):
         raise ConfigError(
-            [f"{source} must hold a JSON object like {{\"tensor_parallel_degree\": 2}}, "
-             f"got a JSON {type(value).__name__}."],
+            [
+                f'{source} must hold a JSON object like {{"tensor_parallel_degree": 2}}, '
+                f"got a JSON {type(value).__name__}."
+            ],
             source,
         )
     return value
@@ -182,7 +204,9 @@ def _from_argument(config: str | os.PathLike[str] | Mapping[str, Any] | None) ->
             with open(path, "rb") as f:
                 data = f.read(MAX_CONFIG_BYTES + 1)
         except OSError as e:
-            raise ConfigError([f"cannot read config file {path!r}: {e.strerror}."], "tsm.init config") from None
+            raise ConfigError(
+                [f"cannot read config file {path!r}: {e.strerror}."], "tsm.init config"
+            ) from None
         return _parse_json(_decode(data, f"config file {path!r}"), f"config file {path!r}")
     raise TypeError(
         f"tsm.init(config=...) takes a dict, a path to a JSON file or None, got {type(config).__name__}."
@@ -192,15 +216,22 @@ def _from_argument(config: str | os.PathLike[str] | Mapping[str, Any] | None) ->
 def _decode(data: bytes, source: str) -> str:
     """The JSON text of a config file: bounded, UTF-8 (with or without BOM), UTF-16 or UTF-32."""
     if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError([f"{source} is larger than {MAX_CONFIG_BYTES} bytes; an SMP config is a "
-                           "small JSON object. Pass the JSON file with the SMP parameters."], source)
+        raise ConfigError(
+            [
+                f"{source} is larger than {MAX_CONFIG_BYTES} bytes; an SMP config is a "
+                "small JSON object. Pass the JSON file with the SMP parameters."
+            ],
+            source,
+        )
     encoding = json.detect_encoding(data)
     try:
         return data.decode(encoding)
     except UnicodeDecodeError as e:
         raise ConfigError(
-            [f"{source} is not JSON text: byte {data[e.start]:#04x} at position {e.start} is not "
-             f"valid {encoding} (is it a binary file?). Save the config as a UTF-8 JSON file."],
+            [
+                f"{source} is not JSON text: byte {data[e.start]:#04x} at position {e.start} is not "
+                f"valid {encoding} (is it a binary file?). Save the config as a UTF-8 JSON file."
+            ],
             source,
         ) from None
 
@@ -231,8 +262,13 @@ def load_raw(
     if env_text is not None and env_text.strip():
         source = f"environment variable {ENV_VAR}"
         if len(env_text) > MAX_CONFIG_BYTES:
-            raise ConfigError([f"{source} is longer than {MAX_CONFIG_BYTES} characters; it should "
-                               "hold a small JSON object of SMP parameters."], source)
+            raise ConfigError(
+                [
+                    f"{source} is longer than {MAX_CONFIG_BYTES} characters; it should "
+                    "hold a small JSON object of SMP parameters."
+                ],
+                source,
+            )
         merged.update(_parse_json(env_text, source))
     merged.update(overrides or {})
     return merged
@@ -249,20 +285,26 @@ def _type_problem(key: str, value: Any) -> str | None:
         return f"{key}={show_value(value)}: must be a boolean (true or false), got {type(value).__name__}."
     if isinstance(value, bool) or not isinstance(value, int):
         hint = " (booleans are not integers)" if isinstance(value, bool) else ""
-        return (f"{key}={show_value(value)}: must be an integer{hint}, got {type(value).__name__}. "
-                f"Write e.g. {key}=2.")
+        return (
+            f"{key}={show_value(value)}: must be an integer{hint}, got {type(value).__name__}. "
+            f"Write e.g. {key}=2."
+        )
     return None
 
 
 def _unknown_key_problem(key: Any) -> str:
     if not isinstance(key, str):
-        return (f"key {show_value(key)} ({type(key).__name__}): config keys must be strings naming "
-                f"an SMP parameter. Use one of {', '.join(FIELD_NAMES)}.")
+        return (
+            f"key {show_value(key)} ({type(key).__name__}): config keys must be strings naming "
+            f"an SMP parameter. Use one of {', '.join(FIELD_NAMES)}."
+        )
     if key in _RENAMED_KEYS:
         return f"unknown key {key!r}: SMP v2 calls it {_RENAMED_KEYS[key]!r}. Rename the key."
     if key in _SMP_V1_KEYS:
-        return (f"unknown key {key!r}: this is an SMP v1 parameter with no SMP v2 equivalent. "
-                f"Remove it; valid keys are {', '.join(FIELD_NAMES)}.")
+        return (
+            f"unknown key {key!r}: this is an SMP v1 parameter with no SMP v2 equivalent. "
+            f"Remove it; valid keys are {', '.join(FIELD_NAMES)}."
+        )
     close = difflib.get_close_matches(key, FIELD_NAMES, n=1, cutoff=0.6) if len(key) < 100 else []
     hint = f"did you mean {close[0]!r}?" if close else f"valid keys are {', '.join(FIELD_NAMES)}."
     return f"unknown key {show_value(key)}: {hint}"
@@ -274,11 +316,18 @@ def _divisors(n: int) -> str:
 
 def _range_problems(values: dict[str, Any]) -> list[str]:
     problems = []
-    for key in ("hybrid_shard_degree", "tensor_parallel_degree", "context_parallel_degree",
-                "expert_parallel_degree", "activation_loading_horizon"):
+    for key in (
+        "hybrid_shard_degree",
+        "tensor_parallel_degree",
+        "context_parallel_degree",
+        "expert_parallel_degree",
+        "activation_loading_horizon",
+    ):
         if key in values and values[key] > MAX_COUNT:
-            problems.append(f"{key}={show_value(values[key])}: must be at most 2**31 - 1 (it counts "
-                            "ranks or layers). Use the intended small number.")
+            problems.append(
+                f"{key}={show_value(values[key])}: must be at most 2**31 - 1 (it counts "
+                "ranks or layers). Use the intended small number."
+            )
     for key in ("tensor_parallel_degree", "context_parallel_degree", "expert_parallel_degree"):
         if key in values and values[key] < 1:
             problems.append(f"{key}={show_value(values[key])}: must be >= 1 (1 disables it).")
@@ -293,17 +342,26 @@ def _range_problems(values: dict[str, Any]) -> list[str]:
             "(number of layers prefetched ahead of backward; SMP's default is 2)."
         )
     if "random_seed" in values and not 0 <= values["random_seed"] <= MAX_SEED:
-        problems.append(f"random_seed={show_value(values['random_seed'])}: must be in [0, 2**63 - 1].")
+        problems.append(
+            f"random_seed={show_value(values['random_seed'])}: must be in [0, 2**63 - 1]."
+        )
     return problems
 
 
 def _world_problems(cfg: dict[str, Any], world_size: int) -> list[str]:
     """Checks the degrees against the number of ranks (only for values that passed type checks)."""
     problems = []
-    tp, cp, ep = cfg["tensor_parallel_degree"], cfg["context_parallel_degree"], cfg["expert_parallel_degree"]
+    tp, cp, ep = (
+        cfg["tensor_parallel_degree"],
+        cfg["context_parallel_degree"],
+        cfg["expert_parallel_degree"],
+    )
     hsd = cfg["hybrid_shard_degree"]
-    for key, deg in (("tensor_parallel_degree", tp), ("context_parallel_degree", cp),
-                     ("expert_parallel_degree", ep)):
+    for key, deg in (
+        ("tensor_parallel_degree", tp),
+        ("context_parallel_degree", cp),
+        ("expert_parallel_degree", ep),
+    ):
         if deg >= 1 and world_size % deg:
             problems.append(
                 f"{key}={deg}: must divide world_size={world_size}. Use one of {_divisors(world_size)}."
@@ -316,8 +374,10 @@ def _world_problems(cfg: dict[str, Any], world_size: int) -> list[str]:
     if problems or min(tp, cp, ep) < 1 or hsd < 0:
         # The combined rules below would only echo the problems above; check hsd alone.
         if hsd > 0 and world_size % hsd:
-            problems.append(f"hybrid_shard_degree={hsd}: must divide world_size={world_size}. "
-                            f"Use one of {_divisors(world_size)} (or 0 for native FSDP).")
+            problems.append(
+                f"hybrid_shard_degree={hsd}: must divide world_size={world_size}. "
+                f"Use one of {_divisors(world_size)} (or 0 for native FSDP)."
+            )
         return problems
     max_hsd = world_size // (tp * ep)
     if hsd > max_hsd:
@@ -378,10 +438,15 @@ def validate(raw: Mapping[str, Any], world_size: int | None = None) -> SMPConfig
     merged = {**SMPConfig().to_dict(), **typed}
     # Degrees are checked against the world only when they are all well-typed and in range,
     # so one mistake is not reported twice.
-    degree_keys = ("hybrid_shard_degree", "tensor_parallel_degree", "context_parallel_degree",
-                   "expert_parallel_degree")
+    degree_keys = (
+        "hybrid_shard_degree",
+        "tensor_parallel_degree",
+        "context_parallel_degree",
+        "expert_parallel_degree",
+    )
     degrees_ok = all(k in typed or k not in raw for k in degree_keys) and not _range_problems(
-        {k: merged[k] for k in degree_keys})
+        {k: merged[k] for k in degree_keys}
+    )
     if world_size is not None and degrees_ok:
         problems += _world_problems(merged, world_size)
     if problems:

@@ -64,7 +64,9 @@ def _generic_init(module: nn.Module, std: float) -> None:
         nn.init.normal_(module.weight, mean=0.0, std=std)
         if module.padding_idx is not None:
             module.weight[module.padding_idx].zero_()
-    elif isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or "LayerNorm" in name or "RMSNorm" in name:
+    elif (
+        isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or "LayerNorm" in name or "RMSNorm" in name
+    ):
         if getattr(module, "weight", None) is not None:
             nn.init.ones_(module.weight)
         if getattr(module, "bias", None) is not None:
@@ -78,8 +80,9 @@ def _local_piece(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if isinstance(like, DTensor):
         # src_data_rank=None: every rank cuts its own shard out of its identical full copy,
         # no communication (Note [Layout-independent init]).
-        return distribute_tensor(full.to(like.device), like.device_mesh, like.placements,
-                                 src_data_rank=None)
+        return distribute_tensor(
+            full.to(like.device), like.device_mesh, like.placements, src_data_rank=None
+        )
     return full.to(like.device)
 
 
@@ -103,9 +106,15 @@ class DelayedParamIniter:
         ...     model = FSDP(model, param_init_fn=initer.get_param_init_fn(), ...)
     """
 
-    def __init__(self, model: nn.Module, init_method_using_config: Callable | None = None,
-                 verbose: bool = False, *, device: torch.device | str | None = None,
-                 seed: int | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        init_method_using_config: Callable | None = None,
+        verbose: bool = False,
+        *,
+        device: torch.device | str | None = None,
+        seed: int | None = None,
+    ) -> None:
         self.model = model
         self.init_method_using_config = init_method_using_config
         self.verbose = verbose
@@ -185,8 +194,12 @@ class DelayedParamIniter:
         """
         # Buffers that hold real values now (init_empty_weights keeps buffers on CPU) would
         # become garbage in to_empty; keep a copy (Note [Buffers after delayed init]).
-        snapshot = {(id(m), n): b.detach().clone() for m in self.model.modules()
-                    for n, b in m._buffers.items() if b is not None and not b.is_meta}
+        snapshot = {
+            (id(m), n): b.detach().clone()
+            for m in self.model.modules()
+            for n, b in m._buffers.items()
+            if b is not None and not b.is_meta
+        }
         self.model.to_empty(device=self.device)
         for module in self.model.modules():
             self._init_module(module, force=True, snapshot=snapshot)
@@ -209,8 +222,9 @@ class DelayedParamIniter:
         yield
         if not enabled:
             return
-        on_meta = [n for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]
-                   if t.is_meta]
+        on_meta = [
+            n for n, t in [*self.model.named_parameters(), *self.model.named_buffers()] if t.is_meta
+        ]
         if on_meta:
             raise AssertionError(
                 f"delayed init left {len(on_meta)} tensors on the meta device: {on_meta[:10]}. "
@@ -223,8 +237,13 @@ class DelayedParamIniter:
             )
 
     # -------------------------------------------------------------- internals
-    def _init_module(self, module: nn.Module, *, force: bool,
-                     snapshot: dict[tuple[int, str], torch.Tensor] | None) -> None:
+    def _init_module(
+        self,
+        module: nn.Module,
+        *,
+        force: bool,
+        snapshot: dict[tuple[int, str], torch.Tensor] | None,
+    ) -> None:
         """Initializes ``module``'s own parameters and buffers once (see the module notes)."""
         if id(module) in self._done_modules:
             return
@@ -237,8 +256,11 @@ class DelayedParamIniter:
             if owner is not module:
                 self._init_module(owner, force=force, snapshot=snapshot)
                 module._parameters[name] = self._materialized.get(id(p), p)
-        pending = [n for n, p in module._parameters.items() if p is not None
-                   and id(p) not in self._inited_params and (force or p.is_meta)]
+        pending = [
+            n
+            for n, p in module._parameters.items()
+            if p is not None and id(p) not in self._inited_params and (force or p.is_meta)
+        ]
         meta_ids = {n: id(p) for n, p in module._parameters.items() if p is not None and p.is_meta}
         name = self._names.get(id(module), type(module).__name__)
         with torch.random.fork_rng(devices=[]):
@@ -257,15 +279,23 @@ class DelayedParamIniter:
         if self.verbose and pending:
             log_rank0(f"delayed init: {name} ({type(module).__name__}) {pending}")
 
-    def _default_init(self, module: nn.Module, name: str, pending: list[str], force: bool,
-                      snapshot: dict[tuple[int, str], torch.Tensor] | None) -> None:
+    def _default_init(
+        self,
+        module: nn.Module,
+        name: str,
+        pending: list[str],
+        force: bool,
+        snapshot: dict[tuple[int, str], torch.Tensor] | None,
+    ) -> None:
         empty_module_params(module, self.device)
         buffers = [n for n, b in module._buffers.items() if b is not None and (force or b.is_meta)]
         move_buffers_to_device(module, self.device)
         if not pending and not buffers:
             return
-        real = {"_parameters": {n: module._parameters[n] for n in pending},
-                "_buffers": {n: module._buffers[n] for n in buffers}}
+        real = {
+            "_parameters": {n: module._parameters[n] for n in pending},
+            "_buffers": {n: module._buffers[n] for n in buffers},
+        }
         shadows: dict[str, dict[str, torch.Tensor]] = {"_parameters": {}, "_buffers": {}}
         checked: list[tuple[str, torch.Tensor]] = []
         for kind, tensors in real.items():

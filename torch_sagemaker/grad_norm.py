@@ -73,7 +73,9 @@ def _piece(grad: torch.Tensor) -> _Piece:
     placements = grad.placements
     if any(p.is_partial() for p in placements):
         # Partial sums must be reduced before a norm can be taken.
-        grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in placements])
+        grad = grad.redistribute(
+            placements=[Replicate() if p.is_partial() else p for p in placements]
+        )
     key, groups = _axes_of(grad.device_mesh, grad.placements)
     return _Piece(grad.to_local(), key, groups)
 
@@ -96,7 +98,9 @@ def _reduce(pieces: list[_Piece], norm_type: float) -> torch.Tensor:
     for key in sorted(buckets):
         value = buckets[key]
         for group in groups[key]:
-            all_reduce_direct(value, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
+            all_reduce_direct(
+                value, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group
+            )
         result = torch.maximum(result, value) if is_inf else result + value
     return result if is_inf else result ** (1.0 / norm_type)
 
@@ -139,7 +143,7 @@ def _fsdp1_pieces(model: nn.Module) -> Iterator[_Piece]:
                 seen.add(id(flat._params[i]))
                 grad = flat._params[i].grad if info.in_shard else None
             elif info.in_shard and flat.grad is not None:
-                grad = flat.grad[info.offset_in_shard:info.offset_in_shard + info.numel_in_shard]
+                grad = flat.grad[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
             else:
                 grad = None
             key, groups = shard_key, shard_groups
@@ -152,8 +156,12 @@ def _fsdp1_pieces(model: nn.Module) -> Iterator[_Piece]:
 
 
 def _fsdp1_managed(model: nn.Module) -> set[int]:
-    return {id(p) for fsdp in FullyShardedDataParallel.fsdp_modules(model) if fsdp._handle is not None
-            for p in [fsdp._handle.flat_param, *(fsdp._handle.flat_param._params or ())]}
+    return {
+        id(p)
+        for fsdp in FullyShardedDataParallel.fsdp_modules(model)
+        if fsdp._handle is not None
+        for p in [fsdp._handle.flat_param, *(fsdp._handle.flat_param._params or ())]
+    }
 
 
 def clip_grad_norm_(

@@ -23,8 +23,10 @@ def _level_from_env() -> str:
     """``TSM_LOG_LEVEL`` (default INFO); an unknown name raises naming the accepted ones."""
     level = os.environ.get("TSM_LOG_LEVEL", "INFO").strip().upper() or "INFO"  # noqa: TID251
     if level not in _LEVELS:
-        raise ValueError(f"TSM_LOG_LEVEL={level[:40]!r}: the log level must be one of "
-                         f"{', '.join(_LEVELS)}; set one of them or unset the variable.")
+        raise ValueError(
+            f"TSM_LOG_LEVEL={level[:40]!r}: the log level must be one of "
+            f"{', '.join(_LEVELS)}; set one of them or unset the variable."
+        )
     return level
 
 

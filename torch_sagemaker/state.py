@@ -23,8 +23,11 @@ from torch_sagemaker.config import FIELD_NAMES, SMPConfig
 from torch_sagemaker.topology import Layout
 
 # SMP's short aliases, mapped to the config keys they stand for.
-_ALIASES = {"tp_size": "tensor_parallel_degree", "cp_size": "context_parallel_degree",
-            "ep_size": "expert_parallel_degree"}
+_ALIASES = {
+    "tp_size": "tensor_parallel_degree",
+    "cp_size": "context_parallel_degree",
+    "ep_size": "expert_parallel_degree",
+}
 
 
 def _launcher_int(name: str, text: str | None, default: int) -> int:
@@ -36,8 +39,10 @@ def _launcher_int(name: str, text: str | None, default: int) -> int:
     except ValueError:
         value = -1
     if value < 0:
-        raise ValueError(f"{name}={text[:40]!r}: the launcher's {name} must be a non-negative "
-                         f"integer; unset it or launch with torchrun, which sets it.")
+        raise ValueError(
+            f"{name}={text[:40]!r}: the launcher's {name} must be a non-negative "
+            f"integer; unset it or launch with torchrun, which sets it."
+        )
     return value
 
 
@@ -85,8 +90,9 @@ class Ranker:
     def get_rep_groups(self) -> list[list[int]]:
         """Rank lists of the replication groups (ranks holding the same shard in each replica)."""
         ep = self._layout.ep
-        return sorted(group[first::ep] for group in self._layout.groups("dp_replicate")
-                      for first in range(ep))
+        return sorted(
+            group[first::ep] for group in self._layout.groups("dp_replicate") for first in range(ep)
+        )
 
 
 class State:
@@ -195,15 +201,21 @@ class State:
     def local_rank(self) -> int:
         """Rank within the host (``LOCAL_RANK`` from the launcher, else rank % local size)."""
         self._require("local_rank")
-        return _launcher_int("LOCAL_RANK", os.environ.get("LOCAL_RANK"),  # noqa: TID251
-                             self.rank % self.local_world_size)
+        return _launcher_int(
+            "LOCAL_RANK",
+            os.environ.get("LOCAL_RANK"),  # noqa: TID251
+            self.rank % self.local_world_size,
+        )
 
     @property
     def local_world_size(self) -> int:
         """Ranks on this host (``LOCAL_WORLD_SIZE`` from the launcher, else the world size)."""
         self._require("local_world_size")
-        return _launcher_int("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_WORLD_SIZE"),  # noqa: TID251
-                             self.world_size)
+        return _launcher_int(
+            "LOCAL_WORLD_SIZE",
+            os.environ.get("LOCAL_WORLD_SIZE"),  # noqa: TID251
+            self.world_size,
+        )
 
     # --------------------------------------------------------------- degrees
     @property

@@ -88,7 +88,12 @@ class Layout:
     @property
     def axis_sizes(self) -> dict[str, int]:
         """Sizes of the four named axes, outermost first."""
-        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}
+        return {
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "cp": self.cp,
+            "tp": self.tp,
+        }
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -169,18 +174,30 @@ class Layout:
         for tp_rank in range(self.tp):
             for ep_rank in range(self.ep):
                 replicas = [r for r in range(self.dp_replicate) if r % self.ep == ep_rank]
-                group = [self.rank_at({"dp_replicate": rep, "dp_shard": s, "cp": c, "tp": tp_rank})
-                         for rep in replicas for s in range(self.dp_shard) for c in range(self.cp)]
+                group = [
+                    self.rank_at({"dp_replicate": rep, "dp_shard": s, "cp": c, "tp": tp_rank})
+                    for rep in replicas
+                    for s in range(self.dp_shard)
+                    for c in range(self.cp)
+                ]
                 result.append(group)
         return sorted(result)
 
     def describe(self) -> str:
         """A one-table text summary of the layout (logged once by ``tsm.init``)."""
-        rows = [("world_size", self.world_size),
-                ("hybrid_shard_degree", f"{self.hybrid_shard_degree} (requested {self.requested_hybrid_shard_degree})"),
-                ("tensor_parallel_degree", self.tp), ("context_parallel_degree", self.cp),
-                ("expert_parallel_degree", self.ep), ("replicas (dp_replicate)", self.dp_replicate),
-                ("dp_shard", self.dp_shard), ("data parallel size", self.dp_size)]
+        rows = [
+            ("world_size", self.world_size),
+            (
+                "hybrid_shard_degree",
+                f"{self.hybrid_shard_degree} (requested {self.requested_hybrid_shard_degree})",
+            ),
+            ("tensor_parallel_degree", self.tp),
+            ("context_parallel_degree", self.cp),
+            ("expert_parallel_degree", self.ep),
+            ("replicas (dp_replicate)", self.dp_replicate),
+            ("dp_shard", self.dp_shard),
+            ("data parallel size", self.dp_size),
+        ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}} : {v}" for k, v in rows)
 
@@ -216,5 +233,11 @@ def resolve(
             f"invalid layout: world_size={world_size}, hybrid_shard_degree={hybrid_shard_degree}, "
             f"tp={tp}, cp={cp}, ep={ep}; validate the config with torch_sagemaker.config.validate first."
         )
-    return Layout(world_size=world_size, tp=tp, cp=cp, ep=ep, hybrid_shard_degree=resolved,
-                  requested_hybrid_shard_degree=hybrid_shard_degree)
+    return Layout(
+        world_size=world_size,
+        tp=tp,
+        cp=cp,
+        ep=ep,
+        hybrid_shard_degree=resolved,
+        requested_hybrid_shard_degree=hybrid_shard_degree,
+    )

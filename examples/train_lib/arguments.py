@@ -11,8 +11,14 @@ import argparse
 import json
 
 MODEL_TYPES = ("gpt_neox", "llama_v2", "llama_v3", "mistral", "mixtral", "qwen2")
-SMP_FLAGS = ("hybrid_shard_degree", "tensor_parallel_degree", "context_parallel_degree",
-             "expert_parallel_degree", "activation_loading_horizon", "random_seed")
+SMP_FLAGS = (
+    "hybrid_shard_degree",
+    "tensor_parallel_degree",
+    "context_parallel_degree",
+    "expert_parallel_degree",
+    "activation_loading_horizon",
+    "random_seed",
+)
 
 
 def _bool(value: str) -> bool:
@@ -25,7 +31,9 @@ def _bool(value: str) -> bool:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parses the arguments (unknown ones are ignored, as SageMaker passes extra hyperparameters)."""
-    p = argparse.ArgumentParser(description="Train a Hugging Face causal LM with torch.sagemaker on CPU or GPU.")
+    p = argparse.ArgumentParser(
+        description="Train a Hugging Face causal LM with torch.sagemaker on CPU or GPU."
+    )
     g = p.add_argument_group("model")
     g.add_argument("--model-type", choices=MODEL_TYPES, default="llama_v3")
     g.add_argument("--hidden-width", type=int, default=192)
@@ -36,15 +44,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--num-local-experts", type=int, default=4)
     g.add_argument("--num-experts-per-tok", type=int, default=2)
     g.add_argument("--initializer-range", type=float, default=0.02)
-    g.add_argument("--moe", type=_bool, default=False,
-                   help="pass an MoEConfig to tsm.transform (MoELayer, expert parallelism)")
-    g.add_argument("--moe-load-balancing", choices=("sinkhorn", "aux_loss", "balanced", "none"),
-                   default="sinkhorn")
+    g.add_argument(
+        "--moe",
+        type=_bool,
+        default=False,
+        help="pass an MoEConfig to tsm.transform (MoELayer, expert parallelism)",
+    )
+    g.add_argument(
+        "--moe-load-balancing",
+        choices=("sinkhorn", "aux_loss", "balanced", "none"),
+        default="sinkhorn",
+    )
     g.add_argument("--global-token-shuffle", type=_bool, default=False)
     g.add_argument("--moe-all-to-all-dispatcher", type=_bool, default=True)
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", choices=("stdlib", "synthetic", "jsonl"), default="stdlib",
-                   help="stdlib: the Python standard library's own sources as a text corpus")
+    g.add_argument(
+        "--dataset",
+        choices=("stdlib", "synthetic", "jsonl"),
+        default="stdlib",
+        help="stdlib: the Python standard library's own sources as a text corpus",
+    )
     g.add_argument("--data-path", default=None, help="jsonl file with a 'text' field per line")
     g.add_argument("--corpus-mb", type=float, default=4.0, help="size of the stdlib corpus")
     g.add_argument("--max-context-width", type=int, default=128, help="sequence length")
@@ -54,8 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--validation-batches", type=int, default=4)
     g = p.add_argument_group("optimization")
     g.add_argument("--max-steps", type=int, default=300)
-    g.add_argument("--stop-at-step", type=int, default=None,
-                   help="stop early (as if preempted) while the LR schedule still targets --max-steps")
+    g.add_argument(
+        "--stop-at-step",
+        type=int,
+        default=None,
+        help="stop early (as if preempted) while the LR schedule still targets --max-steps",
+    )
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--min-lr", type=float, default=3e-4)
     g.add_argument("--warmup", type=float, default=0.05, help="fraction of max_steps")
@@ -68,28 +91,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("memory")
     g.add_argument("--fsdp", choices=("fsdp1", "fsdp2"), default="fsdp2")
     g.add_argument("--activation-checkpointing", type=_bool, default=False)
-    g.add_argument("--offload-activations", type=_bool, default=False,
-                   help="wrap the root with offload_wrapper (needs activation checkpointing)")
-    g.add_argument("--delayed-param", type=_bool, default=False, help="build on meta, init after sharding")
+    g.add_argument(
+        "--offload-activations",
+        type=_bool,
+        default=False,
+        help="wrap the root with offload_wrapper (needs activation checkpointing)",
+    )
+    g.add_argument(
+        "--delayed-param", type=_bool, default=False, help="build on meta, init after sharding"
+    )
     g = p.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-dir", default=None)
     g.add_argument("--checkpoint-freq", type=int, default=0)
     g.add_argument("--num-kept-checkpoints", type=int, default=2)
     g.add_argument("--checkpoint-type", choices=("sharded", "async_sharded"), default="sharded")
     g.add_argument("--resume-from-checkpoint", default=None, help="a checkpoint dir, or 'latest'")
-    g.add_argument("--export-dir", default=None, help="write a Hugging Face model directory at the end")
+    g.add_argument(
+        "--export-dir", default=None, help="write a Hugging Face model directory at the end"
+    )
     g = p.add_argument_group("run")
     g.add_argument("--distributed-backend", choices=("smddp", "gloo", "nccl"), default="smddp")
     g.add_argument("--logging-freq", type=int, default=10)
-    g.add_argument("--output-dir", default="outputs", help="metrics.json, the PNG plot, TensorBoard")
+    g.add_argument(
+        "--output-dir", default="outputs", help="metrics.json, the PNG plot, TensorBoard"
+    )
     g.add_argument("--progress", type=_bool, default=True, help="progress bar on rank 0")
     g = p.add_argument_group("SMP config")
     g.add_argument("--smp-config", default=None, help="JSON file with SMP parameters")
     for flag in SMP_FLAGS:
         g.add_argument("--" + flag.replace("_", "-"), type=int, default=None)
     g.add_argument("--sm-activation-offloading", type=_bool, default=None)
-    g.add_argument("--cp-comm-type", choices=("p2p", "all_gather"), default="p2p",
-                   help="context parallel attention: ring of K/V blocks (p2p) or all-gather")
+    g.add_argument(
+        "--cp-comm-type",
+        choices=("p2p", "all_gather"),
+        default="p2p",
+        help="context parallel attention: ring of K/V blocks (p2p) or all-gather",
+    )
     args, _unknown = p.parse_known_args(argv)
     return args
 

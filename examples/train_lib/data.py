@@ -33,7 +33,9 @@ def stdlib_corpus(max_mb: float) -> str:
     root = sysconfig.get_paths()["stdlib"]
     limit, parts, size = int(max_mb * 2**20), [], 0
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "test", "tests", "__pycache__"))
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in ("site-packages", "test", "tests", "__pycache__")
+        )
         for name in sorted(filenames):
             if not name.endswith(".py"):
                 continue
@@ -91,14 +93,17 @@ def batch_for_cp_rank(batch: torch.Tensor) -> torch.Tensor:
     return split_sequence(batch, dim=1)
 
 
-def build_datasets(dataset: str, seq_len: int, corpus_mb: float, data_path: str | None,
-                   num_synthetic: int) -> tuple[Dataset, Dataset | None]:
+def build_datasets(
+    dataset: str, seq_len: int, corpus_mb: float, data_path: str | None, num_synthetic: int
+) -> tuple[Dataset, Dataset | None]:
     """Train and validation datasets (validation is ``None`` for synthetic data)."""
     if dataset == "synthetic":
         return SyntheticTokens(num_synthetic, seq_len), None
     if dataset == "jsonl":
         if not data_path:
-            raise ValueError("--dataset jsonl needs --data-path FILE.jsonl (one {'text': ...} per line)")
+            raise ValueError(
+                "--dataset jsonl needs --data-path FILE.jsonl (one {'text': ...} per line)"
+            )
         text = jsonl_corpus(data_path)
     else:
         text = stdlib_corpus(corpus_mb)

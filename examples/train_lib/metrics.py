@@ -9,7 +9,9 @@ import resource
 import torch
 
 
-def model_tflops_per_rank(config, global_batch: int, seq_len: int, step_time: float, world_size: int) -> float:
+def model_tflops_per_rank(
+    config, global_batch: int, seq_len: int, step_time: float, world_size: int
+) -> float:
     """Model TFLOPs per rank by the Megatron formula (as SMP's example scripts compute it).
 
     12 B s L h^2 [ (1 + kv/heads + s/h) + (ffn/h) * experts_per_token * g + V / (2 L h) ], with
@@ -21,8 +23,19 @@ def model_tflops_per_rank(config, global_batch: int, seq_len: int, step_time: fl
     ffn = config.intermediate_size
     experts = getattr(config, "num_experts_per_tok", 1)
     gated = 1.0 if config.model_type == "gpt_neox" else 1.5
-    flops = 12 * global_batch * seq_len * layers * h * h * (
-        (1 + kv / heads + seq_len / h) + (ffn / h) * experts * gated + config.vocab_size / (2 * layers * h))
+    flops = (
+        12
+        * global_batch
+        * seq_len
+        * layers
+        * h
+        * h
+        * (
+            (1 + kv / heads + seq_len / h)
+            + (ffn / h) * experts * gated
+            + config.vocab_size / (2 * layers * h)
+        )
+    )
     return flops / (step_time * 1e12 * world_size)
 
 
@@ -80,7 +93,9 @@ class MetricsWriter:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
         ax1.plot([r["step"] for r in train], [r["train/loss"] for r in train], label="train")
         if val:
-            ax1.plot([r["step"] for r in val], [r["val/loss"] for r in val], "o-", label="validation")
+            ax1.plot(
+                [r["step"] for r in val], [r["val/loss"] for r in val], "o-", label="validation"
+            )
         ax1.set(xlabel="step", ylabel="loss (nats/byte)", title="Loss")
         ax1.legend()
         ax2.plot([r["step"] for r in train], [r["perf/tokens_per_s"] for r in train])

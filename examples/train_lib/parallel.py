@@ -14,8 +14,13 @@ from torch.sagemaker.sharding import (
 )
 
 
-def _fsdp1(model: torch.nn.Module, args: argparse.Namespace, dtype: torch.dtype, layer_classes: tuple,
-           initer: DelayedParamIniter | None) -> torch.nn.Module:
+def _fsdp1(
+    model: torch.nn.Module,
+    args: argparse.Namespace,
+    dtype: torch.dtype,
+    layer_classes: tuple,
+    initer: DelayedParamIniter | None,
+) -> torch.nn.Module:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -23,7 +28,11 @@ def _fsdp1(model: torch.nn.Module, args: argparse.Namespace, dtype: torch.dtype,
     mixed = None
     if dtype != torch.float32:  # fp32 master weights, bf16 compute and reduction, fp32 buffers
         mixed = MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=torch.float32)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
     return FSDP(
         model,
         auto_wrap_policy=ModuleWrapPolicy(set(layer_classes)),
@@ -38,18 +47,29 @@ def _fsdp1(model: torch.nn.Module, args: argparse.Namespace, dtype: torch.dtype,
     )
 
 
-def _fsdp2(model: torch.nn.Module, args: argparse.Namespace, dtype: torch.dtype, layer_classes: tuple,
-           initer: DelayedParamIniter | None) -> torch.nn.Module:
+def _fsdp2(
+    model: torch.nn.Module,
+    args: argparse.Namespace,
+    dtype: torch.dtype,
+    layer_classes: tuple,
+    initer: DelayedParamIniter | None,
+) -> torch.nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype) if dtype != torch.float32 else None
+    mp = (
+        MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+        if dtype != torch.float32
+        else None
+    )
     model = shard_model(model, mp_policy=mp, layer_classes=layer_classes)
     if initer is not None:
         initer.init_model()  # materialise and initialise only the local shards
     return model
 
 
-def apply_parallelism(model: torch.nn.Module, args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
+def apply_parallelism(
+    model: torch.nn.Module, args: argparse.Namespace, dtype: torch.dtype
+) -> torch.nn.Module:
     """Applies checkpointing, FSDP (+ delayed init) and offloading to a transformed model."""
     layer_classes = transformer_layer_classes(model)
     initer = DelayedParamIniter(model) if args.delayed_param else None
@@ -63,8 +83,10 @@ def apply_parallelism(model: torch.nn.Module, args: argparse.Namespace, dtype: t
         model = wrap(model, args, dtype, layer_classes, initer)
     if args.offload_activations:
         if not args.activation_checkpointing:
-            raise ValueError("--offload-activations 1 needs --activation-checkpointing 1 (it offloads the "
-                             "checkpointed layers' inputs), as in SMP v2.")
+            raise ValueError(
+                "--offload-activations 1 needs --activation-checkpointing 1 (it offloads the "
+                "checkpointed layers' inputs), as in SMP v2."
+            )
         # SMP scripts import PyTorch's offload_wrapper; after tsm.init it is SMP's prefetching
         # one when sm_activation_offloading is true, and PyTorch's own otherwise.
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import offload_wrapper

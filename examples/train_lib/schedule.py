@@ -7,8 +7,13 @@ import math
 import torch
 
 
-def warmup_cosine(optimizer: torch.optim.Optimizer, max_steps: int, warmup_fraction: float,
-                  lr: float, min_lr: float) -> torch.optim.lr_scheduler.LambdaLR:
+def warmup_cosine(
+    optimizer: torch.optim.Optimizer,
+    max_steps: int,
+    warmup_fraction: float,
+    lr: float,
+    min_lr: float,
+) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` whose state_dict round-trips through checkpoints."""
     warmup = max(1, int(max_steps * warmup_fraction))
 
@@ -27,4 +32,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     for param in model.parameters():
         if param.requires_grad:
             (no_decay if param.dim() < 2 else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]

@@ -72,21 +72,40 @@ def wrap(model, api: str, checkpointing: bool = False, mixed: bool = False):
     if api == "fsdp2":
         if checkpointing:
             _checkpoint(model, layer_cls)
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if mixed else None
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if mixed
+            else None
+        )
         return shard_model(model, mp_policy=mp)
-    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                        buffer_dtype=torch.float32) if mixed else None
-    model = FSDP(model, auto_wrap_policy=functools.partial(
-                     transformer_auto_wrap_policy, transformer_layer_cls={layer_cls}),
-                 mixed_precision=mp, sharding_strategy=ShardingStrategy.HYBRID_SHARD,
-                 backward_prefetch=None, forward_prefetch=False, limit_all_gathers=True,
-                 device_id=torch.device("cpu"), use_orig_params=True)
+    mp = (
+        MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.float32
+        )
+        if mixed
+        else None
+    )
+    model = FSDP(
+        model,
+        auto_wrap_policy=functools.partial(
+            transformer_auto_wrap_policy, transformer_layer_cls={layer_cls}
+        ),
+        mixed_precision=mp,
+        sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+        backward_prefetch=None,
+        forward_prefetch=False,
+        limit_all_gathers=True,
+        device_id=torch.device("cpu"),
+        use_orig_params=True,
+    )
     if checkpointing:
         apply_activation_checkpointing(
-            model, check_fn=lambda m: isinstance(m, layer_cls),
-            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
-                                                    checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+            model,
+            check_fn=lambda m: isinstance(m, layer_cls),
+            checkpoint_wrapper_fn=functools.partial(
+                checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+            ),
+        )
     return model
 
 
@@ -100,14 +119,21 @@ def _checkpoint(model, layer_cls) -> None:
     )
 
     apply_activation_checkpointing(
-        model, check_fn=lambda m: isinstance(m, layer_cls),
-        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
-                                                checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+        model,
+        check_fn=lambda m: isinstance(m, layer_cls),
+        checkpoint_wrapper_fn=functools.partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+        ),
+    )
 
 
 def clean(name: str) -> str:
     """A parameter name without FSDP1 / checkpoint wrapper prefixes."""
-    for prefix in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_offload_wrapped_module."):
+    for prefix in (
+        "_fsdp_wrapped_module.",
+        "_checkpoint_wrapped_module.",
+        "_offload_wrapped_module.",
+    ):
         name = name.replace(prefix, "")
     return name
 
@@ -132,8 +158,9 @@ def full_params(model) -> dict[str, torch.Tensor]:
 
     from tests.distributed.hf_models import full_params as gather
 
-    return {clean(n): v.full_tensor() if isinstance(v, DTensor) else v
-            for n, v in gather(model).items()}
+    return {
+        clean(n): v.full_tensor() if isinstance(v, DTensor) else v for n, v in gather(model).items()
+    }
 
 
 def cp_mean(loss: torch.Tensor) -> float:
@@ -155,12 +182,24 @@ def max_diffs(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> di
 def rel_diffs(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
     """Per-name ``||got - want|| / ||want||`` (for bf16, where absolute bounds mean little)."""
     assert got.keys() == want.keys(), (sorted(got), sorted(want))
-    return {n: float((got[n].float() - want[n].float()).norm() / want[n].float().norm().clamp_min(1e-12))
-            for n in want}
+    return {
+        n: float(
+            (got[n].float() - want[n].float()).norm() / want[n].float().norm().clamp_min(1e-12)
+        )
+        for n in want
+    }
 
 
-def run_case(family: str, comm: str, api: str, *, checkpointing: bool = False, mixed: bool = False,
-             offload: bool = False, steps: int = STEPS) -> dict[str, Any]:
+def run_case(
+    family: str,
+    comm: str,
+    api: str,
+    *,
+    checkpointing: bool = False,
+    mixed: bool = False,
+    offload: bool = False,
+    steps: int = STEPS,
+) -> dict[str, Any]:
     """One parity case under the current ``tsm.init``; returns the differences to the reference.
 
     Returns:
@@ -251,7 +290,9 @@ def check_bf16(result: dict[str, Any], what: str = "") -> None:
     assert result["curve"][-1][0] < result["curve"][0][0], (what, result["curve"])
 
 
-def check(result: dict[str, Any], tol: float = 2e-5, param_tol: float = 1e-3, what: str = "") -> None:
+def check(
+    result: dict[str, Any], tol: float = 2e-5, param_tol: float = 1e-3, what: str = ""
+) -> None:
     """Asserts a ``run_case`` result is within ``tol`` of the reference (fp32 by default).
 
     Parameters get a looser bound: AdamW divides by ``sqrt(v) + 1e-8``, so gradient entries

@@ -12,9 +12,17 @@ def tiny_llama(seed: int = 0, **overrides):
     """A 2-layer Llama (GQA) in fp32, identical for the same seed."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-               tie_word_embeddings=False, attn_implementation="eager")
+    cfg = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
     cfg.update(overrides)
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**cfg)).float()
@@ -58,17 +66,20 @@ def full_params(model) -> dict[str, torch.Tensor]:
 
     def clean(name: str) -> str:
         name = name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
-        return name[len("module."):] if name.startswith("module.") else name
+        return name[len("module.") :] if name.startswith("module.") else name
 
     if isinstance(model, FSDP):
         with FSDP.summon_full_params(model):
             return {clean(n): p.detach().clone() for n, p in model.named_parameters()}
-    return {clean(n): (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in model.named_parameters()}
+    return {
+        clean(n): (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
 
 
-def bf16_reference_run(steps: int, global_batch: int, dp_size: int, lr: float = 0.1,
-                       max_norm: float = 1.0):
+def bf16_reference_run(
+    steps: int, global_batch: int, dp_size: int, lr: float = 0.1, max_norm: float = 1.0
+):
     """One process replaying data-parallel bf16 mixed precision on the global batches.
 
     The recipe of FSDP's ``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32,

@@ -52,11 +52,25 @@ def _reset_after_call() -> None:
         sys.modules["torch_sagemaker"].state.reset()
 
 
-def _worker(rank: int, world_size: int, backend: str, port: int, env: dict[str, str],
-            init_pg: bool, pg_timeout_s: float, tasks: Any, results: Any) -> None:
+def _worker(
+    rank: int,
+    world_size: int,
+    backend: str,
+    port: int,
+    env: dict[str, str],
+    init_pg: bool,
+    pg_timeout_s: float,
+    tasks: Any,
+    results: Any,
+) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
         TSM_LOG_LEVEL=os.environ.get("TSM_LOG_LEVEL", "WARNING"),
     )
     os.environ.update(env)
@@ -71,10 +85,20 @@ def _worker(rank: int, world_size: int, backend: str, port: int, env: dict[str, 
             # The store gets a start-up allowance of its own: a test's short collective timeout
             # (pg_timeout_s) must not fail the rendezvous of ranks that start slowly on a busy
             # machine.
-            store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0,
-                                  timeout=timedelta(seconds=max(pg_timeout_s, 180.0)))
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=pg_timeout_s))
+            store = dist.TCPStore(
+                "127.0.0.1",
+                port,
+                world_size,
+                rank == 0,
+                timeout=timedelta(seconds=max(pg_timeout_s, 180.0)),
+            )
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=pg_timeout_s),
+            )
     except BaseException:
         results.put((rank, False, "start-up failed:\n" + traceback.format_exc()))
         return
@@ -102,16 +126,35 @@ def _worker(rank: int, world_size: int, backend: str, port: int, env: dict[str, 
 
 
 class _Pool:
-    def __init__(self, world_size: int, backend: str, env: dict[str, str], init_pg: bool,
-                 pg_timeout_s: float, start_timeout_s: float) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        backend: str,
+        env: dict[str, str],
+        init_pg: bool,
+        pg_timeout_s: float,
+        start_timeout_s: float,
+    ) -> None:
         self.world_size = world_size
         self.results = _CTX.Queue()
         self.tasks = [_CTX.Queue() for _ in range(world_size)]
         port = free_port()
         self.procs = [
-            _CTX.Process(target=_worker, daemon=True,
-                         args=(r, world_size, backend, port, env, init_pg, pg_timeout_s,
-                               self.tasks[r], self.results))
+            _CTX.Process(
+                target=_worker,
+                daemon=True,
+                args=(
+                    r,
+                    world_size,
+                    backend,
+                    port,
+                    env,
+                    init_pg,
+                    pg_timeout_s,
+                    self.tasks[r],
+                    self.results,
+                ),
+            )
             for r in range(world_size)
         ]
         for p in self.procs:
@@ -136,8 +179,11 @@ class _Pool:
             try:
                 rank, ok, value = self.results.get(timeout=min(1.0, limit - now))
             except queue.Empty:
-                dead = [r for r, p in enumerate(self.procs)
-                        if not p.is_alive() and r not in values and r not in failures]
+                dead = [
+                    r
+                    for r, p in enumerate(self.procs)
+                    if not p.is_alive() and r not in values and r not in failures
+                ]
                 for r in dead:
                     failures[r] = f"process exited with code {self.procs[r].exitcode} during {what}"
                     first_failure_at = first_failure_at or time.monotonic()
@@ -152,10 +198,15 @@ class _Pool:
             self.shutdown(force=True)
             parts = [f"--- rank {r} ---\n{failures[r]}" for r in sorted(failures)]
             if missing:
-                reason = ("did not finish after another rank failed" if failures
-                          else f"did not finish within {timeout_s:.0f} s")
+                reason = (
+                    "did not finish after another rank failed"
+                    if failures
+                    else f"did not finish within {timeout_s:.0f} s"
+                )
                 parts.append(f"--- ranks {missing} {reason} (killed) ---")
-            raise DistributedTestError(f"{what} failed on {self.world_size} ranks:\n" + "\n".join(parts))
+            raise DistributedTestError(
+                f"{what} failed on {self.world_size} ranks:\n" + "\n".join(parts)
+            )
         return [values[r] for r in range(self.world_size)]
 
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout_s: float) -> list[Any]:

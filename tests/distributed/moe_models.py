@@ -16,19 +16,39 @@ def tiny_moe(family: str, seed: int = 0, **overrides):
     import transformers as tf
     from transformers import AutoModelForCausalLM
 
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2,
-                  tie_word_embeddings=False, use_cache=False)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
     if family == "mixtral":
         cfg = tf.MixtralConfig(**common, intermediate_size=48, num_local_experts=4)
     elif family == "qwen2_moe":
         # Layer 1 is a dense MLP (mlp_only_layers); the sparse block has a gated shared expert.
-        cfg = tf.Qwen2MoeConfig(**common, intermediate_size=48, moe_intermediate_size=24,
-                                shared_expert_intermediate_size=40, num_experts=4, norm_topk_prob=False,
-                                mlp_only_layers=[1])
+        cfg = tf.Qwen2MoeConfig(
+            **common,
+            intermediate_size=48,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            num_experts=4,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+        )
     elif family == "qwen3_moe":
-        cfg = tf.Qwen3MoeConfig(**common, intermediate_size=48, moe_intermediate_size=24, num_experts=4,
-                                norm_topk_prob=True, head_dim=8)
+        cfg = tf.Qwen3MoeConfig(
+            **common,
+            intermediate_size=48,
+            moe_intermediate_size=24,
+            num_experts=4,
+            norm_topk_prob=True,
+            head_dim=8,
+        )
     else:
         raise ValueError(family)
     for key, value in overrides.items():
@@ -68,17 +88,38 @@ def wrap(model, api: str, mixed_precision: bool = False):
     from torch_sagemaker.sharding import shard_model
 
     if api == "fsdp2":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) \
-            if mixed_precision else None
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+            if mixed_precision
+            else None
+        )
         return shard_model(model, mp_policy=mp)
-    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer_class(model)})
-    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
-                        buffer_dtype=torch.float32) if mixed_precision else None
-    strategy = ShardingStrategy.HYBRID_SHARD if tsm.state.layout.requested_hybrid_shard_degree else \
-        ShardingStrategy.FULL_SHARD
-    return FSDP(model, auto_wrap_policy=policy, mixed_precision=mp, sharding_strategy=strategy,
-                backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True,
-                limit_all_gathers=True, device_id=torch.device("cpu"), use_orig_params=True)
+    policy = functools.partial(
+        transformer_auto_wrap_policy, transformer_layer_cls={layer_class(model)}
+    )
+    mp = (
+        MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.float32
+        )
+        if mixed_precision
+        else None
+    )
+    strategy = (
+        ShardingStrategy.HYBRID_SHARD
+        if tsm.state.layout.requested_hybrid_shard_degree
+        else ShardingStrategy.FULL_SHARD
+    )
+    return FSDP(
+        model,
+        auto_wrap_policy=policy,
+        mixed_precision=mp,
+        sharding_strategy=strategy,
+        backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+        forward_prefetch=True,
+        limit_all_gathers=True,
+        device_id=torch.device("cpu"),
+        use_orig_params=True,
+    )
 
 
 def full(t):
@@ -88,9 +129,13 @@ def full(t):
 
 
 def clean(name: str) -> str:
-    for part in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_offload_wrapped_module."):
+    for part in (
+        "_fsdp_wrapped_module.",
+        "_checkpoint_wrapped_module.",
+        "_offload_wrapped_module.",
+    ):
         name = name.replace(part, "")
-    return name[len("module."):] if name.startswith("module.") else name
+    return name[len("module.") :] if name.startswith("module.") else name
 
 
 def full_grads(model) -> dict[str, torch.Tensor]:
@@ -110,7 +155,9 @@ def reference_aux(router_logits, num_experts: int, top_k: int, aux_coeff: float,
     for logits in router_logits:
         probs = torch.softmax(logits.float(), -1)
         chosen = torch.topk(probs, top_k, -1).indices
-        fraction = torch.stack([(chosen == e).sum() for e in range(num_experts)]).float() / chosen.numel()
+        fraction = (
+            torch.stack([(chosen == e).sum() for e in range(num_experts)]).float() / chosen.numel()
+        )
         total = total + aux_coeff * num_experts * (fraction * probs.mean(0)).sum()
         total = total + z_coeff * torch.logsumexp(logits.float(), -1).pow(2).mean()
     return total
@@ -125,16 +172,33 @@ def moe_reference(model, cfg):
 
     policy = lookup_policy(model)
     spec = policy.moe
-    for name, block in [(n, m) for n, m in model.named_modules() if type(m).__name__ == spec.block_class]:
-        layer = MoELayer(block, spec, cfg, num_experts=policy.num_experts(model.config),
-                         top_k=spec.top_k(model.config), normalize=spec.normalize(model.config), shuffle=None)
+    for name, block in [
+        (n, m) for n, m in model.named_modules() if type(m).__name__ == spec.block_class
+    ]:
+        layer = MoELayer(
+            block,
+            spec,
+            cfg,
+            num_experts=policy.num_experts(model.config),
+            top_k=spec.top_k(model.config),
+            normalize=spec.normalize(model.config),
+            shuffle=None,
+        )
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, layer)
     return model
 
 
-def parity_case(family: str, api: str, moe_kwargs: dict, steps: int = 3, checkpoint: str | None = None,
-                offload: bool = False, router_logits: bool = True, moe_ref: bool = False) -> dict:
+def parity_case(
+    family: str,
+    api: str,
+    moe_kwargs: dict,
+    steps: int = 3,
+    checkpoint: str | None = None,
+    offload: bool = False,
+    router_logits: bool = True,
+    moe_ref: bool = False,
+) -> dict:
     """One expert parallel run against one process on the concatenated batch (run on every rank).
 
     Returns per step the max differences of the loss, the router logits, every gradient and the
@@ -164,7 +228,9 @@ def parity_case(family: str, api: str, moe_kwargs: dict, steps: int = 3, checkpo
     if offload:
         model = tsm.offload_wrapper(model)
     num_experts, top_k = 4, 2
-    aux_coeff = cfg.moe_aux_loss_coeff if cfg.moe_load_balancing == "aux_loss" and not moe_ref else 0.0
+    aux_coeff = (
+        cfg.moe_aux_loss_coeff if cfg.moe_load_balancing == "aux_loss" and not moe_ref else 0.0
+    )
     z_coeff = cfg.moe_z_loss_coeff if cfg.smp_moe and not moe_ref else 0.0
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -179,20 +245,31 @@ def parity_case(family: str, api: str, moe_kwargs: dict, steps: int = 3, checkpo
         set_aux_loss_scale(1.0 / dp_size)
         for d, ref_ids in enumerate(batches):
             r = ref(input_ids=ref_ids, labels=ref_ids, output_router_logits=True)
-            loss = (r.loss if router_logits else r.loss - r.aux_loss * ref.router_aux_loss_coef) + \
-                reference_aux(r.router_logits, num_experts, top_k, aux_coeff, z_coeff)
+            loss = (
+                r.loss if router_logits else r.loss - r.aux_loss * ref.router_aux_loss_coef
+            ) + reference_aux(r.router_logits, num_experts, top_k, aux_coeff, z_coeff)
             (loss / dp_size).backward()
             if d == dp_rank:
-                out["ref_loss"].append(float(loss.detach()) - float(reference_aux(
-                    r.router_logits, num_experts, top_k, aux_coeff, z_coeff)))
-                out["logits"].append(max(float((a - b).abs().max()) for a, b in zip(
-                    res.router_logits, r.router_logits, strict=True)) if router_logits else 0.0)
+                out["ref_loss"].append(
+                    float(loss.detach())
+                    - float(reference_aux(r.router_logits, num_experts, top_k, aux_coeff, z_coeff))
+                )
+                out["logits"].append(
+                    max(
+                        float((a - b).abs().max())
+                        for a, b in zip(res.router_logits, r.router_logits, strict=True)
+                    )
+                    if router_logits
+                    else 0.0
+                )
         set_aux_loss_scale(1.0)
         grads = full_grads(model)
         ref_grads = {n: p.grad for n, p in ref.named_parameters()}
         assert grads.keys() == ref_grads.keys(), sorted(set(grads) ^ set(ref_grads))
         out["grads"].append({n: float((g - ref_grads[n]).abs().max()) for n, g in grads.items()})
-        out["grad_scale"].append(min(float(g.abs().max()) for n, g in ref_grads.items() if "experts" in n))
+        out["grad_scale"].append(
+            min(float(g.abs().max()) for n, g in ref_grads.items() if "experts" in n)
+        )
         norm = clip_grad_norm_(model, 1e9)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
         out["norm"].append(abs(float(norm) - float(ref_norm)))
@@ -200,8 +277,13 @@ def parity_case(family: str, api: str, moe_kwargs: dict, steps: int = 3, checkpo
         opt.step()
         ref_opt.step()
         opt.zero_grad()
-    out["local_experts"] = sorted({tuple(p.to_local().shape) for n, p in model.named_parameters()
-                                   if "experts." in n and hasattr(p, "to_local")})
+    out["local_experts"] = sorted(
+        {
+            tuple(p.to_local().shape)
+            for n, p in model.named_parameters()
+            if "experts." in n and hasattr(p, "to_local")
+        }
+    )
     out["world"] = dist.get_world_size()
     return out
 
@@ -220,8 +302,10 @@ def apply_checkpointing(model, target: str) -> None:
     cls = MoELayer if target == "moe" else layer_class(model)
     impl = CheckpointImpl.NO_REENTRANT if target == "moe" else CheckpointImpl.REENTRANT
     apply_activation_checkpointing(
-        model, check_fn=lambda m: isinstance(m, cls),
-        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl))
+        model,
+        check_fn=lambda m: isinstance(m, cls),
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
+    )
 
 
 def run_cases(cases: list[tuple]) -> dict:
@@ -248,4 +332,3 @@ def check(results: dict, atol: float = 2e-5) -> None:
         for step, grads in enumerate(r["grads"]):
             bad = {n: d for n, d in grads.items() if d > atol}
             assert not bad, (name, step, bad)
-

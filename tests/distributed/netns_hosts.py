@@ -49,8 +49,23 @@ def unavailable_reason() -> str | None:
     for tool in ("unshare", "ip"):
         if shutil.which(tool) is None:
             return f"the '{tool}' command is not installed"
-    probe = ["unshare", "--user", "--map-root-user", "--net", "--ipc", "--uts",
-             "ip", "link", "add", "probe0", "type", "veth", "peer", "name", "probe1"]
+    probe = [
+        "unshare",
+        "--user",
+        "--map-root-user",
+        "--net",
+        "--ipc",
+        "--uts",
+        "ip",
+        "link",
+        "add",
+        "probe0",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "probe1",
+    ]
     try:
         done = subprocess.run(probe, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -60,8 +75,9 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def run_on_two_hosts(command: list[str], timeout_s: float, env: dict[str, str] | None = None,
-                     cwd: str | None = None) -> subprocess.CompletedProcess:
+def run_on_two_hosts(
+    command: list[str], timeout_s: float, env: dict[str, str] | None = None, cwd: str | None = None
+) -> subprocess.CompletedProcess:
     """Runs ``command`` on both hosts (``{host}`` replaced by 0 or 1); output is merged.
 
     Args:
@@ -74,16 +90,44 @@ def run_on_two_hosts(command: list[str], timeout_s: float, env: dict[str, str] |
         The finished orchestrator: ``returncode`` 0 when both commands succeeded, and
         ``stdout`` with every line prefixed by its host.
     """
-    argv = ["unshare", "--user", "--map-root-user", "--net", sys.executable, "-m",
-            "tests.distributed.netns_hosts", "--timeout", str(timeout_s), "--", *command]
-    return subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=env, cwd=cwd, timeout=timeout_s + 30)
+    argv = [
+        "unshare",
+        "--user",
+        "--map-root-user",
+        "--net",
+        sys.executable,
+        "-m",
+        "tests.distributed.netns_hosts",
+        "--timeout",
+        str(timeout_s),
+        "--",
+        *command,
+    ]
+    return subprocess.run(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=timeout_s + 30,
+    )
 
 
 def _start_host(index: int, command: list[str], log) -> subprocess.Popen:
-    argv = ["unshare", "--net", "--ipc", "--uts", "sh", "-c", _HOST_SETUP, "host-setup",
-            str(index), HOST_ADDRESS.format(index + 1),
-            *[part.replace("{host}", str(index)) for part in command]]
+    argv = [
+        "unshare",
+        "--net",
+        "--ipc",
+        "--uts",
+        "sh",
+        "-c",
+        _HOST_SETUP,
+        "host-setup",
+        str(index),
+        HOST_ADDRESS.format(index + 1),
+        *[part.replace("{host}", str(index)) for part in command],
+    ]
     # Output to a file (a pipe left unread could block one host and so both); its own
     # session, so a timeout can kill the host's whole process tree.
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -138,14 +182,37 @@ def _connect_and_wait(hosts: list[subprocess.Popen], timeout_s: float) -> list[s
     try:
         for host in hosts:
             _wait_own_network(host)
-        subprocess.run(["ip", "link", "add", "eth0", "netns", str(hosts[0].pid), "type", "veth",
-                        "peer", "name", "eth0", "netns", str(hosts[1].pid)], check=True)
+        subprocess.run(
+            [
+                "ip",
+                "link",
+                "add",
+                "eth0",
+                "netns",
+                str(hosts[0].pid),
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                str(hosts[1].pid),
+            ],
+            check=True,
+        )
         deadline = time.monotonic() + timeout_s
         # A host that failed leaves the other waiting for it: stop both at once.
-        while (any(h.poll() is None for h in hosts) and time.monotonic() < deadline
-               and not any(h.poll() for h in hosts)):
+        while (
+            any(h.poll() is None for h in hosts)
+            and time.monotonic() < deadline
+            and not any(h.poll() for h in hosts)
+        ):
             time.sleep(0.1)
-        why = f"timeout ({timeout_s:.0f} s)" if time.monotonic() >= deadline else "the other host failed"
+        why = (
+            f"timeout ({timeout_s:.0f} s)"
+            if time.monotonic() >= deadline
+            else "the other host failed"
+        )
     finally:
         stopped = [h.poll() is None for h in hosts]
         for host, running in zip(hosts, stopped):

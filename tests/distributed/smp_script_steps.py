@@ -28,19 +28,39 @@ GLOBAL_BATCH = 8
 def llama_config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                       tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa")
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
 
 
 def mixtral_config():
     from transformers import MixtralConfig
 
-    return MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
-                         use_cache=False, output_router_logits=False, router_aux_loss_coef=0.001,
-                         attn_implementation="sdpa")
+    return MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+        use_cache=False,
+        output_router_logits=False,
+        router_aux_loss_coef=0.001,
+        attn_implementation="sdpa",
+    )
 
 
 def build_model(delayed: bool = True, moe: bool = False):
@@ -64,11 +84,17 @@ def build_model(delayed: bool = True, moe: bool = False):
     if moe:
         from torch.sagemaker.moe.moe_config import MoEConfig
 
-        moe_config = MoEConfig(smp_moe=True, moe_load_balancing="sinkhorn", global_token_shuffle=False,
-                               moe_all_to_all_dispatcher=True, use_cpu_initialization=False)
+        moe_config = MoEConfig(
+            smp_moe=True,
+            moe_load_balancing="sinkhorn",
+            global_token_shuffle=False,
+            moe_all_to_all_dispatcher=True,
+            use_cpu_initialization=False,
+        )
     with init_empty_weights() if (moe and delayed) else contextlib.nullcontext():
-        model = tsm.transform(model, config=moe_config, load_state_dict_from_rank0=False,
-                              cp_comm_type="p2p")
+        model = tsm.transform(
+            model, config=moe_config, load_state_dict_from_rank0=False, cp_comm_type="p2p"
+        )
     return model, (DelayedParamIniter(model) if delayed else None)
 
 
@@ -80,18 +106,32 @@ def wrap_fsdp1(model, initer, bf16: bool = True):
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from torch.sagemaker.tensor_parallel.transformer import TransformerLayer
 
-    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerLayer})
-    mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
-                           buffer_dtype=torch.float32) if bf16 else None
+    policy = functools.partial(
+        transformer_auto_wrap_policy, transformer_layer_cls={TransformerLayer}
+    )
+    mixed = (
+        MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.float32
+        )
+        if bf16
+        else None
+    )
     validate = initer.validate_params_and_buffers_inited() if initer else _Nothing()
     with validate:
-        model = FSDP(model, auto_wrap_policy=policy, mixed_precision=mixed,
-                     sharding_strategy=ShardingStrategy.HYBRID_SHARD,
-                     backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True,
-                     limit_all_gathers=True, device_id=torch.device("cpu"), use_orig_params=True,
-                     param_init_fn=initer.get_param_init_fn() if initer else None,
-                     post_param_init_fn=initer.get_post_param_init_fn() if initer else None,
-                     sync_module_states=False)
+        model = FSDP(
+            model,
+            auto_wrap_policy=policy,
+            mixed_precision=mixed,
+            sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+            backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+            forward_prefetch=True,
+            limit_all_gathers=True,
+            device_id=torch.device("cpu"),
+            use_orig_params=True,
+            param_init_fn=initer.get_param_init_fn() if initer else None,
+            post_param_init_fn=initer.get_post_param_init_fn() if initer else None,
+            sync_module_states=False,
+        )
     import torch.distributed as dist
 
     dist.barrier()
@@ -102,9 +142,12 @@ def wrap_fsdp1(model, initer, bf16: bool = True):
     )
 
     apply_activation_checkpointing(
-        model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
-                                                       checkpoint_impl=CheckpointImpl.REENTRANT),
-        check_fn=lambda m: isinstance(m, TransformerLayer))
+        model,
+        checkpoint_wrapper_fn=functools.partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.REENTRANT
+        ),
+        check_fn=lambda m: isinstance(m, TransformerLayer),
+    )
     if tsm.state.sm_activation_offloading:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import offload_wrapper
 
@@ -155,8 +198,11 @@ def pg_metadata(model):
     import torch.sagemaker as tsm
     from torch.sagemaker.utils.process_group_utils import get_global_ranks
 
-    return (model.process_group, min(get_global_ranks(model.process_group)),
-            tsm.state.ranker.get_rep_rank(dist.get_rank()) == 0)
+    return (
+        model.process_group,
+        min(get_global_ranks(model.process_group)),
+        tsm.state.ranker.get_rep_rank(dist.get_rank()) == 0,
+    )
 
 
 def batch_for(step: int) -> torch.Tensor:
@@ -201,14 +247,20 @@ def save_sharded(model, optimizer, scheduler, path, meta, user):
     from torch.distributed.fsdp import StateDictType
 
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        state_dict = {"model": model.state_dict(), "optimizer": FSDP.optim_state_dict(model, optimizer),
-                      "scheduler": scheduler.state_dict()} | user
+        state_dict = {
+            "model": model.state_dict(),
+            "optimizer": FSDP.optim_state_dict(model, optimizer),
+            "scheduler": scheduler.state_dict(),
+        } | user
     process_group, coordinator_rank, action_rank = meta
     if action_rank:
-        checkpoint.save_state_dict(state_dict=state_dict,
-                                   storage_writer=checkpoint.FileSystemWriter(tp_subdir(path)),
-                                   planner=checkpoint.DefaultSavePlanner(),
-                                   process_group=process_group, coordinator_rank=coordinator_rank)
+        checkpoint.save_state_dict(
+            state_dict=state_dict,
+            storage_writer=checkpoint.FileSystemWriter(tp_subdir(path)),
+            planner=checkpoint.DefaultSavePlanner(),
+            process_group=process_group,
+            coordinator_rank=coordinator_rank,
+        )
 
 
 def _load_sharded_with(load_fn, reader, model, optimizer, scheduler, path, meta):
@@ -220,18 +272,34 @@ def _load_sharded_with(load_fn, reader, model, optimizer, scheduler, path, meta)
 
     process_group, coordinator_rank, _ = meta
     directory = tp_subdir(path)
-    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT,
-                              optim_state_dict_config=ShardedOptimStateDictConfig(offload_to_cpu=True)):
-        state_dict = {"model": model.state_dict(), "scheduler": scheduler.state_dict(), "total_steps": 0}
-        load_fn(state_dict=state_dict, storage_reader=reader(directory), process_group=process_group,
-                coordinator_rank=coordinator_rank, planner=checkpoint.DefaultLoadPlanner())
+    with FSDP.state_dict_type(
+        model,
+        StateDictType.SHARDED_STATE_DICT,
+        optim_state_dict_config=ShardedOptimStateDictConfig(offload_to_cpu=True),
+    ):
+        state_dict = {
+            "model": model.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "total_steps": 0,
+        }
+        load_fn(
+            state_dict=state_dict,
+            storage_reader=reader(directory),
+            process_group=process_group,
+            coordinator_rank=coordinator_rank,
+            planner=checkpoint.DefaultLoadPlanner(),
+        )
         model.load_state_dict(state_dict["model"])
         scheduler.load_state_dict(state_dict["scheduler"])
         optim_state = load_sharded_optimizer_state_dict(
-            model_state_dict=state_dict["model"], optimizer_key="optimizer",
-            storage_reader=reader(directory), process_group=model.process_group)
-        flattened = FSDP.optim_state_dict_to_load(model=model, optim=optimizer,
-                                                  optim_state_dict=optim_state["optimizer"])
+            model_state_dict=state_dict["model"],
+            optimizer_key="optimizer",
+            storage_reader=reader(directory),
+            process_group=model.process_group,
+        )
+        flattened = FSDP.optim_state_dict_to_load(
+            model=model, optim=optimizer, optim_state_dict=optim_state["optimizer"]
+        )
         optimizer.load_state_dict(flattened)
     return state_dict["total_steps"]
 
@@ -239,8 +307,15 @@ def _load_sharded_with(load_fn, reader, model, optimizer, scheduler, path, meta)
 def load_sharded(model, optimizer, scheduler, path, meta):
     from torch.distributed import checkpoint
 
-    return _load_sharded_with(checkpoint.load_state_dict, checkpoint.FileSystemReader, model,
-                              optimizer, scheduler, path, meta)
+    return _load_sharded_with(
+        checkpoint.load_state_dict,
+        checkpoint.FileSystemReader,
+        model,
+        optimizer,
+        scheduler,
+        path,
+        meta,
+    )
 
 
 # ------------------------------------------------------------ checkpoint type "async_sharded"
@@ -252,18 +327,28 @@ def save_async_sharded(model, optimizer, scheduler, path, meta, user, queue):
     process_group, coordinator_rank, action_rank = meta
     queue.maybe_finalize_async_calls(blocking=True, process_group=process_group)
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        state_dict = {"model": model.state_dict(), "optimizer": FSDP.optim_state_dict(model, optimizer),
-                      "scheduler": scheduler.state_dict()} | user
+        state_dict = {
+            "model": model.state_dict(),
+            "optimizer": FSDP.optim_state_dict(model, optimizer),
+            "scheduler": scheduler.state_dict(),
+        } | user
     if action_rank:
-        async_save(state_dict, checkpoint_id=tp_subdir(path), process_group=process_group,
-                   coordinator_rank=coordinator_rank, queue=queue)
+        async_save(
+            state_dict,
+            checkpoint_id=tp_subdir(path),
+            process_group=process_group,
+            coordinator_rank=coordinator_rank,
+            queue=queue,
+        )
 
 
 def load_async_sharded(model, optimizer, scheduler, path, meta):
     from torch.sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemReader
     from torch.sagemaker.distributed.checkpoint.state_dict_loader import load
 
-    return _load_sharded_with(load, DistributedFileSystemReader, model, optimizer, scheduler, path, meta)
+    return _load_sharded_with(
+        load, DistributedFileSystemReader, model, optimizer, scheduler, path, meta
+    )
 
 
 # -------------------------------------------------------------- checkpoint type "async_local"
@@ -296,10 +381,18 @@ def save_async_local(model, optimizer, scheduler, path, user, queue, rep):
     ranks, group = rep
     queue.maybe_finalize_async_calls(blocking=True, process_group=group)
     with sm_state_dict_type(model, SMStateDictType.SM_LOCAL_STATE_DICT):
-        state_dict = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                      "scheduler": scheduler.state_dict()} | user
-    async_save(state_dict, checkpoint_id=local_dir(model, path), process_group=group,
-               coordinator_rank=min(ranks), queue=queue)
+        state_dict = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+        } | user
+    async_save(
+        state_dict,
+        checkpoint_id=local_dir(model, path),
+        process_group=group,
+        coordinator_rank=min(ranks),
+        queue=queue,
+    )
 
 
 def load_async_local(model, optimizer, scheduler, path, rep):
@@ -316,11 +409,19 @@ def load_async_local(model, optimizer, scheduler, path, rep):
     ranks, group = rep
     reader = DistributedFileSystemReader(Path(local_dir(model, path)))
     with sm_state_dict_type(model, SMStateDictType.SM_LOCAL_STATE_DICT):
-        state_dict = {"model": model.state_dict(), "scheduler": scheduler.state_dict(), "total_steps": 0}
+        state_dict = {
+            "model": model.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "total_steps": 0,
+        }
         init_optim_state(optimizer, skip_empty_param=True)
         state_dict["optimizer"] = optimizer.state_dict()
-        load(state_dict=state_dict, process_group=group, coordinator_rank=min(ranks),
-             storage_reader=reader)
+        load(
+            state_dict=state_dict,
+            process_group=group,
+            coordinator_rank=min(ranks),
+            storage_reader=reader,
+        )
     scheduler.load_state_dict(state_dict["scheduler"])
     return state_dict["total_steps"]
 
@@ -340,8 +441,16 @@ def save_with_util(model, optimizer, scheduler, path, meta, user):
     from torch.distributed.fsdp import ShardingStrategy, StateDictType
 
     _fsdp_checkpoint_module().save_model_checkpoint(
-        model, StateDictType.SHARDED_STATE_DICT, path, ShardingStrategy.HYBRID_SHARD, meta,
-        log=dist.get_rank() == 0, optimizer=optimizer, scheduler=scheduler, extra_exports=user)
+        model,
+        StateDictType.SHARDED_STATE_DICT,
+        path,
+        ShardingStrategy.HYBRID_SHARD,
+        meta,
+        log=dist.get_rank() == 0,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        extra_exports=user,
+    )
 
 
 def load_with_util(model, optimizer, scheduler, path, meta):
@@ -350,9 +459,16 @@ def load_with_util(model, optimizer, scheduler, path, meta):
 
     util = _fsdp_checkpoint_module()
     loaded = util.load_model_checkpoint(
-        model, StateDictType.SHARDED_STATE_DICT, path, ShardingStrategy.HYBRID_SHARD, meta,
-        log=dist.get_rank() == 0, optimizer=optimizer, scheduler=scheduler,
-        extra_imports={"total_steps": 0})
+        model,
+        StateDictType.SHARDED_STATE_DICT,
+        path,
+        ShardingStrategy.HYBRID_SHARD,
+        meta,
+        log=dist.get_rank() == 0,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        extra_imports={"total_steps": 0},
+    )
     assert loaded[util.EXPORT_KEY_MODEL] is model and loaded[util.EXPORT_KEY_OPTIMIZER] is optimizer
     return loaded[util.EXPORT_KEY_IDENTITY]["total_steps"]
 
@@ -364,8 +480,11 @@ def save_full(model, save_dir, config=None):
     from torch.distributed.fsdp import StateDictType
     from torch.distributed.fsdp.api import FullStateDictConfig
 
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
-                              FullStateDictConfig(rank0_only=True, offload_to_cpu=False)):
+    with FSDP.state_dict_type(
+        model,
+        StateDictType.FULL_STATE_DICT,
+        FullStateDictConfig(rank0_only=True, offload_to_cpu=False),
+    ):
         state_dict = model.state_dict()
         if dist.get_rank() == 0:
             os.makedirs(save_dir, exist_ok=True)

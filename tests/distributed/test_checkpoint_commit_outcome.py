@@ -81,8 +81,11 @@ def _save_while_a_rank_dies(root: str, victim: int, after_commit: bool) -> None:
         save(_state(rank, 2.0), checkpoint_id=path)
         report = {"error": None}
     except CheckpointError as e:
-        report = {"error": str(e), "committed": getattr(e, "committed", None),
-                  "type": "CheckpointError"}
+        report = {
+            "error": str(e),
+            "committed": getattr(e, "committed", None),
+            "type": "CheckpointError",
+        }
     except Exception as e:  # noqa: BLE001 - the defect: a bare backend error
         report = {"error": str(e), "type": type(e).__name__}
     report["seconds"] = time.monotonic() - started
@@ -108,8 +111,17 @@ def _load_tag(path: str, world_size: int) -> tuple[str, float]:
 def test_peer_dying_after_the_commit_reports_a_complete_checkpoint(tmp_path):
     root = str(tmp_path)
     with pytest.raises(DistributedTestError, match="rank 1"):
-        run_distributed(_save_while_a_rank_dies, root, 1, True, world_size=3, backend="smddp",
-                        fresh=True, timeout=120, pg_timeout=30)
+        run_distributed(
+            _save_while_a_rank_dies,
+            root,
+            1,
+            True,
+            world_size=3,
+            backend="smddp",
+            fresh=True,
+            timeout=120,
+            pg_timeout=30,
+        )
     reports = _reports(root, (0, 2))
     for rank, report in reports.items():
         assert report["type"] == "CheckpointError" and report["committed"], (rank, report)
@@ -122,8 +134,17 @@ def test_peer_dying_after_the_commit_reports_a_complete_checkpoint(tmp_path):
 def test_coordinator_dying_before_the_commit_reports_no_checkpoint(tmp_path):
     root = str(tmp_path)
     with pytest.raises(DistributedTestError, match="rank 0"):
-        run_distributed(_save_while_a_rank_dies, root, 0, False, world_size=2, backend="smddp",
-                        fresh=True, timeout=120, pg_timeout=30)
+        run_distributed(
+            _save_while_a_rank_dies,
+            root,
+            0,
+            False,
+            world_size=2,
+            backend="smddp",
+            fresh=True,
+            timeout=120,
+            pg_timeout=30,
+        )
     reports = _reports(root, (1,))
     for rank, report in reports.items():
         assert report["type"] == "CheckpointError" and not report["committed"], (rank, report)

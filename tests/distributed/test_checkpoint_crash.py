@@ -80,8 +80,10 @@ def _check_after_crash(root: str) -> dict:
     state = _state(model)
     state["tag"] = ""
     load(state, checkpoint_id=f"{root}/ckpt")
-    restored = all(torch.equal(v.to_local() if isinstance(v, DTensor) else v, expected[k])
-                   for k, v in model.state_dict().items())
+    restored = all(
+        torch.equal(v.to_local() if isinstance(v, DTensor) else v, expected[k])
+        for k, v in model.state_dict().items()
+    )
     try:
         load(_state(model), checkpoint_id=f"{root}/.ckpt.partial")
         partial_error = "no error"
@@ -93,8 +95,13 @@ def _check_after_crash(root: str) -> dict:
     save({"model": _state(model)["model"], "tag": "W3"}, checkpoint_id=f"{root}/ckpt")
     again = {"model": _state(model)["model"], "tag": ""}
     load(again, checkpoint_id=f"{root}/ckpt")
-    return dict(tag=state["tag"], restored=restored, partial_error=partial_error,
-                tag_after=again["tag"], partial_left=os.path.exists(f"{root}/.ckpt.partial"))
+    return dict(
+        tag=state["tag"],
+        restored=restored,
+        partial_error=partial_error,
+        tag_after=again["tag"],
+        partial_left=os.path.exists(f"{root}/.ckpt.partial"),
+    )
 
 
 def test_killed_rank_leaves_previous_checkpoint_loadable(tmp_path):

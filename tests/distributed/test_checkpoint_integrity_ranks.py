@@ -41,8 +41,11 @@ def _shard_checks(root: str) -> dict:
 
         # Each rank saves its own directory with the whole group, then loads it (both groups'
         # files are then checked on their own ranks, since the directories differ).
-        save({"w": torch.full((64,), float(rank))}, checkpoint_id=f"{root}/own{rank}",
-             process_group=dist.new_group([rank]))
+        save(
+            {"w": torch.full((64,), float(rank))},
+            checkpoint_id=f"{root}/own{rank}",
+            process_group=dist.new_group([rank]),
+        )
         checked.clear()
         load({"w": torch.zeros(64)}, checkpoint_id=f"{root}/own{rank}")
         own = sorted(checked)
@@ -57,8 +60,9 @@ def _shard_checks(root: str) -> dict:
                 f.write(bytes([byte ^ 0x01]))
         dist.barrier()
         try:
-            load({f"w{rank}": torch.zeros(4096)}, checkpoint_id=f"{root}/c",
-                 check_keys_matched=False)
+            load(
+                {f"w{rank}": torch.zeros(4096)}, checkpoint_id=f"{root}/c", check_keys_matched=False
+            )
             corrupt = "no error"
         except CheckpointError as e:
             corrupt = str(e)

@@ -18,8 +18,16 @@ from tests.distributed.launcher import run_distributed
 
 pytestmark = pytest.mark.distributed
 
-CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-           num_key_value_heads=4, vocab_size=128, max_position_embeddings=64, pad_token_id=0)
+CFG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=128,
+    max_position_embeddings=64,
+    pad_token_id=0,
+)
 GLOBAL_BATCH, SEQ, STEPS, SAVE_AT = 8, 16, 6, 3
 INIT_SEED = 1234
 
@@ -50,9 +58,13 @@ def build(hsd: int, tp: int = 1, fsdp: str = "fsdp2", seed: int = INIT_SEED):
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
-                     param_init_fn=initer.get_param_init_fn(), use_orig_params=True,
-                     device_id=torch.device("cpu"))
+        model = FSDP(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+            param_init_fn=initer.get_param_init_fn(),
+            use_orig_params=True,
+            device_id=torch.device("cpu"),
+        )
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1 + s))
     return model, optim, sched
@@ -66,7 +78,7 @@ def batch(step: int):
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(1, CFG["vocab_size"], (GLOBAL_BATCH, SEQ), generator=g)
     per = GLOBAL_BATCH // tsm.state.dp_size
-    return tokens[tsm.state.dp_rank * per:(tsm.state.dp_rank + 1) * per]
+    return tokens[tsm.state.dp_rank * per : (tsm.state.dp_rank + 1) * per]
 
 
 def train(model, optim, sched, steps) -> list[float]:
@@ -109,8 +121,11 @@ def local_snapshot(state_dict) -> dict:
     from torch.distributed.tensor import DTensor
 
     flat, _ = flatten_state_dict(state_dict)
-    return {k: (v.to_local() if isinstance(v, DTensor) else v).clone()
-            for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    return {
+        k: (v.to_local() if isinstance(v, DTensor) else v).clone()
+        for k, v in flat.items()
+        if isinstance(v, torch.Tensor)
+    }
 
 
 class GatedWriter:
@@ -149,8 +164,12 @@ def _uninterrupted_run(root: str) -> dict:
     ts.save(f"{root}/sync/step{SAVE_AT}", num_kept=1)
     ts.save(f"{root}/local/step{SAVE_AT}", kind="local")
     gate, queue = threading.Event(), AsyncCallsQueue()
-    async_save(ts.state_dict(), checkpoint_id=f"{root}/async/step{SAVE_AT}", queue=queue,
-               storage_writer=GatedWriter.make(gate))
+    async_save(
+        ts.state_dict(),
+        checkpoint_id=f"{root}/async/step{SAVE_AT}",
+        queue=queue,
+        storage_writer=GatedWriter.make(gate),
+    )
     losses += train(model, optim, sched, range(SAVE_AT, STEPS))
     # Three steps ran while the async save was still writing (its writer was held back).
     pending_while_training = queue.get_num_unfinalized_calls()
@@ -173,8 +192,15 @@ def _uninterrupted_run(root: str) -> dict:
         probe = torch.arange(1, 1 + 2 * SEQ).reshape(2, SEQ) % CFG["vocab_size"]
         with torch.no_grad():
             hf_logits = hf(input_ids=probe).logits
-    return dict(losses=losses, pending=pending_while_training, finalized=finalized,
-                keys=sorted(sync_values), same=same, logits=logits, hf_logits=hf_logits)
+    return dict(
+        losses=losses,
+        pending=pending_while_training,
+        finalized=finalized,
+        keys=sorted(sync_values),
+        same=same,
+        logits=logits,
+        hf_logits=hf_logits,
+    )
 
 
 def _resume(root: str, layouts: list[tuple[int, int, str]], kind: str = "sharded") -> dict:
@@ -187,7 +213,9 @@ def _resume(root: str, layouts: list[tuple[int, int, str]], kind: str = "sharded
         ts = TrainingState(model, optim, sched)
         ts.load(f"{root}/{'local' if kind == 'local' else 'sync'}/step{SAVE_AT}", kind=kind)
         start = ts.data_position["next_step"]
-        out[(hsd, tp, fsdp)] = dict(step=ts.step, losses=train(model, optim, sched, range(start, STEPS)))
+        out[(hsd, tp, fsdp)] = dict(
+            step=ts.step, losses=train(model, optim, sched, range(start, STEPS))
+        )
     return out
 
 
@@ -212,15 +240,15 @@ def _fsdp1_round_trip(root: str) -> dict:
     ts.load(f"{root}/sync/step{SAVE_AT}")
     losses = train(model, optim, sched, range(SAVE_AT, STEPS))
     TrainingState(model, optim, sched, step=STEPS, data_position={"next_step": STEPS}).save(
-        f"{root}/fsdp1/step{STEPS}")
+        f"{root}/fsdp1/step{STEPS}"
+    )
     saved = _full_state(model, optim)
     model, optim, sched = build(hsd=2, fsdp="fsdp2", seed=INIT_SEED + 2)
     ts = TrainingState(model, optim, sched)
     ts.load(f"{root}/fsdp1/step{STEPS}")
     loaded = _full_state(model, optim)
     same = sorted(k for k in saved if k in loaded and torch.equal(saved[k], loaded[k]))
-    return dict(losses=losses, keys=sorted(saved), same=same, step=ts.step,
-                lr=sched.get_last_lr())
+    return dict(losses=losses, keys=sorted(saved), same=same, step=ts.step, lr=sched.get_last_lr())
 
 
 def _local_under_other_layout(root: str) -> str:
@@ -265,8 +293,9 @@ def _tensor_parallel_job(root: str) -> dict:
     TrainingState(model, optim, sched).load(f"{root}/tp/step{STEPS}")
     loaded = _full_state(model, optim)
     same = sorted(k for k in saved if k in loaded and torch.equal(saved[k], loaded[k]))
-    return dict(delayed_equal=delayed_equal, step=ts.step, losses=losses, keys=sorted(saved),
-                same=same)
+    return dict(
+        delayed_equal=delayed_equal, step=ts.step, losses=losses, keys=sorted(saved), same=same
+    )
 
 
 # ----------------------------------------------------------------------- the tests
@@ -301,14 +330,25 @@ def test_resume_under_other_layouts_matches_uninterrupted_run(run4):
     root, results = run4
     expected = results[0]["losses"]
     assert len(set(expected)) == STEPS  # six distinct steps
-    four = run_distributed(_resume, root, [(4, 1, "fsdp2"), (1, 1, "fsdp2")], world_size=4,
-                           timeout=300)[0]
-    two = run_distributed(_resume, root, [(2, 1, "fsdp2"), (1, 1, "fsdp2"), (2, 1, "fsdp1")],
-                          world_size=2, timeout=300)[0]
+    four = run_distributed(
+        _resume, root, [(4, 1, "fsdp2"), (1, 1, "fsdp2")], world_size=4, timeout=300
+    )[0]
+    two = run_distributed(
+        _resume,
+        root,
+        [(2, 1, "fsdp2"), (1, 1, "fsdp2"), (2, 1, "fsdp1")],
+        world_size=2,
+        timeout=300,
+    )[0]
     for layout, got in {**four, **two}.items():
         assert got["step"] == SAVE_AT, layout
-        torch.testing.assert_close(got["losses"], expected[SAVE_AT:], rtol=1e-5, atol=1e-5,
-                                   msg=lambda m, layout=layout: f"layout {layout}: {m}")
+        torch.testing.assert_close(
+            got["losses"],
+            expected[SAVE_AT:],
+            rtol=1e-5,
+            atol=1e-5,
+            msg=lambda m, layout=layout: f"layout {layout}: {m}",
+        )
 
 
 @pytest.mark.slow  # a fresh 4-rank job (see _tensor_parallel_job): about a minute here
@@ -332,7 +372,9 @@ def test_fsdp1_hybrid_saves_and_fsdp2_loads(run4):
     root, results = run4
     out = run_distributed(_fsdp1_round_trip, root, world_size=2, timeout=300)
     for r in out:
-        torch.testing.assert_close(r["losses"], results[0]["losses"][SAVE_AT:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            r["losses"], results[0]["losses"][SAVE_AT:], rtol=1e-5, atol=1e-5
+        )
         assert any(k.startswith("optim.") for k in r["keys"])
         assert r["same"] == r["keys"], sorted(set(r["keys"]) - set(r["same"]))[:5]
         assert r["step"] == STEPS and r["lr"] == [1e-2 / (1 + STEPS)]
@@ -345,6 +387,8 @@ def test_sm_local_resumes_only_under_the_same_shard_layout(run4):
     expected = results[0]["losses"]
     # Same hybrid_shard_degree (2), fewer replicas: loads and continues exactly.
     two = run_distributed(_resume, root, [(2, 1, "fsdp2")], "local", world_size=2, timeout=300)[0]
-    torch.testing.assert_close(two[(2, 1, "fsdp2")]["losses"], expected[SAVE_AT:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        two[(2, 1, "fsdp2")]["losses"], expected[SAVE_AT:], rtol=1e-5, atol=1e-5
+    )
     message = run_distributed(_local_under_other_layout, root, world_size=4, timeout=300)[0]
     assert "SM-local checkpoint" in message and "hybrid_shard_degree=2/4" in message, message

@@ -70,10 +70,12 @@ def test_cp2_on_smddp():
 
 
 def test_cp2_bf16_checkpointing_and_offload():
-    cases = [(CP2, "llama", "p2p", "fsdp1", {"checkpointing": True, "mixed": True}),
-             (CP2, "qwen2", "all_gather", "fsdp2", {"checkpointing": True, "mixed": True}),
-             (CP2, "llama", "p2p", "fsdp2", {"checkpointing": True, "offload": True}),
-             (CP2, "gpt_neox", "all_gather", "fsdp1", {"checkpointing": True})]
+    cases = [
+        (CP2, "llama", "p2p", "fsdp1", {"checkpointing": True, "mixed": True}),
+        (CP2, "qwen2", "all_gather", "fsdp2", {"checkpointing": True, "mixed": True}),
+        (CP2, "llama", "p2p", "fsdp2", {"checkpointing": True, "offload": True}),
+        (CP2, "gpt_neox", "all_gather", "fsdp1", {"checkpointing": True}),
+    ]
     _check_all(run_distributed(_cases, cases, world_size=2, timeout=300), cases)
 
 
@@ -92,12 +94,16 @@ def _boundary_targets(comm: str) -> tuple[float, float, float]:
     c = cp_cases.SEQ // (2 * cp)
     labels = torch.full_like(ids, -100)
     labels[:, c::c] = ids[:, c::c]  # the first token of every chunk but the first
-    local = model(input_ids=cp_cases.smp_split(ids, rank, cp),
-                  labels=cp_cases.smp_split(labels, rank, cp)).loss
+    local = model(
+        input_ids=cp_cases.smp_split(ids, rank, cp), labels=cp_cases.smp_split(labels, rank, cp)
+    ).loss
     expected = ref(input_ids=ids, labels=labels).loss
     # What shifting inside the local concatenation would give (the layout's trap).
-    naive = ref.loss_function(model(input_ids=cp_cases.smp_split(ids, rank, cp)).logits,
-                              cp_cases.smp_split(labels, rank, cp), ref.config.vocab_size)
+    naive = ref.loss_function(
+        model(input_ids=cp_cases.smp_split(ids, rank, cp)).logits,
+        cp_cases.smp_split(labels, rank, cp),
+        ref.config.vocab_size,
+    )
     return cp_cases.cp_mean(local), float(expected), float(naive)
 
 
@@ -111,9 +117,11 @@ def test_loss_counts_the_last_token_of_every_chunk(comm):
 @pytest.mark.slow
 def test_cp2_tp2_on_four_ranks():
     config = {"context_parallel_degree": 2, "tensor_parallel_degree": 2, "hybrid_shard_degree": 2}
-    cases = [(config, "llama", "p2p", "fsdp2", {}),
-             (config, "mixtral", "all_gather", "fsdp2", {"checkpointing": True}),
-             (config, "gpt_neox", "p2p", "fsdp1", {"checkpointing": True})]
+    cases = [
+        (config, "llama", "p2p", "fsdp2", {}),
+        (config, "mixtral", "all_gather", "fsdp2", {"checkpointing": True}),
+        (config, "gpt_neox", "p2p", "fsdp1", {"checkpointing": True}),
+    ]
     # Fresh processes: one TP layout per job (see test_checkpoint_reshard._tensor_parallel_job).
     per_rank = run_distributed(_cases, cases, world_size=4, fresh=True, timeout=400)
     _check_all(per_rank, cases)
@@ -124,9 +132,14 @@ def test_cp_hybrid_shard_replicas_and_cp4_on_four_ranks():
     hsd4 = {"context_parallel_degree": 2, "hybrid_shard_degree": 4}  # dp_shard 2 x cp 2
     replicas = {"context_parallel_degree": 2, "hybrid_shard_degree": 2}  # 2 replicas of cp 2
     cp4 = {"context_parallel_degree": 4, "hybrid_shard_degree": 4}
-    cases = [(hsd4, "llama", "p2p", "fsdp1", {}), (hsd4, "mistral", "all_gather", "fsdp2", {}),
-             (replicas, "qwen2", "p2p", "fsdp2", {}), (replicas, "llama", "all_gather", "fsdp1", {}),
-             (cp4, "llama", "p2p", "fsdp2", {}), (cp4, "gpt_neox", "all_gather", "fsdp1", {})]
+    cases = [
+        (hsd4, "llama", "p2p", "fsdp1", {}),
+        (hsd4, "mistral", "all_gather", "fsdp2", {}),
+        (replicas, "qwen2", "p2p", "fsdp2", {}),
+        (replicas, "llama", "all_gather", "fsdp1", {}),
+        (cp4, "llama", "p2p", "fsdp2", {}),
+        (cp4, "gpt_neox", "all_gather", "fsdp1", {}),
+    ]
     per_rank = run_distributed(_cases, cases, world_size=4, backend="smddp", timeout=500)
     _check_all(per_rank, cases)
     for i, (config, *_rest) in enumerate(cases):
@@ -165,13 +178,21 @@ def _errors() -> dict[str, str]:
     record("split_length", lambda: split_sequence(ids[:, :14]))
     record("unsplit", lambda: model(input_ids=ids, labels=ids))
     local = cp_cases.smp_split(ids, rank, 2)
-    record("one_rank_bad_mask", lambda: model(
-        input_ids=local, attention_mask=torch.zeros_like(local) if rank == 1 else None))
+    record(
+        "one_rank_bad_mask",
+        lambda: model(
+            input_ids=local, attention_mask=torch.zeros_like(local) if rank == 1 else None
+        ),
+    )
     record("different_lengths", lambda: model(input_ids=local[:, : 8 - 2 * rank]))
     record("ok_after_errors", lambda: model(input_ids=local, labels=local))
-    record("sliding_window", lambda: tsm.transform(cp_cases.tiny_model("mistral", sliding_window=8)))
-    record("fsdp1_untransformed", lambda: FSDP(copy.deepcopy(ref), device_id=torch.device("cpu"),
-                                               use_orig_params=True))
+    record(
+        "sliding_window", lambda: tsm.transform(cp_cases.tiny_model("mistral", sliding_window=8))
+    )
+    record(
+        "fsdp1_untransformed",
+        lambda: FSDP(copy.deepcopy(ref), device_id=torch.device("cpu"), use_orig_params=True),
+    )
     record("fsdp2_untransformed", lambda: shard_model(copy.deepcopy(ref)))
     plain = copy.deepcopy(ref)
     plain.config._attn_implementation = "tsm_context_parallel"
@@ -185,8 +206,10 @@ def test_bad_input_gets_clear_errors():
         assert "not divisible by 2 * context_parallel_degree = 4" in out["odd_length"], out
         assert "14" in out["split_length"] and "multiple of 4" in out["split_length"], out
         assert "looks unsplit" in out["unsplit"], out
-        assert ("supports no padding" in out["one_rank_bad_mask"]
-                or "rank(s) [1]" in out["one_rank_bad_mask"]), out
+        assert (
+            "supports no padding" in out["one_rank_bad_mask"]
+            or "rank(s) [1]" in out["one_rank_bad_mask"]
+        ), out
         assert "different local lengths [8, 6]" in out["different_lengths"], out
         assert out["ok_after_errors"] == "no error", out
         assert "sliding_window=8" in out["sliding_window"], out
@@ -211,10 +234,12 @@ def _checkpoint_across_degrees(root: str) -> dict[str, list[float]]:
                 TrainingState(model, optim, step=step + 1).save(save)
         return losses
 
-    return dict(cp2=run(2, None, f"{root}/cp2", range(4)),
-                cp1_from_cp2=run(1, f"{root}/cp2", f"{root}/cp1", range(1, 4)),
-                cp2_from_cp1=run(2, f"{root}/cp1", None, range(2, 4)),
-                cp1=run(1, None, None, range(1)))
+    return dict(
+        cp2=run(2, None, f"{root}/cp2", range(4)),
+        cp1_from_cp2=run(1, f"{root}/cp2", f"{root}/cp1", range(1, 4)),
+        cp2_from_cp1=run(2, f"{root}/cp1", None, range(2, 4)),
+        cp1=run(1, None, None, range(1)),
+    )
 
 
 def test_checkpoints_load_across_context_parallel_degrees(tmp_path):

@@ -13,9 +13,19 @@ from tests.distributed.launcher import run_distributed
 
 pytestmark = pytest.mark.distributed
 
-CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-           num_key_value_heads=4, vocab_size=128, max_position_embeddings=64, pad_token_id=0,
-           attention_bias=True, mlp_bias=True, initializer_range=0.02)
+CFG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=128,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    attention_bias=True,
+    mlp_bias=True,
+    initializer_range=0.02,
+)
 SEED = 77
 
 
@@ -74,14 +84,20 @@ def _sharded(hsd: int, fsdp: str, tp: int):
             from torch.distributed.fsdp.wrap import ModuleWrapPolicy
             from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-            wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
-                           param_init_fn=initer.get_param_init_fn(),
-                           post_param_init_fn=initer.get_post_param_init_fn(),
-                           use_orig_params=True, device_id=torch.device("cpu"))
-    local_numel = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-                      for p in wrapped.parameters())
-    full = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True,
-                                                                  cpu_offload=False))
+            wrapped = FSDP(
+                model,
+                auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+                param_init_fn=initer.get_param_init_fn(),
+                post_param_init_fn=initer.get_post_param_init_fn(),
+                use_orig_params=True,
+                device_id=torch.device("cpu"),
+            )
+    local_numel = sum(
+        p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in wrapped.parameters()
+    )
+    full = get_model_state_dict(
+        wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=False)
+    )
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     return full, buffers, local_numel
 
@@ -93,8 +109,10 @@ def _compare_layouts(layouts) -> dict:
 
     ref = _reference()
     eager_inv_freq = LlamaRotaryEmbedding(LlamaConfig(**CFG)).inv_freq
-    out = {"stats": {k: (v.mean().item(), v.std().item(), v.numel()) for k, v in ref.items()},
-           "pad_row": ref["model.embed_tokens.weight"][0].abs().sum().item()}
+    out = {
+        "stats": {k: (v.mean().item(), v.std().item(), v.numel()) for k, v in ref.items()},
+        "pad_row": ref["model.embed_tokens.weight"][0].abs().sum().item(),
+    }
     for hsd, fsdp, tp in layouts:
         full, buffers, local_numel = _sharded(hsd, fsdp, tp)
         out[(hsd, fsdp, tp)] = dict(
@@ -135,9 +153,11 @@ def test_every_layout_matches_unsharded_init(results, layout):
     for rank, r in enumerate(results):
         got = r[layout]
         assert got["keys"] == sorted(results[0]["stats"]), (rank, layout)
-        assert got["equal"] == got["keys"], f"rank {rank} {layout}: values differ from unsharded init"
+        assert got["equal"] == got["keys"], (
+            f"rank {rank} {layout}: values differ from unsharded init"
+        )
         assert got["rope"], f"rank {rank} {layout}: rotary inv_freq not recomputed"
     hsd, _, tp = layout
     # Each rank holds about 1/(hsd * tp) of the parameters (FSDP pads the last shard).
-    assert sum(r[layout]["local_numel"] for r in results[:hsd * tp]) >= total
+    assert sum(r[layout]["local_numel"] for r in results[: hsd * tp]) >= total
     assert results[0][layout]["local_numel"] <= total // (hsd * tp) + 1024

@@ -11,10 +11,32 @@ from torch_sagemaker.distributed.backend import is_available as smddp_available
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
-TINY = ["--hidden-width", "64", "--num-layers", "2", "--num-heads", "4", "--num-key-value-heads", "2",
-        "--intermediate-size", "128", "--max-context-width", "32", "--train-batch-size", "4",
-        "--corpus-mb", "0.2", "--logging-freq", "2", "--validation-freq", "4", "--validation-batches", "1",
-        "--progress", "0"]
+TINY = [
+    "--hidden-width",
+    "64",
+    "--num-layers",
+    "2",
+    "--num-heads",
+    "4",
+    "--num-key-value-heads",
+    "2",
+    "--intermediate-size",
+    "128",
+    "--max-context-width",
+    "32",
+    "--train-batch-size",
+    "4",
+    "--corpus-mb",
+    "0.2",
+    "--logging-freq",
+    "2",
+    "--validation-freq",
+    "4",
+    "--validation-batches",
+    "1",
+    "--progress",
+    "0",
+]
 BACKEND = "smddp" if smddp_available() else "gloo"
 
 # config -> (ranks, extra flags), as listed in examples/README.md
@@ -33,10 +55,27 @@ CONFIGS = {
 
 def _train(tmp_path, ranks, *flags, name="run"):
     out = tmp_path / name
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node", str(ranks), os.path.join(ROOT, "examples", "train.py"),
-           "--distributed-backend", BACKEND, "--output-dir", str(out), *TINY, *flags]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        TORCHRUN,
+        "--standalone",
+        "--nproc_per_node",
+        str(ranks),
+        os.path.join(ROOT, "examples", "train.py"),
+        "--distributed-backend",
+        BACKEND,
+        "--output-dir",
+        str(out),
+        *TINY,
+        *flags,
+    ]
+    result = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     with open(out / "metrics.json") as f:
         return json.load(f)["summary"], result.stdout
@@ -54,8 +93,15 @@ def test_every_config_is_listed_in_the_readme():
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_config_smoke(tmp_path, config):
     ranks, flags = CONFIGS[config]
-    summary, stdout = _train(tmp_path, ranks, "--smp-config", os.path.join(ROOT, "examples", "configs", config),
-                             "--max-steps", "4", *flags)
+    summary, stdout = _train(
+        tmp_path,
+        ranks,
+        "--smp-config",
+        os.path.join(ROOT, "examples", "configs", config),
+        "--max-steps",
+        "4",
+        *flags,
+    )
     assert summary["steps"] == 4 and len(summary["losses"]) == 4
     assert all(0 < loss < 7 for loss in summary["losses"])
     assert "validation loss" in stdout and "model TFLOPs/rank" in stdout
@@ -66,12 +112,22 @@ def test_config_smoke(tmp_path, config):
 @pytest.mark.distributed
 def test_resume_continues_with_the_same_losses(tmp_path):
     ckpt = tmp_path / "ckpt"
-    common = ["--smp-config", os.path.join(ROOT, "examples", "configs", "full_shard.json"), "--max-steps", "8",
-              "--checkpoint-freq", "2", "--num-kept-checkpoints", "1"]
+    common = [
+        "--smp-config",
+        os.path.join(ROOT, "examples", "configs", "full_shard.json"),
+        "--max-steps",
+        "8",
+        "--checkpoint-freq",
+        "2",
+        "--num-kept-checkpoints",
+        "1",
+    ]
     full, _ = _train(tmp_path, 2, *common, "--checkpoint-dir", str(tmp_path / "other"), name="full")
     common += ["--checkpoint-dir", str(ckpt)]
     first, _ = _train(tmp_path, 2, *common, "--stop-at-step", "4", name="first")
-    second, stdout = _train(tmp_path, 2, *common, "--resume-from-checkpoint", "latest", name="second")
+    second, stdout = _train(
+        tmp_path, 2, *common, "--resume-from-checkpoint", "latest", name="second"
+    )
     assert "resumed from" in stdout
     assert first["losses"] == pytest.approx(full["losses"][:4], abs=1e-6)
     assert second["losses"] == pytest.approx(full["losses"][4:], abs=1e-6)
@@ -79,13 +135,27 @@ def test_resume_continues_with_the_same_losses(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.skipif(not smddp_available(), reason="the accelerate example runs on the smddp backend")
+@pytest.mark.skipif(
+    not smddp_available(), reason="the accelerate example runs on the smddp backend"
+)
 def test_accelerate_example(tmp_path):
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    cmd = [accelerate, "launch", "--config_file", os.path.join(ROOT, "examples", "accelerate_fsdp.yaml"),
-           os.path.join(ROOT, "examples", "accelerate_fsdp.py"), *TINY[:12]]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "STEPS": "10"})
+    cmd = [
+        accelerate,
+        "launch",
+        "--config_file",
+        os.path.join(ROOT, "examples", "accelerate_fsdp.yaml"),
+        os.path.join(ROOT, "examples", "accelerate_fsdp.py"),
+        *TINY[:12],
+    ]
+    result = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "STEPS": "10"},
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     assert "model prepared as FSDPLlamaForCausalLM" in result.stdout
     assert "step 10: loss" in result.stdout and "on backend smddp" in result.stdout

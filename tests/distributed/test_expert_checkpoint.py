@@ -29,7 +29,9 @@ def _build(ep: int, hsd: int = 0):
 
     tsm.state.reset()
     tsm.init({"expert_parallel_degree": ep, "hybrid_shard_degree": hsd})
-    model = tsm.transform(copy.deepcopy(mm.tiny_moe("mixtral")), config=MoEConfig(moe_load_balancing="none"))
+    model = tsm.transform(
+        copy.deepcopy(mm.tiny_moe("mixtral")), config=MoEConfig(moe_load_balancing="none")
+    )
     shard_model(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
@@ -66,7 +68,9 @@ def _job(root: str) -> dict:
     save_hf_checkpoint(model, os.path.join(root, "hf"))
     ids = mm.batch(0)
     out["logits"] = model(input_ids=ids).logits.detach()
-    out["experts"] = {n: mm.full(p).detach().clone() for n, p in model.named_parameters() if "experts" in n}
+    out["experts"] = {
+        n: mm.full(p).detach().clone() for n, p in model.named_parameters() if "experts" in n
+    }
 
     model, optim = _build(ep=1)  # ep 2 -> ep 1
     state = TrainingState(model, optim)
@@ -75,7 +79,9 @@ def _job(root: str) -> dict:
     out["ep1"] = _train(model, optim, [2])
     TrainingState(model, optim, step=3).save(os.path.join(root, "ep1_step3"))
     experts = model.model.layers[0].mlp.experts.gate_up_proj
-    out["ep1_experts_mesh"] = dict(zip(experts.device_mesh.mesh_dim_names, experts.device_mesh.shape))
+    out["ep1_experts_mesh"] = dict(
+        zip(experts.device_mesh.mesh_dim_names, experts.device_mesh.shape)
+    )
 
     model, optim = _build(ep=2)  # and back
     TrainingState(model, optim).load(os.path.join(root, "ep1_step3"))
@@ -90,7 +96,9 @@ def _job(root: str) -> dict:
         out["hf_equal"] = all(torch.equal(tensors[k], v) for k, v in out["experts"].items())
         loaded = AutoModelForCausalLM.from_pretrained(os.path.join(root, "hf"))
         out["hf_logits_diff"] = float((loaded(input_ids=ids).logits - out["logits"]).abs().max())
-        out["hf_keys"] = sorted(tensors) == sorted(n for n, _ in mm.tiny_moe("mixtral").named_parameters())
+        out["hf_keys"] = sorted(tensors) == sorted(
+            n for n, _ in mm.tiny_moe("mixtral").named_parameters()
+        )
     del out["experts"], out["logits"]
     return out
 
@@ -102,11 +110,20 @@ def test_reshard_between_ep2_and_ep1_and_export(tmp_path):
     assert first["ep1_step"] == 2
     # At ep 1 the experts are whole per EP rank and FSDP-sharded over both ranks.
     assert first["ep1_experts_mesh"] == {"dp_shard_cp": 2, "ep": 1}, first["ep1_experts_mesh"]
-    assert abs(first["ep1"][0] - first["uninterrupted"][2]) < 1e-5, (first["ep1"], first["uninterrupted"])
-    assert abs(first["ep2_again"][0] - first["uninterrupted"][3]) < 1e-5, (first["ep2_again"], first["uninterrupted"])
+    assert abs(first["ep1"][0] - first["uninterrupted"][2]) < 1e-5, (
+        first["ep1"],
+        first["uninterrupted"],
+    )
+    assert abs(first["ep2_again"][0] - first["uninterrupted"][3]) < 1e-5, (
+        first["ep2_again"],
+        first["uninterrupted"],
+    )
     assert first["hf_keys"] and first["hf_equal"], first
-    assert first["hf_shapes"] == {f"model.layers.{i}.mlp.experts.{n}": s for i in range(2)
-                                  for n, s in (("gate_up_proj", (4, 96, 32)), ("down_proj", (4, 32, 48)))}
+    assert first["hf_shapes"] == {
+        f"model.layers.{i}.mlp.experts.{n}": s
+        for i in range(2)
+        for n, s in (("gate_up_proj", (4, 96, 32)), ("down_proj", (4, 32, 48)))
+    }
     assert first["hf_logits_diff"] < 1e-5, first["hf_logits_diff"]
 
 
@@ -125,8 +142,12 @@ def _fsdp1_job(root: str) -> dict:
     for run in ("first", "resumed"):
         tsm.state.reset()
         tsm.init({"expert_parallel_degree": 2, "hybrid_shard_degree": 2})
-        model = mm.wrap(tsm.transform(copy.deepcopy(mm.tiny_moe("mixtral")),
-                                      config=MoEConfig(moe_load_balancing="none")), "fsdp1")
+        model = mm.wrap(
+            tsm.transform(
+                copy.deepcopy(mm.tiny_moe("mixtral")), config=MoEConfig(moe_load_balancing="none")
+            ),
+            "fsdp1",
+        )
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
         if run == "first":
             out["first"] = _train(model, optim, [0, 1])

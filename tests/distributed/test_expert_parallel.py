@@ -38,14 +38,35 @@ TWO_RANK_CASES = [
     _case("qwen3_moe-fsdp2-a2a", "qwen3_moe", "fsdp2", NONE),
     # aux_loss (+ z-loss): the reference adds the same per-rank terms to each rank's loss.
     _case("mixtral-fsdp1-aux", "mixtral", "fsdp1", AUX),
-    _case("qwen3_moe-fsdp2-aux-allgather", "qwen3_moe", "fsdp2", {**AUX, "moe_all_to_all_dispatcher": False}),
+    _case(
+        "qwen3_moe-fsdp2-aux-allgather",
+        "qwen3_moe",
+        "fsdp2",
+        {**AUX, "moe_all_to_all_dispatcher": False},
+    ),
     # Sinkhorn and balanced routing (with z-loss): the reference is MoELayer in one process.
-    _case("mixtral-fsdp2-sinkhorn", "mixtral", "fsdp2", {"moe_load_balancing": "sinkhorn"}, {"moe_ref": True}),
-    _case("qwen3_moe-fsdp1-balanced-allgather", "qwen3_moe", "fsdp1",
-          {"moe_load_balancing": "balanced", "moe_all_to_all_dispatcher": False}, {"moe_ref": True}),
+    _case(
+        "mixtral-fsdp2-sinkhorn",
+        "mixtral",
+        "fsdp2",
+        {"moe_load_balancing": "sinkhorn"},
+        {"moe_ref": True},
+    ),
+    _case(
+        "qwen3_moe-fsdp1-balanced-allgather",
+        "qwen3_moe",
+        "fsdp1",
+        {"moe_load_balancing": "balanced", "moe_all_to_all_dispatcher": False},
+        {"moe_ref": True},
+    ),
     # The shuffle changes no token's result with "none" balancing.
-    _case("mixtral-fsdp2-shuffle", "mixtral", "fsdp2", {**NONE, "global_token_shuffle": True},
-          {"router_logits": False}),
+    _case(
+        "mixtral-fsdp2-shuffle",
+        "mixtral",
+        "fsdp2",
+        {**NONE, "global_token_shuffle": True},
+        {"router_logits": False},
+    ),
     # smp_moe=False: the Hugging Face block and router stay, only the experts are split.
     _case("mixtral-fsdp1-hf-block", "mixtral", "fsdp1", {**NONE, "smp_moe": False}),
     # Composition: checkpointing of decoder layers (reentrant, as SMP's scripts) or of MoELayer
@@ -54,10 +75,20 @@ TWO_RANK_CASES = [
     # (Reentrant checkpointing runs the first forward without grad, so the logits Hugging Face
     # records for output_router_logits carry no gradient and its own aux loss would not
     # train the router: that case runs without output_router_logits.)
-    _case("mixtral-fsdp1-ckpt-layer-offload", "mixtral", "fsdp1", AUX,
-          {"checkpoint": "layer", "offload": True, "router_logits": False}),
-    _case("mixtral-fsdp2-ckpt-moe-shuffle", "mixtral", "fsdp2", {**NONE, "global_token_shuffle": True},
-          {"checkpoint": "moe", "router_logits": False}),
+    _case(
+        "mixtral-fsdp1-ckpt-layer-offload",
+        "mixtral",
+        "fsdp1",
+        AUX,
+        {"checkpoint": "layer", "offload": True, "router_logits": False},
+    ),
+    _case(
+        "mixtral-fsdp2-ckpt-moe-shuffle",
+        "mixtral",
+        "fsdp2",
+        {**NONE, "global_token_shuffle": True},
+        {"checkpoint": "moe", "router_logits": False},
+    ),
 ]
 
 
@@ -67,32 +98,55 @@ def test_ep2_on_two_ranks_matches_one_process():
     for results in per_rank:
         mm.check(results)
     for name, r in per_rank[0].items():
-        assert r["local_experts"] == [(2, 32, 24 if "qwen" in name else 48),
-                                      (2, 48 if "qwen" in name else 96, 32)], (name, r["local_experts"])
+        assert r["local_experts"] == [
+            (2, 32, 24 if "qwen" in name else 48),
+            (2, 48 if "qwen" in name else 96, 32),
+        ], (name, r["local_experts"])
         assert r["loss"] != per_rank[1][name]["loss"], (name, "ranks must see different batches")
 
 
 @pytest.mark.distributed
-@pytest.mark.skipif(not smddp_available(), reason="torch_sagemaker._C was built without the smddp backend")
+@pytest.mark.skipif(
+    not smddp_available(), reason="torch_sagemaker._C was built without the smddp backend"
+)
 def test_ep2_dispatch_over_smddp():
     """Both dispatchers on smddp's all_to_all_single (uneven splits), all-gather and reduce-scatter."""
-    cases = [_case("mixtral-fsdp2-a2a", "mixtral", "fsdp2", NONE),
-             _case("qwen2_moe-fsdp1-allgather", "qwen2_moe", "fsdp1", ALL_GATHER)]
+    cases = [
+        _case("mixtral-fsdp2-a2a", "mixtral", "fsdp2", NONE),
+        _case("qwen2_moe-fsdp1-allgather", "qwen2_moe", "fsdp1", ALL_GATHER),
+    ]
     for results in run_distributed(mm.run_cases, cases, world_size=2, backend="smddp", timeout=600):
         mm.check(results)
 
 
 FOUR_RANK_CASES = [
     # ep 2 x hybrid_shard_degree 2: experts sharded over the shard pair that holds them.
-    _case("ep2-hsd2-mixtral-fsdp1", "mixtral", "fsdp1", NONE, smp={**EP2, "hybrid_shard_degree": 2}),
-    _case("ep2-hsd2-qwen2_moe-fsdp2-allgather", "qwen2_moe", "fsdp2", ALL_GATHER,
-          smp={**EP2, "hybrid_shard_degree": 2}),
-    _case("ep2-hsd2-mixtral-fsdp2-aux", "mixtral", "fsdp2", AUX, smp={**EP2, "hybrid_shard_degree": 2}),
+    _case(
+        "ep2-hsd2-mixtral-fsdp1", "mixtral", "fsdp1", NONE, smp={**EP2, "hybrid_shard_degree": 2}
+    ),
+    _case(
+        "ep2-hsd2-qwen2_moe-fsdp2-allgather",
+        "qwen2_moe",
+        "fsdp2",
+        ALL_GATHER,
+        smp={**EP2, "hybrid_shard_degree": 2},
+    ),
+    _case(
+        "ep2-hsd2-mixtral-fsdp2-aux", "mixtral", "fsdp2", AUX, smp={**EP2, "hybrid_shard_degree": 2}
+    ),
     # ep 2 x hybrid_shard_degree 1: two replicas hold each expert (FSDP2 HSDP on the expert mesh).
-    _case("ep2-hsd1-mixtral-fsdp2", "mixtral", "fsdp2", NONE, smp={**EP2, "hybrid_shard_degree": 1}),
+    _case(
+        "ep2-hsd1-mixtral-fsdp2", "mixtral", "fsdp2", NONE, smp={**EP2, "hybrid_shard_degree": 1}
+    ),
     # ep 4: one expert per rank.
     _case("ep4-mixtral-fsdp1", "mixtral", "fsdp1", NONE, smp={"expert_parallel_degree": 4}),
-    _case("ep4-qwen3_moe-fsdp2-allgather", "qwen3_moe", "fsdp2", ALL_GATHER, smp={"expert_parallel_degree": 4}),
+    _case(
+        "ep4-qwen3_moe-fsdp2-allgather",
+        "qwen3_moe",
+        "fsdp2",
+        ALL_GATHER,
+        smp={"expert_parallel_degree": 4},
+    ),
 ]
 
 

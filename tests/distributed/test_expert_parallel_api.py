@@ -31,34 +31,51 @@ def _bad_inputs():
 
     out = {}
     tsm.init({"expert_parallel_degree": 2})
-    out["indivisible"] = _error(lambda: tsm.transform(mm.tiny_moe("mixtral", num_local_experts=3),
-                                                      config=MoEConfig()))
+    out["indivisible"] = _error(
+        lambda: tsm.transform(mm.tiny_moe("mixtral", num_local_experts=3), config=MoEConfig())
+    )
     out["no_config"] = _error(lambda: tsm.transform(mm.tiny_moe("mixtral")))
-    out["fsdp1_untransformed"] = _error(lambda: FSDP(mm.tiny_moe("mixtral"), device_id=torch.device("cpu")))
+    out["fsdp1_untransformed"] = _error(
+        lambda: FSDP(mm.tiny_moe("mixtral"), device_id=torch.device("cpu"))
+    )
     out["fsdp2_untransformed"] = _error(lambda: shard_model(mm.tiny_moe("qwen3_moe")))
     out["dense"] = _error(lambda: tsm.transform(tiny_llama(), config=MoEConfig()))
-    out["wrong_type"] = _error(lambda: tsm.transform(mm.tiny_moe("mixtral"), config={"smp_moe": True}))
+    out["wrong_type"] = _error(
+        lambda: tsm.transform(mm.tiny_moe("mixtral"), config={"smp_moe": True})
+    )
     out["unknown_option"] = _error(lambda: MoEConfig(moe_load_balancing="switch"))
     tsm.state.reset()
     tsm.init({"tensor_parallel_degree": 2})
     out["with_tp"] = _error(lambda: tsm.transform(mm.tiny_moe("mixtral"), config=MoEConfig()))
     tsm.state.reset()
-    out["ep_tp_config"] = _error(lambda: tsm.init({"expert_parallel_degree": 2, "tensor_parallel_degree": 2}))
+    out["ep_tp_config"] = _error(
+        lambda: tsm.init({"expert_parallel_degree": 2, "tensor_parallel_degree": 2})
+    )
     return out
 
 
 @pytest.mark.distributed
 def test_bad_input_gets_clear_errors():
     out = run_distributed(_bad_inputs, world_size=2, timeout=300)[0]
-    assert "expert_parallel_degree=2 does not divide" in out["indivisible"] and "num_local_experts=3" in \
-        out["indivisible"] and "[1, 3]" in out["indivisible"], out["indivisible"]
+    assert (
+        "expert_parallel_degree=2 does not divide" in out["indivisible"]
+        and "num_local_experts=3" in out["indivisible"]
+        and "[1, 3]" in out["indivisible"]
+    ), out["indivisible"]
     assert "needs tsm.transform(model, config=MoEConfig" in out["no_config"], out["no_config"]
     for key in ("fsdp1_untransformed", "fsdp2_untransformed"):
-        assert "has no experts split" in out[key] and "tsm.transform(model, config=MoEConfig" in out[key], out[key]
+        assert (
+            "has no experts split" in out[key]
+            and "tsm.transform(model, config=MoEConfig" in out[key]
+        ), out[key]
     assert "dense model" in out["dense"] and "config=None" in out["dense"], out["dense"]
-    assert out["wrong_type"].startswith("TypeError") and "MoEConfig" in out["wrong_type"], out["wrong_type"]
+    assert out["wrong_type"].startswith("TypeError") and "MoEConfig" in out["wrong_type"], out[
+        "wrong_type"
+    ]
     assert "moe_load_balancing='switch'" in out["unknown_option"], out["unknown_option"]
-    assert "tensor_parallel_degree=2" in out["with_tp"] and "do not compose" in out["with_tp"], out["with_tp"]
+    assert "tensor_parallel_degree=2" in out["with_tp"] and "do not compose" in out["with_tp"], out[
+        "with_tp"
+    ]
     assert "not compatible with tensor parallelism" in out["ep_tp_config"], out["ep_tp_config"]
 
 
@@ -90,10 +107,17 @@ def _mixed_precision(apis):
         out = wrapped(input_ids=ids, labels=ids, output_router_logits=True)
         out.loss.backward()
         expected = ref(input_ids=ids, labels=ids, output_router_logits=True)
-        results[api] = dict(seen=seen, logits_dtype=out.router_logits[0].dtype,
-                            loss=float(out.loss), ref_loss=float(expected.loss),
-                            grads_finite=all(torch.isfinite(mm.full(p.grad)).all() for p in wrapped.parameters()
-                                             if p.grad is not None))
+        results[api] = dict(
+            seen=seen,
+            logits_dtype=out.router_logits[0].dtype,
+            loss=float(out.loss),
+            ref_loss=float(expected.loss),
+            grads_finite=all(
+                torch.isfinite(mm.full(p.grad)).all()
+                for p in wrapped.parameters()
+                if p.grad is not None
+            ),
+        )
     return results
 
 
@@ -126,11 +150,18 @@ def _delayed_init_smp_style():
         with init_empty_weights():
             model = tsm.transform(model, config=MoEConfig(moe_load_balancing="none"))
         initer = DelayedParamIniter(model, seed=7)
-        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={mm.layer_class(model)})
+        policy = functools.partial(
+            transformer_auto_wrap_policy, transformer_layer_cls={mm.layer_class(model)}
+        )
         with initer.validate_params_and_buffers_inited():
-            fsdp = FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=True,
-                        param_init_fn=initer.get_param_init_fn(),
-                        post_param_init_fn=initer.get_post_param_init_fn())
+            fsdp = FSDP(
+                model,
+                auto_wrap_policy=policy,
+                device_id=torch.device("cpu"),
+                use_orig_params=True,
+                param_init_fn=initer.get_param_init_fn(),
+                post_param_init_fn=initer.get_post_param_init_fn(),
+            )
         ids = mm.batch(tsm.state.dp_rank)
         loss = fsdp(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -164,12 +195,19 @@ def _rank0_loading():
     ref = mm.tiny_moe("qwen2_moe", seed=3)
     if dist.get_rank() == 0:
         model = copy.deepcopy(ref)
-        model = tsm.transform(model, config=MoEConfig(moe_load_balancing="none"), load_state_dict_from_rank0=True)
+        model = tsm.transform(
+            model, config=MoEConfig(moe_load_balancing="none"), load_state_dict_from_rank0=True
+        )
     else:
         with init_empty_weights():
             model = mm.tiny_moe("qwen2_moe", seed=99)
-            model = tsm.transform(model, config=MoEConfig(moe_load_balancing="none"), load_state_dict_from_rank0=True)
-    diffs = {n: float((mm.full(p) - dict(ref.named_parameters())[n]).abs().max()) for n, p in model.named_parameters()}
+            model = tsm.transform(
+                model, config=MoEConfig(moe_load_balancing="none"), load_state_dict_from_rank0=True
+            )
+    diffs = {
+        n: float((mm.full(p) - dict(ref.named_parameters())[n]).abs().max())
+        for n, p in model.named_parameters()
+    }
     return max(diffs.values())
 
 

@@ -41,10 +41,23 @@ from tests.distributed.launcher import run_distributed
 from torch_sagemaker.distributed.backend import is_available as smddp_available
 
 STEPS, GLOBAL_BATCH, LR, MAX_NORM, HSD, LAYERS = 4, 8, 0.1, 1.0, 2, 2
-BACKENDS = ["gloo", pytest.param("smddp", marks=pytest.mark.skipif(
-    not smddp_available(), reason="torch_sagemaker._C was built without the smddp backend"))]
+BACKENDS = [
+    "gloo",
+    pytest.param(
+        "smddp",
+        marks=pytest.mark.skipif(
+            not smddp_available(), reason="torch_sagemaker._C was built without the smddp backend"
+        ),
+    ),
+]
 # ac: False, True (checkpoint, then wrap) or "after_wrap" (FSDP1 first: SMP examples' order).
-CASES = [("fsdp1", False), ("fsdp1", True), ("fsdp1", "after_wrap"), ("fsdp2", False), ("fsdp2", True)]
+CASES = [
+    ("fsdp1", False),
+    ("fsdp1", True),
+    ("fsdp1", "after_wrap"),
+    ("fsdp2", False),
+    ("fsdp2", True),
+]
 # Against the bf16 replay, by API: (losses rtol, norms rtol, largest relative error of a
 # parameter's update). Measured on gloo and smddp: FSDP2 6e-8, 2e-7, 4e-5 (fp32 sum order);
 # FSDP1 3e-5, 9e-5, 7e-3 (bf16 reductions).
@@ -68,13 +81,22 @@ def _wrap(model, api, ac):
     if ac is True:
         apply_activation_checkpointing(model)
     if api == "fsdp2":
-        return shard_model(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                                 reduce_dtype=torch.float32))
-    mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
-                           buffer_dtype=torch.float32)
-    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy(set(transformer_layer_classes(model))),
-                 sharding_strategy=ShardingStrategy.HYBRID_SHARD, mixed_precision=mixed,
-                 device_id=torch.device("cpu"), use_orig_params=True, limit_all_gathers=True)
+        return shard_model(
+            model,
+            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        )
+    mixed = MixedPrecision(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.float32
+    )
+    model = FSDP(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy(set(transformer_layer_classes(model))),
+        sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+        mixed_precision=mixed,
+        device_id=torch.device("cpu"),
+        use_orig_params=True,
+        limit_all_gathers=True,
+    )
     if ac == "after_wrap":
         apply_activation_checkpointing(model)
     return model
@@ -97,7 +119,8 @@ def _probe(model, seen):
             m.register_forward_pre_hook(layer_in)
             m.register_forward_hook(layer_out)
             m.self_attn.q_proj.register_forward_pre_hook(
-                lambda mod, args: seen["weights"].add(mod.weight.dtype))
+                lambda mod, args: seen["weights"].add(mod.weight.dtype)
+            )
         elif isinstance(m, LlamaRotaryEmbedding):
             m.register_forward_pre_hook(lambda mod, args: seen["inv_freq"].add(mod.inv_freq.dtype))
 
@@ -130,20 +153,33 @@ def _train(cases):
             dist.all_reduce(avg)
             losses.append(avg.item() / dist.get_world_size())
         dtypes = dict(
-            params={p.dtype for p in model.parameters()}, grads=grad_dtypes,
+            params={p.dtype for p in model.parameters()},
+            grads=grad_dtypes,
             buffers={b.dtype for b in model.buffers()},
             optim={t.dtype for s in optim.state.values() for t in s.values() if torch.is_tensor(t)},
-            activations=seen["activations"], weights=seen["weights"], inv_freq=seen["inv_freq"])
+            activations=seen["activations"],
+            weights=seen["weights"],
+            inv_freq=seen["inv_freq"],
+        )
         wrappers = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
-        results[(api, ac)] = dict(losses=losses, norms=norms, params=full_params(model),
-                                  dtypes=dtypes, layer_calls=seen["layer_calls"], wrappers=wrappers)
+        results[(api, ac)] = dict(
+            losses=losses,
+            norms=norms,
+            params=full_params(model),
+            dtypes=dtypes,
+            layer_calls=seen["layer_calls"],
+            wrappers=wrappers,
+        )
     return results
 
 
 @pytest.fixture(scope="module")
 def references():
-    return (bf16_reference_run(STEPS, GLOBAL_BATCH, dp_size=4, lr=LR, max_norm=MAX_NORM),
-            reference_run(STEPS, GLOBAL_BATCH, LR, MAX_NORM), {n: p.detach() for n, p in tiny_llama().named_parameters()})
+    return (
+        bf16_reference_run(STEPS, GLOBAL_BATCH, dp_size=4, lr=LR, max_norm=MAX_NORM),
+        reference_run(STEPS, GLOBAL_BATCH, LR, MAX_NORM),
+        {n: p.detach() for n, p in tiny_llama().named_parameters()},
+    )
 
 
 @pytest.mark.distributed
@@ -169,12 +205,20 @@ def test_bf16_and_checkpointing_parity(backend, references):
                 for name, value in r["params"].items():
                     assert torch.equal(value, plain["params"][name]), (where, name)
             for ref, (loss_rtol, norm_rtol, update_rel), what in (
-                    (replay, REPLAY_TOL[api], "bf16 replay"), (fp32_ref, FP32_TOL, "fp32")):
+                (replay, REPLAY_TOL[api], "bf16 replay"),
+                (fp32_ref, FP32_TOL, "fp32"),
+            ):
                 ref_losses, ref_norms, ref_params = ref
-                torch.testing.assert_close(r["losses"], ref_losses, rtol=loss_rtol, atol=0,
-                                           msg=f"{where}: losses vs {what}")
-                torch.testing.assert_close(r["norms"], ref_norms, rtol=norm_rtol, atol=0,
-                                           msg=f"{where}: norms vs {what}")
+                torch.testing.assert_close(
+                    r["losses"],
+                    ref_losses,
+                    rtol=loss_rtol,
+                    atol=0,
+                    msg=f"{where}: losses vs {what}",
+                )
+                torch.testing.assert_close(
+                    r["norms"], ref_norms, rtol=norm_rtol, atol=0, msg=f"{where}: norms vs {what}"
+                )
                 assert r["params"].keys() == ref_params.keys(), where
                 for name, value in r["params"].items():
                     assert value.dtype == fp32, (where, name)

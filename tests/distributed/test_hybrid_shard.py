@@ -21,8 +21,15 @@ from tests.distributed.launcher import run_distributed
 from torch_sagemaker.distributed.backend import is_available as smddp_available
 
 STEPS, GLOBAL_BATCH, LR, MAX_NORM = 5, 8, 0.1, 1.0
-BACKENDS = ["gloo", pytest.param("smddp", marks=pytest.mark.skipif(
-    not smddp_available(), reason="torch_sagemaker._C was built without the smddp backend"))]
+BACKENDS = [
+    "gloo",
+    pytest.param(
+        "smddp",
+        marks=pytest.mark.skipif(
+            not smddp_available(), reason="torch_sagemaker._C was built without the smddp backend"
+        ),
+    ),
+]
 
 
 def _wrap(model, api):
@@ -39,16 +46,27 @@ def _wrap(model, api):
         return shard_model(model)
     if api == "ddp":
         return DDP(model, process_group=tsm.state.dp_process_group)
-    strategy = ShardingStrategy.FULL_SHARD if tsm.state.layout.requested_hybrid_shard_degree == 0 \
-        else ShardingStrategy.HYBRID_SHARD  # SMP's example scripts default to hybrid_shard
-    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}), sharding_strategy=strategy,
-                device_id=torch.device("cpu"), use_orig_params=True, limit_all_gathers=True)
+    strategy = (
+        ShardingStrategy.FULL_SHARD
+        if tsm.state.layout.requested_hybrid_shard_degree == 0
+        else ShardingStrategy.HYBRID_SHARD
+    )  # SMP's example scripts default to hybrid_shard
+    return FSDP(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+        sharding_strategy=strategy,
+        device_id=torch.device("cpu"),
+        use_orig_params=True,
+        limit_all_gathers=True,
+    )
 
 
 def _local_bytes(tensors):
     from torch.distributed.tensor import DTensor
 
-    return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
+    return sum(
+        (t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors
+    )
 
 
 def _train_steps(model):
@@ -95,12 +113,17 @@ def test_parity_with_single_process(backend):
     for case in cases:
         for rank, result in enumerate(per_rank):
             losses, norms, params = result[case]
-            torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5, msg=f"{case} rank {rank}")
-            torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=1e-5, msg=f"{case} rank {rank}")
+            torch.testing.assert_close(
+                losses, ref_losses, rtol=1e-5, atol=1e-5, msg=f"{case} rank {rank}"
+            )
+            torch.testing.assert_close(
+                norms, ref_norms, rtol=1e-5, atol=1e-5, msg=f"{case} rank {rank}"
+            )
             assert params.keys() == ref_params.keys(), case
             for name, value in params.items():
-                torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=1e-5,
-                                           msg=f"{case} rank {rank} {name}")
+                torch.testing.assert_close(
+                    value, ref_params[name], rtol=1e-4, atol=1e-5, msg=f"{case} rank {rank} {name}"
+                )
 
 
 def _fsdp1_tensor_parallel():
@@ -142,8 +165,16 @@ def _bytes_per_rank(cases):
         optim.step()
         params = list(model.parameters())
         out[(api, hsd)] = (
-            _local_bytes(params), _local_bytes([p.grad for p in params if p.grad is not None]),
-            _local_bytes([t for s in optim.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]),
+            _local_bytes(params),
+            _local_bytes([p.grad for p in params if p.grad is not None]),
+            _local_bytes(
+                [
+                    t
+                    for s in optim.state.values()
+                    for t in s.values()
+                    if torch.is_tensor(t) and t.dim() > 0
+                ]
+            ),
         )
     return out
 
@@ -169,14 +200,22 @@ def _contradicting_group_and_post_init():
     tsm.init({"hybrid_shard_degree": 2})
     out = {}
     try:
-        FSDP(torch.nn.Linear(4, 4), process_group=dist.group.WORLD, device_id=torch.device("cpu"),
-             sharding_strategy=ShardingStrategy.FULL_SHARD)
+        FSDP(
+            torch.nn.Linear(4, 4),
+            process_group=dist.group.WORLD,
+            device_id=torch.device("cpu"),
+            sharding_strategy=ShardingStrategy.FULL_SHARD,
+        )
         out["contradiction"] = "no error"
     except ValueError as e:
         out["contradiction"] = str(e)
     # A matching explicit mesh is accepted as is.
-    FSDP(torch.nn.Linear(4, 4), device_mesh=tsm.state.fsdp_mesh, device_id=torch.device("cpu"),
-         sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+    FSDP(
+        torch.nn.Linear(4, 4),
+        device_mesh=tsm.state.fsdp_mesh,
+        device_id=torch.device("cpu"),
+        sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+    )
     # post_param_init_fn runs once, after the last meta tensor was materialised.
     with torch.device("meta"):
         model = tiny_llama(tie_word_embeddings=True)
@@ -200,8 +239,13 @@ def _contradicting_group_and_post_init():
         post(module)
         post_tied["tied"] = module.lm_head.weight is module.model.embed_tokens.weight
 
-    FSDP(model, param_init_fn=init_fn, post_param_init_fn=check_tied, device_id=torch.device("cpu"),
-         use_orig_params=True)
+    FSDP(
+        model,
+        param_init_fn=init_fn,
+        post_param_init_fn=check_tied,
+        device_id=torch.device("cpu"),
+        use_orig_params=True,
+    )
     out["post_calls"] = calls
     out["tied"] = post_tied["tied"]
     return out

@@ -54,7 +54,9 @@ def _bad_config_raises_everywhere():
 def test_env_wins_and_reinit_rules(tmp_path):
     path = tmp_path / "smp.json"
     path.write_text(json.dumps({"hybrid_shard_degree": 1, "tensor_parallel_degree": 2}))
-    for first, different, frozen in run_distributed(_init_with_env_and_argument, str(path), world_size=4):
+    for first, different, frozen in run_distributed(
+        _init_with_env_and_argument, str(path), world_size=4
+    ):
         assert first == (2, 2)
         assert "already called with a different config" in different
         assert "cannot be changed after tsm.init()" in frozen
@@ -127,8 +129,10 @@ def _init_with_rank_dependent_configs():
 
     rank = dist.get_rank()
     messages = []
-    for config in ({"tensor_parallel_degree": 2 if rank == 0 else 1, "random_seed": 7},
-                   {"tensor_parallel_degree": 3 if rank == 1 else 1}):
+    for config in (
+        {"tensor_parallel_degree": 2 if rank == 0 else 1, "random_seed": 7},
+        {"tensor_parallel_degree": 3 if rank == 1 else 1},
+    ):
         try:
             tsm.init(config)
             messages.append("no error")
@@ -143,11 +147,15 @@ def test_ranks_with_different_configs_all_fail_naming_the_difference():
     results = run_distributed(_init_with_rank_dependent_configs, world_size=2)
     for rank, (messages, hsd) in enumerate(results):
         differ, invalid = messages
-        assert "tensor_parallel_degree differs across ranks: 2 on ranks [0], 1 on ranks [1]" in differ
+        assert (
+            "tensor_parallel_degree differs across ranks: 2 on ranks [0], 1 on ranks [1]" in differ
+        )
         assert "random_seed" not in differ and "same config" in differ
         if rank == 1:
             assert "tensor_parallel_degree=3: must divide world_size=2" in invalid
         else:
-            assert ("ranks [1] got an invalid config (rank 1: tensor_parallel_degree=3: must divide "
-                    "world_size=2") in invalid
+            assert (
+                "ranks [1] got an invalid config (rank 1: tensor_parallel_degree=3: must divide "
+                "world_size=2"
+            ) in invalid
         assert hsd == 2

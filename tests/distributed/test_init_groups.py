@@ -11,15 +11,47 @@ ALL = [[0, 1, 2, 3]]
 EXPECTED = {
     (0, 1, 1): dict(tp=S, cp=S, shard=ALL, replicate=S, replica=ALL, dp=ALL, resolved=4, dp_size=4),
     (1, 1, 1): dict(tp=S, cp=S, shard=S, replicate=ALL, replica=S, dp=ALL, resolved=1, dp_size=4),
-    (2, 1, 1): dict(tp=S, cp=S, shard=[[0, 1], [2, 3]], replicate=[[0, 2], [1, 3]],
-                    replica=[[0, 1], [2, 3]], dp=ALL, resolved=2, dp_size=4),
+    (2, 1, 1): dict(
+        tp=S,
+        cp=S,
+        shard=[[0, 1], [2, 3]],
+        replicate=[[0, 2], [1, 3]],
+        replica=[[0, 1], [2, 3]],
+        dp=ALL,
+        resolved=2,
+        dp_size=4,
+    ),
     (4, 1, 1): dict(tp=S, cp=S, shard=ALL, replicate=S, replica=ALL, dp=ALL, resolved=4, dp_size=4),
-    (2, 2, 1): dict(tp=[[0, 1], [2, 3]], cp=S, shard=[[0, 2], [1, 3]], replicate=S,
-                    replica=ALL, dp=[[0, 2], [1, 3]], resolved=2, dp_size=2),
-    (1, 2, 1): dict(tp=[[0, 1], [2, 3]], cp=S, shard=S, replicate=[[0, 2], [1, 3]],
-                    replica=[[0, 1], [2, 3]], dp=[[0, 2], [1, 3]], resolved=1, dp_size=2),
-    (2, 1, 2): dict(tp=S, cp=[[0, 1], [2, 3]], shard=[[0, 1], [2, 3]], replicate=[[0, 2], [1, 3]],
-                    replica=[[0, 1], [2, 3]], dp=[[0, 2], [1, 3]], resolved=2, dp_size=2),
+    (2, 2, 1): dict(
+        tp=[[0, 1], [2, 3]],
+        cp=S,
+        shard=[[0, 2], [1, 3]],
+        replicate=S,
+        replica=ALL,
+        dp=[[0, 2], [1, 3]],
+        resolved=2,
+        dp_size=2,
+    ),
+    (1, 2, 1): dict(
+        tp=[[0, 1], [2, 3]],
+        cp=S,
+        shard=S,
+        replicate=[[0, 2], [1, 3]],
+        replica=[[0, 1], [2, 3]],
+        dp=[[0, 2], [1, 3]],
+        resolved=1,
+        dp_size=2,
+    ),
+    (2, 1, 2): dict(
+        tp=S,
+        cp=[[0, 1], [2, 3]],
+        shard=[[0, 1], [2, 3]],
+        replicate=[[0, 2], [1, 3]],
+        replica=[[0, 1], [2, 3]],
+        dp=[[0, 2], [1, 3]],
+        resolved=2,
+        dp_size=2,
+    ),
 }
 
 
@@ -30,23 +62,39 @@ def _groups_for_layouts(layouts):
     out = {}
     for hsd, tp, cp in layouts:
         tsm.state.reset()
-        tsm.init({"hybrid_shard_degree": hsd, "tensor_parallel_degree": tp, "context_parallel_degree": cp})
+        tsm.init(
+            {
+                "hybrid_shard_degree": hsd,
+                "tensor_parallel_degree": tp,
+                "context_parallel_degree": cp,
+            }
+        )
         s = tsm.state
         ranks = dist.get_process_group_ranks
         fsdp_mesh = s.fsdp_mesh
         out[(hsd, tp, cp)] = dict(
-            tp=ranks(s.tp_process_group), cp=ranks(s.cp_process_group),
-            shard=ranks(s.fsdp_shard_process_group), replicate=ranks(s.fsdp_replicate_process_group),
-            replica=ranks(s.rep_rank_process_group), dp=ranks(s.dp_process_group),
-            resolved=s.hybrid_shard_degree, dp_size=s.dp_size, dp_rank=s.dp_rank, tp_rank=s.tp_rank,
-            cp_rank=s.cp_rank, rep_rank=s.ranker.get_rep_rank(s.rank),
+            tp=ranks(s.tp_process_group),
+            cp=ranks(s.cp_process_group),
+            shard=ranks(s.fsdp_shard_process_group),
+            replicate=ranks(s.fsdp_replicate_process_group),
+            replica=ranks(s.rep_rank_process_group),
+            dp=ranks(s.dp_process_group),
+            resolved=s.hybrid_shard_degree,
+            dp_size=s.dp_size,
+            dp_rank=s.dp_rank,
+            tp_rank=s.tp_rank,
+            cp_rank=s.cp_rank,
+            rep_rank=s.ranker.get_rep_rank(s.rank),
             rep_groups=s.ranker.get_rep_groups(),
-            mesh_names=s.device_mesh.mesh_dim_names, mesh_shape=tuple(s.device_mesh.shape),
+            mesh_names=s.device_mesh.mesh_dim_names,
+            mesh_shape=tuple(s.device_mesh.shape),
             fsdp_mesh_names=fsdp_mesh.mesh_dim_names,
             fsdp_shard_mesh=ranks(fsdp_mesh.get_group("dp_shard_cp")),
             fsdp_replicate_mesh=ranks(fsdp_mesh.get_group("dp_replicate")),
             world=ranks(s.world_process_group),
-            tp_size=s.tp_size, cp_size=s.cp_size, ep_size=s.ep_size,
+            tp_size=s.tp_size,
+            cp_size=s.cp_size,
+            ep_size=s.ep_size,
         )
     return out
 

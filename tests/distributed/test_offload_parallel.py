@@ -19,8 +19,14 @@ def _llama(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=N_LAYERS,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -35,9 +41,12 @@ def _checkpoint(model) -> None:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     apply_activation_checkpointing(
-        model, check_fn=lambda m: isinstance(m, LlamaDecoderLayer),
-        checkpoint_wrapper_fn=partial(checkpoint_wrapper,
-                                      checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+        model,
+        check_fn=lambda m: isinstance(m, LlamaDecoderLayer),
+        checkpoint_wrapper_fn=partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+        ),
+    )
 
 
 def _full(t):
@@ -67,10 +76,12 @@ def _step(model, rank: int, autocast: bool = False):
 
 def _compare(on, off) -> dict:
     (loss_on, grads_on), (loss_off, grads_off) = on, off
-    return dict(loss_equal=bool(torch_equal(loss_on, loss_off)),
-                names_equal=sorted(grads_on) == sorted(grads_off),
-                unequal=[n for n in grads_off if not torch_equal(grads_on[n], grads_off[n])],
-                nonzero=all(bool(g.abs().sum() > 0) for g in grads_off.values() if g.numel()))
+    return dict(
+        loss_equal=bool(torch_equal(loss_on, loss_off)),
+        names_equal=sorted(grads_on) == sorted(grads_off),
+        unequal=[n for n in grads_off if not torch_equal(grads_on[n], grads_off[n])],
+        nonzero=all(bool(g.abs().sum() > 0) for g in grads_off.values() if g.numel()),
+    )
 
 
 def torch_equal(a, b) -> bool:
@@ -106,8 +117,7 @@ def _fsdp2_case(rank: int, mixed: bool) -> dict:
     wrapped = _offload(build())
     result = _compare(_step(wrapped, rank), off)
     stats = get_stats(wrapped)
-    result.update(offloaded=stats.bytes_offloaded, demand=stats.demand_fetches,
-                  layers=stats.layers)
+    result.update(offloaded=stats.bytes_offloaded, demand=stats.demand_fetches, layers=stats.layers)
     return result
 
 
@@ -121,8 +131,12 @@ def _fsdp1_case(rank: int) -> dict:
 
     def build():
         # The order of SMP's FSDP1 examples: wrap, then checkpoint the wrapped layers.
-        model = FSDP(_llama(), auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
-                     device_id=torch.device("cpu"), use_orig_params=True)
+        model = FSDP(
+            _llama(),
+            auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+            device_id=torch.device("cpu"),
+            use_orig_params=True,
+        )
         _checkpoint(model)
         return model
 
@@ -168,11 +182,20 @@ def _dtensor_case() -> dict:
             model = _offload(model, layers=lambda m: isinstance(m, Layer))
         out = model(x)
         out.sum().backward()
-        results.append((out.full_tensor(), x.grad.full_tensor(),
-                        get_stats(model).bytes_offloaded if offload else 0))
+        results.append(
+            (
+                out.full_tensor(),
+                x.grad.full_tensor(),
+                get_stats(model).bytes_offloaded if offload else 0,
+            )
+        )
     (out_on, grad_on, offloaded), (out_off, grad_off, _) = results
-    return dict(out_equal=torch.equal(out_on, out_off), grad_equal=torch.equal(grad_on, grad_off),
-                offloaded=offloaded, local_bytes=3 * 4 * 16 * 4)
+    return dict(
+        out_equal=torch.equal(out_on, out_off),
+        grad_equal=torch.equal(grad_on, grad_off),
+        offloaded=offloaded,
+        local_bytes=3 * 4 * 16 * 4,
+    )
 
 
 def _tp_case(rank: int) -> dict:
@@ -194,9 +217,13 @@ def _tp_case(rank: int) -> dict:
     wrapped = cw.offload_wrapper(build())  # the SMP script path
     result = _compare(_step(wrapped, 0), off)
     stats = get_stats(wrapped)
-    result.update(prefetching=isinstance(wrapped, PrefetchOffloadWrapper),
-                  horizon=wrapped._offload_engine.horizon, offloaded=stats.bytes_offloaded,
-                  demand=stats.demand_fetches, lead=stats.prefetch_lead_max)
+    result.update(
+        prefetching=isinstance(wrapped, PrefetchOffloadWrapper),
+        horizon=wrapped._offload_engine.horizon,
+        offloaded=stats.bytes_offloaded,
+        demand=stats.demand_fetches,
+        lead=stats.prefetch_lead_max,
+    )
     bf16_off = _step(build(), 0, autocast=True)
     bf16 = _compare(_step(cw.offload_wrapper(build()), 0, autocast=True), bf16_off)
     result["bf16_unequal"] = bf16["unequal"] + ([] if bf16["loss_equal"] else ["loss"])
@@ -211,8 +238,13 @@ def _all_cases() -> dict:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    return dict(fsdp2=_fsdp2_case(rank, mixed=False), fsdp2_bf16=_fsdp2_case(rank, mixed=True),
-                fsdp1=_fsdp1_case(rank), dtensor=_dtensor_case(), tp=_tp_case(rank))
+    return dict(
+        fsdp2=_fsdp2_case(rank, mixed=False),
+        fsdp2_bf16=_fsdp2_case(rank, mixed=True),
+        fsdp1=_fsdp1_case(rank),
+        dtensor=_dtensor_case(),
+        tp=_tp_case(rank),
+    )
 
 
 @pytest.mark.distributed

@@ -14,8 +14,9 @@ pytestmark = [
 
 
 def _run(world_size, env=None, quick=False):
-    results = run_distributed(checks.run_all, quick, world_size=world_size, backend="smddp",
-                              env=env, timeout=300)
+    results = run_distributed(
+        checks.run_all, quick, world_size=world_size, backend="smddp", env=env, timeout=300
+    )
     digests = [r.pop("digest") for r in results]
     assert all(d == digests[0] for d in digests), "ranks got different bits"
     assert all(r == results[0] for r in results)
@@ -25,7 +26,9 @@ def _run(world_size, env=None, quick=False):
 
 def test_two_ranks_shared_memory():
     counts = _run(2)
-    assert counts["all_reduce"] == sum(len(checks.ops_for(d)) for d in checks.ALL_DTYPES) * len(checks.SIZES)
+    assert counts["all_reduce"] == sum(len(checks.ops_for(d)) for d in checks.ALL_DTYPES) * len(
+        checks.SIZES
+    )
 
 
 def test_three_ranks_small_buffers_force_chunking():
@@ -56,7 +59,12 @@ def _layout_and_async():
 
 
 def test_forced_layout_and_async_ops_on_two_groups():
-    res = run_distributed(_layout_and_async, world_size=4, backend="smddp",
-                          env={"SMDDP_FORCE_LOCAL_SIZE": "2"}, timeout=300)
+    res = run_distributed(
+        _layout_and_async,
+        world_size=4,
+        backend="smddp",
+        env={"SMDDP_FORCE_LOCAL_SIZE": "2"},
+        timeout=300,
+    )
     assert res[0][0] == [[0, 1], [2, 3]]
     assert all(r[1] == 4 * 40 for r in res)

@@ -47,10 +47,17 @@ def _collectives_in_detail_mode():
 
 
 def test_collectives_and_mismatch_checks_in_detail_debug_mode():
-    results = run_distributed(_collectives_in_detail_mode, world_size=2, backend="smddp",
-                              init_process_group=False, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    results = run_distributed(
+        _collectives_in_detail_mode,
+        world_size=2,
+        backend="smddp",
+        init_process_group=False,
+        env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"},
+    )
     for r in results:
         assert r["all_reduce"] == [3.0] * 5
         assert r["broadcast"] == [1.0] * 3
         assert r["all_gather"] == [[0.0, 0.0], [1.0, 1.0]]
-        assert "mismatch" in r["mismatch"].lower() and "sequence" not in r["mismatch"], r["mismatch"]
+        assert "mismatch" in r["mismatch"].lower() and "sequence" not in r["mismatch"], r[
+            "mismatch"
+        ]

@@ -30,7 +30,9 @@ def _every_dtype_and_op():
                 via_dist = t.clone()
                 all_reduce_direct(t, op=checks.redop(op))
                 dist.all_reduce(via_dist, op=checks.redop(op))
-                want = checks.reference_reduce([checks.make_input(r, n, dtype, salt, op) for r in range(world)], op, hosts)
+                want = checks.reference_reduce(
+                    [checks.make_input(r, n, dtype, salt, op) for r in range(world)], op, hosts
+                )
                 assert checks.same(t, want), f"{dtype} {op} n={n}: {t[:8]} != {want[:8]}"
                 assert checks.same(t, via_dist), f"{dtype} {op} n={n}: differs from dist.all_reduce"
                 checked += 1
@@ -38,7 +40,10 @@ def _every_dtype_and_op():
     m = torch.arange(12, dtype=torch.float32).reshape(3, 4) + rank
     col = m[:, 1]
     all_reduce_direct(col)
-    assert torch.equal(m[:, 1], sum(torch.arange(12, dtype=torch.float32).reshape(3, 4)[:, 1] + r for r in range(world)))
+    assert torch.equal(
+        m[:, 1],
+        sum(torch.arange(12, dtype=torch.float32).reshape(3, 4)[:, 1] + r for r in range(world)),
+    )
     # Complex: reduced as its real view, as dist.all_reduce does; MAX is refused.
     z = torch.full((5,), complex(rank, -rank), dtype=torch.complex64)
     all_reduce_direct(z, op=dist.ReduceOp.AVG)
@@ -72,7 +77,11 @@ def _ordered_with_async_collectives():
         big = torch.full((200_000 + i,), float(rank + i))
         works.append(dist.all_reduce(big, group=g, async_op=True))
         out = torch.empty(world * (i + 1), dtype=torch.int64)
-        works.append(dist.all_gather_into_tensor(out, torch.full((i + 1,), rank * 10 + i), group=g, async_op=True))
+        works.append(
+            dist.all_gather_into_tensor(
+                out, torch.full((i + 1,), rank * 10 + i), group=g, async_op=True
+            )
+        )
         small = torch.full((i + 1,), float(rank * i))
         all_reduce_direct(small, group=g)
         assert torch.equal(small, torch.full((i + 1,), float(sum(r * i for r in range(world))))), i
@@ -81,13 +90,17 @@ def _ordered_with_async_collectives():
         w.wait()
     for big, out, i in pending:
         assert torch.all(big == sum(r + i for r in range(world))).item(), i
-        assert torch.equal(out, torch.cat([torch.full((i + 1,), r * 10 + i) for r in range(world)])), i
+        assert torch.equal(
+            out, torch.cat([torch.full((i + 1,), r * 10 + i) for r in range(world)])
+        ), i
     dist.destroy_process_group(g)
     return len(works)
 
 
 def test_runs_after_queued_async_collectives_of_its_group():
-    assert run_distributed(_ordered_with_async_collectives, world_size=2, backend="smddp", timeout=300) == [60, 60]
+    assert run_distributed(
+        _ordered_with_async_collectives, world_size=2, backend="smddp", timeout=300
+    ) == [60, 60]
 
 
 def _falls_back_where_it_cannot_go_direct():
@@ -127,7 +140,11 @@ def _falls_back_where_it_cannot_go_direct():
 
 
 def test_falls_back_to_dist_all_reduce_for_other_backends_subclasses_and_outsiders():
-    assert all(run_distributed(_falls_back_where_it_cannot_go_direct, world_size=3, backend="smddp", timeout=120))
+    assert all(
+        run_distributed(
+            _falls_back_where_it_cannot_go_direct, world_size=3, backend="smddp", timeout=120
+        )
+    )
 
 
 def _mismatched_direct():
@@ -137,14 +154,20 @@ def _mismatched_direct():
     from torch_sagemaker.distributed.direct import all_reduce_direct
 
     rank = dist.get_rank()
-    return checks.runtime_errors([
-        lambda: all_reduce_direct(torch.ones(10 + rank)),
-        lambda: all_reduce_direct(torch.ones(4)) if rank == 0 else dist.broadcast(torch.ones(4), 0),
-    ])
+    return checks.runtime_errors(
+        [
+            lambda: all_reduce_direct(torch.ones(10 + rank)),
+            lambda: (
+                all_reduce_direct(torch.ones(4)) if rank == 0 else dist.broadcast(torch.ones(4), 0)
+            ),
+        ]
+    )
 
 
 def test_mismatches_raise_on_every_rank_naming_both_calls():
-    results = run_distributed(_mismatched_direct, world_size=2, backend="smddp", fresh=True, pg_timeout=30)
+    results = run_distributed(
+        _mismatched_direct, world_size=2, backend="smddp", fresh=True, pg_timeout=30
+    )
     for per_rank in results:
         assert all(m is not None and "mismatched collectives" in m for m in per_rank), per_rank
     assert "all_reduce (Float, SUM, 10 elements)" in results[0][0]
@@ -165,6 +188,8 @@ def _peer_never_calls():
 
 def test_timeout_names_the_missing_rank():
     with pytest.raises(DistributedTestError) as info:
-        run_distributed(_peer_never_calls, world_size=2, backend="smddp", fresh=True, pg_timeout=3, timeout=60)
+        run_distributed(
+            _peer_never_calls, world_size=2, backend="smddp", fresh=True, pg_timeout=3, timeout=60
+        )
     section = str(info.value).split("--- rank 0 ---")[1]
     assert "timed out" in section and "all_reduce" in section and "[1]" in section, section

@@ -21,14 +21,22 @@ def _mismatches():
 
     rank = dist.get_rank()
     cases = [
-        lambda g: dist.all_reduce(torch.ones(10 + rank), group=g),                  # numel
-        lambda g: dist.all_reduce(torch.ones(10, dtype=[torch.float32, torch.float64][rank]), group=g),
-        lambda g: dist.all_reduce(torch.ones(10), op=[dist.ReduceOp.SUM, dist.ReduceOp.MAX][rank], group=g),
-        lambda g: (dist.all_reduce(torch.ones(4), group=g) if rank == 0
-                   else dist.broadcast(torch.ones(4), 0, group=g)),                    # collective
+        lambda g: dist.all_reduce(torch.ones(10 + rank), group=g),  # numel
+        lambda g: dist.all_reduce(
+            torch.ones(10, dtype=[torch.float32, torch.float64][rank]), group=g
+        ),
+        lambda g: dist.all_reduce(
+            torch.ones(10), op=[dist.ReduceOp.SUM, dist.ReduceOp.MAX][rank], group=g
+        ),
+        lambda g: (
+            dist.all_reduce(torch.ones(4), group=g)
+            if rank == 0
+            else dist.broadcast(torch.ones(4), 0, group=g)
+        ),  # collective
         # Rank 1 expects 2 elements from rank 0, which sends it 1.
-        lambda g: dist.all_to_all_single(torch.empty(2 + rank), torch.ones(2), [1 + rank, 1],
-                                         [1, 1], group=g),
+        lambda g: dist.all_to_all_single(
+            torch.empty(2 + rank), torch.ones(2), [1 + rank, 1], [1, 1], group=g
+        ),
     ]
     # A fresh group per case: a failed collective poisons its group.
     return checks.runtime_errors([lambda case=case: case(dist.new_group([0, 1])) for case in cases])
@@ -39,8 +47,9 @@ def test_mismatched_collectives_raise_on_every_rank(transport):
     # Over TCP (one rank per forced host) the receiver of a message from another call
     # raises and its failure notice ends the other rank's wait.
     env = {"SMDDP_FORCE_LOCAL_SIZE": "1"} if transport == "tcp" else {}
-    results = run_distributed(_mismatches, world_size=2, backend="smddp", env=env, fresh=True,
-                              pg_timeout=30)
+    results = run_distributed(
+        _mismatches, world_size=2, backend="smddp", env=env, fresh=True, pg_timeout=30
+    )
     for per_rank in results:
         assert all(m is not None and "mismatched collectives" in m for m in per_rank[:4]), per_rank
         assert per_rank[4] is not None and "sizes" in per_rank[4], per_rank
@@ -59,21 +68,33 @@ def _hosts_disagree():
 
     host = dist.get_rank() // 2
     cases = [
-        lambda g: (dist.all_reduce(torch.ones(4), group=g) if host == 0
-                   else dist.broadcast(torch.ones(4), 0, group=g)),                    # collective
-        lambda g: dist.all_reduce(torch.ones(4), op=[dist.ReduceOp.SUM, dist.ReduceOp.MAX][host],
-                                  group=g),                                            # op
-        lambda g: dist.all_reduce(torch.ones(4, dtype=[torch.float32, torch.int32][host]),
-                                  group=g),                                            # dtype
-        lambda g: dist.all_gather_into_tensor(torch.empty(4 * (3 + host)), torch.ones(3 + host),
-                                              group=g),                                # numel
+        lambda g: (
+            dist.all_reduce(torch.ones(4), group=g)
+            if host == 0
+            else dist.broadcast(torch.ones(4), 0, group=g)
+        ),  # collective
+        lambda g: dist.all_reduce(
+            torch.ones(4), op=[dist.ReduceOp.SUM, dist.ReduceOp.MAX][host], group=g
+        ),  # op
+        lambda g: dist.all_reduce(
+            torch.ones(4, dtype=[torch.float32, torch.int32][host]), group=g
+        ),  # dtype
+        lambda g: dist.all_gather_into_tensor(
+            torch.empty(4 * (3 + host)), torch.ones(3 + host), group=g
+        ),  # numel
     ]
     return checks.runtime_errors([lambda case=case: case(dist.new_group()) for case in cases])
 
 
 def test_collectives_that_differ_between_hosts_raise_on_every_rank():
-    results = run_distributed(_hosts_disagree, world_size=4, backend="smddp",
-                              env={"SMDDP_FORCE_LOCAL_SIZE": "2"}, fresh=True, pg_timeout=30)
+    results = run_distributed(
+        _hosts_disagree,
+        world_size=4,
+        backend="smddp",
+        env={"SMDDP_FORCE_LOCAL_SIZE": "2"},
+        fresh=True,
+        pg_timeout=30,
+    )
     for per_rank in results:
         assert all(m is not None and "mismatched collectives" in m for m in per_rank), per_rank
     assert "called broadcast (Float, 4 elements, root 0)" in results[2][0]
@@ -123,8 +144,15 @@ def test_dead_rank_on_another_host_fails_every_rank_quickly():
     # Rank 0 waits over TCP for rank 2, which is alive: it must learn of rank 3's death
     # from rank 2's failure notice (or rank 1's failure flag), not from the 60 s timeout.
     with pytest.raises(DistributedTestError) as info:
-        run_distributed(_dead_rank_on_other_host, None, world_size=4, backend="smddp",
-                        env={"SMDDP_FORCE_LOCAL_SIZE": "2"}, fresh=True, pg_timeout=60)
+        run_distributed(
+            _dead_rank_on_other_host,
+            None,
+            world_size=4,
+            backend="smddp",
+            env={"SMDDP_FORCE_LOCAL_SIZE": "2"},
+            fresh=True,
+            pg_timeout=60,
+        )
     for rank in (0, 1, 2):
         section, elapsed = checks.rank_failure(str(info.value), rank)
         assert "RuntimeError" in section and "all_reduce" in section, section
@@ -136,8 +164,15 @@ def test_failure_on_this_host_ends_a_wait_over_tcp():
     # Rank 2 is alive but never joins, so no notice can come from it: rank 0, waiting for it
     # over TCP, must notice that rank 1 (same host) failed when rank 3 died.
     with pytest.raises(DistributedTestError) as info:
-        run_distributed(_dead_rank_on_other_host, 2, world_size=4, backend="smddp",
-                        env={"SMDDP_FORCE_LOCAL_SIZE": "2"}, fresh=True, pg_timeout=60)
+        run_distributed(
+            _dead_rank_on_other_host,
+            2,
+            world_size=4,
+            backend="smddp",
+            env={"SMDDP_FORCE_LOCAL_SIZE": "2"},
+            fresh=True,
+            pg_timeout=60,
+        )
     section, elapsed = checks.rank_failure(str(info.value), 0)
     assert "because rank 1 failed" in section and "rank 3" in section, section
     assert elapsed < 10, section
@@ -177,8 +212,15 @@ def _exit_after_all_to_all(big_mib):
 def test_rank_that_finished_an_all_to_all_may_exit_while_others_receive():
     # A rank's exit after its part of a collective is not a failure of that collective,
     # even on the TCP path, where the rank still waiting has no shared-memory step left.
-    results = run_distributed(_exit_after_all_to_all, 128, world_size=4, backend="smddp",
-                              env={"SMDDP_FORCE_LOCAL_SIZE": "2"}, fresh=True, pg_timeout=60)
+    results = run_distributed(
+        _exit_after_all_to_all,
+        128,
+        world_size=4,
+        backend="smddp",
+        env={"SMDDP_FORCE_LOCAL_SIZE": "2"},
+        fresh=True,
+        pg_timeout=60,
+    )
     assert results == ["ok"] * 4
 
 
@@ -198,7 +240,9 @@ def _peer_too_late():
 
 
 def test_missing_peer_times_out_with_init_timeout():
-    results = run_distributed(_peer_too_late, world_size=2, backend="smddp", fresh=True, pg_timeout=2)
+    results = run_distributed(
+        _peer_too_late, world_size=2, backend="smddp", fresh=True, pg_timeout=2
+    )
     message, elapsed = results[0]
     assert "timed out after 2.0 s" in message and "ranks [1]" in message and "group '0'" in message
     assert 1.5 < elapsed < 10
@@ -221,8 +265,9 @@ def _group_creation_missing_member():
 
 
 def test_missing_member_at_group_creation_times_out():
-    results = run_distributed(_group_creation_missing_member, world_size=2, backend="smddp",
-                              fresh=True, pg_timeout=30)
+    results = run_distributed(
+        _group_creation_missing_member, world_size=2, backend="smddp", fresh=True, pg_timeout=30
+    )
     kind, message, elapsed = results[0]
     assert elapsed < 15, message
     assert kind == "RuntimeError", (kind, message)
@@ -237,7 +282,9 @@ def _resources():
 
     def counts():
         # Segment names carry their creator's pid (other jobs on the machine have theirs).
-        shm = [f for f in os.listdir("/dev/shm") if f.startswith("smddp_") and f"_{os.getpid()}_" in f]
+        shm = [
+            f for f in os.listdir("/dev/shm") if f.startswith("smddp_") and f"_{os.getpid()}_" in f
+        ]
         return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task")), len(shm)
 
     def one_round():
@@ -246,8 +293,9 @@ def _resources():
         dist.all_reduce(t, group=g, async_op=True).wait()
         peer = 1 - dist.get_rank()
         recv = torch.empty(4)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(4), peer, g),
-                                        dist.P2POp(dist.irecv, recv, peer, g)])
+        works = dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, torch.ones(4), peer, g), dist.P2POp(dist.irecv, recv, peer, g)]
+        )
         for w in works:
             w.wait()
         assert t[0].item() == 2 and recv.sum().item() == 4
@@ -321,18 +369,39 @@ def _bad_inputs():
 
     # Through the backend object itself: the dispatcher sends meta tensors elsewhere.
     pg = dist.group.WORLD._get_backend(torch.device("cpu"))
-    expect(ValueError, lambda: pg.allreduce([torch.ones(3, device="meta")], dist.AllreduceOptions()),
-           "meta", "CPU")
-    expect(ValueError, lambda: dist.all_gather_into_tensor(torch.empty(5), torch.ones(3)),
-           "all_gather_into_tensor", "6", "5")
-    expect(ValueError, lambda: dist.reduce_scatter_tensor(torch.empty(2), torch.ones(3)),
-           "reduce_scatter_tensor")
-    expect(ValueError, lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND), "BAND", "float32")
-    expect(ValueError, lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.AVG),
-           "AVG", "int32")
+    expect(
+        ValueError,
+        lambda: pg.allreduce([torch.ones(3, device="meta")], dist.AllreduceOptions()),
+        "meta",
+        "CPU",
+    )
+    expect(
+        ValueError,
+        lambda: dist.all_gather_into_tensor(torch.empty(5), torch.ones(3)),
+        "all_gather_into_tensor",
+        "6",
+        "5",
+    )
+    expect(
+        ValueError,
+        lambda: dist.reduce_scatter_tensor(torch.empty(2), torch.ones(3)),
+        "reduce_scatter_tensor",
+    )
+    expect(
+        ValueError, lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND), "BAND", "float32"
+    )
+    expect(
+        ValueError,
+        lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.AVG),
+        "AVG",
+        "int32",
+    )
     expect(TypeError, lambda: dist.all_reduce(torch.ones(3, dtype=torch.uint16)), "dtype")
-    expect(ValueError, lambda: dist.all_to_all_single(torch.empty(4), torch.ones(4), [1, 1], [3, 2]),
-           "split sizes")
+    expect(
+        ValueError,
+        lambda: dist.all_to_all_single(torch.empty(4), torch.ones(4), [1, 1], [3, 2]),
+        "split sizes",
+    )
     # The group is still usable after rejected calls.
     t = torch.ones(2)
     dist.all_reduce(t)

@@ -29,6 +29,7 @@ def _cpu(group=None):
 
 # --- sizes from user input are overflow-checked -------------------------------------------
 
+
 def _overflowing_sizes():
     import torch
     import torch.distributed as dist
@@ -66,8 +67,9 @@ def _huge_buffer_setting():
     import torch.distributed as dist
 
     rank = int(os.environ["RANK"])
-    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 2, rank == 0,
-                          timeout=timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1", int(os.environ["MASTER_PORT"]), 2, rank == 0, timeout=timedelta(seconds=60)
+    )
     try:
         dist.init_process_group("smddp", store=store, rank=rank, world_size=2)
         message = "created"
@@ -87,14 +89,19 @@ def _huge_buffer_setting():
 def test_a_buffer_size_that_overflows_the_segment_size_is_refused():
     # 2^63 - 1 bytes rounds up to 2^63: twice that wrapped to 0 and the data buffers then
     # pointed past the end of a 4 KiB mapping.
-    for message in run_distributed(_huge_buffer_setting, world_size=2, backend="smddp",
-                                   init_process_group=False,
-                                   env={"SMDDP_BUFFER_BYTES": str(2**63 - 1)}):
+    for message in run_distributed(
+        _huge_buffer_setting,
+        world_size=2,
+        backend="smddp",
+        init_process_group=False,
+        env={"SMDDP_BUFFER_BYTES": str(2**63 - 1)},
+    ):
         # Refused by the settings' range check now; the segment size is overflow-checked too.
         assert "SMDDP_BUFFER_BYTES" in message and "between 4K and 1G" in message, message
 
 
 # --- the TCP mesh: where it listens, idle and repeated connections ------------------------
+
 
 def _listeners():
     import torch.distributed as dist
@@ -154,8 +161,14 @@ def _idle_connections_then_collective():
 
 def test_idle_connections_do_not_delay_a_rank_and_listeners_bind_one_address():
     # Before: handshakes ran one at a time, 5 s each, so the real rank's handshake timed out.
-    results = run_distributed(_idle_connections_then_collective, world_size=2, backend="smddp",
-                              env={"SMDDP_FORCE_LOCAL_SIZE": "1"}, fresh=True, pg_timeout=60)
+    results = run_distributed(
+        _idle_connections_then_collective,
+        world_size=2,
+        backend="smddp",
+        env={"SMDDP_FORCE_LOCAL_SIZE": "1"},
+        fresh=True,
+        pg_timeout=60,
+    )
     for (address, port), bound, values, elapsed in results:
         assert port > 0 and address not in ("", "0.0.0.0"), address
         assert bound and "00000000" not in bound, bound  # not INADDR_ANY
@@ -181,8 +194,9 @@ class _RecordingStore:
         class Recording(dist.Store):
             def __init__(self):
                 super().__init__()
-                self.inner = dist.TCPStore(host, port, world_size, is_master,
-                                           timeout=timedelta(seconds=60))
+                self.inner = dist.TCPStore(
+                    host, port, world_size, is_master, timeout=timedelta(seconds=60)
+                )
                 self.seen = {}
 
             def set(self, key, value):
@@ -260,8 +274,9 @@ def _frames_and_replacement():
 
     rank = int(os.environ["RANK"])
     store = _RecordingStore.create("127.0.0.1", int(os.environ["MASTER_PORT"]), 3, rank == 0)
-    dist.init_process_group("smddp", store=store, rank=rank, world_size=3,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "smddp", store=store, rank=rank, world_size=3, timeout=timedelta(seconds=60)
+    )
     out = {}
 
     def group_and_addresses():
@@ -273,9 +288,9 @@ def _frames_and_replacement():
 
     # 1. Frames whose length does not fit what the receiver expects, one group per case.
     cases = [
-        ("stash_too_big", 77, 1 << 40, b""),                # nobody waits for tag 77
+        ("stash_too_big", 77, 1 << 40, b""),  # nobody waits for tag 77
         ("stash_grows_as_bytes_arrive", 77, 64 << 20, b""),  # 112-byte header, then silence
-        ("posted_wrong_length", 5, 1 << 40, b""),           # tag 5 is posted with 16 bytes
+        ("posted_wrong_length", 5, 1 << 40, b""),  # tag 5 is posted with 16 bytes
     ]
     for name, tag, length, body in cases:
         g, _, infos = group_and_addresses()
@@ -323,9 +338,14 @@ def _frames_and_replacement():
 
 
 def test_store_secret_frames_and_connection_replacement():
-    results = run_distributed(_frames_and_replacement, world_size=3, backend="smddp",
-                              init_process_group=False, timeout=240,
-                              env={"SMDDP_FORCE_LOCAL_SIZE": "1"})
+    results = run_distributed(
+        _frames_and_replacement,
+        world_size=3,
+        backend="smddp",
+        init_process_group=False,
+        timeout=240,
+        env={"SMDDP_FORCE_LOCAL_SIZE": "1"},
+    )
     for r in results:
         assert r["keys_seen"] >= 5 and r["keys_left"] == 0, r
         assert r["after_replacement"] == [6.0] * 3, r
@@ -343,6 +363,7 @@ def test_store_secret_frames_and_connection_replacement():
 
 # --- /dev/shm segments of ranks killed during set-up ---------------------------------------
 
+
 def _member(rank, store_port, block, report):
     """A rank that creates the default group over a store; with ``block``, it stops for good
     right after publishing its segment (killed there by the test). Reports go through a pipe
@@ -356,19 +377,27 @@ def _member(rank, store_port, block, report):
     import torch_sagemaker  # noqa: F401
 
     def nonce_of(store):
-        nonce = [v.decode().split(":")[0] for k, v in store.seen.items() if k.endswith("smddp/keys")]
+        nonce = [
+            v.decode().split(":")[0] for k, v in store.seen.items() if k.endswith("smddp/keys")
+        ]
         return nonce[0] if nonce else ""
 
     def stop_here():
         report.send(("blocked", nonce_of(store)))
         time.sleep(3600)
 
-    store = _RecordingStore.create("127.0.0.1", store_port, 2, False,
-                                   block_on=(f"smddp/shm/{rank}", stop_here) if block else None)
+    store = _RecordingStore.create(
+        "127.0.0.1",
+        store_port,
+        2,
+        False,
+        block_on=(f"smddp/shm/{rank}", stop_here) if block else None,
+    )
     start = time.monotonic()
     try:
-        dist.init_process_group("smddp", store=store, rank=rank, world_size=2,
-                                timeout=timedelta(seconds=40))
+        dist.init_process_group(
+            "smddp", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=40)
+        )
         report.send(("created", ""))
     except Exception:
         report.send(("error", f"{traceback.format_exc()} [after {time.monotonic() - start:.1f} s]"))
@@ -389,11 +418,14 @@ def _start_members(blocked, kill_with):
     import torch.distributed as dist
 
     ctx = mp.get_context("spawn")
-    server = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=timedelta(seconds=60),
-                           wait_for_workers=False)
+    server = dist.TCPStore(
+        "127.0.0.1", 0, 3, True, timeout=timedelta(seconds=60), wait_for_workers=False
+    )
     pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
-    procs = [ctx.Process(target=_member, args=(r, server.port, r in blocked, pipes[r][1]),
-                         daemon=True) for r in range(2)]
+    procs = [
+        ctx.Process(target=_member, args=(r, server.port, r in blocked, pipes[r][1]), daemon=True)
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     got = {}

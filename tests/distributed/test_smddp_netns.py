@@ -25,10 +25,24 @@ def two_host_run(tmp_path_factory):
     if reason:
         pytest.skip(f"two-host test needs Linux user and network namespaces: {reason}")
     out = tmp_path_factory.mktemp("two_hosts")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-               "--node-rank", "{host}", "--nproc-per-node", "2",
-               "--master-addr", netns_hosts.HOST_ADDRESS.format(1), "--master-port", "29500",
-               "-m", "tests.distributed.smddp_two_hosts_rank", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "{host}",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        netns_hosts.HOST_ADDRESS.format(1),
+        "--master-port",
+        "29500",
+        "-m",
+        "tests.distributed.smddp_two_hosts_rank",
+        str(out),
+    ]
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     env.pop("SMDDP_FORCE_LOCAL_SIZE", None)
     done = netns_hosts.run_on_two_hosts(command, timeout_s=240, env=env, cwd=REPO)

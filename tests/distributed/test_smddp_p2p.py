@@ -31,7 +31,10 @@ def _p2p_cases(expect_eager: bool) -> int:
     for dtype in checks.ALL_DTYPES:
         for n in (0, 1, 7, 1031, 300007):
             out = torch.empty(n, dtype=dtype)
-            ops = [dist.P2POp(dist.irecv, out, prv), dist.P2POp(dist.isend, _payload(rank, n, dtype, n), nxt)]
+            ops = [
+                dist.P2POp(dist.irecv, out, prv),
+                dist.P2POp(dist.isend, _payload(rank, n, dtype, n), nxt),
+            ]
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
             assert checks.same(out, _payload(prv, n, dtype, n)), (dtype, n)
@@ -50,7 +53,9 @@ def _p2p_cases(expect_eager: bool) -> int:
     dist.barrier()
     if rank == 0:
         w = dist.isend(torch.ones(16), 1, tag=5)
-        assert w.is_completed() or not expect_eager, "a small isend over shared memory completes at once"
+        assert w.is_completed() or not expect_eager, (
+            "a small isend over shared memory completes at once"
+        )
         w.wait()
     elif rank == 1:
         one = torch.empty(16)
@@ -97,7 +102,9 @@ def _p2p_cases(expect_eager: bool) -> int:
         dist.all_reduce(t)
         got = torch.empty(3)
         dist.recv(got, 0, tag=6)
-        assert torch.equal(got, torch.full((3,), 7.0)) and torch.equal(t, torch.full((4,), float(world)))
+        assert torch.equal(got, torch.full((3,), 7.0)) and torch.equal(
+            t, torch.full((4,), float(world))
+        )
         checked += 5
     else:
         dist.all_reduce(torch.ones(4))
@@ -116,8 +123,9 @@ def _p2p_cases(expect_eager: bool) -> int:
     ids=["shm", "shm-one-page-rings", "tcp", "forced-hosts"],
 )
 def test_p2p_matches_payload_bit_for_bit(world_size, env, eager):
-    results = run_distributed(_p2p_cases, eager, world_size=world_size, backend="smddp", env=env,
-                              timeout=300)
+    results = run_distributed(
+        _p2p_cases, eager, world_size=world_size, backend="smddp", env=env, timeout=300
+    )
     assert results[0] == results[1] == 5 * len(checks.ALL_DTYPES) + 1 + 5
 
 
@@ -163,8 +171,9 @@ def _any_source_and_coalesced():
     ids=["shm", "tcp", "forced-hosts"],
 )
 def test_recv_from_any_rank_and_all_gather_coalesced(world_size, env):
-    results = run_distributed(_any_source_and_coalesced, world_size=world_size, backend="smddp",
-                              env=env, timeout=300)
+    results = run_distributed(
+        _any_source_and_coalesced, world_size=world_size, backend="smddp", env=env, timeout=300
+    )
     others = list(range(1, world_size))
     assert results[0] == {11: others, 12: others}
 
@@ -181,13 +190,17 @@ def _p2p_faults():
     groups = [dist.new_group([0, 1], timeout=timedelta(seconds=2)) for _ in range(2)]
     if rank == 0:
         start = time.monotonic()
-        messages += checks.runtime_errors([lambda: dist.recv(torch.empty(4), 1, group=groups[0], tag=9)])
+        messages += checks.runtime_errors(
+            [lambda: dist.recv(torch.empty(4), 1, group=groups[0], tag=9)]
+        )
         messages.append(time.monotonic() - start)
     else:
         time.sleep(2.5)  # never sends; rank 0 waits in the recv until its 2 s timeout
     dist.barrier()
     if rank == 0:
-        messages += checks.runtime_errors([lambda: dist.recv(torch.empty(4), 1, group=groups[1])])  # size
+        messages += checks.runtime_errors(
+            [lambda: dist.recv(torch.empty(4), 1, group=groups[1])]
+        )  # size
     else:
         dist.send(torch.ones(6), 0, group=groups[1])
     dist.barrier()
@@ -195,10 +208,13 @@ def _p2p_faults():
 
 
 def test_p2p_faults_raise_clear_errors_within_the_timeout():
-    results = run_distributed(_p2p_faults, world_size=2, backend="smddp", fresh=True, pg_timeout=2,
-                              timeout=120)
+    results = run_distributed(
+        _p2p_faults, world_size=2, backend="smddp", fresh=True, pg_timeout=2, timeout=120
+    )
     timeout_msg, timeout_s, size_msg = results[0]
-    assert "recv" in timeout_msg and "timed out after 2.0 s" in timeout_msg and "rank 1" in timeout_msg
+    assert (
+        "recv" in timeout_msg and "timed out after 2.0 s" in timeout_msg and "rank 1" in timeout_msg
+    )
     assert 1.5 < timeout_s < 10
     assert "24 bytes but this recv expects 16" in size_msg
 

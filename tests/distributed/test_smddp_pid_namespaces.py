@@ -43,8 +43,11 @@ RANK = textwrap.dedent("""
 def _unshare_works() -> str:
     if not shutil.which("unshare"):
         return "no unshare(1)"
-    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--pid", "--fork",
-                            "--mount-proc", "true"], capture_output=True, text=True)
+    probe = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "true"],
+        capture_output=True,
+        text=True,
+    )
     return "" if probe.returncode == 0 else probe.stderr.strip()
 
 
@@ -64,10 +67,27 @@ def test_ranks_in_separate_pid_namespaces_are_one_host_and_not_declared_dead(tmp
         f"{sys.executable} {script} 0 {port}",
         f"for i in 1 2 3 4 5 6 7 8; do /bin/true; done; {sys.executable} {script} 1 {port}",
     ]
-    procs = [subprocess.Popen(["unshare", "--user", "--map-root-user", "--pid", "--fork",
-                               "--mount-proc", "sh", "-c", cmd], env=env, cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd in shells]
+    procs = [
+        subprocess.Popen(
+            [
+                "unshare",
+                "--user",
+                "--map-root-user",
+                "--pid",
+                "--fork",
+                "--mount-proc",
+                "sh",
+                "-c",
+                cmd,
+            ],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for cmd in shells
+    ]
     outputs = [p.communicate(timeout=240)[0] for p in procs]
     results = []
     for out in outputs:

@@ -25,12 +25,19 @@ def _options_per_group():
     from torch_sagemaker.distributed.backend import group_settings
 
     rank = int(os.environ["RANK"])
-    dist.init_process_group("smddp", rank=rank, world_size=2,
-                            pg_options=SMDDPOptions(spin_us=7, oneshot_bytes="1K"))
-    small = dist.new_group([0, 1], pg_options=SMDDPOptions(buffer_bytes="8K", chunk_bytes=4096,
-                                                           timeout=timedelta(seconds=30)))
+    dist.init_process_group(
+        "smddp", rank=rank, world_size=2, pg_options=SMDDPOptions(spin_us=7, oneshot_bytes="1K")
+    )
+    small = dist.new_group(
+        [0, 1],
+        pg_options=SMDDPOptions(buffer_bytes="8K", chunk_bytes=4096, timeout=timedelta(seconds=30)),
+    )
     plain = dist.new_group([0, 1])
-    out = {"world": group_settings(), "small": group_settings(small), "plain": group_settings(plain)}
+    out = {
+        "world": group_settings(),
+        "small": group_settings(small),
+        "plain": group_settings(plain),
+    }
     # The small buffers really carry the traffic: many pipelined steps, exact results.
     t = torch.arange(100_000, dtype=torch.float64) * (rank + 1)
     dist.all_reduce(t, group=small)
@@ -45,15 +52,23 @@ def _options_per_group():
 
 
 def test_options_apply_per_group_over_the_environment():
-    results = run_distributed(_options_per_group, world_size=2, backend="smddp",
-                              init_process_group=False, env={"SMDDP_SPIN_US": "3"})
+    results = run_distributed(
+        _options_per_group,
+        world_size=2,
+        backend="smddp",
+        init_process_group=False,
+        env={"SMDDP_SPIN_US": "3"},
+    )
     for r in results:
         assert r["world"]["spin_us"] == "7" and r["world"]["oneshot_bytes"] == "1024"
         assert r["small"]["buffer_bytes"] == "8192" and r["small"]["chunk_bytes"] == "4096"
         assert r["small"]["timeout"] == "30" and r["small"]["spin_us"] == "3"  # environment
         assert r["plain"]["buffer_bytes"] == str(1 << 20) and r["plain"]["spin_us"] == "3"
         assert r["exact"]
-        assert "pg_options must be a torch_sagemaker.distributed.SMDDPOptions, got dict" in r["type_error"]
+        assert (
+            "pg_options must be a torch_sagemaker.distributed.SMDDPOptions, got dict"
+            in r["type_error"]
+        )
 
 
 def _malformed_environment():
@@ -62,8 +77,9 @@ def _malformed_environment():
     import torch.distributed as dist
 
     rank = int(os.environ["RANK"])
-    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 2, rank == 0,
-                          timeout=timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1", int(os.environ["MASTER_PORT"]), 2, rank == 0, timeout=timedelta(seconds=60)
+    )
     try:
         dist.init_process_group("smddp", store=store, rank=rank, world_size=2)
         message = "created"
@@ -81,6 +97,11 @@ def _malformed_environment():
 
 def test_malformed_environment_is_refused_at_group_creation():
     # Before: "12x" was read as 12 bytes (rounded to a page) and the job ran on.
-    for message in run_distributed(_malformed_environment, world_size=2, backend="smddp",
-                                   init_process_group=False, env={"SMDDP_BUFFER_BYTES": "12x"}):
+    for message in run_distributed(
+        _malformed_environment,
+        world_size=2,
+        backend="smddp",
+        init_process_group=False,
+        env={"SMDDP_BUFFER_BYTES": "12x"},
+    ):
         assert "SMDDP_BUFFER_BYTES=12x is invalid" in message, message

@@ -130,8 +130,14 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     if a.dtype.is_floating_point:
-        return torch.equal(a.view(torch.uint8 if a.element_size() == 1 else {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]),
-                           b.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[b.element_size()]))
+        return torch.equal(
+            a.view(
+                torch.uint8
+                if a.element_size() == 1
+                else {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+            ),
+            b.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[b.element_size()]),
+        )
     return torch.equal(a, b)
 
 
@@ -148,7 +154,9 @@ def check_all_reduce(sizes=SIZES, dtypes=ALL_DTYPES, async_op=False) -> int:
                 if async_op:
                     work.wait()
                     assert same(work.get_future().value()[0], t)
-                want = reference_reduce([make_input(r, n, dtype, salt, op) for r in range(world)], op, hosts)
+                want = reference_reduce(
+                    [make_input(r, n, dtype, salt, op) for r in range(world)], op, hosts
+                )
                 assert same(t, want), f"all_reduce {dtype} {op} n={n}: {t[:8]} != {want[:8]}"
                 checked += 1
     return checked
@@ -166,12 +174,18 @@ def check_reduce_scatter(sizes=(0, 1, 5, 17, 1031, 40000), dtypes=ALL_DTYPES) ->
                 inp = make_input(rank, n * world, dtype, salt, op)
                 out = torch.empty(n, dtype=dtype)
                 dist.reduce_scatter_tensor(out, inp, op=redop(op))
-                full = reference_reduce([make_input(r, n * world, dtype, salt, op) for r in range(world)], op, hosts)
-                want = full[rank * n:(rank + 1) * n]
+                full = reference_reduce(
+                    [make_input(r, n * world, dtype, salt, op) for r in range(world)], op, hosts
+                )
+                want = full[rank * n : (rank + 1) * n]
                 assert same(out, want), f"reduce_scatter_tensor {dtype} {op} n={n}"
                 # The list form.
                 out2 = torch.empty(n, dtype=dtype)
-                dist.reduce_scatter(out2, list(inp.chunk(world)) if n else [torch.empty(0, dtype=dtype)] * world, op=redop(op))
+                dist.reduce_scatter(
+                    out2,
+                    list(inp.chunk(world)) if n else [torch.empty(0, dtype=dtype)] * world,
+                    op=redop(op),
+                )
                 assert same(out2, want), f"reduce_scatter (list) {dtype} {op} n={n}"
                 checked += 2
     return checked
@@ -186,18 +200,22 @@ def check_byte_collectives(sizes=(0, 1, 3, 17, 1031, 70001)) -> int:
 
             def mk(r, n=n, salt=salt, dtype=dtype):
                 if dtype == torch.complex64:
-                    return torch.view_as_complex(make_input(r, 2 * n, torch.float32, salt).view(n, 2))
+                    return torch.view_as_complex(
+                        make_input(r, 2 * n, torch.float32, salt).view(n, 2)
+                    )
                 return make_input(r, n, dtype, salt)
 
             inputs = [mk(r) for r in range(world)]
             want = torch.cat(inputs)
             out = torch.empty(n * world, dtype=dtype)
             dist.all_gather_into_tensor(out, inputs[rank])
-            assert same(out, want) if dtype != torch.complex64 else torch.equal(out, want), f"all_gather_into_tensor {dtype} {n}"
+            assert same(out, want) if dtype != torch.complex64 else torch.equal(out, want), (
+                f"all_gather_into_tensor {dtype} {n}"
+            )
             # Input aliasing this rank's slot of the output (as FSDP2 passes it).
             out2 = torch.empty(n * world, dtype=dtype)
-            out2[rank * n:(rank + 1) * n] = inputs[rank]
-            dist.all_gather_into_tensor(out2, out2[rank * n:(rank + 1) * n])
+            out2[rank * n : (rank + 1) * n] = inputs[rank]
+            dist.all_gather_into_tensor(out2, out2[rank * n : (rank + 1) * n])
             assert torch.equal(out2, want), f"aliased all_gather_into_tensor {dtype} {n}"
             outs = [torch.empty(n, dtype=dtype) for _ in range(world)]
             dist.all_gather(outs, inputs[rank])
@@ -224,9 +242,13 @@ def check_rooted(sizes=(0, 1, 1031), dtypes=(torch.float32, torch.bfloat16, torc
                     t = inputs[rank].clone()
                     dist.reduce(t, root, op=redop(op))
                     if rank == root:
-                        assert same(t, reference_reduce(inputs, op, hosts)), f"reduce {dtype} {op} n={n}"
+                        assert same(t, reference_reduce(inputs, op, hosts)), (
+                            f"reduce {dtype} {op} n={n}"
+                        )
                     else:  # only read
-                        assert torch.equal(t, inputs[rank]), f"reduce wrote a non-root tensor {dtype} {op}"
+                        assert torch.equal(t, inputs[rank]), (
+                            f"reduce wrote a non-root tensor {dtype} {op}"
+                        )
                     checked += 1
             inputs = [make_input(r, n, dtype, _salt("rooted", str(dtype))) for r in range(world)]
             for root in range(world):
@@ -253,23 +275,42 @@ def check_all_to_all() -> int:
         inp = torch.arange(world * rows_per * 2, dtype=torch.float32).view(-1, 2) + 1000 * rank
         out = torch.empty_like(inp)
         dist.all_to_all_single(out, inp)
-        want = torch.cat([(torch.arange(world * rows_per * 2, dtype=torch.float32).view(-1, 2) + 1000 * r)[rank * rows_per:(rank + 1) * rows_per] for r in range(world)])
+        want = torch.cat(
+            [
+                (torch.arange(world * rows_per * 2, dtype=torch.float32).view(-1, 2) + 1000 * r)[
+                    rank * rows_per : (rank + 1) * rows_per
+                ]
+                for r in range(world)
+            ]
+        )
         assert torch.equal(out, want), f"all_to_all_single even {rows_per}"
         checked += 1
     # Uneven splits: rank r sends (r + j + 1) * k rows to rank j.
     for k in (1, 513):
         send = [(rank + j + 1) * k for j in range(world)]
         recv = [(r + rank + 1) * k for r in range(world)]
-        inp = torch.cat([torch.full((send[j], 3), float(100 * rank + j), dtype=torch.float64) for j in range(world)])
+        inp = torch.cat(
+            [
+                torch.full((send[j], 3), float(100 * rank + j), dtype=torch.float64)
+                for j in range(world)
+            ]
+        )
         out = torch.empty(sum(recv), 3, dtype=torch.float64)
         dist.all_to_all_single(out, inp, recv, send)
-        want = torch.cat([torch.full((recv[r], 3), float(100 * r + rank), dtype=torch.float64) for r in range(world)])
+        want = torch.cat(
+            [
+                torch.full((recv[r], 3), float(100 * r + rank), dtype=torch.float64)
+                for r in range(world)
+            ]
+        )
         assert torch.equal(out, want), f"all_to_all_single uneven k={k}"
         ins = [torch.full((j + 1 + rank,), rank * 10 + j, dtype=torch.int32) for j in range(world)]
         outs = [torch.empty(rank + 1 + r, dtype=torch.int32) for r in range(world)]
         dist.all_to_all(outs, ins)
         for r in range(world):
-            assert torch.equal(outs[r], torch.full((rank + 1 + r,), r * 10 + rank, dtype=torch.int32)), "all_to_all"
+            assert torch.equal(
+                outs[r], torch.full((rank + 1 + r,), r * 10 + rank, dtype=torch.int32)
+            ), "all_to_all"
         checked += 2
     return checked
 
@@ -307,7 +348,12 @@ def check_coalesced() -> int:
         for t in ts:
             dist.all_reduce(t)
     for t, n in zip(ts, (3, 1000, 1)):
-        assert same(t, reference_reduce([make_input(r, n, torch.float32, 11 + n) for r in range(world)], "SUM", hosts))
+        assert same(
+            t,
+            reference_reduce(
+                [make_input(r, n, torch.float32, 11 + n) for r in range(world)], "SUM", hosts
+            ),
+        )
     ins = [make_input(rank, n, torch.bfloat16, 3) for n in (5, 64)]
     outs = [torch.empty(n * world, dtype=torch.bfloat16) for n in (5, 64)]
     with dist._coalescing_manager(async_ops=True) as cm:
@@ -315,15 +361,19 @@ def check_coalesced() -> int:
             dist.all_gather_into_tensor(o, i)
     cm.wait()
     for o, n in zip(outs, (5, 64)):
-        assert torch.equal(o, torch.cat([make_input(r, n, torch.bfloat16, 3) for r in range(world)]))
+        assert torch.equal(
+            o, torch.cat([make_input(r, n, torch.bfloat16, 3) for r in range(world)])
+        )
     ins = [make_input(rank, n * world, torch.float32, 4) for n in (6, 33)]
     outs = [torch.empty(n) for n in (6, 33)]
     with dist._coalescing_manager():
         for o, i in zip(outs, ins):
             dist.reduce_scatter_tensor(o, i, op=dist.ReduceOp.AVG)
     for o, n in zip(outs, (6, 33)):
-        full = reference_reduce([make_input(r, n * world, torch.float32, 4) for r in range(world)], "AVG", hosts)
-        assert same(o, full[rank * n:(rank + 1) * n]), "reduce_scatter coalesced"
+        full = reference_reduce(
+            [make_input(r, n * world, torch.float32, 4) for r in range(world)], "AVG", hosts
+        )
+        assert same(o, full[rank * n : (rank + 1) * n]), "reduce_scatter coalesced"
     return 7
 
 
@@ -345,12 +395,14 @@ def check_non_contiguous() -> int:
     out = torch.empty(6, 40 * world).t()  # non-contiguous output
     dist.all_gather_into_tensor(out, base[rank].clone())
     assert torch.equal(out, torch.cat(base)), "non-contiguous all_gather output"
-    ins = [make_input(r, world * 240, torch.float32, 10).view(6, world * 40).t() for r in range(world)]
+    ins = [
+        make_input(r, world * 240, torch.float32, 10).view(6, world * 40).t() for r in range(world)
+    ]
     assert not ins[rank].is_contiguous()
     o = torch.empty(40, 6)
     dist.reduce_scatter_tensor(o, ins[rank])
     full = reference_reduce([x.contiguous() for x in ins], "SUM", hosts)
-    assert same(o, full[rank * 40:(rank + 1) * 40]), "non-contiguous reduce_scatter input"
+    assert same(o, full[rank * 40 : (rank + 1) * 40]), "non-contiguous reduce_scatter input"
     return checked + 3
 
 
@@ -363,15 +415,24 @@ def check_back_to_back(iters: int = 300) -> int:
         if kind == 0:
             t = make_input(rank, n, torch.float32, i)
             dist.all_reduce(t)
-            assert same(t, reference_reduce([make_input(r, n, torch.float32, i) for r in range(world)], "SUM", hosts)), i
+            assert same(
+                t,
+                reference_reduce(
+                    [make_input(r, n, torch.float32, i) for r in range(world)], "SUM", hosts
+                ),
+            ), i
         elif kind == 1:
             out = torch.empty(n * world, dtype=torch.int32)
             dist.all_gather_into_tensor(out, torch.full((n,), i + rank, dtype=torch.int32))
-            assert torch.equal(out, torch.cat([torch.full((n,), i + r, dtype=torch.int32) for r in range(world)])), i
+            assert torch.equal(
+                out, torch.cat([torch.full((n,), i + r, dtype=torch.int32) for r in range(world)])
+            ), i
         else:
             out = torch.empty(n, dtype=torch.int64)
             dist.reduce_scatter_tensor(out, torch.full((n * world,), i + rank, dtype=torch.int64))
-            assert torch.equal(out, torch.full((n,), sum(i + r for r in range(world)), dtype=torch.int64)), i
+            assert torch.equal(
+                out, torch.full((n,), sum(i + r for r in range(world)), dtype=torch.int64)
+            ), i
     return iters
 
 
@@ -385,7 +446,11 @@ def check_async_two_groups(rounds: int = 40) -> int:
             t = torch.full((1000 + i,), float(scale * (rank + 1) + i))
             works.append(dist.all_reduce(t, group=g, async_op=True))
             o = torch.empty((i + 1) * world, dtype=torch.int64)
-            works.append(dist.all_gather_into_tensor(o, torch.full((i + 1,), scale * rank + i), group=g, async_op=True))
+            works.append(
+                dist.all_gather_into_tensor(
+                    o, torch.full((i + 1,), scale * rank + i), group=g, async_op=True
+                )
+            )
             tensors.append((t, o, scale, i))
     # Waits in a different random order on every rank: a wait may run its work in the
     # caller's thread (when it is next in line), which must not change the issue order.
@@ -396,7 +461,9 @@ def check_async_two_groups(rounds: int = 40) -> int:
         assert works[k].is_completed()
     for t, o, scale, i in tensors:
         assert torch.all(t == sum(scale * (r + 1) + i for r in range(world))).item()
-        assert torch.equal(o, torch.cat([torch.full((i + 1,), scale * r + i) for r in range(world)]))
+        assert torch.equal(
+            o, torch.cat([torch.full((i + 1,), scale * r + i) for r in range(world)])
+        )
     # A future's value is the output tensors themselves (DDP's comm hooks read it).
     for k, (t, o, _, _) in enumerate(tensors):
         for work, out in ((works[2 * k], t), (works[2 * k + 1], o)):
@@ -404,8 +471,9 @@ def check_async_two_groups(rounds: int = 40) -> int:
             assert len(value) == 1 and value[0].data_ptr() == out.data_ptr(), "future value"
     rs_out, a2a_out = torch.empty(3), torch.empty(2 * world)
     rs = dist.reduce_scatter_tensor(rs_out, torch.ones(3 * world), group=g1, async_op=True)
-    a2a = dist.all_to_all_single(a2a_out, torch.full((2 * world,), float(rank)), group=g2,
-                                 async_op=True)
+    a2a = dist.all_to_all_single(
+        a2a_out, torch.full((2 * world,), float(rank)), group=g2, async_op=True
+    )
     for work, out in ((rs, rs_out), (a2a, a2a_out)):
         value = work.get_future().wait()
         assert len(value) == 1 and value[0].data_ptr() == out.data_ptr(), "future value"
@@ -422,21 +490,26 @@ def result_digest() -> list[int]:
     dist.all_reduce(t, op=dist.ReduceOp.AVG)
     b = make_input(dist.get_rank(), 4099, torch.bfloat16, 78)
     dist.all_reduce(b)
-    return t.view(torch.int32).tolist()[:: 997] + b.view(torch.int16).tolist()[:: 41]
+    return t.view(torch.int32).tolist()[::997] + b.view(torch.int16).tolist()[::41]
 
 
 def run_all(quick: bool = False) -> dict:
     """Runs every check on the default group; returns counts and the digest."""
     out = {}
     if quick:
-        out["all_reduce"] = check_all_reduce(sizes=(0, 1, 17, 1031, 70001),
-                                             dtypes=[torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.bool])
-        out["reduce_scatter"] = check_reduce_scatter(sizes=(0, 1, 17, 1031, 40000),
-                                                     dtypes=[torch.float32, torch.bfloat16, torch.int64])
+        out["all_reduce"] = check_all_reduce(
+            sizes=(0, 1, 17, 1031, 70001),
+            dtypes=[torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.bool],
+        )
+        out["reduce_scatter"] = check_reduce_scatter(
+            sizes=(0, 1, 17, 1031, 40000), dtypes=[torch.float32, torch.bfloat16, torch.int64]
+        )
         out["byte"] = check_byte_collectives(sizes=(0, 1, 17, 70001))
     else:
         out["all_reduce"] = check_all_reduce()
-        out["all_reduce_async"] = check_all_reduce(sizes=(5, 300007), dtypes=[torch.float32, torch.bfloat16], async_op=True)
+        out["all_reduce_async"] = check_all_reduce(
+            sizes=(5, 300007), dtypes=[torch.float32, torch.bfloat16], async_op=True
+        )
         out["reduce_scatter"] = check_reduce_scatter()
         out["byte"] = check_byte_collectives()
     out["rooted"] = check_rooted()

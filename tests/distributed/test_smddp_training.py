@@ -70,7 +70,9 @@ def _training_parity():
         a, b = fn(smddp), fn(gloo)
         out[name] = all(torch.equal(x, y) for x, y in zip(a, b))
         out[name + "_max_diff"] = max((x - y).abs().max().item() for x, y in zip(a, b))
-        out[name + "_changed"] = any(not torch.equal(x, y) for x, y in zip(a, [p.detach() for p in _model().parameters()]))
+        out[name + "_changed"] = any(
+            not torch.equal(x, y) for x, y in zip(a, [p.detach() for p in _model().parameters()])
+        )
     return out
 
 
@@ -112,8 +114,13 @@ def _subgroups_and_mesh():
 
 
 def test_subgroups_and_device_mesh_on_forced_hosts():
-    res = run_distributed(_subgroups_and_mesh, world_size=4, backend="smddp",
-                          env={"SMDDP_FORCE_LOCAL_SIZE": "2"}, timeout=300)
+    res = run_distributed(
+        _subgroups_and_mesh,
+        world_size=4,
+        backend="smddp",
+        env={"SMDDP_FORCE_LOCAL_SIZE": "2"},
+        timeout=300,
+    )
     for rank, r in enumerate(res):
         partner = rank ^ 2
         assert r["pair_sum"] == rank + partner

@@ -43,8 +43,14 @@ def _in_pool_collectives():
     before = pool_stats()["zero_copy_ops"]
     expected_zero_copy = 0
     # Sizes per rank: below the zero-copy threshold, odd, and a few MiB; every dtype class.
-    for n, dtype in [(7, torch.float32), (40_009, torch.float32), (65_537, torch.bfloat16),
-                     (1 << 20, torch.float32), (50_000, torch.int64), (30_011, torch.float16)]:
+    for n, dtype in [
+        (7, torch.float32),
+        (40_009, torch.float32),
+        (65_537, torch.bfloat16),
+        (1 << 20, torch.float32),
+        (50_000, torch.int64),
+        (30_011, torch.float16),
+    ]:
         for mixed in (False, True):
             # mixed: rank 1's operands are ordinary memory, so nobody may go zero-copy.
             pooled = not (mixed and rank == 1)
@@ -53,7 +59,7 @@ def _in_pool_collectives():
             expected_zero_copy += 2 * (big and not mixed)
 
             gathered = _alloc(n * world, dtype) if pooled else torch.empty(n * world, dtype=dtype)
-            shard = gathered[rank * n:(rank + 1) * n]  # FSDP2 passes a view of the output
+            shard = gathered[rank * n : (rank + 1) * n]  # FSDP2 passes a view of the output
             shard.copy_(torch.arange(n).to(dtype) + 100 * rank)
             dist.all_gather_into_tensor(gathered, shard)
             want = torch.cat([torch.arange(n).to(dtype) + 100 * r for r in range(world)])
@@ -64,7 +70,7 @@ def _in_pool_collectives():
             src.copy_(inputs[rank])
             got = torch.empty(n, dtype=dtype)
             dist.reduce_scatter_tensor(got, src, op=dist.ReduceOp.SUM)
-            ref = sum(t.double() for t in inputs)[rank * n:(rank + 1) * n].to(dtype)
+            ref = sum(t.double() for t in inputs)[rank * n : (rank + 1) * n].to(dtype)
             rs_ok = torch.equal(got, ref)
             out["cases"].append((n, str(dtype), mixed, ag_ok, rs_ok))
             del gathered, shard, src
@@ -107,11 +113,17 @@ def _small_or_no_pool():
 
 
 def test_disabled_pool_and_full_pool_fall_back_to_ordinary_memory():
-    for r in run_distributed(_small_or_no_pool, world_size=2, backend="smddp",
-                             env={"SMDDP_POOL_BYTES": "0"}, timeout=300):
+    for r in run_distributed(
+        _small_or_no_pool, world_size=2, backend="smddp", env={"SMDDP_POOL_BYTES": "0"}, timeout=300
+    ):
         assert not r["supports"] and r["pool"]["pool_bytes"] == 0
-    for r in run_distributed(_small_or_no_pool, world_size=2, backend="smddp",
-                             env={"SMDDP_POOL_BYTES": str(1 << 20)}, timeout=300):
+    for r in run_distributed(
+        _small_or_no_pool,
+        world_size=2,
+        backend="smddp",
+        env={"SMDDP_POOL_BYTES": str(1 << 20)},
+        timeout=300,
+    ):
         assert r["supports"] and r["pool"]["pool_bytes"] == 1 << 20
         assert r["in_use_with_big_tensor"] == 0  # served from ordinary memory instead
         assert r["rs_ok"]
@@ -167,8 +179,9 @@ def _fsdp2_with_and_without_pool():
 
 
 def test_fsdp2_with_pool_buffers_equals_staged_and_gloo():
-    for r in run_distributed(_fsdp2_with_and_without_pool, world_size=2, backend="smddp",
-                             timeout=300):
+    for r in run_distributed(
+        _fsdp2_with_and_without_pool, world_size=2, backend="smddp", timeout=300
+    ):
         # Per step, each of the 2 blocks (66 KiB of parameters): an all-gather in forward,
         # another in backward, a reduce-scatter. The root's (the 4 KiB head) stay below the
         # zero-copy threshold.

@@ -51,9 +51,14 @@ def _gathered(model) -> dict:
 
     root = next(m for m in model.modules() if isinstance(m, FSDP))
     with FSDP.summon_full_params(root):
-        return {n.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""):
-                (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                for n, p in root.named_parameters()}
+        return {
+            n.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""): (
+                p.full_tensor() if isinstance(p, DTensor) else p
+            )
+            .detach()
+            .clone()
+            for n, p in root.named_parameters()
+        }
 
 
 def _resume_all_types(root: str, moe: bool) -> dict:
@@ -75,8 +80,12 @@ def _resume_all_types(root: str, moe: bool) -> dict:
         if step + 1 == RESUME_AT:
             user = {"total_steps": step + 1}
             smp.save_sharded(model, optimizer, scheduler, f"{root}/sharded", meta, user)
-            smp.save_async_sharded(model, optimizer, scheduler, f"{root}/async_sharded", meta, user, queue)
-            smp.save_async_local(model, optimizer, scheduler, f"{root}/async_local", user, queue, rep)
+            smp.save_async_sharded(
+                model, optimizer, scheduler, f"{root}/async_sharded", meta, user, queue
+            )
+            smp.save_async_local(
+                model, optimizer, scheduler, f"{root}/async_local", user, queue, rep
+            )
             smp.save_with_util(model, optimizer, scheduler, f"{root}/use_pg_with_util", meta, user)
             TrainingState(model, optimizer, scheduler, step=step + 1).save(f"{root}/training_state")
     queue.maybe_finalize_async_calls(blocking=True, process_group=None)
@@ -88,11 +97,13 @@ def _resume_all_types(root: str, moe: bool) -> dict:
         smp.save_full(model, f"{root}/final", smp.mixtral_config() if moe else None)
     loaders = {
         "sharded": lambda m, o, s: smp.load_sharded(m, o, s, f"{root}/sharded", smp.pg_metadata(m)),
-        "async_sharded": lambda m, o, s: smp.load_async_sharded(m, o, s, f"{root}/async_sharded",
-                                                                smp.pg_metadata(m)),
+        "async_sharded": lambda m, o, s: smp.load_async_sharded(
+            m, o, s, f"{root}/async_sharded", smp.pg_metadata(m)
+        ),
         "async_local": lambda m, o, s: smp.load_async_local(m, o, s, f"{root}/async_local", rep),
-        "use_pg_with_util": lambda m, o, s: smp.load_with_util(m, o, s, f"{root}/use_pg_with_util",
-                                                               smp.pg_metadata(m)),
+        "use_pg_with_util": lambda m, o, s: smp.load_with_util(
+            m, o, s, f"{root}/use_pg_with_util", smp.pg_metadata(m)
+        ),
     }
 
     def load_training_state(m, o, s):
@@ -104,8 +115,10 @@ def _resume_all_types(root: str, moe: bool) -> dict:
     for kind, load in loaders.items():
         model, optimizer, scheduler = _fresh(smp, moe)
         start = load(model, optimizer, scheduler)
-        out[kind] = (start, [smp.train_step(model, optimizer, scheduler, step)
-                             for step in range(start, STEPS)])
+        out[kind] = (
+            start,
+            [smp.train_step(model, optimizer, scheduler, step) for step in range(start, STEPS)],
+        )
     if sharded_model and dist.get_rank() == 0:
         from transformers import AutoModelForCausalLM
 
@@ -131,8 +144,16 @@ def test_checkpoint_types_resume_like_the_uninterrupted_run(layout, tmp_path):
     config, moe = LAYOUTS[layout]
     env = {"SM_HP_MP_PARAMETERS": json.dumps(config)}
     # A fresh job: TP meshes of an earlier job in a reused process would meet DTensor's caches.
-    results = run_distributed(_resume_all_types, str(tmp_path), moe, world_size=4, backend="smddp",
-                              env=env, fresh=True, timeout=900)
+    results = run_distributed(
+        _resume_all_types,
+        str(tmp_path),
+        moe,
+        world_size=4,
+        backend="smddp",
+        env=env,
+        fresh=True,
+        timeout=900,
+    )
     for rank, out in enumerate(results):
         expected = out["reference"][RESUME_AT:]
         for kind in (*TYPES, "training_state"):

@@ -68,14 +68,22 @@ def _run_cases(root):
 
 
 def test_pytorch_distributed_suite_on_smddp(tmp_path):
-    results = run_distributed(_run_cases, str(tmp_path), world_size=3, backend="smddp",
-                              init_process_group=False, timeout=900,
-                              env={"BACKEND": "smddp", "WORLD_SIZE": "3",
-                                   "TEMP_DIR": str(tmp_path)})
+    results = run_distributed(
+        _run_cases,
+        str(tmp_path),
+        world_size=3,
+        backend="smddp",
+        init_process_group=False,
+        timeout=900,
+        env={"BACKEND": "smddp", "WORLD_SIZE": "3", "TEMP_DIR": str(tmp_path)},
+    )
     problems = []
     for rank, per_case in enumerate(results):
         assert list(per_case) == CASES
         # Every case listed runs here (none is skipped for smddp or for 3 ranks): each must pass.
-        problems += [f"rank {rank} {name}: {outcome}: {detail}"
-                     for name, (outcome, detail) in per_case.items() if outcome != "passed"]
+        problems += [
+            f"rank {rank} {name}: {outcome}: {detail}"
+            for name, (outcome, detail) in per_case.items()
+            if outcome != "passed"
+        ]
     assert not problems, "\n".join(problems)

@@ -47,9 +47,11 @@ def _mixtral_split() -> dict:
     for name in ("gate_up_proj", "down_proj"):
         local = getattr(model.model.layers[0].mlp.experts, name)
         full = getattr(ref.model.layers[0].mlp.experts, name)
-        out[name] = (tuple(local.to_local().shape),
-                     torch.equal(local.to_local(), full[2 * r:2 * r + 2].detach()),
-                     [str(p) for p in local.placements])
+        out[name] = (
+            tuple(local.to_local().shape),
+            torch.equal(local.to_local(), full[2 * r : 2 * r + 2].detach()),
+            [str(p) for p in local.placements],
+        )
     return out
 
 
@@ -80,17 +82,26 @@ def _features() -> dict:
         meta = build("llama")
     tsm.transform(meta)
     q = meta.model.layers[0].self_attn.q_proj.weight
-    out["meta"] = (all(p.is_meta for p in meta.parameters()), isinstance(q, DTensor),
-                   tuple(q.to_local().shape))
+    out["meta"] = (
+        all(p.is_meta for p in meta.parameters()),
+        isinstance(q, DTensor),
+        tuple(q.to_local().shape),
+    )
     # dtype: floating parameters cast, RoPE's inv_freq kept in fp32.
     cast = tsm.transform(build("llama"), dtype=torch.bfloat16)
-    out["dtype"] = (sorted({str(p.dtype) for p in cast.parameters()}),
-                    str(cast.model.rotary_emb.inv_freq.dtype))
+    out["dtype"] = (
+        sorted({str(p.dtype) for p in cast.parameters()}),
+        str(cast.model.rotary_emb.inv_freq.dtype),
+    )
     # Errors.
     out["errors"] = {}
-    for name, make in (("unsupported", lambda: torch.nn.Linear(2, 2)),
-                       ("heads", lambda: build("llama", num_attention_heads=3, num_key_value_heads=3,
-                                               hidden_size=48))):
+    for name, make in (
+        ("unsupported", lambda: torch.nn.Linear(2, 2)),
+        (
+            "heads",
+            lambda: build("llama", num_attention_heads=3, num_key_value_heads=3, hidden_size=48),
+        ),
+    ):
         try:
             tsm.transform(make())
         except ValueError as e:
@@ -105,8 +116,11 @@ def _features() -> dict:
     tsm.state.reset()
     tsm.init({"tensor_parallel_degree": 1})
     plain = tsm.transform(build("gpt_neox"))
-    out["tp1"] = (get_policy(plain).name, sorted({type(p).__name__ for p in plain.parameters()}),
-                  transformer_layer_class(plain).__name__)
+    out["tp1"] = (
+        get_policy(plain).name,
+        sorted({type(p).__name__ for p in plain.parameters()}),
+        transformer_layer_class(plain).__name__,
+    )
     return out
 
 
@@ -156,5 +170,7 @@ def test_preparation_semantics(features):
 def test_clear_errors(features):
     errors = features[0]["errors"]
     assert "does not support Linear" in errors["unsupported"]
-    assert "LlamaForCausalLM" in errors["unsupported"] and "register_policy" in errors["unsupported"]
+    assert (
+        "LlamaForCausalLM" in errors["unsupported"] and "register_policy" in errors["unsupported"]
+    )
     assert "tensor_parallel_degree=2 does not divide num_attention_heads=3" in errors["heads"]

@@ -28,14 +28,25 @@ def _rank0_load(family: str) -> dict:
     tsm.transform(model, load_state_dict_from_rank0=True)
     everywhere = tsm.transform(copy.deepcopy(ref))
     mine, theirs = model.state_dict(), everywhere.state_dict()
-    shards_equal = all(torch.equal(mine[k].to_local() if hasattr(mine[k], "to_local") else mine[k],
-                                   theirs[k].to_local() if hasattr(theirs[k], "to_local") else theirs[k])
-                       for k in theirs)
-    buffers_equal = all(torch.equal(b, dict(ref.named_buffers())[n]) for n, b in model.named_buffers())
+    shards_equal = all(
+        torch.equal(
+            mine[k].to_local() if hasattr(mine[k], "to_local") else mine[k],
+            theirs[k].to_local() if hasattr(theirs[k], "to_local") else theirs[k],
+        )
+        for k in theirs
+    )
+    buffers_equal = all(
+        torch.equal(b, dict(ref.named_buffers())[n]) for n, b in model.named_buffers()
+    )
     r = compare_forward_backward(model, ref, batch(tsm.state.dp_rank))
-    return dict(shards_equal=shards_equal, buffers_equal=buffers_equal, keys=list(mine) == list(theirs),
-                meta=any(p.is_meta for p in model.parameters()), logits=r["logits"],
-                grads=max(r["grads"].values()))
+    return dict(
+        shards_equal=shards_equal,
+        buffers_equal=buffers_equal,
+        keys=list(mine) == list(theirs),
+        meta=any(p.is_meta for p in model.parameters()),
+        logits=r["logits"],
+        grads=max(r["grads"].values()),
+    )
 
 
 def _gqa_tp4() -> dict:
@@ -45,8 +56,12 @@ def _gqa_tp4() -> dict:
     model = tsm.transform(copy.deepcopy(ref))
     r = compare_forward_backward(model, ref, batch(0))
     k = model.model.layers[0].self_attn.k_proj.weight
-    return dict(logits=r["logits"], loss=r["loss"], grads=r["grads"],
-                k_placements=[str(p) for p in k.placements])
+    return dict(
+        logits=r["logits"],
+        loss=r["loss"],
+        grads=r["grads"],
+        k_placements=[str(p) for p in k.placements],
+    )
 
 
 def _four_rank_cases(families) -> dict:
@@ -62,8 +77,9 @@ def _four_rank_cases(families) -> dict:
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return run_distributed(_four_rank_cases, ("llama", "mixtral", "gpt_neox"), world_size=4,
-                           timeout=400)
+    return run_distributed(
+        _four_rank_cases, ("llama", "mixtral", "gpt_neox"), world_size=4, timeout=400
+    )
 
 
 @pytest.mark.distributed

@@ -44,8 +44,11 @@ def _fsdp1_full_state_dict(model):
     from torch.distributed.fsdp import StateDictType
     from torch.distributed.fsdp.api import FullStateDictConfig
 
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
-                              FullStateDictConfig(rank0_only=False, offload_to_cpu=False)):
+    with FSDP.state_dict_type(
+        model,
+        StateDictType.FULL_STATE_DICT,
+        FullStateDictConfig(rank0_only=False, offload_to_cpu=False),
+    ):
         return {k: v.clone() for k, v in model.state_dict().items() if "rotary" not in k}
 
 
@@ -67,10 +70,17 @@ def _train_both_apis():
     for api in ("fsdp1", "fsdp2"):
         model = tsm.transform(tiny_llama())
         if api == "fsdp1":
-            policy = functools.partial(transformer_auto_wrap_policy,
-                                       transformer_layer_cls={TransformerLayer})
-            model = FSDP(model, auto_wrap_policy=policy, sharding_strategy=ShardingStrategy.HYBRID_SHARD,
-                         device_id=torch.device("cpu"), use_orig_params=True, limit_all_gathers=True)
+            policy = functools.partial(
+                transformer_auto_wrap_policy, transformer_layer_cls={TransformerLayer}
+            )
+            model = FSDP(
+                model,
+                auto_wrap_policy=policy,
+                sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                device_id=torch.device("cpu"),
+                use_orig_params=True,
+                limit_all_gathers=True,
+            )
             strategy = model.sharding_strategy.name
         else:
             model = shard_model(model)
@@ -102,16 +112,28 @@ LAYOUTS = {  # name: (world size, SMP config)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_tp_with_one_rank_shard_group_trains_like_one_process(layout):
     world, config = LAYOUTS[layout]
-    results = run_distributed(_train_both_apis, world_size=world, backend="smddp", fresh=True,
-                              env={"SM_HP_MP_PARAMETERS": json.dumps(config)}, timeout=600)
+    results = run_distributed(
+        _train_both_apis,
+        world_size=world,
+        backend="smddp",
+        fresh=True,
+        env={"SM_HP_MP_PARAMETERS": json.dumps(config)},
+        timeout=600,
+    )
     ref_losses, ref_params = _reference()
     for rank, per_api in enumerate(results):
         for api, (strategy, losses, params) in per_api.items():
             assert strategy in ("NO_SHARD", "fsdp2"), strategy
-            torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-5,
-                                       msg=f"{layout} {api} rank {rank}")
+            torch.testing.assert_close(
+                losses, ref_losses, rtol=1e-5, atol=1e-5, msg=f"{layout} {api} rank {rank}"
+            )
             assert params.keys() == ref_params.keys(), (api, sorted(params)[:3])
             for name, value in params.items():
                 assert type(value) is torch.Tensor, (api, name)  # gathered, not a TP half
-                torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=1e-5,
-                                           msg=f"{layout} {api} rank {rank} {name}")
+                torch.testing.assert_close(
+                    value,
+                    ref_params[name],
+                    rtol=1e-4,
+                    atol=1e-5,
+                    msg=f"{layout} {api} rank {rank} {name}",
+                )

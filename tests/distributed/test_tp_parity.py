@@ -23,19 +23,36 @@ def tiny_config(family: str, **overrides):
     """A tiny fp32 config: hidden 64, 2 layers, 4 heads, 2 kv heads, vocab 128, no dropout."""
     import transformers as tf
 
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, max_position_embeddings=64, attention_dropout=0.0)
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        attention_dropout=0.0,
+    )
     if family == "llama":
-        cfg = tf.LlamaConfig(**common, num_key_value_heads=2, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+        cfg = tf.LlamaConfig(
+            **common,
+            num_key_value_heads=2,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        )
     elif family == "mistral":
         cfg = tf.MistralConfig(**common, num_key_value_heads=2, sliding_window=8)
     elif family == "qwen2":
         cfg = tf.Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True)
     elif family == "mixtral":
-        cfg = tf.MixtralConfig(**common, num_key_value_heads=2, num_local_experts=4,
-                               num_experts_per_tok=2)
+        cfg = tf.MixtralConfig(
+            **common, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2
+        )
     elif family == "gpt_neox":
         cfg = tf.GPTNeoXConfig(**common, hidden_dropout=0.0, use_parallel_residual=True)
     else:
@@ -80,10 +97,13 @@ def compare_forward_backward(model, ref, ids) -> dict:
     out.loss.backward()
     expected = ref(input_ids=ids, labels=ids, use_cache=False)
     expected.loss.backward()
-    return dict(logits=max_diff(out.logits, expected.logits),
-                loss=abs(float(out.loss.detach() - expected.loss.detach())),
-                grads=gradient_diffs(model, ref), loss_value=float(expected.loss),
-                grad_scale=max(float(p.grad.abs().max()) for p in ref.parameters()))
+    return dict(
+        logits=max_diff(out.logits, expected.logits),
+        loss=abs(float(out.loss.detach() - expected.loss.detach())),
+        grads=gradient_diffs(model, ref),
+        loss_value=float(expected.loss),
+        grad_scale=max(float(p.grad.abs().max()) for p in ref.parameters()),
+    )
 
 
 def train_losses(model, batches: list, mine: int, steps: int = STEPS) -> list[float]:
@@ -114,8 +134,10 @@ def unwrapped_name(name: str) -> str:
 
 def gradient_diffs(model, ref) -> dict[str, float]:
     ref_params = dict(ref.named_parameters())
-    return {unwrapped_name(n): max_diff(p.grad, ref_params[unwrapped_name(n)].grad)
-            for n, p in model.named_parameters()}
+    return {
+        unwrapped_name(n): max_diff(p.grad, ref_params[unwrapped_name(n)].grad)
+        for n, p in model.named_parameters()
+    }
 
 
 def _parity_all_families(families, tp: int, hybrid_shard_degree: int, compose: bool) -> dict:
@@ -169,8 +191,12 @@ def checkpoint_and_shard(model) -> None:
 
     layer_cls = transformer_layer_class(model)
     apply_activation_checkpointing(
-        model, check_fn=lambda m: isinstance(m, layer_cls),
-        checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+        model,
+        check_fn=lambda m: isinstance(m, layer_cls),
+        checkpoint_wrapper_fn=partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+        ),
+    )
     for module in model.modules():
         if isinstance(module, CheckpointWrapper):
             fully_shard(module, mesh=tsm.state.fsdp_mesh)
@@ -194,7 +220,9 @@ def check(results: dict, *, curve: bool = True) -> None:
 
 @pytest.mark.distributed
 def test_tp2_matches_reference_for_every_family():
-    per_rank = run_distributed(_parity_all_families, FAMILIES, 2, 0, False, world_size=2, timeout=300)
+    per_rank = run_distributed(
+        _parity_all_families, FAMILIES, 2, 0, False, world_size=2, timeout=300
+    )
     for results in per_rank:
         check(results)
 
@@ -203,7 +231,9 @@ def test_tp2_matches_reference_for_every_family():
 @pytest.mark.distributed
 def test_tp2_with_hybrid_sharding_and_checkpointing_on_four_ranks():
     """tp=2 innermost, FSDP2 over hybrid_shard_degree=2, activation checkpointing per layer."""
-    per_rank = run_distributed(_parity_all_families, FAMILIES, 2, 2, True, world_size=4, timeout=400)
+    per_rank = run_distributed(
+        _parity_all_families, FAMILIES, 2, 2, True, world_size=4, timeout=400
+    )
     for results in per_rank:
         check(results)
     # The two TP ranks of each group saw the same batch: identical loss curves.

@@ -23,7 +23,8 @@ def _draws_inside_attention(model, ids) -> list[float]:
     seen: list[float] = []
     attention = model.gpt_neox.layers[0].attention
     handle = attention.query_key_value.register_forward_pre_hook(
-        lambda *_: seen.extend(torch.rand(3).tolist()))
+        lambda *_: seen.extend(torch.rand(3).tolist())
+    )
     model(input_ids=ids, use_cache=False)
     handle.remove()
     return seen
@@ -59,9 +60,12 @@ def _checkpointed(model, context_fn):
     layer_cls = transformer_layer_class(model)
     kwargs = {"context_fn": context_fn} if context_fn else {}
     apply_activation_checkpointing(
-        model, check_fn=lambda m: isinstance(m, layer_cls),
-        checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                      **kwargs))
+        model,
+        check_fn=lambda m: isinstance(m, layer_cls),
+        checkpoint_wrapper_fn=partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs
+        ),
+    )
     return model
 
 
@@ -103,7 +107,9 @@ def _random_cases() -> dict:
     # Activation checkpointing replays TP-region dropout only with the tracker's context_fn.
     base = build("gpt_neox", attention_dropout=0.3)
     plain = tsm.transform(copy.deepcopy(base)).train()
-    replay = _checkpointed(tsm.transform(copy.deepcopy(base)).train(), tracker.checkpoint_context_fn)
+    replay = _checkpointed(
+        tsm.transform(copy.deepcopy(base)).train(), tracker.checkpoint_context_fn
+    )
     naive = _checkpointed(tsm.transform(copy.deepcopy(base)).train(), None)
     diffs = {}
     for name, m in (("plain", plain), ("replay", replay), ("naive", naive)):

@@ -20,11 +20,30 @@ from tests.distributed.launcher import run_distributed
 pytestmark = pytest.mark.distributed
 
 # Collective and point-to-point functions of torch.distributed (what code calls by name).
-_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
-                "all_gather_object", "broadcast_object_list", "gather", "gather_object", "scatter",
-                "scatter_object_list", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
-                "all_to_all_single", "barrier", "monitored_barrier", "send", "recv", "isend",
-                "irecv", "batch_isend_irecv")
+_COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+)
 
 
 class _CountCollectives:
@@ -98,15 +117,18 @@ def _errors() -> dict:
 def test_transform_argument_errors_are_early_clear_and_on_every_rank():
     results = run_distributed(_errors, world_size=2, timeout=300)
     for out in results:
-        assert out["dtype"].startswith("TypeError: tsm.transform(dtype='float16'): dtype must be a "
-                                       "floating torch.dtype"), out
+        assert out["dtype"].startswith(
+            "TypeError: tsm.transform(dtype='float16'): dtype must be a floating torch.dtype"
+        ), out
         assert "pass dtype=torch.float16" in out["dtype"], out
         assert "dtype must be a floating torch.dtype" in out["int_dtype"], out
         assert out["device"].startswith("ValueError: tsm.transform(device='gpu0') is not a device")
-        assert ("tensor_parallel_degree=2 does not divide intermediate_size=129"
-                in out["intermediate"]), out
+        assert (
+            "tensor_parallel_degree=2 does not divide intermediate_size=129" in out["intermediate"]
+        ), out
         assert out["rank0_meta"].startswith(
-            "ValueError: load_state_dict_from_rank0=True needs real weights on rank 0"), out
+            "ValueError: load_state_dict_from_rank0=True needs real weights on rank 0"
+        ), out
         assert out["loaded"] is True
         assert "broadcast" in out["tp2_world_calls"], out["tp2_world_calls"]
     assert results[0]["rank0_meta"] == results[1]["rank0_meta"]

@@ -57,27 +57,37 @@ def _merge(per_rank: list[dict]) -> dict[str, tuple[str, str]]:
     return merged
 
 
-def run_in_pool(backend: str, names: list[str], chunk: int,
-                honour_skips: bool = True) -> dict[str, tuple[str, str]]:
+def run_in_pool(
+    backend: str, names: list[str], chunk: int, honour_skips: bool = True
+) -> dict[str, tuple[str, str]]:
     env = {"BACKEND": backend, "WORLD_SIZE": str(WORLD_SIZE)}
     results: dict[str, tuple[str, str]] = {}
     for start in range(0, len(names), chunk):
-        part = names[start:start + chunk]
+        part = names[start : start + chunk]
         batches = [part]
         while batches:
             batch = batches.pop(0)
             root = tempfile.mkdtemp(prefix=f"torch_suite_{backend}_")
             try:
-                per_rank = run_distributed(_chunk, batch, root, honour_skips, world_size=WORLD_SIZE,
-                                           init_process_group=False, timeout=120 + 90 * len(batch),
-                                           env={**env, "TEMP_DIR": root})
+                per_rank = run_distributed(
+                    _chunk,
+                    batch,
+                    root,
+                    honour_skips,
+                    world_size=WORLD_SIZE,
+                    init_process_group=False,
+                    timeout=120 + 90 * len(batch),
+                    env={**env, "TEMP_DIR": root},
+                )
                 results.update(_merge(per_rank))
             except DistributedTestError as e:
                 if len(batch) > 1:  # isolate the case that broke the ranks
                     batches = [[n] for n in batch] + batches
                 else:
                     results[batch[0]] = ("failed", str(e)[-2000:])
-            print(f"[{backend}] {len(results)}/{len(names)} cases done", file=sys.stderr, flush=True)
+            print(
+                f"[{backend}] {len(results)}/{len(names)} cases done", file=sys.stderr, flush=True
+            )
     return results
 
 
@@ -87,9 +97,21 @@ def run_spawned(backend: str, names: list[str]) -> dict[str, tuple[str, str]]:
         root = tempfile.mkdtemp(prefix=f"torch_suite_{backend}_")
         env = {**os.environ, "BACKEND": backend, "WORLD_SIZE": str(WORLD_SIZE), "TEMP_DIR": root}
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA",
-             f"tests/distributed/torch_suite_driver.py::TestDistBackendWithSpawn::{name}"],
-            env=env, capture_output=True, text=True, timeout=1800)
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-rA",
+                f"tests/distributed/torch_suite_driver.py::TestDistBackendWithSpawn::{name}",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
         out = proc.stdout
         if " passed" in out and " failed" not in out:
             results[name] = ("passed", "")
@@ -109,9 +131,12 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=25)
     parser.add_argument("--spawn", action="store_true", help="every case in fresh processes")
     parser.add_argument("--out", default="", help="write the outcomes as JSON here")
-    parser.add_argument("--run-skipped", action="store_true",
-                        help="also run cases the suite restricts to other backends by name "
-                             "(in the same ranks only)")
+    parser.add_argument(
+        "--run-skipped",
+        action="store_true",
+        help="also run cases the suite restricts to other backends by name "
+        "(in the same ranks only)",
+    )
     args = parser.parse_args()
     names = [n for n in case_names() if args.filter in n]
     outcomes = {}
@@ -121,12 +146,16 @@ def main() -> None:
             outcomes[backend] = run_spawned(backend, names)
         else:
             outcomes[backend] = run_in_pool(backend, names, args.chunk, not args.run_skipped)
-        print(f"[{backend}] {len(names)} cases in {time.monotonic() - start:.0f} s", file=sys.stderr)
+        print(
+            f"[{backend}] {len(names)} cases in {time.monotonic() - start:.0f} s", file=sys.stderr
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(outcomes, f, indent=1)
     for backend, res in outcomes.items():
-        counts = {k: sum(1 for o, _ in res.values() if o == k) for k in ("passed", "skipped", "failed")}
+        counts = {
+            k: sum(1 for o, _ in res.values() if o == k) for k in ("passed", "skipped", "failed")
+        }
         print(f"{backend}: {counts}")
     if {"gloo", "smddp"} <= set(outcomes):
         gloo, smddp = outcomes["gloo"], outcomes["smddp"]

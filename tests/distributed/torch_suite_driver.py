@@ -75,8 +75,9 @@ def _outcome(code, traceback_text: str) -> tuple[str, str]:
     return "failed", f"exit code {code}"
 
 
-def run_cases(names: list[str], root: str, case_timeout_s: float = 300,
-              honour_skips: bool = True) -> dict[str, tuple[str, str]]:
+def run_cases(
+    names: list[str], root: str, case_timeout_s: float = 300, honour_skips: bool = True
+) -> dict[str, tuple[str, str]]:
     """Runs the suite's ``names`` one after another on this rank (every rank of the job
     calls it with the same arguments, ``RANK`` and ``WORLD_SIZE`` set).
 

@@ -16,8 +16,10 @@ from torch import nn
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(),
-                       reason="needs CUDA: covers the stream/event/pinned-memory offload path"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs CUDA: covers the stream/event/pinned-memory offload path",
+    ),
 ]
 
 N_LAYERS = 4
@@ -33,14 +35,22 @@ def _llama(seed: int = 0, hidden: int = 256):
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=N_LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                      vocab_size=128)
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
     model = LlamaForCausalLM(cfg).cuda()
     apply_activation_checkpointing(
-        model, check_fn=lambda m: isinstance(m, LlamaDecoderLayer),
-        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
-                                                checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+        model,
+        check_fn=lambda m: isinstance(m, LlamaDecoderLayer),
+        checkpoint_wrapper_fn=functools.partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+        ),
+    )
     return model
 
 
@@ -54,8 +64,7 @@ def _step(model, seq: int = 64):
 def _wrap(model, horizon: int, **kwargs):
     from torch_sagemaker.offload import PrefetchOffloadWrapper
 
-    return PrefetchOffloadWrapper(model, horizon=horizon, min_offload_bytes=0, trace=True,
-                                  **kwargs)
+    return PrefetchOffloadWrapper(model, horizon=horizon, min_offload_bytes=0, trace=True, **kwargs)
 
 
 @pytest.mark.parametrize("horizon", [1, 2, N_LAYERS])

@@ -17,8 +17,10 @@ from tests.distributed.test_tp_parity import batch, build
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
-                       reason="transformer_engine is not installed"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("transformer_engine") is None,
+        reason="transformer_engine is not installed",
+    ),
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
 ]
 
@@ -56,7 +58,8 @@ def _te_parity() -> dict:
         loss=float((out.loss - expected.loss).abs()),
         q_grad=float((_gathered(q, 0, group) - ref_layer.q_proj.weight.grad).abs().max()),
         o_grad=float((_gathered(o, 1, group) - ref_layer.o_proj.weight.grad).abs().max()),
-        module=type(model.model.layers[0].self_attn.q_proj).__module__)
+        module=type(model.model.layers[0].self_attn.q_proj).__module__,
+    )
 
 
 def test_te_tp2_matches_reference():

@@ -19,7 +19,9 @@ from torch_sagemaker.sharding import CheckpointImpl, apply_activation_checkpoint
 
 
 def _wrapped(model):
-    return [m._checkpoint_wrapped_module for m in model.modules() if isinstance(m, CheckpointWrapper)]
+    return [
+        m._checkpoint_wrapped_module for m in model.modules() if isinstance(m, CheckpointWrapper)
+    ]
 
 
 @pytest.mark.parametrize("impl", [CheckpointImpl.NO_REENTRANT, CheckpointImpl.REENTRANT])
@@ -28,7 +30,9 @@ def test_layers_wrapped_and_gradients_bit_identical(impl):
     model = apply_activation_checkpointing(copy.deepcopy(ref), checkpoint_impl=impl)
     layers = _wrapped(model)
     assert len(layers) == 2 and all(isinstance(m, LlamaDecoderLayer) for m in layers)
-    assert all(m.checkpoint_impl is impl for m in model.modules() if isinstance(m, CheckpointWrapper))
+    assert all(
+        m.checkpoint_impl is impl for m in model.modules() if isinstance(m, CheckpointWrapper)
+    )
     # The KV cache would be filled twice by the recomputation.
     assert model.config.use_cache is False and ref.config.use_cache is True
     calls = []
@@ -48,8 +52,11 @@ def test_idempotent_and_custom_units():
     apply_activation_checkpointing(model)
     apply_activation_checkpointing(model)  # no layer is wrapped twice
     assert len(_wrapped(model)) == 2
-    assert not any(isinstance(m._checkpoint_wrapped_module, CheckpointWrapper) for m in model.modules()
-                   if isinstance(m, CheckpointWrapper))
+    assert not any(
+        isinstance(m._checkpoint_wrapped_module, CheckpointWrapper)
+        for m in model.modules()
+        if isinstance(m, CheckpointWrapper)
+    )
     mlps = apply_activation_checkpointing(tiny_llama(), layer_classes=(LlamaMLP,))
     assert [type(m) for m in _wrapped(mlps)] == [LlamaMLP, LlamaMLP]
     one = tiny_llama()

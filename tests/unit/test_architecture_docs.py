@@ -40,8 +40,12 @@ def references(text: str) -> list[tuple[str, str | None]]:
 def _python_defines(path: Path, qualname: str) -> bool:
     scope: list[ast.stmt] = ast.parse(path.read_text(), str(path)).body
     for part in qualname.split("."):
-        match = [n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                 and n.name == part]
+        match = [
+            n
+            for n in scope
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and n.name == part
+        ]
         if not match:
             return False
         scope = match[0].body
@@ -51,8 +55,10 @@ def _python_defines(path: Path, qualname: str) -> bool:
 def _cpp_defines(path: Path, qualname: str) -> bool:
     text = path.read_text()
     name = re.escape(qualname.split(".")[-1])
-    return bool(re.search(rf"(?:\bclass|\bstruct)\s+{name}\b", text)
-                or re.search(rf"(?:::|\b){name}\s*\(", text))
+    return bool(
+        re.search(rf"(?:\bclass|\bstruct)\s+{name}\b", text)
+        or re.search(rf"(?:::|\b){name}\s*\(", text)
+    )
 
 
 def problems(text: str, root: Path) -> list[str]:
@@ -81,20 +87,25 @@ def test_every_named_file_and_function_exists():
     assert problems(text, ROOT) == []
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("`torch_sagemaker/no_such_module.py`", "torch_sagemaker/no_such_module.py: no such file"),
-    ("`torch_sagemaker/_init.py:no_such_function`", "no_such_function is not defined"),
-    ("`torch_sagemaker/state.py:State.no_such_method`", "State.no_such_method is not defined"),
-    ("`csrc/smddp/comm_algos.cpp:no_such_algorithm`", "no_such_algorithm is not defined"),
-    ("[gone](no_such_page.md)", "link (no_such_page.md)"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("`torch_sagemaker/no_such_module.py`", "torch_sagemaker/no_such_module.py: no such file"),
+        ("`torch_sagemaker/_init.py:no_such_function`", "no_such_function is not defined"),
+        ("`torch_sagemaker/state.py:State.no_such_method`", "State.no_such_method is not defined"),
+        ("`csrc/smddp/comm_algos.cpp:no_such_algorithm`", "no_such_algorithm is not defined"),
+        ("[gone](no_such_page.md)", "link (no_such_page.md)"),
+    ],
+)
 def test_checker_reports_a_stale_reference(text, expected):
     found = problems(text, ROOT)
     assert len(found) == 1 and expected in found[0], found
 
 
 def test_checker_accepts_real_references_and_skips_fences():
-    text = ("`torch_sagemaker/state.py:State.reset` `csrc/smddp/comm_algos.cpp:hier_allgather` "
-            "`_torch_sagemaker_alias.py:install`\n```\n`torch_sagemaker/gone.py`\n```\n")
+    text = (
+        "`torch_sagemaker/state.py:State.reset` `csrc/smddp/comm_algos.cpp:hier_allgather` "
+        "`_torch_sagemaker_alias.py:install`\n```\n`torch_sagemaker/gone.py`\n```\n"
+    )
     assert len(references(text)) == 3
     assert problems(text, ROOT) == []

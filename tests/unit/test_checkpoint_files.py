@@ -29,8 +29,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 def _state(scale: float = 1.0) -> dict:
     torch.manual_seed(0)
-    return {"model": {"w": torch.randn(8, 4) * scale, "b": torch.zeros(4) + scale},
-            "step": int(scale * 10), "note": "hello"}
+    return {
+        "model": {"w": torch.randn(8, 4) * scale, "b": torch.zeros(4) + scale},
+        "step": int(scale * 10),
+        "note": "hello",
+    }
 
 
 def _template() -> dict:
@@ -85,8 +88,11 @@ def test_truncated_and_garbled_files_are_reported(tmp_path):
 
 def test_mismatched_keys_and_shapes_are_listed(tmp_path):
     save(_state(), checkpoint_id=tmp_path / "c")
-    wrong = {"model": {"w": torch.empty(4, 8), "b": torch.empty(4), "extra": torch.empty(2)},
-             "step": 0, "note": ""}
+    wrong = {
+        "model": {"w": torch.empty(4, 8), "b": torch.empty(4), "extra": torch.empty(2)},
+        "step": 0,
+        "note": "",
+    }
     with pytest.raises(CheckpointError) as e:
         load(wrong, checkpoint_id=tmp_path / "c")
     msg = str(e.value)
@@ -158,8 +164,10 @@ def test_sm_local_state_dict_round_trip(tmp_path):
         other.load_state_dict(template["model"])
     assert torch.equal(other[0].weight, model[0].weight)
     assert "state_dict" not in other.__dict__  # the override is gone after the block
-    with pytest.raises(ValueError, match="shape mismatches"), \
-            sm_state_dict_type(other, SMStateDictType.SM_LOCAL_STATE_DICT):
+    with (
+        pytest.raises(ValueError, match="shape mismatches"),
+        sm_state_dict_type(other, SMStateDictType.SM_LOCAL_STATE_DICT),
+    ):
         other.load_state_dict({**template["model"], "0.weight": torch.zeros(2, 2)})
 
 
@@ -183,7 +191,11 @@ def test_limit_num_subdirs_keeps_newest_by_number(tmp_path):
     assert limit_num_subdirs(tmp_path, 2, regex=r"^.*\d+steps$", log=False) == []
     assert len(os.listdir(tmp_path)) == 7
     deleted = limit_num_subdirs(tmp_path, 2, regex=r"^.*\d+steps$")
-    assert sorted(os.path.basename(d) for d in deleted) == ["llama-10steps", "llama-1steps", "llama-2steps"]
+    assert sorted(os.path.basename(d) for d in deleted) == [
+        "llama-10steps",
+        "llama-1steps",
+        "llama-2steps",
+    ]
     assert sorted(os.listdir(tmp_path)) == ["llama-11steps", "llama-12steps", "notes"]
     assert limit_num_subdirs(tmp_path, None) == []
     with pytest.raises(ValueError, match="num_kept=-1"):
@@ -226,10 +238,14 @@ def test_limit_num_subdirs_before_an_async_save_keeps_the_newest_complete_one(tm
     root = tmp_path / "ckpts"
     for n in (2, 4):
         (root / f"llama_v2-{n}steps").mkdir(parents=True)
-    assert limit_num_subdirs(root / "llama_v2-6steps", 1, regex=r"^.*\d+steps$") == [str(root / "llama_v2-2steps")]
+    assert limit_num_subdirs(root / "llama_v2-6steps", 1, regex=r"^.*\d+steps$") == [
+        str(root / "llama_v2-2steps")
+    ]
     assert os.listdir(root) == ["llama_v2-4steps"]
     (root / "llama_v2-6steps").mkdir()
-    assert limit_num_subdirs(root / "llama_v2-8steps", 1, regex=r"^.*\d+steps$") == [str(root / "llama_v2-4steps")]
+    assert limit_num_subdirs(root / "llama_v2-8steps", 1, regex=r"^.*\d+steps$") == [
+        str(root / "llama_v2-4steps")
+    ]
     assert os.listdir(root) == ["llama_v2-6steps"]
 
 

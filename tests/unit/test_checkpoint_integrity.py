@@ -58,8 +58,11 @@ def test_flipped_byte_inside_a_shard_is_refused_naming_the_file(tmp_path):
     save(want, checkpoint_id=tmp_path / "c")
     shard = _flip_byte_inside(tmp_path / "c", want["a"])
     got = {"a": torch.zeros(64, 16), "b": torch.zeros(64, 16)}
-    with pytest.raises(CheckpointError, match=rf"corrupt: {shard.name} does not match its crc32 "
-                                              r"checksum .* changed after the save"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"corrupt: {shard.name} does not match its crc32 "
+        r"checksum .* changed after the save",
+    ):
         load(got, checkpoint_id=tmp_path / "c")
     assert float(got["a"].abs().sum()) == 0.0, "nothing may be loaded from a corrupt checkpoint"
 
@@ -67,16 +70,22 @@ def test_flipped_byte_inside_a_shard_is_refused_naming_the_file(tmp_path):
 def test_swapped_shard_files_are_refused(tmp_path):
     want = _two_tensors()
     # Two writer threads: one file per tensor, of the same size.
-    save(want, checkpoint_id=tmp_path / "c",
-         storage_writer=DistributedFileSystemWriter("unused", thread_count=2))
+    save(
+        want,
+        checkpoint_id=tmp_path / "c",
+        storage_writer=DistributedFileSystemWriter("unused", thread_count=2),
+    )
     first, second = _data_files(tmp_path / "c")
     assert first.stat().st_size == second.stat().st_size
     tmp = first.with_suffix(".tmp")
     os.replace(first, tmp)
     os.replace(second, first)
     os.replace(tmp, second)
-    with pytest.raises(CheckpointError, match=rf"{first.name} holds the bytes written as "
-                                              rf"{second.name} \(files swapped or renamed\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{first.name} holds the bytes written as "
+        rf"{second.name} \(files swapped or renamed\)",
+    ):
         load({"a": torch.zeros(64, 16), "b": torch.zeros(64, 16)}, checkpoint_id=tmp_path / "c")
 
 
@@ -93,13 +102,19 @@ def test_checksums_are_recorded_while_writing(tmp_path, monkeypatch):
     reads = []
     real = integrity.file_checksum
     monkeypatch.setattr(integrity, "file_checksum", lambda p: reads.append(p) or real(p))
-    save(_two_tensors(), checkpoint_id=tmp_path / "c",
-         storage_writer=DistributedFileSystemWriter("unused", thread_count=2))
+    save(
+        _two_tensors(),
+        checkpoint_id=tmp_path / "c",
+        storage_writer=DistributedFileSystemWriter("unused", thread_count=2),
+    )
     assert reads == []
     marker = json.loads((tmp_path / "c" / COMPLETION_MARKER).read_text())
     assert marker["format_version"] == 2 and marker["checksum_algorithm"] == "crc32"
-    assert set(marker["checksums"]) == set(marker["files"]) == {
-        ".metadata", "__0_0.distcp", "__0_1.distcp"}
+    assert (
+        set(marker["checksums"])
+        == set(marker["files"])
+        == {".metadata", "__0_0.distcp", "__0_1.distcp"}
+    )
     for name, crc in marker["checksums"].items():
         assert real(tmp_path / "c" / name) == crc, name
 

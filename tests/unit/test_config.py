@@ -17,22 +17,36 @@ def problems(raw, world_size=None):
 def test_defaults_are_smp_documented():
     cfg = validate({}, world_size=8)
     assert cfg == SMPConfig()
-    assert (cfg.hybrid_shard_degree, cfg.sm_activation_offloading, cfg.activation_loading_horizon,
-            cfg.fsdp_cache_flush_warnings, cfg.allow_empty_shards, cfg.tensor_parallel_degree,
-            cfg.context_parallel_degree, cfg.expert_parallel_degree) == (0, True, 2, True, False, 1, 1, 1)
+    assert (
+        cfg.hybrid_shard_degree,
+        cfg.sm_activation_offloading,
+        cfg.activation_loading_horizon,
+        cfg.fsdp_cache_flush_warnings,
+        cfg.allow_empty_shards,
+        cfg.tensor_parallel_degree,
+        cfg.context_parallel_degree,
+        cfg.expert_parallel_degree,
+    ) == (0, True, 2, True, False, 1, 1, 1)
     with pytest.raises(AttributeError):
         cfg.tensor_parallel_degree = 2  # frozen
 
 
 def test_valid_config_round_trips():
-    raw = {"hybrid_shard_degree": 2, "tensor_parallel_degree": 2, "random_seed": 7,
-           "sm_activation_offloading": False, "activation_loading_horizon": 3}
+    raw = {
+        "hybrid_shard_degree": 2,
+        "tensor_parallel_degree": 2,
+        "random_seed": 7,
+        "sm_activation_offloading": False,
+        "activation_loading_horizon": 3,
+    }
     assert validate(raw, world_size=8).to_dict() == {**SMPConfig().to_dict(), **raw}
 
 
 def test_unknown_key_did_you_mean():
     (p,) = problems({"tensor_paralel_degree": 2})
-    assert "unknown key 'tensor_paralel_degree'" in p and "did you mean 'tensor_parallel_degree'" in p
+    assert (
+        "unknown key 'tensor_paralel_degree'" in p and "did you mean 'tensor_parallel_degree'" in p
+    )
 
 
 def test_unknown_key_renamed_and_v1_and_unrelated():
@@ -47,33 +61,42 @@ def test_bool_is_not_an_int():
     assert "tensor_parallel_degree=True" in p and "booleans are not integers" in p
 
 
-@pytest.mark.parametrize("key,value", [("hybrid_shard_degree", 2.0), ("random_seed", "1"),
-                                       ("activation_loading_horizon", None)])
+@pytest.mark.parametrize(
+    "key,value",
+    [("hybrid_shard_degree", 2.0), ("random_seed", "1"), ("activation_loading_horizon", None)],
+)
 def test_wrong_int_types(key, value):
     (p,) = problems({key: value})
     assert f"{key}={value!r}" in p and "must be an integer" in p
 
 
-@pytest.mark.parametrize("key", ["sm_activation_offloading", "fsdp_cache_flush_warnings", "allow_empty_shards"])
+@pytest.mark.parametrize(
+    "key", ["sm_activation_offloading", "fsdp_cache_flush_warnings", "allow_empty_shards"]
+)
 def test_wrong_bool_types(key):
     (p,) = problems({key: 1})
     assert f"{key}=1" in p and "must be a boolean" in p
 
 
-@pytest.mark.parametrize("key,value,fragment", [
-    ("tensor_parallel_degree", 0, "must be >= 1"),
-    ("context_parallel_degree", -1, "must be >= 1"),
-    ("expert_parallel_degree", 0, "must be >= 1"),
-    ("hybrid_shard_degree", -2, "must be >= 0"),
-    ("activation_loading_horizon", 0, "must be >= 1"),
-    ("random_seed", -1, "must be in [0, 2**63 - 1]"),
-])
+@pytest.mark.parametrize(
+    "key,value,fragment",
+    [
+        ("tensor_parallel_degree", 0, "must be >= 1"),
+        ("context_parallel_degree", -1, "must be >= 1"),
+        ("expert_parallel_degree", 0, "must be >= 1"),
+        ("hybrid_shard_degree", -2, "must be >= 0"),
+        ("activation_loading_horizon", 0, "must be >= 1"),
+        ("random_seed", -1, "must be in [0, 2**63 - 1]"),
+    ],
+)
 def test_out_of_range(key, value, fragment):
     (p,) = problems({key: value}, world_size=8)
     assert f"{key}={value}" in p and fragment in p
 
 
-@pytest.mark.parametrize("key", ["tensor_parallel_degree", "context_parallel_degree", "expert_parallel_degree"])
+@pytest.mark.parametrize(
+    "key", ["tensor_parallel_degree", "context_parallel_degree", "expert_parallel_degree"]
+)
 def test_degree_must_divide_world(key):
     ps = problems({key: 3}, world_size=8)
     assert any(f"{key}=3: must divide world_size=8" in p and "1, 2, 4, 8" in p for p in ps)
@@ -81,7 +104,9 @@ def test_degree_must_divide_world(key):
 
 def test_hybrid_shard_degree_rules():
     (p,) = problems({"hybrid_shard_degree": 3}, world_size=8)
-    assert "world_size % (hybrid_shard_degree * tensor_parallel_degree * expert_parallel_degree)" in p
+    assert (
+        "world_size % (hybrid_shard_degree * tensor_parallel_degree * expert_parallel_degree)" in p
+    )
     assert "8 % (3 * 1 * 1) = 2" in p and "Use one of 1, 2, 4, 8" in p
     (p,) = problems({"hybrid_shard_degree": 8, "tensor_parallel_degree": 2}, world_size=8)
     assert "must be at most" in p and "= 4" in p
@@ -90,7 +115,10 @@ def test_hybrid_shard_degree_rules():
 
 def test_context_parallel_within_shard_group():
     (p,) = problems({"context_parallel_degree": 4, "hybrid_shard_degree": 2}, world_size=8)
-    assert "context_parallel_degree=4 > hybrid_shard_degree=2" in p and "Raise hybrid_shard_degree" in p
+    assert (
+        "context_parallel_degree=4 > hybrid_shard_degree=2" in p
+        and "Raise hybrid_shard_degree" in p
+    )
     (p,) = problems({"context_parallel_degree": 2, "hybrid_shard_degree": 1}, world_size=8)
     assert "context_parallel_degree=2 > hybrid_shard_degree=1" in p
     (p,) = problems({"context_parallel_degree": 2, "hybrid_shard_degree": 3}, world_size=6)
@@ -105,8 +133,15 @@ def test_expert_with_tensor_parallel_is_refused():
 
 
 def test_every_problem_reported_at_once():
-    ps = problems({"tensor_parallel_degree": 3, "sm_activation_offloading": "yes", "bogus": 1,
-                   "activation_loading_horizon": 0}, world_size=8)
+    ps = problems(
+        {
+            "tensor_parallel_degree": 3,
+            "sm_activation_offloading": "yes",
+            "bogus": 1,
+            "activation_loading_horizon": 0,
+        },
+        world_size=8,
+    )
     assert len(ps) == 4, ps
     joined = "\n".join(ps)
     for fragment in ("'bogus'", "sm_activation_offloading='yes'", "activation_loading_horizon=0"):
@@ -128,7 +163,9 @@ def test_dict_file_and_env_precedence(tmp_path):
     assert raw == {"tensor_parallel_degree": 2, "hybrid_shard_degree": 4}  # env wins
     assert load({"random_seed": 3}, environ={}).random_seed == 3
     # Pre-init assignments on tsm.state win over the environment.
-    assert load_raw(None, environ=env, overrides={"hybrid_shard_degree": 1}) == {"hybrid_shard_degree": 1}
+    assert load_raw(None, environ=env, overrides={"hybrid_shard_degree": 1}) == {
+        "hybrid_shard_degree": 1
+    }
     assert load(path, environ={}, world_size=8).tensor_parallel_degree == 2  # PathLike accepted
 
 

@@ -21,8 +21,11 @@ def test_layout_matches_smp_split_and_round_trips():
         parts = []
         for rank in range(cp):
             # SMP's get_batch_for_cp_rank, written out: view as 2cp chunks, keep r and 2cp-1-r.
-            smp = x.view(3, 2 * cp, 24 // (2 * cp)).index_select(
-                1, torch.tensor([rank, 2 * cp - 1 - rank])).reshape(3, -1)
+            smp = (
+                x.view(3, 2 * cp, 24 // (2 * cp))
+                .index_select(1, torch.tensor([rank, 2 * cp - 1 - rank]))
+                .reshape(3, -1)
+            )
             assert torch.equal(split_local(x, rank, cp), smp)
             assert torch.equal(local_positions(rank, cp, 24 // cp), smp[0])  # x[0] is 0..23
             parts.append(smp)
@@ -38,7 +41,9 @@ def test_positions_of_the_documented_example():
 
 
 def test_bad_lengths_name_the_rule():
-    with pytest.raises(ValueError, match=r"has 6, which is not divisible by 2 \* context_parallel_degree = 4"):
+    with pytest.raises(
+        ValueError, match=r"has 6, which is not divisible by 2 \* context_parallel_degree = 4"
+    ):
         check_local_length(3, 2)
     with pytest.raises(ValueError, match="sequence length 10 .* multiple of 4"):
         split_local(torch.zeros(1, 10), 0, 2)
@@ -46,21 +51,27 @@ def test_bad_lengths_name_the_rule():
 
 def _qkv(b=2, h=4, kv=2, n=6, m=6, d=8, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(b, h, n, d, generator=g).to(dtype), torch.randn(b, kv, m, d, generator=g).to(dtype),
-            torch.randn(b, kv, m, d, generator=g).to(dtype))
+    return (
+        torch.randn(b, h, n, d, generator=g).to(dtype),
+        torch.randn(b, kv, m, d, generator=g).to(dtype),
+        torch.randn(b, kv, m, d, generator=g).to(dtype),
+    )
 
 
 def _reference(q, k, v, causal):
     rep = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                          is_causal=causal)
+    return F.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=causal
+    )
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kernel", ["flash", "math"])
 def test_block_forward_and_backward_match_sdpa_with_gqa(causal, kernel, monkeypatch):
     if kernel == "math":
-        monkeypatch.setattr("torch_sagemaker.context_parallel.blocks._use_flash", lambda q, k: False)
+        monkeypatch.setattr(
+            "torch_sagemaker.context_parallel.blocks._use_flash", lambda q, k: False
+        )
     q, k, v = _qkv()
     scale = q.shape[-1] ** -0.5
     out, lse = block_forward(q, k, v, causal=causal, scale=scale)
@@ -79,7 +90,9 @@ def test_block_forward_and_backward_match_sdpa_with_gqa(causal, kernel, monkeypa
 def test_merged_blocks_equal_whole_attention(kernel, monkeypatch):
     """Three key blocks merged online; backward per block with the final statistics."""
     if kernel == "math":
-        monkeypatch.setattr("torch_sagemaker.context_parallel.blocks._use_flash", lambda q, k: False)
+        monkeypatch.setattr(
+            "torch_sagemaker.context_parallel.blocks._use_flash", lambda q, k: False
+        )
     q, k, v = _qkv(n=5, m=12)
     scale = q.shape[-1] ** -0.5
     cuts = [slice(0, 3), slice(3, 8), slice(8, 12)]
@@ -112,9 +125,17 @@ def test_sliding_window_config_is_refused():
     from torch_sagemaker.context_parallel.prepare import check_supported
     from torch_sagemaker.policies import MISTRAL
 
-    cfg = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-               num_attention_heads=2, num_key_value_heads=1)
-    with pytest.raises(ValueError, match="sliding_window=8: sliding-window attention is not supported"):
+    cfg = dict(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    with pytest.raises(
+        ValueError, match="sliding_window=8: sliding-window attention is not supported"
+    ):
         check_supported(MistralForCausalLM(MistralConfig(**cfg, sliding_window=8)), MISTRAL)
     check_supported(MistralForCausalLM(MistralConfig(**cfg, sliding_window=None)), MISTRAL)
 
@@ -140,4 +161,8 @@ def test_benchmark_local_comm_keeps_shapes_and_restores():
         stacked = allgather.all_gather_stacked(x, Group())
         assert stacked.shape == (2, 2, 3) and torch.equal(stacked[1], x)
         assert torch.equal(allgather.reduce_scatter_stacked(stacked, Group()), x)
-    assert (comm.Ring.shift, allgather.all_gather_stacked, allgather.reduce_scatter_stacked) == originals
+    assert (
+        comm.Ring.shift,
+        allgather.all_gather_stacked,
+        allgather.reduce_scatter_stacked,
+    ) == originals

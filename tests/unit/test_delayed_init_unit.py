@@ -10,9 +10,18 @@ from torch_sagemaker.delayed_param import DelayedParamIniter
 from torch_sagemaker.utils.module_utils import empty_module_params, move_buffers_to_device
 from torch_sagemaker.utils.process_group_utils import get_global_ranks
 
-CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-           num_key_value_heads=4, vocab_size=128, max_position_embeddings=64, pad_token_id=0,
-           attention_bias=True, initializer_range=0.02)
+CFG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=128,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    attention_bias=True,
+    initializer_range=0.02,
+)
 
 
 def _llama(meta: bool = True, **overrides):
@@ -102,7 +111,9 @@ def test_uninitializable_tensor_raises_with_its_name():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(3, 3), Scaled())
     initer = DelayedParamIniter(model, device="cpu")
-    with pytest.raises(RuntimeError, match=r"module '1' \(Scaled\).*parameter scale.*init_method_using_config"):
+    with pytest.raises(
+        RuntimeError, match=r"module '1' \(Scaled\).*parameter scale.*init_method_using_config"
+    ):
         initer.init_model()
 
 
@@ -110,7 +121,10 @@ def test_validation_and_custom_init():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     initer = DelayedParamIniter(model, device="cpu")
-    with pytest.raises(AssertionError, match="meta device"), initer.validate_params_and_buffers_inited():
+    with (
+        pytest.raises(AssertionError, match="meta device"),
+        initer.validate_params_and_buffers_inited(),
+    ):
         initer.get_param_init_fn()(model[0])
     seen = []
 

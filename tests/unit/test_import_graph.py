@@ -65,8 +65,10 @@ def import_graph() -> dict[str, set[str]]:
                     anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
                     base = f"{anchor}.{base}" if base else anchor
                 # ``from pkg import sub`` imports the submodule ``pkg.sub`` when there is one.
-                candidates = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
-                              for a in node.names]
+                candidates = [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                    for a in node.names
+                ]
             for candidate in candidates:
                 if candidate == "torch_sagemaker" or candidate.startswith("torch_sagemaker."):
                     target = resolve(candidate)
@@ -86,7 +88,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         path.pop()
@@ -106,11 +108,14 @@ def test_package_import_graph_has_no_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
-@pytest.mark.parametrize(("graph", "has_cycle"), [
-    ({"a": {"b"}, "b": {"c"}, "c": set()}, False),
-    ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, True),
-    ({"a": {"b", "c"}, "b": {"c"}, "c": set()}, False),
-])
+@pytest.mark.parametrize(
+    ("graph", "has_cycle"),
+    [
+        ({"a": {"b"}, "b": {"c"}, "c": set()}, False),
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, True),
+        ({"a": {"b", "c"}, "b": {"c"}, "c": set()}, False),
+    ],
+)
 def test_cycle_finder(graph, has_cycle):
     assert (find_cycle(graph) is not None) is has_cycle
 
@@ -121,9 +126,11 @@ def test_graph_sees_type_checking_imports(tmp_path, monkeypatch):
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text("from torch_sagemaker import b\n")
-    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                              "    from torch_sagemaker.a import A\n\ndef f():\n"
-                              "    from torch_sagemaker import a\n")
+    (pkg / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from torch_sagemaker.a import A\n\ndef f():\n"
+        "    from torch_sagemaker import a\n"
+    )
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
     graph = import_graph()
     assert graph["torch_sagemaker.a"] == {"torch_sagemaker.b"}

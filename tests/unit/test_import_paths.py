@@ -39,19 +39,38 @@ def test_fresh_interpreter_editable_install(tmp_path):
 
 
 def test_version_one_liner(tmp_path):
-    result = _run([sys.executable, "-c", "import torch.sagemaker as tsm; print(tsm.__version__)"], cwd=tmp_path)
+    result = _run(
+        [sys.executable, "-c", "import torch.sagemaker as tsm; print(tsm.__version__)"],
+        cwd=tmp_path,
+    )
     from importlib.metadata import version
 
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == version("torch_sagemaker") == __import__("torch_sagemaker").__version__
+    assert (
+        result.stdout.strip()
+        == version("torch_sagemaker")
+        == __import__("torch_sagemaker").__version__
+    )
 
 
 @pytest.mark.slow
 def test_wheel_install(tmp_path):
     """Builds the regular wheel and imports from it with the editable install switched off."""
     wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
-    build = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                  "-w", str(wheel_dir), ROOT])
+    build = _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(wheel_dir),
+            ROOT,
+        ]
+    )
     assert build.returncode == 0, build.stderr
     (wheel,) = wheel_dir.iterdir()
     names = zipfile.ZipFile(wheel).namelist()
@@ -59,7 +78,19 @@ def test_wheel_install(tmp_path):
     assert "torch_sagemaker/policies/__init__.py" in names
     assert not any(n.startswith("policies/") for n in names)
     assert any(n.startswith("torch_sagemaker/_C") and n.endswith(".so") for n in names)
-    install = _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)])
+    install = _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(target),
+            str(wheel),
+        ]
+    )
     assert install.returncode == 0, install.stderr
     # -S: skip site processing (so the editable install's .pth files are not read); then make
     # the wheel's folder a site dir (its .pth installs the alias) and append the venv's

@@ -10,12 +10,26 @@ def _meta(family):
     import transformers as tf
     from transformers import AutoModelForCausalLM
 
-    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, intermediate_size=48, num_experts_per_tok=2)
-    cfg = {"mixtral": lambda: tf.MixtralConfig(**common, num_local_experts=4),
-           "qwen2_moe": lambda: tf.Qwen2MoeConfig(**common, num_experts=4, moe_intermediate_size=16,
-                                                  shared_expert_intermediate_size=24, mlp_only_layers=[1]),
-           "qwen3_moe": lambda: tf.Qwen3MoeConfig(**common, num_experts=4, moe_intermediate_size=16)}[family]()
+    common = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        num_experts_per_tok=2,
+    )
+    cfg = {
+        "mixtral": lambda: tf.MixtralConfig(**common, num_local_experts=4),
+        "qwen2_moe": lambda: tf.Qwen2MoeConfig(
+            **common,
+            num_experts=4,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            mlp_only_layers=[1],
+        ),
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(**common, num_experts=4, moe_intermediate_size=16),
+    }[family]()
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(cfg)
 

@@ -65,7 +65,9 @@ def test_sinkhorn_matches_the_plain_iteration_and_balances():
     p = log_p.double().exp()
     torch.testing.assert_close(p, _naive_sinkhorn(logits), rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(p.sum(1), torch.ones(16, dtype=torch.float64), rtol=0, atol=1e-6)
-    torch.testing.assert_close(p.sum(0), torch.full((4,), 4.0, dtype=torch.float64), rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        p.sum(0), torch.full((4,), 4.0, dtype=torch.float64), rtol=0, atol=1e-4
+    )
     # Large logits do not overflow in the log domain.
     assert torch.isfinite(routing.sinkhorn(logits * 1000)).all()
 
@@ -127,7 +129,9 @@ def test_route_none_is_the_models_top_k_and_eval_ignores_balancing():
     probs = torch.softmax(logits, -1)
     top_v, top_i = torch.topk(probs, 2, -1)
     for method in ("none", "aux_loss", "sinkhorn", "balanced"):
-        r = routing.route(logits, 2, normalize=True, method=method, training=method in ("none", "aux_loss"))
+        r = routing.route(
+            logits, 2, normalize=True, method=method, training=method in ("none", "aux_loss")
+        )
         assert torch.equal(r.indices, top_i)
         torch.testing.assert_close(r.weights, top_v / top_v.sum(-1, keepdim=True))
     r = routing.route(logits, 2, normalize=False, method="none", training=True)
@@ -136,9 +140,15 @@ def test_route_none_is_the_models_top_k_and_eval_ignores_balancing():
 
 def test_moe_config_defaults_and_errors():
     cfg = MoEConfig()
-    assert (cfg.smp_moe, cfg.random_seed, cfg.moe_load_balancing, cfg.global_token_shuffle,
-            cfg.moe_all_to_all_dispatcher, cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff) == \
-        (True, 12345, "sinkhorn", False, True, 0.001, 0.001)
+    assert (
+        cfg.smp_moe,
+        cfg.random_seed,
+        cfg.moe_load_balancing,
+        cfg.global_token_shuffle,
+        cfg.moe_all_to_all_dispatcher,
+        cfg.moe_aux_loss_coeff,
+        cfg.moe_z_loss_coeff,
+    ) == (True, 12345, "sinkhorn", False, True, 0.001, 0.001)
     with pytest.raises(ValueError, match=r"moe_load_balancing='switch'.*'sinkhorn'"):
         MoEConfig(moe_load_balancing="switch")
     with pytest.raises(ValueError, match=r"moe_aux_loss_coeff=-1.*>= 0"):

@@ -105,9 +105,13 @@ def step(model, steps: int = 2):
 @pytest.mark.parametrize("stash_bytes", [0, 1 << 30])
 def test_late_copies_are_waited_for_and_ordered(horizon, polls, stash_bytes):
     ref = step(Stack())
-    model = PrefetchOffloadWrapper(Stack(), horizon=horizon, min_offload_bytes=0,
-                                   max_stash_bytes=stash_bytes,
-                                   layers=lambda m: isinstance(m, Layer))
+    model = PrefetchOffloadWrapper(
+        Stack(),
+        horizon=horizon,
+        min_offload_bytes=0,
+        max_stash_bytes=stash_bytes,
+        layers=lambda m: isinstance(m, Layer),
+    )
     engine = model._offload_engine
     pool = HostBufferPool(pin_memory=False)
     transfer = LazyTransfer(pool, polls)

@@ -31,7 +31,9 @@ class SaveBaseAndView(torch.autograd.Function):
         offset = base.stride(1) * base.element_size()
         ALIASING_SEEN.append(
             view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
-            and view.data_ptr() == base.data_ptr() + offset and view.stride() == (1, 8))
+            and view.data_ptr() == base.data_ptr() + offset
+            and view.stride() == (1, 8)
+        )
         out = grad * base.cos()
         out[:, 1:] += view.t() * 0.5
         return out
@@ -77,8 +79,12 @@ def run(kind: str, offload: bool, min_offload_bytes: int = 0, **inputs):
     """Loss, gradients and stats of one step; ``offload=False`` runs the bare model."""
     model = Stack(kind)
     if offload:
-        model = PrefetchOffloadWrapper(model, horizon=1, min_offload_bytes=min_offload_bytes,
-                                       layers=lambda m: isinstance(m, Layer))
+        model = PrefetchOffloadWrapper(
+            model,
+            horizon=1,
+            min_offload_bytes=min_offload_bytes,
+            layers=lambda m: isinstance(m, Layer),
+        )
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
     loss = model(x, **inputs)
     loss.backward()
@@ -88,8 +94,9 @@ def run(kind: str, offload: bool, min_offload_bytes: int = 0, **inputs):
 
 def assert_same(kind: str, **kwargs):
     loss, grads, stats = run(kind, True, **kwargs)
-    ref_loss, ref_grads, _ = run(kind, False, **{k: v for k, v in kwargs.items()
-                                                 if k != "min_offload_bytes"})
+    ref_loss, ref_grads, _ = run(
+        kind, False, **{k: v for k, v in kwargs.items() if k != "min_offload_bytes"}
+    )
     assert torch.equal(loss, ref_loss)
     for got, want in zip(grads, ref_grads):
         assert (got is None and want is None) or torch.equal(got, want)
@@ -136,8 +143,9 @@ def test_a_storage_saved_by_several_layers_is_kept_once():
 
 
 def test_no_layers_found_names_the_fix():
-    with pytest.raises(ValueError, match="found no checkpointed layers.*apply activation "
-                                         "checkpointing first"):
+    with pytest.raises(
+        ValueError, match="found no checkpointed layers.*apply activation checkpointing first"
+    ):
         PrefetchOffloadWrapper(Stack("double"), horizon=1)
 
 
@@ -148,10 +156,14 @@ def test_get_stats_needs_a_wrapper():
 
 def test_wrapper_keeps_state_dict_keys_and_attributes():
     model = Stack("linear")
-    wrapped = PrefetchOffloadWrapper(Stack("linear"), horizon=1,
-                                     layers=lambda m: isinstance(m, Layer))
+    wrapped = PrefetchOffloadWrapper(
+        Stack("linear"), horizon=1, layers=lambda m: isinstance(m, Layer)
+    )
     assert list(wrapped.state_dict()) == list(model.state_dict())
-    assert isinstance(wrapped, OffloadWrapper) and wrapped.layers is wrapped._checkpoint_wrapped_module.layers
+    assert (
+        isinstance(wrapped, OffloadWrapper)
+        and wrapped.layers is wrapped._checkpoint_wrapped_module.layers
+    )
 
 
 def test_tsm_offload_wrapper_follows_sm_activation_offloading():

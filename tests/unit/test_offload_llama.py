@@ -27,12 +27,20 @@ IMPLS = [CheckpointImpl.NO_REENTRANT, CheckpointImpl.REENTRANT]
 def build(impl: CheckpointImpl = CheckpointImpl.NO_REENTRANT, seed: int = 0) -> torch.nn.Module:
     """The tiny Llama with every decoder layer activation-checkpointed."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=N_LAYERS,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
     model = LlamaForCausalLM(cfg)
     apply_activation_checkpointing(
-        model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
-        check_fn=lambda m: isinstance(m, LlamaDecoderLayer))
+        model,
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
+        check_fn=lambda m: isinstance(m, LlamaDecoderLayer),
+    )
     return model
 
 
@@ -51,8 +59,9 @@ def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     # Checkpoint wrappers add a name segment below the root; the offload root removes it.
-    return {n.replace("_checkpoint_wrapped_module.", ""): p.grad
-            for n, p in model.named_parameters()}
+    return {
+        n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()
+    }
 
 
 def assert_bit_identical(model: torch.nn.Module, ref: torch.nn.Module) -> None:
@@ -121,8 +130,11 @@ def test_each_layer_is_requested_before_its_backward_and_freed_after(impl):
         started = trace.index(("backward_start", pass_id, unit))
         assert fetched < started, trace
         if unit > 0:  # freed before the next layer's backward starts
-            assert started < trace.index(("release", pass_id, unit)) < trace.index(
-                ("backward_start", pass_id, unit - 1)), trace
+            assert (
+                started
+                < trace.index(("release", pass_id, unit))
+                < trace.index(("backward_start", pass_id, unit - 1))
+            ), trace
 
 
 def test_gradient_accumulation_and_interleaved_micro_batches():

@@ -15,8 +15,11 @@ def make(num_units: int, horizon: int, end_signal: bool = True) -> PrefetchSched
 
 
 def resident(schedule: PrefetchSchedule) -> set[int]:
-    return {u for u in range(schedule.num_units)
-            if schedule.state(u) in (UnitState.REQUESTED, UnitState.ACTIVE)}
+    return {
+        u
+        for u in range(schedule.num_units)
+        if schedule.state(u) in (UnitState.REQUESTED, UnitState.ACTIVE)
+    }
 
 
 def run_backward(schedule: PrefetchSchedule, order: list[int]) -> list[tuple]:

@@ -32,8 +32,13 @@ def meta_model(family: str, **kwargs):
     from transformers import AutoModelForCausalLM
 
     cfg = getattr(transformers, FAMILIES[family][0])(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, **kwargs)
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        **kwargs,
+    )
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(cfg)
 
@@ -79,15 +84,25 @@ def test_unsupported_model_error_lists_classes_and_registration():
     with pytest.raises(ValueError) as err:
         lookup_policy(torch.nn.Linear(2, 2))
     message = str(err.value)
-    for cls in ("GPTNeoXForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
-                "Qwen2ForCausalLM"):
+    for cls in (
+        "GPTNeoXForCausalLM",
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen2ForCausalLM",
+    ):
         assert cls in message
     assert "register_policy" in message
 
 
 def test_register_policy_wins_and_unregisters():
-    mine = ModelPolicy(name="mine", model_classes=("Linear",), layer_class="Linear", attention="x",
-                       tp_plan={"x": "colwise"})
+    mine = ModelPolicy(
+        name="mine",
+        model_classes=("Linear",),
+        layer_class="Linear",
+        attention="x",
+        tp_plan={"x": "colwise"},
+    )
     policies.register_policy(mine)
     try:
         assert lookup_policy(torch.nn.Linear(2, 2)) is mine
@@ -102,22 +117,34 @@ def test_register_policy_wins_and_unregisters():
 
 def test_unknown_style_is_rejected():
     with pytest.raises(ValueError, match="unknown TP styles"):
-        ModelPolicy(name="bad", model_classes=("X",), layer_class="X", attention="a",
-                    tp_plan={"a.b": "diagonal"})
+        ModelPolicy(
+            name="bad",
+            model_classes=("X",),
+            layer_class="X",
+            attention="a",
+            tp_plan={"a.b": "diagonal"},
+        )
     assert "colwise" in STYLES and "experts" in STYLES
 
 
-@pytest.mark.parametrize("heads, kv, tp, local, local_kv, replicated, kv_heads_by_rank", [
-    (4, 4, 2, 2, 2, False, [0, 2]),
-    (8, 4, 2, 4, 2, False, [0, 2]),
-    (4, 2, 2, 2, 1, False, [0, 1]),
-    (4, 1, 2, 2, 1, True, [0, 0]),
-    (4, 2, 4, 1, 1, True, [0, 0, 1, 1]),
-    (32, 8, 16, 2, 1, True, [r // 2 for r in range(16)]),
-])
+@pytest.mark.parametrize(
+    "heads, kv, tp, local, local_kv, replicated, kv_heads_by_rank",
+    [
+        (4, 4, 2, 2, 2, False, [0, 2]),
+        (8, 4, 2, 4, 2, False, [0, 2]),
+        (4, 2, 2, 2, 1, False, [0, 1]),
+        (4, 1, 2, 2, 1, True, [0, 0]),
+        (4, 2, 4, 1, 1, True, [0, 0, 1, 1]),
+        (32, 8, 16, 2, 1, True, [r // 2 for r in range(16)]),
+    ],
+)
 def test_split_heads(heads, kv, tp, local, local_kv, replicated, kv_heads_by_rank):
     split = split_heads(heads, kv, tp)
-    assert (split.local_heads, split.local_kv_heads, split.kv_replicated) == (local, local_kv, replicated)
+    assert (split.local_heads, split.local_kv_heads, split.kv_replicated) == (
+        local,
+        local_kv,
+        replicated,
+    )
     assert [split.kv_head_of(r) for r in range(tp)] == kv_heads_by_rank
     # Every query head of a rank attends with a kv head that the rank holds.
     group = heads // kv
@@ -127,12 +154,15 @@ def test_split_heads(heads, kv, tp, local, local_kv, replicated, kv_heads_by_ran
             assert q // group in held, (r, q)
 
 
-@pytest.mark.parametrize("heads, kv, tp, fragment", [
-    (3, 3, 2, "does not divide num_attention_heads=3"),
-    (12, 3, 2, "num_key_value_heads=3"),
-    (12, 4, 8, "does not divide num_attention_heads=12"),
-    (6, 4, 2, "is not a multiple of"),
-])
+@pytest.mark.parametrize(
+    "heads, kv, tp, fragment",
+    [
+        (3, 3, 2, "does not divide num_attention_heads=3"),
+        (12, 3, 2, "num_key_value_heads=3"),
+        (12, 4, 8, "does not divide num_attention_heads=12"),
+        (6, 4, 2, "is not a multiple of"),
+    ],
+)
 def test_split_heads_errors(heads, kv, tp, fragment):
     with pytest.raises(ValueError, match=fragment):
         split_heads(heads, kv, tp)
@@ -156,9 +186,12 @@ def test_intermediate_size_must_divide(family):
     kwargs = {} if family == "gpt_neox" else {"num_key_value_heads": 2}
     model = meta_model(family, **kwargs)
     model.config.intermediate_size = 129
-    with pytest.raises(ValueError, match=rf"{family}: tensor_parallel_degree=2 does not divide "
-                                         r"intermediate_size=129; the MLP's columns .* are split "
-                                         r"evenly .* Use a degree that divides 129 \(\[1, 3, 43\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{family}: tensor_parallel_degree=2 does not divide "
+        r"intermediate_size=129; the MLP's columns .* are split "
+        r"evenly .* Use a degree that divides 129 \(\[1, 3, 43\]\)",
+    ):
         check_model(lookup_policy(model), model.config, 2)
     assert check_model(lookup_policy(model), model.config, 1).local_heads == 4
     model.config.intermediate_size = 130

@@ -22,8 +22,10 @@ def test_dispatcher_reports_a_missing_module(monkeypatch, capsys):
     assert "torch_sagemaker.bench.ghost_module is missing" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("text, value", [("8", 8), ("64K", 65536), ("1M", 1 << 20), ("256MB", 256 << 20),
-                                         ("1g", 1 << 30)])
+@pytest.mark.parametrize(
+    "text, value",
+    [("8", 8), ("64K", 65536), ("1M", 1 << 20), ("256MB", 256 << 20), ("1g", 1 << 30)],
+)
 def test_parse_size(text, value):
     assert collectives.parse_size(text) == value
 
@@ -49,10 +51,23 @@ def _result(t):
 
 
 def test_table_has_one_ratio_column_per_extra_backend():
-    ar = {"op": "all_reduce", "size": 1024, "smddp": _result(10.0), "gloo": _result(500.0),
-          "deepspeed": _result(5.0)}
-    bc = {"op": "broadcast", "size": 1024, "smddp": _result(8.0), "gloo": _result(80.0), "deepspeed": None}
-    table = collectives.format_table([ar, bc], {"cache": 4e10, "dram": 5e9}, ["smddp", "gloo", "deepspeed"], 2)
+    ar = {
+        "op": "all_reduce",
+        "size": 1024,
+        "smddp": _result(10.0),
+        "gloo": _result(500.0),
+        "deepspeed": _result(5.0),
+    }
+    bc = {
+        "op": "broadcast",
+        "size": 1024,
+        "smddp": _result(8.0),
+        "gloo": _result(80.0),
+        "deepspeed": None,
+    }
+    table = collectives.format_table(
+        [ar, bc], {"cache": 4e10, "dram": 5e9}, ["smddp", "gloo", "deepspeed"], 2
+    )
     lines = table.splitlines()
     header = next(line for line in lines if line.startswith("| op |"))
     assert header.endswith("| speed-up (smddp vs gloo) | speed-up (smddp vs deepspeed) |")
@@ -67,14 +82,28 @@ def test_table_has_one_ratio_column_per_extra_backend():
 
 
 def test_ratio_base_puts_every_other_column_against_it():
-    row = {"op": "all_reduce", "size": 1024, "smddp": _result(8.0), "smddp-direct": _result(2.0),
-           "deepspeed": _result(4.0)}
+    row = {
+        "op": "all_reduce",
+        "size": 1024,
+        "smddp": _result(8.0),
+        "smddp-direct": _result(2.0),
+        "deepspeed": _result(4.0),
+    }
     backends = ["smddp", "smddp-direct", "deepspeed"]
-    table = collectives.format_table([row], {"cache": 4e10, "dram": 5e9}, backends, 2, base="smddp-direct")
+    table = collectives.format_table(
+        [row], {"cache": 4e10, "dram": 5e9}, backends, 2, base="smddp-direct"
+    )
     header = next(line for line in table.splitlines() if line.startswith("| op |"))
-    assert header.endswith("| speed-up (smddp-direct vs smddp) | speed-up (smddp-direct vs deepspeed) |")
-    assert next(line for line in table.splitlines() if line.startswith("| all_reduce |")).endswith("| 4.0x | 2.0x |")
-    assert collectives._format_row(row, backends, "smddp-direct").split("|")[-2:] == ["     4.0x ", "     2.0x"]
+    assert header.endswith(
+        "| speed-up (smddp-direct vs smddp) | speed-up (smddp-direct vs deepspeed) |"
+    )
+    assert next(line for line in table.splitlines() if line.startswith("| all_reduce |")).endswith(
+        "| 4.0x | 2.0x |"
+    )
+    assert collectives._format_row(row, backends, "smddp-direct").split("|")[-2:] == [
+        "     4.0x ",
+        "     2.0x",
+    ]
 
 
 def test_two_backend_table_keeps_its_single_ratio_column():

@@ -29,7 +29,9 @@ def test_docs_table_is_generated_from_the_backend_table():
 
 
 def test_options_fields_are_the_table_fields():
-    assert [f.name for f in dataclasses.fields(SMDDPOptions)] == [r["field"] for r in setting_table()]
+    assert [f.name for f in dataclasses.fields(SMDDPOptions)] == [
+        r["field"] for r in setting_table()
+    ]
 
 
 def test_defaults():
@@ -41,13 +43,23 @@ def test_defaults():
 
 
 def test_environment_and_options_with_units():
-    s = resolve(None, {"SMDDP_BUFFER_BYTES": "4M", "SMDDP_POOL_BYTES": "0", "SMDDP_SPIN_US": "0",
-                       "SMDDP_MOVE_OFF_CPU": "yes", "SMDDP_CHUNK_BYTES": "64KiB"})
+    s = resolve(
+        None,
+        {
+            "SMDDP_BUFFER_BYTES": "4M",
+            "SMDDP_POOL_BYTES": "0",
+            "SMDDP_SPIN_US": "0",
+            "SMDDP_MOVE_OFF_CPU": "yes",
+            "SMDDP_CHUNK_BYTES": "64KiB",
+        },
+    )
     assert s["buffer_bytes"] == str(4 << 20) and s["pool_bytes"] == "0" and s["spin_us"] == "0"
     assert s["move_off_cpu"] == "1" and s["chunk_bytes"] == str(64 << 10)
     # Options win over the environment; timedelta and bool are converted.
-    s = resolve(SMDDPOptions(buffer_bytes=8192, timeout=timedelta(seconds=2.5), move_off_cpu=False),
-                {"SMDDP_BUFFER_BYTES": "4M", "SMDDP_MOVE_OFF_CPU": "1"})
+    s = resolve(
+        SMDDPOptions(buffer_bytes=8192, timeout=timedelta(seconds=2.5), move_off_cpu=False),
+        {"SMDDP_BUFFER_BYTES": "4M", "SMDDP_MOVE_OFF_CPU": "1"},
+    )
     assert s["buffer_bytes"] == "8192" and s["timeout"] == "2.5" and s["move_off_cpu"] == "0"
 
 

@@ -20,30 +20,56 @@ SURFACE = [
     ("torch.sagemaker.logger", ["get_logger"]),
     ("torch.sagemaker.grad_norm", ["clip_grad_norm_"]),
     ("torch.sagemaker.delayed_param", ["DelayedParamIniter"]),
-    ("torch.sagemaker.tensor_parallel.transformer",
-     ["TransformerLayer", "TETransformerLayer", "TransformerLMHead"]),
+    (
+        "torch.sagemaker.tensor_parallel.transformer",
+        ["TransformerLayer", "TETransformerLayer", "TransformerLMHead"],
+    ),
     ("torch.sagemaker.checkpoint.utils", ["SORT_BY_LAST_INT", "limit_num_subdirs"]),
     ("torch.sagemaker.checkpoint.constants", ["SMP_IS_LOAD_INFO_KEY", "SMP_IS_PARTIAL_KEY"]),
-    ("torch.sagemaker.distributed.checkpoint.async_utils",
-     ["AsyncCallsQueue", "maybe_finalize_async_calls"]),
-    ("torch.sagemaker.distributed.checkpoint.state_dict_saver",
-     ["save", "async_save", "PyTorchDistSaveShardedStrategy"]),
+    (
+        "torch.sagemaker.distributed.checkpoint.async_utils",
+        ["AsyncCallsQueue", "maybe_finalize_async_calls"],
+    ),
+    (
+        "torch.sagemaker.distributed.checkpoint.state_dict_saver",
+        ["save", "async_save", "PyTorchDistSaveShardedStrategy"],
+    ),
     ("torch.sagemaker.distributed.checkpoint.state_dict_loader", ["load"]),
-    ("torch.sagemaker.distributed.checkpoint.state_dict_utils",
-     ["sm_state_dict_type", "SMStateDictType", "init_optim_state"]),
-    ("torch.sagemaker.distributed.checkpoint.filesystem",
-     ["DistributedFileSystemReader", "DistributedFileSystemWriter", "path_to_file_system"]),
-    ("torch.sagemaker.distributed.fsdp.checkpoint",
-     ["save_model_checkpoint", "load_model_checkpoint", "EXPORT_KEY_MODEL", "EXPORT_KEY_OPTIMIZER",
-      "EXPORT_KEY_SCHEDULER", "EXPORT_KEY_IDENTITY"]),
+    (
+        "torch.sagemaker.distributed.checkpoint.state_dict_utils",
+        ["sm_state_dict_type", "SMStateDictType", "init_optim_state"],
+    ),
+    (
+        "torch.sagemaker.distributed.checkpoint.filesystem",
+        ["DistributedFileSystemReader", "DistributedFileSystemWriter", "path_to_file_system"],
+    ),
+    (
+        "torch.sagemaker.distributed.fsdp.checkpoint",
+        [
+            "save_model_checkpoint",
+            "load_model_checkpoint",
+            "EXPORT_KEY_MODEL",
+            "EXPORT_KEY_OPTIMIZER",
+            "EXPORT_KEY_SCHEDULER",
+            "EXPORT_KEY_IDENTITY",
+        ],
+    ),
     ("torch.sagemaker.nn.attn", ["FlashSelfAttention", "FlashGroupedQueryAttention"]),
     ("torch.sagemaker.nn.huggingface.llama_flashattn", ["LlamaFlashAttention"]),
     ("torch.sagemaker.moe.moe_config", ["MoEConfig"]),
     ("torch.sagemaker.moe.moe_layer", ["MoELayer"]),
     ("torch.sagemaker.context_parallel.utils", ["setup_transformer_engine_cp_groups"]),
-    ("torch.sagemaker.distributed.checkpoint.s3_filesystem",
-     ["S3FileSystem", "is_s3_uri", "parse_s3_uri", "format_s3_path", "get_s3_region_from_uri",
-      "retry_with_jitter"]),
+    (
+        "torch.sagemaker.distributed.checkpoint.s3_filesystem",
+        [
+            "S3FileSystem",
+            "is_s3_uri",
+            "parse_s3_uri",
+            "format_s3_path",
+            "get_s3_region_from_uri",
+            "retry_with_jitter",
+        ],
+    ),
 ]
 
 
@@ -84,8 +110,9 @@ def test_s3_uri_helpers_and_retry():
 
     assert s3.retry_with_jitter(flaky, max_attempts=3, base_delay=0.0) == "ok" and len(calls) == 3
     with pytest.raises(OSError):
-        s3.retry_with_jitter(lambda: (_ for _ in ()).throw(OSError("down")), max_attempts=2,
-                             base_delay=0.0)
+        s3.retry_with_jitter(
+            lambda: (_ for _ in ()).throw(OSError("down")), max_attempts=2, base_delay=0.0
+        )
 
 
 @pytest.mark.parametrize(("module", "names"), SURFACE, ids=[m for m, _ in SURFACE])
@@ -104,15 +131,23 @@ def test_public_functions_have_smp_signatures_and_docstrings():
     import torch.sagemaker as tsm
 
     transform = inspect.signature(tsm.transform)
-    assert list(transform.parameters) == ["model", "device", "dtype", "config",
-                                          "load_state_dict_from_rank0", "cp_comm_type"]
+    assert list(transform.parameters) == [
+        "model",
+        "device",
+        "dtype",
+        "config",
+        "load_state_dict_from_rank0",
+        "cp_comm_type",
+    ]
     assert transform.parameters["cp_comm_type"].default == "p2p"
     offload = inspect.signature(tsm.offload_wrapper)
     assert list(offload.parameters)[0] == "module"
     assert offload.parameters["activation_loading_horizon"].kind is inspect.Parameter.KEYWORD_ONLY
     for fn in (tsm.transform, tsm.offload_wrapper, tsm.init):
-        assert not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-                       for p in inspect.signature(fn).parameters.values()), fn
+        assert not any(
+            p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+            for p in inspect.signature(fn).parameters.values()
+        ), fn
         assert "Args:" in fn.__doc__, fn
     assert "Returns:" in tsm.transform.__doc__ and "Returns:" in tsm.offload_wrapper.__doc__
 
@@ -120,7 +155,9 @@ def test_public_functions_have_smp_signatures_and_docstrings():
 def test_deprecated_fsdp_checkpoint_module_warns_on_import():
     import torch_sagemaker.distributed.fsdp.checkpoint as shim
 
-    with pytest.warns(FutureWarning, match="deprecated .* use torch.sagemaker.distributed.checkpoint"):
+    with pytest.warns(
+        FutureWarning, match="deprecated .* use torch.sagemaker.distributed.checkpoint"
+    ):
         importlib.reload(shim)
 
 
@@ -158,8 +195,15 @@ def _tiny_llama(layers: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="eager",
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -183,9 +227,10 @@ def test_transformer_layer_names_the_layers_tsm_transform_marked():
     assert isinstance(model, TransformerLMHead) and not isinstance(model, TransformerLayer)
     assert not isinstance(model.model.layers[0].self_attn, TransformerLayer)
     # As SMP's scripts build their FSDP auto-wrap policy and checkpoint check_fn.
-    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerLayer})
-    wrapped = [n for n, m in model.named_modules()
-               if n and _or_policy(m, False, 0, [policy])]
+    policy = functools.partial(
+        transformer_auto_wrap_policy, transformer_layer_cls={TransformerLayer}
+    )
+    wrapped = [n for n, m in model.named_modules() if n and _or_policy(m, False, 0, [policy])]
     assert wrapped == ["model.layers.0", "model.layers.1"]
     with pytest.raises(TypeError, match="names a role.*tsm.transform"):
         TransformerLayer()
@@ -215,8 +260,12 @@ def test_flash_self_attention_matches_softmax_attention(layout, causal):
     for qkv in ((to_layout(q), to_layout(k), to_layout(v)), packed):
         out = attn(qkv, causal=causal, layout=layout)
         torch.testing.assert_close(out, to_layout(expected))
-    out32 = attn(tuple(to_layout(t) for t in (q, k, v)), causal=causal, layout=layout,
-                 cast_dtype=torch.float32)
+    out32 = attn(
+        tuple(to_layout(t) for t in (q, k, v)),
+        causal=causal,
+        layout=layout,
+        cast_dtype=torch.float32,
+    )
     assert out32.dtype == torch.float64
     torch.testing.assert_close(out32, to_layout(expected), atol=1e-5, rtol=1e-5)
 
@@ -259,8 +308,9 @@ def test_llama_flash_attention_swapped_in_as_smp_scripts_do_keeps_logits():
     for layer, attn in zip(model.model.layers, _tiny_llama().model.layers, strict=True):
         attn.self_attn.load_state_dict(layer.self_attn.state_dict())
         layer.self_attn = attn.self_attn
-    torch.testing.assert_close(flash[1], model(input_ids=ids, attention_mask=mask).logits[1],
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        flash[1], model(input_ids=ids, attention_mask=mask).logits[1], atol=1e-5, rtol=1e-5
+    )
     with pytest.raises(ValueError, match="without layer_idx.*use_cache=False"):
         model.model.layers[0].self_attn = LlamaFlashAttention(model.config)
         model(input_ids=ids, use_cache=True)
@@ -290,11 +340,18 @@ def test_file_system_writer_hooks_and_reader_path(tmp_path):
 
     seen = []
     writer = DistributedFileSystemWriter(
-        tmp_path, pre_write_hooks=[lambda w: seen.append(("pre", w.is_coordinator))],
-        post_write_hooks=[lambda w: seen.append(("post", sorted(p.name for p in w.path.iterdir())))])
+        tmp_path,
+        pre_write_hooks=[lambda w: seen.append(("pre", w.is_coordinator))],
+        post_write_hooks=[
+            lambda w: seen.append(("post", sorted(p.name for p in w.path.iterdir())))
+        ],
+    )
     dcp.save({"w": torch.arange(4.0)}, storage_writer=writer, no_dist=True)
-    assert seen[0] == ("pre", True) and seen[1][0] == "post" and any(
-        n.endswith(".distcp") for n in seen[1][1])
+    assert (
+        seen[0] == ("pre", True)
+        and seen[1][0] == "post"
+        and any(n.endswith(".distcp") for n in seen[1][1])
+    )
     reader = DistributedFileSystemReader(tmp_path)
     out = {"w": torch.zeros(4)}
     dcp.load(out, storage_reader=reader, no_dist=True)
@@ -361,7 +418,10 @@ def test_dcp_patches_are_installed_at_import_and_undone_by_uninstall():
 
     from torch_sagemaker.distributed.checkpoint import torch_compat
 
-    assert dcp_optimizer.load_sharded_optimizer_state_dict is torch_compat.load_sharded_optimizer_state_dict
+    assert (
+        dcp_optimizer.load_sharded_optimizer_state_dict
+        is torch_compat.load_sharded_optimizer_state_dict
+    )
     assert dcp.load_sharded_optimizer_state_dict is torch_compat.load_sharded_optimizer_state_dict
     native = torch_compat.load_sharded_optimizer_state_dict.__tsm_native__
     torch_compat.uninstall()
@@ -413,7 +473,9 @@ def test_offload_wrapper_without_checkpointing_prefetches_over_transformer_layer
 def test_cache_flush_watch_warns_when_the_allocator_retried(monkeypatch):
     from torch_sagemaker.sharding import cache_flush
 
-    assert not cache_flush.watch(nn.Linear(2, 2)) or torch.cuda.is_available()  # CPU: nothing to watch
+    assert (
+        not cache_flush.watch(nn.Linear(2, 2)) or torch.cuda.is_available()
+    )  # CPU: nothing to watch
     retries = [3]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_alloc_retries": retries[0]})

@@ -13,7 +13,11 @@ def test_before_init_reads_defaults_and_records_overrides():
     s.tensor_parallel_degree = 1
     s.cp_size = 1  # SMP alias maps to context_parallel_degree
     s.hybrid_shard_degree = 2
-    assert s.overrides == {"tensor_parallel_degree": 1, "context_parallel_degree": 1, "hybrid_shard_degree": 2}
+    assert s.overrides == {
+        "tensor_parallel_degree": 1,
+        "context_parallel_degree": 1,
+        "hybrid_shard_degree": 2,
+    }
     assert s.hybrid_shard_degree == 2
     s.reset()
     assert s.overrides == {}
@@ -24,8 +28,19 @@ def test_unknown_attribute_assignment_is_refused():
         State().tensor_paralel_degree = 2
 
 
-@pytest.mark.parametrize("name", ["rank", "world_size", "tp_rank", "dp_size", "device_mesh",
-                                  "tp_process_group", "ranker", "fsdp_mesh"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "rank",
+        "world_size",
+        "tp_rank",
+        "dp_size",
+        "device_mesh",
+        "tp_process_group",
+        "ranker",
+        "fsdp_mesh",
+    ],
+)
 def test_topology_needs_init(name):
     with pytest.raises(RuntimeError, match=rf"tsm.state.{name} is only available after"):
         getattr(State(), name)
@@ -34,7 +49,15 @@ def test_topology_needs_init(name):
 def test_public_surface():
     assert tsm.state is __import__("torch_sagemaker").state
     assert not tsm.is_initialized()
-    for name in ("init", "is_initialized", "state", "transform", "offload_wrapper", "SMPConfig", "__version__"):
+    for name in (
+        "init",
+        "is_initialized",
+        "state",
+        "transform",
+        "offload_wrapper",
+        "SMPConfig",
+        "__version__",
+    ):
         assert hasattr(tsm, name), name
 
 

@@ -13,8 +13,12 @@ def _valid_layouts(max_world=16):
         if world > max_world:
             continue
         for hsd, tp, cp, ep in itertools.product(range(0, world + 1), (1, 2, 4), (1, 2), (1, 2)):
-            raw = dict(hybrid_shard_degree=hsd, tensor_parallel_degree=tp, context_parallel_degree=cp,
-                       expert_parallel_degree=ep)
+            raw = dict(
+                hybrid_shard_degree=hsd,
+                tensor_parallel_degree=tp,
+                context_parallel_degree=cp,
+                expert_parallel_degree=ep,
+            )
             try:
                 validate(raw, world)
             except ConfigError:
@@ -31,8 +35,13 @@ def test_many_layouts_are_covered():
 
 @pytest.mark.parametrize("world,hsd,tp,cp,ep", LAYOUTS)
 def test_layout_invariants(world, hsd, tp, cp, ep):
-    layout = resolve(world, hybrid_shard_degree=hsd, tensor_parallel_degree=tp,
-                     context_parallel_degree=cp, expert_parallel_degree=ep)
+    layout = resolve(
+        world,
+        hybrid_shard_degree=hsd,
+        tensor_parallel_degree=tp,
+        context_parallel_degree=cp,
+        expert_parallel_degree=ep,
+    )
     sizes = layout.axis_sizes
     assert tuple(sizes) == AXES
     assert sizes["dp_replicate"] * sizes["dp_shard"] * sizes["cp"] * sizes["tp"] == world
@@ -45,7 +54,13 @@ def test_layout_invariants(world, hsd, tp, cp, ep):
         assert coords["cp"] == (rank // tp) % cp
         assert layout.dp_rank(rank) == rank // (tp * cp)
         assert 0 <= layout.ep_rank(rank) < ep
-    for axes in (("tp",), ("cp",), ("dp_shard", "cp"), ("dp_replicate",), ("dp_replicate", "dp_shard")):
+    for axes in (
+        ("tp",),
+        ("cp",),
+        ("dp_shard", "cp"),
+        ("dp_replicate",),
+        ("dp_replicate", "dp_shard"),
+    ):
         groups = layout.groups(axes)
         flat = sorted(r for g in groups for r in g)
         assert flat == list(range(world)), axes  # a partition of the ranks
@@ -95,8 +110,13 @@ def test_invalid_layout_is_a_programming_error():
 @pytest.mark.parametrize("world,hsd,tp,cp,ep", [c for c in LAYOUTS if c[4] > 1])
 def test_expert_data_parallel_groups(world, hsd, tp, cp, ep):
     """The ranks holding the same experts: a partition into shard group x same-EP-rank replicas."""
-    layout = resolve(world, hybrid_shard_degree=hsd, tensor_parallel_degree=tp,
-                     context_parallel_degree=cp, expert_parallel_degree=ep)
+    layout = resolve(
+        world,
+        hybrid_shard_degree=hsd,
+        tensor_parallel_degree=tp,
+        context_parallel_degree=cp,
+        expert_parallel_degree=ep,
+    )
     groups = layout.expert_dp_groups()
     assert sorted(r for g in groups for r in g) == list(range(world))
     assert all(len(g) == layout.edp_replicate * layout.hybrid_shard_degree for g in groups)

@@ -23,13 +23,19 @@ def test_dtensor_backend_is_chosen_without_te_or_cuda():
         implementation.use_backend(None)
 
 
-@pytest.mark.parametrize("vocab, shards, offsets", [
-    (128, 2, [0, 64]), (127, 2, [0, 64]), (10, 4, [0, 3, 6, 9]), (5, 4, [0, 2, 4, 5]),
-])
+@pytest.mark.parametrize(
+    "vocab, shards, offsets",
+    [
+        (128, 2, [0, 64]),
+        (127, 2, [0, 64]),
+        (10, 4, [0, 3, 6, 9]),
+        (5, 4, [0, 2, 4, 5]),
+    ],
+)
 def test_vocab_shard_offsets_follow_torch_chunk(vocab, shards, offsets):
     import torch
 
     assert [vocab_shard_offset(vocab, shards, r) for r in range(shards)] == offsets
     sizes = [c.numel() for c in torch.arange(vocab).chunk(shards)]
     starts = [sum(sizes[:r]) for r in range(len(sizes))]
-    assert starts == offsets[:len(sizes)]
+    assert starts == offsets[: len(sizes)]

@@ -79,8 +79,9 @@ def test_checkpoint_context_fn_replays_forked_dropout():
     expected = w.grad.clone()
     w.grad = None
     tracker.set_states(saved)
-    checkpoint(block, torch.ones(16), use_reentrant=False,
-               context_fn=tracker.checkpoint_context_fn).backward()
+    checkpoint(
+        block, torch.ones(16), use_reentrant=False, context_fn=tracker.checkpoint_context_fn
+    ).backward()
     assert torch.equal(w.grad, expected)
     w.grad = None
     tracker.set_states(saved)

@@ -12,16 +12,27 @@ from collections.abc import Callable, Iterable
 
 # name -> (module, one-line description). Add a benchmark by adding a line here.
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "collectives": ("torch_sagemaker.bench.collectives",
-                    "nccl-tests style sweep of the smddp and gloo collectives"),
-    "training": ("torch_sagemaker.bench.training",
-                 "training-step time: FSDP2 and DDP over smddp and gloo"),
+    "collectives": (
+        "torch_sagemaker.bench.collectives",
+        "nccl-tests style sweep of the smddp and gloo collectives",
+    ),
+    "training": (
+        "torch_sagemaker.bench.training",
+        "training-step time: FSDP2 and DDP over smddp and gloo",
+    ),
     "offload": ("torch_sagemaker.bench.offload", "activation offload step times"),
-    "moe": ("torch_sagemaker.bench.moe", "expert parallelism: Mixtral ep 1 vs ep 2/4, both dispatchers"),
-    "context_parallel": ("torch_sagemaker.bench.context_parallel",
-                         "context parallelism: tokens/s, activation memory, exposed communication"),
-    "checkpoint": ("torch_sagemaker.bench.checkpoint",
-                   "checkpoint save/load with and without checksums"),
+    "moe": (
+        "torch_sagemaker.bench.moe",
+        "expert parallelism: Mixtral ep 1 vs ep 2/4, both dispatchers",
+    ),
+    "context_parallel": (
+        "torch_sagemaker.bench.context_parallel",
+        "context parallelism: tokens/s, activation memory, exposed communication",
+    ),
+    "checkpoint": (
+        "torch_sagemaker.bench.checkpoint",
+        "checkpoint save/load with and without checksums",
+    ),
 }
 
 

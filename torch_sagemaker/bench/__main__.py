@@ -31,8 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as e:
         if e.name != module_name:
             raise
-        print(f"benchmark {name!r} is not available: module {module_name} is missing",
-              file=sys.stderr)
+        print(
+            f"benchmark {name!r} is not available: module {module_name} is missing", file=sys.stderr
+        )
         return 2
     result = module.main(rest)
     return result if isinstance(result, int) else 0

@@ -80,24 +80,44 @@ def run(args: argparse.Namespace) -> list[dict]:
     try:
         for _ in range(args.repeats):
             for threads in args.threads:
+
                 def writer(threads: int = threads) -> DistributedFileSystemWriter:
                     return DistributedFileSystemWriter("unused", thread_count=threads)
 
                 plain = root / f"dcp{threads}"
                 off, on = root / f"off{threads}", root / f"on{threads}"
                 cases: list[tuple[str, str, Callable[[], None]]] = [
-                    ("save", "DCP alone", lambda p=plain, w=writer: dcp.save(
-                        state, storage_writer=w(), checkpoint_id=p, no_dist=True)),
-                    ("save", "tsm, no checksums", lambda p=off, w=writer: _off(
-                        lambda: save(state, checkpoint_id=p, storage_writer=w()))),
-                    ("save", "tsm, crc32", lambda p=on, w=writer: save(
-                        state, checkpoint_id=p, storage_writer=w())),
+                    (
+                        "save",
+                        "DCP alone",
+                        lambda p=plain, w=writer: dcp.save(
+                            state, storage_writer=w(), checkpoint_id=p, no_dist=True
+                        ),
+                    ),
+                    (
+                        "save",
+                        "tsm, no checksums",
+                        lambda p=off, w=writer: _off(
+                            lambda: save(state, checkpoint_id=p, storage_writer=w())
+                        ),
+                    ),
+                    (
+                        "save",
+                        "tsm, crc32",
+                        lambda p=on, w=writer: save(state, checkpoint_id=p, storage_writer=w()),
+                    ),
                 ]
                 for op, name, fn in cases:
                     times.setdefault((op, name, threads), []).append(_timed(fn))
                 loads: list[tuple[str, Callable[[], None]]] = [
-                    ("DCP alone", lambda p=plain: dcp.load(template, checkpoint_id=p, no_dist=True)),
-                    ("tsm, no checksums", lambda p=off: _off(lambda: load(template, checkpoint_id=p))),
+                    (
+                        "DCP alone",
+                        lambda p=plain: dcp.load(template, checkpoint_id=p, no_dist=True),
+                    ),
+                    (
+                        "tsm, no checksums",
+                        lambda p=off: _off(lambda: load(template, checkpoint_id=p)),
+                    ),
                     ("tsm, crc32", lambda p=on: load(template, checkpoint_id=p)),
                 ]
                 for name, fn in loads:
@@ -113,9 +133,17 @@ def run(args: argparse.Namespace) -> list[dict]:
     for (op, name, threads), ts in times.items():
         base = times.get((op, "tsm, no checksums", threads))
         med = statistics.median(t for t, _ in ts)
-        rows.append({"op": op, "config": name, "threads": threads, "median_s": med,
-                     "cpu_s": statistics.median(c for _, c in ts), "mb_s": nbytes / med / 1e6,
-                     "vs_baseline": med / statistics.median(t for t, _ in base) if base else None})
+        rows.append(
+            {
+                "op": op,
+                "config": name,
+                "threads": threads,
+                "median_s": med,
+                "cpu_s": statistics.median(c for _, c in ts),
+                "mb_s": nbytes / med / 1e6,
+                "vs_baseline": med / statistics.median(t for t, _ in base) if base else None,
+            }
+        )
     return rows
 
 
@@ -126,24 +154,33 @@ def _off(fn: Callable[[], None]) -> None:
 
 def format_table(rows: list[dict], mb: float) -> str:
     """The rows as a fixed-width table."""
-    lines = [f"checkpoint of {mb:.0f} MB, one process; medians (CPU s: all threads)",
-             f"{'op':<6} {'configuration':<22} {'threads':>7} {'median s':>9} {'CPU s':>7} "
-             f"{'MB/s':>8} {'vs no checksums':>16}"]
+    lines = [
+        f"checkpoint of {mb:.0f} MB, one process; medians (CPU s: all threads)",
+        f"{'op':<6} {'configuration':<22} {'threads':>7} {'median s':>9} {'CPU s':>7} "
+        f"{'MB/s':>8} {'vs no checksums':>16}",
+    ]
     for r in sorted(rows, key=lambda r: (r["op"] != "save", r["op"], r["threads"], r["config"])):
         ratio = "" if r["vs_baseline"] is None else f"{r['vs_baseline']:.3f}x"
-        lines.append(f"{r['op']:<6} {r['config']:<22} {r['threads']:>7} {r['median_s']:>9.3f} "
-                     f"{r['cpu_s']:>7.3f} {r['mb_s']:>8.0f} {ratio:>16}")
+        lines.append(
+            f"{r['op']:<6} {r['config']:<22} {r['threads']:>7} {r['median_s']:>9.3f} "
+            f"{r['cpu_s']:>7.3f} {r['mb_s']:>8.0f} {ratio:>16}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
-    parser = argparse.ArgumentParser(prog="python -m torch_sagemaker.bench checkpoint",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m torch_sagemaker.bench checkpoint", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--mb", type=int, default=100, help="checkpoint size in MB (default 100)")
     parser.add_argument("--repeats", type=int, default=7, help="repeats per configuration")
-    parser.add_argument("--threads", type=lambda s: [int(x) for x in comma_list()(s)],
-                        default=[1, 2], help="writer thread counts, comma-separated (default 1,2)")
+    parser.add_argument(
+        "--threads",
+        type=lambda s: [int(x) for x in comma_list()(s)],
+        default=[1, 2],
+        help="writer thread counts, comma-separated (default 1,2)",
+    )
     parser.add_argument("--dir", default=None, help="where to write (default: the temp dir)")
     args = parser.parse_args(argv)
     if args.mb < 4 or args.repeats < 1 or min(args.threads) < 1:

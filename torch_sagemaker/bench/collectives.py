@@ -44,8 +44,14 @@ import torch.multiprocessing as mp
 
 from torch_sagemaker.bench import comma_list
 
-DEFAULT_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
-               "all_to_all", "sendrecv")
+DEFAULT_OPS = (
+    "all_reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "all_to_all",
+    "sendrecv",
+)
 # Rooted collectives (root 0), on request: compare reduce with all_reduce, gather with
 # all_gather_into_tensor and scatter with broadcast at the same S to see what rootedness saves.
 OPS = DEFAULT_OPS + ("reduce", "gather", "scatter")
@@ -55,22 +61,40 @@ PEER_OPS = {"deepspeed": ("all_reduce",), "smddp-direct": ("all_reduce",)}
 # Bytes the user buffers force through memory per rank, in units of S (reads + writes),
 # and how smddp moves them; shared-memory staging goes through cache-sized chunks.
 PASSES = {
-    "all_reduce": (lambda n: 2.0, "read S + write S; chunks staged in shm, reduced by their "
-                   "owner rank and gathered while cache-resident (one-shot below 256 KiB)"),
-    "all_gather_into_tensor": (lambda n: 1 / n + 1, "read S/n + write S; one copy in, "
-                               "n-1 copies out per chunk"),
-    "reduce_scatter_tensor": (lambda n: 1 + 1 / n, "read S + write S/n; every rank reduces "
-                              "only its own block (true reduce-scatter)"),
+    "all_reduce": (
+        lambda n: 2.0,
+        "read S + write S; chunks staged in shm, reduced by their "
+        "owner rank and gathered while cache-resident (one-shot below 256 KiB)",
+    ),
+    "all_gather_into_tensor": (
+        lambda n: 1 / n + 1,
+        "read S/n + write S; one copy in, n-1 copies out per chunk",
+    ),
+    "reduce_scatter_tensor": (
+        lambda n: 1 + 1 / n,
+        "read S + write S/n; every rank reduces only its own block (true reduce-scatter)",
+    ),
     "broadcast": (lambda n: 1.0, "root reads S, others write S"),
     "all_to_all": (lambda n: 2.0, "read S + write S"),
-    "reduce": (lambda n: 2.0, "every rank reads S, the root writes S; reduce-scatter of "
-               "each chunk, then only the root gathers the reduced slices"),
-    "gather": (lambda n: 1 / n + 1, "read S/n + write S on the root; only the root reads the "
-               "others' chunks"),
-    "scatter": (lambda n: 1 + 1 / n, "the root reads S, every rank writes S/n; each rank reads "
-                "only its own chunk from the root's buffer"),
-    "sendrecv": (lambda n: 2.0, "read S + write S; through the pair's shared-memory ring in "
-                 "64 KiB pieces while cache-resident (small messages: written by the caller)"),
+    "reduce": (
+        lambda n: 2.0,
+        "every rank reads S, the root writes S; reduce-scatter of "
+        "each chunk, then only the root gathers the reduced slices",
+    ),
+    "gather": (
+        lambda n: 1 / n + 1,
+        "read S/n + write S on the root; only the root reads the others' chunks",
+    ),
+    "scatter": (
+        lambda n: 1 + 1 / n,
+        "the root reads S, every rank writes S/n; each rank reads "
+        "only its own chunk from the root's buffer",
+    ),
+    "sendrecv": (
+        lambda n: 2.0,
+        "read S + write S; through the pair's shared-memory ring in "
+        "64 KiB pieces while cache-resident (small messages: written by the caller)",
+    ),
 }
 
 
@@ -104,9 +128,11 @@ def _case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=None):
         t = torch.full((count,), float(rank + 1))
         want = world * (world + 1) / 2
         if all_reduce is None:
+
             def run():
                 dist.all_reduce(t, group=group)
         else:
+
             def run():
                 all_reduce(t)
 
@@ -176,7 +202,11 @@ def _case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=None):
 
         return run, check, count * 4
     if op == "scatter":
-        ins = [torch.full((count // world,), float(r + 1)) for r in range(world)] if rank == 0 else None
+        ins = (
+            [torch.full((count // world,), float(r + 1)) for r in range(world)]
+            if rank == 0
+            else None
+        )
         out = torch.empty(count // world)
 
         def run():
@@ -192,8 +222,10 @@ def _case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=None):
         inp, out = torch.full((count,), float(rank + 1)), torch.empty(count)
 
         def run():
-            ops = [dist.P2POp(dist.isend, inp, group=group, group_peer=nxt),
-                   dist.P2POp(dist.irecv, out, group=group, group_peer=prv)]
+            ops = [
+                dist.P2POp(dist.isend, inp, group=group, group_peer=nxt),
+                dist.P2POp(dist.irecv, out, group=group, group_peer=prv),
+            ]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 
@@ -265,7 +297,11 @@ def _worker_body(rank: int, world: int, args: argparse.Namespace) -> list[dict] 
         elif b == "smddp-direct":
             from torch_sagemaker.distributed.direct import all_reduce_direct
 
-            g = dist.group.WORLD if dist.get_backend() == "smddp" else dist.new_group(backend="smddp")
+            g = (
+                dist.group.WORLD
+                if dist.get_backend() == "smddp"
+                else dist.new_group(backend="smddp")
+            )
             peers[b] = _DirectAllReduce(all_reduce_direct, g)
             groups[b] = g
         else:
@@ -285,8 +321,14 @@ def _worker_body(rank: int, world: int, args: argparse.Namespace) -> list[dict] 
                 for b in args.backends:
                     if b in PEER_OPS and op not in PEER_OPS[b]:
                         continue
-                    run, check, actual = _case(op, size, world, rank, groups[b],
-                                               peers[b].all_reduce if b in peers else None)
+                    run, check, actual = _case(
+                        op,
+                        size,
+                        world,
+                        rank,
+                        groups[b],
+                        peers[b].all_reduce if b in peers else None,
+                    )
                     if not check():
                         raise RuntimeError(f"{b} {op} at {size} bytes produced wrong values")
                     iters = max(args.min_iters, min(args.iters, int(args.budget / max(actual, 1))))
@@ -303,9 +345,19 @@ def _worker_body(rank: int, world: int, args: argparse.Namespace) -> list[dict] 
                 actual, meds = medians[(op, size, b)]
                 med = statistics.median(meds)
                 algbw = actual / med / 1e9
-                bound = PASSES[op][0](world) * actual / 2 / (copy["cache"] if actual <= (1 << 20) else copy["dram"])
-                row[b] = {"time_us": med * 1e6, "algbw": algbw, "busbw": algbw * _busbw_factor(op, world),
-                          "bytes": actual, "copy_pct": 100 * bound / med}
+                bound = (
+                    PASSES[op][0](world)
+                    * actual
+                    / 2
+                    / (copy["cache"] if actual <= (1 << 20) else copy["dram"])
+                )
+                row[b] = {
+                    "time_us": med * 1e6,
+                    "algbw": algbw,
+                    "busbw": algbw * _busbw_factor(op, world),
+                    "bytes": actual,
+                    "copy_pct": 100 * bound / med,
+                }
             rows.append(row)
             if rank == 0 and args.verbose:
                 print(_format_row(row, args.backends, args.ratio_base), flush=True)
@@ -316,8 +368,9 @@ def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, queue) 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import torch_sagemaker  # noqa: F401  (registers smddp)
 
-    dist.init_process_group(args.backends[0], rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        args.backends[0], rank=rank, world_size=world, timeout=timedelta(seconds=600)
+    )
     try:
         result = _worker_body(rank, world, args)
         if rank == 0:
@@ -340,7 +393,10 @@ def _run(args: argparse.Namespace):
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_spawned, args=(r, args.nprocs, port, args, queue)) for r in range(args.nprocs)]
+    procs = [
+        ctx.Process(target=_spawned, args=(r, args.nprocs, port, args, queue))
+        for r in range(args.nprocs)
+    ]
     for p in procs:
         p.start()
     result = queue.get()
@@ -361,8 +417,11 @@ def _format_row(row: dict, backends: list[str], base: str | None = None) -> str:
     cells = [f"{row['op']:<22}", f"{format_size(row['size']):>9}"]
     for b in backends:
         r = row[b]
-        cells.append("n/a".center(33) if r is None else
-                     f"{r['time_us']:>10.1f} {r['algbw']:>7.3f} {r['busbw']:>7.3f} {r['copy_pct']:>5.0f}%")
+        cells.append(
+            "n/a".center(33)
+            if r is None
+            else f"{r['time_us']:>10.1f} {r['algbw']:>7.3f} {r['busbw']:>7.3f} {r['copy_pct']:>5.0f}%"
+        )
     for b in backends:
         if b == base:
             continue
@@ -371,8 +430,9 @@ def _format_row(row: dict, backends: list[str], base: str | None = None) -> str:
     return " | ".join(cells)
 
 
-def format_table(rows: list[dict], copy: dict, backends: list[str], world: int,
-                 base: str | None = None) -> str:
+def format_table(
+    rows: list[dict], copy: dict, backends: list[str], world: int, base: str | None = None
+) -> str:
     """Markdown table of the results, one line per (op, size).
 
     Args:
@@ -393,15 +453,27 @@ def format_table(rows: list[dict], copy: dict, backends: list[str], world: int,
     for b in backends:
         head += [f"{b} time (us)", f"{b} algbw (GB/s)", f"{b} busbw (GB/s)", f"{b} copy%"]
     head += [f"speed-up ({base} vs {b})" for b in others]
-    lines = [f"{world} ranks; memcpy with all ranks copying: {copy['cache'] / 1e9:.1f} GB/s per rank "
-             f"at 1 MiB (cache), {copy['dram'] / 1e9:.1f} GB/s per rank at 64 MiB (DRAM)", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [
+        f"{world} ranks; memcpy with all ranks copying: {copy['cache'] / 1e9:.1f} GB/s per rank "
+        f"at 1 MiB (cache), {copy['dram'] / 1e9:.1f} GB/s per rank at 64 MiB (DRAM)",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     for row in rows:
         cells = [row["op"], format_size(row["size"])]
         for b in backends:
             r = row[b]
-            cells += ["n/a", "", "", ""] if r is None else [
-                f"{r['time_us']:.1f}", f"{r['algbw']:.3f}", f"{r['busbw']:.3f}", f"{r['copy_pct']:.0f}%"]
+            cells += (
+                ["n/a", "", "", ""]
+                if r is None
+                else [
+                    f"{r['time_us']:.1f}",
+                    f"{r['algbw']:.3f}",
+                    f"{r['busbw']:.3f}",
+                    f"{r['copy_pct']:.0f}%",
+                ]
+            )
         cells += ["n/a" if (x := _ratio(row, base, b)) is None else f"{x:.1f}x" for b in others]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Memory passes per rank over the user buffers (S = size above):"]
@@ -423,7 +495,13 @@ def plot(rows: list[dict], backends: list[str], world: int, path: str) -> None:
         for b in backends:
             have = [r for r in mine if r[b] is not None]
             if have:
-                ax.plot([r["size"] for r in have], [r[b]["busbw"] for r in have], marker="o", ms=3, label=b)
+                ax.plot(
+                    [r["size"] for r in have],
+                    [r[b]["busbw"] for r in have],
+                    marker="o",
+                    ms=3,
+                    label=b,
+                )
         ax.set(xscale="log", yscale="log", title=op, xlabel="bytes", ylabel="busbw (GB/s)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
@@ -434,34 +512,60 @@ def plot(rows: list[dict], backends: list[str], world: int, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the sweep and prints the table (``--help`` for options)."""
-    p = argparse.ArgumentParser(prog="python -m torch_sagemaker.bench collectives",
-                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m torch_sagemaker.bench collectives",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--nprocs", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
-    p.add_argument("--ops", type=comma_list(OPS), default=",".join(DEFAULT_OPS),
-                   help=f"any of {','.join(OPS)} (default: {','.join(DEFAULT_OPS)})")
-    p.add_argument("--backends", type=comma_list(), default="smddp,gloo",
-                   help="first one is the default group's; add smddp-direct (all_reduce_direct) "
-                        "or deepspeed (DeepSpeed's CPU shared-memory all_reduce)")
-    p.add_argument("--ratio-base", default=None,
-                   help="the column speed-ups are computed against (default: the first backend)")
+    p.add_argument(
+        "--ops",
+        type=comma_list(OPS),
+        default=",".join(DEFAULT_OPS),
+        help=f"any of {','.join(OPS)} (default: {','.join(DEFAULT_OPS)})",
+    )
+    p.add_argument(
+        "--backends",
+        type=comma_list(),
+        default="smddp,gloo",
+        help="first one is the default group's; add smddp-direct (all_reduce_direct) "
+        "or deepspeed (DeepSpeed's CPU shared-memory all_reduce)",
+    )
+    p.add_argument(
+        "--ratio-base",
+        default=None,
+        help="the column speed-ups are computed against (default: the first backend)",
+    )
     p.add_argument("--min-bytes", type=parse_size, default=8)
     p.add_argument("--max-bytes", type=parse_size, default=256 << 20)
     p.add_argument("--factor", type=int, default=2, help="size multiplier between steps")
     p.add_argument("--iters", type=int, default=50, help="timed iterations (at most)")
     p.add_argument("--min-iters", type=int, default=3)
-    p.add_argument("--budget", type=parse_size, default=1 << 30,
-                   help="bytes per case that bound the iteration count for large sizes")
+    p.add_argument(
+        "--budget",
+        type=parse_size,
+        default=1 << 30,
+        help="bytes per case that bound the iteration count for large sizes",
+    )
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeat", type=int, default=1,
-                   help="run the sweep this many times; each cell is the median of the runs' medians")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the sweep this many times; each cell is the median of the runs' medians",
+    )
     p.add_argument("--plot", default=None, help="write busbw vs size to this PNG")
     p.add_argument("--quiet", dest="verbose", action="store_false", help="only the final table")
     args = p.parse_args(argv)
     if args.backends[0] in PEER_OPS:
-        raise SystemExit(f"--backends: {args.backends[0]} is not a torch.distributed backend and "
-                         "cannot be first (the default group's); put it after smddp")
+        raise SystemExit(
+            f"--backends: {args.backends[0]} is not a torch.distributed backend and "
+            "cannot be first (the default group's); put it after smddp"
+        )
     if args.ratio_base is not None and args.ratio_base not in args.backends:
-        raise SystemExit(f"--ratio-base {args.ratio_base!r} is not one of --backends {args.backends}")
+        raise SystemExit(
+            f"--ratio-base {args.ratio_base!r} is not one of --backends {args.backends}"
+        )
     if "deepspeed" in args.backends:
         from torch_sagemaker.bench.deepspeed_peer import require
 

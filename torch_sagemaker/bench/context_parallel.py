@@ -59,11 +59,17 @@ def build_model(args: argparse.Namespace) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                         intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
-                         num_attention_heads=args.heads, num_key_value_heads=args.heads // 2,
-                         max_position_embeddings=max(args.seqs), tie_word_embeddings=False,
-                         attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads // 2,
+        max_position_embeddings=max(args.seqs),
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(config).float()
 
 
@@ -89,8 +95,11 @@ def local_attention_comm() -> Iterator[None]:
         return stacked[group.rank()].clone()
 
     saved = (comm.Ring.shift, allgather.all_gather_stacked, allgather.reduce_scatter_stacked)
-    comm.Ring.shift, allgather.all_gather_stacked, allgather.reduce_scatter_stacked = \
-        shift, gather, scatter
+    comm.Ring.shift, allgather.all_gather_stacked, allgather.reduce_scatter_stacked = (
+        shift,
+        gather,
+        scatter,
+    )
     try:
         yield
     finally:
@@ -111,17 +120,29 @@ def timed_attention_comm(blocked: list[float]) -> Iterator[None]:
                 return fn(*args, **kwargs)
             finally:
                 blocked[0] += time.perf_counter() - start
+
         return call
 
-    saved = (comm.Ring.shift, comm.Transfer.wait, allgather.all_gather_stacked,
-             allgather.reduce_scatter_stacked)
+    saved = (
+        comm.Ring.shift,
+        comm.Transfer.wait,
+        allgather.all_gather_stacked,
+        allgather.reduce_scatter_stacked,
+    )
     comm.Ring.shift, comm.Transfer.wait = timed(saved[0]), timed(saved[1])
-    allgather.all_gather_stacked, allgather.reduce_scatter_stacked = timed(saved[2]), timed(saved[3])
+    allgather.all_gather_stacked, allgather.reduce_scatter_stacked = (
+        timed(saved[2]),
+        timed(saved[3]),
+    )
     try:
         yield
     finally:
-        (comm.Ring.shift, comm.Transfer.wait, allgather.all_gather_stacked,
-         allgather.reduce_scatter_stacked) = saved
+        (
+            comm.Ring.shift,
+            comm.Transfer.wait,
+            allgather.all_gather_stacked,
+            allgather.reduce_scatter_stacked,
+        ) = saved
 
 
 def saved_activation_bytes(model: nn.Module, ids: torch.Tensor) -> int:
@@ -195,7 +216,7 @@ def _comm_alone(comm: str, local_len: int, layers: int, args: argparse.Namespace
                 full = all_gather_stacked(kv, group)
                 reduce_scatter_stacked(full.float(), group)
         times.append(_slowest(time.perf_counter() - start))
-    return statistics.median(times[args.warmup:])
+    return statistics.median(times[args.warmup :])
 
 
 def _attention_alone(comm: str, local_len: int, args: argparse.Namespace) -> tuple[float, float]:
@@ -209,8 +230,10 @@ def _attention_alone(comm: str, local_len: int, args: argparse.Namespace) -> tup
     head_dim = args.hidden // args.heads
     gen = torch.Generator().manual_seed(local_len)
     q = torch.randn(1, args.heads, local_len, head_dim, generator=gen).requires_grad_()
-    k, v = (torch.randn(1, args.heads // 2, local_len, head_dim, generator=gen).requires_grad_()
-            for _ in range(2))
+    k, v = (
+        torch.randn(1, args.heads // 2, local_len, head_dim, generator=gen).requires_grad_()
+        for _ in range(2)
+    )
     dout = torch.randn(q.shape, generator=gen)
     plan = ContextParallelAttention(tsm.state.cp_process_group, comm)
     times: dict[bool, list[float]] = {True: [], False: []}
@@ -242,8 +265,9 @@ def _pytorch_cp(model: nn.Module, ids: torch.Tensor) -> str:
     labels = ids.clone()
     positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids).contiguous()
     try:
-        with context_parallel(tsm.state.device_mesh["cp"], buffers=[ids, labels, positions],
-                              buffer_seq_dims=[1, 1, 1]):
+        with context_parallel(
+            tsm.state.device_mesh["cp"], buffers=[ids, labels, positions], buffer_seq_dims=[1, 1, 1]
+        ):
             model(input_ids=ids, position_ids=positions, labels=labels).loss.backward()
     except Exception as e:  # noqa: BLE001  (reported, not handled)
         return f"does not run on {ids.device.type.upper()}: {type(e).__name__}: {e}"
@@ -251,8 +275,15 @@ def _pytorch_cp(model: nn.Module, ids: torch.Tensor) -> str:
 
 
 def _rank_main(rank: int, port: int, args: argparse.Namespace, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", TSM_LOG_LEVEL="WARNING")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+        TSM_LOG_LEVEL="WARNING",
+    )
     torch.set_num_threads(1)
     import torch.distributed as dist
     import torch.sagemaker as tsm
@@ -269,17 +300,22 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, results) -> None:
         optims = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
         gen = torch.Generator().manual_seed(seq)
         # One sequence per data-parallel rank: whole on each rank without CP, split with CP.
-        own = torch.randint(0, args.vocab, (2, seq), generator=gen)[rank: rank + 1]
+        own = torch.randint(0, args.vocab, (2, seq), generator=gen)[rank : rank + 1]
         shared = split_sequence(torch.randint(0, args.vocab, (1, seq), generator=gen))
         inputs = {"no CP": own, "cp2 p2p": shared, "cp2 all_gather": shared}
         row: dict = {"seq": seq, "times": {m: [] for m in MODES}, "blocked": {m: [] for m in MODES}}
-        row["memory"] = {name: saved_activation_bytes(m, inputs[name]) for name, m in models.items()}
+        row["memory"] = {
+            name: saved_activation_bytes(m, inputs[name]) for name, m in models.items()
+        }
         for step in range(args.warmup + args.steps):
             for mode in MODES:
                 name = mode.split(",")[0]
                 blocked = [0.0]
-                ctx = local_attention_comm() if mode.endswith("no comm") else \
-                    timed_attention_comm(blocked)
+                ctx = (
+                    local_attention_comm()
+                    if mode.endswith("no comm")
+                    else timed_attention_comm(blocked)
+                )
                 dist.barrier()
                 start = time.perf_counter()
                 with ctx:
@@ -288,11 +324,17 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, results) -> None:
                 if step >= args.warmup:
                     row["times"][mode].append(elapsed)
                     row["blocked"][mode].append(_slowest(blocked[0]))
-        row["alone"] = {comm: _comm_alone(comm, shared.shape[1], args.layers, args)
-                        for comm in ("p2p", "all_gather")}
-        row["attention"] = {comm: (*_attention_alone(comm, shared.shape[1], args),
-                                   _comm_alone(comm, shared.shape[1], 1, args))
-                            for comm in ("p2p", "all_gather")}
+        row["alone"] = {
+            comm: _comm_alone(comm, shared.shape[1], args.layers, args)
+            for comm in ("p2p", "all_gather")
+        }
+        row["attention"] = {
+            comm: (
+                *_attention_alone(comm, shared.shape[1], args),
+                _comm_alone(comm, shared.shape[1], 1, args),
+            )
+            for comm in ("p2p", "all_gather")
+        }
         if rank == 0:
             results.put(("row", row))
     dist.destroy_process_group()
@@ -315,7 +357,11 @@ def run(args: argparse.Namespace) -> tuple[str, list[dict]]:
             pytorch = value
         else:
             rows.append(value)
-            print(f"[context_parallel] sequence length {value['seq']} done", file=sys.stderr, flush=True)
+            print(
+                f"[context_parallel] sequence length {value['seq']} done",
+                file=sys.stderr,
+                flush=True,
+            )
     for p in procs:
         p.join()
         if p.exitcode:
@@ -326,16 +372,19 @@ def run(args: argparse.Namespace) -> tuple[str, list[dict]]:
 def format_table(pytorch: str, rows: list[dict], args: argparse.Namespace) -> str:
     """The Markdown table (one block of rows per sequence length)."""
     mib = 2.0**20
-    lines = [f"Llama {args.params_m:.1f}M params ({args.layers} layers, hidden {args.hidden}, "
-             f"{args.heads} heads / {args.heads // 2} kv heads, vocab {args.vocab}), fp32, FSDP2 over 2 "
-             f"ranks on {args.backend}, 1 thread per rank, one sequence per data-parallel rank; "
-             f"medians of {args.steps} steps (slower rank) after {args.warmup} warm-up, "
-             "configurations interleaved.",
-             f"PyTorch experimental context_parallel: {pytorch}.", "",
-             "| seq | configuration | tokens/s | vs no CP | step ms | saved activations MiB/rank | "
-             "vs no CP | exposed CP comm ms (step - no comm) | blocked in CP comm ms | "
-             "CP comm alone ms | hidden (by blocked) |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Llama {args.params_m:.1f}M params ({args.layers} layers, hidden {args.hidden}, "
+        f"{args.heads} heads / {args.heads // 2} kv heads, vocab {args.vocab}), fp32, FSDP2 over 2 "
+        f"ranks on {args.backend}, 1 thread per rank, one sequence per data-parallel rank; "
+        f"medians of {args.steps} steps (slower rank) after {args.warmup} warm-up, "
+        "configurations interleaved.",
+        f"PyTorch experimental context_parallel: {pytorch}.",
+        "",
+        "| seq | configuration | tokens/s | vs no CP | step ms | saved activations MiB/rank | "
+        "vs no CP | exposed CP comm ms (step - no comm) | blocked in CP comm ms | "
+        "CP comm alone ms | hidden (by blocked) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for row in rows:
         seq, med = row["seq"], {m: statistics.median(t) for m, t in row["times"].items()}
         tokens = {"no CP": 2 * seq, "cp2 p2p": seq, "cp2 all_gather": seq}
@@ -349,28 +398,44 @@ def format_table(pytorch: str, rows: list[dict], args: argparse.Namespace) -> st
                 exposed = med[name] - med[f"{name}, no comm"]
                 blocked = statistics.median(row["blocked"][name])
                 alone = row["alone"][name.split()[1]]
-                comm_cols = [f"{exposed * 1e3:.0f}", f"{blocked * 1e3:.0f}", f"{alone * 1e3:.0f}",
-                             f"{max(0.0, 1 - blocked / alone) * 100:.0f}%"]
-            lines.append(f"| {seq} | {name} | {tps:.0f} | {tps / base_tps:.2f} | {med[name] * 1e3:.0f} | "
-                         f"{mem / mib:.1f} | {mem / base_mem:.2f} | " + " | ".join(comm_cols) + " |")
-    lines += ["", "Attention alone: one layer's context parallel attention, forward + backward, "
-              f"medians of {args.attention_reps} repetitions (shorter, so less exposed to other "
-              "processes than whole steps).", "",
-              "| seq | comm | with communication ms | local copies ms | exposed ms | "
-              "communication alone ms | hidden |", "|---:|---|---:|---:|---:|---:|---:|"]
+                comm_cols = [
+                    f"{exposed * 1e3:.0f}",
+                    f"{blocked * 1e3:.0f}",
+                    f"{alone * 1e3:.0f}",
+                    f"{max(0.0, 1 - blocked / alone) * 100:.0f}%",
+                ]
+            lines.append(
+                f"| {seq} | {name} | {tps:.0f} | {tps / base_tps:.2f} | {med[name] * 1e3:.0f} | "
+                f"{mem / mib:.1f} | {mem / base_mem:.2f} | " + " | ".join(comm_cols) + " |"
+            )
+    lines += [
+        "",
+        "Attention alone: one layer's context parallel attention, forward + backward, "
+        f"medians of {args.attention_reps} repetitions (shorter, so less exposed to other "
+        "processes than whole steps).",
+        "",
+        "| seq | comm | with communication ms | local copies ms | exposed ms | "
+        "communication alone ms | hidden |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
     for row in rows:
         for comm, (with_comm, local, alone) in row["attention"].items():
             exposed = with_comm - local
-            lines.append(f"| {row['seq']} | {comm} | {with_comm * 1e3:.1f} | {local * 1e3:.1f} | "
-                         f"{exposed * 1e3:.1f} | {alone * 1e3:.1f} | "
-                         f"{min(1.0, max(0.0, 1 - exposed / alone)) * 100:.0f}% |")
+            lines.append(
+                f"| {row['seq']} | {comm} | {with_comm * 1e3:.1f} | {local * 1e3:.1f} | "
+                f"{exposed * 1e3:.1f} | {alone * 1e3:.1f} | "
+                f"{min(1.0, max(0.0, 1 - exposed / alone)) * 100:.0f}% |"
+            )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark and prints the table (``--help`` for options)."""
-    p = argparse.ArgumentParser(prog="python -m torch_sagemaker.bench context_parallel",
-                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m torch_sagemaker.bench context_parallel",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--seqs", type=comma_list(), default="2048,4096,8192")
     p.add_argument("--backend", choices=("smddp", "gloo"), default="smddp")
     p.add_argument("--steps", type=int, default=3)

@@ -57,8 +57,10 @@ class ShmAllReduce:
     def __init__(self, world: int, rank: int, barrier: Callable[[], None]):
         local = os.environ.get("LOCAL_WORLD_SIZE")
         if local is not None and int(local) != world:
-            raise RuntimeError(f"the deepspeed backend needs all ranks on one host "
-                               f"(world {world}, local world {local})")
+            raise RuntimeError(
+                f"the deepspeed backend needs all ranks on one host "
+                f"(world {world}, local world {local})"
+            )
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         try:
             from deepspeed.accelerator import get_accelerator
@@ -66,8 +68,10 @@ class ShmAllReduce:
             raise ImportError(f"the deepspeed backend needs DeepSpeed: {INSTALL_HINT}") from exc
         builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
         if builder is None:
-            raise RuntimeError(f"DeepSpeed's accelerator is {get_accelerator().device_name()!r}, "
-                               f"not cpu: reinstall with {INSTALL_HINT}")
+            raise RuntimeError(
+                f"DeepSpeed's accelerator is {get_accelerator().device_name()!r}, "
+                f"not cpu: reinstall with {INSTALL_HINT}"
+            )
         module = builder.load(verbose=False)
         if module.vector_kernel_level() < 1:
             raise RuntimeError("DeepSpeed's shared-memory reduce needs AVX2 for float32")

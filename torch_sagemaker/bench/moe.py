@@ -38,24 +38,40 @@ def _model(args: argparse.Namespace):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
-    config = MixtralConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 2,
-                           num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-                           num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=args.seq,
-                           tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa")
+    config = MixtralConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 2,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=args.seq,
+        tie_word_embeddings=False,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
     return MixtralForCausalLM(config).float()
 
 
 def _local_bytes(tensors) -> int:
     from torch.distributed.tensor import DTensor
 
-    return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
+    return sum(
+        (t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors
+    )
 
 
 def _memory(model, optim) -> dict[str, int]:
     out = {"expert": 0, "all": 0}
     for name, p in model.named_parameters():
         states = [t for t in optim.state.get(p, {}).values() if torch.is_tensor(t) and t.dim() > 0]
-        size = _local_bytes([p]) + (_local_bytes([p.grad]) if p.grad is not None else 0) + _local_bytes(states)
+        size = (
+            _local_bytes([p])
+            + (_local_bytes([p.grad]) if p.grad is not None else 0)
+            + _local_bytes(states)
+        )
         out["all"] += size
         if ".experts." in name:
             out["expert"] += size
@@ -72,8 +88,10 @@ def _run_config(args: argparse.Namespace, ep: int, all_to_all: bool) -> dict:
 
     tsm.state.reset()
     tsm.init({"expert_parallel_degree": ep, "hybrid_shard_degree": 1})
-    model = tsm.transform(_model(args), config=MoEConfig(moe_load_balancing="none",
-                                                          moe_all_to_all_dispatcher=all_to_all))
+    model = tsm.transform(
+        _model(args),
+        config=MoEConfig(moe_load_balancing="none", moe_all_to_all_dispatcher=all_to_all),
+    )
     model = shard_model(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
@@ -99,8 +117,13 @@ def _run_config(args: argparse.Namespace, ep: int, all_to_all: bool) -> dict:
     memory = torch.tensor(list(_memory(model, optim).values()), dtype=torch.float64)
     dist.all_reduce(memory, op=dist.ReduceOp.MAX)
     isolated = _isolated_dispatch(model, args) if ep > 1 else 0.0
-    return {"step": statistics.median(steps), "dispatch": statistics.median(dispatch), "isolated": isolated,
-            "expert_bytes": float(memory[0]), "all_bytes": float(memory[1])}
+    return {
+        "step": statistics.median(steps),
+        "dispatch": statistics.median(dispatch),
+        "isolated": isolated,
+        "expert_bytes": float(memory[0]),
+        "all_bytes": float(memory[1]),
+    }
 
 
 def _isolated_dispatch(model, args: argparse.Namespace) -> float:
@@ -140,9 +163,18 @@ def _configs(world: int) -> list[tuple[int, bool]]:
     return [(1, True)] + [(ep, a2a) for ep in eps for a2a in (True, False)]
 
 
-def _rank_main(rank: int, world: int, backend: str, port: int, args: argparse.Namespace, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), TSM_LOG_LEVEL="ERROR")
+def _rank_main(
+    rank: int, world: int, backend: str, port: int, args: argparse.Namespace, results
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        TSM_LOG_LEVEL="ERROR",
+    )
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -168,9 +200,14 @@ def _run(args: argparse.Namespace) -> list[tuple]:
     rows = []
     for world in args.nprocs:
         for backend in args.backends:
-            procs = [ctx.Process(target=_rank_main, args=(r, world, backend, _free_port() if r < 0 else port,
-                                                          args, results))
-                     for port in [_free_port()] for r in range(world)]
+            procs = [
+                ctx.Process(
+                    target=_rank_main,
+                    args=(r, world, backend, _free_port() if r < 0 else port, args, results),
+                )
+                for port in [_free_port()]
+                for r in range(world)
+            ]
             for p in procs:
                 p.start()
             for _ in _configs(world):
@@ -178,49 +215,68 @@ def _run(args: argparse.Namespace) -> list[tuple]:
             for p in procs:
                 p.join()
                 if p.exitcode:
-                    raise RuntimeError(f"benchmark rank exited with code {p.exitcode} ({world} ranks, {backend})")
+                    raise RuntimeError(
+                        f"benchmark rank exited with code {p.exitcode} ({world} ranks, {backend})"
+                    )
     return rows
 
 
 def _table(rows: list[tuple], args: argparse.Namespace) -> str:
     tokens_per_rank = args.batch * args.seq
     index = {(w, b, ep, a2a): r for w, b, ep, a2a, r in rows}
-    lines = [f"Mixtral {args.params_m:.0f}M params (8 experts, top-2), seq {args.seq}, {args.batch} seq/rank, "
-             f"hybrid_shard_degree 1, medians of {args.steps} steps (slowest rank)",
-             "| ranks | backend | ep | dispatcher | tokens/s | vs ep 1 | step ms | dispatch+combine ms/step "
-             "in training | isolated | isolated vs gloo | expert MiB/rank (p+g+opt) | x ep 1 | all MiB/rank |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Mixtral {args.params_m:.0f}M params (8 experts, top-2), seq {args.seq}, {args.batch} seq/rank, "
+        f"hybrid_shard_degree 1, medians of {args.steps} steps (slowest rank)",
+        "| ranks | backend | ep | dispatcher | tokens/s | vs ep 1 | step ms | dispatch+combine ms/step "
+        "in training | isolated | isolated vs gloo | expert MiB/rank (p+g+opt) | x ep 1 | all MiB/rank |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     checks = []
     for (world, backend, ep, a2a), r in index.items():
         base = index[(world, backend, 1, True)]
         tps = tokens_per_rank * world / r["step"]
         base_tps = tokens_per_rank * world / base["step"]
         gloo = index.get((world, "gloo", ep, a2a))
-        vs_gloo = f"{r['isolated'] / gloo['isolated']:.2f}" if gloo and backend != "gloo" and ep > 1 else ""
+        vs_gloo = (
+            f"{r['isolated'] / gloo['isolated']:.2f}"
+            if gloo and backend != "gloo" and ep > 1
+            else ""
+        )
         mem_ratio = r["expert_bytes"] / base["expert_bytes"]
-        lines.append(f"| {world} | {backend} | {ep} | {'all-to-all' if a2a else 'all-gather'} | {tps:.0f} | "
-                     f"{tps / base_tps:.2f} | {r['step'] * 1e3:.0f} | {r['dispatch'] * 1e3:.1f} | "
-                     f"{r['isolated'] * 1e3:.1f} | {vs_gloo} | "
-                     f"{r['expert_bytes'] / 2**20:.1f} | {mem_ratio:.3f} | {r['all_bytes'] / 2**20:.1f} |")
+        lines.append(
+            f"| {world} | {backend} | {ep} | {'all-to-all' if a2a else 'all-gather'} | {tps:.0f} | "
+            f"{tps / base_tps:.2f} | {r['step'] * 1e3:.0f} | {r['dispatch'] * 1e3:.1f} | "
+            f"{r['isolated'] * 1e3:.1f} | {vs_gloo} | "
+            f"{r['expert_bytes'] / 2**20:.1f} | {mem_ratio:.3f} | {r['all_bytes'] / 2**20:.1f} |"
+        )
         if ep > 1:
             ok = abs(mem_ratio * ep - 1) <= 0.05
-            checks.append(f"{'PASS' if ok else 'FAIL'} expert memory {world} ranks {backend} ep {ep}: "
-                          f"{mem_ratio:.3f} of ep 1 (target 1/{ep} within 5%)")
+            checks.append(
+                f"{'PASS' if ok else 'FAIL'} expert memory {world} ranks {backend} ep {ep}: "
+                f"{mem_ratio:.3f} of ep 1 (target 1/{ep} within 5%)"
+            )
             if world == 2 and a2a:
                 ratio = tps / base_tps
-                checks.append(f"{'PASS' if ratio >= 0.9 else 'FAIL'} tokens/s 2 ranks {backend} ep 2 all-to-all: "
-                              f"{ratio:.2f}x ep 1 (target >= 0.9x)")
+                checks.append(
+                    f"{'PASS' if ratio >= 0.9 else 'FAIL'} tokens/s 2 ranks {backend} ep 2 all-to-all: "
+                    f"{ratio:.2f}x ep 1 (target >= 0.9x)"
+                )
             if backend == "smddp" and gloo:
                 ratio = r["isolated"] / gloo["isolated"]
-                checks.append(f"{'PASS' if ratio <= 0.2 else 'FAIL'} dispatch+combine {world} ranks ep {ep} "
-                              f"{'all-to-all' if a2a else 'all-gather'}: smddp {ratio:.2f}x gloo (isolated; target <= 0.2x)")
+                checks.append(
+                    f"{'PASS' if ratio <= 0.2 else 'FAIL'} dispatch+combine {world} ranks ep {ep} "
+                    f"{'all-to-all' if a2a else 'all-gather'}: smddp {ratio:.2f}x gloo (isolated; target <= 0.2x)"
+                )
     return "\n".join(lines + [""] + checks)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Runs the benchmark and prints the table (``--help`` for options)."""
-    p = argparse.ArgumentParser(prog="python -m torch_sagemaker.bench moe", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m torch_sagemaker.bench moe",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--nprocs", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
     p.add_argument("--backends", type=comma_list(), default="smddp,gloo")
     p.add_argument("--steps", type=int, default=4)
@@ -230,7 +286,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
-    p.add_argument("--isolated-reps", type=int, default=15, help="repetitions of the isolated dispatch")
+    p.add_argument(
+        "--isolated-reps", type=int, default=15, help="repetitions of the isolated dispatch"
+    )
     args = p.parse_args(argv)
     with torch.device("meta"):
         args.params_m = sum(t.numel() for t in _model(args).parameters()) / 1e6

@@ -44,14 +44,22 @@ def build_model(args: argparse.Namespace) -> nn.Module:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                      num_hidden_layers=args.layers, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=args.vocab)
+    cfg = LlamaConfig(
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=args.vocab,
+    )
     model = LlamaForCausalLM(cfg)
     apply_activation_checkpointing(
-        model, check_fn=lambda m: isinstance(m, LlamaDecoderLayer),
-        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
-                                                checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+        model,
+        check_fn=lambda m: isinstance(m, LlamaDecoderLayer),
+        checkpoint_wrapper_fn=functools.partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+        ),
+    )
     return model
 
 
@@ -62,12 +70,21 @@ def configs(args: argparse.Namespace) -> list[Config]:
 
     from torch_sagemaker.offload import PrefetchOffloadWrapper
 
-    rows = [Config("no offload (baseline)", lambda m: m),
-            Config("no offload, instrumented (hooks only)",
-                   lambda m: PrefetchOffloadWrapper(m, horizon=1, offload=False))]
+    rows = [
+        Config("no offload (baseline)", lambda m: m),
+        Config(
+            "no offload, instrumented (hooks only)",
+            lambda m: PrefetchOffloadWrapper(m, horizon=1, offload=False),
+        ),
+    ]
     for h in args.horizons:
-        rows.append(Config(f"prefetch offload, horizon {h}",
-                           functools.partial(_prefetching, horizon=h), horizon=h))
+        rows.append(
+            Config(
+                f"prefetch offload, horizon {h}",
+                functools.partial(_prefetching, horizon=h),
+                horizon=h,
+            )
+        )
     rows.append(Config("PyTorch offload_wrapper (no prefetch)", OffloadWrapper))
     return rows
 
@@ -100,8 +117,14 @@ def run(args: argparse.Namespace) -> list[dict]:
     results = []
     for row, model, samples in zip(rows, models, times):
         stats = get_stats(model) if isinstance(model, PrefetchOffloadWrapper) else None
-        results.append(dict(name=row.name, horizon=row.horizon,
-                            median_ms=statistics.median(samples) * 1e3, stats=stats))
+        results.append(
+            dict(
+                name=row.name,
+                horizon=row.horizon,
+                median_ms=statistics.median(samples) * 1e3,
+                stats=stats,
+            )
+        )
     return results
 
 
@@ -127,18 +150,23 @@ def format_table(results: list[dict], args: argparse.Namespace) -> str:
         if s is None:
             cols = ["n/a"] * 5
         else:
-            cols = [f"{s.peak_resident_bytes / kib:.0f}",
-                    f"{s.peak_resident_bytes / base_peak:.2f}",
-                    f"{s.bytes_offloaded / kib:.0f}", f"{s.copy_seconds * 1e3:.2f}",
-                    f"{s.host_pool_bytes / kib:.0f}"]
-        lines.append(f"| {r['name']} | {r['median_ms']:.1f} | {overhead:+.1f}% | "
-                     + " | ".join(cols) + " |")
+            cols = [
+                f"{s.peak_resident_bytes / kib:.0f}",
+                f"{s.peak_resident_bytes / base_peak:.2f}",
+                f"{s.bytes_offloaded / kib:.0f}",
+                f"{s.copy_seconds * 1e3:.2f}",
+                f"{s.host_pool_bytes / kib:.0f}",
+            ]
+        lines.append(
+            f"| {r['name']} | {r['median_ms']:.1f} | {overhead:+.1f}% | " + " | ".join(cols) + " |"
+        )
     return "\n".join(lines)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m torch_sagemaker.bench offload",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m torch_sagemaker.bench offload", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
@@ -147,8 +175,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--horizons", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (default: leave as is)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: leave as is)"
+    )
     return parser.parse_args(argv)
 
 

@@ -31,9 +31,17 @@ def _model(args: argparse.Namespace):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-                         num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=8,
-                         max_position_embeddings=args.seq, tie_word_embeddings=False, attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 11 // 4,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=args.seq,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(config).float()
 
 
@@ -52,7 +60,9 @@ def _wrap(model, mode: str, world: int):
     return shard_model(model)
 
 
-def _time_steps(model, args: argparse.Namespace, distributed: bool) -> list[tuple[float, float, float]]:
+def _time_steps(
+    model, args: argparse.Namespace, distributed: bool
+) -> list[tuple[float, float, float]]:
     """(forward, backward, optimizer) seconds of each timed step, slowest rank."""
     import torch.distributed as dist
 
@@ -79,9 +89,18 @@ def _time_steps(model, args: argparse.Namespace, distributed: bool) -> list[tupl
     return out
 
 
-def _rank_main(rank: int, world: int, backend: str, port: int, args: argparse.Namespace, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), TSM_LOG_LEVEL="WARNING")
+def _rank_main(
+    rank: int, world: int, backend: str, port: int, args: argparse.Namespace, results
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        TSM_LOG_LEVEL="WARNING",
+    )
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -116,8 +135,10 @@ def _run(args: argparse.Namespace) -> list[tuple[str, str, list]]:
     single.join()
     for backend in args.backends:
         port = _free_port()
-        procs = [ctx.Process(target=_rank_main, args=(r, args.nprocs, backend, port, args, results))
-                 for r in range(args.nprocs)]
+        procs = [
+            ctx.Process(target=_rank_main, args=(r, args.nprocs, backend, port, args, results))
+            for r in range(args.nprocs)
+        ]
         for p in procs:
             p.start()
         for _ in args.modes:
@@ -125,17 +146,21 @@ def _run(args: argparse.Namespace) -> list[tuple[str, str, list]]:
         for p in procs:
             p.join()
             if p.exitcode:
-                raise RuntimeError(f"benchmark rank exited with code {p.exitcode} on backend {backend}")
+                raise RuntimeError(
+                    f"benchmark rank exited with code {p.exitcode} on backend {backend}"
+                )
     return rows
 
 
 def _table(rows, args: argparse.Namespace) -> tuple[str, dict]:
     tokens = args.batch * args.seq
     single = statistics.median(sum(s) for s in rows[0][2])
-    lines = [f"Llama {args.params_m:.0f}M params, seq {args.seq}, batch {args.batch}/rank, {args.nprocs} ranks, "
-             f"medians of {args.steps} steps (slowest rank)",
-             "| backend | mode | tokens/s | step ms | fwd ms | bwd ms | optim ms | exposed comm ms | vs gloo | vs 2x... |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Llama {args.params_m:.0f}M params, seq {args.seq}, batch {args.batch}/rank, {args.nprocs} ranks, "
+        f"medians of {args.steps} steps (slowest rank)",
+        "| backend | mode | tokens/s | step ms | fwd ms | bwd ms | optim ms | exposed comm ms | vs gloo | vs 2x... |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     lines[1] = lines[1].replace("vs 2x...", f"vs {args.nprocs} x 1 rank")
     by_key = {}
     for backend, mode, steps in rows:
@@ -148,10 +173,14 @@ def _table(rows, args: argparse.Namespace) -> tuple[str, dict]:
         tps = by_key[(backend, mode)]
         gloo = by_key.get(("gloo", mode))
         vs_gloo = f"{tps / gloo:.2f}x" if gloo and backend != "gloo" and backend != "none" else ""
-        scaling = "" if backend == "none" else f"{tps / (args.nprocs * by_key[('none', '1 rank')]):.2f}"
+        scaling = (
+            "" if backend == "none" else f"{tps / (args.nprocs * by_key[('none', '1 rank')]):.2f}"
+        )
         exposed = "" if backend == "none" else f"{max(0.0, step - single) * 1e3:.0f}"
-        lines.append(f"| {backend} | {mode} | {tps:.0f} | {step * 1e3:.0f} | {fwd * 1e3:.0f} | {bwd * 1e3:.0f} | "
-                     f"{opt * 1e3:.0f} | {exposed} | {vs_gloo} | {scaling} |")
+        lines.append(
+            f"| {backend} | {mode} | {tps:.0f} | {step * 1e3:.0f} | {fwd * 1e3:.0f} | {bwd * 1e3:.0f} | "
+            f"{opt * 1e3:.0f} | {exposed} | {vs_gloo} | {scaling} |"
+        )
     return "\n".join(lines), by_key
 
 
@@ -163,8 +192,11 @@ def _plot(by_key: dict, path: str) -> None:
 
     labels = [f"{b}\n{m}" for (b, m) in by_key]
     fig, ax = plt.subplots(figsize=(9, 4))
-    ax.bar(labels, list(by_key.values()), color=["gray" if b == "none" else "C0" if b == "smddp" else "C1"
-                                                 for (b, _m) in by_key])
+    ax.bar(
+        labels,
+        list(by_key.values()),
+        color=["gray" if b == "none" else "C0" if b == "smddp" else "C1" for (b, _m) in by_key],
+    )
     ax.set(ylabel="tokens/s (all ranks)", title="Training throughput")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -172,8 +204,11 @@ def _plot(by_key: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Runs the benchmark and prints the table (``--help`` for options)."""
-    p = argparse.ArgumentParser(prog="python -m torch_sagemaker.bench training", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m torch_sagemaker.bench training",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--nprocs", type=int, default=2)
     p.add_argument("--backends", type=comma_list(), default="smddp,gloo")
     p.add_argument("--modes", type=comma_list(MODES), default=",".join(MODES))

@@ -12,5 +12,11 @@ from torch_sagemaker.distributed.checkpoint.constants import (
     STAGING_SUFFIX,
 )
 
-__all__ = ["COMPLETION_MARKER", "FORMAT_VERSION", "REPLACED_SUFFIX", "SMP_IS_LOAD_INFO_KEY",
-           "SMP_IS_PARTIAL_KEY", "STAGING_SUFFIX"]
+__all__ = [
+    "COMPLETION_MARKER",
+    "FORMAT_VERSION",
+    "REPLACED_SUFFIX",
+    "SMP_IS_LOAD_INFO_KEY",
+    "SMP_IS_PARTIAL_KEY",
+    "STAGING_SUFFIX",
+]

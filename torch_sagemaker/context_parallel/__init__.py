@@ -19,6 +19,15 @@ from torch_sagemaker.context_parallel.prepare import (
 )
 from torch_sagemaker.context_parallel.sequence import gather_sequence, split_sequence
 
-__all__ = ["ATTENTION_NAME", "COMM_TYPES", "check_prepared", "gather_sequence",
-           "is_context_parallel", "local_positions", "merge_locals", "prepare_model", "split_local",
-           "split_sequence"]
+__all__ = [
+    "ATTENTION_NAME",
+    "COMM_TYPES",
+    "check_prepared",
+    "gather_sequence",
+    "is_context_parallel",
+    "local_positions",
+    "merge_locals",
+    "prepare_model",
+    "split_local",
+    "split_sequence",
+]

@@ -39,8 +39,9 @@ def _query_chunks(q: torch.Tensor, group: dist.ProcessGroup) -> list[tuple[slice
     return [(slice(half * c, (half + 1) * c), chunk, c) for half, chunk in enumerate(chunks)]
 
 
-def allgather_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      group: dist.ProcessGroup, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def allgather_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of the local queries over the gathered sequence.
 
     Returns:
@@ -51,20 +52,33 @@ def allgather_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     for rows, chunk, c in _query_chunks(q, group):
         diag = slice(chunk * c, (chunk + 1) * c)
-        blk_out, blk_lse = block_forward(q[:, :, rows], full[0, :, :, diag], full[1, :, :, diag],
-                                         causal=True, scale=scale)
+        blk_out, blk_lse = block_forward(
+            q[:, :, rows], full[0, :, :, diag], full[1, :, :, diag], causal=True, scale=scale
+        )
         out[:, :, rows], lse[:, :, rows] = blk_out.float(), blk_lse
         if chunk:
             prefix = slice(0, chunk * c)
-            blk_out, blk_lse = block_forward(q[:, :, rows], full[0, :, :, prefix],
-                                             full[1, :, :, prefix], causal=False, scale=scale)
+            blk_out, blk_lse = block_forward(
+                q[:, :, rows],
+                full[0, :, :, prefix],
+                full[1, :, :, prefix],
+                causal=False,
+                scale=scale,
+            )
             merge_into(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
     return out.to(q.dtype), lse
 
 
-def allgather_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup,
-                       scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def allgather_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    group: dist.ProcessGroup,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``allgather_forward``.
 
     Returns:
@@ -77,15 +91,22 @@ def allgather_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         args = (dout[:, :, rows], q[:, :, rows])
         stats = (out[:, :, rows], lse[:, :, rows])
         diag = slice(chunk * c, (chunk + 1) * c)
-        g = block_backward(*args, full[0, :, :, diag], full[1, :, :, diag], *stats, causal=True,
-                           scale=scale)
+        g = block_backward(
+            *args, full[0, :, :, diag], full[1, :, :, diag], *stats, causal=True, scale=scale
+        )
         dq[:, :, rows] = g[0]
         dfull[0, :, :, diag] += g[1]
         dfull[1, :, :, diag] += g[2]
         if chunk:
             prefix = slice(0, chunk * c)
-            g = block_backward(*args, full[0, :, :, prefix], full[1, :, :, prefix], *stats,
-                               causal=False, scale=scale)
+            g = block_backward(
+                *args,
+                full[0, :, :, prefix],
+                full[1, :, :, prefix],
+                *stats,
+                causal=False,
+                scale=scale,
+            )
             dq[:, :, rows] += g[0]
             dfull[0, :, :, prefix] += g[1]
             dfull[1, :, :, prefix] += g[2]
@@ -96,12 +117,17 @@ def allgather_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 
 class AllGatherAttention(torch.autograd.Function):
-    """Autograd wrapper of ``allgather_forward``/``allgather_backward``; returns ``(b, h, 2c, d)``.
-    """
+    """Autograd wrapper of ``allgather_forward``/``allgather_backward``; returns ``(b, h, 2c, d)``."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                group: dist.ProcessGroup, scale: float) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: dist.ProcessGroup,
+        scale: float,
+    ) -> torch.Tensor:
         out, lse = allgather_forward(q, k, v, group, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale = group, scale

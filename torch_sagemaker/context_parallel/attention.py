@@ -56,19 +56,26 @@ class ContextParallelAttention:
             raise ValueError(f"cp_comm_type={self.comm_type!r}; use one of {COMM_TYPES}.")
         self._ring = Ring(self.group) if self.comm_type == "p2p" else None
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-               ) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         """Causal attention of local ``(b, h, 2c, d)`` queries over the whole sequence."""
         if self._ring is not None:
             return RingAttention.apply(q, k, v, self._ring, scale)
         return AllGatherAttention.apply(q, k, v, self.group, scale)
 
 
-def context_parallel_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
-                               value: torch.Tensor, attention_mask: torch.Tensor | None,
-                               scaling: float | None = None, dropout: float = 0.0,
-                               sliding_window: int | None = None, **kwargs: Any
-                               ) -> tuple[torch.Tensor, None]:
+def context_parallel_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """Hugging Face attention interface: causal attention over the context parallel group.
 
     Args:
@@ -95,17 +102,24 @@ def context_parallel_attention(module: nn.Module, query: torch.Tensor, key: torc
         raise RuntimeError(
             f"{type(module).__name__} runs the {ATTENTION_NAME!r} attention but was not prepared "
             "by tsm.transform; context parallel attention needs the model to go through "
-            "tsm.transform(model) after tsm.init(context_parallel_degree > 1).")
+            "tsm.transform(model) after tsm.init(context_parallel_degree > 1)."
+        )
     if attention_mask is not None:
-        raise ValueError("context parallel attention is causal over the whole sequence and takes "
-                         "no attention mask; pass attention_mask=None (mask padding with label "
-                         "-100).")
+        raise ValueError(
+            "context parallel attention is causal over the whole sequence and takes "
+            "no attention mask; pass attention_mask=None (mask padding with label "
+            "-100)."
+        )
     if dropout:
-        raise ValueError(f"attention dropout {dropout} is not supported with context parallelism; "
-                         "set the config's attention_dropout to 0.")
+        raise ValueError(
+            f"attention dropout {dropout} is not supported with context parallelism; "
+            "set the config's attention_dropout to 0."
+        )
     if sliding_window is not None:
-        raise ValueError(f"sliding-window attention (window {sliding_window}) is not supported "
-                         "with context parallelism; set config.sliding_window = None.")
+        raise ValueError(
+            f"sliding-window attention (window {sliding_window}) is not supported "
+            "with context parallelism; set config.sliding_window = None."
+        )
     if kwargs.get("is_causal") is False:
         raise ValueError("context parallel attention is causal; is_causal=False is not supported.")
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
@@ -120,5 +134,11 @@ def register() -> None:
     AttentionInterface.register(ATTENTION_NAME, context_parallel_attention)
 
 
-__all__ = ["ATTENTION_NAME", "COMM_TYPES", "CP_ATTR", "ContextParallelAttention",
-           "context_parallel_attention", "register"]
+__all__ = [
+    "ATTENTION_NAME",
+    "COMM_TYPES",
+    "CP_ATTR",
+    "ContextParallelAttention",
+    "context_parallel_attention",
+    "register",
+]

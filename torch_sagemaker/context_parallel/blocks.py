@@ -64,8 +64,9 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> tor
     return s
 
 
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over one key/value block.
 
     Args:
@@ -89,9 +90,17 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     return out.reshape(b, h, n, d).to(q.dtype), lse.reshape(b, h, n)
 
 
-def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   out: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the block's share of an attention whose final output is ``out``.
 
     ``out`` and ``lse`` are the *final* (merged) output and log-sum-exp of the rows of
@@ -116,8 +125,9 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
-               block_lse: torch.Tensor) -> None:
+def merge_into(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
     """Merges a block's partial result into the fp32 accumulators ``out`` and ``lse`` in place.
 
     Args:

@@ -24,8 +24,10 @@ class Ring:
     def shift(self, send: torch.Tensor, tag: int) -> Transfer:
         """Posts ``send -> next`` and a receive of a tensor like ``send`` from ``prev``."""
         recv = torch.empty_like(send)
-        ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
-               dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
+        ops = [
+            dist.P2POp(dist.isend, send, self.next, self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
+        ]
         return Transfer(dist.batch_isend_irecv(ops), send, recv)
 
 

@@ -52,12 +52,14 @@ def check_local_length(local_len: int, cp: int) -> int:
             f"sequence has {cp * local_len}, which is not divisible by 2 * context_parallel_degree "
             f"= {2 * cp}. Each sequence must split into {2 * cp} equal chunks, rank r keeping "
             "chunks r and 2*cp-1-r (torch_sagemaker.context_parallel.split_sequence does this): "
-            f"pad or cut the sequence length to a multiple of {2 * cp}.")
+            f"pad or cut the sequence length to a multiple of {2 * cp}."
+        )
     return local_len // 2
 
 
-def local_positions(rank: int, cp: int, local_len: int, device: torch.device | str | None = None
-                    ) -> torch.Tensor:
+def local_positions(
+    rank: int, cp: int, local_len: int, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Global positions of the ``local_len`` tokens rank ``rank`` holds (1-D, int64)."""
     c = check_local_length(local_len, cp)
     first, second = chunks_of_rank(rank, cp)
@@ -75,7 +77,8 @@ def split_local(tensor: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch
     if length % (2 * cp):
         raise ValueError(
             f"context parallelism: sequence length {length} (dim {dim}) is not divisible by "
-            f"2 * context_parallel_degree = {2 * cp}; pad or cut it to a multiple of {2 * cp}.")
+            f"2 * context_parallel_degree = {2 * cp}; pad or cut it to a multiple of {2 * cp}."
+        )
     chunks = tensor.chunk(2 * cp, dim=dim)
     first, second = chunks_of_rank(rank, cp)
     return torch.cat([chunks[first], chunks[second]], dim=dim)
@@ -89,5 +92,11 @@ def merge_locals(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     return torch.cat(ordered, dim=dim)
 
 
-__all__ = ["check_local_length", "chunks_of_rank", "local_positions", "merge_locals",
-           "owner_of_chunk", "split_local"]
+__all__ = [
+    "check_local_length",
+    "chunks_of_rank",
+    "local_positions",
+    "merge_locals",
+    "owner_of_chunk",
+    "split_local",
+]

@@ -47,8 +47,9 @@ from torch_sagemaker.context_parallel.layout import (
 )
 
 
-def shift_labels_across_ranks(labels: torch.Tensor, group: dist.ProcessGroup,
-                              ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+def shift_labels_across_ranks(
+    labels: torch.Tensor, group: dist.ProcessGroup, ignore_index: int = -100
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's next-token targets and the group's target count (Note [Context parallel loss]).
 
     Args:
@@ -82,8 +83,9 @@ def shift_labels_across_ranks(labels: torch.Tensor, group: dist.ProcessGroup,
     return shifted, gathered[:, -1].sum()
 
 
-def context_parallel_loss(inner: Callable[..., torch.Tensor], group: dist.ProcessGroup
-                          ) -> Callable[..., torch.Tensor]:
+def context_parallel_loss(
+    inner: Callable[..., torch.Tensor], group: dist.ProcessGroup
+) -> Callable[..., torch.Tensor]:
     """Wraps a causal LM loss function (``ForCausalLMLoss`` signature) for context parallelism.
 
     Args:
@@ -95,9 +97,15 @@ def context_parallel_loss(inner: Callable[..., torch.Tensor], group: dist.Proces
     """
     cp = dist.get_world_size(group)
 
-    def loss(logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int,
-             num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = -100,
-             shift_labels: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    def loss(
+        logits: torch.Tensor,
+        labels: torch.Tensor | None,
+        vocab_size: int,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        ignore_index: int = -100,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         if shift_labels is None:
             shift_labels, count = shift_labels_across_ranks(labels, group, ignore_index)
         else:
@@ -105,8 +113,15 @@ def context_parallel_loss(inner: Callable[..., torch.Tensor], group: dist.Proces
             dist.all_reduce(count, group=group)
         total = num_items_in_batch if num_items_in_batch is not None else count
         # inner returns (local sum) / N; times cp is this rank's share of the mean.
-        return cp * inner(logits, labels, vocab_size, num_items_in_batch=total,
-                          ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+        return cp * inner(
+            logits,
+            labels,
+            vocab_size,
+            num_items_in_batch=total,
+            ignore_index=ignore_index,
+            shift_labels=shift_labels,
+            **kwargs,
+        )
 
     loss.__wrapped__ = inner  # type: ignore[attr-defined]
     return loss

@@ -59,7 +59,8 @@ def check_supported(model: nn.Module, policy: ModelPolicy) -> None:
             f"{type(model).__name__} has {attr}={window}: sliding-window attention is not "
             "supported with context parallelism (as in SMP). Set config."
             f"{attr} = None before building the model (full causal attention), or use "
-            "context_parallel_degree=1.")
+            "context_parallel_degree=1."
+        )
 
 
 def _fingerprint(ids: torch.Tensor) -> tuple[int, int]:
@@ -82,11 +83,14 @@ class InputCheck:
         self.cp = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]
-                 ) -> tuple[tuple, dict]:
+    def __call__(
+        self, module: nn.Module, args: tuple, kwargs: dict[str, Any]
+    ) -> tuple[tuple, dict]:
         if len(args) > 1:
-            raise TypeError("a context parallel model takes its inputs as keywords (input_ids=..., "
-                            "labels=...); got more than one positional argument.")
+            raise TypeError(
+                "a context parallel model takes its inputs as keywords (input_ids=..., "
+                "labels=...); got more than one positional argument."
+            )
         if args:
             kwargs["input_ids"], args = args[0], ()
         ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
@@ -102,8 +106,9 @@ class InputCheck:
         kwargs["use_cache"] = False
         kwargs["attention_mask"] = None
         if kwargs.get("position_ids") is None:
-            kwargs["position_ids"] = local_positions(self.rank, self.cp, local_len,
-                                                     device=source.device).unsqueeze(0)
+            kwargs["position_ids"] = local_positions(
+                self.rank, self.cp, local_len, device=source.device
+            ).unsqueeze(0)
         return args, kwargs
 
     def _local_problem(self, kwargs: dict[str, Any], local_len: int) -> str | None:
@@ -115,19 +120,23 @@ class InputCheck:
         if kwargs.get("past_key_values") is not None:
             return "context parallelism has no KV cache (generation); pass past_key_values=None."
         mask = kwargs.get("attention_mask")
-        if mask is not None and (mask.dim() != 2 or mask.shape[1] != local_len
-                                 or not bool(mask.bool().all())):
-            return ("context parallel attention is causal over the whole sequence and supports no "
-                    f"padding or custom attention mask (got a mask of shape {tuple(mask.shape)} "
-                    "that is not all ones). Pass attention_mask=None and give padding tokens the "
-                    "label -100.")
+        if mask is not None and (
+            mask.dim() != 2 or mask.shape[1] != local_len or not bool(mask.bool().all())
+        ):
+            return (
+                "context parallel attention is causal over the whole sequence and supports no "
+                f"padding or custom attention mask (got a mask of shape {tuple(mask.shape)} "
+                "that is not all ones). Pass attention_mask=None and give padding tokens the "
+                "label -100."
+            )
         return None
 
     def _check_group(self, local_len: int, ids: torch.Tensor | None, problem: str | None) -> None:
         """Note [Context parallel input check]."""
         fingerprint, constant = _fingerprint(ids) if ids is not None else (self.rank, 1)
-        mine = torch.tensor([local_len, fingerprint, constant, problem is not None],
-                            dtype=torch.int64)
+        mine = torch.tensor(
+            [local_len, fingerprint, constant, problem is not None], dtype=torch.int64
+        )
         if ids is not None:
             mine = mine.to(ids.device)
         gathered = all_gather_stacked(mine, self.group)
@@ -135,14 +144,17 @@ class InputCheck:
             raise ValueError(problem)
         failed = [r for r, flag in enumerate(gathered[:, 3].tolist()) if flag]
         if failed:
-            raise ValueError(f"context parallel rank(s) {failed} of this group rejected their "
-                             "input (see their error); every rank of the group stops.")
+            raise ValueError(
+                f"context parallel rank(s) {failed} of this group rejected their "
+                "input (see their error); every rank of the group stops."
+            )
         lengths = gathered[:, 0].tolist()
         if len(set(lengths)) > 1:
             raise ValueError(
                 f"the context parallel ranks got sequences of different local lengths {lengths}; "
                 "every rank of a context parallel group must get its part of the same sequences "
-                "(split with torch_sagemaker.context_parallel.split_sequence).")
+                "(split with torch_sagemaker.context_parallel.split_sequence)."
+            )
         same = bool((gathered[:, 1] == gathered[0, 1]).all())
         if same and not bool(gathered[:, 2].all()):
             raise ValueError(
@@ -150,11 +162,13 @@ class InputCheck:
                 "input looks unsplit. With context_parallel_degree="
                 f"{self.cp}, rank r must get chunks r and {2 * self.cp - 1}-r of each sequence cut "
                 f"into {2 * self.cp} (torch_sagemaker.context_parallel.split_sequence, or SMP's "
-                "get_batch_for_cp_rank).")
+                "get_batch_for_cp_rank)."
+            )
 
 
-def prepare_model(model: nn.Module, policy: ModelPolicy, comm_type: str,
-                  group: dist.ProcessGroup) -> None:
+def prepare_model(
+    model: nn.Module, policy: ModelPolicy, comm_type: str, group: dist.ProcessGroup
+) -> None:
     """Makes ``model`` context parallel over ``group`` in place (see the module docstring).
 
     Args:
@@ -170,16 +184,20 @@ def prepare_model(model: nn.Module, policy: ModelPolicy, comm_type: str,
     plan = attention.ContextParallelAttention(group, comm_type)
     modules = policy.attention_modules(model)
     if not modules:
-        raise ValueError(f"policy {policy.name!r}: attention pattern {policy.attention!r} matches "
-                         f"no module of {type(model).__name__}.")
+        raise ValueError(
+            f"policy {policy.name!r}: attention pattern {policy.attention!r} matches "
+            f"no module of {type(model).__name__}."
+        )
     for _, module in modules:
         setattr(module, attention.CP_ATTR, plan)
     attention.register()
     model.config._attn_implementation = attention.ATTENTION_NAME
     decoder = model.base_model
     if decoder is model:
-        raise ValueError(f"{type(model).__name__} has no decoder stack (base_model); context "
-                         "parallelism prepares causal LM classes (e.g. LlamaForCausalLM).")
+        raise ValueError(
+            f"{type(model).__name__} has no decoder stack (base_model); context "
+            "parallelism prepares causal LM classes (e.g. LlamaForCausalLM)."
+        )
     decoder.register_forward_pre_hook(InputCheck(group), with_kwargs=True)
     model.loss_function = context_parallel_loss(model.loss_function, group)
     setattr(model, MODEL_ATTR, plan)
@@ -206,8 +224,15 @@ def check_prepared(module: nn.Module, cp_size: int, where: str) -> None:
             f"context_parallel_degree={cp_size} but {type(module).__name__} given to {where} did "
             "not go through tsm.transform: each rank holds only part of every sequence, so the "
             "model must run context parallel attention. Call model = tsm.transform(model) before "
-            f"{where}, or set context_parallel_degree=1.")
+            f"{where}, or set context_parallel_degree=1."
+        )
 
 
-__all__ = ["InputCheck", "MODEL_ATTR", "check_prepared", "check_supported", "is_context_parallel",
-           "prepare_model"]
+__all__ = [
+    "InputCheck",
+    "MODEL_ATTR",
+    "check_prepared",
+    "check_supported",
+    "is_context_parallel",
+    "prepare_model",
+]

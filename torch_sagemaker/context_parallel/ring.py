@@ -53,8 +53,9 @@ _KV_TAG = 17
 _DKV_TAG = 18
 
 
-def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of the local queries over the whole sequence.
 
     Note [Ring attention schedule] describes the steps.
@@ -79,8 +80,9 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, 
             out, lse = block_forward(q, k, v, causal=True, scale=scale)
             out, lse = out.float(), lse.clone()
         elif owner < ring.rank:
-            blk_out, blk_lse = block_forward(q, kv[0, :, :, :c], kv[1, :, :, :c], causal=False,
-                                             scale=scale)
+            blk_out, blk_lse = block_forward(
+                q, kv[0, :, :, :c], kv[1, :, :, :c], causal=False, scale=scale
+            )
             merge_into(out, lse, blk_out, blk_lse)
         else:
             blk_out, blk_lse = block_forward(q[:, :, c:], kv[0], kv[1], causal=False, scale=scale)
@@ -90,21 +92,39 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, 
     return out.to(q.dtype), lse
 
 
-def _block_grads(dout: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, dq: torch.Tensor, owner: int, rank: int, c: int, scale: float
-                 ) -> torch.Tensor:
+def _block_grads(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dq: torch.Tensor,
+    owner: int,
+    rank: int,
+    c: int,
+    scale: float,
+) -> torch.Tensor:
     """Adds this rank's query gradient for ``owner``'s block to ``dq``; returns its fp32 dK/dV."""
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     if owner == rank:
         g = block_backward(dout, q, kv[0], kv[1], out, lse, causal=True, scale=scale)
         rows, cols = slice(None), slice(None)
     elif owner < rank:
-        g = block_backward(dout, q, kv[0, :, :, :c], kv[1, :, :, :c], out, lse, causal=False,
-                           scale=scale)
+        g = block_backward(
+            dout, q, kv[0, :, :, :c], kv[1, :, :, :c], out, lse, causal=False, scale=scale
+        )
         rows, cols = slice(None), slice(0, c)
     else:
-        g = block_backward(dout[:, :, c:], q[:, :, c:], kv[0], kv[1], out[:, :, c:], lse[:, :, c:],
-                           causal=False, scale=scale)
+        g = block_backward(
+            dout[:, :, c:],
+            q[:, :, c:],
+            kv[0],
+            kv[1],
+            out[:, :, c:],
+            lse[:, :, c:],
+            causal=False,
+            scale=scale,
+        )
         rows, cols = slice(c, None), slice(None)
     dq[:, :, rows].add_(g[0])
     dkv[0, :, :, cols].add_(g[1])
@@ -112,9 +132,16 @@ def _block_grads(dout: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: tor
     return dkv
 
 
-def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  out: torch.Tensor, lse: torch.Tensor, ring: Ring, scale: float
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ring_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    ring: Ring,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``ring_forward`` (Note [Ring attention backward]).
 
     Returns:
@@ -142,8 +169,9 @@ class RingAttention(torch.autograd.Function):
     """Autograd wrapper of ``ring_forward``/``ring_backward``; returns ``(b, h, 2c, d)``."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring,
-                scale: float) -> torch.Tensor:
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float
+    ) -> torch.Tensor:
         out, lse = ring_forward(q, k, v, ring, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.scale = ring, scale

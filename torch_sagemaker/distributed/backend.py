@@ -48,7 +48,9 @@ def register() -> bool:
         return False
     from torch_sagemaker import _C
 
-    dist.Backend.register_backend(BACKEND_NAME, _C.create_backend, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(
+        BACKEND_NAME, _C.create_backend, extended_api=True, devices=["cpu"]
+    )
     return True
 
 

@@ -76,4 +76,6 @@ def all_reduce_direct(
     elif op is _SUM:
         backend._all_reduce_direct(tensor)
     else:
-        backend._all_reduce_direct(tensor, op if isinstance(op, dist.ReduceOp) else dist.ReduceOp(op))
+        backend._all_reduce_direct(
+            tensor, op if isinstance(op, dist.ReduceOp) else dist.ReduceOp(op)
+        )

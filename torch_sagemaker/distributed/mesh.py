@@ -49,15 +49,20 @@ def build_groups(layout: Layout) -> _Groups:
     fsdp_mesh = DeviceMesh._concatenate([mesh["dp_replicate"], shard_cp])
     # ``ep`` consecutive replicas form one EP group (topology.Layout.ep_groups): the replicate
     # coordinate is edp_replicate * ep + ep_rank.
-    experts = mesh._unflatten("dp_replicate", (layout.edp_replicate, layout.ep),
-                              ("edp_replicate", "ep"))
+    experts = mesh._unflatten(
+        "dp_replicate", (layout.edp_replicate, layout.ep), ("edp_replicate", "ep")
+    )
     ep_mesh, edp_mesh = experts["ep"], experts["edp_replicate"]
     # Expert parameters are sharded like the others inside a shard group and replicated over
     # the replicas that hold the same experts.
     expert_fsdp_mesh = DeviceMesh._concatenate([edp_mesh, shard_cp])
-    owned = [g for g in mesh.get_all_groups()] + [shard_cp.get_group(), replica.get_group(),
-                                                    dp.get_group(), ep_mesh.get_group(),
-                                                    edp_mesh.get_group()]
+    owned = [g for g in mesh.get_all_groups()] + [
+        shard_cp.get_group(),
+        replica.get_group(),
+        dp.get_group(),
+        ep_mesh.get_group(),
+        edp_mesh.get_group(),
+    ]
     world = dist.group.WORLD
     owned = [g for g in dict.fromkeys(owned) if g is not world]
     return _Groups(

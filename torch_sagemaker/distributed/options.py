@@ -108,7 +108,10 @@ def resolve(options: SMDDPOptions | None, environ: dict[str, str]) -> dict[str, 
 
 def _write_docs_table(path: str) -> None:
     """Replaces the generated settings table in ``path`` (docs/collectives.md)."""
-    begin, end = "<!-- settings table: generated, do not edit -->\n", "<!-- end of settings table -->"
+    begin, end = (
+        "<!-- settings table: generated, do not edit -->\n",
+        "<!-- end of settings table -->",
+    )
     with open(path) as f:
         text = f.read()
     head, rest = text.split(begin, 1)

@@ -45,27 +45,36 @@ def check_config(config: Any, *, tp: int, cp: int, ep: int) -> MoEConfig | None:
             with tensor or context parallelism.
     """
     if config is not None and not isinstance(config, MoEConfig):
-        raise TypeError(f"tsm.transform(config=...) takes a torch.sagemaker.moe.moe_config.MoEConfig "
-                        f"(or None), got {type(config).__name__}: {config!r}.")
+        raise TypeError(
+            f"tsm.transform(config=...) takes a torch.sagemaker.moe.moe_config.MoEConfig "
+            f"(or None), got {type(config).__name__}: {config!r}."
+        )
     if config is None:
         if ep > 1:
-            raise ValueError(f"expert_parallel_degree={ep} needs tsm.transform(model, config=MoEConfig(...)) "
-                             "(from torch.sagemaker.moe.moe_config import MoEConfig) so that the experts are "
-                             "split; or set expert_parallel_degree=1.")
+            raise ValueError(
+                f"expert_parallel_degree={ep} needs tsm.transform(model, config=MoEConfig(...)) "
+                "(from torch.sagemaker.moe.moe_config import MoEConfig) so that the experts are "
+                "split; or set expert_parallel_degree=1."
+            )
         return None
     if tp > 1:
-        raise ValueError(f"tsm.transform got an MoEConfig with tensor_parallel_degree={tp}: MoELayer and "
-                         "expert parallelism do not compose with tensor parallelism (as in SMP v2). Use "
-                         "expert_parallel_degree with tensor_parallel_degree=1, or pass config=None to "
-                         "split Mixtral's experts over the tensor parallel ranks.")
+        raise ValueError(
+            f"tsm.transform got an MoEConfig with tensor_parallel_degree={tp}: MoELayer and "
+            "expert parallelism do not compose with tensor parallelism (as in SMP v2). Use "
+            "expert_parallel_degree with tensor_parallel_degree=1, or pass config=None to "
+            "split Mixtral's experts over the tensor parallel ranks."
+        )
     if cp > 1:
-        raise ValueError(f"tsm.transform got an MoEConfig with context_parallel_degree={cp}: expert "
-                         "parallelism with context parallelism is not implemented; set one of them to 1.")
+        raise ValueError(
+            f"tsm.transform got an MoEConfig with context_parallel_degree={cp}: expert "
+            "parallelism with context parallelism is not implemented; set one of them to 1."
+        )
     return config
 
 
-def apply_moe(model: nn.Module, policy: Any, config: MoEConfig, *, ep_mesh: Any,
-              src_data_rank: int | None) -> MoEReport:
+def apply_moe(
+    model: nn.Module, policy: Any, config: MoEConfig, *, ep_mesh: Any, src_data_rank: int | None
+) -> MoEReport:
     """Expert parallelism (and ``MoELayer`` when ``config.smp_moe``) for ``model``, in place.
 
     Args:
@@ -82,54 +91,88 @@ def apply_moe(model: nn.Module, policy: Any, config: MoEConfig, *, ep_mesh: Any,
     spec = policy.moe
     cfg = model.config
     if spec is None:
-        raise ValueError(f"tsm.transform got an MoEConfig, but {type(model).__name__} is a dense model "
-                         f"(policy {policy.name!r} has no mixture of experts). Pass config=None.")
+        raise ValueError(
+            f"tsm.transform got an MoEConfig, but {type(model).__name__} is a dense model "
+            f"(policy {policy.name!r} has no mixture of experts). Pass config=None."
+        )
     num_experts = policy.num_experts(cfg)
     ep = ep_mesh.size()
     if num_experts % ep:
         valid = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
-        raise ValueError(f"expert_parallel_degree={ep} does not divide the number of experts "
-                         f"({policy.num_experts_attr}={num_experts}); every rank holds whole experts. "
-                         f"Use a degree in {valid}.")
+        raise ValueError(
+            f"expert_parallel_degree={ep} does not divide the number of experts "
+            f"({policy.num_experts_attr}={num_experts}); every rank holds whole experts. "
+            f"Use a degree in {valid}."
+        )
     blocks = [(n, m) for n, m in model.named_modules() if type(m).__name__ == spec.block_class]
     if not blocks:
-        raise ValueError(f"policy {policy.name!r}: {type(model).__name__} has no {spec.block_class} "
-                         "module; the model has no sparse MoE layer (num_experts=0?).")
+        raise ValueError(
+            f"policy {policy.name!r}: {type(model).__name__} has no {spec.block_class} "
+            "module; the model has no sparse MoE layer (num_experts=0?)."
+        )
     _warn_no_effect(config, ep)
     generator = torch.Generator().manual_seed(config.random_seed + ep_mesh.get_local_rank())
     for name, block in blocks:
-        split_experts(getattr(block, spec.experts), ep_mesh, all_to_all=config.moe_all_to_all_dispatcher,
-                      src_data_rank=src_data_rank)
+        split_experts(
+            getattr(block, spec.experts),
+            ep_mesh,
+            all_to_all=config.moe_all_to_all_dispatcher,
+            src_data_rank=src_data_rank,
+        )
         if not config.smp_moe:
             continue
-        shuffle = TokenShuffle(ep_mesh.get_group(), generator) if config.global_token_shuffle and ep > 1 \
+        shuffle = (
+            TokenShuffle(ep_mesh.get_group(), generator)
+            if config.global_token_shuffle and ep > 1
             else None
-        layer = MoELayer(block, spec, config, num_experts=num_experts, top_k=spec.top_k(cfg),
-                         normalize=spec.normalize(cfg), shuffle=shuffle)
+        )
+        layer = MoELayer(
+            block,
+            spec,
+            config,
+            num_experts=num_experts,
+            top_k=spec.top_k(cfg),
+            normalize=spec.normalize(cfg),
+            shuffle=shuffle,
+        )
         layer.train(block.training)
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
-    return MoEReport(blocks=len(blocks), num_experts=num_experts, local_experts=num_experts // ep,
-                     layer="MoELayer" if config.smp_moe else spec.block_class)
+    return MoEReport(
+        blocks=len(blocks),
+        num_experts=num_experts,
+        local_experts=num_experts // ep,
+        layer="MoELayer" if config.smp_moe else spec.block_class,
+    )
 
 
 def _warn_no_effect(config: MoEConfig, ep: int) -> None:
     if config.use_cpu_initialization:
-        warn_once("MoEConfig(use_cpu_initialization=True) has no effect: expert parameters are created "
-                  "where the model's parameters are.")
+        warn_once(
+            "MoEConfig(use_cpu_initialization=True) has no effect: expert parameters are created "
+            "where the model's parameters are."
+        )
     if config.smp_moe:
         if config.global_token_shuffle and ep == 1:
-            warn_once("MoEConfig(global_token_shuffle=True) has no effect with expert_parallel_degree=1.")
+            warn_once(
+                "MoEConfig(global_token_shuffle=True) has no effect with expert_parallel_degree=1."
+            )
         return
-    ignored = [f"moe_load_balancing={config.moe_load_balancing!r}"] if config.moe_load_balancing != "none" else []
+    ignored = (
+        [f"moe_load_balancing={config.moe_load_balancing!r}"]
+        if config.moe_load_balancing != "none"
+        else []
+    )
     if config.global_token_shuffle:
         ignored.append("global_token_shuffle=True")
     if config.moe_z_loss_coeff > 0:
         ignored.append(f"moe_z_loss_coeff={config.moe_z_loss_coeff}")
     if ignored:
-        warn_once(f"MoEConfig(smp_moe=False) keeps the model's own MoE block and router, so {', '.join(ignored)} "
-                  "have no effect (the model's router_aux_loss_coef with output_router_logits=True still "
-                  "applies). Use smp_moe=True for them.")
+        warn_once(
+            f"MoEConfig(smp_moe=False) keeps the model's own MoE block and router, so {', '.join(ignored)} "
+            "have no effect (the model's router_aux_loss_coef with output_router_logits=True still "
+            "applies). Use smp_moe=True for them."
+        )
 
 
 __all__ = ["MoEReport", "apply_moe", "check_config"]

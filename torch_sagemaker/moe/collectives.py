@@ -71,9 +71,11 @@ def checked_counts(counts: torch.Tensor, what: str) -> list[int]:
     values = counts.tolist()
     bad = [v for v in values if not 0 <= v <= MAX_ROWS]
     if bad or sum(values) > MAX_ROWS:
-        raise RuntimeError(f"expert parallel dispatch received {what} {values}: every count must be in "
-                           f"[0, {MAX_ROWS}] and so must their sum. The ranks of the expert parallel "
-                           "group are out of step (different models, layers or steps).")
+        raise RuntimeError(
+            f"expert parallel dispatch received {what} {values}: every count must be in "
+            f"[0, {MAX_ROWS}] and so must their sum. The ranks of the expert parallel "
+            "group are out of step (different models, layers or steps)."
+        )
     return values
 
 
@@ -85,19 +87,22 @@ def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
     return out
 
 
-def _all_to_all(x: torch.Tensor, out_rows: list[int], in_rows: list[int],
-                group: dist.ProcessGroup) -> torch.Tensor:
+def _all_to_all(
+    x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
     out = x.new_empty((sum(out_rows), *x.shape[1:]))
     with DispatchTimer.measure(group):
-        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_rows,
-                               input_split_sizes=in_rows, group=group)
+        dist.all_to_all_single(
+            out, x.contiguous(), output_split_sizes=out_rows, input_split_sizes=in_rows, group=group
+        )
     return out
 
 
 class _AllToAllRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, out_rows: list[int], in_rows: list[int],
-                group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: dist.ProcessGroup
+    ) -> torch.Tensor:
         ctx.out_rows, ctx.in_rows, ctx.group = out_rows, in_rows, group
         return _all_to_all(x, out_rows, in_rows, group)
 
@@ -106,8 +111,9 @@ class _AllToAllRows(torch.autograd.Function):
         return _all_to_all(grad, ctx.in_rows, ctx.out_rows, ctx.group), None, None, None
 
 
-def all_to_all_rows(x: torch.Tensor, out_rows: list[int], in_rows: list[int],
-                    group: dist.ProcessGroup) -> torch.Tensor:
+def all_to_all_rows(
+    x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
     """Sends ``x[sum(in_rows[:j]):...][:in_rows[j]]`` to group rank ``j``; receives ``out_rows[j]`` rows from it."""
     return _AllToAllRows.apply(x, out_rows, in_rows, group)
 
@@ -122,7 +128,9 @@ def _gather(x: torch.Tensor, rows: list[int], group: dist.ProcessGroup) -> torch
     return torch.cat([out[i * width : i * width + n] for i, n in enumerate(rows)])
 
 
-def _reduce_scatter(x: torch.Tensor, rows: list[int], rank: int, group: dist.ProcessGroup) -> torch.Tensor:
+def _reduce_scatter(
+    x: torch.Tensor, rows: list[int], rank: int, group: dist.ProcessGroup
+) -> torch.Tensor:
     width = max(rows)
     padded = x.new_zeros((width * len(rows), *x.shape[1:]))
     offsets = [0]
@@ -139,7 +147,9 @@ def _reduce_scatter(x: torch.Tensor, rows: list[int], rank: int, group: dist.Pro
 
 class _AllGatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rows: list[int], rank: int, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, rows: list[int], rank: int, group: dist.ProcessGroup
+    ) -> torch.Tensor:
         ctx.rows, ctx.rank, ctx.group = rows, rank, group
         return _gather(x, rows, group)
 
@@ -150,7 +160,9 @@ class _AllGatherRows(torch.autograd.Function):
 
 class _ReduceScatterRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rows: list[int], rank: int, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, rows: list[int], rank: int, group: dist.ProcessGroup
+    ) -> torch.Tensor:
         ctx.rows, ctx.group = rows, group
         return _reduce_scatter(x, rows, rank, group)
 
@@ -169,5 +181,11 @@ def reduce_scatter_rows(x: torch.Tensor, rows: list[int], group: dist.ProcessGro
     return _ReduceScatterRows.apply(x, rows, dist.get_rank(group), group)
 
 
-__all__ = ["DispatchTimer", "all_gather_rows", "all_to_all_rows", "checked_counts", "exchange_counts",
-           "reduce_scatter_rows"]
+__all__ = [
+    "DispatchTimer",
+    "all_gather_rows",
+    "all_to_all_rows",
+    "checked_counts",
+    "exchange_counts",
+    "reduce_scatter_rows",
+]

@@ -71,8 +71,9 @@ class _LocalExperts:
     sentinel (rows routed to other ranks).
     """
 
-    def __init__(self, module: nn.Module, num_local: int, grad_scale: float,
-                 param_names: frozenset[str]) -> None:
+    def __init__(
+        self, module: nn.Module, num_local: int, grad_scale: float, param_names: frozenset[str]
+    ) -> None:
         self._module = module
         self._grad_scale = grad_scale
         # FSDP1 with use_orig_params swaps parameters for plain tensor views during forward,
@@ -90,7 +91,9 @@ class _LocalExperts:
 
 
 def _ep_parameter(param: nn.Parameter, mesh: DeviceMesh, src_data_rank: int | None) -> nn.Parameter:
-    if src_data_rank is None:  # meta or rank-local weights: take this rank's slice, no communication
+    if (
+        src_data_rank is None
+    ):  # meta or rank-local weights: take this rank's slice, no communication
         n = param.shape[0] // mesh.size()
         local = param.detach().narrow(0, mesh.get_local_rank() * n, n).clone()
         value = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
@@ -99,8 +102,9 @@ def _ep_parameter(param: nn.Parameter, mesh: DeviceMesh, src_data_rank: int | No
     return nn.Parameter(value, requires_grad=param.requires_grad)
 
 
-def split_experts(module: nn.Module, ep_mesh: DeviceMesh, *, all_to_all: bool,
-                  src_data_rank: int | None = 0) -> nn.Module:
+def split_experts(
+    module: nn.Module, ep_mesh: DeviceMesh, *, all_to_all: bool, src_data_rank: int | None = 0
+) -> nn.Module:
     """Splits the experts of ``module`` over ``ep_mesh`` and makes its forward dispatch tokens.
 
     Args:
@@ -120,12 +124,16 @@ def split_experts(module: nn.Module, ep_mesh: DeviceMesh, *, all_to_all: bool,
     ep = ep_mesh.size()
     num_experts = int(module.num_experts)
     if num_experts % ep:
-        raise ValueError(f"{type(module).__name__}: {num_experts} experts cannot be split over "
-                         f"expert_parallel_degree={ep} ranks; use a degree that divides {num_experts}.")
+        raise ValueError(
+            f"{type(module).__name__}: {num_experts} experts cannot be split over "
+            f"expert_parallel_degree={ep} ranks; use a degree that divides {num_experts}."
+        )
     for name, param in list(module.named_parameters(recurse=False)):
         if param.dim() == 0 or param.shape[0] != num_experts:
-            raise ValueError(f"{type(module).__name__}.{name} has shape {tuple(param.shape)}; expert "
-                             f"parallelism needs the expert dimension ({num_experts}) first.")
+            raise ValueError(
+                f"{type(module).__name__}.{name} has shape {tuple(param.shape)}; expert "
+                f"parallelism needs the expert dimension ({num_experts}) first."
+            )
         # Assigned directly: SMP's scripts call tsm.transform under accelerate's
         # init_empty_weights(), whose patched register_parameter cannot rebuild a DTensor.
         module._parameters[name] = _ep_parameter(param, ep_mesh, src_data_rank)
@@ -136,25 +144,35 @@ def split_experts(module: nn.Module, ep_mesh: DeviceMesh, *, all_to_all: bool,
     local_view = _LocalExperts(module, num_local, 1.0 / ep, names)
     run_local = type(module).forward  # the model's own (implementation-dispatching) forward
 
-    def forward(mod: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        mod: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         local_view.compute_dtype = hidden.dtype if hidden.is_floating_point() else None
         if ep == 1:
             return run_local(local_view, hidden, top_k_index, top_k_weights)
         if all_to_all:
-            return _dispatch_all_to_all(hidden, top_k_index, top_k_weights, run_local, local_view,
-                                        num_experts, ep, group)
-        return _dispatch_all_gather(hidden, top_k_index, top_k_weights, run_local, local_view,
-                                    first, num_local, group)
+            return _dispatch_all_to_all(
+                hidden, top_k_index, top_k_weights, run_local, local_view, num_experts, ep, group
+            )
+        return _dispatch_all_gather(
+            hidden, top_k_index, top_k_weights, run_local, local_view, first, num_local, group
+        )
 
     module.forward = types.MethodType(forward, module)
     setattr(module, EXPERTS_ATTR, True)
     return module
 
 
-def _dispatch_all_to_all(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
-                         run_local: Any, local_view: _LocalExperts, num_experts: int, ep: int,
-                         group: dist.ProcessGroup) -> torch.Tensor:
+def _dispatch_all_to_all(
+    hidden: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    run_local: Any,
+    local_view: _LocalExperts,
+    num_experts: int,
+    ep: int,
+    group: dist.ProcessGroup,
+) -> torch.Tensor:
     num_local = num_experts // ep
     k = index.shape[1]
     flat = index.reshape(-1)
@@ -164,12 +182,13 @@ def _dispatch_all_to_all(hidden: torch.Tensor, index: torch.Tensor, weights: tor
     # received[s * num_local + j]: rows source rank s sends to local expert j.
     received = coll.exchange_counts(counts, group)
     recv_per_expert = coll.checked_counts(received, "expert token counts")
-    recv_rows = [sum(recv_per_expert[s * num_local:(s + 1) * num_local]) for s in range(ep)]
+    recv_rows = [sum(recv_per_expert[s * num_local : (s + 1) * num_local]) for s in range(ep)]
     send_rows = counts.view(ep, num_local).sum(1).tolist()
     x = coll.all_to_all_rows(hidden[token], recv_rows, send_rows, group)
     local_index = torch.repeat_interleave(
         torch.arange(num_local, device=hidden.device).repeat(ep),
-        torch.tensor(recv_per_expert, device=hidden.device))
+        torch.tensor(recv_per_expert, device=hidden.device),
+    )
     ones = torch.ones((x.shape[0], 1), dtype=weights.dtype, device=x.device)
     y = run_local(local_view, x, local_index[:, None], ones)
     back = coll.all_to_all_rows(y, send_rows, recv_rows, group)
@@ -177,9 +196,16 @@ def _dispatch_all_to_all(hidden: torch.Tensor, index: torch.Tensor, weights: tor
     return torch.zeros_like(hidden).index_add(0, token, weighted)
 
 
-def _dispatch_all_gather(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
-                         run_local: Any, local_view: _LocalExperts, first: int, num_local: int,
-                         group: dist.ProcessGroup) -> torch.Tensor:
+def _dispatch_all_gather(
+    hidden: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    run_local: Any,
+    local_view: _LocalExperts,
+    first: int,
+    num_local: int,
+    group: dist.ProcessGroup,
+) -> torch.Tensor:
     n = torch.tensor([hidden.shape[0]], dtype=torch.long, device=hidden.device)
     sizes = torch.empty(dist.get_world_size(group), dtype=torch.long, device=hidden.device)
     with coll.DispatchTimer.measure(group):

@@ -66,12 +66,18 @@ class MoEConfig:
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
             problems.append(f"random_seed={seed!r}: must be an int in [0, 2**63).")
         if self.moe_load_balancing not in LOAD_BALANCING:
-            problems.append(f"moe_load_balancing={self.moe_load_balancing!r}: unknown option; use one "
-                            f"of {', '.join(map(repr, LOAD_BALANCING))}.")
+            problems.append(
+                f"moe_load_balancing={self.moe_load_balancing!r}: unknown option; use one "
+                f"of {', '.join(map(repr, LOAD_BALANCING))}."
+            )
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                    not math.isfinite(value) or value < 0:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+            ):
                 problems.append(f"{name}={value!r}: must be a finite number >= 0 (0 disables it).")
         if problems:
             raise ValueError("invalid MoEConfig:\n  " + "\n  ".join(problems))

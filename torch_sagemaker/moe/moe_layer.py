@@ -58,7 +58,9 @@ class _AttachAuxLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        aux_grad = torch.full(ctx.aux_shape, aux_loss_scale(), dtype=ctx.aux_dtype, device=grad.device)
+        aux_grad = torch.full(
+            ctx.aux_shape, aux_loss_scale(), dtype=ctx.aux_dtype, device=grad.device
+        )
         return grad, aux_grad
 
 
@@ -75,21 +77,36 @@ class MoELayer(nn.Module):
         shuffle: The token shuffle, or ``None``.
     """
 
-    def __init__(self, block: nn.Module, spec: Any, config: MoEConfig, *, num_experts: int,
-                 top_k: int, normalize: bool, shuffle: TokenShuffle | None) -> None:
+    def __init__(
+        self,
+        block: nn.Module,
+        spec: Any,
+        config: MoEConfig,
+        *,
+        num_experts: int,
+        top_k: int,
+        normalize: bool,
+        shuffle: TokenShuffle | None,
+    ) -> None:
         super().__init__()
         own = [n for n, _ in block.named_parameters(recurse=False)]
         if own:
-            raise ValueError(f"{type(block).__name__} holds parameters {own} itself; MoELayer adopts "
-                             "only child modules. Describe the block differently in the policy.")
+            raise ValueError(
+                f"{type(block).__name__} holds parameters {own} itself; MoELayer adopts "
+                "only child modules. Describe the block differently in the policy."
+            )
         for name, child in block.named_children():
             self.add_module(name, child)
         self.spec = spec
         self.num_experts, self.top_k, self.normalize = num_experts, top_k, normalize
         self.load_balancing = config.moe_load_balancing
-        self.aux_loss_coeff = config.moe_aux_loss_coeff if self.load_balancing == "aux_loss" else 0.0
+        self.aux_loss_coeff = (
+            config.moe_aux_loss_coeff if self.load_balancing == "aux_loss" else 0.0
+        )
         self.z_loss_coeff = config.moe_z_loss_coeff
-        self.jitter_noise = float(getattr(block, spec.jitter_attr, 0.0) or 0.0) if spec.jitter_attr else 0.0
+        self.jitter_noise = (
+            float(getattr(block, spec.jitter_attr, 0.0) or 0.0) if spec.jitter_attr else 0.0
+        )
         self.shuffle = shuffle
         self.aux_loss: torch.Tensor | None = None
         self.replaced = type(block).__name__
@@ -110,8 +127,13 @@ class MoELayer(nn.Module):
         if self.shuffle is not None:
             x, shuffled = self.shuffle.shuffle(x)
         logits = self._router_logits(x)
-        r = routing.route(logits, self.top_k, normalize=self.normalize, method=self.load_balancing,
-                          training=self.training)
+        r = routing.route(
+            logits,
+            self.top_k,
+            normalize=self.normalize,
+            method=self.load_balancing,
+            training=self.training,
+        )
         out = getattr(self, self.spec.experts)(x, r.indices, r.weights)
         if self.spec.shared_expert:
             shared = getattr(self, self.spec.shared_expert)(x)
@@ -120,7 +142,9 @@ class MoELayer(nn.Module):
             out = out + shared
         aux = None
         if self.training and self.aux_loss_coeff > 0:
-            aux = self.aux_loss_coeff * routing.switch_aux_loss(r.probs, r.indices, self.num_experts)
+            aux = self.aux_loss_coeff * routing.switch_aux_loss(
+                r.probs, r.indices, self.num_experts
+            )
         if self.training and self.z_loss_coeff > 0:
             z = self.z_loss_coeff * routing.z_loss(logits)
             aux = z if aux is None else aux + z
@@ -132,14 +156,19 @@ class MoELayer(nn.Module):
         return out.reshape(shape)
 
     def extra_repr(self) -> str:
-        return (f"replaces={self.replaced}, num_experts={self.num_experts}, top_k={self.top_k}, "
-                f"load_balancing={self.load_balancing!r}, shuffle={self.shuffle is not None}")
+        return (
+            f"replaces={self.replaced}, num_experts={self.num_experts}, top_k={self.top_k}, "
+            f"load_balancing={self.load_balancing!r}, shuffle={self.shuffle is not None}"
+        )
 
 
 def aux_losses(model: nn.Module) -> dict[str, torch.Tensor]:
     """The auxiliary loss value of each ``MoELayer`` of ``model`` at its last training forward."""
-    return {name: m.aux_loss for name, m in model.named_modules()
-            if isinstance(m, MoELayer) and m.aux_loss is not None}
+    return {
+        name: m.aux_loss
+        for name, m in model.named_modules()
+        if isinstance(m, MoELayer) and m.aux_loss is not None
+    }
 
 
 __all__ = ["MoELayer", "aux_loss_scale", "aux_losses", "set_aux_loss_scale"]

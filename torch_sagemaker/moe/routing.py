@@ -79,8 +79,9 @@ def z_loss(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits.float(), dim=-1).square().mean()
 
 
-def sinkhorn(logits: torch.Tensor, tol: float = SINKHORN_TOL,
-             max_iters: int = SINKHORN_MAX_ITERS) -> torch.Tensor:
+def sinkhorn(
+    logits: torch.Tensor, tol: float = SINKHORN_TOL, max_iters: int = SINKHORN_MAX_ITERS
+) -> torch.Tensor:
     """Log of the Sinkhorn-balanced matrix of ``exp(logits)``: rows sum to 1, columns to N/E.
 
     Alternates row and column normalizations in the log domain (no overflow for large
@@ -122,7 +123,9 @@ def _capacities(n: int, e: int, round_index: int, device: torch.device) -> torch
     return cap
 
 
-def _auction_round(scores: torch.Tensor, cap: torch.Tensor, eps: float, max_rounds: int) -> torch.Tensor:
+def _auction_round(
+    scores: torch.Tensor, cap: torch.Tensor, eps: float, max_rounds: int
+) -> torch.Tensor:
     """One expert per token, expert ``e`` taking exactly ``cap[e]`` tokens, maximizing the sum.
 
     Bertsekas' auction for similar objects (Jacobi form): every unassigned token bids for its
@@ -176,7 +179,9 @@ def _auction_round(scores: torch.Tensor, cap: torch.Tensor, eps: float, max_roun
     return _fill_remaining(scores, cap, assigned)
 
 
-def _fill_remaining(scores: torch.Tensor, cap: torch.Tensor, assigned: torch.Tensor) -> torch.Tensor:
+def _fill_remaining(
+    scores: torch.Tensor, cap: torch.Tensor, assigned: torch.Tensor
+) -> torch.Tensor:
     """Gives every unassigned token an allowed expert with room, moving one holder if needed.
 
     A token whose allowed experts are all full takes the place of a holder that can move to
@@ -212,8 +217,9 @@ def _fill_remaining(scores: torch.Tensor, cap: torch.Tensor, assigned: torch.Ten
     return assigned
 
 
-def balanced_assignment(scores: torch.Tensor, k: int, eps: float | None = None,
-                        max_rounds: int | None = None) -> torch.Tensor:
+def balanced_assignment(
+    scores: torch.Tensor, k: int, eps: float | None = None, max_rounds: int | None = None
+) -> torch.Tensor:
     """``k`` distinct experts per token with every expert receiving ``N * k / E`` tokens.
 
     Solved in ``k`` rounds; round ``r`` gives each token one more expert (not one it has)

@@ -61,7 +61,9 @@ class TokenShuffle:
         base, extra = divmod(n, self.size)
         send_rows = [base + (j < extra) for j in range(self.size)]
         counts = torch.tensor(send_rows, dtype=torch.long, device=x.device)
-        recv_rows = coll.checked_counts(coll.exchange_counts(counts, self.group), "shuffled token counts")
+        recv_rows = coll.checked_counts(
+            coll.exchange_counts(counts, self.group), "shuffled token counts"
+        )
         y = coll.all_to_all_rows(x[perm], recv_rows, send_rows, self.group)
         return y, Shuffled(perm, send_rows, recv_rows)
 

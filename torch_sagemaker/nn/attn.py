@@ -37,8 +37,9 @@ def _from_bhsd(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t if layout == "b h s d" else t.transpose(1, 2)
 
 
-def _split_packed(packed: torch.Tensor | Sequence[torch.Tensor], parts: int, layout: str,
-                  name: str) -> list[torch.Tensor]:
+def _split_packed(
+    packed: torch.Tensor | Sequence[torch.Tensor], parts: int, layout: str, name: str
+) -> list[torch.Tensor]:
     """``parts`` tensors from a tuple, or from a tensor whose head dim holds them back to back."""
     if isinstance(packed, (tuple, list)):
         if len(packed) != parts:
@@ -46,31 +47,48 @@ def _split_packed(packed: torch.Tensor | Sequence[torch.Tensor], parts: int, lay
         return list(packed)
     head_dim = 1 if layout == "b h s d" else 2
     if packed.dim() != 4 or packed.shape[head_dim] % parts:
-        raise ValueError(f"{name} packed as one tensor must be 4-D with its head dimension "
-                         f"({head_dim}) a multiple of {parts}, got shape {tuple(packed.shape)}.")
+        raise ValueError(
+            f"{name} packed as one tensor must be 4-D with its head dimension "
+            f"({head_dim}) a multiple of {parts}, got shape {tuple(packed.shape)}."
+        )
     return list(packed.chunk(parts, dim=head_dim))
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-            attn_mask: torch.Tensor | None, dropout_p: float, scale: float | None,
-            cast_dtype: torch.dtype | None, layout: str) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    scale: float | None,
+    cast_dtype: torch.dtype | None,
+    layout: str,
+) -> torch.Tensor:
     out_dtype = q.dtype
     q, k, v = (_to_bhsd(t, layout) for t in (q, k, v))
     if cast_dtype is not None:
         q, k, v = (t.to(cast_dtype) for t in (q, k, v))
     if k.shape[1] != q.shape[1]:
         if q.shape[1] % k.shape[1]:
-            raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads.")
+            raise ValueError(
+                f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads."
+            )
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     if attn_mask is not None and causal:
         # SDPA takes one of the two: fold the causal triangle into the mask.
         triangle = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-        attn_mask = (attn_mask & triangle) if attn_mask.dtype == torch.bool else \
-            attn_mask.masked_fill(~triangle, torch.finfo(attn_mask.dtype).min)
+        attn_mask = (
+            (attn_mask & triangle)
+            if attn_mask.dtype == torch.bool
+            else attn_mask.masked_fill(~triangle, torch.finfo(attn_mask.dtype).min)
+        )
         causal = False
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                         is_causal=causal, scale=scale)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal, scale=scale
+    )
     return _from_bhsd(out.to(out_dtype), layout)
 
 
@@ -87,20 +105,31 @@ class FlashSelfAttention(nn.Module):
         NotImplementedError: For ``triton_flash_attention`` or ``use_alibi``.
     """
 
-    def __init__(self, attention_dropout_prob: float = 0.0, scale: float | None = None,
-                 triton_flash_attention: bool = False, use_alibi: bool = False) -> None:
+    def __init__(
+        self,
+        attention_dropout_prob: float = 0.0,
+        scale: float | None = None,
+        triton_flash_attention: bool = False,
+        use_alibi: bool = False,
+    ) -> None:
         super().__init__()
         if triton_flash_attention or use_alibi:
             raise NotImplementedError(
                 "FlashSelfAttention(triton_flash_attention=True / use_alibi=True): SMP's Triton "
                 "FlashAttention-v1 kernel and ALiBi are not available here; leave both False "
-                "(scaled_dot_product_attention is used).")
+                "(scaled_dot_product_attention is used)."
+            )
         self.dropout_p = attention_dropout_prob
         self.scale = scale
 
-    def forward(self, qkv: torch.Tensor | Sequence[torch.Tensor], attn_mask: torch.Tensor | None = None,
-                causal: bool = False, cast_dtype: torch.dtype | None = None,
-                layout: str = "b h s d") -> torch.Tensor:
+    def forward(
+        self,
+        qkv: torch.Tensor | Sequence[torch.Tensor],
+        attn_mask: torch.Tensor | None = None,
+        causal: bool = False,
+        cast_dtype: torch.dtype | None = None,
+        layout: str = "b h s d",
+    ) -> torch.Tensor:
         """Attention of ``qkv``.
 
         Args:
@@ -117,9 +146,17 @@ class FlashSelfAttention(nn.Module):
         """
         _check_layout(layout)
         q, k, v = _split_packed(qkv, 3, layout, "qkv")
-        return _attend(q, k, v, causal=causal, attn_mask=attn_mask,
-                       dropout_p=self.dropout_p if self.training else 0.0, scale=self.scale,
-                       cast_dtype=cast_dtype, layout=layout)
+        return _attend(
+            q,
+            k,
+            v,
+            causal=causal,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            scale=self.scale,
+            cast_dtype=cast_dtype,
+            layout=layout,
+        )
 
 
 class FlashGroupedQueryAttention(nn.Module):
@@ -135,9 +172,15 @@ class FlashGroupedQueryAttention(nn.Module):
         self.dropout_p = attention_dropout_prob
         self.scale = scale
 
-    def forward(self, q: torch.Tensor, kv: torch.Tensor | Sequence[torch.Tensor], causal: bool = False,
-                cast_dtype: torch.dtype | None = None, layout: str = "b h s d",
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor | Sequence[torch.Tensor],
+        causal: bool = False,
+        cast_dtype: torch.dtype | None = None,
+        layout: str = "b h s d",
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Attention of ``q`` over ``kv``.
 
         Args:
@@ -154,9 +197,17 @@ class FlashGroupedQueryAttention(nn.Module):
         """
         _check_layout(layout)
         k, v = _split_packed(kv, 2, layout, "kv")
-        return _attend(q, k, v, causal=causal, attn_mask=attn_mask,
-                       dropout_p=self.dropout_p if self.training else 0.0, scale=self.scale,
-                       cast_dtype=cast_dtype, layout=layout)
+        return _attend(
+            q,
+            k,
+            v,
+            causal=causal,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            scale=self.scale,
+            cast_dtype=cast_dtype,
+            layout=layout,
+        )
 
 
 __all__ = ["FlashGroupedQueryAttention", "FlashSelfAttention"]

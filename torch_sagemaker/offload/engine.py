@@ -62,8 +62,14 @@ class OffloadEngine:
         trace: Keep an event log in ``self.trace`` (for tests and debugging).
     """
 
-    def __init__(self, horizon: int, min_offload_bytes: int, offload: bool = True,
-                 max_stash_bytes: int = DEFAULT_MAX_STASH_BYTES, trace: bool = False) -> None:
+    def __init__(
+        self,
+        horizon: int,
+        min_offload_bytes: int,
+        offload: bool = True,
+        max_stash_bytes: int = DEFAULT_MAX_STASH_BYTES,
+        trace: bool = False,
+    ) -> None:
         if min_offload_bytes < 0:
             raise ValueError(f"min_offload_bytes={min_offload_bytes}: must be >= 0 (bytes).")
         PrefetchSchedule(horizon)  # validates the horizon with a readable error
@@ -118,14 +124,21 @@ class OffloadEngine:
             for unit in pass_record.schedule.on_new_forward():
                 self._release_unit(pass_record, unit, "evict")
         state = [hooks_lib.split_dtensor(t)[0] for t in (*root.parameters(), *root.buffers())]
-        self._module_state = {hooks_lib.storage_key(t) for t in state
-                              if t.untyped_storage().nbytes() > 0}
+        self._module_state = {
+            hooks_lib.storage_key(t) for t in state if t.untyped_storage().nbytes() > 0
+        }
         # Only tensors on the model's device type are moved: in a CUDA run, CPU tensors a
         # layer saves are in host memory already. A model without state accepts any device.
         self._device_type = state[0].device.type if state else None
         pass_record = PassRecord(schedule=PrefetchSchedule(self.horizon))
-        weakref.finalize(pass_record, free_pass, pass_record.storages, pass_record.units,
-                         self.stats, self._transfers)
+        weakref.finalize(
+            pass_record,
+            free_pass,
+            pass_record.storages,
+            pass_record.units,
+            self.stats,
+            self._transfers,
+        )
         self._passes.append(weakref.ref(pass_record))
         self._active = pass_record
         self.stats.add("forward_passes")
@@ -155,24 +168,32 @@ class OffloadEngine:
         """Whether ``key`` is the storage of a parameter or buffer of the root module."""
         return key in self._module_state
 
-    def _enter_layer(self, module: nn.Module, args: tuple[Any, ...],
-                     kwargs: dict[str, Any]) -> None:
+    def _enter_layer(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
         pass_record = self._active
         if pass_record is None:
             # Not our forward (e.g. the recomputation of a checkpointed layer in backward).
             self._unit_stack.append(None)
             return
         first_input = next(
-            (t for t in tree_leaves((args, kwargs))
-             if isinstance(t, torch.Tensor) and t.requires_grad), None)
+            (
+                t
+                for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and t.requires_grad
+            ),
+            None,
+        )
         index = pass_record.schedule.add_unit(has_end_signal=first_input is not None)
         unit = UnitRecord(index)
         if first_input is not None:
             # The gradient of the layer's input is complete exactly when the layer's
             # backward has finished (the hook runs before the producer's backward node).
             unit.grad_hook = first_input.register_hook(
-                functools.partial(_on_input_grad, weakref.ref(self), weakref.ref(pass_record),
-                                  index))
+                functools.partial(
+                    _on_input_grad, weakref.ref(self), weakref.ref(pass_record), index
+                )
+            )
         pass_record.units.append(unit)
         self._unit_stack.append(unit)
         self.stats.add("layers")
@@ -185,8 +206,13 @@ class OffloadEngine:
             self._log("offload", self.active_pass().pass_id, unit.index)
         self._poll_stash()
 
-    def save_storage(self, unit: UnitRecord, local: torch.Tensor, tensor: torch.Tensor,
-                     key: tuple[torch.device, int]) -> tuple[StorageRecord, bool]:
+    def save_storage(
+        self,
+        unit: UnitRecord,
+        local: torch.Tensor,
+        tensor: torch.Tensor,
+        key: tuple[torch.device, int],
+    ) -> tuple[StorageRecord, bool]:
         """Records that ``unit`` saved ``tensor`` (data in ``local``, storage ``key``).
 
         Returns the storage's record and whether autograd should get the original tensor
@@ -201,15 +227,26 @@ class OffloadEngine:
         record.aliases.append(weakref.ref(tensor))
         return record, record.kind is not StorageKind.OFFLOAD
 
-    def _new_record(self, pass_record: PassRecord, unit: UnitRecord, local: torch.Tensor,
-                    key: tuple[torch.device, int]) -> StorageRecord:
+    def _new_record(
+        self,
+        pass_record: PassRecord,
+        unit: UnitRecord,
+        local: torch.Tensor,
+        key: tuple[torch.device, int],
+    ) -> StorageRecord:
         nbytes = local.untyped_storage().nbytes()
         if nbytes < self.min_offload_bytes:
             kind = StorageKind.SMALL
         else:
             kind = StorageKind.OFFLOAD if self.offload else StorageKind.MEASURE
-        record = StorageRecord(key=key, nbytes=nbytes, device=local.device, owner=unit.index,
-                               kind=kind, resident=hooks_lib.flat_storage(local))
+        record = StorageRecord(
+            key=key,
+            nbytes=nbytes,
+            device=local.device,
+            owner=unit.index,
+            kind=kind,
+            resident=hooks_lib.flat_storage(local),
+        )
         pass_record.by_key[key] = record
         pass_record.storages.append(record)
         self.stats.add("bytes_saved", nbytes)
@@ -223,8 +260,9 @@ class OffloadEngine:
             self._start_offload(record)
         return record
 
-    def _make_shared(self, pass_record: PassRecord, record: StorageRecord,
-                     local: torch.Tensor) -> None:
+    def _make_shared(
+        self, pass_record: PassRecord, record: StorageRecord, local: torch.Tensor
+    ) -> None:
         """A second layer saved this storage: it is needed until the last of them runs its
         backward, so offloading it cannot free memory. Keep it on the device for the pass."""
         owner = pass_record.units[record.owner]
@@ -244,8 +282,9 @@ class OffloadEngine:
     def _transfer(self, device: torch.device) -> SyncTransfer | CudaStreamTransfer:
         transfer = self._transfers.get(device)
         if transfer is None:
-            transfer = make_transfer(device, self._pools,
-                                     on_wait=lambda s: self.stats.add("wait_seconds", s))
+            transfer = make_transfer(
+                device, self._pools, on_wait=lambda s: self.stats.add("wait_seconds", s)
+            )
             self._transfers[device] = transfer
         return transfer
 
@@ -378,8 +417,9 @@ class OffloadEngine:
             self.trace.append(event)
 
 
-def _on_input_grad(engine_ref: weakref.ref, pass_ref: weakref.ref, unit: int,
-                   grad: torch.Tensor) -> None:
+def _on_input_grad(
+    engine_ref: weakref.ref, pass_ref: weakref.ref, unit: int, grad: torch.Tensor
+) -> None:
     engine, pass_record = engine_ref(), pass_ref()
     if engine is not None and pass_record is not None:
         engine.end_layer_backward(pass_record, unit)

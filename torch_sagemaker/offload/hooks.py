@@ -67,9 +67,14 @@ class ViewSpec:
             return local
         meta = self.dtensor
         with torch.no_grad():  # wrapping only; no graph edge from the shard to the DTensor
-            return _dtensor_class().from_local(local, meta.mesh, meta.placements,
-                                               run_check=False, shape=meta.shape,
-                                               stride=meta.stride)
+            return _dtensor_class().from_local(
+                local,
+                meta.mesh,
+                meta.placements,
+                run_check=False,
+                shape=meta.shape,
+                stride=meta.stride,
+            )
 
 
 class SavedTensorSink(Protocol):
@@ -93,8 +98,13 @@ class SavedTensorSink(Protocol):
         """Whether ``key`` is the storage of a parameter or buffer of the root module."""
         ...
 
-    def save_storage(self, unit: UnitRecord, local: torch.Tensor, tensor: torch.Tensor,
-                     key: tuple[torch.device, int]) -> tuple[StorageRecord, bool]:
+    def save_storage(
+        self,
+        unit: UnitRecord,
+        local: torch.Tensor,
+        tensor: torch.Tensor,
+        key: tuple[torch.device, int],
+    ) -> tuple[StorageRecord, bool]:
         """Records a saved tensor; returns its storage's record and whether to keep it as is."""
         ...
 
@@ -116,8 +126,14 @@ class SavedRef:
 
     __slots__ = ("pass_record", "record", "unit", "view", "tensor")
 
-    def __init__(self, pass_record: PassRecord, record: StorageRecord, unit: int,
-                 view: ViewSpec, tensor: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        pass_record: PassRecord,
+        record: StorageRecord,
+        unit: int,
+        view: ViewSpec,
+        tensor: torch.Tensor | None,
+    ) -> None:
         self.pass_record = pass_record
         self.record = record
         self.unit = unit
@@ -132,8 +148,9 @@ def split_dtensor(tensor: torch.Tensor) -> tuple[torch.Tensor, DTensorMeta | Non
     if isinstance(tensor, _dtensor_class()):
         # ``_local_tensor`` is the shard object itself; ``to_local()`` would make a new view
         # per call, whose weak references die at once (see StorageRecord.aliases).
-        meta = DTensorMeta(tensor.device_mesh, tuple(tensor.placements), tensor.shape,
-                           tuple(tensor.stride()))
+        meta = DTensorMeta(
+            tensor.device_mesh, tuple(tensor.placements), tensor.shape, tuple(tensor.stride())
+        )
         return tensor._local_tensor, meta
     return tensor, None
 
@@ -176,8 +193,7 @@ def flat_storage(local: torch.Tensor) -> torch.Tensor:
 
 def view_spec(local: torch.Tensor, meta: DTensorMeta | None) -> ViewSpec:
     """The ``ViewSpec`` that rebuilds ``local`` (and its DTensor) from its storage."""
-    return ViewSpec(local.dtype, local.size(), tuple(local.stride()), local.storage_offset(),
-                    meta)
+    return ViewSpec(local.dtype, local.size(), tuple(local.stride()), local.storage_offset(), meta)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -216,8 +232,13 @@ def _pack(engine: SavedTensorSink | None, tensor: torch.Tensor) -> Any:
     if engine.is_module_state(key):
         return tensor  # a buffer (or a view of one): the module keeps it alive anyway
     record, keep_original = engine.save_storage(unit, local, tensor, key)
-    return SavedRef(engine.active_pass(), record, unit.index, view_spec(local, meta),
-                    tensor if keep_original else None)
+    return SavedRef(
+        engine.active_pass(),
+        record,
+        unit.index,
+        view_spec(local, meta),
+        tensor if keep_original else None,
+    )
 
 
 def _unpack(engine: SavedTensorSink | None, packed: Any) -> torch.Tensor:

@@ -148,8 +148,12 @@ def drop_resident(record: StorageRecord, stats: Any, transfers: dict[torch.devic
     # else: the bytes go back to the stash, which subtracts them when the copy completes.
 
 
-def free_pass(storages: list[StorageRecord], units: list[UnitRecord], stats: Any,
-              transfers: dict[torch.device, Any]) -> None:
+def free_pass(
+    storages: list[StorageRecord],
+    units: list[UnitRecord],
+    stats: Any,
+    transfers: dict[torch.device, Any],
+) -> None:
     """Finalizer of a ``PassRecord``: autograd holds none of its saved tensors any more.
 
     Removes the layers' gradient hooks, drops the device references and returns the host

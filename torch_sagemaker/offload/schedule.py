@@ -124,7 +124,8 @@ class PrefetchSchedule:
         demand = state is not UnitState.REQUESTED
         self._states[unit] = UnitState.ACTIVE
         release = tuple(
-            u for u in range(unit + 1, self.num_units)
+            u
+            for u in range(unit + 1, self.num_units)
             if self._states[u] is UnitState.ACTIVE and not self._end_signal[u]
         )
         for u in release:
@@ -132,8 +133,7 @@ class PrefetchSchedule:
         ahead = self._window(below=unit)
         fetch = ((unit,) if demand else ()) + self._request(ahead)
         lead = len(ahead)
-        return StartDecision(fetch=fetch, release=release, demand=demand, lead=lead,
-                             new_start=True)
+        return StartDecision(fetch=fetch, release=release, demand=demand, lead=lead, new_start=True)
 
     def on_backward_end(self, unit: int) -> tuple[int, ...]:
         """The gradient of ``unit``'s input is complete; returns the units to release."""

@@ -109,8 +109,9 @@ class StatsRecorder:
 
     def snapshot(self, host_pool_bytes: int = 0) -> OffloadStats:
         """An immutable copy of the counters."""
-        counts = dict(self._counts, resident_bytes=self.resident_bytes,
-                      host_pool_bytes=host_pool_bytes)
+        counts = dict(
+            self._counts, resident_bytes=self.resident_bytes, host_pool_bytes=host_pool_bytes
+        )
         if self._lead_count:
             counts["prefetch_lead_mean"] = self._lead_sum / self._lead_count
         return OffloadStats(**counts)

@@ -146,8 +146,12 @@ class CudaStreamTransfer:
         on_wait: Called with the seconds the host spent blocked in a wait.
     """
 
-    def __init__(self, pool: HostBufferPool, device: torch.device,
-                 on_wait: Callable[[float], None] | None = None) -> None:
+    def __init__(
+        self,
+        pool: HostBufferPool,
+        device: torch.device,
+        on_wait: Callable[[float], None] | None = None,
+    ) -> None:
         if not pool.pin_memory:
             raise ValueError(
                 "CudaStreamTransfer got a pool with pin_memory=False: asynchronous copies need "
@@ -239,8 +243,11 @@ class CudaStreamTransfer:
         self._on_wait(time.perf_counter() - start)
 
 
-def make_transfer(device: torch.device, pools: dict[bool, HostBufferPool],
-                  on_wait: Callable[[float], None] | None = None) -> SyncTransfer | CudaStreamTransfer:
+def make_transfer(
+    device: torch.device,
+    pools: dict[bool, HostBufferPool],
+    on_wait: Callable[[float], None] | None = None,
+) -> SyncTransfer | CudaStreamTransfer:
     """Picks the transfer for ``device``: CUDA streams on CUDA, synchronous copies elsewhere.
 
     Args:

@@ -121,13 +121,25 @@ class PrefetchOffloadWrapper(OffloadWrapper):
     Forward passes in eval mode or without grad run the module untouched.
     """
 
-    def __init__(self, module: nn.Module, *, horizon: int,
-                 min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES, layers: LayerSpec = None,
-                 offload: bool = True, max_stash_bytes: int = DEFAULT_MAX_STASH_BYTES,
-                 trace: bool = False) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        horizon: int,
+        min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+        layers: LayerSpec = None,
+        offload: bool = True,
+        max_stash_bytes: int = DEFAULT_MAX_STASH_BYTES,
+        trace: bool = False,
+    ) -> None:
         super().__init__(module)
-        engine = OffloadEngine(horizon, min_offload_bytes, offload=offload,
-                               max_stash_bytes=max_stash_bytes, trace=trace)
+        engine = OffloadEngine(
+            horizon,
+            min_offload_bytes,
+            offload=offload,
+            max_stash_bytes=max_stash_bytes,
+            trace=trace,
+        )
         self._offload_engine = engine
         self._offload_hook_handles = engine.attach(find_layers(module, layers))
 
@@ -153,9 +165,14 @@ class PrefetchOffloadWrapper(OffloadWrapper):
         self._offload_engine.stats.reset()
 
 
-def offload_wrapper(module: nn.Module, *, activation_loading_horizon: int | None = None,
-                    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
-                    layers: LayerSpec = None, trace: bool = False) -> nn.Module:
+def offload_wrapper(
+    module: nn.Module,
+    *,
+    activation_loading_horizon: int | None = None,
+    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+    layers: LayerSpec = None,
+    trace: bool = False,
+) -> nn.Module:
     """Wraps the root module for activation offloading, as ``sm_activation_offloading`` says.
 
     With ``tsm.state.sm_activation_offloading`` true (the default) this returns a
@@ -186,15 +203,21 @@ def offload_wrapper(module: nn.Module, *, activation_loading_horizon: int | None
     if layers is None:
         layers = default_layers(module)
         if not layers:
-            warn_once(f"offload_wrapper: {type(module).__name__} has no checkpointed or transformer "
-                      "layers to prefetch for, so PyTorch's offload_wrapper wraps it (every saved "
-                      "tensor offloaded, fetched when backward needs it). Apply activation "
-                      "checkpointing or pass layers=[...] to get prefetching.")
+            warn_once(
+                f"offload_wrapper: {type(module).__name__} has no checkpointed or transformer "
+                "layers to prefetch for, so PyTorch's offload_wrapper wraps it (every saved "
+                "tensor offloaded, fetched when backward needs it). Apply activation "
+                "checkpointing or pass layers=[...] to get prefetching."
+            )
             return native_offload_wrapper(module)
-    horizon = (state.activation_loading_horizon if activation_loading_horizon is None
-               else activation_loading_horizon)
-    return PrefetchOffloadWrapper(module, horizon=horizon, min_offload_bytes=min_offload_bytes,
-                                  layers=layers, trace=trace)
+    horizon = (
+        state.activation_loading_horizon
+        if activation_loading_horizon is None
+        else activation_loading_horizon
+    )
+    return PrefetchOffloadWrapper(
+        module, horizon=horizon, min_offload_bytes=min_offload_bytes, layers=layers, trace=trace
+    )
 
 
 def get_stats(model: nn.Module, reset: bool = False) -> OffloadStats:

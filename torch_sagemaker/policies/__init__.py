@@ -47,7 +47,26 @@ from torch_sagemaker.policies.registry import (
     unregister_policy,
 )
 
-__all__ = ["GPT_NEOX", "LLAMA", "MISTRAL", "MIXTRAL", "POLICIES", "POLICY_ATTR", "QWEN2", "QWEN2_MOE",
-           "QWEN3_MOE", "STYLES", "HeadSplit", "ModelPolicy", "MoESpec", "check_model", "get_policy",
-           "lookup_policy", "register_policy", "registered_policies", "split_heads",
-           "transformer_layer_class", "unregister_policy"]
+__all__ = [
+    "GPT_NEOX",
+    "LLAMA",
+    "MISTRAL",
+    "MIXTRAL",
+    "POLICIES",
+    "POLICY_ATTR",
+    "QWEN2",
+    "QWEN2_MOE",
+    "QWEN3_MOE",
+    "STYLES",
+    "HeadSplit",
+    "ModelPolicy",
+    "MoESpec",
+    "check_model",
+    "get_policy",
+    "lookup_policy",
+    "register_policy",
+    "registered_policies",
+    "split_heads",
+    "transformer_layer_class",
+    "unregister_policy",
+]

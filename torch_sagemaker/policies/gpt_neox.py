@@ -33,7 +33,8 @@ GPT_NEOX = ModelPolicy(
         "lm_head": "lm_head",
     },
     num_kv_heads_attr=None,
-    tp_split_sizes={"intermediate_size": "the MLP's columns (dense_h_to_4h colwise, "
-                                         "dense_4h_to_h rowwise)"},
+    tp_split_sizes={
+        "intermediate_size": "the MLP's columns (dense_h_to_4h colwise, dense_4h_to_h rowwise)"
+    },
     notes="Fused QKV is head-major, so a contiguous split keeps whole heads.",
 )

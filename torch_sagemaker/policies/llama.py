@@ -35,11 +35,13 @@ def llama_style_plan(base: str = "model", mlp: bool = True) -> dict[str, str]:
         "lm_head": "lm_head",
     }
     if mlp:
-        plan.update({
-            f"{layer}.mlp.gate_proj": "colwise",
-            f"{layer}.mlp.up_proj": "colwise",
-            f"{layer}.mlp.down_proj": "rowwise",
-        })
+        plan.update(
+            {
+                f"{layer}.mlp.gate_proj": "colwise",
+                f"{layer}.mlp.up_proj": "colwise",
+                f"{layer}.mlp.down_proj": "rowwise",
+            }
+        )
     return plan
 
 

@@ -32,6 +32,7 @@ STYLES: Mapping[str, str] = {
     "reduce_scatter_output": "module output summed over TP ranks and split over the sequence",
 }
 
+
 @dataclass(frozen=True)
 class MoESpec:
     """Where a model keeps its mixture of experts (used by ``tsm.transform`` with an MoEConfig).
@@ -115,8 +116,10 @@ class ModelPolicy:
     def __post_init__(self) -> None:
         unknown = {p: s for p, s in self.tp_plan.items() if s not in STYLES}
         if unknown:
-            raise ValueError(f"policy {self.name!r}: unknown TP styles {unknown}; "
-                             f"known styles: {', '.join(STYLES)}.")
+            raise ValueError(
+                f"policy {self.name!r}: unknown TP styles {unknown}; "
+                f"known styles: {', '.join(STYLES)}."
+            )
 
     def matches(self, model: nn.Module) -> bool:
         """Whether ``model`` is (a subclass of) one of ``model_classes``."""
@@ -131,8 +134,10 @@ class ModelPolicy:
         for module in model.modules():
             if type(module).__name__ == self.layer_class:
                 return type(module)
-        raise ValueError(f"policy {self.name!r}: {type(model).__name__} has no "
-                         f"{self.layer_class} module; the policy does not fit this model.")
+        raise ValueError(
+            f"policy {self.name!r}: {type(model).__name__} has no "
+            f"{self.layer_class} module; the policy does not fit this model."
+        )
 
     def attention_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """``(name, module)`` of every attention module of ``model``."""
@@ -194,18 +199,24 @@ def split_heads(num_heads: int, num_kv_heads: int, tp: int) -> HeadSplit:
     """
     if num_heads % tp:
         valid = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
-        raise ValueError(f"tensor_parallel_degree={tp} does not divide num_attention_heads={num_heads}; "
-                         f"every rank must hold whole heads. Use a degree in {valid}.")
+        raise ValueError(
+            f"tensor_parallel_degree={tp} does not divide num_attention_heads={num_heads}; "
+            f"every rank must hold whole heads. Use a degree in {valid}."
+        )
     if num_heads % num_kv_heads:
-        raise ValueError(f"num_attention_heads={num_heads} is not a multiple of "
-                         f"num_key_value_heads={num_kv_heads}; the model config is inconsistent.")
+        raise ValueError(
+            f"num_attention_heads={num_heads} is not a multiple of "
+            f"num_key_value_heads={num_kv_heads}; the model config is inconsistent."
+        )
     if num_kv_heads % tp == 0:
         return HeadSplit(num_heads, num_kv_heads, tp, num_heads // tp, num_kv_heads // tp, False)
     if tp % num_kv_heads == 0:
         return HeadSplit(num_heads, num_kv_heads, tp, num_heads // tp, 1, True)
-    raise ValueError(f"tensor_parallel_degree={tp} and num_key_value_heads={num_kv_heads}: one must "
-                     "divide the other (kv heads are split, or replicated when fewer than the degree). "
-                     f"Use a degree that divides {num_kv_heads} or a multiple of it.")
+    raise ValueError(
+        f"tensor_parallel_degree={tp} and num_key_value_heads={num_kv_heads}: one must "
+        "divide the other (kv heads are split, or replicated when fewer than the degree). "
+        f"Use a degree that divides {num_kv_heads} or a multiple of it."
+    )
 
 
 def check_model(policy: ModelPolicy, config: Any, tp: int) -> HeadSplit:
@@ -217,17 +228,21 @@ def check_model(policy: ModelPolicy, config: Any, tp: int) -> HeadSplit:
     heads = split_heads(*policy.head_counts(config), tp)
     experts = policy.num_experts(config)
     if experts and experts % tp:
-        raise ValueError(f"{policy.name}: tensor_parallel_degree={tp} does not divide the number of "
-                         f"experts ({policy.num_experts_attr}={experts}); each rank holds whole "
-                         "experts. Use a degree that divides the expert count.")
+        raise ValueError(
+            f"{policy.name}: tensor_parallel_degree={tp} does not divide the number of "
+            f"experts ({policy.num_experts_attr}={experts}); each rank holds whole "
+            "experts. Use a degree that divides the expert count."
+        )
     for attr, what in policy.tp_split_sizes.items():
         size = getattr(config, attr, None)
         if isinstance(size, int) and size % tp:
             valid = [d for d in range(1, min(size, 64) + 1) if size % d == 0]
-            raise ValueError(f"{policy.name}: tensor_parallel_degree={tp} does not divide "
-                             f"{attr}={size}; {what} are split evenly over the tensor parallel "
-                             f"ranks. Use a degree that divides {size} ({valid}), or a model "
-                             f"whose {attr} is a multiple of {tp}.")
+            raise ValueError(
+                f"{policy.name}: tensor_parallel_degree={tp} does not divide "
+                f"{attr}={size}; {what} are split evenly over the tensor parallel "
+                f"ranks. Use a degree that divides {size} ({valid}), or a model "
+                f"whose {attr} is a multiple of {tp}."
+            )
     return heads
 
 

@@ -20,7 +20,11 @@ QWEN2_MOE = ModelPolicy(
     attention="model.layers.*.self_attn",
     tp_plan={},
     num_experts_attr="num_experts",
-    moe=MoESpec(block_class="Qwen2MoeSparseMoeBlock", normalize_top_k="norm_topk_prob",
-                shared_expert="shared_expert", shared_expert_gate="shared_expert_gate"),
+    moe=MoESpec(
+        block_class="Qwen2MoeSparseMoeBlock",
+        normalize_top_k="norm_topk_prob",
+        shared_expert="shared_expert",
+        shared_expert_gate="shared_expert_gate",
+    ),
     notes="Expert parallelism with the shared expert kept on every rank; no tensor parallel plan.",
 )

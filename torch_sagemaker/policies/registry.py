@@ -44,8 +44,10 @@ def register_policy(policy: ModelPolicy) -> None:
         TypeError: If ``policy`` is not a ``ModelPolicy``.
     """
     if not isinstance(policy, ModelPolicy):
-        raise TypeError(f"register_policy expects a torch_sagemaker.policies.ModelPolicy, got "
-                        f"{type(policy).__name__}.")
+        raise TypeError(
+            f"register_policy expects a torch_sagemaker.policies.ModelPolicy, got "
+            f"{type(policy).__name__}."
+        )
     _USER_POLICIES.insert(0, policy)
 
 
@@ -110,6 +112,20 @@ def transformer_layer_class(model: nn.Module) -> type[nn.Module]:
     return policy.layer_cls(model)
 
 
-__all__ = ["GPT_NEOX", "LLAMA", "MISTRAL", "MIXTRAL", "POLICIES", "POLICY_ATTR", "QWEN2", "QWEN2_MOE",
-           "QWEN3_MOE", "get_policy", "lookup_policy", "register_policy", "registered_policies",
-           "transformer_layer_class", "unregister_policy"]
+__all__ = [
+    "GPT_NEOX",
+    "LLAMA",
+    "MISTRAL",
+    "MIXTRAL",
+    "POLICIES",
+    "POLICY_ATTR",
+    "QWEN2",
+    "QWEN2_MOE",
+    "QWEN3_MOE",
+    "get_policy",
+    "lookup_policy",
+    "register_policy",
+    "registered_policies",
+    "transformer_layer_class",
+    "unregister_policy",
+]

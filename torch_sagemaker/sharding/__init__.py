@@ -9,10 +9,15 @@
 """
 
 from torch_sagemaker.sharding.activation_checkpointing import (
-           CheckpointImpl,
-           apply_activation_checkpointing,
+    CheckpointImpl,
+    apply_activation_checkpointing,
 )
 from torch_sagemaker.sharding.fsdp2 import fsdp2_mesh, shard_model, transformer_layer_classes
 
-__all__ = ["CheckpointImpl", "apply_activation_checkpointing", "fsdp2_mesh", "shard_model",
-           "transformer_layer_classes"]
+__all__ = [
+    "CheckpointImpl",
+    "apply_activation_checkpointing",
+    "fsdp2_mesh",
+    "shard_model",
+    "transformer_layer_classes",
+]

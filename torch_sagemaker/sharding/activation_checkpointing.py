@@ -61,12 +61,17 @@ def apply_activation_checkpointing(
         >>> model = shard_model(model)
     """
     if layer_classes is not None and check_fn is not None:
-        raise ValueError("apply_activation_checkpointing takes layer_classes or check_fn, not "
-                         "both; fold the class test into check_fn.")
+        raise ValueError(
+            "apply_activation_checkpointing takes layer_classes or check_fn, not "
+            "both; fold the class test into check_fn."
+        )
     if check_fn is None:
         classes = layer_classes or transformer_layer_classes(model)
-        what = (f"module of class {[c.__name__ for c in classes]}" if classes else
-                "transformer layer (no policy covers it and it lists no _no_split_modules)")
+        what = (
+            f"module of class {[c.__name__ for c in classes]}"
+            if classes
+            else "transformer layer (no policy covers it and it lists no _no_split_modules)"
+        )
 
         def check_fn(module: nn.Module) -> bool:
             return bool(classes) and isinstance(module, classes)
@@ -74,10 +79,14 @@ def apply_activation_checkpointing(
         what = "module matching check_fn"
     # A layer already inside a wrapper would otherwise be wrapped a second time (and
     # recomputed twice in backward).
-    wrapped = {id(m._checkpoint_wrapped_module) for m in model.modules()
-               if isinstance(m, _cw.CheckpointWrapper)}
-    targets = {id(m) for m in model.modules()
-               if m is not model and id(m) not in wrapped and check_fn(m)}
+    wrapped = {
+        id(m._checkpoint_wrapped_module)
+        for m in model.modules()
+        if isinstance(m, _cw.CheckpointWrapper)
+    }
+    targets = {
+        id(m) for m in model.modules() if m is not model and id(m) not in wrapped and check_fn(m)
+    }
     if not targets and not wrapped:
         raise ValueError(
             f"apply_activation_checkpointing found no {what} in {type(model).__name__}. Pass "
@@ -85,12 +94,16 @@ def apply_activation_checkpointing(
         )
     config = getattr(model, "config", None)  # FSDP1 forwards attribute lookups to the model
     if getattr(config, "use_cache", False):
-        warn_once("apply_activation_checkpointing: setting config.use_cache=False (a KV cache "
-                  "filled in forward would be filled again by the recomputation)")
+        warn_once(
+            "apply_activation_checkpointing: setting config.use_cache=False (a KV cache "
+            "filled in forward would be filled again by the recomputation)"
+        )
         config.use_cache = False
     _cw.apply_activation_checkpointing(
         model,
-        checkpoint_wrapper_fn=functools.partial(_cw.checkpoint_wrapper, checkpoint_impl=checkpoint_impl),
+        checkpoint_wrapper_fn=functools.partial(
+            _cw.checkpoint_wrapper, checkpoint_impl=checkpoint_impl
+        ),
         check_fn=lambda m: id(m) in targets,
     )
     return model

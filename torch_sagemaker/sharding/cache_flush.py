@@ -44,7 +44,8 @@ def watch(root: nn.Module) -> bool:
                 f"previous step ({now} in all); each flush synchronises the GPU and slows the step. "
                 "Raise hybrid_shard_degree (smaller shards per GPU), lower the batch size, or "
                 "enable activation checkpointing/offloading; set fsdp_cache_flush_warnings=false "
-                "to silence this.")
+                "to silence this."
+            )
         last[0] = now
 
     root.register_forward_pre_hook(check)

@@ -69,7 +69,8 @@ def check_ready(model: nn.Module) -> bool:
         raise ValueError(
             f"expert_parallel_degree={state.ep_size}, but {type(model).__name__} has no experts split "
             "over the expert parallel ranks. Call model = tsm.transform(model, config=MoEConfig(...)) "
-            "before wrapping it with FSDP, or set expert_parallel_degree=1.")
+            "before wrapping it with FSDP, or set expert_parallel_degree=1."
+        )
     return found
 
 
@@ -80,10 +81,12 @@ def fsdp1_expert_sharding(strategy: ShardingStrategy) -> tuple[ShardingStrategy,
     if layout.requested_hybrid_shard_degree == 1 or strategy is ShardingStrategy.NO_SHARD:
         return ShardingStrategy.NO_SHARD, state.expert_fsdp_mesh["edp_replicate"]
     if layout.edp_replicate == 1:
-        return (ShardingStrategy.SHARD_GRAD_OP if zero2 else ShardingStrategy.FULL_SHARD), \
-            state.fsdp_shard_mesh
-    return (ShardingStrategy._HYBRID_SHARD_ZERO2 if zero2 else ShardingStrategy.HYBRID_SHARD), \
-        state.expert_fsdp_mesh
+        return (
+            ShardingStrategy.SHARD_GRAD_OP if zero2 else ShardingStrategy.FULL_SHARD
+        ), state.fsdp_shard_mesh
+    return (
+        ShardingStrategy._HYBRID_SHARD_ZERO2 if zero2 else ShardingStrategy.HYBRID_SHARD
+    ), state.expert_fsdp_mesh
 
 
 class _WithExperts(_Policy):
@@ -92,8 +95,9 @@ class _WithExperts(_Policy):
     def __init__(self, inner: _Policy, targets: list[nn.Module]) -> None:
         self._inner, self._targets = inner, targets
 
-    def _run_policy(self, root_module: nn.Module, ignored_modules: set[nn.Module],
-                    root_kwargs: dict[str, Any]) -> dict[nn.Module, dict[str, Any]]:
+    def _run_policy(
+        self, root_module: nn.Module, ignored_modules: set[nn.Module], root_kwargs: dict[str, Any]
+    ) -> dict[nn.Module, dict[str, Any]]:
         result = self._inner._run_policy(root_module, ignored_modules, root_kwargs)
         for module in self._targets:
             if module not in ignored_modules:
@@ -137,7 +141,8 @@ def fsdp1_root_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> None:
             f"{state.ep_size} and use_orig_params=True: PyTorch's FSDP1 cannot keep the expert "
             "DTensors in NO_SHARD units (Note [FSDP1 experts on one rank] in "
             "torch_sagemaker/sharding/experts.py). Use hybrid_shard_degree >= 2 or 0, or FSDP2 "
-            "(torch_sagemaker.sharding.shard_model).")
+            "(torch_sagemaker.sharding.shard_model)."
+        )
     ids = {id(m) for m in targets}
     policy = kwargs.get("auto_wrap_policy")
     wrap_experts = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in ids)
@@ -151,7 +156,11 @@ def fsdp1_root_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> None:
         kwargs["auto_wrap_policy"] = functools.partial(_or_policy, policies=[policy, wrap_experts])
     mp = kwargs.get("mixed_precision")
     router_classes = {type(r) for r in routers(model)}
-    if isinstance(mp, MixedPrecision) and router_classes and mp.param_dtype not in (None, torch.float32):
+    if (
+        isinstance(mp, MixedPrecision)
+        and router_classes
+        and mp.param_dtype not in (None, torch.float32)
+    ):
         ignored = tuple(set(mp._module_classes_to_ignore) | router_classes)
         kwargs["mixed_precision"] = dataclasses.replace(mp, _module_classes_to_ignore=ignored)
 
@@ -163,8 +172,9 @@ def expert_fsdp2_mesh() -> DeviceMesh:
     return state.fsdp_shard_mesh
 
 
-def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None,
-                        **kwargs: Any) -> list[nn.Module]:
+def fully_shard_experts(
+    model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None, **kwargs: Any
+) -> list[nn.Module]:
     """FSDP2 units for experts modules (expert mesh) and, under mixed precision, fp32 routers.
 
     Args:
@@ -191,5 +201,12 @@ def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrec
     return wrapped
 
 
-__all__ = ["check_ready", "expert_fsdp2_mesh", "expert_modules", "fsdp1_expert_sharding",
-           "fsdp1_root_kwargs", "fully_shard_experts", "routers"]
+__all__ = [
+    "check_ready",
+    "expert_fsdp2_mesh",
+    "expert_modules",
+    "fsdp1_expert_sharding",
+    "fsdp1_root_kwargs",
+    "fully_shard_experts",
+    "routers",
+]

@@ -76,8 +76,11 @@ def _host_mesh() -> DeviceMesh:
     key = (shard, layout.dp_size // shard)
     if key not in _host_meshes:
         # Built on demand (a collective: every rank constructs FSDP); TP stays innermost.
-        mesh = init_device_mesh(state.device_mesh.device_type, (key[1], shard, layout.tp),
-                                mesh_dim_names=("host_replicate", "host_shard", "host_tp"))
+        mesh = init_device_mesh(
+            state.device_mesh.device_type,
+            (key[1], shard, layout.tp),
+            mesh_dim_names=("host_replicate", "host_shard", "host_tp"),
+        )
         _host_meshes[key] = mesh["host_replicate", "host_shard"]
     return _host_meshes[key]
 
@@ -99,13 +102,17 @@ def resolve_sharding(strategy: ShardingStrategy | None) -> tuple[ShardingStrateg
     return strategy, state.fsdp_mesh
 
 
-def _check_explicit(strategy: ShardingStrategy, mesh: DeviceMesh, process_group: Any,
-                    device_mesh: DeviceMesh | None) -> None:
+def _check_explicit(
+    strategy: ShardingStrategy, mesh: DeviceMesh, process_group: Any, device_mesh: DeviceMesh | None
+) -> None:
     """Refuses an explicit group or mesh that contradicts the SMP config."""
     if strategy in _HYBRID:
         expected = (_ranks(mesh.get_group(1)), _ranks(mesh.get_group(0)))
         if device_mesh is not None:
-            got = (_ranks(device_mesh.get_group(device_mesh.ndim - 1)), _ranks(device_mesh.get_group(0)))
+            got = (
+                _ranks(device_mesh.get_group(device_mesh.ndim - 1)),
+                _ranks(device_mesh.get_group(0)),
+            )
         elif isinstance(process_group, tuple):
             got = (_ranks(process_group[0]), _ranks(process_group[1]))
         else:
@@ -125,9 +132,11 @@ def _check_explicit(strategy: ShardingStrategy, mesh: DeviceMesh, process_group:
         )
 
 
-def _wrap_post_param_init(module: nn.Module, param_init_fn: Callable | None,
-                          post_param_init_fn: Callable) -> Callable | None:
+def _wrap_post_param_init(
+    module: nn.Module, param_init_fn: Callable | None, post_param_init_fn: Callable
+) -> Callable | None:
     """Calls ``post_param_init_fn(module)`` once ``param_init_fn`` materialised the last meta tensor."""
+
     def has_meta() -> bool:
         return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
 
@@ -148,15 +157,22 @@ def _wrap_post_param_init(module: nn.Module, param_init_fn: Callable | None,
     return init_then_post
 
 
-def _patched_init(self: FullyShardedDataParallel, module: nn.Module, process_group: Any = None,
-                  sharding_strategy: ShardingStrategy | None = None, *args: Any,
-                  post_param_init_fn: Callable | None = None, **kwargs: Any) -> None:
+def _patched_init(
+    self: FullyShardedDataParallel,
+    module: nn.Module,
+    process_group: Any = None,
+    sharding_strategy: ShardingStrategy | None = None,
+    *args: Any,
+    post_param_init_fn: Callable | None = None,
+    **kwargs: Any,
+) -> None:
     depth = getattr(_local, "depth", 0)
     _local.depth = depth + 1
     try:
         if post_param_init_fn is not None:
-            kwargs["param_init_fn"] = _wrap_post_param_init(module, kwargs.get("param_init_fn"),
-                                                            post_param_init_fn)
+            kwargs["param_init_fn"] = _wrap_post_param_init(
+                module, kwargs.get("param_init_fn"), post_param_init_fn
+            )
         if state.initialized:
             if depth == 0:
                 check_prepared(module, state.cp_size, "FSDP")
@@ -175,9 +191,11 @@ def _patched_init(self: FullyShardedDataParallel, module: nn.Module, process_gro
             key = (strategy, tuple(mesh.shape))
             if depth == 0 and key not in _logged:
                 _logged.add(key)
-                log_rank0(f"FSDP: {strategy.name} over mesh {mesh.mesh_dim_names} of shape "
-                          f"{tuple(mesh.shape)} (hybrid_shard_degree="
-                          f"{state.layout.requested_hybrid_shard_degree})")
+                log_rank0(
+                    f"FSDP: {strategy.name} over mesh {mesh.mesh_dim_names} of shape "
+                    f"{tuple(mesh.shape)} (hybrid_shard_degree="
+                    f"{state.layout.requested_hybrid_shard_degree})"
+                )
         _original_init(self, module, process_group, sharding_strategy, *args, **kwargs)
         if state.initialized and kwargs.get("device_mesh") is not None:
             fsdp1_layout.adapt(self)

@@ -83,7 +83,8 @@ class SMPFSDPExtensions(DTensorExtensions):
         replicated = [Replicate()] * device_mesh.ndim
         sharded = [*replicated[:-1], Shard(0)]
         return DTensor.from_local(local, device_mesh, replicated, run_check=False).redistribute(
-            device_mesh, sharded)
+            device_mesh, sharded
+        )
 
     def all_gather_dtensor(self, tensor: DTensor, parent_mesh: DeviceMesh | None) -> torch.Tensor:
         """Gathers a ``chunk_dtensor`` DTensor back into the TP-local tensor (for loading)."""
@@ -100,8 +101,9 @@ def _register_local_parameters(handle: Any) -> None:
         use_unsharded_views(as_params)
         if not as_params:
             return
-        for original, (name, module, _) in zip(flat_param._params, flat_param._param_infos,
-                                                strict=True):
+        for original, (name, module, _) in zip(
+            flat_param._params, flat_param._param_infos, strict=True
+        ):
             current = module._parameters.get(name)
             if isinstance(current, DTensor) and current is not original:
                 # What FSDP does for plain tensors: the kept parameter points at the new view.
@@ -132,15 +134,20 @@ def adapt(fsdp_module: FullyShardedDataParallel) -> None:
         return
     fsdp1_state_dict.attach(fsdp_module)
     handle = fsdp_module._handle
-    if (fsdp_module.sharding_strategy is ShardingStrategy.NO_SHARD and handle._use_orig_params
-            and handle.flat_param._params is not None):
+    if (
+        fsdp_module.sharding_strategy is ShardingStrategy.NO_SHARD
+        and handle._use_orig_params
+        and handle.flat_param._params is not None
+    ):
         _register_local_parameters(handle)
 
 
 def _flattens_dtensors(fsdp_module: FullyShardedDataParallel) -> bool:
     """Whether the unit's flat parameter holds tensor-parallel (DTensor) parameters."""
     handle = fsdp_module._handle
-    return handle is not None and any(spec is not None for spec in handle.flat_param._param_extensions)
+    return handle is not None and any(
+        spec is not None for spec in handle.flat_param._param_extensions
+    )
 
 
 __all__ = ["SMPFSDPExtensions", "adapt"]

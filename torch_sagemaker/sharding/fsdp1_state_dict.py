@@ -42,8 +42,9 @@ _TRANSLATE_ATTR = "translate_on_save"
 _original_config_init = FullStateDictConfig.__init__
 
 
-def _config_init(self: FullStateDictConfig, *args: Any, translate_on_save: bool = True,
-                 **kwargs: Any) -> None:
+def _config_init(
+    self: FullStateDictConfig, *args: Any, translate_on_save: bool = True, **kwargs: Any
+) -> None:
     _original_config_init(self, *args, **kwargs)
     self.translate_on_save = translate_on_save
 
@@ -63,8 +64,9 @@ def uninstall() -> None:
 
 def _translating(unit: FullyShardedDataParallel) -> bool:
     config = unit._state_dict_config
-    return (unit._state_dict_type is StateDictType.FULL_STATE_DICT
-            and getattr(config, _TRANSLATE_ATTR, True))
+    return unit._state_dict_type is StateDictType.FULL_STATE_DICT and getattr(
+        config, _TRANSLATE_ATTR, True
+    )
 
 
 def _pre_state_dict(unit: FullyShardedDataParallel, prefix: str, keep_vars: bool) -> None:
@@ -81,18 +83,30 @@ def _full_values(unit: FullyShardedDataParallel, state_dict: dict[str, Any], pre
         for fqn, spec in zip(flat_param._fqns, flat_param._param_extensions, strict=True):
             key = prefix + clean_tensor_name(fqn)
             value = state_dict.get(key)
-            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and spec is not None:
-                state_dict[key] = DTensor.from_local(value, spec.mesh, spec.placements,
-                                                     shape=spec.shape, stride=spec.stride,
-                                                     run_check=False).full_tensor()
+            if (
+                isinstance(value, torch.Tensor)
+                and not isinstance(value, DTensor)
+                and spec is not None
+            ):
+                state_dict[key] = DTensor.from_local(
+                    value,
+                    spec.mesh,
+                    spec.placements,
+                    shape=spec.shape,
+                    stride=spec.stride,
+                    run_check=False,
+                ).full_tensor()
     # Flattened DTensors, and those FSDP leaves alone (ignored modules, e.g. experts held
     # whole by their EP rank); the keys come in the same order on every rank.
-    for key in [k for k, v in state_dict.items() if k.startswith(prefix) and isinstance(v, DTensor)]:
+    for key in [
+        k for k, v in state_dict.items() if k.startswith(prefix) and isinstance(v, DTensor)
+    ]:
         state_dict[key] = state_dict[key].full_tensor()
 
 
-def _post_state_dict(unit: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str,
-                     local_metadata: Any) -> None:
+def _post_state_dict(
+    unit: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
     requested = unit._tsm_requested_config
     if requested is None:
         return

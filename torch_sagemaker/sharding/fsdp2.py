@@ -92,8 +92,9 @@ def shard_model(
             "layer_classes=(MyDecoderLayer,) or register a policy for the model."
         )
     # Expert parallel models: experts (and fp32 routers) first, as units of their own.
-    inner = fully_shard_experts(model, mesh, mp_policy, reshard_after_forward=reshard_after_forward,
-                                **fully_shard_kwargs)
+    inner = fully_shard_experts(
+        model, mesh, mp_policy, reshard_after_forward=reshard_after_forward, **fully_shard_kwargs
+    )
     kwargs = dict(fully_shard_kwargs)
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
@@ -108,9 +109,11 @@ def shard_model(
         # The setting is per FSDP state: the root's call does not reach the layers.
         for module in [*inner, *layers, model]:
             module.set_allocate_memory_from_process_group_for_comm(True)
-    log_rank0(f"FSDP2: sharded {len(layers)} x {classes[0].__name__} and the root over mesh "
-              f"{mesh.mesh_dim_names} of shape {tuple(mesh.shape)}"
-              f"{'; comm buffers from the backend' if comm_buffers_from_backend else ''}")
+    log_rank0(
+        f"FSDP2: sharded {len(layers)} x {classes[0].__name__} and the root over mesh "
+        f"{mesh.mesh_dim_names} of shape {tuple(mesh.shape)}"
+        f"{'; comm buffers from the backend' if comm_buffers_from_backend else ''}"
+    )
     return model  # type: ignore[return-value]
 
 

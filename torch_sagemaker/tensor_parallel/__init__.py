@@ -10,5 +10,11 @@ from torch_sagemaker.tensor_parallel.implementation import select_backend, te_av
 from torch_sagemaker.tensor_parallel.loss import causal_lm_loss, vocab_parallel_cross_entropy
 from torch_sagemaker.tensor_parallel.random import RNGStatesTracker
 
-__all__ = ["RNGStatesTracker", "causal_lm_loss", "select_backend", "te_available", "use_backend",
-           "vocab_parallel_cross_entropy"]
+__all__ = [
+    "RNGStatesTracker",
+    "causal_lm_loss",
+    "select_backend",
+    "te_available",
+    "use_backend",
+    "vocab_parallel_cross_entropy",
+]

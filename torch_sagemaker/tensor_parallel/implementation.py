@@ -35,8 +35,16 @@ class TPBackend(Protocol):
 
     name: str
 
-    def apply(self, model: nn.Module, policy: ModelPolicy, heads: HeadSplit, *, tp_mesh: DeviceMesh,
-              tracker: RNGStatesTracker, src_data_rank: int | None) -> None:
+    def apply(
+        self,
+        model: nn.Module,
+        policy: ModelPolicy,
+        heads: HeadSplit,
+        *,
+        tp_mesh: DeviceMesh,
+        tracker: RNGStatesTracker,
+        src_data_rank: int | None,
+    ) -> None:
         """Tensor-parallelizes ``model`` in place (see ``plan.apply_tp_plan`` for the arguments)."""
         ...
 
@@ -46,8 +54,16 @@ class DTensorBackend:
 
     name = "dtensor"
 
-    def apply(self, model: nn.Module, policy: ModelPolicy, heads: HeadSplit, *, tp_mesh: DeviceMesh,
-              tracker: RNGStatesTracker, src_data_rank: int | None) -> None:
+    def apply(
+        self,
+        model: nn.Module,
+        policy: ModelPolicy,
+        heads: HeadSplit,
+        *,
+        tp_mesh: DeviceMesh,
+        tracker: RNGStatesTracker,
+        src_data_rank: int | None,
+    ) -> None:
         """See ``TPBackend.apply``."""
         apply_tp_plan(model, tp_mesh, policy, heads, tracker=tracker, src_data_rank=src_data_rank)
 
@@ -68,9 +84,13 @@ def use_backend(name: str | None) -> None:
     """
     global _FORCED
     if name not in (None, "dtensor", "te"):
-        raise ValueError(f"tensor parallel backend {name!r}; use 'dtensor', 'te' or None (automatic).")
+        raise ValueError(
+            f"tensor parallel backend {name!r}; use 'dtensor', 'te' or None (automatic)."
+        )
     if name == "te" and not te_available():
-        raise ValueError("the 'te' backend needs transformer_engine and CUDA; neither is usable here.")
+        raise ValueError(
+            "the 'te' backend needs transformer_engine and CUDA; neither is usable here."
+        )
     _FORCED = name
 
 

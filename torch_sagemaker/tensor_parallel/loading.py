@@ -48,10 +48,12 @@ def capture_rank0_state(model: nn.Module) -> dict[str, torch.Tensor] | None:
     meta = [name for name, t in tensors.items() if t.is_meta]
     problem = [None]
     if meta:
-        problem[0] = (f"load_state_dict_from_rank0=True needs real weights on rank 0, but {len(meta)} "
-                      f"of rank 0's tensors are on the meta device ({meta[:4]}). Load the weights on "
-                      "rank 0 (e.g. from_pretrained) and build the model on meta only on the other "
-                      "ranks.")
+        problem[0] = (
+            f"load_state_dict_from_rank0=True needs real weights on rank 0, but {len(meta)} "
+            f"of rank 0's tensors are on the meta device ({meta[:4]}). Load the weights on "
+            "rank 0 (e.g. from_pretrained) and build the model on meta only on the other "
+            "ranks."
+        )
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(problem, src=0)
     if problem[0] is not None:
@@ -59,8 +61,9 @@ def capture_rank0_state(model: nn.Module) -> dict[str, torch.Tensor] | None:
     return {name: t.detach() for name, t in tensors.items()} if is_src else None
 
 
-def broadcast_from_rank0(model: nn.Module, rank0_state: dict[str, torch.Tensor] | None,
-                         device: torch.device) -> None:
+def broadcast_from_rank0(
+    model: nn.Module, rank0_state: dict[str, torch.Tensor] | None, device: torch.device
+) -> None:
     """Gives every rank its shard of rank 0's weights (collective over the default group).
 
     Args:
@@ -79,8 +82,9 @@ def broadcast_from_rank0(model: nn.Module, rank0_state: dict[str, torch.Tensor] 
                 full = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
             dist.broadcast(full, src=0)
             if isinstance(tensor, DTensor):
-                shard = distribute_tensor(full, tensor.device_mesh, tensor.placements,
-                                          src_data_rank=None).to_local()
+                shard = distribute_tensor(
+                    full, tensor.device_mesh, tensor.placements, src_data_rank=None
+                ).to_local()
                 tensor.to_local().copy_(shard)
             else:
                 tensor.copy_(full)

@@ -35,12 +35,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-row cross entropy of logits split over the vocabulary (rows x local vocab)."""
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, offset: int,
-                ignore_index: int, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        offset: int,
+        ignore_index: int,
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:
         ctx.input_dtype = logits.dtype
         logits = logits.float()  # softmax statistics in fp32, as Hugging Face's loss does
-        row_max = logits.max(dim=-1).values if logits.shape[-1] else \
-            torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
+        row_max = (
+            logits.max(dim=-1).values
+            if logits.shape[-1]
+            else torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
+        )
         all_reduce_direct(row_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - row_max.unsqueeze(-1)
         exp = shifted.exp()
@@ -49,8 +58,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_target = target - offset
         mine = (local_target >= 0) & (local_target < logits.shape[-1])
         safe = local_target.masked_fill(~mine, 0)
-        picked = shifted.gather(-1, safe.unsqueeze(-1)).squeeze(-1) if logits.shape[-1] else \
-            torch.zeros_like(sum_exp)
+        picked = (
+            shifted.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+            if logits.shape[-1]
+            else torch.zeros_like(sum_exp)
+        )
         picked = picked.masked_fill(~mine, 0.0)
         all_reduce_direct(picked, group=group)
         ignored = target == ignore_index
@@ -68,8 +80,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.input_dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: DTensor, target: torch.Tensor, *, ignore_index: int = -100,
-                                 reduction: str = "mean") -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: DTensor, target: torch.Tensor, *, ignore_index: int = -100, reduction: str = "mean"
+) -> torch.Tensor:
     """Cross entropy of vocabulary-sharded logits.
 
     Args:
@@ -87,8 +100,10 @@ def vocab_parallel_cross_entropy(logits: DTensor, target: torch.Tensor, *, ignor
     """
     placements = logits.placements
     if len(placements) != 1 or placements[0] != Shard(logits.ndim - 1):
-        raise ValueError(f"vocab_parallel_cross_entropy expects logits sharded on the last dim over a "
-                         f"1-D mesh, got placements {placements}.")
+        raise ValueError(
+            f"vocab_parallel_cross_entropy expects logits sharded on the last dim over a "
+            f"1-D mesh, got placements {placements}."
+        )
     mesh = logits.device_mesh
     offset = vocab_shard_offset(logits.shape[-1], mesh.size(), mesh.get_local_rank())
     local = logits.to_local()
@@ -102,9 +117,15 @@ def vocab_parallel_cross_entropy(logits: DTensor, target: torch.Tensor, *, ignor
     raise ValueError(f"reduction={reduction!r}; use 'none', 'sum' or 'mean'.")
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-                   num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = -100,
-                   shift_labels: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+def causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
     """Next-token loss with Hugging Face's ``ForCausalLMLoss`` semantics, on sharded logits.
 
     Plain-tensor logits fall back to ``F.cross_entropy`` (same result as Hugging Face).
@@ -130,8 +151,9 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
     flat = logits.reshape(-1, vocab_size)
     reduction = "mean" if num_items_in_batch is None else "sum"
     if isinstance(flat, DTensor):
-        loss = vocab_parallel_cross_entropy(flat, target, ignore_index=ignore_index,
-                                            reduction=reduction)
+        loss = vocab_parallel_cross_entropy(
+            flat, target, ignore_index=ignore_index, reduction=reduction
+        )
     else:
         loss = F.cross_entropy(flat.float(), target, ignore_index=ignore_index, reduction=reduction)
     if num_items_in_batch is not None:

@@ -53,12 +53,16 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
         param = getattr(first_module, first_name)
         for module, name in others:
             current = getattr(module, name)
-            if isinstance(current, DTensor) and isinstance(param, DTensor) and \
-                    current.placements != param.placements:
+            if (
+                isinstance(current, DTensor)
+                and isinstance(param, DTensor)
+                and current.placements != param.placements
+            ):
                 raise ValueError(
                     f"tied parameters {first_name} ({param.placements}) and {name} "
                     f"({current.placements}) were given different TP layouts; the policy must "
-                    "split tied parameters the same way (e.g. vocab_embedding with lm_head).")
+                    "split tied parameters the same way (e.g. vocab_embedding with lm_head)."
+                )
             module.register_parameter(name, param)
 
 
@@ -92,8 +96,15 @@ def _head_dim(policy: ModelPolicy, config: Any) -> int:
     return int(config.hidden_size) // heads
 
 
-def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, policy: ModelPolicy, heads: HeadSplit, *,
-                  tracker: RNGStatesTracker, src_data_rank: int | None = 0) -> TPReport:
+def apply_tp_plan(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    policy: ModelPolicy,
+    heads: HeadSplit,
+    *,
+    tracker: RNGStatesTracker,
+    src_data_rank: int | None = 0,
+) -> TPReport:
     """Tensor-parallelizes ``model`` in place according to ``policy.tp_plan``.
 
     Args:
@@ -120,12 +131,16 @@ def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, policy: ModelPolicy, he
     for pattern, style_name in policy.tp_plan.items():
         names = matching_modules(model, pattern)
         if not names:
-            raise ValueError(f"policy {policy.name!r}: TP plan pattern {pattern!r} matches no module "
-                             f"of {type(model).__name__}; the policy does not fit this model.")
+            raise ValueError(
+                f"policy {policy.name!r}: TP plan pattern {pattern!r} matches no module "
+                f"of {type(model).__name__}; the policy does not fit this model."
+            )
         for name in names:
             style = make_style(style_name, head_dim=head_dim, kv_head=kv_head)
             # parallelize_module sets the style's src_data_rank from its own argument.
-            parallelize_module(model.get_submodule(name), tp_mesh, style, src_data_rank=src_data_rank)
+            parallelize_module(
+                model.get_submodule(name), tp_mesh, style, src_data_rank=src_data_rank
+            )
         counts[style_name] = counts.get(style_name, 0) + len(names)
     _retie(tied)
     for _, attention in policy.attention_modules(model):
@@ -136,9 +151,11 @@ def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, policy: ModelPolicy, he
         install_rng_region(attention, tracker)
     left = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if left:
-        raise ValueError(f"policy {policy.name!r} left parameters unsharded: {left[:6]}"
-                         f"{' ...' if len(left) > 6 else ''}; add a TP plan entry for their modules "
-                         "(use 'replicate' for small replicated modules).")
+        raise ValueError(
+            f"policy {policy.name!r} left parameters unsharded: {left[:6]}"
+            f"{' ...' if len(left) > 6 else ''}; add a TP plan entry for their modules "
+            "(use 'replicate' for small replicated modules)."
+        )
     model.loss_function = causal_lm_loss
     return TPReport(modules=counts, heads=heads)
 

@@ -100,7 +100,9 @@ class RNGStatesTracker:
         if name in self._states:
             raise ValueError(f"RNG stream {name!r} already exists; call reset() first.")
         if seed in self._seeds:
-            raise ValueError(f"seed {seed} is already used by another RNG stream; pick another seed.")
+            raise ValueError(
+                f"seed {seed} is already used by another RNG stream; pick another seed."
+            )
         saved = _get_rng_state(self.device_type)
         torch.manual_seed(seed) if self.device_type == "cpu" else torch.cuda.manual_seed(seed)
         self._states[name] = _get_rng_state(self.device_type)
@@ -124,8 +126,9 @@ class RNGStatesTracker:
             self._states[name] = _get_rng_state(self.device_type)
             _set_rng_state(saved, self.device_type)
 
-    def checkpoint_context_fn(self) -> tuple[contextlib.AbstractContextManager,
-                                             contextlib.AbstractContextManager]:
+    def checkpoint_context_fn(
+        self,
+    ) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         """``context_fn`` for non-reentrant ``torch.utils.checkpoint`` that replays TP-region draws.
 
         See Note [TP-region RNG and activation checkpointing]. The forward context records

@@ -47,8 +47,9 @@ from torch.distributed.tensor.parallel import (
 from torch_sagemaker.distributed.direct import all_reduce_direct
 
 
-def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements: list[Placement],
-                       src_data_rank: int | None) -> None:
+def _distribute_params(
+    module: nn.Module, mesh: DeviceMesh, placements: list[Placement], src_data_rank: int | None
+) -> None:
     """Replaces each direct parameter of ``module`` by a DTensor with ``placements``."""
     for name, param in list(module.named_parameters(recurse=False)):
         dt = distribute_tensor(param.detach(), mesh, placements, src_data_rank=src_data_rank)
@@ -133,7 +134,9 @@ class SequenceParallelDropout(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Dropout):
-            raise TypeError(f"sequence_parallel_dropout applies to nn.Dropout, got {type(module).__name__}.")
+            raise TypeError(
+                f"sequence_parallel_dropout applies to nn.Dropout, got {type(module).__name__}."
+            )
 
         def forward(mod: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
             if not mod.training or mod.p == 0.0:
@@ -160,9 +163,14 @@ class ReplicateParallel(ParallelStyle):
             _distribute_params(mod, mesh, [Replicate()], self.src_data_rank)
 
         def prepare_input(_mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-                         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
-                         and x.is_floating_point() else x for x in inputs)
+            return tuple(
+                DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                if isinstance(x, torch.Tensor)
+                and not isinstance(x, DTensor)
+                and x.is_floating_point()
+                else x
+                for x in inputs
+            )
 
         return distribute_module(module, device_mesh, partition, prepare_input)
 
@@ -199,15 +207,21 @@ class ExpertsParallel(ParallelStyle):
         tp = device_mesh.size()
         num_experts = int(module.num_experts)
         if num_experts % tp:
-            raise ValueError(f"{type(module).__name__}: {num_experts} experts cannot be split over "
-                             f"tensor_parallel_degree={tp} ranks; use a degree dividing {num_experts}.")
+            raise ValueError(
+                f"{type(module).__name__}: {num_experts} experts cannot be split over "
+                f"tensor_parallel_degree={tp} ranks; use a degree dividing {num_experts}."
+            )
         _distribute_params(module, device_mesh, [Shard(0)], self.src_data_rank)
         num_local = num_experts // tp
         first = device_mesh.get_local_rank() * num_local
         forward_impl = type(module).forward
 
-        def forward(mod: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                    top_k_weights: torch.Tensor) -> DTensor:
+        def forward(
+            mod: nn.Module,
+            hidden: torch.Tensor,
+            top_k_index: torch.Tensor,
+            top_k_weights: torch.Tensor,
+        ) -> DTensor:
             hidden = to_local_partial_grad(hidden, device_mesh)
             weights = to_local_partial_grad(top_k_weights, device_mesh)
             index = top_k_index.to_local() if isinstance(top_k_index, DTensor) else top_k_index
@@ -274,11 +288,13 @@ def make_style(name: str, *, head_dim: int = 0, kv_head: int | None = None) -> P
     elif name == "rowwise":
         style = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
     elif name == "vocab_embedding":
-        style = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
-                                use_local_output=False)
+        style = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        )
     elif name == "lm_head":
-        style = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
-                                use_local_output=False)
+        style = ColwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False
+        )
     elif name == "sequence_parallel_norm":
         style = SequenceParallelNorm()
     elif name == "sequence_parallel_dropout":
@@ -288,12 +304,20 @@ def make_style(name: str, *, head_dim: int = 0, kv_head: int | None = None) -> P
     elif name == "experts":
         style = ExpertsParallel()
     elif name == "reduce_scatter_output":
-        style = PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Shard(1),
-                                    use_local_output=False)
+        style = PrepareModuleOutput(
+            output_layouts=Partial(), desired_output_layouts=Shard(1), use_local_output=False
+        )
     else:
         raise ValueError(f"unknown tensor parallel style {name!r}.")
     return style
 
 
-__all__ = ["ExpertsParallel", "ReplicateParallel", "ReplicatedKVColwise", "SequenceParallelDropout",
-           "SequenceParallelNorm", "make_style", "to_local_partial_grad"]
+__all__ = [
+    "ExpertsParallel",
+    "ReplicateParallel",
+    "ReplicatedKVColwise",
+    "SequenceParallelDropout",
+    "SequenceParallelNorm",
+    "make_style",
+    "to_local_partial_grad",
+]

@@ -53,24 +53,37 @@ def allreduce_grads_over(params: list[nn.Parameter], group: dist.ProcessGroup) -
     """
     for param in params:
         param.register_post_accumulate_grad_hook(
-            lambda p: dist.all_reduce(p.grad, group=group) if p.grad is not None else None)
+            lambda p: dist.all_reduce(p.grad, group=group) if p.grad is not None else None
+        )
 
 
-def _te_linear(linear: nn.Linear, mode: str, group: dist.ProcessGroup, tp: int, rank: int) -> nn.Module:
+def _te_linear(
+    linear: nn.Linear, mode: str, group: dist.ProcessGroup, tp: int, rank: int
+) -> nn.Module:
     """A ``te.Linear`` holding this rank's slice of ``linear``'s weight and bias."""
     import transformer_engine.pytorch as te
 
     weight = linear.weight
-    layer = te.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                      parallel_mode=mode, tp_group=group, tp_size=tp, sequence_parallel=False,
-                      params_dtype=weight.dtype, device=weight.device)
+    layer = te.Linear(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        parallel_mode=mode,
+        tp_group=group,
+        tp_size=tp,
+        sequence_parallel=False,
+        params_dtype=weight.dtype,
+        device=weight.device,
+    )
     dim = 0 if mode == "column" else 1
     expected = list(weight.shape)
     expected[dim] //= tp
     if list(layer.weight.shape) != expected:
-        raise RuntimeError(f"te.Linear({mode}) allocated {tuple(layer.weight.shape)} but this rank's "
-                           f"slice is {tuple(expected)}; this Transformer Engine version splits "
-                           "differently. Use use_backend('dtensor').")
+        raise RuntimeError(
+            f"te.Linear({mode}) allocated {tuple(layer.weight.shape)} but this rank's "
+            f"slice is {tuple(expected)}; this Transformer Engine version splits "
+            "differently. Use use_backend('dtensor')."
+        )
     if not weight.is_meta:
         with torch.no_grad():
             layer.weight.copy_(weight.chunk(tp, dim=dim)[rank])
@@ -85,8 +98,16 @@ class TransformerEngineBackend:
 
     name = "transformer_engine"
 
-    def apply(self, model: nn.Module, policy: ModelPolicy, heads: HeadSplit, *, tp_mesh: DeviceMesh,
-              tracker: RNGStatesTracker, src_data_rank: int | None) -> None:
+    def apply(
+        self,
+        model: nn.Module,
+        policy: ModelPolicy,
+        heads: HeadSplit,
+        *,
+        tp_mesh: DeviceMesh,
+        tracker: RNGStatesTracker,
+        src_data_rank: int | None,
+    ) -> None:
         """See ``backend.TPBackend.apply``. ``src_data_rank`` is not used: weights are sliced locally.
 
         Raises:
@@ -96,9 +117,11 @@ class TransformerEngineBackend:
         unsupported = sorted({s for s in policy.tp_plan.values()} - set(_TE_MODES) - _REPLICATED)
         if unsupported or heads.kv_replicated:
             what = unsupported or ["kv heads fewer than tensor_parallel_degree"]
-            raise ValueError(f"the Transformer Engine backend does not support {what} (policy "
-                             f"{policy.name!r}); call torch_sagemaker.tensor_parallel.use_backend("
-                             "'dtensor') before tsm.transform.")
+            raise ValueError(
+                f"the Transformer Engine backend does not support {what} (policy "
+                f"{policy.name!r}); call torch_sagemaker.tensor_parallel.use_backend("
+                "'dtensor') before tsm.transform."
+            )
         group, tp, rank = tp_mesh.get_group(), tp_mesh.size(), tp_mesh.get_local_rank()
         for pattern, style in policy.tp_plan.items():
             if style not in _TE_MODES:
@@ -106,7 +129,11 @@ class TransformerEngineBackend:
             for name in matching_modules(model, pattern):
                 parent_name, _, attr = name.rpartition(".")
                 parent = model.get_submodule(parent_name)
-                setattr(parent, attr, _te_linear(getattr(parent, attr), _TE_MODES[style], group, tp, rank))
+                setattr(
+                    parent,
+                    attr,
+                    _te_linear(getattr(parent, attr), _TE_MODES[style], group, tp, rank),
+                )
         for _, attention in policy.attention_modules(model):
             if hasattr(attention, "num_key_value_groups"):
                 attention.num_key_value_groups = heads.local_heads // heads.local_kv_heads
@@ -119,9 +146,12 @@ def te_checkpoint_kwargs(state: Any) -> dict[str, Any]:
     Returns:
         ``get_rng_state_tracker`` and ``tp_group`` as SMP's documentation passes them.
     """
-    return {"get_rng_state_tracker": state.get_rng_state_tracker,
-            "tp_group": state.tp_process_group, "use_reentrant": False,
-            "distribute_saved_activations": False}
+    return {
+        "get_rng_state_tracker": state.get_rng_state_tracker,
+        "tp_group": state.tp_process_group,
+        "use_reentrant": False,
+        "distribute_saved_activations": False,
+    }
 
 
 __all__ = ["TransformerEngineBackend", "allreduce_grads_over", "te_checkpoint_kwargs"]

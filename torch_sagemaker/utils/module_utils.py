@@ -28,8 +28,9 @@ def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Uninitialized storage with ``t``'s shape, dtype and (for DTensor) sharding."""
     if isinstance(t, DTensor):
         local = torch.empty_like(t.to_local(), device=device)
-        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
-                                  shape=t.shape, stride=t.stride())
+        return DTensor.from_local(
+            local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
     return torch.empty_like(t, device=device)
 
 
@@ -42,8 +43,9 @@ def _owners(module: nn.Module, recurse: bool, kind: str):
                 yield owner, name, tensor
 
 
-def empty_module_params(module: nn.Module, device: torch.device | str | None = None,
-                        recurse: bool = False) -> nn.Module:
+def empty_module_params(
+    module: nn.Module, device: torch.device | str | None = None, recurse: bool = False
+) -> nn.Module:
     """Gives meta-device parameters uninitialized storage on ``device``.
 
     Parameters that already have storage are left alone, so calling this twice is harmless.
@@ -73,8 +75,9 @@ def empty_module_params(module: nn.Module, device: torch.device | str | None = N
     return module
 
 
-def move_buffers_to_device(module: nn.Module, device: torch.device | str | None,
-                           recurse: bool = False) -> nn.Module:
+def move_buffers_to_device(
+    module: nn.Module, device: torch.device | str | None, recurse: bool = False
+) -> nn.Module:
     """Moves buffers to ``device``; meta buffers get uninitialized storage there.
 
     Values of meta buffers are unknown (they were never computed), so the caller must

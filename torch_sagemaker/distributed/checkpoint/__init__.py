@@ -27,7 +27,19 @@ from torch_sagemaker.distributed.checkpoint.state_dict_utils import (
 )
 from torch_sagemaker.distributed.checkpoint.training_state import TrainingState
 
-__all__ = ["DEFAULT_ASYNC_REQUEST_QUEUE", "AsyncCallsQueue", "CheckpointError", "SMStateDictType",
-           "TrainingState", "async_save", "init_optim_state", "is_complete", "load",
-           "maybe_finalize_async_calls", "read_metadata", "save", "save_hf_checkpoint",
-           "sm_state_dict_type"]
+__all__ = [
+    "DEFAULT_ASYNC_REQUEST_QUEUE",
+    "AsyncCallsQueue",
+    "CheckpointError",
+    "SMStateDictType",
+    "TrainingState",
+    "async_save",
+    "init_optim_state",
+    "is_complete",
+    "load",
+    "maybe_finalize_async_calls",
+    "read_metadata",
+    "save",
+    "save_hf_checkpoint",
+    "sm_state_dict_type",
+]

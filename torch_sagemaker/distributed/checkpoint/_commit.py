@@ -105,31 +105,44 @@ def _where(path: Path) -> str:
     if atomic_dir.is_complete(path):
         return f"{path} holds a complete checkpoint from an earlier save"
     if atomic_dir.replaced_path(path).is_dir():
-        return (f"the previous checkpoint is at {atomic_dir.replaced_path(path)}; rename it "
-                "back to use it")
+        return (
+            f"the previous checkpoint is at {atomic_dir.replaced_path(path)}; rename it "
+            "back to use it"
+        )
     return f"{path} holds no complete checkpoint"
 
 
-def _report(path: Path, coordinator: int, outcome: str | None, failure: BaseException) -> CheckpointError:
+def _report(
+    path: Path, coordinator: int, outcome: str | None, failure: BaseException
+) -> CheckpointError:
     cause = f"{type(failure).__name__}: {failure}"
     if outcome == COMMITTED:
         return CheckpointError(
             f"checkpoint {path} was saved and is complete and loadable (rank {coordinator} "
             f"committed it), but a rank of the group failed right after the commit: {cause}. "
-            "The checkpoint is not affected: resume from it.", committed=True)
+            "The checkpoint is not affected: resume from it.",
+            committed=True,
+        )
     if outcome is not None:
         return CheckpointError(
             f"checkpoint {path} was not saved: rank {coordinator} reported '{outcome}', and the "
-            f"group failed: {cause}. A previous checkpoint there is unchanged.")
+            f"group failed: {cause}. A previous checkpoint there is unchanged."
+        )
     return CheckpointError(
         f"checkpoint {path}: a rank of the group failed after writing ({cause}) and rank "
         f"{coordinator}, which commits, did not report within {OUTCOME_WAIT_S:.0f} s whether "
-        f"it committed; this save is not in {path}. Now {_where(path)}.")
+        f"it committed; this save is not in {path}. Now {_where(path)}."
+    )
 
 
-def publish(participants: Participants, path: Path, save_id: str,
-            records: dict[str, tuple[int, str]], commit: Callable[[dict[str, tuple[int, str]]], None],
-            after_commit: Callable[[], None]) -> None:
+def publish(
+    participants: Participants,
+    path: Path,
+    save_id: str,
+    records: dict[str, tuple[int, str]],
+    commit: Callable[[dict[str, tuple[int, str]]], None],
+    after_commit: Callable[[], None],
+) -> None:
     """Steps A-C of Note [Commit outcome], on every participant.
 
     Args:
@@ -175,9 +188,11 @@ def publish(participants: Participants, path: Path, save_id: str,
         if participants.is_coordinator and participants.distributed:
             _clear(save_id)
         if outcome != COMMITTED:
-            raise CheckpointError(f"rank {participants.coordinator} failed to finish the "
-                                  f"checkpoint {path}: {outcome}; a previous checkpoint there "
-                                  "is unchanged.")
+            raise CheckpointError(
+                f"rank {participants.coordinator} failed to finish the "
+                f"checkpoint {path}: {outcome}; a previous checkpoint there "
+                "is unchanged."
+            )
         return
     if not known:
         outcome = _await_outcome(path, save_id)

@@ -77,10 +77,14 @@ class Participants:
         try:
             result = self.broadcast(result)
         except Exception as e:  # noqa: BLE001 - a collective failure is a checkpoint failure here
-            raise CheckpointError(f"{step} failed: a rank of the checkpoint group {self.ranks} "
-                                  f"failed meanwhile ({type(e).__name__}: {e}).") from e
+            raise CheckpointError(
+                f"{step} failed: a rank of the checkpoint group {self.ranks} "
+                f"failed meanwhile ({type(e).__name__}: {e})."
+            ) from e
         if result[0] is not None:
-            raise CheckpointError(f"rank {self.coordinator} failed to finish the checkpoint: {result[0]}")
+            raise CheckpointError(
+                f"rank {self.coordinator} failed to finish the checkpoint: {result[0]}"
+            )
         return result[1]
 
     def broadcast(self, obj: Any) -> Any:

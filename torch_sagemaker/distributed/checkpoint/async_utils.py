@@ -40,16 +40,21 @@ class AsyncCallsQueue:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tsm-checkpoint")
         index = self._next_index
         self._next_index += 1
-        self._calls.append(_Call(index, description or f"request {index}", self._executor.submit(fn)))
+        self._calls.append(
+            _Call(index, description or f"request {index}", self._executor.submit(fn))
+        )
         return index
 
     def get_num_unfinalized_calls(self) -> int:
         """Requests scheduled but not yet returned by ``maybe_finalize_async_calls``."""
         return len(self._calls)
 
-    def maybe_finalize_async_calls(self, blocking: bool = True,
-                                   process_group: dist.ProcessGroup | None = None,
-                                   skip_sync: bool = False) -> list[int]:
+    def maybe_finalize_async_calls(
+        self,
+        blocking: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        skip_sync: bool = False,
+    ) -> list[int]:
         """Collects finished requests, oldest first, re-raising the first failure.
 
         Args:
@@ -104,11 +109,13 @@ DEFAULT_ASYNC_REQUEST_QUEUE = AsyncCallsQueue()
 """The queue ``async_save`` uses when none is given."""
 
 
-def maybe_finalize_async_calls(blocking: bool = True,
-                               process_group: dist.ProcessGroup | None = None) -> list[int]:
+def maybe_finalize_async_calls(
+    blocking: bool = True, process_group: dist.ProcessGroup | None = None
+) -> list[int]:
     """``DEFAULT_ASYNC_REQUEST_QUEUE.maybe_finalize_async_calls`` (see there)."""
-    return DEFAULT_ASYNC_REQUEST_QUEUE.maybe_finalize_async_calls(blocking=blocking,
-                                                                  process_group=process_group)
+    return DEFAULT_ASYNC_REQUEST_QUEUE.maybe_finalize_async_calls(
+        blocking=blocking, process_group=process_group
+    )
 
 
 __all__ = ["DEFAULT_ASYNC_REQUEST_QUEUE", "AsyncCallsQueue", "maybe_finalize_async_calls"]

@@ -93,12 +93,21 @@ def _fsync(path: Path) -> None:
 
 
 def _file_sizes(directory: Path) -> dict[str, int]:
-    return {str(p.relative_to(directory)): p.stat().st_size
-            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != COMPLETION_MARKER}
+    return {
+        str(p.relative_to(directory)): p.stat().st_size
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != COMPLETION_MARKER
+    }
 
 
-def commit(staging: Path, path: Path, info: dict[str, Any],
-           recorded: dict[str, tuple[int, str]] | None = None, *, cleanup: bool = True) -> None:
+def commit(
+    staging: Path,
+    path: Path,
+    info: dict[str, Any],
+    recorded: dict[str, tuple[int, str]] | None = None,
+    *,
+    cleanup: bool = True,
+) -> None:
     """Marks ``staging`` complete and renames it to ``path`` (Note [Checkpoint commit protocol]).
 
     Args:
@@ -113,9 +122,14 @@ def commit(staging: Path, path: Path, info: dict[str, Any],
         if f.is_file():
             _fsync(f)
     sizes = _file_sizes(staging)
-    marker = {"format_version": FORMAT_VERSION, "time": time.time(), "files": sizes,
-              "checksum_algorithm": integrity.ALGORITHM,
-              "checksums": integrity.checksums_for(staging, sizes, recorded or {}), **info}
+    marker = {
+        "format_version": FORMAT_VERSION,
+        "time": time.time(),
+        "files": sizes,
+        "checksum_algorithm": integrity.ALGORITHM,
+        "checksums": integrity.checksums_for(staging, sizes, recorded or {}),
+        **info,
+    }
     marker_file = staging / COMPLETION_MARKER
     marker_file.write_text(json.dumps(marker, indent=1, sort_keys=True))
     _fsync(marker_file)
@@ -145,8 +159,10 @@ def read_marker(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         hint = ""
         if replaced_path(path).is_dir():
-            hint = (f" A previous complete checkpoint is at {replaced_path(path)} (a save was "
-                    "interrupted while replacing it); rename it back to use it.")
+            hint = (
+                f" A previous complete checkpoint is at {replaced_path(path)} (a save was "
+                "interrupted while replacing it); rename it back to use it."
+            )
         elif staging_path(path).is_dir():
             hint = f" Only an unfinished save exists ({staging_path(path)})."
         raise CheckpointError(f"checkpoint {path} does not exist.{hint}")
@@ -161,13 +177,18 @@ def read_marker(path: Path) -> dict[str, Any]:
         marker = json.loads(marker_file.read_text())
         files = marker["files"]
         checksums = marker.get("checksums", {})
-        if (not isinstance(files, dict) or not isinstance(checksums, dict)
-                or (marker.get("format_version", 1) >= 2 and set(checksums) != set(files))):
+        if (
+            not isinstance(files, dict)
+            or not isinstance(checksums, dict)
+            or (marker.get("format_version", 1) >= 2 and set(checksums) != set(files))
+        ):
             raise ValueError("its file table is malformed")
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {path} is corrupt: its marker {marker_file} is "
-                              f"unreadable ({type(e).__name__}: {e}). Load an earlier "
-                              "checkpoint.") from e
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: its marker {marker_file} is "
+            f"unreadable ({type(e).__name__}: {e}). Load an earlier "
+            "checkpoint."
+        ) from e
     actual = _file_sizes(path)
     problems = []
     for name, size in files.items():
@@ -194,7 +215,8 @@ def corrupt_error(path: Path, problems: list[str]) -> CheckpointError:
     """The error for files whose checksum no longer matches."""
     return CheckpointError(
         f"checkpoint {path} is corrupt: " + "; ".join(problems) + ". Loading it would give "
-        "wrong values; load an earlier checkpoint, or copy this one again from its source.")
+        "wrong values; load an earlier checkpoint, or copy this one again from its source."
+    )
 
 
 def is_complete(path: str | os.PathLike[str]) -> bool:
@@ -202,6 +224,16 @@ def is_complete(path: str | os.PathLike[str]) -> bool:
     return (Path(path) / COMPLETION_MARKER).is_file()
 
 
-__all__ = ["CheckpointError", "checkpoint_path", "commit", "corrupt_error", "is_complete",
-           "prepare_staging", "read_marker", "remove_replaced", "replaced_path", "staging_path",
-           "verify_files"]
+__all__ = [
+    "CheckpointError",
+    "checkpoint_path",
+    "commit",
+    "corrupt_error",
+    "is_complete",
+    "prepare_staging",
+    "read_marker",
+    "remove_replaced",
+    "replaced_path",
+    "staging_path",
+    "verify_files",
+]

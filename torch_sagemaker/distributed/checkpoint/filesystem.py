@@ -30,8 +30,10 @@ def path_to_file_system(path: str | os.PathLike[str]) -> FileSystem:
         ValueError: For ``s3://`` paths (S3 is not supported here).
     """
     if os.fspath(path).startswith("s3://"):
-        raise ValueError(f"{os.fspath(path)!r}: S3 checkpoints are not supported; write to a local "
-                         "or shared file system and upload the directory afterwards.")
+        raise ValueError(
+            f"{os.fspath(path)!r}: S3 checkpoints are not supported; write to a local "
+            "or shared file system and upload the directory afterwards."
+        )
     return FileSystem()
 
 
@@ -62,15 +64,28 @@ class DistributedFileSystemWriter(FileSystemWriter):
         post_write_hooks: Called with the writer on every writing rank after its files are written.
     """
 
-    def __init__(self, path: str | os.PathLike[str], single_file_per_rank: bool = True,
-                 sync_files: bool = True, thread_count: int = 1,
-                 per_thread_copy_ahead: int = 10_000_000, cache_staged_state_dict: bool = False,
-                 overwrite: bool = True, pre_write_hooks: Iterable[WriteHook] | None = None,
-                 post_write_hooks: Iterable[WriteHook] | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int = 1,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        pre_write_hooks: Iterable[WriteHook] | None = None,
+        post_write_hooks: Iterable[WriteHook] | None = None,
+    ) -> None:
         path_to_file_system(path)
-        super().__init__(path, single_file_per_rank=single_file_per_rank, sync_files=sync_files,
-                         thread_count=thread_count, per_thread_copy_ahead=per_thread_copy_ahead,
-                         cache_staged_state_dict=cache_staged_state_dict, overwrite=overwrite)
+        super().__init__(
+            path,
+            single_file_per_rank=single_file_per_rank,
+            sync_files=sync_files,
+            thread_count=thread_count,
+            per_thread_copy_ahead=per_thread_copy_ahead,
+            cache_staged_state_dict=cache_staged_state_dict,
+            overwrite=overwrite,
+        )
         self.pre_write_hooks = list(pre_write_hooks or [])
         self.post_write_hooks = list(post_write_hooks or [])
         self.is_coordinator = False

@@ -28,7 +28,11 @@ from torch_sagemaker.distributed.checkpoint._group import Participants
 
 def _unwrap(model: nn.Module) -> nn.Module:
     """The Hugging Face model inside FSDP1 / DDP wrappers (FSDP2 keeps the object)."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module) and not hasattr(model, "config"):
+    while (
+        hasattr(model, "module")
+        and isinstance(model.module, nn.Module)
+        and not hasattr(model, "config")
+    ):
         model = model.module
     return model
 
@@ -46,24 +50,35 @@ def _drop_shared(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
-def _write_weights(state_dict: dict[str, torch.Tensor], directory: os.PathLike[str] | str,
-                   max_shard_size: int | str) -> None:
+def _write_weights(
+    state_dict: dict[str, torch.Tensor],
+    directory: os.PathLike[str] | str,
+    max_shard_size: int | str,
+) -> None:
     split = split_torch_state_dict_into_shards(state_dict, max_shard_size=max_shard_size)
     for filename, keys in split.filename_to_tensors.items():
-        save_file({k: state_dict[k].contiguous() for k in keys}, os.path.join(directory, filename),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: state_dict[k].contiguous() for k in keys},
+            os.path.join(directory, filename),
+            metadata={"format": "pt"},
+        )
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         with open(os.path.join(directory, hub_constants.SAFETENSORS_INDEX_FILE), "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
 
 
-def save_hf_checkpoint(model: nn.Module, output_dir: str | os.PathLike[str], *,
-                       config: Any = None, translate_on_save: bool = True,
-                       translate_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
-                       max_shard_size: int | str = "5GB",
-                       process_group: dist.ProcessGroup | None = None,
-                       coordinator_rank: int = 0) -> None:
+def save_hf_checkpoint(
+    model: nn.Module,
+    output_dir: str | os.PathLike[str],
+    *,
+    config: Any = None,
+    translate_on_save: bool = True,
+    translate_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    max_shard_size: int | str = "5GB",
+    process_group: dist.ProcessGroup | None = None,
+    coordinator_rank: int = 0,
+) -> None:
     """Writes the full model as a Hugging Face directory (config + safetensors), atomically.
 
     Every rank must call it (the gather is collective); only the coordinator writes.
@@ -88,7 +103,9 @@ def save_hf_checkpoint(model: nn.Module, output_dir: str | os.PathLike[str], *,
     inner = _unwrap(model)
     config = config if config is not None else getattr(inner, "config", None)
     if config is None:
-        raise ValueError(f"{type(inner).__name__} has no .config; pass config=PretrainedConfig(...).")
+        raise ValueError(
+            f"{type(inner).__name__} has no .config; pass config=PretrainedConfig(...)."
+        )
     participants = Participants(process_group, coordinator_rank)
     # On CPU every rank gathers (FSDP1's CPU offload of full state dicts crashes on CPU-only
     # jobs); with CUDA tensors the gather offloads to CPU on rank 0 only.

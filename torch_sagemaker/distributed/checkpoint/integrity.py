@@ -122,8 +122,11 @@ class Recorder:
         name = self._name(path)
         if name is not None:
             with self._lock:
-                self._files[name] = (None if stream is None or not stream.valid
-                                     else (stream.size, format_checksum(stream.crc)))
+                self._files[name] = (
+                    None
+                    if stream is None or not stream.valid
+                    else (stream.size, format_checksum(stream.crc))
+                )
 
     def renamed(self, old: Any, new: Any) -> None:
         """Follows a rename (DCP writes ``.metadata.tmp`` and renames it)."""
@@ -198,8 +201,9 @@ def merge(records: Iterable[dict[str, tuple[int, str]] | None]) -> dict[str, tup
     return merged
 
 
-def checksums_for(directory: Path, sizes: dict[str, int],
-                  recorded: dict[str, tuple[int, str]]) -> dict[str, str]:
+def checksums_for(
+    directory: Path, sizes: dict[str, int], recorded: dict[str, tuple[int, str]]
+) -> dict[str, str]:
     """The checksum of every file in ``sizes``: recorded ones, else read from ``directory``.
 
     A recorded checksum is used only if the bytes it covered are the file's whole size.
@@ -237,11 +241,14 @@ def verify(directory: Path, names: Iterable[str], checksums: dict[str, str]) -> 
             continue
         others = [n for n in by_checksum.get(actual, []) if n != name]
         if others:
-            problems.append(f"{name} holds the bytes written as {others[0]} (files swapped or "
-                            "renamed)")
+            problems.append(
+                f"{name} holds the bytes written as {others[0]} (files swapped or renamed)"
+            )
         else:
-            problems.append(f"{name} does not match its {ALGORITHM} checksum ({actual} now, "
-                            f"{expected} when written): its bytes changed after the save")
+            problems.append(
+                f"{name} does not match its {ALGORITHM} checksum ({actual} now, "
+                f"{expected} when written): its bytes changed after the save"
+            )
     return problems
 
 
@@ -260,5 +267,14 @@ def assign(sizes: dict[str, int], count: int, index: int) -> list[str]:
     return mine
 
 
-__all__ = ["ALGORITHM", "Recorder", "assign", "checksums_for", "file_checksum",
-           "format_checksum", "merge", "recording", "verify"]
+__all__ = [
+    "ALGORITHM",
+    "Recorder",
+    "assign",
+    "checksums_for",
+    "file_checksum",
+    "format_checksum",
+    "merge",
+    "recording",
+    "verify",
+]

@@ -37,9 +37,13 @@ def _checkpoint_root(path: Path, pattern: re.Pattern[str] | None) -> tuple[Path,
     return path, None
 
 
-def limit_num_subdirs(path: str | os.PathLike[str], num_kept: int | None,
-                      sort_fn: Callable[[str], object] = SORT_BY_LAST_INT, regex: str | None = None,
-                      log: bool = True) -> list[str]:
+def limit_num_subdirs(
+    path: str | os.PathLike[str],
+    num_kept: int | None,
+    sort_fn: Callable[[str], object] = SORT_BY_LAST_INT,
+    regex: str | None = None,
+    log: bool = True,
+) -> list[str]:
     r"""Deletes all but the newest ``num_kept`` checkpoint directories.
 
     SMP's example scripts call it with the new checkpoint's own folder (possibly a per-TP-rank
@@ -82,8 +86,11 @@ def limit_num_subdirs(path: str | os.PathLike[str], num_kept: int | None,
     root, upcoming = _checkpoint_root(Path(path).absolute(), pattern)
     if not root.is_dir():
         return []
-    names = {p.name for p in root.iterdir()
-             if p.is_dir() and not p.name.startswith(".") and (pattern is None or pattern.match(p.name))}
+    names = {
+        p.name
+        for p in root.iterdir()
+        if p.is_dir() and not p.name.startswith(".") and (pattern is None or pattern.match(p.name))
+    }
     keep = set()
     if upcoming is not None and upcoming not in names:
         # About to be written (async types): it counts as kept, and the newest complete
@@ -95,7 +102,11 @@ def limit_num_subdirs(path: str | os.PathLike[str], num_kept: int | None,
     doomed = [name for name in ordered[: max(len(ordered) - num_kept, 0)] if name not in keep]
     deleted = []
     for name in doomed:
-        for victim in (root / name, root / f".{name}{STAGING_SUFFIX}", root / f".{name}{REPLACED_SUFFIX}"):
+        for victim in (
+            root / name,
+            root / f".{name}{STAGING_SUFFIX}",
+            root / f".{name}{REPLACED_SUFFIX}",
+        ):
             if victim.exists():
                 shutil.rmtree(victim, ignore_errors=True)
         deleted.append(str(root / name))

@@ -15,8 +15,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 _PREFIX = "s3://"
-_NO_S3 = ("S3 checkpoints are not supported by torch_sagemaker: save to a local or shared file "
-          "system path and upload the directory afterwards (e.g. `aws s3 sync`).")
+_NO_S3 = (
+    "S3 checkpoints are not supported by torch_sagemaker: save to a local or shared file "
+    "system path and upload the directory afterwards (e.g. `aws s3 sync`)."
+)
 T = TypeVar("T")
 
 
@@ -33,7 +35,7 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     """
     if not is_s3_uri(uri):
         raise ValueError(f"{uri!r} is not an S3 URI; expected s3://<bucket>/<key>.")
-    bucket, _, key = uri[len(_PREFIX):].partition("/")
+    bucket, _, key = uri[len(_PREFIX) :].partition("/")
     if not bucket:
         raise ValueError(f"{uri!r} names no bucket; expected s3://<bucket>/<key>.")
     return bucket, key
@@ -54,9 +56,13 @@ def get_s3_region_from_uri(uri: str) -> str:
     raise NotImplementedError(f"get_s3_region_from_uri({uri!r}): {_NO_S3}")
 
 
-def retry_with_jitter(fn: Callable[[], T], max_attempts: int = 3, base_delay: float = 0.5,
-                      max_delay: float = 8.0,
-                      retry_on: tuple[type[BaseException], ...] = (OSError,)) -> T:
+def retry_with_jitter(
+    fn: Callable[[], T],
+    max_attempts: int = 3,
+    base_delay: float = 0.5,
+    max_delay: float = 8.0,
+    retry_on: tuple[type[BaseException], ...] = (OSError,),
+) -> T:
     """Calls ``fn`` until it succeeds, sleeping a random ("full jitter") backoff between tries.
 
     Args:
@@ -96,5 +102,11 @@ class S3FileSystem:
         raise NotImplementedError(f"S3FileSystem: {_NO_S3}")
 
 
-__all__ = ["S3FileSystem", "format_s3_path", "get_s3_region_from_uri", "is_s3_uri",
-           "parse_s3_uri", "retry_with_jitter"]
+__all__ = [
+    "S3FileSystem",
+    "format_s3_path",
+    "get_s3_region_from_uri",
+    "is_s3_uri",
+    "parse_s3_uri",
+    "retry_with_jitter",
+]

@@ -57,8 +57,10 @@ def read_metadata(checkpoint_id: str | os.PathLike[str]) -> Metadata:
     try:
         return FileSystemReader(path).read_metadata()
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-        raise CheckpointError(f"checkpoint {path} is corrupt: its DCP metadata is unreadable "
-                              f"({type(e).__name__}: {e}).") from e
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: its DCP metadata is unreadable "
+            f"({type(e).__name__}: {e})."
+        ) from e
 
 
 def _describe(key: str, value: Any, saved: Any) -> str | None:
@@ -75,7 +77,9 @@ def _describe(key: str, value: Any, saved: Any) -> str | None:
     return None
 
 
-def check_state_dict_matches(state_dict: dict[str, Any], metadata: Metadata, path: Path) -> list[str]:
+def check_state_dict_matches(
+    state_dict: dict[str, Any], metadata: Metadata, path: Path
+) -> list[str]:
     """Raises if any requested key is missing from the checkpoint or has another shape.
 
     Returns:
@@ -87,8 +91,12 @@ def check_state_dict_matches(state_dict: dict[str, Any], metadata: Metadata, pat
     flat, _ = flatten_state_dict(state_dict)
     saved = metadata.state_dict_metadata
     missing = sorted(k for k in flat if k not in saved)
-    mismatched = [m for k, v in sorted(flat.items()) if k in saved
-                  if (m := _describe(k, v, saved[k])) is not None]
+    mismatched = [
+        m
+        for k, v in sorted(flat.items())
+        if k in saved
+        if (m := _describe(k, v, saved[k])) is not None
+    ]
     if missing or mismatched:
         parts = [f"checkpoint {path} does not match the state dict being loaded."]
         if missing:
@@ -106,8 +114,15 @@ def _check_local_layout(marker: dict[str, Any], path: Path, state_dict: dict[str
     """An SM-local checkpoint loads only under the shard layout that wrote it."""
     saved = marker.get("layout", {})
     here = {**current_layout(), **shard_coordinates()}
-    keys = ("hybrid_shard_degree", "tensor_parallel_degree", "context_parallel_degree",
-            "expert_parallel_degree", "tp_rank", "ep_rank", "fsdp_rank")
+    keys = (
+        "hybrid_shard_degree",
+        "tensor_parallel_degree",
+        "context_parallel_degree",
+        "expert_parallel_degree",
+        "tp_rank",
+        "ep_rank",
+        "fsdp_rank",
+    )
     diff = {k: (saved.get(k), here.get(k)) for k in keys if saved.get(k) != here.get(k)}
     if diff:
         raise CheckpointError(
@@ -119,8 +134,9 @@ def _check_local_layout(marker: dict[str, Any], path: Path, state_dict: dict[str
         )
 
 
-def _check_files_and_keys(path: Path, marker: dict[str, Any], keys: list[str] | None,
-                          participants: Participants) -> None:
+def _check_files_and_keys(
+    path: Path, marker: dict[str, Any], keys: list[str] | None, participants: Participants
+) -> None:
     """Verifies the data files' checksums, split among the ranks, and that ranks agree on keys.
 
     One all-gather tells every rank every problem, so all of them raise the same error
@@ -137,7 +153,9 @@ def _check_files_and_keys(path: Path, marker: dict[str, Any], keys: list[str] | 
         if problems:
             raise atomic_dir.corrupt_error(path, problems)
         return
-    mine = integrity.assign(sizes, len(participants.ranks), participants.ranks.index(participants.rank))
+    mine = integrity.assign(
+        sizes, len(participants.ranks), participants.ranks.index(participants.rank)
+    )
     problems = atomic_dir.verify_files(path, marker, mine)
     digest = hashlib.sha256("\n".join(keys).encode()).hexdigest() if keys is not None else ""
     views = participants.all_gather((str(path), digest, problems))
@@ -160,22 +178,33 @@ def _check_files_and_keys(path: Path, marker: dict[str, Any], keys: list[str] | 
         )
 
 
-def _checkpoint_id(checkpoint_id: str | os.PathLike[str] | None,
-                   storage_reader: Any) -> str | os.PathLike[str] | None:
+def _checkpoint_id(
+    checkpoint_id: str | os.PathLike[str] | None, storage_reader: Any
+) -> str | os.PathLike[str] | None:
     """``checkpoint_id``, or the directory a file-system ``storage_reader`` reads from."""
     if checkpoint_id is not None or storage_reader is None:
         return checkpoint_id
     reader_path = getattr(storage_reader, "path", None)
     if reader_path is None:
-        raise ValueError(f"load() got a {type(storage_reader).__name__} that does not say which "
-                         "directory it reads (no .path) and no checkpoint_id; pass checkpoint_id.")
+        raise ValueError(
+            f"load() got a {type(storage_reader).__name__} that does not say which "
+            "directory it reads (no .path) and no checkpoint_id; pass checkpoint_id."
+        )
     return os.fspath(reader_path)
 
 
-def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
-         storage_reader: Any = None, planner: Any = None,
-         process_group: dist.ProcessGroup | None = None, check_keys_matched: bool = True,
-         coordinator_rank: int = 0, s3_region: str | None = None, s3client_config: Any = None) -> None:
+def load(
+    state_dict: dict[str, Any],
+    *,
+    checkpoint_id: str | os.PathLike[str] | None = None,
+    storage_reader: Any = None,
+    planner: Any = None,
+    process_group: dist.ProcessGroup | None = None,
+    check_keys_matched: bool = True,
+    coordinator_rank: int = 0,
+    s3_region: str | None = None,
+    s3client_config: Any = None,
+) -> None:
     """Loads a checkpoint in place into ``state_dict`` (its tensors, DTensors and ``Stateful`` values).
 
     Args:
@@ -205,11 +234,18 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
     participants = Participants(process_group)
     _check_files_and_keys(path, marker, keys if check_keys_matched else None, participants)
     try:
-        dcp.load(state_dict, checkpoint_id=path, storage_reader=storage_reader, planner=planner,
-                 process_group=participants.group, no_dist=not participants.distributed)
+        dcp.load(
+            state_dict,
+            checkpoint_id=path,
+            storage_reader=storage_reader,
+            planner=planner,
+            process_group=participants.group,
+            no_dist=not participants.distributed,
+        )
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-        raise CheckpointError(f"reading checkpoint {path} failed, a file is probably corrupt: "
-                              f"{describe_failure(e)}") from e
+        raise CheckpointError(
+            f"reading checkpoint {path} failed, a file is probably corrupt: {describe_failure(e)}"
+        ) from e
 
 
 __all__ = ["check_state_dict_matches", "load", "read_metadata"]

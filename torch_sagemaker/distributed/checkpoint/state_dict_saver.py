@@ -35,9 +35,16 @@ from torch_sagemaker.distributed.checkpoint.state_dict_utils import (
 from torch_sagemaker.logger import get_logger
 
 
-def _write(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *,
-           storage_writer: Any, planner: Any, participants: Participants,
-           info: dict[str, Any], on_commit: Callable[[], None] | None) -> None:
+def _write(
+    state_dict: dict[str, Any],
+    checkpoint_id: str | os.PathLike[str],
+    *,
+    storage_writer: Any,
+    planner: Any,
+    participants: Participants,
+    info: dict[str, Any],
+    on_commit: Callable[[], None] | None,
+) -> None:
     """The save protocol shared by ``save`` and ``async_save``."""
     path = atomic_dir.checkpoint_path(checkpoint_id)
     staging = atomic_dir.staging_path(path)
@@ -53,8 +60,14 @@ def _write(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *,
     # checksums]); DCP's coordinator writes .metadata last.
     with integrity.recording(storage_writer, staging) as (writer, recorder):
         try:
-            dcp.save(state_dict, checkpoint_id=staging, storage_writer=writer, planner=planner,
-                     process_group=participants.group, no_dist=not participants.distributed)
+            dcp.save(
+                state_dict,
+                checkpoint_id=staging,
+                storage_writer=writer,
+                planner=planner,
+                process_group=participants.group,
+                no_dist=not participants.distributed,
+            )
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException
             raise atomic_dir.CheckpointError(
                 f"writing checkpoint {path} failed ({describe_failure(e)}); a previous checkpoint "
@@ -65,8 +78,13 @@ def _write(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *,
     # 3. Marker and atomic rename on the coordinator, every rank told the outcome; then the
     # replaced checkpoint's removal and the optional hook (e.g. retention).
     def commit(recorded: dict[str, tuple[int, str]]) -> None:
-        atomic_dir.commit(staging, path, {**info, "num_ranks": len(participants.ranks),
-                                          "save_id": save_id}, recorded, cleanup=False)
+        atomic_dir.commit(
+            staging,
+            path,
+            {**info, "num_ranks": len(participants.ranks), "save_id": save_id},
+            recorded,
+            cleanup=False,
+        )
 
     def after_commit() -> None:
         atomic_dir.remove_replaced(path)
@@ -74,8 +92,10 @@ def _write(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *,
             try:
                 on_commit()
             except Exception as e:  # noqa: BLE001 - the checkpoint itself is complete
-                get_logger().warning(f"checkpoint {path} is complete, but its on_commit hook "
-                                     f"failed: {type(e).__name__}: {e}")
+                get_logger().warning(
+                    f"checkpoint {path} is complete, but its on_commit hook "
+                    f"failed: {type(e).__name__}: {e}"
+                )
 
     _commit.publish(participants, path, save_id, recorder.records(), commit, after_commit)
 
@@ -97,12 +117,20 @@ def _info(state_dict: dict[str, Any]) -> dict[str, Any]:
     return {"kind": "sharded", "layout": current_layout()}
 
 
-def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
-         storage_writer: Any = None, planner: Any = None,
-         process_group: dist.ProcessGroup | None = None, coordinator_rank: int = 0,
-         wait_error_handling: bool = True, force_check_all_plans: bool = True,
-         s3_region: str | None = None, s3client_config: Any = None,
-         on_commit: Callable[[], None] | None = None) -> None:
+def save(
+    state_dict: dict[str, Any],
+    *,
+    checkpoint_id: str | os.PathLike[str] | None = None,
+    storage_writer: Any = None,
+    planner: Any = None,
+    process_group: dist.ProcessGroup | None = None,
+    coordinator_rank: int = 0,
+    wait_error_handling: bool = True,
+    force_check_all_plans: bool = True,
+    s3_region: str | None = None,
+    s3client_config: Any = None,
+    on_commit: Callable[[], None] | None = None,
+) -> None:
     """Saves ``state_dict`` to the directory ``checkpoint_id``, visible only once complete.
 
     Every rank of ``process_group`` must call it. DTensor and sharded values are written as
@@ -131,8 +159,15 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
     del wait_error_handling, force_check_all_plans, s3_region, s3client_config
     participants = Participants(process_group, coordinator_rank)
     state_dict = resolve_stateful(state_dict)
-    _write(state_dict, checkpoint_id, storage_writer=storage_writer, planner=planner,
-           participants=participants, info=_info(state_dict), on_commit=on_commit)
+    _write(
+        state_dict,
+        checkpoint_id,
+        storage_writer=storage_writer,
+        planner=planner,
+        participants=participants,
+        info=_info(state_dict),
+        on_commit=on_commit,
+    )
 
 
 class PyTorchDistSaveShardedStrategy:
@@ -153,14 +188,23 @@ class PyTorchDistSaveShardedStrategy:
             ``thread_count < 1``.
     """
 
-    def __init__(self, backend: str = "torch_dist", version: int = 1,
-                 keep_only_main_replica: bool = True, thread_count: int = 2) -> None:
+    def __init__(
+        self,
+        backend: str = "torch_dist",
+        version: int = 1,
+        keep_only_main_replica: bool = True,
+        thread_count: int = 2,
+    ) -> None:
         if backend != "torch_dist" or version != 1:
-            raise ValueError(f"PyTorchDistSaveShardedStrategy(backend={backend!r}, version={version}): "
-                             "only backend='torch_dist', version=1 exist here.")
+            raise ValueError(
+                f"PyTorchDistSaveShardedStrategy(backend={backend!r}, version={version}): "
+                "only backend='torch_dist', version=1 exist here."
+            )
         if not keep_only_main_replica:
-            raise ValueError("keep_only_main_replica=False is not supported: DCP writes every "
-                             "replicated value once.")
+            raise ValueError(
+                "keep_only_main_replica=False is not supported: DCP writes every "
+                "replicated value once."
+            )
         if thread_count < 1:
             raise ValueError(f"thread_count={thread_count} must be >= 1.")
         self.backend, self.version, self.thread_count = backend, version, thread_count
@@ -206,19 +250,34 @@ def _members_only_gloo_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     default_store = c10d._world.pg_map[c10d._get_default_group()][1]
     # The same helper ``new_group`` uses, with a name every member computes alike.
     group, _ = c10d._new_process_group_helper(
-        len(ranks), ranks.index(dist.get_rank()), list(ranks), "gloo", default_store,
-        group_name=name, timeout=c10d._get_default_timeout("gloo"))
+        len(ranks),
+        ranks.index(dist.get_rank()),
+        list(ranks),
+        "gloo",
+        default_store,
+        group_name=name,
+        timeout=c10d._get_default_timeout("gloo"),
+    )
     c10d._world.pg_group_ranks[group] = {rank: i for i, rank in enumerate(ranks)}
     return group
 
 
-def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
-               storage_writer: Any = None, planner: Any = None,
-               process_group: dist.ProcessGroup | None = None, coordinator_rank: int = 0,
-               queue: AsyncCallsQueue | None = None, sharded_strategy: Any = None,
-               wait_error_handling: bool = True, force_check_all_plans: bool = True,
-               s3_region: str | None = None, s3client_config: Any = None,
-               on_commit: Callable[[], None] | None = None) -> int:
+def async_save(
+    state_dict: dict[str, Any],
+    *,
+    checkpoint_id: str | os.PathLike[str] | None = None,
+    storage_writer: Any = None,
+    planner: Any = None,
+    process_group: dist.ProcessGroup | None = None,
+    coordinator_rank: int = 0,
+    queue: AsyncCallsQueue | None = None,
+    sharded_strategy: Any = None,
+    wait_error_handling: bool = True,
+    force_check_all_plans: bool = True,
+    s3_region: str | None = None,
+    s3client_config: Any = None,
+    on_commit: Callable[[], None] | None = None,
+) -> int:
     """Like ``save``, but writes in the background; training may go on meanwhile.
 
     The state is copied to CPU memory before the call returns, so later updates of the
@@ -251,8 +310,10 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
     if storage_writer is None:
         strategy = sharded_strategy or PyTorchDistSaveShardedStrategy()
         if not isinstance(strategy, PyTorchDistSaveShardedStrategy):
-            raise TypeError(f"sharded_strategy must be a PyTorchDistSaveShardedStrategy, got "
-                            f"{type(strategy).__name__}.")
+            raise TypeError(
+                f"sharded_strategy must be a PyTorchDistSaveShardedStrategy, got "
+                f"{type(strategy).__name__}."
+            )
         storage_writer = strategy.storage_writer(path)
     resolved = resolve_stateful(state_dict)
     info = _info(resolved)
@@ -260,8 +321,15 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
     participants = Participants(process_group, coordinator_rank)
     participants.group = _async_group(process_group)
     return queue.schedule_async_request(
-        lambda: _write(staged, checkpoint_id, storage_writer=storage_writer, planner=planner,
-                       participants=participants, info=info, on_commit=on_commit),
+        lambda: _write(
+            staged,
+            checkpoint_id,
+            storage_writer=storage_writer,
+            planner=planner,
+            participants=participants,
+            info=info,
+            on_commit=on_commit,
+        ),
         description=f"async save of {checkpoint_id}",
     )
 

@@ -59,8 +59,11 @@ def shard_coordinates() -> dict[str, int]:
     if not state.initialized:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         return {"tp_rank": 0, "ep_rank": 0, "fsdp_rank": rank}
-    return {"tp_rank": state.tp_rank, "ep_rank": state.ep_rank,
-            "fsdp_rank": dist.get_rank(state.fsdp_shard_process_group)}
+    return {
+        "tp_rank": state.tp_rank,
+        "ep_rank": state.ep_rank,
+        "fsdp_rank": dist.get_rank(state.fsdp_shard_process_group),
+    }
 
 
 def local_subdir() -> str:
@@ -82,8 +85,9 @@ def local_state_dict(model: nn.Module) -> SMLocalStateDict:
     return sd
 
 
-def load_local_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor],
-                          strict: bool = True) -> None:
+def load_local_state_dict(
+    model: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True
+) -> None:
     """Copies a ``local_state_dict`` back into ``model`` (same shard layout required).
 
     Raises:
@@ -92,8 +96,11 @@ def load_local_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor],
     targets = dict([*model.named_parameters(), *model.named_buffers()])
     missing = sorted(set(targets) - set(state_dict)) if strict else []
     unexpected = sorted(set(state_dict) - set(targets)) if strict else []
-    shapes = [f"{k}: saved {tuple(v.shape)}, here {tuple(_local(targets[k]).shape)}"
-              for k, v in state_dict.items() if k in targets and v.shape != _local(targets[k]).shape]
+    shapes = [
+        f"{k}: saved {tuple(v.shape)}, here {tuple(_local(targets[k]).shape)}"
+        for k, v in state_dict.items()
+        if k in targets and v.shape != _local(targets[k]).shape
+    ]
     if missing or unexpected or shapes:
         raise ValueError(
             "SM-local state dict does not fit this model's local shards (SM-local checkpoints "
@@ -109,12 +116,16 @@ def load_local_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor],
 def local_optim_state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``optimizer.state_dict()`` with DTensor states replaced by their local tensors."""
     sd = optimizer.state_dict()
-    sd["state"] = {idx: {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-                   for idx, s in sd["state"].items()}
+    sd["state"] = {
+        idx: {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+        for idx, s in sd["state"].items()
+    }
     return sd
 
 
-def load_local_optim_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+def load_local_optim_state_dict(
+    optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+) -> None:
     """Loads a ``local_optim_state_dict``; states of DTensor parameters become DTensors again."""
     optimizer.load_state_dict(state_dict)
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -123,15 +134,29 @@ def load_local_optim_state_dict(optimizer: torch.optim.Optimizer, state_dict: di
             continue
         state = optimizer.state[p]
         for k, v in state.items():
-            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == p.to_local().shape \
-                    and v.dim() > 0:
-                state[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
-                                              shape=p.shape, stride=p.stride())
+            if (
+                isinstance(v, torch.Tensor)
+                and not isinstance(v, DTensor)
+                and v.shape == p.to_local().shape
+                and v.dim() > 0
+            ):
+                state[k] = DTensor.from_local(
+                    v,
+                    p.device_mesh,
+                    p.placements,
+                    run_check=False,
+                    shape=p.shape,
+                    stride=p.stride(),
+                )
 
 
 @contextlib.contextmanager
-def sm_state_dict_type(model: nn.Module, state_dict_type: Any, state_dict_config: Any = None,
-                       optim_state_dict_config: Any = None) -> Iterator[None]:
+def sm_state_dict_type(
+    model: nn.Module,
+    state_dict_type: Any,
+    state_dict_config: Any = None,
+    optim_state_dict_config: Any = None,
+) -> Iterator[None]:
     """Selects what ``model.state_dict()`` / ``model.load_state_dict()`` return and accept.
 
     Args:
@@ -147,10 +172,16 @@ def sm_state_dict_type(model: nn.Module, state_dict_type: Any, state_dict_config
     from torch.distributed.fsdp import StateDictType
 
     if state_dict_type is SMStateDictType.SM_LOCAL_STATE_DICT:
-        overrides = {"state_dict": lambda *a, **k: local_state_dict(model),
-                     "load_state_dict": lambda sd, strict=True, **k: load_local_state_dict(model, sd, strict)}
+        overrides = {
+            "state_dict": lambda *a, **k: local_state_dict(model),
+            "load_state_dict": lambda sd, strict=True, **k: load_local_state_dict(
+                model, sd, strict
+            ),
+        }
     elif isinstance(state_dict_type, StateDictType) and isinstance(model, FSDP):
-        with FSDP.state_dict_type(model, state_dict_type, state_dict_config, optim_state_dict_config):
+        with FSDP.state_dict_type(
+            model, state_dict_type, state_dict_config, optim_state_dict_config
+        ):
             yield
         return
     elif state_dict_type == StateDictType.FULL_STATE_DICT:
@@ -161,8 +192,10 @@ def sm_state_dict_type(model: nn.Module, state_dict_type: Any, state_dict_config
     elif state_dict_type in (StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT):
         overrides = {}
     else:
-        raise ValueError(f"state_dict_type={state_dict_type!r} is not an SMStateDictType or "
-                         "torch.distributed.fsdp.StateDictType.")
+        raise ValueError(
+            f"state_dict_type={state_dict_type!r} is not an SMStateDictType or "
+            "torch.distributed.fsdp.StateDictType."
+        )
     for name, fn in overrides.items():
         setattr(model, name, fn)  # an instance attribute shadows the class method
     try:
@@ -184,8 +217,12 @@ def init_optim_state(optimizer: torch.optim.Optimizer, skip_empty_param: bool = 
     """
     if optimizer.state:
         return
-    params = [p for g in optimizer.param_groups for p in g["params"]
-              if p.requires_grad and not (skip_empty_param and p.numel() == 0)]
+    params = [
+        p
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if p.requires_grad and not (skip_empty_param and p.numel() == 0)
+    ]
     saved_lrs = [g["lr"] for g in optimizer.param_groups]
     created = [p for p in params if p.grad is None]
     for p in created:
@@ -223,10 +260,22 @@ def compute_auto_checkpoint_interval(*args: Any, **kwargs: Any) -> Any:
     raise NotImplementedError(
         "compute_auto_checkpoint_interval: SMP's heuristic is not published, so it is not "
         "reproduced; pick the checkpoint interval yourself (e.g. so that saving takes a few "
-        "percent of training time, from the save times SMP's scripts log).")
+        "percent of training time, from the save times SMP's scripts log)."
+    )
 
 
-__all__ = ["SMLocalStateDict", "compute_auto_checkpoint_interval", "SMStateDictType", "current_layout", "init_optim_state",
-           "load_local_optim_state_dict", "load_local_state_dict", "local_optim_state_dict",
-           "local_state_dict", "local_subdir", "resolve_stateful", "shard_coordinates",
-           "sm_state_dict_type"]
+__all__ = [
+    "SMLocalStateDict",
+    "compute_auto_checkpoint_interval",
+    "SMStateDictType",
+    "current_layout",
+    "init_optim_state",
+    "load_local_optim_state_dict",
+    "load_local_state_dict",
+    "local_optim_state_dict",
+    "local_state_dict",
+    "local_subdir",
+    "resolve_stateful",
+    "shard_coordinates",
+    "sm_state_dict_type",
+]

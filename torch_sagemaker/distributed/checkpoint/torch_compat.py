@@ -44,8 +44,11 @@ from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.tensor import DTensor
 
-_native_load_sharded = getattr(_dcp_optimizer.load_sharded_optimizer_state_dict, "__tsm_native__",
-                               _dcp_optimizer.load_sharded_optimizer_state_dict)
+_native_load_sharded = getattr(
+    _dcp_optimizer.load_sharded_optimizer_state_dict,
+    "__tsm_native__",
+    _dcp_optimizer.load_sharded_optimizer_state_dict,
+)
 _native_wrapper_init = _dcp_utils._DistWrapper.__init__
 
 
@@ -53,20 +56,30 @@ def _allocate_like(template: Any, meta: TensorStorageMetadata) -> torch.Tensor:
     """An empty tensor for ``meta``, laid out like ``template`` when the shapes agree."""
     props = meta.properties
     if isinstance(template, DTensor) and tuple(template.shape) == tuple(meta.size):
-        local = torch.empty(template.to_local().shape, dtype=props.dtype,
-                            device=template.to_local().device)
-        return DTensor.from_local(local, template.device_mesh, template.placements,
-                                  run_check=False, shape=template.shape, stride=template.stride())
+        local = torch.empty(
+            template.to_local().shape, dtype=props.dtype, device=template.to_local().device
+        )
+        return DTensor.from_local(
+            local,
+            template.device_mesh,
+            template.placements,
+            run_check=False,
+            shape=template.shape,
+            stride=template.stride(),
+        )
     device = template.device if isinstance(template, torch.Tensor) else torch.device("cpu")
     if isinstance(template, DTensor):
         device = template.to_local().device
     return torch.empty(tuple(meta.size), dtype=props.dtype, device=device)
 
 
-def load_sharded_optimizer_state_dict(model_state_dict: dict[str, Any], optimizer_key: str,
-                                      storage_reader: StorageReader,
-                                      planner: LoadPlanner | None = None,
-                                      process_group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+def load_sharded_optimizer_state_dict(
+    model_state_dict: dict[str, Any],
+    optimizer_key: str,
+    storage_reader: StorageReader,
+    planner: LoadPlanner | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
     """PyTorch's ``load_sharded_optimizer_state_dict`` plus SMP's ``process_group`` keyword.
 
     Args:
@@ -100,8 +113,9 @@ def load_sharded_optimizer_state_dict(model_state_dict: dict[str, Any], optimize
 load_sharded_optimizer_state_dict.__tsm_native__ = _native_load_sharded  # type: ignore[attr-defined]
 
 
-def _dist_wrapper_init(self: Any, group: dist.ProcessGroup | None, use_dist: bool,
-                       coordinator_rank: int) -> None:
+def _dist_wrapper_init(
+    self: Any, group: dist.ProcessGroup | None, use_dist: bool, coordinator_rank: int
+) -> None:
     if use_dist and group is not None and not 0 <= coordinator_rank < dist.get_world_size(group):
         members = dist.get_process_group_ranks(group)
         if coordinator_rank in members:

@@ -97,9 +97,16 @@ class TrainingState:
         >>> ts.load(f"{ckpt_dir}/step{step}")                  # in a new job; ts.step restored
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 lr_scheduler: Any = None, *, step: int = 0, data_position: Any = None,
-                 save_rng: bool = True) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any = None,
+        *,
+        step: int = 0,
+        data_position: Any = None,
+        save_rng: bool = True,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -120,8 +127,9 @@ class TrainingState:
                 sd["optimizer"] = sdu.local_optim_state_dict(self.optimizer)
         else:
             optims = [self.optimizer] if self.optimizer is not None else []
-            model_sd, optim_sd = get_state_dict(_unwrap_root(self.model), optims,
-                                                options=StateDictOptions())
+            model_sd, optim_sd = get_state_dict(
+                _unwrap_root(self.model), optims, options=StateDictOptions()
+            )
             sd["model"] = model_sd
             if self.optimizer is not None:
                 sd["optimizer"] = optim_sd
@@ -139,8 +147,12 @@ class TrainingState:
                 sdu.load_local_optim_state_dict(self.optimizer, state_dict["optimizer"])
         else:
             optims = [self.optimizer] if self.optimizer is not None else []
-            set_state_dict(_unwrap_root(self.model), optims, model_state_dict=state_dict["model"],
-                           optim_state_dict=state_dict.get("optimizer", {}))
+            set_state_dict(
+                _unwrap_root(self.model),
+                optims,
+                model_state_dict=state_dict["model"],
+                optim_state_dict=state_dict.get("optimizer", {}),
+            )
         if self.lr_scheduler is not None and "lr_scheduler" in state_dict:
             self.lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
         self.step = int(state_dict["step"])
@@ -163,15 +175,19 @@ class TrainingState:
                 raise NotImplementedError(
                     "TrainingState of an FSDP1 model with context parallelism and tensor or expert "
                     "parallelism is not supported: shard the model with FSDP2 "
-                    "(torch_sagemaker.sharding.shard_model) for reshardable checkpoints.")
+                    "(torch_sagemaker.sharding.shard_model) for reshardable checkpoints."
+                )
             if smp_state.ep_size > 1:
                 if smp_state.layout.edp_replicate > 1:
                     raise NotImplementedError(
                         "TrainingState of an FSDP1 expert-parallel model whose experts are also "
                         f"replicated ({smp_state.layout.edp_replicate} replicas per EP rank) is not "
                         "supported: use FSDP2 (torch_sagemaker.sharding.shard_model) or SM-local "
-                        "checkpoints (kind='local').")
-                group = smp_state.fsdp_shard_process_group  # the ranks holding this EP rank's experts
+                        "checkpoints (kind='local')."
+                    )
+                group = (
+                    smp_state.fsdp_shard_process_group
+                )  # the ranks holding this EP rank's experts
                 path = path / f"ep{smp_state.ep_size}-{smp_state.ep_rank}"
             else:
                 group = smp_state.dp_process_group
@@ -181,13 +197,24 @@ class TrainingState:
         # The ranks writing one ``tp{r}_ep{r}_fsdp{r}`` directory: the replicas that hold the
         # same shard *and the same experts* (with expert parallelism, replicas of different EP
         # ranks hold different experts; without it this is the whole replicate group).
-        group = smp_state.expert_fsdp_mesh["edp_replicate"].get_group() if smp_state.initialized else None
+        group = (
+            smp_state.expert_fsdp_mesh["edp_replicate"].get_group()
+            if smp_state.initialized
+            else None
+        )
         ranks = dist.get_process_group_ranks(group) if group is not None else [_rank()]
         return path / sdu.local_subdir(), group, min(ranks)
 
-    def save(self, checkpoint_id: str | os.PathLike[str], *, kind: str = "sharded",
-             use_async: bool = False, queue: AsyncCallsQueue | None = None,
-             num_kept: int | None = None, regex: str | None = None) -> None:
+    def save(
+        self,
+        checkpoint_id: str | os.PathLike[str],
+        *,
+        kind: str = "sharded",
+        use_async: bool = False,
+        queue: AsyncCallsQueue | None = None,
+        num_kept: int | None = None,
+        regex: str | None = None,
+    ) -> None:
         """Saves the training state to the directory ``checkpoint_id`` (all ranks call it).
 
         Args:
@@ -212,14 +239,30 @@ class TrainingState:
         on_commit = retain if (num_kept is not None and prunes) else None
         sd = self.state_dict(kind)
         if use_async:
-            async_save(sd, checkpoint_id=path, process_group=group, coordinator_rank=coordinator,
-                       queue=queue, on_commit=on_commit)
+            async_save(
+                sd,
+                checkpoint_id=path,
+                process_group=group,
+                coordinator_rank=coordinator,
+                queue=queue,
+                on_commit=on_commit,
+            )
         else:
-            save(sd, checkpoint_id=path, process_group=group, coordinator_rank=coordinator,
-                 on_commit=on_commit)
+            save(
+                sd,
+                checkpoint_id=path,
+                process_group=group,
+                coordinator_rank=coordinator,
+                on_commit=on_commit,
+            )
 
-    def load(self, checkpoint_id: str | os.PathLike[str], *, kind: str = "sharded",
-             load_optimizer: bool = True) -> None:
+    def load(
+        self,
+        checkpoint_id: str | os.PathLike[str],
+        *,
+        kind: str = "sharded",
+        load_optimizer: bool = True,
+    ) -> None:
         """Loads a checkpoint written by ``save``, resharding to this job's layout (sharded kind).
 
         Args:
@@ -237,12 +280,19 @@ class TrainingState:
             sd.pop("optimizer", None)
         rng_key = f"rng_rank{_rank()}"
         if rng_key in sd and rng_key not in read_metadata(path).state_dict_metadata:
-            warn_once(f"checkpoint {path} has no RNG state for rank {_rank()} (it was saved by "
-                      "fewer ranks); ranks without one keep their current RNG state.")
+            warn_once(
+                f"checkpoint {path} has no RNG state for rank {_rank()} (it was saved by "
+                "fewer ranks); ranks without one keep their current RNG state."
+            )
             sd.pop(rng_key)
         # Ranks may differ in the RNG key only, so the key-set agreement check is skipped.
-        load(sd, checkpoint_id=path, process_group=group, coordinator_rank=coordinator,
-             check_keys_matched=False)
+        load(
+            sd,
+            checkpoint_id=path,
+            process_group=group,
+            coordinator_rank=coordinator,
+            check_keys_matched=False,
+        )
         self.load_state_dict(sd, kind)
 
 
@@ -270,8 +320,11 @@ def _fsdp1_per_rank(model: nn.Module) -> bool:
     """Whether ``model`` is FSDP1-wrapped with tensor- or expert-parallel parameters inside."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    return (smp_state.initialized and (smp_state.tp_size > 1 or smp_state.ep_size > 1)
-            and any(isinstance(m, FullyShardedDataParallel) for m in model.modules()))
+    return (
+        smp_state.initialized
+        and (smp_state.tp_size > 1 or smp_state.ep_size > 1)
+        and any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+    )
 
 
 __all__ = ["TrainingState", "rng_state_json", "set_rng_state_json"]

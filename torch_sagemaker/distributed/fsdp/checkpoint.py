@@ -25,9 +25,13 @@ from torch_sagemaker.distributed.checkpoint.torch_compat import load_sharded_opt
 from torch_sagemaker.logger import get_logger
 from torch_sagemaker.state import state
 
-warnings.warn("torch.sagemaker.distributed.fsdp.checkpoint is deprecated (SMP 2.6.1) and was removed "
-              "in SMP 2.7.0; use torch.sagemaker.distributed.checkpoint (state_dict_saver.save / "
-              "async_save, state_dict_loader.load) instead.", FutureWarning, stacklevel=2)
+warnings.warn(
+    "torch.sagemaker.distributed.fsdp.checkpoint is deprecated (SMP 2.6.1) and was removed "
+    "in SMP 2.7.0; use torch.sagemaker.distributed.checkpoint (state_dict_saver.save / "
+    "async_save, state_dict_loader.load) instead.",
+    FutureWarning,
+    stacklevel=2,
+)
 
 #: Keys of the dict ``load_model_checkpoint`` returns.
 EXPORT_KEY_MODEL = "model"
@@ -54,15 +58,24 @@ def _model_parallel_dir(path: str | os.PathLike[str]) -> str:
 
 def _check_type(state_dict_type: StateDictType) -> None:
     if state_dict_type is not StateDictType.SHARDED_STATE_DICT:
-        raise ValueError(f"state_dict_type={state_dict_type}: the deprecated fsdp.checkpoint helpers "
-                         "support only StateDictType.SHARDED_STATE_DICT; use "
-                         "torch.sagemaker.distributed.checkpoint for other kinds.")
+        raise ValueError(
+            f"state_dict_type={state_dict_type}: the deprecated fsdp.checkpoint helpers "
+            "support only StateDictType.SHARDED_STATE_DICT; use "
+            "torch.sagemaker.distributed.checkpoint for other kinds."
+        )
 
 
-def save_model_checkpoint(model: FSDP, state_dict_type: StateDictType, save_dir: str | os.PathLike[str],
-                          sharding_strategy: Any, checkpointing_pg_metadata: tuple[Any, int, bool],
-                          log: bool = False, optimizer: Any = None, scheduler: Any = None,
-                          extra_exports: dict[str, Any] | None = None) -> None:
+def save_model_checkpoint(
+    model: FSDP,
+    state_dict_type: StateDictType,
+    save_dir: str | os.PathLike[str],
+    sharding_strategy: Any,
+    checkpointing_pg_metadata: tuple[Any, int, bool],
+    log: bool = False,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    extra_exports: dict[str, Any] | None = None,
+) -> None:
     """Saves model, optimizer, scheduler and ``extra_exports`` as a sharded checkpoint.
 
     Args:
@@ -89,17 +102,27 @@ def save_model_checkpoint(model: FSDP, state_dict_type: StateDictType, save_dir:
         state_dict[EXPORT_KEY_SCHEDULER] = scheduler.state_dict()
     state_dict.update(extra_exports or {})
     if action_rank:
-        save(state_dict, checkpoint_id=_model_parallel_dir(save_dir), process_group=process_group,
-             coordinator_rank=coordinator_rank)
+        save(
+            state_dict,
+            checkpoint_id=_model_parallel_dir(save_dir),
+            process_group=process_group,
+            coordinator_rank=coordinator_rank,
+        )
     if log and dist.get_rank() == coordinator_rank:
         get_logger().info(f"saved sharded checkpoint {save_dir}")
 
 
-def load_model_checkpoint(model: FSDP, state_dict_type: StateDictType,
-                          checkpoint_dir: str | os.PathLike[str], sharding_strategy: Any,
-                          checkpointing_pg_metadata: tuple[Any, int, bool], log: bool = False,
-                          optimizer: Any = None, scheduler: Any = None,
-                          extra_imports: dict[str, Any] | None = None) -> dict[str, Any]:
+def load_model_checkpoint(
+    model: FSDP,
+    state_dict_type: StateDictType,
+    checkpoint_dir: str | os.PathLike[str],
+    sharding_strategy: Any,
+    checkpointing_pg_metadata: tuple[Any, int, bool],
+    log: bool = False,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    extra_imports: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Loads a checkpoint of ``save_model_checkpoint`` into the objects given (every rank calls it).
 
     Args:
@@ -133,18 +156,32 @@ def load_model_checkpoint(model: FSDP, state_dict_type: StateDictType,
         model.load_state_dict(template[EXPORT_KEY_MODEL])
         if optimizer is not None:
             loaded = load_sharded_optimizer_state_dict(
-                model_state, EXPORT_KEY_OPTIMIZER, DistributedFileSystemReader(checkpoint_dir),
-                process_group=process_group)
+                model_state,
+                EXPORT_KEY_OPTIMIZER,
+                DistributedFileSystemReader(checkpoint_dir),
+                process_group=process_group,
+            )
             optimizer.load_state_dict(
-                FSDP.optim_state_dict_to_load(model, optimizer, loaded[EXPORT_KEY_OPTIMIZER]))
+                FSDP.optim_state_dict_to_load(model, optimizer, loaded[EXPORT_KEY_OPTIMIZER])
+            )
     if scheduler is not None:
         scheduler.load_state_dict(template[EXPORT_KEY_SCHEDULER])
     identity = {"epoch": 0, **{key: template[key] for key in extra}}
     if log and dist.get_rank() == 0:
         get_logger().info(f"loaded sharded checkpoint {checkpoint_dir}")
-    return {EXPORT_KEY_MODEL: model, EXPORT_KEY_OPTIMIZER: optimizer,
-            EXPORT_KEY_SCHEDULER: scheduler, EXPORT_KEY_IDENTITY: identity}
+    return {
+        EXPORT_KEY_MODEL: model,
+        EXPORT_KEY_OPTIMIZER: optimizer,
+        EXPORT_KEY_SCHEDULER: scheduler,
+        EXPORT_KEY_IDENTITY: identity,
+    }
 
 
-__all__ = ["EXPORT_KEY_IDENTITY", "EXPORT_KEY_MODEL", "EXPORT_KEY_OPTIMIZER", "EXPORT_KEY_SCHEDULER",
-           "load_model_checkpoint", "save_model_checkpoint"]
+__all__ = [
+    "EXPORT_KEY_IDENTITY",
+    "EXPORT_KEY_MODEL",
+    "EXPORT_KEY_OPTIMIZER",
+    "EXPORT_KEY_SCHEDULER",
+    "load_model_checkpoint",
+    "save_model_checkpoint",
+]

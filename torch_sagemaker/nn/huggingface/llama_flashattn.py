@@ -31,13 +31,18 @@ class LlamaFlashAttention(LlamaAttention):
     def __init__(self, config: Any, layer_idx: int | None = None) -> None:
         super().__init__(config, layer_idx)
         self.pretraining_tp = getattr(config, "pretraining_tp", 1)  # SMP's scripts set it
-        self.flash = FlashGroupedQueryAttention(attention_dropout_prob=self.attention_dropout,
-                                                scale=self.scaling)
+        self.flash = FlashGroupedQueryAttention(
+            attention_dropout_prob=self.attention_dropout, scale=self.scaling
+        )
 
-    def forward(self, hidden_states: torch.Tensor,
-                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-                attention_mask: torch.Tensor | None = None, past_key_values: Any = None,
-                **kwargs: Any) -> tuple[torch.Tensor, None]:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
         """Same inputs and outputs as ``LlamaAttention.forward`` (no attention weights).
 
         Raises:
@@ -51,9 +56,11 @@ class LlamaFlashAttention(LlamaAttention):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if past_key_values is not None:
             if self.layer_idx is None:
-                raise ValueError("LlamaFlashAttention(config) was built without layer_idx, so it "
-                                 "cannot use a key/value cache: set config.use_cache=False (as "
-                                 "SMP's scripts do) or build it with layer_idx=<layer number>.")
+                raise ValueError(
+                    "LlamaFlashAttention(config) was built without layer_idx, so it "
+                    "cannot use a key/value cache: set config.use_cache=False (as "
+                    "SMP's scripts do) or build it with layer_idx=<layer number>."
+                )
             k, v = past_key_values.update(k, v, self.layer_idx)
         mask = attention_mask[..., :seq, : k.shape[2]] if attention_mask is not None else None
         # Without a mask Hugging Face relies on causal attention, or on a single new token
