@@ -1,6 +1,7 @@
 """Train a Hugging Face causal LM with torch.sagemaker (SMP v2 API) — the project's main job.
 
-    torchrun --standalone --nproc_per_node 2 examples/train.py --smp-config examples/configs/full_shard.json
+    torchrun --standalone --nproc_per_node 2 examples/train.py \
+        --smp-config examples/configs/full_shard.json
 
 Flow (as in SMP's example scripts): arguments -> process group -> tsm.init -> model from a
 Hugging Face config -> tsm.transform (tensor parallelism) -> FSDP (sharding follows
@@ -185,7 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
                 }
                 writer.log(step, **row)
                 rank0_print(
-                    f"[train] step {step}: loss {reduced:.4f}, {row['perf/samples_per_s']:.1f} samples/s, "
+                    f"[train] step {step}: loss {reduced:.4f}, "
+                    f"{row['perf/samples_per_s']:.1f} samples/s, "
                     f"{row['perf/tokens_per_s']:.0f} tokens/s, {tflops:.4f} model TFLOPs/rank, "
                     f"lr {row['lr']:.2e}, grad norm {row['grad_norm']:.3f}, "
                     f"peak mem {row['cpu_peak_gb']:.2f} GB" + offload_note(model, args)
@@ -194,7 +196,8 @@ def main(argv: list[str] | None = None) -> dict:
                 val = evaluate(model, val_loader, args.validation_batches)
                 writer.log(step, **{"val/loss": val, "val/perplexity": math.exp(val)})
                 rank0_print(
-                    f"[train] step {step}: validation loss {val:.4f}, perplexity {math.exp(val):.2f}"
+                    f"[train] step {step}: validation loss {val:.4f}, "
+                    f"perplexity {math.exp(val):.2f}"
                 )
             if args.checkpoint_dir and args.checkpoint_freq and step % args.checkpoint_freq == 0:
                 path = checkpoints.save(

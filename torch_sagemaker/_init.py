@@ -32,13 +32,14 @@ def _ensure_process_group() -> None:
     if missing:
         raise RuntimeError(
             "torch.sagemaker.init() needs a default process group. Either call "
-            "torch.distributed.init_process_group('smddp') first, or launch with torchrun, which sets "
-            f"{', '.join(_TORCHRUN_VARS)} (missing here: {', '.join(missing)})."
+            "torch.distributed.init_process_group('smddp') first, or launch with torchrun, "
+            f"which sets {', '.join(_TORCHRUN_VARS)} (missing here: {', '.join(missing)})."
         )
     backend = backend_lib.default_backend()
     dist.init_process_group(backend, timeout=timedelta(minutes=30))
     log_rank0(
-        f"tsm.init: created the default process group on backend {backend!r} from torchrun's environment"
+        f"tsm.init: created the default process group on backend {backend!r} "
+        "from torchrun's environment"
     )
 
 

@@ -196,7 +196,8 @@ def transform(
     if load_state_dict_from_rank0 and state.world_size > 1:
         target = torch.device(device) if device is not None else _default_device()
         loading.broadcast_from_rank0(model, rank0_state, target)
-    # 5. Record the policy, and mark the layers as SMP's TransformerLayer (wrap and checkpoint unit).
+    # 5. Record the policy, and mark the layers as SMP's TransformerLayer (wrap and checkpoint
+    # unit).
     setattr(model, POLICY_ATTR, policy)
     layer_cls = policy.layer_cls(model)
     num_layers = transformer.mark(model, layer_cls)

@@ -162,7 +162,8 @@ def _parse_json(text: str, source: str) -> dict[str, Any]:
         raise ConfigError(
             [
                 f"{source} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno} "
-                f"(character {e.pos}). Fix the JSON there, e.g. quote keys and drop trailing commas."
+                f"(character {e.pos}). Fix the JSON there, e.g. quote keys and drop trailing "
+                "commas."
             ],
             source,
         ) from None
@@ -209,7 +210,8 @@ def _from_argument(config: str | os.PathLike[str] | Mapping[str, Any] | None) ->
             ) from None
         return _parse_json(_decode(data, f"config file {path!r}"), f"config file {path!r}")
     raise TypeError(
-        f"tsm.init(config=...) takes a dict, a path to a JSON file or None, got {type(config).__name__}."
+        "tsm.init(config=...) takes a dict, a path to a JSON file or None, "
+        f"got {type(config).__name__}."
     )
 
 
@@ -229,7 +231,8 @@ def _decode(data: bytes, source: str) -> str:
     except UnicodeDecodeError as e:
         raise ConfigError(
             [
-                f"{source} is not JSON text: byte {data[e.start]:#04x} at position {e.start} is not "
+                f"{source} is not JSON text: byte {data[e.start]:#04x} at position {e.start} "
+                "is not "
                 f"valid {encoding} (is it a binary file?). Save the config as a UTF-8 JSON file."
             ],
             source,
@@ -282,7 +285,10 @@ def _type_problem(key: str, value: Any) -> str | None:
     if expected is bool:
         if isinstance(value, bool):
             return None
-        return f"{key}={show_value(value)}: must be a boolean (true or false), got {type(value).__name__}."
+        return (
+            f"{key}={show_value(value)}: must be a boolean (true or false), "
+            f"got {type(value).__name__}."
+        )
     if isinstance(value, bool) or not isinstance(value, int):
         hint = " (booleans are not integers)" if isinstance(value, bool) else ""
         return (
@@ -338,7 +344,8 @@ def _range_problems(values: dict[str, Any]) -> list[str]:
         )
     if "activation_loading_horizon" in values and values["activation_loading_horizon"] < 1:
         problems.append(
-            f"activation_loading_horizon={show_value(values['activation_loading_horizon'])}: must be >= 1 "
+            f"activation_loading_horizon={show_value(values['activation_loading_horizon'])}: "
+            "must be >= 1 "
             "(number of layers prefetched ahead of backward; SMP's default is 2)."
         )
     if "random_seed" in values and not 0 <= values["random_seed"] <= MAX_SEED:
@@ -364,11 +371,13 @@ def _world_problems(cfg: dict[str, Any], world_size: int) -> list[str]:
     ):
         if deg >= 1 and world_size % deg:
             problems.append(
-                f"{key}={deg}: must divide world_size={world_size}. Use one of {_divisors(world_size)}."
+                f"{key}={deg}: must divide world_size={world_size}. "
+                f"Use one of {_divisors(world_size)}."
             )
     if tp > 1 and ep > 1:
         problems.append(
-            f"expert_parallel_degree={ep} with tensor_parallel_degree={tp}: expert parallelism is not "
+            f"expert_parallel_degree={ep} with tensor_parallel_degree={tp}: "
+            "expert parallelism is not "
             "compatible with tensor parallelism (as in SMP v2). Set one of them to 1."
         )
     if problems or min(tp, cp, ep) < 1 or hsd < 0:
@@ -388,7 +397,8 @@ def _world_problems(cfg: dict[str, Any], world_size: int) -> list[str]:
     elif hsd > 0 and world_size % (hsd * tp * ep):
         choices = _divisors(max_hsd)
         problems.append(
-            f"hybrid_shard_degree={hsd}: world_size % (hybrid_shard_degree * tensor_parallel_degree * "
+            f"hybrid_shard_degree={hsd}: world_size % "
+            "(hybrid_shard_degree * tensor_parallel_degree * "
             f"expert_parallel_degree) must be 0, but {world_size} % ({hsd} * {tp} * {ep}) = "
             f"{world_size % (hsd * tp * ep)}. Use one of {choices} (or 0 for native FSDP)."
         )
@@ -396,14 +406,17 @@ def _world_problems(cfg: dict[str, Any], world_size: int) -> list[str]:
     if cp > 1 and cp > resolved:
         problems.append(
             f"context_parallel_degree={cp} > hybrid_shard_degree={hsd}"
-            f"{' (resolved to ' + str(resolved) + ')' if hsd == 0 else ''}: the context parallel ranks "
+            f"{' (resolved to ' + str(resolved) + ')' if hsd == 0 else ''}: "
+            "the context parallel ranks "
             "live inside the FSDP shard group, so context_parallel_degree <= hybrid_shard_degree. "
             "Raise hybrid_shard_degree or lower context_parallel_degree."
         )
     elif cp > 1 and resolved % cp:
         problems.append(
-            f"context_parallel_degree={cp}: must divide the shard degree {resolved} (the shard group "
-            "is made of whole context parallel groups). Use a multiple of it as hybrid_shard_degree."
+            f"context_parallel_degree={cp}: must divide the shard degree {resolved} "
+            "(the shard group "
+            "is made of whole context parallel groups). "
+            "Use a multiple of it as hybrid_shard_degree."
         )
     return problems
 

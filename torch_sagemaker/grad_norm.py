@@ -7,13 +7,16 @@ max) to a bucket keyed by the groups it is *sharded* over; each bucket is summed
 exactly those groups (replicated axes are not summed, so nothing is counted twice), and the
 buckets are added up. Every rank issues the same collectives in the same (sorted) order.
 
-| model                       | gradients                         | sharded over                            |
+| model | gradients | sharded over |
 |-----------------------------|-----------------------------------|-----------------------------------------|
-| FSDP2 / HSDP (+ TP)         | DTensors, Shard on shard/tp axes  | the mesh axes with a ``Shard`` placement |
-| DTensor TP without FSDP     | DTensors, Shard on tp             | the tp axis                             |
-| DDP, single process         | full tensors                      | nothing (local norm)                    |
-| FSDP1 (+ TP)                | slices of each FlatParameter shard | FSDP's shard group, plus the tp axis for the slices of TP weights |
-| expert parallel experts     | DTensors Shard(0) on ``ep`` (FSDP2: plus ``_StridedShard`` on the expert shard axis; FSDP1: own units, or outside FSDP) | the ``ep`` axis and the expert shard group |
+| FSDP2 / HSDP (+ TP) | DTensors, Shard on shard/tp axes | the mesh axes with a ``Shard``
+  placement |
+| DTensor TP without FSDP | DTensors, Shard on tp | the tp axis |
+| DDP, single process | full tensors | nothing (local norm) |
+| FSDP1 (+ TP) | slices of each FlatParameter shard | FSDP's shard group, plus the tp axis for the
+  slices of TP weights |
+| expert parallel experts | DTensors Shard(0) on ``ep`` (FSDP2: plus ``_StridedShard`` on the expert
+  shard axis; FSDP1: own units, or outside FSDP) | the ``ep`` axis and the expert shard group |
 
 Note [FSDP1 with tensor parallelism]: FSDP1 flattens the *local* tensor of a DTensor
 parameter (``DTensorExtensions``), so one FlatParameter mixes slices of TP-sharded weights

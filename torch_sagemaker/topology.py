@@ -9,12 +9,12 @@ contiguous (so a TP group sits on one host) and context parallelism next:
 
     rank = ((dp_replicate * dp_shard_size + dp_shard) * cp_size + cp) * tp_size + tp
 
-| axis           | size                                   | meaning                                        |
+| axis | size | meaning |
 |----------------|----------------------------------------|------------------------------------------------|
-| ``dp_replicate`` | world / (tp * hybrid_shard_degree)   | FSDP replicas (HSDP outer dim); rep rank       |
-| ``dp_shard``     | hybrid_shard_degree / cp             | data-parallel ranks inside one shard group     |
-| ``cp``           | context_parallel_degree              | sequence split; part of the FSDP shard group   |
-| ``tp``           | tensor_parallel_degree               | tensor parallel, innermost                     |
+| ``dp_replicate`` | world / (tp * hybrid_shard_degree) | FSDP replicas (HSDP outer dim); rep rank |
+| ``dp_shard`` | hybrid_shard_degree / cp | data-parallel ranks inside one shard group |
+| ``cp`` | context_parallel_degree | sequence split; part of the FSDP shard group |
+| ``tp`` | tensor_parallel_degree | tensor parallel, innermost |
 
 Derived groups:
 - FSDP shard group = (``dp_shard``, ``cp``) flattened ("dp_shard_cp"), of size hybrid_shard_degree.
@@ -231,7 +231,8 @@ def resolve(
     if resolved < 1 or world_size % (resolved * tp * ep) or resolved % cp:
         raise ValueError(
             f"invalid layout: world_size={world_size}, hybrid_shard_degree={hybrid_shard_degree}, "
-            f"tp={tp}, cp={cp}, ep={ep}; validate the config with torch_sagemaker.config.validate first."
+            f"tp={tp}, cp={cp}, ep={ep}; "
+            "validate the config with torch_sagemaker.config.validate first."
         )
     return Layout(
         world_size=world_size,

@@ -30,7 +30,8 @@ def _bool(value: str) -> bool:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parses the arguments (unknown ones are ignored, as SageMaker passes extra hyperparameters)."""
+    """Parses the arguments (unknown ones are ignored, as SageMaker passes extra
+    hyperparameters)."""
     p = argparse.ArgumentParser(
         description="Train a Hugging Face causal LM with torch.sagemaker on CPU or GPU."
     )

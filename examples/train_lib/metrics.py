@@ -74,7 +74,8 @@ class MetricsWriter:
                 self.tb.add_scalar(key, value, step)
 
     def close(self, summary: dict) -> str | None:
-        """Writes metrics.json and loss_throughput.png; returns the PNG path (None if no matplotlib)."""
+        """Writes metrics.json and loss_throughput.png; returns the PNG path (None if no
+        matplotlib)."""
         if not self.enabled:
             return None
         with open(os.path.join(self.output_dir, "metrics.json"), "w") as f:

@@ -69,7 +69,8 @@ def build_config(args: argparse.Namespace) -> PretrainedConfig:
 
 
 def moe_config(args: argparse.Namespace):
-    """The MoEConfig handed to ``tsm.transform`` with ``--moe 1`` (as SMP's scripts build it), else None."""
+    """The MoEConfig handed to ``tsm.transform`` with ``--moe 1`` (as SMP's scripts build it), else
+    None."""
     if not args.moe:
         return None
     from torch.sagemaker.moe.moe_config import MoEConfig

@@ -36,7 +36,8 @@ def _fsdp1(
     return FSDP(
         model,
         auto_wrap_policy=ModuleWrapPolicy(set(layer_classes)),
-        sharding_strategy=ShardingStrategy.HYBRID_SHARD,  # follows hybrid_shard_degree after tsm.init
+        # follows hybrid_shard_degree after tsm.init
+        sharding_strategy=ShardingStrategy.HYBRID_SHARD,
         mixed_precision=mixed,
         device_id=device,
         use_orig_params=True,

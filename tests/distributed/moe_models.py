@@ -1,4 +1,5 @@
-"""Tiny mixture-of-experts models and the parity harness of the expert parallel tests (no downloads)."""
+"""Tiny mixture-of-experts models and the parity harness of the expert parallel tests (no
+downloads)."""
 
 from __future__ import annotations
 
@@ -309,7 +310,8 @@ def apply_checkpointing(model, target: str) -> None:
 
 
 def run_cases(cases: list[tuple]) -> dict:
-    """``parity_case`` for each (name, family, api, moe_kwargs, extra, smp_config), one tsm.init each."""
+    """``parity_case`` for each (name, family, api, moe_kwargs, extra, smp_config), one tsm.init
+    each."""
     import torch.sagemaker as tsm
 
     results = {}

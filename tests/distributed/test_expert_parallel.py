@@ -1,4 +1,5 @@
-"""Expert parallelism against one process on the concatenated global batch (issue: expert parallelism).
+"""Expert parallelism against one process on the concatenated global batch (issue: expert
+parallelism).
 
 Each case trains a tiny MoE model 3 AdamW steps under ``tsm.transform(model,
 config=MoEConfig(...))`` and FSDP1 (exactly as SMP's scripts call it: transformer auto-wrap
@@ -110,7 +111,8 @@ def test_ep2_on_two_ranks_matches_one_process():
     not smddp_available(), reason="torch_sagemaker._C was built without the smddp backend"
 )
 def test_ep2_dispatch_over_smddp():
-    """Both dispatchers on smddp's all_to_all_single (uneven splits), all-gather and reduce-scatter."""
+    """Both dispatchers on smddp's all_to_all_single (uneven splits), all-gather and
+    reduce-scatter."""
     cases = [
         _case("mixtral-fsdp2-a2a", "mixtral", "fsdp2", NONE),
         _case("qwen2_moe-fsdp1-allgather", "qwen2_moe", "fsdp1", ALL_GATHER),

@@ -4,8 +4,9 @@ Every rank runs the scripts' sequence (``tests/distributed/smp_script_steps.py``
 ``tsm.init()`` from ``SM_HP_MP_PARAMETERS``, delayed init, FSDP1 with ``use_orig_params=True``,
 bf16 mixed precision, activation checkpointing and offloading. An uninterrupted run of
 STEPS steps saves the sharded checkpoint types (``sharded``, ``async_sharded``,
-``async_local``, and SMP 2.5.0's ``use_pg_with_util``) after RESUME_AT steps; each type is then loaded into a fresh model, and the
-resumed steps must give exactly the uninterrupted run's losses. Layouts: tensor parallelism
+``async_local``, and SMP 2.5.0's ``use_pg_with_util``) after RESUME_AT steps; each type is
+then loaded into a fresh model, and the resumed steps must give exactly the uninterrupted
+run's losses. Layouts: tensor parallelism
 2 x hybrid_shard_degree 2, hybrid_shard_degree 2 with two replicas (no TP), and SMP's Mixtral
 notebook layout scaled down (MoEConfig, expert parallelism 2 x hybrid_shard_degree 2).
 

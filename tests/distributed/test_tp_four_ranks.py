@@ -12,7 +12,8 @@ from tests.distributed.test_tp_parity import ATOL, batch, build, compare_forward
 
 
 def _rank0_load(family: str) -> dict:
-    """Rank 0 holds real (perturbed) weights, ranks 1-3 a meta model; compare with loading everywhere."""
+    """Rank 0 holds real (perturbed) weights, ranks 1-3 a meta model; compare with loading
+    everywhere."""
     import torch
     import torch.sagemaker as tsm
 

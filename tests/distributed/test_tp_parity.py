@@ -63,7 +63,8 @@ def tiny_config(family: str, **overrides):
 
 
 def build(family: str, seed: int = 0, **overrides):
-    """The model of ``tiny_config(family)`` with weights drawn from ``seed`` (same on every rank)."""
+    """The model of ``tiny_config(family)`` with weights drawn from ``seed`` (same on every
+    rank)."""
     import torch
     from transformers import AutoModelForCausalLM
 

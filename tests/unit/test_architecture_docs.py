@@ -81,7 +81,8 @@ def problems(text: str, root: Path) -> list[str]:
 def test_every_named_file_and_function_exists():
     text = PAGE.read_text()
     refs = references(text)
-    # The page is built on these references; a parsing regression must not pass as "nothing to check".
+    # The page is built on these references; a parsing regression must not pass as "nothing to
+    # check".
     assert len({p for p, _ in refs}) >= 40, refs
     assert sum(1 for _, n in refs if n) >= 40, refs
     assert problems(text, ROOT) == []

@@ -1,4 +1,5 @@
-"""``import torch.sagemaker`` and the SMDDP shim, in fresh interpreters, editable and wheel installs."""
+"""``import torch.sagemaker`` and the SMDDP shim, in fresh interpreters, editable and wheel
+installs."""
 
 import os
 import subprocess

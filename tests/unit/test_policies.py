@@ -1,4 +1,5 @@
-"""Policy matching, coverage of every parameter, head bookkeeping and registration (no processes)."""
+"""Policy matching, coverage of every parameter, head bookkeeping and registration (no
+processes)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def test_lookup_finds_the_family_policy_and_layer_class(family_model):
 
 
 def test_plan_patterns_match_and_cover_every_parameter(family_model):
-    """Each pattern matches a module, and every parameter's module is parallelized by some pattern."""
+    """Each pattern matches a module, and every parameter's module is parallelized by some
+    pattern."""
     _, model = family_model
     policy = lookup_policy(model)
     names = [n for n, _ in model.named_modules() if n]

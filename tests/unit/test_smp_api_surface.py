@@ -1,4 +1,5 @@
-"""SMP's module paths and the small APIs behind them, as SMP's example scripts use them (no processes)."""
+"""SMP's module paths and the small APIs behind them, as SMP's example scripts use them (no
+processes)."""
 
 from __future__ import annotations
 

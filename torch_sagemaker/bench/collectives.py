@@ -6,9 +6,9 @@
 
 For every operation and size S (8 B .. 256 MiB by default, float32 data) each backend runs
 warm-up iterations, then timed iterations; the reported time is the median over iterations
-of the slowest rank (with ``--repeat N``, the median of N whole sweeps' medians). As in nccl-tests, S is the buffer size for all_reduce, broadcast and reduce,
-the *total* (gathered / scattered) size for all_gather_into_tensor, reduce_scatter_tensor,
-gather and scatter,
+of the slowest rank (with ``--repeat N``, the median of N whole sweeps' medians). As in
+nccl-tests, S is the buffer size for all_reduce, broadcast and reduce, the *total* (gathered
+/ scattered) size for all_gather_into_tensor, reduce_scatter_tensor, gather and scatter,
 and the per-rank send size for all_to_all and sendrecv (every rank sends S to the next rank and
 receives S from the previous one with batch_isend_irecv); algbw = S / time and busbw = algbw x
 factor (all_reduce 2(n-1)/n, all_gather, reduce_scatter, gather and scatter (n-1)/n,
@@ -420,7 +420,10 @@ def _format_row(row: dict, backends: list[str], base: str | None = None) -> str:
         cells.append(
             "n/a".center(33)
             if r is None
-            else f"{r['time_us']:>10.1f} {r['algbw']:>7.3f} {r['busbw']:>7.3f} {r['copy_pct']:>5.0f}%"
+            else (
+                f"{r['time_us']:>10.1f} {r['algbw']:>7.3f} {r['busbw']:>7.3f} "
+                f"{r['copy_pct']:>5.0f}%"
+            )
         )
     for b in backends:
         if b == base:

@@ -35,7 +35,8 @@ def require() -> None:
 
 
 def _segment_name(rank: int) -> str:
-    # The op names rank r's segment deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<r>.
+    # The op names rank r's segment
+    # deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<r>.
     addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
     return f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
 

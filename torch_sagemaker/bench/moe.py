@@ -225,10 +225,13 @@ def _table(rows: list[tuple], args: argparse.Namespace) -> str:
     tokens_per_rank = args.batch * args.seq
     index = {(w, b, ep, a2a): r for w, b, ep, a2a, r in rows}
     lines = [
-        f"Mixtral {args.params_m:.0f}M params (8 experts, top-2), seq {args.seq}, {args.batch} seq/rank, "
+        f"Mixtral {args.params_m:.0f}M params (8 experts, top-2), seq {args.seq}, "
+        f"{args.batch} seq/rank, "
         f"hybrid_shard_degree 1, medians of {args.steps} steps (slowest rank)",
-        "| ranks | backend | ep | dispatcher | tokens/s | vs ep 1 | step ms | dispatch+combine ms/step "
-        "in training | isolated | isolated vs gloo | expert MiB/rank (p+g+opt) | x ep 1 | all MiB/rank |",
+        "| ranks | backend | ep | dispatcher | tokens/s | vs ep 1 | step ms | "
+        "dispatch+combine ms/step "
+        "in training | isolated | isolated vs gloo | expert MiB/rank (p+g+opt) | x ep 1 | "
+        "all MiB/rank |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     checks = []
@@ -258,14 +261,16 @@ def _table(rows: list[tuple], args: argparse.Namespace) -> str:
             if world == 2 and a2a:
                 ratio = tps / base_tps
                 checks.append(
-                    f"{'PASS' if ratio >= 0.9 else 'FAIL'} tokens/s 2 ranks {backend} ep 2 all-to-all: "
+                    f"{'PASS' if ratio >= 0.9 else 'FAIL'} tokens/s 2 ranks {backend} ep 2 "
+                    "all-to-all: "
                     f"{ratio:.2f}x ep 1 (target >= 0.9x)"
                 )
             if backend == "smddp" and gloo:
                 ratio = r["isolated"] / gloo["isolated"]
                 checks.append(
                     f"{'PASS' if ratio <= 0.2 else 'FAIL'} dispatch+combine {world} ranks ep {ep} "
-                    f"{'all-to-all' if a2a else 'all-gather'}: smddp {ratio:.2f}x gloo (isolated; target <= 0.2x)"
+                    f"{'all-to-all' if a2a else 'all-gather'}: smddp {ratio:.2f}x gloo "
+                    "(isolated; target <= 0.2x)"
                 )
     return "\n".join(lines + [""] + checks)
 

@@ -156,9 +156,11 @@ def _table(rows, args: argparse.Namespace) -> tuple[str, dict]:
     tokens = args.batch * args.seq
     single = statistics.median(sum(s) for s in rows[0][2])
     lines = [
-        f"Llama {args.params_m:.0f}M params, seq {args.seq}, batch {args.batch}/rank, {args.nprocs} ranks, "
+        f"Llama {args.params_m:.0f}M params, seq {args.seq}, batch {args.batch}/rank, "
+        f"{args.nprocs} ranks, "
         f"medians of {args.steps} steps (slowest rank)",
-        "| backend | mode | tokens/s | step ms | fwd ms | bwd ms | optim ms | exposed comm ms | vs gloo | vs 2x... |",
+        "| backend | mode | tokens/s | step ms | fwd ms | bwd ms | optim ms | exposed comm ms | "
+        "vs gloo | vs 2x... |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines[1] = lines[1].replace("vs 2x...", f"vs {args.nprocs} x 1 rank")
@@ -178,7 +180,8 @@ def _table(rows, args: argparse.Namespace) -> tuple[str, dict]:
         )
         exposed = "" if backend == "none" else f"{max(0.0, step - single) * 1e3:.0f}"
         lines.append(
-            f"| {backend} | {mode} | {tps:.0f} | {step * 1e3:.0f} | {fwd * 1e3:.0f} | {bwd * 1e3:.0f} | "
+            f"| {backend} | {mode} | {tps:.0f} | {step * 1e3:.0f} | {fwd * 1e3:.0f} | "
+            f"{bwd * 1e3:.0f} | "
             f"{opt * 1e3:.0f} | {exposed} | {vs_gloo} | {scaling} |"
         )
     return "\n".join(lines), by_key

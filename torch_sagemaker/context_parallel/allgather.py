@@ -117,7 +117,8 @@ def allgather_backward(
 
 
 class AllGatherAttention(torch.autograd.Function):
-    """Autograd wrapper of ``allgather_forward``/``allgather_backward``; returns ``(b, h, 2c, d)``."""
+    """Autograd wrapper of ``allgather_forward``/``allgather_backward``; returns ``(b, h, 2c,
+    d)``."""
 
     @staticmethod
     def forward(

@@ -16,7 +16,8 @@ def setup_transformer_engine_cp_groups(model: Any, ranks: Any, pg: Any) -> None:
         NotImplementedError: Always, naming what to use instead.
     """
     raise NotImplementedError(
-        "torch.sagemaker.context_parallel.utils.setup_transformer_engine_cp_groups wires Transformer "
+        "torch.sagemaker.context_parallel.utils.setup_transformer_engine_cp_groups "
+        "wires Transformer "
         "Engine attention modules to a context parallel group, which this library does not use: "
         "set context_parallel_degree in the SMP config and call tsm.transform(model, "
         "cp_comm_type='p2p' or 'all_gather') (see docs/context_parallel.md)."

@@ -169,7 +169,8 @@ def _warn_no_effect(config: MoEConfig, ep: int) -> None:
         ignored.append(f"moe_z_loss_coeff={config.moe_z_loss_coeff}")
     if ignored:
         warn_once(
-            f"MoEConfig(smp_moe=False) keeps the model's own MoE block and router, so {', '.join(ignored)} "
+            "MoEConfig(smp_moe=False) keeps the model's own MoE block and router, "
+            f"so {', '.join(ignored)} "
             "have no effect (the model's router_aux_loss_coef with output_router_logits=True still "
             "applies). Use smp_moe=True for them."
         )

@@ -80,7 +80,8 @@ def checked_counts(counts: torch.Tensor, what: str) -> list[int]:
 
 
 def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """All-to-all of equal chunks of an int64 vector (``counts.numel()`` divisible by the group size)."""
+    """All-to-all of equal chunks of an int64 vector (``counts.numel()`` divisible by the group
+    size)."""
     out = torch.empty_like(counts)
     with DispatchTimer.measure(group):
         dist.all_to_all_single(out, counts.contiguous(), group=group)
@@ -114,7 +115,8 @@ class _AllToAllRows(torch.autograd.Function):
 def all_to_all_rows(
     x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: dist.ProcessGroup
 ) -> torch.Tensor:
-    """Sends ``x[sum(in_rows[:j]):...][:in_rows[j]]`` to group rank ``j``; receives ``out_rows[j]`` rows from it."""
+    """Sends ``x[sum(in_rows[:j]):...][:in_rows[j]]`` to group rank ``j``; receives ``out_rows[j]``
+    rows from it."""
     return _AllToAllRows.apply(x, out_rows, in_rows, group)
 
 
@@ -172,12 +174,14 @@ class _ReduceScatterRows(torch.autograd.Function):
 
 
 def all_gather_rows(x: torch.Tensor, rows: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """Concatenation of every group rank's ``x`` (rank ``j`` holds ``rows[j]`` rows); backward sums."""
+    """Concatenation of every group rank's ``x`` (rank ``j`` holds ``rows[j]`` rows); backward
+    sums."""
     return _AllGatherRows.apply(x, rows, dist.get_rank(group), group)
 
 
 def reduce_scatter_rows(x: torch.Tensor, rows: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """Sum over the group of ``x`` (``sum(rows)`` rows), of which this rank keeps its ``rows[rank]``."""
+    """Sum over the group of ``x`` (``sum(rows)`` rows), of which this rank keeps its
+    ``rows[rank]``."""
     return _ReduceScatterRows.apply(x, rows, dist.get_rank(group), group)
 
 

@@ -1,1 +1,2 @@
-"""SMP's attention modules (``torch.sagemaker.nn``): ``attn`` and ``huggingface.llama_flashattn``."""
+"""SMP's attention modules (``torch.sagemaker.nn``): ``attn`` and
+``huggingface.llama_flashattn``."""

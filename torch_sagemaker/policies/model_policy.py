@@ -23,7 +23,9 @@ STYLES: Mapping[str, str] = {
     "colwise": "Linear whose output features (heads, MLP columns) are split; input replicated",
     "kv_colwise": "like colwise for key/value projections; replicates kv heads when kv_heads < tp",
     "rowwise": "Linear whose input features are split; output reduce-scattered over the sequence",
-    "vocab_embedding": "Embedding split over the vocabulary; output reduce-scattered over the sequence",
+    "vocab_embedding": (
+        "Embedding split over the vocabulary; output reduce-scattered over the sequence"
+    ),
     "lm_head": "output projection split over the vocabulary; logits stay vocab-sharded",
     "sequence_parallel_norm": "norm computed on a sequence shard; output all-gathered",
     "sequence_parallel_dropout": "dropout on a sequence shard, drawing the unsharded model's mask",

@@ -41,7 +41,8 @@ def watch(root: nn.Module) -> bool:
         if now > last[0]:
             get_logger().warning(
                 f"the CUDA caching allocator flushed its cache {now - last[0]} time(s) since the "
-                f"previous step ({now} in all); each flush synchronises the GPU and slows the step. "
+                f"previous step ({now} in all); each flush synchronises the GPU "
+                "and slows the step. "
                 "Raise hybrid_shard_degree (smaller shards per GPU), lower the batch size, or "
                 "enable activation checkpointing/offloading; set fsdp_cache_flush_warnings=false "
                 "to silence this."

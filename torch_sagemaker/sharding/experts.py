@@ -5,11 +5,13 @@ rank (``Layout.expert_dp_groups``), a different group from every other parameter
 FSDP1 cannot mix two groups in one FlatParameter. So each experts module that
 ``tsm.transform`` split becomes its own FSDP unit on its own mesh:
 
-| hybrid_shard_degree | other parameters (``fsdp1.resolve_sharding``) | experts                         |
+| hybrid_shard_degree | other parameters (``fsdp1.resolve_sharding``) | experts |
 |---------------------|--------------------------------------------|----------------------------------|
-| 0                   | the script's strategy over all dp ranks     | same strategy over the shard group (it holds all their ranks) |
-| 1                   | NO_SHARD over the dp ranks                  | NO_SHARD over the same-expert replicas |
-| k >= 2              | HYBRID_SHARD (k shards x replicas)          | HYBRID_SHARD over ``tsm.state.expert_fsdp_mesh`` (k shards x same-expert replicas); FULL_SHARD over the shard group when there is one such replica |
+| 0 | the script's strategy over all dp ranks | same strategy over the shard group (it holds all
+  their ranks) |
+| 1 | NO_SHARD over the dp ranks | NO_SHARD over the same-expert replicas |
+| k >= 2 | HYBRID_SHARD (k shards x replicas) | HYBRID_SHARD over ``tsm.state.expert_fsdp_mesh`` (k
+  shards x same-expert replicas); FULL_SHARD over the shard group when there is one such replica |
 
 - FSDP1: the patched ``FullyShardedDataParallel.__init__`` (``fsdp1``) extends the script's
   ``auto_wrap_policy`` so that experts modules are wrapped as units, and gives those units
@@ -67,8 +69,10 @@ def check_ready(model: nn.Module) -> bool:
     found = bool(expert_modules(model))
     if state.initialized and state.ep_size > 1 and not found:
         raise ValueError(
-            f"expert_parallel_degree={state.ep_size}, but {type(model).__name__} has no experts split "
-            "over the expert parallel ranks. Call model = tsm.transform(model, config=MoEConfig(...)) "
+            f"expert_parallel_degree={state.ep_size}, but {type(model).__name__} "
+            "has no experts split "
+            "over the expert parallel ranks. "
+            "Call model = tsm.transform(model, config=MoEConfig(...)) "
             "before wrapping it with FSDP, or set expert_parallel_degree=1."
         )
     return found
@@ -166,7 +170,8 @@ def fsdp1_root_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> None:
 
 
 def expert_fsdp2_mesh() -> DeviceMesh:
-    """The mesh ``fully_shard`` gets for experts: 2-D with same-expert replicas, else the shard mesh."""
+    """The mesh ``fully_shard`` gets for experts: 2-D with same-expert replicas, else the shard
+    mesh."""
     if state.layout.edp_replicate > 1:
         return state.expert_fsdp_mesh
     return state.fsdp_shard_mesh

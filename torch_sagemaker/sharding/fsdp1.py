@@ -7,13 +7,16 @@ and expect sharding to follow the SMP config. After ``tsm.init()`` this module w
 ``uninstall()``) so that, **when the caller passes neither ``process_group`` nor
 ``device_mesh``**, FSDP gets the groups of ``tsm.state``:
 
-| hybrid_shard_degree | strategy asked        | what FSDP gets                                          |
+| hybrid_shard_degree | strategy asked | what FSDP gets |
 |---------------------|-----------------------|---------------------------------------------------------|
-| 0                   | FULL_SHARD (default), SHARD_GRAD_OP, NO_SHARD | unchanged strategy over every data-parallel rank (``tsm.state.fsdp_shard_mesh``; the TP axis is left out) |
-| 0                   | HYBRID_SHARD, _HYBRID_SHARD_ZERO2 | shard within a host (``LOCAL_WORLD_SIZE`` / tp ranks), replicate across hosts |
-| 1                   | any                   | NO_SHARD over the data-parallel ranks                   |
-| k >= 2              | any but _HYBRID_SHARD_ZERO2 | HYBRID_SHARD on ``tsm.state.fsdp_mesh`` (k shard ranks x replicas) |
-| k >= 2              | _HYBRID_SHARD_ZERO2   | _HYBRID_SHARD_ZERO2 on ``tsm.state.fsdp_mesh``           |
+| 0 | FULL_SHARD (default), SHARD_GRAD_OP, NO_SHARD | unchanged strategy over every data-parallel
+  rank (``tsm.state.fsdp_shard_mesh``; the TP axis is left out) |
+| 0 | HYBRID_SHARD, _HYBRID_SHARD_ZERO2 | shard within a host (``LOCAL_WORLD_SIZE`` / tp ranks),
+  replicate across hosts |
+| 1 | any | NO_SHARD over the data-parallel ranks |
+| k >= 2 | any but _HYBRID_SHARD_ZERO2 | HYBRID_SHARD on ``tsm.state.fsdp_mesh`` (k shard ranks x
+  replicas) |
+| k >= 2 | _HYBRID_SHARD_ZERO2 | _HYBRID_SHARD_ZERO2 on ``tsm.state.fsdp_mesh`` |
 
 Why: without groups, FSDP1 shards over the whole default group (so TP ranks would be
 sharded together) and, on CPU, HYBRID_SHARD silently degenerates to NO_SHARD over a group of
@@ -127,7 +130,8 @@ def _check_explicit(
             f"FSDP was given a process_group/device_mesh with {what} {got}, but the SMP config "
             f"(hybrid_shard_degree={state.layout.requested_hybrid_shard_degree}, "
             f"tensor_parallel_degree={state.layout.tp}) puts this rank's {strategy.name} group at "
-            f"{expected}. Drop the argument (tsm fills it in), pass device_mesh=tsm.state.fsdp_mesh, "
+            f"{expected}. Drop the argument (tsm fills it in), "
+            "pass device_mesh=tsm.state.fsdp_mesh, "
             "or change hybrid_shard_degree."
         )
 
@@ -135,7 +139,8 @@ def _check_explicit(
 def _wrap_post_param_init(
     module: nn.Module, param_init_fn: Callable | None, post_param_init_fn: Callable
 ) -> Callable | None:
-    """Calls ``post_param_init_fn(module)`` once ``param_init_fn`` materialised the last meta tensor."""
+    """Calls ``post_param_init_fn(module)`` once ``param_init_fn`` materialised the last meta
+    tensor."""
 
     def has_meta() -> bool:
         return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))

@@ -68,7 +68,8 @@ class SMPFSDPExtensions(DTensorExtensions):
     """
 
     def chunk_dtensor(self, tensor: torch.Tensor, rank: int, device_mesh: DeviceMesh) -> DTensor:
-        """The local FSDP chunk of ``tensor`` (TP-local if a DTensor) as a DTensor on ``device_mesh``.
+        """The local FSDP chunk of ``tensor`` (TP-local if a DTensor) as a DTensor on
+        ``device_mesh``.
 
         Args:
             tensor: An unsharded parameter or optimizer state (a TP DTensor or a plain tensor).
@@ -93,7 +94,8 @@ class SMPFSDPExtensions(DTensorExtensions):
 
 
 def _register_local_parameters(handle: Any) -> None:
-    """Keeps FSDP's own parameter objects registered under NO_SHARD (Note [FSDP1 NO_SHARD with DTensor parameters])."""
+    """Keeps FSDP's own parameter objects registered under NO_SHARD (Note [FSDP1 NO_SHARD with
+    DTensor parameters])."""
     flat_param = handle.flat_param
     use_unsharded_views = handle._use_unsharded_views
 

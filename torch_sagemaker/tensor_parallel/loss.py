@@ -3,8 +3,9 @@
 The LM head of a tensor parallel model returns logits as a DTensor sharded on the last
 (vocabulary) dimension. ``vocab_parallel_cross_entropy`` computes the loss from each rank's
 slice with three small all-reduces over the TP group (the row maximum, the sum of
-exponentials, the target logit; latency-bound, so through ``all_reduce_direct``) and, in backward, each rank's slice of
-``softmax - one_hot(target)`` with no communication. It works for any vocabulary size,
+exponentials, the target logit; latency-bound, so through ``all_reduce_direct``) and, in
+backward, each rank's slice of ``softmax - one_hot(target)`` with no communication. It works
+for any vocabulary size,
 including sizes the degree does not divide (DTensor's uneven shards: the first ranks hold
 ``ceil(V / tp)`` entries). Unlike ``torch.distributed.tensor.parallel.loss_parallel`` it
 needs no context manager around ``backward()``, so unchanged training loops work.

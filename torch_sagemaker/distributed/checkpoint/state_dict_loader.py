@@ -67,11 +67,17 @@ def _describe(key: str, value: Any, saved: Any) -> str | None:
     """Why ``value`` cannot be loaded from the saved entry, or ``None`` when it can."""
     if isinstance(value, torch.Tensor):
         if not isinstance(saved, TensorStorageMetadata):
-            return f"{key}: a tensor of shape {tuple(value.shape)} is requested, the checkpoint holds a non-tensor"
+            return (
+                f"{key}: a tensor of shape {tuple(value.shape)} is requested, "
+                "the checkpoint holds a non-tensor"
+            )
         if tuple(saved.size) != tuple(value.shape):
             return f"{key}: checkpoint shape {tuple(saved.size)}, requested {tuple(value.shape)}"
     elif isinstance(saved, TensorStorageMetadata):
-        return f"{key}: the checkpoint holds a tensor of shape {tuple(saved.size)}, a {type(value).__name__} is requested"
+        return (
+            f"{key}: the checkpoint holds a tensor of shape {tuple(saved.size)}, "
+            f"a {type(value).__name__} is requested"
+        )
     elif not isinstance(saved, BytesStorageMetadata):
         return f"{key}: unsupported entry {type(saved).__name__}"
     return None
@@ -205,7 +211,8 @@ def load(
     s3_region: str | None = None,
     s3client_config: Any = None,
 ) -> None:
-    """Loads a checkpoint in place into ``state_dict`` (its tensors, DTensors and ``Stateful`` values).
+    """Loads a checkpoint in place into ``state_dict`` (its tensors, DTensors and ``Stateful``
+    values).
 
     Args:
         state_dict: The template to fill; its DTensors may be sharded differently than at save.

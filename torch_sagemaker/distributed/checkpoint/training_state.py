@@ -181,7 +181,8 @@ class TrainingState:
                 if smp_state.layout.edp_replicate > 1:
                     raise NotImplementedError(
                         "TrainingState of an FSDP1 expert-parallel model whose experts are also "
-                        f"replicated ({smp_state.layout.edp_replicate} replicas per EP rank) is not "
+                        f"replicated ({smp_state.layout.edp_replicate} replicas per EP rank) "
+                        "is not "
                         "supported: use FSDP2 (torch_sagemaker.sharding.shard_model) or SM-local "
                         "checkpoints (kind='local')."
                     )

@@ -1,1 +1,2 @@
-"""Hugging Face attention replacements with SMP's module paths (``torch.sagemaker.nn.huggingface``)."""
+"""Hugging Face attention replacements with SMP's module paths
+(``torch.sagemaker.nn.huggingface``)."""
