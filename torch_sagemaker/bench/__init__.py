@@ -8,6 +8,7 @@ dependencies never slow down or break another.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable, Iterable
 
 # name -> (module, one-line description). Add a benchmark by adding a line here.
@@ -34,6 +35,19 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "checkpoint save/load with and without checksums",
     ),
 }
+
+
+def set_rank_environment(rank: int, world: int, port: int, log_level: str = "WARNING") -> None:
+    """Sets torchrun's variables for a benchmark rank spawned on this host (``127.0.0.1:port``)."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        TSM_LOG_LEVEL=log_level,
+    )
 
 
 def comma_list(allowed: Iterable[str] | None = None) -> Callable[[str], list[str]]:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import os
 import socket
 import statistics
 import sys
@@ -49,7 +48,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from torch_sagemaker.bench import comma_list
+from torch_sagemaker.bench import comma_list, set_rank_environment
 
 MODES = ("no CP", "cp2 p2p", "cp2 p2p, no comm", "cp2 all_gather", "cp2 all_gather, no comm")
 
@@ -275,15 +274,7 @@ def _pytorch_cp(model: nn.Module, ids: torch.Tensor) -> str:
 
 
 def _rank_main(rank: int, port: int, args: argparse.Namespace, results) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE="2",
-        TSM_LOG_LEVEL="WARNING",
-    )
+    set_rank_environment(rank, 2, port, "WARNING")
     torch.set_num_threads(1)
     import torch.distributed as dist
     import torch.sagemaker as tsm

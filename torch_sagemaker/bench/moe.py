@@ -22,7 +22,6 @@ last lines check the issue's targets against the rows of the same run.
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import statistics
 import time
@@ -31,7 +30,7 @@ from datetime import timedelta
 import torch
 import torch.multiprocessing as mp
 
-from torch_sagemaker.bench import comma_list
+from torch_sagemaker.bench import comma_list, set_rank_environment
 
 
 def _model(args: argparse.Namespace):
@@ -166,15 +165,7 @@ def _configs(world: int) -> list[tuple[int, bool]]:
 def _rank_main(
     rank: int, world: int, backend: str, port: int, args: argparse.Namespace, results
 ) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        TSM_LOG_LEVEL="ERROR",
-    )
+    set_rank_environment(rank, world, port, "ERROR")
     torch.set_num_threads(1)
     import torch.distributed as dist
 

@@ -13,7 +13,6 @@ Ranks use one intra-op thread each.
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import statistics
 import time
@@ -22,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.multiprocessing as mp
 
-from torch_sagemaker.bench import comma_list
+from torch_sagemaker.bench import comma_list, set_rank_environment
 
 MODES = ("fsdp2_full", "fsdp2_hybrid", "ddp")
 
@@ -92,15 +91,7 @@ def _time_steps(
 def _rank_main(
     rank: int, world: int, backend: str, port: int, args: argparse.Namespace, results
 ) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        TSM_LOG_LEVEL="WARNING",
-    )
+    set_rank_environment(rank, world, port, "WARNING")
     torch.set_num_threads(1)
     import torch.distributed as dist
 
