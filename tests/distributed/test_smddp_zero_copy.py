@@ -133,6 +133,7 @@ def _fsdp2_with_and_without_pool():
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
 
     from torch_sagemaker.distributed.backend import pool_stats
     from torch_sagemaker.sharding.fsdp2 import shard_model
@@ -145,11 +146,17 @@ def _fsdp2_with_and_without_pool():
         def forward(self, x):
             return torch.relu(self.fc(x)) + x
 
-    def train(group, pool):
+    def train(group, pool, plain=False):
         torch.manual_seed(0)
         model = torch.nn.Sequential(Block(), Block(), torch.nn.Linear(128, 8))
         mesh = DeviceMesh.from_group(group, "cpu")
-        shard_model(model, mesh=mesh, layer_classes=(Block,), comm_buffers_from_backend=pool)
+        if plain:  # the torchtitan way: fully_shard called by the script itself
+            for block in model[:2]:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh, reshard_after_forward=False)
+            comms.append(type(model[0]._get_fsdp_state()._fsdp_param_group._all_gather_comm))
+        else:
+            shard_model(model, mesh=mesh, layer_classes=(Block,), comm_buffers_from_backend=pool)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
         for step in range(3):
@@ -163,13 +170,22 @@ def _fsdp2_with_and_without_pool():
         return losses, [p.full_tensor().detach().clone() for p in model.parameters()]
 
     smddp, gloo = dist.group.WORLD, dist.new_group(backend="gloo")
+    comms = []
     before = pool_stats()["zero_copy_ops"]
     zc_losses, zc_params = train(smddp, None)  # default: on for smddp
     zero_copy_ops = pool_stats()["zero_copy_ops"] - before
     staged_losses, staged_params = train(smddp, False)
     gloo_losses, gloo_params = train(gloo, None)  # default: off for gloo
+    before = pool_stats()["zero_copy_ops"]
+    plain_losses, plain_params = train(smddp, None, plain=True)
+    plain_zero_copy_ops = pool_stats()["zero_copy_ops"] - before
+    train(gloo, None, plain=True)
     return {
         "zero_copy_ops": zero_copy_ops,
+        "plain_zero_copy_ops": plain_zero_copy_ops,
+        "plain_comms": [c.__name__ for c in comms],
+        "plain_same": plain_losses == zc_losses
+        and all(torch.equal(a, b) for a, b in zip(plain_params, zc_params)),
         "same_as_staged": zc_losses == staged_losses
         and all(torch.equal(a, b) for a, b in zip(zc_params, staged_params)),
         "gloo_max_diff": max((a - b).abs().max().item() for a, b in zip(zc_params, gloo_params)),
@@ -178,7 +194,7 @@ def _fsdp2_with_and_without_pool():
     }
 
 
-def test_fsdp2_with_pool_buffers_equals_staged_and_gloo():
+def test_fsdp2_with_pool_buffers_equals_staged_and_gloo_also_for_plain_fully_shard():
     for r in run_distributed(
         _fsdp2_with_and_without_pool, world_size=2, backend="smddp", timeout=300
     ):
@@ -186,6 +202,11 @@ def test_fsdp2_with_pool_buffers_equals_staged_and_gloo():
         # another in backward, a reduce-scatter. The root's (the 4 KiB head) stay below the
         # zero-copy threshold.
         assert r["zero_copy_ops"] == 3 * 2 * 3, r
+        # A script's own fully_shard gets the pool too (Note [Pool buffers for every FSDP2
+        # user]), on smddp only, with the same values.
+        assert r["plain_zero_copy_ops"] == 3 * 2 * 3, r
+        assert r["plain_comms"] == ["ProcessGroupAllocAllGather", "DefaultAllGather"], r
+        assert r["plain_same"], r
         assert r["same_as_staged"], r
         assert r["gloo_max_diff"] < 1e-6, r
         assert r["losses"] == pytest.approx(r["gloo_losses"], rel=1e-6)

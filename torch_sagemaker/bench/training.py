@@ -1,4 +1,4 @@
-"""Training-step benchmark: FSDP2 full shard, hybrid shard and DDP, smddp against gloo, in one run.
+"""Training-step benchmark: FSDP2 (shard_model, plain fully_shard, hybrid) and DDP, smddp vs gloo.
 
     python -m torch_sagemaker.bench training [--nprocs 2] [--steps 4] [--plot training.png]
 
@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from torch_sagemaker.bench import comma_list, set_rank_environment
 
-MODES = ("fsdp2_full", "fsdp2_hybrid", "ddp")
+MODES = ("fsdp2_full", "fsdp2_plain", "fsdp2_hybrid", "ddp")
 
 
 def _model(args: argparse.Namespace):
@@ -50,6 +50,16 @@ def _wrap(model, mode: str, world: int):
     from torch_sagemaker.sharding import shard_model
 
     tsm.state.reset()
+    if mode == "fsdp2_plain":
+        # The torchtitan way, no tsm at all: the script calls fully_shard itself on the
+        # default group (Note [Pool buffers for every FSDP2 user]).
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh, reshard_after_forward=False)
     if mode == "ddp":
         tsm.init({"hybrid_shard_degree": 1})
         from torch.nn.parallel import DistributedDataParallel

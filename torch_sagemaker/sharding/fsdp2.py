@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from torch_sagemaker.context_parallel import check_prepared
+from torch_sagemaker.distributed.fsdp2_buffers import runs_on_smddp
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.policies import transformer_layer_class
 from torch_sagemaker.sharding import cache_flush
@@ -105,10 +105,11 @@ def shard_model(
         cache_flush.watch(model)
     if comm_buffers_from_backend is None:
         comm_buffers_from_backend = _served_by_smddp(mesh)
-    if comm_buffers_from_backend:
-        # The setting is per FSDP state: the root's call does not reach the layers.
-        for module in [*inner, *layers, model]:
-            module.set_allocate_memory_from_process_group_for_comm(True)
+    # The setting is per FSDP state: the root's call does not reach the layers. On smddp,
+    # fully_shard itself already turned it on (Note [Pool buffers for every FSDP2 user]);
+    # setting it here either way makes the argument win.
+    for module in [*inner, *layers, model]:
+        module.set_allocate_memory_from_process_group_for_comm(comm_buffers_from_backend)
     log_rank0(
         f"FSDP2: sharded {len(layers)} x {classes[0].__name__} and the root over mesh "
         f"{mesh.mesh_dim_names} of shape {tuple(mesh.shape)}"
@@ -121,5 +122,4 @@ def _served_by_smddp(mesh: DeviceMesh) -> bool:
     """True when every group of ``mesh`` runs its CPU collectives on smddp."""
     if mesh.device_type != "cpu":
         return False
-    groups = [mesh.get_group(d) for d in range(mesh.ndim)]
-    return all(hasattr(g._get_backend(torch.device("cpu")), "_pool_stats") for g in groups)
+    return all(runs_on_smddp(mesh.get_group(d)) for d in range(mesh.ndim))
