@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -85,6 +86,8 @@ def run_in_pool(
                     batches = [[n] for n in batch] + batches
                 else:
                     results[batch[0]] = ("failed", str(e)[-2000:])
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
             print(
                 f"[{backend}] {len(results)}/{len(names)} cases done", file=sys.stderr, flush=True
             )
@@ -112,6 +115,7 @@ def run_spawned(backend: str, names: list[str]) -> dict[str, tuple[str, str]]:
             text=True,
             timeout=1800,
         )
+        shutil.rmtree(root, ignore_errors=True)
         out = proc.stdout
         if " passed" in out and " failed" not in out:
             results[name] = ("passed", "")
