@@ -169,8 +169,7 @@ class DelayedParamIniter:
 
     # ------------------------------------------------------------- public API
     def get_param_init_fn(self) -> Callable[[nn.Module], None]:
-        """The ``param_init_fn`` for FSDP1: materializes and initializes one module's own
-        tensors."""
+        """The ``param_init_fn`` for FSDP1: materializes and initializes a module's own tensors."""
         return lambda module: self._init_module(module, force=False, snapshot=None)
 
     def get_post_param_init_fn(self) -> Callable[[nn.Module], None]:

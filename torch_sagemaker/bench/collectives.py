@@ -112,6 +112,7 @@ def parse_size(text: str) -> int:
 
 
 def format_size(n: int) -> str:
+    """``n`` bytes in the largest binary unit that divides it exactly (e.g. "64 KiB")."""
     for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= div and n % div == 0:
             return f"{n // div} {unit}"

@@ -107,9 +107,11 @@ def local_attention_comm() -> Iterator[None]:
 
 @contextlib.contextmanager
 def timed_attention_comm(blocked: list[float]) -> Iterator[None]:
-    """Adds to ``blocked[0]`` the seconds the computing thread spends in attention communication:
-    posting ring transfers and waiting for them (p2p), or inside the all-gather and
-    reduce-scatter (all_gather, synchronous)."""
+    """Adds to ``blocked[0]`` the seconds the computing thread spends in attention communication.
+
+    That is posting ring transfers and waiting for them (p2p), or the time inside the all-gather
+    and reduce-scatter (all_gather, synchronous).
+    """
     from torch_sagemaker.context_parallel import allgather, comm
 
     def timed(fn):
@@ -219,8 +221,11 @@ def _comm_alone(comm: str, local_len: int, layers: int, args: argparse.Namespace
 
 
 def _attention_alone(comm: str, local_len: int, args: argparse.Namespace) -> tuple[float, float]:
-    """Seconds of one attention layer's forward + backward, with its communication and with local
-    copies instead (medians over ``args.attention_reps`` interleaved repetitions)."""
+    """Seconds of one attention layer's forward + backward, with communication and without.
+
+    "Without" replaces the communication by local copies; both are medians over
+    ``args.attention_reps`` interleaved repetitions.
+    """
     import torch.distributed as dist
     import torch.sagemaker as tsm
 

@@ -1,5 +1,7 @@
-"""Communication over the context parallel group: the ring shift, a stacked all-gather and
-its inverse reduce-scatter."""
+"""Communication over the context parallel group.
+
+The ring shift, a stacked all-gather and its inverse reduce-scatter.
+"""
 
 from __future__ import annotations
 

@@ -86,6 +86,12 @@ class InputCheck:
     def __call__(
         self, module: nn.Module, args: tuple, kwargs: dict[str, Any]
     ) -> tuple[tuple, dict]:
+        """The checked inputs as keywords: cache and mask off, this rank's position ids added.
+
+        Raises:
+            TypeError: For more than one positional input.
+            ValueError: For inputs context parallelism cannot take, on any rank of the group.
+        """
         if len(args) > 1:
             raise TypeError(
                 "a context parallel model takes its inputs as keywords (input_ids=..., "

@@ -172,6 +172,7 @@ class RingAttention(torch.autograd.Function):
     def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float
     ) -> torch.Tensor:
+        """Attention output of the local queries; saves what backward needs."""
         out, lse = ring_forward(q, k, v, ring, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.scale = ring, scale
@@ -179,6 +180,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple:
+        """Gradients of ``q``, ``k``, ``v`` (none for ``ring`` and ``scale``)."""
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.ring, ctx.scale)
         return dq, dk, dv, None, None

@@ -156,6 +156,7 @@ class MoELayer(nn.Module):
         return out.reshape(shape)
 
     def extra_repr(self) -> str:
+        """The layer's routing settings, shown by ``repr(model)``."""
         return (
             f"replaces={self.replaced}, num_experts={self.num_experts}, top_k={self.top_k}, "
             f"load_balancing={self.load_balancing!r}, shuffle={self.shuffle is not None}"

@@ -263,8 +263,11 @@ class OffloadEngine:
     def _make_shared(
         self, pass_record: PassRecord, record: StorageRecord, local: torch.Tensor
     ) -> None:
-        """A second layer saved this storage: it is needed until the last of them runs its
-        backward, so offloading it cannot free memory. Keep it on the device for the pass."""
+        """A second layer saved this storage: keep it on the device for the pass.
+
+        It is needed until the last of those layers runs its backward, so offloading it cannot
+        free memory.
+        """
         owner = pass_record.units[record.owner]
         owned = owner.small if record.kind is StorageKind.SMALL else owner.offloaded
         if record in owned:  # a released owner has already let go of its small records

@@ -78,11 +78,11 @@ def find_layers(root: nn.Module, layers: LayerSpec = None) -> list[nn.Module]:
 
 
 def default_layers(root: nn.Module) -> list[nn.Module]:
-    """The layers ``offload_wrapper`` uses when none are given (Note [Offloading without
-    checkpointing]).
+    """The layers ``offload_wrapper`` uses when none are given.
 
     The checkpointed layers if there are any, else the model's transformer layers (those
-    ``tsm.transform`` marked, or those of the model family's policy); may be empty.
+    ``tsm.transform`` marked, or those of the model family's policy); may be empty. See
+    Note [Offloading without checkpointing].
     """
     found = [m for m in root.modules() if isinstance(m, CheckpointWrapper)]
     if not found:

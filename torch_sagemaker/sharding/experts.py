@@ -170,8 +170,10 @@ def fsdp1_root_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> None:
 
 
 def expert_fsdp2_mesh() -> DeviceMesh:
-    """The mesh ``fully_shard`` gets for experts: 2-D with same-expert replicas, else the shard
-    mesh."""
+    """The mesh ``fully_shard`` gets for experts.
+
+    2-D when there are same-expert replicas, else the shard mesh.
+    """
     if state.layout.edp_replicate > 1:
         return state.expert_fsdp_mesh
     return state.fsdp_shard_mesh

@@ -1,5 +1,6 @@
-"""FSDP1 (``FullyShardedDataParallel``) following ``hybrid_shard_degree``: the one place that
-changes FSDP's defaults.
+"""FSDP1 (``FullyShardedDataParallel``) following ``hybrid_shard_degree``.
+
+This is the one place that changes FSDP's defaults.
 
 SMP v2 users keep calling ``FSDP(model, sharding_strategy=..., auto_wrap_policy=..., ...)``
 and expect sharding to follow the SMP config. After ``tsm.init()`` this module wraps
@@ -139,8 +140,11 @@ def _check_explicit(
 def _wrap_post_param_init(
     module: nn.Module, param_init_fn: Callable | None, post_param_init_fn: Callable
 ) -> Callable | None:
-    """Calls ``post_param_init_fn(module)`` once ``param_init_fn`` materialised the last meta
-    tensor."""
+    """Calls ``post_param_init_fn(module)`` once no meta tensor is left in ``module``.
+
+    That is right away if ``module`` has none, else after the ``param_init_fn`` call that
+    materialised the last meta-device parameter or buffer.
+    """
 
     def has_meta() -> bool:
         return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))

@@ -1,5 +1,4 @@
-"""DTensor parallel styles that PyTorch does not ship, and the factory that maps style names to
-styles.
+"""DTensor parallel styles that PyTorch does not ship, and the factory of styles by name.
 
 Layouts between the parallel regions (Megatron's sequence parallelism, in DTensor terms):
 
@@ -73,8 +72,7 @@ def to_local_partial_grad(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 
 class _AllReduceGrad(torch.autograd.Function):
-    """Identity forward; all-reduce of the gradient over ``group`` in backward (Megatron's
-    ``f``)."""
+    """Identity forward; all-reduce of the gradient over ``group`` in backward (Megatron's f)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

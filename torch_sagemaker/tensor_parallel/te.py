@@ -108,8 +108,9 @@ class TransformerEngineBackend:
         tracker: RNGStatesTracker,
         src_data_rank: int | None,
     ) -> None:
-        """See ``implementation.TPBackend.apply``. ``src_data_rank`` is not used: weights are
-        sliced locally.
+        """See ``implementation.TPBackend.apply``.
+
+        ``src_data_rank`` is not used: weights are sliced locally.
 
         Raises:
             ValueError: For plans or head layouts this backend does not support.

@@ -96,8 +96,7 @@ class Participants:
         return box[0]
 
     def gather(self, obj: Any) -> list[Any] | None:
-        """Every participant's ``obj`` in group-rank order on the coordinator, ``None``
-        elsewhere."""
+        """Every participant's ``obj`` in group-rank order on the coordinator, else ``None``."""
         if not self.distributed:
             return [obj]
         out: list[Any] | None = [None] * len(self.ranks) if self.is_coordinator else None

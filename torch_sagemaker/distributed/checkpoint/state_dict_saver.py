@@ -244,8 +244,10 @@ def _async_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup |
 
 
 def _members_only_gloo_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
-    """A gloo group created by its members only, named after its ranks (Note [Async save
-    groups])."""
+    """A gloo group created by its members only, named after its ranks.
+
+    See Note [Async save groups].
+    """
     c10d = dist.distributed_c10d
     name = "tsm_async_save_" + "_".join(map(str, ranks))
     default_store = c10d._world.pg_map[c10d._get_default_group()][1]
