@@ -36,6 +36,8 @@ class Ring:
 class Transfer:
     """One posted ring shift. Holds the send buffer until ``wait`` (a backend's work need not)."""
 
+    _send: torch.Tensor | None  # released by wait
+
     def __init__(self, works: list[dist.Work], send: torch.Tensor, recv: torch.Tensor) -> None:
         self._works, self._send, self._recv = works, send, recv
 

@@ -72,7 +72,8 @@ def ring_forward(
     """
     c = q.shape[2] // 2
     kv = torch.stack([k, v])  # one contiguous message per step
-    out = lse = None
+    out: torch.Tensor  # set at step 0 (ring.size >= 1)
+    lse: torch.Tensor
     for step in range(ring.size):
         owner = (ring.rank - step) % ring.size
         transfer = ring.shift(kv, _KV_TAG) if step + 1 < ring.size else None
