@@ -152,6 +152,7 @@ class MoELayer(nn.Module):
             out = _AttachAuxLoss.apply(out, aux)
         self.aux_loss = None if aux is None else aux.detach()
         if shuffled is not None:
+            assert self.shuffle is not None  # it shuffled x above
             out = self.shuffle.unshuffle(out, shuffled)
         return out.reshape(shape)
 

@@ -196,7 +196,7 @@ def fully_shard_experts(
     if not check_ready(model):
         return []
     wrapped = []
-    extra = {"mp_policy": mp_policy} if mp_policy is not None else {}
+    extra: dict[str, Any] = {"mp_policy": mp_policy} if mp_policy is not None else {}
     for module in expert_modules(model):
         fully_shard(module, mesh=expert_fsdp2_mesh(), **extra, **kwargs)
         wrapped.append(module)

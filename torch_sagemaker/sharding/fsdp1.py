@@ -111,7 +111,9 @@ def _check_explicit(
 ) -> None:
     """Refuses an explicit group or mesh that contradicts the SMP config."""
     if strategy in _HYBRID:
-        expected = (_ranks(mesh.get_group(1)), _ranks(mesh.get_group(0)))
+        # (shard ranks, replicate ranks) here, a rank list below: compared and shown only.
+        expected: object = (_ranks(mesh.get_group(1)), _ranks(mesh.get_group(0)))
+        got: object
         if device_mesh is not None:
             got = (
                 _ranks(device_mesh.get_group(device_mesh.ndim - 1)),

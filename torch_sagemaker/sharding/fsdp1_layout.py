@@ -140,6 +140,7 @@ def adapt(fsdp_module: FullyShardedDataParallel) -> None:
         return
     fsdp1_state_dict.attach(fsdp_module)
     handle = fsdp_module._handle
+    assert handle is not None  # _flattens_dtensors found its flat parameter
     if (
         fsdp_module.sharding_strategy is ShardingStrategy.NO_SHARD
         and handle._use_orig_params

@@ -138,7 +138,8 @@ class TransformerEngineBackend:
                 )
         for _, attention in policy.attention_modules(model):
             if hasattr(attention, "num_key_value_groups"):
-                attention.num_key_value_groups = heads.local_heads // heads.local_kv_heads
+                # (torch types nn.Module attributes as tensors or modules; this one is an int)
+                attention.num_key_value_groups = heads.local_heads // heads.local_kv_heads  # type: ignore[assignment]
             install_rng_region(attention, tracker)
 
 

@@ -54,7 +54,7 @@ class Participants:
         if self.distributed:
             dist.barrier(group=self.group)
 
-    def run_on_coordinator(self, fn: Callable[[], T], step: str = "a checkpoint step") -> T | None:
+    def run_on_coordinator(self, fn: Callable[[], T], step: str = "a checkpoint step") -> T:
         """Runs ``fn`` on the coordinator; every participant gets its result or its error.
 
         The broadcast doubles as a barrier: when it returns, ``fn`` has finished.

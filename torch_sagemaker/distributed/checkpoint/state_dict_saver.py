@@ -37,7 +37,7 @@ from torch_sagemaker.logger import get_logger
 
 def _write(
     state_dict: dict[str, Any],
-    checkpoint_id: str | os.PathLike[str],
+    checkpoint_id: str | os.PathLike[str] | None,  # validated by checkpoint_path
     *,
     storage_writer: Any,
     planner: Any,
@@ -258,8 +258,8 @@ def _members_only_gloo_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
         list(ranks),
         "gloo",
         default_store,
-        group_name=name,
-        timeout=c10d._get_default_timeout("gloo"),
+        group_name=c10d.GroupName(name),
+        timeout=c10d._get_default_timeout(dist.Backend("gloo")),
     )
     c10d._world.pg_group_ranks[group] = {rank: i for i, rank in enumerate(ranks)}
     return group
