@@ -60,7 +60,7 @@ class DispatchTimer:
 
     @classmethod
     def reset(cls, enabled: bool, sync: bool = False) -> None:
-        """Clears the totals and turns timing on or off (``sync``: barrier before each)."""
+        """Clears the totals and turns timing on or off (``sync``: a barrier before each)."""
         cls.enabled, cls.sync, cls.seconds, cls.calls, cls.durations = enabled, sync, 0.0, 0, []
 
 
