@@ -3,7 +3,7 @@
 #   make demo   - the main job: a 2-rank CPU training run of the example script
 #   make test   - install everything and run the whole test suite
 #   make bench  - collective and training benchmarks (tables against gloo / baselines)
-#   make lint   - ruff (lint and format check)
+#   make lint   - ruff (lint and format check) and mypy on the package
 #
 # torch is pinned to the CPU build available on these machines. Users with a CUDA build can
 # override it, e.g. `make test TORCH_SPEC="torch==2.13.0"` against their own index; an
@@ -53,6 +53,7 @@ bench: build
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) -m mypy  # files and options: [tool.mypy] in pyproject.toml
 
 clean:
 	rm -rf build $(VENV) torch_sagemaker/_C*.so

@@ -7,7 +7,7 @@ import json
 import os
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -77,6 +77,7 @@ def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> No
     except config_lib.ConfigError as e:
         cfg, error = None, e
     _same_on_every_rank(cfg, error)
+    assert cfg is not None  # _same_on_every_rank raised this rank's error
     if state.initialized:
         if cfg == state.config:
             return
@@ -119,7 +120,12 @@ def _same_on_every_rank(
         ConfigError: This rank's own problems; or, on a rank whose config is valid, which
             ranks have an invalid one or which keys differ between ranks.
     """
-    mine = cfg.to_dict() if cfg is not None else {"problems": error.problems}
+    # Exactly one of cfg and error is set.
+    mine = (
+        cfg.to_dict()
+        if cfg is not None
+        else {"problems": cast(config_lib.ConfigError, error).problems}
+    )
     text = json.dumps(mine, sort_keys=True)
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
     device = dist.distributed_c10d._get_object_coll_device()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -68,11 +69,11 @@ def _generic_init(module: nn.Module, std: float) -> None:
         isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or "LayerNorm" in name or "RMSNorm" in name
     ):
         if getattr(module, "weight", None) is not None:
-            nn.init.ones_(module.weight)
+            nn.init.ones_(cast(torch.Tensor, module.weight))
         if getattr(module, "bias", None) is not None:
-            nn.init.zeros_(module.bias)
+            nn.init.zeros_(cast(torch.Tensor, module.bias))
     elif hasattr(module, "reset_parameters"):
-        module.reset_parameters()
+        cast(Callable[[], None], module.reset_parameters)()
 
 
 def _local_piece(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -140,9 +141,9 @@ class DelayedParamIniter:
         return list({id(p): p for p in module.parameters(recurse=recurse)}.values())
 
     @staticmethod
-    def _find_init_owners(model: nn.Module) -> dict[int, nn.Module]:
+    def _find_init_owners(model: nn.Module) -> dict[int, nn.Module | None]:
         """Maps each module to the nearest enclosing module that defines ``_init_weights``."""
-        owners: dict[int, nn.Module] = {}
+        owners: dict[int, nn.Module | None] = {}
 
         def visit(module: nn.Module, owner: nn.Module | None) -> None:
             if hasattr(module, "_init_weights") and hasattr(module, "config"):
@@ -169,8 +170,7 @@ class DelayedParamIniter:
 
     # ------------------------------------------------------------- public API
     def get_param_init_fn(self) -> Callable[[nn.Module], None]:
-        """The ``param_init_fn`` for FSDP1: materializes and initializes one module's own
-        tensors."""
+        """The ``param_init_fn`` for FSDP1: materializes and initializes a module's own tensors."""
         return lambda module: self._init_module(module, force=False, snapshot=None)
 
     def get_post_param_init_fn(self) -> Callable[[nn.Module], None]:
@@ -271,9 +271,9 @@ class DelayedParamIniter:
             else:
                 self._default_init(module, name, pending, force, snapshot)
         for n, old_id in meta_ids.items():
-            self._materialized[old_id] = module._parameters[n]
+            self._materialized[old_id] = cast(nn.Parameter, module._parameters[n])  # not None
         for n in pending:
-            p = module._parameters[n]
+            p = cast(nn.Parameter, module._parameters[n])  # pending names only non-None ones
             if id(p) not in self._inited_params:
                 self._inited_params.add(id(p))
                 self._inited_numel += p.numel()
@@ -293,7 +293,7 @@ class DelayedParamIniter:
         move_buffers_to_device(module, self.device)
         if not pending and not buffers:
             return
-        real = {
+        real: dict[str, dict[str, Any]] = {  # tensors only: both lists skip None entries
             "_parameters": {n: module._parameters[n] for n in pending},
             "_buffers": {n: module._buffers[n] for n in buffers},
         }
@@ -320,7 +320,7 @@ class DelayedParamIniter:
                 getattr(module, kind).update(shadows[kind])
             with torch.no_grad():
                 if owner is not None:
-                    owner._init_weights(module)
+                    cast(Callable[[nn.Module], None], owner._init_weights)(module)
                 else:
                     _generic_init(module, self._std(None))
         finally:

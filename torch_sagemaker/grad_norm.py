@@ -146,7 +146,9 @@ def _fsdp1_pieces(model: nn.Module) -> Iterator[_Piece]:
                 seen.add(id(flat._params[i]))
                 grad = flat._params[i].grad if info.in_shard else None
             elif info.in_shard and flat.grad is not None:
-                grad = flat.grad[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
+                start, numel = info.offset_in_shard, info.numel_in_shard
+                assert start is not None and numel is not None  # FSDP sets both when in_shard
+                grad = flat.grad[start : start + numel]
             else:
                 grad = None
             key, groups = shard_key, shard_groups

@@ -98,6 +98,14 @@ class Ranker:
 class State:
     """SMP state: ranks, degrees, the mesh and the groups (``tsm.state``)."""
 
+    # Written with object.__setattr__ (this class's __setattr__ takes config overrides only);
+    # _config, _layout and _groups are set together by _set and are None before tsm.init.
+    _overrides: dict[str, Any]
+    _config: SMPConfig | None
+    _layout: Layout | None
+    _groups: _Groups | None
+    _rng_tracker: Any  # a tensor_parallel.random.RNGStatesTracker, made on first use
+
     def __init__(self) -> None:
         object.__setattr__(self, "_overrides", {})
         self._clear()
@@ -176,12 +184,14 @@ class State:
     def config(self) -> SMPConfig:
         """The validated configuration."""
         self._require("config")
+        assert self._config is not None  # _require raised otherwise
         return self._config
 
     @property
     def layout(self) -> Layout:
         """The resolved rank layout."""
         self._require("layout")
+        assert self._layout is not None  # _require raised otherwise (set with _config)
         return self._layout
 
     # ----------------------------------------------------------------- ranks
@@ -195,7 +205,7 @@ class State:
     def world_size(self) -> int:
         """Number of ranks."""
         self._require("world_size")
-        return self._layout.world_size
+        return self.layout.world_size
 
     @property
     def local_rank(self) -> int:
@@ -285,43 +295,43 @@ class State:
     def tp_rank(self) -> int:
         """Rank inside the tensor parallel group."""
         self._require("tp_rank")
-        return self._layout.coordinates(self.rank)["tp"]
+        return self.layout.coordinates(self.rank)["tp"]
 
     @property
     def cp_rank(self) -> int:
         """Rank inside the context parallel group."""
         self._require("cp_rank")
-        return self._layout.coordinates(self.rank)["cp"]
+        return self.layout.coordinates(self.rank)["cp"]
 
     @property
     def ep_rank(self) -> int:
         """Rank inside the expert parallel group."""
         self._require("ep_rank")
-        return self._layout.ep_rank(self.rank)
+        return self.layout.ep_rank(self.rank)
 
     @property
     def dp_size(self) -> int:
         """Data-parallel size for the data loader: world / (tp * cp)."""
         self._require("dp_size")
-        return self._layout.dp_size
+        return self.layout.dp_size
 
     @property
     def dp_rank(self) -> int:
         """Data-parallel rank for the data loader: rank // (tp * cp)."""
         self._require("dp_rank")
-        return self._layout.dp_rank(self.rank)
+        return self.layout.dp_rank(self.rank)
 
     @property
     def rep_rank(self) -> int:
         """Replica index of this rank."""
         self._require("rep_rank")
-        return self._layout.rep_rank(self.rank)
+        return self.layout.rep_rank(self.rank)
 
     @property
     def ranker(self) -> Ranker:
         """SMP's ranker helper (``get_rep_rank``, ``get_rep_groups``)."""
         self._require("ranker")
-        return Ranker(self._layout)
+        return Ranker(self.layout)
 
     # ---------------------------------------------------------- mesh, groups
     def _group(self, name: str) -> Any:
@@ -421,7 +431,7 @@ class State:
     def __repr__(self) -> str:
         if not self.initialized:
             return f"<tsm.state: not initialized, overrides={self._overrides}>"
-        return f"<tsm.state: rank {self.rank}/{self.world_size}, {self._layout.axis_sizes}>"
+        return f"<tsm.state: rank {self.rank}/{self.world_size}, {self.layout.axis_sizes}>"
 
 
 state = State()

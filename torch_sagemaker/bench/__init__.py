@@ -65,7 +65,7 @@ def comma_list(allowed: Iterable[str] | None = None) -> Callable[[str], list[str
     def parse(text: str) -> list[str]:
         values = text.split(",")
         unknown = sorted(set(values) - set(choices)) if choices is not None else []
-        if unknown:
+        if unknown and choices is not None:
             raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {', '.join(choices)}")
         return values
 

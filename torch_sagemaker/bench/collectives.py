@@ -37,6 +37,7 @@ import socket
 import statistics
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -112,6 +113,7 @@ def parse_size(text: str) -> int:
 
 
 def format_size(n: int) -> str:
+    """``n`` bytes in the largest binary unit that divides it exactly (e.g. "64 KiB")."""
     for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= div and n % div == 0:
             return f"{n // div} {unit}"
@@ -237,15 +239,15 @@ def _case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=None):
         return run, check, count * 4
     inp, out = torch.full((count,), float(rank + 1)), torch.empty(count)
 
-    def run():
+    def run_all_to_all():
         dist.all_to_all_single(out, inp, group=group)
 
-    def check():
-        run()
+    def check_all_to_all():
+        run_all_to_all()
         blk = count // world
         return bool(all(out[r * blk].item() == r + 1 for r in range(world)))
 
-    return run, check, count * 4
+    return run_all_to_all, check_all_to_all, count * 4
 
 
 class _DirectAllReduce:
@@ -284,10 +286,13 @@ def _memcpy_bw(nbytes: int, ctrl) -> float:
     return nbytes / _slowest(times, ctrl)
 
 
-def _worker_body(rank: int, world: int, args: argparse.Namespace) -> list[dict] | None:
+def _worker_body(
+    rank: int, world: int, args: argparse.Namespace
+) -> tuple[list[dict], dict[str, float]] | None:
     torch.set_num_threads(1)
     ctrl = dist.new_group(backend="gloo")  # timing reductions, never timed
-    groups, peers = {}, {}
+    groups: dict[str, Any] = {}
+    peers: dict[str, Any] = {}  # ShmAllReduce or _DirectAllReduce: each has all_reduce(tensor)
     for b in args.backends:  # in the same order on every rank: new_group is collective
         if b == "deepspeed":
             from torch_sagemaker.bench.deepspeed_peer import ShmAllReduce

@@ -43,6 +43,7 @@ import sys
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.multiprocessing as mp
@@ -58,7 +59,9 @@ def build_model(args: argparse.Namespace) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
+    # transformers' generated config signature omits the attn_implementation keyword, which
+    # the config accepts at run time.
+    config = LlamaConfig(  # type: ignore[call-arg]
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         intermediate_size=2 * args.hidden,
@@ -107,9 +110,11 @@ def local_attention_comm() -> Iterator[None]:
 
 @contextlib.contextmanager
 def timed_attention_comm(blocked: list[float]) -> Iterator[None]:
-    """Adds to ``blocked[0]`` the seconds the computing thread spends in attention communication:
-    posting ring transfers and waiting for them (p2p), or inside the all-gather and
-    reduce-scatter (all_gather, synchronous)."""
+    """Adds to ``blocked[0]`` the seconds the computing thread spends in attention communication.
+
+    That is posting ring transfers and waiting for them (p2p), or the time inside the all-gather
+    and reduce-scatter (all_gather, synchronous).
+    """
     from torch_sagemaker.context_parallel import allgather, comm
 
     def timed(fn):
@@ -169,12 +174,13 @@ def _models(args: argparse.Namespace) -> dict[str, nn.Module]:
 
     base = build_model(args)
     plain = copy.deepcopy(base)
-    for layer in plain.model.layers:
+    for layer in cast(nn.ModuleList, plain.get_submodule("model.layers")):
         fully_shard(layer, mesh=tsm.state.fsdp_shard_mesh)
     fully_shard(plain, mesh=tsm.state.fsdp_shard_mesh)
     models = {"no CP": plain}
     for comm in ("p2p", "all_gather"):
-        models[f"cp2 {comm}"] = shard_model(tsm.transform(copy.deepcopy(base), cp_comm_type=comm))
+        sharded = shard_model(tsm.transform(copy.deepcopy(base), cp_comm_type=comm))
+        models[f"cp2 {comm}"] = cast(nn.Module, sharded)  # an FSDPModule is the module itself
     return models
 
 
@@ -219,8 +225,11 @@ def _comm_alone(comm: str, local_len: int, layers: int, args: argparse.Namespace
 
 
 def _attention_alone(comm: str, local_len: int, args: argparse.Namespace) -> tuple[float, float]:
-    """Seconds of one attention layer's forward + backward, with its communication and with local
-    copies instead (medians over ``args.attention_reps`` interleaved repetitions)."""
+    """Seconds of one attention layer's forward + backward, with communication and without.
+
+    "Without" replaces the communication by local copies; both are medians over
+    ``args.attention_reps`` interleaved repetitions.
+    """
     import torch.distributed as dist
     import torch.sagemaker as tsm
 
@@ -331,7 +340,7 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, results) -> None:
     dist.destroy_process_group()
 
 
-def run(args: argparse.Namespace) -> tuple[str, list[dict]]:
+def run(args: argparse.Namespace) -> tuple[str | None, list[dict]]:
     """Runs the two ranks; returns PyTorch CP's outcome and one result row per sequence length."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -341,7 +350,8 @@ def run(args: argparse.Namespace) -> tuple[str, list[dict]]:
     procs = [ctx.Process(target=_rank_main, args=(r, port, args, results)) for r in range(2)]
     for p in procs:
         p.start()
-    pytorch, rows = None, []
+    pytorch: str | None = None
+    rows: list[dict] = []
     while len(rows) < len(args.seqs):
         kind, value = results.get(timeout=3600)
         if kind == "pytorch":
@@ -360,7 +370,7 @@ def run(args: argparse.Namespace) -> tuple[str, list[dict]]:
     return pytorch, rows
 
 
-def format_table(pytorch: str, rows: list[dict], args: argparse.Namespace) -> str:
+def format_table(pytorch: str | None, rows: list[dict], args: argparse.Namespace) -> str:
     """The Markdown table (one block of rows per sequence length)."""
     mib = 2.0**20
     lines = [

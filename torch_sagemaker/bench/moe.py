@@ -26,9 +26,11 @@ import socket
 import statistics
 import time
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.multiprocessing as mp
+from torch import nn
 
 from torch_sagemaker.bench import comma_list, set_rank_environment
 
@@ -37,7 +39,9 @@ def _model(args: argparse.Namespace):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
-    config = MixtralConfig(
+    # transformers' generated config signature omits the attn_implementation keyword, which
+    # the config accepts at run time.
+    config = MixtralConfig(  # type: ignore[call-arg]
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         intermediate_size=args.hidden * 2,
@@ -91,7 +95,7 @@ def _run_config(args: argparse.Namespace, ep: int, all_to_all: bool) -> dict:
         _model(args),
         config=MoEConfig(moe_load_balancing="none", moe_all_to_all_dispatcher=all_to_all),
     )
-    model = shard_model(model)
+    model = cast(nn.Module, shard_model(model))  # an FSDPModule is the module itself
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
     steps, dispatch = [], []

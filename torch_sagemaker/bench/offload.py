@@ -64,8 +64,11 @@ def build_model(args: argparse.Namespace) -> nn.Module:
 
 
 def configs(args: argparse.Namespace) -> list[Config]:
-    """The plain model (the baseline), the same with the offload hooks only counting (the
-    memory baseline), the prefetching offloader per horizon, and PyTorch's wrapper."""
+    """The configurations to compare, baselines first.
+
+    The plain model (the baseline), the same with the offload hooks only counting (the
+    memory baseline), the prefetching offloader per horizon, and PyTorch's wrapper.
+    """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import OffloadWrapper
 
     from torch_sagemaker.offload import PrefetchOffloadWrapper
@@ -129,8 +132,11 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def format_table(results: list[dict], args: argparse.Namespace) -> str:
-    """A Markdown table: step time against the plain model, memory against the instrumented
-    no-offload run (rows 1 and 2)."""
+    """A Markdown table of the results.
+
+    Step time is compared with the plain model (row 1), memory with the instrumented no-offload
+    run (row 2).
+    """
     base_ms = results[0]["median_ms"]
     base_peak = results[1]["stats"].peak_resident_bytes
     kib = 1024
@@ -164,6 +170,7 @@ def format_table(results: list[dict], args: argparse.Namespace) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The benchmark's command line (``sys.argv[1:]`` when ``argv`` is None)."""
     parser = argparse.ArgumentParser(
         prog="python -m torch_sagemaker.bench offload", description=__doc__.splitlines()[0]
     )

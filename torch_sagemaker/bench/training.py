@@ -30,7 +30,9 @@ def _model(args: argparse.Namespace):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
+    # transformers' generated config signature omits the attn_implementation keyword, which
+    # the config accepts at run time.
+    config = LlamaConfig(  # type: ignore[call-arg]
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         intermediate_size=args.hidden * 11 // 4,

@@ -117,8 +117,10 @@ def allgather_backward(
 
 
 class AllGatherAttention(torch.autograd.Function):
-    """Autograd wrapper of ``allgather_forward``/``allgather_backward``; returns ``(b, h, 2c,
-    d)``."""
+    """Autograd wrapper of ``allgather_forward``/``allgather_backward``.
+
+    Returns ``(b, h, 2c, d)``.
+    """
 
     @staticmethod
     def forward(
@@ -129,6 +131,7 @@ class AllGatherAttention(torch.autograd.Function):
         group: dist.ProcessGroup,
         scale: float,
     ) -> torch.Tensor:
+        """Attention output of the local queries; saves what backward needs."""
         out, lse = allgather_forward(q, k, v, group, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale = group, scale
@@ -136,6 +139,7 @@ class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple:
+        """Gradients of ``q``, ``k``, ``v`` (none for ``group`` and ``scale``)."""
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = allgather_backward(dout.contiguous(), q, k, v, out, lse, ctx.group, ctx.scale)
         return dq, dk, dv, None, None

@@ -1,5 +1,7 @@
-"""Communication over the context parallel group: the ring shift, a stacked all-gather and
-its inverse reduce-scatter."""
+"""Communication over the context parallel group.
+
+The ring shift, a stacked all-gather and its inverse reduce-scatter.
+"""
 
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ class Ring:
 
 class Transfer:
     """One posted ring shift. Holds the send buffer until ``wait`` (a backend's work need not)."""
+
+    _send: torch.Tensor | None  # released by wait
 
     def __init__(self, works: list[dist.Work], send: torch.Tensor, recv: torch.Tensor) -> None:
         self._works, self._send, self._recv = works, send, recv

@@ -107,6 +107,7 @@ def context_parallel_loss(
         **kwargs: Any,
     ) -> torch.Tensor:
         if shift_labels is None:
+            assert labels is not None, "the loss needs labels or shift_labels"
             shift_labels, count = shift_labels_across_ranks(labels, group, ignore_index)
         else:
             count = (shift_labels != ignore_index).sum().to(torch.int64)

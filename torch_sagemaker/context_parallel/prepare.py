@@ -30,7 +30,7 @@ collective per forward pass, not per layer.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,9 @@ from torch_sagemaker.context_parallel.comm import all_gather_stacked
 from torch_sagemaker.context_parallel.layout import check_local_length, local_positions
 from torch_sagemaker.context_parallel.loss import context_parallel_loss
 from torch_sagemaker.policies import ModelPolicy
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 #: Attribute set on a model prepared for context parallelism (its ``ContextParallelAttention``).
 MODEL_ATTR = "_tsm_context_parallel_model"
@@ -86,6 +89,12 @@ class InputCheck:
     def __call__(
         self, module: nn.Module, args: tuple, kwargs: dict[str, Any]
     ) -> tuple[tuple, dict]:
+        """The checked inputs as keywords: cache and mask off, this rank's position ids added.
+
+        Raises:
+            TypeError: For more than one positional input.
+            ValueError: For inputs context parallelism cannot take, on any rank of the group.
+        """
         if len(args) > 1:
             raise TypeError(
                 "a context parallel model takes its inputs as keywords (input_ids=..., "
@@ -191,15 +200,16 @@ def prepare_model(
     for _, module in modules:
         setattr(module, attention.CP_ATTR, plan)
     attention.register()
-    model.config._attn_implementation = attention.ATTENTION_NAME
-    decoder = model.base_model
+    hf = cast("PreTrainedModel", model)  # a Hugging Face causal LM (see Args)
+    hf.config._attn_implementation = attention.ATTENTION_NAME
+    decoder = hf.base_model
     if decoder is model:
         raise ValueError(
             f"{type(model).__name__} has no decoder stack (base_model); context "
             "parallelism prepares causal LM classes (e.g. LlamaForCausalLM)."
         )
     decoder.register_forward_pre_hook(InputCheck(group), with_kwargs=True)
-    model.loss_function = context_parallel_loss(model.loss_function, group)
+    hf.loss_function = context_parallel_loss(hf.loss_function, group)
     setattr(model, MODEL_ATTR, plan)
 
 

@@ -72,7 +72,8 @@ def ring_forward(
     """
     c = q.shape[2] // 2
     kv = torch.stack([k, v])  # one contiguous message per step
-    out = lse = None
+    out: torch.Tensor  # set at step 0 (ring.size >= 1)
+    lse: torch.Tensor
     for step in range(ring.size):
         owner = (ring.rank - step) % ring.size
         transfer = ring.shift(kv, _KV_TAG) if step + 1 < ring.size else None
@@ -172,6 +173,7 @@ class RingAttention(torch.autograd.Function):
     def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float
     ) -> torch.Tensor:
+        """Attention output of the local queries; saves what backward needs."""
         out, lse = ring_forward(q, k, v, ring, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.scale = ring, scale
@@ -179,6 +181,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple:
+        """Gradients of ``q``, ``k``, ``v`` (none for ``ring`` and ``scale``)."""
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.ring, ctx.scale)
         return dq, dk, dv, None, None

@@ -72,6 +72,7 @@ def kernel_isa() -> str:
 
 def _smddp_backend(group: dist.ProcessGroup | None):
     group = group or dist.group.WORLD
+    assert group is not None, "the default process group is not initialized"
     backend = group._get_backend(torch.device("cpu"))
     if not hasattr(backend, "_layout"):
         raise ValueError(f"group {group} does not use the smddp backend for CPU tensors")

@@ -12,6 +12,8 @@ and timeouts, no Work. DeepSpeed's ``inference_all_reduce`` takes the same short
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import GroupMember, _world
@@ -20,15 +22,17 @@ _SUM = dist.ReduceOp.SUM
 
 # group -> its smddp CPU backend, or None when the group's CPU backend is something else.
 # Entries of destroyed groups are dropped at the next miss.
-_backends: dict[dist.ProcessGroup, object] = {}
+# (A group's CPU backend is a torch_sagemaker._C.ProcessGroupSMDDP, typed Any: c10d's
+# _get_backend returns the generic Backend.)
+_backends: dict[dist.ProcessGroup | None, Any] = {}
 _UNRESOLVED = object()
 
 
-def _resolve(group: dist.ProcessGroup):
+def _resolve(group: dist.ProcessGroup | None) -> Any:
     live = set(_world.pg_map)
     for stale in [g for g in _backends if g not in live]:
         del _backends[stale]
-    if group is GroupMember.NON_GROUP_MEMBER or group not in live:
+    if group is None or group is GroupMember.NON_GROUP_MEMBER or group not in live:
         return None  # dist.all_reduce applies its rules; nothing worth caching
     try:
         backend = group._get_backend(torch.device("cpu"))
@@ -42,7 +46,7 @@ def _resolve(group: dist.ProcessGroup):
 
 def all_reduce_direct(
     tensor: torch.Tensor,
-    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     group: dist.ProcessGroup | None = None,
 ) -> None:
     """Synchronous, in-place all-reduce of ``tensor`` over ``group``, called directly.

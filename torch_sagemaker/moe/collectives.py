@@ -43,6 +43,7 @@ class DispatchTimer:
     @classmethod
     @contextmanager
     def measure(cls, group: dist.ProcessGroup | None = None) -> Iterator[None]:
+        """Times the collective run inside the block, if timing is enabled."""
         if not cls.enabled:
             yield
             return
@@ -59,6 +60,7 @@ class DispatchTimer:
 
     @classmethod
     def reset(cls, enabled: bool, sync: bool = False) -> None:
+        """Clears the totals and turns timing on or off (``sync``: a barrier before each)."""
         cls.enabled, cls.sync, cls.seconds, cls.calls, cls.durations = enabled, sync, 0.0, 0, []
 
 
@@ -80,8 +82,10 @@ def checked_counts(counts: torch.Tensor, what: str) -> list[int]:
 
 
 def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """All-to-all of equal chunks of an int64 vector (``counts.numel()`` divisible by the group
-    size)."""
+    """All-to-all of equal chunks of an int64 vector.
+
+    ``counts.numel()`` must be divisible by the group size.
+    """
     out = torch.empty_like(counts)
     with DispatchTimer.measure(group):
         dist.all_to_all_single(out, counts.contiguous(), group=group)
@@ -115,8 +119,11 @@ class _AllToAllRows(torch.autograd.Function):
 def all_to_all_rows(
     x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: dist.ProcessGroup
 ) -> torch.Tensor:
-    """Sends ``x[sum(in_rows[:j]):...][:in_rows[j]]`` to group rank ``j``; receives ``out_rows[j]``
-    rows from it."""
+    """All-to-all of row blocks of ``x``, sized per group rank.
+
+    Sends ``x[sum(in_rows[:j]):...][:in_rows[j]]`` to group rank ``j``; receives ``out_rows[j]``
+    rows from it.
+    """
     return _AllToAllRows.apply(x, out_rows, in_rows, group)
 
 
@@ -174,14 +181,18 @@ class _ReduceScatterRows(torch.autograd.Function):
 
 
 def all_gather_rows(x: torch.Tensor, rows: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """Concatenation of every group rank's ``x`` (rank ``j`` holds ``rows[j]`` rows); backward
-    sums."""
+    """Concatenation of every group rank's ``x``; backward sums.
+
+    Rank ``j`` holds ``rows[j]`` rows.
+    """
     return _AllGatherRows.apply(x, rows, dist.get_rank(group), group)
 
 
 def reduce_scatter_rows(x: torch.Tensor, rows: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """Sum over the group of ``x`` (``sum(rows)`` rows), of which this rank keeps its
-    ``rows[rank]``."""
+    """Sum over the group of ``x``, of which this rank keeps its share.
+
+    ``x`` has ``sum(rows)`` rows; this rank keeps its ``rows[rank]``.
+    """
     return _ReduceScatterRows.apply(x, rows, dist.get_rank(group), group)
 
 

@@ -32,7 +32,7 @@ modules built by ``torch_sagemaker.sharding``) gets the right result.
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Any, SupportsInt, cast
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,8 @@ class _LocalExperts:
     ``_is_expert_parallel`` tells Hugging Face's kernels that the index ``num_experts`` is a
     sentinel (rows routed to other ranks).
     """
+
+    compute_dtype: torch.dtype | None  # set by the expert parallel forward before each call
 
     def __init__(
         self, module: nn.Module, num_local: int, grad_scale: float, param_names: frozenset[str]
@@ -122,7 +124,7 @@ def split_experts(
         ValueError: If the expert count is not divisible by the EP degree.
     """
     ep = ep_mesh.size()
-    num_experts = int(module.num_experts)
+    num_experts = int(cast(SupportsInt, module.num_experts))
     if num_experts % ep:
         raise ValueError(
             f"{type(module).__name__}: {num_experts} experts cannot be split over "

@@ -152,10 +152,12 @@ class MoELayer(nn.Module):
             out = _AttachAuxLoss.apply(out, aux)
         self.aux_loss = None if aux is None else aux.detach()
         if shuffled is not None:
+            assert self.shuffle is not None  # it shuffled x above
             out = self.shuffle.unshuffle(out, shuffled)
         return out.reshape(shape)
 
     def extra_repr(self) -> str:
+        """The layer's routing settings, shown by ``repr(model)``."""
         return (
             f"replaces={self.replaced}, num_experts={self.num_experts}, top_k={self.top_k}, "
             f"load_balancing={self.load_balancing!r}, shuffle={self.shuffle is not None}"

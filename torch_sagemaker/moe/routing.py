@@ -90,6 +90,8 @@ def sinkhorn(
 
     Args:
         logits: (N, E) router logits.
+        tol: Stop once the largest row-sum error is below this.
+        max_iters: Stop after this many row-and-column passes at the latest.
 
     Returns:
         (N, E) fp32 log-scores ``x + u[:, None] + v[None, :]``; their row-wise order is the
@@ -113,8 +115,11 @@ def sinkhorn(
 
 
 def _capacities(n: int, e: int, round_index: int, device: torch.device) -> torch.Tensor:
-    """Per-expert token counts for one round: n split as evenly as possible, the extra tokens
-    going to different experts in successive rounds (so totals differ by at most one)."""
+    """Per-expert token counts for one round: ``n`` split as evenly as possible.
+
+    The extra tokens go to different experts in successive rounds (so totals differ by at most
+    one).
+    """
     base, extra = divmod(n, e)
     cap = torch.full((e,), base, dtype=torch.long, device=device)
     if extra:

@@ -1,2 +1,4 @@
-"""SMP's attention modules (``torch.sagemaker.nn``): ``attn`` and
-``huggingface.llama_flashattn``."""
+"""SMP's attention modules (``torch.sagemaker.nn``).
+
+``attn`` and ``huggingface.llama_flashattn``.
+"""

@@ -16,6 +16,7 @@ ALiBi are not available: asking for them raises ``NotImplementedError``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,7 @@ def _split_packed(
         if len(packed) != parts:
             raise ValueError(f"{name} must hold {parts} tensors, got {len(packed)}.")
         return list(packed)
+    packed = cast(torch.Tensor, packed)  # not a tuple or list: one packed tensor
     head_dim = 1 if layout == "b h s d" else 2
     if packed.dim() != 4 or packed.shape[head_dim] % parts:
         raise ValueError(

@@ -263,8 +263,11 @@ class OffloadEngine:
     def _make_shared(
         self, pass_record: PassRecord, record: StorageRecord, local: torch.Tensor
     ) -> None:
-        """A second layer saved this storage: it is needed until the last of them runs its
-        backward, so offloading it cannot free memory. Keep it on the device for the pass."""
+        """A second layer saved this storage: keep it on the device for the pass.
+
+        It is needed until the last of those layers runs its backward, so offloading it cannot
+        free memory.
+        """
         owner = pass_record.units[record.owner]
         owned = owner.small if record.kind is StorageKind.SMALL else owner.offloaded
         if record in owned:  # a released owner has already let go of its small records
@@ -290,6 +293,7 @@ class OffloadEngine:
 
     def _start_offload(self, record: StorageRecord) -> None:
         start = time.perf_counter()
+        assert record.resident is not None  # only resident storages are offloaded
         ticket = self._transfer(record.device).start_offload(record.resident)
         self.stats.add("copy_seconds", time.perf_counter() - start)
         self.stats.add("bytes_offloaded", record.nbytes)
@@ -305,6 +309,7 @@ class OffloadEngine:
         while self._stash:
             record = self._stash[0]
             ticket = record.in_flight
+            assert ticket is not None  # stashed records stay in flight until retired here
             transfer = self._transfer(record.device)
             if not transfer.offload_finished(ticket):
                 if self._stash_bytes <= self.max_stash_bytes:
@@ -317,6 +322,7 @@ class OffloadEngine:
             if record.resident is None:  # not taken back meanwhile (shared or fetched)
                 self.stats.change_resident(-record.nbytes)
             if record.orphaned:  # its pass died while the copy was in flight
+                assert record.host is not None  # set with in_flight by _start_offload
                 transfer.pool.release(record.host)
                 record.host = None
 
@@ -343,6 +349,7 @@ class OffloadEngine:
             self._fetch_record(record, demand=True)
         if record.fetch is not None and not self._transfer(record.device).make_ready(record.fetch):
             self.stats.add("late_fetches")
+        assert record.resident is not None  # fetched above
         return record.resident
 
     def end_layer_backward(self, pass_record: PassRecord, unit: int) -> None:
@@ -388,6 +395,7 @@ class OffloadEngine:
             return
         transfer = self._transfer(record.device)
         start = time.perf_counter()
+        assert record.host is not None  # offloaded and not in flight: the host copy is done
         record.fetch = transfer.start_fetch(record.host, record.device)
         elapsed = time.perf_counter() - start
         self.stats.add("copy_seconds", elapsed)

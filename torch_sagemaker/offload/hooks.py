@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -193,7 +193,8 @@ def flat_storage(local: torch.Tensor) -> torch.Tensor:
 
 def view_spec(local: torch.Tensor, meta: DTensorMeta | None) -> ViewSpec:
     """The ``ViewSpec`` that rebuilds ``local`` (and its DTensor) from its storage."""
-    return ViewSpec(local.dtype, local.size(), tuple(local.stride()), local.storage_offset(), meta)
+    offset = cast(int, local.storage_offset())  # an int in eager mode (SymInt when traced)
+    return ViewSpec(local.dtype, local.size(), tuple(local.stride()), offset, meta)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -222,6 +223,7 @@ def _pack(engine: SavedTensorSink | None, tensor: torch.Tensor) -> Any:
         if engine is not None:
             engine.stats.add("bytes_outside_layers", tensor_bytes(tensor))
         return tensor
+    assert engine is not None  # the unit came from it
     local, meta = split_dtensor(tensor)
     if is_parameter_like(tensor) or is_parameter_like(local):
         return tensor

@@ -11,6 +11,7 @@ separately and never offloaded.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,8 @@ class StatsRecorder:
 
     def reset(self) -> None:
         """Starts a new period; the resident bytes carry over and seed the peak."""
-        self._counts = {f.name: f.default for f in fields(OffloadStats)}
+        # OffloadStats's numeric fields (ints and floats) by name, from their defaults.
+        self._counts: dict[str, Any] = {f.name: f.default for f in fields(OffloadStats)}
         self._counts["peak_resident_bytes"] = self.resident_bytes
         self._lead_sum = 0
         self._lead_count = 0

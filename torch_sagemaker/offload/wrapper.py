@@ -55,7 +55,7 @@ def find_layers(root: nn.Module, layers: LayerSpec = None) -> list[nn.Module]:
         ValueError: If no layer was found.
     """
     if layers is None:
-        found = [m for m in root.modules() if isinstance(m, CheckpointWrapper)]
+        found: list[nn.Module] = [m for m in root.modules() if isinstance(m, CheckpointWrapper)]
         if not found:
             found = [m for m in root.modules() if _is_hf_checkpointed_layer(m)]
         source = "checkpointed layers"
@@ -78,13 +78,13 @@ def find_layers(root: nn.Module, layers: LayerSpec = None) -> list[nn.Module]:
 
 
 def default_layers(root: nn.Module) -> list[nn.Module]:
-    """The layers ``offload_wrapper`` uses when none are given (Note [Offloading without
-    checkpointing]).
+    """The layers ``offload_wrapper`` uses when none are given.
 
     The checkpointed layers if there are any, else the model's transformer layers (those
-    ``tsm.transform`` marked, or those of the model family's policy); may be empty.
+    ``tsm.transform`` marked, or those of the model family's policy); may be empty. See
+    Note [Offloading without checkpointing].
     """
-    found = [m for m in root.modules() if isinstance(m, CheckpointWrapper)]
+    found: list[nn.Module] = [m for m in root.modules() if isinstance(m, CheckpointWrapper)]
     if not found:
         found = [m for m in root.modules() if _is_hf_checkpointed_layer(m)]
     if not found:

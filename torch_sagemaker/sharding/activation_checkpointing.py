@@ -93,7 +93,7 @@ def apply_activation_checkpointing(
             "layer_classes=(MyDecoderLayer,) or check_fn=..., or register a policy for the model."
         )
     config = getattr(model, "config", None)  # FSDP1 forwards attribute lookups to the model
-    if getattr(config, "use_cache", False):
+    if config is not None and getattr(config, "use_cache", False):
         warn_once(
             "apply_activation_checkpointing: setting config.use_cache=False (a KV cache "
             "filled in forward would be filled again by the recomputation)"

@@ -18,6 +18,8 @@ from torch import nn
 
 from torch_sagemaker.logger import get_logger
 
+_WATCH_ATTR = "_tsm_cache_flush_watch"  # set on a root once its hook is registered
+
 
 def _retries() -> int:
     return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
@@ -32,7 +34,7 @@ def watch(root: nn.Module) -> bool:
     Returns:
         Whether a watch was installed (only with CUDA).
     """
-    if not torch.cuda.is_available() or getattr(root, "_tsm_cache_flush_watch", False):
+    if not torch.cuda.is_available() or getattr(root, _WATCH_ATTR, False):
         return False
     last = [_retries()]
 
@@ -50,7 +52,7 @@ def watch(root: nn.Module) -> bool:
         last[0] = now
 
     root.register_forward_pre_hook(check)
-    root._tsm_cache_flush_watch = True
+    setattr(root, _WATCH_ATTR, True)
     return True
 
 

@@ -170,8 +170,10 @@ def fsdp1_root_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> None:
 
 
 def expert_fsdp2_mesh() -> DeviceMesh:
-    """The mesh ``fully_shard`` gets for experts: 2-D with same-expert replicas, else the shard
-    mesh."""
+    """The mesh ``fully_shard`` gets for experts.
+
+    2-D when there are same-expert replicas, else the shard mesh.
+    """
     if state.layout.edp_replicate > 1:
         return state.expert_fsdp_mesh
     return state.fsdp_shard_mesh
@@ -194,7 +196,7 @@ def fully_shard_experts(
     if not check_ready(model):
         return []
     wrapped = []
-    extra = {"mp_policy": mp_policy} if mp_policy is not None else {}
+    extra: dict[str, Any] = {"mp_policy": mp_policy} if mp_policy is not None else {}
     for module in expert_modules(model):
         fully_shard(module, mesh=expert_fsdp2_mesh(), **extra, **kwargs)
         wrapped.append(module)

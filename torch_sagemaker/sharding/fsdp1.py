@@ -1,5 +1,6 @@
-"""FSDP1 (``FullyShardedDataParallel``) following ``hybrid_shard_degree``: the one place that
-changes FSDP's defaults.
+"""FSDP1 (``FullyShardedDataParallel``) following ``hybrid_shard_degree``.
+
+This is the one place that changes FSDP's defaults.
 
 SMP v2 users keep calling ``FSDP(model, sharding_strategy=..., auto_wrap_policy=..., ...)``
 and expect sharding to follow the SMP config. After ``tsm.init()`` this module wraps
@@ -110,7 +111,9 @@ def _check_explicit(
 ) -> None:
     """Refuses an explicit group or mesh that contradicts the SMP config."""
     if strategy in _HYBRID:
-        expected = (_ranks(mesh.get_group(1)), _ranks(mesh.get_group(0)))
+        # (shard ranks, replicate ranks) here, a rank list below: compared and shown only.
+        expected: object = (_ranks(mesh.get_group(1)), _ranks(mesh.get_group(0)))
+        got: object
         if device_mesh is not None:
             got = (
                 _ranks(device_mesh.get_group(device_mesh.ndim - 1)),
@@ -139,8 +142,11 @@ def _check_explicit(
 def _wrap_post_param_init(
     module: nn.Module, param_init_fn: Callable | None, post_param_init_fn: Callable
 ) -> Callable | None:
-    """Calls ``post_param_init_fn(module)`` once ``param_init_fn`` materialised the last meta
-    tensor."""
+    """Calls ``post_param_init_fn(module)`` once no meta tensor is left in ``module``.
+
+    That is right away if ``module`` has none, else after the ``param_init_fn`` call that
+    materialised the last meta-device parameter or buffer.
+    """
 
     def has_meta() -> bool:
         return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))

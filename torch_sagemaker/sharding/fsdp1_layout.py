@@ -1,5 +1,6 @@
-"""FSDP1 over SMP's meshes: what its state dicts look like, and tensor-parallel parameters
-that FSDP1 does not shard.
+"""FSDP1 over SMP's meshes.
+
+What its state dicts look like, and tensor-parallel parameters that FSDP1 does not shard.
 
 ``sharding/fsdp1.py`` hands FSDP1 a mesh sliced out of ``tsm.state.device_mesh``. PyTorch then
 treats every such FSDP1 unit as "FSDP + TP" and picks its ``DTensorExtensions``, whose
@@ -68,8 +69,9 @@ class SMPFSDPExtensions(DTensorExtensions):
     """
 
     def chunk_dtensor(self, tensor: torch.Tensor, rank: int, device_mesh: DeviceMesh) -> DTensor:
-        """The local FSDP chunk of ``tensor`` (TP-local if a DTensor) as a DTensor on
-        ``device_mesh``.
+        """The local FSDP chunk of ``tensor`` as a DTensor on ``device_mesh``.
+
+        The chunk is cut from the TP-local tensor if ``tensor`` is a DTensor.
 
         Args:
             tensor: An unsharded parameter or optimizer state (a TP DTensor or a plain tensor).
@@ -94,8 +96,10 @@ class SMPFSDPExtensions(DTensorExtensions):
 
 
 def _register_local_parameters(handle: Any) -> None:
-    """Keeps FSDP's own parameter objects registered under NO_SHARD (Note [FSDP1 NO_SHARD with
-    DTensor parameters])."""
+    """Keeps FSDP's own parameter objects registered under NO_SHARD.
+
+    See Note [FSDP1 NO_SHARD with DTensor parameters].
+    """
     flat_param = handle.flat_param
     use_unsharded_views = handle._use_unsharded_views
 
@@ -136,6 +140,7 @@ def adapt(fsdp_module: FullyShardedDataParallel) -> None:
         return
     fsdp1_state_dict.attach(fsdp_module)
     handle = fsdp_module._handle
+    assert handle is not None  # _flattens_dtensors found its flat parameter
     if (
         fsdp_module.sharding_strategy is ShardingStrategy.NO_SHARD
         and handle._use_orig_params

@@ -26,7 +26,8 @@ full tensors are made of them.
 
 from __future__ import annotations
 
-from typing import Any
+from collections import OrderedDict
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,8 @@ from torch.distributed.fsdp._common_utils import clean_tensor_name
 from torch.distributed.tensor import DTensor
 
 _TRANSLATE_ATTR = "translate_on_save"
+# On an FSDP1 unit: the config its state_dict() call asked for while the hooks translate.
+_REQUESTED_ATTR = "_tsm_requested_config"
 _original_config_init = FullStateDictConfig.__init__
 
 
@@ -46,20 +49,20 @@ def _config_init(
     self: FullStateDictConfig, *args: Any, translate_on_save: bool = True, **kwargs: Any
 ) -> None:
     _original_config_init(self, *args, **kwargs)
-    self.translate_on_save = translate_on_save
+    setattr(self, _TRANSLATE_ATTR, translate_on_save)
 
 
 def install() -> None:
     """Adds SMP's ``translate_on_save=True`` keyword to ``FullStateDictConfig`` (idempotent)."""
     FullStateDictConfig.__init__ = _config_init  # type: ignore[method-assign]
-    FullStateDictConfig.translate_on_save = True  # instances made before install()
+    setattr(FullStateDictConfig, _TRANSLATE_ATTR, True)  # instances made before install()
 
 
 def uninstall() -> None:
     """Restores PyTorch's ``FullStateDictConfig``."""
     FullStateDictConfig.__init__ = _original_config_init  # type: ignore[method-assign]
-    if "translate_on_save" in vars(FullStateDictConfig):
-        del FullStateDictConfig.translate_on_save
+    if _TRANSLATE_ATTR in vars(FullStateDictConfig):
+        delattr(FullStateDictConfig, _TRANSLATE_ATTR)
 
 
 def _translating(unit: FullyShardedDataParallel) -> bool:
@@ -71,7 +74,7 @@ def _translating(unit: FullyShardedDataParallel) -> bool:
 
 def _pre_state_dict(unit: FullyShardedDataParallel, prefix: str, keep_vars: bool) -> None:
     if _translating(unit):
-        unit._tsm_requested_config = unit._state_dict_config
+        setattr(unit, _REQUESTED_ATTR, unit._state_dict_config)
         unit._state_dict_config = FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
 
 
@@ -107,11 +110,11 @@ def _full_values(unit: FullyShardedDataParallel, state_dict: dict[str, Any], pre
 def _post_state_dict(
     unit: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str, local_metadata: Any
 ) -> None:
-    requested = unit._tsm_requested_config
+    requested = getattr(unit, _REQUESTED_ATTR)
     if requested is None:
         return
     unit._state_dict_config = requested
-    unit._tsm_requested_config = None
+    setattr(unit, _REQUESTED_ATTR, None)
     _full_values(unit, state_dict, prefix)
     if requested.rank0_only and dist.get_rank() != 0:
         for key in [k for k in state_dict if k.startswith(prefix)]:
@@ -128,10 +131,11 @@ def attach(unit: FullyShardedDataParallel) -> None:
     Args:
         unit: An FSDP1 unit whose parameters include DTensors (flattened or left to FSDP).
     """
-    unit._tsm_requested_config = None
+    setattr(unit, _REQUESTED_ATTR, None)
     pre = unit.register_state_dict_pre_hook(_pre_state_dict)
     # Before FSDP's own pre-hook, which unshards according to the config we adjust.
-    unit._state_dict_pre_hooks.move_to_end(pre.id, last=False)
+    # An OrderedDict (typed as a plain dict in torch).
+    cast(OrderedDict, unit._state_dict_pre_hooks).move_to_end(pre.id, last=False)
     unit._register_state_dict_hook(_post_state_dict)  # after FSDP's post-hook
 
 

@@ -7,7 +7,7 @@ model: every transformer layer first, then the root, so each layer is one all-ga
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -109,13 +109,15 @@ def shard_model(
     # fully_shard itself already turned it on (Note [Pool buffers for every FSDP2 user]);
     # setting it here either way makes the argument win.
     for module in [*inner, *layers, model]:
-        module.set_allocate_memory_from_process_group_for_comm(comm_buffers_from_backend)
+        cast(FSDPModule, module).set_allocate_memory_from_process_group_for_comm(
+            comm_buffers_from_backend
+        )
     log_rank0(
         f"FSDP2: sharded {len(layers)} x {classes[0].__name__} and the root over mesh "
         f"{mesh.mesh_dim_names} of shape {tuple(mesh.shape)}"
         f"{'; comm buffers from the backend' if comm_buffers_from_backend else ''}"
     )
-    return model  # type: ignore[return-value]
+    return cast(FSDPModule, model)  # fully_shard made it an instance of an FSDPModule subclass
 
 
 def _served_by_smddp(mesh: DeviceMesh) -> bool:

@@ -1,5 +1,7 @@
-"""Tensor parallelism: plan application (DTensor styles), the Transformer Engine backend, the
-TP-region RNG tracker, the vocabulary-parallel loss and rank-0 weight loading.
+"""Tensor parallelism.
+
+Plan application (DTensor styles), the Transformer Engine backend, the TP-region RNG tracker,
+the vocabulary-parallel loss and rank-0 weight loading.
 
 Entry point for users is ``tsm.transform``; the pieces here are public for policy authors.
 """

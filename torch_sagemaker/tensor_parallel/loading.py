@@ -46,7 +46,7 @@ def capture_rank0_state(model: nn.Module) -> dict[str, torch.Tensor] | None:
     is_src = dist.get_rank() == 0
     tensors = dict(_named_tensors(model)) if is_src else {}
     meta = [name for name, t in tensors.items() if t.is_meta]
-    problem = [None]
+    problem: list[str | None] = [None]
     if meta:
         problem[0] = (
             f"load_state_dict_from_rank0=True needs real weights on rank 0, but {len(meta)} "
@@ -77,6 +77,7 @@ def broadcast_from_rank0(
     with torch.no_grad():
         for name, tensor in _named_tensors(model):
             if is_src:
+                assert rank0_state is not None  # capture_rank0_state's result on rank 0
                 full = rank0_state[name].to(tensor.device).contiguous()
             else:
                 full = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)

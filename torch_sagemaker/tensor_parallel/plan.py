@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -23,6 +23,9 @@ from torch_sagemaker.policies import HeadSplit, ModelPolicy
 from torch_sagemaker.tensor_parallel.loss import causal_lm_loss
 from torch_sagemaker.tensor_parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker
 from torch_sagemaker.tensor_parallel.styles import make_style
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,8 @@ def apply_tp_plan(
         # Hugging Face attention infers the head count from the shapes (view(..., -1, head_dim));
         # only the query-per-kv grouping is stored, and it changes when kv heads are replicated.
         if hasattr(attention, "num_key_value_groups"):
-            attention.num_key_value_groups = heads.local_heads // heads.local_kv_heads
+            # (torch types nn.Module attributes as tensors or modules; this one is an int)
+            attention.num_key_value_groups = heads.local_heads // heads.local_kv_heads  # type: ignore[assignment]
         install_rng_region(attention, tracker)
     left = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if left:
@@ -156,7 +160,7 @@ def apply_tp_plan(
             f"{' ...' if len(left) > 6 else ''}; add a TP plan entry for their modules "
             "(use 'replicate' for small replicated modules)."
         )
-    model.loss_function = causal_lm_loss
+    cast("PreTrainedModel", model).loss_function = causal_lm_loss  # an HF causal LM (see Args)
     return TPReport(modules=counts, heads=heads)
 
 

@@ -1,5 +1,4 @@
-"""DTensor parallel styles that PyTorch does not ship, and the factory that maps style names to
-styles.
+"""DTensor parallel styles that PyTorch does not ship, and the factory of styles by name.
 
 Layouts between the parallel regions (Megatron's sequence parallelism, in DTensor terms):
 
@@ -22,7 +21,7 @@ meta-device models and rank-0 loading).
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Any, SupportsInt, cast
 
 import torch
 import torch.distributed as dist
@@ -73,8 +72,7 @@ def to_local_partial_grad(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 
 class _AllReduceGrad(torch.autograd.Function):
-    """Identity forward; all-reduce of the gradient over ``group`` in backward (Megatron's
-    ``f``)."""
+    """Identity forward; all-reduce of the gradient over ``group`` in backward (Megatron's f)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -122,7 +120,9 @@ class SequenceParallelNorm(ParallelStyle):
         def prepare_output(_mod: nn.Module, out: DTensor, _mesh: DeviceMesh) -> DTensor:
             return out.redistribute(placements=[Replicate()]) if self.gather_output else out
 
-        return distribute_module(module, device_mesh, partition, prepare_input, prepare_output)
+        # torch annotates input_fn/output_fn as returning None, but uses their results as the
+        # hooks' results (new inputs, new output).
+        return distribute_module(module, device_mesh, partition, prepare_input, prepare_output)  # type: ignore[arg-type]
 
 
 class SequenceParallelDropout(ParallelStyle):
@@ -149,7 +149,8 @@ class SequenceParallelDropout(ParallelStyle):
                 mask = distribute_tensor(mask, x.device_mesh, x.placements, src_data_rank=None)
             return x * mask
 
-        module.forward = types.MethodType(forward, module)
+        # A per-instance forward (nn.Module calls it like its own); mypy forbids method assignment.
+        module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
         return module
 
 
@@ -174,7 +175,8 @@ class ReplicateParallel(ParallelStyle):
                 for x in inputs
             )
 
-        return distribute_module(module, device_mesh, partition, prepare_input)
+        # torch annotates input_fn as returning None; its result is the hook's (new inputs).
+        return distribute_module(module, device_mesh, partition, prepare_input)  # type: ignore[arg-type]
 
 
 class _LocalExpertsView:
@@ -207,7 +209,7 @@ class ExpertsParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         tp = device_mesh.size()
-        num_experts = int(module.num_experts)
+        num_experts = int(cast(SupportsInt, module.num_experts))
         if num_experts % tp:
             raise ValueError(
                 f"{type(module).__name__}: {num_experts} experts cannot be split over "
@@ -262,13 +264,14 @@ class ReplicatedKVColwise(ParallelStyle):
 
         def forward(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             x = to_local_partial_grad(x, device_mesh)
-            weight = _AllReduceGrad.apply(mod.weight.to_local(), group)[rows]
+            weight = _AllReduceGrad.apply(cast(DTensor, mod.weight).to_local(), group)[rows]
             bias = None
             if mod.bias is not None:
-                bias = _AllReduceGrad.apply(mod.bias.to_local(), group)[rows]
+                bias = _AllReduceGrad.apply(cast(DTensor, mod.bias).to_local(), group)[rows]
             return F.linear(x, weight, bias)
 
-        module.forward = types.MethodType(forward, module)
+        # A per-instance forward (nn.Module calls it like its own); mypy forbids method assignment.
+        module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
         return module
 
 
@@ -285,7 +288,7 @@ def make_style(name: str, *, head_dim: int = 0, kv_head: int | None = None) -> P
     """
     if name == "colwise" or (name == "kv_colwise" and kv_head is None):
         style: ParallelStyle = ColwiseParallel()
-    elif name == "kv_colwise":
+    elif name == "kv_colwise" and kv_head is not None:  # always, after the first test
         style = ReplicatedKVColwise(head_dim=head_dim, kv_head=kv_head)
     elif name == "rowwise":
         style = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)

@@ -108,8 +108,9 @@ class TransformerEngineBackend:
         tracker: RNGStatesTracker,
         src_data_rank: int | None,
     ) -> None:
-        """See ``implementation.TPBackend.apply``. ``src_data_rank`` is not used: weights are
-        sliced locally.
+        """See ``implementation.TPBackend.apply``.
+
+        ``src_data_rank`` is not used: weights are sliced locally.
 
         Raises:
             ValueError: For plans or head layouts this backend does not support.
@@ -137,7 +138,8 @@ class TransformerEngineBackend:
                 )
         for _, attention in policy.attention_modules(model):
             if hasattr(attention, "num_key_value_groups"):
-                attention.num_key_value_groups = heads.local_heads // heads.local_kv_heads
+                # (torch types nn.Module attributes as tensors or modules; this one is an int)
+                attention.num_key_value_groups = heads.local_heads // heads.local_kv_heads  # type: ignore[assignment]
             install_rng_region(attention, tracker)
 
 

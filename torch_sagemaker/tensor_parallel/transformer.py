@@ -31,6 +31,7 @@ class _RoleMeta(type):
     """``isinstance(obj, cls)`` is true when ``obj`` carries ``cls``'s role mark."""
 
     _role: str
+    _doc_role: str
 
     def __instancecheck__(cls, obj: Any) -> bool:
         # The object's own attribute only: FSDP1 units and checkpoint/offload wrappers

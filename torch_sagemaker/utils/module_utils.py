@@ -1,5 +1,6 @@
-"""Materializing parameters and buffers of meta-device modules
-(``torch.sagemaker.utils.module_utils``).
+"""Materializing parameters and buffers of meta-device modules.
+
+This is ``torch.sagemaker.utils.module_utils``.
 
 These are the building blocks of delayed parameter initialization: a model created on the
 meta device (or under ``accelerate.init_empty_weights()``) has parameters without storage.

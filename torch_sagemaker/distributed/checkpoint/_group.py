@@ -54,7 +54,7 @@ class Participants:
         if self.distributed:
             dist.barrier(group=self.group)
 
-    def run_on_coordinator(self, fn: Callable[[], T], step: str = "a checkpoint step") -> T | None:
+    def run_on_coordinator(self, fn: Callable[[], T], step: str = "a checkpoint step") -> T:
         """Runs ``fn`` on the coordinator; every participant gets its result or its error.
 
         The broadcast doubles as a barrier: when it returns, ``fn`` has finished.
@@ -96,8 +96,7 @@ class Participants:
         return box[0]
 
     def gather(self, obj: Any) -> list[Any] | None:
-        """Every participant's ``obj`` in group-rank order on the coordinator, ``None``
-        elsewhere."""
+        """Every participant's ``obj`` in group-rank order on the coordinator, else ``None``."""
         if not self.distributed:
             return [obj]
         out: list[Any] | None = [None] * len(self.ranks) if self.is_coordinator else None

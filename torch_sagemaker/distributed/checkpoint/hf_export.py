@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ def _drop_shared(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     seen: set[tuple[int, int]] = set()
     out = {}
     for k, v in state_dict.items():
-        ident = (v.untyped_storage().data_ptr(), v.storage_offset())
+        ident = (v.untyped_storage().data_ptr(), cast(int, v.storage_offset()))  # eager: int
         if ident in seen and v.numel() > 0:
             continue
         seen.add(ident)
@@ -111,7 +111,8 @@ def save_hf_checkpoint(
     # jobs); with CUDA tensors the gather offloads to CPU on rank 0 only.
     on_cuda = any(p.is_cuda for p in model.parameters())
     options = StateDictOptions(full_state_dict=True, cpu_offload=on_cuda)
-    full = get_model_state_dict(model, options=options)
+    # A model's state dict holds tensors only (ValueType also covers optimizer states).
+    full = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
     if translate_on_save and translate_fn is not None:
         full = translate_fn(full)
     path = atomic_dir.checkpoint_path(output_dir)

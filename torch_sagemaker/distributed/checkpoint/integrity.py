@@ -208,11 +208,11 @@ def checksums_for(
 
     A recorded checksum is used only if the bytes it covered are the file's whole size.
     """
-    out = {}
+    out: dict[str, str] = {}
     for name, size in sizes.items():
         record = recorded.get(name)
-        if record is not None and tuple(record)[0] == size:
-            out[name] = tuple(record)[1]
+        if record is not None and record[0] == size:  # a (size, checksum) tuple or JSON list
+            out[name] = record[1]
         else:
             out[name] = file_checksum(directory / name)
     return out

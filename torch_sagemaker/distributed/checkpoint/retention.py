@@ -10,9 +10,13 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch_sagemaker.distributed.checkpoint.constants import REPLACED_SUFFIX, STAGING_SUFFIX
 from torch_sagemaker.logger import get_logger
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsRichComparison  # what sorted() accepts as a key
 
 _INT = re.compile(r"\d+")
 
@@ -40,7 +44,7 @@ def _checkpoint_root(path: Path, pattern: re.Pattern[str] | None) -> tuple[Path,
 def limit_num_subdirs(
     path: str | os.PathLike[str],
     num_kept: int | None,
-    sort_fn: Callable[[str], object] = SORT_BY_LAST_INT,
+    sort_fn: Callable[[str], SupportsRichComparison] = SORT_BY_LAST_INT,
     regex: str | None = None,
     log: bool = True,
 ) -> list[str]:

@@ -211,8 +211,9 @@ def load(
     s3_region: str | None = None,
     s3client_config: Any = None,
 ) -> None:
-    """Loads a checkpoint in place into ``state_dict`` (its tensors, DTensors and ``Stateful``
-    values).
+    """Loads a checkpoint in place into ``state_dict``.
+
+    Fills its tensors, DTensors and ``Stateful`` values.
 
     Args:
         state_dict: The template to fill; its DTensors may be sharded differently than at save.

@@ -37,7 +37,7 @@ from torch_sagemaker.logger import get_logger
 
 def _write(
     state_dict: dict[str, Any],
-    checkpoint_id: str | os.PathLike[str],
+    checkpoint_id: str | os.PathLike[str] | None,  # validated by checkpoint_path
     *,
     storage_writer: Any,
     planner: Any,
@@ -244,8 +244,10 @@ def _async_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup |
 
 
 def _members_only_gloo_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
-    """A gloo group created by its members only, named after its ranks (Note [Async save
-    groups])."""
+    """A gloo group created by its members only, named after its ranks.
+
+    See Note [Async save groups].
+    """
     c10d = dist.distributed_c10d
     name = "tsm_async_save_" + "_".join(map(str, ranks))
     default_store = c10d._world.pg_map[c10d._get_default_group()][1]
@@ -256,8 +258,8 @@ def _members_only_gloo_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
         list(ranks),
         "gloo",
         default_store,
-        group_name=name,
-        timeout=c10d._get_default_timeout("gloo"),
+        group_name=c10d.GroupName(name),
+        timeout=c10d._get_default_timeout(dist.Backend("gloo")),
     )
     c10d._world.pg_group_ranks[group] = {rank: i for i, rank in enumerate(ranks)}
     return group

@@ -35,8 +35,7 @@ class SMStateDictType(enum.Enum):
 
 
 class SMLocalStateDict(dict):
-    """A rank's local tensors (a plain ``dict``) plus ``layout``, the shard layout they belong
-    to."""
+    """A rank's local tensors (a plain ``dict``) plus ``layout``, their shard layout."""
 
     layout: dict[str, Any]
 
@@ -240,8 +239,7 @@ def init_optim_state(optimizer: torch.optim.Optimizer, skip_empty_param: bool = 
 
 
 def resolve_stateful(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """A shallow copy of ``state_dict`` with top-level ``Stateful`` values replaced by their
-    state."""
+    """A shallow copy of ``state_dict``, top-level ``Stateful`` values replaced by their state."""
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 

@@ -105,7 +105,8 @@ def load_sharded_optimizer_state_dict(
             flat[key] = "<bytes>"  # DCP replaces it with the loaded object
             continue
         fqn = path[2] if len(path) > 3 and path[1] == "state" else None
-        flat[key] = _allocate_like(model_state_dict.get(fqn), meta)
+        like = model_state_dict.get(fqn) if fqn is not None else None
+        flat[key] = _allocate_like(like, meta)
     dcp_load(flat, storage_reader=storage_reader, planner=planner, process_group=process_group)
     return unflatten_state_dict(flat, {k: v for k, v in metadata.planner_data.items() if k in flat})
 

@@ -23,7 +23,7 @@ import json
 import os
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -57,7 +57,9 @@ def rng_state_json() -> str:
     try:
         import numpy as np
 
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        # The global legacy generator (MT19937) gives the tuple form, never the dict one.
+        legacy = cast(tuple[str, Any, int, int, float], np.random.get_state())
+        kind, keys, pos, has_gauss, cached = legacy
         state["numpy"] = [kind, keys.tolist(), pos, has_gauss, cached]
     except ImportError:
         pass

@@ -1,2 +1,4 @@
-"""Hugging Face attention replacements with SMP's module paths
-(``torch.sagemaker.nn.huggingface``)."""
+"""Hugging Face attention replacements with SMP's module paths.
+
+The package is ``torch.sagemaker.nn.huggingface``.
+"""

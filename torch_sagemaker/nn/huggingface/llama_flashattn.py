@@ -11,7 +11,7 @@ module knows its ``layer_idx``; SMP's scripts build it without one and train wit
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
@@ -29,13 +29,16 @@ class LlamaFlashAttention(LlamaAttention):
     """
 
     def __init__(self, config: Any, layer_idx: int | None = None) -> None:
-        super().__init__(config, layer_idx)
+        # transformers annotates layer_idx as an int; None serves models without a KV cache.
+        super().__init__(config, layer_idx)  # type: ignore[arg-type]
         self.pretraining_tp = getattr(config, "pretraining_tp", 1)  # SMP's scripts set it
         self.flash = FlashGroupedQueryAttention(
-            attention_dropout_prob=self.attention_dropout, scale=self.scaling
+            attention_dropout_prob=cast(float, self.attention_dropout), scale=self.scaling
         )
 
-    def forward(
+    # transformers annotates the attention weights as a Tensor, but its own SDPA and flash
+    # paths return None there too.
+    def forward(  # type: ignore[override]
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -52,6 +55,7 @@ class LlamaFlashAttention(LlamaAttention):
         q = self.q_proj(hidden_states).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(hidden_states).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(hidden_states).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        assert position_embeddings is not None  # Hugging Face's decoder layers pass them
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if past_key_values is not None:
@@ -66,7 +70,7 @@ class LlamaFlashAttention(LlamaAttention):
         # Without a mask Hugging Face relies on causal attention, or on a single new token
         # (decoding) that sees every cached one.
         causal = mask is None and seq > 1
-        self.flash.dropout_p = self.attention_dropout
+        self.flash.dropout_p = cast(float, self.attention_dropout)  # a number from the config
         out = self.flash(q, (k, v), causal=causal, layout="b h s d", attn_mask=mask)
         out = out.transpose(1, 2).reshape(batch, seq, -1)
         return self.o_proj(out), None
