@@ -7,7 +7,9 @@ each failing rank (which pytest then shows in its report).
 Start-up is expensive here (importing torch and transformers takes seconds per rank on a
 2-core machine), so by default the ranks are kept in a *pool* keyed by (world size,
 backend, extra environment) and reused by later calls: the default process group is
-created once and each call runs in it. After every call the ranks reset ``tsm.state``.
+created once and each call runs in it. After every call the ranks reset ``tsm.state`` and
+clear PyTorch's DTensor caches that hold device meshes (so tensor-parallel layouts can follow
+one another in a pool).
 A pool whose call failed or timed out is torn down (its ranks may be stuck inside a
 collective); the next call starts a fresh one. ``fresh=True`` runs in a throw-away pool,
 for tests that break the process group on purpose (dead ranks, timeouts) or that need to
@@ -15,6 +17,8 @@ create it themselves (``init_process_group=False``).
 
 Each call has a hard timeout: when it expires the ranks are killed and the error names the
 ranks that did not finish. Ranks use one intra-op thread each and a free TCP port.
+Ranks are forked from a server that has imported torch once (Note [Ranks forked from a
+warm server]).
 """
 
 from __future__ import annotations
@@ -31,7 +35,29 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-_CTX = mp.get_context("spawn")
+# Note [Ranks forked from a warm server]: a rank spawned from scratch imports torch and
+# transformers itself, seconds of CPU per rank, and on a busy 2-core machine a fresh 4-rank
+# pool took 30-45 s to start (fault tests need a fresh pool each). Ranks are forked instead
+# from multiprocessing's fork server, which imports those libraries once per test session
+# (a fresh 4-rank pool: 9-18 s, measured on the same machine in the same minutes). The
+# server imports only libraries that read no per-pool setting at import time; the ranks
+# still set their environment first and import torch_sagemaker themselves (it reads
+# TSM_LOG_LEVEL and registers the backend). Forking a process that imported torch is what
+# DataLoader workers do; the ranks call torch.set_num_threads(1) after the fork.
+# TSM_TEST_START_METHOD=spawn goes back to spawning, to rule the fork server out.
+_START_METHOD = os.environ.get("TSM_TEST_START_METHOD", "forkserver")
+_CTX = mp.get_context(_START_METHOD)
+if _START_METHOD == "forkserver":
+    _CTX.set_forkserver_preload(
+        [
+            "torch",
+            "torch.distributed",
+            "torch.distributed.fsdp",
+            "torch.distributed.tensor",
+            "torch.distributed.checkpoint",
+            "transformers",
+        ]
+    )
 
 
 class DistributedTestError(AssertionError):
@@ -50,6 +76,26 @@ def _reset_after_call() -> None:
 
     if "torch_sagemaker" in sys.modules:
         sys.modules["torch_sagemaker"].state.reset()
+    if "torch.distributed.tensor" in sys.modules:
+        _clear_dtensor_caches()
+
+
+def _clear_dtensor_caches() -> None:
+    """Drops PyTorch's DTensor caches that hold device meshes.
+
+    They are keyed by mesh *value* (DeviceMesh compares ranks, shape and names, not its
+    process groups), so a later call whose mesh equals an earlier, destroyed one would be
+    handed the earlier mesh and its groups: redistribution plans, sharding propagation
+    results and mesh topology. With them cleared a pool can run tensor-parallel layouts one
+    after another.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+
+    clear_redistribute_planner_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 def _worker(

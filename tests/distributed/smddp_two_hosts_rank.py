@@ -22,7 +22,7 @@ from tests.distributed import test_smddp_support as checks
 from torch_sagemaker.distributed import backend
 
 PG_TIMEOUT_S = 60
-STAY_ALIVE_S = 5
+STAY_ALIVE_S = 30  # at most: each survivor leaves as soon as all three have their error
 
 
 def main(out_dir: str) -> None:
@@ -44,9 +44,13 @@ def main(out_dir: str) -> None:
     except RuntimeError as e:
         result["fault"] = {"error": str(e), "seconds": time.monotonic() - start}
     _write(out_dir, rank, result)
-    # Stay alive a while, as a process that handles the error would: the others must learn
-    # of the failure from the group, not from this process closing its connections.
-    time.sleep(STAY_ALIVE_S)
+    # Stay alive, as a process that handles the error would, until ranks 0-2 all have their
+    # error (each has written its result): the others must learn of the failure from the
+    # group, not from this process closing its connections.
+    deadline = time.monotonic() + STAY_ALIVE_S
+    survivors = [os.path.join(out_dir, f"rank{r}.json") for r in range(3)]
+    while not all(map(os.path.exists, survivors)) and time.monotonic() < deadline:
+        time.sleep(0.01)
     os._exit(0)  # the group is broken: skip the collective shutdown
 
 

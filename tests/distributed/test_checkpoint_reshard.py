@@ -266,9 +266,9 @@ def _local_under_other_layout(root: str) -> str:
 def _tensor_parallel_job(root: str) -> dict:
     """tp=2 x hybrid_shard_degree=2 on 4 ranks: delayed init, resume, save; reload without TP.
 
-    Runs in fresh processes with a single layout: after tsm.state.reset(), a second TP layout
-    in the same process gets DTensors on the earlier (destroyed) TP mesh out of PyTorch's
-    DTensor caches, so the TP checks share one job and one model.
+    The TP checks share one job and one model. The pool's ranks may have run other TP
+    layouts before: the launcher clears PyTorch's DTensor caches, which would otherwise hand
+    a new mesh equal to a destroyed one the destroyed one's groups.
     """
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -351,13 +351,13 @@ def test_resume_under_other_layouts_matches_uninterrupted_run(run4):
         )
 
 
-@pytest.mark.slow  # a fresh 4-rank job (see _tensor_parallel_job): about a minute here
+@pytest.mark.slow  # about a minute here
 def test_tensor_parallel_delayed_init_and_resume(run4):
     import torch
 
     root, results = run4
     expected = results[0]["losses"]
-    out = run_distributed(_tensor_parallel_job, root, world_size=4, fresh=True, timeout=300)
+    out = run_distributed(_tensor_parallel_job, root, world_size=4, timeout=300)
     for rank, r in enumerate(out):
         assert r["delayed_equal"], f"rank {rank}: TP delayed init differs from unsharded init"
         assert r["step"] == SAVE_AT

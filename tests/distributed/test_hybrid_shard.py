@@ -139,10 +139,9 @@ def _fsdp1_tensor_parallel():
 def test_fsdp1_tensor_parallel_clip_grad_norm():
     # FSDP1's own clip_grad_norm_ sums over its shard group only and misses the other TP
     # rank's half of every TP weight: its norm is ~30% low here and differs between TP ranks,
-    # so it would not clip at MAX_NORM and the updates would differ. A fresh job:
-    # a second TP layout in a reused process would hit DTensor caches of a destroyed mesh
-    # (see test_checkpoint_reshard._tensor_parallel_job).
-    per_rank = run_distributed(_fsdp1_tensor_parallel, world_size=4, fresh=True, timeout=300)
+    # so it would not clip at MAX_NORM and the updates would differ. The pool's ranks may
+    # have run other TP layouts: the launcher clears DTensor's mesh caches between calls.
+    per_rank = run_distributed(_fsdp1_tensor_parallel, world_size=4, timeout=300)
     ref_losses, ref_norms, _ = reference_run(STEPS, GLOBAL_BATCH, LR, MAX_NORM)
     assert min(ref_norms) > MAX_NORM  # every step clips, so a wrong norm changes the update
     for rank, (losses, norms) in enumerate(per_rank):

@@ -123,9 +123,35 @@ def test_dead_peer_raises_on_every_other_rank_quickly():
         assert elapsed < 20, section  # detected long before the 60 s timeout
 
 
+def _errored_key(rank: int) -> str:
+    return f"test_smddp_faults/errored/{rank}"
+
+
+def _wait_for_errors(ranks) -> None:
+    """Waits until each of ``ranks`` has its error (``_report_error``): a rank that must stay
+    away from a collective until the others failed waits for this instead of sleeping."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    store.wait([_errored_key(r) for r in ranks], timedelta(seconds=60))
+
+
+def _report_error(fn):
+    """Runs ``fn`` (raise_with_elapsed), then tells _wait_for_errors this rank is done."""
+    import torch.distributed as dist
+
+    try:
+        return fn()
+    finally:
+        dist.distributed_c10d._get_default_store().set(_errored_key(dist.get_rank()), "1")
+
+
 def _dead_rank_on_other_host(absent_rank):
     """Forced hosts [0, 1] and [2, 3]: rank 3 dies; ``absent_rank`` (if any) stays alive but
-    away from the collective; the others all_reduce and stay alive after their error."""
+    away from the collective until the others have their error; they all_reduce and stay
+    alive after their error."""
     import os
 
     import torch
@@ -135,9 +161,11 @@ def _dead_rank_on_other_host(absent_rank):
     if dist.get_rank() == 3:
         os._exit(3)
     if dist.get_rank() == absent_rank:
-        time.sleep(15)
+        _wait_for_errors(r for r in (0, 1, 2) if r != absent_rank)
         return "away"
-    return checks.raise_with_elapsed(lambda: dist.all_reduce(torch.ones(1000)))
+    return _report_error(
+        lambda: checks.raise_with_elapsed(lambda: dist.all_reduce(torch.ones(1000)))
+    )
 
 
 def test_dead_rank_on_another_host_fails_every_rank_quickly():
@@ -229,13 +257,15 @@ def _peer_too_late():
     import torch.distributed as dist
 
     if dist.get_rank() == 1:
-        time.sleep(6)
-        return "slept"
+        _wait_for_errors([0])  # never calls the all_reduce; away until rank 0 timed out
+        return "away"
     start = time.monotonic()
     try:
         dist.all_reduce(torch.ones(3))
     except RuntimeError as e:
         return str(e), time.monotonic() - start
+    finally:
+        _report_error(lambda: None)
     return "no error", 0.0
 
 
@@ -243,6 +273,7 @@ def test_missing_peer_times_out_with_init_timeout():
     results = run_distributed(
         _peer_too_late, world_size=2, backend="smddp", fresh=True, pg_timeout=2
     )
+    assert results[1] == "away"
     message, elapsed = results[0]
     assert "timed out after 2.0 s" in message and "ranks [1]" in message and "group '0'" in message
     assert 1.5 < elapsed < 10
@@ -254,13 +285,15 @@ def _group_creation_missing_member():
     import torch.distributed as dist
 
     if dist.get_rank() == 1:
-        time.sleep(8)
+        _wait_for_errors([0])  # never joins; away until rank 0's group creation failed
         return "absent"
     start = time.monotonic()
     try:
         dist.new_group([0, 1], timeout=timedelta(seconds=2), use_local_synchronization=True)
     except Exception as e:  # our rendezvous (local synchronization: torch adds no store barrier)
         return type(e).__name__, str(e), time.monotonic() - start
+    finally:
+        _report_error(lambda: None)
     return "no error"
 
 
@@ -268,6 +301,7 @@ def test_missing_member_at_group_creation_times_out():
     results = run_distributed(
         _group_creation_missing_member, world_size=2, backend="smddp", fresh=True, pg_timeout=30
     )
+    assert results[1] == "absent"
     kind, message, elapsed = results[0]
     assert elapsed < 15, message
     assert kind == "RuntimeError", (kind, message)

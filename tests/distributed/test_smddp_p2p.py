@@ -20,12 +20,18 @@ def _payload(src: int, n: int, dtype, salt: int):
     return checks.make_input(src, n, dtype, salt)
 
 
+# Set by rank 0 once its send larger than the ring is posted; rank 1 waits for it before
+# posting the matching recv (the "receiver that comes late" case of _p2p_cases).
+_LATE_KEY = "test_p2p/late-send-posted"
+
+
 def _p2p_cases(expect_eager: bool) -> int:
     import torch
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     nxt, prv = (rank + 1) % world, (rank - 1) % world
+    store = dist.distributed_c10d._get_default_store()
     checked = 0
     # Ring exchange, every dtype, sizes from empty to larger than the default ring (1 MiB + 64 KiB).
     for dtype in checks.ALL_DTYPES:
@@ -71,8 +77,14 @@ def _p2p_cases(expect_eager: bool) -> int:
         works = [dist.isend(torch.full((10000,), float(i)), 1, tag=3) for i in range(60)]
         for w in works:
             w.wait()
-        # A send larger than the ring to a receiver that comes late.
-        dist.send(_payload(0, 600000, torch.float32, 4), 1, tag=4)
+        # A send larger than the ring to a receiver that comes late: the send is posted (the
+        # ring fills and the sender waits for space) before rank 1 posts its recv, which the
+        # store key orders; no sleep. It cannot complete before that recv: 2.4 MB exceed
+        # the ring, so the eager path (Note [Eager point-to-point]) cannot take it.
+        late = dist.isend(_payload(0, 600000, torch.float32, 4), 1, tag=4)
+        assert not late.is_completed() or not expect_eager, "a send larger than its ring"
+        store.set(_LATE_KEY, "posted")
+        late.wait()
         dist.send(torch.ones(16), 1, tag=5)
         # Interleaved with a collective.
         dist.isend(torch.full((3,), 7.0), 1, tag=6).wait()
@@ -91,7 +103,8 @@ def _p2p_cases(expect_eager: bool) -> int:
             got = torch.empty(10000)
             dist.recv(got, 0, tag=3)
             assert torch.equal(got, torch.full((10000,), float(i))), i
-        time.sleep(0.3)
+        store.wait([_LATE_KEY])  # rank 0 has posted the tag-4 send
+        store.delete_key(_LATE_KEY)  # before the final barrier: the pool's next call starts clean
         late = torch.empty(600000)
         dist.recv(late, 0, tag=4)
         assert checks.same(late, _payload(0, 600000, torch.float32, 4))

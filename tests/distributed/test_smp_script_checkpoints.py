@@ -62,7 +62,19 @@ def _gathered(model) -> dict:
         }
 
 
-def _resume_all_types(root: str, moe: bool) -> dict:
+def _resume_all_types(root: str, moe: bool, config: dict) -> dict:
+    """One layout's job; SMP's scripts get their config from ``SM_HP_MP_PARAMETERS``, which
+    is set here, before ``tsm.init()``, as SageMaker sets it before the script starts."""
+    import os
+
+    os.environ["SM_HP_MP_PARAMETERS"] = json.dumps(config)
+    try:
+        return _resume_all_types_in_layout(root, moe)
+    finally:
+        del os.environ["SM_HP_MP_PARAMETERS"]
+
+
+def _resume_all_types_in_layout(root: str, moe: bool) -> dict:
     import torch.distributed as dist
     import torch.sagemaker as tsm
     from torch.sagemaker.distributed.checkpoint.async_utils import AsyncCallsQueue
@@ -143,17 +155,10 @@ LAYOUTS = {  # name: (SMP config, Mixtral with MoEConfig)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_checkpoint_types_resume_like_the_uninterrupted_run(layout, tmp_path):
     config, moe = LAYOUTS[layout]
-    env = {"SM_HP_MP_PARAMETERS": json.dumps(config)}
-    # A fresh job: TP meshes of an earlier job in a reused process would meet DTensor's caches.
+    # The layouts share one launch of 4 ranks (the launcher clears DTensor's mesh caches
+    # between calls); each call sets SM_HP_MP_PARAMETERS on its ranks before tsm.init().
     results = run_distributed(
-        _resume_all_types,
-        str(tmp_path),
-        moe,
-        world_size=4,
-        backend="smddp",
-        env=env,
-        fresh=True,
-        timeout=900,
+        _resume_all_types, str(tmp_path), moe, config, world_size=4, backend="smddp", timeout=900
     )
     for rank, out in enumerate(results):
         expected = out["reference"][RESUME_AT:]

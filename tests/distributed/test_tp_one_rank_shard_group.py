@@ -52,7 +52,19 @@ def _fsdp1_full_state_dict(model):
         return {k: v.clone() for k, v in model.state_dict().items() if "rotary" not in k}
 
 
-def _train_both_apis():
+def _train_both_apis(config: dict):
+    """SMP's scripts get their config from ``SM_HP_MP_PARAMETERS``: set here before
+    ``tsm.init()`` (the ranks are a shared pool; the launcher clears DTensor's mesh caches)."""
+    import os
+
+    os.environ["SM_HP_MP_PARAMETERS"] = json.dumps(config)
+    try:
+        return _train_both_apis_in_layout()
+    finally:
+        del os.environ["SM_HP_MP_PARAMETERS"]
+
+
+def _train_both_apis_in_layout():
     import functools
 
     import torch.distributed as dist
@@ -113,12 +125,7 @@ LAYOUTS = {  # name: (world size, SMP config)
 def test_tp_with_one_rank_shard_group_trains_like_one_process(layout):
     world, config = LAYOUTS[layout]
     results = run_distributed(
-        _train_both_apis,
-        world_size=world,
-        backend="smddp",
-        fresh=True,
-        env={"SM_HP_MP_PARAMETERS": json.dumps(config)},
-        timeout=600,
+        _train_both_apis, config, world_size=world, backend="smddp", timeout=600
     )
     ref_losses, ref_params = _reference()
     for rank, per_api in enumerate(results):
