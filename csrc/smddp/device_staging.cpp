@@ -1,6 +1,7 @@
 // Note [Device staging] and Note [Staging pipeline] in device_staging.h.
 #include "smddp/device_staging.h"
 
+#include <ATen/DeviceAccelerator.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
@@ -39,6 +40,9 @@ std::shared_ptr<StagedOp> Stager::begin(const std::vector<const at::Tensor*>& te
     if (!stage_cpu_ || tensors.empty()) return nullptr;
     device = c10::Device(at::kCPU);
   }
+  TORCH_CHECK_VALUE(device->is_cpu() || at::isAccelerator(device->type()), "smddp: ",
+                    collective, " got a tensor on device ", *device, "; smddp takes CPU tensors "
+                    "and tensors of an accelerator (with streams and events), such as cuda");
   for (const at::Tensor* t : tensors) {
     TORCH_CHECK_VALUE(t->device() == *device, "smddp: ", collective, " got tensors on ",
                       *device, " and on ", t->device(), "; the tensors of one collective must "
