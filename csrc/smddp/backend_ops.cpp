@@ -211,18 +211,27 @@ WorkPtr ProcessGroupSMDDP::reduce(std::vector<at::Tensor>& tensors, const c10d::
 WorkPtr ProcessGroupSMDDP::_allgather_base(at::Tensor& output, at::Tensor& input,
                                            const c10d::AllgatherOptions& opts) {
   const char* name = "all_gather_into_tensor";
+  check_same_dtype(input, output, name);
+  TORCH_CHECK_VALUE(output.numel() == input.numel() * size_, "smddp: ", name,
+                    ": the output must have world_size (", size_, ") x input numel (",
+                    input.numel(), ") = ", input.numel() * size_, " elements, got ",
+                    output.numel());
   if (auto op = stage({&input, &output}, name)) {
+    if (input.is_contiguous() && output.is_contiguous()) {  // Note [Staging pipeline]
+      OpCtx ctx = comm_->make_ctx(name, desc_of(input, 0, input.numel() * input.element_size()),
+                                  args_of(input), timeout_of(opts.timeout));
+      at::Tensor in = input, out = output;
+      return staged(op, [&] {
+        return submit(OpType::_ALLGATHER_BASE, {output}, opts.asyncOp,
+                      [this, op, in, out, ctx] { op->allgather(*comm_, in, out, ctx); });
+      });
+    }
     at::Tensor hin = op->mirror(input, true, false);
     at::Tensor hout = op->mirror(output, false, true);
     return staged(op, [&] { return _allgather_base(hout, hin, opts); });
   }
   check_cpu(input, name, "the input");
   check_cpu(output, name, "the output");
-  check_same_dtype(input, output, name);
-  TORCH_CHECK_VALUE(output.numel() == input.numel() * size_, "smddp: ", name,
-                    ": the output must have world_size (", size_, ") x input numel (",
-                    input.numel(), ") = ", input.numel() * size_, " elements, got ",
-                    output.numel());
   const size_t bytes = input.numel() * input.element_size();
   OpCtx ctx = comm_->make_ctx(name, desc_of(input, 0, bytes), args_of(input),
                               timeout_of(opts.timeout));
@@ -350,18 +359,28 @@ WorkPtr ProcessGroupSMDDP::allgather_into_tensor_coalesced(std::vector<at::Tenso
 WorkPtr ProcessGroupSMDDP::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                 const c10d::ReduceScatterOptions& opts) {
   const char* name = "reduce_scatter_tensor";
+  check_same_dtype(input, output, name);
+  TORCH_CHECK_VALUE(input.numel() == output.numel() * size_, "smddp: ", name,
+                    ": the input must have world_size (", size_, ") x output numel (",
+                    output.numel(), ") = ", output.numel() * size_, " elements, got ",
+                    input.numel());
   if (auto op = stage({&input, &output}, name)) {
+    if (input.is_contiguous() && output.is_contiguous()) {  // Note [Staging pipeline]
+      Reduction red = reduction_of(opts.reduceOp, input, name);
+      OpCtx ctx = comm_->make_ctx(name, desc_of(input, int(red.op), output.numel()),
+                                  args_of(output, redop_name(red.op)), timeout_of(opts.timeout));
+      at::Tensor in = input, out = output;
+      return staged(op, [&] {
+        return submit(OpType::_REDUCE_SCATTER_BASE, {output}, opts.asyncOp,
+                      [this, op, in, out, red, ctx] { op->reduce_scatter(*comm_, in, out, red, ctx); });
+      });
+    }
     at::Tensor hin = op->mirror(input, true, false);
     at::Tensor hout = op->mirror(output, false, true);
     return staged(op, [&] { return _reduce_scatter_base(hout, hin, opts); });
   }
   check_cpu(input, name, "the input");
   check_cpu(output, name, "the output");
-  check_same_dtype(input, output, name);
-  TORCH_CHECK_VALUE(input.numel() == output.numel() * size_, "smddp: ", name,
-                    ": the input must have world_size (", size_, ") x output numel (",
-                    output.numel(), ") = ", output.numel() * size_, " elements, got ",
-                    input.numel());
   Reduction red = reduction_of(opts.reduceOp, input, name);
   OpCtx ctx = comm_->make_ctx(name, desc_of(input, int(red.op), output.numel()),
                               args_of(output, redop_name(red.op)), timeout_of(opts.timeout));

@@ -218,45 +218,122 @@ void StagedOp::copy_out() {
   if (pageable_) finish_copies();
 }
 
-void StagedOp::allreduce(Communicator& comm, const at::Tensor& t, const Reduction& red,
-                         const OpCtx& ctx) {
-  TORCH_INTERNAL_ASSERT(t.is_contiguous(), "smddp: the staged all-reduce needs a contiguous tensor");
-  at::Tensor flat = t.view({-1});
-  at::Tensor host = host_like(flat);
-  const int64_t chunk_elems = std::max<int64_t>(1, stager_.chunk_bytes() / t.element_size());
-  const std::vector<ChunkRange> chunks = plan_chunks(flat.numel(), chunk_elems);
+// Note [Staging pipeline]: all device->host copies queued at once (`in`, on the d2h
+// stream), then per chunk: wait for its copies, run the CPU collective (`run`), queue its
+// host->device copies (`out`, on the h2d stream).
+template <typename In, typename Run, typename Out>
+void StagedOp::pipeline(const std::vector<ChunkRange>& chunks, const char* step, In&& in, Run&& run,
+                        Out&& out) {
   const c10::Stream cpu(c10::Stream::DEFAULT, device_);
-  auto tag = [](const char* step, const ChunkRange& c) {
-    return std::string(step) + " " + std::to_string(c.begin) + "+" + std::to_string(c.count);
+  auto tag = [](const char* what, const ChunkRange& c) {
+    return std::string(what) + " " + std::to_string(c.begin) + "+" + std::to_string(c.count);
   };
   try {
     if (on_device()) order_side_streams(issued_, *d2h_, *h2d_);
     std::vector<c10::Event> ready;
     for (const ChunkRange& c : chunks) {
-      copy(host.narrow(0, c.begin, c.count), flat.narrow(0, c.begin, c.count), d2h_.value_or(cpu));
+      in(c, d2h_.value_or(cpu));
       trace(tag("d2h", c));
       if (on_device()) {
         ready.emplace_back(device_.type());
         ready.back().record(*d2h_);
       }
     }
-    char* base = static_cast<char*>(host.data_ptr());
     for (size_t i = 0; i < chunks.size(); ++i) {
-      const ChunkRange& c = chunks[i];
       if (on_device()) ready[i].synchronize();
-      OpCtx chunk_ctx = ctx;
-      chunk_ctx.desc.count = static_cast<uint64_t>(c.count);
-      comm.allreduce(base + c.begin * t.element_size(), static_cast<size_t>(c.count), red,
-                     chunk_ctx);
-      trace(tag("reduce", c));
-      copy(flat.narrow(0, c.begin, c.count), host.narrow(0, c.begin, c.count), h2d_.value_or(cpu));
-      trace(tag("h2d", c));
+      run(chunks[i]);
+      trace(tag(step, chunks[i]));
+      out(chunks[i], h2d_.value_or(cpu));
+      trace(tag("h2d", chunks[i]));
     }
   } catch (...) {
     finish_copies();
     throw;
   }
   if (pageable_) finish_copies();
+}
+
+int64_t StagedOp::chunk_elems(const at::Tensor& t) const {
+  return std::max<int64_t>(1, stager_.chunk_bytes() / std::max<int64_t>(1, t.element_size()));
+}
+
+void StagedOp::allreduce(Communicator& comm, const at::Tensor& t, const Reduction& red,
+                         const OpCtx& ctx) {
+  TORCH_INTERNAL_ASSERT(t.is_contiguous(), "smddp: the staged all-reduce needs a contiguous tensor");
+  at::Tensor flat = t.view({-1});
+  at::Tensor host = host_like(flat);
+  char* base = static_cast<char*>(host.data_ptr());
+  const int64_t esz = t.element_size();
+  pipeline(
+      plan_chunks(flat.numel(), chunk_elems(t)), "reduce",
+      [&](const ChunkRange& c, const c10::Stream& s) {
+        copy(host.narrow(0, c.begin, c.count), flat.narrow(0, c.begin, c.count), s);
+      },
+      [&](const ChunkRange& c) {
+        OpCtx chunk_ctx = ctx;
+        chunk_ctx.desc.count = static_cast<uint64_t>(c.count);
+        comm.allreduce(base + c.begin * esz, static_cast<size_t>(c.count), red, chunk_ctx);
+      },
+      [&](const ChunkRange& c, const c10::Stream& s) {
+        copy(flat.narrow(0, c.begin, c.count), host.narrow(0, c.begin, c.count), s);
+      });
+}
+
+// Chunk c = [b, b + k) of every rank's part: the host buffer of the `world` x n side holds
+// the chunks one after the other (chunk c at world * b, rank r's piece at world * b + r * k),
+// so each chunk's collective reads or writes one contiguous block.
+void StagedOp::allgather(Communicator& comm, const at::Tensor& input, const at::Tensor& output,
+                         const OpCtx& ctx) {
+  TORCH_INTERNAL_ASSERT(input.is_contiguous() && output.is_contiguous());
+  const int64_t world = comm.config().size, n = input.numel(), esz = input.element_size();
+  at::Tensor in = input.view({-1}), out = output.view({-1});
+  at::Tensor host_in = host_like(in), host_out = host_like(out);
+  char* hi = static_cast<char*>(host_in.data_ptr());
+  char* ho = static_cast<char*>(host_out.data_ptr());
+  pipeline(
+      plan_chunks(n, chunk_elems(input)), "gather",
+      [&](const ChunkRange& c, const c10::Stream& s) {
+        copy(host_in.narrow(0, c.begin, c.count), in.narrow(0, c.begin, c.count), s);
+      },
+      [&](const ChunkRange& c) {
+        OpCtx chunk_ctx = ctx;
+        chunk_ctx.desc.count = static_cast<uint64_t>(c.count * esz);
+        comm.allgather(hi + c.begin * esz, ho + world * c.begin * esz,
+                       static_cast<size_t>(c.count * esz), chunk_ctx);
+      },
+      [&](const ChunkRange& c, const c10::Stream& s) {
+        for (int64_t r = 0; r < world; ++r) {
+          copy(out.narrow(0, r * n + c.begin, c.count),
+               host_out.narrow(0, world * c.begin + r * c.count, c.count), s);
+        }
+      });
+}
+
+void StagedOp::reduce_scatter(Communicator& comm, const at::Tensor& input,
+                              const at::Tensor& output, const Reduction& red, const OpCtx& ctx) {
+  TORCH_INTERNAL_ASSERT(input.is_contiguous() && output.is_contiguous());
+  const int64_t world = comm.config().size, n = output.numel(), esz = output.element_size();
+  at::Tensor in = input.view({-1}), out = output.view({-1});
+  at::Tensor host_in = host_like(in), host_out = host_like(out);
+  char* hi = static_cast<char*>(host_in.data_ptr());
+  char* ho = static_cast<char*>(host_out.data_ptr());
+  pipeline(
+      plan_chunks(n, chunk_elems(output)), "reduce",
+      [&](const ChunkRange& c, const c10::Stream& s) {
+        for (int64_t r = 0; r < world; ++r) {
+          copy(host_in.narrow(0, world * c.begin + r * c.count, c.count),
+               in.narrow(0, r * n + c.begin, c.count), s);
+        }
+      },
+      [&](const ChunkRange& c) {
+        OpCtx chunk_ctx = ctx;
+        chunk_ctx.desc.count = static_cast<uint64_t>(c.count);
+        comm.reduce_scatter(hi + world * c.begin * esz, ho + c.begin * esz,
+                            static_cast<size_t>(c.count), red, chunk_ctx);
+      },
+      [&](const ChunkRange& c, const c10::Stream& s) {
+        copy(out.narrow(0, c.begin, c.count), host_out.narrow(0, c.begin, c.count), s);
+      });
 }
 
 std::optional<c10::Stream> StagedOp::completion_stream() const { return h2d_; }

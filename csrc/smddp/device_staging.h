@@ -30,7 +30,8 @@
 //    allocator, else the pool.
 //
 // Note [Staging pipeline]
-// A large all-reduce is cut into chunks of SMDDP_STAGING_CHUNK_BYTES (plan_chunks): all
+// A large all-reduce (and all_gather_into_tensor / reduce_scatter_tensor, chunked over each
+// rank's part) is cut into chunks of SMDDP_STAGING_CHUNK_BYTES (plan_chunks): all
 // device->host copies are queued at once, each followed by an event; then chunk i is
 // reduced as soon as its event completes and its host->device copy is queued, so the copy of
 // chunk i+1 overlaps the reduction of chunk i, and the copy back of chunk i overlaps the
@@ -95,6 +96,11 @@ class StagedOp {
   // The pipelined in-place all-reduce of contiguous `t` (Note [Staging pipeline]).
   void allreduce(Communicator& comm, const at::Tensor& t, const Reduction& red,
                  const OpCtx& ctx);
+  // The pipelined all_gather_into_tensor and reduce_scatter_tensor of contiguous tensors.
+  void allgather(Communicator& comm, const at::Tensor& input, const at::Tensor& output,
+                 const OpCtx& ctx);
+  void reduce_scatter(Communicator& comm, const at::Tensor& input, const at::Tensor& output,
+                      const Reduction& red, const OpCtx& ctx);
   // The stream the work's completion event goes on (nullopt for CPU tensors).
   std::optional<c10::Stream> completion_stream() const;
   // copy_in already ran on the caller's thread (eager sends).
@@ -107,6 +113,10 @@ class StagedOp {
     bool in, out;
   };
   at::Tensor host_like(const at::Tensor& t);
+  int64_t chunk_elems(const at::Tensor& t) const;
+  template <typename In, typename Run, typename Out>
+  void pipeline(const std::vector<ChunkRange>& chunks, const char* step, In&& in, Run&& run,
+                Out&& out);
   void copy(const at::Tensor& dst, const at::Tensor& src, const c10::Stream& s);
   void record_use(const at::Tensor& dev);
   void finish_copies();  // after an error or before pageable buffers are released

@@ -138,6 +138,60 @@ def _all_reduce_every_dtype_and_op():
     return failures, ran
 
 
+def _expected_pipeline_trace(n, esz, step):
+    from torch_sagemaker import _C
+
+    chunks = _C._plan_chunks(n, max(1, CHUNK // esz))
+    steps = ["issue"] + [f"d2h {b}+{c}" for b, c in chunks]
+    for b, c in chunks:
+        steps += [f"{step} {b}+{c}", f"h2d {b}+{c}"]
+    return steps
+
+
+def _gather_and_scatter_pipelines():
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import ReduceOp
+
+    staged, plain = _groups()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    failures, ran = [], 0
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8):
+        for n in SIZES:
+            esz = torch.empty(0, dtype=dtype).element_size()
+            # all_gather_into_tensor: every rank's part, in rank order.
+            out = torch.zeros(world * n, dtype=dtype)
+            dist.all_gather_into_tensor(out, _data(n, dtype, rank), group=staged)
+            want = torch.cat([_data(n, dtype, r) for r in range(world)])
+            if not torch.equal(out, want):
+                failures.append(f"all_gather_into_tensor {dtype} n={n}")
+            if _trace(staged) != _expected_pipeline_trace(n, esz, "gather"):
+                failures.append(f"all_gather_into_tensor {dtype} n={n}: trace")
+            ops = [ReduceOp.SUM, ReduceOp.MAX]
+            if dtype.is_floating_point:
+                ops.append(ReduceOp.AVG)
+            for op in ops:
+                mine = _data(world * n, dtype, rank)
+                got, ref = torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=dtype)
+                dist.reduce_scatter_tensor(got, mine, op=op, group=staged)
+                dist.reduce_scatter_tensor(ref, mine.clone(), op=op, group=plain)
+                ran += 1
+                if not torch.equal(got, ref):
+                    failures.append(f"reduce_scatter_tensor {dtype} {op} n={n}")
+                if _trace(staged) != _expected_pipeline_trace(n, esz, "reduce"):
+                    failures.append(f"reduce_scatter_tensor {dtype} {op} n={n}: trace")
+        # SUM against a reference computed here.
+        if dtype in (torch.float32, torch.int64):
+            n = 5000
+            got = torch.zeros(n, dtype=dtype)
+            dist.reduce_scatter_tensor(got, _data(world * n, dtype, rank), group=staged)
+            _trace(staged)
+            want = sum(_data(world * n, dtype, r) for r in range(world))[rank * n : (rank + 1) * n]
+            if not torch.equal(got, want):
+                failures.append(f"reduce_scatter_tensor {dtype} SUM vs reference")
+    return failures, ran
+
+
 def _other_collectives():
     import torch
     import torch.distributed as dist
@@ -262,6 +316,12 @@ def test_staged_all_reduce_every_dtype_op_and_size_matches_plain_path_and_schedu
     for failures, ran in run_distributed(_all_reduce_every_dtype_and_op, backend="smddp"):
         assert not failures, failures[:10]
         assert ran > 300  # the supported (dtype, op) pairs over every size
+
+
+def test_staged_all_gather_and_reduce_scatter_pipelines():
+    for failures, ran in run_distributed(_gather_and_scatter_pipelines, backend="smddp"):
+        assert not failures, failures[:10]
+        assert ran == 5 * len(SIZES) * 2 + 3 * len(SIZES)
 
 
 def test_every_other_collective_through_the_staging_mirrors():
