@@ -110,6 +110,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("_listen_port", [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().listen_port(); })
       .def("_listen_address",
            [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().listen_address(); })
+      .def("_staging_trace", &smddp::ProcessGroupSMDDP::staging_trace)
       .def("_rejected_connections",
            [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().rejected_connections(); });
 
@@ -117,6 +118,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("create_backend", &create_backend, py::arg("dist_backend_opts"), py::arg("pg_options"),
         py::call_guard<py::gil_scoped_release>());
   m.def("kernel_isa", &smddp::kernel_isa);
+  m.def("_plan_chunks", [](int64_t numel, int64_t chunk_elems) {
+    std::vector<std::pair<int64_t, int64_t>> out;
+    for (const auto& c : smddp::plan_chunks(numel, chunk_elems)) out.emplace_back(c.begin, c.count);
+    return out;
+  }, py::arg("numel"), py::arg("chunk_elems"));
   m.def("setting_table", &setting_table);
   m.def("_resolve_settings", &resolve_for_test, py::arg("options"), py::arg("environ"));
 }

@@ -35,12 +35,27 @@ def _ensure_process_group() -> None:
             "torch.distributed.init_process_group('smddp') first, or launch with torchrun, "
             f"which sets {', '.join(_TORCHRUN_VARS)} (missing here: {', '.join(missing)})."
         )
-    backend = backend_lib.default_backend()
+    backend = backend_lib.default_backend(config_lib.cuda_backend())
     dist.init_process_group(backend, timeout=timedelta(minutes=30))
     log_rank0(
         f"tsm.init: created the default process group on backend {backend!r} "
         "from torchrun's environment"
     )
+
+
+def _set_cuda_device() -> None:
+    """Makes GPU ``LOCAL_RANK`` (modulo the GPUs on the host) current, as torchrun users expect.
+
+    Without ``LOCAL_RANK`` (a launcher that does not set it) the current device is left as the
+    script set it; SMP's scripts call ``torch.cuda.set_device(rank % device_count)`` after
+    ``tsm.init()``, which picks the same GPU on hosts with equal ranks per host.
+    """
+    if not torch.cuda.is_available():
+        return
+    local_rank = os.environ.get("LOCAL_RANK")  # noqa: TID251  set by torchrun, not a config
+    if local_rank is None or not local_rank.isdigit():
+        return
+    torch.cuda.set_device(int(local_rank) % torch.cuda.device_count())
 
 
 def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> None:
@@ -61,7 +76,8 @@ def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> No
         >>> import torch.sagemaker as tsm
         >>> tsm.init({"hybrid_shard_degree": 2, "tensor_parallel_degree": 2})
     """
-    # 1. Make sure there is a default process group.
+    # 1. Pick this rank's GPU, and make sure there is a default process group.
+    _set_cuda_device()
     _ensure_process_group()
     # 2. Merge the sources (argument < environment < pre-init overrides) and 3. validate
     # everything against the world size, reporting all problems together; 4. every rank must

@@ -476,3 +476,33 @@ def load(
 ) -> SMPConfig:
     """Loads and validates the configuration (``load_raw`` then ``validate``)."""
     return validate(load_raw(config, environ=environ, overrides=overrides), world_size)
+
+
+#: Which collective backend ``tsm.init`` gives CUDA tensors when it creates the process group.
+CUDA_BACKEND_ENV_VAR = "TSM_CUDA_BACKEND"
+CUDA_BACKENDS = ("smddp", "nccl")
+
+
+def cuda_backend(environ: Mapping[str, str] | None = None) -> str:
+    """The backend for CUDA tensors ``tsm.init`` asks for: ``TSM_CUDA_BACKEND``, else "smddp".
+
+    "smddp" stages CUDA tensors through host memory and reduces on the CPUs
+    (docs/gpu.md); "nccl" reduces on the GPUs, with smddp kept for CPU tensors.
+
+    Args:
+        environ: Environment to read (default ``os.environ``).
+
+    Raises:
+        ConfigError: The variable holds another value.
+    """
+    environ = os.environ if environ is None else environ
+    value = environ.get(CUDA_BACKEND_ENV_VAR, "").strip().lower() or "smddp"
+    if value not in CUDA_BACKENDS:
+        raise ConfigError(
+            [
+                f"{CUDA_BACKEND_ENV_VAR}={environ[CUDA_BACKEND_ENV_VAR]!r} is not a backend for "
+                f"CUDA tensors; expected one of {', '.join(CUDA_BACKENDS)} (or unset: smddp)"
+            ],
+            f"environment variable {CUDA_BACKEND_ENV_VAR}",
+        )
+    return value

@@ -69,8 +69,8 @@ DType to_dtype(at::ScalarType t, const char* collective) {
 
 void check_cpu(const at::Tensor& t, const char* collective, const char* what) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), "smddp: ", collective, " got ", what, " on device ",
-                    t.device(), "; the smddp backend handles CPU tensors only (use "
-                    "init_process_group(\"cpu:smddp,cuda:nccl\") for accelerator tensors)");
+                    t.device(), "; this call takes CPU tensors only (torch.distributed's "
+                    "collectives take device tensors)");
   TORCH_CHECK_VALUE(t.layout() == at::kStrided, "smddp: ", collective, " got a ", t.layout(),
                     " tensor as ", what, "; only dense (strided) tensors are supported");
 }
@@ -91,6 +91,7 @@ ProcessGroupSMDDP::ProcessGroupSMDDP(const c10::intrusive_ptr<c10d::Store>& stor
   cfg.timeout_s = timeout_s_;
   StoreKV kv(store);
   comm_ = std::make_unique<Communicator>(kv, cfg);
+  stager_ = std::make_unique<Stager>(settings, comm_->pool());
 }
 
 ProcessGroupSMDDP::~ProcessGroupSMDDP() { shutdown(); }
@@ -161,16 +162,40 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::track(c10::intrusive_ptr<c10d:
   return w;
 }
 
+std::shared_ptr<StagedOp> ProcessGroupSMDDP::stage(const std::vector<const at::Tensor*>& tensors,
+                                                   const char* collective) {
+  if (pending_stage_) return nullptr;  // the mirrors of a staged call
+  return stager_->begin(tensors, collective);
+}
+
+c10::intrusive_ptr<SmddpWork> ProcessGroupSMDDP::make_work(c10d::OpType type,
+                                                           std::vector<at::Tensor> outputs) {
+  if (pending_stage_) {
+    outputs = pending_stage_->device_of(outputs);
+    if (auto s = pending_stage_->completion_stream()) {
+      return c10::make_intrusive<SmddpWork>(rank_, type, std::move(outputs),
+                                            pending_stage_->device(), *s);
+    }
+  }
+  return c10::make_intrusive<SmddpWork>(rank_, type, std::move(outputs));
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::submit(c10d::OpType type,
                                                          std::vector<at::Tensor> outputs,
                                                          bool async_op, std::function<void()> fn) {
-  return submit(c10::make_intrusive<SmddpWork>(rank_, type, std::move(outputs)), async_op,
-                std::move(fn));
+  return submit(make_work(type, std::move(outputs)), async_op, std::move(fn));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::submit(c10::intrusive_ptr<SmddpWork> work,
                                                          bool async_op, std::function<void()> fn) {
   TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
+  if (std::shared_ptr<StagedOp> op = std::move(pending_stage_)) {
+    fn = [op, inner = std::move(fn)] {
+      op->copy_in();
+      inner();
+      op->copy_out();
+    };
+  }
   const c10d::OpType type = work->retrieveOpType();
   work->set_executor(exec_);
   if (type != c10d::OpType::SEND && type != c10d::OpType::RECV && type != c10d::OpType::RECVANYSOURCE) {
@@ -186,7 +211,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::submit(c10::intrusive_ptr<Smdd
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::completed(c10d::OpType type,
                                                             std::vector<at::Tensor> outputs) {
-  auto work = c10::make_intrusive<SmddpWork>(rank_, type, std::move(outputs));
+  auto work = make_work(type, std::move(outputs));
+  if (std::shared_ptr<StagedOp> op = std::move(pending_stage_)) {
+    op->copy_in();  // done already for sends
+    op->copy_out();
+  }
   work->complete(nullptr);
   return track(work);
 }

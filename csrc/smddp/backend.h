@@ -1,8 +1,10 @@
-// ProcessGroupSMDDP: the c10d::Backend registered as "smddp" for CPU tensors.
+// ProcessGroupSMDDP: the c10d::Backend registered as "smddp" for CPU and device tensors.
 //
 // This layer validates tensors (device, dtype, sizes) on the caller's thread, stages
 // non-contiguous tensors, and hands raw pointers to the Communicator through the
-// Executor (Note [Execution order] in work.h).
+// Executor (Note [Execution order] in work.h). Device tensors go through host mirrors
+// (Note [Device staging] in device_staging.h): each collective's first lines hand them to
+// the Stager, then call the same collective again on the mirrors.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -13,6 +15,7 @@
 #include <memory>
 
 #include "smddp/comm.h"
+#include "smddp/device_staging.h"
 #include "smddp/work.h"
 
 namespace smddp {
@@ -98,6 +101,8 @@ class ProcessGroupSMDDP : public c10d::Backend {
 
   // Introspection for tests and the benchmark.
   const Communicator& comm() const { return *comm_; }
+  // Steps of the staged CPU collectives since the last call (SMDDP_STAGE_CPU=1).
+  std::vector<std::string> staging_trace() { return stager_->take_trace(); }
 
  private:
   // Submits `fn` (run on raw pointers) and returns its Work.
@@ -112,6 +117,26 @@ class ProcessGroupSMDDP : public c10d::Backend {
   // A Work already completed (Note [Eager point-to-point] in backend_ops.cpp).
   c10::intrusive_ptr<c10d::Work> completed(c10d::OpType type, std::vector<at::Tensor> outputs);
 
+  // Device staging (Note [Device staging]): `stage` returns the staged op for `tensors`, or
+  // nullptr when they take the CPU path (also while a staged call is being issued).
+  // `staged` issues `call` (the collective on the mirrors) with `op` pending: the Work that
+  // call creates reports the caller's tensors and its function is wrapped in the copies.
+  std::shared_ptr<StagedOp> stage(const std::vector<const at::Tensor*>& tensors,
+                                  const char* collective);
+  template <typename F>
+  c10::intrusive_ptr<c10d::Work> staged(std::shared_ptr<StagedOp> op, F&& call) {
+    pending_stage_ = std::move(op);
+    try {
+      auto w = call();
+      pending_stage_.reset();
+      return w;
+    } catch (...) {
+      pending_stage_.reset();
+      throw;
+    }
+  }
+  c10::intrusive_ptr<SmddpWork> make_work(c10d::OpType type, std::vector<at::Tensor> outputs);
+
   std::unique_ptr<Communicator> comm_;
   std::shared_ptr<Executor> exec_ = std::make_shared<Executor>();  // works hold weak refs
   double timeout_s_;
@@ -120,12 +145,14 @@ class ProcessGroupSMDDP : public c10d::Backend {
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
   bool shut_down_ = false;
   std::atomic<uint64_t> issued_{0};  // getSequenceNumberForGroup
+  std::unique_ptr<Stager> stager_;
+  std::shared_ptr<StagedOp> pending_stage_;
 };
 
 // Maps an ATen dtype to ours; throws TypeError naming the collective for unsupported ones.
 DType to_dtype(at::ScalarType t, const char* collective);
 
-// Throws unless `t` is a dense CPU tensor.
+// Throws unless `t` is a dense CPU tensor (device tensors are staged before this check).
 void check_cpu(const at::Tensor& t, const char* collective, const char* what);
 
 }  // namespace smddp

@@ -59,10 +59,41 @@ CollDesc desc_of(const at::Tensor& t, int op, uint64_t count, uint64_t extra = 0
   return d;
 }
 
-void check_single(const std::vector<at::Tensor>& ts, const char* name) {
+void check_count(const std::vector<at::Tensor>& ts, const char* name) {
   TORCH_CHECK_VALUE(ts.size() == 1, "smddp: ", name, " expects exactly one tensor per call, got ",
                     ts.size());
+}
+
+void check_single(const std::vector<at::Tensor>& ts, const char* name) {
+  check_count(ts, name);
   check_cpu(ts[0], name, "its tensor");
+}
+
+// The addresses of the tensors of one call, for ProcessGroupSMDDP::stage.
+std::vector<const at::Tensor*> all_of(std::initializer_list<const std::vector<at::Tensor>*> lists) {
+  std::vector<const at::Tensor*> out;
+  for (const auto* l : lists) {
+    for (const auto& t : *l) out.push_back(&t);
+  }
+  return out;
+}
+
+std::vector<const at::Tensor*> all_of(const std::vector<std::vector<at::Tensor>>& lists,
+                                      const std::vector<at::Tensor>& more) {
+  std::vector<const at::Tensor*> out;
+  for (const auto& l : lists) {
+    for (const auto& t : l) out.push_back(&t);
+  }
+  for (const auto& t : more) out.push_back(&t);
+  return out;
+}
+
+std::vector<std::vector<at::Tensor>> mirror_lists(StagedOp& op,
+                                                  const std::vector<std::vector<at::Tensor>>& ls,
+                                                  bool in, bool out) {
+  std::vector<std::vector<at::Tensor>> hs;
+  for (const auto& l : ls) hs.push_back(op.mirror(l, in, out));
+  return hs;
 }
 
 void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* name) {
@@ -81,7 +112,23 @@ at::Tensor flat_cat(const std::vector<at::Tensor>& ts) {
 
 WorkPtr ProcessGroupSMDDP::allreduce(std::vector<at::Tensor>& tensors,
                                      const c10d::AllreduceOptions& opts) {
-  check_single(tensors, "all_reduce");
+  check_count(tensors, "all_reduce");
+  if (auto op = stage({&tensors[0]}, "all_reduce")) {
+    at::Tensor t = tensors[0];
+    if (!t.is_contiguous()) {
+      std::vector<at::Tensor> host = op->mirror(tensors, true, true);
+      return staged(op, [&] { return allreduce(host, opts); });
+    }
+    // Note [Staging pipeline] in device_staging.h.
+    Reduction red = reduction_of(opts.reduceOp, t, "all_reduce");
+    OpCtx ctx = comm_->make_ctx("all_reduce", desc_of(t, int(red.op), t.numel()),
+                                args_of(t, redop_name(red.op)), timeout_of(opts.timeout));
+    return staged(op, [&] {
+      return submit(OpType::ALLREDUCE, tensors, opts.asyncOp,
+                    [this, op, t, red, ctx] { op->allreduce(*comm_, t, red, ctx); });
+    });
+  }
+  check_cpu(tensors[0], "all_reduce", "its tensor");
   at::Tensor t = tensors[0];
   Reduction red = reduction_of(opts.reduceOp, t, "all_reduce");
   OpCtx ctx = comm_->make_ctx("all_reduce", desc_of(t, int(red.op), t.numel()),
@@ -112,6 +159,10 @@ void ProcessGroupSMDDP::allreduce_direct(const at::Tensor& tensor, const c10d::R
 WorkPtr ProcessGroupSMDDP::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                const c10d::AllreduceCoalescedOptions& opts) {
   TORCH_CHECK_VALUE(!tensors.empty(), "smddp: all_reduce_coalesced needs at least one tensor");
+  if (auto op = stage(all_of({&tensors}), "all_reduce_coalesced")) {
+    std::vector<at::Tensor> host = op->mirror(tensors, true, true);
+    return staged(op, [&] { return allreduce_coalesced(host, opts); });
+  }
   for (const auto& t : tensors) {
     check_cpu(t, "all_reduce_coalesced", "a tensor");
     check_same_dtype(tensors[0], t, "all_reduce_coalesced");
@@ -135,6 +186,11 @@ WorkPtr ProcessGroupSMDDP::allreduce_coalesced(std::vector<at::Tensor>& tensors,
 }
 
 WorkPtr ProcessGroupSMDDP::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
+  check_count(tensors, "reduce");
+  if (auto op = stage({&tensors[0]}, "reduce")) {
+    std::vector<at::Tensor> host = op->mirror(tensors, true, rank_ == opts.rootRank);
+    return staged(op, [&] { return reduce(host, opts); });
+  }
   check_single(tensors, "reduce");
   at::Tensor t = tensors[0];
   int root = static_cast<int>(opts.rootRank);
@@ -155,13 +211,27 @@ WorkPtr ProcessGroupSMDDP::reduce(std::vector<at::Tensor>& tensors, const c10d::
 WorkPtr ProcessGroupSMDDP::_allgather_base(at::Tensor& output, at::Tensor& input,
                                            const c10d::AllgatherOptions& opts) {
   const char* name = "all_gather_into_tensor";
-  check_cpu(input, name, "the input");
-  check_cpu(output, name, "the output");
   check_same_dtype(input, output, name);
   TORCH_CHECK_VALUE(output.numel() == input.numel() * size_, "smddp: ", name,
                     ": the output must have world_size (", size_, ") x input numel (",
                     input.numel(), ") = ", input.numel() * size_, " elements, got ",
                     output.numel());
+  if (auto op = stage({&input, &output}, name)) {
+    if (input.is_contiguous() && output.is_contiguous()) {  // Note [Staging pipeline]
+      OpCtx ctx = comm_->make_ctx(name, desc_of(input, 0, input.numel() * input.element_size()),
+                                  args_of(input), timeout_of(opts.timeout));
+      at::Tensor in = input, out = output;
+      return staged(op, [&] {
+        return submit(OpType::_ALLGATHER_BASE, {output}, opts.asyncOp,
+                      [this, op, in, out, ctx] { op->allgather(*comm_, in, out, ctx); });
+      });
+    }
+    at::Tensor hin = op->mirror(input, true, false);
+    at::Tensor hout = op->mirror(output, false, true);
+    return staged(op, [&] { return _allgather_base(hout, hin, opts); });
+  }
+  check_cpu(input, name, "the input");
+  check_cpu(output, name, "the output");
   const size_t bytes = input.numel() * input.element_size();
   OpCtx ctx = comm_->make_ctx(name, desc_of(input, 0, bytes), args_of(input),
                               timeout_of(opts.timeout));
@@ -178,6 +248,12 @@ WorkPtr ProcessGroupSMDDP::_allgather_base(at::Tensor& output, at::Tensor& input
 WorkPtr ProcessGroupSMDDP::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                      std::vector<at::Tensor>& inputs,
                                      const c10d::AllgatherOptions& opts) {
+  check_count(inputs, "all_gather");
+  if (auto op = stage(all_of(outputs, inputs), "all_gather")) {
+    std::vector<at::Tensor> hin = op->mirror(inputs, true, false);
+    auto hout = mirror_lists(*op, outputs, false, true);
+    return staged(op, [&] { return allgather(hout, hin, opts); });
+  }
   check_single(inputs, "all_gather");
   TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_,
                     "smddp: all_gather needs a list of world_size (", size_, ") output tensors");
@@ -210,6 +286,11 @@ WorkPtr ProcessGroupSMDDP::allgather_coalesced(std::vector<std::vector<at::Tenso
                                                const c10d::AllgatherOptions& opts) {
   const char* name = "all_gather_coalesced";
   TORCH_CHECK_VALUE(!inputs.empty(), "smddp: ", name, " needs at least one input tensor");
+  if (auto op = stage(all_of(outputs, inputs), name)) {
+    std::vector<at::Tensor> hin = op->mirror(inputs, true, false);
+    auto hout = mirror_lists(*op, outputs, false, true);
+    return staged(op, [&] { return allgather_coalesced(hout, hin, opts); });
+  }
   TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == size_, "smddp: ", name,
                     " needs one output list per rank (world_size ", size_, "), got ",
                     outputs.size());
@@ -278,13 +359,28 @@ WorkPtr ProcessGroupSMDDP::allgather_into_tensor_coalesced(std::vector<at::Tenso
 WorkPtr ProcessGroupSMDDP::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                 const c10d::ReduceScatterOptions& opts) {
   const char* name = "reduce_scatter_tensor";
-  check_cpu(input, name, "the input");
-  check_cpu(output, name, "the output");
   check_same_dtype(input, output, name);
   TORCH_CHECK_VALUE(input.numel() == output.numel() * size_, "smddp: ", name,
                     ": the input must have world_size (", size_, ") x output numel (",
                     output.numel(), ") = ", output.numel() * size_, " elements, got ",
                     input.numel());
+  if (auto op = stage({&input, &output}, name)) {
+    if (input.is_contiguous() && output.is_contiguous()) {  // Note [Staging pipeline]
+      Reduction red = reduction_of(opts.reduceOp, input, name);
+      OpCtx ctx = comm_->make_ctx(name, desc_of(input, int(red.op), output.numel()),
+                                  args_of(output, redop_name(red.op)), timeout_of(opts.timeout));
+      at::Tensor in = input, out = output;
+      return staged(op, [&] {
+        return submit(OpType::_REDUCE_SCATTER_BASE, {output}, opts.asyncOp,
+                      [this, op, in, out, red, ctx] { op->reduce_scatter(*comm_, in, out, red, ctx); });
+      });
+    }
+    at::Tensor hin = op->mirror(input, true, false);
+    at::Tensor hout = op->mirror(output, false, true);
+    return staged(op, [&] { return _reduce_scatter_base(hout, hin, opts); });
+  }
+  check_cpu(input, name, "the input");
+  check_cpu(output, name, "the output");
   Reduction red = reduction_of(opts.reduceOp, input, name);
   OpCtx ctx = comm_->make_ctx(name, desc_of(input, int(red.op), output.numel()),
                               args_of(output, redop_name(red.op)), timeout_of(opts.timeout));
@@ -300,6 +396,12 @@ WorkPtr ProcessGroupSMDDP::_reduce_scatter_base(at::Tensor& output, at::Tensor& 
 WorkPtr ProcessGroupSMDDP::reduce_scatter(std::vector<at::Tensor>& outputs,
                                           std::vector<std::vector<at::Tensor>>& inputs,
                                           const c10d::ReduceScatterOptions& opts) {
+  check_count(outputs, "reduce_scatter");
+  if (auto op = stage(all_of(inputs, outputs), "reduce_scatter")) {
+    auto hin = mirror_lists(*op, inputs, true, false);
+    std::vector<at::Tensor> hout = op->mirror(outputs, false, true);
+    return staged(op, [&] { return reduce_scatter(hout, hin, opts); });
+  }
   check_single(outputs, "reduce_scatter");
   TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_,
                     "smddp: reduce_scatter needs a list of world_size (", size_, ") inputs");
@@ -339,6 +441,12 @@ WorkPtr ProcessGroupSMDDP::reduce_scatter_tensor_coalesced(std::vector<at::Tenso
 
 WorkPtr ProcessGroupSMDDP::broadcast(std::vector<at::Tensor>& tensors,
                                      const c10d::BroadcastOptions& opts) {
+  check_count(tensors, "broadcast");
+  if (auto op = stage({&tensors[0]}, "broadcast")) {
+    const bool root = rank_ == opts.rootRank;
+    std::vector<at::Tensor> host = op->mirror(tensors, root, !root);
+    return staged(op, [&] { return broadcast(host, opts); });
+  }
   check_single(tensors, "broadcast");
   at::Tensor t = tensors[0];
   int root = static_cast<int>(opts.rootRank);
@@ -355,6 +463,12 @@ WorkPtr ProcessGroupSMDDP::broadcast(std::vector<at::Tensor>& tensors,
 
 WorkPtr ProcessGroupSMDDP::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                   std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
+  check_count(inputs, "gather");
+  if (auto op = stage(all_of(outputs, inputs), "gather")) {
+    std::vector<at::Tensor> hin = op->mirror(inputs, true, false);
+    auto hout = mirror_lists(*op, outputs, false, true);
+    return staged(op, [&] { return gather(hout, hin, opts); });
+  }
   check_single(inputs, "gather");
   int root = static_cast<int>(opts.rootRank);
   check_root(root, size_, "gather");
@@ -396,6 +510,12 @@ WorkPtr ProcessGroupSMDDP::gather(std::vector<std::vector<at::Tensor>>& outputs,
 WorkPtr ProcessGroupSMDDP::scatter(std::vector<at::Tensor>& outputs,
                                    std::vector<std::vector<at::Tensor>>& inputs,
                                    const c10d::ScatterOptions& opts) {
+  check_count(outputs, "scatter");
+  if (auto op = stage(all_of(inputs, outputs), "scatter")) {
+    auto hin = mirror_lists(*op, inputs, true, false);
+    std::vector<at::Tensor> hout = op->mirror(outputs, false, true);
+    return staged(op, [&] { return scatter(hout, hin, opts); });
+  }
   check_single(outputs, "scatter");
   int root = static_cast<int>(opts.rootRank);
   check_root(root, size_, "scatter");
@@ -438,6 +558,11 @@ WorkPtr ProcessGroupSMDDP::alltoall_base(at::Tensor& output, at::Tensor& input,
                                          std::vector<int64_t>& input_splits,
                                          const c10d::AllToAllOptions& opts) {
   const char* name = "all_to_all_single";
+  if (auto op = stage({&input, &output}, name)) {
+    at::Tensor hin = op->mirror(input, true, false);
+    at::Tensor hout = op->mirror(output, false, true);
+    return staged(op, [&] { return alltoall_base(hout, hin, output_splits, input_splits, opts); });
+  }
   check_cpu(input, name, "the input");
   check_cpu(output, name, "the output");
   check_same_dtype(input, output, name);
@@ -489,6 +614,11 @@ WorkPtr ProcessGroupSMDDP::alltoall(std::vector<at::Tensor>& outputs, std::vecto
   TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == size_ &&
                         static_cast<int>(outputs.size()) == size_,
                     "smddp: all_to_all needs world_size (", size_, ") inputs and outputs");
+  if (auto op = stage(all_of({&inputs, &outputs}), "all_to_all")) {
+    std::vector<at::Tensor> hin = op->mirror(inputs, true, false);
+    std::vector<at::Tensor> hout = op->mirror(outputs, false, true);
+    return staged(op, [&] { return alltoall(hout, hin, opts); });
+  }
   std::vector<Span> send(size_), recv(size_);
   size_t so = 0, ro = 0;
   for (int r = 0; r < size_; ++r) {
@@ -521,6 +651,14 @@ WorkPtr ProcessGroupSMDDP::alltoall(std::vector<at::Tensor>& outputs, std::vecto
 // receives on the worker) and waits there. Both skip the thread hand-off, which costs tens of
 // microseconds on these VMs, and neither overtakes an operation queued before it.
 WorkPtr ProcessGroupSMDDP::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
+  check_count(tensors, "send");
+  if (auto op = stage({&tensors[0]}, "send")) {
+    // The bytes must be on the host before the eager path may write them (Note [Eager
+    // point-to-point]), so the device->host copy runs here, in the caller's thread.
+    std::vector<at::Tensor> host = op->mirror(tensors, true, false);
+    op->copy_in();
+    return staged(op, [&] { return send(host, dst, tag); });
+  }
   check_single(tensors, "send");
   TORCH_CHECK_VALUE(dst >= 0 && dst < size_ && dst != rank_, "smddp: send to invalid rank ", dst);
   TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
@@ -538,6 +676,11 @@ WorkPtr ProcessGroupSMDDP::send(std::vector<at::Tensor>& tensors, int dst, int t
 }
 
 WorkPtr ProcessGroupSMDDP::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
+  check_count(tensors, "recv");
+  if (auto op = stage({&tensors[0]}, "recv")) {
+    std::vector<at::Tensor> host = op->mirror(tensors, false, true);
+    return staged(op, [&] { return recv(host, src, tag); });
+  }
   check_single(tensors, "recv");
   TORCH_CHECK_VALUE(src >= 0 && src < size_ && src != rank_, "smddp: recv from invalid rank ", src);
   TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
@@ -559,12 +702,17 @@ WorkPtr ProcessGroupSMDDP::recv(std::vector<at::Tensor>& tensors, int src, int t
 // tag is there (shared-memory rings and TCP connections alike), takes it, and reports the
 // sender through the Work's sourceRank().
 WorkPtr ProcessGroupSMDDP::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  check_count(tensors, "recv");
+  if (auto op = stage({&tensors[0]}, "recv")) {
+    std::vector<at::Tensor> host = op->mirror(tensors, false, true);
+    return staged(op, [&] { return recvAnysource(host, tag); });
+  }
   check_single(tensors, "recv");
   TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
   at::Tensor t = tensors[0];
   OpCtx ctx = comm_->make_ctx("recv", desc_of(t, 0, t.numel()), peer_args_of(t, kAnyPeer, false),
                               timeout_s_);
-  auto work = c10::make_intrusive<SmddpWork>(rank_, OpType::RECVANYSOURCE, tensors);
+  auto work = make_work(OpType::RECVANYSOURCE, tensors);
   SmddpWork* w = work.get();  // the queued item holds the work while fn runs
   return submit(work, true, [this, t, tag, ctx, w] {
     at::Tensor c = contiguous_out(t);

@@ -43,6 +43,15 @@ const std::vector<SettingInfo> kSettings = {
     {"socket_ifname", "SMDDP_SOCKET_IFNAME", "name", "",
      "network interface whose IPv4 address to use instead (default: the first non-loopback "
      "interface); set at most one of the two"},
+    {"staging_chunk_bytes", "SMDDP_STAGING_CHUNK_BYTES", "bytes", "4M",
+     "device tensors: the all-reduce copies and reduces this many bytes at a time, so the "
+     "copies of one chunk overlap the reduction of the next (4K to 1G)"},
+    {"staging_memory", "SMDDP_STAGING_MEMORY", "name", "auto",
+     "device tensors: host memory the copies land in: pinned (asynchronous copies), pool (the "
+     "shared-memory pool: no extra host copy, synchronous copies) or auto (pinned where the "
+     "device has a pinned allocator)"},
+    {"stage_cpu", "SMDDP_STAGE_CPU", "flag", "0",
+     "1: CPU tensors take the device staging path (tests of its pipeline on CPU)"},
     {"timeout", "", "seconds", "",
      "timeout of the group's set-up and collectives, instead of the one given to "
      "init_process_group / new_group (options only)"},
@@ -152,6 +161,16 @@ void apply(Settings& s, const std::string& field, const std::string& source, con
     s.socket_addr = text;
   } else if (field == "socket_ifname") {
     s.socket_ifname = text;
+  } else if (field == "staging_chunk_bytes") {
+    s.staging_chunk_bytes = bytes(4 * kKiB, kGiB, false);
+  } else if (field == "staging_memory") {
+    const std::string v = lower(text);
+    if (v != "auto" && v != "pinned" && v != "pool") {
+      reject(source, text, "expected auto, pinned or pool");
+    }
+    s.staging_memory = v;
+  } else if (field == "stage_cpu") {
+    s.stage_cpu = parse_flag(source, text);
   } else if (field == "timeout") {
     char* end = nullptr;
     double v = std::strtod(text.c_str(), &end);
@@ -214,6 +233,9 @@ std::map<std::string, std::string> describe(const Settings& s) {
       {"force_local_size", std::to_string(s.force_local_size)},
       {"socket_addr", s.socket_addr},
       {"socket_ifname", s.socket_ifname},
+      {"staging_chunk_bytes", std::to_string(s.staging_chunk_bytes)},
+      {"staging_memory", s.staging_memory},
+      {"stage_cpu", s.stage_cpu ? "1" : "0"},
       {"timeout", s.timeout_s > 0 ? num(s.timeout_s) : ""},
   };
 }

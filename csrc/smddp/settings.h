@@ -36,6 +36,10 @@ struct Settings {
   std::string socket_addr;    // "": see socket_ifname, else the first non-loopback address
   std::string socket_ifname;
   double timeout_s = 0;  // 0: the timeout c10d passes (init_process_group / new_group)
+  // Device tensors (Note [Device staging] in device_staging.h).
+  size_t staging_chunk_bytes = 4 << 20;
+  std::string staging_memory = "auto";  // "auto", "pinned" or "pool"
+  bool stage_cpu = false;               // CPU tensors take the staging path too (tests)
 };
 
 // One row of the table.

@@ -1,5 +1,7 @@
 #include "smddp/work.h"
 
+#include <c10/core/StreamGuard.h>
+
 #include "smddp/common.h"
 
 namespace smddp {
@@ -9,11 +11,21 @@ SmddpWork::SmddpWork(int rank, c10d::OpType type, std::vector<at::Tensor> output
   future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
 }
 
+SmddpWork::SmddpWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs,
+                     c10::Device device, c10::Stream completion_stream)
+    : c10d::Work(rank, type), outputs_(std::move(outputs)), completion_stream_(completion_stream) {
+  future_ = c10::make_intrusive<c10::ivalue::Future>(
+      c10::ListType::create(c10::TensorType::get()), std::vector<c10::Device>{device});
+}
+
 void SmddpWork::complete(std::exception_ptr error) {
   // The future first: its callbacks (e.g. DDP's bucket division) have run when wait() returns.
   if (error) {
     future_->setError(error);
   } else {
+    // A device future records its event on the current stream: the copies' stream.
+    std::optional<c10::StreamGuard> on_copies;
+    if (completion_stream_) on_copies.emplace(*completion_stream_);
     future_->markCompleted(c10::IValue(outputs_));
   }
   finish(error);
@@ -24,7 +36,9 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
     while (!isCompleted() && exec->run_next()) {
     }
   }
-  return c10d::Work::wait(timeout);
+  const bool ok = c10d::Work::wait(timeout);
+  if (completion_stream_) future_->wait();  // the current stream waits, not the host
+  return ok;
 }
 
 CoalescedWork::CoalescedWork(std::vector<c10::intrusive_ptr<c10d::Work>> parts)

@@ -32,6 +32,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 namespace smddp {
@@ -41,6 +42,11 @@ class Executor;
 class SmddpWork : public c10d::Work {
  public:
   SmddpWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs);
+  // A work on device tensors (Note [Device staging] in device_staging.h): its future is a
+  // device future whose event is recorded on `completion_stream` when it completes, and
+  // wait() makes the caller's current stream wait on it.
+  SmddpWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, c10::Device device,
+            c10::Stream completion_stream);
   // Note [Waiting runs the work]: wait() runs queued works of `exec` (the executor this
   // work was submitted to) in the caller's thread until this one is complete.
   void set_executor(std::weak_ptr<Executor> exec) { exec_ = std::move(exec); }
@@ -60,6 +66,7 @@ class SmddpWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::weak_ptr<Executor> exec_;
   std::atomic<int> source_rank_{-1};
+  std::optional<c10::Stream> completion_stream_;
 };
 
 // A Work that completes when all of its parts complete (endCoalescing).

@@ -30,6 +30,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "torch_sagemaker.bench.context_parallel",
         "context parallelism: tokens/s, activation memory, exposed communication",
     ),
+    "gpu": (
+        "torch_sagemaker.bench.gpu",
+        "smddp on CUDA tensors: copy bandwidth, all_reduce vs NCCL, kernels launched",
+    ),
     "checkpoint": (
         "torch_sagemaker.bench.checkpoint",
         "checkpoint save/load with and without checksums",

@@ -2,7 +2,8 @@
 
 The backend itself is C++ (``csrc/smddp/``, compiled into ``torch_sagemaker._C``); this
 module only decides whether it can be used, registers its creator under the name "smddp"
-for CPU tensors, and wraps the few introspection entry points. Importing
+for CPU and CUDA tensors (CUDA tensors are staged through host memory and reduced by the
+CPUs, as SMDDP does; docs/gpu.md), and wraps the few introspection entry points. Importing
 ``torch_sagemaker`` (or the SMP compatibility shim
 ``smdistributed.dataparallel.torch.torch_smddp``) calls ``register()``.
 
@@ -20,6 +21,10 @@ import torch
 import torch.distributed as dist
 
 BACKEND_NAME = "smddp"
+#: The device types the backend is registered for. "smddp" alone then means
+#: "cpu:smddp,cuda:smddp": one backend object serves both, as SMP's scripts expect from
+#: ``init_process_group("smddp")`` on GPU instances.
+DEVICES = ("cpu", "cuda")
 
 
 def is_available() -> bool:
@@ -49,14 +54,39 @@ def register() -> bool:
     from torch_sagemaker import _C
 
     dist.Backend.register_backend(
-        BACKEND_NAME, _C.create_backend, extended_api=True, devices=["cpu"]
+        BACKEND_NAME, _C.create_backend, extended_api=True, devices=list(DEVICES)
     )
     return True
 
 
-def default_backend() -> str:
-    """The backend ``tsm.init`` uses when it creates the process group itself."""
-    return BACKEND_NAME if register() else "gloo"
+def default_backend(cuda_backend: str = BACKEND_NAME, cuda: bool | None = None) -> str:
+    """The backend string ``tsm.init`` uses when it creates the process group itself.
+
+    Note [Backend for CUDA tensors]: "smddp" (both devices on smddp) by default, which is what
+    SMP's scripts ask for with ``init_process_group("smddp")``; it also works with several
+    ranks sharing one GPU, which NCCL refuses. ``cuda_backend="nccl"`` keeps smddp for CPU
+    tensors and gives CUDA tensors to NCCL ("cpu:smddp,cuda:nccl"): within one host on
+    NVLink, where SMDDP itself claims no gain, NCCL is expected to be faster (docs/gpu.md
+    says how to measure it). Without the native backend: gloo (and nccl for CUDA).
+
+    Args:
+        cuda_backend: "smddp" or "nccl" (``config.cuda_backend()`` reads it from
+            ``TSM_CUDA_BACKEND``).
+        cuda: Whether CUDA is usable here (default: ``torch.cuda.is_available()``).
+
+    Raises:
+        ValueError: ``cuda_backend`` is neither "smddp" nor "nccl".
+    """
+    if cuda_backend not in (BACKEND_NAME, "nccl"):
+        raise ValueError(
+            f"cuda_backend={cuda_backend!r}: expected 'smddp' or 'nccl' (TSM_CUDA_BACKEND)"
+        )
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if not register():
+        return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    if cuda and cuda_backend == "nccl":
+        return f"cpu:{BACKEND_NAME},cuda:nccl"
+    return BACKEND_NAME
 
 
 def kernel_isa() -> str:

@@ -42,6 +42,10 @@ class SMDDPOptions:
         force_local_size: Treat blocks of k consecutive global ranks as separate hosts.
         socket_addr: IPv4 address (or name) other hosts reach this rank at.
         socket_ifname: Network interface whose IPv4 address to use instead.
+        staging_chunk_bytes: Device tensors: bytes copied and reduced at a time (4K to 1G).
+        staging_memory: Device tensors: host memory the copies land in, "auto", "pinned"
+            or "pool".
+        stage_cpu: CPU tensors take the device staging path too (tests of its pipeline).
         timeout: Timeout of the group's set-up and collectives (seconds or timedelta),
             instead of the one given to ``init_process_group`` / ``new_group``.
     """
@@ -58,6 +62,9 @@ class SMDDPOptions:
     force_local_size: int | None = None
     socket_addr: str | None = None
     socket_ifname: str | None = None
+    staging_chunk_bytes: int | str | None = None
+    staging_memory: str | None = None
+    stage_cpu: bool | None = None
     timeout: float | timedelta | None = None
 
     def _smddp_overrides(self) -> dict[str, str]:
