@@ -20,6 +20,7 @@ import argparse
 import socket
 import statistics
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -115,7 +116,10 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
     one_gpu_each = torch.cuda.device_count() >= world
     if not args.no_nccl and dist.is_nccl_available() and one_gpu_each:
         groups["nccl"] = dist.new_group(ranks, backend="nccl")
-    result = {"copies": _copy_bandwidth(device) if rank == 0 else None, "rows": []}
+    result: dict[str, Any] = {
+        "copies": _copy_bandwidth(device) if rank == 0 else None,
+        "rows": [],
+    }
     for size in args.sizes:
         t = torch.ones(size // 4, device=device)
         row = {"size": size}
