@@ -8,8 +8,10 @@
 #include <emmintrin.h>  // SSE2: part of every x86-64 CPU
 #endif
 
-// Clones for x86-64; other architectures get one generic build.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// Clones for x86-64; other architectures get one generic build, and so does a ThreadSanitizer
+// build: the clones' ifunc resolvers run while the program is being loaded, before the TSan
+// runtime is initialised, and their instrumented entry crashes there.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
 #define SMDDP_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define SMDDP_CLONES

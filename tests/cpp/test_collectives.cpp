@@ -166,7 +166,7 @@ void check_allgather(const Topology& topo) {
       EXPECT(out.back() == '\x5a', topo.name, " all_gather wrote past its output");
       // In place: the input is this rank's part of the output (FSDP's all_gather_into_tensor).
       Bytes inplace(bytes * n, '\0');
-      std::memcpy(inplace.data() + rank * bytes, in.data(), bytes);
+      if (bytes) std::memcpy(inplace.data() + rank * bytes, in.data(), bytes);
       c.allgather(inplace.data() + rank * bytes, inplace.data(), bytes,
                   ctx_of(c, "all_gather", DType::U8, -1, bytes));
       for (int r = 0; r < n; ++r) {
@@ -218,7 +218,7 @@ void check_alltoall(const Topology& topo) {
       Bytes in(so), out(ro + 1, '\x5a');
       for (int j = 0; j < n; ++j) {
         Bytes part = make_bytes(rank * n + j, send[j].len, salt);
-        std::memcpy(in.data() + send[j].off, part.data(), part.size());
+        if (!part.empty()) std::memcpy(in.data() + send[j].off, part.data(), part.size());
       }
       c.alltoall(in.data(), send, out.data(), recv, ctx_of(c, "all_to_all_single", DType::U8, -1, 0));
       for (int j = 0; j < n; ++j) {

@@ -112,6 +112,7 @@ TEST_CASE(collective_timeout_tcp) { collective_timeout(1); }
 
 static void abort_from_another_thread(int force_local_size) {
   std::atomic<Communicator*> rank0{nullptr};
+  std::atomic<bool> abort_returned{false};
   run_group(2, small_config("aborted", force_local_size), [&](Communicator& c, int rank) {
     std::vector<float> buf(100, 1.0f);
     if (rank == 1) {
@@ -119,6 +120,7 @@ static void abort_from_another_thread(int force_local_size) {
       while (!rank0.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
       rank0.load()->abort();
+      abort_returned.store(true);
       return;
     }
     rank0.store(&c);
@@ -127,6 +129,8 @@ static void abort_from_another_thread(int force_local_size) {
                       "all_reduce", "was aborted");
     const double took = seconds_since(t0);
     EXPECT(took >= 0.15 && took < 2.0, "the abort took ", took, " s");
+    // abort() may still be running on rank 1's thread: the Communicator must outlive it.
+    while (!abort_returned.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   });
 }
 
