@@ -19,7 +19,8 @@ PY          = $(VENV)/bin/python
 PIP         = $(PY) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: install build demo test test-fast bench lint clean test-cpp sanitize
+.PHONY: install build demo test test-fast bench lint clean test-cpp sanitize sanitize-asan \
+	sanitize-tsan
 
 $(VENV)/.installed: setup.py pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,9 +65,9 @@ clean:
 # under build/cpptest/<variant>/. CPPTEST_ARGS selects cases by name substring.
 CPPTEST_DIR  ?= build/cpptest
 CPPTEST_ARGS ?=
-CPP_CORE      = $(filter-out csrc/smddp/backend% csrc/smddp/work%,$(wildcard csrc/smddp/*.cpp))
+CPP_CORE      = $(shell find csrc/smddp -name '*.cpp' ! -name 'backend*' ! -name 'work*' | sort)
 CPP_TESTS     = $(wildcard tests/cpp/*.cpp)
-CPP_HEADERS   = $(wildcard csrc/smddp/*.h tests/cpp/*.h)
+CPP_HEADERS   = $(shell find csrc/smddp tests/cpp -name '*.h')
 CPPTEST_BASE  = -std=c++17 -g -O1 -Icsrc -pthread -Wall -Wextra -Wno-unused-parameter
 CPPTEST_FLAGS_plain = $(CPPTEST_BASE)
 CPPTEST_FLAGS_asan  = $(CPPTEST_BASE) -fsanitize=address,undefined -fno-sanitize-recover=undefined \
@@ -85,9 +86,16 @@ $(foreach v,plain asan tsan,$(eval $(call cpptest_variant,$(v))))
 test-cpp: $(CPPTEST_DIR)/plain/smddp_tests
 	$< $(CPPTEST_ARGS)
 
-# Both runs must pass. UBSan findings abort (-fno-sanitize-recover); LeakSanitizer is on.
-sanitize: $(CPPTEST_DIR)/asan/smddp_tests $(CPPTEST_DIR)/tsan/smddp_tests
-	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
-		$(CPPTEST_DIR)/asan/smddp_tests $(CPPTEST_ARGS)
-	TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
-		$(CPPTEST_DIR)/tsan/smddp_tests $(CPPTEST_ARGS)
+# Both runs must pass; one after the other (their output would interleave under -j).
+# UBSan findings abort (-fno-sanitize-recover); LeakSanitizer is on. TSan checks the threads
+# of one rank (listener, send lane, abort) and the process-global state; it cannot see the
+# ranks' synchronisation through shared memory, which each rank maps at its own address.
+sanitize:
+	$(MAKE) --no-print-directory sanitize-asan
+	$(MAKE) --no-print-directory sanitize-tsan
+
+sanitize-asan: $(CPPTEST_DIR)/asan/smddp_tests
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 $< $(CPPTEST_ARGS)
+
+sanitize-tsan: $(CPPTEST_DIR)/tsan/smddp_tests
+	TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 $< $(CPPTEST_ARGS)

@@ -21,8 +21,8 @@ inline double float_value(int rank, size_t k, int salt) {
   return static_cast<double>(static_cast<int64_t>((rank * 37 + (k + salt) * 11) % 301) - 150);
 }
 inline int64_t int_value(int rank, size_t k, int salt) {
-  return (int64_t(rank + 1) << 40) + static_cast<int64_t>((k * 7919 + rank * 104729 + salt) % 100003) -
-         50000;
+  return (int64_t(rank + 1) << 40) +
+         static_cast<int64_t>((k * 7919 + rank * 104729 + salt) % 100003) - 50000;
 }
 
 // fp32 -> bf16 rounding to nearest, ties to even, computed from the two neighbours (not the
@@ -95,9 +95,12 @@ inline Bytes expected_reduction(smddp::DType t, const smddp::Reduction& red, int
     float acc = in(0);
     for (int r = 1; r < nranks; ++r) {
       float v = in(r);
-      if (red.op == RedOp::MIN) acc = std::min(acc, v);
-      else if (red.op == RedOp::MAX) acc = std::max(acc, v);
-      else acc += v;
+      if (red.op == RedOp::MIN)
+        acc = std::min(acc, v);
+      else if (red.op == RedOp::MAX)
+        acc = std::max(acc, v);
+      else
+        acc += v;
     }
     if (red.op == RedOp::AVG) acc = acc / static_cast<float>(red.divisor);
     if (t == smddp::DType::F32) {
@@ -151,7 +154,8 @@ inline std::string compare_bytes(const char* got, const Bytes& want) {
   for (size_t k = 0; k < want.size(); ++k) {
     if (got[k] != want[k]) {
       return "byte " + std::to_string(k) + " of " + std::to_string(want.size()) + " is " +
-             std::to_string(int(uint8_t(got[k]))) + ", expected " + std::to_string(int(uint8_t(want[k])));
+             std::to_string(int(uint8_t(got[k]))) + ", expected " +
+             std::to_string(int(uint8_t(want[k])));
     }
   }
   return "";

@@ -101,7 +101,8 @@ int main(int argc, char** argv) {
   auto t_all = std::chrono::steady_clock::now();
   for (const Case& c : registry()) {
     bool selected = argc < 2;
-    for (int i = 1; i < argc; ++i) selected = selected || std::string(c.name).find(argv[i]) != std::string::npos;
+    for (int i = 1; i < argc; ++i)
+      selected = selected || std::string(c.name).find(argv[i]) != std::string::npos;
     if (!selected) continue;
     ++ran;
     auto t0 = std::chrono::steady_clock::now();

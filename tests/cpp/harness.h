@@ -42,13 +42,13 @@ Failures& failures();
 
 // EXPECT(cond, message parts...): records a failure (with file:line) and carries on, so one
 // wrong element does not leave the other ranks waiting in the next collective.
-#define EXPECT(cond, ...)                                                                  \
-  do {                                                                                     \
-    if (!(cond)) {                                                                         \
-      ::smddp_test::failures().add(__FILE__, __LINE__,                                     \
-                                   std::string("expected ") + #cond + ": " +               \
-                                       ::smddp_test::cat(__VA_ARGS__));                    \
-    }                                                                                      \
+#define EXPECT(cond, ...)                                                            \
+  do {                                                                               \
+    if (!(cond)) {                                                                   \
+      ::smddp_test::failures().add(                                                  \
+          __FILE__, __LINE__,                                                        \
+          std::string("expected ") + #cond + ": " + ::smddp_test::cat(__VA_ARGS__)); \
+    }                                                                                \
   } while (0)
 
 template <typename... Args>
@@ -101,9 +101,9 @@ std::vector<Case>& registry();
 struct Register {
   Register(const char* name, void (*fn)()) { registry().push_back({name, fn}); }
 };
-#define TEST_CASE(name)                                              \
-  static void name();                                                \
-  static ::smddp_test::Register register_##name(#name, &name);       \
+#define TEST_CASE(name)                                        \
+  static void name();                                          \
+  static ::smddp_test::Register register_##name(#name, &name); \
   static void name()
 
 double seconds_since(std::chrono::steady_clock::time_point t0);

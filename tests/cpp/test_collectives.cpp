@@ -86,13 +86,12 @@ struct RedCase {
   double premul;
 };
 const std::vector<RedCase> kReductions = {
-    {DType::F32, RedOp::SUM, 1.0},  {DType::F32, RedOp::AVG, 1.0},
-    {DType::F32, RedOp::MAX, 1.0},  {DType::F32, RedOp::MIN, 1.0},
-    {DType::F32, RedOp::PREMUL_SUM, 0.5},
-    {DType::BF16, RedOp::SUM, 1.0}, {DType::BF16, RedOp::AVG, 1.0},
-    {DType::BF16, RedOp::MAX, 1.0}, {DType::I64, RedOp::SUM, 1.0},
-    {DType::I64, RedOp::MIN, 1.0},  {DType::I64, RedOp::MAX, 1.0},
-    {DType::I64, RedOp::BXOR, 1.0},
+    {DType::F32, RedOp::SUM, 1.0},        {DType::F32, RedOp::AVG, 1.0},
+    {DType::F32, RedOp::MAX, 1.0},        {DType::F32, RedOp::MIN, 1.0},
+    {DType::F32, RedOp::PREMUL_SUM, 0.5}, {DType::BF16, RedOp::SUM, 1.0},
+    {DType::BF16, RedOp::AVG, 1.0},       {DType::BF16, RedOp::MAX, 1.0},
+    {DType::I64, RedOp::SUM, 1.0},        {DType::I64, RedOp::MIN, 1.0},
+    {DType::I64, RedOp::MAX, 1.0},        {DType::I64, RedOp::BXOR, 1.0},
 };
 
 // 0, 1, odd, several chunks (4K), several buffers (16K) for every element size.
@@ -123,9 +122,8 @@ void check_allreduce(const Topology& topo) {
 
 void check_reduce_scatter(const Topology& topo) {
   const int n = topo.ranks;
-  const std::vector<RedCase> cases = {{DType::F32, RedOp::SUM, 1.0},
-                                      {DType::BF16, RedOp::AVG, 1.0},
-                                      {DType::I64, RedOp::MAX, 1.0}};
+  const std::vector<RedCase> cases = {
+      {DType::F32, RedOp::SUM, 1.0}, {DType::BF16, RedOp::AVG, 1.0}, {DType::I64, RedOp::MAX, 1.0}};
   run_group(n, config_of(topo), [&](Communicator& c, int rank) {
     int salt = 100;
     for (const RedCase& rc : cases) {
@@ -220,10 +218,13 @@ void check_alltoall(const Topology& topo) {
         Bytes part = make_bytes(rank * n + j, send[j].len, salt);
         if (!part.empty()) std::memcpy(in.data() + send[j].off, part.data(), part.size());
       }
-      c.alltoall(in.data(), send, out.data(), recv, ctx_of(c, "all_to_all_single", DType::U8, -1, 0));
+      c.alltoall(in.data(), send, out.data(), recv,
+                 ctx_of(c, "all_to_all_single", DType::U8, -1, 0));
       for (int j = 0; j < n; ++j) {
-        std::string diff = compare_bytes(out.data() + recv[j].off, make_bytes(j * n + rank, recv[j].len, salt));
-        EXPECT(diff.empty(), topo.name, " all_to_all round ", round, " rank ", rank, " from ", j, ": ", diff);
+        std::string diff =
+            compare_bytes(out.data() + recv[j].off, make_bytes(j * n + rank, recv[j].len, salt));
+        EXPECT(diff.empty(), topo.name, " all_to_all round ", round, " rank ", rank, " from ", j,
+               ": ", diff);
       }
       EXPECT(out.back() == '\x5a', topo.name, " all_to_all wrote past its output");
     }
@@ -237,17 +238,20 @@ void check_rooted(const Topology& topo) {
     for (int root = 0; root < n; ++root) {
       const uint64_t extra = uint64_t(root) + 1;
       // reduce: the root gets the reduction, the others' data is unchanged.
-      for (const RedCase& rc : {RedCase{DType::F32, RedOp::SUM, 1.0}, RedCase{DType::I64, RedOp::MIN, 1.0},
-                                RedCase{DType::BF16, RedOp::AVG, 1.0}}) {
+      for (const RedCase& rc :
+           {RedCase{DType::F32, RedOp::SUM, 1.0}, RedCase{DType::I64, RedOp::MIN, 1.0},
+            RedCase{DType::BF16, RedOp::AVG, 1.0}}) {
         for (size_t count : {size_t(1), size_t(7), size_t(5003)}) {
           ++salt;
           Bytes buf = make_input(rc.t, rank, count, salt);
           Reduction red = reduction(rc.t, rc.op, n);
-          c.reduce(buf.data(), count, red, root, ctx_of(c, "reduce", rc.t, int(rc.op), count, extra));
+          c.reduce(buf.data(), count, red, root,
+                   ctx_of(c, "reduce", rc.t, int(rc.op), count, extra));
           Bytes want = rank == root ? expected_reduction(rc.t, red, n, count, salt)
                                     : make_input(rc.t, rank, count, salt);
           std::string diff = compare(rc.t, buf.data(), want);
-          EXPECT(diff.empty(), where(topo, "reduce", rank, rc.t, rc.op, count), "root ", root, ": ", diff);
+          EXPECT(diff.empty(), where(topo, "reduce", rank, rc.t, rc.op, count), "root ", root, ": ",
+                 diff);
         }
       }
       // gather and scatter.
@@ -259,7 +263,8 @@ void check_rooted(const Topology& topo) {
         for (auto& o : outs) dst.push_back(o.data());
         c.gather(in.data(), bytes, dst, root, ctx_of(c, "gather", DType::U8, -1, bytes, extra));
         for (size_t r = 0; r < outs.size(); ++r) {
-          std::string diff = compare_bytes(outs[r].data(), make_bytes(static_cast<int>(r), bytes, salt));
+          std::string diff =
+              compare_bytes(outs[r].data(), make_bytes(static_cast<int>(r), bytes, salt));
           EXPECT(diff.empty(), topo.name, " gather root ", root, " part ", r, ": ", diff);
         }
         ++salt;

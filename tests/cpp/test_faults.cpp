@@ -143,8 +143,7 @@ static void mismatch(int force_local_size) {
     std::vector<float> buf(count, 1.0f);
     auto t0 = steady_clock::now();
     EXPECT_THROW_WITH(c.allreduce(buf.data(), count, sum_f32(), allreduce_ctx(c, count, 0)),
-                      "mismatched collectives on group 'mismatch'", "10 elements",
-                      "11 elements");
+                      "mismatched collectives on group 'mismatch'", "10 elements", "11 elements");
     EXPECT(seconds_since(t0) < 2.0, "the mismatch was found after ", seconds_since(t0), " s");
   });
 }
@@ -187,7 +186,8 @@ TEST_CASE(zero_copy_from_the_pools) {
       rd.count = count;
       c.reduce_scatter(in, out, count, red, c.make_ctx("reduce_scatter", rd, smddp::OpArgs{}, 0));
       std::string diff =
-          compare(DType::F32, out, expected_reduction(DType::F32, red, n, count, 700 + round, rank * count));
+          compare(DType::F32, out,
+                  expected_reduction(DType::F32, red, n, count, 700 + round, rank * count));
       EXPECT(diff.empty(), "reduce_scatter round ", round, ": ", diff);
       const uint64_t zero_copy = c.zero_copy_ops() - before;
       EXPECT(zero_copy == (all_in_pool ? 2u : 0u), "round ", round, ": ", zero_copy,

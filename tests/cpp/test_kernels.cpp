@@ -6,6 +6,7 @@
 
 #include "harness.h"
 #include "smddp/kernels.h"
+#include "smddp/settings.h"
 
 namespace smddp_test {
 namespace {
@@ -45,8 +46,12 @@ void check_kernel(DType t, RedOp op, int nsrc, F value, const char* what) {
             want = op == RedOp::SUM ? want + v : want * v;
           }
           break;
-        case RedOp::MIN: want = v < want ? v : want; break;
-        case RedOp::MAX: want = v > want ? v : want; break;
+        case RedOp::MIN:
+          want = v < want ? v : want;
+          break;
+        case RedOp::MAX:
+          want = v > want ? v : want;
+          break;
         default:
           if constexpr (std::is_integral_v<T>) {
             if (op == RedOp::BAND) want = static_cast<T>(want & v);
@@ -95,8 +100,10 @@ TEST_CASE(kernels_bool_stays_zero_or_one) {
   std::vector<std::vector<uint8_t>> srcs = {{0, 0, 1, 1, 1}, {0, 1, 0, 1, 1}, {0, 1, 1, 1, 0}};
   std::vector<const void*> ptrs = {srcs[0].data(), srcs[1].data(), srcs[2].data()};
   const std::vector<std::pair<RedOp, std::vector<uint8_t>>> cases = {
-      {RedOp::SUM, {0, 1, 1, 1, 1}},     {RedOp::MAX, {0, 1, 1, 1, 1}},
-      {RedOp::PRODUCT, {0, 0, 0, 1, 0}}, {RedOp::MIN, {0, 0, 0, 1, 0}},
+      {RedOp::SUM, {0, 1, 1, 1, 1}},
+      {RedOp::MAX, {0, 1, 1, 1, 1}},
+      {RedOp::PRODUCT, {0, 0, 0, 1, 0}},
+      {RedOp::MIN, {0, 0, 0, 1, 0}},
       {RedOp::BXOR, {0, 0, 0, 1, 0}}};
   for (const auto& [op, want] : cases) {
     smddp::Reduction red;
@@ -111,14 +118,17 @@ TEST_CASE(kernels_bool_stays_zero_or_one) {
 TEST_CASE(kernels_f64_and_f16) {
   // f64: sums of integers are exact. f16: accumulated in fp32, rounded once to nearest even;
   // the reference rounds with the compiler's own _Float16 conversion.
-  auto f64 = [](int s, size_t i) { return static_cast<double>(int64_t(i * 7 + s * 1000003) - 500000); };
-  for (RedOp op : {RedOp::SUM, RedOp::MIN, RedOp::MAX}) check_kernel<double>(DType::F64, op, 3, f64, "float64");
+  auto f64 = [](int s, size_t i) {
+    return static_cast<double>(int64_t(i * 7 + s * 1000003) - 500000);
+  };
+  for (RedOp op : {RedOp::SUM, RedOp::MIN, RedOp::MAX})
+    check_kernel<double>(DType::F64, op, 3, f64, "float64");
 #if defined(__FLT16_MAX__)
   for (int nsrc : {2, 3}) {
     // Values up to 2^13 with a fractional part, so most sums need rounding; some large
     // enough that the sum overflows to infinity, some subnormal.
     auto value = [](int s, size_t i) -> float {
-      if (i % 97 == 0) return 60000.0f;        // sum overflows fp16
+      if (i % 97 == 0) return 60000.0f;           // sum overflows fp16
       if (i % 89 == 0) return 3.0e-6f * (s + 1);  // subnormal range
       return static_cast<float>(int(i * 53 + s * 7919) % 16384 - 8192) + 0.375f * s;
     };
@@ -142,14 +152,15 @@ TEST_CASE(kernels_f64_and_f16) {
       smddp::reduce(DType::F16, DType::F16, dst.data(), ptrs.data(), nsrc, kN, red, true);
       for (size_t i = 0; i < kN; ++i) {
         float acc = exact[0][i];
-        for (int s = 1; s < nsrc; ++s) acc = op == RedOp::MAX ? std::max(acc, exact[s][i]) : acc + exact[s][i];
+        for (int s = 1; s < nsrc; ++s)
+          acc = op == RedOp::MAX ? std::max(acc, exact[s][i]) : acc + exact[s][i];
         if (op == RedOp::AVG) acc /= static_cast<float>(nsrc);
         _Float16 want = static_cast<_Float16>(acc);
         uint16_t want_bits;
         std::memcpy(&want_bits, &want, 2);
         if (dst[i] != want_bits) {
-          EXPECT(false, "float16 ", smddp::redop_name(op), " with ", nsrc, " sources: element ",
-                 i, " is 0x", std::hex, dst[i], ", expected 0x", want_bits, " (", acc, ")");
+          EXPECT(false, "float16 ", smddp::redop_name(op), " with ", nsrc, " sources: element ", i,
+                 " is 0x", std::hex, dst[i], ", expected 0x", want_bits, " (", acc, ")");
           break;
         }
       }
@@ -183,8 +194,7 @@ TEST_CASE(kernels_scale_copy_and_streaming_copy) {
 
 TEST_CASE(common_size_arithmetic_and_partition) {
   const size_t big = std::numeric_limits<size_t>::max() / 2 + 1;
-  EXPECT_THROW_WITH(smddp::checked_mul(big, 2, "the test product"),
-                    "the test product overflows");
+  EXPECT_THROW_WITH(smddp::checked_mul(big, 2, "the test product"), "the test product overflows");
   EXPECT_THROW_WITH(smddp::checked_add(big, big, "the test sum"), "the test sum overflows");
   EXPECT_THROW_WITH(smddp::round_up(std::numeric_limits<size_t>::max() - 10, 4096, "rounding"),
                     "rounding overflows");
@@ -207,6 +217,35 @@ TEST_CASE(common_size_arithmetic_and_partition) {
                     "does not support ReduceOp.BAND for float32");
   EXPECT_THROW_WITH(smddp::check_reduction(DType::I64, RedOp::AVG, "all_reduce"),
                     "does not support ReduceOp.AVG for int64");
+}
+
+}  // namespace smddp_test
+
+namespace smddp_test {
+
+TEST_CASE(check_macros_name_file_and_line) {
+  const int line = __LINE__ + 1;
+  auto fail = [] { SMDDP_CHECK(1 + 1 == 3, "smddp: arithmetic is off by ", 1, " today"); };
+  std::string msg = EXPECT_THROW_WITH(fail(), "smddp: arithmetic is off by 1 today");
+  EXPECT(msg.rfind("tests/cpp/test_kernels.cpp:" + std::to_string(line) + ": smddp:", 0) == 0, msg);
+  try {
+    fail();
+  } catch (const smddp::CommError&) {
+  } catch (...) {
+    EXPECT(false, "SMDDP_CHECK raised something other than CommError");
+  }
+  try {
+    SMDDP_CHECK_VALUE(false, "bad value ", 2.5);
+  } catch (const std::invalid_argument& e) {
+    EXPECT(std::string(e.what()).find(": bad value 2.5") != std::string::npos, e.what());
+  }
+  SMDDP_CHECK(true, "never formatted");
+  // Errors raised through the macro by the core point at their source line.
+  std::string settings_error =
+      EXPECT_THROW_WITH(smddp::resolve_settings({{"spin_us", "x"}},
+                                                [](const char*) -> const char* { return nullptr; }),
+                        "SMDDPOptions.spin_us=x is invalid");
+  EXPECT(settings_error.rfind("smddp/settings.cpp:", 0) == 0, settings_error);
 }
 
 }  // namespace smddp_test

@@ -27,10 +27,11 @@ TEST_CASE(settings_parse_and_reject) {
   using smddp::resolve_settings;
   smddp::Settings s = resolve_settings({}, env_of({}));
   EXPECT(s.buffer_bytes == (1u << 20) && s.chunk_bytes == 0 && s.stream_bytes == -1, "defaults");
-  s = resolve_settings({{"buffer_bytes", "64K"}},
-                       env_of({{"SMDDP_BUFFER_BYTES", "2M"}, {"SMDDP_POOL_BYTES", "0"},
-                               {"SMDDP_CHUNK_BYTES", "auto"}, {"SMDDP_MOVE_OFF_CPU", "yes"},
-                               {"SMDDP_SPIN_US", ""}}));
+  s = resolve_settings({{"buffer_bytes", "64K"}}, env_of({{"SMDDP_BUFFER_BYTES", "2M"},
+                                                          {"SMDDP_POOL_BYTES", "0"},
+                                                          {"SMDDP_CHUNK_BYTES", "auto"},
+                                                          {"SMDDP_MOVE_OFF_CPU", "yes"},
+                                                          {"SMDDP_SPIN_US", ""}}));
   EXPECT(s.buffer_bytes == 64u << 10, "options win over the environment: ", s.buffer_bytes);
   EXPECT(s.pool_bytes == 0 && s.chunk_bytes == 0 && s.move_off_cpu && s.spin_us == 200,
          "environment values (an empty variable is unset)");
@@ -44,7 +45,8 @@ TEST_CASE(settings_parse_and_reject) {
                     "does not fit in 63 bits");
   EXPECT_THROW_WITH(resolve_settings({{"chunk_bytes", "12"}}, env_of({})),
                     "SMDDPOptions.chunk_bytes=12 is invalid", "between 256 and 1G");
-  EXPECT_THROW_WITH(resolve_settings({{"spin_us", "1000001"}}, env_of({})), "must be at most 1000000");
+  EXPECT_THROW_WITH(resolve_settings({{"spin_us", "1000001"}}, env_of({})),
+                    "must be at most 1000000");
   EXPECT_THROW_WITH(resolve_settings({{"move_off_cpu", "maybe"}}, env_of({})), "expected 1 or 0");
   EXPECT_THROW_WITH(resolve_settings({{"timeout", "nan"}}, env_of({})),
                     "expected a positive number of seconds");
