@@ -106,6 +106,10 @@ std::string where(const Topology& topo, const char* what, int rank, DType t, Red
 void check_allreduce(const Topology& topo) {
   const int n = topo.ranks;
   run_group(n, config_of(topo), [&](Communicator& c, int rank) {
+    // The path under test: one host, one host per rank, or hosts of force_local_size ranks.
+    const int hosts = topo.force_local_size ? n / topo.force_local_size : 1;
+    EXPECT(c.layout().hosts == hosts && c.layout().local_size == n / hosts, topo.name, ": ",
+           c.layout().hosts, " hosts of ", c.layout().local_size);
     int salt = 0;
     for (const RedCase& rc : kReductions) {
       for (size_t count : kCounts) {
