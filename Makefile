@@ -4,6 +4,8 @@
 #   make test   - install everything and run the whole test suite
 #   make bench  - collective and training benchmarks (tables against gloo / baselines)
 #   make lint   - ruff (lint and format check) and mypy on the package
+#   make test-cpp - the C++ tests of the smddp core (tests/cpp; g++ only, no torch)
+#   make sanitize - the same under ASan+UBSan, then under TSan
 #
 # torch is pinned to the CPU build available on these machines. Users with a CUDA build can
 # override it, e.g. `make test TORCH_SPEC="torch==2.13.0"` against their own index; an
@@ -17,7 +19,8 @@ PY          = $(VENV)/bin/python
 PIP         = $(PY) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: install build demo test test-fast bench lint clean
+.PHONY: install build demo test test-fast bench lint clean test-cpp sanitize sanitize-asan \
+	sanitize-tsan
 
 $(VENV)/.installed: setup.py pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,3 +60,43 @@ lint: install
 
 clean:
 	rm -rf build $(VENV) torch_sagemaker/_C*.so
+
+# The C++ tests (tests/cpp) of the smddp core: everything in csrc/smddp but the torch glue
+# (backend*, work*), built with plain $(CXX), ranks run as threads. One build per variant
+# under build/cpptest/<variant>/. CPPTEST_ARGS selects cases by name substring.
+CPPTEST_DIR  ?= build/cpptest
+CPPTEST_ARGS ?=
+CPP_CORE      = $(shell find csrc/smddp -name '*.cpp' ! -name 'backend*' ! -name 'work*' | sort)
+CPP_TESTS     = $(wildcard tests/cpp/*.cpp)
+CPP_HEADERS   = $(shell find csrc/smddp tests/cpp -name '*.h')
+CPPTEST_BASE  = -std=c++17 -g -O1 -Icsrc -pthread -Wall -Wextra -Wno-unused-parameter
+CPPTEST_FLAGS_plain = $(CPPTEST_BASE)
+CPPTEST_FLAGS_asan  = $(CPPTEST_BASE) -fsanitize=address,undefined -fno-sanitize-recover=undefined \
+                      -fno-omit-frame-pointer
+CPPTEST_FLAGS_tsan  = $(CPPTEST_BASE) -fsanitize=thread
+
+define cpptest_variant
+$(CPPTEST_DIR)/$(1)/%.o: %.cpp $(CPP_HEADERS)
+	@mkdir -p $$(dir $$@)
+	$$(CXX) $$(CPPTEST_FLAGS_$(1)) -c $$< -o $$@
+$(CPPTEST_DIR)/$(1)/smddp_tests: $(addprefix $(CPPTEST_DIR)/$(1)/,$(CPP_CORE:.cpp=.o) $(CPP_TESTS:.cpp=.o))
+	$$(CXX) $$(CPPTEST_FLAGS_$(1)) $$^ -o $$@
+endef
+$(foreach v,plain asan tsan,$(eval $(call cpptest_variant,$(v))))
+
+test-cpp: $(CPPTEST_DIR)/plain/smddp_tests
+	$< $(CPPTEST_ARGS)
+
+# Both runs must pass; one after the other (their output would interleave under -j).
+# UBSan findings abort (-fno-sanitize-recover); LeakSanitizer is on. TSan checks the threads
+# of one rank (listener, send lane, abort) and the process-global state; it cannot see the
+# ranks' synchronisation through shared memory, which each rank maps at its own address.
+sanitize:
+	$(MAKE) --no-print-directory sanitize-asan
+	$(MAKE) --no-print-directory sanitize-tsan
+
+sanitize-asan: $(CPPTEST_DIR)/asan/smddp_tests
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 $< $(CPPTEST_ARGS)
+
+sanitize-tsan: $(CPPTEST_DIR)/tsan/smddp_tests
+	TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 $< $(CPPTEST_ARGS)

@@ -179,4 +179,16 @@ Span partition(size_t n, int parts, int i, size_t align) {
   return {begin, end - begin};
 }
 
+namespace detail {
+
+void check_failed(const char* file, int line, bool value_error, const std::string& message) {
+  // Note [Check macros]: the path from csrc/ on, whatever directory the build ran in.
+  const char* rel = std::strstr(file, "csrc/");
+  std::string where = std::string(rel ? rel + 5 : file) + ":" + std::to_string(line) + ": ";
+  if (value_error) throw std::invalid_argument(where + message);
+  throw CommError(where + message);
+}
+
+}  // namespace detail
+
 }  // namespace smddp

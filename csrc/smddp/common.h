@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -139,5 +140,32 @@ size_t round_up(size_t x, size_t align, const char* what);
 // Splits n units into `parts` contiguous spans whose boundaries are multiples of `align`
 // (except the end); the first spans get the extra blocks.
 Span partition(size_t n, int parts, int i, size_t align);
+
+// Note [Check macros]
+// SMDDP_CHECK(cond, parts...) throws a CommError (RuntimeError in Python) and
+// SMDDP_CHECK_VALUE(cond, parts...) a std::invalid_argument (ValueError) when `cond` is
+// false. The message is "<file>:<line>: " followed by the parts streamed together, the file
+// relative to csrc/, so a report points at the check without a debugger:
+//   SMDDP_CHECK_VALUE(v <= hi, "smddp: ", source, "=", text, " is invalid: must be at most ", hi);
+namespace detail {
+template <typename... Parts>
+std::string concat(const Parts&... parts) {
+  std::ostringstream os;
+  (os << ... << parts);
+  return os.str();
+}
+[[noreturn]] void check_failed(const char* file, int line, bool value_error,
+                               const std::string& message);
+}  // namespace detail
+
+#define SMDDP_CHECK_IMPL(cond, value_error, ...)                                    \
+  do {                                                                             \
+    if (__builtin_expect(!(cond), 0)) {                                            \
+      ::smddp::detail::check_failed(__FILE__, __LINE__, value_error,               \
+                                    ::smddp::detail::concat(__VA_ARGS__));         \
+    }                                                                              \
+  } while (0)
+#define SMDDP_CHECK(cond, ...) SMDDP_CHECK_IMPL(cond, false, __VA_ARGS__)
+#define SMDDP_CHECK_VALUE(cond, ...) SMDDP_CHECK_IMPL(cond, true, __VA_ARGS__)
 
 }  // namespace smddp

@@ -8,8 +8,10 @@
 #include <emmintrin.h>  // SSE2: part of every x86-64 CPU
 #endif
 
-// Clones for x86-64; other architectures get one generic build.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// Clones for x86-64; other architectures get one generic build, and so does a ThreadSanitizer
+// build: the clones' ifunc resolvers run while the program is being loaded, before the TSan
+// runtime is initialised, and their instrumented entry crashes there.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
 #define SMDDP_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define SMDDP_CLONES
@@ -183,7 +185,7 @@ SMDDP_INLINE void reduce_arith(void* dst, const void* const* srcs, int nsrc, siz
         break;
     }
   }
-  throw std::invalid_argument("smddp: unsupported reduce op");
+  SMDDP_CHECK_VALUE(false, "smddp: unsupported reduce op");
 }
 
 // One multiversioned entry point per element type (the op switch lives inside, so each
@@ -268,10 +270,6 @@ void reduce(DType in_t, DType out_t, void* dst, const void* const* srcs, int nsr
   bool div = finish && red.op == RedOp::AVG;
   int dv = red.divisor;
   const RedOp op = red.op;
-  auto bad = [&] {
-    throw std::invalid_argument(std::string("smddp: no reduction kernel from ") +
-                                dtype_name(in_t) + " to " + dtype_name(out_t));
-  };
   switch (red.dtype) {
     case DType::F32:
       return k_f32(dst, srcs, nsrc, n, op, div, dv);
@@ -300,7 +298,8 @@ void reduce(DType in_t, DType out_t, void* dst, const void* const* srcs, int nsr
     case DType::BOOL:
       return k_bool(dst, srcs, nsrc, n, op, div, dv);
   }
-  bad();
+  SMDDP_CHECK_VALUE(false, "smddp: no reduction kernel from ", dtype_name(in_t), " to ",
+                    dtype_name(out_t));
 }
 
 void scale_copy(DType t, void* dst, const void* src, size_t n, double scale) {
@@ -314,7 +313,7 @@ void scale_copy(DType t, void* dst, const void* src, size_t n, double scale) {
     case DType::F16:
       return scale_f16(dst, src, n, scale);
     default:
-      throw std::invalid_argument(std::string("smddp: cannot scale ") + dtype_name(t) + " tensors");
+      SMDDP_CHECK_VALUE(false, "smddp: cannot scale ", dtype_name(t), " tensors");
   }
 }
 

@@ -7,6 +7,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "smddp/common.h"
+
 namespace smddp {
 namespace {
 
@@ -57,9 +59,9 @@ const std::vector<SettingInfo> kSettings = {
      "init_process_group / new_group (options only)"},
 };
 
-[[noreturn]] void reject(const std::string& source, const std::string& value,
-                         const std::string& rule) {
-  throw std::invalid_argument("smddp: " + source + "=" + value + " is invalid: " + rule);
+// The message of a value that breaks its rule (raised with SMDDP_CHECK_VALUE).
+std::string invalid(const std::string& source, const std::string& value, const std::string& rule) {
+  return "smddp: " + source + "=" + value + " is invalid: " + rule;
 }
 
 std::string lower(std::string s) {
@@ -75,21 +77,20 @@ int64_t parse_bytes(const std::string& source, const std::string& text) {
   size_t i = 0;
   uint64_t v = 0;
   while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) {
-    if (__builtin_mul_overflow(v, 10, &v) || __builtin_add_overflow(v, uint64_t(text[i] - '0'), &v)) {
-      reject(source, text, "does not fit in 64 bits");
-    }
+    const bool overflow =
+        __builtin_mul_overflow(v, 10, &v) || __builtin_add_overflow(v, uint64_t(text[i] - '0'), &v);
+    SMDDP_CHECK_VALUE(!overflow, invalid(source, text, "does not fit in 64 bits"));
     ++i;
   }
-  if (i == 0) reject(source, text, rule);
+  SMDDP_CHECK_VALUE(i > 0, invalid(source, text, rule));
   std::string unit = lower(text.substr(i));
   uint64_t scale = 1;
   if (unit == "k" || unit == "kib" || unit == "kb") scale = kKiB;
   else if (unit == "m" || unit == "mib" || unit == "mb") scale = kMiB;
   else if (unit == "g" || unit == "gib" || unit == "gb") scale = kGiB;
-  else if (!unit.empty()) reject(source, text, rule);
-  if (__builtin_mul_overflow(v, scale, &v) || v > uint64_t(INT64_MAX)) {
-    reject(source, text, "does not fit in 63 bits");
-  }
+  else SMDDP_CHECK_VALUE(unit.empty(), invalid(source, text, rule));
+  const bool overflow = __builtin_mul_overflow(v, scale, &v) || v > uint64_t(INT64_MAX);
+  SMDDP_CHECK_VALUE(!overflow, invalid(source, text, "does not fit in 63 bits"));
   return static_cast<int64_t>(v);
 }
 
@@ -99,31 +100,33 @@ int64_t parse_count(const std::string& source, const std::string& text, int64_t 
   for (; i < text.size() && std::isdigit(static_cast<unsigned char>(text[i])); ++i) {
     v = std::min<int64_t>(hi + 1, v * 10 + (text[i] - '0'));  // saturates above hi
   }
-  if (i == 0 || i != text.size()) reject(source, text, "expected a whole number, digits only");
-  if (v > hi) reject(source, text, "must be at most " + std::to_string(hi));
+  SMDDP_CHECK_VALUE(i > 0 && i == text.size(),
+                    invalid(source, text, "expected a whole number, digits only"));
+  SMDDP_CHECK_VALUE(v <= hi, invalid(source, text, "must be at most " + std::to_string(hi)));
   return v;
 }
 
 bool parse_flag(const std::string& source, const std::string& text) {
   std::string t = lower(text);
-  if (t == "1" || t == "true" || t == "yes" || t == "on") return true;
-  if (t == "0" || t == "false" || t == "no" || t == "off") return false;
-  reject(source, text, "expected 1 or 0 (true/false, yes/no, on/off)");
+  const bool on = t == "1" || t == "true" || t == "yes" || t == "on";
+  const bool off = t == "0" || t == "false" || t == "no" || t == "off";
+  SMDDP_CHECK_VALUE(on || off,
+                    invalid(source, text, "expected 1 or 0 (true/false, yes/no, on/off)"));
+  return on;
 }
 
 void in_range(const std::string& source, const std::string& text, int64_t v, int64_t lo,
               int64_t hi, bool zero_ok) {
   if (zero_ok && v == 0) return;
-  if (v < lo || v > hi) {
-    auto fmt = [](int64_t b) {
-      if (b >= kGiB && b % kGiB == 0) return std::to_string(b / kGiB) + "G";
-      if (b >= kMiB && b % kMiB == 0) return std::to_string(b / kMiB) + "M";
-      if (b >= kKiB && b % kKiB == 0) return std::to_string(b / kKiB) + "K";
-      return std::to_string(b);
-    };
-    reject(source, text, std::string("must be ") + (zero_ok ? "0 or " : "") + "between " + fmt(lo) +
-                             " and " + fmt(hi));
-  }
+  auto fmt = [](int64_t b) {
+    if (b >= kGiB && b % kGiB == 0) return std::to_string(b / kGiB) + "G";
+    if (b >= kMiB && b % kMiB == 0) return std::to_string(b / kMiB) + "M";
+    if (b >= kKiB && b % kKiB == 0) return std::to_string(b / kKiB) + "K";
+    return std::to_string(b);
+  };
+  SMDDP_CHECK_VALUE(v >= lo && v <= hi,
+                    invalid(source, text, std::string("must be ") + (zero_ok ? "0 or " : "") +
+                                              "between " + fmt(lo) + " and " + fmt(hi)));
 }
 
 void apply(Settings& s, const std::string& field, const std::string& source, const std::string& text) {
@@ -174,9 +177,8 @@ void apply(Settings& s, const std::string& field, const std::string& source, con
   } else if (field == "timeout") {
     char* end = nullptr;
     double v = std::strtod(text.c_str(), &end);
-    if (text.empty() || *end || !std::isfinite(v) || v <= 0) {
-      reject(source, text, "expected a positive number of seconds");
-    }
+    SMDDP_CHECK_VALUE(!text.empty() && !*end && std::isfinite(v) && v > 0,
+                      invalid(source, text, "expected a positive number of seconds"));
     s.timeout_s = v;
   }
 }
@@ -189,10 +191,8 @@ Settings resolve_settings(const std::map<std::string, std::string>& options, con
   for (const auto& kv : options) {
     bool known = false;
     for (const SettingInfo& info : kSettings) known = known || kv.first == info.field;
-    if (!known) {
-      throw std::invalid_argument("smddp: SMDDPOptions has no setting '" + kv.first +
-                                  "' (see the settings table in docs/collectives.md)");
-    }
+    SMDDP_CHECK_VALUE(known, "smddp: SMDDPOptions has no setting '", kv.first,
+                      "' (see the settings table in docs/collectives.md)");
   }
   Settings s;
   for (const SettingInfo& info : kSettings) {
@@ -206,11 +206,9 @@ Settings resolve_settings(const std::map<std::string, std::string>& options, con
     // An empty variable counts as unset, as a shell's `VAR= cmd` means.
     if (v && *v) apply(s, info.field, info.env, v);
   }
-  if (!s.socket_addr.empty() && !s.socket_ifname.empty()) {
-    throw std::invalid_argument("smddp: SMDDP_SOCKET_ADDR (" + s.socket_addr + ") and "
-                                "SMDDP_SOCKET_IFNAME (" + s.socket_ifname + ") are both set; "
-                                "set one of them");
-  }
+  SMDDP_CHECK_VALUE(s.socket_addr.empty() || s.socket_ifname.empty(), "smddp: SMDDP_SOCKET_ADDR (",
+                    s.socket_addr, ") and SMDDP_SOCKET_IFNAME (", s.socket_ifname,
+                    ") are both set; set one of them");
   return s;
 }
 

@@ -13,7 +13,7 @@ namespace {
 void copy_in(void* dst, const void* src, size_t n, const Reduction& red) {
   if (red.op == RedOp::PREMUL_SUM && red.premul != 1.0) {
     scale_copy(red.dtype, dst, src, n, red.premul);
-  } else {
+  } else if (n) {  // an empty tensor's pointer may be null, which memcpy must not get
     std::memcpy(dst, src, n * dtype_size(red.dtype));
   }
 }
@@ -22,7 +22,7 @@ void copy_in(void* dst, const void* src, size_t n, const Reduction& red) {
 void copy_out(void* dst, const void* src, size_t bytes, bool stream) {
   if (stream) {
     copy_streaming(dst, src, bytes);
-  } else {
+  } else if (bytes) {  // an empty tensor's pointer may be null, which memcpy must not get
     std::memcpy(dst, src, bytes);
   }
 }
@@ -145,7 +145,7 @@ void allgather(ShmComm& c, const std::vector<const void*>& src, void* out,
     first = false;
     for (size_t k = 0; k < owned[me].size(); ++k) {
       Span piece = clip(parts[owned[me][k]], o, chunk);
-      std::memcpy(c.mine(s) + k * chunk, static_cast<const char*>(src[k]) + o, piece.len);
+      if (piece.len) std::memcpy(c.mine(s) + k * chunk, static_cast<const char*>(src[k]) + o, piece.len);
     }
     c.post(s, 1);
     for (int step = 1; step < n; ++step) {
@@ -230,7 +230,7 @@ void broadcast(ShmComm& c, void* data, size_t bytes, int root, const OpCtx& ctx)
   for (size_t o = 0; o < bytes || first; o += chunk) {
     size_t m = std::min(chunk, bytes - o);
     uint64_t s = c.begin_step(ctx, first);
-    if (c.rank() == root) std::memcpy(c.mine(s), buf + o, m);
+    if (c.rank() == root && m) std::memcpy(c.mine(s), buf + o, m);
     c.post(s, 1);
     if (first) c.wait_all(s, 1, ctx);  // every rank checks every descriptor once
     first = false;

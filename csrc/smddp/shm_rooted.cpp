@@ -15,7 +15,7 @@ size_t piece_len(size_t len, size_t o, size_t c) { return o >= len ? 0 : std::mi
 void copy_out(void* dst, const void* src, size_t bytes, bool stream) {
   if (stream) {
     copy_streaming(dst, src, bytes);
-  } else {
+  } else if (bytes) {  // an empty tensor's pointer may be null, which memcpy must not get
     std::memcpy(dst, src, bytes);
   }
 }
@@ -52,7 +52,7 @@ void gather(ShmComm& c, const void* in, const std::vector<size_t>& lens,
   bool first = true;
   for (size_t o = 0; o < longest || first; o += chunk) {
     uint64_t s = c.begin_step(ctx, first);
-    if (me != root) std::memcpy(c.mine(s), src + o, piece_len(lens[me], o, chunk));
+    if (me != root && lens[me]) std::memcpy(c.mine(s), src + o, piece_len(lens[me], o, chunk));
     c.post(s, 1);
     if (first) c.wait_all(s, 1, ctx);  // every rank checks every descriptor once
     first = false;
@@ -82,7 +82,7 @@ void scatter(ShmComm& c, const std::vector<const char*>& src, const std::vector<
     uint64_t s = c.begin_step(ctx, first);
     if (me == root) {
       for (int i = 0; i < n; ++i) {
-        if (i != me) std::memcpy(c.mine(s) + i * slot, src[i] + o, piece_len(lens[i], o, slot));
+        if (i != me && lens[i]) std::memcpy(c.mine(s) + i * slot, src[i] + o, piece_len(lens[i], o, slot));
       }
     }
     c.post(s, 1);

@@ -1,0 +1,204 @@
+// Faults with ranks as threads: a rank that never joins the group or a collective (an error
+// naming what timed out, within the deadline), abort() from another thread, mismatched
+// collectives, and the zero-copy path of the tensor pools.
+//
+// Not covered here: a rank whose process dies. Ranks as threads share one pid, so the
+// liveness checks (Note [Exits are not failures] in shm.h) cannot see a thread end; the
+// spawned-process tests in tests/distributed cover them.
+#include <atomic>
+
+#include "data.h"
+#include "harness.h"
+
+namespace smddp_test {
+namespace {
+
+using smddp::Communicator;
+using smddp::DType;
+using smddp::RedOp;
+using std::chrono::steady_clock;
+
+smddp::CommConfig small_config(const char* name, int force_local_size) {
+  smddp::CommConfig cfg;
+  cfg.group_name = name;
+  cfg.timeout_s = 60;
+  cfg.settings.buffer_bytes = 16 << 10;
+  cfg.settings.pool_bytes = 4 << 20;
+  cfg.settings.p2p_bytes = 8 << 10;
+  cfg.settings.spin_us = 20;
+  cfg.settings.force_local_size = force_local_size;
+  cfg.settings.socket_addr = "127.0.0.1";
+  return cfg;
+}
+
+smddp::OpCtx allreduce_ctx(Communicator& c, size_t count, double timeout_s) {
+  smddp::CollDesc d;
+  d.dtype_op = (static_cast<uint32_t>(DType::F32) << 8) | static_cast<uint32_t>(RedOp::SUM);
+  d.count = count;
+  smddp::OpArgs a;
+  a.dtype = "float32";
+  a.op = "SUM";
+  a.numel = static_cast<int64_t>(count);
+  return c.make_ctx("all_reduce", d, a, timeout_s);
+}
+
+smddp::Reduction sum_f32() {
+  smddp::Reduction r;
+  r.dtype = DType::F32;
+  r.op = RedOp::SUM;
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE(group_creation_times_out_naming_the_missing_rank) {
+  // Rank 1 never arrives; rank 0's set-up gives up at the group's timeout.
+  MemKV kv;
+  smddp::CommConfig cfg = small_config("never_joined", 0);
+  cfg.rank = 0;
+  cfg.size = 2;
+  cfg.timeout_s = 0.5;
+  auto t0 = steady_clock::now();
+  EXPECT_THROW_WITH(Communicator comm(kv, cfg), "creating group 'never_joined'",
+                    "timed out after 0.5 s", "ranks [1] never arrived");
+  const double took = seconds_since(t0);
+  EXPECT(took >= 0.45 && took < 2.5, "gave up after ", took, " s");
+}
+
+static void collective_timeout(int force_local_size) {
+  std::atomic<bool> rank0_done{false};
+  run_group(2, small_config("hang", force_local_size), [&](Communicator& c, int rank) {
+    std::vector<float> buf(100, 1.0f);
+    if (rank == 1) {
+      // Joined the group but never calls the collective until rank 0 gave up.
+      while (!rank0_done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      // Rank 0's failure reaches it instead of its own timeout (60 s). Its first call may
+      // still complete: rank 0 posted its input before it gave up (then the sum is right);
+      // the next one cannot.
+      auto t0 = steady_clock::now();
+      std::string error;
+      for (int call = 0; call < 2 && error.empty(); ++call) {
+        std::fill(buf.begin(), buf.end(), 1.0f);
+        try {
+          c.allreduce(buf.data(), buf.size(), sum_f32(), allreduce_ctx(c, 100, 0));
+          EXPECT(call == 0 && buf[0] == 2.0f && buf[99] == 2.0f, "call ", call, " returned ",
+                 buf[0]);
+        } catch (const std::exception& e) {
+          error = e.what();
+        }
+      }
+      EXPECT(error.find("all_reduce") != std::string::npos &&
+                 error.find("rank 0") != std::string::npos,
+             "rank 1's error does not name the collective and rank 0: '", error, "'");
+      EXPECT(seconds_since(t0) < 2.5, "rank 1 learned of rank 0's failure after ",
+             seconds_since(t0), " s");
+      return;
+    }
+    auto t0 = steady_clock::now();
+    EXPECT_THROW_WITH(c.allreduce(buf.data(), buf.size(), sum_f32(), allreduce_ctx(c, 100, 0.5)),
+                      "all_reduce (float32, SUM, 100 elements) on group 'hang'",
+                      "timed out after 0.5 s");
+    const double took = seconds_since(t0);
+    EXPECT(took >= 0.45 && took < 2.5, "gave up after ", took, " s");
+    // The group is unusable afterwards, and says why.
+    EXPECT_THROW_WITH(c.allreduce(buf.data(), buf.size(), sum_f32(), allreduce_ctx(c, 100, 0.5)),
+                      "unusable after an earlier error", "timed out");
+    rank0_done.store(true);
+  });
+}
+
+TEST_CASE(collective_timeout_shm) { collective_timeout(0); }
+TEST_CASE(collective_timeout_tcp) { collective_timeout(1); }
+
+static void abort_from_another_thread(int force_local_size) {
+  std::atomic<Communicator*> rank0{nullptr};
+  std::atomic<bool> abort_returned{false};
+  run_group(2, small_config("aborted", force_local_size), [&](Communicator& c, int rank) {
+    std::vector<float> buf(100, 1.0f);
+    if (rank == 1) {
+      // Never joins the collective; aborts rank 0's group (as a shutdown would) instead.
+      while (!rank0.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      rank0.load()->abort();
+      abort_returned.store(true);
+      return;
+    }
+    rank0.store(&c);
+    auto t0 = steady_clock::now();
+    EXPECT_THROW_WITH(c.allreduce(buf.data(), buf.size(), sum_f32(), allreduce_ctx(c, 100, 0)),
+                      "all_reduce", "was aborted");
+    const double took = seconds_since(t0);
+    EXPECT(took >= 0.15 && took < 2.0, "the abort took ", took, " s");
+    // abort() may still be running on rank 1's thread: the Communicator must outlive it.
+    while (!abort_returned.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+}
+
+TEST_CASE(abort_shm) { abort_from_another_thread(0); }
+TEST_CASE(abort_tcp) { abort_from_another_thread(1); }
+
+static void mismatch(int force_local_size) {
+  run_group(2, small_config("mismatch", force_local_size), [&](Communicator& c, int rank) {
+    const size_t count = rank == 0 ? 10 : 11;
+    std::vector<float> buf(count, 1.0f);
+    auto t0 = steady_clock::now();
+    EXPECT_THROW_WITH(c.allreduce(buf.data(), count, sum_f32(), allreduce_ctx(c, count, 0)),
+                      "mismatched collectives on group 'mismatch'", "10 elements", "11 elements");
+    EXPECT(seconds_since(t0) < 2.0, "the mismatch was found after ", seconds_since(t0), " s");
+  });
+}
+
+TEST_CASE(mismatch_shm) { mismatch(0); }
+TEST_CASE(mismatch_tcp) { mismatch(1); }
+
+TEST_CASE(zero_copy_from_the_pools) {
+  // Note [Zero-copy operands] in shm_algos.h: operands allocated from every rank's pool are
+  // read in place; one rank with an operand outside its pool makes all take the staged path.
+  const int n = 3;
+  run_group(n, small_config("pools", 0), [&](Communicator& c, int rank) {
+    auto pool = c.pool();
+    EXPECT(pool != nullptr, "no pool");
+    if (!pool) return;
+    for (int round = 0; round < 2; ++round) {
+      const bool all_in_pool = round == 0;
+      const uint64_t before = c.zero_copy_ops();
+      const size_t bytes = 32 << 10, count = 8192;  // n x 32K >= kZeroCopyMinBytes
+      const bool mine_in_pool = all_in_pool || rank != 1;
+      Bytes heap_in(bytes * n), heap_out(bytes * n);
+      char* in = mine_in_pool ? static_cast<char*>(pool->allocate(bytes * n)) : heap_in.data();
+      char* out = mine_in_pool ? static_cast<char*>(pool->allocate(bytes * n)) : heap_out.data();
+      // all_gather
+      Bytes part = make_bytes(rank, bytes, 600 + round);
+      std::memcpy(in, part.data(), bytes);
+      smddp::CollDesc d;
+      d.count = bytes;
+      c.allgather(in, out, bytes, c.make_ctx("all_gather", d, smddp::OpArgs{}, 0));
+      for (int r = 0; r < n; ++r) {
+        std::string diff = compare_bytes(out + r * bytes, make_bytes(r, bytes, 600 + round));
+        EXPECT(diff.empty(), "all_gather round ", round, " part ", r, ": ", diff);
+      }
+      // reduce_scatter
+      Bytes input = make_input(DType::F32, rank, count * n, 700 + round);
+      std::memcpy(in, input.data(), input.size());
+      smddp::Reduction red = sum_f32();
+      red.divisor = n;
+      smddp::CollDesc rd;
+      rd.count = count;
+      c.reduce_scatter(in, out, count, red, c.make_ctx("reduce_scatter", rd, smddp::OpArgs{}, 0));
+      std::string diff =
+          compare(DType::F32, out,
+                  expected_reduction(DType::F32, red, n, count, 700 + round, rank * count));
+      EXPECT(diff.empty(), "reduce_scatter round ", round, ": ", diff);
+      const uint64_t zero_copy = c.zero_copy_ops() - before;
+      EXPECT(zero_copy == (all_in_pool ? 2u : 0u), "round ", round, ": ", zero_copy,
+             " zero-copy collectives");
+      if (mine_in_pool) {
+        pool->release(in);
+        pool->release(out);
+      }
+    }
+    EXPECT(pool->in_use() == 0, "pool still holds ", pool->in_use(), " bytes");
+  });
+}
+
+}  // namespace smddp_test
