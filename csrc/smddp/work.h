@@ -37,8 +37,10 @@
 //   group progresses as if it had its own thread. The thread count is therefore bounded by
 //   the groups with work *at the same moment* (plus idle threads for up to kLinger), not
 //   by the groups that exist; the order of one group's work is its lane's FIFO order, as
-//   before (Note [Execution order]). No group has a listener thread unless it needs TCP
-//   (Note [TCP connections] in tcp.h).
+//   before (Note [Execution order]). Groups that listen for TCP connections (several
+//   hosts, or SMDDP_P2P_BYTES=0) share one acceptor thread per process (Acceptor in
+//   tcp.cpp), which exists only while some group listens; each group keeps its own port,
+//   secret and handshake limits, and its sockets.
 // - Descriptors: a segment's descriptor is closed once it is mapped, the tensor pool's too
 //   (ShmPool commits pages with MADV_POPULATE_WRITE on its mapping instead of fallocate on
 //   the descriptor; kernels older than 5.14 keep the descriptor as before).

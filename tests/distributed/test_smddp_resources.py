@@ -60,7 +60,7 @@ def _settle(bound):
         time.sleep(0.05)
 
 
-def _use(groups, first):
+def _use(groups, first, p2p=True):
     """Runs collectives on every group this rank belongs to and checks their results."""
     import torch
     import torch.distributed as dist
@@ -81,7 +81,7 @@ def _use(groups, first):
         out = torch.empty(len(ranks) * 8)
         dist.all_gather(list(out.chunk(len(ranks))), torch.full((8,), float(me * 100 + k)), group=g)
         assert out.view(len(ranks), 8)[:, 0].tolist() == [float(r * 100 + k) for r in ranks]
-        if len(ranks) == 2:
+        if p2p and len(ranks) == 2:
             peer = ranks[1 - ranks.index(me)]
             got = torch.empty(4)
             reqs = [dist.isend(torch.full((4,), float(me + k)), peer, group=g),
@@ -91,7 +91,7 @@ def _use(groups, first):
             assert got.eq(peer + k).all()
 
 
-def _grow():
+def _grow(patterns=_PATTERNS, few=4, many=64, p2p=True):
     import torch
     import torch.distributed as dist
 
@@ -103,15 +103,15 @@ def _grow():
     def add(n):
         new = []
         for i in range(len(groups), len(groups) + n):
-            ranks = _PATTERNS[i % len(_PATTERNS)]
+            ranks = patterns[i % len(patterns)]
             new.append((dist.new_group(ranks), ranks))
         groups.extend((g if dist.get_rank() in r else None, r) for g, r in new)
-        _use(groups[-n:], len(groups) - n)
+        _use(groups[-n:], len(groups) - n, p2p)
 
-    add(4)
+    add(few)
     dist.barrier()
     at4 = _settle(before["threads"] + _THREADS)
-    add(60)
+    add(many - few)
     dist.barrier()
     at64 = _settle(at4["threads"] + _THREADS)
     member_of = sum(g is not None for g, _ in groups)
@@ -132,3 +132,13 @@ def test_threads_fds_and_shm_bytes_stay_bounded_as_groups_multiply():
         # buffers' full size (2 x 1 MiB by default).
         allowance = r["peers"] * _SHM_PER_GROUP_PEER
         assert at64["shm"] <= at4["shm"] + allowance, (rank, at4, at64, allowance)
+
+
+def test_groups_across_hosts_share_one_acceptor_thread():
+    # Every rank its own "host": each group listens and talks over the TCP mesh. Its
+    # connections cost descriptors (one per peer and direction, and a port), but no thread.
+    results = run_distributed(_grow, [[0, 1]], 2, 16, False, world_size=2, backend="smddp",
+                              fresh=True, timeout=300, env={"SMDDP_FORCE_LOCAL_SIZE": "1"})
+    for rank, r in enumerate(results):
+        print(f"rank {rank}: at 2 groups {r['at4']} at 16 groups {r['at64']}")
+        assert r["at64"]["threads"] <= r["at4"]["threads"] + _THREADS, (rank, r)
