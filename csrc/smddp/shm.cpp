@@ -100,6 +100,29 @@ ShmComm::ShmComm(ShmConfig cfg) : cfg_(std::move(cfg)) {
   size_t cache = l3 > 0 ? static_cast<size_t>(l3) : (32u << 20);
   stream_bytes_ = cfg_.stream_bytes >= 0 ? static_cast<size_t>(cfg_.stream_bytes) : cache / 2 / n;
   static_assert(sizeof(RankControl) <= kControlBytes, "control block too large");
+  lazy_ = can_commit_pages();
+  while ((size_t(1) << granule_shift_) * 64 < cfg_.buffer_bytes) ++granule_shift_;
+}
+
+void ShmComm::writable(uint64_t buffer, size_t off, size_t len) {
+  const size_t first = off >> granule_shift_, last = (off + len - 1) >> granule_shift_;
+  const uint64_t upto = last >= 63 ? ~uint64_t(0) : (uint64_t(1) << (last + 1)) - 1;
+  const uint64_t want = upto & ~((uint64_t(1) << first) - 1);
+  uint64_t& have = committed_[buffer];
+  if ((have & want) == want) return;
+  const size_t granule = size_t(1) << granule_shift_;
+  char* base = data_[rank()] + buffer * cfg_.buffer_bytes;
+  for (size_t g = first; g <= last; ++g) {
+    if (have >> g & 1) continue;
+    const size_t at = g * granule;
+    if (!commit_pages(base + at, std::min(granule, cfg_.buffer_bytes - at))) {
+      throw CommError("smddp: group '" + cfg_.group_name + "': /dev/shm has no room for " +
+                      std::to_string(granule) + " more bytes of this rank's data buffers (" +
+                      std::strerror(errno) + "); free space in /dev/shm or lower "
+                      "SMDDP_BUFFER_BYTES / SMDDP_POOL_BYTES");
+    }
+    have |= uint64_t(1) << g;
+  }
 }
 
 ShmComm::~ShmComm() {
@@ -142,7 +165,14 @@ void ShmComm::create() {
                     std::to_string(seg_bytes_) + " bytes (is /dev/shm large enough?): " +
                     std::strerror(e));
   }
-  void* p = mmap(nullptr, main_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  // Note [One transport per process] in work.h: with lazy buffers only the control block
+  // is committed now; without, everything is pre-faulted as it always was.
+  void* p = mmap(nullptr, main_bytes_, PROT_READ | PROT_WRITE,
+                 MAP_SHARED | (lazy_ ? 0 : MAP_POPULATE), fd, 0);
+  if (p != MAP_FAILED && lazy_ && !commit_pages(static_cast<char*>(p), kControlBytes)) {
+    munmap(p, main_bytes_);
+    p = MAP_FAILED;
+  }
   char* pool = nullptr;
   if (p != MAP_FAILED && cfg_.pool_bytes) pool = map_lazy(fd, main_bytes_, cfg_.pool_bytes);
   char* p2p = nullptr;
@@ -197,7 +227,9 @@ void ShmComm::attach(int peer, const std::string& name) {
                     " has an unexpected size; do all ranks use the same SMDDP_BUFFER_BYTES and "
                     "SMDDP_POOL_BYTES and SMDDP_P2P_BYTES?");
   }
-  void* p = mmap(nullptr, main_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  // A peer's buffers are not pre-faulted: that would commit them all (lazy_).
+  void* p = mmap(nullptr, main_bytes_, PROT_READ | PROT_WRITE,
+                 MAP_SHARED | (lazy_ ? 0 : MAP_POPULATE), fd, 0);
   if (p != MAP_FAILED && cfg_.pool_bytes) {
     pool_base_[peer] = map_lazy(fd, main_bytes_, cfg_.pool_bytes);
     if (!pool_base_[peer]) {

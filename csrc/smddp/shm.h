@@ -38,7 +38,8 @@
 // The region is mapped without pre-faulting: a pair that never talks costs no memory.
 //
 // Note [Segment lifetime]
-// A segment is the control block, two data buffers and, optionally, a tensor pool
+// A segment is the control block, two data buffers (committed as they are first written,
+// Note [One transport per process] in work.h) and, optionally, a tensor pool
 // (shm_pool.h). Names are "/smddp_<pid namespace>_<pid>_<nonce>_<host>_<local rank>"
 // (segment_name() in shm_names.h) with a 128-bit random nonce from the group's store,
 // created O_EXCL with mode 0600; each rank publishes its name through the store. Each rank
@@ -157,6 +158,13 @@ class ShmComm {
   // first step of a collective, publishes this rank's descriptor.
   uint64_t begin_step(const OpCtx& ctx, bool first);
   char* mine(uint64_t s) { return data_[rank()] + (s & 1) * cfg_.buffer_bytes; }
+  // My buffer of step s at `off`, where the caller writes `len` bytes that no step wrote
+  // before: the granules they cover are committed first (Note [One transport per
+  // process] in work.h). Raises a CommError when /dev/shm has no room for them.
+  char* mine(uint64_t s, size_t off, size_t len) {
+    if (len && lazy_) writable(s & 1, off, len);
+    return mine(s) + off;
+  }
   const char* peer(int i, uint64_t s) const { return data_[i] + (s & 1) * cfg_.buffer_bytes; }
   void post(uint64_t s, int phase);
   void wait_one(int i, uint64_t s, int phase, const OpCtx& ctx);
@@ -217,6 +225,7 @@ class ShmComm {
   void check_desc(int i, const OpCtx& ctx);
   [[noreturn]] void fail(const std::string& message);
   RankControl* ctl(int i) const { return ctl_[i]; }
+  void writable(uint64_t buffer, size_t off, size_t len);
   size_t channel_slot() const { return 4096 + cfg_.p2p_bytes; }
   size_t p2p_region_bytes() const { return cfg_.p2p_bytes ? size() * channel_slot() : 0; }
 
@@ -232,6 +241,11 @@ class ShmComm {
   std::string name_;  // of my segment
   bool own_linked_ = false;
   std::unique_ptr<UnlinkOnTerm> term_guard_;  // while my segment is linked
+  // Data buffers committed lazily, in 64 granules each (Note [One transport per process]
+  // in work.h); false on kernels that cannot (the buffers are then pre-faulted whole).
+  bool lazy_ = false;
+  int granule_shift_ = 12;
+  uint64_t committed_[2] = {0, 0};  // bit g: granule g of buffer 0 / 1 is committed
   uint64_t next_step_ = 1;
   uint64_t first_step_ = 0;       // first step of the current collective
   uint64_t current_seq_plus1_ = 0;  // collective whose descriptor was published last

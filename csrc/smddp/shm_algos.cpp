@@ -49,7 +49,7 @@ void allreduce(ShmComm& c, void* data, size_t count, const Reduction& red, const
   std::vector<const void*> srcs(n);
   if (count * esz <= std::min(oneshot_bytes, c.buffer_bytes())) {
     uint64_t s = c.begin_step(ctx, true);
-    copy_in(c.mine(s), out, count, red);
+    copy_in(c.mine(s, 0, count * esz), out, count, red);
     c.post(s, 1);
     c.wait_all(s, 1, ctx);
     for (int i = 0; i < n; ++i) srcs[i] = c.peer(i, s);
@@ -64,7 +64,7 @@ void allreduce(ShmComm& c, void* data, size_t count, const Reduction& red, const
     size_t m = std::min(chunk, count - o);
     uint64_t s = c.begin_step(ctx, first);
     first = false;
-    copy_in(c.mine(s), out + o * esz, m, red);
+    copy_in(c.mine(s, 0, m * esz), out + o * esz, m, red);
     c.post(s, 1);
     c.wait_all(s, 1, ctx);
     // Reduce my slice of the chunk, in rank order, in place in my own buffer.
@@ -107,7 +107,7 @@ void reduce_scatter(ShmComm& c, const void* in, const std::vector<Span>& parts,
     // My buffer holds the same chunk of every part: part p at p * chunk elements.
     for (size_t p = 0; p < nparts; ++p) {
       Span piece = clip(parts[p], o, chunk);
-      copy_in(c.mine(s) + p * chunk * esz, src + piece.off * esz, piece.len, red);
+      copy_in(c.mine(s, p * chunk * esz, piece.len * esz), src + piece.off * esz, piece.len, red);
     }
     c.post(s, 1);
     c.wait_all(s, 1, ctx);
@@ -145,7 +145,10 @@ void allgather(ShmComm& c, const std::vector<const void*>& src, void* out,
     first = false;
     for (size_t k = 0; k < owned[me].size(); ++k) {
       Span piece = clip(parts[owned[me][k]], o, chunk);
-      if (piece.len) std::memcpy(c.mine(s) + k * chunk, static_cast<const char*>(src[k]) + o, piece.len);
+      if (piece.len) {
+        std::memcpy(c.mine(s, k * chunk, piece.len), static_cast<const char*>(src[k]) + o,
+                    piece.len);
+      }
     }
     c.post(s, 1);
     for (int step = 1; step < n; ++step) {
@@ -230,7 +233,7 @@ void broadcast(ShmComm& c, void* data, size_t bytes, int root, const OpCtx& ctx)
   for (size_t o = 0; o < bytes || first; o += chunk) {
     size_t m = std::min(chunk, bytes - o);
     uint64_t s = c.begin_step(ctx, first);
-    if (c.rank() == root && m) std::memcpy(c.mine(s), buf + o, m);
+    if (c.rank() == root && m) std::memcpy(c.mine(s, 0, m), buf + o, m);
     c.post(s, 1);
     if (first) c.wait_all(s, 1, ctx);  // every rank checks every descriptor once
     first = false;
@@ -255,7 +258,7 @@ void alltoall(ShmComm& c, const void* in, const std::vector<Span>& send, void* o
   const int n = c.size(), me = c.rank();
   // Step 1: publish my send and receive sizes; every rank reads the whole matrix.
   uint64_t s = c.begin_step(ctx, true);
-  auto* sizes = reinterpret_cast<uint64_t*>(c.mine(s));
+  auto* sizes = reinterpret_cast<uint64_t*>(c.mine(s, 0, 2 * n * sizeof(uint64_t)));
   for (int j = 0; j < n; ++j) {
     sizes[j] = send[j].len;
     sizes[n + j] = recv[j].len;
@@ -304,7 +307,7 @@ void alltoall(ShmComm& c, const void* in, const std::vector<Span>& send, void* o
     s = c.begin_step(ctx, false);
     for (int j = 0; j < n; ++j) {
       Span piece = clip(send[j], o, region);
-      if (j != me && piece.len) std::memcpy(c.mine(s) + j * region, src + piece.off, piece.len);
+      if (j != me && piece.len) std::memcpy(c.mine(s, j * region, piece.len), src + piece.off, piece.len);
     }
     c.post(s, 1);
     for (int step = 1; step < n; ++step) {

@@ -5,16 +5,48 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdint>
 
 namespace smddp {
 
 namespace {
 constexpr size_t kCommitStep = 2 << 20;  // grow the committed region 2 MiB at a time
+#ifndef MADV_POPULATE_WRITE
+constexpr int MADV_POPULATE_WRITE = 23;  // Linux 5.14; older headers lack it
+#endif
+}  // namespace
+
+bool commit_pages(char* p, size_t bytes, bool* unsupported) {
+  if (unsupported) *unsupported = false;
+  if (!bytes) return true;
+  const uintptr_t page = 4096;
+  uintptr_t start = reinterpret_cast<uintptr_t>(p) & ~(page - 1);
+  uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes + page - 1) & ~(page - 1);
+  while (madvise(reinterpret_cast<void*>(start), end - start, MADV_POPULATE_WRITE) != 0) {
+    if (errno == EINTR || errno == EAGAIN) continue;
+    if (errno == EINVAL && unsupported) *unsupported = true;
+    return false;  // EFAULT/ENOMEM: touching would raise SIGBUS (/dev/shm is full)
+  }
+  return true;
+}
+
+bool can_commit_pages() {
+  // An empty range is accepted exactly when the advice is known.
+  static const bool ok = [] {
+    static char probe[4096] __attribute__((aligned(4096)));
+    return madvise(probe, 0, MADV_POPULATE_WRITE) == 0;
+  }();
+  return ok;
 }
 
 ShmPool::ShmPool(int fd, size_t file_offset, char* base, size_t bytes)
     : fd_(fd), file_offset_(file_offset), base_(base), bytes_(bytes) {
   if (bytes_) free_[0] = bytes_;
+  if (fd_ >= 0 && can_commit_pages()) {
+    close(fd_);
+    fd_ = -1;
+  }
 }
 
 ShmPool::~ShmPool() {
@@ -25,10 +57,10 @@ ShmPool::~ShmPool() {
 bool ShmPool::commit(size_t end) {
   if (end <= committed_) return true;
   size_t target = std::min(bytes_, (end + kCommitStep - 1) / kCommitStep * kCommitStep);
-  if (posix_fallocate(fd_, static_cast<off_t>(file_offset_ + committed_),
-                      static_cast<off_t>(target - committed_)) != 0) {
-    return false;
-  }
+  const bool ok = fd_ < 0 ? commit_pages(base_ + committed_, target - committed_)
+                          : posix_fallocate(fd_, static_cast<off_t>(file_offset_ + committed_),
+                                            static_cast<off_t>(target - committed_)) == 0;
+  if (!ok) return false;
   committed_ = target;
   return true;
 }

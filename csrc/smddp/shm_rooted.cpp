@@ -52,7 +52,10 @@ void gather(ShmComm& c, const void* in, const std::vector<size_t>& lens,
   bool first = true;
   for (size_t o = 0; o < longest || first; o += chunk) {
     uint64_t s = c.begin_step(ctx, first);
-    if (me != root && lens[me]) std::memcpy(c.mine(s), src + o, piece_len(lens[me], o, chunk));
+    if (me != root && lens[me]) {
+      const size_t len = piece_len(lens[me], o, chunk);
+      std::memcpy(c.mine(s, 0, len), src + o, len);
+    }
     c.post(s, 1);
     if (first) c.wait_all(s, 1, ctx);  // every rank checks every descriptor once
     first = false;
@@ -82,7 +85,9 @@ void scatter(ShmComm& c, const std::vector<const char*>& src, const std::vector<
     uint64_t s = c.begin_step(ctx, first);
     if (me == root) {
       for (int i = 0; i < n; ++i) {
-        if (i != me && lens[i]) std::memcpy(c.mine(s) + i * slot, src[i] + o, piece_len(lens[i], o, slot));
+        if (i == me || !lens[i]) continue;
+        const size_t len = piece_len(lens[i], o, slot);
+        std::memcpy(c.mine(s, i * slot, len), src[i] + o, len);
       }
     }
     c.post(s, 1);
@@ -104,7 +109,7 @@ void reduce(ShmComm& c, void* data, size_t count, const Reduction& red, int root
   std::vector<const void*> srcs(n);
   if (count * esz <= std::min(oneshot_bytes, c.buffer_bytes())) {
     uint64_t s = c.begin_step(ctx, true);
-    copy_in(c.mine(s), buf, count, red);
+    copy_in(c.mine(s, 0, count * esz), buf, count, red);
     c.post(s, 1);
     c.wait_all(s, 1, ctx);
     if (me == root) {
@@ -122,7 +127,7 @@ void reduce(ShmComm& c, void* data, size_t count, const Reduction& red, int root
     const size_t m = std::min(chunk, count - o);
     uint64_t s = c.begin_step(ctx, first);
     first = false;
-    copy_in(c.mine(s), buf + o * esz, m, red);
+    copy_in(c.mine(s, 0, m * esz), buf + o * esz, m, red);
     c.post(s, 1);
     c.wait_all(s, 1, ctx);
     // My slice of the chunk, reduced in rank order in place in my buffer (as allreduce).

@@ -12,6 +12,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <mutex>
+#include <thread>
 #include <cerrno>
 #include <cstring>
 
@@ -67,6 +69,92 @@ std::string mac_message(const std::string& challenge, int from, int to) {
 }
 
 }  // namespace
+
+// Note [One transport per process] (work.h): one thread per process accepts and
+// authenticates the connections of every listening group, each group on its own port with
+// its own secret, pending handshakes and limits (Note [TCP connections]). It exists only
+// while some group listens. Registration changes happen under `mu_`, and the thread touches
+// a mesh only under `mu_` too, so once remove() returns, the mesh is the caller's alone.
+class Acceptor {
+ public:
+  static Acceptor& instance() {
+    // Never destroyed (its thread is detached); a forked child starts afresh.
+    static std::mutex mu;
+    static Acceptor* one = nullptr;
+    static pid_t owner = 0;
+    std::lock_guard<std::mutex> g(mu);
+    if (!one || owner != getpid()) {
+      one = new Acceptor();
+      owner = getpid();
+    }
+    return *one;
+  }
+
+  void add(TcpMesh* mesh) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (wake_[0] < 0 && pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) {
+      throw CommError("smddp: pipe() failed");
+    }
+    meshes_.push_back(mesh);
+    ++generation_;
+    if (!running_) {
+      running_ = true;
+      std::thread([this] { loop(); }).detach();
+    }
+    wake();
+  }
+
+  void remove(TcpMesh* mesh) {
+    std::lock_guard<std::mutex> g(mu_);
+    meshes_.erase(std::remove(meshes_.begin(), meshes_.end(), mesh), meshes_.end());
+    ++generation_;
+    wake();
+  }
+
+ private:
+  void wake() {
+    char x = 1;
+    (void)!write(wake_[1], &x, 1);
+  }
+
+  void loop() {
+    std::vector<pollfd> fds;
+    std::vector<size_t> first;  // index of each mesh's first descriptor in fds
+    std::unique_lock<std::mutex> lk(mu_);
+    while (true) {
+      if (meshes_.empty()) {
+        running_ = false;
+        return;
+      }
+      fds.assign({{wake_[0], POLLIN, 0}});
+      first.clear();
+      auto next = Clock::now() + std::chrono::milliseconds(TcpMesh::kHandshakeMs);
+      for (TcpMesh* m : meshes_) {
+        first.push_back(fds.size());
+        m->add_poll_fds(fds, next);
+      }
+      const uint64_t gen = generation_;
+      lk.unlock();
+      auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(next - Clock::now()).count();
+      poll(fds.data(), fds.size(), static_cast<int>(std::max<int64_t>(1, wait + 1)));
+      if (fds[0].revents) {
+        char buf[64];
+        while (read(wake_[0], buf, sizeof(buf)) > 0) {
+        }
+      }
+      lk.lock();
+      // A mesh added or removed meanwhile: the descriptors may be stale; poll afresh.
+      if (gen != generation_) continue;
+      for (size_t i = 0; i < meshes_.size(); ++i) meshes_[i]->on_poll(&fds[first[i]]);
+    }
+  }
+
+  std::mutex mu_;
+  std::vector<TcpMesh*> meshes_;
+  uint64_t generation_ = 0;
+  bool running_ = false;
+  int wake_[2] = {-1, -1};
+};
 
 std::string local_address(const Settings& settings) {
   const std::string& forced = settings.socket_addr;
@@ -135,8 +223,8 @@ void TcpMesh::listen(const std::string& address) {
   getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
   port_ = ntohs(addr.sin_port);
   address_ = address;
-  if (pipe2(wake_pipe_, O_CLOEXEC) != 0) throw CommError("smddp: pipe() failed");
-  listener_ = std::thread([this] { accept_loop(); });
+  Acceptor::instance().add(this);
+  registered_ = true;
 }
 
 // An incoming connection between accept() and the end of its handshake (Note [TCP
@@ -150,42 +238,30 @@ struct TcpMesh::Handshake {
   Clock::time_point deadline;
 };
 
-void TcpMesh::accept_loop() {
-  std::vector<Handshake> pending;
-  std::vector<pollfd> fds;
-  auto refuse = [&](Handshake& h) {
-    rejected_.fetch_add(1);
-    close(h.fd);
-  };
-  while (true) {
-    fds.assign({{listen_fd_, POLLIN, 0}, {wake_pipe_[0], POLLIN, 0}});
-    auto next = Clock::now() + std::chrono::milliseconds(kHandshakeMs);
-    for (const Handshake& h : pending) {
-      fds.push_back({h.fd, static_cast<short>(h.sent < kHelloBytes ? POLLOUT : POLLIN), 0});
-      next = std::min(next, h.deadline);
-    }
-    auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(next - Clock::now()).count();
-    if (poll(fds.data(), fds.size(), static_cast<int>(std::max<int64_t>(1, wait + 1))) < 0 &&
-        errno != EINTR) {
-      break;
-    }
-    if (fds[1].revents) break;  // shutdown
-    // Progress the handshakes first (fds[2 + i] belongs to pending[i]), then expire them.
-    std::vector<Handshake> still;
-    const auto now = Clock::now();
-    for (size_t i = 0; i < pending.size(); ++i) {
-      Handshake& h = pending[i];
-      if (fds[2 + i].revents && !progress(h)) continue;  // finished either way
-      if (now >= h.deadline) {
-        refuse(h);
-        continue;
-      }
-      still.push_back(h);
-    }
-    pending.swap(still);
-    if (fds[0].revents) accept_new(pending);
+void TcpMesh::add_poll_fds(std::vector<pollfd>& fds, Clock::time_point& next) const {
+  fds.push_back({listen_fd_, POLLIN, 0});
+  for (const Handshake& h : pending_) {
+    fds.push_back({h.fd, static_cast<short>(h.sent < kHelloBytes ? POLLOUT : POLLIN), 0});
+    next = std::min(next, h.deadline);
   }
-  for (Handshake& h : pending) close(h.fd);
+}
+
+void TcpMesh::on_poll(const pollfd* fds) {
+  // Progress the handshakes first (fds[1 + i] belongs to pending_[i]), then expire them.
+  std::vector<Handshake> still;
+  const auto now = Clock::now();
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    Handshake& h = pending_[i];
+    if (fds[1 + i].revents && !progress(h)) continue;  // finished either way
+    if (now >= h.deadline) {
+      rejected_.fetch_add(1);
+      close(h.fd);
+      continue;
+    }
+    still.push_back(h);
+  }
+  pending_.swap(still);
+  if (fds[0].revents) accept_new(pending_);
 }
 
 void TcpMesh::accept_new(std::vector<Handshake>& pending) {
@@ -359,15 +435,14 @@ void TcpMesh::announce_failure(const std::string& why, const std::vector<int>& a
 }
 
 void TcpMesh::shutdown() {
-  if (wake_pipe_[1] >= 0) {
-    char x = 1;
-    (void)!write(wake_pipe_[1], &x, 1);
+  if (registered_) {
+    Acceptor::instance().remove(this);
+    registered_ = false;
   }
-  if (listener_.joinable()) listener_.join();
-  for (int fd : {listen_fd_, wake_pipe_[0], wake_pipe_[1]}) {
-    if (fd >= 0) close(fd);
-  }
-  listen_fd_ = wake_pipe_[0] = wake_pipe_[1] = -1;
+  for (Handshake& h : pending_) close(h.fd);
+  pending_.clear();
+  if (listen_fd_ >= 0) close(listen_fd_);
+  listen_fd_ = -1;
   for (auto& c : conns_) {
     if (c->out_fd >= 0) close(c->out_fd);
     if (c->in_fd >= 0) close(c->in_fd);

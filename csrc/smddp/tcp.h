@@ -8,7 +8,8 @@
 // traffic inside a host), never on every interface. Connections are one-directional and
 // made lazily: the sender of the first message to a peer connects to it and that socket
 // carries only sender -> receiver traffic, so there is never a race about who connects.
-// The listener thread authenticates each connection with a challenge/response
+// The process's one acceptor thread (shared by every group that listens, and only while one
+// does) authenticates each connection with a challenge/response
 // (HMAC-SHA-256 over a fresh random challenge, the claimed rank and the listener's rank,
 // keyed with the group secret). Handshakes run concurrently, each with its own deadline
 // (kHandshakeMs), at most kMaxHandshakes at once (the oldest is dropped for a new one), and
@@ -55,6 +56,8 @@
 // (collectives, and the send lane for isend) take the connection's write lock per message.
 #pragma once
 
+#include <poll.h>
+
 #include <atomic>
 #include <deque>
 #include <functional>
@@ -68,6 +71,8 @@
 #include "smddp/settings.h"
 
 namespace smddp {
+
+class Acceptor;
 
 struct PeerAddr {
   std::string host;
@@ -107,7 +112,8 @@ class TcpMesh {
   TcpMesh(int rank, int size, std::string secret, std::string group_name);
   ~TcpMesh();
 
-  // Binds an ephemeral port on `address` (an IPv4 address) and starts the listener thread.
+  // Binds an ephemeral port on `address` (an IPv4 address) and registers it with the
+  // process's acceptor thread.
   void listen(const std::string& address);
   int port() const { return port_; }  // 0: not listening
   const std::string& address() const { return address_; }
@@ -166,7 +172,12 @@ class TcpMesh {
   template <class Route>
   void read_frames(int peer, int fd, Route& route, const OpCtx& ctx);
   static bool stash_in_flight(const Conn& c);  // the last stash entry is still arriving
-  void accept_loop();
+  friend class Acceptor;
+  // For the process's Acceptor thread (Note [One transport per process] in work.h): the
+  // descriptors to poll (listener, then the pending handshakes), and the work their events
+  // call for; both run under the Acceptor's lock, never concurrently with shutdown().
+  void add_poll_fds(std::vector<pollfd>& fds, Clock::time_point& next) const;
+  void on_poll(const pollfd* fds);
   void accept_new(std::vector<Handshake>& pending);
   // Advances one handshake; returns false when it is over (accepted or refused).
   bool progress(Handshake& h);
@@ -185,8 +196,8 @@ class TcpMesh {
   std::mutex in_mu_;  // guards Conn::in_fd (set by the listener thread)
   int listen_fd_ = -1, port_ = 0;
   std::string address_;
-  int wake_pipe_[2] = {-1, -1};
-  std::thread listener_;
+  std::vector<Handshake> pending_;  // connections being authenticated (Acceptor thread)
+  bool registered_ = false;         // with the Acceptor
   std::atomic<bool> aborted_{false};
   std::atomic<bool> announced_{false};
   std::atomic<uint64_t> rejected_{0};

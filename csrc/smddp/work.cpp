@@ -1,6 +1,7 @@
 #include "smddp/work.h"
 
 #include <c10/core/StreamGuard.h>
+#include <unistd.h>
 
 #include "smddp/common.h"
 
@@ -113,8 +114,10 @@ void Executor::enqueue(Lane& lane, Item item) {
   }
   lane.queue.push_back(std::move(item));
   ++lane.pending;
-  if (!lane.thread.joinable()) lane.thread = std::thread([this, &lane] { run_lane(lane); });
-  cv_.notify_all();
+  if (!lane.scheduled) {
+    lane.scheduled = true;
+    WorkerPool::instance().post([this, &lane] { drain(lane); });
+  }
 }
 
 bool Executor::run_next() {
@@ -149,15 +152,20 @@ void Executor::finished(Lane& lane) {
   idle_cv_.notify_all();
 }
 
-void Executor::run_lane(Lane& lane) {
-  on_worker_thread() = true;
+void Executor::drain(Lane& lane) {
   const bool main = &lane == &main_;
   while (true) {
     Item item;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] { return !(main && main_busy_) && (stop_ || !lane.queue.empty()); });
-      if (lane.queue.empty()) return;  // stop_ and drained
+      // A waiter running main-lane work in its own thread (run_next) goes first.
+      cv_.wait(lk, [&] { return !(main && main_busy_) || lane.queue.empty(); });
+      if (lane.queue.empty()) {
+        // The last touch of this executor: shutdown() waits for it under mu_.
+        lane.scheduled = false;
+        idle_cv_.notify_all();
+        return;
+      }
       item = take_front(lane);
     }
     if (!main) {
@@ -178,13 +186,63 @@ void Executor::run_lane(Lane& lane) {
 }
 
 void Executor::shutdown() {
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    stop_ = true;
-    cv_.notify_all();
+  std::unique_lock<std::mutex> lk(mu_);
+  stop_ = true;
+  cv_.notify_all();
+  // Queued work still runs (as before, when the lane threads drained it before joining).
+  idle_cv_.wait(lk, [&] { return !main_.scheduled && !send_.scheduled; });
+}
+
+WorkerPool& WorkerPool::instance() {
+  // Never destroyed: detached pool threads may still be waiting at exit. A forked child
+  // inherits none of the threads, so it starts a pool of its own.
+  static std::mutex mu;
+  static WorkerPool* pool = nullptr;
+  static pid_t owner = 0;
+  std::lock_guard<std::mutex> g(mu);
+  if (!pool || owner != getpid()) {
+    pool = new WorkerPool();
+    owner = getpid();
   }
-  for (Lane* lane : {&main_, &send_}) {
-    if (lane->thread.joinable()) lane->thread.join();
+  return *pool;
+}
+
+void WorkerPool::post(std::function<void()> task) {
+  std::lock_guard<std::mutex> g(mu_);
+  tasks_.push_back(std::move(task));
+  if (tasks_.size() > static_cast<size_t>(idle_)) {
+    // Every idle thread will take one of the tasks ahead: this one needs a new thread.
+    ++threads_;
+    std::thread([this] { loop(); }).detach();
+  } else {
+    cv_.notify_one();
+  }
+}
+
+int WorkerPool::threads() {
+  std::lock_guard<std::mutex> g(mu_);
+  return threads_;
+}
+
+void WorkerPool::loop() {
+  on_worker_thread() = true;
+  std::unique_lock<std::mutex> lk(mu_);
+  while (true) {
+    if (tasks_.empty()) {
+      ++idle_;
+      const bool got = cv_.wait_for(lk, kLinger, [&] { return !tasks_.empty(); });
+      --idle_;
+      if (!got) {
+        --threads_;
+        return;
+      }
+    }
+    std::function<void()> task = std::move(tasks_.front());
+    tasks_.pop_front();
+    lk.unlock();
+    task();
+    task = nullptr;  // what it captured goes before the thread waits again
+    lk.lock();
   }
 }
 

@@ -1,14 +1,14 @@
-// Work objects and the per-group executor.
+// Work objects, the per-group executor and the per-process worker pool.
 //
 // Note [Execution order]
 // Collectives of one group must run in the order they were issued (every rank issues the
 // same order, and the shm step protocol relies on it). A synchronous call
 // (opts.asyncOp == false) runs inline in the caller's thread when nothing is queued,
 // avoiding a thread hand-off (a futex wake costs tens of microseconds on a VM); otherwise,
-// and for every async call, the operation is queued to the group's worker thread, which
-// runs the queue in FIFO order so communication overlaps the caller's computation. Sends
-// (isend/send) run on a separate send lane so a large send never blocks a receive queued
-// behind it. `exec_mu_` makes sure inline and worker executions never overlap.
+// and for every async call, the operation is queued to the group's main lane, which a
+// worker thread (Note [One transport per process]) runs in FIFO order so communication
+// overlaps the caller's computation. Sends (isend/send) run on a separate send lane so a
+// large send never blocks a receive queued behind it. `exec_mu_` makes sure inline and worker executions never overlap.
 //
 // Note [Waiting runs the work]
 // A caller that waits for an async work which has not started yet would otherwise sleep
@@ -20,6 +20,33 @@
 // taken only from the front of the main lane and only while no main-lane work is running
 // (`main_busy_`, which also keeps the worker from starting the next one meanwhile), so the
 // issue order of Note [Execution order] holds either way.
+//
+// Note [One transport per process]
+// A process may hold many groups (a device mesh's axes and flattened views, expert groups,
+// every new_group), and each used to cost two lane threads, a pool descriptor and a pair
+// of pre-faulted data buffers, whether it was busy or not (64 groups: 38 more threads, 38
+// more fds and 200 MiB more /dev/shm per rank of 4). Groups now share what can be shared
+// and pay for the rest only while they use it:
+// - Threads: the lanes of every group's Executor are run by one WorkerPool per process.
+//   A lane with queued work holds one pool thread until its queue is empty, then gives it
+//   back; a thread idle for kLinger exits. The pool is not of a fixed size on purpose: a
+//   lane's work blocks while it waits for the same group on other ranks, and the ranks may
+//   run their groups in different orders (rank 0 waits in group A for rank 1, whose only
+//   thread waits in group B for rank 0), so a fixed pool smaller than the number of groups
+//   with work could deadlock. A pool that lends every busy lane a thread cannot: each
+//   group progresses as if it had its own thread. The thread count is therefore bounded by
+//   the groups with work *at the same moment* (plus idle threads for up to kLinger), not
+//   by the groups that exist; the order of one group's work is its lane's FIFO order, as
+//   before (Note [Execution order]). Groups that listen for TCP connections (several
+//   hosts, or SMDDP_P2P_BYTES=0) share one acceptor thread per process (Acceptor in
+//   tcp.cpp), which exists only while some group listens; each group keeps its own port,
+//   secret and handshake limits, and its sockets.
+// - Descriptors: a segment's descriptor is closed once it is mapped, the tensor pool's too
+//   (ShmPool commits pages with MADV_POPULATE_WRITE on its mapping instead of fallocate on
+//   the descriptor; kernels older than 5.14 keep the descriptor as before).
+// - /dev/shm: a segment's data buffers are committed in granules as the algorithms first
+//   write to them (ShmComm::writable), not pre-faulted whole at creation, so a group that
+//   only carries small messages costs its control page and a few granules.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -81,6 +108,25 @@ class CoalescedWork : public c10d::Work {
   std::vector<c10::intrusive_ptr<c10d::Work>> parts_;
 };
 
+// The threads that run every Executor's lanes in this process (Note [One transport per
+// process]): a task gets an idle thread or a new one, never waits for another task.
+class WorkerPool {
+ public:
+  static WorkerPool& instance();
+  void post(std::function<void()> task);
+  // Threads the pool holds now (busy or idle), for tests.
+  int threads();
+  static constexpr std::chrono::milliseconds kLinger{1000};
+
+ private:
+  void loop();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  int idle_ = 0;     // threads waiting for a task
+  int threads_ = 0;  // threads alive
+};
+
 class Executor {
  public:
   using Fn = std::function<void()>;
@@ -123,7 +169,7 @@ class Executor {
   // Note [Waiting runs the work]: runs the next work of the main lane in the caller's thread
   // if no main-lane work is running; returns whether it ran one.
   bool run_next();
-  // Waits for all queued work, then joins the threads. Idempotent.
+  // Waits for all queued work and for the pool threads to leave the lanes. Idempotent.
   void shutdown();
 
  private:
@@ -133,18 +179,18 @@ class Executor {
   };
   struct Lane {
     std::deque<Item> queue;
-    std::thread thread;
-    size_t pending = 0;  // queued or running
+    bool scheduled = false;  // a pool thread runs this lane (until its queue is empty)
+    size_t pending = 0;      // queued or running
   };
-  void run_lane(Lane& lane);
+  void drain(Lane& lane);  // on a pool thread: runs the lane's queue, then returns
   Item take_front(Lane& lane);  // under mu_; marks the main lane busy
   void finished(Lane& lane);    // takes mu_; the work taken by take_front is done
   void run(Item& item);
   void enqueue(Lane& lane, Item item);
 
   std::mutex mu_;
-  std::condition_variable cv_;       // new work or shutdown
-  std::condition_variable idle_cv_;  // a lane became idle
+  std::condition_variable cv_;       // main_busy_ went false
+  std::condition_variable idle_cv_;  // a lane became idle or unscheduled
   Lane main_, send_;
   bool main_busy_ = false;  // a main-lane work is running (worker or run_if_next)
   bool stop_ = false;
