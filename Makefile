@@ -62,11 +62,11 @@ clean:
 	rm -rf build $(VENV) torch_sagemaker/_C*.so
 
 # The C++ tests (tests/cpp) of the smddp core: everything in csrc/smddp but the torch glue
-# (backend*, work*), built with plain $(CXX), ranks run as threads. One build per variant
+# (csrc/smddp/backend/), built with plain $(CXX), ranks run as threads. One build per variant
 # under build/cpptest/<variant>/. CPPTEST_ARGS selects cases by name substring.
 CPPTEST_DIR  ?= build/cpptest
 CPPTEST_ARGS ?=
-CPP_CORE      = $(shell find csrc/smddp -name '*.cpp' ! -name 'backend*' ! -name 'work*' | sort)
+CPP_CORE      = $(shell find csrc/smddp -path csrc/smddp/backend -prune -o -name '*.cpp' -print | sort)
 CPP_TESTS     = $(wildcard tests/cpp/*.cpp)
 CPP_HEADERS   = $(shell find csrc/smddp tests/cpp -name '*.h')
 CPPTEST_BASE  = -std=c++17 -g -O1 -Icsrc -pthread -Wall -Wextra -Wno-unused-parameter

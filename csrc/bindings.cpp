@@ -9,9 +9,9 @@
 #include <map>
 #include <string>
 
-#include "smddp/backend.h"
-#include "smddp/kernels.h"
-#include "smddp/settings.h"
+#include "smddp/backend/backend.h"
+#include "smddp/algorithms/kernels.h"
+#include "smddp/common/settings.h"
 
 namespace py = pybind11;
 

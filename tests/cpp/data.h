@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "smddp/common.h"
+#include "smddp/common/common.h"
 
 namespace smddp_test {
 

@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "smddp/comm.h"
+#include "smddp/algorithms/comm.h"
 
 namespace smddp_test {
 

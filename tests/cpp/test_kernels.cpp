@@ -5,8 +5,8 @@
 #include <type_traits>
 
 #include "harness.h"
-#include "smddp/kernels.h"
-#include "smddp/settings.h"
+#include "smddp/algorithms/kernels.h"
+#include "smddp/common/settings.h"
 
 namespace smddp_test {
 namespace {
@@ -245,7 +245,7 @@ TEST_CASE(check_macros_name_file_and_line) {
       EXPECT_THROW_WITH(smddp::resolve_settings({{"spin_us", "x"}},
                                                 [](const char*) -> const char* { return nullptr; }),
                         "SMDDPOptions.spin_us=x is invalid");
-  EXPECT(settings_error.rfind("smddp/settings.cpp:", 0) == 0, settings_error);
+  EXPECT(settings_error.rfind("smddp/common/settings.cpp:", 0) == 0, settings_error);
 }
 
 }  // namespace smddp_test

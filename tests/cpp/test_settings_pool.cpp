@@ -7,9 +7,9 @@
 #include <cstring>
 
 #include "harness.h"
-#include "smddp/settings.h"
-#include "smddp/shm_names.h"
-#include "smddp/shm_pool.h"
+#include "smddp/common/settings.h"
+#include "smddp/transport/shm/shm_names.h"
+#include "smddp/transport/shm/shm_pool.h"
 
 namespace smddp_test {
 namespace {

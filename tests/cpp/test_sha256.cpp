@@ -1,7 +1,7 @@
 // Known-answer tests of SHA-256 (FIPS 180-2 appendix B examples) and HMAC-SHA-256
 // (RFC 4231 section 4, test cases 1-7).
 #include "harness.h"
-#include "smddp/sha256.h"
+#include "smddp/common/sha256.h"
 
 namespace smddp_test {
 namespace {

@@ -1,5 +1,5 @@
 """smddp's per-process resources stay bounded as process groups multiply (Note [One transport
-per process] in csrc/smddp/work.h): threads, file descriptors and /dev/shm bytes after 64
+per process] in csrc/smddp/backend/work.h): threads, file descriptors and /dev/shm bytes after 64
 groups are those after 4 groups plus a small allowance. Before that change, 4 ranks went from
 5 to 43 threads, 29 to 67 fds and 21 to 228 MB of /dev/shm per rank between 4 and 64 groups."""
 

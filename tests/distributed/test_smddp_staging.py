@@ -2,7 +2,7 @@
 
 Device tensors are copied to host mirrors, reduced by the CPU algorithms and copied back,
 the all-reduce in chunks (Note [Device staging], Note [Staging pipeline] in
-csrc/smddp/device_staging.h). With ``SMDDPOptions(stage_cpu=True)`` CPU tensors take that
+csrc/smddp/backend/device_staging.h). With ``SMDDPOptions(stage_cpu=True)`` CPU tensors take that
 same code, with no-op streams and a trace of every step, so the chunk schedule and the
 wrapping of each collective are checked here without a GPU: results must be bit-identical
 to the plain CPU path and to a reference, for odd sizes and sizes that are not a multiple of

@@ -3,7 +3,7 @@
 Skipped without CUDA. Covers what the CPU tests of the staging path
 (tests/distributed/test_smddp_staging.py) cannot: the copies between device and host, the
 stream ordering with real streams and events (Note [Device staging] in
-csrc/smddp/device_staging.h), training on CUDA parameters over smddp against one process on
+csrc/smddp/backend/device_staging.h), training on CUDA parameters over smddp against one process on
 the global batch, and the absence of kernels besides copies.
 """
 

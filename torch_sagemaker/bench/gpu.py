@@ -3,7 +3,7 @@
 Prints, from ranks spawned on this host (several may share one GPU):
 
 1. Device<->host copy bandwidth, pinned and pageable host memory (what the staged path of
-   Note [Device staging] in csrc/smddp/device_staging.h is bounded by).
+   Note [Device staging] in csrc/smddp/backend/device_staging.h is bounded by).
 2. all_reduce time against message size: smddp with pinned host buffers, smddp with the
    shared-memory pool, and NCCL as the same-run baseline where it can run (one GPU per
    rank: NCCL refuses two ranks on one GPU). Medians over ``--iters``, timed from issue to

@@ -6,7 +6,7 @@ FSDP2 allocates the output of its all-gather and the input of its reduce-scatter
 on every FSDP module; then it asks the process group (``backend.allocate_tensor``). On
 smddp those tensors live in the rank's shared-memory pool, which peers map, so the
 collectives read them in place instead of copying them through the staging buffers
-(Note [Zero-copy operands] in csrc/smddp/shm_algos.h). ``shard_model`` always made that
+(Note [Zero-copy operands] in csrc/smddp/algorithms/shm_algos.h). ``shard_model`` always made that
 call, but a script that calls ``fully_shard`` itself, as torchtitan and most FSDP2 users do,
 paid the staging copies: on the 2-rank 58M Llama benchmark that was the difference between
 1.32x and 1.7x of gloo.

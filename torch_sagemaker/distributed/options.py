@@ -7,7 +7,7 @@ Pass them as ``pg_options`` when a group is created::
     g = dist.new_group(ranks, pg_options=SMDDPOptions(spin_us=0))
 
 A field left at ``None`` takes its environment variable (``SMDDP_*``), else its default.
-The backend reads and checks both sources in one place (``csrc/smddp/settings.cpp``, Note
+The backend reads and checks both sources in one place (``csrc/smddp/common/settings.cpp``, Note
 [Settings]): a malformed value ("12x", "-1", a size out of range) raises ``ValueError`` at
 group creation, naming the option or variable, the value and the rule. That C++ table is
 also the source of the settings table in docs/collectives.md (``settings_markdown``).

@@ -1,5 +1,5 @@
 // ProcessGroupSMDDP: construction, shutdown, shared helpers.
-#include "smddp/backend.h"
+#include "smddp/backend/backend.h"
 
 #include <Python.h>
 #include <pybind11/pybind11.h>

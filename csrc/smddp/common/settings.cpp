@@ -1,4 +1,4 @@
-#include "smddp/settings.h"
+#include "smddp/common/settings.h"
 
 #include <algorithm>
 #include <cctype>
@@ -7,7 +7,7 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "smddp/common.h"
+#include "smddp/common/common.h"
 
 namespace smddp {
 namespace {
@@ -168,9 +168,8 @@ void apply(Settings& s, const std::string& field, const std::string& source, con
     s.staging_chunk_bytes = bytes(4 * kKiB, kGiB, false);
   } else if (field == "staging_memory") {
     const std::string v = lower(text);
-    if (v != "auto" && v != "pinned" && v != "pool") {
-      reject(source, text, "expected auto, pinned or pool");
-    }
+    SMDDP_CHECK_VALUE(v == "auto" || v == "pinned" || v == "pool",
+                      invalid(source, text, "expected auto, pinned or pool"));
     s.staging_memory = v;
   } else if (field == "stage_cpu") {
     s.stage_cpu = parse_flag(source, text);

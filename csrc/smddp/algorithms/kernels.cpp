@@ -1,4 +1,4 @@
-#include "smddp/kernels.h"
+#include "smddp/algorithms/kernels.h"
 
 #include <cstdint>
 #include <cstring>

@@ -53,7 +53,7 @@
 #include <string>
 #include <vector>
 
-#include "smddp/settings.h"
+#include "smddp/common/settings.h"
 
 namespace smddp {
 

@@ -1,9 +1,9 @@
-#include "smddp/shm_rooted.h"
+#include "smddp/algorithms/shm_rooted.h"
 
 #include <algorithm>
 #include <cstring>
 
-#include "smddp/kernels.h"
+#include "smddp/algorithms/kernels.h"
 
 namespace smddp {
 namespace shm {

@@ -22,7 +22,7 @@
 
 #include <vector>
 
-#include "smddp/shm.h"
+#include "smddp/transport/shm/shm.h"
 
 namespace smddp {
 namespace shm {

@@ -1,4 +1,4 @@
-#include "smddp/tcp.h"
+#include "smddp/transport/tcp/tcp.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -17,7 +17,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "smddp/sha256.h"
+#include "smddp/common/sha256.h"
 
 namespace smddp {
 namespace {

@@ -8,7 +8,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "smddp/tcp.h"
+#include "smddp/transport/tcp/tcp.h"
 
 namespace smddp {
 namespace {

@@ -1,13 +1,13 @@
 // Note [Device staging] and Note [Staging pipeline] in device_staging.h.
-#include "smddp/device_staging.h"
+#include "smddp/backend/device_staging.h"
 
 #include <ATen/DeviceAccelerator.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
-#include "smddp/comm.h"
-#include "smddp/common.h"
-#include "smddp/shm_pool.h"
+#include "smddp/algorithms/comm.h"
+#include "smddp/common/common.h"
+#include "smddp/transport/shm/shm_pool.h"
 
 namespace smddp {
 

@@ -14,9 +14,9 @@
 #include <atomic>
 #include <memory>
 
-#include "smddp/comm.h"
-#include "smddp/device_staging.h"
-#include "smddp/work.h"
+#include "smddp/algorithms/comm.h"
+#include "smddp/backend/device_staging.h"
+#include "smddp/backend/work.h"
 
 namespace smddp {
 

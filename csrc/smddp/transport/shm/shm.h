@@ -72,9 +72,9 @@
 #include <string>
 #include <vector>
 
-#include "smddp/common.h"
-#include "smddp/shm_names.h"
-#include "smddp/shm_pool.h"
+#include "smddp/common/common.h"
+#include "smddp/transport/shm/shm_names.h"
+#include "smddp/transport/shm/shm_pool.h"
 
 namespace smddp {
 

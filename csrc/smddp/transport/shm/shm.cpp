@@ -1,6 +1,6 @@
-#include "smddp/shm.h"
+#include "smddp/transport/shm/shm.h"
 
-#include "smddp/shm_names.h"
+#include "smddp/transport/shm/shm_names.h"
 
 #include <fcntl.h>
 #include <immintrin.h>

@@ -6,7 +6,7 @@
 #include <mutex>
 #include <vector>
 
-#include "smddp/shm.h"
+#include "smddp/transport/shm/shm.h"
 
 namespace smddp {
 

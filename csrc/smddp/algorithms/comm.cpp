@@ -1,5 +1,5 @@
 // Communicator set-up: secret and nonce, host discovery, TCP listener, shm segments.
-#include "smddp/comm.h"
+#include "smddp/algorithms/comm.h"
 
 #include <sys/random.h>
 #include <unistd.h>
@@ -11,7 +11,7 @@
 #include <sstream>
 #include <thread>
 
-#include "smddp/shm_names.h"
+#include "smddp/transport/shm/shm_names.h"
 
 namespace smddp {
 namespace {

@@ -67,8 +67,8 @@
 #include <thread>
 #include <vector>
 
-#include "smddp/common.h"
-#include "smddp/settings.h"
+#include "smddp/common/common.h"
+#include "smddp/common/settings.h"
 
 namespace smddp {
 

@@ -22,10 +22,10 @@
 #include <string>
 #include <vector>
 
-#include "smddp/settings.h"
-#include "smddp/shm.h"
-#include "smddp/shm_p2p.h"
-#include "smddp/tcp.h"
+#include "smddp/common/settings.h"
+#include "smddp/transport/shm/shm.h"
+#include "smddp/transport/shm/shm_p2p.h"
+#include "smddp/transport/tcp/tcp.h"
 
 namespace smddp {
 

@@ -6,7 +6,7 @@
 // fixed-size blocks so the compiler vectorizes them.
 #pragma once
 
-#include "smddp/common.h"
+#include "smddp/common/common.h"
 
 namespace smddp {
 

@@ -1,4 +1,4 @@
-#include "smddp/common.h"
+#include "smddp/common/common.h"
 
 #include <cstdlib>
 #include <cstring>

@@ -1,4 +1,4 @@
-#include "smddp/shm_pool.h"
+#include "smddp/transport/shm/shm_pool.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

@@ -1,4 +1,4 @@
-#include "smddp/sha256.h"
+#include "smddp/common/sha256.h"
 
 #include <cstring>
 

@@ -5,10 +5,10 @@
 #include <cstring>
 #include <thread>
 
-#include "smddp/comm.h"
-#include "smddp/kernels.h"
-#include "smddp/shm_algos.h"
-#include "smddp/shm_rooted.h"
+#include "smddp/algorithms/comm.h"
+#include "smddp/algorithms/kernels.h"
+#include "smddp/algorithms/shm_algos.h"
+#include "smddp/algorithms/shm_rooted.h"
 
 namespace smddp {
 

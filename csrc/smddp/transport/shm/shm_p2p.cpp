@@ -1,4 +1,4 @@
-#include "smddp/shm_p2p.h"
+#include "smddp/transport/shm/shm_p2p.h"
 
 #include <algorithm>
 #include <cstring>

@@ -1,6 +1,6 @@
 // ProcessGroupSMDDP collectives: validation on the caller's thread, then a closure on raw
 // pointers for the executor. Non-contiguous tensors are staged through a contiguous copy.
-#include "smddp/backend.h"
+#include "smddp/backend/backend.h"
 
 #include <cstring>
 

@@ -1,4 +1,4 @@
-#include "smddp/shm_names.h"
+#include "smddp/transport/shm/shm_names.h"
 
 #include <dirent.h>
 #include <fcntl.h>

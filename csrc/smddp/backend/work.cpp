@@ -1,9 +1,9 @@
-#include "smddp/work.h"
+#include "smddp/backend/work.h"
 
 #include <c10/core/StreamGuard.h>
 #include <unistd.h>
 
-#include "smddp/common.h"
+#include "smddp/common/common.h"
 
 namespace smddp {
 
