@@ -84,8 +84,10 @@ def _use(groups, first, p2p=True):
         if p2p and len(ranks) == 2:
             peer = ranks[1 - ranks.index(me)]
             got = torch.empty(4)
-            reqs = [dist.isend(torch.full((4,), float(me + k)), peer, group=g),
-                    dist.irecv(got, peer, group=g)]
+            reqs = [
+                dist.isend(torch.full((4,), float(me + k)), peer, group=g),
+                dist.irecv(got, peer, group=g),
+            ]
             for r in reqs:
                 r.wait()
             assert got.eq(peer + k).all()
@@ -116,8 +118,14 @@ def _grow(patterns=_PATTERNS, few=4, many=64, p2p=True):
     at64 = _settle(at4["threads"] + _THREADS)
     member_of = sum(g is not None for g, _ in groups)
     peers = sum(len(r) for g, r in groups if g is not None)
-    return {"before": before, "at4": at4, "at64": at64, "member_of": member_of, "peers": peers,
-            "pid": os.getpid()}
+    return {
+        "before": before,
+        "at4": at4,
+        "at64": at64,
+        "member_of": member_of,
+        "peers": peers,
+        "pid": os.getpid(),
+    }
 
 
 def test_threads_fds_and_shm_bytes_stay_bounded_as_groups_multiply():
@@ -137,8 +145,18 @@ def test_threads_fds_and_shm_bytes_stay_bounded_as_groups_multiply():
 def test_groups_across_hosts_share_one_acceptor_thread():
     # Every rank its own "host": each group listens and talks over the TCP mesh. Its
     # connections cost descriptors (one per peer and direction, and a port), but no thread.
-    results = run_distributed(_grow, [[0, 1]], 2, 16, False, world_size=2, backend="smddp",
-                              fresh=True, timeout=300, env={"SMDDP_FORCE_LOCAL_SIZE": "1"})
+    results = run_distributed(
+        _grow,
+        [[0, 1]],
+        2,
+        16,
+        False,
+        world_size=2,
+        backend="smddp",
+        fresh=True,
+        timeout=300,
+        env={"SMDDP_FORCE_LOCAL_SIZE": "1"},
+    )
     for rank, r in enumerate(results):
         print(f"rank {rank}: at 2 groups {r['at4']} at 16 groups {r['at64']}")
         assert r["at64"]["threads"] <= r["at4"]["threads"] + _THREADS, (rank, r)

@@ -94,7 +94,10 @@ def test_every_named_file_and_function_exists():
         ("`torch_sagemaker/no_such_module.py`", "torch_sagemaker/no_such_module.py: no such file"),
         ("`torch_sagemaker/_init.py:no_such_function`", "no_such_function is not defined"),
         ("`torch_sagemaker/state.py:State.no_such_method`", "State.no_such_method is not defined"),
-        ("`csrc/smddp/algorithms/comm_algos.cpp:no_such_algorithm`", "no_such_algorithm is not defined"),
+        (
+            "`csrc/smddp/algorithms/comm_algos.cpp:no_such_algorithm`",
+            "no_such_algorithm is not defined",
+        ),
         ("[gone](no_such_page.md)", "link (no_such_page.md)"),
     ],
 )
@@ -105,7 +108,8 @@ def test_checker_reports_a_stale_reference(text, expected):
 
 def test_checker_accepts_real_references_and_skips_fences():
     text = (
-        "`torch_sagemaker/state.py:State.reset` `csrc/smddp/algorithms/comm_algos.cpp:hier_allgather` "
+        "`torch_sagemaker/state.py:State.reset` "
+        "`csrc/smddp/algorithms/comm_algos.cpp:hier_allgather` "
         "`_torch_sagemaker_alias.py:install`\n```\n`torch_sagemaker/gone.py`\n```\n"
     )
     assert len(references(text)) == 3
