@@ -3,7 +3,8 @@
 #   make demo   - the main job: a 2-rank CPU training run of the example script
 #   make test   - install everything and run the whole test suite
 #   make bench  - collective and training benchmarks (tables against gloo / baselines)
-#   make lint   - ruff (lint and format check) and mypy on the package
+#   make lint   - ruff (lint and format check), mypy on the package, clang-format check of the C++
+#   make format - ruff format and clang-format, in place
 #   make test-cpp - the C++ tests of the smddp core (tests/cpp; g++ only, no torch)
 #   make sanitize - the same under ASan+UBSan, then under TSan
 #
@@ -19,7 +20,7 @@ PY          = $(VENV)/bin/python
 PIP         = $(PY) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: install build demo test test-fast bench lint clean test-cpp sanitize sanitize-asan \
+.PHONY: install build demo test test-fast bench lint format clean test-cpp sanitize sanitize-asan \
 	sanitize-tsan
 
 $(VENV)/.installed: setup.py pyproject.toml requirements-dev.txt
@@ -53,10 +54,17 @@ bench: build
 	$(PY) -m torch_sagemaker.bench collectives --nprocs 2
 	$(PY) -m torch_sagemaker.bench training --nprocs 2
 
+CPP_SOURCES = $(shell find csrc tests/cpp -name '*.cpp' -o -name '*.h' | sort)
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/clang-format --dry-run -Werror $(CPP_SOURCES)
 	$(PY) -m mypy  # files and options: [tool.mypy] in pyproject.toml
+
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/clang-format -i $(CPP_SOURCES)
 
 clean:
 	rm -rf build $(VENV) torch_sagemaker/_C*.so

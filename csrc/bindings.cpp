@@ -2,15 +2,15 @@
 //
 // Python decides, C++ executes: every function exported here has a Python wrapper with a
 // docstring in torch_sagemaker/ (see torch_sagemaker/distributed/backend.py).
-#include <torch/csrc/distributed/c10d/Types.hpp>
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
 #include <map>
 #include <string>
+#include <torch/csrc/distributed/c10d/Types.hpp>
 
-#include "smddp/backend/backend.h"
 #include "smddp/algorithms/kernels.h"
+#include "smddp/backend/backend.h"
 #include "smddp/common/settings.h"
 
 namespace py = pybind11;
@@ -34,10 +34,9 @@ c10::intrusive_ptr<smddp::ProcessGroupSMDDP> create_backend(
     }
   }
   smddp::Settings settings = smddp::resolve_settings(overrides);
-  return c10::make_intrusive<smddp::ProcessGroupSMDDP>(opts.store, opts.group_rank,
-                                                       opts.group_size, opts.timeout,
-                                                       opts.group_id, opts.global_ranks_in_group,
-                                                       settings);
+  return c10::make_intrusive<smddp::ProcessGroupSMDDP>(opts.store, opts.group_rank, opts.group_size,
+                                                       opts.timeout, opts.group_id,
+                                                       opts.global_ranks_in_group, settings);
 }
 
 py::list setting_table() {
@@ -55,8 +54,9 @@ py::list setting_table() {
 }
 
 // What resolve_settings makes of `options` over `environ` (tests of the rules).
-std::map<std::string, std::string> resolve_for_test(const std::map<std::string, std::string>& options,
-                                                    const std::map<std::string, std::string>& environ) {
+std::map<std::string, std::string> resolve_for_test(
+    const std::map<std::string, std::string>& options,
+    const std::map<std::string, std::string>& environ) {
   return smddp::describe(smddp::resolve_settings(options, [&](const char* name) -> const char* {
     auto it = environ.find(name);
     return it == environ.end() ? nullptr : it->second.c_str();
@@ -106,8 +106,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("_all_reduce_direct", &smddp::ProcessGroupSMDDP::allreduce_direct, py::arg("tensor"),
            py::arg("op"), py::call_guard<py::gil_scoped_release>())
       .def("_settings",
-           [](const smddp::ProcessGroupSMDDP& pg) { return smddp::describe(pg.comm().config().settings); })
-      .def("_listen_port", [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().listen_port(); })
+           [](const smddp::ProcessGroupSMDDP& pg) {
+             return smddp::describe(pg.comm().config().settings);
+           })
+      .def("_listen_port",
+           [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().listen_port(); })
       .def("_listen_address",
            [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().listen_address(); })
       .def("_staging_trace", &smddp::ProcessGroupSMDDP::staging_trace)
@@ -118,11 +121,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("create_backend", &create_backend, py::arg("dist_backend_opts"), py::arg("pg_options"),
         py::call_guard<py::gil_scoped_release>());
   m.def("kernel_isa", &smddp::kernel_isa);
-  m.def("_plan_chunks", [](int64_t numel, int64_t chunk_elems) {
-    std::vector<std::pair<int64_t, int64_t>> out;
-    for (const auto& c : smddp::plan_chunks(numel, chunk_elems)) out.emplace_back(c.begin, c.count);
-    return out;
-  }, py::arg("numel"), py::arg("chunk_elems"));
+  m.def(
+      "_plan_chunks",
+      [](int64_t numel, int64_t chunk_elems) {
+        std::vector<std::pair<int64_t, int64_t>> out;
+        for (const auto& c : smddp::plan_chunks(numel, chunk_elems))
+          out.emplace_back(c.begin, c.count);
+        return out;
+      },
+      py::arg("numel"), py::arg("chunk_elems"));
   m.def("setting_table", &setting_table);
   m.def("_resolve_settings", &resolve_for_test, py::arg("options"), py::arg("environ"));
 }

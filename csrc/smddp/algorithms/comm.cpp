@@ -5,8 +5,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <functional>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <sstream>
 #include <thread>
@@ -78,8 +78,8 @@ void wait_keys(KeyValue& kv, const std::vector<std::string>& keys, const std::ve
       }
       char secs[32];
       snprintf(secs, sizeof(secs), "%.1f", dl.seconds);
-      throw CommError(what + " timed out after " + secs + " s (the timeout of this group): ranks " + format_ranks(missing) +
-                      " never arrived");
+      throw CommError(what + " timed out after " + secs + " s (the timeout of this group): ranks " +
+                      format_ranks(missing) + " never arrived");
     }
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::microseconds(20000));
@@ -145,11 +145,11 @@ void Communicator::discover(KeyValue& kv, const Deadline& dl) {
     peers_[r].pid_ns = f[2];
     peers_[r].pid = std::stoi(f[3]);
     if (f[4] != std::to_string(p2p)) {
-      throw std::invalid_argument(
-          "smddp: creating group '" + cfg_.group_name + "': rank " +
-          std::to_string(cfg_.global_ranks[r]) + " has SMDDP_P2P_BYTES=" + f[4] + " but rank " +
-          std::to_string(cfg_.global_ranks[cfg_.rank]) + " has " + std::to_string(p2p) +
-          "; every rank must use the same setting");
+      throw std::invalid_argument("smddp: creating group '" + cfg_.group_name + "': rank " +
+                                  std::to_string(cfg_.global_ranks[r]) +
+                                  " has SMDDP_P2P_BYTES=" + f[4] + " but rank " +
+                                  std::to_string(cfg_.global_ranks[cfg_.rank]) + " has " +
+                                  std::to_string(p2p) + "; every rank must use the same setting");
     }
     auto it = host_index.find(f[0]);
     if (it == host_index.end()) {
@@ -187,7 +187,8 @@ void Communicator::connect_mesh(KeyValue& kv, const Deadline& dl) {
   const bool needed = layout_.hosts > 1 || (layout_.local_size > 1 && p2p_bytes_ == 0);
   if (!needed) return;
   tcp_->listen(layout_.hosts > 1 ? local_address(cfg_.settings) : std::string("127.0.0.1"));
-  kv.set("smddp/tcp/" + std::to_string(cfg_.rank), tcp_->address() + "|" + std::to_string(tcp_->port()));
+  kv.set("smddp/tcp/" + std::to_string(cfg_.rank),
+         tcp_->address() + "|" + std::to_string(tcp_->port()));
   std::vector<std::string> keys;
   for (int r = 0; r < cfg_.size; ++r) keys.push_back("smddp/tcp/" + std::to_string(r));
   wait_keys(kv, keys, cfg_.global_ranks, dl, "smddp: creating group '" + cfg_.group_name + "'");
@@ -210,7 +211,9 @@ void Communicator::check_local_peers_alive(const std::string& what) {
   const std::string& ns = pid_namespace_id();
   for (int r : layout_.members[layout_.host]) {
     const PeerInfo& p = peers_[r];
-    if (r == cfg_.rank || p.real_host != peers_[cfg_.rank].real_host || p.pid_ns != ns || ns.empty()) continue;
+    if (r == cfg_.rank || p.real_host != peers_[cfg_.rank].real_host || p.pid_ns != ns ||
+        ns.empty())
+      continue;
     if (process_alive(p.pid)) continue;
     sweep_dead_segments();
     throw CommError(what + " failed: rank " + std::to_string(cfg_.global_ranks[r]) + " (pid " +
@@ -243,7 +246,9 @@ void Communicator::setup_shm(KeyValue& kv, const Deadline& dl) {
   const auto& local = layout_.members[layout_.host];
   std::vector<int> local_global;
   for (int r : local) local_global.push_back(cfg_.global_ranks[r]);
-  auto key = [&](const char* what, int r) { return std::string("smddp/") + what + "/" + std::to_string(r); };
+  auto key = [&](const char* what, int r) {
+    return std::string("smddp/") + what + "/" + std::to_string(r);
+  };
   std::vector<std::string> created, attached;
   for (int r : local) {
     created.push_back(key("shm", r));

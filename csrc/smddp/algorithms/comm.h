@@ -115,8 +115,7 @@ class Communicator {
   void check_local_peers_alive(const std::string& what);
   void hier_reduce_scatter(const void* in, const std::vector<Span>& parts, void* dst,
                            const Reduction& red, const OpCtx& ctx);
-  void hier_allgather(const void* src, void* out, const std::vector<Span>& parts,
-                      const OpCtx& ctx);
+  void hier_allgather(const void* src, void* out, const std::vector<Span>& parts, const OpCtx& ctx);
   // Rooted gather/scatter of lens[r] bytes per group rank r (Note [Rooted collectives]);
   // dst / src: one pointer per group rank, on the root only.
   void rooted_gather(const void* in, const std::vector<size_t>& lens, const std::vector<char*>& dst,
@@ -152,7 +151,7 @@ class Communicator {
   std::vector<PeerInfo> peers_;  // by group rank
   size_t p2p_bytes_ = 0;         // ring per ordered pair of local ranks (0: none)
   Clock::time_point last_setup_check_{};
-  std::vector<int> rail_;  // host -> group rank with my local index
+  std::vector<int> rail_;                 // host -> group rank with my local index
   int local_index(int group_rank) const;  // index on this host, or -1
   bool usable();                          // no earlier error broke the group
 

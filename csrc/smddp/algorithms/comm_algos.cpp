@@ -50,8 +50,8 @@ uint64_t Communicator::tag(const OpCtx& ctx, int stage) const {
 }
 
 static uint64_t check_of(const OpCtx& ctx) {
-  return (static_cast<uint64_t>(ctx.desc.kind) << 32) ^ ctx.desc.dtype_op ^ (ctx.desc.count * 0x9e3779b97f4a7c15ull) ^
-         ctx.desc.extra;
+  return (static_cast<uint64_t>(ctx.desc.kind) << 32) ^ ctx.desc.dtype_op ^
+         (ctx.desc.count * 0x9e3779b97f4a7c15ull) ^ ctx.desc.extra;
 }
 
 char* Communicator::scratch(size_t bytes) {
@@ -92,7 +92,8 @@ void Communicator::reduce_scatter(const void* in, void* out, size_t count, const
     for (int p = 0; p < cfg_.size; ++p) parts[p] = {p * count, count};
     if (layout_.hosts == 1) {
       const bool premul = red.op == RedOp::PREMUL_SUM && red.premul != 1.0;
-      if (zero_copy_ && !premul && count * cfg_.size * dtype_size(red.dtype) >= shm::kZeroCopyMinBytes &&
+      if (zero_copy_ && !premul &&
+          count * cfg_.size * dtype_size(red.dtype) >= shm::kZeroCopyMinBytes &&
           shm::reduce_scatter_zero_copy(*shm_, in, out, count, red, ctx)) {
         ++zero_copy_ops_;
         return;
@@ -216,7 +217,8 @@ void Communicator::rooted_gather(const void* in, const std::vector<size_t>& lens
   const int root_host = host_of(root);
   const uint64_t chk = check_of(ctx);
   if (layout_.host != root_host) {
-    exchange({{root, tag(ctx, 6), const_cast<char*>(static_cast<const char*>(in)), lens[cfg_.rank], chk}},
+    exchange({{root, tag(ctx, 6), const_cast<char*>(static_cast<const char*>(in)), lens[cfg_.rank],
+               chk}},
              {}, ctx);
     return;
   }
@@ -230,8 +232,9 @@ void Communicator::rooted_gather(const void* in, const std::vector<size_t>& lens
   exchange({}, recvs, ctx);
 }
 
-void Communicator::rooted_scatter(const std::vector<const char*>& src, const std::vector<size_t>& lens,
-                                  void* out, int root, const OpCtx& ctx) {
+void Communicator::rooted_scatter(const std::vector<const char*>& src,
+                                  const std::vector<size_t>& lens, void* out, int root,
+                                  const OpCtx& ctx) {
   const int root_host = host_of(root);
   const uint64_t chk = check_of(ctx);
   if (layout_.host != root_host) {
@@ -242,7 +245,8 @@ void Communicator::rooted_scatter(const std::vector<const char*>& src, const std
     std::vector<TcpMesh::Op> sends;
     for (int h = 0; h < layout_.hosts; ++h) {
       if (h == root_host) continue;
-      for (int r : layout_.members[h]) sends.push_back({r, tag(ctx, 7), const_cast<char*>(src[r]), lens[r], chk});
+      for (int r : layout_.members[h])
+        sends.push_back({r, tag(ctx, 7), const_cast<char*>(src[r]), lens[r], chk});
     }
     exchange(sends, {}, ctx);
   }
@@ -276,12 +280,14 @@ void Communicator::reduce(void* data, size_t count, const Reduction& red, int ro
 
 void Communicator::gather(const void* in, size_t bytes, const std::vector<char*>& outs, int root,
                           OpCtx ctx) {
-  guarded(ctx, true, [&] { rooted_gather(in, std::vector<size_t>(cfg_.size, bytes), outs, root, ctx); });
+  guarded(ctx, true,
+          [&] { rooted_gather(in, std::vector<size_t>(cfg_.size, bytes), outs, root, ctx); });
 }
 
 void Communicator::scatter(const std::vector<const char*>& ins, size_t bytes, void* out, int root,
                            OpCtx ctx) {
-  guarded(ctx, true, [&] { rooted_scatter(ins, std::vector<size_t>(cfg_.size, bytes), out, root, ctx); });
+  guarded(ctx, true,
+          [&] { rooted_scatter(ins, std::vector<size_t>(cfg_.size, bytes), out, root, ctx); });
 }
 
 void Communicator::barrier(OpCtx ctx) {
@@ -312,7 +318,8 @@ void Communicator::alltoall(const void* in, const std::vector<Span>& send, void*
     for (int j = 0; j < cfg_.size; ++j) {
       if (j == cfg_.rank) continue;
       // The check carries no size: sizes are checked per message (len must match).
-      sends.push_back({j, tag(ctx, 5), const_cast<char*>(src + send[j].off), send[j].len, ctx.desc.kind});
+      sends.push_back(
+          {j, tag(ctx, 5), const_cast<char*>(src + send[j].off), send[j].len, ctx.desc.kind});
       recvs.push_back({j, tag(ctx, 5), dst + recv[j].off, recv[j].len, ctx.desc.kind});
     }
     if (recv[cfg_.rank].len != send[cfg_.rank].len) {
@@ -342,7 +349,8 @@ void Communicator::send(const void* data, size_t bytes, int peer, uint32_t tag, 
     if (local >= 0) {
       p2p_->send(local, tag, data, bytes, ctx);
     } else {
-      tcp_->exchange({{peer, tag, const_cast<char*>(static_cast<const char*>(data)), bytes, 0}}, {}, ctx);
+      tcp_->exchange({{peer, tag, const_cast<char*>(static_cast<const char*>(data)), bytes, 0}}, {},
+                     ctx);
     }
   });
 }
@@ -382,8 +390,10 @@ int Communicator::recv_any(void* data, size_t bytes, uint32_t tag, OpCtx ctx) {
       }
       if (Clock::now() >= next_check) {
         next_check = Clock::now() + std::chrono::milliseconds(20);
-        const std::string where = "smddp: " + ctx.describe() + " on group '" + cfg_.group_name + "'";
-        if (shm_->aborted()) throw CommError(where + " was aborted: the process group was shut down");
+        const std::string where =
+            "smddp: " + ctx.describe() + " on group '" + cfg_.group_name + "'";
+        if (shm_->aborted())
+          throw CommError(where + " was aborted: the process group was shut down");
         if (ctx.deadline.expired()) {
           char secs[32];
           snprintf(secs, sizeof(secs), "%.1f", ctx.deadline.seconds);
@@ -398,8 +408,9 @@ int Communicator::recv_any(void* data, size_t bytes, uint32_t tag, OpCtx ctx) {
         if (!any_alive) throw CommError(where + " failed: every other rank failed or exited");
       }
       if (pause.count()) std::this_thread::sleep_for(pause);
-      if (round > 64) pause = std::min(std::max(pause * 2, std::chrono::microseconds(20)),
-                                      std::chrono::microseconds(1000));
+      if (round > 64)
+        pause = std::min(std::max(pause * 2, std::chrono::microseconds(20)),
+                         std::chrono::microseconds(1000));
     }
   });
   return from;

@@ -190,13 +190,16 @@ SMDDP_INLINE void reduce_arith(void* dst, const void* const* srcs, int nsrc, siz
 
 // One multiversioned entry point per element type (the op switch lives inside, so each
 // clone carries its own vectorized loops).
-SMDDP_CLONES void k_f32(void* d, const void* const* s, int k, size_t n, RedOp op, bool fin, int dv) {
+SMDDP_CLONES void k_f32(void* d, const void* const* s, int k, size_t n, RedOp op, bool fin,
+                        int dv) {
   reduce_arith<float, float, float>(d, s, k, n, op, fin, static_cast<float>(dv));
 }
-SMDDP_CLONES void k_f64(void* d, const void* const* s, int k, size_t n, RedOp op, bool fin, int dv) {
+SMDDP_CLONES void k_f64(void* d, const void* const* s, int k, size_t n, RedOp op, bool fin,
+                        int dv) {
   reduce_arith<double, double, double>(d, s, k, n, op, fin, static_cast<double>(dv));
 }
-SMDDP_CLONES void k_bf16(void* d, const void* const* s, int k, size_t n, RedOp op, bool fin, int dv) {
+SMDDP_CLONES void k_bf16(void* d, const void* const* s, int k, size_t n, RedOp op, bool fin,
+                         int dv) {
   reduce_arith<bf16_t, bf16_t, float>(d, s, k, n, op, fin, static_cast<float>(dv));
 }
 SMDDP_CLONES void k_bf16_acc(void* d, const void* const* s, int k, size_t n, RedOp op, bool fin,
@@ -207,7 +210,8 @@ SMDDP_CLONES void k_acc_bf16(void* d, const void* const* s, int k, size_t n, Red
                              int dv) {  // fp32 partials -> bf16 result
   reduce_arith<float, bf16_t, float>(d, s, k, n, op, fin, static_cast<float>(dv));
 }
-SMDDP_CLONES void k_f16(void* d, const void* const* s, int k, size_t n, RedOp op, bool fin, int dv) {
+SMDDP_CLONES void k_f16(void* d, const void* const* s, int k, size_t n, RedOp op, bool fin,
+                        int dv) {
   reduce_arith<f16_t, f16_t, float>(d, s, k, n, op, fin, static_cast<float>(dv));
 }
 SMDDP_CLONES void k_f16_acc(void* d, const void* const* s, int k, size_t n, RedOp op, bool fin,
@@ -276,7 +280,8 @@ void reduce(DType in_t, DType out_t, void* dst, const void* const* srcs, int nsr
     case DType::F64:
       return k_f64(dst, srcs, nsrc, n, op, div, dv);
     case DType::BF16:
-      if (in_t == DType::BF16 && out_t == DType::BF16) return k_bf16(dst, srcs, nsrc, n, op, div, dv);
+      if (in_t == DType::BF16 && out_t == DType::BF16)
+        return k_bf16(dst, srcs, nsrc, n, op, div, dv);
       if (in_t == DType::BF16) return k_bf16_acc(dst, srcs, nsrc, n, op, div, dv);
       if (out_t == DType::BF16) return k_acc_bf16(dst, srcs, nsrc, n, op, div, dv);
       return k_f32(dst, srcs, nsrc, n, op, div, dv);

@@ -97,8 +97,8 @@ void reduce_scatter(ShmComm& c, const void* in, const std::vector<Span>& parts,
   for (const Span& p : parts) maxlen = std::max(maxlen, p.len);
   // Each step carries one chunk of every part: bounded by the buffer, and by the pipeline
   // chunk per part so the step's reads stay in cache.
-  const size_t chunk = std::min(chunk_elems(c.buffer_bytes(), nparts, esz),
-                                chunk_elems(c.chunk_bytes(), 1, esz));
+  const size_t chunk =
+      std::min(chunk_elems(c.buffer_bytes(), nparts, esz), chunk_elems(c.chunk_bytes(), 1, esz));
   std::vector<const void*> srcs(n);
   bool first = true;
   for (size_t o = 0; o < maxlen || first; o += chunk) {
@@ -115,8 +115,8 @@ void reduce_scatter(ShmComm& c, const void* in, const std::vector<Span>& parts,
       int p = owned[me][k];
       Span piece = clip(parts[p], o, chunk);
       for (int i = 0; i < n; ++i) srcs[i] = c.peer(i, s) + p * chunk * esz;
-      reduce(red.dtype, out_t, static_cast<char*>(dst[k]) + o * out_esz, srcs.data(), n,
-             piece.len, red, finish);
+      reduce(red.dtype, out_t, static_cast<char*>(dst[k]) + o * out_esz, srcs.data(), n, piece.len,
+             red, finish);
     }
     c.end_step(s);
   }
@@ -307,7 +307,8 @@ void alltoall(ShmComm& c, const void* in, const std::vector<Span>& send, void* o
     s = c.begin_step(ctx, false);
     for (int j = 0; j < n; ++j) {
       Span piece = clip(send[j], o, region);
-      if (j != me && piece.len) std::memcpy(c.mine(s, j * region, piece.len), src + piece.off, piece.len);
+      if (j != me && piece.len)
+        std::memcpy(c.mine(s, j * region, piece.len), src + piece.off, piece.len);
     }
     c.post(s, 1);
     for (int step = 1; step < n; ++step) {

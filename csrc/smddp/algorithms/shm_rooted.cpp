@@ -101,8 +101,8 @@ void scatter(ShmComm& c, const std::vector<const char*>& src, const std::vector<
   }
 }
 
-void reduce(ShmComm& c, void* data, size_t count, const Reduction& red, int root,
-            const OpCtx& ctx, size_t oneshot_bytes) {
+void reduce(ShmComm& c, void* data, size_t count, const Reduction& red, int root, const OpCtx& ctx,
+            size_t oneshot_bytes) {
   const int n = c.size(), me = c.rank();
   const size_t esz = dtype_size(red.dtype);
   char* buf = static_cast<char*>(data);
@@ -133,7 +133,8 @@ void reduce(ShmComm& c, void* data, size_t count, const Reduction& red, int root
     // My slice of the chunk, reduced in rank order in place in my buffer (as allreduce).
     Span mine = partition(m, n, me, 64 / esz);
     for (int i = 0; i < n; ++i) srcs[i] = c.peer(i, s) + mine.off * esz;
-    smddp::reduce(red.dtype, red.dtype, c.mine(s) + mine.off * esz, srcs.data(), n, mine.len, red, true);
+    smddp::reduce(red.dtype, red.dtype, c.mine(s) + mine.off * esz, srcs.data(), n, mine.len, red,
+                  true);
     c.post(s, 2);
     if (me == root) {
       for (int k = 0; k < n; ++k) {

@@ -39,8 +39,8 @@ void scatter(ShmComm& c, const std::vector<const char*>& src, const std::vector<
 
 // Reduces `count` elements of every local rank's `data` into the root's `data` (in place
 // there; read-only elsewhere), combining in local rank order like allreduce.
-void reduce(ShmComm& c, void* data, size_t count, const Reduction& red, int root,
-            const OpCtx& ctx, size_t oneshot_bytes);
+void reduce(ShmComm& c, void* data, size_t count, const Reduction& red, int root, const OpCtx& ctx,
+            size_t oneshot_bytes);
 
 }  // namespace shm
 }  // namespace smddp

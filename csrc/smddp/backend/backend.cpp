@@ -69,7 +69,8 @@ DType to_dtype(at::ScalarType t, const char* collective) {
 
 void check_cpu(const at::Tensor& t, const char* collective, const char* what) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), "smddp: ", collective, " got ", what, " on device ",
-                    t.device(), "; this call takes CPU tensors only (torch.distributed's "
+                    t.device(),
+                    "; this call takes CPU tensors only (torch.distributed's "
                     "collectives take device tensors)");
   TORCH_CHECK_VALUE(t.layout() == at::kStrided, "smddp: ", collective, " got a ", t.layout(),
                     " tensor as ", what, "; only dense (strided) tensors are supported");
@@ -109,10 +110,11 @@ at::Tensor ProcessGroupSMDDP::allocateTensor(long size, at::TensorOptions option
   options = options.device(at::kCPU);
   std::shared_ptr<ShmPool> pool = comm_->pool();
   size_t bytes = 0;
-  TORCH_CHECK_VALUE(!__builtin_mul_overflow(static_cast<size_t>(size), options.dtype().itemsize(), &bytes) &&
-                        bytes <= static_cast<size_t>(INT64_MAX),
-                    "smddp: allocate_tensor: ", size, " elements of ", options.dtype().itemsize(),
-                    " bytes (", options.dtype().name(), ") is more than 2^63 bytes; ask for fewer elements");
+  TORCH_CHECK_VALUE(
+      !__builtin_mul_overflow(static_cast<size_t>(size), options.dtype().itemsize(), &bytes) &&
+          bytes <= static_cast<size_t>(INT64_MAX),
+      "smddp: allocate_tensor: ", size, " elements of ", options.dtype().itemsize(), " bytes (",
+      options.dtype().name(), ") is more than 2^63 bytes; ask for fewer elements");
   void* p = pool && bytes ? pool->allocate(bytes) : nullptr;
   // A full pool (or /dev/shm) is not an error: the collectives stage ordinary memory.
   if (!p) return at::empty({size}, options);
@@ -198,7 +200,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::submit(c10::intrusive_ptr<Smdd
   }
   const c10d::OpType type = work->retrieveOpType();
   work->set_executor(exec_);
-  if (type != c10d::OpType::SEND && type != c10d::OpType::RECV && type != c10d::OpType::RECVANYSOURCE) {
+  if (type != c10d::OpType::SEND && type != c10d::OpType::RECV &&
+      type != c10d::OpType::RECVANYSOURCE) {
     issued_.fetch_add(1);
   }
   if (type == c10d::OpType::SEND) {

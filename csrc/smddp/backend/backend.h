@@ -7,12 +7,11 @@
 // the Stager, then call the same collective again on the mirrors.
 #pragma once
 
+#include <atomic>
+#include <memory>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
-
-#include <atomic>
-#include <memory>
 
 #include "smddp/algorithms/comm.h"
 #include "smddp/backend/device_staging.h"
@@ -29,7 +28,9 @@ class ProcessGroupSMDDP : public c10d::Backend {
   ~ProcessGroupSMDDP() override;
 
   const std::string getBackendName() const override { return "smddp"; }
-  void setTimeout(std::chrono::milliseconds timeout) override { timeout_s_ = timeout.count() / 1e3; }
+  void setTimeout(std::chrono::milliseconds timeout) override {
+    timeout_s_ = timeout.count() / 1e3;
+  }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
@@ -48,9 +49,9 @@ class ProcessGroupSMDDP : public c10d::Backend {
                                            const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
-      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts) override;

@@ -1,8 +1,8 @@
 // ProcessGroupSMDDP collectives: validation on the caller's thread, then a closure on raw
 // pointers for the executor. Non-contiguous tensors are staged through a contiguous copy.
-#include "smddp/backend/backend.h"
-
 #include <cstring>
+
+#include "smddp/backend/backend.h"
 
 namespace smddp {
 namespace {
@@ -20,7 +20,8 @@ void copy_back(const at::Tensor& staged, const at::Tensor& t) {
 }
 
 // In-place all-reduce of one tensor, staged through a contiguous copy if it is not one.
-void allreduce_tensor(Communicator& comm, const at::Tensor& t, const Reduction& red, const OpCtx& ctx) {
+void allreduce_tensor(Communicator& comm, const at::Tensor& t, const Reduction& red,
+                      const OpCtx& ctx) {
   at::Tensor c = t.contiguous();
   comm.allreduce(c.data_ptr(), c.numel(), red, ctx);
   copy_back(c, t);
@@ -98,8 +99,8 @@ std::vector<std::vector<at::Tensor>> mirror_lists(StagedOp& op,
 
 void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* name) {
   TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), "smddp: ", name,
-                   ": input and output dtypes differ (", a.scalar_type(), " vs ",
-                   b.scalar_type(), ")");
+                   ": input and output dtypes differ (", a.scalar_type(), " vs ", b.scalar_type(),
+                   ")");
 }
 
 at::Tensor flat_cat(const std::vector<at::Tensor>& ts) {
@@ -144,10 +145,10 @@ void ProcessGroupSMDDP::allreduce_direct(const at::Tensor& tensor, const c10d::R
   at::Tensor t = tensor;
   if (t.is_complex()) {
     // As torch.distributed does: reduce the real view, for the ops that mean the same there.
-    TORCH_CHECK_VALUE(op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG ||
-                          op == c10d::ReduceOp::PREMUL_SUM,
-                      "smddp: all_reduce does not support this ReduceOp on complex tensors; "
-                      "use SUM, AVG or PREMUL_SUM");
+    TORCH_CHECK_VALUE(
+        op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG || op == c10d::ReduceOp::PREMUL_SUM,
+        "smddp: all_reduce does not support this ReduceOp on complex tensors; "
+        "use SUM, AVG or PREMUL_SUM");
     t = at::view_as_real(t);
   }
   Reduction red = reduction_of(op, t, "all_reduce");
@@ -185,7 +186,8 @@ WorkPtr ProcessGroupSMDDP::allreduce_coalesced(std::vector<at::Tensor>& tensors,
   });
 }
 
-WorkPtr ProcessGroupSMDDP::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
+WorkPtr ProcessGroupSMDDP::reduce(std::vector<at::Tensor>& tensors,
+                                  const c10d::ReduceOptions& opts) {
   check_count(tensors, "reduce");
   if (auto op = stage({&tensors[0]}, "reduce")) {
     std::vector<at::Tensor> host = op->mirror(tensors, true, rank_ == opts.rootRank);
@@ -196,9 +198,9 @@ WorkPtr ProcessGroupSMDDP::reduce(std::vector<at::Tensor>& tensors, const c10d::
   int root = static_cast<int>(opts.rootRank);
   check_root(root, size_, "reduce");
   Reduction red = reduction_of(opts.reduceOp, t, "reduce");
-  OpCtx ctx = comm_->make_ctx("reduce", desc_of(t, int(red.op), t.numel(), root),
-                              rooted(args_of(t, redop_name(red.op)), root),
-                              timeout_of(opts.timeout));
+  OpCtx ctx =
+      comm_->make_ctx("reduce", desc_of(t, int(red.op), t.numel(), root),
+                      rooted(args_of(t, redop_name(red.op)), root), timeout_of(opts.timeout));
   int me = rank_;
   return submit(OpType::REDUCE, tensors, opts.asyncOp, [this, t, red, ctx, root, me] {
     // Note [Rooted collectives] in shm_rooted.h: the other ranks' tensors are only read.
@@ -233,8 +235,8 @@ WorkPtr ProcessGroupSMDDP::_allgather_base(at::Tensor& output, at::Tensor& input
   check_cpu(input, name, "the input");
   check_cpu(output, name, "the output");
   const size_t bytes = input.numel() * input.element_size();
-  OpCtx ctx = comm_->make_ctx(name, desc_of(input, 0, bytes), args_of(input),
-                              timeout_of(opts.timeout));
+  OpCtx ctx =
+      comm_->make_ctx(name, desc_of(input, 0, bytes), args_of(input), timeout_of(opts.timeout));
   at::Tensor in = input, out = output;
   return submit(OpType::_ALLGATHER_BASE, {output}, opts.asyncOp, [this, in, out, bytes, ctx] {
     at::Tensor o = contiguous_out(out);
@@ -265,8 +267,8 @@ WorkPtr ProcessGroupSMDDP::allgather(std::vector<std::vector<at::Tensor>>& outpu
                       in.numel(), " elements like the input, got ", o.numel());
   }
   const size_t bytes = in.numel() * in.element_size();
-  OpCtx ctx = comm_->make_ctx("all_gather", desc_of(in, 0, bytes), args_of(in),
-                              timeout_of(opts.timeout));
+  OpCtx ctx =
+      comm_->make_ctx("all_gather", desc_of(in, 0, bytes), args_of(in), timeout_of(opts.timeout));
   auto outs = outputs[0];
   int n = size_;
   return submit(OpType::ALLGATHER, outs, opts.asyncOp, [this, in, outs, bytes, ctx, n] {
@@ -323,24 +325,27 @@ WorkPtr ProcessGroupSMDDP::allgather_coalesced(std::vector<std::vector<at::Tenso
   const int n = size_;
   return submit(OpType::ALLGATHER_COALESCED, flat_outputs, opts.asyncOp,
                 [this, ins, outs, offsets, bytes, ctx, n] {
-    at::Tensor send = at::empty({static_cast<int64_t>(bytes)}, at::kByte);
-    char* s = static_cast<char*>(send.data_ptr());
-    for (size_t i = 0; i < ins.size(); ++i) {
-      at::Tensor c = ins[i].contiguous();
-      if (c.numel()) std::memcpy(s + offsets[i], c.data_ptr(), c.numel() * c.element_size());
-    }
-    at::Tensor all = at::empty({static_cast<int64_t>(bytes) * n}, at::kByte);
-    comm_->allgather(s, all.data_ptr(), bytes, ctx);
-    const char* a = static_cast<const char*>(all.data_ptr());
-    for (int r = 0; r < n; ++r) {
-      for (size_t i = 0; i < ins.size(); ++i) {
-        const at::Tensor& o = outs[r][i];
-        at::Tensor c = contiguous_out(o);
-        if (c.numel()) std::memcpy(c.data_ptr(), a + r * bytes + offsets[i], c.numel() * c.element_size());
-        copy_back(c, o);
-      }
-    }
-  });
+                  at::Tensor send = at::empty({static_cast<int64_t>(bytes)}, at::kByte);
+                  char* s = static_cast<char*>(send.data_ptr());
+                  for (size_t i = 0; i < ins.size(); ++i) {
+                    at::Tensor c = ins[i].contiguous();
+                    if (c.numel())
+                      std::memcpy(s + offsets[i], c.data_ptr(), c.numel() * c.element_size());
+                  }
+                  at::Tensor all = at::empty({static_cast<int64_t>(bytes) * n}, at::kByte);
+                  comm_->allgather(s, all.data_ptr(), bytes, ctx);
+                  const char* a = static_cast<const char*>(all.data_ptr());
+                  for (int r = 0; r < n; ++r) {
+                    for (size_t i = 0; i < ins.size(); ++i) {
+                      const at::Tensor& o = outs[r][i];
+                      at::Tensor c = contiguous_out(o);
+                      if (c.numel())
+                        std::memcpy(c.data_ptr(), a + r * bytes + offsets[i],
+                                    c.numel() * c.element_size());
+                      copy_back(c, o);
+                    }
+                  }
+                });
 }
 
 WorkPtr ProcessGroupSMDDP::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
@@ -351,7 +356,8 @@ WorkPtr ProcessGroupSMDDP::allgather_into_tensor_coalesced(std::vector<at::Tenso
   std::vector<WorkPtr> parts;
   bool was = coalescing_;
   coalescing_ = false;
-  for (size_t k = 0; k < inputs.size(); ++k) parts.push_back(_allgather_base(outputs[k], inputs[k], opts));
+  for (size_t k = 0; k < inputs.size(); ++k)
+    parts.push_back(_allgather_base(outputs[k], inputs[k], opts));
   coalescing_ = was;
   return track(c10::make_intrusive<CoalescedWork>(std::move(parts)));
 }
@@ -371,8 +377,9 @@ WorkPtr ProcessGroupSMDDP::_reduce_scatter_base(at::Tensor& output, at::Tensor& 
                                   args_of(output, redop_name(red.op)), timeout_of(opts.timeout));
       at::Tensor in = input, out = output;
       return staged(op, [&] {
-        return submit(OpType::_REDUCE_SCATTER_BASE, {output}, opts.asyncOp,
-                      [this, op, in, out, red, ctx] { op->reduce_scatter(*comm_, in, out, red, ctx); });
+        return submit(
+            OpType::_REDUCE_SCATTER_BASE, {output}, opts.asyncOp,
+            [this, op, in, out, red, ctx] { op->reduce_scatter(*comm_, in, out, red, ctx); });
       });
     }
     at::Tensor hin = op->mirror(input, true, false);
@@ -462,7 +469,8 @@ WorkPtr ProcessGroupSMDDP::broadcast(std::vector<at::Tensor>& tensors,
 }
 
 WorkPtr ProcessGroupSMDDP::gather(std::vector<std::vector<at::Tensor>>& outputs,
-                                  std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
+                                  std::vector<at::Tensor>& inputs,
+                                  const c10d::GatherOptions& opts) {
   check_count(inputs, "gather");
   if (auto op = stage(all_of(outputs, inputs), "gather")) {
     std::vector<at::Tensor> hin = op->mirror(inputs, true, false);
@@ -476,8 +484,7 @@ WorkPtr ProcessGroupSMDDP::gather(std::vector<std::vector<at::Tensor>>& outputs,
   std::vector<at::Tensor> outs;
   if (rank_ == root) {
     TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_,
-                      "smddp: gather needs a list of world_size (", size_,
-                      ") outputs on the root");
+                      "smddp: gather needs a list of world_size (", size_, ") outputs on the root");
     outs = outputs[0];
     for (const auto& o : outs) {
       check_cpu(o, "gather", "an output");
@@ -528,8 +535,8 @@ WorkPtr ProcessGroupSMDDP::scatter(std::vector<at::Tensor>& outputs,
     for (const auto& i : ins) {
       check_cpu(i, "scatter", "an input");
       check_same_dtype(i, out, "scatter");
-      TORCH_CHECK_VALUE(i.numel() == out.numel(), "smddp: scatter: inputs must have ",
-                        out.numel(), " elements like the output, got ", i.numel());
+      TORCH_CHECK_VALUE(i.numel() == out.numel(), "smddp: scatter: inputs must have ", out.numel(),
+                        " elements like the output, got ", i.numel());
     }
   } else {
     TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(),
@@ -574,7 +581,8 @@ WorkPtr ProcessGroupSMDDP::alltoall_base(at::Tensor& output, at::Tensor& input,
     if (splits.empty()) {
       TORCH_CHECK_VALUE(rows % size_ == 0, "smddp: ", name, ": the ", what, " has ", rows,
                         " rows, not divisible by world_size ", size_, "; pass split sizes");
-      for (int r = 0; r < size_; ++r) out[r] = {size_t(r * rows / size_) * row_bytes, size_t(rows / size_) * row_bytes};
+      for (int r = 0; r < size_; ++r)
+        out[r] = {size_t(r * rows / size_) * row_bytes, size_t(rows / size_) * row_bytes};
       return out;
     }
     TORCH_CHECK_VALUE(static_cast<int>(splits.size()) == size_, "smddp: ", name, ": ", what,
@@ -586,9 +594,9 @@ WorkPtr ProcessGroupSMDDP::alltoall_base(at::Tensor& output, at::Tensor& input,
     for (int r = 0; r < size_; ++r) {
       TORCH_CHECK_VALUE(splits[r] >= 0, "smddp: ", name, ": ", what, " split size ", r, " is ",
                         splits[r], "; split sizes must be >= 0");
-      TORCH_CHECK_VALUE(splits[r] <= left, "smddp: ", name, ": ", what, " split sizes ", c10::IntArrayRef(splits),
-                        " add up to more than the ", rows, " rows of the ", what,
-                        " (split ", r, " is ", splits[r], " with ", left,
+      TORCH_CHECK_VALUE(splits[r] <= left, "smddp: ", name, ": ", what, " split sizes ",
+                        c10::IntArrayRef(splits), " add up to more than the ", rows,
+                        " rows of the ", what, " (split ", r, " is ", splits[r], " with ", left,
                         " rows left); they must sum to exactly its number of rows");
       out[r] = {size_t(rows - left) * row_bytes, size_t(splits[r]) * row_bytes};
       left -= splits[r];
@@ -609,11 +617,12 @@ WorkPtr ProcessGroupSMDDP::alltoall_base(at::Tensor& output, at::Tensor& input,
   });
 }
 
-WorkPtr ProcessGroupSMDDP::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+WorkPtr ProcessGroupSMDDP::alltoall(std::vector<at::Tensor>& outputs,
+                                    std::vector<at::Tensor>& inputs,
                                     const c10d::AllToAllOptions& opts) {
-  TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == size_ &&
-                        static_cast<int>(outputs.size()) == size_,
-                    "smddp: all_to_all needs world_size (", size_, ") inputs and outputs");
+  TORCH_CHECK_VALUE(
+      static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_,
+      "smddp: all_to_all needs world_size (", size_, ") inputs and outputs");
   if (auto op = stage(all_of({&inputs, &outputs}), "all_to_all")) {
     std::vector<at::Tensor> hin = op->mirror(inputs, true, false);
     std::vector<at::Tensor> hout = op->mirror(outputs, false, true);
@@ -665,11 +674,13 @@ WorkPtr ProcessGroupSMDDP::send(std::vector<at::Tensor>& tensors, int dst, int t
   at::Tensor t = tensors[0];
   at::Tensor c = t.contiguous();
   const size_t bytes = c.numel() * c.element_size();
-  if (exec_->try_send_now([&] { return comm_->try_send_now(c.data_ptr(), bytes, dst, static_cast<uint32_t>(tag)); })) {
+  if (exec_->try_send_now([&] {
+        return comm_->try_send_now(c.data_ptr(), bytes, dst, static_cast<uint32_t>(tag));
+      })) {
     return completed(OpType::SEND, tensors);
   }
-  OpCtx ctx = comm_->make_ctx("send", desc_of(t, 0, t.numel()), peer_args_of(t, dst, true),
-                              timeout_s_);
+  OpCtx ctx =
+      comm_->make_ctx("send", desc_of(t, 0, t.numel()), peer_args_of(t, dst, true), timeout_s_);
   return submit(OpType::SEND, tensors, true, [this, c, bytes, dst, tag, ctx] {
     comm_->send(c.data_ptr(), bytes, dst, static_cast<uint32_t>(tag), ctx);
   });
@@ -685,12 +696,14 @@ WorkPtr ProcessGroupSMDDP::recv(std::vector<at::Tensor>& tensors, int src, int t
   TORCH_CHECK_VALUE(src >= 0 && src < size_ && src != rank_, "smddp: recv from invalid rank ", src);
   TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
   at::Tensor t = tensors[0];
-  if (t.is_contiguous() &&
-      exec_->try_now([&] { return comm_->try_recv_now(t.data_ptr(), t.numel() * t.element_size(), src, static_cast<uint32_t>(tag)); })) {
+  if (t.is_contiguous() && exec_->try_now([&] {
+        return comm_->try_recv_now(t.data_ptr(), t.numel() * t.element_size(), src,
+                                   static_cast<uint32_t>(tag));
+      })) {
     return completed(OpType::RECV, tensors);
   }
-  OpCtx ctx = comm_->make_ctx("recv", desc_of(t, 0, t.numel()), peer_args_of(t, src, false),
-                              timeout_s_);
+  OpCtx ctx =
+      comm_->make_ctx("recv", desc_of(t, 0, t.numel()), peer_args_of(t, src, false), timeout_s_);
   return submit(OpType::RECV, tensors, true, [this, t, src, tag, ctx] {
     at::Tensor c = contiguous_out(t);
     comm_->recv(c.data_ptr(), c.numel() * c.element_size(), src, static_cast<uint32_t>(tag), ctx);

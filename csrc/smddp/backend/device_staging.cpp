@@ -12,8 +12,8 @@
 namespace smddp {
 
 std::vector<ChunkRange> plan_chunks(int64_t numel, int64_t chunk_elems) {
-  TORCH_CHECK_VALUE(numel >= 0 && chunk_elems > 0, "smddp: plan_chunks(", numel, ", ",
-                    chunk_elems, "): needs numel >= 0 and chunk_elems > 0");
+  TORCH_CHECK_VALUE(numel >= 0 && chunk_elems > 0, "smddp: plan_chunks(", numel, ", ", chunk_elems,
+                    "): needs numel >= 0 and chunk_elems > 0");
   std::vector<ChunkRange> out;
   for (int64_t b = 0; b < numel; b += std::min(chunk_elems, numel - b)) {
     out.push_back({b, std::min(chunk_elems, numel - b)});
@@ -40,15 +40,17 @@ std::shared_ptr<StagedOp> Stager::begin(const std::vector<const at::Tensor*>& te
     if (!stage_cpu_ || tensors.empty()) return nullptr;
     device = c10::Device(at::kCPU);
   }
-  TORCH_CHECK_VALUE(device->is_cpu() || at::isAccelerator(device->type()), "smddp: ",
-                    collective, " got a tensor on device ", *device, "; smddp takes CPU tensors "
+  TORCH_CHECK_VALUE(device->is_cpu() || at::isAccelerator(device->type()), "smddp: ", collective,
+                    " got a tensor on device ", *device,
+                    "; smddp takes CPU tensors "
                     "and tensors of an accelerator (with streams and events), such as cuda");
   for (const at::Tensor* t : tensors) {
-    TORCH_CHECK_VALUE(t->device() == *device, "smddp: ", collective, " got tensors on ",
-                      *device, " and on ", t->device(), "; the tensors of one collective must "
+    TORCH_CHECK_VALUE(t->device() == *device, "smddp: ", collective, " got tensors on ", *device,
+                      " and on ", t->device(),
+                      "; the tensors of one collective must "
                       "all be on one device");
-    TORCH_CHECK_VALUE(t->layout() == at::kStrided, "smddp: ", collective, " got a ",
-                      t->layout(), " tensor; only dense (strided) tensors are supported");
+    TORCH_CHECK_VALUE(t->layout() == at::kStrided, "smddp: ", collective, " got a ", t->layout(),
+                      " tensor; only dense (strided) tensors are supported");
   }
   return std::make_shared<StagedOp>(*this, *device);
 }
@@ -187,7 +189,8 @@ void StagedOp::copy_in() {
     if (on_device()) order_side_streams(issued_, *d2h_, *h2d_);
     for (size_t k = 0; k < mirrors_.size(); ++k) {
       if (!mirrors_[k].in) continue;
-      copy(mirrors_[k].host, mirrors_[k].dev, d2h_.value_or(c10::Stream(c10::Stream::DEFAULT, device_)));
+      copy(mirrors_[k].host, mirrors_[k].dev,
+           d2h_.value_or(c10::Stream(c10::Stream::DEFAULT, device_)));
       trace("d2h mirror " + std::to_string(k));
     }
     if (on_device()) {
@@ -208,7 +211,8 @@ void StagedOp::copy_out() {
   try {
     for (size_t k = 0; k < mirrors_.size(); ++k) {
       if (!mirrors_[k].out) continue;
-      copy(mirrors_[k].dev, mirrors_[k].host, h2d_.value_or(c10::Stream(c10::Stream::DEFAULT, device_)));
+      copy(mirrors_[k].dev, mirrors_[k].host,
+           h2d_.value_or(c10::Stream(c10::Stream::DEFAULT, device_)));
       trace("h2d mirror " + std::to_string(k));
     }
   } catch (...) {
@@ -259,7 +263,8 @@ int64_t StagedOp::chunk_elems(const at::Tensor& t) const {
 
 void StagedOp::allreduce(Communicator& comm, const at::Tensor& t, const Reduction& red,
                          const OpCtx& ctx) {
-  TORCH_INTERNAL_ASSERT(t.is_contiguous(), "smddp: the staged all-reduce needs a contiguous tensor");
+  TORCH_INTERNAL_ASSERT(t.is_contiguous(),
+                        "smddp: the staged all-reduce needs a contiguous tensor");
   at::Tensor flat = t.view({-1});
   at::Tensor host = host_like(flat);
   char* base = static_cast<char*>(host.data_ptr());
@@ -309,8 +314,8 @@ void StagedOp::allgather(Communicator& comm, const at::Tensor& input, const at::
       });
 }
 
-void StagedOp::reduce_scatter(Communicator& comm, const at::Tensor& input,
-                              const at::Tensor& output, const Reduction& red, const OpCtx& ctx) {
+void StagedOp::reduce_scatter(Communicator& comm, const at::Tensor& input, const at::Tensor& output,
+                              const Reduction& red, const OpCtx& ctx) {
   TORCH_INTERNAL_ASSERT(input.is_contiguous() && output.is_contiguous());
   const int64_t world = comm.config().size, n = output.numel(), esz = output.element_size();
   at::Tensor in = input.view({-1}), out = output.view({-1});

@@ -94,8 +94,7 @@ class StagedOp {
   // Host->device copies of every `out` mirror (queued; see Note [Device staging]).
   void copy_out();
   // The pipelined in-place all-reduce of contiguous `t` (Note [Staging pipeline]).
-  void allreduce(Communicator& comm, const at::Tensor& t, const Reduction& red,
-                 const OpCtx& ctx);
+  void allreduce(Communicator& comm, const at::Tensor& t, const Reduction& red, const OpCtx& ctx);
   // The pipelined all_gather_into_tensor and reduce_scatter_tensor of contiguous tensors.
   void allgather(Communicator& comm, const at::Tensor& input, const at::Tensor& output,
                  const OpCtx& ctx);

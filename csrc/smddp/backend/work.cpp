@@ -15,8 +15,8 @@ SmddpWork::SmddpWork(int rank, c10d::OpType type, std::vector<at::Tensor> output
 SmddpWork::SmddpWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs,
                      c10::Device device, c10::Stream completion_stream)
     : c10d::Work(rank, type), outputs_(std::move(outputs)), completion_stream_(completion_stream) {
-  future_ = c10::make_intrusive<c10::ivalue::Future>(
-      c10::ListType::create(c10::TensorType::get()), std::vector<c10::Device>{device});
+  future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                     std::vector<c10::Device>{device});
 }
 
 void SmddpWork::complete(std::exception_ptr error) {
@@ -108,8 +108,8 @@ void Executor::submit_send(Fn fn, c10::intrusive_ptr<SmddpWork> work) {
 void Executor::enqueue(Lane& lane, Item item) {
   std::lock_guard<std::mutex> g(mu_);
   if (stop_) {
-    item.work->complete(std::make_exception_ptr(
-        std::runtime_error("smddp: the process group was shut down")));
+    item.work->complete(
+        std::make_exception_ptr(std::runtime_error("smddp: the process group was shut down")));
     return;
   }
   lane.queue.push_back(std::move(item));

@@ -8,7 +8,8 @@
 // and for every async call, the operation is queued to the group's main lane, which a
 // worker thread (Note [One transport per process]) runs in FIFO order so communication
 // overlaps the caller's computation. Sends (isend/send) run on a separate send lane so a
-// large send never blocks a receive queued behind it. `exec_mu_` makes sure inline and worker executions never overlap.
+// large send never blocks a receive queued behind it. `exec_mu_` makes sure inline and worker
+// executions never overlap.
 //
 // Note [Waiting runs the work]
 // A caller that waits for an async work which has not started yet would otherwise sleep
@@ -51,7 +52,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
-#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
 #include <condition_variable>
@@ -61,6 +61,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 namespace smddp {
 
@@ -182,7 +183,7 @@ class Executor {
     bool scheduled = false;  // a pool thread runs this lane (until its queue is empty)
     size_t pending = 0;      // queued or running
   };
-  void drain(Lane& lane);  // on a pool thread: runs the lane's queue, then returns
+  void drain(Lane& lane);       // on a pool thread: runs the lane's queue, then returns
   Item take_front(Lane& lane);  // under mu_; marks the main lane busy
   void finished(Lane& lane);    // takes mu_; the work taken by take_front is done
   void run(Item& item);

@@ -30,8 +30,8 @@ const char* dtype_name(DType t) {
 }
 
 const char* redop_name(RedOp op) {
-  static const char* names[] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX",
-                                "BAND", "BOR", "BXOR", "PREMUL_SUM"};
+  static const char* names[] = {"SUM",  "AVG", "PRODUCT", "MIN",       "MAX",
+                                "BAND", "BOR", "BXOR",    "PREMUL_SUM"};
   return names[static_cast<int>(op)];
 }
 
@@ -45,22 +45,22 @@ void check_reduction(DType dtype, RedOp op, const char* collective) {
   bool bitwise = op == RedOp::BAND || op == RedOp::BOR || op == RedOp::BXOR;
   bool scaling = op == RedOp::AVG || op == RedOp::PREMUL_SUM;
   if (bitwise && is_floating(dtype)) {
-    throw std::invalid_argument(std::string("smddp: ") + collective + " does not support ReduceOp." +
-                                redop_name(op) + " for " + dtype_name(dtype) +
-                                " tensors; bitwise ops need an integer or bool dtype");
+    throw std::invalid_argument(
+        std::string("smddp: ") + collective + " does not support ReduceOp." + redop_name(op) +
+        " for " + dtype_name(dtype) + " tensors; bitwise ops need an integer or bool dtype");
   }
   if (scaling && !is_floating(dtype)) {
-    throw std::invalid_argument(std::string("smddp: ") + collective + " does not support ReduceOp." +
-                                redop_name(op) + " for " + dtype_name(dtype) +
-                                " tensors; use a floating-point dtype or ReduceOp.SUM");
+    throw std::invalid_argument(
+        std::string("smddp: ") + collective + " does not support ReduceOp." + redop_name(op) +
+        " for " + dtype_name(dtype) + " tensors; use a floating-point dtype or ReduceOp.SUM");
   }
 }
 
 Deadline Deadline::after(double seconds) {
   Deadline d;
   d.seconds = seconds;
-  d.at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                            std::chrono::duration<double>(seconds));
+  d.at = Clock::now() +
+         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
   return d;
 }
 
@@ -75,7 +75,8 @@ std::string describe_op(const char* name, const OpArgs& args) {
   s.append(" (").append(args.dtype);
   if (args.op) s.append(", ").append(args.op);
   s.append(", ").append(std::to_string(args.numel)).append(" elements");
-  if (args.peer >= 0) s.append(args.to_peer ? ", to rank " : ", from rank ").append(std::to_string(args.peer));
+  if (args.peer >= 0)
+    s.append(args.to_peer ? ", to rank " : ", from rank ").append(std::to_string(args.peer));
   if (args.peer == kAnyPeer) s.append(", from any rank");
   if (args.root >= 0) s.append(", root ").append(std::to_string(args.root));
   return s.append(")");
@@ -154,13 +155,15 @@ namespace {
 
 size_t checked_mul(size_t a, size_t b, const char* what) {
   size_t r;
-  if (__builtin_mul_overflow(a, b, &r)) overflow(what, std::to_string(a) + " x " + std::to_string(b));
+  if (__builtin_mul_overflow(a, b, &r))
+    overflow(what, std::to_string(a) + " x " + std::to_string(b));
   return r;
 }
 
 size_t checked_add(size_t a, size_t b, const char* what) {
   size_t r;
-  if (__builtin_add_overflow(a, b, &r)) overflow(what, std::to_string(a) + " + " + std::to_string(b));
+  if (__builtin_add_overflow(a, b, &r))
+    overflow(what, std::to_string(a) + " + " + std::to_string(b));
   return r;
 }
 

@@ -53,7 +53,7 @@ struct Deadline {
 // across ranks: two ranks that issue different collectives (kind, dtype, op, count) at the
 // same sequence number raise instead of exchanging garbage.
 struct CollDesc {
-  uint32_t kind = 0;   // hash of the collective's name
+  uint32_t kind = 0;  // hash of the collective's name
   uint32_t dtype_op = 0;
   uint64_t count = 0;  // element or byte count, as the collective defines it
   uint64_t extra = 0;  // root rank etc.
@@ -70,9 +70,9 @@ struct OpArgs {
   const char* dtype = nullptr;  // "float32"; nullptr: no tensor arguments (barrier)
   const char* op = nullptr;     // "sum"; nullptr: not a reduction
   int64_t numel = 0;
-  int peer = -1;                // send/recv: the other rank (kAnyPeer: recv from any rank)
-  bool to_peer = false;         // send (true) or recv (false)
-  int64_t root = -1;            // rooted collectives (broadcast, reduce, gather, scatter)
+  int peer = -1;         // send/recv: the other rank (kAnyPeer: recv from any rank)
+  bool to_peer = false;  // send (true) or recv (false)
+  int64_t root = -1;     // rooted collectives (broadcast, reduce, gather, scatter)
 };
 
 constexpr int kAnyPeer = -2;
@@ -158,12 +158,12 @@ std::string concat(const Parts&... parts) {
                                const std::string& message);
 }  // namespace detail
 
-#define SMDDP_CHECK_IMPL(cond, value_error, ...)                                    \
-  do {                                                                             \
-    if (__builtin_expect(!(cond), 0)) {                                            \
-      ::smddp::detail::check_failed(__FILE__, __LINE__, value_error,               \
-                                    ::smddp::detail::concat(__VA_ARGS__));         \
-    }                                                                              \
+#define SMDDP_CHECK_IMPL(cond, value_error, ...)                           \
+  do {                                                                     \
+    if (__builtin_expect(!(cond), 0)) {                                    \
+      ::smddp::detail::check_failed(__FILE__, __LINE__, value_error,       \
+                                    ::smddp::detail::concat(__VA_ARGS__)); \
+    }                                                                      \
   } while (0)
 #define SMDDP_CHECK(cond, ...) SMDDP_CHECK_IMPL(cond, false, __VA_ARGS__)
 #define SMDDP_CHECK_VALUE(cond, ...) SMDDP_CHECK_IMPL(cond, true, __VA_ARGS__)

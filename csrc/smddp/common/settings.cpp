@@ -85,10 +85,14 @@ int64_t parse_bytes(const std::string& source, const std::string& text) {
   SMDDP_CHECK_VALUE(i > 0, invalid(source, text, rule));
   std::string unit = lower(text.substr(i));
   uint64_t scale = 1;
-  if (unit == "k" || unit == "kib" || unit == "kb") scale = kKiB;
-  else if (unit == "m" || unit == "mib" || unit == "mb") scale = kMiB;
-  else if (unit == "g" || unit == "gib" || unit == "gb") scale = kGiB;
-  else SMDDP_CHECK_VALUE(unit.empty(), invalid(source, text, rule));
+  if (unit == "k" || unit == "kib" || unit == "kb")
+    scale = kKiB;
+  else if (unit == "m" || unit == "mib" || unit == "mb")
+    scale = kMiB;
+  else if (unit == "g" || unit == "gib" || unit == "gb")
+    scale = kGiB;
+  else
+    SMDDP_CHECK_VALUE(unit.empty(), invalid(source, text, rule));
   const bool overflow = __builtin_mul_overflow(v, scale, &v) || v > uint64_t(INT64_MAX);
   SMDDP_CHECK_VALUE(!overflow, invalid(source, text, "does not fit in 63 bits"));
   return static_cast<int64_t>(v);
@@ -115,8 +119,8 @@ bool parse_flag(const std::string& source, const std::string& text) {
   return on;
 }
 
-void in_range(const std::string& source, const std::string& text, int64_t v, int64_t lo,
-              int64_t hi, bool zero_ok) {
+void in_range(const std::string& source, const std::string& text, int64_t v, int64_t lo, int64_t hi,
+              bool zero_ok) {
   if (zero_ok && v == 0) return;
   auto fmt = [](int64_t b) {
     if (b >= kGiB && b % kGiB == 0) return std::to_string(b / kGiB) + "G";
@@ -124,12 +128,13 @@ void in_range(const std::string& source, const std::string& text, int64_t v, int
     if (b >= kKiB && b % kKiB == 0) return std::to_string(b / kKiB) + "K";
     return std::to_string(b);
   };
-  SMDDP_CHECK_VALUE(v >= lo && v <= hi,
-                    invalid(source, text, std::string("must be ") + (zero_ok ? "0 or " : "") +
-                                              "between " + fmt(lo) + " and " + fmt(hi)));
+  SMDDP_CHECK_VALUE(v >= lo && v <= hi, invalid(source, text,
+                                                std::string("must be ") + (zero_ok ? "0 or " : "") +
+                                                    "between " + fmt(lo) + " and " + fmt(hi)));
 }
 
-void apply(Settings& s, const std::string& field, const std::string& source, const std::string& text) {
+void apply(Settings& s, const std::string& field, const std::string& source,
+           const std::string& text) {
   auto bytes = [&](int64_t lo, int64_t hi, bool zero_ok) {
     int64_t v = parse_bytes(source, text);
     in_range(source, text, v, lo, hi, zero_ok);

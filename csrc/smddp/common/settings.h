@@ -33,7 +33,7 @@ struct Settings {
   int worker_spin_us = 20;
   int force_local_size = 0;  // 0: hosts as they are
   bool move_off_cpu = false;
-  std::string socket_addr;    // "": see socket_ifname, else the first non-loopback address
+  std::string socket_addr;  // "": see socket_ifname, else the first non-loopback address
   std::string socket_ifname;
   double timeout_s = 0;  // 0: the timeout c10d passes (init_process_group / new_group)
   // Device tensors (Note [Device staging] in device_staging.h).
@@ -46,7 +46,8 @@ struct Settings {
 struct SettingInfo {
   const char* field;     // SMDDPOptions attribute
   const char* env;       // environment variable
-  const char* kind;      // "bytes", "bytes or auto", "microseconds", "count", "flag", "address", "name", "seconds"
+  const char* kind;      // "bytes", "bytes or auto", "microseconds", "count", "flag", "address",
+                         // "name", "seconds"
   const char* fallback;  // the default, as the docs show it
   const char* meaning;
 };

@@ -1,7 +1,5 @@
 #include "smddp/transport/shm/shm.h"
 
-#include "smddp/transport/shm/shm_names.h"
-
 #include <fcntl.h>
 #include <immintrin.h>
 #include <linux/futex.h>
@@ -11,13 +9,15 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
-#include <algorithm>
 #include <thread>
+
+#include "smddp/transport/shm/shm_names.h"
 
 namespace smddp {
 namespace {
@@ -34,7 +34,9 @@ void futex_wait(uint32_t* addr, uint32_t expected, int timeout_us) {
   syscall(SYS_futex, addr, FUTEX_WAIT, expected, &ts, nullptr, 0);
 }
 
-void futex_wake(uint32_t* addr) { syscall(SYS_futex, addr, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0); }
+void futex_wake(uint32_t* addr) {
+  syscall(SYS_futex, addr, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
 
 inline void cpu_relax() {
 #if defined(__x86_64__)
@@ -73,12 +75,15 @@ ShmComm::ShmComm(ShmConfig cfg) : cfg_(std::move(cfg)) {
   int n = size();
   // The sizes come from settings: a wrapped-around sum would map less than the algorithms
   // then write to.
-  const char* what = "the shared-memory segment size (SMDDP_BUFFER_BYTES, SMDDP_POOL_BYTES, SMDDP_P2P_BYTES)";
+  const char* what =
+      "the shared-memory segment size (SMDDP_BUFFER_BYTES, SMDDP_POOL_BYTES, SMDDP_P2P_BYTES)";
   main_bytes_ = checked_add(kControlBytes, checked_mul(2, cfg_.buffer_bytes, what), what);
-  const size_t p2p_region = cfg_.p2p_bytes ? checked_mul(n, checked_add(4096, cfg_.p2p_bytes, what), what) : 0;
+  const size_t p2p_region =
+      cfg_.p2p_bytes ? checked_mul(n, checked_add(4096, cfg_.p2p_bytes, what), what) : 0;
   seg_bytes_ = checked_add(checked_add(main_bytes_, cfg_.pool_bytes, what), p2p_region, what);
   if (seg_bytes_ > static_cast<size_t>(INT64_MAX)) {
-    throw std::invalid_argument(std::string("smddp: ") + what + " of " + std::to_string(seg_bytes_) +
+    throw std::invalid_argument(std::string("smddp: ") + what + " of " +
+                                std::to_string(seg_bytes_) +
                                 " bytes is more than a file can hold (2^63 bytes)");
   }
   pool_base_.assign(n, nullptr);
@@ -94,7 +99,8 @@ ShmComm::ShmComm(ShmConfig cfg) : cfg_(std::move(cfg)) {
   // 512 KiB measured 15-25% faster than 256 KiB for 1-4 MiB all-reduces on 2 ranks (fewer
   // syncs; a step's data still fits the 1 MiB L2 of these cores).
   size_t chunk_default = oversubscribed_ ? (1 << 20) : (512 << 10);
-  chunk_bytes_ = std::min<size_t>(cfg_.buffer_bytes, cfg_.chunk_bytes ? cfg_.chunk_bytes : chunk_default);
+  chunk_bytes_ =
+      std::min<size_t>(cfg_.buffer_bytes, cfg_.chunk_bytes ? cfg_.chunk_bytes : chunk_default);
   chunk_bytes_ = std::max<size_t>(chunk_bytes_, 256);
   long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
   size_t cache = l3 > 0 ? static_cast<size_t>(l3) : (32u << 20);
@@ -118,7 +124,8 @@ void ShmComm::writable(uint64_t buffer, size_t off, size_t len) {
     if (!commit_pages(base + at, std::min(granule, cfg_.buffer_bytes - at))) {
       throw CommError("smddp: group '" + cfg_.group_name + "': /dev/shm has no room for " +
                       std::to_string(granule) + " more bytes of this rank's data buffers (" +
-                      std::strerror(errno) + "); free space in /dev/shm or lower "
+                      std::strerror(errno) +
+                      "); free space in /dev/shm or lower "
                       "SMDDP_BUFFER_BYTES / SMDDP_POOL_BYTES");
     }
     have |= uint64_t(1) << g;
@@ -139,7 +146,8 @@ namespace {
 // Maps the pool or channel part of a segment: not pre-faulted, pages are committed as they
 // are used.
 char* map_lazy(int fd, size_t offset, size_t bytes) {
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(offset));
+  void* p =
+      mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(offset));
   return p == MAP_FAILED ? nullptr : static_cast<char*>(p);
 }
 }  // namespace
@@ -162,8 +170,8 @@ void ShmComm::create() {
     close(fd);
     unlink_own();
     throw CommError("smddp: cannot size shared memory segment " + name + " to " +
-                    std::to_string(seg_bytes_) + " bytes (is /dev/shm large enough?): " +
-                    std::strerror(e));
+                    std::to_string(seg_bytes_) +
+                    " bytes (is /dev/shm large enough?): " + std::strerror(e));
   }
   // Note [One transport per process] in work.h: with lazy buffers only the control block
   // is committed now; without, everything is pre-faulted as it always was.
@@ -350,7 +358,8 @@ void ShmComm::wait_word(int i, const std::atomic<uint64_t>& word, std::atomic<ui
       }
       int cpu = sched_getcpu();
       shared_core = c->cpu.load(std::memory_order_relaxed) == cpu;
-      if (shared_core && cfg_.move_off_cpu && Clock::now() - t_last_move > std::chrono::milliseconds(5)) {
+      if (shared_core && cfg_.move_off_cpu &&
+          Clock::now() - t_last_move > std::chrono::milliseconds(5)) {
         t_last_move = Clock::now();
         if (move_off_cpu(cpu)) {
           ctl(rank())->cpu.store(sched_getcpu(), std::memory_order_relaxed);
@@ -373,14 +382,17 @@ void ShmComm::wait_word(int i, const std::atomic<uint64_t>& word, std::atomic<ui
   while (true) {
     sleepers.fetch_add(1, std::memory_order_seq_cst);
     uint64_t v = word.load(std::memory_order_seq_cst);
-    if (v < target) futex_wait(low_word(const_cast<std::atomic<uint64_t>*>(&word)), static_cast<uint32_t>(v), 1000);
+    if (v < target)
+      futex_wait(low_word(const_cast<std::atomic<uint64_t>*>(&word)), static_cast<uint32_t>(v),
+                 1000);
     sleepers.fetch_sub(1, std::memory_order_seq_cst);
     if (word.load(std::memory_order_acquire) >= target) return;
     health();
   }
 }
 
-void ShmComm::publish(std::atomic<uint64_t>& word, std::atomic<uint32_t>& sleepers, uint64_t value) {
+void ShmComm::publish(std::atomic<uint64_t>& word, std::atomic<uint32_t>& sleepers,
+                      uint64_t value) {
   // The Dekker-style handshake of post().
   word.store(value, std::memory_order_seq_cst);
   if (sleepers.load(std::memory_order_seq_cst) != 0) futex_wake(low_word(&word));
@@ -396,12 +408,14 @@ void ShmComm::check_peer(int i, const OpCtx& ctx, const std::string& waiting_for
   auto now = Clock::now();
   if (now - t_last_pid_check > std::chrono::milliseconds(20)) {
     t_last_pid_check = now;
-    if (process_gone(i)) throw CommError(where + " failed: " + peer + " exited (its process is gone)");
+    if (process_gone(i))
+      throw CommError(where + " failed: " + peer + " exited (its process is gone)");
   }
   if (ctx.deadline.expired()) {
     char secs[32];
     snprintf(secs, sizeof(secs), "%.1f", ctx.deadline.seconds);
-    throw CommError(where + " timed out after " + secs + " s (the timeout of this group) waiting for " + peer + " " + waiting_for);
+    throw CommError(where + " timed out after " + secs +
+                    " s (the timeout of this group) waiting for " + peer + " " + waiting_for);
   }
 }
 
@@ -424,7 +438,8 @@ std::string ShmComm::where(const OpCtx& ctx) const {
 }
 
 void ShmComm::check_local_peers(const OpCtx& ctx, std::optional<uint64_t> needed_progress) {
-  if (aborted_.load()) throw CommError(where(ctx) + " was aborted: the process group was shut down");
+  if (aborted_.load())
+    throw CommError(where(ctx) + " was aborted: the process group was shut down");
   for (int j = 0; j < size(); ++j) {
     if (j != rank() && ctl(j)->failed.load(std::memory_order_acquire)) {
       fail(where(ctx) + " failed because rank " + std::to_string(cfg_.group_ranks[j]) +
@@ -466,7 +481,8 @@ void ShmComm::check_health(int i, uint64_t target, const OpCtx& ctx) {
     if (missing.empty()) missing.push_back(cfg_.group_ranks[i]);
     char secs[32];
     snprintf(secs, sizeof(secs), "%.1f", ctx.deadline.seconds);
-    fail(where(ctx) + " timed out after " + secs + " s (the timeout of this group) waiting for ranks " + format_ranks(missing) +
+    fail(where(ctx) + " timed out after " + secs +
+         " s (the timeout of this group) waiting for ranks " + format_ranks(missing) +
          " (they did not reach this collective: hung, slower, or issued a different sequence "
          "of collectives)");
   }
@@ -484,7 +500,8 @@ void ShmComm::check_desc(int i, const OpCtx& ctx) {
   const DescSlot& newest = other.seq_plus1.load() > seq_plus1 ? other : d;
   uint64_t their_seq = newest.seq_plus1.load();
   fail(mismatch_message(cfg_.group_name, cfg_.group_ranks[rank()], ctx.describe(), ctx.seq,
-                        cfg_.group_ranks[i], newest.call.describe(), their_seq ? their_seq - 1 : 0));
+                        cfg_.group_ranks[i], newest.call.describe(),
+                        their_seq ? their_seq - 1 : 0));
 }
 
 void ShmComm::mark_failed(const std::string& message) {

@@ -83,7 +83,7 @@ struct alignas(64) DescSlot {
   uint64_t first_step = 0;
   CollDesc desc;
   int64_t pool_off = -1;  // Note [Zero-copy operands]: the operand's offset in my pool
-  CallSummary call;  // what the peer called, for error messages
+  CallSummary call;       // what the peer called, for error messages
 };
 
 // Control block at offset 0 of each rank's segment; one cache line per field that another
@@ -105,23 +105,23 @@ struct RankControl {
 
 // Note [Shared-memory point-to-point]: one page per channel, one cache line per polled word.
 struct ChannelCtl {
-  alignas(64) std::atomic<uint64_t> head{0};        // written by the sender
+  alignas(64) std::atomic<uint64_t> head{0};           // written by the sender
   alignas(64) std::atomic<uint32_t> head_sleepers{0};  // receivers about to sleep on head
-  alignas(64) std::atomic<uint64_t> tail{0};        // written by the receiver
+  alignas(64) std::atomic<uint64_t> tail{0};           // written by the receiver
   alignas(64) std::atomic<uint32_t> tail_sleepers{0};  // senders about to sleep on tail
 };
 
 struct ShmConfig {
-  std::string nonce;             // random, from the group's store
-  std::string group_name;        // for messages
+  std::string nonce;       // random, from the group's store
+  std::string group_name;  // for messages
   int local_rank = 0;
   std::vector<int> group_ranks;  // local index -> rank in the group (for messages)
   size_t buffer_bytes = 0;       // size of each of the two data buffers of a segment
   size_t p2p_bytes = 0;          // ring of each point-to-point channel (0: send/recv use TCP)
   size_t pool_bytes = 0;         // tensor pool at the end of the segment (0: none)
   // Note [Settings] in settings.h:
-  size_t chunk_bytes = 0;        // 0: automatic
-  int64_t stream_bytes = -1;     // -1: automatic
+  size_t chunk_bytes = 0;     // 0: automatic
+  int64_t stream_bytes = -1;  // -1: automatic
   int spin_us = 200;
   int worker_spin_us = 20;
   bool move_off_cpu = false;
@@ -213,15 +213,18 @@ class ShmComm {
   void abort() { aborted_.store(true); }
   bool aborted() const { return aborted_.load(); }
   // Local rank i failed (its flag) or its process is gone (when that can be judged).
-  bool peer_lost(int i) const { return ctl(i)->failed.load(std::memory_order_acquire) || process_gone(i); }
+  bool peer_lost(int i) const {
+    return ctl(i)->failed.load(std::memory_order_acquire) || process_gone(i);
+  }
 
  private:
   static uint64_t value(uint64_t s, int phase) { return 3 * (s - 1) + phase; }
   void wait_progress(int i, uint64_t target, const OpCtx& ctx);
   void check_health(int i, uint64_t target, const OpCtx& ctx);
-  std::string where(const OpCtx& ctx) const;  // "smddp: <collective> on group '<g>' (collective #N)"
-  std::string failure_message(int i) const;   // what local rank i wrote when it failed
-  bool process_gone(int i) const;             // local rank i's process exited (if judgeable)
+  std::string where(
+      const OpCtx& ctx) const;               // "smddp: <collective> on group '<g>' (collective #N)"
+  std::string failure_message(int i) const;  // what local rank i wrote when it failed
+  bool process_gone(int i) const;            // local rank i's process exited (if judgeable)
   void check_desc(int i, const OpCtx& ctx);
   [[noreturn]] void fail(const std::string& message);
   RankControl* ctl(int i) const { return ctl_[i]; }
@@ -247,15 +250,15 @@ class ShmComm {
   int granule_shift_ = 12;
   uint64_t committed_[2] = {0, 0};  // bit g: granule g of buffer 0 / 1 is committed
   uint64_t next_step_ = 1;
-  uint64_t first_step_ = 0;       // first step of the current collective
+  uint64_t first_step_ = 0;         // first step of the current collective
   uint64_t current_seq_plus1_ = 0;  // collective whose descriptor was published last
-  std::vector<uint8_t> checked_;  // peers whose descriptor matched in this collective
+  std::vector<uint8_t> checked_;    // peers whose descriptor matched in this collective
   std::atomic<bool> aborted_{false};
-  bool oversubscribed_ = false;   // more local ranks than CPUs: skip the busy spin
-  int spin_us_ = 200;             // busy-spin budget per wait, caller thread
-  int worker_spin_us_ = 20;       // same on worker threads
-  size_t chunk_bytes_ = 0;        // pipeline chunk, <= buffer_bytes
-  size_t stream_bytes_ = 0;       // see stream_output()
+  bool oversubscribed_ = false;  // more local ranks than CPUs: skip the busy spin
+  int spin_us_ = 200;            // busy-spin budget per wait, caller thread
+  int worker_spin_us_ = 20;      // same on worker threads
+  size_t chunk_bytes_ = 0;       // pipeline chunk, <= buffer_bytes
+  size_t stream_bytes_ = 0;      // see stream_output()
 };
 
 }  // namespace smddp

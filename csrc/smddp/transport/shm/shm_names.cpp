@@ -61,7 +61,8 @@ const std::string& pid_namespace_id() {
     ssize_t n = readlink("/proc/self/ns/pid", buf, sizeof(buf) - 1);
     std::string link(buf, n > 0 ? static_cast<size_t>(n) : 0);  // "pid:[4026531836]"
     auto open = link.find('['), close = link.find(']');
-    if (open == std::string::npos || close == std::string::npos || close <= open + 1) return std::string();
+    if (open == std::string::npos || close == std::string::npos || close <= open + 1)
+      return std::string();
     return link.substr(open + 1, close - open - 1);
   }();
   return id;
@@ -120,7 +121,7 @@ UnlinkOnTerm::UnlinkOnTerm(const std::string& name) {
         (current.sa_flags & SA_SIGINFO)) {
       return;
     }
-    struct sigaction ours {};
+    struct sigaction ours{};
     ours.sa_handler = on_term;
     sigemptyset(&ours.sa_mask);
     if (sigaction(SIGTERM, &ours, &g_previous) != 0) return;

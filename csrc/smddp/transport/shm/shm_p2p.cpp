@@ -6,8 +6,8 @@
 namespace smddp {
 namespace {
 
-constexpr size_t kHeader = 64;           // one cache line: {bytes, tag}
-constexpr size_t kPiece = 64 << 10;      // both sides publish at least every 64 KiB (pipelining)
+constexpr size_t kHeader = 64;       // one cache line: {bytes, tag}
+constexpr size_t kPiece = 64 << 10;  // both sides publish at least every 64 KiB (pipelining)
 
 struct Header {
   uint64_t bytes;
@@ -31,7 +31,8 @@ void ring_read(char* dst, const char* ring, size_t cap, uint64_t pos, size_t n) 
 
 }  // namespace
 
-ShmP2P::ShmP2P(ShmComm& shm) : shm_(shm), cap_(shm.p2p_bytes()), in_(shm.size()), out_(shm.size()) {}
+ShmP2P::ShmP2P(ShmComm& shm)
+    : shm_(shm), cap_(shm.p2p_bytes()), in_(shm.size()), out_(shm.size()) {}
 
 void ShmP2P::send(int to, uint32_t tag, const void* data, size_t bytes, const OpCtx& ctx) {
   std::lock_guard<std::mutex> g(out_[to].mu);
@@ -170,8 +171,7 @@ bool ShmP2P::try_recv(int from, uint32_t tag, void* data, size_t bytes) {
   return true;
 }
 
-bool ShmP2P::take_stashed(Inbox& in, uint32_t tag, void* data, size_t bytes,
-                          const OpCtx* ctx) {
+bool ShmP2P::take_stashed(Inbox& in, uint32_t tag, void* data, size_t bytes, const OpCtx* ctx) {
   for (auto it = in.stash.begin(); it != in.stash.end(); ++it) {
     if (it->tag != tag) continue;
     if (it->data.size() != bytes) {
@@ -188,7 +188,8 @@ bool ShmP2P::take_stashed(Inbox& in, uint32_t tag, void* data, size_t bytes,
 void ShmP2P::size_mismatch(uint32_t tag, size_t got, size_t want, const OpCtx& ctx) {
   throw CommError("smddp: " + ctx.describe() + ": the message with tag " + std::to_string(tag) +
                   " has " + std::to_string(got) + " bytes but this recv expects " +
-                  std::to_string(want) + " (send and recv must use tensors of the same size "
+                  std::to_string(want) +
+                  " (send and recv must use tensors of the same size "
                   "and dtype)");
 }
 

@@ -39,8 +39,8 @@ class ShmP2P {
     std::vector<char> data;
   };
   struct Inbox {
-    std::mutex mu;               // one reader at a time
-    std::deque<Stashed> stash;   // messages read past while looking for another tag
+    std::mutex mu;              // one reader at a time
+    std::deque<Stashed> stash;  // messages read past while looking for another tag
   };
   struct Outbox {
     std::mutex mu;  // one writer at a time

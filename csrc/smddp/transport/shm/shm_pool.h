@@ -6,8 +6,8 @@
 // (commit_pages(): MADV_POPULATE_WRITE on the mapping, or fallocate on the segment's
 // descriptor where the kernel lacks it), so an oversized pool costs nothing until used and
 // a full /dev/shm shows up as a failed allocation (the caller falls back to ordinary
-// memory) instead of a SIGBUS when a page is first touched. Freed blocks are reused first-fit; like a caching
-// allocator, committed pages are kept until the group is destroyed.
+// memory) instead of a SIGBUS when a page is first touched. Freed blocks are reused first-fit; like
+// a caching allocator, committed pages are kept until the group is destroyed.
 #pragma once
 
 #include <cstddef>
@@ -56,8 +56,8 @@ class ShmPool {
   size_t bytes_;
   size_t committed_ = 0;  // [0, committed_) is backed by fallocate'd pages
   mutable std::mutex mu_;
-  std::map<size_t, size_t> free_;               // offset -> length, coalesced
-  std::unordered_map<size_t, size_t> live_;     // offset -> length
+  std::map<size_t, size_t> free_;            // offset -> length, coalesced
+  std::unordered_map<size_t, size_t> live_;  // offset -> length
   size_t live_bytes_ = 0;
 };
 

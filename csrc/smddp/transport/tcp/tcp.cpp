@@ -12,10 +12,10 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <mutex>
-#include <thread>
 #include <cerrno>
 #include <cstring>
+#include <mutex>
+#include <thread>
 
 #include "smddp/common/sha256.h"
 
@@ -23,7 +23,7 @@ namespace smddp {
 namespace {
 
 constexpr char kMagic[8] = {'s', 'm', 'd', 'd', 'p', 't', 'c', '1'};
-constexpr int kNoticeMs = 200;  // time allowed to write a failure notice
+constexpr int kNoticeMs = 200;      // time allowed to write a failure notice
 constexpr size_t kHelloBytes = 40;  // magic + challenge
 constexpr size_t kReplyBytes = 36;  // claimed rank + HMAC
 
@@ -135,7 +135,8 @@ class Acceptor {
       }
       const uint64_t gen = generation_;
       lk.unlock();
-      auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(next - Clock::now()).count();
+      auto wait =
+          std::chrono::duration_cast<std::chrono::milliseconds>(next - Clock::now()).count();
       poll(fds.data(), fds.size(), static_cast<int>(std::max<int64_t>(1, wait + 1)));
       if (fds[0].revents) {
         char buf[64];
@@ -192,7 +193,8 @@ std::string local_address(const Settings& settings) {
   if (found.empty()) {
     throw std::invalid_argument("smddp: SMDDP_SOCKET_IFNAME=" + ifname +
                                 " names no interface with an IPv4 address here (interfaces with "
-                                "one: " + format_names(names) + ")");
+                                "one: " +
+                                format_names(names) + ")");
   }
   return found;
 }
@@ -361,14 +363,16 @@ int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
   socklen_t elen = sizeof(err);
   if (poll(&pfd, 1, limit) != 1 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &elen) != 0 || err) {
     close(fd);
-    fail_peer(peer, "cannot connect to " + pa.host + ":" + port + ": " +
-                        (err ? std::strerror(err) : "timed out"),
+    fail_peer(peer,
+              "cannot connect to " + pa.host + ":" + port + ": " +
+                  (err ? std::strerror(err) : "timed out"),
               ctx);
   }
   // The handshake also ends with the caller's deadline (a failure notice allows 200 ms).
   const int handshake_ms = std::max(1, std::min(kHandshakeMs, ctx.deadline.remaining_ms()));
   char hello[kHelloBytes];
-  if (!io_all(fd, hello, sizeof(hello), false, handshake_ms) || std::memcmp(hello, kMagic, 8) != 0) {
+  if (!io_all(fd, hello, sizeof(hello), false, handshake_ms) ||
+      std::memcmp(hello, kMagic, 8) != 0) {
     close(fd);
     fail_peer(peer, "its listener did not answer the handshake", ctx);
   }

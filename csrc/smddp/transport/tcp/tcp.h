@@ -144,16 +144,16 @@ class TcpMesh {
  private:
   static constexpr uint64_t kFailureTag = ~0ull;  // no collective or user tag reaches it
   static constexpr size_t kMaxNotice = 1024;
-  static constexpr int kHandshakeMs = 2000;        // Note [TCP connections]
+  static constexpr int kHandshakeMs = 2000;  // Note [TCP connections]
   static constexpr size_t kMaxHandshakes = 64;
   static constexpr size_t kStashBytes = size_t(1) << 30;  // Note [TCP trust model]
-  static constexpr int kNotice = -2;  // Conn::target_op of a notice being read
+  static constexpr int kNotice = -2;                      // Conn::target_op of a notice being read
   struct Stashed {
     Header hdr;
     std::vector<char> data;
   };
   struct Conn {
-    std::mutex write_mu;  // held by the writer of one whole message
+    std::mutex write_mu;   // held by the writer of one whole message
     int out_fd = -1;       // I connected: I write
     bool partial = false;  // a message is partly written to out_fd (under write_mu)
     int in_fd = -1;        // peer connected: I read (exec thread only)
@@ -161,11 +161,11 @@ class TcpMesh {
     Header hdr;
     size_t hdr_got = 0;
     size_t body_got = 0;
-    char* body = nullptr;     // destination of the current message
-    int target_op = -1;       // index of the recv op it belongs to, -1 (stash), kNotice
+    char* body = nullptr;      // destination of the current message
+    int target_op = -1;        // index of the recv op it belongs to, -1 (stash), kNotice
     std::vector<char> notice;  // body of a failure notice being read
     std::deque<Stashed> stash;
-    size_t stash_bytes = 0;    // declared lengths of the stashed messages (kStashBytes)
+    size_t stash_bytes = 0;  // declared lengths of the stashed messages (kStashBytes)
   };
   struct Handshake;  // an incoming connection being authenticated (tcp.cpp)
 

@@ -48,7 +48,8 @@ void TcpMesh::read_frames(int peer, int fd, Route& route, const OpCtx& ctx) {
   };
   while (route.wants()) {
     if (c.hdr_got < sizeof(c.hdr)) {
-      if (!read_some(reinterpret_cast<char*>(&c.hdr) + c.hdr_got, sizeof(c.hdr) - c.hdr_got)) return;
+      if (!read_some(reinterpret_cast<char*>(&c.hdr) + c.hdr_got, sizeof(c.hdr) - c.hdr_got))
+        return;
       if (c.hdr_got < sizeof(c.hdr)) continue;
       c.body_got = 0;
       c.target_op = -1;
@@ -65,12 +66,18 @@ void TcpMesh::read_frames(int peer, int fd, Route& route, const OpCtx& ctx) {
         // Note [TCP trust model]: a message nobody waits for yet is kept within a budget,
         // and its buffer grows only as its bytes arrive.
         if (c.hdr.len > kStashBytes - c.stash_bytes) {
-          fail_peer(peer, "sent a message of " + std::to_string(c.hdr.len) + " bytes (tag " +
-                              std::to_string(c.hdr.tag) + ") that no receive here expects yet, "
-                              "while " + std::to_string(c.stash_bytes) + " bytes of earlier such "
-                              "messages wait; a connection holds at most " +
-                              std::to_string(kStashBytes) + " bytes for receives not yet posted "
-                              "(post the receives in the order of the sends)", ctx);
+          fail_peer(peer,
+                    "sent a message of " + std::to_string(c.hdr.len) + " bytes (tag " +
+                        std::to_string(c.hdr.tag) +
+                        ") that no receive here expects yet, "
+                        "while " +
+                        std::to_string(c.stash_bytes) +
+                        " bytes of earlier such "
+                        "messages wait; a connection holds at most " +
+                        std::to_string(kStashBytes) +
+                        " bytes for receives not yet posted "
+                        "(post the receives in the order of the sends)",
+                    ctx);
         }
         c.stash_bytes += c.hdr.len;
         c.stash.push_back({c.hdr, {}});
@@ -97,8 +104,10 @@ void TcpMesh::read_frames(int peer, int fd, Route& route, const OpCtx& ctx) {
     const int op = c.target_op;
     c.target_op = -1;
     if (op == kNotice) {
-      fail_peer(peer, "left the group after its own error: " +
-                          std::string(c.notice.begin(), c.notice.end()), ctx);
+      fail_peer(
+          peer,
+          "left the group after its own error: " + std::string(c.notice.begin(), c.notice.end()),
+          ctx);
     }
     if (op >= 0) {
       route.delivered(op);
@@ -108,9 +117,8 @@ void TcpMesh::read_frames(int peer, int fd, Route& route, const OpCtx& ctx) {
   }
 }
 
-
-void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recvs,
-                       const OpCtx& ctx, const std::function<void()>& health) {
+void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recvs, const OpCtx& ctx,
+                       const std::function<void()>& health) {
   std::vector<SendState> ss(sends.size());
   std::vector<uint8_t> rdone(recvs.size(), 0), rtargeted(recvs.size(), 0);
   size_t pending = sends.size() + recvs.size();
@@ -119,16 +127,20 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
   auto check_match = [&](int peer, const Op& r, const Header& h) {
     if (h.check != r.check) fail_mismatch(peer, h, ctx);
     if (h.len != r.len) {
-      fail_peer(peer, "sent " + std::to_string(h.len) + " bytes where this rank expects " +
-                          std::to_string(r.len) + " (split or tensor sizes differ across ranks)",
+      fail_peer(peer,
+                "sent " + std::to_string(h.len) + " bytes where this rank expects " +
+                    std::to_string(r.len) + " (split or tensor sizes differ across ranks)",
                 ctx);
     }
     if (h.expect == kNoReply) return;
     for (const Op& s : sends) {
       if (s.peer == peer && s.tag == h.tag && s.len != h.expect) {
-        fail_peer(peer, "expects " + std::to_string(h.expect) + " bytes from this rank, which "
-                        "sends it " + std::to_string(s.len) +
-                        " (split or tensor sizes differ across ranks)", ctx);
+        fail_peer(peer,
+                  "expects " + std::to_string(h.expect) +
+                      " bytes from this rank, which "
+                      "sends it " +
+                      std::to_string(s.len) + " (split or tensor sizes differ across ranks)",
+                  ctx);
       }
     }
   };
@@ -203,8 +215,8 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
     void stashed() { rematch(peer); }
   };
   auto pump_in = [&](int peer, int fd) {
-    Route route{peer, recvs, rdone, rtargeted, wants_from, check_match, finish_recv,
-                match_stash, ctx, *this};
+    Route route{peer,        recvs,       rdone,       rtargeted, wants_from,
+                check_match, finish_recv, match_stash, ctx,       *this};
     read_frames(peer, fd, route, ctx);
   };
 
@@ -223,8 +235,8 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
       }
       if (r < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
-        fail_peer(s.peer, std::string("send failed: ") + std::strerror(errno) +
-                              " (process exited?)", ctx);
+        fail_peer(s.peer,
+                  std::string("send failed: ") + std::strerror(errno) + " (process exited?)", ctx);
       }
       st.done += static_cast<size_t>(r);
     }
@@ -313,13 +325,15 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
       char secs[32];
       snprintf(secs, sizeof(secs), "%.1f", ctx.deadline.seconds);
       throw CommError("smddp: " + ctx.describe() + " on group '" + group_name_ +
-                      "' timed out after " + secs + " s (the timeout of this group) waiting for ranks " +
-                      format_ranks(missing) + " (over TCP)");
+                      "' timed out after " + secs +
+                      " s (the timeout of this group) waiting for ranks " + format_ranks(missing) +
+                      " (over TCP)");
     }
     if (health) health();
     fds.clear();
     for (size_t i = 0; i < sends.size(); ++i) {
-      if (ss[i].locked && !ss[i].finished) fds.push_back({conns_[sends[i].peer]->out_fd, POLLOUT, 0});
+      if (ss[i].locked && !ss[i].finished)
+        fds.push_back({conns_[sends[i].peer]->out_fd, POLLOUT, 0});
     }
     for (size_t i = 0; i < recvs.size(); ++i) {
       if (rdone[i]) continue;
@@ -362,9 +376,11 @@ bool TcpMesh::take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& 
   if (k < 0) return false;
   const Stashed& m = c.stash[static_cast<size_t>(k)];
   if (m.hdr.len != len) {
-    fail_peer(peer, "sent " + std::to_string(m.hdr.len) + " bytes with tag " +
-                        std::to_string(tag) + " where this rank expects " + std::to_string(len) +
-                        " (send and recv must use tensors of the same size and dtype)", ctx);
+    fail_peer(peer,
+              "sent " + std::to_string(m.hdr.len) + " bytes with tag " + std::to_string(tag) +
+                  " where this rank expects " + std::to_string(len) +
+                  " (send and recv must use tensors of the same size and dtype)",
+              ctx);
   }
   if (len) std::memcpy(data, m.data.data(), len);
   c.stash_bytes -= m.hdr.len;
