@@ -23,7 +23,10 @@ import torch.multiprocessing as mp
 
 from torch_sagemaker.bench import comma_list, set_rank_environment
 
-MODES = ("fsdp2_full", "fsdp2_plain", "fsdp2_hybrid", "ddp")
+MODES = ("fsdp2_full", "fsdp2_plain", "fsdp2_hybrid", "ddp", "fsdp2_plain_staged")
+# fsdp2_plain_staged: the plain script with the pool turned off again, i.e. what such a
+# script got before Note [Pool buffers for every FSDP2 user]; a baseline, not run by default.
+DEFAULT_MODES = MODES[:4]
 
 
 def _model(args: argparse.Namespace):
@@ -52,16 +55,19 @@ def _wrap(model, mode: str, world: int):
     from torch_sagemaker.sharding import shard_model
 
     tsm.state.reset()
-    if mode == "fsdp2_plain":
+    if mode in ("fsdp2_plain", "fsdp2_plain_staged"):
         # The torchtitan way, no tsm at all: the script calls fully_shard itself on the
         # default group (Note [Pool buffers for every FSDP2 user]).
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (world,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        return fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        units = [fully_shard(layer, mesh=mesh) for layer in model.model.layers]
+        units.append(fully_shard(model, mesh=mesh, reshard_after_forward=False))
+        if mode == "fsdp2_plain_staged":
+            for unit in units:
+                unit.set_allocate_memory_from_process_group_for_comm(False)
+        return units[-1]
     if mode == "ddp":
         tsm.init({"hybrid_shard_degree": 1})
         from torch.nn.parallel import DistributedDataParallel
@@ -217,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--nprocs", type=int, default=2)
     p.add_argument("--backends", type=comma_list(), default="smddp,gloo")
-    p.add_argument("--modes", type=comma_list(MODES), default=",".join(MODES))
+    p.add_argument("--modes", type=comma_list(MODES), default=",".join(DEFAULT_MODES))
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--hidden", type=int, default=512)
