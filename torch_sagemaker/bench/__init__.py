@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch.multiprocessing as mp
 
 # name -> (module, one-line description). Add a benchmark by adding a line here.
 BENCHMARKS: dict[str, tuple[str, str]] = {
@@ -52,6 +56,39 @@ def set_rank_environment(rank: int, world: int, port: int, log_level: str = "WAR
         LOCAL_WORLD_SIZE=str(world),
         TSM_LOG_LEVEL=log_level,
     )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a benchmark's ranks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(target: Callable[..., None], nprocs: int, *args: Any) -> Any:
+    """Spawns ``nprocs`` ranks running ``target(rank, nprocs, port, *args, queue)``.
+
+    Returns:
+        The first object a rank put on ``queue`` (the benchmarks' rank 0 puts its result),
+        after every rank exited.
+
+    Raises:
+        RuntimeError: If a rank exited with a non-zero code.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=target, args=(r, nprocs, port, *args, queue)) for r in range(nprocs)
+    ]
+    for p in procs:
+        p.start()
+    result = queue.get()
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            raise RuntimeError(f"benchmark rank exited with code {p.exitcode}")
+    return result
 
 
 def comma_list(allowed: Iterable[str] | None = None) -> Callable[[str], list[str]]:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 from datetime import timedelta
@@ -41,9 +40,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from torch_sagemaker.bench import comma_list
+from torch_sagemaker.bench import comma_list, run_ranks
 
 DEFAULT_OPS = (
     "all_reduce",
@@ -393,21 +391,7 @@ def _run(args: argparse.Namespace):
             return _worker_body(dist.get_rank(), dist.get_world_size(), args), dist.get_world_size()
         finally:
             dist.destroy_process_group()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_spawned, args=(r, args.nprocs, port, args, queue))
-        for r in range(args.nprocs)
-    ]
-    for p in procs:
-        p.start()
-    result = queue.get()
-    for p in procs:
-        p.join()
-    return result, args.nprocs
+    return run_ranks(_spawned, args.nprocs, args), args.nprocs
 
 
 def _ratio(row: dict, first: str, other: str) -> float | None:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import socket
 import statistics
 import sys
 import time
@@ -49,7 +48,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from torch_sagemaker.bench import comma_list, set_rank_environment
+from torch_sagemaker.bench import comma_list, free_port, set_rank_environment
 
 MODES = ("no CP", "cp2 p2p", "cp2 p2p, no comm", "cp2 all_gather", "cp2 all_gather, no comm")
 
@@ -344,9 +343,7 @@ def run(args: argparse.Namespace) -> tuple[str | None, list[dict]]:
     """Runs the two ranks; returns PyTorch CP's outcome and one result row per sequence length."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, port, args, results)) for r in range(2)]
     for p in procs:
         p.start()

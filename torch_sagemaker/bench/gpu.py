@@ -17,16 +17,14 @@ Needs CUDA; on a machine without it, it says so and exits with status 2.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from torch_sagemaker.bench import comma_list, set_rank_environment
+from torch_sagemaker.bench import comma_list, run_ranks, set_rank_environment
 from torch_sagemaker.bench.collectives import format_size, parse_size
 
 DEFAULT_SIZES = "64K,1M,4M,16M,64M,256M"
@@ -162,19 +160,6 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench gpu needs CUDA (torch.cuda.is_available() is False here)")
         return 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank, args=(r, args.nprocs, port, args, queue))
-        for r in range(args.nprocs)
-    ]
-    for p in procs:
-        p.start()
-    result = queue.get()
-    for p in procs:
-        p.join()
+    result = run_ranks(_rank, args.nprocs, args)
     print(_report(result, args.nprocs))
     return 0

@@ -22,7 +22,6 @@ last lines check the issue's targets against the rows of the same run.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import time
 from datetime import timedelta
@@ -32,7 +31,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from torch_sagemaker.bench import comma_list, set_rank_environment
+from torch_sagemaker.bench import comma_list, free_port, set_rank_environment
 
 
 def _model(args: argparse.Namespace):
@@ -183,12 +182,6 @@ def _rank_main(
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(args: argparse.Namespace) -> list[tuple]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -198,9 +191,9 @@ def _run(args: argparse.Namespace) -> list[tuple]:
             procs = [
                 ctx.Process(
                     target=_rank_main,
-                    args=(r, world, backend, _free_port() if r < 0 else port, args, results),
+                    args=(r, world, backend, port, args, results),
                 )
-                for port in [_free_port()]
+                for port in [free_port()]
                 for r in range(world)
             ]
             for p in procs:

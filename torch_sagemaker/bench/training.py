@@ -13,7 +13,6 @@ Ranks use one intra-op thread each.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import time
 from datetime import timedelta
@@ -21,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.multiprocessing as mp
 
-from torch_sagemaker.bench import comma_list, set_rank_environment
+from torch_sagemaker.bench import comma_list, free_port, set_rank_environment
 
 MODES = ("fsdp2_full", "fsdp2_plain", "fsdp2_hybrid", "ddp", "fsdp2_plain_staged")
 # fsdp2_plain_staged: the plain script with the pool turned off again, i.e. what such a
@@ -128,12 +127,6 @@ def _single_rank(args: argparse.Namespace, results) -> None:
     results.put(("none", "1 rank", _time_steps(_model(args), args, distributed=False)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(args: argparse.Namespace) -> list[tuple[str, str, list]]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -143,7 +136,7 @@ def _run(args: argparse.Namespace) -> list[tuple[str, str, list]]:
     rows.append(results.get())
     single.join()
     for backend in args.backends:
-        port = _free_port()
+        port = free_port()
         procs = [
             ctx.Process(target=_rank_main, args=(r, args.nprocs, backend, port, args, results))
             for r in range(args.nprocs)
