@@ -75,18 +75,17 @@ c10::intrusive_ptr<c10::ivalue::Future> CoalescedWork::getFuture() {
       c10::ListType::create(c10::TensorType::get()));
 }
 
-void Executor::run(Item& item) {
-  std::exception_ptr error;
-  {
-    std::lock_guard<std::mutex> g(exec_mu_);
-    try {
-      item.fn();
-    } catch (...) {
-      error = std::current_exception();
-    }
+std::exception_ptr Executor::execute(Item& item) {
+  std::lock_guard<std::mutex> g(exec_mu_);
+  try {
+    item.fn();
+  } catch (...) {
+    return std::current_exception();
   }
-  item.work->complete(error);
+  return nullptr;
 }
+
+void Executor::run(Item& item) { item.work->complete(execute(item)); }
 
 void Executor::submit(Fn fn, c10::intrusive_ptr<SmddpWork> work, bool async_op) {
   Item item{std::move(fn), std::move(work)};
@@ -131,10 +130,13 @@ bool Executor::run_next() {
   // on a peer, the send lane of this process may need the core.
   bool was_worker = on_worker_thread();
   on_worker_thread() = true;
-  run(item);
+  std::exception_ptr error = execute(item);
   on_worker_thread() = was_worker;
+  // Note [Finished before complete]: the lane is idle again before anyone can see the work
+  // complete.
   finished(main_);
   cv_.notify_all();  // the worker, held back by main_busy_, may start the next one
+  item.work->complete(error);
   return true;
 }
 
@@ -168,20 +170,26 @@ void Executor::drain(Lane& lane) {
       }
       item = take_front(lane);
     }
+    std::exception_ptr error;
     if (!main) {
       // Sends do not take exec_mu_: they only write sockets (see Note [TCP connections])
       // or their own shared-memory rings.
-      std::exception_ptr error;
       try {
         item.fn();
       } catch (...) {
         error = std::current_exception();
       }
-      item.work->complete(error);
     } else {
-      run(item);
+      error = execute(item);
     }
+    // Note [Finished before complete]: a caller whose wait() returns because this work
+    // completed may issue the next operation at once, and the eager paths (try_now,
+    // try_send_now, the inline synchronous call) take it only while the lane has nothing
+    // pending. Completing first left a window in which the finished work still counted as
+    // pending, and the next small isend was queued instead of done at once (a flaky
+    // test_p2p_matches_payload_bit_for_bit under load).
     finished(lane);
+    item.work->complete(error);
   }
 }
 

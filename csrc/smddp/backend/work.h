@@ -186,6 +186,8 @@ class Executor {
   void drain(Lane& lane);       // on a pool thread: runs the lane's queue, then returns
   Item take_front(Lane& lane);  // under mu_; marks the main lane busy
   void finished(Lane& lane);    // takes mu_; the work taken by take_front is done
+  // Runs the item's function under exec_mu_; returns its error (nullptr: none).
+  std::exception_ptr execute(Item& item);
   void run(Item& item);
   void enqueue(Lane& lane, Item item);
 
