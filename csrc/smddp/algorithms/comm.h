@@ -91,7 +91,7 @@ class Communicator {
   // Non-blocking attempts for the caller's thread (shared-memory peers only): true when the
   // whole send or recv was done now, false when it must be queued.
   // Receives the next message with `tag` from whichever peer has one first; returns that
-  // peer's group rank (Note [Receive from any rank] in backend_ops.cpp).
+  // peer's group rank (Note [Receive from any rank] in backend_p2p.cpp).
   int recv_any(void* data, size_t bytes, uint32_t tag, OpCtx ctx);
   bool try_send_now(const void* data, size_t bytes, int peer, uint32_t tag);
   bool try_recv_now(void* data, size_t bytes, int peer, uint32_t tag);

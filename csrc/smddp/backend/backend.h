@@ -115,7 +115,7 @@ class ProcessGroupSMDDP : public c10d::Backend {
   Reduction reduction_of(const c10d::ReduceOp& op, const at::Tensor& t, const char* name) const;
   // Records works issued between startCoalescing and endCoalescing.
   c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> w);
-  // A Work already completed (Note [Eager point-to-point] in backend_ops.cpp).
+  // A Work already completed (Note [Eager point-to-point] in backend_p2p.cpp).
   c10::intrusive_ptr<c10d::Work> completed(c10d::OpType type, std::vector<at::Tensor> outputs);
 
   // Device staging (Note [Device staging]): `stage` returns the staged op for `tensors`, or

@@ -28,7 +28,7 @@ class ShmP2P {
   bool try_recv(int from, uint32_t tag, void* data, size_t bytes);
 
   // Whether a message with `tag` from local rank `from` is ready for recv() to take next
-  // (Note [Receive from any rank] in backend_ops.cpp): stashed, or the next one in the ring.
+  // (Note [Receive from any rank] in backend_p2p.cpp): stashed, or the next one in the ring.
   // Messages with other tags that are in the way are stashed. Never waits for a message
   // to begin (but finishes reading one that has begun).
   bool probe(int from, uint32_t tag, const OpCtx& ctx);

@@ -1,0 +1,91 @@
+// ProcessGroupSMDDP point-to-point operations: send, recv and receive from any rank.
+#include "smddp/backend/op_helpers.h"
+
+namespace smddp {
+
+using namespace ops;  // NOLINT(build/namespaces): this file's own helpers
+
+// Note [Eager point-to-point]: a send whose message fits the free space of its shared-memory
+// ring is written in the caller's thread and its Work is complete at once (the tensor may
+// be reused, as after any completed isend); a recv whose message is already complete in the
+// ring is copied out the same way. Anything else is queued (sends on the send lane,
+// receives on the worker) and waits there. Both skip the thread hand-off, which costs tens of
+// microseconds on these VMs, and neither overtakes an operation queued before it.
+WorkPtr ProcessGroupSMDDP::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
+  check_count(tensors, "send");
+  if (auto op = stage({&tensors[0]}, "send")) {
+    // The bytes must be on the host before the eager path may write them (Note [Eager
+    // point-to-point]), so the device->host copy runs here, in the caller's thread.
+    std::vector<at::Tensor> host = op->mirror(tensors, true, false);
+    op->copy_in();
+    return staged(op, [&] { return send(host, dst, tag); });
+  }
+  check_single(tensors, "send");
+  TORCH_CHECK_VALUE(dst >= 0 && dst < size_ && dst != rank_, "smddp: send to invalid rank ", dst);
+  TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
+  at::Tensor t = tensors[0];
+  at::Tensor c = t.contiguous();
+  const size_t bytes = c.numel() * c.element_size();
+  if (exec_->try_send_now([&] {
+        return comm_->try_send_now(c.data_ptr(), bytes, dst, static_cast<uint32_t>(tag));
+      })) {
+    return completed(OpType::SEND, tensors);
+  }
+  OpCtx ctx =
+      comm_->make_ctx("send", desc_of(t, 0, t.numel()), peer_args_of(t, dst, true), timeout_s_);
+  return submit(OpType::SEND, tensors, true, [this, c, bytes, dst, tag, ctx] {
+    comm_->send(c.data_ptr(), bytes, dst, static_cast<uint32_t>(tag), ctx);
+  });
+}
+
+WorkPtr ProcessGroupSMDDP::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
+  check_count(tensors, "recv");
+  if (auto op = stage({&tensors[0]}, "recv")) {
+    std::vector<at::Tensor> host = op->mirror(tensors, false, true);
+    return staged(op, [&] { return recv(host, src, tag); });
+  }
+  check_single(tensors, "recv");
+  TORCH_CHECK_VALUE(src >= 0 && src < size_ && src != rank_, "smddp: recv from invalid rank ", src);
+  TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
+  at::Tensor t = tensors[0];
+  if (t.is_contiguous() && exec_->try_now([&] {
+        return comm_->try_recv_now(t.data_ptr(), t.numel() * t.element_size(), src,
+                                   static_cast<uint32_t>(tag));
+      })) {
+    return completed(OpType::RECV, tensors);
+  }
+  OpCtx ctx =
+      comm_->make_ctx("recv", desc_of(t, 0, t.numel()), peer_args_of(t, src, false), timeout_s_);
+  return submit(OpType::RECV, tensors, true, [this, t, src, tag, ctx] {
+    at::Tensor c = contiguous_out(t);
+    comm_->recv(c.data_ptr(), c.numel() * c.element_size(), src, static_cast<uint32_t>(tag), ctx);
+    copy_back(c, t);
+  });
+}
+
+// Note [Receive from any rank]: the receive waits until any peer's next message with this
+// tag is there (shared-memory rings and TCP connections alike), takes it, and reports the
+// sender through the Work's sourceRank().
+WorkPtr ProcessGroupSMDDP::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  check_count(tensors, "recv");
+  if (auto op = stage({&tensors[0]}, "recv")) {
+    std::vector<at::Tensor> host = op->mirror(tensors, false, true);
+    return staged(op, [&] { return recvAnysource(host, tag); });
+  }
+  check_single(tensors, "recv");
+  TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
+  at::Tensor t = tensors[0];
+  OpCtx ctx = comm_->make_ctx("recv", desc_of(t, 0, t.numel()), peer_args_of(t, kAnyPeer, false),
+                              timeout_s_);
+  auto work = make_work(OpType::RECVANYSOURCE, tensors);
+  SmddpWork* w = work.get();  // the queued item holds the work while fn runs
+  return submit(work, true, [this, t, tag, ctx, w] {
+    at::Tensor c = contiguous_out(t);
+    int from = comm_->recv_any(c.data_ptr(), c.numel() * c.element_size(),
+                               static_cast<uint32_t>(tag), ctx);
+    copy_back(c, t);
+    w->set_source_rank(from);
+  });
+}
+
+}  // namespace smddp

@@ -1,0 +1,116 @@
+// Helpers of the ProcessGroupSMDDP operations (backend_ops.cpp, backend_p2p.cpp): staging of
+// non-contiguous tensors, argument checks, and the descriptors that name an operation in
+// errors and mismatch reports.
+#pragma once
+
+#include <cstring>
+
+#include "smddp/backend/backend.h"
+
+namespace smddp {
+namespace ops {
+
+using c10d::OpType;
+using c10d::Work;
+using WorkPtr = c10::intrusive_ptr<Work>;
+
+inline at::Tensor contiguous_out(const at::Tensor& t) {
+  return t.is_contiguous() ? t : at::empty(t.sizes(), t.options());
+}
+
+inline void copy_back(const at::Tensor& staged, const at::Tensor& t) {
+  if (!staged.is_same(t)) t.copy_(staged);
+}
+
+// In-place all-reduce of one tensor, staged through a contiguous copy if it is not one.
+inline void allreduce_tensor(Communicator& comm, const at::Tensor& t, const Reduction& red,
+                             const OpCtx& ctx) {
+  at::Tensor c = t.contiguous();
+  comm.allreduce(c.data_ptr(), c.numel(), red, ctx);
+  copy_back(c, t);
+}
+
+inline OpArgs args_of(const at::Tensor& t, const char* op = nullptr) {
+  OpArgs a;
+  a.dtype = c10::toString(t.scalar_type());
+  a.op = op;
+  a.numel = t.numel();
+  return a;
+}
+
+inline void check_root(int root, int size, const char* name) {
+  TORCH_CHECK_VALUE(root >= 0 && root < size, "smddp: ", name, " root ", root,
+                    " is not a rank of this group of ", size, " ranks (valid: 0..", size - 1, ")");
+}
+
+inline OpArgs rooted(OpArgs a, int root) {
+  a.root = root;
+  return a;
+}
+
+inline OpArgs peer_args_of(const at::Tensor& t, int peer, bool to_peer) {
+  OpArgs a = args_of(t);
+  a.peer = peer;
+  a.to_peer = to_peer;
+  return a;
+}
+
+inline CollDesc desc_of(const at::Tensor& t, int op, uint64_t count, uint64_t extra = 0) {
+  CollDesc d;
+  d.dtype_op = (static_cast<uint32_t>(t.scalar_type()) << 8) | static_cast<uint32_t>(op);
+  d.count = count;
+  d.extra = extra;
+  return d;
+}
+
+inline void check_count(const std::vector<at::Tensor>& ts, const char* name) {
+  TORCH_CHECK_VALUE(ts.size() == 1, "smddp: ", name, " expects exactly one tensor per call, got ",
+                    ts.size());
+}
+
+inline void check_single(const std::vector<at::Tensor>& ts, const char* name) {
+  check_count(ts, name);
+  check_cpu(ts[0], name, "its tensor");
+}
+
+// The addresses of the tensors of one call, for ProcessGroupSMDDP::stage.
+inline std::vector<const at::Tensor*> all_of(
+    std::initializer_list<const std::vector<at::Tensor>*> lists) {
+  std::vector<const at::Tensor*> out;
+  for (const auto* l : lists) {
+    for (const auto& t : *l) out.push_back(&t);
+  }
+  return out;
+}
+
+inline std::vector<const at::Tensor*> all_of(const std::vector<std::vector<at::Tensor>>& lists,
+                                             const std::vector<at::Tensor>& more) {
+  std::vector<const at::Tensor*> out;
+  for (const auto& l : lists) {
+    for (const auto& t : l) out.push_back(&t);
+  }
+  for (const auto& t : more) out.push_back(&t);
+  return out;
+}
+
+inline std::vector<std::vector<at::Tensor>> mirror_lists(
+    StagedOp& op, const std::vector<std::vector<at::Tensor>>& ls, bool in, bool out) {
+  std::vector<std::vector<at::Tensor>> hs;
+  for (const auto& l : ls) hs.push_back(op.mirror(l, in, out));
+  return hs;
+}
+
+inline void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* name) {
+  TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), "smddp: ", name,
+                   ": input and output dtypes differ (", a.scalar_type(), " vs ", b.scalar_type(),
+                   ")");
+}
+
+inline at::Tensor flat_cat(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> flat;
+  for (const auto& t : ts) flat.push_back(t.reshape({-1}));
+  return at::cat(flat);
+}
+
+}  // namespace ops
+}  // namespace smddp
