@@ -4,6 +4,8 @@
 #include <Python.h>
 #include <pybind11/pybind11.h>
 
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
 namespace smddp {
 namespace {
 
@@ -182,9 +184,38 @@ c10::intrusive_ptr<SmddpWork> ProcessGroupSMDDP::make_work(c10d::OpType type,
   return c10::make_intrusive<SmddpWork>(rank_, type, std::move(outputs));
 }
 
+// Note [Synchronous calls return no Work]
+// torch.distributed's synchronous collectives (async_op=False, the default of
+// dist.all_reduce and the others) wait on the Work the backend returns, or on nothing when it
+// returns none: "the backend has sync'ed at CPP level", a case every collective in
+// distributed_c10d.py handles. A small all-reduce spends about 4 us in torch.distributed's
+// Python and dispatch layers, of which the Work, its Future (and the Future's type), its
+// Python wrapper and the wait() call are the part a backend controls. So a synchronous CPU
+// collective that can run at once (nothing queued before it on the group's main lane: the
+// inline case of Note [Execution order]) runs in the caller's thread, raises its error
+// there, and returns no Work. Everything else keeps its Work: asynchronous calls (DDP, FSDP
+// and functional collectives pass async), coalesced calls (endCoalescing collects the
+// parts), staged device tensors (the caller's stream must wait on the Work), point-to-point,
+// a synchronous call queued behind asynchronous ones, and calls made while
+// torch._C._distributed_c10d._set_allow_inflight_collective_as_graph_input(True) is on (it
+// registers the Work with the output tensor).
+bool ProcessGroupSMDDP::completes_inline(c10d::OpType type, bool async_op) const {
+  return !async_op && !coalescing_ && !pending_stage_ && type != c10d::OpType::SEND &&
+         type != c10d::OpType::RECV && type != c10d::OpType::RECVANYSOURCE &&
+         !c10d::allow_inflight_collective_as_graph_input();
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::submit(c10d::OpType type,
                                                          std::vector<at::Tensor> outputs,
                                                          bool async_op, std::function<void()> fn) {
+  TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
+  if (completes_inline(type, async_op) && exec_->try_now([&] {
+        issued_.fetch_add(1);
+        fn();
+        return true;
+      })) {
+    return {};  // Note [Synchronous calls return no Work]
+  }
   return submit(make_work(type, std::move(outputs)), async_op, std::move(fn));
 }
 

@@ -106,11 +106,13 @@ class ProcessGroupSMDDP : public c10d::Backend {
   std::vector<std::string> staging_trace() { return stager_->take_trace(); }
 
  private:
-  // Submits `fn` (run on raw pointers) and returns its Work.
+  // Submits `fn` (run on raw pointers) and returns its Work, or runs it at once and returns
+  // none (Note [Synchronous calls return no Work] in backend.cpp).
   c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, std::vector<at::Tensor> outputs,
                                         bool async_op, std::function<void()> fn);
   c10::intrusive_ptr<c10d::Work> submit(c10::intrusive_ptr<SmddpWork> work, bool async_op,
                                         std::function<void()> fn);
+  bool completes_inline(c10d::OpType type, bool async_op) const;
   double timeout_of(std::chrono::milliseconds t) const;
   Reduction reduction_of(const c10d::ReduceOp& op, const at::Tensor& t, const char* name) const;
   // Records works issued between startCoalescing and endCoalescing.

@@ -43,7 +43,11 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
 }
 
 CoalescedWork::CoalescedWork(std::vector<c10::intrusive_ptr<c10d::Work>> parts)
-    : c10d::Work(-1, c10d::OpType::COALESCED), parts_(std::move(parts)) {}
+    : c10d::Work(-1, c10d::OpType::COALESCED) {
+  for (auto& p : parts) {
+    if (p) parts_.push_back(std::move(p));  // none: done in the caller's thread already
+  }
+}
 
 bool CoalescedWork::isCompleted() {
   for (auto& p : parts_) {

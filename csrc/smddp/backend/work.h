@@ -97,7 +97,9 @@ class SmddpWork : public c10d::Work {
   std::optional<c10::Stream> completion_stream_;
 };
 
-// A Work that completes when all of its parts complete (endCoalescing).
+// A Work that completes when all of its parts complete (endCoalescing, the *_coalesced
+// collectives). A part may be none: a synchronous call that completed before it returned
+// (Note [Synchronous calls return no Work] in backend.cpp).
 class CoalescedWork : public c10d::Work {
  public:
   explicit CoalescedWork(std::vector<c10::intrusive_ptr<c10d::Work>> parts);
