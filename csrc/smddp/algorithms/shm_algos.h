@@ -14,6 +14,21 @@ namespace shm {
 // rank copies its input into its buffer and reduces all buffers in rank order (one sync).
 // Larger: chunked reduce-scatter + all-gather through the buffers, so every chunk is
 // reduced once by its owner and stays in cache between the phases (two syncs per chunk).
+// Both reduce in rank order, so they give the same bits.
+//
+// Note [One-shot threshold]
+// The one-shot algorithm saves a sync but every rank reads all n buffers, (n-1)S bytes
+// written by other cores, and reduces S elements n ways; the two-shot one reads 2(n-1)S/n
+// and reduces S/n. Reads of lines another core just wrote are what small all-reduces cost
+// here (a 64 KiB copy takes 1.2 us on one core, the copy into a segment a peer read last
+// step about 5 us), so the two-shot algorithm wins from a few KiB on. Measured with
+// all_reduce_direct, float32, medians of 5-15 runs of 2000 calls, both thresholds in one
+// process tree (2-core VM), oneshot_bytes 256K (the old default) -> 0:
+//   2 ranks: 2K 1.17 -> 1.06 us, 4K 1.42 -> 1.18, 64K 11.8 -> 10.8, 256K 39.1 -> 32.1
+//   4 ranks (more ranks than cores): 4K 8.5 -> 10.8, 16K 15.2 -> 11.5, 64K 41.6 -> 28.7,
+//   256K 131 -> 63
+// Below 1 KiB the one sync is worth more than the reads, and with more ranks than cores
+// (where a sync is a hand-off between processes on one core) up to about 8 KiB; hence 4K.
 void allreduce(ShmComm& c, void* data, size_t count, const Reduction& red, const OpCtx& ctx,
                size_t oneshot_bytes);
 

@@ -20,7 +20,7 @@ const std::vector<SettingInfo> kSettings = {
     {"chunk_bytes", "SMDDP_CHUNK_BYTES", "bytes or auto", "auto",
      "bytes per rank per pipelined step (256 to 1G, at most the buffer); auto: 512K, 1M when "
      "ranks outnumber cores"},
-    {"oneshot_bytes", "SMDDP_ONESHOT_BYTES", "bytes", "256K",
+    {"oneshot_bytes", "SMDDP_ONESHOT_BYTES", "bytes", "4K",
      "all_reduce up to this size uses the one-shot algorithm (0 to 1G)"},
     {"pool_bytes", "SMDDP_POOL_BYTES", "bytes", "1G",
      "address space of each rank's tensor pool, committed as used (0: no pool; up to 1T)"},

@@ -22,8 +22,8 @@ namespace smddp {
 
 struct Settings {
   size_t buffer_bytes = 1 << 20;
-  size_t chunk_bytes = 0;  // 0: automatic (see ShmComm)
-  size_t oneshot_bytes = 256 << 10;
+  size_t chunk_bytes = 0;          // 0: automatic (see ShmComm)
+  size_t oneshot_bytes = 4 << 10;  // Note [One-shot threshold] in shm_algos.h
   size_t pool_bytes = size_t(1) << 30;
   // 1 MiB + 64 KiB: a 1 MiB message fits with its header, so it is written by the caller
   // instead of streamed through the send lane (2-rank 1 MiB exchange: 254-334 -> 86-92 us).
