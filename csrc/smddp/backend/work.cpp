@@ -1,7 +1,6 @@
 #include "smddp/backend/work.h"
 
 #include <c10/core/StreamGuard.h>
-#include <unistd.h>
 
 #include "smddp/common/common.h"
 
@@ -203,59 +202,6 @@ void Executor::shutdown() {
   cv_.notify_all();
   // Queued work still runs (as before, when the lane threads drained it before joining).
   idle_cv_.wait(lk, [&] { return !main_.scheduled && !send_.scheduled; });
-}
-
-WorkerPool& WorkerPool::instance() {
-  // Never destroyed: detached pool threads may still be waiting at exit. A forked child
-  // inherits none of the threads, so it starts a pool of its own.
-  static std::mutex mu;
-  static WorkerPool* pool = nullptr;
-  static pid_t owner = 0;
-  std::lock_guard<std::mutex> g(mu);
-  if (!pool || owner != getpid()) {
-    pool = new WorkerPool();
-    owner = getpid();
-  }
-  return *pool;
-}
-
-void WorkerPool::post(std::function<void()> task) {
-  std::lock_guard<std::mutex> g(mu_);
-  tasks_.push_back(std::move(task));
-  if (tasks_.size() > static_cast<size_t>(idle_)) {
-    // Every idle thread will take one of the tasks ahead: this one needs a new thread.
-    ++threads_;
-    std::thread([this] { loop(); }).detach();
-  } else {
-    cv_.notify_one();
-  }
-}
-
-int WorkerPool::threads() {
-  std::lock_guard<std::mutex> g(mu_);
-  return threads_;
-}
-
-void WorkerPool::loop() {
-  on_worker_thread() = true;
-  std::unique_lock<std::mutex> lk(mu_);
-  while (true) {
-    if (tasks_.empty()) {
-      ++idle_;
-      const bool got = cv_.wait_for(lk, kLinger, [&] { return !tasks_.empty(); });
-      --idle_;
-      if (!got) {
-        --threads_;
-        return;
-      }
-    }
-    std::function<void()> task = std::move(tasks_.front());
-    tasks_.pop_front();
-    lk.unlock();
-    task();
-    task = nullptr;  // what it captured goes before the thread waits again
-    lk.lock();
-  }
 }
 
 }  // namespace smddp

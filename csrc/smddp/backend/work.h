@@ -28,7 +28,8 @@
 // of pre-faulted data buffers, whether it was busy or not (64 groups: 38 more threads, 38
 // more fds and 200 MiB more /dev/shm per rank of 4). Groups now share what can be shared
 // and pay for the rest only while they use it:
-// - Threads: the lanes of every group's Executor are run by one WorkerPool per process.
+// - Threads: the lanes of every group's Executor are run by one WorkerPool per process
+//   (common/worker_pool.h).
 //   A lane with queued work holds one pool thread until its queue is empty, then gives it
 //   back; a thread idle for kLinger exits. The pool is not of a fixed size on purpose: a
 //   lane's work blocks while it waits for the same group on other ranks, and the ranks may
@@ -62,6 +63,8 @@
 #include <optional>
 #include <thread>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "smddp/common/worker_pool.h"
 
 namespace smddp {
 
@@ -109,25 +112,6 @@ class CoalescedWork : public c10d::Work {
 
  private:
   std::vector<c10::intrusive_ptr<c10d::Work>> parts_;
-};
-
-// The threads that run every Executor's lanes in this process (Note [One transport per
-// process]): a task gets an idle thread or a new one, never waits for another task.
-class WorkerPool {
- public:
-  static WorkerPool& instance();
-  void post(std::function<void()> task);
-  // Threads the pool holds now (busy or idle), for tests.
-  int threads();
-  static constexpr std::chrono::milliseconds kLinger{1000};
-
- private:
-  void loop();
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;
-  int idle_ = 0;     // threads waiting for a task
-  int threads_ = 0;  // threads alive
 };
 
 class Executor {

@@ -1,0 +1,68 @@
+// Groups that listen for TCP connections share one acceptor thread per process (Acceptor in
+// transport/tcp/tcp.cpp; Note [One transport per process] in backend/work.h).
+#include <dirent.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "harness.h"
+
+using smddp::Communicator;
+using smddp_test::run_group;
+
+namespace {
+
+int threads_of_this_process() {
+  int n = 0;
+  if (DIR* d = opendir("/proc/self/task")) {
+    while (dirent* e = readdir(d)) n += e->d_name[0] != '.';
+    closedir(d);
+  }
+  return n;
+}
+
+// Threads of this process while `groups` groups of 3 ranks, each rank its own "host", are
+// connected at once (one thread runs each group, one thread each rank, plus the shared ones).
+int threads_with_tcp_groups(int groups) {
+  std::mutex mu;
+  std::condition_variable cv;
+  int connected = 0, counted = -1;
+  std::vector<std::thread> runners;
+  for (int g = 0; g < groups; ++g) {
+    runners.emplace_back([&, g] {
+      smddp::CommConfig cfg;
+      cfg.group_name = "acceptor_" + std::to_string(groups) + "_" + std::to_string(g);
+      cfg.timeout_s = 60;
+      cfg.settings.force_local_size = 1;
+      cfg.settings.socket_addr = "127.0.0.1";
+      cfg.settings.pool_bytes = 0;
+      run_group(3, cfg, [&](Communicator& c, int rank) {
+        c.barrier(c.make_ctx("barrier", smddp::CollDesc{}, smddp::OpArgs{}, 0));
+        std::unique_lock<std::mutex> lk(mu);
+        ++connected;
+        cv.notify_all();
+        if (connected == 3 * groups) counted = threads_of_this_process();
+        cv.wait_for(lk, std::chrono::seconds(30), [&] { return counted >= 0; });
+      });
+    });
+  }
+  for (auto& t : runners) t.join();
+  return counted;
+}
+
+}  // namespace
+
+// Each group adds its runner and rank threads and nothing else: no listener thread of its
+// own. (Before the shared acceptor, every listening group added one thread.)
+TEST_CASE(tcp_groups_share_one_acceptor_thread) {
+  const int with2 = threads_with_tcp_groups(2);
+  const int with6 = threads_with_tcp_groups(6);
+  EXPECT(with2 > 0 && with6 > 0, "thread counts ", with2, " and ", with6);
+  EXPECT(with6 - with2 == 4 * (1 + 3), "4 more groups added ", with6 - with2,
+         " threads; their runner and rank threads are 16");
+}
