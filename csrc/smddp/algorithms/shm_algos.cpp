@@ -59,18 +59,28 @@ void allreduce(ShmComm& c, void* data, size_t count, const Reduction& red, const
   }
   const size_t chunk = chunk_elems(c.chunk_bytes(), 1, esz);
   const bool stream = c.stream_output(count * esz);
+  // Note [My slice stays home] in shm_algos.h.
+  const bool stage_mine = red.op == RedOp::PREMUL_SUM && red.premul != 1.0;
   bool first = true;
   for (size_t o = 0; o < count || first; o += chunk) {
     size_t m = std::min(chunk, count - o);
     uint64_t s = c.begin_step(ctx, first);
     first = false;
-    copy_in(c.mine(s, 0, m * esz), out + o * esz, m, red);
+    Span mine = partition(m, n, me, 64 / esz);
+    if (stage_mine) {
+      copy_in(c.mine(s, 0, m * esz), out + o * esz, m, red);
+    } else {
+      copy_in(c.mine(s, 0, mine.off * esz), out + o * esz, mine.off, red);
+      const size_t after = mine.off + mine.len;
+      copy_in(c.mine(s, after * esz, (m - after) * esz), out + (o + after) * esz, m - after, red);
+    }
     c.post(s, 1);
     c.wait_all(s, 1, ctx);
     // Reduce my slice of the chunk, in rank order, in place in my own buffer.
-    Span mine = partition(m, n, me, 64 / esz);
     for (int i = 0; i < n; ++i) srcs[i] = c.peer(i, s) + mine.off * esz;
-    reduce(red.dtype, red.dtype, c.mine(s) + mine.off * esz, srcs.data(), n, mine.len, red, true);
+    if (!stage_mine) srcs[me] = out + (o + mine.off) * esz;
+    reduce(red.dtype, red.dtype, c.mine(s, mine.off * esz, mine.len * esz), srcs.data(), n,
+           mine.len, red, true);
     c.post(s, 2);
     // Gather the reduced slices, starting after my own rank to spread the reads.
     for (int k = 0; k < n; ++k) {

@@ -16,6 +16,15 @@ namespace shm {
 // reduced once by its owner and stays in cache between the phases (two syncs per chunk).
 // Both reduce in rank order, so they give the same bits.
 //
+// Note [My slice stays home]
+// In the two-shot algorithm each rank reduces one slice of the chunk, and no peer reads the
+// owner's own input for that slice. So a rank stages only the other slices ((n-1)/n of
+// the chunk) and reads its own contribution to its slice straight from its input: 1/n less
+// copied into the segment per step, the same values reduced in the same order. A PREMUL_SUM
+// with a factor other than 1 still stages the whole chunk, since the copy in is where the
+// factor is applied. 2 ranks, all_reduce_direct, float32, alternating builds: 64 KiB
+// 10.8 -> 10.0 us; 1 MiB and 4 MiB the same within the noise (67-69 and 270-284 us).
+//
 // Note [One-shot threshold]
 // The one-shot algorithm saves a sync but every rank reads all n buffers, (n-1)S bytes
 // written by other cores, and reduces S elements n ways; the two-shot one reads 2(n-1)S/n
