@@ -72,6 +72,9 @@ setup(
         include=["torch_sagemaker", "torch_sagemaker.*", "smdistributed", "smdistributed.*"]
     ),
     py_modules=["_torch_sagemaker_alias"],
+    # The extension's type stub and the PEP 561 marker: installed users get the same types as
+    # a checkout.
+    package_data={"torch_sagemaker": ["_C.pyi", "py.typed"]},
     ext_modules=[
         CppExtension(
             name="torch_sagemaker._C",

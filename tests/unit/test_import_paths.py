@@ -79,6 +79,7 @@ def test_wheel_install(tmp_path):
     assert "torch_sagemaker/policies/__init__.py" in names
     assert not any(n.startswith("policies/") for n in names)
     assert any(n.startswith("torch_sagemaker/_C") and n.endswith(".so") for n in names)
+    assert "torch_sagemaker/_C.pyi" in names and "torch_sagemaker/py.typed" in names
     install = _run(
         [
             sys.executable,
