@@ -32,11 +32,13 @@ void SmddpWork::complete(std::exception_ptr error) {
 }
 
 bool SmddpWork::wait(std::chrono::milliseconds timeout) {
-  if (auto exec = exec_.lock()) {
+  std::shared_ptr<Executor> exec = exec_.lock();
+  if (exec) {
     while (!isCompleted() && exec->run_next()) {
     }
   }
   const bool ok = c10d::Work::wait(timeout);
+  if (exec) exec->release_finished();
   if (completion_stream_) future_->wait();  // the current stream waits, not the host
   return ok;
 }
@@ -91,6 +93,7 @@ std::exception_ptr Executor::execute(Item& item) {
 void Executor::run(Item& item) { item.work->complete(execute(item)); }
 
 void Executor::submit(Fn fn, c10::intrusive_ptr<SmddpWork> work, bool async_op) {
+  release_finished();
   Item item{std::move(fn), std::move(work)};
   if (!async_op) {
     std::unique_lock<std::mutex> lk(mu_);
@@ -104,6 +107,7 @@ void Executor::submit(Fn fn, c10::intrusive_ptr<SmddpWork> work, bool async_op) 
 }
 
 void Executor::submit_send(Fn fn, c10::intrusive_ptr<SmddpWork> work) {
+  release_finished();
   enqueue(send_, Item{std::move(fn), std::move(work)});
 }
 
@@ -193,7 +197,16 @@ void Executor::drain(Lane& lane) {
     // test_p2p_matches_payload_bit_for_bit under load).
     finished(lane);
     item.work->complete(error);
+    // Note [Tensors are released in the caller's thread].
+    std::lock_guard<std::mutex> lk(mu_);
+    released_.push_back(std::move(item));
   }
+}
+
+void Executor::release_finished() {
+  std::vector<Item> dead;
+  std::lock_guard<std::mutex> lk(mu_);
+  dead.swap(released_);
 }
 
 void Executor::shutdown() {
@@ -202,6 +215,9 @@ void Executor::shutdown() {
   cv_.notify_all();
   // Queued work still runs (as before, when the lane threads drained it before joining).
   idle_cv_.wait(lk, [&] { return !main_.scheduled && !send_.scheduled; });
+  std::vector<Item> dead;
+  dead.swap(released_);
+  lk.unlock();
 }
 
 }  // namespace smddp

@@ -48,7 +48,21 @@
 //   the descriptor; kernels older than 5.14 keep the descriptor as before).
 // - /dev/shm: a segment's data buffers are committed in granules as the algorithms first
 //   write to them (ShmComm::writable), not pre-faulted whole at creation, so a group that
-//   only carries small messages costs its control page and a few granules.
+//   only carries small messages costs its control page and a few granules.//
+// Note [Tensors are released in the caller's thread]
+// A tensor that has a Python object takes the GIL when its C++ reference count falls from 2
+// to 1 (torch 2.13 keeps the Python object alive while C++ holds a reference, and gives it
+// back then). A queued work holds its tensors in its function and in its Work, so the pool
+// thread that ran it would drop the last C++ references to tensors the caller still holds
+// (the input of an all-gather or a reduce-scatter; everything, once the caller has dropped
+// the Work) and wait for the GIL. While the caller's thread runs Python, that wait is up to
+// a switch interval (5 ms), and every later work of the lane waits behind it; while the
+// interpreter shuts down, a thread that asks for the GIL is ended, which aborts the process
+// ("terminate called without an active exception"; gloo's workers do this at exit). So a
+// pool thread never drops a finished work: it hands it to `released_`, and the caller's
+// thread destroys what is there when it next calls into the executor (submit, wait, the
+// synchronous paths) or shuts it down. The cost is that a finished work's tensors live
+// until that call: one op's buffers per lane at most, since every call sweeps.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -127,10 +141,12 @@ class Executor {
   // of Note [Execution order]), without a Work; its exceptions propagate to the caller.
   template <class F>
   void run_now(F&& fn) {
+    std::vector<Item> dead;
     {
       std::unique_lock<std::mutex> lk(mu_);
       idle_cv_.wait(lk, [&] { return main_.pending == 0 || stop_; });
       if (stop_) throw std::runtime_error("smddp: the process group was shut down");
+      dead.swap(released_);
     }
     std::lock_guard<std::mutex> g(exec_mu_);
     fn();
@@ -141,8 +157,10 @@ class Executor {
   // they try, so nothing can be queued on the send lane meanwhile.
   template <class F>
   bool try_now(F&& attempt) {
+    std::vector<Item> dead;
     {
       std::lock_guard<std::mutex> lk(mu_);
+      dead.swap(released_);
       if (main_.pending || stop_) return false;
     }
     std::lock_guard<std::mutex> g(exec_mu_);
@@ -158,6 +176,9 @@ class Executor {
   bool run_next();
   // Waits for all queued work and for the pool threads to leave the lanes. Idempotent.
   void shutdown();
+  // Destroys the works pool threads finished (Note [Tensors are released in the caller's
+  // thread]). Call from the caller's side only, never from a pool thread.
+  void release_finished();
 
  private:
   struct Item {
@@ -181,6 +202,7 @@ class Executor {
   std::condition_variable cv_;       // main_busy_ went false
   std::condition_variable idle_cv_;  // a lane became idle or unscheduled
   Lane main_, send_;
+  std::vector<Item> released_;  // finished on a pool thread, destroyed by release_finished
   bool main_busy_ = false;  // a main-lane work is running (worker or run_if_next)
   bool stop_ = false;
   std::mutex exec_mu_;
