@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.multiprocessing as mp
 
@@ -56,6 +57,38 @@ def set_rank_environment(rank: int, world: int, port: int, log_level: str = "WAR
         LOCAL_WORLD_SIZE=str(world),
         TSM_LOG_LEVEL=log_level,
     )
+
+
+def end_rank(queue: Any | None = None) -> NoReturn:
+    """Ends a spawned benchmark rank at once, after its groups and its results are done with.
+
+    It destroys the rank's process groups, delivers what it put on ``queue`` and exits
+    without shutting the interpreter down.
+
+    Groups live on after ``dist.destroy_process_group()`` while anything references them
+    (``tsm.state``, DTensor's caches of device meshes, FSDP states in reference cycles), so
+    their threads are still there while the interpreter shuts down. A gloo worker thread
+    that releases a collective's tensors then asks for the GIL, and a thread that asks for it
+    during shutdown is ended, which aborts the process ("terminate called without an active
+    exception"; Note [Tensors are released in the caller's thread] in
+    csrc/smddp/backend/work.h explains the GIL request, which smddp's own threads avoid).
+    A benchmark rank has nothing to clean up that the operating system does not, so it
+    leaves with ``os._exit(0)``. Errors raised before this call still end the rank with its
+    traceback and a non-zero exit code.
+
+    Args:
+        queue: The multiprocessing queue this rank put its results on, if any.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if queue is not None:
+        queue.close()
+        queue.join_thread()  # the feeder thread has written everything to the pipe
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def free_port() -> int:

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_sagemaker.bench import comma_list, run_ranks
+from torch_sagemaker.bench import comma_list, end_rank, run_ranks
 
 DEFAULT_OPS = (
     "all_reduce",
@@ -63,7 +63,7 @@ PASSES = {
     "all_reduce": (
         lambda n: 2.0,
         "read S + write S; chunks staged in shm, reduced by their "
-        "owner rank and gathered while cache-resident (one-shot below 256 KiB)",
+        "owner rank and gathered while cache-resident (one-shot up to SMDDP_ONESHOT_BYTES)",
     ),
     "all_gather_into_tensor": (
         lambda n: 1 / n + 1,
@@ -374,12 +374,10 @@ def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, queue) 
     dist.init_process_group(
         args.backends[0], rank=rank, world_size=world, timeout=timedelta(seconds=600)
     )
-    try:
-        result = _worker_body(rank, world, args)
-        if rank == 0:
-            queue.put(result)
-    finally:
-        dist.destroy_process_group()
+    result = _worker_body(rank, world, args)
+    if rank == 0:
+        queue.put(result)
+    end_rank(queue)
 
 
 def _run(args: argparse.Namespace):

@@ -48,7 +48,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from torch_sagemaker.bench import comma_list, free_port, set_rank_environment
+from torch_sagemaker.bench import comma_list, end_rank, free_port, set_rank_environment
 
 MODES = ("no CP", "cp2 p2p", "cp2 p2p, no comm", "cp2 all_gather", "cp2 all_gather, no comm")
 
@@ -281,13 +281,57 @@ def _pytorch_cp(model: nn.Module, ids: torch.Tensor) -> str:
     return "ran"
 
 
+def _measure(seq: int, rank: int, args: argparse.Namespace) -> dict:
+    """One sequence length: every configuration's steps, memory and communication (a row)."""
+    import torch.distributed as dist
+
+    from torch_sagemaker.context_parallel import split_sequence
+
+    models = _models(args)
+    optims = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
+    gen = torch.Generator().manual_seed(seq)
+    # One sequence per data-parallel rank: whole on each rank without CP, split with CP.
+    own = torch.randint(0, args.vocab, (2, seq), generator=gen)[rank : rank + 1]
+    shared = split_sequence(torch.randint(0, args.vocab, (1, seq), generator=gen))
+    inputs = {"no CP": own, "cp2 p2p": shared, "cp2 all_gather": shared}
+    row: dict = {"seq": seq, "times": {m: [] for m in MODES}, "blocked": {m: [] for m in MODES}}
+    row["memory"] = {name: saved_activation_bytes(m, inputs[name]) for name, m in models.items()}
+    for step in range(args.warmup + args.steps):
+        for mode in MODES:
+            name = mode.split(",")[0]
+            blocked = [0.0]
+            ctx = (
+                local_attention_comm()
+                if mode.endswith("no comm")
+                else timed_attention_comm(blocked)
+            )
+            dist.barrier()
+            start = time.perf_counter()
+            with ctx:
+                _step(models[name], optims[name], inputs[name])
+            elapsed = _slowest(time.perf_counter() - start)
+            if step >= args.warmup:
+                row["times"][mode].append(elapsed)
+                row["blocked"][mode].append(_slowest(blocked[0]))
+    row["alone"] = {
+        comm: _comm_alone(comm, shared.shape[1], args.layers, args)
+        for comm in ("p2p", "all_gather")
+    }
+    row["attention"] = {
+        comm: (
+            *_attention_alone(comm, shared.shape[1], args),
+            _comm_alone(comm, shared.shape[1], 1, args),
+        )
+        for comm in ("p2p", "all_gather")
+    }
+    return row
+
+
 def _rank_main(rank: int, port: int, args: argparse.Namespace, results) -> None:
     set_rank_environment(rank, 2, port, "WARNING")
     torch.set_num_threads(1)
     import torch.distributed as dist
     import torch.sagemaker as tsm
-
-    from torch_sagemaker.context_parallel import split_sequence
 
     dist.init_process_group(args.backend, rank=rank, world_size=2, timeout=timedelta(minutes=30))
     tsm.init({"context_parallel_degree": 2, "hybrid_shard_degree": 2})
@@ -295,48 +339,10 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, results) -> None:
     if rank == 0:
         results.put(("pytorch", outcome))
     for seq in args.seqs:
-        models = _models(args)
-        optims = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
-        gen = torch.Generator().manual_seed(seq)
-        # One sequence per data-parallel rank: whole on each rank without CP, split with CP.
-        own = torch.randint(0, args.vocab, (2, seq), generator=gen)[rank : rank + 1]
-        shared = split_sequence(torch.randint(0, args.vocab, (1, seq), generator=gen))
-        inputs = {"no CP": own, "cp2 p2p": shared, "cp2 all_gather": shared}
-        row: dict = {"seq": seq, "times": {m: [] for m in MODES}, "blocked": {m: [] for m in MODES}}
-        row["memory"] = {
-            name: saved_activation_bytes(m, inputs[name]) for name, m in models.items()
-        }
-        for step in range(args.warmup + args.steps):
-            for mode in MODES:
-                name = mode.split(",")[0]
-                blocked = [0.0]
-                ctx = (
-                    local_attention_comm()
-                    if mode.endswith("no comm")
-                    else timed_attention_comm(blocked)
-                )
-                dist.barrier()
-                start = time.perf_counter()
-                with ctx:
-                    _step(models[name], optims[name], inputs[name])
-                elapsed = _slowest(time.perf_counter() - start)
-                if step >= args.warmup:
-                    row["times"][mode].append(elapsed)
-                    row["blocked"][mode].append(_slowest(blocked[0]))
-        row["alone"] = {
-            comm: _comm_alone(comm, shared.shape[1], args.layers, args)
-            for comm in ("p2p", "all_gather")
-        }
-        row["attention"] = {
-            comm: (
-                *_attention_alone(comm, shared.shape[1], args),
-                _comm_alone(comm, shared.shape[1], 1, args),
-            )
-            for comm in ("p2p", "all_gather")
-        }
+        row = _measure(seq, rank, args)
         if rank == 0:
             results.put(("row", row))
-    dist.destroy_process_group()
+    end_rank(results)
 
 
 def run(args: argparse.Namespace) -> tuple[str | None, list[dict]]:

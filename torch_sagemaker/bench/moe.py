@@ -31,7 +31,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from torch_sagemaker.bench import comma_list, free_port, set_rank_environment
+from torch_sagemaker.bench import comma_list, end_rank, free_port, set_rank_environment
 
 
 def _model(args: argparse.Namespace):
@@ -179,7 +179,7 @@ def _rank_main(
         row = _run_config(args, ep, a2a)
         if rank == 0:
             results.put((world, backend, ep, a2a, row))
-    dist.destroy_process_group()
+    end_rank(results)
 
 
 def _run(args: argparse.Namespace) -> list[tuple]:

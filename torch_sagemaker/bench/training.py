@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.multiprocessing as mp
 
-from torch_sagemaker.bench import comma_list, free_port, set_rank_environment
+from torch_sagemaker.bench import comma_list, end_rank, free_port, set_rank_environment
 
 MODES = ("fsdp2_full", "fsdp2_plain", "fsdp2_hybrid", "ddp", "fsdp2_plain_staged")
 # fsdp2_plain_staged: the plain script with the pool turned off again, i.e. what such a
@@ -119,7 +119,7 @@ def _rank_main(
         steps = _time_steps(_wrap(_model(args), mode, world), args, distributed=True)
         if rank == 0:
             results.put((backend, mode, steps))
-    dist.destroy_process_group()
+    end_rank(results)
 
 
 def _single_rank(args: argparse.Namespace, results) -> None:
