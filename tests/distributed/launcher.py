@@ -285,6 +285,21 @@ def _shutdown_all() -> None:
         pool.shutdown()
 
 
+def _start_pool(
+    world_size: int, backend: str, env: dict[str, str], init_pg: bool, pg_timeout: float
+) -> _Pool:
+    """A started pool. The store's port was free when chosen, but another process (an smddp
+    listener on an ephemeral port, say) can take it before rank 0 binds it; then the pool
+    starts again on a new port, up to three times."""
+    for attempt in range(3):
+        try:
+            return _Pool(world_size, backend, env, init_pg, pg_timeout, start_timeout_s=180)
+        except DistributedTestError as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 def run_distributed(
     fn: Callable[..., Any],
     *args: Any,
@@ -327,7 +342,7 @@ def run_distributed(
         pool.shutdown(force=True)
         pool = None
     if pool is None:
-        pool = _Pool(world_size, backend, env, init_process_group, pg_timeout, start_timeout_s=180)
+        pool = _start_pool(world_size, backend, env, init_process_group, pg_timeout)
         if not fresh:
             _CACHE[key] = pool
     try:
