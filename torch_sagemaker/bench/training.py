@@ -4,10 +4,15 @@
 
 A Llama of about 50M parameters (hidden 512, 8 layers, vocab 32000, sequence 256) is trained
 for a few steps in each mode on each backend; every number is the median over the timed
-steps of the slowest rank. The same run measures one rank alone (same per-rank batch, no
-communication), which gives the scaling ratio and the estimate of exposed communication:
-``step time - single-rank step time`` (what the ranks spend beyond their own compute).
-Ranks use one intra-op thread each.
+steps of the slowest rank. Ranks use one intra-op thread each. The same run measures:
+
+- ``1 rank``: one process alone (same per-rank batch, no communication); the scaling ratio
+  ``vs N x 1 rank`` divides by N times its tokens/s;
+- ``N ranks alone``: N processes at once, each training its own model with no communication
+  (a barrier aligns their steps). This is what the machine gives N ranks before any
+  communication (cores, caches and memory bandwidth shared), so ``vs N alone`` is the
+  part of the scaling that communication and the sharding library cost, and the exposed
+  communication is ``step time - N ranks alone step time``.
 """
 
 from __future__ import annotations
@@ -77,9 +82,13 @@ def _wrap(model, mode: str, world: int):
 
 
 def _time_steps(
-    model, args: argparse.Namespace, distributed: bool
+    model, args: argparse.Namespace, distributed: bool, barrier=None
 ) -> list[tuple[float, float, float]]:
-    """(forward, backward, optimizer) seconds of each timed step, slowest rank."""
+    """(forward, backward, optimizer) seconds of each timed step, slowest rank.
+
+    ``barrier``: a multiprocessing barrier that starts the steps of processes that do not
+    communicate together.
+    """
     import torch.distributed as dist
 
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -89,6 +98,8 @@ def _time_steps(
         ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
         if distributed:
             dist.barrier()
+        elif barrier is not None:
+            barrier.wait()
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         t1 = time.perf_counter()
@@ -122,9 +133,25 @@ def _rank_main(
     end_rank(results)
 
 
-def _single_rank(args: argparse.Namespace, results) -> None:
+def _single_rank(args: argparse.Namespace, results, barrier=None) -> None:
     torch.set_num_threads(1)
-    results.put(("none", "1 rank", _time_steps(_model(args), args, distributed=False)))
+    steps = _time_steps(_model(args), args, distributed=False, barrier=barrier)
+    results.put(("none", "1 rank", steps))
+
+
+def _ranks_alone(args: argparse.Namespace, ctx, results) -> tuple[str, str, list]:
+    """``args.nprocs`` processes training at once without communication; the slowest per step."""
+    barrier = ctx.Barrier(args.nprocs)
+    procs = [
+        ctx.Process(target=_single_rank, args=(args, results, barrier)) for _ in range(args.nprocs)
+    ]
+    for p in procs:
+        p.start()
+    per_rank = [results.get()[2] for _ in procs]
+    for p in procs:
+        p.join()
+    slowest = [tuple(max(parts) for parts in zip(*steps)) for steps in zip(*per_rank)]
+    return ("none", f"{args.nprocs} ranks alone", slowest)
 
 
 def _run(args: argparse.Namespace) -> list[tuple[str, str, list]]:
@@ -135,6 +162,7 @@ def _run(args: argparse.Namespace) -> list[tuple[str, str, list]]:
     single.start()
     rows.append(results.get())
     single.join()
+    rows.append(_ranks_alone(args, ctx, results))
     for backend in args.backends:
         port = free_port()
         procs = [
@@ -156,20 +184,20 @@ def _run(args: argparse.Namespace) -> list[tuple[str, str, list]]:
 
 def _table(rows, args: argparse.Namespace) -> tuple[str, dict]:
     tokens = args.batch * args.seq
-    single = statistics.median(sum(s) for s in rows[0][2])
+    alone_mode = f"{args.nprocs} ranks alone"
+    alone = statistics.median(sum(s) for s in rows[1][2])
     lines = [
         f"Llama {args.params_m:.0f}M params, seq {args.seq}, batch {args.batch}/rank, "
         f"{args.nprocs} ranks, "
         f"medians of {args.steps} steps (slowest rank)",
         "| backend | mode | tokens/s | step ms | fwd ms | bwd ms | optim ms | exposed comm ms | "
-        "vs gloo | vs 2x... |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"vs gloo | vs {args.nprocs} x 1 rank | vs {args.nprocs} alone |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    lines[1] = lines[1].replace("vs 2x...", f"vs {args.nprocs} x 1 rank")
     by_key = {}
     for backend, mode, steps in rows:
         step = statistics.median(sum(s) for s in steps)
-        world = 1 if backend == "none" else args.nprocs
+        world = 1 if mode == "1 rank" else args.nprocs
         by_key[(backend, mode)] = tokens * world / step
     for backend, mode, steps in rows:
         fwd, bwd, opt = (statistics.median(s[i] for s in steps) for i in range(3))
@@ -178,13 +206,14 @@ def _table(rows, args: argparse.Namespace) -> tuple[str, dict]:
         gloo = by_key.get(("gloo", mode))
         vs_gloo = f"{tps / gloo:.2f}x" if gloo and backend != "gloo" and backend != "none" else ""
         scaling = (
-            "" if backend == "none" else f"{tps / (args.nprocs * by_key[('none', '1 rank')]):.2f}"
+            "" if mode == "1 rank" else f"{tps / (args.nprocs * by_key[('none', '1 rank')]):.2f}"
         )
-        exposed = "" if backend == "none" else f"{max(0.0, step - single) * 1e3:.0f}"
+        vs_alone = "" if backend == "none" else f"{tps / by_key[('none', alone_mode)]:.2f}"
+        exposed = "" if backend == "none" else f"{max(0.0, step - alone) * 1e3:.0f}"
         lines.append(
             f"| {backend} | {mode} | {tps:.0f} | {step * 1e3:.0f} | {fwd * 1e3:.0f} | "
             f"{bwd * 1e3:.0f} | "
-            f"{opt * 1e3:.0f} | {exposed} | {vs_gloo} | {scaling} |"
+            f"{opt * 1e3:.0f} | {exposed} | {vs_gloo} | {scaling} | {vs_alone} |"
         )
     return "\n".join(lines), by_key
 
