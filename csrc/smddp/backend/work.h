@@ -48,21 +48,22 @@
 //   the descriptor; kernels older than 5.14 keep the descriptor as before).
 // - /dev/shm: a segment's data buffers are committed in granules as the algorithms first
 //   write to them (ShmComm::writable), not pre-faulted whole at creation, so a group that
-//   only carries small messages costs its control page and a few granules.//
+//   only carries small messages costs its control page and a few granules.
+//
 // Note [Tensors are released in the caller's thread]
-// A tensor that has a Python object takes the GIL when its C++ reference count falls from 2
-// to 1 (torch 2.13 keeps the Python object alive while C++ holds a reference, and gives it
-// back then). A queued work holds its tensors in its function and in its Work, so the pool
-// thread that ran it would drop the last C++ references to tensors the caller still holds
-// (the input of an all-gather or a reduce-scatter; everything, once the caller has dropped
-// the Work) and wait for the GIL. While the caller's thread runs Python, that wait is up to
-// a switch interval (5 ms), and every later work of the lane waits behind it; while the
-// interpreter shuts down, a thread that asks for the GIL is ended, which aborts the process
-// ("terminate called without an active exception"; gloo's workers do this at exit). So a
-// pool thread never drops a finished work: it hands it to `released_`, and the caller's
-// thread destroys what is there when it next calls into the executor (submit, wait, the
-// synchronous paths) or shuts it down. The cost is that a finished work's tensors live
-// until that call: one op's buffers per lane at most, since every call sweeps.
+// A tensor that has a Python object takes the GIL when its C++ reference count falls from 2 to 1
+// (torch 2.13 keeps the Python object alive while C++ holds a reference, and gives it back then). A
+// queued work holds its tensors in its function and in its Work, so the pool thread that ran it
+// would drop the last C++ references to tensors the caller still holds (the input of an all-gather
+// or a reduce-scatter; everything, once the caller has dropped the Work) and wait for the GIL.
+// While the caller's thread runs Python, that wait is up to a switch interval (5 ms), and every
+// later work of the lane waits behind it; while the interpreter shuts down, a thread that asks for
+// the GIL is ended, which aborts the process ("terminate called without an active exception", as a
+// gloo rank of a benchmark did at exit: gloo's worker threads drop tensors the same way). So a pool
+// thread never drops a finished work: it hands it to `released_`, and the caller's thread destroys
+// what is there when it next calls into the executor (submit, wait, the synchronous paths) or shuts
+// it down. The cost is that a finished work's tensors live until that call: at most what the caller
+// queued since its previous call into the group.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -203,7 +204,7 @@ class Executor {
   std::condition_variable idle_cv_;  // a lane became idle or unscheduled
   Lane main_, send_;
   std::vector<Item> released_;  // finished on a pool thread, destroyed by release_finished
-  bool main_busy_ = false;  // a main-lane work is running (worker or run_if_next)
+  bool main_busy_ = false;      // a main-lane work is running (worker or run_if_next)
   bool stop_ = false;
   std::mutex exec_mu_;
 };
