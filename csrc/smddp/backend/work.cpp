@@ -93,10 +93,11 @@ std::exception_ptr Executor::execute(Item& item) {
 void Executor::run(Item& item) { item.work->complete(execute(item)); }
 
 void Executor::submit(Fn fn, c10::intrusive_ptr<SmddpWork> work, bool async_op) {
-  release_finished();
   Item item{std::move(fn), std::move(work)};
   if (!async_op) {
+    std::vector<Item> dead;  // destroyed after the lock (Note [Tensors are released in ...])
     std::unique_lock<std::mutex> lk(mu_);
+    dead.swap(released_);
     if (main_.pending == 0 && !stop_) {
       lk.unlock();
       run(item);
@@ -107,12 +108,13 @@ void Executor::submit(Fn fn, c10::intrusive_ptr<SmddpWork> work, bool async_op) 
 }
 
 void Executor::submit_send(Fn fn, c10::intrusive_ptr<SmddpWork> work) {
-  release_finished();
   enqueue(send_, Item{std::move(fn), std::move(work)});
 }
 
 void Executor::enqueue(Lane& lane, Item item) {
+  std::vector<Item> dead;  // destroyed after the lock (Note [Tensors are released in ...])
   std::lock_guard<std::mutex> g(mu_);
+  dead.swap(released_);
   if (stop_) {
     item.work->complete(
         std::make_exception_ptr(std::runtime_error("smddp: the process group was shut down")));
