@@ -8,9 +8,13 @@ dependencies never slow down or break another.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import queue as queue_module
 import socket
 import sys
+import time
+import traceback
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
@@ -98,30 +102,142 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(target: Callable[..., None], nprocs: int, *args: Any) -> Any:
+@dataclasses.dataclass
+class RankFailure:
+    """What a rank put on the results queue instead of a result: its traceback."""
+
+    rank: int
+    traceback: str
+
+
+class _PortTakenError(Exception):
+    """The store's port, free when chosen, was taken before rank 0 bound it."""
+
+
+_NOTHING = object()  # no result yet
+
+# Attempts with a new port when another process took the chosen one first (an ephemeral bind
+# between free_port() and rank 0's store binding it).
+_PORT_ATTEMPTS = 3
+
+
+def _rank_entry(target: Callable[..., None], rank: int, nprocs: int, port: int, args, queue):
+    try:
+        target(rank, nprocs, port, *args, queue)
+    except BaseException:
+        queue.put(RankFailure(rank, traceback.format_exc()))
+        queue.close()
+        queue.join_thread()
+        raise
+
+
+def run_ranks(
+    target: Callable[..., None],
+    nprocs: int,
+    *args: Any,
+    results: int = 1,
+    on_result: Callable[[Any], None] | None = None,
+    result_timeout_s: float = 3600.0,
+) -> list[Any]:
     """Spawns ``nprocs`` ranks running ``target(rank, nprocs, port, *args, queue)``.
 
+    The ranks are fresh processes (spawned), with ``port`` a free port on 127.0.0.1 for their
+    store. While waiting for results the caller watches the ranks, so a rank that fails, or
+    dies without a word, ends the run at once with its traceback or exit code, instead of
+    leaving the caller waiting on the queue. When rank 0 could not bind ``port`` because
+    another process took it first, the ranks start again on a new port (up to three tries).
+
+    Args:
+        target: The rank's function; it puts its results on ``queue``.
+        nprocs: The number of ranks.
+        *args: Passed to ``target`` after the port.
+        results: How many objects to take from the queue.
+        on_result: Called with each result as it arrives (progress reports).
+        result_timeout_s: The longest wait for any one result.
+
     Returns:
-        The first object a rank put on ``queue`` (the benchmarks' rank 0 puts its result),
-        after every rank exited.
+        The first ``results`` objects put on the queue, in order, after every rank exited.
 
     Raises:
-        RuntimeError: If a rank exited with a non-zero code.
+        RuntimeError: A rank failed (its traceback is in the message), exited with a
+            non-zero code, or sent no result for ``result_timeout_s``.
     """
+    for attempt in range(_PORT_ATTEMPTS):
+        try:
+            return _run_once(target, nprocs, args, results, on_result, result_timeout_s)
+        except _PortTakenError as e:
+            if attempt == _PORT_ATTEMPTS - 1:
+                raise RuntimeError(f"the store's port was taken {_PORT_ATTEMPTS} times: {e}") from e
+    raise AssertionError("unreachable")
+
+
+def _run_once(target, nprocs, args, results, on_result, result_timeout_s) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=target, args=(r, nprocs, port, *args, queue)) for r in range(nprocs)
+        ctx.Process(target=_rank_entry, args=(target, r, nprocs, port, args, queue))
+        for r in range(nprocs)
     ]
     for p in procs:
         p.start()
-    result = queue.get()
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise RuntimeError(f"benchmark rank exited with code {p.exitcode}")
-    return result
+    try:
+        got = []
+        for _ in range(results):
+            got.append(_next_result(queue, procs, result_timeout_s))
+            if on_result is not None:
+                on_result(got[-1])
+        for rank, p in enumerate(procs):
+            p.join()
+            if p.exitcode:
+                raise RuntimeError(f"benchmark rank {rank} exited with code {p.exitcode}")
+        return got
+    finally:
+        for p in procs:
+            if p.is_alive():  # peers of a failed rank, waiting on it in a collective
+                p.terminate()
+            p.join()
+
+
+def _next_result(queue, procs, timeout_s: float) -> Any:
+    """The next result on ``queue``; raises as soon as a rank failed or died."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            item = queue.get(timeout=0.5)
+        except queue_module.Empty:
+            item = _after_exit(queue, procs)
+        if item is _NOTHING:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no result from the benchmark ranks in {timeout_s:.0f} s")
+            continue
+        if not isinstance(item, RankFailure):
+            return item
+        if "EADDRINUSE" in item.traceback or "address already in use" in item.traceback.lower():
+            raise _PortTakenError(item.traceback.strip().splitlines()[-1])
+        raise RuntimeError(f"benchmark rank {item.rank} failed:\n{item.traceback}")
+
+
+def _after_exit(queue, procs) -> Any:
+    """What the ranks put on the queue last, once they can send nothing more.
+
+    ``_NOTHING`` while no rank died and some still run. Once a rank died, or all exited, a
+    result may still be in the pipe (a rank writes it there before it exits): that result,
+    or an error naming the rank that died.
+    """
+    codes = [p.exitcode for p in procs]
+    if not any(codes) and None in codes:
+        return _NOTHING
+    try:
+        return queue.get(timeout=2.0)
+    except queue_module.Empty:
+        pass
+    for rank, code in enumerate(codes):
+        if code:  # killed, or failed before it could say why
+            raise RuntimeError(
+                f"benchmark rank {rank} exited with code {code} before delivering its results"
+            )
+    raise RuntimeError("the benchmark ranks exited without delivering their results")
 
 
 def comma_list(allowed: Iterable[str] | None = None) -> Callable[[str], list[str]]:

@@ -389,7 +389,7 @@ def _run(args: argparse.Namespace):
             return _worker_body(dist.get_rank(), dist.get_world_size(), args), dist.get_world_size()
         finally:
             dist.destroy_process_group()
-    return run_ranks(_spawned, args.nprocs, args), args.nprocs
+    return run_ranks(_spawned, args.nprocs, args)[0], args.nprocs
 
 
 def _ratio(row: dict, first: str, other: str) -> float | None:

@@ -45,10 +45,9 @@ from datetime import timedelta
 from typing import cast
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
-from torch_sagemaker.bench import comma_list, end_rank, free_port, set_rank_environment
+from torch_sagemaker.bench import comma_list, end_rank, run_ranks, set_rank_environment
 
 MODES = ("no CP", "cp2 p2p", "cp2 p2p, no comm", "cp2 all_gather", "cp2 all_gather, no comm")
 
@@ -327,8 +326,8 @@ def _measure(seq: int, rank: int, args: argparse.Namespace) -> dict:
     return row
 
 
-def _rank_main(rank: int, port: int, args: argparse.Namespace, results) -> None:
-    set_rank_environment(rank, 2, port, "WARNING")
+def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, results) -> None:
+    set_rank_environment(rank, world, port, "WARNING")
     torch.set_num_threads(1)
     import torch.distributed as dist
     import torch.sagemaker as tsm
@@ -347,30 +346,18 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, results) -> None:
 
 def run(args: argparse.Namespace) -> tuple[str | None, list[dict]]:
     """Runs the two ranks; returns PyTorch CP's outcome and one result row per sequence length."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, args, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    pytorch: str | None = None
-    rows: list[dict] = []
-    while len(rows) < len(args.seqs):
-        kind, value = results.get(timeout=3600)
-        if kind == "pytorch":
-            pytorch = value
-        else:
-            rows.append(value)
+
+    def progress(item: tuple) -> None:
+        if item[0] == "row":
             print(
-                f"[context_parallel] sequence length {value['seq']} done",
+                f"[context_parallel] sequence length {item[1]['seq']} done",
                 file=sys.stderr,
                 flush=True,
             )
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise RuntimeError(f"benchmark rank exited with code {p.exitcode}")
-    return pytorch, rows
+
+    items = run_ranks(_rank_main, 2, args, results=1 + len(args.seqs), on_result=progress)
+    pytorch = next(value for kind, value in items if kind == "pytorch")
+    return pytorch, [value for kind, value in items if kind == "row"]
 
 
 def format_table(pytorch: str | None, rows: list[dict], args: argparse.Namespace) -> str:

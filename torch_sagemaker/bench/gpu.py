@@ -160,6 +160,6 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench gpu needs CUDA (torch.cuda.is_available() is False here)")
         return 2
-    result = run_ranks(_rank, args.nprocs, args)
+    result = run_ranks(_rank, args.nprocs, args)[0]
     print(_report(result, args.nprocs))
     return 0

@@ -28,10 +28,9 @@ from datetime import timedelta
 from typing import cast
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
-from torch_sagemaker.bench import comma_list, end_rank, free_port, set_rank_environment
+from torch_sagemaker.bench import comma_list, end_rank, run_ranks, set_rank_environment
 
 
 def _model(args: argparse.Namespace):
@@ -166,7 +165,7 @@ def _configs(world: int) -> list[tuple[int, bool]]:
 
 
 def _rank_main(
-    rank: int, world: int, backend: str, port: int, args: argparse.Namespace, results
+    rank: int, world: int, port: int, backend: str, args: argparse.Namespace, results
 ) -> None:
     set_rank_environment(rank, world, port, "ERROR")
     torch.set_num_threads(1)
@@ -183,29 +182,10 @@ def _rank_main(
 
 
 def _run(args: argparse.Namespace) -> list[tuple]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     rows = []
     for world in args.nprocs:
         for backend in args.backends:
-            procs = [
-                ctx.Process(
-                    target=_rank_main,
-                    args=(r, world, backend, port, args, results),
-                )
-                for port in [free_port()]
-                for r in range(world)
-            ]
-            for p in procs:
-                p.start()
-            for _ in _configs(world):
-                rows.append(results.get())
-            for p in procs:
-                p.join()
-                if p.exitcode:
-                    raise RuntimeError(
-                        f"benchmark rank exited with code {p.exitcode} ({world} ranks, {backend})"
-                    )
+            rows += run_ranks(_rank_main, world, backend, args, results=len(_configs(world)))
     return rows
 
 

@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.multiprocessing as mp
 
-from torch_sagemaker.bench import comma_list, end_rank, free_port, set_rank_environment
+from torch_sagemaker.bench import comma_list, end_rank, run_ranks, set_rank_environment
 
 MODES = ("fsdp2_full", "fsdp2_plain", "fsdp2_hybrid", "ddp", "fsdp2_plain_staged")
 # fsdp2_plain_staged: the plain script with the pool turned off again, i.e. what such a
@@ -117,7 +117,7 @@ def _time_steps(
 
 
 def _rank_main(
-    rank: int, world: int, backend: str, port: int, args: argparse.Namespace, results
+    rank: int, world: int, port: int, backend: str, args: argparse.Namespace, results
 ) -> None:
     set_rank_environment(rank, world, port, "WARNING")
     torch.set_num_threads(1)
@@ -133,52 +133,30 @@ def _rank_main(
     end_rank(results)
 
 
-def _single_rank(args: argparse.Namespace, results, barrier=None) -> None:
+def _single_rank(
+    rank: int, world: int, port: int, args: argparse.Namespace, barrier, results
+) -> None:
+    del rank, world, port  # no communication
     torch.set_num_threads(1)
     steps = _time_steps(_model(args), args, distributed=False, barrier=barrier)
     results.put(("none", "1 rank", steps))
 
 
-def _ranks_alone(args: argparse.Namespace, ctx, results) -> tuple[str, str, list]:
+def _ranks_alone(args: argparse.Namespace) -> tuple[str, str, list]:
     """``args.nprocs`` processes training at once without communication; the slowest per step."""
-    barrier = ctx.Barrier(args.nprocs)
-    procs = [
-        ctx.Process(target=_single_rank, args=(args, results, barrier)) for _ in range(args.nprocs)
+    barrier = mp.get_context("spawn").Barrier(args.nprocs)
+    per_rank = [
+        r[2] for r in run_ranks(_single_rank, args.nprocs, args, barrier, results=args.nprocs)
     ]
-    for p in procs:
-        p.start()
-    per_rank = [results.get()[2] for _ in procs]
-    for p in procs:
-        p.join()
     slowest = [tuple(max(parts) for parts in zip(*steps)) for steps in zip(*per_rank)]
     return ("none", f"{args.nprocs} ranks alone", slowest)
 
 
 def _run(args: argparse.Namespace) -> list[tuple[str, str, list]]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    rows = []
-    single = ctx.Process(target=_single_rank, args=(args, results))
-    single.start()
-    rows.append(results.get())
-    single.join()
-    rows.append(_ranks_alone(args, ctx, results))
+    rows = run_ranks(_single_rank, 1, args, None)
+    rows.append(_ranks_alone(args))
     for backend in args.backends:
-        port = free_port()
-        procs = [
-            ctx.Process(target=_rank_main, args=(r, args.nprocs, backend, port, args, results))
-            for r in range(args.nprocs)
-        ]
-        for p in procs:
-            p.start()
-        for _ in args.modes:
-            rows.append(results.get())
-        for p in procs:
-            p.join()
-            if p.exitcode:
-                raise RuntimeError(
-                    f"benchmark rank exited with code {p.exitcode} on backend {backend}"
-                )
+        rows += run_ranks(_rank_main, args.nprocs, backend, args, results=len(args.modes))
     return rows
 
 
