@@ -46,6 +46,30 @@ def _launcher_int(name: str, text: str | None, default: int) -> int:
     return value
 
 
+def _clear_dtensor_caches() -> None:
+    """Empties DTensor's caches that hold device meshes, and through them process groups.
+
+    DTensor caches sharding results keyed by DeviceMesh, whose equality ignores the process
+    groups: a new mesh over the same ranks would otherwise reuse cached specs that point at
+    destroyed groups. The redistribute planners and the transform and mesh-topology caches
+    also keep meshes, so destroyed groups (and their threads) would live on.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    # Private lru_caches of torch 2.13, looked up so that a torch without them still works.
+    for cached in (
+        getattr(_redistribute, "_gen_transform_infos", None),
+        getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None),
+    ):
+        clear = getattr(cached, "cache_clear", None)
+        if clear is not None:
+            clear()
+
+
 @dataclass
 class _Groups:
     """Process groups and meshes built by ``torch_sagemaker.distributed.mesh``."""
@@ -135,22 +159,15 @@ class State:
     def reset(self) -> None:
         """Forgets the config, the overrides and the layout; destroys groups ``init`` created."""
         groups = self._groups
-        if groups is not None and dist.is_initialized():
-            for group in groups.owned:
-                try:
-                    dist.destroy_process_group(group)
-                except (ValueError, RuntimeError):
-                    pass  # already destroyed together with the default group
-            # DTensor caches sharding results keyed by DeviceMesh, whose equality ignores the
-            # process groups: a new mesh over the same ranks would otherwise reuse cached
-            # specs that point at the groups destroyed above.
-            import torch
-            from torch.distributed.tensor import DTensor
-            from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-
-            torch._C._clear_DTensor_sharding_propagator_cache()
-            DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-            clear_redistribute_planner_cache()  # planners hold meshes (and their groups) too
+        if groups is not None:
+            if dist.is_initialized():
+                for group in groups.owned:
+                    try:
+                        dist.destroy_process_group(group)
+                    except (ValueError, RuntimeError):
+                        pass  # already destroyed together with the default group
+            # Also after dist.destroy_process_group(), which leaves these caches alone.
+            _clear_dtensor_caches()
         object.__setattr__(self, "_overrides", {})
         self._clear()
 

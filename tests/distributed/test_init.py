@@ -159,3 +159,40 @@ def test_ranks_with_different_configs_all_fail_naming_the_difference():
                 "world_size=2"
             ) in invalid
         assert hsd == 2
+
+
+def _dtensor_caches_after_destroy_then_reset():
+    import torch
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+    from torch.distributed.tensor import (
+        Replicate,
+        Shard,
+        _collective_utils,
+        _redistribute,
+        distribute_tensor,
+    )
+
+    def sizes():
+        return {
+            "transform infos": _redistribute._gen_transform_infos.cache_info().currsize,
+            "mesh topology": _collective_utils.MeshTopoInfo.build_from_mesh.cache_info().currsize,
+            "planners": len(_redistribute._planner_cache),
+        }
+
+    tsm.init({"tensor_parallel_degree": 2})
+    x = distribute_tensor(torch.arange(8.0), tsm.state.tp_mesh, [Shard(0)])
+    assert x.redistribute(tsm.state.tp_mesh, [Replicate()]).to_local().tolist() == list(range(8))
+    # The cost model's mesh topology cache fills on meshes of several dimensions; fill it here.
+    _collective_utils.MeshTopoInfo.build_from_mesh(tsm.state.tp_mesh)
+    filled = sizes()
+    dist.destroy_process_group()  # the groups are gone; tsm.state still holds them
+    tsm.state.reset()
+    return filled, sizes()
+
+
+@pytest.mark.distributed
+def test_reset_after_destroy_empties_the_dtensor_caches_that_hold_groups():
+    for filled, after in run_distributed(_dtensor_caches_after_destroy_then_reset, world_size=2):
+        assert all(filled.values()), filled
+        assert not any(after.values()), after
