@@ -1,6 +1,6 @@
 """Training-step benchmark: FSDP2 (shard_model, plain fully_shard, hybrid) and DDP, smddp vs gloo.
 
-    python -m torch_sagemaker.bench training [--nprocs 2] [--steps 4] [--plot training.png]
+    python -m torch_sagemaker.bench training [--nprocs 2] [--steps 4] [--repeat 3] [--plot x.png]
 
 A Llama of about 50M parameters (hidden 512, 8 layers, vocab 32000, sequence 256) is trained
 for a few steps in each mode on each backend; every number is the median over the timed
@@ -13,6 +13,10 @@ steps of the slowest rank. Ranks use one intra-op thread each. The same run meas
   communication (cores, caches and memory bandwidth shared), so ``vs N alone`` is the
   part of the scaling that communication and the sharding library cost, and the exposed
   communication is ``step time - N ranks alone step time``.
+
+The rows run one after another, and on a shared machine its speed drifts between them by
+more than the differences measured. ``--repeat R`` runs the whole sequence R times and
+reports medians over the passes, each ratio computed within its own pass, with its range.
 """
 
 from __future__ import annotations
@@ -160,38 +164,73 @@ def _run(args: argparse.Namespace) -> list[tuple[str, str, list]]:
     return rows
 
 
-def _table(rows, args: argparse.Namespace) -> tuple[str, dict]:
+def _metrics(rows, args: argparse.Namespace) -> dict[tuple[str, str], dict[str, float | None]]:
+    """Per (backend, mode) of one pass: tokens/s, step parts (s) and the ratio columns."""
     tokens = args.batch * args.seq
-    alone_mode = f"{args.nprocs} ranks alone"
     alone = statistics.median(sum(s) for s in rows[1][2])
+    tps = {}
+    for backend, mode, steps in rows:
+        world = 1 if mode == "1 rank" else args.nprocs
+        tps[(backend, mode)] = tokens * world / statistics.median(sum(s) for s in steps)
+    out: dict[tuple[str, str], dict[str, float | None]] = {}
+    for backend, mode, steps in rows:
+        key = (backend, mode)
+        step = statistics.median(sum(s) for s in steps)
+        gloo = tps.get(("gloo", mode))
+        comm = backend != "none"
+        out[key] = {
+            "tps": tps[key],
+            "step": step,
+            **{part: statistics.median(s[i] for s in steps) for i, part in enumerate(_PARTS)},
+            "exposed": max(0.0, step - alone) if comm else None,
+            "vs_gloo": tps[key] / gloo if gloo and comm and backend != "gloo" else None,
+            "scaling": None
+            if mode == "1 rank"
+            else tps[key] / (args.nprocs * tps[("none", "1 rank")]),
+            "vs_alone": tps[key] / tps[("none", f"{args.nprocs} ranks alone")] if comm else None,
+        }
+    return out
+
+
+_PARTS = ("fwd", "bwd", "optim")
+
+
+def _table(passes: list, args: argparse.Namespace) -> tuple[str, dict]:
+    """The Markdown table of one or more passes (medians over passes; ratios per pass)."""
+    per_pass = [_metrics(rows, args) for rows in passes]
+    several = len(per_pass) > 1
     lines = [
         f"Llama {args.params_m:.0f}M params, seq {args.seq}, batch {args.batch}/rank, "
         f"{args.nprocs} ranks, "
-        f"medians of {args.steps} steps (slowest rank)",
+        f"medians of {args.steps} steps (slowest rank)"
+        + (
+            f"; {len(per_pass)} passes: medians over the passes, each ratio computed within "
+            "its pass (range over the passes in brackets)"
+            if several
+            else ""
+        ),
         "| backend | mode | tokens/s | step ms | fwd ms | bwd ms | optim ms | exposed comm ms | "
         f"vs gloo | vs {args.nprocs} x 1 rank | vs {args.nprocs} alone |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def cell(key, name: str, fmt: str, scale: float = 1.0) -> str:
+        values = [v for m in per_pass if (v := m[key][name]) is not None]
+        if len(values) < len(per_pass):
+            return ""
+        text = fmt.format(statistics.median(values) * scale)
+        if several and name in ("vs_gloo", "scaling", "vs_alone"):
+            text += f" ({fmt.format(min(values))}-{fmt.format(max(values))})"
+        return text
+
     by_key = {}
-    for backend, mode, steps in rows:
-        step = statistics.median(sum(s) for s in steps)
-        world = 1 if mode == "1 rank" else args.nprocs
-        by_key[(backend, mode)] = tokens * world / step
-    for backend, mode, steps in rows:
-        fwd, bwd, opt = (statistics.median(s[i] for s in steps) for i in range(3))
-        step = statistics.median(sum(s) for s in steps)
-        tps = by_key[(backend, mode)]
-        gloo = by_key.get(("gloo", mode))
-        vs_gloo = f"{tps / gloo:.2f}x" if gloo and backend != "gloo" and backend != "none" else ""
-        scaling = (
-            "" if mode == "1 rank" else f"{tps / (args.nprocs * by_key[('none', '1 rank')]):.2f}"
-        )
-        vs_alone = "" if backend == "none" else f"{tps / by_key[('none', alone_mode)]:.2f}"
-        exposed = "" if backend == "none" else f"{max(0.0, step - alone) * 1e3:.0f}"
+    for key in per_pass[0]:
+        by_key[key] = statistics.median(v for m in per_pass if (v := m[key]["tps"]) is not None)
+        ms = " | ".join(cell(key, name, "{:.0f}", 1e3) for name in ("step", *_PARTS, "exposed"))
         lines.append(
-            f"| {backend} | {mode} | {tps:.0f} | {step * 1e3:.0f} | {fwd * 1e3:.0f} | "
-            f"{bwd * 1e3:.0f} | "
-            f"{opt * 1e3:.0f} | {exposed} | {vs_gloo} | {scaling} | {vs_alone} |"
+            f"| {key[0]} | {key[1]} | {by_key[key]:.0f} | {ms} | "
+            f"{cell(key, 'vs_gloo', '{:.2f}x')} | {cell(key, 'scaling', '{:.2f}')} | "
+            f"{cell(key, 'vs_alone', '{:.2f}')} |"
         )
     return "\n".join(lines), by_key
 
@@ -231,11 +270,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=1, help="sequences per rank")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="whole passes (every row, in order); the machine's speed drifts between rows",
+    )
     p.add_argument("--plot", default=None, help="write a PNG of tokens/s")
     args = p.parse_args(argv)
     with torch.device("meta"):
         args.params_m = sum(t.numel() for t in _model(args).parameters()) / 1e6
-    table, by_key = _table(_run(args), args)
+    table, by_key = _table([_run(args) for _ in range(args.repeat)], args)
     print(table)
     if args.plot:
         _plot(by_key, args.plot)
