@@ -99,9 +99,20 @@ ProcessGroupSMDDP::ProcessGroupSMDDP(const c10::intrusive_ptr<c10d::Store>& stor
 
 ProcessGroupSMDDP::~ProcessGroupSMDDP() { shutdown(); }
 
+const Communicator& ProcessGroupSMDDP::comm() const {
+  TORCH_CHECK(comm_, "smddp: group '", group_name_, "' was shut down");
+  return *comm_;
+}
+
+Communicator& ProcessGroupSMDDP::live_comm() {
+  TORCH_CHECK(comm_ && !shut_down_, "smddp: group '", group_name_, "' was shut down");
+  return *comm_;
+}
+
 bool ProcessGroupSMDDP::supportsTensorAlloc(c10::DeviceIndex /*device_index*/) {
-  // Only CPU tensors are dispatched to this backend, whatever index the caller passes.
-  return comm_->pool() != nullptr;
+  // Only CPU tensors are dispatched to this backend, whatever index the caller passes. A
+  // group that was shut down has no pool left (callers then allocate ordinary memory).
+  return comm_ && comm_->pool() != nullptr;
 }
 
 at::Tensor ProcessGroupSMDDP::allocateTensor(long size, at::TensorOptions options) {
@@ -110,6 +121,7 @@ at::Tensor ProcessGroupSMDDP::allocateTensor(long size, at::TensorOptions option
                     "smddp: allocate_tensor serves CPU tensors only, got device ",
                     options.device());
   options = options.device(at::kCPU);
+  TORCH_CHECK(comm_, "smddp: allocate_tensor on group '", group_name_, "', which was shut down");
   std::shared_ptr<ShmPool> pool = comm_->pool();
   size_t bytes = 0;
   TORCH_CHECK_VALUE(

@@ -101,7 +101,9 @@ class ProcessGroupSMDDP : public c10d::Backend {
   void abort() override;
 
   // Introspection for tests and the benchmark.
-  const Communicator& comm() const { return *comm_; }
+  // The group's communicator, for inspection; raises once the group was shut down (the
+  // communicator is gone then).
+  const Communicator& comm() const;
   // Steps of the staged CPU collectives since the last call (SMDDP_STAGE_CPU=1).
   std::vector<std::string> staging_trace() { return stager_->take_trace(); }
 
@@ -112,6 +114,9 @@ class ProcessGroupSMDDP : public c10d::Backend {
                                         bool async_op, std::function<void()> fn);
   c10::intrusive_ptr<c10d::Work> submit(c10::intrusive_ptr<SmddpWork> work, bool async_op,
                                         std::function<void()> fn);
+  // The communicator, for an operation about to be issued; raises once the group was shut
+  // down. Every operation builds its context through it before anything else uses comm_.
+  Communicator& live_comm();
   bool completes_inline(c10d::OpType type, bool async_op) const;
   double timeout_of(std::chrono::milliseconds t) const;
   Reduction reduction_of(const c10d::ReduceOp& op, const at::Tensor& t, const char* name) const;

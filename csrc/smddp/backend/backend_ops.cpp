@@ -17,8 +17,8 @@ WorkPtr ProcessGroupSMDDP::allreduce(std::vector<at::Tensor>& tensors,
     }
     // Note [Staging pipeline] in device_staging.h.
     Reduction red = reduction_of(opts.reduceOp, t, "all_reduce");
-    OpCtx ctx = comm_->make_ctx("all_reduce", desc_of(t, int(red.op), t.numel()),
-                                args_of(t, redop_name(red.op)), timeout_of(opts.timeout));
+    OpCtx ctx = live_comm().make_ctx("all_reduce", desc_of(t, int(red.op), t.numel()),
+                                     args_of(t, redop_name(red.op)), timeout_of(opts.timeout));
     return staged(op, [&] {
       return submit(OpType::ALLREDUCE, tensors, opts.asyncOp,
                     [this, op, t, red, ctx] { op->allreduce(*comm_, t, red, ctx); });
@@ -27,8 +27,8 @@ WorkPtr ProcessGroupSMDDP::allreduce(std::vector<at::Tensor>& tensors,
   check_cpu(tensors[0], "all_reduce", "its tensor");
   at::Tensor t = tensors[0];
   Reduction red = reduction_of(opts.reduceOp, t, "all_reduce");
-  OpCtx ctx = comm_->make_ctx("all_reduce", desc_of(t, int(red.op), t.numel()),
-                              args_of(t, redop_name(red.op)), timeout_of(opts.timeout));
+  OpCtx ctx = live_comm().make_ctx("all_reduce", desc_of(t, int(red.op), t.numel()),
+                                   args_of(t, redop_name(red.op)), timeout_of(opts.timeout));
   return submit(OpType::ALLREDUCE, tensors, opts.asyncOp,
                 [this, t, red, ctx] { allreduce_tensor(*comm_, t, red, ctx); });
 }
@@ -47,8 +47,8 @@ void ProcessGroupSMDDP::allreduce_direct(const at::Tensor& tensor, const c10d::R
     t = at::view_as_real(t);
   }
   Reduction red = reduction_of(op, t, "all_reduce");
-  OpCtx ctx = comm_->make_ctx("all_reduce", desc_of(t, int(red.op), t.numel()),
-                              args_of(t, redop_name(red.op)), timeout_s_);
+  OpCtx ctx = live_comm().make_ctx("all_reduce", desc_of(t, int(red.op), t.numel()),
+                                   args_of(t, redop_name(red.op)), timeout_s_);
   exec_->run_now([&] { allreduce_tensor(*comm_, t, red, ctx); });
 }
 
@@ -66,8 +66,9 @@ WorkPtr ProcessGroupSMDDP::allreduce_coalesced(std::vector<at::Tensor>& tensors,
   Reduction red = reduction_of(opts.reduceOp, tensors[0], "all_reduce_coalesced");
   int64_t total = 0;
   for (const auto& t : tensors) total += t.numel();
-  OpCtx ctx = comm_->make_ctx("all_reduce_coalesced", desc_of(tensors[0], int(red.op), total),
-                              args_of(tensors[0], redop_name(red.op)), timeout_of(opts.timeout));
+  OpCtx ctx =
+      live_comm().make_ctx("all_reduce_coalesced", desc_of(tensors[0], int(red.op), total),
+                           args_of(tensors[0], redop_name(red.op)), timeout_of(opts.timeout));
   auto ts = tensors;
   return submit(OpType::ALLREDUCE_COALESCED, tensors, opts.asyncOp, [this, ts, red, ctx] {
     // One collective over the concatenation, then scattered back.
@@ -94,8 +95,8 @@ WorkPtr ProcessGroupSMDDP::reduce(std::vector<at::Tensor>& tensors,
   check_root(root, size_, "reduce");
   Reduction red = reduction_of(opts.reduceOp, t, "reduce");
   OpCtx ctx =
-      comm_->make_ctx("reduce", desc_of(t, int(red.op), t.numel(), root),
-                      rooted(args_of(t, redop_name(red.op)), root), timeout_of(opts.timeout));
+      live_comm().make_ctx("reduce", desc_of(t, int(red.op), t.numel(), root),
+                           rooted(args_of(t, redop_name(red.op)), root), timeout_of(opts.timeout));
   int me = rank_;
   return submit(OpType::REDUCE, tensors, opts.asyncOp, [this, t, red, ctx, root, me] {
     // Note [Rooted collectives] in shm_rooted.h: the other ranks' tensors are only read.
@@ -115,8 +116,9 @@ WorkPtr ProcessGroupSMDDP::_allgather_base(at::Tensor& output, at::Tensor& input
                     output.numel());
   if (auto op = stage({&input, &output}, name)) {
     if (input.is_contiguous() && output.is_contiguous()) {  // Note [Staging pipeline]
-      OpCtx ctx = comm_->make_ctx(name, desc_of(input, 0, input.numel() * input.element_size()),
-                                  args_of(input), timeout_of(opts.timeout));
+      OpCtx ctx =
+          live_comm().make_ctx(name, desc_of(input, 0, input.numel() * input.element_size()),
+                               args_of(input), timeout_of(opts.timeout));
       at::Tensor in = input, out = output;
       return staged(op, [&] {
         return submit(OpType::_ALLGATHER_BASE, {output}, opts.asyncOp,
@@ -130,13 +132,13 @@ WorkPtr ProcessGroupSMDDP::_allgather_base(at::Tensor& output, at::Tensor& input
   check_cpu(input, name, "the input");
   check_cpu(output, name, "the output");
   const size_t bytes = input.numel() * input.element_size();
-  OpCtx ctx =
-      comm_->make_ctx(name, desc_of(input, 0, bytes), args_of(input), timeout_of(opts.timeout));
+  OpCtx ctx = live_comm().make_ctx(name, desc_of(input, 0, bytes), args_of(input),
+                                   timeout_of(opts.timeout));
   at::Tensor in = input, out = output;
   return submit(OpType::_ALLGATHER_BASE, {output}, opts.asyncOp, [this, in, out, bytes, ctx] {
     at::Tensor o = contiguous_out(out);
     // An input that is a view of this rank's slot of the output (FSDP2) is used as is.
-    at::Tensor i = in.contiguous();
+    at::Tensor i = apart_from(in.contiguous(), o, rank_ * bytes, true);
     comm_->allgather(i.data_ptr(), o.data_ptr(), bytes, ctx);
     copy_back(o, out);
   });
@@ -162,8 +164,8 @@ WorkPtr ProcessGroupSMDDP::allgather(std::vector<std::vector<at::Tensor>>& outpu
                       in.numel(), " elements like the input, got ", o.numel());
   }
   const size_t bytes = in.numel() * in.element_size();
-  OpCtx ctx =
-      comm_->make_ctx("all_gather", desc_of(in, 0, bytes), args_of(in), timeout_of(opts.timeout));
+  OpCtx ctx = live_comm().make_ctx("all_gather", desc_of(in, 0, bytes), args_of(in),
+                                   timeout_of(opts.timeout));
   auto outs = outputs[0];
   int n = size_;
   return submit(OpType::ALLGATHER, outs, opts.asyncOp, [this, in, outs, bytes, ctx, n] {
@@ -213,8 +215,8 @@ WorkPtr ProcessGroupSMDDP::allgather_coalesced(std::vector<std::vector<at::Tenso
       flat_outputs.push_back(o);
     }
   }
-  OpCtx ctx = comm_->make_ctx(name, desc_of(inputs[0], 0, bytes), args_of(inputs[0]),
-                              timeout_of(opts.timeout));
+  OpCtx ctx = live_comm().make_ctx(name, desc_of(inputs[0], 0, bytes), args_of(inputs[0]),
+                                   timeout_of(opts.timeout));
   auto ins = inputs;
   auto outs = outputs;
   const int n = size_;
@@ -268,8 +270,9 @@ WorkPtr ProcessGroupSMDDP::_reduce_scatter_base(at::Tensor& output, at::Tensor& 
   if (auto op = stage({&input, &output}, name)) {
     if (input.is_contiguous() && output.is_contiguous()) {  // Note [Staging pipeline]
       Reduction red = reduction_of(opts.reduceOp, input, name);
-      OpCtx ctx = comm_->make_ctx(name, desc_of(input, int(red.op), output.numel()),
-                                  args_of(output, redop_name(red.op)), timeout_of(opts.timeout));
+      OpCtx ctx =
+          live_comm().make_ctx(name, desc_of(input, int(red.op), output.numel()),
+                               args_of(output, redop_name(red.op)), timeout_of(opts.timeout));
       at::Tensor in = input, out = output;
       return staged(op, [&] {
         return submit(
@@ -284,12 +287,12 @@ WorkPtr ProcessGroupSMDDP::_reduce_scatter_base(at::Tensor& output, at::Tensor& 
   check_cpu(input, name, "the input");
   check_cpu(output, name, "the output");
   Reduction red = reduction_of(opts.reduceOp, input, name);
-  OpCtx ctx = comm_->make_ctx(name, desc_of(input, int(red.op), output.numel()),
-                              args_of(output, redop_name(red.op)), timeout_of(opts.timeout));
+  OpCtx ctx = live_comm().make_ctx(name, desc_of(input, int(red.op), output.numel()),
+                                   args_of(output, redop_name(red.op)), timeout_of(opts.timeout));
   at::Tensor in = input, out = output;
   return submit(OpType::_REDUCE_SCATTER_BASE, {output}, opts.asyncOp, [this, in, out, red, ctx] {
-    at::Tensor i = in.contiguous();
     at::Tensor o = contiguous_out(out);
+    at::Tensor i = apart_from(in.contiguous(), o, rank_ * o.numel() * o.element_size(), false);
     comm_->reduce_scatter(i.data_ptr(), o.data_ptr(), o.numel(), red, ctx);
     copy_back(o, out);
   });
@@ -315,8 +318,8 @@ WorkPtr ProcessGroupSMDDP::reduce_scatter(std::vector<at::Tensor>& outputs,
                       out.numel(), " elements like the output, got ", i.numel());
   }
   Reduction red = reduction_of(opts.reduceOp, out, "reduce_scatter");
-  OpCtx ctx = comm_->make_ctx("reduce_scatter", desc_of(out, int(red.op), out.numel()),
-                              args_of(out, redop_name(red.op)), timeout_of(opts.timeout));
+  OpCtx ctx = live_comm().make_ctx("reduce_scatter", desc_of(out, int(red.op), out.numel()),
+                                   args_of(out, redop_name(red.op)), timeout_of(opts.timeout));
   auto ins = inputs[0];
   return submit(OpType::REDUCE_SCATTER, outputs, opts.asyncOp, [this, ins, out, red, ctx] {
     at::Tensor flat = flat_cat(ins);
@@ -354,8 +357,8 @@ WorkPtr ProcessGroupSMDDP::broadcast(std::vector<at::Tensor>& tensors,
   int root = static_cast<int>(opts.rootRank);
   check_root(root, size_, "broadcast");
   const size_t bytes = t.numel() * t.element_size();
-  OpCtx ctx = comm_->make_ctx("broadcast", desc_of(t, 0, bytes, root), rooted(args_of(t), root),
-                              timeout_of(opts.timeout));
+  OpCtx ctx = live_comm().make_ctx("broadcast", desc_of(t, 0, bytes, root),
+                                   rooted(args_of(t), root), timeout_of(opts.timeout));
   return submit(OpType::BROADCAST, tensors, opts.asyncOp, [this, t, bytes, root, ctx] {
     at::Tensor c = t.contiguous();
     comm_->broadcast(c.data_ptr(), bytes, root, ctx);
@@ -392,8 +395,8 @@ WorkPtr ProcessGroupSMDDP::gather(std::vector<std::vector<at::Tensor>>& outputs,
                       "smddp: gather takes outputs only on the root rank");
   }
   const size_t bytes = in.numel() * in.element_size();
-  OpCtx ctx = comm_->make_ctx("gather", desc_of(in, 0, bytes, root), rooted(args_of(in), root),
-                              timeout_of(opts.timeout));
+  OpCtx ctx = live_comm().make_ctx("gather", desc_of(in, 0, bytes, root), rooted(args_of(in), root),
+                                   timeout_of(opts.timeout));
   return submit(OpType::GATHER, outs, opts.asyncOp, [this, in, outs, bytes, ctx, root] {
     // Note [Rooted collectives] in shm_rooted.h; `outs` is empty except on the root, where
     // each rank's bytes land in its output directly (staged only if not contiguous).
@@ -438,8 +441,8 @@ WorkPtr ProcessGroupSMDDP::scatter(std::vector<at::Tensor>& outputs,
                       "smddp: scatter takes inputs only on the root rank");
   }
   const size_t bytes = out.numel() * out.element_size() * size_;
-  OpCtx ctx = comm_->make_ctx("scatter", desc_of(out, 0, bytes, root), rooted(args_of(out), root),
-                              timeout_of(opts.timeout));
+  OpCtx ctx = live_comm().make_ctx("scatter", desc_of(out, 0, bytes, root),
+                                   rooted(args_of(out), root), timeout_of(opts.timeout));
   return submit(OpType::SCATTER, outputs, opts.asyncOp, [this, ins, out, root, ctx] {
     // Note [Rooted collectives] in shm_rooted.h; `ins` is empty except on the root, which
     // reads each rank's input in place (staged only if not contiguous).
@@ -502,7 +505,8 @@ WorkPtr ProcessGroupSMDDP::alltoall_base(at::Tensor& output, at::Tensor& input,
   };
   std::vector<Span> send = spans(input, input_splits, "input");
   std::vector<Span> recv = spans(output, output_splits, "output");
-  OpCtx ctx = comm_->make_ctx(name, desc_of(input, 0, 0), args_of(input), timeout_of(opts.timeout));
+  OpCtx ctx =
+      live_comm().make_ctx(name, desc_of(input, 0, 0), args_of(input), timeout_of(opts.timeout));
   at::Tensor in = input, out = output;
   return submit(OpType::ALLTOALL_BASE, {output}, opts.asyncOp, [this, in, out, send, recv, ctx] {
     at::Tensor i = in.contiguous();
@@ -534,8 +538,8 @@ WorkPtr ProcessGroupSMDDP::alltoall(std::vector<at::Tensor>& outputs,
     so += send[r].len;
     ro += recv[r].len;
   }
-  OpCtx ctx = comm_->make_ctx("all_to_all", desc_of(inputs[0], 0, 0), args_of(inputs[0]),
-                              timeout_of(opts.timeout));
+  OpCtx ctx = live_comm().make_ctx("all_to_all", desc_of(inputs[0], 0, 0), args_of(inputs[0]),
+                                   timeout_of(opts.timeout));
   auto ins = inputs, outs = outputs;
   return submit(OpType::ALLTOALL, outputs, opts.asyncOp, [this, ins, outs, send, recv, ctx, ro] {
     at::Tensor flat_in = flat_cat(ins);
@@ -549,7 +553,7 @@ WorkPtr ProcessGroupSMDDP::alltoall(std::vector<at::Tensor>& outputs,
 }
 
 WorkPtr ProcessGroupSMDDP::barrier(const c10d::BarrierOptions& opts) {
-  OpCtx ctx = comm_->make_ctx("barrier", CollDesc{}, OpArgs{}, timeout_of(opts.timeout));
+  OpCtx ctx = live_comm().make_ctx("barrier", CollDesc{}, OpArgs{}, timeout_of(opts.timeout));
   return submit(OpType::BARRIER, {}, opts.asyncOp, [this, ctx] { comm_->barrier(ctx); });
 }
 

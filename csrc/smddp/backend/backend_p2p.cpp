@@ -31,8 +31,8 @@ WorkPtr ProcessGroupSMDDP::send(std::vector<at::Tensor>& tensors, int dst, int t
       })) {
     return completed(OpType::SEND, tensors);
   }
-  OpCtx ctx =
-      comm_->make_ctx("send", desc_of(t, 0, t.numel()), peer_args_of(t, dst, true), timeout_s_);
+  OpCtx ctx = live_comm().make_ctx("send", desc_of(t, 0, t.numel()), peer_args_of(t, dst, true),
+                                   timeout_s_);
   return submit(OpType::SEND, tensors, true, [this, c, bytes, dst, tag, ctx] {
     comm_->send(c.data_ptr(), bytes, dst, static_cast<uint32_t>(tag), ctx);
   });
@@ -54,8 +54,8 @@ WorkPtr ProcessGroupSMDDP::recv(std::vector<at::Tensor>& tensors, int src, int t
       })) {
     return completed(OpType::RECV, tensors);
   }
-  OpCtx ctx =
-      comm_->make_ctx("recv", desc_of(t, 0, t.numel()), peer_args_of(t, src, false), timeout_s_);
+  OpCtx ctx = live_comm().make_ctx("recv", desc_of(t, 0, t.numel()), peer_args_of(t, src, false),
+                                   timeout_s_);
   return submit(OpType::RECV, tensors, true, [this, t, src, tag, ctx] {
     at::Tensor c = contiguous_out(t);
     comm_->recv(c.data_ptr(), c.numel() * c.element_size(), src, static_cast<uint32_t>(tag), ctx);
@@ -75,8 +75,8 @@ WorkPtr ProcessGroupSMDDP::recvAnysource(std::vector<at::Tensor>& tensors, int t
   check_single(tensors, "recv");
   TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
   at::Tensor t = tensors[0];
-  OpCtx ctx = comm_->make_ctx("recv", desc_of(t, 0, t.numel()), peer_args_of(t, kAnyPeer, false),
-                              timeout_s_);
+  OpCtx ctx = live_comm().make_ctx("recv", desc_of(t, 0, t.numel()),
+                                   peer_args_of(t, kAnyPeer, false), timeout_s_);
   auto work = make_work(OpType::RECVANYSOURCE, tensors);
   SmddpWork* w = work.get();  // the queued item holds the work while fn runs
   return submit(work, true, [this, t, tag, ctx, w] {

@@ -22,6 +22,27 @@ inline void copy_back(const at::Tensor& staged, const at::Tensor& t) {
   if (!staged.is_same(t)) t.copy_(staged);
 }
 
+// Note [Overlapping operands]
+// An input that shares memory with the output is read while the output is written: by this
+// rank (its own part is copied into place first), and in place by its peers when it is a
+// pool tensor (Note [Zero-copy operands] in shm_algos.h), so where they overlap the peers
+// read what was already overwritten. Overlap exactly at this rank's own part is the usual
+// in-place form (FSDP2's all-gather input is its slot of the output; a reduce-scatter
+// output may be its block of the input) and is safe: nobody else reads or writes there.
+// Any other overlap gets a private copy of the input, as gloo's copies make it behave.
+//
+// `in`, or a copy of it when it overlaps `out` anywhere but exactly at `own` bytes into
+// the larger of the two (`in_is_part`: the input is the part, an all-gather).
+inline at::Tensor apart_from(const at::Tensor& in, const at::Tensor& out, size_t own,
+                             bool in_is_part) {
+  const auto* i = static_cast<const char*>(in.data_ptr());
+  const auto* o = static_cast<const char*>(out.data_ptr());
+  const size_t ib = in.numel() * in.element_size(), ob = out.numel() * out.element_size();
+  if (!ib || !ob || i + ib <= o || o + ob <= i) return in;
+  if (in_is_part ? i == o + own : o == i + own) return in;
+  return in.clone();
+}
+
 // In-place all-reduce of one tensor, staged through a contiguous copy if it is not one.
 inline void allreduce_tensor(Communicator& comm, const at::Tensor& t, const Reduction& red,
                              const OpCtx& ctx) {

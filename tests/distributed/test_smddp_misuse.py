@@ -1,0 +1,213 @@
+"""smddp under calls a correct training script does not make: operands that overlap, ranks
+configured differently, a destroyed group used again, waits with a timeout, huge timeouts.
+Each case once crashed, hung or returned wrong values; gloo's behaviour is the reference."""
+
+import os
+import time
+
+import pytest
+
+from tests.distributed.launcher import run_distributed
+from torch_sagemaker.distributed import backend
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(not backend.is_available(), reason="smddp extension not built"),
+]
+
+
+def _cpu(group=None):
+    import torch
+    import torch.distributed as dist
+
+    return (group or dist.group.WORLD)._get_backend(torch.device("cpu"))
+
+
+def _overlapping_operands():
+    """Inputs that overlap the output elsewhere than at this rank's own part, in ordinary
+    memory and in the pool, on smddp and gloo: every rank's results."""
+    import torch
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    gloo = dist.new_group(backend="gloo")
+    n = 1 << 18  # 1 MiB of float32 per rank: above the zero-copy threshold
+    out = {}
+    for name, group in (("smddp", None), ("gloo", gloo)):
+        # all_gather_into_tensor, input shifted by one element inside the output (no pool).
+        buf = torch.arange(9.0) + 100 * me
+        dist.all_gather_into_tensor(buf[0:8], buf[1:5], group=group)
+        out[(name, "shifted")] = buf.tolist()
+        # all_gather_into_tensor, pool output, input the *other* rank's slot of it.
+        pooled = _cpu().allocate_tensor(2 * n, dtype=torch.float32, device=torch.device("cpu"))
+        pooled.fill_(-1)
+        other = pooled[(1 - me) * n : (2 - me) * n]
+        other.copy_(torch.arange(n, dtype=torch.float32) + 1e6 * me)
+        dist.all_gather_into_tensor(pooled, other, group=group)
+        out[(name, "pool gather")] = pooled.clone()
+        # reduce_scatter_tensor, pool input, output the other rank's block of it.
+        pooled.copy_(torch.arange(2 * n, dtype=torch.float32) * (me + 1))
+        dist.reduce_scatter_tensor(pooled[(1 - me) * n : (2 - me) * n], pooled, group=group)
+        out[(name, "pool scatter")] = pooled.clone()
+    # The usual in-place forms still read in place (zero copy): FSDP2's all-gather input is
+    # its own slot of the output, a reduce-scatter output its own block of the input.
+    stats = backend.pool_stats(dist.group.WORLD)
+    before = stats["zero_copy_ops"]
+    pooled = _cpu().allocate_tensor(2 * n, dtype=torch.float32, device=torch.device("cpu"))
+    pooled[me * n : (me + 1) * n] = float(me + 1)
+    dist.all_gather_into_tensor(pooled, pooled[me * n : (me + 1) * n])
+    gathered = pooled.clone()
+    pooled.copy_(torch.arange(2 * n, dtype=torch.float32))
+    dist.reduce_scatter_tensor(pooled[me * n : (me + 1) * n], pooled)
+    scattered = pooled[me * n : (me + 1) * n].clone()
+    zero_copy = backend.pool_stats(dist.group.WORLD)["zero_copy_ops"] - before
+    return out, gathered, scattered, zero_copy
+
+
+def test_overlapping_operands_give_gloos_results_and_in_place_stays_zero_copy():
+    import torch
+
+    n = 1 << 18
+    for rank, (out, gathered, scattered, zero_copy) in enumerate(
+        run_distributed(_overlapping_operands, backend="smddp")
+    ):
+        for case in ("shifted", "pool gather", "pool scatter"):
+            smddp, gloo = out[("smddp", case)], out[("gloo", case)]
+            if isinstance(smddp, list):
+                assert smddp == gloo, (rank, case, smddp, gloo)
+            else:
+                assert torch.equal(smddp, gloo), (rank, case, (smddp != gloo).sum().item())
+        assert out[("smddp", "shifted")][:8] == [1, 2, 3, 4, 101, 102, 103, 104]
+        assert gathered.view(2, n)[:, 0].tolist() == [1.0, 2.0]
+        assert torch.equal(scattered, torch.arange(n, dtype=torch.float32) * 2 + 2 * rank * n)
+        assert zero_copy == 2, zero_copy
+
+
+def _settings_differ_on_rank_1(variable, value):
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os.environ[variable] = value
+    try:
+        dist.new_group([0, 1])
+    except ValueError as e:
+        return str(e)
+    finally:
+        os.environ.pop(variable, None)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "variable, value", [("SMDDP_ONESHOT_BYTES", "0"), ("SMDDP_CHUNK_BYTES", "64K")]
+)
+def test_ranks_with_different_algorithm_settings_fail_at_group_creation(variable, value):
+    # Before: wrong all-reduce sums (one-shot threshold), wrong reduce-scatters and then a
+    # hang (chunk size), with no error.
+    messages = run_distributed(_settings_differ_on_rank_1, variable, value, backend="smddp")
+    for message in messages:
+        assert (
+            f"has {variable}=" in message and "every rank of a group must use the same" in message
+        )
+
+
+def _one_rank_pinned_to_one_cpu():
+    import torch
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    cpus = os.sched_getaffinity(0)
+    if me == 1:
+        os.sched_setaffinity(0, {min(cpus)})  # 2 local ranks > 1 CPU: "oversubscribed"
+    try:
+        group = dist.new_group([0, 1])
+        n = 3 << 18  # 3 MiB per rank: several chunks of either automatic size
+        x = torch.arange(2 * n, dtype=torch.float32) * (me + 1)
+        y = torch.empty(n)
+        dist.reduce_scatter_tensor(y, x, group=group)
+        z = torch.arange(4 * n, dtype=torch.float32) + me
+        dist.all_reduce(z, group=group)
+    finally:
+        os.sched_setaffinity(0, cpus)
+    want = torch.arange(2 * n, dtype=torch.float32)[me * n : (me + 1) * n] * 3
+    return torch.equal(y, want), torch.equal(z, torch.arange(4 * n, dtype=torch.float32) * 2 + 1)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_ranks_with_different_cpu_affinity_agree_on_the_chunk_size():
+    # Before: each rank chose its automatic chunk from its own affinity mask, and the
+    # pinned rank read its peer's buffer at the wrong steps.
+    assert run_distributed(_one_rank_pinned_to_one_cpu, backend="smddp") == [(True, True)] * 2
+
+
+def _inspect_destroyed_group():
+    import torch
+    import torch.distributed as dist
+
+    group = dist.new_group([0, 1])
+    dist.all_reduce(torch.ones(4), group=group)
+    cpu = _cpu(group)
+    dist.destroy_process_group(group)
+    errors = {}
+    for name, call in {
+        "pool_stats": lambda: backend.pool_stats(group),
+        "group_settings": lambda: backend.group_settings(group),
+        "allocate_tensor": lambda: cpu.allocate_tensor(
+            8, dtype=torch.float32, device=torch.device("cpu")
+        ),
+        "all_reduce": lambda: cpu.allreduce([torch.ones(2)]),
+    }.items():
+        try:
+            call()
+            errors[name] = "no error"
+        except (RuntimeError, ValueError) as e:
+            errors[name] = str(e)
+    return cpu.supports_tensor_alloc(torch.device("cpu")), errors
+
+
+def test_a_destroyed_group_raises_instead_of_crashing():
+    # Before: SIGSEGV on every rank (the communicator was gone).
+    for supports, errors in run_distributed(_inspect_destroyed_group, backend="smddp"):
+        assert supports is False
+        for name, message in errors.items():
+            assert "was shut down" in message, (name, message)
+
+
+def _wait_with_timeout_on_a_late_peer():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(4)
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+    start = time.monotonic()
+    try:
+        work.wait(timeout=__import__("datetime").timedelta(seconds=1))
+        outcome = "completed"
+    except RuntimeError as e:
+        outcome = str(e)
+    waited = time.monotonic() - start
+    work.wait()  # it still completes once the peer arrives
+    return outcome, waited
+
+
+def test_wait_with_a_timeout_returns_when_it_runs_out():
+    # Before: wait(timeout=1 s) ran the collective itself and returned after the peer came.
+    outcome, waited = run_distributed(_wait_with_timeout_on_a_late_peer, backend="smddp")[0]
+    assert "timed out" in outcome and waited < 3, (outcome, waited)
+
+
+def _group_with_timeout(seconds):
+    import torch
+    import torch.distributed as dist
+
+    from torch_sagemaker.distributed import SMDDPOptions
+
+    group = dist.new_group([0, 1], pg_options=SMDDPOptions(timeout=seconds))
+    t = torch.ones(4)
+    dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def test_a_huge_timeout_means_waiting_long_not_failing_at_once():
+    # Before: 1e10 s overflowed the deadline into the past; set-up "timed out" at once.
+    assert run_distributed(_group_with_timeout, 1e10, backend="smddp") == [[2.0] * 4] * 2
