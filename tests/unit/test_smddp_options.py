@@ -54,6 +54,7 @@ def test_environment_and_options_with_units():
         },
     )
     assert s["buffer_bytes"] == str(4 << 20) and s["pool_bytes"] == "0" and s["spin_us"] == "0"
+    assert resolve(None, {"SMDDP_POOL_BYTES": "1T"})["pool_bytes"] == str(1 << 40)  # the limit
     assert s["move_off_cpu"] == "1" and s["chunk_bytes"] == str(64 << 10)
     # Options win over the environment; timedelta and bool are converted.
     s = resolve(
@@ -70,6 +71,7 @@ def test_environment_and_options_with_units():
         ({"SMDDP_POOL_BYTES": "-1"}, ["SMDDP_POOL_BYTES=-1", "byte count"]),
         ({"SMDDP_BUFFER_BYTES": "100"}, ["SMDDP_BUFFER_BYTES=100", "between 4K and 1G"]),
         ({"SMDDP_P2P_BYTES": "100"}, ["SMDDP_P2P_BYTES=100", "0 or between 4K and 1G"]),
+        ({"SMDDP_POOL_BYTES": "2T"}, ["SMDDP_POOL_BYTES=2T", "must be between 0 and 1T"]),
         ({"SMDDP_BUFFER_BYTES": "99999999999999999999"}, ["64 bits"]),
         ({"SMDDP_BUFFER_BYTES": "20000000000G"}, ["63 bits"]),
         ({"SMDDP_SPIN_US": "2e3"}, ["SMDDP_SPIN_US=2e3", "whole number"]),

@@ -24,7 +24,7 @@ from datetime import timedelta
 class SMDDPOptions:
     """Options of one smddp process group (``pg_options``); ``None`` means "not set here".
 
-    Byte sizes are ints or strings with a K, M or G suffix ("64K", "1M"). The rules and
+    Byte sizes are ints or strings with a K, M, G or T suffix ("64K", "1M"). The rules and
     defaults are those of the settings table in docs/collectives.md.
 
     Attributes:

@@ -129,8 +129,11 @@ void Communicator::discover(KeyValue& kv, const Deadline& dl) {
     layout_.forced = true;
   }
   const size_t p2p = cfg_.settings.p2p_bytes;
+  // Note [Settings every rank shares]: the record carries them, and this rank's CPU count.
+  const auto shared = shared_settings(cfg_.settings);
   std::ostringstream me;
-  me << host << "|" << real << "|" << pid_namespace_id() << "|" << getpid() << "|" << p2p;
+  me << host << "|" << real << "|" << pid_namespace_id() << "|" << getpid() << "|" << online_cpus();
+  for (const auto& [name, value] : shared) me << "|" << name << "=" << value;
   kv.set("smddp/peer/" + std::to_string(cfg_.rank), me.str());
   std::vector<std::string> keys;
   for (int r = 0; r < cfg_.size; ++r) keys.push_back("smddp/peer/" + std::to_string(r));
@@ -140,16 +143,22 @@ void Communicator::discover(KeyValue& kv, const Deadline& dl) {
   peers_.resize(cfg_.size);
   for (int r = 0; r < cfg_.size; ++r) {
     auto f = split(kv.get(keys[r]), '|');
-    if (f.size() != 5) throw CommError("smddp: malformed peer record of rank " + std::to_string(r));
+    if (f.size() != 5 + shared.size()) {
+      throw CommError("smddp: malformed peer record of rank " + std::to_string(r));
+    }
     peers_[r].real_host = f[1];
     peers_[r].pid_ns = f[2];
     peers_[r].pid = std::stoi(f[3]);
-    if (f[4] != std::to_string(p2p)) {
-      throw std::invalid_argument("smddp: creating group '" + cfg_.group_name + "': rank " +
-                                  std::to_string(cfg_.global_ranks[r]) +
-                                  " has SMDDP_P2P_BYTES=" + f[4] + " but rank " +
-                                  std::to_string(cfg_.global_ranks[cfg_.rank]) + " has " +
-                                  std::to_string(p2p) + "; every rank must use the same setting");
+    peers_[r].cpus = std::max(1, std::atoi(f[4].c_str()));
+    for (size_t k = 0; k < shared.size(); ++k) {
+      const std::string mine = shared[k].first + "=" + shared[k].second;
+      if (f[5 + k] == mine) continue;
+      throw std::invalid_argument(
+          "smddp: creating group '" + cfg_.group_name + "': rank " +
+          std::to_string(cfg_.global_ranks[r]) + " has " + f[5 + k] + " but rank " +
+          std::to_string(cfg_.global_ranks[cfg_.rank]) + " has " + mine +
+          "; every rank of a group must use the same value (set it alike for every rank, in "
+          "the launcher's environment or the group's SMDDPOptions)");
     }
     auto it = host_index.find(f[0]);
     if (it == host_index.end()) {
@@ -178,6 +187,10 @@ void Communicator::discover(KeyValue& kv, const Deadline& dl) {
   }
   for (int h = 0; h < layout_.hosts; ++h) rail_.push_back(layout_.members[h][layout_.local_rank]);
   p2p_bytes_ = layout_.local_size > 1 ? p2p : 0;
+  local_cpus_ = 0;
+  for (int r : layout_.members[layout_.host]) {
+    local_cpus_ = local_cpus_ ? std::min(local_cpus_, peers_[r].cpus) : peers_[r].cpus;
+  }
 }
 
 void Communicator::connect_mesh(KeyValue& kv, const Deadline& dl) {
@@ -234,6 +247,7 @@ void Communicator::setup_shm(KeyValue& kv, const Deadline& dl) {
   sc.spin_us = set.spin_us;
   sc.worker_spin_us = set.worker_spin_us;
   sc.move_off_cpu = set.move_off_cpu;
+  sc.cpus = local_cpus_;
   // Tensor pools (Note [Zero-copy operands] in shm_algos.h) pay off only where the whole
   // group shares memory. The region is sparse until used, so the default is generous.
   if (layout_.hosts == 1) {

@@ -144,12 +144,14 @@ class Communicator {
     std::string real_host;  // machine, boot and IPC namespace
     std::string pid_ns;     // PID namespace
     int pid = 0;
+    int cpus = 1;  // CPUs it may run on
   };
 
   CommConfig cfg_;
   Layout layout_;
   std::vector<PeerInfo> peers_;  // by group rank
   size_t p2p_bytes_ = 0;         // ring per ordered pair of local ranks (0: none)
+  int local_cpus_ = 0;           // the fewest CPUs any rank of this host may run on
   Clock::time_point last_setup_check_{};
   std::vector<int> rail_;                 // host -> group rank with my local index
   int local_index(int group_rank) const;  // index on this host, or -1

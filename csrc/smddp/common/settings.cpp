@@ -73,7 +73,7 @@ std::string lower(std::string s) {
 // spaces, nothing after the unit.
 int64_t parse_bytes(const std::string& source, const std::string& text) {
   const std::string rule =
-      "expected a byte count: digits with an optional K, M or G suffix (e.g. 4096, 64K, 1M)";
+      "expected a byte count: digits with an optional K, M, G or T suffix (e.g. 4096, 64K, 1M)";
   size_t i = 0;
   uint64_t v = 0;
   while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) {
@@ -91,6 +91,8 @@ int64_t parse_bytes(const std::string& source, const std::string& text) {
     scale = kMiB;
   else if (unit == "g" || unit == "gib" || unit == "gb")
     scale = kGiB;
+  else if (unit == "t" || unit == "tib" || unit == "tb")
+    scale = kTiB;
   else
     SMDDP_CHECK_VALUE(unit.empty(), invalid(source, text, rule));
   const bool overflow = __builtin_mul_overflow(v, scale, &v) || v > uint64_t(INT64_MAX);
@@ -123,13 +125,15 @@ void in_range(const std::string& source, const std::string& text, int64_t v, int
               bool zero_ok) {
   if (zero_ok && v == 0) return;
   auto fmt = [](int64_t b) {
+    if (b >= kTiB && b % kTiB == 0) return std::to_string(b / kTiB) + "T";
     if (b >= kGiB && b % kGiB == 0) return std::to_string(b / kGiB) + "G";
     if (b >= kMiB && b % kMiB == 0) return std::to_string(b / kMiB) + "M";
     if (b >= kKiB && b % kKiB == 0) return std::to_string(b / kKiB) + "K";
     return std::to_string(b);
   };
+  const bool or_zero = zero_ok && lo > 0;  // "0 or between 0 and ..." says it twice
   SMDDP_CHECK_VALUE(v >= lo && v <= hi, invalid(source, text,
-                                                std::string("must be ") + (zero_ok ? "0 or " : "") +
+                                                std::string("must be ") + (or_zero ? "0 or " : "") +
                                                     "between " + fmt(lo) + " and " + fmt(hi)));
 }
 
@@ -239,6 +243,17 @@ std::map<std::string, std::string> describe(const Settings& s) {
       {"staging_memory", s.staging_memory},
       {"stage_cpu", s.stage_cpu ? "1" : "0"},
       {"timeout", s.timeout_s > 0 ? num(s.timeout_s) : ""},
+  };
+}
+
+std::vector<std::pair<std::string, std::string>> shared_settings(const Settings& s) {
+  return {
+      {"SMDDP_BUFFER_BYTES", std::to_string(s.buffer_bytes)},
+      {"SMDDP_CHUNK_BYTES", s.chunk_bytes ? std::to_string(s.chunk_bytes) : "auto"},
+      {"SMDDP_ONESHOT_BYTES", std::to_string(s.oneshot_bytes)},
+      {"SMDDP_POOL_BYTES", std::to_string(s.pool_bytes)},
+      {"SMDDP_P2P_BYTES", std::to_string(s.p2p_bytes)},
+      {"SMDDP_FORCE_LOCAL_SIZE", std::to_string(s.force_local_size)},
   };
 }
 

@@ -16,6 +16,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace smddp {
@@ -64,5 +65,20 @@ Settings resolve_settings(const std::map<std::string, std::string>& options,
 
 // The settings as text, field -> value (what a group resolved; for tests and messages).
 std::map<std::string, std::string> describe(const Settings& s);
+
+// Note [Settings every rank shares]
+// The algorithms' choices (one-shot or two-step, chunk and buffer sizes, the point-to-point
+// rings, the pool, the host grouping) follow from some settings, and ranks that chose
+// differently read each other's buffers at the wrong places: a 16-element all-reduce with
+// SMDDP_ONESHOT_BYTES=0 on one rank only gave wrong sums, and a different SMDDP_CHUNK_BYTES
+// wrong reduce-scatters and then a hang. So every rank publishes these in its peer record
+// when a group is created, and a difference fails the creation on every rank, naming the
+// variable and both values. The automatic chunk size depends on whether the host's ranks
+// outnumber its CPUs; each rank's affinity mask may differ, so the record also carries the
+// rank's CPU count and every rank decides with the host's smallest. The other settings
+// (spin budgets, streaming stores, staging, the socket address) are each rank's own.
+//
+// shared_settings: those settings, as (environment variable, value).
+std::vector<std::pair<std::string, std::string>> shared_settings(const Settings& s);
 
 }  // namespace smddp

@@ -58,18 +58,18 @@ bool move_off_cpu(int cpu) {
   return true;
 }
 
-int online_cpus() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
-  return static_cast<int>(std::thread::hardware_concurrency());
-}
-
 // Throttles of the waits, per thread: point-to-point waits run on the send lane while
 // collectives wait on the main lane.
 thread_local Clock::time_point t_last_move{};       // last time a wait moved this thread
 thread_local Clock::time_point t_last_pid_check{};  // last time a wait looked for dead peers
 
 }  // namespace
+
+int online_cpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  return static_cast<int>(std::thread::hardware_concurrency());
+}
 
 ShmComm::ShmComm(ShmConfig cfg) : cfg_(std::move(cfg)) {
   int n = size();
@@ -92,7 +92,7 @@ ShmComm::ShmComm(ShmConfig cfg) : cfg_(std::move(cfg)) {
   data_.assign(n, nullptr);
   maps_.assign(n, nullptr);
   checked_.assign(n, 0);
-  oversubscribed_ = n > online_cpus();
+  oversubscribed_ = n > (cfg_.cpus > 0 ? cfg_.cpus : online_cpus());
   spin_us_ = cfg_.spin_us;
   worker_spin_us_ = cfg_.worker_spin_us;
   // Oversubscribed ranks pay a context switch per hand-off: fewer, larger steps.

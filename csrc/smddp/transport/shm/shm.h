@@ -125,7 +125,13 @@ struct ShmConfig {
   int spin_us = 200;
   int worker_spin_us = 20;
   bool move_off_cpu = false;
+  // CPUs the host's ranks may run on: the fewest any of them may use (0: this process's).
+  // It chooses the automatic chunk size, which every rank of the segment must agree on.
+  int cpus = 0;
 };
+
+// CPUs this process may run on (its affinity mask).
+int online_cpus();
 
 class ShmComm {
  public:
