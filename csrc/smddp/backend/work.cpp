@@ -33,7 +33,11 @@ void SmddpWork::complete(std::exception_ptr error) {
 
 bool SmddpWork::wait(std::chrono::milliseconds timeout) {
   std::shared_ptr<Executor> exec = exec_.lock();
-  if (exec) {
+  // Without a timeout the waiting thread helps: it runs the lane's queued work itself (under
+  // each operation's own timeout). With one it must return when it runs out, which a thread
+  // inside a collective cannot, so it leaves the work to the pool and waits at most that
+  // long; c10d::Work::wait then raises "Operation timed out!", as gloo's Work does.
+  if (exec && timeout == ::kNoTimeout) {
     while (!isCompleted() && exec->run_next()) {
     }
   }
@@ -58,7 +62,17 @@ bool CoalescedWork::isCompleted() {
 }
 
 bool CoalescedWork::wait(std::chrono::milliseconds timeout) {
-  for (auto& p : parts_) p->wait(timeout);
+  if (timeout == ::kNoTimeout) {
+    for (auto& p : parts_) p->wait(timeout);
+    return true;
+  }
+  // One timeout for all the parts together.
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (auto& p : parts_) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    p->wait(std::max(left, std::chrono::milliseconds(1)));  // 0 would mean no timeout
+  }
   return true;
 }
 

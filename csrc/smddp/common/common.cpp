@@ -1,5 +1,7 @@
 #include "smddp/common/common.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -59,8 +61,12 @@ void check_reduction(DType dtype, RedOp op, const char* collective) {
 Deadline Deadline::after(double seconds) {
   Deadline d;
   d.seconds = seconds;
+  // Beyond about 292 years the clock's nanoseconds overflow int64 and the deadline would lie
+  // in the past; a longer timeout means the same as this one.
+  constexpr double kLongest = 1e9;  // about 31 years
+  const double wait = std::isnan(seconds) ? 0.0 : std::clamp(seconds, 0.0, kLongest);
   d.at = Clock::now() +
-         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(wait));
   return d;
 }
 
