@@ -193,6 +193,8 @@ def _dtensor_caches_after_destroy_then_reset():
 
 @pytest.mark.distributed
 def test_reset_after_destroy_empties_the_dtensor_caches_that_hold_groups():
-    for filled, after in run_distributed(_dtensor_caches_after_destroy_then_reset, world_size=2):
+    # fresh: the function destroys the default group, which a shared pool keeps for the next call.
+    results = run_distributed(_dtensor_caches_after_destroy_then_reset, world_size=2, fresh=True)
+    for filled, after in results:
         assert all(filled.values()), filled
         assert not any(after.values()), after
