@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -149,7 +150,9 @@ void Communicator::discover(KeyValue& kv, const Deadline& dl) {
     peers_[r].real_host = f[1];
     peers_[r].pid_ns = f[2];
     peers_[r].pid = std::stoi(f[3]);
-    peers_[r].cpus = std::max(1, std::atoi(f[4].c_str()));
+    // strtol saturates where atoi is undefined; a CPU count outside [1, 1M] is treated as 1.
+    const long cpus = std::strtol(f[4].c_str(), nullptr, 10);
+    peers_[r].cpus = cpus >= 1 && cpus <= (1 << 20) ? static_cast<int>(cpus) : 1;
     for (size_t k = 0; k < shared.size(); ++k) {
       const std::string mine = shared[k].first + "=" + shared[k].second;
       if (f[5 + k] == mine) continue;
