@@ -83,9 +83,33 @@ def test_overlapping_operands_give_gloos_results_and_in_place_stays_zero_copy():
         assert zero_copy == 2, zero_copy
 
 
+def _all_to_all_in_place():
+    """In-place all_to_all_single with unequal splits (own part moves first) on both backends."""
+    import torch
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    gloo = dist.new_group(backend="gloo")
+    splits = [[1, 3], [3, 1]][me]  # rank 0 keeps 1 row, sends 3; rank 1 sends 3, keeps 1
+    out = {}
+    for name, group in (("smddp", None), ("gloo", gloo)):
+        t = torch.arange(4.0) + 10 * me
+        dist.all_to_all_single(t, t.clone(), splits, splits, group=group)
+        u = torch.arange(4.0) + 10 * me
+        dist.all_to_all_single(u, u, splits, splits, group=group)  # the same memory
+        out[name] = (t.tolist(), u.tolist())
+    return out
+
+
+def test_all_to_all_in_place_equals_out_of_place():
+    for out in run_distributed(_all_to_all_in_place, backend="smddp"):
+        assert out["smddp"][1] == out["smddp"][0] == out["gloo"][0], out
+
+
 def _settings_differ_on_rank_1(variable, value):
     import torch.distributed as dist
 
+    before = os.environ.get(variable)
     if dist.get_rank() == 1:
         os.environ[variable] = value
     try:
@@ -93,7 +117,10 @@ def _settings_differ_on_rank_1(variable, value):
     except ValueError as e:
         return str(e)
     finally:
-        os.environ.pop(variable, None)
+        if before is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = before
     return "no error"
 
 
@@ -127,7 +154,12 @@ def _one_rank_pinned_to_one_cpu():
         z = torch.arange(4 * n, dtype=torch.float32) + me
         dist.all_reduce(z, group=group)
     finally:
-        os.sched_setaffinity(0, cpus)
+        # Every thread of the process: the group's threads started while it was pinned.
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except OSError:
+                pass  # the thread has ended
     want = torch.arange(2 * n, dtype=torch.float32)[me * n : (me + 1) * n] * 3
     return torch.equal(y, want), torch.equal(z, torch.arange(4 * n, dtype=torch.float32) * 2 + 1)
 

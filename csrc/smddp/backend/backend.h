@@ -115,7 +115,8 @@ class ProcessGroupSMDDP : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> submit(c10::intrusive_ptr<SmddpWork> work, bool async_op,
                                         std::function<void()> fn);
   // The communicator, for an operation about to be issued; raises once the group was shut
-  // down. Every operation builds its context through it before anything else uses comm_.
+  // down. Every operation builds its context through it before comm_ is used, except the
+  // eager send and receive, which check shut_down_ first themselves.
   Communicator& live_comm();
   bool completes_inline(c10d::OpType type, bool async_op) const;
   double timeout_of(std::chrono::milliseconds t) const;

@@ -251,11 +251,11 @@ WorkPtr ProcessGroupSMDDP::allgather_into_tensor_coalesced(std::vector<at::Tenso
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(),
                     "smddp: all_gather_into_tensor_coalesced needs as many outputs as inputs");
   std::vector<WorkPtr> parts;
-  bool was = coalescing_;
-  coalescing_ = false;
-  for (size_t k = 0; k < inputs.size(); ++k)
-    parts.push_back(_allgather_base(outputs[k], inputs[k], opts));
-  coalescing_ = was;
+  {
+    NotCoalescing parts_alone(coalescing_);
+    for (size_t k = 0; k < inputs.size(); ++k)
+      parts.push_back(_allgather_base(outputs[k], inputs[k], opts));
+  }
   return track(c10::make_intrusive<CoalescedWork>(std::move(parts)));
 }
 
@@ -335,12 +335,12 @@ WorkPtr ProcessGroupSMDDP::reduce_scatter_tensor_coalesced(std::vector<at::Tenso
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(),
                     "smddp: reduce_scatter_tensor_coalesced needs as many outputs as inputs");
   std::vector<WorkPtr> parts;
-  bool was = coalescing_;
-  coalescing_ = false;
-  for (size_t k = 0; k < inputs.size(); ++k) {
-    parts.push_back(_reduce_scatter_base(outputs[k], inputs[k], opts));
+  {
+    NotCoalescing parts_alone(coalescing_);
+    for (size_t k = 0; k < inputs.size(); ++k) {
+      parts.push_back(_reduce_scatter_base(outputs[k], inputs[k], opts));
+    }
   }
-  coalescing_ = was;
   return track(c10::make_intrusive<CoalescedWork>(std::move(parts)));
 }
 
@@ -509,8 +509,9 @@ WorkPtr ProcessGroupSMDDP::alltoall_base(at::Tensor& output, at::Tensor& input,
       live_comm().make_ctx(name, desc_of(input, 0, 0), args_of(input), timeout_of(opts.timeout));
   at::Tensor in = input, out = output;
   return submit(OpType::ALLTOALL_BASE, {output}, opts.asyncOp, [this, in, out, send, recv, ctx] {
-    at::Tensor i = in.contiguous();
     at::Tensor o = contiguous_out(out);
+    at::Tensor i = in.contiguous();
+    if (overlaps(i, o)) i = i.clone();  // Note [Overlapping operands]
     comm_->alltoall(i.data_ptr(), send, o.data_ptr(), recv, ctx);
     copy_back(o, out);
   });

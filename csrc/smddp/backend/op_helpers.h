@@ -29,16 +29,39 @@ inline void copy_back(const at::Tensor& staged, const at::Tensor& t) {
 // read what was already overwritten. Overlap exactly at this rank's own part is the usual
 // in-place form (FSDP2's all-gather input is its slot of the output; a reduce-scatter
 // output may be its block of the input) and is safe: nobody else reads or writes there.
-// Any other overlap gets a private copy of the input, as gloo's copies make it behave.
+// Any other overlap gets a private copy of the input, as gloo's copies make it behave. An
+// all-to-all has no such safe overlap (its own part moves first, over input not yet sent),
+// so any overlap there gets the copy.
 //
 // `in`, or a copy of it when it overlaps `out` anywhere but exactly at `own` bytes into
 // the larger of the two (`in_is_part`: the input is the part, an all-gather).
+// Turns `flag` (ProcessGroupSMDDP::coalescing_) off for a scope and restores it on exit,
+// also when a part raises: the parts of a *_coalesced call are ordinary works.
+class NotCoalescing {
+ public:
+  explicit NotCoalescing(bool& flag) : flag_(flag), was_(flag) { flag_ = false; }
+  ~NotCoalescing() { flag_ = was_; }
+  NotCoalescing(const NotCoalescing&) = delete;
+  NotCoalescing& operator=(const NotCoalescing&) = delete;
+
+ private:
+  bool& flag_;
+  bool was_;
+};
+
+// Whether the bytes of `a` and `b` overlap.
+inline bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+  const auto* p = static_cast<const char*>(a.data_ptr());
+  const auto* q = static_cast<const char*>(b.data_ptr());
+  const size_t ab = a.numel() * a.element_size(), bb = b.numel() * b.element_size();
+  return ab && bb && p < q + bb && q < p + ab;
+}
+
 inline at::Tensor apart_from(const at::Tensor& in, const at::Tensor& out, size_t own,
                              bool in_is_part) {
+  if (!overlaps(in, out)) return in;
   const auto* i = static_cast<const char*>(in.data_ptr());
   const auto* o = static_cast<const char*>(out.data_ptr());
-  const size_t ib = in.numel() * in.element_size(), ob = out.numel() * out.element_size();
-  if (!ib || !ob || i + ib <= o || o + ob <= i) return in;
   if (in_is_part ? i == o + own : o == i + own) return in;
   return in.clone();
 }

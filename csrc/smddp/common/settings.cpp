@@ -19,7 +19,7 @@ const std::vector<SettingInfo> kSettings = {
      "each of the two shared-memory data buffers per rank and group (4K to 1G)"},
     {"chunk_bytes", "SMDDP_CHUNK_BYTES", "bytes or auto", "auto",
      "bytes per rank per pipelined step (256 to 1G, at most the buffer); auto: 512K, 1M when "
-     "ranks outnumber cores"},
+     "the host's ranks outnumber the CPUs the most restricted of them may use"},
     {"oneshot_bytes", "SMDDP_ONESHOT_BYTES", "bytes", "4K",
      "all_reduce up to this size uses the one-shot algorithm (0 to 1G)"},
     {"pool_bytes", "SMDDP_POOL_BYTES", "bytes", "1G",
