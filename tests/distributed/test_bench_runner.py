@@ -29,6 +29,14 @@ def _rank1_dies_rank0_waits(rank, world, port, queue):
     time.sleep(600)
 
 
+def _fails_after_delivering(rank, world, port, queue):
+    queue.put(rank)
+    if rank == 1:
+        raise ValueError("x" * 200_000)  # a traceback larger than a pipe's buffer
+    queue.close()
+    queue.join_thread()
+
+
 def _never_delivers(rank, world, port, queue):
     time.sleep(600)
 
@@ -42,7 +50,7 @@ def _binds_store(rank, world, port, queue):
     queue.join_thread()
 
 
-def test_results_come_back_in_order_after_every_rank_exited():
+def test_every_result_comes_back_after_every_rank_exited():
     got = bench.run_ranks(_deliver, 2, "x", results=2)
     assert sorted(got) == [(0, 2, "x"), (1, 2, "x")]
 
@@ -59,6 +67,14 @@ def test_a_rank_that_dies_silently_is_named_with_its_exit_code():
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="benchmark rank 1 exited with code 3"):
         bench.run_ranks(_rank1_dies_rank0_waits, 2)
+    assert time.monotonic() - start < 60
+
+
+def test_a_rank_that_fails_after_delivering_is_reported_with_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="benchmark rank 1 failed") as e:
+        bench.run_ranks(_fails_after_delivering, 2, results=2)
+    assert "ValueError: xxx" in str(e.value)
     assert time.monotonic() - start < 60
 
 

@@ -47,7 +47,7 @@ def test_benchmark_prints_every_row_with_its_baselines(capsys):
     assert all(r[8].strip().endswith("x") for r in rows[2:4])  # smddp vs gloo
 
 
-def test_repeated_passes_give_medians_and_the_range_of_each_ratio(capsys):
+def test_repeated_passes_print_each_ratio_with_its_range(capsys):
     tiny = ["--steps", "1", "--warmup", "0", "--hidden", "32", "--layers", "1"]
     training.main(
         ["--nprocs", "2", "--modes", "fsdp2_plain", "--repeat", "2", "--vocab", "64"]

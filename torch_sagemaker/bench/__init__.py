@@ -142,10 +142,11 @@ def run_ranks(
     """Spawns ``nprocs`` ranks running ``target(rank, nprocs, port, *args, queue)``.
 
     The ranks are fresh processes (spawned), with ``port`` a free port on 127.0.0.1 for their
-    store. While waiting for results the caller watches the ranks, so a rank that fails, or
-    dies without a word, ends the run at once with its traceback or exit code, instead of
-    leaving the caller waiting on the queue. When rank 0 could not bind ``port`` because
-    another process took it first, the ranks start again on a new port (up to three tries).
+    store. While waiting the caller watches the ranks, so a rank that fails, or dies without a
+    word, ends the run at once with its traceback or exit code, instead of leaving the caller
+    waiting on the queue; every wait (each result, then the ranks' exit) is bounded by
+    ``result_timeout_s``. When rank 0's store could not bind ``port`` because another process
+    took it first, the ranks start again on a new port (up to three tries).
 
     Args:
         target: The rank's function; it puts its results on ``queue``.
@@ -187,16 +188,37 @@ def _run_once(target, nprocs, args, results, on_result, result_timeout_s) -> lis
             got.append(_next_result(queue, procs, result_timeout_s))
             if on_result is not None:
                 on_result(got[-1])
-        for rank, p in enumerate(procs):
-            p.join()
-            if p.exitcode:
-                raise RuntimeError(f"benchmark rank {rank} exited with code {p.exitcode}")
+        _await_exit(queue, procs, result_timeout_s)
         return got
     finally:
         for p in procs:
             if p.is_alive():  # peers of a failed rank, waiting on it in a collective
                 p.terminate()
             p.join()
+
+
+def _await_exit(queue, procs, timeout_s: float) -> None:
+    """Waits (at most ``timeout_s``) until every rank exited, reading the queue meanwhile.
+
+    A rank that fails after the results were in sends its traceback, and a traceback left
+    unread in a full pipe would keep that rank from exiting.
+    """
+    deadline = time.monotonic() + timeout_s
+    failure = None
+    while any(p.exitcode is None for p in procs):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the benchmark ranks did not exit within {timeout_s:.0f} s")
+        try:
+            item = queue.get(timeout=0.5)
+        except queue_module.Empty:
+            continue
+        if isinstance(item, RankFailure) and failure is None:
+            failure = item
+    if failure is not None:
+        raise RuntimeError(f"benchmark rank {failure.rank} failed:\n{failure.traceback}")
+    for rank, p in enumerate(procs):
+        if p.exitcode:
+            raise RuntimeError(f"benchmark rank {rank} exited with code {p.exitcode}")
 
 
 def _next_result(queue, procs, timeout_s: float) -> Any:
@@ -213,7 +235,7 @@ def _next_result(queue, procs, timeout_s: float) -> Any:
             continue
         if not isinstance(item, RankFailure):
             return item
-        if "EADDRINUSE" in item.traceback or "address already in use" in item.traceback.lower():
+        if item.rank == 0 and "EADDRINUSE" in item.traceback:  # rank 0 binds the store
             raise _PortTakenError(item.traceback.strip().splitlines()[-1])
         raise RuntimeError(f"benchmark rank {item.rank} failed:\n{item.traceback}")
 

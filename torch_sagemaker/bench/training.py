@@ -253,6 +253,13 @@ def _plot(by_key: dict, path: str) -> None:
     fig.savefig(path, dpi=90)
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     """Runs the benchmark and prints the table (``--help`` for options)."""
     p = argparse.ArgumentParser(
@@ -272,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences per rank")
     p.add_argument(
         "--repeat",
-        type=int,
+        type=_positive,
         default=1,
         help="whole passes (every row, in order); the machine's speed drifts between rows",
     )
