@@ -247,14 +247,17 @@ std::map<std::string, std::string> describe(const Settings& s) {
 }
 
 std::vector<std::pair<std::string, std::string>> shared_settings(const Settings& s) {
-  return {
-      {"SMDDP_BUFFER_BYTES", std::to_string(s.buffer_bytes)},
-      {"SMDDP_CHUNK_BYTES", s.chunk_bytes ? std::to_string(s.chunk_bytes) : "auto"},
-      {"SMDDP_ONESHOT_BYTES", std::to_string(s.oneshot_bytes)},
-      {"SMDDP_POOL_BYTES", std::to_string(s.pool_bytes)},
-      {"SMDDP_P2P_BYTES", std::to_string(s.p2p_bytes)},
-      {"SMDDP_FORCE_LOCAL_SIZE", std::to_string(s.force_local_size)},
-  };
+  // Note [Settings every rank shares]: the fields, valued as describe() shows them.
+  static const char* const kShared[] = {"buffer_bytes",  "pool_bytes", "chunk_bytes",
+                                        "oneshot_bytes", "p2p_bytes",  "force_local_size"};
+  const std::map<std::string, std::string> text = describe(s);
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const SettingInfo& info : kSettings) {
+    for (const char* field : kShared) {
+      if (info.field == std::string(field)) out.emplace_back(info.env, text.at(field));
+    }
+  }
+  return out;
 }
 
 }  // namespace smddp
