@@ -2,12 +2,12 @@
 the run at once with its reason, and a store port taken before rank 0 binds it is retried."""
 
 import os
-import socket
 import time
 
 import pytest
 
 import torch_sagemaker.bench as bench
+from tests.distributed.launcher import taken_port
 
 
 # Targets run in spawned processes: module-level, signature (rank, world, port, *args, queue).
@@ -84,23 +84,16 @@ def test_a_rank_that_never_delivers_times_out():
 
 
 def test_a_store_port_taken_first_is_retried_on_a_new_one(monkeypatch):
-    # The first port handed out is one another socket listens on, as when an ephemeral bind
-    # takes it between free_port() and rank 0's store.
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    ports = [taken.getsockname()[1]]
+    # The first port handed out is one another socket listens on.
     real = bench.free_port
-
-    def free_port():
-        port = ports.pop(0) if ports else real()
-        handed.append(port)
-        return port
-
     handed: list[int] = []
-    monkeypatch.setattr(bench, "free_port", free_port)
-    try:
+    with taken_port() as taken:
+        ports = [taken]
+
+        def free_port():
+            handed.append(ports.pop(0) if ports else real())
+            return handed[-1]
+
+        monkeypatch.setattr(bench, "free_port", free_port)
         got = bench.run_ranks(_binds_store, 1)
-    finally:
-        taken.close()
     assert len(handed) == 2 and got == [handed[1]], handed

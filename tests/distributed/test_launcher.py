@@ -48,18 +48,11 @@ def test_timeout_kills_ranks():
 
 
 def test_a_port_taken_before_the_store_binds_it_starts_the_pool_again(monkeypatch):
-    import socket
-
     from tests.distributed import launcher
 
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    ports = [taken.getsockname()[1]]
-    real = launcher.free_port
-    monkeypatch.setattr(launcher, "free_port", lambda: ports.pop() if ports else real())
-    try:
+    with launcher.taken_port() as taken:
+        ports = [taken]
+        real = launcher.free_port
+        monkeypatch.setattr(launcher, "free_port", lambda: ports.pop() if ports else real())
         assert run_distributed(_rank_and_sum, 0, world_size=2, fresh=True) == [(0, 1.0), (1, 1.0)]
-    finally:
-        taken.close()
     assert not ports  # the first pool was given the taken port
