@@ -204,6 +204,60 @@ def test_a_destroyed_group_raises_instead_of_crashing():
             assert "was shut down" in message, (name, message)
 
 
+def _destroy_during_a_call(mode):
+    """Destroys a group while another thread of this rank is inside a call on it: a
+    synchronous all_reduce (run in that thread), or a Work.wait() (which may run the queued
+    work there). In "late peer" mode rank 1 never calls, and the group's timeout ends it."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from torch_sagemaker.distributed import SMDDPOptions
+
+    me = dist.get_rank()
+    group = dist.new_group([0, 1], pg_options=SMDDPOptions(timeout=3))
+    dist.barrier()
+    outcome = {}
+
+    def call():
+        t = torch.ones(1 << 16)
+        try:
+            if mode == "wait":
+                dist.all_reduce(t, group=group, async_op=True).wait()
+            else:
+                dist.all_reduce(t, group=group)
+            outcome["result"] = t[:2].tolist()
+        except RuntimeError as e:
+            outcome["error"] = str(e)
+
+    if me == 1:
+        time.sleep(1.5)  # rank 0's call is in flight meanwhile
+    caller = threading.Thread(target=call)
+    if mode != "late peer" or me == 0:
+        caller.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    dist.destroy_process_group(group)
+    took = time.monotonic() - start
+    if caller.ident is not None:  # started
+        caller.join()
+    return outcome, took
+
+
+@pytest.mark.parametrize("mode", ["sync", "wait", "late peer"])
+def test_destroying_a_group_during_a_call_on_it_waits_for_the_call(mode):
+    # Before: the communicator was freed under the call, and rank 0 died with SIGSEGV.
+    results = run_distributed(_destroy_during_a_call, mode, backend="smddp")
+    if mode == "late peer":
+        outcome, took = results[0]
+        assert "timed out" in outcome.get("error", ""), outcome
+        assert took < 6, took  # the call's 3 s timeout, not the default 30 min
+    else:
+        for outcome, _ in results:
+            assert outcome == {"result": [2.0, 2.0]}, outcome
+
+
 def _wait_with_timeout_on_a_late_peer():
     import torch
     import torch.distributed as dist

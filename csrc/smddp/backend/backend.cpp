@@ -104,15 +104,47 @@ const Communicator& ProcessGroupSMDDP::comm() const {
   return *comm_;
 }
 
-Communicator& ProcessGroupSMDDP::live_comm() {
-  TORCH_CHECK(comm_ && !shut_down_, "smddp: group '", group_name_, "' was shut down");
-  return *comm_;
+// Note [Shutdown waits for the calls in flight]
+// dist.destroy_process_group(group) may run while another thread is inside a call on the
+// group: a synchronous collective running in the caller's thread (Note [Synchronous calls
+// return no Work]), a Work.wait() running queued work (Note [Waiting runs the work]), an
+// eager send. Each of them uses comm_, which shutdown() frees, so freeing it at once killed
+// the process with SIGSEGV. gloo cannot crash there (its context lives as long as any
+// reference) and finishes the call. So every entry point holds an InUse mark for its whole
+// run, and shutdown() first refuses new calls (shut_down_), then waits until no mark is
+// held and the executor is idle, and only then frees the communicator. The wait is bounded:
+// a call in flight ends by completing, by its peers' failure or at its timeout. Marks are a
+// counter, not a lock, because entry points nest (a staged call issues the same collective
+// on its host mirrors). The counter and the flag are sequentially consistent atomics, so an
+// entry that raced with shutdown() either sees the flag and raises, or is counted and waited
+// for.
+ProcessGroupSMDDP::InUse ProcessGroupSMDDP::try_enter() {
+  users_.fetch_add(1);
+  if (shut_down_.load()) {
+    leave();
+    return InUse(nullptr);
+  }
+  return InUse(this);
+}
+
+ProcessGroupSMDDP::InUse ProcessGroupSMDDP::enter() {
+  InUse use = try_enter();
+  TORCH_CHECK(use, "smddp: group '", group_name_, "' was shut down");
+  return use;
+}
+
+void ProcessGroupSMDDP::leave() {
+  if (users_.fetch_sub(1) == 1 && shut_down_.load()) {
+    std::lock_guard<std::mutex> g(users_mu_);
+    users_cv_.notify_all();
+  }
 }
 
 bool ProcessGroupSMDDP::supportsTensorAlloc(c10::DeviceIndex /*device_index*/) {
   // Only CPU tensors are dispatched to this backend, whatever index the caller passes. A
   // group that was shut down has no pool left (callers then allocate ordinary memory).
-  return comm_ && comm_->pool() != nullptr;
+  InUse use = try_enter();
+  return use && comm_->pool() != nullptr;
 }
 
 at::Tensor ProcessGroupSMDDP::allocateTensor(long size, at::TensorOptions options) {
@@ -121,8 +153,12 @@ at::Tensor ProcessGroupSMDDP::allocateTensor(long size, at::TensorOptions option
                     "smddp: allocate_tensor serves CPU tensors only, got device ",
                     options.device());
   options = options.device(at::kCPU);
-  TORCH_CHECK(comm_, "smddp: allocate_tensor on group '", group_name_, "', which was shut down");
-  std::shared_ptr<ShmPool> pool = comm_->pool();
+  std::shared_ptr<ShmPool> pool;
+  {
+    InUse use = try_enter();
+    TORCH_CHECK(use, "smddp: allocate_tensor on group '", group_name_, "', which was shut down");
+    pool = comm_->pool();  // the pool outlives the group while its tensors live
+  }
   size_t bytes = 0;
   TORCH_CHECK_VALUE(
       !__builtin_mul_overflow(static_cast<size_t>(size), options.dtype().itemsize(), &bytes) &&
@@ -136,9 +172,15 @@ at::Tensor ProcessGroupSMDDP::allocateTensor(long size, at::TensorOptions option
 }
 
 void ProcessGroupSMDDP::shutdown() {
-  if (shut_down_) return;
-  shut_down_ = true;
-  without_gil([&] { exec_->shutdown(); });
+  if (shut_down_.exchange(true)) return;
+  // Note [Shutdown waits for the calls in flight].
+  without_gil([&] {
+    {
+      std::unique_lock<std::mutex> lk(users_mu_);
+      users_cv_.wait(lk, [&] { return users_.load() == 0; });
+    }
+    exec_->shutdown();
+  });
   comm_.reset();  // unmaps the segments, closes sockets, joins the listener
 }
 
@@ -220,7 +262,6 @@ bool ProcessGroupSMDDP::completes_inline(c10d::OpType type, bool async_op) const
 c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::submit(c10d::OpType type,
                                                          std::vector<at::Tensor> outputs,
                                                          bool async_op, std::function<void()> fn) {
-  TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
   if (completes_inline(type, async_op) && exec_->try_now([&] {
         issued_.fetch_add(1);
         fn();
@@ -233,7 +274,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::submit(c10d::OpType type,
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::submit(c10::intrusive_ptr<SmddpWork> work,
                                                          bool async_op, std::function<void()> fn) {
-  TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
   if (std::shared_ptr<StagedOp> op = std::move(pending_stage_)) {
     fn = [op, inner = std::move(fn)] {
       op->copy_in();

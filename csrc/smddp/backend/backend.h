@@ -8,10 +8,13 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
+#include <utility>
 
 #include "smddp/algorithms/comm.h"
 #include "smddp/backend/device_staging.h"
@@ -114,10 +117,31 @@ class ProcessGroupSMDDP : public c10d::Backend {
                                         bool async_op, std::function<void()> fn);
   c10::intrusive_ptr<c10d::Work> submit(c10::intrusive_ptr<SmddpWork> work, bool async_op,
                                         std::function<void()> fn);
-  // The communicator, for an operation about to be issued; raises once the group was shut
-  // down. Every operation builds its context through it before comm_ is used, except the
-  // eager send and receive, which check shut_down_ first themselves.
-  Communicator& live_comm();
+  // Marks the group in use by one call until destroyed; shutdown() waits for every mark to
+  // go (Note [Shutdown waits for the calls in flight] in backend.cpp). Empty (false) once the
+  // group was shut down.
+  class InUse {
+   public:
+    explicit InUse(ProcessGroupSMDDP* pg) : pg_(pg) {}
+    InUse(InUse&& other) noexcept : pg_(std::exchange(other.pg_, nullptr)) {}
+    InUse(const InUse&) = delete;
+    InUse& operator=(const InUse&) = delete;
+    InUse& operator=(InUse&&) = delete;
+    ~InUse() {
+      if (pg_) pg_->leave();
+    }
+    explicit operator bool() const { return pg_ != nullptr; }
+
+   private:
+    ProcessGroupSMDDP* pg_;
+  };
+  // Every entry point takes one before it touches comm_ and holds it to the end of the call:
+  // `enter` raises once the group was shut down, `try_enter` returns an empty one.
+  InUse enter();
+  InUse try_enter();
+  void leave();
+  // The communicator; only while an InUse is held.
+  Communicator& live_comm() { return *comm_; }
   bool completes_inline(c10d::OpType type, bool async_op) const;
   double timeout_of(std::chrono::milliseconds t) const;
   Reduction reduction_of(const c10d::ReduceOp& op, const at::Tensor& t, const char* name) const;
@@ -152,8 +176,11 @@ class ProcessGroupSMDDP : public c10d::Backend {
   std::string group_name_;
   bool coalescing_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
-  bool shut_down_ = false;
-  std::atomic<uint64_t> issued_{0};  // getSequenceNumberForGroup
+  std::atomic<bool> shut_down_{false};
+  std::atomic<int> users_{0};  // InUse marks held
+  std::mutex users_mu_;
+  std::condition_variable users_cv_;  // users_ reached 0 after shut_down_ was set
+  std::atomic<uint64_t> issued_{0};   // getSequenceNumberForGroup
   std::unique_ptr<Stager> stager_;
   std::shared_ptr<StagedOp> pending_stage_;
 };

@@ -8,6 +8,7 @@ namespace smddp {
 using namespace ops;  // NOLINT(build/namespaces): this file's own helpers
 WorkPtr ProcessGroupSMDDP::allreduce(std::vector<at::Tensor>& tensors,
                                      const c10d::AllreduceOptions& opts) {
+  const InUse use = enter();
   check_count(tensors, "all_reduce");
   if (auto op = stage({&tensors[0]}, "all_reduce")) {
     at::Tensor t = tensors[0];
@@ -34,7 +35,7 @@ WorkPtr ProcessGroupSMDDP::allreduce(std::vector<at::Tensor>& tensors,
 }
 
 void ProcessGroupSMDDP::allreduce_direct(const at::Tensor& tensor, const c10d::ReduceOp& op) {
-  TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
+  const InUse use = enter();
   check_cpu(tensor, "all_reduce", "its tensor");
   issued_.fetch_add(1);  // a collective like any other (getSequenceNumberForGroup)
   at::Tensor t = tensor;
@@ -54,6 +55,7 @@ void ProcessGroupSMDDP::allreduce_direct(const at::Tensor& tensor, const c10d::R
 
 WorkPtr ProcessGroupSMDDP::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                const c10d::AllreduceCoalescedOptions& opts) {
+  const InUse use = enter();
   TORCH_CHECK_VALUE(!tensors.empty(), "smddp: all_reduce_coalesced needs at least one tensor");
   if (auto op = stage(all_of({&tensors}), "all_reduce_coalesced")) {
     std::vector<at::Tensor> host = op->mirror(tensors, true, true);
@@ -84,6 +86,7 @@ WorkPtr ProcessGroupSMDDP::allreduce_coalesced(std::vector<at::Tensor>& tensors,
 
 WorkPtr ProcessGroupSMDDP::reduce(std::vector<at::Tensor>& tensors,
                                   const c10d::ReduceOptions& opts) {
+  const InUse use = enter();
   check_count(tensors, "reduce");
   if (auto op = stage({&tensors[0]}, "reduce")) {
     std::vector<at::Tensor> host = op->mirror(tensors, true, rank_ == opts.rootRank);
@@ -108,6 +111,7 @@ WorkPtr ProcessGroupSMDDP::reduce(std::vector<at::Tensor>& tensors,
 
 WorkPtr ProcessGroupSMDDP::_allgather_base(at::Tensor& output, at::Tensor& input,
                                            const c10d::AllgatherOptions& opts) {
+  const InUse use = enter();
   const char* name = "all_gather_into_tensor";
   check_same_dtype(input, output, name);
   TORCH_CHECK_VALUE(output.numel() == input.numel() * size_, "smddp: ", name,
@@ -147,6 +151,7 @@ WorkPtr ProcessGroupSMDDP::_allgather_base(at::Tensor& output, at::Tensor& input
 WorkPtr ProcessGroupSMDDP::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                      std::vector<at::Tensor>& inputs,
                                      const c10d::AllgatherOptions& opts) {
+  const InUse use = enter();
   check_count(inputs, "all_gather");
   if (auto op = stage(all_of(outputs, inputs), "all_gather")) {
     std::vector<at::Tensor> hin = op->mirror(inputs, true, false);
@@ -183,6 +188,7 @@ WorkPtr ProcessGroupSMDDP::allgather(std::vector<std::vector<at::Tensor>>& outpu
 WorkPtr ProcessGroupSMDDP::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                std::vector<at::Tensor>& inputs,
                                                const c10d::AllgatherOptions& opts) {
+  const InUse use = enter();
   const char* name = "all_gather_coalesced";
   TORCH_CHECK_VALUE(!inputs.empty(), "smddp: ", name, " needs at least one input tensor");
   if (auto op = stage(all_of(outputs, inputs), name)) {
@@ -248,6 +254,7 @@ WorkPtr ProcessGroupSMDDP::allgather_coalesced(std::vector<std::vector<at::Tenso
 WorkPtr ProcessGroupSMDDP::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                            std::vector<at::Tensor>& inputs,
                                                            const c10d::AllgatherOptions& opts) {
+  const InUse use = enter();
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(),
                     "smddp: all_gather_into_tensor_coalesced needs as many outputs as inputs");
   std::vector<WorkPtr> parts;
@@ -261,6 +268,7 @@ WorkPtr ProcessGroupSMDDP::allgather_into_tensor_coalesced(std::vector<at::Tenso
 
 WorkPtr ProcessGroupSMDDP::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                 const c10d::ReduceScatterOptions& opts) {
+  const InUse use = enter();
   const char* name = "reduce_scatter_tensor";
   check_same_dtype(input, output, name);
   TORCH_CHECK_VALUE(input.numel() == output.numel() * size_, "smddp: ", name,
@@ -301,6 +309,7 @@ WorkPtr ProcessGroupSMDDP::_reduce_scatter_base(at::Tensor& output, at::Tensor& 
 WorkPtr ProcessGroupSMDDP::reduce_scatter(std::vector<at::Tensor>& outputs,
                                           std::vector<std::vector<at::Tensor>>& inputs,
                                           const c10d::ReduceScatterOptions& opts) {
+  const InUse use = enter();
   check_count(outputs, "reduce_scatter");
   if (auto op = stage(all_of(inputs, outputs), "reduce_scatter")) {
     auto hin = mirror_lists(*op, inputs, true, false);
@@ -332,6 +341,7 @@ WorkPtr ProcessGroupSMDDP::reduce_scatter(std::vector<at::Tensor>& outputs,
 WorkPtr ProcessGroupSMDDP::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                            std::vector<at::Tensor>& inputs,
                                                            const c10d::ReduceScatterOptions& opts) {
+  const InUse use = enter();
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(),
                     "smddp: reduce_scatter_tensor_coalesced needs as many outputs as inputs");
   std::vector<WorkPtr> parts;
@@ -346,6 +356,7 @@ WorkPtr ProcessGroupSMDDP::reduce_scatter_tensor_coalesced(std::vector<at::Tenso
 
 WorkPtr ProcessGroupSMDDP::broadcast(std::vector<at::Tensor>& tensors,
                                      const c10d::BroadcastOptions& opts) {
+  const InUse use = enter();
   check_count(tensors, "broadcast");
   if (auto op = stage({&tensors[0]}, "broadcast")) {
     const bool root = rank_ == opts.rootRank;
@@ -369,6 +380,7 @@ WorkPtr ProcessGroupSMDDP::broadcast(std::vector<at::Tensor>& tensors,
 WorkPtr ProcessGroupSMDDP::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                   std::vector<at::Tensor>& inputs,
                                   const c10d::GatherOptions& opts) {
+  const InUse use = enter();
   check_count(inputs, "gather");
   if (auto op = stage(all_of(outputs, inputs), "gather")) {
     std::vector<at::Tensor> hin = op->mirror(inputs, true, false);
@@ -415,6 +427,7 @@ WorkPtr ProcessGroupSMDDP::gather(std::vector<std::vector<at::Tensor>>& outputs,
 WorkPtr ProcessGroupSMDDP::scatter(std::vector<at::Tensor>& outputs,
                                    std::vector<std::vector<at::Tensor>>& inputs,
                                    const c10d::ScatterOptions& opts) {
+  const InUse use = enter();
   check_count(outputs, "scatter");
   if (auto op = stage(all_of(inputs, outputs), "scatter")) {
     auto hin = mirror_lists(*op, inputs, true, false);
@@ -462,6 +475,7 @@ WorkPtr ProcessGroupSMDDP::alltoall_base(at::Tensor& output, at::Tensor& input,
                                          std::vector<int64_t>& output_splits,
                                          std::vector<int64_t>& input_splits,
                                          const c10d::AllToAllOptions& opts) {
+  const InUse use = enter();
   const char* name = "all_to_all_single";
   if (auto op = stage({&input, &output}, name)) {
     at::Tensor hin = op->mirror(input, true, false);
@@ -520,6 +534,7 @@ WorkPtr ProcessGroupSMDDP::alltoall_base(at::Tensor& output, at::Tensor& input,
 WorkPtr ProcessGroupSMDDP::alltoall(std::vector<at::Tensor>& outputs,
                                     std::vector<at::Tensor>& inputs,
                                     const c10d::AllToAllOptions& opts) {
+  const InUse use = enter();
   TORCH_CHECK_VALUE(
       static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_,
       "smddp: all_to_all needs world_size (", size_, ") inputs and outputs");
@@ -554,6 +569,7 @@ WorkPtr ProcessGroupSMDDP::alltoall(std::vector<at::Tensor>& outputs,
 }
 
 WorkPtr ProcessGroupSMDDP::barrier(const c10d::BarrierOptions& opts) {
+  const InUse use = enter();
   OpCtx ctx = live_comm().make_ctx("barrier", CollDesc{}, OpArgs{}, timeout_of(opts.timeout));
   return submit(OpType::BARRIER, {}, opts.asyncOp, [this, ctx] { comm_->barrier(ctx); });
 }

@@ -12,6 +12,7 @@ using namespace ops;  // NOLINT(build/namespaces): this file's own helpers
 // receives on the worker) and waits there. Both skip the thread hand-off, which costs tens of
 // microseconds on these VMs, and neither overtakes an operation queued before it.
 WorkPtr ProcessGroupSMDDP::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
+  const InUse use = enter();
   check_count(tensors, "send");
   if (auto op = stage({&tensors[0]}, "send")) {
     // The bytes must be on the host before the eager path may write them (Note [Eager
@@ -22,7 +23,6 @@ WorkPtr ProcessGroupSMDDP::send(std::vector<at::Tensor>& tensors, int dst, int t
   }
   check_single(tensors, "send");
   TORCH_CHECK_VALUE(dst >= 0 && dst < size_ && dst != rank_, "smddp: send to invalid rank ", dst);
-  TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
   at::Tensor t = tensors[0];
   at::Tensor c = t.contiguous();
   const size_t bytes = c.numel() * c.element_size();
@@ -39,6 +39,7 @@ WorkPtr ProcessGroupSMDDP::send(std::vector<at::Tensor>& tensors, int dst, int t
 }
 
 WorkPtr ProcessGroupSMDDP::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
+  const InUse use = enter();
   check_count(tensors, "recv");
   if (auto op = stage({&tensors[0]}, "recv")) {
     std::vector<at::Tensor> host = op->mirror(tensors, false, true);
@@ -46,7 +47,6 @@ WorkPtr ProcessGroupSMDDP::recv(std::vector<at::Tensor>& tensors, int src, int t
   }
   check_single(tensors, "recv");
   TORCH_CHECK_VALUE(src >= 0 && src < size_ && src != rank_, "smddp: recv from invalid rank ", src);
-  TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
   at::Tensor t = tensors[0];
   if (t.is_contiguous() && exec_->try_now([&] {
         return comm_->try_recv_now(t.data_ptr(), t.numel() * t.element_size(), src,
@@ -67,13 +67,13 @@ WorkPtr ProcessGroupSMDDP::recv(std::vector<at::Tensor>& tensors, int src, int t
 // tag is there (shared-memory rings and TCP connections alike), takes it, and reports the
 // sender through the Work's sourceRank().
 WorkPtr ProcessGroupSMDDP::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  const InUse use = enter();
   check_count(tensors, "recv");
   if (auto op = stage({&tensors[0]}, "recv")) {
     std::vector<at::Tensor> host = op->mirror(tensors, false, true);
     return staged(op, [&] { return recvAnysource(host, tag); });
   }
   check_single(tensors, "recv");
-  TORCH_CHECK(!shut_down_, "smddp: group '", group_name_, "' was shut down");
   at::Tensor t = tensors[0];
   OpCtx ctx = live_comm().make_ctx("recv", desc_of(t, 0, t.numel()),
                                    peer_args_of(t, kAnyPeer, false), timeout_s_);

@@ -229,8 +229,10 @@ void Executor::shutdown() {
   std::unique_lock<std::mutex> lk(mu_);
   stop_ = true;
   cv_.notify_all();
-  // Queued work still runs (as before, when the lane threads drained it before joining).
-  idle_cv_.wait(lk, [&] { return !main_.scheduled && !send_.scheduled; });
+  // Queued work still runs (as before, when the lane threads drained it before joining),
+  // and a waiter running one in its own thread (run_next) finishes it: the lane's thread
+  // leaves once the queue is empty, while that work may still be running.
+  idle_cv_.wait(lk, [&] { return !main_.scheduled && !send_.scheduled && main_.pending == 0; });
   std::vector<Item> dead;
   dead.swap(released_);
   lk.unlock();

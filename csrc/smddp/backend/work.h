@@ -175,7 +175,8 @@ class Executor {
   // Note [Waiting runs the work]: runs the next work of the main lane in the caller's thread
   // if no main-lane work is running; returns whether it ran one.
   bool run_next();
-  // Waits for all queued work and for the pool threads to leave the lanes. Idempotent.
+  // Waits for all queued and running work and for the pool threads to leave the lanes.
+  // Idempotent.
   void shutdown();
   // Destroys the works pool threads finished (Note [Tensors are released in the caller's
   // thread]). Call from the caller's side only, never from a pool thread.
