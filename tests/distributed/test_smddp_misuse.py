@@ -207,7 +207,8 @@ def test_a_destroyed_group_raises_instead_of_crashing():
 def _destroy_during_a_call(mode):
     """Destroys a group while another thread of this rank is inside a call on it: a
     synchronous all_reduce (run in that thread), or a Work.wait() (which may run the queued
-    work there). In "late peer" mode rank 1 never calls, and the group's timeout ends it."""
+    work there). In "late peer" mode rank 1 never calls, and the group's timeout ends the
+    call; in "abort" mode rank 1 never calls either, and rank 0 aborts the group."""
     import threading
 
     import torch
@@ -216,7 +217,7 @@ def _destroy_during_a_call(mode):
     from torch_sagemaker.distributed import SMDDPOptions
 
     me = dist.get_rank()
-    group = dist.new_group([0, 1], pg_options=SMDDPOptions(timeout=3))
+    group = dist.new_group([0, 1], pg_options=SMDDPOptions(timeout=30 if mode == "abort" else 3))
     dist.barrier()
     outcome = {}
 
@@ -234,18 +235,21 @@ def _destroy_during_a_call(mode):
     if me == 1:
         time.sleep(1.5)  # rank 0's call is in flight meanwhile
     caller = threading.Thread(target=call)
-    if mode != "late peer" or me == 0:
+    if mode not in ("late peer", "abort") or me == 0:
         caller.start()
     time.sleep(0.3)
     start = time.monotonic()
-    dist.destroy_process_group(group)
+    if mode == "abort" and me == 0:
+        dist.distributed_c10d._abort_process_group(group)
+    else:
+        dist.destroy_process_group(group)
     took = time.monotonic() - start
     if caller.ident is not None:  # started
         caller.join()
     return outcome, took
 
 
-@pytest.mark.parametrize("mode", ["sync", "wait", "late peer"])
+@pytest.mark.parametrize("mode", ["sync", "wait", "late peer", "abort"])
 def test_destroying_a_group_during_a_call_on_it_waits_for_the_call(mode):
     # Before: the communicator was freed under the call, and rank 0 died with SIGSEGV.
     results = run_distributed(_destroy_during_a_call, mode, backend="smddp")
@@ -253,6 +257,10 @@ def test_destroying_a_group_during_a_call_on_it_waits_for_the_call(mode):
         outcome, took = results[0]
         assert "timed out" in outcome.get("error", ""), outcome
         assert took < 6, took  # the call's 3 s timeout, not the default 30 min
+    elif mode == "abort":
+        outcome, took = results[0]
+        assert "was aborted" in outcome.get("error", ""), outcome
+        assert took < 10, took  # at once, not after the call's 30 s timeout
     else:
         for outcome, _ in results:
             assert outcome == {"result": [2.0, 2.0]}, outcome

@@ -185,7 +185,10 @@ void ProcessGroupSMDDP::shutdown() {
 }
 
 void ProcessGroupSMDDP::abort() {
-  if (comm_) comm_->abort();
+  {
+    InUse use = try_enter();  // fails the calls in flight, which shutdown() then waits for
+    if (use) comm_->abort();
+  }
   shutdown();
 }
 
