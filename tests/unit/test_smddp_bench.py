@@ -41,13 +41,37 @@ def test_busbw_factors_follow_nccl_tests():
 def test_table_has_ratio_column():
     row = {"op": "all_reduce", "size": 1024}
     for b, t in (("smddp", 10.0), ("gloo", 500.0)):
-        row[b] = {"time_us": t, "algbw": 1.0, "busbw": 1.0, "bytes": 1024, "copy_pct": 5.0}
+        row[b] = _result(t)
     table = collectives.format_table([row], {"cache": 4e10, "dram": 5e9}, ["smddp", "gloo"], 2)
     assert "| all_reduce | 1 KiB | 10.0 |" in table and "50.0x" in table
 
 
-def _result(t):
-    return {"time_us": t, "algbw": 1.0, "busbw": 1.0, "bytes": 1024, "copy_pct": 5.0}
+def _result(t, sweeps=None):
+    return {
+        "sweeps_us": sweeps or [t],
+        "time_us": t,
+        "algbw": 1.0,
+        "busbw": 1.0,
+        "bytes": 1024,
+        "copy_pct": 5.0,
+    }
+
+
+def test_speed_ups_pair_the_backends_within_each_sweep():
+    # The third sweep was slow for smddp only. The ratio of the medians (10 / 5 = 2.0x)
+    # would credit gloo's fast third sweep against smddp's other ones; within each sweep
+    # gloo took 2x, 2x and 0.5x smddp's time.
+    row = {
+        "op": "all_reduce",
+        "size": 1024,
+        "smddp": _result(10.0, [1.0, 10.0, 10.0]),
+        "gloo": _result(5.0, [2.0, 20.0, 5.0]),
+    }
+    table = collectives.format_table([row], {"cache": 4e10, "dram": 5e9}, ["smddp", "gloo"], 2)
+    assert next(line for line in table.splitlines() if line.startswith("| all_reduce |")).endswith(
+        "| 2.0x (0.5x-2.0x) |"
+    )
+    assert collectives._format_row(row, ["smddp", "gloo"]).endswith("2.0x (0.5x-2.0x)")
 
 
 def test_table_has_one_ratio_column_per_extra_backend():

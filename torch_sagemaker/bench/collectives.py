@@ -6,7 +6,8 @@
 
 For every operation and size S (8 B .. 256 MiB by default, float32 data) each backend runs
 warm-up iterations, then timed iterations; the reported time is the median over iterations
-of the slowest rank (with ``--repeat N``, the median of N whole sweeps' medians). As in
+of the slowest rank (with ``--repeat N``, the median of N whole sweeps' medians, and each
+speed-up the median of the N ratios taken within one sweep, with their range). As in
 nccl-tests, S is the buffer size for all_reduce, broadcast and reduce, the *total* (gathered
 / scattered) size for all_gather_into_tensor, reduce_scatter_tensor, gather and scatter,
 and the per-rank send size for all_to_all and sendrecv (every rank sends S to the next rank and
@@ -316,12 +317,16 @@ def _worker_body(
         sizes.append(s)
         s *= args.factor
     # With --repeat N the whole sweep runs N times and each cell reports the median of its N
-    # medians: slow phases of a shared machine last seconds, longer than one case.
+    # medians: slow phases of a shared machine last seconds, longer than one case. Speed-ups
+    # pair the backends within a sweep (Note [Paired speed-ups]); each sweep starts the
+    # backends at a different one so that none is always measured first.
     medians: dict[tuple, tuple[int, list[float]]] = {}  # (op, size, backend) -> bytes, medians
-    for _ in range(args.repeat):
+    for sweep in range(args.repeat):
+        start = sweep % len(args.backends)
+        order = args.backends[start:] + args.backends[:start]
         for op in args.ops:
             for size in sizes:
-                for b in args.backends:
+                for b in order:
                     if b in PEER_OPS and op not in PEER_OPS[b]:
                         continue
                     run, check, actual = _case(
@@ -355,6 +360,7 @@ def _worker_body(
                     / (copy["cache"] if actual <= (1 << 20) else copy["dram"])
                 )
                 row[b] = {
+                    "sweeps_us": [m * 1e6 for m in meds],
                     "time_us": med * 1e6,
                     "algbw": algbw,
                     "busbw": algbw * _busbw_factor(op, world),
@@ -392,11 +398,28 @@ def _run(args: argparse.Namespace):
     return run_ranks(_spawned, args.nprocs, args)[0], args.nprocs
 
 
-def _ratio(row: dict, first: str, other: str) -> float | None:
-    """Speed-up of `first` over `other` (other's time / first's), None if either is missing."""
+# Note [Paired speed-ups]
+# A shared 2-core VM changes speed between phases that last seconds: in one run of 10 the
+# 64 KiB all_reduce of one backend took 49 us in the sweep where the others took 17 us.
+# The ratio of two cells' medians mixes the backends' luck across sweeps; the ratio within a
+# sweep compares measurements taken a fraction of a second apart. So each speed-up is the
+# median over sweeps of that sweep's ratio, and the range shows how much they disagreed.
+def _sweep_ratios(row: dict, first: str, other: str) -> list[float] | None:
+    """`other`'s time / `first`'s in each sweep, None if either is missing."""
     if row.get(first) is None or row.get(other) is None:
         return None
-    return row[other]["time_us"] / row[first]["time_us"]
+    return [o / f for f, o in zip(row[first]["sweeps_us"], row[other]["sweeps_us"])]
+
+
+def _ratio_cell(row: dict, first: str, other: str) -> str:
+    """The speed-up cell: 1.3x, or 1.3x (1.2x-1.4x) over several sweeps; n/a if not measured."""
+    ratios = _sweep_ratios(row, first, other)
+    if ratios is None:
+        return "n/a"
+    cell = f"{statistics.median(ratios):.1f}x"
+    if len(ratios) > 1:
+        cell += f" ({min(ratios):.1f}x-{max(ratios):.1f}x)"
+    return cell
 
 
 def _format_row(row: dict, backends: list[str], base: str | None = None) -> str:
@@ -415,8 +438,7 @@ def _format_row(row: dict, backends: list[str], base: str | None = None) -> str:
     for b in backends:
         if b == base:
             continue
-        ratio = _ratio(row, base, b)
-        cells.append(f"{'n/a':>8}" if ratio is None else f"{ratio:>7.1f}x")
+        cells.append(f"{_ratio_cell(row, base, b):>8}")
     return " | ".join(cells)
 
 
@@ -427,10 +449,12 @@ def format_table(
 
     Args:
         rows: one dict per (op, size): "op", "size", and per backend a dict of "time_us",
-            "algbw", "busbw", "copy_pct", or None where that backend did not run the op.
+            "sweeps_us" (one median per sweep), "algbw", "busbw", "copy_pct", or None where
+            that backend did not run the op.
         copy: memcpy bandwidth in bytes/s, "cache" (1 MiB) and "dram" (64 MiB).
         backends: backend names in column order; every one but ``base`` gets a speed-up
-            column "(base vs it)": its time / base's.
+            column "(base vs it)": the median over sweeps of its time / base's, with the
+            range when there are several sweeps (Note [Paired speed-ups]).
         world: number of ranks.
         base: the column the speed-ups are relative to (default: the first backend).
 
@@ -464,7 +488,7 @@ def format_table(
                     f"{r['copy_pct']:.0f}%",
                 ]
             )
-        cells += ["n/a" if (x := _ratio(row, base, b)) is None else f"{x:.1f}x" for b in others]
+        cells += [_ratio_cell(row, base, b) for b in others]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Memory passes per rank over the user buffers (S = size above):"]
     lines += [f"- {op}: {PASSES[op][1]}" for op in dict.fromkeys(r["op"] for r in rows)]
