@@ -6,6 +6,7 @@ import pytest
 
 from torch_sagemaker.bench import BENCHMARKS, collectives
 from torch_sagemaker.bench import __main__ as bench_main
+from torch_sagemaker.bench import collectives_report as report
 
 
 def test_dispatcher_lists_benchmarks_and_rejects_unknown(capsys):
@@ -31,18 +32,18 @@ def test_parse_size(text, value):
 
 
 def test_busbw_factors_follow_nccl_tests():
-    assert collectives._busbw_factor("all_reduce", 4) == 1.5
-    assert collectives._busbw_factor("all_gather_into_tensor", 4) == 0.75
-    assert collectives._busbw_factor("reduce_scatter_tensor", 2) == 0.5
-    assert collectives._busbw_factor("broadcast", 8) == 1.0
-    assert collectives._busbw_factor("all_to_all", 2) == 0.5
+    assert report.busbw_factor("all_reduce", 4) == 1.5
+    assert report.busbw_factor("all_gather_into_tensor", 4) == 0.75
+    assert report.busbw_factor("reduce_scatter_tensor", 2) == 0.5
+    assert report.busbw_factor("broadcast", 8) == 1.0
+    assert report.busbw_factor("all_to_all", 2) == 0.5
 
 
 def test_table_has_ratio_column():
     row = {"op": "all_reduce", "size": 1024}
     for b, t in (("smddp", 10.0), ("gloo", 500.0)):
         row[b] = _result(t)
-    table = collectives.format_table([row], {"cache": 4e10, "dram": 5e9}, ["smddp", "gloo"], 2)
+    table = report.format_table([row], {"cache": 4e10, "dram": 5e9}, ["smddp", "gloo"], 2)
     assert "| all_reduce | 1 KiB | 10.0 |" in table and "50.0x" in table
 
 
@@ -67,11 +68,11 @@ def test_speed_ups_pair_the_backends_within_each_sweep():
         "smddp": _result(10.0, [1.0, 10.0, 10.0]),
         "gloo": _result(5.0, [2.0, 20.0, 5.0]),
     }
-    table = collectives.format_table([row], {"cache": 4e10, "dram": 5e9}, ["smddp", "gloo"], 2)
+    table = report.format_table([row], {"cache": 4e10, "dram": 5e9}, ["smddp", "gloo"], 2)
     assert next(line for line in table.splitlines() if line.startswith("| all_reduce |")).endswith(
         "| 2.0x (0.5x-2.0x) |"
     )
-    assert collectives._format_row(row, ["smddp", "gloo"]).endswith("2.0x (0.5x-2.0x)")
+    assert report.format_row(row, ["smddp", "gloo"]).endswith("2.0x (0.5x-2.0x)")
 
 
 def test_table_has_one_ratio_column_per_extra_backend():
@@ -89,7 +90,7 @@ def test_table_has_one_ratio_column_per_extra_backend():
         "gloo": _result(80.0),
         "deepspeed": None,
     }
-    table = collectives.format_table(
+    table = report.format_table(
         [ar, bc], {"cache": 4e10, "dram": 5e9}, ["smddp", "gloo", "deepspeed"], 2
     )
     lines = table.splitlines()
@@ -101,7 +102,7 @@ def test_table_has_one_ratio_column_per_extra_backend():
     assert ar_line.count("|") == bc_line.count("|") == ncols
     assert ar_line.endswith("| 50.0x | 0.5x |")
     assert "| n/a |  |  |  | 10.0x | n/a |" in bc_line  # deepspeed does not run broadcast
-    row = collectives._format_row(bc, ["smddp", "gloo", "deepspeed"])
+    row = report.format_row(bc, ["smddp", "gloo", "deepspeed"])
     assert "n/a" in row and row.rstrip().endswith("n/a")
 
 
@@ -114,7 +115,7 @@ def test_ratio_base_puts_every_other_column_against_it():
         "deepspeed": _result(4.0),
     }
     backends = ["smddp", "smddp-direct", "deepspeed"]
-    table = collectives.format_table(
+    table = report.format_table(
         [row], {"cache": 4e10, "dram": 5e9}, backends, 2, base="smddp-direct"
     )
     header = next(line for line in table.splitlines() if line.startswith("| op |"))
@@ -124,7 +125,7 @@ def test_ratio_base_puts_every_other_column_against_it():
     assert next(line for line in table.splitlines() if line.startswith("| all_reduce |")).endswith(
         "| 4.0x | 2.0x |"
     )
-    assert collectives._format_row(row, backends, "smddp-direct").split("|")[-2:] == [
+    assert report.format_row(row, backends, "smddp-direct").split("|")[-2:] == [
         "     4.0x ",
         "     2.0x",
     ]
@@ -132,7 +133,7 @@ def test_ratio_base_puts_every_other_column_against_it():
 
 def test_two_backend_table_keeps_its_single_ratio_column():
     row = {"op": "all_reduce", "size": 1024, "smddp": _result(10.0), "gloo": _result(500.0)}
-    table = collectives.format_table([row], {"cache": 4e10, "dram": 5e9}, ["smddp", "gloo"], 2)
+    table = report.format_table([row], {"cache": 4e10, "dram": 5e9}, ["smddp", "gloo"], 2)
     assert table.count("speed-up") == 1 and "| speed-up (smddp vs gloo) |" in table
 
 

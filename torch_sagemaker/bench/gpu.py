@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from torch_sagemaker.bench import comma_list, run_ranks, set_rank_environment
-from torch_sagemaker.bench.collectives import format_size, parse_size
+from torch_sagemaker.bench.collectives import parse_size
+from torch_sagemaker.bench.collectives_report import format_size
 
 DEFAULT_SIZES = "64K,1M,4M,16M,64M,256M"
 COPY_SIZES = (1 << 20, 16 << 20, 256 << 20)
