@@ -68,3 +68,70 @@ def test_forced_layout_and_async_ops_on_two_groups():
     )
     assert res[0][0] == [[0, 1], [2, 3]]
     assert all(r[1] == 4 * 40 for r in res)
+
+
+def _complex_reductions():
+    """Complex tensors through every reducing entry point that torch passes them to as they
+    are (Note [Complex reductions]), on smddp and on gloo: each result, by case."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    out = {}
+    for name, group in (("smddp", dist.group.WORLD), ("gloo", gloo)):
+        for dtype in (torch.complex64, torch.complex128):
+            g = torch.Generator().manual_seed(rank)
+            x = torch.randn(world * 6, dtype=dtype, generator=g)
+            for opname, op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG)):
+                if name == "gloo" and opname == "avg":
+                    continue  # gloo has no AVG; compared with SUM / world below
+                key = (name, str(dtype), opname)
+                o = torch.empty(6, dtype=dtype)
+                dist.reduce_scatter_single(o, x.clone(), op=op, group=group)
+                outs = [torch.empty(6, dtype=dtype)]
+                dist.reduce_scatter(outs[0], list(x.clone().chunk(world)), op=op, group=group)
+                r = x.clone()
+                dist.reduce(r, dst=1, op=op, group=group)
+                out[key] = (o, outs[0], r if rank == 1 else None)
+            out[(name, str(dtype), "functional")] = funcol.all_reduce(x, "sum", group).wait()
+            with dist._coalescing_manager(group=group):
+                a, b = x[:5].clone(), x[5:].clone()
+                dist.all_reduce(a, group=group)
+                dist.all_reduce(b, group=group)
+            out[(name, str(dtype), "coalesced")] = torch.cat([a, b])
+    try:
+        dist.reduce_scatter_single(
+            torch.empty(6, dtype=torch.complex64),
+            torch.ones(world * 6, dtype=torch.complex64),
+            op=dist.ReduceOp.MAX,
+        )
+        refused = "no error"
+    except ValueError as e:
+        refused = str(e)
+    return out, refused, world
+
+
+def test_complex_reductions_equal_gloos():
+    # Before: reduce_scatter_tensor, reduce_scatter and reduce raised TypeError on complex
+    # tensors, which gloo reduces.
+    import torch
+
+    for out, refused, world in run_distributed(
+        _complex_reductions, world_size=3, backend="smddp", timeout=300
+    ):
+        assert "complex" in refused and "SUM, AVG or PREMUL_SUM" in refused, refused
+        for dtype in ("torch.complex64", "torch.complex128"):
+            sums = out[("gloo", dtype, "sum")]
+            for op in ("sum", "avg"):
+                for got, want in zip(out[("smddp", dtype, op)], sums):
+                    if want is None:
+                        assert got is None
+                        continue
+                    want = want / world if op == "avg" else want
+                    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (dtype, op)
+            for case in ("functional", "coalesced"):
+                assert torch.allclose(
+                    out[("smddp", dtype, case)], out[("gloo", dtype, case)], rtol=1e-5, atol=1e-6
+                ), (dtype, case)

@@ -51,6 +51,23 @@ def _every_dtype_and_op():
     assert torch.equal(z, torch.full((5,), complex(mean, -mean), dtype=torch.complex64))
     with pytest.raises(ValueError, match="complex"):
         all_reduce_direct(z, op=dist.ReduceOp.MAX)
+    # Negated and conjugated views: the values they show are reduced, not their storage
+    # (before: MAX of a negated view returned the MIN of the values, PRODUCT a wrong sign).
+    base = torch.arange(1.0, 4.0) + rank
+    neg = torch._neg_view(base)
+    all_reduce_direct(neg, op=dist.ReduceOp.MAX)
+    assert neg.is_neg() and torch.equal(neg, torch.tensor([-1.0, -2.0, -3.0]))
+    neg = torch._neg_view(torch.arange(1.0, 4.0) + rank)
+    all_reduce_direct(neg, op=dist.ReduceOp.PRODUCT)
+    want = torch.ones(3)
+    for r in range(world):
+        want *= -(torch.arange(1.0, 4.0) + r)
+    assert torch.equal(neg, want)
+    c = torch.full((2,), complex(1, rank + 1), dtype=torch.complex64).conj()
+    all_reduce_direct(c)
+    assert c.is_conj() and torch.equal(
+        c, torch.full((2,), complex(world, -sum(r + 1 for r in range(world))))
+    )
     # A bare RedOpType and a ReduceOp object both work.
     x = torch.full((3,), float(rank))
     all_reduce_direct(x, op=dist.ReduceOp(dist.ReduceOp.MAX))

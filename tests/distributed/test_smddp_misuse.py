@@ -266,6 +266,29 @@ def test_destroying_a_group_during_a_call_on_it_waits_for_the_call(mode):
             assert outcome == {"result": [2.0, 2.0]}, outcome
 
 
+def _coalesce_two_dtypes():
+    import torch
+    import torch.distributed as dist
+
+    try:
+        with dist._coalescing_manager():
+            dist.all_reduce(torch.ones(3))
+            dist.all_reduce(torch.ones(3, dtype=torch.float64))
+        return "no error"
+    except TypeError as e:
+        message = str(e)
+    t = torch.ones(2)
+    dist.all_reduce(t)  # the group is still usable
+    return message, t.tolist()
+
+
+def test_coalescing_two_dtypes_names_the_rule():
+    # Before: "input and output dtypes differ", in a call that has no output.
+    for message, after in run_distributed(_coalesce_two_dtypes, backend="smddp"):
+        assert "one dtype" in message and "Float and Double" in message, message
+        assert after == [2.0, 2.0]
+
+
 def _wait_with_timeout_on_a_late_peer():
     import torch
     import torch.distributed as dist

@@ -10,6 +10,10 @@ WorkPtr ProcessGroupSMDDP::allreduce(std::vector<at::Tensor>& tensors,
                                      const c10d::AllreduceOptions& opts) {
   const InUse use = enter();
   check_count(tensors, "all_reduce");
+  if (any_complex(tensors)) {  // Note [Complex reductions]
+    std::vector<at::Tensor> real = real_views(tensors, opts.reduceOp, "all_reduce");
+    return allreduce(real, opts);
+  }
   if (auto op = stage({&tensors[0]}, "all_reduce")) {
     at::Tensor t = tensors[0];
     if (!t.is_contiguous()) {
@@ -38,15 +42,17 @@ void ProcessGroupSMDDP::allreduce_direct(const at::Tensor& tensor, const c10d::R
   const InUse use = enter();
   check_cpu(tensor, "all_reduce", "its tensor");
   issued_.fetch_add(1);  // a collective like any other (getSequenceNumberForGroup)
-  at::Tensor t = tensor;
-  if (t.is_complex()) {
-    // As torch.distributed does: reduce the real view, for the ops that mean the same there.
-    TORCH_CHECK_VALUE(
-        op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG || op == c10d::ReduceOp::PREMUL_SUM,
-        "smddp: all_reduce does not support this ReduceOp on complex tensors; "
-        "use SUM, AVG or PREMUL_SUM");
-    t = at::view_as_real(t);
+  if (tensor.is_neg() || tensor.is_conj()) {
+    // A view whose values are its storage negated or conjugated (torch._neg_view, .conj()):
+    // reduce the values, not the storage (MAX of negated values is not MIN of the stored
+    // ones), then write them back through the view.
+    at::Tensor values = tensor.resolve_conj().resolve_neg();
+    allreduce_direct(values, op);
+    tensor.copy_(values);
+    return;
   }
+  at::Tensor t = tensor;
+  if (t.is_complex()) t = real_views({t}, op, "all_reduce")[0];  // Note [Complex reductions]
   Reduction red = reduction_of(op, t, "all_reduce");
   OpCtx ctx = live_comm().make_ctx("all_reduce", desc_of(t, int(red.op), t.numel()),
                                    args_of(t, redop_name(red.op)), timeout_s_);
@@ -61,9 +67,16 @@ WorkPtr ProcessGroupSMDDP::allreduce_coalesced(std::vector<at::Tensor>& tensors,
     std::vector<at::Tensor> host = op->mirror(tensors, true, true);
     return staged(op, [&] { return allreduce_coalesced(host, opts); });
   }
+  if (any_complex(tensors)) {  // Note [Complex reductions]
+    std::vector<at::Tensor> real = real_views(tensors, opts.reduceOp, "all_reduce_coalesced");
+    return allreduce_coalesced(real, opts);
+  }
   for (const auto& t : tensors) {
     check_cpu(t, "all_reduce_coalesced", "a tensor");
-    check_same_dtype(tensors[0], t, "all_reduce_coalesced");
+    TORCH_CHECK_TYPE(t.scalar_type() == tensors[0].scalar_type(),
+                     "smddp: all_reduce_coalesced reduces tensors of one dtype together, got ",
+                     tensors[0].scalar_type(), " and ", t.scalar_type(),
+                     "; coalesce each dtype in its own call");
   }
   Reduction red = reduction_of(opts.reduceOp, tensors[0], "all_reduce_coalesced");
   int64_t total = 0;
@@ -88,6 +101,10 @@ WorkPtr ProcessGroupSMDDP::reduce(std::vector<at::Tensor>& tensors,
                                   const c10d::ReduceOptions& opts) {
   const InUse use = enter();
   check_count(tensors, "reduce");
+  if (any_complex(tensors)) {  // Note [Complex reductions]
+    std::vector<at::Tensor> real = real_views(tensors, opts.reduceOp, "reduce");
+    return reduce(real, opts);
+  }
   if (auto op = stage({&tensors[0]}, "reduce")) {
     std::vector<at::Tensor> host = op->mirror(tensors, true, rank_ == opts.rootRank);
     return staged(op, [&] { return reduce(host, opts); });
@@ -271,6 +288,10 @@ WorkPtr ProcessGroupSMDDP::_reduce_scatter_base(at::Tensor& output, at::Tensor& 
   const InUse use = enter();
   const char* name = "reduce_scatter_tensor";
   check_same_dtype(input, output, name);
+  if (input.is_complex()) {  // Note [Complex reductions]
+    std::vector<at::Tensor> real = real_views({input, output}, opts.reduceOp, name);
+    return _reduce_scatter_base(real[1], real[0], opts);
+  }
   TORCH_CHECK_VALUE(input.numel() == output.numel() * size_, "smddp: ", name,
                     ": the input must have world_size (", size_, ") x output numel (",
                     output.numel(), ") = ", output.numel() * size_, " elements, got ",
@@ -311,6 +332,13 @@ WorkPtr ProcessGroupSMDDP::reduce_scatter(std::vector<at::Tensor>& outputs,
                                           const c10d::ReduceScatterOptions& opts) {
   const InUse use = enter();
   check_count(outputs, "reduce_scatter");
+  if (any_complex(outputs) || (inputs.size() == 1 && any_complex(inputs[0]))) {
+    // Note [Complex reductions]
+    std::vector<at::Tensor> out = real_views(outputs, opts.reduceOp, "reduce_scatter");
+    std::vector<std::vector<at::Tensor>> in;
+    for (const auto& l : inputs) in.push_back(real_views(l, opts.reduceOp, "reduce_scatter"));
+    return reduce_scatter(out, in, opts);
+  }
   if (auto op = stage(all_of(inputs, outputs), "reduce_scatter")) {
     auto hin = mirror_lists(*op, inputs, true, false);
     std::vector<at::Tensor> hout = op->mirror(outputs, false, true);

@@ -150,6 +150,31 @@ inline void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const cha
                    ")");
 }
 
+// Note [Complex reductions]: a complex tensor is reduced as its real view (as
+// torch.distributed's all_reduce does in Python before it reaches any backend), for the
+// ops whose meaning is the same on the real and imaginary parts: SUM, AVG and PREMUL_SUM
+// with a real factor. torch passes complex tensors of reduce, reduce_scatter and the
+// functional collectives to the backend as they are, and gloo reduces them; so every
+// reducing entry point takes the view itself. Other ops raise, naming the three.
+inline bool any_complex(const std::vector<at::Tensor>& ts) {
+  for (const auto& t : ts) {
+    if (t.is_complex()) return true;
+  }
+  return false;
+}
+
+inline std::vector<at::Tensor> real_views(const std::vector<at::Tensor>& ts,
+                                          const c10d::ReduceOp& op, const char* name) {
+  TORCH_CHECK_VALUE(
+      op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG || op == c10d::ReduceOp::PREMUL_SUM,
+      "smddp: ", name,
+      " does not support this ReduceOp on complex tensors; use SUM, AVG or "
+      "PREMUL_SUM");
+  std::vector<at::Tensor> out;
+  for (const auto& t : ts) out.push_back(t.is_complex() ? at::view_as_real(t) : t);
+  return out;
+}
+
 inline at::Tensor flat_cat(const std::vector<at::Tensor>& ts) {
   std::vector<at::Tensor> flat;
   for (const auto& t : ts) flat.push_back(t.reshape({-1}));
