@@ -356,7 +356,7 @@ def test_store_secret_frames_and_connection_replacement():
     assert "closed its connection" in message, message
     assert grown < 16 << 20, grown  # the 64 MiB it claimed were never allocated
     message, grown = victim["posted_wrong_length"]
-    assert "sent 1099511627776 bytes where this rank expects 16" in message, message
+    assert "sent 1099511627776 bytes with tag 5 where this rank expects 16" in message, message
     assert results[0]["replacement_status"] == b"\x00"
     assert victim["rejected"] >= 1
 

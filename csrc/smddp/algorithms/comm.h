@@ -88,11 +88,23 @@ class Communicator {
   // shared memory (Note [Shared-memory point-to-point] in shm.h), others over the mesh.
   void send(const void* data, size_t bytes, int peer, uint32_t tag, OpCtx ctx);
   void recv(void* data, size_t bytes, int peer, uint32_t tag, OpCtx ctx);
-  // Non-blocking attempts for the caller's thread (shared-memory peers only): true when the
-  // whole send or recv was done now, false when it must be queued.
   // Receives the next message with `tag` from whichever peer has one first; returns that
   // peer's group rank (Note [Receive from any rank] in backend_p2p.cpp).
   int recv_any(void* data, size_t bytes, uint32_t tag, OpCtx ctx);
+  // One attempt at a receive from `peer` (kAnyPeer: any rank), for receives that wait side
+  // by side (Note [Receives wait side by side] in work.cpp): true when a message with `tag`
+  // was there and was taken (read to its end, and its sender's rank put in `from`); false
+  // when none has arrived yet. Raises when the receive's deadline passed, its peer failed,
+  // the group was aborted or is broken (checked every 20 ms). Pass the same `ctx` and
+  // `poll` to every attempt of one receive: its deadline starts at the first.
+  struct RecvPoll {
+    bool started = false;
+    Clock::time_point next_check{};
+  };
+  bool poll_recv(void* data, size_t bytes, int peer, uint32_t tag, OpCtx& ctx, RecvPoll& poll,
+                 int* from);
+  // Non-blocking attempts for the caller's thread (shared-memory peers only): true when the
+  // whole send or recv was done now, false when it must be queued.
   bool try_send_now(const void* data, size_t bytes, int peer, uint32_t tag);
   bool try_recv_now(void* data, size_t bytes, int peer, uint32_t tag);
 
@@ -108,6 +120,10 @@ class Communicator {
  private:
   template <typename F>
   void guarded(OpCtx& ctx, bool numbered, F&& body);
+  // guarded()'s halves: raise if an earlier error broke the group; record a failure (this
+  // group is broken from now on) and tell the peers.
+  void refuse_if_broken(const OpCtx& ctx);
+  void mark_broken(const std::exception& e);
   // Set-up, in this order: host records, the mesh (only where needed), the segments.
   void discover(KeyValue& kv, const Deadline& dl);
   void connect_mesh(KeyValue& kv, const Deadline& dl);
@@ -165,8 +181,9 @@ class Communicator {
   size_t oneshot_bytes_ = 0;
   bool zero_copy_ = false;  // every local rank has a pool: try zero-copy AG/RS
   std::atomic<uint64_t> zero_copy_ops_{0};
-  std::mutex broken_mu_;  // guarded() runs on the executor and on the send lane
-  std::string broken_;    // first error; the group is unusable afterwards
+  std::mutex broken_mu_;                 // guarded() runs on the executor and on the send lane
+  std::atomic<uint32_t> poll_round_{0};  // rotates the first peer a receive from any polls
+  std::string broken_;                   // first error; the group is unusable afterwards
   std::vector<char> scratch_;
 };
 

@@ -12,15 +12,28 @@
 
 namespace smddp {
 
-template <typename F>
-void Communicator::guarded(OpCtx& ctx, bool numbered, F&& body) {
+void Communicator::refuse_if_broken(const OpCtx& ctx) {
+  std::lock_guard<std::mutex> g(broken_mu_);
+  if (!broken_.empty()) {
+    throw CommError("smddp: " + ctx.describe() + " on group '" + cfg_.group_name +
+                    "' refused: the group is unusable after an earlier error: " + broken_);
+  }
+}
+
+void Communicator::mark_broken(const std::exception& e) {
+  // Peers learn about the failure through our control block and failure notices instead
+  // of timing out.
   {
     std::lock_guard<std::mutex> g(broken_mu_);
-    if (!broken_.empty()) {
-      throw CommError("smddp: " + ctx.describe() + " on group '" + cfg_.group_name +
-                      "' refused: the group is unusable after an earlier error: " + broken_);
-    }
+    if (broken_.empty()) broken_ = e.what();
   }
+  shm_->mark_failed(e.what());
+  tcp_->announce_failure(e.what(), rail_);  // Note [Failure notices]
+}
+
+template <typename F>
+void Communicator::guarded(OpCtx& ctx, bool numbered, F&& body) {
+  refuse_if_broken(ctx);
   if (numbered) ctx.seq = next_seq_++;
   ctx.deadline = Deadline::after(ctx.deadline.seconds);
   try {
@@ -28,14 +41,7 @@ void Communicator::guarded(OpCtx& ctx, bool numbered, F&& body) {
     // Only TCP waits read it (Note [Exits are not failures]): one host needs no store.
     if (numbered && layout_.hosts > 1) shm_->mark_finished(ctx.seq);
   } catch (const std::exception& e) {
-    // Peers learn about the failure through our control block and failure notices
-    // instead of timing out.
-    {
-      std::lock_guard<std::mutex> g(broken_mu_);
-      if (broken_.empty()) broken_ = e.what();
-    }
-    shm_->mark_failed(e.what());
-    tcp_->announce_failure(e.what(), rail_);  // Note [Failure notices]
+    mark_broken(e);
     throw;
   }
 }
@@ -368,52 +374,78 @@ void Communicator::recv(void* data, size_t bytes, int peer, uint32_t tag, OpCtx 
 
 int Communicator::recv_any(void* data, size_t bytes, uint32_t tag, OpCtx ctx) {
   int from = -1;
-  guarded(ctx, false, [&] {
-    std::vector<int> peers;
-    for (int r = 0; r < cfg_.size; ++r) {
-      if (r != cfg_.rank) peers.push_back(r);
-    }
-    if (peers.empty()) throw CommError("smddp: " + ctx.describe() + ": no other rank in the group");
-    auto pause = std::chrono::microseconds(0);
-    auto next_check = Clock::now();
-    for (size_t round = 0;; ++round) {
-      // Peers are polled from a rotating start, so none is always served first.
-      for (size_t k = 0; k < peers.size(); ++k) {
-        const int r = peers[(round + k) % peers.size()];
-        const int local = p2p_ ? local_index(r) : -1;
-        if (local >= 0 ? p2p_->probe(local, tag, ctx)
-                       : tcp_->take(r, tag, static_cast<char*>(data), bytes, ctx)) {
-          if (local >= 0) p2p_->recv(local, tag, data, bytes, ctx);
-          from = r;
-          return;
-        }
-      }
-      if (Clock::now() >= next_check) {
-        next_check = Clock::now() + std::chrono::milliseconds(20);
-        const std::string where =
-            "smddp: " + ctx.describe() + " on group '" + cfg_.group_name + "'";
-        if (shm_->aborted())
-          throw CommError(where + " was aborted: the process group was shut down");
-        if (ctx.deadline.expired()) {
-          char secs[32];
-          snprintf(secs, sizeof(secs), "%.1f", ctx.deadline.seconds);
-          throw CommError(where + " timed out after " + secs + " s (the timeout of this group): " +
-                          "no rank sent it a message with tag " + std::to_string(tag));
-        }
-        bool any_alive = false;
-        for (int r : peers) {
-          const int local = local_index(r);
-          any_alive = any_alive || local < 0 || !shm_->peer_lost(local);
-        }
-        if (!any_alive) throw CommError(where + " failed: every other rank failed or exited");
-      }
-      if (pause.count()) std::this_thread::sleep_for(pause);
-      if (round > 64)
-        pause = std::min(std::max(pause * 2, std::chrono::microseconds(20)),
-                         std::chrono::microseconds(1000));
-    }
-  });
+  RecvPoll poll;
+  auto pause = std::chrono::microseconds(0);
+  for (size_t round = 0; !poll_recv(data, bytes, kAnyPeer, tag, ctx, poll, &from); ++round) {
+    if (pause.count()) std::this_thread::sleep_for(pause);
+    if (round > 64)
+      pause = std::min(std::max(pause * 2, std::chrono::microseconds(20)),
+                       std::chrono::microseconds(1000));
+  }
   return from;
+}
+
+bool Communicator::poll_recv(void* data, size_t bytes, int peer, uint32_t tag, OpCtx& ctx,
+                             RecvPoll& poll, int* from) {
+  const auto now = Clock::now();
+  const bool check = now >= poll.next_check;  // every 20 ms, and at the first attempt
+  if (check) {
+    refuse_if_broken(ctx);  // a collective may have failed since the last check
+    poll.next_check = now + std::chrono::milliseconds(20);
+  }
+  if (!poll.started) {
+    poll.started = true;
+    ctx.deadline = Deadline::after(ctx.deadline.seconds);
+  }
+  try {
+    std::vector<int> peers;
+    if (peer != kAnyPeer) {
+      peers.push_back(peer);
+    } else {
+      for (int r = 0; r < cfg_.size; ++r) {
+        if (r != cfg_.rank) peers.push_back(r);
+      }
+      if (peers.empty())
+        throw CommError("smddp: " + ctx.describe() + ": no other rank in the group");
+    }
+    // Peers are polled from a rotating start, so none is always served first.
+    const size_t start = poll_round_.fetch_add(1, std::memory_order_relaxed);
+    for (size_t k = 0; k < peers.size(); ++k) {
+      const int r = peers[(start + k) % peers.size()];
+      const int local = p2p_ ? local_index(r) : -1;
+      if (local >= 0 ? p2p_->probe(local, tag, ctx)
+                     : tcp_->take(r, tag, static_cast<char*>(data), bytes, ctx)) {
+        if (local >= 0) p2p_->recv(local, tag, data, bytes, ctx);
+        *from = r;
+        return true;
+      }
+    }
+    if (!check) return false;
+    const std::string where = "smddp: " + ctx.describe() + " on group '" + cfg_.group_name + "'";
+    if (shm_->aborted()) throw CommError(where + " was aborted: the process group was shut down");
+    const int local = peer != kAnyPeer && p2p_ ? local_index(peer) : -1;
+    if (local >= 0) shm_->check_peer(local, ctx, "to send (is a matching send posted on it?)");
+    if (ctx.deadline.expired()) {
+      char secs[32];
+      snprintf(secs, sizeof(secs), "%.1f", ctx.deadline.seconds);
+      throw CommError(where + " timed out after " + secs + " s (the timeout of this group): " +
+                      (peer == kAnyPeer ? std::string("no rank")
+                                        : "rank " + std::to_string(peer) + " has not") +
+                      " sent it a message with tag " + std::to_string(tag));
+    }
+    if (peer == kAnyPeer) {
+      bool any_alive = false;
+      for (int r : peers) {
+        const int l = local_index(r);
+        any_alive = any_alive || l < 0 || !shm_->peer_lost(l);
+      }
+      if (!any_alive) throw CommError(where + " failed: every other rank failed or exited");
+    }
+    return false;
+  } catch (const std::exception& e) {
+    mark_broken(e);
+    throw;
+  }
 }
 
 bool Communicator::try_send_now(const void* data, size_t bytes, int peer, uint32_t tag) {

@@ -142,6 +142,11 @@ class ProcessGroupSMDDP : public c10d::Backend {
   void leave();
   // The communicator; only while an InUse is held.
   Communicator& live_comm() { return *comm_; }
+  // Queues a receive into `t` from `src` (kAnyPeer: any rank), which waits beside the
+  // others (Note [Receives wait side by side] in work.cpp); returns its work.
+  c10::intrusive_ptr<c10d::Work> submit_receive(c10::intrusive_ptr<SmddpWork> work,
+                                                const at::Tensor& t, int src, int tag,
+                                                const OpCtx& ctx);
   bool completes_inline(c10d::OpType type, bool async_op) const;
   double timeout_of(std::chrono::milliseconds t) const;
   Reduction reduction_of(const c10d::ReduceOp& op, const at::Tensor& t, const char* name) const;

@@ -8,9 +8,10 @@ using namespace ops;  // NOLINT(build/namespaces): this file's own helpers
 // Note [Eager point-to-point]: a send whose message fits the free space of its shared-memory
 // ring is written in the caller's thread and its Work is complete at once (the tensor may
 // be reused, as after any completed isend); a recv whose message is already complete in the
-// ring is copied out the same way. Anything else is queued (sends on the send lane,
-// receives on the worker) and waits there. Both skip the thread hand-off, which costs tens of
-// microseconds on these VMs, and neither overtakes an operation queued before it.
+// ring is copied out the same way. Anything else is queued: sends on the send lane, receives
+// with the other waiting receives (Note [Receives wait side by side] in work.cpp). Both skip
+// the thread hand-off, which costs tens of microseconds on these VMs, and neither overtakes
+// an operation queued before it (a receive is done at once only while no receive waits).
 WorkPtr ProcessGroupSMDDP::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
   const InUse use = enter();
   check_count(tensors, "send");
@@ -48,7 +49,7 @@ WorkPtr ProcessGroupSMDDP::recv(std::vector<at::Tensor>& tensors, int src, int t
   check_single(tensors, "recv");
   TORCH_CHECK_VALUE(src >= 0 && src < size_ && src != rank_, "smddp: recv from invalid rank ", src);
   at::Tensor t = tensors[0];
-  if (t.is_contiguous() && exec_->try_now([&] {
+  if (t.is_contiguous() && exec_->try_receive_now([&] {
         return comm_->try_recv_now(t.data_ptr(), t.numel() * t.element_size(), src,
                                    static_cast<uint32_t>(tag));
       })) {
@@ -56,11 +57,33 @@ WorkPtr ProcessGroupSMDDP::recv(std::vector<at::Tensor>& tensors, int src, int t
   }
   OpCtx ctx = live_comm().make_ctx("recv", desc_of(t, 0, t.numel()), peer_args_of(t, src, false),
                                    timeout_s_);
-  return submit(OpType::RECV, tensors, true, [this, t, src, tag, ctx] {
-    at::Tensor c = contiguous_out(t);
-    comm_->recv(c.data_ptr(), c.numel() * c.element_size(), src, static_cast<uint32_t>(tag), ctx);
-    copy_back(c, t);
-  });
+  return submit_receive(make_work(OpType::RECV, tensors), t, src, tag, ctx);
+}
+
+// Note [Receives wait side by side] in work.cpp.
+WorkPtr ProcessGroupSMDDP::submit_receive(c10::intrusive_ptr<SmddpWork> work, const at::Tensor& t,
+                                          int src, int tag, const OpCtx& ctx) {
+  // A staged receive (Note [Device staging]) copies the host mirror to the device once the
+  // message is in it.
+  std::shared_ptr<StagedOp> staged_op = std::move(pending_stage_);
+  work->set_executor(exec_);
+  at::Tensor c = contiguous_out(t);
+  SmddpWork* w = work.get();  // the queued receive holds the work while it is attempted
+  Communicator::RecvPoll poll;
+  exec_->submit_receive(
+      [this, t, c, src, tag, ctx = OpCtx(ctx), poll, w, staged_op]() mutable {
+        int from = -1;
+        if (!comm_->poll_recv(c.data_ptr(), c.numel() * c.element_size(), src,
+                              static_cast<uint32_t>(tag), ctx, poll, &from)) {
+          return false;
+        }
+        copy_back(c, t);
+        if (staged_op) staged_op->copy_out();
+        if (src == kAnyPeer) w->set_source_rank(from);
+        return true;
+      },
+      work);
+  return track(work);
 }
 
 // Note [Receive from any rank]: the receive waits until any peer's next message with this
@@ -77,15 +100,7 @@ WorkPtr ProcessGroupSMDDP::recvAnysource(std::vector<at::Tensor>& tensors, int t
   at::Tensor t = tensors[0];
   OpCtx ctx = live_comm().make_ctx("recv", desc_of(t, 0, t.numel()),
                                    peer_args_of(t, kAnyPeer, false), timeout_s_);
-  auto work = make_work(OpType::RECVANYSOURCE, tensors);
-  SmddpWork* w = work.get();  // the queued item holds the work while fn runs
-  return submit(work, true, [this, t, tag, ctx, w] {
-    at::Tensor c = contiguous_out(t);
-    int from = comm_->recv_any(c.data_ptr(), c.numel() * c.element_size(),
-                               static_cast<uint32_t>(tag), ctx);
-    copy_back(c, t);
-    w->set_source_rank(from);
-  });
+  return submit_receive(make_work(OpType::RECVANYSOURCE, tensors), t, kAnyPeer, tag, ctx);
 }
 
 }  // namespace smddp

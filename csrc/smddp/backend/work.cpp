@@ -2,6 +2,9 @@
 
 #include <c10/core/StreamGuard.h>
 
+#include <algorithm>
+#include <chrono>
+
 #include "smddp/common/common.h"
 
 namespace smddp {
@@ -38,6 +41,10 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
   // inside a collective cannot, so it leaves the work to the pool and waits at most that
   // long; c10d::Work::wait then raises "Operation timed out!", as gloo's Work does.
   if (exec && timeout == ::kNoTimeout) {
+    const c10d::OpType type = retrieveOpType();
+    if (type == c10d::OpType::RECV || type == c10d::OpType::RECVANYSOURCE) {
+      exec->help_receive(*this);  // Note [Receives wait side by side]
+    }
     while (!isCompleted() && exec->run_next()) {
     }
   }
@@ -225,6 +232,155 @@ void Executor::release_finished() {
   dead.swap(released_);
 }
 
+// Note [Receives wait side by side]
+// A receive waits for its message, which may come much later, and after messages that
+// later receives want. Queued on the main lane, a waiting irecv held up everything behind
+// it: a recv with another tag or from another rank whose message was already there (gloo
+// completes it; smddp timed out, a deadlock of a valid program), the group's collectives,
+// and destroy_process_group, which waited for the queue for the whole group timeout. So
+// receives that cannot complete at once wait together, apart from the lanes: one pool
+// thread attempts each of them in the order they were posted, without blocking
+// (Communicator::poll_recv: a message with the receive's tag is taken if it has arrived,
+// messages with other tags that are in the way are set aside), and completes those that
+// got their message. Posting order decides which of two receives for the same source and
+// tag gets the earlier message, as MPI's non-overtaking rule and gloo have it. An attempt
+// runs under exec_mu_ like the lanes' work (the TCP mesh's read buffers are shared with
+// the collectives); one that finds a message begun reads it to its end. Between rounds
+// that found nothing the thread polls for 20 us (SMDDP_WORKER_SPIN_US's default), then backs
+// off to 200 us sleeps, so a receive that waits long costs little CPU and learns of its
+// message at most that late. A thread that waits for a receive's Work runs the rounds
+// itself meanwhile (as Note [Waiting runs the work] has it for the main lane): it polls for
+// 200 us, then sleeps 20 us at a time, so a waited-for receive completes without a thread
+// hand-off. Shutdown cancels the
+// receives still waiting (gloo's destroy does not wait for an unmatched irecv either);
+// queued collectives still run to their end.
+void Executor::submit_receive(Attempt attempt, c10::intrusive_ptr<SmddpWork> work) {
+  std::vector<Item> dead;  // destroyed after the lock (Note [Tensors are released in ...])
+  std::lock_guard<std::mutex> g(mu_);
+  dead.swap(released_);
+  if (stop_) {
+    work->complete(
+        std::make_exception_ptr(std::runtime_error("smddp: the process group was shut down")));
+    return;
+  }
+  recv_.queue.push_back(Receive{std::move(attempt), std::move(work)});
+  ++recv_.pending;
+  if (!recv_.scheduled) {
+    recv_.scheduled = true;
+    WorkerPool::instance().post([this] { drain_receives(); });
+  }
+}
+
+void Executor::finish_receive(Receive& r, std::exception_ptr error) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    --recv_.pending;
+  }
+  r.work->complete(error);
+  // Note [Tensors are released in the caller's thread]: the attempt holds the tensors.
+  std::lock_guard<std::mutex> lk(mu_);
+  released_.push_back(Item{[held = std::move(r.attempt)] {}, std::move(r.work)});
+}
+
+bool Executor::receive_round() {
+  bool stopping;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (recv_busy_) return false;  // another thread is running a round
+    recv_busy_ = true;
+    for (; !recv_.queue.empty(); recv_.queue.pop_front()) {
+      recv_live_.push_back(std::move(recv_.queue.front()));
+    }
+    stopping = stop_;
+  }
+  bool progress = false;
+  if (stopping) {
+    for (Receive& r : recv_live_) {
+      finish_receive(r, std::make_exception_ptr(std::runtime_error(
+                            "smddp: a receive still waiting for its message was cancelled: "
+                            "the process group was shut down")));
+    }
+    progress = !recv_live_.empty();
+    recv_live_.clear();
+  }
+  for (size_t i = 0; i < recv_live_.size();) {
+    bool done = false;
+    std::exception_ptr error;
+    {
+      std::lock_guard<std::mutex> g(exec_mu_);
+      try {
+        done = recv_live_[i].attempt();
+      } catch (...) {
+        error = std::current_exception();
+        done = true;
+      }
+    }
+    if (!done) {
+      ++i;
+      continue;
+    }
+    progress = true;
+    finish_receive(recv_live_[i], error);
+    recv_live_.erase(recv_live_.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  recv_busy_ = false;
+  idle_cv_.notify_all();  // shutdown() waits for the round to end
+  return progress;
+}
+
+void Executor::drain_receives() {
+  ReceiveBackoff backoff(std::chrono::microseconds(20), std::chrono::microseconds(200));
+  while (true) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (!recv_busy_ && recv_.queue.empty() && recv_live_.empty()) {
+        // The last touch of this executor: shutdown() waits for it under mu_.
+        recv_.scheduled = false;
+        idle_cv_.notify_all();
+        return;
+      }
+    }
+    if (recv_helpers_.load() > 0) {
+      // A waiting thread polls (help_receive): two pollers would only take turns.
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+      continue;
+    }
+    backoff.after(receive_round());
+  }
+}
+
+bool Executor::help_receive(SmddpWork& work) {
+  // The waiting thread has nothing else to do: it polls without sleeping for a while (as a
+  // caller's wait on shared memory spins, SMDDP_SPIN_US), then sleeps in short steps.
+  ReceiveBackoff backoff(std::chrono::microseconds(200), std::chrono::microseconds(20));
+  recv_helpers_.fetch_add(1);
+  while (!work.isCompleted()) {
+    if (run_next()) continue;
+    backoff.after(receive_round());
+  }
+  recv_helpers_.fetch_sub(1);
+  return true;
+}
+
+ReceiveBackoff::ReceiveBackoff(std::chrono::microseconds spin, std::chrono::microseconds longest)
+    : spin_(spin), longest_(longest) {}
+
+void ReceiveBackoff::after(bool progress) {
+  const auto now = std::chrono::steady_clock::now();
+  if (progress || idle_since_ == std::chrono::steady_clock::time_point{}) {
+    idle_since_ = now;
+    pause_ = std::chrono::microseconds(0);
+    return;
+  }
+  if (now - idle_since_ < spin_) {
+    std::this_thread::yield();
+    return;
+  }
+  pause_ = std::min(std::max(pause_ * 2, std::chrono::microseconds(10)), longest_);
+  std::this_thread::sleep_for(pause_);
+}
+
 void Executor::shutdown() {
   std::unique_lock<std::mutex> lk(mu_);
   stop_ = true;
@@ -232,7 +388,10 @@ void Executor::shutdown() {
   // Queued work still runs (as before, when the lane threads drained it before joining),
   // and a waiter running one in its own thread (run_next) finishes it: the lane's thread
   // leaves once the queue is empty, while that work may still be running.
-  idle_cv_.wait(lk, [&] { return !main_.scheduled && !send_.scheduled && main_.pending == 0; });
+  idle_cv_.wait(lk, [&] {
+    return !main_.scheduled && !send_.scheduled && main_.pending == 0 && !recv_.scheduled &&
+           !recv_busy_;
+  });
   std::vector<Item> dead;
   dead.swap(released_);
   lk.unlock();

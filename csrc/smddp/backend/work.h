@@ -8,8 +8,9 @@
 // and for every async call, the operation is queued to the group's main lane, which a
 // worker thread (Note [One transport per process]) runs in FIFO order so communication
 // overlaps the caller's computation. Sends (isend/send) run on a separate send lane so a
-// large send never blocks a receive queued behind it. `exec_mu_` makes sure inline and worker
-// executions never overlap.
+// large send never blocks a receive, and receives that must wait do so beside the lanes
+// (Note [Receives wait side by side] in work.cpp). `exec_mu_` makes sure inline and worker
+// executions, and receive attempts, never overlap.
 //
 // Note [Waiting runs the work]
 // A caller that waits for an async work which has not started yet would otherwise sleep
@@ -129,6 +130,19 @@ class CoalescedWork : public c10d::Work {
   std::vector<c10::intrusive_ptr<c10d::Work>> parts_;
 };
 
+// Pacing of rounds of receive attempts: after a round that found nothing, yield for
+// `spin` since the last progress, then sleep for doubling pauses from 10 us up to `longest`.
+class ReceiveBackoff {
+ public:
+  ReceiveBackoff(std::chrono::microseconds spin, std::chrono::microseconds longest);
+  void after(bool progress);  // call after each round
+
+ private:
+  std::chrono::microseconds spin_, longest_;
+  std::chrono::steady_clock::time_point idle_since_{};
+  std::chrono::microseconds pause_{0};
+};
+
 class Executor {
  public:
   using Fn = std::function<void()>;
@@ -151,6 +165,27 @@ class Executor {
     }
     std::lock_guard<std::mutex> g(exec_mu_);
     fn();
+  }
+  // Runs receive rounds (and main-lane work) in the caller's thread until `work`, a
+  // receive's, is complete (Note [Receives wait side by side]).
+  bool help_receive(SmddpWork& work);
+  // Note [Receives wait side by side]: queues a receive, which completes its work when
+  // `attempt` (one non-blocking try: Communicator::poll_recv) returns true, or raises.
+  using Attempt = std::function<bool()>;
+  void submit_receive(Attempt attempt, c10::intrusive_ptr<SmddpWork> work);
+  // Runs `attempt` (a receive that does not block) in the caller's thread when no receive
+  // waits, so that it cannot take a message an earlier receive is owed, and no collective
+  // is running; returns what it returned, or false when it did not run.
+  template <class F>
+  bool try_receive_now(F&& attempt) {
+    std::vector<Item> dead;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      dead.swap(released_);
+      if (recv_.pending || stop_) return false;
+    }
+    std::unique_lock<std::mutex> g(exec_mu_, std::try_to_lock);
+    return g.owns_lock() && attempt();
   }
   // Runs `attempt` (which must not block) in the caller's thread when nothing is queued on
   // the lane it would otherwise go to, so it cannot overtake earlier operations there;
@@ -192,6 +227,20 @@ class Executor {
     bool scheduled = false;  // a pool thread runs this lane (until its queue is empty)
     size_t pending = 0;      // queued or running
   };
+  struct Receive {
+    Attempt attempt;
+    c10::intrusive_ptr<SmddpWork> work;
+  };
+  struct Receives {
+    std::deque<Receive> queue;  // submitted, not yet taken by drain_receives
+    bool scheduled = false;     // a pool thread runs drain_receives
+    size_t pending = 0;         // queued or being attempted
+  };
+  void drain_receives();  // on a pool thread: attempts the receives until none is left
+  // One attempt at every waiting receive, in posting order, unless another thread is
+  // running a round; returns whether a receive completed (or was cancelled).
+  bool receive_round();
+  void finish_receive(Receive& r, std::exception_ptr error);
   void drain(Lane& lane);       // on a pool thread: runs the lane's queue, then returns
   Item take_front(Lane& lane);  // under mu_; marks the main lane busy
   void finished(Lane& lane);    // takes mu_; the work taken by take_front is done
@@ -204,8 +253,12 @@ class Executor {
   std::condition_variable cv_;       // main_busy_ went false
   std::condition_variable idle_cv_;  // a lane became idle or unscheduled
   Lane main_, send_;
-  std::vector<Item> released_;  // finished on a pool thread, destroyed by release_finished
-  bool main_busy_ = false;      // a main-lane work is running (worker or run_if_next)
+  Receives recv_;
+  std::vector<Receive> recv_live_;    // taken from recv_.queue; only the round's runner uses it
+  bool recv_busy_ = false;            // a thread is running receive_round
+  std::atomic<int> recv_helpers_{0};  // threads in help_receive
+  std::vector<Item> released_;        // finished on a pool thread, destroyed by release_finished
+  bool main_busy_ = false;            // a main-lane work is running (worker or run_if_next)
   bool stop_ = false;
   std::mutex exec_mu_;
 };

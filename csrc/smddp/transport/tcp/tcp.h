@@ -128,8 +128,10 @@ class TcpMesh {
 
   // Takes the next message with `tag` from `peer` into `data` if it has fully arrived,
   // reading what the connection holds (messages with other tags are stashed); never waits.
-  // Raises if its length is not `len`. For receives from any rank (Note [Receive from any
-  // rank] in backend_ops.cpp).
+  // Raises, as soon as its header is read, if its length is not `len`. For the receives
+  // that wait side by side (Note [Receives wait side by side] in work.cpp): a message with
+  // `tag` is awaited by a posted receive, so it is stored outside the budget for messages
+  // nobody waits for (Note [TCP trust model]); its length is that receive's.
   bool take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& ctx);
 
   // Sends the failure notice (Note [Failure notices]) on every outgoing connection and on
@@ -148,9 +150,11 @@ class TcpMesh {
   static constexpr size_t kMaxHandshakes = 64;
   static constexpr size_t kStashBytes = size_t(1) << 30;  // Note [TCP trust model]
   static constexpr int kNotice = -2;                      // Conn::target_op of a notice being read
+  static constexpr int kAwaited = -3;  // Route::target: stash it, a posted receive awaits it
   struct Stashed {
     Header hdr;
     std::vector<char> data;
+    bool awaited = false;  // a posted receive's (take): not in Conn::stash_bytes
   };
   struct Conn {
     std::mutex write_mu;   // held by the writer of one whole message

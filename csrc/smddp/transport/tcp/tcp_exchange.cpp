@@ -62,10 +62,12 @@ void TcpMesh::read_frames(int peer, int fd, Route& route, const OpCtx& ctx) {
       } else {
         c.body = route.target(c.hdr, c.target_op);
       }
+      const bool awaited = c.target_op == kAwaited;
+      if (awaited) c.target_op = -1;
       if (c.target_op == -1) {
         // Note [TCP trust model]: a message nobody waits for yet is kept within a budget,
         // and its buffer grows only as its bytes arrive.
-        if (c.hdr.len > kStashBytes - c.stash_bytes) {
+        if (!awaited && c.hdr.len > kStashBytes - c.stash_bytes) {
           fail_peer(peer,
                     "sent a message of " + std::to_string(c.hdr.len) + " bytes (tag " +
                         std::to_string(c.hdr.tag) +
@@ -79,8 +81,8 @@ void TcpMesh::read_frames(int peer, int fd, Route& route, const OpCtx& ctx) {
                         "(post the receives in the order of the sends)",
                     ctx);
         }
-        c.stash_bytes += c.hdr.len;
-        c.stash.push_back({c.hdr, {}});
+        if (!awaited) c.stash_bytes += c.hdr.len;
+        c.stash.push_back({c.hdr, {}, awaited});
       }
     }
     if (c.body_got < c.hdr.len) {
@@ -168,7 +170,7 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
         ++k;
         continue;
       }
-      c.stash_bytes -= m.hdr.len;
+      if (!m.awaited) c.stash_bytes -= m.hdr.len;
       c.stash.erase(c.stash.begin() + static_cast<std::ptrdiff_t>(k));
       --complete;
     }
@@ -360,30 +362,44 @@ bool TcpMesh::take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& 
     }
     return -1;
   };
-  // Reads until a message with the tag is complete or the socket has nothing more.
+  auto check_length = [&](const Header& h) {
+    if (h.len != len) {
+      fail_peer(peer,
+                "sent " + std::to_string(h.len) + " bytes with tag " + std::to_string(tag) +
+                    " where this rank expects " + std::to_string(len) +
+                    " (send and recv must use tensors of the same size and dtype)",
+                ctx);
+    }
+  };
+  // Reads until a message with the tag is complete or the socket has nothing more. The
+  // first message with the tag is the one this receive gets (none with it is stashed yet,
+  // or find() would have returned it): its length is checked before a byte is stored.
+  bool claimed = find() >= 0 || stash_in_flight(c);
   struct Stashing {
     const decltype(find)& found;
+    const decltype(check_length)& check;
+    uint64_t tag;
+    bool& claimed;
     bool wants() { return found() < 0; }
-    char* target(const Header&, int& op) {
+    char* target(const Header& h, int& op) {
       op = -1;
+      if (h.tag == tag && !claimed) {
+        check(h);
+        claimed = true;
+        op = kAwaited;
+      }
       return nullptr;
     }
     void delivered(int) {}
     void stashed() {}
-  } route{find};
+  } route{find, check_length, tag, claimed};
   read_frames(peer, fd, route, ctx);
   int k = find();
   if (k < 0) return false;
   const Stashed& m = c.stash[static_cast<size_t>(k)];
-  if (m.hdr.len != len) {
-    fail_peer(peer,
-              "sent " + std::to_string(m.hdr.len) + " bytes with tag " + std::to_string(tag) +
-                  " where this rank expects " + std::to_string(len) +
-                  " (send and recv must use tensors of the same size and dtype)",
-              ctx);
-  }
+  check_length(m.hdr);
   if (len) std::memcpy(data, m.data.data(), len);
-  c.stash_bytes -= m.hdr.len;
+  if (!m.awaited) c.stash_bytes -= m.hdr.len;
   c.stash.erase(c.stash.begin() + k);
   return true;
 }

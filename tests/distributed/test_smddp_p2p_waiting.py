@@ -1,0 +1,135 @@
+"""Receives that wait for their message do not hold up anything else (Note [Receives wait
+side by side]): later receives with another tag or from another rank, the group's
+collectives, or destroy_process_group. Each case deadlocked until the group timeout before.
+Shared memory and the TCP mesh (forced on one machine) alike."""
+
+import time
+
+import pytest
+
+from tests.distributed.launcher import run_distributed
+from torch_sagemaker.distributed import backend
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(not backend.is_available(), reason="smddp extension not built"),
+]
+
+TRANSPORTS = [
+    pytest.param({}, id="shm"),
+    pytest.param({"SMDDP_FORCE_LOCAL_SIZE": "1"}, id="tcp"),
+]
+
+
+def _group():
+    import torch.distributed as dist
+
+    from torch_sagemaker.distributed import SMDDPOptions
+
+    return dist.new_group(list(range(dist.get_world_size())), pg_options=SMDDPOptions(timeout=8))
+
+
+def _later_tag_first():
+    """Rank 1 posts irecv(tag 1), then a blocking recv(tag 2); rank 0 sends tag 2, waits
+    for rank 1 to acknowledge it, and only then sends tag 1."""
+    import torch
+    import torch.distributed as dist
+
+    g = _group()
+    if dist.get_rank() == 0:
+        dist.send(torch.full((4,), 2.0), 1, group=g, tag=2)
+        dist.recv(torch.empty(1), 1, group=g, tag=3)
+        dist.send(torch.full((4,), 1.0), 1, group=g, tag=1)
+        return None
+    first, second = torch.empty(4), torch.empty(4)
+    waiting = dist.irecv(first, 0, group=g, tag=1)
+    dist.recv(second, 0, group=g, tag=2)
+    dist.send(torch.ones(1), 0, group=g, tag=3)
+    waiting.wait()
+    return first.tolist(), second.tolist()
+
+
+@pytest.mark.parametrize("env", TRANSPORTS)
+def test_a_waiting_receive_lets_a_later_tag_complete(env):
+    results = run_distributed(_later_tag_first, backend="smddp", env=env, timeout=60)
+    assert results[1] == ([1.0] * 4, [2.0] * 4)
+
+
+def _other_source_first():
+    """Rank 2 posts irecv from rank 0, then a blocking recv from rank 1; rank 0 sends only
+    after rank 2 acknowledged rank 1's message."""
+    import torch
+    import torch.distributed as dist
+
+    g = _group()
+    rank = dist.get_rank()
+    if rank == 0:
+        dist.recv(torch.empty(1), 2, group=g)
+        dist.send(torch.zeros(4), 2, group=g)
+        return None
+    if rank == 1:
+        dist.send(torch.ones(4), 2, group=g)
+        return None
+    from_0, from_1 = torch.full((4,), -1.0), torch.full((4,), -1.0)
+    waiting = dist.irecv(from_0, 0, group=g)
+    dist.recv(from_1, 1, group=g)
+    dist.send(torch.ones(1), 0, group=g)
+    waiting.wait()
+    return from_0.tolist(), from_1.tolist()
+
+
+def test_a_waiting_receive_lets_another_source_complete():
+    results = run_distributed(_other_source_first, world_size=3, backend="smddp", timeout=60)
+    assert results[2] == ([0.0] * 4, [1.0] * 4)
+
+
+def _collective_behind_a_receive():
+    """Rank 0 posts an irecv, then all-reduces; rank 1 all-reduces first and sends after."""
+    import torch
+    import torch.distributed as dist
+
+    g = _group()
+    t = torch.ones(3)
+    if dist.get_rank() == 0:
+        got = torch.empty(2)
+        waiting = dist.irecv(got, 1, group=g)
+        dist.all_reduce(t, group=g)
+        waiting.wait()
+        return t.tolist(), got.tolist()
+    dist.all_reduce(t, group=g)
+    dist.send(torch.full((2,), 7.0), 0, group=g)
+    return t.tolist(), None
+
+
+@pytest.mark.parametrize("env", TRANSPORTS)
+def test_a_waiting_receive_lets_the_groups_collectives_run(env):
+    results = run_distributed(_collective_behind_a_receive, backend="smddp", env=env, timeout=60)
+    assert results[0] == ([2.0] * 3, [7.0] * 2)
+    assert results[1] == ([2.0] * 3, None)
+
+
+def _destroy_with_an_unmatched_receive():
+    import torch
+    import torch.distributed as dist
+
+    g = _group()
+    waiting = dist.irecv(torch.empty(4), 1 - dist.get_rank(), group=g)
+    start = time.monotonic()
+    dist.destroy_process_group(g)
+    took = time.monotonic() - start
+    try:
+        waiting.wait()
+        outcome = "completed"
+    except RuntimeError as e:
+        outcome = str(e)
+    return took, outcome
+
+
+@pytest.mark.parametrize("env", TRANSPORTS)
+def test_destroy_cancels_a_receive_that_never_matched(env):
+    # Before: destroy_process_group waited out the group's 8 s timeout (gloo: at once).
+    for took, outcome in run_distributed(
+        _destroy_with_an_unmatched_receive, backend="smddp", env=env, timeout=60
+    ):
+        assert took < 4, took
+        assert "cancelled" in outcome and "shut down" in outcome, outcome
