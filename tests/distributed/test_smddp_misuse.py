@@ -229,8 +229,10 @@ def _destroy_during_a_call(mode):
             else:
                 dist.all_reduce(t, group=group)
             outcome["result"] = t[:2].tolist()
-        except RuntimeError as e:
-            outcome["error"] = str(e)
+        except (RuntimeError, ValueError) as e:
+            # When destroy has already dropped the group, torch's exception logger fails to
+            # name its backend and raises ValueError from smddp's error, which is its context.
+            outcome["error"] = f"{e} | {e.__context__}"
 
     if me == 1:
         time.sleep(1.5)  # rank 0's call is in flight meanwhile
