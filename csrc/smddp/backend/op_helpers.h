@@ -1,6 +1,6 @@
-// Helpers of the ProcessGroupSMDDP operations (backend_ops.cpp, backend_p2p.cpp): staging of
-// non-contiguous tensors, argument checks, and the descriptors that name an operation in
-// errors and mismatch reports.
+// Helpers of the ProcessGroupSMDDP operations (backend_ops.cpp, backend_movement.cpp,
+// backend_p2p.cpp): staging of non-contiguous tensors, argument checks, and the descriptors
+// that name an operation in errors and mismatch reports.
 #pragma once
 
 #include <cstring>
