@@ -55,7 +55,7 @@ def test_sweep_prints_one_row_per_op_and_size(capsys):
         median, low, high = (float(x) for x in re.findall(r"([\d.]+)x", r[11]))
         assert smddp_us > 0 and gloo_us > 0
         assert low <= median <= high
-        # Two sweeps: their mean, each of the three rounded to 0.1.
+        # Two sweeps: their mean, each of the three rounded (to 0.01 below 10x, else 0.1).
         assert median == pytest.approx((low + high) / 2, abs=0.11)
         # The ratio of the two medians is a weighted mean of the sweeps' ratios.
         assert low * 0.94 <= gloo_us / smddp_us <= high * 1.06  # from rounded times

@@ -70,9 +70,9 @@ def test_speed_ups_pair_the_backends_within_each_sweep():
     }
     table = report.format_table([row], {"cache": 4e10, "dram": 5e9}, ["smddp", "gloo"], 2)
     assert next(line for line in table.splitlines() if line.startswith("| all_reduce |")).endswith(
-        "| 2.0x (0.5x-2.0x) |"
+        "| 2.00x (0.50x-2.00x) |"
     )
-    assert report.format_row(row, ["smddp", "gloo"]).endswith("2.0x (0.5x-2.0x)")
+    assert report.format_row(row, ["smddp", "gloo"]).endswith("2.00x (0.50x-2.00x)")
 
 
 def test_table_has_one_ratio_column_per_extra_backend():
@@ -100,7 +100,7 @@ def test_table_has_one_ratio_column_per_extra_backend():
     ar_line = next(line for line in lines if line.startswith("| all_reduce |"))
     bc_line = next(line for line in lines if line.startswith("| broadcast |"))
     assert ar_line.count("|") == bc_line.count("|") == ncols
-    assert ar_line.endswith("| 50.0x | 0.5x |")
+    assert ar_line.endswith("| 50.0x | 0.50x |")
     assert "| n/a |  |  |  | 10.0x | n/a |" in bc_line  # deepspeed does not run broadcast
     row = report.format_row(bc, ["smddp", "gloo", "deepspeed"])
     assert "n/a" in row and row.rstrip().endswith("n/a")
@@ -123,11 +123,11 @@ def test_ratio_base_puts_every_other_column_against_it():
         "| speed-up (smddp-direct vs smddp) | speed-up (smddp-direct vs deepspeed) |"
     )
     assert next(line for line in table.splitlines() if line.startswith("| all_reduce |")).endswith(
-        "| 4.0x | 2.0x |"
+        "| 4.00x | 2.00x |"
     )
     assert report.format_row(row, backends, "smddp-direct").split("|")[-2:] == [
-        "     4.0x ",
-        "     2.0x",
+        "    4.00x ",
+        "    2.00x",
     ]
 
 
