@@ -108,6 +108,72 @@ def test_a_waiting_receive_lets_the_groups_collectives_run(env):
     assert results[1] == ([2.0] * 3, None)
 
 
+def _large_send_before_a_collective():
+    """Rank 0 posts an irecv, then all-reduces; rank 1 first sends a message larger than the
+    shared-memory ring (its send returns only once rank 0 has read most of it), then
+    all-reduces. The receive must progress while rank 0's all_reduce waits for rank 1."""
+    import torch
+    import torch.distributed as dist
+
+    g = _group()
+    n = (3 << 20) // 4  # 3 MiB of float32: larger than the 1 MiB + 64 KiB ring
+    t = torch.ones(3)
+    if dist.get_rank() == 0:
+        got = torch.empty(n)
+        waiting = dist.irecv(got, 1, group=g)
+        dist.all_reduce(t, group=g)
+        waiting.wait()
+        return t.tolist(), bool((got == torch.arange(n, dtype=torch.float32)).all())
+    dist.send(torch.arange(n, dtype=torch.float32), 0, group=g)
+    dist.all_reduce(t, group=g)
+    return t.tolist(), None
+
+
+@pytest.mark.parametrize("env", TRANSPORTS)
+def test_a_waiting_receive_progresses_while_a_collective_waits(env):
+    results = run_distributed(_large_send_before_a_collective, backend="smddp", env=env, timeout=60)
+    assert results[0] == ([2.0] * 3, True)
+
+
+def _two_receives_for_one_source_and_tag(rounds):
+    """Rank 1 posts two receives for the same source and tag (the second sometimes from
+    any rank) before rank 0 sends; the first posted must get the first message."""
+    import random
+
+    import torch
+    import torch.distributed as dist
+
+    g = _group()
+    wrong = 0
+    rng = random.Random(0)
+    for k in range(rounds):
+        if dist.get_rank() == 0:
+            dist.recv(torch.empty(1), 1, group=g, tag=9)  # both receives are posted
+            time.sleep(rng.random() * 2e-4)
+            dist.send(torch.full((2,), 2.0 * k), 1, group=g, tag=5)
+            time.sleep(rng.random() * 2e-4)
+            dist.send(torch.full((2,), 2.0 * k + 1), 1, group=g, tag=5)
+        else:
+            first, second = torch.empty(2), torch.empty(2)
+            a = dist.irecv(first, 0, group=g, tag=5)
+            b = dist.irecv(second, None if k % 2 else 0, group=g, tag=5)
+            dist.send(torch.ones(1), 0, group=g, tag=9)
+            a.wait()
+            b.wait()
+            wrong += int(first[0] != 2.0 * k or second[0] != 2.0 * k + 1)
+    return wrong
+
+
+@pytest.mark.parametrize("env", TRANSPORTS)
+def test_receives_for_one_source_and_tag_match_in_posting_order(env):
+    # The race this guards against needs a message to arrive between two receives'
+    # attempts of one round; 200 rounds with jittered sends make it likely, not certain.
+    results = run_distributed(
+        _two_receives_for_one_source_and_tag, 200, backend="smddp", env=env, timeout=120
+    )
+    assert results[1] == 0
+
+
 def _destroy_with_an_unmatched_receive():
     import torch
     import torch.distributed as dist

@@ -103,6 +103,9 @@ class Communicator {
   };
   bool poll_recv(void* data, size_t bytes, int peer, uint32_t tag, OpCtx& ctx, RecvPoll& poll,
                  int* from);
+  // Whether messages from `peer` (kAnyPeer: from every other rank) come through the
+  // shared-memory rings, which only point-to-point uses (not the TCP mesh).
+  bool p2p_in_shared_memory(int peer) const;
   // Non-blocking attempts for the caller's thread (shared-memory peers only): true when the
   // whole send or recv was done now, false when it must be queued.
   bool try_send_now(const void* data, size_t bytes, int peer, uint32_t tag);

@@ -448,6 +448,15 @@ bool Communicator::poll_recv(void* data, size_t bytes, int peer, uint32_t tag, O
   }
 }
 
+bool Communicator::p2p_in_shared_memory(int peer) const {
+  if (!p2p_) return false;
+  if (peer != kAnyPeer) return local_index(peer) >= 0;
+  for (int r = 0; r < cfg_.size; ++r) {
+    if (r != cfg_.rank && local_index(r) < 0) return false;
+  }
+  return true;
+}
+
 bool Communicator::try_send_now(const void* data, size_t bytes, int peer, uint32_t tag) {
   int local = p2p_ ? local_index(peer) : -1;
   return local >= 0 && usable() && p2p_->try_send(local, tag, data, bytes);

@@ -82,7 +82,7 @@ WorkPtr ProcessGroupSMDDP::submit_receive(c10::intrusive_ptr<SmddpWork> work, co
         if (src == kAnyPeer) w->set_source_rank(from);
         return true;
       },
-      work);
+      work, src, tag, !comm_->p2p_in_shared_memory(src));
   return track(work);
 }
 

@@ -243,18 +243,27 @@ void Executor::release_finished() {
 // (Communicator::poll_recv: a message with the receive's tag is taken if it has arrived,
 // messages with other tags that are in the way are set aside), and completes those that
 // got their message. Posting order decides which of two receives for the same source and
-// tag gets the earlier message, as MPI's non-overtaking rule and gloo have it. An attempt
-// runs under exec_mu_ like the lanes' work (the TCP mesh's read buffers are shared with
-// the collectives); one that finds a message begun reads it to its end. Between rounds
+// tag gets the earlier message, as MPI's non-overtaking rule and gloo have it: in a round,
+// a receive is not attempted after an earlier one that could take the same message found
+// nothing (the message may have arrived in between). A receive from a rank over TCP is
+// attempted under exec_mu_, like the lanes' work, because the mesh's read buffers are
+// shared with the collectives (which set aside what they do not want, so a sender is never
+// held up by them). A receive over shared memory is not: its ring is its own, and a
+// collective waiting for a peer that is itself stuck sending a message larger than the
+// ring would otherwise deadlock both. An attempt that finds a message begun in a ring
+// reads it to its end; over TCP it reads what the socket holds. Between rounds
 // that found nothing the thread polls for 20 us (SMDDP_WORKER_SPIN_US's default), then backs
 // off to 200 us sleeps, so a receive that waits long costs little CPU and learns of its
 // message at most that late. A thread that waits for a receive's Work runs the rounds
 // itself meanwhile (as Note [Waiting runs the work] has it for the main lane): it polls for
-// 200 us, then sleeps 20 us at a time, so a waited-for receive completes without a thread
-// hand-off. Shutdown cancels the
+// 200 us, then sleeps for pauses that double from 10 us to 200 us, so a waited-for receive
+// completes without a thread hand-off, and a long wait costs little CPU. (A waiting
+// receive is not woken by its sender, as a blocking one in a ring was: a waiting thread
+// cannot sleep on several rings at once.) Shutdown cancels the
 // receives still waiting (gloo's destroy does not wait for an unmatched irecv either);
 // queued collectives still run to their end.
-void Executor::submit_receive(Attempt attempt, c10::intrusive_ptr<SmddpWork> work) {
+void Executor::submit_receive(Attempt attempt, c10::intrusive_ptr<SmddpWork> work, int src,
+                              int64_t tag, bool exclusive) {
   std::vector<Item> dead;  // destroyed after the lock (Note [Tensors are released in ...])
   std::lock_guard<std::mutex> g(mu_);
   dead.swap(released_);
@@ -263,7 +272,7 @@ void Executor::submit_receive(Attempt attempt, c10::intrusive_ptr<SmddpWork> wor
         std::make_exception_ptr(std::runtime_error("smddp: the process group was shut down")));
     return;
   }
-  recv_.queue.push_back(Receive{std::move(attempt), std::move(work)});
+  recv_.queue.push_back(Receive{std::move(attempt), std::move(work), src, tag, exclusive});
   ++recv_.pending;
   if (!recv_.scheduled) {
     recv_.scheduled = true;
@@ -303,19 +312,32 @@ bool Executor::receive_round() {
     progress = !recv_live_.empty();
     recv_live_.clear();
   }
+  // Receives that found nothing in this round: a later receive that could take the same
+  // message (same tag, same source or either from any rank) must not try before them,
+  // or a message that arrived meanwhile would go to it first.
+  std::vector<std::pair<int, int64_t>> empty_handed;  // (source, tag)
+  auto blocked = [&](const Receive& r) {
+    for (const auto& [src, tag] : empty_handed) {
+      if (tag == r.tag && (src == r.src || src == kAnyPeer || r.src == kAnyPeer)) return true;
+    }
+    return false;
+  };
   for (size_t i = 0; i < recv_live_.size();) {
+    Receive& r = recv_live_[i];
     bool done = false;
     std::exception_ptr error;
-    {
-      std::lock_guard<std::mutex> g(exec_mu_);
+    if (!blocked(r)) {
+      std::unique_lock<std::mutex> g(exec_mu_, std::defer_lock);
+      if (r.exclusive) g.lock();
       try {
-        done = recv_live_[i].attempt();
+        done = r.attempt();
       } catch (...) {
         error = std::current_exception();
         done = true;
       }
     }
     if (!done) {
+      empty_handed.emplace_back(r.src, r.tag);
       ++i;
       continue;
     }
@@ -351,9 +373,10 @@ void Executor::drain_receives() {
 }
 
 bool Executor::help_receive(SmddpWork& work) {
-  // The waiting thread has nothing else to do: it polls without sleeping for a while (as a
-  // caller's wait on shared memory spins, SMDDP_SPIN_US), then sleeps in short steps.
-  ReceiveBackoff backoff(std::chrono::microseconds(200), std::chrono::microseconds(20));
+  // The waiting thread has nothing else to do: it polls without sleeping for 200 us (the
+  // default spin of a caller's wait on shared memory, SMDDP_SPIN_US), then sleeps in pauses
+  // that double up to 200 us, so a long wait does not take a core from the other ranks.
+  ReceiveBackoff backoff(std::chrono::microseconds(200), std::chrono::microseconds(200));
   recv_helpers_.fetch_add(1);
   while (!work.isCompleted()) {
     if (run_next()) continue;

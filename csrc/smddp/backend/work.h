@@ -171,8 +171,11 @@ class Executor {
   bool help_receive(SmddpWork& work);
   // Note [Receives wait side by side]: queues a receive, which completes its work when
   // `attempt` (one non-blocking try: Communicator::poll_recv) returns true, or raises.
+  // `src` (or kAnyPeer) and `tag` say which messages the receive may take; `exclusive`:
+  // its attempts must not overlap the collectives (see the note).
   using Attempt = std::function<bool()>;
-  void submit_receive(Attempt attempt, c10::intrusive_ptr<SmddpWork> work);
+  void submit_receive(Attempt attempt, c10::intrusive_ptr<SmddpWork> work, int src, int64_t tag,
+                      bool exclusive);
   // Runs `attempt` (a receive that does not block) in the caller's thread when no receive
   // waits, so that it cannot take a message an earlier receive is owed, and no collective
   // is running; returns what it returned, or false when it did not run.
@@ -230,6 +233,9 @@ class Executor {
   struct Receive {
     Attempt attempt;
     c10::intrusive_ptr<SmddpWork> work;
+    int src;  // group rank, or kAnyPeer
+    int64_t tag;
+    bool exclusive;  // attempts take exec_mu_ (a peer over TCP: the mesh's read buffers)
   };
   struct Receives {
     std::deque<Receive> queue;  // submitted, not yet taken by drain_receives
