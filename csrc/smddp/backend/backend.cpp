@@ -181,13 +181,20 @@ void ProcessGroupSMDDP::shutdown() {
     }
     exec_->shutdown();
   });
-  comm_.reset();  // unmaps the segments, closes sockets, joins the listener
+  std::unique_ptr<Communicator> gone;
+  {
+    std::lock_guard<std::mutex> g(comm_mu_);
+    gone = std::move(comm_);
+  }
+  gone.reset();  // unmaps the segments, closes sockets, joins the listener
 }
 
 void ProcessGroupSMDDP::abort() {
   {
-    InUse use = try_enter();  // fails the calls in flight, which shutdown() then waits for
-    if (use) comm_->abort();
+    // Fails the calls in flight, which shutdown() then waits for; also while another
+    // thread's shutdown() waits for them (after shut_down_ is set, so no InUse mark here).
+    std::lock_guard<std::mutex> g(comm_mu_);
+    if (comm_) comm_->abort();
   }
   shutdown();
 }

@@ -184,6 +184,7 @@ class ProcessGroupSMDDP : public c10d::Backend {
   std::atomic<bool> shut_down_{false};
   std::atomic<int> users_{0};  // InUse marks held
   std::mutex users_mu_;
+  std::mutex comm_mu_;  // held while abort() uses comm_ and while shutdown() takes it away
   std::condition_variable users_cv_;  // users_ reached 0 after shut_down_ was set
   std::atomic<uint64_t> issued_{0};   // getSequenceNumberForGroup
   std::unique_ptr<Stager> stager_;

@@ -42,7 +42,6 @@ WorkPtr ProcessGroupSMDDP::allreduce(std::vector<at::Tensor>& tensors,
 void ProcessGroupSMDDP::allreduce_direct(const at::Tensor& tensor, const c10d::ReduceOp& op) {
   const InUse use = enter();
   check_cpu(tensor, "all_reduce", "its tensor");
-  issued_.fetch_add(1);  // a collective like any other (getSequenceNumberForGroup)
   if (tensor.is_neg() || tensor.is_conj()) {
     // A view whose values are its storage negated or conjugated (torch._neg_view, .conj()):
     // reduce the values, not the storage (MAX of negated values is not MIN of the stored
@@ -52,6 +51,7 @@ void ProcessGroupSMDDP::allreduce_direct(const at::Tensor& tensor, const c10d::R
     tensor.copy_(values);
     return;
   }
+  issued_.fetch_add(1);  // a collective like any other (getSequenceNumberForGroup)
   at::Tensor t = tensor;
   if (t.is_complex()) t = real_views({t}, op, "all_reduce")[0];  // Note [Complex reductions]
   Reduction red = reduction_of(op, t, "all_reduce");
