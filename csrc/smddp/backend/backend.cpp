@@ -112,7 +112,8 @@ const Communicator& ProcessGroupSMDDP::comm() const {
 // the process with SIGSEGV. gloo cannot crash there (its context lives as long as any
 // reference) and finishes the call. So every entry point holds an InUse mark for its whole
 // run, and shutdown() first refuses new calls (shut_down_), then waits until no mark is
-// held and the executor is idle, and only then frees the communicator. The wait is bounded:
+// held and the executor is idle (which covers work a Work.wait() runs and receive attempts:
+// they hold no mark), and only then frees the communicator. The wait is bounded:
 // a call in flight ends by completing, by its peers' failure or at its timeout. Marks are a
 // counter, not a lock, because entry points nest (a staged call issues the same collective
 // on its host mirrors). The counter and the flag are sequentially consistent atomics, so an
