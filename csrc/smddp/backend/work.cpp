@@ -256,7 +256,7 @@ void Executor::release_finished() {
 // off to 200 us sleeps, so a receive that waits long costs little CPU and learns of its
 // message at most that late. A thread that waits for a receive's Work runs the rounds
 // itself meanwhile (as Note [Waiting runs the work] has it for the main lane): it polls for
-// 200 us, then sleeps for pauses that double from 10 us to 200 us, so a waited-for receive
+// 200 us, then sleeps for pauses that double from 10 us to 50 us, so a waited-for receive
 // completes without a thread hand-off, and a long wait costs little CPU. (A waiting
 // receive is not woken by its sender, as a blocking one in a ring was: a waiting thread
 // cannot sleep on several rings at once.) Shutdown cancels the
@@ -375,8 +375,8 @@ void Executor::drain_receives() {
 bool Executor::help_receive(SmddpWork& work) {
   // The waiting thread has nothing else to do: it polls without sleeping for 200 us (the
   // default spin of a caller's wait on shared memory, SMDDP_SPIN_US), then sleeps in pauses
-  // that double up to 200 us, so a long wait does not take a core from the other ranks.
-  ReceiveBackoff backoff(std::chrono::microseconds(200), std::chrono::microseconds(200));
+  // that double up to 50 us, so a long wait takes little of a core from the other ranks.
+  ReceiveBackoff backoff(std::chrono::microseconds(200), std::chrono::microseconds(50));
   recv_helpers_.fetch_add(1);
   while (!work.isCompleted()) {
     if (run_next()) continue;
