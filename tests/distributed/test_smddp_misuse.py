@@ -8,19 +8,13 @@ import time
 import pytest
 
 from tests.distributed.launcher import run_distributed
+from tests.distributed.test_smddp_support import cpu_backend as _cpu
 from torch_sagemaker.distributed import backend
 
 pytestmark = [
     pytest.mark.distributed,
     pytest.mark.skipif(not backend.is_available(), reason="smddp extension not built"),
 ]
-
-
-def _cpu(group=None):
-    import torch
-    import torch.distributed as dist
-
-    return (group or dist.group.WORLD)._get_backend(torch.device("cpu"))
 
 
 def _overlapping_operands():

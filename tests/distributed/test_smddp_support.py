@@ -21,6 +21,11 @@ SIZES = [0, 1, 7, 17, 257, 1031, 65537]
 PREMUL = 0.37
 
 
+def cpu_backend(group=None):
+    """The CPU backend of `group` (default: the world): smddp's ProcessGroupSMDDP."""
+    return (group or dist.group.WORLD)._get_backend(torch.device("cpu"))
+
+
 def _salt(*parts: str) -> int:
     """A seed that is the same in every process (unlike hash())."""
     return zlib.crc32("/".join(parts).encode()) % 997

@@ -11,19 +11,13 @@ back to staging, and that FSDP2 training with pool buffers equals training witho
 import pytest
 
 from tests.distributed.launcher import run_distributed
+from tests.distributed.test_smddp_support import cpu_backend as _cpu_backend
 from torch_sagemaker.distributed import backend
 
 pytestmark = [
     pytest.mark.distributed,
     pytest.mark.skipif(not backend.is_available(), reason="smddp extension not built"),
 ]
-
-
-def _cpu_backend():
-    import torch
-    import torch.distributed as dist
-
-    return dist.group.WORLD._get_backend(torch.device("cpu"))
 
 
 def _alloc(n, dtype):
