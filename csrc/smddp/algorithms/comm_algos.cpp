@@ -398,20 +398,15 @@ bool Communicator::poll_recv(void* data, size_t bytes, int peer, uint32_t tag, O
     ctx.deadline = Deadline::after(ctx.deadline.seconds);
   }
   try {
-    std::vector<int> peers;
-    if (peer != kAnyPeer) {
-      peers.push_back(peer);
-    } else {
-      for (int r = 0; r < cfg_.size; ++r) {
-        if (r != cfg_.rank) peers.push_back(r);
-      }
-      if (peers.empty())
-        throw CommError("smddp: " + ctx.describe() + ": no other rank in the group");
-    }
-    // Peers are polled from a rotating start, so none is always served first.
-    const size_t start = poll_round_.fetch_add(1, std::memory_order_relaxed);
-    for (size_t k = 0; k < peers.size(); ++k) {
-      const int r = peers[(start + k) % peers.size()];
+    if (peer == kAnyPeer && cfg_.size < 2)
+      throw CommError("smddp: " + ctx.describe() + ": no other rank in the group");
+    // A receive from any rank polls the others from a rotating start, so none is always
+    // served first. No allocation here: a waiting receive is attempted thousands of times.
+    const int n = peer == kAnyPeer ? cfg_.size : 1;
+    const uint32_t start = poll_round_.fetch_add(1, std::memory_order_relaxed);
+    for (int k = 0; k < n; ++k) {
+      const int r = peer == kAnyPeer ? static_cast<int>((start + k) % cfg_.size) : peer;
+      if (r == cfg_.rank) continue;
       const int local = p2p_ ? local_index(r) : -1;
       if (local >= 0 ? p2p_->probe(local, tag, ctx)
                      : tcp_->take(r, tag, static_cast<char*>(data), bytes, ctx)) {
@@ -435,7 +430,8 @@ bool Communicator::poll_recv(void* data, size_t bytes, int peer, uint32_t tag, O
     }
     if (peer == kAnyPeer) {
       bool any_alive = false;
-      for (int r : peers) {
+      for (int r = 0; r < cfg_.size; ++r) {
+        if (r == cfg_.rank) continue;
         const int l = local_index(r);
         any_alive = any_alive || l < 0 || !shm_->peer_lost(l);
       }

@@ -181,14 +181,7 @@ class Executor {
   // is running; returns what it returned, or false when it did not run.
   template <class F>
   bool try_receive_now(F&& attempt) {
-    std::vector<Item> dead;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      dead.swap(released_);
-      if (recv_.pending || stop_) return false;
-    }
-    std::unique_lock<std::mutex> g(exec_mu_, std::try_to_lock);
-    return g.owns_lock() && attempt();
+    return try_inline(recv_.pending, false, attempt);
   }
   // Runs `attempt` (which must not block) in the caller's thread when nothing is queued on
   // the lane it would otherwise go to, so it cannot overtake earlier operations there;
@@ -196,14 +189,7 @@ class Executor {
   // they try, so nothing can be queued on the send lane meanwhile.
   template <class F>
   bool try_now(F&& attempt) {
-    std::vector<Item> dead;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      dead.swap(released_);
-      if (main_.pending || stop_) return false;
-    }
-    std::lock_guard<std::mutex> g(exec_mu_);
-    return attempt();
+    return try_inline(main_.pending, true, attempt);
   }
   template <class F>
   bool try_send_now(F&& attempt) {
@@ -221,6 +207,25 @@ class Executor {
   void release_finished();
 
  private:
+  // try_now and try_receive_now: runs `attempt` unless `pending` (a count under mu_) is not
+  // zero or the executor stopped; waits for exec_mu_ or, without `wait_for_exec`, gives up
+  // when another execution holds it.
+  template <class F>
+  bool try_inline(const size_t& pending, bool wait_for_exec, F& attempt) {
+    std::vector<Item> dead;  // destroyed after the locks (Note [Tensors are released in ...])
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      dead.swap(released_);
+      if (pending || stop_) return false;
+    }
+    std::unique_lock<std::mutex> g(exec_mu_, std::defer_lock);
+    if (wait_for_exec) {
+      g.lock();
+    } else if (!g.try_lock()) {
+      return false;
+    }
+    return attempt();
+  }
   struct Item {
     Fn fn;
     c10::intrusive_ptr<SmddpWork> work;
