@@ -157,6 +157,7 @@ def _errors() -> dict[str, str]:
     import torch
     import torch.sagemaker as tsm
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from transformers import DynamicCache
 
     from torch_sagemaker.context_parallel import split_sequence
     from torch_sagemaker.sharding import shard_model
@@ -185,6 +186,8 @@ def _errors() -> dict[str, str]:
         ),
     )
     record("different_lengths", lambda: model(input_ids=local[:, : 8 - 2 * rank]))
+    # transformers before 5.24 passes the cache on as past_key_values, later ones as cache.
+    record("kv_cache", lambda: model(input_ids=local, past_key_values=DynamicCache()))
     record("ok_after_errors", lambda: model(input_ids=local, labels=local))
     record(
         "sliding_window", lambda: tsm.transform(cp_cases.tiny_model("mistral", sliding_window=8))
@@ -211,6 +214,7 @@ def test_bad_input_gets_clear_errors():
             or "rank(s) [1]" in out["one_rank_bad_mask"]
         ), out
         assert "different local lengths [8, 6]" in out["different_lengths"], out
+        assert "has no KV cache" in out["kv_cache"], out
         assert out["ok_after_errors"] == "no error", out
         assert "sliding_window=8" in out["sliding_window"], out
         for key in ("fsdp1_untransformed", "fsdp2_untransformed"):

@@ -126,8 +126,10 @@ class InputCheck:
             check_local_length(local_len, self.cp)
         except ValueError as e:
             return str(e)
-        if kwargs.get("past_key_values") is not None:
-            return "context parallelism has no KV cache (generation); pass past_key_values=None."
+        # transformers 5.24 renamed ``past_key_values`` to ``cache``; both spellings are seen.
+        for name in ("past_key_values", "cache"):
+            if kwargs.get(name) is not None:
+                return f"context parallelism has no KV cache (generation); pass {name}=None."
         mask = kwargs.get("attention_mask")
         if mask is not None and (
             mask.dim() != 2 or mask.shape[1] != local_len or not bool(mask.bool().all())

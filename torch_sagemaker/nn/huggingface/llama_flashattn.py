@@ -36,14 +36,15 @@ class LlamaFlashAttention(LlamaAttention):
             attention_dropout_prob=cast(float, self.attention_dropout), scale=self.scaling
         )
 
-    # transformers annotates the attention weights as a Tensor, but its own SDPA and flash
-    # paths return None there too.
-    def forward(  # type: ignore[override]
+    # transformers up to 5.23 annotates the attention weights as a Tensor, though its own SDPA
+    # and flash paths return None there too; later releases accept this override.
+    def forward(  # type: ignore[override, unused-ignore]
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
         past_key_values: Any = None,
+        cache: Any = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         """Same inputs and outputs as ``LlamaAttention.forward`` (no attention weights).
@@ -58,14 +59,16 @@ class LlamaFlashAttention(LlamaAttention):
         assert position_embeddings is not None  # Hugging Face's decoder layers pass them
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if past_key_values is not None:
+        # transformers 5.24 renamed the decoder layers' ``past_key_values`` argument ``cache``.
+        cache = cache if cache is not None else past_key_values
+        if cache is not None:
             if self.layer_idx is None:
                 raise ValueError(
                     "LlamaFlashAttention(config) was built without layer_idx, so it "
                     "cannot use a key/value cache: set config.use_cache=False (as "
                     "SMP's scripts do) or build it with layer_idx=<layer number>."
                 )
-            k, v = past_key_values.update(k, v, self.layer_idx)
+            k, v = cache.update(k, v, self.layer_idx)
         mask = attention_mask[..., :seq, : k.shape[2]] if attention_mask is not None else None
         # Without a mask Hugging Face relies on causal attention, or on a single new token
         # (decoding) that sees every cached one.
