@@ -101,6 +101,27 @@ def _complex_reductions():
                 dist.all_reduce(a, group=group)
                 dist.all_reduce(b, group=group)
             out[(name, str(dtype), "coalesced")] = torch.cat([a, b])
+            # An async Work reports the caller's complex tensors, in result() and its future,
+            # as gloo's reduce does (its reduce-scatters have neither).
+            c = x.clone()
+            w = dist.reduce(c, dst=0, group=group, async_op=True)
+            got = w.get_future().wait()[0]
+            out[(name, str(dtype), "async")] = (got.dtype, got.shape, w.result()[0].dtype)
+            if rank == 0:
+                out[(name, str(dtype), "async_values")] = got
+            if name == "smddp":
+                o, lo = torch.empty(6, dtype=dtype), torch.empty(6, dtype=dtype)
+                ws = [
+                    dist.reduce_scatter_single(o, x.clone(), group=group, async_op=True),
+                    dist.reduce_scatter(
+                        lo, list(x.clone().chunk(world)), group=group, async_op=True
+                    ),
+                ]
+                got = [(w.get_future().wait()[0], w.result()[0]) for w in ws]
+                out[("smddp", str(dtype), "async_scatters")] = (
+                    [(f.dtype, r.dtype) for f, r in got],
+                    [f.data_ptr() == t.data_ptr() for (f, _), t in zip(got, (o, lo))],
+                )
     try:
         dist.reduce_scatter_single(
             torch.empty(6, dtype=torch.complex64),
@@ -131,7 +152,11 @@ def test_complex_reductions_equal_gloos():
                         continue
                     want = want / world if op == "avg" else want
                     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (dtype, op)
-            for case in ("functional", "coalesced"):
+            assert out[("smddp", dtype, "async")] == out[("gloo", dtype, "async")], dtype
+            scatters = out[("smddp", dtype, "async_scatters")]
+            assert scatters == ([(getattr(torch, dtype[6:]),) * 2] * 2, [True, True]), scatters
+            cases = ("functional", "coalesced", "async_values")
+            for case in (c for c in cases if ("gloo", dtype, c) in out):  # values: root only
                 assert torch.allclose(
                     out[("smddp", dtype, case)], out[("gloo", dtype, case)], rtol=1e-5, atol=1e-6
                 ), (dtype, case)

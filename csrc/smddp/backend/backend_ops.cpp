@@ -13,7 +13,7 @@ WorkPtr ProcessGroupSMDDP::allreduce(std::vector<at::Tensor>& tensors,
   check_count(tensors, "all_reduce");
   if (any_complex(tensors)) {  // Note [Complex reductions]
     std::vector<at::Tensor> real = real_views(tensors, opts.reduceOp, "all_reduce");
-    return allreduce(real, opts);
+    return complex_result(allreduce(real, opts), tensors);
   }
   if (auto op = stage({&tensors[0]}, "all_reduce")) {
     at::Tensor t = tensors[0];
@@ -70,7 +70,7 @@ WorkPtr ProcessGroupSMDDP::allreduce_coalesced(std::vector<at::Tensor>& tensors,
   }
   if (any_complex(tensors)) {  // Note [Complex reductions]
     std::vector<at::Tensor> real = real_views(tensors, opts.reduceOp, "all_reduce_coalesced");
-    return allreduce_coalesced(real, opts);
+    return complex_result(allreduce_coalesced(real, opts), tensors);
   }
   for (const auto& t : tensors) {
     check_cpu(t, "all_reduce_coalesced", "a tensor");
@@ -104,7 +104,7 @@ WorkPtr ProcessGroupSMDDP::reduce(std::vector<at::Tensor>& tensors,
   check_count(tensors, "reduce");
   if (any_complex(tensors)) {  // Note [Complex reductions]
     std::vector<at::Tensor> real = real_views(tensors, opts.reduceOp, "reduce");
-    return reduce(real, opts);
+    return complex_result(reduce(real, opts), tensors);
   }
   if (auto op = stage({&tensors[0]}, "reduce")) {
     std::vector<at::Tensor> host = op->mirror(tensors, true, rank_ == opts.rootRank);
@@ -134,7 +134,7 @@ WorkPtr ProcessGroupSMDDP::_reduce_scatter_base(at::Tensor& output, at::Tensor& 
   check_same_dtype(input, output, name);
   if (input.is_complex()) {  // Note [Complex reductions]
     std::vector<at::Tensor> real = real_views({input, output}, opts.reduceOp, name);
-    return _reduce_scatter_base(real[1], real[0], opts);
+    return complex_result(_reduce_scatter_base(real[1], real[0], opts), {output});
   }
   TORCH_CHECK_VALUE(input.numel() == output.numel() * size_, "smddp: ", name,
                     ": the input must have world_size (", size_, ") x output numel (",
@@ -181,7 +181,7 @@ WorkPtr ProcessGroupSMDDP::reduce_scatter(std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor> out = real_views(outputs, opts.reduceOp, "reduce_scatter");
     std::vector<std::vector<at::Tensor>> in;
     for (const auto& l : inputs) in.push_back(real_views(l, opts.reduceOp, "reduce_scatter"));
-    return reduce_scatter(out, in, opts);
+    return complex_result(reduce_scatter(out, in, opts), outputs);
   }
   if (auto op = stage(all_of(inputs, outputs), "reduce_scatter")) {
     auto hin = mirror_lists(*op, inputs, true, false);

@@ -181,6 +181,13 @@ inline std::vector<at::Tensor> real_views(const std::vector<at::Tensor>& ts,
   return out;
 }
 
+// The work of a call made on real views, reported with the caller's complex tensors as its
+// outputs (as gloo reports them); none for a call that completed synchronously.
+inline WorkPtr complex_result(WorkPtr real, std::vector<at::Tensor> outputs) {
+  if (!real) return real;
+  return c10::make_intrusive<ResultAsWork>(std::move(real), std::move(outputs));
+}
+
 inline at::Tensor flat_cat(const std::vector<at::Tensor>& ts) {
   std::vector<at::Tensor> flat;
   for (const auto& t : ts) flat.push_back(t.reshape({-1}));

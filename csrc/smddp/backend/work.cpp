@@ -101,6 +101,18 @@ c10::intrusive_ptr<c10::ivalue::Future> CoalescedWork::getFuture() {
       c10::ListType::create(c10::TensorType::get()));
 }
 
+ResultAsWork::ResultAsWork(c10::intrusive_ptr<c10d::Work> inner, std::vector<at::Tensor> outputs)
+    : c10d::Work(-1, inner->retrieveOpType()),
+      inner_(std::move(inner)),
+      outputs_(std::move(outputs)) {}
+
+c10::intrusive_ptr<c10::ivalue::Future> ResultAsWork::getFuture() {
+  std::vector<at::Tensor> outputs = outputs_;
+  return inner_->getFuture()->then(
+      [outputs](c10::ivalue::Future&) -> c10::IValue { return c10::IValue(outputs); },
+      c10::ListType::create(c10::TensorType::get()));
+}
+
 std::exception_ptr Executor::execute(Item& item) {
   std::lock_guard<std::mutex> g(exec_mu_);
   try {

@@ -130,6 +130,25 @@ class CoalescedWork : public c10d::Work {
   std::vector<c10::intrusive_ptr<c10d::Work>> parts_;
 };
 
+// Another work's progress, reported with other tensors as its outputs: the caller's complex
+// tensors when the backend reduced their real views (Note [Complex reductions] in
+// op_helpers.h). The outputs share storage with the inner work's, so they hold its result
+// once it completes.
+class ResultAsWork : public c10d::Work {
+ public:
+  ResultAsWork(c10::intrusive_ptr<c10d::Work> inner, std::vector<at::Tensor> outputs);
+  bool isCompleted() override { return inner_->isCompleted(); }
+  bool isSuccess() const override { return inner_->isSuccess(); }
+  std::exception_ptr exception() const override { return inner_->exception(); }
+  bool wait(std::chrono::milliseconds timeout) override { return inner_->wait(timeout); }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+ private:
+  c10::intrusive_ptr<c10d::Work> inner_;
+  std::vector<at::Tensor> outputs_;
+};
+
 // Pacing of rounds of receive attempts: after a round that found nothing, yield for
 // `spin` since the last progress, then sleep for doubling pauses from 10 us up to `longest`.
 class ReceiveBackoff {
