@@ -106,6 +106,7 @@ def _complex_reductions():
             c = x.clone()
             w = dist.reduce(c, dst=0, group=group, async_op=True)
             got = w.get_future().wait()[0]
+            w.wait()  # result() needs the Work complete, which may follow its future
             out[(name, str(dtype), "async")] = (got.dtype, got.shape, w.result()[0].dtype)
             if rank == 0:
                 out[(name, str(dtype), "async_values")] = got
@@ -117,7 +118,7 @@ def _complex_reductions():
                         lo, list(x.clone().chunk(world)), group=group, async_op=True
                     ),
                 ]
-                got = [(w.get_future().wait()[0], w.result()[0]) for w in ws]
+                got = [(w.get_future().wait()[0], w.wait() and w.result()[0]) for w in ws]
                 out[("smddp", str(dtype), "async_scatters")] = (
                     [(f.dtype, r.dtype) for f, r in got],
                     [f.data_ptr() == t.data_ptr() for (f, _), t in zip(got, (o, lo))],

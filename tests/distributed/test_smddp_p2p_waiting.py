@@ -199,3 +199,35 @@ def test_destroy_cancels_a_receive_that_never_matched(env):
     ):
         assert took < 4, took
         assert "cancelled" in outcome and "shut down" in outcome, outcome
+
+
+def _callback_waits_for_another_receive():
+    """A callback on one receive's future waits for a later receive of the same group; both
+    messages arrive after the receives were posted, so the first completes in a round of
+    attempts (Note [Receives wait side by side])."""
+    import torch
+    import torch.distributed as dist
+
+    g = _group()
+    if dist.get_rank() == 0:
+        time.sleep(0.2)
+        dist.send(torch.full((4,), 1.0), 1, group=g, tag=1)
+        time.sleep(0.2)
+        dist.send(torch.full((4,), 2.0), 1, group=g, tag=2)
+        return None
+    first, second = torch.empty(4), torch.empty(4)
+    a = dist.irecv(first, 0, group=g, tag=1)
+    b = dist.irecv(second, 0, group=g, tag=2)
+    chained = a.get_future().then(lambda _: b.wait())
+    chained.wait()
+    return first.tolist(), second.tolist()
+
+
+@pytest.mark.parametrize("env", TRANSPORTS)
+def test_a_receives_callback_can_wait_for_another_receive(env):
+    # Before: the callback ran inside the round that completed its receive, so the wait in
+    # it found the rounds busy and polled forever (no timeout: a hang).
+    results = run_distributed(
+        _callback_waits_for_another_receive, backend="smddp", env=env, timeout=30
+    )
+    assert results[1] == ([1.0] * 4, [2.0] * 4)

@@ -314,14 +314,14 @@ bool Executor::receive_round() {
     }
     stopping = stop_;
   }
-  bool progress = false;
+  // Completed after the round (Note [Receives complete after their round]).
+  std::vector<std::pair<Receive, std::exception_ptr>> finished;
   if (stopping) {
     for (Receive& r : recv_live_) {
-      finish_receive(r, std::make_exception_ptr(std::runtime_error(
-                            "smddp: a receive still waiting for its message was cancelled: "
-                            "the process group was shut down")));
+      finished.emplace_back(std::move(r), std::make_exception_ptr(std::runtime_error(
+                                              "smddp: a receive still waiting for its message "
+                                              "was cancelled: the process group was shut down")));
     }
-    progress = !recv_live_.empty();
     recv_live_.clear();
   }
   // Receives that found nothing in this round: a later receive that could take the same
@@ -353,14 +353,24 @@ bool Executor::receive_round() {
       ++i;
       continue;
     }
-    progress = true;
-    finish_receive(recv_live_[i], error);
+    finished.emplace_back(std::move(r), error);
     recv_live_.erase(recv_live_.begin() + static_cast<std::ptrdiff_t>(i));
   }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    recv_busy_ = false;
+    if (!finished.empty()) ++recv_.completing;
+  }
+  // Note [Receives complete after their round]
+  // Completing a work runs its future's callbacks in this thread. A callback may wait for
+  // another receive of the group, which needs a round; run inside this one, it found the
+  // rounds busy and polled forever. So the round ends first, and shutdown() waits for the
+  // completions as it waits for a round.
+  for (auto& [r, error] : finished) finish_receive(r, error);
   std::lock_guard<std::mutex> lk(mu_);
-  recv_busy_ = false;
+  if (!finished.empty()) --recv_.completing;
   idle_cv_.notify_all();  // shutdown() waits for the round to end
-  return progress;
+  return !finished.empty();
 }
 
 void Executor::drain_receives() {
@@ -425,7 +435,7 @@ void Executor::shutdown() {
   // leaves once the queue is empty, while that work may still be running.
   idle_cv_.wait(lk, [&] {
     return !main_.scheduled && !send_.scheduled && main_.pending == 0 && !recv_.scheduled &&
-           !recv_busy_;
+           !recv_busy_ && recv_.completing == 0;
   });
   std::vector<Item> dead;
   dead.swap(released_);

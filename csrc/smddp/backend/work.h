@@ -264,6 +264,7 @@ class Executor {
   struct Receives {
     std::deque<Receive> queue;  // submitted, not yet taken by drain_receives
     bool scheduled = false;     // a pool thread runs drain_receives
+    int completing = 0;         // rounds completing their finished receives
     size_t pending = 0;         // queued or being attempted
   };
   void drain_receives();  // on a pool thread: attempts the receives until none is left
