@@ -135,6 +135,98 @@ def test_a_waiting_receive_progresses_while_a_collective_waits(env):
     assert results[0] == ([2.0] * 3, True)
 
 
+def _large_messages_around_a_collective(rounds):
+    """Rank 1 posts two large receives with one tag and a small one with another, then
+    all-reduces; rank 0 sends all three (the large ones larger than a socket's buffer, so
+    a receive reads its message over many attempts, and the all_reduce's reads of the same
+    connection may continue it: Note [Direct receives over TCP])."""
+    import torch
+    import torch.distributed as dist
+
+    g = _group()
+    n = (6 << 20) // 4
+    wrong = 0
+    for k in range(rounds):
+        t = torch.ones(3)
+        if dist.get_rank() == 0:
+            sends = [
+                dist.isend(torch.full((n,), float(2 * k + i)), 1, group=g, tag=5) for i in (0, 1)
+            ]
+            dist.send(torch.full((2,), -float(k)), 1, group=g, tag=6)
+            dist.all_reduce(t, group=g)
+            for w in sends:
+                w.wait()
+            continue
+        first, second, small = torch.empty(n), torch.empty(n), torch.empty(2)
+        waits = [dist.irecv(x, 0, group=g, tag=tag) for x, tag in ((first, 5), (second, 5))]
+        waits.append(dist.irecv(small, 0, group=g, tag=6))
+        dist.all_reduce(t, group=g)
+        for w in waits:
+            w.wait()
+        wrong += int(
+            not bool((first == 2 * k).all())
+            or not bool((second == 2 * k + 1).all())
+            or small.tolist() != [-float(k)] * 2
+            or t.tolist() != [2.0] * 3
+        )
+    return wrong
+
+
+@pytest.mark.parametrize("env", TRANSPORTS)
+def test_large_messages_arrive_whole_and_in_order_around_a_collective(env):
+    results = run_distributed(
+        _large_messages_around_a_collective, 5, backend="smddp", env=env, timeout=120
+    )
+    assert results[1] == 0
+
+
+def _sender_stopped_mid_message(rounds):
+    """Rank 0 stops itself (SIGSTOP) while it sends a 32 MiB message that rank 1's receive
+    has begun to read straight into its buffer; rank 1's all_reduce then reads the same
+    connection and must continue that message into the receive's buffer (Note [Direct
+    receives over TCP]). Rank 1 resumes rank 0 after 100 ms."""
+    import os
+    import signal
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    pids = [0, 0]
+    dist.all_gather_object(pids, os.getpid())
+    g = _group()
+    n = (32 << 20) // 4
+    wrong = 0
+    for k in range(rounds):
+        t = torch.ones(3)
+        if dist.get_rank() == 0:
+            w = dist.isend(torch.full((n,), float(k)), 1, group=g, tag=5)
+            time.sleep(0.002)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            dist.all_reduce(t, group=g)
+            w.wait()
+            continue
+        big = torch.empty(n)
+        r = dist.irecv(big, 0, group=g, tag=5)
+        time.sleep(0.05)
+        threading.Timer(0.1, os.kill, (pids[0], signal.SIGCONT)).start()
+        dist.all_reduce(t, group=g)
+        r.wait()
+        wrong += int(not bool((big == k).all()) or t.tolist() != [2.0] * 3)
+    return wrong
+
+
+def test_a_collective_continues_a_message_read_into_a_waiting_receive():
+    results = run_distributed(
+        _sender_stopped_mid_message,
+        3,
+        backend="smddp",
+        env={"SMDDP_FORCE_LOCAL_SIZE": "1"},
+        timeout=60,
+    )
+    assert results[1] == 0
+
+
 def _two_receives_for_one_source_and_tag(rounds):
     """Rank 1 posts two receives for the same source and tag (the second sometimes from
     any rank) before rank 0 sends; the first posted must get the first message."""

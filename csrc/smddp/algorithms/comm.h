@@ -100,6 +100,10 @@ class Communicator {
   struct RecvPoll {
     bool started = false;
     Clock::time_point next_check{};
+    // Keeps `data` alive; when set, a message from a peer over TCP may be read straight
+    // into it, and the mesh holds it until that message is whole (Note [Direct receives
+    // over TCP] in tcp_exchange.cpp).
+    std::shared_ptr<void> data_owner;
   };
   bool poll_recv(void* data, size_t bytes, int peer, uint32_t tag, OpCtx& ctx, RecvPoll& poll,
                  int* from);

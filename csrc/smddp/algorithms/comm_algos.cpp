@@ -385,6 +385,10 @@ int Communicator::recv_any(void* data, size_t bytes, uint32_t tag, OpCtx ctx) {
   return from;
 }
 
+namespace {
+const std::shared_ptr<void> kNoOwner;  // a receive from any rank stashes (tcp_exchange.cpp)
+}  // namespace
+
 bool Communicator::poll_recv(void* data, size_t bytes, int peer, uint32_t tag, OpCtx& ctx,
                              RecvPoll& poll, int* from) {
   const auto now = Clock::now();
@@ -409,7 +413,8 @@ bool Communicator::poll_recv(void* data, size_t bytes, int peer, uint32_t tag, O
       if (r == cfg_.rank) continue;
       const int local = p2p_ ? local_index(r) : -1;
       if (local >= 0 ? p2p_->probe(local, tag, ctx)
-                     : tcp_->take(r, tag, static_cast<char*>(data), bytes, ctx)) {
+                     : tcp_->take(r, tag, static_cast<char*>(data), bytes, ctx,
+                                  peer == kAnyPeer ? kNoOwner : poll.data_owner)) {
         if (local >= 0) p2p_->recv(local, tag, data, bytes, ctx);
         *from = r;
         return true;

@@ -70,6 +70,7 @@ WorkPtr ProcessGroupSMDDP::submit_receive(c10::intrusive_ptr<SmddpWork> work, co
   at::Tensor c = contiguous_out(t);
   SmddpWork* w = work.get();  // the queued receive holds the work while it is attempted
   Communicator::RecvPoll poll;
+  poll.data_owner = std::make_shared<at::Tensor>(c);  // Note [Direct receives over TCP]
   exec_->submit_receive(
       [this, t, c, src, tag, ctx = OpCtx(ctx), poll, w, staged_op]() mutable {
         int from = -1;

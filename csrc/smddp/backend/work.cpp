@@ -263,7 +263,9 @@ void Executor::release_finished() {
 // held up by them). A receive over shared memory is not: its ring is its own, and a
 // collective waiting for a peer that is itself stuck sending a message larger than the
 // ring would otherwise deadlock both. An attempt that finds a message begun in a ring
-// reads it to its end; over TCP it reads what the socket holds. Between rounds
+// reads it to its end; over TCP, a receive from one rank reads its message straight into
+// its buffer and, once it has begun, waits for the rest (Note [Direct receives over TCP]
+// in tcp_exchange.cpp). Between rounds
 // that found nothing the thread polls for 20 us (SMDDP_WORKER_SPIN_US's default), then backs
 // off to 200 us sleeps, so a receive that waits long costs little CPU and learns of its
 // message at most that late. A thread that waits for a receive's Work runs the rounds

@@ -127,12 +127,16 @@ class TcpMesh {
                 const std::function<void()>& health = {});
 
   // Takes the next message with `tag` from `peer` into `data` if it has fully arrived,
-  // reading what the connection holds (messages with other tags are stashed); never waits.
-  // Raises, as soon as its header is read, if its length is not `len`. For the receives
-  // that wait side by side (Note [Receives wait side by side] in work.cpp): a message with
-  // `tag` is awaited by a posted receive, so it is stored outside the budget for messages
-  // nobody waits for (Note [TCP trust model]); its length is that receive's.
-  bool take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& ctx);
+  // reading what the connection holds (messages with other tags are stashed). Raises, as
+  // soon as its header is read, if its length is not `len`. For the receives that wait side
+  // by side (Note [Receives wait side by side] in work.cpp): a message with `tag` is
+  // awaited by a posted receive, so it is stored outside the budget for messages nobody
+  // waits for (Note [TCP trust model]); its length is that receive's. With `data_owner`
+  // (which keeps `data` alive; a receive from this one peer, attempted with the same `data`
+  // until it completes), the message is read straight into `data`, and once it has begun
+  // take() waits for the rest (Note [Direct receives over TCP]); otherwise it never waits.
+  bool take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& ctx,
+            const std::shared_ptr<void>& data_owner);
 
   // Sends the failure notice (Note [Failure notices]) on every outgoing connection and on
   // new ones to `also_tell` (ranks without one yet), then closes them; the first call does
@@ -149,12 +153,16 @@ class TcpMesh {
   static constexpr int kHandshakeMs = 2000;  // Note [TCP connections]
   static constexpr size_t kMaxHandshakes = 64;
   static constexpr size_t kStashBytes = size_t(1) << 30;  // Note [TCP trust model]
+  static constexpr int kDirectSliceMs = 20;               // Note [Direct receives over TCP]
   static constexpr int kNotice = -2;                      // Conn::target_op of a notice being read
   static constexpr int kAwaited = -3;  // Route::target: stash it, a posted receive awaits it
+  static constexpr int kDirect = -4;   // Route::target: into the awaiting receive's buffer
   struct Stashed {
     Header hdr;
     std::vector<char> data;
-    bool awaited = false;  // a posted receive's (take): not in Conn::stash_bytes
+    bool awaited = false;                // a posted receive's (take): not in Conn::stash_bytes
+    char* direct_to = nullptr;           // kDirect: its body went there, `data` is empty
+    std::shared_ptr<void> direct_owner;  // keeps direct_to alive
   };
   struct Conn {
     std::mutex write_mu;   // held by the writer of one whole message
@@ -166,7 +174,7 @@ class TcpMesh {
     size_t hdr_got = 0;
     size_t body_got = 0;
     char* body = nullptr;      // destination of the current message
-    int target_op = -1;        // index of the recv op it belongs to, -1 (stash), kNotice
+    int target_op = -1;        // index of the recv op it belongs to, -1 (stash), kNotice, kDirect
     std::vector<char> notice;  // body of a failure notice being read
     std::deque<Stashed> stash;
     size_t stash_bytes = 0;  // declared lengths of the stashed messages (kStashBytes)

@@ -25,14 +25,16 @@ struct SendState {
 }  // namespace
 
 bool TcpMesh::stash_in_flight(const Conn& c) {
-  return c.hdr_got == sizeof(c.hdr) && c.target_op == -1 && c.body_got < c.hdr.len;
+  return c.hdr_got == sizeof(c.hdr) && (c.target_op == -1 || c.target_op == kDirect) &&
+         c.body_got < c.hdr.len;
 }
 
 // Reads the frames available on `peer`'s connection while `route.wants()`, one at a time,
 // and returns when the socket has nothing more. A frame goes where `route.target` says (an
-// operation's buffer, after it checked the header), or to the stash (Note [TCP trust
-// model]); failure notices end the wait with the peer's reason. A frame may span calls:
-// its state lives in the connection.
+// operation's buffer, after it checked the header), to a waiting receive's buffer, which
+// `route.owner()` keeps alive (Note [Direct receives over TCP]), or to the stash (Note [TCP
+// trust model]); failure notices end the wait with the peer's reason. A frame may span
+// calls: its state lives in the connection.
 template <class Route>
 void TcpMesh::read_frames(int peer, int fd, Route& route, const OpCtx& ctx) {
   Conn& c = *conns_[peer];
@@ -62,9 +64,9 @@ void TcpMesh::read_frames(int peer, int fd, Route& route, const OpCtx& ctx) {
       } else {
         c.body = route.target(c.hdr, c.target_op);
       }
-      const bool awaited = c.target_op == kAwaited;
-      if (awaited) c.target_op = -1;
-      if (c.target_op == -1) {
+      const bool awaited = c.target_op == kAwaited || c.target_op == kDirect;
+      if (c.target_op == kAwaited) c.target_op = -1;
+      if (c.target_op == -1 || c.target_op == kDirect) {
         // Note [TCP trust model]: a message nobody waits for yet is kept within a budget,
         // and its buffer grows only as its bytes arrive.
         if (!awaited && c.hdr.len > kStashBytes - c.stash_bytes) {
@@ -82,7 +84,11 @@ void TcpMesh::read_frames(int peer, int fd, Route& route, const OpCtx& ctx) {
                     ctx);
         }
         if (!awaited) c.stash_bytes += c.hdr.len;
-        c.stash.push_back({c.hdr, {}, awaited});
+        c.stash.push_back({c.hdr, {}, awaited, nullptr, nullptr});
+        if (c.target_op == kDirect) {
+          c.stash.back().direct_to = c.body;
+          c.stash.back().direct_owner = route.owner();
+        }
       }
     }
     if (c.body_got < c.hdr.len) {
@@ -158,7 +164,7 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
     for (size_t k = 0; k < complete;) {
       const Stashed& m = c.stash[k];
       bool used = false;
-      for (size_t i = 0; i < recvs.size() && !used; ++i) {
+      for (size_t i = 0; i < recvs.size() && !used && !m.direct_to; ++i) {
         const Op& r = recvs[i];
         if (rdone[i] || rtargeted[i] || r.peer != peer || r.tag != m.hdr.tag) continue;
         check_match(peer, r, m.hdr);
@@ -215,6 +221,7 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
     }
     void delivered(int op) { finish(static_cast<size_t>(op)); }
     void stashed() { rematch(peer); }
+    std::shared_ptr<void> owner() const { return nullptr; }  // it claims no frame directly
   };
   auto pump_in = [&](int peer, int fd) {
     Route route{peer,        recvs,       rdone,       rtargeted, wants_from,
@@ -351,7 +358,26 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
 
 namespace smddp {
 
-bool TcpMesh::take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& ctx) {
+// Note [Direct receives over TCP]
+// A receive that waits side by side is attempted without blocking, between other work
+// (Note [Receives wait side by side] in work.cpp). Had it stashed its message and copied
+// it out at the end, with a pause after every attempt that did not complete it, a 16 MiB
+// ping-pong over TCP took 35-59 ms where a blocking receive took 10 ms. So a receive from
+// one peer claims the first message with its tag that the connection brings (a later
+// receive for the same peer and tag is not attempted before it: posting order), and its
+// body is read straight into the receive's buffer, by this or any later read of the
+// connection (a collective's exchange() continues a frame it finds begun). Once the
+// message has begun, its sender is in the middle of writing it, so take() waits for the
+// rest (holding exec_mu_, as a blocking receive held its lane), in slices of at most
+// kDirectSliceMs without data, after which the caller checks its deadline and peers. The
+// buffer must outlive the message, also when the receive ends without it (an error, or
+// cancellation at shutdown, while queued collectives may still read the connection): the
+// message's stash entry holds the buffer's owner until it is taken or the mesh is
+// destroyed. A receive from any rank cannot claim that way (it could complete from
+// another peer meanwhile), so it stashes.
+bool TcpMesh::take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& ctx,
+                   const std::shared_ptr<void>& data_owner) {
+  const bool direct = data_owner != nullptr;
   int fd = in_fd(peer);
   if (fd < 0) return false;
   Conn& c = *conns_[peer];
@@ -380,25 +406,40 @@ bool TcpMesh::take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& 
     const decltype(check_length)& check;
     uint64_t tag;
     bool& claimed;
+    char* direct;
+    const std::shared_ptr<void>& data_owner;
     bool wants() { return found() < 0; }
+    const std::shared_ptr<void>& owner() const { return data_owner; }
     char* target(const Header& h, int& op) {
       op = -1;
       if (h.tag == tag && !claimed) {
         check(h);
         claimed = true;
-        op = kAwaited;
+        op = direct ? kDirect : kAwaited;
+        return direct;
       }
       return nullptr;
     }
     void delivered(int) {}
     void stashed() {}
-  } route{find, check_length, tag, claimed};
+  } route{find, check_length, tag, claimed, direct ? data : nullptr, data_owner};
   read_frames(peer, fd, route, ctx);
+  while (direct && c.target_op == kDirect && c.body == data) {  // our message is arriving
+    if (aborted_.load() || ctx.deadline.expired()) break;
+    pollfd pfd{fd, POLLIN, 0};
+    if (::poll(&pfd, 1, std::min(kDirectSliceMs, ctx.deadline.remaining_ms() + 1)) <= 0) break;
+    read_frames(peer, fd, route, ctx);
+  }
   int k = find();
   if (k < 0) return false;
   const Stashed& m = c.stash[static_cast<size_t>(k)];
   check_length(m.hdr);
-  if (len) std::memcpy(data, m.data.data(), len);
+  if (m.direct_to && m.direct_to != data) {
+    throw CommError(
+        "smddp: internal error: a message over TCP was read into the buffer of "
+        "another receive");
+  }
+  if (len && !m.direct_to) std::memcpy(data, m.data.data(), len);
   if (!m.awaited) c.stash_bytes -= m.hdr.len;
   c.stash.erase(c.stash.begin() + k);
   return true;
