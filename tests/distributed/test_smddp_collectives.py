@@ -102,7 +102,7 @@ def _complex_reductions():
                 dist.all_reduce(b, group=group)
             out[(name, str(dtype), "coalesced")] = torch.cat([a, b])
             # An async Work reports the caller's complex tensors, in result() and its future,
-            # as gloo's reduce does (its reduce-scatters have neither).
+            # as gloo's reduce does (gloo's reduce-scatter Works implement neither).
             c = x.clone()
             w = dist.reduce(c, dst=0, group=group, async_op=True)
             got = w.get_future().wait()[0]

@@ -126,10 +126,13 @@ class InputCheck:
             check_local_length(local_len, self.cp)
         except ValueError as e:
             return str(e)
-        # transformers 5.24 renamed ``past_key_values`` to ``cache``; both spellings are seen.
-        for name in ("past_key_values", "cache"):
-            if kwargs.get(name) is not None:
-                return f"context parallelism has no KV cache (generation); pass {name}=None."
+        # transformers 5.24 renamed ``past_key_values`` to ``cache`` (and renames a caller's
+        # past_key_values before this hook sees it); both spellings are checked.
+        if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+            return (
+                "context parallelism has no KV cache (generation); pass use_cache=False and "
+                "no cache (past_key_values=None, or cache=None from transformers 5.24)."
+            )
         mask = kwargs.get("attention_mask")
         if mask is not None and (
             mask.dim() != 2 or mask.shape[1] != local_len or not bool(mask.bool().all())

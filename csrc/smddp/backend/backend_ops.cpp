@@ -64,13 +64,13 @@ WorkPtr ProcessGroupSMDDP::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                const c10d::AllreduceCoalescedOptions& opts) {
   const InUse use = enter();
   TORCH_CHECK_VALUE(!tensors.empty(), "smddp: all_reduce_coalesced needs at least one tensor");
-  if (auto op = stage(all_of({&tensors}), "all_reduce_coalesced")) {
-    std::vector<at::Tensor> host = op->mirror(tensors, true, true);
-    return staged(op, [&] { return allreduce_coalesced(host, opts); });
-  }
   if (any_complex(tensors)) {  // Note [Complex reductions]
     std::vector<at::Tensor> real = real_views(tensors, opts.reduceOp, "all_reduce_coalesced");
     return complex_result(allreduce_coalesced(real, opts), tensors);
+  }
+  if (auto op = stage(all_of({&tensors}), "all_reduce_coalesced")) {
+    std::vector<at::Tensor> host = op->mirror(tensors, true, true);
+    return staged(op, [&] { return allreduce_coalesced(host, opts); });
   }
   for (const auto& t : tensors) {
     check_cpu(t, "all_reduce_coalesced", "a tensor");

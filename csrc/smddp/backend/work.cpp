@@ -358,21 +358,44 @@ bool Executor::receive_round() {
     finished.emplace_back(std::move(r), error);
     recv_live_.erase(recv_live_.begin() + static_cast<std::ptrdiff_t>(i));
   }
+  const bool progress = !finished.empty();
   {
     std::lock_guard<std::mutex> lk(mu_);
     recv_busy_ = false;
-    if (!finished.empty()) ++recv_.completing;
+    for (auto& f : finished) recv_.done.push_back(std::move(f));
+    idle_cv_.notify_all();  // shutdown() waits for the round to end
   }
   // Note [Receives complete after their round]
-  // Completing a work runs its future's callbacks in this thread. A callback may wait for
-  // another receive of the group, which needs a round; run inside this one, it found the
-  // rounds busy and polled forever. So the round ends first, and shutdown() waits for the
-  // completions as it waits for a round.
-  for (auto& [r, error] : finished) finish_receive(r, error);
-  std::lock_guard<std::mutex> lk(mu_);
-  if (!finished.empty()) --recv_.completing;
-  idle_cv_.notify_all();  // shutdown() waits for the round to end
-  return !finished.empty();
+  // Completing a work runs its future's callbacks in the completing thread. A callback may
+  // wait for another receive of the group: one still waiting needs a round, so the round
+  // ends before any completion (run inside it, the wait found the rounds busy and polled
+  // forever); one that finished in the same round is in recv_.done, which a waiting thread
+  // completes itself (help_receive), so it need not wait for the callback that waits for it.
+  // shutdown() waits for the completions as it waits for a round.
+  while (complete_one_receive()) {
+  }
+  return progress;
+}
+
+bool Executor::complete_one_receive() {
+  std::pair<Receive, std::exception_ptr> next;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (recv_.done.empty()) return false;
+    next = std::move(recv_.done.front());
+    recv_.done.pop_front();
+    ++recv_.completing;
+  }
+  struct Done {  // also when a callback throws
+    Executor& e;
+    ~Done() {
+      std::lock_guard<std::mutex> lk(e.mu_);
+      --e.recv_.completing;
+      e.idle_cv_.notify_all();
+    }
+  } done{*this};
+  finish_receive(next.first, next.second);
+  return true;
 }
 
 void Executor::drain_receives() {
@@ -380,7 +403,7 @@ void Executor::drain_receives() {
   while (true) {
     {
       std::lock_guard<std::mutex> lk(mu_);
-      if (!recv_busy_ && recv_.queue.empty() && recv_live_.empty()) {
+      if (!recv_busy_ && recv_.queue.empty() && recv_live_.empty() && recv_.done.empty()) {
         // The last touch of this executor: shutdown() waits for it under mu_.
         recv_.scheduled = false;
         idle_cv_.notify_all();
@@ -403,7 +426,7 @@ bool Executor::help_receive(SmddpWork& work) {
   ReceiveBackoff backoff(std::chrono::microseconds(200), std::chrono::microseconds(50));
   recv_helpers_.fetch_add(1);
   while (!work.isCompleted()) {
-    if (run_next()) continue;
+    if (complete_one_receive() || run_next()) continue;
     backoff.after(receive_round());
   }
   recv_helpers_.fetch_sub(1);
@@ -437,7 +460,7 @@ void Executor::shutdown() {
   // leaves once the queue is empty, while that work may still be running.
   idle_cv_.wait(lk, [&] {
     return !main_.scheduled && !send_.scheduled && main_.pending == 0 && !recv_.scheduled &&
-           !recv_busy_ && recv_.completing == 0;
+           !recv_busy_ && recv_.done.empty() && recv_.completing == 0;
   });
   std::vector<Item> dead;
   dead.swap(released_);

@@ -264,14 +264,17 @@ class Executor {
   struct Receives {
     std::deque<Receive> queue;  // submitted, not yet taken by drain_receives
     bool scheduled = false;     // a pool thread runs drain_receives
-    int completing = 0;         // rounds completing their finished receives
-    size_t pending = 0;         // queued or being attempted
+    // Finished in a round, to be completed (Note [Receives complete after their round]).
+    std::deque<std::pair<Receive, std::exception_ptr>> done;
+    int completing = 0;  // threads completing one of `done`
+    size_t pending = 0;  // queued or being attempted
   };
   void drain_receives();  // on a pool thread: attempts the receives until none is left
   // One attempt at every waiting receive, in posting order, unless another thread is
   // running a round; returns whether a receive completed (or was cancelled).
   bool receive_round();
   void finish_receive(Receive& r, std::exception_ptr error);
+  bool complete_one_receive();  // completes the front of recv_.done; false when empty
   void drain(Lane& lane);       // on a pool thread: runs the lane's queue, then returns
   Item take_front(Lane& lane);  // under mu_; marks the main lane busy
   void finished(Lane& lane);    // takes mu_; the work taken by take_front is done

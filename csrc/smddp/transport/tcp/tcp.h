@@ -178,12 +178,19 @@ class TcpMesh {
     std::vector<char> notice;  // body of a failure notice being read
     std::deque<Stashed> stash;
     size_t stash_bytes = 0;  // declared lengths of the stashed messages (kStashBytes)
+    // The error that ended a read of this connection midway (a refused header, a closed
+    // socket, a failure notice): the frame state above is then inconsistent, so every
+    // later use raises it again (rethrow_if_failed).
+    std::exception_ptr failure;
   };
   struct Handshake;  // an incoming connection being authenticated (tcp.cpp)
 
   template <class Route>
   void read_frames(int peer, int fd, Route& route, const OpCtx& ctx);
+  template <class Route>
+  void read_frames_of(Conn& c, int peer, int fd, Route& route, const OpCtx& ctx);
   static bool stash_in_flight(const Conn& c);  // the last stash entry is still arriving
+  static void rethrow_if_failed(const Conn& c);
   friend class Acceptor;
   // For the process's Acceptor thread (Note [One transport per process] in work.h): the
   // descriptors to poll (listener, then the pending handshakes), and the work their events

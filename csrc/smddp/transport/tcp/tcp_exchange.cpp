@@ -24,6 +24,10 @@ struct SendState {
 
 }  // namespace
 
+void TcpMesh::rethrow_if_failed(const Conn& c) {
+  if (c.failure) std::rethrow_exception(c.failure);
+}
+
 bool TcpMesh::stash_in_flight(const Conn& c) {
   return c.hdr_got == sizeof(c.hdr) && (c.target_op == -1 || c.target_op == kDirect) &&
          c.body_got < c.hdr.len;
@@ -38,6 +42,17 @@ bool TcpMesh::stash_in_flight(const Conn& c) {
 template <class Route>
 void TcpMesh::read_frames(int peer, int fd, Route& route, const OpCtx& ctx) {
   Conn& c = *conns_[peer];
+  rethrow_if_failed(c);
+  try {
+    read_frames_of(c, peer, fd, route, ctx);
+  } catch (...) {
+    c.failure = std::current_exception();
+    throw;
+  }
+}
+
+template <class Route>
+void TcpMesh::read_frames_of(Conn& c, int peer, int fd, Route& route, const OpCtx& ctx) {
   auto read_some = [&](char* dst, size_t n) -> bool {
     ssize_t r = ::recv(fd, dst, n, 0);
     if (r == 0) fail_peer(peer, kClosed, ctx);
@@ -159,6 +174,7 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
   // A complete stashed message satisfies the oldest matching receive.
   auto match_stash = [&](int peer) {
     Conn& c = *conns_[peer];
+    rethrow_if_failed(c);
     // The last entry may still be arriving (a frame started in an earlier exchange).
     size_t complete = c.stash.size() - (stash_in_flight(c) ? 1 : 0);
     for (size_t k = 0; k < complete;) {
@@ -381,6 +397,7 @@ bool TcpMesh::take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& 
   int fd = in_fd(peer);
   if (fd < 0) return false;
   Conn& c = *conns_[peer];
+  rethrow_if_failed(c);
   auto find = [&]() -> int {
     size_t complete = c.stash.size() - (stash_in_flight(c) ? 1 : 0);
     for (size_t k = 0; k < complete; ++k) {
@@ -434,6 +451,8 @@ bool TcpMesh::take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& 
   if (k < 0) return false;
   const Stashed& m = c.stash[static_cast<size_t>(k)];
   check_length(m.hdr);
+  // A direct entry whose receive ended without it stays (its owner with it); no later
+  // receive may get it, and none asks: that receive's end broke the group or shut it down.
   if (m.direct_to && m.direct_to != data) {
     throw CommError(
         "smddp: internal error: a message over TCP was read into the buffer of "
