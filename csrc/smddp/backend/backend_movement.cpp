@@ -202,21 +202,7 @@ WorkPtr ProcessGroupSMDDP::gather(std::vector<std::vector<at::Tensor>>& outputs,
   int root = static_cast<int>(opts.rootRank);
   check_root(root, size_, "gather");
   at::Tensor in = inputs[0];
-  std::vector<at::Tensor> outs;
-  if (rank_ == root) {
-    TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_,
-                      "smddp: gather needs a list of world_size (", size_, ") outputs on the root");
-    outs = outputs[0];
-    for (const auto& o : outs) {
-      check_cpu(o, "gather", "an output");
-      check_same_dtype(in, o, "gather");
-      TORCH_CHECK_VALUE(o.numel() == in.numel(), "smddp: gather: outputs must have ", in.numel(),
-                        " elements like the input, got ", o.numel());
-    }
-  } else {
-    TORCH_CHECK_VALUE(outputs.empty() || outputs[0].empty(),
-                      "smddp: gather takes outputs only on the root rank");
-  }
+  std::vector<at::Tensor> outs = root_list(outputs, in, rank_ == root, size_, "gather", true);
   const size_t bytes = in.numel() * in.element_size();
   OpCtx ctx = live_comm().make_ctx("gather", desc_of(in, 0, bytes, root), rooted(args_of(in), root),
                                    timeout_of(opts.timeout));
@@ -249,21 +235,7 @@ WorkPtr ProcessGroupSMDDP::scatter(std::vector<at::Tensor>& outputs,
   int root = static_cast<int>(opts.rootRank);
   check_root(root, size_, "scatter");
   at::Tensor out = outputs[0];
-  std::vector<at::Tensor> ins;
-  if (rank_ == root) {
-    TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_,
-                      "smddp: scatter needs a list of world_size (", size_, ") inputs on the root");
-    ins = inputs[0];
-    for (const auto& i : ins) {
-      check_cpu(i, "scatter", "an input");
-      check_same_dtype(i, out, "scatter");
-      TORCH_CHECK_VALUE(i.numel() == out.numel(), "smddp: scatter: inputs must have ", out.numel(),
-                        " elements like the output, got ", i.numel());
-    }
-  } else {
-    TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(),
-                      "smddp: scatter takes inputs only on the root rank");
-  }
+  std::vector<at::Tensor> ins = root_list(inputs, out, rank_ == root, size_, "scatter", false);
   const size_t bytes = out.numel() * out.element_size() * size_;
   OpCtx ctx = live_comm().make_ctx("scatter", desc_of(out, 0, bytes, root),
                                    rooted(args_of(out), root), timeout_of(opts.timeout));

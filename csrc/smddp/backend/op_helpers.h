@@ -150,6 +150,29 @@ inline void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const cha
                    ")");
 }
 
+// The root's list of a gather's outputs (`outputs`) or a scatter's inputs: world_size
+// tensors of `like`'s dtype and size, checked on the root and returned; none elsewhere.
+inline std::vector<at::Tensor> root_list(const std::vector<std::vector<at::Tensor>>& lists,
+                                         const at::Tensor& like, bool is_root, int size,
+                                         const char* name, bool outputs) {
+  const char* what = outputs ? "outputs" : "inputs";
+  if (!is_root) {
+    TORCH_CHECK_VALUE(lists.empty() || lists[0].empty(), "smddp: ", name, " takes ", what,
+                      " only on the root rank");
+    return {};
+  }
+  TORCH_CHECK_VALUE(lists.size() == 1 && static_cast<int>(lists[0].size()) == size, "smddp: ", name,
+                    " needs a list of world_size (", size, ") ", what, " on the root");
+  for (const auto& t : lists[0]) {
+    check_cpu(t, name, outputs ? "an output" : "an input");
+    check_same_dtype(outputs ? like : t, outputs ? t : like, name);
+    TORCH_CHECK_VALUE(t.numel() == like.numel(), "smddp: ", name, ": ", what, " must have ",
+                      like.numel(), " elements like the ", outputs ? "input" : "output", ", got ",
+                      t.numel());
+  }
+  return lists[0];
+}
+
 // Note [Complex reductions]: a complex tensor is reduced as its real view (as
 // torch.distributed's all_reduce does in Python before it reaches any backend), for the
 // ops whose meaning is the same on the real and imaginary parts: SUM, AVG and PREMUL_SUM
