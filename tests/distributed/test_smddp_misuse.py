@@ -262,6 +262,131 @@ def test_destroying_a_group_during_a_call_on_it_waits_for_the_call(mode):
             assert outcome == {"result": [2.0, 2.0]}, outcome
 
 
+def _destroy_from_a_callback(how):
+    """A future callback that destroys (or aborts) the group of its own Work. Rank 1 issues
+    its part late, so rank 0's callbacks are attached before its Works can complete and run
+    where the Works complete: on the pool thread running the group's lane ("pool thread",
+    "abort"), or in the thread that waits for a receive and runs the receive rounds itself
+    ("recv"). An all_reduce queued behind the first must still run (destroy) or fail
+    (abort)."""
+    import torch
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    group = dist.new_group([0, 1], backend="smddp")
+    dist.all_reduce(torch.ones(1), group=group)  # set up before anything is queued
+    cpu = _cpu(group)
+    events = []
+
+    def destroy(fut):
+        try:
+            if how == "abort":
+                dist.distributed_c10d._abort_process_group(group)
+            else:
+                dist.destroy_process_group(group)
+            events.append("destroyed")
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            events.append(f"{type(e).__name__}: {e}")
+
+    if me == 1:
+        time.sleep(0.5)
+    first, second = torch.ones(1 << 12), torch.full((1 << 12,), 2.0)
+    if how == "recv":
+        if me == 0:
+            work = dist.irecv(first, src=1, group=group)
+            work.get_future().then(destroy)
+            work.wait()
+        else:
+            dist.send(torch.full((1 << 12,), 2.0), dst=0, group=group)
+            dist.destroy_process_group(group)
+    else:
+        work = dist.all_reduce(first, group=group, async_op=True)
+        behind = dist.all_reduce(second, group=group, async_op=True)
+        work.get_future().then(destroy).wait()
+        try:
+            behind.wait()
+        except RuntimeError as e:  # abort fails the work still queued; destroy lets it run
+            second[0] = -1.0 if "was aborted" in str(e) else -2.0
+    try:
+        cpu.allreduce([torch.ones(1)])
+        after = "no error"
+    except RuntimeError as e:
+        after = str(e)
+    world = torch.ones(1)
+    dist.all_reduce(world)  # the default group is untouched
+    return events, first[0].item(), second[0].item(), after, world.item()
+
+
+@pytest.mark.parametrize("how", ["pool thread", "recv", "abort"])
+def test_a_callback_that_destroys_its_own_group_returns(how):
+    # Before: shutdown() waited for the executor to go idle, i.e. for the thread running the
+    # callback, and rank 0 hung with no timeout (gloo returns).
+    results = run_distributed(_destroy_from_a_callback, how, backend="smddp", timeout=60)
+    for rank, (events, first, second, refused, world) in enumerate(results):
+        assert "was shut down" in refused, (rank, refused)
+        assert world == 2.0
+        if how == "recv":
+            assert rank == 1 or (events, first) == (["destroyed"], 2.0), (rank, events, first)
+            continue
+        assert events == ["destroyed"], (rank, events)
+        assert (first, second) == (2.0, -1.0 if how == "abort" else 4.0), (rank, first, second)
+
+
+def _callback_waits_for_its_lane(how):
+    """A future callback, run by the pool thread of the lane that completed its Work, calls
+    something that waits for later work of the same lane: all_reduce_direct (which runs
+    after the queued collectives) or a blocking send behind an isend (16 MiB, more than the
+    ring holds, so it cannot go out at once)."""
+    import torch
+    import torch.distributed as dist
+
+    from torch_sagemaker.distributed.direct import all_reduce_direct
+
+    me = dist.get_rank()
+    results = []
+    if how == "all_reduce_direct":
+
+        def callback(fut):
+            t = torch.ones(4)
+            all_reduce_direct(t)
+            results.append(t[0].item())
+
+        if me == 1:
+            time.sleep(0.5)  # rank 0's callback is attached before its Work can complete
+        first = dist.all_reduce(torch.ones(4), async_op=True)
+        behind = dist.all_reduce(torch.ones(4), async_op=True)
+        first.get_future().then(callback).wait()
+        behind.wait()
+        return results
+    n = 4 << 20
+    if me == 0:
+
+        def callback(fut):
+            dist.send(torch.full((n,), 2.0), dst=1)
+            results.append("sent")
+
+        dist.isend(torch.ones(n), dst=1).get_future().then(callback).wait()
+    else:
+        time.sleep(0.5)
+        a, b = torch.zeros(n), torch.zeros(n)
+        dist.recv(a, src=0)
+        dist.recv(b, src=0)
+        results += [a.sum().item(), b.sum().item()]
+    return results
+
+
+@pytest.mark.parametrize("how", ["all_reduce_direct", "send"])
+def test_a_callback_can_wait_for_later_work_of_its_own_lane(how):
+    # Before: the callback waited for the lane's pool thread, i.e. for itself, past the
+    # group's timeout (the send has no future on gloo; all_reduce_direct is smddp's).
+    results = run_distributed(_callback_waits_for_its_lane, how, backend="smddp", timeout=60)
+    n = 4 << 20
+    if how == "send":
+        assert results == [["sent"], [float(n), 2.0 * n]]
+    else:
+        assert results == [[2.0], [2.0]]
+
+
 def _coalesce_two_dtypes():
     import torch
     import torch.distributed as dist

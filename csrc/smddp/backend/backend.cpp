@@ -4,6 +4,7 @@
 #include <Python.h>
 #include <pybind11/pybind11.h>
 
+#include <thread>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 namespace smddp {
@@ -97,7 +98,9 @@ ProcessGroupSMDDP::ProcessGroupSMDDP(const c10::intrusive_ptr<c10d::Store>& stor
   stager_ = std::make_unique<Stager>(settings, comm_->pool());
 }
 
-ProcessGroupSMDDP::~ProcessGroupSMDDP() { shutdown(); }
+ProcessGroupSMDDP::~ProcessGroupSMDDP() {
+  if (!shut_down_.exchange(true)) release();
+}
 
 const Communicator& ProcessGroupSMDDP::comm() const {
   TORCH_CHECK(comm_, "smddp: group '", group_name_, "' was shut down");
@@ -172,8 +175,31 @@ at::Tensor ProcessGroupSMDDP::allocateTensor(long size, at::TensorOptions option
   return at::from_blob(p, {size}, [pool](void* q) { pool->release(q); }, options);
 }
 
+// Note [Shutdown from the group's own thread]
+// A future callback runs in the thread that completes the Work: a pool thread running the
+// group's lane or its receive rounds, or a thread whose wait() ran the work
+// (Note [Waiting runs the work]). A callback that destroys the group it belongs to
+// (dist.destroy_process_group, which calls shutdown(), or _abort_process_group) made
+// shutdown() wait for the executor to go idle, i.e. for itself: the rank hung with no
+// timeout, where gloo returns (its destroy leaves the threads and the transport to the last
+// reference). So shutdown() from such a thread refuses new calls at once, as always, and
+// hands the wait and the release to a thread of its own that holds a reference to the
+// group: the transport is released once the callback has returned and the work queued
+// behind it has run. The destructor never defers (nothing can hold the group any more); it
+// cannot run inside the group's own thread while torch.distributed holds the group, which
+// it does until destroy_process_group, whose shutdown() comes first.
 void ProcessGroupSMDDP::shutdown() {
   if (shut_down_.exchange(true)) return;
+  if (exec_->active_in_this_thread()) {
+    // The caller holds a reference (only the destructor runs at zero, and it calls release).
+    auto self = c10::intrusive_ptr<ProcessGroupSMDDP>::unsafe_reclaim_from_nonowning(this);
+    std::thread([self] { self->release(); }).detach();
+    return;
+  }
+  release();
+}
+
+void ProcessGroupSMDDP::release() {
   // Note [Shutdown waits for the calls in flight].
   without_gil([&] {
     {

@@ -175,6 +175,9 @@ class ProcessGroupSMDDP : public c10d::Backend {
   }
   c10::intrusive_ptr<SmddpWork> make_work(c10d::OpType type, std::vector<at::Tensor> outputs);
 
+  // shutdown()'s work: waits for the calls in flight and the executor, frees the transport.
+  void release();
+
   std::unique_ptr<Communicator> comm_;
   std::shared_ptr<Executor> exec_ = std::make_shared<Executor>();  // works hold weak refs
   double timeout_s_;

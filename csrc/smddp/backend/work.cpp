@@ -8,6 +8,26 @@
 #include "smddp/common/common.h"
 
 namespace smddp {
+namespace {
+
+// The executors whose activity the calling thread is inside, innermost last (a callback
+// may wait for a Work of another group, which runs that group's work here too).
+thread_local std::vector<const Executor*> t_active;
+
+// Marks the calling thread inside `exec` for the scope (Executor::active_in_this_thread).
+class ActiveIn {
+ public:
+  explicit ActiveIn(const Executor* exec) { t_active.push_back(exec); }
+  ~ActiveIn() { t_active.pop_back(); }
+  ActiveIn(const ActiveIn&) = delete;
+  ActiveIn& operator=(const ActiveIn&) = delete;
+};
+
+}  // namespace
+
+bool Executor::active_in_this_thread() const {
+  return std::find(t_active.begin(), t_active.end(), this) != t_active.end();
+}
 
 SmddpWork::SmddpWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
     : c10d::Work(rank, type), outputs_(std::move(outputs)) {
@@ -45,7 +65,11 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
     if (type == c10d::OpType::RECV || type == c10d::OpType::RECVANYSOURCE) {
       exec->help_receive(*this);  // Note [Receives wait side by side]
     }
-    while (!isCompleted() && exec->run_next()) {
+    // A send's waiter runs the send lane too: it may be that lane's own pool thread, in a
+    // future callback of the send before (Note [Shutdown from the group's own thread]).
+    const bool send = type == c10d::OpType::SEND;
+    while (!isCompleted() && ((send && exec->run_next(Executor::LaneId::kSend)) ||
+                              exec->run_next(Executor::LaneId::kMain))) {
     }
   }
   const bool ok = c10d::Work::wait(timeout);
@@ -113,8 +137,11 @@ c10::intrusive_ptr<c10::ivalue::Future> ResultAsWork::getFuture() {
       c10::ListType::create(c10::TensorType::get()));
 }
 
-std::exception_ptr Executor::execute(Item& item) {
-  std::lock_guard<std::mutex> g(exec_mu_);
+std::exception_ptr Executor::execute(Item& item, bool exclusive) {
+  // Sends are not exclusive: they only write sockets (see Note [TCP connections]) or their
+  // own shared-memory rings.
+  std::unique_lock<std::mutex> g(exec_mu_, std::defer_lock);
+  if (exclusive) g.lock();
   try {
     item.fn();
   } catch (...) {
@@ -123,7 +150,7 @@ std::exception_ptr Executor::execute(Item& item) {
   return nullptr;
 }
 
-void Executor::run(Item& item) { item.work->complete(execute(item)); }
+void Executor::run(Item& item) { item.work->complete(execute(item, true)); }
 
 void Executor::submit(Fn fn, c10::intrusive_ptr<SmddpWork> work, bool async_op) {
   Item item{std::move(fn), std::move(work)};
@@ -133,6 +160,7 @@ void Executor::submit(Fn fn, c10::intrusive_ptr<SmddpWork> work, bool async_op) 
     dead.swap(released_);
     if (main_.pending == 0 && !stop_) {
       lk.unlock();
+      ActiveIn active(this);
       run(item);
       return;
     }
@@ -161,23 +189,25 @@ void Executor::enqueue(Lane& lane, Item item) {
   }
 }
 
-bool Executor::run_next() {
+bool Executor::run_next(LaneId id) {
+  Lane& lane = id == LaneId::kSend ? send_ : main_;
   Item item;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (main_busy_ || main_.queue.empty()) return false;
-    item = take_front(main_);
+    if (lane.busy || lane.queue.empty()) return false;
+    item = take_front(lane);
   }
+  ActiveIn active(this);
   // Async work keeps the worker's waiting policy (a short spin): while this thread waits
   // on a peer, the send lane of this process may need the core.
   bool was_worker = on_worker_thread();
   on_worker_thread() = true;
-  std::exception_ptr error = execute(item);
+  std::exception_ptr error = execute(item, id == LaneId::kMain);
   on_worker_thread() = was_worker;
   // Note [Finished before complete]: the lane is idle again before anyone can see the work
   // complete.
-  finished(main_);
-  cv_.notify_all();  // the worker, held back by main_busy_, may start the next one
+  finished(lane);
+  cv_.notify_all();  // the lane's pool thread, held back by lane.busy, may start the next one
   item.work->complete(error);
   return true;
 }
@@ -185,25 +215,26 @@ bool Executor::run_next() {
 Executor::Item Executor::take_front(Lane& lane) {
   Item item = std::move(lane.queue.front());
   lane.queue.pop_front();
-  if (&lane == &main_) main_busy_ = true;
+  lane.busy = true;
   return item;
 }
 
 void Executor::finished(Lane& lane) {
   std::lock_guard<std::mutex> lk(mu_);
-  if (&lane == &main_) main_busy_ = false;
+  lane.busy = false;
   --lane.pending;
   idle_cv_.notify_all();
 }
 
 void Executor::drain(Lane& lane) {
+  ActiveIn active(this);
   const bool main = &lane == &main_;
   while (true) {
     Item item;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      // A waiter running main-lane work in its own thread (run_next) goes first.
-      cv_.wait(lk, [&] { return !(main && main_busy_) || lane.queue.empty(); });
+      // A waiter running the lane's work in its own thread (run_next) goes first.
+      cv_.wait(lk, [&] { return !lane.busy || lane.queue.empty(); });
       if (lane.queue.empty()) {
         // The last touch of this executor: shutdown() waits for it under mu_.
         lane.scheduled = false;
@@ -212,18 +243,7 @@ void Executor::drain(Lane& lane) {
       }
       item = take_front(lane);
     }
-    std::exception_ptr error;
-    if (!main) {
-      // Sends do not take exec_mu_: they only write sockets (see Note [TCP connections])
-      // or their own shared-memory rings.
-      try {
-        item.fn();
-      } catch (...) {
-        error = std::current_exception();
-      }
-    } else {
-      error = execute(item);
-    }
+    std::exception_ptr error = execute(item, main);
     // Note [Finished before complete]: a caller whose wait() returns because this work
     // completed may issue the next operation at once, and the eager paths (try_now,
     // try_send_now, the inline synchronous call) take it only while the lane has nothing
@@ -399,6 +419,7 @@ bool Executor::complete_one_receive() {
 }
 
 void Executor::drain_receives() {
+  ActiveIn active(this);
   ReceiveBackoff backoff(std::chrono::microseconds(20), std::chrono::microseconds(200));
   while (true) {
     {
@@ -424,9 +445,10 @@ bool Executor::help_receive(SmddpWork& work) {
   // default spin of a caller's wait on shared memory, SMDDP_SPIN_US), then sleeps in pauses
   // that double up to 50 us, so a long wait takes little of a core from the other ranks.
   ReceiveBackoff backoff(std::chrono::microseconds(200), std::chrono::microseconds(50));
+  ActiveIn active(this);
   recv_helpers_.fetch_add(1);
   while (!work.isCompleted()) {
-    if (complete_one_receive() || run_next()) continue;
+    if (complete_one_receive() || run_next(LaneId::kMain)) continue;
     backoff.after(receive_round());
   }
   recv_helpers_.fetch_sub(1);

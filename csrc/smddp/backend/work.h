@@ -17,11 +17,13 @@
 // until the worker thread wakes up, runs it and wakes the caller again: two hand-offs of
 // tens of microseconds each on these VMs, and with more ranks than cores the worker may not
 // get a core for much longer. So SmddpWork::wait() runs main-lane works in the caller's
-// thread, front first, until its own work is complete (it may be a send, which completes on
-// the send lane once the peer's receive, queued here behind it, drains the ring). A work is
-// taken only from the front of the main lane and only while no main-lane work is running
-// (`main_busy_`, which also keeps the worker from starting the next one meanwhile), so the
-// issue order of Note [Execution order] holds either way.
+// thread, front first, until its own work is complete; the waiter of a send runs the send
+// lane's works first, then the main lane's. A work is taken only from the front of its lane
+// and only while none of the lane's works is running (`Lane::busy`, which also keeps the
+// lane's pool thread from starting the next one meanwhile), so the issue order of
+// Note [Execution order] holds either way. It also means a future callback, which runs in
+// the thread that completed its Work (possibly the lane's pool thread), can wait for a
+// later work of the same lane: it runs that work itself instead of waiting for itself.
 //
 // Note [One transport per process]
 // A process may hold many groups (a device mesh's axes and flattened views, expert groups,
@@ -173,12 +175,22 @@ class Executor {
   void submit_send(Fn fn, c10::intrusive_ptr<SmddpWork> work);
   // Runs `fn` in the caller's thread once the queued collectives have finished (the order
   // of Note [Execution order]), without a Work; its exceptions propagate to the caller.
+  // The caller runs queued collectives itself while no other thread does (Note [Waiting
+  // runs the work]): it may be the lane's own pool thread, in a future callback.
   template <class F>
   void run_now(F&& fn) {
     std::vector<Item> dead;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      idle_cv_.wait(lk, [&] { return main_.pending == 0 || stop_; });
+      while (main_.pending != 0 && !stop_) {
+        if (main_.busy || main_.queue.empty()) {
+          idle_cv_.wait(lk);
+          continue;
+        }
+        lk.unlock();
+        run_next(LaneId::kMain);
+        lk.lock();
+      }
       if (stop_) throw std::runtime_error("smddp: the process group was shut down");
       dead.swap(released_);
     }
@@ -215,12 +227,17 @@ class Executor {
     std::lock_guard<std::mutex> lk(mu_);
     return !send_.pending && !stop_ && attempt();
   }
-  // Note [Waiting runs the work]: runs the next work of the main lane in the caller's thread
-  // if no main-lane work is running; returns whether it ran one.
-  bool run_next();
+  // Note [Waiting runs the work]: runs the next work of a lane in the caller's thread if
+  // none of the lane's work is running; returns whether it ran one.
+  enum class LaneId { kMain, kSend };
+  bool run_next(LaneId lane);
   // Waits for all queued and running work and for the pool threads to leave the lanes.
-  // Idempotent.
+  // Idempotent. Not from a thread active_in_this_thread(): it would wait for itself.
   void shutdown();
+  // Whether the calling thread is inside this executor: running a lane or receive rounds,
+  // running queued work for a waiter, or completing one of its Works (future callbacks run
+  // there). Note [Shutdown from the group's own thread] in backend.cpp.
+  bool active_in_this_thread() const;
   // Destroys the works pool threads finished (Note [Tensors are released in the caller's
   // thread]). Call from the caller's side only, never from a pool thread.
   void release_finished();
@@ -252,6 +269,7 @@ class Executor {
   struct Lane {
     std::deque<Item> queue;
     bool scheduled = false;  // a pool thread runs this lane (until its queue is empty)
+    bool busy = false;       // one of its works is running (its pool thread or run_next)
     size_t pending = 0;      // queued or running
   };
   struct Receive {
@@ -276,15 +294,16 @@ class Executor {
   void finish_receive(Receive& r, std::exception_ptr error);
   bool complete_one_receive();  // completes the front of recv_.done; false when empty
   void drain(Lane& lane);       // on a pool thread: runs the lane's queue, then returns
-  Item take_front(Lane& lane);  // under mu_; marks the main lane busy
+  Item take_front(Lane& lane);  // under mu_; marks the lane busy
   void finished(Lane& lane);    // takes mu_; the work taken by take_front is done
-  // Runs the item's function under exec_mu_; returns its error (nullptr: none).
-  std::exception_ptr execute(Item& item);
+  // Runs the item's function, under exec_mu_ when `exclusive` (main-lane work); returns its
+  // error (nullptr: none).
+  std::exception_ptr execute(Item& item, bool exclusive);
   void run(Item& item);
   void enqueue(Lane& lane, Item item);
 
   std::mutex mu_;
-  std::condition_variable cv_;       // main_busy_ went false
+  std::condition_variable cv_;       // a lane's busy went false
   std::condition_variable idle_cv_;  // a lane became idle or unscheduled
   Lane main_, send_;
   Receives recv_;
@@ -292,7 +311,6 @@ class Executor {
   bool recv_busy_ = false;            // a thread is running receive_round
   std::atomic<int> recv_helpers_{0};  // threads in help_receive
   std::vector<Item> released_;        // finished on a pool thread, destroyed by release_finished
-  bool main_busy_ = false;            // a main-lane work is running (worker or run_if_next)
   bool stop_ = false;
   std::mutex exec_mu_;
 };
