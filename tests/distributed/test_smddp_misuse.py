@@ -267,8 +267,8 @@ def _destroy_from_a_callback(how):
     its part late, so rank 0's callbacks are attached before its Works can complete and run
     where the Works complete: on the pool thread running the group's lane ("pool thread",
     "abort"), or in the thread that waits for a receive and runs the receive rounds itself
-    ("recv"). An all_reduce queued behind the first must still run (destroy), or run or
-    fail (abort)."""
+    ("recv"). An all_reduce queued behind the first must still run (destroy) or fail
+    (abort)."""
     import torch
     import torch.distributed as dist
 
@@ -329,21 +329,14 @@ def test_a_callback_that_destroys_its_own_group_returns(how):
             assert rank == 1 or (events, first) == (["destroyed"], 2.0), (rank, events, first)
             continue
         assert events == ["destroyed"], (rank, events)
-        # The lane goes on beside the callback (Note [Callbacks do not hold the lane]): the
-        # all_reduce behind may have finished before an abort, which fails it otherwise.
-        assert first == 2.0 and second in ((4.0, -1.0) if how == "abort" else (4.0,)), (
-            rank,
-            first,
-            second,
-        )
+        assert (first, second) == (2.0, -1.0 if how == "abort" else 4.0), (rank, first, second)
 
 
 def _callback_waits_for_its_lane(how):
-    """A future callback, run by the pool thread of the lane (or the receive rounds) that
-    completed its Work, waits for later work of the same group: all_reduce_direct (which
-    runs after the queued collectives), the Future of an all_reduce queued behind or of one
-    it issues itself, the Future of a later receive, or a blocking send behind an isend
-    (16 MiB, more than the ring holds, so it cannot go out at once)."""
+    """A future callback, run by the pool thread of the lane that completed its Work, calls
+    something that waits for later work of the same lane: all_reduce_direct (which runs
+    after the queued collectives) or a blocking send behind an isend (16 MiB, more than the
+    ring holds, so it cannot go out at once)."""
     import torch
     import torch.distributed as dist
 
@@ -351,40 +344,19 @@ def _callback_waits_for_its_lane(how):
 
     me = dist.get_rank()
     results = []
-    if me == 1:
-        time.sleep(0.5)  # rank 0's callbacks are attached before its Works can complete
-    if how in ("all_reduce_direct", "future behind", "future issued"):
-        behind_work = []
+    if how == "all_reduce_direct":
 
         def callback(fut):
-            if how == "all_reduce_direct":
-                t = torch.ones(4)
-                all_reduce_direct(t)
-                results.append(t[0].item())
-            elif how == "future behind":
-                results.append(behind_work[0].get_future().wait()[0][0].item())
-            else:
-                t = torch.ones(4)
-                dist.all_reduce(t, async_op=True).get_future().wait()
-                results.append(t[0].item())
+            t = torch.ones(4)
+            all_reduce_direct(t)
+            results.append(t[0].item())
 
+        if me == 1:
+            time.sleep(0.5)  # rank 0's callback is attached before its Work can complete
         first = dist.all_reduce(torch.ones(4), async_op=True)
-        behind_work.append(dist.all_reduce(torch.full((4,), 3.0), async_op=True))
+        behind = dist.all_reduce(torch.ones(4), async_op=True)
         first.get_future().then(callback).wait()
-        behind_work[0].wait()
-        return results
-    if how == "receive future":
-        if me == 0:
-            bufs = [torch.zeros(4), torch.zeros(4)]
-            first = dist.irecv(bufs[0], src=1)
-            second = dist.irecv(bufs[1], src=1)
-            first.get_future().then(
-                lambda fut: results.append(second.get_future().wait()[0].sum().item())
-            ).wait()
-        else:
-            dist.send(torch.ones(4), dst=0)
-            time.sleep(0.5)  # rank 0's callback blocks on the second receive meanwhile
-            dist.send(torch.full((4,), 2.0), dst=0)
+        behind.wait()
         return results
     n = 4 << 20
     if me == 0:
@@ -403,21 +375,16 @@ def _callback_waits_for_its_lane(how):
     return results
 
 
-@pytest.mark.parametrize(
-    "how", ["all_reduce_direct", "future behind", "future issued", "receive future", "send"]
-)
+@pytest.mark.parametrize("how", ["all_reduce_direct", "send"])
 def test_a_callback_can_wait_for_later_work_of_its_own_lane(how):
-    # Before: the callback waited for the lane's pool thread (or the receive rounds' thread),
-    # i.e. for itself, past the group's timeout. gloo completes the Future cases (its send
-    # Works have no future; all_reduce_direct is smddp's).
+    # Before: the callback waited for the lane's pool thread, i.e. for itself, past the
+    # group's timeout (the send has no future on gloo; all_reduce_direct is smddp's).
     results = run_distributed(_callback_waits_for_its_lane, how, backend="smddp", timeout=60)
     n = 4 << 20
-    expected = {
-        "send": [["sent"], [float(n), 2.0 * n]],
-        "future behind": [[6.0], [6.0]],
-        "receive future": [[8.0], []],
-    }
-    assert results == expected.get(how, [[2.0], [2.0]])
+    if how == "send":
+        assert results == [["sent"], [float(n), 2.0 * n]]
+    else:
+        assert results == [[2.0], [2.0]]
 
 
 def _coalesce_two_dtypes():

@@ -251,37 +251,10 @@ void Executor::drain(Lane& lane) {
     // pending, and the next small isend was queued instead of done at once (a flaky
     // test_p2p_matches_payload_bit_for_bit under load).
     finished(lane);
-    // Note [Callbacks do not hold the lane]
-    // Completing the work runs its future's callbacks in this thread. A callback may block
-    // until later work of this lane is done (a Future's wait(), which cannot run the work
-    // the way Work::wait() does), work queued before or issued by the callback itself, and
-    // this thread is the one that would run it: gloo, whose two worker threads run works side
-    // by side, completes such a program. So when callbacks may run (the work's future was
-    // taken), this thread leaves the lane before completing the work: to another pool thread
-    // when work is queued, else unscheduled, so that the next submit schedules one. The cost
-    // is a thread hand-off per such completion with work queued behind it (DDP takes every
-    // bucket's future); works whose future nobody took keep the lane.
-    const bool leave = item.work->future_taken();
-    if (leave) {
-      std::lock_guard<std::mutex> lk(mu_);
-      ++leaving_;  // shutdown() waits until this thread's last touch below
-      if (lane.queue.empty()) {
-        lane.scheduled = false;
-        idle_cv_.notify_all();
-      } else {
-        WorkerPool::instance().post([this, &lane] { drain(lane); });  // stays scheduled
-      }
-    }
     item.work->complete(error);
     // Note [Tensors are released in the caller's thread].
     std::lock_guard<std::mutex> lk(mu_);
     released_.push_back(std::move(item));
-    if (leave) {
-      // The last touch of this executor by this thread.
-      --leaving_;
-      idle_cv_.notify_all();
-      return;
-    }
   }
 }
 
@@ -412,33 +385,16 @@ bool Executor::receive_round() {
     for (auto& f : finished) recv_.done.push_back(std::move(f));
     idle_cv_.notify_all();  // shutdown() waits for the round to end
   }
-  return progress;
-}
-
-// Note [Receives complete after their round]
-// Completing a work runs its future's callbacks in the completing thread. A callback may wait
-// for another receive of the group: one still waiting needs a round, so the round ends before
-// any completion, and the callers complete what it found (run inside it, the wait found the
-// rounds busy and polled forever); one that finished in the same round is in recv_.done, which
-// a waiting thread completes itself (help_receive), so it need not wait for the callback that
-// waits for it. A thread in help_receive is counted as a helper (the pool thread then leaves
-// the rounds to it) except while it completes; and the pool thread leaves the rounds before it
-// completes receives that may have callbacks, as a lane does (Note [Callbacks do not hold the
-// lane]): a callback may block on a Future of a later receive, which only rounds complete.
-// shutdown() waits for the completions as it waits for a round.
-bool Executor::leave_receives() {
-  std::lock_guard<std::mutex> lk(mu_);
-  bool callbacks = false;
-  for (const auto& d : recv_.done) callbacks = callbacks || d.first.work->future_taken();
-  if (!callbacks) return false;
-  ++leaving_;
-  if (recv_.pending > recv_.done.size()) {                      // other receives wait
-    WorkerPool::instance().post([this] { drain_receives(); });  // recv_.scheduled stays true
-  } else {
-    recv_.scheduled = false;  // the next receive schedules a pool thread
-    idle_cv_.notify_all();
+  // Note [Receives complete after their round]
+  // Completing a work runs its future's callbacks in the completing thread. A callback may
+  // wait for another receive of the group: one still waiting needs a round, so the round
+  // ends before any completion (run inside it, the wait found the rounds busy and polled
+  // forever); one that finished in the same round is in recv_.done, which a waiting thread
+  // completes itself (help_receive), so it need not wait for the callback that waits for it.
+  // shutdown() waits for the completions as it waits for a round.
+  while (complete_one_receive()) {
   }
-  return true;
+  return progress;
 }
 
 bool Executor::complete_one_receive() {
@@ -480,18 +436,7 @@ void Executor::drain_receives() {
       std::this_thread::sleep_for(std::chrono::microseconds(200));
       continue;
     }
-    const bool progress = receive_round();
-    const bool leave = leave_receives();
-    while (complete_one_receive()) {
-    }
-    if (leave) {
-      // The last touch of this executor by this thread.
-      std::lock_guard<std::mutex> lk(mu_);
-      --leaving_;
-      idle_cv_.notify_all();
-      return;
-    }
-    backoff.after(progress);
+    backoff.after(receive_round());
   }
 }
 
@@ -503,11 +448,7 @@ bool Executor::help_receive(SmddpWork& work) {
   ActiveIn active(this);
   recv_helpers_.fetch_add(1);
   while (!work.isCompleted()) {
-    // Not a helper while completing (Note [Receives complete after their round]).
-    recv_helpers_.fetch_sub(1);
-    const bool completed = complete_one_receive();
-    recv_helpers_.fetch_add(1);
-    if (completed || run_next(LaneId::kMain)) continue;
+    if (complete_one_receive() || run_next(LaneId::kMain)) continue;
     backoff.after(receive_round());
   }
   recv_helpers_.fetch_sub(1);
@@ -541,7 +482,7 @@ void Executor::shutdown() {
   // leaves once the queue is empty, while that work may still be running.
   idle_cv_.wait(lk, [&] {
     return !main_.scheduled && !send_.scheduled && main_.pending == 0 && !recv_.scheduled &&
-           !recv_busy_ && recv_.done.empty() && recv_.completing == 0 && leaving_ == 0;
+           !recv_busy_ && recv_.done.empty() && recv_.completing == 0;
   });
   std::vector<Item> dead;
   dead.swap(released_);

@@ -101,12 +101,7 @@ class SmddpWork : public c10d::Work {
   void set_executor(std::weak_ptr<Executor> exec) { exec_ = std::move(exec); }
   bool wait(std::chrono::milliseconds timeout) override;
   // The future's value is the list of output tensors (DDP and FSDP chain on it).
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
-    future_taken_.store(true, std::memory_order_relaxed);
-    return future_;
-  }
-  // Whether getFuture() was called, i.e. callbacks may run when the work completes.
-  bool future_taken() const { return future_taken_.load(std::memory_order_relaxed); }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override { return outputs_; }
   // The rank a receive from any rank got its message from (-1: not such a receive, or not
   // complete yet); set before the work completes.
@@ -120,7 +115,6 @@ class SmddpWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::weak_ptr<Executor> exec_;
   std::atomic<int> source_rank_{-1};
-  std::atomic<bool> future_taken_{false};
   std::optional<c10::Stream> completion_stream_;
 };
 
@@ -295,13 +289,8 @@ class Executor {
   };
   void drain_receives();  // on a pool thread: attempts the receives until none is left
   // One attempt at every waiting receive, in posting order, unless another thread is
-  // running a round; returns whether a receive finished (or was cancelled). The finished
-  // ones go to recv_.done for the caller to complete.
+  // running a round; returns whether a receive completed (or was cancelled).
   bool receive_round();
-  // Before the pool thread completes finished receives that may have callbacks: leaves the
-  // rounds to another pool thread (other receives wait) or to the next receive's; returns
-  // whether it left.
-  bool leave_receives();
   void finish_receive(Receive& r, std::exception_ptr error);
   bool complete_one_receive();  // completes the front of recv_.done; false when empty
   void drain(Lane& lane);       // on a pool thread: runs the lane's queue, then returns
@@ -322,8 +311,6 @@ class Executor {
   bool recv_busy_ = false;            // a thread is running receive_round
   std::atomic<int> recv_helpers_{0};  // threads in help_receive
   std::vector<Item> released_;        // finished on a pool thread, destroyed by release_finished
-  // Pool threads completing works after leaving their lane or the receive rounds.
-  int leaving_ = 0;
   bool stop_ = false;
   std::mutex exec_mu_;
 };
