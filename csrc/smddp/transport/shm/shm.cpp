@@ -110,6 +110,16 @@ ShmComm::ShmComm(ShmConfig cfg) : cfg_(std::move(cfg)) {
   while ((size_t(1) << granule_shift_) * 64 < cfg_.buffer_bytes) ++granule_shift_;
 }
 
+namespace {
+std::string no_room(const std::string& group, size_t bytes, const char* what, int err) {
+  // MADV_POPULATE_WRITE reports a page that tmpfs cannot back as EFAULT ("Bad address").
+  return "smddp: group '" + group + "': /dev/shm has no room for " + std::to_string(bytes) +
+         " more bytes of " + what + " (" + (err == EFAULT ? "it is full" : std::strerror(err)) +
+         "); free space in /dev/shm or lower SMDDP_BUFFER_BYTES / SMDDP_POOL_BYTES / "
+         "SMDDP_P2P_BYTES";
+}
+}  // namespace
+
 void ShmComm::writable(uint64_t buffer, size_t off, size_t len) {
   const size_t first = off >> granule_shift_, last = (off + len - 1) >> granule_shift_;
   const uint64_t upto = last >= 63 ? ~uint64_t(0) : (uint64_t(1) << (last + 1)) - 1;
@@ -122,13 +132,16 @@ void ShmComm::writable(uint64_t buffer, size_t off, size_t len) {
     if (have >> g & 1) continue;
     const size_t at = g * granule;
     if (!commit_pages(base + at, std::min(granule, cfg_.buffer_bytes - at))) {
-      throw CommError("smddp: group '" + cfg_.group_name + "': /dev/shm has no room for " +
-                      std::to_string(granule) + " more bytes of this rank's data buffers (" +
-                      std::strerror(errno) +
-                      "); free space in /dev/shm or lower "
-                      "SMDDP_BUFFER_BYTES / SMDDP_POOL_BYTES");
+      throw CommError(no_room(cfg_.group_name, granule, "this rank's data buffers", errno));
     }
     have |= uint64_t(1) << g;
+  }
+}
+
+void ShmComm::commit_ring(int to, size_t off, size_t len) {
+  if (!lazy_) return;  // the whole region was allocated at creation
+  if (!commit_pages(ring(rank(), to) + off, len)) {
+    throw CommError(no_room(cfg_.group_name, len, "this rank's point-to-point ring", errno));
   }
 }
 
@@ -187,13 +200,30 @@ void ShmComm::create() {
   if (p != MAP_FAILED && p2p_region_bytes()) {
     p2p = map_lazy(fd, main_bytes_ + cfg_.pool_bytes, p2p_region_bytes());
   }
-  if (p == MAP_FAILED || (cfg_.pool_bytes && !pool) || (p2p_region_bytes() && !p2p)) {
+  // Note [Shared-memory point-to-point]: the channels' control pages are written below, and
+  // by the receivers; without lazy commits the whole region is allocated now.
+  bool no_room_for_p2p = false;
+  for (int to = 0; p2p && lazy_ && to < size() && !no_room_for_p2p; ++to) {
+    no_room_for_p2p = !commit_pages(p2p + to * channel_slot(), 4096);
+  }
+  if (p2p && !lazy_) {
+    const int e = posix_fallocate(fd, static_cast<off_t>(main_bytes_ + cfg_.pool_bytes),
+                                  static_cast<off_t>(p2p_region_bytes()));
+    no_room_for_p2p = e != 0;
+    if (e) errno = e;
+  }
+  if (p == MAP_FAILED || (cfg_.pool_bytes && !pool) || (p2p_region_bytes() && !p2p) ||
+      no_room_for_p2p) {
     int e = errno;
     if (p != MAP_FAILED) munmap(p, main_bytes_);
     if (pool) munmap(pool, cfg_.pool_bytes);
     if (p2p) munmap(p2p, p2p_region_bytes());
     close(fd);
     unlink_own();
+    if (no_room_for_p2p) {
+      throw CommError(
+          no_room(cfg_.group_name, size() * size_t(4096), "point-to-point control pages", e));
+    }
     throw CommError("smddp: cannot map shared memory segment " + name + ": " + std::strerror(e));
   }
   if (pool) {

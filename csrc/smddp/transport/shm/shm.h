@@ -35,7 +35,11 @@
 // reads on, as torch.distributed's tag matching requires. Counters only grow and are
 // published with release semantics after the bytes they cover; waits use the same
 // spin/yield/futex policy as collectives (ShmComm::wait_word) with their own sleeper words.
-// The region is mapped without pre-faulting: a pair that never talks costs no memory.
+// The region is mapped without pre-faulting: a pair that never talks costs no memory. Its
+// pages are committed before they are first written (the control pages at creation, the
+// ring in 64 KiB steps as the sender first reaches them, ShmComm::commit_ring): a write to
+// a page that a full /dev/shm cannot back kills the process with SIGBUS, where a commit
+// fails and raises.
 //
 // Note [Segment lifetime]
 // A segment is the control block, two data buffers (committed as they are first written,
@@ -193,6 +197,9 @@ class ShmComm {
     return reinterpret_cast<ChannelCtl*>(p2p_base_[from] + to * channel_slot());
   }
   char* ring(int from, int to) const { return p2p_base_[from] + to * channel_slot() + 4096; }
+  // Commits bytes [off, off + len) of this rank's ring to local rank `to` before they are
+  // first written; throws a CommError naming /dev/shm when it has no room for them.
+  void commit_ring(int to, size_t off, size_t len);
   // Waits until `word` (owned by local rank i) reaches `target`, with the waiting policy of
   // collectives; `health` runs now and then and throws to end the wait (peer gone,
   // deadline, shutdown).

@@ -34,6 +34,17 @@ void ring_read(char* dst, const char* ring, size_t cap, uint64_t pos, size_t n) 
 ShmP2P::ShmP2P(ShmComm& shm)
     : shm_(shm), cap_(shm.p2p_bytes()), in_(shm.size()), out_(shm.size()) {}
 
+void ShmP2P::reserve(int to, uint64_t end) {
+  // Positions only grow, and every position below the highest one written was written: the
+  // ring is committed from its start up to that, and whole once a write reached its end.
+  size_t& committed = out_[to].committed;
+  if (end <= committed || committed == cap_) return;
+  constexpr size_t kStep = 64 << 10;
+  const size_t target = std::min<uint64_t>(cap_, (end + kStep - 1) / kStep * kStep);
+  shm_.commit_ring(to, committed, target - committed);
+  committed = target;
+}
+
 void ShmP2P::send(int to, uint32_t tag, const void* data, size_t bytes, const OpCtx& ctx) {
   std::lock_guard<std::mutex> g(out_[to].mu);
   ChannelCtl* ch = shm_.channel(shm_.rank(), to);
@@ -48,6 +59,7 @@ void ShmP2P::send(int to, uint32_t tag, const void* data, size_t bytes, const Op
   };
   uint64_t pos = align64(ch->head.load(std::memory_order_relaxed));  // only this rank writes head
   wait_space(pos + kHeader);
+  reserve(to, pos + kHeader);
   Header h{bytes, tag};
   std::memcpy(ring + pos % cap_, &h, sizeof(h));  // never wraps: pos and cap_ are multiples of 64
   pos += kHeader;
@@ -62,6 +74,7 @@ void ShmP2P::send(int to, uint32_t tag, const void* data, size_t bytes, const Op
       continue;
     }
     size_t piece = std::min({cap_ - used, bytes - done, kPiece, cap_ - pos % cap_});
+    reserve(to, pos + piece);
     std::memcpy(ring + pos % cap_, src + done, piece);
     pos += piece;
     done += piece;
@@ -75,6 +88,7 @@ bool ShmP2P::try_send(int to, uint32_t tag, const void* data, size_t bytes) {
   ChannelCtl* ch = shm_.channel(shm_.rank(), to);
   uint64_t pos = align64(ch->head.load(std::memory_order_relaxed));
   if (pos + kHeader + bytes - ch->tail.load(std::memory_order_acquire) > cap_) return false;
+  reserve(to, pos + kHeader + bytes);
   char* ring = shm_.ring(shm_.rank(), to);
   Header h{bytes, tag};
   std::memcpy(ring + pos % cap_, &h, sizeof(h));

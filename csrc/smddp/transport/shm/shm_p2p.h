@@ -43,8 +43,11 @@ class ShmP2P {
     std::deque<Stashed> stash;  // messages read past while looking for another tag
   };
   struct Outbox {
-    std::mutex mu;  // one writer at a time
+    std::mutex mu;         // one writer at a time
+    size_t committed = 0;  // ring bytes committed (ShmComm::commit_ring), under mu
   };
+  // Commits the ring to `to` up to absolute byte position `end` before it is written.
+  void reserve(int to, uint64_t end);
 
   // Copies the oldest stashed message with `tag` into `data`; with `ctx` a size mismatch
   // raises, without it the message stays and false is returned.
