@@ -481,3 +481,48 @@ def test_sigterm_during_set_up_removes_the_segment():
     got = _start_members(blocked={0, 1}, kill_with=signal.SIGTERM)
     nonce = got["blocked"][0]
     assert nonce and _segments_with(nonce) == [], _segments_with(nonce)
+
+
+def _first_message_to_a_stopped_peer(op):
+    """Rank 1 stops itself (SIGSTOP) for 3 s right after a new group is made, before the
+    first message over the TCP mesh: rank 0's connection is not answered for longer than
+    a handshake may take (2 s). The group's timeout is 60 s."""
+    import subprocess
+
+    import torch
+    import torch.distributed as dist
+
+    from torch_sagemaker.distributed import SMDDPOptions
+
+    me = dist.get_rank()
+    group = dist.new_group([0, 1], pg_options=SMDDPOptions(timeout=60))
+    if me == 1:
+        subprocess.Popen(["sh", "-c", f"sleep 3; kill -CONT {os.getpid()}"])
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        time.sleep(0.5)  # rank 1 is stopped by now
+    n = 1 << 20
+    if op == "all_reduce":
+        x = torch.ones(n)
+        dist.all_reduce(x, group=group)
+        return x[0].item()
+    if me == 0:
+        dist.send(torch.ones(n), 1, group=group)
+        return "sent"
+    x = torch.zeros(n)
+    dist.recv(x, 0, group=group)
+    return x.sum().item()
+
+
+@pytest.mark.parametrize("op", ["send", "all_reduce"])
+def test_a_peer_that_stalls_before_the_first_tcp_message_is_waited_for(op):
+    # Before: the connecting rank gave up after the 2 s handshake limit ("its listener did
+    # not answer the handshake"), whatever the group's timeout; gloo waits.
+    results = run_distributed(
+        _first_message_to_a_stopped_peer,
+        op,
+        backend="smddp",
+        env={"SMDDP_FORCE_LOCAL_SIZE": "1"},
+        timeout=120,
+    )
+    assert results == ([2.0, 2.0] if op == "all_reduce" else ["sent", float(1 << 20)])

@@ -341,41 +341,59 @@ void TcpMesh::accept_authenticated(int fd, int from) {
 
 int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
   const PeerAddr& pa = peers_.at(peer);
-  addrinfo hints{}, *res = nullptr;
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_STREAM;
-  std::string port = std::to_string(pa.port);
-  if (getaddrinfo(pa.host.c_str(), port.c_str(), &hints, &res) != 0 || !res) {
-    fail_peer(peer, "cannot resolve its address " + pa.host, ctx);
-  }
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  set_nonblocking(fd, true);
-  int r = ::connect(fd, res->ai_addr, res->ai_addrlen);
-  freeaddrinfo(res);
-  if (r != 0 && errno != EINPROGRESS) {
-    int e = errno;
-    close(fd);
-    fail_peer(peer, "cannot connect to " + pa.host + ":" + port + ": " + std::strerror(e), ctx);
-  }
-  pollfd pfd{fd, POLLOUT, 0};
-  int limit = std::min(ctx.deadline.remaining_ms(), 60000);
-  int err = 0;
-  socklen_t elen = sizeof(err);
-  if (poll(&pfd, 1, limit) != 1 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &elen) != 0 || err) {
-    close(fd);
-    fail_peer(peer,
-              "cannot connect to " + pa.host + ":" + port + ": " +
-                  (err ? std::strerror(err) : "timed out"),
-              ctx);
-  }
-  // The handshake also ends with the caller's deadline (a failure notice allows 200 ms).
-  const int handshake_ms = std::max(1, std::min(kHandshakeMs, ctx.deadline.remaining_ms()));
+  const std::string port = std::to_string(pa.port);
   char hello[kHelloBytes];
-  if (!io_all(fd, hello, sizeof(hello), false, handshake_ms) ||
-      std::memcmp(hello, kMagic, 8) != 0) {
+  // A listener that does not send its challenge within kHandshakeMs may only be slow: its
+  // process stopped or not given a core (the acceptor drops a connection after as long, so
+  // a stranger cannot hold it up). So the connection is made again, with the same limit,
+  // until the caller's deadline; a peer that is gone refuses the connection at once.
+  int fd = -1;
+  for (bool answered = false; !answered;) {
+    addrinfo hints{}, *res = nullptr;
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_STREAM;
+    if (getaddrinfo(pa.host.c_str(), port.c_str(), &hints, &res) != 0 || !res) {
+      fail_peer(peer, "cannot resolve its address " + pa.host, ctx);
+    }
+    fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    set_nonblocking(fd, true);
+    int r = ::connect(fd, res->ai_addr, res->ai_addrlen);
+    freeaddrinfo(res);
+    if (r != 0 && errno != EINPROGRESS) {
+      int e = errno;
+      close(fd);
+      fail_peer(peer, "cannot connect to " + pa.host + ":" + port + ": " + std::strerror(e), ctx);
+    }
+    pollfd pfd{fd, POLLOUT, 0};
+    int limit = std::min(ctx.deadline.remaining_ms(), 60000);
+    int err = 0;
+    socklen_t elen = sizeof(err);
+    if (poll(&pfd, 1, limit) != 1 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &elen) != 0 ||
+        err) {
+      close(fd);
+      fail_peer(peer,
+                "cannot connect to " + pa.host + ":" + port + ": " +
+                    (err ? std::strerror(err) : "timed out"),
+                ctx);
+    }
+    // The handshake also ends with the caller's deadline (a failure notice allows 200 ms).
+    const int hello_ms = std::max(1, std::min(kHandshakeMs, ctx.deadline.remaining_ms()));
+    answered = io_all(fd, hello, sizeof(hello), false, hello_ms);
+    if (!answered) {
+      close(fd);
+      if (ctx.deadline.expired() || aborted_.load()) {
+        fail_peer(peer, "its listener did not answer the handshake", ctx);
+      }
+      // A connection closed at once (a listener with kMaxHandshakes pending drops the
+      // oldest) is not retried in a tight loop.
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  if (std::memcmp(hello, kMagic, 8) != 0) {
     close(fd);
     fail_peer(peer, "its listener did not answer the handshake", ctx);
   }
+  const int handshake_ms = std::max(1, std::min(kHandshakeMs, ctx.deadline.remaining_ms()));
   char reply[kReplyBytes];
   int32_t me = rank_;
   std::memcpy(reply, &me, 4);

@@ -14,8 +14,11 @@
 // keyed with the group secret). Handshakes run concurrently, each with its own deadline
 // (kHandshakeMs), at most kMaxHandshakes at once (the oldest is dropped for a new one), and
 // read a fixed number of bytes: a connection that says nothing, or a flood of them, cannot
-// delay a real rank's handshake by more than its own round trips. A stranger or a wrong
-// secret is refused and counted, and the job carries on. The first authenticated
+// delay a real rank's handshake by more than its own round trips. The connecting side waits
+// as long for the listener's challenge, then connects again until its operation's deadline:
+// a listener that is only slow (its process stopped or without a core for a while) must not
+// fail the operation, and a peer that is gone refuses the connection at once. A stranger or
+// a wrong secret is refused and counted, and the job carries on. The first authenticated
 // connection of a peer stays: a second one claiming the same rank is refused, so a live
 // connection is never replaced.
 //
