@@ -387,6 +387,34 @@ def test_a_callback_can_wait_for_later_work_of_its_own_lane(how):
         assert results == [[2.0], [2.0]]
 
 
+def _broadcast_outputs():
+    """all_reduce, broadcast and recv into an expand()ed tensor (stride 0: every element is
+    the same memory), on smddp and on gloo: the base tensors' values."""
+    import torch
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    gloo = dist.new_group(backend="gloo")
+    out = {}
+    for name, group in (("smddp", None), ("gloo", gloo)):
+        base = torch.full((1,), float(me + 1))
+        dist.all_reduce(base.expand(4), group=group)
+        out[(name, "all_reduce")] = base.item()
+        base = torch.full((2, 1), float(me + 1))
+        dist.broadcast(base.expand(2, 3), 0, group=group)
+        out[(name, "broadcast")] = base.flatten().tolist()
+    return out
+
+
+def test_outputs_that_broadcast_one_element_take_the_result_as_on_gloo():
+    # Before: torch's "more than one element of the written-to tensor refers to a single
+    # memory location" from smddp's copy into the output, where gloo writes through.
+    for out in run_distributed(_broadcast_outputs, backend="smddp"):
+        for op in ("all_reduce", "broadcast"):
+            assert out[("smddp", op)] == out[("gloo", op)], (op, out)
+        assert out[("smddp", "all_reduce")] == 3.0
+
+
 def _coalesce_two_dtypes():
     import torch
     import torch.distributed as dist

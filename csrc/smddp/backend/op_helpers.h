@@ -3,6 +3,8 @@
 // that name an operation in errors and mismatch reports.
 #pragma once
 
+#include <ATen/MemoryOverlap.h>
+
 #include <cstring>
 
 #include "smddp/backend/backend.h"
@@ -18,23 +20,29 @@ inline at::Tensor contiguous_out(const at::Tensor& t) {
   return t.is_contiguous() ? t : at::empty(t.sizes(), t.options());
 }
 
+// Note [Outputs that share memory]
+// An output whose elements share memory (an expand()ed tensor: stride 0 over a dimension
+// of size > 1) cannot take Tensor::copy_, which refuses such a destination with a message
+// that names neither smddp nor the rule. gloo writes every element through, so the last
+// write to a location wins; copying only the last index along each stride-0 dimension
+// gives the same values. (Tensor::copy_ reports overlap only for stride 0, so that is the
+// only layout that needs this.)
 inline void copy_back(const at::Tensor& staged, const at::Tensor& t) {
-  if (!staged.is_same(t)) t.copy_(staged);
+  if (staged.is_same(t)) return;
+  if (at::has_internal_overlap(t) != at::MemOverlap::Yes) {
+    t.copy_(staged);
+    return;
+  }
+  at::Tensor dst = t, src = staged;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.stride(d) == 0 && t.size(d) > 1) {
+      dst = dst.narrow(d, t.size(d) - 1, 1);
+      src = src.narrow(d, t.size(d) - 1, 1);
+    }
+  }
+  dst.copy_(src);
 }
 
-// Note [Overlapping operands]
-// An input that shares memory with the output is read while the output is written: by this
-// rank (its own part is copied into place first), and in place by its peers when it is a
-// pool tensor (Note [Zero-copy operands] in shm_algos.h), so where they overlap the peers
-// read what was already overwritten. Overlap exactly at this rank's own part is the usual
-// in-place form (FSDP2's all-gather input is its slot of the output; a reduce-scatter
-// output may be its block of the input) and is safe: nobody else reads or writes there.
-// Any other overlap gets a private copy of the input, as gloo's copies make it behave. An
-// all-to-all has no such safe overlap (its own part moves first, over input not yet sent),
-// so any overlap there gets the copy.
-//
-// `in`, or a copy of it when it overlaps `out` anywhere but exactly at `own` bytes into
-// the larger of the two (`in_is_part`: the input is the part, an all-gather).
 // Turns `flag` (ProcessGroupSMDDP::coalescing_) off for a scope and restores it on exit,
 // also when a part raises: the parts of a *_coalesced call are ordinary works.
 class NotCoalescing {
@@ -49,6 +57,18 @@ class NotCoalescing {
   bool was_;
 };
 
+// Note [Overlapping operands]
+// An input that shares memory with the output is read while the output is written: by this
+// rank (its own part is copied into place first), and in place by its peers when it is a
+// pool tensor (Note [Zero-copy operands] in shm_algos.h), so where they overlap the peers
+// read what was already overwritten. Overlap exactly at this rank's own part is the usual
+// in-place form (FSDP2's all-gather input is its slot of the output; a reduce-scatter
+// output may be its block of the input) and is safe: nobody else reads or writes there.
+// Any other overlap gets a private copy of the input, as gloo's copies make it behave. An
+// all-to-all has no such safe overlap (its own part moves first, over input not yet sent),
+// so any overlap there gets the copy.
+//
+
 // Whether the bytes of `a` and `b` overlap.
 inline bool overlaps(const at::Tensor& a, const at::Tensor& b) {
   const auto* p = static_cast<const char*>(a.data_ptr());
@@ -57,6 +77,8 @@ inline bool overlaps(const at::Tensor& a, const at::Tensor& b) {
   return ab && bb && p < q + bb && q < p + ab;
 }
 
+// `in`, or a copy of it when it overlaps `out` anywhere but exactly at `own` bytes into
+// the larger of the two (`in_is_part`: the input is the part, an all-gather).
 inline at::Tensor apart_from(const at::Tensor& in, const at::Tensor& out, size_t own,
                              bool in_is_part) {
   if (!overlaps(in, out)) return in;
