@@ -121,6 +121,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("create_backend", &create_backend, py::arg("dist_backend_opts"), py::arg("pg_options"),
         py::call_guard<py::gil_scoped_release>());
   m.def("kernel_isa", &smddp::kernel_isa);
+  m.def("_wait_for_deferred_releases", &smddp::wait_for_deferred_releases, py::arg("timeout_s"),
+        py::call_guard<py::gil_scoped_release>());
   m.def(
       "_plan_chunks",
       [](int64_t numel, int64_t chunk_elems) {

@@ -5,6 +5,7 @@ SIGBUS. The ranks run in a mount namespace of their own with a 1 MiB tmpfs on /d
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -39,9 +40,12 @@ def test_a_full_dev_shm_raises_instead_of_sigbus(size, tmp_path):
     reason = _unavailable_reason()
     if reason:
         pytest.skip(reason)
+    with socket.socket() as s:  # the namespace shares the machine's ports
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     launch = (
         f"mount -t tmpfs -o size={size} tmpfs /dev/shm && exec {sys.executable} -m "
-        "torch.distributed.run --nproc-per-node 2 --master-port 29531 "
+        f"torch.distributed.run --nproc-per-node 2 --master-port {port} "
         f"-m tests.distributed.smddp_full_shm_rank {tmp_path}"
     )
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
@@ -52,4 +56,6 @@ def test_a_full_dev_shm_raises_instead_of_sigbus(size, tmp_path):
     assert "SIGBUS" not in output and "Signal 7" not in output, output[-4000:]
     assert done.returncode == 0, output[-4000:]
     seen = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    # Each rank raises: one for the room it lacks, the other for that or for its peer.
+    assert all(s.startswith("error") for s in seen), seen
     assert any("/dev/shm has no room" in s for s in seen), seen

@@ -489,19 +489,37 @@ def _first_message_to_a_stopped_peer(op):
     a handshake may take (2 s). The group's timeout is 60 s."""
     import subprocess
 
-    import torch
     import torch.distributed as dist
 
     from torch_sagemaker.distributed import SMDDPOptions
 
     me = dist.get_rank()
     group = dist.new_group([0, 1], pg_options=SMDDPOptions(timeout=60))
+    pids = [0, 0]
+    dist.all_gather_object(pids, os.getpid())
+    resume = None
     if me == 1:
-        subprocess.Popen(["sh", "-c", f"sleep 3; kill -CONT {os.getpid()}"])
+        resume = subprocess.Popen(["sh", "-c", f"sleep 3; kill -CONT {os.getpid()}"])
         os.kill(os.getpid(), signal.SIGSTOP)
     else:
-        time.sleep(0.5)  # rank 1 is stopped by now
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # until rank 1 is stopped ("T" in /proc)
+            with open(f"/proc/{pids[1]}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    break
+            time.sleep(0.01)
     n = 1 << 20
+    try:
+        return _send_or_reduce(op, me, group, n)
+    finally:
+        if resume is not None:
+            resume.wait()
+
+
+def _send_or_reduce(op, me, group, n):
+    import torch
+    import torch.distributed as dist
+
     if op == "all_reduce":
         x = torch.ones(n)
         dist.all_reduce(x, group=group)

@@ -403,6 +403,10 @@ def _broadcast_outputs():
         base = torch.full((2, 1), float(me + 1))
         dist.broadcast(base.expand(2, 3), 0, group=group)
         out[(name, "broadcast")] = base.flatten().tolist()
+    # The list all_gather copies into each output itself (gloo refuses expanded outputs).
+    bases = [torch.zeros(1) for _ in range(2)]
+    dist.all_gather([b.expand(3) for b in bases], torch.full((3,), me + 1.0))
+    out[("smddp", "all_gather")] = [b.item() for b in bases]
     return out
 
 
@@ -413,6 +417,7 @@ def test_outputs_that_broadcast_one_element_take_the_result_as_on_gloo():
         for op in ("all_reduce", "broadcast"):
             assert out[("smddp", op)] == out[("gloo", op)], (op, out)
         assert out[("smddp", "all_reduce")] == 3.0
+        assert out[("smddp", "all_gather")] == [1.0, 2.0]
 
 
 def _coalesce_two_dtypes():

@@ -17,6 +17,8 @@ docs/collectives.md lists them all.
 
 from __future__ import annotations
 
+import atexit
+
 import torch
 import torch.distributed as dist
 
@@ -56,6 +58,10 @@ def register() -> bool:
     dist.Backend.register_backend(
         BACKEND_NAME, _C.create_backend, extended_api=True, devices=list(DEVICES)
     )
+    # A group destroyed from one of its own future callbacks is released by a thread of its
+    # own, which may need the GIL: wait for it before the interpreter finalizes (Note
+    # [Shutdown from the group's own thread] in csrc/smddp/backend/backend.cpp).
+    atexit.register(_C._wait_for_deferred_releases, 60.0)
     return True
 
 

@@ -4,6 +4,8 @@
 #include <Python.h>
 #include <pybind11/pybind11.h>
 
+#include <condition_variable>
+#include <system_error>
 #include <thread>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -99,7 +101,7 @@ ProcessGroupSMDDP::ProcessGroupSMDDP(const c10::intrusive_ptr<c10d::Store>& stor
 }
 
 ProcessGroupSMDDP::~ProcessGroupSMDDP() {
-  if (!shut_down_.exchange(true)) release();
+  if (!shut_down_.exchange(true) || release_in_destructor_) release();
 }
 
 const Communicator& ProcessGroupSMDDP::comm() const {
@@ -187,13 +189,46 @@ at::Tensor ProcessGroupSMDDP::allocateTensor(long size, at::TensorOptions option
 // group: the transport is released once the callback has returned and the work queued
 // behind it has run. The destructor never defers (nothing can hold the group any more); it
 // cannot run inside the group's own thread while torch.distributed holds the group, which
-// it does until destroy_process_group, whose shutdown() comes first.
+// it does until destroy_process_group, whose shutdown() comes first. An exit hook waits for
+// the release threads (wait_for_deferred_releases), so the interpreter does not finalize
+// while one of them may still need the GIL.
+// The release threads still running, for wait_for_deferred_releases (an exit hook: a thread
+// that drops tensors with Python objects needs the GIL, which it cannot take once the
+// interpreter is finalizing).
+namespace {
+std::mutex g_deferred_mu;
+std::condition_variable g_deferred_cv;
+int g_deferred = 0;
+}  // namespace
+
+bool wait_for_deferred_releases(double timeout_s) {
+  std::unique_lock<std::mutex> lk(g_deferred_mu);
+  return g_deferred_cv.wait_for(lk, std::chrono::duration<double>(timeout_s),
+                                [] { return g_deferred == 0; });
+}
+
 void ProcessGroupSMDDP::shutdown() {
   if (shut_down_.exchange(true)) return;
   if (exec_->active_in_this_thread()) {
     // The caller holds a reference (only the destructor runs at zero, and it calls release).
     auto self = c10::intrusive_ptr<ProcessGroupSMDDP>::unsafe_reclaim_from_nonowning(this);
-    std::thread([self] { self->release(); }).detach();
+    {
+      std::lock_guard<std::mutex> g(g_deferred_mu);
+      ++g_deferred;
+    }
+    try {
+      std::thread([self]() mutable {
+        self->release();
+        self.reset();  // may run the destructor, which drops what the group still holds
+        std::lock_guard<std::mutex> g(g_deferred_mu);
+        --g_deferred;
+        g_deferred_cv.notify_all();
+      }).detach();
+    } catch (const std::system_error&) {  // no thread: the destructor releases instead
+      std::lock_guard<std::mutex> g(g_deferred_mu);
+      --g_deferred;
+      release_in_destructor_ = true;
+    }
     return;
   }
   release();

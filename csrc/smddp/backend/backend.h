@@ -177,6 +177,7 @@ class ProcessGroupSMDDP : public c10d::Backend {
 
   // shutdown()'s work: waits for the calls in flight and the executor, frees the transport.
   void release();
+  bool release_in_destructor_ = false;  // shutdown() could not start its release thread
 
   std::unique_ptr<Communicator> comm_;
   std::shared_ptr<Executor> exec_ = std::make_shared<Executor>();  // works hold weak refs
@@ -193,6 +194,10 @@ class ProcessGroupSMDDP : public c10d::Backend {
   std::unique_ptr<Stager> stager_;
   std::shared_ptr<StagedOp> pending_stage_;
 };
+
+// Waits up to `timeout_s` until the release threads of groups shut down from their own
+// thread have finished (Note [Shutdown from the group's own thread]); false on timeout.
+bool wait_for_deferred_releases(double timeout_s);
 
 // Maps an ATen dtype to ours; throws TypeError naming the collective for unsupported ones.
 DType to_dtype(at::ScalarType t, const char* collective);

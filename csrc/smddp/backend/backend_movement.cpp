@@ -77,7 +77,7 @@ WorkPtr ProcessGroupSMDDP::allgather(std::vector<std::vector<at::Tensor>>& outpu
     at::Tensor flat = at::empty({n * i.numel()}, i.options());
     comm_->allgather(i.data_ptr(), flat.data_ptr(), bytes, ctx);
     for (int r = 0; r < n; ++r) {
-      outs[r].copy_(flat.narrow(0, r * i.numel(), i.numel()).view(outs[r].sizes()));
+      copy_back(flat.narrow(0, r * i.numel(), i.numel()).view(outs[r].sizes()), outs[r]);
     }
   });
 }
@@ -346,7 +346,7 @@ WorkPtr ProcessGroupSMDDP::alltoall(std::vector<at::Tensor>& outputs,
     comm_->alltoall(flat_in.data_ptr(), send, flat_out.data_ptr(), recv, ctx);
     for (size_t r = 0; r < outs.size(); ++r) {
       auto bytes = flat_out.narrow(0, recv[r].off, recv[r].len);
-      outs[r].copy_(bytes.view(outs[r].scalar_type()).view(outs[r].sizes()));
+      copy_back(bytes.view(outs[r].scalar_type()).view(outs[r].sizes()), outs[r]);
     }
   });
 }

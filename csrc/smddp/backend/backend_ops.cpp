@@ -48,7 +48,7 @@ void ProcessGroupSMDDP::allreduce_direct(const at::Tensor& tensor, const c10d::R
     // ones), then write them back through the view.
     at::Tensor values = tensor.resolve_conj().resolve_neg();
     allreduce_direct(values, op);
-    tensor.copy_(values);
+    copy_back(values, tensor);
     return;
   }
   issued_.fetch_add(1);  // a collective like any other (getSequenceNumberForGroup)
@@ -92,7 +92,7 @@ WorkPtr ProcessGroupSMDDP::allreduce_coalesced(std::vector<at::Tensor>& tensors,
     comm_->allreduce(flat.data_ptr(), flat.numel(), red, ctx);
     int64_t off = 0;
     for (const auto& t : ts) {
-      t.copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
+      copy_back(flat.narrow(0, off, t.numel()).view(t.sizes()), t);
       off += t.numel();
     }
   });

@@ -67,7 +67,6 @@ class NotCoalescing {
 // Any other overlap gets a private copy of the input, as gloo's copies make it behave. An
 // all-to-all has no such safe overlap (its own part moves first, over input not yet sent),
 // so any overlap there gets the copy.
-//
 
 // Whether the bytes of `a` and `b` overlap.
 inline bool overlaps(const at::Tensor& a, const at::Tensor& b) {

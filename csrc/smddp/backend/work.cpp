@@ -66,7 +66,7 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
       exec->help_receive(*this);  // Note [Receives wait side by side]
     }
     // A send's waiter runs the send lane too: it may be that lane's own pool thread, in a
-    // future callback of the send before (Note [Shutdown from the group's own thread]).
+    // future callback of the send before (Note [Waiting runs the work]).
     const bool send = type == c10d::OpType::SEND;
     while (!isCompleted() && ((send && exec->run_next(Executor::LaneId::kSend)) ||
                               exec->run_next(Executor::LaneId::kMain))) {
@@ -160,8 +160,7 @@ void Executor::submit(Fn fn, c10::intrusive_ptr<SmddpWork> work, bool async_op) 
     dead.swap(released_);
     if (main_.pending == 0 && !stop_) {
       lk.unlock();
-      ActiveIn active(this);
-      run(item);
+      run(item);  // no callbacks yet: the caller has not seen the Work
       return;
     }
   }
@@ -488,11 +487,12 @@ void Executor::shutdown() {
   stop_ = true;
   cv_.notify_all();
   // Queued work still runs (as before, when the lane threads drained it before joining),
-  // and a waiter running one in its own thread (run_next) finishes it: the lane's thread
-  // leaves once the queue is empty, while that work may still be running.
+  // and a waiter running one in its own thread (run_next: main-lane work, or a send for a
+  // send's waiter) finishes it: the lane's thread leaves once the queue is empty, while that
+  // work may still be running, hence the pending counts beside `scheduled`.
   idle_cv_.wait(lk, [&] {
-    return !main_.scheduled && !send_.scheduled && main_.pending == 0 && !recv_.scheduled &&
-           !recv_busy_ && recv_.done.empty() && recv_.completing == 0;
+    return !main_.scheduled && !send_.scheduled && main_.pending == 0 && send_.pending == 0 &&
+           !recv_.scheduled && !recv_busy_ && recv_.done.empty() && recv_.completing == 0;
   });
   std::vector<Item> dead;
   dead.swap(released_);

@@ -59,7 +59,7 @@ void ShmP2P::send(int to, uint32_t tag, const void* data, size_t bytes, const Op
   };
   uint64_t pos = align64(ch->head.load(std::memory_order_relaxed));  // only this rank writes head
   wait_space(pos + kHeader);
-  reserve(to, pos + kHeader);
+  reserve(to, pos + kHeader + bytes);  // whole, so a full /dev/shm fails before any byte
   Header h{bytes, tag};
   std::memcpy(ring + pos % cap_, &h, sizeof(h));  // never wraps: pos and cap_ are multiples of 64
   pos += kHeader;
@@ -74,7 +74,6 @@ void ShmP2P::send(int to, uint32_t tag, const void* data, size_t bytes, const Op
       continue;
     }
     size_t piece = std::min({cap_ - used, bytes - done, kPiece, cap_ - pos % cap_});
-    reserve(to, pos + piece);
     std::memcpy(ring + pos % cap_, src + done, piece);
     pos += piece;
     done += piece;
