@@ -38,7 +38,7 @@
 // The region is mapped without pre-faulting: a pair that never talks costs no memory (on
 // kernels without MADV_POPULATE_WRITE, before 5.14, it is allocated whole at creation). Its
 // pages are committed before they are first written (the control pages at creation, the
-// ring in 64 KiB steps as the sender first reaches them, ShmComm::commit_ring): a write to
+// ring page by page, a whole message at a time, ShmComm::commit_ring): a write to
 // a page that a full /dev/shm cannot back kills the process with SIGBUS, where a commit
 // fails and raises.
 //

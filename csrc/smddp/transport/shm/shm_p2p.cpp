@@ -39,8 +39,11 @@ void ShmP2P::reserve(int to, uint64_t end) {
   // ring is committed from its start up to that, and whole once a write reached its end.
   size_t& committed = out_[to].committed;
   if (end <= committed || committed == cap_) return;
-  constexpr size_t kStep = 64 << 10;
-  const size_t target = std::min<uint64_t>(cap_, (end + kStep - 1) / kStep * kStep);
+  // Whole pages, no more: a group whose pairs exchange small messages (a barrier, a few
+  // objects) commits a page per pair, not a ring (Note [One transport per process]). One
+  // commit covers a whole message, so a large one costs one call.
+  constexpr size_t kPage = 4096;
+  const size_t target = std::min<uint64_t>(cap_, (end + kPage - 1) / kPage * kPage);
   shm_.commit_ring(to, committed, target - committed);
   committed = target;
 }
