@@ -3,6 +3,7 @@ configured differently, a destroyed group used again, waits with a timeout, huge
 Each case once crashed, hung or returned wrong values; gloo's behaviour is the reference."""
 
 import os
+import threading
 import time
 
 import pytest
@@ -262,6 +263,20 @@ def test_destroying_a_group_during_a_call_on_it_waits_for_the_call(mode):
             assert outcome == {"result": [2.0, 2.0]}, outcome
 
 
+def _attached():
+    """Rank 0 says its callbacks are attached; rank 1 waits for it before its part. Without
+    it, on a loaded machine, rank 0's Work could complete before its callback is attached,
+    and the callback would run inline in the main thread, not where the test means it to."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
+        store.set("callbacks attached", "1")
+    else:
+        store.wait(["callbacks attached"])
+        store.delete_key("callbacks attached")  # the rank processes serve the next test too
+
+
 def _destroy_from_a_callback(how):
     """A future callback that destroys (or aborts) the group of its own Work. Rank 1 issues
     its part late, so rank 0's callbacks are attached before its Works can complete and run
@@ -279,8 +294,14 @@ def _destroy_from_a_callback(how):
     events = []
 
     def destroy(fut):
+        events.append(
+            "main thread" if threading.current_thread() is threading.main_thread() else "pool"
+        )
         try:
             if how == "abort":
+                # Rank 1's part of the queued all_reduce arrives meanwhile: before Note [Abort
+                # fails the queued work], rank 0 then ran it to success after the abort.
+                time.sleep(0.3)
                 dist.distributed_c10d._abort_process_group(group)
             else:
                 dist.destroy_process_group(group)
@@ -289,12 +310,13 @@ def _destroy_from_a_callback(how):
             events.append(f"{type(e).__name__}: {e}")
 
     if me == 1:
-        time.sleep(0.5)
+        _attached()
     first, second = torch.ones(1 << 12), torch.full((1 << 12,), 2.0)
     if how == "recv":
         if me == 0:
             work = dist.irecv(first, src=1, group=group)
             work.get_future().then(destroy)
+            _attached()
             work.wait()
         else:
             dist.send(torch.full((1 << 12,), 2.0), dst=0, group=group)
@@ -302,7 +324,10 @@ def _destroy_from_a_callback(how):
     else:
         work = dist.all_reduce(first, group=group, async_op=True)
         behind = dist.all_reduce(second, group=group, async_op=True)
-        work.get_future().then(destroy).wait()
+        chained = work.get_future().then(destroy)
+        if me == 0:
+            _attached()
+        chained.wait()
         try:
             behind.wait()
         except RuntimeError as e:  # abort fails the work still queued; destroy lets it run
@@ -326,9 +351,10 @@ def test_a_callback_that_destroys_its_own_group_returns(how):
         assert "was shut down" in refused, (rank, refused)
         assert world == 2.0
         if how == "recv":
-            assert rank == 1 or (events, first) == (["destroyed"], 2.0), (rank, events, first)
+            assert rank == 1 or (events[1:], first) == (["destroyed"], 2.0), (rank, events, first)
             continue
-        assert events == ["destroyed"], (rank, events)
+        # Rank 0's callback ran on the pool thread; rank 1's, attached late, may run inline.
+        assert events[1:] == ["destroyed"] and (rank == 1 or events[0] == "pool"), (rank, events)
         assert (first, second) == (2.0, -1.0 if how == "abort" else 4.0), (rank, first, second)
 
 
@@ -352,10 +378,13 @@ def _callback_waits_for_its_lane(how):
             results.append(t[0].item())
 
         if me == 1:
-            time.sleep(0.5)  # rank 0's callback is attached before its Work can complete
+            _attached()  # rank 0's callback is attached before its Work can complete
         first = dist.all_reduce(torch.ones(4), async_op=True)
         behind = dist.all_reduce(torch.ones(4), async_op=True)
-        first.get_future().then(callback).wait()
+        chained = first.get_future().then(callback)
+        if me == 0:
+            _attached()
+        chained.wait()
         behind.wait()
         return results
     n = 4 << 20
@@ -365,9 +394,11 @@ def _callback_waits_for_its_lane(how):
             dist.send(torch.full((n,), 2.0), dst=1)
             results.append("sent")
 
-        dist.isend(torch.ones(n), dst=1).get_future().then(callback).wait()
+        chained = dist.isend(torch.ones(n), dst=1).get_future().then(callback)
+        _attached()
+        chained.wait()
     else:
-        time.sleep(0.5)
+        _attached()
         a, b = torch.zeros(n), torch.zeros(n)
         dist.recv(a, src=0)
         dist.recv(b, src=0)

@@ -258,6 +258,7 @@ void ProcessGroupSMDDP::abort() {
     std::lock_guard<std::mutex> g(comm_mu_);
     if (comm_) comm_->abort();
   }
+  exec_->abort();  // Note [Abort fails the queued work]
   shutdown();
 }
 

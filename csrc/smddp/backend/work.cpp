@@ -137,7 +137,20 @@ c10::intrusive_ptr<c10::ivalue::Future> ResultAsWork::getFuture() {
       c10::ListType::create(c10::TensorType::get()));
 }
 
+// Note [Abort fails the queued work]
+// An abort (_abort_process_group) marks the transport aborted, which fails an operation
+// only where it waits for a peer. Work queued behind the abort therefore ran, and completed
+// or failed depending on whether its peers' parts had already arrived: a callback that
+// aborted its own group saw the all_reduce queued behind it sometimes fail and sometimes
+// succeed (a flaky test under load). Work that has not started when the group is aborted
+// now always fails, as NCCL's abort fails every queued kernel; destroy_process_group still
+// lets it run (Note [Shutdown from the group's own thread]).
 std::exception_ptr Executor::execute(Item& item, bool exclusive) {
+  if (aborted_.load()) {
+    return std::make_exception_ptr(
+        std::runtime_error("smddp: " + c10d::opTypeToString(item.work->retrieveOpType()) +
+                           " was aborted before it started: the process group was aborted"));
+  }
   // Sends are not exclusive: they only write sockets (see Note [TCP connections]) or their
   // own shared-memory rings.
   std::unique_lock<std::mutex> g(exec_mu_, std::defer_lock);

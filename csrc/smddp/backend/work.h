@@ -234,6 +234,8 @@ class Executor {
   // Waits for all queued and running work and for the pool threads to leave the lanes.
   // Idempotent. Not from a thread active_in_this_thread(): it would wait for itself.
   void shutdown();
+  // Note [Abort fails the queued work]: work that has not started fails instead of running.
+  void abort() { aborted_.store(true); }
   // Whether the calling thread is inside this executor: running a lane or receive rounds,
   // running queued work for a waiter, or completing one of its Works (future callbacks run
   // there). Note [Shutdown from the group's own thread] in backend.cpp.
@@ -312,6 +314,7 @@ class Executor {
   std::atomic<int> recv_helpers_{0};  // threads in help_receive
   std::vector<Item> released_;        // finished on a pool thread, destroyed by release_finished
   bool stop_ = false;
+  std::atomic<bool> aborted_{false};
   std::mutex exec_mu_;
 };
 
