@@ -116,7 +116,7 @@ std::string no_room(const std::string& group, size_t bytes, const char* what, in
   return "smddp: group '" + group + "': /dev/shm has no room for " + std::to_string(bytes) +
          " more bytes of " + what + " (" + (err == EFAULT ? "it is full" : std::strerror(err)) +
          "); free space in /dev/shm or lower SMDDP_BUFFER_BYTES / SMDDP_POOL_BYTES / "
-         "SMDDP_P2P_BYTES";
+         "SMDDP_P2P_BYTES (SMDDP_P2P_BYTES=0 sends point-to-point messages over TCP instead)";
 }
 }  // namespace
 
