@@ -293,6 +293,16 @@ bool TcpMesh::progress(Handshake& h) {
     close(h.fd);
     return false;
   };
+  // A client that hung up before its reply began gave up rather than failed: our own
+  // connect_to retrying a listener that was slow to answer (it abandons the attempt after
+  // kHandshakeMs), or a port probe. Not counted as a refused connection.
+  auto gave_up = [&](ssize_t r) {
+    return h.got == 0 && (r == 0 || errno == EPIPE || errno == ECONNRESET);
+  };
+  auto abandon = [&] {
+    close(h.fd);
+    return false;
+  };
   while (h.sent < kHelloBytes) {
     ssize_t r = ::send(h.fd, h.hello + h.sent, kHelloBytes - h.sent, MSG_NOSIGNAL);
     if (r > 0) {
@@ -300,7 +310,7 @@ bool TcpMesh::progress(Handshake& h) {
     } else if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
       return true;
     } else {
-      return refuse();
+      return gave_up(r) ? abandon() : refuse();
     }
   }
   while (h.got < kReplyBytes) {
@@ -310,7 +320,7 @@ bool TcpMesh::progress(Handshake& h) {
     } else if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
       return true;
     } else {
-      return refuse();
+      return gave_up(r) ? abandon() : refuse();
     }
   }
   int32_t from = -1;

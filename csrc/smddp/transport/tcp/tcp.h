@@ -148,6 +148,9 @@ class TcpMesh {
 
   void shutdown();
   void abort() { aborted_.store(true); }
+  // Incoming connections refused: a wrong or late reply, too many handshakes at once, or a
+  // second connection for a connected rank. Clients that hang up before replying are not
+  // counted (TcpMesh::progress).
   uint64_t rejected_connections() const { return rejected_.load(); }
 
  private:
