@@ -32,6 +32,8 @@ CASES = [
     # Receive from any rank.
     "test_send_recv_any_source",
     "test_send_recv_any_source_autograd_profiler",
+    # Sparse all_reduce (skipped by the suite for any backend but gloo).
+    "test_sparse_all_reduce_sum",
     # The rest.
     "test_all_reduce_sum",
     "test_all_reduce_sum_complex",

@@ -148,6 +148,9 @@ class ProcessGroupSMDDP : public c10d::Backend {
                                                 const at::Tensor& t, int src, int tag,
                                                 const OpCtx& ctx);
   bool completes_inline(c10d::OpType type, bool async_op) const;
+  // Note [Sparse all-reduce] in backend_sparse.cpp.
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(const at::Tensor& t,
+                                                  const c10d::AllreduceOptions& opts);
   double timeout_of(std::chrono::milliseconds t) const;
   Reduction reduction_of(const c10d::ReduceOp& op, const at::Tensor& t, const char* name) const;
   // Records works issued between startCoalescing and endCoalescing.

@@ -11,6 +11,7 @@ WorkPtr ProcessGroupSMDDP::allreduce(std::vector<at::Tensor>& tensors,
                                      const c10d::AllreduceOptions& opts) {
   const InUse use = enter();
   check_count(tensors, "all_reduce");
+  if (tensors[0].layout() == at::kSparse) return allreduce_sparse(tensors[0], opts);
   if (any_complex(tensors)) {  // Note [Complex reductions]
     std::vector<at::Tensor> real = real_views(tensors, opts.reduceOp, "all_reduce");
     return complex_result(allreduce(real, opts), tensors);
