@@ -20,7 +20,7 @@ def test_sweep_prints_one_row_per_op_and_size(capsys):
                 "--nprocs",
                 "2",
                 "--ops",
-                "all_reduce,reduce_scatter_tensor,sendrecv",
+                "all_reduce,reduce_scatter_tensor,sendrecv,sparse_all_reduce",
                 "--min-bytes",
                 "1K",
                 "--max-bytes",
@@ -39,7 +39,7 @@ def test_sweep_prints_one_row_per_op_and_size(capsys):
     rows = [
         line.split("|")
         for line in capsys.readouterr().out.splitlines()
-        if line.startswith(("| all_reduce", "| reduce_scatter", "| sendrecv"))
+        if line.startswith(("| all_reduce", "| reduce_scatter", "| sendrecv", "| sparse"))
     ]
     assert [(r[1].strip(), r[2].strip()) for r in rows] == [
         ("all_reduce", "1 KiB"),
@@ -48,6 +48,8 @@ def test_sweep_prints_one_row_per_op_and_size(capsys):
         ("reduce_scatter_tensor", "4 KiB"),
         ("sendrecv", "1 KiB"),
         ("sendrecv", "4 KiB"),
+        ("sparse_all_reduce", "1 KiB"),
+        ("sparse_all_reduce", "4 KiB"),
     ]
     for r in rows:
         smddp_us, gloo_us = float(r[3]), float(r[7])

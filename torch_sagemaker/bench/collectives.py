@@ -10,10 +10,11 @@ of the slowest rank (with ``--repeat N``, the median of N whole sweeps' medians,
 speed-up the median of the N ratios taken within one sweep, with their range). As in
 nccl-tests, S is the buffer size for all_reduce, broadcast and reduce, the *total* (gathered
 / scattered) size for all_gather_into_tensor, reduce_scatter_tensor, gather and scatter,
-and the per-rank send size for all_to_all and sendrecv (every rank sends S to the next rank and
-receives S from the previous one with batch_isend_irecv); algbw = S / time and busbw = algbw x
+the per-rank send size for all_to_all and sendrecv (every rank sends S to the next rank and
+receives S from the previous one with batch_isend_irecv), and the per-rank values of a sparse
+embedding gradient for sparse_all_reduce; algbw = S / time and busbw = algbw x
 factor (all_reduce 2(n-1)/n, all_gather, reduce_scatter, gather and scatter (n-1)/n,
-broadcast, reduce and sendrecv 1,
+broadcast, reduce, sendrecv and sparse_all_reduce 1,
 all_to_all (n-1)/n).
 The first iteration of every case is checked for correct values.
 
@@ -61,7 +62,8 @@ DEFAULT_OPS = (
 )
 # Rooted collectives (root 0), on request: compare reduce with all_reduce, gather with
 # all_gather_into_tensor and scatter with broadcast at the same S to see what rootedness saves.
-OPS = DEFAULT_OPS + ("reduce", "gather", "scatter")
+# And the all_reduce of a sparse embedding gradient (DDP with nn.Embedding(sparse=True)).
+OPS = DEFAULT_OPS + ("reduce", "gather", "scatter", "sparse_all_reduce")
 # Peers that are not torch.distributed backends: name -> the ops they can run.
 PEER_OPS = {"deepspeed": ("all_reduce",), "smddp-direct": ("all_reduce",)}
 
@@ -79,6 +81,8 @@ def _case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=None):
     `all_reduce`, if given, replaces dist.all_reduce (an in-place SUM of one tensor).
     """
     count = max(world, nbytes // 4 // world * world)
+    if op == "sparse_all_reduce":
+        return _sparse_case(nbytes, world, rank, group)
     if op == "all_reduce":
         t = torch.full((count,), float(rank + 1))
         want = world * (world + 1) / 2
@@ -201,6 +205,34 @@ def _case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=None):
         return bool(all(out[r * blk].item() == r + 1 for r in range(world)))
 
     return run_all_to_all, check_all_to_all, count * 4
+
+
+def _sparse_case(nbytes: int, world: int, rank: int, group):
+    """Returns (run, check, actual_bytes) for a sparse embedding gradient's all_reduce.
+
+    S bytes of float32 values per rank: rows of 64 values at random rows of a table 4 x world
+    times as tall, some shared between ranks. Each call sums a fresh clone (the sum replaces
+    the tensor), so the time includes one clone.
+    """
+    width = 64
+    rows = max(1, nbytes // (4 * width))
+    g = torch.Generator().manual_seed(rank)
+    indices = torch.randint(0, 4 * world * rows, (1, rows), generator=g)
+    base = torch.sparse_coo_tensor(
+        indices, torch.full((rows, width), float(rank + 1)), (4 * world * rows, width)
+    )
+
+    def run():
+        dist.all_reduce(base.clone(), group=group)
+
+    def check():
+        t = base.clone()
+        dist.all_reduce(t, group=group)
+        return (
+            t.is_coalesced() and t._values().sum().item() == rows * width * world * (world + 1) / 2
+        )
+
+    return run, check, rows * width * 4
 
 
 class _DirectAllReduce:

@@ -40,6 +40,11 @@ PASSES = {
         "the root reads S, every rank writes S/n; each rank reads "
         "only its own chunk from the root's buffer",
     ),
+    "sparse_all_reduce": (
+        lambda n: 1.0 + n,
+        "read S + write n x S; all-gathers every rank's indices and values, then each rank "
+        "coalesces the n parts (summing rows that several ranks touched)",
+    ),
     "sendrecv": (
         lambda n: 2.0,
         "read S + write S; through the pair's shared-memory ring in "
@@ -52,7 +57,7 @@ def busbw_factor(op: str, n: int) -> float:
     """nccl-tests' bus bandwidth factor: busbw = algbw x this, for `n` ranks."""
     if op == "all_reduce":
         return 2 * (n - 1) / n
-    return 1.0 if op in ("broadcast", "sendrecv", "reduce") else (n - 1) / n
+    return 1.0 if op in ("broadcast", "sendrecv", "reduce", "sparse_all_reduce") else (n - 1) / n
 
 
 def format_size(n: int) -> str:

@@ -12,8 +12,9 @@ using namespace ops;  // NOLINT(build/namespaces): this file's own helpers
 // place. It takes three all-gathers, numbered in the group's order like any collective:
 //  1. a fixed-size header per rank (nnz, dimensions, dtype, sizes), which every rank checks
 //     the same way, so a mismatch raises the same error on all of them instead of hanging;
-//  2. the indices and 3. the values of every rank, each padded to the largest nnz, so that
-//     the parts are equal (the padding costs at most world-1 times the largest part).
+//  2. the indices and 3. the values of every rank, as all-to-alls in which each rank sends
+//     its part to every peer (an all-gather of unequal parts: no padding, and the parts land
+//     concatenated in rank order).
 // Every rank then concatenates the parts in rank order and coalesces, which sums duplicate
 // indices: the same computation on the same bytes everywhere, so all ranks hold the same
 // result. The gathered indices are validated against the sizes before they are used.
@@ -51,26 +52,35 @@ void check_header(const SparseHeader& h, int r) {
                     " dimensions, dtype ", h.dtype, ")");
 }
 
-// Every rank's part padded to `max_nnz` rows along `dim` of `part`, all-gathered: the
-// result's first dimension is the rank.
-at::Tensor gather_padded(Communicator& comm, const at::Tensor& part, int64_t dim, int64_t max_nnz,
-                         int size, const OpCtx& like) {
-  std::vector<int64_t> shape = part.sizes().vec();
+// Every rank's rows of `rows` (a contiguous tensor whose first dimension is its nnz),
+// concatenated in rank order; `nnz[r]`: rank r's row count. An all-to-all in which each rank
+// sends the same bytes to every peer and receives each peer's at its offset: an all-gather
+// of unequal parts, with no padding and no concatenation afterwards.
+at::Tensor gather_rows(Communicator& comm, const at::Tensor& rows, const std::vector<int64_t>& nnz,
+                       int me, const OpCtx& like) {
   const char* what = "the sparse all_reduce's gathered indices or values";
-  size_t bytes = checked_mul(static_cast<size_t>(max_nnz), part.element_size(), what);
-  for (int64_t d = 0; d < part.dim(); ++d) {
-    if (d != dim) bytes = checked_mul(bytes, static_cast<size_t>(shape[d]), what);
+  size_t row_bytes = rows.element_size();
+  for (int64_t d = 1; d < rows.dim(); ++d) {
+    row_bytes = checked_mul(row_bytes, static_cast<size_t>(rows.size(d)), what);
   }
-  checked_mul(bytes, static_cast<size_t>(size), what);  // the gathered tensor
-  shape[dim] = max_nnz;
-  at::Tensor mine = at::zeros(shape, part.options());
-  mine.narrow(dim, 0, part.size(dim)).copy_(part);
-  shape.insert(shape.begin(), size);
-  at::Tensor all = at::empty(shape, part.options());
-  if (bytes == 0) return all;
+  std::vector<Span> send(nnz.size()), recv(nnz.size());
+  size_t total_rows = 0, off = 0;
+  for (size_t r = 0; r < nnz.size(); ++r) {
+    const size_t len = checked_mul(static_cast<size_t>(nnz[r]), row_bytes, what);
+    send[r] = {0, checked_mul(static_cast<size_t>(nnz[me]), row_bytes, what)};
+    recv[r] = {off, len};
+    off = checked_add(off, len, what);
+    total_rows = checked_add(total_rows, static_cast<size_t>(nnz[r]), what);
+  }
+  TORCH_CHECK_VALUE(total_rows <= static_cast<size_t>(INT64_MAX), "smddp: ", what, " has ",
+                    total_rows, " rows");
+  std::vector<int64_t> shape = rows.sizes().vec();
+  shape[0] = static_cast<int64_t>(total_rows);
+  at::Tensor all = at::empty(shape, rows.options());
+  if (off == 0) return all;
   OpCtx ctx = like;
-  ctx.desc.count = bytes;
-  comm.allgather(mine.data_ptr(), all.data_ptr(), bytes, ctx);
+  ctx.desc.count = off;
+  comm.alltoall(rows.data_ptr(), send, all.data_ptr(), recv, ctx);
   return all;
 }
 
@@ -102,24 +112,20 @@ WorkPtr ProcessGroupSMDDP::allreduce_sparse(const at::Tensor& t,
     for (int64_t d = 0; d < in.dim(); ++d) mine.sizes[d] = in.size(d);
     std::vector<SparseHeader> all(n);
     comm_->allgather(&mine, all.data(), sizeof(SparseHeader), header_ctx);
-    int64_t max_nnz = 0;
     for (int r = 0; r < n; ++r) check_header(all[r], r);
+    std::vector<int64_t> nnz(n);
     for (int r = 0; r < n; ++r) {
       TORCH_CHECK_VALUE(same_layout(all[r], all[0]), "smddp: all_reduce of sparse tensors: rank ",
                         r, "'s tensor has sizes ", sizes_of(all[r]), " but rank 0's has ",
                         sizes_of(all[0]),
                         "; every rank's tensor must have the same sizes, sparse and dense "
                         "dimensions and dtype");
-      max_nnz = std::max(max_nnz, all[r].nnz);
+      nnz[r] = all[r].nnz;
     }
-    at::Tensor indices = gather_padded(*comm_, in._indices(), 1, max_nnz, n, header_ctx);
-    at::Tensor values = gather_padded(*comm_, in._values(), 0, max_nnz, n, header_ctx);
-    std::vector<at::Tensor> index_parts, value_parts;
-    for (int r = 0; r < n; ++r) {
-      index_parts.push_back(indices[r].narrow(1, 0, all[r].nnz));
-      value_parts.push_back(values[r].narrow(0, 0, all[r].nnz));
-    }
-    at::Tensor sum_indices = at::cat(index_parts, 1), sum_values = at::cat(value_parts, 0);
+    // Indices travel as rows ([nnz, sparse_dim]) and come back transposed, as a view.
+    at::Tensor sum_indices =
+        gather_rows(*comm_, in._indices().t().contiguous(), nnz, rank_, header_ctx).t();
+    at::Tensor sum_values = gather_rows(*comm_, in._values().contiguous(), nnz, rank_, header_ctx);
     at::_validate_sparse_coo_tensor_args(sum_indices, sum_values, in.sizes());
     at::Tensor sum =
         at::_sparse_coo_tensor_unsafe(sum_indices, sum_values, in.sizes(), in.options()).coalesce();
