@@ -263,6 +263,40 @@ def test_destroying_a_group_during_a_call_on_it_waits_for_the_call(mode):
             assert outcome == {"result": [2.0, 2.0]}, outcome
 
 
+def _abort_on_one_rank():
+    """Rank 0 aborts a group; rank 1 then calls a collective on it: its error and how long
+    it took (the group's timeout is 30 s)."""
+    import torch
+    import torch.distributed as dist
+
+    from torch_sagemaker.distributed import SMDDPOptions
+
+    group = dist.new_group([0, 1], pg_options=SMDDPOptions(timeout=30))
+    dist.all_reduce(torch.ones(1), group=group)
+    if dist.get_rank() == 0:
+        dist.distributed_c10d._abort_process_group(group)
+        dist.barrier()
+        return None
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4), group=group)
+        outcome = "no error"
+    except RuntimeError as e:
+        outcome = str(e)
+    return outcome, time.monotonic() - start
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_an_abort_on_one_rank_fails_the_peers_collectives_at_once(transport):
+    # Before: over shared memory the peer waited for the group's whole 30 s timeout (Note
+    # [Abort tells the peers]); across hosts the closed sockets told it.
+    env = {"SMDDP_FORCE_LOCAL_SIZE": "1"} if transport == "tcp" else {}
+    _, (outcome, took) = run_distributed(_abort_on_one_rank, backend="smddp", env=env)
+    assert "aborted on rank 0" in outcome or transport == "tcp", outcome
+    assert "no error" not in outcome and took < 10, (outcome, took)
+
+
 def _attached():
     """Rank 0 says its callbacks are attached; rank 1 waits for it before its part. Without
     it, on a loaded machine, rank 0's Work could complete before its callback is attached,

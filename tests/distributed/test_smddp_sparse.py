@@ -46,6 +46,10 @@ def _inputs(rank, world):
             torch.zeros(1, 0, dtype=torch.long), torch.zeros(0, 2), (4, 2)
         ),
         "int64": coo([[rank, 0]], torch.tensor([7, rank], dtype=torch.int64), (world,)),
+        # No sparse dimension: one dense block per rank, summed.
+        "sparse_dim_0": torch.sparse_coo_tensor(
+            torch.zeros(0, 1, dtype=torch.long), torch.full((1, 3), float(rank)), (3,)
+        ),
     }
 
 
@@ -75,10 +79,12 @@ def _sums():
     return out
 
 
-def test_sparse_all_reduce_matches_gloo_and_the_dense_sum():
-    results = run_distributed(_sums, world_size=3, backend="smddp")
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_sparse_all_reduce_matches_gloo_and_the_dense_sum(transport):
+    env = {"SMDDP_FORCE_LOCAL_SIZE": "1"} if transport == "tcp" else {}
+    results = run_distributed(_sums, world_size=3, backend="smddp", env=env)
     for out in results:
-        for case in ("duplicates", "hybrid", "one_empty", "all_empty", "int64"):
+        for case in ("duplicates", "hybrid", "one_empty", "all_empty", "int64", "sparse_dim_0"):
             assert out[("smddp", case)] == out[("gloo", case)], case
             _, _, coalesced, dense = out[("smddp", case)]
             assert coalesced and dense == out[("dense", case)], case

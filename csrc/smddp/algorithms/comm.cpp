@@ -302,9 +302,20 @@ OpCtx Communicator::make_ctx(const char* name, CollDesc desc, OpArgs args, doubl
   return ctx;
 }
 
+// Note [Abort tells the peers]
+// An abort fails this rank's calls in flight (the transports' flags), and the work queued
+// behind them never starts (Note [Abort fails the queued work] in work.cpp), so nothing of
+// this rank reports the failure to its peers from inside a collective. A peer waiting in,
+// or later entering, a collective of the group then waited for the whole group timeout (on
+// one host; across hosts the closed sockets told it). So the abort itself marks the group
+// failed, as any failure does (Note [Failure notices]): the peers' collectives on it fail
+// at once, naming the rank that aborted.
 void Communicator::abort() {
   shm_->abort();
   tcp_->abort();
+  const int me = cfg_.global_ranks.empty() ? cfg_.rank : cfg_.global_ranks[cfg_.rank];
+  mark_broken(CommError("smddp: group '" + cfg_.group_name + "' was aborted on rank " +
+                        std::to_string(me) + " (_abort_process_group)"));
 }
 
 }  // namespace smddp

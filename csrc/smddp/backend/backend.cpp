@@ -252,13 +252,14 @@ void ProcessGroupSMDDP::release() {
 }
 
 void ProcessGroupSMDDP::abort() {
+  exec_->abort();  // Note [Abort fails the queued work]; first, so none starts meanwhile
   {
     // Fails the calls in flight, which shutdown() then waits for; also while another
     // thread's shutdown() waits for them (after shut_down_ is set, so no InUse mark here).
+    // Note [Abort tells the peers] in comm.cpp.
     std::lock_guard<std::mutex> g(comm_mu_);
     if (comm_) comm_->abort();
   }
-  exec_->abort();  // Note [Abort fails the queued work]
   shutdown();
 }
 

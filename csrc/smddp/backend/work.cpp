@@ -3,6 +3,7 @@
 #include <c10/core/StreamGuard.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 
 #include "smddp/common/common.h"
@@ -143,18 +144,22 @@ c10::intrusive_ptr<c10::ivalue::Future> ResultAsWork::getFuture() {
 // or failed depending on whether its peers' parts had already arrived: a callback that
 // aborted its own group saw the all_reduce queued behind it sometimes fail and sometimes
 // succeed (a flaky test under load). Work that has not started when the group is aborted
-// now always fails, as NCCL's abort fails every queued kernel; destroy_process_group still
-// lets it run (Note [Shutdown from the group's own thread]).
+// now always fails, as NCCL's abort fails every queued kernel (receives still waiting are
+// cancelled by the shutdown that follows); destroy_process_group still lets it run (Note
+// [Shutdown from the group's own thread]). The peers are told (Note [Abort tells the
+// peers] in comm.cpp).
 std::exception_ptr Executor::execute(Item& item, bool exclusive) {
-  if (aborted_.load()) {
-    return std::make_exception_ptr(
-        std::runtime_error("smddp: " + c10d::opTypeToString(item.work->retrieveOpType()) +
-                           " was aborted before it started: the process group was aborted"));
-  }
   // Sends are not exclusive: they only write sockets (see Note [TCP connections]) or their
   // own shared-memory rings.
   std::unique_lock<std::mutex> g(exec_mu_, std::defer_lock);
   if (exclusive) g.lock();
+  if (aborted_.load()) {  // after the lock: an abort may come while this waits for it
+    std::string op = c10d::opTypeToString(item.work->retrieveOpType());
+    std::transform(op.begin(), op.end(), op.begin(),
+                   [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
+    return std::make_exception_ptr(std::runtime_error(
+        "smddp: " + op + " was aborted before it started: the process group was aborted"));
+  }
   try {
     item.fn();
   } catch (...) {
