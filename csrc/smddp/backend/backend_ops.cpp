@@ -1,7 +1,8 @@
 // ProcessGroupSMDDP reductions: all_reduce (also the direct call), its coalesced form,
 // reduce and the reduce-scatters. Validation on the caller's thread, then a closure on raw
 // pointers for the executor; non-contiguous tensors are staged through a contiguous copy. The
-// other collectives are in backend_movement.cpp, point-to-point in backend_p2p.cpp.
+// other collectives are in backend_movement.cpp, point-to-point in backend_p2p.cpp, the
+// all_reduce of sparse tensors in backend_sparse.cpp.
 #include "smddp/backend/op_helpers.h"
 
 namespace smddp {

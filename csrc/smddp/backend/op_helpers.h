@@ -1,6 +1,6 @@
 // Helpers of the ProcessGroupSMDDP operations (backend_ops.cpp, backend_movement.cpp,
-// backend_p2p.cpp): staging of non-contiguous tensors, argument checks, and the descriptors
-// that name an operation in errors and mismatch reports.
+// backend_p2p.cpp, backend_sparse.cpp): staging of non-contiguous tensors, argument checks, and the
+// descriptors that name an operation in errors and mismatch reports.
 #pragma once
 
 #include <ATen/MemoryOverlap.h>
