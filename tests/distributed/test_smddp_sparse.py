@@ -95,6 +95,37 @@ def test_sparse_all_reduce_matches_gloo_and_the_dense_sum(transport):
     )
 
 
+def _large_unequal_parts():
+    """Parts of 0, 17 and 5001 rows of 64 values (the largest 1.3 MB, many times the 64 KiB
+    buffer): the all-to-all of unequal parts over several rounds. smddp's and gloo's sums."""
+    import torch
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    rows = (0, 17, 5001)[me]
+    g = torch.Generator().manual_seed(me)
+    t = torch.sparse_coo_tensor(
+        torch.randint(0, 8000, (1, rows), generator=g),
+        torch.randint(-8, 9, (rows, 64), generator=g).float(),
+        (8000, 64),
+    )
+    gloo = dist.new_group(backend="gloo")
+    out = []
+    for group in (None, gloo):
+        x = t.clone()
+        dist.all_reduce(x, group=group)
+        out.append((x._indices(), x._values()))
+    return all(torch.equal(a, b) for a, b in zip(*out, strict=True)), out[0][0].shape[1]
+
+
+def test_sparse_all_reduce_of_large_unequal_parts_matches_gloo():
+    results = run_distributed(
+        _large_unequal_parts, world_size=3, backend="smddp", env={"SMDDP_BUFFER_BYTES": "65536"}
+    )
+    for same, nnz in results:
+        assert same and nnz > 5001 * 0.5, nnz
+
+
 def _errors():
     """gloo's rules, one error on every rank (no hang), and the group still works."""
     import torch
