@@ -313,9 +313,8 @@ OpCtx Communicator::make_ctx(const char* name, CollDesc desc, OpArgs args, doubl
 void Communicator::abort() {
   shm_->abort();
   tcp_->abort();
-  const int me = cfg_.global_ranks.empty() ? cfg_.rank : cfg_.global_ranks[cfg_.rank];
   mark_broken(CommError("smddp: group '" + cfg_.group_name + "' was aborted on rank " +
-                        std::to_string(me) + " (_abort_process_group)"));
+                        std::to_string(cfg_.global_ranks[cfg_.rank]) + " (_abort_process_group)"));
 }
 
 }  // namespace smddp

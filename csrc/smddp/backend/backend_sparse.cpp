@@ -9,15 +9,16 @@ using namespace ops;  // NOLINT(build/namespaces): this file's own helpers
 // gloo sums sparse COO tensors (the gradients of nn.Embedding(sparse=True) under DDP), and
 // so do we, with its semantics: SUM only; every rank's tensor has the same sizes, sparse and
 // dense dimensions and dtype; the sum, coalesced, replaces the tensor's indices and values in
-// place. It takes three all-gathers, numbered in the group's order like any collective:
-//  1. a fixed-size header per rank (nnz, dimensions, dtype, sizes), which every rank checks
-//     the same way, so a mismatch raises the same error on all of them instead of hanging;
+// place. It takes three collectives, numbered in the group's order like any other:
+//  1. an all-gather of a fixed-size header per rank (nnz, dimensions, dtype, sizes), which
+//     every rank checks the same way, so a mismatch raises the same error on all of them
+//     instead of hanging;
 //  2. the indices and 3. the values of every rank, as all-to-alls in which each rank sends
 //     its part to every peer (an all-gather of unequal parts: no padding, and the parts land
 //     concatenated in rank order).
-// Every rank then concatenates the parts in rank order and coalesces, which sums duplicate
-// indices: the same computation on the same bytes everywhere, so all ranks hold the same
-// result. The gathered indices are validated against the sizes before they are used.
+// Every rank then coalesces the concatenation, which sums duplicate indices: the same
+// computation on the same bytes everywhere, so all ranks hold the same result. The gathered
+// indices are validated against the sizes before they are used. Errors name global ranks.
 namespace {
 
 constexpr int64_t kMaxSparseDims = 64;
@@ -112,12 +113,13 @@ WorkPtr ProcessGroupSMDDP::allreduce_sparse(const at::Tensor& t,
     for (int64_t d = 0; d < in.dim(); ++d) mine.sizes[d] = in.size(d);
     std::vector<SparseHeader> all(n);
     comm_->allgather(&mine, all.data(), sizeof(SparseHeader), header_ctx);
-    for (int r = 0; r < n; ++r) check_header(all[r], r);
+    const std::vector<int>& global = comm_->config().global_ranks;
+    for (int r = 0; r < n; ++r) check_header(all[r], global[r]);
     std::vector<int64_t> nnz(n);
     for (int r = 0; r < n; ++r) {
       TORCH_CHECK_VALUE(same_layout(all[r], all[0]), "smddp: all_reduce of sparse tensors: rank ",
-                        r, "'s tensor has sizes ", sizes_of(all[r]), " but rank 0's has ",
-                        sizes_of(all[0]),
+                        global[r], "'s tensor has sizes ", sizes_of(all[r]), " but rank ",
+                        global[0], "'s has ", sizes_of(all[0]),
                         "; every rank's tensor must have the same sizes, sparse and dense "
                         "dimensions and dtype");
       nnz[r] = all[r].nnz;
