@@ -15,6 +15,7 @@ import glob
 import os
 import shutil
 
+import torch
 from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
@@ -61,6 +62,25 @@ class EditableWheelWithPth(editable_wheel):
         return _WithPth()
 
 
+def _cxx_standard() -> str:
+    """The C++ standard the installed torch's headers need: C++20 from torch 2.14 on."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return "-std=c++20" if (major, minor) >= (2, 14) else "-std=c++17"
+
+
+class BuildExtensionInTree(BuildExtension):
+    """Compiles into ``build/temp`` of the checkout, whoever asks for the build.
+
+    ``pip install -e .`` would otherwise compile in a throw-away folder and a later
+    ``setup.py build_ext --inplace`` (``make build``) would compile everything again; with
+    one folder, ninja finds the objects of the first build and the second does nothing.
+    """
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        self.build_temp = os.path.join(HERE, "build", "temp")
+
+
 csrc_sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
 
 setup(
@@ -80,15 +100,16 @@ setup(
             name="torch_sagemaker._C",
             sources=csrc_sources,
             include_dirs=[os.path.join(HERE, "csrc")],
-            extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden"],
+            extra_compile_args=["-O3", _cxx_standard(), "-fvisibility=hidden"],
         )
     ],
     cmdclass={
-        "build_ext": BuildExtension.with_options(use_ninja=True),
+        "build_ext": BuildExtensionInTree.with_options(use_ninja=True),
         "build_py": BuildPyWithPth,
         "editable_wheel": EditableWheelWithPth,
     },
-    install_requires=["torch>=2.13"],
+    # The tested range (docs/compatibility.md).
+    install_requires=["torch>=2.11,<2.15"],
     extras_require={
         "hf": ["transformers>=5", "accelerate", "safetensors"],
         "examples": ["tqdm", "matplotlib"],

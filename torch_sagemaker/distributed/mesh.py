@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from torch_sagemaker._torch_compat import device_mesh as mesh_compat
 from torch_sagemaker.state import _Groups
 from torch_sagemaker.topology import AXES, Layout
 
@@ -40,22 +41,22 @@ def build_groups(layout: Layout) -> _Groups:
             f"{dist.get_world_size()}."
         )
     mesh = init_device_mesh(mesh_device_type(), layout.mesh_shape, mesh_dim_names=AXES)
-    shard_cp = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    replica = mesh["dp_shard", "cp", "tp"]._flatten("replica")
-    dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    shard_cp = mesh_compat.flatten(mesh["dp_shard", "cp"], "dp_shard_cp")
+    replica = mesh_compat.flatten(mesh["dp_shard", "cp", "tp"], "replica")
+    dp = mesh_compat.flatten(mesh["dp_replicate", "dp_shard"], "dp")
     # The 2-D (replicate, shard) mesh FSDP takes: concatenated from the root mesh's axis and
     # the flattened shard axis, so its groups are the ones created above (slicing a flattened
     # axis back out of the root mesh is deprecated in PyTorch).
-    fsdp_mesh = DeviceMesh._concatenate([mesh["dp_replicate"], shard_cp])
+    fsdp_mesh = mesh_compat.concatenate([mesh["dp_replicate"], shard_cp])
     # ``ep`` consecutive replicas form one EP group (topology.Layout.ep_groups): the replicate
     # coordinate is edp_replicate * ep + ep_rank.
-    experts = mesh._unflatten(
-        "dp_replicate", (layout.edp_replicate, layout.ep), ("edp_replicate", "ep")
+    experts = mesh_compat.unflatten(
+        mesh, "dp_replicate", (layout.edp_replicate, layout.ep), ("edp_replicate", "ep")
     )
     ep_mesh, edp_mesh = experts["ep"], experts["edp_replicate"]
     # Expert parameters are sharded like the others inside a shard group and replicated over
     # the replicas that hold the same experts.
-    expert_fsdp_mesh = DeviceMesh._concatenate([edp_mesh, shard_cp])
+    expert_fsdp_mesh = mesh_compat.concatenate([edp_mesh, shard_cp])
     owned = [g for g in mesh.get_all_groups()] + [
         shard_cp.get_group(),
         replica.get_group(),

@@ -281,7 +281,7 @@ Reduction ProcessGroupSMDDP::reduction_of(const c10d::ReduceOp& op, const at::Te
   }
   r.divisor = size_;
   if (r.op == RedOp::PREMUL_SUM) {
-    auto* sup = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+    auto* sup = dynamic_cast<compat::PreMulSumSupplement*>(op.supplement_.get());
     TORCH_CHECK_VALUE(sup, "smddp: ", name, " got PREMUL_SUM without a factor");
     r.premul = sup->tensor_factor.defined() ? sup->tensor_factor.to(at::kDouble).item<double>()
                                             : sup->double_factor;

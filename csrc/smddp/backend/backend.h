@@ -18,6 +18,7 @@
 
 #include "smddp/algorithms/comm.h"
 #include "smddp/backend/device_staging.h"
+#include "smddp/backend/torch_compat.h"
 #include "smddp/backend/work.h"
 
 namespace smddp {

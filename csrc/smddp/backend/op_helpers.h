@@ -215,7 +215,7 @@ inline std::vector<at::Tensor> real_views(const std::vector<at::Tensor>& ts,
       " does not support this ReduceOp on complex tensors; use SUM, AVG or "
       "PREMUL_SUM");
   if (op == c10d::ReduceOp::PREMUL_SUM) {
-    auto* sup = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+    auto* sup = dynamic_cast<compat::PreMulSumSupplement*>(op.supplement_.get());
     TORCH_CHECK_VALUE(!sup || !sup->tensor_factor.defined() || !sup->tensor_factor.is_complex(),
                       "smddp: ", name, " takes a real PREMUL_SUM factor on complex tensors, got ",
                       sup->tensor_factor.item(), "; scale the tensor by it first and use SUM");
