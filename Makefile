@@ -7,6 +7,7 @@
 #   make format - ruff format and clang-format, in place
 #   make test-cpp - the C++ tests of the smddp core (tests/cpp; g++ only, no torch)
 #   make sanitize - the same under ASan+UBSan, then under TSan
+#   make gpu-check - on a GPU machine: build, GPU tests, GPU benchmark, report (scripts/gpu_check.py)
 #
 # torch is pinned to the CPU build available on these machines. Users with a CUDA build can
 # override it, e.g. `make test TORCH_SPEC="torch==2.13.0"` against their own index; an
@@ -20,7 +21,7 @@ PY          = $(VENV)/bin/python
 PIP         = $(PY) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: install build demo test test-fast bench lint format clean test-cpp sanitize sanitize-asan \
+.PHONY: install build demo test test-fast bench lint format clean test-cpp sanitize sanitize-asan gpu-check \
 	sanitize-tsan
 
 $(VENV)/.installed: setup.py pyproject.toml requirements-dev.txt
@@ -108,3 +109,12 @@ sanitize-asan: $(CPPTEST_DIR)/asan/smddp_tests
 
 sanitize-tsan: $(CPPTEST_DIR)/tsan/smddp_tests
 	TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 $< $(CPPTEST_ARGS)
+
+# The GPU check (scripts/gpu_check.py): builds the extension against the Python's own torch,
+# runs tests/gpu, the GPU benchmark and the staging tests, and writes a report to $OUT (or
+# outputs/gpu-check). On a GPU machine whose torch is installed system-wide it runs with
+# python3; here, without CUDA, it rehearses with .venv and skips the CUDA steps.
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py

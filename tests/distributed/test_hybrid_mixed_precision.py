@@ -66,8 +66,11 @@ REPLAY_TOL = {"fsdp2": (2e-6, 2e-6, 5e-4), "fsdp1": (3e-4, 1e-3, 0.03)}
 FP32_TOL = (5e-4, 5e-3, 0.05)
 
 
-def _wrap(model, api, ac):
-    """Checkpointing, then bf16 FSDP1 / FSDP2 as the SMP examples spell them."""
+def _wrap(model, api, ac, device="cpu"):
+    """Checkpointing, then bf16 FSDP1 / FSDP2 as the SMP examples spell them.
+
+    On CUDA, FSDP1 gets ``device_id=torch.cuda.current_device()``, as SMP's scripts pass it.
+    """
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -93,7 +96,7 @@ def _wrap(model, api, ac):
         auto_wrap_policy=ModuleWrapPolicy(set(transformer_layer_classes(model))),
         sharding_strategy=ShardingStrategy.HYBRID_SHARD,
         mixed_precision=mixed,
-        device_id=torch.device("cpu"),
+        device_id=torch.cuda.current_device() if device == "cuda" else torch.device("cpu"),
         use_orig_params=True,
         limit_all_gathers=True,
     )
@@ -125,24 +128,26 @@ def _probe(model, seen):
             m.register_forward_pre_hook(lambda mod, args: seen["inv_freq"].add(mod.inv_freq.dtype))
 
 
-def _train(cases):
+def _train(cases, device="cpu"):
     import torch.distributed as dist
     import torch.sagemaker as tsm
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     from torch_sagemaker.grad_norm import clip_grad_norm_
 
+    if device == "cuda":  # the ranks share the GPUs round-robin (tests/gpu)
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     results = {}
     for api, ac in cases:
         tsm.state.reset()
         tsm.init({"hybrid_shard_degree": HSD})
-        model = _wrap(tiny_llama(), api, ac)
+        model = _wrap(tiny_llama(), api, ac, device)
         seen = {"layer_calls": 0, "activations": set(), "weights": set(), "inv_freq": set()}
         _probe(model, seen)
         optim = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
         losses, norms, grad_dtypes = [], [], set()
         for batch in global_batches(STEPS, GLOBAL_BATCH):
-            local = rank_slice(batch, tsm.state.dp_rank, tsm.state.dp_size)
+            local = rank_slice(batch, tsm.state.dp_rank, tsm.state.dp_size).to(device)
             loss = model(input_ids=local, labels=local).loss
             loss.backward()
             norms.append(float(clip_grad_norm_(model, MAX_NORM)))
@@ -165,7 +170,7 @@ def _train(cases):
         results[(api, ac)] = dict(
             losses=losses,
             norms=norms,
-            params=full_params(model),
+            params={n: p.cpu() for n, p in full_params(model).items()},
             dtypes=dtypes,
             layer_calls=seen["layer_calls"],
             wrappers=wrappers,
@@ -187,6 +192,27 @@ def references():
 def test_bf16_and_checkpointing_parity(backend, references):
     per_rank = run_distributed(_train, CASES, world_size=4, backend=backend, timeout=600)
     replay, fp32_ref, init = references
+    check_parity(
+        per_rank,
+        [
+            (replay, REPLAY_TOL, "bf16 replay"),
+            (fp32_ref, {"fsdp1": FP32_TOL, "fsdp2": FP32_TOL}, "fp32"),
+        ],
+        init,
+    )
+
+
+def check_parity(per_rank, against, init, exact_checkpointing: bool = True) -> None:
+    """Dtypes, checkpointing and parity of ``_train``'s results on every rank.
+
+    Args:
+        per_rank: ``_train``'s results by rank.
+        against: ``(reference, tolerances by API, name)`` triples, each reference being
+            ``(losses, norms, params)`` as ``reference_run`` returns them.
+        init: The initial parameters (updates are compared, not values).
+        exact_checkpointing: Whether a run with checkpointing must be bit-equal to the same run
+            without (on CPU; on CUDA a backward kernel may sum in another order per call).
+    """
     fp32, bf16 = torch.float32, torch.bfloat16
     for rank, results in enumerate(per_rank):
         for (api, ac), r in results.items():
@@ -199,15 +225,13 @@ def test_bf16_and_checkpointing_parity(backend, references):
             # Checkpointing wraps each layer once and recomputes each layer's forward in backward.
             assert r["wrappers"] == (LAYERS if ac else 0), where
             assert r["layer_calls"] == STEPS * LAYERS * (2 if ac else 1), where
-            if ac:  # bit-identical to the same run without checkpointing
-                plain = results[(api, False)]
+            if ac and exact_checkpointing and (api, False) in results:
+                plain = results[(api, False)]  # bit-identical to the same run without
                 assert r["losses"] == plain["losses"] and r["norms"] == plain["norms"], where
                 for name, value in r["params"].items():
                     assert torch.equal(value, plain["params"][name]), (where, name)
-            for ref, (loss_rtol, norm_rtol, update_rel), what in (
-                (replay, REPLAY_TOL[api], "bf16 replay"),
-                (fp32_ref, FP32_TOL, "fp32"),
-            ):
+            for ref, tolerances, what in against:
+                loss_rtol, norm_rtol, update_rel = tolerances[api]
                 ref_losses, ref_norms, ref_params = ref
                 torch.testing.assert_close(
                     r["losses"],

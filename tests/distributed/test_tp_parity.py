@@ -141,17 +141,26 @@ def gradient_diffs(model, ref) -> dict[str, float]:
     }
 
 
-def _parity_all_families(families, tp: int, hybrid_shard_degree: int, compose: bool) -> dict:
-    """Per family: differences to the reference, and both loss curves (run on every rank)."""
+def _parity_all_families(
+    families, tp: int, hybrid_shard_degree: int, compose: bool, device: str = "cpu"
+) -> dict:
+    """Per family: differences to the reference, and both loss curves (run on every rank).
+
+    ``device="cuda"``: the ranks share the GPUs round-robin; model, reference and batches live
+    there (tests/gpu).
+    """
     import torch
+    import torch.distributed as dist
     import torch.sagemaker as tsm
 
+    if device == "cuda":
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     tsm.init({"tensor_parallel_degree": tp, "hybrid_shard_degree": hybrid_shard_degree})
     dp_rank, dp_size = tsm.state.dp_rank, tsm.state.dp_size
-    batches = [batch(d) for d in range(dp_size)]
+    batches = [batch(d).to(device) for d in range(dp_size)]
     results = {}
     for family in families:
-        ref = build(family)
+        ref = build(family).to(device)
         model = tsm.transform(copy.deepcopy(ref))
         if compose:
             checkpoint_and_shard(model)

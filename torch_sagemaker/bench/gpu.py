@@ -8,6 +8,8 @@ Prints, from ranks spawned on this host (several may share one GPU):
    shared-memory pool, and NCCL as the same-run baseline where it can run (one GPU per
    rank: NCCL refuses two ranks on one GPU). Medians over ``--iters``, timed from issue to
    the current stream having waited on the result.
+   The same-run floor beside them: every rank copying its tensor to pinned host memory and
+   back (``copy D2H+H2D``).
 3. The kernels the staged all-reduce launched (torch.profiler): the design says none
    besides copies.
 
@@ -87,6 +89,26 @@ def _time_all_reduce(t: torch.Tensor, group, iters: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def _time_round_trip(t: torch.Tensor, iters: int, warmup: int) -> float:
+    """Median µs of copying ``t`` to pinned host memory and back on one stream.
+
+    The floor of any staged collective on one GPU that does not overlap its two copies
+    (the staged path overlaps them by chunks, so it can come in under this).
+    """
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    times = []
+    for i in range(warmup + iters):
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        host.copy_(t, non_blocking=True)
+        t.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
 def _staged_kernels(group, device: torch.device) -> list[str]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -124,9 +146,11 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
         row = {"size": size}
         for name, g in groups.items():
             row[name] = _time_all_reduce(t, g, args.iters, args.warmup)
+        dist.barrier()
+        row["copy D2H+H2D"] = _time_round_trip(t, args.iters, args.warmup)
         result["rows"].append(row)
     result["kernels"] = _staged_kernels(groups["smddp pinned"], device)
-    result["backends"] = list(groups)
+    result["backends"] = [*groups, "copy D2H+H2D"]
     result["gpus"] = torch.cuda.device_count()
     result["device"] = torch.cuda.get_device_name(device)
     if rank == 0:
@@ -148,6 +172,11 @@ def _report(r: dict, world: int) -> str:
         cells = [format_size(row["size"])] + [f"{row[b]:.0f}" for b in r["backends"]]
         cells += [f"{row[b] / row[base]:.2f}" for b in r["backends"][1:]]
         lines.append("| " + " | ".join(cells) + " |")
+    lines.append(
+        "copy D2H+H2D: every rank copying its tensor to pinned host memory and back at the "
+        "same time, as the staged ranks do: the floor of a staged collective whose two "
+        "copies do not overlap"
+    )
     if "nccl" not in r["backends"]:
         lines.append("(no NCCL baseline: NCCL needs one GPU per rank)")
     kernels = r["kernels"]

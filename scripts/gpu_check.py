@@ -1,0 +1,371 @@
+"""``make gpu-check``: builds and runs every CUDA path of the package, and writes one report.
+
+Run from the repository root with the Python that holds the machine's torch (on a GPU
+machine without a virtual environment: ``python3 scripts/gpu_check.py``). The steps run in
+order; one that fails or times out does not stop the later ones:
+
+1. versions: Python, torch, CUDA, the GPU, transformers, accelerate, and ``nvidia-smi``;
+2. build: the extension against this torch (``pip install -e`` the first time, then an
+   incremental ``build_ext --inplace``), and ``import torch.sagemaker``;
+3. the GPU tests, one step per file of tests/gpu (smddp on CUDA tensors, the offloader's CUDA
+   path, FSDP1/FSDP2/TP parity on CUDA, the example script, Transformer Engine);
+4. ``bench gpu``: copy bandwidth, staged all_reduce (pinned, pool) against NCCL or the copy
+   floor, kernels per staged all_reduce;
+5. the CPU tests of the staging code and of the backend choice, on this machine's torch.
+
+Without CUDA every CUDA step is skipped with its reason (a rehearsal: it checks the script,
+the build and the collection of the GPU tests). The report (``report.md``, ``report.json``)
+and every step's output (``steps.log``) go to ``$OUT`` when it is set, else to
+``--out`` (default ``outputs/gpu-check``). Exit status: 0 when no step failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+VERSIONS = r"""
+import platform, torch
+print("python", platform.python_version())
+print("torch", torch.__version__, "cuda", torch.version.cuda)
+print("cuda available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("gpu", torch.cuda.device_count(), "x", p.name, f"{p.total_memory / 2**30:.0f} GiB",
+          f"sm_{p.major}{p.minor}", p.multi_processor_count, "SMs")
+    print("nccl", ".".join(map(str, torch.cuda.nccl.version())))
+for name in ("transformers", "accelerate", "safetensors", "transformer_engine"):
+    try:
+        module = __import__(name)
+        print(name, getattr(module, "__version__", "?"))
+    except Exception as e:
+        print(name, "missing:", type(e).__name__)
+"""
+
+IMPORTS = r"""
+import torch.sagemaker as tsm
+import torch_sagemaker._C
+from torch_sagemaker.distributed import backend
+assert backend.is_available(), "smddp extension not registered"
+print("torch.sagemaker", tsm.__version__, "from", tsm.__file__)
+"""
+
+
+@dataclass
+class Step:
+    """One step of the check and what came of it."""
+
+    name: str
+    what: str
+    status: str = "not run"  # passed, failed, skipped, timed out
+    seconds: float = 0.0
+    detail: str = ""
+    tests: dict[str, str] = field(default_factory=dict)  # test id -> outcome
+
+
+def _run(cmd: list[str], timeout: float, log, env: dict[str, str] | None = None):
+    """Runs ``cmd`` from the repository root; its output goes to ``log``. Returns (rc, output)."""
+    log.write(f"$ {' '.join(cmd)}\n")
+    log.flush()
+    try:
+        proc = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+        out, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        out = _text(e.stdout) + _text(e.stderr) + f"\n[timed out after {timeout:.0f} s]\n"
+        rc = None
+    log.write(out + "\n")
+    log.flush()
+    return rc, out
+
+
+def _text(b) -> str:
+    if b is None:
+        return ""
+    return b.decode(errors="replace") if isinstance(b, bytes) else b
+
+
+def _alias_without_install(work: Path) -> None:
+    """Makes the package and ``import torch.sagemaker`` work in later steps without pip.
+
+    The later steps' Pythons find the checkout on ``PYTHONPATH`` and run a ``sitecustomize``
+    that imports the alias finder, which the installed ``torch_sagemaker.pth`` does otherwise.
+    """
+    site = work / "site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text("import _torch_sagemaker_alias  # noqa: F401\n")
+    paths = [str(ROOT), str(site), os.environ.get("PYTHONPATH", "")]
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+
+
+def _use_carried_wheels(work: Path) -> None:
+    """Installs the wheels of ``.whl/`` (scripts/fetch_gpu_wheels.sh) for the later steps."""
+    wheels = sorted(str(w) for w in (ROOT / ".whl").glob("*.whl"))
+    if not wheels:
+        return
+    target = work / "wheels"
+    subprocess.run(
+        [PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--upgrade"]
+        + ["--target", str(target), *wheels],
+        check=True,
+    )
+    paths = [str(target), os.environ.get("PYTHONPATH", "")]
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+
+
+def _cuda() -> tuple[bool, str]:
+    import torch
+
+    if torch.cuda.is_available():
+        return True, ""
+    return False, f"no CUDA here (torch {torch.__version__}, torch.cuda.is_available() is False)"
+
+
+def _junit_outcomes(path: Path) -> dict[str, str]:
+    """Test id -> passed / failed / error / skipped: <reason>, from pytest's JUnit XML."""
+    if not path.exists():
+        return {}
+    outcomes = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        test_id = f"{case.get('classname')}::{case.get('name')}"
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome = child.tag
+            elif child.tag == "skipped":
+                outcome = "skipped: " + (child.get("message") or "")
+        outcomes[test_id] = outcome
+    return outcomes
+
+
+def _pytest_step(step: Step, paths: list[str], timeout: float, log, work: Path) -> None:
+    """Runs pytest on ``paths`` and records the outcome of each test."""
+    xml = work / f"{step.name}.xml"
+    rc, out = _run(
+        [PY, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", f"--junitxml={xml}", *paths],
+        timeout,
+        log,
+    )
+    step.tests = _junit_outcomes(xml)
+    summary = [
+        ln for ln in out.splitlines() if re.match(r"^=+ .*(passed|failed|skipped|error)", ln)
+    ]
+    tail = out.strip().splitlines()
+    step.detail = summary[-1].strip("= ") if summary else (tail[-1] if tail else "")
+    if rc is None:
+        step.status = "timed out"
+    elif rc == 0 and step.tests and all(v.startswith("skipped") for v in step.tests.values()):
+        step.status = "skipped"
+    elif rc == 0:
+        step.status = "passed"
+    else:
+        step.status = "failed"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the steps and writes the report; returns 1 if any step failed or timed out."""
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "outputs" / "gpu-check"))
+    p.add_argument("--bench-sizes", default="64K,1M,4M,16M,64M")
+    p.add_argument("--skip", default="", help="comma-separated step names to leave out")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=570,
+        help="seconds for the whole check: each step's timeout is cut to what is left, and a "
+        "step with under 20 s left is skipped (the device tool allows 600 s a command)",
+    )
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = ROOT / "build" / "gpu-check"
+    work.mkdir(parents=True, exist_ok=True)
+    skip = {s for s in args.skip.split(",") if s}
+    _use_carried_wheels(work)
+    has_cuda, no_cuda = _cuda()
+    started = time.monotonic()
+    steps: list[Step] = []
+    with open(out / "steps.log", "w") as log:
+
+        def step(name: str, what: str, body, needs_cuda: bool = False) -> None:
+            s = Step(name, what)
+            steps.append(s)
+            log.write(f"\n===== {name}: {what}\n")
+            if name in skip:
+                s.status, s.detail = "skipped", "left out with --skip"
+                return
+            if needs_cuda and not has_cuda:
+                s.status, s.detail = "skipped", no_cuda
+                return
+            if left() < 20:
+                s.status, s.detail = "skipped", f"out of time (--budget {args.budget:.0f} s)"
+                return
+            t0 = time.monotonic()
+            try:
+                body(s)
+            except Exception as e:  # a broken step must not stop the others
+                s.status, s.detail = "failed", f"{type(e).__name__}: {e}"
+            s.seconds = time.monotonic() - t0
+            first = s.detail.splitlines()[0] if s.detail else ""
+            print(f"[gpu-check] {name}: {s.status} ({s.seconds:.0f} s) {first}", flush=True)
+            # Written after every step: a check killed at its limit still leaves a report.
+            _write_report(out, steps, time.monotonic() - started, has_cuda)
+
+        def left() -> float:
+            return args.budget - (time.monotonic() - started)
+
+        def limit(seconds: float) -> float:
+            return max(1.0, min(seconds, left()))
+
+        def versions(s: Step) -> None:
+            rc, text = _run([PY, "-c", VERSIONS], limit(120), log)
+            _, shm = _run(["df", "-h", "/dev/shm"], limit(30), log)  # smddp's segments
+            text += shm
+            if shutil.which("nvidia-smi"):
+                _, smi = _run(["nvidia-smi"], 60, log)
+                text += smi
+            else:
+                text += "nvidia-smi: not on PATH\n"
+            s.status = "passed" if rc == 0 else "failed"
+            s.detail = text.strip()
+
+        def build(s: Step) -> None:
+            rc, _ = _run([PY, "-c", IMPORTS], limit(300), log)
+            if rc != 0:  # not installed yet: one editable install compiles and adds the alias
+                rc, text = _run(
+                    [
+                        PY,
+                        "-m",
+                        "pip",
+                        "install",
+                        "--no-deps",
+                        "--no-build-isolation",
+                        "--no-index",
+                        "-e",
+                        ".",
+                    ],
+                    limit(900),
+                    log,
+                )
+                if rc != 0:  # a read-only environment: build in place, alias by sitecustomize
+                    _alias_without_install(work)
+                    log.write("pip install -e failed; building in place with PYTHONPATH\n")
+            # Incremental: recompiles only what csrc/ changed since the last build.
+            rc, text = _run([PY, "setup.py", "-q", "build_ext", "--inplace"], limit(900), log)
+            if rc != 0:
+                s.status, s.detail = "failed", "build_ext failed:\n" + text[-3000:]
+                return
+            rc, text = _run([PY, "-c", IMPORTS], limit(300), log)
+            s.status = "passed" if rc == 0 else "failed"
+            s.detail = text.strip().splitlines()[-1] if text.strip() else ""
+
+        def tests(paths: list[str], timeout: float):
+            return lambda s: _pytest_step(s, paths, limit(timeout), log, work)
+
+        def bench(s: Step) -> None:
+            rc, text = _run(
+                [
+                    PY,
+                    "-m",
+                    "torch_sagemaker.bench",
+                    "gpu",
+                    "--nprocs",
+                    "2",
+                    "--sizes",
+                    args.bench_sizes,
+                    "--iters",
+                    "20",
+                ],
+                limit(300),
+                log,
+            )
+            s.status = "passed" if rc == 0 else ("timed out" if rc is None else "failed")
+            s.detail = text.strip()[-6000:]
+
+        step("versions", "versions and nvidia-smi", versions)
+        step("build", "the extension against this torch; import torch.sagemaker", build)
+        built = steps[-1].status == "passed"
+        for name, path, what, timeout in (
+            (
+                "smddp_cuda",
+                "tests/gpu/test_smddp_cuda.py",
+                "smddp on CUDA tensors (2 ranks), stream ordering, profiler, DDP/FSDP2",
+                180,
+            ),
+            ("offload_cuda", "tests/gpu/test_offload_cuda.py", "offloader's CUDA path", 150),
+            (
+                "parallel_cuda",
+                "tests/gpu/test_parallel_cuda.py",
+                "FSDP1 (SMP's call) and FSDP2 bf16, TP over DTensor, against one process",
+                240,
+            ),
+            ("example_cuda", "tests/gpu/test_example_cuda.py", "examples/train.py on 2 ranks", 180),
+            ("te_cuda", "tests/gpu/test_te_backend.py", "Transformer Engine TP backend", 120),
+        ):
+            if not built:
+                steps.append(Step(name, what, "skipped", detail="the build step failed"))
+                continue
+            step(name, what, tests([path], timeout))
+        step("bench_gpu", "bench gpu: bandwidth, staged all_reduce, kernels", bench, True)
+        step(
+            "cpu_staging",
+            "CPU tests of the staging code and the backend choice, on this torch",
+            tests(
+                [
+                    "tests/distributed/test_smddp_staging.py",
+                    "tests/unit/test_gpu_backend_choice.py",
+                ],
+                300,
+            ),
+        )
+    total = time.monotonic() - started
+    _write_report(out, steps, total, has_cuda)
+    bad = [s.name for s in steps if s.status in ("failed", "timed out")]
+    print(f"[gpu-check] {len(steps)} steps in {total:.0f} s; failed: {bad or 'none'}; report {out}")
+    return 1 if bad else 0
+
+
+def _write_report(out: Path, steps: list[Step], total: float, has_cuda: bool) -> None:
+    lines = [
+        "# gpu-check report",
+        "",
+        f"{'GPU run' if has_cuda else 'CPU rehearsal (no CUDA)'}, {total:.0f} s in all.",
+        "",
+        "| step | what | status | seconds | detail |",
+        "|---|---|---|---|---|",
+    ]
+    for s in steps:
+        first = s.detail.splitlines()[0] if s.detail else ""
+        lines.append(f"| {s.name} | {s.what} | {s.status} | {s.seconds:.0f} | {first} |")
+    for s in steps:
+        if s.tests:
+            lines += ["", f"## {s.name}", ""]
+            lines += [f"- {outcome}: `{test}`" for test, outcome in s.tests.items()]
+    for name in ("versions", "bench_gpu"):
+        s = next((x for x in steps if x.name == name), None)
+        if s and s.detail:
+            lines += ["", f"## {name}", "", "```", s.detail, "```"]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    (out / "report.json").write_text(json.dumps([asdict(s) for s in steps], indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
