@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
 )
 
+from torch_sagemaker._torch_compat import nn as nn_compat
 from torch_sagemaker.distributed.direct import all_reduce_direct
 
 
@@ -155,28 +156,50 @@ class SequenceParallelDropout(ParallelStyle):
 
 
 class ReplicateParallel(ParallelStyle):
-    """Every parameter replicated over the TP ranks; the module computes on replicated DTensors.
+    """Every parameter replicated over the TP ranks; the module computes on their local values.
 
-    For small modules inside a parallel region whose inputs are replicated (an MoE router):
-    keeping them as DTensors lets FSDP and the optimizer see one kind of parameter.
+    For small modules inside a parallel region whose inputs are replicated (an MoE router).
+    The parameters stay DTensors (``Replicate``), so FSDP and the optimizer see one kind of
+    parameter, and the tensor outputs are ``Replicate`` DTensors as before. The forward
+    itself runs on the local values of the inputs and parameters (Note [Replicated modules
+    compute locally]).
+
+    Note [Replicated modules compute locally]: every TP rank computes the same values, so
+    the local computation is the DTensor one without dispatch; gradients flow back through
+    ``to_local`` as ``Replicate``, which they are (every rank's are equal). Computing on
+    DTensors failed on torch 2.11: the backward of ``topk`` (a router's expert choice)
+    builds a plain zero tensor and scatters the DTensor gradient into it, which DTensor
+    refuses ("aten.scatter.src got mixed torch.Tensor and DTensor").
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def partition(_name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            _distribute_params(mod, mesh, [Replicate()], self.src_data_rank)
+        _distribute_params(module, device_mesh, [Replicate()], self.src_data_rank)
+        forward_impl = type(module).forward
 
-        def prepare_input(_mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-            return tuple(
-                DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-                if isinstance(x, torch.Tensor)
-                and not isinstance(x, DTensor)
-                and x.is_floating_point()
-                else x
-                for x in inputs
-            )
+        def local(x: Any) -> Any:
+            if isinstance(x, DTensor):
+                return x.redistribute(device_mesh, [Replicate()]).to_local()
+            return x  # a plain tensor is taken to be replicated
 
-        # torch annotates input_fn as returning None; its result is the hook's (new inputs).
-        return distribute_module(module, device_mesh, partition, prepare_input)  # type: ignore[arg-type]
+        def replicated(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+                return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+            return x
+
+        def forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            params = {
+                name: p.to_local() for name, p in mod.named_parameters() if isinstance(p, DTensor)
+            }
+            with nn_compat.parameters_swapped(mod, params):
+                out = forward_impl(
+                    mod, *(local(a) for a in args), **{k: local(v) for k, v in kwargs.items()}
+                )
+            if isinstance(out, (tuple, list)):  # a router returns (logits, scores, indices)
+                return type(out)(replicated(o) for o in out)
+            return replicated(out)
+
+        module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
+        return module
 
 
 class _LocalExpertsView:
