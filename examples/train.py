@@ -41,16 +41,20 @@ def rank0_print(*values) -> None:
 def evaluate(model, loader, max_batches: int) -> float:
     """Mean validation loss over ``max_batches`` batches, averaged over data-parallel ranks."""
     model.eval()
-    total, count = torch.zeros((), dtype=torch.float64), 0
+    total, count = 0.0, 0
     with torch.no_grad():
         for i, batch in enumerate(loader):
             if i >= max_batches:
                 break
             batch = data.batch_for_cp_rank(batch)
-            total += model(input_ids=batch, attention_mask=None, labels=batch).loss.double()
+            total += float(model(input_ids=batch, attention_mask=None, labels=batch).loss)
             count += 1
     model.train()
-    stats = torch.tensor([total.item(), count], dtype=torch.float64)
+    # On the device the losses live on: NCCL takes only CUDA tensors.
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    )
+    stats = torch.tensor([total, count], dtype=torch.float64, device=device)
     dist.all_reduce(stats)
     return (stats[0] / stats[1]).item()
 
