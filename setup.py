@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import subprocess
 
 import torch
 from setuptools import find_packages, setup
@@ -79,6 +80,38 @@ class BuildExtensionInTree(BuildExtension):
     def finalize_options(self) -> None:
         super().finalize_options()
         self.build_temp = os.path.join(HERE, "build", "temp")
+
+    def build_extensions(self) -> None:
+        super().build_extensions()
+        for ext in self.extensions:
+            _refuse_private_libstdcxx(self.get_ext_fullpath(ext.name))
+
+
+# Note [One libstdc++]: the extension must use the process's shared libstdc++, the one torch
+# uses. A toolchain whose g++ links its own libstdc++ statically (seen: a GCC installed under
+# /opt/gcc and named by CXX) puts a second copy in the extension, with its own stream and
+# locale state; the first error message that formatted an integer then crashed the process.
+# These are libstdc++'s own symbols (the insertion of a long into a stream, the stream
+# initializer, the classic locale): a library that defines them carries a copy.
+_LIBSTDCXX_OWN = ("_ZNSo9_M_insertIlEERSoT_", "_ZNSt8ios_base4InitC1Ev", "_ZNSt6locale7classicEv")
+
+
+def _refuse_private_libstdcxx(path: str) -> None:
+    """Fails the build, naming the compiler and the fix, if ``path`` carries libstdc++."""
+    if not os.path.exists(path) or shutil.which("nm") is None:
+        return
+    out = subprocess.run(["nm", "--defined-only", path], capture_output=True, text=True).stdout
+    carried = sorted(
+        {line.split()[-1] for line in out.splitlines() if line.strip()} & set(_LIBSTDCXX_OWN)
+    )
+    if carried:
+        os.remove(path)
+        raise RuntimeError(
+            f"{path} was linked with its own copy of libstdc++ (it defines {carried}), "
+            "which crashes next to torch's. The compiler was "
+            f"CXX={os.environ.get('CXX', 'c++')!r}. "
+            "Build with the system compiler instead, e.g. CC=gcc CXX=g++ pip install -e ."
+        )
 
 
 csrc_sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))

@@ -54,6 +54,26 @@ for name in ("transformers", "accelerate", "safetensors", "transformer_engine"):
         print(name, "missing:", type(e).__name__)
 """
 
+PIP_EDITABLE = [
+    PY,
+    "-m",
+    "pip",
+    "install",
+    "--no-deps",
+    "--no-build-isolation",
+    "--no-index",
+    "-e",
+    ".",
+]
+PRIVATE_LIBSTDCXX = "its own copy of libstdc++"  # setup.py's error (Note [One libstdc++])
+
+# How this interpreter links extensions (Note [One libstdc++] in setup.py).
+BUILD_ENV = r"""
+import os, sysconfig
+for key in ("CC", "CXX", "LDSHARED", "LDCXXSHARED", "LDFLAGS", "CFLAGS", "CXXFLAGS"):
+    print(f"{key}: env={os.environ.get(key)!r} sysconfig={sysconfig.get_config_var(key)!r}")
+"""
+
 IMPORTS = r"""
 import torch.sagemaker as tsm
 import torch_sagemaker._C
@@ -237,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def versions(s: Step) -> None:
             rc, text = _run([PY, "-c", VERSIONS], limit(120), log)
+            _, flags = _run([PY, "-c", BUILD_ENV], limit(60), log)
+            text += flags
             _, shm = _run(["df", "-h", "/dev/shm"], limit(30), log)  # smddp's segments
             text += shm
             if shutil.which("nvidia-smi"):
@@ -248,26 +270,22 @@ def main(argv: list[str] | None = None) -> int:
             s.detail = text.strip()
 
         def build(s: Step) -> None:
+            notes = []
             rc, _ = _run([PY, "-c", IMPORTS], limit(300), log)
             if rc != 0:  # not installed yet: one editable install compiles and adds the alias
-                rc, text = _run(
-                    [
-                        PY,
-                        "-m",
-                        "pip",
-                        "install",
-                        "--no-deps",
-                        "--no-build-isolation",
-                        "--no-index",
-                        "-e",
-                        ".",
-                    ],
-                    limit(900),
-                    log,
-                )
+                rc, text = _run(PIP_EDITABLE, limit(900), log)
+                if rc != 0 and PRIVATE_LIBSTDCXX in text and "CXX" in os.environ:
+                    # Note [One libstdc++] in setup.py: this machine's CXX links its own
+                    # libstdc++; the interpreter's default compiler is the one torch matches.
+                    notes.append(
+                        f"CXX={os.environ['CXX']} links a private libstdc++; used the default"
+                    )
+                    for key in ("CC", "CXX"):
+                        os.environ.pop(key, None)
+                    rc, text = _run(PIP_EDITABLE, limit(900), log)
                 if rc != 0:  # a read-only environment: build in place, alias by sitecustomize
                     _alias_without_install(work)
-                    log.write("pip install -e failed; building in place with PYTHONPATH\n")
+                    notes.append("pip install -e failed; built in place with PYTHONPATH")
             # Incremental: recompiles only what csrc/ changed since the last build.
             rc, text = _run([PY, "setup.py", "-q", "build_ext", "--inplace"], limit(900), log)
             if rc != 0:
@@ -275,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
                 return
             rc, text = _run([PY, "-c", IMPORTS], limit(300), log)
             s.status = "passed" if rc == 0 else "failed"
-            s.detail = text.strip().splitlines()[-1] if text.strip() else ""
+            last = text.strip().splitlines()[-1] if text.strip() else ""
+            s.detail = "; ".join([last, *notes])
 
         def tests(paths: list[str], timeout: float):
             return lambda s: _pytest_step(s, paths, limit(timeout), log, work)
@@ -332,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                 [
                     "tests/distributed/test_smddp_staging.py",
                     "tests/unit/test_gpu_backend_choice.py",
+                    "tests/unit/test_extension_build.py",
                 ],
                 300,
             ),
