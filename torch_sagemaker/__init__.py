@@ -13,13 +13,13 @@ from torch_sagemaker._version import __version__
 from torch_sagemaker.config import ConfigError, SMPConfig
 from torch_sagemaker.distributed import fsdp2_buffers as _fsdp2_buffers
 from torch_sagemaker.distributed.backend import register as _register_backend
-from torch_sagemaker.distributed.checkpoint import torch_compat as _torch_compat
+from torch_sagemaker.distributed.checkpoint import torch_compat as _dcp_patches
 from torch_sagemaker.offload import offload_wrapper
 from torch_sagemaker.state import state
 
 _register_backend()
 # SMP's scripts bind DCP's optimizer loader at import time, before tsm.init(): patch it now.
-_torch_compat.install()
+_dcp_patches.install()
 # Every fully_shard on smddp reads its buffers in place (Note [Pool buffers for every FSDP2 user]).
 _fsdp2_buffers.install()
 

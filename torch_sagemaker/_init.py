@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch_sagemaker.offload  # noqa: F401  routes torch's offload_wrapper (offload/torch_patch.py)
 from torch_sagemaker import config as config_lib
 from torch_sagemaker import topology
+from torch_sagemaker._torch_compat import c10d as c10d_compat
 from torch_sagemaker.distributed import backend as backend_lib
 from torch_sagemaker.distributed.mesh import build_groups
 from torch_sagemaker.logger import log_rank0, warn_once
@@ -144,7 +145,7 @@ def _same_on_every_rank(
     )
     text = json.dumps(mine, sort_keys=True)
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
-    device = dist.distributed_c10d._get_object_coll_device()
+    device = c10d_compat.object_collective_device()
     digests = [
         torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())
     ]

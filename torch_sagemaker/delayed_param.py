@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from torch_sagemaker._torch_compat import nn as nn_compat
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.utils.module_utils import (
     default_device,
@@ -46,6 +47,11 @@ from torch_sagemaker.utils.module_utils import (
 )
 
 _DEFAULT_STD = 0.02
+# A module's own parameters or buffers, the dictionary itself.
+_OWN_TENSORS: dict[str, Callable[[nn.Module], dict[str, Any]]] = {
+    "parameter": nn_compat.own_parameters,
+    "buffer": nn_compat.own_buffers,
+}
 
 
 def _module_seed(base_seed: int, name: str) -> int:
@@ -198,7 +204,7 @@ class DelayedParamIniter:
         snapshot = {
             (id(m), n): b.detach().clone()
             for m in self.model.modules()
-            for n, b in m._buffers.items()
+            for n, b in nn_compat.own_buffers(m).items()
             if b is not None and not b.is_meta
         }
         self.model.to_empty(device=self.device)
@@ -250,19 +256,20 @@ class DelayedParamIniter:
             return
         self._done_modules.add(id(module))
         # Tied parameters: initialized through their canonical owner, then shared.
-        for name, p in list(module._parameters.items()):
+        params = nn_compat.own_parameters(module)
+        for name, p in list(params.items()):
             if p is None:
                 continue
             owner = self._canonical_owner.get(id(p), module)
             if owner is not module:
                 self._init_module(owner, force=force, snapshot=snapshot)
-                module._parameters[name] = self._materialized.get(id(p), p)
+                params[name] = self._materialized.get(id(p), p)
         pending = [
             n
-            for n, p in module._parameters.items()
+            for n, p in params.items()
             if p is not None and id(p) not in self._inited_params and (force or p.is_meta)
         ]
-        meta_ids = {n: id(p) for n, p in module._parameters.items() if p is not None and p.is_meta}
+        meta_ids = {n: id(p) for n, p in params.items() if p is not None and p.is_meta}
         name = self._names.get(id(module), type(module).__name__)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_module_seed(self.seed, name))
@@ -270,10 +277,11 @@ class DelayedParamIniter:
                 self.init_method_using_config(module)
             else:
                 self._default_init(module, name, pending, force, snapshot)
+        params = nn_compat.own_parameters(module)  # as the init left them
         for n, old_id in meta_ids.items():
-            self._materialized[old_id] = cast(nn.Parameter, module._parameters[n])  # not None
+            self._materialized[old_id] = cast(nn.Parameter, params[n])  # not None
         for n in pending:
-            p = cast(nn.Parameter, module._parameters[n])  # pending names only non-None ones
+            p = cast(nn.Parameter, params[n])  # pending names only non-None ones
             if id(p) not in self._inited_params:
                 self._inited_params.add(id(p))
                 self._inited_numel += p.numel()
@@ -289,35 +297,39 @@ class DelayedParamIniter:
         snapshot: dict[tuple[int, str], torch.Tensor] | None,
     ) -> None:
         empty_module_params(module, self.device)
-        buffers = [n for n, b in module._buffers.items() if b is not None and (force or b.is_meta)]
+        buffers = [
+            n
+            for n, b in nn_compat.own_buffers(module).items()
+            if b is not None and (force or b.is_meta)
+        ]
         move_buffers_to_device(module, self.device)
         if not pending and not buffers:
             return
         real: dict[str, dict[str, Any]] = {  # tensors only: both lists skip None entries
-            "_parameters": {n: module._parameters[n] for n in pending},
-            "_buffers": {n: module._buffers[n] for n in buffers},
+            "parameter": {n: nn_compat.own_parameters(module)[n] for n in pending},
+            "buffer": {n: nn_compat.own_buffers(module)[n] for n in buffers},
         }
-        shadows: dict[str, dict[str, torch.Tensor]] = {"_parameters": {}, "_buffers": {}}
+        shadows: dict[str, dict[str, torch.Tensor]] = {"parameter": {}, "buffer": {}}
         checked: list[tuple[str, torch.Tensor]] = []
         for kind, tensors in real.items():
             for n, t in tensors.items():
-                saved = snapshot.get((id(module), n)) if snapshot and kind == "_buffers" else None
+                saved = snapshot.get((id(module), n)) if snapshot and kind == "buffer" else None
                 if saved is not None:
                     shadow = saved.clone()
                 else:
                     shadow = torch.empty(t.shape, dtype=t.dtype, device="cpu")
                     if shadow.is_floating_point() or shadow.is_complex():
                         shadow.fill_(float("nan"))
-                        checked.append((f"{kind[1:-1]} {n}", shadow))
+                        checked.append((f"{kind} {n}", shadow))
                     else:
                         shadow.zero_()
-                if kind == "_parameters":
+                if kind == "parameter":
                     shadow = nn.Parameter(shadow, requires_grad=False)
                 shadows[kind][n] = shadow
         owner = self._init_owner.get(id(module))
         try:
             for kind in shadows:
-                getattr(module, kind).update(shadows[kind])
+                _OWN_TENSORS[kind](module).update(shadows[kind])
             with torch.no_grad():
                 if owner is not None:
                     cast(Callable[[nn.Module], None], owner._init_weights)(module)
@@ -325,7 +337,7 @@ class DelayedParamIniter:
                     _generic_init(module, self._std(None))
         finally:
             for kind in real:
-                getattr(module, kind).update(real[kind])
+                _OWN_TENSORS[kind](module).update(real[kind])
         bad = [what for what, s in checked if torch.isnan(s).any()]
         if bad:
             raise RuntimeError(

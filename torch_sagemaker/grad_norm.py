@@ -40,8 +40,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from torch_sagemaker._torch_compat import dtensor as dtensor_compat
+from torch_sagemaker._torch_compat import fsdp1 as fsdp1_compat
 from torch_sagemaker.distributed.direct import all_reduce_direct
 
 
@@ -58,7 +59,7 @@ class _Piece(NamedTuple):
 def _is_sharded(placement) -> bool:
     # FSDP2 shards a parameter that is already sharded on the same tensor dim (EP or TP
     # Shard(0)) with ``_StridedShard``, which is not a ``Shard`` and says ``is_shard() == False``.
-    return placement.is_shard() or isinstance(placement, _StridedShard)
+    return placement.is_shard() or isinstance(placement, dtensor_compat.StridedShard)
 
 
 def _axes_of(mesh, placements) -> tuple[tuple, tuple]:
@@ -129,7 +130,7 @@ def _fsdp1_pieces(model: nn.Module) -> Iterator[_Piece]:
     """
     seen: set[int] = set()
     for fsdp in FullyShardedDataParallel.fsdp_modules(model):
-        handle = fsdp._handle
+        handle = fsdp1_compat.handle(fsdp)
         if handle is None:  # a unit that manages no parameters
             continue
         flat = handle.flat_param
@@ -139,12 +140,14 @@ def _fsdp1_pieces(model: nn.Module) -> Iterator[_Piece]:
             # HYBRID_SHARD's process_group is the shard group; replicas hold equal shards.
             shard_key = (("fsdp1_shard", tuple(dist.get_process_group_ranks(fsdp.process_group))),)
             shard_groups = (fsdp.process_group,)
-        for i, info in enumerate(flat._shard_param_infos):
-            if flat._params is not None:  # use_orig_params: gradients are views per parameter
-                if id(flat._params[i]) in seen:
+        params = fsdp1_compat.original_params(flat)
+        extensions = fsdp1_compat.param_extensions(flat)
+        for i, info in enumerate(fsdp1_compat.shard_param_infos(flat)):
+            if params is not None:  # use_orig_params: gradients are views per parameter
+                if id(params[i]) in seen:
                     continue
-                seen.add(id(flat._params[i]))
-                grad = flat._params[i].grad if info.in_shard else None
+                seen.add(id(params[i]))
+                grad = params[i].grad if info.in_shard else None
             elif info.in_shard and flat.grad is not None:
                 start, numel = info.offset_in_shard, info.numel_in_shard
                 assert start is not None and numel is not None  # FSDP sets both when in_shard
@@ -152,7 +155,7 @@ def _fsdp1_pieces(model: nn.Module) -> Iterator[_Piece]:
             else:
                 grad = None
             key, groups = shard_key, shard_groups
-            spec = flat._param_extensions[i]  # DTensorSpec of a TP parameter, else None
+            spec = extensions[i]  # DTensorSpec of a TP parameter, else None
             if spec is not None:
                 tp_key, tp_groups = _axes_of(spec.mesh, spec.placements)
                 key, groups = key + tp_key, groups + tp_groups
@@ -161,11 +164,12 @@ def _fsdp1_pieces(model: nn.Module) -> Iterator[_Piece]:
 
 
 def _fsdp1_managed(model: nn.Module) -> set[int]:
+    handles = [fsdp1_compat.handle(fsdp) for fsdp in FullyShardedDataParallel.fsdp_modules(model)]
     return {
         id(p)
-        for fsdp in FullyShardedDataParallel.fsdp_modules(model)
-        if fsdp._handle is not None
-        for p in [fsdp._handle.flat_param, *(fsdp._handle.flat_param._params or ())]
+        for handle in handles
+        if handle is not None
+        for p in [handle.flat_param, *(fsdp1_compat.original_params(handle.flat_param) or ())]
     }
 
 

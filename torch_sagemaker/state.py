@@ -54,20 +54,9 @@ def _clear_dtensor_caches() -> None:
     destroyed groups. The redistribute planners and the transform and mesh-topology caches
     also keep meshes, so destroyed groups (and their threads) would live on.
     """
-    import torch
-    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+    from torch_sagemaker._torch_compat import dtensor as dtensor_compat
 
-    torch._C._clear_DTensor_sharding_propagator_cache()
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    _redistribute.clear_redistribute_planner_cache()
-    # Private lru_caches of torch 2.13, looked up so that a torch without them still works.
-    for cached in (
-        getattr(_redistribute, "_gen_transform_infos", None),
-        getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None),
-    ):
-        clear = getattr(cached, "cache_clear", None)
-        if clear is not None:
-            clear()
+    dtensor_compat.clear_caches()
 
 
 @dataclass

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch_sagemaker._torch_compat import tensor as tensor_compat
 from torch_sagemaker.bench import comma_list, end_rank, run_ranks
 from torch_sagemaker.bench.collectives_report import (
     PASSES,
@@ -228,9 +229,8 @@ def _sparse_case(nbytes: int, world: int, rank: int, group):
     def check():
         t = base.clone()
         dist.all_reduce(t, group=group)
-        return (
-            t.is_coalesced() and t._values().sum().item() == rows * width * world * (world + 1) / 2
-        )
+        expected = rows * width * world * (world + 1) / 2
+        return t.is_coalesced() and tensor_compat.sparse_values(t).sum().item() == expected
 
     return run, check, rows * width * 4
 

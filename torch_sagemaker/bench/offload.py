@@ -35,13 +35,14 @@ class Config:
 
 def build_model(args: argparse.Namespace) -> nn.Module:
     """The checkpointed tiny Llama (same weights for every configuration)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from torch_sagemaker._torch_compat.checkpoint_wrapper import (
         CheckpointImpl,
         apply_activation_checkpointing,
         checkpoint_wrapper,
     )
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
@@ -69,8 +70,7 @@ def configs(args: argparse.Namespace) -> list[Config]:
     The plain model (the baseline), the same with the offload hooks only counting (the
     memory baseline), the prefetching offloader per horizon, and PyTorch's wrapper.
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import OffloadWrapper
-
+    from torch_sagemaker._torch_compat.checkpoint_wrapper import OffloadWrapper
     from torch_sagemaker.offload import PrefetchOffloadWrapper
 
     rows = [

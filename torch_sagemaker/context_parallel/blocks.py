@@ -39,8 +39,10 @@ from __future__ import annotations
 
 import torch
 
-_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+from torch_sagemaker._torch_compat import aten
+
+_FLASH_CPU = aten.FLASH_ATTENTION_CPU
+_FLASH_CPU_BACKWARD = aten.FLASH_ATTENTION_CPU_BACKWARD
 
 
 def _use_flash(q: torch.Tensor, k: torch.Tensor) -> bool:

@@ -22,6 +22,8 @@ import atexit
 import torch
 import torch.distributed as dist
 
+from torch_sagemaker._torch_compat import c10d as c10d_compat
+
 BACKEND_NAME = "smddp"
 #: The device types the backend is registered for. "smddp" alone then means
 #: "cpu:smddp,cuda:smddp": one backend object serves both, as SMP's scripts expect from
@@ -109,7 +111,7 @@ def kernel_isa() -> str:
 def _smddp_backend(group: dist.ProcessGroup | None):
     group = group or dist.group.WORLD
     assert group is not None, "the default process group is not initialized"
-    backend = group._get_backend(torch.device("cpu"))
+    backend = c10d_compat.backend_of(group, torch.device("cpu"))
     if not hasattr(backend, "_layout"):
         raise ValueError(f"group {group} does not use the smddp backend for CPU tensors")
     return backend

@@ -16,26 +16,29 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import GroupMember, _world
+from torch.distributed.distributed_c10d import GroupMember
+
+from torch_sagemaker._torch_compat import c10d as c10d_compat
 
 _SUM = dist.ReduceOp.SUM
+# Bound once: the module attribute lookup would add to every call of the fast path.
+_default_group_or_none = c10d_compat.default_group_or_none
 
 # group -> its smddp CPU backend, or None when the group's CPU backend is something else.
 # Entries of destroyed groups are dropped at the next miss.
-# (A group's CPU backend is a torch_sagemaker._C.ProcessGroupSMDDP, typed Any: c10d's
-# _get_backend returns the generic Backend.)
+# (A group's CPU backend is a torch_sagemaker._C.ProcessGroupSMDDP, typed Any.)
 _backends: dict[dist.ProcessGroup | None, Any] = {}
 _UNRESOLVED = object()
 
 
 def _resolve(group: dist.ProcessGroup | None) -> Any:
-    live = set(_world.pg_map)
+    live = set(c10d_compat.live_groups())
     for stale in [g for g in _backends if g not in live]:
         del _backends[stale]
     if group is None or group is GroupMember.NON_GROUP_MEMBER or group not in live:
         return None  # dist.all_reduce applies its rules; nothing worth caching
     try:
-        backend = group._get_backend(torch.device("cpu"))
+        backend = c10d_compat.backend_of(group, torch.device("cpu"))
     except RuntimeError:  # the group has no CPU backend
         backend = None
     if not hasattr(backend, "_all_reduce_direct"):
@@ -71,7 +74,7 @@ def all_reduce_direct(
     """
     # Every check here costs tens of nanoseconds on a path that takes about one microsecond.
     if group is None:
-        group = _world._default_pg
+        group = _default_group_or_none()
     backend = _backends.get(group, _UNRESOLVED)
     if backend is _UNRESOLVED:
         backend = _resolve(group)

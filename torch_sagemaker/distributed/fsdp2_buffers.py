@@ -30,8 +30,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
+from torch_sagemaker._torch_compat import c10d as c10d_compat
+from torch_sagemaker._torch_compat import fsdp2 as fsdp2_compat
+from torch_sagemaker._torch_compat.fsdp2 import FSDPParamGroup
 from torch_sagemaker.distributed.backend import BACKEND_NAME
 
 _original_init: Any = None
@@ -40,7 +42,7 @@ _original_init: Any = None
 def runs_on_smddp(group: dist.ProcessGroup) -> bool:
     """Whether ``group`` runs its CPU collectives on the smddp backend."""
     try:
-        backend = group._get_backend(torch.device("cpu"))
+        backend = c10d_compat.backend_of(group, torch.device("cpu"))
     except RuntimeError:  # the group has no CPU backend
         return False
     return backend.name() == BACKEND_NAME
@@ -50,8 +52,8 @@ def _use_pool_buffers(param_group: FSDPParamGroup) -> None:
     if param_group.device.type != "cpu":
         return
     groups = (
-        param_group._all_gather_process_group,
-        param_group._reduce_scatter_process_group,
+        fsdp2_compat.all_gather_process_group(param_group),
+        fsdp2_compat.reduce_scatter_process_group(param_group),
     )
     if all(runs_on_smddp(g) for g in groups):
         param_group.set_allocate_memory_from_process_group(True)

@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from torch_sagemaker._torch_compat import nn as nn_compat
 from torch_sagemaker.moe import collectives as coll
 
 #: Attribute set on an experts module that ``split_experts`` prepared (the sharding looks for it).
@@ -138,7 +139,7 @@ def split_experts(
             )
         # Assigned directly: SMP's scripts call tsm.transform under accelerate's
         # init_empty_weights(), whose patched register_parameter cannot rebuild a DTensor.
-        module._parameters[name] = _ep_parameter(param, ep_mesh, src_data_rank)
+        nn_compat.own_parameters(module)[name] = _ep_parameter(param, ep_mesh, src_data_rank)
     num_local = num_experts // ep
     first = ep_mesh.get_local_rank() * num_local
     group = ep_mesh.get_group()

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from torch_sagemaker._torch_compat import autograd as autograd_compat
 from torch_sagemaker.moe import collectives as coll
 
 
@@ -48,7 +49,7 @@ class TokenShuffle:
         self._last_perm: torch.Tensor | None = None
 
     def _permutation(self, n: int) -> torch.Tensor:
-        recomputing = torch._C._current_graph_task_id() != -1
+        recomputing = autograd_compat.current_graph_task_id() != -1
         if recomputing and self._last_perm is not None and self._last_perm.numel() == n:
             return self._last_perm
         self._last_perm = torch.randperm(n, generator=self.generator)

@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
+from torch_sagemaker._torch_compat import autograd as autograd_compat
+from torch_sagemaker._torch_compat.pytree import tree_leaves
 from torch_sagemaker.offload import hooks as hooks_lib
 from torch_sagemaker.offload.buffers import HostBufferPool
 from torch_sagemaker.offload.records import (
@@ -361,7 +362,7 @@ class OffloadEngine:
         if self._callback_queued:
             return
         try:
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
+            autograd_compat.queue_callback(self._backward_finished)
         except RuntimeError:
             return  # unpacked outside a backward pass: nothing will finish
         self._callback_queued = True

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 from torch import nn
 
+from torch_sagemaker._torch_compat import tensor as tensor_compat
+
 if TYPE_CHECKING:
     from torch_sagemaker.offload.records import PassRecord, StorageRecord, UnitRecord
     from torch_sagemaker.offload.stats import StatsRecorder
@@ -151,7 +153,7 @@ def split_dtensor(tensor: torch.Tensor) -> tuple[torch.Tensor, DTensorMeta | Non
         meta = DTensorMeta(
             tensor.device_mesh, tuple(tensor.placements), tensor.shape, tuple(tensor.stride())
         )
-        return tensor._local_tensor, meta
+        return tensor_compat.local_tensor(tensor), meta
     return tensor, None
 
 
@@ -164,7 +166,8 @@ def is_parameter_like(tensor: torch.Tensor) -> bool:
     view made inside a custom ``Function.forward`` can itself claim to be a leaf that
     requires grad.
     """
-    root = tensor._base if tensor._base is not None else tensor
+    base = tensor_compat.view_base(tensor)
+    root = base if base is not None else tensor
     return isinstance(root, nn.Parameter) or (root.is_leaf and root.requires_grad)
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from torch_sagemaker._torch_compat import tensor as tensor_compat
 from torch_sagemaker.offload.buffers import HostBlock
 from torch_sagemaker.offload.schedule import PrefetchSchedule
 from torch_sagemaker.offload.streams import FetchTicket, OffloadTicket
@@ -175,5 +176,5 @@ def free_pass(
 
 
 def _storage_ptr(tensor: torch.Tensor) -> int:
-    local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's local shard
+    local = tensor_compat.local_tensor_or_self(tensor)  # a DTensor's local shard
     return local.untyped_storage().data_ptr()

@@ -26,9 +26,12 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as _torch_module
 
+from torch_sagemaker._torch_compat import checkpoint_wrapper as cw_compat
 from torch_sagemaker.state import state
+
+# ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``, the owner of the attribute.
+_torch_module = cw_compat.TORCH_MODULE
 
 # PyTorch's function, captured before the patch (installing twice keeps the first capture).
 _native = getattr(_torch_module.offload_wrapper, "__tsm_native__", _torch_module.offload_wrapper)

@@ -22,11 +22,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointWrapper,
-    OffloadWrapper,
-)
 
+from torch_sagemaker._torch_compat.checkpoint_wrapper import CheckpointWrapper, OffloadWrapper
 from torch_sagemaker.logger import warn_once
 from torch_sagemaker.offload.engine import DEFAULT_MAX_STASH_BYTES, OffloadEngine
 from torch_sagemaker.offload.stats import OffloadStats

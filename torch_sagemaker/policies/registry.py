@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from torch_sagemaker._torch_compat import checkpoint_wrapper as cw_compat
 from torch_sagemaker.policies.gpt_neox import GPT_NEOX
 from torch_sagemaker.policies.llama import LLAMA
 from torch_sagemaker.policies.mistral import MISTRAL
@@ -93,7 +94,7 @@ def get_policy(model: nn.Module) -> ModelPolicy | None:
         policy = getattr(seen, POLICY_ATTR, None)
         if policy is not None:
             return policy
-        inner = getattr(seen, "_checkpoint_wrapped_module", None) or getattr(seen, "module", None)
+        inner = cw_compat.wrapped_module_or_none(seen) or getattr(seen, "module", None)
         if not isinstance(inner, nn.Module):
             return None
         seen = inner

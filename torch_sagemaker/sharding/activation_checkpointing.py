@@ -18,8 +18,8 @@ import functools
 from collections.abc import Callable
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as _cw
 
+from torch_sagemaker._torch_compat import checkpoint_wrapper as _cw
 from torch_sagemaker.logger import warn_once
 from torch_sagemaker.sharding.fsdp2 import transformer_layer_classes
 
@@ -80,9 +80,7 @@ def apply_activation_checkpointing(
     # A layer already inside a wrapper would otherwise be wrapped a second time (and
     # recomputed twice in backward).
     wrapped = {
-        id(m._checkpoint_wrapped_module)
-        for m in model.modules()
-        if isinstance(m, _cw.CheckpointWrapper)
+        id(_cw.wrapped_module(m)) for m in model.modules() if isinstance(m, _cw.CheckpointWrapper)
     }
     targets = {
         id(m) for m in model.modules() if m is not model and id(m) not in wrapped and check_fn(m)

@@ -27,7 +27,6 @@ average over the expert group then equals the mean over all data-parallel ranks.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -40,13 +39,14 @@ from torch.distributed.fsdp import (
     ShardingStrategy,
     fully_shard,
 )
-from torch.distributed.fsdp.wrap import _or_policy, _Policy, lambda_auto_wrap_policy
+from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
+from torch_sagemaker._torch_compat import fsdp1 as fsdp1_compat
 from torch_sagemaker.moe.experts import is_split
 from torch_sagemaker.moe.moe_layer import MoELayer
 from torch_sagemaker.state import state
 
-_ZERO2 = (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)
+_ZERO2 = (ShardingStrategy.SHARD_GRAD_OP, fsdp1_compat.HYBRID_SHARD_ZERO2)
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
@@ -89,20 +89,21 @@ def fsdp1_expert_sharding(strategy: ShardingStrategy) -> tuple[ShardingStrategy,
             ShardingStrategy.SHARD_GRAD_OP if zero2 else ShardingStrategy.FULL_SHARD
         ), state.fsdp_shard_mesh
     return (
-        ShardingStrategy._HYBRID_SHARD_ZERO2 if zero2 else ShardingStrategy.HYBRID_SHARD
+        fsdp1_compat.HYBRID_SHARD_ZERO2 if zero2 else ShardingStrategy.HYBRID_SHARD
     ), state.expert_fsdp_mesh
 
 
-class _WithExperts(_Policy):
+class _WithExperts(fsdp1_compat.WrapPolicy):
     """A ``_Policy`` (e.g. ``ModuleWrapPolicy``) that also wraps the given experts modules."""
 
-    def __init__(self, inner: _Policy, targets: list[nn.Module]) -> None:
+    def __init__(self, inner: fsdp1_compat.Policy, targets: list[nn.Module]) -> None:
         self._inner, self._targets = inner, targets
 
-    def _run_policy(
+    def run_policy(
         self, root_module: nn.Module, ignored_modules: set[nn.Module], root_kwargs: dict[str, Any]
     ) -> dict[nn.Module, dict[str, Any]]:
-        result = self._inner._run_policy(root_module, ignored_modules, root_kwargs)
+        """The inner policy's units, plus every target module that is not ignored."""
+        result = fsdp1_compat.run_policy(self._inner, root_module, ignored_modules, root_kwargs)
         for module in self._targets:
             if module not in ignored_modules:
                 result.setdefault(module, dict(root_kwargs))
@@ -154,10 +155,12 @@ def fsdp1_root_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> None:
         pass
     elif policy is None:
         kwargs["auto_wrap_policy"] = wrap_experts
-    elif isinstance(policy, _Policy):
+    elif isinstance(policy, fsdp1_compat.Policy):
         kwargs["auto_wrap_policy"] = _WithExperts(policy, targets)
     else:
-        kwargs["auto_wrap_policy"] = functools.partial(_or_policy, policies=[policy, wrap_experts])
+        kwargs["auto_wrap_policy"] = functools.partial(
+            fsdp1_compat.or_policy, policies=[policy, wrap_experts]
+        )
     mp = kwargs.get("mixed_precision")
     router_classes = {type(r) for r in routers(model)}
     if (
@@ -165,8 +168,8 @@ def fsdp1_root_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> None:
         and router_classes
         and mp.param_dtype not in (None, torch.float32)
     ):
-        ignored = tuple(set(mp._module_classes_to_ignore) | router_classes)
-        kwargs["mixed_precision"] = dataclasses.replace(mp, _module_classes_to_ignore=ignored)
+        ignored = tuple(set(fsdp1_compat.module_classes_to_ignore(mp)) | router_classes)
+        kwargs["mixed_precision"] = fsdp1_compat.with_module_classes_to_ignore(mp, ignored)
 
 
 def expert_fsdp2_mesh() -> DeviceMesh:

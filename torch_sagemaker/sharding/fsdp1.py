@@ -54,13 +54,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
+from torch_sagemaker._torch_compat import fsdp1 as fsdp1_compat
 from torch_sagemaker.context_parallel import check_prepared
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.moe.experts import is_split
 from torch_sagemaker.sharding import cache_flush, experts, fsdp1_layout
 from torch_sagemaker.state import state
 
-_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+_HYBRID = (ShardingStrategy.HYBRID_SHARD, fsdp1_compat.HYBRID_SHARD_ZERO2)
 _original_init = FullyShardedDataParallel.__init__
 _local = threading.local()  # nesting depth: auto-wrap constructs child FSDP units recursively
 _logged: set[tuple] = set()
@@ -101,7 +102,7 @@ def resolve_sharding(strategy: ShardingStrategy | None) -> tuple[ShardingStrateg
         return strategy, state.fsdp_shard_mesh if state.layout.dp_replicate == 1 else state.dp_mesh
     if requested == 1:
         return ShardingStrategy.NO_SHARD, state.device_mesh["dp_replicate"]
-    if strategy is not ShardingStrategy._HYBRID_SHARD_ZERO2:
+    if strategy is not fsdp1_compat.HYBRID_SHARD_ZERO2:
         strategy = ShardingStrategy.HYBRID_SHARD
     return strategy, state.fsdp_mesh
 

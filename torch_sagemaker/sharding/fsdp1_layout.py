@@ -50,14 +50,18 @@ steps (local shards, not DTensors). Forward and backward still see DTensor views
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel.fsdp import DTensorExtensions
 
+from torch_sagemaker._torch_compat import fsdp1 as fsdp1_compat
+from torch_sagemaker._torch_compat import nn as nn_compat
+from torch_sagemaker._torch_compat import tensor as tensor_compat
 from torch_sagemaker.sharding import fsdp1_state_dict
 
 
@@ -101,22 +105,25 @@ def _register_local_parameters(handle: Any) -> None:
     See Note [FSDP1 NO_SHARD with DTensor parameters].
     """
     flat_param = handle.flat_param
-    use_unsharded_views = handle._use_unsharded_views
+    use_unsharded_views = getattr(handle, fsdp1_compat.USE_UNSHARDED_VIEWS)
 
     def use_unsharded_views_keeping_parameters(as_params: bool) -> None:
         use_unsharded_views(as_params)
         if not as_params:
             return
         for original, (name, module, _) in zip(
-            flat_param._params, flat_param._param_infos, strict=True
+            # A list here: ``adapt`` checked that the handle keeps the original parameters.
+            cast(list[nn.Parameter], fsdp1_compat.original_params(flat_param)),
+            fsdp1_compat.param_infos(flat_param),
+            strict=True,
         ):
-            current = module._parameters.get(name)
+            current = nn_compat.own_parameters(module).get(name)
             if isinstance(current, DTensor) and current is not original:
                 # What FSDP does for plain tensors: the kept parameter points at the new view.
-                original.data = current._local_tensor
-                handle._setattr_param(module, name, original)
+                original.data = tensor_compat.local_tensor(current)
+                fsdp1_compat.setattr_param(handle, module, name, original)
 
-    handle._use_unsharded_views = use_unsharded_views_keeping_parameters
+    setattr(handle, fsdp1_compat.USE_UNSHARDED_VIEWS, use_unsharded_views_keeping_parameters)
     # FSDP registered fresh DTensor parameters at the end of its constructor; swap them now.
     use_unsharded_views_keeping_parameters(True)
 
@@ -127,33 +134,34 @@ def adapt(fsdp_module: FullyShardedDataParallel) -> None:
     Args:
         fsdp_module: The unit just constructed (its children were adapted when they were built).
     """
-    extension = fsdp_module._fsdp_extension
+    extension = fsdp1_compat.fsdp_extension(fsdp_module)
     if isinstance(extension, DTensorExtensions) and not isinstance(extension, SMPFSDPExtensions):
         ours = SMPFSDPExtensions(extension.device_handle)
         ours.compute_stream = extension.compute_stream
-        fsdp_module._fsdp_extension = ours
-        if fsdp_module._handle is not None:
-            fsdp_module._handle._fsdp_extension = ours
+        fsdp1_compat.set_fsdp_extension(fsdp_module, ours)
+        unit_handle = fsdp1_compat.handle(fsdp_module)
+        if unit_handle is not None:
+            fsdp1_compat.set_fsdp_extension(unit_handle, ours)
     if not _flattens_dtensors(fsdp_module):
         if any(isinstance(p, DTensor) for p in fsdp_module.module.parameters()):
             fsdp1_state_dict.attach(fsdp_module)  # DTensors FSDP leaves alone (ignored modules)
         return
     fsdp1_state_dict.attach(fsdp_module)
-    handle = fsdp_module._handle
+    handle = fsdp1_compat.handle(fsdp_module)
     assert handle is not None  # _flattens_dtensors found its flat parameter
     if (
         fsdp_module.sharding_strategy is ShardingStrategy.NO_SHARD
-        and handle._use_orig_params
-        and handle.flat_param._params is not None
+        and fsdp1_compat.uses_orig_params(handle)
+        and fsdp1_compat.original_params(handle.flat_param) is not None
     ):
         _register_local_parameters(handle)
 
 
 def _flattens_dtensors(fsdp_module: FullyShardedDataParallel) -> bool:
     """Whether the unit's flat parameter holds tensor-parallel (DTensor) parameters."""
-    handle = fsdp_module._handle
+    handle = fsdp1_compat.handle(fsdp_module)
     return handle is not None and any(
-        spec is not None for spec in handle.flat_param._param_extensions
+        spec is not None for spec in fsdp1_compat.param_extensions(handle.flat_param)
     )
 
 

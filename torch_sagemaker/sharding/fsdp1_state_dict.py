@@ -26,8 +26,7 @@ full tensors are made of them.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,8 +35,10 @@ from torch.distributed.fsdp import (
     FullyShardedDataParallel,
     StateDictType,
 )
-from torch.distributed.fsdp._common_utils import clean_tensor_name
 from torch.distributed.tensor import DTensor
+
+from torch_sagemaker._torch_compat import fsdp1 as fsdp1_compat
+from torch_sagemaker._torch_compat import nn as nn_compat
 
 _TRANSLATE_ATTR = "translate_on_save"
 # On an FSDP1 unit: the config its state_dict() call asked for while the hooks translate.
@@ -66,25 +67,29 @@ def uninstall() -> None:
 
 
 def _translating(unit: FullyShardedDataParallel) -> bool:
-    config = unit._state_dict_config
-    return unit._state_dict_type is StateDictType.FULL_STATE_DICT and getattr(
+    config = fsdp1_compat.state_dict_config(unit)
+    return fsdp1_compat.state_dict_type(unit) is StateDictType.FULL_STATE_DICT and getattr(
         config, _TRANSLATE_ATTR, True
     )
 
 
 def _pre_state_dict(unit: FullyShardedDataParallel, prefix: str, keep_vars: bool) -> None:
     if _translating(unit):
-        setattr(unit, _REQUESTED_ATTR, unit._state_dict_config)
-        unit._state_dict_config = FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
+        setattr(unit, _REQUESTED_ATTR, fsdp1_compat.state_dict_config(unit))
+        fsdp1_compat.set_state_dict_config(
+            unit, FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
+        )
 
 
 def _full_values(unit: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str) -> None:
     """Replaces the unit's TP/EP values by full tensors (collectives over their groups)."""
-    handle = unit._handle
+    handle = fsdp1_compat.handle(unit)
     if handle is not None:
         flat_param = handle.flat_param
-        for fqn, spec in zip(flat_param._fqns, flat_param._param_extensions, strict=True):
-            key = prefix + clean_tensor_name(fqn)
+        for fqn, spec in zip(
+            fsdp1_compat.fqns(flat_param), fsdp1_compat.param_extensions(flat_param), strict=True
+        ):
+            key = prefix + fsdp1_compat.clean_tensor_name(fqn)
             value = state_dict.get(key)
             if (
                 isinstance(value, torch.Tensor)
@@ -113,7 +118,7 @@ def _post_state_dict(
     requested = getattr(unit, _REQUESTED_ATTR)
     if requested is None:
         return
-    unit._state_dict_config = requested
+    fsdp1_compat.set_state_dict_config(unit, requested)
     setattr(unit, _REQUESTED_ATTR, None)
     _full_values(unit, state_dict, prefix)
     if requested.rank0_only and dist.get_rank() != 0:
@@ -134,9 +139,8 @@ def attach(unit: FullyShardedDataParallel) -> None:
     setattr(unit, _REQUESTED_ATTR, None)
     pre = unit.register_state_dict_pre_hook(_pre_state_dict)
     # Before FSDP's own pre-hook, which unshards according to the config we adjust.
-    # An OrderedDict (typed as a plain dict in torch).
-    cast(OrderedDict, unit._state_dict_pre_hooks).move_to_end(pre.id, last=False)
-    unit._register_state_dict_hook(_post_state_dict)  # after FSDP's post-hook
+    nn_compat.state_dict_pre_hooks(unit).move_to_end(pre.id, last=False)
+    nn_compat.register_state_dict_hook(unit, _post_state_dict)  # after FSDP's post-hook
 
 
 __all__ = ["attach", "install", "uninstall"]

@@ -198,7 +198,7 @@ class ReplicateParallel(ParallelStyle):
                 return type(out)(replicated(o) for o in out)
             return replicated(out)
 
-        module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
+        module.forward = types.MethodType(forward, module)
         return module
 
 

@@ -14,9 +14,13 @@ module and expects it to touch that module's own tensors only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from torch_sagemaker._torch_compat import nn as nn_compat
 
 
 def default_device() -> torch.device:
@@ -36,11 +40,14 @@ def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty_like(t, device=device)
 
 
-def _owners(module: nn.Module, recurse: bool, kind: str):
-    """Yields ``(owner_module, attribute_name, tensor)`` for direct or all tensors of ``kind``."""
+def _owners(module: nn.Module, recurse: bool, kind: Callable[[nn.Module], dict]):
+    """Yields ``(owner_module, attribute_name, tensor)`` for direct or all tensors of ``kind``.
+
+    ``kind`` is ``nn_compat.own_parameters`` or ``nn_compat.own_buffers``.
+    """
     modules = module.modules() if recurse else [module]
     for owner in modules:
-        for name, tensor in list(getattr(owner, kind).items()):
+        for name, tensor in list(kind(owner).items()):
             if tensor is not None:
                 yield owner, name, tensor
 
@@ -64,7 +71,7 @@ def empty_module_params(
     """
     device = torch.device(device) if device is not None else default_device()
     replaced: dict[int, nn.Parameter] = {}
-    for owner, name, param in _owners(module, recurse, "_parameters"):
+    for owner, name, param in _owners(module, recurse, nn_compat.own_parameters):
         if not param.is_meta:
             continue
         new = replaced.get(id(param))
@@ -73,7 +80,7 @@ def empty_module_params(
             # Keep user attributes (e.g. markers set by a TP plan) on the new parameter.
             new.__dict__.update({k: v for k, v in param.__dict__.items() if k not in new.__dict__})
             replaced[id(param)] = new
-        owner._parameters[name] = new
+        nn_compat.own_parameters(owner)[name] = new
     return module
 
 
@@ -94,11 +101,11 @@ def move_buffers_to_device(
         ``module`` (modified in place; persistence of each buffer is unchanged).
     """
     device = torch.device(device) if device is not None else default_device()
-    for owner, name, buf in _owners(module, recurse, "_buffers"):
+    for owner, name, buf in _owners(module, recurse, nn_compat.own_buffers):
         if buf.is_meta:
-            owner._buffers[name] = _empty_like(buf, device)
+            nn_compat.own_buffers(owner)[name] = _empty_like(buf, device)
         elif buf.device != device:
-            owner._buffers[name] = buf.to(device)
+            nn_compat.own_buffers(owner)[name] = buf.to(device)
     return module
 
 

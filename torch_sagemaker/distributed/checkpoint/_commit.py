@@ -32,8 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
+from torch_sagemaker._torch_compat import c10d as c10d_compat
 from torch_sagemaker.distributed.checkpoint import atomic_dir, integrity
 from torch_sagemaker.distributed.checkpoint._group import Participants
 from torch_sagemaker.distributed.checkpoint.atomic_dir import CheckpointError
@@ -51,7 +50,7 @@ def _key(save_id: str) -> str:
 
 def _store() -> Any:
     try:
-        return dist.distributed_c10d._get_default_store()
+        return c10d_compat.default_store()
     except Exception:  # noqa: BLE001 - no store (no process group): nothing to post
         return None
 

@@ -18,9 +18,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-
-# DCP's own flattening, so that the keys compared here are exactly the keys DCP stores.
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -28,6 +25,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from torch_sagemaker._torch_compat import dcp as dcp_compat
 from torch_sagemaker.distributed.checkpoint import atomic_dir, integrity
 from torch_sagemaker.distributed.checkpoint._group import Participants
 from torch_sagemaker.distributed.checkpoint.atomic_dir import CheckpointError
@@ -94,7 +92,8 @@ def check_state_dict_matches(
     Raises:
         CheckpointError: Listing the missing keys and the shape or type mismatches.
     """
-    flat, _ = flatten_state_dict(state_dict)
+    # DCP's own flattening, so that the keys compared here are exactly the keys DCP stores.
+    flat, _ = dcp_compat.flatten_state_dict(state_dict)
     saved = metadata.state_dict_metadata
     missing = sorted(k for k in flat if k not in saved)
     mismatched = [

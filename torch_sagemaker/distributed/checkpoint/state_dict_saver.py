@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
+from torch_sagemaker._torch_compat import c10d as c10d_compat
 from torch_sagemaker.distributed.checkpoint import _commit, atomic_dir, integrity
 from torch_sagemaker.distributed.checkpoint._group import Participants
 from torch_sagemaker.distributed.checkpoint.async_utils import (
@@ -238,7 +239,7 @@ def _async_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup |
     ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
     with _ASYNC_GROUPS_LOCK:
         group = _ASYNC_GROUPS.get(ranks)
-        if group is None or group not in dist.distributed_c10d._world.pg_map:  # destroyed since
+        if group is None or group not in c10d_compat.live_groups():  # destroyed since
             group = _ASYNC_GROUPS[ranks] = _members_only_gloo_group(ranks)
         return group
 
@@ -248,20 +249,19 @@ def _members_only_gloo_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
 
     See Note [Async save groups].
     """
-    c10d = dist.distributed_c10d
     name = "tsm_async_save_" + "_".join(map(str, ranks))
-    default_store = c10d._world.pg_map[c10d._get_default_group()][1]
+    default_store = c10d_compat.live_groups()[c10d_compat.default_group()][1]
     # The same helper ``new_group`` uses, with a name every member computes alike.
-    group, _ = c10d._new_process_group_helper(
+    group, _ = c10d_compat.new_process_group_helper(
         len(ranks),
         ranks.index(dist.get_rank()),
         list(ranks),
         "gloo",
         default_store,
-        group_name=c10d.GroupName(name),
-        timeout=c10d._get_default_timeout(dist.Backend("gloo")),
+        group_name=name,
+        timeout=c10d_compat.default_timeout(dist.Backend("gloo")),
     )
-    c10d._world.pg_group_ranks[group] = {rank: i for i, rank in enumerate(ranks)}
+    c10d_compat.set_group_ranks(group, {rank: i for i, rank in enumerate(ranks)})
     return group
 
 

@@ -37,19 +37,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as _dcp
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import optimizer as _dcp_optimizer
-from torch.distributed.checkpoint import utils as _dcp_utils
-from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.tensor import DTensor
+
+from torch_sagemaker._torch_compat import dcp as dcp_compat
 
 _native_load_sharded = getattr(
     _dcp_optimizer.load_sharded_optimizer_state_dict,
     "__tsm_native__",
     _dcp_optimizer.load_sharded_optimizer_state_dict,
 )
-_native_wrapper_init = _dcp_utils._DistWrapper.__init__
+_native_wrapper_init = dcp_compat.DistWrapper.__init__
 
 
 def _allocate_like(template: Any, meta: TensorStorageMetadata) -> torch.Tensor:
@@ -108,7 +108,9 @@ def load_sharded_optimizer_state_dict(
         like = model_state_dict.get(fqn) if fqn is not None else None
         flat[key] = _allocate_like(like, meta)
     dcp_load(flat, storage_reader=storage_reader, planner=planner, process_group=process_group)
-    return unflatten_state_dict(flat, {k: v for k, v in metadata.planner_data.items() if k in flat})
+    return dcp_compat.unflatten_state_dict(
+        flat, {k: v for k, v in metadata.planner_data.items() if k in flat}
+    )
 
 
 load_sharded_optimizer_state_dict.__tsm_native__ = _native_load_sharded  # type: ignore[attr-defined]
@@ -128,14 +130,14 @@ def install() -> None:
     """Installs both patches (idempotent)."""
     _dcp_optimizer.load_sharded_optimizer_state_dict = load_sharded_optimizer_state_dict
     _dcp.load_sharded_optimizer_state_dict = load_sharded_optimizer_state_dict
-    _dcp_utils._DistWrapper.__init__ = _dist_wrapper_init  # type: ignore[method-assign]
+    dcp_compat.DistWrapper.__init__ = _dist_wrapper_init  # type: ignore[method-assign]
 
 
 def uninstall() -> None:
     """Restores PyTorch's ``load_sharded_optimizer_state_dict`` and coordinator handling."""
     _dcp_optimizer.load_sharded_optimizer_state_dict = _native_load_sharded
     _dcp.load_sharded_optimizer_state_dict = _native_load_sharded
-    _dcp_utils._DistWrapper.__init__ = _native_wrapper_init  # type: ignore[method-assign]
+    dcp_compat.DistWrapper.__init__ = _native_wrapper_init  # type: ignore[method-assign]
 
 
 __all__ = ["install", "load_sharded_optimizer_state_dict", "uninstall"]

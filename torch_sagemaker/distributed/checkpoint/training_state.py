@@ -307,10 +307,10 @@ def _unwrap_root(model: nn.Module) -> nn.Module:
     wrapper for a plain attribute (it keeps ``_fsdp_wrapped_module`` in the names), so that
     ``set_state_dict`` then misses the optimizer state of every root parameter.
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+    from torch_sagemaker._torch_compat import checkpoint_wrapper as cw_compat
 
-    while isinstance(model, ActivationWrapper):
-        model = model._checkpoint_wrapped_module
+    while isinstance(model, cw_compat.ActivationWrapper):
+        model = cw_compat.wrapped_module(model)
     return model
 
 

@@ -1,0 +1,113 @@
+"""Private ``torch.distributed.distributed_c10d`` names: the world's bookkeeping and helpers.
+
+The package reads c10d's registry of live groups (``_world``), asks a process group for its
+per-device backend (``ProcessGroup._get_backend``) and builds a group with the helper
+``new_group`` itself uses (``_new_process_group_helper``), so that the group's name can be
+chosen.
+
+Checked on torch 2.11, 2.13.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as _c10d
+
+
+def object_collective_device() -> str:
+    """The device the object collectives of the default group use (``"cpu"``, ``"cuda:0"``, ...)."""
+    return _c10d._get_object_coll_device()
+
+
+def default_store() -> dist.Store:
+    """The store of the default process group.
+
+    Raises:
+        ValueError: If there is no default process group (torch's error).
+    """
+    return _c10d._get_default_store()
+
+
+def default_group() -> dist.ProcessGroup:
+    """The default process group.
+
+    Raises:
+        ValueError: If there is none (torch's error).
+    """
+    return _c10d._get_default_group()
+
+
+def default_group_or_none() -> dist.ProcessGroup | None:
+    """The default process group, or ``None`` before ``init_process_group``; no checks."""
+    return _c10d._world._default_pg
+
+
+def default_timeout(backend: dist.Backend) -> timedelta:
+    """The timeout a new group of ``backend`` gets when none is given."""
+    return _c10d._get_default_timeout(backend)
+
+
+def live_groups() -> dict[dist.ProcessGroup, tuple[str, dist.Store]]:
+    """c10d's own map of the live process groups to their backend name and store.
+
+    The dictionary itself, not a copy: a destroyed group leaves it.
+    """
+    return _c10d._world.pg_map
+
+
+def set_group_ranks(group: dist.ProcessGroup, ranks: dict[int, int]) -> None:
+    """Records ``{global rank: group rank}`` of ``group`` where c10d looks the ranks up."""
+    _c10d._world.pg_group_ranks[group] = ranks
+
+
+def new_process_group_helper(
+    group_size: int,
+    group_rank: int,
+    global_ranks: list[int],
+    backend: str,
+    store: dist.Store,
+    *,
+    group_name: str,
+    timeout: timedelta,
+) -> tuple[dist.ProcessGroup, Any]:
+    """Builds a process group the way ``dist.new_group`` does, under the name given.
+
+    Only the members call it. The group's ranks are not recorded: see ``set_group_ranks``.
+
+    Args:
+        group_size: The number of ranks in the group.
+        group_rank: This rank's rank in the group.
+        global_ranks: The global ranks of the members, in group-rank order.
+        backend: The backend's name (``"gloo"``, ...).
+        store: The store the members meet in (the default group's).
+        group_name: The group's name, the same on every member.
+        timeout: The timeout of the group's collectives.
+
+    Returns:
+        ``(group, its prefixed store)``, what torch's helper returns.
+    """
+    return _c10d._new_process_group_helper(
+        group_size,
+        group_rank,
+        global_ranks,
+        backend,
+        store,
+        group_name=_c10d.GroupName(group_name),
+        timeout=timeout,
+    )
+
+
+def backend_of(group: dist.ProcessGroup, device: torch.device) -> Any:
+    """The backend object that runs ``group``'s collectives on ``device``'s type.
+
+    Typed ``Any``: for smddp it is the extension's ``ProcessGroupSMDDP``, with methods of its
+    own.
+
+    Raises:
+        RuntimeError: If the group has no backend for that device type.
+    """
+    return group._get_backend(device)

@@ -1,0 +1,39 @@
+"""Private DTensor names: the ``_StridedShard`` placement and DTensor's caches.
+
+A DTensor's ``_local_tensor`` is read through ``tensor.py``, which does not import
+``torch.distributed.tensor`` (a heavy import the offload hooks put off).
+
+Checked on torch 2.11, 2.13.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+from torch.distributed.tensor.placement_types import _StridedShard
+
+#: The placement FSDP2 gives a dimension that is already sharded (TP or EP ``Shard(0)``);
+#: not a ``Shard``, and its ``is_shard()`` is false.
+StridedShard = _StridedShard
+
+
+def clear_caches() -> None:
+    """Empties DTensor's caches that hold device meshes (and through them process groups).
+
+    The sharding propagator's caches (C++ and Python), the redistribute planners, and the
+    transform and mesh-topology ``lru_cache``s. The last two are looked up by name so that a
+    torch without them still works.
+    """
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    for cached in (
+        getattr(_redistribute, "_gen_transform_infos", None),
+        getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None),
+    ):
+        clear = getattr(cached, "cache_clear", None)
+        if clear is not None:
+            clear()
+
+
+__all__ = ["StridedShard", "clear_caches"]

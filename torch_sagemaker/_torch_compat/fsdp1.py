@@ -1,0 +1,213 @@
+"""Private names of FSDP1 (``FullyShardedDataParallel``): its per-unit state and flat parameters.
+
+What the package reads or replaces on a unit (``_handle``, ``_fsdp_extension``, the state dict
+type and config), on its ``FlatParamHandle`` (``_use_unsharded_views``, which the package wraps
+per handle, ``_setattr_param``, ``_use_orig_params``) and on the handle's ``FlatParameter``
+(the per-parameter records ``_params``, ``_param_infos``, ``_shard_param_infos``,
+``_param_extensions``, ``_fqns``), plus the auto-wrap policy base class, the private sharding
+strategy ``_HYBRID_SHARD_ZERO2`` and ``MixedPrecision``'s ``_module_classes_to_ignore``.
+
+Checked on torch 2.11, 2.13.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+from torch.distributed.fsdp import (
+    FullyShardedDataParallel,
+    MixedPrecision,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictType,
+)
+from torch.distributed.fsdp._common_utils import clean_tensor_name
+from torch.distributed.fsdp._flat_param import (
+    FlatParameter,
+    FlatParamHandle,
+    ParamInfo,
+    _ShardParamInfo,
+)
+from torch.distributed.fsdp.wrap import _or_policy, _Policy
+
+#: ``HYBRID_SHARD`` with ``SHARD_GRAD_OP`` inside each shard group (FSDP1's private member).
+HYBRID_SHARD_ZERO2: ShardingStrategy = ShardingStrategy._HYBRID_SHARD_ZERO2
+
+#: FSDP1's auto-wrap policy base class (``ModuleWrapPolicy`` and friends derive from it).
+Policy = _Policy
+
+#: The auto-wrap callable that wraps a module when any of ``policies`` would.
+or_policy = _or_policy
+
+#: The ``FlatParamHandle`` method that registers the unsharded parameters' views on their
+#: modules; the package wraps it on single handles, so it is named here for ``getattr`` and
+#: ``setattr`` on a handle.
+USE_UNSHARDED_VIEWS = "_use_unsharded_views"
+
+
+class WrapPolicy(_Policy):
+    """An auto-wrap policy written by the package: implement ``run_policy``.
+
+    FSDP1 calls the private ``_run_policy`` of its policy objects; here it calls
+    ``run_policy`` with the same arguments.
+    """
+
+    def _run_policy(
+        self, root_module: nn.Module, ignored_modules: set[nn.Module], root_kwargs: dict[str, Any]
+    ) -> dict[nn.Module, dict[str, Any]]:
+        return self.run_policy(root_module, ignored_modules, root_kwargs)
+
+    @abstractmethod
+    def run_policy(
+        self, root_module: nn.Module, ignored_modules: set[nn.Module], root_kwargs: dict[str, Any]
+    ) -> dict[nn.Module, dict[str, Any]]:
+        """The modules to wrap under ``root_module``, each with its FSDP keyword arguments.
+
+        Args:
+            root_module: The module the root FSDP call wraps.
+            ignored_modules: Modules FSDP leaves alone.
+            root_kwargs: The root call's keyword arguments.
+
+        Returns:
+            ``{module: its kwargs}`` for every module to wrap.
+        """
+
+
+def run_policy(
+    policy: _Policy,
+    root_module: nn.Module,
+    ignored_modules: set[nn.Module],
+    root_kwargs: dict[str, Any],
+) -> dict[nn.Module, dict[str, Any]]:
+    """What FSDP1 would wrap under ``root_module`` with ``policy`` (``_Policy._run_policy``).
+
+    Args:
+        policy: An auto-wrap policy object.
+        root_module: The module the root FSDP call wraps.
+        ignored_modules: Modules FSDP leaves alone.
+        root_kwargs: The root call's keyword arguments.
+
+    Returns:
+        ``{module: its kwargs}`` for every module to wrap.
+    """
+    return policy._run_policy(root_module, ignored_modules, root_kwargs)
+
+
+def module_classes_to_ignore(mp: MixedPrecision) -> Sequence[type[nn.Module]]:
+    """The module classes ``mp`` keeps in full precision (as their own FSDP units)."""
+    return mp._module_classes_to_ignore
+
+
+def with_module_classes_to_ignore(
+    mp: MixedPrecision, classes: tuple[type[nn.Module], ...]
+) -> MixedPrecision:
+    """A copy of ``mp`` that keeps ``classes`` in full precision (and nothing else)."""
+    return dataclasses.replace(mp, _module_classes_to_ignore=classes)
+
+
+# --- one FSDP unit ---------------------------------------------------------------------------
+
+
+def handle(unit: FullyShardedDataParallel) -> FlatParamHandle | None:
+    """The unit's ``FlatParamHandle``; ``None`` when the unit manages no parameters."""
+    return unit._handle
+
+
+def fsdp_extension(unit: FullyShardedDataParallel) -> Any:
+    """The ``FSDPExtensions`` the unit uses (``DTensorExtensions`` under TP), or ``None``."""
+    return unit._fsdp_extension
+
+
+def set_fsdp_extension(owner: FullyShardedDataParallel | FlatParamHandle, extension: Any) -> None:
+    """Replaces the ``FSDPExtensions`` of a unit or of its handle (each keeps its own)."""
+    owner._fsdp_extension = extension
+
+
+def state_dict_type(unit: FullyShardedDataParallel) -> StateDictType:
+    """The state dict type the unit's ``state_dict()`` produces now."""
+    return unit._state_dict_type
+
+
+def state_dict_config(unit: FullyShardedDataParallel) -> StateDictConfig:
+    """The state dict config the unit's ``state_dict()`` follows now."""
+    return unit._state_dict_config
+
+
+def set_state_dict_config(unit: FullyShardedDataParallel, config: StateDictConfig) -> None:
+    """Makes the unit's ``state_dict()`` follow ``config`` from now on."""
+    unit._state_dict_config = config
+
+
+# --- its handle ------------------------------------------------------------------------------
+
+
+def uses_orig_params(flat_handle: FlatParamHandle) -> bool:
+    """Whether the handle exposes the original parameters (``use_orig_params=True``)."""
+    return flat_handle._use_orig_params
+
+
+def setattr_param(
+    flat_handle: FlatParamHandle, module: nn.Module, name: str, param: nn.Parameter
+) -> None:
+    """Registers ``param`` as ``module.<name>`` the way the handle registers its own views."""
+    flat_handle._setattr_param(module, name, param)
+
+
+# --- its flat parameter ----------------------------------------------------------------------
+
+
+def original_params(flat_param: FlatParameter) -> list[nn.Parameter] | None:
+    """The original parameter objects (``use_orig_params=True``), else ``None``."""
+    return flat_param._params
+
+
+def param_infos(flat_param: FlatParameter) -> tuple[ParamInfo, ...]:
+    """``(name, module, module name)`` of each original parameter, in flattening order."""
+    return flat_param._param_infos
+
+
+def shard_param_infos(flat_param: FlatParameter) -> tuple[_ShardParamInfo, ...]:
+    """Where each original parameter lies in this rank's shard (``in_shard``, offsets)."""
+    return flat_param._shard_param_infos
+
+
+def param_extensions(flat_param: FlatParameter) -> tuple[Any, ...]:
+    """Each original parameter's extension record (its DTensor spec under TP), else ``None``."""
+    return flat_param._param_extensions
+
+
+def fqns(flat_param: FlatParameter) -> tuple[str, ...]:
+    """Each original parameter's name relative to the unit's module, in flattening order."""
+    return flat_param._fqns
+
+
+__all__ = [
+    "HYBRID_SHARD_ZERO2",
+    "USE_UNSHARDED_VIEWS",
+    "FlatParamHandle",
+    "FlatParameter",
+    "Policy",
+    "WrapPolicy",
+    "clean_tensor_name",
+    "fqns",
+    "fsdp_extension",
+    "handle",
+    "module_classes_to_ignore",
+    "or_policy",
+    "original_params",
+    "param_extensions",
+    "param_infos",
+    "run_policy",
+    "set_fsdp_extension",
+    "set_state_dict_config",
+    "setattr_param",
+    "shard_param_infos",
+    "state_dict_config",
+    "state_dict_type",
+    "uses_orig_params",
+    "with_module_classes_to_ignore",
+]

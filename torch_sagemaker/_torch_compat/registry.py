@@ -1,0 +1,105 @@
+"""Every private PyTorch name the layer touches, for ``tests/unit/test_torch_compat.py``.
+
+Each entry is a dotted path: its longest importable prefix is a module, the rest are
+attributes looked up in turn. An attribute that PyTorch sets on each instance rather than on
+the class (``FullyShardedDataParallel._handle``, ``nn.Module._parameters``, ...) is named on
+its class, and the test looks it up on an instance it builds. Add an entry with every private
+name a module of the layer starts to use; the test then fails on a torch that lacks it.
+"""
+
+from __future__ import annotations
+
+_C10D = "torch.distributed.distributed_c10d"
+_FSDP1 = "torch.distributed.fsdp"
+_FLAT_PARAM = "torch.distributed.fsdp._flat_param"
+_FSDP2_PARAM_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup"
+_CHECKPOINT_WRAPPER = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+
+PRIVATE_NAMES: tuple[str, ...] = (
+    # the compiled core, reached by autograd.py and dtensor.py
+    "torch._C",
+    # aten.py
+    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
+    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward",
+    # autograd.py
+    "torch._C._current_graph_task_id",
+    "torch.autograd.Variable._execution_engine",
+    # c10d.py
+    f"{_C10D}._get_object_coll_device",
+    f"{_C10D}._get_default_store",
+    f"{_C10D}._get_default_group",
+    f"{_C10D}._get_default_timeout",
+    f"{_C10D}._new_process_group_helper",
+    f"{_C10D}._world",
+    f"{_C10D}._world._default_pg",
+    f"{_C10D}._world.pg_map",
+    f"{_C10D}._world.pg_group_ranks",
+    "torch.distributed.ProcessGroup._get_backend",
+    # checkpoint_wrapper.py
+    _CHECKPOINT_WRAPPER,
+    f"{_CHECKPOINT_WRAPPER}.ActivationWrapper",
+    f"{_CHECKPOINT_WRAPPER}.ActivationWrapper._checkpoint_wrapped_module",
+    f"{_CHECKPOINT_WRAPPER}.CheckpointImpl",
+    f"{_CHECKPOINT_WRAPPER}.CheckpointWrapper",
+    f"{_CHECKPOINT_WRAPPER}.OffloadWrapper",
+    f"{_CHECKPOINT_WRAPPER}.apply_activation_checkpointing",
+    f"{_CHECKPOINT_WRAPPER}.checkpoint_wrapper",
+    f"{_CHECKPOINT_WRAPPER}.offload_wrapper",
+    # dcp.py
+    "torch.distributed.checkpoint._nested_dict.flatten_state_dict",
+    "torch.distributed.checkpoint._nested_dict.unflatten_state_dict",
+    "torch.distributed.checkpoint.utils._DistWrapper",
+    # device_mesh.py
+    "torch.distributed.device_mesh.DeviceMesh._concatenate",
+    "torch.distributed.device_mesh.DeviceMesh._flatten",
+    "torch.distributed.device_mesh.DeviceMesh._unflatten",
+    # dtensor.py
+    "torch._C._clear_DTensor_sharding_propagator_cache",
+    "torch.distributed.tensor.DTensor._op_dispatcher",
+    "torch.distributed.tensor._redistribute.clear_redistribute_planner_cache",
+    "torch.distributed.tensor._redistribute._gen_transform_infos",
+    "torch.distributed.tensor._collective_utils.MeshTopoInfo.build_from_mesh",
+    "torch.distributed.tensor.placement_types._StridedShard",
+    # fsdp1.py
+    f"{_FSDP1}._common_utils.clean_tensor_name",
+    f"{_FSDP1}.ShardingStrategy._HYBRID_SHARD_ZERO2",
+    f"{_FSDP1}.MixedPrecision._module_classes_to_ignore",
+    f"{_FSDP1}.wrap._Policy",
+    f"{_FSDP1}.wrap._Policy._run_policy",
+    f"{_FSDP1}.wrap._or_policy",
+    f"{_FSDP1}.FullyShardedDataParallel._handle",
+    f"{_FSDP1}.FullyShardedDataParallel._fsdp_extension",
+    f"{_FSDP1}.FullyShardedDataParallel._state_dict_type",
+    f"{_FSDP1}.FullyShardedDataParallel._state_dict_config",
+    f"{_FLAT_PARAM}.FlatParamHandle",
+    f"{_FLAT_PARAM}.FlatParamHandle._use_unsharded_views",
+    f"{_FLAT_PARAM}.FlatParamHandle._setattr_param",
+    f"{_FLAT_PARAM}.FlatParamHandle._use_orig_params",
+    f"{_FLAT_PARAM}.FlatParamHandle._fsdp_extension",
+    f"{_FLAT_PARAM}.FlatParameter",
+    f"{_FLAT_PARAM}.FlatParameter._params",
+    f"{_FLAT_PARAM}.FlatParameter._param_infos",
+    f"{_FLAT_PARAM}.FlatParameter._shard_param_infos",
+    f"{_FLAT_PARAM}.FlatParameter._param_extensions",
+    f"{_FLAT_PARAM}.FlatParameter._fqns",
+    f"{_FLAT_PARAM}.ParamInfo",
+    f"{_FLAT_PARAM}._ShardParamInfo",
+    # fsdp2.py
+    _FSDP2_PARAM_GROUP,
+    f"{_FSDP2_PARAM_GROUP}._all_gather_process_group",
+    f"{_FSDP2_PARAM_GROUP}._reduce_scatter_process_group",
+    # nn.py
+    "torch.nn.utils.stateless._reparametrize_module",
+    "torch.nn.Module._parameters",
+    "torch.nn.Module._buffers",
+    "torch.nn.Module._state_dict_pre_hooks",
+    "torch.nn.Module._register_state_dict_hook",
+    # pytree.py
+    "torch.utils._pytree.tree_leaves",
+    # tensor.py
+    "torch.Tensor._base",
+    "torch.Tensor._values",
+    "torch.distributed.tensor.DTensor._local_tensor",
+)
+
+__all__ = ["PRIVATE_NAMES"]
