@@ -7,6 +7,7 @@
 #   make format - ruff format and clang-format, in place
 #   make test-cpp - the C++ tests of the smddp core (tests/cpp; g++ only, no torch)
 #   make sanitize - the same under ASan+UBSan, then under TSan
+#   make test-compat TORCH_SPEC=torch==2.11.0 - the fast tier and the compat subset on another torch
 #   make gpu-check - on a GPU machine: build, GPU tests, GPU benchmark, report (scripts/gpu_check.py)
 #
 # torch is pinned to the CPU build available on these machines. Users with a CUDA build can
@@ -21,13 +22,13 @@ PY          = $(VENV)/bin/python
 PIP         = $(PY) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: install build demo test test-fast bench lint format clean test-cpp sanitize sanitize-asan gpu-check \
+.PHONY: install build demo test test-fast bench lint format clean test-cpp sanitize sanitize-asan gpu-check test-compat \
 	sanitize-tsan
 
 $(VENV)/.installed: setup.py pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q "$(TORCH_SPEC)" $(EXTRA_SPEC)
 	$(PIP) install -q -r requirements-dev.txt
 	# No build isolation: the extension must be compiled against the torch installed above.
 	$(PIP) install -q --no-build-isolation -e .
@@ -118,3 +119,23 @@ GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 
 gpu-check:
 	$(GPU_PYTHON) scripts/gpu_check.py
+
+# The torch-version matrix (docs/compatibility.md): `make test-compat TORCH_SPEC=torch==2.11.0`
+# copies the checkout to build/compat/<spec>/src (one built extension per torch, the main
+# checkout's stays), installs that torch (and EXTRA_SPEC, e.g. "transformers==5.17.0") in
+# build/compat/<spec>/venv, and runs the fast tier plus the `compat` distributed subset. Each run
+# copies the tracked and new files afresh and keeps the previous copy's objects (ninja).
+COMPAT_NAME = $(subst =,,$(subst $() ,_,$(TORCH_SPEC) $(EXTRA_SPEC)))
+COMPAT_DIR  = $(CURDIR)/build/compat/$(COMPAT_NAME)
+EXTRA_SPEC ?=
+
+test-compat:
+	mkdir -p $(COMPAT_DIR)
+	rm -rf $(COMPAT_DIR)/objects && (test ! -d $(COMPAT_DIR)/src/build || mv $(COMPAT_DIR)/src/build $(COMPAT_DIR)/objects)
+	rm -rf $(COMPAT_DIR)/src && mkdir -p $(COMPAT_DIR)/src
+	git ls-files -co --exclude-standard | tar -cf - -T - | tar -xf - -C $(COMPAT_DIR)/src
+	test ! -d $(COMPAT_DIR)/objects || mv $(COMPAT_DIR)/objects $(COMPAT_DIR)/src/build
+	$(MAKE) -C $(COMPAT_DIR)/src VENV=$(COMPAT_DIR)/venv TORCH_SPEC="$(TORCH_SPEC)" \
+		EXTRA_SPEC="$(EXTRA_SPEC)" build
+	cd $(COMPAT_DIR)/src && $(COMPAT_DIR)/venv/bin/python -m pytest -q -rs --durations=10 \
+		-m "(not distributed and not slow) or compat" $(PYTEST_ARGS) tests

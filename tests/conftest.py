@@ -5,7 +5,9 @@
 - ``tests/gpu``: ``gpu`` (skip themselves without CUDA).
 
 So ``pytest -m "not distributed"`` is the fast tier and ``-m distributed`` the slow one,
-whatever markers a file sets itself. ``slow`` stays a per-test marker.
+whatever markers a file sets itself. ``slow`` stays a per-test marker. The files of
+``COMPAT_FILES`` are also marked ``compat``: the subset ``make test-compat`` runs on each
+supported torch.
 """
 
 from __future__ import annotations
@@ -15,6 +17,20 @@ from pathlib import Path
 import pytest
 
 _TIERS = {"unit": pytest.mark.unit, "distributed": pytest.mark.distributed, "gpu": pytest.mark.gpu}
+# The distributed files that `make test-compat` runs on every supported torch besides the fast
+# tier (docs/compatibility.md): the collectives, each parallelism's parity, resharding
+# checkpoints and SMP's own scripts.
+COMPAT_FILES = frozenset(
+    {
+        "test_smddp_collectives.py",
+        "test_hybrid_shard.py",
+        "test_tp_parity.py",
+        "test_context_parallel.py",
+        "test_expert_parallel.py",
+        "test_checkpoint_reshard.py",
+        "test_smp_script_checkpoints.py",
+    }
+)
 _TESTS = Path(__file__).resolve().parent
 
 
@@ -26,3 +42,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         if tier in _TIERS:
             item.add_marker(_TIERS[tier])
+        if tier == "distributed" and Path(item.fspath).name in COMPAT_FILES:
+            item.add_marker(pytest.mark.compat)
