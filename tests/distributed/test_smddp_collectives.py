@@ -5,6 +5,7 @@ import pytest
 
 from tests.distributed import test_smddp_support as checks
 from tests.distributed.launcher import run_distributed
+from torch_sagemaker._torch_compat import c10d as c10d_compat
 from torch_sagemaker.distributed import backend
 
 pytestmark = [
@@ -89,7 +90,7 @@ def _complex_reductions():
                     continue  # gloo has no AVG; compared with SUM / world below
                 key = (name, str(dtype), opname)
                 o = torch.empty(6, dtype=dtype)
-                dist.reduce_scatter_single(o, x.clone(), op=op, group=group)
+                c10d_compat.reduce_scatter_single(o, x.clone(), op=op, group=group)
                 outs = [torch.empty(6, dtype=dtype)]
                 dist.reduce_scatter(outs[0], list(x.clone().chunk(world)), op=op, group=group)
                 r = x.clone()
@@ -113,7 +114,7 @@ def _complex_reductions():
             if name == "smddp":
                 o, lo = torch.empty(6, dtype=dtype), torch.empty(6, dtype=dtype)
                 ws = [
-                    dist.reduce_scatter_single(o, x.clone(), group=group, async_op=True),
+                    c10d_compat.reduce_scatter_single(o, x.clone(), group=group, async_op=True),
                     dist.reduce_scatter(
                         lo, list(x.clone().chunk(world)), group=group, async_op=True
                     ),
@@ -124,7 +125,7 @@ def _complex_reductions():
                     [f.data_ptr() == t.data_ptr() for (f, _), t in zip(got, (o, lo))],
                 )
     try:
-        dist.reduce_scatter_single(
+        c10d_compat.reduce_scatter_single(
             torch.empty(6, dtype=torch.complex64),
             torch.ones(world * 6, dtype=torch.complex64),
             op=dist.ReduceOp.MAX,

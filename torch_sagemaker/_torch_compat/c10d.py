@@ -111,3 +111,10 @@ def backend_of(group: dist.ProcessGroup, device: torch.device) -> Any:
         RuntimeError: If the group has no backend for that device type.
     """
     return group._get_backend(device)
+
+
+# Renamed public collectives. torch 2.13 calls the tensor forms ``all_gather_single`` and
+# ``reduce_scatter_single`` and keeps ``all_gather_into_tensor`` / ``reduce_scatter_tensor``
+# as deprecated aliases; torch 2.11 has only the old names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

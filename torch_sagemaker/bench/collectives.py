@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch_sagemaker._torch_compat import c10d as c10d_compat
 from torch_sagemaker._torch_compat import tensor as tensor_compat
 from torch_sagemaker.bench import comma_list, end_rank, run_ranks
 from torch_sagemaker.bench.collectives_report import (
@@ -106,7 +107,7 @@ def _case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=None):
         inp, out = torch.full((count // world,), float(rank + 1)), torch.empty(count)
 
         def run():
-            dist.all_gather_single(out, inp, group=group)
+            c10d_compat.all_gather_single(out, inp, group=group)
 
         def check():
             run()
@@ -117,7 +118,7 @@ def _case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=None):
         inp, out = torch.full((count,), float(rank + 1)), torch.empty(count // world)
 
         def run():
-            dist.reduce_scatter_single(out, inp, group=group)
+            c10d_compat.reduce_scatter_single(out, inp, group=group)
 
         def check():
             run()
