@@ -125,7 +125,7 @@ gpu-check:
 # checkout's stays), installs that torch (and EXTRA_SPEC, e.g. "transformers==5.17.0") in
 # build/compat/<spec>/venv, and runs the fast tier plus the `compat` distributed subset. Each run
 # copies the tracked and new files afresh and keeps the previous copy's objects (ninja).
-COMPAT_NAME = $(subst =,,$(subst $() ,_,$(TORCH_SPEC) $(EXTRA_SPEC)))
+COMPAT_NAME = $(subst =,,$(subst $() ,_,$(strip $(TORCH_SPEC) $(EXTRA_SPEC))))
 COMPAT_DIR  = $(CURDIR)/build/compat/$(COMPAT_NAME)
 EXTRA_SPEC ?=
 
