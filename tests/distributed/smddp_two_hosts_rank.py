@@ -32,6 +32,7 @@ def main(out_dir: str) -> None:
     result = {"layout": backend.group_layout(), "hostname": os.uname().nodename}
     result["counts"] = checks.run_all(quick=True)
     result["async_two_groups"] = checks.check_async_two_groups(rounds=10)
+    result["object_rounds"] = check_object_collectives(rounds=30)
     dist.barrier()
 
     if rank == 3:  # dies between collectives, as a crashed host would
@@ -52,6 +53,28 @@ def main(out_dir: str) -> None:
     while not all(map(os.path.exists, survivors)) and time.monotonic() < deadline:
         time.sleep(0.01)
     os._exit(0)  # the group is broken: skip the collective shutdown
+
+
+def check_object_collectives(rounds: int) -> int:
+    """DCP's planning pattern (all_gather, gather to rank 0, broadcast, scatter of objects):
+    ranks whose root is on another host run some of these without a shared-memory step and
+    so run ahead of their host's peers, which a collective's mismatch check must allow."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for i in range(rounds):
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (rank, i))
+        assert gathered == [(r, i) for r in range(world)], gathered
+        at_root = [None] * world if rank == 0 else None
+        dist.gather_object({"rank": rank, "round": i}, at_root, dst=0)
+        if rank == 0:
+            assert at_root == [{"rank": r, "round": i} for r in range(world)], at_root
+        plan = [[r * i for r in range(world)]] if rank == 0 else [None]
+        dist.broadcast_object_list(plan, src=0)
+        assert plan[0] == [r * i for r in range(world)], plan
+        mine: list = [None]
+        dist.scatter_object_list(mine, plan[0] if rank == 0 else None, src=0)
+        assert mine[0] == rank * i, mine
+    return rounds
 
 
 def _write(out_dir: str, rank: int, result: dict) -> None:

@@ -66,6 +66,7 @@ def test_collectives_across_hosts_match_references(two_host_run):
     for result in two_host_run:
         assert result["counts"] == first
         assert result["async_two_groups"] == 40
+        assert result["object_rounds"] == 30  # DCP's planning pattern across hosts
 
 
 def test_rank_dying_on_one_host_fails_all_others_quickly(two_host_run):

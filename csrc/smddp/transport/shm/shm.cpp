@@ -316,6 +316,16 @@ uint64_t ShmComm::begin_step(const OpCtx& ctx, bool first) {
   // A collective may run several shm phases (hierarchical ones do); its descriptor is
   // published and checked once, at the first step of its first phase.
   if (first && ctx.seq + 1 != current_seq_plus1_) {
+    // Note [Mismatch detection]: desc[seq % 2] last described the collective whose first
+    // step was `last`; every peer must have finished that step (and so compared it) before
+    // it is overwritten. The buffer wait above covers that unless `last` is step s - 1.
+    uint64_t last = slot_first_step_[ctx.seq & 1];
+    if (last != 0 && last + 2 > s) {
+      for (int i = 0; i < size(); ++i) {
+        if (i != rank()) wait_progress(i, value(last, 3), ctx);
+      }
+    }
+    slot_first_step_[ctx.seq & 1] = s;
     current_seq_plus1_ = ctx.seq + 1;
     first_step_ = s;
     std::fill(checked_.begin(), checked_.end(), 0);

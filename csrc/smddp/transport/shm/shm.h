@@ -20,8 +20,12 @@
 // At the first step of collective number `seq` a rank writes a descriptor (kind, dtype, op,
 // count, first step) into desc[seq % 2] of its control block before posting phase 1. Every
 // first-step wait then compares the peer's descriptor with its own; a difference raises on
-// every rank (each rank checks every peer). Two slots are enough because a peer cannot start
-// collective seq + 2 before this rank finished the first step of collective seq.
+// every rank (each rank checks every peer). Two slots are enough because a rank does not
+// overwrite desc[seq % 2] before every peer finished the first step of the collective that
+// slot described last (ShmComm::begin_step). When consecutive collectives all run shm steps
+// the buffer wait implies it; a collective that runs none on this rank (a gather whose root
+// is on another host, in a multi-host group) would otherwise let a rank run two
+// collectives ahead and overwrite a descriptor its peer has yet to compare.
 //
 // Note [Shared-memory point-to-point]
 // send/recv between ranks of one host go through a byte ring per ordered pair, in the
@@ -264,7 +268,9 @@ class ShmComm {
   int granule_shift_ = 12;
   uint64_t committed_[2] = {0, 0};  // bit g: granule g of buffer 0 / 1 is committed
   uint64_t next_step_ = 1;
-  uint64_t first_step_ = 0;         // first step of the current collective
+  uint64_t first_step_ = 0;  // first step of the current collective
+  // First step of the collective that desc[i] describes (0: none yet).
+  uint64_t slot_first_step_[2] = {0, 0};
   uint64_t current_seq_plus1_ = 0;  // collective whose descriptor was published last
   std::vector<uint8_t> checked_;    // peers whose descriptor matched in this collective
   std::atomic<bool> aborted_{false};
