@@ -4,12 +4,15 @@ virtual Ethernet cable, for tests of the smddp inter-host path without forcing a
 Each host has its own hostname, IPC namespace (so the backend sees a different host) and
 network stack: its loopback reaches only itself and its one interface, ``eth0``, has the
 address 10.9.0.<host + 1>. The file system (and so /dev/shm) stays shared, as the backend
-never relies on /dev/shm to tell hosts apart.
+never relies on /dev/shm to tell hosts apart, except /etc/hosts: the hosts run in a mount
+namespace of their own where a private /etc/hosts names them (``smddp-host-<i>``), so name
+lookups (mpirun's, OpenMPI's own hostname) resolve there and never reach the machine's
+resolver.
 
 ``python -m tests.distributed.netns_hosts --timeout S -- CMD ...`` must run inside
-``unshare --user --map-root-user --net`` (which gives an unprivileged user the right to
-create the links); ``run_on_two_hosts`` does that. In CMD, ``{host}`` becomes the host's
-index. The exit status is 0 when both hosts' commands exited with 0.
+``unshare --net --mount`` (with ``--user --map-root-user`` when not root, which gives an
+unprivileged user the right to create the links); ``run_on_two_hosts`` does that. In CMD,
+``{host}`` becomes the host's index. The exit status is 0 when both hosts' commands exited with 0.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ import tempfile
 import time
 
 HOST_ADDRESS = "10.9.0.{}"
+HOST_NAME = "smddp-host-{}"
 
 # Sets the host up inside its fresh namespaces, then runs the command ("$@"). The interface
 # is created from outside once the namespace exists, so the host waits for it (at most 10 s).
 _HOST_SETUP = r"""
 set -e
-hostname "smddp-host-$1"
+hostname "smddp-host-$1"  # HOST_NAME
 ip link set lo up
 n=0
 until ip link show eth0 >/dev/null 2>&1; do
@@ -54,6 +58,7 @@ def unavailable_reason() -> str | None:
         "--user",
         "--map-root-user",
         "--net",
+        "--mount",
         "--ipc",
         "--uts",
         "ip",
@@ -90,11 +95,14 @@ def run_on_two_hosts(
         The finished orchestrator: ``returncode`` 0 when both commands succeeded, and
         ``stdout`` with every line prefixed by its host.
     """
+    # Real root needs no user namespace, and keeps the right to setgroups(2), which daemons
+    # such as slurmd use (a mapped root in a user namespace may not).
+    user_ns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
     argv = [
         "unshare",
-        "--user",
-        "--map-root-user",
+        *user_ns,
         "--net",
+        "--mount",
         sys.executable,
         "-m",
         "tests.distributed.netns_hosts",
@@ -162,6 +170,7 @@ def main() -> int:
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     with contextlib.ExitStack() as stack:
+        _private_etc_hosts(stack)
         logs = [stack.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in range(2)]
         hosts = [_start_host(i, command, logs[i]) for i in range(2)]
         why = _connect_and_wait(hosts, args.timeout)
@@ -174,6 +183,20 @@ def main() -> int:
     codes = [h.returncode for h in hosts]
     print(f"host exit codes: {codes}")
     return 0 if codes == [0, 0] else 1
+
+
+def _private_etc_hosts(stack: contextlib.ExitStack) -> None:
+    """Bind-mounts a private /etc/hosts naming both hosts (this process's own mount namespace,
+    private propagation as unshare(1) makes it, so the machine's file is untouched)."""
+    hosts = stack.enter_context(tempfile.NamedTemporaryFile("w", suffix=".hosts"))  # noqa: SIM115
+    # The IPv4-mapped IPv6 forms too: a dual-stack listener (TCPStore's) sees its clients
+    # as ::ffff:a.b.c.d, and a reverse lookup missing here would go on to DNS.
+    hosts.write("127.0.0.1 localhost\n::1 localhost\n::ffff:127.0.0.1 localhost\n")
+    for i in range(2):
+        address, name = HOST_ADDRESS.format(i + 1), HOST_NAME.format(i)
+        hosts.write(f"{address} {name}\n::ffff:{address} {name}\n")
+    hosts.flush()
+    subprocess.run(["mount", "--bind", hosts.name, "/etc/hosts"], check=True)
 
 
 def _connect_and_wait(hosts: list[subprocess.Popen], timeout_s: float) -> list[str]:
