@@ -17,30 +17,52 @@ from torch_sagemaker import config as config_lib
 from torch_sagemaker import topology
 from torch_sagemaker._torch_compat import c10d as c10d_compat
 from torch_sagemaker.distributed import backend as backend_lib
+from torch_sagemaker.distributed import launch_env
 from torch_sagemaker.distributed.mesh import build_groups
 from torch_sagemaker.logger import log_rank0, warn_once
 from torch_sagemaker.sharding import fsdp1, fsdp1_state_dict
 from torch_sagemaker.state import state
 
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+def _read_launcher() -> launch_env.LaunchInfo | None:
+    """Exports the torchrun variables the launcher implies, where unset (docs/launch.md).
+
+    Whatever started the job (torchrun, mpirun, srun), ``env://``, ``_set_cuda_device`` and
+    ``tsm.state.local_rank`` then read the same values under every launcher.
+
+    Raises:
+        LaunchEnvError: The launcher's variables are missing or inconsistent and there is no
+            process group yet (a script that built its group itself is not held to them).
+    """
+    warning = launch_env.restart_warning()
+    if warning:
+        warn_once(warning)
+    try:
+        return launch_env.export_torch_variables()
+    except launch_env.LaunchEnvError:
+        if dist.is_initialized():
+            return None
+        raise
 
 
-def _ensure_process_group() -> None:
-    """Initializes the default process group from torchrun's variables if there is none."""
+def _ensure_process_group(info: launch_env.LaunchInfo | None) -> None:
+    """Initializes the default process group from the launcher's variables if there is none."""
     if dist.is_initialized():
         return
-    missing = [v for v in _TORCHRUN_VARS if v not in os.environ]  # noqa: TID251
-    if missing:
+    if info is None:
         raise RuntimeError(
             "torch.sagemaker.init() needs a default process group. Either call "
-            "torch.distributed.init_process_group('smddp') first, or launch with torchrun, "
-            f"which sets {', '.join(_TORCHRUN_VARS)} (missing here: {', '.join(missing)})."
+            "torch.distributed.init_process_group('smddp') first, or start the job with a "
+            "launcher: torchrun (RANK, WORLD_SIZE), mpirun (OMPI_COMM_WORLD_RANK or PMI_RANK) "
+            "or srun (SLURM_PROCID); none of these variables is set here. docs/launch.md "
+            "lists each way to start a job."
         )
     backend = backend_lib.default_backend(config_lib.cuda_backend())
     dist.init_process_group(backend, timeout=timedelta(minutes=30))
     log_rank0(
-        f"tsm.init: created the default process group on backend {backend!r} "
-        "from torchrun's environment"
+        f"tsm.init: created the default process group on backend {backend!r} from "
+        f"{info.launcher}'s environment (master {info.master_addr}:{info.master_port}, "
+        f"from {info.sources['master_addr']})"
     )
 
 
@@ -70,16 +92,19 @@ def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> No
     Raises:
         ConfigError: Every problem in the config at once (a ``ValueError``), on every rank;
             also when ranks call it with different configs (naming the ranks and keys).
-        RuntimeError: If there is no process group and no torchrun environment, or if
+        LaunchEnvError: There is no process group and the launcher's variables are missing
+            or inconsistent (a ``RuntimeError`` naming the variable).
+        RuntimeError: If there is no process group and no launcher's variables, or if
             ``init`` was already called with a different config.
 
     Example:
         >>> import torch.sagemaker as tsm
         >>> tsm.init({"hybrid_shard_degree": 2, "tensor_parallel_degree": 2})
     """
-    # 1. Pick this rank's GPU, and make sure there is a default process group.
+    # 1. Read the launcher, pick this rank's GPU, and make sure there is a default group.
+    launcher = _read_launcher()
     _set_cuda_device()
-    _ensure_process_group()
+    _ensure_process_group(launcher)
     # 2. Merge the sources (argument < environment < pre-init overrides) and 3. validate
     # everything against the world size, reporting all problems together; 4. every rank must
     # have the same config (or the same problems), checked with one small collective.

@@ -93,13 +93,19 @@ def _init_without_anything():
 
     import torch.sagemaker as tsm
 
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    from torch_sagemaker.distributed import launch_env
+
+    for var in launch_env.VARIABLES:
         os.environ.pop(var, None)
-    try:
-        tsm.init()
-    except RuntimeError as e:
-        return str(e)
-    return "no error"
+    messages = []
+    for extra in ({}, {"RANK": "0"}):
+        os.environ.update(extra)
+        try:
+            tsm.init()
+            messages.append("no error")
+        except RuntimeError as e:
+            messages.append(f"{type(e).__name__}: {e}")
+    return messages
 
 
 @pytest.mark.distributed
@@ -114,9 +120,14 @@ def test_init_creates_process_group_from_torchrun_env():
 
 @pytest.mark.distributed
 def test_init_without_process_group_or_torchrun_is_a_clear_error():
-    (message,) = run_distributed(_init_without_anything, world_size=1, init_process_group=False)
-    assert "needs a default process group" in message and "torchrun" in message
-    assert "missing here: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT" in message
+    ((none, partial),) = run_distributed(
+        _init_without_anything, world_size=1, init_process_group=False
+    )
+    assert none.startswith("RuntimeError: torch.sagemaker.init() needs a default process group")
+    for launcher in ("torchrun", "mpirun", "srun", "docs/launch.md"):
+        assert launcher in none, none
+    # A launcher half set up is named with the variable it lacks.
+    assert partial.startswith("LaunchEnvError: WORLD_SIZE is not set: the torchrun launcher")
 
 
 def test_launcher_error_type_is_assertion():

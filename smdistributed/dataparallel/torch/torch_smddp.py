@@ -1,10 +1,19 @@
 """SMP scripts do ``import smdistributed.dataparallel.torch.torch_smddp`` to get backend "smddp".
 
 Importing this module registers torch_sagemaker's native backend under that name, so
-``dist.init_process_group("smddp")`` works exactly as in SMP scripts.
+``dist.init_process_group("smddp")`` works exactly as in SMP scripts. As with SMDDP under
+mpirun, the script needs no ``RANK`` or ``WORLD_SIZE``: the torchrun variables that the
+launcher (mpirun, srun, torchrun, SageMaker) implies are exported here where unset, and
+``init_process_group``'s ``env://`` reads them (docs/launch.md).
 """
 
+from torch_sagemaker.distributed import launch_env
 from torch_sagemaker.distributed.backend import register
+from torch_sagemaker.logger import warn_once
+
+launch_env.export_torch_variables()
+if (warning := launch_env.restart_warning()) is not None:
+    warn_once(warning)
 
 if not register():
     raise ImportError(
