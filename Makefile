@@ -22,7 +22,7 @@ PY          = $(VENV)/bin/python
 PIP         = $(PY) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: install build demo test test-fast bench lint format clean test-cpp sanitize sanitize-asan gpu-check test-compat \
+.PHONY: install build demo test test-fast bench lint format clean test-cpp sanitize sanitize-asan gpu-check test-compat launchers \
 	sanitize-tsan
 
 $(VENV)/.installed: setup.py pyproject.toml requirements-dev.txt
@@ -44,8 +44,24 @@ demo: build
 	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) examples/train.py \
 		--smp-config examples/configs/full_shard.json
 
+# The real launchers the launcher tests start (docs/launch.md): OpenMPI's mpirun, MPICH's
+# mpiexec and SLURM (slurmctld, slurmd, srun). Installed with apt-get when absent and this runs
+# as root on Debian/Ubuntu; otherwise the tests that need them skip, naming the package.
+LAUNCHER_PACKAGES = openmpi-bin mpich slurm-wlm
+launchers:
+	@if command -v mpirun.openmpi >/dev/null && command -v mpiexec.hydra >/dev/null \
+		&& command -v slurmd >/dev/null; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -q --no-install-recommends $(LAUNCHER_PACKAGES) >/dev/null \
+		|| { apt-get update -q >/dev/null && \
+		     apt-get install -y -q --no-install-recommends $(LAUNCHER_PACKAGES) >/dev/null; }; \
+	else \
+		echo "note: $(LAUNCHER_PACKAGES) not installed (needs root and apt-get); the launcher tests that need them skip"; \
+	fi
+
 # --durations: the 25 slowest tests in every run (CI included), to keep the suite's time in view.
-test: build
+test: build launchers
 	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS) tests
 
 # The fast tier: no spawned ranks, no builds (tests/conftest.py marks tests by directory).

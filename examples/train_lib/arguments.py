@@ -106,7 +106,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--checkpoint-freq", type=int, default=0)
     g.add_argument("--num-kept-checkpoints", type=int, default=2)
     g.add_argument("--checkpoint-type", choices=("sharded", "async_sharded"), default="sharded")
-    g.add_argument("--resume-from-checkpoint", default=None, help="a checkpoint dir, or 'latest'")
+    g.add_argument(
+        "--resume-from-checkpoint",
+        "--resume",
+        default=None,
+        help="a checkpoint dir, or 'latest' (alias 'auto': the newest complete checkpoint under "
+        "--checkpoint-dir, or a fresh start when there is none, as after torchrun's restarts)",
+    )
     g.add_argument(
         "--export-dir", default=None, help="write a Hugging Face model directory at the end"
     )

@@ -45,9 +45,13 @@ def finish() -> None:
 
 
 def resume(state: TrainingState, root: str | None, target: str) -> str | None:
-    """Loads ``target`` (a path, or 'latest' under ``root``) into ``state``; returns the path."""
+    """Loads ``target`` (a path, or 'latest'/'auto' under ``root``) into ``state``.
+
+    Returns:
+        The path loaded, or None when 'latest'/'auto' found no complete checkpoint.
+    """
     path = target
-    if target == "latest":
+    if target in ("latest", "auto"):
         dirs = step_dirs(root)
         if not dirs:
             return None

@@ -1,0 +1,120 @@
+"""A real SLURM cluster on the two simulated hosts of netns_hosts.py, for launcher tests.
+
+``python -m tests.distributed.slurm_cluster {host} DIR -- SRUN_ARGS... [--- SRUN_ARGS...]``
+runs on both hosts (netns_hosts substitutes ``{host}``). Each host starts ``slurmd`` under its
+own name (``smddp-host-<i>``, which the hosts' private /etc/hosts resolves); host 0 also
+starts ``slurmctld``, waits until both nodes are idle, runs ``srun SRUN_ARGS`` once per
+``---``-separated group, then writes ``DIR/done`` and exits with the first failing srun's
+status. Host 1 waits for ``DIR/done``. The daemons stop with their hosts.
+
+Authentication is ``auth/none`` and ``cred/none`` (Slurm 22.05 still ships them; no munge
+daemon or key is needed), the daemons run as the namespace's root, and every port is on the
+hosts' private link.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from tests.distributed import netns_hosts
+
+READY_S = 60  # slurmctld and both slurmd up and the nodes idle, at most
+WAIT_S = 600  # host 1 gives up waiting after this long (netns_hosts' timeout comes first)
+
+_CONF = """\
+ClusterName=tsmtest
+SlurmctldHost={controller}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/none
+CredType=cred/none
+StateSaveLocation={dir}/state
+SlurmdSpoolDir={dir}/spool-%n
+SlurmctldPidFile={dir}/slurmctld.pid
+SlurmdPidFile={dir}/slurmd-%n.pid
+SlurmctldLogFile={dir}/slurmctld.log
+SlurmdLogFile={dir}/slurmd-%n.log
+ProctrackType=proctrack/pgid
+TaskPlugin=task/none
+SelectType=select/linear
+SchedulerType=sched/builtin
+ReturnToService=2
+MpiDefault=none
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+SlurmdParameters=config_overrides
+NodeName={nodes} CPUs=4 State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
+"""
+
+
+def unavailable_reason() -> str | None:
+    """Why a SLURM cluster cannot run here, or None when it can."""
+    for tool in ("slurmctld", "slurmd", "srun", "sinfo"):
+        if shutil.which(tool) is None:
+            return f"'{tool}' is not installed (Debian: apt-get install slurm-wlm)"
+    return netns_hosts.unavailable_reason()
+
+
+def write_conf(work_dir: str) -> str:
+    """Writes ``DIR/slurm.conf`` for the two hosts; returns its path."""
+    names = [netns_hosts.HOST_NAME.format(i) for i in range(2)]
+    path = os.path.join(work_dir, "slurm.conf")
+    os.makedirs(os.path.join(work_dir, "state"), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(_CONF.format(controller=names[0], dir=work_dir, nodes=",".join(names)))
+    return path
+
+
+def main(host: int, work_dir: str, sruns: list[list[str]]) -> int:
+    conf = os.path.join(work_dir, "slurm.conf")
+    env = dict(os.environ, SLURM_CONF=conf)
+    name = netns_hosts.HOST_NAME.format(host)
+    done = os.path.join(work_dir, "done")
+    if host == 0:
+        subprocess.run(["slurmctld", "-f", conf], env=env, check=True)
+    subprocess.run(["slurmd", "-f", conf, "-N", name], env=env, check=True)
+    if host == 1:
+        deadline = time.monotonic() + WAIT_S
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return 0
+    try:
+        _wait_idle(env)
+        status = 0
+        for args in sruns:
+            code = subprocess.run(["srun", *args], env=env).returncode
+            print(f"srun {' '.join(args)}: exit status {code}", flush=True)
+            status = status or code
+        return status
+    finally:
+        open(done, "w").close()
+
+
+def _wait_idle(env: dict[str, str]) -> None:
+    deadline = time.monotonic() + READY_S
+    while time.monotonic() < deadline:
+        out = subprocess.run(
+            ["sinfo", "-h", "-o", "%n %t"], env=env, capture_output=True, text=True
+        ).stdout
+        states = dict(line.split() for line in out.splitlines() if line.strip())
+        if len(states) == 2 and all(s == "idle" for s in states.values()):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"SLURM nodes not idle after {READY_S} s: {out!r}")
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    split = args.index("--")
+    groups: list[list[str]] = [[]]
+    for arg in args[split + 1 :]:
+        if arg == "---":
+            groups.append([])
+        else:
+            groups[-1].append(arg)
+    sys.exit(main(int(args[0]), args[1], groups))
