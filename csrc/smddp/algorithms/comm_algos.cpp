@@ -38,8 +38,9 @@ void Communicator::guarded(OpCtx& ctx, bool numbered, F&& body) {
   ctx.deadline = Deadline::after(ctx.deadline.seconds);
   try {
     body();
-    // Only TCP waits read it (Note [Exits are not failures]): one host needs no store.
-    if (numbered && layout_.hosts > 1) shm_->mark_finished(ctx.seq);
+    // Read by TCP waits (Note [Exits are not failures]) and before a descriptor slot is
+    // reused (Note [Mismatch detection] in shm.h).
+    if (numbered) shm_->mark_finished(ctx.seq);
   } catch (const std::exception& e) {
     mark_broken(e);
     throw;

@@ -316,16 +316,15 @@ uint64_t ShmComm::begin_step(const OpCtx& ctx, bool first) {
   // A collective may run several shm phases (hierarchical ones do); its descriptor is
   // published and checked once, at the first step of its first phase.
   if (first && ctx.seq + 1 != current_seq_plus1_) {
-    // Note [Mismatch detection]: desc[seq % 2] last described the collective whose first
-    // step was `last`; every peer must have finished that step (and so compared it) before
-    // it is overwritten. The buffer wait above covers that unless `last` is step s - 1.
-    uint64_t last = slot_first_step_[ctx.seq & 1];
-    if (last != 0 && last + 2 > s) {
+    // Note [Mismatch detection]: desc[seq % 2] last described collective `last - 1`; every
+    // peer must have finished it (and so compared that descriptor) before it is overwritten.
+    uint64_t last = slot_seq_plus1_[ctx.seq & 1];
+    if (last != 0) {
       for (int i = 0; i < size(); ++i) {
-        if (i != rank()) wait_progress(i, value(last, 3), ctx);
+        if (i != rank()) wait_finished(i, last, ctx);
       }
     }
-    slot_first_step_[ctx.seq & 1] = s;
+    slot_seq_plus1_[ctx.seq & 1] = ctx.seq + 1;
     current_seq_plus1_ = ctx.seq + 1;
     first_step_ = s;
     std::fill(checked_.begin(), checked_.end(), 0);
@@ -508,7 +507,23 @@ void ShmComm::check_local_peers(const OpCtx& ctx, std::optional<uint64_t> needed
 }
 
 void ShmComm::mark_finished(uint64_t seq) {
-  ctl(rank())->finished.store(seq + 1, std::memory_order_release);
+  RankControl* me = ctl(rank());
+  publish(me->finished, me->sleepers, seq + 1);
+}
+
+void ShmComm::wait_finished(int i, uint64_t seq_plus1, const OpCtx& ctx) {
+  RankControl* c = ctl(i);
+  if (c->finished.load(std::memory_order_acquire) >= seq_plus1) return;
+  wait_word(i, c->finished, c->sleepers, seq_plus1, [&] {
+    check_local_peers(ctx);
+    if (!ctx.deadline.expired()) return;
+    char secs[32];
+    snprintf(secs, sizeof(secs), "%.1f", ctx.deadline.seconds);
+    fail(where(ctx) + " timed out after " + secs +
+         " s (the timeout of this group) waiting for rank " + std::to_string(cfg_.group_ranks[i]) +
+         " to finish collective #" + std::to_string(seq_plus1 - 1) +
+         " (it is hung, slower, or issued a different sequence of collectives)");
+  });
 }
 
 void ShmComm::check_health(int i, uint64_t target, const OpCtx& ctx) {

@@ -21,11 +21,13 @@
 // count, first step) into desc[seq % 2] of its control block before posting phase 1. Every
 // first-step wait then compares the peer's descriptor with its own; a difference raises on
 // every rank (each rank checks every peer). Two slots are enough because a rank does not
-// overwrite desc[seq % 2] before every peer finished the first step of the collective that
-// slot described last (ShmComm::begin_step). When consecutive collectives all run shm steps
-// the buffer wait implies it; a collective that runs none on this rank (a gather whose root
-// is on another host, in a multi-host group) would otherwise let a rank run two
-// collectives ahead and overwrite a descriptor its peer has yet to compare.
+// overwrite desc[seq % 2] before every peer finished the collective that slot described last
+// (RankControl::finished; ShmComm::begin_step). When consecutive collectives all run shm
+// steps the buffer wait nearly implies it; a collective that runs none on this rank (a
+// gather whose root is on another host, in a multi-host group) would otherwise let a rank
+// run two collectives ahead and overwrite a descriptor its peer has yet to compare. Waiting
+// for a peer to finish collective seq - 2 cannot deadlock: that only needs what this rank
+// did in collectives it has already finished.
 //
 // Note [Shared-memory point-to-point]
 // send/recv between ranks of one host go through a byte ring per ordered pair, in the
@@ -100,15 +102,16 @@ struct alignas(64) DescSlot {
 struct RankControl {
   alignas(64) std::atomic<uint64_t> progress{0};  // Note [Step protocol]; written by owner only
   std::atomic<int32_t> cpu{-1};  // CPU the owner last posted from (same writer, same line)
-  alignas(64) std::atomic<uint32_t> sleepers{0};  // peers about to sleep in futex on progress
+  alignas(64) std::atomic<uint32_t> sleepers{0};  // peers about to sleep on progress/finished
   alignas(64) DescSlot desc[2];                   // Note [Mismatch detection]
   alignas(64) std::atomic<uint32_t> failed{0};    // owner hit an error: message is valid
   char message[480] = {0};
   int32_t pid = 0;
   char pid_ns[24] = {0};  // the owner's PID namespace (pid_namespace_id())
   uint64_t magic = 0;
-  // Numbered collectives the owner finished (Note [Exits are not failures]); read only by
-  // the peers' periodic process checks, so it shares the rarely read line of pid.
+  // Numbered collectives the owner finished: read by the peers' process checks (Note [Exits
+  // are not failures]) and before a descriptor slot is reused (Note [Mismatch detection]).
+  // Published like progress (futex on this word, `sleepers` counts its waiters too).
   std::atomic<uint64_t> finished{0};
 };
 
@@ -224,6 +227,8 @@ class ShmComm {
 
   // Records that this rank finished numbered collective `seq`.
   void mark_finished(uint64_t seq);
+  // Waits until local rank i finished numbered collective seq_plus1 - 1.
+  void wait_finished(int i, uint64_t seq_plus1, const OpCtx& ctx);
 
   // Tells the local peers that this rank failed (they raise instead of waiting).
   void mark_failed(const std::string& message);
@@ -269,8 +274,8 @@ class ShmComm {
   uint64_t committed_[2] = {0, 0};  // bit g: granule g of buffer 0 / 1 is committed
   uint64_t next_step_ = 1;
   uint64_t first_step_ = 0;  // first step of the current collective
-  // First step of the collective that desc[i] describes (0: none yet).
-  uint64_t slot_first_step_[2] = {0, 0};
+  // seq + 1 of the collective that desc[i] describes (0: none yet).
+  uint64_t slot_seq_plus1_[2] = {0, 0};
   uint64_t current_seq_plus1_ = 0;  // collective whose descriptor was published last
   std::vector<uint8_t> checked_;    // peers whose descriptor matched in this collective
   std::atomic<bool> aborted_{false};
