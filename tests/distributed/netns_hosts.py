@@ -242,6 +242,9 @@ def _connect_and_wait(hosts: list[subprocess.Popen], timeout_s: float) -> list[s
             if running:
                 _kill_tree(host)
                 host.wait()
+        # Whatever a host left behind in its session (a daemon, a launcher's helper) goes too.
+        for host in hosts:
+            _kill_tree(host)
     return [why if running else "" for running in stopped]
 
 

@@ -9,7 +9,8 @@ status. Host 1 waits for ``DIR/done``. The daemons stop with their hosts.
 
 Authentication is ``auth/none`` and ``cred/none`` (Slurm 22.05 still ships them; no munge
 daemon or key is needed), the daemons run as the namespace's root, and every port is on the
-hosts' private link.
+hosts' private link. The daemons run in the foreground as children of this process, which
+stops them before it exits.
 """
 
 from __future__ import annotations
@@ -75,29 +76,48 @@ def main(host: int, work_dir: str, sruns: list[list[str]]) -> int:
     env = dict(os.environ, SLURM_CONF=conf)
     name = netns_hosts.HOST_NAME.format(host)
     done = os.path.join(work_dir, "done")
-    if host == 0:
-        subprocess.run(["slurmctld", "-f", conf], env=env, check=True)
-    subprocess.run(["slurmd", "-f", conf, "-N", name], env=env, check=True)
-    if host == 1:
-        deadline = time.monotonic() + WAIT_S
-        while not os.path.exists(done) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return 0
+    # In the foreground (-D), as children: a daemon that forked away would outlive the test.
+    daemons = []
     try:
-        _wait_idle(env)
-        status = 0
-        for args in sruns:
-            code = subprocess.run(["srun", *args], env=env).returncode
-            print(f"srun {' '.join(args)}: exit status {code}", flush=True)
-            status = status or code
-        return status
+        if host == 0:
+            daemons.append(subprocess.Popen(["slurmctld", "-D", "-f", conf], env=env))
+        daemons.append(subprocess.Popen(["slurmd", "-D", "-f", conf, "-N", name], env=env))
+        if host == 1:
+            deadline = time.monotonic() + WAIT_S
+            while not os.path.exists(done) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            return 0
+        try:
+            _wait_idle(env, daemons)
+            status = 0
+            for args in sruns:
+                code = subprocess.run(["srun", *args], env=env).returncode
+                print(f"srun {' '.join(args)}: exit status {code}", flush=True)
+                status = status or code
+            return status
+        finally:
+            open(done, "w").close()
     finally:
-        open(done, "w").close()
+        _stop(daemons)
 
 
-def _wait_idle(env: dict[str, str]) -> None:
+def _stop(daemons: list[subprocess.Popen]) -> None:
+    for daemon in daemons:
+        daemon.terminate()
+    for daemon in daemons:
+        try:
+            daemon.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
+
+
+def _wait_idle(env: dict[str, str], daemons: list[subprocess.Popen]) -> None:
     deadline = time.monotonic() + READY_S
     while time.monotonic() < deadline:
+        exited = [d.args[0] for d in daemons if d.poll() is not None]
+        if exited:
+            raise RuntimeError(f"{exited} exited during start-up (logs: next to slurm.conf)")
         out = subprocess.run(
             ["sinfo", "-h", "-o", "%n %t"], env=env, capture_output=True, text=True
         ).stdout

@@ -161,6 +161,24 @@ def test_openmpi_mpirun_two_hosts(tmp_path):
         assert res["launcher_view"]["sources"]["master_addr"] == "SMDATAPARALLEL_SERVER_ADDR"
 
 
+def test_torchrun_c10d_rendezvous_two_hosts(tmp_path):
+    # HyperPod's recipes: torchrun on every host with --rdzv-backend c10d; smddp finds the
+    # two hosts itself (no SMDDP_FORCE_LOCAL_SIZE).
+    _needs_namespaces()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+               "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+               f"{netns_hosts.HOST_NAME.format(0)}:29400", "--rdzv-id", "c10d-job",
+               "-m", "tests.distributed.launch_rank", str(tmp_path)]  # fmt: skip
+    done = netns_hosts.run_on_two_hosts(command, timeout_s=240, env=_clean_env(), cwd=REPO)
+    assert done.returncode == 0, done.stdout[-8000:]
+    results = _results(tmp_path, 4)
+    _check_job(results, launch_env.TORCHRUN, [[0, 1], [2, 3]])
+    # The c10d rendezvous decides which host gets node rank 0; each node's ranks share one.
+    hosts = [res["hostname"] for res in results]
+    assert hosts[0] == hosts[1] != hosts[2] == hosts[3], hosts
+    assert [res["launcher_view"]["node_rank"] for res in results] == [0, 0, 1, 1]
+
+
 @pytest.mark.skipif(slurm_cluster.unavailable_reason() is not None, reason="no SLURM here")
 def test_real_srun_one_and_two_hosts(tmp_path):
     # slurmctld and a slurmd per simulated host; `srun -N 1 -n 4` on the first host, then
