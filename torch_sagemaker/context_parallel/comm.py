@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from torch_sagemaker._torch_compat import c10d as c10d_compat
+
 
 class Ring:
     """The context parallel group as a ring: this rank sends to ``next``, receives from ``prev``.
@@ -57,7 +59,7 @@ def all_gather_stacked(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.
     """
     size = dist.get_world_size(group)
     flat = torch.empty(size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_into_tensor(flat, tensor.contiguous().reshape(-1), group=group)
+    c10d_compat.all_gather_single(flat, tensor.contiguous().reshape(-1), group=group)
     return flat.view(size, *tensor.shape)
 
 
@@ -72,7 +74,7 @@ def reduce_scatter_stacked(stacked: torch.Tensor, group: dist.ProcessGroup) -> t
         ``(*shape)``, this rank's summed slice.
     """
     out = torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
-    dist.reduce_scatter_tensor(out.view(-1), stacked.contiguous().view(-1), group=group)
+    c10d_compat.reduce_scatter_single(out.view(-1), stacked.contiguous().view(-1), group=group)
     return out
 
 

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch_sagemaker._torch_compat import c10d as c10d_compat
+
 #: Largest row count accepted from a peer (a corrupt count must not allocate terabytes).
 MAX_ROWS = 2**31 - 1
 
@@ -133,7 +135,7 @@ def _gather(x: torch.Tensor, rows: list[int], group: dist.ProcessGroup) -> torch
     padded[: x.shape[0]] = x
     out = x.new_empty((width * len(rows), *x.shape[1:]))
     with DispatchTimer.measure(group):
-        dist.all_gather_into_tensor(out, padded, group=group)
+        c10d_compat.all_gather_single(out, padded, group=group)
     return torch.cat([out[i * width : i * width + n] for i, n in enumerate(rows)])
 
 
@@ -149,7 +151,7 @@ def _reduce_scatter(
         padded[i * width : i * width + n] = x[offsets[i] : offsets[i + 1]]
     out = x.new_empty((width, *x.shape[1:]))
     with DispatchTimer.measure(group):
-        dist.reduce_scatter_tensor(out, padded, group=group)
+        c10d_compat.reduce_scatter_single(out, padded, group=group)
     # A fresh tensor, not a view: FSDP2 warns about (and in-place ops would break) view outputs.
     return out if rows[rank] == width else out[: rows[rank]].clone()
 

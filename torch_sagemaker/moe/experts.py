@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from torch_sagemaker._torch_compat import c10d as c10d_compat
 from torch_sagemaker._torch_compat import nn as nn_compat
 from torch_sagemaker.moe import collectives as coll
 
@@ -212,7 +213,7 @@ def _dispatch_all_gather(
     n = torch.tensor([hidden.shape[0]], dtype=torch.long, device=hidden.device)
     sizes = torch.empty(dist.get_world_size(group), dtype=torch.long, device=hidden.device)
     with coll.DispatchTimer.measure(group):
-        dist.all_gather_into_tensor(sizes, n, group=group)
+        c10d_compat.all_gather_single(sizes, n, group=group)
     rows = coll.checked_counts(sizes, "token counts")
     x = coll.all_gather_rows(hidden, rows, group)
     all_index = coll.all_gather_rows(index, rows, group)
