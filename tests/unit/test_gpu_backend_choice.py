@@ -99,11 +99,11 @@ def test_init_creates_the_group_with_the_chosen_backend(monkeypatch):
     }.items():
         monkeypatch.setenv(var, value)
     monkeypatch.setenv("TSM_CUDA_BACKEND", "nccl")
-    _init._ensure_process_group()
+    _init._ensure_process_group(_init._read_launcher())
     assert seen["b"] == "cpu:smddp,cuda:nccl"
     seen.clear()
     monkeypatch.delenv("TSM_CUDA_BACKEND")
-    _init._ensure_process_group()
+    _init._ensure_process_group(_init._read_launcher())
     assert seen["b"] == "smddp"
 
 
