@@ -35,7 +35,7 @@ def main(host: int, work_dir: str, mpirun_args: list[str]) -> int:
         return 0
     # Host 0 waits for host 1 to be ready, then runs the job.
     pid_file = os.path.join(work_dir, f"{netns_hosts.HOST_ADDRESS.format(2)}.pid")
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while not os.path.exists(pid_file) and time.monotonic() < deadline:
         time.sleep(0.05)
     hosts = ",".join(f"{netns_hosts.HOST_ADDRESS.format(i + 1)}:2" for i in range(2))

@@ -23,7 +23,7 @@ import time
 
 from tests.distributed import netns_hosts
 
-READY_S = 60  # slurmctld and both slurmd up and the nodes idle, at most
+READY_S = 120  # slurmctld and both slurmd up and the nodes idle, at most
 WAIT_S = 600  # host 1 gives up waiting after this long (netns_hosts' timeout comes first)
 
 _CONF = """\

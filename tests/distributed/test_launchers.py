@@ -190,7 +190,7 @@ def test_real_srun_one_and_two_hosts(tmp_path):
     command = [sys.executable, "-m", "tests.distributed.slurm_cluster", "{host}", str(tmp_path),
                "--", "-N", "1", "-n", "4", "-w", netns_hosts.HOST_NAME.format(0), *RANK_SCRIPT,
                str(one), "---", "-N", "2", "-n", "4", *RANK_SCRIPT, str(two)]  # fmt: skip
-    done = netns_hosts.run_on_two_hosts(command, timeout_s=300, env=_clean_env(), cwd=REPO)
+    done = netns_hosts.run_on_two_hosts(command, timeout_s=480, env=_clean_env(), cwd=REPO)
     assert done.returncode == 0, done.stdout[-8000:]
     results = _results(one, 4)
     _check_job(results, launch_env.SLURM, [[0, 1, 2, 3]])
@@ -235,7 +235,7 @@ def _elastic_job(work, kill: bool) -> tuple[dict, str]:
     ]  # fmt: skip
     # As examples/launch/torchrun_multinode.sh: a fresh store per attempt (docs/launch.md).
     env = _clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    done = netns_hosts.run_on_two_hosts(command, timeout_s=360, env=env, cwd=REPO)
+    done = netns_hosts.run_on_two_hosts(command, timeout_s=600, env=env, cwd=REPO)
     assert done.returncode == 0, done.stdout[-10000:]
     return json.loads((work / "out" / "metrics.json").read_text()), done.stdout
 
