@@ -55,7 +55,8 @@ launchers:
 		export DEBIAN_FRONTEND=noninteractive; \
 		apt-get install -y -q --no-install-recommends $(LAUNCHER_PACKAGES) >/dev/null \
 		|| { apt-get update -q >/dev/null && \
-		     apt-get install -y -q --no-install-recommends $(LAUNCHER_PACKAGES) >/dev/null; }; \
+		     apt-get install -y -q --no-install-recommends $(LAUNCHER_PACKAGES) >/dev/null; } \
+		|| echo "note: apt-get could not install $(LAUNCHER_PACKAGES); the launcher tests that need them skip"; \
 	else \
 		echo "note: $(LAUNCHER_PACKAGES) not installed (needs root and apt-get); the launcher tests that need them skip"; \
 	fi
