@@ -366,8 +366,9 @@ def _master_addr(
             return env[var].strip(), var
     if first_host is not None:
         return first_host, "the first host of the SLURM node list"
-    if "SM_HOSTS" in env and len(_sagemaker_hosts(env)) > 1:
-        return _sagemaker_hosts(env)[0], "the first host of SM_HOSTS"
+    sagemaker_hosts = _sagemaker_hosts(env) if "SM_HOSTS" in env else []
+    if len(sagemaker_hosts) > 1:
+        return sagemaker_hosts[0], "the first host of SM_HOSTS"
     if local_world is not None and local_world == world:
         return LOCAL_HOST_ADDRESS, "every rank on this host"
     why = (
