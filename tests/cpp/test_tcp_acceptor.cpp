@@ -66,3 +66,33 @@ TEST_CASE(tcp_groups_share_one_acceptor_thread) {
   EXPECT(with6 - with2 == 4 * (1 + 3), "4 more groups added ", with6 - with2,
          " threads; their runner and rank threads are 16");
 }
+
+// Note [Admission] (transport/tcp/tcp.h): more real peers than the listener keeps unadmitted
+// handshakes (kMaxHandshakes, 64) connect to it at once, and every one gets in. Before,
+// the listener dropped the oldest handshake for each one beyond 64, and a dropped rank
+// failed with "refused our credentials".
+TEST_CASE(more_peers_than_the_handshake_cap_connect_at_once) {
+  constexpr int kRanks = 80;
+  smddp::CommConfig cfg;
+  cfg.group_name = "acceptor_many_peers";
+  cfg.timeout_s = 120;
+  cfg.settings.force_local_size = 1;
+  cfg.settings.socket_addr = "127.0.0.1";
+  cfg.settings.pool_bytes = 0;
+  run_group(kRanks, cfg, [&](Communicator& c, int rank) {
+    // Every rank sends its byte to rank 0 at once: 79 connections reach one listener.
+    char mine = static_cast<char>(rank);
+    std::vector<char> got(kRanks, -1);
+    std::vector<char*> outs;
+    for (int r = 0; r < kRanks; ++r) outs.push_back(rank == 0 ? &got[r] : nullptr);
+    smddp::CollDesc d;
+    d.count = 1;
+    d.extra = 1;  // root 0
+    smddp::OpArgs a;
+    a.root = 0;
+    c.gather(&mine, 1, rank == 0 ? outs : std::vector<char*>(), 0, c.make_ctx("gather", d, a, 0));
+    if (rank == 0) {
+      for (int r = 0; r < kRanks; ++r) EXPECT(got[r] == static_cast<char>(r), "part ", r);
+    }
+  });
+}

@@ -237,16 +237,37 @@ def _secret_of(store, group_name):
     raise AssertionError(f"no secret seen for group {group_name}: {list(store.seen)}")
 
 
+def _mac(secret, message):
+    return hmac.new(secret.encode(), message, "sha256").digest()
+
+
+def _admission(secret, claim, target):
+    """What a rank sends first on a mesh connection (Note [Admission] in tcp.h)."""
+    return struct.pack("<i", claim) + _mac(secret, f"smddp-tcp-admit/{claim}->{target}".encode())
+
+
+def _read_exactly(s, n):
+    data = b""
+    while len(data) < n:
+        part = s.recv(n - len(data))
+        if not part:
+            break
+        data += part
+    return data
+
+
+def _reply(secret, hello, claim, target):
+    message = b"smddp-tcp-hello/" + hello[8:] + f"/{claim}->{target}".encode()
+    return struct.pack("<i", claim) + _mac(secret, message)
+
+
 def _authenticate(address, secret, claim, target):
     """Connects to a listener as rank ``claim`` of the group; returns the socket and the
-    listener's answer (1: accepted)."""
+    listener's answer (1: accepted, 0: refused, 2: the rank is connected already)."""
     s = socket.create_connection(address, timeout=10)
-    hello = b""
-    while len(hello) < 40:
-        hello += s.recv(40 - len(hello))
-    message = b"smddp-tcp-hello/" + hello[8:] + f"/{claim}->{target}".encode()
-    mac = hmac.new(secret.encode(), message, "sha256").digest()
-    s.sendall(struct.pack("<i", claim) + mac)
+    s.sendall(_admission(secret, claim, target))
+    hello = _read_exactly(s, 40)
+    s.sendall(_reply(secret, hello, claim, target))
     return s, s.recv(1)
 
 
@@ -351,8 +372,126 @@ def test_store_secret_frames_and_connection_replacement():
     assert grown < 16 << 20, grown  # the 64 MiB it claimed were never allocated
     message, grown = victim["posted_wrong_length"]
     assert "sent 1099511627776 bytes with tag 5 where this rank expects 16" in message, message
-    assert results[0]["replacement_status"] == b"\x00"
+    assert results[0]["replacement_status"] == b"\x02"  # refused: the rank is connected
     assert victim["rejected"] >= 1
+
+
+# --- strangers cannot fail a real rank's connection (Note [Admission] in tcp.h) ------------
+
+
+def _admitted_handshake_outlives_strangers(strangers):
+    """World of 3 ranks on forced hosts of one rank each. Rank 2 holds the group's secret and
+    starts a real handshake with rank 1's listener, then, before it replies, ``strangers``
+    idle connections reach that listener and each receives its challenge. Before, the
+    listener kept 64 handshakes and dropped the oldest for each new one: the real handshake
+    was closed and the connecting rank failed with "refused our credentials"."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    store = _RecordingStore.create("127.0.0.1", int(os.environ["MASTER_PORT"]), 3, rank == 0)
+    dist.init_process_group(
+        "smddp", store=store, rank=rank, world_size=3, timeout=timedelta(seconds=60)
+    )
+    g = dist.new_group([0, 1, 2])
+    pg = _cpu(g)
+    infos = [None] * 3
+    dist.all_gather_object(infos, (pg._listen_address(), pg._listen_port()))
+    out = {}
+    if rank == 2:
+        secret = _secret_of(store, g.group_name)
+        real = socket.create_connection(infos[1], timeout=10)
+        real.sendall(_admission(secret, 2, 1))
+        hello = _read_exactly(real, 40)
+        idle = []
+        for _ in range(strangers):
+            s = socket.create_connection(infos[1], timeout=10)
+            idle.append(s)
+            # Its challenge arrived: the listener has accepted it (and, before, dropped the
+            # oldest handshake once 64 were pending).
+            assert _read_exactly(s, 8) == b"smddptc2"
+        real.sendall(_reply(secret, hello, 2, 1))
+        out["status"] = real.recv(1)
+        out["strangers_answered"] = len(idle)
+        for s in idle + [real]:
+            s.close()
+    dist.barrier()  # on the default group: g's mesh connection 2 -> 1 is rank 2's socket
+    if rank == 1:
+        out["rejected"] = pg._rejected_connections()
+    return out
+
+
+def test_an_admitted_handshake_outlives_any_number_of_strangers():
+    results = run_distributed(
+        _admitted_handshake_outlives_strangers,
+        200,
+        world_size=3,
+        backend="smddp",
+        init_process_group=False,
+        timeout=120,
+        env={"SMDDP_FORCE_LOCAL_SIZE": "1"},
+    )
+    assert results[2]["strangers_answered"] == 200
+    assert results[2]["status"] == b"\x01", results[2]  # before: b"" (dropped)
+    # The strangers beyond the cap of 64 unadmitted handshakes were dropped and counted.
+    assert results[1]["rejected"] >= 200 - 64, results[1]
+
+
+def _collectives_under_a_connection_flood(seconds):
+    """2 ranks on forced hosts. Each floods the other's listener for a new group with idle
+    connections, as fast as two threads can open them, from just before the first message
+    on that group (which makes the group's mesh connections) until ``seconds`` later."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    g = dist.new_group([0, 1])
+    pg = _cpu(g)
+    infos = [None, None]
+    dist.all_gather_object(infos, (pg._listen_address(), pg._listen_port()))
+    target = infos[1 - rank]
+    stop = time.monotonic() + seconds
+    opened = [0, 0]
+
+    def flood(i):
+        while time.monotonic() < stop:
+            try:
+                socket.create_connection(target, timeout=1).close()
+                opened[i] += 1
+            except OSError:
+                pass
+
+    threads = [threading.Thread(target=flood, args=(i,), daemon=True) for i in range(2)]
+    for th in threads:
+        th.start()
+    results = []
+    while time.monotonic() < stop:
+        t = torch.arange(8, dtype=torch.float32) * (rank + 1)
+        dist.all_reduce(t, group=g)
+        results.append(t.tolist())
+    for th in threads:
+        th.join()
+    return results, sum(opened)
+
+
+def test_collectives_finish_exactly_under_a_connection_flood():
+    expected = [float(3 * i) for i in range(8)]
+    for results, opened in run_distributed(
+        _collectives_under_a_connection_flood,
+        3.0,
+        world_size=2,
+        backend="smddp",
+        env={"SMDDP_FORCE_LOCAL_SIZE": "1"},
+        fresh=True,
+        pg_timeout=60,
+        timeout=120,
+    ):
+        assert results and all(r == expected for r in results), results[:3]
+        assert opened > 1000, opened  # a flood, not a trickle
 
 
 # --- /dev/shm segments of ranks killed during set-up ---------------------------------------

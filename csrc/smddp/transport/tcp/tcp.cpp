@@ -16,16 +16,21 @@
 #include <cstring>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
 
 #include "smddp/common/sha256.h"
 
 namespace smddp {
 namespace {
 
-constexpr char kMagic[8] = {'s', 'm', 'd', 'd', 'p', 't', 'c', '1'};
+constexpr char kMagic[8] = {'s', 'm', 'd', 'd', 'p', 't', 'c', '2'};
 constexpr int kNoticeMs = 200;      // time allowed to write a failure notice
+constexpr size_t kAdmitBytes = 36;  // claimed rank + admission token (Note [Admission])
 constexpr size_t kHelloBytes = 40;  // magic + challenge
 constexpr size_t kReplyBytes = 36;  // claimed rank + HMAC
+// The listener's last byte (Note [Admission]): only kRefused and kDuplicate are refusals.
+constexpr char kAccepted = 1, kRefused = 0, kDuplicate = 2;
+constexpr int kRetryFirstMs = 10, kRetryMaxMs = 500;  // connect_to's backoff between attempts
 
 void set_nonblocking(int fd, bool on) {
   int flags = fcntl(fd, F_GETFL, 0);
@@ -66,6 +71,24 @@ std::string format_names(const std::vector<std::string>& names) {
 
 std::string mac_message(const std::string& challenge, int from, int to) {
   return "smddp-tcp-hello/" + challenge + "/" + std::to_string(from) + "->" + std::to_string(to);
+}
+
+// Note [Admission]: what a connecting rank sends before anything else. Only a holder of the
+// group secret can make it; it is the same for every connection from `from` to `to`.
+std::string admit_message(int from, int to) {
+  return "smddp-tcp-admit/" + std::to_string(from) + "->" + std::to_string(to);
+}
+
+void fill_claim(char* out, int from, const Digest& mac) {
+  const int32_t claim = from;
+  std::memcpy(out, &claim, 4);
+  std::memcpy(out + 4, mac.data(), 32);
+}
+
+int32_t claim_of(const char* bytes) {
+  int32_t claim = -1;
+  std::memcpy(&claim, bytes, 4);
+  return claim;
 }
 
 }  // namespace
@@ -217,7 +240,7 @@ void TcpMesh::listen(const std::string& address) {
   listen_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (listen_fd_ < 0) throw CommError(std::string("smddp: socket(): ") + std::strerror(errno));
   if (bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::listen(listen_fd_, 128) != 0) {
+      ::listen(listen_fd_, SOMAXCONN) != 0) {
     throw CommError("smddp: cannot listen for mesh connections on " + address + ": " +
                     std::strerror(errno));
   }
@@ -230,20 +253,24 @@ void TcpMesh::listen(const std::string& address) {
 }
 
 // An incoming connection between accept() and the end of its handshake (Note [TCP
-// connections]): the listener writes `hello`, reads exactly `reply`, and answers.
+// connections], Note [Admission]): the listener writes `hello` while it reads exactly `admit`,
+// then exactly `reply`, and answers with one status byte.
 struct TcpMesh::Handshake {
   int fd = -1;
+  char admit[kAdmitBytes];
+  size_t admit_got = 0;
   char hello[kHelloBytes];
   size_t sent = 0;
   char reply[kReplyBytes];
   size_t got = 0;
+  int admitted = -1;  // the claimed rank, once its admission token checked out
   Clock::time_point deadline;
 };
 
 void TcpMesh::add_poll_fds(std::vector<pollfd>& fds, Clock::time_point& next) const {
   fds.push_back({listen_fd_, POLLIN, 0});
   for (const Handshake& h : pending_) {
-    fds.push_back({h.fd, static_cast<short>(h.sent < kHelloBytes ? POLLOUT : POLLIN), 0});
+    fds.push_back({h.fd, static_cast<short>(POLLIN | (h.sent < kHelloBytes ? POLLOUT : 0)), 0});
     next = std::min(next, h.deadline);
   }
 }
@@ -264,17 +291,36 @@ void TcpMesh::on_poll(const pollfd* fds) {
   }
   pending_.swap(still);
   if (fds[0].revents) accept_new(pending_);
+  drop_superseded(pending_);
+}
+
+// Note [Admission]: the pending handshakes that have not proven knowledge of the secret are
+// capped at kMaxHandshakes; the oldest of them makes room for a new one, after one last look
+// at what it sent. Admitted ones are capped by the group (one per claimed rank) instead.
+bool TcpMesh::make_room(std::vector<Handshake>& pending) {
+  size_t strangers = 0;
+  for (const Handshake& h : pending) strangers += h.admitted < 0;
+  if (strangers < kMaxHandshakes) return true;
+  for (size_t i = 0; i < pending.size(); ++i) {
+    Handshake& h = pending[i];
+    if (h.admitted >= 0) continue;
+    const bool going = progress(h);
+    if (going && h.admitted >= 0) continue;  // it proved itself just now
+    if (going) {                             // still nothing: it makes room
+      rejected_.fetch_add(1);
+      close(h.fd);
+    }
+    pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+    return true;
+  }
+  return true;  // unreachable: kMaxHandshakes strangers were counted
 }
 
 void TcpMesh::accept_new(std::vector<Handshake>& pending) {
   while (true) {
     int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) return;  // EAGAIN: none left (or a transient error; poll says when to retry)
-    if (pending.size() >= kMaxHandshakes) {  // the oldest has had the most time
-      rejected_.fetch_add(1);
-      close(pending.front().fd);
-      pending.erase(pending.begin());
-    }
+    make_room(pending);
     Handshake h;
     h.fd = fd;
     h.deadline = Clock::now() + std::chrono::milliseconds(kHandshakeMs);
@@ -283,19 +329,50 @@ void TcpMesh::accept_new(std::vector<Handshake>& pending) {
       close(fd);
       continue;
     }
+    // A real rank's admission usually arrived with its connection: it is admitted here.
     if (progress(h)) pending.push_back(h);
   }
 }
 
+void TcpMesh::drop_superseded(std::vector<Handshake>& pending) {
+  // One admitted handshake per claimed rank (Note [Admission]): an older one is that rank's
+  // abandoned attempt (connect_to gave up on it and connected again), or a copy of its bytes.
+  std::unordered_map<int, size_t> newest;
+  std::vector<bool> drop(pending.size(), false);
+  for (size_t i = 0; i < pending.size(); ++i) {
+    if (pending[i].admitted < 0) continue;
+    auto [it, fresh] = newest.emplace(pending[i].admitted, i);
+    if (fresh) continue;
+    const bool newer = pending[i].deadline >= pending[it->second].deadline;
+    drop[newer ? it->second : i] = true;
+    if (newer) it->second = i;
+  }
+  size_t kept = 0;
+  for (size_t i = 0; i < pending.size(); ++i) {
+    if (drop[i]) {
+      close(pending[i].fd);
+    } else {
+      pending[kept++] = pending[i];
+    }
+  }
+  pending.resize(kept);
+}
+
 bool TcpMesh::progress(Handshake& h) {
   auto refuse = [&] {
+    // An explicit refusal, so that the connecting side stops trying (Note [Admission]).
+    (void)!::send(h.fd, &kRefused, 1, MSG_NOSIGNAL);
     rejected_.fetch_add(1);
     close(h.fd);
     return false;
   };
-  // A client that hung up before its reply began gave up rather than failed: our own
-  // connect_to retrying a listener that was slow to answer (it abandons the attempt after
-  // kHandshakeMs), or a port probe. Not counted as a refused connection.
+  auto broken = [&] {
+    rejected_.fetch_add(1);
+    close(h.fd);
+    return false;
+  };
+  // A client that hung up before its reply began gave up rather than failed: a port probe,
+  // or our own connect_to abandoning a listener that was slow to answer. Not counted.
   auto gave_up = [&](ssize_t r) {
     return h.got == 0 && (r == 0 || errno == EPIPE || errno == ECONNRESET);
   };
@@ -303,29 +380,49 @@ bool TcpMesh::progress(Handshake& h) {
     close(h.fd);
     return false;
   };
+  // Reads up to `want` bytes into `buf` (`got` so far); false: no more for now, or the end.
+  ssize_t last = 1;
+  auto read_into = [&](char* buf, size_t& got, size_t want) {
+    while (got < want) {
+      last = ::recv(h.fd, buf + got, want - got, 0);
+      if (last <= 0) return false;
+      got += static_cast<size_t>(last);
+    }
+    return true;
+  };
+  auto would_block = [&] {
+    return last < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR);
+  };
   while (h.sent < kHelloBytes) {
     ssize_t r = ::send(h.fd, h.hello + h.sent, kHelloBytes - h.sent, MSG_NOSIGNAL);
     if (r > 0) {
       h.sent += static_cast<size_t>(r);
     } else if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-      return true;
+      break;  // the admission may be read meanwhile
     } else {
-      return gave_up(r) ? abandon() : refuse();
+      return gave_up(r) ? abandon() : broken();
     }
   }
-  while (h.got < kReplyBytes) {
-    ssize_t r = ::recv(h.fd, h.reply + h.got, kReplyBytes - h.got, 0);
-    if (r > 0) {
-      h.got += static_cast<size_t>(r);
-    } else if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-      return true;
-    } else {
-      return gave_up(r) ? abandon() : refuse();
+  if (!read_into(h.admit, h.admit_got, kAdmitBytes)) {
+    if (would_block()) return true;
+    return gave_up(last) ? abandon() : broken();
+  }
+  if (h.admitted < 0) {
+    const int32_t from = claim_of(h.admit);
+    if (from >= 0 && from < size_ && from != rank_) {
+      Digest expect = hmac_sha256(secret_, admit_message(from, rank_));
+      Digest got;
+      std::memcpy(got.data(), h.admit + 4, 32);
+      if (digest_equal(expect, got)) h.admitted = from;
     }
   }
-  int32_t from = -1;
-  std::memcpy(&from, h.reply, 4);
-  if (from < 0 || from >= size_ || from == rank_) return refuse();
+  if (h.sent < kHelloBytes) return true;
+  if (!read_into(h.reply, h.got, kReplyBytes)) {
+    if (would_block()) return true;
+    return gave_up(last) ? abandon() : broken();
+  }
+  const int32_t from = claim_of(h.reply);
+  if (h.admitted < 0 || from != h.admitted) return refuse();
   Digest expect = hmac_sha256(secret_, mac_message(std::string(h.hello + 8, 32), from, rank_));
   Digest got;
   std::memcpy(got.data(), h.reply + 4, 32);
@@ -338,8 +435,8 @@ void TcpMesh::accept_authenticated(int fd, int from) {
   std::lock_guard<std::mutex> g(in_mu_);
   Conn& c = *conns_[from];
   // Note [TCP connections]: a live connection is never replaced.
-  const char status = c.in_fd < 0 ? 1 : 0;
-  if (::send(fd, &status, 1, MSG_NOSIGNAL) != 1 || status == 0) {
+  const char status = c.in_fd < 0 ? kAccepted : kDuplicate;
+  if (::send(fd, &status, 1, MSG_NOSIGNAL) != 1 || status != kAccepted) {
     rejected_.fetch_add(1);
     close(fd);
     return;
@@ -352,20 +449,22 @@ void TcpMesh::accept_authenticated(int fd, int from) {
 int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
   const PeerAddr& pa = peers_.at(peer);
   const std::string port = std::to_string(pa.port);
-  char hello[kHelloBytes];
-  // A listener that does not send its challenge within kHandshakeMs may only be slow: its
-  // process stopped or not given a core (the acceptor drops a connection after as long, so
-  // a stranger cannot hold it up). So the connection is made again, with the same limit,
-  // until the caller's deadline; a peer that is gone refuses the connection at once.
-  int fd = -1;
-  for (bool answered = false; !answered;) {
+  char admit_bytes[kAdmitBytes];
+  fill_claim(admit_bytes, rank_, hmac_sha256(secret_, admit_message(rank_, peer)));
+  // Note [Admission]: an attempt that ends without the listener's verdict (no challenge in
+  // time, or the connection closed midway: a listener only slow, its process stopped or
+  // without a core, or one that dropped the handshake) is made again, after a growing pause,
+  // until the caller's deadline. Only the listener's explicit refusal is final, and a peer
+  // that is gone refuses the connection at once.
+  std::string last = "its listener did not answer the handshake";
+  for (int pause_ms = kRetryFirstMs;; pause_ms = std::min(2 * pause_ms, kRetryMaxMs)) {
     addrinfo hints{}, *res = nullptr;
     hints.ai_family = AF_INET;
     hints.ai_socktype = SOCK_STREAM;
     if (getaddrinfo(pa.host.c_str(), port.c_str(), &hints, &res) != 0 || !res) {
       fail_peer(peer, "cannot resolve its address " + pa.host, ctx);
     }
-    fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     set_nonblocking(fd, true);
     int r = ::connect(fd, res->ai_addr, res->ai_addrlen);
     freeaddrinfo(res);
@@ -386,37 +485,41 @@ int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
                     (err ? std::strerror(err) : "timed out"),
                 ctx);
     }
-    // The handshake also ends with the caller's deadline (a failure notice allows 200 ms).
-    const int hello_ms = std::max(1, std::min(kHandshakeMs, ctx.deadline.remaining_ms()));
-    answered = io_all(fd, hello, sizeof(hello), false, hello_ms);
-    if (!answered) {
+    // Each step also ends with the caller's deadline (a failure notice allows 200 ms).
+    auto step_ms = [&] { return std::max(1, std::min(kHandshakeMs, ctx.deadline.remaining_ms())); };
+    char hello[kHelloBytes];
+    char status = kRefused;
+    bool verdict = false;
+    if (!io_all(fd, admit_bytes, sizeof(admit_bytes), true, step_ms()) ||
+        !io_all(fd, hello, sizeof(hello), false, step_ms())) {
+      last = "its listener did not answer the handshake";
+    } else if (std::memcmp(hello, kMagic, 8) != 0) {
       close(fd);
-      if (ctx.deadline.expired() || aborted_.load()) {
-        fail_peer(peer, "its listener did not answer the handshake", ctx);
-      }
-      // A connection closed at once (a listener with kMaxHandshakes pending drops the
-      // oldest) is not retried in a tight loop.
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      fail_peer(peer, "its listener does not speak this version of the mesh protocol", ctx);
+    } else {
+      char reply[kReplyBytes];
+      fill_claim(reply, rank_,
+                 hmac_sha256(secret_, mac_message(std::string(hello + 8, 32), rank_, peer)));
+      verdict = io_all(fd, reply, sizeof(reply), true, step_ms()) &&
+                io_all(fd, &status, 1, false, step_ms());
+      if (!verdict) last = "its listener closed the connection during the handshake";
     }
-  }
-  if (std::memcmp(hello, kMagic, 8) != 0) {
+    if (verdict && status == kAccepted) {
+      tune_socket(fd);
+      return fd;
+    }
     close(fd);
-    fail_peer(peer, "its listener did not answer the handshake", ctx);
+    if (verdict && status == kDuplicate) {
+      fail_peer(peer,
+                "it already holds a connection from rank " + std::to_string(rank_) +
+                    " of this group (two processes claim this rank?)",
+                ctx);
+    }
+    if (verdict) fail_peer(peer, "it refused our credentials (different job secret?)", ctx);
+    if (ctx.deadline.expired() || aborted_.load()) fail_peer(peer, last, ctx);
+    std::this_thread::sleep_for(
+        std::chrono::milliseconds(std::min(pause_ms, std::max(1, ctx.deadline.remaining_ms()))));
   }
-  const int handshake_ms = std::max(1, std::min(kHandshakeMs, ctx.deadline.remaining_ms()));
-  char reply[kReplyBytes];
-  int32_t me = rank_;
-  std::memcpy(reply, &me, 4);
-  Digest mac = hmac_sha256(secret_, mac_message(std::string(hello + 8, 32), rank_, peer));
-  std::memcpy(reply + 4, mac.data(), 32);
-  char status = 0;
-  if (!io_all(fd, reply, sizeof(reply), true, handshake_ms) ||
-      !io_all(fd, &status, 1, false, handshake_ms) || status != 1) {
-    close(fd);
-    fail_peer(peer, "it refused our credentials (different job secret?)", ctx);
-  }
-  tune_socket(fd);
-  return fd;
 }
 
 int TcpMesh::in_fd(int peer) {

@@ -12,15 +12,41 @@
 // does) authenticates each connection with a challenge/response
 // (HMAC-SHA-256 over a fresh random challenge, the claimed rank and the listener's rank,
 // keyed with the group secret). Handshakes run concurrently, each with its own deadline
-// (kHandshakeMs), at most kMaxHandshakes at once (the oldest is dropped for a new one), and
-// read a fixed number of bytes: a connection that says nothing, or a flood of them, cannot
-// delay a real rank's handshake by more than its own round trips. The connecting side waits
-// as long for the listener's challenge, then connects again until its operation's deadline:
-// a listener that is only slow (its process stopped or without a core for a while) must not
-// fail the operation, and a peer that is gone refuses the connection at once. A stranger or
-// a wrong secret is refused and counted, and the job carries on. The first authenticated
-// connection of a peer stays: a second one claiming the same rank is refused, so a live
-// connection is never replaced.
+// (kHandshakeMs), and read a fixed number of bytes: a connection that says nothing, or a
+// flood of them, can slow a real rank's handshake but never fail it (Note [Admission]). A stranger
+// or a wrong secret is refused and counted, and the job carries on. The first authenticated
+// connection of a peer stays: a second one claiming the same rank is refused, so a live connection
+// is never replaced.
+//
+// Note [Admission]
+// A listener must bound what strangers cost it, yet no number of strangers may fail a real
+// rank's connection. An earlier design kept at most 64 handshakes and dropped the oldest
+// for each new connection: a flood of idle connections (thousands a second) then dropped
+// real ranks' handshakes after their challenge had arrived, and the connecting rank read
+// the closed socket as refused credentials, failing the job; 65 real peers connecting at once
+// could do the same. So:
+// - A connecting rank sends, before anything else, its rank and an admission token,
+//   HMAC(secret, "smddp-tcp-admit/<from>-><to>"); it usually arrives with the connection
+//   itself, so the listener reads it in the same pass as the accept(). A handshake with a
+//   valid token is admitted: it is never dropped to make room, and admitted handshakes are
+//   bounded by the group (one per claimed rank; the newest of two claiming one rank stays,
+//   the other is that rank's abandoned attempt). The challenge/response still follows: the
+//   token is the same for every connection of the pair, so it proves only that its sender
+//   holds the secret or has seen this pair's traffic, and a connection is accepted only
+//   with a fresh response.
+// - The handshakes not admitted are capped at kMaxHandshakes; the oldest makes room, after
+//   one last read of what it sent (an admission that just arrived keeps it).
+// - The listener ends every handshake it judges with one status byte: accepted, refused
+//   (wrong token or response) or duplicate (the rank is connected). Only those two
+//   refusals are final for the connecting rank. Any other end (no challenge within
+//   kHandshakeMs, a connection closed midway) makes it connect again after a pause that
+//   doubles from 10 ms to 500 ms, until its operation's deadline: a listener that is only
+//   slow (its process stopped or without a core) or that dropped the attempt must not fail
+//   the operation. A peer that is gone refuses the connection at once.
+// What remains: a stranger can slow a real rank's connection by keeping the listener busy,
+// never fail it. On a network where strangers can also read the job's traffic, the
+// tokens can be replayed to occupy a rank's admitted place, which a real rank's retry
+// takes back: such networks need the private network of Note [TCP trust model] anyway.
 //
 // Note [TCP trust model]
 // As in every c10d backend, the store is trusted: whoever can read it during group creation
@@ -148,16 +174,16 @@ class TcpMesh {
 
   void shutdown();
   void abort() { aborted_.store(true); }
-  // Incoming connections refused: a wrong or late reply, too many handshakes at once, or a
-  // second connection for a connected rank. Clients that hang up before replying are not
-  // counted (TcpMesh::progress).
+  // Incoming connections refused: a wrong or late reply, a stranger dropped to make room
+  // (Note [Admission]), or a second connection for a connected rank. Clients that hang up
+  // before replying are not counted (TcpMesh::progress).
   uint64_t rejected_connections() const { return rejected_.load(); }
 
  private:
   static constexpr uint64_t kFailureTag = ~0ull;  // no collective or user tag reaches it
   static constexpr size_t kMaxNotice = 1024;
-  static constexpr int kHandshakeMs = 2000;  // Note [TCP connections]
-  static constexpr size_t kMaxHandshakes = 64;
+  static constexpr int kHandshakeMs = 2000;               // Note [TCP connections]
+  static constexpr size_t kMaxHandshakes = 64;            // not admitted (Note [Admission])
   static constexpr size_t kStashBytes = size_t(1) << 30;  // Note [TCP trust model]
   static constexpr int kDirectSliceMs = 20;               // Note [Direct receives over TCP]
   static constexpr int kNotice = -2;                      // Conn::target_op of a notice being read
@@ -206,6 +232,10 @@ class TcpMesh {
   void accept_new(std::vector<Handshake>& pending);
   // Advances one handshake; returns false when it is over (accepted or refused).
   bool progress(Handshake& h);
+  // Makes room for one more handshake that has not been admitted (Note [Admission]).
+  bool make_room(std::vector<Handshake>& pending);
+  // Keeps the newest of the admitted handshakes that claim the same rank.
+  static void drop_superseded(std::vector<Handshake>& pending);
   void accept_authenticated(int fd, int from);
   int connect_to(int peer, const OpCtx& ctx);
   int in_fd(int peer);
