@@ -387,7 +387,6 @@ def _admitted_handshake_outlives_strangers(strangers):
     was closed and the connecting rank failed with "refused our credentials"."""
     from datetime import timedelta
 
-    import torch
     import torch.distributed as dist
 
     rank = int(os.environ["RANK"])

@@ -1,0 +1,137 @@
+"""Faults between two simulated hosts (netns_hosts.py), one job, three faults in turn.
+
+``python -m tests.distributed.smddp_host_faults_rank HOST OUT`` runs on each host and starts
+that host's two ranks (this same module with ``--rank``), which write ``rank<R>.json`` into
+OUT. Ranks 0-1 live on host 0, ranks 2-3 on host 1. Each fault hits host 1 during an
+all_reduce of its own group, whose timeout is ``FAULT_TIMEOUT_S``:
+
+1. ``stall``: host 1's ranks are stopped (SIGSTOP) for longer than the timeout while host 0's
+   ranks wait for them in the collective, then resumed;
+2. ``link``: host 1's link goes down (``ip link set eth0 down`` inside it), and comes back up
+   once its ranks have their error;
+3. ``kill``: host 1's ranks are killed (SIGKILL).
+
+Each rank records, for each fault, the error its all_reduce raised and how long it took.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+FAULT_TIMEOUT_S = 6.0
+STALL_S = 9.0  # longer than the timeout: host 0 must give up on host 1 first
+RANKS_PER_HOST = 2
+
+
+def _spawn_host(host: int, out: str) -> int:
+    """Starts this host's ranks and waits for them; 0 once each rank wrote its result or was
+    killed by the kill fault (host 1's ranks end that way)."""
+    procs = []
+    for local in range(RANKS_PER_HOST):
+        rank = host * RANKS_PER_HOST + local
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(2 * RANKS_PER_HOST),
+            LOCAL_RANK=str(local),
+            LOCAL_WORLD_SIZE=str(RANKS_PER_HOST),
+            MASTER_ADDR="10.9.0.1",
+            MASTER_PORT="29511",
+        )
+        procs.append(
+            subprocess.Popen([sys.executable, "-m", __spec__.name, "--rank", out], env=env)
+        )
+    codes = [p.wait(timeout=240) for p in procs]
+    expected = [0] * RANKS_PER_HOST if host == 0 else [-signal.SIGKILL] * RANKS_PER_HOST
+    print(f"host {host}: rank exit codes {codes}, expected {expected}", flush=True)
+    return 0 if codes == expected else 1
+
+
+def _timed_all_reduce(group) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1 << 18), group=group)
+        return {"error": None, "seconds": time.monotonic() - start}
+    except RuntimeError as e:
+        return {"error": str(e), "seconds": time.monotonic() - start}
+
+
+def _rank(out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import torch_sagemaker  # noqa: F401  (registers the smddp backend)
+
+    torch.set_num_threads(1)
+    dist.init_process_group("smddp", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    on_host1 = rank >= RANKS_PER_HOST
+    pids: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    host1_pids = " ".join(str(p) for p in pids[RANKS_PER_HOST:])
+    timeout = timedelta(seconds=FAULT_TIMEOUT_S)
+    groups = {name: dist.new_group(timeout=timeout) for name in ("stall", "link", "kill")}
+    for g in groups.values():
+        dist.all_reduce(torch.ones(4), group=g)  # every mesh connection exists now
+    result: dict = {"pid": os.getpid()}
+
+    # 1. Host 1 stalls: both its ranks are stopped before they join the collective that
+    # host 0's ranks wait in, past the timeout, then resumed.
+    dist.barrier()
+    if rank == RANKS_PER_HOST:
+        os.kill(pids[RANKS_PER_HOST + 1], signal.SIGSTOP)
+        subprocess.Popen(
+            ["sh", "-c", f"sleep {STALL_S}; kill -CONT {host1_pids}"], start_new_session=True
+        )
+        os.kill(os.getpid(), signal.SIGSTOP)
+    result["stall"] = _timed_all_reduce(groups["stall"])
+    dist.barrier()
+
+    # 2. Host 1's link goes down during the collective, and up once its ranks have an error.
+    if rank == RANKS_PER_HOST:
+        subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
+    result["link"] = _timed_all_reduce(groups["link"])
+    if on_host1:
+        # Both of host 1's ranks have their error before the link returns (the other may not
+        # notice a link that is back), through the file system the hosts share.
+        open(os.path.join(out, f"link_error_{rank}"), "w").close()
+        other = os.path.join(out, f"link_error_{2 * RANKS_PER_HOST + 1 - rank}")
+        deadline = time.monotonic() + 60
+        while not os.path.exists(other) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if rank == RANKS_PER_HOST:
+            subprocess.run(["ip", "link", "set", "eth0", "up"], check=True)
+    dist.barrier()  # the default group's connections outlived the link's absence
+    _write(out, rank, result)
+    dist.barrier()  # every rank's first two results are written
+
+    # 3. Host 1's ranks are killed during the collective.
+    if rank == RANKS_PER_HOST:
+        os.kill(pids[RANKS_PER_HOST + 1], signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+    result["kill"] = _timed_all_reduce(groups["kill"])
+    _write(out, rank, result)
+    os._exit(0)  # the job's other host is gone: skip the collective shutdown
+
+
+def _write(out: str, rank: int, result: dict) -> None:
+    path = os.path.join(out, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--rank":
+        _rank(sys.argv[2])
+    else:
+        sys.exit(_spawn_host(int(sys.argv[1]), sys.argv[2]))
