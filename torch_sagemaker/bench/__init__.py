@@ -47,6 +47,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "torch_sagemaker.bench.checkpoint",
         "checkpoint save/load with and without checksums",
     ),
+    "multihost": (
+        "torch_sagemaker.bench.multihost",
+        "smddp and gloo between simulated hosts, against the NIC's rate",
+    ),
 }
 
 

@@ -77,7 +77,7 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1] if mult > 1 else text) * mult)
 
 
-def _case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=None):
+def make_case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=None):
     """Returns (run, check, actual_bytes) for one operation at about `nbytes`.
 
     `all_reduce`, if given, replaces dist.all_reduce (an in-place SUM of one tensor).
@@ -316,7 +316,7 @@ def _worker_body(
                 for b in order:
                     if b in PEER_OPS and op not in PEER_OPS[b]:
                         continue
-                    run, check, actual = _case(
+                    run, check, actual = make_case(
                         op,
                         size,
                         world,

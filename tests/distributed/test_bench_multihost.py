@@ -1,0 +1,64 @@
+"""``bench multihost``'s short case: 2 simulated hosts x 2 ranks, NICs shaped to 1 Gbit/s.
+
+It checks what the benchmark's table rests on: every collective's result is right, both
+backends' times respect the NIC's bound (a faster one would mean the shaping failed), the
+NIC counters see at least the bytes the collective must send, and smddp's float32 and
+bfloat16 results agree bit for bit on every rank of both hosts."""
+
+import pytest
+
+from torch_sagemaker.bench import multihost, netns
+from torch_sagemaker.distributed import backend
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(not backend.is_available(), reason="smddp extension not built"),
+]
+
+RATE = 10**9
+SIZE = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def short_run():
+    reason = netns.unavailable_reason()
+    if reason:
+        pytest.skip(f"needs Linux network namespaces: {reason}")
+    return multihost.run_layout(
+        2, 2, RATE, list(multihost.OPS), [SIZE], ["smddp", "gloo"], 2, 240, identical=True
+    )
+
+
+def test_results_respect_the_nic_and_the_counters(short_run):
+    rows = short_run["rows"]
+    assert {(r["op"], r["backend"]) for r in rows} == {
+        (op, b) for op in multihost.OPS for b in ("smddp", "gloo")
+    }
+    for r in rows:
+        assert r["ok"], r
+        bound = multihost.min_bytes(r["op"], 2, r["bytes"]) * 8 / RATE
+        assert bound / r["seconds"] < 1.05, r  # faster than the NIC: shaping did not hold
+        assert r["tx_per_call"] >= 0.98 * multihost.min_bytes(r["op"], 2, r["bytes"]), r
+    text = multihost.table(rows, RATE)
+    assert "| 2x2 | all_reduce | 1 MiB |" in text and "gloo / smddp" in text
+
+
+def test_results_are_bit_identical_across_hosts(short_run):
+    per_rank = short_run["identical"]
+    assert len(per_rank) == 4
+    for dtype, tolerance in (("float32", 1e-4), ("bfloat16", 0.1)):
+        first = per_rank[0][dtype]
+        for r in per_rank:
+            mine = r[dtype]
+            assert mine["all_reduce"] == first["all_reduce"], dtype
+            assert mine["all_gather"] == first["all_gather"] and mine["all_gather_exact"]
+            assert mine["all_reduce_error"] < tolerance, (dtype, mine)
+            assert mine["reduce_scatter_error"] < tolerance, (dtype, mine)
+
+
+def test_arguments_are_checked():
+    assert netns.parse_rate("2gbit") == 2 * 10**9 and netns.parse_rate("500mbit") == 5 * 10**8
+    with pytest.raises(ValueError, match="'fast' is not a positive rate"):
+        netns.parse_rate("fast")
+    with pytest.raises(Exception, match="at least 2 hosts"):
+        multihost._layout("1x2")

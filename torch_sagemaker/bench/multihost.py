@@ -1,0 +1,334 @@
+"""Collectives between simulated hosts: smddp and gloo against what each host's NIC allows.
+
+    python -m torch_sagemaker.bench multihost [--layouts 2x1,4x1,2x2,4x2] [--rate 2gbit]
+        [--ops all_reduce,all_gather_into_tensor,reduce_scatter_tensor] [--sizes 1M,16M,64M]
+
+Each layout HxL is H simulated hosts (bench/netns.py: namespaces, one bridge as the switch,
+each host's cable shaped to ``--rate`` in both directions) with L ranks each. One job per
+layout runs both backends: the default group is smddp's, and a gloo group spans the same
+ranks. For every op and size S (nccl-tests' S: the all_reduce tensor, the all_gather output,
+the reduce_scatter input; float32), each backend runs a checked call, a warm-up call and
+``--iters`` timed calls, each after a barrier; the time is the median over calls of the
+slowest rank.
+
+The bound is the time the busiest NIC needs for the bytes it must send:
+k (H-1)/H S 8 / R, with k = 2 for all_reduce and 1 for all_gather and reduce_scatter
+(the L ranks of a host share its NIC). "of bound" is bound / time (1.0: at the NIC's rate;
+TCP/IP headers leave about 0.95 of it for data). "wire" is the bytes each host's NIC sent
+per call, from its counters (headers included), over the minimum k (H-1)/H S. "drops" are
+the packets the buckets dropped during the timed calls, at the hosts' uploads and at the
+switch's ports (their downloads).
+
+Without namespaces (no ``unshare``/``ip``/``tc``, or no right to use them) it says why and
+exits with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any
+
+from torch_sagemaker.bench import comma_list, netns
+
+OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+BACKENDS = ("smddp", "gloo")
+MASTER_PORT = 29530  # inside the hosts' private network
+
+
+def _layout(text: str) -> tuple[int, int]:
+    try:
+        hosts, local = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        hosts = local = 0
+    if hosts < 2 or local < 1:
+        raise argparse.ArgumentTypeError(
+            f"layout {text!r}: write HOSTSxRANKS with at least 2 hosts and 1 rank, e.g. 2x1"
+        )
+    return hosts, local
+
+
+def nic_factor(op: str) -> int:
+    """The k of the NIC bound k (H-1)/H S: how often S crosses the busiest NIC, per (H-1)/H."""
+    return 2 if op == "all_reduce" else 1
+
+
+def min_bytes(op: str, hosts: int, size: int) -> float:
+    """The bytes each host's NIC must send, at least, for one call on ``size`` bytes."""
+    return nic_factor(op) * (hosts - 1) / hosts * size
+
+
+# --- one rank ------------------------------------------------------------------------------
+
+
+def _identical_results(group) -> dict[str, Any]:
+    """Reduces and gathers random data in float32 and bfloat16 on ``group``.
+
+    Returns what every rank must agree on bit for bit (the all_reduce and all_gather
+    results' digests), and how far this rank's all_reduce result and reduce_scatter part
+    are from a float64 reference.
+    """
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+
+    from torch_sagemaker._torch_compat import c10d as c10d_compat
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    out: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        n = 3 * world * 4099  # not a multiple of any chunk size
+        inputs = [
+            torch.randn(n, generator=torch.Generator().manual_seed(1000 + r)).to(dtype)
+            for r in range(world)
+        ]
+        reference = torch.stack([x.double() for x in inputs]).sum(0)
+        t = inputs[rank].clone()
+        dist.all_reduce(t, group=group)
+        gathered = torch.empty(n * world, dtype=dtype)
+        c10d_compat.all_gather_single(gathered, inputs[rank], group=group)
+        part = torch.empty(n // world, dtype=dtype)
+        c10d_compat.reduce_scatter_single(part, inputs[rank].clone(), group=group)
+        mine = reference[rank * (n // world) : (rank + 1) * (n // world)]
+        name = str(dtype).removeprefix("torch.")
+        out[name] = {
+            "all_reduce": hashlib.sha256(
+                t.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).numpy().tobytes()
+            ).hexdigest(),
+            "all_reduce_error": float((t.double() - reference).abs().max()),
+            "all_gather": hashlib.sha256(gathered.float().numpy().tobytes()).hexdigest(),
+            "all_gather_exact": bool(torch.equal(gathered, torch.cat(inputs))),
+            "reduce_scatter_error": float((part.double() - mine).abs().max()),
+        }
+    return out
+
+
+def _rank_main(spec: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import torch_sagemaker  # noqa: F401  (registers smddp)
+    from torch_sagemaker.bench import end_rank
+    from torch_sagemaker.bench.collectives import make_case
+
+    torch.set_num_threads(1)
+    dist.init_process_group("smddp", timeout=timedelta(seconds=spec["timeout"]))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    counts_nic = int(os.environ["LOCAL_RANK"]) == 0
+    groups = {"smddp": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    identical: list[Any] = [None] * world
+    if spec.get("identical"):
+        dist.all_gather_object(identical, _identical_results(dist.group.WORLD))
+    rows = []
+    for op in spec["ops"]:
+        for size in spec["sizes"]:
+            for name in spec["backends"]:
+                group = groups[name]
+                run, check, actual = make_case(op, size, world, rank, group)
+                ok = check()
+                run()  # warm-up
+                dist.barrier()
+                before = netns.own_counters() if counts_nic else None
+                ports = netns.port_counters() if rank == 0 else None
+                times = []
+                for _ in range(spec["iters"]):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    run()
+                    times.append(time.perf_counter() - t0)
+                dist.barrier()
+                after = netns.own_counters() if counts_nic else None
+                ports_after = netns.port_counters() if rank == 0 else None
+                mine: dict[str, Any] = {"ok": ok, "times": times}
+                if before is not None and after is not None:
+                    mine["tx"] = after["tx_bytes"] - before["tx_bytes"]
+                    mine["drops"] = after["drops"] - before["drops"]
+                if ports is not None and ports_after is not None:
+                    mine["port_drops"] = sum(
+                        ports_after[p]["drops"] - ports[p]["drops"] for p in ports_after
+                    )
+                every: list[Any] = [None] * world
+                dist.all_gather_object(every, mine)
+                if rank == 0:
+                    rows.append(_row(spec, op, actual, name, every))
+    if rank == 0:
+        with open(spec["out"], "w") as f:
+            json.dump({"rows": rows, "identical": identical if spec.get("identical") else None}, f)
+    dist.barrier()
+    end_rank()
+
+
+def _row(spec: dict[str, Any], op: str, size: int, backend: str, every: list[dict]) -> dict:
+    calls = len(every[0]["times"])
+    slowest = [max(r["times"][i] for r in every) for i in range(calls)]
+    nics = [r for r in every if "tx" in r]
+    return {
+        "layout": f"{spec['hosts']}x{spec['local']}",
+        "op": op,
+        "bytes": size,
+        "backend": backend,
+        "ok": all(r["ok"] for r in every),
+        "seconds": statistics.median(slowest),
+        "tx_per_call": max(r["tx"] for r in nics) / calls,
+        "drops": sum(r["drops"] for r in nics) + every[0]["port_drops"],
+    }
+
+
+# --- one host: starts its ranks ------------------------------------------------------------
+
+
+def _host_main(host: int, spec: dict[str, Any]) -> int:
+    procs = []
+    for local in range(spec["local"]):
+        env = dict(
+            os.environ,
+            RANK=str(host * spec["local"] + local),
+            WORLD_SIZE=str(spec["hosts"] * spec["local"]),
+            LOCAL_RANK=str(local),
+            LOCAL_WORLD_SIZE=str(spec["local"]),
+            MASTER_ADDR=netns.HOST_ADDRESS.format(1),
+            MASTER_PORT=str(MASTER_PORT),
+            OMP_NUM_THREADS="1",
+        )
+        env.pop("SMDDP_FORCE_LOCAL_SIZE", None)
+        argv = [sys.executable, "-m", __spec__.name, "--rank-spec", json.dumps(spec)]
+        procs.append(subprocess.Popen(argv, env=env))
+    codes = [p.wait() for p in procs]
+    return 0 if not any(codes) else 1
+
+
+# --- the driver ----------------------------------------------------------------------------
+
+
+def run_layout(
+    hosts: int,
+    local: int,
+    rate_bits: int,
+    ops: list[str],
+    sizes: list[int],
+    backends: list[str],
+    iters: int,
+    timeout_s: float,
+    identical: bool = False,
+) -> dict[str, Any]:
+    """Runs one layout's job.
+
+    Returns:
+        ``{"rows": one per op, size and backend, "identical": None, or with ``identical``
+        each rank's results of the float32/bfloat16 agreement check (smddp)}``.
+
+    Raises:
+        RuntimeError: The job failed; the message holds the hosts' output.
+    """
+    with tempfile.TemporaryDirectory(prefix="tsm_multihost_") as tmp:
+        out = os.path.join(tmp, "rows.json")
+        spec: dict[str, Any] = {
+            "hosts": hosts,
+            "local": local,
+            "ops": ops,
+            "sizes": sizes,
+            "backends": backends,
+            "iters": iters,
+            "timeout": timeout_s,
+            "identical": identical,
+            "out": out,
+        }
+        command = [sys.executable, "-m", __spec__.name, "--host", "{host}", json.dumps(spec)]
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
+        )
+        done = netns.run_hosts(hosts, command, timeout_s, rate_bits, env=env)
+        if done.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"layout {hosts}x{local} failed:\n{done.stdout[-6000:]}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def table(rows: list[dict], rate_bits: int) -> str:
+    """The rows as a markdown table, smddp and gloo side by side."""
+    from torch_sagemaker.bench.collectives_report import format_size
+
+    by_key: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        by_key.setdefault((r["layout"], r["op"], r["bytes"]), {})[r["backend"]] = r
+    backends = sorted({r["backend"] for r in rows}, key=lambda b: BACKENDS.index(b))
+    head = ["layout", "op", "size", "bound ms"]
+    for b in backends:
+        head += [f"{b} ms", f"{b} of bound", f"{b} wire", f"{b} drops"]
+    if len(backends) == 2:
+        head.append(f"{backends[1]} / {backends[0]}")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (layout, op, size), per in by_key.items():
+        hosts = int(layout.split("x")[0])
+        bound = min_bytes(op, hosts, size) * 8 / rate_bits
+        cells = [layout, op, format_size(size), f"{bound * 1e3:.1f}"]
+        for b in backends:
+            if b not in per:
+                cells += ["-"] * 4
+                continue
+            r = per[b]
+            mark = "" if r["ok"] else " WRONG"
+            cells += [
+                f"{r['seconds'] * 1e3:.1f}{mark}",
+                f"{bound / r['seconds']:.2f}",
+                f"{r['tx_per_call'] / min_bytes(op, hosts, size):.2f}",
+                str(r["drops"]),
+            ]
+        if len(backends) == 2 and all(b in per for b in backends):
+            cells.append(f"{per[backends[1]]['seconds'] / per[backends[0]]['seconds']:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark (or, with the internal --host/--rank-spec, one host or rank)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--host"]:
+        return _host_main(int(argv[1]), json.loads(argv[2]))
+    if argv[:1] == ["--rank-spec"]:
+        _rank_main(json.loads(argv[1]))
+        return 0
+    from torch_sagemaker.bench.collectives import parse_size
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layouts", type=comma_list(), default=["2x1", "4x1", "2x2", "4x2"])
+    p.add_argument("--rate", default="2gbit", help="each host's NIC rate, both directions")
+    p.add_argument("--ops", type=comma_list(OPS), default=list(OPS))
+    p.add_argument("--sizes", type=comma_list(), default=["1M", "16M", "64M"])
+    p.add_argument("--backends", type=comma_list(BACKENDS), default=list(BACKENDS))
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--timeout", type=float, default=600, help="seconds for one layout's job")
+    p.add_argument("--json", default=None, help="also write the rows to this file")
+    args = p.parse_args(argv)
+    reason = netns.unavailable_reason()
+    if reason:
+        print(f"multihost: cannot simulate hosts here: {reason}", file=sys.stderr)
+        return 2
+    rate = netns.parse_rate(args.rate)
+    layouts = [_layout(x) for x in args.layouts]
+    sizes = [parse_size(s) for s in args.sizes]
+    rows: list[dict] = []
+    for hosts, local in layouts:
+        rows += run_layout(
+            hosts, local, rate, args.ops, sizes, args.backends, args.iters, args.timeout
+        )["rows"]
+    print(f"NIC rate {args.rate} per host, both directions; float32; median of {args.iters} calls")
+    print(table(rows, rate))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rate_bits": rate, "rows": rows}, f, indent=1)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

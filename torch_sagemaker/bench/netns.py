@@ -1,0 +1,301 @@
+"""Simulated hosts on one machine, for benchmarks of the inter-host path.
+
+Each host is a process tree in Linux network, IPC and UTS namespaces of its own: its own
+hostname, shared-memory namespace (so smddp sees another host) and network stack, whose one
+interface ``eth0`` has the address 10.9.0.<host + 1>. The hosts' cables (veth pairs) meet
+at a bridge, the switch, in a network namespace of its own that this module's ``switch``
+command runs in. With a rate, every cable is shaped at both ends with a token bucket
+(``tc qdisc ... tbf``): the host's ``eth0`` egress is its upload, the switch port's egress
+its download, so each host has a NIC of that rate in both directions. Nothing is addressed
+outside 10.9.0.0/24 and loopback, and a private /etc/hosts (a bind mount in the switch's
+own mount namespace) names the hosts, so no name lookup reaches the machine's resolver.
+
+    python -m torch_sagemaker.bench.netns --hosts 2 --rate 2gbit --timeout 60 -- CMD ...
+
+runs CMD on every host (``{host}`` in CMD becomes the host's index) and must itself run
+inside ``unshare --net --mount`` (``run_hosts`` does that; as a user other than root, with
+``--user --map-root-user``). A host's processes see the switch's pid in
+``TSM_NETNS_SWITCH_PID``, which ``port_counters`` uses to read the switch's ports.
+The /dev/shm and the file system stay shared with the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HOST_ADDRESS = "10.9.0.{}"
+HOST_NAME = "tsm-host-{}"
+SWITCH_PID_VARIABLE = "TSM_NETNS_SWITCH_PID"
+# Whole 64 KiB offload segments must pass the bucket at once, or TCP stalls on a shaped veth.
+BURST = "96kb"
+QUEUE_LATENCY = "50ms"  # how long a packet may wait in the bucket's queue before it drops
+
+# Run by each host's shell inside its namespaces: waits for the cable, configures it, runs
+# the command. $1 host index, $2 address, the rest the command.
+_HOST_SETUP = r"""
+set -e
+hostname "tsm-host-$1"
+ip link set lo up
+n=0
+until ip link show eth0 >/dev/null 2>&1; do
+  n=$((n + 1)); [ "$n" -le 500 ] || { echo "eth0 never appeared" >&2; exit 97; }
+  sleep 0.02
+done
+ip addr add "$2/24" dev eth0
+ip link set eth0 up
+shift 2
+exec "$@"
+"""
+
+
+def unavailable_reason() -> str | None:
+    """Why simulated hosts cannot be made here, or None when they can."""
+    for tool in ("unshare", "ip", "tc", "nsenter"):
+        if shutil.which(tool) is None:
+            return f"the '{tool}' command is not installed"
+    user_ns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    probe = ["unshare", *user_ns, "--net", "--ipc", "--uts", "ip", "link", "add", "br0"]
+    done = subprocess.run(
+        [*probe, "type", "bridge"], capture_output=True, text=True, timeout=30, check=False
+    )
+    if done.returncode != 0:
+        return f"cannot create network namespaces: {done.stderr.strip() or done.returncode}"
+    return None
+
+
+def parse_rate(text: str) -> int:
+    """Parses a NIC rate such as "2gbit", "500mbit" or "1e9" into bits per second.
+
+    Raises:
+        ValueError: The text is not a positive rate, naming it.
+    """
+    units = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+    t = text.strip().lower()
+    mult = next((m for u, m in units.items() if t.endswith(u)), 1)
+    number = t[:-4] if mult > 1 else t
+    try:
+        bits = float(number) * mult
+    except ValueError:
+        bits = 0.0
+    if not bits > 0:
+        raise ValueError(f"rate {text!r} is not a positive rate: write e.g. 2gbit, 500mbit")
+    return int(bits)
+
+
+def run_hosts(
+    hosts: int,
+    command: list[str],
+    timeout_s: float,
+    rate_bits: int | None = None,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+) -> subprocess.CompletedProcess:
+    """Runs ``command`` on ``hosts`` simulated hosts joined by a switch; output is merged.
+
+    Args:
+        hosts: How many hosts (2 to 250).
+        command: The program and its arguments; ``{host}`` becomes the host's index.
+        timeout_s: Every host is killed after this many seconds.
+        rate_bits: Each host's NIC rate in bits per second (both directions); None: unshaped.
+        env: The environment of the commands.
+        cwd: Their working directory.
+
+    Returns:
+        The finished switch process: ``returncode`` 0 when every host's command succeeded,
+        and ``stdout`` with every line prefixed by its host.
+    """
+    if not 2 <= hosts <= 250:
+        raise ValueError(f"hosts={hosts}: simulated hosts number 2 to 250 (one /24 subnet)")
+    user_ns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    argv = ["unshare", *user_ns, "--net", "--mount", sys.executable, "-m", __spec__.name]
+    argv += ["--hosts", str(hosts), "--timeout", str(timeout_s)]
+    if rate_bits:
+        argv += ["--rate-bits", str(rate_bits)]
+    return subprocess.run(
+        [*argv, "--", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=timeout_s + 60,
+        check=False,
+    )
+
+
+def port_counters(switch_pid: int | None = None) -> dict[str, dict[str, int]]:
+    """The switch's ports, read from inside a host.
+
+    Per port ("h<i>", host i's cable): the bytes sent towards the host and the packets its
+    bucket dropped.
+
+    Args:
+        switch_pid: The switch process; default: ``TSM_NETNS_SWITCH_PID``.
+    """
+    pid = switch_pid or int(os.environ[SWITCH_PID_VARIABLE])
+    out = subprocess.run(
+        ["nsenter", f"--net=/proc/{pid}/ns/net", "tc", "-s", "-j", "qdisc", "show"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    return {
+        q["dev"]: {"bytes": int(q.get("bytes", 0)), "drops": int(q.get("drops", 0))}
+        for q in json.loads(out or "[]")
+        if q.get("kind") == "tbf"
+    }
+
+
+def own_counters(interface: str = "eth0") -> dict[str, int]:
+    """This host's NIC: bytes sent and received, and packets its upload bucket dropped.
+
+    The bytes come from /proc/net/dev, which shows the caller's network namespace.
+    """
+    counters = {"tx_bytes": 0, "rx_bytes": 0, "drops": 0}
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == interface:
+                fields = rest.split()
+                counters["rx_bytes"], counters["tx_bytes"] = int(fields[0]), int(fields[8])
+    out = subprocess.run(
+        ["tc", "-s", "-j", "qdisc", "show", "dev", interface],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=30,
+    ).stdout
+    for q in json.loads(out or "[]"):
+        if q.get("kind") == "tbf":
+            counters["drops"] += int(q.get("drops", 0))
+    return counters
+
+
+def _shape(prefix: list[str], device: str, rate_bits: int) -> None:
+    subprocess.run(
+        [*prefix, "tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{rate_bits}bit"]
+        + ["burst", BURST, "latency", QUEUE_LATENCY],
+        check=True,
+    )
+
+
+def _private_etc_hosts(stack: contextlib.ExitStack, hosts: int) -> None:
+    """Bind-mounts a private /etc/hosts naming the hosts (the switch's own mount namespace)."""
+    f = stack.enter_context(tempfile.NamedTemporaryFile("w", suffix=".hosts"))  # noqa: SIM115
+    # With the IPv4-mapped IPv6 forms: a dual-stack listener (TCPStore's) sees its clients
+    # as ::ffff:a.b.c.d, and a reverse lookup missing here would go on to DNS.
+    f.write("127.0.0.1 localhost\n::1 localhost\n::ffff:127.0.0.1 localhost\n")
+    for i in range(hosts):
+        address, name = HOST_ADDRESS.format(i + 1), HOST_NAME.format(i)
+        f.write(f"{address} {name}\n::ffff:{address} {name}\n")
+    f.flush()
+    subprocess.run(["mount", "--bind", f.name, "/etc/hosts"], check=True)
+
+
+def _start_host(index: int, command: list[str], log) -> subprocess.Popen:
+    argv = ["unshare", "--net", "--ipc", "--uts", "sh", "-c", _HOST_SETUP, "host-setup"]
+    argv += [str(index), HOST_ADDRESS.format(index + 1)]
+    argv += [part.replace("{host}", str(index)) for part in command]
+    env = dict(os.environ, **{SWITCH_PID_VARIABLE: str(os.getpid())})
+    # Output to a file (an unread pipe could block a host); its own session, so that a
+    # timeout ends the host's whole process tree.
+    return subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+    )
+
+
+def _wait_own_network(host: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    mine = os.readlink("/proc/self/ns/net")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if os.readlink(f"/proc/{host.pid}/ns/net") != mine:
+                return
+        except FileNotFoundError:  # it exited already; its log says why
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"host process {host.pid} did not enter its namespaces in {timeout_s} s")
+
+
+def _cable(index: int, host: subprocess.Popen, rate_bits: int | None) -> None:
+    port = f"h{index}"
+    subprocess.run(
+        ["ip", "link", "add", port, "type", "veth", "peer", "name", "eth0"]
+        + ["netns", str(host.pid)],
+        check=True,
+    )
+    subprocess.run(["ip", "link", "set", port, "master", "br0", "up"], check=True)
+    if rate_bits:
+        _shape([], port, rate_bits)  # the host's download
+        _shape(["nsenter", f"--net=/proc/{host.pid}/ns/net"], "eth0", rate_bits)  # its upload
+
+
+def _kill_tree(host: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(host.pid, signal.SIGKILL)
+
+
+def _switch(hosts: int, rate_bits: int | None, timeout_s: float, command: list[str]) -> int:
+    with contextlib.ExitStack() as stack:
+        _private_etc_hosts(stack, hosts)
+        subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+        subprocess.run(["ip", "link", "add", "br0", "type", "bridge"], check=True)
+        subprocess.run(["ip", "link", "set", "br0", "up"], check=True)
+        logs = [stack.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in range(hosts)]
+        procs = [_start_host(i, command, logs[i]) for i in range(hosts)]
+        why = "set-up failed"
+        try:
+            for i, proc in enumerate(procs):
+                _wait_own_network(proc)
+                _cable(i, proc, rate_bits)
+            deadline = time.monotonic() + timeout_s
+            # A host that failed leaves the others waiting for it: stop them all at once.
+            while (
+                any(p.poll() is None for p in procs)
+                and time.monotonic() < deadline
+                and not any(p.poll() for p in procs)
+            ):
+                time.sleep(0.05)
+            why = (
+                f"timeout ({timeout_s:.0f} s)" if time.monotonic() >= deadline else "a host failed"
+            )
+        finally:
+            running = [p.poll() is None for p in procs]
+            for p in procs:
+                _kill_tree(p)
+                p.wait()
+        for i, log in enumerate(logs):
+            log.seek(0)
+            for line in log.read().splitlines():
+                print(f"[host {i}] {line}")
+            if running[i]:
+                print(f"[host {i}] killed: {why}")
+    codes = [p.returncode for p in procs]
+    print(f"host exit codes: {codes}", flush=True)
+    return 0 if not any(codes) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The switch: builds the hosts, runs the command on each, reports their exit codes."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hosts", type=int, required=True)
+    p.add_argument("--timeout", type=float, required=True)
+    p.add_argument("--rate-bits", type=int, default=None)
+    p.add_argument("command", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    return _switch(args.hosts, args.rate_bits, args.timeout, command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
