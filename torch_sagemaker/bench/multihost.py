@@ -111,6 +111,52 @@ def _identical_results(group) -> dict[str, Any]:
     return out
 
 
+def _training(group, spec: dict[str, Any]) -> float:
+    """Tokens/s of FSDP2 training a small Llama on ``group``'s ranks.
+
+    ``fully_shard`` per decoder layer and on the root, as torchtitan does; the median over
+    the timed steps of the slowest rank.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, seq, batch, vocab = 256, 128, 2, 8000
+    torch.manual_seed(0)
+    config = LlamaConfig(  # type: ignore[call-arg]
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=seq,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config).float()
+    mesh = DeviceMesh.from_group(group, "cpu")
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(1 + dist.get_rank(group))
+    steps = []
+    for step in range(1 + spec["train_steps"]):
+        ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
+        if step:
+            steps.append(took.item())
+    return dist.get_world_size(group) * batch * seq / statistics.median(steps)
+
+
 def _rank_main(spec: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
@@ -127,6 +173,7 @@ def _rank_main(spec: dict[str, Any]) -> None:
     identical: list[Any] = [None] * world
     if spec.get("identical"):
         dist.all_gather_object(identical, _identical_results(dist.group.WORLD))
+    training = {name: _training(groups[name], spec) for name in spec.get("train_backends", [])}
     rows = []
     for op in spec["ops"]:
         for size in spec["sizes"]:
@@ -161,7 +208,14 @@ def _rank_main(spec: dict[str, Any]) -> None:
                     rows.append(_row(spec, op, actual, name, every))
     if rank == 0:
         with open(spec["out"], "w") as f:
-            json.dump({"rows": rows, "identical": identical if spec.get("identical") else None}, f)
+            json.dump(
+                {
+                    "rows": rows,
+                    "identical": identical if spec.get("identical") else None,
+                    "training": training,
+                },
+                f,
+            )
     dist.barrier()
     end_rank()
 
@@ -218,12 +272,15 @@ def run_layout(
     iters: int,
     timeout_s: float,
     identical: bool = False,
+    train_backends: list[str] | None = None,
+    train_steps: int = 3,
 ) -> dict[str, Any]:
     """Runs one layout's job.
 
     Returns:
         ``{"rows": one per op, size and backend, "identical": None, or with ``identical``
-        each rank's results of the float32/bfloat16 agreement check (smddp)}``.
+        each rank's results of the float32/bfloat16 agreement check (smddp), "training":
+        tokens/s of FSDP2 training per backend in ``train_backends``}``.
 
     Raises:
         RuntimeError: The job failed; the message holds the hosts' output.
@@ -239,6 +296,8 @@ def run_layout(
             "iters": iters,
             "timeout": timeout_s,
             "identical": identical,
+            "train_backends": train_backends or [],
+            "train_steps": train_steps,
             "out": out,
         }
         command = [sys.executable, "-m", __spec__.name, "--host", "{host}", json.dumps(spec)]
@@ -252,6 +311,26 @@ def run_layout(
             raise RuntimeError(f"layout {hosts}x{local} failed:\n{done.stdout[-6000:]}")
         with open(out) as f:
             return json.load(f)
+
+
+def training_table(per_layout: dict[str, dict[str, float]]) -> str:
+    """Tokens/s per layout and backend.
+
+    With the fraction of the tokens/s of one host with as many ranks (``1xN``), same backend.
+    """
+    lines = ["| layout | backend | tokens/s | of one host's |", "|---|---|---|---|"]
+    for layout, per in per_layout.items():
+        hosts, local = _layout_numbers(layout)
+        base = per_layout.get(f"1x{hosts * local}", {})
+        for backend, tokens in per.items():
+            frac = f"{tokens / base[backend]:.2f}" if backend in base and hosts > 1 else "-"
+            lines.append(f"| {layout} | {backend} | {tokens:.0f} | {frac} |")
+    return "\n".join(lines)
+
+
+def _layout_numbers(text: str) -> tuple[int, int]:
+    hosts, local = (int(x) for x in text.split("x"))
+    return hosts, local
 
 
 def table(rows: list[dict], rate_bits: int) -> str:
@@ -309,6 +388,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--timeout", type=float, default=600, help="seconds for one layout's job")
     p.add_argument("--json", default=None, help="also write the rows to this file")
+    p.add_argument(
+        "--train",
+        action="store_true",
+        help="also time FSDP2 training of a small Llama in each layout and in one host of as "
+        "many ranks",
+    )
+    p.add_argument("--train-steps", type=int, default=3)
     args = p.parse_args(argv)
     reason = netns.unavailable_reason()
     if reason:
@@ -318,15 +404,35 @@ def main(argv: list[str] | None = None) -> int:
     layouts = [_layout(x) for x in args.layouts]
     sizes = [parse_size(s) for s in args.sizes]
     rows: list[dict] = []
+    trained: dict[str, dict[str, float]] = {}
+    train = args.backends if args.train else []
     for hosts, local in layouts:
-        rows += run_layout(
-            hosts, local, rate, args.ops, sizes, args.backends, args.iters, args.timeout
-        )["rows"]
+        got = run_layout(
+            hosts,
+            local,
+            rate,
+            args.ops,
+            sizes,
+            args.backends,
+            args.iters,
+            args.timeout,
+            train_backends=train,
+            train_steps=args.train_steps,
+        )
+        rows += got["rows"]
+        if train:
+            trained[f"{hosts}x{local}"] = got["training"]
+    for world in sorted({h * loc for h, loc in layouts}) if train else []:
+        got = run_layout(1, world, rate, [], [], args.backends, 1, args.timeout, False, train)
+        trained[f"1x{world}"] = got["training"]
     print(f"NIC rate {args.rate} per host, both directions; float32; median of {args.iters} calls")
     print(table(rows, rate))
+    if trained:
+        print(f"\nFSDP2 training, small Llama, median of {args.train_steps} steps")
+        print(training_table(trained))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rate_bits": rate, "rows": rows}, f, indent=1)
+            json.dump({"rate_bits": rate, "rows": rows, "training": trained}, f, indent=1)
     return 0 if all(r["ok"] for r in rows) else 1
 
 

@@ -102,7 +102,7 @@ def run_hosts(
     """Runs ``command`` on ``hosts`` simulated hosts joined by a switch; output is merged.
 
     Args:
-        hosts: How many hosts (2 to 250).
+        hosts: How many hosts (1 to 250).
         command: The program and its arguments; ``{host}`` becomes the host's index.
         timeout_s: Every host is killed after this many seconds.
         rate_bits: Each host's NIC rate in bits per second (both directions); None: unshaped.
@@ -113,8 +113,8 @@ def run_hosts(
         The finished switch process: ``returncode`` 0 when every host's command succeeded,
         and ``stdout`` with every line prefixed by its host.
     """
-    if not 2 <= hosts <= 250:
-        raise ValueError(f"hosts={hosts}: simulated hosts number 2 to 250 (one /24 subnet)")
+    if not 1 <= hosts <= 250:
+        raise ValueError(f"hosts={hosts}: simulated hosts number 1 to 250 (one /24 subnet)")
     user_ns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
     argv = ["unshare", *user_ns, "--net", "--mount", sys.executable, "-m", __spec__.name]
     argv += ["--hosts", str(hosts), "--timeout", str(timeout_s)]
