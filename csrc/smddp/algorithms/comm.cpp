@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "smddp/transport/shm/shm_names.h"
+#include "smddp/transport/tcp/tcp.h"  // local_address: the address TCP peers reach us at
 
 namespace smddp {
 namespace {
@@ -103,7 +104,7 @@ Communicator::Communicator(KeyValue& kv, CommConfig cfg) : cfg_(std::move(cfg)) 
   auto keys = split(kv.get("smddp/keys"), ':');
   nonce_ = keys.at(0);
   secret_ = keys.at(1);
-  tcp_ = std::make_unique<TcpMesh>(cfg_.rank, cfg_.size, secret_, cfg_.group_name);
+  net_ = make_transport(cfg_.rank, cfg_.size, secret_, cfg_.group_name);
   discover(kv, dl);
   // Every rank read the keys before it published its peer record: nobody needs them now.
   // Some stores cannot delete (FileStore); the key then stays (Note [TCP trust model]).
@@ -118,7 +119,7 @@ Communicator::Communicator(KeyValue& kv, CommConfig cfg) : cfg_(std::move(cfg)) 
 }
 
 Communicator::~Communicator() {
-  if (tcp_) tcp_->shutdown();
+  if (net_) net_->shutdown();
 }
 
 void Communicator::discover(KeyValue& kv, const Deadline& dl) {
@@ -202,19 +203,15 @@ void Communicator::connect_mesh(KeyValue& kv, const Deadline& dl) {
   // inside a host without shared-memory rings.
   const bool needed = layout_.hosts > 1 || (layout_.local_size > 1 && p2p_bytes_ == 0);
   if (!needed) return;
-  tcp_->listen(layout_.hosts > 1 ? local_address(cfg_.settings) : std::string("127.0.0.1"));
-  kv.set("smddp/tcp/" + std::to_string(cfg_.rank),
-         tcp_->address() + "|" + std::to_string(tcp_->port()));
+  const std::string endpoint =
+      net_->listen(layout_.hosts > 1 ? local_address(cfg_.settings) : std::string("127.0.0.1"));
+  kv.set("smddp/tcp/" + std::to_string(cfg_.rank), endpoint);
   std::vector<std::string> keys;
   for (int r = 0; r < cfg_.size; ++r) keys.push_back("smddp/tcp/" + std::to_string(r));
   wait_keys(kv, keys, cfg_.global_ranks, dl, "smddp: creating group '" + cfg_.group_name + "'");
-  std::vector<PeerAddr> addrs(cfg_.size);
-  for (int r = 0; r < cfg_.size; ++r) {
-    auto f = split(kv.get(keys[r]), '|');
-    if (f.size() != 2) throw CommError("smddp: malformed mesh record of rank " + std::to_string(r));
-    addrs[r] = {f[0], std::stoi(f[1])};
-  }
-  tcp_->set_peers(std::move(addrs));
+  std::vector<std::string> endpoints;
+  for (const auto& key : keys) endpoints.push_back(kv.get(key));
+  net_->set_peers(endpoints);
 }
 
 void Communicator::check_local_peers_alive(const std::string& what) {
@@ -312,7 +309,7 @@ OpCtx Communicator::make_ctx(const char* name, CollDesc desc, OpArgs args, doubl
 // at once, naming the rank that aborted.
 void Communicator::abort() {
   shm_->abort();
-  tcp_->abort();
+  net_->abort();
   mark_broken(CommError("smddp: group '" + cfg_.group_name + "' was aborted on rank " +
                         std::to_string(cfg_.global_ranks[cfg_.rank]) + " (_abort_process_group)"));
 }

@@ -25,7 +25,7 @@
 #include "smddp/common/settings.h"
 #include "smddp/transport/shm/shm.h"
 #include "smddp/transport/shm/shm_p2p.h"
-#include "smddp/transport/tcp/tcp.h"
+#include "smddp/transport/transport.h"
 
 namespace smddp {
 
@@ -62,9 +62,9 @@ class Communicator {
 
   const Layout& layout() const { return layout_; }
   const CommConfig& config() const { return cfg_; }
-  int listen_port() const { return tcp_->port(); }  // 0: this rank does not listen
-  const std::string& listen_address() const { return tcp_->address(); }
-  uint64_t rejected_connections() const { return tcp_->rejected_connections(); }
+  int listen_port() const { return net_->port(); }  // 0: this rank does not listen
+  const std::string& listen_address() const { return net_->address(); }
+  uint64_t rejected_connections() const { return net_->rejected_connections(); }
 
   // A context for the next collective: numbers it and sets its deadline.
   OpCtx make_ctx(const char* name, CollDesc desc, OpArgs args, double timeout_s);
@@ -156,7 +156,7 @@ class Communicator {
   int host_of(int group_rank) const;
   // A collective's TCP exchange, which also ends when a rank of this host fails (it may be
   // the one that learned of a failure on another host).
-  void exchange(const std::vector<TcpMesh::Op>& sends, const std::vector<TcpMesh::Op>& recvs,
+  void exchange(const std::vector<TransportOp>& sends, const std::vector<TransportOp>& recvs,
                 const OpCtx& ctx);
   std::vector<std::vector<int>> rail_owned() const;  // local index -> parts of its rail
   uint64_t tag(const OpCtx& ctx, int stage) const;
@@ -181,8 +181,8 @@ class Communicator {
   bool usable();                          // no earlier error broke the group
 
   std::unique_ptr<ShmComm> shm_;
-  std::unique_ptr<ShmP2P> p2p_;  // nullptr: send/recv all go over the mesh
-  std::unique_ptr<TcpMesh> tcp_;
+  std::unique_ptr<ShmP2P> p2p_;     // nullptr: send/recv all go over the mesh
+  std::unique_ptr<Transport> net_;  // between hosts (Note [Inter-host transports])
   std::string secret_, nonce_;
   uint64_t next_seq_ = 0;
   size_t oneshot_bytes_ = 0;

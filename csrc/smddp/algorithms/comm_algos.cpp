@@ -28,7 +28,7 @@ void Communicator::mark_broken(const std::exception& e) {
     if (broken_.empty()) broken_ = e.what();
   }
   shm_->mark_failed(e.what());
-  tcp_->announce_failure(e.what(), rail_);  // Note [Failure notices]
+  net_->announce_failure(e.what(), rail_);  // Note [Failure notices]
 }
 
 template <typename F>
@@ -47,13 +47,13 @@ void Communicator::guarded(OpCtx& ctx, bool numbered, F&& body) {
   }
 }
 
-void Communicator::exchange(const std::vector<TcpMesh::Op>& sends,
-                            const std::vector<TcpMesh::Op>& recvs, const OpCtx& ctx) {
-  tcp_->exchange(sends, recvs, ctx, [&] { shm_->check_local_peers(ctx); });
+void Communicator::exchange(const std::vector<TransportOp>& sends,
+                            const std::vector<TransportOp>& recvs, const OpCtx& ctx) {
+  net_->exchange(sends, recvs, ctx, [&] { shm_->check_local_peers(ctx); });
 }
 
 uint64_t Communicator::tag(const OpCtx& ctx, int stage) const {
-  return TcpMesh::collective_tag(ctx.seq, stage);
+  return collective_tag(ctx.seq, stage);
 }
 
 static uint64_t check_of(const OpCtx& ctx) {
@@ -147,7 +147,7 @@ void Communicator::hier_reduce_scatter(const void* in, const std::vector<Span>& 
   for (int h = 0; h < H; ++h) partial[h] = buf + off[h];
   shm::reduce_scatter(*shm_, in, parts, owned, partial, red, false, ctx);
 
-  std::vector<TcpMesh::Op> sends, recvs;
+  std::vector<TransportOp> sends, recvs;
   const uint64_t chk = check_of(ctx);
   for (int h = 0; h < H; ++h) {
     if (h == me) continue;
@@ -166,7 +166,7 @@ void Communicator::hier_allgather(const void* src, void* out, const std::vector<
   char* base = static_cast<char*>(out);
   const Span& own = parts[cfg_.rank];
   if (src != base + own.off && own.len) std::memmove(base + own.off, src, own.len);
-  std::vector<TcpMesh::Op> sends, recvs;
+  std::vector<TransportOp> sends, recvs;
   const uint64_t chk = check_of(ctx);
   for (int h = 0; h < H; ++h) {
     if (h == me) continue;
@@ -190,7 +190,7 @@ void Communicator::broadcast(void* data, size_t bytes, int root, OpCtx ctx) {
       }
     }
     if (layout_.hosts > 1 && layout_.local_rank == root_local) {
-      std::vector<TcpMesh::Op> sends, recvs;
+      std::vector<TransportOp> sends, recvs;
       const uint64_t chk = check_of(ctx);
       char* p = static_cast<char*>(data);
       if (cfg_.rank == root) {
@@ -231,7 +231,7 @@ void Communicator::rooted_gather(const void* in, const std::vector<size_t>& lens
   }
   shm::gather(*shm_, in, local_of(lens), local_of(dst), local_index(root), ctx);
   if (cfg_.rank != root || layout_.hosts == 1) return;
-  std::vector<TcpMesh::Op> recvs;
+  std::vector<TransportOp> recvs;
   for (int h = 0; h < layout_.hosts; ++h) {
     if (h == root_host) continue;
     for (int r : layout_.members[h]) recvs.push_back({r, tag(ctx, 6), dst[r], lens[r], chk});
@@ -249,7 +249,7 @@ void Communicator::rooted_scatter(const std::vector<const char*>& src,
     return;
   }
   if (cfg_.rank == root && layout_.hosts > 1) {
-    std::vector<TcpMesh::Op> sends;
+    std::vector<TransportOp> sends;
     for (int h = 0; h < layout_.hosts; ++h) {
       if (h == root_host) continue;
       for (int r : layout_.members[h])
@@ -301,7 +301,7 @@ void Communicator::barrier(OpCtx ctx) {
   guarded(ctx, true, [&] {
     shm::barrier(*shm_, ctx);
     if (layout_.hosts == 1) return;
-    std::vector<TcpMesh::Op> sends, recvs;
+    std::vector<TransportOp> sends, recvs;
     for (int h = 0; h < layout_.hosts; ++h) {
       if (h == layout_.host) continue;
       sends.push_back({rail_[h], tag(ctx, 4), nullptr, 0, check_of(ctx)});
@@ -321,7 +321,7 @@ void Communicator::alltoall(const void* in, const std::vector<Span>& send, void*
     }
     const char* src = static_cast<const char*>(in);
     char* dst = static_cast<char*>(out);
-    std::vector<TcpMesh::Op> sends, recvs;
+    std::vector<TransportOp> sends, recvs;
     for (int j = 0; j < cfg_.size; ++j) {
       if (j == cfg_.rank) continue;
       // The check carries no size: sizes are checked per message (len must match).
@@ -356,7 +356,7 @@ void Communicator::send(const void* data, size_t bytes, int peer, uint32_t tag, 
     if (local >= 0) {
       p2p_->send(local, tag, data, bytes, ctx);
     } else {
-      tcp_->exchange({{peer, tag, const_cast<char*>(static_cast<const char*>(data)), bytes, 0}}, {},
+      net_->exchange({{peer, tag, const_cast<char*>(static_cast<const char*>(data)), bytes, 0}}, {},
                      ctx);
     }
   });
@@ -368,7 +368,7 @@ void Communicator::recv(void* data, size_t bytes, int peer, uint32_t tag, OpCtx 
     if (local >= 0) {
       p2p_->recv(local, tag, data, bytes, ctx);
     } else {
-      tcp_->exchange({}, {{peer, tag, static_cast<char*>(data), bytes, 0}}, ctx);
+      net_->exchange({}, {{peer, tag, static_cast<char*>(data), bytes, 0}}, ctx);
     }
   });
 }
@@ -414,7 +414,7 @@ bool Communicator::poll_recv(void* data, size_t bytes, int peer, uint32_t tag, O
       if (r == cfg_.rank) continue;
       const int local = p2p_ ? local_index(r) : -1;
       if (local >= 0 ? p2p_->probe(local, tag, ctx)
-                     : tcp_->take(r, tag, static_cast<char*>(data), bytes, ctx,
+                     : net_->take(r, tag, static_cast<char*>(data), bytes, ctx,
                                   peer == kAnyPeer ? kNoOwner : poll.data_owner)) {
         if (local >= 0) p2p_->recv(local, tag, data, bytes, ctx);
         *from = r;

@@ -229,7 +229,7 @@ TcpMesh::TcpMesh(int rank, int size, std::string secret, std::string group_name)
 
 TcpMesh::~TcpMesh() { shutdown(); }
 
-void TcpMesh::listen(const std::string& address) {
+std::string TcpMesh::listen(const std::string& address) {
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = 0;
@@ -250,6 +250,23 @@ void TcpMesh::listen(const std::string& address) {
   address_ = address;
   Acceptor::instance().add(this);
   registered_ = true;
+  return address_ + "|" + std::to_string(port_);
+}
+
+void TcpMesh::set_peers(const std::vector<std::string>& endpoints) {
+  peers_.assign(endpoints.size(), PeerAddr{});
+  for (size_t r = 0; r < endpoints.size(); ++r) {
+    if (endpoints[r].empty()) continue;  // it does not listen
+    const size_t bar = endpoints[r].rfind('|');
+    char* end = nullptr;
+    const long port =
+        bar == std::string::npos ? 0 : std::strtol(endpoints[r].c_str() + bar + 1, &end, 10);
+    if (port < 1 || port > 65535 || !end || *end != '\0') {
+      throw CommError("smddp: malformed mesh record of rank " + std::to_string(r) + ": '" +
+                      endpoints[r] + "' (expected address|port)");
+    }
+    peers_[r] = {endpoints[r].substr(0, bar), static_cast<int>(port)};
+  }
 }
 
 // An incoming connection between accept() and the end of its handshake (Note [TCP
@@ -534,7 +551,7 @@ void TcpMesh::fail_peer(int peer, const std::string& what, const OpCtx& ctx) {
 
 void TcpMesh::fail_mismatch(int peer, const Header& theirs, const OpCtx& ctx) {
   throw CommError(mismatch_message(group_name_, rank_, ctx.describe(), ctx.seq, peer,
-                                   theirs.call.describe(), seq_of(theirs.tag)));
+                                   theirs.call.describe(), seq_of_tag(theirs.tag)));
 }
 
 void TcpMesh::announce_failure(const std::string& why, const std::vector<int>& also_tell) {

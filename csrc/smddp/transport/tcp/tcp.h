@@ -98,6 +98,7 @@
 
 #include "smddp/common/common.h"
 #include "smddp/common/settings.h"
+#include "smddp/transport/transport.h"
 
 namespace smddp {
 
@@ -108,17 +109,9 @@ struct PeerAddr {
   int port = 0;
 };
 
-class TcpMesh {
+class TcpMesh final : public Transport {
  public:
-  // One message to send or receive. `check` must match on both sides (collective
-  // descriptor hash) or the receiver raises.
-  struct Op {
-    int peer = 0;
-    uint64_t tag = 0;
-    char* data = nullptr;
-    size_t len = 0;
-    uint64_t check = 0;
-  };
+  using Op = TransportOp;
 
   // What precedes every message's payload on the wire.
   struct Header {
@@ -130,30 +123,22 @@ class TcpMesh {
   };
   static constexpr uint64_t kNoReply = ~0ull;
 
-  // Tags of collective messages: bit 63 set (user send/recv tags are 32-bit), then the
-  // collective's sequence number, then its stage (0-15) in the algorithm.
-  static uint64_t collective_tag(uint64_t seq, int stage) {
-    return (1ull << 63) | (seq << 4) | static_cast<uint64_t>(stage);
-  }
-  static bool is_collective(uint64_t tag) { return tag >> 63; }
-  static uint64_t seq_of(uint64_t tag) { return (tag & ~(1ull << 63)) >> 4; }
-
   TcpMesh(int rank, int size, std::string secret, std::string group_name);
-  ~TcpMesh();
+  ~TcpMesh() override;
 
   // Binds an ephemeral port on `address` (an IPv4 address) and registers it with the
-  // process's acceptor thread.
-  void listen(const std::string& address);
-  int port() const { return port_; }  // 0: not listening
-  const std::string& address() const { return address_; }
-  void set_peers(std::vector<PeerAddr> peers) { peers_ = std::move(peers); }
+  // process's acceptor thread; the endpoint is "address|port".
+  std::string listen(const std::string& address) override;
+  int port() const override { return port_; }  // 0: not listening
+  const std::string& address() const override { return address_; }
+  void set_peers(const std::vector<std::string>& endpoints) override;
 
   // Progresses all sends and receives concurrently until done; throws CommError on
   // timeout (naming the peers still missing), a closed connection, a peer's failure notice
   // or a size mismatch. `health`, when given, runs between polls and may throw to end the
   // wait (the collectives pass a check of the local ranks' failure flags).
   void exchange(const std::vector<Op>& sends, const std::vector<Op>& recvs, const OpCtx& ctx,
-                const std::function<void()>& health = {});
+                const std::function<void()>& health = {}) override;
 
   // Takes the next message with `tag` from `peer` into `data` if it has fully arrived,
   // reading what the connection holds (messages with other tags are stashed). Raises, as
@@ -165,19 +150,19 @@ class TcpMesh {
   // until it completes), the message is read straight into `data`, and once it has begun
   // take() waits for the rest (Note [Direct receives over TCP]); otherwise it never waits.
   bool take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& ctx,
-            const std::shared_ptr<void>& data_owner);
+            const std::shared_ptr<void>& data_owner) override;
 
   // Sends the failure notice (Note [Failure notices]) on every outgoing connection and on
   // new ones to `also_tell` (ranks without one yet), then closes them; the first call does
   // it, later ones return.
-  void announce_failure(const std::string& why, const std::vector<int>& also_tell = {});
+  void announce_failure(const std::string& why, const std::vector<int>& also_tell) override;
 
-  void shutdown();
-  void abort() { aborted_.store(true); }
+  void shutdown() override;
+  void abort() override { aborted_.store(true); }
   // Incoming connections refused: a wrong or late reply, a stranger dropped to make room
   // (Note [Admission]), or a second connection for a connected rank. Clients that hang up
   // before replying are not counted (TcpMesh::progress).
-  uint64_t rejected_connections() const { return rejected_.load(); }
+  uint64_t rejected_connections() const override { return rejected_.load(); }
 
  private:
   static constexpr uint64_t kFailureTag = ~0ull;  // no collective or user tag reaches it

@@ -223,7 +223,7 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
       bool awaits_collective = false;
       for (size_t i = 0; i < recvs.size(); ++i) {
         if (rdone[i] || rtargeted[i] || recvs[i].peer != peer) continue;
-        awaits_collective |= is_collective(recvs[i].tag);
+        awaits_collective |= is_collective_tag(recvs[i].tag);
         if (recvs[i].tag != h.tag) continue;
         check(peer, recvs[i], h);
         op = static_cast<int>(i);
@@ -231,7 +231,7 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
         return recvs[i].data;
       }
       // Note [Mismatches across hosts]: the next collective message is the awaited one.
-      if (awaits_collective && is_collective(h.tag)) mesh.fail_mismatch(peer, h, ctx);
+      if (awaits_collective && is_collective_tag(h.tag)) mesh.fail_mismatch(peer, h, ctx);
       op = -1;
       return nullptr;
     }

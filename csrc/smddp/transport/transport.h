@@ -1,0 +1,93 @@
+// The inter-host transport the collectives talk to, whatever carries the bytes.
+//
+// Note [Inter-host transports]
+// The hierarchical collectives (Note [Hierarchical collectives] in algorithms/comm.h) move
+// data between hosts only through this interface: a group makes its rank reachable
+// (listen, returning an endpoint that the store hands to the peers), learns the peers'
+// endpoints (set_peers), then each collective step posts a set of sends and receives of
+// byte spans and progresses them together until all are done (exchange); point-to-point
+// receives poll for one message (take). A group that fails tells its peers (announce_failure)
+// and stops (abort, shutdown). Every message carries a tag (a collective's sequence number
+// and stage, or a user's send/recv tag) and a check (the collective's descriptor): the
+// transport must deliver a message only to the receive with its tag, and raise when a
+// peer's message for this collective has another check or another tag, naming both calls.
+//
+// The TCP mesh (transport/tcp/) is the first implementation. A fabric such as libfabric
+// over EFA is one new directory, transport/<fabric>/, with a class that implements
+// Transport, and one case in make_transport() (transport.cpp): the algorithms do not change.
+// It must keep what the algorithms rely on: a send's span may be reused once exchange()
+// returns; messages between a pair of ranks with the same tag arrive in order; exchange()
+// ends with CommError by the operation's deadline naming the peers still missing; and the
+// `health` callback runs while it waits (the local ranks' failure flags). Authentication
+// (Note [TCP trust model] in tcp/tcp.h) is the transport's own: the group secret is its
+// to use.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "smddp/common/common.h"
+
+namespace smddp {
+
+// One message to send or receive. `check` must match on both sides (the collective's
+// descriptor hash) or the receiver raises.
+struct TransportOp {
+  int peer = 0;
+  uint64_t tag = 0;
+  char* data = nullptr;
+  size_t len = 0;
+  uint64_t check = 0;
+};
+
+// Tags of collective messages: bit 63 set (user send/recv tags are 32-bit), then the
+// collective's sequence number, then its stage (0-15) in the algorithm.
+inline uint64_t collective_tag(uint64_t seq, int stage) {
+  return (1ull << 63) | (seq << 4) | static_cast<uint64_t>(stage);
+}
+inline bool is_collective_tag(uint64_t tag) { return tag >> 63; }
+inline uint64_t seq_of_tag(uint64_t tag) { return (tag & ~(1ull << 63)) >> 4; }
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  // Makes this rank reachable on `address` (this host's address for other hosts, loopback
+  // inside one); returns the endpoint the peers need, as one line for the store.
+  virtual std::string listen(const std::string& address) = 0;
+  // The peers' endpoints by group rank ("" for a rank that does not listen); raises for a
+  // malformed one, naming its rank.
+  virtual void set_peers(const std::vector<std::string>& endpoints) = 0;
+
+  // Posts every send and receive and progresses them together until all are done; throws
+  // CommError on the deadline (naming the peers still missing), a peer's failure notice,
+  // or a mismatch. `health`, when given, runs while it waits and may throw to end the wait.
+  virtual void exchange(const std::vector<TransportOp>& sends,
+                        const std::vector<TransportOp>& recvs, const OpCtx& ctx,
+                        const std::function<void()>& health = {}) = 0;
+  // Takes the next message with `tag` from `peer` into `data` if it has arrived; never
+  // blocks past what one message's arrival needs (TcpMesh::take in tcp/tcp.h).
+  virtual bool take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& ctx,
+                    const std::shared_ptr<void>& data_owner) = 0;
+
+  // Tells the peers this rank's group failed (Note [Failure notices] in tcp/tcp.h): those it
+  // has talked to, and `also_tell`. The first call does it; later ones return.
+  virtual void announce_failure(const std::string& why, const std::vector<int>& also_tell) = 0;
+  virtual void abort() = 0;     // ends the waits of exchange() and take() at once
+  virtual void shutdown() = 0;  // releases connections; idempotent
+
+  // For diagnostics and tests: where this rank listens ("" and 0: it does not), and how
+  // many incoming connections it refused.
+  virtual const std::string& address() const = 0;
+  virtual int port() const = 0;
+  virtual uint64_t rejected_connections() const = 0;
+};
+
+// The transport for a group's rank (Note [Inter-host transports]): today the TCP mesh.
+std::unique_ptr<Transport> make_transport(int rank, int size, std::string secret,
+                                          std::string group_name);
+
+}  // namespace smddp
