@@ -3,9 +3,9 @@
 SMP v2 scripts import the library as ``torch.sagemaker``; our code lives in the ordinary
 package ``torch_sagemaker``. This module is the one place that connects the two names. It
 is imported at interpreter start-up by ``torch_sagemaker.pth`` (installed next to it in
-site-packages, for normal and editable installs alike) and does nothing but append a meta
-path finder; it must stay free of heavy imports (not even ``torch``) because every Python
-process of the environment runs it.
+site-packages, for normal and editable installs alike) and does nothing but put a meta
+path finder first in ``sys.meta_path``; it must stay free of heavy imports (not even
+``torch``) because every Python process of the environment runs it.
 
 The finder answers only for ``torch.sagemaker`` and ``torch.sagemaker.<sub>``: it imports
 ``torch_sagemaker[.<sub>]`` and hands back that very module object, so each module exists
@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 
 _ALIAS = "torch.sagemaker"

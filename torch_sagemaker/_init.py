@@ -1,4 +1,4 @@
-"""``tsm.init()``: config -> process group -> layout -> mesh and groups -> ``tsm.state``."""
+"""``tsm.init()``: config -> process group -> layout -> sharding plan -> groups -> ``tsm.state``."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import torch.distributed as dist
 
 import torch_sagemaker.offload  # noqa: F401  routes torch's offload_wrapper (offload/torch_patch.py)
 from torch_sagemaker import config as config_lib
-from torch_sagemaker import topology
+from torch_sagemaker import sharding_plan, topology
 from torch_sagemaker._torch_compat import c10d as c10d_compat
 from torch_sagemaker.distributed import backend as backend_lib
 from torch_sagemaker.distributed import launch_env
 from torch_sagemaker.distributed.mesh import build_groups
 from torch_sagemaker.logger import log_rank0, warn_once
 from torch_sagemaker.sharding import fsdp1, fsdp1_state_dict
-from torch_sagemaker.state import state
+from torch_sagemaker.state import ranks_per_host, state
 
 
 def _read_launcher() -> launch_env.LaunchInfo | None:
@@ -128,7 +128,8 @@ def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> No
             f"  before: {state.config}\n  now:    {cfg}\n"
             "Call it once per process (tsm.state.reset() exists for tests)."
         )
-    # 5. Resolve the layout (pure arithmetic), then 6. build the mesh and groups (collective).
+    # 5. Resolve the layout and the sharding plan (pure), then 6. build every group the plan
+    # uses, host-local ones included (collective).
     layout = topology.resolve(
         dist.get_world_size(),
         hybrid_shard_degree=cfg.hybrid_shard_degree,
@@ -136,13 +137,16 @@ def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> No
         context_parallel_degree=cfg.context_parallel_degree,
         expert_parallel_degree=cfg.expert_parallel_degree,
     )
-    groups = build_groups(layout)
+    plan = sharding_plan.resolve(layout, ranks_per_host(layout.world_size))
+    groups = build_groups(plan)
     # 7. Publish the state, make FSDP1 follow it (and accept SMP's translate_on_save), and log
-    # the layout once.
-    state._set(cfg, layout, groups)
+    # the layout and the plan once.
+    state._set(cfg, plan, groups)
     fsdp1.install()
     fsdp1_state_dict.install()
-    log_rank0(f"tsm.init on backend {dist.get_backend()!r}:\n{layout.describe()}")
+    log_rank0(
+        f"tsm.init on backend {dist.get_backend()!r}:\n{layout.describe()}\n{plan.describe()}"
+    )
     if cfg.allow_empty_shards:
         warn_once(
             "allow_empty_shards=true has no effect here: FSDP1's and FSDP2's sharded state "

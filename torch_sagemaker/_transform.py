@@ -18,7 +18,6 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_sagemaker.context_parallel import prepare_model
-from torch_sagemaker.distributed.mesh import mesh_device_type
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.moe import apply as moe_apply
 from torch_sagemaker.moe.moe_config import MoEConfig
@@ -217,7 +216,7 @@ def transform(
 
 def _default_device() -> torch.device:
     """The device of the mesh: the current CUDA device when the groups talk CUDA, else CPU."""
-    if mesh_device_type() == "cuda":
+    if state.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -31,6 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from torch_sagemaker.sharding_plan import combination_problems
+
 ENV_VAR = "SM_HP_MP_PARAMETERS"
 MAX_SEED = 2**63 - 1
 MAX_COUNT = 2**31 - 1  # bound of the degrees and the horizon (counts of ranks or layers)
@@ -374,12 +376,8 @@ def _world_problems(cfg: dict[str, Any], world_size: int) -> list[str]:
                 f"{key}={deg}: must divide world_size={world_size}. "
                 f"Use one of {_divisors(world_size)}."
             )
-    if tp > 1 and ep > 1:
-        problems.append(
-            f"expert_parallel_degree={ep} with tensor_parallel_degree={tp}: "
-            "expert parallelism is not "
-            "compatible with tensor parallelism (as in SMP v2). Set one of them to 1."
-        )
+    # The rules between degrees belong to the sharding plan; reported here with the rest.
+    problems.extend(combination_problems(tp, cp, ep))
     if problems or min(tp, cp, ep) < 1 or hsd < 0:
         # The combined rules below would only echo the problems above; check hsd alone.
         if hsd > 0 and world_size % hsd:

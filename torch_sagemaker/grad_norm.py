@@ -109,19 +109,6 @@ def _reduce(pieces: list[_Piece], norm_type: float) -> torch.Tensor:
     return result if is_inf else result ** (1.0 / norm_type)
 
 
-def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """Norm of all ``grads`` together, reduced over the axes each one is sharded on.
-
-    Args:
-        grads: Gradients (plain tensors or DTensors).
-        norm_type: p of the p-norm; ``inf`` for the max norm.
-
-    Returns:
-        A 0-d float64 tensor, identical on every rank.
-    """
-    return _reduce([_piece(g) for g in grads], norm_type)
-
-
 def _fsdp1_pieces(model: nn.Module) -> Iterator[_Piece]:
     """The gradient slices of every FSDP1 unit in ``model`` (Note [FSDP1 with tensor parallelism]).
 

@@ -1,14 +1,16 @@
 """The process-wide SMP state behind ``tsm.state``.
 
-``State`` holds what ``tsm.init`` resolved: the validated config, the ``Layout``, the one
-DeviceMesh and the process groups built from it. Everything else in the package receives
-the mesh or a group as an argument; only user-facing entry points read ``tsm.state``.
+``State`` holds what ``tsm.init`` resolved: the validated config, the ``Layout``, the
+``ShardingPlan``, the one DeviceMesh and the process groups built from it. Everything else
+in the package receives the mesh or a group as an argument; only user-facing entry points
+read ``tsm.state``.
 
 Before ``tsm.init()`` the config attributes can be assigned (SMP's example scripts do
 ``tsm.state.tensor_parallel_degree = 1`` to force native mode): the value is recorded as
 an override that wins over the other config sources. After ``init`` the state is
-read-only. ``reset()`` returns to the pristine state (for tests) and destroys the groups
-that ``init`` created.
+read-only. ``reset()`` returns to the pristine state (for tests) and destroys every group
+the library created: those ``init`` built and those adopted later (``adopt_group``: the
+gloo groups of background checkpoint saves).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from torch_sagemaker.config import FIELD_NAMES, SMPConfig
+from torch_sagemaker.sharding_plan import MESHES, ShardingPlan
 from torch_sagemaker.topology import Layout
 
 # SMP's short aliases, mapped to the config keys they stand for.
@@ -44,6 +47,19 @@ def _launcher_int(name: str, text: str | None, default: int) -> int:
             f"integer; unset it or launch with torchrun, which sets it."
         )
     return value
+
+
+def ranks_per_host(world_size: int) -> int:
+    """Ranks on this host: the launcher's ``LOCAL_WORLD_SIZE``, else ``world_size`` (one host).
+
+    ``tsm.init`` reads it once into ``ShardingPlan.ranks_per_host``, the one definition of a
+    host on the Python side (docs/architecture.md, "Hosts and devices").
+    """
+    return _launcher_int(
+        "LOCAL_WORLD_SIZE",
+        os.environ.get("LOCAL_WORLD_SIZE"),  # noqa: TID251
+        world_size,
+    )
 
 
 def _clear_dtensor_caches() -> None:
@@ -71,12 +87,15 @@ class _Groups:
     cp: Any
     ep: Any
     world: Any
-    rep_rank: Any
+    replica: Any  # one whole replica: every rank with this rank's dp_replicate coordinate
     fsdp_shard: Any
     fsdp_replicate: Any
     dp: Any
     ep_mesh: Any = None
     expert_fsdp_mesh: Any = None
+    replicate_mesh: Any = None
+    expert_replicate_mesh: Any = None
+    host_mesh: Any = None  # only when the plan needs one (ShardingPlan.needs_host_mesh)
     owned: list[Any] = field(default_factory=list)
 
 
@@ -96,7 +115,11 @@ class Ranker:
         self._layout = layout
 
     def get_rep_rank(self, global_rank: int | None = None) -> int:
-        """Replica index of ``global_rank`` (default: this rank); 0 for the "action" rank."""
+        """SMP's replication rank of ``global_rank`` (default: this rank); 0 for "action" ranks.
+
+        The ``dp_replicate`` coordinate (``tsm.state.rep_rank``) divided by ``ep``: the index
+        among the replicas that hold the same experts.
+        """
         rank = dist.get_rank() if global_rank is None else global_rank
         return self._layout.rep_rank(rank) // self._layout.ep
 
@@ -112,28 +135,38 @@ class State:
     """SMP state: ranks, degrees, the mesh and the groups (``tsm.state``)."""
 
     # Written with object.__setattr__ (this class's __setattr__ takes config overrides only);
-    # _config, _layout and _groups are set together by _set and are None before tsm.init.
+    # _config, _plan and _groups are set together by _set and are None before tsm.init.
     _overrides: dict[str, Any]
     _config: SMPConfig | None
-    _layout: Layout | None
+    _plan: ShardingPlan | None
     _groups: _Groups | None
+    _adopted: list[Any]  # groups created after init on the library's behalf (adopt_group)
     _rng_tracker: Any  # a tensor_parallel.random.RNGStatesTracker, made on first use
 
     def __init__(self) -> None:
         object.__setattr__(self, "_overrides", {})
+        object.__setattr__(self, "_adopted", [])
         self._clear()
 
     def _clear(self) -> None:
         object.__setattr__(self, "_config", None)
-        object.__setattr__(self, "_layout", None)
+        object.__setattr__(self, "_plan", None)
         object.__setattr__(self, "_groups", None)
         object.__setattr__(self, "_rng_tracker", None)
 
     # ----------------------------------------------------------- life cycle
-    def _set(self, config: SMPConfig, layout: Layout, groups: _Groups) -> None:
+    def _set(self, config: SMPConfig, plan: ShardingPlan, groups: _Groups) -> None:
         object.__setattr__(self, "_config", config)
-        object.__setattr__(self, "_layout", layout)
+        object.__setattr__(self, "_plan", plan)
         object.__setattr__(self, "_groups", groups)
+
+    def adopt_group(self, group: Any) -> None:
+        """Records a process group the library created, so that ``reset()`` destroys it.
+
+        For groups made after ``tsm.init`` (or without it), such as the gloo groups of
+        background checkpoint saves; ``init``'s own groups are listed in ``_Groups.owned``.
+        """
+        self._adopted.append(group)
 
     @property
     def initialized(self) -> bool:
@@ -146,18 +179,24 @@ class State:
         return dict(self._overrides)
 
     def reset(self) -> None:
-        """Forgets the config, the overrides and the layout; destroys groups ``init`` created."""
+        """Forgets config, overrides, layout and plan; destroys every group the library made.
+
+        That is every group ``init`` built (``_Groups.owned``) and every group adopted since
+        (``adopt_group``). The default group is the caller's and stays.
+        """
         groups = self._groups
+        owned = [*(groups.owned if groups is not None else []), *self._adopted]
+        if owned and dist.is_initialized():
+            for group in owned:
+                try:
+                    dist.destroy_process_group(group)
+                except (ValueError, RuntimeError):
+                    pass  # already destroyed (with the default group, or by the caller)
         if groups is not None:
-            if dist.is_initialized():
-                for group in groups.owned:
-                    try:
-                        dist.destroy_process_group(group)
-                    except (ValueError, RuntimeError):
-                        pass  # already destroyed together with the default group
             # Also after dist.destroy_process_group(), which leaves these caches alone.
             _clear_dtensor_caches()
         object.__setattr__(self, "_overrides", {})
+        object.__setattr__(self, "_adopted", [])
         self._clear()
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -196,9 +235,14 @@ class State:
     @property
     def layout(self) -> Layout:
         """The resolved rank layout."""
-        self._require("layout")
-        assert self._layout is not None  # _require raised otherwise (set with _config)
-        return self._layout
+        return self.sharding_plan.layout
+
+    @property
+    def sharding_plan(self) -> ShardingPlan:
+        """Strategy and mesh of every kind of parameter under FSDP1 and FSDP2."""
+        self._require("sharding_plan")
+        assert self._plan is not None  # _require raised otherwise (set with _config)
+        return self._plan
 
     # ----------------------------------------------------------------- ranks
     @property
@@ -225,20 +269,18 @@ class State:
 
     @property
     def local_world_size(self) -> int:
-        """Ranks on this host (``LOCAL_WORLD_SIZE`` from the launcher, else the world size)."""
-        self._require("local_world_size")
-        return _launcher_int(
-            "LOCAL_WORLD_SIZE",
-            os.environ.get("LOCAL_WORLD_SIZE"),  # noqa: TID251
-            self.world_size,
-        )
+        """Ranks on this host (``LOCAL_WORLD_SIZE`` from the launcher, else the world size).
+
+        Read once by ``tsm.init``: ``ShardingPlan.ranks_per_host``.
+        """
+        return self.sharding_plan.ranks_per_host
 
     # --------------------------------------------------------------- degrees
     @property
     def hybrid_shard_degree(self) -> int:
         """Resolved FSDP shard-group size (after init), else the configured value."""
-        if self._layout is not None:
-            return self._layout.hybrid_shard_degree
+        if self._plan is not None:
+            return self._plan.layout.hybrid_shard_degree
         return self._config_value("hybrid_shard_degree")
 
     @property
@@ -329,7 +371,11 @@ class State:
 
     @property
     def rep_rank(self) -> int:
-        """Replica index of this rank."""
+        """This rank's replica: its ``dp_replicate`` coordinate (``Layout.rep_rank``).
+
+        Not SMP's replication rank with expert parallelism: ``ranker.get_rep_rank()`` is this
+        divided by ``ep`` (the replicas with the same experts are counted there).
+        """
         self._require("rep_rank")
         return self.layout.rep_rank(self.rank)
 
@@ -343,6 +389,20 @@ class State:
     def _group(self, name: str) -> Any:
         self._require(name)
         return self._groups
+
+    def mesh(self, name: str) -> Any:
+        """The DeviceMesh a ``ShardingPlan`` names (a key of ``sharding_plan.MESHES``).
+
+        Raises:
+            ValueError: If ``name`` names no mesh, or one this layout's plan did not need.
+        """
+        found = getattr(self._group(f"mesh({name!r})"), name, None)
+        if name not in MESHES or found is None:
+            raise ValueError(
+                f"tsm.state.mesh({name!r}): no such mesh in this layout; the plan's meshes are "
+                f"{self.sharding_plan.meshes}."
+            )
+        return found
 
     @property
     def device_mesh(self) -> Any:
@@ -363,6 +423,15 @@ class State:
     def dp_mesh(self) -> Any:
         """1-D mesh over the data-parallel ranks (``"dp"`` = replicate x shard)."""
         return self._group("dp_mesh").dp_mesh
+
+    @property
+    def device_type(self) -> str:
+        """``"cuda"`` or ``"cpu"``: the device of the mesh, its collectives and TP's tensors.
+
+        Decided once, by ``tsm.init`` (``distributed.mesh.mesh_device_type``); the one rule
+        for "which device" after init (docs/architecture.md, "Hosts and devices").
+        """
+        return self.device_mesh.device_type
 
     @property
     def tp_mesh(self) -> Any:
@@ -405,8 +474,8 @@ class State:
 
     @property
     def rep_rank_process_group(self) -> Any:
-        """All ranks with this rank's replication rank (one whole replica)."""
-        return self._group("rep_rank_process_group").rep_rank
+        """Every rank with this rank's ``dp_replicate`` coordinate: one replica (SMP's name)."""
+        return self._group("rep_rank_process_group").replica
 
     @property
     def fsdp_shard_process_group(self) -> Any:

@@ -190,31 +190,37 @@ def test_memory_falls_with_shard_degree():
                 assert abs(m - f / hsd) <= 0.05 * f / hsd, (api, hsd, kind, m, f / hsd)
 
 
-def _contradicting_group_and_post_init():
+def _explicit_groups_and_post_init():
     import torch.distributed as dist
     import torch.sagemaker as tsm
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
 
+    from torch_sagemaker.sharding import exempt
+
     tsm.init({"hybrid_shard_degree": 2})
     out = {}
-    try:
-        FSDP(
-            torch.nn.Linear(4, 4),
-            process_group=dist.group.WORLD,
-            device_id=torch.device("cpu"),
-            sharding_strategy=ShardingStrategy.FULL_SHARD,
-        )
-        out["contradiction"] = "no error"
-    except ValueError as e:
-        out["contradiction"] = str(e)
-    # A matching explicit mesh is accepted as is.
-    FSDP(
+    ranks = dist.get_process_group_ranks
+    # Note [Which FSDP1 instances the patch changes]: an explicit group, an explicit mesh and
+    # an exempt model keep what the caller asked for; a plain call follows the config.
+    teacher = FSDP(
         torch.nn.Linear(4, 4),
-        device_mesh=tsm.state.fsdp_mesh,
+        process_group=dist.group.WORLD,
         device_id=torch.device("cpu"),
-        sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+        sharding_strategy=ShardingStrategy.FULL_SHARD,
     )
+    out["explicit_group"] = (teacher.sharding_strategy.name, ranks(teacher.process_group))
+    on_mesh = FSDP(
+        torch.nn.Linear(4, 4),
+        device_mesh=tsm.state.fsdp_shard_mesh,
+        device_id=torch.device("cpu"),
+        sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
+    )
+    out["explicit_mesh"] = (on_mesh.sharding_strategy.name, ranks(on_mesh.process_group))
+    ema = FSDP(exempt(torch.nn.Linear(4, 4)), device_id=torch.device("cpu"))
+    out["exempt"] = (ema.sharding_strategy.name, ranks(ema.process_group))
+    plain = FSDP(torch.nn.Linear(4, 4), device_id=torch.device("cpu"))
+    out["plain"] = (plain.sharding_strategy.name, ranks(plain.process_group))
     # post_param_init_fn runs once, after the last meta tensor was materialised.
     with torch.device("meta"):
         model = tiny_llama(tie_word_embeddings=True)
@@ -251,8 +257,11 @@ def _contradicting_group_and_post_init():
 
 
 @pytest.mark.distributed
-def test_explicit_groups_checked_and_post_param_init():
-    for out in run_distributed(_contradicting_group_and_post_init, world_size=4):
-        assert "puts this rank's HYBRID_SHARD group at" in out["contradiction"]
-        assert "hybrid_shard_degree=2" in out["contradiction"]
+def test_explicit_groups_left_alone_and_post_param_init():
+    for rank, out in enumerate(run_distributed(_explicit_groups_and_post_init, world_size=4)):
+        shard = [0, 1] if rank < 2 else [2, 3]
+        assert out["explicit_group"] == ("FULL_SHARD", [0, 1, 2, 3])
+        assert out["explicit_mesh"] == ("SHARD_GRAD_OP", shard)
+        assert out["exempt"] == ("FULL_SHARD", [0, 1, 2, 3])
+        assert out["plain"] == ("HYBRID_SHARD", shard)
         assert out["post_calls"] == ["LlamaForCausalLM"] and out["tied"]

@@ -123,3 +123,132 @@ def test_groups_on_four_ranks():
             assert r["fsdp_shard_mesh"] == r["shard"] and r["fsdp_replicate_mesh"] == r["replicate"]
             assert r["world"] == [0, 1, 2, 3]
             assert (r["tp_size"], r["cp_size"], r["ep_size"]) == (tp, cp, 1)
+
+
+# (hybrid_shard_degree, tp, ep) on 4 ranks in two "hosts" of 2 (LOCAL_WORLD_SIZE=2): with
+# degree 0 the host mesh differs from the FSDP mesh, so tsm.init builds it.
+PLAN_LAYOUTS = [(0, 1, 1), (0, 2, 1), (2, 1, 1), (1, 1, 1), (0, 1, 2), (1, 1, 2), (2, 1, 2)]
+
+
+def _plan_meshes(layouts):
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+
+    out = {}
+    for hsd, tp, ep in layouts:
+        tsm.state.reset()
+        tsm.init(
+            {"hybrid_shard_degree": hsd, "tensor_parallel_degree": tp, "expert_parallel_degree": ep}
+        )
+        plan, rank = tsm.state.sharding_plan, dist.get_rank()
+        built = {}
+        for name in plan.meshes:
+            mesh = tsm.state.mesh(name)
+            got = [dist.get_process_group_ranks(mesh.get_group(i)) for i in range(mesh.ndim)]
+            built[name] = (got, plan.mesh_ranks(name, rank))
+        out[(hsd, tp, ep)] = (plan.needs_host_mesh, tsm.state.local_world_size, built)
+    tsm.state.reset()
+    return out
+
+
+@pytest.mark.distributed
+def test_plan_meshes_are_the_groups_built():
+    """Every mesh the sharding plan names exists, with the ranks the plan computes."""
+    per_rank = run_distributed(
+        _plan_meshes, PLAN_LAYOUTS, world_size=4, timeout=300, env={"LOCAL_WORLD_SIZE": "2"}
+    )
+    for out in per_rank:
+        # Degree 0: a host of 2 holds a shard group of 2 (tp 1) or 1 (tp 2), not all 4.
+        assert out[(0, 1, 1)][0] and out[(0, 2, 1)][0] and not out[(2, 1, 1)][0]
+        for layout, (_, local_world_size, built) in out.items():
+            assert local_world_size == 2
+            for name, (got, planned) in built.items():
+                assert got == planned, (layout, name)
+
+
+def _live_groups_around_init_and_reset(path):
+    import torch
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    from torch_sagemaker._torch_compat import c10d as c10d_compat
+    from torch_sagemaker.distributed.checkpoint.async_utils import maybe_finalize_async_calls
+    from torch_sagemaker.distributed.checkpoint.state_dict_saver import async_save
+
+    tsm.state.reset()
+    before = len(c10d_compat.live_groups())
+    tsm.init({"hybrid_shard_degree": 0})
+    after_init = len(c10d_compat.live_groups())
+    # HYBRID_SHARD with degree 0 on two hosts: the host mesh (built by tsm.init, not here).
+    model = FSDP(
+        torch.nn.Linear(4, 4),
+        sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+        device_id=torch.device("cpu"),
+    )
+    host_shard = dist.get_process_group_ranks(model.process_group)
+    after_fsdp = len(c10d_compat.live_groups())
+    # A background save over the shard group (one directory each) makes a private gloo group.
+    async_save(
+        {"w": torch.ones(2)},
+        checkpoint_id=f"{path}/{host_shard[0]}",
+        process_group=model.process_group,
+    )
+    maybe_finalize_async_calls(blocking=True, process_group=model.process_group)
+    after_save = len(c10d_compat.live_groups())
+    del model
+    tsm.state.reset()
+    after_reset = len(c10d_compat.live_groups())
+    return dict(
+        before=before,
+        after_init=after_init,
+        after_fsdp=after_fsdp,
+        after_save=after_save,
+        after_reset=after_reset,
+        host_shard=host_shard,
+    )
+
+
+@pytest.mark.distributed
+def test_reset_destroys_every_group_the_library_created(tmp_path):
+    """The live groups c10d knows: init adds some, FSDP adds none, reset removes all it added."""
+    per_rank = run_distributed(
+        _live_groups_around_init_and_reset,
+        str(tmp_path / "ckpt"),
+        world_size=4,
+        timeout=300,
+        env={"LOCAL_WORLD_SIZE": "2"},
+    )
+    for rank, out in enumerate(per_rank):
+        assert out["host_shard"] == [rank - rank % 2, rank - rank % 2 + 1]
+        assert out["after_init"] > out["before"]
+        assert out["after_fsdp"] == out["after_init"]  # host groups exist up front
+        assert out["after_save"] == out["after_fsdp"] + 1  # the async save's gloo group
+        assert out["after_reset"] == out["before"], out
+
+
+def _init_expert_and_context_parallel():
+    import torch.sagemaker as tsm
+
+    from torch_sagemaker._torch_compat import c10d as c10d_compat
+
+    tsm.state.reset()
+    before = len(c10d_compat.live_groups())
+    try:
+        tsm.init({"expert_parallel_degree": 2, "context_parallel_degree": 2})
+        error = None
+    except tsm.ConfigError as e:
+        error = e.problems
+    out = dict(error=error, new_groups=len(c10d_compat.live_groups()) - before)
+    tsm.state.reset()
+    return out
+
+
+@pytest.mark.distributed
+def test_init_refuses_expert_with_context_parallel_before_building_groups():
+    for out in run_distributed(_init_expert_and_context_parallel, world_size=4):
+        assert out["error"] is not None and out["new_groups"] == 0, out
+        assert any(
+            "expert_parallel_degree=2 with context_parallel_degree=2" in p for p in out["error"]
+        ), out

@@ -56,3 +56,15 @@ def test_moe_spec_matches_the_model(family):
     if family != "mixtral":
         model.config.norm_topk_prob = True
         assert spec.normalize(model.config) is True
+
+
+def test_transform_refuses_the_moe_layer_with_context_parallelism():
+    """EP x CP is refused by tsm.init; an MoEConfig with cp > 1 (ep 1) by tsm.transform."""
+    from torch_sagemaker.moe.apply import check_config
+    from torch_sagemaker.moe.moe_config import MoEConfig
+
+    config = MoEConfig()
+    assert check_config(config, tp=1, cp=1, ep=1) is config
+    with pytest.raises(ValueError, match="context_parallel_degree=2: the MoE layer") as info:
+        check_config(config, tp=1, cp=2, ep=1)
+    assert "config=None" in str(info.value)

@@ -12,9 +12,9 @@ from torch_sagemaker.tensor_parallel.random import MODEL_PARALLEL_RNG, RNGStates
 
 
 def test_for_state_seeds_random_seed_plus_tp_rank():
-    a = RNGStatesTracker.for_state(SimpleNamespace(random_seed=7, tp_rank=0))
-    b = RNGStatesTracker.for_state(SimpleNamespace(random_seed=7, tp_rank=1))
-    c = RNGStatesTracker.for_state(SimpleNamespace(random_seed=6, tp_rank=1))
+    a = RNGStatesTracker.for_state(SimpleNamespace(random_seed=7, tp_rank=0, device_type="cpu"))
+    b = RNGStatesTracker.for_state(SimpleNamespace(random_seed=7, tp_rank=1, device_type="cpu"))
+    c = RNGStatesTracker.for_state(SimpleNamespace(random_seed=6, tp_rank=1, device_type="cpu"))
     draws = []
     for tracker in (a, b, c):
         with tracker.fork():

@@ -15,8 +15,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torch_sagemaker._torch_compat import device_mesh as mesh_compat
+from torch_sagemaker.sharding_plan import ShardingPlan
 from torch_sagemaker.state import _Groups
-from torch_sagemaker.topology import AXES, Layout
+from torch_sagemaker.topology import AXES
 
 
 def mesh_device_type() -> str:
@@ -26,15 +27,20 @@ def mesh_device_type() -> str:
     return "cpu"
 
 
-def build_groups(layout: Layout) -> _Groups:
-    """Creates the DeviceMesh and the SMP process groups for ``layout`` (collective call).
+def build_groups(plan: ShardingPlan) -> _Groups:
+    """Creates the DeviceMesh and every SMP process group of ``plan`` (collective call).
+
+    Every group the library uses for training is made here, up front, and listed in
+    ``_Groups.owned`` so that ``tsm.state.reset()`` can destroy it; none is created later on
+    demand (the host mesh of HYBRID_SHARD with ``hybrid_shard_degree=0`` included).
 
     Args:
-        layout: The resolved layout; ``layout.world_size`` must equal the default group's size.
+        plan: The sharding plan; ``plan.layout.world_size`` must equal the default group's size.
 
     Returns:
         The meshes and groups that ``tsm.state`` exposes.
     """
+    layout = plan.layout
     if dist.get_world_size() != layout.world_size:
         raise RuntimeError(
             f"layout is for {layout.world_size} ranks but the default process group has "
@@ -64,6 +70,11 @@ def build_groups(layout: Layout) -> _Groups:
         ep_mesh.get_group(),
         edp_mesh.get_group(),
     ]
+    host_mesh = None
+    if plan.needs_host_mesh:
+        host_root = _host_root_mesh(plan)
+        host_mesh = host_root["host_replicate", "host_shard"]
+        owned += host_root.get_all_groups()
     world = dist.group.WORLD
     owned = [g for g in dict.fromkeys(owned) if g is not world]
     return _Groups(
@@ -77,17 +88,30 @@ def build_groups(layout: Layout) -> _Groups:
         ep_mesh=ep_mesh,
         expert_fsdp_mesh=expert_fsdp_mesh,
         world=world,
-        rep_rank=replica.get_group(),
+        replica=replica.get_group(),
         fsdp_shard=shard_cp.get_group(),
         fsdp_replicate=mesh.get_group("dp_replicate"),
         dp=dp.get_group(),
+        replicate_mesh=mesh["dp_replicate"],
+        expert_replicate_mesh=expert_fsdp_mesh["edp_replicate"],
+        host_mesh=host_mesh,
         owned=owned,
     )
 
 
-def group_ranks(group: dist.ProcessGroup) -> list[int]:
-    """Global ranks of ``group``, in group-rank order."""
-    return dist.get_process_group_ranks(group)
+def _host_root_mesh(plan: ShardingPlan) -> DeviceMesh:
+    """(host_replicate, host_shard, host_tp): FSDP1's HYBRID_SHARD with hybrid_shard_degree=0.
+
+    Shards within a host (``plan.host_shard`` ranks), replicates across hosts; TP stays
+    innermost, so its ranks match ``ShardingPlan.dim_ranks``.
+    """
+    layout = plan.layout
+    replicas = layout.world_size // (layout.tp * plan.host_shard)
+    return init_device_mesh(
+        mesh_device_type(),
+        (replicas, plan.host_shard, layout.tp),
+        mesh_dim_names=("host_replicate", "host_shard", "host_tp"),
+    )
 
 
-__all__ = ["DeviceMesh", "build_groups", "group_ranks", "mesh_device_type"]
+__all__ = ["DeviceMesh", "build_groups", "mesh_device_type"]

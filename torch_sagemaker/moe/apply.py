@@ -65,9 +65,12 @@ def check_config(config: Any, *, tp: int, cp: int, ep: int) -> MoEConfig | None:
             "split Mixtral's experts over the tensor parallel ranks."
         )
     if cp > 1:
+        # expert_parallel_degree > 1 with cp > 1 never gets here: tsm.init refuses it
+        # (sharding_plan.combination_problems). This is the MoE layer itself with CP.
         raise ValueError(
-            f"tsm.transform got an MoEConfig with context_parallel_degree={cp}: expert "
-            "parallelism with context parallelism is not implemented; set one of them to 1."
+            f"tsm.transform got an MoEConfig with context_parallel_degree={cp}: the MoE layer "
+            "with context parallelism is not implemented. Pass config=None or set "
+            "context_parallel_degree=1."
         )
     return config
 

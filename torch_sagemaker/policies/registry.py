@@ -104,7 +104,10 @@ def get_policy(model: nn.Module) -> ModelPolicy | None:
 def transformer_layer_class(model: nn.Module) -> type[nn.Module]:
     """The transformer layer class of a model: the unit to ``fully_shard``/checkpoint/offload.
 
-    Uses the policy ``tsm.transform`` recorded, else looks the model up in the registry.
+    Uses the policy ``tsm.transform`` recorded, else looks the model up in the registry; no
+    other fallback. The units the library wraps come from
+    ``torch_sagemaker.sharding.transformer_layer_classes``, which calls this and, for a model
+    no policy covers, falls back to the Hugging Face model's ``_no_split_modules``.
 
     Raises:
         ValueError: If the model is not covered by any policy.

@@ -1,8 +1,10 @@
 """Hybrid sharded data parallelism over PyTorch FSDP, driven by ``hybrid_shard_degree``.
 
 - FSDP1: after ``tsm.init()``, ``FullyShardedDataParallel(model, ...)`` follows the config
-  (see ``fsdp1``, the only module that changes FSDP defaults).
+  (see ``fsdp1``, the only module that changes FSDP defaults); ``exempt(model)`` and an
+  explicit ``process_group`` / ``device_mesh`` opt out.
 - FSDP2: ``shard_model(model)`` / ``fully_shard(..., mesh=fsdp2_mesh())``.
+- Which strategy and mesh: ``tsm.state.sharding_plan`` (``torch_sagemaker.sharding_plan``).
 - DDP: ``DistributedDataParallel(model, process_group=tsm.state.dp_process_group)``.
 - Activation checkpointing per transformer layer: ``apply_activation_checkpointing(model)``
   (non-reentrant ``checkpoint_wrapper``), before FSDP2 / before or after FSDP1.
@@ -12,11 +14,13 @@ from torch_sagemaker.sharding.activation_checkpointing import (
     CheckpointImpl,
     apply_activation_checkpointing,
 )
+from torch_sagemaker.sharding.fsdp1 import exempt
 from torch_sagemaker.sharding.fsdp2 import fsdp2_mesh, shard_model, transformer_layer_classes
 
 __all__ = [
     "CheckpointImpl",
     "apply_activation_checkpointing",
+    "exempt",
     "fsdp2_mesh",
     "shard_model",
     "transformer_layer_classes",

@@ -3,23 +3,17 @@
 An expert's parameters exist on the ``dp_size / ep`` data-parallel ranks with the same EP
 rank (``Layout.expert_dp_groups``), a different group from every other parameter's, and
 FSDP1 cannot mix two groups in one FlatParameter. So each experts module that
-``tsm.transform`` split becomes its own FSDP unit on its own mesh:
-
-| hybrid_shard_degree | other parameters (``fsdp1.resolve_sharding``) | experts |
-|---------------------|--------------------------------------------|----------------------------------|
-| 0 | the script's strategy over all dp ranks | same strategy over the shard group (it holds all
-  their ranks) |
-| 1 | NO_SHARD over the dp ranks | NO_SHARD over the same-expert replicas |
-| k >= 2 | HYBRID_SHARD (k shards x replicas) | HYBRID_SHARD over ``tsm.state.expert_fsdp_mesh`` (k
-  shards x same-expert replicas); FULL_SHARD over the shard group when there is one such replica |
+``tsm.transform`` split becomes its own FSDP unit on its own mesh, the one
+``tsm.state.sharding_plan`` names for experts (the table in ``torch_sagemaker/sharding_plan.py``).
+This module only builds those units:
 
 - FSDP1: the patched ``FullyShardedDataParallel.__init__`` (``fsdp1``) extends the script's
   ``auto_wrap_policy`` so that experts modules are wrapped as units, and gives those units
-  the mesh above (``fsdp1_expert_sharding``). Under mixed precision the routers of
+  the plan's expert placement. Under mixed precision the routers of
   ``MoELayer`` are added to ``MixedPrecision._module_classes_to_ignore``: FSDP then wraps
   them as fp32 units, and ``MoELayer`` calls them on fp32 input, so the router stays in fp32.
 - FSDP2: ``shard_model`` calls ``fully_shard_experts`` before wrapping the layers: each experts
-  module gets ``fully_shard(mesh=expert_fsdp2_mesh())``, each router an fp32 policy.
+  module gets ``fully_shard`` on the plan's expert mesh, each router an fp32 policy.
 
 Gradients: see Note [Expert gradient scale] in ``torch_sagemaker.moe.experts``; FSDP's
 average over the expert group then equals the mean over all data-parallel ranks.
@@ -33,20 +27,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import (
-    MixedPrecision,
-    MixedPrecisionPolicy,
-    ShardingStrategy,
-    fully_shard,
-)
+from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
 from torch_sagemaker._torch_compat import fsdp1 as fsdp1_compat
 from torch_sagemaker.moe.experts import is_split
 from torch_sagemaker.moe.moe_layer import MoELayer
 from torch_sagemaker.state import state
-
-_ZERO2 = (ShardingStrategy.SHARD_GRAD_OP, fsdp1_compat.HYBRID_SHARD_ZERO2)
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
@@ -78,21 +65,6 @@ def check_ready(model: nn.Module) -> bool:
     return found
 
 
-def fsdp1_expert_sharding(strategy: ShardingStrategy) -> tuple[ShardingStrategy, DeviceMesh]:
-    """Strategy and mesh of an experts unit, given the strategy of the other units (table above)."""
-    layout = state.layout
-    zero2 = strategy in _ZERO2
-    if layout.requested_hybrid_shard_degree == 1 or strategy is ShardingStrategy.NO_SHARD:
-        return ShardingStrategy.NO_SHARD, state.expert_fsdp_mesh["edp_replicate"]
-    if layout.edp_replicate == 1:
-        return (
-            ShardingStrategy.SHARD_GRAD_OP if zero2 else ShardingStrategy.FULL_SHARD
-        ), state.fsdp_shard_mesh
-    return (
-        fsdp1_compat.HYBRID_SHARD_ZERO2 if zero2 else ShardingStrategy.HYBRID_SHARD
-    ), state.expert_fsdp_mesh
-
-
 class _WithExperts(fsdp1_compat.WrapPolicy):
     """A ``_Policy`` (e.g. ``ModuleWrapPolicy``) that also wraps the given experts modules."""
 
@@ -108,11 +80,6 @@ class _WithExperts(fsdp1_compat.WrapPolicy):
             if module not in ignored_modules:
                 result.setdefault(module, dict(root_kwargs))
         return result
-
-
-def _expert_group_size() -> int:
-    layout = state.layout
-    return layout.edp_replicate * layout.hybrid_shard_degree
 
 
 def fsdp1_root_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> None:
@@ -131,7 +98,11 @@ def fsdp1_root_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> None:
             and ``use_orig_params=True``, which FSDP1 cannot run (see above); FSDP2 can.
     """
     targets = expert_modules(model)
-    if _expert_group_size() == 1:
+    plan = state.sharding_plan
+    problem = plan.fsdp1_expert_problem(bool(kwargs.get("use_orig_params")))
+    if problem:
+        raise ValueError(problem)
+    if plan.expert_group_size == 1:
         key = "ignored_states" if kwargs.get("ignored_states") is not None else "ignored_modules"
         kwargs[key] = [*(kwargs.get(key) or []), *targets]
         # FSDP never calls param_init_fn on ignored modules: delayed init happens here.
@@ -140,14 +111,6 @@ def fsdp1_root_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> None:
             if init_fn is not None and any(p.is_meta for p in module.parameters()):
                 init_fn(module)
         targets = []
-    elif state.layout.requested_hybrid_shard_degree == 1 and kwargs.get("use_orig_params"):
-        raise ValueError(
-            "hybrid_shard_degree=1 (NO_SHARD) with expert_parallel_degree="
-            f"{state.ep_size} and use_orig_params=True: PyTorch's FSDP1 cannot keep the expert "
-            "DTensors in NO_SHARD units (Note [FSDP1 experts on one rank] in "
-            "torch_sagemaker/sharding/experts.py). Use hybrid_shard_degree >= 2 or 0, or FSDP2 "
-            "(torch_sagemaker.sharding.shard_model)."
-        )
     ids = {id(m) for m in targets}
     policy = kwargs.get("auto_wrap_policy")
     wrap_experts = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in ids)
@@ -172,16 +135,6 @@ def fsdp1_root_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> None:
         kwargs["mixed_precision"] = fsdp1_compat.with_module_classes_to_ignore(mp, ignored)
 
 
-def expert_fsdp2_mesh() -> DeviceMesh:
-    """The mesh ``fully_shard`` gets for experts.
-
-    2-D when there are same-expert replicas, else the shard mesh.
-    """
-    if state.layout.edp_replicate > 1:
-        return state.expert_fsdp_mesh
-    return state.fsdp_shard_mesh
-
-
 def fully_shard_experts(
     model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None, **kwargs: Any
 ) -> list[nn.Module]:
@@ -199,9 +152,10 @@ def fully_shard_experts(
     if not check_ready(model):
         return []
     wrapped = []
+    expert_mesh = state.mesh(state.sharding_plan.fsdp2_experts)
     extra: dict[str, Any] = {"mp_policy": mp_policy} if mp_policy is not None else {}
     for module in expert_modules(model):
-        fully_shard(module, mesh=expert_fsdp2_mesh(), **extra, **kwargs)
+        fully_shard(module, mesh=expert_mesh, **extra, **kwargs)
         wrapped.append(module)
     if mp_policy is not None and mp_policy.param_dtype not in (None, torch.float32):
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
@@ -213,9 +167,7 @@ def fully_shard_experts(
 
 __all__ = [
     "check_ready",
-    "expert_fsdp2_mesh",
     "expert_modules",
-    "fsdp1_expert_sharding",
     "fsdp1_root_kwargs",
     "fully_shard_experts",
     "routers",

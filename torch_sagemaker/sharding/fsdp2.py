@@ -23,17 +23,13 @@ from torch_sagemaker.state import state
 
 
 def fsdp2_mesh() -> DeviceMesh:
-    """The mesh to give ``fully_shard``: 2-D (HSDP) with replicas, else the 1-D shard mesh.
+    """The mesh to give ``fully_shard``: the one ``tsm.state.sharding_plan`` names for FSDP2.
 
-    With ``hybrid_shard_degree=0`` and expert parallelism (whose replicas hold different
-    experts), the 1-D mesh over every data-parallel rank, as FSDP1's FULL_SHARD.
+    2-D (HSDP) with replicas, else the 1-D shard mesh; with ``hybrid_shard_degree=0`` and
+    expert parallelism (whose replicas hold different experts), the 1-D mesh over every
+    data-parallel rank, as FSDP1's FULL_SHARD.
     """
-    layout = state.layout
-    if layout.requested_hybrid_shard_degree == 0 and layout.dp_replicate > 1 and layout.cp == 1:
-        return state.dp_mesh
-    if layout.dp_replicate > 1:
-        return state.fsdp_mesh
-    return state.fsdp_shard_mesh
+    return state.mesh(state.sharding_plan.fsdp2_dense)
 
 
 def transformer_layer_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
@@ -84,7 +80,7 @@ def shard_model(
     check_prepared(model, state.cp_size, "shard_model")
     mesh = mesh if mesh is not None else fsdp2_mesh()
     classes = layer_classes or transformer_layer_classes(model)
-    layers = [m for m in model.modules() if classes and isinstance(m, classes)]
+    layers = [m for m in model.modules() if isinstance(m, classes)]  # () matches nothing
     if not layers:
         raise ValueError(
             f"shard_model found no transformer layer in {type(model).__name__} (looked for "

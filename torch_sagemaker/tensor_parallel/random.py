@@ -68,12 +68,13 @@ class RNGStatesTracker:
         """The tracker of an initialized ``tsm.state``: one stream seeded ``random_seed + tp_rank``.
 
         Args:
-            state: ``tsm.state`` after ``tsm.init``.
+            state: ``tsm.state`` after ``tsm.init`` (its ``random_seed``, ``tp_rank`` and
+                ``device_type``: the stream swaps the generator of the mesh's device).
 
         Returns:
             A tracker holding the ``model-parallel-rng`` stream of this rank.
         """
-        tracker = cls()
+        tracker = cls(state.device_type)  # TP regions run on the mesh's device
         tracker.add(MODEL_PARALLEL_RNG, state.random_seed + state.tp_rank)
         return tracker
 

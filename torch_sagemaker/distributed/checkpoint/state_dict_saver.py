@@ -34,6 +34,7 @@ from torch_sagemaker.distributed.checkpoint.state_dict_utils import (
     resolve_stateful,
 )
 from torch_sagemaker.logger import get_logger
+from torch_sagemaker.state import state as tsm_state
 
 
 def _write(
@@ -218,6 +219,7 @@ class PyTorchDistSaveShardedStrategy:
 # One dedicated gloo group per rank set, for the background thread (see module docstring and
 # Note [Async save groups]).
 _ASYNC_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_ASYNC_GENERATIONS: dict[tuple[int, ...], int] = {}  # groups made per rank set (their names)
 _ASYNC_GROUPS_LOCK = threading.Lock()
 
 
@@ -233,6 +235,10 @@ def _async_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup |
         group, then an ``async_local`` one on the replication group) then compute different
         names and wait for each other forever. Here the name depends on the ranks alone, and
         each rank set gets one group per process, so every member finds the same one.
+        ``tsm.state.reset()`` destroys these groups (the state owns every group the library
+        makes); the next one for the same ranks gets a new name, with the number of groups
+        made for that rank set so far, which every member counts alike: gloo would otherwise
+        meet the destroyed group's addresses under the old name in the store.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
@@ -240,16 +246,17 @@ def _async_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup |
     with _ASYNC_GROUPS_LOCK:
         group = _ASYNC_GROUPS.get(ranks)
         if group is None or group not in c10d_compat.live_groups():  # destroyed since
-            group = _ASYNC_GROUPS[ranks] = _members_only_gloo_group(ranks)
+            generation = _ASYNC_GENERATIONS[ranks] = _ASYNC_GENERATIONS.get(ranks, -1) + 1
+            group = _ASYNC_GROUPS[ranks] = _members_only_gloo_group(ranks, generation)
         return group
 
 
-def _members_only_gloo_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
-    """A gloo group created by its members only, named after its ranks.
+def _members_only_gloo_group(ranks: tuple[int, ...], generation: int) -> dist.ProcessGroup:
+    """A gloo group created by its members only, named after its ranks and ``generation``.
 
     See Note [Async save groups].
     """
-    name = "tsm_async_save_" + "_".join(map(str, ranks))
+    name = "tsm_async_save_" + "_".join(map(str, ranks)) + (f"_g{generation}" if generation else "")
     default_store = c10d_compat.live_groups()[c10d_compat.default_group()][1]
     # The same helper ``new_group`` uses, with a name every member computes alike.
     group, _ = c10d_compat.new_process_group_helper(
@@ -262,6 +269,7 @@ def _members_only_gloo_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
         timeout=c10d_compat.default_timeout(dist.Backend("gloo")),
     )
     c10d_compat.set_group_ranks(group, {rank: i for i, rank in enumerate(ranks)})
+    tsm_state.adopt_group(group)  # tsm.state.reset() destroys it with the library's other groups
     return group
 
 
