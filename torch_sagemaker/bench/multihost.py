@@ -168,7 +168,7 @@ def _rank_main(spec: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("smddp", timeout=timedelta(seconds=spec["timeout"]))
     rank, world = dist.get_rank(), dist.get_world_size()
-    counts_nic = int(os.environ["LOCAL_RANK"]) == 0
+    counts_nic = rank % spec["local"] == 0  # one rank per host reads its NIC
     groups = {"smddp": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
     identical: list[Any] = [None] * world
     if spec.get("identical"):
@@ -301,12 +301,9 @@ def run_layout(
             "out": out,
         }
         command = [sys.executable, "-m", __spec__.name, "--host", "{host}", json.dumps(spec)]
-        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = dict(
-            os.environ,
-            PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
-        )
-        done = netns.run_hosts(hosts, command, timeout_s, rate_bits, env=env)
+        # The hosts' processes inherit the environment and working directory, so they import
+        # this package as this process did.
+        done = netns.run_hosts(hosts, command, timeout_s, rate_bits)
         if done.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"layout {hosts}x{local} failed:\n{done.stdout[-6000:]}")
         with open(out) as f:
