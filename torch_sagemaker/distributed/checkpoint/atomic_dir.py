@@ -211,8 +211,8 @@ def verify_files(path: Path, marker: dict[str, Any], names: list[str]) -> list[s
     return integrity.verify(path, names, marker.get("checksums", {}))
 
 
-def corrupt_error(path: Path, problems: list[str]) -> CheckpointError:
-    """The error for files whose checksum no longer matches."""
+def corrupt_error(path: Path | object, problems: list[str]) -> CheckpointError:
+    """The error for files whose checksum no longer matches (``path``: a directory or S3 URI)."""
     return CheckpointError(
         f"checkpoint {path} is corrupt: " + "; ".join(problems) + ". Loading it would give "
         "wrong values; load an earlier checkpoint, or copy this one again from its source."
