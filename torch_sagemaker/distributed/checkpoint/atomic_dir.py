@@ -220,7 +220,11 @@ def corrupt_error(path: Path | object, problems: list[str]) -> CheckpointError:
 
 
 def is_complete(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a complete checkpoint directory (it has the completion marker)."""
+    """Whether ``path`` is a complete checkpoint (it has the completion marker); or ``s3://``."""
+    if os.fspath(path).startswith("s3://"):
+        from torch_sagemaker.distributed.checkpoint.s3_checkpoint import S3Checkpoint
+
+        return S3Checkpoint(os.fspath(path)).is_complete()
     return (Path(path) / COMPLETION_MARKER).is_file()
 
 

@@ -46,8 +46,9 @@ class DistributedFileSystemReader(FileSystemReader):
         s3client_config: Any = None,
     ) -> None:
         super().__init__(path if not is_s3_uri(path) else ".")
-        #: The checkpoint this reader reads (``load`` takes it when no checkpoint_id is given).
-        self.checkpoint_id: str | os.PathLike[str] = path
+        #: The checkpoint this reader reads (``load`` takes it when no checkpoint_id is given;
+        #: DCP's own ``checkpoint_id`` property is ``path``, the committed save on S3).
+        self.source_checkpoint: str | os.PathLike[str] = path
         if is_s3_uri(path):
             from torch_sagemaker.distributed.checkpoint.s3_checkpoint import S3Checkpoint
 

@@ -123,7 +123,8 @@ class S3Checkpoint:
 
         return retry_with_jitter(listing)
 
-    def _delete(self, keys: list[str]) -> None:
+    def delete(self, keys: list[str]) -> None:
+        """Deletes ``keys`` in order (each retried)."""
         for key in keys:
             retry_with_jitter(lambda key=key: self.client.delete_object(self.bucket, key))
 
@@ -210,7 +211,7 @@ class S3Checkpoint:
             if _SAVE_ID.match(first) and first != save_id:
                 stale.setdefault(first, []).append(key)
         for keys in stale.values():
-            self._delete(keys)
+            self.delete(keys)
         return sorted(stale)
 
     def marker_save_id(self) -> str | None:
@@ -279,4 +280,34 @@ class S3Checkpoint:
         return [f"{marker['data']}/{p}" for p in problems]
 
 
-__all__ = ["S3Checkpoint"]
+def list_subdirs(uri: str, s3_region: str | None = None, s3client_config: Any = None) -> list[str]:
+    """Names of the "directories" right under ``uri`` (the key prefixes ending in ``/``)."""
+    uri = format_s3_path(uri)
+    bucket, key = parse_s3_uri(uri)
+    client = make_s3_client(resolve_region(uri, s3_region), s3client_config)
+    prefix = f"{key}/" if key else ""
+
+    def listing() -> list[str]:
+        names = []
+        for page in client.list_objects(bucket, prefix, "/"):
+            names += [p[len(prefix) :].rstrip("/") for p in page.common_prefixes]
+        return sorted(names)
+
+    return retry_with_jitter(listing)
+
+
+def delete_prefix(uri: str, s3_region: str | None = None, s3client_config: Any = None) -> int:
+    """Deletes every object under the checkpoint ``uri``, completion markers first.
+
+    Returns:
+        The number of objects deleted.
+    """
+    location = S3Checkpoint(uri, s3_region, s3client_config)
+    keys = sorted(location.list_objects(f"{location.key}/"))
+    # Markers first: a deletion cut short must not leave a "complete" checkpoint behind.
+    keys.sort(key=lambda k: not k.endswith(f"/{COMPLETION_MARKER}"))
+    location.delete(keys)
+    return len(keys)
+
+
+__all__ = ["S3Checkpoint", "delete_prefix", "list_subdirs"]

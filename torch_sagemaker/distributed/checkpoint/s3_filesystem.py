@@ -289,6 +289,7 @@ def s3_file_system_class() -> type:
             super().__init__(region, s3_client=client, reader_constructor=reader_constructor)
             self.region = region
 
+    globals()["S3FileSystem"] = S3FileSystem  # one class, whoever asks first
     return S3FileSystem
 
 
@@ -296,8 +297,7 @@ def __getattr__(name: str) -> Any:
     # PEP 562: ``S3FileSystem`` subclasses s3torchconnector's class, which is imported only
     # when the name is first used, so that file-system checkpoints never pay for it.
     if name == "S3FileSystem":
-        cls = globals()[name] = s3_file_system_class()
-        return cls
+        return s3_file_system_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -221,7 +221,7 @@ def _checkpoint_id(
         return checkpoint_id
     # DistributedFileSystemReader keeps the checkpoint it was given (on S3, .path is the
     # committed save's prefix, not the checkpoint).
-    reader_path = getattr(storage_reader, "checkpoint_id", None) or getattr(
+    reader_path = getattr(storage_reader, "source_checkpoint", None) or getattr(
         storage_reader, "path", None
     )
     if reader_path is None:

@@ -42,7 +42,7 @@ from torch_sagemaker.logger import get_logger
 
 def _write(
     state_dict: dict[str, Any],
-    checkpoint_id: str | os.PathLike[str] | S3Checkpoint | None,  # validated by _target
+    checkpoint_id: Path | S3Checkpoint,  # validated by _target
     *,
     storage_writer: Any,
     planner: Any,
@@ -64,7 +64,7 @@ def _write(
             thread_count=thread_count,
         )
         return
-    path = atomic_dir.checkpoint_path(checkpoint_id)
+    path = checkpoint_id
     staging = atomic_dir.staging_path(path)
 
     # 1. Fresh staging directory (a stale one is what an earlier crash left behind) and the
@@ -178,9 +178,18 @@ def _run_hook(on_commit: Callable[[], None] | None, where: Any) -> None:
 
 
 def _target(
-    checkpoint_id: str | os.PathLike[str] | None, s3_region: str | None, s3client_config: Any
+    checkpoint_id: str | os.PathLike[str] | None,
+    s3_region: str | None,
+    s3client_config: Any,
+    storage_writer: Any = None,
 ) -> Path | S3Checkpoint:
-    """The validated destination: a local directory, or an S3 location for ``s3://`` ids."""
+    """The validated destination: a local directory, or an S3 location for ``s3://`` ids.
+
+    Without ``checkpoint_id``, a file-system ``storage_writer``'s ``path`` names it (HyperPod's
+    adapter passes only ``storage_writer=DistributedFileSystemWriter(path)``).
+    """
+    if checkpoint_id is None and storage_writer is not None:
+        checkpoint_id = getattr(storage_writer, "path", None)
     if is_s3_uri(checkpoint_id):
         return S3Checkpoint(str(checkpoint_id), s3_region, s3client_config)
     return atomic_dir.checkpoint_path(checkpoint_id)
@@ -226,7 +235,8 @@ def save(
     Args:
         state_dict: Nested dict of tensors, DTensors, ``Stateful`` objects and picklable values.
         checkpoint_id: Directory of the checkpoint (replaced atomically if it exists), or an
-            ``s3://bucket/prefix`` URI (Note [S3 checkpoint layout] in ``s3_checkpoint``).
+            ``s3://bucket/prefix`` URI (Note [S3 checkpoint layout] in ``s3_checkpoint``);
+            may be left out when ``storage_writer`` has a ``path`` (as HyperPod's adapter calls).
         storage_writer: Optional DCP ``StorageWriter``; it is pointed at the staging directory
             (on S3: the save's prefix).
         planner: Optional DCP ``SavePlanner``.
@@ -247,12 +257,12 @@ def save(
             and loadable (Note [Commit outcome]).
     """
     del wait_error_handling, force_check_all_plans
-    target = _target(checkpoint_id, s3_region, s3client_config)
+    target = _target(checkpoint_id, s3_region, s3client_config, storage_writer)
     participants = Participants(process_group, coordinator_rank)
     state_dict = resolve_stateful(state_dict)
     _write(
         state_dict,
-        target if isinstance(target, S3Checkpoint) else checkpoint_id,
+        target,
         storage_writer=storage_writer,
         planner=planner,
         participants=participants,
@@ -400,7 +410,7 @@ def async_save(
     del wait_error_handling, force_check_all_plans
     queue = queue if queue is not None else DEFAULT_ASYNC_REQUEST_QUEUE
     # Fail fast on a bad id, before staging.
-    target = _target(checkpoint_id, s3_region, s3client_config)
+    target = _target(checkpoint_id, s3_region, s3client_config, storage_writer)
     strategy = sharded_strategy or PyTorchDistSaveShardedStrategy()
     if not isinstance(strategy, PyTorchDistSaveShardedStrategy):
         raise TypeError(
@@ -418,7 +428,7 @@ def async_save(
     return queue.schedule_async_request(
         lambda: _write(
             staged,
-            target if isinstance(target, S3Checkpoint) else checkpoint_id,
+            target,
             storage_writer=storage_writer,
             planner=planner,
             participants=participants,
