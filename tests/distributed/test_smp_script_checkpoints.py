@@ -176,3 +176,85 @@ def test_checkpoint_types_resume_like_the_uninterrupted_run(layout, tmp_path):
             assert torch.equal(first["loaded"][name], value), name
         # Same logits, up to bf16 rounding (TP sums the projections in another order).
         torch.testing.assert_close(first["exported"], first["logits"], atol=3e-2, rtol=3e-2)
+
+
+def _resume_from_s3(root: str, config: dict, env: dict) -> dict:
+    """The scripts' ``sharded`` and ``async_sharded`` types with an ``s3://`` checkpoint_dir.
+
+    SMP 2.5+'s scripts hand an ``s3://`` directory to ``state_dict_saver.save``/``async_save``
+    and ``state_dict_loader.load`` (their own S3 helpers only check the prefix), and read the
+    optimizer state through the same ``DistributedFileSystemReader``.
+    """
+    import os
+
+    from tests.s3_server import environment
+
+    os.environ["SM_HP_MP_PARAMETERS"] = json.dumps(config)
+    try:
+        with environment(env):
+            return _resume_from_s3_in_layout(root)
+    finally:
+        del os.environ["SM_HP_MP_PARAMETERS"]
+
+
+def _resume_from_s3_in_layout(root: str) -> dict:
+    import torch.sagemaker as tsm
+    from torch.sagemaker.distributed.checkpoint.async_utils import AsyncCallsQueue
+
+    from tests.distributed import smp_script_steps as smp
+
+    tsm.init()
+    queue = AsyncCallsQueue()
+    model, optimizer, scheduler = _fresh(smp, False)
+    meta = smp.pg_metadata(model)
+    out: dict = {"reference": []}
+    for step in range(STEPS):
+        out["reference"].append(smp.train_step(model, optimizer, scheduler, step))
+        if step + 1 == RESUME_AT:
+            user = {"total_steps": step + 1}
+            smp.save_sharded_s3(model, optimizer, scheduler, f"{root}/sharded", meta, user)
+            smp.save_async_sharded(
+                model, optimizer, scheduler, f"{root}/async_sharded", meta, user, queue
+            )
+    queue.maybe_finalize_async_calls(blocking=True, process_group=None)
+    for kind in ("sharded", "async_sharded"):
+        model, optimizer, scheduler = _fresh(smp, False)
+        start = smp.load_async_sharded(
+            model, optimizer, scheduler, f"{root}/{kind}", smp.pg_metadata(model)
+        )
+        out[kind] = (
+            start,
+            [smp.train_step(model, optimizer, scheduler, step) for step in range(start, STEPS)],
+        )
+    return out
+
+
+@pytest.mark.distributed
+def test_sharded_types_at_an_s3_checkpoint_dir_resume_like_the_uninterrupted_run(s3_server):
+    from tests.s3_server import environment
+
+    with environment(s3_server.env):
+        bucket = s3_server.new_bucket()
+    config, _ = LAYOUTS["tp2_hsd2"]
+    results = run_distributed(
+        _resume_from_s3,
+        f"s3://{bucket}/smp",
+        config,
+        s3_server.env,
+        world_size=4,
+        backend="smddp",
+        timeout=600,
+    )
+    for rank, out in enumerate(results):
+        expected = out["reference"][RESUME_AT:]
+        for kind in ("sharded", "async_sharded"):
+            start, losses = out[kind]
+            assert start == RESUME_AT, (kind, rank)
+            assert losses == expected, f"{kind} rank {rank}: {losses} != {expected}"
+    keys = {
+        o["Key"]
+        for o in s3_server.boto3().list_objects_v2(Bucket=bucket).get("Contents", [])
+    }
+    for kind in ("sharded", "async_sharded"):
+        for tp_rank in range(2):
+            assert f"smp/{kind}/tp2-{tp_rank}/.sm_checkpoint_complete.json" in keys
