@@ -65,8 +65,10 @@ def _tp_hsd_run_in_env(root: str) -> dict:
     losses += train(model, optim, sched, range(SAVE_AT, STEPS))  # the async save may still run
     out: dict = {"losses": losses, "finalized": queue.maybe_finalize_async_calls(blocking=True)}
     queue.close()
+    # One fresh model (other init seed) resumes from each checkpoint in turn: a load restores
+    # the model, optimizer, scheduler, step and RNG, so what the first resume trained is gone.
+    model, optim, sched = build(hsd=2, tp=2, seed=INIT_SEED + 1)
     for kind in ("sync", "async"):
-        model, optim, sched = build(hsd=2, tp=2, seed=INIT_SEED + 1)
         ts = TrainingState(model, optim, sched)
         ts.load(f"{root}/{kind}/step{SAVE_AT}")
         start = ts.data_position["next_step"]
@@ -74,6 +76,7 @@ def _tp_hsd_run_in_env(root: str) -> dict:
     return out
 
 
+@pytest.mark.slow  # 30 s with warm ranks, about 100 s when the 4-rank pool starts cold
 def test_tp_hsd_sharded_and_async_saves_resume_like_the_uninterrupted_run(s3):
     from tests.distributed.test_checkpoint_reshard import SAVE_AT, STEPS
 
@@ -143,9 +146,11 @@ def test_corrupted_truncated_and_missing_objects_are_refused_by_name(s3):
     client.put_object(Bucket=bucket, Key=victim, Body=original)
     _assert_state(_loaded(uri), 1.0)  # the same bytes back: loads again
     metadata = next(k for k in _keys(server, bucket) if k.endswith("/.metadata"))
-    client.put_object(Bucket=bucket, Key=metadata, Body=b"x" * len(
-        client.get_object(Bucket=bucket, Key=metadata)["Body"].read()
-    ))
+    client.put_object(
+        Bucket=bucket,
+        Key=metadata,
+        Body=b"x" * len(client.get_object(Bucket=bucket, Key=metadata)["Body"].read()),
+    )
     with pytest.raises(CheckpointError, match=r"\.metadata does not match its crc32"):
         _loaded(uri)
     client.delete_object(Bucket=bucket, Key="run/step1/.sm_checkpoint_complete.json")

@@ -30,6 +30,7 @@ import json
 import re
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 from torch_sagemaker.distributed.checkpoint import integrity
@@ -125,8 +126,12 @@ class S3Checkpoint:
 
     def delete(self, keys: list[str]) -> None:
         """Deletes ``keys`` in order (each retried)."""
+
+        def deleter(key: str) -> Callable[[], None]:
+            return lambda: self.client.delete_object(self.bucket, key)
+
         for key in keys:
-            retry_with_jitter(lambda key=key: self.client.delete_object(self.bucket, key))
+            retry_with_jitter(deleter(key))
 
     def checksum(self, key: str) -> str:
         """CRC-32 of an object, read once in chunks (``integrity.format_checksum``)."""
@@ -190,8 +195,10 @@ class S3Checkpoint:
         checksums = {}
         for name, size in sizes.items():
             record = recorded.get(name)
-            ok = record is not None and record[0] == size
-            checksums[name] = record[1] if ok else self.checksum(prefix + name)
+            if record is not None and record[0] == size:  # all bytes seen while writing
+                checksums[name] = record[1]
+            else:
+                checksums[name] = self.checksum(prefix + name)
         marker = {
             "format_version": FORMAT_VERSION,
             "time": time.time(),

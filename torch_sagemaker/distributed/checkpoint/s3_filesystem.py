@@ -104,9 +104,9 @@ def s3_environment(environ: Mapping[str, str] | None = None) -> S3Environment:
     Args:
         environ: The environment to read (default ``os.environ``).
     """
-    env = os.environ if environ is None else environ
-    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None
-    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None
+    environ = os.environ if environ is None else environ
+    endpoint = environ.get("AWS_ENDPOINT_URL_S3") or environ.get("AWS_ENDPOINT_URL") or None
+    region = environ.get("AWS_REGION") or environ.get("AWS_DEFAULT_REGION") or None
     return S3Environment(endpoint=endpoint, region=region)
 
 
@@ -114,7 +114,9 @@ def _boto3_client(region: str | None) -> Any:
     try:
         import boto3
     except ImportError as e:
-        raise ImportError(f"get_s3_region_from_uri needs boto3: pip install boto3. {_INSTALL}") from e
+        raise ImportError(
+            f"get_s3_region_from_uri needs boto3 (pip install boto3). {_INSTALL}"
+        ) from e
     return boto3.client("s3", endpoint_url=s3_environment().endpoint, region_name=region)
 
 
@@ -251,7 +253,7 @@ def s3_file_system_class() -> type:
     except ImportError as e:
         raise ImportError(_INSTALL) from e
 
-    class S3FileSystem(ConnectorFileSystem):  # type: ignore[misc,valid-type]
+    class S3FileSystem(ConnectorFileSystem):
         """DCP's ``FileSystem`` on S3: ``s3torchconnector``'s, at the environment's endpoint.
 
         ``s3torchconnector.dcp``'s own ``S3FileSystem`` (what its DCP writer and reader use),
@@ -312,7 +314,7 @@ def path_to_file_system(path: str | os.PathLike[str], s3_region: str | None = No
 __all__ = [
     "DEFAULT_PART_SIZE",
     "S3Environment",
-    "S3FileSystem",
+    "S3FileSystem",  # noqa: F822 - made on first use by the module's __getattr__
     "default_client_config",
     "format_s3_path",
     "get_s3_region_from_uri",

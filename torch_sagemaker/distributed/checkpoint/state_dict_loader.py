@@ -133,7 +133,9 @@ def check_state_dict_matches(
     return sorted(flat)
 
 
-def _check_local_layout(marker: dict[str, Any], path: Path | object, state_dict: dict[str, Any]) -> None:
+def _check_local_layout(
+    marker: dict[str, Any], path: Path | object, state_dict: dict[str, Any]
+) -> None:
     """An SM-local checkpoint loads only under the shard layout that wrote it."""
     saved = marker.get("layout", {})
     here = {**current_layout(), **shard_coordinates()}
