@@ -192,13 +192,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                     for target, cases in targets:
                         saves, loads = cases(threads)
                         for name, fn in saves:
-                            times.setdefault((target, "save", name, threads), []).append(
-                                _timed(fn)
-                            )
+                            times.setdefault((target, "save", name, threads), []).append(_timed(fn))
                         for name, fn in loads:
-                            times.setdefault((target, "load", name, threads), []).append(
-                                _timed(fn)
-                            )
+                            times.setdefault((target, "load", name, threads), []).append(_timed(fn))
                         if not torch.equal(template["layer0.weight"], state["layer0.weight"]):
                             raise RuntimeError("the benchmark loaded other values than it saved")
                         for t in template.values():
