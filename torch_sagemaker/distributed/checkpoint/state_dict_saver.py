@@ -1,7 +1,9 @@
 """Saving checkpoints (``torch.sagemaker.distributed.checkpoint.state_dict_saver``).
 
 ``save`` writes a state dict with PyTorch DCP into a staging directory and publishes it
-atomically (Note [Checkpoint commit protocol] in ``atomic_dir``). ``async_save`` copies the
+atomically (Note [Checkpoint commit protocol] in ``atomic_dir``); an ``s3://`` checkpoint_id
+goes straight to S3 and is published by its completion marker (Note [S3 checkpoint layout]
+in ``s3_checkpoint``). ``async_save`` copies the
 state to CPU memory, returns, and runs the same save on a background thread over a
 dedicated gloo process group, so training collectives and checkpoint collectives never
 share a communicator.
