@@ -76,7 +76,6 @@ def _tp_hsd_run_in_env(root: str) -> dict:
     return out
 
 
-@pytest.mark.slow  # 30 s with warm ranks, about 100 s when the 4-rank pool starts cold
 def test_tp_hsd_sharded_and_async_saves_resume_like_the_uninterrupted_run(s3):
     from tests.distributed.test_checkpoint_reshard import SAVE_AT, STEPS
 
