@@ -146,6 +146,8 @@ setup(
     extras_require={
         "hf": ["transformers>=5", "accelerate", "safetensors"],
         "examples": ["tqdm", "matplotlib"],
+        # s3:// checkpoints (save/async_save/load with checkpoint_id="s3://...").
+        "s3": ["s3torchconnector[dcp]>=1.5", "boto3"],
         "dev": ["pytest", "pytest-timeout", "ruff", "ninja"],
     },
 )

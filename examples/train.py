@@ -144,6 +144,13 @@ def main(argv: list[str] | None = None) -> dict:
             dynamic_ncols=True,
             file=sys.stdout,
         )
+    auto = checkpoints.AutoInterval() if args.checkpoint_freq == "auto" else None
+
+    def checkpoint_due(step: int, step_time: float) -> bool:
+        if auto is not None:
+            return auto.due(step, step_time)
+        return bool(args.checkpoint_freq) and step % args.checkpoint_freq == 0
+
     losses, step_times, start = [], [], time.perf_counter()
     last_step = min(args.max_steps, args.stop_at_step or args.max_steps)
     while train_state.step < last_step:
@@ -203,7 +210,8 @@ def main(argv: list[str] | None = None) -> dict:
                     f"[train] step {step}: validation loss {val:.4f}, "
                     f"perplexity {math.exp(val):.2f}"
                 )
-            if args.checkpoint_dir and args.checkpoint_freq and step % args.checkpoint_freq == 0:
+            if args.checkpoint_dir and checkpoint_due(step, step_time):
+                t_save = time.perf_counter()
                 path = checkpoints.save(
                     train_state,
                     args.checkpoint_dir,
@@ -212,6 +220,15 @@ def main(argv: list[str] | None = None) -> dict:
                     args.checkpoint_type == "async_sharded",
                 )
                 rank0_print(f"[train] step {step}: checkpoint {path}")
+                if auto is not None and auto.measuring:
+                    save_s = time.perf_counter() - t_save
+                    checkpoints.finish()  # once, to time the background write
+                    io_s = time.perf_counter() - t_save - save_s
+                    interval = auto.measured(step_time, save_s, io_s)
+                    rank0_print(
+                        f"[train] auto checkpoint interval: {interval} steps (step "
+                        f"{step_time:.3f} s, save call {save_s:.3f} s, write {io_s:.3f} s)"
+                    )
     if progress is not None:
         progress.close()
     checkpoints.finish()

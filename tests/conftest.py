@@ -44,3 +44,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(_TIERS[tier])
         if tier == "distributed" and Path(item.fspath).name in COMPAT_FILES:
             item.add_marker(pytest.mark.compat)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on 127.0.0.1 (a free port), shared by the session, stopped after.
+
+    Yields a ``tests.s3_server.S3Server``; ``server.env`` points the library at it. Skips,
+    naming the package, where moto is not installed (requirements-dev.txt installs it).
+    """
+    pytest.importorskip("moto.server", reason="needs moto[server] (requirements-dev.txt)")
+    pytest.importorskip("s3torchconnector.dcp", reason="needs s3torchconnector[dcp]")
+    from tests.s3_server import moto_s3
+
+    with moto_s3() as server:
+        yield server

@@ -21,6 +21,20 @@ SMP_FLAGS = (
 )
 
 
+def _interval(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        steps = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of steps or 'auto', got {value!r}"
+        ) from None
+    if steps < 0:
+        raise argparse.ArgumentTypeError(f"expected steps >= 0 or 'auto', got {steps}")
+    return steps
+
+
 def _bool(value: str) -> bool:
     if value.lower() in ("1", "true", "yes"):
         return True
@@ -102,8 +116,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--delayed-param", type=_bool, default=False, help="build on meta, init after sharding"
     )
     g = p.add_argument_group("checkpoints")
-    g.add_argument("--checkpoint-dir", default=None)
-    g.add_argument("--checkpoint-freq", type=int, default=0)
+    g.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="a directory, or s3://bucket/prefix (endpoint, region and credentials from the AWS "
+        "variables: AWS_ENDPOINT_URL_S3/AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, ...)",
+    )
+    g.add_argument(
+        "--checkpoint-freq",
+        "--checkpoint-interval",
+        type=_interval,
+        default=0,
+        help="save every N steps (0: never), or 'auto': measure the step and save times and "
+        "save as often as keeps saving under 5%% of training time",
+    )
     g.add_argument("--num-kept-checkpoints", type=int, default=2)
     g.add_argument("--checkpoint-type", choices=("sharded", "async_sharded"), default="sharded")
     g.add_argument(

@@ -3,7 +3,9 @@
 ``torch.sagemaker.distributed.checkpoint.TrainingState`` holds the model, optimizer, LR
 scheduler, step, data position and RNG states; sharded checkpoints reload under another
 world size or hybrid/TP layout. Directories are named ``<model_type>-<N>steps`` as in SMP's
-scripts, and the newest ``num_kept`` are kept.
+scripts, and the newest ``num_kept`` are kept. ``--checkpoint-dir`` may be a local path or an
+``s3://`` URI (endpoint and credentials from the AWS variables); ``--checkpoint-interval auto``
+measures the step and save times and picks the interval (``AutoInterval``).
 """
 
 from __future__ import annotations
@@ -11,10 +13,16 @@ from __future__ import annotations
 import os
 import re
 
+import torch
+import torch.distributed as dist
 from torch.sagemaker.distributed.checkpoint import (
     TrainingState,
     is_complete,
     maybe_finalize_async_calls,
+)
+from torch.sagemaker.distributed.checkpoint.s3_filesystem import is_s3_uri
+from torch.sagemaker.distributed.checkpoint.state_dict_utils import (
+    compute_auto_checkpoint_interval,
 )
 
 STEP_DIR = r"^.*-(\d+)steps$"
@@ -22,10 +30,16 @@ STEP_DIR = r"^.*-(\d+)steps$"
 
 def step_dirs(root: str | None) -> list[tuple[int, str]]:
     """Complete checkpoint directories under ``root`` as (step, path), oldest first."""
-    if not root or not os.path.isdir(root):
+    if root and is_s3_uri(root):
+        from torch_sagemaker.distributed.checkpoint.s3_checkpoint import list_subdirs
+
+        names = list_subdirs(root)
+    elif root and os.path.isdir(root):
+        names = os.listdir(root)
+    else:
         return []
     found = []
-    for name in os.listdir(root):
+    for name in names:
         match = re.match(STEP_DIR, name)
         if match and is_complete(os.path.join(root, name)):
             found.append((int(match.group(1)), os.path.join(root, name)))
@@ -58,3 +72,51 @@ def resume(state: TrainingState, root: str | None, target: str) -> str | None:
         path = dirs[-1][1]
     state.load(path)
     return path
+
+
+class AutoInterval:
+    """``--checkpoint-interval auto``: measure plain steps and one save, then decide.
+
+    Step 1 (first allocations) is not a sample; the next ``warmup_steps`` steps are timed
+    without saving; the step after that saves once, timing the save call (the part that
+    blocks training) and the wait for the background write. ``compute_auto_checkpoint_interval``
+    then picks the smallest interval at which saving costs at most ``max_overhead_fraction`` of
+    training time (Note [Automatic checkpoint interval]). Ranks measure different times, so
+    they agree on the largest interval any of them computed.
+
+    Args:
+        warmup_steps: Plain steps to time.
+        max_overhead_fraction: Bound on saving's share of training time.
+    """
+
+    def __init__(self, warmup_steps: int = 3, max_overhead_fraction: float = 0.05) -> None:
+        self.warmup_steps = warmup_steps
+        self.max_overhead_fraction = max_overhead_fraction
+        self.step_durations: list[float] = []
+        self.interval: int | None = None
+        self.measuring = False
+
+    def due(self, step: int, step_time: float) -> bool:
+        """Whether to save after ``step`` (which took ``step_time`` seconds)."""
+        if self.interval is not None:
+            return step % self.interval == 0
+        if step > 1 and len(self.step_durations) < self.warmup_steps:
+            self.step_durations.append(step_time)
+            return False
+        self.measuring = step > 1
+        return self.measuring
+
+    def measured(self, step_time: float, save_s: float, io_s: float) -> int:
+        """Records the measured save and returns the interval all ranks use from now on."""
+        decided = compute_auto_checkpoint_interval(
+            self.step_durations,
+            [step_time + save_s],
+            [save_s],
+            [io_s],
+            self.max_overhead_fraction,
+        ).interval
+        agreed = torch.tensor([decided], dtype=torch.int64)
+        if dist.is_initialized():
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        self.interval, self.measuring = int(agreed.item()), False
+        return self.interval

@@ -263,6 +263,29 @@ def save_sharded(model, optimizer, scheduler, path, meta, user):
         )
 
 
+def save_sharded_s3(model, optimizer, scheduler, path, meta, user):
+    """The ``sharded`` type with an ``s3://`` checkpoint_dir (SMP 2.5+): the same state dict,
+    written by ``state_dict_saver.save`` with the URI instead of DCP's file-system writer."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+    from torch.sagemaker.distributed.checkpoint.state_dict_saver import save
+
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        state_dict = {
+            "model": model.state_dict(),
+            "optimizer": FSDP.optim_state_dict(model, optimizer),
+            "scheduler": scheduler.state_dict(),
+        } | user
+    process_group, coordinator_rank, action_rank = meta
+    if action_rank:
+        save(
+            state_dict,
+            checkpoint_id=tp_subdir(path),
+            process_group=process_group,
+            coordinator_rank=coordinator_rank,
+        )
+
+
 def _load_sharded_with(load_fn, reader, model, optimizer, scheduler, path, meta):
     from torch.distributed import checkpoint
     from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict

@@ -183,3 +183,36 @@ def test_accelerate_example(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     assert "model prepared as FSDPLlamaForCausalLM" in result.stdout
     assert "step 10: loss" in result.stdout and "on backend smddp" in result.stdout
+
+
+@pytest.mark.distributed
+def test_s3_checkpoint_dir_with_auto_interval_saves_and_resumes(tmp_path, s3_server):
+    # --checkpoint-interval auto: steps 2-4 are timed, step 5 saves once to time the save,
+    # then the interval is decided. The second run resumes from S3 ('latest' lists the bucket).
+    from tests.s3_server import environment
+
+    with environment(s3_server.env):
+        bucket = s3_server.new_bucket()
+    ranks, flags = CONFIGS[RESUME_CONFIG]
+    common = [
+        "--smp-config",
+        os.path.join(ROOT, "examples", "configs", RESUME_CONFIG),
+        "--checkpoint-dir",
+        f"s3://{bucket}/run",
+        "--checkpoint-interval",
+        "auto",
+        "--checkpoint-type",
+        "async_sharded",
+        *flags,
+    ]
+    with environment(s3_server.env):  # torchrun's ranks inherit the endpoint and credentials
+        _, stdout = _train(tmp_path, ranks, *common, "--max-steps", "5", name="first")
+        second, resumed = _train(
+            tmp_path, ranks, *common, "--max-steps", "6", "--resume", "latest", name="second"
+        )
+    assert "auto checkpoint interval:" in stdout, stdout[-2000:]
+    keys = [o["Key"] for o in s3_server.boto3().list_objects_v2(Bucket=bucket)["Contents"]]
+    markers = sorted(k for k in keys if k.endswith(".sm_checkpoint_complete.json"))
+    assert [m.split("/")[1] for m in markers] == ["llama_v3-5steps"], markers
+    assert f"resumed from s3://{bucket}/run/llama_v3-5steps at step 5" in resumed, resumed[-2000:]
+    assert len(second["losses"]) == 1

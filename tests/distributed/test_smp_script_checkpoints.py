@@ -12,7 +12,9 @@ notebook layout scaled down (MoEConfig, expert parallelism 2 x hybrid_shard_degr
 
 The same launch checks the two other checkpoint paths of the scripts under TP and EP: the
 full export (``--save_final_model``) loads with ``from_pretrained`` and gives the trained
-model's logits, and our own ``TrainingState`` resumes the FSDP1 model exactly.
+model's logits, and our own ``TrainingState`` resumes the FSDP1 model exactly. The tensor
+parallel run also saves the ``sharded`` type to an ``s3://`` checkpoint_dir on moto's local
+S3 server, as SMP 2.5+'s scripts do, and resumes from it.
 """
 
 from __future__ import annotations
@@ -62,19 +64,27 @@ def _gathered(model) -> dict:
         }
 
 
-def _resume_all_types(root: str, moe: bool, config: dict) -> dict:
+def _resume_all_types(root: str, moe: bool, config: dict, s3: tuple | None = None) -> dict:
     """One layout's job; SMP's scripts get their config from ``SM_HP_MP_PARAMETERS``, which
-    is set here, before ``tsm.init()``, as SageMaker sets it before the script starts."""
+    is set here, before ``tsm.init()``, as SageMaker sets it before the script starts.
+
+    ``s3``: ``(s3://... checkpoint_dir, AWS variables)`` to also save the ``sharded`` type
+    there, as SMP 2.5+'s scripts do for an ``s3://`` checkpoint_dir, and resume from it.
+    """
+    import contextlib
     import os
+
+    from tests.s3_server import environment
 
     os.environ["SM_HP_MP_PARAMETERS"] = json.dumps(config)
     try:
-        return _resume_all_types_in_layout(root, moe)
+        with environment(s3[1]) if s3 else contextlib.nullcontext():
+            return _resume_all_types_in_layout(root, moe, s3[0] if s3 else None)
     finally:
         del os.environ["SM_HP_MP_PARAMETERS"]
 
 
-def _resume_all_types_in_layout(root: str, moe: bool) -> dict:
+def _resume_all_types_in_layout(root: str, moe: bool, s3_root: str | None = None) -> dict:
     import torch.distributed as dist
     import torch.sagemaker as tsm
     from torch.sagemaker.distributed.checkpoint.async_utils import AsyncCallsQueue
@@ -101,6 +111,8 @@ def _resume_all_types_in_layout(root: str, moe: bool) -> dict:
             )
             smp.save_with_util(model, optimizer, scheduler, f"{root}/use_pg_with_util", meta, user)
             TrainingState(model, optimizer, scheduler, step=step + 1).save(f"{root}/training_state")
+            if s3_root is not None:
+                smp.save_sharded_s3(model, optimizer, scheduler, f"{s3_root}/sharded", meta, user)
     queue.maybe_finalize_async_calls(blocking=True, process_group=None)
     ids = smp.batch_for(0)
     out["logits"] = _logits(model, ids)
@@ -125,6 +137,12 @@ def _resume_all_types_in_layout(root: str, moe: bool) -> dict:
         return ts.step
 
     loaders["training_state"] = load_training_state
+    if s3_root is not None:
+        # SMP 2.5+: the loader is handed the s3:// directory; the optimizer state is read
+        # through the same DistributedFileSystemReader.
+        loaders["sharded_s3"] = lambda m, o, s: smp.load_async_sharded(
+            m, o, s, f"{s3_root}/sharded", smp.pg_metadata(m)
+        )
     for kind, load in loaders.items():
         model, optimizer, scheduler = _fresh(smp, moe)
         start = load(model, optimizer, scheduler)
@@ -144,6 +162,7 @@ def _resume_all_types_in_layout(root: str, moe: bool) -> dict:
     return out
 
 
+S3_LAYOUT = "tp2_hsd2"  # the layout whose run also saves the sharded type to S3
 LAYOUTS = {  # name: (SMP config, Mixtral with MoEConfig)
     "tp2_hsd2": ({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}, False),
     "hsd2_two_replicas": ({"hybrid_shard_degree": 2}, False),
@@ -153,16 +172,36 @@ LAYOUTS = {  # name: (SMP config, Mixtral with MoEConfig)
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_checkpoint_types_resume_like_the_uninterrupted_run(layout, tmp_path):
+def test_checkpoint_types_resume_like_the_uninterrupted_run(layout, tmp_path, request):
     config, moe = LAYOUTS[layout]
+    s3 = None
+    if layout == S3_LAYOUT:  # the sharded type at an s3:// checkpoint_dir too (moto's server)
+        try:
+            server = request.getfixturevalue("s3_server")
+        except pytest.skip.Exception:  # moto missing: the file-system types still run
+            server = None
+        if server is not None:
+            from tests.s3_server import environment
+
+            with environment(server.env):
+                bucket = server.new_bucket()
+            s3 = (f"s3://{bucket}/smp", server.env)
     # The layouts share one launch of 4 ranks (the launcher clears DTensor's mesh caches
     # between calls); each call sets SM_HP_MP_PARAMETERS on its ranks before tsm.init().
     results = run_distributed(
-        _resume_all_types, str(tmp_path), moe, config, world_size=4, backend="smddp", timeout=900
+        _resume_all_types,
+        str(tmp_path),
+        moe,
+        config,
+        s3,
+        world_size=4,
+        backend="smddp",
+        timeout=900,
     )
+    kinds = (*TYPES, "training_state", *(("sharded_s3",) if s3 else ()))
     for rank, out in enumerate(results):
         expected = out["reference"][RESUME_AT:]
-        for kind in (*TYPES, "training_state"):
+        for kind in kinds:
             start, losses = out[kind]
             assert start == RESUME_AT, (layout, kind, rank)
             assert losses == expected, f"{layout} {kind} rank {rank}: {losses} != {expected}"
@@ -176,3 +215,8 @@ def test_checkpoint_types_resume_like_the_uninterrupted_run(layout, tmp_path):
             assert torch.equal(first["loaded"][name], value), name
         # Same logits, up to bf16 rounding (TP sums the projections in another order).
         torch.testing.assert_close(first["exported"], first["logits"], atol=3e-2, rtol=3e-2)
+
+    if s3:
+        keys = {o["Key"] for o in server.boto3().list_objects_v2(Bucket=bucket)["Contents"]}
+        for tp_rank in range(2):  # one committed checkpoint per TP rank's directory
+            assert f"smp/sharded/tp2-{tp_rank}/.sm_checkpoint_complete.json" in keys

@@ -12,6 +12,13 @@ layers) in one process, and compares, for each writer thread count:
 The configurations take turns within each repeat so that load from other processes
 spreads evenly; the table reports medians and the ratio to the baseline. A last row gives
 the raw ``zlib.crc32`` throughput on the same bytes in memory.
+
+``--s3 local`` adds the same three configurations against S3 in the same run: a ``moto``
+server started on 127.0.0.1 (``bench/moto_server.py``; pip install "moto[server]"), written
+and read through ``s3torchconnector`` ("DCP alone" is then DCP with ``s3torchconnector``'s
+writer and reader). ``--s3 s3://bucket/prefix`` uses a real bucket instead (endpoint, region
+and credentials from the AWS variables). The local server keeps objects in memory and talks
+HTTP over loopback, so its rows measure the client and protocol costs, not a network.
 """
 
 from __future__ import annotations
@@ -48,14 +55,20 @@ def checksums_off() -> Iterator[None]:
         self.size += memoryview(data).nbytes if n is None else n
         return n
 
+    from torch_sagemaker.distributed.checkpoint.s3_checkpoint import S3Checkpoint
+
     saved = (integrity._CrcStream.write, integrity.checksums_for, atomic_dir.verify_files)
+    saved_s3 = (S3Checkpoint.verify, S3Checkpoint.checksum)
     integrity._CrcStream.write = write
     integrity.checksums_for = lambda directory, sizes, recorded: dict.fromkeys(sizes, "00000000")
     atomic_dir.verify_files = lambda path, marker, names: []
+    S3Checkpoint.verify = lambda self, marker, names: []
+    S3Checkpoint.checksum = lambda self, key: "00000000"
     try:
         yield
     finally:
         integrity._CrcStream.write, integrity.checksums_for, atomic_dir.verify_files = saved
+        S3Checkpoint.verify, S3Checkpoint.checksum = saved_s3
 
 
 def _timed(fn: Callable[[], object]) -> tuple[float, float]:
@@ -65,77 +78,139 @@ def _timed(fn: Callable[[], object]) -> tuple[float, float]:
     return time.perf_counter() - start, time.process_time() - cpu
 
 
-def run(args: argparse.Namespace) -> list[dict]:
-    """Times every configuration; returns one row per (operation, configuration, threads)."""
+def _disk_cases(root: Path, state: dict, template: dict, threads: int) -> tuple[list, list]:
+    """(save cases, load cases) of the local directory ``root``."""
     import torch.distributed.checkpoint as dcp
 
     from torch_sagemaker.distributed.checkpoint import load, save
     from torch_sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemWriter
 
+    def writer(threads: int = threads) -> DistributedFileSystemWriter:
+        return DistributedFileSystemWriter("unused", thread_count=threads)
+
+    plain = root / f"dcp{threads}"
+    off, on = root / f"off{threads}", root / f"on{threads}"
+    saves = [
+        (
+            "DCP alone",
+            lambda: dcp.save(state, storage_writer=writer(), checkpoint_id=plain, no_dist=True),
+        ),
+        (
+            "tsm, no checksums",
+            lambda: _off(lambda: save(state, checkpoint_id=off, storage_writer=writer())),
+        ),
+        ("tsm, crc32", lambda: save(state, checkpoint_id=on, storage_writer=writer())),
+    ]
+    loads = [
+        ("DCP alone", lambda: dcp.load(template, checkpoint_id=plain, no_dist=True)),
+        ("tsm, no checksums", lambda: _off(lambda: load(template, checkpoint_id=off))),
+        ("tsm, crc32", lambda: load(template, checkpoint_id=on)),
+    ]
+    return saves, loads
+
+
+def _s3_cases(root: str, state: dict, template: dict, threads: int) -> tuple[list, list]:
+    """(save cases, load cases) of the S3 prefix ``root`` (``s3torchconnector`` throughout)."""
+    import torch.distributed.checkpoint as dcp
+
+    from torch_sagemaker.distributed.checkpoint import load, save
+    from torch_sagemaker.distributed.checkpoint.s3_checkpoint import S3Checkpoint
+
+    # DCP alone: s3torchconnector's writer and reader on a fixed prefix, no marker, no checks.
+    plain = S3Checkpoint(f"{root}/dcp{threads}")
+    plain_id = "0" * 32
+    off, on = f"{root}/off{threads}", f"{root}/on{threads}"
+
+    def tsm_save(uri: str) -> None:
+        location = S3Checkpoint(uri)
+        # A writer with the thread count; save() points it at the save's own prefix.
+        save(state, checkpoint_id=uri, storage_writer=location.storage_writer(plain_id, threads))
+
+    saves = [
+        (
+            "DCP alone",
+            lambda: dcp.save(
+                state,
+                storage_writer=plain.storage_writer(plain_id, threads),
+                checkpoint_id=plain.data_uri(plain_id),
+                no_dist=True,
+            ),
+        ),
+        ("tsm, no checksums", lambda: _off(lambda: tsm_save(off))),
+        ("tsm, crc32", lambda: tsm_save(on)),
+    ]
+    loads = [
+        (
+            "DCP alone",
+            lambda: dcp.load(
+                template,
+                storage_reader=plain.storage_reader(plain_id),
+                checkpoint_id=plain.data_uri(plain_id),
+                no_dist=True,
+            ),
+        ),
+        ("tsm, no checksums", lambda: _off(lambda: load(template, checkpoint_id=off))),
+        ("tsm, crc32", lambda: load(template, checkpoint_id=on)),
+    ]
+    return saves, loads
+
+
+@contextlib.contextmanager
+def _s3_root(spec: str | None) -> Iterator[str | None]:
+    """The S3 prefix the S3 rows use: none, a fresh bucket on a local moto server, or ``spec``."""
+    if spec is None:
+        yield None
+        return
+    if spec != "local":
+        yield spec.rstrip("/") + f"/tsm-bench-{time.time_ns()}"
+        return
+    from torch_sagemaker.bench.moto_server import environment, moto_s3
+
+    with moto_s3() as server, environment(server.env):
+        bucket = "tsm-bench"
+        server.boto3().create_bucket(Bucket=bucket)
+        yield f"s3://{bucket}/ckpt"
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """Times every configuration; returns one row per (target, op, configuration, threads)."""
     state = make_state(args.mb)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     root = Path(tempfile.mkdtemp(prefix="tsm_bench_ckpt_", dir=args.dir))
     template = {k: torch.empty_like(v) for k, v in state.items()}
-    times: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
+    times: dict[tuple[str, str, str, int], list[tuple[float, float]]] = {}
     try:
-        for _ in range(args.repeats):
-            for threads in args.threads:
-
-                def writer(threads: int = threads) -> DistributedFileSystemWriter:
-                    return DistributedFileSystemWriter("unused", thread_count=threads)
-
-                plain = root / f"dcp{threads}"
-                off, on = root / f"off{threads}", root / f"on{threads}"
-                # Callable[..., object]: the lambdas bind the loop's values as defaults.
-                cases: list[tuple[str, str, Callable[..., object]]] = [
-                    (
-                        "save",
-                        "DCP alone",
-                        lambda p=plain, w=writer: dcp.save(
-                            state, storage_writer=w(), checkpoint_id=p, no_dist=True
-                        ),
-                    ),
-                    (
-                        "save",
-                        "tsm, no checksums",
-                        lambda p=off, w=writer: _off(
-                            lambda: save(state, checkpoint_id=p, storage_writer=w())
-                        ),
-                    ),
-                    (
-                        "save",
-                        "tsm, crc32",
-                        lambda p=on, w=writer: save(state, checkpoint_id=p, storage_writer=w()),
-                    ),
-                ]
-                for op, name, fn in cases:
-                    times.setdefault((op, name, threads), []).append(_timed(fn))
-                loads: list[tuple[str, Callable[..., object]]] = [
-                    (
-                        "DCP alone",
-                        lambda p=plain: dcp.load(template, checkpoint_id=p, no_dist=True),
-                    ),
-                    (
-                        "tsm, no checksums",
-                        lambda p=off: _off(lambda: load(template, checkpoint_id=p)),
-                    ),
-                    ("tsm, crc32", lambda p=on: load(template, checkpoint_id=p)),
-                ]
-                for name, fn in loads:
-                    times.setdefault(("load", name, threads), []).append(_timed(fn))
-                if not torch.equal(template["layer0.weight"], state["layer0.weight"]):
-                    raise RuntimeError("the benchmark loaded other values than it saved")
+        with _s3_root(args.s3) as s3_root:
+            targets: list[tuple[str, Callable[[int], tuple[list, list]]]] = [
+                ("disk", lambda t: _disk_cases(root, state, template, t))
+            ]
+            if s3_root is not None:
+                label = "s3 (moto)" if args.s3 == "local" else "s3"
+                targets.append((label, lambda t: _s3_cases(s3_root, state, template, t)))
+            for _ in range(args.repeats):
+                for threads in args.threads:
+                    for target, cases in targets:
+                        saves, loads = cases(threads)
+                        for name, fn in saves:
+                            times.setdefault((target, "save", name, threads), []).append(_timed(fn))
+                        for name, fn in loads:
+                            times.setdefault((target, "load", name, threads), []).append(_timed(fn))
+                        if not torch.equal(template["layer0.weight"], state["layer0.weight"]):
+                            raise RuntimeError("the benchmark loaded other values than it saved")
+                        for t in template.values():
+                            t.zero_()  # the next load must really fill it
         flat = torch.cat([v.flatten() for v in state.values()]).numpy().data.cast("B")
         crc = [_timed(lambda: zlib.crc32(flat)) for _ in range(args.repeats)]
-        times[("crc32", "zlib.crc32 in memory", 1)] = crc
+        times[("memory", "crc32", "zlib.crc32", 1)] = crc
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = []
-    for (op, name, threads), ts in times.items():
-        base = times.get((op, "tsm, no checksums", threads))
+    for (target, op, name, threads), ts in times.items():
+        base = times.get((target, op, "tsm, no checksums", threads))
         med = statistics.median(t for t, _ in ts)
         rows.append(
             {
+                "target": target,
                 "op": op,
                 "config": name,
                 "threads": threads,
@@ -157,14 +232,24 @@ def format_table(rows: list[dict], mb: float) -> str:
     """The rows as a fixed-width table."""
     lines = [
         f"checkpoint of {mb:.0f} MB, one process; medians (CPU s: all threads)",
-        f"{'op':<6} {'configuration':<22} {'threads':>7} {'median s':>9} {'CPU s':>7} "
-        f"{'MB/s':>8} {'vs no checksums':>16}",
+        f"{'target':<10} {'op':<6} {'configuration':<22} {'threads':>7} {'median s':>9} "
+        f"{'CPU s':>7} {'MB/s':>8} {'vs no checksums':>16}",
     ]
-    for r in sorted(rows, key=lambda r: (r["op"] != "save", r["op"], r["threads"], r["config"])):
+    order = {"disk": 0, "memory": 2}
+    for r in sorted(
+        rows,
+        key=lambda r: (
+            r["op"] == "crc32",
+            r["op"] != "save",
+            order.get(r["target"], 1),
+            r["threads"],
+            r["config"],
+        ),
+    ):
         ratio = "" if r["vs_baseline"] is None else f"{r['vs_baseline']:.3f}x"
         lines.append(
-            f"{r['op']:<6} {r['config']:<22} {r['threads']:>7} {r['median_s']:>9.3f} "
-            f"{r['cpu_s']:>7.3f} {r['mb_s']:>8.0f} {ratio:>16}"
+            f"{r['target']:<10} {r['op']:<6} {r['config']:<22} {r['threads']:>7} "
+            f"{r['median_s']:>9.3f} {r['cpu_s']:>7.3f} {r['mb_s']:>8.0f} {ratio:>16}"
         )
     return "\n".join(lines)
 
@@ -183,6 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         help="writer thread counts, comma-separated (default 1,2)",
     )
     parser.add_argument("--dir", default=None, help="where to write (default: the temp dir)")
+    parser.add_argument(
+        "--s3",
+        default=None,
+        help="also S3, in the same run: 'local' (a moto server on 127.0.0.1) or s3://bucket/prefix",
+    )
     args = parser.parse_args(argv)
     if args.mb < 4 or args.repeats < 1 or min(args.threads) < 1:
         parser.error("--mb must be >= 4, --repeats and --threads >= 1")

@@ -1,7 +1,8 @@
 """Distributed checkpoints (``torch.sagemaker.distributed.checkpoint``), built on PyTorch DCP.
 
 - ``save`` / ``async_save`` / ``load``: sharded, reshardable checkpoints that become visible
-  only when complete (``state_dict_saver``, ``state_dict_loader``, ``atomic_dir``).
+  only when complete (``state_dict_saver``, ``state_dict_loader``, ``atomic_dir``), on a file
+  system or straight to ``s3://`` (``s3_checkpoint``, ``s3_filesystem``).
 - ``maybe_finalize_async_calls`` / ``AsyncCallsQueue``: background saves (``async_utils``).
 - ``sm_state_dict_type`` / ``SMStateDictType``: the SM-local kind (``state_dict_utils``).
 - ``TrainingState``: model, optimizer, LR scheduler, step, data position and RNG in one

@@ -73,15 +73,17 @@ def _clear(save_id: str) -> None:
             pass
 
 
-def _marker_id(path: Path) -> str | None:
+def _marker_id(path: Any) -> str | None:
     """The save id in the marker of ``path``, if it has a readable one."""
+    if not isinstance(path, Path):  # an S3Checkpoint (Note [S3 checkpoint layout])
+        return path.marker_save_id()
     try:
         return json.loads((path / COMPLETION_MARKER).read_text()).get("save_id")
     except (OSError, ValueError, AttributeError):
         return None
 
 
-def _await_outcome(path: Path, save_id: str) -> str | None:
+def _await_outcome(path: Any, save_id: str) -> str | None:
     """The coordinator's outcome from the store or the directory; ``None`` if unknown in time."""
     store = _store()
     deadline = time.monotonic() + OUTCOME_WAIT_S
@@ -99,8 +101,10 @@ def _await_outcome(path: Path, save_id: str) -> str | None:
         time.sleep(_POLL_S)
 
 
-def _where(path: Path) -> str:
+def _where(path: Any) -> str:
     """What the directory holds now (for an outcome nobody could tell)."""
+    if not isinstance(path, Path):
+        return path.where()
     if atomic_dir.is_complete(path):
         return f"{path} holds a complete checkpoint from an earlier save"
     if atomic_dir.replaced_path(path).is_dir():
@@ -112,7 +116,7 @@ def _where(path: Path) -> str:
 
 
 def _report(
-    path: Path, coordinator: int, outcome: str | None, failure: BaseException
+    path: Any, coordinator: int, outcome: str | None, failure: BaseException
 ) -> CheckpointError:
     cause = f"{type(failure).__name__}: {failure}"
     if outcome == COMMITTED:
@@ -136,7 +140,7 @@ def _report(
 
 def publish(
     participants: Participants,
-    path: Path,
+    path: Any,
     save_id: str,
     records: dict[str, tuple[int, str]],
     commit: Callable[[dict[str, tuple[int, str]]], None],
@@ -146,7 +150,7 @@ def publish(
 
     Args:
         participants: The saving ranks.
-        path: The final checkpoint directory.
+        path: The final checkpoint directory (a ``Path``), or an ``s3_checkpoint.S3Checkpoint``.
         save_id: This save's id (written into the marker by ``commit``).
         records: This rank's ``integrity.Recorder.records()``.
         commit: Commits the staging directory given every rank's records (coordinator).

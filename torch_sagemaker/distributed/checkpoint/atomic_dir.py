@@ -211,8 +211,8 @@ def verify_files(path: Path, marker: dict[str, Any], names: list[str]) -> list[s
     return integrity.verify(path, names, marker.get("checksums", {}))
 
 
-def corrupt_error(path: Path, problems: list[str]) -> CheckpointError:
-    """The error for files whose checksum no longer matches."""
+def corrupt_error(path: Path | object, problems: list[str]) -> CheckpointError:
+    """The error for files whose checksum no longer matches (``path``: a directory or S3 URI)."""
     return CheckpointError(
         f"checkpoint {path} is corrupt: " + "; ".join(problems) + ". Loading it would give "
         "wrong values; load an earlier checkpoint, or copy this one again from its source."
@@ -220,7 +220,11 @@ def corrupt_error(path: Path, problems: list[str]) -> CheckpointError:
 
 
 def is_complete(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a complete checkpoint directory (it has the completion marker)."""
+    """Whether ``path`` is a complete checkpoint (it has the completion marker); or ``s3://``."""
+    if os.fspath(path).startswith("s3://"):
+        from torch_sagemaker.distributed.checkpoint.s3_checkpoint import S3Checkpoint
+
+        return S3Checkpoint(os.fspath(path)).is_complete()
     return (Path(path) / COMPLETION_MARKER).is_file()
 
 

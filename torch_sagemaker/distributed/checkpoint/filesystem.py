@@ -3,8 +3,10 @@
 SMP's scripts load async checkpoints with ``load(..., storage_reader=
 DistributedFileSystemReader(path))``. Both classes here are PyTorch DCP's file-system
 storage with SMP's names and keywords: the reader is DCP's ``FileSystemReader``; the writer
-is DCP's ``FileSystemWriter`` plus SMP's write hooks and ``is_coordinator``. S3 paths are
-not supported (no network here); ``path_to_file_system`` says so.
+is DCP's ``FileSystemWriter`` plus SMP's write hooks and ``is_coordinator``. For ``s3://``
+paths their ``fs`` is ``s3_filesystem.S3FileSystem`` (``path_to_file_system``), and the
+reader reads the save a checkpoint's completion marker names (Note [S3 checkpoint layout]
+in ``s3_checkpoint``).
 """
 
 from __future__ import annotations
@@ -14,48 +16,58 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from torch_sagemaker.distributed.checkpoint.s3_filesystem import is_s3_uri, path_to_file_system
+
 #: A write hook: called with the writer (``writer.path``, ``writer.is_coordinator``, ``writer.fs``).
 WriteHook = Callable[["DistributedFileSystemWriter"], None]
-
-
-def path_to_file_system(path: str | os.PathLike[str]) -> FileSystem:
-    """The DCP file system that stores ``path``.
-
-    Raises:
-        ValueError: For ``s3://`` paths (S3 is not supported here).
-    """
-    if os.fspath(path).startswith("s3://"):
-        raise ValueError(
-            f"{os.fspath(path)!r}: S3 checkpoints are not supported; write to a local "
-            "or shared file system and upload the directory afterwards."
-        )
-    return FileSystem()
 
 
 class DistributedFileSystemReader(FileSystemReader):
     """Reads a checkpoint directory written by DCP (every rank reads the pieces it needs).
 
     Args:
-        path: The checkpoint directory (``.path`` afterwards, as SMP's loader reads it).
+        path: The checkpoint directory or ``s3://`` URI (``.path`` afterwards, as SMP's
+            loader reads it; on S3 DCP's ``reset`` points it at the committed save).
+        s3_region: Region of an ``s3://`` checkpoint's bucket (default as for ``save``).
+        s3client_config: An ``s3torchconnector.S3ClientConfig`` for ``s3://`` paths.
+
+    Raises:
+        CheckpointError: For an ``s3://`` checkpoint that is missing or incomplete.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        path_to_file_system(path)
-        super().__init__(path)
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        s3_region: str | None = None,
+        s3client_config: Any = None,
+    ) -> None:
+        super().__init__(path if not is_s3_uri(path) else ".")
+        #: The checkpoint this reader reads (``load`` takes it when no checkpoint_id is given;
+        #: DCP's own ``checkpoint_id`` property is ``path``, the committed save on S3).
+        self.source_checkpoint: str | os.PathLike[str] = path
+        if is_s3_uri(path):
+            from torch_sagemaker.distributed.checkpoint.s3_checkpoint import S3Checkpoint
+
+            location = S3Checkpoint(str(path), s3_region, s3client_config)
+            # Read the save the marker names, so that DCP used directly (SMP's scripts load
+            # the optimizer state with this reader) reads exactly the committed objects.
+            save_id = location.read_marker()["data"]
+            self.fs = location.file_system()
+            self.path = self.fs.init_path(location.data_uri(save_id))
+            self.sync_files = False
 
 
 class DistributedFileSystemWriter(FileSystemWriter):
     """DCP's file-system writer with SMP's hooks.
 
     Args:
-        path: The checkpoint directory.
+        path: The checkpoint directory, or an ``s3://`` URI (``fs`` is then ``S3FileSystem``).
         single_file_per_rank: As DCP's ``FileSystemWriter``.
-        sync_files: As DCP's ``FileSystemWriter``.
+        sync_files: As DCP's ``FileSystemWriter`` (ignored on S3).
         thread_count: As DCP's ``FileSystemWriter``.
         per_thread_copy_ahead: As DCP's ``FileSystemWriter``.
         cache_staged_state_dict: As DCP's ``FileSystemWriter``.
@@ -76,16 +88,19 @@ class DistributedFileSystemWriter(FileSystemWriter):
         pre_write_hooks: Iterable[WriteHook] | None = None,
         post_write_hooks: Iterable[WriteHook] | None = None,
     ) -> None:
-        path_to_file_system(path)
+        s3 = is_s3_uri(path)
         super().__init__(
-            path,
+            path if not s3 else ".",
             single_file_per_rank=single_file_per_rank,
-            sync_files=sync_files,
+            sync_files=sync_files and not s3,  # S3 streams have no file descriptor to fsync
             thread_count=thread_count,
             per_thread_copy_ahead=per_thread_copy_ahead,
             cache_staged_state_dict=cache_staged_state_dict,
             overwrite=overwrite,
         )
+        if s3:
+            self.fs = path_to_file_system(path)
+            self.path = self.fs.init_path(path)
         self.pre_write_hooks = list(pre_write_hooks or [])
         self.post_write_hooks = list(post_write_hooks or [])
         self.is_coordinator = False

@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 import threading
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -224,6 +224,16 @@ def verify(directory: Path, names: Iterable[str], checksums: dict[str, str]) -> 
     Each problem names the file; a file holding the bytes recorded for another name is
     reported as swapped or renamed.
     """
+    return verify_with(lambda name: file_checksum(directory / name), names, checksums)
+
+
+def verify_with(
+    checksum_of: Callable[[str], str], names: Iterable[str], checksums: dict[str, str]
+) -> list[str]:
+    """``verify`` with the checksums read by ``checksum_of(name)`` (a file, an S3 object).
+
+    ``checksum_of`` raising ``OSError`` (or anything else) reports the file unreadable.
+    """
     by_checksum: dict[str, list[str]] = {}
     for name, crc in checksums.items():
         by_checksum.setdefault(crc, []).append(name)
@@ -233,9 +243,12 @@ def verify(directory: Path, names: Iterable[str], checksums: dict[str, str]) -> 
         if expected is None:
             continue
         try:
-            actual = file_checksum(directory / name)
+            actual = checksum_of(name)
         except OSError as e:
             problems.append(f"{name} cannot be read ({e.strerror})")
+            continue
+        except Exception as e:  # noqa: BLE001 - an object store's error: name the object
+            problems.append(f"{name} cannot be read ({type(e).__name__}: {e})")
             continue
         if actual == expected:
             continue
@@ -277,4 +290,5 @@ __all__ = [
     "merge",
     "recording",
     "verify",
+    "verify_with",
 ]

@@ -13,6 +13,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from torch_sagemaker.distributed.checkpoint.constants import REPLACED_SUFFIX, STAGING_SUFFIX
+from torch_sagemaker.distributed.checkpoint.s3_filesystem import (
+    format_s3_path,
+    is_s3_uri,
+    join_s3,
+    parse_s3_uri,
+)
 from torch_sagemaker.logger import get_logger
 
 if TYPE_CHECKING:
@@ -63,6 +69,10 @@ def limit_num_subdirs(
     Hidden directories (a save in progress or interrupted, ``.<name>.partial``) are never
     counted; those of deleted checkpoints go too.
 
+    ``path`` may be an ``s3://`` URI: the checkpoints are then the key prefixes under the
+    root, and a deleted checkpoint loses its completion marker first, so that a deletion cut
+    short never leaves a checkpoint that looks complete (Note [S3 checkpoint layout]).
+
     Args:
         path: With ``regex``: the directory holding the checkpoints, or a checkpoint directory
             (its name matches ``regex``) or a directory inside one; the checkpoints are then
@@ -87,6 +97,8 @@ def limit_num_subdirs(
     if not log:
         return []
     pattern = re.compile(regex) if regex is not None else None
+    if is_s3_uri(os.fspath(path)):
+        return _limit_s3(os.fspath(path), num_kept, sort_fn, pattern)
     root, upcoming = _checkpoint_root(Path(path).absolute(), pattern)
     if not root.is_dir():
         return []
@@ -95,17 +107,8 @@ def limit_num_subdirs(
         for p in root.iterdir()
         if p.is_dir() and not p.name.startswith(".") and (pattern is None or pattern.match(p.name))
     }
-    keep = set()
-    if upcoming is not None and upcoming not in names:
-        # About to be written (async types): it counts as kept, and the newest complete
-        # checkpoint stays until it is, so that a failed save never leaves none.
-        existing = sorted(names, key=sort_fn)
-        keep = {upcoming, *existing[-1:]}
-        names.add(upcoming)
-    ordered = sorted(names, key=sort_fn)
-    doomed = [name for name in ordered[: max(len(ordered) - num_kept, 0)] if name not in keep]
     deleted = []
-    for name in doomed:
+    for name in _doomed(names, upcoming, num_kept, sort_fn):
         for victim in (
             root / name,
             root / f".{name}{STAGING_SUFFIX}",
@@ -115,6 +118,60 @@ def limit_num_subdirs(
                 shutil.rmtree(victim, ignore_errors=True)
         deleted.append(str(root / name))
         get_logger().info(f"checkpoint retention: deleted {root / name} (keeping {num_kept})")
+    return deleted
+
+
+def _doomed(
+    names: set[str],
+    upcoming: str | None,
+    num_kept: int,
+    sort_fn: Callable[[str], SupportsRichComparison],
+) -> list[str]:
+    """The checkpoints to delete among ``names`` (see ``limit_num_subdirs``)."""
+    keep = set()
+    if upcoming is not None and upcoming not in names:
+        # About to be written (async types): it counts as kept, and the newest complete
+        # checkpoint stays until it is, so that a failed save never leaves none.
+        existing = sorted(names, key=sort_fn)
+        keep = {upcoming, *existing[-1:]}
+        names = {*names, upcoming}
+    ordered = sorted(names, key=sort_fn)
+    return [name for name in ordered[: max(len(ordered) - num_kept, 0)] if name not in keep]
+
+
+def _s3_root(uri: str, pattern: re.Pattern[str] | None) -> tuple[str, str | None]:
+    """``_checkpoint_root`` for an ``s3://`` URI."""
+    uri = format_s3_path(uri)
+    if pattern is not None:
+        bucket, key = parse_s3_uri(uri)
+        parts = key.split("/") if key else []
+        for i in range(len(parts), 0, -1):
+            if pattern.match(parts[i - 1]):
+                return format_s3_path(bucket, "/".join(parts[: i - 1])), parts[i - 1]
+    return uri, None
+
+
+def _limit_s3(
+    uri: str,
+    num_kept: int,
+    sort_fn: Callable[[str], SupportsRichComparison],
+    pattern: re.Pattern[str] | None,
+) -> list[str]:
+    """``limit_num_subdirs`` on S3: the "directories" are the key prefixes under the root."""
+    from torch_sagemaker.distributed.checkpoint import s3_checkpoint
+
+    root, upcoming = _s3_root(uri, pattern)
+    names = {
+        name
+        for name in s3_checkpoint.list_subdirs(root)
+        if not name.startswith(".") and (pattern is None or pattern.match(name))
+    }
+    deleted = []
+    for name in _doomed(names, upcoming, num_kept, sort_fn):
+        victim = join_s3(root, name)
+        s3_checkpoint.delete_prefix(victim)
+        deleted.append(victim)
+        get_logger().info(f"checkpoint retention: deleted {victim} (keeping {num_kept})")
     return deleted
 
 

@@ -29,6 +29,8 @@ from torch_sagemaker._torch_compat import dcp as dcp_compat
 from torch_sagemaker.distributed.checkpoint import atomic_dir, integrity
 from torch_sagemaker.distributed.checkpoint._group import Participants
 from torch_sagemaker.distributed.checkpoint.atomic_dir import CheckpointError
+from torch_sagemaker.distributed.checkpoint.s3_checkpoint import S3Checkpoint
+from torch_sagemaker.distributed.checkpoint.s3_filesystem import is_s3_uri
 from torch_sagemaker.distributed.checkpoint.state_dict_saver import describe_failure
 from torch_sagemaker.distributed.checkpoint.state_dict_utils import (
     current_layout,
@@ -41,19 +43,35 @@ _SHOWN = 20  # how many offending keys an error lists
 _METADATA = ".metadata"  # the file DCP's FileSystemWriter writes its metadata to
 
 
-def read_metadata(checkpoint_id: str | os.PathLike[str]) -> Metadata:
-    """DCP metadata (keys, global shapes) of a complete checkpoint.
+def read_metadata(
+    checkpoint_id: str | os.PathLike[str],
+    s3_region: str | None = None,
+    s3client_config: Any = None,
+) -> Metadata:
+    """DCP metadata (keys, global shapes) of a complete checkpoint (a directory or ``s3://``).
 
     Raises:
         CheckpointError: If the checkpoint is missing, incomplete or its metadata is unreadable.
     """
+    if is_s3_uri(checkpoint_id):
+        location = S3Checkpoint(str(checkpoint_id), s3_region, s3client_config)
+        return _read_metadata(location, location.read_marker())
     path = atomic_dir.checkpoint_path(checkpoint_id)
-    marker = atomic_dir.read_marker(path)
-    problems = atomic_dir.verify_files(path, marker, [_METADATA])
+    return _read_metadata(path, atomic_dir.read_marker(path))
+
+
+def _read_metadata(path: Path | S3Checkpoint, marker: dict[str, Any]) -> Metadata:
+    """The metadata of the checkpoint whose ``marker`` was read, after checking its checksum."""
+    if isinstance(path, S3Checkpoint):
+        problems = path.verify(marker, [_METADATA])
+        reader: Any = path.storage_reader(marker["data"])
+    else:
+        problems = atomic_dir.verify_files(path, marker, [_METADATA])
+        reader = FileSystemReader(path)
     if problems:
         raise atomic_dir.corrupt_error(path, problems)
     try:
-        return FileSystemReader(path).read_metadata()
+        return reader.read_metadata()
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         raise CheckpointError(
             f"checkpoint {path} is corrupt: its DCP metadata is unreadable "
@@ -82,7 +100,7 @@ def _describe(key: str, value: Any, saved: Any) -> str | None:
 
 
 def check_state_dict_matches(
-    state_dict: dict[str, Any], metadata: Metadata, path: Path
+    state_dict: dict[str, Any], metadata: Metadata, path: Path | object
 ) -> list[str]:
     """Raises if any requested key is missing from the checkpoint or has another shape.
 
@@ -115,7 +133,9 @@ def check_state_dict_matches(
     return sorted(flat)
 
 
-def _check_local_layout(marker: dict[str, Any], path: Path, state_dict: dict[str, Any]) -> None:
+def _check_local_layout(
+    marker: dict[str, Any], path: Path | object, state_dict: dict[str, Any]
+) -> None:
     """An SM-local checkpoint loads only under the shard layout that wrote it."""
     saved = marker.get("layout", {})
     here = {**current_layout(), **shard_coordinates()}
@@ -139,8 +159,17 @@ def _check_local_layout(marker: dict[str, Any], path: Path, state_dict: dict[str
         )
 
 
+def _verify(path: Path | S3Checkpoint, marker: dict[str, Any], names: list[str]) -> list[str]:
+    if isinstance(path, S3Checkpoint):
+        return path.verify(marker, names)
+    return atomic_dir.verify_files(path, marker, names)
+
+
 def _check_files_and_keys(
-    path: Path, marker: dict[str, Any], keys: list[str] | None, participants: Participants
+    path: Path | S3Checkpoint,
+    marker: dict[str, Any],
+    keys: list[str] | None,
+    participants: Participants,
 ) -> None:
     """Verifies the data files' checksums, split among the ranks, and that ranks agree on keys.
 
@@ -154,18 +183,18 @@ def _check_files_and_keys(
     """
     sizes = {n: s for n, s in marker.get("files", {}).items() if n != _METADATA}
     if not participants.distributed:
-        problems = atomic_dir.verify_files(path, marker, list(sizes))
+        problems = _verify(path, marker, list(sizes))
         if problems:
             raise atomic_dir.corrupt_error(path, problems)
         return
     mine = integrity.assign(
         sizes, len(participants.ranks), participants.ranks.index(participants.rank)
     )
-    problems = atomic_dir.verify_files(path, marker, mine)
+    problems = _verify(path, marker, mine)
     digest = hashlib.sha256("\n".join(keys).encode()).hexdigest() if keys is not None else ""
     views = participants.all_gather((str(path), digest, problems))
     if len({v[0] for v in views}) > 1:
-        problems += atomic_dir.verify_files(path, marker, [n for n in sizes if n not in mine])
+        problems += _verify(path, marker, [n for n in sizes if n not in mine])
         views = participants.all_gather((str(path), digest, problems))
     corrupt: dict[str, dict[str, None]] = {}  # directory -> problems, ordered, without repeats
     for where, _, found in views:
@@ -173,7 +202,10 @@ def _check_files_and_keys(
             corrupt.setdefault(where, {}).update(dict.fromkeys(found))
     if corrupt:
         where = str(path) if str(path) in corrupt else next(iter(corrupt))
-        raise atomic_dir.corrupt_error(Path(where), list(corrupt[where]))
+        raise atomic_dir.corrupt_error(
+            path if str(path) == where else Path(where),
+            list(corrupt[where]),
+        )
     digests = [v[1] for v in views]
     if len(set(digests)) > 1:
         odd = [r for r, d in zip(participants.ranks, digests) if d != digests[0]]
@@ -189,7 +221,11 @@ def _checkpoint_id(
     """``checkpoint_id``, or the directory a file-system ``storage_reader`` reads from."""
     if checkpoint_id is not None or storage_reader is None:
         return checkpoint_id
-    reader_path = getattr(storage_reader, "path", None)
+    # DistributedFileSystemReader keeps the checkpoint it was given (on S3, .path is the
+    # committed save's prefix, not the checkpoint).
+    reader_path = getattr(storage_reader, "source_checkpoint", None) or getattr(
+        storage_reader, "path", None
+    )
     if reader_path is None:
         raise ValueError(
             f"load() got a {type(storage_reader).__name__} that does not say which "
@@ -216,24 +252,36 @@ def load(
 
     Args:
         state_dict: The template to fill; its DTensors may be sharded differently than at save.
-        checkpoint_id: The checkpoint directory; may be left out when ``storage_reader`` knows
-            it (SMP's scripts pass only ``storage_reader=DistributedFileSystemReader(path)``).
-        storage_reader: Optional DCP ``StorageReader`` (pointed at ``checkpoint_id``).
+        checkpoint_id: The checkpoint directory or ``s3://`` URI; may be left out when
+            ``storage_reader`` knows it (SMP's scripts pass only
+            ``storage_reader=DistributedFileSystemReader(path)``).
+        storage_reader: Optional DCP ``StorageReader`` (pointed at ``checkpoint_id``). On S3
+            the committed save is read through ``s3torchconnector``'s DCP reader instead.
         planner: Optional DCP ``LoadPlanner``.
         process_group: Ranks that load together; default all ranks.
         check_keys_matched: Verify that every rank of the group requests the same keys.
         coordinator_rank: Accepted for SMP compatibility.
-        s3_region: Unsupported (S3 paths raise ``ValueError``).
-        s3client_config: Unsupported.
+        s3_region: Region of an ``s3://`` checkpoint's bucket (default as for ``save``).
+        s3client_config: An ``s3torchconnector.S3ClientConfig`` (default as for ``save``).
 
     Raises:
         CheckpointError: Naming the path and the reason: missing, incomplete, corrupt,
             another SM-local layout, missing keys, mismatched shapes, or ranks disagreeing.
     """
-    del coordinator_rank, s3_region, s3client_config
-    path = atomic_dir.checkpoint_path(_checkpoint_id(checkpoint_id, storage_reader))
-    marker = atomic_dir.read_marker(path)
-    metadata = read_metadata(path)
+    del coordinator_rank
+    checkpoint_id = _checkpoint_id(checkpoint_id, storage_reader)
+    path: Path | S3Checkpoint
+    if is_s3_uri(checkpoint_id):
+        path = S3Checkpoint(str(checkpoint_id), s3_region, s3client_config)
+        marker = path.read_marker()
+        # The committed save's objects, whatever reader was given (Note [S3 checkpoint layout]).
+        storage_reader = path.storage_reader(marker["data"])
+        source: Any = path.data_uri(marker["data"])
+    else:
+        path = atomic_dir.checkpoint_path(checkpoint_id)
+        marker = atomic_dir.read_marker(path)
+        source = path
+    metadata = _read_metadata(path, marker)
     resolved = resolve_stateful(state_dict)
     if marker.get("kind") == "sm_local" or find_local_layout(resolved) is not None:
         _check_local_layout(marker, path, resolved)
@@ -243,7 +291,7 @@ def load(
     try:
         dcp.load(
             state_dict,
-            checkpoint_id=path,
+            checkpoint_id=source,
             storage_reader=storage_reader,
             planner=planner,
             process_group=participants.group,

@@ -1,7 +1,9 @@
 """Saving checkpoints (``torch.sagemaker.distributed.checkpoint.state_dict_saver``).
 
 ``save`` writes a state dict with PyTorch DCP into a staging directory and publishes it
-atomically (Note [Checkpoint commit protocol] in ``atomic_dir``). ``async_save`` copies the
+atomically (Note [Checkpoint commit protocol] in ``atomic_dir``); an ``s3://`` checkpoint_id
+goes straight to S3 and is published by its completion marker (Note [S3 checkpoint layout]
+in ``s3_checkpoint``). ``async_save`` copies the
 state to CPU memory, returns, and runs the same save on a background thread over a
 dedicated gloo process group, so training collectives and checkpoint collectives never
 share a communicator.
@@ -13,6 +15,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -26,8 +29,11 @@ from torch_sagemaker.distributed.checkpoint._group import Participants
 from torch_sagemaker.distributed.checkpoint.async_utils import (
     DEFAULT_ASYNC_REQUEST_QUEUE,
     AsyncCallsQueue,
+    maybe_finalize_async_calls,
 )
 from torch_sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemWriter
+from torch_sagemaker.distributed.checkpoint.s3_checkpoint import S3Checkpoint
+from torch_sagemaker.distributed.checkpoint.s3_filesystem import is_s3_uri
 from torch_sagemaker.distributed.checkpoint.state_dict_utils import (
     current_layout,
     find_local_layout,
@@ -39,16 +45,29 @@ from torch_sagemaker.state import state as tsm_state
 
 def _write(
     state_dict: dict[str, Any],
-    checkpoint_id: str | os.PathLike[str] | None,  # validated by checkpoint_path
+    checkpoint_id: Path | S3Checkpoint,  # validated by _target
     *,
     storage_writer: Any,
     planner: Any,
     participants: Participants,
     info: dict[str, Any],
     on_commit: Callable[[], None] | None,
+    thread_count: int = 1,
 ) -> None:
-    """The save protocol shared by ``save`` and ``async_save``."""
-    path = atomic_dir.checkpoint_path(checkpoint_id)
+    """The save protocol shared by ``save`` and ``async_save``, on a file system or S3."""
+    if isinstance(checkpoint_id, S3Checkpoint):
+        _write_s3(
+            state_dict,
+            checkpoint_id,
+            storage_writer=storage_writer,
+            planner=planner,
+            participants=participants,
+            info=info,
+            on_commit=on_commit,
+            thread_count=thread_count,
+        )
+        return
+    path = checkpoint_id
     staging = atomic_dir.staging_path(path)
 
     # 1. Fresh staging directory (a stale one is what an earlier crash left behind) and the
@@ -60,22 +79,7 @@ def _write(
     save_id = participants.run_on_coordinator(prepare, step=f"starting the save of {path}")
     # 2. Every rank writes its shards, checksumming them on the way (Note [Checkpoint
     # checksums]); DCP's coordinator writes .metadata last.
-    with integrity.recording(storage_writer, staging) as (writer, recorder):
-        try:
-            dcp.save(
-                state_dict,
-                checkpoint_id=staging,
-                storage_writer=writer,
-                planner=planner,
-                process_group=participants.group,
-                no_dist=not participants.distributed,
-            )
-        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-            raise atomic_dir.CheckpointError(
-                f"writing checkpoint {path} failed ({describe_failure(e)}); a previous checkpoint "
-                "there is unchanged and the unfinished files stay in "
-                f"{staging} until the next save."
-            ) from e
+    records = _dcp_write(state_dict, staging, storage_writer, planner, participants, path)
 
     # 3. Marker and atomic rename on the coordinator, every rank told the outcome; then the
     # replaced checkpoint's removal and the optional hook (e.g. retention).
@@ -90,16 +94,108 @@ def _write(
 
     def after_commit() -> None:
         atomic_dir.remove_replaced(path)
-        if on_commit is not None:
-            try:
-                on_commit()
-            except Exception as e:  # noqa: BLE001 - the checkpoint itself is complete
-                get_logger().warning(
-                    f"checkpoint {path} is complete, but its on_commit hook "
-                    f"failed: {type(e).__name__}: {e}"
-                )
+        _run_hook(on_commit, path)
 
-    _commit.publish(participants, path, save_id, recorder.records(), commit, after_commit)
+    _commit.publish(participants, path, save_id, records, commit, after_commit)
+
+
+def _write_s3(
+    state_dict: dict[str, Any],
+    location: S3Checkpoint,
+    *,
+    storage_writer: Any,
+    planner: Any,
+    participants: Participants,
+    info: dict[str, Any],
+    on_commit: Callable[[], None] | None,
+    thread_count: int,
+) -> None:
+    """``_write`` on S3: the steps of Note [S3 checkpoint layout] in ``s3_checkpoint``."""
+    # 1. The save's id names the prefix its objects go to.
+    save_id = participants.run_on_coordinator(
+        lambda: uuid.uuid4().hex, step=f"starting the save of {location}"
+    )
+    data_uri = location.data_uri(save_id)
+    writer = storage_writer
+    if writer is None:
+        writer = location.storage_writer(save_id, thread_count)
+    # 2. Every rank uploads its shards, checksumming them as they stream out.
+    records = _dcp_write(state_dict, data_uri, writer, planner, participants, location)
+
+    # 3. The marker, one PUT, commits; 4. the replaced save's objects go.
+    def commit(recorded: dict[str, tuple[int, str]]) -> None:
+        location.commit(
+            save_id, {**info, "num_ranks": len(participants.ranks), "save_id": save_id}, recorded
+        )
+
+    def after_commit() -> None:
+        try:
+            location.remove_replaced(save_id)
+        except Exception as e:  # noqa: BLE001 - the checkpoint itself is complete
+            get_logger().warning(
+                f"checkpoint {location} is complete, but deleting the objects of the save "
+                f"it replaced failed: {type(e).__name__}: {e}"
+            )
+        _run_hook(on_commit, location)
+
+    _commit.publish(participants, location, save_id, records, commit, after_commit)
+
+
+def _dcp_write(
+    state_dict: dict[str, Any],
+    root: Any,
+    storage_writer: Any,
+    planner: Any,
+    participants: Participants,
+    where: Any,
+) -> dict[str, tuple[int, str]]:
+    """DCP's save into ``root`` with checksums recorded (Note [Checkpoint checksums])."""
+    with integrity.recording(storage_writer, root) as (writer, recorder):
+        try:
+            dcp.save(
+                state_dict,
+                checkpoint_id=root,
+                storage_writer=writer,
+                planner=planner,
+                process_group=participants.group,
+                no_dist=not participants.distributed,
+            )
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            raise atomic_dir.CheckpointError(
+                f"writing checkpoint {where} failed ({describe_failure(e)}); a previous "
+                f"checkpoint there is unchanged and the unfinished files stay in {root} until "
+                "the next save."
+            ) from e
+    return recorder.records()
+
+
+def _run_hook(on_commit: Callable[[], None] | None, where: Any) -> None:
+    if on_commit is not None:
+        try:
+            on_commit()
+        except Exception as e:  # noqa: BLE001 - the checkpoint itself is complete
+            get_logger().warning(
+                f"checkpoint {where} is complete, but its on_commit hook "
+                f"failed: {type(e).__name__}: {e}"
+            )
+
+
+def _target(
+    checkpoint_id: str | os.PathLike[str] | None,
+    s3_region: str | None,
+    s3client_config: Any,
+    storage_writer: Any = None,
+) -> Path | S3Checkpoint:
+    """The validated destination: a local directory, or an S3 location for ``s3://`` ids.
+
+    Without ``checkpoint_id``, a file-system ``storage_writer``'s ``path`` names it (HyperPod's
+    adapter passes only ``storage_writer=DistributedFileSystemWriter(path)``).
+    """
+    if checkpoint_id is None and storage_writer is not None:
+        checkpoint_id = getattr(storage_writer, "path", None)
+    if is_s3_uri(checkpoint_id):
+        return S3Checkpoint(str(checkpoint_id), s3_region, s3client_config)
+    return atomic_dir.checkpoint_path(checkpoint_id)
 
 
 def describe_failure(e: BaseException) -> str:
@@ -141,15 +237,20 @@ def save(
 
     Args:
         state_dict: Nested dict of tensors, DTensors, ``Stateful`` objects and picklable values.
-        checkpoint_id: Directory of the checkpoint (replaced atomically if it exists).
-        storage_writer: Optional DCP ``StorageWriter``; it is pointed at the staging directory.
+        checkpoint_id: Directory of the checkpoint (replaced atomically if it exists), or an
+            ``s3://bucket/prefix`` URI (Note [S3 checkpoint layout] in ``s3_checkpoint``);
+            may be left out when ``storage_writer`` has a ``path`` (as HyperPod's adapter calls).
+        storage_writer: Optional DCP ``StorageWriter``; it is pointed at the staging directory
+            (on S3: the save's prefix).
         planner: Optional DCP ``SavePlanner``.
         process_group: Ranks that save together; default all ranks.
         coordinator_rank: Global rank that publishes the checkpoint; default the group's first.
         wait_error_handling: Accepted for SMP compatibility; errors always reach every rank.
         force_check_all_plans: Accepted for SMP compatibility (DCP always checks plans).
-        s3_region: Unsupported (S3 paths raise ``ValueError``).
-        s3client_config: Unsupported.
+        s3_region: Region of an ``s3://`` checkpoint's bucket; default ``AWS_REGION``, else
+            the bucket's (Note [S3 endpoint and credentials] in ``s3_filesystem``).
+        s3client_config: An ``s3torchconnector.S3ClientConfig``; default 64 MiB parts (and
+            path-style requests when ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL`` is set).
         on_commit: Called on the coordinator right after the checkpoint became visible.
 
     Raises:
@@ -158,12 +259,13 @@ def save(
             after the commit, the error has ``committed=True``: the checkpoint is complete
             and loadable (Note [Commit outcome]).
     """
-    del wait_error_handling, force_check_all_plans, s3_region, s3client_config
+    del wait_error_handling, force_check_all_plans
+    target = _target(checkpoint_id, s3_region, s3client_config, storage_writer)
     participants = Participants(process_group, coordinator_rank)
     state_dict = resolve_stateful(state_dict)
     _write(
         state_dict,
-        checkpoint_id,
+        target,
         storage_writer=storage_writer,
         planner=planner,
         participants=participants,
@@ -315,17 +417,19 @@ def async_save(
     Returns:
         The index of the request in ``queue``.
     """
-    del wait_error_handling, force_check_all_plans, s3_region, s3client_config
+    del wait_error_handling, force_check_all_plans
     queue = queue if queue is not None else DEFAULT_ASYNC_REQUEST_QUEUE
-    path = atomic_dir.checkpoint_path(checkpoint_id)  # fail fast on a bad id, before staging
-    if storage_writer is None:
-        strategy = sharded_strategy or PyTorchDistSaveShardedStrategy()
-        if not isinstance(strategy, PyTorchDistSaveShardedStrategy):
-            raise TypeError(
-                f"sharded_strategy must be a PyTorchDistSaveShardedStrategy, got "
-                f"{type(strategy).__name__}."
-            )
-        storage_writer = strategy.storage_writer(path)
+    # Fail fast on a bad id, before staging.
+    target = _target(checkpoint_id, s3_region, s3client_config, storage_writer)
+    strategy = sharded_strategy or PyTorchDistSaveShardedStrategy()
+    if not isinstance(strategy, PyTorchDistSaveShardedStrategy):
+        raise TypeError(
+            f"sharded_strategy must be a PyTorchDistSaveShardedStrategy, got "
+            f"{type(strategy).__name__}."
+        )
+    if storage_writer is None and isinstance(target, Path):
+        # On S3 the writer is made per save (its prefix carries the save's id).
+        storage_writer = strategy.storage_writer(target)
     resolved = resolve_stateful(state_dict)
     info = _info(resolved)
     staged = BlockingAsyncStager().stage(resolved)
@@ -334,15 +438,21 @@ def async_save(
     return queue.schedule_async_request(
         lambda: _write(
             staged,
-            checkpoint_id,
+            target,
             storage_writer=storage_writer,
             planner=planner,
             participants=participants,
             info=info,
             on_commit=on_commit,
+            thread_count=strategy.thread_count,
         ),
         description=f"async save of {checkpoint_id}",
     )
 
 
-__all__ = ["PyTorchDistSaveShardedStrategy", "async_save", "save"]
+__all__ = [
+    "PyTorchDistSaveShardedStrategy",
+    "async_save",
+    "maybe_finalize_async_calls",
+    "save",
+]

@@ -15,8 +15,11 @@ Two kinds of sharded checkpoints exist:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
-from collections.abc import Iterator
+import math
+import statistics
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +28,10 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from torch_sagemaker.distributed.checkpoint.constants import (  # SMP's adapter imports them here
+    SMP_IS_LOAD_INFO_KEY,
+    SMP_IS_PARTIAL_KEY,
+)
 from torch_sagemaker.state import state
 
 
@@ -251,21 +258,112 @@ def find_local_layout(state_dict: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def compute_auto_checkpoint_interval(*args: Any, **kwargs: Any) -> Any:
-    """Not implemented: SMP's automatic checkpoint-interval heuristic (HyperPod) is unpublished.
+@dataclasses.dataclass
+class _Interval:
+    """What ``compute_auto_checkpoint_interval`` decided, and from which measurements.
+
+    A plain dataclass of numbers: HyperPod's adapter stores it with ``dataclasses.asdict``
+    in its checkpoints and restores it with ``_Interval(**state)``.
+
+    Attributes:
+        interval: Save every ``interval`` steps (at least 1).
+        step_duration: Median seconds of a step without a save.
+        checkpoint_overhead: Median seconds a save adds to the step that starts it (the
+            blocking part: preprocessing, staging the state to CPU).
+        io_duration: Median seconds the background write takes.
+        max_overhead_fraction: The bound on saving's share of training time that was used.
+    """
+
+    interval: int = 1
+    step_duration: float = 0.0
+    checkpoint_overhead: float = 0.0
+    io_duration: float = 0.0
+    max_overhead_fraction: float = 0.0
+
+
+def compute_auto_checkpoint_interval(
+    step_durations: Sequence[float],
+    step_ckpt_durations: Sequence[float],
+    ckpt_preprocessing_durations: Sequence[float],
+    ckpt_io_durations: Sequence[float],
+    max_overhead_fraction: float = 0.05,
+) -> _Interval:
+    """The checkpoint interval (in steps) from measured step and save times ("auto checkpoint").
+
+    Note [Automatic checkpoint interval]
+        Asynchronous saves cost the training loop twice: the step that starts a save is
+        longer by the save's blocking part (``overhead``: the step with a save minus a plain
+        step, and at least the measured preprocessing), and the next save must wait until
+        the previous background write (``io``) is done. Saving every ``n`` steps of
+        ``step`` seconds therefore costs ``overhead / (n * step)`` of the training time, and
+        writes never queue up when ``n * step >= io``. The interval is the smallest ``n``
+        meeting both: ``n = max(1, ceil(overhead / (fraction * step)), ceil(io / step))``.
+        The measurements are medians over the warm-up samples, so one slow step (a
+        compilation, a first allocation) does not set the interval. The smaller the interval,
+        the less work a failure loses, so the smallest ``n`` within the bound is the choice.
+
+    Args:
+        step_durations: Seconds of steps without a save.
+        step_ckpt_durations: Seconds of steps that started a save.
+        ckpt_preprocessing_durations: Seconds of each save's blocking preprocessing.
+        ckpt_io_durations: Seconds of each save's background write.
+        max_overhead_fraction: Largest share of training time saving may take (0 < f <= 1).
+
+    Returns:
+        The decision and its inputs (``.interval`` is the number of steps).
 
     Raises:
-        NotImplementedError: Always; choose ``checkpoint_freq`` from the measured save time.
+        ValueError: If a list is empty, a duration is negative or not finite, no plain step
+            took any time, or ``max_overhead_fraction`` is outside (0, 1].
     """
-    raise NotImplementedError(
-        "compute_auto_checkpoint_interval: SMP's heuristic is not published, so it is not "
-        "reproduced; pick the checkpoint interval yourself (e.g. so that saving takes a few "
-        "percent of training time, from the save times SMP's scripts log)."
+    if not 0.0 < max_overhead_fraction <= 1.0:
+        raise ValueError(
+            f"max_overhead_fraction={max_overhead_fraction} must be in (0, 1], e.g. 0.05 "
+            "for at most 5% of training time spent saving."
+        )
+    samples = {
+        "step_durations": step_durations,
+        "step_ckpt_durations": step_ckpt_durations,
+        "ckpt_preprocessing_durations": ckpt_preprocessing_durations,
+        "ckpt_io_durations": ckpt_io_durations,
+    }
+    for name, values in samples.items():
+        if len(values) == 0:
+            raise ValueError(f"{name} is empty; measure at least one step of each kind.")
+        bad = [v for v in values if not math.isfinite(v) or v < 0]
+        if bad:
+            raise ValueError(f"{name} holds {bad[:3]}; durations are finite seconds >= 0.")
+    step = statistics.median(step_durations)
+    if step <= 0:
+        raise ValueError(
+            f"step_durations has median {step} s; plain steps must take time to compute "
+            "an interval from."
+        )
+    overhead = max(
+        statistics.median(step_ckpt_durations) - step,
+        statistics.median(ckpt_preprocessing_durations),
+        0.0,
+    )
+    io = statistics.median(ckpt_io_durations)
+    interval = max(
+        1,
+        math.ceil(overhead / (max_overhead_fraction * step)),
+        math.ceil(io / step),
+    )
+    return _Interval(
+        interval=interval,
+        step_duration=step,
+        checkpoint_overhead=overhead,
+        io_duration=io,
+        max_overhead_fraction=max_overhead_fraction,
     )
 
 
 __all__ = [
+    "SMP_IS_LOAD_INFO_KEY",
+    "SMP_IS_PARTIAL_KEY",
     "SMLocalStateDict",
+    "_Interval",
     "compute_auto_checkpoint_interval",
     "SMStateDictType",
     "current_layout",

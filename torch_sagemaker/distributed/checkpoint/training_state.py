@@ -37,6 +37,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch_sagemaker.distributed.checkpoint import state_dict_utils as sdu
 from torch_sagemaker.distributed.checkpoint.async_utils import AsyncCallsQueue
 from torch_sagemaker.distributed.checkpoint.retention import limit_num_subdirs
+from torch_sagemaker.distributed.checkpoint.s3_filesystem import (
+    format_s3_path,
+    is_s3_uri,
+    join_s3,
+    parse_s3_uri,
+)
 from torch_sagemaker.distributed.checkpoint.state_dict_loader import load, read_metadata
 from torch_sagemaker.distributed.checkpoint.state_dict_saver import async_save, save
 from torch_sagemaker.logger import warn_once
@@ -164,9 +170,11 @@ class TrainingState:
             set_rng_state_json(rng)
 
     # -------------------------------------------------------- save / load
-    def _location(self, checkpoint_id: str | os.PathLike[str], kind: str) -> tuple[Path, Any, int]:
-        """Directory, process group and coordinator of this rank's part of the save."""
-        path = Path(checkpoint_id)
+    def _location(
+        self, checkpoint_id: str | os.PathLike[str], kind: str
+    ) -> tuple[str | Path, Any, int]:
+        """Directory (or ``s3://`` URI), process group and coordinator of this rank's part."""
+        path: str | Path = _as_location(checkpoint_id)
         if kind == "sharded":
             if not _fsdp1_per_rank(self.model):
                 return path, None, 0
@@ -191,10 +199,10 @@ class TrainingState:
                 group = (
                     smp_state.fsdp_shard_process_group
                 )  # the ranks holding this EP rank's experts
-                path = path / f"ep{smp_state.ep_size}-{smp_state.ep_rank}"
+                path = _child(path, f"ep{smp_state.ep_size}-{smp_state.ep_rank}")
             else:
                 group = smp_state.dp_process_group
-                path = path / f"tp{smp_state.tp_size}-{smp_state.tp_rank}"
+                path = _child(path, f"tp{smp_state.tp_size}-{smp_state.tp_rank}")
             return path, group, min(dist.get_process_group_ranks(group))
 
         # The ranks writing one ``tp{r}_ep{r}_fsdp{r}`` directory: the replicas that hold the
@@ -206,7 +214,7 @@ class TrainingState:
             else None
         )
         ranks = dist.get_process_group_ranks(group) if group is not None else [_rank()]
-        return path / sdu.local_subdir(), group, min(ranks)
+        return _child(path, sdu.local_subdir()), group, min(ranks)
 
     def save(
         self,
@@ -221,7 +229,8 @@ class TrainingState:
         """Saves the training state to the directory ``checkpoint_id`` (all ranks call it).
 
         Args:
-            checkpoint_id: The checkpoint directory (one per step, e.g. ``.../step300``).
+            checkpoint_id: The checkpoint directory (one per step, e.g. ``.../step300``), or
+                an ``s3://`` URI (credentials and endpoint from the AWS variables).
             kind: ``"sharded"`` (reshardable) or ``"local"`` (SM-local: one directory per
                 shard ``tp{r}_ep{r}_fsdp{r}``, written by one rank of each replication group).
             use_async: Write in the background (see ``async_save``).
@@ -231,13 +240,13 @@ class TrainingState:
             regex: Which sibling directories count for ``num_kept`` (default: all).
         """
         path, group, coordinator = self._location(checkpoint_id, kind)
-        parent = Path(checkpoint_id).absolute().parent
+        parent = _parent(checkpoint_id)
 
         def retain() -> None:
             limit_num_subdirs(parent, num_kept, regex=regex)
 
         # Per-TP-rank directories (FSDP1 + TP) commit separately; one of them prunes.
-        per_rank_dirs = path != Path(checkpoint_id) and kind == "sharded"
+        per_rank_dirs = path != _as_location(checkpoint_id) and kind == "sharded"
         prunes = kind == "sharded" and (not per_rank_dirs or _first_shard_dir())
         on_commit = retain if (num_kept is not None and prunes) else None
         sd = self.state_dict(kind)
@@ -297,6 +306,26 @@ class TrainingState:
             check_keys_matched=False,
         )
         self.load_state_dict(sd, kind)
+
+
+def _as_location(checkpoint_id: str | os.PathLike[str]) -> str | Path:
+    """``checkpoint_id`` as a normalized ``s3://`` URI or a ``Path``."""
+    if is_s3_uri(checkpoint_id):
+        return format_s3_path(str(checkpoint_id))
+    return Path(checkpoint_id)
+
+
+def _child(path: str | Path, name: str) -> str | Path:
+    return join_s3(path, name) if isinstance(path, str) else path / name
+
+
+def _parent(checkpoint_id: str | os.PathLike[str]) -> str | Path:
+    """The directory (or key prefix) holding the checkpoint, where retention looks."""
+    location = _as_location(checkpoint_id)
+    if isinstance(location, str):
+        bucket, key = parse_s3_uri(location)
+        return format_s3_path(bucket, key.rpartition("/")[0])
+    return location.absolute().parent
 
 
 def _unwrap_root(model: nn.Module) -> nn.Module:
