@@ -139,7 +139,9 @@ def test_two_backend_table_keeps_its_single_ratio_column():
 
 def test_all_reduce_case_uses_a_peer_reduction():
     calls = []
-    run, check, nbytes = collectives.make_case("all_reduce", 1024, 1, 0, None, all_reduce=calls.append)
+    run, check, nbytes = collectives.make_case(
+        "all_reduce", 1024, 1, 0, None, all_reduce=calls.append
+    )
     assert check() and nbytes == 1024 and len(calls) == 1
     run()
     assert len(calls) == 2 and calls[0] is calls[1] and calls[0].numel() == 256
