@@ -228,10 +228,17 @@ def test_retention_keeps_the_newest_checkpoints_on_s3(s3):
         )
     prefixes = {k.split("/")[1] for k in _keys(server, bucket)}
     assert prefixes == {"notes", "llama-300steps", "llama-400steps"}
+    # A save that died during its upload left objects but no marker: it neither counts nor
+    # passes for the newest checkpoint (before, it was kept in place of llama-400steps).
+    server.boto3().put_object(Bucket=bucket, Key="job/llama-450steps/0/x.distcp", Body=b"x")
     # The async types call it before writing: the upcoming one counts, the newest stays.
     deleted = limit_num_subdirs(f"{root}/llama-500steps", 2, regex=regex)
     assert deleted == [f"{root}/llama-300steps"]
-    assert {k.split("/")[1] for k in _keys(server, bucket)} == {"notes", "llama-400steps"}
+    assert {k.split("/")[1] for k in _keys(server, bucket)} == {
+        "notes",
+        "llama-400steps",
+        "llama-450steps",
+    }
     _assert_state(_loaded(f"{root}/llama-400steps"), 400)
 
 

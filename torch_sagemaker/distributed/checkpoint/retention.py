@@ -161,10 +161,17 @@ def _limit_s3(
     from torch_sagemaker.distributed.checkpoint import s3_checkpoint
 
     root, upcoming = _s3_root(uri, pattern)
+    # Only complete checkpoints count and can be deleted. A prefix without its completion
+    # marker is a save that failed or is still running (on a file system it would be a
+    # hidden staging directory): counting it could make it "the newest", kept in place of
+    # the last complete one, which would then be deleted.
     names = {
         name
         for name in s3_checkpoint.list_subdirs(root)
-        if not name.startswith(".") and (pattern is None or pattern.match(name))
+        if not name.startswith(".")
+        and (pattern is None or pattern.match(name))
+        and name != upcoming
+        and s3_checkpoint.S3Checkpoint(join_s3(root, name)).is_complete()
     }
     deleted = []
     for name in _doomed(names, upcoming, num_kept, sort_fn):
