@@ -115,6 +115,34 @@ def _wrap_post_param_init(
     return init_then_post
 
 
+def _refuse_explicit_group_for_split_model(module: nn.Module) -> None:
+    """Refuses an explicit group or mesh for a model whose parts need the plan's own meshes.
+
+    An explicit ``process_group`` or ``device_mesh`` opts the instance out of the SMP config
+    (this module's docstring), but split experts must be FSDP units over the expert
+    data-parallel ranks and a context-parallel model over the data x context ranks: one user
+    group for the whole model would average gradients across experts, or shard across
+    context ranks, and train wrongly without an error.
+
+    Raises:
+        ValueError: ``module`` has experts split by ``tsm.transform``, or context parallelism
+            is on.
+    """
+    why = []
+    if experts.expert_modules(module):
+        why.append("its experts are split over the expert parallel ranks")
+    if state.cp_size > 1:
+        why.append(f"context_parallel_degree={state.cp_size}")
+    if why:
+        raise ValueError(
+            f"FSDP({type(module).__name__}, process_group=... or device_mesh=...): "
+            f"{' and '.join(why)}, so this model needs the meshes tsm chooses from its config "
+            "(experts and context ranks get their own), which an explicit group opts out of. "
+            "Leave process_group and device_mesh out, or, if you manage every group yourself, "
+            "mark the model with torch_sagemaker.sharding.exempt(model)."
+        )
+
+
 def _patched_init(
     self: FullyShardedDataParallel,
     module: nn.Module,
@@ -135,6 +163,8 @@ def _patched_init(
                 module, kwargs.get("param_init_fn"), post_param_init_fn
             )
         follows = state.initialized and not (_local.explicit or _local.exempt)
+        if depth == 0 and state.initialized and _local.explicit and not _local.exempt:
+            _refuse_explicit_group_for_split_model(module)
         if follows:
             if depth == 0:
                 check_prepared(module, state.cp_size, "FSDP")
