@@ -13,7 +13,6 @@
 #include <thread>
 
 #include "smddp/transport/shm/shm_names.h"
-#include "smddp/transport/tcp/tcp.h"  // local_address: the address TCP peers reach us at
 
 namespace smddp {
 namespace {
@@ -203,11 +202,10 @@ void Communicator::connect_mesh(KeyValue& kv, const Deadline& dl) {
   // inside a host without shared-memory rings.
   const bool needed = layout_.hosts > 1 || (layout_.local_size > 1 && p2p_bytes_ == 0);
   if (!needed) return;
-  const std::string endpoint =
-      net_->listen(layout_.hosts > 1 ? local_address(cfg_.settings) : std::string("127.0.0.1"));
-  kv.set("smddp/tcp/" + std::to_string(cfg_.rank), endpoint);
+  const std::string endpoint = net_->listen(layout_.hosts > 1, cfg_.settings);
+  kv.set("smddp/endpoint/" + std::to_string(cfg_.rank), endpoint);
   std::vector<std::string> keys;
-  for (int r = 0; r < cfg_.size; ++r) keys.push_back("smddp/tcp/" + std::to_string(r));
+  for (int r = 0; r < cfg_.size; ++r) keys.push_back("smddp/endpoint/" + std::to_string(r));
   wait_keys(kv, keys, cfg_.global_ranks, dl, "smddp: creating group '" + cfg_.group_name + "'");
   std::vector<std::string> endpoints;
   for (const auto& key : keys) endpoints.push_back(kv.get(key));

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "smddp/common/common.h"
+#include "smddp/common/settings.h"
 
 namespace smddp {
 
@@ -55,9 +56,10 @@ class Transport {
  public:
   virtual ~Transport() = default;
 
-  // Makes this rank reachable on `address` (this host's address for other hosts, loopback
-  // inside one); returns the endpoint the peers need, as one line for the store.
-  virtual std::string listen(const std::string& address) = 0;
+  // Makes this rank reachable: for other hosts when `across_hosts` (where, the transport
+  // decides from `settings`), else only for this host's ranks; returns the endpoint the
+  // peers need, as one line for the store.
+  virtual std::string listen(bool across_hosts, const Settings& settings) = 0;
   // The peers' endpoints by group rank ("" for a rank that does not listen); raises for a
   // malformed one, naming its rank.
   virtual void set_peers(const std::vector<std::string>& endpoints) = 0;

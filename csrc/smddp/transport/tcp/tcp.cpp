@@ -229,7 +229,8 @@ TcpMesh::TcpMesh(int rank, int size, std::string secret, std::string group_name)
 
 TcpMesh::~TcpMesh() { shutdown(); }
 
-std::string TcpMesh::listen(const std::string& address) {
+std::string TcpMesh::listen(bool across_hosts, const Settings& settings) {
+  const std::string address = across_hosts ? local_address(settings) : "127.0.0.1";
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = 0;
@@ -285,7 +286,11 @@ struct TcpMesh::Handshake {
 };
 
 void TcpMesh::add_poll_fds(std::vector<pollfd>& fds, Clock::time_point& next) const {
-  fds.push_back({listen_fd_, POLLIN, 0});
+  // While accepting is paused (out of descriptors), the listener stays out of the poll set,
+  // which would otherwise report it readable at once, and the thread would spin.
+  const bool paused = Clock::now() < accept_paused_until_;
+  fds.push_back({paused ? -1 : listen_fd_, POLLIN, 0});
+  if (paused) next = std::min(next, accept_paused_until_);
   for (const Handshake& h : pending_) {
     fds.push_back({h.fd, static_cast<short>(POLLIN | (h.sent < kHelloBytes ? POLLOUT : 0)), 0});
     next = std::min(next, h.deadline);
@@ -293,17 +298,21 @@ void TcpMesh::add_poll_fds(std::vector<pollfd>& fds, Clock::time_point& next) co
 }
 
 void TcpMesh::on_poll(const pollfd* fds) {
-  // Progress the handshakes first (fds[1 + i] belongs to pending_[i]), then expire them.
+  // Expire the handshakes first, then progress the others (fds[1 + i] belongs to
+  // pending_[i]). In this order a listener that was stopped or without a core past a
+  // handshake's deadline never accepts it afterwards from bytes still buffered: the
+  // connecting side gave up on it by then (it waits longer than the deadline) and connects
+  // again, and accepting the abandoned one would refuse the new one as a duplicate.
   std::vector<Handshake> still;
   const auto now = Clock::now();
   for (size_t i = 0; i < pending_.size(); ++i) {
     Handshake& h = pending_[i];
-    if (fds[1 + i].revents && !progress(h)) continue;  // finished either way
     if (now >= h.deadline) {
       rejected_.fetch_add(1);
       close(h.fd);
       continue;
     }
+    if (fds[1 + i].revents && !progress(h)) continue;  // finished either way
     still.push_back(h);
   }
   pending_.swap(still);
@@ -314,29 +323,38 @@ void TcpMesh::on_poll(const pollfd* fds) {
 // Note [Admission]: the pending handshakes that have not proven knowledge of the secret are
 // capped at kMaxHandshakes; the oldest of them makes room for a new one, after one last look
 // at what it sent. Admitted ones are capped by the group (one per claimed rank) instead.
-bool TcpMesh::make_room(std::vector<Handshake>& pending) {
+void TcpMesh::make_room(std::vector<Handshake>& pending) {
   size_t strangers = 0;
   for (const Handshake& h : pending) strangers += h.admitted < 0;
-  if (strangers < kMaxHandshakes) return true;
+  if (strangers < kMaxHandshakes) return;
   for (size_t i = 0; i < pending.size(); ++i) {
     Handshake& h = pending[i];
     if (h.admitted >= 0) continue;
     const bool going = progress(h);
-    if (going && h.admitted >= 0) continue;  // it proved itself just now
+    if (going && h.admitted >= 0) continue;  // it proved itself just now: look further
     if (going) {                             // still nothing: it makes room
       rejected_.fetch_add(1);
       close(h.fd);
     }
     pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
-    return true;
+    return;
   }
-  return true;  // unreachable: kMaxHandshakes strangers were counted
+  // Every stranger proved itself during this look: there is room now.
 }
 
 void TcpMesh::accept_new(std::vector<Handshake>& pending) {
-  while (true) {
+  // At most kAcceptsPerPass at a time: between passes the Acceptor progresses and expires
+  // the pending handshakes, which a flood of connections must not hold up.
+  for (size_t accepted = 0; accepted < kAcceptsPerPass; ++accepted) {
     int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (fd < 0) return;  // EAGAIN: none left (or a transient error; poll says when to retry)
+    if (fd < 0) {
+      // Out of descriptors: the connection stays queued in the kernel, and the listener
+      // stays readable; pause accepting for a moment rather than spin on it.
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        accept_paused_until_ = Clock::now() + std::chrono::milliseconds(kAcceptPauseMs);
+      }
+      return;  // EAGAIN: none left (or a transient error; poll says when to retry)
+    }
     make_room(pending);
     Handshake h;
     h.fd = fd;
@@ -426,12 +444,12 @@ bool TcpMesh::progress(Handshake& h) {
   }
   if (h.admitted < 0) {
     const int32_t from = claim_of(h.admit);
-    if (from >= 0 && from < size_ && from != rank_) {
-      Digest expect = hmac_sha256(secret_, admit_message(from, rank_));
-      Digest got;
-      std::memcpy(got.data(), h.admit + 4, 32);
-      if (digest_equal(expect, got)) h.admitted = from;
-    }
+    if (from < 0 || from >= size_ || from == rank_) return refuse();
+    Digest expect = hmac_sha256(secret_, admit_message(from, rank_));
+    Digest got;
+    std::memcpy(got.data(), h.admit + 4, 32);
+    if (!digest_equal(expect, got)) return refuse();
+    h.admitted = from;
   }
   if (h.sent < kHelloBytes) return true;
   if (!read_into(h.reply, h.got, kReplyBytes)) {
@@ -439,7 +457,7 @@ bool TcpMesh::progress(Handshake& h) {
     return gave_up(last) ? abandon() : broken();
   }
   const int32_t from = claim_of(h.reply);
-  if (h.admitted < 0 || from != h.admitted) return refuse();
+  if (from != h.admitted) return refuse();
   Digest expect = hmac_sha256(secret_, mac_message(std::string(h.hello + 8, 32), from, rank_));
   Digest got;
   std::memcpy(got.data(), h.reply + 4, 32);
@@ -482,6 +500,11 @@ int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
       fail_peer(peer, "cannot resolve its address " + pa.host, ctx);
     }
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      const int e = errno;
+      freeaddrinfo(res);
+      fail_peer(peer, std::string("cannot open a socket: ") + std::strerror(e), ctx);
+    }
     set_nonblocking(fd, true);
     int r = ::connect(fd, res->ai_addr, res->ai_addrlen);
     freeaddrinfo(res);

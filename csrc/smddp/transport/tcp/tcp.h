@@ -35,14 +35,21 @@
 //   holds the secret or has seen this pair's traffic, and a connection is accepted only
 //   with a fresh response.
 // - The handshakes not admitted are capped at kMaxHandshakes; the oldest makes room, after
-//   one last read of what it sent (an admission that just arrived keeps it).
+//   one last read of what it sent (an admission that just arrived keeps it). The listener
+//   accepts at most kAcceptsPerPass connections between two passes over the pending
+//   handshakes, so a flood cannot hold up admitted ones, and it pauses accepting for a
+//   moment when the process runs out of descriptors instead of spinning on the listener.
 // - The listener ends every handshake it judges with one status byte: accepted, refused
 //   (wrong token or response) or duplicate (the rank is connected). Only those two
 //   refusals are final for the connecting rank. Any other end (no challenge within
 //   kHandshakeMs, a connection closed midway) makes it connect again after a pause that
 //   doubles from 10 ms to 500 ms, until its operation's deadline: a listener that is only
 //   slow (its process stopped or without a core) or that dropped the attempt must not fail
-//   the operation. A peer that is gone refuses the connection at once.
+//   the operation. A peer that is gone refuses the connection at once. The connecting rank
+//   waits longer for a verdict than the listener's deadline for the handshake, and the
+//   listener expires handshakes past their deadline before it reads them: a listener that
+//   resumes after a stall never accepts an attempt its peer has abandoned (which would
+//   make the peer's next attempt a duplicate, a final refusal).
 // What remains: a stranger can slow a real rank's connection by keeping the listener busy,
 // never fail it. On a network where strangers can also read the job's traffic, the
 // tokens can be replayed to occupy a rank's admitted place, which a real rank's retry
@@ -126,9 +133,10 @@ class TcpMesh final : public Transport {
   TcpMesh(int rank, int size, std::string secret, std::string group_name);
   ~TcpMesh() override;
 
-  // Binds an ephemeral port on `address` (an IPv4 address) and registers it with the
-  // process's acceptor thread; the endpoint is "address|port".
-  std::string listen(const std::string& address) override;
+  // Binds an ephemeral port on this host's address for other hosts (local_address()) or on
+  // loopback, and registers it with the process's acceptor thread; the endpoint is
+  // "address|port".
+  std::string listen(bool across_hosts, const Settings& settings) override;
   int port() const override { return port_; }  // 0: not listening
   const std::string& address() const override { return address_; }
   void set_peers(const std::vector<std::string>& endpoints) override;
@@ -167,8 +175,10 @@ class TcpMesh final : public Transport {
  private:
   static constexpr uint64_t kFailureTag = ~0ull;  // no collective or user tag reaches it
   static constexpr size_t kMaxNotice = 1024;
-  static constexpr int kHandshakeMs = 2000;               // Note [TCP connections]
-  static constexpr size_t kMaxHandshakes = 64;            // not admitted (Note [Admission])
+  static constexpr int kHandshakeMs = 2000;      // Note [TCP connections]
+  static constexpr size_t kMaxHandshakes = 64;   // not admitted (Note [Admission])
+  static constexpr size_t kAcceptsPerPass = 64;  // accept4 calls between handshake progress
+  static constexpr int kAcceptPauseMs = 100;     // no accept4 after running out of descriptors
   static constexpr size_t kStashBytes = size_t(1) << 30;  // Note [TCP trust model]
   static constexpr int kDirectSliceMs = 20;               // Note [Direct receives over TCP]
   static constexpr int kNotice = -2;                      // Conn::target_op of a notice being read
@@ -218,7 +228,7 @@ class TcpMesh final : public Transport {
   // Advances one handshake; returns false when it is over (accepted or refused).
   bool progress(Handshake& h);
   // Makes room for one more handshake that has not been admitted (Note [Admission]).
-  bool make_room(std::vector<Handshake>& pending);
+  void make_room(std::vector<Handshake>& pending);
   // Keeps the newest of the admitted handshakes that claim the same rank.
   static void drop_superseded(std::vector<Handshake>& pending);
   void accept_authenticated(int fd, int from);
@@ -236,8 +246,9 @@ class TcpMesh final : public Transport {
   std::mutex in_mu_;  // guards Conn::in_fd (set by the listener thread)
   int listen_fd_ = -1, port_ = 0;
   std::string address_;
-  std::vector<Handshake> pending_;  // connections being authenticated (Acceptor thread)
-  bool registered_ = false;         // with the Acceptor
+  std::vector<Handshake> pending_;           // connections being authenticated (Acceptor thread)
+  Clock::time_point accept_paused_until_{};  // Acceptor thread: see accept_new()
+  bool registered_ = false;                  // with the Acceptor
   std::atomic<bool> aborted_{false};
   std::atomic<bool> announced_{false};
   std::atomic<uint64_t> rejected_{0};
