@@ -36,8 +36,10 @@ def test_results_respect_the_nic_and_the_counters(short_run):
     }
     for r in rows:
         assert r["ok"], r
-        bound = multihost.min_bytes(r["op"], 2, r["bytes"]) * 8 / RATE
-        assert bound / r["seconds"] < 1.05, r  # faster than the NIC: shaping did not hold
+        # What no call can beat: the bytes beyond the buckets' bursts (96 KiB at each end of
+        # the cable, netns.BURST) at the NIC's rate. Faster means the shaping did not hold.
+        floor = (multihost.min_bytes(r["op"], 2, r["bytes"]) - 2 * 96 * 1024) * 8 / RATE
+        assert r["seconds"] > floor, r
         assert r["tx_per_call"] >= 0.98 * multihost.min_bytes(r["op"], 2, r["bytes"]), r
     text = multihost.table(rows, RATE)
     assert "| 2x2 | all_reduce | 1 MiB |" in text and "gloo / smddp" in text
@@ -58,7 +60,8 @@ def test_results_are_bit_identical_across_hosts(short_run):
 
 def test_arguments_are_checked():
     assert netns.parse_rate("2gbit") == 2 * 10**9 and netns.parse_rate("500mbit") == 5 * 10**8
-    with pytest.raises(ValueError, match="'fast' is not a positive rate"):
-        netns.parse_rate("fast")
+    for bad in ("fast", "inf", "-1gbit", "0"):
+        with pytest.raises(ValueError, match=f"'{bad}' is not a positive rate"):
+            netns.parse_rate(bad)
     with pytest.raises(Exception, match="at least 2 hosts"):
         multihost._layout("1x2")

@@ -76,9 +76,9 @@ def test_a_killed_host_fails_the_other_host_at_once(fault_run):
     results, _ = fault_run
     for rank in HOST0:
         fault = results[rank]["kill"]
-        assert fault["error"], fault
+        assert fault["error"] and "timed out" not in fault["error"], fault  # learned, not waited
         assert _names_a_rank_of(fault["error"], HOST1), fault
-        assert fault["seconds"] < FAULT_TIMEOUT_S + SLACK_S, fault
+        assert fault["seconds"] < SLACK_S, fault  # measured 0.15 s; the timeout is 6 s
 
 
 def test_nothing_of_the_job_stays_in_dev_shm(fault_run):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -40,10 +41,10 @@ BURST = "96kb"
 QUEUE_LATENCY = "50ms"  # how long a packet may wait in the bucket's queue before it drops
 
 # Run by each host's shell inside its namespaces: waits for the cable, configures it, runs
-# the command. $1 host index, $2 address, the rest the command.
+# the command. $1 host name, $2 address, the rest the command.
 _HOST_SETUP = r"""
 set -e
-hostname "tsm-host-$1"
+hostname "$1"
 ip link set lo up
 n=0
 until ip link show eth0 >/dev/null 2>&1; do
@@ -86,7 +87,7 @@ def parse_rate(text: str) -> int:
         bits = float(number) * mult
     except ValueError:
         bits = 0.0
-    if not bits > 0:
+    if not (bits > 0 and math.isfinite(bits)):
         raise ValueError(f"rate {text!r} is not a positive rate: write e.g. 2gbit, 500mbit")
     return int(bits)
 
@@ -98,6 +99,7 @@ def run_hosts(
     rate_bits: int | None = None,
     env: dict[str, str] | None = None,
     cwd: str | None = None,
+    host_name: str = HOST_NAME,
 ) -> subprocess.CompletedProcess:
     """Runs ``command`` on ``hosts`` simulated hosts joined by a switch; output is merged.
 
@@ -108,6 +110,7 @@ def run_hosts(
         rate_bits: Each host's NIC rate in bits per second (both directions); None: unshaped.
         env: The environment of the commands.
         cwd: Their working directory.
+        host_name: The hosts' names, ``{}`` standing for the index (hostname and /etc/hosts).
 
     Returns:
         The finished switch process: ``returncode`` 0 when every host's command succeeded,
@@ -117,7 +120,7 @@ def run_hosts(
         raise ValueError(f"hosts={hosts}: simulated hosts number 1 to 250 (one /24 subnet)")
     user_ns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
     argv = ["unshare", *user_ns, "--net", "--mount", sys.executable, "-m", __spec__.name]
-    argv += ["--hosts", str(hosts), "--timeout", str(timeout_s)]
+    argv += ["--hosts", str(hosts), "--timeout", str(timeout_s), "--host-name", host_name]
     if rate_bits:
         argv += ["--rate-bits", str(rate_bits)]
     return subprocess.run(
@@ -189,22 +192,22 @@ def _shape(prefix: list[str], device: str, rate_bits: int) -> None:
     )
 
 
-def _private_etc_hosts(stack: contextlib.ExitStack, hosts: int) -> None:
+def _private_etc_hosts(stack: contextlib.ExitStack, hosts: int, host_name: str) -> None:
     """Bind-mounts a private /etc/hosts naming the hosts (the switch's own mount namespace)."""
     f = stack.enter_context(tempfile.NamedTemporaryFile("w", suffix=".hosts"))  # noqa: SIM115
     # With the IPv4-mapped IPv6 forms: a dual-stack listener (TCPStore's) sees its clients
     # as ::ffff:a.b.c.d, and a reverse lookup missing here would go on to DNS.
     f.write("127.0.0.1 localhost\n::1 localhost\n::ffff:127.0.0.1 localhost\n")
     for i in range(hosts):
-        address, name = HOST_ADDRESS.format(i + 1), HOST_NAME.format(i)
+        address, name = HOST_ADDRESS.format(i + 1), host_name.format(i)
         f.write(f"{address} {name}\n::ffff:{address} {name}\n")
     f.flush()
     subprocess.run(["mount", "--bind", f.name, "/etc/hosts"], check=True)
 
 
-def _start_host(index: int, command: list[str], log) -> subprocess.Popen:
+def _start_host(index: int, command: list[str], log, host_name: str) -> subprocess.Popen:
     argv = ["unshare", "--net", "--ipc", "--uts", "sh", "-c", _HOST_SETUP, "host-setup"]
-    argv += [str(index), HOST_ADDRESS.format(index + 1)]
+    argv += [host_name.format(index), HOST_ADDRESS.format(index + 1)]
     argv += [part.replace("{host}", str(index)) for part in command]
     env = dict(os.environ, **{SWITCH_PID_VARIABLE: str(os.getpid())})
     # Output to a file (an unread pipe could block a host); its own session, so that a
@@ -245,14 +248,16 @@ def _kill_tree(host: subprocess.Popen) -> None:
         os.killpg(host.pid, signal.SIGKILL)
 
 
-def _switch(hosts: int, rate_bits: int | None, timeout_s: float, command: list[str]) -> int:
+def _switch(
+    hosts: int, rate_bits: int | None, timeout_s: float, command: list[str], host_name: str
+) -> int:
     with contextlib.ExitStack() as stack:
-        _private_etc_hosts(stack, hosts)
+        _private_etc_hosts(stack, hosts, host_name)
         subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
         subprocess.run(["ip", "link", "add", "br0", "type", "bridge"], check=True)
         subprocess.run(["ip", "link", "set", "br0", "up"], check=True)
         logs = [stack.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in range(hosts)]
-        procs = [_start_host(i, command, logs[i]) for i in range(hosts)]
+        procs = [_start_host(i, command, logs[i], host_name) for i in range(hosts)]
         why = "set-up failed"
         try:
             for i, proc in enumerate(procs):
@@ -291,10 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hosts", type=int, required=True)
     p.add_argument("--timeout", type=float, required=True)
     p.add_argument("--rate-bits", type=int, default=None)
+    p.add_argument("--host-name", default=HOST_NAME)
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    return _switch(args.hosts, args.rate_bits, args.timeout, command)
+    return _switch(args.hosts, args.rate_bits, args.timeout, command, args.host_name)
 
 
 if __name__ == "__main__":
