@@ -189,16 +189,32 @@ def read_marker(path: Path) -> dict[str, Any]:
             f"unreadable ({type(e).__name__}: {e}). Load an earlier "
             "checkpoint."
         ) from e
-    actual = _file_sizes(path)
-    problems = []
-    for name, size in files.items():
-        if name not in actual:
-            problems.append(f"{name} is missing")
-        elif actual[name] != size:
-            problems.append(f"{name} has {actual[name]} bytes, {size} were written")
-    if problems:
-        raise CheckpointError(f"checkpoint {path} is corrupt: " + "; ".join(problems) + ".")
+    check_sizes(path, files, _file_sizes(path))
     return marker
+
+
+def check_sizes(
+    where: Path | str, written: dict[str, int], actual: dict[str, int], prefix: str = ""
+) -> None:
+    """Refuses a checkpoint whose files differ from what its marker says was written.
+
+    Args:
+        where: The checkpoint (a directory or an S3 URI), for the message.
+        written: File name -> bytes written, from the marker.
+        actual: File name -> bytes found now.
+        prefix: Put before each name in the message (the save id on S3).
+
+    Raises:
+        CheckpointError: A file is missing or has another size, naming each one.
+    """
+    problems = []
+    for name, size in written.items():
+        if name not in actual:
+            problems.append(f"{prefix}{name} is missing")
+        elif actual[name] != size:
+            problems.append(f"{prefix}{name} has {actual[name]} bytes, {size} were written")
+    if problems:
+        raise CheckpointError(f"checkpoint {where} is corrupt: " + "; ".join(problems) + ".")
 
 
 def verify_files(path: Path, marker: dict[str, Any], names: list[str]) -> list[str]:

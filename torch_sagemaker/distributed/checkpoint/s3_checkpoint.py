@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from torch_sagemaker.distributed.checkpoint import integrity
-from torch_sagemaker.distributed.checkpoint.atomic_dir import CheckpointError
+from torch_sagemaker.distributed.checkpoint.atomic_dir import CheckpointError, check_sizes
 from torch_sagemaker.distributed.checkpoint.constants import COMPLETION_MARKER, FORMAT_VERSION
 from torch_sagemaker.distributed.checkpoint.s3_filesystem import (
     format_s3_path,
@@ -271,14 +271,7 @@ class S3Checkpoint:
             ) from e
         prefix = f"{self.key}/{save_id}/"
         actual = {k[len(prefix) :]: s for k, s in self.list_objects(prefix).items()}
-        problems = []
-        for name, size in files.items():
-            if name not in actual:
-                problems.append(f"{save_id}/{name} is missing")
-            elif actual[name] != size:
-                problems.append(f"{save_id}/{name} has {actual[name]} bytes, {size} were written")
-        if problems:
-            raise CheckpointError(f"checkpoint {self.uri} is corrupt: " + "; ".join(problems) + ".")
+        check_sizes(self.uri, files, actual, prefix=f"{save_id}/")
         return marker
 
     def verify(self, marker: dict[str, Any], names: list[str]) -> list[str]:
