@@ -6,7 +6,7 @@ Hugging Face's; with tensor parallelism each parameter becomes a DTensor on
 vocabulary-sharded logits (a DTensor; ``logits.full_tensor()`` gathers them) and the model's
 loss function becomes the vocabulary-parallel cross entropy. The policy is recorded on the
 model for FSDP wrapping, activation checkpointing, offloading and checkpointing
-(``torch_sagemaker.policies.get_policy`` / ``transformer_layer_class``).
+(``torch_sagemaker.policies.get_policy`` / ``transformer_layer_classes``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import argparse
 import torch
 from torch.sagemaker.delayed_param import DelayedParamIniter
 from torch.sagemaker.sharding import (
-    apply_activation_checkpointing,
+    checkpoint_transformer_layers,
     shard_model,
     transformer_layer_classes,
 )
@@ -75,7 +75,7 @@ def apply_parallelism(
     layer_classes = transformer_layer_classes(model)
     initer = DelayedParamIniter(model) if args.delayed_param else None
     if args.activation_checkpointing:
-        apply_activation_checkpointing(model, layer_classes=layer_classes)  # non-reentrant
+        checkpoint_transformer_layers(model, layer_classes=layer_classes)  # non-reentrant
     wrap = _fsdp1 if args.fsdp == "fsdp1" else _fsdp2
     if initer is not None and args.fsdp == "fsdp1":
         with initer.validate_params_and_buffers_inited():

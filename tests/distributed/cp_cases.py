@@ -65,10 +65,10 @@ def wrap(model, api: str, checkpointing: bool = False, mixed: bool = False):
     from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
-    from torch_sagemaker.policies import transformer_layer_class
+    from torch_sagemaker.policies import transformer_layer_classes
     from torch_sagemaker.sharding import shard_model
 
-    layer_cls = transformer_layer_class(model)
+    (layer_cls,) = transformer_layer_classes(model)
     if api == "fsdp2":
         if checkpointing:
             _checkpoint(model, layer_cls)

@@ -4,7 +4,7 @@
 FSDP1 with SMP's example recipe ``MixedPrecision(param_dtype=bf16, reduce_dtype=bf16,
 buffer_dtype=fp32)`` and FSDP2 ``shard_model`` with ``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)``, each with and without non-reentrant activation checkpointing
-(``torch_sagemaker.sharding.apply_activation_checkpointing``) on every decoder layer, applied
+(``torch_sagemaker.sharding.checkpoint_transformer_layers``) on every decoder layer, applied
 before wrapping (and, for FSDP1, also after it, the order of SMP's examples).
 
 Checked on every rank: master parameters, gradients, optimizer state and buffers are fp32
@@ -76,13 +76,13 @@ def _wrap(model, api, ac, device="cpu"):
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from torch_sagemaker.sharding import (
-        apply_activation_checkpointing,
+        checkpoint_transformer_layers,
         shard_model,
         transformer_layer_classes,
     )
 
     if ac is True:
-        apply_activation_checkpointing(model)
+        checkpoint_transformer_layers(model)
     if api == "fsdp2":
         return shard_model(
             model,
@@ -101,7 +101,7 @@ def _wrap(model, api, ac, device="cpu"):
         limit_all_gathers=True,
     )
     if ac == "after_wrap":
-        apply_activation_checkpointing(model)
+        checkpoint_transformer_layers(model)
     return model
 
 

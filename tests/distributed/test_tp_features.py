@@ -60,7 +60,7 @@ def _features() -> dict:
     import torch.sagemaker as tsm
     from torch.distributed.tensor import DTensor
 
-    from torch_sagemaker.policies import get_policy, transformer_layer_class
+    from torch_sagemaker.policies import get_policy, transformer_layer_classes
 
     out: dict = {}
     tsm.init({"tensor_parallel_degree": 2})
@@ -76,7 +76,7 @@ def _features() -> dict:
         tsm.transform(qwen)
     except ValueError as e:
         out["twice"] = str(e)
-    out["layer_cls"] = transformer_layer_class(qwen).__name__
+    out["layer_cls"] = [c.__name__ for c in transformer_layer_classes(qwen)]
     # A meta-device model stays on meta (delayed initialization), with its TP layout.
     with torch.device("meta"):
         meta = build("llama")
@@ -119,7 +119,7 @@ def _features() -> dict:
     out["tp1"] = (
         get_policy(plain).name,
         sorted({type(p).__name__ for p in plain.parameters()}),
-        transformer_layer_class(plain).__name__,
+        [c.__name__ for c in transformer_layer_classes(plain)],
     )
     return out
 
@@ -157,11 +157,11 @@ def test_mixtral_experts_are_split_whole(features):
 @pytest.mark.distributed
 def test_preparation_semantics(features):
     r = features[0]
-    assert r["tied"] and r["layer_cls"] == "Qwen2DecoderLayer"
+    assert r["tied"] and r["layer_cls"] == ["Qwen2DecoderLayer"]
     assert "already transformed" in r["twice"]
     assert r["meta"] == (True, True, (32, 64))  # 2 of 4 heads x head_dim 16
     assert r["dtype"] == (["torch.bfloat16"], "torch.float32")
-    assert r["tp1"] == ("gpt_neox", ["Parameter"], "GPTNeoXLayer")
+    assert r["tp1"] == ("gpt_neox", ["Parameter"], ["GPTNeoXLayer"])
     for rank_result in features:
         assert rank_result["allreduced_grad"] == [3.0, 3.0, 3.0]  # 1 + 2 over the TP group
 

@@ -212,9 +212,9 @@ def checkpoint_and_shard(model) -> None:
     )
     from torch.distributed.fsdp import fully_shard
 
-    from torch_sagemaker.policies import transformer_layer_class
+    from torch_sagemaker.policies import transformer_layer_classes
 
-    layer_cls = transformer_layer_class(model)
+    (layer_cls,) = transformer_layer_classes(model)
     apply_activation_checkpointing(
         model,
         check_fn=lambda m: isinstance(m, layer_cls),

@@ -55,9 +55,9 @@ def _checkpointed(model, context_fn):
         checkpoint_wrapper,
     )
 
-    from torch_sagemaker.policies import transformer_layer_class
+    from torch_sagemaker.policies import transformer_layer_classes
 
-    layer_cls = transformer_layer_class(model)
+    (layer_cls,) = transformer_layer_classes(model)
     kwargs = {"context_fn": context_fn} if context_fn else {}
     apply_activation_checkpointing(
         model,

@@ -1,4 +1,4 @@
-"""``torch_sagemaker.sharding.apply_activation_checkpointing`` on a tiny Llama, in one process.
+"""``torch_sagemaker.sharding.checkpoint_transformer_layers`` on a tiny Llama, in one process.
 
 The distributed composition (FSDP1 / FSDP2, bf16, hybrid sharding) is tested in
 tests/distributed/test_hybrid_mixed_precision.py; here: which modules get wrapped, the
@@ -15,7 +15,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP
 
 from tests.distributed.hf_models import global_batches, tiny_llama
-from torch_sagemaker.sharding import CheckpointImpl, apply_activation_checkpointing
+from torch_sagemaker.sharding import CheckpointImpl, checkpoint_transformer_layers
 
 
 def _wrapped(model):
@@ -27,7 +27,7 @@ def _wrapped(model):
 @pytest.mark.parametrize("impl", [CheckpointImpl.NO_REENTRANT, CheckpointImpl.REENTRANT])
 def test_layers_wrapped_and_gradients_bit_identical(impl):
     ref = tiny_llama()
-    model = apply_activation_checkpointing(copy.deepcopy(ref), checkpoint_impl=impl)
+    model = checkpoint_transformer_layers(copy.deepcopy(ref), checkpoint_impl=impl)
     layers = _wrapped(model)
     assert len(layers) == 2 and all(isinstance(m, LlamaDecoderLayer) for m in layers)
     assert all(
@@ -49,24 +49,26 @@ def test_layers_wrapped_and_gradients_bit_identical(impl):
 
 def test_idempotent_and_custom_units():
     model = tiny_llama()
-    apply_activation_checkpointing(model)
-    apply_activation_checkpointing(model)  # no layer is wrapped twice
+    checkpoint_transformer_layers(model)
+    checkpoint_transformer_layers(model)  # no layer is wrapped twice
     assert len(_wrapped(model)) == 2
     assert not any(
         isinstance(m._checkpoint_wrapped_module, CheckpointWrapper)
         for m in model.modules()
         if isinstance(m, CheckpointWrapper)
     )
-    mlps = apply_activation_checkpointing(tiny_llama(), layer_classes=(LlamaMLP,))
+    mlps = checkpoint_transformer_layers(tiny_llama(), layer_classes=(LlamaMLP,))
     assert [type(m) for m in _wrapped(mlps)] == [LlamaMLP, LlamaMLP]
     one = tiny_llama()
     first = one.model.layers[0]
-    apply_activation_checkpointing(one, check_fn=lambda m: m is first)
+    checkpoint_transformer_layers(one, check_fn=lambda m: m is first)
     assert _wrapped(one) == [first]
 
 
 def test_errors_name_the_fix():
-    with pytest.raises(ValueError, match="found no transformer layer.*layer_classes="):
-        apply_activation_checkpointing(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="no transformer layer class.*layer_classes="):
+        checkpoint_transformer_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match=r"found no module of class \['Conv1d'\].*layer_classes="):
+        checkpoint_transformer_layers(tiny_llama(), layer_classes=(torch.nn.Conv1d,))
     with pytest.raises(ValueError, match="not both"):
-        apply_activation_checkpointing(tiny_llama(), layer_classes=(LlamaMLP,), check_fn=bool)
+        checkpoint_transformer_layers(tiny_llama(), layer_classes=(LlamaMLP,), check_fn=bool)

@@ -16,7 +16,7 @@ from torch_sagemaker.policies import (
     get_policy,
     lookup_policy,
     split_heads,
-    transformer_layer_class,
+    transformer_layer_classes,
 )
 
 FAMILIES = {
@@ -53,7 +53,7 @@ def test_lookup_finds_the_family_policy_and_layer_class(family_model):
     family, model = family_model
     policy = lookup_policy(model)
     assert policy.name == family
-    assert transformer_layer_class(model).__name__ == FAMILIES[family][1]
+    assert [c.__name__ for c in transformer_layer_classes(model)] == [FAMILIES[family][1]]
     assert get_policy(model) is None  # nothing recorded before tsm.transform
 
 
@@ -115,6 +115,76 @@ def test_register_policy_wins_and_unregisters():
         lookup_policy(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError):
         policies.register_policy({"name": "not a policy"})
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(2, 2)
+
+
+class _Other(torch.nn.Module):
+    pass
+
+
+class _Unregistered(torch.nn.Module):
+    """A model no policy covers, with Hugging Face's ``_no_split_modules``."""
+
+    _no_split_modules = ["_Block", "_Other", "NotInTheModel"]
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Block(), _Other(), _Block()])
+
+
+def test_transformer_layer_classes_one_rule_for_every_model():
+    """A policy's model: its layer class, and nothing else even with _no_split_modules; any
+    other model: the _no_split_modules classes it contains, in order; else an error naming
+    the fix. The same function is the sharding package's name."""
+    from torch_sagemaker import sharding
+
+    assert sharding.transformer_layer_classes is transformer_layer_classes
+    llama = meta_model("llama")
+    assert llama._no_split_modules  # Hugging Face lists it too; the policy decides
+    assert [c.__name__ for c in transformer_layer_classes(llama)] == ["LlamaDecoderLayer"]
+    assert transformer_layer_classes(_Unregistered()) == (_Block, _Other)
+    for bare in (torch.nn.Linear(2, 2), torch.nn.Sequential(_Block())):
+        with pytest.raises(ValueError, match="no transformer layer class.*register_policy"):
+            transformer_layer_classes(bare)
+
+
+def test_transformer_layer_classes_refuses_a_policy_that_does_not_fit():
+    """A covering policy whose layer class the model lacks is an error, not a fallback to
+    _no_split_modules (that would shard another unit than the policy says)."""
+    mine = ModelPolicy(
+        name="mine",
+        model_classes=("_Unregistered",),
+        layer_class="MissingLayer",
+        attention="x",
+        tp_plan={"x": "colwise"},
+    )
+    policies.register_policy(mine)
+    try:
+        with pytest.raises(ValueError, match="has no MissingLayer module"):
+            transformer_layer_classes(_Unregistered())
+    finally:
+        policies.unregister_policy(mine)
+
+
+def test_transformer_layer_classes_reads_the_recorded_policy_through_wrappers():
+    """The policy ``tsm.transform`` recorded wins over the registry, also inside a wrapper."""
+    from torch_sagemaker._torch_compat.checkpoint_wrapper import checkpoint_wrapper
+
+    model = _Unregistered()
+    mine = ModelPolicy(
+        name="mine",
+        model_classes=("NotThisClass",),
+        layer_class="_Other",
+        attention="x",
+        tp_plan={"x": "colwise"},
+    )
+    setattr(model, policies.POLICY_ATTR, mine)
+    assert transformer_layer_classes(checkpoint_wrapper(model)) == (_Other,)
 
 
 def test_unknown_style_is_rejected():

@@ -45,8 +45,9 @@ def find_layers(root: nn.Module, layers: LayerSpec = None) -> list[nn.Module]:
     Args:
         root: The module that will be wrapped.
         layers: ``None`` for the checkpointed layers (``CheckpointWrapper`` modules from
-            ``apply_activation_checkpointing``, else Hugging Face layers with gradient
-            checkpointing enabled), a predicate on modules, or the modules themselves.
+            ``checkpoint_transformer_layers`` or PyTorch's ``apply_activation_checkpointing``,
+            else Hugging Face layers with gradient checkpointing enabled), a predicate on
+            modules, or the modules themselves.
 
     Raises:
         ValueError: If no layer was found.
@@ -66,7 +67,8 @@ def find_layers(root: nn.Module, layers: LayerSpec = None) -> list[nn.Module]:
         raise ValueError(
             f"offload_wrapper found no {source} in {type(root).__name__}: activation "
             "offloading moves the saved inputs of activation-checkpointed layers, so apply "
-            "activation checkpointing first (apply_activation_checkpointing, or "
+            "activation checkpointing first (torch_sagemaker.sharding."
+            "checkpoint_transformer_layers, PyTorch's apply_activation_checkpointing, or "
             "model.gradient_checkpointing_enable() for Hugging Face models), pass "
             "layers=[...] explicitly, or set sm_activation_offloading=False to use PyTorch's "
             "offload-everything wrapper."
@@ -191,7 +193,7 @@ def offload_wrapper(
         The wrapped module.
 
     Example:
-        >>> apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+        >>> checkpoint_transformer_layers(model, check_fn=lambda m: isinstance(m, Block))
         >>> model = tsm.offload_wrapper(model)
         >>> loss = model(batch).sum(); loss.backward()
         >>> print(torch_sagemaker.offload.get_stats(model, reset=True).summary())

@@ -7,7 +7,7 @@
   of the package (``mistral``/``qwen2``/``mixtral`` reuse ``llama``'s plan builder).
 - ``registry``: ``POLICIES`` (the shipped ones, listed explicitly), ``register_policy`` for
   a user's own, and the lookups (``lookup_policy``, ``get_policy``,
-  ``transformer_layer_class``) the rest of the library uses.
+  ``transformer_layer_classes``) the rest of the library uses.
 
 Imports go one way: families -> ``model_policy``; ``registry`` -> families and
 ``model_policy``; this file re-exports. Generic machinery (``tensor_parallel``, ``sharding``,
@@ -43,7 +43,7 @@ from torch_sagemaker.policies.registry import (
     lookup_policy,
     register_policy,
     registered_policies,
-    transformer_layer_class,
+    transformer_layer_classes,
     unregister_policy,
 )
 
@@ -67,6 +67,6 @@ __all__ = [
     "register_policy",
     "registered_policies",
     "split_heads",
-    "transformer_layer_class",
+    "transformer_layer_classes",
     "unregister_policy",
 ]

@@ -5,8 +5,8 @@ explicitly (no folder scanning, no import side effects); ``register_policy`` add
 own policy, which then wins over the shipped ones for the classes it names. Other
 components find a model's policy and layer class here:
 
-    >>> from torch_sagemaker.policies import get_policy, transformer_layer_class
-    >>> transformer_layer_class(model)          # e.g. LlamaDecoderLayer, for fully_shard
+    >>> from torch_sagemaker.policies import get_policy, transformer_layer_classes
+    >>> transformer_layer_classes(model)        # e.g. (LlamaDecoderLayer,), for fully_shard
 """
 
 from __future__ import annotations
@@ -101,19 +101,50 @@ def get_policy(model: nn.Module) -> ModelPolicy | None:
     return None
 
 
-def transformer_layer_class(model: nn.Module) -> type[nn.Module]:
-    """The transformer layer class of a model: the unit to ``fully_shard``/checkpoint/offload.
+def transformer_layer_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
+    """The classes that make one FSDP / checkpointing / offloading unit of ``model``.
 
-    Uses the policy ``tsm.transform`` recorded, else looks the model up in the registry; no
-    other fallback. The units the library wraps come from
-    ``torch_sagemaker.sharding.transformer_layer_classes``, which calls this and, for a model
-    no policy covers, falls back to the Hugging Face model's ``_no_split_modules``.
+    The one rule, for every part of the library that needs a model's layers:
+
+    1. A model a policy covers (the one ``tsm.transform`` recorded, else the registry's for
+       its class): the policy's ``layer_class``. A policy whose layer class is not among the
+       model's modules is an error, not a reason to guess.
+    2. Any other model: the classes named by its Hugging Face ``_no_split_modules`` that
+       occur among its modules (what ``from_pretrained(device_map=...)`` keeps whole).
+
+    Args:
+        model: The model, possibly transformed or wrapped (the recorded policy is found
+            through ``checkpoint_wrapper`` / FSDP1 wrappers).
+
+    Returns:
+        One class for a policy's model; one or more from ``_no_split_modules`` otherwise.
 
     Raises:
-        ValueError: If the model is not covered by any policy.
+        ValueError: If the covering policy's layer class is missing from ``model``, or no
+            policy covers it and ``_no_split_modules`` names none of its modules.
+
+    Example:
+        >>> transformer_layer_classes(model)  # (LlamaDecoderLayer,), for fully_shard
     """
-    policy = get_policy(model) or lookup_policy(model)
-    return policy.layer_cls(model)
+    policy = get_policy(model)
+    if policy is None:
+        policy = next((p for p in registered_policies() if p.matches(model)), None)
+    if policy is not None:
+        return (policy.layer_cls(model),)
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found: dict[type[nn.Module], None] = {}  # first-seen order, so the result is stable
+    for module in model.modules():
+        if type(module).__name__ in names:
+            found[type(module)] = None
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__} has no transformer layer class: no policy covers it and "
+            f"its _no_split_modules ({sorted(names) or 'none'}) name none of its modules. Pass "
+            "layer_classes=(MyDecoderLayer,) (or check_fn=...), or describe the model with a "
+            "torch_sagemaker.policies.ModelPolicy and register_policy it; see "
+            "docs/tensor_parallel.md."
+        )
+    return tuple(found)
 
 
 __all__ = [
@@ -130,6 +161,6 @@ __all__ = [
     "lookup_policy",
     "register_policy",
     "registered_policies",
-    "transformer_layer_class",
+    "transformer_layer_classes",
     "unregister_policy",
 ]

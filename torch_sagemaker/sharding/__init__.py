@@ -6,20 +6,23 @@
 - FSDP2: ``shard_model(model)`` / ``fully_shard(..., mesh=fsdp2_mesh())``.
 - Which strategy and mesh: ``tsm.state.sharding_plan`` (``torch_sagemaker.sharding_plan``).
 - DDP: ``DistributedDataParallel(model, process_group=tsm.state.dp_process_group)``.
-- Activation checkpointing per transformer layer: ``apply_activation_checkpointing(model)``
+- Activation checkpointing per transformer layer: ``checkpoint_transformer_layers(model)``
   (non-reentrant ``checkpoint_wrapper``), before FSDP2 / before or after FSDP1.
+- The layer classes of a model (the unit of all three): ``transformer_layer_classes(model)``,
+  re-exported from ``torch_sagemaker.policies``, where its one rule lives.
 """
 
+from torch_sagemaker.policies import transformer_layer_classes
 from torch_sagemaker.sharding.activation_checkpointing import (
     CheckpointImpl,
-    apply_activation_checkpointing,
+    checkpoint_transformer_layers,
 )
 from torch_sagemaker.sharding.fsdp1 import exempt
-from torch_sagemaker.sharding.fsdp2 import fsdp2_mesh, shard_model, transformer_layer_classes
+from torch_sagemaker.sharding.fsdp2 import fsdp2_mesh, shard_model
 
 __all__ = [
     "CheckpointImpl",
-    "apply_activation_checkpointing",
+    "checkpoint_transformer_layers",
     "exempt",
     "fsdp2_mesh",
     "shard_model",

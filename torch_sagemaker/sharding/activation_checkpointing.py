@@ -1,5 +1,11 @@
 """Activation checkpointing per transformer layer, with PyTorch's ``checkpoint_wrapper``.
 
+``checkpoint_transformer_layers`` is this library's own function. It is not named after
+PyTorch's ``apply_activation_checkpointing`` (which SMP's example scripts import from
+``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` and call with
+``checkpoint_wrapper_fn=`` / ``check_fn=``), because it takes other arguments: one name, one
+signature. SMP exposes no function of its own for this.
+
 The unit is the model's transformer layer class, from its policy (the same unit FSDP
 shards and the offload wrapper offloads; see ``transformer_layer_classes``). Each layer is
 wrapped in place by ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``, non
@@ -21,12 +27,12 @@ from torch import nn
 
 from torch_sagemaker._torch_compat import checkpoint_wrapper as _cw
 from torch_sagemaker.logger import warn_once
-from torch_sagemaker.sharding.fsdp2 import transformer_layer_classes
+from torch_sagemaker.policies import transformer_layer_classes
 
 CheckpointImpl = _cw.CheckpointImpl
 
 
-def apply_activation_checkpointing(
+def checkpoint_transformer_layers(
     model: nn.Module,
     *,
     layer_classes: tuple[type[nn.Module], ...] | None = None,
@@ -52,29 +58,26 @@ def apply_activation_checkpointing(
         ``model`` (changed in place; the root itself is never wrapped).
 
     Raises:
-        ValueError: If both ``layer_classes`` and ``check_fn`` are given, or no module of
-            ``model`` matches.
+        ValueError: If both ``layer_classes`` and ``check_fn`` are given, no module of
+            ``model`` matches, or neither is given and ``model`` has no layer class
+            (``transformer_layer_classes``).
 
     Example:
         >>> model = tsm.transform(model)
-        >>> apply_activation_checkpointing(model)
+        >>> checkpoint_transformer_layers(model)
         >>> model = shard_model(model)
     """
     if layer_classes is not None and check_fn is not None:
         raise ValueError(
-            "apply_activation_checkpointing takes layer_classes or check_fn, not "
+            "checkpoint_transformer_layers takes layer_classes or check_fn, not "
             "both; fold the class test into check_fn."
         )
     if check_fn is None:
         classes = layer_classes or transformer_layer_classes(model)
-        what = (
-            f"module of class {[c.__name__ for c in classes]}"
-            if classes
-            else "transformer layer (no policy covers it and it lists no _no_split_modules)"
-        )
+        what = f"module of class {[c.__name__ for c in classes]}"
 
         def check_fn(module: nn.Module) -> bool:
-            return bool(classes) and isinstance(module, classes)
+            return isinstance(module, classes)
     else:
         what = "module matching check_fn"
     # A layer already inside a wrapper would otherwise be wrapped a second time (and
@@ -87,13 +90,13 @@ def apply_activation_checkpointing(
     }
     if not targets and not wrapped:
         raise ValueError(
-            f"apply_activation_checkpointing found no {what} in {type(model).__name__}. Pass "
+            f"checkpoint_transformer_layers found no {what} in {type(model).__name__}. Pass "
             "layer_classes=(MyDecoderLayer,) or check_fn=..., or register a policy for the model."
         )
     config = getattr(model, "config", None)  # FSDP1 forwards attribute lookups to the model
     if config is not None and getattr(config, "use_cache", False):
         warn_once(
-            "apply_activation_checkpointing: setting config.use_cache=False (a KV cache "
+            "checkpoint_transformer_layers: setting config.use_cache=False (a KV cache "
             "filled in forward would be filled again by the recomputation)"
         )
         config.use_cache = False

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch_sagemaker.context_parallel import check_prepared
 from torch_sagemaker.distributed.fsdp2_buffers import runs_on_smddp
 from torch_sagemaker.logger import log_rank0
-from torch_sagemaker.policies import transformer_layer_class
+from torch_sagemaker.policies import transformer_layer_classes
 from torch_sagemaker.sharding import cache_flush
 from torch_sagemaker.sharding.experts import fully_shard_experts
 from torch_sagemaker.state import state
@@ -30,19 +30,6 @@ def fsdp2_mesh() -> DeviceMesh:
     data-parallel rank, as FSDP1's FULL_SHARD.
     """
     return state.mesh(state.sharding_plan.fsdp2_dense)
-
-
-def transformer_layer_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
-    """The classes that make one FSDP / checkpointing / offloading unit of ``model``.
-
-    Uses the model's policy (the one ``tsm.transform`` recorded, else the registry's) and
-    falls back to the Hugging Face model's ``_no_split_modules`` for unregistered models.
-    """
-    try:
-        return (transformer_layer_class(model),)
-    except ValueError:
-        names = set(getattr(model, "_no_split_modules", None) or ())
-        return tuple({type(m) for m in model.modules() if type(m).__name__ in names})
 
 
 def shard_model(
@@ -80,12 +67,12 @@ def shard_model(
     check_prepared(model, state.cp_size, "shard_model")
     mesh = mesh if mesh is not None else fsdp2_mesh()
     classes = layer_classes or transformer_layer_classes(model)
-    layers = [m for m in model.modules() if isinstance(m, classes)]  # () matches nothing
-    if not layers:
+    layers = [m for m in model.modules() if isinstance(m, classes)]
+    if not layers:  # only given layer_classes can miss: the default ones come from the model
         raise ValueError(
-            f"shard_model found no transformer layer in {type(model).__name__} (looked for "
-            f"{[c.__name__ for c in classes] or 'the classes in _no_split_modules'}). Pass "
-            "layer_classes=(MyDecoderLayer,) or register a policy for the model."
+            f"shard_model found no module of class {[c.__name__ for c in classes]} in "
+            f"{type(model).__name__}. Pass the model's own layer_classes=(MyDecoderLayer,), "
+            "or leave them out to use its policy's (or _no_split_modules') layer class."
         )
     # Expert parallel models: experts (and fp32 routers) first, as units of their own.
     inner = fully_shard_experts(
