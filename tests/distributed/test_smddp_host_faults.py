@@ -67,6 +67,9 @@ def test_a_host_whose_link_goes_down_fails_every_rank_within_the_timeout(fault_r
     for rank, lost in [*((r, HOST1) for r in HOST0), *((r, HOST0) for r in HOST1)]:
         fault = results[rank]["link"]
         assert fault["error"], fault
+        # Both endings are right: the rank's own deadline passes ("timed out"), or a failure
+        # of the peers reaches it first ("failed: rank N: ..."); the ranks start the
+        # collective at different moments, so which of the two comes first varies by rank.
         assert "timed out" in fault["error"] or "failed" in fault["error"], fault
         assert _names_a_rank_of(fault["error"], lost), fault
         assert fault["seconds"] < FAULT_TIMEOUT_S + SLACK_S, fault

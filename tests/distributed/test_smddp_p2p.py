@@ -59,9 +59,8 @@ def _p2p_cases(expect_eager: bool) -> int:
     dist.barrier()
     if rank == 0:
         w = dist.isend(torch.ones(16), 1, tag=5)
-        assert w.is_completed() or not expect_eager, (
-            "a small isend over shared memory completes at once"
-        )
+        if expect_eager:  # over TCP (no ring) it may have gone out yet or not: no claim
+            assert w.is_completed(), "a small isend over shared memory completes at once"
         w.wait()
     elif rank == 1:
         one = torch.empty(16)
@@ -82,7 +81,8 @@ def _p2p_cases(expect_eager: bool) -> int:
         # store key orders; no sleep. It cannot complete before that recv: 2.4 MB exceed
         # the ring, so the eager path (Note [Eager point-to-point]) cannot take it.
         late = dist.isend(_payload(0, 600000, torch.float32, 4), 1, tag=4)
-        assert not late.is_completed() or not expect_eager, "a send larger than its ring"
+        if expect_eager:  # over TCP the socket buffers may take all of it at once: no claim
+            assert not late.is_completed(), "a send larger than its ring"
         store.set(_LATE_KEY, "posted")
         late.wait()
         dist.send(torch.ones(16), 1, tag=5)

@@ -471,9 +471,8 @@ def test_offload_wrapper_without_checkpointing_prefetches_over_transformer_layer
 def test_cache_flush_watch_warns_when_the_allocator_retried(monkeypatch):
     from torch_sagemaker.sharding import cache_flush
 
-    assert (
-        not cache_flush.watch(nn.Linear(2, 2)) or torch.cuda.is_available()
-    )  # CPU: nothing to watch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cache_flush.watch(nn.Linear(2, 2)) is False  # CPU: nothing to watch
     retries = [3]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_alloc_retries": retries[0]})
