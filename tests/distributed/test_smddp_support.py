@@ -94,6 +94,30 @@ def reference_reduce(xs: list[torch.Tensor], op: str, hosts: list[list[int]]) ->
     return total.to(dtype)
 
 
+def tell(key: str) -> None:
+    """Sets ``key`` in the default store: the rank that waits for it (``await_told``) goes on.
+
+    For the tests that need events in an order across ranks: a key says the event happened,
+    where a sleep would only make it likely (and wait longer than needed).
+    """
+    dist.distributed_c10d._get_default_store().set(key, "1")
+
+
+def await_told(key: str, timeout_s: float = 60.0) -> bool:
+    """Waits until some rank ``tell``s ``key``, then deletes it (the rank processes serve the
+    next test too). False if ``timeout_s`` ran out first: a test whose check would otherwise
+    hang (the other rank never tells) goes on and fails on its own assertions instead."""
+    from datetime import timedelta
+
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+    except RuntimeError:  # DistStoreError, a RuntimeError: the timeout ran out
+        return False
+    store.delete_key(key)
+    return True
+
+
 def runtime_errors(cases) -> list[str | None]:
     """Runs each callable; returns the text of the RuntimeError it raised, or None."""
     messages = []
