@@ -1,4 +1,10 @@
-"""Full export to a Hugging Face directory (SMP's ``translate_on_save``).
+"""Full export to a Hugging Face directory.
+
+The directory counterpart of what SMP's ``FullStateDictConfig(translate_on_save=True)`` gives
+an FSDP1 ``FULL_STATE_DICT`` (``sharding/fsdp1_state_dict.py``, the one implementation of that
+keyword): full tensors under Hugging Face keys. ``tsm.transform`` keeps the Hugging Face
+names, so nothing needs renaming; ``translate_fn`` is there for models whose parallel form
+does rename or fuse tensors.
 
 ``save_hf_checkpoint`` gathers the sharded (FSDP1, FSDP2, TP) model into full tensors with
 ``torch.distributed.checkpoint.state_dict.get_model_state_dict``, which also strips wrapper
@@ -73,7 +79,6 @@ def save_hf_checkpoint(
     output_dir: str | os.PathLike[str],
     *,
     config: Any = None,
-    translate_on_save: bool = True,
     translate_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     max_shard_size: int | str = "5GB",
     process_group: dist.ProcessGroup | None = None,
@@ -87,11 +92,9 @@ def save_hf_checkpoint(
         model: The model, possibly FSDP1/FSDP2-wrapped and tensor parallel.
         output_dir: Target directory (replaced atomically if it exists).
         config: A ``PretrainedConfig``; default the model's own ``config``.
-        translate_on_save: Map the state dict to the Hugging Face key layout with
-            ``translate_fn`` (the model keeps its HF names under ``tsm.transform``, so by
-            default nothing changes).
-        translate_fn: Optional ``fn(state_dict) -> state_dict`` for models whose parallel
-            form renames or fuses tensors.
+        translate_fn: Optional ``fn(state_dict) -> state_dict`` applied to the gathered
+            state dict, for models whose parallel form renames or fuses tensors (a
+            transformed model keeps its Hugging Face names and needs none).
         max_shard_size: Largest safetensors file; bigger models get several plus an index.
         process_group: Ranks that hold the model; default all ranks.
         coordinator_rank: Global rank that writes; default the group's first rank.
@@ -113,7 +116,7 @@ def save_hf_checkpoint(
     options = StateDictOptions(full_state_dict=True, cpu_offload=on_cuda)
     # A model's state dict holds tensors only (ValueType also covers optimizer states).
     full = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
-    if translate_on_save and translate_fn is not None:
+    if translate_fn is not None:
         full = translate_fn(full)
     path = atomic_dir.checkpoint_path(output_dir)
 
