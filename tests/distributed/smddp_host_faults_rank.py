@@ -87,12 +87,21 @@ def _rank(out: str) -> None:
     # 1. Host 1 stalls: both its ranks are stopped before they join the collective that
     # host 0's ranks wait in, past the timeout, then resumed.
     dist.barrier()
+    resumed = os.path.join(out, "host1_resumed")
     if rank == RANKS_PER_HOST:
         os.kill(pids[RANKS_PER_HOST + 1], signal.SIGSTOP)
         subprocess.Popen(
-            ["sh", "-c", f"sleep {STALL_S}; kill -CONT {host1_pids}"], start_new_session=True
+            ["sh", "-c", f"sleep {STALL_S}; touch {resumed}; kill -CONT {host1_pids}"],
+            start_new_session=True,
         )
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif rank == RANKS_PER_HOST + 1:
+        # Stopped while it waits here, never inside the collective: had it begun the
+        # all_reduce first, it would wait for rank 2 in shared memory and, resumed past its
+        # deadline, time out naming rank 2 before it read host 0's notice.
+        deadline = time.monotonic() + 60
+        while not os.path.exists(resumed) and time.monotonic() < deadline:
+            time.sleep(0.01)
     result["stall"] = _timed_all_reduce(groups["stall"])
     dist.barrier()
 
