@@ -114,6 +114,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("_listen_address",
            [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().listen_address(); })
       .def("_staging_trace", &smddp::ProcessGroupSMDDP::staging_trace)
+      // (seq, phase, begin_ns, end_ns, bytes) since the last call (Note [Timeline]).
+      .def("_timeline",
+           [](smddp::ProcessGroupSMDDP& pg) {
+             std::vector<std::tuple<uint64_t, std::string, int64_t, int64_t, uint64_t>> out;
+             for (const auto& s : pg.take_timeline())
+               out.emplace_back(s.seq, s.phase, s.begin_ns, s.end_ns, s.bytes);
+             return out;
+           })
       .def("_rejected_connections",
            [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().rejected_connections(); });
 

@@ -3,9 +3,9 @@
 //   tcp   - SMDDP_FORCE_LOCAL_SIZE=1: every rank its own "host", pure TCP mesh;
 //   hier  - SMDDP_FORCE_LOCAL_SIZE=2 with 4 ranks: 2 "hosts" of 2, the hierarchical
 //           algorithms (Note [Hierarchical collectives] in comm.h).
-// Buffers are small (16K data buffers, 4K chunks, 8K point-to-point rings) so that the
-// sizes below cross every boundary: empty, one element, odd, larger than a chunk and larger
-// than a buffer. Every result is compared exactly with data.h's reference.
+// Buffers are small (16K data buffers, 4K chunks and network messages, 8K point-to-point
+// rings) so that the sizes below cross every boundary: empty, one element, odd, larger than
+// a chunk and larger than a buffer. Every result is compared exactly with data.h's reference.
 #include <atomic>
 #include <set>
 
@@ -42,6 +42,9 @@ smddp::CommConfig config_of(const Topology& t) {
   s.worker_spin_us = 5;
   s.force_local_size = t.force_local_size;
   s.socket_addr = "127.0.0.1";
+  // The smallest messages across hosts: a part crosses in several of them, the last shorter
+  // (Note [Pipelined exchanges] in comm_hier.cpp).
+  s.net_chunk_bytes = 4 << 10;
   return cfg;
 }
 

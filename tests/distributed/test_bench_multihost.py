@@ -25,7 +25,16 @@ def short_run():
     if reason:
         pytest.skip(f"needs Linux network namespaces: {reason}")
     return multihost.run_layout(
-        2, 2, RATE, list(multihost.OPS), [SIZE], ["smddp", "gloo"], 2, 240, identical=True
+        2,
+        2,
+        RATE,
+        list(multihost.OPS),
+        [SIZE],
+        ["smddp", "gloo"],
+        2,
+        240,
+        identical=True,
+        timeline=True,
     )
 
 
@@ -56,6 +65,32 @@ def test_results_are_bit_identical_across_hosts(short_run):
             assert mine["all_gather"] == first["all_gather"] and mine["all_gather_exact"]
             assert mine["all_reduce_error"] < tolerance, (dtype, mine)
             assert mine["reduce_scatter_error"] < tolerance, (dtype, mine)
+
+
+def test_timeline_shows_each_phase_inside_its_call(short_run):
+    # 2 hosts of 2: shared memory inside a host, the network between them, and the
+    # reduction of what arrived (Note [Timeline], Note [Pipelined exchanges]).
+    expected = {
+        "all_reduce": {"local reduce_scatter", "network", "reduce", "local all_gather"},
+        "reduce_scatter_tensor": {"local reduce_scatter", "network", "reduce"},
+        "all_gather_into_tensor": {"network", "local all_gather"},
+    }
+    smddp_rows = [r for r in short_run["rows"] if r["backend"] == "smddp"]
+    assert {r["op"] for r in smddp_rows} == set(expected)
+    for r in smddp_rows:
+        assert len(r["timeline"]) == 4, r["op"]
+        for rank, spans in enumerate(r["timeline"]):
+            whole = [s for s in spans if s[0] == r["op"]]
+            assert len(whole) == 1, (r["op"], rank, spans)
+            _, begin, end, _ = whole[0]
+            phases = {s[0] for s in spans} - {r["op"]}
+            assert phases == expected[r["op"]], (r["op"], rank, phases)
+            for phase, b, e, _ in spans:
+                assert begin <= b <= e <= end, (r["op"], rank, phase)
+    for gloo in (r for r in short_run["rows"] if r["backend"] == "gloo"):
+        assert gloo["timeline"] is None
+    text = multihost.timeline_table(short_run["rows"])
+    assert "2x2 all_reduce 1 MiB: phases per rank, ms" in text and "| 3 | network |" in text
 
 
 def test_arguments_are_checked():

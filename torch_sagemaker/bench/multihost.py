@@ -185,6 +185,8 @@ def _rank_main(spec: dict[str, Any]) -> None:
                 dist.barrier()
                 before = netns.own_counters() if counts_nic else None
                 ports = netns.port_counters() if rank == 0 else None
+                if spec.get("timeline") and name == "smddp":
+                    _middle_call(group, op, 0)  # drops what the checked and warm-up calls left
                 times = []
                 for _ in range(spec["iters"]):
                     dist.barrier()
@@ -202,6 +204,8 @@ def _rank_main(spec: dict[str, Any]) -> None:
                     mine["port_drops"] = sum(
                         ports_after[p]["drops"] - ports[p]["drops"] for p in ports_after
                     )
+                if spec.get("timeline") and name == "smddp":
+                    mine["timeline"] = _middle_call(group, op, spec["iters"])
                 every: list[Any] = [None] * world
                 dist.all_gather_object(every, mine)
                 if rank == 0:
@@ -220,6 +224,58 @@ def _rank_main(spec: dict[str, Any]) -> None:
     end_rank()
 
 
+def _middle_call(group, op: str, calls: int) -> list[list]:
+    """The phases of the middle one of the last ``calls`` calls of ``op`` on this rank.
+
+    Rows ``[phase, begin_ns, end_ns, bytes]`` from smddp's timeline (Note [Timeline] in
+    csrc/smddp/common/timeline.h), which this call empties.
+    """
+    import torch
+
+    from torch_sagemaker._torch_compat import c10d as c10d_compat
+
+    spans = c10d_compat.backend_of(group, torch.device("cpu"))._timeline()
+    seqs = [seq for seq, phase, *_ in spans if phase == op]
+    if not calls or not seqs:
+        return []
+    middle = seqs[-calls:][calls // 2]
+    return [[phase, begin, end, n] for seq, phase, begin, end, n in spans if seq == middle]
+
+
+def timeline_table(rows: list[dict]) -> str:
+    """Where the time of one call went on each rank: its phases, in ms from the call's start.
+
+    The call is the middle timed call; the start is the earliest rank's. Phases that repeat
+    within the call (the reduction of each chunk) are one line: first start, last end, how
+    many, and their total time.
+    """
+    lines = []
+    for r in rows:
+        if not r.get("timeline"):
+            continue
+        from torch_sagemaker.bench.collectives_report import format_size
+
+        lines += [
+            f"\n{r['layout']} {r['op']} {format_size(r['bytes'])}: phases per rank, ms",
+            "| rank | phase | start | end | count | busy |",
+            "|---|---|---|---|---|---|",
+        ]
+        t0 = min(b for spans in r["timeline"] for _, b, _, _ in spans)
+        for rank, spans in enumerate(r["timeline"]):
+            merged: dict[str, list[float]] = {}
+            for phase, begin, end, _ in spans:
+                m = merged.setdefault(phase, [begin, end, 0, 0.0])
+                m[0], m[1] = min(m[0], begin), max(m[1], end)
+                m[2] += 1
+                m[3] += end - begin
+            for phase, (begin, end, count, busy) in sorted(merged.items(), key=lambda x: x[1][0]):
+                lines.append(
+                    f"| {rank} | {phase} | {(begin - t0) / 1e6:.2f} | {(end - t0) / 1e6:.2f} | "
+                    f"{count} | {busy / 1e6:.2f} |"
+                )
+    return "\n".join(lines)
+
+
 def _row(spec: dict[str, Any], op: str, size: int, backend: str, every: list[dict]) -> dict:
     calls = len(every[0]["times"])
     slowest = [max(r["times"][i] for r in every) for i in range(calls)]
@@ -233,6 +289,7 @@ def _row(spec: dict[str, Any], op: str, size: int, backend: str, every: list[dic
         "seconds": statistics.median(slowest),
         "tx_per_call": max(r["tx"] for r in nics) / calls,
         "drops": sum(r["drops"] for r in nics) + every[0]["port_drops"],
+        "timeline": [r["timeline"] for r in every] if "timeline" in every[0] else None,
     }
 
 
@@ -252,6 +309,8 @@ def _host_main(host: int, spec: dict[str, Any]) -> int:
             MASTER_PORT=str(MASTER_PORT),
             OMP_NUM_THREADS="1",
         )
+        if spec.get("timeline"):
+            env["SMDDP_TIMELINE"] = "1"
         env.pop("SMDDP_FORCE_LOCAL_SIZE", None)
         argv = [sys.executable, "-m", __spec__.name, "--rank-spec", json.dumps(spec)]
         procs.append(subprocess.Popen(argv, env=env))
@@ -274,6 +333,7 @@ def run_layout(
     identical: bool = False,
     train_backends: list[str] | None = None,
     train_steps: int = 3,
+    timeline: bool = False,
 ) -> dict[str, Any]:
     """Runs one layout's job.
 
@@ -298,6 +358,7 @@ def run_layout(
             "identical": identical,
             "train_backends": train_backends or [],
             "train_steps": train_steps,
+            "timeline": timeline,
             "out": out,
         }
         command = [sys.executable, "-m", __spec__.name, "--host", "{host}", json.dumps(spec)]
@@ -392,6 +453,12 @@ def main(argv: list[str] | None = None) -> int:
         "many ranks",
     )
     p.add_argument("--train-steps", type=int, default=3)
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also print, for each smddp row, where one call's time went on each rank "
+        "(SMDDP_TIMELINE)",
+    )
     args = p.parse_args(argv)
     reason = netns.unavailable_reason()
     if reason:
@@ -415,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
             args.timeout,
             train_backends=train,
             train_steps=args.train_steps,
+            timeline=args.timeline,
         )
         rows += got["rows"]
         if train:
@@ -424,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         trained[f"1x{world}"] = got["training"]
     print(f"NIC rate {args.rate} per host, both directions; float32; median of {args.iters} calls")
     print(table(rows, rate))
+    if args.timeline:
+        print(timeline_table(rows))
     if trained:
         print(f"\nFSDP2 training, small Llama, median of {args.train_steps} steps")
         print(training_table(trained))

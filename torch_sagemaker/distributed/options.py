@@ -42,6 +42,8 @@ class SMDDPOptions:
         force_local_size: Treat blocks of k consecutive global ranks as separate hosts.
         socket_addr: IPv4 address (or name) other hosts reach this rank at.
         socket_ifname: Network interface whose IPv4 address to use instead.
+        net_chunk_bytes: Collectives across hosts send each part in messages of this size.
+        timeline: Record when each collective and its phases across hosts began and ended.
         staging_chunk_bytes: Device tensors: bytes copied and reduced at a time (4K to 1G).
         staging_memory: Device tensors: host memory the copies land in, "auto", "pinned"
             or "pool".
@@ -62,6 +64,8 @@ class SMDDPOptions:
     force_local_size: int | None = None
     socket_addr: str | None = None
     socket_ifname: str | None = None
+    net_chunk_bytes: int | str | None = None
+    timeline: bool | None = None
     staging_chunk_bytes: int | str | None = None
     staging_memory: str | None = None
     stage_cpu: bool | None = None

@@ -95,6 +95,7 @@ Communicator::Communicator(KeyValue& kv, CommConfig cfg) : cfg_(std::move(cfg)) 
   }
   Deadline dl = Deadline::after(cfg_.timeout_s);
   oneshot_bytes_ = cfg_.settings.oneshot_bytes;
+  timeline_.enable(cfg_.settings.timeline);
   const std::string creating = "smddp: creating group '" + cfg_.group_name + "'";
   // Rank 0 of the group draws the shm nonce and the mesh secret; the store distributes them
   // (Note [TCP trust model] in tcp.h).

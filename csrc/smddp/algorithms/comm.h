@@ -17,17 +17,23 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "smddp/common/settings.h"
+#include "smddp/common/timeline.h"
 #include "smddp/transport/shm/shm.h"
 #include "smddp/transport/shm/shm_p2p.h"
 #include "smddp/transport/transport.h"
 
 namespace smddp {
+
+namespace shm {
+class ReduceScatterSteps;  // algorithms/shm_algos.h
+}  // namespace shm
 
 // The group's key-value store (c10d::Store in the backend).
 class KeyValue {
@@ -123,6 +129,8 @@ class Communicator {
   std::shared_ptr<ShmPool> pool() const { return shm_ ? shm_->pool() : nullptr; }
   // Collectives that read their operands in place from the pools (for tests and stats).
   uint64_t zero_copy_ops() const { return zero_copy_ops_.load(); }
+  // The phases of the collectives across hosts since the last call (SMDDP_TIMELINE=1).
+  std::vector<Timeline::Span> take_timeline() { return timeline_.take(); }
 
  private:
   template <typename F>
@@ -136,9 +144,36 @@ class Communicator {
   void connect_mesh(KeyValue& kv, const Deadline& dl);
   void setup_shm(KeyValue& kv, const Deadline& dl);
   void check_local_peers_alive(const std::string& what);
+  // Across hosts (comm_hier.cpp, Note [Pipelined exchanges] there). parts: one span per
+  // group rank, in elements (reduce_scatter) or bytes (allgather).
   void hier_reduce_scatter(const void* in, const std::vector<Span>& parts, void* dst,
                            const Reduction& red, const OpCtx& ctx);
   void hier_allgather(const void* src, void* out, const std::vector<Span>& parts, const OpCtx& ctx);
+  void hier_allreduce(void* data, size_t count, const Reduction& red, const OpCtx& ctx);
+  // The messages a part of `len` units of `esz` bytes crosses the network in (at least one).
+  std::vector<Span> net_chunks(size_t len, size_t esz) const;
+  // This host's partial sums (accumulation type) of my rail's parts, one per host: the
+  // input itself, or made by shared-memory steps that run during the exchange.
+  struct HostPartials {
+    std::vector<void*> ptr;                          // by host
+    std::vector<std::vector<int>> owned;             // rail_owned(), read by `steps`
+    std::unique_ptr<shm::ReduceScatterSteps> steps;  // null: ptr holds them all already
+    ~HostPartials();
+  };
+  void start_host_partials(HostPartials& hp, const void* in, const std::vector<Span>& parts,
+                           const Reduction& red, const OpCtx& ctx);
+  // Exchanges the partials along the rail and reduces my part into `dst` chunk by chunk;
+  // `reduced` runs after each chunk and may post sends, and `more_recvs` are received in
+  // the same exchange.
+  void rail_reduce_scatter(HostPartials& hp, const std::vector<Span>& parts, void* dst,
+                           const Reduction& red, const OpCtx& ctx,
+                           std::vector<TransportOp> more_recvs,
+                           const std::function<void(Exchange&, Span)>& reduced);
+  // The receives of the other hosts' rail parts (spans of `unit` bytes) into `out`.
+  std::vector<TransportOp> rail_allgather_recvs(char* out, const std::vector<Span>& parts,
+                                                size_t unit, const OpCtx& ctx);
+  // The shared-memory all-gather of the rail parts inside this host (parts in bytes).
+  void local_allgather(char* out, const std::vector<Span>& parts, const OpCtx& ctx);
   // Rooted gather/scatter of lens[r] bytes per group rank r (Note [Rooted collectives]);
   // dst / src: one pointer per group rank, on the root only.
   void rooted_gather(const void* in, const std::vector<size_t>& lens, const std::vector<char*>& dst,
@@ -158,6 +193,8 @@ class Communicator {
   // the one that learned of a failure on another host).
   void exchange(const std::vector<TransportOp>& sends, const std::vector<TransportOp>& recvs,
                 const OpCtx& ctx);
+  void exchange(Exchange& x, const OpCtx& ctx);
+  static uint64_t check_of(const OpCtx& ctx);        // the collective's descriptor, for messages
   std::vector<std::vector<int>> rail_owned() const;  // local index -> parts of its rail
   uint64_t tag(const OpCtx& ctx, int stage) const;
   char* scratch(size_t bytes);
@@ -192,6 +229,8 @@ class Communicator {
   std::atomic<uint32_t> poll_round_{0};  // rotates the first peer a receive from any polls
   std::string broken_;                   // first error; the group is unusable afterwards
   std::vector<char> scratch_;
+  std::vector<char> incoming_;  // the other hosts' partials of my part (rail_reduce_scatter)
+  Timeline timeline_;           // Note [Timeline]
 };
 
 }  // namespace smddp

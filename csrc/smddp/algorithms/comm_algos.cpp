@@ -37,6 +37,7 @@ void Communicator::guarded(OpCtx& ctx, bool numbered, F&& body) {
   if (numbered) ctx.seq = next_seq_++;
   ctx.deadline = Deadline::after(ctx.deadline.seconds);
   try {
+    Timeline::Phase whole(timeline_, ctx.seq, ctx.name);  // Note [Timeline]
     body();
     // Read by TCP waits (Note [Exits are not failures]) and before a descriptor slot is
     // reused (Note [Mismatch detection] in shm.h).
@@ -49,14 +50,21 @@ void Communicator::guarded(OpCtx& ctx, bool numbered, F&& body) {
 
 void Communicator::exchange(const std::vector<TransportOp>& sends,
                             const std::vector<TransportOp>& recvs, const OpCtx& ctx) {
-  net_->exchange(sends, recvs, ctx, [&] { shm_->check_local_peers(ctx); });
+  Exchange x{sends, recvs, {}, {}, {}};
+  exchange(x, ctx);
+}
+
+void Communicator::exchange(Exchange& x, const OpCtx& ctx) {
+  Timeline::Phase phase(timeline_, ctx.seq, "network");
+  x.health = [&] { shm_->check_local_peers(ctx); };
+  net_->exchange(x, ctx);
 }
 
 uint64_t Communicator::tag(const OpCtx& ctx, int stage) const {
   return collective_tag(ctx.seq, stage);
 }
 
-static uint64_t check_of(const OpCtx& ctx) {
+uint64_t Communicator::check_of(const OpCtx& ctx) {
   return (static_cast<uint64_t>(ctx.desc.kind) << 32) ^ ctx.desc.dtype_op ^
          (ctx.desc.count * 0x9e3779b97f4a7c15ull) ^ ctx.desc.extra;
 }
@@ -80,15 +88,7 @@ void Communicator::allreduce(void* data, size_t count, const Reduction& red, OpC
       shm::allreduce(*shm_, data, count, red, ctx, oneshot_bytes_);
       return;
     }
-    const size_t esz = dtype_size(red.dtype);
-    std::vector<Span> parts(cfg_.size), bytes(cfg_.size);
-    for (int p = 0; p < cfg_.size; ++p) {
-      parts[p] = partition(count, cfg_.size, p, 64 / esz);
-      bytes[p] = {parts[p].off * esz, parts[p].len * esz};
-    }
-    char* base = static_cast<char*>(data);
-    hier_reduce_scatter(data, parts, base + bytes[cfg_.rank].off, red, ctx);
-    hier_allgather(base + bytes[cfg_.rank].off, data, bytes, ctx);
+    hier_allreduce(data, count, red, ctx);
   });
 }
 
@@ -128,57 +128,6 @@ void Communicator::allgather(const void* in, void* out, size_t bytes, OpCtx ctx)
     }
     hier_allgather(in, out, parts, ctx);
   });
-}
-
-void Communicator::hier_reduce_scatter(const void* in, const std::vector<Span>& parts, void* dst,
-                                       const Reduction& red, const OpCtx& ctx) {
-  const int H = layout_.hosts, me = layout_.host;
-  const DType acc = acc_type(red.dtype);
-  const size_t aesz = dtype_size(acc);
-  auto owned = rail_owned();
-  const auto& mine = owned[layout_.local_rank];
-  // Scratch: the host partials of my rail's parts, then the partials received for my part.
-  std::vector<size_t> off(H + 1, 0);
-  for (int h = 0; h < H; ++h) off[h + 1] = off[h] + parts[mine[h]].len * aesz;
-  const size_t my_len = parts[cfg_.rank].len;
-  char* buf = scratch(off[H] + H * my_len * aesz);
-  char* recv_base = buf + off[H];
-  std::vector<void*> partial(H);
-  for (int h = 0; h < H; ++h) partial[h] = buf + off[h];
-  shm::reduce_scatter(*shm_, in, parts, owned, partial, red, false, ctx);
-
-  std::vector<TransportOp> sends, recvs;
-  const uint64_t chk = check_of(ctx);
-  for (int h = 0; h < H; ++h) {
-    if (h == me) continue;
-    sends.push_back({rail_[h], tag(ctx, 1), buf + off[h], off[h + 1] - off[h], chk});
-    recvs.push_back({rail_[h], tag(ctx, 1), recv_base + h * my_len * aesz, my_len * aesz, chk});
-  }
-  exchange(sends, recvs, ctx);
-  std::vector<const void*> srcs(H);
-  for (int h = 0; h < H; ++h) srcs[h] = h == me ? partial[h] : recv_base + h * my_len * aesz;
-  smddp::reduce(acc, red.dtype, dst, srcs.data(), H, my_len, red, true);
-}
-
-void Communicator::hier_allgather(const void* src, void* out, const std::vector<Span>& parts,
-                                  const OpCtx& ctx) {
-  const int H = layout_.hosts, me = layout_.host;
-  char* base = static_cast<char*>(out);
-  const Span& own = parts[cfg_.rank];
-  if (src != base + own.off && own.len) std::memmove(base + own.off, src, own.len);
-  std::vector<TransportOp> sends, recvs;
-  const uint64_t chk = check_of(ctx);
-  for (int h = 0; h < H; ++h) {
-    if (h == me) continue;
-    sends.push_back({rail_[h], tag(ctx, 2), base + own.off, own.len, chk});
-    const Span& p = parts[rail_[h]];
-    recvs.push_back({rail_[h], tag(ctx, 2), base + p.off, p.len, chk});
-  }
-  exchange(sends, recvs, ctx);
-  auto owned = rail_owned();
-  std::vector<const void*> srcs;
-  for (int p : owned[layout_.local_rank]) srcs.push_back(base + parts[p].off);
-  shm::allgather(*shm_, srcs, out, parts, owned, ctx);
 }
 
 void Communicator::broadcast(void* data, size_t bytes, int root, OpCtx ctx) {
@@ -276,8 +225,8 @@ void Communicator::reduce(void* data, size_t count, const Reduction& red, int ro
       lens[p] = parts[p].len * esz;
       if (cfg_.rank == root) dst.push_back(base + parts[p].off * esz);
     }
-    // The root reduces its part in place (hier_reduce_scatter reads all of `data` first);
-    // the others into a private buffer, since their `data` is read-only.
+    // The root reduces its part in place (in place is safe: Note [Pipelined exchanges] in
+    // comm_hier.cpp); the others into a private buffer, since their `data` is read-only.
     std::vector<char> own(cfg_.rank == root ? 0 : lens[cfg_.rank]);
     char* mine = cfg_.rank == root ? dst[cfg_.rank] : own.data();
     hier_reduce_scatter(data, parts, mine, red, ctx);

@@ -94,42 +94,60 @@ void allreduce(ShmComm& c, void* data, size_t count, const Reduction& red, const
   }
 }
 
+ReduceScatterSteps::ReduceScatterSteps(ShmComm& c, const void* in, const std::vector<Span>& parts,
+                                       const std::vector<std::vector<int>>& owned,
+                                       const std::vector<void*>& dst, const Reduction& red,
+                                       bool finish, const OpCtx& ctx)
+    : c_(c),
+      src_(static_cast<const char*>(in)),
+      parts_(parts),
+      owned_(owned),
+      dst_(dst),
+      red_(red),
+      finish_(finish),
+      ctx_(ctx),
+      esz_(dtype_size(red.dtype)),
+      out_t_(finish ? red.dtype : acc_type(red.dtype)),
+      srcs_(c.size()) {
+  out_esz_ = dtype_size(out_t_);
+  for (const Span& p : parts) maxlen_ = std::max(maxlen_, p.len);
+  // Each step carries one chunk of every part: bounded by the buffer, and by the pipeline
+  // chunk per part so the step's reads stay in cache.
+  chunk_ = std::min(chunk_elems(c.buffer_bytes(), parts.size(), esz_),
+                    chunk_elems(c.chunk_bytes(), 1, esz_));
+}
+
+void ReduceScatterSteps::step() {
+  if (done_) return;
+  const int n = c_.size(), me = c_.rank();
+  const size_t o = next_;
+  uint64_t s = c_.begin_step(ctx_, first_);
+  first_ = false;
+  // My buffer holds the same chunk of every part: part p at p * chunk elements.
+  for (size_t p = 0; p < parts_.size(); ++p) {
+    Span piece = clip(parts_[p], o, chunk_);
+    copy_in(c_.mine(s, p * chunk_ * esz_, piece.len * esz_), src_ + piece.off * esz_, piece.len,
+            red_);
+  }
+  c_.post(s, 1);
+  c_.wait_all(s, 1, ctx_);
+  for (size_t k = 0; k < owned_[me].size(); ++k) {
+    int p = owned_[me][k];
+    Span piece = clip(parts_[p], o, chunk_);
+    for (int i = 0; i < n; ++i) srcs_[i] = c_.peer(i, s) + p * chunk_ * esz_;
+    reduce(red_.dtype, out_t_, static_cast<char*>(dst_[k]) + o * out_esz_, srcs_.data(), n,
+           piece.len, red_, finish_);
+  }
+  c_.end_step(s);
+  next_ = o + chunk_;
+  done_ = next_ >= maxlen_;
+}
+
 void reduce_scatter(ShmComm& c, const void* in, const std::vector<Span>& parts,
                     const std::vector<std::vector<int>>& owned, const std::vector<void*>& dst,
                     const Reduction& red, bool finish, const OpCtx& ctx) {
-  const int n = c.size(), me = c.rank();
-  const size_t nparts = parts.size();
-  const size_t esz = dtype_size(red.dtype);
-  const DType out_t = finish ? red.dtype : acc_type(red.dtype);
-  const size_t out_esz = dtype_size(out_t);
-  const char* src = static_cast<const char*>(in);
-  size_t maxlen = 0;
-  for (const Span& p : parts) maxlen = std::max(maxlen, p.len);
-  // Each step carries one chunk of every part: bounded by the buffer, and by the pipeline
-  // chunk per part so the step's reads stay in cache.
-  const size_t chunk =
-      std::min(chunk_elems(c.buffer_bytes(), nparts, esz), chunk_elems(c.chunk_bytes(), 1, esz));
-  std::vector<const void*> srcs(n);
-  bool first = true;
-  for (size_t o = 0; o < maxlen || first; o += chunk) {
-    uint64_t s = c.begin_step(ctx, first);
-    first = false;
-    // My buffer holds the same chunk of every part: part p at p * chunk elements.
-    for (size_t p = 0; p < nparts; ++p) {
-      Span piece = clip(parts[p], o, chunk);
-      copy_in(c.mine(s, p * chunk * esz, piece.len * esz), src + piece.off * esz, piece.len, red);
-    }
-    c.post(s, 1);
-    c.wait_all(s, 1, ctx);
-    for (size_t k = 0; k < owned[me].size(); ++k) {
-      int p = owned[me][k];
-      Span piece = clip(parts[p], o, chunk);
-      for (int i = 0; i < n; ++i) srcs[i] = c.peer(i, s) + p * chunk * esz;
-      reduce(red.dtype, out_t, static_cast<char*>(dst[k]) + o * out_esz, srcs.data(), n, piece.len,
-             red, finish);
-    }
-    c.end_step(s);
-  }
+  ReduceScatterSteps steps(c, in, parts, owned, dst, red, finish, ctx);
+  while (!steps.done()) steps.step();
 }
 
 void allgather(ShmComm& c, const std::vector<const void*>& src, void* out,

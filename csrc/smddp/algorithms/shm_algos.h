@@ -3,6 +3,7 @@
 // arguments; pointers are plain host memory (the caller staged non-contiguous tensors).
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "smddp/transport/shm/shm.h"
@@ -49,6 +50,35 @@ void allreduce(ShmComm& c, void* data, size_t count, const Reduction& red, const
 void reduce_scatter(ShmComm& c, const void* in, const std::vector<Span>& parts,
                     const std::vector<std::vector<int>>& owned, const std::vector<void*>& dst,
                     const Reduction& red, bool finish, const OpCtx& ctx);
+
+// The same reduce-scatter one step at a time, for a caller that does other work between
+// steps (Note [Pipelined exchanges] in comm_hier.cpp). Every local rank must run every
+// step, in order; a step waits only for the other local ranks' same step. The arguments
+// must outlive the object.
+class ReduceScatterSteps {
+ public:
+  ReduceScatterSteps(ShmComm& c, const void* in, const std::vector<Span>& parts,
+                     const std::vector<std::vector<int>>& owned, const std::vector<void*>& dst,
+                     const Reduction& red, bool finish, const OpCtx& ctx);
+  bool done() const { return done_; }
+  // Elements from the start of every part that are final in dst (all of them once done).
+  size_t ready() const { return done_ ? SIZE_MAX : next_; }
+  void step();
+
+ private:
+  ShmComm& c_;
+  const char* src_;
+  const std::vector<Span>& parts_;
+  const std::vector<std::vector<int>>& owned_;
+  const std::vector<void*>& dst_;
+  const Reduction& red_;
+  bool finish_;
+  const OpCtx& ctx_;
+  size_t esz_, out_esz_, maxlen_ = 0, chunk_, next_ = 0;
+  DType out_t_;
+  bool first_ = true, done_ = false;
+  std::vector<const void*> srcs_;
+};
 
 // All-gather over parts given in bytes: local rank i contributes the parts owned[i], this
 // rank reading its own from src[k] for owned[me][k]; every rank writes every part p to

@@ -109,6 +109,11 @@ const Communicator& ProcessGroupSMDDP::comm() const {
   return *comm_;
 }
 
+std::vector<Timeline::Span> ProcessGroupSMDDP::take_timeline() {
+  InUse use = enter();
+  return live_comm().take_timeline();
+}
+
 // Note [Shutdown waits for the calls in flight]
 // dist.destroy_process_group(group) may run while another thread is inside a call on the
 // group: a synchronous collective running in the caller's thread (Note [Synchronous calls

@@ -45,6 +45,12 @@ const std::vector<SettingInfo> kSettings = {
     {"socket_ifname", "SMDDP_SOCKET_IFNAME", "name", "",
      "network interface whose IPv4 address to use instead (default: the first non-loopback "
      "interface); set at most one of the two"},
+    {"net_chunk_bytes", "SMDDP_NET_CHUNK_BYTES", "bytes", "512K",
+     "collectives across hosts send each part in messages of this many bytes, so what "
+     "arrived is reduced and sent on while the rest still arrives (4K to 1G)"},
+    {"timeline", "SMDDP_TIMELINE", "flag", "0",
+     "1: record when each collective and each of its phases across hosts began and ended "
+     "(bench multihost --timeline prints them)"},
     {"staging_chunk_bytes", "SMDDP_STAGING_CHUNK_BYTES", "bytes", "4M",
      "device tensors: the all-reduce copies and reduces this many bytes at a time, so the "
      "copies of one chunk overlap the reduction of the next (4K to 1G)"},
@@ -173,6 +179,10 @@ void apply(Settings& s, const std::string& field, const std::string& source,
     s.socket_addr = text;
   } else if (field == "socket_ifname") {
     s.socket_ifname = text;
+  } else if (field == "net_chunk_bytes") {
+    s.net_chunk_bytes = bytes(4 * kKiB, kGiB, false);
+  } else if (field == "timeline") {
+    s.timeline = parse_flag(source, text);
   } else if (field == "staging_chunk_bytes") {
     s.staging_chunk_bytes = bytes(4 * kKiB, kGiB, false);
   } else if (field == "staging_memory") {
@@ -239,6 +249,8 @@ std::map<std::string, std::string> describe(const Settings& s) {
       {"force_local_size", std::to_string(s.force_local_size)},
       {"socket_addr", s.socket_addr},
       {"socket_ifname", s.socket_ifname},
+      {"net_chunk_bytes", std::to_string(s.net_chunk_bytes)},
+      {"timeline", s.timeline ? "1" : "0"},
       {"staging_chunk_bytes", std::to_string(s.staging_chunk_bytes)},
       {"staging_memory", s.staging_memory},
       {"stage_cpu", s.stage_cpu ? "1" : "0"},
@@ -248,8 +260,9 @@ std::map<std::string, std::string> describe(const Settings& s) {
 
 std::vector<std::pair<std::string, std::string>> shared_settings(const Settings& s) {
   // Note [Settings every rank shares]: the fields, valued as describe() shows them.
-  static const char* const kShared[] = {"buffer_bytes",  "pool_bytes", "chunk_bytes",
-                                        "oneshot_bytes", "p2p_bytes",  "force_local_size"};
+  static const char* const kShared[] = {"buffer_bytes",   "pool_bytes", "chunk_bytes",
+                                        "oneshot_bytes",  "p2p_bytes",  "force_local_size",
+                                        "net_chunk_bytes"};
   const std::map<std::string, std::string> text = describe(s);
   std::vector<std::pair<std::string, std::string>> out;
   for (const SettingInfo& info : kSettings) {

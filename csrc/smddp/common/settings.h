@@ -36,7 +36,10 @@ struct Settings {
   bool move_off_cpu = false;
   std::string socket_addr;  // "": see socket_ifname, else the first non-loopback address
   std::string socket_ifname;
-  double timeout_s = 0;  // 0: the timeout c10d passes (init_process_group / new_group)
+  // Note [Pipelined exchanges] in comm_hier.cpp: 512K measured best (bench multihost).
+  size_t net_chunk_bytes = 512 << 10;
+  bool timeline = false;  // Note [Timeline] in timeline.h
+  double timeout_s = 0;   // 0: the timeout c10d passes (init_process_group / new_group)
   // Device tensors (Note [Device staging] in device_staging.h).
   size_t staging_chunk_bytes = 4 << 20;
   std::string staging_memory = "auto";  // "auto", "pinned" or "pool"

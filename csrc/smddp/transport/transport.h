@@ -16,7 +16,9 @@
 // over EFA is one new directory, transport/<fabric>/, with a class that implements
 // Transport, and one case in make_transport() (transport.cpp): the algorithms do not change.
 // It must keep what the algorithms rely on: a send's span may be reused once exchange()
-// returns; messages between a pair of ranks with the same tag arrive in order; exchange()
+// returns; messages between a pair of ranks with the same tag arrive in order, and a
+// peer's sends leave in the order they were posted, also those posted while the exchange
+// runs (Note [Pipelined exchanges] in algorithms/comm_algos.cpp); exchange()
 // ends with CommError by the operation's deadline naming the peers still missing; and the
 // `health` callback runs while it waits (the local ranks' failure flags). Authentication
 // (Note [TCP trust model] in tcp/tcp.h) is the transport's own: the group secret is its
@@ -27,6 +29,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "smddp/common/common.h"
@@ -42,6 +45,25 @@ struct TransportOp {
   char* data = nullptr;
   size_t len = 0;
   uint64_t check = 0;
+};
+
+// A set of sends and receives a collective step progresses together (Transport::exchange).
+// Note [Pipelined exchanges]: the algorithm may post more sends while it runs, from
+// `on_received`, so that what arrived is reduced and sent on while the rest still arrives.
+struct Exchange {
+  std::vector<TransportOp> sends, recvs;
+  // Runs, on the exchanging thread, once recvs[i] is whole; may append to `sends`. A peer
+  // gets the sends meant for it in the order they were appended; receives with the same
+  // peer and tag take that peer's messages with the tag in the order the receives were
+  // posted.
+  std::function<void(size_t i)> on_received;
+  // Work this rank interleaves with the exchange (a shared-memory step of the collective),
+  // run between rounds while it returns true (more remains); the exchange does not end
+  // before it returned false. It may append to `sends`, and must never wait for this
+  // exchange's messages (only for this host's ranks doing the same work).
+  std::function<bool()> work;
+  // Runs while the exchange waits and may throw to end it (the local ranks' failure flags).
+  std::function<void()> health;
 };
 
 // Tags of collective messages: bit 63 set (user send/recv tags are 32-bit), then the
@@ -64,12 +86,16 @@ class Transport {
   // malformed one, naming its rank.
   virtual void set_peers(const std::vector<std::string>& endpoints) = 0;
 
-  // Posts every send and receive and progresses them together until all are done; throws
-  // CommError on the deadline (naming the peers still missing), a peer's failure notice,
-  // or a mismatch. `health`, when given, runs while it waits and may throw to end the wait.
-  virtual void exchange(const std::vector<TransportOp>& sends,
-                        const std::vector<TransportOp>& recvs, const OpCtx& ctx,
-                        const std::function<void()>& health = {}) = 0;
+  // Posts every send and receive of `x` and progresses them together until all are done,
+  // the sends that `x.on_received` adds included; throws CommError on the deadline (naming
+  // the peers still missing), a peer's failure notice, or a mismatch.
+  virtual void exchange(Exchange& x, const OpCtx& ctx) = 0;
+  // The same for a fixed set of sends and receives.
+  void exchange(std::vector<TransportOp> sends, std::vector<TransportOp> recvs, const OpCtx& ctx,
+                std::function<void()> health = {}) {
+    Exchange x{std::move(sends), std::move(recvs), {}, {}, std::move(health)};
+    exchange(x, ctx);
+  }
   // Takes the next message with `tag` from `peer` into `data` if it has arrived; never
   // blocks past what one message's arrival needs (TcpMesh::take in tcp/tcp.h).
   virtual bool take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& ctx,

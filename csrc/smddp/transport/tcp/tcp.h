@@ -141,12 +141,13 @@ class TcpMesh final : public Transport {
   const std::string& address() const override { return address_; }
   void set_peers(const std::vector<std::string>& endpoints) override;
 
-  // Progresses all sends and receives concurrently until done; throws CommError on
-  // timeout (naming the peers still missing), a closed connection, a peer's failure notice
-  // or a size mismatch. `health`, when given, runs between polls and may throw to end the
-  // wait (the collectives pass a check of the local ranks' failure flags).
-  void exchange(const std::vector<Op>& sends, const std::vector<Op>& recvs, const OpCtx& ctx,
-                const std::function<void()>& health = {}) override;
+  // Progresses all sends and receives concurrently until done, with the sends that
+  // `x.on_received` adds; throws CommError on timeout (naming the peers still missing), a
+  // closed connection, a peer's failure notice or a size mismatch. `x.health`, when given,
+  // runs between polls and may throw to end the wait (the collectives pass a check of the
+  // local ranks' failure flags).
+  void exchange(Exchange& x, const OpCtx& ctx) override;
+  using Transport::exchange;
 
   // Takes the next message with `tag` from `peer` into `data` if it has fully arrived,
   // reading what the connection holds (messages with other tags are stashed). Raises, as

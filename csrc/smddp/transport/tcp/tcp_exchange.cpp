@@ -140,11 +140,44 @@ void TcpMesh::read_frames_of(Conn& c, int peer, int fd, Route& route, const OpCt
   }
 }
 
-void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recvs, const OpCtx& ctx,
-                       const std::function<void()>& health) {
-  std::vector<SendState> ss(sends.size());
+void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
+  std::vector<Op>& sends = x.sends;
+  const std::vector<Op>& recvs = x.recvs;
+  const std::function<void()>& health = x.health;
+  std::vector<SendState> ss;
   std::vector<uint8_t> rdone(recvs.size(), 0), rtargeted(recvs.size(), 0);
-  size_t pending = sends.size() + recvs.size();
+  size_t pending = recvs.size();
+  // How many sends and receives each (peer, tag) has: a header says how many bytes its
+  // sender expects back (Header::expect) only where the pair exchanges one message each.
+  auto count_of = [](const std::vector<Op>& ops, int peer, uint64_t tag) {
+    size_t n = 0;
+    for (const Op& o : ops) n += o.peer == peer && o.tag == tag;
+    return n;
+  };
+  // Gives the sends appended since the last call (by x.on_received) their headers.
+  bool fresh_sends = false;  // adopted since the sends were last pumped
+  auto adopt_sends = [&] {
+    const size_t first = ss.size();
+    if (first == sends.size()) return;
+    fresh_sends = true;
+    ss.resize(sends.size());
+    pending += sends.size() - first;
+    Header h;
+    h.call = CallSummary::of(ctx);
+    for (size_t i = first; i < sends.size(); ++i) {
+      h.tag = sends[i].tag;
+      h.len = sends[i].len;
+      h.check = sends[i].check;
+      h.expect = kNoReply;
+      if (count_of(recvs, sends[i].peer, sends[i].tag) == 1) {
+        for (const Op& r : recvs) {
+          if (r.peer == sends[i].peer && r.tag == sends[i].tag) h.expect = r.len;
+        }
+      }
+      std::memcpy(ss[i].hdr, &h, sizeof(h));
+    }
+  };
+  adopt_sends();
 
   // A message with the tag `r` waits for must also agree on size and check.
   auto check_match = [&](int peer, const Op& r, const Header& h) {
@@ -155,7 +188,7 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
                     std::to_string(r.len) + " (split or tensor sizes differ across ranks)",
                 ctx);
     }
-    if (h.expect == kNoReply) return;
+    if (h.expect == kNoReply || count_of(sends, peer, h.tag) != 1) return;
     for (const Op& s : sends) {
       if (s.peer == peer && s.tag == h.tag && s.len != h.expect) {
         fail_peer(peer,
@@ -170,6 +203,10 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
   auto finish_recv = [&](size_t i) {
     rdone[i] = 1;
     --pending;
+    if (x.on_received) {
+      x.on_received(i);
+      adopt_sends();
+    }
   };
   // A complete stashed message satisfies the oldest matching receive.
   auto match_stash = [&](int peer) {
@@ -285,43 +322,36 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
     }
   } unlock{ss, sends, conns_};
 
-  if (!sends.empty()) {
-    Header h;
-    h.call = CallSummary::of(ctx);
-    for (size_t i = 0; i < sends.size(); ++i) {
-      h.tag = sends[i].tag;
-      h.len = sends[i].len;
-      h.check = sends[i].check;
-      h.expect = kNoReply;
-      for (const Op& r : recvs) {
-        if (r.peer == sends[i].peer && r.tag == sends[i].tag) h.expect = r.len;
-      }
-      std::memcpy(ss[i].hdr, &h, sizeof(h));
-    }
-  }
-
   std::vector<pollfd> fds;
-  while (pending) {
+  std::vector<uint8_t> blocked(static_cast<size_t>(size_), 0);
+  bool working = static_cast<bool>(x.work);
+  while (pending || working) {
     bool waiting_for_something = false;
+    if (working) {
+      working = x.work();
+      adopt_sends();
+    }
+    // A peer gets its messages in posting order: after an unfinished send to a peer, its
+    // later sends wait for the next round.
+    std::fill(blocked.begin(), blocked.end(), 0);
+    fresh_sends = false;
     for (size_t i = 0; i < sends.size(); ++i) {
       if (ss[i].finished) continue;
-      Conn& c = *conns_[sends[i].peer];
+      const int peer = sends[i].peer;
+      if (blocked[peer]) continue;
+      Conn& c = *conns_[peer];
       if (!ss[i].locked) {
-        // Another send to the same peer in this exchange, or the send lane, owns the
-        // connection: try again on the next round.
-        bool busy = false;
-        for (size_t j = 0; j < i; ++j) {
-          if (ss[j].locked && sends[j].peer == sends[i].peer) busy = true;
-        }
-        if (busy || !c.write_mu.try_lock()) {
+        if (!c.write_mu.try_lock()) {  // the send lane is writing a message to this peer
           waiting_for_something = true;
+          blocked[peer] = 1;
           continue;
         }
         ss[i].locked = true;
-        if (c.out_fd < 0) c.out_fd = connect_to(sends[i].peer, ctx);
+        if (c.out_fd < 0) c.out_fd = connect_to(peer, ctx);
         c.partial = true;  // until its last byte is written
       }
       pump_out(i);
+      if (!ss[i].finished) blocked[peer] = 1;
     }
     for (size_t i = 0; i < recvs.size(); ++i) {
       if (rdone[i]) continue;
@@ -332,7 +362,7 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
       }
       pump_in(recvs[i].peer, fd);
     }
-    if (!pending) break;
+    if (!pending && !working) break;
     if (aborted_.load()) {
       throw CommError("smddp: " + ctx.describe() + " on group '" + group_name_ +
                       "' was aborted: the process group was shut down");
@@ -355,6 +385,9 @@ void TcpMesh::exchange(const std::vector<Op>& sends, const std::vector<Op>& recv
                       " (over TCP)");
     }
     if (health) health();
+    // Sends that a receive just added go out now: the peer may wait for them before it
+    // sends anything this rank could wake up for.
+    if (fresh_sends || working) continue;
     fds.clear();
     for (size_t i = 0; i < sends.size(); ++i) {
       if (ss[i].locked && !ss[i].finished)

@@ -1,0 +1,235 @@
+// The collectives of a Communicator across hosts (Note [Hierarchical collectives] in
+// comm.h): shared memory inside a host, the rail's exchange over the network between hosts.
+//
+// Note [Pipelined exchanges]
+// The network step of a reduce-scatter used to run as three phases one after another:
+// every host partial went out, then the partials that came in were reduced, then (in an
+// all-reduce) the reduced part went out again. The network idled while this rank reduced,
+// and nothing was reduced while it waited (bench multihost --timeline showed it). Now the
+// parts cross the network in chunks of SMDDP_NET_CHUNK_BYTES, one message each, and the
+// exchange (Exchange::on_received) reduces a chunk as soon as every host's copy of it is
+// in; an all-reduce then sends that reduced chunk on to the rail at once, in the same
+// exchange, while later chunks still arrive. Every rank cuts a part into the same chunks
+// (the setting is one every rank shares), so sender and receiver agree on each message's
+// length, and a chunk is reduced in host order as before: results stay bit-identical on
+// every rank, and equal to the unchunked algorithm's. With one rank per host and no
+// conversion (the accumulation type is the element type, no pre-scaling), the host
+// partials are the input itself: nothing is copied before it is sent.
+//
+// In place, an all-reduce's output is its input, and the reduced chunks of other hosts'
+// parts land where this rank's partials of those parts are read from. No chunk is
+// overwritten while it is still to be sent: a host sends back its reduced chunk c only
+// after it received this rank's partial chunk c whole, which this rank had finished
+// sending (the send's bytes were in its socket) before.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "smddp/algorithms/comm.h"
+#include "smddp/algorithms/kernels.h"
+#include "smddp/algorithms/shm_algos.h"
+
+namespace smddp {
+
+std::vector<Span> Communicator::net_chunks(size_t len, size_t esz) const {
+  const size_t per = std::max<size_t>(1, cfg_.settings.net_chunk_bytes / esz);
+  std::vector<Span> chunks;
+  for (size_t o = 0; o < len; o += per) chunks.push_back({o, std::min(per, len - o)});
+  if (chunks.empty()) chunks.push_back({0, 0});  // an empty part still sends its message
+  return chunks;
+}
+
+Communicator::HostPartials::~HostPartials() = default;
+
+void Communicator::start_host_partials(HostPartials& hp, const void* in,
+                                       const std::vector<Span>& parts, const Reduction& red,
+                                       const OpCtx& ctx) {
+  const int H = layout_.hosts;
+  const DType acc = acc_type(red.dtype);
+  const size_t aesz = dtype_size(acc);
+  hp.owned = rail_owned();
+  const auto& mine = hp.owned[layout_.local_rank];
+  hp.ptr.assign(H, nullptr);
+  const bool scaled = red.op == RedOp::PREMUL_SUM && red.premul != 1.0;
+  if (layout_.local_size == 1 && acc == red.dtype && !scaled) {
+    // Note [Pipelined exchanges]: the partials are the input.
+    char* src = const_cast<char*>(static_cast<const char*>(in));
+    for (int h = 0; h < H; ++h) hp.ptr[h] = src + parts[mine[h]].off * aesz;
+    return;
+  }
+  size_t total = 0;
+  for (int h = 0; h < H; ++h) total += parts[mine[h]].len * aesz;
+  char* buf = scratch(total);
+  for (int h = 0; h < H; ++h) {
+    hp.ptr[h] = buf;
+    buf += parts[mine[h]].len * aesz;
+  }
+  hp.steps = std::make_unique<shm::ReduceScatterSteps>(*shm_, in, parts, hp.owned, hp.ptr, red,
+                                                       false, ctx);
+}
+
+void Communicator::rail_reduce_scatter(HostPartials& hp, const std::vector<Span>& parts, void* dst,
+                                       const Reduction& red, const OpCtx& ctx,
+                                       std::vector<TransportOp> more_recvs,
+                                       const std::function<void(Exchange&, Span)>& reduced) {
+  const int H = layout_.hosts, me = layout_.host;
+  const DType acc = acc_type(red.dtype);
+  const size_t aesz = dtype_size(acc), esz = dtype_size(red.dtype);
+  const size_t my_len = parts[cfg_.rank].len;
+  const std::vector<Span> mine = net_chunks(my_len, aesz);
+  // What the other hosts send: their partials of my part, side by side.
+  if (incoming_.size() < static_cast<size_t>(H) * my_len * aesz) {
+    incoming_.resize(static_cast<size_t>(H) * my_len * aesz);
+  }
+  auto from_host = [&](int h) { return incoming_.data() + static_cast<size_t>(h) * my_len * aesz; };
+  auto ready = [&] { return hp.steps ? hp.steps->ready() : SIZE_MAX; };
+
+  Exchange x;
+  const uint64_t chk = check_of(ctx);
+  // The chunks of each host's partial, sent as the shared-memory steps make them final.
+  std::vector<std::vector<Span>> out(H);
+  std::vector<size_t> sent(H, 0);
+  for (int h = 0; h < H; ++h) {
+    if (h == me) continue;
+    out[h] = net_chunks(parts[rail_[h]].len, aesz);
+    for (const Span& c : mine) {
+      x.recvs.push_back({rail_[h], tag(ctx, 1), from_host(h) + c.off * aesz, c.len * aesz, chk});
+    }
+  }
+  auto send_ready = [&] {
+    for (int h = 0; h < H; ++h) {
+      for (; sent[h] < out[h].size(); ++sent[h]) {
+        const Span& c = out[h][sent[h]];
+        if (c.off + c.len > ready()) break;
+        x.sends.push_back({rail_[h], tag(ctx, 1), static_cast<char*>(hp.ptr[h]) + c.off * aesz,
+                           c.len * aesz, chk});
+      }
+    }
+  };
+  const size_t rs_recvs = x.recvs.size();
+  for (TransportOp& r : more_recvs) x.recvs.push_back(r);
+  // recvs[k] for k < rs_recvs is chunk k % chunks of the k / chunks-th other host. A chunk
+  // is reduced once every other host's copy arrived and this host's partial of it is final.
+  std::vector<int> missing(mine.size(), H - 1);
+  std::vector<uint8_t> done(mine.size(), 0);
+  std::vector<const void*> srcs(H);
+  auto reduce_chunk = [&](size_t c) {
+    if (done[c] || missing[c] || mine[c].off + mine[c].len > ready()) return;
+    done[c] = 1;
+    Timeline::Phase phase(timeline_, ctx.seq, "reduce", mine[c].len * aesz);
+    for (int h = 0; h < H; ++h) {
+      srcs[h] = h == me ? static_cast<const char*>(hp.ptr[h]) + mine[c].off * aesz
+                        : from_host(h) + mine[c].off * aesz;
+    }
+    smddp::reduce(acc, red.dtype, static_cast<char*>(dst) + mine[c].off * esz, srcs.data(), H,
+                  mine[c].len, red, true);
+    if (reduced) reduced(x, mine[c]);
+  };
+  x.on_received = [&](size_t k) {
+    if (k >= rs_recvs) return;
+    const size_t c = k % mine.size();
+    --missing[c];
+    reduce_chunk(c);
+  };
+  if (hp.steps) {
+    // Note [Pipelined exchanges]: the shared-memory steps run between the exchange's rounds.
+    x.work = [&] {
+      {
+        Timeline::Phase phase(timeline_, ctx.seq, "local reduce_scatter");
+        hp.steps->step();
+      }
+      send_ready();
+      for (size_t c = 0; c < mine.size(); ++c) reduce_chunk(c);
+      return !hp.steps->done();
+    };
+  }
+  send_ready();
+  exchange(x, ctx);
+}
+
+void Communicator::hier_reduce_scatter(const void* in, const std::vector<Span>& parts, void* dst,
+                                       const Reduction& red, const OpCtx& ctx) {
+  HostPartials hp;
+  start_host_partials(hp, in, parts, red, ctx);
+  rail_reduce_scatter(hp, parts, dst, red, ctx, {}, {});
+}
+
+std::vector<TransportOp> Communicator::rail_allgather_recvs(char* out,
+                                                            const std::vector<Span>& parts,
+                                                            size_t unit, const OpCtx& ctx) {
+  std::vector<TransportOp> recvs;
+  const uint64_t chk = check_of(ctx);
+  for (int h = 0; h < layout_.hosts; ++h) {
+    if (h == layout_.host) continue;
+    const Span& p = parts[rail_[h]];
+    for (const Span& c : net_chunks(p.len, unit)) {
+      recvs.push_back({rail_[h], tag(ctx, 2), out + (p.off + c.off) * unit, c.len * unit, chk});
+    }
+  }
+  return recvs;
+}
+
+void Communicator::local_allgather(char* out, const std::vector<Span>& parts, const OpCtx& ctx) {
+  if (layout_.local_size == 1) return;
+  Timeline::Phase phase(timeline_, ctx.seq, "local all_gather");
+  auto owned = rail_owned();
+  std::vector<const void*> srcs;
+  for (int p : owned[layout_.local_rank]) srcs.push_back(out + parts[p].off);
+  shm::allgather(*shm_, srcs, out, parts, owned, ctx);
+}
+
+void Communicator::hier_allgather(const void* src, void* out, const std::vector<Span>& parts,
+                                  const OpCtx& ctx) {
+  char* base = static_cast<char*>(out);
+  const Span& own = parts[cfg_.rank];
+  if (src != base + own.off && own.len) std::memmove(base + own.off, src, own.len);
+  Exchange x;
+  x.recvs = rail_allgather_recvs(base, parts, 1, ctx);
+  const uint64_t chk = check_of(ctx);
+  for (int h = 0; h < layout_.hosts; ++h) {
+    if (h == layout_.host) continue;
+    for (const Span& c : net_chunks(own.len, 1)) {
+      x.sends.push_back({rail_[h], tag(ctx, 2), base + own.off + c.off, c.len, chk});
+    }
+  }
+  exchange(x, ctx);
+  local_allgather(base, parts, ctx);
+}
+
+void Communicator::hier_allreduce(void* data, size_t count, const Reduction& red,
+                                  const OpCtx& ctx) {
+  const size_t esz = dtype_size(red.dtype);
+  std::vector<Span> parts(cfg_.size), bytes(cfg_.size);
+  for (int p = 0; p < cfg_.size; ++p) {
+    parts[p] = partition(count, cfg_.size, p, 64 / esz);
+    bytes[p] = {parts[p].off * esz, parts[p].len * esz};
+  }
+  char* base = static_cast<char*>(data);
+  char* own = base + bytes[cfg_.rank].off;
+  const uint64_t chk = check_of(ctx);
+  // Each reduced chunk of my part goes on to the rail at once (Note [Pipelined exchanges]);
+  // the other hosts' reduced chunks of their parts land in place. The all-gather's
+  // messages are cut at the reduce-scatter's chunk boundaries, in elements.
+  auto send_on = [&](Exchange& x, Span chunk) {
+    for (int h = 0; h < layout_.hosts; ++h) {
+      if (h == layout_.host) continue;
+      x.sends.push_back({rail_[h], tag(ctx, 2), own + chunk.off * esz, chunk.len * esz, chk});
+    }
+  };
+  std::vector<TransportOp> gathers;
+  const size_t aesz = dtype_size(acc_type(red.dtype));
+  for (int h = 0; h < layout_.hosts; ++h) {
+    if (h == layout_.host) continue;
+    const Span& p = parts[rail_[h]];
+    for (const Span& c : net_chunks(p.len, aesz)) {
+      gathers.push_back({rail_[h], tag(ctx, 2), base + (p.off + c.off) * esz, c.len * esz, chk});
+    }
+  }
+  HostPartials hp;
+  start_host_partials(hp, data, parts, red, ctx);
+  rail_reduce_scatter(hp, parts, own, red, ctx, std::move(gathers), send_on);
+  local_allgather(base, bytes, ctx);
+}
+
+}  // namespace smddp
