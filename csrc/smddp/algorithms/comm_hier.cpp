@@ -16,6 +16,15 @@
 // conversion (the accumulation type is the element type, no pre-scaling), the host
 // partials are the input itself: nothing is copied before it is sent.
 //
+// With several ranks per host, the shared-memory reduce-scatter that makes the host
+// partials runs step by step inside the exchange (Exchange::work), and each network chunk
+// goes out as soon as the steps made it final; a chunk of my part is reduced once it is
+// final here too. This cannot deadlock: a step waits only for the same step of this host's
+// other ranks, which run it between their own rounds and never wait for the network before
+// their steps are done. The shared-memory all-gather after the exchange is not interleaved:
+// its steps would wait for local ranks that wait for the network, and a rank blocked in
+// one would stop serving its own sends that other hosts wait for.
+//
 // In place, an all-reduce's output is its input, and the reduced chunks of other hosts'
 // parts land where this rank's partials of those parts are read from. No chunk is
 // overwritten while it is still to be sent: a host sends back its reduced chunk c only
