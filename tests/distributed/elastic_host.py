@@ -20,13 +20,15 @@ import subprocess
 import sys
 import time
 
-from torch_sagemaker.distributed.checkpoint import is_complete
-
 STEP_DIR = re.compile(r"^.*-(\d+)steps$")
 
 
 def complete_steps(root: str) -> list[int]:
     """Steps of the complete checkpoints under ``root`` (examples/train.py's naming)."""
+    # Imported here, on the one host that kills: the package imports torch, seconds of CPU
+    # that the other host (and both hosts of the uninterrupted run) need not spend.
+    from torch_sagemaker.distributed.checkpoint import is_complete
+
     if not os.path.isdir(root):
         return []
     steps = []

@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import subprocess
 
-from torch_sagemaker.bench import netns
-
-HOST_ADDRESS = netns.HOST_ADDRESS
+# The helpers that run inside each simulated host (slurm_cluster, netns_mpirun) import this
+# module for the names below; importing torch_sagemaker.bench.netns (standard library only)
+# would import the torch_sagemaker package first, and torch with it: seconds of CPU per host
+# per job on a 2-core machine. So netns is imported only where it is used, and its address
+# pattern is repeated here and compared with it on every run.
+HOST_ADDRESS = "10.9.0.{}"
 HOST_NAME = "smddp-host-{}"
 
 
 def unavailable_reason() -> str | None:
     """Why the namespaces cannot be made on this machine, or None when they can."""
+    from torch_sagemaker.bench import netns
+
     return netns.unavailable_reason()
 
 
@@ -38,4 +43,7 @@ def run_on_two_hosts(
         The finished run: ``returncode`` 0 when both commands succeeded, and ``stdout`` with
         every line prefixed by its host.
     """
+    from torch_sagemaker.bench import netns
+
+    assert netns.HOST_ADDRESS == HOST_ADDRESS, (netns.HOST_ADDRESS, HOST_ADDRESS)
     return netns.run_hosts(2, command, timeout_s, env=env, cwd=cwd, host_name=HOST_NAME)

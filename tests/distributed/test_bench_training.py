@@ -1,37 +1,52 @@
 """The training benchmark end to end on a tiny Llama (spawned ranks, smddp and gloo)."""
 
+import contextlib
+import io
+
 import pytest
 
 from torch_sagemaker.bench import training
 
 pytestmark = pytest.mark.distributed
 
+TINY = ["--steps", "1", "--warmup", "0", "--hidden", "32", "--layers", "1", "--vocab", "64"]
+TINY += ["--seq", "16"]
 
-def test_benchmark_prints_every_row_with_its_baselines(capsys):
-    training.main(
-        [
-            "--nprocs",
-            "2",
-            "--backends",
-            "smddp,gloo",
-            "--modes",
-            "fsdp2_plain,ddp",
-            "--steps",
-            "1",
-            "--warmup",
-            "0",
-            "--hidden",
-            "32",
-            "--layers",
-            "1",
-            "--vocab",
-            "64",
-            "--seq",
-            "16",
-        ]
-    )
-    out = capsys.readouterr().out
-    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")][1:]
+
+@pytest.fixture(scope="module")
+def two_passes():
+    """One run of ``main`` with two passes over both backends and two modes.
+
+    Each pass spawns its ranks afresh (1 rank, 2 ranks alone, then 2 ranks per backend), so
+    one run serves both tests: the printed table is the two passes' (medians and ranges), and
+    the first pass, kept as ``main`` handed it to the table, gives the table that a run with
+    ``--repeat 1`` prints (``main`` prints ``_table`` of its passes, whatever their number).
+    """
+    passes, seen_args = [], []
+    real_run = training._run
+
+    def recording_run(args):
+        seen_args.append(args)
+        passes.append(real_run(args))
+        return passes[-1]
+
+    out = io.StringIO()
+    argv = ["--nprocs", "2", "--backends", "smddp,gloo", "--modes", "fsdp2_plain,ddp"]
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+        mp.setattr(training, "_run", recording_run)
+        training.main([*argv, "--repeat", "2", *TINY])
+    assert len(passes) == 2 and seen_args[0] is seen_args[1]
+    one_pass, _ = training._table(passes[:1], seen_args[0])
+    return one_pass, out.getvalue()
+
+
+def _rows(text):
+    return [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| ")][1:]
+
+
+def test_benchmark_prints_every_row_with_its_baselines(two_passes):
+    out, _ = two_passes
+    rows = _rows(out)
     assert [(r[0].strip(), r[1].strip()) for r in rows] == [
         ("none", "1 rank"),
         ("none", "2 ranks alone"),
@@ -40,6 +55,7 @@ def test_benchmark_prints_every_row_with_its_baselines(capsys):
         ("gloo", "fsdp2_plain"),
         ("gloo", "ddp"),
     ]
+    assert "passes" not in out  # one pass: plain medians, no ranges
     assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)  # tokens/s, step ms
     assert rows[1][9].strip() and not rows[1][10].strip()  # alone: scaling, no "vs alone"
     for r in rows[2:]:
@@ -47,16 +63,11 @@ def test_benchmark_prints_every_row_with_its_baselines(capsys):
     assert all(r[8].strip().endswith("x") for r in rows[2:4])  # smddp vs gloo
 
 
-def test_repeated_passes_print_each_ratio_with_its_range(capsys):
-    tiny = ["--steps", "1", "--warmup", "0", "--hidden", "32", "--layers", "1"]
-    training.main(
-        ["--nprocs", "2", "--modes", "fsdp2_plain", "--repeat", "2", "--vocab", "64"]
-        + ["--seq", "16", *tiny]
-    )
-    out = capsys.readouterr().out
+def test_repeated_passes_print_each_ratio_with_its_range(two_passes):
+    _, out = two_passes
     assert "2 passes: medians over the passes" in out
-    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")][1:]
-    assert [r[1].strip() for r in rows] == ["1 rank", "2 ranks alone"] + ["fsdp2_plain"] * 2
+    rows = _rows(out)
+    assert [r[1].strip() for r in rows] == ["1 rank", "2 ranks alone"] + ["fsdp2_plain", "ddp"] * 2
     smddp = rows[2]
     for cell in (smddp[8].replace("x", ""), smddp[9], smddp[10]):  # vs gloo, scaling, vs alone
         median, spread = cell.strip().split(" (")

@@ -119,7 +119,12 @@ def run_hosts(
     if not 1 <= hosts <= 250:
         raise ValueError(f"hosts={hosts}: simulated hosts number 1 to 250 (one /24 subnet)")
     user_ns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
-    argv = ["unshare", *user_ns, "--net", "--mount", sys.executable, "-m", __spec__.name]
+    # The switch runs this file as a script, isolated (-I: no PYTHONPATH, not the script's
+    # directory on sys.path): it needs the standard library only, and ``-m`` would first
+    # import the torch_sagemaker package (torch with it), seconds of CPU before every run
+    # on a small machine. The hosts' commands still get ``env`` (and PYTHONPATH) unchanged.
+    switch = [sys.executable, "-I", os.path.abspath(__file__)]
+    argv = ["unshare", *user_ns, "--net", "--mount", *switch]
     argv += ["--hosts", str(hosts), "--timeout", str(timeout_s), "--host-name", host_name]
     if rate_bits:
         argv += ["--rate-bits", str(rate_bits)]
