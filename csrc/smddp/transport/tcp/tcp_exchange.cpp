@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <map>
+#include <utility>
 
 #include "smddp/transport/tcp/tcp.h"
 
@@ -147,6 +149,14 @@ void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
   std::vector<SendState> ss;
   std::vector<uint8_t> rdone(recvs.size(), 0), rtargeted(recvs.size(), 0);
   size_t pending = recvs.size();
+  // Receives not yet done, per peer, and the peers with any: one read pass and one poll
+  // entry per peer and round, however many messages it sends (a pipelined exchange posts
+  // hundreds per peer).
+  std::vector<size_t> awaited(static_cast<size_t>(size_), 0);
+  std::vector<int> from_peers;
+  for (const Op& r : recvs) {
+    if (awaited[r.peer]++ == 0) from_peers.push_back(r.peer);
+  }
   // How many sends and receives each (peer, tag) has: a header says how many bytes its
   // sender expects back (Header::expect) only where the pair exchanges one message each.
   auto count_of = [](const std::vector<Op>& ops, int peer, uint64_t tag) {
@@ -154,6 +164,12 @@ void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
     for (const Op& o : ops) n += o.peer == peer && o.tag == tag;
     return n;
   };
+  std::map<std::pair<int, uint64_t>, std::pair<size_t, size_t>> recv_of;  // count, length
+  for (const Op& r : recvs) {
+    auto& e = recv_of[{r.peer, r.tag}];
+    ++e.first;
+    e.second = r.len;
+  }
   // Gives the sends appended since the last call (by x.on_received) their headers.
   bool fresh_sends = false;  // adopted since the sends were last pumped
   auto adopt_sends = [&] {
@@ -169,11 +185,8 @@ void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
       h.len = sends[i].len;
       h.check = sends[i].check;
       h.expect = kNoReply;
-      if (count_of(recvs, sends[i].peer, sends[i].tag) == 1) {
-        for (const Op& r : recvs) {
-          if (r.peer == sends[i].peer && r.tag == sends[i].tag) h.expect = r.len;
-        }
-      }
+      auto it = recv_of.find({sends[i].peer, sends[i].tag});
+      if (it != recv_of.end() && it->second.first == 1) h.expect = it->second.second;
       std::memcpy(ss[i].hdr, &h, sizeof(h));
     }
   };
@@ -203,6 +216,7 @@ void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
   auto finish_recv = [&](size_t i) {
     rdone[i] = 1;
     --pending;
+    --awaited[recvs[i].peer];
     if (x.on_received) {
       x.on_received(i);
       adopt_sends();
@@ -234,14 +248,9 @@ void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
       --complete;
     }
   };
-  for (const Op& r : recvs) match_stash(r.peer);
+  for (int peer : from_peers) match_stash(peer);
 
-  auto wants_from = [&](int peer) {
-    for (size_t i = 0; i < recvs.size(); ++i) {
-      if (!rdone[i] && recvs[i].peer == peer) return true;
-    }
-    return false;
-  };
+  auto wants_from = [&](int peer) { return awaited[peer] > 0; };
 
   // Where exchange() sends the frames of one peer.
   struct Route {
@@ -353,14 +362,14 @@ void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
       pump_out(i);
       if (!ss[i].finished) blocked[peer] = 1;
     }
-    for (size_t i = 0; i < recvs.size(); ++i) {
-      if (rdone[i]) continue;
-      int fd = in_fd(recvs[i].peer);
+    for (int peer : from_peers) {
+      if (!awaited[peer]) continue;
+      int fd = in_fd(peer);
       if (fd < 0) {
         waiting_for_something = true;  // the peer has not connected yet
         continue;
       }
-      pump_in(recvs[i].peer, fd);
+      pump_in(peer, fd);
     }
     if (!pending && !working) break;
     if (aborted_.load()) {
@@ -393,9 +402,9 @@ void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
       if (ss[i].locked && !ss[i].finished)
         fds.push_back({conns_[sends[i].peer]->out_fd, POLLOUT, 0});
     }
-    for (size_t i = 0; i < recvs.size(); ++i) {
-      if (rdone[i]) continue;
-      int fd = in_fd(recvs[i].peer);
+    for (int peer : from_peers) {
+      if (!awaited[peer]) continue;
+      int fd = in_fd(peer);
       if (fd >= 0) fds.push_back({fd, POLLIN, 0});
     }
     int wait_ms = waiting_for_something ? 1 : std::min(100, ctx.deadline.remaining_ms() + 1);
