@@ -169,9 +169,10 @@ class Communicator {
                            const Reduction& red, const OpCtx& ctx,
                            std::vector<TransportOp> more_recvs,
                            const std::function<void(Exchange&, Span)>& reduced);
-  // The receives of the other hosts' rail parts (spans of `unit` bytes) into `out`.
+  // The receives of the other hosts' rail parts (spans of `unit` bytes) into `out`, cut
+  // into the messages net_chunks(len, chunk_unit) makes of them.
   std::vector<TransportOp> rail_allgather_recvs(char* out, const std::vector<Span>& parts,
-                                                size_t unit, const OpCtx& ctx);
+                                                size_t unit, size_t chunk_unit, const OpCtx& ctx);
   // The shared-memory all-gather of the rail parts inside this host (parts in bytes).
   void local_allgather(char* out, const std::vector<Span>& parts, const OpCtx& ctx);
   // Rooted gather/scatter of lens[r] bytes per group rank r (Note [Rooted collectives]);

@@ -166,13 +166,14 @@ void Communicator::hier_reduce_scatter(const void* in, const std::vector<Span>& 
 
 std::vector<TransportOp> Communicator::rail_allgather_recvs(char* out,
                                                             const std::vector<Span>& parts,
-                                                            size_t unit, const OpCtx& ctx) {
+                                                            size_t unit, size_t chunk_unit,
+                                                            const OpCtx& ctx) {
   std::vector<TransportOp> recvs;
   const uint64_t chk = check_of(ctx);
   for (int h = 0; h < layout_.hosts; ++h) {
     if (h == layout_.host) continue;
     const Span& p = parts[rail_[h]];
-    for (const Span& c : net_chunks(p.len, unit)) {
+    for (const Span& c : net_chunks(p.len, chunk_unit)) {
       recvs.push_back({rail_[h], tag(ctx, 2), out + (p.off + c.off) * unit, c.len * unit, chk});
     }
   }
@@ -194,7 +195,7 @@ void Communicator::hier_allgather(const void* src, void* out, const std::vector<
   const Span& own = parts[cfg_.rank];
   if (src != base + own.off && own.len) std::memmove(base + own.off, src, own.len);
   Exchange x;
-  x.recvs = rail_allgather_recvs(base, parts, 1, ctx);
+  x.recvs = rail_allgather_recvs(base, parts, 1, 1, ctx);
   const uint64_t chk = check_of(ctx);
   for (int h = 0; h < layout_.hosts; ++h) {
     if (h == layout_.host) continue;
@@ -226,18 +227,11 @@ void Communicator::hier_allreduce(void* data, size_t count, const Reduction& red
       x.sends.push_back({rail_[h], tag(ctx, 2), own + chunk.off * esz, chunk.len * esz, chk});
     }
   };
-  std::vector<TransportOp> gathers;
-  const size_t aesz = dtype_size(acc_type(red.dtype));
-  for (int h = 0; h < layout_.hosts; ++h) {
-    if (h == layout_.host) continue;
-    const Span& p = parts[rail_[h]];
-    for (const Span& c : net_chunks(p.len, aesz)) {
-      gathers.push_back({rail_[h], tag(ctx, 2), base + (p.off + c.off) * esz, c.len * esz, chk});
-    }
-  }
   HostPartials hp;
   start_host_partials(hp, data, parts, red, ctx);
-  rail_reduce_scatter(hp, parts, own, red, ctx, std::move(gathers), send_on);
+  rail_reduce_scatter(hp, parts, own, red, ctx,
+                      rail_allgather_recvs(base, parts, esz, dtype_size(acc_type(red.dtype)), ctx),
+                      send_on);
   local_allgather(base, bytes, ctx);
 }
 
