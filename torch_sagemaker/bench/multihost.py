@@ -459,7 +459,53 @@ def main(argv: list[str] | None = None) -> int:
         help="also print, for each smddp row, where one call's time went on each rank "
         "(SMDDP_TIMELINE)",
     )
+    model = p.add_argument_group(
+        "cost model (bench/cost_model.py)",
+        "fit per-layer costs on the measured rows, print the error on each, and predict "
+        "time, busbw and the algorithm to pick for 8 to 1024 hosts",
+    )
+    model.add_argument("--model", action="store_true", help="fit the model after the run")
+    model.add_argument(
+        "--fit",
+        nargs="+",
+        metavar="FILE",
+        default=None,
+        help="fit on rows saved with --json instead of running (each point's fastest run)",
+    )
+    model.add_argument("--predict-rate", default="100gbit", help="one NIC's rate")
+    model.add_argument("--predict-nics", type=int, default=4, help="NICs per host")
+    model.add_argument("--predict-ranks", type=int, default=8, help="ranks per host")
+    model.add_argument(
+        "--predict-cores", type=float, default=0, help="cores per host (0: one per rank)"
+    )
+    model.add_argument("--predict-sizes", type=comma_list(), default=["1M", "64M", "1G"])
+    model.add_argument(
+        "--predict-latency",
+        type=float,
+        default=None,
+        help="seconds per call and per ring or tree step instead of the fitted ones",
+    )
+    model.add_argument(
+        "--predict-message",
+        type=float,
+        default=None,
+        help="CPU seconds per message instead of the fitted",
+    )
+    model.add_argument(
+        "--predict-cpu",
+        choices=("fitted", "none"),
+        default="fitted",
+        help="none: no CPU cost per byte (as if a fabric and accelerators moved and reduced "
+        "the bytes)",
+    )
+    model.add_argument("--plot", default=None, help="write all_reduce's predicted busbw here")
     args = p.parse_args(argv)
+    if args.fit:
+        runs = []
+        for path in args.fit:
+            with open(path) as f:
+                runs.append(json.load(f))
+        return model_report(runs, args)
     reason = netns.unavailable_reason()
     if reason:
         print(f"multihost: cannot simulate hosts here: {reason}", file=sys.stderr)
@@ -497,10 +543,66 @@ def main(argv: list[str] | None = None) -> int:
     if trained:
         print(f"\nFSDP2 training, small Llama, median of {args.train_steps} steps")
         print(training_table(trained))
+    run = {
+        "rate_bits": rate,
+        "iters": args.iters,
+        # What the machine could give the simulated hosts, which all share it (the cost
+        # model's CPU share, Note [Cost model] in cost_model.py).
+        "cores": os.cpu_count(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "recorded": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "rows": rows,
+        "training": trained,
+    }
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rate_bits": rate, "rows": rows, "training": trained}, f, indent=1)
+            json.dump(run, f, indent=1)
+    if args.model:
+        model_report([run], args)
     return 0 if all(r["ok"] for r in rows) else 1
+
+
+def model_report(runs: list[dict], args: argparse.Namespace) -> int:
+    """Fits the cost model on ``runs``, prints its costs, errors and predictions.
+
+    Returns:
+        0, or 1 where a measured point is off by more than cost_model.error_bound.
+    """
+    import dataclasses
+
+    from torch_sagemaker.bench import cost_model
+    from torch_sagemaker.bench.collectives import parse_size
+
+    pts = cost_model.points(runs)
+    costs = cost_model.fit(pts)
+    print(f"\nCost model fitted on {len(runs)} run(s) (the fastest run of each point):")
+    print(cost_model.costs_table(costs))
+    rows = cost_model.errors(costs, cost_model.fastest(pts))
+    print("\nMeasured against the model:")
+    print(cost_model.error_table(rows))
+    target = costs
+    if args.predict_latency is not None:
+        target = dataclasses.replace(target, alpha=args.predict_latency, step=args.predict_latency)
+    if args.predict_message is not None:
+        target = dataclasses.replace(target, message=args.predict_message)
+    if args.predict_cpu == "none":
+        target = dataclasses.replace(
+            target, net_cpu=0.0, reduce_cpu=0.0, shm_reduce_cpu=0.0, copy_cpu=0.0
+        )
+    nic_rate = args.predict_nics * netns.parse_rate(args.predict_rate) / 8
+    cores = args.predict_cores or args.predict_ranks
+    sizes = [parse_size(s) for s in args.predict_sizes]
+    print(
+        f"\nPredicted: {args.predict_nics} x {args.predict_rate} per host, "
+        f"{args.predict_ranks} ranks and {cores:g} cores per host, CPU costs {args.predict_cpu}"
+        + (f", latency {args.predict_latency:g} s" if args.predict_latency is not None else "")
+        + (f", message {args.predict_message:g} s" if args.predict_message is not None else "")
+    )
+    print(cost_model.prediction_table(target, args.predict_ranks, nic_rate, cores, sizes))
+    if args.plot:
+        cost_model.plot(target, args.predict_ranks, nic_rate, cores, sizes, args.plot)
+        print(f"\nwrote {args.plot}")
+    return 0 if all(abs(e) <= cost_model.error_bound(p.size) for p, _, e in rows) else 1
 
 
 if __name__ == "__main__":

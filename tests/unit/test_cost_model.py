@@ -1,0 +1,187 @@
+"""The multihost cost model (torch_sagemaker/bench/cost_model.py): its formulas on cases
+worked by hand, its fit on data it generated itself, and its error on the recorded runs."""
+
+import dataclasses
+import glob
+import json
+import math
+import os
+
+import pytest
+
+from torch_sagemaker.bench import cost_model as cm
+
+MIB = 1 << 20
+DATA = os.path.join(os.path.dirname(__file__), "..", "data", "multihost")
+
+# Only the NIC: no latency, no CPU cost, half the rate is payload.
+WIRE_ONLY = cm.Costs(
+    alpha=0.0,
+    wake=0.0,
+    step=0.0,
+    nic_efficiency=0.5,
+    net_cpu=0.0,
+    message=0.0,
+    reduce_cpu=0.0,
+    shm_reduce_cpu=0.0,
+    copy_cpu=0.0,
+)
+
+
+@pytest.mark.parametrize("hosts", [2, 4, 8, 1024])
+def test_nic_bytes_are_the_textbook_ones(hosts):
+    s = 64 * MIB
+    # A ring or a full mesh between hosts sends 2(H-1)/H S per NIC for all_reduce and
+    # (H-1)/H S for all_gather and reduce_scatter.
+    for algorithm in ("mesh", "ring"):
+        assert cm.nic_bytes(algorithm, "all_reduce", hosts, 8, s) == 2 * (hosts - 1) / hosts * s
+        for op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+            assert cm.nic_bytes(algorithm, op, hosts, 8, s) == (hosts - 1) / hosts * s
+    # One ring over all N ranks crosses each host's boundary once per step.
+    n = hosts * 8
+    assert cm.nic_bytes("flat_ring", "all_reduce", hosts, 8, s) == 2 * (n - 1) / n * s
+
+
+def test_busbw_is_nccl_tests():
+    assert cm.busbw("all_reduce", 4, 100, 1.0) == 100 * 2 * 3 / 4
+    assert cm.busbw("all_gather_into_tensor", 4, 100, 2.0) == 50 * 3 / 4
+
+
+def test_a_nic_bound_call_takes_its_bytes_at_the_payload_rate():
+    cluster = cm.Cluster(hosts=4, ranks=1, nic_rate=1e9, cores=4)
+    t = cm.predict(WIRE_ONLY, cluster, "all_reduce", 64 * MIB, "mesh")
+    assert t == pytest.approx(2 * 3 / 4 * 64 * MIB / 0.5e9)
+    # Two ranks per host share the NIC: the same bytes per NIC, the same time.
+    two = dataclasses.replace(cluster, ranks=2, cores=8)
+    assert cm.predict(WIRE_ONLY, two, "all_reduce", 64 * MIB, "mesh") == pytest.approx(t)
+
+
+def test_cpu_work_runs_on_the_ranks_share_of_the_cores():
+    costs = dataclasses.replace(WIRE_ONLY, net_cpu=1e-9)
+    fast_nic = 1e15
+    s = 8 * MIB
+    # 2x1 mesh all_reduce: a rank sends and receives k (H-1) S/N = S/2 twice each: 2 S bytes.
+    own = cm.Cluster(2, 1, fast_nic, cores=2, machine_ranks=2)
+    assert cm.predict(costs, own, "all_reduce", s, "mesh") == pytest.approx(2 * s * 1e-9)
+    # Four ranks on two cores: half a core each, twice the time.
+    shared = cm.Cluster(2, 1, fast_nic, cores=2, machine_ranks=4)
+    assert cm.predict(costs, shared, "all_reduce", s, "mesh") == pytest.approx(4 * s * 1e-9)
+
+
+def test_the_overlapped_phases_cost_their_maximum_and_the_serial_ones_add():
+    s = 64 * MIB
+    cluster = cm.Cluster(2, 2, nic_rate=1e9, cores=4)
+    wire = 2 * 1 / 2 * s / 0.5e9
+    # A shared-memory reduce-scatter slower than the wire hides it; the shared-memory
+    # all-gather after the exchange adds (L-1)/L S of copies.
+    costs = dataclasses.replace(WIRE_ONLY, shm_reduce_cpu=wire * 2 / s, copy_cpu=1e-9)
+    t = cm.predict(costs, cluster, "all_reduce", s, "mesh")
+    assert t == pytest.approx(2 * wire + 1e-9 * s / 2)
+    assert wire < t
+
+
+def test_latency_steps_per_algorithm():
+    costs = dataclasses.replace(WIRE_ONLY, step=1e-3, alpha=5e-3)
+    cluster = cm.Cluster(8, 8, nic_rate=1e18, cores=8)
+    # The mesh posts everything at once: alpha only.
+    assert cm.predict(costs, cluster, "all_reduce", 1, "mesh") == pytest.approx(5e-3)
+    # A ring: 2(H-1) steps for all_reduce, H-1 for the others.
+    assert cm.predict(costs, cluster, "all_reduce", 1, "ring") == pytest.approx(5e-3 + 14e-3)
+    assert cm.predict(costs, cluster, "all_gather_into_tensor", 1, "ring") == pytest.approx(
+        5e-3 + 7e-3
+    )
+    # A tree: up and down, log2 H each.
+    assert cm.predict(costs, cluster, "all_reduce", 1, "tree") == pytest.approx(5e-3 + 6e-3)
+    with pytest.raises(ValueError):
+        cm.predict(costs, cluster, "all_gather_into_tensor", 1, "tree")
+
+
+def test_messages_grow_with_hosts_in_a_mesh():
+    costs = dataclasses.replace(WIRE_ONLY, message=1e-6)
+    s = MIB  # below a chunk per peer: one message per peer and direction
+    for hosts in (8, 1024):
+        cluster = cm.Cluster(hosts, 1, nic_rate=1e18, cores=1)
+        t = cm.predict(costs, cluster, "reduce_scatter_tensor", s, "mesh")
+        assert t == pytest.approx(2 * (hosts - 1) * 1e-6)
+
+
+def test_the_choice_follows_the_costs():
+    costs = dataclasses.replace(WIRE_ONLY, alpha=1e-5, step=2e-5, message=5e-6)
+    nic = 4 * 100e9 / 8
+    # Few hosts: the mesh's one step wins; 1024 hosts and a small all_reduce: the tree's
+    # 2 log2 H steps cost less than the mesh's 4 (H-1) messages.
+    assert cm.best(costs, cm.Cluster(8, 8, nic, 8), "all_reduce", 64 * MIB)[0] == "mesh"
+    assert cm.best(costs, cm.Cluster(1024, 8, nic, 8), "all_reduce", MIB)[0] == "tree"
+
+
+def test_the_fit_recovers_the_costs_it_generated():
+    truth = cm.Costs(
+        alpha=2e-3,
+        wake=1e-3,
+        step=1e-3,
+        nic_efficiency=0.8,
+        net_cpu=1e-9,
+        message=2e-5,
+        reduce_cpu=2e-10,
+        shm_reduce_cpu=8e-10,
+        copy_cpu=5e-10,
+    )
+    pts = []
+    for hosts, ranks in ((2, 1), (4, 1), (2, 2), (4, 2)):
+        for op in cm.OPS:
+            for size in (MIB, 16 * MIB, 64 * MIB):
+                p = cm.Point(hosts, ranks, op, size, "smddp", 1.0, 2.5e8, 2)
+                t = cm.predict(truth, p.cluster(), op, size, "mesh")
+                pts.append(dataclasses.replace(p, seconds=t))
+    # The timeline's costs are given; the fit finds the others.
+    start = {"reduce_cpu": 2e-10, "shm_reduce_cpu": 8e-10, "copy_cpu": 5e-10}
+    fitted = cm.fit(pts, timeline=start)
+    for _, _, err in cm.errors(fitted, pts):
+        assert abs(err) < 0.01
+    assert fitted.nic_efficiency == pytest.approx(0.8, rel=0.05)
+
+
+def _recorded():
+    runs = []
+    for path in sorted(glob.glob(os.path.join(DATA, "*.json"))):
+        with open(path) as f:
+            runs.append(json.load(f))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def recorded_fit():
+    runs = _recorded()
+    assert runs, f"no recorded runs in {DATA}"
+    pts = cm.points(runs)
+    return cm.fit(pts), cm.fastest(pts)
+
+
+def test_the_model_is_within_its_bound_on_every_recorded_point(recorded_fit):
+    costs, pts = recorded_fit
+    rows = cm.errors(costs, pts)
+    assert len(rows) >= 27
+    for p, _, err in rows:
+        assert abs(err) <= cm.error_bound(p.size), cm.error_table(rows)
+
+
+def test_the_recorded_fit_is_physical(recorded_fit):
+    costs, _ = recorded_fit
+    assert 0.5 < costs.nic_efficiency <= 1.0
+    for name in ("alpha", "net_cpu", "reduce_cpu", "shm_reduce_cpu", "copy_cpu"):
+        value = getattr(costs, name)
+        assert value > 0 and math.isfinite(value), name
+
+
+def test_fit_from_saved_runs_prints_the_tables(tmp_path, capsys):
+    from torch_sagemaker.bench import multihost
+
+    files = sorted(glob.glob(os.path.join(DATA, "*.json")))
+    plot = tmp_path / "model.png"
+    code = multihost.main(["--fit", *files, "--predict-nics", "2", "--plot", str(plot)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "| 2x1 | all_reduce | 64 MiB | smddp |" in out
+    assert "Predicted: 2 x 100gbit per host, 8 ranks" in out
+    assert "| 1024 |" in out and "largest error" in out
+    assert plot.stat().st_size > 0
