@@ -5,9 +5,9 @@
 
 It fits per-layer costs (the NIC, the CPU's work per byte and per message, the reduction,
 the shared-memory steps) on measured rows, prints its error on every measured point, and
-predicts time and busbw of the full mesh, a ring and a tree for 8 to 1024 hosts, with the
-algorithm it would pick at each scale and size. Note [Cost model] says what it models and
-what it leaves out.
+predicts time and busbw of the full mesh, a ring, recursive halving/doubling and a tree
+for 8 to 1024 hosts, with the algorithm it would pick at each scale and size.
+Note [Cost model] says what it models and what it leaves out.
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ from typing import NamedTuple
 #   is the larger of the NIC's and the CPU's; the shared-memory all-gather after the
 #   exchange and an all_gather's copy of its own part before it are serial.
 # - Latency: alpha per call (entering, leaving, the ranks' skew after the barrier); wake
-#   per call and per rank beyond one per core (a rank that waits for a message, once
-#   woken, waits again for a core: only on an oversubscribed machine); and, for a ring,
-#   recursive halving/doubling or a tree, one step latency per sequential step. The mesh
-#   has no steps: all its messages are posted at once, so its per-peer cost is CPU work per
-#   message, which grows with H.
+#   per call times the oversubscription, ranks per core minus one (a rank that waits for a
+#   message, once woken, waits again for a core: only on an oversubscribed machine); and,
+#   for a ring, recursive halving/doubling or a tree, one step latency per sequential
+#   step. The mesh has no steps: all its messages are posted at once, so its per-peer cost
+#   is CPU work per message, which grows with H.
 #
 # Fitting: the reduction's and the copies' costs come straight from the timeline phases
 # (busy time times the CPU share, over the bytes). The shared-memory reduce-scatter's
@@ -94,8 +94,8 @@ class Costs:
 
     Args:
         alpha: Seconds per call that no byte explains.
-        wake: Seconds per call per rank beyond one per core: the wake-ups that wait for a
-            core when the machine is oversubscribed (none on real hosts with a core each).
+        wake: Seconds per call per unit of oversubscription (ranks per core minus one):
+            the wake-ups that wait for a core (none on real hosts with a core per rank).
         step: Seconds per sequential step of a ring or tree (latency, not CPU).
         nic_efficiency: The fraction of the NIC's rate that carries payload.
         net_cpu: Core-seconds per byte a rank sends or receives over TCP.
@@ -161,10 +161,9 @@ def nic_bytes(algorithm: str, op: str, hosts: int, ranks: int, size: int) -> flo
     """Bytes the busiest host's NIC sends for one call.
 
     The mesh, the hierarchical ring and recursive halving/doubling send the minimum,
-    k (H-1)/H S. A flat ring over all
-    N ranks crosses each host's boundary once per step: k (N-1)/N S. A double binary tree
-    (all_reduce only) makes every host an inner node of one tree and a leaf of the other:
-    about 2 S per host, or the mesh's S with two hosts.
+    k (H-1)/H S. A flat ring over all N ranks crosses each host's boundary once per step:
+    k (N-1)/N S. A double binary tree (all_reduce only) makes every host an inner node of
+    one tree and a leaf of the other: about 2 S per host, or the mesh's S with two hosts.
     """
     world = hosts * ranks
     k = nic_factor(op)
@@ -521,7 +520,7 @@ def costs_table(costs: Costs) -> str:
         "| cost | value |",
         "|---|---|",
         f"| alpha (per call) | {costs.alpha * 1e3:.2f} ms |",
-        f"| wake (per call, per rank beyond a core each) | {costs.wake * 1e3:.2f} ms |",
+        f"| wake (per call, per rank per core beyond one) | {costs.wake * 1e3:.2f} ms |",
         f"| step (ring/tree latency) | {costs.step * 1e3:.2f} ms |",
         f"| NIC efficiency | {costs.nic_efficiency:.3f} |",
         f"| TCP bytes sent or received | {1e-9 / costs.net_cpu:.2f} {per_core} |",

@@ -21,6 +21,10 @@ switch's ports (their downloads).
 
 Without namespaces (no ``unshare``/``ip``/``tc``, or no right to use them) it says why and
 exits with 2.
+
+``--model`` fits the cost model (bench/cost_model.py) on the rows after the run, ``--fit
+FILE...`` on rows saved with ``--json`` without running anything; both print its error on
+every point and its predictions for 8 to 1024 hosts (``--predict-*``).
 """
 
 from __future__ import annotations
