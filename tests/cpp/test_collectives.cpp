@@ -26,6 +26,7 @@ struct Topology {
   int ranks;
   int force_local_size;
   size_t p2p_bytes;
+  smddp::NetAlgo net_algo = smddp::NetAlgo::AUTO;  // auto: the mesh at these sizes
 };
 
 smddp::CommConfig config_of(const Topology& t) {
@@ -45,6 +46,7 @@ smddp::CommConfig config_of(const Topology& t) {
   // The smallest messages across hosts: a part crosses in several of them, the last shorter
   // (Note [Pipelined exchanges] in comm_hier.cpp).
   s.net_chunk_bytes = 4 << 10;
+  s.net_algo = t.net_algo;
   return cfg;
 }
 
@@ -52,6 +54,9 @@ const Topology kShm2{"shm2", 2, 0, 8 << 10};
 const Topology kShm3{"shm3", 3, 0, 8 << 10};
 const Topology kTcp3{"tcp3", 3, 1, 8 << 10};
 const Topology kHier4{"hier4", 4, 2, 8 << 10};
+// The ring across hosts (Note [Rail rings] in comm_ring.cpp): 3 hosts of 1 and of 2 ranks.
+const Topology kRing3{"ring3", 3, 1, 8 << 10, smddp::NetAlgo::RING};
+const Topology kRing6{"ring6", 6, 2, 8 << 10, smddp::NetAlgo::RING};
 const Topology kShmTcpP2P{"shm2_p2p_tcp", 2, 0, 0};  // send/recv over loopback TCP
 
 smddp::OpArgs args(DType t, const char* op, size_t numel) {
@@ -106,6 +111,12 @@ std::string where(const Topology& topo, const char* what, int rank, DType t, Red
              smddp::redop_name(op), " count ", count, ": ");
 }
 
+// A ring topology must have taken the ring (not the mesh) for the calls that crossed hosts.
+void expect_ring_used(const Topology& topo, const Communicator& c) {
+  if (topo.net_algo != smddp::NetAlgo::RING) return;
+  EXPECT(c.rail_ring_ops() > 0, topo.name, ": no collective crossed hosts in a ring");
+}
+
 void check_allreduce(const Topology& topo) {
   const int n = topo.ranks;
   run_group(n, config_of(topo), [&](Communicator& c, int rank) {
@@ -124,6 +135,7 @@ void check_allreduce(const Topology& topo) {
         EXPECT(diff.empty(), where(topo, "all_reduce", rank, rc.t, rc.op, count), diff);
       }
     }
+    expect_ring_used(topo, c);
   });
 }
 
@@ -151,6 +163,7 @@ void check_reduce_scatter(const Topology& topo) {
                where(topo, "reduce_scatter", rank, rc.t, rc.op, count), "changed its input");
       }
     }
+    expect_ring_used(topo, c);
   });
 }
 
@@ -180,6 +193,7 @@ void check_allgather(const Topology& topo) {
                " part ", r, ": ", diff);
       }
     }
+    expect_ring_used(topo, c);
   });
 }
 
@@ -288,6 +302,7 @@ void check_rooted(const Topology& topo) {
         EXPECT(out.back() == '\x5a', topo.name, " scatter wrote past its output");
       }
     }
+    expect_ring_used(topo, c);
   });
 }
 
@@ -374,12 +389,18 @@ TEST_CASE(allreduce_shm2) { check_allreduce(kShm2); }
 TEST_CASE(allreduce_shm3) { check_allreduce(kShm3); }
 TEST_CASE(allreduce_tcp3) { check_allreduce(kTcp3); }
 TEST_CASE(allreduce_hier4) { check_allreduce(kHier4); }
+TEST_CASE(allreduce_ring3) { check_allreduce(kRing3); }
+TEST_CASE(allreduce_ring6) { check_allreduce(kRing6); }
 TEST_CASE(reduce_scatter_shm3) { check_reduce_scatter(kShm3); }
 TEST_CASE(reduce_scatter_tcp3) { check_reduce_scatter(kTcp3); }
 TEST_CASE(reduce_scatter_hier4) { check_reduce_scatter(kHier4); }
+TEST_CASE(reduce_scatter_ring3) { check_reduce_scatter(kRing3); }
+TEST_CASE(reduce_scatter_ring6) { check_reduce_scatter(kRing6); }
 TEST_CASE(allgather_shm3) { check_allgather(kShm3); }
 TEST_CASE(allgather_tcp3) { check_allgather(kTcp3); }
 TEST_CASE(allgather_hier4) { check_allgather(kHier4); }
+TEST_CASE(allgather_ring3) { check_allgather(kRing3); }
+TEST_CASE(allgather_ring6) { check_allgather(kRing6); }
 TEST_CASE(broadcast_shm3) { check_broadcast(kShm3); }
 TEST_CASE(broadcast_tcp3) { check_broadcast(kTcp3); }
 TEST_CASE(broadcast_hier4) { check_broadcast(kHier4); }
@@ -389,6 +410,7 @@ TEST_CASE(alltoall_hier4) { check_alltoall(kHier4); }
 TEST_CASE(rooted_shm3) { check_rooted(kShm3); }
 TEST_CASE(rooted_tcp3) { check_rooted(kTcp3); }
 TEST_CASE(rooted_hier4) { check_rooted(kHier4); }
+TEST_CASE(rooted_ring6) { check_rooted(kRing6); }
 TEST_CASE(barrier_shm3) { check_barrier(kShm3); }
 TEST_CASE(barrier_tcp3) { check_barrier(kTcp3); }
 TEST_CASE(barrier_hier4) { check_barrier(kHier4); }

@@ -1,5 +1,5 @@
 """smddp collectives against directly computed references, on shared memory and on the
-inter-host (TCP mesh) path forced on one machine."""
+inter-host paths (TCP mesh and ring) forced on one machine."""
 
 import pytest
 
@@ -46,6 +46,20 @@ def test_three_ranks_every_output_copy_streaming():
 def test_four_ranks_two_forced_hosts():
     # Two "hosts" of two ranks: shm reduce-scatter, TCP rail exchange, shm all-gather.
     _run(4, env={"SMDDP_FORCE_LOCAL_SIZE": "2"}, quick=True)
+
+
+def test_three_forced_hosts_in_a_ring():
+    # Three "hosts" of one rank, every collective across them in a ring (Note [Rail rings]
+    # in comm_ring.cpp), in 4 KiB network messages so parts cross in several of them.
+    _run(
+        3,
+        env={
+            "SMDDP_FORCE_LOCAL_SIZE": "1",
+            "SMDDP_NET_ALGO": "ring",
+            "SMDDP_NET_CHUNK_BYTES": "4096",
+        },
+        quick=True,
+    )
 
 
 def test_two_ranks_one_per_forced_host():

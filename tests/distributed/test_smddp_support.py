@@ -7,6 +7,7 @@ local ranks in order inside a host, then hosts in order) and compare bit for bit
 
 from __future__ import annotations
 
+import os
 import random
 import time
 import zlib
@@ -76,22 +77,64 @@ def _combine(a: torch.Tensor, b: torch.Tensor, op: str) -> torch.Tensor:
     return {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}[op](a, b)
 
 
-def reference_reduce(xs: list[torch.Tensor], op: str, hosts: list[list[int]]) -> torch.Tensor:
-    """Reduces per-rank tensors like the backend: inside each host in rank order, then hosts."""
-    dtype = xs[0].dtype
+def ring_across_hosts(hosts: list[list[int]]) -> bool:
+    """Whether collectives across ``hosts`` pass partials around a ring (Note [Rail rings]
+    in comm_ring.cpp), which sums each part in its own host order: the tests that want it
+    set SMDDP_NET_ALGO=ring (the automatic choice takes the ring only for large tensors)."""
+    return os.environ.get("SMDDP_NET_ALGO", "").lower() == "ring" and len(hosts) >= 3
+
+
+def partition(n: int, parts: int, i: int, align: int) -> tuple[int, int]:
+    """Elements [begin, end) of part ``i`` of ``n`` in blocks of ``align``, as the backend
+    cuts an all_reduce (smddp::partition in common.cpp)."""
+    blocks = (n + align - 1) // align
+    base, extra = divmod(blocks, parts)
+    b0 = i * base + min(i, extra)
+    nb = base + (1 if i < extra else 0)
+    return min(b0 * align, n), min((b0 + nb) * align, n)
+
+
+def reference_reduce(
+    xs: list[torch.Tensor], op: str, hosts: list[list[int]], scatter: bool = False
+) -> torch.Tensor:
+    """Reduces per-rank tensors like the backend: inside each host in rank order, then hosts.
+
+    Hosts in order, or, in a ring (``ring_across_hosts``), part p from the host after its
+    owner's round to its owner's. The parts are the reduce_scatter's equal ones when
+    ``scatter``, else the all_reduce's (``partition``).
+    """
+    dtype, shape = xs[0].dtype, xs[0].shape
     acc = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
     if op == "PREMUL_SUM":
         xs = [x * PREMUL for x in xs]  # scaled in the element type, as the backend does
-    total = None
+    partials = []
     for members in hosts:
         part = None
         for r in members:
-            v = xs[r].to(acc)
+            v = xs[r].reshape(-1).to(acc)
             part = v.clone() if part is None else _combine(part, v, op)
-        total = part if total is None else _combine(total, part, op)
+        partials.append(part)
+    if ring_across_hosts(hosts):
+        world, n = len(xs), partials[0].numel()
+        host_of = {r: h for h, members in enumerate(hosts) for r in members}
+        total = torch.empty_like(partials[0])
+        for p in range(world):
+            if scatter:
+                b, e = p * (n // world), (p + 1) * (n // world)
+            else:
+                b, e = partition(n, world, p, max(1, 64 // xs[0].element_size()))
+            order = [(host_of[p] + 1 + k) % len(hosts) for k in range(len(hosts))]
+            sum_p = partials[order[0]][b:e].clone()
+            for h in order[1:]:
+                sum_p = _combine(sum_p, partials[h][b:e], op)
+            total[b:e] = sum_p
+    else:
+        total = partials[0]
+        for part in partials[1:]:
+            total = _combine(total, part, op)
     if op == "AVG":
         total = total / len(xs)
-    return total.to(dtype)
+    return total.to(dtype).reshape(shape)
 
 
 def tell(key: str) -> None:
@@ -204,7 +247,10 @@ def check_reduce_scatter(sizes=(0, 1, 5, 17, 1031, 40000), dtypes=ALL_DTYPES) ->
                 out = torch.empty(n, dtype=dtype)
                 dist.reduce_scatter_tensor(out, inp, op=redop(op))
                 full = reference_reduce(
-                    [make_input(r, n * world, dtype, salt, op) for r in range(world)], op, hosts
+                    [make_input(r, n * world, dtype, salt, op) for r in range(world)],
+                    op,
+                    hosts,
+                    scatter=True,
                 )
                 want = full[rank * n : (rank + 1) * n]
                 assert same(out, want), f"reduce_scatter_tensor {dtype} {op} n={n}"
@@ -376,13 +422,19 @@ def check_coalesced() -> int:
     with dist._coalescing_manager(async_ops=False):
         for t in ts:
             dist.all_reduce(t)
-    for t, n in zip(ts, (3, 1000, 1)):
-        assert same(
-            t,
-            reference_reduce(
-                [make_input(r, n, torch.float32, 11 + n) for r in range(world)], "SUM", hosts
-            ),
-        )
+    # The backend reduces the three as one flat tensor (allreduce_coalesced), so the
+    # reference does too: in a ring, the parts are cut from the flat tensor.
+    flat = reference_reduce(
+        [
+            torch.cat([make_input(r, n, torch.float32, 11 + n) for n in (3, 1000, 1)])
+            for r in range(world)
+        ],
+        "SUM",
+        hosts,
+    )
+    for t, want in zip(ts, flat.split([3, 1000, 1])):
+        assert same(t, want), "all_reduce coalesced"
+
     ins = [make_input(rank, n, torch.bfloat16, 3) for n in (5, 64)]
     outs = [torch.empty(n * world, dtype=torch.bfloat16) for n in (5, 64)]
     with dist._coalescing_manager(async_ops=True) as cm:
@@ -400,7 +452,10 @@ def check_coalesced() -> int:
             dist.reduce_scatter_tensor(o, i, op=dist.ReduceOp.AVG)
     for o, n in zip(outs, (6, 33)):
         full = reference_reduce(
-            [make_input(r, n * world, torch.float32, 4) for r in range(world)], "AVG", hosts
+            [make_input(r, n * world, torch.float32, 4) for r in range(world)],
+            "AVG",
+            hosts,
+            scatter=True,
         )
         assert same(o, full[rank * n : (rank + 1) * n]), "reduce_scatter coalesced"
     return 7
@@ -430,7 +485,7 @@ def check_non_contiguous() -> int:
     assert not ins[rank].is_contiguous()
     o = torch.empty(40, 6)
     dist.reduce_scatter_tensor(o, ins[rank])
-    full = reference_reduce([x.contiguous() for x in ins], "SUM", hosts)
+    full = reference_reduce([x.contiguous() for x in ins], "SUM", hosts, scatter=True)
     assert same(o, full[rank * 40 : (rank + 1) * 40]), "non-contiguous reduce_scatter input"
     return checked + 3
 

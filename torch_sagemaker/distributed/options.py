@@ -43,6 +43,7 @@ class SMDDPOptions:
         socket_addr: IPv4 address (or name) other hosts reach this rank at.
         socket_ifname: Network interface whose IPv4 address to use instead.
         net_chunk_bytes: Collectives across hosts send each part in messages of this size.
+        net_algo: How collectives cross 3 hosts or more: "mesh", "ring" or "auto".
         timeline: Record when each collective and its phases across hosts began and ended.
         staging_chunk_bytes: Device tensors: bytes copied and reduced at a time (4K to 1G).
         staging_memory: Device tensors: host memory the copies land in, "auto", "pinned"
@@ -65,6 +66,7 @@ class SMDDPOptions:
     socket_addr: str | None = None
     socket_ifname: str | None = None
     net_chunk_bytes: int | str | None = None
+    net_algo: str | None = None
     timeline: bool | None = None
     staging_chunk_bytes: int | str | None = None
     staging_memory: str | None = None

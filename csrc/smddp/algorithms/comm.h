@@ -8,12 +8,13 @@
 // inside each host a shared-memory reduce-scatter gives local rank l the host's partial
 // sums of the parts of its rail (in fp32 for bf16/fp16), then every rank exchanges those
 // partials with its rail over TCP (one hop, a full mesh) and reduces them in host order.
-// All-gather is the mirror image: rail exchange over TCP, then a shared-memory all-gather
-// inside the host. All-reduce = reduce-scatter + all-gather over N equal parts. The
-// reduction order (local ranks in order, then hosts in order) is fixed, so every rank gets
-// bit-identical results. Layouts with unequal ranks per host fall back to one rank per
-// "host" (pure TCP mesh). SMDDP_FORCE_LOCAL_SIZE=k splits each real host into blocks of k
-// consecutive global ranks, so the inter-host path runs on one machine.
+// From 3 hosts on, the rail may instead pass the partials around a ring (Note [Rail rings]
+// in comm_ring.cpp). All-gather is the mirror image: rail exchange over TCP, then a
+// shared-memory all-gather inside the host. All-reduce = reduce-scatter + all-gather over N
+// equal parts. The reduction order (local ranks in order, then hosts in an order fixed by
+// the algorithm) is fixed, so every rank gets bit-identical results. Layouts with unequal ranks per
+// host fall back to one rank per "host" (pure TCP mesh). SMDDP_FORCE_LOCAL_SIZE=k splits each real
+// host into blocks of k consecutive global ranks, so the inter-host path runs on one machine.
 #pragma once
 
 #include <atomic>
@@ -129,6 +130,8 @@ class Communicator {
   std::shared_ptr<ShmPool> pool() const { return shm_ ? shm_->pool() : nullptr; }
   // Collectives that read their operands in place from the pools (for tests and stats).
   uint64_t zero_copy_ops() const { return zero_copy_ops_.load(); }
+  // Collectives that crossed hosts in a ring (Note [Rail rings] in comm_ring.cpp).
+  uint64_t rail_ring_ops() const { return rail_ring_ops_.load(); }
   // The phases of the collectives across hosts since the last call (SMDDP_TIMELINE=1).
   std::vector<Timeline::Span> take_timeline() { return timeline_.take(); }
 
@@ -169,6 +172,24 @@ class Communicator {
                            const Reduction& red, const OpCtx& ctx,
                            std::vector<TransportOp> more_recvs,
                            const std::function<void(Exchange&, Span)>& reduced);
+  // The ring alternative to the mesh exchange (comm_ring.cpp, Note [Rail rings] there):
+  // a reduce-scatter of `partials` into `dst` and/or an all-gather into `ag_out`, in one
+  // exchange; an all-reduce sends each reduced chunk on as the all-gather's first step.
+  struct RingJob {
+    const std::vector<Span>* parts = nullptr;  // one per group rank, in elements or ag_unit
+    HostPartials* partials = nullptr;          // reduce-scatter: this host's partials
+    const Reduction* red = nullptr;
+    void* dst = nullptr;       // reduce-scatter: my part's result
+    char* ag_out = nullptr;    // all-gather: the output; my part is in place already
+    size_t ag_unit = 1;        // bytes of one unit of `parts`
+    size_t ag_chunk_unit = 1;  // the unit net_chunks cuts the all-gather's parts by
+  };
+  void rail_ring(const RingJob& job, const OpCtx& ctx);
+  // Whether a collective of `bytes` (the whole tensor) crosses hosts in a ring or the mesh.
+  bool rail_ring_chosen(size_t bytes) const;
+  // Note [Rail rings]: with SMDDP_NET_ALGO=auto and 3 hosts or more, a ring from this many
+  // bytes per rail (the tensor / local ranks). Measured by bench multihost.
+  static constexpr size_t kRingMinRailBytes = 4 << 20;
   // The receives of the other hosts' rail parts (spans of `unit` bytes) into `out`, cut
   // into the messages net_chunks(len, chunk_unit) makes of them.
   std::vector<TransportOp> rail_allgather_recvs(char* out, const std::vector<Span>& parts,
@@ -226,6 +247,7 @@ class Communicator {
   size_t oneshot_bytes_ = 0;
   bool zero_copy_ = false;  // every local rank has a pool: try zero-copy AG/RS
   std::atomic<uint64_t> zero_copy_ops_{0};
+  std::atomic<uint64_t> rail_ring_ops_{0};
   std::mutex broken_mu_;                 // guarded() runs on the executor and on the send lane
   std::atomic<uint32_t> poll_round_{0};  // rotates the first peer a receive from any polls
   std::string broken_;                   // first error; the group is unusable afterwards

@@ -161,6 +161,17 @@ void Communicator::hier_reduce_scatter(const void* in, const std::vector<Span>& 
                                        const Reduction& red, const OpCtx& ctx) {
   HostPartials hp;
   start_host_partials(hp, in, parts, red, ctx);
+  size_t count = 0;
+  for (const Span& p : parts) count += p.len;
+  if (rail_ring_chosen(count * dtype_size(red.dtype))) {
+    RingJob job;
+    job.parts = &parts;
+    job.partials = &hp;
+    job.red = &red;
+    job.dst = dst;
+    rail_ring(job, ctx);
+    return;
+  }
   rail_reduce_scatter(hp, parts, dst, red, ctx, {}, {});
 }
 
@@ -194,6 +205,14 @@ void Communicator::hier_allgather(const void* src, void* out, const std::vector<
   char* base = static_cast<char*>(out);
   const Span& own = parts[cfg_.rank];
   if (src != base + own.off && own.len) std::memmove(base + own.off, src, own.len);
+  if (rail_ring_chosen(parts.back().off + parts.back().len)) {
+    RingJob job;
+    job.parts = &parts;
+    job.ag_out = base;
+    rail_ring(job, ctx);
+    local_allgather(base, parts, ctx);
+    return;
+  }
   Exchange x;
   x.recvs = rail_allgather_recvs(base, parts, 1, 1, ctx);
   const uint64_t chk = check_of(ctx);
@@ -229,6 +248,19 @@ void Communicator::hier_allreduce(void* data, size_t count, const Reduction& red
   };
   HostPartials hp;
   start_host_partials(hp, data, parts, red, ctx);
+  if (rail_ring_chosen(count * esz)) {
+    RingJob job;
+    job.parts = &parts;
+    job.partials = &hp;
+    job.red = &red;
+    job.dst = own;
+    job.ag_out = base;
+    job.ag_unit = esz;
+    job.ag_chunk_unit = dtype_size(acc_type(red.dtype));
+    rail_ring(job, ctx);
+    local_allgather(base, bytes, ctx);
+    return;
+  }
   rail_reduce_scatter(hp, parts, own, red, ctx,
                       rail_allgather_recvs(base, parts, esz, dtype_size(acc_type(red.dtype)), ctx),
                       send_on);

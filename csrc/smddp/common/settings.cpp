@@ -48,6 +48,9 @@ const std::vector<SettingInfo> kSettings = {
     {"net_chunk_bytes", "SMDDP_NET_CHUNK_BYTES", "bytes", "512K",
      "collectives across hosts send each part in messages of this many bytes, so what "
      "arrived is reduced and sent on while the rest still arrives (4K to 1G)"},
+    {"net_algo", "SMDDP_NET_ALGO", "name", "auto",
+     "how collectives cross 3 hosts or more: mesh (every host sends to every other at "
+     "once), ring (each host to the next), or auto (a ring from 4M per rank of a host)"},
     {"timeline", "SMDDP_TIMELINE", "flag", "0",
      "1: record when each collective and each of its phases across hosts began and ended "
      "(bench multihost --timeline prints them)"},
@@ -181,6 +184,11 @@ void apply(Settings& s, const std::string& field, const std::string& source,
     s.socket_ifname = text;
   } else if (field == "net_chunk_bytes") {
     s.net_chunk_bytes = bytes(4 * kKiB, kGiB, false);
+  } else if (field == "net_algo") {
+    const std::string v = lower(text);
+    SMDDP_CHECK_VALUE(v == "auto" || v == "mesh" || v == "ring",
+                      invalid(source, text, "expected auto, mesh or ring"));
+    s.net_algo = v == "mesh" ? NetAlgo::MESH : v == "ring" ? NetAlgo::RING : NetAlgo::AUTO;
   } else if (field == "timeline") {
     s.timeline = parse_flag(source, text);
   } else if (field == "staging_chunk_bytes") {
@@ -250,6 +258,9 @@ std::map<std::string, std::string> describe(const Settings& s) {
       {"socket_addr", s.socket_addr},
       {"socket_ifname", s.socket_ifname},
       {"net_chunk_bytes", std::to_string(s.net_chunk_bytes)},
+      {"net_algo", s.net_algo == NetAlgo::MESH   ? "mesh"
+                   : s.net_algo == NetAlgo::RING ? "ring"
+                                                 : "auto"},
       {"timeline", s.timeline ? "1" : "0"},
       {"staging_chunk_bytes", std::to_string(s.staging_chunk_bytes)},
       {"staging_memory", s.staging_memory},
@@ -260,9 +271,9 @@ std::map<std::string, std::string> describe(const Settings& s) {
 
 std::vector<std::pair<std::string, std::string>> shared_settings(const Settings& s) {
   // Note [Settings every rank shares]: the fields, valued as describe() shows them.
-  static const char* const kShared[] = {"buffer_bytes",   "pool_bytes", "chunk_bytes",
-                                        "oneshot_bytes",  "p2p_bytes",  "force_local_size",
-                                        "net_chunk_bytes"};
+  static const char* const kShared[] = {"buffer_bytes",    "pool_bytes", "chunk_bytes",
+                                        "oneshot_bytes",   "p2p_bytes",  "force_local_size",
+                                        "net_chunk_bytes", "net_algo"};
   const std::map<std::string, std::string> text = describe(s);
   std::vector<std::pair<std::string, std::string>> out;
   for (const SettingInfo& info : kSettings) {

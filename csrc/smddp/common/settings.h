@@ -21,6 +21,9 @@
 
 namespace smddp {
 
+// How collectives cross hosts (Note [Rail rings] in algorithms/comm_ring.cpp).
+enum class NetAlgo { AUTO, MESH, RING };
+
 struct Settings {
   size_t buffer_bytes = 1 << 20;
   size_t chunk_bytes = 0;          // 0: automatic (see ShmComm)
@@ -38,6 +41,7 @@ struct Settings {
   std::string socket_ifname;
   // Note [Pipelined exchanges] in comm_hier.cpp: 512K measured best (bench multihost).
   size_t net_chunk_bytes = 512 << 10;
+  NetAlgo net_algo = NetAlgo::AUTO;
   bool timeline = false;  // Note [Timeline] in timeline.h
   double timeout_s = 0;   // 0: the timeout c10d passes (init_process_group / new_group)
   // Device tensors (Note [Device staging] in device_staging.h).

@@ -18,7 +18,7 @@
 // It must keep what the algorithms rely on: a send's span may be reused once exchange()
 // returns; messages between a pair of ranks with the same tag arrive in order, and a
 // peer's sends leave in the order they were posted, also those posted while the exchange
-// runs (Note [Pipelined exchanges] in algorithms/comm_algos.cpp); exchange()
+// runs (Note [Pipelined exchanges] in algorithms/comm_hier.cpp); exchange()
 // ends with CommError by the operation's deadline naming the peers still missing; and the
 // `health` callback runs while it waits (the local ranks' failure flags). Authentication
 // (Note [TCP trust model] in tcp/tcp.h) is the transport's own: the group secret is its

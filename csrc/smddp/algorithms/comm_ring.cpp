@@ -1,0 +1,224 @@
+// The rail's exchange between hosts as a ring: the alternative to the full mesh of
+// comm_hier.cpp, chosen per call by Communicator::rail_ring_chosen.
+//
+// Note [Rail rings]
+// The mesh moves a part in one hop: each host sends every other host its partial of that
+// host's part at once, so each NIC carries H-1 streams each way, and each receiver is fed by
+// H-1 senders at once. The ring moves the same bytes per NIC ((H-1)/H of the data per pass)
+// but each host talks to two neighbours only: host h sends to h+1 and receives from h-1
+// (hosts in rail order, modulo H).
+//
+// Reduce-scatter, H-1 steps: at step s host h sends the running sum of part h-s-1 (its own
+// partial at step 0) and receives the running sum of part h-s-2, adds its own partial of
+// that part and sends the result on at step s+1. At the last step (s = H-2) the part it
+// receives is its own, and adding its partial completes it. Part p is summed in the order
+// of hosts p+1, p+2, ..., p: fixed, so every run gives the same bits, and every rank gets
+// them since the all-gather copies the owner's result. This is another order than the
+// mesh's (hosts 0..H-1), so mesh and ring results may differ in the last bit; every rank
+// makes the same choice between them (from settings every rank shares, the host count and
+// the call's size), so results stay bit-identical across ranks.
+// All-gather, H-1 steps: at step t host h passes part h-t on (its own at step 0), and
+// receives part h-t-1 into place.
+//
+// Every step runs chunk by chunk (Note [Pipelined exchanges] in comm_hier.cpp): a chunk
+// goes on once it arrived and was reduced, so the steps overlap and the ring's start-up is
+// H-1 chunks, not H-1 parts; all steps of a collective run in one exchange. The next host
+// posts its receives from us in step order, and messages of one tag are matched in order,
+// so the sends of each tag are released in step order (OrderedSends) even when a later
+// step's chunk is ready first (a neighbour ahead of us).
+//
+// Buffers: each step's incoming running sums land in `incoming_`, and this rank's partial
+// is added in place there; the sum is then sent from there. In place (an all-reduce with
+// one rank per host, whose partials are its input and whose output is its input too), the
+// all-gather's data of part p lands where this rank's partial of part p is read from. That
+// is safe: the owner of part p finishes a chunk only after the chunk passed every other
+// host, so this rank read (or, at step 0, finished sending) its partial of that chunk
+// before any all-gather data for it can exist.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "smddp/algorithms/comm.h"
+#include "smddp/algorithms/kernels.h"
+#include "smddp/algorithms/shm_algos.h"
+
+namespace smddp {
+namespace {
+
+// Sends to one peer with one tag that become ready in any order but must be posted in the
+// order the peer posted its receives in.
+struct OrderedSends {
+  std::vector<TransportOp> ops;
+  std::vector<uint8_t> ready;
+  size_t posted = 0;
+
+  size_t add(const TransportOp& op) {
+    ops.push_back(op);
+    ready.push_back(0);
+    return ops.size() - 1;
+  }
+  void flush(Exchange& x) {
+    for (; posted < ops.size() && ready[posted]; ++posted) x.sends.push_back(ops[posted]);
+  }
+  bool all_posted() const { return posted == ops.size(); }
+};
+
+}  // namespace
+
+bool Communicator::rail_ring_chosen(size_t bytes) const {
+  const NetAlgo algo = cfg_.settings.net_algo;
+  if (layout_.hosts < 3 || algo == NetAlgo::MESH) return false;
+  if (algo == NetAlgo::RING) return true;
+  // Note [Rail rings]: auto. Measured by bench multihost (docs/multi_node.md).
+  return bytes / static_cast<size_t>(layout_.local_size) >= kRingMinRailBytes;
+}
+
+void Communicator::rail_ring(const RingJob& job, const OpCtx& ctx) {
+  const int H = layout_.hosts, me = layout_.host;
+  const int next = rail_[(me + 1) % H], prev = rail_[(me + H - 1) % H];
+  // The part host `me` handles at step s, `back` hosts behind it (modulo H).
+  auto part_at = [&](int s, int back) { return ((me - s - back) % H + H) % H; };
+  const std::vector<Span>& parts = *job.parts;
+  auto len_of = [&](int host) { return parts[rail_[host]].len; };
+  const uint64_t chk = check_of(ctx);
+  const int steps = H - 1;
+  ++rail_ring_ops_;
+
+  Exchange x;
+  OrderedSends rs_out, ag_out;
+  // What each receive is: (all-gather?, step, chunk).
+  struct Recv {
+    bool ag;
+    int step;
+    size_t chunk;
+  };
+  std::vector<Recv> what;
+
+  // --- reduce-scatter ---------------------------------------------------------------
+  HostPartials* hp = job.partials;
+  const Reduction* red = job.red;
+  const size_t aesz = hp ? dtype_size(acc_type(red->dtype)) : 0;
+  std::vector<std::vector<Span>> rs_chunks(steps);  // chunks of the part received at step s
+  std::vector<char*> inbuf(steps, nullptr);         // where step s's running sums land
+  std::vector<size_t> rs_first(steps, 0);           // rs_out index of step s's first send
+  std::vector<std::vector<uint8_t>> got(steps);
+  std::vector<size_t> received(steps, 0), reduced(steps, 0);
+  size_t step0_ready = 0;
+  auto ready = [&] { return hp && hp->steps ? hp->steps->ready() : SIZE_MAX; };
+  if (hp) {
+    size_t total = 0;
+    for (int s = 0; s < steps; ++s) total += len_of(part_at(s, 2)) * aesz;
+    if (incoming_.size() < total) incoming_.resize(total);
+    char* at = incoming_.data();
+    for (int s = 0; s < steps; ++s) {
+      inbuf[s] = at;
+      at += len_of(part_at(s, 2)) * aesz;
+      rs_chunks[s] = net_chunks(len_of(part_at(s, 2)), aesz);
+      got[s].assign(rs_chunks[s].size(), 0);
+    }
+    for (int s = 0; s < steps; ++s) {
+      const int q = part_at(s, 1);  // sent at step s: received at step s-1 (or ours at 0)
+      rs_first[s] = rs_out.ops.size();
+      for (const Span& c : net_chunks(len_of(q), aesz)) {
+        char* src = s == 0 ? static_cast<char*>(hp->ptr[q]) : inbuf[s - 1];
+        rs_out.add({next, tag(ctx, 1), src + c.off * aesz, c.len * aesz, chk});
+      }
+      for (size_t c = 0; c < rs_chunks[s].size(); ++c) {
+        const Span& ch = rs_chunks[s][c];
+        x.recvs.push_back({prev, tag(ctx, 1), inbuf[s] + ch.off * aesz, ch.len * aesz, chk});
+        what.push_back({false, s, c});
+      }
+    }
+  }
+
+  // --- all-gather ---------------------------------------------------------------------
+  std::vector<size_t> ag_first(steps, 0);
+  if (job.ag_out) {
+    for (int t = 0; t < steps; ++t) {
+      const Span& p = parts[rail_[part_at(t, 0)]];
+      ag_first[t] = ag_out.ops.size();
+      for (const Span& c : net_chunks(p.len, job.ag_chunk_unit)) {
+        const size_t i = ag_out.add({next, tag(ctx, 2), job.ag_out + (p.off + c.off) * job.ag_unit,
+                                     c.len * job.ag_unit, chk});
+        // An all-gather sends its own part at once; an all-reduce once it is reduced.
+        if (t == 0 && !hp) ag_out.ready[i] = 1;
+      }
+    }
+    for (int t = 0; t < steps; ++t) {
+      const Span& p = parts[rail_[part_at(t, 1)]];
+      const std::vector<Span> chunks = net_chunks(p.len, job.ag_chunk_unit);
+      for (size_t c = 0; c < chunks.size(); ++c) {
+        x.recvs.push_back({prev, tag(ctx, 2), job.ag_out + (p.off + chunks[c].off) * job.ag_unit,
+                           chunks[c].len * job.ag_unit, chk});
+        what.push_back({true, t, c});
+      }
+    }
+  }
+
+  // Everything that became possible: sends of final partials, reductions of what arrived
+  // (in arrival order, once this host's partial of it is final), then the sends released.
+  std::vector<const void*> srcs(2);
+  const std::vector<Span> first =
+      hp ? net_chunks(len_of(part_at(0, 1)), aesz) : std::vector<Span>{};
+  auto advance = [&] {
+    if (hp) {
+      for (; step0_ready < first.size(); ++step0_ready) {
+        if (first[step0_ready].off + first[step0_ready].len > ready()) break;
+        rs_out.ready[rs_first[0] + step0_ready] = 1;
+      }
+      for (int s = 0; s < steps; ++s) {
+        const int r = part_at(s, 2);
+        for (; reduced[s] < received[s]; ++reduced[s]) {
+          const Span& c = rs_chunks[s][reduced[s]];
+          if (c.off + c.len > ready()) break;
+          Timeline::Phase phase(timeline_, ctx.seq, "reduce", c.len * aesz);
+          char* sum = inbuf[s] + c.off * aesz;
+          srcs[0] = sum;
+          srcs[1] = static_cast<const char*>(hp->ptr[r]) + c.off * aesz;
+          if (s + 1 < steps) {
+            smddp::reduce(acc_type(red->dtype), acc_type(red->dtype), sum, srcs.data(), 2, c.len,
+                          *red, false);
+            rs_out.ready[rs_first[s + 1] + reduced[s]] = 1;
+          } else {
+            smddp::reduce(acc_type(red->dtype), red->dtype,
+                          static_cast<char*>(job.dst) + c.off * dtype_size(red->dtype), srcs.data(),
+                          2, c.len, *red, true);
+            if (job.ag_out) ag_out.ready[ag_first[0] + reduced[s]] = 1;
+          }
+        }
+      }
+    }
+    rs_out.flush(x);
+    ag_out.flush(x);
+  };
+  x.on_received = [&](size_t k) {
+    const Recv& w = what[k];
+    if (w.ag) {
+      if (w.step + 1 < steps) ag_out.ready[ag_first[w.step + 1] + w.chunk] = 1;
+    } else {
+      got[w.step][w.chunk] = 1;
+      while (received[w.step] < got[w.step].size() && got[w.step][received[w.step]]) {
+        ++received[w.step];
+      }
+    }
+    advance();
+  };
+  if (hp && hp->steps) {
+    x.work = [&] {
+      {
+        Timeline::Phase phase(timeline_, ctx.seq, "local reduce_scatter");
+        hp->steps->step();
+      }
+      advance();
+      return !hp->steps->done();
+    };
+  }
+  advance();
+  exchange(x, ctx);
+  // The exchange ends once every receive is in and the shared-memory steps are done, and
+  // advance() ran after each of those: everything was reduced and sent.
+  SMDDP_CHECK(rs_out.all_posted() && ag_out.all_posted(),
+              "smddp: the ring exchange ended with sends never posted (a bug)");
+}
+
+}  // namespace smddp
