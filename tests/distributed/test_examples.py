@@ -149,23 +149,6 @@ def _check_smoke(summary, stdout, flags):
         assert "offload:" in stdout
 
 
-def _example_main(argv):
-    """examples/train.py's ``main(argv)`` on this rank; returns what the rank printed."""
-    import contextlib
-    import importlib.util
-    import io
-
-    spec = importlib.util.spec_from_file_location(
-        "example_train", os.path.join(ROOT, "examples", "train.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        module.main(argv)
-    return printed.getvalue()
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("config", sorted(set(CONFIGS) - {RESUME_CONFIG}))
 def test_config_smoke(tmp_path, config):
