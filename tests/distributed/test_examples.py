@@ -82,6 +82,46 @@ def _train(tmp_path, ranks, *flags, name="run"):
         return json.load(f)["summary"], result.stdout
 
 
+def _example_main(argv):
+    """examples/train.py's ``main(argv)`` on this rank; returns what the rank printed."""
+    import contextlib
+    import importlib.util
+    import io
+
+    spec = importlib.util.spec_from_file_location(
+        "example_train", os.path.join(ROOT, "examples", "train.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        module.main(argv)
+    return printed.getvalue()
+
+
+# Note [Example runs in forked ranks]: most jobs here run examples/train.py's main() in fresh
+# ranks forked from the test launcher's warm server (which has imported torch and
+# transformers) instead of under torchrun, whose agent and ranks each import torch and
+# transformers anew: several seconds of CPU per process, most of a 4-step job's time on 2
+# cores. What each job checks is the same: its own fresh processes and process group (a
+# resumed run reads the checkpoint in other processes than the ones that wrote it), the same
+# arguments, metrics.json and rank 0's output. Starting examples/train.py under torchrun
+# stays covered by the S3 test below (full_shard, 2 ranks, twice), by the accelerate example
+# (accelerate launch) and by tests/distributed/test_launchers.py (hybrid.json on 4 ranks
+# over two hosts, killed and resumed).
+def _forked_train(tmp_path, ranks, *flags, name="run"):
+    """``_train``'s job in ranks forked from the launcher's server; (summary, rank 0's output)."""
+    from tests.distributed.launcher import run_distributed
+
+    out = tmp_path / name
+    argv = ["--distributed-backend", BACKEND, "--output-dir", str(out), *TINY, *flags]
+    printed = run_distributed(
+        _example_main, argv, world_size=ranks, init_process_group=False, timeout=600
+    )
+    with open(out / "metrics.json") as f:
+        return json.load(f)["summary"], printed[0]
+
+
 def test_every_config_is_listed_in_the_readme():
     shipped = sorted(os.listdir(os.path.join(ROOT, "examples", "configs")))
     assert shipped == sorted(CONFIGS)
@@ -113,7 +153,7 @@ def _check_smoke(summary, stdout, flags):
 @pytest.mark.parametrize("config", sorted(set(CONFIGS) - {RESUME_CONFIG}))
 def test_config_smoke(tmp_path, config):
     ranks, flags = CONFIGS[config]
-    summary, stdout = _train(
+    summary, stdout = _forked_train(
         tmp_path,
         ranks,
         "--smp-config",
@@ -142,13 +182,13 @@ def test_resume_continues_with_the_same_losses(tmp_path):
         "1",
         *flags,
     ]
-    full, stdout = _train(
+    full, stdout = _forked_train(
         tmp_path, ranks, *common, "--checkpoint-dir", str(tmp_path / "other"), name="full"
     )
     _check_smoke(full, stdout, flags)
     common += ["--checkpoint-dir", str(ckpt)]
-    first, _ = _train(tmp_path, ranks, *common, "--stop-at-step", "2", name="first")
-    second, stdout = _train(
+    first, _ = _forked_train(tmp_path, ranks, *common, "--stop-at-step", "2", name="first")
+    second, stdout = _forked_train(
         tmp_path, ranks, *common, "--resume-from-checkpoint", "latest", name="second"
     )
     assert "resumed from" in stdout
