@@ -122,7 +122,8 @@ def _settings_differ_on_rank_1(variable, value):
 
 
 @pytest.mark.parametrize(
-    "variable, value", [("SMDDP_ONESHOT_BYTES", "0"), ("SMDDP_CHUNK_BYTES", "64K")]
+    "variable, value",
+    [("SMDDP_ONESHOT_BYTES", "0"), ("SMDDP_CHUNK_BYTES", "64K"), ("SMDDP_NET_ALGO", "ring")],
 )
 def test_ranks_with_different_algorithm_settings_fail_at_group_creation(variable, value):
     # Before: wrong all-reduce sums (one-shot threshold), wrong reduce-scatters and then a
@@ -297,6 +298,11 @@ def _destroy_during_a_call(mode):
     if me == 0:
         caller.start()
         _wait_inside(caller, entered)
+        # Inside the binding is not yet inside the backend: between the binding's release of
+        # the GIL and the backend's entry, torch's dispatch runs, and a destroy that came
+        # first failed the call as "shut down" (4 of 5 runs on an idle machine). Blocked
+        # there for 50 ms, with the GIL free, it waits for the collective itself.
+        _wait_blocked_in(caller.ident, "call", threading.Event())
         returned, watcher = threading.Event(), None
         if mode in ("sync", "wait"):
             # Rank 1 makes its part once this rank's destroy waits for the call (or returned).

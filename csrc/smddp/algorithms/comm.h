@@ -185,11 +185,8 @@ class Communicator {
     size_t ag_chunk_unit = 1;  // the unit net_chunks cuts the all-gather's parts by
   };
   void rail_ring(const RingJob& job, const OpCtx& ctx);
-  // Whether a collective of `bytes` (the whole tensor) crosses hosts in a ring or the mesh.
-  bool rail_ring_chosen(size_t bytes) const;
-  // Note [Rail rings]: with SMDDP_NET_ALGO=auto and 3 hosts or more, a ring from this many
-  // bytes per rail (the tensor / local ranks). Measured by bench multihost.
-  static constexpr size_t kRingMinRailBytes = 4 << 20;
+  // Whether a collective crosses hosts in a ring rather than the mesh.
+  bool rail_ring_chosen() const;
   // The receives of the other hosts' rail parts (spans of `unit` bytes) into `out`, cut
   // into the messages net_chunks(len, chunk_unit) makes of them.
   std::vector<TransportOp> rail_allgather_recvs(char* out, const std::vector<Span>& parts,

@@ -161,9 +161,7 @@ void Communicator::hier_reduce_scatter(const void* in, const std::vector<Span>& 
                                        const Reduction& red, const OpCtx& ctx) {
   HostPartials hp;
   start_host_partials(hp, in, parts, red, ctx);
-  size_t count = 0;
-  for (const Span& p : parts) count += p.len;
-  if (rail_ring_chosen(count * dtype_size(red.dtype))) {
+  if (rail_ring_chosen()) {
     RingJob job;
     job.parts = &parts;
     job.partials = &hp;
@@ -205,7 +203,7 @@ void Communicator::hier_allgather(const void* src, void* out, const std::vector<
   char* base = static_cast<char*>(out);
   const Span& own = parts[cfg_.rank];
   if (src != base + own.off && own.len) std::memmove(base + own.off, src, own.len);
-  if (rail_ring_chosen(parts.back().off + parts.back().len)) {
+  if (rail_ring_chosen()) {
     RingJob job;
     job.parts = &parts;
     job.ag_out = base;
@@ -248,7 +246,7 @@ void Communicator::hier_allreduce(void* data, size_t count, const Reduction& red
   };
   HostPartials hp;
   start_host_partials(hp, data, parts, red, ctx);
-  if (rail_ring_chosen(count * esz)) {
+  if (rail_ring_chosen()) {
     RingJob job;
     job.parts = &parts;
     job.partials = &hp;

@@ -1,5 +1,5 @@
 // The rail's exchange between hosts as a ring: the alternative to the full mesh of
-// comm_hier.cpp, chosen per call by Communicator::rail_ring_chosen.
+// comm_hier.cpp, taken when Communicator::rail_ring_chosen says so.
 //
 // Note [Rail rings]
 // The mesh moves a part in one hop: each host sends every other host its partial of that
@@ -15,8 +15,8 @@
 // of hosts p+1, p+2, ..., p: fixed, so every run gives the same bits, and every rank gets
 // them since the all-gather copies the owner's result. This is another order than the
 // mesh's (hosts 0..H-1), so mesh and ring results may differ in the last bit; every rank
-// makes the same choice between them (from settings every rank shares, the host count and
-// the call's size), so results stay bit-identical across ranks.
+// makes the same choice between them (from SMDDP_NET_ALGO, a setting every rank shares, and
+// the host count), so results stay bit-identical across ranks.
 // All-gather, H-1 steps: at step t host h passes part h-t on (its own at step 0), and
 // receives part h-t-1 into place.
 //
@@ -26,6 +26,15 @@
 // posts its receives from us in step order, and messages of one tag are matched in order,
 // so the sends of each tag are released in step order (OrderedSends) even when a later
 // step's chunk is ready first (a neighbour ahead of us).
+//
+// When: a ring was expected to beat the mesh from 3 hosts on, since each NIC then carries
+// one stream each way and no receiver is fed by several senders at once. Measured on 4
+// simulated hosts of one rank (bench multihost, 2 Gbit/s, two rounds each, docs/multi_node.md)
+// it did not: level with the mesh at 4 MiB, and 0.70-0.82 of the NIC bound against the
+// mesh's 0.72-0.89 at 16-64 MiB (gloo's ring, the same pattern, 0.87-0.94 in all_reduce:
+// the gap to it is not the topology). It was ahead at 1 MiB (0.72-0.79 against 0.64-0.73).
+// So SMDDP_NET_ALGO=auto keeps the mesh everywhere, and the ring is there to be asked for
+// (SMDDP_NET_ALGO=ring) and measured on other networks and host counts.
 //
 // Buffers: each step's incoming running sums land in `incoming_`, and this rank's partial
 // is added in place there; the sum is then sent from there. In place (an all-reduce with
@@ -65,12 +74,9 @@ struct OrderedSends {
 
 }  // namespace
 
-bool Communicator::rail_ring_chosen(size_t bytes) const {
-  const NetAlgo algo = cfg_.settings.net_algo;
-  if (layout_.hosts < 3 || algo == NetAlgo::MESH) return false;
-  if (algo == NetAlgo::RING) return true;
-  // Note [Rail rings]: auto. Measured by bench multihost (docs/multi_node.md).
-  return bytes / static_cast<size_t>(layout_.local_size) >= kRingMinRailBytes;
+bool Communicator::rail_ring_chosen() const {
+  // Note [Rail rings], "When": auto is the mesh until a ring is measured faster.
+  return layout_.hosts >= 3 && cfg_.settings.net_algo == NetAlgo::RING;
 }
 
 void Communicator::rail_ring(const RingJob& job, const OpCtx& ctx) {
