@@ -86,4 +86,7 @@ def test_repeated_passes_print_each_ratio_with_its_range(two_passes):
     for cell in (smddp[8].replace("x", ""), smddp[9], smddp[10]):  # vs gloo, scaling, vs alone
         median, spread = cell.strip().split(" (")
         low, high = (float(v) for v in spread.rstrip(")").split("-"))
-        assert low <= float(median) <= high and low < high, cell  # _second_pass: a range
+        assert low <= float(median) <= high, cell
+        # _second_pass moves every ratio by 8-25%, which two decimals show from 0.1 up; a
+        # loaded machine's 2-rank scaling was 0.02 in both passes as printed.
+        assert low < high or float(median) < 0.1, cell
