@@ -40,7 +40,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from torch_sagemaker.bench import comma_list, netns
+from torch_sagemaker.bench import comma_list, cost_model_report, netns
+from torch_sagemaker.bench.cost_model import nic_factor
 
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 BACKENDS = ("smddp", "gloo")
@@ -57,11 +58,6 @@ def _layout(text: str) -> tuple[int, int]:
             f"layout {text!r}: write HOSTSxRANKS with at least 2 hosts and 1 rank, e.g. 2x1"
         )
     return hosts, local
-
-
-def nic_factor(op: str) -> int:
-    """The k of the NIC bound k (H-1)/H S: how often S crosses the busiest NIC, per (H-1)/H."""
-    return 2 if op == "all_reduce" else 1
 
 
 def min_bytes(op: str, hosts: int, size: int) -> float:
@@ -509,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in args.fit:
             with open(path) as f:
                 runs.append(json.load(f))
-        return model_report(runs, args)
+        return cost_model_report.model_report(runs, args)
     reason = netns.unavailable_reason()
     if reason:
         print(f"multihost: cannot simulate hosts here: {reason}", file=sys.stderr)
@@ -562,51 +558,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(run, f, indent=1)
     if args.model:
-        model_report([run], args)
+        cost_model_report.model_report([run], args)
     return 0 if all(r["ok"] for r in rows) else 1
-
-
-def model_report(runs: list[dict], args: argparse.Namespace) -> int:
-    """Fits the cost model on ``runs``, prints its costs, errors and predictions.
-
-    Returns:
-        0, or 1 where a measured point is off by more than cost_model.error_bound.
-    """
-    import dataclasses
-
-    from torch_sagemaker.bench import cost_model
-    from torch_sagemaker.bench.collectives import parse_size
-
-    pts = cost_model.points(runs)
-    costs = cost_model.fit(pts)
-    print(f"\nCost model fitted on {len(runs)} run(s) (the fastest run of each point):")
-    print(cost_model.costs_table(costs))
-    rows = cost_model.errors(costs, cost_model.fastest(pts))
-    print("\nMeasured against the model:")
-    print(cost_model.error_table(rows))
-    target = costs
-    if args.predict_latency is not None:
-        target = dataclasses.replace(target, alpha=args.predict_latency, step=args.predict_latency)
-    if args.predict_message is not None:
-        target = dataclasses.replace(target, message=args.predict_message)
-    if args.predict_cpu == "none":
-        target = dataclasses.replace(
-            target, net_cpu=0.0, reduce_cpu=0.0, shm_reduce_cpu=0.0, copy_cpu=0.0
-        )
-    nic_rate = args.predict_nics * netns.parse_rate(args.predict_rate) / 8
-    cores = args.predict_cores or args.predict_ranks
-    sizes = [parse_size(s) for s in args.predict_sizes]
-    print(
-        f"\nPredicted: {args.predict_nics} x {args.predict_rate} per host, "
-        f"{args.predict_ranks} ranks and {cores:g} cores per host, CPU costs {args.predict_cpu}"
-        + (f", latency {args.predict_latency:g} s" if args.predict_latency is not None else "")
-        + (f", message {args.predict_message:g} s" if args.predict_message is not None else "")
-    )
-    print(cost_model.prediction_table(target, args.predict_ranks, nic_rate, cores, sizes))
-    if args.plot:
-        cost_model.plot(target, args.predict_ranks, nic_rate, cores, sizes, args.plot)
-        print(f"\nwrote {args.plot}")
-    return 0 if all(abs(e) <= cost_model.error_bound(p.size) for p, _, e in rows) else 1
 
 
 if __name__ == "__main__":
