@@ -90,6 +90,31 @@ def _reset_after_call() -> None:
         _clear_dtensor_caches()
 
 
+# Note [Groups released between calls]: a call's groups outlive it unless destroyed, and each
+# gloo group keeps a thread that wakes every 10 ms (gloo's TCP loop polls epoll with a 10 ms
+# timeout) and two worker threads. A 4-rank gloo pool had gathered 218 such groups mid-suite
+# (659 threads a rank) and, idle, kept more than one of the machine's two cores busy, slowing
+# every later test. So after a call has finished on every rank, the parent sends each rank
+# _RELEASE, and the rank destroys every group but the default one. Not from the rank's own
+# `finally`: a rank that finished first could close a group a peer is still completing a
+# collective on.
+_RELEASE = "release-groups"
+
+
+def _release_groups() -> None:
+    """Destroys every process group but the default one, and the last references to them."""
+    import gc
+
+    import torch.distributed as dist
+
+    from torch_sagemaker._torch_compat import c10d
+
+    default = c10d.default_group_or_none()
+    for group in [g for g in c10d.live_groups() if g is not default]:
+        dist.destroy_process_group(group)
+    gc.collect()  # a group's threads stop when its last reference goes
+
+
 def _clear_dtensor_caches() -> None:
     """Drops PyTorch's DTensor caches that hold device meshes.
 
@@ -163,6 +188,13 @@ def _worker(
         task = tasks.get()
         if task is None:
             break
+        if task == _RELEASE:
+            try:
+                _release_groups()
+            except BaseException:
+                # The next call on this pool still runs; its own groups are new ones.
+                traceback.print_exc()
+            continue
         fn, args, kwargs = task
         try:
             value = fn(*args, **kwargs)
@@ -268,7 +300,10 @@ class _Pool:
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout_s: float) -> list[Any]:
         for q in self.tasks:
             q.put((fn, args, kwargs))
-        return self._collect(timeout_s, what=f"{getattr(fn, '__name__', fn)}")
+        values = self._collect(timeout_s, what=f"{getattr(fn, '__name__', fn)}")
+        for q in self.tasks:  # Note [Groups released between calls]
+            q.put(_RELEASE)
+        return values
 
     def shutdown(self, force: bool = False) -> None:
         if not force:

@@ -24,6 +24,26 @@ def _fail_on_rank_one():
     return "fine"
 
 
+def _make_groups(count):
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(count):
+        t = torch.ones(1)
+        dist.all_reduce(t, group=dist.new_group([0, 1]))
+    return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+
+def _groups_and_threads():
+    import os
+
+    from torch_sagemaker._torch_compat import c10d
+
+    return len(c10d.live_groups()), len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+
 def _sleep_forever():
     time.sleep(3600)
 
@@ -56,3 +76,13 @@ def test_a_port_taken_before_the_store_binds_it_starts_the_pool_again(monkeypatc
         monkeypatch.setattr(launcher, "free_port", lambda: ports.pop() if ports else real())
         assert run_distributed(_rank_and_sum, 0, world_size=2, fresh=True) == [(0, 1.0), (1, 1.0)]
     assert not ports  # the first pool was given the taken port
+
+
+def test_groups_of_a_call_are_released_before_the_next_call():
+    # Note [Groups released between calls]: each gloo group holds three threads, one waking
+    # every 10 ms; a pool must not gather them over the suite.
+    during = run_distributed(_make_groups, 8, world_size=2)
+    after = run_distributed(_groups_and_threads, world_size=2)
+    for threads_during, (groups, threads_after) in zip(during, after):
+        assert groups == 1, after  # the default group alone
+        assert threads_after <= threads_during - 8 * 3, (during, after)
