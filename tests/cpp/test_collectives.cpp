@@ -2,11 +2,14 @@
 //   shm   - one host: the shared-memory algorithms (Note [Step protocol] in shm.h);
 //   tcp   - SMDDP_FORCE_LOCAL_SIZE=1: every rank its own "host", pure TCP mesh;
 //   hier  - SMDDP_FORCE_LOCAL_SIZE=2 with 4 ranks: 2 "hosts" of 2, the hierarchical
-//           algorithms (Note [Hierarchical collectives] in comm.h).
+//           algorithms (Note [Hierarchical collectives] in comm.h);
+//   uneven - hosts of unequal rank counts (CommConfig::force_hosts), the same algorithms
+//           with parts dealt out per host (Note [Unequal hosts] in comm_hier.cpp).
 // Buffers are small (16K data buffers, 4K chunks and network messages, 8K point-to-point
 // rings) so that the sizes below cross every boundary: empty, one element, odd, larger than
 // a chunk and larger than a buffer. Every result is compared exactly with data.h's reference.
 #include <atomic>
+#include <map>
 #include <set>
 
 #include "data.h"
@@ -27,6 +30,7 @@ struct Topology {
   int force_local_size;
   size_t p2p_bytes;
   smddp::NetAlgo net_algo = smddp::NetAlgo::AUTO;  // auto: the mesh at these sizes
+  std::vector<int> force_hosts = {};               // rank -> host (CommConfig::force_hosts)
 };
 
 smddp::CommConfig config_of(const Topology& t) {
@@ -47,7 +51,25 @@ smddp::CommConfig config_of(const Topology& t) {
   // (Note [Pipelined exchanges] in comm_hier.cpp).
   s.net_chunk_bytes = 4 << 10;
   s.net_algo = t.net_algo;
+  cfg.force_hosts = t.force_hosts;
   return cfg;
+}
+
+// The hosts a topology must make: ranks in order, hosts by their lowest rank.
+std::vector<std::vector<int>> expected_hosts(const Topology& t) {
+  std::vector<std::vector<int>> hosts;
+  std::map<int, size_t> index;
+  for (int r = 0; r < t.ranks; ++r) {
+    int label = t.force_local_size ? r / t.force_local_size : 0;
+    if (!t.force_hosts.empty()) label = label * t.ranks + t.force_hosts[r];
+    auto it = index.find(label);
+    if (it == index.end()) {
+      it = index.emplace(label, hosts.size()).first;
+      hosts.emplace_back();
+    }
+    hosts[it->second].push_back(r);
+  }
+  return hosts;
 }
 
 const Topology kShm2{"shm2", 2, 0, 8 << 10};
@@ -58,6 +80,15 @@ const Topology kHier4{"hier4", 4, 2, 8 << 10};
 const Topology kRing3{"ring3", 3, 1, 8 << 10, smddp::NetAlgo::RING};
 const Topology kRing6{"ring6", 6, 2, 8 << 10, smddp::NetAlgo::RING};
 const Topology kShmTcpP2P{"shm2_p2p_tcp", 2, 0, 0};  // send/recv over loopback TCP
+// Hosts of unequal rank counts (Note [Unequal hosts] in comm_hier.cpp): 2+1, 1+2, 3+1+2,
+// hosts whose ranks interleave ({0,2} and {1,3,4}), and 3+1+2 with the ring asked for
+// (unequal hosts take the mesh).
+const Topology kUneven21{"uneven21", 3, 0, 8 << 10, smddp::NetAlgo::AUTO, {0, 0, 1}};
+const Topology kUneven12{"uneven12", 3, 0, 8 << 10, smddp::NetAlgo::AUTO, {0, 1, 1}};
+const Topology kUneven312{"uneven312", 6, 0, 8 << 10, smddp::NetAlgo::AUTO, {0, 0, 0, 1, 2, 2}};
+const Topology kUnevenMixed{"uneven_mixed", 5, 0, 8 << 10, smddp::NetAlgo::AUTO, {0, 1, 0, 1, 1}};
+const Topology kUneven312Ring{"uneven312_ring",  6, 0, 8 << 10, smddp::NetAlgo::RING,
+                              {0, 0, 0, 1, 2, 2}};
 
 smddp::OpArgs args(DType t, const char* op, size_t numel) {
   smddp::OpArgs a;
@@ -111,19 +142,34 @@ std::string where(const Topology& topo, const char* what, int rank, DType t, Red
              smddp::redop_name(op), " count ", count, ": ");
 }
 
-// A ring topology must have taken the ring (not the mesh) for the calls that crossed hosts.
+// A ring topology must have taken the ring (not the mesh) for the calls that crossed hosts,
+// where it can: hosts of unequal size take the mesh.
 void expect_ring_used(const Topology& topo, const Communicator& c) {
   if (topo.net_algo != smddp::NetAlgo::RING) return;
+  if (!c.layout().uniform) {
+    EXPECT(c.rail_ring_ops() == 0, topo.name, ": unequal hosts crossed in a ring");
+    return;
+  }
   EXPECT(c.rail_ring_ops() > 0, topo.name, ": no collective crossed hosts in a ring");
+}
+
+// The layout is the topology's hosts (unequal ones included: no flat fallback), and the
+// collectives so far sent nothing over the network between ranks of one host.
+void expect_hierarchy(const Topology& topo, const Communicator& c) {
+  const auto want = expected_hosts(topo);
+  const smddp::Layout& l = c.layout();
+  EXPECT(l.members == want, topo.name, ": ", l.hosts, " hosts, want ", want.size());
+  EXPECT(l.local_size == static_cast<int>(l.members.at(l.host).size()), topo.name, ": local_size ",
+         l.local_size);
+  EXPECT(c.local_net_messages() == 0, topo.name, ": ", c.local_net_messages(),
+         " messages over the network inside a host");
 }
 
 void check_allreduce(const Topology& topo) {
   const int n = topo.ranks;
   run_group(n, config_of(topo), [&](Communicator& c, int rank) {
-    // The path under test: one host, one host per rank, or hosts of force_local_size ranks.
-    const int hosts = topo.force_local_size ? n / topo.force_local_size : 1;
-    EXPECT(c.layout().hosts == hosts && c.layout().local_size == n / hosts, topo.name, ": ",
-           c.layout().hosts, " hosts of ", c.layout().local_size);
+    // The path under test: one host, one host per rank, or the topology's forced hosts.
+    expect_hierarchy(topo, c);
     int salt = 0;
     for (const RedCase& rc : kReductions) {
       for (size_t count : kCounts) {
@@ -136,6 +182,7 @@ void check_allreduce(const Topology& topo) {
       }
     }
     expect_ring_used(topo, c);
+    expect_hierarchy(topo, c);
   });
 }
 
@@ -164,6 +211,7 @@ void check_reduce_scatter(const Topology& topo) {
       }
     }
     expect_ring_used(topo, c);
+    expect_hierarchy(topo, c);
   });
 }
 
@@ -194,6 +242,7 @@ void check_allgather(const Topology& topo) {
       }
     }
     expect_ring_used(topo, c);
+    expect_hierarchy(topo, c);
   });
 }
 
@@ -212,6 +261,7 @@ void check_broadcast(const Topology& topo) {
                ": ", diff);
       }
     }
+    expect_hierarchy(topo, c);
   });
 }
 
@@ -303,6 +353,7 @@ void check_rooted(const Topology& topo) {
       }
     }
     expect_ring_used(topo, c);
+    expect_hierarchy(topo, c);
   });
 }
 
@@ -318,6 +369,7 @@ void check_barrier(const Topology& topo) {
       EXPECT(arrived.load() >= n * round, topo.name, " rank ", rank, " left barrier ", round,
              " after only ", arrived.load(), " arrivals");
     }
+    expect_hierarchy(topo, c);
   });
 }
 
@@ -380,6 +432,7 @@ void check_send_recv(const Topology& topo) {
     c.allreduce(buf.data(), 33, red, ctx_of(c, "all_reduce", DType::F32, int(RedOp::SUM), 33));
     EXPECT(compare(DType::F32, buf.data(), expected_reduction(DType::F32, red, n, 33, 9)).empty(),
            topo.name, " all_reduce after send/recv");
+    expect_hierarchy(topo, c);
   });
 }
 
@@ -418,5 +471,29 @@ TEST_CASE(send_recv_shm3) { check_send_recv(kShm3); }
 TEST_CASE(send_recv_tcp3) { check_send_recv(kTcp3); }
 TEST_CASE(send_recv_hier4) { check_send_recv(kHier4); }
 TEST_CASE(send_recv_shm2_over_tcp) { check_send_recv(kShmTcpP2P); }
+TEST_CASE(allreduce_uneven21) { check_allreduce(kUneven21); }
+TEST_CASE(allreduce_uneven12) { check_allreduce(kUneven12); }
+TEST_CASE(allreduce_uneven312) { check_allreduce(kUneven312); }
+TEST_CASE(allreduce_uneven_mixed) { check_allreduce(kUnevenMixed); }
+TEST_CASE(allreduce_uneven312_ring) { check_allreduce(kUneven312Ring); }
+TEST_CASE(reduce_scatter_uneven21) { check_reduce_scatter(kUneven21); }
+TEST_CASE(reduce_scatter_uneven12) { check_reduce_scatter(kUneven12); }
+TEST_CASE(reduce_scatter_uneven312) { check_reduce_scatter(kUneven312); }
+TEST_CASE(reduce_scatter_uneven_mixed) { check_reduce_scatter(kUnevenMixed); }
+TEST_CASE(reduce_scatter_uneven312_ring) { check_reduce_scatter(kUneven312Ring); }
+TEST_CASE(allgather_uneven21) { check_allgather(kUneven21); }
+TEST_CASE(allgather_uneven12) { check_allgather(kUneven12); }
+TEST_CASE(allgather_uneven312) { check_allgather(kUneven312); }
+TEST_CASE(allgather_uneven_mixed) { check_allgather(kUnevenMixed); }
+TEST_CASE(allgather_uneven312_ring) { check_allgather(kUneven312Ring); }
+TEST_CASE(rooted_uneven21) { check_rooted(kUneven21); }
+TEST_CASE(rooted_uneven12) { check_rooted(kUneven12); }
+TEST_CASE(rooted_uneven312) { check_rooted(kUneven312); }
+TEST_CASE(broadcast_uneven12) { check_broadcast(kUneven12); }
+TEST_CASE(broadcast_uneven312) { check_broadcast(kUneven312); }
+TEST_CASE(barrier_uneven12) { check_barrier(kUneven12); }
+TEST_CASE(barrier_uneven312) { check_barrier(kUneven312); }
+TEST_CASE(alltoall_uneven312) { check_alltoall(kUneven312); }
+TEST_CASE(send_recv_uneven312) { check_send_recv(kUneven312); }
 
 }  // namespace smddp_test

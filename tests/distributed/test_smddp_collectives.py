@@ -66,6 +66,90 @@ def test_two_ranks_one_per_forced_host():
     _run(2, env={"SMDDP_FORCE_LOCAL_SIZE": "1", "SMDDP_BUFFER_BYTES": "8192"}, quick=True)
 
 
+def _unequal_hosts_run_all():
+    """The whole check suite on hosts of unequal rank counts, with the layout it ran on."""
+    return checks.host_layout(), checks.run_all(quick=True)
+
+
+def test_three_ranks_on_unequal_forced_hosts():
+    # Hosts {0, 1} and {2} keep their hierarchy (Note [Unequal hosts] in comm_hier.cpp):
+    # shared memory inside the first, the mesh between them. The reference sums in that
+    # order, and every rank's digest (fp32 avg, bf16 sum) must be the same bits.
+    res = run_distributed(
+        _unequal_hosts_run_all,
+        world_size=3,
+        backend="smddp",
+        env={"SMDDP_FORCE_LOCAL_SIZE": "2", "SMDDP_NET_CHUNK_BYTES": "4096"},
+        timeout=300,
+    )
+    assert all(layout == [[0, 1], [2]] for layout, _ in res), [layout for layout, _ in res]
+    digests = [counts.pop("digest") for _, counts in res]
+    assert all(d == digests[0] for d in digests), "ranks got different bits"
+    assert all(counts == res[0][1] for _, counts in res)
+
+
+def _reductions_on_unequal_subgroup():
+    """all_reduce and reduce_scatter in fp32 and bf16 on the group of global ranks 0, 2, 3
+    over forced hosts {0, 1}, {2, 3}: its hosts are [[0], [1, 2]], so the backend sums
+    x0 + (x1 + x2), which rank order (x0 + x1) + x2 would not give bit for bit. Returns the
+    layout, how many cases the two orders told apart, and every result's bits."""
+    import torch
+    import torch.distributed as dist
+
+    from torch_sagemaker.distributed import backend as smddp_backend
+
+    group = dist.new_group([0, 2, 3])
+    if dist.get_rank() == 1:
+        return None
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    hosts = smddp_backend.group_layout(group)["members"]
+    flat = [[r] for r in range(world)]
+    bits: list[list[int]] = []
+    told_apart = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        as_int = torch.int32 if dtype == torch.float32 else torch.int16
+        for op in ("SUM", "AVG", "PREMUL_SUM"):
+            for n in (1, 17, 1031, 40003):
+                salt = checks._salt("unequal", str(dtype), op)
+                xs = [checks.make_input(r, n, dtype, salt, op) for r in range(world)]
+                t = xs[rank].clone()
+                dist.all_reduce(t, op=checks.redop(op), group=group)
+                want = checks.reference_reduce(xs, op, hosts)
+                assert checks.same(t, want), f"all_reduce {dtype} {op} n={n}"
+                told_apart += not checks.same(want, checks.reference_reduce(xs, op, flat))
+                bits.append(t.view(as_int).tolist())
+                xs = [checks.make_input(r, n * world, dtype, salt, op) for r in range(world)]
+                out = torch.empty(n, dtype=dtype)
+                dist.reduce_scatter_tensor(out, xs[rank], op=checks.redop(op), group=group)
+                full = checks.reference_reduce(xs, op, hosts, scatter=True)
+                assert checks.same(out, full[rank * n : (rank + 1) * n]), f"reduce_scatter {n}"
+                # Every rank's part, all-gathered: the same bits on every rank.
+                parts = torch.empty(n * world, dtype=dtype)
+                dist.all_gather_into_tensor(parts, out, group=group)
+                assert checks.same(parts, full), f"all_gather of reduce_scatter {dtype} {op}"
+                bits.append(parts.view(as_int).tolist())
+    return hosts, told_apart, bits
+
+
+def test_unequal_hosts_reduce_in_host_order_with_the_same_bits_everywhere():
+    res = [
+        r
+        for r in run_distributed(
+            _reductions_on_unequal_subgroup,
+            world_size=4,
+            backend="smddp",
+            env={"SMDDP_FORCE_LOCAL_SIZE": "2"},
+            timeout=300,
+        )
+        if r is not None
+    ]
+    assert len(res) == 3
+    assert all(hosts == [[0], [1, 2]] for hosts, _, _ in res)
+    # The test can tell the hierarchy's order from rank order.
+    assert res[0][1] > 0
+    assert all(bits == res[0][2] for _, _, bits in res), "ranks got different bits"
+
+
 def _layout_and_async():
     import torch.distributed as dist
 

@@ -80,8 +80,10 @@ def _combine(a: torch.Tensor, b: torch.Tensor, op: str) -> torch.Tensor:
 def ring_across_hosts(hosts: list[list[int]]) -> bool:
     """Whether collectives across ``hosts`` pass partials around a ring (Note [Rail rings]
     in comm_ring.cpp), which sums each part in its own host order: the tests that want it
-    set SMDDP_NET_ALGO=ring (the automatic choice takes the ring only for large tensors)."""
-    return os.environ.get("SMDDP_NET_ALGO", "").lower() == "ring" and len(hosts) >= 3
+    set SMDDP_NET_ALGO=ring (the automatic choice takes the ring only for large tensors).
+    Hosts of unequal rank counts always take the mesh (Note [Unequal hosts])."""
+    equal = len({len(members) for members in hosts}) == 1
+    return os.environ.get("SMDDP_NET_ALGO", "").lower() == "ring" and len(hosts) >= 3 and equal
 
 
 def partition(n: int, parts: int, i: int, align: int) -> tuple[int, int]:

@@ -148,9 +148,10 @@ def group_layout(group: dist.ProcessGroup | None = None) -> dict:
 
     Returns:
         ``{"hosts", "local_size", "host", "local_rank", "members", "forced", "uniform"}``:
-        ``members`` lists the group ranks of each host; ``forced`` is true when
-        ``SMDDP_FORCE_LOCAL_SIZE`` shaped the layout; ``uniform`` is false when hosts had
-        unequal rank counts and every rank became its own host.
+        ``members`` lists the group ranks of each host; ``local_size`` is the rank count of
+        this rank's host; ``forced`` is true when ``SMDDP_FORCE_LOCAL_SIZE`` shaped the
+        layout; ``uniform`` is false when hosts have unequal rank counts (they keep their
+        hierarchy, and cross hosts over the mesh only).
 
     Raises:
         ValueError: If the group's CPU backend is not smddp.

@@ -130,6 +130,12 @@ void Communicator::discover(KeyValue& kv, const Deadline& dl) {
     host += "/forced-" + std::to_string(cfg_.global_ranks[cfg_.rank] / forced);
     layout_.forced = true;
   }
+  if (!cfg_.force_hosts.empty()) {
+    SMDDP_CHECK(cfg_.force_hosts.size() == static_cast<size_t>(cfg_.size),
+                "smddp: force_hosts must name a host for every group rank");
+    host += "/host-" + std::to_string(cfg_.force_hosts[cfg_.rank]);
+    layout_.forced = true;
+  }
   const size_t p2p = cfg_.settings.p2p_bytes;
   // Note [Settings every rank shares]: the record carries them, and this rank's CPU count.
   const auto shared = shared_settings(cfg_.settings);
@@ -171,15 +177,10 @@ void Communicator::discover(KeyValue& kv, const Deadline& dl) {
     }
     layout_.members[it->second].push_back(r);
   }
+  // Unequal hosts keep their hierarchy (Note [Unequal hosts] in comm_hier.cpp).
   size_t l0 = layout_.members[0].size();
   for (const auto& m : layout_.members) layout_.uniform = layout_.uniform && m.size() == l0;
-  if (!layout_.uniform) {
-    // Unequal hosts: every rank is its own "host"; all traffic goes over the mesh.
-    layout_.members.clear();
-    for (int r = 0; r < cfg_.size; ++r) layout_.members.push_back({r});
-  }
   layout_.hosts = static_cast<int>(layout_.members.size());
-  layout_.local_size = static_cast<int>(layout_.members[0].size());
   for (int h = 0; h < layout_.hosts; ++h) {
     const auto& m = layout_.members[h];
     for (int l = 0; l < static_cast<int>(m.size()); ++l) {
@@ -189,7 +190,8 @@ void Communicator::discover(KeyValue& kv, const Deadline& dl) {
       }
     }
   }
-  for (int h = 0; h < layout_.hosts; ++h) rail_.push_back(layout_.members[h][layout_.local_rank]);
+  layout_.local_size = static_cast<int>(layout_.members[layout_.host].size());
+  plan_handlers();
   p2p_bytes_ = layout_.local_size > 1 ? p2p : 0;
   local_cpus_ = 0;
   for (int r : layout_.members[layout_.host]) {

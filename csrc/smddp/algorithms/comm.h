@@ -3,18 +3,21 @@
 // them into the collectives.
 //
 // Note [Hierarchical collectives]
-// With H hosts of L ranks each (ranks of a host ordered by group rank, hosts by their
-// lowest group rank), the ranks with the same local index form a "rail". Reduce-scatter:
-// inside each host a shared-memory reduce-scatter gives local rank l the host's partial
-// sums of the parts of its rail (in fp32 for bf16/fp16), then every rank exchanges those
-// partials with its rail over TCP (one hop, a full mesh) and reduces them in host order.
-// From 3 hosts on, the rail may instead pass the partials around a ring (Note [Rail rings]
-// in comm_ring.cpp). All-gather is the mirror image: rail exchange over TCP, then a
-// shared-memory all-gather inside the host. All-reduce = reduce-scatter + all-gather over N
-// equal parts. The reduction order (local ranks in order, then hosts in an order fixed by
-// the algorithm) is fixed, so every rank gets bit-identical results. Layouts with unequal ranks per
-// host fall back to one rank per "host" (pure TCP mesh). SMDDP_FORCE_LOCAL_SIZE=k splits each real
-// host into blocks of k consecutive global ranks, so the inter-host path runs on one machine.
+// Ranks of a host are ordered by group rank, hosts by their lowest group rank. On every host
+// each part of the buffer (one per group rank) has a "handler", a rank of that host: the
+// part's own rank on its host, and on the other hosts a rank chosen by Note [Unequal hosts]
+// (with L ranks on every host, the rank with the part's local index: the ranks with one
+// local index form a "rail"). Reduce-scatter: inside each host a shared-memory
+// reduce-scatter gives each handler the host's partial sums of the parts it handles (in fp32
+// for bf16/fp16), then every handler sends its partial of a part to the part's rank over TCP
+// (one hop, a full mesh), which reduces them in host order. From 3 hosts with equal rank
+// counts on, the rail may instead pass the partials around a ring (Note [Rail rings] in
+// comm_ring.cpp). All-gather is the mirror image: each rank sends its part to the part's
+// handlers on the other hosts over TCP, then a shared-memory all-gather inside the host.
+// All-reduce = reduce-scatter + all-gather over N parts. The reduction order (local ranks in
+// order, then hosts in an order fixed by the algorithm) is fixed, so every rank gets
+// bit-identical results. SMDDP_FORCE_LOCAL_SIZE=k splits each real host into blocks of k
+// consecutive global ranks, so the inter-host path runs on one machine.
 #pragma once
 
 #include <atomic>
@@ -51,15 +54,19 @@ struct CommConfig {
   int size = 1;
   std::vector<int> global_ranks;  // group rank -> global rank (identity for WORLD)
   std::string group_name;
+  // Tests: group rank -> a host number that splits the real hosts further, as
+  // SMDDP_FORCE_LOCAL_SIZE does but in any pattern (empty: not used).
+  std::vector<int> force_hosts;
   double timeout_s = 1800;
   Settings settings;  // Note [Settings] in settings.h
 };
 
 struct Layout {
-  int hosts = 1, local_size = 1, host = 0, local_rank = 0;
+  int hosts = 1, host = 0, local_rank = 0;
+  int local_size = 1;                     // ranks on this rank's host
   std::vector<std::vector<int>> members;  // host -> group ranks on it (ascending)
-  bool forced = false;                    // SMDDP_FORCE_LOCAL_SIZE in effect
-  bool uniform = true;                    // false: fell back to one rank per host
+  bool forced = false;                    // SMDDP_FORCE_LOCAL_SIZE (or force_hosts) in effect
+  bool uniform = true;                    // every host has as many ranks (Note [Unequal hosts])
 };
 
 class Communicator {
@@ -132,6 +139,9 @@ class Communicator {
   uint64_t zero_copy_ops() const { return zero_copy_ops_.load(); }
   // Collectives that crossed hosts in a ring (Note [Rail rings] in comm_ring.cpp).
   uint64_t rail_ring_ops() const { return rail_ring_ops_.load(); }
+  // Network messages a collective received from a rank of this host (tests: the
+  // hierarchical collectives keep those in shared memory; all_to_all does not).
+  uint64_t local_net_messages() const { return local_net_messages_.load(); }
   // The phases of the collectives across hosts since the last call (SMDDP_TIMELINE=1).
   std::vector<Timeline::Span> take_timeline() { return timeline_.take(); }
 
@@ -144,6 +154,9 @@ class Communicator {
   void mark_broken(const std::exception& e);
   // Set-up, in this order: host records, the mesh (only where needed), the segments.
   void discover(KeyValue& kv, const Deadline& dl);
+  // The handlers of every part on every host, and who is told of a failure (Note [Unequal
+  // hosts] in comm_hier.cpp); after the layout is known.
+  void plan_handlers();
   void connect_mesh(KeyValue& kv, const Deadline& dl);
   void setup_shm(KeyValue& kv, const Deadline& dl);
   void check_local_peers_alive(const std::string& what);
@@ -155,17 +168,17 @@ class Communicator {
   void hier_allreduce(void* data, size_t count, const Reduction& red, const OpCtx& ctx);
   // The messages a part of `len` units of `esz` bytes crosses the network in (at least one).
   std::vector<Span> net_chunks(size_t len, size_t esz) const;
-  // This host's partial sums (accumulation type) of my rail's parts, one per host: the
-  // input itself, or made by shared-memory steps that run during the exchange.
+  // This host's partial sums (accumulation type) of the parts I handle: the input itself,
+  // or made by shared-memory steps that run during the exchange.
   struct HostPartials {
-    std::vector<void*> ptr;                          // by host
-    std::vector<std::vector<int>> owned;             // rail_owned(), read by `steps`
+    std::vector<void*> ptr;                          // by position in owned[local_rank]
+    std::vector<std::vector<int>> owned;             // handled(), read by `steps`
     std::unique_ptr<shm::ReduceScatterSteps> steps;  // null: ptr holds them all already
     ~HostPartials();
   };
   void start_host_partials(HostPartials& hp, const void* in, const std::vector<Span>& parts,
                            const Reduction& red, const OpCtx& ctx);
-  // Exchanges the partials along the rail and reduces my part into `dst` chunk by chunk;
+  // Sends the partials to the parts' ranks and reduces my part into `dst` chunk by chunk;
   // `reduced` runs after each chunk and may post sends, and `more_recvs` are received in
   // the same exchange.
   void rail_reduce_scatter(HostPartials& hp, const std::vector<Span>& parts, void* dst,
@@ -187,11 +200,11 @@ class Communicator {
   void rail_ring(const RingJob& job, const OpCtx& ctx);
   // Whether a collective crosses hosts in a ring rather than the mesh.
   bool rail_ring_chosen() const;
-  // The receives of the other hosts' rail parts (spans of `unit` bytes) into `out`, cut
-  // into the messages net_chunks(len, chunk_unit) makes of them.
+  // The receives of the other hosts' parts this rank handles (spans of `unit` bytes) into
+  // `out`, cut into the messages net_chunks(len, chunk_unit) makes of them.
   std::vector<TransportOp> rail_allgather_recvs(char* out, const std::vector<Span>& parts,
                                                 size_t unit, size_t chunk_unit, const OpCtx& ctx);
-  // The shared-memory all-gather of the rail parts inside this host (parts in bytes).
+  // The shared-memory all-gather inside this host of the parts its ranks handle (in bytes).
   void local_allgather(char* out, const std::vector<Span>& parts, const OpCtx& ctx);
   // Rooted gather/scatter of lens[r] bytes per group rank r (Note [Rooted collectives]);
   // dst / src: one pointer per group rank, on the root only.
@@ -213,8 +226,8 @@ class Communicator {
   void exchange(const std::vector<TransportOp>& sends, const std::vector<TransportOp>& recvs,
                 const OpCtx& ctx);
   void exchange(Exchange& x, const OpCtx& ctx);
-  static uint64_t check_of(const OpCtx& ctx);        // the collective's descriptor, for messages
-  std::vector<std::vector<int>> rail_owned() const;  // local index -> parts of its rail
+  static uint64_t check_of(const OpCtx& ctx);     // the collective's descriptor, for messages
+  std::vector<std::vector<int>> handled() const;  // local index -> parts it handles
   uint64_t tag(const OpCtx& ctx, int stage) const;
   char* scratch(size_t bytes);
 
@@ -232,7 +245,11 @@ class Communicator {
   size_t p2p_bytes_ = 0;         // ring per ordered pair of local ranks (0: none)
   int local_cpus_ = 0;           // the fewest CPUs any rank of this host may run on
   Clock::time_point last_setup_check_{};
-  std::vector<int> rail_;                 // host -> group rank with my local index
+  std::vector<int> rail_;  // host -> group rank with my local index (uniform layouts only)
+  // handler_[h][p]: the rank of host h that handles part p (Note [Unequal hosts]).
+  std::vector<std::vector<int>> handler_;
+  std::vector<int> host_index_;           // group rank -> host
+  std::vector<int> tell_;                 // other hosts' ranks told of a failure
   int local_index(int group_rank) const;  // index on this host, or -1
   bool usable();                          // no earlier error broke the group
 
@@ -245,6 +262,7 @@ class Communicator {
   bool zero_copy_ = false;  // every local rank has a pool: try zero-copy AG/RS
   std::atomic<uint64_t> zero_copy_ops_{0};
   std::atomic<uint64_t> rail_ring_ops_{0};
+  std::atomic<uint64_t> local_net_messages_{0};
   std::mutex broken_mu_;                 // guarded() runs on the executor and on the send lane
   std::atomic<uint32_t> poll_round_{0};  // rotates the first peer a receive from any polls
   std::string broken_;                   // first error; the group is unusable afterwards

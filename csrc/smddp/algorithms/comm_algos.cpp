@@ -28,7 +28,7 @@ void Communicator::mark_broken(const std::exception& e) {
     if (broken_.empty()) broken_ = e.what();
   }
   shm_->mark_failed(e.what());
-  net_->announce_failure(e.what(), rail_);  // Note [Failure notices]
+  net_->announce_failure(e.what(), tell_);  // Note [Failure notices]
 }
 
 template <typename F>
@@ -57,6 +57,11 @@ void Communicator::exchange(const std::vector<TransportOp>& sends,
 void Communicator::exchange(Exchange& x, const OpCtx& ctx) {
   Timeline::Phase phase(timeline_, ctx.seq, "network");
   x.health = [&] { shm_->check_local_peers(ctx); };
+  // Every message of a collective is received by a receive posted here up front (sends
+  // may be added as the exchange runs), so counting receives counts the messages.
+  for (const TransportOp& op : x.recvs) {
+    if (host_index_[op.peer] == layout_.host) ++local_net_messages_;
+  }
   net_->exchange(x, ctx);
 }
 
@@ -72,14 +77,6 @@ uint64_t Communicator::check_of(const OpCtx& ctx) {
 char* Communicator::scratch(size_t bytes) {
   if (scratch_.size() < bytes) scratch_.resize(bytes);
   return scratch_.data();
-}
-
-std::vector<std::vector<int>> Communicator::rail_owned() const {
-  std::vector<std::vector<int>> owned(layout_.local_size);
-  for (int l = 0; l < layout_.local_size; ++l) {
-    for (int h = 0; h < layout_.hosts; ++h) owned[l].push_back(layout_.members[h][l]);
-  }
-  return owned;
 }
 
 void Communicator::allreduce(void* data, size_t count, const Reduction& red, OpCtx ctx) {
@@ -105,7 +102,7 @@ void Communicator::reduce_scatter(const void* in, void* out, size_t count, const
         ++zero_copy_ops_;
         return;
       }
-      std::vector<std::vector<int>> owned = rail_owned();
+      std::vector<std::vector<int>> owned = handled();
       shm::reduce_scatter(*shm_, in, parts, owned, {out}, red, true, ctx);
       return;
     }
@@ -123,7 +120,7 @@ void Communicator::allgather(const void* in, void* out, size_t bytes, OpCtx ctx)
         ++zero_copy_ops_;
         return;
       }
-      shm::allgather(*shm_, {in}, out, parts, rail_owned(), ctx);
+      shm::allgather(*shm_, {in}, out, parts, handled(), ctx);
       return;
     }
     hier_allgather(in, out, parts, ctx);
@@ -132,26 +129,31 @@ void Communicator::allgather(const void* in, void* out, size_t bytes, OpCtx ctx)
 
 void Communicator::broadcast(void* data, size_t bytes, int root, OpCtx ctx) {
   guarded(ctx, true, [&] {
-    int root_host = 0, root_local = 0;
-    for (int h = 0; h < layout_.hosts; ++h) {
-      for (int l = 0; l < layout_.local_size; ++l) {
-        if (layout_.members[h][l] == root) root_host = h, root_local = l;
-      }
-    }
-    if (layout_.hosts > 1 && layout_.local_rank == root_local) {
+    // The root sends to one rank per other host, local index root_local modulo that host's
+    // size (the root's rail when hosts are equal; Note [Unequal hosts] in comm_hier.cpp),
+    // which then broadcasts inside its host.
+    const int root_host = host_of(root);
+    const auto& root_members = layout_.members[root_host];
+    const int root_local = static_cast<int>(
+        std::find(root_members.begin(), root_members.end(), root) - root_members.begin());
+    auto entry = [&](int h) { return static_cast<int>(root_local % layout_.members[h].size()); };
+    const int local_root = entry(layout_.host);
+    if (layout_.hosts > 1 && layout_.local_rank == local_root) {
       std::vector<TransportOp> sends, recvs;
       const uint64_t chk = check_of(ctx);
       char* p = static_cast<char*>(data);
       if (cfg_.rank == root) {
         for (int h = 0; h < layout_.hosts; ++h) {
-          if (h != root_host) sends.push_back({rail_[h], tag(ctx, 3), p, bytes, chk});
+          if (h != root_host) {
+            sends.push_back({layout_.members[h][entry(h)], tag(ctx, 3), p, bytes, chk});
+          }
         }
       } else {
         recvs.push_back({root, tag(ctx, 3), p, bytes, chk});
       }
       exchange(sends, recvs, ctx);
     }
-    shm::broadcast(*shm_, data, bytes, root_local, ctx);
+    shm::broadcast(*shm_, data, bytes, local_root, ctx);
   });
 }
 
@@ -160,12 +162,9 @@ void Communicator::broadcast(void* data, size_t bytes, int root, OpCtx ctx) {
 // ranks of the root's host run the shared-memory algorithm. reduce is a hierarchical
 // reduce-scatter (as in all_reduce) followed by a rooted gather of the reduced parts.
 int Communicator::host_of(int group_rank) const {
-  for (int h = 0; h < layout_.hosts; ++h) {
-    for (int r : layout_.members[h]) {
-      if (r == group_rank) return h;
-    }
-  }
-  throw CommError("smddp: rank " + std::to_string(group_rank) + " is in no host of the layout");
+  SMDDP_CHECK(group_rank >= 0 && group_rank < cfg_.size, "smddp: rank ", group_rank,
+              " is in no host of the layout");
+  return host_index_[group_rank];
 }
 
 void Communicator::rooted_gather(const void* in, const std::vector<size_t>& lens,
@@ -250,11 +249,15 @@ void Communicator::barrier(OpCtx ctx) {
   guarded(ctx, true, [&] {
     shm::barrier(*shm_, ctx);
     if (layout_.hosts == 1) return;
+    // Ranks of equal local index pair up where both hosts have one: local rank 0 joins
+    // every pair of hosts (the rails when hosts are equal; Note [Unequal hosts]).
     std::vector<TransportOp> sends, recvs;
     for (int h = 0; h < layout_.hosts; ++h) {
-      if (h == layout_.host) continue;
-      sends.push_back({rail_[h], tag(ctx, 4), nullptr, 0, check_of(ctx)});
-      recvs.push_back({rail_[h], tag(ctx, 4), nullptr, 0, check_of(ctx)});
+      const auto& members = layout_.members[h];
+      if (h == layout_.host || layout_.local_rank >= static_cast<int>(members.size())) continue;
+      const int peer = members[layout_.local_rank];
+      sends.push_back({peer, tag(ctx, 4), nullptr, 0, check_of(ctx)});
+      recvs.push_back({peer, tag(ctx, 4), nullptr, 0, check_of(ctx)});
     }
     exchange(sends, recvs, ctx);
     shm::barrier(*shm_, ctx);
@@ -268,6 +271,8 @@ void Communicator::alltoall(const void* in, const std::vector<Span>& send, void*
       shm::alltoall(*shm_, in, send, out, recv, ctx);
       return;
     }
+    // A flat mesh across hosts, ranks of this host included: each rank's data goes to one
+    // rank, so a hierarchy would have nothing to combine on the way (Note [Unequal hosts]).
     const char* src = static_cast<const char*>(in);
     char* dst = static_cast<char*>(out);
     std::vector<TransportOp> sends, recvs;

@@ -27,9 +27,42 @@
 //
 // In place, an all-reduce's output is its input, and the reduced chunks of other hosts'
 // parts land where this rank's partials of those parts are read from. No chunk is
-// overwritten while it is still to be sent: a host sends back its reduced chunk c only
-// after it received this rank's partial chunk c whole, which this rank had finished
-// sending (the send's bytes were in its socket) before.
+// overwritten while it is still to be sent: a part's rank sends its reduced chunk c back to
+// a handler only after it received that handler's partial chunk c whole, which the handler
+// had finished sending (the send's bytes were in its socket) before.
+//
+// Note [Unequal hosts]
+// Hosts may have different numbers of ranks (L_h on host h) and keep their hierarchy:
+// shared memory inside a host, the network only between hosts. What generalises the rails
+// is a handler per part and host: handler_[h][p] is the rank of host h that holds host h's
+// partial of part p after the shared-memory reduce-scatter, and that receives part p in an
+// all-gather. On the part's own host that is the part's rank, so a reduce-scatter's result
+// ends where it belongs. The parts of the other hosts are dealt out in turn to the L_h ranks
+// of host h, in host order and, inside a host, local order: the k-th foreign part goes to
+// local rank k mod L_h. With L ranks on every host, the foreign parts before part
+// members[g][l] number a multiple of L plus l, so its handler is local rank l: the rail. The
+// uniform layout is thus the same algorithm, not a second one. A host of one rank handles
+// every part; on a larger host the ranks' shares differ by one foreign part at most.
+//
+// Reduce-scatter: every handler sends its host partial of part p to rank p, and rank p
+// receives one partial from each other host (from that host's handler of p) and reduces
+// them in host order, its own host's partial in its place. Every element is thus reduced
+// over the ranks of a host in local order, then over hosts 0..H-1: an order fixed by the
+// layout, and every rank reads the one result (the all-gather copies it), bit-identical on
+// every rank. All-gather: rank p sends its part to the handlers of p on the other hosts, then
+// each host's shared-memory all-gather spreads the parts its ranks handle. No rank receives
+// two streams of one stage from one peer (a part's handlers are on different hosts, and a
+// handler hears from each of its parts' ranks once), so the messages of a tag between two
+// ranks stay in chunk order as before.
+//
+// The ring (Note [Rail rings]) passes partials along a rail of one rank per host, which
+// unequal hosts do not have: they always take the mesh, whatever SMDDP_NET_ALGO says (every
+// rank sees the same layout, so all make that choice alike). The rooted collectives use the
+// hosts as they are (reduce is this reduce-scatter, then a rooted gather); broadcast sends to
+// one rank per other host (the root's local index modulo L_h); barrier pairs ranks of equal
+// local index where both hosts have one (local rank 0 joins every pair of hosts). all_to_all
+// stays a flat mesh across hosts: each rank's data goes to one rank, there is nothing to
+// combine on the way.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -40,6 +73,47 @@
 #include "smddp/algorithms/shm_algos.h"
 
 namespace smddp {
+
+void Communicator::plan_handlers() {
+  const auto& members = layout_.members;
+  const int H = layout_.hosts;
+  host_index_.assign(cfg_.size, 0);
+  for (int h = 0; h < H; ++h) {
+    for (int r : members[h]) host_index_[r] = h;
+  }
+  // Note [Unequal hosts]: the foreign parts dealt out in turn, in host then local order.
+  handler_.assign(H, std::vector<int>(cfg_.size, 0));
+  for (int h = 0; h < H; ++h) {
+    size_t k = 0;
+    for (int g = 0; g < H; ++g) {
+      for (int p : members[g]) handler_[h][p] = g == h ? p : members[h][k++ % members[h].size()];
+    }
+  }
+  if (layout_.uniform) {
+    for (int h = 0; h < H; ++h) rail_.push_back(members[h][layout_.local_rank]);
+  }
+  // The ranks of other hosts this rank exchanges parts with hear of its failures first
+  // (Note [Failure notices] in tcp.h): its part's handlers, and the ranks of its parts.
+  const int me = layout_.host;
+  for (int h = 0; h < H; ++h) {
+    if (h != me) tell_.push_back(handler_[h][cfg_.rank]);
+  }
+  for (int p = 0; p < cfg_.size; ++p) {
+    if (host_index_[p] != me && handler_[me][p] == cfg_.rank) tell_.push_back(p);
+  }
+  std::sort(tell_.begin(), tell_.end());
+  tell_.erase(std::unique(tell_.begin(), tell_.end()), tell_.end());
+}
+
+std::vector<std::vector<int>> Communicator::handled() const {
+  // In host order, then local order: with equal hosts, one part per host, by host.
+  const auto& local = layout_.members[layout_.host];
+  std::vector<std::vector<int>> owned(local.size());
+  for (const auto& members : layout_.members) {
+    for (int p : members) owned[local_index(handler_[layout_.host][p])].push_back(p);
+  }
+  return owned;
+}
 
 std::vector<Span> Communicator::net_chunks(size_t len, size_t esz) const {
   const size_t per = std::max<size_t>(1, cfg_.settings.net_chunk_bytes / esz);
@@ -54,25 +128,25 @@ Communicator::HostPartials::~HostPartials() = default;
 void Communicator::start_host_partials(HostPartials& hp, const void* in,
                                        const std::vector<Span>& parts, const Reduction& red,
                                        const OpCtx& ctx) {
-  const int H = layout_.hosts;
   const DType acc = acc_type(red.dtype);
   const size_t aesz = dtype_size(acc);
-  hp.owned = rail_owned();
+  hp.owned = handled();
   const auto& mine = hp.owned[layout_.local_rank];
-  hp.ptr.assign(H, nullptr);
+  const size_t n = mine.size();
+  hp.ptr.assign(n, nullptr);
   const bool scaled = red.op == RedOp::PREMUL_SUM && red.premul != 1.0;
   if (layout_.local_size == 1 && acc == red.dtype && !scaled) {
     // Note [Pipelined exchanges]: the partials are the input.
     char* src = const_cast<char*>(static_cast<const char*>(in));
-    for (int h = 0; h < H; ++h) hp.ptr[h] = src + parts[mine[h]].off * aesz;
+    for (size_t k = 0; k < n; ++k) hp.ptr[k] = src + parts[mine[k]].off * aesz;
     return;
   }
   size_t total = 0;
-  for (int h = 0; h < H; ++h) total += parts[mine[h]].len * aesz;
+  for (size_t k = 0; k < n; ++k) total += parts[mine[k]].len * aesz;
   char* buf = scratch(total);
-  for (int h = 0; h < H; ++h) {
-    hp.ptr[h] = buf;
-    buf += parts[mine[h]].len * aesz;
+  for (size_t k = 0; k < n; ++k) {
+    hp.ptr[k] = buf;
+    buf += parts[mine[k]].len * aesz;
   }
   hp.steps = std::make_unique<shm::ReduceScatterSteps>(*shm_, in, parts, hp.owned, hp.ptr, red,
                                                        false, ctx);
@@ -96,22 +170,33 @@ void Communicator::rail_reduce_scatter(HostPartials& hp, const std::vector<Span>
 
   Exchange x;
   const uint64_t chk = check_of(ctx);
-  // The chunks of each host's partial, sent as the shared-memory steps make them final.
-  std::vector<std::vector<Span>> out(H);
-  std::vector<size_t> sent(H, 0);
+  // Note [Unequal hosts]: the partials of the parts I handle go to the parts' ranks, each
+  // chunk as the shared-memory steps make it final; my own part's stays here.
+  const std::vector<int>& my_parts = hp.owned[layout_.local_rank];
+  const size_t n = my_parts.size();
+  std::vector<std::vector<Span>> out(n);
+  std::vector<size_t> sent(n, 0);
+  const char* own_partial = nullptr;
+  for (size_t k = 0; k < n; ++k) {
+    if (my_parts[k] == cfg_.rank) {
+      own_partial = static_cast<const char*>(hp.ptr[k]);
+    } else {
+      out[k] = net_chunks(parts[my_parts[k]].len, aesz);
+    }
+  }
   for (int h = 0; h < H; ++h) {
     if (h == me) continue;
-    out[h] = net_chunks(parts[rail_[h]].len, aesz);
     for (const Span& c : mine) {
-      x.recvs.push_back({rail_[h], tag(ctx, 1), from_host(h) + c.off * aesz, c.len * aesz, chk});
+      x.recvs.push_back(
+          {handler_[h][cfg_.rank], tag(ctx, 1), from_host(h) + c.off * aesz, c.len * aesz, chk});
     }
   }
   auto send_ready = [&] {
-    for (int h = 0; h < H; ++h) {
-      for (; sent[h] < out[h].size(); ++sent[h]) {
-        const Span& c = out[h][sent[h]];
+    for (size_t k = 0; k < n; ++k) {
+      for (; sent[k] < out[k].size(); ++sent[k]) {
+        const Span& c = out[k][sent[k]];
         if (c.off + c.len > ready()) break;
-        x.sends.push_back({rail_[h], tag(ctx, 1), static_cast<char*>(hp.ptr[h]) + c.off * aesz,
+        x.sends.push_back({my_parts[k], tag(ctx, 1), static_cast<char*>(hp.ptr[k]) + c.off * aesz,
                            c.len * aesz, chk});
       }
     }
@@ -128,8 +213,7 @@ void Communicator::rail_reduce_scatter(HostPartials& hp, const std::vector<Span>
     done[c] = 1;
     Timeline::Phase phase(timeline_, ctx.seq, "reduce", mine[c].len * aesz);
     for (int h = 0; h < H; ++h) {
-      srcs[h] = h == me ? static_cast<const char*>(hp.ptr[h]) + mine[c].off * aesz
-                        : from_host(h) + mine[c].off * aesz;
+      srcs[h] = h == me ? own_partial + mine[c].off * aesz : from_host(h) + mine[c].off * aesz;
     }
     smddp::reduce(acc, red.dtype, static_cast<char*>(dst) + mine[c].off * esz, srcs.data(), H,
                   mine[c].len, red, true);
@@ -179,11 +263,13 @@ std::vector<TransportOp> Communicator::rail_allgather_recvs(char* out,
                                                             const OpCtx& ctx) {
   std::vector<TransportOp> recvs;
   const uint64_t chk = check_of(ctx);
-  for (int h = 0; h < layout_.hosts; ++h) {
-    if (h == layout_.host) continue;
-    const Span& p = parts[rail_[h]];
+  // Note [Unequal hosts]: each part I handle comes from its rank.
+  const std::vector<std::vector<int>> owned = handled();
+  for (int q : owned[layout_.local_rank]) {
+    if (q == cfg_.rank) continue;
+    const Span& p = parts[q];
     for (const Span& c : net_chunks(p.len, chunk_unit)) {
-      recvs.push_back({rail_[h], tag(ctx, 2), out + (p.off + c.off) * unit, c.len * unit, chk});
+      recvs.push_back({q, tag(ctx, 2), out + (p.off + c.off) * unit, c.len * unit, chk});
     }
   }
   return recvs;
@@ -192,7 +278,7 @@ std::vector<TransportOp> Communicator::rail_allgather_recvs(char* out,
 void Communicator::local_allgather(char* out, const std::vector<Span>& parts, const OpCtx& ctx) {
   if (layout_.local_size == 1) return;
   Timeline::Phase phase(timeline_, ctx.seq, "local all_gather");
-  auto owned = rail_owned();
+  auto owned = handled();
   std::vector<const void*> srcs;
   for (int p : owned[layout_.local_rank]) srcs.push_back(out + parts[p].off);
   shm::allgather(*shm_, srcs, out, parts, owned, ctx);
@@ -217,7 +303,7 @@ void Communicator::hier_allgather(const void* src, void* out, const std::vector<
   for (int h = 0; h < layout_.hosts; ++h) {
     if (h == layout_.host) continue;
     for (const Span& c : net_chunks(own.len, 1)) {
-      x.sends.push_back({rail_[h], tag(ctx, 2), base + own.off + c.off, c.len, chk});
+      x.sends.push_back({handler_[h][cfg_.rank], tag(ctx, 2), base + own.off + c.off, c.len, chk});
     }
   }
   exchange(x, ctx);
@@ -235,13 +321,14 @@ void Communicator::hier_allreduce(void* data, size_t count, const Reduction& red
   char* base = static_cast<char*>(data);
   char* own = base + bytes[cfg_.rank].off;
   const uint64_t chk = check_of(ctx);
-  // Each reduced chunk of my part goes on to the rail at once (Note [Pipelined exchanges]);
-  // the other hosts' reduced chunks of their parts land in place. The all-gather's
-  // messages are cut at the reduce-scatter's chunk boundaries, in elements.
+  // Each reduced chunk of my part goes on to its handlers on the other hosts at once (Note
+  // [Pipelined exchanges]); the other hosts' reduced chunks of their parts land in place. The
+  // all-gather's messages are cut at the reduce-scatter's chunk boundaries, in elements.
   auto send_on = [&](Exchange& x, Span chunk) {
     for (int h = 0; h < layout_.hosts; ++h) {
       if (h == layout_.host) continue;
-      x.sends.push_back({rail_[h], tag(ctx, 2), own + chunk.off * esz, chunk.len * esz, chk});
+      x.sends.push_back(
+          {handler_[h][cfg_.rank], tag(ctx, 2), own + chunk.off * esz, chunk.len * esz, chk});
     }
   };
   HostPartials hp;

@@ -75,12 +75,15 @@ struct OrderedSends {
 }  // namespace
 
 bool Communicator::rail_ring_chosen() const {
-  // Note [Rail rings], "When": auto is the mesh until a ring is measured faster.
-  return layout_.hosts >= 3 && cfg_.settings.net_algo == NetAlgo::RING;
+  // Note [Rail rings], "When": auto is the mesh until a ring is measured faster. A ring
+  // needs rails: hosts of unequal size take the mesh (Note [Unequal hosts] in comm_hier.cpp).
+  return layout_.uniform && layout_.hosts >= 3 && cfg_.settings.net_algo == NetAlgo::RING;
 }
 
 void Communicator::rail_ring(const RingJob& job, const OpCtx& ctx) {
   const int H = layout_.hosts, me = layout_.host;
+  // Equal hosts only (rail_ring_chosen): rail_ is set, and a rank handles one part per host,
+  // so its partials (hp->ptr) are indexed by host.
   const int next = rail_[(me + 1) % H], prev = rail_[(me + H - 1) % H];
   // The part host `me` handles at step s, `back` hosts behind it (modulo H).
   auto part_at = [&](int s, int back) { return ((me - s - back) % H + H) % H; };

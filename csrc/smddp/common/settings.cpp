@@ -50,7 +50,8 @@ const std::vector<SettingInfo> kSettings = {
      "arrived is reduced and sent on while the rest still arrives (4K to 1G)"},
     {"net_algo", "SMDDP_NET_ALGO", "name", "auto",
      "how collectives cross 3 hosts or more: mesh (every host sends to every other at "
-     "once), ring (each host to the next), or auto (today the mesh, measured faster)"},
+     "once), ring (each host to the next; hosts of unequal rank counts take the mesh), or "
+     "auto (today the mesh, measured faster)"},
     {"timeline", "SMDDP_TIMELINE", "flag", "0",
      "1: record when each collective and each of its phases across hosts began and ended "
      "(bench multihost --timeline prints them)"},
