@@ -6,8 +6,8 @@
 // Ranks of a host are ordered by group rank, hosts by their lowest group rank. On every host
 // each part of the buffer (one per group rank) has a "handler", a rank of that host: the
 // part's own rank on its host, and on the other hosts a rank chosen by Note [Unequal hosts]
-// (with L ranks on every host, the rank with the part's local index: the ranks with one
-// local index form a "rail"). Reduce-scatter: inside each host a shared-memory
+// in comm_hier.cpp (with L ranks on every host, the rank with the part's local index: the
+// ranks with one local index form a "rail"). Reduce-scatter: inside each host a shared-memory
 // reduce-scatter gives each handler the host's partial sums of the parts it handles (in fp32
 // for bf16/fp16), then every handler sends its partial of a part to the part's rank over TCP
 // (one hop, a full mesh), which reduces them in host order. From 3 hosts with equal rank
