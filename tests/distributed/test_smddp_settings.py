@@ -105,3 +105,39 @@ def test_malformed_environment_is_refused_at_group_creation():
         env={"SMDDP_BUFFER_BYTES": "12x"},
     ):
         assert "SMDDP_BUFFER_BYTES=12x is invalid" in message, message
+
+
+def _ring_warnings():
+    import warnings
+
+    import torch.distributed as dist
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist.init_process_group("smddp")
+        dist.barrier()
+    dist.destroy_process_group()
+    return [str(w.message) for w in caught if "net_algo=ring" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    ("local_size", "warned"),
+    [("2", "[2, 1] ranks"), ("1", None)],
+    ids=["unequal_hosts", "three_equal_hosts"],
+)
+def test_a_ring_that_cannot_run_is_said_once(local_size, warned):
+    # DESIGN: warn once when a setting has no effect. Hosts of 2 and 1 ranks take the mesh;
+    # three hosts of one rank run the ring, and nothing is said.
+    results = run_distributed(
+        _ring_warnings,
+        world_size=3,
+        backend="smddp",
+        init_process_group=False,
+        fresh=True,
+        env={"SMDDP_NET_ALGO": "ring", "SMDDP_FORCE_LOCAL_SIZE": local_size},
+    )
+    for messages in results:
+        if warned is None:
+            assert messages == [], messages
+        else:
+            assert len(messages) == 1 and warned in messages[0], messages

@@ -18,6 +18,7 @@ docs/collectives.md lists them all.
 from __future__ import annotations
 
 import atexit
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -57,14 +58,45 @@ def register() -> bool:
         return False
     from torch_sagemaker import _C
 
+    def create_backend(*args):
+        created = _C.create_backend(*args)
+        _warn_if_ring_unused(created)
+        return created
+
     dist.Backend.register_backend(
-        BACKEND_NAME, _C.create_backend, extended_api=True, devices=list(DEVICES)
+        BACKEND_NAME, create_backend, extended_api=True, devices=list(DEVICES)
     )
     # A group destroyed from one of its own future callbacks is released by a thread of its
     # own, which may need the GIL: wait for it before the interpreter finalizes (Note
     # [Shutdown from the group's own thread] in csrc/smddp/backend/backend.cpp).
     atexit.register(_C._wait_for_deferred_releases, 60.0)
     return True
+
+
+_RING_WARNED = False
+
+
+def _warn_if_ring_unused(created) -> None:
+    """Warns once per process when a group asked for the ring crosses hosts over the mesh.
+
+    A ring needs 3 hosts or more with equal rank counts (Note [Rail rings] and Note [Unequal
+    hosts] in csrc/smddp/algorithms); other layouts take the mesh whatever ``net_algo`` says.
+    Groups inside one host do not cross hosts and are not warned about.
+    """
+    global _RING_WARNED
+    if _RING_WARNED or created._settings().get("net_algo") != "ring":
+        return
+    layout = created._layout()
+    if layout["hosts"] < 2 or (layout["hosts"] >= 3 and layout["uniform"]):
+        return
+    _RING_WARNED = True
+    sizes = [len(m) for m in layout["members"]]
+    warnings.warn(
+        f"smddp: net_algo=ring (SMDDP_NET_ALGO or SMDDPOptions) has no effect on a group whose "
+        f"hosts have {sizes} ranks: a ring needs 3 hosts or more with equal rank counts, so "
+        "this group crosses hosts over the mesh; set net_algo to auto or mesh to say so",
+        stacklevel=2,
+    )
 
 
 def default_backend(cuda_backend: str = BACKEND_NAME, cuda: bool | None = None) -> str:
