@@ -287,6 +287,7 @@ def _row(spec: dict[str, Any], op: str, size: int, backend: str, every: list[dic
         "backend": backend,
         "ok": all(r["ok"] for r in every),
         "seconds": statistics.median(slowest),
+        "calls": slowest,  # each timed call's slowest rank, in order (to see a trend)
         "tx_per_call": max(r["tx"] for r in nics) / calls,
         "drops": sum(r["drops"] for r in nics) + every[0]["port_drops"],
         "timeline": [r["timeline"] for r in every] if "timeline" in every[0] else None,
