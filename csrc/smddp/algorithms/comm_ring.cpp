@@ -27,14 +27,19 @@
 // so the sends of each tag are released in step order (OrderedSends) even when a later
 // step's chunk is ready first (a neighbour ahead of us).
 //
-// When: a ring was expected to beat the mesh from 3 hosts on, since each NIC then carries
-// one stream each way and no receiver is fed by several senders at once. Measured on 4
-// simulated hosts of one rank (bench multihost, 2 Gbit/s, two rounds each, docs/multi_node.md)
-// it did not: level with the mesh at 4 MiB, and 0.70-0.82 of the NIC bound against the
-// mesh's 0.72-0.89 at 16-64 MiB (gloo's ring, the same pattern, 0.87-0.94 in all_reduce:
-// the gap to it is not the topology). It was ahead at 1 MiB (0.72-0.79 against 0.64-0.73).
-// So SMDDP_NET_ALGO=auto keeps the mesh everywhere, and the ring is there to be asked for
-// (SMDDP_NET_ALGO=ring) and measured on other networks and host counts.
+// When: from 3 to 8 hosts of equal rank counts, SMDDP_NET_ALGO=auto takes the ring, on
+// measurement (bench multihost, docs/multi_node.md). On 4 simulated hosts of one rank at
+// 2 Gbit/s, two rounds each, the ring reached 0.86-0.94 of the NIC bound from 16 MiB (all
+// three ops) against the mesh's 0.80-0.91, and 0.80-0.86 at 1 MiB against 0.47-0.75; on 8
+// hosts at 1 Gbit/s, 0.88-0.94 against 0.76-0.87, and 0.79-0.83 at 1 MiB against 0.31-0.67.
+// With 2 ranks per host (4x2) the two were level (0.64-0.80 from 16 MiB): there the two
+// cores, not the network, set the pace. The mesh loses because each NIC carries H-1 streams
+// each way: the flows share a link unevenly, so some parts arrive late, and an all-reduce's
+// second half waits for its slowest part. (An earlier measurement had the ring no faster:
+// the sockets' fixed buffers then held both back, Note [Kernel-sized socket buffers] in
+// tcp_wire.h.) Beyond 8 hosts auto keeps the mesh, unmeasured here: a ring's 2(H-1) steps
+// put H-1 message latencies on the critical path of every collective, and the mesh one.
+// SMDDP_NET_ALGO=ring or mesh forces either.
 //
 // Buffers: each step's incoming running sums land in `incoming_`, and this rank's partial
 // is added in place there; the sum is then sent from there. In place (an all-reduce with
@@ -53,6 +58,9 @@
 
 namespace smddp {
 namespace {
+
+// The most hosts SMDDP_NET_ALGO=auto passes around a ring (Note [Rail rings], "When").
+constexpr int kAutoRingMaxHosts = 8;
 
 // Sends to one peer with one tag that become ready in any order but must be posted in the
 // order the peer posted its receives in.
@@ -75,9 +83,18 @@ struct OrderedSends {
 }  // namespace
 
 bool Communicator::rail_ring_chosen() const {
-  // Note [Rail rings], "When": auto is the mesh until a ring is measured faster. A ring
-  // needs rails: hosts of unequal size take the mesh (Note [Unequal hosts] in comm_hier.cpp).
-  return layout_.uniform && layout_.hosts >= 3 && cfg_.settings.net_algo == NetAlgo::RING;
+  // A ring needs rails: hosts of unequal size take the mesh (Note [Unequal hosts] in
+  // comm_hier.cpp). Note [Rail rings], "When": auto is the ring from 3 to 8 hosts.
+  if (!layout_.uniform || layout_.hosts < 3) return false;
+  switch (cfg_.settings.net_algo) {
+    case NetAlgo::RING:
+      return true;
+    case NetAlgo::MESH:
+      return false;
+    case NetAlgo::AUTO:
+      break;
+  }
+  return layout_.hosts <= kAutoRingMaxHosts;
 }
 
 void Communicator::rail_ring(const RingJob& job, const OpCtx& ctx) {
