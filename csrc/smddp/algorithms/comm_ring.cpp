@@ -28,18 +28,19 @@
 // step's chunk is ready first (a neighbour ahead of us).
 //
 // When: from 3 to 8 hosts of equal rank counts, SMDDP_NET_ALGO=auto takes the ring, on
-// measurement (bench multihost, docs/multi_node.md). On 4 simulated hosts of one rank at
-// 2 Gbit/s, two rounds each, the ring reached 0.83-0.94 of the NIC bound from 16 MiB (all
+// measurement (bench multihost, docs/multi_node.md). On 4 simulated hosts of one rank at 2
+// Gbit/s, two rounds each, the ring reached 0.83-0.94 of the NIC bound from 16 MiB (all
 // three ops) against the mesh's 0.80-0.91, and 0.80-0.86 at 1 MiB against 0.47-0.75; on 8
 // hosts at 1 Gbit/s, 0.88-0.94 against 0.76-0.87, and 0.79-0.83 at 1 MiB against 0.31-0.67.
 // With 2 ranks per host (4x2) the two were level (0.64-0.81 from 16 MiB); what holds 4x2
-// back is not known (8 ranks share the machine's two cores there). The mesh loses because each NIC carries H-1 streams
-// each way: the flows share a link unevenly, so some parts arrive late, and an all-reduce's
-// second half waits for its slowest part. (An earlier measurement had the ring no faster:
-// the sockets' fixed buffers then held both back, Note [Kernel-sized socket buffers] in
-// tcp_wire.h.) Beyond 8 hosts auto keeps the mesh, unmeasured here: a ring's 2(H-1) steps
-// put H-1 message latencies on the critical path of every collective, and the mesh one.
-// SMDDP_NET_ALGO=ring or mesh forces either.
+// back is not known (8 ranks share the machine's two cores there). A likely cause, not
+// proven: in the mesh each NIC carries H-1 streams each way, which share the link unevenly,
+// so some parts arrive late and an all-reduce's second half waits for the last (a 4x1 64
+// MiB mesh all_reduce's ranks finished reducing between 243 and 406 ms). (An earlier
+// measurement had the ring no faster: the sockets' fixed buffers then held both back, Note
+// [Kernel-sized socket buffers] in tcp_wire.h.) Beyond 8 hosts auto keeps the mesh,
+// unmeasured here: a ring's 2(H-1) steps put H-1 message latencies on the critical path of
+// every collective, and the mesh one. SMDDP_NET_ALGO=ring or mesh forces either.
 //
 // Buffers: each step's incoming running sums land in `incoming_`, and this rank's partial
 // is added in place there; the sum is then sent from there. In place (an all-reduce with
