@@ -39,6 +39,16 @@ namespace shm {
 class ReduceScatterSteps;  // algorithms/shm_algos.h
 }  // namespace shm
 
+// Copies `len` bytes a slice per call and says whether more remain: an exchange's work
+// (Exchange::work; Note [Own part during the exchange] in comm_hier.cpp).
+struct SliceCopy {
+  char* dst = nullptr;
+  const char* src = nullptr;
+  size_t len = 0;
+  size_t done = 0;
+  bool operator()();
+};
+
 // The group's key-value store (c10d::Store in the backend).
 class KeyValue {
  public:
@@ -193,9 +203,12 @@ class Communicator {
     HostPartials* partials = nullptr;          // reduce-scatter: this host's partials
     const Reduction* red = nullptr;
     void* dst = nullptr;       // reduce-scatter: my part's result
-    char* ag_out = nullptr;    // all-gather: the output; my part is in place already
+    char* ag_out = nullptr;    // all-gather: the output
     size_t ag_unit = 1;        // bytes of one unit of `parts`
     size_t ag_chunk_unit = 1;  // the unit net_chunks cuts the all-gather's parts by
+    // All-gather: where my part is sent from and copied into place during the exchange
+    // (Note [Own part during the exchange] in comm_hier.cpp); null: it is in place already.
+    const char* ag_own = nullptr;
   };
   void rail_ring(const RingJob& job, const OpCtx& ctx);
   // Whether a collective crosses hosts in a ring rather than the mesh.

@@ -76,16 +76,25 @@ namespace smddp {
 namespace {
 
 // Note [Own part during the exchange]
-// An all-gather whose input is not already in place in its output must copy it there. The
-// mesh copied it before the exchange, and nothing crossed the network meanwhile: 7-8 ms of a
-// 64 MiB all_gather on 2 simulated hosts of one rank (bench multihost --timeline), whose
-// NIC bound is 134 ms. Now it sends from the input and copies in slices of this size as the
-// exchange's work between rounds (Exchange::work): the copy overlaps the transfer. The
-// receives write the other parts of the output, never this one, and the input is only read,
-// so the two cannot collide unless the input overlaps the output, which keeps the copy first.
+// An all-gather whose input is not already in place in its output must copy it there. It
+// used to be copied before the exchange, and nothing crossed the network meanwhile: 7-8 ms
+// of a 64 MiB all_gather on 2 simulated hosts of one rank (bench multihost --timeline),
+// whose NIC bound is 134 ms. Now the mesh, and the ring's first step, send it from the
+// input, and it is copied in slices of this size as the exchange's work between rounds
+// (Exchange::work, SliceCopy): the copy overlaps the transfer. Nothing else reads or writes
+// this part of the output during the exchange (the receives write the other parts; the
+// shared-memory all-gather runs after it), and the input is only read, so the two cannot
+// collide unless the input overlaps the output, which keeps the copy first.
 constexpr size_t kOwnCopySlice = 1 << 20;
 
 }  // namespace
+
+bool SliceCopy::operator()() {
+  const size_t n = std::min(kOwnCopySlice, len - done);
+  if (n) std::memcpy(dst + done, src + done, n);
+  done += n;
+  return done < len;
+}
 
 void Communicator::plan_handlers() {
   const auto& members = layout_.members;
@@ -305,18 +314,19 @@ void Communicator::hier_allgather(const void* src, void* out, const std::vector<
   const bool in_place = from == base + own.off || !own.len;
   size_t total = 0;
   for (const Span& p : parts) total = std::max(total, p.off + p.len);
-  // Note [Own part during the exchange]: the mesh sends my part from the input and copies it
-  // into place between the exchange's rounds; the ring sends it from the output, so it is
-  // copied first (as is an input that overlaps the output).
+  // Note [Own part during the exchange]: my part is sent from the input and copied into place
+  // between the exchange's rounds, unless the input overlaps the output (then first).
   const bool overlaps = from < base + total && base < from + own.len;
-  if (!in_place && (overlaps || rail_ring_chosen())) {
+  if (!in_place && overlaps) {
     std::memmove(base + own.off, src, own.len);
     from = base + own.off;
   }
+  const bool copy = from != base + own.off;
   if (rail_ring_chosen()) {
     RingJob job;
     job.parts = &parts;
     job.ag_out = base;
+    if (copy) job.ag_own = from;
     rail_ring(job, ctx);
     local_allgather(base, parts, ctx);
     return;
@@ -332,15 +342,8 @@ void Communicator::hier_allgather(const void* src, void* out, const std::vector<
           {handler_[h][cfg_.rank], tag(ctx, 2), const_cast<char*>(from) + c.off, c.len, chk});
     }
   }
-  size_t copied = 0;
-  if (from != base + own.off) {
-    x.work = [&] {
-      const size_t n = std::min(kOwnCopySlice, own.len - copied);
-      std::memcpy(base + own.off + copied, from + copied, n);
-      copied += n;
-      return copied < own.len;
-    };
-  }
+  SliceCopy own_copy{base + own.off, from, own.len};
+  if (copy) x.work = [&] { return own_copy(); };
   exchange(x, ctx);
   local_allgather(base, parts, ctx);
 }

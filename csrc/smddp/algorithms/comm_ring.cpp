@@ -165,8 +165,10 @@ void Communicator::rail_ring(const RingJob& job, const OpCtx& ctx) {
       const Span& p = parts[rail_[part_at(t, 0)]];
       ag_first[t] = ag_out.ops.size();
       for (const Span& c : net_chunks(p.len, job.ag_chunk_unit)) {
-        const size_t i = ag_out.add({next, tag(ctx, 2), job.ag_out + (p.off + c.off) * job.ag_unit,
-                                     c.len * job.ag_unit, chk});
+        // My own part (step 0) leaves from job.ag_own while it is copied into place.
+        char* from = t == 0 && job.ag_own ? const_cast<char*>(job.ag_own) + c.off * job.ag_unit
+                                          : job.ag_out + (p.off + c.off) * job.ag_unit;
+        const size_t i = ag_out.add({next, tag(ctx, 2), from, c.len * job.ag_unit, chk});
         // An all-gather sends its own part at once; an all-reduce once it is reduced.
         if (t == 0 && !hp) ag_out.ready[i] = 1;
       }
@@ -230,6 +232,13 @@ void Communicator::rail_ring(const RingJob& job, const OpCtx& ctx) {
     }
     advance();
   };
+  SMDDP_CHECK(!(hp && job.ag_own), "smddp: a ring all-reduce's part is in place (a bug)");
+  SliceCopy own_copy;
+  if (job.ag_own) {
+    const Span& own = parts[cfg_.rank];
+    own_copy = {job.ag_out + own.off * job.ag_unit, job.ag_own, own.len * job.ag_unit};
+    x.work = [&] { return own_copy(); };
+  }
   if (hp && hp->steps) {
     x.work = [&] {
       {
