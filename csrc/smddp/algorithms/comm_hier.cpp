@@ -311,22 +311,21 @@ void Communicator::hier_allgather(const void* src, void* out, const std::vector<
   char* base = static_cast<char*>(out);
   const Span& own = parts[cfg_.rank];
   const char* from = static_cast<const char*>(src);
-  const bool in_place = from == base + own.off || !own.len;
   size_t total = 0;
   for (const Span& p : parts) total = std::max(total, p.off + p.len);
   // Note [Own part during the exchange]: my part is sent from the input and copied into place
   // between the exchange's rounds, unless the input overlaps the output (then first).
-  const bool overlaps = from < base + total && base < from + own.len;
-  if (!in_place && overlaps) {
+  const bool copy = from != base + own.off && own.len;
+  if (copy && from < base + total && base < from + own.len) {
     std::memmove(base + own.off, src, own.len);
     from = base + own.off;
   }
-  const bool copy = from != base + own.off;
+  const bool copy_during = copy && from != base + own.off;  // not already copied first
   if (rail_ring_chosen()) {
     RingJob job;
     job.parts = &parts;
     job.ag_out = base;
-    if (copy) job.ag_own = from;
+    if (copy_during) job.ag_own = from;
     rail_ring(job, ctx);
     local_allgather(base, parts, ctx);
     return;
@@ -343,7 +342,7 @@ void Communicator::hier_allgather(const void* src, void* out, const std::vector<
     }
   }
   SliceCopy own_copy{base + own.off, from, own.len};
-  if (copy) x.work = [&] { return own_copy(); };
+  if (copy_during) x.work = [&] { return own_copy(); };
   exchange(x, ctx);
   local_allgather(base, parts, ctx);
 }

@@ -232,7 +232,8 @@ void Communicator::rail_ring(const RingJob& job, const OpCtx& ctx) {
     }
     advance();
   };
-  SMDDP_CHECK(!(hp && job.ag_own), "smddp: a ring all-reduce's part is in place (a bug)");
+  SMDDP_CHECK(!(hp && job.ag_own),
+              "smddp: a ring all-reduce was given an all-gather source for its part (a bug)");
   SliceCopy own_copy;
   if (job.ag_own) {
     const Span& own = parts[cfg_.rank];
