@@ -27,6 +27,7 @@ def _run(world_size, env=None, quick=False):
 
 def test_two_ranks_shared_memory():
     counts = _run(2)
+    assert counts["net_algorithm"] == "none"
     assert counts["all_reduce"] == sum(len(checks.ops_for(d)) for d in checks.ALL_DTYPES) * len(
         checks.SIZES
     )
@@ -45,7 +46,8 @@ def test_three_ranks_every_output_copy_streaming():
 
 def test_four_ranks_two_forced_hosts():
     # Two "hosts" of two ranks: shm reduce-scatter, TCP rail exchange, shm all-gather.
-    _run(4, env={"SMDDP_FORCE_LOCAL_SIZE": "2"}, quick=True)
+    counts = _run(4, env={"SMDDP_FORCE_LOCAL_SIZE": "2"}, quick=True)
+    assert counts["net_algorithm"] == "mesh"  # two hosts: a ring would be the same exchange
 
 
 @pytest.mark.parametrize("algo", ["ring", "auto", "mesh"])
@@ -54,7 +56,7 @@ def test_three_forced_hosts(algo):
     # Asked for and auto, every collective across them goes around a ring (Note [Rail rings]
     # in comm_ring.cpp); the references know each algorithm's order of hosts
     # (ring_across_hosts), and the ring's differs from the mesh's on this data.
-    _run(
+    counts = _run(
         3,
         env={
             "SMDDP_FORCE_LOCAL_SIZE": "1",
@@ -63,6 +65,7 @@ def test_three_forced_hosts(algo):
         },
         quick=True,
     )
+    assert counts["net_algorithm"] == ("mesh" if algo == "mesh" else "ring")
 
 
 def test_two_ranks_one_per_forced_host():

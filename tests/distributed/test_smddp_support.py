@@ -608,4 +608,9 @@ def run_all(quick: bool = False) -> dict:
     out["non_contiguous"] = check_non_contiguous()
     out["back_to_back"] = check_back_to_back(100 if quick else 300)
     out["digest"] = result_digest()
+    # How the backend says it crosses hosts; the references above checked the order of
+    # hosts the collectives really summed in (ring_across_hosts).
+    out["net_algorithm"] = dist.group.WORLD._get_backend(torch.device("cpu"))._layout()[
+        "net_algorithm"
+    ]
     return out

@@ -179,11 +179,13 @@ def group_layout(group: dist.ProcessGroup | None = None) -> dict:
         group: A process group whose CPU backend is smddp (default: the default group).
 
     Returns:
-        ``{"hosts", "local_size", "host", "local_rank", "members", "forced", "uniform"}``:
-        ``members`` lists the group ranks of each host; ``local_size`` is the rank count of
-        this rank's host; ``forced`` is true when ``SMDDP_FORCE_LOCAL_SIZE`` shaped the
-        layout; ``uniform`` is false when hosts have unequal rank counts (they keep their
-        hierarchy, and cross hosts over the mesh only).
+        ``{"hosts", "local_size", "host", "local_rank", "members", "forced", "uniform",
+        "net_algorithm"}``: ``members`` lists the group ranks of each host; ``local_size``
+        is the rank count of this rank's host; ``forced`` is true when
+        ``SMDDP_FORCE_LOCAL_SIZE`` shaped the layout; ``uniform`` is false when hosts have
+        unequal rank counts (they keep their hierarchy, and cross hosts over the mesh only);
+        ``net_algorithm`` is how collectives cross hosts, ``"mesh"`` or ``"ring"``
+        (``SMDDP_NET_ALGO`` and the layout decide it), or ``"none"`` on one host.
 
     Raises:
         ValueError: If the group's CPU backend is not smddp.

@@ -149,6 +149,9 @@ class Communicator {
   uint64_t zero_copy_ops() const { return zero_copy_ops_.load(); }
   // Collectives that crossed hosts in a ring (Note [Rail rings] in comm_ring.cpp).
   uint64_t rail_ring_ops() const { return rail_ring_ops_.load(); }
+  // Whether a collective crosses hosts in a ring rather than the mesh (fixed at creation:
+  // the layout and SMDDP_NET_ALGO decide it).
+  bool rail_ring_chosen() const;
   // Network messages a collective received from a rank of this host (tests: the
   // hierarchical collectives keep those in shared memory; all_to_all does not).
   uint64_t local_net_messages() const { return local_net_messages_.load(); }
@@ -211,8 +214,6 @@ class Communicator {
     const char* ag_own = nullptr;
   };
   void rail_ring(const RingJob& job, const OpCtx& ctx);
-  // Whether a collective crosses hosts in a ring rather than the mesh.
-  bool rail_ring_chosen() const;
   // The receives of the other hosts' parts this rank handles (spans of `unit` bytes) into
   // `out`, cut into the messages net_chunks(len, chunk_unit) makes of them.
   std::vector<TransportOp> rail_allgather_recvs(char* out, const std::vector<Span>& parts,
