@@ -5,9 +5,13 @@
 
 Each layout HxL is H simulated hosts (bench/netns.py: namespaces, one bridge as the switch,
 each host's cable shaped to ``--rate`` in both directions) with L ranks each. One job per
-layout runs both backends: the default group is smddp's, and a gloo group spans the same
-ranks. For every op and size S (nccl-tests' S: the all_reduce tensor, the all_gather output,
-the reduce_scatter input; float32), each backend runs a checked call, a warm-up call and
+layout runs every backend: the default group is smddp's, and a gloo group spans the same
+ranks. "smddp-mesh" and "smddp-ring" are further smddp groups over the same ranks that cross
+hosts by the mesh or by a ring whatever SMDDP_NET_ALGO says (``SMDDPOptions(net_algo=...)``;
+hosts of unequal rank counts, and two hosts, always take the mesh); each row records the
+algorithm that ran (``algorithm``: ``mesh``, ``ring``, or ``flat_ring`` for gloo). For every
+op and size S (nccl-tests' S: the all_reduce tensor, the all_gather output, the
+reduce_scatter input; float32), each backend runs a checked call, a warm-up call and
 ``--iters`` timed calls, each after a barrier; the time is the median over calls of the
 slowest rank.
 
@@ -44,7 +48,9 @@ from torch_sagemaker.bench import comma_list, cost_model_report, netns
 from torch_sagemaker.bench.cost_model import nic_factor
 
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
-BACKENDS = ("smddp", "gloo")
+BACKENDS = ("smddp", "smddp-mesh", "smddp-ring", "gloo")
+# smddp groups that force how collectives cross hosts (SMDDPOptions.net_algo).
+FORCED_NET_ALGO = {"smddp-mesh": "mesh", "smddp-ring": "ring"}
 MASTER_PORT = 29530  # inside the hosts' private network
 
 
@@ -164,12 +170,25 @@ def _rank_main(spec: dict[str, Any]) -> None:
     import torch_sagemaker  # noqa: F401  (registers smddp)
     from torch_sagemaker.bench import end_rank
     from torch_sagemaker.bench.collectives import make_case
+    from torch_sagemaker.distributed.backend import group_layout
+    from torch_sagemaker.distributed.options import SMDDPOptions
 
     torch.set_num_threads(1)
     dist.init_process_group("smddp", timeout=timedelta(seconds=spec["timeout"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     counts_nic = rank % spec["local"] == 0  # one rank per host reads its NIC
-    groups = {"smddp": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    groups = {"smddp": dist.group.WORLD}
+    for name in spec["backends"]:  # in the same order on every rank: new_group is collective
+        if name == "gloo":
+            groups[name] = dist.new_group(backend="gloo")
+        elif name in FORCED_NET_ALGO:
+            options = SMDDPOptions(net_algo=FORCED_NET_ALGO[name])
+            groups[name] = dist.new_group(backend="smddp", pg_options=options)
+    # What each backend's collectives do between hosts (the cost model's `algorithm`).
+    algorithms = {
+        name: "flat_ring" if name == "gloo" else group_layout(group)["net_algorithm"]
+        for name, group in groups.items()
+    }
     identical: list[Any] = [None] * world
     if spec.get("identical"):
         dist.all_gather_object(identical, _identical_results(dist.group.WORLD))
@@ -185,7 +204,7 @@ def _rank_main(spec: dict[str, Any]) -> None:
                 dist.barrier()
                 before = netns.own_counters() if counts_nic else None
                 ports = netns.port_counters() if rank == 0 else None
-                if spec.get("timeline") and name == "smddp":
+                if spec.get("timeline") and name != "gloo":
                     _middle_call(group, op, 0)  # drops what the checked and warm-up calls left
                 times = []
                 for _ in range(spec["iters"]):
@@ -204,12 +223,12 @@ def _rank_main(spec: dict[str, Any]) -> None:
                     mine["port_drops"] = sum(
                         ports_after[p]["drops"] - ports[p]["drops"] for p in ports_after
                     )
-                if spec.get("timeline") and name == "smddp":
+                if spec.get("timeline") and name != "gloo":
                     mine["timeline"] = _middle_call(group, op, spec["iters"])
                 every: list[Any] = [None] * world
                 dist.all_gather_object(every, mine)
                 if rank == 0:
-                    rows.append(_row(spec, op, actual, name, every))
+                    rows.append(_row(spec, op, actual, name, algorithms[name], every))
     if rank == 0:
         with open(spec["out"], "w") as f:
             json.dump(
@@ -256,7 +275,8 @@ def timeline_table(rows: list[dict]) -> str:
         from torch_sagemaker.bench.collectives_report import format_size
 
         lines += [
-            f"\n{r['layout']} {r['op']} {format_size(r['bytes'])}: phases per rank, ms",
+            f"\n{r['layout']} {r['backend']} ({r.get('algorithm', 'mesh')}) {r['op']} "
+            f"{format_size(r['bytes'])}: phases per rank, ms",
             "| rank | phase | start | end | count | busy |",
             "|---|---|---|---|---|---|",
         ]
@@ -276,7 +296,9 @@ def timeline_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _row(spec: dict[str, Any], op: str, size: int, backend: str, every: list[dict]) -> dict:
+def _row(
+    spec: dict[str, Any], op: str, size: int, backend: str, algorithm: str, every: list[dict]
+) -> dict:
     calls = len(every[0]["times"])
     slowest = [max(r["times"][i] for r in every) for i in range(calls)]
     nics = [r for r in every if "tx" in r]
@@ -285,6 +307,7 @@ def _row(spec: dict[str, Any], op: str, size: int, backend: str, every: list[dic
         "op": op,
         "bytes": size,
         "backend": backend,
+        "algorithm": algorithm,
         "ok": all(r["ok"] for r in every),
         "seconds": statistics.median(slowest),
         "calls": slowest,  # each timed call's slowest rank, in order (to see a trend)
@@ -425,6 +448,17 @@ def table(rows: list[dict], rate_bits: int) -> str:
         if len(backends) == 2 and all(b in per for b in backends):
             cells.append(f"{per[backends[1]]['seconds'] / per[backends[0]]['seconds']:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
+    crossing = {
+        (r["layout"], r["backend"]): r["algorithm"]
+        for r in rows
+        if r["backend"] != "gloo" and "algorithm" in r
+    }
+    if crossing:
+        lines.append("")
+        lines.append(
+            "Between hosts: "
+            + ", ".join(f"{layout} {b} {a}" for (layout, b), a in crossing.items())
+        )
     return "\n".join(lines)
 
 
@@ -443,7 +477,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", default="2gbit", help="each host's NIC rate, both directions")
     p.add_argument("--ops", type=comma_list(OPS), default=list(OPS))
     p.add_argument("--sizes", type=comma_list(), default=["1M", "16M", "64M"])
-    p.add_argument("--backends", type=comma_list(BACKENDS), default=list(BACKENDS))
+    p.add_argument(
+        "--backends",
+        type=comma_list(BACKENDS),
+        default=["smddp", "gloo"],
+        help=f"of {', '.join(BACKENDS)}",
+    )
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--timeout", type=float, default=600, help="seconds for one layout's job")
     p.add_argument("--json", default=None, help="also write the rows to this file")
@@ -550,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
         # What the machine could give the simulated hosts, which all share it (the cost
         # model's CPU share, Note [Cost model] in cost_model.py).
         "cores": os.cpu_count(),
+        "burst_bytes": netns.BURST_BYTES,  # what each cable passes above the rate at once
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "recorded": time.strftime("%Y-%m-%d %H:%M %Z"),
         "rows": rows,

@@ -37,7 +37,9 @@ HOST_ADDRESS = "10.9.0.{}"
 HOST_NAME = "tsm-host-{}"
 SWITCH_PID_VARIABLE = "TSM_NETNS_SWITCH_PID"
 # Whole 64 KiB offload segments must pass the bucket at once, or TCP stalls on a shaped veth.
-BURST = "96kb"
+# A message that finds the bucket full passes this many bytes at once, above the rate.
+BURST_BYTES = 96 * 1024
+BURST = f"{BURST_BYTES // 1024}kb"  # tc's kb: 1024 bytes
 QUEUE_LATENCY = "50ms"  # how long a packet may wait in the bucket's queue before it drops
 
 # Run by each host's shell inside its namespaces: waits for the cable, configures it, runs
