@@ -145,11 +145,11 @@ std::string where(const Topology& topo, const char* what, int rank, DType t, Red
 }
 
 // Whether a topology's collectives across hosts must take the ring
-// (Communicator::rail_ring_chosen): equal hosts, 3 or more, asked for or auto up to 8.
+// (Communicator::rail_ring_chosen): equal hosts, 3 or more, asked for or auto up to 32.
 bool ring_expected(const Topology& topo, const smddp::Layout& l) {
   if (!l.uniform || l.hosts < 3) return false;
   return topo.net_algo == smddp::NetAlgo::RING ||
-         (topo.net_algo == smddp::NetAlgo::AUTO && l.hosts <= 8);
+         (topo.net_algo == smddp::NetAlgo::AUTO && l.hosts <= 32);
 }
 
 // The calls that crossed hosts took the ring where it is expected, and the mesh elsewhere

@@ -32,7 +32,8 @@ from typing import NamedTuple
 #   parts arrive late, and an all_reduce's second half, or the call's end, waits for the
 #   last (docs/multi_node.md, "Mesh or ring": a 4x1 mesh all_reduce's ranks finished their
 #   reductions between 243 and 406 ms). Linear in F is the simplest growth that the 4- and
-#   8-host rows fit; nothing beyond 8 hosts was measured.
+#   8-host rows fit; later runs on 16 and 32 hosts (not in the fit) agree with it roughly,
+#   and beyond 32 hosts nothing was measured.
 # - CPU work, in core-seconds: every byte a rank sends or receives over TCP (the kernel's
 #   copies and, on the simulated hosts, the virtual cable's shaping and bridging), every
 #   message (system calls, headers, polling), every byte a reduction reads, every byte of

@@ -51,7 +51,7 @@ const std::vector<SettingInfo> kSettings = {
     {"net_algo", "SMDDP_NET_ALGO", "name", "auto",
      "how collectives cross 3 hosts or more: mesh (every host sends to every other at "
      "once), ring (each host to the next; hosts of unequal rank counts take the mesh), or "
-     "auto (the ring from 3 to 8 hosts of equal rank counts, else the mesh; measured)"},
+     "auto (the ring from 3 to 32 hosts of equal rank counts, else the mesh; measured)"},
     {"timeline", "SMDDP_TIMELINE", "flag", "0",
      "1: record when each collective and each of its phases across hosts began and ended "
      "(bench multihost --timeline prints them)"},
