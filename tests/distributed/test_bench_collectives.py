@@ -61,3 +61,15 @@ def test_sweep_prints_one_row_per_op_and_size(capsys):
         assert median == pytest.approx((low + high) / 2, abs=0.11)
         # The ratio of the two medians is a weighted mean of the sweeps' ratios.
         assert low * 0.94 <= gloo_us / smddp_us <= high * 1.06  # from rounded times
+
+
+def test_pool_operands_are_read_in_place(capfd):
+    # --pool: smddp's operands come from its pool, as FSDP2's do, and every all_gather and
+    # reduce_scatter reads its peers' inputs in place (the values are still checked).
+    args = ["--nprocs", "2", "--ops", "all_gather_into_tensor,reduce_scatter_tensor"]
+    args += ["--min-bytes", "256K", "--max-bytes", "256K", "--iters", "3", "--pool", "--quiet"]
+    assert collectives.main(args) == 0
+    out = capfd.readouterr().out
+    calls = int(re.search(r"peers' operands in place in (\d+) calls", out).group(1))
+    # Each op: a checked call, the warm-up and the timed iterations, at least 5 each.
+    assert calls >= 10, out

@@ -3,6 +3,7 @@
 import sys
 
 import pytest
+import torch
 
 from torch_sagemaker.bench import BENCHMARKS, collectives
 from torch_sagemaker.bench import __main__ as bench_main
@@ -145,6 +146,19 @@ def test_all_reduce_case_uses_a_peer_reduction():
     assert check() and nbytes == 1024 and len(calls) == 1
     run()
     assert len(calls) == 2 and calls[0] is calls[1] and calls[0].numel() == 256
+
+
+@pytest.mark.parametrize("op", ["all_gather_into_tensor", "reduce_scatter_tensor"])
+def test_cases_take_their_operands_from_the_given_allocator(op):
+    made = []
+
+    def empty(n):
+        made.append(torch.empty(n))
+        return made[-1]
+
+    collectives.make_case(op, 4096, 2, 0, None, empty=empty)
+    # Input and output, of the sizes nccl-tests means: S/n and S, or S and S/n.
+    assert sorted(t.numel() for t in made) == [512, 1024]
 
 
 def test_missing_deepspeed_names_the_install_command(monkeypatch):

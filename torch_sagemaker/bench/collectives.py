@@ -29,6 +29,10 @@ The same run measures memcpy bandwidth with all ranks copying at once; "copy%" i
 memcpy of the bytes the algorithm must read and write in the user's buffers would take at
 that bandwidth, as a percentage of the measured time (100% = as fast as copying). Ranks use
 one intra-op thread each.
+
+``--pool`` takes smddp's operands from its tensor pool (``allocate_tensor``), as FSDP2 does
+for its all-gather and reduce-scatter buffers on smddp: peers on the host then read a
+rank's input in place instead of through a staged copy.
 """
 
 from __future__ import annotations
@@ -77,16 +81,23 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1] if mult > 1 else text) * mult)
 
 
-def make_case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=None):
+def make_case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=None, empty=None):
     """Returns (run, check, actual_bytes) for one operation at about `nbytes`.
 
     `all_reduce`, if given, replaces dist.all_reduce (an in-place SUM of one tensor).
+    `empty`, if given, allocates the float32 operands (an element count -> a tensor) instead
+    of torch.empty: ``--pool`` takes them from the backend's pool, as FSDP2 does.
     """
+    empty = empty or torch.empty
+
+    def full(n: int, value: float) -> torch.Tensor:
+        return empty(n).fill_(value)
+
     count = max(world, nbytes // 4 // world * world)
     if op == "sparse_all_reduce":
         return _sparse_case(nbytes, world, rank, group)
     if op == "all_reduce":
-        t = torch.full((count,), float(rank + 1))
+        t = full(count, float(rank + 1))
         want = world * (world + 1) / 2
         if all_reduce is None:
 
@@ -104,7 +115,7 @@ def make_case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=Non
 
         return run, check, count * 4
     if op == "all_gather_into_tensor":
-        inp, out = torch.full((count // world,), float(rank + 1)), torch.empty(count)
+        inp, out = full(count // world, float(rank + 1)), empty(count)
 
         def run():
             c10d_compat.all_gather_single(out, inp, group=group)
@@ -115,7 +126,7 @@ def make_case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=Non
 
         return run, check, count * 4
     if op == "reduce_scatter_tensor":
-        inp, out = torch.full((count,), float(rank + 1)), torch.empty(count // world)
+        inp, out = full(count, float(rank + 1)), empty(count // world)
 
         def run():
             c10d_compat.reduce_scatter_single(out, inp, group=group)
@@ -126,7 +137,7 @@ def make_case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=Non
 
         return run, check, count * 4
     if op == "broadcast":
-        t = torch.full((count,), float(rank + 1))
+        t = full(count, float(rank + 1))
 
         def run():
             dist.broadcast(t, group_src=0, group=group)
@@ -138,7 +149,7 @@ def make_case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=Non
 
         return run, check, count * 4
     if op == "reduce":
-        t = torch.full((count,), float(rank + 1))
+        t = full(count, float(rank + 1))
 
         def run():
             dist.reduce(t, group_dst=0, group=group)
@@ -151,8 +162,8 @@ def make_case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=Non
 
         return run, check, count * 4
     if op == "gather":
-        inp = torch.full((count // world,), float(rank + 1))
-        outs = [torch.empty(count // world) for _ in range(world)] if rank == 0 else None
+        inp = full(count // world, float(rank + 1))
+        outs = [empty(count // world) for _ in range(world)] if rank == 0 else None
 
         def run():
             dist.gather(inp, outs, group_dst=0, group=group)
@@ -163,12 +174,8 @@ def make_case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=Non
 
         return run, check, count * 4
     if op == "scatter":
-        ins = (
-            [torch.full((count // world,), float(r + 1)) for r in range(world)]
-            if rank == 0
-            else None
-        )
-        out = torch.empty(count // world)
+        ins = [full(count // world, float(r + 1)) for r in range(world)] if rank == 0 else None
+        out = empty(count // world)
 
         def run():
             dist.scatter(out, ins, group_src=0, group=group)
@@ -180,7 +187,7 @@ def make_case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=Non
         return run, check, count * 4
     if op == "sendrecv":
         nxt, prv = (rank + 1) % world, (rank - 1) % world
-        inp, out = torch.full((count,), float(rank + 1)), torch.empty(count)
+        inp, out = full(count, float(rank + 1)), empty(count)
 
         def run():
             ops = [
@@ -196,7 +203,7 @@ def make_case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=Non
             return bool((out[:: max(1, count // 97)] == prv + 1).all())
 
         return run, check, count * 4
-    inp, out = torch.full((count,), float(rank + 1)), torch.empty(count)
+    inp, out = full(count, float(rank + 1)), empty(count)
 
     def run_all_to_all():
         dist.all_to_all_single(out, inp, group=group)
@@ -256,6 +263,17 @@ def _timed(run, iters: int, warmup: int, barrier) -> list[float]:
         run()
         times.append(time.perf_counter() - t0)
     return times
+
+
+def _pool_empty(group):
+    """An allocator of float32 tensors from the smddp backend's pool.
+
+    FSDP2 takes its all-gather and reduce-scatter buffers from there (Note [Zero-copy
+    operands] in shm_algos.h).
+    """
+    cpu = torch.device("cpu")
+    backend = c10d_compat.backend_of(group, cpu)
+    return lambda n: backend.allocate_tensor(n, dtype=torch.float32, device=cpu)
 
 
 def _slowest(times: list[float], ctrl) -> float:
@@ -323,6 +341,7 @@ def _worker_body(
                         rank,
                         groups[b],
                         peers[b].all_reduce if b in peers else None,
+                        _pool_empty(groups[b]) if args.pool and b == "smddp" else None,
                     )
                     if not check():
                         raise RuntimeError(f"{b} {op} at {size} bytes produced wrong values")
@@ -357,6 +376,12 @@ def _worker_body(
             rows.append(row)
             if rank == 0 and args.verbose:
                 print(format_row(row, args.backends, args.ratio_base), flush=True)
+    if args.pool and "smddp" in groups:
+        from torch_sagemaker.distributed.backend import pool_stats
+
+        stats = pool_stats(groups["smddp"])
+        if rank == 0:
+            print(f"smddp read its peers' operands in place in {stats['zero_copy_ops']} calls")
     return (rows, copy) if rank == 0 else None
 
 
@@ -429,6 +454,12 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="run the sweep this many times; each cell is the median of the runs' medians, "
         "each speed-up the median of the runs' own ratios",
+    )
+    p.add_argument(
+        "--pool",
+        action="store_true",
+        help="smddp's operands from its tensor pool (allocate_tensor, as FSDP2 uses it), so "
+        "peers on the host read them in place; other backends keep torch.empty",
     )
     p.add_argument("--plot", default=None, help="write busbw vs size to this PNG")
     p.add_argument("--quiet", dest="verbose", action="store_false", help="only the final table")
