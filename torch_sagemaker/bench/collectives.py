@@ -86,7 +86,8 @@ def make_case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=Non
 
     `all_reduce`, if given, replaces dist.all_reduce (an in-place SUM of one tensor).
     `empty`, if given, allocates the float32 operands (an element count -> a tensor) instead
-    of torch.empty: ``--pool`` takes them from the backend's pool, as FSDP2 does.
+    of torch.empty: ``--pool`` takes them from the backend's pool, as FSDP2 does. The sparse
+    case ignores it (a sparse tensor has no pooled storage).
     """
     empty = empty or torch.empty
 

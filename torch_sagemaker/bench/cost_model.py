@@ -19,6 +19,8 @@ import statistics
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
+from torch_sagemaker.bench.netns import BURST_BYTES
+
 # Note [Cost model]
 # A collective of S bytes (nccl-tests' S) on H hosts of L ranks (N = HL) costs, per rank:
 #
@@ -55,8 +57,10 @@ from typing import NamedTuple
 # - The simulated cables pass a burst (their token buckets' size) above the rate when idle:
 #   the NIC time counts only the bytes beyond it (Cluster.burst; 0 for a real NIC).
 #
-# Fitting: the reduction's, the copies' and the shared-memory reduce-scatter's costs come
-# straight from the timeline phases (busy time times the CPU share, over the bytes). The
+# Fitting: the reduction's and the copies' costs come straight from the timeline phases
+# (busy time times the CPU share, over the bytes). The shared-memory reduce-scatter's is read
+# there too, but its phases' busy time includes waiting for the host's other ranks, so the
+# fit tries it at 0.5, 1 and 2 times that reading (among its starts) and keeps the best. The
 # NIC efficiency, the CPU cost per network byte and per message, alpha, wake, the flow
 # skew and the step latency are fitted on the smddp rows' end-to-end times, mesh and ring
 # together (least squares of the log ratio, a coordinate search from a small grid of
@@ -69,8 +73,9 @@ from typing import NamedTuple
 # --predict-latency / --predict-message instead.
 #
 # What it leaves out: incast and the switch beyond the flow skew (H-1 senders into one port
-# at once; the simulated switch has deep queues and never dropped a packet; at 8 hosts and
-# 1 MiB the mesh's ranks ended 8-29 ms into a call the ring ends in 9), stragglers and
+# at once; the simulated switch has deep queues and dropped nothing up to 8 hosts, but
+# thousands of packets per case for the 32-host mesh; at 8 hosts and 1 MiB the mesh's ranks
+# ended 8-29 ms into a call the ring ends in 9), stragglers and
 # jitter at scale (the slowest of 1024 hosts sets the pace), congestion in a real fabric, several
 # NICs being one (it takes nics x rate as one pipe), TCP's slow start after idle, the
 # mesh's per-peer state (a socket and a poll entry per peer: it counts per-message work,
@@ -92,17 +97,31 @@ TARGET = 0.15
 ERROR_BOUND = TARGET
 ERROR_BOUND_SMALL = 0.55
 ERROR_BOUND_FLAT = 0.40
+# Out of sample (tests/data/multihost/validation, 16 and 32 hosts): the mesh, whose incast
+# dropped thousands of packets per case on 32 hosts, which the model does not see.
+ERROR_BOUND_MESH_UNSEEN = 0.50
 SMALL = 16 << 20
 
 
 def error_bound(algorithm: str, size: int) -> float:
-    """The relative error the model claims for a measured point of ``algorithm`` and size."""
+    """The relative error the model claims for a measured point.
+
+    Args:
+        algorithm: What ran: ``mesh`` or ``ring`` (smddp), ``flat_ring`` (gloo).
+        size: nccl-tests' S in bytes.
+
+    Returns:
+        The bound on |predicted / measured - 1| that tests/unit/test_cost_model.py holds the
+        recorded points to.
+    """
     if algorithm == "flat_ring":
         return ERROR_BOUND_FLAT
     return ERROR_BOUND if size >= SMALL else ERROR_BOUND_SMALL
 
 
-# Fitted on the smddp rows' end-to-end times; the others are read off the timeline.
+# Fitted on the smddp rows' end-to-end times. reduce_cpu and copy_cpu are read off the
+# timeline, shm_reduce_cpu too (then chosen among 3 multiples by the grid of starts), and
+# flat_step is fitted on gloo's rows afterwards.
 FITTED_END_TO_END = (
     "nic_efficiency",
     "net_cpu",
@@ -120,8 +139,9 @@ class Costs:
 
     Args:
         alpha: Seconds per call that no byte explains.
-        wake: Seconds per call per unit of oversubscription (ranks per core minus one):
-            the wake-ups that wait for a core (none on real hosts with a core per rank).
+        wake: Seconds per sequential wait (the call's, and one per ring or tree step) per
+            unit of oversubscription (ranks per core minus one): the wake-ups that wait for a
+            core (none on real hosts with a core per rank).
         step: Seconds per sequential step of smddp's ring, halving/doubling or tree
             (latency, not CPU).
         flat_step: Seconds per step of gloo's flat ring (another implementation's).
@@ -402,7 +422,7 @@ def points(runs: Iterable[dict]) -> list[Point]:
     """The rows of ``bench multihost --json`` files as points.
 
     A file without ``cores`` (written before it was recorded) is taken as a 2-core machine,
-    one without ``burst_bytes`` as cables without a burst.
+    one without ``burst_bytes`` as cables of netns.BURST_BYTES (every run so far).
     """
     out = []
     for run in runs:
@@ -420,7 +440,7 @@ def points(runs: Iterable[dict]) -> list[Point]:
                     run.get("cores", 2),
                     r.get("timeline"),
                     r.get("algorithm", ""),
-                    run.get("burst_bytes", 0.0),
+                    run.get("burst_bytes", BURST_BYTES),
                 )
             )
     return out
@@ -579,7 +599,15 @@ RESOLUTION = 1e-6
 
 
 def unresolved(costs: Costs) -> list[str]:
-    """The latency costs the fit left below RESOLUTION seconds."""
+    """The latency costs a fit left below RESOLUTION seconds.
+
+    Args:
+        costs: Fitted costs.
+
+    Returns:
+        The names of those of alpha, wake, step, flat_step and message below RESOLUTION:
+        other terms explained the measured times, so their values mean nothing.
+    """
     names = ("alpha", "wake", "step", "flat_step", "message")
     return [n for n in names if getattr(costs, n) < RESOLUTION]
 

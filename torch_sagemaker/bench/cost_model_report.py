@@ -49,8 +49,9 @@ def model_report(runs: list[dict], args: argparse.Namespace) -> int:
     blind = [n for n in cost_model.unresolved(target) if n != "wake" or cores < args.predict_ranks]
     if blind:
         print(
-            f"Not resolved by the runs, taken as 0: {', '.join(blind)} (--predict-latency and "
-            "--predict-message set them); where they decide, so does that assumption"
+            f"Not resolved by the runs (below 1 us, as good as 0): {', '.join(blind)}; "
+            "--predict-latency sets alpha and step, --predict-message the message cost, and "
+            "where they decide, so does that assumption"
         )
     print(cost_model.prediction_table(target, args.predict_ranks, nic_rate, cores, sizes))
     if args.plot:

@@ -416,7 +416,7 @@ def _layout_numbers(text: str) -> tuple[int, int]:
 
 
 def table(rows: list[dict], rate_bits: int) -> str:
-    """The rows as a markdown table, smddp and gloo side by side."""
+    """The rows as a markdown table, every backend side by side (a ratio column for two)."""
     from torch_sagemaker.bench.collectives_report import format_size
 
     by_key: dict[tuple, dict[str, dict]] = {}

@@ -184,8 +184,9 @@ def group_layout(group: dist.ProcessGroup | None = None) -> dict:
         is the rank count of this rank's host; ``forced`` is true when
         ``SMDDP_FORCE_LOCAL_SIZE`` shaped the layout; ``uniform`` is false when hosts have
         unequal rank counts (they keep their hierarchy, and cross hosts over the mesh only);
-        ``net_algorithm`` is how collectives cross hosts, ``"mesh"`` or ``"ring"``
-        (``SMDDP_NET_ALGO`` and the layout decide it), or ``"none"`` on one host.
+        ``net_algorithm`` is how collectives cross hosts, ``"mesh"`` or ``"ring"`` (the
+        layout and the group's ``net_algo``, from ``SMDDPOptions`` or ``SMDDP_NET_ALGO``,
+        decide it), or ``"none"`` on one host.
 
     Raises:
         ValueError: If the group's CPU backend is not smddp.

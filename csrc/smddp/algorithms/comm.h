@@ -150,7 +150,7 @@ class Communicator {
   // Collectives that crossed hosts in a ring (Note [Rail rings] in comm_ring.cpp).
   uint64_t rail_ring_ops() const { return rail_ring_ops_.load(); }
   // Whether a collective crosses hosts in a ring rather than the mesh (fixed at creation:
-  // the layout and SMDDP_NET_ALGO decide it).
+  // the layout and the group's net_algo setting decide it).
   bool rail_ring_chosen() const;
   // Network messages a collective received from a rank of this host (tests: the
   // hierarchical collectives keep those in shared memory; all_to_all does not).

@@ -93,7 +93,7 @@ struct OrderedSends {
 
 bool Communicator::rail_ring_chosen() const {
   // A ring needs rails: hosts of unequal size take the mesh (Note [Unequal hosts] in
-  // comm_hier.cpp). Note [Rail rings], "When": auto is the ring from 3 to 8 hosts.
+  // comm_hier.cpp). Note [Rail rings], "When": auto is the ring from 3 to 32 hosts.
   if (!layout_.uniform || layout_.hosts < 3) return false;
   switch (cfg_.settings.net_algo) {
     case NetAlgo::RING:
