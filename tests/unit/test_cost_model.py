@@ -10,6 +10,8 @@ import os
 import pytest
 
 from torch_sagemaker.bench import cost_model as cm
+from torch_sagemaker.bench import cost_model_fit as cf
+from torch_sagemaker.bench import cost_model_report as report
 
 MIB = 1 << 20
 DATA = os.path.join(os.path.dirname(__file__), "..", "data", "multihost")
@@ -127,13 +129,13 @@ def test_rows_say_which_algorithm_ran():
             row("gloo", "flat_ring", 5.0),
         ],
     }
-    pts = cm.points([run])
+    pts = cf.points([run])
     assert [p.algorithm for p in pts] == ["ring", "ring", "mesh", "flat_ring"]
     # The default group's ring and a forced ring are runs of one point: the faster counts.
-    merged = {p.algorithm: p.seconds for p in cm.fastest(pts)}
+    merged = {p.algorithm: p.seconds for p in cf.fastest(pts)}
     assert merged == {"ring": 2.0, "mesh": 4.0, "flat_ring": 5.0}
     # Files written before rows recorded it: smddp ran the mesh, gloo a flat ring.
-    old = cm.points([{"rate_bits": 10**9, "rows": [row("smddp", "", 1.0), row("gloo", "", 1.0)]}])
+    old = cf.points([{"rate_bits": 10**9, "rows": [row("smddp", "", 1.0), row("gloo", "", 1.0)]}])
     assert [p.algorithm for p in old] == ["mesh", "flat_ring"]
 
 
@@ -190,13 +192,13 @@ def test_the_fit_recovers_the_costs_it_generated():
     for hosts, ranks in ((2, 1), (4, 1), (2, 2), (4, 2)):
         for op in cm.OPS:
             for size in (MIB, 16 * MIB, 64 * MIB):
-                p = cm.Point(hosts, ranks, op, size, "smddp", 1.0, 2.5e8, 2)
+                p = cf.Point(hosts, ranks, op, size, "smddp", 1.0, 2.5e8, 2)
                 t = cm.predict(truth, p.cluster(), op, size, "mesh")
                 pts.append(dataclasses.replace(p, seconds=t))
     # The timeline's costs are given; the fit finds the others.
     start = {"reduce_cpu": 2e-10, "shm_reduce_cpu": 8e-10, "copy_cpu": 5e-10}
-    fitted = cm.fit(pts, timeline=start)
-    for _, _, err in cm.errors(fitted, pts):
+    fitted = cf.fit(pts, timeline=start)
+    for _, _, err in cf.errors(fitted, pts):
         assert abs(err) < 0.01
     assert fitted.nic_efficiency == pytest.approx(0.8, rel=0.05)
 
@@ -213,21 +215,21 @@ def _recorded():
 def recorded_fit():
     runs = _recorded()
     assert runs, f"no recorded runs in {DATA}"
-    pts = cm.points(runs)
-    return cm.fit(pts), cm.fastest(pts)
+    pts = cf.points(runs)
+    return cf.fit(pts), cf.fastest(pts)
 
 
 def test_the_model_is_within_its_bound_on_every_recorded_point(recorded_fit):
     costs, pts = recorded_fit
-    rows = cm.errors(costs, pts)
+    rows = cf.errors(costs, pts)
     # Both of smddp's algorithms where they differ (4 and 8 hosts), and gloo's flat ring.
     ran = {(p.hosts, p.algorithm) for p, _, _ in rows}
     assert {(4, "mesh"), (4, "ring"), (8, "mesh"), (8, "ring"), (2, "flat_ring")} <= ran
     assert len(rows) >= 87
     # The target on every smddp point from 16 MiB.
-    assert cm.error_bound("mesh", 16 * MIB) == cm.error_bound("ring", 64 * MIB) == 0.15
+    assert cf.error_bound("mesh", 16 * MIB) == cf.error_bound("ring", 64 * MIB) == 0.15
     for p, _, err in rows:
-        assert abs(err) <= cm.error_bound(p.algorithm, p.size), cm.error_table(rows)
+        assert abs(err) <= cf.error_bound(p.algorithm, p.size), report.error_table(rows)
 
 
 def test_the_fit_predicts_more_hosts_than_it_saw(recorded_fit):
@@ -237,15 +239,15 @@ def test_the_fit_predicts_more_hosts_than_it_saw(recorded_fit):
     for path in sorted(glob.glob(os.path.join(DATA, "validation", "*.json"))):
         with open(path) as f:
             runs.append(json.load(f))
-    rows = cm.errors(costs, cm.fastest(cm.points(runs)))
+    rows = cf.errors(costs, cf.fastest(cf.points(runs)))
     assert {(p.hosts, p.algorithm) for p, _, _ in rows} >= {(16, "ring"), (32, "ring")}
     for p, _, err in rows:
         if p.algorithm in ("ring", "flat_ring"):
             # The algorithms with one flow per NIC: within the target, out of sample.
-            assert abs(err) <= cm.TARGET, cm.error_table(rows)
+            assert abs(err) <= cf.TARGET, report.error_table(rows)
         else:
             # The mesh's incast dropped packets there, which the model does not see.
-            assert abs(err) <= cm.ERROR_BOUND_MESH_UNSEEN, cm.error_table(rows)
+            assert abs(err) <= cf.ERROR_BOUND_MESH_UNSEEN, report.error_table(rows)
 
 
 def test_the_recorded_fit_is_physical(recorded_fit):

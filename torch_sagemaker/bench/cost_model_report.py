@@ -8,25 +8,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 
-from torch_sagemaker.bench import cost_model, netns
+from torch_sagemaker.bench import cost_model, cost_model_fit, netns
 
 
 def model_report(runs: list[dict], args: argparse.Namespace) -> int:
     """Fits the cost model on ``runs``, prints its costs, errors and predictions.
 
     Returns:
-        0, or 1 where a measured point is off by more than cost_model.error_bound.
+        0, or 1 where a measured point is off by more than cost_model_fit.error_bound.
     """
     from torch_sagemaker.bench.collectives import parse_size
 
-    pts = cost_model.points(runs)
-    costs = cost_model.fit(pts)
+    pts = cost_model_fit.points(runs)
+    costs = cost_model_fit.fit(pts)
     print(f"\nCost model fitted on {len(runs)} run(s) (the fastest run of each point):")
-    print(cost_model.costs_table(costs))
-    rows = cost_model.errors(costs, cost_model.fastest(pts))
+    print(costs_table(costs))
+    rows = cost_model_fit.errors(costs, cost_model_fit.fastest(pts))
     print("\nMeasured against the model:")
-    print(cost_model.error_table(rows))
+    print(error_table(rows))
     target = costs
     if args.predict_latency is not None:
         target = dataclasses.replace(target, alpha=args.predict_latency, step=args.predict_latency)
@@ -46,18 +47,20 @@ def model_report(runs: list[dict], args: argparse.Namespace) -> int:
         + (f", message {args.predict_message:g} s" if args.predict_message is not None else "")
     )
     # wake only costs where ranks outnumber cores.
-    blind = [n for n in cost_model.unresolved(target) if n != "wake" or cores < args.predict_ranks]
+    blind = [
+        n for n in cost_model_fit.unresolved(target) if n != "wake" or cores < args.predict_ranks
+    ]
     if blind:
         print(
             f"Not resolved by the runs (below 1 us, as good as 0): {', '.join(blind)}; "
             "--predict-latency sets alpha and step, --predict-message the message cost, and "
             "where they decide, so does that assumption"
         )
-    print(cost_model.prediction_table(target, args.predict_ranks, nic_rate, cores, sizes))
+    print(prediction_table(target, args.predict_ranks, nic_rate, cores, sizes))
     if args.plot:
         plot(target, args.predict_ranks, nic_rate, cores, sizes, args.plot)
         print(f"\nwrote {args.plot}")
-    within = all(abs(e) <= cost_model.error_bound(p.algorithm, p.size) for p, _, e in rows)
+    within = all(abs(e) <= cost_model_fit.error_bound(p.algorithm, p.size) for p, _, e in rows)
     return 0 if within else 1
 
 
@@ -95,9 +98,117 @@ def plot(
             ax.set_ylim(0, 1)
             ax.set_xlabel("hosts")
             ax.set_ylabel("of NIC bound")
-            ax.set_title(f"{op.removesuffix('_into_tensor')} {cost_model._size(s)}")
+            ax.set_title(f"{op.removesuffix('_into_tensor')} {_size(s)}")
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"{ranks} ranks per host, NIC {nic_rate * 8 / 1e9:g} Gbit/s per host")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+# --- tables --------------------------------------------------------------------------------
+
+
+def _size(n: float) -> str:
+    from torch_sagemaker.bench.collectives_report import format_size
+
+    return format_size(int(n))
+
+
+def costs_table(costs: cost_model.Costs) -> str:
+    """The costs in readable units, one line each."""
+    per_core = "GB/s per core"
+    blind = cost_model_fit.unresolved(costs)
+
+    def ms(name: str) -> str:
+        value = getattr(costs, name)
+        return "not resolved" if name in blind else f"{value * 1e3:.3f} ms"
+
+    lines = [
+        "| cost | value |",
+        "|---|---|",
+        f"| alpha (per call) | {ms('alpha')} |",
+        f"| wake (per wait, per rank per core beyond one) | {ms('wake')} |",
+        f"| step (ring/tree latency) | {ms('step')} |",
+        f"| gloo's flat ring step | {ms('flat_step')} |",
+        f"| NIC efficiency | {costs.nic_efficiency:.3f} |",
+        f"| TCP bytes sent or received | {1e-9 / costs.net_cpu:.2f} {per_core} |",
+        f"| message | {costs.message * 1e6:.0f} us of CPU |"
+        if "message" not in blind
+        else "| message | not resolved |",
+        f"| reduction (bytes read) | {1e-9 / costs.reduce_cpu:.2f} {per_core} |",
+        f"| shared-memory reduce-scatter (input) | {1e-9 / costs.shm_reduce_cpu:.2f} {per_core} |",
+        f"| copies | {1e-9 / costs.copy_cpu:.2f} {per_core} |",
+        f"| flow skew (NIC time per flow beyond one) | {costs.flow_skew:.3f} |",
+    ]
+    return "\n".join(lines)
+
+
+def error_table(rows: list[tuple[cost_model_fit.Point, float, float]]) -> str:
+    """Measured and predicted times of every modelled point, with the error."""
+    lines = [
+        "| layout | op | size | algorithm | measured ms | model ms | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p, t, err in rows:
+        lines.append(
+            f"| {p.hosts}x{p.ranks} | {p.op} | {_size(p.size)} | {p.algorithm} | "
+            f"{p.seconds * 1e3:.1f} | {t * 1e3:.1f} | {err:+.0%} |"
+        )
+    lines.append("")
+    smddp = [r for r in rows if r[0].algorithm != "flat_ring"]
+    for label, group in (
+        (
+            f"smddp from {_size(cost_model_fit.SMALL)}",
+            [r for r in smddp if r[0].size >= cost_model_fit.SMALL],
+        ),
+        (
+            f"smddp below {_size(cost_model_fit.SMALL)}",
+            [r for r in smddp if r[0].size < cost_model_fit.SMALL],
+        ),
+        ("gloo", [r for r in rows if r[0].algorithm == "flat_ring"]),
+    ):
+        if not group:
+            continue
+        p, _, err = max(group, key=lambda r: abs(r[2]))
+        median = statistics.median(abs(r[2]) for r in group)
+        within = sum(abs(r[2]) <= cost_model_fit.TARGET for r in group)
+        lines.append(
+            f"{label}: {within} of {len(group)} within {cost_model_fit.TARGET:.0%}, "
+            f"median {median:.0%}, "
+            f"largest {abs(err):.0%} ({p.hosts}x{p.ranks} {p.op} {_size(p.size)} "
+            f"{p.algorithm}; claimed bound {cost_model_fit.error_bound(p.algorithm, p.size):.0%})"
+        )
+    return "\n".join(lines)
+
+
+HOSTS = (8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def prediction_table(
+    costs: cost_model.Costs, ranks: int, nic_rate: float, cores: float, sizes: list[int]
+) -> str:
+    """Per op: for each host count and size, the algorithm picked, its time and busbw.
+
+    "of NIC" is the NIC bound k (H-1)/H S at the NIC's rate over the time.
+    """
+    lines = []
+    for op in cost_model.OPS:
+        head = ["hosts"] + [_size(s) for s in sizes]
+        lines += [
+            f"\n{op}: algorithm, ms, busbw GB/s, of NIC",
+            "| " + " | ".join(head) + " |",
+        ]
+        lines.append("|" + "---|" * len(head))
+        for h in HOSTS:
+            cluster = cost_model.Cluster(h, ranks, nic_rate, cores)
+            cells = [str(h)]
+            for s in sizes:
+                algorithm, t = cost_model.best(costs, cluster, op, s)
+                bound = cost_model.nic_bytes("mesh", op, h, ranks, s) / nic_rate
+                cells.append(
+                    f"{algorithm} {t * 1e3:.3g} {cost_model.busbw(op, h * ranks, s, t) / 1e9:.1f} "
+                    f"{bound / t:.2f}"
+                )
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
