@@ -36,12 +36,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from typing import Any
 
 from torch_sagemaker.bench import comma_list, cost_model_report, netns
@@ -49,8 +47,6 @@ from torch_sagemaker.bench.cost_model import nic_factor
 
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 BACKENDS = ("smddp", "smddp-mesh", "smddp-ring", "gloo")
-# smddp groups that force how collectives cross hosts (SMDDPOptions.net_algo).
-FORCED_NET_ALGO = {"smddp-mesh": "mesh", "smddp-ring": "ring"}
 MASTER_PORT = 29530  # inside the hosts' private network
 
 
@@ -69,196 +65,6 @@ def _layout(text: str) -> tuple[int, int]:
 def min_bytes(op: str, hosts: int, size: int) -> float:
     """The bytes each host's NIC must send, at least, for one call on ``size`` bytes."""
     return nic_factor(op) * (hosts - 1) / hosts * size
-
-
-# --- one rank ------------------------------------------------------------------------------
-
-
-def _identical_results(group) -> dict[str, Any]:
-    """Reduces and gathers random data in float32 and bfloat16 on ``group``.
-
-    Returns what every rank must agree on bit for bit (the all_reduce and all_gather
-    results' digests), and how far this rank's all_reduce result and reduce_scatter part
-    are from a float64 reference.
-    """
-    import hashlib
-
-    import torch
-    import torch.distributed as dist
-
-    from torch_sagemaker._torch_compat import c10d as c10d_compat
-
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    out: dict[str, Any] = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        n = 3 * world * 4099  # not a multiple of any chunk size
-        inputs = [
-            torch.randn(n, generator=torch.Generator().manual_seed(1000 + r)).to(dtype)
-            for r in range(world)
-        ]
-        reference = torch.stack([x.double() for x in inputs]).sum(0)
-        t = inputs[rank].clone()
-        dist.all_reduce(t, group=group)
-        gathered = torch.empty(n * world, dtype=dtype)
-        c10d_compat.all_gather_single(gathered, inputs[rank], group=group)
-        part = torch.empty(n // world, dtype=dtype)
-        c10d_compat.reduce_scatter_single(part, inputs[rank].clone(), group=group)
-        mine = reference[rank * (n // world) : (rank + 1) * (n // world)]
-        name = str(dtype).removeprefix("torch.")
-        out[name] = {
-            "all_reduce": hashlib.sha256(
-                t.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).numpy().tobytes()
-            ).hexdigest(),
-            "all_reduce_error": float((t.double() - reference).abs().max()),
-            "all_gather": hashlib.sha256(gathered.float().numpy().tobytes()).hexdigest(),
-            "all_gather_exact": bool(torch.equal(gathered, torch.cat(inputs))),
-            "reduce_scatter_error": float((part.double() - mine).abs().max()),
-        }
-    return out
-
-
-def _training(group, spec: dict[str, Any]) -> float:
-    """Tokens/s of FSDP2 training a small Llama on ``group``'s ranks.
-
-    ``fully_shard`` per decoder layer and on the root, as torchtitan does; the median over
-    the timed steps of the slowest rank.
-    """
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hidden, seq, batch, vocab = 256, 128, 2, 8000
-    torch.manual_seed(0)
-    config = LlamaConfig(  # type: ignore[call-arg]
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=hidden * 11 // 4,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        max_position_embeddings=seq,
-        attn_implementation="sdpa",
-    )
-    model = LlamaForCausalLM(config).float()
-    mesh = DeviceMesh.from_group(group, "cpu")
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(1 + dist.get_rank(group))
-    steps = []
-    for step in range(1 + spec["train_steps"]):
-        ids = torch.randint(0, vocab, (batch, seq), generator=gen)
-        dist.barrier(group)
-        t0 = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
-        if step:
-            steps.append(took.item())
-    return dist.get_world_size(group) * batch * seq / statistics.median(steps)
-
-
-def _rank_main(spec: dict[str, Any]) -> None:
-    import torch
-    import torch.distributed as dist
-
-    import torch_sagemaker  # noqa: F401  (registers smddp)
-    from torch_sagemaker.bench import end_rank
-    from torch_sagemaker.bench.collectives import make_case
-    from torch_sagemaker.distributed.backend import group_layout
-    from torch_sagemaker.distributed.options import SMDDPOptions
-
-    torch.set_num_threads(1)
-    dist.init_process_group("smddp", timeout=timedelta(seconds=spec["timeout"]))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    counts_nic = rank % spec["local"] == 0  # one rank per host reads its NIC
-    groups = {"smddp": dist.group.WORLD}
-    for name in spec["backends"]:  # in the same order on every rank: new_group is collective
-        if name == "gloo":
-            groups[name] = dist.new_group(backend="gloo")
-        elif name in FORCED_NET_ALGO:
-            options = SMDDPOptions(net_algo=FORCED_NET_ALGO[name])
-            groups[name] = dist.new_group(backend="smddp", pg_options=options)
-    # What each backend's collectives do between hosts (the cost model's `algorithm`).
-    algorithms = {
-        name: "flat_ring" if name == "gloo" else group_layout(group)["net_algorithm"]
-        for name, group in groups.items()
-    }
-    identical: list[Any] = [None] * world
-    if spec.get("identical"):
-        dist.all_gather_object(identical, _identical_results(dist.group.WORLD))
-    training = {name: _training(groups[name], spec) for name in spec.get("train_backends", [])}
-    rows = []
-    for op in spec["ops"]:
-        for size in spec["sizes"]:
-            for name in spec["backends"]:
-                group = groups[name]
-                run, check, actual = make_case(op, size, world, rank, group)
-                ok = check()
-                run()  # warm-up
-                dist.barrier()
-                before = netns.own_counters() if counts_nic else None
-                ports = netns.port_counters() if rank == 0 else None
-                if spec.get("timeline") and name != "gloo":
-                    _middle_call(group, op, 0)  # drops what the checked and warm-up calls left
-                times = []
-                for _ in range(spec["iters"]):
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    run()
-                    times.append(time.perf_counter() - t0)
-                dist.barrier()
-                after = netns.own_counters() if counts_nic else None
-                ports_after = netns.port_counters() if rank == 0 else None
-                mine: dict[str, Any] = {"ok": ok, "times": times}
-                if before is not None and after is not None:
-                    mine["tx"] = after["tx_bytes"] - before["tx_bytes"]
-                    mine["drops"] = after["drops"] - before["drops"]
-                if ports is not None and ports_after is not None:
-                    mine["port_drops"] = sum(
-                        ports_after[p]["drops"] - ports[p]["drops"] for p in ports_after
-                    )
-                if spec.get("timeline") and name != "gloo":
-                    mine["timeline"] = _middle_call(group, op, spec["iters"])
-                every: list[Any] = [None] * world
-                dist.all_gather_object(every, mine)
-                if rank == 0:
-                    rows.append(_row(spec, op, actual, name, algorithms[name], every))
-    if rank == 0:
-        with open(spec["out"], "w") as f:
-            json.dump(
-                {
-                    "rows": rows,
-                    "identical": identical if spec.get("identical") else None,
-                    "training": training,
-                },
-                f,
-            )
-    dist.barrier()
-    end_rank()
-
-
-def _middle_call(group, op: str, calls: int) -> list[list]:
-    """The phases of the middle one of the last ``calls`` calls of ``op`` on this rank.
-
-    Rows ``[phase, begin_ns, end_ns, bytes]`` from smddp's timeline (Note [Timeline] in
-    csrc/smddp/common/timeline.h), which this call empties.
-    """
-    import torch
-
-    from torch_sagemaker._torch_compat import c10d as c10d_compat
-
-    spans = c10d_compat.backend_of(group, torch.device("cpu"))._timeline()
-    seqs = [seq for seq, phase, *_ in spans if phase == op]
-    if not calls or not seqs:
-        return []
-    middle = seqs[-calls:][calls // 2]
-    return [[phase, begin, end, n] for seq, phase, begin, end, n in spans if seq == middle]
 
 
 def timeline_table(rows: list[dict]) -> str:
@@ -294,27 +100,6 @@ def timeline_table(rows: list[dict]) -> str:
                     f"{count} | {busy / 1e6:.2f} |"
                 )
     return "\n".join(lines)
-
-
-def _row(
-    spec: dict[str, Any], op: str, size: int, backend: str, algorithm: str, every: list[dict]
-) -> dict:
-    calls = len(every[0]["times"])
-    slowest = [max(r["times"][i] for r in every) for i in range(calls)]
-    nics = [r for r in every if "tx" in r]
-    return {
-        "layout": f"{spec['hosts']}x{spec['local']}",
-        "op": op,
-        "bytes": size,
-        "backend": backend,
-        "algorithm": algorithm,
-        "ok": all(r["ok"] for r in every),
-        "seconds": statistics.median(slowest),
-        "calls": slowest,  # each timed call's slowest rank, in order (to see a trend)
-        "tx_per_call": max(r["tx"] for r in nics) / calls,
-        "drops": sum(r["drops"] for r in nics) + every[0]["port_drops"],
-        "timeline": [r["timeline"] for r in every] if "timeline" in every[0] else None,
-    }
 
 
 # --- one host: starts its ranks ------------------------------------------------------------
@@ -468,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--host"]:
         return _host_main(int(argv[1]), json.loads(argv[2]))
     if argv[:1] == ["--rank-spec"]:
-        _rank_main(json.loads(argv[1]))
+        from torch_sagemaker.bench.multihost_rank import rank_main
+
+        rank_main(json.loads(argv[1]))
         return 0
     from torch_sagemaker.bench.collectives import parse_size
 
