@@ -1,4 +1,4 @@
-"""``bench multihost``'s short case: 2 simulated hosts x 2 ranks, NICs shaped to 1 Gbit/s.
+"""``bench multihost``'s short case: 2 simulated hosts x 2 ranks, NICs shaped to 1 Gbit/s, 4 MiB.
 
 It checks what the benchmark's table rests on: every collective's result is right, both
 backends' times respect the NIC's bound (a faster one would mean the shaping failed), the
@@ -16,7 +16,8 @@ pytestmark = [
 ]
 
 RATE = 10**9
-SIZE = 1 << 20
+# Large enough that a part crosses in several messages (SMDDP_NET_CHUNK_BYTES, 512 KiB).
+SIZE = 4 << 20
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def test_results_respect_the_nic_and_the_counters(short_run):
         assert r["seconds"] > floor, r
         assert r["tx_per_call"] >= 0.98 * multihost.min_bytes(r["op"], 2, r["bytes"]), r
     text = multihost.table(rows, RATE)
-    assert "| 2x2 | all_reduce | 1 MiB |" in text and "gloo / smddp" in text
+    assert "| 2x2 | all_reduce | 4 MiB |" in text and "gloo / smddp" in text
 
 
 def test_results_are_bit_identical_across_hosts(short_run):
@@ -92,7 +93,7 @@ def test_timeline_shows_each_phase_inside_its_call(short_run):
     for gloo in (r for r in short_run["rows"] if r["backend"] == "gloo"):
         assert gloo["timeline"] is None
     text = multihost.timeline_table(short_run["rows"])
-    assert "2x2 smddp (mesh) all_reduce 1 MiB: phases per rank, ms" in text
+    assert "2x2 smddp (mesh) all_reduce 4 MiB: phases per rank, ms" in text
     assert "| 3 | network |" in text
 
 
@@ -103,3 +104,18 @@ def test_arguments_are_checked():
             netns.parse_rate(bad)
     with pytest.raises(Exception, match="at least 2 hosts"):
         multihost._layout("1x2")
+
+
+def test_the_local_all_gather_runs_during_the_exchange(short_run):
+    # Note [Local all-gather during the exchange]: the shared-memory all-gather's steps start
+    # while parts still cross the network, not once the exchange is over. Each rank handles
+    # 2 parts of 1 MiB here, each 2 messages, so a step can start after the first ones.
+    for r in short_run["rows"]:
+        if r["backend"] != "smddp" or r["op"] == "reduce_scatter_tensor":
+            continue
+        early = 0
+        for spans in r["timeline"]:
+            (network_end,) = [e for phase, _, e, _ in spans if phase == "network"]
+            starts = [b for phase, b, _, _ in spans if phase == "local all_gather"]
+            early += min(starts) < network_end
+        assert early >= 2, (r["op"], r["timeline"])

@@ -37,6 +37,7 @@ namespace smddp {
 
 namespace shm {
 class ReduceScatterSteps;  // algorithms/shm_algos.h
+class AllGatherSteps;
 }  // namespace shm
 
 // Copies `len` bytes a slice per call and says whether more remain: an exchange's work
@@ -181,6 +182,7 @@ class Communicator {
   void hier_allreduce(void* data, size_t count, const Reduction& red, const OpCtx& ctx);
   // The messages a part of `len` units of `esz` bytes crosses the network in (at least one).
   std::vector<Span> net_chunks(size_t len, size_t esz) const;
+  class LocalGather;  // below
   // This host's partial sums (accumulation type) of the parts I handle: the input itself,
   // or made by shared-memory steps that run during the exchange.
   struct HostPartials {
@@ -193,11 +195,13 @@ class Communicator {
                            const Reduction& red, const OpCtx& ctx);
   // Sends the partials to the parts' ranks and reduces my part into `dst` chunk by chunk;
   // `reduced` runs after each chunk and may post sends, and `more_recvs` are received in
-  // the same exchange.
+  // the same exchange; `gather` (an all-reduce's) learns of each of them as it arrives and
+  // steps once this host's partials are made.
   void rail_reduce_scatter(HostPartials& hp, const std::vector<Span>& parts, void* dst,
                            const Reduction& red, const OpCtx& ctx,
                            std::vector<TransportOp> more_recvs,
-                           const std::function<void(Exchange&, Span)>& reduced);
+                           const std::function<void(Exchange&, Span)>& reduced,
+                           LocalGather* gather);
   // The ring alternative to the mesh exchange (comm_ring.cpp, Note [Rail rings] there):
   // a reduce-scatter of `partials` into `dst` and/or an all-gather into `ag_out`, in one
   // exchange; an all-reduce sends each reduced chunk on as the all-gather's first step.
@@ -212,14 +216,40 @@ class Communicator {
     // All-gather: where my part is sent from and copied into place during the exchange
     // (Note [Own part during the exchange] in comm_hier.cpp); null: it is in place already.
     const char* ag_own = nullptr;
+    // Learns of each part that arrives in `ag_out` and of each reduced chunk of my part.
+    LocalGather* gather = nullptr;
   };
   void rail_ring(const RingJob& job, const OpCtx& ctx);
   // The receives of the other hosts' parts this rank handles (spans of `unit` bytes) into
   // `out`, cut into the messages net_chunks(len, chunk_unit) makes of them.
   std::vector<TransportOp> rail_allgather_recvs(char* out, const std::vector<Span>& parts,
                                                 size_t unit, size_t chunk_unit, const OpCtx& ctx);
-  // The shared-memory all-gather inside this host of the parts its ranks handle (in bytes).
-  void local_allgather(char* out, const std::vector<Span>& parts, const OpCtx& ctx);
+  // The shared-memory all-gather inside this host of the parts its ranks handle (spans in
+  // bytes of `out`), stepped while those parts arrive (Note [Local all-gather during the
+  // exchange] in comm_hier.cpp). With one rank per host it does nothing.
+  class LocalGather {
+   public:
+    // `own`: where my own part is read from when it is all there now (an all-gather's
+    // input); null when it is in its place in `out` and arrives there piece by piece.
+    LocalGather(Communicator& comm, char* out, const std::vector<Span>& parts, const char* own,
+                const OpCtx& ctx);
+    ~LocalGather();
+    // `len` bytes at `at` in `out` are in place: the next piece of a part this rank handles.
+    void arrived(const char* at, size_t len);
+    // Exchange::background: the steps that need no wait.
+    Exchange::Progress poll();
+    // The rest, waiting for the other local ranks; every part must have arrived.
+    void finish();
+
+   private:
+    Communicator& comm_;
+    char* out_;
+    const std::vector<Span>& parts_;
+    const OpCtx& ctx_;
+    std::vector<std::vector<int>> owned_;  // handled()
+    std::vector<size_t> got_;              // bytes of each of my parts in place, from its start
+    std::unique_ptr<shm::AllGatherSteps> steps_;
+  };
   // Rooted gather/scatter of lens[r] bytes per group rank r (Note [Rooted collectives]);
   // dst / src: one pointer per group rank, on the root only.
   void rooted_gather(const void* in, const std::vector<size_t>& lens, const std::vector<char*>& dst,

@@ -50,7 +50,9 @@ void Communicator::guarded(OpCtx& ctx, bool numbered, F&& body) {
 
 void Communicator::exchange(const std::vector<TransportOp>& sends,
                             const std::vector<TransportOp>& recvs, const OpCtx& ctx) {
-  Exchange x{sends, recvs, {}, {}, {}};
+  Exchange x;
+  x.sends = sends;
+  x.recvs = recvs;
   exchange(x, ctx);
 }
 

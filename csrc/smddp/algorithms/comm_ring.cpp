@@ -217,10 +217,11 @@ void Communicator::rail_ring(const RingJob& job, const OpCtx& ctx) {
                           *red, false);
             rs_out.ready[rs_first[s + 1] + reduced[s]] = 1;
           } else {
-            smddp::reduce(acc_type(red->dtype), red->dtype,
-                          static_cast<char*>(job.dst) + c.off * dtype_size(red->dtype), srcs.data(),
-                          2, c.len, *red, true);
+            const size_t esz = dtype_size(red->dtype);
+            char* out = static_cast<char*>(job.dst) + c.off * esz;
+            smddp::reduce(acc_type(red->dtype), red->dtype, out, srcs.data(), 2, c.len, *red, true);
             if (job.ag_out) ag_out.ready[ag_first[0] + reduced[s]] = 1;
+            if (job.gather) job.gather->arrived(out, c.len * esz);
           }
         }
       }
@@ -232,6 +233,7 @@ void Communicator::rail_ring(const RingJob& job, const OpCtx& ctx) {
     const Recv& w = what[k];
     if (w.ag) {
       if (w.step + 1 < steps) ag_out.ready[ag_first[w.step + 1] + w.chunk] = 1;
+      if (job.gather) job.gather->arrived(x.recvs[k].data, x.recvs[k].len);
     } else {
       got[w.step][w.chunk] = 1;
       while (received[w.step] < got[w.step].size() && got[w.step][received[w.step]]) {
@@ -256,6 +258,13 @@ void Communicator::rail_ring(const RingJob& job, const OpCtx& ctx) {
       }
       advance();
       return !hp->steps->done();
+    };
+  }
+  if (job.gather) {
+    // The local all-gather's steps follow this host's reduce-scatter steps.
+    x.background = [&] {
+      return hp && hp->steps && !hp->steps->done() ? Exchange::Progress::kWaiting
+                                                   : job.gather->poll();
     };
   }
   advance();

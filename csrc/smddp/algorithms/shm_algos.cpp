@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "smddp/algorithms/kernels.h"
 
@@ -150,15 +151,90 @@ void reduce_scatter(ShmComm& c, const void* in, const std::vector<Span>& parts,
   while (!steps.done()) steps.step();
 }
 
+AllGatherSteps::AllGatherSteps(ShmComm& c, std::vector<const void*> src, void* out,
+                               const std::vector<Span>& parts,
+                               const std::vector<std::vector<int>>& owned, const OpCtx& ctx)
+    : c_(c),
+      src_(std::move(src)),
+      out_(static_cast<char*>(out)),
+      parts_(parts),
+      owned_(owned),
+      ctx_(ctx),
+      ready_(src_.size(), 0),
+      read_(c.size(), 0) {
+  size_t ways = 1, total = 0;
+  for (const Span& p : parts) {
+    maxlen_ = std::max(maxlen_, p.len);
+    total += p.len;
+  }
+  for (const auto& o : owned) ways = std::max(ways, o.size());
+  chunk_ = std::min(chunk_elems(c.buffer_bytes(), ways, 1), c.chunk_bytes());
+  stream_ = c.stream_output(total);
+}
+
+void AllGatherSteps::set_all_ready() {
+  for (size_t k = 0; k < ready_.size(); ++k) ready_[k] = parts_[owned_[c_.rank()][k]].len;
+}
+
+bool AllGatherSteps::advance(bool wait) {
+  const int n = c_.size(), me = c_.rank();
+  bool moved = false;
+  while (!done_) {
+    if (!s_) {
+      // A step carries the pieces at offset o_ of every part; mine must be ready.
+      for (size_t k = 0; k < owned_[me].size(); ++k) {
+        const Span& p = parts_[owned_[me][k]];
+        if (ready_[k] < std::min(p.len, o_ + chunk_)) {
+          SMDDP_CHECK(!wait, "smddp: a shared-memory all-gather finished before its input (a bug)");
+          return moved;
+        }
+      }
+      if (!wait && !c_.step_open(ctx_, first_)) return moved;
+      s_ = c_.begin_step(ctx_, first_);
+      first_ = false;
+      for (size_t k = 0; k < owned_[me].size(); ++k) {
+        const Span piece = clip(parts_[owned_[me][k]], o_, chunk_);
+        if (piece.len) {
+          std::memcpy(c_.mine(s_, k * chunk_, piece.len), static_cast<const char*>(src_[k]) + o_,
+                      piece.len);
+        }
+      }
+      c_.post(s_, 1);
+      std::fill(read_.begin(), read_.end(), 0);
+      read_[me] = 1;
+      moved = true;
+    }
+    int left = 0;
+    for (int step = 1; step < n; ++step) {
+      const int i = (me + step) % n;  // start after my own rank to spread the reads
+      if (read_[i]) continue;
+      if (wait) {
+        c_.wait_one(i, s_, 1, ctx_);
+      } else if (!c_.reached(i, s_, 1, ctx_)) {
+        ++left;
+        continue;
+      }
+      for (size_t k = 0; k < owned_[i].size(); ++k) {
+        const Span piece = clip(parts_[owned_[i][k]], o_, chunk_);
+        copy_out(out_ + piece.off, c_.peer(i, s_) + k * chunk_, piece.len, stream_);
+      }
+      read_[i] = 1;
+      moved = true;
+    }
+    if (left) return moved;
+    c_.end_step(s_);
+    s_ = 0;
+    o_ += chunk_;
+    done_ = o_ >= maxlen_;  // one step at least, even with nothing to gather
+  }
+  return moved;
+}
+
 void allgather(ShmComm& c, const std::vector<const void*>& src, void* out,
                const std::vector<Span>& parts, const std::vector<std::vector<int>>& owned,
                const OpCtx& ctx) {
-  const int n = c.size(), me = c.rank();
+  const int me = c.rank();
   char* dst = static_cast<char*>(out);
-  size_t maxlen = 0, ways = 1;
-  for (const Span& p : parts) maxlen = std::max(maxlen, p.len);
-  for (const auto& o : owned) ways = std::max(ways, o.size());
-  const size_t chunk = std::min(chunk_elems(c.buffer_bytes(), ways, 1), c.chunk_bytes());
   size_t total = 0;
   for (const Span& p : parts) total += p.len;
   const bool stream = c.stream_output(total);
@@ -167,28 +243,9 @@ void allgather(ShmComm& c, const std::vector<const void*>& src, void* out,
     const Span& p = parts[owned[me][k]];
     if (src[k] != dst + p.off && p.len) copy_out(dst + p.off, src[k], p.len, stream);
   }
-  bool first = true;
-  for (size_t o = 0; o < maxlen || first; o += chunk) {
-    uint64_t s = c.begin_step(ctx, first);
-    first = false;
-    for (size_t k = 0; k < owned[me].size(); ++k) {
-      Span piece = clip(parts[owned[me][k]], o, chunk);
-      if (piece.len) {
-        std::memcpy(c.mine(s, k * chunk, piece.len), static_cast<const char*>(src[k]) + o,
-                    piece.len);
-      }
-    }
-    c.post(s, 1);
-    for (int step = 1; step < n; ++step) {
-      int i = (me + step) % n;
-      c.wait_one(i, s, 1, ctx);
-      for (size_t k = 0; k < owned[i].size(); ++k) {
-        Span piece = clip(parts[owned[i][k]], o, chunk);
-        copy_out(dst + piece.off, c.peer(i, s) + k * chunk, piece.len, stream);
-      }
-    }
-    c.end_step(s);
-  }
+  AllGatherSteps steps(c, src, out, parts, owned, ctx);
+  steps.set_all_ready();
+  steps.finish();
 }
 
 namespace {

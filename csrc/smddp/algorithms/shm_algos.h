@@ -3,6 +3,7 @@
 // arguments; pointers are plain host memory (the caller staged non-contiguous tensors).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -86,6 +87,42 @@ class ReduceScatterSteps {
 void allgather(ShmComm& c, const std::vector<const void*>& src, void* out,
                const std::vector<Span>& parts, const std::vector<std::vector<int>>& owned,
                const OpCtx& ctx);
+
+// The same all-gather's steps, for a caller whose own parts become readable piece by piece
+// while it does other work (Note [Local all-gather during the exchange] in comm_hier.cpp).
+// It writes the other ranks' parts into `out`; this rank's own parts are the caller's to
+// put in place. Every local rank must run every step, in order. poll() runs what can run
+// without waiting: a step starts once the step's pieces of my parts are ready (set_ready)
+// and the buffers are free, and reads each peer as soon as that peer posted. finish()
+// waits for the rest, once every part is ready. The arguments must outlive the object.
+class AllGatherSteps {
+ public:
+  AllGatherSteps(ShmComm& c, std::vector<const void*> src, void* out,
+                 const std::vector<Span>& parts, const std::vector<std::vector<int>>& owned,
+                 const OpCtx& ctx);
+  // The first `bytes` of my k-th part (owned[me][k]) may be read from src[k].
+  void set_ready(size_t k, size_t bytes) { ready_[k] = std::max(ready_[k], bytes); }
+  void set_all_ready();
+  bool done() const { return done_; }
+  // Runs what needs no wait; true when it moved anything.
+  bool poll() { return advance(false); }
+  void finish() { advance(true); }
+
+ private:
+  bool advance(bool wait);
+
+  ShmComm& c_;
+  std::vector<const void*> src_;
+  char* out_;
+  const std::vector<Span>& parts_;
+  const std::vector<std::vector<int>>& owned_;
+  const OpCtx& ctx_;
+  std::vector<size_t> ready_;
+  size_t maxlen_ = 0, chunk_ = 0, o_ = 0;
+  bool stream_ = false, first_ = true, done_ = false;
+  uint64_t s_ = 0;             // the step under way (0: none)
+  std::vector<uint8_t> read_;  // peers whose pieces of step s_ were copied
+};
 
 // Note [Zero-copy operands]
 // A tensor the backend allocated from a rank's pool (ProcessGroupSMDDP::allocateTensor;

@@ -62,6 +62,13 @@ struct Exchange {
   // before it returned false. It may append to `sends`, and must never wait for this
   // exchange's messages (only for this host's ranks doing the same work).
   std::function<bool()> work;
+  // Work that runs beside the exchange without holding it open (Note [Local all-gather
+  // during the exchange] in algorithms/comm_hier.cpp): run between rounds until it says
+  // kDone; its caller finishes what remains once the exchange returned. kWaiting: it waits
+  // for something this exchange cannot see arrive (other local ranks), so the exchange
+  // sleeps only briefly between rounds. It must never wait itself, nor post sends.
+  enum class Progress { kMoved, kWaiting, kDone };
+  std::function<Progress()> background;
   // Runs while the exchange waits and may throw to end it (the local ranks' failure flags).
   std::function<void()> health;
 };
@@ -93,7 +100,10 @@ class Transport {
   // The same for a fixed set of sends and receives.
   void exchange(std::vector<TransportOp> sends, std::vector<TransportOp> recvs, const OpCtx& ctx,
                 std::function<void()> health = {}) {
-    Exchange x{std::move(sends), std::move(recvs), {}, {}, std::move(health)};
+    Exchange x;
+    x.sends = std::move(sends);
+    x.recvs = std::move(recvs);
+    x.health = std::move(health);
     exchange(x, ctx);
   }
   // Takes the next message with `tag` from `peer` into `data` if it has arrived; never

@@ -354,6 +354,28 @@ void ShmComm::post(uint64_t s, int phase) {
   if (me->sleepers.load(std::memory_order_seq_cst) != 0) futex_wake(low_word(&me->progress));
 }
 
+bool ShmComm::step_open(const OpCtx& ctx, bool first) const {
+  // The waits of begin_step, as tests.
+  const uint64_t s = next_step_;
+  for (int i = 0; i < size(); ++i) {
+    if (i == rank()) continue;
+    if (s > 2 && ctl(i)->progress.load(std::memory_order_acquire) < 3 * (s - 2)) return false;
+    const uint64_t last = slot_seq_plus1_[ctx.seq & 1];
+    if (first && ctx.seq + 1 != current_seq_plus1_ && last != 0 &&
+        ctl(i)->finished.load(std::memory_order_acquire) < last) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool ShmComm::reached(int i, uint64_t s, int phase, const OpCtx& ctx) {
+  if (i == rank()) return true;
+  if (ctl(i)->progress.load(std::memory_order_acquire) < value(s, phase)) return false;
+  if (!checked_[i] && s == first_step_) check_desc(i, ctx);
+  return true;
+}
+
 void ShmComm::wait_one(int i, uint64_t s, int phase, const OpCtx& ctx) {
   if (i == rank()) return;
   wait_progress(i, value(s, phase), ctx);

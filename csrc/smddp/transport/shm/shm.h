@@ -186,6 +186,12 @@ class ShmComm {
   const char* peer(int i, uint64_t s) const { return data_[i] + (s & 1) * cfg_.buffer_bytes; }
   void post(uint64_t s, int phase);
   void wait_one(int i, uint64_t s, int phase, const OpCtx& ctx);
+  // Without waiting (Note [Local all-gather during the exchange] in comm_hier.cpp): whether
+  // begin_step(ctx, first) would return at once, and whether local rank i reached (s, phase)
+  // (checking its descriptor on the first step, as wait_one does). The caller checks the
+  // peers' health and the deadline itself while it polls.
+  bool step_open(const OpCtx& ctx, bool first) const;
+  bool reached(int i, uint64_t s, int phase, const OpCtx& ctx);
   void wait_all(uint64_t s, int phase, const OpCtx& ctx);
   void end_step(uint64_t s) { post(s, 3); }
 

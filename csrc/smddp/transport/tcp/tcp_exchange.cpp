@@ -334,12 +334,15 @@ void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
   std::vector<pollfd> fds;
   std::vector<uint8_t> blocked(static_cast<size_t>(size_), 0);
   bool working = static_cast<bool>(x.work);
+  using Progress = Exchange::Progress;
+  Progress beside = x.background ? Progress::kMoved : Progress::kDone;
   while (pending || working) {
     bool waiting_for_something = false;
     if (working) {
       working = x.work();
       adopt_sends();
     }
+    if (beside != Progress::kDone) beside = x.background();
     // A peer gets its messages in posting order: after an unfinished send to a peer, its
     // later sends wait for the next round.
     std::fill(blocked.begin(), blocked.end(), 0);
@@ -396,7 +399,7 @@ void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
     if (health) health();
     // Sends that a receive just added go out now: the peer may wait for them before it
     // sends anything this rank could wake up for.
-    if (fresh_sends || working) continue;
+    if (fresh_sends || working || beside == Progress::kMoved) continue;
     fds.clear();
     for (size_t i = 0; i < sends.size(); ++i) {
       if (ss[i].locked && !ss[i].finished)
@@ -407,7 +410,11 @@ void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
       int fd = in_fd(peer);
       if (fd >= 0) fds.push_back({fd, POLLIN, 0});
     }
-    int wait_ms = waiting_for_something ? 1 : std::min(100, ctx.deadline.remaining_ms() + 1);
+    // Background work that waits for other local ranks (which no descriptor here reports)
+    // looks again at the next socket event, or within a millisecond (Note [Local all-gather
+    // during the exchange] in algorithms/comm_hier.cpp).
+    const bool soon = waiting_for_something || beside == Progress::kWaiting;
+    int wait_ms = soon ? 1 : std::min(100, ctx.deadline.remaining_ms() + 1);
     poll(fds.data(), fds.size(), wait_ms);
   }
 }
