@@ -112,6 +112,24 @@ def test_an_all_gathers_own_part_is_copied_during_the_exchange():
     assert t == pytest.approx(1.5 * wire)
 
 
+def test_the_shared_memory_all_gather_runs_beside_the_exchange():
+    # Note [Local all-gather during the exchange]: 2 hosts of 2 ranks; each rank copies the
+    # other local rank's parts ((L-1)/L S) beside the exchange, but for the pieces of its H
+    # parts' last message, which wait for that message.
+    cluster = cm.Cluster(2, 2, nic_rate=1e9, cores=4)
+    s = 64 * MIB
+    wire = 1 / 2 * s / 0.5e9
+    copy = wire / 4 / (s / 2)  # the whole all-gather's copy takes a quarter of the wire time
+    costs = dataclasses.replace(WIRE_ONLY, copy_cpu=copy)
+    after = 1 * 2 * cm.CHUNK_BYTES  # (L-1) H messages' pieces
+    t = cm.predict(costs, cluster, "all_gather_into_tensor", s, "mesh")
+    assert t == pytest.approx(wire + copy * after)
+    # With parts of one message (1 MiB: 256 KiB parts) the whole all-gather follows it.
+    small = MIB
+    t = cm.predict(costs, cluster, "all_gather_into_tensor", small, "mesh")
+    assert t == pytest.approx(1 / 2 * small / 0.5e9 + copy * small / 2)
+
+
 def test_rows_say_which_algorithm_ran():
     def row(backend, algorithm, seconds):
         r = {"layout": "4x1", "op": "all_reduce", "bytes": MIB, "backend": backend}

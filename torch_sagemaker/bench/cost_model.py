@@ -39,9 +39,12 @@ from typing import NamedTuple
 #   rank of every host shares the one machine's cores, which is why 4x1 and 2x2 are slower
 #   than the NIC allows while 2x1 is not; on real hosts only a host's own ranks share.
 # - Overlap, as comm_hier.cpp does it (Note [Pipelined exchanges]): the network exchange,
-#   the chunk reductions, the shared-memory reduce-scatter and an all_gather's copy of its
-#   own part run together, so their time is the larger of the NIC's and the CPU's; the
-#   shared-memory all-gather after the exchange is serial (gloo copies the own part first).
+#   the chunk reductions, the shared-memory reduce-scatter, an all_gather's copy of its own
+#   part and the shared-memory all-gather (Note [Local all-gather during the exchange]) run
+#   together, so their time is the larger of the NIC's and the CPU's. What follows the
+#   exchange is serial: the shared-memory all-gather of each part's last message, which
+#   cannot start before it arrived (all of it when a part is one message), and gloo's copy
+#   of its own part, which it makes first.
 # - Latency: alpha per call (entering, leaving, the ranks' skew after the barrier); wake
 #   per sequential wait (the call's, and one per step) times the oversubscription, ranks per
 #   core minus one (a rank that waits for a message, once woken, waits again for a core:
@@ -197,8 +200,8 @@ class Work(NamedTuple):
     messages: float  # messages it sends plus messages it receives
     reduced: float  # bytes its reductions read
     shm_input: float  # its shared-memory reduce-scatter's input bytes
-    copied: float  # bytes it copies outside the exchange (serial)
-    own: float  # bytes it copies during the exchange (an all_gather's own part)
+    copied: float  # bytes it copies before or after the exchange (serial)
+    copied_during: float  # bytes it copies during the exchange (overlapped)
     flows: int  # flows one rank's exchange waits on per NIC direction (the mesh: H-1)
     share: float  # its fraction of a core
     oversubscription: float  # Cluster.oversubscription
@@ -228,7 +231,7 @@ def work(cluster: Cluster, op: str, size: int, algorithm: str = "mesh") -> Work:
     # rounds (Note [Own part during the exchange] in comm_hier.cpp); gloo copies it first.
     own = part if op == "all_gather_into_tensor" else 0.0
     copied = own if algorithm == "flat_ring" else 0.0
-    own = 0.0 if algorithm == "flat_ring" else own
+    copied_during = 0.0 if algorithm == "flat_ring" else own
     flows = h - 1 if algorithm == "mesh" else 1
     shm = 0.0
     looped = 0.0
@@ -280,7 +283,12 @@ def work(cluster: Cluster, op: str, size: int, algorithm: str = "mesh") -> Work:
         if local > 1 and reduces:
             shm = size  # the shared-memory reduce-scatter reads S per rank
         if local > 1 and op != "reduce_scatter_tensor":
-            copied += (local - 1) / local * size  # the shared-memory all-gather, after
+            # The shared-memory all-gather: each rank copies the others' parts, beside the
+            # exchange but for the pieces of each of its H parts' last message.
+            gathered = (local - 1) / local * size
+            after = min(gathered, (local - 1) * h * min(part, CHUNK_BYTES))
+            copied += after
+            copied_during += gathered - after
     return Work(
         nic_bytes(algorithm, op, h, local, size),
         cluster.nic_rate,
@@ -293,7 +301,7 @@ def work(cluster: Cluster, op: str, size: int, algorithm: str = "mesh") -> Work:
         reduced,
         shm,
         copied,
-        own,
+        copied_during,
         flows,
         cluster.cpu_share,
         cluster.oversubscription,
@@ -306,7 +314,7 @@ def seconds(costs: Costs, w: Work) -> float:
     wire *= 1.0 + costs.flow_skew * (w.flows - 1)
     overlapped = (
         costs.net_cpu * w.moved
-        + costs.copy_cpu * (w.looped + w.own)
+        + costs.copy_cpu * (w.looped + w.copied_during)
         + costs.message * w.messages
         + costs.reduce_cpu * w.reduced
         + costs.shm_reduce_cpu * w.shm_input
