@@ -48,8 +48,10 @@ smddp::CommConfig config_of(const Topology& t) {
   s.force_local_size = t.force_local_size;
   s.socket_addr = "127.0.0.1";
   // The smallest messages across hosts: a part crosses in several of them, the last shorter
-  // (Note [Pipelined exchanges] in comm_hier.cpp).
-  s.net_chunk_bytes = 4 << 10;
+  // (Note [Pipelined exchanges] in comm_hier.cpp). One byte short of the shared-memory chunk,
+  // so a part arrives in pieces that end inside a step's chunk: the local all-gather's steps
+  // must wait for the rest (Note [Local all-gather during the exchange]).
+  s.net_chunk_bytes = (4 << 10) - 1;
   s.net_algo = t.net_algo;
   cfg.force_hosts = t.force_hosts;
   return cfg;

@@ -78,8 +78,10 @@ void check_steps(bool finish_at_end) {
       }
       smddp::shm::AllGatherSteps steps(*shm, from, out.data(), parts, owned, ctx);
       std::vector<size_t> shown(owned[rank].size(), 0);
-      // Ranks reveal at different paces, so each waits for the others in turn.
-      const size_t pace = 1500 + 2200 * static_cast<size_t>(rank) + 900 * seq;
+      // Ranks reveal at different paces, so each waits for the others in turn; paces of one
+      // byte and of one byte short of a chunk stop one byte short of a step's pieces.
+      const size_t paces[3][kRanks] = {{1, 4095, 3700}, {4095, 1500, 1}, {2200, 5000, 4096}};
+      const size_t pace = paces[seq][rank];
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
       bool all_shown = false;
       while (!steps.done() && std::chrono::steady_clock::now() < deadline) {
@@ -141,10 +143,56 @@ void check_nothing_ready() {
   });
 }
 
+// A poll never waits: while a local peer has yet to finish the collective whose descriptor
+// slot the next one reuses (Note [Mismatch detection] in shm.h), polling starts no step and
+// returns at once, where begin_step would wait for that peer.
+void check_poll_never_waits() {
+  const std::vector<Span> parts = {{0, 100}, {100, 100}, {200, 100}};
+  const std::vector<std::vector<int>> owned = {{0}, {1}, {2}};
+  Bytes want = make_bytes(0, 300, 11);
+  MemKV kv;
+  std::atomic<bool> polled{false};
+  run_threads(kRanks, [&](int rank) {
+    auto shm = make_shm(kv, rank, "steps_never_wait");
+    Bytes src(want.begin() + rank * 100, want.begin() + rank * 100 + 100);
+    for (uint64_t seq = 0; seq < 3; ++seq) {
+      // Collective #1 has no shared-memory step on this host (a gather rooted elsewhere).
+      if (seq != 1) {
+        const smddp::OpCtx ctx = ctx_of(seq);
+        Bytes out(300, '\0');
+        smddp::shm::AllGatherSteps steps(*shm, {src.data()}, out.data(), parts, owned, ctx);
+        steps.set_all_ready();
+        if (seq == 2 && rank == 0) {
+          // Rank 1 has not marked #0 finished: for 200 ms every poll returns at once.
+          const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+          while (std::chrono::steady_clock::now() < until) {
+            const auto t0 = std::chrono::steady_clock::now();
+            steps.poll();
+            EXPECT(seconds_since(t0) < 0.05, "a poll waited ", seconds_since(t0), " s");
+            EXPECT(!steps.done(), "a step ran before rank 1 finished collective #0");
+          }
+          EXPECT(steps.waiting_on_peers(), "the poll did not say it waits for a peer");
+          polled = true;
+        }
+        steps.finish();
+        std::memcpy(out.data() + rank * 100, src.data(), 100);
+        std::string diff = compare_bytes(out.data(), want);
+        EXPECT(diff.empty(), "rank ", rank, " seq ", seq, ": ", diff);
+      }
+      if (seq == 0 && rank == 1) {  // a few seconds at most, should a poll wait after all
+        const auto t0 = std::chrono::steady_clock::now();
+        while (!polled.load() && seconds_since(t0) < 5) std::this_thread::yield();
+      }
+      shm->mark_finished(seq);
+    }
+  });
+}
+
 }  // namespace
 
 TEST_CASE(allgather_steps_poll) { check_steps(false); }
 TEST_CASE(allgather_steps_poll_then_finish) { check_steps(true); }
 TEST_CASE(allgather_steps_nothing_ready) { check_nothing_ready(); }
+TEST_CASE(allgather_steps_poll_never_waits) { check_poll_never_waits(); }
 
 }  // namespace smddp_test

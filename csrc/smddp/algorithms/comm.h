@@ -226,7 +226,8 @@ class Communicator {
                                                 size_t unit, size_t chunk_unit, const OpCtx& ctx);
   // The shared-memory all-gather inside this host of the parts its ranks handle (spans in
   // bytes of `out`), stepped while those parts arrive (Note [Local all-gather during the
-  // exchange] in comm_hier.cpp). With one rank per host it does nothing.
+  // exchange] in comm_hier.cpp). With one rank per host it does nothing. `parts` and `ctx`
+  // must outlive it.
   class LocalGather {
    public:
     // `own`: where my own part is read from when it is all there now (an all-gather's
@@ -247,7 +248,9 @@ class Communicator {
     const std::vector<Span>& parts_;
     const OpCtx& ctx_;
     std::vector<std::vector<int>> owned_;  // handled()
-    std::vector<size_t> got_;              // bytes of each of my parts in place, from its start
+    // Bytes of each of my parts in place, from its start: what arrived() checks the order
+    // of pieces against, and passes on to the steps.
+    std::vector<size_t> got_;
     std::unique_ptr<shm::AllGatherSteps> steps_;
   };
   // Rooted gather/scatter of lens[r] bytes per group rank r (Note [Rooted collectives]);

@@ -35,7 +35,8 @@
 // Every poll of the steps is a test, never a wait: a local peer's step may wait for the
 // network, and a rank that waited for it would stop serving the sends other hosts wait for
 // (what kept this phase after the exchange). So while the steps wait on local peers the
-// exchange sleeps only briefly between rounds (kBesideWaitNs in tcp_exchange.cpp), and what
+// exchange sleeps only briefly between rounds (kBesideWaitMs in tcp_exchange.cpp), a poll
+// runs one step at most so the sockets are served between steps, and what
 // remains once the exchange is over runs with ordinary waits (LocalGather::finish), when
 // nothing this rank owes the network is left. The steps are the same steps, in the same
 // order, as before: the bytes are only copied, so results do not change. In an all-reduce
@@ -100,8 +101,9 @@ namespace {
 // input, and it is copied in slices of this size as the exchange's work between rounds
 // (Exchange::work, SliceCopy): the copy overlaps the transfer. Nothing else reads or writes
 // this part of the output during the exchange (the receives write the other parts; the
-// shared-memory all-gather runs after it), and the input is only read, so the two cannot
-// collide unless the input overlaps the output, which keeps the copy first.
+// shared-memory all-gather, which runs beside it, reads my part from the input and writes
+// only the other local ranks' parts), and the input is only read, so the two cannot collide
+// unless the input overlaps the output, which keeps the copy first.
 constexpr size_t kOwnCopySlice = 1 << 20;
 
 }  // namespace
@@ -284,7 +286,7 @@ void Communicator::rail_reduce_scatter(HostPartials& hp, const std::vector<Span>
     // The all-gather's steps follow this host's reduce-scatter steps (until then `work` keeps
     // the exchange's rounds going).
     x.background = [&] {
-      return hp.steps && !hp.steps->done() ? Exchange::Progress::kWaiting : gather->poll();
+      return hp.steps && !hp.steps->done() ? Exchange::Progress::kIdle : gather->poll();
     };
   }
   send_ready();
@@ -364,7 +366,9 @@ Exchange::Progress Communicator::LocalGather::poll() {
   if (!steps_ || steps_->done()) return Exchange::Progress::kDone;
   Timeline& t = comm_.timeline_;
   const int64_t begin = t.enabled() ? Timeline::now_ns() : 0;
-  if (!steps_->poll()) return Exchange::Progress::kWaiting;
+  if (!steps_->poll()) {
+    return steps_->waiting_on_peers() ? Exchange::Progress::kWaiting : Exchange::Progress::kIdle;
+  }
   t.record(ctx_.seq, "local all_gather", begin);
   return steps_->done() ? Exchange::Progress::kDone : Exchange::Progress::kMoved;
 }

@@ -263,8 +263,7 @@ void Communicator::rail_ring(const RingJob& job, const OpCtx& ctx) {
   if (job.gather) {
     // The local all-gather's steps follow this host's reduce-scatter steps.
     x.background = [&] {
-      return hp && hp->steps && !hp->steps->done() ? Exchange::Progress::kWaiting
-                                                   : job.gather->poll();
+      return hp && hp->steps && !hp->steps->done() ? Exchange::Progress::kIdle : job.gather->poll();
     };
   }
   advance();

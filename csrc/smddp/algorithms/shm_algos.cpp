@@ -186,10 +186,14 @@ bool AllGatherSteps::advance(bool wait) {
         const Span& p = parts_[owned_[me][k]];
         if (ready_[k] < std::min(p.len, o_ + chunk_)) {
           SMDDP_CHECK(!wait, "smddp: a shared-memory all-gather finished before its input (a bug)");
+          on_peers_ = false;
           return moved;
         }
       }
-      if (!wait && !c_.step_open(ctx_, first_)) return moved;
+      if (!wait && !c_.step_open(ctx_, first_)) {
+        on_peers_ = true;
+        return moved;
+      }
       s_ = c_.begin_step(ctx_, first_);
       first_ = false;
       for (size_t k = 0; k < owned_[me].size(); ++k) {
@@ -221,11 +225,15 @@ bool AllGatherSteps::advance(bool wait) {
       read_[i] = 1;
       moved = true;
     }
-    if (left) return moved;
+    if (left) {
+      on_peers_ = true;
+      return moved;
+    }
     c_.end_step(s_);
     s_ = 0;
     o_ += chunk_;
-    done_ = o_ >= maxlen_;  // one step at least, even with nothing to gather
+    done_ = o_ >= maxlen_;   // one step at least, even with nothing to gather
+    if (!wait) return true;  // one step per poll
   }
   return moved;
 }

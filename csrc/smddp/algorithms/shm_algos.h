@@ -92,9 +92,10 @@ void allgather(ShmComm& c, const std::vector<const void*>& src, void* out,
 // while it does other work (Note [Local all-gather during the exchange] in comm_hier.cpp).
 // It writes the other ranks' parts into `out`; this rank's own parts are the caller's to
 // put in place. Every local rank must run every step, in order. poll() runs what can run
-// without waiting: a step starts once the step's pieces of my parts are ready (set_ready)
-// and the buffers are free, and reads each peer as soon as that peer posted. finish()
-// waits for the rest, once every part is ready. The arguments must outlive the object.
+// without waiting, one step at most, so that its caller gets back to its own work soon: a
+// step starts once the step's pieces of my parts are ready (set_ready) and the buffers are
+// free, and reads each peer as soon as that peer posted. finish() waits for the rest, once
+// every part is ready. The arguments must outlive the object.
 class AllGatherSteps {
  public:
   AllGatherSteps(ShmComm& c, std::vector<const void*> src, void* out,
@@ -106,6 +107,9 @@ class AllGatherSteps {
   bool done() const { return done_; }
   // Runs what needs no wait; true when it moved anything.
   bool poll() { return advance(false); }
+  // Whether the last poll() that moved nothing stopped for another local rank (a peer's
+  // post, or buffers a peer still reads), not for my own parts.
+  bool waiting_on_peers() const { return on_peers_; }
   void finish() { advance(true); }
 
  private:
@@ -119,7 +123,7 @@ class AllGatherSteps {
   const OpCtx& ctx_;
   std::vector<size_t> ready_;
   size_t maxlen_ = 0, chunk_ = 0, o_ = 0;
-  bool stream_ = false, first_ = true, done_ = false;
+  bool stream_ = false, first_ = true, done_ = false, on_peers_ = false;
   uint64_t s_ = 0;             // the step under way (0: none)
   std::vector<uint8_t> read_;  // peers whose pieces of step s_ were copied
 };

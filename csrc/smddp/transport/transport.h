@@ -64,10 +64,12 @@ struct Exchange {
   std::function<bool()> work;
   // Work that runs beside the exchange without holding it open (Note [Local all-gather
   // during the exchange] in algorithms/comm_hier.cpp): run between rounds until it says
-  // kDone; its caller finishes what remains once the exchange returned. kWaiting: it waits
-  // for something this exchange cannot see arrive (other local ranks), so the exchange
-  // sleeps only briefly between rounds. It must never wait itself, nor post sends.
-  enum class Progress { kMoved, kWaiting, kDone };
+  // kDone; its caller finishes what remains once the exchange returned. It must never wait
+  // itself, nor post sends. What it says of the rest: kMoved, it did something (the next
+  // round comes at once); kIdle, it waits for this exchange's messages (the exchange sleeps
+  // until a socket is ready, as it would without it); kWaiting, it waits for something no
+  // socket reports (other local ranks), so the exchange sleeps at most kBesideWaitMs.
+  enum class Progress { kMoved, kIdle, kWaiting, kDone };
   std::function<Progress()> background;
   // Runs while the exchange waits and may throw to end it (the local ranks' failure flags).
   std::function<void()> health;

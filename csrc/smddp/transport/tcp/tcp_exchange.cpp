@@ -18,6 +18,12 @@ namespace {
 constexpr const char* kClosed =
     "closed its connection (its process exited, or it left the group after an error)";
 
+// The longest a round sleeps while Exchange::background waits for other local ranks (which
+// no socket reports): a local rank's step is about one network chunk apart (512 KiB: 2 ms at
+// 2 Gbit/s), and a shorter sleep costs wake-ups that oversubscribed cores feel (a 50 us sleep
+// lost 5% of a 1 MiB all_reduce on 2 hosts of 2 ranks; docs/multi_node.md).
+constexpr int kBesideWaitMs = 1;
+
 struct SendState {
   char hdr[sizeof(TcpMesh::Header)];
   size_t done = 0;  // bytes of header + payload written
@@ -410,11 +416,11 @@ void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
       int fd = in_fd(peer);
       if (fd >= 0) fds.push_back({fd, POLLIN, 0});
     }
-    // Background work that waits for other local ranks (which no descriptor here reports)
-    // looks again at the next socket event, or within a millisecond (Note [Local all-gather
-    // during the exchange] in algorithms/comm_hier.cpp).
-    const bool soon = waiting_for_something || beside == Progress::kWaiting;
-    int wait_ms = soon ? 1 : std::min(100, ctx.deadline.remaining_ms() + 1);
+    // Background work that waits for other local ranks looks again at the next socket event,
+    // or after kBesideWaitMs.
+    int wait_ms = std::min(100, ctx.deadline.remaining_ms() + 1);
+    if (waiting_for_something) wait_ms = 1;
+    if (beside == Progress::kWaiting) wait_ms = std::min(wait_ms, kBesideWaitMs);
     poll(fds.data(), fds.size(), wait_ms);
   }
 }
