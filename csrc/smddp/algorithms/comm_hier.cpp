@@ -40,8 +40,10 @@
 // remains once the exchange is over runs with ordinary waits (LocalGather::finish), when
 // nothing this rank owes the network is left. The steps are the same steps, in the same
 // order, as before: the bytes are only copied, so results do not change. In an all-reduce
-// they start once this rank's shared-memory reduce-scatter steps are done, which keeps
-// every rank's steps in one order and leaves its input untouched while they read it.
+// they start once this rank's shared-memory reduce-scatter steps are done: every local rank
+// then runs the steps in one order, and the gather never writes into an in-place input
+// that the reduce-scatter steps still read. The same 64 MiB all_gather now ends 0.2 ms
+// after the last rank's exchange (docs/multi_node.md, "Where it stands").
 //
 // In place, an all-reduce's output is its input, and the reduced chunks of other hosts'
 // parts land where this rank's partials of those parts are read from. No chunk is
