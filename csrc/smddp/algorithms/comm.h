@@ -237,8 +237,9 @@ class Communicator {
     ~LocalGather();
     // `len` bytes at `at` in `out` are in place: the next piece of a part this rank handles.
     void arrived(const char* at, size_t len);
-    // Exchange::background: the steps that need no wait.
-    Exchange::Progress poll();
+    // Exchange::background: the steps that need no wait, once `first` (this host's
+    // reduce-scatter steps of an all-reduce, if any) are done.
+    Exchange::Progress poll(const shm::ReduceScatterSteps* first = nullptr);
     // The rest, waiting for the other local ranks; every part must have arrived.
     void finish();
 
@@ -248,9 +249,6 @@ class Communicator {
     const std::vector<Span>& parts_;
     const OpCtx& ctx_;
     std::vector<std::vector<int>> owned_;  // handled()
-    // Bytes of each of my parts in place, from its start: what arrived() checks the order
-    // of pieces against, and passes on to the steps.
-    std::vector<size_t> got_;
     std::unique_ptr<shm::AllGatherSteps> steps_;
   };
   // Rooted gather/scatter of lens[r] bytes per group rank r (Note [Rooted collectives]);

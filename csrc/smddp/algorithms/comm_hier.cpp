@@ -284,13 +284,7 @@ void Communicator::rail_reduce_scatter(HostPartials& hp, const std::vector<Span>
       return !hp.steps->done();
     };
   }
-  if (gather) {
-    // The all-gather's steps follow this host's reduce-scatter steps (until then `work` keeps
-    // the exchange's rounds going).
-    x.background = [&] {
-      return hp.steps && !hp.steps->done() ? Exchange::Progress::kIdle : gather->poll();
-    };
-  }
+  if (gather) x.background = [&] { return gather->poll(hp.steps.get()); };
   send_ready();
   exchange(x, ctx);
 }
@@ -338,11 +332,10 @@ Communicator::LocalGather::LocalGather(Communicator& comm, char* out,
   const std::vector<int>& mine = owned_[comm.layout_.local_rank];
   std::vector<const void*> src;
   for (int p : mine) src.push_back(p == comm.cfg_.rank && own ? own : out + parts[p].off);
-  got_.assign(mine.size(), 0);
   steps_ =
       std::make_unique<shm::AllGatherSteps>(*comm.shm_, std::move(src), out, parts, owned_, ctx);
   for (size_t k = 0; k < mine.size(); ++k) {
-    if (mine[k] == comm.cfg_.rank && own) steps_->set_ready(k, got_[k] = parts[mine[k]].len);
+    if (mine[k] == comm.cfg_.rank && own) steps_->set_ready(k, parts[mine[k]].len);
   }
 }
 
@@ -356,16 +349,18 @@ void Communicator::LocalGather::arrived(const char* at, size_t len) {
     if (at < out_ + p.off || at >= out_ + p.off + p.len) continue;
     // The pieces of a part come in order: one peer's messages of one tag, or my part's
     // chunks reduced in order.
-    SMDDP_CHECK(at == out_ + p.off + got_[k] && got_[k] + len <= p.len,
+    const size_t got = steps_->ready(k);
+    SMDDP_CHECK(at == out_ + p.off + got && got + len <= p.len,
                 "smddp: a part of a hierarchical all-gather arrived out of order (a bug)");
-    got_[k] += len;
-    steps_->set_ready(k, got_[k]);
+    steps_->set_ready(k, got + len);
     return;
   }
 }
 
-Exchange::Progress Communicator::LocalGather::poll() {
+Exchange::Progress Communicator::LocalGather::poll(const shm::ReduceScatterSteps* first) {
   if (!steps_ || steps_->done()) return Exchange::Progress::kDone;
+  // Until then `work` runs the reduce-scatter's steps and keeps the exchange's rounds going.
+  if (first && !first->done()) return Exchange::Progress::kIdle;
   Timeline& t = comm_.timeline_;
   const int64_t begin = t.enabled() ? Timeline::now_ns() : 0;
   if (!steps_->poll()) {

@@ -262,9 +262,7 @@ void Communicator::rail_ring(const RingJob& job, const OpCtx& ctx) {
   }
   if (job.gather) {
     // The local all-gather's steps follow this host's reduce-scatter steps.
-    x.background = [&] {
-      return hp && hp->steps && !hp->steps->done() ? Exchange::Progress::kIdle : job.gather->poll();
-    };
+    x.background = [&] { return job.gather->poll(hp ? hp->steps.get() : nullptr); };
   }
   advance();
   exchange(x, ctx);

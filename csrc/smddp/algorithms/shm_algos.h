@@ -103,6 +103,7 @@ class AllGatherSteps {
                  const OpCtx& ctx);
   // The first `bytes` of my k-th part (owned[me][k]) may be read from src[k].
   void set_ready(size_t k, size_t bytes) { ready_[k] = std::max(ready_[k], bytes); }
+  size_t ready(size_t k) const { return ready_[k]; }
   void set_all_ready();
   bool done() const { return done_; }
   // Runs what needs no wait; true when it moved anything.
