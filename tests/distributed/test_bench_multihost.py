@@ -106,6 +106,24 @@ def test_arguments_are_checked():
         multihost._layout("1x2")
 
 
+def test_each_host_runs_the_congestion_control_asked_for():
+    # Note [Simulated hosts run cubic]: the hosts' TCP congestion control is the benchmark's
+    # choice, not the machine's; a name the kernel lacks is refused, naming what it offers.
+    if netns.unavailable_reason():
+        pytest.skip(f"needs Linux network namespaces: {netns.unavailable_reason()}")
+    with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+        offered = f.read().split()
+    read = ["cat", "/proc/sys/net/ipv4/tcp_congestion_control"]
+    for name in {"cubic", "reno"} & set(offered):
+        done = netns.run_hosts(2, read, 60, congestion=name)
+        assert done.returncode == 0, done.stdout
+        assert done.stdout.count(f"] {name}\n") == 2, done.stdout
+    with pytest.raises(ValueError, match="'no-such-cc' is not available on this machine"):
+        netns.check_congestion("no-such-cc")
+    done = netns.run_hosts(2, read, 60, congestion="no-such-cc")
+    assert done.returncode != 0 and "'no-such-cc' is not available here" in done.stdout
+
+
 def test_the_local_all_gather_runs_during_the_exchange(short_run):
     # Note [Local all-gather during the exchange]: the shared-memory all-gather's steps start
     # while parts still cross the network, not once the exchange is over. Each rank handles

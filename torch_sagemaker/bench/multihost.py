@@ -143,8 +143,12 @@ def run_layout(
     train_backends: list[str] | None = None,
     train_steps: int = 3,
     timeline: bool = False,
+    congestion: str | None = netns.DEFAULT_CONGESTION,
 ) -> dict[str, Any]:
     """Runs one layout's job.
+
+    ``congestion`` is the hosts' TCP congestion control (None: the machine's; Note
+    [Simulated hosts run cubic] in netns.py).
 
     Returns:
         ``{"rows": one per op, size and backend, "identical": None, or with ``identical``
@@ -173,7 +177,7 @@ def run_layout(
         command = [sys.executable, "-m", __spec__.name, "--host", "{host}", json.dumps(spec)]
         # The hosts' processes inherit the environment and working directory, so they import
         # this package as this process did.
-        done = netns.run_hosts(hosts, command, timeout_s, rate_bits)
+        done = netns.run_hosts(hosts, command, timeout_s, rate_bits, congestion=congestion)
         if done.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"layout {hosts}x{local} failed:\n{done.stdout[-6000:]}")
         with open(out) as f:
@@ -193,6 +197,11 @@ def training_table(per_layout: dict[str, dict[str, float]]) -> str:
             frac = f"{tokens / base[backend]:.2f}" if backend in base and hosts > 1 else "-"
             lines.append(f"| {layout} | {backend} | {tokens:.0f} | {frac} |")
     return "\n".join(lines)
+
+
+def _machine_congestion() -> str:
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+        return f.read().strip()
 
 
 def _layout_numbers(text: str) -> tuple[int, int]:
@@ -270,6 +279,11 @@ def main(argv: list[str] | None = None) -> int:
         default=["smddp", "gloo"],
         help=f"of {', '.join(BACKENDS)}",
     )
+    p.add_argument(
+        "--congestion",
+        default=netns.DEFAULT_CONGESTION,
+        help="the hosts' TCP congestion control ('system': the machine's)",
+    )
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--timeout", type=float, default=600, help="seconds for one layout's job")
     p.add_argument("--json", default=None, help="also write the rows to this file")
@@ -337,7 +351,13 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"multihost: cannot simulate hosts here: {reason}", file=sys.stderr)
         return 2
-    rate = netns.parse_rate(args.rate)
+    try:
+        rate = netns.parse_rate(args.rate)
+        congestion = (
+            None if args.congestion == "system" else netns.check_congestion(args.congestion)
+        )
+    except ValueError as e:
+        p.error(str(e))
     layouts = [_layout(x) for x in args.layouts]
     sizes = [parse_size(s) for s in args.sizes]
     rows: list[dict] = []
@@ -356,14 +376,31 @@ def main(argv: list[str] | None = None) -> int:
             train_backends=train,
             train_steps=args.train_steps,
             timeline=args.timeline,
+            congestion=congestion,
         )
         rows += got["rows"]
         if train:
             trained[f"{hosts}x{local}"] = got["training"]
     for world in sorted({h * loc for h, loc in layouts}) if train else []:
-        got = run_layout(1, world, rate, [], [], args.backends, 1, args.timeout, False, train)
+        got = run_layout(
+            1,
+            world,
+            rate,
+            [],
+            [],
+            args.backends,
+            1,
+            args.timeout,
+            False,
+            train,
+            congestion=congestion,
+        )
         trained[f"1x{world}"] = got["training"]
-    print(f"NIC rate {args.rate} per host, both directions; float32; median of {args.iters} calls")
+    congestion_name = congestion or f"the machine's ({_machine_congestion()})"
+    print(
+        f"NIC rate {args.rate} per host, both directions; TCP congestion control"
+        f" {congestion_name}; float32; median of {args.iters} calls"
+    )
     print(table(rows, rate))
     if args.timeline:
         print(timeline_table(rows))
@@ -377,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         # model's CPU share, Note [Cost model] in cost_model.py).
         "cores": os.cpu_count(),
         "burst_bytes": netns.BURST_BYTES,  # what each cable passes above the rate at once
+        "congestion": congestion or _machine_congestion(),  # the hosts' TCP congestion control
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "recorded": time.strftime("%Y-%m-%d %H:%M %Z"),
         "rows": rows,
