@@ -2,10 +2,12 @@
 
     python -m torch_sagemaker.bench multihost [--layouts 2x1,4x1,2x2,4x2] [--rate 2gbit]
         [--ops all_reduce,all_gather_into_tensor,reduce_scatter_tensor] [--sizes 1M,16M,64M]
+        [--congestion cubic]
 
 Each layout HxL is H simulated hosts (bench/netns.py: namespaces, one bridge as the switch,
-each host's cable shaped to ``--rate`` in both directions) with L ranks each. One job per
-layout runs every backend: the default group is smddp's, and a gloo group spans the same
+each host's cable shaped to ``--rate`` in both directions, its TCP congestion control
+``--congestion``, cubic by default: Note [Simulated hosts run cubic]) with L ranks each. One
+job per layout runs every backend: the default group is smddp's, and a gloo group spans the same
 ranks. "smddp-mesh" and "smddp-ring" are further smddp groups over the same ranks that cross
 hosts by the mesh or by a ring whatever SMDDP_NET_ALGO says (``SMDDPOptions(net_algo=...)``;
 hosts of unequal rank counts, and two hosts, always take the mesh); each row records the
