@@ -109,9 +109,18 @@ ReduceScatterSteps::ReduceScatterSteps(ShmComm& c, const void* in, const std::ve
       ctx_(ctx),
       esz_(dtype_size(red.dtype)),
       out_t_(finish ? red.dtype : acc_type(red.dtype)),
-      srcs_(c.size()) {
+      srcs_(c.size()),
+      staged_(parts.size(), 0) {
   out_esz_ = dtype_size(out_t_);
   for (const Span& p : parts) maxlen_ = std::max(maxlen_, p.len);
+  // Note [My slice stays home] in shm_algos.h: a part only this rank reduces stays in its
+  // input, unless the copy in is where a PREMUL_SUM's factor is applied.
+  const bool scaled = red.op == RedOp::PREMUL_SUM && red.premul != 1.0;
+  for (int i = 0; i < c.size(); ++i) {
+    for (int p : owned[i]) {
+      if (i != c.rank() || scaled) staged_[p] = 1;
+    }
+  }
   // Each step carries one chunk of every part: bounded by the buffer, and by the pipeline
   // chunk per part so the step's reads stay in cache.
   chunk_ = std::min(chunk_elems(c.buffer_bytes(), parts.size(), esz_),
@@ -126,6 +135,7 @@ void ReduceScatterSteps::step() {
   first_ = false;
   // My buffer holds the same chunk of every part: part p at p * chunk elements.
   for (size_t p = 0; p < parts_.size(); ++p) {
+    if (!staged_[p]) continue;
     Span piece = clip(parts_[p], o, chunk_);
     copy_in(c_.mine(s, p * chunk_ * esz_, piece.len * esz_), src_ + piece.off * esz_, piece.len,
             red_);
@@ -136,6 +146,7 @@ void ReduceScatterSteps::step() {
     int p = owned_[me][k];
     Span piece = clip(parts_[p], o, chunk_);
     for (int i = 0; i < n; ++i) srcs_[i] = c_.peer(i, s) + p * chunk_ * esz_;
+    if (!staged_[p]) srcs_[me] = src_ + piece.off * esz_;
     reduce(red_.dtype, out_t_, static_cast<char*>(dst_[k]) + o * out_esz_, srcs_.data(), n,
            piece.len, red_, finish_);
   }
