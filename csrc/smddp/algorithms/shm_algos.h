@@ -29,9 +29,9 @@ namespace shm {
 // ReduceScatterSteps does the same with the parts this rank reduces: a hierarchical
 // all-reduce or reduce-scatter with 2 ranks per host copies half its input into the segment
 // instead of all of it. reduce_scatter_tensor on one host of 2 ranks, float32, alternating
-// builds (bench collectives --repeat 3, three runs each): 4 MiB 257-308 -> 178-205 us,
-// other sizes from 64 KiB to 64 MiB level within the noise. On 4 hosts of 2 ranks (bench
-// multihost, 2 Gbit/s, 64 MiB reduce_scatter, four rounds each) each rank's shared-memory
+// builds (bench collectives --repeat 3; three runs before, five after): 4 MiB 257-308 ->
+// 159-205 us, other sizes from 64 KiB to 64 MiB level within the noise. On 4 hosts of 2 ranks
+// (bench multihost, 2 Gbit/s, 64 MiB reduce_scatter, four rounds each) each rank's shared-memory
 // steps were busy 62-64 ms instead of 72-80; the calls' times stayed within the noise.
 //
 // Note [One-shot threshold]
