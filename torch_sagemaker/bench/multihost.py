@@ -149,8 +149,21 @@ def run_layout(
 ) -> dict[str, Any]:
     """Runs one layout's job.
 
-    ``congestion`` is the hosts' TCP congestion control (None: the machine's; Note
-    [Simulated hosts run cubic] in netns.py).
+    Args:
+        hosts: H, simulated hosts.
+        local: L, ranks per host.
+        rate_bits: Each host's NIC rate, bits per second.
+        ops: The collectives to time.
+        sizes: Their sizes S in bytes (nccl-tests' S).
+        backends: Of ``BACKENDS``.
+        iters: Timed calls per op, size and backend.
+        timeout_s: Seconds for the whole job.
+        identical: Also check that float32 and bfloat16 results agree bit for bit.
+        train_backends: Backends to time FSDP2 training on.
+        train_steps: Training steps per backend.
+        timeline: Record each smddp row's phases (SMDDP_TIMELINE).
+        congestion: The hosts' TCP congestion control; None: the machine's (Note
+            [Simulated hosts run cubic] in netns.py).
 
     Returns:
         ``{"rows": one per op, size and backend, "identical": None, or with ``identical``

@@ -46,17 +46,18 @@ QUEUE_LATENCY = "50ms"  # how long a packet may wait in the bucket's queue befor
 # Note [Simulated hosts run cubic]
 # A network namespace starts with the machine's TCP congestion control, whatever the machine's
 # owner chose for its own traffic; this machine's is BBR. Linux's default is cubic, and it is
-# what the hosts smddp is for (EC2 instances with Amazon Linux or Ubuntu, and their
-# containers, which share the host's network stack or have their own with the default) run
-# unless someone changed it. So a simulated host runs cubic unless told otherwise, and the
-# benchmark records which one ran. It matters: on 4 hosts of 2 ranks at 2 Gbit/s, 64 MiB
-# all_reduce, smddp reached 0.86-0.91 of the NIC bound under cubic and 0.77-0.87 under BBR
-# (five interleaved rounds each), gloo 0.77-0.80 against 0.61-0.71 (two rounds each).
+# what the hosts smddp is for (EC2 instances with Amazon Linux or Ubuntu) run unless someone
+# changed it. So the benchmark's hosts (bench multihost) run cubic unless told otherwise, and
+# each run records which one ran; run_hosts keeps the machine's unless asked, which the
+# functional tests of faults and launchers use. It matters: on 4 hosts of 2 ranks at 2
+# Gbit/s, 64 MiB all_reduce, smddp reached 0.86-0.91 of the NIC bound under cubic and
+# 0.77-0.87 under BBR (five interleaved rounds each), gloo 0.77-0.80 against 0.61-0.71 (two
+# rounds each).
 DEFAULT_CONGESTION = "cubic"
 
 # Run by each host's shell inside its namespaces: waits for the cable, configures it, runs
-# the command. $1 host name, $2 address, $3 TCP congestion control ("": the machine's), the
-# rest the command.
+# the command. $1 host name, $2 address, $3 TCP congestion control (empty: the machine's),
+# the rest the command.
 _HOST_SETUP = r"""
 set -e
 hostname "$1"
@@ -69,9 +70,10 @@ done
 ip addr add "$2/24" dev eth0
 ip link set eth0 up
 if [ -n "$3" ]; then
-  echo "$3" 2>/dev/null >/proc/sys/net/ipv4/tcp_congestion_control || {
-    echo "TCP congestion control '$3' is not available here (the kernel offers:" \
-      "$(cat /proc/sys/net/ipv4/tcp_available_congestion_control)); choose one of those" >&2
+  printf '%s\n' "$3" 2>/dev/null >/proc/sys/net/ipv4/tcp_congestion_control || {
+    echo "TCP congestion control '$3' could not be set in this host's namespace (available:" \
+      "$(cat /proc/sys/net/ipv4/tcp_available_congestion_control); allowed without" \
+      "privilege: $(cat /proc/sys/net/ipv4/tcp_allowed_congestion_control))" >&2
     exit 96
   }
 fi
@@ -98,8 +100,14 @@ def unavailable_reason() -> str | None:
 def check_congestion(name: str) -> str:
     """Returns ``name`` if this kernel offers that TCP congestion control.
 
+    A host can still fail to set an offered one (without the privilege for one outside
+    ``tcp_allowed_congestion_control``); its setup then exits with 96, saying so.
+
+    Args:
+        name: A congestion control's name, e.g. ``cubic``.
+
     Raises:
-        ValueError: It does not, naming it and the ones it offers.
+        ValueError: The kernel does not offer it, naming it and the ones it offers.
     """
     with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
         offered = f.read().split()
@@ -254,10 +262,10 @@ def _private_etc_hosts(stack: contextlib.ExitStack, hosts: int, host_name: str) 
 
 
 def _start_host(
-    index: int, command: list[str], log, host_name: str, congestion: str
+    index: int, command: list[str], log, host_name: str, congestion: str | None
 ) -> subprocess.Popen:
     argv = ["unshare", "--net", "--ipc", "--uts", "sh", "-c", _HOST_SETUP, "host-setup"]
-    argv += [host_name.format(index), HOST_ADDRESS.format(index + 1), congestion]
+    argv += [host_name.format(index), HOST_ADDRESS.format(index + 1), congestion or ""]
     argv += [part.replace("{host}", str(index)) for part in command]
     env = dict(os.environ, **{SWITCH_PID_VARIABLE: str(os.getpid())})
     # Output to a file (an unread pipe could block a host); its own session, so that a
@@ -304,7 +312,7 @@ def _switch(
     timeout_s: float,
     command: list[str],
     host_name: str,
-    congestion: str,
+    congestion: str | None,
 ) -> int:
     with contextlib.ExitStack() as stack:
         _private_etc_hosts(stack, hosts, host_name)
@@ -352,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, required=True)
     p.add_argument("--rate-bits", type=int, default=None)
     p.add_argument("--host-name", default=HOST_NAME)
-    p.add_argument("--congestion", default="", help="the hosts' TCP congestion control")
+    p.add_argument("--congestion", default=None, help="the hosts' TCP congestion control")
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

@@ -37,9 +37,10 @@
 // the switch ports (tens to hundreds of drops per case on 16 hosts, thousands on 32); the
 // ring dropped nothing. From 64 KiB to 1 MiB on 16 hosts the two were within 15% of each
 // other either way (there 16 ranks share two cores, and the scheduler sets the time). With
-// 2 ranks per host (4x2) the two were level (0.64-0.81 from 16 MiB); what holds 4x2 back at 2
-// Gbit/s is the machine's two cores, which its 8 ranks share (at 1 Gbit/s the ring reached
-// 0.91-0.95, docs/multi_node.md). The cause of the mesh's lag, as far as measured: in the
+// 2 ranks per host (4x2) the two were level (0.64-0.81 from 16 MiB on hosts running BBR;
+// on cubic the ring 0.81-0.90, the mesh 0.81-0.93); what holds 4x2 back at 2 Gbit/s is the
+// machine's two cores, which its 8 ranks share (at 1 Gbit/s the ring reached 0.91-0.95,
+// docs/multi_node.md). The cause of the mesh's lag, as far as measured: in the
 // mesh each NIC carries H-1 streams each way, which share the link unevenly, so some parts arrive
 // late and an all-reduce's second half, or the call's end, waits for the last (a 4x1 64 MiB mesh
 // all_reduce's ranks finished reducing between 243 and 406 ms); the cost model's flow skew

@@ -26,13 +26,18 @@ namespace shm {
 // with a factor other than 1 still stages the whole chunk, since the copy in is where the
 // factor is applied. 2 ranks, all_reduce_direct, float32, alternating builds: 64 KiB
 // 10.8 -> 10.0 us; 1 MiB and 4 MiB the same within the noise (67-69 and 270-284 us).
-// ReduceScatterSteps does the same with the parts this rank reduces: a hierarchical
+// ReduceScatterSteps does the same with the parts only this rank reduces: a hierarchical
 // all-reduce or reduce-scatter with 2 ranks per host copies half its input into the segment
-// instead of all of it. reduce_scatter_tensor on one host of 2 ranks, float32, alternating
-// builds (bench collectives --repeat 3; three runs before, five after): 4 MiB 257-308 ->
-// 159-205 us, other sizes from 64 KiB to 64 MiB level within the noise. On 4 hosts of 2 ranks
-// (bench multihost, 2 Gbit/s, 64 MiB reduce_scatter, four rounds each) each rank's shared-memory
-// steps were busy 62-64 ms instead of 72-80; the calls' times stayed within the noise.
+// instead of all of it. Reading the input there is safe for its callers: on one host the
+// output may overlap the input only at this rank's own block (apart_from in op_helpers.h),
+// so a step reads and writes the same elements; across hosts the steps write a scratch
+// buffer, and whatever is later written into the input in place (reduced chunks, all-gather
+// data) reaches a chunk only after the step that read it, since ready() passed it first.
+// reduce_scatter_tensor on one host of 2 ranks, float32, alternating builds (bench collectives
+// --repeat 3; three runs before, five after): 4 MiB 257-308 -> 159-205 us, other sizes from 64 KiB
+// to 64 MiB level within the noise. On 4 hosts of 2 ranks (bench multihost, 2 Gbit/s, 64 MiB
+// reduce_scatter, four rounds each) each rank's shared-memory steps were busy 62-64 ms instead of
+// 72-80; the calls' times stayed within the noise.
 //
 // Note [One-shot threshold]
 // The one-shot algorithm saves a sync but every rank reads all n buffers, (n-1)S bytes
@@ -86,8 +91,8 @@ class ReduceScatterSteps {
   DType out_t_;
   bool first_ = true, done_ = false;
   std::vector<const void*> srcs_;
-  // Per part: whether this rank copies it into its buffer, i.e. another local rank reduces it
-  // (Note [My slice stays home]).
+  // Per part: whether this rank copies it into its buffer: another local rank reduces it, or
+  // a PREMUL_SUM factor is applied in the copy (Note [My slice stays home]).
   std::vector<uint8_t> staged_;
 };
 
