@@ -411,10 +411,11 @@ def main(argv: list[str] | None = None) -> int:
             congestion=congestion,
         )
         trained[f"1x{world}"] = got["training"]
-    congestion_name = congestion or f"the machine's ({_machine_congestion()})"
+    ran = congestion or _machine_congestion()  # what the hosts' TCP ran
+    whose = "" if congestion else " (the machine's)"
     print(
-        f"NIC rate {args.rate} per host, both directions; TCP congestion control"
-        f" {congestion_name}; float32; median of {args.iters} calls"
+        f"NIC rate {args.rate} per host, both directions; TCP congestion control {ran}{whose};"
+        f" float32; median of {args.iters} calls"
     )
     print(table(rows, rate))
     if args.timeline:
@@ -429,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         # model's CPU share, Note [Cost model] in cost_model.py).
         "cores": os.cpu_count(),
         "burst_bytes": netns.BURST_BYTES,  # what each cable passes above the rate at once
-        "congestion": congestion or _machine_congestion(),  # the hosts' TCP congestion control
+        "congestion": ran,  # the hosts' TCP congestion control
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "recorded": time.strftime("%Y-%m-%d %H:%M %Z"),
         "rows": rows,
