@@ -288,8 +288,11 @@ class ShmComm {
   bool oversubscribed_ = false;  // more local ranks than CPUs: skip the busy spin
   int spin_us_ = 200;            // busy-spin budget per wait, caller thread
   int worker_spin_us_ = 20;      // same on worker threads
-  size_t chunk_bytes_ = 0;       // pipeline chunk, <= buffer_bytes
-  size_t stream_bytes_ = 0;      // see stream_output()
+  // Waits in a row that outlasted their spin budget (Note [Spin only where it pays]).
+  static constexpr int kSpinMissesToStop = 2;
+  std::atomic<int> spin_misses_{0};
+  size_t chunk_bytes_ = 0;   // pipeline chunk, <= buffer_bytes
+  size_t stream_bytes_ = 0;  // see stream_output()
 };
 
 }  // namespace smddp
