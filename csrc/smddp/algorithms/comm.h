@@ -182,6 +182,8 @@ class Communicator {
   void hier_allreduce(void* data, size_t count, const Reduction& red, const OpCtx& ctx);
   // The messages a part of `len` units of `esz` bytes crosses the network in (at least one).
   std::vector<Span> net_chunks(size_t len, size_t esz) const;
+  // The largest such message, in bytes (Note [A message per local step] in comm_hier.cpp).
+  size_t net_chunk_bytes() const;
   class LocalGather;  // below
   // This host's partial sums (accumulation type) of the parts I handle: the input itself,
   // or made by shared-memory steps that run during the exchange.
@@ -189,10 +191,14 @@ class Communicator {
     std::vector<void*> ptr;                          // by position in owned[local_rank]
     std::vector<std::vector<int>> owned;             // handled(), read by `steps`
     std::unique_ptr<shm::ReduceScatterSteps> steps;  // null: ptr holds them all already
+    // Elements from the start of part p that are final here.
+    size_t ready(int p) const;
     ~HostPartials();
   };
+  // in_ring_order: the steps make the parts final host by host, in the order a rail ring
+  // needs them (Note [Parts in the order the ring needs them] in comm_ring.cpp).
   void start_host_partials(HostPartials& hp, const void* in, const std::vector<Span>& parts,
-                           const Reduction& red, const OpCtx& ctx);
+                           const Reduction& red, const OpCtx& ctx, bool in_ring_order);
   // Sends the partials to the parts' ranks and reduces my part into `dst` chunk by chunk;
   // `reduced` runs after each chunk and may post sends, and `more_recvs` are received in
   // the same exchange; `gather` (an all-reduce's) learns of each of them as it arrives and

@@ -87,6 +87,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <utility>
 
 #include "smddp/algorithms/comm.h"
 #include "smddp/algorithms/kernels.h"
@@ -158,8 +159,39 @@ std::vector<std::vector<int>> Communicator::handled() const {
   return owned;
 }
 
+// Note [A message per local step]
+// With several ranks on a host, a network message leaves only once the shared-memory
+// reduce-scatter steps made it final (Note [Pipelined exchanges]), and a step makes one
+// chunk of each of its parts final: buffer_bytes / (the parts it carries) elements' bytes.
+// The mesh's steps carry every part, so on 2 hosts of 2 ranks a 512 KiB message waited for
+// two 256 KiB steps before the network carried anything; a ring's steps carry one part per
+// local rank (Note [Parts in the order the ring needs them] in comm_ring.cpp). So where hosts
+// have several ranks a message is at most what one step makes final of a part, and at least
+// kMinNetChunk, below which the cost of a message (a header, a poll round, a syscall each
+// way) outweighs the start-up it saves. 2x2 at 2 Gbit/s (the mesh, three alternating rounds,
+// medians of the fraction of the NIC bound), 512 KiB -> 256 KiB messages: reduce_scatter 16
+// and 64 MiB 0.90 and 0.90 -> 0.93 and 0.95, all_gather 16 MiB 0.92 -> 0.94, the rest level.
+// On 4x2 with the ring's phases the rule gives 512 KiB; capping the ring at the mesh's
+// buffer_bytes / size (128 KiB) was level from 16 MiB and slower at 1 MiB (three rounds).
+// The rule reads only the layout and settings every rank shares (Note [Settings every rank
+// shares]): every rank cuts a part into the same messages, which sender and receiver must
+// agree on. One rank per host keeps net_chunk_bytes: no step gates its sends.
+constexpr size_t kMinNetChunk = 64 << 10;
+
+size_t Communicator::net_chunk_bytes() const {
+  size_t bytes = cfg_.settings.net_chunk_bytes;
+  if (layout_.hosts < cfg_.size) {
+    // The parts one local step carries a chunk of: a ring's phase has one per local rank
+    // (Note [Parts in the order the ring needs them] in comm_ring.cpp), the mesh's steps all.
+    const size_t ways = rail_ring_chosen() ? static_cast<size_t>(layout_.local_size)
+                                           : static_cast<size_t>(cfg_.size);
+    bytes = std::min(bytes, std::max(kMinNetChunk, cfg_.settings.buffer_bytes / ways));
+  }
+  return bytes;
+}
+
 std::vector<Span> Communicator::net_chunks(size_t len, size_t esz) const {
-  const size_t per = std::max<size_t>(1, cfg_.settings.net_chunk_bytes / esz);
+  const size_t per = std::max<size_t>(1, net_chunk_bytes() / esz);
   std::vector<Span> chunks;
   for (size_t o = 0; o < len; o += per) chunks.push_back({o, std::min(per, len - o)});
   if (chunks.empty()) chunks.push_back({0, 0});  // an empty part still sends its message
@@ -168,9 +200,11 @@ std::vector<Span> Communicator::net_chunks(size_t len, size_t esz) const {
 
 Communicator::HostPartials::~HostPartials() = default;
 
+size_t Communicator::HostPartials::ready(int p) const { return steps ? steps->ready(p) : SIZE_MAX; }
+
 void Communicator::start_host_partials(HostPartials& hp, const void* in,
                                        const std::vector<Span>& parts, const Reduction& red,
-                                       const OpCtx& ctx) {
+                                       const OpCtx& ctx, bool in_ring_order) {
   const DType acc = acc_type(red.dtype);
   const size_t aesz = dtype_size(acc);
   hp.owned = handled();
@@ -191,8 +225,16 @@ void Communicator::start_host_partials(HostPartials& hp, const void* in,
     hp.ptr[k] = buf;
     buf += parts[mine[k]].len * aesz;
   }
+  std::vector<int> phase_of;
+  if (in_ring_order) {
+    // Host me-1's parts first (sent at the ring's step 0), then me-2's, ..., mine last.
+    const int H = layout_.hosts;
+    for (int p = 0; p < cfg_.size; ++p) {
+      phase_of.push_back(((layout_.host - 1 - host_index_[p]) % H + H) % H);
+    }
+  }
   hp.steps = std::make_unique<shm::ReduceScatterSteps>(*shm_, in, parts, hp.owned, hp.ptr, red,
-                                                       false, ctx);
+                                                       false, ctx, std::move(phase_of));
 }
 
 void Communicator::rail_reduce_scatter(HostPartials& hp, const std::vector<Span>& parts, void* dst,
@@ -210,7 +252,6 @@ void Communicator::rail_reduce_scatter(HostPartials& hp, const std::vector<Span>
     incoming_.resize(static_cast<size_t>(H) * my_len * aesz);
   }
   auto from_host = [&](int h) { return incoming_.data() + static_cast<size_t>(h) * my_len * aesz; };
-  auto ready = [&] { return hp.steps ? hp.steps->ready() : SIZE_MAX; };
 
   Exchange x;
   const uint64_t chk = check_of(ctx);
@@ -239,7 +280,7 @@ void Communicator::rail_reduce_scatter(HostPartials& hp, const std::vector<Span>
     for (size_t k = 0; k < n; ++k) {
       for (; sent[k] < out[k].size(); ++sent[k]) {
         const Span& c = out[k][sent[k]];
-        if (c.off + c.len > ready()) break;
+        if (c.off + c.len > hp.ready(my_parts[k])) break;
         x.sends.push_back({my_parts[k], tag(ctx, 1), static_cast<char*>(hp.ptr[k]) + c.off * aesz,
                            c.len * aesz, chk});
       }
@@ -253,7 +294,7 @@ void Communicator::rail_reduce_scatter(HostPartials& hp, const std::vector<Span>
   std::vector<uint8_t> done(mine.size(), 0);
   std::vector<const void*> srcs(H);
   auto reduce_chunk = [&](size_t c) {
-    if (done[c] || missing[c] || mine[c].off + mine[c].len > ready()) return;
+    if (done[c] || missing[c] || mine[c].off + mine[c].len > hp.ready(cfg_.rank)) return;
     done[c] = 1;
     Timeline::Phase phase(timeline_, ctx.seq, "reduce", mine[c].len * aesz);
     for (int h = 0; h < H; ++h) {
@@ -292,8 +333,9 @@ void Communicator::rail_reduce_scatter(HostPartials& hp, const std::vector<Span>
 void Communicator::hier_reduce_scatter(const void* in, const std::vector<Span>& parts, void* dst,
                                        const Reduction& red, const OpCtx& ctx) {
   HostPartials hp;
-  start_host_partials(hp, in, parts, red, ctx);
-  if (rail_ring_chosen()) {
+  const bool ring = rail_ring_chosen();
+  start_host_partials(hp, in, parts, red, ctx, ring);
+  if (ring) {
     RingJob job;
     job.parts = &parts;
     job.partials = &hp;
@@ -447,8 +489,9 @@ void Communicator::hier_allreduce(void* data, size_t count, const Reduction& red
     gather.arrived(own + chunk.off * esz, chunk.len * esz);
   };
   HostPartials hp;
-  start_host_partials(hp, data, parts, red, ctx);
-  if (rail_ring_chosen()) {
+  const bool ring = rail_ring_chosen();
+  start_host_partials(hp, data, parts, red, ctx, ring);
+  if (ring) {
     RingJob job;
     job.parts = &parts;
     job.partials = &hp;

@@ -60,6 +60,25 @@
 // is safe: the owner of part p finishes a chunk only after the chunk passed every other
 // host, so this rank read (or, at step 0, finished sending) its partial of that chunk
 // before any all-gather data for it can exist.
+//
+// Note [Parts in the order the ring needs them]
+// With several ranks per host the host partials come from shared-memory reduce-scatter steps that
+// run during the exchange. Each step used to carry a chunk of every part, so the part the ring
+// sends first (host me-1's, at step 0) was final only at the pace of all of them: on 4 simulated
+// hosts of 2 ranks at 2 Gbit/s, in a 64 MiB reduce_scatter of 203-217 ms, the steps finished 48-66
+// ms into the call, and the chunks of the ring's step 0 arrived over 66-78 ms on the 8 ranks
+// (median 72), those of steps 1 and 2 over 62-74 (medians 69 and 66; the NIC bound of a step is 67
+// ms) (bench multihost --timeline, one call). The steps now run in phases, one per host in the
+// order the ring needs its parts (start_host_partials): host me-1's parts first (sent at step 0),
+// then me-2's (reduced into what arrives at step 0), ..., this host's own last (completed at the
+// last step). Each phase's steps carry a chunk of one part per local rank, from the same buffer, so
+// the first message is final after one step. The same parts are reduced in the same order, so
+// results do not change. Four simulated hosts of 2 ranks at 2 Gbit/s, three alternating rounds,
+// medians of the fraction of the NIC bound at 16 and 64 MiB, before (with Note [Spin only where it
+// pays] already) and after (with 128 KiB messages then; the 512 KiB of Note [A message per local
+// step] in comm_hier.cpp matched them within the noise in three more rounds): reduce_scatter 0.85
+// and 0.90 -> 0.91 and 0.94, all_reduce 0.88 and 0.90 -> 0.92 and 0.95. The mesh keeps one phase:
+// it sends every part at once, to every host, and needs no order.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -142,7 +161,6 @@ void Communicator::rail_ring(const RingJob& job, const OpCtx& ctx) {
   std::vector<std::vector<uint8_t>> got(steps);
   std::vector<size_t> received(steps, 0), reduced(steps, 0);
   size_t step0_ready = 0;
-  auto ready = [&] { return hp && hp->steps ? hp->steps->ready() : SIZE_MAX; };
   if (hp) {
     size_t total = 0;
     for (int s = 0; s < steps; ++s) total += len_of(part_at(s, 2)) * aesz;
@@ -203,14 +221,16 @@ void Communicator::rail_ring(const RingJob& job, const OpCtx& ctx) {
   auto advance = [&] {
     if (hp) {
       for (; step0_ready < first.size(); ++step0_ready) {
-        if (first[step0_ready].off + first[step0_ready].len > ready()) break;
+        if (first[step0_ready].off + first[step0_ready].len > hp->ready(rail_[part_at(0, 1)])) {
+          break;
+        }
         rs_out.ready[rs_first[0] + step0_ready] = 1;
       }
       for (int s = 0; s < steps; ++s) {
         const int r = part_at(s, 2);
         for (; reduced[s] < received[s]; ++reduced[s]) {
           const Span& c = rs_chunks[s][reduced[s]];
-          if (c.off + c.len > ready()) break;
+          if (c.off + c.len > hp->ready(rail_[r])) break;
           Timeline::Phase phase(timeline_, ctx.seq, "reduce", c.len * aesz);
           char* sum = inbuf[s] + c.off * aesz;
           srcs[0] = sum;

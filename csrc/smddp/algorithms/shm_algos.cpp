@@ -98,7 +98,7 @@ void allreduce(ShmComm& c, void* data, size_t count, const Reduction& red, const
 ReduceScatterSteps::ReduceScatterSteps(ShmComm& c, const void* in, const std::vector<Span>& parts,
                                        const std::vector<std::vector<int>>& owned,
                                        const std::vector<void*>& dst, const Reduction& red,
-                                       bool finish, const OpCtx& ctx)
+                                       bool finish, const OpCtx& ctx, std::vector<int> phase_of)
     : c_(c),
       src_(static_cast<const char*>(in)),
       parts_(parts),
@@ -110,9 +110,9 @@ ReduceScatterSteps::ReduceScatterSteps(ShmComm& c, const void* in, const std::ve
       esz_(dtype_size(red.dtype)),
       out_t_(finish ? red.dtype : acc_type(red.dtype)),
       srcs_(c.size()),
-      staged_(parts.size(), 0) {
+      staged_(parts.size(), 0),
+      phase_of_(std::move(phase_of)) {
   out_esz_ = dtype_size(out_t_);
-  for (const Span& p : parts) maxlen_ = std::max(maxlen_, p.len);
   // Note [My slice stays home] in shm_algos.h: a part only this rank reduces stays in its
   // input, unless the copy in is where a PREMUL_SUM's factor is applied.
   const bool scaled = red.op == RedOp::PREMUL_SUM && red.premul != 1.0;
@@ -121,10 +121,58 @@ ReduceScatterSteps::ReduceScatterSteps(ShmComm& c, const void* in, const std::ve
       if (i != c.rank() || scaled) staged_[p] = 1;
     }
   }
-  // Each step carries one chunk of every part: bounded by the buffer, and by the pipeline
-  // chunk per part so the step's reads stay in cache.
-  chunk_ = std::min(chunk_elems(c.buffer_bytes(), parts.size(), esz_),
-                    chunk_elems(c.chunk_bytes(), 1, esz_));
+  if (phase_of_.empty()) {
+    enter(0);
+    return;
+  }
+  SMDDP_CHECK(phase_of_.size() == parts.size(),
+              "smddp: reduce-scatter steps got phases for another number of parts (a bug)");
+  // Each phase's parts take consecutive slots of the step buffer.
+  slot_.assign(parts.size(), 0);
+  for (size_t p = 0; p < parts.size(); ++p) {
+    SMDDP_CHECK(phase_of_[p] >= 0, "smddp: a reduce-scatter phase is negative (a bug)");
+    const size_t ph = static_cast<size_t>(phase_of_[p]);
+    if (ph >= phase_parts_.size()) {
+      phase_parts_.resize(ph + 1, 0);
+      phase_maxlen_.resize(ph + 1, 0);
+    }
+    slot_[p] = phase_parts_[ph]++;
+    phase_maxlen_[ph] = std::max(phase_maxlen_[ph], parts[p].len);
+  }
+  // Empty phases are skipped, but a collective of empty parts still runs its one step.
+  size_t first = 0;
+  while (first + 1 < phase_parts_.size() && phase_maxlen_[first] == 0) ++first;
+  enter(first);
+}
+
+void ReduceScatterSteps::enter(size_t ph) {
+  const bool phased = !phase_of_.empty();
+  const size_t phases = phased ? phase_parts_.size() : 1;
+  if (ph >= phases) {
+    done_ = true;
+    return;
+  }
+  phase_ = ph;
+  next_ = 0;
+  size_t ways = parts_.size();
+  maxlen_ = 0;
+  if (phased) {
+    ways = phase_parts_[ph];
+    maxlen_ = phase_maxlen_[ph];
+  } else {
+    for (const Span& p : parts_) maxlen_ = std::max(maxlen_, p.len);
+  }
+  // Each step carries one chunk of every part of its phase: bounded by the buffer, and by
+  // the pipeline chunk per part so the step's reads stay in cache.
+  chunk_ = std::min(chunk_elems(c_.buffer_bytes(), std::max<size_t>(ways, 1), esz_),
+                    chunk_elems(c_.chunk_bytes(), 1, esz_));
+}
+
+size_t ReduceScatterSteps::ready(int p) const {
+  if (done_) return SIZE_MAX;
+  const size_t ph = phase(static_cast<size_t>(p));
+  if (ph < phase_) return SIZE_MAX;
+  return ph == phase_ ? next_ : 0;
 }
 
 void ReduceScatterSteps::step() {
@@ -133,26 +181,31 @@ void ReduceScatterSteps::step() {
   const size_t o = next_;
   uint64_t s = c_.begin_step(ctx_, first_);
   first_ = false;
-  // My buffer holds the same chunk of every part: part p at p * chunk elements.
+  // My buffer holds the same chunk of every part of the phase, each at its slot.
   for (size_t p = 0; p < parts_.size(); ++p) {
-    if (!staged_[p]) continue;
+    if (!staged_[p] || phase(p) != phase_) continue;
     Span piece = clip(parts_[p], o, chunk_);
-    copy_in(c_.mine(s, p * chunk_ * esz_, piece.len * esz_), src_ + piece.off * esz_, piece.len,
-            red_);
+    copy_in(c_.mine(s, slot(p) * chunk_ * esz_, piece.len * esz_), src_ + piece.off * esz_,
+            piece.len, red_);
   }
   c_.post(s, 1);
   c_.wait_all(s, 1, ctx_);
   for (size_t k = 0; k < owned_[me].size(); ++k) {
-    int p = owned_[me][k];
+    const size_t p = static_cast<size_t>(owned_[me][k]);
+    if (phase(p) != phase_) continue;
     Span piece = clip(parts_[p], o, chunk_);
-    for (int i = 0; i < n; ++i) srcs_[i] = c_.peer(i, s) + p * chunk_ * esz_;
+    for (int i = 0; i < n; ++i) srcs_[i] = c_.peer(i, s) + slot(p) * chunk_ * esz_;
     if (!staged_[p]) srcs_[me] = src_ + piece.off * esz_;
     reduce(red_.dtype, out_t_, static_cast<char*>(dst_[k]) + o * out_esz_, srcs_.data(), n,
            piece.len, red_, finish_);
   }
   c_.end_step(s);
   next_ = o + chunk_;
-  done_ = next_ >= maxlen_;
+  if (next_ < maxlen_) return;
+  // The next phase with anything in it.
+  size_t ph = phase_ + 1;
+  while (ph < phase_parts_.size() && phase_maxlen_[ph] == 0) ++ph;
+  enter(ph);
 }
 
 void reduce_scatter(ShmComm& c, const void* in, const std::vector<Span>& parts,

@@ -68,17 +68,28 @@ void reduce_scatter(ShmComm& c, const void* in, const std::vector<Span>& parts,
 // steps (Note [Pipelined exchanges] in comm_hier.cpp). Every local rank must run every
 // step, in order; a step waits only for the other local ranks' same step. The arguments
 // must outlive the object.
+//
+// phase_of, if not empty, gives each part a phase: the steps finish the parts of phase 0,
+// then those of phase 1, and so on, each phase's steps carrying a chunk of each of its parts
+// only (Note [Parts in the order the ring needs them] in comm_ring.cpp). Every local rank
+// must pass the same phases. Empty: one phase, every part.
 class ReduceScatterSteps {
  public:
   ReduceScatterSteps(ShmComm& c, const void* in, const std::vector<Span>& parts,
                      const std::vector<std::vector<int>>& owned, const std::vector<void*>& dst,
-                     const Reduction& red, bool finish, const OpCtx& ctx);
+                     const Reduction& red, bool finish, const OpCtx& ctx,
+                     std::vector<int> phase_of = {});
   bool done() const { return done_; }
-  // Elements from the start of every part that are final in dst (all of them once done).
-  size_t ready() const { return done_ ? SIZE_MAX : next_; }
+  // Elements from the start of part p that are final in dst (all of them once done).
+  size_t ready(int p) const;
   void step();
 
  private:
+  // Enters phase ph (its chunk and longest part), or ends the steps if ph is past the last.
+  void enter(size_t ph);
+  size_t phase(size_t p) const { return phase_of_.empty() ? 0 : phase_of_[p]; }
+  size_t slot(size_t p) const { return slot_.empty() ? p : slot_[p]; }
+
   ShmComm& c_;
   const char* src_;
   const std::vector<Span>& parts_;
@@ -87,13 +98,19 @@ class ReduceScatterSteps {
   const Reduction& red_;
   bool finish_;
   const OpCtx& ctx_;
-  size_t esz_, out_esz_, maxlen_ = 0, chunk_, next_ = 0;
+  size_t esz_, out_esz_, next_ = 0, chunk_ = 0, maxlen_ = 0;  // chunk_, maxlen_: the phase's
   DType out_t_;
   bool first_ = true, done_ = false;
   std::vector<const void*> srcs_;
   // Per part: whether this rank copies it into its buffer: another local rank reduces it, or
   // a PREMUL_SUM factor is applied in the copy (Note [My slice stays home]).
   std::vector<uint8_t> staged_;
+  // With phases only (empty otherwise, so a plain reduce-scatter allocates nothing more):
+  std::vector<int> phase_of_;         // per part
+  std::vector<size_t> slot_;          // per part: its place in its phase's steps' buffers
+  std::vector<size_t> phase_parts_;   // per phase: how many parts it has
+  std::vector<size_t> phase_maxlen_;  // per phase: its longest part
+  size_t phase_ = 0;                  // the phase under way
 };
 
 // All-gather over parts given in bytes: local rank i contributes the parts owned[i], this
