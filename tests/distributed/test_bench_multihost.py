@@ -16,8 +16,11 @@ pytestmark = [
 ]
 
 RATE = 10**9
-# Large enough that a part crosses in several messages (SMDDP_NET_CHUNK_BYTES, 512 KiB).
+# Large enough that a part crosses in several messages (256 KiB on 2x2: Note [A message per
+# local step] in csrc/smddp/algorithms/comm_hier.cpp).
 SIZE = 4 << 20
+BACKENDS = ["smddp", "gloo", "bare-tcp"]
+ALGORITHM = {"smddp": "mesh", "gloo": "flat_ring", "bare-tcp": "bare_ring"}
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +34,7 @@ def short_run():
         RATE,
         list(multihost.OPS),
         [SIZE],
-        ["smddp", "gloo"],
+        BACKENDS,
         2,
         240,
         identical=True,
@@ -42,12 +45,13 @@ def short_run():
 def test_results_respect_the_nic_and_the_counters(short_run):
     rows = short_run["rows"]
     assert {(r["op"], r["backend"]) for r in rows} == {
-        (op, b) for op in multihost.OPS for b in ("smddp", "gloo")
+        (op, b) for op in multihost.OPS for b in BACKENDS
     }
     for r in rows:
         assert r["ok"], r
-        # Two hosts cross in one exchange: the mesh (gloo: its ring over all ranks).
-        assert r["algorithm"] == ("mesh" if r["backend"] == "smddp" else "flat_ring"), r
+        # Two hosts cross in one exchange: the mesh (gloo: its ring over all ranks; the
+        # ceiling: bare streams along the rails).
+        assert r["algorithm"] == ALGORITHM[r["backend"]], r
         # What no call can beat: the bytes beyond the buckets' bursts (96 KiB at each end of
         # the cable, netns.BURST) at the NIC's rate. Faster means the shaping did not hold.
         floor = (multihost.min_bytes(r["op"], 2, r["bytes"]) - 2 * 96 * 1024) * 8 / RATE
@@ -55,6 +59,7 @@ def test_results_respect_the_nic_and_the_counters(short_run):
         assert r["tx_per_call"] >= 0.98 * multihost.min_bytes(r["op"], 2, r["bytes"]), r
     text = multihost.table(rows, RATE)
     assert "| 2x2 | all_reduce | 4 MiB |" in text and "gloo / smddp" in text
+    assert "smddp of bare-tcp" in text and "gloo of bare-tcp" in text
 
 
 def test_results_are_bit_identical_across_hosts(short_run):
@@ -127,7 +132,7 @@ def test_each_host_runs_the_congestion_control_asked_for():
 def test_the_local_all_gather_runs_during_the_exchange(short_run):
     # Note [Local all-gather during the exchange]: the shared-memory all-gather's steps start
     # while parts still cross the network, not once the exchange is over. Each rank handles
-    # 2 parts of 1 MiB here, each 2 messages, so a step can start after the first ones.
+    # 2 parts of 1 MiB here, each in 4 messages, so a step can start after the first ones.
     for r in short_run["rows"]:
         if r["backend"] != "smddp" or r["op"] == "reduce_scatter_tensor":
             continue

@@ -14,6 +14,7 @@ import statistics
 from collections.abc import Callable, Iterable
 
 from torch_sagemaker.bench import cost_model as cm
+from torch_sagemaker.bench.bare_tcp import BARE_TCP
 from torch_sagemaker.bench.netns import BURST_BYTES
 
 # The largest relative error the model claims on the recorded points (tests/data/multihost,
@@ -100,11 +101,14 @@ def points(runs: Iterable[dict]) -> list[Point]:
     """The rows of ``bench multihost --json`` files as points.
 
     A file without ``cores`` (written before it was recorded) is taken as a 2-core machine,
-    one without ``burst_bytes`` as cables of netns.BURST_BYTES (every run so far).
+    one without ``burst_bytes`` as cables of netns.BURST_BYTES (every run so far). Rows of
+    the bare-TCP ceiling are left out.
     """
     out = []
     for run in runs:
         for r in run["rows"]:
+            if r["backend"] == BARE_TCP:  # no collective: the machine's ceiling
+                continue
             hosts, local = (int(x) for x in r["layout"].split("x"))
             out.append(
                 Point(

@@ -11,7 +11,10 @@ job per layout runs every backend: the default group is smddp's, and a gloo grou
 ranks. "smddp-mesh" and "smddp-ring" are further smddp groups over the same ranks that cross
 hosts by the mesh or by a ring whatever SMDDP_NET_ALGO says (``SMDDPOptions(net_algo=...)``;
 hosts of unequal rank counts, and two hosts, always take the mesh); each row records the
-algorithm that ran (``algorithm``: ``mesh``, ``ring``, or ``flat_ring`` for gloo). For every
+algorithm that ran (``algorithm``: ``mesh``, ``ring``, or ``flat_ring`` for gloo).
+"bare-tcp" is no collective but the ceiling the machine allows: the bytes of a ring on the
+ring's flows as bare TCP streams, with no other work (bench/bare_tcp.py, Note [The bare-TCP
+ceiling]); it is not trained and the cost model leaves it out. For every
 op and size S (nccl-tests' S: the all_reduce tensor, the all_gather output, the
 reduce_scatter input; float32), each backend runs a checked call, a warm-up call and
 ``--iters`` timed calls, each after a barrier; the time is the median over calls of the
@@ -45,10 +48,11 @@ import time
 from typing import Any
 
 from torch_sagemaker.bench import comma_list, cost_model_report, netns
+from torch_sagemaker.bench.bare_tcp import BARE_TCP
 from torch_sagemaker.bench.cost_model import nic_factor
 
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
-BACKENDS = ("smddp", "smddp-mesh", "smddp-ring", "gloo")
+BACKENDS = ("smddp", "smddp-mesh", "smddp-ring", "gloo", BARE_TCP)
 MASTER_PORT = 29530  # inside the hosts' private network
 
 
@@ -224,8 +228,19 @@ def _layout_numbers(text: str) -> tuple[int, int]:
     return hosts, local
 
 
+def _ratio(per: dict[str, dict], a: str, b: str) -> str:
+    """A's time over b's, or "-" where either did not run."""
+    if a not in per or b not in per:
+        return "-"
+    return f"{per[a]['seconds'] / per[b]['seconds']:.2f}"
+
+
 def table(rows: list[dict], rate_bits: int) -> str:
-    """The rows as a markdown table, every backend side by side (a ratio column for two)."""
+    """The rows as a markdown table, every backend side by side.
+
+    Two backends get a ratio column; with the bare-TCP ceiling, each other backend gets a
+    column of the ceiling's time over its own.
+    """
     from torch_sagemaker.bench.collectives_report import format_size
 
     by_key: dict[tuple, dict[str, dict]] = {}
@@ -235,8 +250,12 @@ def table(rows: list[dict], rate_bits: int) -> str:
     head = ["layout", "op", "size", "bound ms"]
     for b in backends:
         head += [f"{b} ms", f"{b} of bound", f"{b} wire", f"{b} drops"]
-    if len(backends) == 2:
-        head.append(f"{backends[1]} / {backends[0]}")
+    compared = [b for b in backends if b != BARE_TCP]
+    ceiling = BARE_TCP in backends
+    if len(compared) == 2:
+        head.append(f"{compared[1]} / {compared[0]}")
+    if ceiling:
+        head += [f"{b} of {BARE_TCP}" for b in compared]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (layout, op, size), per in by_key.items():
         hosts = int(layout.split("x")[0])
@@ -254,13 +273,15 @@ def table(rows: list[dict], rate_bits: int) -> str:
                 f"{r['tx_per_call'] / min_bytes(op, hosts, size):.2f}",
                 str(r["drops"]),
             ]
-        if len(backends) == 2 and all(b in per for b in backends):
-            cells.append(f"{per[backends[1]]['seconds'] / per[backends[0]]['seconds']:.2f}")
+        if len(compared) == 2:
+            cells.append(_ratio(per, compared[1], compared[0]))
+        if ceiling:
+            cells += [_ratio(per, BARE_TCP, b) for b in compared]
         lines.append("| " + " | ".join(cells) + " |")
     crossing = {
         (r["layout"], r["backend"]): r["algorithm"]
         for r in rows
-        if r["backend"] != "gloo" and "algorithm" in r
+        if r["backend"] not in ("gloo", BARE_TCP) and "algorithm" in r
     }
     if crossing:
         lines.append("")
@@ -377,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [parse_size(s) for s in args.sizes]
     rows: list[dict] = []
     trained: dict[str, dict[str, float]] = {}
-    train = args.backends if args.train else []
+    train = [b for b in args.backends if b != BARE_TCP] if args.train else []
     for hosts, local in layouts:
         got = run_layout(
             hosts,

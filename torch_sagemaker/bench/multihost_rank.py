@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import Any
 
 from torch_sagemaker.bench import netns
+from torch_sagemaker.bench.bare_tcp import BARE_TCP, BareRing
 
 # smddp groups that force how collectives cross hosts (SMDDPOptions.net_algo).
 FORCED_NET_ALGO = {"smddp-mesh": "mesh", "smddp-ring": "ring"}
@@ -124,8 +125,11 @@ def rank_main(spec: dict[str, Any]) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     counts_nic = rank % spec["local"] == 0  # one rank per host reads its NIC
     groups = {"smddp": dist.group.WORLD}
+    bare = None
     for name in spec["backends"]:  # in the same order on every rank: new_group is collective
-        if name == "gloo":
+        if name == BARE_TCP:
+            bare = BareRing(rank, spec["hosts"], spec["local"], _gather_objects)
+        elif name == "gloo":
             groups[name] = dist.new_group(backend="gloo")
         elif name in FORCED_NET_ALGO:
             options = SMDDPOptions(net_algo=FORCED_NET_ALGO[name])
@@ -135,6 +139,7 @@ def rank_main(spec: dict[str, Any]) -> None:
         name: "flat_ring" if name == "gloo" else group_layout(group)["net_algorithm"]
         for name, group in groups.items()
     }
+    algorithms[BARE_TCP] = "bare_ring"
     identical: list[Any] = [None] * world
     if spec.get("identical"):
         dist.all_gather_object(identical, _identical_results(dist.group.WORLD))
@@ -143,15 +148,21 @@ def rank_main(spec: dict[str, Any]) -> None:
     for op in spec["ops"]:
         for size in spec["sizes"]:
             for name in spec["backends"]:
-                group = groups[name]
-                run, check, actual = make_case(op, size, world, rank, group)
+                if name == BARE_TCP:
+                    assert bare is not None
+                    # make_case only for the size it rounds to: the bare streams move bytes.
+                    _, _, actual = make_case(op, size, world, rank, dist.group.WORLD)
+                    run, check = bare.case(op, actual)
+                else:
+                    run, check, actual = make_case(op, size, world, rank, groups[name])
+                timeline = spec.get("timeline") and name in groups and name != "gloo"
                 ok = check()
                 run()  # warm-up
                 dist.barrier()
                 before = netns.own_counters() if counts_nic else None
                 ports = netns.port_counters() if rank == 0 else None
-                if spec.get("timeline") and name != "gloo":
-                    _middle_call(group, op, 0)  # drops what the checked and warm-up calls left
+                if timeline:  # drop what the checked and warm-up calls left
+                    _middle_call(groups[name], op, 0)
                 times = []
                 for _ in range(spec["iters"]):
                     dist.barrier()
@@ -169,8 +180,8 @@ def rank_main(spec: dict[str, Any]) -> None:
                     mine["port_drops"] = sum(
                         ports_after[p]["drops"] - ports[p]["drops"] for p in ports_after
                     )
-                if spec.get("timeline") and name != "gloo":
-                    mine["timeline"] = _middle_call(group, op, spec["iters"])
+                if timeline:
+                    mine["timeline"] = _middle_call(groups[name], op, spec["iters"])
                 every: list[Any] = [None] * world
                 dist.all_gather_object(every, mine)
                 if rank == 0:
@@ -185,8 +196,18 @@ def rank_main(spec: dict[str, Any]) -> None:
                 },
                 f,
             )
+    if bare is not None:
+        bare.close()
     dist.barrier()
     end_rank()
+
+
+def _gather_objects(obj: object) -> list:
+    import torch.distributed as dist
+
+    every: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, obj)
+    return every
 
 
 def _middle_call(group, op: str, calls: int) -> list[list]:
