@@ -247,6 +247,7 @@ void Communicator::setup_shm(KeyValue& kv, const Deadline& dl) {
   sc.stream_bytes = set.stream_bytes;
   sc.spin_us = set.spin_us;
   sc.worker_spin_us = set.worker_spin_us;
+  sc.spin_adapts = layout_.hosts > 1;
   sc.move_off_cpu = set.move_off_cpu;
   sc.cpus = local_cpus_;
   // Tensor pools (Note [Zero-copy operands] in shm_algos.h) pay off only where the whole

@@ -407,14 +407,16 @@ void ShmComm::wait_all(uint64_t s, int phase, const OpCtx& ctx) {
 // each spin took CPU from the sockets the collective waited on. So a wait learns from the
 // waits before it (per ShmComm, so per group): after kSpinMissesToStop waits in a row that
 // lasted longer than the budget, waits sleep at once, and the first wait that ends within
-// the budget again (timed whether it spun or slept) turns the spin back on. A group whose
-// waits are short, as on one host, keeps spinning; at worst a short wait after two long
-// ones pays one wake-up. On 4 simulated hosts of 2 ranks at 2 Gbit/s (bench multihost,
-// cubic, four alternating rounds, medians of the fraction of the NIC bound), 16 and 64 MiB:
+// the budget again (timed whether it spun or slept) turns the spin back on; at worst a short
+// wait after two long ones pays one wake-up. Only groups that span hosts adapt
+// (ShmConfig::spin_adapts). On one host nothing but the peers' own work delays a step, and
+// there sleeping waits let the scheduler stack both ranks of a 2-rank group on one CPU (its
+// wake-up heuristics, see the policy above): with every group adapting, bench collectives (2
+// ranks, 1 KiB-64 MiB) ran 2-4x slower from 512 KiB in 3 of 8 runs, against none of 8 runs
+// of the build before. On 4 simulated hosts of 2 ranks at 2 Gbit/s (bench multihost, cubic,
+// four alternating rounds, medians of the fraction of the NIC bound), 16 and 64 MiB:
 // all_reduce 0.85 and 0.89 -> 0.88 and 0.92, reduce_scatter 0.84 and 0.86 -> 0.86 and 0.89,
-// all_gather level (0.87-0.92), the same as SMDDP_SPIN_US=0; the single-host figures of
-// bench collectives (2 ranks, 1 KiB-64 MiB, four or five alternating runs) stayed level
-// within the runs' spread.
+// all_gather level (0.87-0.92), the same as SMDDP_SPIN_US=0.
 void ShmComm::wait_progress(int i, uint64_t target, const OpCtx& ctx) {
   RankControl* c = ctl(i);
   if (c->progress.load(std::memory_order_acquire) >= target) return;
@@ -431,6 +433,7 @@ void ShmComm::wait_word(int i, const std::atomic<uint64_t>& word, std::atomic<ui
   const auto began = Clock::now();
   const auto limit = std::chrono::microseconds(budget);
   auto learn = [&] {
+    if (!cfg_.spin_adapts) return;
     if (Clock::now() - began < limit) {
       spin_misses_.store(0, std::memory_order_relaxed);
     } else if (spin_misses_.load(std::memory_order_relaxed) < kSpinMissesToStop) {

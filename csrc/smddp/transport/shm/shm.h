@@ -136,6 +136,9 @@ struct ShmConfig {
   int64_t stream_bytes = -1;  // -1: automatic
   int spin_us = 200;
   int worker_spin_us = 20;
+  // Waits stop spinning while they keep outlasting the budget (Note [Spin only where it
+  // pays] in shm.cpp): for a group whose ranks also serve the network between steps.
+  bool spin_adapts = false;
   bool move_off_cpu = false;
   // CPUs the host's ranks may run on: the fewest any of them may use (0: this process's).
   // It chooses the automatic chunk size, which every rank of the segment must agree on.
