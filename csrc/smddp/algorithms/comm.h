@@ -238,8 +238,10 @@ class Communicator {
    public:
     // `own`: where my own part is read from when it is all there now (an all-gather's
     // input); null when it is in its place in `out` and arrives there piece by piece.
+    // in_ring_order: the steps gather host by host in the order a rail ring delivers the
+    // parts (Note [Parts in the order the ring needs them] in comm_ring.cpp).
     LocalGather(Communicator& comm, char* out, const std::vector<Span>& parts, const char* own,
-                const OpCtx& ctx);
+                const OpCtx& ctx, bool in_ring_order);
     ~LocalGather();
     // `len` bytes at `at` in `out` are in place: the next piece of a part this rank handles.
     void arrived(const char* at, size_t len);

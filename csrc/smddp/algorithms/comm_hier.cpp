@@ -367,15 +367,24 @@ std::vector<TransportOp> Communicator::rail_allgather_recvs(char* out,
 
 Communicator::LocalGather::LocalGather(Communicator& comm, char* out,
                                        const std::vector<Span>& parts, const char* own,
-                                       const OpCtx& ctx)
+                                       const OpCtx& ctx, bool in_ring_order)
     : comm_(comm), out_(out), parts_(parts), ctx_(ctx) {
   if (comm.layout_.local_size == 1) return;
   owned_ = comm.handled();
   const std::vector<int>& mine = owned_[comm.layout_.local_rank];
   std::vector<const void*> src;
   for (int p : mine) src.push_back(p == comm.cfg_.rank && own ? own : out + parts[p].off);
-  steps_ =
-      std::make_unique<shm::AllGatherSteps>(*comm.shm_, std::move(src), out, parts, owned_, ctx);
+  std::vector<int> phase_of;
+  if (in_ring_order) {
+    // This host's parts first (here at once, or as they are reduced), then host me-1's (the
+    // ring's step 0 brings them), me-2's, ...
+    const int H = comm.layout_.hosts, me = comm.layout_.host;
+    for (int p = 0; p < comm.cfg_.size; ++p) {
+      phase_of.push_back(((me - comm.host_index_[p]) % H + H) % H);
+    }
+  }
+  steps_ = std::make_unique<shm::AllGatherSteps>(*comm.shm_, std::move(src), out, parts, owned_,
+                                                 ctx, std::move(phase_of));
   for (size_t k = 0; k < mine.size(); ++k) {
     if (mine[k] == comm.cfg_.rank && own) steps_->set_ready(k, parts[mine[k]].len);
   }
@@ -433,8 +442,9 @@ void Communicator::hier_allgather(const void* src, void* out, const std::vector<
     from = base + own.off;
   }
   const bool copy_during = copy && from != base + own.off;  // not already copied first
-  LocalGather gather(*this, base, parts, from, ctx);
-  if (rail_ring_chosen()) {
+  const bool ring = rail_ring_chosen();
+  LocalGather gather(*this, base, parts, from, ctx, ring);
+  if (ring) {
     RingJob job;
     job.parts = &parts;
     job.ag_out = base;
@@ -476,7 +486,8 @@ void Communicator::hier_allreduce(void* data, size_t count, const Reduction& red
   const uint64_t chk = check_of(ctx);
   // My part is reduced in place, in order, chunk by chunk: the local all-gather reads it
   // from there as it is made.
-  LocalGather gather(*this, base, bytes, nullptr, ctx);
+  const bool ring = rail_ring_chosen();
+  LocalGather gather(*this, base, bytes, nullptr, ctx, ring);
   // Each reduced chunk of my part goes on to its handlers on the other hosts at once (Note
   // [Pipelined exchanges]); the other hosts' reduced chunks of their parts land in place. The
   // all-gather's messages are cut at the reduce-scatter's chunk boundaries, in elements.
@@ -489,7 +500,6 @@ void Communicator::hier_allreduce(void* data, size_t count, const Reduction& red
     gather.arrived(own + chunk.off * esz, chunk.len * esz);
   };
   HostPartials hp;
-  const bool ring = rail_ring_chosen();
   start_host_partials(hp, data, parts, red, ctx, ring);
   if (ring) {
     RingJob job;

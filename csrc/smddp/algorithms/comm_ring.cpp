@@ -38,20 +38,20 @@
 // ring dropped nothing. From 64 KiB to 1 MiB on 16 hosts the two were within 15% of each
 // other either way (there 16 ranks share two cores, and the scheduler sets the time). With
 // 2 ranks per host (4x2) the two were level (0.64-0.81 from 16 MiB on hosts running BBR;
-// on cubic the ring 0.81-0.90, the mesh 0.81-0.93); what holds 4x2 back at 2 Gbit/s is the
-// machine's two cores, which its 8 ranks share (at 1 Gbit/s the ring reached 0.91-0.95,
-// docs/multi_node.md). The cause of the mesh's lag, as far as measured: in the
-// mesh each NIC carries H-1 streams each way, which share the link unevenly, so some parts arrive
-// late and an all-reduce's second half, or the call's end, waits for the last (a 4x1 64 MiB mesh
-// all_reduce's ranks finished reducing between 243 and 406 ms); the cost model's flow skew
-// (bench/cost_model.py) puts 1.0% of the NIC time on each stream beyond one (1.9% on hosts
-// running BBR). (An earlier
-// measurement had the ring no faster: the sockets' fixed buffers then held both back, Note
-// [Kernel-sized socket buffers] in tcp_wire.h.) Beyond 32 hosts auto keeps the mesh, unmeasured
-// here: a ring's 2(H-1) steps put H-1 message latencies on the critical path of every collective,
-// which small messages on a fast fabric feel first, and the mesh has one; neither is what scales
-// there (the cost model picks recursive halving/doubling, which smddp does not have).
-// SMDDP_NET_ALGO=ring or mesh forces either.
+// on cubic the ring 0.81-0.90, the mesh 0.81-0.93). What held 4x2 back at 2 Gbit/s was not
+// the machine's two cores, as first read, but the ring's start-up and spinning waits (Note
+// [Parts in the order the ring needs them]); the ring now reaches 0.88-0.94 there, against
+// 0.92-0.95 for bare TCP streams on its flows (docs/multi_node.md). The cause of the mesh's lag, as
+// far as measured: in the mesh each NIC carries H-1 streams each way, which share the link
+// unevenly, so some parts arrive late and an all-reduce's second half, or the call's end, waits for
+// the last (a 4x1 64 MiB mesh all_reduce's ranks finished reducing between 243 and 406 ms); the
+// cost model's flow skew (bench/cost_model.py) puts 1.0% of the NIC time on each stream beyond one
+// (1.9% on hosts running BBR). (An earlier measurement had the ring no faster: the sockets' fixed
+// buffers then held both back, Note [Kernel-sized socket buffers] in tcp_wire.h.) Beyond 32 hosts
+// auto keeps the mesh, unmeasured here: a ring's 2(H-1) steps put H-1 message latencies on the
+// critical path of every collective, which small messages on a fast fabric feel first, and the mesh
+// has one; neither is what scales there (the cost model picks recursive halving/doubling, which
+// smddp does not have). SMDDP_NET_ALGO=ring or mesh forces either.
 //
 // Buffers: each step's incoming running sums land in `incoming_`, and this rank's partial
 // is added in place there; the sum is then sent from there. In place (an all-reduce with

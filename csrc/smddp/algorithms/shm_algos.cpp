@@ -217,7 +217,8 @@ void reduce_scatter(ShmComm& c, const void* in, const std::vector<Span>& parts,
 
 AllGatherSteps::AllGatherSteps(ShmComm& c, std::vector<const void*> src, void* out,
                                const std::vector<Span>& parts,
-                               const std::vector<std::vector<int>>& owned, const OpCtx& ctx)
+                               const std::vector<std::vector<int>>& owned, const OpCtx& ctx,
+                               std::vector<int> phase_of)
     : c_(c),
       src_(std::move(src)),
       out_(static_cast<char*>(out)),
@@ -225,15 +226,58 @@ AllGatherSteps::AllGatherSteps(ShmComm& c, std::vector<const void*> src, void* o
       owned_(owned),
       ctx_(ctx),
       ready_(src_.size(), 0),
-      read_(c.size(), 0) {
-  size_t ways = 1, total = 0;
-  for (const Span& p : parts) {
-    maxlen_ = std::max(maxlen_, p.len);
-    total += p.len;
-  }
-  for (const auto& o : owned) ways = std::max(ways, o.size());
-  chunk_ = std::min(chunk_elems(c.buffer_bytes(), ways, 1), c.chunk_bytes());
+      read_(c.size(), 0),
+      phase_of_(std::move(phase_of)) {
+  size_t total = 0;
+  for (const Span& p : parts) total += p.len;
   stream_ = c.stream_output(total);
+  if (phase_of_.empty()) {
+    enter(0);
+    return;
+  }
+  SMDDP_CHECK(phase_of_.size() == parts.size(),
+              "smddp: all-gather steps got phases for another number of parts (a bug)");
+  // Each local rank's parts of a phase take consecutive slots of its step buffer.
+  slot_.resize(owned.size());
+  std::vector<std::vector<size_t>> count(owned.size());
+  for (size_t i = 0; i < owned.size(); ++i) {
+    for (int p : owned[i]) {
+      SMDDP_CHECK(phase_of_[p] >= 0, "smddp: an all-gather phase is negative (a bug)");
+      const size_t ph = static_cast<size_t>(phase_of_[p]);
+      if (ph >= phase_ways_.size()) {
+        phase_ways_.resize(ph + 1, 0);
+        phase_maxlen_.resize(ph + 1, 0);
+      }
+      if (ph >= count[i].size()) count[i].resize(ph + 1, 0);
+      slot_[i].push_back(count[i][ph]++);
+      phase_ways_[ph] = std::max(phase_ways_[ph], count[i][ph]);
+      phase_maxlen_[ph] = std::max(phase_maxlen_[ph], parts[p].len);
+    }
+  }
+  // Empty phases are skipped, but an all-gather of nothing still runs its one step.
+  size_t first = 0;
+  while (first + 1 < phase_ways_.size() && phase_maxlen_[first] == 0) ++first;
+  enter(first);
+}
+
+void AllGatherSteps::enter(size_t ph) {
+  const bool phased = !phase_of_.empty();
+  if (ph >= (phased ? phase_ways_.size() : 1)) {
+    done_ = true;
+    return;
+  }
+  phase_ = ph;
+  o_ = 0;
+  size_t ways = 1;
+  maxlen_ = 0;
+  if (phased) {
+    ways = std::max<size_t>(phase_ways_[ph], 1);
+    maxlen_ = phase_maxlen_[ph];
+  } else {
+    for (const Span& p : parts_) maxlen_ = std::max(maxlen_, p.len);
+    for (const auto& o : owned_) ways = std::max(ways, o.size());
+  }
+  chunk_ = std::min(chunk_elems(c_.buffer_bytes(), ways, 1), c_.chunk_bytes());
 }
 
 void AllGatherSteps::set_all_ready() {
@@ -242,11 +286,15 @@ void AllGatherSteps::set_all_ready() {
 
 bool AllGatherSteps::advance(bool wait) {
   const int n = c_.size(), me = c_.rank();
+  // Where local rank i's k-th part sits in its step buffer, and whether it is in this phase.
+  auto slot = [&](int i, size_t k) { return slot_.empty() ? k : slot_[i][k]; };
+  auto in_phase = [&](int i, size_t k) { return phase(owned_[i][k]) == phase_; };
   bool moved = false;
   while (!done_) {
     if (!s_) {
-      // A step carries the pieces at offset o_ of every part; mine must be ready.
+      // A step carries the pieces at offset o_ of every part of the phase; mine must be ready.
       for (size_t k = 0; k < owned_[me].size(); ++k) {
+        if (!in_phase(me, k)) continue;
         const Span& p = parts_[owned_[me][k]];
         if (ready_[k] < std::min(p.len, o_ + chunk_)) {
           SMDDP_CHECK(!wait, "smddp: a shared-memory all-gather finished before its input (a bug)");
@@ -261,10 +309,11 @@ bool AllGatherSteps::advance(bool wait) {
       s_ = c_.begin_step(ctx_, first_);
       first_ = false;
       for (size_t k = 0; k < owned_[me].size(); ++k) {
+        if (!in_phase(me, k)) continue;
         const Span piece = clip(parts_[owned_[me][k]], o_, chunk_);
         if (piece.len) {
-          std::memcpy(c_.mine(s_, k * chunk_, piece.len), static_cast<const char*>(src_[k]) + o_,
-                      piece.len);
+          std::memcpy(c_.mine(s_, slot(me, k) * chunk_, piece.len),
+                      static_cast<const char*>(src_[k]) + o_, piece.len);
         }
       }
       c_.post(s_, 1);
@@ -283,8 +332,9 @@ bool AllGatherSteps::advance(bool wait) {
         continue;
       }
       for (size_t k = 0; k < owned_[i].size(); ++k) {
+        if (!in_phase(i, k)) continue;
         const Span piece = clip(parts_[owned_[i][k]], o_, chunk_);
-        copy_out(out_ + piece.off, c_.peer(i, s_) + k * chunk_, piece.len, stream_);
+        copy_out(out_ + piece.off, c_.peer(i, s_) + slot(i, k) * chunk_, piece.len, stream_);
       }
       read_[i] = 1;
       moved = true;
@@ -296,7 +346,11 @@ bool AllGatherSteps::advance(bool wait) {
     c_.end_step(s_);
     s_ = 0;
     o_ += chunk_;
-    done_ = o_ >= maxlen_;   // one step at least, even with nothing to gather
+    if (o_ >= maxlen_) {  // one step at least, even with nothing to gather
+      size_t ph = phase_ + 1;
+      while (ph < phase_ways_.size() && phase_maxlen_[ph] == 0) ++ph;
+      enter(ph);
+    }
     if (!wait) return true;  // one step per poll
   }
   return moved;

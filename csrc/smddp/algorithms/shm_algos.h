@@ -130,9 +130,12 @@ void allgather(ShmComm& c, const std::vector<const void*>& src, void* out,
 // every part is ready. The arguments must outlive the object.
 class AllGatherSteps {
  public:
+  // phase_of as for ReduceScatterSteps: the steps gather the parts of phase 0 first, each
+  // phase's steps carrying a chunk of its parts only (Note [Parts in the order the ring needs
+  // them] in comm_ring.cpp). Empty: one phase, every part.
   AllGatherSteps(ShmComm& c, std::vector<const void*> src, void* out,
                  const std::vector<Span>& parts, const std::vector<std::vector<int>>& owned,
-                 const OpCtx& ctx);
+                 const OpCtx& ctx, std::vector<int> phase_of = {});
   // The first `bytes` of my k-th part (owned[me][k]) may be read from src[k].
   void set_ready(size_t k, size_t bytes) { ready_[k] = std::max(ready_[k], bytes); }
   size_t ready(size_t k) const { return ready_[k]; }
@@ -147,6 +150,9 @@ class AllGatherSteps {
 
  private:
   bool advance(bool wait);
+  // Enters phase ph (its chunk and longest part), or ends the steps if ph is past the last.
+  void enter(size_t ph);
+  size_t phase(size_t p) const { return phase_of_.empty() ? 0 : phase_of_[p]; }
 
   ShmComm& c_;
   std::vector<const void*> src_;
@@ -159,6 +165,12 @@ class AllGatherSteps {
   bool stream_ = false, first_ = true, done_ = false, on_peers_ = false;
   uint64_t s_ = 0;             // the step under way (0: none)
   std::vector<uint8_t> read_;  // peers whose pieces of step s_ were copied
+  // With phases only (empty otherwise):
+  std::vector<int> phase_of_;              // per part
+  std::vector<std::vector<size_t>> slot_;  // per local rank and owned part: its buffer slot
+  std::vector<size_t> phase_ways_;         // per phase: the most parts one rank has in it
+  std::vector<size_t> phase_maxlen_;       // per phase: its longest part
+  size_t phase_ = 0;                       // the phase under way
 };
 
 // Note [Zero-copy operands]

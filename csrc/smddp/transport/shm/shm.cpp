@@ -414,9 +414,12 @@ void ShmComm::wait_all(uint64_t s, int phase, const OpCtx& ctx) {
 // wake-up heuristics, see the policy above): with every group adapting, bench collectives (2
 // ranks, 1 KiB-64 MiB) ran 2-4x slower from 512 KiB in 3 of 8 runs, against none of 8 runs
 // of the build before. On 4 simulated hosts of 2 ranks at 2 Gbit/s (bench multihost, cubic,
-// four alternating rounds, medians of the fraction of the NIC bound), 16 and 64 MiB:
-// all_reduce 0.85 and 0.89 -> 0.88 and 0.92, reduce_scatter 0.84 and 0.86 -> 0.86 and 0.89,
-// all_gather level (0.87-0.92), the same as SMDDP_SPIN_US=0.
+// alternating builds), the ratio of the medians of the fraction of the NIC bound, adapting over
+// spinning, 16 and 64 MiB, in three sets of 4, 3 and 3 rounds: all_reduce 1.05 and 1.03, 1.01
+// and 1.03, 0.99 and 0.98; reduce_scatter 1.03 and 1.04, 1.05 and 1.01, 1.01 and 1.01;
+// all_gather 0.98-1.02. SMDDP_SPIN_US=0 in the first set matched adapting. A small gain in
+// the noise of these runs, then; it is kept because a spin that outlasts its budget is lost
+// work by construction, and here the sockets needed the core.
 void ShmComm::wait_progress(int i, uint64_t target, const OpCtx& ctx) {
   RankControl* c = ctl(i);
   if (c->progress.load(std::memory_order_acquire) >= target) return;
