@@ -25,7 +25,7 @@ from torch_sagemaker.bench import netns
 
 BARE_TCP = "bare-tcp"  # its name among bench multihost's backends
 _BUFFER_BYTES = 4 << 20  # what one send or receive call offers the kernel at most
-_CONNECT_TIMEOUT_S = 30.0
+_TIMEOUT_S = 30.0  # for connecting, and for each send or receive call
 
 
 def ring_bytes(op: str, size: int, hosts: int, local: int) -> int:
@@ -61,17 +61,19 @@ class BareRing:
         self.hosts, self.local = hosts, local
         host, local_rank = divmod(rank, local)
         listener = socket.create_server((netns.HOST_ADDRESS.format(host + 1), 0))
-        listener.settimeout(_CONNECT_TIMEOUT_S)
+        listener.settimeout(_TIMEOUT_S)
         ports = exchange(listener.getsockname()[1])
         nxt = (host + 1) % hosts
         self._out = socket.create_connection(
             (netns.HOST_ADDRESS.format(nxt + 1), ports[nxt * local + local_rank]),
-            timeout=_CONNECT_TIMEOUT_S,
+            timeout=_TIMEOUT_S,
         )
         self._in, _ = listener.accept()
         listener.close()
         for s in (self._out, self._in):
-            s.settimeout(_CONNECT_TIMEOUT_S)
+            s.settimeout(_TIMEOUT_S)
+            # As smddp's sockets (tcp_wire.h): a message's tail is not held back.
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._pattern = rank % 251 + 1
         prev = (host - 1) % hosts * local + local_rank
         self._expect = prev % 251 + 1

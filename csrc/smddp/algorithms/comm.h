@@ -191,8 +191,9 @@ class Communicator {
     std::vector<void*> ptr;                          // by position in owned[local_rank]
     std::vector<std::vector<int>> owned;             // handled(), read by `steps`
     std::unique_ptr<shm::ReduceScatterSteps> steps;  // null: ptr holds them all already
-    // Elements from the start of part p that are final here.
-    size_t ready(int p) const;
+    // Elements from the start of part `part` (a group rank's part, one this rank handles;
+    // not an index into ptr) that are final here.
+    size_t ready(int part) const;
     ~HostPartials();
   };
   // in_ring_order: the steps make the parts final host by host, in the order a rail ring

@@ -166,16 +166,18 @@ std::vector<std::vector<int>> Communicator::handled() const {
 // The mesh's steps carry every part, so on 2 hosts of 2 ranks a 512 KiB message waited for
 // two 256 KiB steps before the network carried anything; a ring's steps carry one part per
 // local rank (Note [Parts in the order the ring needs them] in comm_ring.cpp). So where hosts
-// have several ranks a message is at most what one step makes final of a part, and at least
-// kMinNetChunk, below which the cost of a message (a header, a poll round, a syscall each
-// way) outweighs the start-up it saves. 2x2 at 2 Gbit/s (the mesh, three alternating rounds,
-// medians of the fraction of the NIC bound), 512 KiB -> 256 KiB messages: reduce_scatter 16
+// have several ranks a message is at most what one step makes final of a part (rounded down
+// to 64 bytes as the steps' chunks are), but not cut below kMinNetChunk, below which the cost
+// of a message (a header, a poll round, a syscall each way) outweighs the start-up it saves;
+// an SMDDP_NET_CHUNK_BYTES below either still wins. 2x2 at 2 Gbit/s (the mesh, three alternating
+// rounds, medians of the fraction of the NIC bound), 512 KiB -> 256 KiB messages: reduce_scatter 16
 // and 64 MiB 0.90 and 0.90 -> 0.93 and 0.95, all_gather 16 MiB 0.92 -> 0.94, the rest level.
 // On 4x2 with the ring's phases the rule gives 512 KiB; capping the ring at the mesh's
 // buffer_bytes / size (128 KiB) was level from 16 MiB and slower at 1 MiB (three rounds).
 // The rule reads only the layout and settings every rank shares (Note [Settings every rank
 // shares]): every rank cuts a part into the same messages, which sender and receiver must
-// agree on. One rank per host keeps net_chunk_bytes: no step gates its sends.
+// agree on. One rank per host keeps net_chunk_bytes: no other rank's step gates its sends
+// (its own steps, where a conversion or a pre-scaling needs them, run at copy speed).
 constexpr size_t kMinNetChunk = 64 << 10;
 
 size_t Communicator::net_chunk_bytes() const {
@@ -185,7 +187,10 @@ size_t Communicator::net_chunk_bytes() const {
     // (Note [Parts in the order the ring needs them] in comm_ring.cpp), the mesh's steps all.
     const size_t ways = rail_ring_chosen() ? static_cast<size_t>(layout_.local_size)
                                            : static_cast<size_t>(cfg_.size);
-    bytes = std::min(bytes, std::max(kMinNetChunk, cfg_.settings.buffer_bytes / ways));
+    // What a step carries of a part is a multiple of 64 bytes (chunk_elems in
+    // shm_algos.cpp): a message cut the same way ends where a step does.
+    const size_t step = (cfg_.settings.buffer_bytes / ways) & ~size_t{63};
+    bytes = std::min(bytes, std::max(kMinNetChunk, step));
   }
   return bytes;
 }
@@ -200,7 +205,9 @@ std::vector<Span> Communicator::net_chunks(size_t len, size_t esz) const {
 
 Communicator::HostPartials::~HostPartials() = default;
 
-size_t Communicator::HostPartials::ready(int p) const { return steps ? steps->ready(p) : SIZE_MAX; }
+size_t Communicator::HostPartials::ready(int part) const {
+  return steps ? steps->ready(part) : SIZE_MAX;
+}
 
 void Communicator::start_host_partials(HostPartials& hp, const void* in,
                                        const std::vector<Span>& parts, const Reduction& red,

@@ -80,7 +80,8 @@ class ReduceScatterSteps {
                      const Reduction& red, bool finish, const OpCtx& ctx,
                      std::vector<int> phase_of = {});
   bool done() const { return done_; }
-  // Elements from the start of part p that are final in dst (all of them once done).
+  // Elements from the start of part p, one this rank reduces (in owned[me]), that are final
+  // in dst (all of them once done).
   size_t ready(int p) const;
   void step();
 
@@ -166,11 +167,13 @@ class AllGatherSteps {
   uint64_t s_ = 0;             // the step under way (0: none)
   std::vector<uint8_t> read_;  // peers whose pieces of step s_ were copied
   // With phases only (empty otherwise):
-  std::vector<int> phase_of_;              // per part
-  std::vector<std::vector<size_t>> slot_;  // per local rank and owned part: its buffer slot
-  std::vector<size_t> phase_ways_;         // per phase: the most parts one rank has in it
-  std::vector<size_t> phase_maxlen_;       // per phase: its longest part
-  size_t phase_ = 0;                       // the phase under way
+  std::vector<int> phase_of_;  // per part
+  // Per local rank i and k (its part owned[i][k]): the slot in i's step buffer. (Indexed
+  // otherwise than ReduceScatterSteps::slot_: here each rank's buffer holds its own parts.)
+  std::vector<std::vector<size_t>> slot_;
+  std::vector<size_t> phase_ways_;    // per phase: the most parts one rank has in it
+  std::vector<size_t> phase_maxlen_;  // per phase: its longest part
+  size_t phase_ = 0;                  // the phase under way
 };
 
 // Note [Zero-copy operands]

@@ -404,11 +404,13 @@ void ShmComm::wait_all(uint64_t s, int phase, const OpCtx& ctx) {
 // whole budget of a core when it does not. Inside a hierarchical collective a local peer's
 // step often comes late: that peer is sending or receiving between its steps (Note [Pipelined
 // exchanges] in comm_hier.cpp), and on a machine whose cores also carry the network stack
-// each spin took CPU from the sockets the collective waited on. So a wait learns from the
-// waits before it (per ShmComm, so per group): after kSpinMissesToStop waits in a row that
-// lasted longer than the budget, waits sleep at once, and the first wait that ends within
-// the budget again (timed whether it spun or slept) turns the spin back on; at worst a short
-// wait after two long ones pays one wake-up. Only groups that span hosts adapt
+// each spin took CPU from the sockets the collective waited on. So a step's wait learns from
+// the step waits before it (wait_progress; per ShmComm, so per group, and per budget, the
+// caller thread's and the worker threads'): after kSpinMissesToStop waits in a row that
+// lasted longer than the budget, they sleep at once, and the first that ends within the
+// budget again (timed whether it spun or slept, or found the peer there already) turns the
+// spin back on; at worst a short wait after two long ones pays one wake-up. Point-to-point
+// and finish waits keep the fixed spin. Only groups that span hosts adapt
 // (ShmConfig::spin_adapts). On one host nothing but the peers' own work delays a step, and
 // there sleeping waits let the scheduler stack both ranks of a 2-rank group on one CPU (its
 // wake-up heuristics, see the policy above): with every group adapting, bench collectives (2
@@ -422,30 +424,37 @@ void ShmComm::wait_all(uint64_t s, int phase, const OpCtx& ctx) {
 // work by construction, and here the sockets needed the core.
 void ShmComm::wait_progress(int i, uint64_t target, const OpCtx& ctx) {
   RankControl* c = ctl(i);
-  if (c->progress.load(std::memory_order_acquire) >= target) return;
-  wait_word(i, c->progress, c->sleepers, target, [&] { check_health(i, target, ctx); });
+  if (c->progress.load(std::memory_order_acquire) >= target) {
+    // A wait that needed no time is a short one (Note [Spin only where it pays]).
+    if (cfg_.spin_adapts) spin_misses_[on_worker_thread()].store(0, std::memory_order_relaxed);
+    return;
+  }
+  wait_word(
+      i, c->progress, c->sleepers, target, [&] { check_health(i, target, ctx); }, cfg_.spin_adapts);
 }
 
 void ShmComm::wait_word(int i, const std::atomic<uint64_t>& word, std::atomic<uint32_t>& sleepers,
-                        uint64_t target, const std::function<void()>& health) {
+                        uint64_t target, const std::function<void()>& health, bool adapt) {
   RankControl* c = ctl(i);
   if (word.load(std::memory_order_acquire) >= target) return;
-  // Note [Spin only where it pays]: after kSpinMissesToStop waits in a row that outlasted
-  // the budget, waits skip the busy spin until one is short again.
-  const int budget = on_worker_thread() ? worker_spin_us_ : spin_us_;
+  // Note [Spin only where it pays]: after kSpinMissesToStop step waits in a row that
+  // outlasted the budget, step waits skip the busy spin until one is short again.
+  const bool worker = on_worker_thread();
+  const int budget = worker ? worker_spin_us_ : spin_us_;
+  std::atomic<int>& misses = spin_misses_[worker];
   const auto began = Clock::now();
   const auto limit = std::chrono::microseconds(budget);
   auto learn = [&] {
-    if (!cfg_.spin_adapts) return;
+    if (!adapt) return;
     if (Clock::now() - began < limit) {
-      spin_misses_.store(0, std::memory_order_relaxed);
-    } else if (spin_misses_.load(std::memory_order_relaxed) < kSpinMissesToStop) {
-      spin_misses_.fetch_add(1, std::memory_order_relaxed);
+      misses.store(0, std::memory_order_relaxed);
+    } else if (misses.load(std::memory_order_relaxed) < kSpinMissesToStop) {
+      misses.fetch_add(1, std::memory_order_relaxed);
     }
   };
   if (!oversubscribed_) {
     bool shared_core = false;
-    const bool spin = spin_misses_.load(std::memory_order_relaxed) < kSpinMissesToStop;
+    const bool spin = !adapt || misses.load(std::memory_order_relaxed) < kSpinMissesToStop;
     auto spin_until = began + (spin ? limit : std::chrono::microseconds(0));
     do {
       for (int k = 0; k < 64; ++k) {

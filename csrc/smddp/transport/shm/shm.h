@@ -219,9 +219,10 @@ class ShmComm {
   void commit_ring(int to, size_t off, size_t len);
   // Waits until `word` (owned by local rank i) reaches `target`, with the waiting policy of
   // collectives; `health` runs now and then and throws to end the wait (peer gone,
-  // deadline, shutdown).
+  // deadline, shutdown). `adapt`: a collective step's wait, whose spin may adapt (Note [Spin
+  // only where it pays] in shm.cpp).
   void wait_word(int i, const std::atomic<uint64_t>& word, std::atomic<uint32_t>& sleepers,
-                 uint64_t target, const std::function<void()>& health);
+                 uint64_t target, const std::function<void()>& health, bool adapt = false);
   // Stores `value` into `word` and wakes whoever sleeps on it.
   static void publish(std::atomic<uint64_t>& word, std::atomic<uint32_t>& sleepers, uint64_t value);
   // Throws a CommError if this group was aborted, or local rank i failed or exited, or the
@@ -292,8 +293,9 @@ class ShmComm {
   int spin_us_ = 200;            // busy-spin budget per wait, caller thread
   int worker_spin_us_ = 20;      // same on worker threads
   // Waits in a row that outlasted their spin budget (Note [Spin only where it pays]).
+  // Per budget: [0] the caller thread's, [1] worker threads'.
   static constexpr int kSpinMissesToStop = 2;
-  std::atomic<int> spin_misses_{0};
+  std::atomic<int> spin_misses_[2] = {0, 0};
   size_t chunk_bytes_ = 0;   // pipeline chunk, <= buffer_bytes
   size_t stream_bytes_ = 0;  // see stream_output()
 };
