@@ -137,7 +137,7 @@ struct ShmConfig {
   int spin_us = 200;
   int worker_spin_us = 20;
   // Waits stop spinning while they keep outlasting the budget (Note [Spin only where it
-  // pays] in shm.cpp): for a group whose ranks also serve the network between steps.
+  // pays] in shm_wait.cpp): for a group whose ranks also serve the network between steps.
   bool spin_adapts = false;
   bool move_off_cpu = false;
   // CPUs the host's ranks may run on: the fewest any of them may use (0: this process's).
@@ -220,7 +220,7 @@ class ShmComm {
   // Waits until `word` (owned by local rank i) reaches `target`, with the waiting policy of
   // collectives; `health` runs now and then and throws to end the wait (peer gone,
   // deadline, shutdown). `adapt`: a collective step's wait, whose spin may adapt (Note [Spin
-  // only where it pays] in shm.cpp).
+  // only where it pays] in shm_wait.cpp).
   void wait_word(int i, const std::atomic<uint64_t>& word, std::atomic<uint32_t>& sleepers,
                  uint64_t target, const std::function<void()>& health, bool adapt = false);
   // Stores `value` into `word` and wakes whoever sleeps on it.
