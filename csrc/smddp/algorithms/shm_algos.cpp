@@ -95,6 +95,58 @@ void allreduce(ShmComm& c, void* data, size_t count, const Reduction& red, const
   }
 }
 
+StepPhases::StepPhases(std::vector<int> phase_of, const std::vector<Span>& parts,
+                       const std::vector<std::vector<int>>& groups, const char* collective)
+    : phase_of_(std::move(phase_of)) {
+  // No groups: one group of every part, in order.
+  const size_t n_groups = groups.empty() ? 1 : groups.size();
+  auto group_size = [&](size_t g) { return groups.empty() ? parts.size() : groups[g].size(); };
+  auto part = [&](size_t g, size_t k) { return groups.empty() ? k : size_t(groups[g][k]); };
+  if (phase_of_.empty()) {
+    size_t ways = 0, maxlen = 0;
+    for (size_t g = 0; g < n_groups; ++g) ways = std::max(ways, group_size(g));
+    for (const Span& p : parts) maxlen = std::max(maxlen, p.len);
+    ways_.assign(1, ways);
+    maxlen_.assign(1, maxlen);
+    return;
+  }
+  SMDDP_CHECK(phase_of_.size() == parts.size(), "smddp: ", collective,
+              " steps got phases for another number of parts (a bug)");
+  slot_.resize(n_groups);
+  for (size_t g = 0; g < n_groups; ++g) {
+    std::vector<size_t> taken;  // per phase: the slots this group's parts took so far
+    for (size_t k = 0; k < group_size(g); ++k) {
+      const size_t p = part(g, k);
+      SMDDP_CHECK(phase_of_[p] >= 0, "smddp: a ", collective, " phase is negative (a bug)");
+      const size_t ph = static_cast<size_t>(phase_of_[p]);
+      if (ph >= ways_.size()) {
+        ways_.resize(ph + 1, 0);
+        maxlen_.resize(ph + 1, 0);
+      }
+      if (ph >= taken.size()) taken.resize(ph + 1, 0);
+      slot_[g].push_back(taken[ph]++);
+      ways_[ph] = std::max(ways_[ph], taken[ph]);
+      maxlen_[ph] = std::max(maxlen_[ph], parts[p].len);
+    }
+  }
+  if (ways_.empty()) {  // no part at all: one empty phase
+    ways_.assign(1, 0);
+    maxlen_.assign(1, 0);
+  }
+}
+
+size_t StepPhases::first() const {
+  size_t ph = 0;
+  while (ph + 1 < count() && maxlen_[ph] == 0) ++ph;
+  return ph;
+}
+
+size_t StepPhases::after(size_t ph) const {
+  ++ph;
+  while (ph < count() && maxlen_[ph] == 0) ++ph;
+  return ph;
+}
+
 ReduceScatterSteps::ReduceScatterSteps(ShmComm& c, const void* in, const std::vector<Span>& parts,
                                        const std::vector<std::vector<int>>& owned,
                                        const std::vector<void*>& dst, const Reduction& red,
@@ -111,7 +163,7 @@ ReduceScatterSteps::ReduceScatterSteps(ShmComm& c, const void* in, const std::ve
       out_t_(finish ? red.dtype : acc_type(red.dtype)),
       srcs_(c.size()),
       staged_(parts.size(), 0),
-      phase_of_(std::move(phase_of)) {
+      phases_(std::move(phase_of), parts, {}, "reduce-scatter") {
   out_esz_ = dtype_size(out_t_);
   // Note [My slice stays home] in shm_algos.h: a part only this rank reduces stays in its
   // input, unless the copy in is where a PREMUL_SUM's factor is applied.
@@ -121,50 +173,20 @@ ReduceScatterSteps::ReduceScatterSteps(ShmComm& c, const void* in, const std::ve
       if (i != c.rank() || scaled) staged_[p] = 1;
     }
   }
-  if (phase_of_.empty()) {
-    enter(0);
-    return;
-  }
-  SMDDP_CHECK(phase_of_.size() == parts.size(),
-              "smddp: reduce-scatter steps got phases for another number of parts (a bug)");
-  // Each phase's parts take consecutive slots of the step buffer.
-  slot_.assign(parts.size(), 0);
-  for (size_t p = 0; p < parts.size(); ++p) {
-    SMDDP_CHECK(phase_of_[p] >= 0, "smddp: a reduce-scatter phase is negative (a bug)");
-    const size_t ph = static_cast<size_t>(phase_of_[p]);
-    if (ph >= phase_parts_.size()) {
-      phase_parts_.resize(ph + 1, 0);
-      phase_maxlen_.resize(ph + 1, 0);
-    }
-    slot_[p] = phase_parts_[ph]++;
-    phase_maxlen_[ph] = std::max(phase_maxlen_[ph], parts[p].len);
-  }
-  // Empty phases are skipped, but a collective of empty parts still runs its one step.
-  size_t first = 0;
-  while (first + 1 < phase_parts_.size() && phase_maxlen_[first] == 0) ++first;
-  enter(first);
+  enter(phases_.first());
 }
 
 void ReduceScatterSteps::enter(size_t ph) {
-  const bool phased = !phase_of_.empty();
-  const size_t phases = phased ? phase_parts_.size() : 1;
-  if (ph >= phases) {
+  if (ph >= phases_.count()) {
     done_ = true;
     return;
   }
   phase_ = ph;
   next_ = 0;
-  size_t ways = parts_.size();
-  maxlen_ = 0;
-  if (phased) {
-    ways = phase_parts_[ph];
-    maxlen_ = phase_maxlen_[ph];
-  } else {
-    for (const Span& p : parts_) maxlen_ = std::max(maxlen_, p.len);
-  }
+  maxlen_ = phases_.maxlen(ph);
   // Each step carries one chunk of every part of its phase: bounded by the buffer, and by
   // the pipeline chunk per part so the step's reads stay in cache.
-  chunk_ = std::min(chunk_elems(c_.buffer_bytes(), std::max<size_t>(ways, 1), esz_),
+  chunk_ = std::min(chunk_elems(c_.buffer_bytes(), phases_.ways(ph), esz_),
                     chunk_elems(c_.chunk_bytes(), 1, esz_));
 }
 
@@ -202,10 +224,7 @@ void ReduceScatterSteps::step() {
   c_.end_step(s);
   next_ = o + chunk_;
   if (next_ < maxlen_) return;
-  // The next phase with anything in it.
-  size_t ph = phase_ + 1;
-  while (ph < phase_parts_.size() && phase_maxlen_[ph] == 0) ++ph;
-  enter(ph);
+  enter(phases_.after(phase_));
 }
 
 void reduce_scatter(ShmComm& c, const void* in, const std::vector<Span>& parts,
@@ -227,57 +246,22 @@ AllGatherSteps::AllGatherSteps(ShmComm& c, std::vector<const void*> src, void* o
       ctx_(ctx),
       ready_(src_.size(), 0),
       read_(c.size(), 0),
-      phase_of_(std::move(phase_of)) {
+      phases_(std::move(phase_of), parts, owned, "all-gather") {
   size_t total = 0;
   for (const Span& p : parts) total += p.len;
   stream_ = c.stream_output(total);
-  if (phase_of_.empty()) {
-    enter(0);
-    return;
-  }
-  SMDDP_CHECK(phase_of_.size() == parts.size(),
-              "smddp: all-gather steps got phases for another number of parts (a bug)");
-  // Each local rank's parts of a phase take consecutive slots of its step buffer.
-  slot_.resize(owned.size());
-  std::vector<std::vector<size_t>> count(owned.size());
-  for (size_t i = 0; i < owned.size(); ++i) {
-    for (int p : owned[i]) {
-      SMDDP_CHECK(phase_of_[p] >= 0, "smddp: an all-gather phase is negative (a bug)");
-      const size_t ph = static_cast<size_t>(phase_of_[p]);
-      if (ph >= phase_ways_.size()) {
-        phase_ways_.resize(ph + 1, 0);
-        phase_maxlen_.resize(ph + 1, 0);
-      }
-      if (ph >= count[i].size()) count[i].resize(ph + 1, 0);
-      slot_[i].push_back(count[i][ph]++);
-      phase_ways_[ph] = std::max(phase_ways_[ph], count[i][ph]);
-      phase_maxlen_[ph] = std::max(phase_maxlen_[ph], parts[p].len);
-    }
-  }
-  // Empty phases are skipped, but an all-gather of nothing still runs its one step.
-  size_t first = 0;
-  while (first + 1 < phase_ways_.size() && phase_maxlen_[first] == 0) ++first;
-  enter(first);
+  enter(phases_.first());
 }
 
 void AllGatherSteps::enter(size_t ph) {
-  const bool phased = !phase_of_.empty();
-  if (ph >= (phased ? phase_ways_.size() : 1)) {
+  if (ph >= phases_.count()) {
     done_ = true;
     return;
   }
   phase_ = ph;
   o_ = 0;
-  size_t ways = 1;
-  maxlen_ = 0;
-  if (phased) {
-    ways = std::max<size_t>(phase_ways_[ph], 1);
-    maxlen_ = phase_maxlen_[ph];
-  } else {
-    for (const Span& p : parts_) maxlen_ = std::max(maxlen_, p.len);
-    for (const auto& o : owned_) ways = std::max(ways, o.size());
-  }
-  chunk_ = std::min(chunk_elems(c_.buffer_bytes(), ways, 1), c_.chunk_bytes());
+  maxlen_ = phases_.maxlen(ph);
+  chunk_ = std::min(chunk_elems(c_.buffer_bytes(), phases_.ways(ph), 1), c_.chunk_bytes());
 }
 
 void AllGatherSteps::set_all_ready() {
@@ -287,8 +271,8 @@ void AllGatherSteps::set_all_ready() {
 bool AllGatherSteps::advance(bool wait) {
   const int n = c_.size(), me = c_.rank();
   // Where local rank i's k-th part sits in its step buffer, and whether it is in this phase.
-  auto slot = [&](int i, size_t k) { return slot_.empty() ? k : slot_[i][k]; };
-  auto in_phase = [&](int i, size_t k) { return phase(owned_[i][k]) == phase_; };
+  auto slot = [&](int i, size_t k) { return phases_.slot(i, k); };
+  auto in_phase = [&](int i, size_t k) { return phases_.phase(owned_[i][k]) == phase_; };
   bool moved = false;
   while (!done_) {
     if (!s_) {
@@ -346,12 +330,8 @@ bool AllGatherSteps::advance(bool wait) {
     c_.end_step(s_);
     s_ = 0;
     o_ += chunk_;
-    if (o_ >= maxlen_) {  // one step at least, even with nothing to gather
-      size_t ph = phase_ + 1;
-      while (ph < phase_ways_.size() && phase_maxlen_[ph] == 0) ++ph;
-      enter(ph);
-    }
-    if (!wait) return true;  // one step per poll
+    if (o_ >= maxlen_) enter(phases_.after(phase_));  // one step at least, even with nothing
+    if (!wait) return true;                           // one step per poll
   }
   return moved;
 }

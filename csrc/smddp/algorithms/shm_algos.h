@@ -64,6 +64,35 @@ void reduce_scatter(ShmComm& c, const void* in, const std::vector<Span>& parts,
                     const std::vector<std::vector<int>>& owned, const std::vector<void*>& dst,
                     const Reduction& red, bool finish, const OpCtx& ctx);
 
+// The phases of a collective's local steps (Note [Parts in the order the ring needs them] in
+// comm_ring.cpp): each part's phase, its slot in a step buffer, and what a phase's steps
+// span. groups[g] lists parts whose slots one step buffer numbers together, in order: a
+// rank's own parts for an all-gather; none (one group of every part, in order) for a
+// reduce-scatter, whose buffers hold a chunk of every part. A phase's parts take
+// consecutive slots. Without phases (phase_of empty) there is one phase of every part, each
+// part's slot is its place in its group, and nothing per part is kept.
+class StepPhases {
+ public:
+  StepPhases(std::vector<int> phase_of, const std::vector<Span>& parts,
+             const std::vector<std::vector<int>>& groups, const char* collective);
+  size_t phase(size_t part) const { return phase_of_.empty() ? 0 : phase_of_[part]; }
+  // The slot of groups[g][k] in the step buffers of its phase.
+  size_t slot(size_t g, size_t k) const { return slot_.empty() ? k : slot_[g][k]; }
+  // The most slots one group takes in phase ph (at least 1), and its longest part.
+  size_t ways(size_t ph) const { return std::max<size_t>(ways_[ph], 1); }
+  size_t maxlen(size_t ph) const { return maxlen_[ph]; }
+  // The first phase to run, and the one after ph: empty phases are skipped, but a
+  // collective of empty parts still runs its one step. count(): past the last.
+  size_t first() const;
+  size_t after(size_t ph) const;
+  size_t count() const { return ways_.size(); }
+
+ private:
+  std::vector<int> phase_of_;              // per part
+  std::vector<std::vector<size_t>> slot_;  // per group and place in it
+  std::vector<size_t> ways_, maxlen_;      // per phase
+};
+
 // The same reduce-scatter one step at a time, for a caller that does other work between
 // steps (Note [Pipelined exchanges] in comm_hier.cpp). Every local rank must run every
 // step, in order; a step waits only for the other local ranks' same step. The arguments
@@ -88,8 +117,8 @@ class ReduceScatterSteps {
  private:
   // Enters phase ph (its chunk and longest part), or ends the steps if ph is past the last.
   void enter(size_t ph);
-  size_t phase(size_t p) const { return phase_of_.empty() ? 0 : phase_of_[p]; }
-  size_t slot(size_t p) const { return slot_.empty() ? p : slot_[p]; }
+  size_t phase(size_t p) const { return phases_.phase(p); }
+  size_t slot(size_t p) const { return phases_.slot(0, p); }  // the one group: every part
 
   ShmComm& c_;
   const char* src_;
@@ -106,12 +135,8 @@ class ReduceScatterSteps {
   // Per part: whether this rank copies it into its buffer: another local rank reduces it, or
   // a PREMUL_SUM factor is applied in the copy (Note [My slice stays home]).
   std::vector<uint8_t> staged_;
-  // With phases only (empty otherwise, so a plain reduce-scatter allocates nothing more):
-  std::vector<int> phase_of_;         // per part
-  std::vector<size_t> slot_;          // per part: its place in its phase's steps' buffers
-  std::vector<size_t> phase_parts_;   // per phase: how many parts it has
-  std::vector<size_t> phase_maxlen_;  // per phase: its longest part
-  size_t phase_ = 0;                  // the phase under way
+  StepPhases phases_;
+  size_t phase_ = 0;  // the phase under way
 };
 
 // All-gather over parts given in bytes: local rank i contributes the parts owned[i], this
@@ -153,7 +178,6 @@ class AllGatherSteps {
   bool advance(bool wait);
   // Enters phase ph (its chunk and longest part), or ends the steps if ph is past the last.
   void enter(size_t ph);
-  size_t phase(size_t p) const { return phase_of_.empty() ? 0 : phase_of_[p]; }
 
   ShmComm& c_;
   std::vector<const void*> src_;
@@ -166,14 +190,8 @@ class AllGatherSteps {
   bool stream_ = false, first_ = true, done_ = false, on_peers_ = false;
   uint64_t s_ = 0;             // the step under way (0: none)
   std::vector<uint8_t> read_;  // peers whose pieces of step s_ were copied
-  // With phases only (empty otherwise):
-  std::vector<int> phase_of_;  // per part
-  // Per local rank i and k (its part owned[i][k]): the slot in i's step buffer. (Indexed
-  // otherwise than ReduceScatterSteps::slot_: here each rank's buffer holds its own parts.)
-  std::vector<std::vector<size_t>> slot_;
-  std::vector<size_t> phase_ways_;    // per phase: the most parts one rank has in it
-  std::vector<size_t> phase_maxlen_;  // per phase: its longest part
-  size_t phase_ = 0;                  // the phase under way
+  StepPhases phases_;          // groups: owned (each rank's buffer holds its own parts)
+  size_t phase_ = 0;           // the phase under way
 };
 
 // Note [Zero-copy operands]
