@@ -74,6 +74,7 @@ py::dict layout_of(const smddp::ProcessGroupSMDDP& pg) {
   d["forced"] = l.forced;
   d["uniform"] = l.uniform;
   d["net_algorithm"] = l.hosts < 2 ? "none" : pg.comm().rail_ring_chosen() ? "ring" : "mesh";
+  d["machine_oversubscribed"] = pg.comm().machine_oversubscribed();
   return d;
 }
 

@@ -507,4 +507,25 @@ TEST_CASE(barrier_uneven312) { check_barrier(kUneven312); }
 TEST_CASE(alltoall_uneven312) { check_alltoall(kUneven312); }
 TEST_CASE(send_recv_uneven312) { check_send_recv(kUneven312); }
 
+// Note [Hosts that share CPUs]: ranks of every host on one kernel count against the union of
+// their CPU masks (hex, CPUs 0-3 in the first digit).
+TEST_CASE(machine_oversubscribed_counts_ranks_of_one_kernel) {
+  using smddp::ranks_outnumber_cpus;
+  const std::vector<std::string> one_kernel(4, "boot-a");
+  EXPECT(ranks_outnumber_cpus(one_kernel, {"3", "3", "3", "3"}, "boot-a"),
+         "4 ranks (2 hosts of 2) on CPUs 0-1");
+  EXPECT(!ranks_outnumber_cpus(one_kernel, {"f", "f", "f", "f"}, "boot-a"), "4 ranks, 4 CPUs");
+  EXPECT(!ranks_outnumber_cpus(one_kernel, {"3", "3", "c", "c"}, "boot-a"),
+         "two pods of 2 ranks with 2 CPUs each: 4 CPUs in all");
+  EXPECT(ranks_outnumber_cpus(one_kernel, {"1", "1", "01", "01"}, "boot-a"),
+         "4 ranks on CPUs 0 and 4");
+  EXPECT(ranks_outnumber_cpus({"boot-a", "boot-a", "boot-b", "boot-b"}, {"1", "1", "1", "1"},
+                              "boot-a"),
+         "2 ranks of this kernel on CPU 0 outnumber it; the other kernel's do not count");
+  EXPECT(!ranks_outnumber_cpus({"boot-a", "boot-b", "boot-c"}, {"1", "1", "1"}, "boot-a"),
+         "one rank per kernel");
+  EXPECT(!ranks_outnumber_cpus(one_kernel, {"3", "3", "3", "3"}, ""), "unknown kernel");
+  EXPECT(!ranks_outnumber_cpus(one_kernel, {"", "", "", ""}, "boot-a"), "unknown masks");
+}
+
 }  // namespace smddp_test

@@ -51,11 +51,15 @@ def two_host_run(tmp_path_factory):
 
 
 def test_hosts_found_without_forcing(two_host_run):
+    # Both simulated hosts run on this machine's CPUs (Note [Hosts that share CPUs]): their
+    # 4 ranks count against the CPUs this process may use, as on the hosts it starts.
+    shared = len(os.sched_getaffinity(0)) < 4
     for rank, result in enumerate(two_host_run):
         layout = result["layout"]
         assert layout["members"] == [[0, 1], [2, 3]] and not layout["forced"], layout
         assert layout["host"] == rank // 2 and layout["local_rank"] == rank % 2, layout
         assert result["hostname"] == f"smddp-host-{rank // 2}"
+        assert layout["machine_oversubscribed"] is shared, layout
 
 
 def test_collectives_across_hosts_match_references(two_host_run):

@@ -50,6 +50,12 @@ struct SliceCopy {
   bool operator()();
 };
 
+// Whether the ranks whose kernel boot_id is my_boot outnumber the CPUs in the union of their
+// affinity masks (hex, CPUs 4k..4k+3 in digit k): Note [Hosts that share CPUs] in comm.cpp.
+// boot_ids and masks are per group rank; an empty my_boot (unreadable) says no.
+bool ranks_outnumber_cpus(const std::vector<std::string>& boot_ids,
+                          const std::vector<std::string>& masks, const std::string& my_boot);
+
 // The group's key-value store (c10d::Store in the backend).
 class KeyValue {
  public:
@@ -86,6 +92,8 @@ class Communicator {
   ~Communicator();
 
   const Layout& layout() const { return layout_; }
+  // This group's ranks on this machine outnumber their CPUs (Note [Hosts that share CPUs]).
+  bool machine_oversubscribed() const { return machine_oversubscribed_; }
   const CommConfig& config() const { return cfg_; }
   int listen_port() const { return net_->port(); }  // 0: this rank does not listen
   const std::string& listen_address() const { return net_->address(); }
@@ -298,6 +306,8 @@ class Communicator {
   std::vector<PeerInfo> peers_;  // by group rank
   size_t p2p_bytes_ = 0;         // ring per ordered pair of local ranks (0: none)
   int local_cpus_ = 0;           // the fewest CPUs any rank of this host may run on
+  // Ranks of this group on this machine outnumber their CPUs (Note [Hosts that share CPUs]).
+  bool machine_oversubscribed_ = false;
   Clock::time_point last_setup_check_{};
   std::vector<int> rail_;  // host -> group rank with my local index (uniform layouts only)
   // handler_[h][p]: the rank of host h that handles part p (Note [Unequal hosts]).

@@ -48,7 +48,9 @@ ShmComm::ShmComm(ShmConfig cfg) : cfg_(std::move(cfg)) {
   data_.assign(n, nullptr);
   maps_.assign(n, nullptr);
   checked_.assign(n, 0);
-  oversubscribed_ = n > (cfg_.cpus > 0 ? cfg_.cpus : online_cpus());
+  // A rank alone on its host never waits for a local peer: only its chunk size would change.
+  oversubscribed_ =
+      n > (cfg_.cpus > 0 ? cfg_.cpus : online_cpus()) || (n > 1 && cfg_.machine_oversubscribed);
   spin_us_ = cfg_.spin_us;
   worker_spin_us_ = cfg_.worker_spin_us;
   // Oversubscribed ranks pay a context switch per hand-off: fewer, larger steps.

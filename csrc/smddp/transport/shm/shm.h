@@ -143,6 +143,10 @@ struct ShmConfig {
   // CPUs the host's ranks may run on: the fewest any of them may use (0: this process's).
   // It chooses the automatic chunk size, which every rank of the segment must agree on.
   int cpus = 0;
+  // The group's ranks on this machine, of this host and others, outnumber the CPUs they
+  // may run on (Note [Hosts that share CPUs] in comm.cpp): wait as if oversubscribed. Every
+  // rank of the segment must agree on it, as on `cpus`.
+  bool machine_oversubscribed = false;
 };
 
 // CPUs this process may run on (its affinity mask).
@@ -289,7 +293,7 @@ class ShmComm {
   uint64_t current_seq_plus1_ = 0;  // collective whose descriptor was published last
   std::vector<uint8_t> checked_;    // peers whose descriptor matched in this collective
   std::atomic<bool> aborted_{false};
-  bool oversubscribed_ = false;  // more local ranks than CPUs: skip the busy spin
+  bool oversubscribed_ = false;  // more ranks than CPUs here, or on the machine: no busy spin
   int spin_us_ = 200;            // busy-spin budget per wait, caller thread
   int worker_spin_us_ = 20;      // same on worker threads
   // Waits in a row that outlasted their spin budget (Note [Spin only where it pays]).

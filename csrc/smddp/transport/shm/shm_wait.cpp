@@ -58,8 +58,10 @@ thread_local Clock::time_point t_last_pid_check{};  // last time a wait looked f
 }  // namespace
 
 // Waiting policy. When the peer runs on another core: a busy spin (sub-microsecond
-// hand-offs), then a futex sleep. When there are more local ranks than cores, the peer may
-// need *our* core: sched_yield for a while (~4 us per hand-off on one core), then sleep.
+// hand-offs), then a futex sleep. When there are more local ranks than cores (or more ranks
+// of the group on this machine than its cores: Note [Hosts that share CPUs] in comm.cpp),
+// the peer may need *our* core: sched_yield for a while (~4 us per hand-off on one core),
+// then sleep.
 // When there are enough cores but the scheduler stacked the peer on this CPU (its wake-up
 // heuristics like to do that with processes that talk to each other, and a busy pair is
 // then rarely split: measured 40 us per small all-reduce instead of 9 for whole benchmark
