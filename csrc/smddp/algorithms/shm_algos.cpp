@@ -106,8 +106,7 @@ StepPhases::StepPhases(std::vector<int> phase_of, const std::vector<Span>& parts
     size_t ways = 0, maxlen = 0;
     for (size_t g = 0; g < n_groups; ++g) ways = std::max(ways, group_size(g));
     for (const Span& p : parts) maxlen = std::max(maxlen, p.len);
-    ways_.assign(1, ways);
-    maxlen_.assign(1, maxlen);
+    only_ = {ways, maxlen};
     return;
   }
   SMDDP_CHECK(phase_of_.size() == parts.size(), "smddp: ", collective,
@@ -119,31 +118,26 @@ StepPhases::StepPhases(std::vector<int> phase_of, const std::vector<Span>& parts
       const size_t p = part(g, k);
       SMDDP_CHECK(phase_of_[p] >= 0, "smddp: a ", collective, " phase is negative (a bug)");
       const size_t ph = static_cast<size_t>(phase_of_[p]);
-      if (ph >= ways_.size()) {
-        ways_.resize(ph + 1, 0);
-        maxlen_.resize(ph + 1, 0);
-      }
+      if (ph >= phases_.size()) phases_.resize(ph + 1);
       if (ph >= taken.size()) taken.resize(ph + 1, 0);
       slot_[g].push_back(taken[ph]++);
-      ways_[ph] = std::max(ways_[ph], taken[ph]);
-      maxlen_[ph] = std::max(maxlen_[ph], parts[p].len);
+      Phase& at = phases_[ph];
+      at.ways = std::max(at.ways, taken[ph]);
+      at.maxlen = std::max(at.maxlen, parts[p].len);
     }
   }
-  if (ways_.empty()) {  // no part at all: one empty phase
-    ways_.assign(1, 0);
-    maxlen_.assign(1, 0);
-  }
+  if (phases_.empty()) phases_.resize(1);  // no part at all: one empty phase
 }
 
 size_t StepPhases::first() const {
   size_t ph = 0;
-  while (ph + 1 < count() && maxlen_[ph] == 0) ++ph;
+  while (ph + 1 < count() && maxlen(ph) == 0) ++ph;
   return ph;
 }
 
 size_t StepPhases::after(size_t ph) const {
   ++ph;
-  while (ph < count() && maxlen_[ph] == 0) ++ph;
+  while (ph < count() && maxlen(ph) == 0) ++ph;
   return ph;
 }
 

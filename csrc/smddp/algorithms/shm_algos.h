@@ -79,18 +79,26 @@ class StepPhases {
   // The slot of groups[g][k] in the step buffers of its phase.
   size_t slot(size_t g, size_t k) const { return slot_.empty() ? k : slot_[g][k]; }
   // The most slots one group takes in phase ph (at least 1), and its longest part.
-  size_t ways(size_t ph) const { return std::max<size_t>(ways_[ph], 1); }
-  size_t maxlen(size_t ph) const { return maxlen_[ph]; }
+  size_t ways(size_t ph) const { return std::max<size_t>(at(ph).ways, 1); }
+  size_t maxlen(size_t ph) const { return at(ph).maxlen; }
   // The first phase to run, and the one after ph: empty phases are skipped, but a
   // collective of empty parts still runs its one step. count(): past the last.
   size_t first() const;
   size_t after(size_t ph) const;
-  size_t count() const { return ways_.size(); }
+  size_t count() const { return phase_of_.empty() ? 1 : phases_.size(); }
 
  private:
+  struct Phase {
+    size_t ways = 0, maxlen = 0;
+  };
+  // Without phases the one phase is kept inline: every local collective builds a
+  // StepPhases, and the single-host ones should allocate nothing for it.
+  const Phase& at(size_t ph) const { return phase_of_.empty() ? only_ : phases_[ph]; }
+
   std::vector<int> phase_of_;              // per part
   std::vector<std::vector<size_t>> slot_;  // per group and place in it
-  std::vector<size_t> ways_, maxlen_;      // per phase
+  std::vector<Phase> phases_;              // per phase, with phases
+  Phase only_;                             // the one phase, without
 };
 
 // The same reduce-scatter one step at a time, for a caller that does other work between
