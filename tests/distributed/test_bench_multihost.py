@@ -129,6 +129,20 @@ def test_each_host_runs_the_congestion_control_asked_for():
     assert done.returncode != 0 and "'no-such-cc' could not be set" in done.stdout
 
 
+def test_each_host_keeps_or_drops_slow_start_after_idle_as_asked():
+    # Note [Slow start after idle] in distributed/backend.py: the hosts' setting is the
+    # benchmark's choice, and a new namespace starts with the kernel's default, 1.
+    if netns.unavailable_reason():
+        pytest.skip(f"needs Linux network namespaces: {netns.unavailable_reason()}")
+    read = ["cat", "/proc/sys/net/ipv4/tcp_slow_start_after_idle"]
+    for asked, seen in ((0, "0"), (1, "1"), (None, "1")):
+        done = netns.run_hosts(2, read, 60, slow_start_after_idle=asked)
+        assert done.returncode == 0, done.stdout
+        assert done.stdout.count(f"] {seen}\n") == 2, (asked, done.stdout)
+    with pytest.raises(ValueError, match="slow_start_after_idle=2: .* is 0 or 1"):
+        netns.run_hosts(2, read, 60, slow_start_after_idle=2)
+
+
 def test_the_local_all_gather_runs_during_the_exchange(short_run):
     # Note [Local all-gather during the exchange]: the shared-memory all-gather's steps start
     # while parts still cross the network, not once the exchange is over. Each rank handles

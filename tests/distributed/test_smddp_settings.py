@@ -141,3 +141,33 @@ def test_a_ring_that_cannot_run_is_said_once(local_size, warned):
             assert messages == [], messages
         else:
             assert len(messages) == 1 and warned in messages[0], messages
+
+
+def _idle_restart_warnings():
+    import warnings
+
+    import torch.distributed as dist
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist.init_process_group("smddp")
+        dist.barrier()
+    dist.destroy_process_group()
+    return [str(w.message) for w in caught if "tcp_slow_start_after_idle" in str(w.message)]
+
+
+def test_hosts_that_restart_tcp_windows_after_idle_gaps_are_said_once_each():
+    # Note [Slow start after idle]: 2 hosts of 2 ranks; the first rank of each host warns
+    # where the machine's setting is 1 (CI's and Linux's default), nobody where it is 0.
+    with open(backend.SLOW_START_AFTER_IDLE) as f:
+        restarts = f.read().strip() == "1"
+    results = run_distributed(
+        _idle_restart_warnings,
+        world_size=4,
+        backend="smddp",
+        init_process_group=False,
+        fresh=True,
+        env={"SMDDP_FORCE_LOCAL_SIZE": "2"},
+    )
+    counts = [len(messages) for messages in results]
+    assert counts == ([1, 0, 1, 0] if restarts else [0, 0, 0, 0]), results

@@ -2,11 +2,13 @@
 
     python -m torch_sagemaker.bench multihost [--layouts 2x1,4x1,2x2,4x2] [--rate 2gbit]
         [--ops all_reduce,all_gather_into_tensor,reduce_scatter_tensor] [--sizes 1M,16M,64M]
-        [--congestion cubic]
+        [--congestion cubic] [--slow-start-after-idle 1]
 
 Each layout HxL is H simulated hosts (bench/netns.py: namespaces, one bridge as the switch,
 each host's cable shaped to ``--rate`` in both directions, its TCP congestion control
-``--congestion``, cubic by default: Note [Simulated hosts run cubic]) with L ranks each. One
+``--congestion``, cubic by default: Note [Simulated hosts run cubic]; whether TCP restarts
+its window after idle gaps ``--slow-start-after-idle``, Linux's default 1 unless told 0: Note
+[Slow start after idle] in distributed/backend.py) with L ranks each. One
 job per layout runs every backend: the default group is smddp's, and a gloo group spans the same
 ranks. "smddp-mesh" and "smddp-ring" are further smddp groups over the same ranks that cross
 hosts by the mesh or by a ring whatever SMDDP_NET_ALGO says (``SMDDPOptions(net_algo=...)``;
@@ -150,6 +152,7 @@ def run_layout(
     train_steps: int = 3,
     timeline: bool = False,
     congestion: str | None = netns.DEFAULT_CONGESTION,
+    slow_start_after_idle: int | None = None,
 ) -> dict[str, Any]:
     """Runs one layout's job.
 
@@ -168,6 +171,8 @@ def run_layout(
         timeline: Record each smddp row's phases (SMDDP_TIMELINE).
         congestion: The hosts' TCP congestion control; None: the machine's (Note
             [Simulated hosts run cubic] in netns.py).
+        slow_start_after_idle: The hosts' ``net.ipv4.tcp_slow_start_after_idle``; None: the
+            kernel's default (1).
 
     Returns:
         ``{"rows": one per op, size and backend, "identical": None, or with ``identical``
@@ -196,7 +201,14 @@ def run_layout(
         command = [sys.executable, "-m", __spec__.name, "--host", "{host}", json.dumps(spec)]
         # The hosts' processes inherit the environment and working directory, so they import
         # this package as this process did.
-        done = netns.run_hosts(hosts, command, timeout_s, rate_bits, congestion=congestion)
+        done = netns.run_hosts(
+            hosts,
+            command,
+            timeout_s,
+            rate_bits,
+            congestion=congestion,
+            slow_start_after_idle=slow_start_after_idle,
+        )
         if done.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"layout {hosts}x{local} failed:\n{done.stdout[-6000:]}")
         with open(out) as f:
@@ -320,6 +332,13 @@ def main(argv: list[str] | None = None) -> int:
         default=netns.DEFAULT_CONGESTION,
         help="the hosts' TCP congestion control ('system': the machine's)",
     )
+    p.add_argument(
+        "--slow-start-after-idle",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="the hosts' net.ipv4.tcp_slow_start_after_idle (1: Linux's default)",
+    )
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--timeout", type=float, default=600, help="seconds for one layout's job")
     p.add_argument("--json", default=None, help="also write the rows to this file")
@@ -413,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
             train_steps=args.train_steps,
             timeline=args.timeline,
             congestion=congestion,
+            slow_start_after_idle=args.slow_start_after_idle,
         )
         rows += got["rows"]
         if train:
@@ -430,13 +450,15 @@ def main(argv: list[str] | None = None) -> int:
             False,
             train,
             congestion=congestion,
+            slow_start_after_idle=args.slow_start_after_idle,
         )
         trained[f"1x{world}"] = got["training"]
     ran = congestion or _machine_congestion()  # what the hosts' TCP ran
     whose = "" if congestion else " (the machine's)"
     print(
         f"NIC rate {args.rate} per host, both directions; TCP congestion control {ran}{whose};"
-        f" float32; median of {args.iters} calls"
+        f" slow start after idle {args.slow_start_after_idle}; float32;"
+        f" median of {args.iters} calls"
     )
     print(table(rows, rate))
     if args.timeline:
@@ -452,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         "cores": os.cpu_count(),
         "burst_bytes": netns.BURST_BYTES,  # what each cable passes above the rate at once
         "congestion": ran,  # the hosts' TCP congestion control
+        "slow_start_after_idle": args.slow_start_after_idle,  # the hosts' sysctl
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "recorded": time.strftime("%Y-%m-%d %H:%M %Z"),
         "rows": rows,

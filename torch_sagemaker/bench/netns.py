@@ -57,7 +57,7 @@ DEFAULT_CONGESTION = "cubic"
 
 # Run by each host's shell inside its namespaces: waits for the cable, configures it, runs
 # the command. $1 host name, $2 address, $3 TCP congestion control (empty: the machine's),
-# the rest the command.
+# $4 net.ipv4.tcp_slow_start_after_idle (empty: the kernel's default), the rest the command.
 _HOST_SETUP = r"""
 set -e
 hostname "$1"
@@ -77,7 +77,14 @@ if [ -n "$3" ]; then
     exit 96
   }
 fi
-shift 3
+if [ -n "$4" ]; then
+  printf '%s\n' "$4" 2>/dev/null >/proc/sys/net/ipv4/tcp_slow_start_after_idle || {
+    echo "net.ipv4.tcp_slow_start_after_idle could not be set to '$4' in this host's" \
+      "namespace" >&2
+    exit 95
+  }
+fi
+shift 4
 exec "$@"
 """
 
@@ -147,6 +154,7 @@ def run_hosts(
     cwd: str | None = None,
     host_name: str = HOST_NAME,
     congestion: str | None = None,
+    slow_start_after_idle: int | None = None,
 ) -> subprocess.CompletedProcess:
     """Runs ``command`` on ``hosts`` simulated hosts joined by a switch; output is merged.
 
@@ -160,6 +168,8 @@ def run_hosts(
         host_name: The hosts' names, ``{}`` standing for the index (hostname and /etc/hosts).
         congestion: The hosts' TCP congestion control (``cubic``, ``bbr``, ...); None: the
             machine's (Note [Simulated hosts run cubic]).
+        slow_start_after_idle: The hosts' ``net.ipv4.tcp_slow_start_after_idle``, 0 or 1;
+            None: the kernel's default for a new namespace (1).
 
     Returns:
         The finished switch process: ``returncode`` 0 when every host's command succeeded,
@@ -179,6 +189,13 @@ def run_hosts(
         argv += ["--rate-bits", str(rate_bits)]
     if congestion:
         argv += ["--congestion", congestion]
+    if slow_start_after_idle is not None:
+        if slow_start_after_idle not in (0, 1):
+            raise ValueError(
+                f"slow_start_after_idle={slow_start_after_idle!r}: "
+                "net.ipv4.tcp_slow_start_after_idle is 0 or 1"
+            )
+        argv += ["--slow-start-after-idle", str(slow_start_after_idle)]
     return subprocess.run(
         [*argv, "--", *command],
         stdout=subprocess.PIPE,
@@ -262,10 +279,16 @@ def _private_etc_hosts(stack: contextlib.ExitStack, hosts: int, host_name: str) 
 
 
 def _start_host(
-    index: int, command: list[str], log, host_name: str, congestion: str | None
+    index: int,
+    command: list[str],
+    log,
+    host_name: str,
+    congestion: str | None,
+    slow_start_after_idle: int | None,
 ) -> subprocess.Popen:
     argv = ["unshare", "--net", "--ipc", "--uts", "sh", "-c", _HOST_SETUP, "host-setup"]
     argv += [host_name.format(index), HOST_ADDRESS.format(index + 1), congestion or ""]
+    argv += ["" if slow_start_after_idle is None else str(slow_start_after_idle)]
     argv += [part.replace("{host}", str(index)) for part in command]
     env = dict(os.environ, **{SWITCH_PID_VARIABLE: str(os.getpid())})
     # Output to a file (an unread pipe could block a host); its own session, so that a
@@ -313,6 +336,7 @@ def _switch(
     command: list[str],
     host_name: str,
     congestion: str | None,
+    slow_start_after_idle: int | None = None,
 ) -> int:
     with contextlib.ExitStack() as stack:
         _private_etc_hosts(stack, hosts, host_name)
@@ -320,7 +344,10 @@ def _switch(
         subprocess.run(["ip", "link", "add", "br0", "type", "bridge"], check=True)
         subprocess.run(["ip", "link", "set", "br0", "up"], check=True)
         logs = [stack.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in range(hosts)]
-        procs = [_start_host(i, command, logs[i], host_name, congestion) for i in range(hosts)]
+        procs = [
+            _start_host(i, command, logs[i], host_name, congestion, slow_start_after_idle)
+            for i in range(hosts)
+        ]
         why = "set-up failed"
         try:
             for i, proc in enumerate(procs):
@@ -361,11 +388,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate-bits", type=int, default=None)
     p.add_argument("--host-name", default=HOST_NAME)
     p.add_argument("--congestion", default=None, help="the hosts' TCP congestion control")
+    p.add_argument(
+        "--slow-start-after-idle",
+        type=int,
+        choices=(0, 1),
+        default=None,
+        help="the hosts' net.ipv4.tcp_slow_start_after_idle",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return _switch(
-        args.hosts, args.rate_bits, args.timeout, command, args.host_name, args.congestion
+        args.hosts,
+        args.rate_bits,
+        args.timeout,
+        command,
+        args.host_name,
+        args.congestion,
+        args.slow_start_after_idle,
     )
 
 

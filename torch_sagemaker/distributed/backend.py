@@ -61,6 +61,7 @@ def register() -> bool:
     def create_backend(*args):
         created = _C.create_backend(*args)
         _warn_if_ring_unused(created)
+        _warn_if_idle_restarts(created)
         return created
 
     dist.Backend.register_backend(
@@ -95,6 +96,47 @@ def _warn_if_ring_unused(created) -> None:
         f"smddp: net_algo=ring (SMDDP_NET_ALGO or SMDDPOptions) has no effect on a group whose "
         f"hosts have {sizes} ranks: a ring needs 3 hosts or more with equal rank counts, so "
         "this group crosses hosts over the mesh; set net_algo to auto or mesh to say so",
+        stacklevel=2,
+    )
+
+
+#: Where Linux says whether TCP restarts a connection's congestion window after an idle gap.
+SLOW_START_AFTER_IDLE = "/proc/sys/net/ipv4/tcp_slow_start_after_idle"
+_IDLE_WARNED = False
+
+
+def _warn_if_idle_restarts(created, path: str = SLOW_START_AFTER_IDLE) -> None:
+    """Warns once per host when a group crosses hosts whose TCP slows down after idle gaps.
+
+    Note [Slow start after idle]: with ``net.ipv4.tcp_slow_start_after_idle`` at 1 (Linux's
+    default), a connection that sent nothing for a retransmission timeout (200 ms or more)
+    starts again from a small congestion window, and between collectives a training step's
+    compute leaves such gaps. A collective then waits for the slowest flow's ramp, and on 2
+    simulated hosts of 2 ranks single launches missed 0.9 of the NIC bound in 7 of 30 cells
+    from 16 MiB against 1 of 30 with the setting at 0 (docs/multi_node.md, "Slow start after
+    idle"). The setting is the host's, per network namespace; smddp only says so. The first
+    rank of each host warns, as the setting is the host's.
+    """
+    global _IDLE_WARNED
+    if _IDLE_WARNED:
+        return
+    layout = created._layout()
+    if layout["hosts"] < 2 or layout["members"][layout["host"]][0] != created.rank():
+        return
+    try:
+        with open(path) as f:
+            value = f.read().strip()
+    except OSError:  # not Linux, or /proc hidden: nothing to say
+        return
+    if value != "1":
+        return
+    _IDLE_WARNED = True
+    warnings.warn(
+        f"smddp: net.ipv4.tcp_slow_start_after_idle is 1 on this host ({path}): TCP restarts "
+        "each connection's congestion window after an idle gap of 200 ms or more, such as a "
+        "training step's compute between collectives, and collectives across hosts then "
+        "wait for the slowest connection to ramp up again; set it to 0 on every host "
+        "(sysctl -w net.ipv4.tcp_slow_start_after_idle=0) for steadier collectives between hosts",
         stacklevel=2,
     )
 
