@@ -139,8 +139,9 @@ def test_each_host_keeps_or_drops_slow_start_after_idle_as_asked():
         done = netns.run_hosts(2, read, 60, slow_start_after_idle=asked)
         assert done.returncode == 0, done.stdout
         assert done.stdout.count(f"] {seen}\n") == 2, (asked, done.stdout)
-    with pytest.raises(ValueError, match="slow_start_after_idle=2: .* is 0 or 1"):
-        netns.run_hosts(2, read, 60, slow_start_after_idle=2)
+    for bad in (2, True):
+        with pytest.raises(ValueError, match=f"slow_start_after_idle={bad}: .* is 0 or 1"):
+            netns.run_hosts(2, read, 60, slow_start_after_idle=bad)
 
 
 def test_the_local_all_gather_runs_during_the_exchange(short_run):

@@ -1,5 +1,5 @@
-"""Note [Slow start after idle]: a group that crosses hosts says once, on the first rank of
-each host, when that host's TCP restarts its windows after idle gaps."""
+"""Note [Slow start after idle]: the first group that crosses hosts says once, on the first
+rank of each host, when that host's TCP restarts its windows after idle gaps."""
 
 import warnings
 
@@ -15,12 +15,10 @@ class _Group:
         self._members = members
         self._rank = rank
 
-    def rank(self) -> int:
-        return self._rank
-
     def _layout(self) -> dict:
         host = next(h for h, m in enumerate(self._members) if self._rank in m)
-        return {"hosts": len(self._members), "host": host, "members": self._members}
+        local_rank = self._members[host].index(self._rank)
+        return {"hosts": len(self._members), "host": host, "local_rank": local_rank}
 
 
 def _warned(group: _Group, path) -> list[str]:
@@ -58,6 +56,18 @@ def test_the_first_rank_of_a_host_warns_once_naming_the_setting_and_the_fix(sysc
 def test_nothing_is_said_where_it_does_not_apply(sysctl, members, rank, value):
     sysctl.write_text(value + "\n")
     assert _warned(_Group(members, rank), sysctl) == []
+
+
+def test_subgroups_after_the_first_group_across_hosts_add_nothing(sysctl):
+    # Rank 1 is not the first of its host in the default group, but is in a data-parallel
+    # group of one rank per host created after it: still one warning per host.
+    assert _warned(_Group([[0, 1], [2, 3]], 1), sysctl) == []
+    assert _warned(_Group([[1], [3]], 1), sysctl) == []
+
+
+def test_groups_inside_one_host_leave_the_decision_to_one_that_crosses_hosts(sysctl):
+    assert _warned(_Group([[0, 1]], 0), sysctl) == []
+    assert len(_warned(_Group([[0, 1], [2, 3]], 0), sysctl)) == 1
 
 
 def test_a_host_without_the_setting_is_not_warned_about(sysctl, tmp_path):

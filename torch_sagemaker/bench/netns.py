@@ -77,8 +77,11 @@ if [ -n "$3" ]; then
     exit 96
   }
 fi
-if [ -n "$4" ]; then
-  printf '%s\n' "$4" 2>/dev/null >/proc/sys/net/ipv4/tcp_slow_start_after_idle || {
+# Written only where it differs: kernels whose namespaces lack their own copy keep working
+# for the default.
+idle=/proc/sys/net/ipv4/tcp_slow_start_after_idle
+if [ -n "$4" ] && [ "$(cat "$idle" 2>/dev/null)" != "$4" ]; then
+  printf '%s\n' "$4" 2>/dev/null >"$idle" || {
     echo "net.ipv4.tcp_slow_start_after_idle could not be set to '$4' in this host's" \
       "namespace" >&2
     exit 95
@@ -190,7 +193,7 @@ def run_hosts(
     if congestion:
         argv += ["--congestion", congestion]
     if slow_start_after_idle is not None:
-        if slow_start_after_idle not in (0, 1):
+        if isinstance(slow_start_after_idle, bool) or slow_start_after_idle not in (0, 1):
             raise ValueError(
                 f"slow_start_after_idle={slow_start_after_idle!r}: "
                 "net.ipv4.tcp_slow_start_after_idle is 0 or 1"
@@ -336,7 +339,7 @@ def _switch(
     command: list[str],
     host_name: str,
     congestion: str | None,
-    slow_start_after_idle: int | None = None,
+    slow_start_after_idle: int | None,
 ) -> int:
     with contextlib.ExitStack() as stack:
         _private_etc_hosts(stack, hosts, host_name)

@@ -106,22 +106,32 @@ _IDLE_WARNED = False
 
 
 def _warn_if_idle_restarts(created, path: str = SLOW_START_AFTER_IDLE) -> None:
-    """Warns once per host when a group crosses hosts whose TCP slows down after idle gaps.
+    """Warns once per host when a job's groups cross hosts whose TCP slows down after idle gaps.
 
     Note [Slow start after idle]: with ``net.ipv4.tcp_slow_start_after_idle`` at 1 (Linux's
     default), a connection that sent nothing for a retransmission timeout (200 ms or more)
     starts again from a small congestion window, and between collectives a training step's
     compute leaves such gaps. A collective then waits for the slowest flow's ramp, and on 2
-    simulated hosts of 2 ranks single launches missed 0.9 of the NIC bound in 7 of 30 cells
-    from 16 MiB against 1 of 30 with the setting at 0 (docs/multi_node.md, "Slow start after
-    idle"). The setting is the host's, per network namespace; smddp only says so. The first
-    rank of each host warns, as the setting is the host's.
+    simulated hosts of 2 ranks single launches missed 0.9 of the NIC bound in 10 of 48 cells
+    from 16 MiB against 2 of 48 with the setting at 0 (docs/multi_node.md, "Where it stands").
+    The setting is the host's, per network namespace; smddp only says so. A process decides
+    on the first group it joins that crosses hosts, and warns if it is the first rank of its
+    host there: with the default group first, one warning per host, however many subgroups
+    follow. Hosts that ``SMDDP_FORCE_LOCAL_SIZE`` simulates on one machine count as hosts:
+    their connections (over loopback) restart their windows too.
+
+    Args:
+        created: The backend just created (``_C.create_backend``).
+        path: Where the setting is read (tests point it elsewhere).
     """
     global _IDLE_WARNED
     if _IDLE_WARNED:
         return
     layout = created._layout()
-    if layout["hosts"] < 2 or layout["members"][layout["host"]][0] != created.rank():
+    if layout["hosts"] < 2:
+        return
+    _IDLE_WARNED = True
+    if layout["local_rank"] != 0:
         return
     try:
         with open(path) as f:
@@ -130,7 +140,6 @@ def _warn_if_idle_restarts(created, path: str = SLOW_START_AFTER_IDLE) -> None:
         return
     if value != "1":
         return
-    _IDLE_WARNED = True
     warnings.warn(
         f"smddp: net.ipv4.tcp_slow_start_after_idle is 1 on this host ({path}): TCP restarts "
         "each connection's congestion window after an idle gap of 200 ms or more, such as a "
