@@ -19,7 +19,8 @@ from typing import NamedTuple
 # Note [Cost model]
 # A collective of S bytes (nccl-tests' S) on H hosts of L ranks (N = HL) costs, per rank:
 #
-#   T = alpha + latency steps + max(NIC time, overlapped CPU work / CPU share) + serial CPU work
+#   T = alpha + latency steps + flow latency + max(NIC time, overlapped CPU work / CPU share)
+#       + serial CPU work
 #
 # - NIC time: the bytes the busiest NIC sends (k (H-1)/H S for the hierarchical algorithms,
 #   k = 2 for all_reduce, 1 otherwise; a flat ring over all N ranks sends k (N-1)/N S) at
@@ -50,8 +51,12 @@ from typing import NamedTuple
 #   core minus one (a rank that waits for a message, once woken, waits again for a core:
 #   only on an oversubscribed machine); and, for a ring, recursive halving/doubling or a
 #   tree, one step latency per sequential step (gloo's flat ring has its own, flat_step).
-#   The mesh has no steps: all its messages are posted at once, so its per-peer cost is CPU
-#   work per message, which grows with H.
+#   The mesh has no steps: all its messages are posted at once. Its per-peer cost is CPU
+#   work per message, which grows with H, and flow_latency per flow beyond one that the
+#   exchange waits on (F as for the flow skew): each flow's own start, its first window and
+#   its turn at the ports it shares with the others, costs latency that no byte explains.
+#   Without it the fit had to trade alpha between the algorithms: at 1 MiB it made every
+#   ring point 10-24% slow and the mesh's up to 24% fast (docs/multi_node.md, "Cost model").
 # - The simulated cables pass a burst (their token buckets' size) above the rate when idle:
 #   the NIC time counts only the bytes beyond it (Cluster.burst; 0 for a real NIC).
 #
@@ -70,10 +75,10 @@ from typing import NamedTuple
 # runs (cost_model_fit.unresolved(): other terms explained the times), and predictions take it from
 # --predict-latency / --predict-message instead.
 #
-# What it leaves out: incast and the switch beyond the flow skew (H-1 senders into one port
-# at once; the simulated switch has deep queues and dropped nothing up to 8 hosts, but
-# thousands of packets per case for the 32-host mesh; at 8 hosts and 1 MiB the mesh's ranks
-# ended 8-29 ms into a call the ring ends in 9), stragglers and
+# What it leaves out: incast and the switch beyond the flow skew and latency (H-1 senders
+# into one port at once; the simulated switch has deep queues and dropped nothing up to 8
+# hosts, but thousands of packets per case for the 32-host mesh; at 8 hosts and 1 MiB the
+# mesh's ranks ended 8-29 ms into a call the ring ends in 9), stragglers and
 # jitter at scale (the slowest of 1024 hosts sets the pace), congestion in a real fabric, several
 # NICs being one (it takes nics x rate as one pipe), TCP's slow start after idle, the
 # mesh's per-peer state (a socket and a poll entry per peer: it counts per-message work,
@@ -108,6 +113,8 @@ class Costs:
             an all_gather's own part).
         flow_skew: The NIC time's growth per flow beyond one that an exchange waits on
             (the mesh's H-1 flows per NIC share it unevenly; Note [Cost model]).
+        flow_latency: Seconds per call per flow beyond one that an exchange waits on (each
+            flow's own start; Note [Cost model]).
     """
 
     alpha: float = 1e-3
@@ -121,6 +128,7 @@ class Costs:
     shm_reduce_cpu: float = 1e-9
     copy_cpu: float = 3e-10
     flow_skew: float = 0.02
+    flow_latency: float = 1e-4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,6 +331,7 @@ def seconds(costs: Costs, w: Work) -> float:
     waits = 1 + w.steps + w.flat_steps
     fixed = costs.alpha + costs.wake * w.oversubscription * waits
     fixed += w.steps * costs.step + w.flat_steps * costs.flat_step
+    fixed += costs.flow_latency * (w.flows - 1)
     return fixed + max(wire, overlapped / w.share) + costs.copy_cpu * w.copied / w.share
 
 

@@ -30,7 +30,8 @@ def model_report(runs: list[dict], args: argparse.Namespace) -> int:
     print(error_table(rows))
     target = costs
     if args.predict_latency is not None:
-        target = dataclasses.replace(target, alpha=args.predict_latency, step=args.predict_latency)
+        latency = args.predict_latency
+        target = dataclasses.replace(target, alpha=latency, step=latency, flow_latency=latency)
     if args.predict_message is not None:
         target = dataclasses.replace(target, message=args.predict_message)
     if args.predict_cpu == "none":
@@ -53,7 +54,8 @@ def model_report(runs: list[dict], args: argparse.Namespace) -> int:
     if blind:
         print(
             f"Not resolved by the runs (below 1 us, as good as 0): {', '.join(blind)}; "
-            "--predict-latency sets alpha and step, --predict-message the message cost, and "
+            "--predict-latency sets alpha, step and flow latency, --predict-message the message "
+            "cost, and "
             "where they decide, so does that assumption"
         )
     print(prediction_table(target, args.predict_ranks, nic_rate, cores, sizes))
@@ -140,6 +142,7 @@ def costs_table(costs: cost_model.Costs) -> str:
         f"| shared-memory reduce-scatter (input) | {1e-9 / costs.shm_reduce_cpu:.2f} {per_core} |",
         f"| copies | {1e-9 / costs.copy_cpu:.2f} {per_core} |",
         f"| flow skew (NIC time per flow beyond one) | {costs.flow_skew:.3f} |",
+        f"| flow latency (per call, per flow beyond one) | {ms('flow_latency')} |",
     ]
     return "\n".join(lines)
 

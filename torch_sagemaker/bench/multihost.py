@@ -379,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         "--predict-latency",
         type=float,
         default=None,
-        help="seconds per call and per ring or tree step instead of the fitted ones",
+        help="seconds per call, per ring or tree step and per extra flow of the mesh instead of "
+        "the fitted ones",
     )
     model.add_argument(
         "--predict-message",
