@@ -112,8 +112,8 @@ def _warn_if_idle_restarts(created, path: str = SLOW_START_AFTER_IDLE) -> None:
     default), a connection that sent nothing for a retransmission timeout (200 ms or more)
     starts again from a small congestion window, and between collectives a training step's
     compute leaves such gaps. A collective then waits for the slowest flow's ramp, and on 2
-    simulated hosts of 2 ranks single launches missed 0.9 of the NIC bound in 10 of 48 cells
-    from 16 MiB against 2 of 48 with the setting at 0 (docs/multi_node.md, "Where it stands").
+    simulated hosts of 2 ranks single launches missed 0.9 of the NIC bound in 13 of 66 cells
+    from 16 MiB against 5 of 66 with the setting at 0 (docs/multi_node.md, "Where it stands").
     The setting is the host's, per network namespace; smddp only says so. A process decides
     on the first group it joins that crosses hosts, and warns if it is the first rank of its
     host there: with the default group first, one warning per host, however many subgroups
