@@ -107,7 +107,8 @@ def test_malformed_environment_is_refused_at_group_creation():
         assert "SMDDP_BUFFER_BYTES=12x is invalid" in message, message
 
 
-def _ring_warnings():
+def _warnings_at_init(marker):
+    """The warnings a rank's default group creation raised that mention ``marker``."""
     import warnings
 
     import torch.distributed as dist
@@ -117,7 +118,11 @@ def _ring_warnings():
         dist.init_process_group("smddp")
         dist.barrier()
     dist.destroy_process_group()
-    return [str(w.message) for w in caught if "net_algo=ring" in str(w.message)]
+    return [str(w.message) for w in caught if marker in str(w.message)]
+
+
+def _ring_warnings():
+    return _warnings_at_init("net_algo=ring")
 
 
 @pytest.mark.parametrize(
@@ -144,16 +149,7 @@ def test_a_ring_that_cannot_run_is_said_once(local_size, warned):
 
 
 def _idle_restart_warnings():
-    import warnings
-
-    import torch.distributed as dist
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        dist.init_process_group("smddp")
-        dist.barrier()
-    dist.destroy_process_group()
-    return [str(w.message) for w in caught if "tcp_slow_start_after_idle" in str(w.message)]
+    return _warnings_at_init("tcp_slow_start_after_idle")
 
 
 def test_hosts_that_restart_tcp_windows_after_idle_gaps_are_said_once_each():
