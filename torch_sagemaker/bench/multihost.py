@@ -2,7 +2,7 @@
 
     python -m torch_sagemaker.bench multihost [--layouts 2x1,4x1,2x2,4x2] [--rate 2gbit]
         [--ops all_reduce,all_gather_into_tensor,reduce_scatter_tensor] [--sizes 1M,16M,64M]
-        [--congestion cubic] [--slow-start-after-idle 1]
+        [--congestion cubic] [--slow-start-after-idle 1] [--warmup-largest 5]
 
 Each layout HxL is H simulated hosts (bench/netns.py: namespaces, one bridge as the switch,
 each host's cable shaped to ``--rate`` in both directions, its TCP congestion control
@@ -20,7 +20,9 @@ ceiling]); it is not trained and the cost model leaves it out. For every
 op and size S (nccl-tests' S: the all_reduce tensor, the all_gather output, the
 reduce_scatter input; float32), each backend runs a checked call, a warm-up call and
 ``--iters`` timed calls, each after a barrier; the time is the median over calls of the
-slowest rank.
+slowest rank. Each backend runs its whole sweep before the next starts, and each op's sweep
+starts with ``--warmup-largest`` calls at the largest size (Note [Each backend's sweep back to
+back]).
 
 The bound is the time the busiest NIC needs for the bytes it must send:
 k (H-1)/H S 8 / R, with k = 2 for all_reduce and 1 for all_gather and reduce_scatter
@@ -56,6 +58,28 @@ from torch_sagemaker.bench.cost_model import nic_factor
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 BACKENDS = ("smddp", "smddp-mesh", "smddp-ring", "gloo", BARE_TCP)
 MASTER_PORT = 29530  # inside the hosts' private network
+
+# Note [Each backend's sweep back to back]
+# A job runs one backend's cases (every op, every size) one after the other, then the next
+# backend's, as nccl-tests runs one library; and before each op's sizes it makes
+# ``--warmup-largest`` calls at the largest size, as nccl-tests' timing loop does before it
+# sweeps. Both are about TCP, not about the collectives, and the table then measures
+# collectives back to back on connections that have carried the largest size: a training
+# loop's steady state.
+# - The order: running each case on every backend in turn left smddp's connections idle for
+#   seconds while gloo's and the bare streams' calls ran, and with the hosts'
+#   net.ipv4.tcp_slow_start_after_idle at 1 (Linux's default; Note [Slow start after idle] in
+#   distributed/backend.py) each of its cases began from restarted windows.
+# - The warm-up: what smddp's first transfers leave in its connections lasts. Where they were
+#   1 MiB calls (the smallest size first), a host's flows could ramp unequally and stay so:
+#   on 2 hosts of 2 ranks some launches ran every later large case slow (9 of 24
+#   cells from 16 MiB below 0.9 of the bound in four launches back to back without the
+#   warm-up, three launches of four; 0 of 24 with it, alternating), while the bare streams
+#   of the same launches, which also began with 1 MiB, ran at 0.95.
+# What gaps between calls cost a training step is the host setting's business, which smddp
+# warns about; what a job's first small collectives cost its later ones is in
+# docs/multi_node.md ("Where it stands").
+WARMUP_LARGEST = 5
 
 
 def _layout(text: str) -> tuple[int, int]:
@@ -153,6 +177,7 @@ def run_layout(
     timeline: bool = False,
     congestion: str | None = netns.DEFAULT_CONGESTION,
     slow_start_after_idle: int | None = None,
+    warmup_largest: int = WARMUP_LARGEST,
 ) -> dict[str, Any]:
     """Runs one layout's job.
 
@@ -173,6 +198,8 @@ def run_layout(
             [Simulated hosts run cubic] in netns.py).
         slow_start_after_idle: The hosts' ``net.ipv4.tcp_slow_start_after_idle``; None: the
             kernel's default (1).
+        warmup_largest: Untimed calls at the largest size before each op's sweep, on each
+            backend (Note [Each backend's sweep back to back]).
 
     Returns:
         ``{"rows": one per op, size and backend, "identical": None, or with ``identical``
@@ -196,6 +223,7 @@ def run_layout(
             "train_backends": train_backends or [],
             "train_steps": train_steps,
             "timeline": timeline,
+            "warmup_largest": warmup_largest,
             "out": out,
         }
         command = [sys.executable, "-m", __spec__.name, "--host", "{host}", json.dumps(spec)]
@@ -340,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the hosts' net.ipv4.tcp_slow_start_after_idle (1: Linux's default)",
     )
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument(
+        "--warmup-largest",
+        type=int,
+        default=WARMUP_LARGEST,
+        help="untimed calls at the largest size before each op's sweep, on each backend",
+    )
     p.add_argument("--timeout", type=float, default=600, help="seconds for one layout's job")
     p.add_argument("--json", default=None, help="also write the rows to this file")
     p.add_argument(
@@ -397,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     model.add_argument("--plot", default=None, help="write all_reduce's predicted busbw here")
     args = p.parse_args(argv)
+    if args.warmup_largest < 0:
+        p.error(f"--warmup-largest {args.warmup_largest}: a count of calls, 0 or more")
     if args.fit:
         runs = []
         for path in args.fit:
@@ -434,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
             timeline=args.timeline,
             congestion=congestion,
             slow_start_after_idle=args.slow_start_after_idle,
+            warmup_largest=args.warmup_largest,
         )
         rows += got["rows"]
         if train:
@@ -459,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"NIC rate {args.rate} per host, both directions; TCP congestion control {ran}{whose};"
         f" slow start after idle {args.slow_start_after_idle}; float32;"
-        f" median of {args.iters} calls"
+        f" median of {args.iters} calls, each backend's sweep back to back after"
+        f" {args.warmup_largest} calls at the largest size"
     )
     print(table(rows, rate))
     if args.timeline:
@@ -476,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
         "burst_bytes": netns.BURST_BYTES,  # what each cable passes above the rate at once
         "congestion": ran,  # the hosts' TCP congestion control
         "slow_start_after_idle": args.slow_start_after_idle,  # the hosts' sysctl
+        "warmup_largest": args.warmup_largest,
+        "sweep": "backend",  # each backend's cases back to back (before: each case in turn)
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "recorded": time.strftime("%Y-%m-%d %H:%M %Z"),
         "rows": rows,

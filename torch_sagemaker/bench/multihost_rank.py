@@ -116,14 +116,12 @@ def rank_main(spec: dict[str, Any]) -> None:
 
     import torch_sagemaker  # noqa: F401  (registers smddp)
     from torch_sagemaker.bench import end_rank
-    from torch_sagemaker.bench.collectives import make_case
     from torch_sagemaker.distributed.backend import group_layout
     from torch_sagemaker.distributed.options import SMDDPOptions
 
     torch.set_num_threads(1)
     dist.init_process_group("smddp", timeout=timedelta(seconds=spec["timeout"]))
     rank, world = dist.get_rank(), dist.get_world_size()
-    counts_nic = rank % spec["local"] == 0  # one rank per host reads its NIC
     groups = {"smddp": dist.group.WORLD}
     bare = None
     for name in spec["backends"]:  # in the same order on every rank: new_group is collective
@@ -145,43 +143,15 @@ def rank_main(spec: dict[str, Any]) -> None:
         dist.all_gather_object(identical, _identical_results(dist.group.WORLD))
     training = {name: _training(groups[name], spec) for name in spec.get("train_backends", [])}
     rows = []
-    for op in spec["ops"]:
-        for size in spec["sizes"]:
-            for name in spec["backends"]:
-                if name == BARE_TCP:
-                    assert bare is not None
-                    # make_case only for the size it rounds to: the bare streams move bytes.
-                    _, _, actual = make_case(op, size, world, rank, dist.group.WORLD)
-                    run, check = bare.case(op, actual)
-                else:
-                    run, check, actual = make_case(op, size, world, rank, groups[name])
-                timeline = spec.get("timeline") and name in groups and name != "gloo"
-                ok = check()
-                run()  # warm-up
-                dist.barrier()
-                before = netns.own_counters() if counts_nic else None
-                ports = netns.port_counters() if rank == 0 else None
-                if timeline:  # drop what the checked and warm-up calls left
-                    _middle_call(groups[name], op, 0)
-                times = []
-                for _ in range(spec["iters"]):
-                    dist.barrier()
-                    t0 = time.perf_counter()
+    # Note [Each backend's sweep back to back] in multihost.py.
+    for name in spec["backends"]:
+        for op in spec["ops"]:
+            if spec["sizes"] and spec.get("warmup_largest"):
+                run = _case(op, max(spec["sizes"]), name, rank, world, groups, bare)[0]
+                for _ in range(spec["warmup_largest"]):
                     run()
-                    times.append(time.perf_counter() - t0)
-                dist.barrier()
-                after = netns.own_counters() if counts_nic else None
-                ports_after = netns.port_counters() if rank == 0 else None
-                mine: dict[str, Any] = {"ok": ok, "times": times}
-                if before is not None and after is not None:
-                    mine["tx"] = after["tx_bytes"] - before["tx_bytes"]
-                    mine["drops"] = after["drops"] - before["drops"]
-                if ports is not None and ports_after is not None:
-                    mine["port_drops"] = sum(
-                        ports_after[p]["drops"] - ports[p]["drops"] for p in ports_after
-                    )
-                if timeline:
-                    mine["timeline"] = _middle_call(groups[name], op, spec["iters"])
+            for size in spec["sizes"]:
+                mine, actual = _measure(op, size, name, rank, world, groups, bare, spec)
                 every: list[Any] = [None] * world
                 dist.all_gather_object(every, mine)
                 if rank == 0:
@@ -200,6 +170,61 @@ def rank_main(spec: dict[str, Any]) -> None:
         bare.close()
     dist.barrier()
     end_rank()
+
+
+def _case(op: str, size: int, name: str, rank: int, world: int, groups: dict, bare):
+    """(run, check, actual bytes) of ``op`` on about ``size`` bytes on backend ``name``."""
+    import torch.distributed as dist
+
+    from torch_sagemaker.bench.collectives import make_case
+
+    if name == BARE_TCP:
+        assert bare is not None
+        # make_case only for the size it rounds to: the bare streams move bytes.
+        _, _, actual = make_case(op, size, world, rank, dist.group.WORLD)
+        run, check = bare.case(op, actual)
+        return run, check, actual
+    return make_case(op, size, world, rank, groups[name])
+
+
+def _measure(
+    op: str, size: int, name: str, rank: int, world: int, groups: dict, bare, spec: dict
+) -> tuple[dict[str, Any], int]:
+    """One case on this rank: a checked call, a warm-up call, then ``iters`` timed calls.
+
+    Returns this rank's part of the row (result check, call times, and on one rank per host
+    its NIC's counters) and the size the case ran.
+    """
+    import torch.distributed as dist
+
+    run, check, actual = _case(op, size, name, rank, world, groups, bare)
+    counts_nic = rank % spec["local"] == 0  # one rank per host reads its NIC
+    timeline = spec.get("timeline") and name in groups and name != "gloo"
+    ok = check()
+    run()  # warm-up
+    dist.barrier()
+    before = netns.own_counters() if counts_nic else None
+    ports = netns.port_counters() if rank == 0 else None
+    if timeline:  # drop what the checked and warm-up calls left
+        _middle_call(groups[name], op, 0)
+    times = []
+    for _ in range(spec["iters"]):
+        dist.barrier()
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    dist.barrier()
+    after = netns.own_counters() if counts_nic else None
+    ports_after = netns.port_counters() if rank == 0 else None
+    mine: dict[str, Any] = {"ok": ok, "times": times}
+    if before is not None and after is not None:
+        mine["tx"] = after["tx_bytes"] - before["tx_bytes"]
+        mine["drops"] = after["drops"] - before["drops"]
+    if ports is not None and ports_after is not None:
+        mine["port_drops"] = sum(ports_after[p]["drops"] - ports[p]["drops"] for p in ports_after)
+    if timeline:
+        mine["timeline"] = _middle_call(groups[name], op, spec["iters"])
+    return mine, actual
 
 
 def _gather_objects(obj: object) -> list:
