@@ -111,13 +111,6 @@ def test_arguments_are_checked():
         multihost._layout("1x2")
 
 
-def test_arguments_refuse_a_negative_warm_up(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        multihost.main(["--warmup-largest", "-1"])
-    assert exit_info.value.code == 2
-    assert "--warmup-largest -1: a count of calls, 0 or more" in capsys.readouterr().err
-
-
 def test_each_backend_runs_its_sweep_back_to_back(short_run):
     # Note [Each backend's sweep back to back]: the rows come in the order they ran, so one
     # backend's cases (every op) must all come before the next backend's; interleaved

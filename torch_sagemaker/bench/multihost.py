@@ -62,23 +62,21 @@ MASTER_PORT = 29530  # inside the hosts' private network
 # Note [Each backend's sweep back to back]
 # A job runs one backend's cases (every op, every size) one after the other, then the next
 # backend's, as nccl-tests runs one library; and before each op's sizes it makes
-# ``--warmup-largest`` calls at the largest size, as nccl-tests' timing loop does before it
-# sweeps. Both are about TCP, not about the collectives, and the table then measures
-# collectives back to back on connections that have carried the largest size: a training
-# loop's steady state.
-# - The order: running each case on every backend in turn left smddp's connections idle for
-#   seconds while gloo's and the bare streams' calls ran, and with the hosts'
-#   net.ipv4.tcp_slow_start_after_idle at 1 (Linux's default; Note [Slow start after idle] in
-#   distributed/backend.py) each of its cases began from restarted windows.
-# - The warm-up: what smddp's first transfers leave in its connections lasts. Where they were
-#   1 MiB calls (the smallest size first), a host's flows could ramp unequally and stay so:
-#   on 2 hosts of 2 ranks some launches ran every later large case slow (9 of 24
-#   cells from 16 MiB below 0.9 of the bound in four launches back to back without the
-#   warm-up, three launches of four; 0 of 24 with it, alternating), while the bare streams
-#   of the same launches, which also began with 1 MiB, ran at 0.95.
-# What gaps between calls cost a training step is the host setting's business, which smddp
-# warns about; what a job's first small collectives cost its later ones is in
-# docs/multi_node.md ("Where it stands").
+# ``--warmup-largest`` calls at the largest size, as nccl-tests' timing loop does first (it
+# then warms up at the smallest size too, which each case's own warm-up call covers here).
+# The table then measures collectives that follow each other on connections that have carried
+# the largest size. That is not a training step, whose compute leaves gaps between its
+# collectives (Note [Slow start after idle] in distributed/backend.py).
+# - The warm-up is what the numbers needed. What smddp's first transfers leave in its
+#   connections lasts: where they were 1 MiB calls (the smallest size first), a host's flows
+#   could ramp unequally and stay so for the whole job. On 2 hosts of 2 ranks, back to back
+#   without the warm-up, three launches of four ran every large case slow (9 of 24 cells from
+#   16 MiB below 0.9 of the bound), and with it none did (0 of 24, alternating), while the
+#   bare streams of the same launches, which also began with 1 MiB, ran at 0.95.
+# - The order is nccl-tests' and not a measured gain: without the warm-up it missed in those
+#   9 of 24 cells, and the old order (each case on every backend in turn; alternating runs of
+#   their own, six launches each) in 5 of 36 at either host setting. It keeps a backend's
+#   connections from sitting idle for seconds between its own cases while others run.
 WARMUP_LARGEST = 5
 
 
@@ -496,8 +494,12 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"NIC rate {args.rate} per host, both directions; TCP congestion control {ran}{whose};"
         f" slow start after idle {args.slow_start_after_idle}; float32;"
-        f" median of {args.iters} calls, each backend's sweep back to back after"
-        f" {args.warmup_largest} calls at the largest size"
+        f" median of {args.iters} calls, each backend's sweep back to back"
+        + (
+            f" after {args.warmup_largest} calls at the largest size"
+            if args.warmup_largest
+            else " with no warm-up at the largest size"
+        )
     )
     print(table(rows, rate))
     if args.timeline:

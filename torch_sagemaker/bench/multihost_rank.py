@@ -10,14 +10,44 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch_sagemaker.bench import netns
 from torch_sagemaker.bench.bare_tcp import BARE_TCP, BareRing
 
 # smddp groups that force how collectives cross hosts (SMDDPOptions.net_algo).
 FORCED_NET_ALGO = {"smddp-mesh": "mesh", "smddp-ring": "ring"}
+
+
+class Step(NamedTuple):
+    """One step of a job's sweep: untimed warm-up calls, or a case that is measured."""
+
+    backend: str
+    op: str
+    size: int
+    warmup_calls: int  # > 0: only that many untimed calls; 0: a measured case
+
+
+def schedule(spec: dict[str, Any]) -> Iterator[Step]:
+    """The steps a job runs, in order (Note [Each backend's sweep back to back] in multihost.py).
+
+    Every rank runs the same steps in the same order: each is collective.
+
+    Args:
+        spec: The job's spec: ``backends``, ``ops``, ``sizes`` and ``warmup_largest``.
+
+    Yields:
+        For each backend, for each op: the warm-up at the largest size (where
+        ``warmup_largest`` is above 0), then a measured case per size, in the order given.
+    """
+    for backend in spec["backends"]:
+        for op in spec["ops"]:
+            if spec["sizes"] and spec.get("warmup_largest", 0) > 0:
+                yield Step(backend, op, max(spec["sizes"]), spec["warmup_largest"])
+            for size in spec["sizes"]:
+                yield Step(backend, op, size, 0)
 
 
 def _identical_results(group) -> dict[str, Any]:
@@ -143,19 +173,19 @@ def rank_main(spec: dict[str, Any]) -> None:
         dist.all_gather_object(identical, _identical_results(dist.group.WORLD))
     training = {name: _training(groups[name], spec) for name in spec.get("train_backends", [])}
     rows = []
-    # Note [Each backend's sweep back to back] in multihost.py.
-    for name in spec["backends"]:
-        for op in spec["ops"]:
-            if spec["sizes"] and spec.get("warmup_largest"):
-                run = _case(op, max(spec["sizes"]), name, rank, world, groups, bare)[0]
-                for _ in range(spec["warmup_largest"]):
-                    run()
-            for size in spec["sizes"]:
-                mine, actual = _measure(op, size, name, rank, world, groups, bare, spec)
-                every: list[Any] = [None] * world
-                dist.all_gather_object(every, mine)
-                if rank == 0:
-                    rows.append(_row(spec, op, actual, name, algorithms[name], every))
+    for step in schedule(spec):
+        name, op = step.backend, step.op
+        if step.warmup_calls:
+            run = _case(op, step.size, name, rank, world, groups, bare)[0]
+            for _ in range(step.warmup_calls):
+                run()
+            del run  # its operands, before the cases allocate theirs
+            continue
+        mine, actual = _measure(op, step.size, name, rank, world, groups, bare, spec)
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, mine)
+        if rank == 0:
+            rows.append(_row(spec, op, actual, name, algorithms[name], every))
     if rank == 0:
         with open(spec["out"], "w") as f:
             json.dump(
@@ -172,8 +202,24 @@ def rank_main(spec: dict[str, Any]) -> None:
     end_rank()
 
 
-def _case(op: str, size: int, name: str, rank: int, world: int, groups: dict, bare):
-    """(run, check, actual bytes) of ``op`` on about ``size`` bytes on backend ``name``."""
+def _case(
+    op: str, size: int, name: str, rank: int, world: int, groups: dict, bare: BareRing | None
+) -> tuple[Any, Any, int]:
+    """One case's calls on this rank.
+
+    Args:
+        op: Of multihost.OPS.
+        size: About how many bytes (nccl-tests' S); the case rounds it to the ranks.
+        name: The backend: a key of ``groups``, or the bare-TCP ceiling.
+        rank: This rank.
+        world: The job's ranks.
+        groups: The process groups by backend.
+        bare: The bare streams, where the job runs the ceiling.
+
+    Returns:
+        ``(run, check, actual bytes)``: ``run()`` makes one call, ``check()`` one call whose
+        result it checks (True where right).
+    """
     import torch.distributed as dist
 
     from torch_sagemaker.bench.collectives import make_case
@@ -188,12 +234,31 @@ def _case(op: str, size: int, name: str, rank: int, world: int, groups: dict, ba
 
 
 def _measure(
-    op: str, size: int, name: str, rank: int, world: int, groups: dict, bare, spec: dict
+    op: str,
+    size: int,
+    name: str,
+    rank: int,
+    world: int,
+    groups: dict,
+    bare: BareRing | None,
+    spec: dict,
 ) -> tuple[dict[str, Any], int]:
     """One case on this rank: a checked call, a warm-up call, then ``iters`` timed calls.
 
-    Returns this rank's part of the row (result check, call times, and on one rank per host
-    its NIC's counters) and the size the case ran.
+    Args:
+        op: Of multihost.OPS.
+        size: About how many bytes.
+        name: The backend.
+        rank: This rank.
+        world: The job's ranks.
+        groups: The process groups by backend.
+        bare: The bare streams, where the job runs the ceiling.
+        spec: The job's spec (``iters``, ``local``, ``timeline``).
+
+    Returns:
+        This rank's part of the row (the result check, the call times, and on one rank per
+        host its NIC's counters; with ``timeline``, the middle call's phases) and the size the
+        case ran.
     """
     import torch.distributed as dist
 
