@@ -174,18 +174,17 @@ def rank_main(spec: dict[str, Any]) -> None:
     training = {name: _training(groups[name], spec) for name in spec.get("train_backends", [])}
     rows = []
     for step in schedule(spec):
-        name, op = step.backend, step.op
         if step.warmup_calls:
-            run = _case(op, step.size, name, rank, world, groups, bare)[0]
+            run = _case(step, rank, world, groups, bare)[0]
             for _ in range(step.warmup_calls):
                 run()
             del run  # its operands, before the cases allocate theirs
             continue
-        mine, actual = _measure(op, step.size, name, rank, world, groups, bare, spec)
+        mine, actual = _measure(step, rank, world, groups, bare, spec)
         every: list[Any] = [None] * world
         dist.all_gather_object(every, mine)
         if rank == 0:
-            rows.append(_row(spec, op, actual, name, algorithms[name], every))
+            rows.append(_row(spec, step.op, actual, step.backend, algorithms[step.backend], every))
     if rank == 0:
         with open(spec["out"], "w") as f:
             json.dump(
@@ -203,14 +202,13 @@ def rank_main(spec: dict[str, Any]) -> None:
 
 
 def _case(
-    op: str, size: int, name: str, rank: int, world: int, groups: dict, bare: BareRing | None
+    step: Step, rank: int, world: int, groups: dict, bare: BareRing | None
 ) -> tuple[Any, Any, int]:
     """One case's calls on this rank.
 
     Args:
-        op: Of multihost.OPS.
-        size: About how many bytes (nccl-tests' S); the case rounds it to the ranks.
-        name: The backend: a key of ``groups``, or the bare-TCP ceiling.
+        step: The backend (a key of ``groups``, or the bare-TCP ceiling), the op, and about
+            how many bytes (nccl-tests' S; the case rounds it to the ranks).
         rank: This rank.
         world: The job's ranks.
         groups: The process groups by backend.
@@ -224,31 +222,22 @@ def _case(
 
     from torch_sagemaker.bench.collectives import make_case
 
-    if name == BARE_TCP:
+    if step.backend == BARE_TCP:
         assert bare is not None
         # make_case only for the size it rounds to: the bare streams move bytes.
-        _, _, actual = make_case(op, size, world, rank, dist.group.WORLD)
-        run, check = bare.case(op, actual)
+        _, _, actual = make_case(step.op, step.size, world, rank, dist.group.WORLD)
+        run, check = bare.case(step.op, actual)
         return run, check, actual
-    return make_case(op, size, world, rank, groups[name])
+    return make_case(step.op, step.size, world, rank, groups[step.backend])
 
 
 def _measure(
-    op: str,
-    size: int,
-    name: str,
-    rank: int,
-    world: int,
-    groups: dict,
-    bare: BareRing | None,
-    spec: dict,
+    step: Step, rank: int, world: int, groups: dict, bare: BareRing | None, spec: dict
 ) -> tuple[dict[str, Any], int]:
     """One case on this rank: a checked call, a warm-up call, then ``iters`` timed calls.
 
     Args:
-        op: Of multihost.OPS.
-        size: About how many bytes.
-        name: The backend.
+        step: The backend, the op and about how many bytes.
         rank: This rank.
         world: The job's ranks.
         groups: The process groups by backend.
@@ -262,16 +251,17 @@ def _measure(
     """
     import torch.distributed as dist
 
-    run, check, actual = _case(op, size, name, rank, world, groups, bare)
+    run, check, actual = _case(step, rank, world, groups, bare)
     counts_nic = rank % spec["local"] == 0  # one rank per host reads its NIC
-    timeline = spec.get("timeline") and name in groups and name != "gloo"
+    group = groups.get(step.backend)
+    timeline = spec.get("timeline") and group is not None and step.backend != "gloo"
     ok = check()
     run()  # warm-up
     dist.barrier()
     before = netns.own_counters() if counts_nic else None
     ports = netns.port_counters() if rank == 0 else None
     if timeline:  # drop what the checked and warm-up calls left
-        _middle_call(groups[name], op, 0)
+        _middle_call(group, step.op, 0)
     times = []
     for _ in range(spec["iters"]):
         dist.barrier()
@@ -288,7 +278,7 @@ def _measure(
     if ports is not None and ports_after is not None:
         mine["port_drops"] = sum(ports_after[p]["drops"] - ports[p]["drops"] for p in ports_after)
     if timeline:
-        mine["timeline"] = _middle_call(groups[name], op, spec["iters"])
+        mine["timeline"] = _middle_call(group, step.op, spec["iters"])
     return mine, actual
 
 
