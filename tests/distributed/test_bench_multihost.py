@@ -121,13 +121,17 @@ def test_each_backend_runs_its_sweep_back_to_back(short_run):
 
 def test_each_host_runs_the_congestion_control_asked_for():
     # Note [Simulated hosts run cubic]: the hosts' TCP congestion control is the benchmark's
-    # choice, not the machine's; a name the kernel lacks is refused, naming what it offers.
+    # choice, not the machine's, among those the kernel lets a namespace choose; a name the
+    # kernel lacks, or keeps to its own namespace, is refused, naming the lists.
     if netns.unavailable_reason():
         pytest.skip(f"needs Linux network namespaces: {netns.unavailable_reason()}")
-    with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
-        offered = f.read().split()
+    offered = netns.congestion_settings("available_")
+    allowed = netns.congestion_settings("allowed_")
     read = ["cat", "/proc/sys/net/ipv4/tcp_congestion_control"]
-    for name in {"cubic", "reno"} & set(offered):
+    asked = {"cubic", "reno", "bbr"} & set(offered) & set(allowed)
+    assert asked, (offered, allowed)  # reno is always both
+    for name in asked:
+        assert netns.check_congestion(name) == name
         done = netns.run_hosts(2, read, 60, congestion=name)
         assert done.returncode == 0, done.stdout
         assert done.stdout.count(f"] {name}\n") == 2, done.stdout
@@ -135,6 +139,66 @@ def test_each_host_runs_the_congestion_control_asked_for():
         netns.check_congestion("no-such-cc")
     done = netns.run_hosts(2, read, 60, congestion="no-such-cc")
     assert done.returncode != 0 and "'no-such-cc' could not be set" in done.stdout
+    for name in set(offered) - set(allowed):  # e.g. cubic where the list is "reno bbr"
+        with pytest.raises(ValueError, match=f"'{name}' cannot be set in a simulated host"):
+            netns.check_congestion(name)
+        done = netns.run_hosts(2, read, 60, congestion=name)
+        assert done.returncode != 0, done.stdout
+        assert f"'{name}' could not be set" in done.stdout and "allowed" in done.stdout
+
+
+def _simulated_lists(monkeypatch, allowed: str, own: str = "bbr") -> None:
+    lists = {"": own, "available_": "reno bbr cubic", "allowed_": allowed}
+    monkeypatch.setattr(netns, "congestion_settings", lambda kind="": lists[kind].split())
+
+
+def test_the_default_congestion_control_falls_back_where_cubic_is_not_allowed(monkeypatch):
+    # The suite's path (run_layout's default, AUTO) on a machine whose allowed list lacks
+    # cubic, as CI's can: the machine's own, said why; where the list has cubic, cubic.
+    _simulated_lists(monkeypatch, "reno bbr")
+    name, why = netns.resolve_congestion(netns.AUTO_CONGESTION)
+    assert name is None
+    assert "cubic, the benchmark's default, is not in" in why and "(reno bbr)" in why
+    assert netns.resolve_congestion("system") == (None, "the machine's own, as asked")
+    assert netns.resolve_congestion("reno") == ("reno", "")
+    # Asked for by name, cubic is still refused before any host starts, naming the fix.
+    with pytest.raises(ValueError, match="here reno bbr, root included") as refused:
+        netns.resolve_congestion("cubic")
+    assert "tcp_allowed_congestion_control='reno bbr cubic'" in str(refused.value)
+    with pytest.raises(SystemExit):
+        multihost.main(["--layouts", "2x1", "--congestion", "cubic"])
+    _simulated_lists(monkeypatch, "reno bbr cubic")
+    assert netns.resolve_congestion(netns.AUTO_CONGESTION) == ("cubic", "Linux's default")
+    assert netns.resolve_congestion("cubic") == ("cubic", "")
+
+
+def test_hosts_start_with_the_fallback_and_report_it(monkeypatch):
+    # The fallback's hosts run and read back the machine's own congestion control, which is
+    # what the benchmark's record and header carry (multihost.host_settings).
+    if netns.unavailable_reason():
+        pytest.skip(f"needs Linux network namespaces: {netns.unavailable_reason()}")
+    own = netns.congestion_settings()
+    _simulated_lists(monkeypatch, "reno bbr", own=" ".join(own))
+    name, _ = netns.resolve_congestion(netns.AUTO_CONGESTION)
+    read = ["cat", "/proc/sys/net/ipv4/tcp_congestion_control"]
+    done = netns.run_hosts(2, read, 60, congestion=name)
+    assert done.returncode == 0, done.stdout
+    assert done.stdout.count(f"] {own[0]}\n") == 2, done.stdout
+    per_host = [{"congestion": "bbr", "slow_start_after_idle": "1"}] * 2
+    assert multihost.ran_setting(per_host, "congestion") == "bbr on every host"
+    mixed = [per_host[0], {"congestion": "cubic", "slow_start_after_idle": "1"}]
+    assert multihost.ran_setting(mixed, "congestion") == "host 0: bbr, host 1: cubic"
+
+
+def test_the_record_says_what_every_host_ran(short_run):
+    # The short run took the suite's default: cubic where namespaces may choose it, else the
+    # machine's own; each host's kernel reports what it ran.
+    expected, why = netns.resolve_congestion(netns.AUTO_CONGESTION)
+    expected = expected or netns.congestion_settings()[0]
+    assert short_run["hosts"] == [
+        {"congestion": expected, "slow_start_after_idle": "1"} for _ in range(2)
+    ]
+    assert short_run["congestion_why"] == why
 
 
 def test_each_host_keeps_or_drops_slow_start_after_idle_as_asked():

@@ -2,11 +2,13 @@
 
     python -m torch_sagemaker.bench multihost [--layouts 2x1,4x1,2x2,4x2] [--rate 2gbit]
         [--ops all_reduce,all_gather_into_tensor,reduce_scatter_tensor] [--sizes 1M,16M,64M]
-        [--congestion cubic] [--slow-start-after-idle 1] [--warmup-largest 5]
+        [--congestion auto] [--slow-start-after-idle 1] [--warmup-largest 5]
 
 Each layout HxL is H simulated hosts (bench/netns.py: namespaces, one bridge as the switch,
 each host's cable shaped to ``--rate`` in both directions, its TCP congestion control
-``--congestion``, cubic by default: Note [Simulated hosts run cubic]; whether TCP restarts
+``--congestion``, by default cubic where the kernel lets a namespace choose it and otherwise
+the machine's own, as each host's kernel reports it in the header and the record: Note
+[Simulated hosts run cubic]; whether TCP restarts
 its window after idle gaps ``--slow-start-after-idle``, Linux's default 1 unless told 0: Note
 [Slow start after idle] in distributed/backend.py) with L ranks each. One
 job per layout runs every backend: the default group is smddp's, and a gloo group spans the same
@@ -135,7 +137,22 @@ def timeline_table(rows: list[dict]) -> str:
 # --- one host: starts its ranks ------------------------------------------------------------
 
 
+def host_settings() -> dict[str, str]:
+    """This host's TCP settings that the benchmark sets, read back from its own namespace."""
+    settings = {"congestion": " ".join(netns.congestion_settings())}
+    try:
+        with open("/proc/sys/net/ipv4/tcp_slow_start_after_idle") as f:
+            settings["slow_start_after_idle"] = f.read().strip()
+    except OSError:
+        settings["slow_start_after_idle"] = "unknown"
+    return settings
+
+
 def _host_main(host: int, spec: dict[str, Any]) -> int:
+    # What this host's TCP runs, as the kernel says, for the run's record (Note [Simulated
+    # hosts run cubic]): the driver reads one file per host.
+    with open(f"{spec['out']}.host{host}", "w") as f:
+        json.dump(host_settings(), f)
     procs = []
     for local in range(spec["local"]):
         env = dict(
@@ -173,7 +190,7 @@ def run_layout(
     train_backends: list[str] | None = None,
     train_steps: int = 3,
     timeline: bool = False,
-    congestion: str | None = netns.DEFAULT_CONGESTION,
+    congestion: str | None = netns.AUTO_CONGESTION,
     slow_start_after_idle: int | None = None,
     warmup_largest: int = WARMUP_LARGEST,
 ) -> dict[str, Any]:
@@ -192,8 +209,9 @@ def run_layout(
         train_backends: Backends to time FSDP2 training on.
         train_steps: Training steps per backend.
         timeline: Record each smddp row's phases (SMDDP_TIMELINE).
-        congestion: The hosts' TCP congestion control; None: the machine's (Note
-            [Simulated hosts run cubic] in netns.py).
+        congestion: The hosts' TCP congestion control, as ``netns.resolve_congestion``
+            takes it: a name, ``auto`` (cubic where the hosts may choose it, else the
+            machine's own) or None (the machine's own); Note [Simulated hosts run cubic].
         slow_start_after_idle: The hosts' ``net.ipv4.tcp_slow_start_after_idle``; None: the
             kernel's default (1).
         warmup_largest: Untimed calls at the largest size before each op's sweep, on each
@@ -202,11 +220,15 @@ def run_layout(
     Returns:
         ``{"rows": one per op, size and backend, "identical": None, or with ``identical``
         each rank's results of the float32/bfloat16 agreement check (smddp), "training":
-        tokens/s of FSDP2 training per backend in ``train_backends``}``.
+        tokens/s of FSDP2 training per backend in ``train_backends``, "hosts": each host's
+        TCP settings as its kernel reported them (``host_settings``), "congestion_why":
+        why the hosts ran that congestion control}``.
 
     Raises:
+        ValueError: A congestion control the hosts cannot run (``netns.check_congestion``).
         RuntimeError: The job failed; the message holds the hosts' output.
     """
+    congestion, why = netns.resolve_congestion(congestion)
     with tempfile.TemporaryDirectory(prefix="tsm_multihost_") as tmp:
         out = os.path.join(tmp, "rows.json")
         spec: dict[str, Any] = {
@@ -238,7 +260,26 @@ def run_layout(
         if done.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"layout {hosts}x{local} failed:\n{done.stdout[-6000:]}")
         with open(out) as f:
-            return json.load(f)
+            result = json.load(f)
+        result["hosts"] = []
+        for host in range(hosts):
+            with open(f"{out}.host{host}") as f:
+                result["hosts"].append(json.load(f))
+        result["congestion_why"] = why
+        return result
+
+
+def ran_setting(per_host: list[dict[str, str]], key: str) -> str:
+    """A TCP setting as the hosts reported it: one value on every host, or each host's.
+
+    Args:
+        per_host: ``host_settings`` of each host (``run_layout``'s ``hosts``), jobs in turn.
+        key: ``congestion`` or ``slow_start_after_idle``.
+    """
+    values = [h[key] for h in per_host]
+    if len(set(values)) == 1:
+        return f"{values[0]} on every host"
+    return ", ".join(f"host {i}: {value}" for i, value in enumerate(values))
 
 
 def training_table(per_layout: dict[str, dict[str, float]]) -> str:
@@ -254,11 +295,6 @@ def training_table(per_layout: dict[str, dict[str, float]]) -> str:
             frac = f"{tokens / base[backend]:.2f}" if backend in base and hosts > 1 else "-"
             lines.append(f"| {layout} | {backend} | {tokens:.0f} | {frac} |")
     return "\n".join(lines)
-
-
-def _machine_congestion() -> str:
-    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
-        return f.read().strip()
 
 
 def _layout_numbers(text: str) -> tuple[int, int]:
@@ -355,8 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--congestion",
-        default=netns.DEFAULT_CONGESTION,
-        help="the hosts' TCP congestion control ('system': the machine's)",
+        default=netns.AUTO_CONGESTION,
+        help=f"the hosts' TCP congestion control ('{netns.AUTO_CONGESTION}':"
+        f" {netns.DEFAULT_CONGESTION} where the kernel lets the hosts choose it, else the"
+        f" machine's; '{netns.SYSTEM_CONGESTION}': the machine's)",
     )
     p.add_argument(
         "--slow-start-after-idle",
@@ -437,21 +475,22 @@ def main(argv: list[str] | None = None) -> int:
             with open(path) as f:
                 runs.append(json.load(f))
         return cost_model_report.model_report(runs, args)
+    try:
+        rate = netns.parse_rate(args.rate)
+        # Checked before any host starts (Note [Simulated hosts run cubic]).
+        netns.resolve_congestion(args.congestion)
+    except ValueError as e:
+        p.error(str(e))
     reason = netns.unavailable_reason()
     if reason:
         print(f"multihost: cannot simulate hosts here: {reason}", file=sys.stderr)
         return 2
-    try:
-        rate = netns.parse_rate(args.rate)
-        congestion = (
-            None if args.congestion == "system" else netns.check_congestion(args.congestion)
-        )
-    except ValueError as e:
-        p.error(str(e))
     layouts = [_layout(x) for x in args.layouts]
     sizes = [parse_size(s) for s in args.sizes]
     rows: list[dict] = []
     trained: dict[str, dict[str, float]] = {}
+    per_host: list[dict[str, str]] = []  # every job's hosts, as their kernels reported
+    why = ""
     train = [b for b in args.backends if b != BARE_TCP] if args.train else []
     for hosts, local in layouts:
         got = run_layout(
@@ -466,11 +505,13 @@ def main(argv: list[str] | None = None) -> int:
             train_backends=train,
             train_steps=args.train_steps,
             timeline=args.timeline,
-            congestion=congestion,
+            congestion=args.congestion,
             slow_start_after_idle=args.slow_start_after_idle,
             warmup_largest=args.warmup_largest,
         )
         rows += got["rows"]
+        per_host += got["hosts"]
+        why = got["congestion_why"]
         if train:
             trained[f"{hosts}x{local}"] = got["training"]
     for world in sorted({h * loc for h, loc in layouts}) if train else []:
@@ -485,15 +526,17 @@ def main(argv: list[str] | None = None) -> int:
             args.timeout,
             False,
             train,
-            congestion=congestion,
+            congestion=args.congestion,
             slow_start_after_idle=args.slow_start_after_idle,
         )
         trained[f"1x{world}"] = got["training"]
-    ran = congestion or _machine_congestion()  # what the hosts' TCP ran
-    whose = "" if congestion else " (the machine's)"
+        per_host += got["hosts"]
+    # What the hosts' kernels said they ran, not what was asked.
+    ran = ran_setting(per_host, "congestion")
+    whose = f" ({why})" if why else ""
     print(
         f"NIC rate {args.rate} per host, both directions; TCP congestion control {ran}{whose};"
-        f" slow start after idle {args.slow_start_after_idle}; float32;"
+        f" slow start after idle {ran_setting(per_host, 'slow_start_after_idle')}; float32;"
         f" median of {args.iters} calls, each backend's sweep back to back"
         + (
             f" after {args.warmup_largest} calls at the largest size"
@@ -514,7 +557,11 @@ def main(argv: list[str] | None = None) -> int:
         # model's CPU share, Note [Cost model] in cost_model.py).
         "cores": os.cpu_count(),
         "burst_bytes": netns.BURST_BYTES,  # what each cable passes above the rate at once
-        "congestion": ran,  # the hosts' TCP congestion control
+        # The hosts' TCP congestion control, as their kernels said: one name, or each host's.
+        "congestion": ran.removesuffix(" on every host"),
+        "congestion_asked": args.congestion,
+        "congestion_why": why,
+        "hosts": per_host,
         "slow_start_after_idle": args.slow_start_after_idle,  # the hosts' sysctl
         "warmup_largest": args.warmup_largest,
         "sweep": "backend",  # each backend's cases back to back (before: each case in turn)

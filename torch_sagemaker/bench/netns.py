@@ -47,13 +47,31 @@ QUEUE_LATENCY = "50ms"  # how long a packet may wait in the bucket's queue befor
 # A network namespace starts with the machine's TCP congestion control, whatever the machine's
 # owner chose for its own traffic; this machine's is BBR. Linux's default is cubic, and it is
 # what the hosts smddp is for (EC2 instances with Amazon Linux or Ubuntu) run unless someone
-# changed it. So the benchmark's hosts (bench multihost) run cubic unless told otherwise, and
-# each run records which one ran; run_hosts keeps the machine's unless asked, which the
+# changed it. So the benchmark's hosts (bench multihost) run cubic where they can, and each run
+# records what every host ran; run_hosts keeps the machine's unless asked, which the
 # functional tests of faults and launchers use. It matters: on 4 hosts of 2 ranks at 2
 # Gbit/s, 64 MiB all_reduce, smddp reached 0.86-0.91 of the NIC bound under cubic and
 # 0.77-0.87 under BBR (five interleaved rounds each), gloo 0.77-0.80 against 0.61-0.71 (two
 # rounds each).
+#
+# Where they can: Linux lets a network namespace other than the machine's own choose only a
+# congestion control listed in net.ipv4.tcp_allowed_congestion_control, whoever asks, root
+# included (the kernel's tcp_set_default_congestion_control refuses the others with EPERM
+# outside the initial namespace). That list is the machine's, and some machines leave cubic
+# off it (kernel 6.18 with "reno bbr" was seen). So the benchmark's default, AUTO, is cubic
+# where the list has it and otherwise the machine's own, said in the header and recorded;
+# a name asked for explicitly (``--congestion cubic``) that the list lacks is refused before
+# any host starts, naming the list and how its owner can extend it. Making the hosts without
+# a user namespace does not help: the rule is the network namespace's, and the switch runs
+# as root without one already when it can. Setting it per socket (TCP_CONGESTION, allowed to
+# a namespace's root) would need every backend's sockets, gloo's included, to do so.
 DEFAULT_CONGESTION = "cubic"
+#: The benchmark's default: DEFAULT_CONGESTION where namespaces may choose it, else the
+#: machine's own (``resolve_congestion``).
+AUTO_CONGESTION = "auto"
+#: The machine's own congestion control, whatever it is.
+SYSTEM_CONGESTION = "system"
+_CONGESTION_SYSCTL = "/proc/sys/net/ipv4/tcp_{}congestion_control"
 
 # Run by each host's shell inside its namespaces: waits for the cable, configures it, runs
 # the command. $1 host name, $2 address, $3 TCP congestion control (empty: the machine's),
@@ -72,8 +90,8 @@ ip link set eth0 up
 if [ -n "$3" ]; then
   printf '%s\n' "$3" 2>/dev/null >/proc/sys/net/ipv4/tcp_congestion_control || {
     echo "TCP congestion control '$3' could not be set in this host's namespace (available:" \
-      "$(cat /proc/sys/net/ipv4/tcp_available_congestion_control); allowed without" \
-      "privilege: $(cat /proc/sys/net/ipv4/tcp_allowed_congestion_control))" >&2
+      "$(cat /proc/sys/net/ipv4/tcp_available_congestion_control); allowed in a namespace" \
+      "other than the machine's: $(cat /proc/sys/net/ipv4/tcp_allowed_congestion_control))" >&2
     exit 96
   }
 fi
@@ -98,35 +116,100 @@ def unavailable_reason() -> str | None:
         if shutil.which(tool) is None:
             return f"the '{tool}' command is not installed"
     user_ns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
-    probe = ["unshare", *user_ns, "--net", "--ipc", "--uts", "ip", "link", "add", "br0"]
+    # Everything a run builds, in a namespace of its own: the switch, a cable, a shaper. A
+    # kernel without one of them (a module missing, none loadable) says so here.
+    probe = (
+        "ip link add br0 type bridge && ip link add h0 type veth peer name eth0"
+        f" && tc qdisc add dev h0 root tbf rate 1gbit burst {BURST} latency {QUEUE_LATENCY}"
+    )
     done = subprocess.run(
-        [*probe, "type", "bridge"], capture_output=True, text=True, timeout=30, check=False
+        ["unshare", *user_ns, "--net", "--ipc", "--uts", "sh", "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
     )
     if done.returncode != 0:
-        return f"cannot create network namespaces: {done.stderr.strip() or done.returncode}"
+        return (
+            "cannot build hosts in network namespaces (a bridge, a veth pair, a tbf qdisc): "
+            f"{done.stderr.strip() or done.returncode}"
+        )
     return None
 
 
-def check_congestion(name: str) -> str:
-    """Returns ``name`` if this kernel offers that TCP congestion control.
+def congestion_settings(kind: str = "") -> list[str]:
+    """This machine's TCP congestion controls of one kind, read from /proc.
 
-    A host can still fail to set an offered one (without the privilege for one outside
-    ``tcp_allowed_congestion_control``); its setup then exits with 96, saying so.
+    Args:
+        kind: ``""`` the machine's own (one name), ``"available_"`` those its kernel offers,
+            ``"allowed_"`` those a network namespace other than the machine's may choose
+            (Note [Simulated hosts run cubic]).
+    """
+    with open(_CONGESTION_SYSCTL.format(kind)) as f:
+        return f.read().split()
+
+
+def check_congestion(name: str) -> str:
+    """Returns ``name`` if the simulated hosts can run that TCP congestion control.
 
     Args:
         name: A congestion control's name, e.g. ``cubic``.
 
     Raises:
-        ValueError: The kernel does not offer it, naming it and the ones it offers.
+        ValueError: The kernel does not offer it, or offers it to its own namespace only
+            (Note [Simulated hosts run cubic]); the message names the lists and the fix.
     """
-    with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
-        offered = f.read().split()
+    offered = congestion_settings("available_")
     if name not in offered:
         raise ValueError(
             f"TCP congestion control {name!r} is not available on this machine: choose one"
             f" of {', '.join(offered)} (net.ipv4.tcp_available_congestion_control)"
         )
+    allowed = congestion_settings("allowed_")
+    if name not in allowed:
+        raise ValueError(
+            f"TCP congestion control {name!r} cannot be set in a simulated host's network"
+            " namespace: Linux lets a namespace other than the machine's own choose only one"
+            " in net.ipv4.tcp_allowed_congestion_control, here"
+            f" {' '.join(allowed) or '(empty)'}, root included. Choose one of those, or"
+            f" '{SYSTEM_CONGESTION}' for the machine's own, or have the machine's owner add"
+            " it: sysctl -w net.ipv4.tcp_allowed_congestion_control="
+            f"'{' '.join([*allowed, name])}'"
+        )
     return name
+
+
+def resolve_congestion(asked: str | None) -> tuple[str | None, str]:
+    """The congestion control to give the hosts for a benchmark's ``--congestion``.
+
+    Note [Simulated hosts run cubic]: ``AUTO_CONGESTION`` takes ``DEFAULT_CONGESTION``
+    where namespaces may choose it and otherwise keeps the machine's own.
+
+    Args:
+        asked: ``AUTO_CONGESTION``, ``SYSTEM_CONGESTION`` or None (the machine's own), or a
+            name, which must pass ``check_congestion``.
+
+    Returns:
+        The name for ``run_hosts`` (None: the machine's own) and why, for the run's header
+        ("" where the name was asked for).
+
+    Raises:
+        ValueError: A name the hosts cannot run (``check_congestion``).
+    """
+    if asked in (None, SYSTEM_CONGESTION):
+        return None, "the machine's own, as asked"
+    if asked != AUTO_CONGESTION:
+        return check_congestion(asked), ""
+    if DEFAULT_CONGESTION in congestion_settings("allowed_") and (
+        DEFAULT_CONGESTION in congestion_settings("available_")
+    ):
+        return DEFAULT_CONGESTION, "Linux's default"
+    allowed = " ".join(congestion_settings("allowed_"))
+    return None, (
+        f"the machine's own: {DEFAULT_CONGESTION}, the benchmark's default, is not in"
+        f" net.ipv4.tcp_allowed_congestion_control ({allowed}), so a namespace cannot choose"
+        " it"
+    )
 
 
 def parse_rate(text: str) -> int:
