@@ -159,7 +159,8 @@ def transform(
             f"{type(model).__name__} was already transformed by tsm.transform; call it "
             "once per model (before FSDP wrapping)."
         )
-    policy = lookup_policy(model)
+    policy = lookup_policy(model)  # a registered policy, else the model's transformers plan
+    moe_apply.check_policy(policy, moe_config)
     tp = state.tp_size
     heads = check_model(policy, model.config, tp)
     # 2. Placement before sharding (parameter identity, hence weight tying, is kept).

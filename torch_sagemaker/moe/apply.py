@@ -75,6 +75,26 @@ def check_config(config: Any, *, tp: int, cp: int, ep: int) -> MoEConfig | None:
     return config
 
 
+def check_policy(policy: Any, config: MoEConfig | None) -> None:
+    """Refuses an MoEConfig the model's policy cannot honour (before anything changes).
+
+    Raises:
+        ValueError: For ``smp_moe=True`` on a block whose router ``MoELayer`` does not know
+            (a policy built from a transformers plan), naming both fixes.
+    """
+    spec = policy.moe
+    if config is None or spec is None or spec.replaceable or not config.smp_moe:
+        return
+    raise ValueError(
+        f"MoEConfig(smp_moe=True) replaces {spec.block_class} with MoELayer, which must "
+        f"route exactly as the model does; policy {policy.name!r} comes from the model's "
+        "transformers TP plan, which names the experts but not the router's rules. Pass "
+        "MoEConfig(smp_moe=False): expert parallelism splits the experts and the model's own "
+        "block and router run. Or register a torch_sagemaker.policies.ModelPolicy with an "
+        "MoESpec describing the router (docs/expert_parallel.md)."
+    )
+
+
 def apply_moe(
     model: nn.Module, policy: Any, config: MoEConfig, *, ep_mesh: Any, src_data_rank: int | None
 ) -> MoEReport:
@@ -179,4 +199,4 @@ def _warn_no_effect(config: MoEConfig, ep: int) -> None:
         )
 
 
-__all__ = ["MoEReport", "apply_moe", "check_config"]
+__all__ = ["MoEReport", "apply_moe", "check_config", "check_policy"]
