@@ -48,11 +48,17 @@ from torch_sagemaker._torch_compat import nn as nn_compat
 from torch_sagemaker.distributed.direct import all_reduce_direct
 
 
-def _distribute_params(
-    module: nn.Module, mesh: DeviceMesh, placements: list[Placement], src_data_rank: int | None
+def distribute_params(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    placements: list[Placement],
+    src_data_rank: int | None,
+    names: list[str] | None = None,
 ) -> None:
-    """Replaces each direct parameter of ``module`` by a DTensor with ``placements``."""
+    """Replaces ``module``'s own parameters (all, or ``names``) by DTensors with ``placements``."""
     for name, param in list(module.named_parameters(recurse=False)):
+        if names is not None and name not in names:
+            continue
         dt = distribute_tensor(param.detach(), mesh, placements, src_data_rank=src_data_rank)
         module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
 
@@ -72,16 +78,18 @@ def to_local_partial_grad(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return x.to_local(grad_placements=[Partial()])
 
 
-class _AllReduceGrad(torch.autograd.Function):
+class AllReduceGrad(torch.autograd.Function):
     """Identity forward; all-reduce of the gradient over ``group`` in backward (Megatron's f)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """``x`` itself (a view, so autograd records this function)."""
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The gradient summed over the group."""
         grad = grad.contiguous()
         all_reduce_direct(grad, group=ctx.group)
         return grad, None
@@ -107,7 +115,7 @@ class SequenceParallelNorm(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def partition(_name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            _distribute_params(mod, mesh, [Replicate()], self.src_data_rank)
+            distribute_params(mod, mesh, [Replicate()], self.src_data_rank)
 
         def prepare_input(_mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
             x = inputs[0]
@@ -173,7 +181,7 @@ class ReplicateParallel(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _distribute_params(module, device_mesh, [Replicate()], self.src_data_rank)
+        distribute_params(module, device_mesh, [Replicate()], self.src_data_rank)
         forward_impl = type(module).forward
 
         def local(x: Any) -> Any:
@@ -238,7 +246,7 @@ class ExpertsParallel(ParallelStyle):
                 f"{type(module).__name__}: {num_experts} experts cannot be split over "
                 f"tensor_parallel_degree={tp} ranks; use a degree dividing {num_experts}."
             )
-        _distribute_params(module, device_mesh, [Shard(0)], self.src_data_rank)
+        distribute_params(module, device_mesh, [Shard(0)], self.src_data_rank)
         num_local = num_experts // tp
         first = device_mesh.get_local_rank() * num_local
         forward_impl = type(module).forward
@@ -282,15 +290,15 @@ class ReplicatedKVColwise(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
             raise TypeError(f"kv_colwise applies to nn.Linear, got {type(module).__name__}.")
-        _distribute_params(module, device_mesh, [Replicate()], self.src_data_rank)
+        distribute_params(module, device_mesh, [Replicate()], self.src_data_rank)
         group, rows = device_mesh.get_group(), self.rows
 
         def forward(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             x = to_local_partial_grad(x, device_mesh)
-            weight = _AllReduceGrad.apply(cast(DTensor, mod.weight).to_local(), group)[rows]
+            weight = AllReduceGrad.apply(cast(DTensor, mod.weight).to_local(), group)[rows]
             bias = None
             if mod.bias is not None:
-                bias = _AllReduceGrad.apply(cast(DTensor, mod.bias).to_local(), group)[rows]
+                bias = AllReduceGrad.apply(cast(DTensor, mod.bias).to_local(), group)[rows]
             return F.linear(x, weight, bias)
 
         # A per-instance forward (nn.Module calls it like its own); mypy forbids method assignment.
@@ -341,11 +349,13 @@ def make_style(name: str, *, head_dim: int = 0, kv_head: int | None = None) -> P
 
 
 __all__ = [
+    "AllReduceGrad",
     "ExpertsParallel",
     "ReplicateParallel",
     "ReplicatedKVColwise",
     "SequenceParallelDropout",
     "SequenceParallelNorm",
+    "distribute_params",
     "make_style",
     "to_local_partial_grad",
 ]
