@@ -169,7 +169,7 @@ def transform(
     rank0_state = loading.capture_rank0_state(model) if load_state_dict_from_rank0 else None
     local_split = _local_split(model, load_state_dict_from_rank0, tp, moe_config)
     # 3. Tensor parallelism on the "tp" mesh axis.
-    backend = select_backend()
+    backend = select_backend(policy)
     if tp > 1:
         backend.apply(
             model,

@@ -93,8 +93,10 @@ def _shrunk_kwargs(cls: type, extra: dict[str, Any]) -> dict[str, Any]:
     for name, sub_cls in (getattr(cls, "sub_configs", None) or {}).items():
         if isinstance(sub_cls, type):
             kwargs[name] = sub_cls(**_shrunk_kwargs(sub_cls, {})).to_dict()
-    if "qk_rope_head_dim" in kwargs:  # latent attention: the config derives its head_dim
-        kwargs.pop("head_dim", None)
+    if "qk_rope_head_dim" in kwargs:  # latent attention: the config derives its head_dim,
+        kwargs.pop("head_dim", None)  # and keys and values get one head per query head
+        if "num_key_value_heads" in kwargs:
+            kwargs["num_key_value_heads"] = COMMON["num_attention_heads"]
     for key in list(kwargs):
         attr = getattr(cls, key, None)
         if isinstance(attr, property) and attr.fset is None:

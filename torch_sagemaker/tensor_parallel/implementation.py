@@ -28,6 +28,7 @@ from torch_sagemaker.tensor_parallel.random import RNGStatesTracker
 # te.py imports transformer_engine only inside its functions: importing it is cheap and works
 # without Transformer Engine.
 from torch_sagemaker.tensor_parallel.te import TransformerEngineBackend
+from torch_sagemaker.tensor_parallel.te import supports as te_supports
 
 
 class TPBackend(Protocol):
@@ -94,9 +95,14 @@ def use_backend(name: str | None) -> None:
     _FORCED = name
 
 
-def select_backend() -> TPBackend:
-    """The forced backend, else Transformer Engine when available, else DTensor."""
-    name = _FORCED or ("te" if te_available() else "dtensor")
+def select_backend(policy: ModelPolicy | None = None) -> TPBackend:
+    """The forced backend, else Transformer Engine or DTensor, chosen for ``policy``.
+
+    Automatic choice: Transformer Engine when it is available and runs ``policy``'s styles
+    (``te.supports``; a plan built from transformers' is not), else DTensor.
+    """
+    automatic = "te" if te_available() and (policy is None or te_supports(policy)) else "dtensor"
+    name = _FORCED or automatic
     if name == "te":
         return TransformerEngineBackend()
     return DTensorBackend()

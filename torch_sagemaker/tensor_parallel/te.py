@@ -45,6 +45,15 @@ _TE_MODES = {"colwise": "column", "kv_colwise": "column", "rowwise": "row"}
 _REPLICATED = {"vocab_embedding", "lm_head", "sequence_parallel_norm", "sequence_parallel_dropout"}
 
 
+def supports(policy: ModelPolicy) -> bool:
+    """Whether this backend can run ``policy``'s plan (its styles; head layouts are checked later).
+
+    The styles of the replicated-activation layout (plans built from transformers') are not
+    among them.
+    """
+    return set(policy.tp_plan.values()) <= set(_TE_MODES) | _REPLICATED
+
+
 def allreduce_grads_over(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
     """Sums each parameter's gradient over ``group`` once it is accumulated.
 
@@ -157,4 +166,4 @@ def te_checkpoint_kwargs(state: Any) -> dict[str, Any]:
     }
 
 
-__all__ = ["TransformerEngineBackend", "allreduce_grads_over", "te_checkpoint_kwargs"]
+__all__ = ["TransformerEngineBackend", "allreduce_grads_over", "supports", "te_checkpoint_kwargs"]
