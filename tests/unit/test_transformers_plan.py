@@ -65,6 +65,11 @@ def test_qwen3_plan_translates_style_by_style():
         f"{layer}.input_layernorm": "replicate_local",  # left out of the plan
         f"{layer}.post_attention_layernorm": "replicate_local",
         "model.norm": "replicate_local",
+        # modules whose code may read those norms' weights: they see plain values too
+        # (concrete names: the pattern model.layers.* would match every module below)
+        "model": "local_params",
+        "model.layers.0": "local_params",
+        "model.layers.1": "local_params",
     }
     assert set(policy.tp_plan.values()) <= set(STYLES)
 
@@ -135,12 +140,24 @@ def test_own_parameters_beside_split_projections_are_not_replicated_silently():
 
 
 def test_planless_subtrees_are_replicated_at_their_root():
-    """Bamba's plan names only the embedding: each decoder layer is one replicated subtree."""
+    """Bamba's plan names only the embedding: each decoder layer is one replicated subtree;
+    the decoder stack reads the final norm only (layers are FSDP units of their own)."""
     policy = lookup_policy(meta("BambaConfig", attn_layer_indices=[1], mamba_n_heads=8))
     assert policy.tp_plan["model.embed_tokens"] == "vocab_embedding_allreduce"
     assert policy.tp_plan["model.layers.0"] == "replicate_local"
     assert not any(k.startswith("model.layers.0.") for k in policy.tp_plan)
+    assert policy.tp_plan["model"] == "local_params"
     assert not policy.heads_split
+
+
+def test_a_block_reading_its_childs_weight_gets_plain_values():
+    """Qwen3-Next's linear attention convolves with its child's weight directly: the child is
+    replicated and the block (own parameters, planned projections below) computes locally."""
+    model = meta("Qwen3NextConfig", layer_types=["linear_attention", "full_attention"])
+    policy = lookup_policy(model)
+    assert policy.tp_plan["model.layers.*.linear_attn.conv1d"] == "replicate_local"
+    assert policy.tp_plan["model.layers.*.linear_attn"] == "local_params"
+    assert policy.tp_plan["model.layers.*.linear_attn.in_proj_qkvz"] == "colwise_gather"
 
 
 def test_model_without_policy_or_plan_is_refused_with_the_way_out():

@@ -46,7 +46,9 @@ STYLES: Mapping[str, str] = {
     "replicate_partial_grad": (
         "parameters replicated, used on this rank's heads (per-head norms); gradients summed"
     ),
-    "reduce_output": "module output is a partial sum over TP ranks; all-reduced",
+    "reduce_output": (
+        "module computing with its split parameters' local values; output all-reduced"
+    ),
     "local_params": "module computes with the local slices of its own split parameters",
     "experts_allreduce": "fused MoE experts split whole (dim 0); output all-reduced",
     "experts_batched": (

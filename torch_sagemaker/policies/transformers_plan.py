@@ -13,10 +13,15 @@ regions are whole on every rank (a rowwise layer all-reduces), not split over th
 as our policies' are. The translation keeps that layout (``tensor_parallel.replicated_styles``):
 it is the one the model's own code between the planned modules was written for, so nothing
 else about the model has to be known. Modules the plan leaves out hold their parameters
-replicated (``replicate_local``), as transformers does: they see whole activations. A
-module the plan leaves out *beside* a split projection (a per-head norm) may see only this
-rank's part, which the plan does not say; that, and every entry the translation cannot
-honour, is an error naming the module, the style and the fix, never a silent replication.
+replicated (``replicate_local``, at the root of each planless subtree), as transformers
+does: they see whole activations. A module above them whose own code reads their weights
+or calls their methods (a linear-attention block that convolves with its child's weight)
+gets plain values of them too (``local_params``). A module the plan leaves out *beside* a
+split projection (a per-head norm) may see only this rank's part, which the plan does not
+say: replicated modules check on first use that they do not (Note [Replicated module
+check] in ``tensor_parallel/consistency.py``); a module whose own left-out parameters sit
+above split projections is refused; every entry the translation cannot honour is an
+error naming the module, the style and the fix. Nothing is replicated silently.
 
 What is read from the model besides the plan, all generic: module types (``nn.Linear``,
 ``nn.Embedding``, the output embedding), the config's head counts and ``head_dim`` (key and
@@ -138,8 +143,8 @@ def expert_count(module: nn.Module) -> int | None:
 class _Translation:
     """One model's plan translated entry by entry (``policy_from_plan`` builds it)."""
 
-    def __init__(self, model: nn.Module, plan: dict[str, str]) -> None:
-        self.model, self.plan = model, plan
+    def __init__(self, model: nn.Module, plan: dict[str, str], layer_class: str) -> None:
+        self.model, self.plan, self.layer_class = model, plan, layer_class
         self.modules = dict(model.named_modules())
         self.styles: dict[str, str] = {}  # concrete module or parameter name -> our style
         self.experts: dict[str, int] = {}  # experts module name -> expert count
@@ -149,12 +154,18 @@ class _Translation:
         get_output = getattr(model, "get_output_embeddings", None)
         self.output_embedding = get_output() if callable(get_output) else None
 
-    def error(self, name: str, style: str, why: str) -> ValueError:
+    def error(self, name: str, style: str | None, why: str) -> ValueError:
+        """The refusal of ``name``'s entry (``style``), or of leaving it out (``None``)."""
         model = type(self.model).__name__
         kind = type(self.modules[name]).__name__ if name in self.modules else "parameter"
+        what = (
+            f"leaves {name} ({kind}) out"
+            if style is None
+            else f"gives {name} ({kind}) the style {style!r} (plan key {wildcard(name)!r})"
+        )
         return ValueError(
-            f"tsm.transform: {model}'s transformers TP plan gives {name} ({kind}) "
-            f"the style {style!r} (plan key {wildcard(name)!r}): {why}. {_FIX.format(model=model)}"
+            f"tsm.transform: {model}'s transformers TP plan {what}: {why}. "
+            f"{_FIX.format(model=model)}"
         )
 
     def is_attention(self, name: str) -> bool:
@@ -220,7 +231,8 @@ class _Translation:
             style = self.plan.get(wildcard(name)) if name else None
             if style is not None:
                 module_styles[name] = self.module_style(name, module, style)
-        # Bare parameters first: an owner's local_params (applied after) uses their split.
+        # Bare parameters first: an owner's local_params / reduce_output (applied after) uses
+        # their split.
         self.styles = self.parameter_styles(module_styles)
         self.styles.update(module_styles)
 
@@ -236,7 +248,7 @@ class _Translation:
                     if style not in _EXPERT_PARAMETER_STYLES:
                         raise self.error(full, style, "experts are split whole, by expert")
                     continue  # the experts style splits every parameter of the module
-                if module_styles.get(name, "local_params") != "local_params":
+                if module_styles.get(name, "local_params") not in ("local_params", "reduce_output"):
                     raise self.error(
                         full,
                         style,
@@ -267,6 +279,7 @@ class _Translation:
             return any(p.startswith(prefix) and p != name for p in planned)
 
         split = [n for n, s in self.styles.items() if s in _SPLIT_OUTPUT]
+        owners: list[str] = []  # modules with planned modules below and no parameters
         for name, module in self.modules.items():
             if name in planned or any(name.startswith(f"{e}.") for e in self.experts):
                 continue
@@ -279,8 +292,8 @@ class _Translation:
             if own and any(s.startswith(f"{name}.") for s in split):
                 raise self.error(
                     name,
-                    "(none)",
-                    f"the plan leaves its own parameters {own} out, but it holds projections "
+                    None,
+                    f"its own parameters {own} have no entry, but it holds projections "
                     "whose output is split over the tensor parallel ranks, so its forward may "
                     "use them on this rank's part only; the plan does not say, so they are "
                     "not replicated silently",
@@ -288,6 +301,8 @@ class _Translation:
             if below:
                 if own:  # its own parameters only; the planned modules below keep theirs
                     self.styles[name] = "local_params"
+                elif name and not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+                    owners.append(name)
                 continue
             if not any(True for _ in module.parameters()):
                 continue
@@ -302,6 +317,19 @@ class _Translation:
             ):
                 continue  # inside a larger planless subtree
             self.styles[name] = "replicate_local"
+        # A module whose forward may read a replicated child's weight directly, or call one
+        # of its methods: it sees plain values too (``local_params``, Note [Plan-driven layout]).
+        layers = {n for n, m in self.modules.items() if type(m).__name__ == self.layer_class}
+        for name in owners:
+            if any(
+                style == "replicate_local"
+                and root.startswith(f"{name}.")
+                and not any(
+                    root == layer or root.startswith(f"{layer}.") for layer in layers - {name}
+                )
+                for root, style in self.styles.items()
+            ):
+                self.styles[name] = "local_params"
 
 
 def _patterns(names: list[str]) -> tuple[str, ...]:
@@ -356,7 +384,8 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
     plan = transformers_plan(model)
     if not plan or not hasattr(model, "config"):
         return None
-    t = _Translation(model, plan)
+    layer_class = _layer_class(model)
+    t = _Translation(model, plan, layer_class)
     t.translate()
     t.replicate_the_rest()
     names = {n for n in t.modules if n} | {n for n, _ in model.named_parameters()}
@@ -381,7 +410,7 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
     return ModelPolicy(
         name=f"{getattr(config, 'model_type', type(model).__name__)} (transformers plan)",
         model_classes=(type(model).__name__,),
-        layer_class=_layer_class(model),
+        layer_class=layer_class,
         attention=_patterns(attention),
         tp_plan=_compact(t.styles, names),
         num_kv_heads_attr="num_key_value_heads"

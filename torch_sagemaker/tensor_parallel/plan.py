@@ -25,6 +25,7 @@ from torch_sagemaker.tensor_parallel.loss import causal_lm_loss
 from torch_sagemaker.tensor_parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker
 from torch_sagemaker.tensor_parallel.replicated_styles import (
     REPLICATED_STYLES,
+    STYLE_ATTR,
     make_replicated_style,
 )
 from torch_sagemaker.tensor_parallel.styles import make_style
@@ -103,12 +104,26 @@ def _split_parameter(
     owner.register_parameter(attr, nn.Parameter(dt, requires_grad=param.requires_grad))
 
 
+def _splits_heads(attention: nn.Module) -> bool:
+    """Whether ``attention`` holds a parameter split over the TP ranks (its heads are split).
+
+    A plan may leave some attention modules whole (a hybrid's linear attention): those keep
+    their head counts and draw from the shared random stream.
+    """
+    return any(
+        isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
+        for p in attention.parameters()
+    )
+
+
 def _set_head_counts(attention: nn.Module, heads: HeadSplit) -> None:
     """Per-rank head bookkeeping on one attention module (Hugging Face's attributes)."""
     # Hugging Face attention infers the head count from the shapes (view(..., -1, head_dim));
-    # the query-per-kv grouping is stored, and it changes when kv heads are replicated.
+    # the query-per-kv grouping is stored, and it changes only when kv heads are replicated
+    # (split evenly, each rank keeps the same grouping; some families give layers their own
+    # kv head counts, which the module's value already reflects).
     # (torch types nn.Module attributes as tensors or modules; these are ints)
-    if hasattr(attention, "num_key_value_groups"):
+    if hasattr(attention, "num_key_value_groups") and heads.kv_replicated:
         attention.num_key_value_groups = heads.local_heads // heads.local_kv_heads  # type: ignore[assignment]
     for attrs, full, local in (
         (_HEAD_ATTRS, heads.num_heads, heads.local_heads),
@@ -191,18 +206,23 @@ def apply_tp_plan(
                 _split_parameter(model, name, style_name, tp_mesh, src_data_rank)
                 continue
             if style_name in REPLICATED_STYLES:
-                style = make_replicated_style(style_name, module_name=name, config=model.config)
+                style = make_replicated_style(
+                    style_name,
+                    module_name=name,
+                    config=model.config,
+                    layer_class=policy.layer_class,
+                )
             else:
                 head_dim = _head_dim(model, name, attention_names) if kv_head is not None else 0
                 style = make_style(style_name, head_dim=head_dim, kv_head=kv_head)
             # parallelize_module sets the style's src_data_rank from its own argument.
-            parallelize_module(
-                model.get_submodule(name), tp_mesh, style, src_data_rank=src_data_rank
-            )
+            module = model.get_submodule(name)
+            parallelize_module(module, tp_mesh, style, src_data_rank=src_data_rank)
+            setattr(module, STYLE_ATTR, style_name)
         counts[style_name] = counts.get(style_name, 0) + len(names)
     _retie(tied)
     for _, attention in policy.attention_modules(model):
-        if policy.heads_split:
+        if policy.heads_split and _splits_heads(attention):
             _set_head_counts(attention, heads)
             install_rng_region(attention, tracker)
     left = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]

@@ -15,6 +15,11 @@ returns plain tensors, so the model's own code between the planned modules (resi
 additions, scaling by plain tensors, softcapping) runs unchanged. Parameters are DTensors
 on the TP mesh in both layouts, which is what FSDP, DCP and the exports see.
 
+Note [Outputs of the replicated layout]: a whole output leaves its style as a tensor of its
+own (one copy of the activation), not as the view ``DTensor.to_local`` returns: model code
+updates such outputs in place (Llama 4 adds the routed experts into the shared expert's
+output with ``add_``), which autograd forbids on a view made inside a custom function.
+
 Gradients (Note [Gradients of replicated activations]): a replicated activation that
 feeds column-parallel layers gets a partial gradient on each rank; the DTensor boundary
 of those layers (``from_local`` as ``Replicate``) sums it, so every module upstream sees
@@ -45,6 +50,9 @@ from torch_sagemaker.tensor_parallel.styles import (
     to_local_partial_grad,
 )
 
+#: Attribute ``apply_tp_plan`` sets on every module it styles: the style's name.
+STYLE_ATTR = "_tsm_tp_style"
+
 
 def _local(x: Any, mesh: DeviceMesh) -> Any:
     """The plain value of a DTensor activation (made whole first); anything else as is."""
@@ -55,6 +63,13 @@ def _local(x: Any, mesh: DeviceMesh) -> Any:
     return x
 
 
+def _owned(out: Any) -> Any:
+    """A plain output as a tensor of its own (Note [Outputs of the replicated layout])."""
+    if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
+        return out.clone()
+    return out
+
+
 def _replicated_output(x: Any, mesh: DeviceMesh) -> Any:
     """A partial-sum output (plain tensor, or tuple of them) summed over the TP ranks."""
     if isinstance(x, (tuple, list)):
@@ -63,7 +78,7 @@ def _replicated_output(x: Any, mesh: DeviceMesh) -> Any:
         return x
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, mesh, [Partial()], run_check=False)
-    return x.redistribute(mesh, [Replicate()]).to_local()
+    return _owned(x.redistribute(mesh, [Replicate()]).to_local())
 
 
 def _replicate_plain(
@@ -91,6 +106,23 @@ def _swap_forward(module: nn.Module, params: Any, mesh: DeviceMesh) -> None:
             )
 
     module.forward = types.MethodType(forward, module)
+
+
+class OwnedOutput(ParallelStyle):
+    """``inner`` (one of PyTorch's styles with a whole, local output), its output owned.
+
+    Note [Outputs of the replicated layout].
+    """
+
+    def __init__(self, inner: ParallelStyle) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.inner.src_data_rank = self.src_data_rank  # parallelize_module set ours
+        module = self.inner._apply(module, device_mesh)
+        module.register_forward_hook(lambda _m, _a, out: _owned(out))
+        return module
 
 
 class ReplicatedLocal(ParallelStyle):
@@ -149,40 +181,71 @@ class ReplicatedPartialGrad(ParallelStyle):
         return module
 
 
-class ReduceOutput(ParallelStyle):
-    """A module whose output is a partial sum over the TP ranks: summed, returned whole.
-
-    transformers' ``all_reduce``. The module's own parameters must already be DTensors
-    (planned by their own entries); they are used as they are.
-    """
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_hook(lambda _m, _a, out: _replicated_output(out, device_mesh))
-        return module
-
-
 class LocalParams(ParallelStyle):
-    """A module whose own parameters (split by their own plan entries) are used locally.
+    """A module that computes with plain values of parameters it reaches directly.
 
     transformers' ``local_params``, for bare parameters with no forward of their own
     (attention sinks, one per head): the owner's forward sees this rank's slice. Own
-    parameters that no entry split are replicated first.
+    parameters that no entry split are replicated first. The forward also sees plain
+    values of the replicated subtrees below it (``ReplicatedLocal``) up to the next styled
+    module or transformer layer, because model code reads a child's weight directly
+    (``F.conv1d(x, self.conv1d.weight)``) or calls a child's method other than ``forward``.
+
+    Args:
+        layer_class: Class name of the transformer layers, where the walk stops (each layer
+            is its own FSDP unit: outside its forward its parameters are sharded).
     """
+
+    def __init__(self, *, layer_class: str = "") -> None:
+        super().__init__()
+        self.layer_class = layer_class
+
+    def _reachable(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Plain values of own DTensor parameters and of reachable replicated subtrees."""
+        found = {
+            n: p.to_local()
+            for n, p in module.named_parameters(recurse=False)
+            if isinstance(p, DTensor)
+        }
+        todo = [(name, child) for name, child in module.named_children()]
+        while todo:
+            name, child = todo.pop()
+            if type(child).__name__ == self.layer_class:
+                continue  # its own FSDP unit; its forward does this for its subtree
+            style = getattr(child, STYLE_ATTR, None)
+            if style == "replicate_local":
+                found.update(
+                    (f"{name}.{n}", p.to_local())
+                    for n, p in child.named_parameters()
+                    if isinstance(p, DTensor)
+                )
+            elif style is None:
+                todo.extend((f"{name}.{n}", c) for n, c in child.named_children())
+        return found
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _replicate_plain(module, device_mesh, self.src_data_rank)
         forward_impl = type(module).forward
 
         def forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            own = {
-                n: p.to_local()
-                for n, p in mod.named_parameters(recurse=False)
-                if isinstance(p, DTensor)
-            }
-            with nn_compat.parameters_swapped(mod, own):
+            with nn_compat.parameters_swapped(mod, self._reachable(mod)):
                 return forward_impl(mod, *args, **kwargs)
 
         module.forward = types.MethodType(forward, module)
+        return module
+
+
+class ReduceOutput(LocalParams):
+    """A module whose output is a partial sum over the TP ranks: summed, returned whole.
+
+    transformers' ``all_reduce`` (Inkling's shared experts: bare parameters split by their
+    own entries, used by the module's own code). It computes like ``LocalParams`` (local
+    values of its split parameters) and all-reduces its output.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        super()._apply(module, device_mesh)
+        module.register_forward_hook(lambda _m, _a, out: _replicated_output(out, device_mesh))
         return module
 
 
@@ -321,7 +384,9 @@ class LocalSequenceParallelNorm(SequenceParallelNorm):
         return module
 
 
-def make_replicated_style(name: str, *, module_name: str = "", config: Any = None) -> ParallelStyle:
+def make_replicated_style(
+    name: str, *, module_name: str = "", config: Any = None, layer_class: str = ""
+) -> ParallelStyle:
     """The style of ``name`` in the replicated-activation layout (see the module docstring).
 
     Args:
@@ -329,27 +394,28 @@ def make_replicated_style(name: str, *, module_name: str = "", config: Any = Non
         module_name: The module's name in the model (messages).
         config: The model's config (``mla_kv_a_proj`` reads ``qk_rope_head_dim`` from it, as
             transformers' style of that name does).
+        layer_class: The transformer layer class name (``local_params`` stops there).
 
     Raises:
         ValueError: For a name this module does not define.
     """
     style: ParallelStyle
     if name == "colwise_gather":  # Linear (or Embedding: hidden dim) split, output gathered
-        style = ColwiseParallel(output_layouts=Replicate())
+        style = OwnedOutput(ColwiseParallel(output_layouts=Replicate()))
     elif name == "rowwise_allreduce":
-        style = RowwiseParallel()
+        style = OwnedOutput(RowwiseParallel())
     elif name == "rowwise_split_input":
-        style = RowwiseParallel(input_layouts=Replicate())
+        style = OwnedOutput(RowwiseParallel(input_layouts=Replicate()))
     elif name == "vocab_embedding_allreduce":
-        style = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        style = OwnedOutput(RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     elif name == "replicate_local":
         style = ReplicatedLocal(name=module_name)
     elif name == "replicate_partial_grad":
         style = ReplicatedPartialGrad()
     elif name == "reduce_output":
-        style = ReduceOutput()
+        style = ReduceOutput(layer_class=layer_class)
     elif name == "local_params":
-        style = LocalParams()
+        style = LocalParams(layer_class=layer_class)
     elif name == "experts_allreduce":
         style = ReplicatedExperts()
     elif name == "experts_batched":
@@ -381,9 +447,11 @@ REPLICATED_STYLES = (
 
 __all__ = [
     "REPLICATED_STYLES",
+    "STYLE_ATTR",
     "BatchedExperts",
     "LocalParams",
     "MlaKvAProjection",
+    "OwnedOutput",
     "LocalSequenceParallelNorm",
     "ReduceOutput",
     "ReplicatedExperts",
