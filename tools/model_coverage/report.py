@@ -104,10 +104,16 @@ def settle(row: Row, outcome: Any) -> None:
         "params": max(r["params"]["max"] for r in outcome),
     }
     share = outcome[0]["split_share"]
+    sensitivity = max(r["sensitivity"] for r in outcome)
     row.result = "pass"
     row.detail = f"{share:.0%} of parameters split; max diff " + ", ".join(
         f"{k} {v:.1e}" for k, v in worst.items()
     )
+    if sensitivity:
+        row.detail += (
+            f" (parameters within 10x the model's own sensitivity: a {parity.PERTURBATION:g} "
+            f"perturbation moves them by up to {sensitivity:.1e} in one process)"
+        )
 
 
 def markdown(rows: list[Row], command: str, versions: dict[str, str]) -> str:
@@ -131,8 +137,9 @@ def markdown(rows: list[Row], command: str, versions: dict[str, str]) -> str:
         f"`tensor_parallel_degree={parity.TP}`, `hybrid_shard_degree={parity.HYBRID_SHARD}` "
         "on 4 CPU ranks (gloo), with activation checkpointing and FSDP2 on the transformer "
         "layers, against the same model in one process: logits and loss of each rank's batch, "
-        f"every gradient, the loss at each of {parity.STEPS} AdamW steps (lr {parity.LR}) and "
-        "every parameter after them. Tolerances: |difference| <= "
+        f"every gradient, the loss at each of {parity.STEPS} SGD steps (lr {parity.LR}, momentum "
+        f"{parity.MOMENTUM}; why not AdamW: `tools/model_coverage/parity.py`) and every "
+        "parameter after them. Tolerances: |difference| <= "
         f"{parity.ATOL:g} + {parity.RTOL:g} x (largest reference magnitude) for logits and "
         f"loss, {parity.ATOL:g} + {parity.RTOL * 10:g} x for gradients, {parity.PARAM_ATOL:g} "
         "for parameters after the steps.",
