@@ -84,6 +84,14 @@ _FIX = (
 )
 
 
+_FIX_LEFT_OUT = (
+    "To shard {model} anyway, set model.tp_plan (transformers' setter) before tsm.transform "
+    "to a plan that gives it an entry ('local_params' with entries splitting per-head "
+    "parameters, 'replicated_with_grad_allreduce' for parameters used on this rank's heads), "
+    "or register a torch_sagemaker.policies.ModelPolicy for it (docs/tensor_parallel.md)."
+)
+
+
 def wildcard(name: str) -> str:
     """A module or parameter name with its layer numbers as ``*`` (how transformers keys plans)."""
     return re.sub(r"\.\d+(?=\.|$)", ".*", name)
@@ -163,10 +171,8 @@ class _Translation:
             if style is None
             else f"gives {name} ({kind}) the style {style!r} (plan key {wildcard(name)!r})"
         )
-        return ValueError(
-            f"tsm.transform: {model}'s transformers TP plan {what}: {why}. "
-            f"{_FIX.format(model=model)}"
-        )
+        fix = (_FIX_LEFT_OUT if style is None else _FIX).format(model=model)
+        return ValueError(f"tsm.transform: {model}'s transformers TP plan {what}: {why}. {fix}")
 
     def is_attention(self, name: str) -> bool:
         return bool(re.search(r"(Attention|Attn)$", type(self.modules[name]).__name__))

@@ -20,7 +20,7 @@ own (one copy of the activation), not as the view ``DTensor.to_local`` returns: 
 updates such outputs in place (Llama 4 adds the routed experts into the shared expert's
 output with ``add_``), which autograd forbids on a view made inside a custom function.
 
-Gradients (Note [Gradients of replicated activations]): a replicated activation that
+Note [Gradients of replicated activations]: a replicated activation that
 feeds column-parallel layers gets a partial gradient on each rank; the DTensor boundary
 of those layers (``from_local`` as ``Replicate``) sums it, so every module upstream sees
 the whole gradient and replicated parameters get identical gradients on every rank. A
@@ -38,7 +38,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from torch_sagemaker._torch_compat import nn as nn_compat
 from torch_sagemaker.tensor_parallel import consistency
@@ -119,8 +124,8 @@ class OwnedOutput(ParallelStyle):
         self.inner = inner
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        self.inner.src_data_rank = self.src_data_rank  # parallelize_module set ours
-        module = self.inner._apply(module, device_mesh)
+        # parallelize_module set our src_data_rank; it sets the inner style's the same way.
+        parallelize_module(module, device_mesh, self.inner, src_data_rank=self.src_data_rank)
         module.register_forward_hook(lambda _m, _a, out: _owned(out))
         return module
 
