@@ -4,7 +4,9 @@ One launch of 2 ranks runs every case, each under its own ``tsm.init``:
 
 - tensor parallelism 2 with FSDP2: train 4 steps, saving after step 2 a sharded checkpoint
   (``TrainingState``) and a full one (gathered model and optimizer state); fresh models
-  (another seed) load each and train steps 3-4: the losses equal the uninterrupted run's.
+  (another seed; the one for the sharded checkpoint built on the meta device and
+  initialized late, equal to an unsharded delayed init) load each and train steps 3-4: the
+  losses equal the uninterrupted run's.
   The trained model's Hugging Face export reloads with ``from_pretrained`` and gives its
   logits;
 - the same layout with the offload wrapper: loss and every gradient bit-identical to the
@@ -40,6 +42,31 @@ def _build(seed: int):
     model = tsm.transform(build(FAMILY, seed=seed))
     shard_model(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _build_delayed(seed: int):
+    """The same on the meta device: transform, FSDP2, then delayed initialization; also
+    whether the values equal an unsharded delayed init of the same seed."""
+    import torch
+    import torch.sagemaker as tsm
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from tests.distributed.test_tp_parity import tiny_config
+    from torch_sagemaker.delayed_param import DelayedParamIniter
+    from torch_sagemaker.sharding import shard_model
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config(FAMILY))
+        ref = AutoModelForCausalLM.from_config(tiny_config(FAMILY))
+    model = tsm.transform(model)  # stays on meta (its DTensors too)
+    initer = DelayedParamIniter(model, seed=seed, device="cpu")
+    shard_model(model)
+    initer.init_model()
+    DelayedParamIniter(ref, seed=seed, device="cpu").init_model()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    same = all(torch.equal(full[k], v) for k, v in ref.state_dict().items())
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), same
 
 
 def _train(model, optim, steps) -> list[float]:
@@ -98,7 +125,7 @@ def _checkpoints_and_export(root: str) -> dict:
     out["logits"] = (logits.full_tensor() if isinstance(logits, DTensor) else logits).clone()
     save_hf_checkpoint(model, f"{root}/hf")
 
-    model, optim = _build(seed=2)
+    model, optim, out["delayed_init_equal"] = _build_delayed(seed=2)
     state = TrainingState(model, optim)
     state.load(f"{root}/sharded")
     out["sharded"] = (state.step, _train(model, optim, range(SAVE_AT, STEPS)))
@@ -182,6 +209,7 @@ def test_sharded_and_full_checkpoints_resume_exactly(results):
         assert c["path"] == "qwen3 (transformers plan)"
         expected = c["losses"][SAVE_AT:]
         assert len(set(c["losses"])) == STEPS, c["losses"]
+        assert c["delayed_init_equal"], f"rank {rank}: delayed init differs from unsharded"
         step, sharded = c["sharded"]
         assert step == SAVE_AT
         torch.testing.assert_close(sharded, expected, rtol=1e-6, atol=1e-6, msg=f"rank {rank}")
