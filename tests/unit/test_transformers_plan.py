@@ -167,3 +167,19 @@ def test_model_without_policy_or_plan_is_refused_with_the_way_out():
     with pytest.raises(ValueError) as err:
         lookup_policy(model)
     assert "base_model_tp_plan" in str(err.value) and "register_policy" in str(err.value)
+
+
+def test_a_split_module_that_computes_more_than_its_weight_is_refused():
+    """Splitting the vocabulary of an embedding that normalizes its lookup (Inkling) would
+    normalize partial sums."""
+
+    class NormedEmbedding(torch.nn.Embedding):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.embed_norm = torch.nn.LayerNorm(self.embedding_dim)
+
+    model = meta("Qwen3Config")
+    with torch.device("meta"):
+        model.model.embed_tokens = NormedEmbedding(128, 64)
+    with pytest.raises(ValueError, match=r"model.embed_tokens.*embed_norm.weight"):
+        policy_from_plan(model)

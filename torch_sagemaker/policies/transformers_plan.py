@@ -187,6 +187,14 @@ class _Translation:
     def module_style(self, name: str, module: nn.Module, style: str) -> str:
         if style == "moe_tp_experts":
             return self.experts_style(name, module, style)
+        inner = [n for n, _ in module.named_parameters() if "." in n]
+        if inner and (style in _LINEAR_STYLES or style in _EMBEDDING_STYLES):
+            raise self.error(
+                name,
+                style,
+                f"the module computes more than its own weight's product: its child modules "
+                f"hold parameters {inner}, which would run on this rank's partial result",
+            )
         if style in _LINEAR_STYLES:
             if not isinstance(module, nn.Linear):
                 raise self.error(name, style, "the style splits an nn.Linear's weight")
