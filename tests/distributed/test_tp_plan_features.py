@@ -15,10 +15,13 @@ One launch of 2 ranks runs every case, each under its own ``tsm.init``:
 - expert parallelism 2 on OLMoE (experts named by its plan, the model's own router:
   ``MoEConfig(smp_moe=False)``) against one process (``moe_models``);
 - a module the plan leaves out that computes on split activations (Qwen3's per-head
-  norms, dropped from the plan) is caught on first use on every rank, not replicated.
+  norms, dropped from the plan) is caught on first use on every rank, not replicated;
+- one key/value head under tensor parallelism 2 (replicated per rank) matches one process.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 
@@ -161,6 +164,20 @@ def _offload() -> dict:
     return result
 
 
+def _one_kv_head() -> dict:
+    """Qwen3 with one kv head under tp 2: the plan's k/v projections are replicated per rank."""
+    import torch.sagemaker as tsm
+
+    from tests.distributed.test_tp_parity import batch, build, compare_forward_backward
+
+    ref = build(FAMILY, num_key_value_heads=1)
+    model = tsm.transform(copy.deepcopy(ref))
+    kv = model.model.layers[0].self_attn.k_proj.weight
+    result = compare_forward_backward(model, ref, batch(0))
+    result["k_proj"] = ([p.is_replicate() for p in kv.placements], tuple(kv.to_local().shape))
+    return result
+
+
 def _dropped_norms() -> str:
     import torch.sagemaker as tsm
 
@@ -186,6 +203,7 @@ def _all(root: str) -> dict:
     fresh_layout({"tensor_parallel_degree": 2, "activation_loading_horizon": 2})
     out["offload"] = _offload()
     out["dropped_norms"] = _dropped_norms()
+    out["one_kv_head"] = _one_kv_head()
     fresh_layout({"context_parallel_degree": 2})
     out["cp"] = cp_cases.run_case(FAMILY, "p2p", "fsdp2")
     fresh_layout({"expert_parallel_degree": 2})
@@ -241,6 +259,17 @@ def test_expert_parallel_on_plan_experts_matches_one_process(results):
     for r in results:
         assert r["ep"]["local_experts"] == [(2, 32, 24), (2, 48, 32)], r["ep"]  # 2 of 4 experts
         moe_models.check({f"olmoe rank {rank}": r["ep"] for rank, r in enumerate(results)})
+
+
+def test_fewer_kv_heads_than_ranks(results):
+    from tests.distributed.test_tp_parity import ATOL
+
+    for r in results:
+        case = r["one_kv_head"]
+        assert case["k_proj"] == ([True], (16, 64)), case["k_proj"]  # replicated: the one head
+        assert case["logits"] < ATOL and case["loss"] < ATOL, case
+        bad = {n: d for n, d in case["grads"].items() if d > ATOL}
+        assert not bad and case["grad_scale"] > 1e-4, bad
 
 
 def test_replicated_module_on_split_activations_is_caught(results):
