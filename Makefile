@@ -96,11 +96,15 @@ CPPTEST_ARGS ?=
 CPP_CORE      = $(shell find csrc/smddp -path csrc/smddp/backend -prune -o -name '*.cpp' -print | sort)
 CPP_TESTS     = $(wildcard tests/cpp/*.cpp)
 CPP_HEADERS   = $(shell find csrc/smddp tests/cpp -name '*.h')
-CPPTEST_BASE  = -std=c++17 -g -O1 -Icsrc -pthread -Wall -Wextra -Wno-unused-parameter
-CPPTEST_FLAGS_plain = $(CPPTEST_BASE)
-CPPTEST_FLAGS_asan  = $(CPPTEST_BASE) -fsanitize=address,undefined -fno-sanitize-recover=undefined \
-                      -fno-omit-frame-pointer
-CPPTEST_FLAGS_tsan  = $(CPPTEST_BASE) -fsanitize=thread
+CPPTEST_BASE  = -std=c++17 -g -Icsrc -pthread -Wall -Wextra -Wno-unused-parameter
+# The plain build unoptimised: the test suite compiles it on every run (tests/unit/
+# test_cpp_core.py), and -O0 takes 26% less compiler time than -O1 here (35 s against 47 s
+# of CPU for the 31 files); the cases run in seconds either way. The sanitizer builds keep
+# -O1, which the sanitizers' docs recommend for usable speed.
+CPPTEST_FLAGS_plain = $(CPPTEST_BASE) -O0
+CPPTEST_FLAGS_asan  = $(CPPTEST_BASE) -O1 -fsanitize=address,undefined \
+                      -fno-sanitize-recover=undefined -fno-omit-frame-pointer
+CPPTEST_FLAGS_tsan  = $(CPPTEST_BASE) -O1 -fsanitize=thread
 
 define cpptest_variant
 $(CPPTEST_DIR)/$(1)/%.o: %.cpp $(CPP_HEADERS)
