@@ -101,7 +101,7 @@ def training_config():
     """The small Llama ``--train`` trains (hidden 256, 4 layers, vocab 8000)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(  # type: ignore[call-arg]
+    return LlamaConfig(
         vocab_size=8000,
         hidden_size=256,
         intermediate_size=256 * 11 // 4,

@@ -194,7 +194,7 @@ def enumerate_candidates(spec: ModelSpec, cluster: Cluster, limits: Limits) -> I
     moe_model = spec.num_experts > 0
     # By default TP stays inside a host (SMP recommends 1 to 8, intra-node) and CP within two
     # hosts' ranks; limits widen or narrow either.
-    settings = {
+    settings: dict[str, list[Any]] = {
         "tensor_parallel_degree": [d for d in degrees if d <= cluster.per_host],
         "context_parallel_degree": [d for d in degrees if d <= 2 * cluster.per_host],
         "expert_parallel_degree": degrees if moe_model else [1],

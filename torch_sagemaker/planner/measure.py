@@ -38,10 +38,10 @@ from torch_sagemaker.offload import hooks as offload_hooks
 def storage_owner(tensor: torch.Tensor) -> torch.Tensor:
     """The plain tensor whose storage holds ``tensor``'s data (Note [Counting storages])."""
     local, _ = offload_hooks.split_dtensor(tensor)
-    while type(local) not in (torch.Tensor, nn.Parameter) and isinstance(
-        getattr(local, "elem", None), torch.Tensor
-    ):
-        local = local.elem  # a functional collective's result wraps the real tensor
+    inner = getattr(local, "elem", None)
+    while type(local) not in (torch.Tensor, nn.Parameter) and isinstance(inner, torch.Tensor):
+        local = inner  # a functional collective's result wraps the real tensor
+        inner = getattr(local, "elem", None)
     return local
 
 
@@ -140,9 +140,10 @@ class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
         local = storage_owner(tensor)
         if offload_hooks.is_parameter_like(tensor) or offload_hooks.is_parameter_like(local):
             return
-        key = _key(local)
-        if key is None or key in self._module_state:
+        found = _key(local)
+        if found is None or found in self._module_state:
             return
+        key: tuple[Any, ...] = found
         held = self.storages.get(key)
         if held is not None and held.nbytes() == 0:
             key = (*key, len(self.storages))  # a freed storage's address, now another's

@@ -210,9 +210,12 @@ def evaluate_one(pc: PublicConfig) -> PublicResult:
 
     from torch_sagemaker.planner.validation_time import meta_spec
 
-    spec = meta_spec(
-        LlamaConfig(**pc.model, max_position_embeddings=pc.seq_len, tie_word_embeddings=False)
-    )
+    kwargs: dict[str, Any] = {
+        **pc.model,
+        "max_position_embeddings": pc.seq_len,
+        "tie_word_embeddings": False,
+    }
+    spec = meta_spec(LlamaConfig(**kwargs))
     host = instance(pc.instance)
     acc = accelerator(host.accelerator)
     cluster = Cluster(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import Counter
 from typing import Any
 
@@ -54,12 +55,14 @@ def rejected_summary(plan: Plan, examples: int = 8) -> str:
         return "No configuration was invalid."
     counts = Counter(r.stage for r in plan.rejected)
     head = ", ".join(f"{n} at {stage}" for stage, n in counts.most_common())
-    seen: dict[str, str] = {}
+    # One line per rule: the reasons with their numbers blanked out are the rule.
+    rules: dict[str, list] = {}
     for r in plan.rejected:
-        key = r.reason.split(":")[0]
-        seen.setdefault(key, f"- {r.candidate.label()} ({r.stage}): {r.reason}")
-    lines = [f"{len(plan.rejected)} invalid ({head}); for example:"]
-    lines += list(seen.values())[:examples]
+        rules.setdefault(re.sub(r"\d+", "#", r.reason), []).append(r)
+    lines = [f"{len(plan.rejected)} invalid ({head}); one example of each rule:"]
+    for same in sorted(rules.values(), key=len, reverse=True)[:examples]:
+        r = same[0]
+        lines.append(f"- {len(same)} like {r.candidate.label()} ({r.stage}): {r.reason}")
     return "\n".join(lines)
 
 

@@ -131,7 +131,7 @@ def tiny_config(family: str, layers: int = 2, **overrides: Any) -> Any:
     """A tiny Hugging Face config: hidden 64, 4 heads, vocab 128, no dropout."""
     import transformers as tf
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -141,6 +141,7 @@ def tiny_config(family: str, layers: int = 2, **overrides: Any) -> Any:
         attention_dropout=0.0,
         tie_word_embeddings=False,
     )
+    cfg: Any
     if family == "llama":  # multi-head attention
         cfg = tf.LlamaConfig(**common, num_key_value_heads=4)
     elif family == "qwen2":  # grouped-query attention, tied head
