@@ -279,3 +279,16 @@ def test_command_line_refuses_bad_input(tmp_path):
         )
     with pytest.raises(ValueError, match="unknown accelerator"):
         accelerator("V100")
+
+
+def test_published_configurations_are_valid_and_fit():
+    from torch_sagemaker.planner import public_configs
+
+    rows = public_configs.evaluate_all()
+    assert len(rows) == len(public_configs.CONFIGS) >= 7
+    for r in rows:
+        assert r.valid, f"{r.config.name}: {r.reason}"
+        assert r.fits and r.peak <= r.budget, (r.config.name, r.peak, r.budget)
+        assert r.step > 0
+    table = public_configs.table(rows)
+    assert table.count("| yes |") == len(rows)

@@ -206,16 +206,8 @@ class PublicResult:
 
 def evaluate_one(pc: PublicConfig) -> PublicResult:
     """Checks ``pc`` with the library's checks and predicts its memory and step time."""
-    from transformers import LlamaConfig
-
-    from torch_sagemaker.planner.validation_time import meta_spec
-
-    kwargs: dict[str, Any] = {
-        **pc.model,
-        "max_position_embeddings": pc.seq_len,
-        "tie_word_embeddings": False,
-    }
-    spec = meta_spec(LlamaConfig(**kwargs))
+    kwargs: dict[str, Any] = {**pc.model, "tie_word_embeddings": False}
+    spec = _spec(tuple(sorted(kwargs.items())))
     host = instance(pc.instance)
     acc = accelerator(host.accelerator)
     cluster = Cluster(
@@ -258,6 +250,20 @@ def evaluate_one(pc: PublicConfig) -> PublicResult:
 def evaluate_all() -> list[PublicResult]:
     """``evaluate_one`` for every published configuration."""
     return [evaluate_one(pc) for pc in CONFIGS]
+
+
+def _spec(model: tuple[tuple[str, Any], ...]) -> Any:
+    """The meta-device ``ModelSpec`` of a Llama config, built once per shape."""
+    from transformers import LlamaConfig
+
+    from torch_sagemaker.planner.validation_time import meta_spec
+
+    if model not in _SPECS:
+        _SPECS[model] = meta_spec(LlamaConfig(**dict(model)))
+    return _SPECS[model]
+
+
+_SPECS: dict[tuple[tuple[str, Any], ...], Any] = {}
 
 
 def table(rows: list[PublicResult]) -> str:

@@ -133,14 +133,19 @@ def write_smp_config(e: Evaluated, path: str | os.PathLike[str]) -> None:
 
 
 def plot(plan: Plan, path: str | os.PathLike[str], top: int = 5) -> None:
-    """A stacked bar per top configuration: its per-rank memory by part, and the budget."""
+    """A stacked bar per top configuration: its per-rank memory when backward starts.
+
+    Parameters, optimizer state, FSDP's buffers, saved activations and the transient (no
+    gradients yet: they fill in as backward frees the activations); a dot marks the predicted
+    peak, a dashed line the usable memory.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = plan.ranked[:top]
-    parts = ("parameters", "gradients", "optimizer", "activations", "buffers", "transient")
+    parts = ("parameters", "optimizer", "buffers", "activations", "transient")
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows) + 2), 4.5))
     labels = [e.candidate.label().replace(" ", "\n") for e in rows]
     bottom = [0.0] * len(rows)
@@ -148,9 +153,13 @@ def plot(plan: Plan, path: str | os.PathLike[str], top: int = 5) -> None:
         values = [getattr(e.memory, part) / GIB for e in rows]
         ax.bar(labels, values, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.plot(labels, [e.memory.peak / GIB for e in rows], "ko", label="predicted peak")
     ax.axhline(plan.cluster.memory_budget / GIB, color="black", ls="--", label="usable memory")
-    ax.set(ylabel="GiB per rank", title=f"{plan.model.name}: memory of the top configurations")
-    ax.legend(fontsize=7, loc="upper right")
+    ax.set(
+        ylabel="GiB per rank",
+        title=f"{plan.model.name}: memory when backward starts, top configurations",
+    )
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

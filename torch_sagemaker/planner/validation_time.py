@@ -2,10 +2,11 @@
 
 1. Calibration (``calibrate``): on ``n`` processes at once, one thread each (as the
    benchmarks' ranks run, sharing the machine's cores), each measures its matrix-multiply
-   rate on the model's own GEMM shapes (forward and both backward products of every weight),
-   its elementwise memory bandwidth (``a + b`` on 32 MiB operands) and AdamW's time per
-   parameter element; the slowest process's figures count. These become the planner's
-   ``Machine`` for that many ranks.
+   rate on the model's own GEMM shapes (a linear layer's forward and both backward products,
+   laid out as autograd lays them out), its elementwise memory bandwidth (``a + b`` on 32 MiB
+   operands) and AdamW's time per element over tensors of the model's parameter shapes;
+   medians of a few calls, the slowest process's figures. Run before and after the
+   measurements and averaged. These become the planner's ``Machine`` for that many ranks.
 2. Measurement: ``bench training``'s rows (1 rank alone, N ranks alone, FSDP2 full and hybrid
    sharding, DDP; smddp and gloo) and ``bench multihost --train``'s layouts (FSDP2 over H
    simulated hosts of L ranks, each host's NIC shaped to a rate, and one host of as many
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import statistics
 import time
@@ -68,47 +68,56 @@ def meta_spec(config: Any) -> ModelSpec:
 
 
 def gemm_shapes(spec: ModelSpec, tokens: int) -> list[tuple[int, int, int]]:
-    """(M, K, N) of every matrix product of one training step's linears, once per kind.
-
-    For each 2-D weight (not the embedding) of shape (N, K): forward (tokens, K) x (K, N),
-    input gradient (tokens, N) x (N, K), weight gradient (N, tokens) x (tokens, K).
-    """
+    """(tokens, N, K) of each kind of 2-D weight (N, K) a step multiplies (not the embedding)."""
     kinds = {p.shape for p in spec.params if len(p.shape) == 2 and p.name != spec.embedding}
-    shapes = []
-    for n, k in sorted(kinds):
-        shapes += [(tokens, k, n), (tokens, n, k), (n, tokens, k)]
-    return shapes
+    return [(tokens, n, k) for n, k in sorted(kinds)]
 
 
-def _best_seconds(fn: Any, repeat: int = 3) -> float:
+def param_shapes(spec: ModelSpec) -> list[tuple[int, ...]]:
+    """The model's parameter shapes (each tied parameter once), for AdamW's calibration."""
+    return [p.shape for p in spec.params if p.tied_to is None]
+
+
+def _median_seconds(fn: Any, repeat: int = 5) -> float:
     fn()
-    best = math.inf
+    times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
-def measure_rates(shapes: list[tuple[int, int, int]], adam_elements: int = 1 << 22) -> dict:
-    """This process's matmul FLOP/s on ``shapes``, memory bandwidth and AdamW s/element."""
+def measure_rates(shapes: list[tuple[int, int, int]], params: list[tuple[int, ...]]) -> dict:
+    """This process's matmul FLOP/s, memory bandwidth and AdamW seconds per element.
+
+    Args:
+        shapes: ``(tokens, N, K)`` per weight kind: each is timed as a linear layer's three
+            products are laid out (``x @ W.T``, ``dY @ W``, ``dY.T @ x``).
+        params: Parameter shapes: AdamW steps over tensors of these shapes.
+    """
     flops = seconds = 0.0
-    for m, k, n in shapes:
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        seconds += _best_seconds(lambda a=a, b=b: a @ b)
-        flops += 2.0 * m * k * n
-    x, y = torch.randn(1 << 23), torch.randn(1 << 23)
-    out = torch.empty_like(x)
-    bandwidth = 3 * x.numel() * 4 / _best_seconds(lambda: torch.add(x, y, out=out))
-    params = [torch.nn.Parameter(torch.randn(adam_elements // 16)) for _ in range(16)]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    adam = torch.optim.AdamW(params, lr=1e-4)
-    adam_s = _best_seconds(adam.step) / adam_elements
+    for m, n, k in shapes:
+        w, x, dy = torch.randn(n, k), torch.randn(m, k), torch.randn(m, n)
+        seconds += _median_seconds(lambda w=w, x=x: x @ w.t())
+        seconds += _median_seconds(lambda w=w, dy=dy: dy @ w)
+        seconds += _median_seconds(lambda x=x, dy=dy: dy.t() @ x)
+        flops += 3 * 2.0 * m * n * k
+    a, b = torch.randn(1 << 23), torch.randn(1 << 23)
+    out = torch.empty_like(a)
+    bandwidth = 3 * a.numel() * 4 / _median_seconds(lambda: torch.add(a, b, out=out))
+    tensors = [torch.nn.Parameter(torch.randn(shape)) for shape in params]
+    for t in tensors:
+        t.grad = torch.randn_like(t)
+    adam = torch.optim.AdamW(tensors, lr=1e-4)
+    elements = sum(t.numel() for t in tensors)
+    adam_s = _median_seconds(adam.step, repeat=3) / elements
     return {"matmul_flops": flops / seconds, "bandwidth": bandwidth, "adam_seconds": adam_s}
 
 
-def _calibration_rank(rank: int, world: int, port: int, shapes: list, queue: Any) -> None:
+def _calibration_rank(
+    rank: int, world: int, port: int, shapes: list, params: list, queue: Any
+) -> None:
     import torch.distributed as dist
 
     from torch_sagemaker.bench import end_rank, set_rank_environment
@@ -117,7 +126,7 @@ def _calibration_rank(rank: int, world: int, port: int, shapes: list, queue: Any
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=10))
     dist.barrier()  # every process measures while the others do
-    rates = measure_rates(shapes)
+    rates = measure_rates(shapes, params)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, rates)
     if rank == 0:
@@ -131,11 +140,13 @@ def _calibration_rank(rank: int, world: int, port: int, shapes: list, queue: Any
     end_rank(queue)
 
 
-def calibrate(nprocs: int, shapes: list[tuple[int, int, int]]) -> dict[str, float]:
+def calibrate(nprocs: int, spec: ModelSpec, tokens: int) -> dict[str, float]:
     """The slowest of ``nprocs`` concurrent processes' rates (module docstring, step 1)."""
     from torch_sagemaker.bench import run_ranks
 
-    return run_ranks(_calibration_rank, nprocs, shapes)[0]
+    return run_ranks(
+        _calibration_rank, nprocs, gemm_shapes(spec, tokens), param_shapes(spec)
+    )[0]
 
 
 def machine_of(rates: dict[str, float]) -> Machine:
@@ -364,21 +375,56 @@ def errors(record: dict) -> list[tuple[str, float]]:
     ]
 
 
-def run(args: argparse.Namespace, costs: comm.Costs) -> dict:
-    """Calibrates, measures and returns the record (module docstring)."""
-    load_before = os.getloadavg()
-    rows = []
-    if args.modes:
-        rows += measure_training(args)
-    if args.layouts:
-        rows += measure_multihost(args)
+def _calibrate_all(rows: list[dict]) -> dict[str, dict[str, float]]:
     calibration: dict[str, dict[str, float]] = {}
     for row in rows:
         key = calibration_key(row)
         if key not in calibration:
             spec = meta_spec(_config(row["model"]))
-            shapes = gemm_shapes(spec, row["seq_len"] * row["batch"])
-            calibration[key] = calibrate(row["processes"], shapes)
+            calibration[key] = calibrate(row["processes"], spec, row["seq_len"] * row["batch"])
+    return calibration
+
+
+def _planned_rows(args: argparse.Namespace) -> list[dict]:
+    """The rows the measurement will produce, without their times (to calibrate first)."""
+    from torch_sagemaker.bench import multihost_rank, training
+
+    rows = []
+    if args.modes:
+        model = _model_dict(training.model_config(args))
+        for n in sorted({1, args.nprocs}):
+            rows.append({"model": model, "processes": n, "seq_len": args.seq, "batch": 1})
+    for layout in filter(None, args.layouts.split(",")):
+        hosts, local = (int(x) for x in layout.split("x"))
+        rows.append(
+            {
+                "model": _model_dict(multihost_rank.training_config()),
+                "processes": hosts * local,
+                "seq_len": multihost_rank.TRAINING_SEQ,
+                "batch": multihost_rank.TRAINING_BATCH,
+            }
+        )
+    return rows
+
+
+def run(args: argparse.Namespace, costs: comm.Costs) -> dict:
+    """Calibrates, measures, calibrates again and returns the record (module docstring).
+
+    The machine's speed drifts (other work on a shared machine): the calibration before and
+    the one after the measurements are averaged, and both are kept.
+    """
+    load_before = os.getloadavg()
+    planned = _planned_rows(args)
+    before = _calibrate_all(planned)
+    rows = []
+    if args.modes:
+        rows += measure_training(args)
+    if args.layouts:
+        rows += measure_multihost(args)
+    after = _calibrate_all(planned)
+    calibration = {
+        key: {k: (before[key][k] + after[key][k]) / 2 for k in before[key]} for key in before
+    }
     return {
         "recorded": time.strftime("%Y-%m-%d %H:%M %Z"),
         "load_average": {
@@ -387,6 +433,8 @@ def run(args: argparse.Namespace, costs: comm.Costs) -> dict:
         },
         "cores": os.cpu_count(),
         "calibration": calibration,
+        "calibration_before": before,
+        "calibration_after": after,
         "costs": dataclasses.asdict(costs),
         "rows": rows,
         "note": args.note,
@@ -399,6 +447,7 @@ __all__ = [
     "calibration_key",
     "errors",
     "gemm_shapes",
+    "param_shapes",
     "measure_rates",
     "meta_spec",
     "predict_rows",
