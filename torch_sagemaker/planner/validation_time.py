@@ -144,9 +144,7 @@ def calibrate(nprocs: int, spec: ModelSpec, tokens: int) -> dict[str, float]:
     """The slowest of ``nprocs`` concurrent processes' rates (module docstring, step 1)."""
     from torch_sagemaker.bench import run_ranks
 
-    return run_ranks(
-        _calibration_rank, nprocs, gemm_shapes(spec, tokens), param_shapes(spec)
-    )[0]
+    return run_ranks(_calibration_rank, nprocs, gemm_shapes(spec, tokens), param_shapes(spec))[0]
 
 
 def machine_of(rates: dict[str, float]) -> Machine:
