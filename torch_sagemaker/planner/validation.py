@@ -86,9 +86,9 @@ def validate_time(args: argparse.Namespace) -> int:
             json.dump(record, f, indent=1)
             f.write("\n")
         print(f"\nrecorded {args.record}")
-    off = [name for name, err in vt.errors(record) if abs(err) > vt.TIME_TOLERANCE]
+    off = vt.out_of_tolerance(record)
     if off:
-        print(f"\noutside {vt.TIME_TOLERANCE:.0%}: {', '.join(off)}")
+        print(f"\noutside {vt.TIME_TOLERANCE:.0%}: {', '.join(name for name, _ in off)}")
     return 1 if off else 0
 
 

@@ -16,9 +16,10 @@
    runs (``tests/data/multihost``), no overlap (the ranks' collectives take the cores the
    compute needs).
 
-``record`` holds everything (calibration, costs, measurements, the machine's load) so that
-``predict_rows`` reproduces the predictions from a record alone:
-tests/unit/test_planner_time.py checks every recorded row against ``TIME_TOLERANCE``.
+``run`` returns a record holding everything (calibration, costs, measurements, the machine's
+load), so that ``predict_rows`` reproduces the predictions from a record alone:
+tests/unit/test_planner_time.py checks every row of the quiet-machine records against
+``TIME_TOLERANCE``.
 
 The benchmark runners come from ``torch_sagemaker.bench`` (imported where used, as the
 cost model comes through ``comm``).
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import statistics
 import time
@@ -212,7 +214,7 @@ def predict_rows(record: dict) -> list[tuple[dict, float]]:
     costs = costs_from(record)
     out = []
     for row in record["rows"]:
-        spec = meta_spec(_config(row["model"]))
+        spec = _model_spec(tuple(sorted(row["model"].items())))
         rates = record["calibration"][calibration_key(row)]
         predicted = predict_step(
             spec,
@@ -228,6 +230,11 @@ def predict_rows(record: dict) -> list[tuple[dict, float]]:
         )
         out.append((row, predicted))
     return out
+
+
+@functools.lru_cache(maxsize=16)
+def _model_spec(model: tuple[tuple[str, Any], ...]) -> ModelSpec:
+    return meta_spec(_config(dict(model)))
 
 
 def _config(model: dict) -> Any:
@@ -405,6 +412,11 @@ def _planned_rows(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def out_of_tolerance(record: dict) -> list[tuple[str, float]]:
+    """The rows whose prediction is further than ``TIME_TOLERANCE`` from their median run."""
+    return [(name, err) for name, err in errors(record) if abs(err) > TIME_TOLERANCE]
+
+
 def run(args: argparse.Namespace, costs: comm.Costs) -> dict:
     """Calibrates, measures, calibrates again and returns the record (module docstring).
 
@@ -448,6 +460,7 @@ __all__ = [
     "param_shapes",
     "measure_rates",
     "meta_spec",
+    "out_of_tolerance",
     "predict_rows",
     "predict_step",
     "run",
