@@ -13,6 +13,7 @@ import pytest
 
 from torch_sagemaker import _init, _transform
 from torch_sagemaker.config import ConfigError
+from torch_sagemaker.moe.moe_config import MoEConfig
 from torch_sagemaker.planner import Limits, cli, plan, report
 from torch_sagemaker.planner.candidates import Candidate, Checked, Rejected, check
 from torch_sagemaker.planner.inputs import Cluster, Workload
@@ -127,9 +128,7 @@ def test_tsm_init_accepts_the_top_five_of_every_plan(plans, tmp_path):
                 tp=cfg.tensor_parallel_degree,
                 cp=cfg.context_parallel_degree,
                 ep=cfg.expert_parallel_degree,
-                config=__import__("torch_sagemaker.moe.moe_config", fromlist=["x"]).MoEConfig()
-                if e.candidate.moe
-                else None,
+                config=MoEConfig() if e.candidate.moe else None,
             )
 
 
