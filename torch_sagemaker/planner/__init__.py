@@ -12,7 +12,8 @@ read on the meta device), ``candidates`` (enumeration; valid or invalid by the l
 own checks), ``shards`` (parameter, gradient and optimizer bytes), ``activations`` (saved
 activations), ``memory`` (the per-rank estimate), ``comm`` (the collective cost model's
 door), ``timing`` (step time), ``search`` (the ``plan`` API), ``report`` (table, JSON, SMP
-config, plot), ``measure`` (live counts for the validation), ``validation`` and ``cli``.
+config, plot), ``cli``; for the validation ``measure`` (live counts), ``validation_memory``,
+``calibration``, ``validation_time``, ``public_configs`` and ``validation`` (``validate``).
 
 Nothing in the library's core imports this package.
 """
