@@ -291,3 +291,25 @@ def test_published_configurations_are_valid_and_fit():
         assert r.step > 0
     table = public_configs.table(rows)
     assert table.count("| yes |") == len(rows)
+
+
+def test_saved_activations_count_a_reused_address_once(monkeypatch):
+    # FSDP frees an unsharded parameter's storage after its unit's forward and the allocator
+    # may hand the address to a new activation, which later ops save several times (as views):
+    # it must count once, the freed one as nothing.
+    import torch
+
+    from torch_sagemaker.planner import measure
+
+    counter = measure.SavedActivations(torch.nn.Linear(2, 2))
+    freed = torch.ones(64)
+    reused = torch.ones(4, 32)
+    gate, up = reused.chunk(2, dim=-1)
+    with monkeypatch.context() as patch:
+        patch.setattr(measure, "_key", lambda t: ("cpu", 1))  # every storage at one address
+        counter._record(freed)
+        freed.untyped_storage().resize_(0)
+        counter._record(gate)
+        counter._record(up)
+    assert len(counter.storages) == 2
+    assert sum(s.nbytes() for s in counter.storages.values()) == 4 * 32 * 4

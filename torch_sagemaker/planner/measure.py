@@ -146,7 +146,11 @@ class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
         key: tuple[Any, ...] = found
         held = self.storages.get(key)
         if held is not None and held.nbytes() == 0:
-            key = (*key, len(self.storages))  # a freed storage's address, now another's
+            # A storage saved earlier was freed since (FSDP resizes an unsharded parameter's
+            # storage to nothing after its unit's forward) and its address now holds another
+            # one: the freed one moves aside, so that every later save of the new storage
+            # finds it under the address and counts it once.
+            self.storages[(*key, "freed", len(self.storages))] = self.storages.pop(key)
         self.storages.setdefault(key, local.untyped_storage())
 
     @property
