@@ -150,7 +150,8 @@ class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
             # storage to nothing after its unit's forward) and its address now holds another
             # one: the freed one moves aside, so that every later save of the new storage
             # finds it under the address and counts it once.
-            self.storages[(*key, "freed", len(self.storages))] = self.storages.pop(key)
+            aside = (*key, "freed", len(self.storages))
+            self.storages[aside] = self.storages.pop(key)
         self.storages.setdefault(key, local.untyped_storage())
 
     @property
