@@ -147,6 +147,14 @@ def main(argv: list[str] | None = None) -> int:
 
         return validation.main(argv[1:])
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, TypeError) as e:  # bad input: the message names it and the fix
+        print(f"planner: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     limits = Limits(allowed=dict(args.limit), max_horizon=args.max_horizon)
     result = plan(
         args.config,

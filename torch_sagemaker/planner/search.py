@@ -231,6 +231,13 @@ def plan(
     )
     workload = Workload(seq_len, global_batch_tokens, dtype)
     spec = config if isinstance(config, ModelSpec) else load_model(config)
+    if spec.policy.activations is None:
+        raise ValueError(
+            f"{spec.name}: policy {spec.policy.name!r} does not describe what its layers save "
+            "for backward (ModelPolicy.activations), so the planner cannot size its "
+            "activations. Families it plans: those whose policy has an ActivationProfile "
+            "(docs/planner.md)."
+        )
     if limits is not None and not isinstance(limits, Limits):
         limits = Limits(allowed={k: tuple(v) for k, v in limits.items()})
     machine = accelerator_machine(acc, dtype, efficiency)
