@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_sagemaker.context_parallel import prepare_model
+from torch_sagemaker.fp8 import prepare_linears
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.moe import apply as moe_apply
 from torch_sagemaker.moe.moe_config import MoEConfig
@@ -191,6 +192,8 @@ def transform(
     # 3c. Context parallelism over the "cp" mesh axis (attention, positions, loss).
     if state.cp_size > 1:
         prepare_model(model, policy, cp_comm_type, state.cp_process_group)
+    # 3d. The plan's linear layers compute in FP8 inside fp8_autocast, as before outside it.
+    fp8_report = prepare_linears(model, policy, backend=backend.name, tp=tp)
     # 4. Weights from rank 0.
     if load_state_dict_from_rank0 and state.world_size > 1:
         target = torch.device(device) if device is not None else _default_device()
@@ -203,7 +206,8 @@ def transform(
     log_rank0(
         f"tsm.transform: {type(model).__name__} with policy {policy.name!r}, "
         f"tensor_parallel_degree={tp} ({backend.name}), {num_layers} x {layer_cls.__name__}, "
-        f"{heads.local_heads} heads / {heads.local_kv_heads} kv heads per rank"
+        f"{heads.local_heads} heads / {heads.local_kv_heads} kv heads per rank, "
+        f"{len(fp8_report.layers)} FP8-capable linear layers"
         + (
             f"; {moe_report.blocks} x {moe_report.layer} with {moe_report.local_experts}/"
             f"{moe_report.num_experts} experts per rank"

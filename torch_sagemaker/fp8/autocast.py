@@ -1,0 +1,142 @@
+"""``fp8_autocast``: the region in which FP8 linear layers compute in FP8.
+
+Same call as Transformer Engine's, which SMP's scripts make::
+
+    with fp8_autocast(enabled=True, fp8_recipe=DelayedScaling(...),
+                      fp8_group=tsm.state.world_process_group):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+
+The forward runs inside the region, the backward after it; the backward of a layer uses
+the settings its forward ran with. ``autocast(recipe=..., amax_reduction_group=...)`` is
+Transformer Engine 2's newer spelling of the same thing.
+
+Regions nest: the innermost decides (``enabled=False`` inside an enabled region turns FP8
+off for its part). Leaving the outermost region applies the amaxes its forward recorded
+(Note [When scales update] in ``scaling.py``), a collective over each amax reduction group
+when FP8 layers ran: every rank leaves its outermost region at the same points.
+
+Where ``tsm.transform`` built Transformer Engine layers (its backend, on CUDA with
+``transformer_engine`` installed), the region also enters Transformer Engine's own
+``fp8_autocast`` with the same settings (``te_bridge.py``), so one script runs on either
+kind of layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from torch_sagemaker.fp8 import te_bridge
+from torch_sagemaker.fp8.recipe import DelayedScaling, Recipe, resolve_recipe
+from torch_sagemaker.fp8.scaling import update_forward
+
+
+@dataclass(frozen=True)
+class Fp8Settings:
+    """What a forward runs under.
+
+    Attributes:
+        enabled: Compute the FP8 layers in FP8.
+        calibrating: Record amaxes (delayed scaling) even where ``enabled`` is False.
+        recipe: The recipe.
+        group: The amax reduction group (``None``: every rank).
+    """
+
+    enabled: bool
+    calibrating: bool
+    recipe: Recipe
+    group: Any
+
+
+OFF = Fp8Settings(enabled=False, calibrating=False, recipe=DelayedScaling(), group=None)
+_STACK: list[Fp8Settings] = []
+
+
+def active() -> Fp8Settings:
+    """The settings of the innermost ``fp8_autocast`` region, ``OFF`` outside any."""
+    return _STACK[-1] if _STACK else OFF
+
+
+def is_fp8_enabled() -> bool:
+    """Whether the current region computes FP8 layers in FP8."""
+    return active().enabled
+
+
+def get_fp8_recipe() -> Recipe:
+    """The recipe of the current region (``DelayedScaling()`` outside any)."""
+    return active().recipe
+
+
+def _check_flags(enabled: Any, calibrating: Any, group: Any, graph: Any) -> None:
+    for name, value in (("enabled", enabled), ("calibrating", calibrating)):
+        if not isinstance(value, bool):
+            raise TypeError(f"fp8_autocast({name}={value!r}): expected True or False.")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"fp8_autocast(fp8_group={group!r}): expected a torch.distributed ProcessGroup "
+            "(SMP's scripts pass tsm.state.world_process_group) or None (every rank)."
+        )
+    if graph:
+        raise ValueError(
+            "fp8_autocast(_graph=True): capturing FP8 layers in CUDA graphs is not supported "
+            "by torch_sagemaker's FP8 layers; leave _graph=False."
+        )
+
+
+@contextlib.contextmanager
+def fp8_autocast(
+    enabled: bool = True,
+    calibrating: bool = False,
+    fp8_recipe: Any = None,
+    fp8_group: dist.ProcessGroup | None = None,
+    _graph: bool = False,
+) -> Iterator[None]:
+    """Runs the FP8 linear layers in FP8 inside the block (Transformer Engine's signature).
+
+    Args:
+        enabled: Compute in FP8. ``False`` leaves every layer in its own precision.
+        calibrating: With ``enabled=False``: record the forward amaxes of a delayed-scaling
+            recipe all the same, so scales are ready when FP8 is turned on.
+        fp8_recipe: ``DelayedScaling`` (default ``DelayedScaling()``), ``Float8CurrentScaling``,
+            or the Transformer Engine recipe of the same name.
+        fp8_group: Group over which amaxes are reduced (``None``: every rank).
+        _graph: Must be False (no CUDA graph capture).
+
+    Raises:
+        TypeError: For a flag that is not a bool, or a group that is not a ProcessGroup.
+        ValueError: For an unsupported recipe or option (named).
+
+    Example:
+        >>> with fp8_autocast(enabled=True, fp8_recipe=DelayedScaling(fp8_format=Format.HYBRID)):
+        ...     loss = model(input_ids=ids, labels=ids).loss
+        >>> loss.backward()
+    """
+    _check_flags(enabled, calibrating, fp8_group, _graph)
+    recipe = resolve_recipe(fp8_recipe)
+    _STACK.append(Fp8Settings(enabled, calibrating, recipe, fp8_group))
+    try:
+        with te_bridge.enter(enabled, calibrating, fp8_recipe, recipe, fp8_group):
+            yield
+    finally:
+        _STACK.pop()
+    if not _STACK:
+        update_forward()  # Note [When scales update]; not after an exception (ranks may differ)
+
+
+def autocast(
+    enabled: bool = True,
+    calibrating: bool = False,
+    recipe: Any = None,
+    amax_reduction_group: dist.ProcessGroup | None = None,
+    _graph: bool = False,
+) -> contextlib.AbstractContextManager[None]:
+    """``fp8_autocast`` under Transformer Engine 2's newer argument names."""
+    return fp8_autocast(enabled, calibrating, recipe, amax_reduction_group, _graph)
+
+
+__all__ = ["OFF", "Fp8Settings", "active", "autocast", "fp8_autocast", "get_fp8_recipe", "is_fp8_enabled"]
