@@ -25,7 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch.sagemaker as tsm  # noqa: E402
-from torch.sagemaker.fp8 import DelayedScaling, Format, fp8_autocast  # noqa: E402
+from torch.sagemaker.fp8 import DelayedScaling, Format, Fp8Linear, fp8_autocast  # noqa: E402
 from torch.sagemaker.grad_norm import clip_grad_norm_  # noqa: E402
 from train_lib import checkpoints, data, metrics  # noqa: E402
 from train_lib.arguments import parse_args, smp_config  # noqa: E402
@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
             amax_history_len=args.fp8_amax_history_len,
             amax_compute_algo=args.fp8_amax_compute_algo,
         )
+        layers = sum(isinstance(m, Fp8Linear) for m in model.modules())
+        rank0_print(f"[train] FP8: {layers} linear layers per rank under {fp8_recipe}")
 
     # 4. Train.
     writer = metrics.MetricsWriter(args.output_dir, enabled=dist.get_rank() == 0)

@@ -166,6 +166,25 @@ def test_config_smoke(tmp_path, config):
 
 
 @pytest.mark.distributed
+def test_fp8_as_smp_scripts_enable_it(tmp_path):
+    """``--fp8 1``: the forward under ``fp8_autocast`` with SMP's recipe, on tensor parallel
+    2 with bf16 and activation checkpointing (docs/fp8.md)."""
+    flags = ["--fp8", "1", "--bf16", "1", "--activation-checkpointing", "1"]
+    summary, stdout = _forked_train(
+        tmp_path,
+        2,
+        "--smp-config",
+        os.path.join(ROOT, "examples", "configs", "tp2.json"),
+        "--max-steps",
+        "4",
+        *flags,
+    )
+    _check_smoke(summary, stdout, flags)
+    # q k v o gate up down in each of the 2 layers, split over the 2 ranks.
+    assert "[train] FP8: 14 linear layers per rank under DelayedScaling(" in stdout, stdout
+
+
+@pytest.mark.distributed
 def test_resume_continues_with_the_same_losses(tmp_path):
     # Stopped after step 2 and resumed: step 3's loss needs the saved parameters and data
     # position, step 4's also the optimizer and scheduler state (step 3's update).

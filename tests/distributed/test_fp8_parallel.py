@@ -54,7 +54,11 @@ def _recipe(reduce_amax: bool = True):
 def _fp8_scales(model) -> dict:
     from torch_sagemaker.fp8 import Fp8Linear
 
-    return {_clean(n): m.fp8_scaling.scale.clone() for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    return {
+        _clean(n): m.fp8_scaling.scale.clone()
+        for n, m in model.named_modules()
+        if isinstance(m, Fp8Linear)
+    }
 
 
 def _reference(batches, dp: int) -> dict:
@@ -146,9 +150,7 @@ def _run_case(model, batches, ref, fsdp1: bool) -> dict:
     for step, ids in enumerate(batches):
         expected = ref["steps"][step]
         local = rank_slice(ids, dp_rank, dp_size)
-        with fp8_autocast(
-            enabled=True, fp8_recipe=recipe, fp8_group=tsm.state.world_process_group
-        ):
+        with fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=tsm.state.world_process_group):
             out = model(input_ids=local, labels=local)
             scales = _fp8_scales(model)
         out.loss.backward()

@@ -92,7 +92,7 @@ class DelayedRule:
 
 
 class EmulatedLinear:
-    """``y = x W^T + b`` with FP8 forward (``fwd``) and backward (``bwd``) formats, delayed scaling."""
+    """``y = x W^T + b``, FP8 forward (``fwd``) and backward (``bwd``) formats, delayed scaling."""
 
     def __init__(
         self, history_len: int, fwd: str = "e4m3", bwd: str = "e5m2", margin: int = 0, algo="max"

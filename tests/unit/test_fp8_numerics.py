@@ -128,9 +128,14 @@ def test_current_scaling_matches_emulation():
     with fp8_autocast(fp8_recipe=Float8CurrentScaling()):
         y = layer(x)
     y.backward(gy)
-    scale = {k: np.float32(np.float32(ref.fmax(f)) / np.float32(t.abs().max())) for k, f, t in (
-        ("x", "e4m3", x.detach()), ("w", "e4m3", layer.weight.detach()), ("g", "e5m2", gy)
-    )}
+    scale = {
+        k: np.float32(np.float32(ref.fmax(f)) / np.float32(t.abs().max()))
+        for k, f, t in (
+            ("x", "e4m3", x.detach()),
+            ("w", "e4m3", layer.weight.detach()),
+            ("g", "e5m2", gy),
+        )
+    }
     qx, qw = ref.quantize(x, scale["x"], "e4m3"), ref.quantize(layer.weight, scale["w"], "e4m3")
     qg = ref.quantize(gy, scale["g"], "e5m2")
     inv = {k: ref.inverse(v) for k, v in scale.items()}
@@ -158,6 +163,26 @@ def test_outside_fp8_autocast_the_layer_is_nn_linear():
         plain(b).sum().backward()
         assert torch.equal(out, plain(x)) and torch.equal(a.grad, b.grad)
     assert layer.fp8_scaling.history is None  # never ran in FP8: no state, nothing to reduce
+
+
+def test_a_trained_layer_copies_without_its_groups():
+    """``copy.deepcopy`` (and pickling) of a model after FP8 steps: the scaling state comes
+    along, the process groups it last reduced over (which cannot be copied) do not."""
+    import pickle
+    import threading
+
+    layer = to_fp8_linear(nn.Linear(16, 8))
+    x = torch.randn(4, 16, requires_grad=True)
+    for _ in range(2):
+        with fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=4)):
+            y = layer(x)
+        y.sum().backward()
+    layer.fp8_scaling.reduce_group = threading.Lock()  # stands in for a ProcessGroup
+    copied = copy.deepcopy(layer)
+    assert copied.fp8_scaling.reduce_group is None
+    assert torch.equal(copied.fp8_scaling.history, layer.fp8_scaling.history)
+    assert copied.fp8_scaling.history is not layer.fp8_scaling.history
+    assert torch.equal(pickle.loads(pickle.dumps(layer)).fp8_scaling.scale, layer.fp8_scaling.scale)
 
 
 def test_calibrating_records_amaxes_without_fp8():
@@ -279,14 +304,15 @@ def test_unsupported_recipe_options_are_named(make, named):
 
 
 def test_fp8_autocast_argument_errors():
-    with pytest.raises(TypeError, match="fp8_group"):
-        with fp8_autocast(fp8_group="world"):
-            pass
-    with pytest.raises(TypeError, match="enabled"):
-        with fp8_autocast(enabled=1):
-            pass
-    with pytest.raises(ValueError, match="_graph"):
-        with fp8_autocast(_graph=True):
-            pass
+    with pytest.raises(TypeError, match="fp8_group"), fp8_autocast(fp8_group="world"):
+        pass
+    with pytest.raises(TypeError, match="enabled"), fp8_autocast(enabled="yes"):
+        pass
+    with fp8_autocast(enabled=1):  # SMP's scripts pass their 0/1 argument
+        from torch_sagemaker.fp8 import is_fp8_enabled
+
+        assert is_fp8_enabled()
+    with pytest.raises(ValueError, match="_graph"), fp8_autocast(_graph=True):
+        pass
     with pytest.raises(TypeError, match="nn.Linear"):
         to_fp8_linear(nn.Conv1d(2, 2, 1))

@@ -72,10 +72,14 @@ def get_fp8_recipe() -> Recipe:
     return active().recipe
 
 
-def _check_flags(enabled: Any, calibrating: Any, group: Any, graph: Any) -> None:
-    for name, value in (("enabled", enabled), ("calibrating", calibrating)):
-        if not isinstance(value, bool):
-            raise TypeError(f"fp8_autocast({name}={value!r}): expected True or False.")
+def _flag(name: str, value: Any) -> bool:
+    # SMP's scripts pass their 0/1 argument (enabled=args.fp8), as Transformer Engine allows.
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"fp8_autocast({name}={value!r}): expected True/False (or 1/0).")
+
+
+def _check_flags(group: Any, graph: Any) -> None:
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"fp8_autocast(fp8_group={group!r}): expected a torch.distributed ProcessGroup "
@@ -108,7 +112,7 @@ def fp8_autocast(
         _graph: Must be False (no CUDA graph capture).
 
     Raises:
-        TypeError: For a flag that is not a bool, or a group that is not a ProcessGroup.
+        TypeError: For a flag that is not a bool (or 0/1), or a group that is not a ProcessGroup.
         ValueError: For an unsupported recipe or option (named).
 
     Example:
@@ -116,7 +120,8 @@ def fp8_autocast(
         ...     loss = model(input_ids=ids, labels=ids).loss
         >>> loss.backward()
     """
-    _check_flags(enabled, calibrating, fp8_group, _graph)
+    enabled, calibrating = _flag("enabled", enabled), _flag("calibrating", calibrating)
+    _check_flags(fp8_group, _graph)
     recipe = resolve_recipe(fp8_recipe)
     _STACK.append(Fp8Settings(enabled, calibrating, recipe, fp8_group))
     try:
@@ -139,4 +144,12 @@ def autocast(
     return fp8_autocast(enabled, calibrating, recipe, amax_reduction_group, _graph)
 
 
-__all__ = ["OFF", "Fp8Settings", "active", "autocast", "fp8_autocast", "get_fp8_recipe", "is_fp8_enabled"]
+__all__ = [
+    "OFF",
+    "Fp8Settings",
+    "active",
+    "autocast",
+    "fp8_autocast",
+    "get_fp8_recipe",
+    "is_fp8_enabled",
+]

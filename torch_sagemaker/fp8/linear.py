@@ -33,7 +33,7 @@ follows its forward before the next forward; a schedule that runs several forwar
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ from torch_sagemaker._torch_compat import autograd as autograd_compat
 from torch_sagemaker.fp8.autocast import OFF, Fp8Settings, active
 from torch_sagemaker.fp8.numerics import amax, current_scale, quantize, scaled_matmul
 from torch_sagemaker.fp8.recipe import DelayedScaling, Float8CurrentScaling
-from torch_sagemaker.fp8.scaling import G, W, X, LinearScaling, reduce_max
+from torch_sagemaker.fp8.scaling import G, LinearScaling, W, X, reduce_max
 
 
 class _Call:
@@ -123,8 +123,10 @@ def _is_shard(p: Placement, dim: int, ndim: int) -> bool:
 def _local_operands(
     x: torch.Tensor, weight: DTensor
 ) -> tuple[torch.Tensor, list[Placement], tuple[bool, bool, bool]]:
-    """This rank's input, the output's placements and which roles are shards, for a DTensor
-    weight on a 1-D mesh (column-parallel, row-parallel or replicated)."""
+    """This rank's input, the output's placements and which roles are shards.
+
+    For a DTensor weight on a 1-D mesh: column-parallel, row-parallel or replicated.
+    """
     mesh = weight.device_mesh
     if mesh.ndim != 1:
         raise ValueError(
@@ -190,8 +192,10 @@ class Fp8Linear(nn.Linear):
 
     def _tp_group(self) -> Any:
         w = self.weight
-        if isinstance(w, DTensor) and w.device_mesh.size() > 1 and not isinstance(
-            w.placements[0], Replicate
+        if (
+            isinstance(w, DTensor)
+            and w.device_mesh.size() > 1
+            and not isinstance(w.placements[0], Replicate)
         ):
             return w.device_mesh.get_group()
         return None
@@ -219,7 +223,9 @@ class Fp8Linear(nn.Linear):
             x_local, w_local, sharded = x, weight, (False, False, False)
         if not recomputing:
             self._prepare(x_local, settings, tp_group)
-        call = _Call(self.fp8_scaling, settings, recomputing, tp_group, sharded, _out_dtype(x_local))
+        call = _Call(
+            self.fp8_scaling, settings, recomputing, tp_group, sharded, _out_dtype(x_local)
+        )
         y = _Fp8Matmul.apply(x_local, w_local, call)
         if mesh is not None:
             y = DTensor.from_local(y, mesh, placements, run_check=False)
@@ -228,6 +234,7 @@ class Fp8Linear(nn.Linear):
         return y
 
     def extra_repr(self) -> str:
+        """``nn.Linear``'s, marked ``fp8=True``."""
         return super().extra_repr() + ", fp8=True"
 
 
@@ -246,8 +253,9 @@ def to_fp8_linear(module: nn.Linear) -> Fp8Linear:
             "modules with their own forward keep their precision."
         )
     module.__class__ = Fp8Linear
-    module.fp8_scaling = LinearScaling()
-    return module  # type: ignore[return-value]  (its class is now Fp8Linear)
+    fp8 = cast(Fp8Linear, module)
+    fp8.fp8_scaling = LinearScaling()
+    return fp8
 
 
 __all__ = ["Fp8Linear", "to_fp8_linear"]

@@ -24,7 +24,6 @@ values, no FP8 speed), and a warning names the shape once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -102,7 +101,7 @@ def scaled_matmul(
     inv_b: torch.Tensor,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``(a * inv_a) @ (b * inv_b)`` for FP8 ``a`` ``[M, K]`` and ``b`` ``[K, N]``, in ``out_dtype``.
+    """``(a * inv_a) @ (b * inv_b)`` in ``out_dtype`` for FP8 ``a`` ``[M, K]``, ``b`` ``[K, N]``.
 
     On CUDA, ``b`` is laid out column-major first (a copy unless it already is); shapes that
     cuBLASLt refuses go through the fp32 definition (Note [FP8 matmul on CPU and CUDA]).
@@ -120,8 +119,6 @@ def scaled_matmul(
             b = b.t().contiguous().t()
     return float8.scaled_mm(a, b, inv_a, inv_b, out_dtype)
 
-
-ScaleFn = Callable[[torch.Tensor], torch.Tensor]
 
 __all__ = [
     "amax",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -37,16 +37,16 @@ class Format(enum.Enum):
 
     @property
     def forward_dtype(self) -> torch.dtype:
-        """dtype of the tensors quantized in the forward pass."""
+        """Dtype of the tensors quantized in the forward pass."""
         return torch.float8_e5m2 if self is Format.E5M2 else torch.float8_e4m3fn
 
     @property
     def backward_dtype(self) -> torch.dtype:
-        """dtype of the output gradients quantized in the backward pass."""
+        """Dtype of the output gradients quantized in the backward pass."""
         return torch.float8_e4m3fn if self is Format.E4M3 else torch.float8_e5m2
 
 
-AmaxComputeAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
+AmaxComputeAlgo = str | Callable[[torch.Tensor], torch.Tensor]
 
 
 def _unsupported(recipe: str, option: str, value: Any, why: str) -> ValueError:
@@ -144,9 +144,7 @@ class DelayedScaling:
                 "of the amax history."
             )
         if self.interval != 1:
-            raise _unsupported(
-                name, "interval", self.interval, "scales are updated at every step"
-            )
+            raise _unsupported(name, "interval", self.interval, "scales are updated at every step")
         if tuple(self.override_linear_precision) != (False, False, False):
             raise _unsupported(
                 name,
@@ -188,7 +186,7 @@ class Float8CurrentScaling:
         _check_common(name, self.fp8_dpa, self.fp8_mha, self.backward_override)
 
 
-Recipe = Union[DelayedScaling, Float8CurrentScaling]
+Recipe = DelayedScaling | Float8CurrentScaling
 
 # Transformer Engine's recipe classes this package does not implement, by class name.
 _BLOCK_RECIPES = (
@@ -206,7 +204,7 @@ def _format_of(value: Any) -> Format:
     if isinstance(value, Format):
         return value
     name = getattr(value, "name", None)
-    if name in Format.__members__:
+    if isinstance(name, str) and name in Format.__members__:
         return Format[name]
     raise ValueError(f"fp8_format={value!r}: not an FP8 format this package knows (E4M3, HYBRID).")
 
@@ -245,13 +243,19 @@ def _from_transformer_engine(recipe: Any) -> Recipe:
     raise ValueError(
         f"FP8 recipe {kind} is not supported by torch_sagemaker's FP8 linear layers, which "
         "scale per tensor: use DelayedScaling (SMP's recipe) or Float8CurrentScaling"
-        + (" (block-scaled recipes need Transformer Engine's layers)." if kind in _BLOCK_RECIPES else ".")
+        + (
+            " (block-scaled recipes need Transformer Engine's layers)."
+            if kind in _BLOCK_RECIPES
+            else "."
+        )
     )
 
 
 def resolve_recipe(recipe: Any) -> Recipe:
-    """The recipe ``fp8_autocast`` runs: ``None`` means ``DelayedScaling()``, as in Transformer
-    Engine; one of Transformer Engine's recipe objects is translated.
+    """The recipe ``fp8_autocast`` runs.
+
+    ``None`` means ``DelayedScaling()``, as in Transformer Engine; one of Transformer Engine's
+    recipe objects is translated.
 
     Raises:
         ValueError: For a recipe class or option this package does not implement, naming it.

@@ -87,6 +87,17 @@ class LinearScaling:
         self.last_settings: Any = None  # the layer's last forward outside a backward
         self._order: int | None = None
 
+    # Set at each forward from the live region and mesh; a process group cannot be copied or
+    # pickled, so ``copy.deepcopy(model)`` and ``torch.save(model)`` leave these out.
+    _TRANSIENT = ("reduce_group", "tp_group", "last_settings", "forward_scale")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in self._TRANSIENT:
+            state[name] = None
+        state["dirty_forward"] = state["dirty_backward"] = False
+        return state
+
     def prepare(
         self, device: torch.device, recipe: DelayedScaling, group: Any, tp_group: Any
     ) -> None:
@@ -113,8 +124,11 @@ class LinearScaling:
             _LIVE[self._order] = self
 
     def forward_scale_of(self, role: int, recomputing: bool) -> torch.Tensor:
-        """The scale of ``role`` for a forward: the current one, kept for a recomputation,
-        or the one kept when this forward is the recomputation (Note [When scales update])."""
+        """The scale of ``role`` for a forward.
+
+        The current one, kept for a recomputation; or the one kept, when this forward is the
+        recomputation (Note [When scales update]).
+        """
         if not recomputing or self.forward_scale is None:
             self.forward_scale = self.scale
         assert self.forward_scale is not None, "prepare() first"
@@ -155,23 +169,30 @@ def reduce_max(t: torch.Tensor, group: Any) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
 
 
+def _tensors(members: list[LinearScaling], name: str) -> list[torch.Tensor]:
+    """``member.<name>`` of each member (all prepared, so none is None)."""
+    out = [getattr(m, name) for m in members]
+    assert all(t is not None for t in out)
+    return out
+
+
 def _update(members: list[LinearScaling], roles: tuple[int, ...]) -> None:
     """Reduces the members' pending amaxes of ``roles`` and applies the rule to them at once."""
     first = members[0]
     recipe = first.recipe
     assert recipe is not None
-    device = first.pending.device  # type: ignore[union-attr]
+    pending = torch.stack(_tensors(members, "pending"))  # [n, 3]
+    device = pending.device
     wanted = torch.zeros(3, dtype=torch.bool, device=device)
     wanted[list(roles)] = True
-    pending = torch.stack([m.pending for m in members])  # type: ignore[misc]  [n, 3]
     amaxes = torch.where(wanted, pending, -1.0)
     if first.reduce_group != LOCAL:
         reduce_max(amaxes, first.reduce_group)
     if first.tp_group is not None and not _covers(first.reduce_group, first.tp_group):
         reduce_max(amaxes, first.tp_group)
     seen = amaxes >= 0  # quantized on some rank since the last update
-    history = torch.stack([m.history for m in members], dim=1)  # type: ignore[misc]  [L, n, 3]
-    old = torch.stack([m.scale for m in members])  # type: ignore[misc]  [n, 3]
+    history = torch.stack(_tensors(members, "history"), dim=1)  # [L, n, 3]
+    old = torch.stack(_tensors(members, "scale"))  # [n, 3]
     staged = history.clone()
     staged[0] = torch.where(seen, amaxes, history[0])
     fmt = recipe.fp8_format
@@ -200,7 +221,7 @@ def _update_roles(roles: tuple[int, ...], dirty: str) -> None:
             state.reduce_group if state.reduce_group in (None, LOCAL) else id(state.reduce_group),
             id(state.tp_group) if state.tp_group is not None else None,
             state.recipe,
-            state.pending.device,  # type: ignore[union-attr]
+            None if state.pending is None else state.pending.device,
         )
         buckets.setdefault(key, []).append(state)
     for members in buckets.values():
@@ -208,15 +229,16 @@ def _update_roles(roles: tuple[int, ...], dirty: str) -> None:
 
 
 def update_forward() -> None:
-    """Applies the pending input and weight amaxes (Notes [When scales update], [Which ranks
-    reduce amaxes]): when the outermost ``fp8_autocast`` exits. No collective when no layer
-    ran in FP8 in the region."""
+    """Applies the pending input and weight amaxes, when the outermost region exits.
+
+    Notes [When scales update], [Which ranks reduce amaxes]. No collective when no layer ran
+    in FP8 in the region.
+    """
     _update_roles((X, W), "dirty_forward")
 
 
 def update_backward() -> None:
-    """Applies the pending output-gradient amaxes: when a backward pass that ran FP8 layers
-    ends."""
+    """Applies the pending output-gradient amaxes, when a backward that ran FP8 layers ends."""
     _update_roles((G,), "dirty_backward")
 
 

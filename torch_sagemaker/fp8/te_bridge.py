@@ -1,4 +1,4 @@
-"""Transformer Engine's ``fp8_autocast`` entered with ours, where ``tsm.transform`` built its layers.
+"""Transformer Engine's ``fp8_autocast``, entered with ours where its layers were built.
 
 NOT RUN: Transformer Engine is not installed on any machine this package is developed or
 checked on (docs/fp8.md, "What ran where"). Written against Transformer Engine's documented
@@ -52,8 +52,7 @@ def _to_te(recipe: Recipe) -> Any:
 def enter(
     enabled: bool, calibrating: bool, given: Any, recipe: Recipe, group: Any
 ) -> contextlib.AbstractContextManager[Any]:
-    """Transformer Engine's region for these settings, or a no-op without Transformer Engine
-    layers.
+    """Transformer Engine's region for these settings (a no-op without its layers).
 
     Args:
         enabled: As ``fp8_autocast``.

@@ -147,8 +147,9 @@ class TransformerEngineBackend:
 
 
 def unsplit_te_linears(model: nn.Module, policy: ModelPolicy) -> list[str]:
-    """At tensor_parallel_degree 1: the plan's ``colwise``/``rowwise``/``kv_colwise`` layers
-    become unsplit ``te.Linear`` modules (``parallel_mode=None``).
+    """Makes the plan's linear layers unsplit ``te.Linear`` modules (tensor_parallel_degree 1).
+
+    The ``colwise``/``rowwise``/``kv_colwise`` layers get ``parallel_mode=None``.
 
     SMP's ``transform`` builds Transformer Engine layers whatever the degree, and only those
     run in FP8 under Transformer Engine's ``fp8_autocast``; with this backend the FP8 step
