@@ -3,14 +3,16 @@
     python scripts/fp8_loss_curve.py [--steps 200] [--nproc 2] [--out outputs/fp8-curve]
         [--plot docs/fp8_loss_200steps.png] [-- extra examples/train.py flags]
 
-Runs ``examples/train.py`` twice under torchrun with the same seed, data and flags, both
-with bf16 compute (FSDP2 mixed precision, fp32 master weights): once as is, once with
-``--fp8 1`` (SMP's recipe: ``DelayedScaling(fp8_format=HYBRID, amax_history_len=1024,
-amax_compute_algo="max")``, ``fp8_group`` = every rank). Then it compares the per-step
-losses: the relative difference of their 10-step moving averages at every step, and of
-the means over the last 20 steps (``--tolerance``, default 2%; exit status 1 beyond it),
-prints a markdown summary and writes the plot. Each run is started with ``nice -n 10``
-(the machines are shared). ``make fp8-curve`` runs it with the defaults of docs/fp8.md.
+Runs ``examples/train.py`` under torchrun with the same seed, data and flags: with bf16
+compute (FSDP2 mixed precision, fp32 master weights) as is, the same with ``--fp8 1`` (SMP's
+recipe: ``DelayedScaling(fp8_format=HYBRID, amax_history_len=1024, amax_compute_algo=
+"max")``, ``fp8_group`` = every rank) and, as the same-run yardstick of how far another
+precision alone moves this training (``--control fp32``, the default), in fp32. Then it
+compares each run's per-step losses with the bf16 run's: the relative difference of their
+10-step moving averages at every step, and of the means over the last 20 steps; the FP8 run
+passes when both stay within ``--tolerance`` (default 2%; exit status 1 beyond it). It
+prints a markdown summary and writes the plot. Each run is started with ``nice -n 10`` (the
+machines are shared). ``make fp8-curve`` runs it with the defaults of docs/fp8.md.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 WINDOW, TAIL = 10, 20
 
 
-def train_command(nproc: int, steps: int, out: Path, fp8: bool, extra: list[str]) -> list[str]:
+def train_command(
+    nproc: int, steps: int, out: Path, fp8: bool, extra: list[str], bf16: bool = True
+) -> list[str]:
     """The torchrun command line of one run."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     return [
@@ -39,7 +43,7 @@ def train_command(nproc: int, steps: int, out: Path, fp8: bool, extra: list[str]
         str(nproc),
         str(ROOT / "examples" / "train.py"),
         "--bf16",
-        "1",
+        "1" if bf16 else "0",
         "--fp8",
         "1" if fp8 else "0",
         "--max-steps",
@@ -92,21 +96,34 @@ def compare(bf16: list[float], fp8: list[float]) -> dict:
     )
 
 
-def plot(bf16: list[float], fp8: list[float], result: dict, path: Path, title: str) -> None:
-    """Loss curves (raw and smoothed) and the relative difference, in one PNG."""
+COLORS = {"bf16": "tab:blue", "bf16 + FP8": "tab:red", "fp32": "tab:gray"}
+
+
+def plot(runs: dict[str, list[float]], results: dict[str, dict], path: Path, title: str) -> None:
+    """Loss curves (raw and smoothed) and each run's relative difference from bf16, in one PNG.
+
+    Args:
+        runs: Per-step losses by run name (``"bf16"`` first).
+        results: ``compare`` of each other run against bf16, by run name.
+        path: Where the PNG goes.
+        title: Its title.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = list(range(1, len(bf16) + 1))
+    steps = list(range(1, len(runs["bf16"]) + 1))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for losses, name, color in ((bf16, "bf16", "tab:blue"), (fp8, "bf16 + FP8", "tab:red")):
-        ax1.plot(steps, losses, color=color, alpha=0.25, linewidth=0.8)
+    for name, losses in runs.items():
+        color = COLORS.get(name, "tab:green")
+        ax1.plot(steps, losses, color=color, alpha=0.2, linewidth=0.8)
         ax1.plot(steps, moving_average(losses), color=color, label=f"{name} (10-step mean)")
     ax1.set(xlabel="step", ylabel="training loss (nats/byte)", title="Loss")
     ax1.legend()
-    ax2.plot(steps, [100 * r for r in result["smoothed"]], color="tab:purple")
+    for name, result in results.items():
+        label = f"{name} vs bf16"
+        ax2.plot(steps, [100 * r for r in result["smoothed"]], color=COLORS.get(name), label=label)
     ax2.axhline(2.0, color="gray", linestyle="--", linewidth=0.8, label="2%")
     ax2.set(
         xlabel="step", ylabel="|fp8 - bf16| / bf16, %", title="Relative difference (10-step means)"
@@ -119,7 +136,7 @@ def plot(bf16: list[float], fp8: list[float], result: dict, path: Path, title: s
     plt.close(fig)
 
 
-def summary(result: dict, runs: dict) -> str:
+def summary(results: dict[str, dict], runs: dict) -> str:
     """Markdown lines for docs/fp8.md."""
     lines = [
         "| run | first loss | last loss | mean of last 20 | median step s |",
@@ -133,10 +150,14 @@ def summary(result: dict, runs: dict) -> str:
         )
     lines += [
         "",
-        f"Largest relative difference of the 10-step mean losses: "
-        f"{100 * result['max_smoothed']:.2f}% (step {result['max_smoothed_step']}); of the "
-        f"means over the last {TAIL} steps: {100 * result['tail']:.2f}%.",
+        "| against bf16 | largest difference of 10-step means | at step | last 20 steps |",
     ]
+    lines.append("|---|---|---|---|")
+    for name, r in results.items():
+        lines.append(
+            f"| {name} | {100 * r['max_smoothed']:.2f}% | {r['max_smoothed_step']} | "
+            f"{100 * r['tail']:.2f}% |"
+        )
     return "\n".join(lines)
 
 
@@ -154,25 +175,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", type=Path, default=ROOT / "docs" / "fp8_loss_200steps.png")
     p.add_argument("--tolerance", type=float, default=0.02)
     p.add_argument("--reuse", action="store_true", help="compare the runs already in --out")
+    p.add_argument(
+        "--control",
+        choices=("fp32", "none"),
+        default="fp32",
+        help="a third run in fp32: how far another precision alone moves the curve",
+    )
     args = p.parse_args(argv)
+    plan = [("bf16", "bf16", True, False), ("bf16 + FP8", "fp8", True, True)]
+    if args.control == "fp32":
+        plan.append(("fp32", "fp32", False, False))
     runs = {}
-    for name, fp8 in (("bf16", False), ("bf16 + FP8", True)):
-        out = args.out / ("fp8" if fp8 else "bf16")
+    for name, folder, bf16, fp8 in plan:
+        out = args.out / folder
         if not args.reuse:
-            cmd = train_command(args.nproc, args.steps, out, fp8, extra)
+            cmd = train_command(args.nproc, args.steps, out, fp8, extra, bf16=bf16)
             print("$", " ".join(cmd), flush=True)
             env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
             subprocess.run(cmd, check=True, cwd=ROOT, env=env)
         with open(out / "metrics.json") as f:
             runs[name] = json.load(f)["summary"]
-    result = compare(runs["bf16"]["losses"], runs["bf16 + FP8"]["losses"])
+    losses = {name: run["losses"] for name, run in runs.items()}
+    results = {n: compare(losses["bf16"], v) for n, v in losses.items() if n != "bf16"}
     title = (
         f"examples/train.py, {args.nproc} ranks, {args.steps} steps: bf16 vs bf16 + FP8 "
         "(DelayedScaling HYBRID)"
     )
-    plot(runs["bf16"]["losses"], runs["bf16 + FP8"]["losses"], result, args.plot, title)
-    print(summary(result, runs))
+    plot(losses, results, args.plot, title)
+    print(summary(results, runs))
     print(f"plot: {args.plot}")
+    result = results["bf16 + FP8"]
     within = result["tail"] <= args.tolerance and result["max_smoothed"] <= args.tolerance
     print(f"within {100 * args.tolerance:.0f}%: {'yes' if within else 'NO'}")
     return 0 if within else 1

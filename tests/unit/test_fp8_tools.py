@@ -27,6 +27,8 @@ def test_the_two_runs_differ_only_in_fp8(tmp_path):
     fp8 = s.train_command(2, 200, tmp_path / "b", True, ["--seed", "3"])
     assert bf16[:3] == ["nice", "-n", "10"] and "--bf16" in bf16
     assert [a for a, b in zip(bf16, fp8) if a != b] == ["0", str(tmp_path / "a")]
+    fp32 = s.train_command(2, 200, tmp_path / "a", False, [], bf16=False)
+    assert fp32[fp32.index("--bf16") + 1] == "0"
     assert fp8[fp8.index("--fp8") + 1] == "1" and fp8[-2:] == ["--seed", "3"]
 
 
@@ -41,7 +43,7 @@ def test_compare_and_plot(tmp_path):
     with pytest.raises(ValueError, match="different lengths"):
         s.compare(bf16, fp8[:-1])
     pytest.importorskip("matplotlib")
-    s.plot(bf16, fp8, r, tmp_path / "p.png", "t")
+    s.plot({"bf16": bf16, "bf16 + FP8": fp8}, {"bf16 + FP8": r}, tmp_path / "p.png", "t")
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
