@@ -4,10 +4,11 @@ One launch, three cases, each compared with the same tiny Llama trained in one p
 the same recipe on the whole global batch (``reduce_amax=False``: one process has nothing to
 reduce with):
 
-1. tensor_parallel_degree 2 x hybrid_shard_degree 2, FSDP2 (``shard_model``), activation
-   checkpointing, the recipe SMP's scripts use (``DelayedScaling``, HYBRID, ``"max"``),
-   ``fp8_group=tsm.state.world_process_group``: logits, loss, every gradient and every
-   parameter after each of 3 AdamW steps, and every FP8 layer's scales.
+1. tensor_parallel_degree 2 x hybrid_shard_degree 2 (FSDP2, ``shard_model``, sharding over
+   the 2 data-parallel ranks), activation checkpointing, the recipe SMP's scripts use
+   (``DelayedScaling``, HYBRID, ``"max"``), ``fp8_group=tsm.state.world_process_group``:
+   logits, loss, every gradient and every parameter after each of 3 AdamW steps, and every
+   FP8 layer's scales.
 2. hybrid_shard_degree 2 on 4 ranks (two replicas of two shards), FSDP1 as SMP's scripts
    call it (``use_orig_params=True``, no groups), checkpointing applied after wrapping: the
    same quantities over the same 3 steps.
@@ -200,7 +201,9 @@ def _current_scaling_tp(ids) -> dict:
         worst["logits"] = max(
             worst["logits"], _diff(outs[0].logits.full_tensor().detach(), outs[1].logits.detach())
         )
-        worst["loss"] = max(worst["loss"], abs(float(outs[0].loss.detach() - outs[1].loss.detach())))
+        worst["loss"] = max(
+            worst["loss"], abs(float(outs[0].loss.detach() - outs[1].loss.detach()))
+        )
         for n, p in model.named_parameters():
             g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             worst["grad"] = max(worst["grad"], _diff(g, grads[n]))
