@@ -230,7 +230,9 @@ class Fp8Linear(nn.Linear):
         if mesh is not None:
             y = DTensor.from_local(y, mesh, placements, run_check=False)
         if self.bias is not None:
-            y = y + self.bias
+            bias = self.bias
+            # (under torch.autocast the product is in the autocast dtype; nn.Linear's would be)
+            y = y + (bias if bias.dtype == y.dtype else bias.to(y.dtype))
         return y
 
     def extra_repr(self) -> str:
