@@ -35,9 +35,9 @@ over the autocast's ``fp8_group`` (``None``: every rank, as in Transformer Engin
 ranks hold the same scales. Ranks that hold shards of one tensor parallel layer must agree
 in any case (they quantize parts of one tensor): where the group does not contain the
 layer's tensor parallel ranks, or ``reduce_amax`` is False, a second reduction runs over
-them. As in Transformer Engine, every rank must enter ``fp8_autocast`` at the same points
-and run its FP8 layers in the same order the first time (that order fixes the layout of
-the reduced buffer).
+them. As in Transformer Engine, every rank must leave its outermost ``fp8_autocast`` region
+and finish its backward passes at the same points, and run the same FP8 layers in each
+(the order in which they first ran fixes the layout of the reduced buffer).
 """
 
 from __future__ import annotations
