@@ -3,9 +3,11 @@
 Nothing here imports the package. The formats are rebuilt from their bit layouts (every
 representable value enumerated), rounding is done on that grid (nearest, ties to the even
 code), and the delayed-scaling rule is replayed on plain Python lists of amaxes, as
-Transformer Engine's documentation states it: a window of the last ``amax_history_len``
-step amaxes including the current one, ``amax`` its maximum (or the newest), scale
-``(fp8_max / amax) / 2**margin`` in fp32, kept where amax is 0.
+Transformer Engine's documentation and its update behave: a window of the last
+``amax_history_len`` step amaxes including the current one, ``amax`` its maximum (or the
+newest), scale ``(fp8_max / amax) / 2**margin`` in fp32, kept where amax is 0 or not
+finite, fp32's largest value where the ratio overflows; a step whose amax is 0 leaves the
+window and the scale as they were.
 
 The products follow what the FP8 layer is defined to compute (docs/fp8.md, "Numerics"):
 operands dequantized in fp32 (value times ``1 / scale``), the second operand laid out
@@ -83,12 +85,16 @@ class DelayedRule:
 
     def step(self, step_amax: float) -> None:
         """One update with this step's amax (applied before the next step quantizes)."""
+        if step_amax == 0:
+            return  # nothing enters the window, the scale stays
         self.amaxes.append(np.float32(step_amax))
         window = self.amaxes[-self.history_len :]
         chosen = max(window) if self.algo == "max" else window[-1]
         if chosen > 0 and np.isfinite(chosen):
-            ratio = np.float32(np.float32(fmax(self.fmt)) / chosen)
-            self.scale = np.float32(ratio / np.float32(2.0**self.margin))
+            with np.errstate(over="ignore"):
+                ratio = np.float32(np.float32(fmax(self.fmt)) / chosen)
+                scale = np.float32(ratio / np.float32(2.0**self.margin))
+            self.scale = scale if np.isfinite(scale) else np.finfo(np.float32).max
 
 
 class EmulatedLinear:

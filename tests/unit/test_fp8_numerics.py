@@ -228,41 +228,50 @@ def test_calibrating_records_amaxes_without_fp8():
     assert scale[2].item() == 1.0  # no backward ran: the gradient's scale is untouched
 
 
+def _settled(states) -> bool:
+    """Nothing pending after a step: each amax recorded once was applied, none recorded late."""
+    return all(
+        torch.all(s.pending == -1) and not s.dirty_forward and not s.dirty_backward for s in states
+    )
+
+
 def test_recomputation_reuses_the_forward_scales():
-    """Non-reentrant checkpointing of a Llama's layers, and reentrant of a plain block: the
-    same losses, gradients, amax histories and scales as without, bit for bit."""
+    """Non-reentrant checkpointing of a Llama's layer, and reentrant of a plain block: the
+    same losses, gradients, amax histories and scales as without, bit for bit, and no amax
+    recorded by the recomputation (it would be left pending after the backward)."""
     from tests.distributed.hf_models import tiny_llama
     from torch_sagemaker.policies import lookup_policy
     from torch_sagemaker.sharding import checkpoint_transformer_layers
 
-    base = tiny_llama()
-    plain, ckpt = copy.deepcopy(base), copy.deepcopy(base)
+    base = tiny_llama(num_hidden_layers=1)
+    plain, ckpt = base, copy.deepcopy(base)
     for m in (plain, ckpt):
         report = prepare_linears(m, lookup_policy(m), backend="dtensor", tp=1)
-    assert len(report.layers) == 14 and not report.skipped
+    assert len(report.layers) == 7 and not report.skipped
     checkpoint_transformer_layers(ckpt)
     calls = []
-    q_proj = next(m for n, m in ckpt.named_modules() if "layers.0." in n and n.endswith("q_proj"))
+    q_proj = next(m for n, m in ckpt.named_modules() if n.endswith("q_proj"))
     q_proj.register_forward_pre_hook(lambda *_: calls.append(1))
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
     recipe = DelayedScaling(amax_history_len=4)
     runs = {}
     for name, m in (("plain", plain), ("ckpt", ckpt)):
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        states = [x.fp8_scaling for x in m.modules() if isinstance(x, Fp8Linear)]
         losses, grads = [], []
         for _ in range(2):
             with fp8_autocast(fp8_recipe=recipe):
                 loss = m(input_ids=ids, labels=ids).loss
             loss.backward()
+            assert _settled(states), name
             losses.append(loss.item())
             grads.append([p.grad.clone() for p in m.parameters()])
             opt.step()
             opt.zero_grad()
-        states = [x.fp8_scaling for x in m.modules() if isinstance(x, Fp8Linear)]
         runs[name] = (losses, grads, states)
     assert len(calls) == 4  # forward and recomputation, two steps
     (l1, g1, s1), (l2, g2, s2) = runs["plain"], runs["ckpt"]
-    assert l1 == l2
+    assert l1 == l2 and len(s1) == len(s2) == 7
     assert all(torch.equal(a, b) for step1, step2 in zip(g1, g2) for a, b in zip(step1, step2))
     for a, b in zip(s1, s2):
         assert torch.equal(a.history, b.history) and torch.equal(a.scale, b.scale)
@@ -278,9 +287,131 @@ def test_recomputation_reuses_the_forward_scales():
         with fp8_autocast(fp8_recipe=recipe):
             y = c(x) if i == 0 else torch.utils.checkpoint.checkpoint(c, x, use_reentrant=True)
         y.pow(2).sum().backward()
+        assert _settled([c[0].fp8_scaling, c[2].fp8_scaling]), i
         outs.append([p.grad.clone() for p in c.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*outs))
     assert torch.equal(copies[0][0].fp8_scaling.history, copies[1][0].fp8_scaling.history)
+
+
+def _forward_steps(layer, recipe, amaxes):
+    """One forward per amax (the input's largest magnitude); the input column after each."""
+    out = []
+    for a in amaxes:
+        x = torch.zeros(2, layer.in_features)
+        x[0, 0] = a
+        with torch.no_grad(), fp8_autocast(fp8_recipe=recipe):
+            layer(x)
+        s = layer.fp8_scaling
+        out.append((s.history[:, 0].tolist(), s.scale[0].item()))
+    return out
+
+
+def test_a_zero_amax_leaves_the_tensor_alone():
+    """Note [Delayed scaling rule]: a step whose amax is 0 (an all-zero tensor) neither
+    enters the history nor changes the scale with "max"/"most_recent" (Transformer Engine's
+    fused update), so it cannot push a real amax out of the window early; a callable
+    algorithm takes Transformer Engine's unfused path, which rotates the zero in."""
+    f32 = np.float32
+    for algo in ("max", "most_recent"):
+        layer = to_fp8_linear(nn.Linear(16, 8))
+        steps = _forward_steps(
+            layer, DelayedScaling(amax_history_len=2, amax_compute_algo=algo), [10.0, 0.0, 1.0]
+        )
+        assert steps[0] == ([0.0, 10.0], f32(448) / f32(10)), algo
+        assert steps[1] == steps[0], algo  # the zero step: nothing moved
+        scale = f32(448) / f32(10) if algo == "max" else f32(448)
+        assert steps[2] == ([0.0, 1.0], scale), algo  # the window still held 10
+    layer = to_fp8_linear(nn.Linear(16, 8))
+    recipe = DelayedScaling(amax_history_len=2, amax_compute_algo=lambda h: h.amax(dim=0))
+    steps = _forward_steps(layer, recipe, [10.0, 0.0, 1.0])
+    assert steps[1] == ([0.0, 0.0], f32(448) / f32(10))  # rotated in; scale from {10, 0}
+    assert steps[2] == ([0.0, 1.0], 448.0)  # 10 left the window with the zero
+
+
+def test_callable_algorithms_see_the_history_and_decide_the_scale():
+    """``amax_compute_algo(history)`` gets ``[amax_history_len, n]`` (row 0 this step's
+    amaxes, then the earlier steps oldest first), ``scaling_factor_compute_algo(amax,
+    old_scale, fp8_max, recipe)`` its result, and what it returns is the next scale."""
+    histories, sf_calls = [], []
+
+    def window_sum(history):
+        histories.append(history.clone())
+        return history.sum(dim=0)
+
+    def quarter(amax, scale, fp8_max, recipe):
+        sf_calls.append((amax.clone(), scale.clone(), fp8_max.clone(), recipe))
+        return torch.where(amax > 0, fp8_max / amax / 4, scale)
+
+    recipe = DelayedScaling(
+        amax_history_len=3, amax_compute_algo=window_sum, scaling_factor_compute_algo=quarter
+    )
+    layer = to_fp8_linear(nn.Linear(16, 8, bias=False))
+    steps = _forward_steps(layer, recipe, [1.0, 2.0, 4.0, 8.0])
+    assert len(histories) == len(sf_calls) == 4
+    assert histories[0].shape == (3, 3)  # one layer: input, weight, output-gradient columns
+    assert histories[2][:, 0].tolist() == [4.0, 1.0, 2.0]  # this step, then oldest to newest
+    amax, old, fp8_max, got_recipe = sf_calls[3]
+    assert amax[0] == 2 + 4 + 8 and old[0] == np.float32(448) / np.float32(4 * 7)
+    assert fp8_max.tolist() == [448.0, 448.0, 57344.0] and got_recipe is recipe
+    for (_, scale), window in zip(steps, ([1], [1, 2], [1, 2, 4], [2, 4, 8])):
+        assert scale == np.float32(448) / np.float32(sum(window)) / np.float32(4)
+
+
+def test_delayed_scale_of_a_tiny_amax_is_fp32_max():
+    """Transformer Engine: a scale that overflows fp32 becomes fp32's largest value (the old
+    one is kept only for amax 0, inf or NaN)."""
+    from torch_sagemaker.fp8.numerics import delayed_scales
+
+    history = torch.tensor([[1e-37, 0.0, 5.0, float("inf")], [0.0, 0.0, 0.0, 0.0]])
+    old = torch.tensor([2.0, 3.0, 4.0, 5.0])
+    new = delayed_scales(history, old, torch.full((4,), 448.0), DelayedScaling(amax_history_len=2))
+    fp32_max = torch.finfo(torch.float32).max
+    assert new.tolist() == [fp32_max, 3.0, np.float32(448) / np.float32(5), 5.0]
+
+
+def test_current_scale_edge_cases():
+    """As Transformer Engine computes it: 1 for amax 0, inf or NaN; fp32's largest value
+    where the ratio overflows; power-of-two scales rounded down from the exponent bits."""
+    from torch_sagemaker.fp8.numerics import current_scale
+
+    e4m3 = torch.float8_e4m3fn
+    just_below_8 = torch.tensor(448.0) / torch.tensor(448.0 / 7.9999995)  # fp32: 8 - 2**-21
+    assert 7.9 < just_below_8.item() < 8.0
+    amaxes = torch.tensor([0.0, float("inf"), float("nan"), 1e-38, 448.0 / 7.9999995, 56.0])
+    fp32_max = torch.finfo(torch.float32).max
+    plain = [current_scale(a, e4m3, False).item() for a in amaxes]
+    assert plain == [1.0, 1.0, 1.0, fp32_max, just_below_8.item(), 8.0]
+    pow2 = [current_scale(a, e4m3, True).item() for a in amaxes]
+    assert pow2 == [1.0, 1.0, 1.0, 2.0**127, 4.0, 8.0]
+
+
+def test_inf_and_nan_inputs():
+    """An inf saturates (current scaling: scale 1, output finite) instead of turning the
+    scale to 0 and the output to NaN; NaNs are left out of amaxes (Transformer Engine's
+    kernels use fmaxf), so no NaN reaches the all-reduce of amaxes or a history."""
+    from torch_sagemaker.fp8.numerics import amax
+
+    assert amax(torch.tensor([1.0, float("nan"), -3.0])).item() == 3.0
+    assert amax(torch.full((4,), float("nan"))).item() == 0.0
+    assert amax(torch.tensor([-float("inf"), 1.0])).item() == float("inf")
+    layer = to_fp8_linear(nn.Linear(16, 8))
+    x = torch.randn(4, 16)
+    x[1, 3] = float("inf")
+    with fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+        y = layer(x)
+    assert torch.isfinite(y).all()
+    x = torch.zeros(4, 16)
+    x[0, 0], x[2, 5] = float("nan"), -6.0
+    with torch.no_grad(), fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=2)):
+        layer(x)
+    assert layer.fp8_scaling.history[:, 0].tolist() == [0.0, 6.0]
+
+
+def test_recipes_hash_with_a_list_option():
+    """Recipes key the groups of layers updated together, so they must hash."""
+    recipe = DelayedScaling(override_linear_precision=[False, False, False])
+    assert recipe.override_linear_precision == (False, False, False)
+    assert hash(recipe) == hash(DelayedScaling()) and recipe == DelayedScaling()
 
 
 class _TEFormat(enum.Enum):  # stands in for transformer_engine.common.recipe.Format

@@ -38,9 +38,16 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 
 def amax(t: torch.Tensor) -> torch.Tensor:
-    """The largest absolute value of ``t`` as an fp32 scalar tensor, outside autograd."""
+    """The largest absolute value of ``t`` as an fp32 scalar tensor, outside autograd.
+
+    NaN elements are left out (0 for a tensor of NaNs), as Transformer Engine's amax kernels
+    do (``fmaxf`` returns the other operand of a NaN): ``amax`` propagates NaN, and a NaN
+    in the MAX all-reduce of amaxes gives backend- and order-dependent results, so ranks
+    could end with different scales. Infinities count (amax inf).
+    """
     with torch.no_grad():
-        return t.detach().abs().amax().float()
+        a = t.detach().abs()
+        return a.nan_to_num_(nan=0.0, posinf=float("inf")).amax().float()
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -65,7 +72,9 @@ def delayed_scales(
 
     Returns:
         ``[n]`` scales; where the amax is 0 or not finite (a tensor that was all zeros, or
-        overflowed), or the scale would not be finite, the old scale is kept.
+        overflowed) the old scale is kept, and where the scale would be infinite (amax
+        below fp32's smallest normal ratio) it is fp32's largest value, as in Transformer
+        Engine. A ``scaling_factor_compute_algo`` decides alone.
     """
     algo = recipe.amax_compute_algo
     if callable(algo):
@@ -77,16 +86,31 @@ def delayed_scales(
     if recipe.scaling_factor_compute_algo is not None:
         return recipe.scaling_factor_compute_algo(current, old_scale, max_value, recipe)
     new = (max_value / current) / (2.0**recipe.margin)
-    ok = (current > 0) & torch.isfinite(current) & torch.isfinite(new)
-    return torch.where(ok, new, old_scale)
+    new = torch.where((current > 0) & torch.isfinite(current), new, old_scale)
+    return _finite(new)
+
+
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+def _finite(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` with infinities replaced by fp32's largest value (Transformer Engine's rule)."""
+    return torch.where(torch.isinf(scale), torch.full_like(scale, _FP32_MAX), scale)
 
 
 def current_scale(t_amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool) -> torch.Tensor:
-    """The current-scaling scale of a tensor whose amax is ``t_amax`` (1 where it is 0)."""
-    scale = fp8_max(dtype) / t_amax
-    scale = torch.where((t_amax > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
+    """The current-scaling scale of a tensor whose amax is ``t_amax``.
+
+    ``fp8_max / amax``; 1 where amax is 0 or infinite (no scale maps it into range), fp32's
+    largest value where the ratio overflows, as Transformer Engine computes it. With
+    ``power_of_2`` rounded down to a power of two, from the exponent bits (``log2`` in fp32
+    rounds values just below a power of two up to it).
+    """
+    usable = (t_amax > 0) & torch.isfinite(t_amax)
+    scale = torch.where(usable, _finite(fp8_max(dtype) / t_amax), torch.ones_like(t_amax))
     if power_of_2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+        _, exponent = torch.frexp(scale)  # scale = m * 2**exponent, 0.5 <= m < 1
+        scale = torch.ldexp(torch.ones_like(scale), exponent - 1)
     return scale
 
 

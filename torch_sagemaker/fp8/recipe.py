@@ -127,6 +127,12 @@ class DelayedScaling:
 
     def __post_init__(self) -> None:
         name = "DelayedScaling"
+        # Recipes key the groups of layers updated together (``scaling._update_roles``), so
+        # they must hash, which a list here would prevent.
+        if isinstance(self.override_linear_precision, list):
+            object.__setattr__(
+                self, "override_linear_precision", tuple(self.override_linear_precision)
+            )
         _check_format(name, self.fp8_format)
         _check_common(name, self.fp8_dpa, self.fp8_mha, self.backward_override)
         if not isinstance(self.margin, int) or isinstance(self.margin, bool):

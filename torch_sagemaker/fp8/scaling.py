@@ -4,17 +4,24 @@ Each FP8 linear layer owns one ``LinearScaling``: for its three FP8 tensors (rol
 input, ``W`` weight, ``G`` output gradient) an amax history, the scale in use and the
 largest amax seen since the last update ("pending").
 
-Note [Delayed scaling rule] (Transformer Engine's documented rule, written from its
-documentation): a tensor's history is ``[amax_history_len]`` long; row 0 is a staging slot
-for the current step, rows 1.. hold earlier steps from oldest to newest, all zero at first,
-and the first scale is 1. At an update the step's amax goes to row 0; ``amax`` is the
-maximum over all rows (``"max"``), row 0 alone (``"most_recent"``) or the recipe's
-function of the rows; the new scale is ``(fp8_max / amax) / 2**margin`` (kept where amax is
-0 or not finite); then the rows rotate up by one (the oldest drops out, the step's amax
-becomes the newest) and row 0 is zeroed. The scale is thus computed from the last
-``amax_history_len`` steps including the current one, and used from the next step on.
-A tensor that no rank quantized since the last update is left alone (history not rotated,
-scale unchanged).
+Note [Delayed scaling rule] (Transformer Engine's rule, from its documentation and the
+behaviour of its update, ``transformer_engine/common/recipe/delayed_scaling.cu`` and
+``_amax_and_scale_update`` in its PyTorch package): a tensor's history is
+``[amax_history_len]`` long; row 0 is a staging slot for the current step, rows 1.. hold
+earlier steps from oldest to newest, all zero at first, and the first scale is 1. At an
+update the step's amax goes to row 0; ``amax`` is the maximum over all rows (``"max"``),
+row 0 alone (``"most_recent"``) or the recipe's function of the rows; the new scale is
+``(fp8_max / amax) / 2**margin``, the old one kept where amax is 0 or not finite, and
+fp32's largest value where the ratio overflows (amax below about 1e-36); then the rows
+rotate up by one (the oldest drops out, the step's amax becomes the newest) and row 0 is
+zeroed. The scale is thus computed from the last ``amax_history_len`` steps including the
+current one, and used from the next step on. A tensor that no rank quantized since the last
+update is left alone (history not rotated, scale unchanged). So is a tensor whose step amax
+is 0 (it was all zeros, or all NaN: ``numerics.amax`` leaves NaNs out) under the named
+algorithms, as Transformer Engine's fused update skips it: a zero never enters the history,
+where it would push a real amax out of the window early. With a callable
+``amax_compute_algo`` or ``scaling_factor_compute_algo`` Transformer Engine takes its
+unfused path, which rotates the zero in like any amax; so does this one.
 
 Note [When scales update]: as in Transformer Engine, the amaxes of the inputs and weights
 are reduced and applied when the outermost ``fp8_autocast`` region exits
@@ -204,8 +211,10 @@ def _update(members: list[LinearScaling], roles: tuple[int, ...]) -> None:
     ).reshape(n, 3)
     rotated = staged.roll(-1, dims=0)
     rotated[0] = 0.0
-    history = torch.where(seen, rotated, history)
-    scale = torch.where(seen, new, old)
+    unfused = callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None
+    applied = seen if unfused else seen & (amaxes != 0)  # Note [Delayed scaling rule]
+    history = torch.where(applied, rotated, history)
+    scale = torch.where(applied, new, old)
     pending = torch.where(wanted, -1.0, pending)
     for i, m in enumerate(members):
         m.history, m.scale, m.pending = history[:, i].clone(), scale[i].clone(), pending[i].clone()
