@@ -75,7 +75,8 @@ def _reference(batches, dp: int) -> dict:
     import torch.nn.functional as F
 
     from tests.distributed.hf_models import rank_slice, tiny_llama
-    from torch_sagemaker.fp8 import fp8_autocast, prepare_linears
+    from torch_sagemaker.fp8 import fp8_autocast
+    from torch_sagemaker.fp8.prepare import prepare_linears
     from torch_sagemaker.policies import lookup_policy
 
     model = tiny_llama()
@@ -184,7 +185,8 @@ def _current_scaling_tp(ids) -> dict:
 
     from tests.distributed.hf_models import tiny_llama
     from tests.distributed.test_tp_parity import build
-    from torch_sagemaker.fp8 import Float8CurrentScaling, fp8_autocast, prepare_linears
+    from torch_sagemaker.fp8 import Float8CurrentScaling, fp8_autocast
+    from torch_sagemaker.fp8.prepare import prepare_linears
     from torch_sagemaker.policies import lookup_policy
 
     worst = dict(logits=0.0, loss=0.0, grad=0.0)

@@ -78,7 +78,8 @@ def test_fp8_linear_on_cuda_matches_the_cpu_emulation(dtype, shape):
 
 def test_fp8_llama_trains_on_cuda_like_on_cpu():
     from tests.distributed.hf_models import tiny_llama
-    from torch_sagemaker.fp8 import DelayedScaling, fp8_autocast, prepare_linears
+    from torch_sagemaker.fp8 import DelayedScaling, fp8_autocast
+    from torch_sagemaker.fp8.prepare import prepare_linears
     from torch_sagemaker.policies import lookup_policy
 
     base = tiny_llama()

@@ -42,7 +42,7 @@ def _te_parity() -> dict:
 
     torch.cuda.set_device(dist.get_rank())
     tsm.init({"tensor_parallel_degree": 2})
-    assert select_backend().name == "transformer_engine"
+    assert select_backend().name == "te"
     ref = build("llama").cuda()
     model = tsm.transform(copy.deepcopy(ref))
     ids = batch(0).cuda()
@@ -72,19 +72,27 @@ def test_te_tp2_matches_reference():
 
 
 def _te_fp8() -> dict:
-    """tensor_parallel_degree 1 with Transformer Engine: the plan's layers are te.Linear, and
-    Transformer Engine's fp8_autocast (SMP's call) and torch.sagemaker.fp8's run them in FP8."""
+    """tensor_parallel_degree 1 with use_backend("te"): the plan's layers are te.Linear, and
+    Transformer Engine's fp8_autocast (SMP's call) and torch.sagemaker.fp8's run them in FP8;
+    without use_backend they stay torch_sagemaker's Fp8Linear."""
     import torch.distributed as dist
     import torch.sagemaker as tsm
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import DelayedScaling, Format
 
     from torch_sagemaker import fp8
+    from torch_sagemaker.tensor_parallel import use_backend
 
     torch.cuda.set_device(dist.get_rank())
     tsm.init({})
     ref = build("llama").cuda()
-    model = tsm.transform(copy.deepcopy(ref))
+    automatic = tsm.transform(copy.deepcopy(ref))
+    native = type(automatic.model.layers[0].self_attn.q_proj).__name__
+    use_backend("te")
+    try:
+        model = tsm.transform(copy.deepcopy(ref))
+    finally:
+        use_backend(None)
     ids = batch(0).cuda()
     kinds = {type(model.model.layers[0].self_attn.q_proj).__module__.split(".")[0]}
     losses = {"fp32": float(ref(input_ids=ids, labels=ids, use_cache=False).loss)}
@@ -100,7 +108,7 @@ def _te_fp8() -> dict:
     ):
         with region:
             losses[name] = float(model(input_ids=ids, labels=ids, use_cache=False).loss)
-    return dict(kinds=kinds, losses=losses)
+    return dict(kinds=kinds, losses=losses, native=native)
 
 
 @pytest.mark.skipif(
@@ -109,7 +117,7 @@ def _te_fp8() -> dict:
 )
 def test_te_fp8_autocast_runs_transformed_layers():
     (r,) = run_distributed(_te_fp8, world_size=1, backend="nccl", timeout=300)
-    assert r["kinds"] == {"transformer_engine"}, r
+    assert r["kinds"] == {"transformer_engine"} and r["native"] == "Fp8Linear", r
     fp32 = r["losses"]["fp32"]
     assert abs(r["losses"]["te"] - fp32) < 0.05 * fp32, r  # FP8 forward, same model
     assert abs(r["losses"]["ours"] - r["losses"]["te"]) < 0.01 * fp32, r

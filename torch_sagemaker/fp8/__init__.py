@@ -18,15 +18,14 @@ DTensor tensor parallel path and for models without tensor parallelism::
 Modules, one concern each: ``recipe`` (formats, recipes, Transformer Engine's recipe
 objects), ``numerics`` (quantization, the scale rules, the FP8 product), ``scaling``
 (per-layer state, amax reduction, the delayed update), ``autocast`` (the region),
-``linear`` (``Fp8Linear``), ``prepare`` (the step of ``tsm.transform``), ``te_bridge``
-(Transformer Engine's region where its layers were built).
+``linear`` (``Fp8Linear``), ``prepare`` (the step of ``tsm.transform``; internal),
+``te_bridge`` (Transformer Engine's region next to ours).
 """
 
 from __future__ import annotations
 
 from torch_sagemaker.fp8.autocast import autocast, fp8_autocast, get_fp8_recipe, is_fp8_enabled
 from torch_sagemaker.fp8.linear import Fp8Linear, to_fp8_linear
-from torch_sagemaker.fp8.prepare import Fp8Report, prepare_linears
 from torch_sagemaker.fp8.recipe import DelayedScaling, Float8CurrentScaling, Format
 
 __all__ = [
@@ -34,11 +33,9 @@ __all__ = [
     "Float8CurrentScaling",
     "Format",
     "Fp8Linear",
-    "Fp8Report",
     "autocast",
     "fp8_autocast",
     "get_fp8_recipe",
     "is_fp8_enabled",
-    "prepare_linears",
     "to_fp8_linear",
 ]

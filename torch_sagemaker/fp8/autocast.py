@@ -16,10 +16,24 @@ off for its part). Leaving the outermost region applies the amaxes its forward r
 (Note [When scales update] in ``scaling.py``), a collective over each amax reduction group
 when FP8 layers ran: every rank leaves its outermost region at the same points.
 
-Where ``tsm.transform`` built Transformer Engine layers (its backend, on CUDA with
-``transformer_engine`` installed), the region also enters Transformer Engine's own
-``fp8_autocast`` with the same settings (``te_bridge.py``), so one script runs on either
-kind of layer.
+Where ``tsm.transform`` built Transformer Engine layers (its ``"te"`` tensor parallel
+backend, on CUDA with ``transformer_engine`` installed), the region also enters Transformer
+Engine's own ``fp8_autocast`` with the same settings (``te_bridge.py``), so one script runs
+on either kind of layer. Where every FP8 layer is Transformer Engine's, a Transformer Engine
+recipe this package does not implement (``MXFP8BlockScaling``, ``Float8BlockScaling``, FP8
+attention options) goes through to it untouched; with our layers present it is refused,
+naming the option.
+
+Note [FP8 layers under torch.compile]: ``Fp8Linear.forward`` asks the autograd engine
+whether a backward is running (Note [FP8 under recomputation] in ``linear.py``), which
+Dynamo cannot trace: every FP8 layer would break the graph, and ``fullgraph=True`` would
+fail, in scripts that never use FP8. So the layers first read ``entered()``, a plain
+module-level flag set the first time an enabled or calibrating region is entered in the
+process; while it is False the forward is ``nn.Linear.forward`` and nothing else. Dynamo
+guards on the flag: a model compiled before FP8 was first used is recompiled when it is
+(with graph breaks at the FP8 layers, whose forward cannot be traced). A guard on the
+region stack or on a layer's last settings did not keep Dynamo out of the engine query;
+the plain global does.
 """
 
 from __future__ import annotations
@@ -32,7 +46,7 @@ from typing import Any
 import torch.distributed as dist
 
 from torch_sagemaker.fp8 import te_bridge
-from torch_sagemaker.fp8.recipe import DelayedScaling, Recipe, resolve_recipe
+from torch_sagemaker.fp8.recipe import DelayedScaling, resolve_recipe
 from torch_sagemaker.fp8.scaling import update_forward
 
 
@@ -49,12 +63,21 @@ class Fp8Settings:
 
     enabled: bool
     calibrating: bool
-    recipe: Recipe
+    recipe: Any  # a Recipe; a Transformer Engine recipe where only its layers exist
     group: Any
 
 
 OFF = Fp8Settings(enabled=False, calibrating=False, recipe=DelayedScaling(), group=None)
 _STACK: list[Fp8Settings] = []
+_ENTERED = False  # Note [FP8 layers under torch.compile]
+
+
+def entered() -> bool:
+    """Whether an enabled or calibrating region was ever entered in this process.
+
+    Note [FP8 layers under torch.compile].
+    """
+    return _ENTERED
 
 
 def active() -> Fp8Settings:
@@ -67,8 +90,11 @@ def is_fp8_enabled() -> bool:
     return active().enabled
 
 
-def get_fp8_recipe() -> Recipe:
-    """The recipe of the current region (``DelayedScaling()`` outside any)."""
+def get_fp8_recipe() -> Any:
+    """The recipe of the current region (``DelayedScaling()`` outside any).
+
+    Ours, or the Transformer Engine recipe passed through where only its layers exist.
+    """
     return active().recipe
 
 
@@ -92,6 +118,21 @@ def _check_flags(group: Any, graph: Any) -> None:
         )
 
 
+def _region_recipe(given: Any) -> Any:
+    """The recipe a region runs: ours, resolved; or the given Transformer Engine recipe.
+
+    A Transformer Engine recipe this package cannot run goes through as it is when every FP8
+    layer that exists is Transformer Engine's (module docstring); otherwise the error of
+    ``resolve_recipe`` names the option.
+    """
+    try:
+        return resolve_recipe(given)
+    except ValueError:
+        if te_bridge.only_te_layers() and te_bridge.is_te_recipe(given):
+            return given
+        raise
+
+
 @contextlib.contextmanager
 def fp8_autocast(
     enabled: bool = True,
@@ -107,7 +148,8 @@ def fp8_autocast(
         calibrating: With ``enabled=False``: record the forward amaxes of a delayed-scaling
             recipe all the same, so scales are ready when FP8 is turned on.
         fp8_recipe: ``DelayedScaling`` (default ``DelayedScaling()``), ``Float8CurrentScaling``,
-            or the Transformer Engine recipe of the same name.
+            or the Transformer Engine recipe of the same name; any Transformer Engine recipe
+            where every FP8 layer is Transformer Engine's (module docstring).
         fp8_group: Group over which amaxes are reduced (``None``: every rank).
         _graph: Must be False (no CUDA graph capture).
 
@@ -120,9 +162,11 @@ def fp8_autocast(
         ...     loss = model(input_ids=ids, labels=ids).loss
         >>> loss.backward()
     """
+    global _ENTERED
     enabled, calibrating = _flag("enabled", enabled), _flag("calibrating", calibrating)
     _check_flags(fp8_group, _graph)
-    recipe = resolve_recipe(fp8_recipe)
+    recipe = _region_recipe(fp8_recipe)
+    _ENTERED = _ENTERED or enabled or calibrating
     _STACK.append(Fp8Settings(enabled, calibrating, recipe, fp8_group))
     try:
         with te_bridge.enter(enabled, calibrating, fp8_recipe, recipe, fp8_group):
@@ -148,6 +192,7 @@ __all__ = [
     "OFF",
     "Fp8Settings",
     "active",
+    "entered",
     "autocast",
     "fp8_autocast",
     "get_fp8_recipe",

@@ -40,10 +40,38 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from torch_sagemaker._torch_compat import autograd as autograd_compat
-from torch_sagemaker.fp8.autocast import OFF, Fp8Settings, active
+from torch_sagemaker.fp8 import te_bridge
+from torch_sagemaker.fp8.autocast import OFF, Fp8Settings, active, entered
 from torch_sagemaker.fp8.numerics import amax, current_scale, quantize, scaled_matmul
-from torch_sagemaker.fp8.recipe import DelayedScaling, Float8CurrentScaling
+from torch_sagemaker.fp8.recipe import DelayedScaling, Float8CurrentScaling, resolve_recipe
 from torch_sagemaker.fp8.scaling import G, LinearScaling, W, X, reduce_max
+from torch_sagemaker.logger import warn_once
+
+_TE_REGION_WARNING = (
+    "Transformer Engine's fp8_autocast is active around torch_sagemaker's Fp8Linear layers, "
+    "which only torch_sagemaker's region switches to FP8: they compute in their own "
+    "precision. Enter torch.sagemaker.fp8.fp8_autocast instead (same arguments), or call "
+    "torch_sagemaker.tensor_parallel.use_backend('te') before tsm.transform to build "
+    "Transformer Engine's layers."
+)
+
+
+def _warn_if_te_region() -> None:
+    """Warns once when Transformer Engine's region, not ours, surrounds an FP8 layer."""
+    if not torch.compiler.is_compiling() and te_bridge.te_fp8_enabled():
+        warn_once(_TE_REGION_WARNING)
+
+
+def _with_native_recipe(settings: Fp8Settings) -> Fp8Settings:
+    """``settings``, refusing a Transformer Engine recipe passed through for its own layers.
+
+    Raises:
+        ValueError: From ``resolve_recipe``, naming the recipe or option.
+    """
+    if isinstance(settings.recipe, (DelayedScaling, Float8CurrentScaling)):
+        return settings
+    recipe = resolve_recipe(settings.recipe)
+    return Fp8Settings(settings.enabled, settings.calibrating, recipe, settings.group)
 
 
 class _Call:
@@ -174,12 +202,19 @@ class Fp8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``nn.Linear.forward``, in FP8 inside an enabled region (module docstring)."""
+        if not entered():  # Note [FP8 layers under torch.compile] in autocast.py
+            _warn_if_te_region()
+            return super().forward(x)
         state = self.fp8_scaling
         recomputing = autograd_compat.current_graph_task_id() != -1
         if recomputing:  # Note [FP8 under recomputation]
             settings = state.last_settings or OFF
         else:
             settings = active()
+            if settings is OFF:
+                _warn_if_te_region()
+            else:
+                settings = _with_native_recipe(settings)
             state.last_settings = settings
         if settings.enabled:
             return self._fp8_forward(x, settings, recomputing)
@@ -235,10 +270,6 @@ class Fp8Linear(nn.Linear):
             y = y + (bias if bias.dtype == y.dtype else bias.to(y.dtype))
         return y
 
-    def extra_repr(self) -> str:
-        """``nn.Linear``'s, marked ``fp8=True``."""
-        return super().extra_repr() + ", fp8=True"
-
 
 def to_fp8_linear(module: nn.Linear) -> Fp8Linear:
     """Makes ``module`` an ``Fp8Linear`` in place (its class changes; parameters stay).
@@ -255,6 +286,7 @@ def to_fp8_linear(module: nn.Linear) -> Fp8Linear:
             "modules with their own forward keep their precision."
         )
     module.__class__ = Fp8Linear
+    te_bridge.note_native_layers()
     fp8 = cast(Fp8Linear, module)
     fp8.fp8_scaling = LinearScaling()
     return fp8

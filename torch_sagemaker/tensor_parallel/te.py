@@ -1,4 +1,4 @@
-"""Transformer Engine tensor parallelism (chosen automatically when TE and CUDA are present).
+"""Transformer Engine tensor parallelism, backend ``"te"`` (automatic with TE and CUDA, tp > 1).
 
 NOT RUN on the machines this package is developed on (no CUDA, no Transformer Engine); it
 is written against Transformer Engine's documented ``transformer_engine.pytorch.Linear``
@@ -99,7 +99,7 @@ def _te_linear(
 class TransformerEngineBackend:
     """Tensor parallelism with Transformer Engine linear layers (see the module docstring)."""
 
-    name = "transformer_engine"
+    name = "te"  # as use_backend("te") spells it
 
     def apply(
         self,
@@ -152,9 +152,9 @@ def unsplit_te_linears(model: nn.Module, policy: ModelPolicy) -> list[str]:
     The ``colwise``/``rowwise``/``kv_colwise`` layers get ``parallel_mode=None``.
 
     SMP's ``transform`` builds Transformer Engine layers whatever the degree, and only those
-    run in FP8 under Transformer Engine's ``fp8_autocast``; with this backend the FP8 step
-    of ``tsm.transform`` (``torch_sagemaker/fp8/prepare.py``) calls this where no tensor
-    parallelism swapped them. Modules that are not exactly ``nn.Linear`` are left alone.
+    run in FP8 under Transformer Engine's ``fp8_autocast``. Here that is opt-in: the FP8 step
+    of ``tsm.transform`` (``torch_sagemaker/fp8/prepare.py``) calls this at degree 1 only
+    after ``use_backend("te")``. Modules that are not exactly ``nn.Linear`` are left alone.
 
     Returns:
         The names of the modules replaced.
