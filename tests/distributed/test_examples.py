@@ -40,13 +40,16 @@ TINY = [
 ]
 BACKEND = "smddp" if smddp_available() else "gloo"
 
+FP8 = ["--fp8", "1", "--bf16", "1"]
+
 # config -> (ranks, extra flags), as listed in examples/README.md
 CONFIGS = {
     "full_shard.json": (2, []),
     "hybrid.json": (4, []),
     "tp2.json": (2, []),
     "tp2_hybrid.json": (4, ["--fsdp", "fsdp2"]),
-    "offload.json": (4, ["--activation-checkpointing", "1", "--offload-activations", "1"]),
+    # With FP8 as SMP's scripts enable it (docs/fp8.md): replicas, checkpointing, offload.
+    "offload.json": (4, ["--activation-checkpointing", "1", "--offload-activations", "1", *FP8]),
     "delayed_init.json": (2, ["--delayed-param", "1"]),
     "mixtral_ep2.json": (2, ["--model-type", "mixtral", "--moe", "1", "--fsdp", "fsdp1"]),
     "cp2.json": (2, ["--cp-comm-type", "all_gather"]),
@@ -147,6 +150,9 @@ def _check_smoke(summary, stdout, flags):
     assert "validation loss" in stdout and "model TFLOPs/rank" in stdout
     if "--offload-activations" in flags:
         assert "offload:" in stdout
+    if "--fp8" in flags:
+        # q k v o gate up down in each of the 2 layers, under SMP's recipe.
+        assert "[train] FP8: 14 linear layers per rank under DelayedScaling(" in stdout, stdout
 
 
 @pytest.mark.distributed
@@ -163,25 +169,6 @@ def test_config_smoke(tmp_path, config):
         *flags,
     )
     _check_smoke(summary, stdout, flags)
-
-
-@pytest.mark.distributed
-def test_fp8_as_smp_scripts_enable_it(tmp_path):
-    """``--fp8 1``: the forward under ``fp8_autocast`` with SMP's recipe, on tensor parallel
-    2 with bf16 and activation checkpointing (docs/fp8.md)."""
-    flags = ["--fp8", "1", "--bf16", "1", "--activation-checkpointing", "1"]
-    summary, stdout = _forked_train(
-        tmp_path,
-        2,
-        "--smp-config",
-        os.path.join(ROOT, "examples", "configs", "tp2.json"),
-        "--max-steps",
-        "4",
-        *flags,
-    )
-    _check_smoke(summary, stdout, flags)
-    # q k v o gate up down in each of the 2 layers, split over the 2 ranks.
-    assert "[train] FP8: 14 linear layers per rank under DelayedScaling(" in stdout, stdout
 
 
 @pytest.mark.distributed

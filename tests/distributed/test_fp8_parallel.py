@@ -65,6 +65,8 @@ def _fp8_scales(model) -> dict:
 def _reference(batches, dp: int) -> dict:
     """One process, whole batches, FP8: per step logits, loss, grads and scales; params after.
 
+    Computed once in the test's own process and handed to the ranks.
+
     It computes what ``dp`` data-parallel ranks compute together: the forward over the whole
     batch (so every amax is the maximum over the ranks' slices), the sum of each slice's mean
     loss as the backward's objective (each rank's backward starts from its own slice's mean,
@@ -164,6 +166,8 @@ def _run_case(model, batches, ref, fsdp1: bool) -> dict:
         worst["loss"] = max(worst["loss"], abs(float(loss) / 4 - expected["loss"]))
         for n, g in _full_grads(model, fsdp1).items():
             worst["grad"] = max(worst["grad"], _diff(g, expected["grads"][n]))
+        assert scales.keys() == expected["scales"].keys(), sorted(scales)
+        worst["scales_compared"] = min(worst.get("scales_compared", 99), len(scales))
         for n, s in scales.items():
             rel = float(((s - expected["scales"][n]) / expected["scales"][n]).abs().max())
             worst["scale"] = max(worst["scale"], rel)
@@ -212,14 +216,14 @@ def _current_scaling_tp(ids) -> dict:
     return worst
 
 
-def _cases() -> dict:
+def _cases(batches, references) -> dict:
     import torch
     import torch.sagemaker as tsm
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from tests.distributed.hf_models import global_batches, tiny_llama
+    from tests.distributed.hf_models import tiny_llama
     from torch_sagemaker.fp8 import Fp8Linear
     from torch_sagemaker.sharding import (
         checkpoint_transformer_layers,
@@ -227,7 +231,6 @@ def _cases() -> dict:
         transformer_layer_classes,
     )
 
-    batches = global_batches(STEPS, GLOBAL_BATCH)
     out = {}
     # 1. TP 2 x hybrid shard 2, FSDP2, checkpointing.
     tsm.state.reset()
@@ -236,7 +239,7 @@ def _cases() -> dict:
     fp8_layers = sum(isinstance(m, Fp8Linear) for m in model.modules())
     checkpoint_transformer_layers(model)
     model = shard_model(model)
-    out["tp_fsdp2"] = _run_case(model, batches, _reference(batches, dp=2), fsdp1=False)
+    out["tp_fsdp2"] = _run_case(model, batches, references[2], fsdp1=False)
     out["tp_fsdp2"]["fp8_layers"] = fp8_layers
     out["current_scaling"] = _current_scaling_tp(batches[0][:2])
     # 2. Hybrid sharding over two replicas of two shards, FSDP1 as SMP's scripts call it.
@@ -251,13 +254,17 @@ def _cases() -> dict:
         use_orig_params=True,
     )
     checkpoint_transformer_layers(model)
-    out["hybrid_fsdp1"] = _run_case(model, batches, _reference(batches, dp=4), fsdp1=True)
+    out["hybrid_fsdp1"] = _run_case(model, batches, references[4], fsdp1=True)
     return out
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(_cases, world_size=4, timeout=400)
+    from tests.distributed.hf_models import global_batches
+
+    batches = global_batches(STEPS, GLOBAL_BATCH)
+    references = {dp: _reference(batches, dp) for dp in (2, 4)}
+    return run_distributed(_cases, batches, references, world_size=4, timeout=400)
 
 
 @pytest.mark.distributed
@@ -265,6 +272,7 @@ def test_tp_and_hybrid_shard_fp8_match_one_process(results):
     for rank, r in enumerate(results):
         case = r["tp_fsdp2"]
         assert case["fp8_layers"] == 14, (rank, case)  # q k v o gate up down x 2 layers
+        assert case["scales_compared"] == 14, (rank, case)
         for key, tol in TOL.items():
             assert case[key] <= tol, (rank, "tp x hybrid, FSDP2", key, case["trace"])
 
@@ -273,6 +281,7 @@ def test_tp_and_hybrid_shard_fp8_match_one_process(results):
 def test_fsdp1_hybrid_fp8_matches_one_process(results):
     for rank, r in enumerate(results):
         case = r["hybrid_fsdp1"]
+        assert case["scales_compared"] == 14, (rank, case)
         for key, tol in TOL.items():
             assert case[key] <= tol, (rank, "hybrid FSDP1", key, case["trace"])
 
