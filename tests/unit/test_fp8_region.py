@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from torch_sagemaker.fp8 import (
+    DelayedScaling,
     Fp8Linear,
     fp8_autocast,
     get_fp8_recipe,
@@ -174,3 +175,40 @@ def test_te_layers_at_degree_1_only_when_asked_for(te_stub):
     q_proj = meta.model.layers[0].self_attn.q_proj
     assert type(q_proj).__module__.startswith("transformer_engine") and q_proj.weight.is_meta
     assert te_bridge.only_te_layers() is False  # ours were built above in this process
+
+
+def test_scaling_state_is_a_checkpoint_item_of_its_own(tmp_path):
+    """TrainingState saves the FP8 layers' histories and scales as an item beside the model
+    (whose keys stay nn.Linear's) and loads them into layers that have not run yet, so a
+    resumed run quantizes with the scales the run it continues would have used."""
+    from torch_sagemaker.distributed.checkpoint import TrainingState
+    from torch_sagemaker.fp8 import load_scaling_state_dict, scaling_state_dict
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    model, fresh = copy.deepcopy(plain), copy.deepcopy(plain)
+    for m in (model, fresh):
+        to_fp8_linear(m[0]), to_fp8_linear(m[2])
+    recipe = DelayedScaling(amax_history_len=4)
+    x = torch.randn(4, 16) * 3
+    for _ in range(2):
+        with fp8_autocast(fp8_recipe=recipe):
+            y = model(x)
+        y.sum().backward()
+    assert not torch.all(model[0].fp8_scaling.scale == 1)  # something to restore
+    assert list(model.state_dict()) == list(plain.state_dict())
+    assert sorted(scaling_state_dict(model)) == [
+        "0.amax_history",
+        "0.scale",
+        "2.amax_history",
+        "2.scale",
+    ]
+    TrainingState(model, save_rng=False).save(tmp_path / "ckpt")
+    TrainingState(fresh, save_rng=False).load(tmp_path / "ckpt")
+    for a, b in ((model[0], fresh[0]), (model[2], fresh[2])):
+        assert torch.equal(a.fp8_scaling.history, b.fp8_scaling.history)
+        assert torch.equal(a.fp8_scaling.scale, b.fp8_scaling.scale)
+    with fp8_autocast(fp8_recipe=recipe):
+        assert torch.equal(model(x), fresh(x))
+    with pytest.raises(ValueError, match="'0'.*another model"):
+        load_scaling_state_dict(plain, scaling_state_dict(model))

@@ -18,8 +18,9 @@ DTensor tensor parallel path and for models without tensor parallelism::
 Modules, one concern each: ``recipe`` (formats, recipes, Transformer Engine's recipe
 objects), ``numerics`` (quantization, the scale rules, the FP8 product), ``scaling``
 (per-layer state, amax reduction, the delayed update), ``autocast`` (the region),
-``linear`` (``Fp8Linear``), ``prepare`` (the step of ``tsm.transform``; internal),
-``te_bridge`` (Transformer Engine's region next to ours).
+``linear`` (``Fp8Linear``), ``scaling_state`` (the scaling state as a checkpoint item),
+``prepare`` (the step of ``tsm.transform``; internal), ``te_bridge`` (Transformer Engine's
+region next to ours).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 from torch_sagemaker.fp8.autocast import autocast, fp8_autocast, get_fp8_recipe, is_fp8_enabled
 from torch_sagemaker.fp8.linear import Fp8Linear, to_fp8_linear
 from torch_sagemaker.fp8.recipe import DelayedScaling, Float8CurrentScaling, Format
+from torch_sagemaker.fp8.scaling_state import load_scaling_state_dict, scaling_state_dict
 
 __all__ = [
     "DelayedScaling",
@@ -37,5 +39,7 @@ __all__ = [
     "fp8_autocast",
     "get_fp8_recipe",
     "is_fp8_enabled",
+    "load_scaling_state_dict",
+    "scaling_state_dict",
     "to_fp8_linear",
 ]

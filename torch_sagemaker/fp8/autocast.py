@@ -27,13 +27,12 @@ naming the option.
 Note [FP8 layers under torch.compile]: ``Fp8Linear.forward`` asks the autograd engine
 whether a backward is running (Note [FP8 under recomputation] in ``linear.py``), which
 Dynamo cannot trace: every FP8 layer would break the graph, and ``fullgraph=True`` would
-fail, in scripts that never use FP8. So the layers first read ``entered()``, a plain
-module-level flag set the first time an enabled or calibrating region is entered in the
-process; while it is False the forward is ``nn.Linear.forward`` and nothing else. Dynamo
-guards on the flag: a model compiled before FP8 was first used is recompiled when it is
-(with graph breaks at the FP8 layers, whose forward cannot be traced). A guard on the
-region stack or on a layer's last settings did not keep Dynamo out of the engine query;
-the plain global does.
+fail, in scripts that never use FP8. So the layers first read ``entered()``, which returns
+a plain module global set the first time an enabled or calibrating region is entered in
+the process; while it is False the forward is ``nn.Linear.forward`` and nothing else.
+Dynamo inlines ``entered()`` and guards on the global: a model compiled before FP8 was
+first used is recompiled when it is (with graph breaks at the FP8 layers, whose forward
+cannot be traced; ``fullgraph=True`` then fails).
 """
 
 from __future__ import annotations
@@ -155,7 +154,8 @@ def fp8_autocast(
 
     Raises:
         TypeError: For a flag that is not a bool (or 0/1), or a group that is not a ProcessGroup.
-        ValueError: For an unsupported recipe or option (named).
+        ValueError: For an unsupported recipe or option (named), unless it is a Transformer
+            Engine recipe and every FP8 layer is Transformer Engine's.
 
     Example:
         >>> with fp8_autocast(enabled=True, fp8_recipe=DelayedScaling(fp8_format=Format.HYBRID)):

@@ -130,6 +130,18 @@ class LinearScaling:
             self._order = next(_ORDER)
             _LIVE[self._order] = self
 
+    def load(self, history: torch.Tensor, scale: torch.Tensor) -> None:
+        """Takes a saved history and scales (``scaling_state.py``), nothing pending.
+
+        ``prepare`` at the next FP8 forward moves them to its device and fits the history to
+        the recipe's length.
+        """
+        self.history = history.detach().float().clone()
+        self.scale = scale.detach().float().clone()
+        self.pending = torch.full((3,), -1.0, device=self.history.device)
+        self.forward_scale = None
+        self.dirty_forward = self.dirty_backward = False
+
     def forward_scale_of(self, role: int, recomputing: bool) -> torch.Tensor:
         """The scale of ``role`` for a forward.
 
