@@ -9,6 +9,7 @@
 #   make sanitize - the same under ASan+UBSan, then under TSan
 #   make test-compat TORCH_SPEC=torch==2.11.0 - the fast tier and the compat subset on another torch
 #   make gpu-check - on a GPU machine: build, GPU tests, GPU benchmark, report (scripts/gpu_check.py)
+#   make fp8-curve - 200 steps of the example model, bf16 vs bf16 + FP8, plot in docs/ (docs/fp8.md)
 #
 # torch is pinned to the CPU build available on these machines. Users with a CUDA build can
 # override it, e.g. `make test TORCH_SPEC="torch==2.13.0"` against their own index; an
@@ -23,6 +24,7 @@ PIP         = $(PY) -m pip
 PYTEST_ARGS ?=
 
 .PHONY: install build demo test test-fast bench lint format clean test-cpp sanitize sanitize-asan gpu-check test-compat launchers \
+	fp8-curve \
 	sanitize-tsan
 
 $(VENV)/.installed: setup.py pyproject.toml requirements-dev.txt
@@ -72,6 +74,11 @@ test-fast: build
 bench: build
 	$(PY) -m torch_sagemaker.bench collectives --nprocs 2
 	$(PY) -m torch_sagemaker.bench training --nprocs 2
+
+# docs/fp8.md: two 200-step runs of examples/train.py (2 ranks, niced), their losses compared
+# (fails beyond 2%) and plotted to docs/fp8_loss_200steps.png. About 10 minutes on 2 cores.
+fp8-curve: build
+	$(PY) scripts/fp8_loss_curve.py --steps 200 --nproc 2
 
 CPP_SOURCES = $(shell find csrc tests/cpp -name '*.cpp' -o -name '*.h' | sort)
 

@@ -19,13 +19,14 @@ from torch import nn
 
 from torch_sagemaker.context_parallel import prepare_model
 from torch_sagemaker.context_parallel.prepare import check_config_supported
+from torch_sagemaker.fp8.prepare import prepare_linears
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.moe import apply as moe_apply
 from torch_sagemaker.moe.moe_config import MoEConfig
 from torch_sagemaker.policies import POLICY_ATTR, HeadSplit, ModelPolicy, check_model, lookup_policy
 from torch_sagemaker.state import state
 from torch_sagemaker.tensor_parallel import loading, transformer
-from torch_sagemaker.tensor_parallel.implementation import select_backend
+from torch_sagemaker.tensor_parallel.implementation import forced_backend, select_backend
 
 _CP_COMM_TYPES = ("p2p", "all_gather")
 
@@ -245,6 +246,10 @@ def transform(
     # 3c. Context parallelism over the "cp" mesh axis (attention, positions, loss).
     if state.cp_size > 1:
         prepare_model(model, policy, cp_comm_type, state.cp_process_group)
+    # 3d. The plan's linear layers compute in FP8 inside fp8_autocast, as before outside it.
+    fp8_report = prepare_linears(
+        model, policy, backend=backend.name, tp=tp, backend_forced=forced_backend() is not None
+    )
     # 4. Weights from rank 0.
     if load_state_dict_from_rank0 and state.world_size > 1:
         target = torch.device(device) if device is not None else _default_device()
@@ -257,7 +262,8 @@ def transform(
     log_rank0(
         f"tsm.transform: {type(model).__name__} with policy {policy.name!r}, "
         f"tensor_parallel_degree={tp} ({backend.name}), {num_layers} x {layer_cls.__name__}, "
-        f"{heads.local_heads} heads / {heads.local_kv_heads} kv heads per rank"
+        f"{heads.local_heads} heads / {heads.local_kv_heads} kv heads per rank, "
+        f"{len(fp8_report.layers)} FP8-capable linear layers"
         + (
             f"; {moe_report.blocks} x {moe_report.layer} with {moe_report.local_experts}/"
             f"{moe_report.num_experts} experts per rank"
