@@ -73,7 +73,7 @@ py::dict layout_of(const smddp::ProcessGroupSMDDP& pg) {
   d["members"] = l.members;
   d["forced"] = l.forced;
   d["uniform"] = l.uniform;
-  d["net_algorithm"] = l.hosts < 2 ? "none" : pg.comm().rail_ring_chosen() ? "ring" : "mesh";
+  d["net_algorithm"] = pg.comm().net_algorithm();
   d["machine_oversubscribed"] = pg.comm().machine_oversubscribed();
   return d;
 }

@@ -31,6 +31,7 @@ struct Topology {
   size_t p2p_bytes;
   smddp::NetAlgo net_algo = smddp::NetAlgo::AUTO;  // auto: the mesh at these sizes
   std::vector<int> force_hosts = {};               // rank -> host (CommConfig::force_hosts)
+  bool fp32_wire = false;  // bf16 partials cross in fp32 (SMDDP_NET_REDUCE_DTYPE=fp32)
 };
 
 smddp::CommConfig config_of(const Topology& t) {
@@ -53,6 +54,7 @@ smddp::CommConfig config_of(const Topology& t) {
   // must wait for the rest (Note [Local all-gather during the exchange]).
   s.net_chunk_bytes = (4 << 10) - 1;
   s.net_algo = t.net_algo;
+  s.net_reduce_fp32 = t.fp32_wire;
   cfg.force_hosts = t.force_hosts;
   return cfg;
 }
@@ -79,11 +81,15 @@ const Topology kShm3{"shm3", 3, 0, 8 << 10};
 // 3 hosts of one rank with the mesh asked for (auto would take the ring there).
 const Topology kTcp3{"tcp3", 3, 1, 8 << 10, smddp::NetAlgo::MESH};
 const Topology kHier4{"hier4", 4, 2, 8 << 10};
-// The ring across hosts (Note [Rail rings] in comm_ring.cpp): 3 hosts of 1 rank, asked
+// The ring across hosts (Note [Rail rings] in net_ring.cpp): 3 hosts of 1 rank, asked
 // for, and of 2 ranks, where auto takes it.
 const Topology kRing3{"ring3", 3, 1, 8 << 10, smddp::NetAlgo::RING};
 const Topology kRing6{"ring6", 6, 2, 8 << 10, smddp::NetAlgo::AUTO};
 const Topology kShmTcpP2P{"shm2_p2p_tcp", 2, 0, 0};  // send/recv over loopback TCP
+// bf16 partials in fp32 between hosts (Note [Half precision on the wire] in net_algorithm.h),
+// on the mesh and the ring.
+const Topology kHier4Fp32{"hier4_fp32_wire", 4, 2, 8 << 10, smddp::NetAlgo::AUTO, {}, true};
+const Topology kRing6Fp32{"ring6_fp32_wire", 6, 2, 8 << 10, smddp::NetAlgo::AUTO, {}, true};
 // Hosts of unequal rank counts (Note [Unequal hosts] in comm_hier.cpp): 2+1, 1+2, 3+1+2,
 // hosts whose ranks interleave ({0,2} and {1,3,4}), and 3+1+2 with the ring asked for
 // (unequal hosts take the mesh).
@@ -146,8 +152,8 @@ std::string where(const Topology& topo, const char* what, int rank, DType t, Red
              smddp::redop_name(op), " count ", count, ": ");
 }
 
-// Whether a topology's collectives across hosts must take the ring
-// (Communicator::rail_ring_chosen): equal hosts, 3 or more, asked for or auto up to 32.
+// Whether a topology's collectives across hosts must take the ring (choose_net_algorithm):
+// equal hosts, 3 or more, asked for or auto up to 32.
 bool ring_expected(const Topology& topo, const smddp::Layout& l) {
   if (!l.uniform || l.hosts < 3) return false;
   return topo.net_algo == smddp::NetAlgo::RING ||
@@ -157,11 +163,15 @@ bool ring_expected(const Topology& topo, const smddp::Layout& l) {
 // The calls that crossed hosts took the ring where it is expected, and the mesh elsewhere
 // (hosts of unequal size, the mesh asked for, 2 hosts).
 void expect_ring_used(const Topology& topo, const Communicator& c) {
-  if (ring_expected(topo, c.layout())) {
-    EXPECT(c.rail_ring_ops() > 0, topo.name, ": no collective crossed hosts in a ring");
-  } else {
-    EXPECT(c.rail_ring_ops() == 0, topo.name, ": a collective crossed hosts in a ring");
+  const std::string algo = c.net_algorithm();
+  if (c.layout().hosts < 2) {
+    EXPECT(algo == "none", topo.name, ": one host crosses nothing, but the algorithm is ", algo);
+    return;
   }
+  EXPECT(c.net_ops() > 0, topo.name, ": no collective crossed hosts");
+  const char* want = ring_expected(topo, c.layout()) ? "ring" : "mesh";
+  EXPECT(algo == want, topo.name, ": collectives crossed hosts by the ", algo, ", expected the ",
+         want);
 }
 
 // The layout is the topology's hosts (unequal ones included: no flat fallback), and the
@@ -458,6 +468,9 @@ TEST_CASE(allreduce_ring6) { check_allreduce(kRing6); }
 TEST_CASE(reduce_scatter_shm3) { check_reduce_scatter(kShm3); }
 TEST_CASE(reduce_scatter_tcp3) { check_reduce_scatter(kTcp3); }
 TEST_CASE(reduce_scatter_hier4) { check_reduce_scatter(kHier4); }
+TEST_CASE(allreduce_hier4_fp32_wire) { check_allreduce(kHier4Fp32); }
+TEST_CASE(reduce_scatter_ring6_fp32_wire) { check_reduce_scatter(kRing6Fp32); }
+TEST_CASE(rooted_ring6_fp32_wire) { check_rooted(kRing6Fp32); }
 TEST_CASE(reduce_scatter_ring3) { check_reduce_scatter(kRing3); }
 TEST_CASE(reduce_scatter_ring6) { check_reduce_scatter(kRing6); }
 TEST_CASE(allgather_shm3) { check_allgather(kShm3); }

@@ -1,9 +1,11 @@
 // The reduction kernels called directly, for the dtypes and ops the collective tests do not
 // reach, against references computed here; and the small helpers of common.h.
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <type_traits>
 
+#include "data.h"
 #include "harness.h"
 #include "smddp/algorithms/kernels.h"
 #include "smddp/common/settings.h"
@@ -169,6 +171,63 @@ TEST_CASE(kernels_f64_and_f16) {
 #else
   std::printf("     (no _Float16 in this compiler: the float16 half of this case did not run)\n");
 #endif
+}
+
+TEST_CASE(kernels_mixed_sources_accumulate_in_fp32) {
+  // Note [Half precision on the wire]: bf16 partials that crossed hosts beside this host's
+  // fp32 one. The reference converts the bf16 sources itself, sums in fp32 in source order
+  // and rounds once (data.h's to_bf16, not the kernels' bit trick).
+  for (int nsrc : {2, 3, 5}) {
+    std::vector<DType> types;
+    for (int s = 0; s < nsrc; ++s) types.push_back(s == 1 ? DType::F32 : DType::BF16);
+    std::vector<std::vector<uint16_t>> half(nsrc, std::vector<uint16_t>(kN));
+    std::vector<std::vector<float>> full(nsrc, std::vector<float>(kN)), exact = full;
+    for (int s = 0; s < nsrc; ++s) {
+      for (size_t i = 0; i < kN; ++i) {
+        // Fractions, so that the fp32 source is not a bf16 value and most sums round.
+        const float v = static_cast<float>(int(i * 131 + s * 977) % 2000 - 1000) / 7.0f;
+        half[s][i] = to_bf16(v);
+        full[s][i] = v;
+        exact[s][i] = types[s] == DType::BF16 ? from_bf16(half[s][i]) : v;
+      }
+    }
+    std::vector<const void*> ptrs;
+    for (int s = 0; s < nsrc; ++s) {
+      ptrs.push_back(types[s] == DType::BF16 ? static_cast<const void*>(half[s].data())
+                                             : static_cast<const void*>(full[s].data()));
+    }
+    for (RedOp op : {RedOp::SUM, RedOp::AVG, RedOp::MIN}) {
+      smddp::Reduction red;
+      red.dtype = DType::BF16;
+      red.op = op;
+      red.divisor = nsrc;
+      std::vector<uint16_t> out(kN);
+      std::vector<float> partial(kN);
+      smddp::reduce_mixed(types, DType::BF16, out.data(), ptrs.data(), kN, red, true);
+      smddp::reduce_mixed(types, DType::F32, partial.data(), ptrs.data(), kN, red, false);
+      for (size_t i = 0; i < kN; ++i) {
+        float acc = exact[0][i];
+        for (int s = 1; s < nsrc; ++s) {
+          acc = op == RedOp::MIN ? std::min(acc, exact[s][i]) : acc + exact[s][i];
+        }
+        EXPECT(partial[i] == acc, "mixed ", smddp::redop_name(op), " ", nsrc,
+               " sources, fp32 partial: element ", i, " is ", partial[i], ", expected ", acc);
+        if (op == RedOp::AVG) acc /= static_cast<float>(nsrc);
+        if (out[i] != to_bf16(acc)) {
+          EXPECT(false, "mixed ", smddp::redop_name(op), " ", nsrc, " sources: element ", i, " is ",
+                 from_bf16(out[i]), ", expected ", from_bf16(to_bf16(acc)));
+          break;
+        }
+      }
+    }
+  }
+  // Sources of one type take the ordinary kernels.
+  std::vector<uint16_t> a = {to_bf16(1.5f)}, b = {to_bf16(2.25f)}, out(1);
+  const void* both[2] = {a.data(), b.data()};
+  smddp::Reduction red;
+  red.dtype = DType::BF16;
+  smddp::reduce_mixed({DType::BF16, DType::BF16}, DType::BF16, out.data(), both, 1, red, true);
+  EXPECT(from_bf16(out[0]) == 3.75f, "bf16 + bf16 gave ", from_bf16(out[0]));
 }
 
 TEST_CASE(kernels_scale_copy_and_streaming_copy) {

@@ -39,13 +39,15 @@ def short_run():
         240,
         identical=True,
         timeline=True,
+        warmup_largest=1,
+        dtypes=["float32", "bfloat16"],
     )
 
 
 def test_results_respect_the_nic_and_the_counters(short_run):
     rows = short_run["rows"]
-    assert {(r["op"], r["backend"]) for r in rows} == {
-        (op, b) for op in multihost.OPS for b in BACKENDS
+    assert {(r["op"], r["backend"], r["dtype"]) for r in rows} == {
+        (op, b, d) for op in multihost.OPS for b in BACKENDS for d in ("float32", "bfloat16")
     }
     for r in rows:
         assert r["ok"], r
@@ -58,8 +60,18 @@ def test_results_respect_the_nic_and_the_counters(short_run):
         assert r["seconds"] > floor, r
         assert r["tx_per_call"] >= 0.98 * multihost.min_bytes(r["op"], 2, r["bytes"]), r
     text = multihost.table(rows, RATE)
-    assert "| 2x2 | all_reduce | 4 MiB |" in text and "gloo / smddp" in text
+    assert "| 2x2 | float32 | 1 | all_reduce | 4 MiB |" in text and "gloo / smddp" in text
+    assert "| 2x2 | bfloat16 | 1 | reduce_scatter_tensor | 4 MiB |" in text
     assert "smddp of bare-tcp" in text and "gloo of bare-tcp" in text
+
+
+def test_half_precision_crosses_hosts_in_its_own_bytes(short_run):
+    # Note [Half precision on the wire]: a bf16 reduction sends bf16 partials between hosts,
+    # so its NIC carries the bf16 minimum (headers aside), not fp32's twice that.
+    for r in short_run["rows"]:
+        if r["backend"] == "smddp" and r["dtype"] == "bfloat16":
+            wire = r["tx_per_call"] / multihost.min_bytes(r["op"], 2, r["bytes"])
+            assert wire < 1.15, (r["op"], wire)
 
 
 def test_results_are_bit_identical_across_hosts(short_run):
@@ -116,7 +128,7 @@ def test_each_backend_runs_its_sweep_back_to_back(short_run):
     # backend's cases (every op) must all come before the next backend's; interleaved
     # backends leave each one's connections idle between its own cases.
     ran = [r["backend"] for r in short_run["rows"]]
-    assert ran == [b for b in BACKENDS for _ in multihost.OPS], ran
+    assert ran == [b for b in BACKENDS for _ in range(2 * len(multihost.OPS))], ran
 
 
 def test_each_host_runs_the_congestion_control_asked_for():

@@ -54,7 +54,7 @@ def test_four_ranks_two_forced_hosts():
 def test_three_forced_hosts(algo):
     # Three "hosts" of one rank, in 4 KiB network messages so parts cross in several of them.
     # Asked for and auto, every collective across them goes around a ring (Note [Rail rings]
-    # in comm_ring.cpp); the references know each algorithm's order of hosts
+    # in net_ring.cpp); the references know each algorithm's order of hosts
     # (ring_across_hosts), and the ring's differs from the mesh's on this data.
     counts = _run(
         3,

@@ -79,7 +79,7 @@ def _combine(a: torch.Tensor, b: torch.Tensor, op: str) -> torch.Tensor:
 
 def ring_across_hosts(hosts: list[list[int]]) -> bool:
     """Whether collectives across ``hosts`` pass partials around a ring (Note [Rail rings]
-    in comm_ring.cpp), which sums each part in its own host order: 3 hosts or more of equal
+    in net_ring.cpp), which sums each part in its own host order: 3 hosts or more of equal
     rank counts, with SMDDP_NET_ALGO=ring, or auto (unset) up to 32 hosts. Hosts of unequal
     rank counts always take the mesh (Note [Unequal hosts])."""
     equal = len({len(members) for members in hosts}) == 1
@@ -119,24 +119,38 @@ def reference_reduce(
             v = xs[r].reshape(-1).to(acc)
             part = v.clone() if part is None else _combine(part, v, op)
         partials.append(part)
-    if ring_across_hosts(hosts):
-        world, n = len(xs), partials[0].numel()
-        host_of = {r: h for h, members in enumerate(hosts) for r in members}
-        total = torch.empty_like(partials[0])
-        for p in range(world):
-            if scatter:
-                b, e = p * (n // world), (p + 1) * (n // world)
-            else:
-                b, e = partition(n, world, p, max(1, 64 // xs[0].element_size()))
-            order = [(host_of[p] + 1 + k) % len(hosts) for k in range(len(hosts))]
-            sum_p = partials[order[0]][b:e].clone()
-            for h in order[1:]:
+    # Note [Half precision on the wire] (net_algorithm.h): bf16/fp16 partials leave their host
+    # rounded to the element type (unless SMDDP_NET_REDUCE_DTYPE=fp32), the owner's own stays
+    # in fp32, and a ring's running sum is rounded where it goes on.
+    fp32_wire = os.environ.get("SMDDP_NET_REDUCE_DTYPE", "auto").strip().lower() == "fp32"
+    wire = acc if fp32_wire else dtype
+
+    def leaves(v: torch.Tensor) -> torch.Tensor:
+        return v.to(wire).to(acc)
+
+    world, n = len(xs), partials[0].numel()
+    host_of = {r: h for h, members in enumerate(hosts) for r in members}
+    ring = ring_across_hosts(hosts)
+    total = torch.empty_like(partials[0])
+    for p in range(world):
+        if scatter:
+            b, e = p * (n // world), (p + 1) * (n // world)
+        else:
+            b, e = partition(n, world, p, max(1, 64 // xs[0].element_size()))
+        owner = host_of[p]
+        if ring:  # from the host after the owner's, round to the owner's
+            order = [(owner + 1 + k) % len(hosts) for k in range(len(hosts))]
+            sum_p = leaves(partials[order[0]][b:e])
+            for k, h in enumerate(order[1:], start=1):
                 sum_p = _combine(sum_p, partials[h][b:e], op)
-            total[b:e] = sum_p
-    else:
-        total = partials[0]
-        for part in partials[1:]:
-            total = _combine(total, part, op)
+                if k < len(order) - 1:
+                    sum_p = leaves(sum_p)
+        else:  # hosts in order, the owner's partial unrounded
+            sum_p = None
+            for h, part in enumerate(partials):
+                v = part[b:e] if h == owner else leaves(part[b:e])
+                sum_p = v.clone() if sum_p is None else _combine(sum_p, v, op)
+        total[b:e] = sum_p
     if op == "AVG":
         total = total / len(xs)
     return total.to(dtype).reshape(shape)

@@ -34,8 +34,26 @@ def test_no_warm_up_when_asked_for_none_or_when_nothing_is_timed():
     assert list(schedule(_spec(5, sizes=()))) == []  # a job that only trains
 
 
-def test_a_negative_warm_up_is_refused(capsys):
+def test_each_backend_sweeps_each_dtype_in_turn():
+    spec = dict(_spec(2, sizes=(1 << 20,)), dtypes=["float32", "bfloat16"])
+    steps = list(schedule(spec))
+    assert [(s.backend, s.dtype) for s in steps[:4]] == [("smddp", "float32")] * 4
+    assert [(s.backend, s.dtype) for s in steps[4:8]] == [("smddp", "bfloat16")] * 4
+    assert {s.dtype for s in steps[8:12]} == {"float32"} and steps[8].backend == "gloo"
+    assert all(s.dtype == "float32" for s in schedule(_spec(2)))  # the default
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--warmup-largest", "-1"], "--warmup-largest -1: counts of calls, 0 or more"),
+        (["--warmup-largest", "5,x"], "--warmup-largest 5,x: counts of calls, 0 or more"),
+        (["--switch-queue", "4K"], "--switch-queue 4K: at least one burst"),
+        (["--dtypes", "float64"], "float64"),
+    ],
+)
+def test_bad_arguments_are_refused(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
-        multihost.main(["--warmup-largest", "-1"])
+        multihost.main(argv)
     assert exit_info.value.code == 2
-    assert "--warmup-largest -1: a count of calls, 0 or more" in capsys.readouterr().err
+    assert message in capsys.readouterr().err

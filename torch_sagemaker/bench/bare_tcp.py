@@ -3,7 +3,7 @@
 ``bench multihost --backends ...,bare-tcp`` times, next to the real backends, a pseudo
 collective that sends each rank's share of the bytes a ring collective puts on its host's
 NIC straight to the same local rank of the next host, and receives as much from the previous
-one: the flows smddp's ring uses (Note [Rail rings] in csrc/smddp/algorithms/comm_ring.cpp),
+one: the flows smddp's ring uses (Note [Rail rings] in csrc/smddp/algorithms/net_ring.cpp),
 with no reduction, no shared memory, no step waiting for another and one send and receive
 buffer reused. It is not a collective; nothing arrives where a collective would put it.
 

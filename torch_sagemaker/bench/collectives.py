@@ -81,20 +81,34 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1] if mult > 1 else text) * mult)
 
 
-def make_case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=None, empty=None):
+def make_case(
+    op: str,
+    nbytes: int,
+    world: int,
+    rank: int,
+    group,
+    all_reduce=None,
+    empty=None,
+    dtype: torch.dtype = torch.float32,
+):
     """Returns (run, check, actual_bytes) for one operation at about `nbytes`.
 
     `all_reduce`, if given, replaces dist.all_reduce (an in-place SUM of one tensor).
     `empty`, if given, allocates the float32 operands (an element count -> a tensor) instead
     of torch.empty: ``--pool`` takes them from the backend's pool, as FSDP2 does. The sparse
-    case ignores it (a sparse tensor has no pooled storage).
+    case ignores it (a sparse tensor has no pooled storage). `dtype`: the operands' element
+    type (the checks' sums, at most a few hundred, are exact in bf16 and fp16 too); float32
+    only with `empty`.
     """
-    empty = empty or torch.empty
+    if empty is not None and dtype != torch.float32:
+        raise ValueError(f"make_case: dtype={dtype} with a custom allocator (float32 only)")
+    esz = torch.empty(0, dtype=dtype).element_size()
+    empty = empty or (lambda n: torch.empty(n, dtype=dtype))
 
     def full(n: int, value: float) -> torch.Tensor:
         return empty(n).fill_(value)
 
-    count = max(world, nbytes // 4 // world * world)
+    count = max(world, nbytes // esz // world * world)
     if op == "sparse_all_reduce":
         return _sparse_case(nbytes, world, rank, group)
     if op == "all_reduce":
@@ -114,7 +128,7 @@ def make_case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=Non
             run()
             return bool((t[:: max(1, count // 97)] == want).all())
 
-        return run, check, count * 4
+        return run, check, count * esz
     if op == "all_gather_into_tensor":
         inp, out = full(count // world, float(rank + 1)), empty(count)
 
@@ -125,7 +139,7 @@ def make_case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=Non
             run()
             return bool(all(out[r * (count // world)].item() == r + 1 for r in range(world)))
 
-        return run, check, count * 4
+        return run, check, count * esz
     if op == "reduce_scatter_tensor":
         inp, out = full(count, float(rank + 1)), empty(count // world)
 
@@ -136,7 +150,7 @@ def make_case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=Non
             run()
             return bool((out == world * (world + 1) / 2).all())
 
-        return run, check, count * 4
+        return run, check, count * esz
     if op == "broadcast":
         t = full(count, float(rank + 1))
 
@@ -148,7 +162,7 @@ def make_case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=Non
             run()
             return bool((t[:: max(1, count // 97)] == 1).all())
 
-        return run, check, count * 4
+        return run, check, count * esz
     if op == "reduce":
         t = full(count, float(rank + 1))
 
@@ -161,7 +175,7 @@ def make_case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=Non
             # Only the root's tensor is defined afterwards (gloo uses the others' as scratch).
             return rank != 0 or bool((t[:: max(1, count // 97)] == world * (world + 1) / 2).all())
 
-        return run, check, count * 4
+        return run, check, count * esz
     if op == "gather":
         inp = full(count // world, float(rank + 1))
         outs = [empty(count // world) for _ in range(world)] if rank == 0 else None
@@ -173,7 +187,7 @@ def make_case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=Non
             run()
             return rank != 0 or all(outs[r][0].item() == r + 1 for r in range(world))
 
-        return run, check, count * 4
+        return run, check, count * esz
     if op == "scatter":
         ins = [full(count // world, float(r + 1)) for r in range(world)] if rank == 0 else None
         out = empty(count // world)
@@ -185,7 +199,7 @@ def make_case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=Non
             run()
             return bool((out == rank + 1).all())
 
-        return run, check, count * 4
+        return run, check, count * esz
     if op == "sendrecv":
         nxt, prv = (rank + 1) % world, (rank - 1) % world
         inp, out = full(count, float(rank + 1)), empty(count)
@@ -203,7 +217,7 @@ def make_case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=Non
             run()
             return bool((out[:: max(1, count // 97)] == prv + 1).all())
 
-        return run, check, count * 4
+        return run, check, count * esz
     inp, out = full(count, float(rank + 1)), empty(count)
 
     def run_all_to_all():
@@ -214,7 +228,7 @@ def make_case(op: str, nbytes: int, world: int, rank: int, group, all_reduce=Non
         blk = count // world
         return bool(all(out[r * blk].item() == r + 1 for r in range(world)))
 
-    return run_all_to_all, check_all_to_all, count * 4
+    return run_all_to_all, check_all_to_all, count * esz
 
 
 def _sparse_case(nbytes: int, world: int, rank: int, group):

@@ -104,12 +104,16 @@ def points(runs: Iterable[dict]) -> list[Point]:
 
     A file without ``cores`` (written before it was recorded) is taken as a 2-core machine,
     one without ``burst_bytes`` as cables of netns.BURST_BYTES (every run so far). Rows of
-    the bare-TCP ceiling are left out.
+    the bare-TCP ceiling are left out, and so are rows of other dtypes than float32: the
+    model's per-byte costs were fitted on float32, whose reduction costs per byte differ from
+    bf16's (half the elements, a conversion each), so the two are not points of one curve.
     """
     out = []
     for run in runs:
         for r in run["rows"]:
             if r["backend"] == BARE_TCP:  # no collective: the machine's ceiling
+                continue
+            if r.get("dtype", "float32") != "float32":
                 continue
             hosts, local = (int(x) for x in r["layout"].split("x"))
             out.append(

@@ -2,10 +2,13 @@
 
     python -m torch_sagemaker.bench multihost [--layouts 2x1,4x1,2x2,4x2] [--rate 2gbit]
         [--ops all_reduce,all_gather_into_tensor,reduce_scatter_tensor] [--sizes 1M,16M,64M]
-        [--congestion auto] [--slow-start-after-idle 1] [--warmup-largest 5]
+        [--dtypes float32,bfloat16] [--switch-queue 2M] [--congestion auto]
+        [--slow-start-after-idle 1] [--warmup-largest 5,0]
 
 Each layout HxL is H simulated hosts (bench/netns.py: namespaces, one bridge as the switch,
-each host's cable shaped to ``--rate`` in both directions, its TCP congestion control
+each host's cable shaped to ``--rate`` in both directions, each switch port queueing at most
+``--switch-queue`` bytes (2 MiB: Note [Shallow switch ports] in netns.py), its TCP congestion
+control
 ``--congestion``, by default cubic where the kernel lets a namespace choose it and otherwise
 the machine's own, as each host's kernel reports it in the header and the record: Note
 [Simulated hosts run cubic]; whether TCP restarts
@@ -19,12 +22,14 @@ algorithm that ran (``algorithm``: ``mesh``, ``ring``, or ``flat_ring`` for gloo
 "bare-tcp" is no collective but the ceiling the machine allows: the bytes of a ring on the
 ring's flows as bare TCP streams, with no other work (bench/bare_tcp.py, Note [The bare-TCP
 ceiling]); it is not trained and the cost model leaves it out. For every
-op and size S (nccl-tests' S: the all_reduce tensor, the all_gather output, the
-reduce_scatter input; float32), each backend runs a checked call, a warm-up call and
+op, size S (nccl-tests' S in bytes: the all_reduce tensor, the all_gather output, the
+reduce_scatter input) and element type (``--dtypes``; bfloat16 is what SMP's scripts reduce
+in), each backend runs a checked call, a warm-up call and
 ``--iters`` timed calls, each after a barrier; the time is the median over calls of the
 slowest rank. Each backend runs its whole sweep before the next starts, and each op's sweep
 starts with ``--warmup-largest`` calls at the largest size (Note [Each backend's sweep back to
-back]).
+back]); several counts (``5,0``) run every layout once per count, the "warm-up" column telling
+them apart (0: a job's connections first carry these cases, as a training job's do).
 
 The bound is the time the busiest NIC needs for the bytes it must send:
 k (H-1)/H S 8 / R, with k = 2 for all_reduce and 1 for all_gather and reduce_scatter
@@ -58,6 +63,7 @@ from torch_sagemaker.bench.bare_tcp import BARE_TCP
 from torch_sagemaker.bench.cost_model import nic_factor
 
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("smddp", "smddp-mesh", "smddp-ring", "gloo", BARE_TCP)
 MASTER_PORT = 29530  # inside the hosts' private network
 
@@ -193,6 +199,8 @@ def run_layout(
     congestion: str | None = netns.AUTO_CONGESTION,
     slow_start_after_idle: int | None = None,
     warmup_largest: int = WARMUP_LARGEST,
+    dtypes: list[str] | None = None,
+    switch_queue_bytes: int | None = netns.SWITCH_QUEUE_BYTES,
 ) -> dict[str, Any]:
     """Runs one layout's job.
 
@@ -216,6 +224,10 @@ def run_layout(
             kernel's default (1).
         warmup_largest: Untimed calls at the largest size before each op's sweep, on each
             backend (Note [Each backend's sweep back to back]).
+        dtypes: The operands' element types (torch's names: float32, bfloat16, float16);
+            default float32. Sizes stay in bytes, so the bound is the dtype's bytes.
+        switch_queue_bytes: Each switch port's queue (Note [Shallow switch ports] in
+            netns.py); None: a 50 ms queue.
 
     Returns:
         ``{"rows": one per op, size and backend, "identical": None, or with ``identical``
@@ -244,6 +256,7 @@ def run_layout(
             "train_steps": train_steps,
             "timeline": timeline,
             "warmup_largest": warmup_largest,
+            "dtypes": dtypes or ["float32"],
             "out": out,
         }
         command = [sys.executable, "-m", __spec__.name, "--host", "{host}", json.dumps(spec)]
@@ -256,6 +269,7 @@ def run_layout(
             rate_bits,
             congestion=congestion,
             slow_start_after_idle=slow_start_after_idle,
+            switch_queue_bytes=switch_queue_bytes,
         )
         if done.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"layout {hosts}x{local} failed:\n{done.stdout[-6000:]}")
@@ -319,9 +333,10 @@ def table(rows: list[dict], rate_bits: int) -> str:
 
     by_key: dict[tuple, dict[str, dict]] = {}
     for r in rows:
-        by_key.setdefault((r["layout"], r["op"], r["bytes"]), {})[r["backend"]] = r
+        key = (r["layout"], r.get("dtype", "float32"), r.get("warmup"), r["op"], r["bytes"])
+        by_key.setdefault(key, {})[r["backend"]] = r
     backends = sorted({r["backend"] for r in rows}, key=lambda b: BACKENDS.index(b))
-    head = ["layout", "op", "size", "bound ms"]
+    head = ["layout", "dtype", "warm-up", "op", "size", "bound ms"]
     for b in backends:
         head += [f"{b} ms", f"{b} of bound", f"{b} wire", f"{b} drops"]
     compared = [b for b in backends if b != BARE_TCP]
@@ -331,10 +346,11 @@ def table(rows: list[dict], rate_bits: int) -> str:
     if ceiling:
         head += [f"{b} of {BARE_TCP}" for b in compared]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for (layout, op, size), per in by_key.items():
+    for (layout, dtype, warmup, op, size), per in by_key.items():
         hosts = int(layout.split("x")[0])
         bound = min_bytes(op, hosts, size) * 8 / rate_bits
-        cells = [layout, op, format_size(size), f"{bound * 1e3:.1f}"]
+        warm = "-" if warmup is None else str(warmup)
+        cells = [layout, dtype, warm, op, format_size(size), f"{bound * 1e3:.1f}"]
         for b in backends:
             if b not in per:
                 cells += ["-"] * 4
@@ -377,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         rank_main(json.loads(argv[1]))
         return 0
     from torch_sagemaker.bench.collectives import parse_size
+    from torch_sagemaker.bench.collectives_report import format_size
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layouts", type=comma_list(), default=["2x1", "4x1", "2x2", "4x2"])
@@ -405,10 +422,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--iters", type=int, default=5)
     p.add_argument(
+        "--dtypes",
+        type=comma_list(DTYPES),
+        default=["float32"],
+        help=f"the operands' element types, of {', '.join(DTYPES)} (sizes stay in bytes)",
+    )
+    p.add_argument(
+        "--switch-queue",
+        default="2M",
+        help="bytes each switch port queues towards its host (Note [Shallow switch ports]); "
+        "'deep' for a 50 ms queue",
+    )
+    p.add_argument(
         "--warmup-largest",
-        type=int,
-        default=WARMUP_LARGEST,
-        help="untimed calls at the largest size before each op's sweep, on each backend",
+        type=comma_list(),
+        default=[str(WARMUP_LARGEST)],
+        help="untimed calls at the largest size before each op's sweep, on each backend; "
+        "several (e.g. 5,0) run the layouts once each",
     )
     p.add_argument("--timeout", type=float, default=600, help="seconds for one layout's job")
     p.add_argument("--json", default=None, help="also write the rows to this file")
@@ -467,8 +497,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     model.add_argument("--plot", default=None, help="write all_reduce's predicted busbw here")
     args = p.parse_args(argv)
-    if args.warmup_largest < 0:
-        p.error(f"--warmup-largest {args.warmup_largest}: a count of calls, 0 or more")
+    try:
+        warmups = [int(w) for w in args.warmup_largest]
+    except ValueError:
+        warmups = [-1]
+    if any(w < 0 for w in warmups):
+        p.error(f"--warmup-largest {','.join(args.warmup_largest)}: counts of calls, 0 or more")
     if args.fit:
         runs = []
         for path in args.fit:
@@ -479,6 +513,12 @@ def main(argv: list[str] | None = None) -> int:
         rate = netns.parse_rate(args.rate)
         # Checked before any host starts (Note [Simulated hosts run cubic]).
         netns.resolve_congestion(args.congestion)
+        queue = None if args.switch_queue == "deep" else parse_size(args.switch_queue)
+        if queue is not None and queue < netns.BURST_BYTES:
+            raise ValueError(
+                f"--switch-queue {args.switch_queue}: at least one burst"
+                f" ({netns.BURST_BYTES} bytes), or 'deep'"
+            )
     except ValueError as e:
         p.error(str(e))
     reason = netns.unavailable_reason()
@@ -492,28 +532,31 @@ def main(argv: list[str] | None = None) -> int:
     per_host: list[dict[str, str]] = []  # every job's hosts, as their kernels reported
     why = ""
     train = [b for b in args.backends if b != BARE_TCP] if args.train else []
-    for hosts, local in layouts:
-        got = run_layout(
-            hosts,
-            local,
-            rate,
-            args.ops,
-            sizes,
-            args.backends,
-            args.iters,
-            args.timeout,
-            train_backends=train,
-            train_steps=args.train_steps,
-            timeline=args.timeline,
-            congestion=args.congestion,
-            slow_start_after_idle=args.slow_start_after_idle,
-            warmup_largest=args.warmup_largest,
-        )
-        rows += got["rows"]
-        per_host += got["hosts"]
-        why = got["congestion_why"]
-        if train:
-            trained[f"{hosts}x{local}"] = got["training"]
+    for warmup in warmups:
+        for hosts, local in layouts:
+            got = run_layout(
+                hosts,
+                local,
+                rate,
+                args.ops,
+                sizes,
+                args.backends,
+                args.iters,
+                args.timeout,
+                train_backends=train if warmup == warmups[0] else [],
+                train_steps=args.train_steps,
+                timeline=args.timeline,
+                congestion=args.congestion,
+                slow_start_after_idle=args.slow_start_after_idle,
+                warmup_largest=warmup,
+                dtypes=args.dtypes,
+                switch_queue_bytes=queue,
+            )
+            rows += got["rows"]
+            per_host += got["hosts"]
+            why = got["congestion_why"]
+            if train and warmup == warmups[0]:
+                trained[f"{hosts}x{local}"] = got["training"]
     for world in sorted({h * loc for h, loc in layouts}) if train else []:
         got = run_layout(
             1,
@@ -528,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
             train,
             congestion=args.congestion,
             slow_start_after_idle=args.slow_start_after_idle,
+            switch_queue_bytes=queue,
         )
         trained[f"1x{world}"] = got["training"]
         per_host += got["hosts"]
@@ -536,13 +580,10 @@ def main(argv: list[str] | None = None) -> int:
     whose = f" ({why})" if why else ""
     print(
         f"NIC rate {args.rate} per host, both directions; TCP congestion control {ran}{whose};"
-        f" slow start after idle {ran_setting(per_host, 'slow_start_after_idle')}; float32;"
-        f" median of {args.iters} calls, each backend's sweep back to back"
-        + (
-            f" after {args.warmup_largest} calls at the largest size"
-            if args.warmup_largest
-            else " with no warm-up at the largest size"
-        )
+        f" slow start after idle {ran_setting(per_host, 'slow_start_after_idle')};"
+        f" switch ports queue {'50 ms' if queue is None else format_size(queue)};"
+        f" median of {args.iters} calls, each backend's sweep back to back; warm-up: calls at"
+        " the largest size before each op's sweep (0: none)"
     )
     print(table(rows, rate))
     if args.timeline:
@@ -563,7 +604,9 @@ def main(argv: list[str] | None = None) -> int:
         "congestion_why": why,
         "hosts": per_host,
         "slow_start_after_idle": args.slow_start_after_idle,  # the hosts' sysctl
-        "warmup_largest": args.warmup_largest,
+        "warmup_largest": warmups,
+        "dtypes": args.dtypes,
+        "switch_queue_bytes": queue,  # None: a 50 ms queue
         "sweep": "backend",  # each backend's cases back to back (before: each case in turn)
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "recorded": time.strftime("%Y-%m-%d %H:%M %Z"),

@@ -28,6 +28,7 @@ class Step(NamedTuple):
     op: str
     size: int
     warmup_calls: int  # > 0: only that many untimed calls; 0: a measured case
+    dtype: str = "float32"  # the operands' element type (torch's name, without "torch.")
 
 
 def schedule(spec: dict[str, Any]) -> Iterator[Step]:
@@ -36,18 +37,20 @@ def schedule(spec: dict[str, Any]) -> Iterator[Step]:
     Every rank runs the same steps in the same order: each is collective.
 
     Args:
-        spec: The job's spec: ``backends``, ``ops``, ``sizes`` and ``warmup_largest``.
+        spec: The job's spec: ``backends``, ``ops``, ``sizes``, ``warmup_largest`` and
+            ``dtypes`` (default float32).
 
     Yields:
-        For each backend, for each op: the warm-up at the largest size (where
+        For each backend, for each dtype, for each op: the warm-up at the largest size (where
         ``warmup_largest`` is above 0), then a measured case per size, in the order given.
     """
     for backend in spec["backends"]:
-        for op in spec["ops"]:
-            if spec["sizes"] and spec.get("warmup_largest", 0) > 0:
-                yield Step(backend, op, max(spec["sizes"]), spec["warmup_largest"])
-            for size in spec["sizes"]:
-                yield Step(backend, op, size, 0)
+        for dtype in spec.get("dtypes", ["float32"]):
+            for op in spec["ops"]:
+                if spec["sizes"] and spec.get("warmup_largest", 0) > 0:
+                    yield Step(backend, op, max(spec["sizes"]), spec["warmup_largest"], dtype)
+                for size in spec["sizes"]:
+                    yield Step(backend, op, size, 0, dtype)
 
 
 def _identical_results(group) -> dict[str, Any]:
@@ -93,6 +96,26 @@ def _identical_results(group) -> dict[str, Any]:
     return out
 
 
+TRAINING_SEQ = 128
+TRAINING_BATCH = 2  # sequences per rank
+
+
+def training_config():
+    """The small Llama ``--train`` trains (hidden 256, 4 layers, vocab 8000)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=8000,
+        hidden_size=256,
+        intermediate_size=256 * 11 // 4,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=TRAINING_SEQ,
+        attn_implementation="sdpa",
+    )
+
+
 def _training(group, spec: dict[str, Any]) -> float:
     """Tokens/s of FSDP2 training a small Llama on ``group``'s ranks.
 
@@ -103,20 +126,12 @@ def _training(group, spec: dict[str, Any]) -> float:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    hidden, seq, batch, vocab = 256, 128, 2, 8000
+    seq, batch = TRAINING_SEQ, TRAINING_BATCH
+    config = training_config()
+    vocab = config.vocab_size
     torch.manual_seed(0)
-    config = LlamaConfig(  # type: ignore[call-arg]
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=hidden * 11 // 4,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        max_position_embeddings=seq,
-        attn_implementation="sdpa",
-    )
     model = LlamaForCausalLM(config).float()
     mesh = DeviceMesh.from_group(group, "cpu")
     for layer in model.model.layers:
@@ -184,7 +199,8 @@ def rank_main(spec: dict[str, Any]) -> None:
         every: list[Any] = [None] * world
         dist.all_gather_object(every, mine)
         if rank == 0:
-            rows.append(_row(spec, step.op, actual, step.backend, algorithms[step.backend], every))
+            row = _row(spec, step.op, actual, step.backend, algorithms[step.backend], every)
+            rows.append(dict(row, dtype=step.dtype, warmup=spec.get("warmup_largest", 0)))
     if rank == 0:
         with open(spec["out"], "w") as f:
             json.dump(
@@ -218,17 +234,19 @@ def _case(
         ``(run, check, actual bytes)``: ``run()`` makes one call, ``check()`` one call whose
         result it checks (True where right).
     """
+    import torch
     import torch.distributed as dist
 
     from torch_sagemaker.bench.collectives import make_case
 
+    dtype = getattr(torch, step.dtype)
     if step.backend == BARE_TCP:
         assert bare is not None
         # make_case only for the size it rounds to: the bare streams move bytes.
-        _, _, actual = make_case(step.op, step.size, world, rank, dist.group.WORLD)
+        _, _, actual = make_case(step.op, step.size, world, rank, dist.group.WORLD, dtype=dtype)
         run, check = bare.case(step.op, actual)
         return run, check, actual
-    return make_case(step.op, step.size, world, rank, groups[step.backend])
+    return make_case(step.op, step.size, world, rank, groups[step.backend], dtype=dtype)
 
 
 def _measure(

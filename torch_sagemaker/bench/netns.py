@@ -42,6 +42,14 @@ SWITCH_PID_VARIABLE = "TSM_NETNS_SWITCH_PID"
 BURST_BYTES = 96 * 1024
 BURST = f"{BURST_BYTES // 1024}kb"  # tc's kb: 1024 bytes
 QUEUE_LATENCY = "50ms"  # how long a packet may wait in the bucket's queue before it drops
+# Note [Shallow switch ports]
+# A datacenter switch port queues a few MiB at most (shared buffers of tens of MiB over
+# dozens of ports), so several hosts sending to one (the mesh's incast) lose packets there
+# and TCP backs off. A 50 ms queue at 2 Gbit/s holds 12.5 MB, and hides what a job on a real
+# fabric meets. So run_hosts can bound the switch ports' queues in bytes (tbf's limit); the
+# hosts' own uploads keep QUEUE_LATENCY, as a host's qdisc and NIC ring queue what its own
+# flows send. bench multihost's default is SWITCH_QUEUE_BYTES.
+SWITCH_QUEUE_BYTES = 2 << 20
 
 # Note [Simulated hosts run cubic]
 # A network namespace starts with the machine's TCP congestion control, whatever the machine's
@@ -82,7 +90,7 @@ hostname "$1"
 ip link set lo up
 n=0
 until ip link show eth0 >/dev/null 2>&1; do
-  n=$((n + 1)); [ "$n" -le 500 ] || { echo "eth0 never appeared" >&2; exit 97; }
+  n=$((n + 1)); [ "$n" -le 3000 ] || { echo "eth0 never appeared in 60 s" >&2; exit 97; }
   sleep 0.02
 done
 ip addr add "$2/24" dev eth0
@@ -241,6 +249,7 @@ def run_hosts(
     host_name: str = HOST_NAME,
     congestion: str | None = None,
     slow_start_after_idle: int | None = None,
+    switch_queue_bytes: int | None = None,
 ) -> subprocess.CompletedProcess:
     """Runs ``command`` on ``hosts`` simulated hosts joined by a switch; output is merged.
 
@@ -256,6 +265,8 @@ def run_hosts(
             machine's (Note [Simulated hosts run cubic]).
         slow_start_after_idle: The hosts' ``net.ipv4.tcp_slow_start_after_idle``, 0 or 1;
             None: the kernel's default for a new namespace (1).
+        switch_queue_bytes: With a rate, the most bytes each switch port queues towards its
+            host (Note [Shallow switch ports]); None: QUEUE_LATENCY's worth.
 
     Returns:
         The finished switch process: ``returncode`` 0 when every host's command succeeded,
@@ -273,6 +284,13 @@ def run_hosts(
     argv += ["--hosts", str(hosts), "--timeout", str(timeout_s), "--host-name", host_name]
     if rate_bits:
         argv += ["--rate-bits", str(rate_bits)]
+    if switch_queue_bytes is not None:
+        if switch_queue_bytes < BURST_BYTES:
+            raise ValueError(
+                f"switch_queue_bytes={switch_queue_bytes}: a switch port must queue at least"
+                f" one burst ({BURST_BYTES} bytes), or whole offload segments never pass"
+            )
+        argv += ["--queue-bytes", str(switch_queue_bytes)]
     if congestion:
         argv += ["--congestion", congestion]
     if slow_start_after_idle is not None:
@@ -343,10 +361,11 @@ def own_counters(interface: str = "eth0") -> dict[str, int]:
     return counters
 
 
-def _shape(prefix: list[str], device: str, rate_bits: int) -> None:
+def _shape(prefix: list[str], device: str, rate_bits: int, queue_bytes: int | None) -> None:
+    queue = ["limit", str(queue_bytes)] if queue_bytes else ["latency", QUEUE_LATENCY]
     subprocess.run(
         [*prefix, "tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{rate_bits}bit"]
-        + ["burst", BURST, "latency", QUEUE_LATENCY],
+        + ["burst", BURST, *queue],
         check=True,
     )
 
@@ -384,7 +403,7 @@ def _start_host(
     )
 
 
-def _wait_own_network(host: subprocess.Popen, timeout_s: float = 10.0) -> None:
+def _wait_own_network(host: subprocess.Popen, timeout_s: float = 60.0) -> None:
     mine = os.readlink("/proc/self/ns/net")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -397,7 +416,9 @@ def _wait_own_network(host: subprocess.Popen, timeout_s: float = 10.0) -> None:
     raise TimeoutError(f"host process {host.pid} did not enter its namespaces in {timeout_s} s")
 
 
-def _cable(index: int, host: subprocess.Popen, rate_bits: int | None) -> None:
+def _cable(
+    index: int, host: subprocess.Popen, rate_bits: int | None, queue_bytes: int | None
+) -> None:
     port = f"h{index}"
     subprocess.run(
         ["ip", "link", "add", port, "type", "veth", "peer", "name", "eth0"]
@@ -406,8 +427,9 @@ def _cable(index: int, host: subprocess.Popen, rate_bits: int | None) -> None:
     )
     subprocess.run(["ip", "link", "set", port, "master", "br0", "up"], check=True)
     if rate_bits:
-        _shape([], port, rate_bits)  # the host's download
-        _shape(["nsenter", f"--net=/proc/{host.pid}/ns/net"], "eth0", rate_bits)  # its upload
+        _shape([], port, rate_bits, queue_bytes)  # the host's download: the switch's port
+        upload = ["nsenter", f"--net=/proc/{host.pid}/ns/net"]
+        _shape(upload, "eth0", rate_bits, None)  # its upload
 
 
 def _kill_tree(host: subprocess.Popen) -> None:
@@ -423,6 +445,7 @@ def _switch(
     host_name: str,
     congestion: str | None,
     slow_start_after_idle: int | None,
+    queue_bytes: int | None = None,
 ) -> int:
     with contextlib.ExitStack() as stack:
         _private_etc_hosts(stack, hosts, host_name)
@@ -438,7 +461,14 @@ def _switch(
         try:
             for i, proc in enumerate(procs):
                 _wait_own_network(proc)
-                _cable(i, proc, rate_bits)
+                try:
+                    _cable(i, proc, rate_bits, queue_bytes)
+                except subprocess.CalledProcessError:
+                    # A host whose set-up failed (an unsettable congestion control, say)
+                    # may exit before its cable is in, taking its namespace with it: its
+                    # log says why, below; anything else is the switch's own failure.
+                    if proc.poll() is None:
+                        raise
             deadline = time.monotonic() + timeout_s
             # A host that failed leaves the others waiting for it: stop them all at once.
             while (
@@ -474,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate-bits", type=int, default=None)
     p.add_argument("--host-name", default=HOST_NAME)
     p.add_argument("--congestion", default=None, help="the hosts' TCP congestion control")
+    p.add_argument("--queue-bytes", type=int, default=None, help="each switch port's queue")
     p.add_argument(
         "--slow-start-after-idle",
         type=int,
@@ -492,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         args.host_name,
         args.congestion,
         args.slow_start_after_idle,
+        args.queue_bytes,
     )
 
 

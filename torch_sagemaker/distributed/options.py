@@ -44,6 +44,8 @@ class SMDDPOptions:
         socket_ifname: Network interface whose IPv4 address to use instead.
         net_chunk_bytes: Collectives across hosts send each part in messages of this size.
         net_algo: How collectives cross 3 hosts or more: "mesh", "ring" or "auto".
+        net_reduce_dtype: The type bf16/fp16 reductions send partial sums between hosts in:
+            "auto" (their own, half of fp32's bytes) or "fp32".
         timeline: Record when each collective and its phases across hosts began and ended.
         staging_chunk_bytes: Device tensors: bytes copied and reduced at a time (4K to 1G).
         staging_memory: Device tensors: host memory the copies land in, "auto", "pinned"
@@ -67,6 +69,7 @@ class SMDDPOptions:
     socket_ifname: str | None = None
     net_chunk_bytes: int | str | None = None
     net_algo: str | None = None
+    net_reduce_dtype: str | None = None
     timeline: bool | None = None
     staging_chunk_bytes: int | str | None = None
     staging_memory: str | None = None

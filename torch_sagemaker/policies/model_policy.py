@@ -35,7 +35,8 @@ STYLES: Mapping[str, str] = {
     # The replicated-activation layout of transformers' own plans (policies built from a
     # model's base_model_tp_plan; tensor_parallel.replicated_styles): activations between
     # the split regions are whole plain tensors on every rank.
-    "colwise_gather": "Linear (or Embedding: hidden dim) split by output features; output gathered",
+    "colwise_gather": "Linear split by output features; output all-gathered (whole)",
+    "hidden_embedding": "Embedding split over the hidden dimension; output all-gathered",
     "rowwise_allreduce": "Linear split by input features; output all-reduced (whole on every rank)",
     "rowwise_split_input": "rowwise_allreduce whose input arrives whole and is split locally",
     "vocab_embedding_allreduce": "Embedding split over the vocabulary; output all-reduced",
@@ -131,6 +132,81 @@ class MoESpec:
         return bool(getattr(config, self.normalize_top_k))
 
 
+#: Sizes a ``Saved`` may name, per token (``layer``-region terms: once per layer).
+SAVED_SIZES = (
+    "hidden",  # hidden_size
+    "q",  # query heads x head_dim
+    "kv",  # key/value heads x head_dim
+    "heads",  # query heads
+    "mlp",  # the dense MLP's intermediate size
+    "one",  # a scalar per token
+    "vocab",  # vocabulary
+    "experts",  # experts per MoE layer
+    "topk",  # experts per token
+    "expert_mlp",  # one expert's intermediate size
+    "shared_mlp",  # a shared expert's intermediate size
+)
+#: Where a saved tensor lives, which decides how parallelism divides it.
+SAVED_REGIONS = (
+    "sequence",  # between parallel regions: sequence parallelism splits the tokens over TP
+    "gathered",  # the all-gathered input of a parallel region: every token, whole
+    "split",  # inside a parallel region: every token, heads/columns/vocabulary split over TP
+    "routed",  # per (token, chosen expert) row of an MoE block: tokens x topk rows, whole
+    "positions",  # per position, not per sequence (rotary tables)
+)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """Tensors a part of the model saves for backward, sized per token it holds.
+
+    The parallelism planner adds them up to predict saved activations (docs/planner.md).
+    They describe what the Hugging Face implementation of a family saves (what PyTorch's
+    autograd keeps of each op), read off a ``saved_tensors_hooks`` run, and the planner's
+    validation measures them again (tests/distributed/test_planner_memory.py).
+
+    Attributes:
+        size: One of ``SAVED_SIZES``.
+        dtype: ``"compute"`` (the activations' dtype), ``"float32"``, ``"int64"``, ``"int32"``
+            or ``"bool"``.
+        region: One of ``SAVED_REGIONS``.
+        count: How many such tensors.
+    """
+
+    size: str
+    dtype: str = "compute"
+    region: str = "split"
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if self.size not in SAVED_SIZES or self.region not in SAVED_REGIONS:
+            raise ValueError(
+                f"Saved({self.size!r}, region={self.region!r}): size must be one of "
+                f"{SAVED_SIZES} and region one of {SAVED_REGIONS}."
+            )
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """What a family's Hugging Face implementation saves for backward, per part.
+
+    Attributes:
+        attention: A layer's attention half (its norm, projections, attention kernel).
+        mlp: A dense layer's MLP half (its norm and MLP).
+        moe: A sparse layer's MLP half with the model's own MoE block (router, experts), or
+            empty for dense families.
+        final: The final norm and the LM head's input.
+        rotary_fraction_attr: Config attribute with the fraction of each head that rotary
+            embeddings rotate (``None``: all of it).
+    """
+
+    attention: tuple[Saved, ...]
+    mlp: tuple[Saved, ...]
+    final: tuple[Saved, ...]
+    moe: tuple[Saved, ...] = ()
+    rotary_fraction_attr: str | None = None
+
+
 @dataclass(frozen=True)
 class ModelPolicy:
     """How to tensor-parallelize one model family.
@@ -160,6 +236,8 @@ class ModelPolicy:
         heads_split: Whether the plan splits the attention heads over the TP ranks (then the
             degree must divide them). ``False`` when the attention projections are gathered
             (``colwise_gather``) and every rank computes every head.
+        activations: What the family saves for backward (the parallelism planner's memory
+            model), or ``None`` where it is not described.
         notes: Free text shown in the docs (limits, choices).
     """
 
@@ -174,6 +252,7 @@ class ModelPolicy:
     tp_split_sizes: Mapping[str, str] = field(default_factory=dict)
     moe: MoESpec | None = None
     sliding_window_attr: str | None = None
+    activations: ActivationProfile | None = None
     heads_split: bool = True
     notes: str = ""
 
@@ -327,11 +406,15 @@ def check_model(policy: ModelPolicy, config: Any, tp: int) -> HeadSplit:
 
 
 __all__ = [
+    "SAVED_REGIONS",
+    "SAVED_SIZES",
     "STYLES",
+    "ActivationProfile",
     "HeadSplit",
-    "config_value",
-    "MoESpec",
     "ModelPolicy",
+    "MoESpec",
+    "Saved",
+    "config_value",
     "check_model",
     "split_heads",
 ]

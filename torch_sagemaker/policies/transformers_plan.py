@@ -54,7 +54,7 @@ _LINEAR_STYLES = {
 #: transformers' styles whose module must be an ``nn.Embedding``, and ours for them.
 _EMBEDDING_STYLES = {
     "embedding_rowwise": "vocab_embedding_allreduce",
-    "embedding_colwise": "colwise_gather",
+    "embedding_colwise": "hidden_embedding",
 }
 #: transformers' styles for any module, and ours for them.
 _MODULE_STYLES = {

@@ -5,9 +5,12 @@
 
 - ``DTensorBackend``: PyTorch-native (``parallelize_module`` with DTensor styles). Runs on
   any device, including CPU; this is what the test suite exercises.
-- ``TransformerEngineBackend`` (``tensor_parallel.te``): swaps the plan's linear layers for
-  Transformer Engine modules. Chosen automatically when ``transformer_engine`` imports and
-  CUDA is available; ``use_backend("dtensor")`` overrides the choice.
+- ``TransformerEngineBackend`` (``tensor_parallel.te``, name ``"te"``): swaps the plan's
+  linear layers for Transformer Engine modules. Chosen automatically for
+  tensor_parallel_degree > 1 when ``transformer_engine`` imports and CUDA is available;
+  ``use_backend("dtensor")`` overrides the choice. At degree 1 nothing is split, and the
+  layers become Transformer Engine's only with ``use_backend("te")`` (FP8 through
+  Transformer Engine, ``torch_sagemaker/fp8/prepare.py``).
 
 Both take the same arguments and leave module names and state_dict keys unchanged.
 """
@@ -95,6 +98,11 @@ def use_backend(name: str | None) -> None:
     _FORCED = name
 
 
+def forced_backend() -> str | None:
+    """The name ``use_backend`` forced (``"dtensor"`` or ``"te"``), ``None`` for automatic."""
+    return _FORCED
+
+
 def select_backend(policy: ModelPolicy | None = None) -> TPBackend:
     """The forced backend, else Transformer Engine or DTensor, chosen for ``policy``.
 
@@ -108,4 +116,11 @@ def select_backend(policy: ModelPolicy | None = None) -> TPBackend:
     return DTensorBackend()
 
 
-__all__ = ["DTensorBackend", "TPBackend", "select_backend", "te_available", "use_backend"]
+__all__ = [
+    "DTensorBackend",
+    "TPBackend",
+    "forced_backend",
+    "select_backend",
+    "te_available",
+    "use_backend",
+]

@@ -405,7 +405,8 @@ def make_replicated_style(
         ValueError: For a name this module does not define.
     """
     style: ParallelStyle
-    if name == "colwise_gather":  # Linear (or Embedding: hidden dim) split, output gathered
+    if name in ("colwise_gather", "hidden_embedding"):  # split output features, gathered
+        # (ColwiseParallel splits a Linear's weight along 0 and an Embedding's along 1)
         style = OwnedOutput(ColwiseParallel(output_layouts=Replicate()))
     elif name == "rowwise_allreduce":
         style = OwnedOutput(RowwiseParallel())
@@ -437,6 +438,7 @@ def make_replicated_style(
 #: Style names ``make_replicated_style`` defines (documented in ``policies.STYLES``).
 REPLICATED_STYLES = (
     "colwise_gather",
+    "hidden_embedding",
     "rowwise_allreduce",
     "rowwise_split_input",
     "vocab_embedding_allreduce",

@@ -348,8 +348,65 @@ def make_style(name: str, *, head_dim: int = 0, kv_head: int | None = None) -> P
     return style
 
 
+#: The dimension each style splits its module's parameters along (by attribute name, ``*``
+#: for the others), or ``None`` for replicated. It restates, as data, what ``make_style``'s
+#: styles do to parameters (PyTorch's ``ColwiseParallel`` splits weight and bias along 0,
+#: ``RowwiseParallel`` the weight along 1 and replicates the bias; on an ``nn.Embedding``
+#: it splits the vocabulary, dim 0), so that the parallelism planner can size every rank's
+#: shards without building a mesh. tests/distributed/test_planner_memory.py checks the
+#: planner's bytes against the DTensors these styles make.
+PARAM_SPLIT_DIMS: dict[str, dict[str, int | None]] = {
+    "colwise": {"*": 0},
+    "kv_colwise": {"*": 0},  # replicated instead when kv heads are fewer than the degree
+    "rowwise": {"weight": 1, "*": None},
+    "vocab_embedding": {"*": 0},
+    "lm_head": {"*": 0},
+    "sequence_parallel_norm": {"*": None},
+    "sequence_parallel_dropout": {"*": None},
+    "replicate": {"*": None},
+    "experts": {"*": 0},
+    "reduce_scatter_output": {"*": None},
+    # The replicated-activation layout (replicated_styles, plans built from transformers').
+    "colwise_gather": {"*": 0},
+    "hidden_embedding": {"*": 1},
+    "rowwise_allreduce": {"weight": 1, "*": None},
+    "rowwise_split_input": {"weight": 1, "*": None},
+    "vocab_embedding_allreduce": {"*": 0},
+    "replicate_local": {"*": None},
+    "replicate_partial_grad": {"*": None},
+    "reduce_output": {"*": None},  # its bare parameters are split by entries of their own
+    "local_params": {"*": None},  # likewise
+    "experts_allreduce": {"*": 0},
+    "experts_batched": {"*": 0},
+    "mla_kv_a_proj": {"*": None},
+    "sequence_parallel_local": {"*": None},
+    "param_colwise": {"*": 0},  # the 1-D and 2-D bare parameters plans name
+    "param_rowwise": {"*": -1},  # (a 1-D one is replicated)
+}
+
+
+def param_split_dim(style: str, attr: str, *, kv_replicated: bool = False) -> int | None:
+    """The dimension ``style`` splits its module's parameter ``attr`` along, or ``None``.
+
+    Args:
+        style: A style name of ``torch_sagemaker.policies.STYLES``.
+        attr: The parameter's attribute name on its module (``"weight"``, ``"bias"``).
+        kv_replicated: The model has fewer kv heads than ranks (``kv_colwise`` replicates).
+
+    Raises:
+        ValueError: For an unknown style.
+    """
+    if style not in PARAM_SPLIT_DIMS:
+        raise ValueError(f"unknown tensor parallel style {style!r}.")
+    if style == "kv_colwise" and kv_replicated:
+        return None
+    dims = PARAM_SPLIT_DIMS[style]
+    return dims.get(attr, dims["*"])
+
+
 __all__ = [
     "AllReduceGrad",
+    "PARAM_SPLIT_DIMS",
     "ExpertsParallel",
     "ReplicateParallel",
     "ReplicatedKVColwise",
@@ -357,5 +414,6 @@ __all__ = [
     "SequenceParallelNorm",
     "distribute_params",
     "make_style",
+    "param_split_dim",
     "to_local_partial_grad",
 ]

@@ -12,7 +12,8 @@
 // for bf16/fp16), then every handler sends its partial of a part to the part's rank over TCP
 // (one hop, a full mesh), which reduces them in host order. From 3 hosts with equal rank
 // counts on, the rail may instead pass the partials around a ring (Note [Rail rings] in
-// comm_ring.cpp). All-gather is the mirror image: each rank sends its part to the part's
+// net_ring.cpp); the group's inter-host algorithm is chosen once (Note [Inter-host algorithms]
+// in net_algorithm.h). All-gather is the mirror image: each rank sends its part to the part's
 // handlers on the other hosts over TCP, then a shared-memory all-gather inside the host.
 // All-reduce = reduce-scatter + all-gather over N parts. The reduction order (local ranks in
 // order, then hosts in an order fixed by the algorithm) is fixed, so every rank gets
@@ -27,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "smddp/algorithms/net_algorithm.h"
 #include "smddp/common/settings.h"
 #include "smddp/common/timeline.h"
 #include "smddp/transport/shm/shm.h"
@@ -39,16 +41,6 @@ namespace shm {
 class ReduceScatterSteps;  // algorithms/shm_algos.h
 class AllGatherSteps;
 }  // namespace shm
-
-// Copies `len` bytes a slice per call and says whether more remain: an exchange's work
-// (Exchange::work; Note [Own part during the exchange] in comm_hier.cpp).
-struct SliceCopy {
-  char* dst = nullptr;
-  const char* src = nullptr;
-  size_t len = 0;
-  size_t done = 0;
-  bool operator()();
-};
 
 // Whether the ranks whose kernel boot_id is my_boot outnumber the CPUs in the union of their
 // affinity masks (hex, CPUs 4k..4k+3 in digit k): Note [Hosts that share CPUs] in comm.cpp.
@@ -78,20 +70,13 @@ struct CommConfig {
   Settings settings;  // Note [Settings] in settings.h
 };
 
-struct Layout {
-  int hosts = 1, host = 0, local_rank = 0;
-  int local_size = 1;                     // ranks on this rank's host
-  std::vector<std::vector<int>> members;  // host -> group ranks on it (ascending)
-  bool forced = false;                    // SMDDP_FORCE_LOCAL_SIZE (or force_hosts) in effect
-  bool uniform = true;                    // every host has as many ranks (Note [Unequal hosts])
-};
-
-class Communicator {
+// NetGroup: what the group's inter-host algorithm reads of it (net_algorithm.h).
+class Communicator : private NetGroup {
  public:
   Communicator(KeyValue& kv, CommConfig cfg);
-  ~Communicator();
+  ~Communicator() override;
 
-  const Layout& layout() const { return layout_; }
+  const Layout& layout() const override { return layout_; }
   // This group's ranks on this machine outnumber their CPUs (Note [Hosts that share CPUs]).
   bool machine_oversubscribed() const { return machine_oversubscribed_; }
   const CommConfig& config() const { return cfg_; }
@@ -156,11 +141,11 @@ class Communicator {
   std::shared_ptr<ShmPool> pool() const { return shm_ ? shm_->pool() : nullptr; }
   // Collectives that read their operands in place from the pools (for tests and stats).
   uint64_t zero_copy_ops() const { return zero_copy_ops_.load(); }
-  // Collectives that crossed hosts in a ring (Note [Rail rings] in comm_ring.cpp).
-  uint64_t rail_ring_ops() const { return rail_ring_ops_.load(); }
-  // Whether a collective crosses hosts in a ring rather than the mesh (fixed at creation:
-  // the layout and the group's net_algo setting decide it).
-  bool rail_ring_chosen() const;
+  // How this group's collectives cross hosts ("mesh", "ring"; "none" on one host), chosen
+  // once at creation (Note [Inter-host algorithms] in net_algorithm.h).
+  const char* net_algorithm() const { return net_algo_ ? net_algo_->name() : "none"; }
+  // Collectives that crossed hosts (with net_algorithm()).
+  uint64_t net_ops() const { return net_ops_.load(); }
   // Network messages a collective received from a rank of this host (tests: the
   // hierarchical collectives keep those in shared memory; all_to_all does not).
   uint64_t local_net_messages() const { return local_net_messages_.load(); }
@@ -188,75 +173,28 @@ class Communicator {
                            const Reduction& red, const OpCtx& ctx);
   void hier_allgather(const void* src, void* out, const std::vector<Span>& parts, const OpCtx& ctx);
   void hier_allreduce(void* data, size_t count, const Reduction& red, const OpCtx& ctx);
-  // The messages a part of `len` units of `esz` bytes crosses the network in (at least one).
-  std::vector<Span> net_chunks(size_t len, size_t esz) const;
-  // The largest such message, in bytes (Note [A message per local step] in comm_hier.cpp).
+  // The largest message of a part across hosts, in bytes (Note [A message per local step] in
+  // comm_hier.cpp).
   size_t net_chunk_bytes() const;
   class LocalGather;  // below
-  // This host's partial sums (accumulation type) of the parts I handle: the input itself,
-  // or made by shared-memory steps that run during the exchange.
-  struct HostPartials {
-    std::vector<void*> ptr;                          // by position in owned[local_rank]
-    std::vector<std::vector<int>> owned;             // handled(), read by `steps`
-    std::unique_ptr<shm::ReduceScatterSteps> steps;  // null: ptr holds them all already
-    // Elements from the start of part `part` (a group rank's part, one this rank handles;
-    // not an index into ptr) that are final here.
-    size_t ready(int part) const;
-    ~HostPartials();
-  };
-  // in_ring_order: the steps make the parts final host by host, in the order a rail ring
-  // needs them (Note [Parts in the order the ring needs them] in comm_ring.cpp).
+  // Starts the shared-memory steps that make this host's partial sums of the parts I handle
+  // (or points at the input, where it is them), in the phases the algorithm needs.
   void start_host_partials(HostPartials& hp, const void* in, const std::vector<Span>& parts,
-                           const Reduction& red, const OpCtx& ctx, bool in_ring_order);
-  // Sends the partials to the parts' ranks and reduces my part into `dst` chunk by chunk;
-  // `reduced` runs after each chunk and may post sends, and `more_recvs` are received in
-  // the same exchange; `gather` (an all-reduce's) learns of each of them as it arrives and
-  // steps once this host's partials are made.
-  void rail_reduce_scatter(HostPartials& hp, const std::vector<Span>& parts, void* dst,
-                           const Reduction& red, const OpCtx& ctx,
-                           std::vector<TransportOp> more_recvs,
-                           const std::function<void(Exchange&, Span)>& reduced,
-                           LocalGather* gather);
-  // The ring alternative to the mesh exchange (comm_ring.cpp, Note [Rail rings] there):
-  // a reduce-scatter of `partials` into `dst` and/or an all-gather into `ag_out`, in one
-  // exchange; an all-reduce sends each reduced chunk on as the all-gather's first step.
-  struct RingJob {
-    const std::vector<Span>* parts = nullptr;  // one per group rank, in elements or ag_unit
-    HostPartials* partials = nullptr;          // reduce-scatter: this host's partials
-    const Reduction* red = nullptr;
-    void* dst = nullptr;       // reduce-scatter: my part's result
-    char* ag_out = nullptr;    // all-gather: the output
-    size_t ag_unit = 1;        // bytes of one unit of `parts`
-    size_t ag_chunk_unit = 1;  // the unit net_chunks cuts the all-gather's parts by
-    // All-gather: where my part is sent from and copied into place during the exchange
-    // (Note [Own part during the exchange] in comm_hier.cpp); null: it is in place already.
-    const char* ag_own = nullptr;
-    // Learns of each part that arrives in `ag_out` and of each reduced chunk of my part.
-    LocalGather* gather = nullptr;
-  };
-  void rail_ring(const RingJob& job, const OpCtx& ctx);
-  // The receives of the other hosts' parts this rank handles (spans of `unit` bytes) into
-  // `out`, cut into the messages net_chunks(len, chunk_unit) makes of them.
-  std::vector<TransportOp> rail_allgather_recvs(char* out, const std::vector<Span>& parts,
-                                                size_t unit, size_t chunk_unit, const OpCtx& ctx);
+                           const Reduction& red, const OpCtx& ctx);
   // The shared-memory all-gather inside this host of the parts its ranks handle (spans in
   // bytes of `out`), stepped while those parts arrive (Note [Local all-gather during the
   // exchange] in comm_hier.cpp). With one rank per host it does nothing. `parts` and `ctx`
   // must outlive it.
-  class LocalGather {
+  class LocalGather final : public PartSink {
    public:
     // `own`: where my own part is read from when it is all there now (an all-gather's
     // input); null when it is in its place in `out` and arrives there piece by piece.
-    // in_ring_order: the steps gather host by host in the order a rail ring delivers the
-    // parts (Note [Parts in the order the ring needs them] in comm_ring.cpp).
+    // phase_of: the algorithm's gather_phases() (empty: one phase).
     LocalGather(Communicator& comm, char* out, const std::vector<Span>& parts, const char* own,
-                const OpCtx& ctx, bool in_ring_order);
-    ~LocalGather();
-    // `len` bytes at `at` in `out` are in place: the next piece of a part this rank handles.
-    void arrived(const char* at, size_t len);
-    // Exchange::background: the steps that need no wait, once `first` (this host's
-    // reduce-scatter steps of an all-reduce, if any) are done.
-    Exchange::Progress poll(const shm::ReduceScatterSteps* first = nullptr);
+                const OpCtx& ctx, std::vector<int> phase_of);
+    ~LocalGather() override;
+    void arrived(const char* at, size_t len) override;
+    Exchange::Progress poll(const shm::ReduceScatterSteps* first) override;
     // The rest, waiting for the other local ranks; every part must have arrived.
     void finish();
 
@@ -282,16 +220,27 @@ class Communicator {
     for (int r : layout_.members[layout_.host]) local.push_back(by_rank[r]);
     return local;
   }
-  int host_of(int group_rank) const;
   // A collective's TCP exchange, which also ends when a rank of this host fails (it may be
   // the one that learned of a failure on another host).
   void exchange(const std::vector<TransportOp>& sends, const std::vector<TransportOp>& recvs,
                 const OpCtx& ctx);
-  void exchange(Exchange& x, const OpCtx& ctx);
-  static uint64_t check_of(const OpCtx& ctx);     // the collective's descriptor, for messages
-  std::vector<std::vector<int>> handled() const;  // local index -> parts it handles
-  uint64_t tag(const OpCtx& ctx, int stage) const;
+  static uint64_t check_of(const OpCtx& ctx);  // the collective's descriptor, for messages
   char* scratch(size_t bytes);
+  // NetGroup (net_algorithm.h).
+  int group_rank() const override { return cfg_.rank; }
+  int group_size() const override { return cfg_.size; }
+  int handler(int host, int part) const override { return handler_[host][part]; }
+  std::vector<std::vector<int>> handled() const override;  // local index -> parts it handles
+  int host_of(int group_rank) const override;
+  const std::vector<int>& rail() const override { return rail_; }
+  std::vector<Span> net_chunks(size_t len, size_t unit) const override;
+  uint64_t tag(const OpCtx& ctx, int stage) const override;
+  uint64_t check(const OpCtx& ctx) const override { return check_of(ctx); }
+  void exchange(Exchange& x, const OpCtx& ctx) override;
+  char* incoming(size_t bytes) override;
+  char* staging(size_t bytes) override;
+  Timeline& timeline() override { return timeline_; }
+  const Settings& settings() const override { return cfg_.settings; }
 
   // What a rank's peer record says (discover()).
   struct PeerInfo {
@@ -325,13 +274,15 @@ class Communicator {
   size_t oneshot_bytes_ = 0;
   bool zero_copy_ = false;  // every local rank has a pool: try zero-copy AG/RS
   std::atomic<uint64_t> zero_copy_ops_{0};
-  std::atomic<uint64_t> rail_ring_ops_{0};
+  std::unique_ptr<NetAlgorithm> net_algo_;  // null on one host
+  std::atomic<uint64_t> net_ops_{0};
   std::atomic<uint64_t> local_net_messages_{0};
   std::mutex broken_mu_;                 // guarded() runs on the executor and on the send lane
   std::atomic<uint32_t> poll_round_{0};  // rotates the first peer a receive from any polls
   std::string broken_;                   // first error; the group is unusable afterwards
   std::vector<char> scratch_;
-  std::vector<char> incoming_;  // the other hosts' partials of my part (rail_reduce_scatter)
+  std::vector<char> incoming_;  // what arrives from other hosts (NetGroup::incoming)
+  std::vector<char> staging_;   // partials rounded to the wire type (NetGroup::staging)
   Timeline timeline_;           // Note [Timeline]
 };
 

@@ -1,5 +1,7 @@
 // The collectives of a Communicator across hosts (Note [Hierarchical collectives] in
-// comm.h): shared memory inside a host, the rail's exchange over the network between hosts.
+// comm.h): shared memory inside a host, and between hosts the exchange of the group's
+// inter-host algorithm (Note [Inter-host algorithms] in net_algorithm.h), which this file
+// hands its job: what every algorithm shares lives here.
 //
 // Note [Pipelined exchanges]
 // The network step of a reduce-scatter used to run as three phases one after another:
@@ -136,6 +138,7 @@ void Communicator::plan_handlers() {
   if (layout_.uniform) {
     for (int h = 0; h < H; ++h) rail_.push_back(members[h][layout_.local_rank]);
   }
+  net_algo_ = choose_net_algorithm(*this);
   // The ranks of other hosts this rank exchanges parts with hear of its failures first
   // (Note [Failure notices] in tcp.h): its part's handlers, and the ranks of its parts.
   const int me = layout_.host;
@@ -165,7 +168,7 @@ std::vector<std::vector<int>> Communicator::handled() const {
 // chunk of each of its parts final: buffer_bytes / (the parts it carries) elements' bytes.
 // The mesh's steps carry every part, so on 2 hosts of 2 ranks a 512 KiB message waited for
 // two 256 KiB steps before the network carried anything; a ring's steps carry one part per
-// local rank (Note [Parts in the order the ring needs them] in comm_ring.cpp). So where hosts
+// local rank (Note [Parts in the order the ring needs them] in net_ring.cpp). So where hosts
 // have several ranks a message is at most what one step makes final of a part (rounded down
 // to 64 bytes as the steps' chunks are), but not cut below kMinNetChunk, below which the cost
 // of a message (a header, a poll round, a syscall each way) outweighs the start-up it saves;
@@ -184,9 +187,8 @@ size_t Communicator::net_chunk_bytes() const {
   size_t bytes = cfg_.settings.net_chunk_bytes;
   if (layout_.hosts < cfg_.size) {
     // The parts one local step carries a chunk of: a ring's phase has one per local rank
-    // (Note [Parts in the order the ring needs them] in comm_ring.cpp), the mesh's steps all.
-    const size_t ways = rail_ring_chosen() ? static_cast<size_t>(layout_.local_size)
-                                           : static_cast<size_t>(cfg_.size);
+    // (Note [Parts in the order the ring needs them] in net_ring.cpp), the mesh's steps all.
+    const size_t ways = net_algo_->parts_per_step();
     // What a step carries of a part is a multiple of 64 bytes (chunk_elems in
     // shm_algos.cpp): a message cut the same way ends where a step does.
     const size_t step = (cfg_.settings.buffer_bytes / ways) & ~size_t{63};
@@ -203,28 +205,34 @@ std::vector<Span> Communicator::net_chunks(size_t len, size_t esz) const {
   return chunks;
 }
 
-Communicator::HostPartials::~HostPartials() = default;
+char* Communicator::incoming(size_t bytes) {
+  if (incoming_.size() < bytes) incoming_.resize(bytes);
+  return incoming_.data();
+}
 
-size_t Communicator::HostPartials::ready(int part) const {
-  return steps ? steps->ready(part) : SIZE_MAX;
+char* Communicator::staging(size_t bytes) {
+  if (staging_.size() < bytes) staging_.resize(bytes);
+  return staging_.data();
 }
 
 void Communicator::start_host_partials(HostPartials& hp, const void* in,
                                        const std::vector<Span>& parts, const Reduction& red,
-                                       const OpCtx& ctx, bool in_ring_order) {
+                                       const OpCtx& ctx) {
   const DType acc = acc_type(red.dtype);
-  const size_t aesz = dtype_size(acc);
   hp.owned = handled();
   const auto& mine = hp.owned[layout_.local_rank];
   const size_t n = mine.size();
   hp.ptr.assign(n, nullptr);
   const bool scaled = red.op == RedOp::PREMUL_SUM && red.premul != 1.0;
-  if (layout_.local_size == 1 && acc == red.dtype && !scaled) {
-    // Note [Pipelined exchanges]: the partials are the input.
+  if (layout_.local_size == 1 && wire_type(red.dtype, cfg_.settings) == red.dtype && !scaled) {
+    // Note [Pipelined exchanges]: the partials are the input, in the type they cross in.
+    hp.type = red.dtype;
     char* src = const_cast<char*>(static_cast<const char*>(in));
-    for (size_t k = 0; k < n; ++k) hp.ptr[k] = src + parts[mine[k]].off * aesz;
+    for (size_t k = 0; k < n; ++k) hp.ptr[k] = src + parts[mine[k]].off * dtype_size(red.dtype);
     return;
   }
+  hp.type = acc;  // Note [Half precision on the wire]: rounded only where they leave
+  const size_t aesz = dtype_size(acc);
   size_t total = 0;
   for (size_t k = 0; k < n; ++k) total += parts[mine[k]].len * aesz;
   char* buf = scratch(total);
@@ -232,164 +240,32 @@ void Communicator::start_host_partials(HostPartials& hp, const void* in,
     hp.ptr[k] = buf;
     buf += parts[mine[k]].len * aesz;
   }
-  std::vector<int> phase_of;
-  if (in_ring_order) {
-    // Host me-1's parts first (sent at the ring's step 0), then me-2's, ..., mine last.
-    const int H = layout_.hosts;
-    for (int p = 0; p < cfg_.size; ++p) {
-      phase_of.push_back(((layout_.host - 1 - host_index_[p]) % H + H) % H);
-    }
-  }
   hp.steps = std::make_unique<shm::ReduceScatterSteps>(*shm_, in, parts, hp.owned, hp.ptr, red,
-                                                       false, ctx, std::move(phase_of));
-}
-
-void Communicator::rail_reduce_scatter(HostPartials& hp, const std::vector<Span>& parts, void* dst,
-                                       const Reduction& red, const OpCtx& ctx,
-                                       std::vector<TransportOp> more_recvs,
-                                       const std::function<void(Exchange&, Span)>& reduced,
-                                       LocalGather* gather) {
-  const int H = layout_.hosts, me = layout_.host;
-  const DType acc = acc_type(red.dtype);
-  const size_t aesz = dtype_size(acc), esz = dtype_size(red.dtype);
-  const size_t my_len = parts[cfg_.rank].len;
-  const std::vector<Span> mine = net_chunks(my_len, aesz);
-  // What the other hosts send: their partials of my part, side by side.
-  if (incoming_.size() < static_cast<size_t>(H) * my_len * aesz) {
-    incoming_.resize(static_cast<size_t>(H) * my_len * aesz);
-  }
-  auto from_host = [&](int h) { return incoming_.data() + static_cast<size_t>(h) * my_len * aesz; };
-
-  Exchange x;
-  const uint64_t chk = check_of(ctx);
-  // Note [Unequal hosts]: the partials of the parts I handle go to the parts' ranks, each
-  // chunk as the shared-memory steps make it final; my own part's stays here.
-  const std::vector<int>& my_parts = hp.owned[layout_.local_rank];
-  const size_t n = my_parts.size();
-  std::vector<std::vector<Span>> out(n);
-  std::vector<size_t> sent(n, 0);
-  const char* own_partial = nullptr;
-  for (size_t k = 0; k < n; ++k) {
-    if (my_parts[k] == cfg_.rank) {
-      own_partial = static_cast<const char*>(hp.ptr[k]);
-    } else {
-      out[k] = net_chunks(parts[my_parts[k]].len, aesz);
-    }
-  }
-  for (int h = 0; h < H; ++h) {
-    if (h == me) continue;
-    for (const Span& c : mine) {
-      x.recvs.push_back(
-          {handler_[h][cfg_.rank], tag(ctx, 1), from_host(h) + c.off * aesz, c.len * aesz, chk});
-    }
-  }
-  auto send_ready = [&] {
-    for (size_t k = 0; k < n; ++k) {
-      for (; sent[k] < out[k].size(); ++sent[k]) {
-        const Span& c = out[k][sent[k]];
-        if (c.off + c.len > hp.ready(my_parts[k])) break;
-        x.sends.push_back({my_parts[k], tag(ctx, 1), static_cast<char*>(hp.ptr[k]) + c.off * aesz,
-                           c.len * aesz, chk});
-      }
-    }
-  };
-  const size_t rs_recvs = x.recvs.size();
-  for (TransportOp& r : more_recvs) x.recvs.push_back(r);
-  // recvs[k] for k < rs_recvs is chunk k % chunks of the k / chunks-th other host. A chunk
-  // is reduced once every other host's copy arrived and this host's partial of it is final.
-  std::vector<int> missing(mine.size(), H - 1);
-  std::vector<uint8_t> done(mine.size(), 0);
-  std::vector<const void*> srcs(H);
-  auto reduce_chunk = [&](size_t c) {
-    if (done[c] || missing[c] || mine[c].off + mine[c].len > hp.ready(cfg_.rank)) return;
-    done[c] = 1;
-    Timeline::Phase phase(timeline_, ctx.seq, "reduce", mine[c].len * aesz);
-    for (int h = 0; h < H; ++h) {
-      srcs[h] = h == me ? own_partial + mine[c].off * aesz : from_host(h) + mine[c].off * aesz;
-    }
-    smddp::reduce(acc, red.dtype, static_cast<char*>(dst) + mine[c].off * esz, srcs.data(), H,
-                  mine[c].len, red, true);
-    if (reduced) reduced(x, mine[c]);
-  };
-  x.on_received = [&](size_t k) {
-    if (k >= rs_recvs) {
-      if (gather) gather->arrived(x.recvs[k].data, x.recvs[k].len);
-      return;
-    }
-    const size_t c = k % mine.size();
-    --missing[c];
-    reduce_chunk(c);
-  };
-  if (hp.steps) {
-    // Note [Pipelined exchanges]: the shared-memory steps run between the exchange's rounds.
-    x.work = [&] {
-      {
-        Timeline::Phase phase(timeline_, ctx.seq, "local reduce_scatter");
-        hp.steps->step();
-      }
-      send_ready();
-      for (size_t c = 0; c < mine.size(); ++c) reduce_chunk(c);
-      return !hp.steps->done();
-    };
-  }
-  if (gather) x.background = [&] { return gather->poll(hp.steps.get()); };
-  send_ready();
-  exchange(x, ctx);
+                                                       false, ctx, net_algo_->partial_phases());
 }
 
 void Communicator::hier_reduce_scatter(const void* in, const std::vector<Span>& parts, void* dst,
                                        const Reduction& red, const OpCtx& ctx) {
   HostPartials hp;
-  const bool ring = rail_ring_chosen();
-  start_host_partials(hp, in, parts, red, ctx, ring);
-  if (ring) {
-    RingJob job;
-    job.parts = &parts;
-    job.partials = &hp;
-    job.red = &red;
-    job.dst = dst;
-    rail_ring(job, ctx);
-    return;
-  }
-  rail_reduce_scatter(hp, parts, dst, red, ctx, {}, {}, nullptr);
-}
-
-std::vector<TransportOp> Communicator::rail_allgather_recvs(char* out,
-                                                            const std::vector<Span>& parts,
-                                                            size_t unit, size_t chunk_unit,
-                                                            const OpCtx& ctx) {
-  std::vector<TransportOp> recvs;
-  const uint64_t chk = check_of(ctx);
-  // Note [Unequal hosts]: each part I handle comes from its rank.
-  const std::vector<std::vector<int>> owned = handled();
-  for (int q : owned[layout_.local_rank]) {
-    if (q == cfg_.rank) continue;
-    const Span& p = parts[q];
-    for (const Span& c : net_chunks(p.len, chunk_unit)) {
-      recvs.push_back({q, tag(ctx, 2), out + (p.off + c.off) * unit, c.len * unit, chk});
-    }
-  }
-  return recvs;
+  start_host_partials(hp, in, parts, red, ctx);
+  NetJob job;
+  job.parts = &parts;
+  job.partials = &hp;
+  job.red = &red;
+  job.dst = dst;
+  ++net_ops_;
+  net_algo_->run(job, ctx);
 }
 
 Communicator::LocalGather::LocalGather(Communicator& comm, char* out,
                                        const std::vector<Span>& parts, const char* own,
-                                       const OpCtx& ctx, bool in_ring_order)
+                                       const OpCtx& ctx, std::vector<int> phase_of)
     : comm_(comm), out_(out), parts_(parts), ctx_(ctx) {
   if (comm.layout_.local_size == 1) return;
   owned_ = comm.handled();
   const std::vector<int>& mine = owned_[comm.layout_.local_rank];
   std::vector<const void*> src;
   for (int p : mine) src.push_back(p == comm.cfg_.rank && own ? own : out + parts[p].off);
-  std::vector<int> phase_of;
-  if (in_ring_order) {
-    // This host's parts first (here at once, or as they are reduced), then host me-1's (the
-    // ring's step 0 brings them), me-2's, ...
-    const int H = comm.layout_.hosts, me = comm.layout_.host;
-    for (int p = 0; p < comm.cfg_.size; ++p) {
-      phase_of.push_back(((me - comm.host_index_[p]) % H + H) % H);
-    }
-  }
   steps_ = std::make_unique<shm::AllGatherSteps>(*comm.shm_, std::move(src), out, parts, owned_,
                                                  ctx, std::move(phase_of));
   for (size_t k = 0; k < mine.size(); ++k) {
@@ -448,35 +324,14 @@ void Communicator::hier_allgather(const void* src, void* out, const std::vector<
     std::memmove(base + own.off, src, own.len);
     from = base + own.off;
   }
-  const bool copy_during = copy && from != base + own.off;  // not already copied first
-  const bool ring = rail_ring_chosen();
-  LocalGather gather(*this, base, parts, from, ctx, ring);
-  if (ring) {
-    RingJob job;
-    job.parts = &parts;
-    job.ag_out = base;
-    if (copy_during) job.ag_own = from;
-    job.gather = &gather;
-    rail_ring(job, ctx);
-    gather.finish();
-    return;
-  }
-  Exchange x;
-  x.recvs = rail_allgather_recvs(base, parts, 1, 1, ctx);
-  const uint64_t chk = check_of(ctx);
-  for (int h = 0; h < layout_.hosts; ++h) {
-    if (h == layout_.host) continue;
-    for (const Span& c : net_chunks(own.len, 1)) {
-      // A send only reads its span.
-      x.sends.push_back(
-          {handler_[h][cfg_.rank], tag(ctx, 2), const_cast<char*>(from) + c.off, c.len, chk});
-    }
-  }
-  SliceCopy own_copy{base + own.off, from, own.len};
-  if (copy_during) x.work = [&] { return own_copy(); };
-  x.on_received = [&](size_t k) { gather.arrived(x.recvs[k].data, x.recvs[k].len); };
-  x.background = [&] { return gather.poll(); };
-  exchange(x, ctx);
+  LocalGather gather(*this, base, parts, from, ctx, net_algo_->gather_phases());
+  NetJob job;
+  job.parts = &parts;
+  job.ag_out = base;
+  if (copy && from != base + own.off) job.ag_own = from;  // not already copied first
+  job.gather = &gather;
+  ++net_ops_;
+  net_algo_->run(job, ctx);
   gather.finish();
 }
 
@@ -489,42 +344,22 @@ void Communicator::hier_allreduce(void* data, size_t count, const Reduction& red
     bytes[p] = {parts[p].off * esz, parts[p].len * esz};
   }
   char* base = static_cast<char*>(data);
-  char* own = base + bytes[cfg_.rank].off;
-  const uint64_t chk = check_of(ctx);
-  // My part is reduced in place, in order, chunk by chunk: the local all-gather reads it
-  // from there as it is made.
-  const bool ring = rail_ring_chosen();
-  LocalGather gather(*this, base, bytes, nullptr, ctx, ring);
-  // Each reduced chunk of my part goes on to its handlers on the other hosts at once (Note
-  // [Pipelined exchanges]); the other hosts' reduced chunks of their parts land in place. The
-  // all-gather's messages are cut at the reduce-scatter's chunk boundaries, in elements.
-  auto send_on = [&](Exchange& x, Span chunk) {
-    for (int h = 0; h < layout_.hosts; ++h) {
-      if (h == layout_.host) continue;
-      x.sends.push_back(
-          {handler_[h][cfg_.rank], tag(ctx, 2), own + chunk.off * esz, chunk.len * esz, chk});
-    }
-    gather.arrived(own + chunk.off * esz, chunk.len * esz);
-  };
+  // My part is reduced in place, in order, chunk by chunk, and each reduced chunk goes on to
+  // its handlers on the other hosts at once (Note [Pipelined exchanges]); the local all-gather
+  // reads it from there as it is made, and the other hosts' reduced chunks land in place.
+  LocalGather gather(*this, base, bytes, nullptr, ctx, net_algo_->gather_phases());
   HostPartials hp;
-  start_host_partials(hp, data, parts, red, ctx, ring);
-  if (ring) {
-    RingJob job;
-    job.parts = &parts;
-    job.partials = &hp;
-    job.red = &red;
-    job.dst = own;
-    job.ag_out = base;
-    job.ag_unit = esz;
-    job.ag_chunk_unit = dtype_size(acc_type(red.dtype));
-    job.gather = &gather;
-    rail_ring(job, ctx);
-    gather.finish();
-    return;
-  }
-  rail_reduce_scatter(hp, parts, own, red, ctx,
-                      rail_allgather_recvs(base, parts, esz, dtype_size(acc_type(red.dtype)), ctx),
-                      send_on, &gather);
+  start_host_partials(hp, data, parts, red, ctx);
+  NetJob job;
+  job.parts = &parts;
+  job.partials = &hp;
+  job.red = &red;
+  job.dst = base + bytes[cfg_.rank].off;
+  job.ag_out = base;
+  job.ag_unit = esz;
+  job.gather = &gather;
+  ++net_ops_;
+  net_algo_->run(job, ctx);
   gather.finish();
 }
 

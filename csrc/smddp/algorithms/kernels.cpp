@@ -247,6 +247,78 @@ SMDDP_CLONES void k_bool(void* d, const void* const* s, int k, size_t n, RedOp o
   reduce_arith<uint8_t, uint8_t, uint8_t>(d, s, k, n, mapped, false, 1);
 }
 
+// Sources of two element types (Note [Half precision on the wire] in net_algorithm.h): source
+// k holds H elements where half[k], else fp32; accumulated in fp32 in source order. The type
+// test sits outside the element loops, so each loop stays one type and vectorizes.
+template <Kind K, typename H, typename Out>
+SMDDP_INLINE void mixed_loop(Out* dst, const void* const* srcs, const uint8_t* half, int nsrc,
+                             size_t n, bool divide, float divisor) {
+  float acc[kBlock];
+  for (size_t base = 0; base < n; base += kBlock) {
+    size_t m = n - base < kBlock ? n - base : kBlock;
+    for (int k = 0; k < nsrc; ++k) {
+      if (half[k]) {
+        const H* s = static_cast<const H*>(srcs[k]) + base;
+        if (k == 0) {
+          for (size_t j = 0; j < m; ++j) acc[j] = load_f(s[j]);
+        } else {
+          for (size_t j = 0; j < m; ++j) acc[j] = combine<K, float>(acc[j], load_f(s[j]));
+        }
+      } else {
+        const float* s = static_cast<const float*>(srcs[k]) + base;
+        if (k == 0) {
+          for (size_t j = 0; j < m; ++j) acc[j] = s[j];
+        } else {
+          for (size_t j = 0; j < m; ++j) acc[j] = combine<K, float>(acc[j], s[j]);
+        }
+      }
+    }
+    if (divide) {
+      for (size_t j = 0; j < m; ++j) acc[j] = acc[j] / divisor;
+    }
+    Out* d = dst + base;
+    for (size_t j = 0; j < m; ++j) d[j] = store_f(acc[j], static_cast<Out*>(nullptr));
+  }
+}
+
+template <typename H, typename Out>
+SMDDP_INLINE void reduce_mixed_arith(void* dst, const void* const* srcs, const uint8_t* half,
+                                     int nsrc, size_t n, RedOp op, bool divide, float divisor) {
+  auto* d = static_cast<Out*>(dst);
+  switch (op) {
+    case RedOp::SUM:
+    case RedOp::AVG:
+    case RedOp::PREMUL_SUM:
+      return mixed_loop<kSum, H, Out>(d, srcs, half, nsrc, n, divide, divisor);
+    case RedOp::PRODUCT:
+      return mixed_loop<kProd, H, Out>(d, srcs, half, nsrc, n, false, divisor);
+    case RedOp::MIN:
+      return mixed_loop<kMin, H, Out>(d, srcs, half, nsrc, n, false, divisor);
+    case RedOp::MAX:
+      return mixed_loop<kMax, H, Out>(d, srcs, half, nsrc, n, false, divisor);
+    default:
+      break;
+  }
+  SMDDP_CHECK_VALUE(false, "smddp: unsupported reduce op for mixed sources");
+}
+
+SMDDP_CLONES void km_bf16(void* d, const void* const* s, const uint8_t* h, int k, size_t n,
+                          RedOp op, bool fin, int dv) {  // -> bf16
+  reduce_mixed_arith<bf16_t, bf16_t>(d, s, h, k, n, op, fin, static_cast<float>(dv));
+}
+SMDDP_CLONES void km_bf16_acc(void* d, const void* const* s, const uint8_t* h, int k, size_t n,
+                              RedOp op, bool fin, int dv) {  // -> fp32
+  reduce_mixed_arith<bf16_t, float>(d, s, h, k, n, op, fin, static_cast<float>(dv));
+}
+SMDDP_CLONES void km_f16(void* d, const void* const* s, const uint8_t* h, int k, size_t n, RedOp op,
+                         bool fin, int dv) {
+  reduce_mixed_arith<f16_t, f16_t>(d, s, h, k, n, op, fin, static_cast<float>(dv));
+}
+SMDDP_CLONES void km_f16_acc(void* d, const void* const* s, const uint8_t* h, int k, size_t n,
+                             RedOp op, bool fin, int dv) {
+  reduce_mixed_arith<f16_t, float>(d, s, h, k, n, op, fin, static_cast<float>(dv));
+}
+
 template <typename T>
 SMDDP_INLINE void scale_loop(T* d, const T* s, size_t n, float f) {
   for (size_t i = 0; i < n; ++i) d[i] = store_f(load_f(s[i]) * f, static_cast<T*>(nullptr));
@@ -305,6 +377,31 @@ void reduce(DType in_t, DType out_t, void* dst, const void* const* srcs, int nsr
   }
   SMDDP_CHECK_VALUE(false, "smddp: no reduction kernel from ", dtype_name(in_t), " to ",
                     dtype_name(out_t));
+}
+
+void reduce_mixed(const std::vector<DType>& types, DType out_t, void* dst, const void* const* srcs,
+                  size_t n, const Reduction& red, bool finish) {
+  const int nsrc = static_cast<int>(types.size());
+  bool same = true;
+  for (DType t : types) same = same && t == types[0];
+  if (same) return reduce(types[0], out_t, dst, srcs, nsrc, n, red, finish);
+  if (n == 0) return;
+  const DType half_t = red.dtype, acc = acc_type(red.dtype);
+  SMDDP_CHECK_VALUE(half_t != acc && (out_t == half_t || out_t == acc),
+                    "smddp: mixed reduction sources for ", dtype_name(red.dtype), " (a bug)");
+  std::vector<uint8_t> half(static_cast<size_t>(nsrc));
+  for (int k = 0; k < nsrc; ++k) {
+    SMDDP_CHECK_VALUE(types[k] == half_t || types[k] == acc, "smddp: a reduction source of ",
+                      dtype_name(types[k]), " in a ", dtype_name(red.dtype), " reduction (a bug)");
+    half[k] = types[k] == half_t;
+  }
+  const bool div = finish && red.op == RedOp::AVG;
+  if (half_t == DType::BF16) {
+    return out_t == half_t ? km_bf16(dst, srcs, half.data(), nsrc, n, red.op, div, red.divisor)
+                           : km_bf16_acc(dst, srcs, half.data(), nsrc, n, red.op, div, red.divisor);
+  }
+  return out_t == half_t ? km_f16(dst, srcs, half.data(), nsrc, n, red.op, div, red.divisor)
+                         : km_f16_acc(dst, srcs, half.data(), nsrc, n, red.op, div, red.divisor);
 }
 
 void scale_copy(DType t, void* dst, const void* src, size_t n, double scale) {

@@ -6,6 +6,8 @@
 // fixed-size blocks so the compiler vectorizes them.
 #pragma once
 
+#include <vector>
+
 #include "smddp/common/common.h"
 
 namespace smddp {
@@ -21,6 +23,13 @@ namespace smddp {
 // dst may alias one of the sources (same element index only).
 void reduce(DType in_t, DType out_t, void* dst, const void* const* srcs, int nsrc, size_t n,
             const Reduction& red, bool finish);
+
+// As reduce, for a bf16/fp16 reduction whose sources differ in type: source k holds
+// elements of types[k], red.dtype or acc_type(red.dtype) (Note [Half precision on the wire]
+// in net_algorithm.h). Accumulates in fp32, in source order, and rounds once where it stores
+// into `out_t` (either type). Sources of one type take reduce().
+void reduce_mixed(const std::vector<DType>& types, DType out_t, void* dst, const void* const* srcs,
+                  size_t n, const Reduction& red, bool finish);
 
 // dst[i] = src[i] * scale (in the element type; bf16/fp16 via fp32). Floating types only.
 void scale_copy(DType t, void* dst, const void* src, size_t n, double scale);

@@ -65,7 +65,7 @@ void reduce_scatter(ShmComm& c, const void* in, const std::vector<Span>& parts,
                     const Reduction& red, bool finish, const OpCtx& ctx);
 
 // The phases of a collective's local steps (Note [Parts in the order the ring needs them] in
-// comm_ring.cpp): each part's phase, its slot in a step buffer, and what a phase's steps
+// net_ring.cpp): each part's phase, its slot in a step buffer, and what a phase's steps
 // span. groups[g] lists parts whose slots one step buffer numbers together, in order: a
 // rank's own parts for an all-gather; none (one group of every part, in order) for a
 // reduce-scatter, whose buffers hold a chunk of every part. A phase's parts take
@@ -108,7 +108,7 @@ class StepPhases {
 //
 // phase_of, if not empty, gives each part a phase: the steps finish the parts of phase 0,
 // then those of phase 1, and so on, each phase's steps carrying a chunk of each of its parts
-// only (Note [Parts in the order the ring needs them] in comm_ring.cpp). Every local rank
+// only (Note [Parts in the order the ring needs them] in net_ring.cpp). Every local rank
 // must pass the same phases. Empty: one phase, every part.
 class ReduceScatterSteps {
  public:
@@ -166,7 +166,7 @@ class AllGatherSteps {
  public:
   // phase_of as for ReduceScatterSteps: the steps gather the parts of phase 0 first, each
   // phase's steps carrying a chunk of its parts only (Note [Parts in the order the ring needs
-  // them] in comm_ring.cpp). Empty: one phase, every part.
+  // them] in net_ring.cpp). Empty: one phase, every part.
   AllGatherSteps(ShmComm& c, std::vector<const void*> src, void* out,
                  const std::vector<Span>& parts, const std::vector<std::vector<int>>& owned,
                  const OpCtx& ctx, std::vector<int> phase_of = {});

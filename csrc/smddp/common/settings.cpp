@@ -52,6 +52,10 @@ const std::vector<SettingInfo> kSettings = {
      "how collectives cross 3 hosts or more: mesh (every host sends to every other at "
      "once), ring (each host to the next; hosts of unequal rank counts take the mesh), or "
      "auto (the ring from 3 to 32 hosts of equal rank counts, else the mesh; measured)"},
+    {"net_reduce_dtype", "SMDDP_NET_REDUCE_DTYPE", "name", "auto",
+     "the type bf16/fp16 reductions send their partial sums between hosts in: auto (the "
+     "tensor's own, half of fp32's bytes; each host's partial rounded once, sums in fp32) or "
+     "fp32 (twice the bytes, no rounding before the owner's)"},
     {"timeline", "SMDDP_TIMELINE", "flag", "0",
      "1: record when each collective and each of its phases across hosts began and ended "
      "(bench multihost --timeline prints them)"},
@@ -190,6 +194,10 @@ void apply(Settings& s, const std::string& field, const std::string& source,
     SMDDP_CHECK_VALUE(v == "auto" || v == "mesh" || v == "ring",
                       invalid(source, text, "expected auto, mesh or ring"));
     s.net_algo = v == "mesh" ? NetAlgo::MESH : v == "ring" ? NetAlgo::RING : NetAlgo::AUTO;
+  } else if (field == "net_reduce_dtype") {
+    const std::string v = lower(text);
+    SMDDP_CHECK_VALUE(v == "auto" || v == "fp32", invalid(source, text, "expected auto or fp32"));
+    s.net_reduce_fp32 = v == "fp32";
   } else if (field == "timeline") {
     s.timeline = parse_flag(source, text);
   } else if (field == "staging_chunk_bytes") {
@@ -262,6 +270,7 @@ std::map<std::string, std::string> describe(const Settings& s) {
       {"net_algo", s.net_algo == NetAlgo::MESH   ? "mesh"
                    : s.net_algo == NetAlgo::RING ? "ring"
                                                  : "auto"},
+      {"net_reduce_dtype", s.net_reduce_fp32 ? "fp32" : "auto"},
       {"timeline", s.timeline ? "1" : "0"},
       {"staging_chunk_bytes", std::to_string(s.staging_chunk_bytes)},
       {"staging_memory", s.staging_memory},
@@ -274,7 +283,7 @@ std::vector<std::pair<std::string, std::string>> shared_settings(const Settings&
   // Note [Settings every rank shares]: the fields, valued as describe() shows them.
   static const char* const kShared[] = {"buffer_bytes",    "pool_bytes", "chunk_bytes",
                                         "oneshot_bytes",   "p2p_bytes",  "force_local_size",
-                                        "net_chunk_bytes", "net_algo"};
+                                        "net_chunk_bytes", "net_algo",   "net_reduce_dtype"};
   const std::map<std::string, std::string> text = describe(s);
   std::vector<std::pair<std::string, std::string>> out;
   for (const SettingInfo& info : kSettings) {

@@ -21,7 +21,7 @@
 
 namespace smddp {
 
-// How collectives cross hosts (Note [Rail rings] in algorithms/comm_ring.cpp).
+// How collectives cross hosts (Note [Rail rings] in algorithms/net_ring.cpp).
 enum class NetAlgo { AUTO, MESH, RING };
 
 struct Settings {
@@ -42,6 +42,9 @@ struct Settings {
   // Note [Pipelined exchanges] in comm_hier.cpp: 512K measured best (bench multihost).
   size_t net_chunk_bytes = 512 << 10;
   NetAlgo net_algo = NetAlgo::AUTO;
+  // bf16/fp16 partial sums cross hosts in fp32 instead of their own type (Note [Half
+  // precision on the wire] in algorithms/net_algorithm.h).
+  bool net_reduce_fp32 = false;
   bool timeline = false;  // Note [Timeline] in timeline.h
   double timeout_s = 0;   // 0: the timeout c10d passes (init_process_group / new_group)
   // Device tensors (Note [Device staging] in device_staging.h).

@@ -1,5 +1,5 @@
-// The rail's exchange between hosts as a ring: the alternative to the full mesh of
-// comm_hier.cpp, taken when Communicator::rail_ring_chosen says so.
+// The rail's exchange between hosts as a ring: the alternative to the mesh (net_mesh.cpp),
+// taken where choose_net_algorithm says so (Note [Inter-host algorithms] in net_algorithm.h).
 //
 // Note [Rail rings]
 // The mesh moves a part in one hop: each host sends every other host its partial of that
@@ -16,7 +16,7 @@
 // them since the all-gather copies the owner's result. This is another order than the
 // mesh's (hosts 0..H-1), so mesh and ring results may differ in the last bit; every rank
 // makes the same choice between them (from SMDDP_NET_ALGO, a setting every rank shares, and
-// the host count), so results stay bit-identical across ranks.
+// the host count; choose_net_algorithm), so results stay bit-identical across ranks.
 // All-gather, H-1 steps: at step t host h passes part h-t on (its own at step 0), and
 // receives part h-t-1 into place.
 //
@@ -53,13 +53,14 @@
 // has one; neither is what scales there (the cost model picks recursive halving/doubling, which
 // smddp does not have). SMDDP_NET_ALGO=ring or mesh forces either.
 //
-// Buffers: each step's incoming running sums land in `incoming_`, and this rank's partial
-// is added in place there; the sum is then sent from there. In place (an all-reduce with
-// one rank per host, whose partials are its input and whose output is its input too), the
-// all-gather's data of part p lands where this rank's partial of part p is read from. That
-// is safe: the owner of part p finishes a chunk only after the chunk passed every other
-// host, so this rank read (or, at step 0, finished sending) its partial of that chunk
-// before any all-gather data for it can exist.
+// Buffers: each step's incoming running sums land in the group's incoming buffer, in the wire
+// type, and this rank's partial (unrounded, Note [Half precision on the wire]) is added in
+// place there; the sum, rounded to the wire type once, is then sent from there. In place (an
+// all-reduce with one rank per host, whose partials are its input and whose output is its input
+// too), the all-gather's data of part p lands where this rank's partial of part p is read from.
+// That is safe: the owner of part p finishes a chunk only after the chunk passed every other host,
+// so this rank read (or, at step 0, finished sending) its partial of that chunk before any
+// all-gather data for it can exist.
 //
 // Note [Parts in the order the ring needs them]
 // With several ranks per host the host partials come from shared-memory reduce-scatter steps that
@@ -93,15 +94,12 @@
 #include <cstdint>
 #include <vector>
 
-#include "smddp/algorithms/comm.h"
 #include "smddp/algorithms/kernels.h"
+#include "smddp/algorithms/net_algorithm.h"
 #include "smddp/algorithms/shm_algos.h"
 
 namespace smddp {
 namespace {
-
-// The most hosts SMDDP_NET_ALGO=auto passes around a ring (Note [Rail rings], "When").
-constexpr int kAutoRingMaxHosts = 32;
 
 // Sends to one peer with one tag that become ready in any order but must be posted in the
 // order the peer posted its receives in.
@@ -121,35 +119,46 @@ struct OrderedSends {
   bool all_posted() const { return posted == ops.size(); }
 };
 
-}  // namespace
+class Ring final : public NetAlgorithm {
+ public:
+  using NetAlgorithm::NetAlgorithm;
+  const char* name() const override { return "ring"; }
+  // Note [Parts in the order the ring needs them]: host me-1's parts first (sent at the ring's
+  // step 0), then me-2's, ..., mine last.
+  std::vector<int> partial_phases() const override { return phases(1); }
+  // This host's parts first (here at once, or as they are reduced), then host me-1's (the
+  // ring's step 0 brings them), me-2's, ...
+  std::vector<int> gather_phases() const override { return phases(0); }
+  // A ring's phase carries a chunk of one part per local rank.
+  size_t parts_per_step() const override { return static_cast<size_t>(g_.layout().local_size); }
+  void run(const NetJob& job, const OpCtx& ctx) override;
 
-bool Communicator::rail_ring_chosen() const {
-  // A ring needs rails: hosts of unequal size take the mesh (Note [Unequal hosts] in
-  // comm_hier.cpp). Note [Rail rings], "When": auto is the ring from 3 to 32 hosts.
-  if (!layout_.uniform || layout_.hosts < 3) return false;
-  switch (cfg_.settings.net_algo) {
-    case NetAlgo::RING:
-      return true;
-    case NetAlgo::MESH:
-      return false;
-    case NetAlgo::AUTO:
-      break;
+ private:
+  // Each part's phase: how many hosts `behind` + the part's host is behind mine (modulo H).
+  std::vector<int> phases(int behind) const {
+    const int H = g_.layout().hosts, me = g_.layout().host;
+    std::vector<int> phase_of;
+    for (int p = 0; p < g_.group_size(); ++p) {
+      phase_of.push_back(((me - behind - g_.host_of(p)) % H + H) % H);
+    }
+    return phase_of;
   }
-  return layout_.hosts <= kAutoRingMaxHosts;
-}
+};
 
-void Communicator::rail_ring(const RingJob& job, const OpCtx& ctx) {
-  const int H = layout_.hosts, me = layout_.host;
-  // Equal hosts only (rail_ring_chosen): rail_ is set, and a rank handles one part per host,
-  // so its partials (hp->ptr) are indexed by host.
-  const int next = rail_[(me + 1) % H], prev = rail_[(me + H - 1) % H];
+void Ring::run(const NetJob& job, const OpCtx& ctx) {
+  const Layout& l = g_.layout();
+  const int H = l.hosts, me = l.host;
+  const std::vector<int>& rail = g_.rail();
+  // Equal hosts only (choose_net_algorithm): the rail is set, and a rank handles one part per
+  // host, so its partials (hp->ptr) are indexed by host.
+  const int next = rail[(me + 1) % H], prev = rail[(me + H - 1) % H];
   // The part host `me` handles at step s, `back` hosts behind it (modulo H).
   auto part_at = [&](int s, int back) { return ((me - s - back) % H + H) % H; };
   const std::vector<Span>& parts = *job.parts;
-  auto len_of = [&](int host) { return parts[rail_[host]].len; };
-  const uint64_t chk = check_of(ctx);
+  auto len_of = [&](int host) { return parts[rail[host]].len; };
+  const uint64_t chk = g_.check(ctx);
   const int steps = H - 1;
-  ++rail_ring_ops_;
+  const size_t unit = chunk_unit(job);
 
   Exchange x;
   OrderedSends rs_out, ag_out;
@@ -164,34 +173,40 @@ void Communicator::rail_ring(const RingJob& job, const OpCtx& ctx) {
   // --- reduce-scatter ---------------------------------------------------------------
   HostPartials* hp = job.partials;
   const Reduction* red = job.red;
-  const size_t aesz = hp ? dtype_size(acc_type(red->dtype)) : 0;
+  // Note [Half precision on the wire]: running sums cross, and are kept, in the wire type.
+  const DType wire = red ? wire_type(red->dtype, g_.settings()) : DType::U8;
+  const size_t wsz = hp ? dtype_size(wire) : 0, psz = hp ? dtype_size(hp->type) : 0;
   std::vector<std::vector<Span>> rs_chunks(steps);  // chunks of the part received at step s
   std::vector<char*> inbuf(steps, nullptr);         // where step s's running sums land
   std::vector<size_t> rs_first(steps, 0);           // rs_out index of step s's first send
   std::vector<std::vector<uint8_t>> got(steps);
   std::vector<size_t> received(steps, 0), reduced(steps, 0);
   size_t step0_ready = 0;
+  std::unique_ptr<WirePartials> wire_partials;
   if (hp) {
+    // Only the partial sent at step 0 leaves as it is; the others are added to running sums.
+    const std::vector<size_t> leaving = {static_cast<size_t>(part_at(0, 1))};
+    wire_partials = std::make_unique<WirePartials>(*hp, wire, *red, parts, leaving, g_);
     size_t total = 0;
-    for (int s = 0; s < steps; ++s) total += len_of(part_at(s, 2)) * aesz;
-    if (incoming_.size() < total) incoming_.resize(total);
-    char* at = incoming_.data();
+    for (int s = 0; s < steps; ++s) total += len_of(part_at(s, 2)) * wsz;
+    char* at = g_.incoming(total);
     for (int s = 0; s < steps; ++s) {
       inbuf[s] = at;
-      at += len_of(part_at(s, 2)) * aesz;
-      rs_chunks[s] = net_chunks(len_of(part_at(s, 2)), aesz);
+      at += len_of(part_at(s, 2)) * wsz;
+      rs_chunks[s] = g_.net_chunks(len_of(part_at(s, 2)), wsz);
       got[s].assign(rs_chunks[s].size(), 0);
     }
     for (int s = 0; s < steps; ++s) {
       const int q = part_at(s, 1);  // sent at step s: received at step s-1 (or ours at 0)
       rs_first[s] = rs_out.ops.size();
-      for (const Span& c : net_chunks(len_of(q), aesz)) {
-        char* src = s == 0 ? static_cast<char*>(hp->ptr[q]) : inbuf[s - 1];
-        rs_out.add({next, tag(ctx, 1), src + c.off * aesz, c.len * aesz, chk});
+      for (const Span& c : g_.net_chunks(len_of(q), wsz)) {
+        // Step 0's are my partials, rounded to the wire type as they become final (advance).
+        char* src = s == 0 ? nullptr : inbuf[s - 1] + c.off * wsz;
+        rs_out.add({next, g_.tag(ctx, 1), src, c.len * wsz, chk});
       }
       for (size_t c = 0; c < rs_chunks[s].size(); ++c) {
         const Span& ch = rs_chunks[s][c];
-        x.recvs.push_back({prev, tag(ctx, 1), inbuf[s] + ch.off * aesz, ch.len * aesz, chk});
+        x.recvs.push_back({prev, g_.tag(ctx, 1), inbuf[s] + ch.off * wsz, ch.len * wsz, chk});
         what.push_back({false, s, c});
       }
     }
@@ -201,22 +216,22 @@ void Communicator::rail_ring(const RingJob& job, const OpCtx& ctx) {
   std::vector<size_t> ag_first(steps, 0);
   if (job.ag_out) {
     for (int t = 0; t < steps; ++t) {
-      const Span& p = parts[rail_[part_at(t, 0)]];
+      const Span& p = parts[rail[part_at(t, 0)]];
       ag_first[t] = ag_out.ops.size();
-      for (const Span& c : net_chunks(p.len, job.ag_chunk_unit)) {
+      for (const Span& c : g_.net_chunks(p.len, unit)) {
         // My own part (step 0) leaves from job.ag_own while it is copied into place.
         char* from = t == 0 && job.ag_own ? const_cast<char*>(job.ag_own) + c.off * job.ag_unit
                                           : job.ag_out + (p.off + c.off) * job.ag_unit;
-        const size_t i = ag_out.add({next, tag(ctx, 2), from, c.len * job.ag_unit, chk});
+        const size_t i = ag_out.add({next, g_.tag(ctx, 2), from, c.len * job.ag_unit, chk});
         // An all-gather sends its own part at once; an all-reduce once it is reduced.
         if (t == 0 && !hp) ag_out.ready[i] = 1;
       }
     }
     for (int t = 0; t < steps; ++t) {
-      const Span& p = parts[rail_[part_at(t, 1)]];
-      const std::vector<Span> chunks = net_chunks(p.len, job.ag_chunk_unit);
+      const Span& p = parts[rail[part_at(t, 1)]];
+      const std::vector<Span> chunks = g_.net_chunks(p.len, unit);
       for (size_t c = 0; c < chunks.size(); ++c) {
-        x.recvs.push_back({prev, tag(ctx, 2), job.ag_out + (p.off + chunks[c].off) * job.ag_unit,
+        x.recvs.push_back({prev, g_.tag(ctx, 2), job.ag_out + (p.off + chunks[c].off) * job.ag_unit,
                            chunks[c].len * job.ag_unit, chk});
         what.push_back({true, t, c});
       }
@@ -226,33 +241,34 @@ void Communicator::rail_ring(const RingJob& job, const OpCtx& ctx) {
   // Everything that became possible: sends of final partials, reductions of what arrived
   // (in arrival order, once this host's partial of it is final), then the sends released.
   std::vector<const void*> srcs(2);
+  const std::vector<DType> types = {wire, hp ? hp->type : wire};
   const std::vector<Span> first =
-      hp ? net_chunks(len_of(part_at(0, 1)), aesz) : std::vector<Span>{};
+      hp ? g_.net_chunks(len_of(part_at(0, 1)), wsz) : std::vector<Span>{};
   auto advance = [&] {
     if (hp) {
       for (; step0_ready < first.size(); ++step0_ready) {
-        if (first[step0_ready].off + first[step0_ready].len > hp->ready(rail_[part_at(0, 1)])) {
-          break;
-        }
+        const Span& c = first[step0_ready];
+        if (c.off + c.len > hp->ready(rail[part_at(0, 1)])) break;
+        TransportOp& op = rs_out.ops[rs_first[0] + step0_ready];
+        op.data = wire_partials->chunk(static_cast<size_t>(part_at(0, 1)), c);
         rs_out.ready[rs_first[0] + step0_ready] = 1;
       }
       for (int s = 0; s < steps; ++s) {
         const int r = part_at(s, 2);
         for (; reduced[s] < received[s]; ++reduced[s]) {
           const Span& c = rs_chunks[s][reduced[s]];
-          if (c.off + c.len > hp->ready(rail_[r])) break;
-          Timeline::Phase phase(timeline_, ctx.seq, "reduce", c.len * aesz);
-          char* sum = inbuf[s] + c.off * aesz;
+          if (c.off + c.len > hp->ready(rail[r])) break;
+          Timeline::Phase phase(g_.timeline(), ctx.seq, "reduce", c.len * wsz);
+          char* sum = inbuf[s] + c.off * wsz;
           srcs[0] = sum;
-          srcs[1] = static_cast<const char*>(hp->ptr[r]) + c.off * aesz;
+          srcs[1] = static_cast<const char*>(hp->ptr[r]) + c.off * psz;
           if (s + 1 < steps) {
-            smddp::reduce(acc_type(red->dtype), acc_type(red->dtype), sum, srcs.data(), 2, c.len,
-                          *red, false);
+            reduce_mixed(types, wire, sum, srcs.data(), c.len, *red, false);
             rs_out.ready[rs_first[s + 1] + reduced[s]] = 1;
           } else {
             const size_t esz = dtype_size(red->dtype);
             char* out = static_cast<char*>(job.dst) + c.off * esz;
-            smddp::reduce(acc_type(red->dtype), red->dtype, out, srcs.data(), 2, c.len, *red, true);
+            reduce_mixed(types, red->dtype, out, srcs.data(), c.len, *red, true);
             if (job.ag_out) ag_out.ready[ag_first[0] + reduced[s]] = 1;
             if (job.gather) job.gather->arrived(out, c.len * esz);
           }
@@ -279,14 +295,14 @@ void Communicator::rail_ring(const RingJob& job, const OpCtx& ctx) {
               "smddp: a ring all-reduce was given an all-gather source for its part (a bug)");
   SliceCopy own_copy;
   if (job.ag_own) {
-    const Span& own = parts[cfg_.rank];
+    const Span& own = parts[g_.group_rank()];
     own_copy = {job.ag_out + own.off * job.ag_unit, job.ag_own, own.len * job.ag_unit};
     x.work = [&] { return own_copy(); };
   }
   if (hp && hp->steps) {
     x.work = [&] {
       {
-        Timeline::Phase phase(timeline_, ctx.seq, "local reduce_scatter");
+        Timeline::Phase phase(g_.timeline(), ctx.seq, "local reduce_scatter");
         hp->steps->step();
       }
       advance();
@@ -298,11 +314,15 @@ void Communicator::rail_ring(const RingJob& job, const OpCtx& ctx) {
     x.background = [&] { return job.gather->poll(hp ? hp->steps.get() : nullptr); };
   }
   advance();
-  exchange(x, ctx);
+  g_.exchange(x, ctx);
   // The exchange ends once every receive is in and the shared-memory steps are done, and
   // advance() ran after each of those: everything was reduced and sent.
   SMDDP_CHECK(rs_out.all_posted() && ag_out.all_posted(),
               "smddp: the ring exchange ended with sends never posted (a bug)");
 }
+
+}  // namespace
+
+std::unique_ptr<NetAlgorithm> make_ring(NetGroup& group) { return std::make_unique<Ring>(group); }
 
 }  // namespace smddp
