@@ -36,7 +36,7 @@ def test_automatic_choice_keeps_plan_driven_models_on_dtensor(monkeypatch):
         qwen3 = AutoModelForCausalLM.from_config(
             Qwen3Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, head_dim=16)
         )
-    assert implementation.select_backend(LLAMA).name == "transformer_engine"
+    assert implementation.select_backend(LLAMA).name == "te"
     assert implementation.select_backend(lookup_policy(qwen3)).name == "dtensor"
     implementation.use_backend("dtensor")
     try:
