@@ -125,7 +125,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return out;
            })
       .def("_rejected_connections",
-           [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().rejected_connections(); });
+           [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().rejected_connections(); })
+      .def("_transport_stats", [](const smddp::ProcessGroupSMDDP& pg) {
+        const smddp::TransportStats t = pg.comm().transport_stats();
+        return std::map<std::string, uint64_t>{{"messages_sent", t.messages_sent},
+                                               {"messages_received", t.messages_received},
+                                               {"send_calls", t.send_calls},
+                                               {"recv_calls", t.recv_calls},
+                                               {"polls", t.polls},
+                                               {"bytes_received", t.bytes_received},
+                                               {"stashed_bytes", t.stashed_bytes}};
+      });
 
   // The store wait inside runs without the GIL so other Python threads keep running.
   m.def("create_backend", &create_backend, py::arg("dist_backend_opts"), py::arg("pg_options"),
