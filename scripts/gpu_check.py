@@ -9,9 +9,12 @@ order; one that fails or times out does not stop the later ones:
    incremental ``build_ext --inplace``), and ``import torch.sagemaker``;
 3. the GPU tests, one step per file of tests/gpu (smddp on CUDA tensors, the offloader's CUDA
    path, FSDP1/FSDP2/TP parity on CUDA, the example script, Transformer Engine);
-4. ``bench gpu``: copy bandwidth, staged all_reduce (pinned, pool) against NCCL or the copy
-   floor, kernels per staged all_reduce;
-5. the CPU tests of the staging code and of the backend choice, on this machine's torch.
+4. ``bench gpu``: copy bandwidth, staged all_reduce (pinned, pool; float32 and bfloat16)
+   against its stages' bounds (pipelined, serial), NCCL or the copy floor, kernels per staged
+   all_reduce;
+5. ``bench gpu --timeline``: where one call's time goes, per rank, with 2 ranks and with 1
+   (Note [Staging timeline] in csrc/smddp/backend/device_staging.h);
+6. the CPU tests of the staging code and of the backend choice, on this machine's torch.
 
 Without CUDA every CUDA step is skipped with its reason (a rehearsal: it checks the script,
 the build and the collection of the GPU tests). The report (``report.md``, ``report.json``)
@@ -317,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                 log,
             )
             s.status = "passed" if rc == 0 else ("timed out" if rc is None else "failed")
-            s.detail = text.strip()[-6000:]
+            s.detail = text.strip()[-12000:]
 
         step("versions", "versions and nvidia-smi", versions)
         step("build", "the extension against this torch; import torch.sagemaker", build)
@@ -343,13 +346,34 @@ def main(argv: list[str] | None = None) -> int:
                 steps.append(Step(name, what, "skipped", detail="the build step failed"))
                 continue
             step(name, what, tests([path], timeout))
+
+        def timeline(s: Step) -> None:
+            # 2 ranks sharing the GPU, then 1 alone (no peer to wait for, no second process on
+            # the GPU): what differs is what sharing costs (docs/gpu.md, the hypotheses).
+            runs = (
+                ["--nprocs", "2", "--no-table", "--timeline-sizes", "64K,16M"],
+                ["--nprocs", "1", "--sizes", "64K,1M,16M", "--timeline-sizes", "64K"],
+            )
+            texts, failed = [], False
+            for extra in runs:
+                gpu = [PY, "-m", "torch_sagemaker.bench", "gpu", "--timeline", "--dtypes"]
+                rc, text = _run([*gpu, "float32", "--iters", "10", *extra], limit(150), log)
+                failed = failed or rc != 0
+                texts.append(f"$ bench gpu {' '.join(extra)}: rc {rc}\n{text.strip()}")
+            s.status = "failed" if failed else "passed"
+            s.detail = "\n\n".join(texts)[-12000:]
+
         step("bench_gpu", "bench gpu: bandwidth, staged all_reduce, kernels", bench, True)
+        step(
+            "gpu_timeline", "bench gpu --timeline: one call's phases, 2 ranks and 1", timeline, True
+        )
         step(
             "cpu_staging",
             "CPU tests of the staging code and the backend choice, on this torch",
             tests(
                 [
                     "tests/distributed/test_smddp_staging.py",
+                    "tests/unit/test_gpu_bench_report.py",
                     "tests/unit/test_gpu_backend_choice.py",
                     "tests/unit/test_extension_build.py",
                 ],
@@ -379,7 +403,7 @@ def _write_report(out: Path, steps: list[Step], total: float, has_cuda: bool) ->
         if s.tests:
             lines += ["", f"## {s.name}", ""]
             lines += [f"- {outcome}: `{test}`" for test, outcome in s.tests.items()]
-    for name in ("versions", "bench_gpu"):
+    for name in ("versions", "bench_gpu", "gpu_timeline"):
         s = next((x for x in steps if x.name == name), None)
         if s and s.detail:
             lines += ["", f"## {name}", "", "```", s.detail, "```"]

@@ -41,6 +41,7 @@ def test_gpu_check_rehearses_on_cpu(tmp_path):
         "build",
         *CUDA_STEPS,
         "bench_gpu",
+        "gpu_timeline",
         "cpu_staging",
     ]
     assert steps["versions"]["status"] == "passed", steps["versions"]
@@ -56,8 +57,9 @@ def test_gpu_check_rehearses_on_cpu(tmp_path):
             assert outcome.startswith("skipped: ") and (
                 "CUDA" in outcome or "transformer_engine" in outcome
             ), (test, outcome)
-    assert steps["bench_gpu"]["status"] == "skipped"
-    assert "no CUDA here" in steps["bench_gpu"]["detail"]
+    for name in ("bench_gpu", "gpu_timeline"):
+        assert steps[name]["status"] == "skipped"
+        assert "no CUDA here" in steps[name]["detail"]
     staging = steps["cpu_staging"]
     assert staging["status"] == "passed", staging
     assert staging["tests"] and all(v == "passed" for v in staging["tests"].values()), staging
