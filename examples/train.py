@@ -25,6 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch.sagemaker as tsm  # noqa: E402
+from torch.sagemaker.fp8 import DelayedScaling, Format, Fp8Linear, fp8_autocast  # noqa: E402
 from torch.sagemaker.grad_norm import clip_grad_norm_  # noqa: E402
 from train_lib import checkpoints, data, metrics  # noqa: E402
 from train_lib.arguments import parse_args, smp_config  # noqa: E402
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     rank0_print(
         f"[train] {args.model_type} on {state.world_size} ranks over {dist.get_backend()}: "
         f"dp={state.dp_size} tp={state.tp_size} cp={state.cp_size} "
-        f"hybrid_shard_degree={state.hybrid_shard_degree}"
+        f"hybrid_shard_degree={state.hybrid_shard_degree}" + (", fp8" if args.fp8 else "")
     )
 
     # 2. Data: every rank of a TP x CP group reads the same batch (DistributedSampler over dp);
@@ -128,6 +129,17 @@ def main(argv: list[str] | None = None) -> dict:
             else "[train] no checkpoint to resume from; starting at step 0"
         )
 
+    # FP8 as SMP's scripts enable it: the recipe here, the forward under fp8_autocast below.
+    fp8_recipe = None
+    if args.fp8:
+        fp8_recipe = DelayedScaling(
+            fp8_format=Format.HYBRID,
+            amax_history_len=args.fp8_amax_history_len,
+            amax_compute_algo=args.fp8_amax_compute_algo,
+        )
+        layers = sum(isinstance(m, Fp8Linear) for m in model.modules())
+        rank0_print(f"[train] FP8: {layers} linear layers per rank under {fp8_recipe}")
+
     # 4. Train.
     writer = metrics.MetricsWriter(args.output_dir, enabled=dist.get_rank() == 0)
     global_batch = args.train_batch_size * state.dp_size
@@ -163,9 +175,12 @@ def main(argv: list[str] | None = None) -> dict:
                 break
             t0 = time.perf_counter()
             batch = data.batch_for_cp_rank(batch)  # whole sequences unless cp > 1
-            loss = model(
-                input_ids=batch, attention_mask=None, labels=batch
-            ).loss  # bf16 via FSDP MP
+            with fp8_autocast(
+                enabled=args.fp8, fp8_recipe=fp8_recipe, fp8_group=state.world_process_group
+            ):
+                loss = model(
+                    input_ids=batch, attention_mask=None, labels=batch
+                ).loss  # bf16 via FSDP MP
             loss.backward()
             grad_norm = clip_grad_norm_(model, args.grad_clip)
             optimizer.step()

@@ -8,13 +8,15 @@ order; one that fails or times out does not stop the later ones:
 2. build: the extension against this torch (``pip install -e`` the first time, then an
    incremental ``build_ext --inplace``), and ``import torch.sagemaker``;
 3. the GPU tests, one step per file of tests/gpu (smddp on CUDA tensors, the offloader's CUDA
-   path, FSDP1/FSDP2/TP parity on CUDA, the example script, Transformer Engine);
+   path, FSDP1/FSDP2/TP parity on CUDA, the example script, Transformer Engine, FP8 layers);
 4. ``bench gpu``: copy bandwidth, staged all_reduce (pinned, pool; float32 and bfloat16)
    against its stages' bounds (pipelined, serial), NCCL or the copy floor, kernels per staged
    all_reduce;
 5. ``bench gpu --timeline``: where one call's time goes, per rank, with 2 ranks and with 1
    (Note [Staging timeline] in csrc/smddp/backend/device_staging.h);
-6. the CPU tests of the staging code and of the backend choice, on this machine's torch.
+6. ``bench fp8``: FP8 against bf16 matrix products and linear layers for the example model's
+   shapes and a 4096-wide layer; the FP8 CPU tests (bit-exact emulation) on this machine's torch;
+7. the CPU tests of the staging code and of the backend choice, on this machine's torch.
 
 Without CUDA every CUDA step is skipped with its reason (a rehearsal: it checks the script,
 the build and the collection of the GPU tests). The report (``report.md``, ``report.json``)
@@ -341,6 +343,12 @@ def main(argv: list[str] | None = None) -> int:
             ),
             ("example_cuda", "tests/gpu/test_example_cuda.py", "examples/train.py on 2 ranks", 180),
             ("te_cuda", "tests/gpu/test_te_backend.py", "Transformer Engine TP backend", 120),
+            (
+                "fp8_cuda",
+                "tests/gpu/test_fp8_cuda.py",
+                "FP8 linear layers on the device against the CPU emulation",
+                150,
+            ),
         ):
             if not built:
                 steps.append(Step(name, what, "skipped", detail="the build step failed"))
@@ -363,9 +371,28 @@ def main(argv: list[str] | None = None) -> int:
             s.status = "failed" if failed else "passed"
             s.detail = "\n\n".join(texts)[-12000:]
 
+        def bench_fp8(s: Step) -> None:
+            rc, text = _run(
+                [PY, "-m", "torch_sagemaker.bench", "fp8", "--iters", "20"], limit(240), log
+            )
+            s.status = "passed" if rc == 0 else ("timed out" if rc is None else "failed")
+            s.detail = text.strip()[-6000:]
+
         step("bench_gpu", "bench gpu: bandwidth, staged all_reduce, kernels", bench, True)
         step(
             "gpu_timeline", "bench gpu --timeline: one call's phases, 2 ranks and 1", timeline, True
+        )
+        step(
+            "bench_fp8",
+            "bench fp8: FP8 vs bf16 matmul and linear time, example model and 4096-wide layer",
+            bench_fp8,
+            True,
+        )
+        step(
+            "fp8_cpu",
+            "the FP8 CPU tests (bit-exact emulation) on this machine's torch",
+            tests(["tests/unit/test_fp8_numerics.py"], 120),
+            True,  # the GPU machine's torch is the point; here the suite runs them
         )
         step(
             "cpu_staging",
@@ -403,7 +430,7 @@ def _write_report(out: Path, steps: list[Step], total: float, has_cuda: bool) ->
         if s.tests:
             lines += ["", f"## {s.name}", ""]
             lines += [f"- {outcome}: `{test}`" for test, outcome in s.tests.items()]
-    for name in ("versions", "bench_gpu", "gpu_timeline"):
+    for name in ("versions", "bench_gpu", "gpu_timeline", "bench_fp8"):
         s = next((x for x in steps if x.name == name), None)
         if s and s.detail:
             lines += ["", f"## {name}", "", "```", s.detail, "```"]

@@ -130,14 +130,8 @@ def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> No
         )
     # 5. Resolve the layout and the sharding plan (pure), then 6. build every group the plan
     # uses, host-local ones included (collective).
-    layout = topology.resolve(
-        dist.get_world_size(),
-        hybrid_shard_degree=cfg.hybrid_shard_degree,
-        tensor_parallel_degree=cfg.tensor_parallel_degree,
-        context_parallel_degree=cfg.context_parallel_degree,
-        expert_parallel_degree=cfg.expert_parallel_degree,
-    )
-    plan = sharding_plan.resolve(layout, ranks_per_host(layout.world_size))
+    plan = _resolve_plan(cfg, dist.get_world_size(), ranks_per_host(dist.get_world_size()))
+    layout = plan.layout
     groups = build_groups(plan)
     # 7. Publish the state, make FSDP1 follow it (and accept SMP's translate_on_save), and log
     # the layout and the plan once.
@@ -152,6 +146,62 @@ def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> No
             "allow_empty_shards=true has no effect here: FSDP1's and FSDP2's sharded state "
             "dicts are DTensors, which DCP saves and loads with empty shards anyway."
         )
+
+
+def _resolve_plan(
+    cfg: config_lib.SMPConfig, world_size: int, ranks_per_host: int
+) -> sharding_plan.ShardingPlan:
+    """The layout and the sharding plan of a validated config: pure arithmetic, no groups."""
+    layout = topology.resolve(
+        world_size,
+        hybrid_shard_degree=cfg.hybrid_shard_degree,
+        tensor_parallel_degree=cfg.tensor_parallel_degree,
+        context_parallel_degree=cfg.context_parallel_degree,
+        expert_parallel_degree=cfg.expert_parallel_degree,
+    )
+    return sharding_plan.resolve(layout, ranks_per_host)
+
+
+def dry_run(
+    config: str | os.PathLike[str] | Mapping[str, Any] | None,
+    *,
+    world_size: int,
+    ranks_per_host: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[config_lib.SMPConfig, sharding_plan.ShardingPlan]:
+    """What ``tsm.init(config)`` checks and decides on ``world_size`` ranks, with no group.
+
+    The same steps as ``init`` (merge the sources, validate, resolve the layout and the
+    sharding plan), with the world size and the ranks per host given instead of read from the
+    process group and the launcher. No process group is needed or created and ``tsm.state``
+    is left alone (values assigned on it before ``init`` win, as in ``init``); a config this
+    accepts is one ``init`` accepts on such a job (the parallelism planner checks its output
+    with it).
+
+    Args:
+        config: As for ``init``: a dict, a JSON file path, or ``None``.
+        world_size: Number of ranks of the job.
+        ranks_per_host: Ranks on one host (``LOCAL_WORLD_SIZE``); default ``world_size``.
+        environ: Environment whose ``SM_HP_MP_PARAMETERS`` is merged as ``init`` merges it
+            (default ``os.environ``; pass ``{}`` to leave it out).
+
+    Returns:
+        The validated config and the sharding plan ``init`` would publish.
+
+    Raises:
+        ConfigError: Every problem in the config at once, as ``init`` raises it.
+        ValueError: If ``world_size`` or ``ranks_per_host`` is not a positive integer.
+    """
+    for name, value in (("world_size", world_size), ("ranks_per_host", ranks_per_host)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"dry_run({name}={value!r}): must be an integer.")
+        if value is not None and value < 1:
+            raise ValueError(f"dry_run({name}={value}): must be at least 1.")
+    cfg = config_lib.validate(
+        config_lib.load_raw(config, environ=environ, overrides=state.overrides),
+        world_size=world_size,
+    )
+    return cfg, _resolve_plan(cfg, world_size, ranks_per_host or world_size)
 
 
 def _same_on_every_rank(

@@ -18,26 +18,73 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_sagemaker.context_parallel import prepare_model
+from torch_sagemaker.context_parallel.prepare import check_config_supported
+from torch_sagemaker.fp8.prepare import prepare_linears
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.moe import apply as moe_apply
 from torch_sagemaker.moe.moe_config import MoEConfig
-from torch_sagemaker.policies import POLICY_ATTR, check_model, lookup_policy
+from torch_sagemaker.policies import POLICY_ATTR, HeadSplit, ModelPolicy, check_model, lookup_policy
 from torch_sagemaker.state import state
 from torch_sagemaker.tensor_parallel import loading, transformer
-from torch_sagemaker.tensor_parallel.implementation import select_backend
+from torch_sagemaker.tensor_parallel.implementation import forced_backend, select_backend
 
 _CP_COMM_TYPES = ("p2p", "all_gather")
 
 
-def _check_arguments(config: Any, cp_comm_type: str) -> MoEConfig | None:
+def check_model_config(
+    policy: ModelPolicy,
+    model_config: Any,
+    *,
+    tp: int,
+    cp: int,
+    ep: int,
+    config: Any = None,
+    cp_comm_type: str = "p2p",
+    model_name: str | None = None,
+) -> tuple[MoEConfig | None, HeadSplit]:
+    """Every check ``transform`` makes before it changes the model, on its config alone.
+
+    ``transform`` runs exactly these first; the parallelism planner runs them on a model it
+    never builds, so a layout it calls valid is one ``transform`` accepts.
+
+    Args:
+        policy: The model's policy (``lookup_policy``).
+        model_config: The model's Hugging Face config.
+        tp: tensor_parallel_degree.
+        cp: context_parallel_degree.
+        ep: expert_parallel_degree.
+        config: ``transform``'s ``config`` argument: ``None`` or a ``MoEConfig``.
+        cp_comm_type: ``transform``'s ``cp_comm_type``.
+        model_name: The model's class name, for messages (default: the policy's first class).
+
+    Returns:
+        The MoEConfig (or ``None``) and the head split over the TP ranks.
+
+    Raises:
+        TypeError: If ``config`` is neither ``None`` nor a ``MoEConfig``.
+        ValueError: For a degree the model's heads, experts or split sizes do not allow, an
+            MoEConfig on a dense model or with TP or CP, expert parallelism without one,
+            sliding-window attention with CP, or an unknown ``cp_comm_type``.
+    """
+    name = model_name or policy.model_classes[0]
+    if cp_comm_type not in _CP_COMM_TYPES:
+        raise ValueError(f"cp_comm_type={cp_comm_type!r}; use one of {_CP_COMM_TYPES}.")
+    moe_config = moe_apply.check_config(config, tp=tp, cp=cp, ep=ep)
+    heads = check_model(policy, model_config, tp)
+    if moe_config is not None:
+        moe_apply.check_experts(policy, model_config, ep, name)
+        moe_apply.check_policy(policy, moe_config)
+    if cp > 1:
+        check_config_supported(model_config, policy, name)
+    return moe_config, heads
+
+
+def _check_initialized() -> None:
     if not state.initialized:
         raise RuntimeError(
             "tsm.transform needs torch.sagemaker.init() first (it reads the tensor "
             "parallel degree and the mesh from tsm.state)."
         )
-    if cp_comm_type not in _CP_COMM_TYPES:
-        raise ValueError(f"cp_comm_type={cp_comm_type!r}; use one of {_CP_COMM_TYPES}.")
-    return moe_apply.check_config(config, tp=state.tp_size, cp=state.cp_size, ep=state.ep_size)
 
 
 def _check_placement(device: Any, dtype: Any) -> None:
@@ -153,22 +200,31 @@ def transform(
         >>> loss = model(input_ids=ids, labels=ids).loss
     """
     # 1. Arguments, policy and the checks that depend only on the config.
-    moe_config = _check_arguments(config, cp_comm_type)
+    _check_initialized()
     if getattr(model, POLICY_ATTR, None) is not None:
         raise ValueError(
             f"{type(model).__name__} was already transformed by tsm.transform; call it "
             "once per model (before FSDP wrapping)."
         )
-    policy = lookup_policy(model)
+    policy = lookup_policy(model)  # a registered policy, else the model's transformers plan
     tp = state.tp_size
-    heads = check_model(policy, model.config, tp)
+    moe_config, heads = check_model_config(
+        policy,
+        model.config,
+        tp=tp,
+        cp=state.cp_size,
+        ep=state.ep_size,
+        config=config,
+        cp_comm_type=cp_comm_type,
+        model_name=type(model).__name__,
+    )
     # 2. Placement before sharding (parameter identity, hence weight tying, is kept).
     _check_placement(device, dtype)
     _place(model, device, dtype)
     rank0_state = loading.capture_rank0_state(model) if load_state_dict_from_rank0 else None
     local_split = _local_split(model, load_state_dict_from_rank0, tp, moe_config)
     # 3. Tensor parallelism on the "tp" mesh axis.
-    backend = select_backend()
+    backend = select_backend(policy)
     if tp > 1:
         backend.apply(
             model,
@@ -191,6 +247,10 @@ def transform(
     # 3c. Context parallelism over the "cp" mesh axis (attention, positions, loss).
     if state.cp_size > 1:
         prepare_model(model, policy, cp_comm_type, state.cp_process_group)
+    # 3d. The plan's linear layers compute in FP8 inside fp8_autocast, as before outside it.
+    fp8_report = prepare_linears(
+        model, policy, backend=backend.name, tp=tp, backend_forced=forced_backend() is not None
+    )
     # 4. Weights from rank 0.
     if load_state_dict_from_rank0 and state.world_size > 1:
         target = torch.device(device) if device is not None else _default_device()
@@ -203,7 +263,8 @@ def transform(
     log_rank0(
         f"tsm.transform: {type(model).__name__} with policy {policy.name!r}, "
         f"tensor_parallel_degree={tp} ({backend.name}), {num_layers} x {layer_cls.__name__}, "
-        f"{heads.local_heads} heads / {heads.local_kv_heads} kv heads per rank"
+        f"{heads.local_heads} heads / {heads.local_kv_heads} kv heads per rank, "
+        f"{len(fp8_report.layers)} FP8-capable linear layers"
         + (
             f"; {moe_report.blocks} x {moe_report.layer} with {moe_report.local_experts}/"
             f"{moe_report.num_experts} experts per rank"
@@ -221,4 +282,4 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-__all__ = ["transform"]
+__all__ = ["check_model_config", "transform"]

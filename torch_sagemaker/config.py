@@ -117,6 +117,10 @@ _SMP_V1_KEYS = frozenset(
     }
 )
 
+# FP8 switches of SMP's example scripts and SageMaker's training recipes. SMP v2 has no
+# config key for FP8: its scripts wrap the forward in fp8_autocast (docs/fp8.md).
+_FP8_SCRIPT_KEYS = frozenset({"fp8", "fp8_amax_history_len", "fp8_amax_compute_algo"})
+
 
 class ConfigError(ValueError):
     """Raised with every configuration problem at once.
@@ -308,6 +312,12 @@ def _unknown_key_problem(key: Any) -> str:
         )
     if key in _RENAMED_KEYS:
         return f"unknown key {key!r}: SMP v2 calls it {_RENAMED_KEYS[key]!r}. Rename the key."
+    if key in _FP8_SCRIPT_KEYS:
+        return (
+            f"unknown key {key!r}: SMP v2 has no config key for FP8; the training script "
+            "enables it by running the forward under fp8_autocast(enabled=True, "
+            "fp8_recipe=DelayedScaling(...)) (torch.sagemaker.fp8, docs/fp8.md). Remove the key."
+        )
     if key in _SMP_V1_KEYS:
         return (
             f"unknown key {key!r}: this is an SMP v1 parameter with no SMP v2 equivalent. "

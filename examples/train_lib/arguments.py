@@ -103,6 +103,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--grad-clip", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=12345)
     g.add_argument("--bf16", type=_bool, default=False, help="bf16 compute, fp32 master weights")
+    g.add_argument(
+        "--fp8",
+        type=_bool,
+        default=False,
+        help="run the transformed model's linear layers in FP8 (fp8_autocast, docs/fp8.md)",
+    )
+    g.add_argument("--fp8-amax-history-len", type=int, default=1024)
+    g.add_argument("--fp8-amax-compute-algo", choices=("max", "most_recent"), default="max")
     g = p.add_argument_group("memory")
     g.add_argument("--fsdp", choices=("fsdp1", "fsdp2"), default="fsdp2")
     g.add_argument("--activation-checkpointing", type=_bool, default=False)

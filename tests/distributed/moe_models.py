@@ -50,6 +50,10 @@ def tiny_moe(family: str, seed: int = 0, **overrides):
             norm_topk_prob=True,
             head_dim=8,
         )
+    elif family == "olmoe":  # no policy: its transformers TP plan (policies/transformers_plan.py)
+        cfg = tf.OlmoeConfig(
+            **common, intermediate_size=24, num_experts=4, norm_topk_prob=False, head_dim=8
+        )
     else:
         raise ValueError(family)
     for key, value in overrides.items():

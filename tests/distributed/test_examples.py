@@ -40,13 +40,16 @@ TINY = [
 ]
 BACKEND = "smddp" if smddp_available() else "gloo"
 
+FP8 = ["--fp8", "1", "--bf16", "1"]
+
 # config -> (ranks, extra flags), as listed in examples/README.md
 CONFIGS = {
     "full_shard.json": (2, []),
     "hybrid.json": (4, []),
     "tp2.json": (2, []),
     "tp2_hybrid.json": (4, ["--fsdp", "fsdp2"]),
-    "offload.json": (4, ["--activation-checkpointing", "1", "--offload-activations", "1"]),
+    # With FP8 as SMP's scripts enable it (docs/fp8.md): replicas, checkpointing, offload.
+    "offload.json": (4, ["--activation-checkpointing", "1", "--offload-activations", "1", *FP8]),
     "delayed_init.json": (2, ["--delayed-param", "1"]),
     "mixtral_ep2.json": (2, ["--model-type", "mixtral", "--moe", "1", "--fsdp", "fsdp1"]),
     "cp2.json": (2, ["--cp-comm-type", "all_gather"]),
@@ -130,7 +133,8 @@ def test_every_config_is_listed_in_the_readme():
     assert all(name in readme for name in shipped)
 
 
-# full_shard.json is smoke-tested by the uninterrupted run of the resume test (same checks).
+# full_shard.json is smoke-tested by the uninterrupted run of the resume test (same checks),
+# in FP8.
 RESUME_CONFIG = "full_shard.json"
 
 
@@ -147,6 +151,9 @@ def _check_smoke(summary, stdout, flags):
     assert "validation loss" in stdout and "model TFLOPs/rank" in stdout
     if "--offload-activations" in flags:
         assert "offload:" in stdout
+    if "--fp8" in flags:
+        # q k v o gate up down in each of the 2 layers, under SMP's recipe.
+        assert "[train] FP8: 14 linear layers per rank under DelayedScaling(" in stdout, stdout
 
 
 @pytest.mark.distributed
@@ -168,9 +175,11 @@ def test_config_smoke(tmp_path, config):
 @pytest.mark.distributed
 def test_resume_continues_with_the_same_losses(tmp_path):
     # Stopped after step 2 and resumed: step 3's loss needs the saved parameters and data
-    # position, step 4's also the optimizer and scheduler state (step 3's update).
+    # position, step 4's also the optimizer and scheduler state (step 3's update). In FP8,
+    # step 3's loss also needs the saved amax histories and scales (from scale 1 it differs).
     ckpt = tmp_path / "ckpt"
     ranks, flags = CONFIGS[RESUME_CONFIG]
+    flags = [*flags, "--fp8", "1"]
     common = [
         "--smp-config",
         os.path.join(ROOT, "examples", "configs", RESUME_CONFIG),

@@ -18,7 +18,14 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-CUDA_STEPS = ("smddp_cuda", "offload_cuda", "parallel_cuda", "example_cuda", "te_cuda")
+CUDA_STEPS = (
+    "smddp_cuda",
+    "offload_cuda",
+    "parallel_cuda",
+    "example_cuda",
+    "te_cuda",
+    "fp8_cuda",
+)
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="a machine with CUDA runs the check for real"
@@ -42,6 +49,8 @@ def test_gpu_check_rehearses_on_cpu(tmp_path):
         *CUDA_STEPS,
         "bench_gpu",
         "gpu_timeline",
+        "bench_fp8",
+        "fp8_cpu",
         "cpu_staging",
     ]
     assert steps["versions"]["status"] == "passed", steps["versions"]
@@ -57,9 +66,9 @@ def test_gpu_check_rehearses_on_cpu(tmp_path):
             assert outcome.startswith("skipped: ") and (
                 "CUDA" in outcome or "transformer_engine" in outcome
             ), (test, outcome)
-    for name in ("bench_gpu", "gpu_timeline"):
-        assert steps[name]["status"] == "skipped"
-        assert "no CUDA here" in steps[name]["detail"]
+    for name in ("bench_gpu", "gpu_timeline", "bench_fp8", "fp8_cpu"):
+        assert steps[name]["status"] == "skipped", steps[name]
+        assert "no CUDA here" in steps[name]["detail"], steps[name]
     staging = steps["cpu_staging"]
     assert staging["status"] == "passed", staging
     assert staging["tests"] and all(v == "passed" for v in staging["tests"].values()), staging

@@ -56,6 +56,12 @@ def test_unknown_key_renamed_and_v1_and_unrelated():
     assert any("'zzz'" in p and "valid keys are" in p for p in ps)
 
 
+def test_fp8_keys_point_to_fp8_autocast():
+    """SMP v2 has no FP8 config key; scripts' and recipes' FP8 switches say where FP8 is."""
+    ps = problems({"fp8": True, "fp8_amax_history_len": 1024})
+    assert len(ps) == 2 and all("no config key for FP8" in p and "fp8_autocast" in p for p in ps)
+
+
 def test_bool_is_not_an_int():
     (p,) = problems({"tensor_parallel_degree": True})
     assert "tensor_parallel_degree=True" in p and "booleans are not integers" in p

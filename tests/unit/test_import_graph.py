@@ -136,3 +136,20 @@ def test_graph_sees_type_checking_imports(tmp_path, monkeypatch):
     assert graph["torch_sagemaker.a"] == {"torch_sagemaker.b"}
     assert graph["torch_sagemaker.b"] == {"torch_sagemaker.a"}
     assert find_cycle(graph) == ["torch_sagemaker.a", "torch_sagemaker.b", "torch_sagemaker.a"]
+
+
+def test_the_library_imports_neither_the_planner_nor_the_benchmarks():
+    """The planner sits above the library, and reaches torch_sagemaker/bench through one module
+    (planner/comm.py), so that the benchmarks can move out of the package by changing it."""
+    graph = import_graph()
+    above = ("torch_sagemaker.planner", "torch_sagemaker.bench")
+    for module, targets in graph.items():
+        if module.startswith(above):
+            continue
+        assert not [t for t in targets if t.startswith(above)], module
+    through = {
+        module
+        for module, targets in graph.items()
+        if module.startswith(above[0]) and any(t.startswith(above[1]) for t in targets)
+    }
+    assert through == {"torch_sagemaker.planner.comm"}

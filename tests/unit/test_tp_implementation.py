@@ -23,6 +23,28 @@ def test_dtensor_backend_is_chosen_without_te_or_cuda():
         implementation.use_backend(None)
 
 
+def test_automatic_choice_keeps_plan_driven_models_on_dtensor(monkeypatch):
+    """With Transformer Engine available, a policy of TE's styles gets TE, a plan-built one
+    (replicated-activation styles TE does not implement) gets DTensor; forcing still wins."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from torch_sagemaker.policies import LLAMA, lookup_policy
+
+    monkeypatch.setattr(implementation, "te_available", lambda: True)
+    with torch.device("meta"):
+        qwen3 = AutoModelForCausalLM.from_config(
+            Qwen3Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, head_dim=16)
+        )
+    assert implementation.select_backend(LLAMA).name == "te"
+    assert implementation.select_backend(lookup_policy(qwen3)).name == "dtensor"
+    implementation.use_backend("dtensor")
+    try:
+        assert implementation.select_backend(LLAMA).name == "dtensor"
+    finally:
+        implementation.use_backend(None)
+
+
 @pytest.mark.parametrize(
     "vocab, shards, offsets",
     [

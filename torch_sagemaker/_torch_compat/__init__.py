@@ -14,6 +14,7 @@ versions it was checked and what it does where versions differ.
 | ``dcp`` | ``torch.distributed.checkpoint``: key flattening, ``_DistWrapper`` |
 | ``device_mesh`` | ``DeviceMesh``: concatenate, flatten, unflatten |
 | ``dtensor`` | DTensor: ``_StridedShard``, its caches |
+| ``float8`` | ``torch._scaled_mm``, the FP8 matrix product |
 | ``fsdp1`` | FSDP1: unit state, flat parameters, wrap policies |
 | ``fsdp2`` | FSDP2: ``FSDPParamGroup`` |
 | ``nn`` | ``nn.Module`` internals, parameter swapping |

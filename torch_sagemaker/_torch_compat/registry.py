@@ -60,6 +60,8 @@ PRIVATE_NAMES: tuple[str, ...] = (
     "torch.distributed.tensor._redistribute._gen_transform_infos",
     "torch.distributed.tensor._collective_utils.MeshTopoInfo.build_from_mesh",
     "torch.distributed.tensor.placement_types._StridedShard",
+    # float8.py
+    "torch._scaled_mm",
     # fsdp1.py
     f"{_FSDP1}._common_utils.clean_tensor_name",
     f"{_FSDP1}.ShardingStrategy._HYBRID_SHARD_ZERO2",

@@ -43,6 +43,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "torch_sagemaker.bench.gpu",
         "smddp on CUDA tensors: staged all_reduce vs its bound, bf16, --timeline, kernels",
     ),
+    "fp8": (
+        "torch_sagemaker.bench.fp8",
+        "FP8 vs bf16 matmul and linear-layer time (example model, 4096-wide layer)",
+    ),
     "checkpoint": (
         "torch_sagemaker.bench.checkpoint",
         "checkpoint save/load with and without checksums",

@@ -96,6 +96,26 @@ def _identical_results(group) -> dict[str, Any]:
     return out
 
 
+TRAINING_SEQ = 128
+TRAINING_BATCH = 2  # sequences per rank
+
+
+def training_config():
+    """The small Llama ``--train`` trains (hidden 256, 4 layers, vocab 8000)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=8000,
+        hidden_size=256,
+        intermediate_size=256 * 11 // 4,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=TRAINING_SEQ,
+        attn_implementation="sdpa",
+    )
+
+
 def _training(group, spec: dict[str, Any]) -> float:
     """Tokens/s of FSDP2 training a small Llama on ``group``'s ranks.
 
@@ -106,20 +126,12 @@ def _training(group, spec: dict[str, Any]) -> float:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    hidden, seq, batch, vocab = 256, 128, 2, 8000
+    seq, batch = TRAINING_SEQ, TRAINING_BATCH
+    config = training_config()
+    vocab = config.vocab_size
     torch.manual_seed(0)
-    config = LlamaConfig(  # type: ignore[call-arg]
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=hidden * 11 // 4,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        max_position_embeddings=seq,
-        attn_implementation="sdpa",
-    )
     model = LlamaForCausalLM(config).float()
     mesh = DeviceMesh.from_group(group, "cpu")
     for layer in model.model.layers:

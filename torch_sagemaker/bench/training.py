@@ -37,13 +37,13 @@ MODES = ("fsdp2_full", "fsdp2_plain", "fsdp2_hybrid", "ddp", "fsdp2_plain_staged
 DEFAULT_MODES = MODES[:4]
 
 
-def _model(args: argparse.Namespace):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def model_config(args: argparse.Namespace):
+    """The benchmark's Llama config for ``args`` (hidden, layers, vocab, seq)."""
+    from transformers import LlamaConfig
 
-    torch.manual_seed(0)
     # transformers' generated config signature omits the attn_implementation keyword, which
     # the config accepts at run time.
-    config = LlamaConfig(  # type: ignore[call-arg]
+    return LlamaConfig(  # type: ignore[call-arg]
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         intermediate_size=args.hidden * 11 // 4,
@@ -54,7 +54,13 @@ def _model(args: argparse.Namespace):
         tie_word_embeddings=False,
         attn_implementation="sdpa",
     )
-    return LlamaForCausalLM(config).float()
+
+
+def _model(args: argparse.Namespace):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(model_config(args)).float()
 
 
 def _wrap(model, mode: str, world: int):
@@ -164,6 +170,23 @@ def _run(args: argparse.Namespace) -> list[tuple[str, str, list]]:
     return rows
 
 
+def step_seconds(args: argparse.Namespace) -> dict[tuple[str, str], list[float]]:
+    """Runs the benchmark's rows ``args.repeat`` times; each row's median step time per pass.
+
+    Args:
+        args: As ``main`` parses them (``parser().parse_args([...])``).
+
+    Returns:
+        ``(backend, mode) -> [seconds of the median step, one per pass]``, the rows
+        ``("none", "1 rank")`` and ``("none", "N ranks alone")`` included.
+    """
+    out: dict[tuple[str, str], list[float]] = {}
+    for _ in range(args.repeat):
+        for backend, mode, steps in _run(args):
+            out.setdefault((backend, mode), []).append(statistics.median(sum(s) for s in steps))
+    return out
+
+
 def _metrics(rows, args: argparse.Namespace) -> dict[tuple[str, str], dict[str, float | None]]:
     """Per (backend, mode) of one pass: tokens/s, step parts (s) and the ratio columns."""
     tokens = args.batch * args.seq
@@ -260,8 +283,8 @@ def _positive(text: str) -> int:
     return value
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Runs the benchmark and prints the table (``--help`` for options)."""
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's arguments."""
     p = argparse.ArgumentParser(
         prog="python -m torch_sagemaker.bench training",
         description=__doc__,
@@ -284,7 +307,12 @@ def main(argv: list[str] | None = None) -> None:
         help="whole passes (every row, in order); the machine's speed drifts between rows",
     )
     p.add_argument("--plot", default=None, help="write a PNG of tokens/s")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Runs the benchmark and prints the table (``--help`` for options)."""
+    args = parser().parse_args(argv)
     with torch.device("meta"):
         args.params_m = sum(t.numel() for t in _model(args).parameters()) / 1e6
     table, by_key = _table([_run(args) for _ in range(args.repeat)], args)

@@ -55,11 +55,25 @@ def check_supported(model: nn.Module, policy: ModelPolicy) -> None:
     Raises:
         ValueError: For a sliding-window configuration, naming the attribute and the fix.
     """
+    check_config_supported(model.config, policy, type(model).__name__)
+
+
+def check_config_supported(config: Any, policy: ModelPolicy, model_name: str) -> None:
+    """``check_supported`` on a model's Hugging Face config alone (no model needed).
+
+    Args:
+        config: The model's config.
+        policy: Its policy (which attribute holds a sliding window).
+        model_name: The model's class name, for the message.
+
+    Raises:
+        ValueError: For a sliding-window configuration, naming the attribute and the fix.
+    """
     attr = policy.sliding_window_attr
-    window = getattr(model.config, attr, None) if attr else None
+    window = getattr(config, attr, None) if attr else None
     if window is not None:
         raise ValueError(
-            f"{type(model).__name__} has {attr}={window}: sliding-window attention is not "
+            f"{model_name} has {attr}={window}: sliding-window attention is not "
             "supported with context parallelism (as in SMP). Set config."
             f"{attr} = None before building the model (full causal attention), or use "
             "context_parallel_degree=1."
@@ -246,6 +260,7 @@ def check_prepared(module: nn.Module, cp_size: int, where: str) -> None:
 __all__ = [
     "InputCheck",
     "MODEL_ATTR",
+    "check_config_supported",
     "check_prepared",
     "check_supported",
     "is_context_parallel",

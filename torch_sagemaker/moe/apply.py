@@ -75,6 +75,56 @@ def check_config(config: Any, *, tp: int, cp: int, ep: int) -> MoEConfig | None:
     return config
 
 
+def check_policy(policy: Any, config: MoEConfig | None) -> None:
+    """Refuses an MoEConfig the model's policy cannot honour (before anything changes).
+
+    Raises:
+        ValueError: For ``smp_moe=True`` on a block whose router ``MoELayer`` does not know
+            (a policy built from a transformers plan), naming both fixes.
+    """
+    spec = policy.moe
+    if config is None or spec is None or spec.replaceable or not config.smp_moe:
+        return
+    raise ValueError(
+        f"MoEConfig(smp_moe=True) replaces {spec.block_class} with MoELayer, which must "
+        f"route exactly as the model does; policy {policy.name!r} comes from the model's "
+        "transformers TP plan, which names the experts but not the router's rules. Pass "
+        "MoEConfig(smp_moe=False): expert parallelism splits the experts and the model's own "
+        "block and router run. Or register a torch_sagemaker.policies.ModelPolicy with an "
+        "MoESpec describing the router (docs/expert_parallel.md)."
+    )
+
+
+def check_experts(policy: Any, config: Any, ep: int, model_name: str) -> None:
+    """Whether an MoEConfig can split the experts of a model of ``config`` over ``ep`` ranks.
+
+    Checks the model's config alone (``tsm.transform`` calls it before changing anything).
+
+    Args:
+        policy: The model's ``ModelPolicy``.
+        config: Its Hugging Face config.
+        ep: expert_parallel_degree.
+        model_name: The model's class name, for the messages.
+
+    Raises:
+        ValueError: If the model has no mixture of experts, or its expert count is not
+            divisible by ``ep``.
+    """
+    if policy.moe is None:
+        raise ValueError(
+            f"tsm.transform got an MoEConfig, but {model_name} is a dense model "
+            f"(policy {policy.name!r} has no mixture of experts). Pass config=None."
+        )
+    num_experts = policy.num_experts(config)
+    if num_experts % ep:
+        valid = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise ValueError(
+            f"expert_parallel_degree={ep} does not divide the number of experts "
+            f"({policy.num_experts_attr}={num_experts}); every rank holds whole experts. "
+            f"Use a degree in {valid}."
+        )
+
+
 def apply_moe(
     model: nn.Module, policy: Any, config: MoEConfig, *, ep_mesh: Any, src_data_rank: int | None
 ) -> MoEReport:
@@ -89,24 +139,14 @@ def apply_moe(
 
     Raises:
         ValueError: If the model has no mixture of experts, or its expert count is not
-            divisible by the expert parallel degree.
+            divisible by the expert parallel degree (``check_experts``).
     """
-    spec = policy.moe
     cfg = model.config
-    if spec is None:
-        raise ValueError(
-            f"tsm.transform got an MoEConfig, but {type(model).__name__} is a dense model "
-            f"(policy {policy.name!r} has no mixture of experts). Pass config=None."
-        )
-    num_experts = policy.num_experts(cfg)
     ep = ep_mesh.size()
-    if num_experts % ep:
-        valid = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
-        raise ValueError(
-            f"expert_parallel_degree={ep} does not divide the number of experts "
-            f"({policy.num_experts_attr}={num_experts}); every rank holds whole experts. "
-            f"Use a degree in {valid}."
-        )
+    check_experts(policy, cfg, ep, type(model).__name__)
+    spec = policy.moe
+    assert spec is not None  # check_experts refused a dense policy
+    num_experts = policy.num_experts(cfg)
     blocks = [(n, m) for n, m in model.named_modules() if type(m).__name__ == spec.block_class]
     if not blocks:
         raise ValueError(
@@ -179,4 +219,4 @@ def _warn_no_effect(config: MoEConfig, ep: int) -> None:
         )
 
 
-__all__ = ["MoEReport", "apply_moe", "check_config"]
+__all__ = ["MoEReport", "apply_moe", "check_config", "check_experts", "check_policy"]

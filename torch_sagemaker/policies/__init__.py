@@ -5,13 +5,15 @@
 - ``llama``, ``mistral``, ``mixtral``, ``gpt_neox``, ``qwen2``, ``qwen2_moe``,
   ``qwen3_moe``: one policy each, data only; they import ``model_policy`` and nothing else
   of the package (``mistral``/``qwen2``/``mixtral`` reuse ``llama``'s plan builder).
+- ``transformers_plan``: ``policy_from_plan``, the policy a model's own transformers TP plan
+  (``base_model_tp_plan``) gives when no policy covers it (Note [Plan-driven layout]).
 - ``registry``: ``POLICIES`` (the shipped ones, listed explicitly), ``register_policy`` for
-  a user's own, and the lookups (``lookup_policy``, ``get_policy``,
-  ``transformer_layer_classes``) the rest of the library uses.
+  a user's own, and the lookups (``lookup_policy``: a registered policy, else the plan's;
+  ``get_policy``, ``transformer_layer_classes``) the rest of the library uses.
 
-Imports go one way: families -> ``model_policy``; ``registry`` -> families and
-``model_policy``; this file re-exports. Generic machinery (``tensor_parallel``, ``sharding``,
-``offload``) imports from here; nothing here imports it.
+Imports go one way: families and ``transformers_plan`` -> ``model_policy``; ``registry`` ->
+families, ``transformers_plan`` and ``model_policy``; this file re-exports. Generic machinery
+(``tensor_parallel``, ``sharding``, ``offload``) imports from here; nothing here imports it.
 
 Example:
     >>> from torch_sagemaker.policies import ModelPolicy, register_policy

@@ -9,9 +9,26 @@ and draw the unsharded model's mask. Attention is multi-head (no kv-head attribu
 
 from __future__ import annotations
 
-from torch_sagemaker.policies.model_policy import ModelPolicy
+from torch_sagemaker.policies.activations import (
+    LAYER_NORM,
+    LAYER_NORM_STATS,
+    NORM_OUTPUT,
+    PLAIN_MLP,
+    SDPA,
+)
+from torch_sagemaker.policies.model_policy import ActivationProfile, ModelPolicy, Saved
 
 _LAYER = "gpt_neox.layers.*"
+
+# With the parallel residual (the default, ``use_parallel_residual``) both norms read the
+# layer's input, saved once (by the attention half); the attention output is copied into the
+# dense projection's input.
+GPT_NEOX_ACTIVATIONS = ActivationProfile(
+    attention=LAYER_NORM + NORM_OUTPUT + SDPA + (Saved("q"),),
+    mlp=LAYER_NORM_STATS + NORM_OUTPUT + PLAIN_MLP,
+    final=LAYER_NORM + NORM_OUTPUT,
+    rotary_fraction_attr="rotary_pct",
+)
 
 GPT_NEOX = ModelPolicy(
     name="gpt_neox",
@@ -36,5 +53,6 @@ GPT_NEOX = ModelPolicy(
     tp_split_sizes={
         "intermediate_size": "the MLP's columns (dense_h_to_4h colwise, dense_4h_to_h rowwise)"
     },
+    activations=GPT_NEOX_ACTIVATIONS,
     notes="Fused QKV is head-major, so a contiguous split keeps whole heads.",
 )

@@ -9,7 +9,8 @@ head, and sequence parallelism for the norms between the parallel regions. RoPE 
 
 from __future__ import annotations
 
-from torch_sagemaker.policies.model_policy import ModelPolicy
+from torch_sagemaker.policies.activations import LLAMA_ATTENTION, LLAMA_FINAL, LLAMA_MLP
+from torch_sagemaker.policies.model_policy import ActivationProfile, ModelPolicy
 
 
 def llama_style_plan(base: str = "model", mlp: bool = True) -> dict[str, str]:
@@ -48,6 +49,10 @@ def llama_style_plan(base: str = "model", mlp: bool = True) -> dict[str, str]:
 #: What the Llama-style plan splits besides the heads (MLP columns), for ``check_model``.
 LLAMA_SPLIT_SIZES = {"intermediate_size": "the MLP's columns (gate/up colwise, down rowwise)"}
 
+#: What a Llama-shaped decoder saves for backward (shared by Mistral and Qwen2, whose layers
+#: are Llama's with other defaults; q/k/v biases save nothing more).
+LLAMA_ACTIVATIONS = ActivationProfile(attention=LLAMA_ATTENTION, mlp=LLAMA_MLP, final=LLAMA_FINAL)
+
 LLAMA = ModelPolicy(
     name="llama",
     model_classes=("LlamaForCausalLM",),
@@ -55,5 +60,6 @@ LLAMA = ModelPolicy(
     attention="model.layers.*.self_attn",
     tp_plan=llama_style_plan(),
     tp_split_sizes=LLAMA_SPLIT_SIZES,
+    activations=LLAMA_ACTIVATIONS,
     notes="Llama 2/3/3.1 (GQA, rope scaling); kv heads fewer than the degree are replicated.",
 )

@@ -15,8 +15,17 @@ tensors over the EP ranks instead; ``moe`` says where they are.
 
 from __future__ import annotations
 
+from torch_sagemaker.policies.activations import (
+    GROUPED_EXPERTS,
+    LLAMA_ATTENTION,
+    LLAMA_FINAL,
+    LLAMA_MLP,
+    NORM_OUTPUT,
+    RMS_NORM,
+    TOPK_ROUTER,
+)
 from torch_sagemaker.policies.llama import llama_style_plan
-from torch_sagemaker.policies.model_policy import ModelPolicy, MoESpec
+from torch_sagemaker.policies.model_policy import ActivationProfile, ModelPolicy, MoESpec
 
 MIXTRAL = ModelPolicy(
     name="mixtral",
@@ -32,5 +41,11 @@ MIXTRAL = ModelPolicy(
     num_experts_attr="num_local_experts",
     moe=MoESpec(block_class="MixtralSparseMoeBlock", jitter_attr="jitter_noise"),
     sliding_window_attr="sliding_window",
+    activations=ActivationProfile(
+        attention=LLAMA_ATTENTION,
+        mlp=LLAMA_MLP,
+        moe=RMS_NORM + NORM_OUTPUT + TOPK_ROUTER + GROUPED_EXPERTS,
+        final=LLAMA_FINAL,
+    ),
     notes="Experts split whole over the TP ranks (degree must divide num_local_experts).",
 )

@@ -32,7 +32,60 @@ STYLES: Mapping[str, str] = {
     "replicate": "every parameter replicated (e.g. an MoE router)",
     "experts": "fused MoE experts (expert dim 0) split over the TP ranks",
     "reduce_scatter_output": "module output summed over TP ranks and split over the sequence",
+    # The replicated-activation layout of transformers' own plans (policies built from a
+    # model's base_model_tp_plan; tensor_parallel.replicated_styles): activations between
+    # the split regions are whole plain tensors on every rank.
+    "colwise_gather": "Linear split by output features; output all-gathered (whole)",
+    "hidden_embedding": "Embedding split over the hidden dimension; output all-gathered",
+    "rowwise_allreduce": "Linear split by input features; output all-reduced (whole on every rank)",
+    "rowwise_split_input": "rowwise_allreduce whose input arrives whole and is split locally",
+    "vocab_embedding_allreduce": "Embedding split over the vocabulary; output all-reduced",
+    "replicate_local": (
+        "a subtree outside the split regions: parameters replicated, computed on whole "
+        "plain activations (checked on first use)"
+    ),
+    "replicate_partial_grad": (
+        "parameters replicated, used on this rank's heads (per-head norms); gradients summed"
+    ),
+    "reduce_output": (
+        "module computing with its split parameters' local values; output all-reduced"
+    ),
+    "local_params": "module computes with the local slices of its own split parameters",
+    "experts_allreduce": "fused MoE experts split whole (dim 0); output all-reduced",
+    "experts_batched": (
+        "experts run on expert-major row blocks (Llama 4), split whole; output all-reduced"
+    ),
+    "mla_kv_a_proj": "latent attention's shared kv down-projection; rotary slice's grad summed",
+    "sequence_parallel_local": "norm on a sequence slice of its whole input; output gathered",
+    "param_colwise": "a bare parameter split on its output dimension (e.g. one entry per head)",
+    "param_rowwise": "a bare parameter split on its last dimension (1-D ones replicated)",
 }
+
+
+def config_value(config: Any, attr: str, default: Any = None) -> Any:
+    """``config.<attr>``, also on a heterogeneous transformers config (per-layer values).
+
+    Such a config refuses to read an attribute that may vary per layer; the value is then
+    read from every layer's config and returned when the layers agree.
+
+    Raises:
+        ValueError: If the layers disagree (naming the attribute and the values).
+    """
+    try:
+        return getattr(config, attr, default)
+    except AttributeError:
+        return default
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        layers = getattr(config, "per_layer_config", None)
+        values = (
+            {getattr(layers[i], attr, default) for i in range(len(layers))} if layers else set()
+        )
+        if len(values) == 1:
+            return values.pop()
+        raise ValueError(
+            f"{type(config).__name__}.{attr} differs between layers ({sorted(map(str, values))}); "
+            f"describe the model with a ModelPolicy that does not need one {attr}."
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -52,6 +105,10 @@ class MoESpec:
         shared_expert: Child holding an always-active expert (Qwen2-MoE), or ``None``.
         shared_expert_gate: Child whose sigmoid scales the shared expert's output, or ``None``.
         jitter_attr: Block attribute with the router jitter noise, or ``None``.
+        replaceable: Whether ``MoELayer`` may replace the block (``smp_moe=True``): the
+            router's semantics are the ones ``MoELayer`` implements. ``False`` for blocks
+            known only from a transformers plan, whose experts expert parallelism splits
+            while the model's own block and router run (``smp_moe=False``).
     """
 
     block_class: str
@@ -62,6 +119,7 @@ class MoESpec:
     shared_expert: str | None = None
     shared_expert_gate: str | None = None
     jitter_attr: str | None = None
+    replaceable: bool = True
 
     def top_k(self, config: Any) -> int:
         """Experts per token."""
@@ -74,6 +132,81 @@ class MoESpec:
         return bool(getattr(config, self.normalize_top_k))
 
 
+#: Sizes a ``Saved`` may name, per token (``layer``-region terms: once per layer).
+SAVED_SIZES = (
+    "hidden",  # hidden_size
+    "q",  # query heads x head_dim
+    "kv",  # key/value heads x head_dim
+    "heads",  # query heads
+    "mlp",  # the dense MLP's intermediate size
+    "one",  # a scalar per token
+    "vocab",  # vocabulary
+    "experts",  # experts per MoE layer
+    "topk",  # experts per token
+    "expert_mlp",  # one expert's intermediate size
+    "shared_mlp",  # a shared expert's intermediate size
+)
+#: Where a saved tensor lives, which decides how parallelism divides it.
+SAVED_REGIONS = (
+    "sequence",  # between parallel regions: sequence parallelism splits the tokens over TP
+    "gathered",  # the all-gathered input of a parallel region: every token, whole
+    "split",  # inside a parallel region: every token, heads/columns/vocabulary split over TP
+    "routed",  # per (token, chosen expert) row of an MoE block: tokens x topk rows, whole
+    "positions",  # per position, not per sequence (rotary tables)
+)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """Tensors a part of the model saves for backward, sized per token it holds.
+
+    The parallelism planner adds them up to predict saved activations (docs/planner.md).
+    They describe what the Hugging Face implementation of a family saves (what PyTorch's
+    autograd keeps of each op), read off a ``saved_tensors_hooks`` run, and the planner's
+    validation measures them again (tests/distributed/test_planner_memory.py).
+
+    Attributes:
+        size: One of ``SAVED_SIZES``.
+        dtype: ``"compute"`` (the activations' dtype), ``"float32"``, ``"int64"``, ``"int32"``
+            or ``"bool"``.
+        region: One of ``SAVED_REGIONS``.
+        count: How many such tensors.
+    """
+
+    size: str
+    dtype: str = "compute"
+    region: str = "split"
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if self.size not in SAVED_SIZES or self.region not in SAVED_REGIONS:
+            raise ValueError(
+                f"Saved({self.size!r}, region={self.region!r}): size must be one of "
+                f"{SAVED_SIZES} and region one of {SAVED_REGIONS}."
+            )
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """What a family's Hugging Face implementation saves for backward, per part.
+
+    Attributes:
+        attention: A layer's attention half (its norm, projections, attention kernel).
+        mlp: A dense layer's MLP half (its norm and MLP).
+        moe: A sparse layer's MLP half with the model's own MoE block (router, experts), or
+            empty for dense families.
+        final: The final norm and the LM head's input.
+        rotary_fraction_attr: Config attribute with the fraction of each head that rotary
+            embeddings rotate (``None``: all of it).
+    """
+
+    attention: tuple[Saved, ...]
+    mlp: tuple[Saved, ...]
+    final: tuple[Saved, ...]
+    moe: tuple[Saved, ...] = ()
+    rotary_fraction_attr: str | None = None
+
+
 @dataclass(frozen=True)
 class ModelPolicy:
     """How to tensor-parallelize one model family.
@@ -84,8 +217,9 @@ class ModelPolicy:
             (``"LlamaForCausalLM"``); subclasses match too.
         layer_class: Name of the transformer layer class (``"LlamaDecoderLayer"``), the unit
             of FSDP wrapping, activation checkpointing and offloading.
-        attention: Module-name pattern of the attention modules. They are tensor parallel
-            regions (their random draws differ per TP rank) and get per-rank head counts.
+        attention: Module-name pattern (or patterns) of the attention modules. They are
+            tensor parallel regions (their random draws differ per TP rank) and get per-rank
+            head counts.
         tp_plan: Module-name pattern (``fnmatch``, full names from the model root) to a
             style name in ``STYLES``. Every pattern must match at least one module.
         num_heads_attr: Config attribute holding the number of attention heads.
@@ -99,13 +233,18 @@ class ModelPolicy:
         sliding_window_attr: Config attribute holding the sliding attention window (a value
             other than ``None`` means sliding-window attention, which context parallelism
             refuses), or ``None`` for families that always attend causally to everything.
+        heads_split: Whether the plan splits the attention heads over the TP ranks (then the
+            degree must divide them). ``False`` when the attention projections are gathered
+            (``colwise_gather``) and every rank computes every head.
+        activations: What the family saves for backward (the parallelism planner's memory
+            model), or ``None`` where it is not described.
         notes: Free text shown in the docs (limits, choices).
     """
 
     name: str
     model_classes: tuple[str, ...]
     layer_class: str
-    attention: str
+    attention: str | tuple[str, ...]
     tp_plan: Mapping[str, str]
     num_heads_attr: str = "num_attention_heads"
     num_kv_heads_attr: str | None = "num_key_value_heads"
@@ -113,6 +252,8 @@ class ModelPolicy:
     tp_split_sizes: Mapping[str, str] = field(default_factory=dict)
     moe: MoESpec | None = None
     sliding_window_attr: str | None = None
+    activations: ActivationProfile | None = None
+    heads_split: bool = True
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -143,12 +284,17 @@ class ModelPolicy:
 
     def attention_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """``(name, module)`` of every attention module of ``model``."""
-        return [(n, m) for n, m in model.named_modules() if fnmatchcase(n, self.attention)]
+        patterns = (self.attention,) if isinstance(self.attention, str) else self.attention
+        return [
+            (n, m)
+            for n, m in model.named_modules()
+            if any(fnmatchcase(n, pattern) for pattern in patterns)
+        ]
 
     def head_counts(self, config: Any) -> tuple[int, int]:
         """``(num_heads, num_kv_heads)`` read from a Hugging Face config."""
-        heads = int(getattr(config, self.num_heads_attr))
-        kv = getattr(config, self.num_kv_heads_attr, None) if self.num_kv_heads_attr else None
+        heads = int(config_value(config, self.num_heads_attr))
+        kv = config_value(config, self.num_kv_heads_attr) if self.num_kv_heads_attr else None
         return heads, int(kv) if kv else heads
 
     def num_experts(self, config: Any) -> int:
@@ -227,7 +373,18 @@ def check_model(policy: ModelPolicy, config: Any, tp: int) -> HeadSplit:
     Raises:
         ValueError: Naming the value, the rule and a fix.
     """
-    heads = split_heads(*policy.head_counts(config), tp)
+    if tp > 1 and not policy.tp_plan:
+        raise ValueError(
+            f"policy {policy.name!r} has no tensor parallel plan, so "
+            f"tensor_parallel_degree={tp} cannot split {type(config).__name__}'s model "
+            f"({policy.notes}). Use tensor_parallel_degree=1 (expert parallelism, "
+            "expert_parallel_degree, works), or register a policy with a tp_plan."
+        )
+    if policy.heads_split:
+        heads = split_heads(*policy.head_counts(config), tp)
+    else:  # every rank computes every head (gathered projections)
+        num_heads, num_kv_heads = policy.head_counts(config)
+        heads = HeadSplit(num_heads, num_kv_heads, tp, num_heads, num_kv_heads, False)
     experts = policy.num_experts(config)
     if experts and experts % tp:
         raise ValueError(
@@ -248,4 +405,16 @@ def check_model(policy: ModelPolicy, config: Any, tp: int) -> HeadSplit:
     return heads
 
 
-__all__ = ["STYLES", "HeadSplit", "MoESpec", "ModelPolicy", "check_model", "split_heads"]
+__all__ = [
+    "SAVED_REGIONS",
+    "SAVED_SIZES",
+    "STYLES",
+    "ActivationProfile",
+    "HeadSplit",
+    "ModelPolicy",
+    "MoESpec",
+    "Saved",
+    "config_value",
+    "check_model",
+    "split_heads",
+]

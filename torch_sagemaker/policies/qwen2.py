@@ -7,7 +7,7 @@ shard over the vocabulary (the tie is kept).
 
 from __future__ import annotations
 
-from torch_sagemaker.policies.llama import LLAMA_SPLIT_SIZES, llama_style_plan
+from torch_sagemaker.policies.llama import LLAMA_ACTIVATIONS, LLAMA_SPLIT_SIZES, llama_style_plan
 from torch_sagemaker.policies.model_policy import ModelPolicy
 
 QWEN2 = ModelPolicy(
@@ -18,5 +18,6 @@ QWEN2 = ModelPolicy(
     tp_plan=llama_style_plan(),
     sliding_window_attr="sliding_window",
     tp_split_sizes=LLAMA_SPLIT_SIZES,
+    activations=LLAMA_ACTIVATIONS,
     notes="q/k/v biases split with their heads; tied embeddings stay tied.",
 )

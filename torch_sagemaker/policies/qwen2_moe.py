@@ -5,8 +5,10 @@ Transformers 5 fuses the routed experts like Mixtral's (``mlp.experts.gate_up_pr
 experts and renormalizes the top-k weights only when ``norm_topk_prob``. Every block also
 runs ``mlp.shared_expert`` (a dense MLP) scaled by ``sigmoid(mlp.shared_expert_gate(x))``;
 layers listed in ``mlp_only_layers`` (or off ``decoder_sparse_step``) are dense MLPs and
-stay untouched. Expert parallelism only: no tensor parallel plan (``tsm.transform`` refuses
-``tensor_parallel_degree > 1`` for this model).
+stay untouched. The policy describes the experts for expert parallelism and ``MoELayer``;
+it has no tensor parallel plan of its own, so tensor parallelism takes the model's
+transformers plan (``registry.lookup_policy``: whole experts split over the TP ranks,
+attention and shared expert split as the plan says).
 """
 
 from __future__ import annotations
@@ -26,5 +28,5 @@ QWEN2_MOE = ModelPolicy(
         shared_expert="shared_expert",
         shared_expert_gate="shared_expert_gate",
     ),
-    notes="Expert parallelism with the shared expert kept on every rank; no tensor parallel plan.",
+    notes="Expert parallelism with the shared expert kept on every rank.",
 )

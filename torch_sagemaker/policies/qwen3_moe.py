@@ -2,7 +2,8 @@
 
 The experts are fused like Mixtral's; the router renormalizes the top-k weights when
 ``norm_topk_prob``; there is no shared expert. Layers in ``mlp_only_layers`` are dense.
-Expert parallelism only: no tensor parallel plan.
+No tensor parallel plan of its own: tensor parallelism takes the model's transformers plan
+(``registry.lookup_policy``).
 """
 
 from __future__ import annotations
@@ -17,5 +18,5 @@ QWEN3_MOE = ModelPolicy(
     tp_plan={},
     num_experts_attr="num_experts",
     moe=MoESpec(block_class="Qwen3MoeSparseMoeBlock", normalize_top_k="norm_topk_prob"),
-    notes="Expert parallelism only; no tensor parallel plan.",
+    notes="Experts described for expert parallelism and MoELayer.",
 )

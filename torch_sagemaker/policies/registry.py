@@ -11,6 +11,8 @@ components find a model's policy and layer class here:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
 from torch_sagemaker._torch_compat import checkpoint_wrapper as cw_compat
@@ -22,6 +24,7 @@ from torch_sagemaker.policies.model_policy import ModelPolicy
 from torch_sagemaker.policies.qwen2 import QWEN2
 from torch_sagemaker.policies.qwen2_moe import QWEN2_MOE
 from torch_sagemaker.policies.qwen3_moe import QWEN3_MOE
+from torch_sagemaker.policies.transformers_plan import PLAN_TP_NOTE, policy_from_plan
 
 #: Attribute set by ``tsm.transform`` on the model it transformed.
 POLICY_ATTR = "_tsm_policy"
@@ -64,22 +67,55 @@ def registered_policies() -> list[ModelPolicy]:
 
 
 def lookup_policy(model: nn.Module) -> ModelPolicy:
-    """The registered policy covering ``model`` (the most recently registered wins).
+    """The policy ``tsm.transform`` applies to ``model``: a registered one, else its plan's.
+
+    1. A registered policy covering the model's class (the most recently registered wins;
+       user policies before the shipped ones).
+    2. Otherwise the policy built from the model's own transformers TP plan
+       (``config.base_model_tp_plan``; ``transformers_plan.policy_from_plan``).
 
     Raises:
-        ValueError: If no policy covers the model's class; lists the supported classes and
-            how to register a policy.
+        ValueError: If neither exists (lists the supported classes and how to register a
+            policy), or the model's plan has an entry the plan-driven path cannot honour.
     """
     for policy in registered_policies():
         if policy.matches(model):
-            return policy
+            return policy if policy.tp_plan else _with_plan_tp(policy, model)
+    from_plan = policy_from_plan(model)
+    if from_plan is not None:
+        return from_plan
     supported = sorted(c for p in registered_policies() for c in p.model_classes)
     raise ValueError(
-        f"tsm.transform does not support {type(model).__name__}. Supported models: "
-        f"{', '.join(supported)}. To add one, describe it with a "
+        f"tsm.transform does not support {type(model).__name__}: no policy covers it and its "
+        f"config has no transformers base_model_tp_plan. Supported by policy: "
+        f"{', '.join(supported)}; any model whose config carries a base_model_tp_plan works "
+        "through that plan. To add one, describe it with a "
         "torch_sagemaker.policies.ModelPolicy (layer class, attention pattern, TP plan) and call "
         "torch_sagemaker.policies.register_policy(policy) before tsm.transform; see "
         "docs/tensor_parallel.md."
+    )
+
+
+def _with_plan_tp(policy: ModelPolicy, model: nn.Module) -> ModelPolicy:
+    """A policy without a TP plan (expert parallelism only), with its model's plan for TP.
+
+    The policy keeps everything it says (layer class, attention, the ``MoESpec`` that
+    ``MoELayer`` needs); only the tensor parallel plan it leaves empty comes from the
+    model's transformers plan, when it has one. Without one, or with one the translation
+    refuses, the policy is returned as is (the refusal in its notes): expert parallelism
+    still works and ``check_model`` refuses tensor parallelism, saying why.
+    """
+    try:
+        from_plan = policy_from_plan(model)
+    except ValueError as e:  # expert parallelism alone still works; TP is refused with this
+        return replace(policy, notes=f"{policy.notes} Its transformers plan is unusable: {e}")
+    if from_plan is None:
+        return policy
+    return replace(
+        policy,
+        tp_plan=from_plan.tp_plan,
+        heads_split=from_plan.heads_split,
+        notes=f"{policy.notes} {PLAN_TP_NOTE}".strip(),
     )
 
 

@@ -5,9 +5,12 @@
 
 - ``DTensorBackend``: PyTorch-native (``parallelize_module`` with DTensor styles). Runs on
   any device, including CPU; this is what the test suite exercises.
-- ``TransformerEngineBackend`` (``tensor_parallel.te``): swaps the plan's linear layers for
-  Transformer Engine modules. Chosen automatically when ``transformer_engine`` imports and
-  CUDA is available; ``use_backend("dtensor")`` overrides the choice.
+- ``TransformerEngineBackend`` (``tensor_parallel.te``, name ``"te"``): swaps the plan's
+  linear layers for Transformer Engine modules. Chosen automatically for
+  tensor_parallel_degree > 1 when ``transformer_engine`` imports and CUDA is available;
+  ``use_backend("dtensor")`` overrides the choice. At degree 1 nothing is split, and the
+  layers become Transformer Engine's only with ``use_backend("te")`` (FP8 through
+  Transformer Engine, ``torch_sagemaker/fp8/prepare.py``).
 
 Both take the same arguments and leave module names and state_dict keys unchanged.
 """
@@ -28,6 +31,7 @@ from torch_sagemaker.tensor_parallel.random import RNGStatesTracker
 # te.py imports transformer_engine only inside its functions: importing it is cheap and works
 # without Transformer Engine.
 from torch_sagemaker.tensor_parallel.te import TransformerEngineBackend
+from torch_sagemaker.tensor_parallel.te import supports as te_supports
 
 
 class TPBackend(Protocol):
@@ -94,12 +98,29 @@ def use_backend(name: str | None) -> None:
     _FORCED = name
 
 
-def select_backend() -> TPBackend:
-    """The forced backend, else Transformer Engine when available, else DTensor."""
-    name = _FORCED or ("te" if te_available() else "dtensor")
+def forced_backend() -> str | None:
+    """The name ``use_backend`` forced (``"dtensor"`` or ``"te"``), ``None`` for automatic."""
+    return _FORCED
+
+
+def select_backend(policy: ModelPolicy | None = None) -> TPBackend:
+    """The forced backend, else Transformer Engine or DTensor, chosen for ``policy``.
+
+    Automatic choice: Transformer Engine when it is available and runs ``policy``'s styles
+    (``te.supports``; a plan built from transformers' is not), else DTensor.
+    """
+    automatic = "te" if te_available() and (policy is None or te_supports(policy)) else "dtensor"
+    name = _FORCED or automatic
     if name == "te":
         return TransformerEngineBackend()
     return DTensorBackend()
 
 
-__all__ = ["DTensorBackend", "TPBackend", "select_backend", "te_available", "use_backend"]
+__all__ = [
+    "DTensorBackend",
+    "TPBackend",
+    "forced_backend",
+    "select_backend",
+    "te_available",
+    "use_backend",
+]

@@ -16,13 +16,27 @@ from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from torch_sagemaker.policies import HeadSplit, ModelPolicy
+from torch_sagemaker.policies.transformers_plan import attention_head_dim
 from torch_sagemaker.tensor_parallel.loss import causal_lm_loss
 from torch_sagemaker.tensor_parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker
+from torch_sagemaker.tensor_parallel.replicated_styles import (
+    REPLICATED_STYLES,
+    STYLE_ATTR,
+    make_replicated_style,
+)
 from torch_sagemaker.tensor_parallel.styles import make_style
+
+#: Styles that name a bare parameter (``self_attn.sinks``), not a module.
+PARAMETER_STYLES = ("param_colwise", "param_rowwise")
+
+# Attributes Hugging Face attention modules may keep head counts in (older code reshapes
+# with them instead of -1); scaled to the per-rank counts when the plan splits the heads.
+_HEAD_ATTRS = ("num_heads", "num_attention_heads")
+_KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads")
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -74,6 +88,52 @@ def matching_modules(model: nn.Module, pattern: str) -> list[str]:
     return [name for name, _ in model.named_modules() if name and fnmatchcase(name, pattern)]
 
 
+def _split_parameter(
+    model: nn.Module, name: str, style_name: str, mesh: DeviceMesh, src_data_rank: int | None
+) -> None:
+    """Makes parameter ``name`` a DTensor split as ``style_name`` (``PARAMETER_STYLES``)."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    param = getattr(owner, attr)
+    placement: Placement
+    if style_name == "param_colwise":
+        placement = Shard(max(param.ndim - 2, 0))
+    else:
+        placement = Shard(param.ndim - 1) if param.ndim > 1 else Replicate()
+    dt = distribute_tensor(param.detach(), mesh, [placement], src_data_rank=src_data_rank)
+    owner.register_parameter(attr, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+
+def _splits_heads(attention: nn.Module) -> bool:
+    """Whether ``attention`` holds a parameter split over the TP ranks (its heads are split).
+
+    A plan may leave some attention modules whole (a hybrid's linear attention): those keep
+    their head counts and draw from the shared random stream.
+    """
+    return any(
+        isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
+        for p in attention.parameters()
+    )
+
+
+def _set_head_counts(attention: nn.Module, heads: HeadSplit) -> None:
+    """Per-rank head bookkeeping on one attention module (Hugging Face's attributes)."""
+    # Hugging Face attention infers the head count from the shapes (view(..., -1, head_dim));
+    # the query-per-kv grouping is stored, and it changes only when kv heads are replicated
+    # (split evenly, each rank keeps the same grouping; some families give layers their own
+    # kv head counts, which the module's value already reflects).
+    # (torch types nn.Module attributes as tensors or modules; these are ints)
+    if hasattr(attention, "num_key_value_groups") and heads.kv_replicated:
+        attention.num_key_value_groups = heads.local_heads // heads.local_kv_heads  # type: ignore[assignment]
+    for attrs, full, local in (
+        (_HEAD_ATTRS, heads.num_heads, heads.local_heads),
+        (_KV_HEAD_ATTRS, heads.num_kv_heads, heads.local_kv_heads),
+    ):
+        for attr in attrs:
+            if getattr(attention, attr, None) == full:
+                setattr(attention, attr, local)
+
+
 def install_rng_region(module: nn.Module, tracker: RNGStatesTracker) -> None:
     """Runs ``module``'s forward inside ``tracker.fork()`` (a TP region: per-rank random draws)."""
     stack: list[Any] = []
@@ -91,12 +151,11 @@ def install_rng_region(module: nn.Module, tracker: RNGStatesTracker) -> None:
     module.register_forward_hook(leave, always_call=True)
 
 
-def _head_dim(policy: ModelPolicy, config: Any) -> int:
-    head_dim = getattr(config, "head_dim", None)
-    if head_dim:
-        return int(head_dim)
-    heads, _ = policy.head_counts(config)
-    return int(config.hidden_size) // heads
+def _head_dim(model: nn.Module, name: str, attention: list[str]) -> int:
+    """Head size for the module ``name``: that of the attention module holding it."""
+    owner = next((a for a in attention if name.startswith(f"{a}.")), None)
+    module = model.get_submodule(owner) if owner is not None else model
+    return attention_head_dim(module, model.config)
 
 
 def apply_tp_plan(
@@ -128,31 +187,44 @@ def apply_tp_plan(
     """
     tp_rank = tp_mesh.get_local_rank()
     kv_head = heads.kv_head_of(tp_rank) if heads.kv_replicated else None
-    head_dim = _head_dim(policy, model.config)
+    attention_names = [n for n, _ in policy.attention_modules(model)]
     tied = _tied_groups(model)
     counts: dict[str, int] = {}
     for pattern, style_name in policy.tp_plan.items():
-        names = matching_modules(model, pattern)
+        if style_name in PARAMETER_STYLES:
+            names = [n for n, _ in model.named_parameters() if fnmatchcase(n, pattern)]
+        else:
+            names = matching_modules(model, pattern)
         if not names:
             raise ValueError(
-                f"policy {policy.name!r}: TP plan pattern {pattern!r} matches no module "
+                f"policy {policy.name!r}: TP plan pattern {pattern!r} matches no "
+                f"{'parameter' if style_name in PARAMETER_STYLES else 'module'} "
                 f"of {type(model).__name__}; the policy does not fit this model."
             )
         for name in names:
-            style = make_style(style_name, head_dim=head_dim, kv_head=kv_head)
+            if style_name in PARAMETER_STYLES:
+                _split_parameter(model, name, style_name, tp_mesh, src_data_rank)
+                continue
+            if style_name in REPLICATED_STYLES:
+                style = make_replicated_style(
+                    style_name,
+                    module_name=name,
+                    config=model.config,
+                    layer_class=policy.layer_class,
+                )
+            else:
+                head_dim = _head_dim(model, name, attention_names) if kv_head is not None else 0
+                style = make_style(style_name, head_dim=head_dim, kv_head=kv_head)
             # parallelize_module sets the style's src_data_rank from its own argument.
-            parallelize_module(
-                model.get_submodule(name), tp_mesh, style, src_data_rank=src_data_rank
-            )
+            module = model.get_submodule(name)
+            parallelize_module(module, tp_mesh, style, src_data_rank=src_data_rank)
+            setattr(module, STYLE_ATTR, style_name)
         counts[style_name] = counts.get(style_name, 0) + len(names)
     _retie(tied)
     for _, attention in policy.attention_modules(model):
-        # Hugging Face attention infers the head count from the shapes (view(..., -1, head_dim));
-        # only the query-per-kv grouping is stored, and it changes when kv heads are replicated.
-        if hasattr(attention, "num_key_value_groups"):
-            # (torch types nn.Module attributes as tensors or modules; this one is an int)
-            attention.num_key_value_groups = heads.local_heads // heads.local_kv_heads  # type: ignore[assignment]
-        install_rng_region(attention, tracker)
+        if policy.heads_split and _splits_heads(attention):
+            _set_head_counts(attention, heads)
+            install_rng_region(attention, tracker)
     left = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if left:
         raise ValueError(

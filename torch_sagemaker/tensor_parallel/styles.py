@@ -48,11 +48,17 @@ from torch_sagemaker._torch_compat import nn as nn_compat
 from torch_sagemaker.distributed.direct import all_reduce_direct
 
 
-def _distribute_params(
-    module: nn.Module, mesh: DeviceMesh, placements: list[Placement], src_data_rank: int | None
+def distribute_params(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    placements: list[Placement],
+    src_data_rank: int | None,
+    names: list[str] | None = None,
 ) -> None:
-    """Replaces each direct parameter of ``module`` by a DTensor with ``placements``."""
+    """Replaces ``module``'s own parameters (all, or ``names``) by DTensors with ``placements``."""
     for name, param in list(module.named_parameters(recurse=False)):
+        if names is not None and name not in names:
+            continue
         dt = distribute_tensor(param.detach(), mesh, placements, src_data_rank=src_data_rank)
         module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
 
@@ -72,16 +78,18 @@ def to_local_partial_grad(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return x.to_local(grad_placements=[Partial()])
 
 
-class _AllReduceGrad(torch.autograd.Function):
+class AllReduceGrad(torch.autograd.Function):
     """Identity forward; all-reduce of the gradient over ``group`` in backward (Megatron's f)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """``x`` itself (a view, so autograd records this function)."""
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The gradient summed over the group."""
         grad = grad.contiguous()
         all_reduce_direct(grad, group=ctx.group)
         return grad, None
@@ -107,7 +115,7 @@ class SequenceParallelNorm(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def partition(_name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            _distribute_params(mod, mesh, [Replicate()], self.src_data_rank)
+            distribute_params(mod, mesh, [Replicate()], self.src_data_rank)
 
         def prepare_input(_mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
             x = inputs[0]
@@ -173,7 +181,7 @@ class ReplicateParallel(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _distribute_params(module, device_mesh, [Replicate()], self.src_data_rank)
+        distribute_params(module, device_mesh, [Replicate()], self.src_data_rank)
         forward_impl = type(module).forward
 
         def local(x: Any) -> Any:
@@ -238,7 +246,7 @@ class ExpertsParallel(ParallelStyle):
                 f"{type(module).__name__}: {num_experts} experts cannot be split over "
                 f"tensor_parallel_degree={tp} ranks; use a degree dividing {num_experts}."
             )
-        _distribute_params(module, device_mesh, [Shard(0)], self.src_data_rank)
+        distribute_params(module, device_mesh, [Shard(0)], self.src_data_rank)
         num_local = num_experts // tp
         first = device_mesh.get_local_rank() * num_local
         forward_impl = type(module).forward
@@ -282,15 +290,15 @@ class ReplicatedKVColwise(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
             raise TypeError(f"kv_colwise applies to nn.Linear, got {type(module).__name__}.")
-        _distribute_params(module, device_mesh, [Replicate()], self.src_data_rank)
+        distribute_params(module, device_mesh, [Replicate()], self.src_data_rank)
         group, rows = device_mesh.get_group(), self.rows
 
         def forward(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             x = to_local_partial_grad(x, device_mesh)
-            weight = _AllReduceGrad.apply(cast(DTensor, mod.weight).to_local(), group)[rows]
+            weight = AllReduceGrad.apply(cast(DTensor, mod.weight).to_local(), group)[rows]
             bias = None
             if mod.bias is not None:
-                bias = _AllReduceGrad.apply(cast(DTensor, mod.bias).to_local(), group)[rows]
+                bias = AllReduceGrad.apply(cast(DTensor, mod.bias).to_local(), group)[rows]
             return F.linear(x, weight, bias)
 
         # A per-instance forward (nn.Module calls it like its own); mypy forbids method assignment.
@@ -340,12 +348,72 @@ def make_style(name: str, *, head_dim: int = 0, kv_head: int | None = None) -> P
     return style
 
 
+#: The dimension each style splits its module's parameters along (by attribute name, ``*``
+#: for the others), or ``None`` for replicated. It restates, as data, what ``make_style``'s
+#: styles do to parameters (PyTorch's ``ColwiseParallel`` splits weight and bias along 0,
+#: ``RowwiseParallel`` the weight along 1 and replicates the bias; on an ``nn.Embedding``
+#: it splits the vocabulary, dim 0), so that the parallelism planner can size every rank's
+#: shards without building a mesh. tests/distributed/test_planner_memory.py checks the
+#: planner's bytes against the DTensors these styles make.
+PARAM_SPLIT_DIMS: dict[str, dict[str, int | None]] = {
+    "colwise": {"*": 0},
+    "kv_colwise": {"*": 0},  # replicated instead when kv heads are fewer than the degree
+    "rowwise": {"weight": 1, "*": None},
+    "vocab_embedding": {"*": 0},
+    "lm_head": {"*": 0},
+    "sequence_parallel_norm": {"*": None},
+    "sequence_parallel_dropout": {"*": None},
+    "replicate": {"*": None},
+    "experts": {"*": 0},
+    "reduce_scatter_output": {"*": None},
+    # The replicated-activation layout (replicated_styles, plans built from transformers').
+    "colwise_gather": {"*": 0},
+    "hidden_embedding": {"*": 1},
+    "rowwise_allreduce": {"weight": 1, "*": None},
+    "rowwise_split_input": {"weight": 1, "*": None},
+    "vocab_embedding_allreduce": {"*": 0},
+    "replicate_local": {"*": None},
+    "replicate_partial_grad": {"*": None},
+    "reduce_output": {"*": None},  # its bare parameters are split by entries of their own
+    "local_params": {"*": None},  # likewise
+    "experts_allreduce": {"*": 0},
+    "experts_batched": {"*": 0},
+    "mla_kv_a_proj": {"*": None},
+    "sequence_parallel_local": {"*": None},
+    "param_colwise": {"*": 0},  # the 1-D and 2-D bare parameters plans name
+    "param_rowwise": {"*": -1},  # (a 1-D one is replicated)
+}
+
+
+def param_split_dim(style: str, attr: str, *, kv_replicated: bool = False) -> int | None:
+    """The dimension ``style`` splits its module's parameter ``attr`` along, or ``None``.
+
+    Args:
+        style: A style name of ``torch_sagemaker.policies.STYLES``.
+        attr: The parameter's attribute name on its module (``"weight"``, ``"bias"``).
+        kv_replicated: The model has fewer kv heads than ranks (``kv_colwise`` replicates).
+
+    Raises:
+        ValueError: For an unknown style.
+    """
+    if style not in PARAM_SPLIT_DIMS:
+        raise ValueError(f"unknown tensor parallel style {style!r}.")
+    if style == "kv_colwise" and kv_replicated:
+        return None
+    dims = PARAM_SPLIT_DIMS[style]
+    return dims.get(attr, dims["*"])
+
+
 __all__ = [
+    "AllReduceGrad",
+    "PARAM_SPLIT_DIMS",
     "ExpertsParallel",
     "ReplicateParallel",
     "ReplicatedKVColwise",
     "SequenceParallelDropout",
     "SequenceParallelNorm",
+    "distribute_params",
     "make_style",
+    "param_split_dim",
     "to_local_partial_grad",
 ]

@@ -1,4 +1,4 @@
-"""Transformer Engine tensor parallelism (chosen automatically when TE and CUDA are present).
+"""Transformer Engine tensor parallelism, backend ``"te"`` (automatic with TE and CUDA, tp > 1).
 
 NOT RUN on the machines this package is developed on (no CUDA, no Transformer Engine); it
 is written against Transformer Engine's documented ``transformer_engine.pytorch.Linear``
@@ -45,6 +45,15 @@ _TE_MODES = {"colwise": "column", "kv_colwise": "column", "rowwise": "row"}
 _REPLICATED = {"vocab_embedding", "lm_head", "sequence_parallel_norm", "sequence_parallel_dropout"}
 
 
+def supports(policy: ModelPolicy) -> bool:
+    """Whether this backend can run ``policy``'s plan (its styles; head layouts are checked later).
+
+    The styles of the replicated-activation layout (plans built from transformers') are not
+    among them.
+    """
+    return set(policy.tp_plan.values()) <= set(_TE_MODES) | _REPLICATED
+
+
 def allreduce_grads_over(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
     """Sums each parameter's gradient over ``group`` once it is accumulated.
 
@@ -58,9 +67,12 @@ def allreduce_grads_over(params: list[nn.Parameter], group: dist.ProcessGroup) -
 
 
 def _te_linear(
-    linear: nn.Linear, mode: str, group: dist.ProcessGroup, tp: int, rank: int
+    linear: nn.Linear, mode: str | None, group: dist.ProcessGroup | None, tp: int, rank: int
 ) -> nn.Module:
-    """A ``te.Linear`` holding this rank's slice of ``linear``'s weight and bias."""
+    """A ``te.Linear`` holding this rank's slice of ``linear``'s weight and bias.
+
+    ``mode=None`` with ``tp=1`` and no group: an unsplit layer (``unsplit_te_linears``).
+    """
     import transformer_engine.pytorch as te
 
     weight = linear.weight
@@ -96,7 +108,7 @@ def _te_linear(
 class TransformerEngineBackend:
     """Tensor parallelism with Transformer Engine linear layers (see the module docstring)."""
 
-    name = "transformer_engine"
+    name = "te"  # as use_backend("te") spells it
 
     def apply(
         self,
@@ -143,6 +155,33 @@ class TransformerEngineBackend:
             install_rng_region(attention, tracker)
 
 
+def unsplit_te_linears(model: nn.Module, policy: ModelPolicy) -> list[str]:
+    """Makes the plan's linear layers unsplit ``te.Linear`` modules (tensor_parallel_degree 1).
+
+    The ``colwise``/``rowwise``/``kv_colwise`` layers get ``parallel_mode=None``.
+
+    SMP's ``transform`` builds Transformer Engine layers whatever the degree, and only those
+    run in FP8 under Transformer Engine's ``fp8_autocast``. Here that is opt-in: the FP8 step
+    of ``tsm.transform`` (``torch_sagemaker/fp8/prepare.py``) calls this at degree 1 only
+    after ``use_backend("te")``. Modules that are not exactly ``nn.Linear`` are left alone.
+
+    Returns:
+        The names of the modules replaced.
+    """
+    names = []
+    for pattern, style in policy.tp_plan.items():
+        if style not in _TE_MODES:
+            continue
+        for name in matching_modules(model, pattern):
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            module = getattr(parent, attr)
+            if type(module) is nn.Linear:
+                setattr(parent, attr, _te_linear(module, None, None, 1, 0))
+                names.append(name)
+    return names
+
+
 def te_checkpoint_kwargs(state: Any) -> dict[str, Any]:
     """Keyword arguments for ``transformer_engine.pytorch.checkpoint`` under SMP's state.
 
@@ -157,4 +196,10 @@ def te_checkpoint_kwargs(state: Any) -> dict[str, Any]:
     }
 
 
-__all__ = ["TransformerEngineBackend", "allreduce_grads_over", "te_checkpoint_kwargs"]
+__all__ = [
+    "TransformerEngineBackend",
+    "allreduce_grads_over",
+    "supports",
+    "te_checkpoint_kwargs",
+    "unsplit_te_linears",
+]

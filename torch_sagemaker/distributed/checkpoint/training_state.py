@@ -12,6 +12,8 @@ checkpoint keys (sharded kind)      | what
 ``lr_scheduler.*``                  | ``lr_scheduler.state_dict()``
 ``step``, ``data_position``         | int, JSON text (the data position must be JSON-able)
 ``rng_rank<r>``                     | JSON text: torch (CPU and CUDA), Python, NumPy states
+``fp8.<layer>.amax_history``, ``.scale`` | FP8 layers' delayed-scaling state, when there is some
+                                    | (``torch_sagemaker/fp8/scaling_state.py``)
 
 RNG states are per rank. After a resume on more ranks the new ranks keep their current RNG
 (a warning says so); parity of dropout-free models does not depend on it.
@@ -45,6 +47,7 @@ from torch_sagemaker.distributed.checkpoint.s3_filesystem import (
 )
 from torch_sagemaker.distributed.checkpoint.state_dict_loader import load, read_metadata
 from torch_sagemaker.distributed.checkpoint.state_dict_saver import async_save, save
+from torch_sagemaker.fp8 import scaling_state as fp8_state
 from torch_sagemaker.logger import warn_once
 from torch_sagemaker.state import state as smp_state  # (``state`` names RNG states here)
 
@@ -143,6 +146,9 @@ class TrainingState:
                 sd["optimizer"] = optim_sd
         if self.lr_scheduler is not None:
             sd["lr_scheduler"] = self.lr_scheduler.state_dict()
+        fp8 = fp8_state.scaling_state_dict(_unwrap_root(self.model))
+        if fp8:
+            sd[fp8_state.ITEM] = fp8
         if self.save_rng:
             sd[f"rng_rank{_rank()}"] = rng_state_json()
         return sd
@@ -168,6 +174,8 @@ class TrainingState:
         rng = state_dict.get(f"rng_rank{_rank()}")
         if rng is not None:
             set_rng_state_json(rng)
+        if fp8_state.ITEM in state_dict:
+            fp8_state.load_scaling_state_dict(_unwrap_root(self.model), state_dict[fp8_state.ITEM])
 
     # -------------------------------------------------------- save / load
     def _location(
@@ -290,8 +298,10 @@ class TrainingState:
         sd = self.state_dict(kind)
         if not load_optimizer:
             sd.pop("optimizer", None)
+        saved = read_metadata(path).state_dict_metadata
+        self._expect_saved_fp8_state(sd, saved, path)
         rng_key = f"rng_rank{_rank()}"
-        if rng_key in sd and rng_key not in read_metadata(path).state_dict_metadata:
+        if rng_key in sd and rng_key not in saved:
             warn_once(
                 f"checkpoint {path} has no RNG state for rank {_rank()} (it was saved by "
                 "fewer ranks); ranks without one keep their current RNG state."
@@ -306,6 +316,25 @@ class TrainingState:
             check_keys_matched=False,
         )
         self.load_state_dict(sd, kind)
+
+    def _expect_saved_fp8_state(self, sd: dict[str, Any], saved: Any, path: Any) -> None:
+        """Makes ``sd``'s FP8 item what the checkpoint holds, allocated to the saved sizes.
+
+        Before its first FP8 step a layer has no state to load into, and the saved history
+        may be longer or shorter than the current one.
+        """
+        sd.pop(fp8_state.ITEM, None)
+        prefix = fp8_state.ITEM + "."
+        sizes = {k[len(prefix) :]: m.size for k, m in saved.items() if k.startswith(prefix)}
+        if not sizes:
+            return
+        if not fp8_state.has_fp8_layers(self.model):
+            warn_once(
+                f"checkpoint {path} holds FP8 scaling state but the model has no FP8 layers; "
+                "it is not loaded."
+            )
+            return
+        sd[fp8_state.ITEM] = fp8_state.empty_like_saved(sizes)
 
 
 def _as_location(checkpoint_id: str | os.PathLike[str]) -> str | Path:

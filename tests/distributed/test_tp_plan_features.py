@@ -1,0 +1,279 @@
+"""The library's features on a model no policy covers (Qwen3: its transformers TP plan).
+
+One launch of 2 ranks runs every case, each under its own ``tsm.init``:
+
+- tensor parallelism 2 with FSDP2: train 4 steps, saving after step 2 a sharded checkpoint
+  (``TrainingState``) and a full one (gathered model and optimizer state); fresh models
+  (another seed; the one for the sharded checkpoint built on the meta device and
+  initialized late, equal to an unsharded delayed init) load each and train steps 3-4: the
+  losses equal the uninterrupted run's.
+  The trained model's Hugging Face export reloads with ``from_pretrained`` and gives its
+  logits;
+- the same layout with the offload wrapper: loss and every gradient bit-identical to the
+  run without it;
+- context parallelism 2 (standard attention) against one process (``cp_cases``);
+- expert parallelism 2 on OLMoE (experts named by its plan, the model's own router:
+  ``MoEConfig(smp_moe=False)``) against one process (``moe_models``);
+- a module the plan leaves out that computes on split activations (Qwen3's per-head
+  norms, dropped from the plan) is caught on first use on every rank, not replicated;
+- one key/value head under tensor parallelism 2 (replicated per rank) matches one process.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from tests.distributed import cp_cases, moe_models
+from tests.distributed.launcher import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+FAMILY = "qwen3"
+STEPS, SAVE_AT = 4, 2
+
+
+def _build(seed: int):
+    """Qwen3 (its plan), tensor parallel, FSDP2 over the TP layout, AdamW."""
+    import torch
+    import torch.sagemaker as tsm
+
+    from tests.distributed.test_tp_parity import build
+    from torch_sagemaker.sharding import shard_model
+
+    model = tsm.transform(build(FAMILY, seed=seed))
+    shard_model(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _build_delayed(seed: int):
+    """The same on the meta device: transform, FSDP2, then delayed initialization; also
+    whether the values equal an unsharded delayed init of the same seed."""
+    import torch
+    import torch.sagemaker as tsm
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from tests.distributed.test_tp_parity import tiny_config
+    from torch_sagemaker.delayed_param import DelayedParamIniter
+    from torch_sagemaker.sharding import shard_model
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config(FAMILY))
+        ref = AutoModelForCausalLM.from_config(tiny_config(FAMILY))
+    model = tsm.transform(model)  # stays on meta (its DTensors too)
+    initer = DelayedParamIniter(model, seed=seed, device="cpu")
+    shard_model(model)
+    initer.init_model()
+    DelayedParamIniter(ref, seed=seed, device="cpu").init_model()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    same = all(torch.equal(full[k], v) for k, v in ref.state_dict().items())
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), same
+
+
+def _train(model, optim, steps) -> list[float]:
+    from tests.distributed.test_tp_parity import batch
+
+    losses = []
+    for step in steps:
+        ids = batch(step)  # the TP group shares each step's batch
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _full_state(model, optim):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, [optim], options=StateDictOptions(full_state_dict=True))
+
+
+def _load_full(model, optim, path: str) -> None:
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    full = torch.load(path, weights_only=False)  # every rank reads the one file
+    set_state_dict(
+        model,
+        [optim],
+        model_state_dict=full["model"],
+        optim_state_dict=full["optim"],
+        options=StateDictOptions(full_state_dict=True),
+    )
+
+
+def _checkpoints_and_export(root: str) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from torch_sagemaker.distributed.checkpoint import TrainingState, save_hf_checkpoint
+
+    model, optim = _build(seed=1)
+    losses = _train(model, optim, range(SAVE_AT))
+    TrainingState(model, optim, step=SAVE_AT).save(f"{root}/sharded")
+    msd, osd = _full_state(model, optim)
+    if dist.get_rank() == 0:
+        torch.save({"model": msd, "optim": osd}, f"{root}/full.pt")
+    dist.barrier()
+    losses += _train(model, optim, range(SAVE_AT, STEPS))
+    out = {"losses": losses, "path": model._tsm_policy.name}
+    probe = torch.arange(32).reshape(2, 16) % 128
+    with torch.no_grad():
+        logits = model(input_ids=probe).logits
+    out["logits"] = (logits.full_tensor() if isinstance(logits, DTensor) else logits).clone()
+    save_hf_checkpoint(model, f"{root}/hf")
+
+    model, optim, out["delayed_init_equal"] = _build_delayed(seed=2)
+    state = TrainingState(model, optim)
+    state.load(f"{root}/sharded")
+    out["sharded"] = (state.step, _train(model, optim, range(SAVE_AT, STEPS)))
+    model, optim = _build(seed=3)
+    _load_full(model, optim, f"{root}/full.pt")
+    out["full"] = _train(model, optim, range(SAVE_AT, STEPS))
+    if dist.get_rank() == 0:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(f"{root}/hf")
+        with torch.no_grad():
+            out["exported"] = hf(input_ids=probe).logits
+    return out
+
+
+def _offload() -> dict:
+    import torch.sagemaker as tsm
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+
+    from tests.distributed.test_offload_parallel import _compare, _step
+    from tests.distributed.test_tp_parity import build, checkpoint_and_shard
+    from torch_sagemaker.offload import get_stats
+
+    def model():
+        m = tsm.transform(build(FAMILY))
+        checkpoint_and_shard(m)  # checkpointing on the plan's layer class, FSDP2
+        return m
+
+    off = _step(model(), 0)
+    wrapped = cw.offload_wrapper(model())  # the SMP script path
+    result = _compare(_step(wrapped, 0), off)
+    result["offloaded"] = get_stats(wrapped).bytes_offloaded
+    return result
+
+
+def _one_kv_head() -> dict:
+    """Qwen3 with one kv head under tp 2: the plan's k/v projections are replicated per rank."""
+    import torch.sagemaker as tsm
+
+    from tests.distributed.test_tp_parity import batch, build, compare_forward_backward
+
+    ref = build(FAMILY, num_key_value_heads=1)
+    model = tsm.transform(copy.deepcopy(ref))
+    kv = model.model.layers[0].self_attn.k_proj.weight
+    result = compare_forward_backward(model, ref, batch(0))
+    result["k_proj"] = ([p.is_replicate() for p in kv.placements], tuple(kv.to_local().shape))
+    return result
+
+
+def _dropped_norms() -> str:
+    import torch.sagemaker as tsm
+
+    from tests.distributed.test_tp_parity import batch, build
+
+    model = build(FAMILY)
+    model.tp_plan = {k: v for k, v in model.tp_plan.items() if not k.endswith("_norm")}
+    model = tsm.transform(model)
+    ids = batch(0)
+    try:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    except ValueError as e:
+        return str(e)
+    return f"no error; q_norm weight type {type(model.model.layers[0].self_attn.q_norm.weight)}"
+
+
+def _all(root: str) -> dict:
+    from tests.distributed.test_delayed_param import fresh_layout
+
+    out = {}
+    fresh_layout({"tensor_parallel_degree": 2})
+    out["checkpoints"] = _checkpoints_and_export(root)
+    fresh_layout({"tensor_parallel_degree": 2, "activation_loading_horizon": 2})
+    out["offload"] = _offload()
+    out["dropped_norms"] = _dropped_norms()
+    out["one_kv_head"] = _one_kv_head()
+    fresh_layout({"context_parallel_degree": 2})
+    out["cp"] = cp_cases.run_case(FAMILY, "p2p", "fsdp2")
+    fresh_layout({"expert_parallel_degree": 2})
+    out["ep"] = moe_models.parity_case(
+        "olmoe", "fsdp2", {"smp_moe": False, "moe_load_balancing": "none"}
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("plan"))
+    return run_distributed(_all, root, world_size=2, timeout=400)
+
+
+def test_sharded_and_full_checkpoints_resume_exactly(results):
+    import torch
+
+    for rank, r in enumerate(results):
+        c = r["checkpoints"]
+        assert c["path"] == "qwen3 (transformers plan)"
+        expected = c["losses"][SAVE_AT:]
+        assert len(set(c["losses"])) == STEPS, c["losses"]
+        assert c["delayed_init_equal"], f"rank {rank}: delayed init differs from unsharded"
+        step, sharded = c["sharded"]
+        assert step == SAVE_AT
+        torch.testing.assert_close(sharded, expected, rtol=1e-6, atol=1e-6, msg=f"rank {rank}")
+        torch.testing.assert_close(c["full"], expected, rtol=1e-6, atol=1e-6, msg=f"rank {rank}")
+
+
+def test_hf_export_reloads_with_the_same_logits(results):
+    import torch
+
+    c = results[0]["checkpoints"]
+    torch.testing.assert_close(c["exported"], c["logits"], rtol=1e-5, atol=1e-5)
+    assert c["logits"].abs().max() > 0
+
+
+def test_offload_wrapper_is_bit_identical(results):
+    for r in results:
+        case = r["offload"]
+        assert case["loss_equal"] and case["names_equal"], case
+        assert case["unequal"] == [] and case["nonzero"], case
+        assert case["offloaded"] > 0, case
+
+
+def test_context_parallel_matches_one_process(results):
+    for r in results:
+        cp_cases.check(r["cp"], what="qwen3 cp2")
+
+
+def test_expert_parallel_on_plan_experts_matches_one_process(results):
+    for r in results:
+        assert r["ep"]["local_experts"] == [(2, 32, 24), (2, 48, 32)], r["ep"]  # 2 of 4 experts
+        moe_models.check({f"olmoe rank {rank}": r["ep"] for rank, r in enumerate(results)})
+
+
+def test_fewer_kv_heads_than_ranks(results):
+    from tests.distributed.test_tp_parity import ATOL
+
+    for r in results:
+        case = r["one_kv_head"]
+        assert case["k_proj"] == ([True], (16, 64)), case["k_proj"]  # replicated: the one head
+        assert case["logits"] < ATOL and case["loss"] < ATOL, case
+        bad = {n: d for n, d in case["grads"].items() if d > ATOL}
+        assert not bad and case["grad_scale"] > 1e-4, bad
+
+
+def test_replicated_module_on_split_activations_is_caught(results):
+    for r in results:
+        message = r["dropped_norms"]
+        assert "model.layers.0.self_attn.q_norm" in message, message
+        assert "differs between those ranks" in message and "model.tp_plan" in message, message

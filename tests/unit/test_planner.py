@@ -1,0 +1,310 @@
+"""The parallelism planner (torch_sagemaker/planner): its verdicts are the library's, its output
+is accepted by tsm.init, its arithmetic is FSDP's, and its command line writes what it says.
+
+The memory model against live tensors is tests/distributed/test_planner_memory.py; the time
+model against recorded measurements is tests/unit/test_planner_time.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from torch_sagemaker import _init, _transform
+from torch_sagemaker.config import ConfigError
+from torch_sagemaker.moe.moe_config import MoEConfig
+from torch_sagemaker.planner import Limits, cli, plan, report
+from torch_sagemaker.planner.candidates import Candidate, Checked, Rejected, check
+from torch_sagemaker.planner.inputs import Cluster, Workload
+from torch_sagemaker.planner.model import load_model
+from torch_sagemaker.planner.presets import accelerator
+from torch_sagemaker.planner.shards import _flat_layout, chunk
+
+LLAMA_70B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+}
+MIXTRAL = {
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "hidden_size": 1024,
+    "intermediate_size": 3584,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "vocab_size": 32000,
+}
+QWEN2_SMALL = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+}
+
+
+def _write(tmp_path, name, config):
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("configs")
+    return {
+        "llama70b": plan(
+            _write(tmp, "llama70b", LLAMA_70B),
+            seq_len=4096,
+            global_batch_tokens=4 * 2**20,
+            hosts=32,
+            instance_type="p5.48xlarge",
+            limits={
+                "tensor_parallel_degree": (1, 8),
+                "context_parallel_degree": (1,),
+                "hybrid_shard_degree": (8, 32, 64, 256),
+                "activation_loading_horizon": (2,),
+            },
+        ),
+        "mixtral": plan(
+            _write(tmp, "mixtral", MIXTRAL),
+            seq_len=2048,
+            global_batch_tokens=2048 * 64,
+            hosts=2,
+            instance_type="p4de.24xlarge",
+            limits={
+                "context_parallel_degree": (1,),
+                "hybrid_shard_degree": (2, 4, 8, 16),
+                "activation_offloading": (False,),
+            },
+        ),
+        "qwen2": plan(
+            _write(tmp, "qwen2", QWEN2_SMALL),
+            seq_len=8192,
+            global_batch_tokens=8192 * 16,
+            hosts=1,
+            accelerator_name="A100-40GB",
+            limits={"activation_loading_horizon": (1, 2), "context_parallel_degree": (1, 2)},
+        ),
+    }
+
+
+def test_tsm_init_accepts_the_top_five_of_every_plan(plans, tmp_path):
+    for name, p in plans.items():
+        top = p.fitting[:5]
+        assert len(top) == 5, name
+        for i, e in enumerate(top):
+            path = tmp_path / f"{name}_{i}.json"
+            report.write_smp_config(e, path)
+            cfg, sharding = _init.dry_run(
+                str(path),
+                world_size=p.cluster.world_size,
+                ranks_per_host=p.cluster.per_host,
+                environ={},
+            )
+            smp = e.candidate.smp_config()
+            assert cfg.tensor_parallel_degree == smp["tensor_parallel_degree"]
+            assert cfg.sm_activation_offloading == smp["sm_activation_offloading"]
+            assert sharding.layout == e.checked.plan.layout
+            # And the model half: what tsm.transform checks before it changes anything.
+            _transform.check_model_config(
+                p.model.policy,
+                p.model.config,
+                tp=cfg.tensor_parallel_degree,
+                cp=cfg.context_parallel_degree,
+                ep=cfg.expert_parallel_degree,
+                config=MoEConfig() if e.candidate.moe else None,
+            )
+
+
+def test_the_plans_rank_fitting_configurations_by_speed(plans):
+    for p in plans.values():
+        fitting = p.fitting
+        assert fitting and p.best is fitting[0]
+        speeds = [e.time.tokens_per_second for e in fitting]
+        assert speeds[0] >= 0.999 * max(speeds)
+        assert all(e.memory.peak <= p.cluster.memory_budget for e in fitting)
+        assert all(not e.fits for e in p.ranked[len(fitting) :])
+
+
+def test_the_70b_example_picks_what_smp_publishes(plans):
+    # SMP's best practices and the HyperPod recipe run Llama 70B on 256 GPUs with every rank
+    # in one shard group, no TP, checkpointing (reference/smp_api.md section 4).
+    best = plans["llama70b"].best
+    assert best.candidate.smp_config()["hybrid_shard_degree"] == 256
+    assert best.candidate.tensor_parallel_degree == 1 and best.candidate.checkpointing
+
+
+def test_invalid_configurations_carry_the_librarys_message(plans):
+    spec = plans["mixtral"].model
+    cluster = plans["mixtral"].cluster
+    workload = plans["mixtral"].workload
+    # TP that does not divide the heads: tsm.transform's own message.
+    rejected = check(Candidate(0, tensor_parallel_degree=16), spec, cluster, workload)
+    assert isinstance(rejected, Rejected) and rejected.stage == "tsm.transform"
+    with pytest.raises(ValueError) as raised:
+        _transform.check_model_config(spec.policy, spec.config, tp=16, cp=1, ep=1)
+    assert rejected.reason == str(raised.value)
+    # EP with TP: tsm.init's message (sharding_plan.combination_problems).
+    rejected = check(
+        Candidate(2, tensor_parallel_degree=2, expert_parallel_degree=2, moe=True),
+        spec,
+        cluster,
+        workload,
+    )
+    assert isinstance(rejected, Rejected) and rejected.stage == "tsm.init"
+    with pytest.raises(ConfigError) as init_error:
+        _init.dry_run(
+            {"tensor_parallel_degree": 2, "expert_parallel_degree": 2, "hybrid_shard_degree": 2},
+            world_size=16,
+            environ={},
+        )
+    assert rejected.reason == "; ".join(init_error.value.problems)
+    # EP that does not divide the experts.
+    assert isinstance(
+        check(Candidate(1, expert_parallel_degree=16, moe=True), spec, cluster, workload),
+        Rejected,
+    )
+    # A batch that does not split over the data-parallel ranks.
+    small = Workload(2048, 2048 * 3, "bfloat16")
+    rejected = check(Candidate(16), spec, cluster, small)
+    assert isinstance(rejected, Rejected) and "does not split" in rejected.reason
+    assert isinstance(check(Candidate(16), spec, cluster, workload), Checked)
+    # Every plan lists what it rejected, with reasons.
+    assert all(r.reason for p in plans.values() for r in p.rejected)
+    assert any(r.stage == "tsm.init" for r in plans["llama70b"].rejected)
+
+
+def test_sliding_window_with_cp_is_refused_as_transform_refuses_it(tmp_path):
+    config = dict(QWEN2_SMALL, use_sliding_window=True, sliding_window=4096)
+    spec = load_model(_write(tmp_path, "swa", config))
+    cluster = Cluster(hosts=1, per_host=8, accelerator=accelerator("H100"))
+    got = check(Candidate(8, context_parallel_degree=2), spec, cluster, Workload(4096, 4096 * 4))
+    if getattr(spec.config, "sliding_window", None) is None:
+        pytest.skip("this transformers drops sliding_window when use_sliding_window is off")
+    assert isinstance(got, Rejected) and "sliding-window" in got.reason
+
+
+def test_chunks_and_fsdp1_padding_by_hand():
+    # torch.chunk: ceil-sized chunks, the last ones short or empty.
+    assert [chunk(10, 4, i) for i in range(4)] == [3, 3, 3, 1]
+    assert [chunk(2, 4, i) for i in range(4)] == [1, 1, 0, 0]
+    # FSDP1 aligns each parameter to 16 bytes (4 fp32 elements) and pads to the group size.
+    offsets, total = _flat_layout([(3,), (5,), (2, 2)], align=4, pad_to=8)
+    assert offsets == [0, 4, 12] and total == 16
+    offsets, total = _flat_layout([(3,), (5,)], align=4, pad_to=3)
+    assert offsets == [0, 4] and total == 9
+
+
+def test_limits_are_obeyed_and_checked():
+    with pytest.raises(ValueError, match="unknown settings"):
+        Limits(allowed={"pipeline_parallel_degree": (2,)})
+    with pytest.raises(ValueError, match="at least 1"):
+        Workload(0, 10)
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        Workload(4096, 5000)
+
+
+def test_command_line_writes_the_best_config_json_and_plot(tmp_path, capsys):
+    config = _write(tmp_path, "qwen2", QWEN2_SMALL)
+    best, out_json, png = tmp_path / "best.json", tmp_path / "plan.json", tmp_path / "mem.png"
+    code = cli.main(
+        [
+            str(config),
+            "--seq-len",
+            "4096",
+            "--global-batch-tokens",
+            "64Ki",
+            "--hosts",
+            "1",
+            "--accelerator",
+            "A100-80GB",
+            "--limit",
+            "tensor_parallel_degree=1,2",
+            "--limit",
+            "context_parallel_degree=1",
+            "--limit",
+            "activation_offloading=false",
+            "--write-config",
+            str(best),
+            "--json",
+            str(out_json),
+            "--plot",
+            str(png),
+        ]
+    )
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "| 1 | " in text and "invalid" in text
+    written = json.loads(best.read_text())
+    data = json.loads(out_json.read_text())
+    assert written == data["ranked"][0]["smp_config"]
+    assert all(r["smp_config"]["tensor_parallel_degree"] in (1, 2) for r in data["ranked"])
+    assert not any(r["smp_config"]["sm_activation_offloading"] for r in data["ranked"])
+    assert data["invalid"] and all(r["reason"] for r in data["invalid"])
+    assert png.stat().st_size > 0
+    _init.dry_run(str(best), world_size=8, environ={})
+
+
+def test_command_line_refuses_bad_input(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([str(tmp_path / "x.json"), "--seq-len", "4096"])  # missing arguments
+    capsys.readouterr()
+    common = ["--seq-len", "1024", "--global-batch-tokens", "8Ki", "--hosts", "1"]
+    assert cli.main([str(tmp_path / "missing.json"), *common]) == 2
+    assert "cannot read model config" in capsys.readouterr().err
+    no_profile = dict(MIXTRAL, architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe")
+    assert cli.main([str(_write(tmp_path, "q2moe", no_profile)), *common]) == 2
+    assert "does not describe what its layers save" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown accelerator"):
+        accelerator("V100")
+
+
+def test_published_configurations_are_valid_and_fit():
+    from torch_sagemaker.planner import public_configs
+
+    rows = public_configs.evaluate_all()
+    assert len(rows) == len(public_configs.CONFIGS) >= 7
+    for r in rows:
+        assert r.valid, f"{r.config.name}: {r.reason}"
+        assert r.fits and r.peak <= r.budget, (r.config.name, r.peak, r.budget)
+        assert r.step > 0
+    table = public_configs.table(rows)
+    assert table.count("| yes |") == len(rows)
+
+
+def test_saved_activations_count_a_reused_address_once(monkeypatch):
+    # FSDP frees an unsharded parameter's storage after its unit's forward and the allocator
+    # may hand the address to a new activation, which later ops save several times (as views):
+    # it must count once, the freed one as nothing.
+    import torch
+
+    from torch_sagemaker.planner import measure
+
+    counter = measure.SavedActivations(torch.nn.Linear(2, 2))
+    freed = torch.ones(64)
+    reused = torch.ones(4, 32)
+    gate, up = reused.chunk(2, dim=-1)
+    with monkeypatch.context() as patch:
+        patch.setattr(measure, "_key", lambda t: ("cpu", 1))  # every storage at one address
+        counter._record(freed)
+        freed.untyped_storage().resize_(0)
+        counter._record(gate)
+        counter._record(up)
+    assert len(counter.storages) == 2
+    assert sum(s.nbytes() for s in counter.storages.values()) == 4 * 32 * 4

@@ -1,0 +1,185 @@
+"""Policies built from transformers' own TP plans (no processes; meta-device models).
+
+The translation of each plan style, the choice between a policy and the plan, the head
+bookkeeping it derives, and the errors for entries it cannot honour.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_sagemaker.moe import apply as moe_apply
+from torch_sagemaker.moe.moe_config import MoEConfig
+from torch_sagemaker.policies import STYLES, check_model, lookup_policy
+from torch_sagemaker.policies.transformers_plan import PLAN_TP_NOTE, policy_from_plan, wildcard
+
+SIZES = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def meta(config_name: str, **overrides):
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    cfg = getattr(transformers, config_name)(**{**SIZES, **overrides})
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg)
+
+
+def test_wildcard_replaces_layer_numbers_only():
+    assert wildcard("model.layers.12.self_attn.q_proj") == "model.layers.*.self_attn.q_proj"
+    assert wildcard("h.0.mlp.w2") == "h.*.mlp.w2"
+    assert wildcard("model.layers.3") == "model.layers.*"
+
+
+def test_qwen3_plan_translates_style_by_style():
+    policy = lookup_policy(meta("Qwen3Config"))
+    assert policy.name == "qwen3 (transformers plan)"
+    assert policy.layer_class == "Qwen3DecoderLayer"
+    assert policy.attention == ("model.layers.*.self_attn",)
+    assert policy.heads_split
+    layer = "model.layers.*"
+    assert dict(policy.tp_plan) == {
+        "model.embed_tokens": "vocab_embedding_allreduce",  # embedding_rowwise
+        f"{layer}.self_attn.q_proj": "colwise",
+        f"{layer}.self_attn.k_proj": "kv_colwise",  # colwise, num_key_value_heads * head_dim wide
+        f"{layer}.self_attn.v_proj": "kv_colwise",
+        f"{layer}.self_attn.o_proj": "rowwise_allreduce",  # rowwise
+        f"{layer}.self_attn.q_norm": "replicate_partial_grad",  # replicated_with_grad_allreduce
+        f"{layer}.self_attn.k_norm": "replicate_partial_grad",
+        f"{layer}.mlp.gate_proj": "colwise",
+        f"{layer}.mlp.up_proj": "colwise",
+        f"{layer}.mlp.down_proj": "rowwise_allreduce",
+        "lm_head": "lm_head",  # colwise_gather_output on the output embedding: vocab-parallel
+        f"{layer}.input_layernorm": "replicate_local",  # left out of the plan
+        f"{layer}.post_attention_layernorm": "replicate_local",
+        "model.norm": "replicate_local",
+        # modules whose code may read those norms' weights: they see plain values too
+        # (concrete names: the pattern model.layers.* would match every module below)
+        "model": "local_params",
+        "model.layers.0": "local_params",
+        "model.layers.1": "local_params",
+    }
+    assert set(policy.tp_plan.values()) <= set(STYLES)
+
+
+def test_gathered_projections_do_not_split_heads():
+    """Phi-3 gathers its fused qkv: every rank computes every head, so any degree works."""
+    policy = lookup_policy(meta("Phi3Config", num_key_value_heads=4))
+    assert policy.tp_plan["model.layers.*.self_attn.qkv_proj"] == "colwise_gather"
+    assert policy.tp_plan["model.layers.*.self_attn.o_proj"] == "rowwise_split_input"
+    assert not policy.heads_split
+    heads = check_model(policy, meta("Phi3Config", num_key_value_heads=4).config, 8)
+    assert (heads.local_heads, heads.local_kv_heads) == (4, 4)  # 8 does not divide 4 heads
+
+
+def test_a_policy_wins_over_the_plan():
+    model = meta("LlamaConfig")
+    assert model.tp_plan  # transformers ships one
+    assert lookup_policy(model).name == "llama"
+
+
+def test_expert_parallel_policies_take_tp_from_the_plan():
+    """Qwen3-MoE's policy has no TP plan: it keeps its MoESpec and gets the plan's TP."""
+    policy = lookup_policy(meta("Qwen3MoeConfig", num_experts=4, num_experts_per_tok=2))
+    assert policy.name == "qwen3_moe" and PLAN_TP_NOTE in policy.notes
+    assert policy.moe is not None and policy.moe.replaceable  # MoELayer still allowed (EP)
+    assert policy.tp_plan["model.layers.*.mlp.experts"] == "experts_allreduce"
+    assert policy.tp_plan["model.layers.*.mlp.gate"] == "replicate_local"
+
+
+def test_plan_moe_allows_expert_parallelism_with_the_models_own_router_only():
+    policy = lookup_policy(meta("OlmoeConfig", num_experts=4, num_experts_per_tok=2))
+    assert policy.moe is not None and policy.moe.block_class == "OlmoeSparseMoeBlock"
+    assert policy.num_experts_attr == "num_experts" and not policy.moe.replaceable
+    moe_apply.check_policy(policy, MoEConfig(smp_moe=False))  # accepted
+    with pytest.raises(ValueError, match=r"smp_moe=False.*MoESpec"):
+        moe_apply.check_policy(policy, MoEConfig(smp_moe=True))
+
+
+def test_entry_without_equivalent_names_module_style_and_fix():
+    model = meta("Qwen3Config")
+    model.tp_plan = {**model.tp_plan, "model.layers.*.mlp.up_proj": "moe_identity_expert"}
+    with pytest.raises(ValueError) as err:
+        policy_from_plan(model)
+    message = str(err.value)
+    for part in (
+        "model.layers.0.mlp.up_proj",
+        "'moe_identity_expert'",
+        "model.tp_plan",
+        "ModelPolicy",
+    ):
+        assert part in message, message
+
+
+def test_style_on_the_wrong_module_type_is_refused():
+    model = meta("Qwen3Config")
+    model.tp_plan = {**model.tp_plan, "model.layers.*.input_layernorm": "colwise"}
+    with pytest.raises(ValueError, match=r"input_layernorm.*'colwise'.*nn.Linear"):
+        policy_from_plan(model)
+
+
+def test_own_parameters_beside_split_projections_are_not_replicated_silently():
+    """A module whose own (unplanned) parameters sit above split projections is refused."""
+    model = meta("Qwen3Config")
+    attention = model.model.layers[0].self_attn
+    attention.register_parameter("scale", torch.nn.Parameter(torch.ones(4, device="meta")))
+    with pytest.raises(ValueError, match=r"self_attn.*\['scale'\].*not replicated silently"):
+        policy_from_plan(model)
+
+
+def test_planless_subtrees_are_replicated_at_their_root():
+    """Bamba's plan names only the embedding: each decoder layer is one replicated subtree;
+    the decoder stack reads the final norm only (layers are FSDP units of their own)."""
+    policy = lookup_policy(meta("BambaConfig", attn_layer_indices=[1], mamba_n_heads=8))
+    assert policy.tp_plan["model.embed_tokens"] == "vocab_embedding_allreduce"
+    assert policy.tp_plan["model.layers.0"] == "replicate_local"
+    assert not any(k.startswith("model.layers.0.") for k in policy.tp_plan)
+    assert policy.tp_plan["model"] == "local_params"
+    assert not policy.heads_split
+
+
+def test_a_block_reading_its_childs_weight_gets_plain_values():
+    """Qwen3-Next's linear attention convolves with its child's weight directly: the child is
+    replicated and the block (own parameters, planned projections below) computes locally."""
+    model = meta("Qwen3NextConfig", layer_types=["linear_attention", "full_attention"])
+    policy = lookup_policy(model)
+    assert policy.tp_plan["model.layers.*.linear_attn.conv1d"] == "replicate_local"
+    assert policy.tp_plan["model.layers.*.linear_attn"] == "local_params"
+    assert policy.tp_plan["model.layers.*.linear_attn.in_proj_qkvz"] == "colwise_gather"
+
+
+def test_model_without_policy_or_plan_is_refused_with_the_way_out():
+    model = meta("Qwen3Config")
+    model.tp_plan = None  # transformers' setter: no plan
+    model.__class__ = type("MyModel", (type(model),), {})
+    with pytest.raises(ValueError) as err:
+        lookup_policy(model)
+    assert "base_model_tp_plan" in str(err.value) and "register_policy" in str(err.value)
+
+
+def test_a_split_module_that_computes_more_than_its_weight_is_refused():
+    """Splitting the vocabulary of an embedding that normalizes its lookup (Inkling) would
+    normalize partial sums."""
+
+    class NormedEmbedding(torch.nn.Embedding):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.embed_norm = torch.nn.LayerNorm(self.embedding_dim)
+
+    model = meta("Qwen3Config")
+    with torch.device("meta"):
+        model.model.embed_tokens = NormedEmbedding(128, 64)
+    with pytest.raises(ValueError, match=r"model.embed_tokens.*embed_norm.weight"):
+        policy_from_plan(model)

@@ -1,0 +1,1 @@
+"""Development tools run from a checkout (not installed): ``python -m tools.<name>``."""

@@ -1,0 +1,159 @@
+"""Tiny configs for every causal-LM family of transformers, built locally (nothing downloaded).
+
+``tiny_config(model_type)`` starts from the family's default config and shrinks it: hidden
+64, 2 layers, 4 heads of 16 with 2 key/value heads, vocabulary 128, 4 experts (2 per token)
+for mixtures of experts, no dropout; sub-configs (a multimodal model's ``text_config``,
+``vision_config``) are shrunk the same way. Only the attributes the family's config knows
+are set (through its ``attribute_map``, so ``n_embd`` follows ``hidden_size``).
+``OVERRIDES`` holds what one family needs beyond that (sizes its config ties together); it
+is test data about the families, not model knowledge the library uses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Sizes every family gets where its config has the attribute.
+COMMON: dict[str, Any] = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 64,
+    "use_cache": False,
+    "rotary_dim": 8,
+    # mixtures of experts
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "n_group": 1,
+    "topk_group": 1,
+    # linear attention (Kimi-Linear, Qwen3-Next)
+    "linear_head_dim": 16,
+    "linear_num_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    # multi-head latent attention
+    "q_lora_rank": 48,
+    "index_topk": 8,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+}
+
+#: Token-id attributes kept inside the tiny vocabulary.
+TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+#: Per family: attributes beyond COMMON (its config ties other sizes to them).
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "dots1": {"n_shared_experts": 1},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "gemma3n_text": {"num_kv_shared_layers": 0, "vocab_size_per_layer_input": 128},
+    "dots3_note_text": {"num_key_value_heads": 4},
+    # its default config has no rope parameters for its (per-layer keyed) layer types
+    "cohere_compass_text": {
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    },
+    "gemma4_text": {"vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 16},
+}
+
+#: A tiny model above this many parameters means a size the shrinking did not reach.
+MAX_PARAMETERS = 20_000_000
+
+
+def _has(config: Any, key: str) -> bool:
+    if key in vars(config):
+        return True
+    try:
+        return hasattr(config, key)
+    except Exception:  # a property that refuses on this config (per-layer attributes)
+        return False
+
+
+def _shrunk_kwargs(cls: type, extra: dict[str, Any]) -> dict[str, Any]:
+    default = cls()
+    kwargs = {k: v for k, v in COMMON.items() if _has(default, k)}
+    for key, value in list(vars(default).items()):
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            kwargs[key] = 0.0
+    for key in TOKEN_IDS:
+        value = vars(default).get(key)
+        if isinstance(value, int) and value >= COMMON["vocab_size"]:
+            kwargs[key] = COMMON["vocab_size"] - 1 - TOKEN_IDS.index(key)
+    for name, sub_cls in (getattr(cls, "sub_configs", None) or {}).items():
+        if isinstance(sub_cls, type):
+            kwargs[name] = sub_cls(**_shrunk_kwargs(sub_cls, {})).to_dict()
+    if "qk_rope_head_dim" in kwargs:  # latent attention: the config derives its head_dim,
+        kwargs.pop("head_dim", None)  # and keys and values get one head per query head
+        if "num_key_value_heads" in kwargs:
+            kwargs["num_key_value_heads"] = COMMON["num_attention_heads"]
+    for key in list(kwargs):
+        attr = getattr(cls, key, None)
+        if isinstance(attr, property) and attr.fset is None:
+            del kwargs[key]  # derived by the config itself
+    kwargs.update(extra)
+    return kwargs
+
+
+def tiny_config(model_type: str):
+    """The tiny config of ``model_type`` (a key of transformers' ``CONFIG_MAPPING``).
+
+    Raises:
+        Exception: Whatever the family's config raises for these sizes (the caller reports it).
+    """
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    return cls(**_shrunk_kwargs(cls, OVERRIDES.get(model_type, {})))
+
+
+def attention_for(cfg: Any) -> str:
+    """``"sdpa"`` where the family's model supports it, else ``"eager"``."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(cfg)]
+    except KeyError:
+        cls = None
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
+def build(model_type: str, seed: int = 0, device: str | None = None):
+    """The tiny fp32 model of ``model_type`` with weights drawn from ``seed``.
+
+    Raises:
+        ValueError: If the model is not tiny (a size the shrinking did not reach).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(model_type)
+    with torch.device("meta"):
+        probe = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention_for(cfg))
+    count = sum(p.numel() for p in probe.parameters())
+    if count > MAX_PARAMETERS:
+        raise ValueError(
+            f"the tiny config still has {count / 1e6:.1f}M parameters (a size its config "
+            "keeps under another name was not shrunk)"
+        )
+    if device == "meta":
+        return probe
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention_for(cfg))
+    with torch.no_grad():
+        # Zero-initialised parameters (routers, gates, biases) would make every expert tie
+        # and hide a bias handled wrongly: give them values, the same on every rank.
+        for p in model.parameters():
+            if p.is_floating_point() and not p.any():
+                p.normal_(0.0, 0.1)
+    return model.float()

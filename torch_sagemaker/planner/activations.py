@@ -1,0 +1,249 @@
+"""Saved activations per rank: the family's ``ActivationProfile`` sized by the layout.
+
+A family's policy says what its Hugging Face implementation saves per token
+(``torch_sagemaker/policies/activations.py``); this module adds what the library itself
+saves (the vocabulary-parallel loss, ``MoELayer``'s routing and dispatch), sizes every term
+for the tokens and heads one rank holds, and applies activation checkpointing and offloading
+as the library implements them:
+
+- Tokens: a rank holds ``micro_batch x seq_len / cp`` tokens; between parallel regions
+  (norms, the residual stream) sequence parallelism splits them over the TP ranks; inside a
+  region heads, MLP columns and the vocabulary are split; an MoE block's rows are its tokens
+  times the experts each token picks (balanced routing assumed: with expert parallelism a
+  rank receives, on average, as many rows as its tokens chose).
+- Checkpointing (``checkpoint_transformer_layers``, non-reentrant): a layer keeps only its
+  input, the residual stream (sequence-split under TP); the rotary tables then travel in the
+  checkpoint's closure, not as saved tensors.
+- Offloading (``offload_wrapper``): each layer's saved storages go to the host as they are
+  saved; at most ``activation_loading_horizon + 1`` layers are back on the device at once
+  (the schedule, docs/offload.md). What the layers' surroundings save stays on the device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch_sagemaker.planner.model import ModelSpec
+from torch_sagemaker.policies import HeadSplit
+from torch_sagemaker.policies.model_policy import ActivationProfile, Saved
+from torch_sagemaker.topology import Layout
+
+DTYPE_BYTES = {"float32": 4, "int64": 8, "int32": 4, "bool": 1}
+
+#: Hugging Face's causal LM loss without TP: the float32 log-softmax over the vocabulary, the
+#: shifted labels, a float32 scalar weight.
+HF_LOSS: tuple[Saved, ...] = (
+    Saved("vocab", "float32", "gathered"),
+    Saved("one", "int64", "gathered"),
+)
+#: The library's vocabulary-parallel loss (``tensor_parallel/loss.py``): the float32 softmax
+#: of the rank's vocabulary slice, the targets and two masks.
+VOCAB_PARALLEL_LOSS: tuple[Saved, ...] = (
+    Saved("vocab", "float32", "split"),
+    Saved("one", "int64", "gathered"),
+    Saved("one", "bool", "gathered", 2),
+)
+#: The embedding's saved input: the token ids.
+EMBEDDING: tuple[Saved, ...] = (Saved("one", "int64", "gathered"),)
+#: ``MoELayer`` (``tsm.transform`` with an MoEConfig) after its norm: the model's router
+#: (its own softmax and top-k), the library's routing again in float32 and its z-loss; per
+#: row, the dispatch and combine indices, the received and returned rows, the experts'
+#: grouped GEMMs (as in the model's block) and the weights that scale the rows.
+MOE_LAYER: tuple[Saved, ...] = (
+    Saved("experts", "float32", "gathered", 3),
+    Saved("topk", "int64", "gathered", 2),
+    Saved("one", "float32", "gathered", 3),
+    Saved("topk", "float32", "gathered", 2),
+    Saved("one", "int64", "routed", 4),
+    Saved("one", "bool", "routed"),
+    Saved("hidden", "compute", "routed", 3),
+    Saved("expert_mlp", "compute", "routed", 4),
+    Saved("one", "float32", "routed", 2),
+)
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """What sizes one rank's activations.
+
+    Attributes:
+        layout: The rank layout (tp, cp, ep).
+        heads: The head split over the TP ranks.
+        micro_batch: Sequences per forward on this rank.
+        seq_len: Tokens per whole sequence.
+        compute_bytes: Bytes of the compute dtype.
+        moe_layer: Whether MoE blocks are the library's ``MoELayer`` (an MoEConfig).
+        tp_rank: The TP rank (uneven splits give rank 0 the largest part).
+    """
+
+    layout: Layout
+    heads: HeadSplit
+    micro_batch: int
+    seq_len: int
+    compute_bytes: int
+    moe_layer: bool = False
+    tp_rank: int = 0
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """One rank's saved activations at the end of the forward pass.
+
+    Attributes:
+        layer: What one transformer layer saves without checkpointing (each layer's own
+            activations, rebuilt by the recomputation in backward when checkpointed).
+        layers: What all layers keep on the device (their inputs with checkpointing; the
+            resident ones with offloading).
+        outside: What the model saves around its layers (embedding, final norm, head, loss,
+            rotary tables).
+        offloaded: What offloading keeps on the host instead (0 without it).
+        logits: The logits the forward returns (live, not saved).
+    """
+
+    layer: int
+    layers: int
+    outside: int
+    offloaded: int
+    logits: int
+
+    @property
+    def saved(self) -> int:
+        """Saved activations on the device at the end of forward."""
+        return self.layers + self.outside
+
+
+def _chunk(size: int, parts: int, index: int) -> int:
+    step = math.ceil(size / parts)
+    return max(0, min(step, size - index * step))
+
+
+def _profile(spec: ModelSpec) -> ActivationProfile:
+    profile = spec.policy.activations
+    if profile is None:
+        raise ValueError(
+            f"policy {spec.policy.name!r} does not describe what its layers save for backward "
+            "(ModelPolicy.activations), so the planner cannot size its activations; see "
+            "docs/planner.md."
+        )
+    return profile
+
+
+class _Sizer:
+    """Sizes ``Saved`` terms for one rank."""
+
+    def __init__(self, spec: ModelSpec, shape: ActivationShape) -> None:
+        layout, heads = shape.layout, shape.heads
+        tp, head_dim = layout.tp, spec.head_dim
+        local_seq = shape.seq_len // layout.cp
+        self.tokens = shape.micro_batch * local_seq
+        self.rows = {
+            "sequence": shape.micro_batch * _chunk(local_seq, tp, shape.tp_rank),
+            "gathered": self.tokens,
+            "split": self.tokens,
+            "positions": local_seq,
+        }
+        top_k = spec.policy.moe.top_k(spec.config) if spec.policy.moe else 0
+        self.rows["routed"] = self.tokens * top_k
+        num_heads, num_kv = heads.num_heads, heads.num_kv_heads
+        expert_mlp = spec.dim("moe_intermediate_size", 0) or spec.dim("intermediate_size", 0)
+        self.whole = {
+            "hidden": spec.dim("hidden_size"),
+            "q": num_heads * head_dim,
+            "kv": num_kv * head_dim,
+            "heads": num_heads,
+            "mlp": spec.dim("intermediate_size", 0),
+            "one": 1,
+            "vocab": spec.dim("vocab_size"),
+            "experts": spec.num_experts,
+            "topk": top_k,
+            "expert_mlp": expert_mlp,
+            "shared_mlp": spec.dim("shared_expert_intermediate_size", 0),
+        }
+        self.split = dict(self.whole)
+        self.split.update(
+            q=heads.local_heads * head_dim,
+            kv=heads.local_kv_heads * head_dim,
+            heads=heads.local_heads,
+            mlp=_chunk(self.whole["mlp"], tp, shape.tp_rank),
+            vocab=_chunk(self.whole["vocab"], tp, shape.tp_rank),
+        )
+        self.compute_bytes = shape.compute_bytes
+
+    def bytes(self, terms: tuple[Saved, ...]) -> int:
+        total = 0
+        for t in terms:
+            size = (self.split if t.region == "split" else self.whole)[t.size]
+            width = self.compute_bytes if t.dtype == "compute" else DTYPE_BYTES[t.dtype]
+            total += t.count * self.rows[t.region] * size * width
+        return total
+
+
+def _rotary_width(spec: ModelSpec, profile: ActivationProfile) -> int:
+    fraction = 1.0
+    if profile.rotary_fraction_attr:
+        fraction = float(getattr(spec.config, profile.rotary_fraction_attr, 1.0))
+    return int(spec.head_dim * fraction)
+
+
+def sparse_layers(spec: ModelSpec) -> set[int]:
+    """Indices of the layers with an MoE block (those holding expert weights)."""
+    return {int(p.unit.partition(".")[2]) for p in spec.params if p.expert}
+
+
+def activation_bytes(
+    spec: ModelSpec,
+    shape: ActivationShape,
+    *,
+    checkpointing: bool,
+    offload: bool,
+    horizon: int,
+) -> ActivationBytes:
+    """One rank's saved activations at the end of a forward pass (module docstring).
+
+    Raises:
+        ValueError: If the model's policy has no ``ActivationProfile``.
+    """
+    profile = _profile(spec)
+    size = _Sizer(spec, shape)
+    sparse = sparse_layers(spec)
+    moe_terms = profile.moe
+    if shape.moe_layer:  # the block's norm, then the library's layer
+        moe_terms = tuple(t for t in profile.mlp if t.size in ("hidden", "one")) + MOE_LAYER
+    dense_layer = size.bytes(profile.attention + profile.mlp)
+    sparse_layer = size.bytes(profile.attention + moe_terms) if sparse else 0
+    per_layer = [
+        sparse_layer if index in sparse else dense_layer for index in range(spec.num_layers)
+    ]
+    layer_input = size.bytes((Saved("hidden", "compute", "sequence"),))
+    kept = [layer_input] * spec.num_layers if checkpointing else per_layer
+    loss = VOCAB_PARALLEL_LOSS if shape.layout.tp > 1 else HF_LOSS
+    outside = size.bytes(EMBEDDING + profile.final + loss)
+    if not checkpointing:
+        rotary = 2 * size.rows["positions"] * _rotary_width(spec, profile) * shape.compute_bytes
+        outside += rotary
+    offloaded = 0
+    layers = sum(kept)
+    if offload:
+        resident = sorted(kept, reverse=True)[: horizon + 1]
+        offloaded = layers
+        layers = sum(resident)
+    logits = size.tokens * size.split["vocab"] * shape.compute_bytes
+    return ActivationBytes(
+        layer=max(per_layer) if per_layer else 0,
+        layers=layers,
+        outside=outside,
+        offloaded=offloaded,
+        logits=logits,
+    )
+
+
+__all__ = [
+    "ActivationBytes",
+    "ActivationShape",
+    "HF_LOSS",
+    "MOE_LAYER",
+    "VOCAB_PARALLEL_LOSS",
+    "activation_bytes",
+    "sparse_layers",
+]

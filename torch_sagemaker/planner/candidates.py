@@ -1,0 +1,236 @@
+"""The configurations the planner tries, and which of them the library accepts.
+
+A ``Candidate`` is one SMP config (the four degrees, offloading and its horizon) plus what
+the training script chooses (FSDP1 or FSDP2, activation checkpointing, an MoEConfig for MoE
+models). ``enumerate_candidates`` walks every combination the limits allow; ``check`` rules
+each valid or invalid with the library's own checks, in the order a job meets them:
+
+1. ``tsm.init``: ``torch_sagemaker/_init.py:dry_run`` (``config.validate`` and the sharding
+   plan, on the cluster's world size and ranks per host);
+2. ``tsm.transform``: ``torch_sagemaker/_transform.py:check_model_config`` (heads, experts
+   and split sizes against the degrees, MoEConfig against TP/CP, sliding windows with CP);
+3. FSDP1's expert units (``ShardingPlan.fsdp1_expert_problem``, as FSDP1's constructor asks);
+4. the batch: context parallelism cuts each sequence into ``2 x cp`` chunks
+   (``context_parallel/layout.py:check_local_length``, the forward's input check), and the
+   global batch must split into whole sequences over the data-parallel ranks.
+
+Nothing here restates a rule: an invalid candidate carries the message the library raised.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch_sagemaker import _init, _transform
+from torch_sagemaker.config import ConfigError
+from torch_sagemaker.context_parallel.layout import check_local_length
+from torch_sagemaker.moe.moe_config import MoEConfig
+from torch_sagemaker.planner.inputs import Cluster, Limits, Workload
+from torch_sagemaker.planner.model import ModelSpec
+from torch_sagemaker.policies import HeadSplit
+from torch_sagemaker.sharding_plan import ShardingPlan
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration: SMP's parameters and the script's choices.
+
+    Attributes:
+        hybrid_shard_degree: As written in the SMP config (0: native FSDP behaviour).
+        tensor_parallel_degree: TP degree.
+        context_parallel_degree: CP degree.
+        expert_parallel_degree: EP degree.
+        fsdp: 1 (``FullyShardedDataParallel``, ``use_orig_params=True``) or 2 (``fully_shard``
+            through ``torch_sagemaker.sharding.shard_model``).
+        checkpointing: Activation checkpointing of every transformer layer.
+        offload: ``sm_activation_offloading`` with ``offload_wrapper`` on the root.
+        horizon: ``activation_loading_horizon``.
+        moe: Whether ``tsm.transform`` gets an ``MoEConfig`` (``MoELayer``, experts over the EP
+            ranks); without one an MoE model keeps its own block (experts split over TP).
+    """
+
+    hybrid_shard_degree: int
+    tensor_parallel_degree: int = 1
+    context_parallel_degree: int = 1
+    expert_parallel_degree: int = 1
+    fsdp: int = 2
+    checkpointing: bool = True
+    offload: bool = False
+    horizon: int = 2
+    moe: bool = False
+
+    def smp_config(self) -> dict[str, Any]:
+        """The SMP config (``tsm.init``'s argument, or ``SM_HP_MP_PARAMETERS``)."""
+        return {
+            "hybrid_shard_degree": self.hybrid_shard_degree,
+            "tensor_parallel_degree": self.tensor_parallel_degree,
+            "context_parallel_degree": self.context_parallel_degree,
+            "expert_parallel_degree": self.expert_parallel_degree,
+            "sm_activation_offloading": self.offload,
+            "activation_loading_horizon": self.horizon,
+        }
+
+    def script(self) -> dict[str, Any]:
+        """What the training script does besides ``tsm.init`` (for the report)."""
+        return {
+            "fsdp": self.fsdp,
+            "activation_checkpointing": self.checkpointing,
+            "offload_wrapper": self.offload,
+            "transform_config": "MoEConfig()" if self.moe else None,
+        }
+
+    def label(self) -> str:
+        """A short one-line description."""
+        parts = [
+            f"hsd{self.hybrid_shard_degree}",
+            f"tp{self.tensor_parallel_degree}",
+            f"cp{self.context_parallel_degree}",
+        ]
+        if self.expert_parallel_degree > 1 or self.moe:
+            parts.append(f"ep{self.expert_parallel_degree}")
+        parts.append(f"fsdp{self.fsdp}")
+        parts.append("ac" if self.checkpointing else "no-ac")
+        if self.offload:
+            parts.append(f"offload{self.horizon}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A candidate the library accepts, with what the models need.
+
+    Attributes:
+        candidate: The configuration.
+        plan: The sharding plan ``tsm.init`` resolves.
+        heads: The head split ``tsm.transform`` computes.
+        micro_batch: Sequences each data-parallel rank trains per step.
+    """
+
+    candidate: Candidate
+    plan: ShardingPlan
+    heads: HeadSplit
+    micro_batch: int
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A candidate the library refuses, with its reason (the library's own message)."""
+
+    candidate: Candidate
+    stage: str
+    reason: str
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check(
+    candidate: Candidate, spec: ModelSpec, cluster: Cluster, workload: Workload
+) -> Checked | Rejected:
+    """Rules ``candidate`` valid or invalid with the library's checks (module docstring)."""
+    c = candidate
+    world = cluster.world_size
+    try:
+        _, plan = _init.dry_run(
+            c.smp_config(), world_size=world, ranks_per_host=cluster.per_host, environ={}
+        )
+    except ConfigError as e:
+        return Rejected(c, "tsm.init", "; ".join(e.problems))
+    try:
+        _, heads = _transform.check_model_config(
+            spec.policy,
+            spec.config,
+            tp=c.tensor_parallel_degree,
+            cp=c.context_parallel_degree,
+            ep=c.expert_parallel_degree,
+            config=MoEConfig() if c.moe else None,
+            model_name=spec.name,
+        )
+    except (ValueError, TypeError) as e:
+        return Rejected(c, "tsm.transform", str(e))
+    if c.fsdp == 1:
+        problem = plan.fsdp1_expert_problem(use_orig_params=True) if c.moe else None
+        if problem:
+            return Rejected(c, "FSDP1", problem)
+    cp = c.context_parallel_degree
+    if workload.seq_len % cp:
+        return Rejected(
+            c,
+            "input",
+            f"seq_len={workload.seq_len} does not split over context_parallel_degree={cp} "
+            "ranks; use a sequence length divisible by 2 * context_parallel_degree.",
+        )
+    if cp > 1:
+        try:
+            check_local_length(workload.seq_len // cp, cp)
+        except ValueError as e:
+            return Rejected(c, "input", str(e))
+    dp = plan.layout.dp_size
+    if workload.sequences % dp:
+        return Rejected(
+            c,
+            "input",
+            f"the global batch of {workload.sequences} sequences ({workload.global_batch_tokens} "
+            f"tokens) does not split over the {dp} data-parallel ranks (world / (tp * cp)); "
+            f"use a multiple of {dp} sequences.",
+        )
+    return Checked(c, plan, heads, workload.sequences // dp)
+
+
+def enumerate_candidates(spec: ModelSpec, cluster: Cluster, limits: Limits) -> Iterator[Candidate]:
+    """Every combination of settings ``limits`` allows (valid or not: ``check`` decides).
+
+    Degrees run over the divisors of the world size (and 0 for ``hybrid_shard_degree``);
+    offloading is tried with activation checkpointing (SMP's documented use) at horizons
+    1 to ``limits.max_horizon``; expert parallelism and MoE settings only for MoE models.
+    """
+    world = cluster.world_size
+    degrees = divisors(world)
+    moe_model = spec.num_experts > 0
+    # By default TP stays inside a host (SMP recommends 1 to 8, intra-node) and CP within two
+    # hosts' ranks; limits widen or narrow either.
+    settings: dict[str, list[Any]] = {
+        "tensor_parallel_degree": [d for d in degrees if d <= cluster.per_host],
+        "context_parallel_degree": [d for d in degrees if d <= 2 * cluster.per_host],
+        "expert_parallel_degree": degrees if moe_model else [1],
+        "hybrid_shard_degree": [0, *degrees],
+        "fsdp": [2, 1],
+        "activation_checkpointing": [True, False],
+        "moe": [False, True] if moe_model else [False],
+    }
+    values = {
+        k: list(limits.allowed[k]) if k in limits.allowed else vs for k, vs in settings.items()
+    }
+    offloads = [(False, 2)]
+    if limits.allows("activation_offloading", True):
+        horizons = range(1, limits.max_horizon + 1)
+        offloads += [(True, h) for h in horizons if limits.allows("activation_loading_horizon", h)]
+    if not limits.allows("activation_offloading", False):
+        offloads = offloads[1:]
+    for tp, cp, ep, hsd, fsdp, ac, moe in itertools.product(
+        values["tensor_parallel_degree"],
+        values["context_parallel_degree"],
+        values["expert_parallel_degree"],
+        values["hybrid_shard_degree"],
+        values["fsdp"],
+        values["activation_checkpointing"],
+        values["moe"],
+    ):
+        if tp * cp > world or tp * ep > world or (ep > 1 and not moe):
+            continue  # the product of the degrees cannot exceed the ranks; EP needs MoEConfig
+        if hsd == 0 and ep == 1 and "hybrid_shard_degree" not in limits.allowed:
+            # 0 means world // tp here, which the explicit degree also says (and means under
+            # FSDP1 whatever sharding_strategy the script asks for).
+            continue
+        for offload, horizon in offloads:
+            if offload and not ac:
+                continue
+            yield Candidate(hsd, tp, cp, ep, fsdp, ac, offload, horizon, moe)
+
+
+__all__ = ["Candidate", "Checked", "Rejected", "check", "divisors", "enumerate_candidates"]

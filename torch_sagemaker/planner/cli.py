@@ -1,0 +1,206 @@
+"""``python -m torch_sagemaker.planner``: plan from the command line.
+
+    python -m torch_sagemaker.planner CONFIG.json --seq-len 4096 --global-batch-tokens 4M
+        --hosts 32 --instance p5.48xlarge [--limit tensor_parallel_degree=1,2,4,8]
+        [--json plan.json] [--write-config best_smp.json] [--plot memory.png]
+
+``python -m torch_sagemaker.planner validate ...`` measures the planner against this machine
+(``torch_sagemaker.planner.validation``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from torch_sagemaker.planner import report
+from torch_sagemaker.planner.inputs import SETTINGS, Limits
+from torch_sagemaker.planner.presets import ACCELERATORS, INSTANCES, Accelerator, accelerator
+from torch_sagemaker.planner.search import DEFAULT_EFFICIENCY, plan
+
+_UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def parse_count(text: str) -> int:
+    """``4096``, ``4M``, ``2Mi``, ``512k`` -> an integer (decimal or binary suffixes)."""
+    t = text.strip().lower()
+    for suffix in sorted(_UNITS, key=len, reverse=True):
+        if t.endswith(suffix):
+            try:
+                return int(float(t[: -len(suffix)]) * _UNITS[suffix])
+            except ValueError:
+                break
+    try:
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a count; write e.g. 4096, 4M (4e6) or 4Mi (4 x 2^20)"
+        ) from None
+
+
+def parse_rate(text: str) -> float:
+    """``100gbit``, ``400Gbps``, ``1e11`` -> bits per second."""
+    t = text.strip().lower().removesuffix("ps").removesuffix("bit").removesuffix("b")
+    mult = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}.get(t[-1:], 1.0)
+    try:
+        value = float(t[:-1] if mult != 1.0 else t) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a rate; write e.g. 100gbit or 1e11 (bits/s)"
+        ) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a rate must be positive")
+    return value
+
+
+def parse_limit(text: str) -> tuple[str, tuple]:
+    """``name=v1,v2`` -> (name, values); booleans as true/false, FSDP versions as 1/2."""
+    name, sep, values = text.partition("=")
+    name = name.strip()
+    if not sep or name not in SETTINGS:
+        raise argparse.ArgumentTypeError(
+            f"--limit {text!r}: write SETTING=V1,V2 with SETTING one of {', '.join(SETTINGS)}"
+        )
+    parsed: list[object] = []
+    for v in values.split(","):
+        v = v.strip().lower()
+        if v in ("true", "false", "on", "off"):
+            parsed.append(v in ("true", "on"))
+        else:
+            try:
+                parsed.append(int(v))
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"--limit {text!r}: {v!r} is neither an integer nor true/false"
+                ) from None
+    return name, tuple(parsed)
+
+
+def _accelerator(args: argparse.Namespace) -> Accelerator | str | None:
+    if args.memory_gib is None and args.bf16_tflops is None:
+        return args.accelerator
+    if args.memory_gib is None or args.bf16_tflops is None:
+        raise SystemExit("give both --memory-gib and --bf16-tflops for your own accelerator")
+    base = accelerator(args.accelerator or "H100")
+    return Accelerator(
+        name=args.accelerator or "custom",
+        memory_bytes=int(args.memory_gib * 2**30),
+        bf16_flops=args.bf16_tflops * 1e12,
+        fp32_flops=args.bf16_tflops * 1e12 / 2,
+        memory_bandwidth=base.memory_bandwidth,
+        link_rate=base.link_rate,
+        host_rate=base.host_rate,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The plan command's arguments."""
+    p = argparse.ArgumentParser(
+        prog="python -m torch_sagemaker.planner",
+        description="Rank SMP configurations for a model on a cluster by predicted step time, "
+        "with each rank's predicted memory (docs/planner.md). "
+        "'python -m torch_sagemaker.planner validate --help' for the validation.",
+    )
+    p.add_argument("config", help="a Hugging Face config.json (or its directory), read locally")
+    p.add_argument("--seq-len", type=parse_count, required=True)
+    p.add_argument(
+        "--global-batch-tokens", type=parse_count, required=True, help="tokens per step, all ranks"
+    )
+    p.add_argument("--hosts", type=int, required=True)
+    p.add_argument("--instance", choices=sorted(INSTANCES), help="a host preset")
+    p.add_argument("--accelerator", help=f"a preset: {', '.join(ACCELERATORS)} (default H100)")
+    p.add_argument("--memory-gib", type=float, help="your accelerator's memory, GiB")
+    p.add_argument("--bf16-tflops", type=float, help="your accelerator's dense bf16 TFLOP/s")
+    p.add_argument("--per-host", type=int, help="accelerators per host (default 8)")
+    p.add_argument("--nics", type=int, help="NICs per host")
+    p.add_argument("--nic-rate", type=parse_rate, help="each NIC's rate, e.g. 100gbit")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument(
+        "--limit",
+        type=parse_limit,
+        action="append",
+        default=[],
+        metavar="SETTING=V1,V2",
+        help=f"values to try for a setting ({', '.join(SETTINGS)}); repeatable",
+    )
+    p.add_argument("--max-horizon", type=int, default=4, help="largest loading horizon tried")
+    p.add_argument(
+        "--efficiency",
+        type=float,
+        default=DEFAULT_EFFICIENCY,
+        help="fraction of peak FLOP/s the compute reaches",
+    )
+    p.add_argument("--usable-memory", type=float, default=0.9, help="fraction of device memory")
+    p.add_argument("--top", type=int, default=10, help="rows of the table")
+    p.add_argument("--json", help="write the plan as JSON here ('-' for stdout, no table)")
+    p.add_argument("--write-config", help="write the best configuration's SMP JSON here")
+    p.add_argument("--plot", help="draw the top configurations' memory to this PNG")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the planner (or ``validate``) and prints the result; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["validate"]:
+        from torch_sagemaker.planner import validation  # heavy: spawns ranks; only when asked
+
+        return validation.main(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, TypeError) as e:  # bad input: the message names it and the fix
+        print(f"planner: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    limits = Limits(allowed=dict(args.limit), max_horizon=args.max_horizon)
+    result = plan(
+        args.config,
+        seq_len=args.seq_len,
+        global_batch_tokens=args.global_batch_tokens,
+        hosts=args.hosts,
+        accelerator_name=_accelerator(args),
+        per_host=args.per_host,
+        instance_type=args.instance,
+        nics=args.nics,
+        nic_bits=args.nic_rate,
+        dtype=args.dtype,
+        limits=limits,
+        efficiency=args.efficiency,
+        usable_memory=args.usable_memory,
+    )
+    if args.json:
+        text = json.dumps(report.to_json(result), indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    if args.json != "-":
+        print(report.describe_inputs(result))
+        print(
+            f"\n{len(result.ranked)} valid configurations, {len(result.fitting)} fit; "
+            f"top {args.top}:"
+        )
+        print(report.table(result, args.top))
+        print()
+        print(report.rejected_summary(result))
+    best = result.best
+    if args.write_config:
+        if best is None:
+            print("no configuration fits; nothing written", file=sys.stderr)
+            return 1
+        report.write_smp_config(best, args.write_config)
+        print(
+            f"\nwrote {args.write_config}: {json.dumps(best.candidate.smp_config())} "
+            f"(script: {json.dumps(best.candidate.script())})"
+        )
+    if args.plot:
+        report.plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0 if best is not None else 1
+
+
+__all__ = ["build_parser", "main", "parse_count", "parse_limit", "parse_rate"]

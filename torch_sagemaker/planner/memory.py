@@ -1,0 +1,168 @@
+"""Per-rank device memory of one configuration: model state, activations, buffers, the peak.
+
+- Model state (``shards.state_bytes``): parameters, gradients and AdamW state, exact to the
+  byte for FSDP's sharding (tests/distributed/test_planner_memory.py compares them with the
+  live storages).
+- Saved activations (``activations.activation_bytes``): within 10% of what a
+  ``saved_tensors_hooks`` counts, with and without checkpointing and offloading (same test).
+- Communication buffers: what FSDP holds unsharded while a unit computes, in the compute
+  dtype. The root unit (embedding, final norm, head) stays unsharded from its forward to its
+  backward (``shard_model`` gives it ``reshard_after_forward=False``; FSDP1 does not reshard
+  its root), a transformer layer's parameters are gathered while it runs and the next
+  one's are prefetched (two layers), and one layer's unsharded gradients wait for their
+  reduce-scatter. Without sharding (one rank per shard group, fp32) nothing is gathered.
+- Transient: the largest short-lived allocation of a step, either at the loss (the logits,
+  their float32 copy and its gradient) or during one layer's backward (with checkpointing its
+  recomputed activations, and the activation gradients, taken as four residual-stream tensors).
+- Peak: parameters + optimizer state + buffers + the larger of (saved activations + the
+  transient) and (gradients + one layer's transient). SMP's scripts zero gradients with
+  ``set_to_none=True``, so a step starts backward with its activations and no gradients,
+  and ends it the other way round.
+
+Not modelled (docs/planner.md): the caching allocator's fragmentation and rounding, the CUDA
+context and the communication library's own buffers (``Cluster.usable_memory`` leaves room
+for them), and the host memory that offloading uses (reported as ``offloaded``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch_sagemaker.planner.activations import ActivationShape, activation_bytes
+from torch_sagemaker.planner.candidates import Checked
+from torch_sagemaker.planner.inputs import Workload
+from torch_sagemaker.planner.model import ROOT, ModelSpec
+from torch_sagemaker.planner.shards import Sharding, local_shape, state_bytes
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted bytes on one rank (rank 0, which gets the largest part of uneven splits).
+
+    Attributes:
+        parameters: Sharded fp32 parameters.
+        gradients: Sharded fp32 gradients.
+        optimizer: AdamW state.
+        activations: Saved activations on the device at the end of forward.
+        buffers: FSDP's unsharded parameters and gradients (module docstring).
+        transient: The largest short-lived allocation.
+        peak: The predicted peak.
+        offloaded: Activations offloading keeps in host memory.
+    """
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    buffers: int
+    transient: int
+    peak: int
+    offloaded: int
+
+    def as_dict(self) -> dict[str, int]:
+        """The fields as a plain dict."""
+        return dict(self.__dict__)
+
+
+def sharding(spec: ModelSpec, checked: Checked, workload: Workload, rank: int = 0) -> Sharding:
+    """The ``Sharding`` of ``rank`` under a checked candidate."""
+    c = checked.candidate
+    return Sharding(
+        plan=checked.plan,
+        rank=rank,
+        fsdp=c.fsdp,
+        heads=checked.heads,
+        experts_split=c.moe,
+        compute_bytes=workload.compute_bytes,
+    )
+
+
+def activation_shape(checked: Checked, workload: Workload, rank: int = 0) -> ActivationShape:
+    """The ``ActivationShape`` of ``rank`` under a checked candidate."""
+    layout = checked.plan.layout
+    return ActivationShape(
+        layout=layout,
+        heads=checked.heads,
+        micro_batch=checked.micro_batch,
+        seq_len=workload.seq_len,
+        compute_bytes=workload.compute_bytes,
+        moe_layer=checked.candidate.moe,
+        tp_rank=layout.coordinates(rank)["tp"],
+    )
+
+
+def _unit_bytes(spec: ModelSpec, s: Sharding) -> dict[str, int]:
+    """Elements of each FSDP unit's local (TP/EP-cut, unsharded) parameters."""
+    units: dict[str, int] = {}
+    for p in spec.params:
+        if p.tied_to is not None:
+            continue
+        n = 1
+        for d in local_shape(p, s):
+            n *= d
+        units[p.unit] = units.get(p.unit, 0) + n
+    return units
+
+
+def estimate(
+    spec: ModelSpec, checked: Checked, workload: Workload, cache: dict | None = None
+) -> MemoryEstimate:
+    """The memory estimate of one checked candidate (module docstring).
+
+    ``cache``: a dict shared by the candidates of one search (model state depends only on the
+    layout, the FSDP version and the MoE setting, not on checkpointing or offloading).
+    """
+    c = checked.candidate
+    s = sharding(spec, checked, workload)
+    key = ("state", checked.plan.layout, checked.plan.ranks_per_host, c.fsdp, c.moe)
+    if cache is None or key not in cache:
+        state = state_bytes(spec, s)
+        if cache is not None:
+            cache[key] = state
+    else:
+        state = cache[key]
+    act = activation_bytes(
+        spec,
+        activation_shape(checked, workload),
+        checkpointing=c.checkpointing,
+        offload=c.offload,
+        horizon=c.horizon,
+    )
+    a = workload.compute_bytes
+    ukey = ("unit bytes", checked.plan.layout.tp, checked.plan.layout.ep, c.moe)
+    if cache is None or ukey not in cache:
+        units = _unit_bytes(spec, s)
+        if cache is not None:
+            cache[ukey] = units
+    else:
+        units = cache[ukey]
+    layer_units = [n for u, n in units.items() if u != ROOT]
+    largest = max(layer_units, default=0)
+    gathered = units.get(ROOT, 0) + 2 * largest
+    sharded = checked.plan.layout.hybrid_shard_degree > 1
+    buffers = (gathered * a if (sharded or a != 4) else 0) + (largest * a if sharded else 0)
+    shape = activation_shape(checked, workload)
+    tokens = shape.micro_batch * workload.seq_len // checked.plan.layout.cp
+    residual = 4 * tokens * spec.dim("hidden_size") * a
+    layer_transient = residual + (act.layer if c.checkpointing else 0)
+    loss_transient = act.logits * (1 + (4 + 4) // a)  # logits, their fp32 copy and gradient
+    transient = max(layer_transient, loss_transient)
+    peak = (
+        state.parameters
+        + state.optimizer
+        + buffers
+        + max(act.saved + transient, state.gradients + layer_transient)
+    )
+    return MemoryEstimate(
+        parameters=state.parameters,
+        gradients=state.gradients,
+        optimizer=state.optimizer,
+        activations=act.saved,
+        buffers=buffers,
+        transient=transient,
+        peak=peak,
+        offloaded=act.offloaded,
+    )
+
+
+__all__ = ["MemoryEstimate", "activation_shape", "estimate", "sharding"]

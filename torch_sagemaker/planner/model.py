@@ -1,0 +1,246 @@
+"""The model the planner plans for: a Hugging Face ``config.json`` read locally, never downloaded.
+
+``load_model`` reads the file, builds the causal LM on the meta device (shapes only, no
+memory), finds its policy the way ``tsm.transform`` does, and records every parameter with
+what decides where it goes: the FSDP unit that owns it (a transformer layer, a layer's
+experts, or the root), the tensor parallel style of its module in the policy's plan, and
+whether it is an expert weight. The memory model shards these shapes; the time model reads
+the dimensions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch
+from torch import nn
+
+from torch_sagemaker.policies import ModelPolicy, lookup_policy
+
+ROOT = "root"
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of the model, as the memory model needs it.
+
+    Attributes:
+        name: Its Hugging Face name.
+        shape: Its full (unsharded) shape.
+        unit: The FSDP unit that owns it: ``"layers.<i>"``, ``"experts.<i>"`` (the experts of
+            layer ``i``, a unit of their own when split over the EP ranks) or ``"root"``.
+        style: The tensor parallel style of its module in the policy's plan, or ``None``.
+        expert: Whether it is a fused expert weight (split over the EP ranks).
+        router: Whether it belongs to an MoE block's router (an fp32 unit of its own under
+            mixed precision with an MoEConfig).
+        tied_to: For a second name of a tied parameter (a head tied to the embedding), the
+            first name; the model holds it once.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    unit: str
+    style: str | None
+    expert: bool
+    router: bool = False
+    tied_to: str | None = None
+
+    @property
+    def leaf(self) -> str:
+        """The attribute name on its module (``"weight"``, ``"bias"``, ``"gate_up_proj"``)."""
+        return self.name.rpartition(".")[2]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the full parameter."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model's parameters and the dimensions the planner's models read.
+
+    Attributes:
+        name: The model class (``"LlamaForCausalLM"``).
+        source: Where the config was read.
+        policy: Its policy, as ``tsm.transform`` looks it up.
+        config: The Hugging Face config object.
+        params: Every parameter name in ``named_parameters(remove_duplicate=False)`` order;
+            a tied parameter's later names have ``tied_to`` set.
+        layer_units: The names of the transformer-layer units, in order.
+        embedding: The name of the input embedding's weight (a lookup, no FLOPs).
+    """
+
+    name: str
+    source: str
+    policy: ModelPolicy
+    config: Any
+    params: tuple[Param, ...]
+    layer_units: tuple[str, ...]
+    embedding: str = ""
+
+    @property
+    def num_layers(self) -> int:
+        """Transformer layers."""
+        return len(self.layer_units)
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of the whole model (a tied parameter once)."""
+        return sum(p.numel for p in self.params if p.tied_to is None)
+
+    def dim(self, attr: str, default: int | None = None) -> int:
+        """An integer attribute of the config (``hidden_size``, ...).
+
+        Raises:
+            ValueError: If the config has no such attribute and no default was given.
+        """
+        value = getattr(self.config, attr, None)
+        if value is None:
+            if default is None:
+                raise ValueError(f"{self.name} config ({self.source}) has no {attr}.")
+            return default
+        return int(value)
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        """(query heads, key/value heads)."""
+        return self.policy.head_counts(self.config)
+
+    @property
+    def head_dim(self) -> int:
+        """Size of one attention head."""
+        explicit = getattr(self.config, "head_dim", None)
+        return int(explicit) if explicit else self.dim("hidden_size") // self.heads[0]
+
+    @property
+    def num_experts(self) -> int:
+        """Experts per MoE layer (0 for dense models)."""
+        return self.policy.num_experts(self.config)
+
+
+def read_config(path: str | os.PathLike[str]) -> Any:
+    """The Hugging Face config in ``path`` (a ``config.json`` or a directory holding one).
+
+    Only the local file is read; nothing is downloaded.
+
+    Raises:
+        ValueError: If the file is missing, is not JSON, or names no known ``model_type``.
+    """
+    from transformers import AutoConfig
+
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read model config {path!r}: {e.strerror}.") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"model config {path!r} is not JSON: {e.msg} at line {e.lineno}."
+        ) from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ValueError(
+            f"model config {path!r} has no model_type; give a Hugging Face config.json "
+            '(e.g. {"model_type": "llama", "hidden_size": ...}).'
+        )
+    data = dict(data)
+    model_type = data.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **data)
+    except ValueError as e:
+        raise ValueError(f"model config {path!r}: {e}") from None
+
+
+def _model_class(config: Any) -> type[nn.Module]:
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None)
+        if cls is not None and name.endswith("ForCausalLM"):
+            return cls
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    if name is None:
+        raise ValueError(
+            f"model_type {config.model_type!r} has no causal LM class in transformers; the "
+            "planner plans causal LMs that tsm.transform supports."
+        )
+    return getattr(transformers, name)
+
+
+def _style(policy: ModelPolicy, module: str) -> str | None:
+    return next((s for p, s in policy.tp_plan.items() if fnmatchcase(module, p)), None)
+
+
+def describe(model: nn.Module, policy: ModelPolicy, source: str = "") -> ModelSpec:
+    """The ``ModelSpec`` of a built model (real or meta).
+
+    Args:
+        model: A Hugging Face causal LM covered by ``policy``.
+        policy: Its policy.
+        source: Where it came from, for messages.
+    """
+    layers = [n for n, m in model.named_modules() if type(m).__name__ == policy.layer_class]
+    blocks = []
+    if policy.moe is not None:
+        blocks = [n for n, m in model.named_modules() if type(m).__name__ == policy.moe.block_class]
+    experts = {f"{n}.{policy.moe.experts}" for n in blocks} if policy.moe else set()
+    routers = {f"{n}.{policy.moe.router}" for n in blocks} if policy.moe else set()
+    params = []
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        tied_to = first.setdefault(id(param), name)
+        module = name.rpartition(".")[0]
+        layer = next((i for i, n in enumerate(layers) if module.startswith(n + ".")), None)
+        expert = module in experts
+        unit = ROOT if layer is None else f"{'experts' if expert else 'layers'}.{layer}"
+        params.append(
+            Param(
+                name,
+                tuple(param.shape),
+                unit,
+                _style(policy, module),
+                expert,
+                router=module in routers,
+                tied_to=tied_to if tied_to != name else None,
+            )
+        )
+    get_embeddings = getattr(model, "get_input_embeddings", None)
+    weight = getattr(get_embeddings(), "weight", None) if callable(get_embeddings) else None
+    embedding = next((n for n, p in model.named_parameters() if p is weight), "")
+    return ModelSpec(
+        name=type(model).__name__,
+        source=source,
+        policy=policy,
+        config=model.config,
+        params=tuple(params),
+        layer_units=tuple(f"layers.{i}" for i in range(len(layers))),
+        embedding=embedding,
+    )
+
+
+def load_model(path: str | os.PathLike[str]) -> ModelSpec:
+    """Reads ``path`` and describes the model (built on the meta device, nothing allocated).
+
+    Raises:
+        ValueError: For an unreadable config, or a model no policy covers (as
+            ``tsm.transform`` would refuse it).
+    """
+    config = read_config(path)
+    cls = _model_class(config)
+    with torch.device("meta"):
+        model = cls(config)
+    return describe(model, lookup_policy(model), os.fspath(path))
+
+
+__all__ = ["ROOT", "ModelSpec", "Param", "describe", "load_model", "read_config"]

@@ -1,0 +1,257 @@
+"""The search: every candidate checked, sized and timed, then ranked.
+
+``plan`` is the planner's Python API (``torch_sagemaker.planner.plan``); the command line
+(``python -m torch_sagemaker.planner``) builds the same arguments. Ranking: configurations
+whose predicted peak fits the usable memory first, by predicted tokens/s (ties: less peak
+memory); then those that do not fit, by peak.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch_sagemaker.planner import comm, memory, timing
+from torch_sagemaker.planner.candidates import (
+    Candidate,
+    Checked,
+    Rejected,
+    check,
+    enumerate_candidates,
+)
+from torch_sagemaker.planner.inputs import Cluster, Limits, Workload
+from torch_sagemaker.planner.model import ModelSpec, load_model
+from torch_sagemaker.planner.presets import Accelerator, accelerator, instance
+
+#: Fraction of peak FLOP/s the compute reaches by default on accelerators (docs/planner.md).
+DEFAULT_EFFICIENCY = 0.5
+#: Bytes AdamW moves per parameter element on accelerators: reads the parameter, gradient
+#: and both moments, writes the parameter and moments (7 x 4 bytes), plus PyTorch's
+#: multi-tensor implementation's intermediates (counted as 3 more passes).
+ADAMW_BYTES = 40
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """A valid configuration with its predictions.
+
+    Attributes:
+        checked: The configuration and what ``tsm.init``/``tsm.transform`` resolved.
+        memory: Its per-rank memory.
+        time: Its step time.
+        fits: Whether the peak is within the cluster's memory budget.
+    """
+
+    checked: Checked
+    memory: memory.MemoryEstimate
+    time: timing.TimeEstimate
+    fits: bool
+
+    @property
+    def candidate(self) -> Candidate:
+        """The configuration."""
+        return self.checked.candidate
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer.
+
+    Attributes:
+        model: The model planned for.
+        cluster: The cluster.
+        workload: The workload.
+        machine: The compute rates the time model used.
+        ranked: Valid configurations, best first (fitting ones first).
+        rejected: Invalid configurations, each with the library's reason.
+    """
+
+    model: ModelSpec
+    cluster: Cluster
+    workload: Workload
+    machine: timing.Machine
+    ranked: list[Evaluated]
+    rejected: list[Rejected]
+
+    @property
+    def fitting(self) -> list[Evaluated]:
+        """Valid configurations whose peak fits, best first."""
+        return [e for e in self.ranked if e.fits]
+
+    @property
+    def best(self) -> Evaluated | None:
+        """The best fitting configuration, or ``None`` when none fits."""
+        fitting = self.fitting
+        return fitting[0] if fitting else None
+
+
+def accelerator_machine(acc: Accelerator, dtype: str, efficiency: float) -> timing.Machine:
+    """The compute rates of an accelerator preset at ``efficiency`` of its peak."""
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency={efficiency}: a fraction of peak FLOP/s in (0, 1].")
+    return timing.Machine(
+        matmul_flops=acc.flops(dtype) * efficiency,
+        memory_bandwidth=acc.memory_bandwidth,
+        optimizer_seconds=ADAMW_BYTES / acc.memory_bandwidth,
+        host_rate=acc.host_rate,
+    )
+
+
+def fabric_of(cluster: Cluster) -> comm.Fabric:
+    """The cluster's network as the cost model sees it."""
+    costs = cluster.costs if cluster.costs is not None else comm.accelerator_costs()
+    assert isinstance(costs, comm.Costs)
+    return comm.Fabric(
+        per_host=cluster.per_host,
+        nic_rate=cluster.nic_rate,
+        link_rate=cluster.accelerator.link_rate,
+        costs=costs,
+        cores=cluster.cores_per_host,
+        machine_ranks=0,
+    )
+
+
+def evaluate(
+    spec: ModelSpec,
+    checked: Checked,
+    cluster: Cluster,
+    workload: Workload,
+    machine: timing.Machine,
+    fabric: comm.Fabric | None = None,
+    cache: dict | None = None,
+) -> Evaluated:
+    """Memory and time of one checked configuration (``cache``: shared within a search)."""
+    mem = memory.estimate(spec, checked, workload, cache)
+    time = timing.estimate(
+        spec,
+        checked,
+        workload,
+        machine,
+        fabric or fabric_of(cluster),
+        overlap=cluster.overlap,
+        cache=cache,
+    )
+    return Evaluated(checked, mem, time, mem.peak <= cluster.memory_budget)
+
+
+def search(
+    spec: ModelSpec,
+    cluster: Cluster,
+    workload: Workload,
+    machine: timing.Machine,
+    limits: Limits | None = None,
+) -> Plan:
+    """Checks, sizes, times and ranks every candidate ``limits`` allows."""
+    limits = limits or Limits()
+    fabric = fabric_of(cluster)
+    evaluated, rejected = [], []
+    cache: dict = {}
+    for candidate in enumerate_candidates(spec, cluster, limits):
+        result = check(candidate, spec, cluster, workload)
+        if isinstance(result, Rejected):
+            rejected.append(result)
+            continue
+        evaluated.append(evaluate(spec, result, cluster, workload, machine, fabric, cache))
+    # Fitting first, fastest first; at equal speed (to 0.1%) the simpler configuration (no
+    # offloading, no checkpointing, fewer model-parallel ranks), then the one with more
+    # memory to spare, then FSDP2.
+    evaluated.sort(
+        key=lambda e: (
+            not e.fits,
+            -round(e.time.tokens_per_second, -max(0, len(str(int(e.time.tokens_per_second))) - 3))
+            if e.fits
+            else e.memory.peak,
+            e.candidate.offload,
+            e.candidate.checkpointing,
+            e.candidate.tensor_parallel_degree
+            * e.candidate.context_parallel_degree
+            * e.candidate.expert_parallel_degree,
+            e.memory.peak,
+            -e.candidate.fsdp,
+        )
+    )
+    return Plan(spec, cluster, workload, machine, evaluated, rejected)
+
+
+def plan(
+    config: str | os.PathLike[str] | ModelSpec,
+    *,
+    seq_len: int,
+    global_batch_tokens: int,
+    hosts: int,
+    accelerator_name: str | Accelerator | None = None,
+    per_host: int | None = None,
+    instance_type: str | None = None,
+    nics: int | None = None,
+    nic_bits: float | None = None,
+    dtype: str = "bfloat16",
+    limits: Mapping[str, Any] | Limits | None = None,
+    efficiency: float = DEFAULT_EFFICIENCY,
+    usable_memory: float = 0.9,
+) -> Plan:
+    """Plans SMP configurations for a model on a cluster.
+
+    Args:
+        config: A Hugging Face ``config.json`` (or its directory), read locally, or a
+            ``ModelSpec`` already loaded.
+        seq_len: Tokens per sequence.
+        global_batch_tokens: Tokens per optimizer step over the whole job.
+        hosts: Hosts of the job.
+        accelerator_name: A preset name (``H100``, ``H200``, ``A100-40GB``, ``A100-80GB``) or
+            an ``Accelerator`` with your own numbers; default the instance's, else H100.
+        per_host: Accelerators per host (default the instance's, else 8).
+        instance_type: An instance preset (``p5.48xlarge``, ...) giving the accelerator, the
+            count per host and the NICs.
+        nics: NICs per host (default the instance's, else 1).
+        nic_bits: Each NIC's rate in bits/s (default the instance's, else 100 Gbit/s).
+        dtype: ``"bfloat16"`` (mixed precision) or ``"float32"``.
+        limits: Allowed values per setting (``inputs.SETTINGS``), e.g.
+            ``{"tensor_parallel_degree": (1, 2, 4, 8)}``, or a ``Limits``.
+        efficiency: Fraction of the accelerator's peak FLOP/s the compute reaches.
+        usable_memory: Fraction of device memory a configuration may plan to use.
+
+    Returns:
+        The ``Plan``: valid configurations ranked, invalid ones with their reasons.
+
+    Raises:
+        ValueError: For an unreadable config, an unknown preset, or an input out of range.
+    """
+    host = instance(instance_type) if instance_type else None
+    acc = accelerator_name or (host.accelerator if host else "H100")
+    acc = accelerator(acc) if isinstance(acc, str) else acc
+    cluster = Cluster(
+        hosts=hosts,
+        per_host=per_host or (host.per_host if host else 8),
+        accelerator=acc,
+        nics=nics or (host.nics if host else 1),
+        nic_bits=nic_bits or (host.nic_bits if host else 100e9),
+        usable_memory=usable_memory,
+    )
+    workload = Workload(seq_len, global_batch_tokens, dtype)
+    spec = config if isinstance(config, ModelSpec) else load_model(config)
+    if spec.policy.activations is None:
+        raise ValueError(
+            f"{spec.name}: policy {spec.policy.name!r} does not describe what its layers save "
+            "for backward (ModelPolicy.activations), so the planner cannot size its "
+            "activations. Families it plans: those whose policy has an ActivationProfile "
+            "(docs/planner.md)."
+        )
+    if limits is not None and not isinstance(limits, Limits):
+        limits = Limits(allowed={k: tuple(v) for k, v in limits.items()})
+    machine = accelerator_machine(acc, dtype, efficiency)
+    return search(spec, cluster, workload, machine, limits)
+
+
+__all__ = [
+    "ADAMW_BYTES",
+    "DEFAULT_EFFICIENCY",
+    "Evaluated",
+    "Plan",
+    "accelerator_machine",
+    "evaluate",
+    "fabric_of",
+    "plan",
+    "search",
+]

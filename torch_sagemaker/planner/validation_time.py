@@ -1,0 +1,375 @@
+"""The time model against measured steps on this machine: calibrate, measure, compare.
+
+1. Calibration (``calibration.calibrate``): this machine's matrix-multiply rate on the
+   model's GEMM shapes, memory bandwidth and AdamW time per element, on as many concurrent
+   one-thread processes as the measurement runs, before and after the measurements
+   (averaged). They become the planner's ``Machine`` for that many ranks.
+2. Measurement: ``bench training``'s rows (1 rank alone, N ranks alone, FSDP2 full and hybrid
+   sharding, DDP; smddp and gloo) and ``bench multihost --train``'s layouts (FSDP2 over H
+   simulated hosts of L ranks, each host's NIC shaped to a rate, and one host of as many
+   ranks), each ``runs`` times.
+3. Prediction: the planner's time model for the same model, layout and batch, with the
+   calibrated ``Machine`` and the collective costs fitted on the recorded ``bench multihost``
+   runs (``tests/data/multihost``), no overlap (the ranks' collectives take the cores the
+   compute needs).
+
+``run`` returns a record holding everything (calibration, costs, measurements, the machine's
+load), so that ``predict_rows`` reproduces the predictions from a record alone:
+tests/unit/test_planner_time.py checks every row of the quiet-machine records against
+``TIME_TOLERANCE``.
+
+The benchmark runners come from ``torch_sagemaker.bench`` (imported where used, as the
+cost model comes through ``comm``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from torch_sagemaker.planner import comm
+from torch_sagemaker.planner.calibration import calibrate, machine_of
+from torch_sagemaker.planner.candidates import Candidate, Rejected, check
+from torch_sagemaker.planner.inputs import Cluster, Workload
+from torch_sagemaker.planner.model import ModelSpec, describe
+from torch_sagemaker.planner.presets import Accelerator
+from torch_sagemaker.planner.search import evaluate
+from torch_sagemaker.policies import lookup_policy
+
+#: How far a predicted step time may be from the measured one (relative, median of the runs).
+TIME_TOLERANCE = 0.20
+#: bench training's sharding modes, as the planner's hybrid_shard_degree for ``n`` ranks.
+TRAINING_MODES = {
+    "fsdp2_full": lambda n: n,
+    "fsdp2_plain": lambda n: n,
+    "fsdp2_hybrid": lambda n: max(1, n // 2),
+    "ddp": lambda n: 1,
+}
+#: A CPU as an accelerator: only what the memory model reads; rates come from calibration.
+CPU = Accelerator("cpu", 1 << 40, 1.0, 1.0, 1.0, 0.0)
+
+
+def meta_spec(config: Any) -> ModelSpec:
+    """The ``ModelSpec`` of a Hugging Face config (built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return describe(model, lookup_policy(model))
+
+
+def predict_step(
+    spec: ModelSpec,
+    *,
+    hosts: int,
+    per_host: int,
+    hybrid_shard_degree: int,
+    seq_len: int,
+    batch: int,
+    rates: dict[str, float],
+    costs: comm.Costs,
+    nic_bits: float = 1e12,
+    cores: float = 0.0,
+) -> float:
+    """The planner's step time for an fp32 FSDP2 run on CPU ranks (no overlap)."""
+    world = hosts * per_host
+    cluster = Cluster(
+        hosts=hosts,
+        per_host=per_host,
+        accelerator=CPU,
+        nic_bits=nic_bits,
+        overlap=False,
+        costs=costs,
+        cores_per_host=cores,
+    )
+    workload = Workload(seq_len, seq_len * batch * world, "float32")
+    candidate = Candidate(hybrid_shard_degree, fsdp=2, checkpointing=False)
+    checked = check(candidate, spec, cluster, workload)
+    if isinstance(checked, Rejected):
+        raise ValueError(f"the planner rejects the measured layout: {checked.reason}")
+    fabric = comm.Fabric(
+        per_host=per_host,
+        nic_rate=nic_bits / 8,
+        link_rate=0.0,
+        costs=costs,
+        cores=cores or float(os.cpu_count() or 1),
+        machine_ranks=world,  # simulated hosts share this machine's cores
+    )
+    result = evaluate(spec, checked, cluster, workload, machine_of(rates), fabric)
+    return result.time.step
+
+
+def calibration_key(row: dict) -> str:
+    """Which calibration a row uses: its process count and its model's GEMM shapes."""
+    m = row["model"]
+    return (
+        f"{row['processes']} processes, hidden {m['hidden_size']}, "
+        f"{row['seq_len'] * row['batch']} tokens"
+    )
+
+
+def costs_from(record: dict) -> comm.Costs:
+    """The cost model's costs a record was predicted with."""
+    return comm.Costs(**record["costs"])
+
+
+def predict_rows(record: dict) -> list[tuple[dict, float]]:
+    """Each measured row of ``record`` with the planner's predicted step seconds."""
+    costs = costs_from(record)
+    out = []
+    for row in record["rows"]:
+        spec = _model_spec(tuple(sorted(row["model"].items())))
+        rates = record["calibration"][calibration_key(row)]
+        predicted = predict_step(
+            spec,
+            hosts=row["hosts"],
+            per_host=row["per_host"],
+            hybrid_shard_degree=row["hybrid_shard_degree"],
+            seq_len=row["seq_len"],
+            batch=row["batch"],
+            rates=rates,
+            costs=costs,
+            nic_bits=row.get("nic_bits", 1e12),
+            cores=record["cores"],
+        )
+        out.append((row, predicted))
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _model_spec(model: tuple[tuple[str, Any], ...]) -> ModelSpec:
+    return meta_spec(_config(dict(model)))
+
+
+def _config(model: dict) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**model)
+
+
+def _model_dict(config: Any) -> dict:
+    keys = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+    )
+    return {k: getattr(config, k) for k in keys}
+
+
+def measure_training(args: argparse.Namespace) -> list[dict]:
+    """``bench training``'s rows, ``args.runs`` passes (step 2 of the module docstring)."""
+    from torch_sagemaker.bench import training
+
+    bench_args = training.parser().parse_args(
+        [
+            "--nprocs",
+            str(args.nprocs),
+            "--backends",
+            args.backends,
+            "--modes",
+            args.modes,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--hidden",
+            str(args.hidden),
+            "--layers",
+            str(args.layers),
+            "--vocab",
+            str(args.vocab),
+            "--seq",
+            str(args.seq),
+            "--repeat",
+            str(args.runs),
+        ]
+    )
+    model = _model_dict(training.model_config(bench_args))
+    rows = []
+    for (backend, mode), seconds in training.step_seconds(bench_args).items():
+        alone = backend == "none"
+        n = 1 if mode == "1 rank" else args.nprocs
+        rows.append(
+            {
+                "source": "bench training",
+                "name": f"{backend} {mode}",
+                "model": model,
+                "hosts": 1,
+                # Alone, each process trains on its own: one rank, n processes' calibration.
+                "per_host": 1 if alone else n,
+                "processes": n,
+                # Alone, nothing is sharded: every process trains its own whole model.
+                "hybrid_shard_degree": 1 if alone else TRAINING_MODES[mode](n),
+                "alone": alone,
+                "seq_len": args.seq,
+                "batch": 1,
+                "measured": seconds,
+            }
+        )
+    return rows
+
+
+def measure_multihost(args: argparse.Namespace) -> list[dict]:
+    """``bench multihost --train``'s layouts, ``args.runs`` times each (smddp)."""
+    from torch_sagemaker.bench import multihost, multihost_rank, netns
+
+    rate = netns.parse_rate(args.rate)
+    model = _model_dict(multihost_rank.training_config())
+    rows = []
+    layouts = [tuple(int(x) for x in t.split("x")) for t in args.layouts.split(",") if t]
+    for hosts, local in layouts:
+        tokens = []
+        for _ in range(args.runs):
+            got = multihost.run_layout(
+                hosts,
+                local,
+                rate,
+                [],
+                [],
+                ["smddp"],
+                1,
+                args.timeout,
+                False,
+                ["smddp"],
+                args.steps,
+            )
+            tokens.append(got["training"]["smddp"])
+        world = hosts * local
+        per_step = world * multihost_rank.TRAINING_BATCH * multihost_rank.TRAINING_SEQ
+        rows.append(
+            {
+                "source": "bench multihost --train",
+                "name": f"smddp {hosts}x{local} at {args.rate}",
+                "model": model,
+                "hosts": hosts,
+                "per_host": local,
+                "processes": world,
+                "hybrid_shard_degree": world,
+                "seq_len": multihost_rank.TRAINING_SEQ,
+                "batch": multihost_rank.TRAINING_BATCH,
+                "nic_bits": rate if hosts > 1 else 1e12,
+                "measured": [per_step / t for t in tokens],
+            }
+        )
+    return rows
+
+
+def table(record: dict) -> str:
+    """Predicted against measured step time, each row (Markdown)."""
+    lines = [
+        "| source | row | ranks | measured s (runs) | predicted s | error of the median |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row, predicted in predict_rows(record):
+        runs = row["measured"]
+        median = statistics.median(runs)
+        lines.append(
+            f"| {row['source']} | {row['name']} | {row['processes']} | "
+            f"{median:.3f} ({', '.join(f'{r:.3f}' for r in runs)}) | {predicted:.3f} | "
+            f"{predicted / median - 1:+.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def errors(record: dict) -> list[tuple[str, float]]:
+    """(row name, relative error of the prediction against the median run) of each row."""
+    return [
+        (row["name"], predicted / statistics.median(row["measured"]) - 1)
+        for row, predicted in predict_rows(record)
+    ]
+
+
+def _calibrate_all(rows: list[dict]) -> dict[str, dict[str, float]]:
+    calibration: dict[str, dict[str, float]] = {}
+    for row in rows:
+        key = calibration_key(row)
+        if key not in calibration:
+            spec = meta_spec(_config(row["model"]))
+            calibration[key] = calibrate(row["processes"], spec, row["seq_len"] * row["batch"])
+    return calibration
+
+
+def _planned_rows(args: argparse.Namespace) -> list[dict]:
+    """The rows the measurement will produce, without their times (to calibrate first)."""
+    from torch_sagemaker.bench import multihost_rank, training
+
+    rows = []
+    if args.modes:
+        model = _model_dict(training.model_config(args))
+        for n in sorted({1, args.nprocs}):
+            rows.append({"model": model, "processes": n, "seq_len": args.seq, "batch": 1})
+    for layout in filter(None, args.layouts.split(",")):
+        hosts, local = (int(x) for x in layout.split("x"))
+        rows.append(
+            {
+                "model": _model_dict(multihost_rank.training_config()),
+                "processes": hosts * local,
+                "seq_len": multihost_rank.TRAINING_SEQ,
+                "batch": multihost_rank.TRAINING_BATCH,
+            }
+        )
+    return rows
+
+
+def out_of_tolerance(record: dict) -> list[tuple[str, float]]:
+    """The rows whose prediction is further than ``TIME_TOLERANCE`` from their median run."""
+    return [(name, err) for name, err in errors(record) if abs(err) > TIME_TOLERANCE]
+
+
+def run(args: argparse.Namespace, costs: comm.Costs) -> dict:
+    """Calibrates, measures, calibrates again and returns the record (module docstring).
+
+    The machine's speed drifts (other work on a shared machine): the calibration before and
+    the one after the measurements are averaged, and both are kept.
+    """
+    load_before = os.getloadavg()
+    planned = _planned_rows(args)
+    before = _calibrate_all(planned)
+    rows = []
+    if args.modes:
+        rows += measure_training(args)
+    if args.layouts:
+        rows += measure_multihost(args)
+    after = _calibrate_all(planned)
+    calibration = {
+        key: {k: (before[key][k] + after[key][k]) / 2 for k in before[key]} for key in before
+    }
+    return {
+        "recorded": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "load_average": {
+            "before": [round(x, 2) for x in load_before],
+            "after": [round(x, 2) for x in os.getloadavg()],
+        },
+        "cores": os.cpu_count(),
+        "calibration": calibration,
+        "calibration_before": before,
+        "calibration_after": after,
+        "costs": dataclasses.asdict(costs),
+        "rows": rows,
+        "note": args.note,
+    }
+
+
+__all__ = [
+    "TIME_TOLERANCE",
+    "calibration_key",
+    "errors",
+    "meta_spec",
+    "out_of_tolerance",
+    "predict_rows",
+    "predict_step",
+    "run",
+    "table",
+]

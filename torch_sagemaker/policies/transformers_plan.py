@@ -1,0 +1,448 @@
+"""A policy built from a model's own transformers TP plan, for families no policy covers.
+
+transformers ships, on most decoder configs, ``base_model_tp_plan``: module-name patterns
+(``layers.*.self_attn.q_proj``) mapped to its style names (``colwise``, ``rowwise``,
+``colwise_gather_output``, ...). A model instance merges it with its class's own entries
+(``lm_head``) and the input embedding into ``model.tp_plan``. ``policy_from_plan`` turns
+that plan into an ordinary ``ModelPolicy``, so ``tsm.transform`` applies it like any other
+policy (``registry.lookup_policy`` is the one place the two meet; a policy for the class
+always wins).
+
+Note [Plan-driven layout]: transformers' styles assume that activations between the split
+regions are whole on every rank (a rowwise layer all-reduces), not split over the sequence
+as our policies' are. The translation keeps that layout (``tensor_parallel.replicated_styles``):
+it is the one the model's own code between the planned modules was written for, so nothing
+else about the model has to be known. Modules the plan leaves out hold their parameters
+replicated (``replicate_local``, at the root of each planless subtree), as transformers
+does: they see whole activations. A module above them whose own code reads their weights
+or calls their methods (a linear-attention block that convolves with its child's weight)
+gets plain values of them too (``local_params``). A module the plan leaves out *beside* a
+split projection (a per-head norm) may see only this rank's part, which the plan does not
+say: replicated modules check on first use that they do not (Note [Replicated module
+check] in ``tensor_parallel/consistency.py``); a module whose own left-out parameters sit
+above split projections is refused; every entry the translation cannot honour is an
+error naming the module, the style and the fix. Nothing is replicated silently.
+
+What is read from the model besides the plan, all generic: module types (``nn.Linear``,
+``nn.Embedding``, the output embedding), the config's head counts and ``head_dim`` (key and
+value projections are the attention projections of ``num_key_value_heads * head_dim``
+outputs; they are replicated when there are fewer kv heads than ranks), the classes named
+by ``_no_split_modules`` (the transformer layer), attention modules by their class names
+(``...Attention``), and fused experts by their layout (``replicated_styles.expert_count``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from fnmatch import fnmatchcase
+from typing import Any
+
+from torch import nn
+
+from torch_sagemaker.policies.model_policy import ModelPolicy, MoESpec, config_value
+
+#: transformers' styles whose module must be an ``nn.Linear``, and ours for them.
+_LINEAR_STYLES = {
+    "colwise": "colwise",
+    "rowwise": "rowwise_allreduce",
+    "colwise_gather_output": "colwise_gather",
+    "colwise_rep": "colwise_gather",
+    "rowwise_split_input": "rowwise_split_input",
+    "rowwise_rep": "rowwise_split_input",
+}
+#: transformers' styles whose module must be an ``nn.Embedding``, and ours for them.
+_EMBEDDING_STYLES = {
+    "embedding_rowwise": "vocab_embedding_allreduce",
+    "embedding_colwise": "hidden_embedding",
+}
+#: transformers' styles for any module, and ours for them.
+_MODULE_STYLES = {
+    "replicated_with_grad_allreduce": "replicate_partial_grad",
+    "replicate": "replicate_local",
+    "all_reduce": "reduce_output",
+    "local_params": "local_params",
+    "sequence_parallel": "sequence_parallel_local",
+    "mla_kv_a_proj": "mla_kv_a_proj",
+}
+#: transformers' styles on a bare parameter, and ours for them.
+_PARAMETER_STYLES = {"colwise": "param_colwise", "rowwise": "param_rowwise"}
+#: transformers' styles on the parameters of fused experts (the ``experts`` style splits them).
+_EXPERT_PARAMETER_STYLES = {"packed_colwise", "packed_rowwise", "colwise", "rowwise"}
+#: Our styles whose output is this rank's part of the features (heads, MLP columns).
+_SPLIT_OUTPUT = {"colwise", "kv_colwise"}
+#: Config attributes that may hold the expert count.
+_EXPERT_COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+#: In the notes of a policy whose TP plan is its model's transformers plan.
+PLAN_TP_NOTE = "Tensor parallel plan: the model's transformers plan."
+
+_FIX = (
+    "To shard {model} anyway, register a torch_sagemaker.policies.ModelPolicy for it "
+    "(docs/tensor_parallel.md), or set model.tp_plan (transformers' setter) to a plan without "
+    "this entry before tsm.transform; the module then stays replicated."
+)
+
+
+_FIX_LEFT_OUT = (
+    "To shard {model} anyway, set model.tp_plan (transformers' setter) before tsm.transform "
+    "to a plan that gives it an entry ('local_params' with entries splitting per-head "
+    "parameters, 'replicated_with_grad_allreduce' for parameters used on this rank's heads), "
+    "or register a torch_sagemaker.policies.ModelPolicy for it (docs/tensor_parallel.md)."
+)
+
+
+def wildcard(name: str) -> str:
+    """A module or parameter name with its layer numbers as ``*`` (how transformers keys plans)."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+
+
+def transformers_plan(model: nn.Module) -> dict[str, str]:
+    """The model's full TP plan as transformers keys it (names from the model root).
+
+    transformers 5 merges the class's entries (``lm_head``), the config's
+    ``base_model_tp_plan`` under the base model's prefix and the input embedding into
+    ``model.tp_plan``; an older model gets the class entries and the prefixed config plan.
+    """
+    plan = getattr(model, "tp_plan", None)
+    if isinstance(plan, dict):
+        return dict(plan)
+    merged = dict(getattr(type(model), "_tp_plan", None) or {})
+    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    inner = prefix if prefix and hasattr(model, prefix) else ""
+    merged.update({f"{inner}.{k}" if inner else k: v for k, v in base.items()})
+    return merged
+
+
+def attention_head_dim(attention: nn.Module, config: Any) -> int:
+    """The head size of one attention module: its own ``head_dim``, else the config's.
+
+    (Per module: a heterogeneous config may give layers different head sizes.)
+    """
+    own = getattr(attention, "head_dim", None)
+    if isinstance(own, int) and own > 0:
+        return own
+    head_dim = config_value(config, "head_dim")
+    if head_dim:
+        return int(head_dim)
+    heads = int(config_value(config, "num_attention_heads", 0) or 0)
+    return int(config_value(config, "hidden_size", 0) or 0) // heads if heads else 0
+
+
+def expert_count(module: nn.Module) -> int | None:
+    """The expert count of fused experts stored the way expert splitting needs, or None.
+
+    The layout: an integer ``num_experts``, no child module with parameters, and only
+    parameters whose first dimension is that count (transformers 5's fused
+    ``gate_up_proj``/``down_proj`` and their biases). A list of expert modules is not it.
+    """
+    count = getattr(module, "num_experts", None)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        return None
+    params = list(module.parameters(recurse=False))
+    if not params or any(True for c in module.children() for _ in c.parameters()):
+        return None  # (children without parameters, an activation function, are fine)
+    if any(p.ndim < 2 or p.shape[0] != count for p in params):
+        return None
+    return count
+
+
+class _Translation:
+    """One model's plan translated entry by entry (``policy_from_plan`` builds it)."""
+
+    def __init__(self, model: nn.Module, plan: dict[str, str], layer_class: str) -> None:
+        self.model, self.plan, self.layer_class = model, plan, layer_class
+        self.modules = dict(model.named_modules())
+        self.styles: dict[str, str] = {}  # concrete module or parameter name -> our style
+        self.experts: dict[str, int] = {}  # experts module name -> expert count
+        config = model.config
+        self.heads = int(config_value(config, "num_attention_heads", 0) or 0)
+        self.kv_heads = int(config_value(config, "num_key_value_heads") or self.heads)
+        get_output = getattr(model, "get_output_embeddings", None)
+        self.output_embedding = get_output() if callable(get_output) else None
+
+    def error(self, name: str, style: str | None, why: str) -> ValueError:
+        """The refusal of ``name``'s entry (``style``), or of leaving it out (``None``)."""
+        model = type(self.model).__name__
+        kind = type(self.modules[name]).__name__ if name in self.modules else "parameter"
+        what = (
+            f"leaves {name} ({kind}) out"
+            if style is None
+            else f"gives {name} ({kind}) the style {style!r} (plan key {wildcard(name)!r})"
+        )
+        fix = (_FIX_LEFT_OUT if style is None else _FIX).format(model=model)
+        return ValueError(f"tsm.transform: {model}'s transformers TP plan {what}: {why}. {fix}")
+
+    def is_attention(self, name: str) -> bool:
+        return bool(re.search(r"(Attention|Attn)$", type(self.modules[name]).__name__))
+
+    def is_kv_projection(self, name: str, module: nn.Linear) -> bool:
+        parent = name.rpartition(".")[0]
+        if parent not in self.modules or not self.is_attention(parent):
+            return False
+        head_dim = attention_head_dim(self.modules[parent], self.model.config)
+        return 0 < self.kv_heads < self.heads and module.out_features == self.kv_heads * head_dim
+
+    def module_style(self, name: str, module: nn.Module, style: str) -> str:
+        if style == "moe_tp_experts":
+            return self.experts_style(name, module, style)
+        inner = [n for n, _ in module.named_parameters() if "." in n]
+        if inner and (style in _LINEAR_STYLES or style in _EMBEDDING_STYLES):
+            raise self.error(
+                name,
+                style,
+                f"the module computes more than its own weight's product: its child modules "
+                f"hold parameters {inner}, which would run on this rank's partial result",
+            )
+        if style in _LINEAR_STYLES:
+            if not isinstance(module, nn.Linear):
+                raise self.error(name, style, "the style splits an nn.Linear's weight")
+            if module is self.output_embedding and style != "rowwise":
+                # Vocabulary-parallel logits and loss (tensor_parallel/loss.py) rather than
+                # gathering the logits: the same values, without the vocabulary all-gather.
+                return "lm_head"
+            if style == "colwise" and self.is_kv_projection(name, module):
+                return "kv_colwise"
+            return _LINEAR_STYLES[style]
+        if style in _EMBEDDING_STYLES:
+            if not isinstance(module, nn.Embedding):
+                raise self.error(name, style, "the style splits an nn.Embedding's weight")
+            return _EMBEDDING_STYLES[style]
+        if style in _MODULE_STYLES:
+            return _MODULE_STYLES[style]
+        raise self.error(
+            name,
+            style,
+            "the plan-driven path has no equivalent for this style (it implements "
+            f"{sorted({*_LINEAR_STYLES, *_EMBEDDING_STYLES, *_MODULE_STYLES, 'moe_tp_experts'})})",
+        )
+
+    def experts_style(self, name: str, module: nn.Module, style: str) -> str:
+        count = expert_count(module)
+        if count is None:
+            raise self.error(
+                name,
+                style,
+                "its experts are not stored the way expert splitting needs (an integer "
+                "num_experts and only fused parameters of shape (num_experts, ...), like "
+                "transformers 5's gate_up_proj/down_proj)",
+            )
+        arity = len(inspect.signature(type(module).forward).parameters) - 1
+        if arity not in (1, 3):
+            raise self.error(
+                name,
+                style,
+                "its forward takes neither (hidden_states, top_k_index, top_k_weights), the "
+                "routed experts interface, nor (rows), one block of rows per expert",
+            )
+        self.experts[name] = count
+        return "experts_allreduce" if arity == 3 else "experts_batched"
+
+    def translate(self) -> None:
+        module_styles = {}
+        for name, module in self.modules.items():
+            style = self.plan.get(wildcard(name)) if name else None
+            if style is not None:
+                module_styles[name] = self.module_style(name, module, style)
+        # Bare parameters first: an owner's local_params / reduce_output (applied after) uses
+        # their split.
+        self.styles = self.parameter_styles(module_styles)
+        self.styles.update(module_styles)
+
+    def parameter_styles(self, module_styles: dict[str, str]) -> dict[str, str]:
+        styles = {}
+        for name, module in self.modules.items():
+            for pname, _ in module.named_parameters(recurse=False):
+                full = f"{name}.{pname}" if name else pname
+                style = self.plan.get(wildcard(full))
+                if style is None:
+                    continue
+                if name in self.experts:
+                    if style not in _EXPERT_PARAMETER_STYLES:
+                        raise self.error(full, style, "experts are split whole, by expert")
+                    continue  # the experts style splits every parameter of the module
+                if module_styles.get(name, "local_params") not in ("local_params", "reduce_output"):
+                    raise self.error(
+                        full,
+                        style,
+                        f"its module already has the style {module_styles[name]!r}, which "
+                        "splits the module's parameters itself",
+                    )
+                if style not in _PARAMETER_STYLES:
+                    raise self.error(
+                        full, style, f"on a bare parameter only {sorted(_PARAMETER_STYLES)} apply"
+                    )
+                styles[full] = _PARAMETER_STYLES[style]
+        return styles
+
+    def replicate_the_rest(self) -> None:
+        """``replicate_local`` at the root of every subtree the plan leaves out entirely.
+
+        A module whose own parameters no entry covers, with split projections below it,
+        mixes those parameters with split activations in ways the plan does not describe:
+        refused. Every other left-out module is replicated as part of the largest planless
+        subtree holding it (its root swaps the whole subtree's parameters, so a mixer that
+        reads its convolution's weight directly works); the replication is checked on first
+        use (Note [Replicated module check]).
+        """
+        planned = set(self.styles) | set(self.experts)
+
+        def has_planned_below(name: str) -> bool:
+            prefix = f"{name}." if name else ""
+            return any(p.startswith(prefix) and p != name for p in planned)
+
+        split = [n for n, s in self.styles.items() if s in _SPLIT_OUTPUT]
+        owners: list[str] = []  # modules with planned modules below and no parameters
+        for name, module in self.modules.items():
+            if name in planned or any(name.startswith(f"{e}.") for e in self.experts):
+                continue
+            own = [
+                p
+                for p, _ in module.named_parameters(recurse=False)
+                if (f"{name}.{p}" if name else p) not in planned
+            ]
+            below = has_planned_below(name)
+            if own and any(s.startswith(f"{name}.") for s in split):
+                raise self.error(
+                    name,
+                    None,
+                    f"its own parameters {own} have no entry, but it holds projections "
+                    "whose output is split over the tensor parallel ranks, so its forward may "
+                    "use them on this rank's part only; the plan does not say, so they are "
+                    "not replicated silently",
+                )
+            if below:
+                if own:  # its own parameters only; the planned modules below keep theirs
+                    self.styles[name] = "local_params"
+                elif name and not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+                    owners.append(name)
+                continue
+            if not any(True for _ in module.parameters()):
+                continue
+            parent = name.rpartition(".")[0]
+            container = isinstance(module, (nn.ModuleList, nn.ModuleDict))
+            if container:
+                continue  # no forward of its own: its children are the roots
+            if (
+                parent in self.modules
+                and not has_planned_below(parent)
+                and not isinstance(self.modules[parent], (nn.ModuleList, nn.ModuleDict))
+            ):
+                continue  # inside a larger planless subtree
+            self.styles[name] = "replicate_local"
+        # A module whose forward may read a replicated child's weight directly, or call one
+        # of its methods: it sees plain values too (``local_params``, Note [Plan-driven layout]).
+        layers = {n for n, m in self.modules.items() if type(m).__name__ == self.layer_class}
+        for name in owners:
+            if any(
+                style == "replicate_local"
+                and root.startswith(f"{name}.")
+                and not any(
+                    root == layer or root.startswith(f"{layer}.") for layer in layers - {name}
+                )
+                for root, style in self.styles.items()
+            ):
+                self.styles[name] = "local_params"
+
+
+def _patterns(names: list[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(wildcard(n) for n in names))
+
+
+def _compact(styles: dict[str, str], all_names: set[str]) -> dict[str, str]:
+    """Concrete names -> style, as wildcard patterns wherever a pattern says exactly that."""
+    by_pattern: dict[str, dict[str, str]] = {}
+    for name, style in styles.items():
+        by_pattern.setdefault(wildcard(name), {})[name] = style
+    out: dict[str, str] = {}
+    for pattern, members in by_pattern.items():
+        matched = {n for n in all_names if fnmatchcase(n, pattern)}
+        if len(set(members.values())) == 1 and matched == set(members):
+            out[pattern] = next(iter(members.values()))
+        else:
+            out.update(members)  # the pattern would reach other names: keep them concrete
+    return out
+
+
+def _layer_class(model: nn.Module) -> str:
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if type(module).__name__ in names:
+            counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
+    if not counts:
+        raise ValueError(
+            f"tsm.transform: {type(model).__name__} has a transformers TP plan but its "
+            f"_no_split_modules ({sorted(names) or 'none'}) name none of its modules, so there "
+            "is no transformer layer to wrap, checkpoint and offload. Register a "
+            "torch_sagemaker.policies.ModelPolicy naming its layer class (docs/tensor_parallel.md)."
+        )
+    return max(counts, key=lambda n: counts[n])  # the repeated decoder layer
+
+
+def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
+    """The policy transformers' TP plan of ``model`` gives, or ``None`` if it has no plan.
+
+    Args:
+        model: A Hugging Face model (real or meta device), not yet transformed.
+
+    Returns:
+        A ``ModelPolicy`` for this model instance (its plan lists this model's modules).
+
+    Raises:
+        ValueError: For a plan entry the translation cannot honour, or a module left out of
+            the plan that may compute on split activations; naming the module, the style
+            and the fix.
+    """
+    plan = transformers_plan(model)
+    if not plan or not hasattr(model, "config"):
+        return None
+    layer_class = _layer_class(model)
+    t = _Translation(model, plan, layer_class)
+    t.translate()
+    t.replicate_the_rest()
+    names = {n for n in t.modules if n} | {n for n, _ in model.named_parameters()}
+    attention = [n for n in t.modules if n and t.is_attention(n)]
+    heads_split = any(
+        t.styles.get(n) in _SPLIT_OUTPUT
+        for a in attention
+        for n in t.modules
+        if n.startswith(f"{a}.")
+    )
+    config = model.config
+    moe = None
+    num_experts_attr = None
+    if t.experts:
+        count = next(iter(t.experts.values()))
+        num_experts_attr = next(
+            (a for a in _EXPERT_COUNT_ATTRS if config_value(config, a) == count), None
+        )
+        first = next(iter(t.experts))
+        block, _, child = first.rpartition(".")
+        moe = MoESpec(block_class=type(t.modules[block]).__name__, experts=child, replaceable=False)
+    return ModelPolicy(
+        name=f"{getattr(config, 'model_type', type(model).__name__)} (transformers plan)",
+        model_classes=(type(model).__name__,),
+        layer_class=layer_class,
+        attention=_patterns(attention),
+        tp_plan=_compact(t.styles, names),
+        num_kv_heads_attr="num_key_value_heads"
+        if config_value(config, "num_key_value_heads")
+        else None,
+        num_experts_attr=num_experts_attr,
+        moe=moe,
+        sliding_window_attr="sliding_window" if hasattr(config, "sliding_window") else None,
+        heads_split=heads_split,
+        notes=f"Built from its transformers TP plan (Note [Plan-driven layout]). {PLAN_TP_NOTE}",
+    )
+
+
+__all__ = [
+    "PLAN_TP_NOTE",
+    "attention_head_dim",
+    "expert_count",
+    "policy_from_plan",
+    "transformers_plan",
+    "wildcard",
+]
