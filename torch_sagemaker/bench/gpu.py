@@ -188,14 +188,15 @@ def _rows(rig: _Rig, groups: dict, chunk_bytes: int, args: argparse.Namespace) -
 def _timeline_call(rig: _Rig, group, size: int, dtype: str, iters: int, warmup: int) -> dict:
     """The phases of the middle timed call on this rank (Note [Staging timeline]).
 
-    Besides smddp's spans, the benchmark's own on the same clock (CLOCK_MONOTONIC):
+    Besides smddp's spans, the benchmark's own on the same clock (CLOCK_MONOTONIC, which
+    ``time.monotonic_ns`` reads on Linux):
     ``bench: call and wait`` from before ``dist.all_reduce`` to ``wait()``'s return, and
     ``bench: stream done`` from then until the device has finished.
     """
     from torch_sagemaker._torch_compat import c10d as c10d_compat
 
     t = torch.zeros(size // DTYPES[dtype].itemsize, dtype=DTYPES[dtype], device=rig.device)
-    pg = c10d_compat.backend_of(group, torch.device("cpu"))
+    pg = c10d_compat.backend_of(group, rig.device)
     pg._staging_timeline()  # drop what earlier calls left
     stamps = []
     for _ in range(warmup + iters):
@@ -207,6 +208,8 @@ def _timeline_call(rig: _Rig, group, size: int, dtype: str, iters: int, warmup: 
         rig.sync()
         stamps.append((before, waited, time.monotonic_ns()))
     spans = pg._staging_timeline()
+    if not spans:
+        raise RuntimeError("bench gpu --timeline: the staged calls recorded no phases")
     first = min(seq for seq, *_ in spans)  # the group's staged calls are numbered in order
     middle = warmup + iters // 2
     mine = [[phase, b, e, n] for seq, phase, b, e, n in spans if seq == first + middle]
@@ -270,7 +273,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
     if not args.no_nccl and dist.is_nccl_available() and one_gpu_each:
         groups["nccl"] = dist.new_group(ranks, backend="nccl")
     first = groups[next(iter(staged))]
-    settings = c10d_compat.backend_of(first, torch.device("cpu"))._settings()
+    settings = c10d_compat.backend_of(first, rig.device)._settings()
     chunk_bytes = int(settings["staging_chunk_bytes"])
     result: dict[str, Any] = {
         "rank": rank,
