@@ -124,6 +124,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                out.emplace_back(s.seq, s.phase, s.begin_ns, s.end_ns, s.bytes);
              return out;
            })
+      // The same for the phases of staged calls (Note [Staging timeline]): seq is the call's
+      // number among the group's staged calls.
+      .def("_staging_timeline",
+           [](smddp::ProcessGroupSMDDP& pg) {
+             std::vector<std::tuple<uint64_t, std::string, int64_t, int64_t, uint64_t>> out;
+             for (const auto& s : pg.take_staging_timeline())
+               out.emplace_back(s.seq, s.phase, s.begin_ns, s.end_ns, s.bytes);
+             return out;
+           })
       .def("_rejected_connections",
            [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().rejected_connections(); })
       .def("_transport_stats", [](const smddp::ProcessGroupSMDDP& pg) {
