@@ -21,7 +21,7 @@ constexpr const char* kClosed =
 // The longest a round sleeps while Exchange::background waits for other local ranks (which
 // no socket reports): a local rank's step is about one network chunk apart (512 KiB: 2 ms at
 // 2 Gbit/s), and a shorter sleep costs wake-ups that oversubscribed cores feel (a 50 us sleep
-// lost 5% of a 1 MiB all_reduce on 2 hosts of 2 ranks; docs/multi_node.md).
+// lost 5% of a 1 MiB all_reduce on 2 hosts of 2 ranks; docs/log/multi_node.md, build 5ce19af).
 constexpr int kBesideWaitMs = 1;
 
 struct SendState {
