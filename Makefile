@@ -72,8 +72,8 @@ test-fast: build
 	$(PY) -m pytest -q -m "not distributed and not slow" $(PYTEST_ARGS) tests
 
 bench: build
-	$(PY) -m torch_sagemaker.bench collectives --nprocs 2
-	$(PY) -m torch_sagemaker.bench training --nprocs 2
+	$(PY) -m benchmarks collectives --nprocs 2
+	$(PY) -m benchmarks training --nprocs 2
 
 # docs/fp8.md: two 200-step runs of examples/train.py (2 ranks, niced), their losses compared
 # (fails beyond 2%) and plotted to docs/fp8_loss_200steps.png. About 10 minutes on 2 cores.

@@ -71,7 +71,7 @@ GPU_TESTS = (
         150,
     ),
 )
-BENCH_GPU = ["-m", "torch_sagemaker.bench", "gpu"]
+BENCH_GPU = ["-m", "benchmarks", "gpu"]
 # bench gpu --timeline, float32: 2 ranks sharing the GPU without the table, then 1 alone
 # with a short table (its stages and bounds without a peer).
 TIMELINE_ARGS = ["--timeline", "--dtypes", "float32", "--iters", "10"]
@@ -79,7 +79,7 @@ TIMELINE_RUNS = (
     ["--nprocs", "2", "--no-table", "--timeline-sizes", "64K,16M"],
     ["--nprocs", "1", "--sizes", "64K,1M,16M", "--timeline-sizes", "64K"],
 )
-BENCH_FP8 = ["-m", "torch_sagemaker.bench", "fp8", "--iters", "20"]
+BENCH_FP8 = ["-m", "benchmarks", "fp8", "--iters", "20"]
 CPU_STAGING_TESTS = [
     "tests/distributed/test_smddp_staging.py",
     "tests/distributed/test_bench_gpu.py",

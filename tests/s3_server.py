@@ -1,5 +1,5 @@
-"""The moto S3 server the S3 tests run against (``torch_sagemaker.bench.moto_server``)."""
+"""The moto S3 server the S3 tests run against (``tools.moto_server``)."""
 
-from torch_sagemaker.bench.moto_server import REGION, S3Server, environment, moto_s3
+from tools.moto_server import REGION, S3Server, environment, moto_s3
 
 __all__ = ["REGION", "S3Server", "environment", "moto_s3"]

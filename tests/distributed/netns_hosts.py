@@ -1,6 +1,6 @@
 """Two simulated hosts for tests of the smddp inter-host path without forcing a layout.
 
-The hosts are those of ``torch_sagemaker.bench.netns`` (Linux network, IPC and UTS namespaces,
+The hosts are those of ``tools.netns`` (Linux network, IPC and UTS namespaces,
 cables to a bridge, a private /etc/hosts), unshaped, named ``smddp-host-<i>`` at
 10.9.0.<i + 1>. Each has its own hostname and IPC namespace (so the backend sees another
 host) and network stack; the file system (and so /dev/shm) stays shared, as the backend never
@@ -13,7 +13,7 @@ from __future__ import annotations
 import subprocess
 
 # The helpers that run inside each simulated host (slurm_cluster, netns_mpirun) import this
-# module for the names below; importing torch_sagemaker.bench.netns (standard library only)
+# module for the names below; importing tools.netns (standard library only)
 # would import the torch_sagemaker package first, and torch with it: seconds of CPU per host
 # per job on a 2-core machine. So netns is imported only where it is used, and its address
 # pattern is repeated here and compared with it on every run.
@@ -23,7 +23,7 @@ HOST_NAME = "smddp-host-{}"
 
 def unavailable_reason() -> str | None:
     """Why the namespaces cannot be made on this machine, or None when they can."""
-    from torch_sagemaker.bench import netns
+    from tools import netns
 
     return netns.unavailable_reason()
 
@@ -43,7 +43,7 @@ def run_on_two_hosts(
         The finished run: ``returncode`` 0 when both commands succeeded, and ``stdout`` with
         every line prefixed by its host.
     """
-    from torch_sagemaker.bench import netns
+    from tools import netns
 
     assert netns.HOST_ADDRESS == HOST_ADDRESS, (netns.HOST_ADDRESS, HOST_ADDRESS)
     return netns.run_hosts(2, command, timeout_s, env=env, cwd=cwd, host_name=HOST_NAME)

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from torch_sagemaker.bench import collectives
+from benchmarks import collectives
 from torch_sagemaker.distributed import backend
 
 pytestmark = [

@@ -2,7 +2,7 @@
 
 import pytest
 
-from torch_sagemaker.bench import context_parallel
+from benchmarks import context_parallel
 
 pytestmark = pytest.mark.distributed
 

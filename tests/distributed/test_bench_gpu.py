@@ -9,9 +9,9 @@ stage times, and every phase of one call must be in the timeline of each rank.
 
 import pytest
 
+from benchmarks import gpu
+from benchmarks.gpu_report import STAGES, staging_bounds
 from tests.distributed.test_smddp_staging import RUN
-from torch_sagemaker.bench import gpu
-from torch_sagemaker.bench.gpu_report import STAGES, staging_bounds
 from torch_sagemaker.distributed import backend
 
 pytestmark = [

@@ -7,7 +7,8 @@ bfloat16 results agree bit for bit on every rank of both hosts."""
 
 import pytest
 
-from torch_sagemaker.bench import multihost, netns
+from benchmarks import multihost
+from tools import netns
 from torch_sagemaker.distributed import backend
 
 pytestmark = [

@@ -1,4 +1,4 @@
-"""The benchmarks' rank runner (torch_sagemaker.bench.run_ranks): a failed or dead rank ends
+"""The benchmarks' rank runner (benchmarks.run_ranks): a failed or dead rank ends
 the run at once with its reason, and a store port taken before rank 0 binds it is retried."""
 
 import os
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-import torch_sagemaker.bench as bench
+import benchmarks as bench
 from tests.distributed.launcher import taken_port
 
 

@@ -5,7 +5,7 @@ import io
 
 import pytest
 
-from torch_sagemaker.bench import training
+from benchmarks import training
 
 pytestmark = pytest.mark.distributed
 

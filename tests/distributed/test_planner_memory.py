@@ -1,6 +1,6 @@
 """The planner's memory model against real steps on 4 CPU ranks (one launch, every case).
 
-Each case of ``torch_sagemaker/planner/validation_memory.py`` trains two AdamW steps of a
+Each case of ``benchmarks/planner/validation_memory.py`` trains two AdamW steps of a
 tiny model (dense Llama, Qwen2 with grouped-query attention, Mixtral, GPT-NeoX) in its
 layout; parameters, gradients and optimizer state must match the prediction to the byte on
 every rank, and saved activations (a ``saved_tensors_hooks`` count, or the offload engine's
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.planner import validation_memory as vm
 from tests.distributed.launcher import run_distributed
-from torch_sagemaker.planner import validation_memory as vm
 
 
 @pytest.fixture(scope="module")

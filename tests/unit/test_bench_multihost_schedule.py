@@ -5,8 +5,8 @@ at the largest size; a rank runs exactly these steps, so they are what the job m
 
 import pytest
 
-from torch_sagemaker.bench import multihost
-from torch_sagemaker.bench.multihost_rank import Step, schedule
+from benchmarks import multihost
+from benchmarks.multihost_rank import Step, schedule
 
 
 def _spec(warmup: int, sizes=(1 << 20, 64 << 20, 16 << 20)) -> dict:

@@ -153,7 +153,7 @@ def test_benchmark_local_comm_keeps_shapes_and_restores():
         def rank(self):
             return 1
 
-    from torch_sagemaker.bench.context_parallel import local_attention_comm
+    from benchmarks.context_parallel import local_attention_comm
 
     with local_attention_comm():
         x = torch.arange(6.0).reshape(2, 3)

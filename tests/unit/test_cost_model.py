@@ -1,4 +1,4 @@
-"""The multihost cost model (torch_sagemaker/bench/cost_model.py): its formulas on cases
+"""The multihost cost model (torch_sagemaker/planner/cost_model.py): its formulas on cases
 worked by hand, its fit on data it generated itself, and its error on the recorded runs."""
 
 import dataclasses
@@ -9,9 +9,9 @@ import os
 
 import pytest
 
-from torch_sagemaker.bench import cost_model as cm
-from torch_sagemaker.bench import cost_model_fit as cf
-from torch_sagemaker.bench import cost_model_report as report
+from benchmarks import cost_model_fit as cf
+from benchmarks import cost_model_report as report
+from torch_sagemaker.planner import cost_model as cm
 
 MIB = 1 << 20
 DATA = os.path.join(os.path.dirname(__file__), "..", "data", "multihost")
@@ -292,7 +292,7 @@ def test_the_recorded_fit_is_physical(recorded_fit):
 
 
 def test_fit_from_saved_runs_prints_the_tables(tmp_path, capsys):
-    from torch_sagemaker.bench import multihost
+    from benchmarks import multihost
 
     files = sorted(glob.glob(os.path.join(DATA, "*.json")))
     plot = tmp_path / "model.png"

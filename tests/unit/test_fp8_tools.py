@@ -48,7 +48,7 @@ def test_compare_and_plot(tmp_path):
 
 
 def test_bench_fp8_prints_its_table(capsys):
-    from torch_sagemaker.bench import fp8
+    from benchmarks import fp8
 
     assert fp8.main(["--shapes", "tiny", "--device", "cpu", "--iters", "1", "--warmup", "0"]) == 0
     out = capsys.readouterr().out

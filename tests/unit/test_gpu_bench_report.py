@@ -1,4 +1,4 @@
-"""``bench gpu``'s arithmetic and tables without ranks (torch_sagemaker/bench/gpu_report.py).
+"""``bench gpu``'s arithmetic and tables without ranks (benchmarks/gpu_report.py).
 
 The bound a staged all-reduce is judged against (Note [Staging bounds]) is checked on known
 stage times, against a step-by-step schedule of the chunk pipeline; the table and the timeline
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from torch_sagemaker.bench import gpu
-from torch_sagemaker.bench.gpu_report import (
+from benchmarks import gpu
+from benchmarks.gpu_report import (
     STAGES,
     rows_table,
     staging_bounds,

@@ -114,7 +114,7 @@ def test_rehearsal_without_cuda_runs_every_step_and_writes_the_report(monkeypatc
     for name in CUDA_STEPS:
         assert steps[name]["status"] == "skipped", steps[name]
         assert steps[name]["detail"] == "no CUDA here (a fake machine)"
-    assert not machine.commands("torch_sagemaker.bench")
+    assert not machine.commands("benchmarks")
     staging = steps["cpu_staging"]
     assert staging["status"] == "passed" and len(staging["tests"]) == len(check.CPU_STAGING_TESTS)
     # Every path a pytest command names exists.
@@ -130,7 +130,7 @@ def test_rehearsal_without_cuda_runs_every_step_and_writes_the_report(monkeypatc
 
 
 def test_with_cuda_every_benchmark_command_parses(monkeypatch, tmp_path):
-    from torch_sagemaker.bench import fp8, gpu
+    from benchmarks import fp8, gpu
 
     check = _script()
     machine = Machine(check, monkeypatch, cuda=True)
@@ -139,10 +139,10 @@ def test_with_cuda_every_benchmark_command_parses(monkeypatch, tmp_path):
     assert steps["te_cuda"]["status"] == "skipped"
     assert steps["te_cuda"]["detail"] == "left out with --skip"
     assert all(s["status"] == "passed" for n, s in steps.items() if n != "te_cuda"), steps
-    benches = machine.commands("torch_sagemaker.bench")
+    benches = machine.commands("benchmarks")
     parsers = {"gpu": gpu._parse, "fp8": fp8._parse}
     for cmd, _ in benches:
-        name = cmd[cmd.index("torch_sagemaker.bench") + 1]
+        name = cmd[cmd.index("benchmarks") + 1]
         parsers[name](cmd[cmd.index(name) + 1 :])  # exits on a bad option
     runs = [gpu._parse(c[c.index("gpu") + 1 :]) for c, _ in benches if "gpu" in c]
     table, *timelines = runs
@@ -234,7 +234,7 @@ def test_time_limits_leave_the_later_steps_their_floors(monkeypatch, tmp_path):
     assert all(steps[n]["status"] == "passed" for n in after), steps
     # Every step after the build hangs: each still runs, with at least its floor, and the
     # check ends within its budget.
-    hang.update(("pytest", "torch_sagemaker.bench"))
+    hang.update(("pytest", "benchmarks"))
     machine.now, machine.calls = 0.0, []
     rc, steps = _main(check, tmp_path)
     assert rc == 1

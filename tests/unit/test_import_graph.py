@@ -139,17 +139,39 @@ def test_graph_sees_type_checking_imports(tmp_path, monkeypatch):
 
 
 def test_the_library_imports_neither_the_planner_nor_the_benchmarks():
-    """The planner sits above the library, and reaches torch_sagemaker/bench through one module
-    (planner/comm.py), so that the benchmarks can move out of the package by changing it."""
+    """The planner sits above the library: no other part of the package imports it."""
     graph = import_graph()
-    above = ("torch_sagemaker.planner", "torch_sagemaker.bench")
     for module, targets in graph.items():
-        if module.startswith(above):
+        if module.startswith("torch_sagemaker.planner"):
             continue
-        assert not [t for t in targets if t.startswith(above)], module
-    through = {
-        module
-        for module, targets in graph.items()
-        if module.startswith(above[0]) and any(t.startswith(above[1]) for t in targets)
+        assert not [t for t in targets if t.startswith("torch_sagemaker.planner")], module
+    assert "torch_sagemaker.planner.cost_model" in graph  # the planner's own cost model
+
+
+def _every_import(path: Path) -> set[str]:
+    """The top-level names of every module ``path`` imports, inside functions too."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_package_never_imports_the_benchmarks_or_tools():
+    """``benchmarks/`` and ``tools/`` are not installed: no import of the package may need
+    them, not even one deferred into a function (the wheel would fail there)."""
+    offenders = {
+        name: sorted(found)
+        for name, path in _modules().items()
+        if (found := _every_import(path) & {"benchmarks", "tools", "tests"})
     }
-    assert through == {"torch_sagemaker.planner.comm"}
+    assert offenders == {}
+    assert not [m for m in _modules() if m.startswith("torch_sagemaker.bench")]
+
+
+def test_every_import_sees_imports_inside_functions(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("import os\n\ndef f():\n    from benchmarks import training\n")
+    assert _every_import(path) == {"os", "benchmarks"}

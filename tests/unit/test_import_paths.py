@@ -27,6 +27,17 @@ print(tsm.__version__, tsm.__file__)
 """
 
 
+# From the wheel, without the checkout: the planner and its cost model import, and its
+# command line points ``validate`` at the benchmarks instead of importing them.
+WHEEL_CHECK = """
+import importlib.util
+assert importlib.util.find_spec("benchmarks") is None and importlib.util.find_spec("tools") is None
+from torch_sagemaker.planner import comm, cost_model, plan
+from torch_sagemaker.planner.cli import main
+assert main(["validate", "time"]) == 2
+"""
+
+
 def _run(args, **kwargs):
     return subprocess.run(args, capture_output=True, text=True, timeout=600, **kwargs)
 
@@ -80,6 +91,16 @@ def test_wheel_install(tmp_path):
     assert not any(n.startswith("policies/") for n in names)
     assert any(n.startswith("torch_sagemaker/_C") and n.endswith(".so") for n in names)
     assert "torch_sagemaker/_C.pyi" in names and "torch_sagemaker/py.typed" in names
+    # The library only: benchmarks/, tools/ (simulators, lab peers) and tests/ stay in the checkout.
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top == {
+        "torch_sagemaker",
+        "smdistributed",
+        "_torch_sagemaker_alias.py",
+        "torch_sagemaker.pth",
+    }
+    assert not any(n.startswith("torch_sagemaker/bench/") for n in names)
+    assert "torch_sagemaker/planner/cost_model.py" in names  # the planner's own cost model
     install = _run(
         [
             sys.executable,
@@ -99,7 +120,7 @@ def test_wheel_install(tmp_path):
     # site-packages for torch only.
     bootstrap = (
         f"import site, sys; site.addsitedir({str(target)!r}); "
-        f"sys.path.append({sysconfig.get_paths()['purelib']!r});\n" + CHECK
+        f"sys.path.append({sysconfig.get_paths()['purelib']!r});\n" + CHECK + WHEEL_CHECK
     )
     result = _run([sys.executable, "-S", "-c", bootstrap], cwd=tmp_path)
     assert result.returncode == 0, result.stderr

@@ -276,7 +276,7 @@ def test_command_line_refuses_bad_input(tmp_path, capsys):
 
 
 def test_published_configurations_are_valid_and_fit():
-    from torch_sagemaker.planner import public_configs
+    from benchmarks.planner import public_configs
 
     rows = public_configs.evaluate_all()
     assert len(rows) == len(public_configs.CONFIGS) >= 7
@@ -294,7 +294,7 @@ def test_saved_activations_count_a_reused_address_once(monkeypatch):
     # it must count once, the freed one as nothing.
     import torch
 
-    from torch_sagemaker.planner import measure
+    from benchmarks.planner import measure
 
     counter = measure.SavedActivations(torch.nn.Linear(2, 2))
     freed = torch.ones(64)

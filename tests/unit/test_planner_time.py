@@ -1,7 +1,7 @@
 """The planner's time model against recorded measurements.
 
-Records are written by ``python -m torch_sagemaker.planner validate time --record FILE``
-(torch_sagemaker/planner/validation_time.py): this machine's calibrated rates, the collective
+Records are written by ``python -m benchmarks planner time --record FILE``
+(benchmarks/planner/validation_time.py): this machine's calibrated rates, the collective
 costs, and the step times ``bench training`` and ``bench multihost --train`` measured. The
 predictions are recomputed here with the current model, so a change that moves one outside
 its tolerance fails, as tests/unit/test_cost_model.py does for the collectives.
@@ -24,13 +24,10 @@ import statistics
 
 import pytest
 
-from torch_sagemaker.planner import validation_time as vt
+from benchmarks.planner import validation_time as vt
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "data", "planner")
-COMMAND = (
-    "python -m torch_sagemaker.planner validate time --runs 3 "
-    "--record tests/data/planner/DATE-quiet.json"
-)
+COMMAND = "python -m benchmarks planner time --runs 3 --record tests/data/planner/DATE-quiet.json"
 
 
 def _load(pattern: str) -> list[tuple[str, dict]]:

@@ -5,9 +5,9 @@ import sys
 import pytest
 import torch
 
-from torch_sagemaker.bench import BENCHMARKS, collectives
-from torch_sagemaker.bench import __main__ as bench_main
-from torch_sagemaker.bench import collectives_report as report
+from benchmarks import BENCHMARKS, collectives
+from benchmarks import __main__ as bench_main
+from benchmarks import collectives_report as report
 
 
 def test_dispatcher_lists_benchmarks_and_rejects_unknown(capsys):
@@ -19,9 +19,9 @@ def test_dispatcher_lists_benchmarks_and_rejects_unknown(capsys):
 
 
 def test_dispatcher_reports_a_missing_module(monkeypatch, capsys):
-    monkeypatch.setitem(BENCHMARKS, "ghost", ("torch_sagemaker.bench.ghost_module", "x"))
+    monkeypatch.setitem(BENCHMARKS, "ghost", ("benchmarks.ghost_module", "x"))
     assert bench_main.main(["ghost"]) == 2
-    assert "torch_sagemaker.bench.ghost_module is missing" in capsys.readouterr().err
+    assert "benchmarks.ghost_module is missing" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -162,7 +162,7 @@ def test_cases_take_their_operands_from_the_given_allocator(op):
 
 
 def test_missing_deepspeed_names_the_install_command(monkeypatch):
-    from torch_sagemaker.bench import deepspeed_peer
+    from tools import deepspeed_peer
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")

@@ -11,9 +11,10 @@ accelerators and instances), ``inputs`` (cluster, workload, limits), ``model`` (
 read on the meta device), ``candidates`` (enumeration; valid or invalid by the library's
 own checks), ``shards`` (parameter, gradient and optimizer bytes), ``activations`` (saved
 activations), ``memory`` (the per-rank estimate), ``comm`` (the collective cost model's
-door), ``timing`` (step time), ``search`` (the ``plan`` API), ``report`` (table, JSON, SMP
-config, plot), ``cli``; for the validation ``measure`` (live counts), ``validation_memory``,
-``calibration``, ``validation_time``, ``public_configs`` and ``validation`` (``validate``).
+door), ``cost_model`` (the collectives' latency-bandwidth model), ``timing`` (step time),
+``search`` (the ``plan`` API), ``report`` (table, JSON, SMP config, plot), ``cli``. Its
+validation against measured runs is a benchmark (``python -m benchmarks planner``, in
+``benchmarks/planner/`` of a checkout).
 
 Nothing in the library's core imports this package.
 """

@@ -4,8 +4,8 @@
         --hosts 32 --instance p5.48xlarge [--limit tensor_parallel_degree=1,2,4,8]
         [--json plan.json] [--write-config best_smp.json] [--plot memory.png]
 
-``python -m torch_sagemaker.planner validate ...`` measures the planner against this machine
-(``torch_sagemaker.planner.validation``).
+``python -m benchmarks planner ...``, from a checkout, measures the planner against this
+machine (``benchmarks/planner/``; the benchmarks are not installed with the library).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m torch_sagemaker.planner",
         description="Rank SMP configurations for a model on a cluster by predicted step time, "
         "with each rank's predicted memory (docs/planner.md). "
-        "'python -m torch_sagemaker.planner validate --help' for the validation.",
+        "'python -m benchmarks planner --help' for the validation.",
     )
     p.add_argument("config", help="a Hugging Face config.json (or its directory), read locally")
     p.add_argument("--seq-len", type=parse_count, required=True)
@@ -140,12 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the planner (or ``validate``) and prints the result; returns the exit status."""
+    """Runs the planner and prints the result; returns the exit status (2 for ``validate``)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["validate"]:
-        from torch_sagemaker.planner import validation  # heavy: spawns ranks; only when asked
-
-        return validation.main(argv[1:])
+        print(
+            "planner: 'validate' is a benchmark now, run from a source checkout: "
+            f"python -m benchmarks planner {' '.join(argv[1:]) or '--help'}",
+            file=sys.stderr,
+        )
+        return 2
     args = build_parser().parse_args(argv)
     try:
         return _run(args)

@@ -1,8 +1,8 @@
-"""The planner's one door to the collective cost model (``torch_sagemaker/bench/cost_model.py``).
+"""The planner's one door to the collective cost model (``cost_model.py``).
 
-Everything the planner takes from ``torch_sagemaker.bench`` comes through this module, so
-that moving the benchmarks out of the package changes these imports only; the library's
-core (``tsm.init``, ``tsm.transform``) never imports the planner.
+The rest of the planner prices collectives through this module only; the library's core
+(``tsm.init``, ``tsm.transform``) never imports the planner. Fitting the model's costs on
+``bench multihost`` rows is a benchmark's work (``benchmarks/cost_model_fit.py``).
 
 A collective over a group of ranks is priced by ``cost_model.best``: the group's hosts and
 its ranks per host become a ``cost_model.Cluster``. Where the group spans hosts, its share
@@ -20,7 +20,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from torch_sagemaker.bench import cost_model
+from torch_sagemaker.planner import cost_model
 
 Costs = cost_model.Costs
 
@@ -59,13 +59,6 @@ def accelerator_costs() -> Costs:
         flow_skew=0.0,
         flow_latency=0.0,
     )
-
-
-def fitted_costs(runs: Sequence[dict]) -> Costs:
-    """Costs fitted on ``bench multihost --json`` runs (``cost_model_fit.fit``)."""
-    from torch_sagemaker.bench import cost_model_fit  # its fit is only needed here
-
-    return cost_model_fit.fit(cost_model_fit.points(list(runs)))
 
 
 @dataclass(frozen=True)
@@ -119,4 +112,4 @@ def _seconds(fabric: Fabric, op: str, nbytes: int, where: tuple[int, int]) -> fl
     return cost_model.best(fabric.costs, cluster, _MODEL_OP[op], nbytes)[1]
 
 
-__all__ = ["OPS", "Costs", "Fabric", "accelerator_costs", "fitted_costs", "seconds", "span"]
+__all__ = ["OPS", "Costs", "Fabric", "accelerator_costs", "seconds", "span"]

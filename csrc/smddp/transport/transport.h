@@ -85,7 +85,7 @@ inline uint64_t seq_of_tag(uint64_t tag) { return (tag & ~(1ull << 63)) >> 4; }
 
 // What a transport did, counted from its creation: the messages it moved and the system calls
 // that moved them, for benchmarks (bench multihost's CPU columns, Note [CPU per byte] in
-// torch_sagemaker/bench/multihost_rank.py). Read between calls; each count is exact once the
+// benchmarks/multihost_rank.py). Read between calls; each count is exact once the
 // calls that made it returned.
 struct TransportStats {
   uint64_t messages_sent = 0, messages_received = 0;

@@ -21,7 +21,7 @@ import socket
 import threading
 from collections.abc import Callable
 
-from torch_sagemaker.bench import netns
+from tools import netns
 
 BARE_TCP = "bare-tcp"  # its name among bench multihost's backends
 _BUFFER_BYTES = 4 << 20  # what one send or receive call offers the kernel at most

@@ -1,13 +1,13 @@
 """Collectives between simulated hosts: smddp and gloo against what each host's NIC allows.
 
-    python -m torch_sagemaker.bench multihost [--layouts 2x1,4x1,2x2,4x2] [--rate 2gbit]
+    python -m benchmarks multihost [--layouts 2x1,4x1,2x2,4x2] [--rate 2gbit]
         [--ops all_reduce,all_gather_into_tensor,reduce_scatter_tensor] [--sizes 1M,16M,64M]
         [--dtypes float32,bfloat16] [--switch-queue 2M] [--congestion auto]
         [--slow-start-after-idle 1] [--warmup-largest 5,0]
 
-Each layout HxL is H simulated hosts (bench/netns.py: namespaces, one bridge as the switch,
+Each layout HxL is H simulated hosts (tools/netns.py: namespaces, one bridge as the switch,
 each host's cable shaped to ``--rate`` in both directions, each switch port queueing at most
-``--switch-queue`` bytes (2 MiB: Note [Shallow switch ports] in netns.py), its TCP congestion
+``--switch-queue`` bytes (2 MiB: Note [Shallow switch ports] in tools/netns.py), its TCP congestion
 control
 ``--congestion``, by default cubic where the kernel lets a namespace choose it and otherwise
 the machine's own, as each host's kernel reports it in the header and the record: Note
@@ -20,7 +20,7 @@ hosts by the mesh or by a ring whatever SMDDP_NET_ALGO says (``SMDDPOptions(net_
 hosts of unequal rank counts, and two hosts, always take the mesh); each row records the
 algorithm that ran (``algorithm``: ``mesh``, ``ring``, or ``flat_ring`` for gloo).
 "bare-tcp" is no collective but the ceiling the machine allows: the bytes of a ring on the
-ring's flows as bare TCP streams, with no other work (bench/bare_tcp.py, Note [The bare-TCP
+ring's flows as bare TCP streams, with no other work (tools/bare_tcp.py, Note [The bare-TCP
 ceiling]); it is not trained and the cost model leaves it out. For every
 op, size S (nccl-tests' S in bytes: the all_reduce tensor, the all_gather output, the
 reduce_scatter input) and element type (``--dtypes``; bfloat16 is what SMP's scripts reduce
@@ -48,9 +48,9 @@ per byte] in multihost_rank.py).
 Without namespaces (no ``unshare``/``ip``/``tc``, or no right to use them) it says why and
 exits with 2.
 
-``--model`` fits the cost model (bench/cost_model.py) on the rows after the run, ``--fit
-FILE...`` on rows saved with ``--json`` without running anything; both print its error on
-every point and its predictions for 8 to 1024 hosts (``--predict-*``).
+``--model`` fits the cost model (torch_sagemaker/planner/cost_model.py) on the rows after the
+run, ``--fit FILE...`` on rows saved with ``--json`` without running anything; both print its
+error on every point and its predictions for 8 to 1024 hosts (``--predict-*``).
 """
 
 from __future__ import annotations
@@ -65,9 +65,10 @@ import tempfile
 import time
 from typing import Any
 
-from torch_sagemaker.bench import comma_list, cost_model_report, netns
-from torch_sagemaker.bench.bare_tcp import BARE_TCP
-from torch_sagemaker.bench.cost_model import nic_factor
+from benchmarks import comma_list, cost_model_report
+from tools import netns
+from tools.bare_tcp import BARE_TCP
+from torch_sagemaker.planner.cost_model import nic_factor
 
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -123,7 +124,7 @@ def timeline_table(rows: list[dict]) -> str:
     for r in rows:
         if not r.get("timeline"):
             continue
-        from torch_sagemaker.bench.collectives_report import format_size
+        from benchmarks.collectives_report import format_size
 
         lines += [
             f"\n{r['layout']} {r['backend']} ({r.get('algorithm', 'mesh')}) {r['op']} "
@@ -234,7 +235,7 @@ def run_layout(
         dtypes: The operands' element types (torch's names: float32, bfloat16, float16);
             default float32. Sizes stay in bytes, so the bound is the dtype's bytes.
         switch_queue_bytes: Each switch port's queue (Note [Shallow switch ports] in
-            netns.py); None: a 50 ms queue.
+            tools/netns.py); None: a 50 ms queue.
 
     Returns:
         ``{"rows": one per op, size and backend, "identical": None, or with ``identical``
@@ -336,7 +337,7 @@ def table(rows: list[dict], rate_bits: int | None) -> str:
     Two backends get a ratio column; with the bare-TCP ceiling, each other backend gets a
     column of the ceiling's time over its own.
     """
-    from torch_sagemaker.bench.collectives_report import format_size
+    from benchmarks.collectives_report import format_size
 
     by_key: dict[tuple, dict[str, dict]] = {}
     for r in rows:
@@ -391,7 +392,7 @@ def table(rows: list[dict], rate_bits: int | None) -> str:
 
 
 def _queue_text(queue: int | None, rate: int | None) -> str:
-    from torch_sagemaker.bench.collectives_report import format_size
+    from benchmarks.collectives_report import format_size
 
     if rate is None:
         return "unshaped"
@@ -411,7 +412,7 @@ def cpu_table(rows: list[dict]) -> str:
     system calls per message and the share of the bytes it received that were copied twice
     (read before their receive was posted: stashed).
     """
-    from torch_sagemaker.bench.collectives_report import format_size
+    from benchmarks.collectives_report import format_size
 
     head = "| layout | dtype | op | size | backend | GB/s | CPU s/GB | busiest rank | softirq s/GB"
     lines = [head + " | msgs/s | calls/msg | stashed |", "|" + "---|" * 12]
@@ -444,11 +445,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--host"]:
         return _host_main(int(argv[1]), json.loads(argv[2]))
     if argv[:1] == ["--rank-spec"]:
-        from torch_sagemaker.bench.multihost_rank import rank_main
+        from benchmarks.multihost_rank import rank_main
 
         rank_main(json.loads(argv[1]))
         return 0
-    from torch_sagemaker.bench.collectives import parse_size
+    from benchmarks.collectives import parse_size
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layouts", type=comma_list(), default=["2x1", "4x1", "2x2", "4x2"])
@@ -515,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         "(SMDDP_TIMELINE)",
     )
     model = p.add_argument_group(
-        "cost model (bench/cost_model.py)",
+        "cost model (torch_sagemaker/planner/cost_model.py)",
         "fit per-layer costs on the measured rows, print the error on each, and predict "
         "time, busbw and the algorithm to pick for 8 to 1024 hosts",
     )
@@ -657,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
         "rate_bits": rate,
         "iters": args.iters,
         # What the machine could give the simulated hosts, which all share it (the cost
-        # model's CPU share, Note [Cost model] in cost_model.py).
+        # model's CPU share, Note [Cost model] in torch_sagemaker/planner/cost_model.py).
         "cores": os.cpu_count(),
         "burst_bytes": netns.BURST_BYTES,  # what each cable passes above the rate at once
         # The hosts' TCP congestion control, as their kernels said: one name, or each host's.

@@ -1,6 +1,6 @@
 """Context parallelism benchmark: tokens/s, activation memory and exposed communication.
 
-    python -m torch_sagemaker.bench context_parallel [--seqs 2048,4096,8192] [--backend smddp]
+    python -m benchmarks context_parallel [--seqs 2048,4096,8192] [--backend smddp]
 
 A Llama of a few million parameters (fp32, FSDP2 over the 2 ranks, one intra-op thread per
 rank) trains on one sequence per data-parallel rank at each sequence length, in one run:
@@ -47,7 +47,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from torch_sagemaker.bench import comma_list, end_rank, run_ranks, set_rank_environment
+from benchmarks import comma_list, end_rank, run_ranks, set_rank_environment
 
 MODES = ("no CP", "cp2 p2p", "cp2 p2p, no comm", "cp2 all_gather", "cp2 all_gather, no comm")
 
@@ -423,7 +423,7 @@ def format_table(pytorch: str | None, rows: list[dict], args: argparse.Namespace
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark and prints the table (``--help`` for options)."""
     p = argparse.ArgumentParser(
-        prog="python -m torch_sagemaker.bench context_parallel",
+        prog="python -m benchmarks context_parallel",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

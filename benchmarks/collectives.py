@@ -1,8 +1,8 @@
 """Collective benchmark in the style of nccl-tests: smddp and gloo side by side, one run.
 
-    python -m torch_sagemaker.bench collectives [--nprocs 2] [--max-bytes 256M] [--plot out.png]
-    torchrun --nproc-per-node 2 -m torch_sagemaker.bench collectives
-    python -m torch_sagemaker.bench collectives --ops all_reduce --backends smddp,gloo,deepspeed
+    python -m benchmarks collectives [--nprocs 2] [--max-bytes 256M] [--plot out.png]
+    torchrun --nproc-per-node 2 -m benchmarks collectives
+    python -m benchmarks collectives --ops all_reduce --backends smddp,gloo,deepspeed
 
 For every operation and size S (8 B .. 256 MiB by default, float32 data) each backend runs
 warm-up iterations, then timed iterations; the reported time is the median over iterations
@@ -47,16 +47,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_sagemaker._torch_compat import c10d as c10d_compat
-from torch_sagemaker._torch_compat import tensor as tensor_compat
-from torch_sagemaker.bench import comma_list, end_rank, run_ranks
-from torch_sagemaker.bench.collectives_report import (
+from benchmarks import comma_list, end_rank, run_ranks
+from benchmarks.collectives_report import (
     PASSES,
     busbw_factor,
     format_row,
     format_table,
     plot,
 )
+from torch_sagemaker._torch_compat import c10d as c10d_compat
+from torch_sagemaker._torch_compat import tensor as tensor_compat
 
 DEFAULT_OPS = (
     "all_reduce",
@@ -314,7 +314,7 @@ def _worker_body(
     peers: dict[str, Any] = {}  # ShmAllReduce or _DirectAllReduce: each has all_reduce(tensor)
     for b in args.backends:  # in the same order on every rank: new_group is collective
         if b == "deepspeed":
-            from torch_sagemaker.bench.deepspeed_peer import ShmAllReduce
+            from tools.deepspeed_peer import ShmAllReduce
 
             peers[b] = ShmAllReduce(world, rank, lambda: dist.barrier(group=ctrl))
             groups[b] = ctrl  # only for the barrier before timing
@@ -428,7 +428,7 @@ def _run(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     """Runs the sweep and prints the table (``--help`` for options)."""
     p = argparse.ArgumentParser(
-        prog="python -m torch_sagemaker.bench collectives",
+        prog="python -m benchmarks collectives",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--ratio-base {args.ratio_base!r} is not one of --backends {args.backends}"
         )
     if "deepspeed" in args.backends:
-        from torch_sagemaker.bench.deepspeed_peer import require
+        from tools.deepspeed_peer import require
 
         try:
             require()

@@ -1,6 +1,6 @@
 """Benchmark of prefetching activation offloading: step time and saved-activation memory.
 
-``python -m torch_sagemaker.bench offload [--layers 8 --hidden 128 ...]`` trains a tiny
+``python -m benchmarks offload [--layers 8 --hidden 128 ...]`` trains a tiny
 Hugging Face Llama with every decoder layer activation-checkpointed and compares, in the
 same run, a plain step (no offloading, the baseline), the prefetching offloader at several
 horizons, and PyTorch's native ``offload_wrapper``. The configurations take turns step by
@@ -172,7 +172,7 @@ def format_table(results: list[dict], args: argparse.Namespace) -> str:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The benchmark's command line (``sys.argv[1:]`` when ``argv`` is None)."""
     parser = argparse.ArgumentParser(
-        prog="python -m torch_sagemaker.bench offload", description=__doc__.splitlines()[0]
+        prog="python -m benchmarks offload", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=128)

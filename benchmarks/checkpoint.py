@@ -1,6 +1,6 @@
 """Benchmark of checkpoint checksums: save and load with and without them, same run.
 
-``python -m torch_sagemaker.bench checkpoint [--mb 100 --repeats 7 --threads 1,2]`` saves a
+``python -m benchmarks checkpoint [--mb 100 --repeats 7 --threads 1,2]`` saves a
 state dict of about ``--mb`` MB (float32 tensors of a few MB each, like a small model's
 layers) in one process, and compares, for each writer thread count:
 
@@ -14,7 +14,7 @@ spreads evenly; the table reports medians and the ratio to the baseline. A last 
 the raw ``zlib.crc32`` throughput on the same bytes in memory.
 
 ``--s3 local`` adds the same three configurations against S3 in the same run: a ``moto``
-server started on 127.0.0.1 (``bench/moto_server.py``; pip install "moto[server]"), written
+server started on 127.0.0.1 (``tools/moto_server.py``; pip install "moto[server]"), written
 and read through ``s3torchconnector`` ("DCP alone" is then DCP with ``s3torchconnector``'s
 writer and reader). ``--s3 s3://bucket/prefix`` uses a real bucket instead (endpoint, region
 and credentials from the AWS variables). The local server keeps objects in memory and talks
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from torch_sagemaker.bench import comma_list
+from benchmarks import comma_list
 
 
 def make_state(mb: int) -> dict[str, torch.Tensor]:
@@ -164,7 +164,7 @@ def _s3_root(spec: str | None) -> Iterator[str | None]:
     if spec != "local":
         yield spec.rstrip("/") + f"/tsm-bench-{time.time_ns()}"
         return
-    from torch_sagemaker.bench.moto_server import environment, moto_s3
+    from tools.moto_server import environment, moto_s3
 
     with moto_s3() as server, environment(server.env):
         bucket = "tsm-bench"
@@ -257,7 +257,7 @@ def format_table(rows: list[dict], mb: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(
-        prog="python -m torch_sagemaker.bench checkpoint", description=__doc__.splitlines()[0]
+        prog="python -m benchmarks checkpoint", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--mb", type=int, default=100, help="checkpoint size in MB (default 100)")
     parser.add_argument("--repeats", type=int, default=7, help="repeats per configuration")

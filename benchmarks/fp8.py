@@ -1,4 +1,4 @@
-"""``python -m torch_sagemaker.bench fp8``: FP8 against bf16 matrix products and linear layers.
+"""``python -m benchmarks fp8``: FP8 against bf16 matrix products and linear layers.
 
 For each layer shape (tokens M, in K, out N) of two models, one process on one device:
 
@@ -49,7 +49,7 @@ SHAPES: dict[str, list[tuple[str, int, int, int]]] = {
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m torch_sagemaker.bench fp8", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks fp8", description=__doc__)
     p.add_argument("--shapes", default="example,4096", help=f"comma list of {sorted(SHAPES)}")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--iters", type=int, default=20)

@@ -32,8 +32,8 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, NamedTuple
 
-from torch_sagemaker.bench import netns
-from torch_sagemaker.bench.bare_tcp import BARE_TCP, BareRing
+from tools import netns
+from tools.bare_tcp import BARE_TCP, BareRing
 
 # smddp groups that force how collectives cross hosts (SMDDPOptions.net_algo).
 FORCED_NET_ALGO = {"smddp-mesh": "mesh", "smddp-ring": "ring"}
@@ -178,7 +178,7 @@ def rank_main(spec: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     import torch_sagemaker  # noqa: F401  (registers smddp)
-    from torch_sagemaker.bench import end_rank
+    from benchmarks import end_rank
     from torch_sagemaker.distributed.backend import group_layout
     from torch_sagemaker.distributed.options import SMDDPOptions
 
@@ -255,7 +255,7 @@ def _case(
     import torch
     import torch.distributed as dist
 
-    from torch_sagemaker.bench.collectives import make_case
+    from benchmarks.collectives import make_case
 
     dtype = getattr(torch, step.dtype)
     if step.backend == BARE_TCP:

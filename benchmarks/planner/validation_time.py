@@ -18,8 +18,8 @@ load), so that ``predict_rows`` reproduces the predictions from a record alone:
 tests/unit/test_planner_time.py checks every row of the quiet-machine records against
 ``TIME_TOLERANCE``.
 
-The benchmark runners come from ``torch_sagemaker.bench`` (imported where used, as the
-cost model comes through ``comm``).
+The benchmark runners are imported where used; the cost model comes through the planner's
+``comm``.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.planner.calibration import calibrate, machine_of
 from torch_sagemaker.planner import comm
-from torch_sagemaker.planner.calibration import calibrate, machine_of
 from torch_sagemaker.planner.candidates import Candidate, Rejected, check
 from torch_sagemaker.planner.inputs import Cluster, Workload
 from torch_sagemaker.planner.model import ModelSpec, describe
@@ -170,7 +170,7 @@ def _model_dict(config: Any) -> dict:
 
 def measure_training(args: argparse.Namespace) -> list[dict]:
     """``bench training``'s rows, ``args.runs`` passes (step 2 of the module docstring)."""
-    from torch_sagemaker.bench import training
+    from benchmarks import training
 
     bench_args = training.parser().parse_args(
         [
@@ -223,7 +223,8 @@ def measure_training(args: argparse.Namespace) -> list[dict]:
 
 def measure_multihost(args: argparse.Namespace) -> list[dict]:
     """``bench multihost --train``'s layouts, ``args.runs`` times each (smddp)."""
-    from torch_sagemaker.bench import multihost, multihost_rank, netns
+    from benchmarks import multihost, multihost_rank
+    from tools import netns
 
     rate = netns.parse_rate(args.rate)
     model = _model_dict(multihost_rank.training_config())
@@ -303,7 +304,7 @@ def _calibrate_all(rows: list[dict]) -> dict[str, dict[str, float]]:
 
 def _planned_rows(args: argparse.Namespace) -> list[dict]:
     """The rows the measurement will produce, without their times (to calibrate first)."""
-    from torch_sagemaker.bench import multihost_rank, training
+    from benchmarks import multihost_rank, training
 
     rows = []
     if args.modes:

@@ -1,6 +1,6 @@
 """Expert parallel benchmark: a Mixtral (8 experts, top-2) at ep 1 against ep 2 / ep 4, in one run.
 
-    python -m torch_sagemaker.bench moe [--nprocs 2,4] [--steps 4] [--backends smddp,gloo]
+    python -m benchmarks moe [--nprocs 2,4] [--steps 4] [--backends smddp,gloo]
 
 For each world size and backend the same model (about 30M parameters: hidden 256, 4 layers,
 8 experts of intermediate 512, vocab 32000, sequence 256, 2 sequences per rank) is trained
@@ -30,7 +30,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from torch_sagemaker.bench import comma_list, end_rank, run_ranks, set_rank_environment
+from benchmarks import comma_list, end_rank, run_ranks, set_rank_environment
 
 
 def _model(args: argparse.Namespace):
@@ -246,7 +246,7 @@ def _table(rows: list[tuple], args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Runs the benchmark and prints the table (``--help`` for options)."""
     p = argparse.ArgumentParser(
-        prog="python -m torch_sagemaker.bench moe",
+        prog="python -m benchmarks moe",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,6 +1,6 @@
 """``bench gpu``'s arithmetic and tables: the staged all-reduce's bounds, its rows, its timeline.
 
-Pure functions of what the ranks measured (``torch_sagemaker/bench/gpu.py``), so the bound's
+Pure functions of what the ranks measured (``benchmarks/gpu.py``), so the bound's
 arithmetic and the tables are tested without ranks.
 
 Note [Staging bounds]
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from torch_sagemaker.bench.collectives_report import format_size
+from benchmarks.collectives_report import format_size
 
 STAGES = ("D2H", "host all_reduce", "H2D")
 # Phases recorded once per chunk (Note [Staging timeline]); the table numbers them.
@@ -163,7 +163,7 @@ def report(r: dict, world: int) -> str:
         lines += [
             "",
             "all_reduce, median µs, each cell the slowest rank's (stages alone, every rank at "
-            "once; Note [Staging bounds] in torch_sagemaker/bench/gpu_report.py):",
+            "once; Note [Staging bounds] in benchmarks/gpu_report.py):",
             rows_table(r["rows"], r["staged"], r["chunk_bytes"]),
             "",
             "D2H, H2D: the whole message copied one way, pinned host memory on a GPU; host "

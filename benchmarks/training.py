@@ -1,6 +1,6 @@
 """Training-step benchmark: FSDP2 (shard_model, plain fully_shard, hybrid) and DDP, smddp vs gloo.
 
-    python -m torch_sagemaker.bench training [--nprocs 2] [--steps 4] [--repeat 3] [--plot x.png]
+    python -m benchmarks training [--nprocs 2] [--steps 4] [--repeat 3] [--plot x.png]
 
 A Llama of about 50M parameters (hidden 512, 8 layers, vocab 32000, sequence 256) is trained
 for a few steps in each mode on each backend; every number is the median over the timed
@@ -29,7 +29,7 @@ from datetime import timedelta
 import torch
 import torch.multiprocessing as mp
 
-from torch_sagemaker.bench import comma_list, end_rank, run_ranks, set_rank_environment
+from benchmarks import comma_list, end_rank, run_ranks, set_rank_environment
 
 MODES = ("fsdp2_full", "fsdp2_plain", "fsdp2_hybrid", "ddp", "fsdp2_plain_staged")
 # fsdp2_plain_staged: the plain script with the pool turned off again, i.e. what such a
@@ -286,7 +286,7 @@ def _positive(text: str) -> int:
 def parser() -> argparse.ArgumentParser:
     """The benchmark's arguments."""
     p = argparse.ArgumentParser(
-        prog="python -m torch_sagemaker.bench training",
+        prog="python -m benchmarks training",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

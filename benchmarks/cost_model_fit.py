@@ -2,7 +2,8 @@
 
 The measured points (which algorithm ran, on which layout, how fast), the per-byte costs
 read off their timelines, the end-to-end fit, and the error the model claims on the
-recorded runs (tests/data/multihost). Note [Cost model] in cost_model.py says how.
+recorded runs (tests/data/multihost). Note [Cost model] in
+torch_sagemaker/planner/cost_model.py says how.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import math
 import statistics
 from collections.abc import Callable, Iterable
 
-from torch_sagemaker.bench import cost_model as cm
-from torch_sagemaker.bench.bare_tcp import BARE_TCP
-from torch_sagemaker.bench.netns import BURST_BYTES
+from tools.bare_tcp import BARE_TCP
+from tools.netns import BURST_BYTES
+from torch_sagemaker.planner import cost_model as cm
 
 # The largest relative error the model claims on the recorded points (tests/data/multihost,
 # tests/unit/test_cost_model.py). The target is 15% on every point, and it holds for every

@@ -1,7 +1,7 @@
 """What a rank actually holds, counted the way the memory model predicts it.
 
 The validation of the memory model (tests/distributed/test_planner_memory.py and
-``python -m torch_sagemaker.planner validate``) compares the planner's predictions with
+``python -m benchmarks planner``) compares the planner's predictions with
 these counts, taken on a real training step:
 
 - ``census``: the bytes of the storages behind the parameters, gradients and optimizer

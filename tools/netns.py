@@ -11,7 +11,7 @@ control is its own (``--congestion``; Note [Simulated hosts run cubic]). Nothing
 outside 10.9.0.0/24 and loopback, and a private /etc/hosts (a bind mount in the switch's
 own mount namespace) names the hosts, so no name lookup reaches the machine's resolver.
 
-    python -m torch_sagemaker.bench.netns --hosts 2 --rate 2gbit --timeout 60 -- CMD ...
+    python -m tools.netns --hosts 2 --rate 2gbit --timeout 60 -- CMD ...
 
 runs CMD on every host (``{host}`` in CMD becomes the host's index) and must itself run
 inside ``unshare --net --mount`` (``run_hosts`` does that; as a user other than root, with

@@ -74,7 +74,7 @@ def _calibration_rank(
 ) -> None:
     import torch.distributed as dist
 
-    from torch_sagemaker.bench import end_rank, set_rank_environment
+    from benchmarks import end_rank, set_rank_environment
 
     set_rank_environment(rank, world, port)
     torch.set_num_threads(1)
@@ -96,7 +96,7 @@ def _calibration_rank(
 
 def calibrate(nprocs: int, spec: ModelSpec, tokens: int) -> dict[str, float]:
     """The slowest of ``nprocs`` concurrent processes' rates (module docstring, step 1)."""
-    from torch_sagemaker.bench import run_ranks
+    from benchmarks import run_ranks
 
     return run_ranks(_calibration_rank, nprocs, gemm_shapes(spec, tokens), param_shapes(spec))[0]
 

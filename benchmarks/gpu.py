@@ -1,4 +1,4 @@
-"""``python -m torch_sagemaker.bench gpu``: smddp's staged all-reduce against its own bound.
+"""``python -m benchmarks gpu``: smddp's staged all-reduce against its own bound.
 
 Prints, from ranks spawned on this host (several may share one GPU):
 
@@ -34,9 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_sagemaker.bench import comma_list, run_ranks, set_rank_environment
-from torch_sagemaker.bench.collectives import parse_size
-from torch_sagemaker.bench.gpu_report import STAGES, report
+from benchmarks import comma_list, run_ranks, set_rank_environment
+from benchmarks.collectives import parse_size
+from benchmarks.gpu_report import STAGES, report
 
 DEFAULT_SIZES = "64K,1M,4M,16M,64M,256M"
 COPY_SIZES = (1 << 20, 16 << 20, 256 << 20)
@@ -44,7 +44,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m torch_sagemaker.bench gpu", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks gpu", description=__doc__)
     p.add_argument(
         "--device",
         choices=("cuda", "cpu"),

@@ -257,9 +257,9 @@ def run_case(case: MemoryCase) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     import torch_sagemaker as tsm
+    from benchmarks.planner import measure
     from torch_sagemaker.moe.moe_config import MoEConfig
     from torch_sagemaker.offload import get_stats
-    from torch_sagemaker.planner import measure
     from torch_sagemaker.planner.model import describe
     from torch_sagemaker.policies import lookup_policy
 

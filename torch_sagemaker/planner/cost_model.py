@@ -1,9 +1,12 @@
-"""A latency-bandwidth cost model of collectives between hosts, fitted on ``bench multihost``.
+"""A latency-bandwidth cost model of collectives between hosts; the planner prices with it.
 
-    python -m torch_sagemaker.bench multihost --fit tests/data/multihost/*.json \
+Its costs are fitted on ``bench multihost`` rows by the benchmarks of a checkout
+(``benchmarks/cost_model_fit.py``, ``benchmarks/cost_model_report.py``):
+
+    python -m benchmarks multihost --fit tests/data/multihost/*.json \
         [--predict-rate 100gbit --predict-nics 4 --predict-ranks 8] [--plot FILE.png]
 
-It fits per-layer costs (the NIC, the CPU's work per byte and per message, the reduction,
+which fits per-layer costs (the NIC, the CPU's work per byte and per message, the reduction,
 the shared-memory steps) on measured rows, prints its error on every measured point, and
 predicts time and busbw of the full mesh, a ring, recursive halving/doubling and a tree
 for 8 to 1024 hosts, with the algorithm it would pick at each scale and size.
@@ -72,8 +75,8 @@ from typing import NamedTuple
 # show, and both are far from a ring's time). Each row says which algorithm ran (the
 # bench's ``algorithm``); with several runs, each point's fastest run counts: the machine's
 # other work only adds time. A latency the fit drives to nothing is not resolved by the
-# runs (cost_model_fit.unresolved(): other terms explained the times), and predictions take it from
-# --predict-latency / --predict-message instead.
+# runs (benchmarks/cost_model_fit.py:unresolved(): other terms explained the times), and
+# predictions take it from --predict-latency / --predict-message instead.
 #
 # What it leaves out: incast and the switch beyond the flow skew and latency (H-1 senders
 # into one port at once; the simulated switch has deep queues and dropped nothing up to 8

@@ -1,7 +1,7 @@
 """What ``bench multihost --model`` and ``--fit`` print and draw.
 
 The cost model's fitted costs, its error on every measured point, its predictions and
-their plot (Note [Cost model] in cost_model.py).
+their plot (Note [Cost model] in torch_sagemaker/planner/cost_model.py).
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import argparse
 import dataclasses
 import statistics
 
-from torch_sagemaker.bench import cost_model, cost_model_fit, netns
+from benchmarks import cost_model_fit
+from tools import netns
+from torch_sagemaker.planner import cost_model
 
 
 def model_report(runs: list[dict], args: argparse.Namespace) -> int:
@@ -19,7 +21,7 @@ def model_report(runs: list[dict], args: argparse.Namespace) -> int:
     Returns:
         0, or 1 where a measured point is off by more than cost_model_fit.error_bound.
     """
-    from torch_sagemaker.bench.collectives import parse_size
+    from benchmarks.collectives import parse_size
 
     pts = cost_model_fit.points(runs)
     costs = cost_model_fit.fit(pts)
@@ -112,7 +114,7 @@ def plot(
 
 
 def _size(n: float) -> str:
-    from torch_sagemaker.bench.collectives_report import format_size
+    from benchmarks.collectives_report import format_size
 
     return format_size(int(n))
 

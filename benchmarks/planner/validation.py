@@ -1,4 +1,4 @@
-"""``python -m torch_sagemaker.planner validate {memory,time,public}``: the validation tables.
+"""``python -m benchmarks planner {memory,time,public}``: the planner's validation tables.
 
 - ``memory``: every case of ``validation_memory.CASES`` on 4 spawned CPU ranks; model state
   must match to the byte, saved activations within 10%. Prints the table.
@@ -22,8 +22,9 @@ import sys
 from datetime import timedelta
 from typing import Any
 
-from torch_sagemaker.planner import validation_memory as vm
-from torch_sagemaker.planner import validation_time as vt
+from benchmarks import cost_model_fit
+from benchmarks.planner import validation_memory as vm
+from benchmarks.planner import validation_time as vt
 
 #: Where the recorded ``bench multihost`` runs the collective costs are fitted on live.
 MULTIHOST_RUNS = os.path.join("tests", "data", "multihost", "*.json")
@@ -33,7 +34,7 @@ def _memory_rank(rank: int, world: int, port: int, queue: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from torch_sagemaker.bench import end_rank, set_rank_environment
+    from benchmarks import end_rank, set_rank_environment
 
     set_rank_environment(rank, world, port, "ERROR")
     torch.set_num_threads(1)
@@ -48,7 +49,7 @@ def _memory_rank(rank: int, world: int, port: int, queue: Any) -> None:
 
 def validate_memory() -> int:
     """Runs the memory cases on 4 ranks and prints the table; 1 if a case is off."""
-    from torch_sagemaker.bench import run_ranks
+    from benchmarks import run_ranks
 
     per_rank = run_ranks(_memory_rank, 4)[0]
     verdicts = [vm.compare(case, [r[i] for r in per_rank]) for i, case in enumerate(vm.CASES)]
@@ -75,7 +76,7 @@ def validate_time(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    record = vt.run(args, vt.comm.fitted_costs(runs))
+    record = vt.run(args, cost_model_fit.fit(cost_model_fit.points(runs)))
     print(
         f"load average before {record['load_average']['before']}, after "
         f"{record['load_average']['after']} on {record['cores']} cores"
@@ -94,7 +95,7 @@ def validate_time(args: argparse.Namespace) -> int:
 
 def validate_public() -> int:
     """Prints the published configurations' table; 1 if one is invalid or does not fit."""
-    from torch_sagemaker.planner import public_configs
+    from benchmarks.planner import public_configs
 
     rows = public_configs.evaluate_all()
     print(public_configs.table(rows))
@@ -102,9 +103,9 @@ def validate_public() -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``validate`` command's arguments."""
+    """``python -m benchmarks planner``'s arguments."""
     p = argparse.ArgumentParser(
-        prog="python -m torch_sagemaker.planner validate",
+        prog="python -m benchmarks planner",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,5 +1,7 @@
-"""Benchmarks: ``python -m torch_sagemaker.bench <name> [options]``.
+"""Benchmarks: ``python -m benchmarks <name> [options]``, run from a checkout.
 
+This package is not installed with the library (the wheel holds ``torch_sagemaker`` only);
+the simulated hosts, the S3 server and the peers it measures against live in ``tools/``.
 Each benchmark is a module of this package with a ``main(argv)`` function; the
 dispatcher in ``__main__`` imports it only when asked for, so one benchmark's
 dependencies never slow down or break another.
@@ -23,37 +25,41 @@ import torch.multiprocessing as mp
 # name -> (module, one-line description). Add a benchmark by adding a line here.
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "collectives": (
-        "torch_sagemaker.bench.collectives",
+        "benchmarks.collectives",
         "nccl-tests style sweep of the smddp and gloo collectives",
     ),
     "training": (
-        "torch_sagemaker.bench.training",
+        "benchmarks.training",
         "training-step time: FSDP2 and DDP over smddp and gloo",
     ),
-    "offload": ("torch_sagemaker.bench.offload", "activation offload step times"),
+    "offload": ("benchmarks.offload", "activation offload step times"),
     "moe": (
-        "torch_sagemaker.bench.moe",
+        "benchmarks.moe",
         "expert parallelism: Mixtral ep 1 vs ep 2/4, both dispatchers",
     ),
     "context_parallel": (
-        "torch_sagemaker.bench.context_parallel",
+        "benchmarks.context_parallel",
         "context parallelism: tokens/s, activation memory, exposed communication",
     ),
     "gpu": (
-        "torch_sagemaker.bench.gpu",
+        "benchmarks.gpu",
         "smddp on CUDA tensors: staged all_reduce vs its bound, bf16, --timeline, kernels",
     ),
     "fp8": (
-        "torch_sagemaker.bench.fp8",
+        "benchmarks.fp8",
         "FP8 vs bf16 matmul and linear-layer time (example model, 4096-wide layer)",
     ),
     "checkpoint": (
-        "torch_sagemaker.bench.checkpoint",
+        "benchmarks.checkpoint",
         "checkpoint save/load with and without checksums",
     ),
     "multihost": (
-        "torch_sagemaker.bench.multihost",
+        "benchmarks.multihost",
         "smddp and gloo between simulated hosts, against the NIC's rate",
+    ),
+    "planner": (
+        "benchmarks.planner.validation",
+        "the planner's memory and time predictions against this machine, published configs",
     ),
 }
 

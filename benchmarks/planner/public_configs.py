@@ -3,7 +3,7 @@
 Each entry is a configuration as its source states it: the model's shape, the instances, the
 SMP degrees, checkpointing and offloading, the per-rank batch and the sequence length. The
 planner must find each valid (the library's own checks) and within device memory;
-``python -m torch_sagemaker.planner validate public`` prints the table of docs/planner.md and
+``python -m benchmarks planner public`` prints the table of docs/planner.md and
 tests/unit/test_planner.py checks the verdicts.
 
 Sources (reference/smp_api.md has the keys):
@@ -256,7 +256,7 @@ def _spec(model: tuple[tuple[str, Any], ...]) -> Any:
     """The meta-device ``ModelSpec`` of a Llama config, built once per shape."""
     from transformers import LlamaConfig
 
-    from torch_sagemaker.planner.validation_time import meta_spec
+    from benchmarks.planner.validation_time import meta_spec
 
     if model not in _SPECS:
         _SPECS[model] = meta_spec(LlamaConfig(**dict(model)))

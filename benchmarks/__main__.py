@@ -1,17 +1,17 @@
-"""``python -m torch_sagemaker.bench <benchmark> [options]`` (``--help`` lists them)."""
+"""``python -m benchmarks <benchmark> [options]`` (``--help`` lists them)."""
 
 from __future__ import annotations
 
 import importlib
 import sys
 
-from torch_sagemaker.bench import BENCHMARKS
+from benchmarks import BENCHMARKS
 
 
 def _usage() -> str:
-    lines = ["usage: python -m torch_sagemaker.bench <benchmark> [options]", "", "benchmarks:"]
+    lines = ["usage: python -m benchmarks <benchmark> [options]", "", "benchmarks:"]
     lines += [f"  {name:<12} {desc}" for name, (_mod, desc) in BENCHMARKS.items()]
-    lines.append("\n`python -m torch_sagemaker.bench <benchmark> --help` shows its options.")
+    lines.append("\n`python -m benchmarks <benchmark> --help` shows its options.")
     return "\n".join(lines)
 
 
