@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="what", required=True)
-    sub.add_parser("memory", help="model state exact, activations within 10%, on 4 CPU ranks")
+    sub.add_parser("memory", help="model state exact, activations within 10%%, on 4 CPU ranks")
     sub.add_parser("public", help="the published SMP and HyperPod configurations")
     t = sub.add_parser("time", help="calibrate, measure, compare step times")
     t.add_argument("--runs", type=int, default=3, help="passes of each measurement")

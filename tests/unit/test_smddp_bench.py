@@ -24,6 +24,16 @@ def test_dispatcher_reports_a_missing_module(monkeypatch, capsys):
     assert "benchmarks.ghost_module is missing" in capsys.readouterr().err
 
 
+def test_every_benchmark_prints_its_help(capsys):
+    """Each registered module imports from the checkout and parses ``--help`` (the planner's
+    validation is one: ``python -m benchmarks planner``)."""
+    for name in BENCHMARKS:
+        with pytest.raises(SystemExit) as e:
+            bench_main.main([name, "--help"])
+        assert e.value.code == 0, name
+        assert "usage:" in capsys.readouterr().out, name
+
+
 @pytest.mark.parametrize(
     "text, value",
     [("8", 8), ("64K", 65536), ("1M", 1 << 20), ("256MB", 256 << 20), ("1g", 1 << 30)],
