@@ -13,10 +13,9 @@ from __future__ import annotations
 import subprocess
 
 # The helpers that run inside each simulated host (slurm_cluster, netns_mpirun) import this
-# module for the names below; importing tools.netns (standard library only)
-# would import the torch_sagemaker package first, and torch with it: seconds of CPU per host
-# per job on a 2-core machine. So netns is imported only where it is used, and its address
-# pattern is repeated here and compared with it on every run.
+# module for the names below and need nothing else. netns is imported only where it is used
+# (when it lived in the torch_sagemaker package, importing it cost each host seconds of CPU
+# for torch), and its address pattern is repeated here and compared with it on every run.
 HOST_ADDRESS = "10.9.0.{}"
 HOST_NAME = "smddp-host-{}"
 

@@ -303,9 +303,12 @@ def environment_reads(
 
 
 def package_environment_reads() -> tuple[dict[str, set[str]], list[str]]:
+    """What the library reads, and the benchmarks and lab tools of the checkout (the page
+    documents theirs too)."""
     reads: dict[str, set[str]] = {}
     unresolved: list[str] = []
-    for file in sorted(PACKAGE.rglob("*.py")):
+    files = [f for d in (PACKAGE, ROOT / "benchmarks", ROOT / "tools") for f in d.rglob("*.py")]
+    for file in sorted(files):
         path = file.relative_to(ROOT).as_posix()
         environment_reads(file.read_text(encoding="utf-8"), path, reads, unresolved)
     return reads, unresolved
