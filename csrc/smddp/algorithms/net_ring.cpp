@@ -45,7 +45,7 @@
 // lag, as far as measured: in the mesh each NIC carries H-1 streams each way, which share the link
 // unevenly, so some parts arrive late and an all-reduce's second half, or the call's end, waits for
 // the last (a 4x1 64 MiB mesh all_reduce's ranks finished reducing between 243 and 406 ms); the
-// cost model's flow skew (torch_sagemaker/planner/cost_model.py) puts 1.0% of the NIC time on each stream beyond one
+// cost model's flow skew (planner/cost_model.py) puts 1.0% of NIC time on each stream beyond one
 // (1.9% on hosts running BBR). (An earlier measurement had the ring no faster: the sockets' fixed
 // buffers then held both back, Note [Kernel-sized socket buffers] in tcp_wire.h.) Beyond 32 hosts
 // auto keeps the mesh, unmeasured here: a ring's 2(H-1) steps put H-1 message latencies on the
