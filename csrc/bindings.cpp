@@ -124,8 +124,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                out.emplace_back(s.seq, s.phase, s.begin_ns, s.end_ns, s.bytes);
              return out;
            })
+      // The same for the phases of staged calls (Note [Staging timeline]): seq is the call's
+      // number among the group's staged calls.
+      .def("_staging_timeline",
+           [](smddp::ProcessGroupSMDDP& pg) {
+             std::vector<std::tuple<uint64_t, std::string, int64_t, int64_t, uint64_t>> out;
+             for (const auto& s : pg.take_staging_timeline())
+               out.emplace_back(s.seq, s.phase, s.begin_ns, s.end_ns, s.bytes);
+             return out;
+           })
       .def("_rejected_connections",
-           [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().rejected_connections(); });
+           [](const smddp::ProcessGroupSMDDP& pg) { return pg.comm().rejected_connections(); })
+      .def("_transport_stats", [](const smddp::ProcessGroupSMDDP& pg) {
+        const smddp::TransportStats t = pg.comm().transport_stats();
+        return std::map<std::string, uint64_t>{{"messages_sent", t.messages_sent},
+                                               {"messages_received", t.messages_received},
+                                               {"send_calls", t.send_calls},
+                                               {"recv_calls", t.recv_calls},
+                                               {"polls", t.polls},
+                                               {"bytes_received", t.bytes_received},
+                                               {"stashed_bytes", t.stashed_bytes}};
+      });
 
   // The store wait inside runs without the GIL so other Python threads keep running.
   m.def("create_backend", &create_backend, py::arg("dist_backend_opts"), py::arg("pg_options"),

@@ -2,18 +2,23 @@
 
 Run from the repository root with the Python that holds the machine's torch (on a GPU
 machine without a virtual environment: ``python3 scripts/gpu_check.py``). The steps run in
-order; one that fails or times out does not stop the later ones:
+order within ``--budget`` seconds; one that fails or times out does not stop the later ones,
+and one that hangs does not take their time (Note [Step time limits]):
 
 1. versions: Python, torch, CUDA, the GPU, transformers, accelerate, and ``nvidia-smi``;
 2. build: the extension against this torch (``pip install -e`` the first time, then an
    incremental ``build_ext --inplace``), and ``import torch.sagemaker``;
 3. the GPU tests, one step per file of tests/gpu (smddp on CUDA tensors, the offloader's CUDA
    path, FSDP1/FSDP2/TP parity on CUDA, the example script, Transformer Engine, FP8 layers);
-4. ``bench gpu``: copy bandwidth, staged all_reduce (pinned, pool) against NCCL or the copy
-   floor, kernels per staged all_reduce; ``bench fp8``: FP8 against bf16 matrix products and
-   linear layers for the example model's shapes and a 4096-wide layer; the FP8 CPU tests
-   (bit-exact emulation) on this machine's torch;
-5. the CPU tests of the staging code and of the backend choice, on this machine's torch.
+4. ``bench gpu``: copy bandwidth, staged all_reduce (pinned, pool; float32 and bfloat16)
+   against its stages' bounds (pipelined, serial), NCCL or the copy floor, kernels per staged
+   all_reduce;
+5. ``bench gpu --timeline``: where one call's time goes, per rank, with 2 ranks and with 1
+   (Note [Staging timeline] in csrc/smddp/backend/device_staging.h);
+6. ``bench fp8``: FP8 against bf16 matrix products and linear layers for the example model's
+   shapes and a 4096-wide layer; the FP8 CPU tests (bit-exact emulation) on this machine's torch;
+7. the CPU tests of the staging code (with ``bench gpu --device cpu``, its rehearsal through
+   the staging seam) and of the backend choice, on this machine's torch.
 
 Without CUDA every CUDA step is skipped with its reason (a rehearsal: it checks the script,
 the build and the collection of the GPU tests). The report (``report.md``, ``report.json``)
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -32,11 +38,55 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
+_clock = time.monotonic  # every time limit reads this clock (a test gives it a fake one)
+
+# The GPU tests, one step per file: name, file, what it checks, cap in seconds.
+GPU_TESTS = (
+    (
+        "smddp_cuda",
+        "tests/gpu/test_smddp_cuda.py",
+        "smddp on CUDA tensors (2 ranks), stream ordering, profiler, DDP/FSDP2, the staging "
+        "timeline, pinned vs pool waits, out-only ordering, bf16",
+        180,
+    ),
+    ("offload_cuda", "tests/gpu/test_offload_cuda.py", "offloader's CUDA path", 150),
+    (
+        "parallel_cuda",
+        "tests/gpu/test_parallel_cuda.py",
+        "FSDP1 (SMP's call) and FSDP2 bf16, TP over DTensor, against one process",
+        240,
+    ),
+    ("example_cuda", "tests/gpu/test_example_cuda.py", "examples/train.py on 2 ranks", 180),
+    ("te_cuda", "tests/gpu/test_te_backend.py", "Transformer Engine TP backend", 120),
+    (
+        "fp8_cuda",
+        "tests/gpu/test_fp8_cuda.py",
+        "FP8 linear layers on the device against the CPU emulation",
+        150,
+    ),
+)
+BENCH_GPU = ["-m", "torch_sagemaker.bench", "gpu"]
+# bench gpu --timeline, float32: 2 ranks sharing the GPU without the table, then 1 alone
+# with a short table (its stages and bounds without a peer).
+TIMELINE_ARGS = ["--timeline", "--dtypes", "float32", "--iters", "10"]
+TIMELINE_RUNS = (
+    ["--nprocs", "2", "--no-table", "--timeline-sizes", "64K,16M"],
+    ["--nprocs", "1", "--sizes", "64K,1M,16M", "--timeline-sizes", "64K"],
+)
+BENCH_FP8 = ["-m", "torch_sagemaker.bench", "fp8", "--iters", "20"]
+CPU_STAGING_TESTS = [
+    "tests/distributed/test_smddp_staging.py",
+    "tests/distributed/test_bench_gpu.py",
+    "tests/unit/test_gpu_bench_report.py",
+    "tests/unit/test_gpu_backend_choice.py",
+    "tests/unit/test_extension_build.py",
+]
 
 VERSIONS = r"""
 import platform, torch
@@ -181,6 +231,7 @@ def _junit_outcomes(path: Path) -> dict[str, str]:
 def _pytest_step(step: Step, paths: list[str], timeout: float, log, work: Path) -> None:
     """Runs pytest on ``paths`` and records the outcome of each test."""
     xml = work / f"{step.name}.xml"
+    xml.unlink(missing_ok=True)  # a run killed before writing it must not read an older one
     rc, out = _run(
         [PY, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", f"--junitxml={xml}", *paths],
         timeout,
@@ -202,193 +253,242 @@ def _pytest_step(step: Step, paths: list[str], timeout: float, log, work: Path) 
         step.status = "failed"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs the steps and writes the report; returns 1 if any step failed or timed out."""
+# Note [Step time limits]
+# The check must fit one command of the device tool (600 s) with its report, so it runs
+# within --budget (570 s). Each step has a cap (the most it may take) and a floor (the least
+# worth running it with). A step's limit is its cap, cut so that the steps after it that will
+# run keep their floors, but never below its own floor; with less than its floor left it is
+# skipped. So a step that hangs until its limit cannot take the later steps' time: each later
+# step still runs, with at least its floor. The build reserves nothing: no later step can run
+# without it. A step's commands share its limit (``limit`` cuts each to what is left of it).
+# tests/unit/test_gpu_check.py checks this with a fake clock.
+
+
+@dataclass
+class Plan:
+    """A step to run and its time (Note [Step time limits]).
+
+    ``body(step, limit)`` fills ``step``; ``limit(s)`` cuts ``s`` seconds to what is left of
+    the step's time (all of it without ``s``).
+    """
+
+    name: str
+    what: str
+    body: Callable[[Step, Callable[[float], float]], None]
+    cap: float
+    floor: float = 20
+    needs_cuda: bool = False
+    needs_build: bool = True
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "outputs" / "gpu-check"))
+    p.add_argument("--work", default=str(ROOT / "build" / "gpu-check"), help=argparse.SUPPRESS)
     p.add_argument("--bench-sizes", default="64K,1M,4M,16M,64M")
     p.add_argument("--skip", default="", help="comma-separated step names to leave out")
     p.add_argument(
         "--budget",
         type=float,
         default=570,
-        help="seconds for the whole check: each step's timeout is cut to what is left, and a "
-        "step with under 20 s left is skipped (the device tool allows 600 s a command)",
+        help="seconds for the whole check (the device tool allows 600 s a command): each "
+        "step's limit is cut so that the later steps keep their floors (Note [Step time limits])",
     )
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def _plans(args: argparse.Namespace, log, work: Path) -> list[Plan]:
+    """Every step of the check, in order (the module's docstring says what each one is)."""
+
+    def versions(s: Step, limit) -> None:
+        rc, text = _run([PY, "-c", VERSIONS], limit(120), log)
+        _, flags = _run([PY, "-c", BUILD_ENV], limit(60), log)
+        text += flags
+        _, shm = _run(["df", "-h", "/dev/shm"], limit(30), log)  # smddp's segments
+        text += shm
+        if shutil.which("nvidia-smi"):
+            _, smi = _run(["nvidia-smi"], limit(60), log)
+            text += smi
+        else:
+            text += "nvidia-smi: not on PATH\n"
+        s.status = "passed" if rc == 0 else "failed"
+        s.detail = text.strip()
+
+    def build(s: Step, limit) -> None:
+        notes = []
+        rc, _ = _run([PY, "-c", IMPORTS], limit(300), log)
+        if rc != 0:  # not installed yet: one editable install compiles and adds the alias
+            rc, text = _run(PIP_EDITABLE, limit(900), log)
+            if rc != 0 and PRIVATE_LIBSTDCXX in text and "CXX" in os.environ:
+                # Note [One libstdc++] in setup.py: this machine's CXX links its own
+                # libstdc++; the interpreter's default compiler is the one torch matches.
+                notes.append(f"CXX={os.environ['CXX']} links a private libstdc++; used the default")
+                for key in ("CC", "CXX"):
+                    os.environ.pop(key, None)
+                rc, text = _run(PIP_EDITABLE, limit(900), log)
+            if rc != 0:  # a read-only environment: build in place, alias by sitecustomize
+                _alias_without_install(work)
+                notes.append("pip install -e failed; built in place with PYTHONPATH")
+        # Incremental: recompiles only what csrc/ changed since the last build.
+        rc, text = _run([PY, "setup.py", "-q", "build_ext", "--inplace"], limit(900), log)
+        if rc != 0:
+            s.status, s.detail = "failed", "build_ext failed:\n" + text[-3000:]
+            return
+        rc, text = _run([PY, "-c", IMPORTS], limit(300), log)
+        s.status = "passed" if rc == 0 else "failed"
+        last = text.strip().splitlines()[-1] if text.strip() else ""
+        s.detail = "; ".join([last, *notes])
+
+    def tests(paths: list[str]):
+        return lambda s, limit: _pytest_step(s, paths, limit(), log, work)
+
+    def command(argv: list[str], keep: int):
+        def body(s: Step, limit) -> None:
+            rc, text = _run([PY, *argv], limit(), log)
+            s.status = "passed" if rc == 0 else ("timed out" if rc is None else "failed")
+            s.detail = text.strip()[-keep:]
+
+        return body
+
+    def timeline(s: Step, limit) -> None:
+        # 2 ranks sharing the GPU, then 1 alone (no peer to wait for, no second process on
+        # the GPU): what differs is what sharing costs (docs/gpu.md, the hypotheses).
+        texts, rcs = [], []
+        for extra in TIMELINE_RUNS:
+            if limit() < 10:  # the step's time is spent (Note [Step time limits])
+                texts.append(f"$ bench gpu {' '.join(extra)}: not run, out of time")
+                break
+            rc, text = _run([PY, *BENCH_GPU, *TIMELINE_ARGS, *extra], limit(150), log)
+            rcs.append(rc)
+            texts.append(f"$ bench gpu {' '.join(extra)}: rc {rc}\n{text.strip()}")
+        failed = "timed out" if None in rcs else "failed"
+        s.status = "passed" if all(rc == 0 for rc in rcs) else failed
+        s.detail = "\n\n".join(texts)[-12000:]
+
+    plans = [
+        Plan("versions", "versions and nvidia-smi", versions, 120, needs_build=False),
+        Plan(
+            "build",
+            "the extension against this torch; import torch.sagemaker",
+            build,
+            900,
+            needs_build=False,
+        ),
+    ]
+    plans += [Plan(name, what, tests([path]), cap) for name, path, what, cap in GPU_TESTS]
+    bench_sizes = ["--sizes", args.bench_sizes, "--iters", "20"]
+    plans += [
+        Plan(
+            "bench_gpu",
+            "bench gpu: bandwidth, staged all_reduce (float32, bfloat16) against its bounds, "
+            "kernels",
+            command([*BENCH_GPU, "--nprocs", "2", *bench_sizes], 12000),
+            240,
+            floor=60,
+            needs_cuda=True,
+        ),
+        Plan(
+            "gpu_timeline",
+            "bench gpu --timeline: one call's phases, 2 ranks and 1",
+            timeline,
+            200,
+            floor=60,
+            needs_cuda=True,
+        ),
+        Plan(
+            "bench_fp8",
+            "bench fp8: FP8 vs bf16 matmul and linear time, example model and 4096-wide layer",
+            command(BENCH_FP8, 6000),
+            180,
+            floor=30,
+            needs_cuda=True,
+        ),
+        Plan(
+            "fp8_cpu",
+            "the FP8 CPU tests (bit-exact emulation) on this machine's torch",
+            tests(["tests/unit/test_fp8_numerics.py"]),
+            120,
+            # The GPU machine's torch is the point; here the suite runs them.
+            needs_cuda=True,
+        ),
+        Plan(
+            "cpu_staging",
+            "CPU tests of the staging code and the backend choice, on this torch",
+            tests(CPU_STAGING_TESTS),
+            300,
+            floor=30,
+        ),
+    ]
+    return plans
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the steps and writes the report; returns 1 if any step failed or timed out."""
+    args = _parse(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    work = ROOT / "build" / "gpu-check"
+    work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     skip = {s for s in args.skip.split(",") if s}
     _use_carried_wheels(work)
     has_cuda, no_cuda = _cuda()
-    started = time.monotonic()
+    started = _clock()
     steps: list[Step] = []
+    built = True
+
+    def why_not(plan: Plan) -> str:
+        """Why ``plan`` will not run ("" while it may), before time is counted."""
+        if plan.name in skip:
+            return "left out with --skip"
+        if plan.needs_cuda and not has_cuda:
+            return no_cuda
+        if plan.needs_build and not built:
+            return "the build step failed"
+        return ""
+
     with open(out / "steps.log", "w") as log:
-
-        def step(name: str, what: str, body, needs_cuda: bool = False) -> None:
-            s = Step(name, what)
+        plans = _plans(args, log, work)
+        for i, plan in enumerate(plans):
+            s = Step(plan.name, plan.what)
             steps.append(s)
-            log.write(f"\n===== {name}: {what}\n")
-            if name in skip:
-                s.status, s.detail = "skipped", "left out with --skip"
-                return
-            if needs_cuda and not has_cuda:
-                s.status, s.detail = "skipped", no_cuda
-                return
-            if left() < 20:
+            log.write(f"\n===== {plan.name}: {plan.what}\n")
+            left = args.budget - (_clock() - started)
+            reserve = 0.0
+            if plan.name != "build":  # Note [Step time limits]
+                reserve = sum(p.floor for p in plans[i + 1 :] if not why_not(p))
+            seconds = max(plan.floor, min(plan.cap, left - reserve))
+            if why_not(plan):
+                s.status, s.detail = "skipped", why_not(plan)
+            elif left < plan.floor:
                 s.status, s.detail = "skipped", f"out of time (--budget {args.budget:.0f} s)"
-                return
-            t0 = time.monotonic()
-            try:
-                body(s)
-            except Exception as e:  # a broken step must not stop the others
-                s.status, s.detail = "failed", f"{type(e).__name__}: {e}"
-            s.seconds = time.monotonic() - t0
-            first = s.detail.splitlines()[0] if s.detail else ""
-            print(f"[gpu-check] {name}: {s.status} ({s.seconds:.0f} s) {first}", flush=True)
-            # Written after every step: a check killed at its limit still leaves a report.
-            _write_report(out, steps, time.monotonic() - started, has_cuda)
-
-        def left() -> float:
-            return args.budget - (time.monotonic() - started)
-
-        def limit(seconds: float) -> float:
-            return max(1.0, min(seconds, left()))
-
-        def versions(s: Step) -> None:
-            rc, text = _run([PY, "-c", VERSIONS], limit(120), log)
-            _, flags = _run([PY, "-c", BUILD_ENV], limit(60), log)
-            text += flags
-            _, shm = _run(["df", "-h", "/dev/shm"], limit(30), log)  # smddp's segments
-            text += shm
-            if shutil.which("nvidia-smi"):
-                _, smi = _run(["nvidia-smi"], 60, log)
-                text += smi
             else:
-                text += "nvidia-smi: not on PATH\n"
-            s.status = "passed" if rc == 0 else "failed"
-            s.detail = text.strip()
-
-        def build(s: Step) -> None:
-            notes = []
-            rc, _ = _run([PY, "-c", IMPORTS], limit(300), log)
-            if rc != 0:  # not installed yet: one editable install compiles and adds the alias
-                rc, text = _run(PIP_EDITABLE, limit(900), log)
-                if rc != 0 and PRIVATE_LIBSTDCXX in text and "CXX" in os.environ:
-                    # Note [One libstdc++] in setup.py: this machine's CXX links its own
-                    # libstdc++; the interpreter's default compiler is the one torch matches.
-                    notes.append(
-                        f"CXX={os.environ['CXX']} links a private libstdc++; used the default"
-                    )
-                    for key in ("CC", "CXX"):
-                        os.environ.pop(key, None)
-                    rc, text = _run(PIP_EDITABLE, limit(900), log)
-                if rc != 0:  # a read-only environment: build in place, alias by sitecustomize
-                    _alias_without_install(work)
-                    notes.append("pip install -e failed; built in place with PYTHONPATH")
-            # Incremental: recompiles only what csrc/ changed since the last build.
-            rc, text = _run([PY, "setup.py", "-q", "build_ext", "--inplace"], limit(900), log)
-            if rc != 0:
-                s.status, s.detail = "failed", "build_ext failed:\n" + text[-3000:]
-                return
-            rc, text = _run([PY, "-c", IMPORTS], limit(300), log)
-            s.status = "passed" if rc == 0 else "failed"
-            last = text.strip().splitlines()[-1] if text.strip() else ""
-            s.detail = "; ".join([last, *notes])
-
-        def tests(paths: list[str], timeout: float):
-            return lambda s: _pytest_step(s, paths, limit(timeout), log, work)
-
-        def bench(s: Step) -> None:
-            rc, text = _run(
-                [
-                    PY,
-                    "-m",
-                    "torch_sagemaker.bench",
-                    "gpu",
-                    "--nprocs",
-                    "2",
-                    "--sizes",
-                    args.bench_sizes,
-                    "--iters",
-                    "20",
-                ],
-                limit(300),
-                log,
-            )
-            s.status = "passed" if rc == 0 else ("timed out" if rc is None else "failed")
-            s.detail = text.strip()[-6000:]
-
-        step("versions", "versions and nvidia-smi", versions)
-        step("build", "the extension against this torch; import torch.sagemaker", build)
-        built = steps[-1].status == "passed"
-        for name, path, what, timeout in (
-            (
-                "smddp_cuda",
-                "tests/gpu/test_smddp_cuda.py",
-                "smddp on CUDA tensors (2 ranks), stream ordering, profiler, DDP/FSDP2",
-                180,
-            ),
-            ("offload_cuda", "tests/gpu/test_offload_cuda.py", "offloader's CUDA path", 150),
-            (
-                "parallel_cuda",
-                "tests/gpu/test_parallel_cuda.py",
-                "FSDP1 (SMP's call) and FSDP2 bf16, TP over DTensor, against one process",
-                240,
-            ),
-            ("example_cuda", "tests/gpu/test_example_cuda.py", "examples/train.py on 2 ranks", 180),
-            ("te_cuda", "tests/gpu/test_te_backend.py", "Transformer Engine TP backend", 120),
-            (
-                "fp8_cuda",
-                "tests/gpu/test_fp8_cuda.py",
-                "FP8 linear layers on the device against the CPU emulation",
-                150,
-            ),
-        ):
-            if not built:
-                steps.append(Step(name, what, "skipped", detail="the build step failed"))
-                continue
-            step(name, what, tests([path], timeout))
-
-        def bench_fp8(s: Step) -> None:
-            rc, text = _run(
-                [PY, "-m", "torch_sagemaker.bench", "fp8", "--iters", "20"], limit(240), log
-            )
-            s.status = "passed" if rc == 0 else ("timed out" if rc is None else "failed")
-            s.detail = text.strip()[-6000:]
-
-        step("bench_gpu", "bench gpu: bandwidth, staged all_reduce, kernels", bench, True)
-        step(
-            "bench_fp8",
-            "bench fp8: FP8 vs bf16 matmul and linear time, example model and 4096-wide layer",
-            bench_fp8,
-            True,
-        )
-        step(
-            "fp8_cpu",
-            "the FP8 CPU tests (bit-exact emulation) on this machine's torch",
-            tests(["tests/unit/test_fp8_numerics.py"], 120),
-            True,  # the GPU machine's torch is the point; here the suite runs them
-        )
-        step(
-            "cpu_staging",
-            "CPU tests of the staging code and the backend choice, on this torch",
-            tests(
-                [
-                    "tests/distributed/test_smddp_staging.py",
-                    "tests/unit/test_gpu_backend_choice.py",
-                    "tests/unit/test_extension_build.py",
-                ],
-                300,
-            ),
-        )
-    total = time.monotonic() - started
+                _run_step(plan, s, min(seconds, left))
+                first = s.detail.splitlines()[0] if s.detail else ""
+                print(f"[gpu-check] {s.name}: {s.status} ({s.seconds:.0f} s) {first}", flush=True)
+            if plan.name == "build":
+                built = s.status == "passed"
+            # Written after every step: a check killed at its limit still leaves a report.
+            _write_report(out, steps, _clock() - started, has_cuda)
+    total = _clock() - started
     _write_report(out, steps, total, has_cuda)
     bad = [s.name for s in steps if s.status in ("failed", "timed out")]
     print(f"[gpu-check] {len(steps)} steps in {total:.0f} s; failed: {bad or 'none'}; report {out}")
     return 1 if bad else 0
+
+
+def _run_step(plan: Plan, s: Step, seconds: float) -> None:
+    """Runs ``plan``'s body into ``s`` within ``seconds``; an exception fails the step only."""
+    t0 = _clock()
+    deadline = t0 + seconds
+
+    def limit(want: float = math.inf) -> float:
+        return max(1.0, min(want, deadline - _clock()))
+
+    try:
+        plan.body(s, limit)
+    except Exception as e:  # a broken step must not stop the others
+        s.status, s.detail = "failed", f"{type(e).__name__}: {e}"
+    s.seconds = _clock() - t0
 
 
 def _write_report(out: Path, steps: list[Step], total: float, has_cuda: bool) -> None:
@@ -407,7 +507,7 @@ def _write_report(out: Path, steps: list[Step], total: float, has_cuda: bool) ->
         if s.tests:
             lines += ["", f"## {s.name}", ""]
             lines += [f"- {outcome}: `{test}`" for test, outcome in s.tests.items()]
-    for name in ("versions", "bench_gpu", "bench_fp8"):
+    for name in ("versions", "bench_gpu", "gpu_timeline", "bench_fp8"):
         s = next((x for x in steps if x.name == name), None)
         if s and s.detail:
             lines += ["", f"## {name}", "", "```", s.detail, "```"]

@@ -65,6 +65,27 @@ def test_results_respect_the_nic_and_the_counters(short_run):
     assert "smddp of bare-tcp" in text and "gloo of bare-tcp" in text
 
 
+def test_each_case_reports_its_cpu_and_smddp_its_messages(short_run):
+    """Note [CPU per byte]: every rank's CPU over the timed calls; smddp's transport counts."""
+    for r in short_run["rows"]:
+        assert len(r["cpu_per_call"]) == 4 and all(c > 0 for c in r["cpu_per_call"]), r
+        assert r["softirq_per_call"] >= 0
+        t = r["transport_per_call"]
+        if r["backend"] != "smddp":
+            assert t is None, r
+            continue
+        # The mesh on 2x2: each rank sends its share of the 4 MiB to the other host in one
+        # or more 256 KiB-or-smaller messages, and receives as many; each takes a send(2).
+        assert t["messages_sent"] >= 4 and t["messages_received"] == t["messages_sent"], r
+        assert t["send_calls"] >= t["messages_sent"] and t["recv_calls"] > 0, r
+        assert 0 <= t["stashed_bytes"] <= t["bytes_received"], r
+        assert t["bytes_received"] >= multihost.min_bytes(r["op"], 2, r["bytes"]) * 2, r
+    text = multihost.cpu_table(short_run["rows"])
+    assert "| layout | dtype | op | size | backend | GB/s | CPU s/GB |" in text
+    assert text.count("\n| 2x2 |") == len(short_run["rows"])
+    assert "| bare-tcp |" in text and "| smddp |" in text
+
+
 def test_half_precision_crosses_hosts_in_its_own_bytes(short_run):
     # Note [Half precision on the wire]: a bf16 reduction sends bf16 partials between hosts,
     # so its NIC carries the bf16 minimum (headers aside), not fp32's twice that.
@@ -112,6 +133,14 @@ def test_timeline_shows_each_phase_inside_its_call(short_run):
     text = multihost.timeline_table(short_run["rows"])
     assert "2x2 smddp (mesh) all_reduce 4 MiB: phases per rank, ms" in text
     assert "| 3 | network |" in text
+
+
+def test_unshaped_runs_have_no_bound():
+    row = {"layout": "2x1", "dtype": "float32", "warmup": 0, "op": "all_reduce"}
+    row |= {"bytes": 1 << 20, "backend": "smddp", "ok": True, "seconds": 0.01}
+    row |= {"tx_per_call": 1 << 20, "drops": 0}
+    line = multihost.table([row], None).splitlines()[2]
+    assert line.startswith("| 2x1 | float32 | 0 | all_reduce | 1 MiB | - | 10.0 | - |"), line
 
 
 def test_arguments_are_checked():

@@ -170,6 +170,35 @@ def _stream_semantics():
     return failures
 
 
+def _out_only_ops_wait_for_the_callers_stream():
+    """Note [Out-only ops wait for the caller's stream]: a non-root broadcast and a receive."""
+    import torch.distributed as dist
+
+    dev = _device()
+    rank = dist.get_rank()
+    n = 8 << 20
+    failures = []
+    for name in ("broadcast", "recv"):
+        t = torch.zeros(n, device=dev)
+        torch.cuda.synchronize()
+        # A late write the caller queued before the collective: the result must land after it.
+        torch.cuda._sleep(200_000_000)
+        t.fill_(-1.0)
+        if rank == 0:
+            src = torch.full((n,), 7.0, device=dev)
+            if name == "broadcast":
+                dist.broadcast(src, src=0)
+            else:
+                dist.send(src, dst=1)
+        elif name == "broadcast":
+            dist.broadcast(t, src=0)
+        elif rank == 1:
+            dist.recv(t, src=0)
+        if rank == 1 and not torch.equal(t.cpu(), torch.full((n,), 7.0)):
+            failures.append(f"{name}: the caller's earlier write landed over the result")
+    return failures
+
+
 def _profile_staged_kernels():
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
@@ -185,6 +214,39 @@ def _profile_staged_kernels():
     copies = [n for n in names if n.startswith("Memcpy")]
     others = sorted({n for n in names if not n.startswith(("Memcpy", "Memset"))})
     return copies, others
+
+
+def _timeline_on_cuda():
+    """A staged call's phases with real streams and events (Note [Staging timeline])."""
+    import torch.distributed as dist
+
+    from tests.distributed.test_smddp_staging import check_staged_call, staged_calls
+    from torch_sagemaker import _C
+    from torch_sagemaker.distributed import SMDDPOptions
+
+    dev = _device()
+    world = dist.get_world_size()
+    n = (4 << 20) // 4 * 2 + 5  # float32: two 4 MiB chunks and 5 elements
+    chunks = [c * 4 for _, c in _C._plan_chunks(n, (4 << 20) // 4)]
+    failures = []
+    # Note [Pinned calls do not wait]: the host waits for the copies of pool buffers only.
+    for memory, pageable in (("pinned", False), ("pool", True)):
+        options = SMDDPOptions(staging_memory=memory, timeline=True)
+        group = dist.new_group(list(range(world)), backend="smddp", pg_options=options)
+        pg = group._get_backend(dev)
+        for _ in range(2):  # the second call is the one checked: streams and buffers exist
+            t = torch.ones(n, device=dev)
+            dist.all_reduce(t, group=group, async_op=True).wait()
+            calls = staged_calls(pg)
+        if not torch.equal(t.cpu(), torch.full((n,), float(world))):
+            failures.append(f"{memory}: wrong result")
+        if len(calls) != 1:
+            failures.append(f"{memory}: {len(calls)} staged calls recorded, want 1")
+            continue
+        (spans,) = calls.values()
+        bad = check_staged_call(spans, chunks, chunks, pageable=pageable)
+        failures.extend(f"{memory}: {b}" for b in bad)
+    return failures
 
 
 def _train(kind: str):
@@ -241,6 +303,11 @@ def test_stream_semantics_before_and_after_the_collective():
         assert not failures, failures
 
 
+def test_out_only_ops_wait_for_the_callers_stream():
+    for failures in run_distributed(_out_only_ops_wait_for_the_callers_stream, backend="smddp"):
+        assert not failures, failures
+
+
 def test_staged_all_reduce_launches_no_kernels_besides_copies():
     for copies, others in run_distributed(_profile_staged_kernels, backend="smddp"):
         assert copies, "the profiler saw no copies at all"
@@ -251,3 +318,16 @@ def test_staged_all_reduce_launches_no_kernels_besides_copies():
 def test_training_on_cuda_over_smddp_matches_one_process(kind):
     for diff in run_distributed(_train, kind, backend="smddp"):
         assert diff < 1e-5, diff
+
+
+def test_staged_call_records_its_phases_and_pinned_calls_do_not_wait():
+    for failures in run_distributed(_timeline_on_cuda, backend="smddp"):
+        assert not failures, failures
+
+
+def test_bf16_on_cuda_accumulates_in_fp32_against_an_fp64_reference():
+    from tests.distributed.test_smddp_staging import bf16_sums_round_once
+
+    # 4 ranks on the GPU(s): with 2, one addition rounds once whatever the accumulator.
+    for failures in run_distributed(bf16_sums_round_once, "cuda", world_size=4, backend="smddp"):
+        assert not failures, failures

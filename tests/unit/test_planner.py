@@ -308,3 +308,28 @@ def test_saved_activations_count_a_reused_address_once(monkeypatch):
         counter._record(up)
     assert len(counter.storages) == 2
     assert sum(s.nbytes() for s in counter.storages.values()) == 4 * 32 * 4
+
+
+def test_a_tied_head_is_counted_once_under_tp_with_both_fsdp_versions(tmp_path):
+    # Note [Tied parameters count once]: FSDP1 under TP keeps the tie (one flat-parameter
+    # slot), as FSDP2 does, so the tied model holds exactly one head less than the untied one.
+    from torch_sagemaker.planner.memory import sharding
+    from torch_sagemaker.planner.shards import state_bytes
+
+    cluster = Cluster(hosts=1, per_host=2, accelerator=accelerator("H100"))
+    workload = Workload(1024, 1024 * 2)
+    small = dict(QWEN2_SMALL, num_hidden_layers=2)
+    tied = load_model(_write(tmp_path, "tied", small))
+    untied = load_model(_write(tmp_path, "untied", dict(small, tie_word_embeddings=False)))
+    head = QWEN2_SMALL["vocab_size"] // 2 * QWEN2_SMALL["hidden_size"]  # vocabulary over tp 2
+    for fsdp in (1, 2):
+        candidate = Candidate(1, tensor_parallel_degree=2, fsdp=fsdp)
+        counted = []
+        for spec in (tied, untied):
+            checked = check(candidate, spec, cluster, workload)
+            assert isinstance(checked, Checked), (fsdp, checked)
+            counted.append(state_bytes(spec, sharding(spec, checked, workload)))
+        one, two = counted
+        assert two.parameters - one.parameters == head * 4, fsdp
+        assert two.gradients - one.gradients == head * 4, fsdp
+        assert two.optimizer - one.optimizer == 2 * head * 4 + 4, fsdp  # moments and step

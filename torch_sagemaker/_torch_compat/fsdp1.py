@@ -4,8 +4,11 @@ What the package reads or replaces on a unit (``_handle``, ``_fsdp_extension``, 
 type and config), on its ``FlatParamHandle`` (``_use_unsharded_views``, which the package wraps
 per handle, ``_setattr_param``, ``_use_orig_params``) and on the handle's ``FlatParameter``
 (the per-parameter records ``_params``, ``_param_infos``, ``_shard_param_infos``,
-``_param_extensions``, ``_fqns``), plus the auto-wrap policy base class, the private sharding
-strategy ``_HYBRID_SHARD_ZERO2`` and ``MixedPrecision``'s ``_module_classes_to_ignore``.
+``_param_extensions``, ``_fqns``, and the shared-parameter records ``_shared_param_infos``,
+``_shared_params``, ``_modules``), the handle method that builds the flat parameter
+(``_init_flat_param_and_metadata``, which the package wraps), plus the auto-wrap policy base
+class, the private sharding strategy ``_HYBRID_SHARD_ZERO2`` and ``MixedPrecision``'s
+``_module_classes_to_ignore``.
 
 Checked on torch 2.11, 2.13.
 """
@@ -25,11 +28,12 @@ from torch.distributed.fsdp import (
     StateDictConfig,
     StateDictType,
 )
-from torch.distributed.fsdp._common_utils import clean_tensor_name
+from torch.distributed.fsdp._common_utils import FSDP_PREFIX, clean_tensor_name
 from torch.distributed.fsdp._flat_param import (
     FlatParameter,
     FlatParamHandle,
     ParamInfo,
+    SharedParamInfo,
     _ShardParamInfo,
 )
 from torch.distributed.fsdp.wrap import _or_policy, _Policy
@@ -40,6 +44,10 @@ HYBRID_SHARD_ZERO2: ShardingStrategy = ShardingStrategy._HYBRID_SHARD_ZERO2
 #: FSDP1's auto-wrap policy base class (``ModuleWrapPolicy`` and friends derive from it).
 Policy = _Policy
 
+#: What a unit's state-dict hooks put before its module's keys while they run (the name of the
+#: wrapped module, ``_fsdp_wrapped_module.``); its load pre-hook leaves the keys that way.
+WRAPPED_MODULE_PREFIX: str = FSDP_PREFIX
+
 #: The auto-wrap callable that wraps a module when any of ``policies`` would.
 or_policy = _or_policy
 
@@ -47,6 +55,11 @@ or_policy = _or_policy
 #: modules; the package wraps it on single handles, so it is named here for ``getattr`` and
 #: ``setattr`` on a handle.
 USE_UNSHARDED_VIEWS = "_use_unsharded_views"
+
+#: The ``FlatParamHandle`` method that walks a unit's modules and builds its flat parameter
+#: and the per-parameter records, shared parameters included (called once, from the
+#: handle's constructor); the package wraps it on the class (``sharding/fsdp1_tied.py``).
+INIT_FLAT_PARAM_AND_METADATA = "_init_flat_param_and_metadata"
 
 
 class WrapPolicy(_Policy):
@@ -185,13 +198,45 @@ def fqns(flat_param: FlatParameter) -> tuple[str, ...]:
     return flat_param._fqns
 
 
+def shared_param_infos(flat_param: FlatParameter) -> tuple[SharedParamInfo, ...]:
+    """The later names of parameters the unit holds under several names, with their primary."""
+    return tuple(flat_param._shared_param_infos)
+
+
+def set_shared_param_infos(flat_param: FlatParameter, infos: tuple[SharedParamInfo, ...]) -> None:
+    """Replaces the shared-parameter records that the handle's view methods walk."""
+    flat_param._shared_param_infos = infos
+
+
+def add_shared_param(
+    flat_param: FlatParameter, info: SharedParamInfo, param: nn.Parameter | None
+) -> None:
+    """Records one more name of a flattened parameter, as FSDP1's flattening records one.
+
+    Args:
+        flat_param: The handle's flat parameter, just built.
+        info: The later name and its primary (the name that was flattened).
+        param: The object the later name is registered as between steps: the primary's
+            original-parameter object with ``use_orig_params=True``, else ``None``.
+    """
+    flat_param._shared_param_infos = (*flat_param._shared_param_infos, info)
+    flat_param._modules.add(info.module)
+    if flat_param._shared_params is not None:
+        assert param is not None  # the caller passes the primary's original parameter
+        flat_param._shared_params.append(param)
+
+
 __all__ = [
     "HYBRID_SHARD_ZERO2",
+    "INIT_FLAT_PARAM_AND_METADATA",
     "USE_UNSHARDED_VIEWS",
+    "WRAPPED_MODULE_PREFIX",
     "FlatParamHandle",
     "FlatParameter",
     "Policy",
+    "SharedParamInfo",
     "WrapPolicy",
+    "add_shared_param",
     "clean_tensor_name",
     "fqns",
     "fsdp_extension",
@@ -203,9 +248,11 @@ __all__ = [
     "param_infos",
     "run_policy",
     "set_fsdp_extension",
+    "set_shared_param_infos",
     "set_state_dict_config",
     "setattr_param",
     "shard_param_infos",
+    "shared_param_infos",
     "state_dict_config",
     "state_dict_type",
     "uses_orig_params",

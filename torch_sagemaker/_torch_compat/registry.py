@@ -64,6 +64,7 @@ PRIVATE_NAMES: tuple[str, ...] = (
     "torch._scaled_mm",
     # fsdp1.py
     f"{_FSDP1}._common_utils.clean_tensor_name",
+    f"{_FSDP1}._common_utils.FSDP_PREFIX",
     f"{_FSDP1}.ShardingStrategy._HYBRID_SHARD_ZERO2",
     f"{_FSDP1}.MixedPrecision._module_classes_to_ignore",
     f"{_FSDP1}.wrap._Policy",
@@ -75,6 +76,7 @@ PRIVATE_NAMES: tuple[str, ...] = (
     f"{_FSDP1}.FullyShardedDataParallel._state_dict_config",
     f"{_FLAT_PARAM}.FlatParamHandle",
     f"{_FLAT_PARAM}.FlatParamHandle._use_unsharded_views",
+    f"{_FLAT_PARAM}.FlatParamHandle._init_flat_param_and_metadata",
     f"{_FLAT_PARAM}.FlatParamHandle._setattr_param",
     f"{_FLAT_PARAM}.FlatParamHandle._use_orig_params",
     f"{_FLAT_PARAM}.FlatParamHandle._fsdp_extension",
@@ -84,7 +86,11 @@ PRIVATE_NAMES: tuple[str, ...] = (
     f"{_FLAT_PARAM}.FlatParameter._shard_param_infos",
     f"{_FLAT_PARAM}.FlatParameter._param_extensions",
     f"{_FLAT_PARAM}.FlatParameter._fqns",
+    f"{_FLAT_PARAM}.FlatParameter._shared_param_infos",
+    f"{_FLAT_PARAM}.FlatParameter._shared_params",
+    f"{_FLAT_PARAM}.FlatParameter._modules",
     f"{_FLAT_PARAM}.ParamInfo",
+    f"{_FLAT_PARAM}.SharedParamInfo",
     f"{_FLAT_PARAM}._ShardParamInfo",
     # fsdp2.py
     _FSDP2_PARAM_GROUP,

@@ -41,7 +41,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
     "gpu": (
         "torch_sagemaker.bench.gpu",
-        "smddp on CUDA tensors: copy bandwidth, all_reduce vs NCCL, kernels launched",
+        "smddp on CUDA tensors: staged all_reduce vs its bound, bf16, --timeline, kernels",
     ),
     "fp8": (
         "torch_sagemaker.bench.fp8",

@@ -28,7 +28,7 @@ from typing import NamedTuple
 #   An exchange that waits on F flows per NIC direction at once (the mesh: H-1; a ring: 1)
 #   takes 1 + flow_skew (F-1) times as long: the flows share the link unevenly, so some
 #   parts arrive late, and an all_reduce's second half, or the call's end, waits for the
-#   last (docs/multi_node.md, "Mesh or ring": a 4x1 mesh all_reduce's ranks finished their
+#   last (docs/log/multi_node.md, "Mesh or ring": a 4x1 mesh all_reduce's ranks finished their
 #   reductions between 243 and 406 ms). Linear in F is the simplest growth that the 4- and
 #   8-host rows fit; later runs on 16 and 32 hosts (not in the fit) agree with it roughly,
 #   and beyond 32 hosts nothing was measured.

@@ -124,7 +124,8 @@ def points(runs: Iterable[dict]) -> list[Point]:
                     r["bytes"],
                     r["backend"],
                     r["seconds"],
-                    run["rate_bits"] / 8,
+                    # An unshaped run (--rate unlimited): the wire costs nothing, the CPU all.
+                    (run["rate_bits"] or math.inf) / 8,
                     run.get("cores", 2),
                     r.get("timeline"),
                     r.get("algorithm", ""),

@@ -39,6 +39,12 @@ per call, from its counters (headers included), over the minimum k (H-1)/H S. "d
 the packets the buckets dropped during the timed calls, at the hosts' uploads and at the
 switch's ports (their downloads).
 
+``--rate unlimited`` leaves the cables unshaped: there is no bound, the CPU is the limit, and
+bare-tcp's time is the scale ("of bare-tcp"). A second table gives, for every case, the CPU
+it took per GB the op must move between hosts (each rank's user and system time, the
+machine's softirq time) and, for smddp, its transport's messages and system calls (Note [CPU
+per byte] in multihost_rank.py).
+
 Without namespaces (no ``unshare``/``ip``/``tc``, or no right to use them) it says why and
 exits with 2.
 
@@ -51,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -186,7 +193,7 @@ def _host_main(host: int, spec: dict[str, Any]) -> int:
 def run_layout(
     hosts: int,
     local: int,
-    rate_bits: int,
+    rate_bits: int | None,
     ops: list[str],
     sizes: list[int],
     backends: list[str],
@@ -207,7 +214,7 @@ def run_layout(
     Args:
         hosts: H, simulated hosts.
         local: L, ranks per host.
-        rate_bits: Each host's NIC rate, bits per second.
+        rate_bits: Each host's NIC rate, bits per second; None: unshaped.
         ops: The collectives to time.
         sizes: Their sizes S in bytes (nccl-tests' S).
         backends: Of ``BACKENDS``.
@@ -323,7 +330,7 @@ def _ratio(per: dict[str, dict], a: str, b: str) -> str:
     return f"{per[a]['seconds'] / per[b]['seconds']:.2f}"
 
 
-def table(rows: list[dict], rate_bits: int) -> str:
+def table(rows: list[dict], rate_bits: int | None) -> str:
     """The rows as a markdown table, every backend side by side.
 
     Two backends get a ratio column; with the bare-TCP ceiling, each other backend gets a
@@ -348,9 +355,10 @@ def table(rows: list[dict], rate_bits: int) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (layout, dtype, warmup, op, size), per in by_key.items():
         hosts = int(layout.split("x")[0])
-        bound = min_bytes(op, hosts, size) * 8 / rate_bits
+        # Unshaped NICs (--rate unlimited) have no bound: the bare-TCP ceiling is the scale.
+        bound = min_bytes(op, hosts, size) * 8 / rate_bits if rate_bits else math.nan
         warm = "-" if warmup is None else str(warmup)
-        cells = [layout, dtype, warm, op, format_size(size), f"{bound * 1e3:.1f}"]
+        cells = [layout, dtype, warm, op, format_size(size), _cell(bound * 1e3, ".1f")]
         for b in backends:
             if b not in per:
                 cells += ["-"] * 4
@@ -359,7 +367,7 @@ def table(rows: list[dict], rate_bits: int) -> str:
             mark = "" if r["ok"] else " WRONG"
             cells += [
                 f"{r['seconds'] * 1e3:.1f}{mark}",
-                f"{bound / r['seconds']:.2f}",
+                _cell(bound / r["seconds"], ".2f"),
                 f"{r['tx_per_call'] / min_bytes(op, hosts, size):.2f}",
                 str(r["drops"]),
             ]
@@ -382,6 +390,54 @@ def table(rows: list[dict], rate_bits: int) -> str:
     return "\n".join(lines)
 
 
+def _queue_text(queue: int | None, rate: int | None) -> str:
+    from torch_sagemaker.bench.collectives_report import format_size
+
+    if rate is None:
+        return "unshaped"
+    return f"queue {'50 ms' if queue is None else format_size(queue)}"
+
+
+def _cell(value: float, spec: str) -> str:
+    return "-" if math.isnan(value) else format(value, spec)
+
+
+def cpu_table(rows: list[dict]) -> str:
+    """What each case cost the CPU per GB the op must move between hosts (Note [CPU per byte]).
+
+    Columns: the bytes moved per second (all hosts' minimum, by the op), the CPU-seconds per
+    GB of those bytes summed over the ranks and on the busiest rank, the machine's softirq
+    seconds per GB, and for smddp its messages per second (all ranks' sends) with the
+    system calls per message and the share of the bytes it received that were copied twice
+    (read before their receive was posted: stashed).
+    """
+    from torch_sagemaker.bench.collectives_report import format_size
+
+    head = "| layout | dtype | op | size | backend | GB/s | CPU s/GB | busiest rank | softirq s/GB"
+    lines = [head + " | msgs/s | calls/msg | stashed |", "|" + "---|" * 12]
+    for r in rows:
+        if "cpu_per_call" not in r:
+            continue
+        hosts = int(r["layout"].split("x")[0])
+        gb = min_bytes(r["op"], hosts, r["bytes"]) * hosts / 1e9  # per call
+        cells = [r["layout"], r.get("dtype", "float32"), r["op"], format_size(r["bytes"])]
+        cells += [r["backend"], f"{gb / r['seconds']:.2f}"]
+        cells += [f"{sum(r['cpu_per_call']) / gb:.2f}", f"{max(r['cpu_per_call']) / gb:.2f}"]
+        cells.append(f"{r['softirq_per_call'] / gb:.2f}")
+        t = r.get("transport_per_call")
+        if t and t["messages_sent"]:
+            calls = t["send_calls"] + t["recv_calls"] + t["polls"]
+            cells += [
+                f"{t['messages_sent'] / r['seconds']:.0f}",
+                f"{calls / (t['messages_sent'] + t['messages_received']):.1f}",
+                f"{t['stashed_bytes'] / max(t['bytes_received'], 1):.2f}",
+            ]
+        else:
+            cells += ["-"] * 3
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark (or, with the internal --host/--rank-spec, one host or rank)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -393,11 +449,14 @@ def main(argv: list[str] | None = None) -> int:
         rank_main(json.loads(argv[1]))
         return 0
     from torch_sagemaker.bench.collectives import parse_size
-    from torch_sagemaker.bench.collectives_report import format_size
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layouts", type=comma_list(), default=["2x1", "4x1", "2x2", "4x2"])
-    p.add_argument("--rate", default="2gbit", help="each host's NIC rate, both directions")
+    p.add_argument(
+        "--rate",
+        default="2gbit",
+        help="each host's NIC rate, both directions; 'unlimited': unshaped, the CPU bounds it",
+    )
     p.add_argument("--ops", type=comma_list(OPS), default=list(OPS))
     p.add_argument("--sizes", type=comma_list(), default=["1M", "16M", "64M"])
     p.add_argument(
@@ -510,7 +569,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(json.load(f))
         return cost_model_report.model_report(runs, args)
     try:
-        rate = netns.parse_rate(args.rate)
+        unshaped = args.rate.strip().lower() in ("unlimited", "none")
+        rate = None if unshaped else netns.parse_rate(args.rate)
         # Checked before any host starts (Note [Simulated hosts run cubic]).
         netns.resolve_congestion(args.congestion)
         queue = None if args.switch_queue == "deep" else parse_size(args.switch_queue)
@@ -581,11 +641,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"NIC rate {args.rate} per host, both directions; TCP congestion control {ran}{whose};"
         f" slow start after idle {ran_setting(per_host, 'slow_start_after_idle')};"
-        f" switch ports queue {'50 ms' if queue is None else format_size(queue)};"
+        f" switch ports {_queue_text(queue, rate)};"
         f" median of {args.iters} calls, each backend's sweep back to back; warm-up: calls at"
         " the largest size before each op's sweep (0: none)"
     )
     print(table(rows, rate))
+    print("\nCPU per GB the op must move between hosts (Note [CPU per byte])")
+    print(cpu_table(rows))
     if args.timeline:
         print(timeline_table(rows))
     if trained:

@@ -2,12 +2,30 @@
 
 It creates the groups the job compares (smddp's default group, smddp groups forced to the
 mesh or the ring, gloo), optionally checks bit-identical results and times training, then
-runs and times every op and size, reads its host's NIC counters, and gathers the rows.
+runs and times every op and size, reads its host's NIC counters and the CPU its calls took,
+and gathers the rows.
+
+Note [CPU per byte]
+Where the NIC is fast, the CPU bounds a collective, and the figure that says how well a
+backend does is the CPU it spends per byte, next to the bare-TCP streams' (Note [The
+bare-TCP ceiling]). Each rank reads getrusage(RUSAGE_SELF) (user and system time of all its
+threads, smddp's pool and send lanes included) around the timed calls, and rank 0 reads the
+machine's softirq time from /proc/stat: the kernel's receive path, which Linux charges to no
+process. /proc/stat is not per namespace, so it is the whole machine's, other work included;
+on a quiet machine that is the simulated hosts' network. smddp groups also report their
+transport's counts (TransportStats in csrc/smddp/transport/transport.h): messages, send,
+recv and poll calls, and bytes read before their receive was posted (copied a second time).
+The report divides by the bytes the op must move between hosts at least (min_bytes, all
+hosts together), so backends that move the same collective compare on one scale. The timed
+loop's barriers (one before each call) are counted with the calls; at the sizes where the
+CPU is the limit they are a small part.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import resource
 import statistics
 import time
 from collections.abc import Iterator
@@ -280,16 +298,25 @@ def _measure(
     ports = netns.port_counters() if rank == 0 else None
     if timeline:  # drop what the checked and warm-up calls left
         _middle_call(group, step.op, 0)
+    counted = group is not None and step.backend != "gloo"  # smddp: its transport's counts
+    stats = _transport_stats(group) if counted else None
+    softirq = machine_softirq_seconds() if rank == 0 else 0.0
+    cpu = _cpu_seconds()
     times = []
     for _ in range(spec["iters"]):
         dist.barrier()
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)
+    cpu = _cpu_seconds() - cpu  # before the barrier: its wait is not the calls' work
     dist.barrier()
+    softirq = machine_softirq_seconds() - softirq if rank == 0 else 0.0
     after = netns.own_counters() if counts_nic else None
     ports_after = netns.port_counters() if rank == 0 else None
-    mine: dict[str, Any] = {"ok": ok, "times": times}
+    mine: dict[str, Any] = {"ok": ok, "times": times, "cpu": cpu, "softirq": softirq}
+    if stats is not None:
+        now = _transport_stats(group)
+        mine["transport"] = {k: now[k] - stats[k] for k in now}
     if before is not None and after is not None:
         mine["tx"] = after["tx_bytes"] - before["tx_bytes"]
         mine["drops"] = after["drops"] - before["drops"]
@@ -298,6 +325,28 @@ def _measure(
     if timeline:
         mine["timeline"] = _middle_call(group, step.op, spec["iters"])
     return mine, actual
+
+
+def _cpu_seconds() -> float:
+    """User and system CPU time of this process, all its threads (Note [CPU per byte])."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def machine_softirq_seconds() -> float:
+    """The machine's softirq time so far, all cores: /proc/stat's ``cpu`` line (field 7)."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return int(fields[7]) / os.sysconf("SC_CLK_TCK")
+
+
+def _transport_stats(group) -> dict[str, int]:
+    """The transport counts of smddp group ``group`` (Note [CPU per byte])."""
+    import torch
+
+    from torch_sagemaker._torch_compat import c10d as c10d_compat
+
+    return dict(c10d_compat.backend_of(group, torch.device("cpu"))._transport_stats())
 
 
 def _gather_objects(obj: object) -> list:
@@ -344,4 +393,13 @@ def _row(
         "tx_per_call": max(r["tx"] for r in nics) / calls,
         "drops": sum(r["drops"] for r in nics) + every[0]["port_drops"],
         "timeline": [r["timeline"] for r in every] if "timeline" in every[0] else None,
+        # Note [CPU per byte]: per timed call; each rank's CPU, the machine's softirq, and
+        # for smddp its transport's counts summed over the ranks.
+        "cpu_per_call": [r["cpu"] / calls for r in every],
+        "softirq_per_call": every[0]["softirq"] / calls,
+        "transport_per_call": (
+            {k: sum(r["transport"][k] for r in every) / calls for k in every[0]["transport"]}
+            if "transport" in every[0]
+            else None
+        ),
     }

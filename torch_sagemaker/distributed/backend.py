@@ -115,8 +115,8 @@ def _warn_if_idle_restarts(created, path: str = SLOW_START_AFTER_IDLE) -> None:
     simulated hosts of 2 ranks, with the benchmark's calls of other backends between smddp's
     cases, single launches missed 0.9 of the NIC bound in 13 of 66 cells from 16 MiB against 5
     of 66 with the setting at 0 over three sets, but 5 of 36 at either setting in a later set:
-    there most slow launches came from the connections' start instead (docs/multi_node.md,
-    "Where it stands").
+    there most slow launches came from the connections' start instead (docs/log/multi_node.md,
+    builds 7c7eb68 and b7495c5).
     The setting is the host's, per network namespace; smddp only says so. A process decides
     on the first group it joins that crosses hosts, and warns if it is the first rank of its
     host there: with the default group first, one warning per host, however many subgroups

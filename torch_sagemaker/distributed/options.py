@@ -46,7 +46,8 @@ class SMDDPOptions:
         net_algo: How collectives cross 3 hosts or more: "mesh", "ring" or "auto".
         net_reduce_dtype: The type bf16/fp16 reductions send partial sums between hosts in:
             "auto" (their own, half of fp32's bytes) or "fp32".
-        timeline: Record when each collective and its phases across hosts began and ended.
+        timeline: Record when each collective and its phases across hosts began and ended,
+            and the phases of staged calls on device tensors.
         staging_chunk_bytes: Device tensors: bytes copied and reduced at a time (4K to 1G).
         staging_memory: Device tensors: host memory the copies land in, "auto", "pinned"
             or "pool".

@@ -198,14 +198,14 @@ def state_bytes(spec: ModelSpec, s: Sharding) -> StateBytes:
     module) a unit.
     """
     units: dict[str, list[tuple[int, ...]]] = {}
-    # Note [FSDP1 unties TP parameters]: FSDP1 recognises a tied parameter by the object it
-    # flattens; the library's FSDP extension flattens a DTensor's local tensor, a new object
-    # for each name, so under tensor parallelism each name gets its own copy. The copies then
-    # train apart: a tied Qwen2 (tp 2, FSDP1) had its embedding and head differ by 0.058 after
-    # three AdamW steps at lr 1e-2. A library defect, counted here as it is.
-    keep_tied = s.fsdp == 1 and s.plan.layout.tp > 1
+    # Note [Tied parameters count once]: a tied parameter (a head tied to the embedding) is
+    # one parameter under every layout, so it is counted under its first name only. FSDP2
+    # keeps the module's own (tied) parameters; FSDP1 flattens it once and records its other
+    # names as shared, under tensor parallelism too (Note [Tied DTensor parameters under
+    # FSDP1] in torch_sagemaker/sharding/fsdp1_tied.py; before that fix each name had its
+    # own copy). The validation case "qwen2 tp2 no-shard FSDP1" measures it to the byte.
     for param in spec.params:
-        if param.tied_to is None or keep_tied:
+        if param.tied_to is None:
             units.setdefault(_unit_of(param, s), []).append(local_shape(param, s))
     return _fsdp2(units, s) if s.fsdp == 2 else _fsdp1(units, s)
 

@@ -53,7 +53,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 from torch_sagemaker.context_parallel import check_prepared
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.moe.experts import is_split
-from torch_sagemaker.sharding import cache_flush, experts, fsdp1_layout
+from torch_sagemaker.sharding import cache_flush, experts, fsdp1_layout, fsdp1_tied
 from torch_sagemaker.state import state
 
 _original_init = FullyShardedDataParallel.__init__
@@ -194,10 +194,16 @@ def _patched_init(
 
 
 def install() -> None:
-    """Makes ``FullyShardedDataParallel(...)`` follow the SMP config (idempotent)."""
+    """Makes ``FullyShardedDataParallel(...)`` follow the SMP config (idempotent).
+
+    Also makes FSDP1 keep tied tensor-parallel parameters tied (Note [Tied DTensor
+    parameters under FSDP1] in ``fsdp1_tied``).
+    """
     FullyShardedDataParallel.__init__ = _patched_init  # type: ignore[method-assign]
+    fsdp1_tied.install()
 
 
 def uninstall() -> None:
-    """Restores PyTorch's own ``FullyShardedDataParallel.__init__``."""
+    """Restores PyTorch's own ``FullyShardedDataParallel.__init__`` and flattening."""
     FullyShardedDataParallel.__init__ = _original_init  # type: ignore[method-assign]
+    fsdp1_tied.uninstall()

@@ -62,7 +62,7 @@ from torch.distributed.tensor.parallel.fsdp import DTensorExtensions
 from torch_sagemaker._torch_compat import fsdp1 as fsdp1_compat
 from torch_sagemaker._torch_compat import nn as nn_compat
 from torch_sagemaker._torch_compat import tensor as tensor_compat
-from torch_sagemaker.sharding import fsdp1_state_dict
+from torch_sagemaker.sharding import fsdp1_state_dict, fsdp1_tied
 
 
 class SMPFSDPExtensions(DTensorExtensions):
@@ -122,6 +122,9 @@ def _register_local_parameters(handle: Any) -> None:
                 # What FSDP does for plain tensors: the kept parameter points at the new view.
                 original.data = tensor_compat.local_tensor(current)
                 fsdp1_compat.setattr_param(handle, module, name, original)
+        # Tied parameters' other names follow their primary (Note [Tied DTensor parameters
+        # under FSDP1] in fsdp1_tied).
+        fsdp1_tied.point_shared_names(handle)
 
     setattr(handle, fsdp1_compat.USE_UNSHARDED_VIEWS, use_unsharded_views_keeping_parameters)
     # FSDP registered fresh DTensor parameters at the end of its constructor; swap them now.
@@ -147,6 +150,7 @@ def adapt(fsdp_module: FullyShardedDataParallel) -> None:
             fsdp1_state_dict.attach(fsdp_module)  # DTensors FSDP leaves alone (ignored modules)
         return
     fsdp1_state_dict.attach(fsdp_module)
+    fsdp1_tied.attach(fsdp_module)
     handle = fsdp1_compat.handle(fsdp_module)
     assert handle is not None  # _flattens_dtensors found its flat parameter
     if (

@@ -21,7 +21,10 @@ then applies what the caller asked: ranks other than 0 drop the unit's entries w
 full parameters at a time; ``translate_on_save=False`` keeps FSDP's own result (DTensors).
 ``NO_SHARD`` units hold TP-local plain tensors (Note [FSDP1 NO_SHARD with DTensor
 parameters] in ``fsdp1_layout``); their flat parameter's recorded DTensor specs say how the
-full tensors are made of them.
+full tensors are made of them. A tied parameter's later names (``lm_head.weight`` of a model
+with tied embeddings) have no spec of their own (Note [Tied DTensor parameters under FSDP1]
+in ``fsdp1_tied``): they get their primary's full tensor, one object under both keys as in
+the unsharded model's state dict.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from torch_sagemaker._torch_compat import fsdp1 as fsdp1_compat
 from torch_sagemaker._torch_compat import nn as nn_compat
+from torch_sagemaker.sharding import fsdp1_tied
 
 _TRANSLATE_ATTR = "translate_on_save"
 # On an FSDP1 unit: the config its state_dict() call asked for while the hooks translate.
@@ -84,8 +88,15 @@ def _pre_state_dict(unit: FullyShardedDataParallel, prefix: str, keep_vars: bool
 def _full_values(unit: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str) -> None:
     """Replaces the unit's TP/EP values by full tensors (collectives over their groups)."""
     handle = fsdp1_compat.handle(unit)
+    # A tied parameter's later names (the primary is in ``fqns``) get the primary's full value.
+    shared: dict[str, str] = {}
     if handle is not None:
         flat_param = handle.flat_param
+        shared = {
+            prefix + fsdp1_compat.clean_tensor_name(name): prefix
+            + fsdp1_compat.clean_tensor_name(primary)
+            for name, primary in fsdp1_tied.shared_fqns(flat_param)
+        }
         for fqn, spec in zip(
             fsdp1_compat.fqns(flat_param), fsdp1_compat.param_extensions(flat_param), strict=True
         ):
@@ -107,9 +118,14 @@ def _full_values(unit: FullyShardedDataParallel, state_dict: dict[str, Any], pre
     # Flattened DTensors, and those FSDP leaves alone (ignored modules, e.g. experts held
     # whole by their EP rank); the keys come in the same order on every rank.
     for key in [
-        k for k, v in state_dict.items() if k.startswith(prefix) and isinstance(v, DTensor)
+        k
+        for k, v in state_dict.items()
+        if k.startswith(prefix) and isinstance(v, DTensor) and k not in shared
     ]:
         state_dict[key] = state_dict[key].full_tensor()
+    for key, primary in shared.items():
+        if key in state_dict and primary in state_dict:
+            state_dict[key] = state_dict[primary]
 
 
 def _post_state_dict(

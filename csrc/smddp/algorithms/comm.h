@@ -83,6 +83,7 @@ class Communicator : private NetGroup {
   int listen_port() const { return net_->port(); }  // 0: this rank does not listen
   const std::string& listen_address() const { return net_->address(); }
   uint64_t rejected_connections() const { return net_->rejected_connections(); }
+  TransportStats transport_stats() const { return net_->stats(); }
 
   // A context for the next collective: numbers it and sets its deadline.
   OpCtx make_ctx(const char* name, CollDesc desc, OpArgs args, double timeout_s);

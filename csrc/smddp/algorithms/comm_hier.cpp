@@ -45,7 +45,7 @@
 // they start once this rank's shared-memory reduce-scatter steps are done: every local rank
 // then runs the steps in one order, and the gather never writes into an in-place input
 // that the reduce-scatter steps still read. The same 64 MiB all_gather now ends 0.2 ms
-// after the last rank's exchange (docs/multi_node.md, "Where it stands").
+// after the last rank's exchange (docs/log/multi_node.md, build 5ce19af).
 //
 // In place, an all-reduce's output is its input, and the reduced chunks of other hosts'
 // parts land where this rank's partials of those parts are read from. No chunk is

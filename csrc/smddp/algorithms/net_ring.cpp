@@ -28,7 +28,7 @@
 // step's chunk is ready first (a neighbour ahead of us).
 //
 // When: from 3 to 32 hosts of equal rank counts, SMDDP_NET_ALGO=auto takes the ring, on
-// measurement (bench multihost, docs/multi_node.md). On 4 simulated hosts of one rank at 2
+// measurement (bench multihost, docs/log/multi_node.md). On 4 simulated hosts of one rank at 2
 // Gbit/s, two rounds each, the ring reached 0.83-0.94 of the NIC bound from 16 MiB (all
 // three ops) against the mesh's 0.80-0.91, and 0.80-0.86 at 1 MiB against 0.47-0.75; on 8
 // hosts at 1 Gbit/s, 0.88-0.94 against 0.76-0.87, and 0.79-0.83 at 1 MiB against 0.31-0.67;
@@ -41,8 +41,8 @@
 // on cubic the ring 0.81-0.90, the mesh 0.81-0.93). What held 4x2 back at 2 Gbit/s was not
 // the machine's two cores, as first read, but the ring's start-up and spinning waits (Note
 // [Parts in the order the ring needs them]); the ring now reaches 0.88-0.94 there, against
-// 0.92-0.95 for bare TCP streams on its flows (docs/multi_node.md). The cause of the mesh's lag, as
-// far as measured: in the mesh each NIC carries H-1 streams each way, which share the link
+// 0.92-0.95 for bare TCP streams on its flows (docs/log/multi_node.md). The cause of the mesh's
+// lag, as far as measured: in the mesh each NIC carries H-1 streams each way, which share the link
 // unevenly, so some parts arrive late and an all-reduce's second half, or the call's end, waits for
 // the last (a 4x1 64 MiB mesh all_reduce's ranks finished reducing between 243 and 406 ms); the
 // cost model's flow skew (bench/cost_model.py) puts 1.0% of the NIC time on each stream beyond one

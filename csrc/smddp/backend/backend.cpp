@@ -307,14 +307,19 @@ std::shared_ptr<StagedOp> ProcessGroupSMDDP::stage(const std::vector<const at::T
 
 c10::intrusive_ptr<SmddpWork> ProcessGroupSMDDP::make_work(c10d::OpType type,
                                                            std::vector<at::Tensor> outputs) {
-  if (pending_stage_) {
-    outputs = pending_stage_->device_of(outputs);
-    if (auto s = pending_stage_->completion_stream()) {
-      return c10::make_intrusive<SmddpWork>(rank_, type, std::move(outputs),
-                                            pending_stage_->device(), *s);
-    }
+  if (!pending_stage_) return c10::make_intrusive<SmddpWork>(rank_, type, std::move(outputs));
+  const StagedOp& op = *pending_stage_;
+  outputs = op.device_of(outputs);
+  c10::intrusive_ptr<SmddpWork> work;
+  if (auto s = op.completion_stream()) {
+    work = c10::make_intrusive<SmddpWork>(rank_, type, std::move(outputs), op.device(), *s);
+  } else {
+    work = c10::make_intrusive<SmddpWork>(rank_, type, std::move(outputs));
   }
-  return c10::make_intrusive<SmddpWork>(rank_, type, std::move(outputs));
+  if (stager_->timeline()->enabled()) {  // Note [Staging timeline]
+    work->record_on(stager_->timeline(), op.call(), op.issued_ns());
+  }
+  return work;
 }
 
 // Note [Synchronous calls return no Work]
@@ -354,11 +359,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::submit(c10d::OpType type,
 c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::submit(c10::intrusive_ptr<SmddpWork> work,
                                                          bool async_op, std::function<void()> fn) {
   if (std::shared_ptr<StagedOp> op = std::move(pending_stage_)) {
-    fn = [op, inner = std::move(fn)] {
-      op->copy_in();
-      inner();
-      op->copy_out();
-    };
+    fn = [op, inner = std::move(fn)] { op->run(inner); };
+    op->queued();
   }
   const c10d::OpType type = work->retrieveOpType();
   work->set_executor(exec_);

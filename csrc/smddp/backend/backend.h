@@ -110,6 +110,8 @@ class ProcessGroupSMDDP : public c10d::Backend {
   const Communicator& comm() const;
   // Steps of the staged CPU collectives since the last call (SMDDP_STAGE_CPU=1).
   std::vector<std::string> staging_trace() { return stager_->take_trace(); }
+  // The phases of staged calls since the last call (SMDDP_TIMELINE=1, Note [Staging timeline]).
+  std::vector<Timeline::Span> take_staging_timeline() { return stager_->take_timeline(); }
   // The collectives' phases since the last call (SMDDP_TIMELINE=1, Note [Timeline]).
   std::vector<Timeline::Span> take_timeline();
 

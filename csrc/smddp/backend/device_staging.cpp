@@ -25,7 +25,10 @@ Stager::Stager(const Settings& settings, std::shared_ptr<ShmPool> pool)
     : stage_cpu_(settings.stage_cpu),
       chunk_bytes_(static_cast<int64_t>(settings.staging_chunk_bytes)),
       memory_(settings.staging_memory),
-      pool_(std::move(pool)) {}
+      has_accelerator_(at::getAccelerator(false).has_value()),
+      pool_(std::move(pool)) {
+  timeline_->enable(settings.timeline);
+}
 
 std::shared_ptr<StagedOp> Stager::begin(const std::vector<const at::Tensor*>& tensors,
                                         const char* collective) {
@@ -78,7 +81,9 @@ std::vector<std::string> Stager::take_trace() {
   return std::move(trace_);
 }
 
-StagedOp::StagedOp(Stager& stager, c10::Device device) : stager_(stager), device_(device) {
+StagedOp::StagedOp(Stager& stager, c10::Device device)
+    : stager_(stager), device_(device), call_(stager.calls_.fetch_add(1)) {
+  if (timeline().enabled()) issued_ns_ = Timeline::now_ns();
   if (on_device()) {
     if (device_.index() < 0) device_ = c10::Device(device_.type(), 0);
     auto s = stager_.streams(device_);
@@ -95,18 +100,52 @@ void StagedOp::trace(const std::string& step) {
   if (!on_device()) stager_.trace(step);
 }
 
+Timeline& StagedOp::timeline() const { return *stager_.timeline_; }
+
+void StagedOp::queued() {
+  timeline().record(call_, "issue", issued_ns_);
+  if (timeline().enabled()) queued_ns_ = Timeline::now_ns();
+}
+
+void StagedOp::run(const std::function<void()>& collective) {
+  Timeline& tl = timeline();
+  if (queued_ns_) tl.record(call_, "queued", queued_ns_);
+  Timeline::Phase whole(
+      tl, call_,
+      std::this_thread::get_id() == issuer_ ? "run (caller's thread)" : "run (pool thread)");
+  copy_in();
+  if (mirrors_.empty()) {
+    collective();  // a pipeline: its chunks are recorded one by one
+  } else {
+    int64_t bytes = 0;
+    for (const Mirror& m : mirrors_) bytes += m.in ? m.host.nbytes() : 0;
+    Timeline::Phase phase(tl, call_, "host collective", bytes);
+    collective();
+  }
+  copy_out();
+}
+
+void StagedOp::wait_issue_event() {
+  if (!timeline().enabled()) return;
+  Timeline::Phase phase(timeline(), call_, "issue event wait");
+  if (on_device()) issued_->synchronize();
+}
+
 at::Tensor StagedOp::host_like(const at::Tensor& t) {
+  const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  Timeline::Phase phase(timeline(), call_, "host buffers", bytes);
   at::TensorOptions opts = t.options().device(at::kCPU);
   const bool pinned = stager_.memory_ == "pinned" || (stager_.memory_ == "auto" && on_device());
-  if (pinned) {
+  // Without an accelerator there is no pinned allocator: asking would throw (and build an
+  // error with its backtrace) on every call of a CPU test that asks for pinned memory.
+  if (pinned && stager_.has_accelerator_) {
     try {
       return at::empty(t.sizes(), opts.pinned_memory(true));
     } catch (const c10::Error&) {
-      // No pinned allocator (CPU-only torch): pageable memory below.
+      // No pinned memory to be had: pageable memory below.
     }
   }
   pageable_ = true;
-  const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
   std::shared_ptr<ShmPool> pool = stager_.pool_;
   if (pool && bytes && stager_.memory_ != "pinned") {
     if (void* p = pool->allocate(bytes)) {
@@ -157,6 +196,17 @@ void StagedOp::copy(const at::Tensor& dst, const at::Tensor& src, const c10::Str
   dst.copy_(src, /*non_blocking=*/true);
 }
 
+// Note [Pinned calls do not wait]
+// The host waits for a call's copies (finish_copies) only when a host buffer is pageable:
+// such a buffer goes back to the pool, or to the heap, when the call ends, while a copy
+// from it may still be in flight. A pinned buffer needs no wait: the copy records an event
+// for it in the caching host allocator (at::Tensor::copy_ with non_blocking), which reuses
+// it only once that event has completed. Until this was fixed, `pageable_` started true and
+// was never cleared, so every call, pinned too, ended with the host waiting for its last
+// host->device copy: two more events, and the executor held until the copies landed, so
+// the next queued collective could not start its device->host copies meanwhile, contrary
+// to Note [Device staging]. Unmeasured on a GPU so far; tests/gpu/test_smddp_cuda.py checks
+// with the timeline that pinned calls record no "copies wait" and pool calls do.
 void StagedOp::finish_copies() {
   if (!on_device()) return;
   for (const c10::Stream& s : {*d2h_, *h2d_}) {
@@ -166,17 +216,19 @@ void StagedOp::finish_copies() {
   }
 }
 
-// Before its first device->host copy, the d2h stream waits for the caller's issue event and
-// for the host->device copies of the collectives before this one (which may have written
-// what this one reads); the h2d stream waits for the issue event (the caller may still be
-// reading the outputs this one overwrites).
-static void order_side_streams(const std::optional<c10::Event>& issued, const c10::Stream& d2h,
-                               const c10::Stream& h2d) {
-  issued->block(d2h);
-  issued->block(h2d);
-  c10::Event earlier(d2h.device_type());
-  earlier.record(h2d);
-  earlier.block(d2h);
+// Before its first copy, the d2h stream waits for the caller's issue event and for the
+// host->device copies of the collectives before this one (which may have written what this
+// one reads); the h2d stream waits for the issue event (the caller may still be reading, or
+// writing, the outputs this one overwrites). Once per op: before its first copy in, or before
+// its first copy out when it has none in (Note [Out-only ops wait for the caller's stream]).
+void StagedOp::order_side_streams() {
+  if (!on_device() || ordered_) return;
+  ordered_ = true;
+  issued_->block(*d2h_);
+  issued_->block(*h2d_);
+  c10::Event earlier(d2h_->device_type());
+  earlier.record(*h2d_);
+  earlier.block(*d2h_);
 }
 
 void StagedOp::copy_in() {
@@ -185,14 +237,18 @@ void StagedOp::copy_in() {
   bool any = false;
   for (const Mirror& m : mirrors_) any = any || m.in;
   if (!any) return;
+  Timeline& tl = timeline();
   try {
-    if (on_device()) order_side_streams(issued_, *d2h_, *h2d_);
+    order_side_streams();
     for (size_t k = 0; k < mirrors_.size(); ++k) {
       if (!mirrors_[k].in) continue;
+      Timeline::Phase phase(tl, call_, "d2h queue", mirrors_[k].host.nbytes());
       copy(mirrors_[k].host, mirrors_[k].dev,
            d2h_.value_or(c10::Stream(c10::Stream::DEFAULT, device_)));
       trace("d2h mirror " + std::to_string(k));
     }
+    wait_issue_event();
+    Timeline::Phase phase(tl, call_, "d2h wait");
     if (on_device()) {
       c10::Event ready(device_.type());
       ready.record(*d2h_);
@@ -208,9 +264,18 @@ void StagedOp::copy_out() {
   bool any = false;
   for (const Mirror& m : mirrors_) any = any || m.out;
   if (!any) return;
+  Timeline& tl = timeline();
   try {
+    // Note [Out-only ops wait for the caller's stream]
+    // A non-root broadcast or scatter, or a receive, copies nothing in, so nothing ordered
+    // its side streams before: its host->device copy could land before a kernel the caller
+    // queued earlier had written the tensor, and that kernel's write then won over the
+    // result. Until this was fixed only copy_in ordered them. Found by reading the code
+    // while adding the timeline; tests/gpu/test_smddp_cuda.py checks it on a GPU.
+    order_side_streams();
     for (size_t k = 0; k < mirrors_.size(); ++k) {
       if (!mirrors_[k].out) continue;
+      Timeline::Phase phase(tl, call_, "h2d queue", mirrors_[k].host.nbytes());
       copy(mirrors_[k].dev, mirrors_[k].host,
            h2d_.value_or(c10::Stream(c10::Stream::DEFAULT, device_)));
       trace("h2d mirror " + std::to_string(k));
@@ -219,23 +284,28 @@ void StagedOp::copy_out() {
     finish_copies();
     throw;
   }
-  if (pageable_) finish_copies();
+  if (pageable_) {
+    Timeline::Phase phase(tl, call_, "copies wait");
+    finish_copies();
+  }
 }
 
 // Note [Staging pipeline]: all device->host copies queued at once (`in`, on the d2h
 // stream), then per chunk: wait for its copies, run the CPU collective (`run`), queue its
-// host->device copies (`out`, on the h2d stream).
+// host->device copies (`out`, on the h2d stream). Note [Staging timeline] names the phases.
 template <typename In, typename Run, typename Out>
-void StagedOp::pipeline(const std::vector<ChunkRange>& chunks, const char* step, In&& in, Run&& run,
-                        Out&& out) {
+void StagedOp::pipeline(const std::vector<ChunkRange>& chunks, const char* step, int64_t in_unit,
+                        int64_t out_unit, In&& in, Run&& run, Out&& out) {
   const c10::Stream cpu(c10::Stream::DEFAULT, device_);
   auto tag = [](const char* what, const ChunkRange& c) {
     return std::string(what) + " " + std::to_string(c.begin) + "+" + std::to_string(c.count);
   };
+  Timeline& tl = timeline();
   try {
-    if (on_device()) order_side_streams(issued_, *d2h_, *h2d_);
+    order_side_streams();
     std::vector<c10::Event> ready;
     for (const ChunkRange& c : chunks) {
+      Timeline::Phase phase(tl, call_, "d2h queue", c.count * in_unit);
       in(c, d2h_.value_or(cpu));
       trace(tag("d2h", c));
       if (on_device()) {
@@ -243,10 +313,18 @@ void StagedOp::pipeline(const std::vector<ChunkRange>& chunks, const char* step,
         ready.back().record(*d2h_);
       }
     }
+    if (!chunks.empty()) wait_issue_event();
     for (size_t i = 0; i < chunks.size(); ++i) {
-      if (on_device()) ready[i].synchronize();
-      run(chunks[i]);
+      {
+        Timeline::Phase phase(tl, call_, "d2h wait", chunks[i].count * in_unit);
+        if (on_device()) ready[i].synchronize();
+      }
+      {
+        Timeline::Phase phase(tl, call_, "host collective", chunks[i].count * in_unit);
+        run(chunks[i]);
+      }
       trace(tag(step, chunks[i]));
+      Timeline::Phase phase(tl, call_, "h2d queue", chunks[i].count * out_unit);
       out(chunks[i], h2d_.value_or(cpu));
       trace(tag("h2d", chunks[i]));
     }
@@ -254,7 +332,10 @@ void StagedOp::pipeline(const std::vector<ChunkRange>& chunks, const char* step,
     finish_copies();
     throw;
   }
-  if (pageable_) finish_copies();
+  if (pageable_ && !chunks.empty()) {
+    Timeline::Phase phase(tl, call_, "copies wait");
+    finish_copies();
+  }
 }
 
 int64_t StagedOp::chunk_elems(const at::Tensor& t) const {
@@ -270,7 +351,7 @@ void StagedOp::allreduce(Communicator& comm, const at::Tensor& t, const Reductio
   char* base = static_cast<char*>(host.data_ptr());
   const int64_t esz = t.element_size();
   pipeline(
-      plan_chunks(flat.numel(), chunk_elems(t)), "reduce",
+      plan_chunks(flat.numel(), chunk_elems(t)), "reduce", esz, esz,
       [&](const ChunkRange& c, const c10::Stream& s) {
         copy(host.narrow(0, c.begin, c.count), flat.narrow(0, c.begin, c.count), s);
       },
@@ -296,7 +377,7 @@ void StagedOp::allgather(Communicator& comm, const at::Tensor& input, const at::
   char* hi = static_cast<char*>(host_in.data_ptr());
   char* ho = static_cast<char*>(host_out.data_ptr());
   pipeline(
-      plan_chunks(n, chunk_elems(input)), "gather",
+      plan_chunks(n, chunk_elems(input)), "gather", esz, world * esz,
       [&](const ChunkRange& c, const c10::Stream& s) {
         copy(host_in.narrow(0, c.begin, c.count), in.narrow(0, c.begin, c.count), s);
       },
@@ -323,7 +404,7 @@ void StagedOp::reduce_scatter(Communicator& comm, const at::Tensor& input, const
   char* hi = static_cast<char*>(host_in.data_ptr());
   char* ho = static_cast<char*>(host_out.data_ptr());
   pipeline(
-      plan_chunks(n, chunk_elems(output)), "reduce",
+      plan_chunks(n, chunk_elems(output)), "reduce", world * esz, esz,
       [&](const ChunkRange& c, const c10::Stream& s) {
         for (int64_t r = 0; r < world; ++r) {
           copy(host_in.narrow(0, world * c.begin + r * c.count, c.count),

@@ -40,20 +40,59 @@
 //
 // CPU tensors take this same code when SMDDP_STAGE_CPU=1 (tests): "streams" are no-ops, the
 // copies are memcpys, and each step is appended to a trace the tests read back.
+//
+// Note [Staging timeline]
+// With SMDDP_TIMELINE=1 (Note [Timeline] in timeline.h) a group also records where each
+// staged call's time goes, on a timeline of its own (Stager::take_timeline; `_staging_timeline()`
+// in Python). A span's seq is the call's number among the group's staged calls, counted at
+// issue, so one call has one number on every rank. The phases, in the order they happen:
+//   issue                    the caller's thread, from the collective's entry (the op built,
+//                            the issue event recorded) to the moment its work is queued;
+//   queued                   from then until the executor starts it: the thread hand-off;
+//   run (caller's thread),   the executor's part, in the thread that ran it: the caller's
+//   run (pool thread)        when its wait() took the work first (Note [Waiting runs the
+//                            work] in work.h), else a pool thread. Inside it:
+//     host buffers           allocating a host buffer, with its bytes (the mirrors of the
+//                            whole-message collectives allocate theirs during the issue);
+//     d2h queue              queueing one chunk's device->host copy (one mirror's for the
+//                            whole-message collectives), per chunk, all before any wait;
+//     issue event wait       the host waits until the caller's stream has reached the issue
+//                            event. Recorded only with the timeline on: without it the host
+//                            waits for that inside the first d2h wait. The copies are queued
+//                            before it, so the device's schedule is the same either way;
+//     d2h wait               the host waits for one chunk's copy to land, per chunk;
+//     host collective        the CPU collective on the host buffer, per chunk (the
+//                            whole-message collectives: once, on every mirror);
+//     h2d queue              queueing one chunk's host->device copy, per chunk;
+//     copies wait            pageable host memory only: the host waits for every copy;
+//   complete                 marking the work complete (the device future's event, its
+//                            callbacks), in the thread that ran it;
+//   wait                     the caller's Work.wait(), its first call only;
+//   call                     from the collective's entry to the end of that wait.
+// Each span carries the bytes it moved or reduced (0: not counted). With CPU tensors
+// (SMDDP_STAGE_CPU=1) streams and events are no-ops: a d2h queue is the copy itself and the
+// event waits are empty spans; the phases and their order are those of a device, which is what
+// the CPU tests check (tests/distributed/test_smddp_staging.py). `bench gpu --timeline`
+// prints one call's phases per rank; docs/gpu.md says what each hypothesis about the fixed
+// cost of a call would look like there.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
+#include <atomic>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "smddp/common/settings.h"
+#include "smddp/common/timeline.h"
 
 namespace smddp {
 
@@ -106,6 +145,15 @@ class StagedOp {
   void set_copied_in() { copied_in_ = true; }
   bool copied_in() const { return copied_in_; }
 
+  // Note [Staging timeline]: this call's number, and when it was issued (0: not recorded).
+  uint64_t call() const { return call_; }
+  int64_t issued_ns() const { return issued_ns_; }
+  // The caller's thread is about to queue the work: the end of the issue.
+  void queued();
+  // The executor's part: copy_in, `collective` (the CPU collective on the mirrors, or one of
+  // the pipelines above, which record their own chunks), copy_out.
+  void run(const std::function<void()>& collective);
+
  private:
   struct Mirror {
     at::Tensor dev, host;
@@ -113,21 +161,34 @@ class StagedOp {
   };
   at::Tensor host_like(const at::Tensor& t);
   int64_t chunk_elems(const at::Tensor& t) const;
+  // in_unit, out_unit: bytes copied in and out per element of a chunk (the timeline's bytes).
   template <typename In, typename Run, typename Out>
-  void pipeline(const std::vector<ChunkRange>& chunks, const char* step, In&& in, Run&& run,
-                Out&& out);
+  void pipeline(const std::vector<ChunkRange>& chunks, const char* step, int64_t in_unit,
+                int64_t out_unit, In&& in, Run&& run, Out&& out);
   void copy(const at::Tensor& dst, const at::Tensor& src, const c10::Stream& s);
   void record_use(const at::Tensor& dev);
-  void finish_copies();  // after an error or before pageable buffers are released
+  void finish_copies();       // after an error or before pageable buffers are released
+  void order_side_streams();  // once per op, before its first copy (device tensors only)
   void trace(const std::string& step);
+  Timeline& timeline() const;
+  // The host waits for the caller's stream to reach the issue event, only while the
+  // timeline records (Note [Staging timeline]).
+  void wait_issue_event();
 
   Stager& stager_;
   c10::Device device_;
+  const uint64_t call_;
+  const std::thread::id issuer_ = std::this_thread::get_id();
+  int64_t issued_ns_ = 0, queued_ns_ = 0;
   std::optional<c10::Event> issued_;  // on the caller's current stream
   std::optional<c10::Stream> d2h_, h2d_;
   std::vector<Mirror> mirrors_;
-  bool pageable_ = true;  // host buffers not pinned: wait for copies before release
+  // Some host buffer is not pinned: the host waits for the copies before it is released
+  // (Note [Device staging]). Set by host_like; pinned buffers leave it false, since the caching
+  // host allocator keeps them until their copies finish (Note [Pinned calls do not wait]).
+  bool pageable_ = false;
   bool copied_in_ = false;
+  bool ordered_ = false;  // order_side_streams ran
 };
 
 // The per-group state of staging: settings, side streams per device, the trace.
@@ -143,6 +204,10 @@ class Stager {
   int64_t chunk_bytes() const { return chunk_bytes_; }
   // Steps of staged CPU collectives since the last call (SMDDP_STAGE_CPU=1 only).
   std::vector<std::string> take_trace();
+  // The phases of staged calls (Note [Staging timeline]); the works record into it too, and
+  // may outlive the group.
+  const std::shared_ptr<Timeline>& timeline() const { return timeline_; }
+  std::vector<Timeline::Span> take_timeline() { return timeline_->take(); }
 
  private:
   friend class StagedOp;
@@ -152,7 +217,11 @@ class Stager {
   const bool stage_cpu_;
   const int64_t chunk_bytes_;
   const std::string memory_;  // "auto", "pinned" or "pool"
+  // Whether this torch has an accelerator, so a pinned host allocator, at all (host_like).
+  const bool has_accelerator_;
   std::shared_ptr<ShmPool> pool_;
+  std::shared_ptr<Timeline> timeline_ = std::make_shared<Timeline>();
+  std::atomic<uint64_t> calls_{0};  // staged calls issued: Note [Staging timeline]
   std::mutex mu_;
   std::map<std::pair<int, int>, std::pair<c10::Stream, c10::Stream>> streams_;  // (type, index)
   std::vector<std::string> trace_;

@@ -42,7 +42,14 @@ SmddpWork::SmddpWork(int rank, c10d::OpType type, std::vector<at::Tensor> output
                                                      std::vector<c10::Device>{device});
 }
 
+void SmddpWork::record_on(std::shared_ptr<Timeline> timeline, uint64_t call, int64_t issued_ns) {
+  timeline_ = std::move(timeline);
+  call_ = call;
+  issued_ns_ = issued_ns;
+}
+
 void SmddpWork::complete(std::exception_ptr error) {
+  const int64_t began = timeline_ ? Timeline::now_ns() : 0;
   // The future first: its callbacks (e.g. DDP's bucket division) have run when wait() returns.
   if (error) {
     future_->setError(error);
@@ -52,10 +59,13 @@ void SmddpWork::complete(std::exception_ptr error) {
     if (completion_stream_) on_copies.emplace(*completion_stream_);
     future_->markCompleted(c10::IValue(outputs_));
   }
+  // Before finish(): a waiter may return, and record the end of the call, at once.
+  if (timeline_) timeline_->record(call_, "complete", began);
   finish(error);
 }
 
 bool SmddpWork::wait(std::chrono::milliseconds timeout) {
+  const int64_t began = timeline_ ? Timeline::now_ns() : 0;
   std::shared_ptr<Executor> exec = exec_.lock();
   // Without a timeout the waiting thread helps: it runs the lane's queued work itself (under
   // each operation's own timeout). With one it must return when it runs out, which a thread
@@ -75,7 +85,12 @@ bool SmddpWork::wait(std::chrono::milliseconds timeout) {
   }
   const bool ok = c10d::Work::wait(timeout);
   if (exec) exec->release_finished();
-  if (completion_stream_) future_->wait();  // the current stream waits, not the host
+  if (completion_stream_) future_->wait();     // the current stream waits, not the host
+  if (timeline_ && !waited_.exchange(true)) {  // Note [Staging timeline]
+    const int64_t end = Timeline::now_ns();
+    timeline_->record_span(call_, "wait", began, end);
+    timeline_->record_span(call_, "call", issued_ns_, end);
+  }
   return ok;
 }
 

@@ -82,6 +82,7 @@
 #include <thread>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "smddp/common/timeline.h"
 #include "smddp/common/worker_pool.h"
 
 namespace smddp {
@@ -109,6 +110,9 @@ class SmddpWork : public c10d::Work {
   void set_source_rank(int rank) { source_rank_.store(rank); }
   // Marks the work (and its future) completed, with an error if `error` is set.
   void complete(std::exception_ptr error);
+  // Records the completion and the caller's first wait() on `timeline` as phases of the
+  // staged call `call`, issued at `issued_ns` (Note [Staging timeline] in device_staging.h).
+  void record_on(std::shared_ptr<Timeline> timeline, uint64_t call, int64_t issued_ns);
 
  private:
   std::vector<at::Tensor> outputs_;
@@ -116,6 +120,10 @@ class SmddpWork : public c10d::Work {
   std::weak_ptr<Executor> exec_;
   std::atomic<int> source_rank_{-1};
   std::optional<c10::Stream> completion_stream_;
+  std::shared_ptr<Timeline> timeline_;  // null: not recorded
+  uint64_t call_ = 0;
+  int64_t issued_ns_ = 0;
+  std::atomic<bool> waited_{false};
 };
 
 // A Work that completes when all of its parts complete (endCoalescing, the *_coalesced

@@ -58,7 +58,8 @@ const std::vector<SettingInfo> kSettings = {
      "fp32 (twice the bytes, no rounding before the owner's)"},
     {"timeline", "SMDDP_TIMELINE", "flag", "0",
      "1: record when each collective and each of its phases across hosts began and ended "
-     "(bench multihost --timeline prints them)"},
+     "(bench multihost --timeline prints them), and the phases of staged calls on device "
+     "tensors (bench gpu --timeline)"},
     {"staging_chunk_bytes", "SMDDP_STAGING_CHUNK_BYTES", "bytes", "4M",
      "device tensors: the all-reduce copies and reduces this many bytes at a time, so the "
      "copies of one chunk overlap the reduction of the next (4K to 1G)"},

@@ -7,7 +7,9 @@
 // them side by side for every rank). Times are CLOCK_MONOTONIC nanoseconds, one clock for every
 // process on a machine, so the simulated hosts of the benchmark, which share the machine,
 // line up without any clock alignment. Off (the default), recording is one branch per
-// phase. The record keeps the newest kCapacity spans.
+// phase. The record keeps the newest kCapacity spans. Staged calls on device tensors record
+// their own phases on a timeline of their group's Stager (Note [Staging timeline] in
+// backend/device_staging.h; bench gpu --timeline prints them).
 #pragma once
 
 #include <time.h>
@@ -41,10 +43,15 @@ class Timeline {
   // Records [begin_ns, now) as `phase` of collective `seq`.
   void record(uint64_t seq, const char* phase, int64_t begin_ns, uint64_t bytes = 0) {
     if (!on_) return;
-    const int64_t end = now_ns();
+    record_span(seq, phase, begin_ns, now_ns(), bytes);
+  }
+  // Records [begin_ns, end_ns) (spans that must end together take one reading of the clock).
+  void record_span(uint64_t seq, const char* phase, int64_t begin_ns, int64_t end_ns,
+                   uint64_t bytes = 0) {
+    if (!on_) return;
     std::lock_guard<std::mutex> g(mu_);
     if (spans_.size() == kCapacity) spans_.pop_front();
-    spans_.push_back({seq, phase, begin_ns, end, bytes});
+    spans_.push_back({seq, phase, begin_ns, end_ns, bytes});
   }
 
   // Records the time from its construction to its end.

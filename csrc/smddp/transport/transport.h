@@ -83,6 +83,17 @@ inline uint64_t collective_tag(uint64_t seq, int stage) {
 inline bool is_collective_tag(uint64_t tag) { return tag >> 63; }
 inline uint64_t seq_of_tag(uint64_t tag) { return (tag & ~(1ull << 63)) >> 4; }
 
+// What a transport did, counted from its creation: the messages it moved and the system calls
+// that moved them, for benchmarks (bench multihost's CPU columns, Note [CPU per byte] in
+// torch_sagemaker/bench/multihost_rank.py). Read between calls; each count is exact once the
+// calls that made it returned.
+struct TransportStats {
+  uint64_t messages_sent = 0, messages_received = 0;
+  uint64_t send_calls = 0, recv_calls = 0, polls = 0;  // send(2), recv(2), poll(2) in exchanges
+  uint64_t bytes_received = 0;                         // message bodies
+  uint64_t stashed_bytes = 0;  // bodies read before their receive was posted: copied again
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -124,6 +135,7 @@ class Transport {
   virtual const std::string& address() const = 0;
   virtual int port() const = 0;
   virtual uint64_t rejected_connections() const = 0;
+  virtual TransportStats stats() const = 0;
 };
 
 // The transport for a group's rank (Note [Inter-host transports]): today the TCP mesh.

@@ -172,6 +172,7 @@ class TcpMesh final : public Transport {
   // (Note [Admission]), or a second connection for a connected rank. Clients that hang up
   // before replying are not counted (TcpMesh::progress).
   uint64_t rejected_connections() const override { return rejected_.load(); }
+  TransportStats stats() const override;
 
  private:
   static constexpr uint64_t kFailureTag = ~0ull;  // no collective or user tag reaches it
@@ -253,6 +254,12 @@ class TcpMesh final : public Transport {
   std::atomic<bool> aborted_{false};
   std::atomic<bool> announced_{false};
   std::atomic<uint64_t> rejected_{0};
+  // stats(): relaxed counts; a message's sender and receiver may be different threads.
+  struct Counts {
+    std::atomic<uint64_t> sent{0}, received{0}, send_calls{0}, recv_calls{0}, polls{0};
+    std::atomic<uint64_t> bytes_received{0}, stashed_bytes{0};
+  };
+  mutable Counts counts_;
 };
 
 // Address other hosts can reach this one at: settings.socket_addr (resolved), else the IPv4

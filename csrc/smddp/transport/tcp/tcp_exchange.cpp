@@ -21,7 +21,7 @@ constexpr const char* kClosed =
 // The longest a round sleeps while Exchange::background waits for other local ranks (which
 // no socket reports): a local rank's step is about one network chunk apart (512 KiB: 2 ms at
 // 2 Gbit/s), and a shorter sleep costs wake-ups that oversubscribed cores feel (a 50 us sleep
-// lost 5% of a 1 MiB all_reduce on 2 hosts of 2 ranks; docs/multi_node.md).
+// lost 5% of a 1 MiB all_reduce on 2 hosts of 2 ranks; docs/log/multi_node.md, build 5ce19af).
 constexpr int kBesideWaitMs = 1;
 
 struct SendState {
@@ -63,6 +63,7 @@ template <class Route>
 void TcpMesh::read_frames_of(Conn& c, int peer, int fd, Route& route, const OpCtx& ctx) {
   auto read_some = [&](char* dst, size_t n) -> bool {
     ssize_t r = ::recv(fd, dst, n, 0);
+    counts_.recv_calls.fetch_add(1, std::memory_order_relaxed);
     if (r == 0) fail_peer(peer, kClosed, ctx);
     if (r < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return false;
@@ -127,10 +128,16 @@ void TcpMesh::read_frames_of(Conn& c, int peer, int fd, Route& route, const OpCt
         dst = data.data() + c.body_got;
         room = data.size() - c.body_got;
       }
+      const size_t before = c.body_got;
       if (!read_some(dst, room)) return;
+      counts_.bytes_received.fetch_add(c.body_got - before, std::memory_order_relaxed);
+      if (c.target_op == -1) {
+        counts_.stashed_bytes.fetch_add(c.body_got - before, std::memory_order_relaxed);
+      }
       if (c.body_got < c.hdr.len) continue;
     }
     // Frame complete.
+    counts_.received.fetch_add(1, std::memory_order_relaxed);
     c.hdr_got = 0;
     const int op = c.target_op;
     c.target_op = -1;
@@ -310,6 +317,7 @@ void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
         size_t o = st.done - sizeof(st.hdr);
         r = ::send(c.out_fd, s.data + o, s.len - o, MSG_NOSIGNAL);
       }
+      counts_.send_calls.fetch_add(1, std::memory_order_relaxed);
       if (r < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
         fail_peer(s.peer,
@@ -317,6 +325,7 @@ void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
       }
       st.done += static_cast<size_t>(r);
     }
+    counts_.sent.fetch_add(1, std::memory_order_relaxed);
     st.finished = true;
     st.locked = false;
     c.partial = false;
@@ -422,6 +431,7 @@ void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
     if (waiting_for_something) wait_ms = 1;
     if (beside == Progress::kWaiting) wait_ms = std::min(wait_ms, kBesideWaitMs);
     poll(fds.data(), fds.size(), wait_ms);
+    counts_.polls.fetch_add(1, std::memory_order_relaxed);
   }
 }
 
@@ -499,6 +509,7 @@ bool TcpMesh::take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& 
   while (direct && c.target_op == kDirect && c.body == data) {  // our message is arriving
     if (aborted_.load() || ctx.deadline.expired()) break;
     pollfd pfd{fd, POLLIN, 0};
+    counts_.polls.fetch_add(1, std::memory_order_relaxed);
     if (::poll(&pfd, 1, std::min(kDirectSliceMs, ctx.deadline.remaining_ms() + 1)) <= 0) break;
     read_frames(peer, fd, route, ctx);
   }
@@ -517,6 +528,19 @@ bool TcpMesh::take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& 
   if (!m.awaited) c.stash_bytes -= m.hdr.len;
   c.stash.erase(c.stash.begin() + k);
   return true;
+}
+
+TransportStats TcpMesh::stats() const {
+  constexpr auto kRelaxed = std::memory_order_relaxed;
+  TransportStats out;
+  out.messages_sent = counts_.sent.load(kRelaxed);
+  out.messages_received = counts_.received.load(kRelaxed);
+  out.send_calls = counts_.send_calls.load(kRelaxed);
+  out.recv_calls = counts_.recv_calls.load(kRelaxed);
+  out.polls = counts_.polls.load(kRelaxed);
+  out.bytes_received = counts_.bytes_received.load(kRelaxed);
+  out.stashed_bytes = counts_.stashed_bytes.load(kRelaxed);
+  return out;
 }
 
 }  // namespace smddp
