@@ -129,6 +129,7 @@ def checkpoint_location(
     s3client_config: Any = None,
     *,
     checksums: bool = True,
+    container: bool = False,
 ) -> CheckpointLocation:
     """The location of ``checkpoint_id``: an S3 prefix for ``s3://`` URIs, else a directory.
 
@@ -140,10 +141,13 @@ def checkpoint_location(
         s3client_config: An ``s3torchconnector.S3ClientConfig`` for ``s3://`` checkpoints.
         checksums: Record a checksum of every file on save and verify them on load (Note
             [Checkpoint checksums]); ``False`` records and checks sizes only.
+        container: The location holds checkpoints rather than being one (retention's
+            root), so an ``s3://`` URI may name a whole bucket.
 
     Raises:
-        ValueError: If ``checkpoint_id`` is ``None``, a bare bucket, or a location given
-            together with S3 options or ``checksums=False`` (they belong to the location).
+        ValueError: If ``checkpoint_id`` is ``None``, a bare bucket (unless ``container``),
+            or a location given together with S3 options or ``checksums=False`` (they
+            belong to the location).
     """
     if isinstance(checkpoint_id, CheckpointLocation):
         if s3_region is not None or s3client_config is not None or not checksums:
@@ -154,7 +158,13 @@ def checkpoint_location(
             )
         return checkpoint_id
     if is_s3_uri(checkpoint_id):
-        return S3Checkpoint(str(checkpoint_id), s3_region, s3client_config, checksums=checksums)
+        return S3Checkpoint(
+            str(checkpoint_id),
+            s3_region,
+            s3client_config,
+            checksums=checksums,
+            container=container,
+        )
     if checkpoint_id is None:
         raise ValueError("checkpoint_id is required: pass the checkpoint directory.")
     return LocalDirectory(checkpoint_id, checksums=checksums)

@@ -99,7 +99,7 @@ def limit_num_subdirs(
     if not log:
         return []
     pattern = re.compile(regex) if regex is not None else None
-    root, upcoming = _checkpoint_root(checkpoint_location(path), pattern)
+    root, upcoming = _checkpoint_root(checkpoint_location(path, container=True), pattern)
     names = {n for n in root.checkpoint_names() if pattern is None or pattern.match(n)}
     deleted = []
     for name in _doomed(names, upcoming, num_kept, sort_fn):
