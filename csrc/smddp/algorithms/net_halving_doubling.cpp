@@ -51,10 +51,13 @@
 // arrives, but a round starts only when the one before ended, so unlike the ring no chunk
 // goes on before its round is over; the shared-memory steps that make the host partials run
 // inside each rank's first exchange (Exchange::work), and the sends of the host partials go
-// out as the steps make them final, in the order the peer posted its receives. Buffers: the
-// group's incoming buffer holds the running sums (in the accumulation type), what arrives
-// in a round (reused by every round: each exchange reduces all it received before it ends)
-// and the rounded copies of the sums sent.
+// out as the steps make them final, in the order the peer posted its receives. Buffers: a
+// core's share of the group's incoming buffer holds, for each part of the rail's data (T
+// elements), its running sum (in the accumulation type), what arrives in a round (in the wire
+// type; reused by every round: each exchange reduces all it received before it ends) and,
+// where the two types differ, the rounded copies of the sums sent: 8 bytes per element of T
+// for fp32 (twice the mesh's incoming buffer) and for bf16/fp16 (four times the mesh's 2).
+// Extras hold nothing beyond the host partials' rounded copies.
 #include <algorithm>
 #include <cstdint>
 #include <functional>
@@ -160,6 +163,7 @@ class Call {
   size_t wsz_ = 0, asz_ = 0, esz_ = 0, unit_ = 1;
   std::vector<size_t> roff_;     // host -> its part's offset in my buffers (elements)
   std::vector<uint8_t> in_acc_;  // host -> its part's running sum is in acc_
+  std::vector<DType> types_ = std::vector<DType>(2);  // a reduction's two sources' types
   char *acc_ = nullptr, *recv_ = nullptr, *send_ = nullptr;
   std::unique_ptr<WirePartials> wire_partials_;
   SliceCopy own_copy_;
@@ -193,13 +197,15 @@ Call::Call(HalvingDoubling& algo, NetGroup& g, const NetJob& job, const OpCtx& c
   }
   in_acc_.assign(H_, 0);
   if (hp_ && me_ < P_) {
-    // A core's running sums, what arrives in a round, and the rounded sums it sends.
+    // A core's running sums, what arrives in a round, and the rounded sums it sends (where
+    // the types differ; a reduce-scatter's extra's result waits there too).
     const size_t acc_bytes = round64(mul_checked(total, asz_));
     const size_t wire_bytes = round64(mul_checked(total, wsz_));
-    char* at = g.incoming(add_checked(acc_bytes, mul_checked(wire_bytes, 2)));
+    const bool sends = acc_type_ != wire_ || (!job.ag_out && me_ + P_ < H_);
+    char* at = g.incoming(add_checked(acc_bytes, mul_checked(wire_bytes, sends ? 2 : 1)));
     acc_ = at;
     recv_ = at + acc_bytes;
-    send_ = recv_ + wire_bytes;
+    send_ = sends ? recv_ + wire_bytes : nullptr;
   }
   if (hp_) {
     // The host partials that leave as they are: an extra's, all of them (the fold); a core
@@ -260,14 +266,15 @@ void Call::reduce_in(int q, const Span& c, bool last) {
   const Reduction& red = *job_.red;
   Timeline::Phase phase(g_.timeline(), ctx_.seq, "reduce", c.len * wsz_);
   const void* srcs[2];
-  std::vector<DType> types(2, wire_);
   if (in_acc_[q]) {
     srcs[0] = acc_at(q) + c.off * asz_;
-    types[0] = acc_type_;
+    types_[0] = acc_type_;
   } else {
     srcs[0] = static_cast<const char*>(hp_->ptr[q]) + c.off * dtype_size(hp_->type);
-    types[0] = hp_->type;
+    types_[0] = hp_->type;
   }
+  types_[1] = wire_;
+  const std::vector<DType>& types = types_;
   srcs[1] = recv_at(q) + c.off * wsz_;
   if (!last) {
     reduce_mixed(types, acc_type_, acc_at(q) + c.off * asz_, srcs, c.len, red, false);
