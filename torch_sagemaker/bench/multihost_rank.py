@@ -36,7 +36,7 @@ from torch_sagemaker.bench import netns
 from torch_sagemaker.bench.bare_tcp import BARE_TCP, BareRing
 
 # smddp groups that force how collectives cross hosts (SMDDPOptions.net_algo).
-FORCED_NET_ALGO = {"smddp-mesh": "mesh", "smddp-ring": "ring"}
+FORCED_NET_ALGO = {"smddp-mesh": "mesh", "smddp-ring": "ring", "smddp-hd": "halving_doubling"}
 
 
 class Step(NamedTuple):
