@@ -113,10 +113,23 @@ CPPTEST_FLAGS_asan  = $(CPPTEST_BASE) -O1 -fsanitize=address,undefined \
                       -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 CPPTEST_FLAGS_tsan  = $(CPPTEST_BASE) -O1 -fsanitize=thread
 
+# Note [Precompiled standard headers]: half of the compiler's time on a file here went to
+# parsing the same standard library headers (a 13-line file took 0.7 s of CPU); each variant
+# compiles tests/cpp/std_pch.h once, with its own flags, and every file is compiled with it
+# force-included: 30% less CPU for the plain build. A precompiled header that does not match
+# the flags is ignored (-Winvalid-pch says so) and the header parsed instead, so the build
+# stays correct either way.
+CPPTEST_PCH = tests/cpp/std_pch.h
+
 define cpptest_variant
-$(CPPTEST_DIR)/$(1)/%.o: %.cpp $(CPP_HEADERS)
+$(CPPTEST_DIR)/$(1)/pch/std_pch.h.gch: $(CPPTEST_PCH)
 	@mkdir -p $$(dir $$@)
-	$$(CXX) $$(CPPTEST_FLAGS_$(1)) -c $$< -o $$@
+	cp $$< $$(dir $$@)std_pch.h
+	$$(CXX) $$(CPPTEST_FLAGS_$(1)) -x c++-header $$(dir $$@)std_pch.h -o $$@
+$(CPPTEST_DIR)/$(1)/%.o: %.cpp $(CPP_HEADERS) $(CPPTEST_DIR)/$(1)/pch/std_pch.h.gch
+	@mkdir -p $$(dir $$@)
+	$$(CXX) $$(CPPTEST_FLAGS_$(1)) -Winvalid-pch -include $(CPPTEST_DIR)/$(1)/pch/std_pch.h \
+		-c $$< -o $$@
 $(CPPTEST_DIR)/$(1)/smddp_tests: $(addprefix $(CPPTEST_DIR)/$(1)/,$(CPP_CORE:.cpp=.o) $(CPP_TESTS:.cpp=.o))
 	$$(CXX) $$(CPPTEST_FLAGS_$(1)) $$^ -o $$@
 endef

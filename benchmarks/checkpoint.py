@@ -5,8 +5,9 @@ state dict of about ``--mb`` MB (float32 tensors of a few MB each, like a small 
 layers) in one process, and compares, for each writer thread count:
 
 - DCP alone (``dcp.save`` / ``dcp.load`` into a directory: no staging, no marker),
-- ``torch_sagemaker`` save/load with the checksums switched off (the baseline: the commit
-  protocol as it was before checksums, the marker holding sizes only),
+- ``torch_sagemaker`` save/load at a location made with ``checkpoint_location(...,
+  checksums=False)`` (the baseline: the commit protocol as it was before checksums, the
+  marker holding sizes only, nothing checksummed on save or load),
 - ``torch_sagemaker`` save/load as shipped (CRC-32 while writing, verified on load).
 
 The configurations take turns within each repeat so that load from other processes
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import shutil
 import statistics
 import tempfile
@@ -32,6 +34,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,32 +48,6 @@ def make_state(mb: int) -> dict[str, torch.Tensor]:
     return {f"layer{i}.weight": torch.randn(1024, 1024) for i in range(n)}
 
 
-@contextlib.contextmanager
-def checksums_off() -> Iterator[None]:
-    """The commit protocol without computing or verifying checksums (the baseline)."""
-    from torch_sagemaker.distributed.checkpoint import atomic_dir, integrity
-
-    def write(self, data):  # the stream still counts bytes, but computes nothing
-        n = self._raw.write(data)
-        self.size += memoryview(data).nbytes if n is None else n
-        return n
-
-    from torch_sagemaker.distributed.checkpoint.s3_checkpoint import S3Checkpoint
-
-    saved = (integrity._CrcStream.write, integrity.checksums_for, atomic_dir.verify_files)
-    saved_s3 = (S3Checkpoint.verify, S3Checkpoint.checksum)
-    integrity._CrcStream.write = write
-    integrity.checksums_for = lambda directory, sizes, recorded: dict.fromkeys(sizes, "00000000")
-    atomic_dir.verify_files = lambda path, marker, names: []
-    S3Checkpoint.verify = lambda self, marker, names: []
-    S3Checkpoint.checksum = lambda self, key: "00000000"
-    try:
-        yield
-    finally:
-        integrity._CrcStream.write, integrity.checksums_for, atomic_dir.verify_files = saved
-        S3Checkpoint.verify, S3Checkpoint.checksum = saved_s3
-
-
 def _timed(fn: Callable[[], object]) -> tuple[float, float]:
     """Wall seconds and CPU seconds (all threads of this process) of ``fn()``."""
     start, cpu = time.perf_counter(), time.process_time()
@@ -82,49 +59,61 @@ def _disk_cases(root: Path, state: dict, template: dict, threads: int) -> tuple[
     """(save cases, load cases) of the local directory ``root``."""
     import torch.distributed.checkpoint as dcp
 
-    from torch_sagemaker.distributed.checkpoint import load, save
+    from torch_sagemaker.distributed.checkpoint import checkpoint_location, load, save
     from torch_sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemWriter
 
     def writer(threads: int = threads) -> DistributedFileSystemWriter:
         return DistributedFileSystemWriter("unused", thread_count=threads)
 
     plain = root / f"dcp{threads}"
-    off, on = root / f"off{threads}", root / f"on{threads}"
+    off, on = checkpoint_location(root / f"off{threads}", checksums=False), root / f"on{threads}"
     saves = [
         (
             "DCP alone",
             lambda: dcp.save(state, storage_writer=writer(), checkpoint_id=plain, no_dist=True),
         ),
-        (
-            "tsm, no checksums",
-            lambda: _off(lambda: save(state, checkpoint_id=off, storage_writer=writer())),
-        ),
+        ("tsm, no checksums", lambda: save(state, checkpoint_id=off, storage_writer=writer())),
         ("tsm, crc32", lambda: save(state, checkpoint_id=on, storage_writer=writer())),
     ]
     loads = [
         ("DCP alone", lambda: dcp.load(template, checkpoint_id=plain, no_dist=True)),
-        ("tsm, no checksums", lambda: _off(lambda: load(template, checkpoint_id=off))),
+        ("tsm, no checksums", lambda: load(template, checkpoint_id=off)),
         ("tsm, crc32", lambda: load(template, checkpoint_id=on)),
     ]
     return saves, loads
+
+
+def check_markers(root: Path, threads: int) -> None:
+    """Refuses a run whose baseline kept checksums, or whose checksummed save did not.
+
+    Raises:
+        RuntimeError: If a marker is not what its configuration promises.
+    """
+    from torch_sagemaker.distributed.checkpoint.constants import COMPLETION_MARKER
+
+    for name, checksummed in ((f"off{threads}", False), (f"on{threads}", True)):
+        marker = json.loads((root / name / COMPLETION_MARKER).read_text())
+        if ("checksums" in marker) != checksummed:
+            raise RuntimeError(f"{name}: the marker does not match its configuration: {marker}")
 
 
 def _s3_cases(root: str, state: dict, template: dict, threads: int) -> tuple[list, list]:
     """(save cases, load cases) of the S3 prefix ``root`` (``s3torchconnector`` throughout)."""
     import torch.distributed.checkpoint as dcp
 
-    from torch_sagemaker.distributed.checkpoint import load, save
+    from torch_sagemaker.distributed.checkpoint import checkpoint_location, load, save
     from torch_sagemaker.distributed.checkpoint.s3_checkpoint import S3Checkpoint
 
     # DCP alone: s3torchconnector's writer and reader on a fixed prefix, no marker, no checks.
     plain = S3Checkpoint(f"{root}/dcp{threads}")
     plain_id = "0" * 32
-    off, on = f"{root}/off{threads}", f"{root}/on{threads}"
+    off = checkpoint_location(f"{root}/off{threads}", checksums=False)
+    on = checkpoint_location(f"{root}/on{threads}")
 
-    def tsm_save(uri: str) -> None:
-        location = S3Checkpoint(uri)
+    def tsm_save(location: Any) -> None:
         # A writer with the thread count; save() points it at the save's own prefix.
-        save(state, checkpoint_id=uri, storage_writer=location.storage_writer(plain_id, threads))
+        writer = location.storage_writer(plain_id, threads)
+        save(state, checkpoint_id=location, storage_writer=writer)
 
     saves = [
         (
@@ -136,7 +125,7 @@ def _s3_cases(root: str, state: dict, template: dict, threads: int) -> tuple[lis
                 no_dist=True,
             ),
         ),
-        ("tsm, no checksums", lambda: _off(lambda: tsm_save(off))),
+        ("tsm, no checksums", lambda: tsm_save(off)),
         ("tsm, crc32", lambda: tsm_save(on)),
     ]
     loads = [
@@ -144,12 +133,12 @@ def _s3_cases(root: str, state: dict, template: dict, threads: int) -> tuple[lis
             "DCP alone",
             lambda: dcp.load(
                 template,
-                storage_reader=plain.storage_reader(plain_id),
+                storage_reader=plain.storage_reader({"data": plain_id}),
                 checkpoint_id=plain.data_uri(plain_id),
                 no_dist=True,
             ),
         ),
-        ("tsm, no checksums", lambda: _off(lambda: load(template, checkpoint_id=off))),
+        ("tsm, no checksums", lambda: load(template, checkpoint_id=off)),
         ("tsm, crc32", lambda: load(template, checkpoint_id=on)),
     ]
     return saves, loads
@@ -199,6 +188,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                             raise RuntimeError("the benchmark loaded other values than it saved")
                         for t in template.values():
                             t.zero_()  # the next load must really fill it
+            for threads in args.threads:
+                check_markers(root, threads)
         flat = torch.cat([v.flatten() for v in state.values()]).numpy().data.cast("B")
         crc = [_timed(lambda: zlib.crc32(flat)) for _ in range(args.repeats)]
         times[("memory", "crc32", "zlib.crc32", 1)] = crc
@@ -221,11 +212,6 @@ def run(args: argparse.Namespace) -> list[dict]:
             }
         )
     return rows
-
-
-def _off(fn: Callable[[], None]) -> None:
-    with checksums_off():
-        fn()
 
 
 def format_table(rows: list[dict], mb: float) -> str:

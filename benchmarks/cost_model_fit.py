@@ -91,7 +91,8 @@ class Point:
     def algorithm(self) -> str:
         """The algorithm that ran: the row's, else smddp's mesh or gloo's flat ring."""
         if self.ran:
-            return self.ran
+            # The backend's name for recursive halving/doubling is the model's "doubling".
+            return "doubling" if self.ran == "halving_doubling" else self.ran
         return "flat_ring" if self.backend == "gloo" else "mesh"
 
     def cluster(self) -> cm.Cluster:

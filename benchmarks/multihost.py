@@ -72,7 +72,7 @@ from torch_sagemaker.planner.cost_model import nic_factor
 
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 DTYPES = ("float32", "bfloat16", "float16")
-BACKENDS = ("smddp", "smddp-mesh", "smddp-ring", "gloo", BARE_TCP)
+BACKENDS = ("smddp", "smddp-mesh", "smddp-ring", "smddp-hd", "gloo", BARE_TCP)
 MASTER_PORT = 29530  # inside the hosts' private network
 
 # Note [Each backend's sweep back to back]

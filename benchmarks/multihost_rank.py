@@ -36,7 +36,7 @@ from tools import netns
 from tools.bare_tcp import BARE_TCP, BareRing
 
 # smddp groups that force how collectives cross hosts (SMDDPOptions.net_algo).
-FORCED_NET_ALGO = {"smddp-mesh": "mesh", "smddp-ring": "ring"}
+FORCED_NET_ALGO = {"smddp-mesh": "mesh", "smddp-ring": "ring", "smddp-hd": "halving_doubling"}
 
 
 class Step(NamedTuple):

@@ -139,6 +139,26 @@ def _any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
+def _tie_as_configured(model: nn.Module) -> None:
+    """Ties the weights the model's config ties, as transformers' ``from_pretrained`` does.
+
+    Note [Tie before transform]: a model built from a config under accelerate's
+    ``init_empty_weights`` (SMP's scripts do so on every rank but 0 with
+    ``load_state_dict_from_rank0``, and on every rank for delayed initialization) has
+    ``lm_head.weight`` and ``embed_tokens.weight`` as two meta parameters even where
+    ``tie_word_embeddings`` says they are one (transformers 5), while rank 0's
+    ``from_pretrained`` model has them tied. Tensor parallelism and the rank-0 broadcast
+    must see one model on every rank, and the one the config describes: so transform ties
+    first. A model whose config ties nothing is left as it is.
+    """
+    config = getattr(model, "config", None)
+    get_text_config = getattr(config, "get_text_config", None)
+    text_config = get_text_config() if callable(get_text_config) else config
+    tie = getattr(model, "tie_weights", None)
+    if getattr(text_config, "tie_word_embeddings", False) and callable(tie):
+        tie()
+
+
 def _local_split(
     model: nn.Module, load_state_dict_from_rank0: bool, tp: int, moe_config: MoEConfig | None
 ) -> bool:
@@ -220,6 +240,7 @@ def transform(
     )
     # 2. Placement before sharding (parameter identity, hence weight tying, is kept).
     _check_placement(device, dtype)
+    _tie_as_configured(model)
     _place(model, device, dtype)
     rank0_state = loading.capture_rank0_state(model) if load_state_dict_from_rank0 else None
     local_split = _local_split(model, load_state_dict_from_rank0, tp, moe_config)

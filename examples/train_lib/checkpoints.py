@@ -17,10 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.sagemaker.distributed.checkpoint import (
     TrainingState,
-    is_complete,
+    checkpoint_location,
     maybe_finalize_async_calls,
 )
-from torch.sagemaker.distributed.checkpoint.s3_filesystem import is_s3_uri
 from torch.sagemaker.distributed.checkpoint.state_dict_utils import (
     compute_auto_checkpoint_interval,
 )
@@ -30,19 +29,14 @@ STEP_DIR = r"^.*-(\d+)steps$"
 
 def step_dirs(root: str | None) -> list[tuple[int, str]]:
     """Complete checkpoint directories under ``root`` as (step, path), oldest first."""
-    if root and is_s3_uri(root):
-        from torch_sagemaker.distributed.checkpoint.s3_checkpoint import list_subdirs
-
-        names = list_subdirs(root)
-    elif root and os.path.isdir(root):
-        names = os.listdir(root)
-    else:
+    if not root:
         return []
+    location = checkpoint_location(root)  # a directory or an s3:// prefix
     found = []
-    for name in names:
+    for name in location.checkpoint_names():
         match = re.match(STEP_DIR, name)
-        if match and is_complete(os.path.join(root, name)):
-            found.append((int(match.group(1)), os.path.join(root, name)))
+        if match and location.child(name).is_complete():
+            found.append((int(match.group(1)), str(location.child(name))))
     return sorted(found)
 
 

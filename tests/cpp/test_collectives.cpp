@@ -85,6 +85,24 @@ const Topology kHier4{"hier4", 4, 2, 8 << 10};
 // for, and of 2 ranks, where auto takes it.
 const Topology kRing3{"ring3", 3, 1, 8 << 10, smddp::NetAlgo::RING};
 const Topology kRing6{"ring6", 6, 2, 8 << 10, smddp::NetAlgo::AUTO};
+// Recursive halving-doubling across hosts (Note [Halving and doubling between hosts] in
+// net_halving_doubling.cpp), asked for: 2 to 9 hosts of one rank (powers of two, and the fold
+// of 1 to 3 extra hosts), 3 and 4 hosts of 2 ranks (the shared-memory steps inside the first
+// round), and 3 hosts of 2 with bf16 partials in fp32 on the wire.
+constexpr smddp::NetAlgo kHd = smddp::NetAlgo::HALVING_DOUBLING;
+const Topology kHd2{"hd2", 2, 1, 8 << 10, kHd};
+const Topology kHd3{"hd3", 3, 1, 8 << 10, kHd};
+const Topology kHd4{"hd4", 4, 1, 8 << 10, kHd};
+const Topology kHd5{"hd5", 5, 1, 8 << 10, kHd};
+const Topology kHd6{"hd6", 6, 1, 8 << 10, kHd};
+const Topology kHd7{"hd7", 7, 1, 8 << 10, kHd};
+const Topology kHd8{"hd8", 8, 1, 8 << 10, kHd};
+const Topology kHd9{"hd9", 9, 1, 8 << 10, kHd};
+const Topology kHd3x2{"hd3x2", 6, 2, 8 << 10, kHd};
+const Topology kHd4x2{"hd4x2", 8, 2, 8 << 10, kHd};
+const Topology kHd3x2Fp32{"hd3x2_fp32_wire", 6, 2, 8 << 10, kHd, {}, true};
+// Hosts of unequal rank counts take the mesh even when halving-doubling is asked for.
+const Topology kUneven312Hd{"uneven312_hd", 6, 0, 8 << 10, kHd, {0, 0, 0, 1, 2, 2}};
 const Topology kShmTcpP2P{"shm2_p2p_tcp", 2, 0, 0};  // send/recv over loopback TCP
 // bf16 partials in fp32 between hosts (Note [Half precision on the wire] in net_algorithm.h),
 // on the mesh and the ring.
@@ -152,16 +170,19 @@ std::string where(const Topology& topo, const char* what, int rank, DType t, Red
              smddp::redop_name(op), " count ", count, ": ");
 }
 
-// Whether a topology's collectives across hosts must take the ring (choose_net_algorithm):
-// equal hosts, 3 or more, asked for or auto up to 32.
-bool ring_expected(const Topology& topo, const smddp::Layout& l) {
-  if (!l.uniform || l.hosts < 3) return false;
-  return topo.net_algo == smddp::NetAlgo::RING ||
-         (topo.net_algo == smddp::NetAlgo::AUTO && l.hosts <= 32);
+// The algorithm a topology's collectives across hosts must take (choose_net_algorithm):
+// equal hosts take halving-doubling where asked for, the ring where asked for or auto from 3
+// to 32 hosts; other layouts (unequal hosts, the mesh asked for, 2 hosts) the mesh.
+std::string expected_algorithm(const Topology& topo, const smddp::Layout& l) {
+  if (!l.uniform) return "mesh";
+  if (topo.net_algo == smddp::NetAlgo::HALVING_DOUBLING) return "halving_doubling";
+  if (l.hosts < 3) return "mesh";
+  const bool ring = topo.net_algo == smddp::NetAlgo::RING ||
+                    (topo.net_algo == smddp::NetAlgo::AUTO && l.hosts <= 32);
+  return ring ? "ring" : "mesh";
 }
 
-// The calls that crossed hosts took the ring where it is expected, and the mesh elsewhere
-// (hosts of unequal size, the mesh asked for, 2 hosts).
+// The calls that crossed hosts took the algorithm expected_algorithm names.
 void expect_ring_used(const Topology& topo, const Communicator& c) {
   const std::string algo = c.net_algorithm();
   if (c.layout().hosts < 2) {
@@ -169,7 +190,7 @@ void expect_ring_used(const Topology& topo, const Communicator& c) {
     return;
   }
   EXPECT(c.net_ops() > 0, topo.name, ": no collective crossed hosts");
-  const char* want = ring_expected(topo, c.layout()) ? "ring" : "mesh";
+  const std::string want = expected_algorithm(topo, c.layout());
   EXPECT(algo == want, topo.name, ": collectives crossed hosts by the ", algo, ", expected the ",
          want);
 }
@@ -495,6 +516,41 @@ TEST_CASE(send_recv_shm3) { check_send_recv(kShm3); }
 TEST_CASE(send_recv_tcp3) { check_send_recv(kTcp3); }
 TEST_CASE(send_recv_hier4) { check_send_recv(kHier4); }
 TEST_CASE(send_recv_shm2_over_tcp) { check_send_recv(kShmTcpP2P); }
+TEST_CASE(allreduce_hd2) { check_allreduce(kHd2); }
+TEST_CASE(allreduce_hd3) { check_allreduce(kHd3); }
+TEST_CASE(allreduce_hd4) { check_allreduce(kHd4); }
+TEST_CASE(allreduce_hd5) { check_allreduce(kHd5); }
+TEST_CASE(allreduce_hd6) { check_allreduce(kHd6); }
+TEST_CASE(allreduce_hd7) { check_allreduce(kHd7); }
+TEST_CASE(allreduce_hd8) { check_allreduce(kHd8); }
+TEST_CASE(allreduce_hd9) { check_allreduce(kHd9); }
+TEST_CASE(allreduce_hd3x2) { check_allreduce(kHd3x2); }
+TEST_CASE(allreduce_hd4x2) { check_allreduce(kHd4x2); }
+TEST_CASE(allreduce_hd3x2_fp32_wire) { check_allreduce(kHd3x2Fp32); }
+TEST_CASE(allreduce_uneven312_hd) { check_allreduce(kUneven312Hd); }
+TEST_CASE(reduce_scatter_hd2) { check_reduce_scatter(kHd2); }
+TEST_CASE(reduce_scatter_hd3) { check_reduce_scatter(kHd3); }
+TEST_CASE(reduce_scatter_hd4) { check_reduce_scatter(kHd4); }
+TEST_CASE(reduce_scatter_hd5) { check_reduce_scatter(kHd5); }
+TEST_CASE(reduce_scatter_hd6) { check_reduce_scatter(kHd6); }
+TEST_CASE(reduce_scatter_hd7) { check_reduce_scatter(kHd7); }
+TEST_CASE(reduce_scatter_hd8) { check_reduce_scatter(kHd8); }
+TEST_CASE(reduce_scatter_hd9) { check_reduce_scatter(kHd9); }
+TEST_CASE(reduce_scatter_hd3x2) { check_reduce_scatter(kHd3x2); }
+TEST_CASE(reduce_scatter_hd4x2) { check_reduce_scatter(kHd4x2); }
+TEST_CASE(reduce_scatter_hd3x2_fp32_wire) { check_reduce_scatter(kHd3x2Fp32); }
+TEST_CASE(allgather_hd2) { check_allgather(kHd2); }
+TEST_CASE(allgather_hd3) { check_allgather(kHd3); }
+TEST_CASE(allgather_hd4) { check_allgather(kHd4); }
+TEST_CASE(allgather_hd5) { check_allgather(kHd5); }
+TEST_CASE(allgather_hd6) { check_allgather(kHd6); }
+TEST_CASE(allgather_hd7) { check_allgather(kHd7); }
+TEST_CASE(allgather_hd8) { check_allgather(kHd8); }
+TEST_CASE(allgather_hd9) { check_allgather(kHd9); }
+TEST_CASE(allgather_hd3x2) { check_allgather(kHd3x2); }
+TEST_CASE(allgather_hd4x2) { check_allgather(kHd4x2); }
+TEST_CASE(rooted_hd3x2) { check_rooted(kHd3x2); }
+TEST_CASE(rooted_hd5) { check_rooted(kHd5); }
 TEST_CASE(allreduce_uneven21) { check_allreduce(kUneven21); }
 TEST_CASE(allreduce_uneven12) { check_allreduce(kUneven12); }
 TEST_CASE(allreduce_uneven312) { check_allreduce(kUneven312); }

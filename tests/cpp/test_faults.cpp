@@ -110,6 +110,41 @@ static void collective_timeout(int force_local_size) {
 TEST_CASE(collective_timeout_shm) { collective_timeout(0); }
 TEST_CASE(collective_timeout_tcp) { collective_timeout(1); }
 
+// Halving-doubling on 3 hosts (Note [Halving and doubling between hosts] in
+// net_halving_doubling.cpp): host 2 folds into host 0, which pairs with host 1. Rank 2 never
+// calls until the others gave up: rank 0 times out naming rank 2, the one it waits for in
+// the fold; rank 1, which waits for rank 0 in the first halving round, fails naming rank 0
+// (its failure notice, or its own timeout); and rank 2, when it calls, learns of rank 0's.
+TEST_CASE(halving_doubling_timeout_names_the_peer) {
+  smddp::CommConfig cfg = small_config("hd_hang", 1);
+  cfg.settings.net_algo = smddp::NetAlgo::HALVING_DOUBLING;
+  std::atomic<int> gave_up{0};
+  run_group(3, cfg, [&](Communicator& c, int rank) {
+    EXPECT(std::string(c.net_algorithm()) == "halving_doubling", "took ", c.net_algorithm());
+    std::vector<float> buf(100, 1.0f);
+    if (rank == 2) {
+      while (gave_up.load() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      EXPECT_THROW_WITH(c.allreduce(buf.data(), buf.size(), sum_f32(), allreduce_ctx(c, 100, 5)),
+                        "all_reduce", "rank 0");
+      return;
+    }
+    const double timeout = rank == 0 ? 0.5 : 1.5;
+    const std::string message = EXPECT_THROW_WITH(
+        c.allreduce(buf.data(), buf.size(), sum_f32(), allreduce_ctx(c, 100, timeout)),
+        "all_reduce (float32, SUM, 100 elements) on group 'hd_hang'");
+    if (rank == 0) {
+      EXPECT(message.find("timed out after 0.5 s") != std::string::npos &&
+                 message.find("waiting for ranks [2]") != std::string::npos,
+             "rank 0's error does not name rank 2: '", message, "'");
+    } else {
+      EXPECT(message.find("rank 0") != std::string::npos ||
+                 message.find("ranks [0]") != std::string::npos,
+             "rank 1's error does not name rank 0: '", message, "'");
+    }
+    gave_up.fetch_add(1);
+  });
+}
+
 static void abort_from_another_thread(int force_local_size) {
   std::atomic<Communicator*> rank0{nullptr};
   std::atomic<bool> abort_returned{false};

@@ -247,12 +247,15 @@ class _Pool:
         ]
         for p in self.procs:
             p.start()
-        self._collect(start_timeout_s, what="start-up")
+        self._collect(start_timeout_s, what="start-up", conclusive=_port_taken)
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def _collect(self, timeout_s: float, what: str) -> list[Any]:
+    def _collect(
+        self, timeout_s: float, what: str, conclusive: Callable[[str], bool] | None = None
+    ) -> list[Any]:
+        """The ranks' values by rank; raises with every failure, or the first ``conclusive`` one."""
         deadline = time.monotonic() + timeout_s
         values: dict[int, Any] = {}
         failures: dict[int, str] = {}
@@ -281,6 +284,8 @@ class _Pool:
             else:
                 failures[rank] = value
                 first_failure_at = first_failure_at or time.monotonic()
+                if conclusive is not None and conclusive(value):
+                    break
         missing = [r for r in range(self.world_size) if r not in values and r not in failures]
         if failures or missing:
             self.shutdown(force=True)
@@ -330,6 +335,13 @@ def _shutdown_all() -> None:
         pool.shutdown()
 
 
+def _port_taken(failure: str) -> bool:
+    """Whether a rank's start-up failed because the store's port was taken: the pool starts
+    again at once, without the grace period for the other ranks' reports (they wait for a
+    store that will never answer, and their tracebacks would say nothing more)."""
+    return "EADDRINUSE" in failure
+
+
 def _start_pool(
     world_size: int, backend: str, env: dict[str, str], init_pg: bool, pg_timeout: float
 ) -> _Pool:
@@ -340,7 +352,7 @@ def _start_pool(
         try:
             return _Pool(world_size, backend, env, init_pg, pg_timeout, start_timeout_s=180)
         except DistributedTestError as e:
-            if "EADDRINUSE" not in str(e) or attempt == 2:
+            if not _port_taken(str(e)) or attempt == 2:
                 raise
     raise AssertionError("unreachable")
 

@@ -75,12 +75,12 @@ def test_a_rank_that_fails_after_delivering_is_reported_with_its_traceback():
     with pytest.raises(RuntimeError, match="benchmark rank 1 failed") as e:
         bench.run_ranks(_fails_after_delivering, 2, results=2)
     assert "ValueError: xxx" in str(e.value)
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 300  # far below the 3600 s result timeout: no wait
 
 
 def test_a_rank_that_never_delivers_times_out():
-    with pytest.raises(RuntimeError, match="no result from the benchmark ranks in 5 s"):
-        bench.run_ranks(_never_delivers, 1, result_timeout_s=5)
+    with pytest.raises(RuntimeError, match="no result from the benchmark ranks in 1 s"):
+        bench.run_ranks(_never_delivers, 1, result_timeout_s=1)
 
 
 def test_a_store_port_taken_first_is_retried_on_a_new_one(monkeypatch):

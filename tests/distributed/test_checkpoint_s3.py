@@ -16,6 +16,7 @@ own bucket.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import re
@@ -104,7 +105,7 @@ def _state(scale: float) -> dict:
     return {"w": torch.arange(4096.0) * scale, "b": torch.ones(7) * scale, "step": int(scale)}
 
 
-def _loaded(uri: str) -> dict:
+def _loaded(uri: object) -> dict:
     from torch_sagemaker.distributed.checkpoint import load
 
     out = {"w": torch.zeros(4096), "b": torch.zeros(7), "step": 0}
@@ -157,6 +158,38 @@ def test_corrupted_truncated_and_missing_objects_are_refused_by_name(s3):
         _loaded(uri)
     with pytest.raises(CheckpointError, match="does not exist"):
         _loaded(f"s3://{bucket}/run/step9")
+
+
+def test_checksums_are_an_option_of_the_s3_location(s3):
+    from torch_sagemaker.distributed.checkpoint import CheckpointError, checkpoint_location, save
+
+    server, bucket = s3
+    client = server.boto3()
+
+    def flip_a_byte(name: str) -> None:
+        key = next(k for k in _keys(server, bucket) if k.startswith(name) and k.endswith("distcp"))
+        raw = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+        raw[len(raw) // 2] ^= 0x10
+        client.put_object(Bucket=bucket, Key=key, Body=bytes(raw))
+
+    def marker(name: str) -> dict:
+        key = f"{name}/.sm_checkpoint_complete.json"
+        return json.loads(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+
+    # Off: sizes only in the marker, and nothing checksummed on the way back either.
+    off = checkpoint_location(f"s3://{bucket}/off", checksums=False)
+    save(_state(1.0), checkpoint_id=off)
+    assert marker("off")["format_version"] == 1 and "checksums" not in marker("off")
+    flip_a_byte("off/")
+    assert _loaded(off)["step"] == 1
+    # On: refused by name, unless the loading location turns checksums off.
+    save(_state(2.0), checkpoint_id=f"s3://{bucket}/on")
+    assert set(marker("on")["checksums"]) == set(marker("on")["files"])
+    flip_a_byte("on/")
+    with pytest.raises(CheckpointError, match="does not match its crc32 checksum"):
+        _loaded(f"s3://{bucket}/on")
+    unchecked = _loaded(checkpoint_location(f"s3://{bucket}/on", checksums=False))
+    assert unchecked["step"] == 2 and not torch.equal(unchecked["w"], _state(2.0)["w"])
 
 
 def _save_then_die_during_upload(env: dict, uri: str, second: str, conn) -> None:
@@ -240,6 +273,8 @@ def test_retention_keeps_the_newest_checkpoints_on_s3(s3):
         "llama-450steps",
     }
     _assert_state(_loaded(f"{root}/llama-400steps"), 400)
+    # A whole bucket may be the root: its only prefix, job/, is no checkpoint, so nothing goes.
+    assert limit_num_subdirs(f"s3://{bucket}", 1) == []
 
 
 def test_a_transient_error_on_the_commit_is_retried(s3, monkeypatch):

@@ -81,12 +81,13 @@ def ring_across_hosts(hosts: list[list[int]]) -> bool:
     """Whether collectives across ``hosts`` pass partials around a ring (Note [Rail rings]
     in net_ring.cpp), which sums each part in its own host order: 3 hosts or more of equal
     rank counts, with SMDDP_NET_ALGO=ring, or auto (unset) up to 32 hosts. Hosts of unequal
-    rank counts always take the mesh (Note [Unequal hosts])."""
+    rank counts always take the mesh (Note [Unequal hosts]); SMDDP_NET_ALGO=halving_doubling
+    takes neither (its order is modelled in test_smddp_halving_doubling.py)."""
     equal = len({len(members) for members in hosts}) == 1
     algo = os.environ.get("SMDDP_NET_ALGO", "auto").strip().lower() or "auto"
-    if not equal or len(hosts) < 3 or algo == "mesh":
+    if not equal or len(hosts) < 3:
         return False
-    return algo == "ring" or len(hosts) <= 32
+    return algo == "ring" or (algo == "auto" and len(hosts) <= 32)
 
 
 def partition(n: int, parts: int, i: int, align: int) -> tuple[int, int]:

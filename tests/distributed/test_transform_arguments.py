@@ -7,6 +7,10 @@
 - ``load_state_dict_from_rank0=True`` with meta weights on rank 0 raised on rank 0 only,
   while the other ranks went on into the weight broadcast and failed with an unrelated
   mismatch; now every rank raises the same error.
+- A tied model (``tie_word_embeddings``) loaded from rank 0 failed in the weight broadcast
+  with a collective mismatch: the other ranks' models, built under ``init_empty_weights``,
+  were untied (one parameter more). Now transform ties as the config says (Note [Tie before
+  transform]), and models that differ across ranks stop every rank with the same error.
 - With tp = cp = ep = 1, ``transform`` made an all-reduce on the world group (to agree on
   meta weights that nothing then read); now it makes no collective call at all.
 """
@@ -111,6 +115,21 @@ def _errors() -> dict:
     out["tp2_world_calls"] = counter.calls
     weight = model.model.layers[0].mlp.up_proj.weight.full_tensor()
     out["loaded"] = bool(torch.equal(weight, tiny_llama(seed=5).model.layers[0].mlp.up_proj.weight))
+    # A tied model: real on rank 0, from the config on meta (untied there) elsewhere.
+    if dist.get_rank() == 0:
+        tied = tiny_llama(seed=6, tie_word_embeddings=True)
+    else:
+        with init_empty_weights():
+            tied = tiny_llama(seed=9, tie_word_embeddings=True)
+        out["meta_untied"] = tied.lm_head.weight is not tied.model.embed_tokens.weight
+    tied = tsm.transform(tied, load_state_dict_from_rank0=True)
+    out["tied"] = tied.lm_head.weight is tied.model.embed_tokens.weight
+    want = tiny_llama(seed=6, tie_word_embeddings=True).model.embed_tokens.weight
+    out["tied_loaded"] = bool(torch.equal(tied.model.embed_tokens.weight.full_tensor(), want))
+    layers = 2 if dist.get_rank() == 0 else 3
+    attempt(
+        "different", lambda: tiny_llama(num_hidden_layers=layers), load_state_dict_from_rank0=True
+    )
     return out
 
 
@@ -130,8 +149,14 @@ def test_transform_argument_errors_are_early_clear_and_on_every_rank():
             "ValueError: load_state_dict_from_rank0=True needs real weights on rank 0"
         ), out
         assert out["loaded"] is True
+        assert out["tied"] and out["tied_loaded"] and out.get("meta_untied", True), out
+        assert out["different"].startswith(
+            "ValueError: load_state_dict_from_rank0=True needs the same model on every rank, "
+            "but rank 1's differs from rank 0's: "
+        ), out
         assert "broadcast" in out["tp2_world_calls"], out["tp2_world_calls"]
     assert results[0]["rank0_meta"] == results[1]["rank0_meta"]
+    assert results[0]["different"] == results[1]["different"]
 
 
 def _world_calls_without_model_parallelism() -> dict:

@@ -156,13 +156,15 @@ def test_rows_say_which_algorithm_ran():
             row("smddp-ring", "ring", 2.0),
             row("smddp-mesh", "mesh", 4.0),
             row("gloo", "flat_ring", 5.0),
+            row("smddp-hd", "halving_doubling", 2.5),
         ],
     }
     pts = cf.points([run])
-    assert [p.algorithm for p in pts] == ["ring", "ring", "mesh", "flat_ring"]
+    # The backend's halving_doubling is the model's doubling.
+    assert [p.algorithm for p in pts] == ["ring", "ring", "mesh", "flat_ring", "doubling"]
     # The default group's ring and a forced ring are runs of one point: the faster counts.
     merged = {p.algorithm: p.seconds for p in cf.fastest(pts)}
-    assert merged == {"ring": 2.0, "mesh": 4.0, "flat_ring": 5.0}
+    assert merged == {"ring": 2.0, "mesh": 4.0, "flat_ring": 5.0, "doubling": 2.5}
     # Files written before rows recorded it: smddp ran the mesh, gloo a flat ring.
     old = cf.points([{"rate_bits": 10**9, "rows": [row("smddp", "", 1.0), row("gloo", "", 1.0)]}])
     assert [p.algorithm for p in old] == ["mesh", "flat_ring"]

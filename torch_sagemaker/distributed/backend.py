@@ -239,7 +239,8 @@ def group_layout(group: dist.ProcessGroup | None = None) -> dict:
         is the rank count of this rank's host; ``forced`` is true when
         ``SMDDP_FORCE_LOCAL_SIZE`` shaped the layout; ``uniform`` is false when hosts have
         unequal rank counts (they keep their hierarchy, and cross hosts over the mesh only);
-        ``net_algorithm`` is how collectives cross hosts, ``"mesh"`` or ``"ring"`` (the
+        ``net_algorithm`` is how collectives cross hosts, ``"mesh"``, ``"ring"`` or
+        ``"halving_doubling"`` (the
         layout and the group's ``net_algo``, from ``SMDDPOptions`` or ``SMDDP_NET_ALGO``,
         decide it), or ``"none"`` on one host; ``machine_oversubscribed`` is true when the
         group's ranks on this machine, of this host and of hosts that are containers or

@@ -33,20 +33,26 @@ def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 def capture_rank0_state(model: nn.Module) -> dict[str, torch.Tensor] | None:
     """References to rank 0's full parameters and buffers, by name (call before TP, on every rank).
 
-    Collective: rank 0 tells every rank whether its weights are real (one small broadcast),
-    so that a rank-0 model on the meta device stops every rank with the same error instead
-    of rank 0 alone while the others wait in the weight broadcast.
+    Collective: rank 0 tells every rank whether its weights are real and what its tensors
+    are (names and shapes, in order: one broadcast), and every rank says whether its own
+    model has the same (one all-gather). So a rank-0 model on the meta device, or a model
+    built differently on some rank (a weight tied on rank 0 but not elsewhere gives one
+    parameter fewer), stops every rank with the same error, instead of the weight broadcast
+    pairing different tensors.
 
     Returns:
         The references on rank 0, ``None`` on the other ranks.
 
     Raises:
-        ValueError: On every rank, if a tensor of rank 0's model is on the meta device.
+        ValueError: On every rank, if a tensor of rank 0's model is on the meta device, or
+            if some rank's tensors differ from rank 0's in name, shape or order.
     """
     is_src = dist.get_rank() == 0
-    tensors = dict(_named_tensors(model)) if is_src else {}
+    named = _named_tensors(model)
+    tensors = dict(named) if is_src else {}
     meta = [name for name, t in tensors.items() if t.is_meta]
-    problem: list[str | None] = [None]
+    layout = [(name, tuple(t.shape)) for name, t in named]
+    problem: list = [None, layout if is_src else None]
     if meta:
         problem[0] = (
             f"load_state_dict_from_rank0=True needs real weights on rank 0, but {len(meta)} "
@@ -58,7 +64,30 @@ def capture_rank0_state(model: nn.Module) -> dict[str, torch.Tensor] | None:
         dist.broadcast_object_list(problem, src=0)
     if problem[0] is not None:
         raise ValueError(problem[0])
+    if dist.get_world_size() > 1:
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, _first_difference(layout, problem[1]))
+        for rank, difference in enumerate(every):
+            if difference is not None:
+                raise ValueError(
+                    f"load_state_dict_from_rank0=True needs the same model on every rank, but "
+                    f"rank {rank}'s differs from rank 0's: {difference}. Build it from the "
+                    "same config everywhere (from_pretrained on rank 0, from_config under "
+                    "init_empty_weights elsewhere) with the same weights tied."
+                )
     return {name: t.detach() for name, t in tensors.items()} if is_src else None
+
+
+def _first_difference(
+    mine: list[tuple[str, tuple[int, ...]]], rank0: list[tuple[str, tuple[int, ...]]]
+) -> str | None:
+    """Where this rank's tensors (name, shape; in order) first differ from rank 0's."""
+    for i, (a, b) in enumerate(zip(mine, rank0)):
+        if a != b:
+            return f"tensor {i} is {a[0]} {list(a[1])} here and {b[0]} {list(b[1])} on rank 0"
+    if len(mine) != len(rank0):
+        return f"{len(mine)} tensors here and {len(rank0)} on rank 0"
+    return None
 
 
 def broadcast_from_rank0(

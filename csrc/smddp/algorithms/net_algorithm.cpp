@@ -12,6 +12,23 @@ namespace {
 // "When").
 constexpr int kAutoRingMaxHosts = 32;
 
+// Note [Auto beyond 32 hosts]
+// Past the ring's measured range, auto takes halving-doubling (Note [Halving and doubling
+// between hosts] in net_halving_doubling.cpp) where the host count is a power of two, and the
+// mesh elsewhere, as before. The cost model (torch_sagemaker/planner/cost_model.py, fitted
+// costs of docs/multi_node.md, a 20 us step latency) ranks "doubling" first among the mesh,
+// the ring and doubling for 64 to 1024 hosts of 8 ranks and 96 cores at 4 x 100 Gbit/s at
+// every size from 64 KiB to 256 MiB and every op, for step latencies of 0 to 1 ms (tied
+// with the ring at 256 MiB with none; computed with cost_model.predict): it
+// moves the ring's bytes in log2 H steps where the ring takes 2 (H-1), in fewer messages, and
+// has none of the mesh's H-1 flows per NIC. So among these three the model's choice there
+// depends on the host count, not on the size, and one choice per group (Note [Inter-host
+// algorithms]) is all it needs. What the model does choose by size is a tree for small
+// all-reduces (up to 32 MiB on 64 hosts, every size from 128), which smddp does not have. The model
+// counts no fold, so off powers of two, where the fold sends the rail's data once more between the
+// paired hosts, auto keeps the mesh. None of it is measured beyond 32 hosts.
+bool power_of_two(int n) { return n > 0 && (n & (n - 1)) == 0; }
+
 }  // namespace
 
 DType wire_type(DType t, const Settings& s) { return s.net_reduce_fp32 ? acc_type(t) : t; }
@@ -60,23 +77,25 @@ size_t NetAlgorithm::chunk_unit(const NetJob& job) const {
 std::unique_ptr<NetAlgorithm> choose_net_algorithm(NetGroup& group) {
   const Layout& l = group.layout();
   if (l.hosts < 2) return nullptr;
-  // A ring needs rails: hosts of unequal size take the mesh (Note [Unequal hosts] in
-  // comm_hier.cpp), and so do 2 hosts, where the two are one exchange. Note [Rail rings],
-  // "When": auto is the ring from 3 to 32 hosts.
-  bool ring = false;
-  if (l.uniform && l.hosts >= 3) {
-    switch (group.settings().net_algo) {
-      case NetAlgo::RING:
-        ring = true;
-        break;
-      case NetAlgo::MESH:
-        break;
-      case NetAlgo::AUTO:
-        ring = l.hosts <= kAutoRingMaxHosts;
-        break;
-    }
+  // The ring and halving-doubling need rails: hosts of unequal size take the mesh (Note
+  // [Unequal hosts] in comm_hier.cpp). A ring of 2 hosts is the mesh's one exchange; halving-
+  // doubling there is one round each way, taken when asked for. Note [Rail rings], "When":
+  // auto is the ring from 3 to 32 hosts; beyond, Note [Auto beyond 32 hosts].
+  if (!l.uniform) return make_mesh(group);
+  switch (group.settings().net_algo) {
+    case NetAlgo::HALVING_DOUBLING:
+      return make_halving_doubling(group);
+    case NetAlgo::RING:
+      return l.hosts >= 3 ? make_ring(group) : make_mesh(group);
+    case NetAlgo::MESH:
+      return make_mesh(group);
+    case NetAlgo::AUTO:
+      break;
   }
-  return ring ? make_ring(group) : make_mesh(group);
+  if (l.hosts >= 3 && l.hosts <= kAutoRingMaxHosts) return make_ring(group);
+  // Note [Auto beyond 32 hosts].
+  if (l.hosts > kAutoRingMaxHosts && power_of_two(l.hosts)) return make_halving_doubling(group);
+  return make_mesh(group);
 }
 
 }  // namespace smddp

@@ -13,9 +13,10 @@
 // reads the group through NetGroup and nothing else. One algorithm serves a group for its
 // whole life: choose_net_algorithm picks it once, when the group is created, from the layout
 // and settings every rank shares (so every rank picks the same). Today: the mesh
-// (net_mesh.cpp, every host to every other in one hop) and the ring (net_ring.cpp, each host
-// to the next). A third is one new file: a NetAlgorithm subclass, its make_* declared below,
-// and its line in choose_net_algorithm.
+// (net_mesh.cpp, every host to every other in one hop), the ring (net_ring.cpp, each host
+// to the next) and recursive halving-doubling (net_halving_doubling.cpp, log2 H rounds of
+// one peer each). Another is one new file: a NetAlgorithm subclass, its make_* declared
+// below, and its line in choose_net_algorithm.
 //
 // Note [Half precision on the wire]
 // bf16 and fp16 reductions used to send their partial sums between hosts in fp32, the
@@ -206,6 +207,8 @@ class NetAlgorithm {
 
 std::unique_ptr<NetAlgorithm> make_mesh(NetGroup& group);  // net_mesh.cpp
 std::unique_ptr<NetAlgorithm> make_ring(NetGroup& group);  // net_ring.cpp
+// net_halving_doubling.cpp (Note [Halving and doubling between hosts]).
+std::unique_ptr<NetAlgorithm> make_halving_doubling(NetGroup& group);
 
 // The group's algorithm, from its layout and settings (null: one host, nothing crosses).
 std::unique_ptr<NetAlgorithm> choose_net_algorithm(NetGroup& group);

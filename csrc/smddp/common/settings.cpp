@@ -49,9 +49,11 @@ const std::vector<SettingInfo> kSettings = {
      "collectives across hosts send each part in messages of this many bytes, so what "
      "arrived is reduced and sent on while the rest still arrives (4K to 1G)"},
     {"net_algo", "SMDDP_NET_ALGO", "name", "auto",
-     "how collectives cross 3 hosts or more: mesh (every host sends to every other at "
-     "once), ring (each host to the next; hosts of unequal rank counts take the mesh), or "
-     "auto (the ring from 3 to 32 hosts of equal rank counts, else the mesh; measured)"},
+     "how collectives cross hosts: mesh (every host sends to every other at once), ring "
+     "(each host to the next, from 3 hosts), halving_doubling (log2 H rounds of one peer "
+     "each), or auto (the ring from 3 to 32 hosts, measured; halving_doubling beyond where "
+     "the host count is a power of two, else the mesh); hosts of unequal rank counts take "
+     "the mesh"},
     {"net_reduce_dtype", "SMDDP_NET_REDUCE_DTYPE", "name", "auto",
      "the type bf16/fp16 reductions send their partial sums between hosts in: auto (the "
      "tensor's own, half of fp32's bytes; each host's partial rounded once, sums in fp32) or "
@@ -192,9 +194,12 @@ void apply(Settings& s, const std::string& field, const std::string& source,
     s.net_chunk_bytes = bytes(4 * kKiB, kGiB, false);
   } else if (field == "net_algo") {
     const std::string v = lower(text);
-    SMDDP_CHECK_VALUE(v == "auto" || v == "mesh" || v == "ring",
-                      invalid(source, text, "expected auto, mesh or ring"));
-    s.net_algo = v == "mesh" ? NetAlgo::MESH : v == "ring" ? NetAlgo::RING : NetAlgo::AUTO;
+    SMDDP_CHECK_VALUE(v == "auto" || v == "mesh" || v == "ring" || v == "halving_doubling",
+                      invalid(source, text, "expected auto, mesh, ring or halving_doubling"));
+    s.net_algo = v == "mesh"               ? NetAlgo::MESH
+                 : v == "ring"             ? NetAlgo::RING
+                 : v == "halving_doubling" ? NetAlgo::HALVING_DOUBLING
+                                           : NetAlgo::AUTO;
   } else if (field == "net_reduce_dtype") {
     const std::string v = lower(text);
     SMDDP_CHECK_VALUE(v == "auto" || v == "fp32", invalid(source, text, "expected auto or fp32"));
@@ -268,9 +273,10 @@ std::map<std::string, std::string> describe(const Settings& s) {
       {"socket_addr", s.socket_addr},
       {"socket_ifname", s.socket_ifname},
       {"net_chunk_bytes", std::to_string(s.net_chunk_bytes)},
-      {"net_algo", s.net_algo == NetAlgo::MESH   ? "mesh"
-                   : s.net_algo == NetAlgo::RING ? "ring"
-                                                 : "auto"},
+      {"net_algo", s.net_algo == NetAlgo::MESH               ? "mesh"
+                   : s.net_algo == NetAlgo::RING             ? "ring"
+                   : s.net_algo == NetAlgo::HALVING_DOUBLING ? "halving_doubling"
+                                                             : "auto"},
       {"net_reduce_dtype", s.net_reduce_fp32 ? "fp32" : "auto"},
       {"timeline", s.timeline ? "1" : "0"},
       {"staging_chunk_bytes", std::to_string(s.staging_chunk_bytes)},

@@ -22,7 +22,7 @@
 namespace smddp {
 
 // How collectives cross hosts (Note [Rail rings] in algorithms/net_ring.cpp).
-enum class NetAlgo { AUTO, MESH, RING };
+enum class NetAlgo { AUTO, MESH, RING, HALVING_DOUBLING };
 
 struct Settings {
   size_t buffer_bytes = 1 << 20;

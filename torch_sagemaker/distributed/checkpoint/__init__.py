@@ -1,8 +1,10 @@
 """Distributed checkpoints (``torch.sagemaker.distributed.checkpoint``), built on PyTorch DCP.
 
 - ``save`` / ``async_save`` / ``load``: sharded, reshardable checkpoints that become visible
-  only when complete (``state_dict_saver``, ``state_dict_loader``, ``atomic_dir``), on a file
-  system or straight to ``s3://`` (``s3_checkpoint``, ``s3_filesystem``).
+  only when complete (``state_dict_saver``, ``state_dict_loader``), at a location
+  (``checkpoint_location``, ``CheckpointLocation``): a directory of a file system
+  (``atomic_dir``) or an ``s3://`` prefix (``s3_checkpoint``, ``s3_filesystem``), with
+  checksums unless the location turns them off (``integrity``).
 - ``maybe_finalize_async_calls`` / ``AsyncCallsQueue``: background saves (``async_utils``).
 - ``sm_state_dict_type`` / ``SMStateDictType``: the SM-local kind (``state_dict_utils``).
 - ``TrainingState``: model, optimizer, LR scheduler, step, data position and RNG in one
@@ -17,8 +19,13 @@ from torch_sagemaker.distributed.checkpoint.async_utils import (
     AsyncCallsQueue,
     maybe_finalize_async_calls,
 )
-from torch_sagemaker.distributed.checkpoint.atomic_dir import CheckpointError, is_complete
 from torch_sagemaker.distributed.checkpoint.hf_export import save_hf_checkpoint
+from torch_sagemaker.distributed.checkpoint.location import (
+    CheckpointLocation,
+    checkpoint_location,
+    is_complete,
+)
+from torch_sagemaker.distributed.checkpoint.marker import CheckpointError
 from torch_sagemaker.distributed.checkpoint.state_dict_loader import load, read_metadata
 from torch_sagemaker.distributed.checkpoint.state_dict_saver import async_save, save
 from torch_sagemaker.distributed.checkpoint.state_dict_utils import (
@@ -32,9 +39,11 @@ __all__ = [
     "DEFAULT_ASYNC_REQUEST_QUEUE",
     "AsyncCallsQueue",
     "CheckpointError",
+    "CheckpointLocation",
     "SMStateDictType",
     "TrainingState",
     "async_save",
+    "checkpoint_location",
     "init_optim_state",
     "is_complete",
     "load",

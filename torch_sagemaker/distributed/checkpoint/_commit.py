@@ -26,17 +26,15 @@ Note [Commit outcome]
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from torch_sagemaker._torch_compat import c10d as c10d_compat
-from torch_sagemaker.distributed.checkpoint import atomic_dir, integrity
+from torch_sagemaker.distributed.checkpoint import integrity
 from torch_sagemaker.distributed.checkpoint._group import Participants
-from torch_sagemaker.distributed.checkpoint.atomic_dir import CheckpointError
-from torch_sagemaker.distributed.checkpoint.constants import COMPLETION_MARKER
+from torch_sagemaker.distributed.checkpoint.location import CheckpointLocation
+from torch_sagemaker.distributed.checkpoint.marker import CheckpointError
 
 #: How long a rank that lost its peers waits for the coordinator's outcome.
 OUTCOME_WAIT_S = 60.0
@@ -73,22 +71,12 @@ def _clear(save_id: str) -> None:
             pass
 
 
-def _marker_id(path: Any) -> str | None:
-    """The save id in the marker of ``path``, if it has a readable one."""
-    if not isinstance(path, Path):  # an S3Checkpoint (Note [S3 checkpoint layout])
-        return path.marker_save_id()
-    try:
-        return json.loads((path / COMPLETION_MARKER).read_text()).get("save_id")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def _await_outcome(path: Any, save_id: str) -> str | None:
+def _await_outcome(path: CheckpointLocation, save_id: str) -> str | None:
     """The coordinator's outcome from the store or the directory; ``None`` if unknown in time."""
     store = _store()
     deadline = time.monotonic() + OUTCOME_WAIT_S
     while True:
-        if _marker_id(path) == save_id:
+        if path.marker_save_id() == save_id:
             return COMMITTED
         if store is not None:
             try:
@@ -97,26 +85,12 @@ def _await_outcome(path: Any, save_id: str) -> str | None:
             except Exception:  # noqa: BLE001 - the store's host died: only the directory is left
                 store = None
         if store is None or time.monotonic() > deadline:
-            return COMMITTED if _marker_id(path) == save_id else None
+            return COMMITTED if path.marker_save_id() == save_id else None
         time.sleep(_POLL_S)
 
 
-def _where(path: Any) -> str:
-    """What the directory holds now (for an outcome nobody could tell)."""
-    if not isinstance(path, Path):
-        return path.where()
-    if atomic_dir.is_complete(path):
-        return f"{path} holds a complete checkpoint from an earlier save"
-    if atomic_dir.replaced_path(path).is_dir():
-        return (
-            f"the previous checkpoint is at {atomic_dir.replaced_path(path)}; rename it "
-            "back to use it"
-        )
-    return f"{path} holds no complete checkpoint"
-
-
 def _report(
-    path: Any, coordinator: int, outcome: str | None, failure: BaseException
+    path: CheckpointLocation, coordinator: int, outcome: str | None, failure: BaseException
 ) -> CheckpointError:
     cause = f"{type(failure).__name__}: {failure}"
     if outcome == COMMITTED:
@@ -134,13 +108,13 @@ def _report(
     return CheckpointError(
         f"checkpoint {path}: a rank of the group failed after writing ({cause}) and rank "
         f"{coordinator}, which commits, did not report within {OUTCOME_WAIT_S:.0f} s whether "
-        f"it committed; this save is not in {path}. Now {_where(path)}."
+        f"it committed; this save is not in {path}. Now {path.where()}."
     )
 
 
 def publish(
     participants: Participants,
-    path: Any,
+    path: CheckpointLocation,
     save_id: str,
     records: dict[str, tuple[int, str]],
     commit: Callable[[dict[str, tuple[int, str]]], None],
@@ -150,10 +124,10 @@ def publish(
 
     Args:
         participants: The saving ranks.
-        path: The final checkpoint directory (a ``Path``), or an ``s3_checkpoint.S3Checkpoint``.
+        path: The checkpoint's location.
         save_id: This save's id (written into the marker by ``commit``).
         records: This rank's ``integrity.Recorder.records()``.
-        commit: Commits the staging directory given every rank's records (coordinator).
+        commit: Commits the save given every rank's records (coordinator).
         after_commit: Runs on the coordinator after a commit, once the outcome is out.
 
     Raises:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_sagemaker.distributed.checkpoint.atomic_dir import CheckpointError
+from torch_sagemaker.distributed.checkpoint.marker import CheckpointError
 
 
 @dataclass

@@ -23,30 +23,26 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import Any
+
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from torch_sagemaker.distributed.checkpoint import integrity
 from torch_sagemaker.distributed.checkpoint.constants import (
     COMPLETION_MARKER,
-    FORMAT_VERSION,
     REPLACED_SUFFIX,
     STAGING_SUFFIX,
 )
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or does not match what is loaded into it.
-
-    Attributes:
-        committed: ``True`` when a save raised although its checkpoint was committed (it is
-            complete and loadable; a rank failed after the commit, Note [Commit outcome]).
-    """
-
-    def __init__(self, message: str, *, committed: bool = False) -> None:
-        super().__init__(message)
-        self.committed = committed
+from torch_sagemaker.distributed.checkpoint.marker import (
+    CheckpointError,
+    check_sizes,
+    corrupt_error,
+    incomplete_error,
+    new_marker,
+    read_marker_bytes,
+)
 
 
 def checkpoint_path(checkpoint_id: str | os.PathLike[str] | None) -> Path:
@@ -107,6 +103,7 @@ def commit(
     recorded: dict[str, tuple[int, str]] | None = None,
     *,
     cleanup: bool = True,
+    checksums: bool = True,
 ) -> None:
     """Marks ``staging`` complete and renames it to ``path`` (Note [Checkpoint commit protocol]).
 
@@ -117,21 +114,15 @@ def commit(
         recorded: Checksums computed while writing (``integrity.Recorder``); files missing
             from it are read once here.
         cleanup: Delete the replaced previous checkpoint now (else call ``remove_replaced``).
+        checksums: Record every file's checksum in the marker; ``False`` writes sizes only.
     """
     for f in staging.rglob("*"):
         if f.is_file():
             _fsync(f)
     sizes = _file_sizes(staging)
-    marker = {
-        "format_version": FORMAT_VERSION,
-        "time": time.time(),
-        "files": sizes,
-        "checksum_algorithm": integrity.ALGORITHM,
-        "checksums": integrity.checksums_for(staging, sizes, recorded or {}),
-        **info,
-    }
+    table = integrity.checksums_for(staging, sizes, recorded or {}) if checksums else None
     marker_file = staging / COMPLETION_MARKER
-    marker_file.write_text(json.dumps(marker, indent=1, sort_keys=True))
+    marker_file.write_bytes(new_marker(sizes, table, info))
     _fsync(marker_file)
     old = replaced_path(path)
     if path.exists():
@@ -168,53 +159,10 @@ def read_marker(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} does not exist.{hint}")
     marker_file = path / COMPLETION_MARKER
     if not marker_file.is_file():
-        raise CheckpointError(
-            f"checkpoint {path} is incomplete: it has no completion marker {COMPLETION_MARKER} "
-            "(its save did not finish, or it was not written by torch.sagemaker). Load an "
-            "earlier checkpoint."
-        )
-    try:
-        marker = json.loads(marker_file.read_text())
-        files = marker["files"]
-        checksums = marker.get("checksums", {})
-        if (
-            not isinstance(files, dict)
-            or not isinstance(checksums, dict)
-            or (marker.get("format_version", 1) >= 2 and set(checksums) != set(files))
-        ):
-            raise ValueError("its file table is malformed")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(
-            f"checkpoint {path} is corrupt: its marker {marker_file} is "
-            f"unreadable ({type(e).__name__}: {e}). Load an earlier "
-            "checkpoint."
-        ) from e
-    check_sizes(path, files, _file_sizes(path))
+        raise incomplete_error(path)
+    marker = read_marker_bytes(marker_file.read_bytes, path, marker_file)
+    check_sizes(path, marker["files"], _file_sizes(path))
     return marker
-
-
-def check_sizes(
-    where: Path | str, written: dict[str, int], actual: dict[str, int], prefix: str = ""
-) -> None:
-    """Refuses a checkpoint whose files differ from what its marker says was written.
-
-    Args:
-        where: The checkpoint (a directory or an S3 URI), for the message.
-        written: File name -> bytes written, from the marker.
-        actual: File name -> bytes found now.
-        prefix: Put before each name in the message (the save id on S3).
-
-    Raises:
-        CheckpointError: A file is missing or has another size, naming each one.
-    """
-    problems = []
-    for name, size in written.items():
-        if name not in actual:
-            problems.append(f"{prefix}{name} is missing")
-        elif actual[name] != size:
-            problems.append(f"{prefix}{name} has {actual[name]} bytes, {size} were written")
-    if problems:
-        raise CheckpointError(f"checkpoint {where} is corrupt: " + "; ".join(problems) + ".")
 
 
 def verify_files(path: Path, marker: dict[str, Any], names: list[str]) -> list[str]:
@@ -227,25 +175,153 @@ def verify_files(path: Path, marker: dict[str, Any], names: list[str]) -> list[s
     return integrity.verify(path, names, marker.get("checksums", {}))
 
 
-def corrupt_error(path: Path | object, problems: list[str]) -> CheckpointError:
-    """The error for files whose checksum no longer matches (``path``: a directory or S3 URI)."""
-    return CheckpointError(
-        f"checkpoint {path} is corrupt: " + "; ".join(problems) + ". Loading it would give "
-        "wrong values; load an earlier checkpoint, or copy this one again from its source."
-    )
-
-
 def is_complete(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a complete checkpoint (it has the completion marker); or ``s3://``."""
-    if os.fspath(path).startswith("s3://"):
-        from torch_sagemaker.distributed.checkpoint.s3_checkpoint import S3Checkpoint
-
-        return S3Checkpoint(os.fspath(path)).is_complete()
+    """Whether the directory ``path`` is a complete checkpoint (it has the completion marker)."""
     return (Path(path) / COMPLETION_MARKER).is_file()
+
+
+class LocalDirectory:
+    """A checkpoint in a directory of a file system all ranks share: the local location.
+
+    Saves follow Note [Checkpoint commit protocol]; see ``location.CheckpointLocation`` for
+    what each method does in the protocol.
+
+    Args:
+        path: The checkpoint directory (made absolute).
+        checksums: Record and verify file checksums (Note [Checkpoint checksums]); ``False``
+            writes and checks sizes only.
+
+    Raises:
+        ValueError: If ``path`` is ``None`` or an ``s3://`` URI (``checkpoint_path``).
+    """
+
+    #: DCP's writer may fsync the files it writes (real file descriptors).
+    syncs_files = True
+
+    def __init__(self, path: str | os.PathLike[str], *, checksums: bool = True) -> None:
+        self.path = checkpoint_path(path)
+        self.checksums = checksums
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def __repr__(self) -> str:
+        return f"LocalDirectory({str(self.path)!r}, checksums={self.checksums})"
+
+    # ---------------------------------------------------------------- naming
+    @property
+    def name(self) -> str:
+        """The directory's own name."""
+        return self.path.name
+
+    def child(self, name: str) -> LocalDirectory:
+        """The checkpoint ``name`` inside this directory, with the same options."""
+        return LocalDirectory(self.path / name, checksums=self.checksums)
+
+    def parent(self) -> LocalDirectory | None:
+        """The directory holding this one (``None`` at the file system's root)."""
+        if self.path.parent == self.path:
+            return None
+        return LocalDirectory(self.path.parent, checksums=self.checksums)
+
+    # ------------------------------------------------------------------ save
+    def prepare(self, save_id: str) -> None:
+        """Step 1 (coordinator): a fresh staging directory."""
+        del save_id  # one staging directory per checkpoint name
+        prepare_staging(self.path)
+
+    def write_root(self, save_id: str) -> Path:
+        """Where DCP writes save ``save_id``: the staging directory."""
+        del save_id
+        return staging_path(self.path)
+
+    def storage_writer(self, save_id: str, thread_count: int = 1) -> FileSystemWriter:
+        """DCP's file-system writer into the staging directory."""
+        return FileSystemWriter(self.write_root(save_id), thread_count=thread_count)
+
+    def commit(
+        self, save_id: str, info: dict[str, Any], recorded: dict[str, tuple[int, str]]
+    ) -> None:
+        """Steps 1-3 of the commit (coordinator): marker, then the atomic rename."""
+        commit(
+            self.write_root(save_id),
+            self.path,
+            info,
+            recorded,
+            cleanup=False,
+            checksums=self.checksums,
+        )
+
+    def remove_replaced(self, save_id: str) -> None:
+        """Step 4 (coordinator): deletes the previous checkpoint moved aside by the commit."""
+        del save_id
+        remove_replaced(self.path)
+
+    def marker_save_id(self) -> str | None:
+        """The save id the marker names, if there is a readable marker."""
+        try:
+            return json.loads((self.path / COMPLETION_MARKER).read_text()).get("save_id")
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    def is_complete(self) -> bool:
+        """Whether the directory holds a committed checkpoint."""
+        return is_complete(self.path)
+
+    def where(self) -> str:
+        """What the location holds now (for an outcome nobody could tell)."""
+        if self.is_complete():
+            return f"{self.path} holds a complete checkpoint from an earlier save"
+        if replaced_path(self.path).is_dir():
+            return (
+                f"the previous checkpoint is at {replaced_path(self.path)}; rename it "
+                "back to use it"
+            )
+        return f"{self.path} holds no complete checkpoint"
+
+    # ------------------------------------------------------------------ load
+    def read_marker(self) -> dict[str, Any]:
+        """The marker, after checking every file it lists is there with its size."""
+        return read_marker(self.path)
+
+    def verify(self, marker: dict[str, Any], names: list[str]) -> list[str]:
+        """Problems found by re-checksumming ``names`` (none when checksums are off)."""
+        if not self.checksums:
+            return []
+        return verify_files(self.path, marker, names)
+
+    def data_root(self, marker: dict[str, Any] | None = None) -> Path:
+        """Where DCP reads the committed files: the directory itself."""
+        del marker
+        return self.path
+
+    def storage_reader(self, marker: dict[str, Any], given: Any = None) -> Any:
+        """``given`` (the caller's reader), else DCP's file-system reader of the directory."""
+        del marker
+        return given if given is not None else FileSystemReader(self.path)
+
+    def file_system(self) -> FileSystem:
+        """DCP's file system for this location's files."""
+        return FileSystem()
+
+    # ------------------------------------------------------------- retention
+    def checkpoint_names(self) -> set[str]:
+        """The checkpoints in this directory: its subdirectories but hidden ones (saves)."""
+        if not self.path.is_dir():
+            return set()
+        return {p.name for p in self.path.iterdir() if p.is_dir() and not p.name.startswith(".")}
+
+    def remove(self) -> None:
+        """Deletes the checkpoint, and what an unfinished save of it left."""
+        for victim in (self.path, staging_path(self.path), replaced_path(self.path)):
+            if victim.exists():
+                shutil.rmtree(victim, ignore_errors=True)
 
 
 __all__ = [
     "CheckpointError",
+    "LocalDirectory",
+    "check_sizes",
     "checkpoint_path",
     "commit",
     "corrupt_error",

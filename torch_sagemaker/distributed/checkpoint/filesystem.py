@@ -3,15 +3,14 @@
 SMP's scripts load async checkpoints with ``load(..., storage_reader=
 DistributedFileSystemReader(path))``. Both classes here are PyTorch DCP's file-system
 storage with SMP's names and keywords: the reader is DCP's ``FileSystemReader``; the writer
-is DCP's ``FileSystemWriter`` plus SMP's write hooks and ``is_coordinator``. For ``s3://``
-paths their ``fs`` is ``s3_filesystem.S3FileSystem`` (``path_to_file_system``), and the
-reader reads the save a checkpoint's completion marker names (Note [S3 checkpoint layout]
-in ``s3_checkpoint``).
+is DCP's ``FileSystemWriter`` plus SMP's write hooks and ``is_coordinator``. Their ``fs`` is
+the checkpoint location's (``location.checkpoint_location``): for ``s3://`` paths
+``s3_filesystem.S3FileSystem``, and the reader reads the save a checkpoint's completion
+marker names (Note [S3 checkpoint layout] in ``s3_checkpoint``).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -20,7 +19,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from torch_sagemaker.distributed.checkpoint.s3_filesystem import is_s3_uri, path_to_file_system
+from torch_sagemaker.distributed.checkpoint.location import CheckpointId, checkpoint_location
+from torch_sagemaker.distributed.checkpoint.s3_filesystem import path_to_file_system
 
 #: A write hook: called with the writer (``writer.path``, ``writer.is_coordinator``, ``writer.fs``).
 WriteHook = Callable[["DistributedFileSystemWriter"], None]
@@ -30,8 +30,9 @@ class DistributedFileSystemReader(FileSystemReader):
     """Reads a checkpoint directory written by DCP (every rank reads the pieces it needs).
 
     Args:
-        path: The checkpoint directory or ``s3://`` URI (``.path`` afterwards, as SMP's
-            loader reads it; on S3 DCP's ``reset`` points it at the committed save).
+        path: The checkpoint directory, ``s3://`` URI or ``checkpoint_location`` (``.path``
+            afterwards, as SMP's loader reads it: the committed files, which on S3 are the
+            save the marker names).
         s3_region: Region of an ``s3://`` checkpoint's bucket (default as for ``save``).
         s3client_config: An ``s3torchconnector.S3ClientConfig`` for ``s3://`` paths.
 
@@ -41,31 +42,27 @@ class DistributedFileSystemReader(FileSystemReader):
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: CheckpointId,
         s3_region: str | None = None,
         s3client_config: Any = None,
     ) -> None:
-        super().__init__(path if not is_s3_uri(path) else ".")
+        location = checkpoint_location(path, s3_region, s3client_config)
+        super().__init__(".")
         #: The checkpoint this reader reads (``load`` takes it when no checkpoint_id is given;
         #: DCP's own ``checkpoint_id`` property is ``path``, the committed save on S3).
-        self.source_checkpoint: str | os.PathLike[str] = path
-        if is_s3_uri(path):
-            from torch_sagemaker.distributed.checkpoint.s3_checkpoint import S3Checkpoint
-
-            location = S3Checkpoint(str(path), s3_region, s3client_config)
-            # Read the save the marker names, so that DCP used directly (SMP's scripts load
-            # the optimizer state with this reader) reads exactly the committed objects.
-            save_id = location.read_marker()["data"]
-            self.fs = location.file_system()
-            self.path = self.fs.init_path(location.data_uri(save_id))
-            self.sync_files = False
+        self.source_checkpoint: CheckpointId = path
+        # The committed files, so that DCP used directly (SMP's scripts load the optimizer
+        # state with this reader) reads exactly those (on S3 the marker is read here).
+        self.fs = location.file_system()
+        self.path = self.fs.init_path(location.data_root())
 
 
 class DistributedFileSystemWriter(FileSystemWriter):
     """DCP's file-system writer with SMP's hooks.
 
     Args:
-        path: The checkpoint directory, or an ``s3://`` URI (``fs`` is then ``S3FileSystem``).
+        path: The checkpoint directory, an ``s3://`` URI (``fs`` is then ``S3FileSystem``),
+            or a ``checkpoint_location``.
         single_file_per_rank: As DCP's ``FileSystemWriter``.
         sync_files: As DCP's ``FileSystemWriter`` (ignored on S3).
         thread_count: As DCP's ``FileSystemWriter``.
@@ -78,7 +75,7 @@ class DistributedFileSystemWriter(FileSystemWriter):
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: CheckpointId,
         single_file_per_rank: bool = True,
         sync_files: bool = True,
         thread_count: int = 1,
@@ -88,19 +85,18 @@ class DistributedFileSystemWriter(FileSystemWriter):
         pre_write_hooks: Iterable[WriteHook] | None = None,
         post_write_hooks: Iterable[WriteHook] | None = None,
     ) -> None:
-        s3 = is_s3_uri(path)
+        location = checkpoint_location(path)
         super().__init__(
-            path if not s3 else ".",
+            ".",
             single_file_per_rank=single_file_per_rank,
-            sync_files=sync_files and not s3,  # S3 streams have no file descriptor to fsync
+            sync_files=sync_files and location.syncs_files,
             thread_count=thread_count,
             per_thread_copy_ahead=per_thread_copy_ahead,
             cache_staged_state_dict=cache_staged_state_dict,
             overwrite=overwrite,
         )
-        if s3:
-            self.fs = path_to_file_system(path)
-            self.path = self.fs.init_path(path)
+        self.fs = location.file_system()
+        self.path = self.fs.init_path(str(location))
         self.pre_write_hooks = list(pre_write_hooks or [])
         self.post_write_hooks = list(post_write_hooks or [])
         self.is_coordinator = False

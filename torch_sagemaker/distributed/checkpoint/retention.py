@@ -5,19 +5,14 @@ SMP exposes this as ``torch.sagemaker.checkpoint.utils``, which re-exports this 
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from torch_sagemaker.distributed.checkpoint.constants import REPLACED_SUFFIX, STAGING_SUFFIX
-from torch_sagemaker.distributed.checkpoint.s3_filesystem import (
-    format_s3_path,
-    is_s3_uri,
-    join_s3,
-    parse_s3_uri,
+from torch_sagemaker.distributed.checkpoint.location import (
+    CheckpointId,
+    CheckpointLocation,
+    checkpoint_location,
 )
 from torch_sagemaker.logger import get_logger
 
@@ -37,18 +32,23 @@ SORT_BY_LAST_INT = sort_by_last_int
 """The default ``sort_fn`` of ``limit_num_subdirs``."""
 
 
-def _checkpoint_root(path: Path, pattern: re.Pattern[str] | None) -> tuple[Path, str | None]:
-    """The directory holding the checkpoints, and the checkpoint ``path`` names (if any)."""
+def _checkpoint_root(
+    path: CheckpointLocation, pattern: re.Pattern[str] | None
+) -> tuple[CheckpointLocation, str | None]:
+    """The location holding the checkpoints, and the checkpoint ``path`` names (if any)."""
     if pattern is None:
         return path, None
-    for candidate in (path, *path.parents):
-        if candidate.name and pattern.match(candidate.name):
-            return candidate.parent, candidate.name
+    candidate: CheckpointLocation | None = path
+    while candidate is not None:
+        parent = candidate.parent()
+        if parent is not None and candidate.name and pattern.match(candidate.name):
+            return parent, candidate.name
+        candidate = parent
     return path, None
 
 
 def limit_num_subdirs(
-    path: str | os.PathLike[str],
+    path: CheckpointId,
     num_kept: int | None,
     sort_fn: Callable[[str], SupportsRichComparison] = SORT_BY_LAST_INT,
     regex: str | None = None,
@@ -66,15 +66,17 @@ def limit_num_subdirs(
     is never deleted before the new one exists (with ``num_kept=1`` the async types keep two
     until their next call), so a save that fails still leaves one to resume from.
 
-    Hidden directories (a save in progress or interrupted, ``.<name>.partial``) are never
-    counted; those of deleted checkpoints go too.
-
-    ``path`` may be an ``s3://`` URI: the checkpoints are then the key prefixes under the
-    root, and a deleted checkpoint loses its completion marker first, so that a deletion cut
-    short never leaves a checkpoint that looks complete (Note [S3 checkpoint layout]).
+    Which checkpoints count is the location's (``CheckpointLocation.checkpoint_names``). In a
+    directory, hidden directories (a save in progress or interrupted, ``.<name>.partial``)
+    are never counted; those of deleted checkpoints go too. ``path`` may be an ``s3://`` URI:
+    the checkpoints are then the complete key prefixes under the root (a prefix without its
+    marker is a save that failed or is running), and a deleted checkpoint loses its
+    completion marker first, so that a deletion cut short never leaves a checkpoint that
+    looks complete (Note [S3 checkpoint layout]).
 
     Args:
-        path: With ``regex``: the directory holding the checkpoints, or a checkpoint directory
+        path: A directory, ``s3://`` URI or ``checkpoint_location``. With ``regex``: the
+            directory holding the checkpoints, or a checkpoint directory
             (its name matches ``regex``) or a directory inside one; the checkpoints are then
             the siblings of the nearest such directory. Without ``regex``: the directory
             holding the checkpoints, every subdirectory of which counts.
@@ -97,27 +99,14 @@ def limit_num_subdirs(
     if not log:
         return []
     pattern = re.compile(regex) if regex is not None else None
-    if is_s3_uri(os.fspath(path)):
-        return _limit_s3(os.fspath(path), num_kept, sort_fn, pattern)
-    root, upcoming = _checkpoint_root(Path(path).absolute(), pattern)
-    if not root.is_dir():
-        return []
-    names = {
-        p.name
-        for p in root.iterdir()
-        if p.is_dir() and not p.name.startswith(".") and (pattern is None or pattern.match(p.name))
-    }
+    root, upcoming = _checkpoint_root(checkpoint_location(path, container=True), pattern)
+    names = {n for n in root.checkpoint_names() if pattern is None or pattern.match(n)}
     deleted = []
     for name in _doomed(names, upcoming, num_kept, sort_fn):
-        for victim in (
-            root / name,
-            root / f".{name}{STAGING_SUFFIX}",
-            root / f".{name}{REPLACED_SUFFIX}",
-        ):
-            if victim.exists():
-                shutil.rmtree(victim, ignore_errors=True)
-        deleted.append(str(root / name))
-        get_logger().info(f"checkpoint retention: deleted {root / name} (keeping {num_kept})")
+        victim = root.child(name)
+        victim.remove()
+        deleted.append(str(victim))
+        get_logger().info(f"checkpoint retention: deleted {victim} (keeping {num_kept})")
     return deleted
 
 
@@ -137,49 +126,6 @@ def _doomed(
         names = {*names, upcoming}
     ordered = sorted(names, key=sort_fn)
     return [name for name in ordered[: max(len(ordered) - num_kept, 0)] if name not in keep]
-
-
-def _s3_root(uri: str, pattern: re.Pattern[str] | None) -> tuple[str, str | None]:
-    """``_checkpoint_root`` for an ``s3://`` URI."""
-    uri = format_s3_path(uri)
-    if pattern is not None:
-        bucket, key = parse_s3_uri(uri)
-        parts = key.split("/") if key else []
-        for i in range(len(parts), 0, -1):
-            if pattern.match(parts[i - 1]):
-                return format_s3_path(bucket, "/".join(parts[: i - 1])), parts[i - 1]
-    return uri, None
-
-
-def _limit_s3(
-    uri: str,
-    num_kept: int,
-    sort_fn: Callable[[str], SupportsRichComparison],
-    pattern: re.Pattern[str] | None,
-) -> list[str]:
-    """``limit_num_subdirs`` on S3: the "directories" are the key prefixes under the root."""
-    from torch_sagemaker.distributed.checkpoint import s3_checkpoint
-
-    root, upcoming = _s3_root(uri, pattern)
-    # Only complete checkpoints count and can be deleted. A prefix without its completion
-    # marker is a save that failed or is still running (on a file system it would be a
-    # hidden staging directory): counting it could make it "the newest", kept in place of
-    # the last complete one, which would then be deleted.
-    names = {
-        name
-        for name in s3_checkpoint.list_subdirs(root)
-        if not name.startswith(".")
-        and (pattern is None or pattern.match(name))
-        and name != upcoming
-        and s3_checkpoint.S3Checkpoint(join_s3(root, name)).is_complete()
-    }
-    deleted = []
-    for name in _doomed(names, upcoming, num_kept, sort_fn):
-        victim = join_s3(root, name)
-        s3_checkpoint.delete_prefix(victim)
-        deleted.append(victim)
-        get_logger().info(f"checkpoint retention: deleted {victim} (keeping {num_kept})")
-    return deleted
 
 
 __all__ = ["SORT_BY_LAST_INT", "limit_num_subdirs", "sort_by_last_int"]

@@ -28,15 +28,20 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from torch_sagemaker.distributed.checkpoint import integrity
-from torch_sagemaker.distributed.checkpoint.atomic_dir import CheckpointError, check_sizes
-from torch_sagemaker.distributed.checkpoint.constants import COMPLETION_MARKER, FORMAT_VERSION
+from torch_sagemaker.distributed.checkpoint.constants import COMPLETION_MARKER
+from torch_sagemaker.distributed.checkpoint.marker import (
+    CheckpointError,
+    check_sizes,
+    incomplete_error,
+    new_marker,
+    read_marker_bytes,
+)
 from torch_sagemaker.distributed.checkpoint.s3_filesystem import (
     format_s3_path,
     make_s3_client,
@@ -54,31 +59,80 @@ _METADATA = ".metadata"
 
 
 class S3Checkpoint:
-    """One checkpoint location ``s3://bucket/key`` (Note [S3 checkpoint layout]).
+    """One checkpoint location ``s3://bucket/key``: the S3-prefix location.
+
+    Saves follow Note [S3 checkpoint layout]; see ``location.CheckpointLocation`` for what
+    each method does in the protocol.
 
     Args:
         uri: The checkpoint's URI.
         s3_region: The bucket's region (default: the environment's, else the bucket's).
         s3client_config: An ``s3torchconnector.S3ClientConfig`` for every client made here.
+        checksums: Record and verify object checksums (Note [Checkpoint checksums]);
+            ``False`` writes and checks sizes only.
+        container: The location only holds checkpoints (retention's root), so it may be a
+            whole bucket.
 
     Raises:
         ValueError: If ``uri`` names a bucket but no key (a checkpoint needs a prefix).
     """
 
-    def __init__(self, uri: str, s3_region: str | None = None, s3client_config: Any = None):
+    #: S3 streams have no file descriptor to fsync.
+    syncs_files = False
+
+    def __init__(
+        self,
+        uri: str,
+        s3_region: str | None = None,
+        s3client_config: Any = None,
+        *,
+        checksums: bool = True,
+        container: bool = False,
+    ):
         self.uri = format_s3_path(uri)
         self.bucket, self.key = parse_s3_uri(self.uri)
-        if not self.key:
+        if not self.key and not container:
             raise ValueError(
                 f"checkpoint_id={uri!r} is a bucket; a checkpoint needs a key prefix, e.g. "
                 f"s3://{self.bucket}/run/step100."
             )
         self.region = resolve_region(self.uri, s3_region)
         self.s3client_config = s3client_config
+        self.checksums = checksums
         self._client: Any = None
 
     def __str__(self) -> str:
         return self.uri
+
+    def __repr__(self) -> str:
+        return f"S3Checkpoint({self.uri!r}, checksums={self.checksums})"
+
+    # ---------------------------------------------------------------- naming
+    @property
+    def name(self) -> str:
+        """The last component of the key (empty for a bucket)."""
+        return self.key.rpartition("/")[2]
+
+    def _at(self, key: str, container: bool = False) -> S3Checkpoint:
+        other = S3Checkpoint(
+            format_s3_path(self.bucket, key),
+            self.region,
+            self.s3client_config,
+            checksums=self.checksums,
+            container=container,
+        )
+        other._client = self._client  # one client for a location and those derived from it
+        return other
+
+    def child(self, name: str) -> S3Checkpoint:
+        """The checkpoint ``name`` under this prefix, with the same options."""
+        return self._at(f"{self.key}/{name}" if self.key else name)
+
+    def parent(self) -> S3Checkpoint | None:
+        """The prefix holding this one (the bucket at the top; ``None`` for a bucket)."""
+        if not self.key:
+            return None
+        return self._at(self.key.rpartition("/")[0], container=True)
 
     # ----------------------------------------------------------------- objects
     @property
@@ -127,7 +181,7 @@ class S3Checkpoint:
 
         return retry_with_jitter(listing)
 
-    def delete(self, keys: list[str]) -> None:
+    def _delete_keys(self, keys: list[str]) -> None:
         """Deletes ``keys`` in order (each retried)."""
 
         def deleter(key: str) -> Callable[[], None]:
@@ -147,6 +201,15 @@ class S3Checkpoint:
             return integrity.format_checksum(crc)
 
         return retry_with_jitter(read)
+
+    # ------------------------------------------------------------------ save
+    def prepare(self, save_id: str) -> None:
+        """Step 1 (coordinator): nothing to ready, the save's id alone names its prefix."""
+        del save_id
+
+    def write_root(self, save_id: str) -> str:
+        """Where DCP writes save ``save_id``: its own prefix."""
+        return self.data_uri(save_id)
 
     # ------------------------------------------------------------ DCP storage
     def file_system(self, reader_constructor: Any = None) -> Any:
@@ -168,8 +231,13 @@ class S3Checkpoint:
         writer.fs = self.file_system()  # its own client takes no endpoint (s3_filesystem)
         return writer
 
-    def storage_reader(self, save_id: str) -> Any:
-        """``s3torchconnector``'s DCP reader of save ``save_id`` (ranged, coalesced reads)."""
+    def storage_reader(self, marker: dict[str, Any], given: Any = None) -> Any:
+        """``s3torchconnector``'s DCP reader of the committed save (ranged, coalesced reads).
+
+        ``given`` is not used: whatever reader a caller passed, the objects read are those of
+        the save the marker names (Note [S3 checkpoint layout]).
+        """
+        del given
         from s3torchconnector import S3ReaderConstructor
         from s3torchconnector.dcp import S3StorageReader
 
@@ -178,7 +246,7 @@ class S3Checkpoint:
         constructor = S3ReaderConstructor.dcp_optimized()
         reader = S3StorageReader(
             self.region,
-            self.data_uri(save_id),
+            self.data_root(marker),
             s3client_config=self.s3client_config,
             reader_constructor=constructor,
         )
@@ -195,34 +263,26 @@ class S3Checkpoint:
                 f"checkpoint {self.uri}: save {save_id} has no {_METADATA} object after DCP "
                 "finished; not committing it."
             )
-        checksums = {}
-        for name, size in sizes.items():
-            record = recorded.get(name)
-            if record is not None and record[0] == size:  # all bytes seen while writing
-                checksums[name] = record[1]
-            else:
-                checksums[name] = self.checksum(prefix + name)
-        marker = {
-            "format_version": FORMAT_VERSION,
-            "time": time.time(),
-            "files": sizes,
-            "checksum_algorithm": integrity.ALGORITHM,
-            "checksums": checksums,
-            "data": save_id,
-            **info,
-        }
-        self._put(self.marker_key, json.dumps(marker, indent=1, sort_keys=True).encode())
+        checksums: dict[str, str] | None = None
+        if self.checksums:
+            checksums = {}
+            for name, size in sizes.items():
+                record = recorded.get(name)
+                if record is not None and record[0] == size:  # all bytes seen while writing
+                    checksums[name] = record[1]
+                else:
+                    checksums[name] = self.checksum(prefix + name)
+        self._put(self.marker_key, new_marker(sizes, checksums, {"data": save_id, **info}))
 
-    def remove_replaced(self, save_id: str) -> list[str]:
-        """Step 4: deletes the objects of every save id but ``save_id``; returns the ids."""
+    def remove_replaced(self, save_id: str) -> None:
+        """Step 4: deletes the objects of every save id but ``save_id``."""
         stale: dict[str, list[str]] = {}
         for key in self.list_objects(f"{self.key}/"):
             first = key[len(self.key) + 1 :].split("/", 1)[0]
             if _SAVE_ID.match(first) and first != save_id:
                 stale.setdefault(first, []).append(key)
         for keys in stale.values():
-            self.delete(keys)
-        return sorted(stale)
+            self._delete_keys(keys)
 
     def marker_save_id(self) -> str | None:
         """The save id the marker names, if there is a readable marker."""
@@ -250,36 +310,42 @@ class S3Checkpoint:
         """
         if not self._exists(self.marker_key):
             if self.list_objects(f"{self.key}/"):
-                raise CheckpointError(
-                    f"checkpoint {self.uri} is incomplete: it has no completion marker "
-                    f"{COMPLETION_MARKER} (its save did not finish, or it was not written by "
-                    "torch.sagemaker). Load an earlier checkpoint."
-                )
+                raise incomplete_error(self.uri)
             raise CheckpointError(f"checkpoint {self.uri} does not exist.")
-        try:
-            marker = json.loads(self._get(self.marker_key))
-            files, checksums, save_id = marker["files"], marker["checksums"], marker["data"]
-            if not isinstance(files, dict) or set(checksums) != set(files):
-                raise ValueError("its file table is malformed")
+        source = f"s3://{self.bucket}/{self.marker_key}"
+
+        def read() -> bytes:
+            text = self._get(self.marker_key)
+            save_id = json.loads(text).get("data")
             if not isinstance(save_id, str) or not _SAVE_ID.match(save_id):
                 raise ValueError(f"its data id {save_id!r} is not a save id")
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(
-                f"checkpoint {self.uri} is corrupt: its marker s3://{self.bucket}/"
-                f"{self.marker_key} is unreadable ({type(e).__name__}: {e}). Load an earlier "
-                "checkpoint."
-            ) from e
-        prefix = f"{self.key}/{save_id}/"
+            return text
+
+        marker = read_marker_bytes(read, self.uri, source)
+        prefix = f"{self.key}/{marker['data']}/"
         actual = {k[len(prefix) :]: s for k, s in self.list_objects(prefix).items()}
-        check_sizes(self.uri, files, actual, prefix=f"{save_id}/")
+        check_sizes(self.uri, marker["files"], actual, prefix=f"{marker['data']}/")
         return marker
+
+    def data_root(self, marker: dict[str, Any] | None = None) -> str:
+        """Where DCP reads the committed objects: the prefix of the save the marker names.
+
+        Args:
+            marker: The marker ``read_marker`` returned; read now when ``None``.
+        """
+        if marker is None:
+            marker = self.read_marker()
+        return self.data_uri(marker["data"])
 
     def verify(self, marker: dict[str, Any], names: list[str]) -> list[str]:
         """Problems found by re-checksumming ``names`` (``integrity.verify``), each named.
 
-        The objects are read on up to ``VERIFY_THREADS`` threads: an object store answers
-        concurrent GETs in parallel, and each read is mostly waiting (zlib releases the GIL).
+        None when checksums are off. The objects are read on up to ``VERIFY_THREADS``
+        threads: an object store answers concurrent GETs in parallel, and each read is
+        mostly waiting (zlib releases the GIL).
         """
+        if not self.checksums:
+            return []
         prefix = f"{self.key}/{marker['data']}/"
         wanted = [n for n in names if n in marker["checksums"]]
         with ThreadPoolExecutor(max_workers=max(1, min(VERIFY_THREADS, len(wanted)))) as pool:
@@ -289,21 +355,43 @@ class S3Checkpoint:
             )
         return [f"{marker['data']}/{p}" for p in problems]
 
+    # ------------------------------------------------------------- retention
+    def subdirs(self) -> list[str]:
+        """Names of the "directories" right under this prefix (key prefixes ending in ``/``)."""
+        prefix = f"{self.key}/" if self.key else ""
+
+        def listing() -> list[str]:
+            names = []
+            for page in self.client.list_objects(self.bucket, prefix, "/"):
+                names += [p[len(prefix) :].rstrip("/") for p in page.common_prefixes]
+            return sorted(names)
+
+        return retry_with_jitter(listing)
+
+    def checkpoint_names(self) -> set[str]:
+        """The complete checkpoints right under this prefix (hidden names left out).
+
+        A prefix without its completion marker is a save that failed or is still running
+        (on a file system it would be a hidden staging directory): it does not count.
+        """
+        names = [n for n in self.subdirs() if not n.startswith(".")]
+        return {n for n in names if self.child(n).is_complete()}
+
+    def remove(self) -> None:
+        """Deletes every object of the checkpoint, completion markers first."""
+        self._remove()
+
+    def _remove(self) -> int:
+        keys = sorted(self.list_objects(f"{self.key}/"))
+        # Markers first: a deletion cut short must not leave a "complete" checkpoint behind.
+        keys.sort(key=lambda k: not k.endswith(f"/{COMPLETION_MARKER}"))
+        self._delete_keys(keys)
+        return len(keys)
+
 
 def list_subdirs(uri: str, s3_region: str | None = None, s3client_config: Any = None) -> list[str]:
     """Names of the "directories" right under ``uri`` (the key prefixes ending in ``/``)."""
-    uri = format_s3_path(uri)
-    bucket, key = parse_s3_uri(uri)
-    client = make_s3_client(resolve_region(uri, s3_region), s3client_config)
-    prefix = f"{key}/" if key else ""
-
-    def listing() -> list[str]:
-        names = []
-        for page in client.list_objects(bucket, prefix, "/"):
-            names += [p[len(prefix) :].rstrip("/") for p in page.common_prefixes]
-        return sorted(names)
-
-    return retry_with_jitter(listing)
+    return S3Checkpoint(uri, s3_region, s3client_config, container=True).subdirs()
 
 
 def delete_prefix(uri: str, s3_region: str | None = None, s3client_config: Any = None) -> int:
@@ -312,12 +400,7 @@ def delete_prefix(uri: str, s3_region: str | None = None, s3client_config: Any =
     Returns:
         The number of objects deleted.
     """
-    location = S3Checkpoint(uri, s3_region, s3client_config)
-    keys = sorted(location.list_objects(f"{location.key}/"))
-    # Markers first: a deletion cut short must not leave a "complete" checkpoint behind.
-    keys.sort(key=lambda k: not k.endswith(f"/{COMPLETION_MARKER}"))
-    location.delete(keys)
-    return len(keys)
+    return S3Checkpoint(uri, s3_region, s3client_config)._remove()
 
 
 __all__ = ["S3Checkpoint", "delete_prefix", "list_subdirs"]

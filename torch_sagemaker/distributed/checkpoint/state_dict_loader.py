@@ -1,6 +1,7 @@
 """Loading checkpoints (``torch.sagemaker.distributed.checkpoint.state_dict_loader``).
 
-``load`` refuses a checkpoint that is missing, unfinished, truncated (``atomic_dir``) or whose
+``load`` refuses a checkpoint that is missing, unfinished, truncated (its location's
+``read_marker``, ``location``) or whose
 bytes changed since the save (Note [Checkpoint checksums] in ``integrity``), then compares
 what is asked for with what the checkpoint holds and reports every missing key and every
 shape mismatch at once, before PyTorch DCP reads anything. DCP then reads each rank's pieces
@@ -11,13 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -26,11 +25,14 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from torch_sagemaker._torch_compat import dcp as dcp_compat
-from torch_sagemaker.distributed.checkpoint import atomic_dir, integrity
+from torch_sagemaker.distributed.checkpoint import integrity
 from torch_sagemaker.distributed.checkpoint._group import Participants
-from torch_sagemaker.distributed.checkpoint.atomic_dir import CheckpointError
-from torch_sagemaker.distributed.checkpoint.s3_checkpoint import S3Checkpoint
-from torch_sagemaker.distributed.checkpoint.s3_filesystem import is_s3_uri
+from torch_sagemaker.distributed.checkpoint.location import (
+    CheckpointId,
+    CheckpointLocation,
+    checkpoint_location,
+)
+from torch_sagemaker.distributed.checkpoint.marker import CheckpointError, corrupt_error
 from torch_sagemaker.distributed.checkpoint.state_dict_saver import describe_failure
 from torch_sagemaker.distributed.checkpoint.state_dict_utils import (
     current_layout,
@@ -44,34 +46,31 @@ _METADATA = ".metadata"  # the file DCP's FileSystemWriter writes its metadata t
 
 
 def read_metadata(
-    checkpoint_id: str | os.PathLike[str],
+    checkpoint_id: CheckpointId,
     s3_region: str | None = None,
     s3client_config: Any = None,
 ) -> Metadata:
-    """DCP metadata (keys, global shapes) of a complete checkpoint (a directory or ``s3://``).
+    """DCP metadata (keys, global shapes) of a complete checkpoint.
+
+    Args:
+        checkpoint_id: A directory, an ``s3://`` URI or a ``checkpoint_location``.
+        s3_region: As for ``load``.
+        s3client_config: As for ``load``.
 
     Raises:
         CheckpointError: If the checkpoint is missing, incomplete or its metadata is unreadable.
     """
-    if is_s3_uri(checkpoint_id):
-        location = S3Checkpoint(str(checkpoint_id), s3_region, s3client_config)
-        return _read_metadata(location, location.read_marker())
-    path = atomic_dir.checkpoint_path(checkpoint_id)
-    return _read_metadata(path, atomic_dir.read_marker(path))
+    location = checkpoint_location(checkpoint_id, s3_region, s3client_config)
+    return _read_metadata(location, location.read_marker())
 
 
-def _read_metadata(path: Path | S3Checkpoint, marker: dict[str, Any]) -> Metadata:
+def _read_metadata(path: CheckpointLocation, marker: dict[str, Any]) -> Metadata:
     """The metadata of the checkpoint whose ``marker`` was read, after checking its checksum."""
-    if isinstance(path, S3Checkpoint):
-        problems = path.verify(marker, [_METADATA])
-        reader: Any = path.storage_reader(marker["data"])
-    else:
-        problems = atomic_dir.verify_files(path, marker, [_METADATA])
-        reader = FileSystemReader(path)
+    problems = path.verify(marker, [_METADATA])
     if problems:
-        raise atomic_dir.corrupt_error(path, problems)
+        raise corrupt_error(path, problems)
     try:
-        return reader.read_metadata()
+        return path.storage_reader(marker).read_metadata()
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         raise CheckpointError(
             f"checkpoint {path} is corrupt: its DCP metadata is unreadable "
@@ -100,7 +99,7 @@ def _describe(key: str, value: Any, saved: Any) -> str | None:
 
 
 def check_state_dict_matches(
-    state_dict: dict[str, Any], metadata: Metadata, path: Path | object
+    state_dict: dict[str, Any], metadata: Metadata, path: object
 ) -> list[str]:
     """Raises if any requested key is missing from the checkpoint or has another shape.
 
@@ -133,9 +132,7 @@ def check_state_dict_matches(
     return sorted(flat)
 
 
-def _check_local_layout(
-    marker: dict[str, Any], path: Path | object, state_dict: dict[str, Any]
-) -> None:
+def _check_local_layout(marker: dict[str, Any], path: object, state_dict: dict[str, Any]) -> None:
     """An SM-local checkpoint loads only under the shard layout that wrote it."""
     saved = marker.get("layout", {})
     here = {**current_layout(), **shard_coordinates()}
@@ -159,14 +156,8 @@ def _check_local_layout(
         )
 
 
-def _verify(path: Path | S3Checkpoint, marker: dict[str, Any], names: list[str]) -> list[str]:
-    if isinstance(path, S3Checkpoint):
-        return path.verify(marker, names)
-    return atomic_dir.verify_files(path, marker, names)
-
-
 def _check_files_and_keys(
-    path: Path | S3Checkpoint,
+    path: CheckpointLocation,
     marker: dict[str, Any],
     keys: list[str] | None,
     participants: Participants,
@@ -183,18 +174,18 @@ def _check_files_and_keys(
     """
     sizes = {n: s for n, s in marker.get("files", {}).items() if n != _METADATA}
     if not participants.distributed:
-        problems = _verify(path, marker, list(sizes))
+        problems = path.verify(marker, list(sizes))
         if problems:
-            raise atomic_dir.corrupt_error(path, problems)
+            raise corrupt_error(path, problems)
         return
     mine = integrity.assign(
         sizes, len(participants.ranks), participants.ranks.index(participants.rank)
     )
-    problems = _verify(path, marker, mine)
+    problems = path.verify(marker, mine)
     digest = hashlib.sha256("\n".join(keys).encode()).hexdigest() if keys is not None else ""
     views = participants.all_gather((str(path), digest, problems))
     if len({v[0] for v in views}) > 1:
-        problems += _verify(path, marker, [n for n in sizes if n not in mine])
+        problems += path.verify(marker, [n for n in sizes if n not in mine])
         views = participants.all_gather((str(path), digest, problems))
     corrupt: dict[str, dict[str, None]] = {}  # directory -> problems, ordered, without repeats
     for where, _, found in views:
@@ -202,10 +193,7 @@ def _check_files_and_keys(
             corrupt.setdefault(where, {}).update(dict.fromkeys(found))
     if corrupt:
         where = str(path) if str(path) in corrupt else next(iter(corrupt))
-        raise atomic_dir.corrupt_error(
-            path if str(path) == where else Path(where),
-            list(corrupt[where]),
-        )
+        raise corrupt_error(where, list(corrupt[where]))
     digests = [v[1] for v in views]
     if len(set(digests)) > 1:
         odd = [r for r, d in zip(participants.ranks, digests) if d != digests[0]]
@@ -215,9 +203,7 @@ def _check_files_and_keys(
         )
 
 
-def _checkpoint_id(
-    checkpoint_id: str | os.PathLike[str] | None, storage_reader: Any
-) -> str | os.PathLike[str] | None:
+def _checkpoint_id(checkpoint_id: CheckpointId | None, storage_reader: Any) -> CheckpointId | None:
     """``checkpoint_id``, or the directory a file-system ``storage_reader`` reads from."""
     if checkpoint_id is not None or storage_reader is None:
         return checkpoint_id
@@ -231,13 +217,15 @@ def _checkpoint_id(
             f"load() got a {type(storage_reader).__name__} that does not say which "
             "directory it reads (no .path) and no checkpoint_id; pass checkpoint_id."
         )
+    if isinstance(reader_path, CheckpointLocation):
+        return reader_path
     return os.fspath(reader_path)
 
 
 def load(
     state_dict: dict[str, Any],
     *,
-    checkpoint_id: str | os.PathLike[str] | None = None,
+    checkpoint_id: CheckpointId | None = None,
     storage_reader: Any = None,
     planner: Any = None,
     process_group: dist.ProcessGroup | None = None,
@@ -252,8 +240,8 @@ def load(
 
     Args:
         state_dict: The template to fill; its DTensors may be sharded differently than at save.
-        checkpoint_id: The checkpoint directory or ``s3://`` URI; may be left out when
-            ``storage_reader`` knows it (SMP's scripts pass only
+        checkpoint_id: The checkpoint directory, ``s3://`` URI or ``checkpoint_location``;
+            may be left out when ``storage_reader`` knows it (SMP's scripts pass only
             ``storage_reader=DistributedFileSystemReader(path)``).
         storage_reader: Optional DCP ``StorageReader`` (pointed at ``checkpoint_id``). On S3
             the committed save is read through ``s3torchconnector``'s DCP reader instead.
@@ -269,18 +257,10 @@ def load(
             another SM-local layout, missing keys, mismatched shapes, or ranks disagreeing.
     """
     del coordinator_rank
-    checkpoint_id = _checkpoint_id(checkpoint_id, storage_reader)
-    path: Path | S3Checkpoint
-    if is_s3_uri(checkpoint_id):
-        path = S3Checkpoint(str(checkpoint_id), s3_region, s3client_config)
-        marker = path.read_marker()
-        # The committed save's objects, whatever reader was given (Note [S3 checkpoint layout]).
-        storage_reader = path.storage_reader(marker["data"])
-        source: Any = path.data_uri(marker["data"])
-    else:
-        path = atomic_dir.checkpoint_path(checkpoint_id)
-        marker = atomic_dir.read_marker(path)
-        source = path
+    path = checkpoint_location(
+        _checkpoint_id(checkpoint_id, storage_reader), s3_region, s3client_config
+    )
+    marker = path.read_marker()
     metadata = _read_metadata(path, marker)
     resolved = resolve_stateful(state_dict)
     if marker.get("kind") == "sm_local" or find_local_layout(resolved) is not None:
@@ -291,8 +271,8 @@ def load(
     try:
         dcp.load(
             state_dict,
-            checkpoint_id=source,
-            storage_reader=storage_reader,
+            checkpoint_id=path.data_root(marker),
+            storage_reader=path.storage_reader(marker, storage_reader),
             planner=planner,
             process_group=participants.group,
             no_dist=not participants.distributed,

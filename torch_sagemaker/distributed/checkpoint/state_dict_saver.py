@@ -1,21 +1,21 @@
 """Saving checkpoints (``torch.sagemaker.distributed.checkpoint.state_dict_saver``).
 
-``save`` writes a state dict with PyTorch DCP into a staging directory and publishes it
-atomically (Note [Checkpoint commit protocol] in ``atomic_dir``); an ``s3://`` checkpoint_id
-goes straight to S3 and is published by its completion marker (Note [S3 checkpoint layout]
-in ``s3_checkpoint``). ``async_save`` copies the
-state to CPU memory, returns, and runs the same save on a background thread over a
-dedicated gloo process group, so training collectives and checkpoint collectives never
-share a communicator.
+``save`` writes a state dict with PyTorch DCP and publishes it only once it is complete, at
+the checkpoint's location (``location.checkpoint_location``): a directory is staged beside
+its name and renamed into place (Note [Checkpoint commit protocol] in ``atomic_dir``); an
+``s3://`` prefix is published by its completion marker (Note [S3 checkpoint layout] in
+``s3_checkpoint``). ``async_save`` copies the state to CPU memory, returns, and runs the
+same save on a background thread over a dedicated gloo process group, so training
+collectives and checkpoint collectives never share a communicator.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from torch_sagemaker._torch_compat import c10d as c10d_compat
-from torch_sagemaker.distributed.checkpoint import _commit, atomic_dir, integrity
+from torch_sagemaker.distributed.checkpoint import _commit, integrity
 from torch_sagemaker.distributed.checkpoint._group import Participants
 from torch_sagemaker.distributed.checkpoint.async_utils import (
     DEFAULT_ASYNC_REQUEST_QUEUE,
@@ -32,8 +32,12 @@ from torch_sagemaker.distributed.checkpoint.async_utils import (
     maybe_finalize_async_calls,
 )
 from torch_sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemWriter
-from torch_sagemaker.distributed.checkpoint.s3_checkpoint import S3Checkpoint
-from torch_sagemaker.distributed.checkpoint.s3_filesystem import is_s3_uri
+from torch_sagemaker.distributed.checkpoint.location import (
+    CheckpointId,
+    CheckpointLocation,
+    checkpoint_location,
+)
+from torch_sagemaker.distributed.checkpoint.marker import CheckpointError
 from torch_sagemaker.distributed.checkpoint.state_dict_utils import (
     current_layout,
     find_local_layout,
@@ -45,7 +49,7 @@ from torch_sagemaker.state import state as tsm_state
 
 def _write(
     state_dict: dict[str, Any],
-    checkpoint_id: Path | S3Checkpoint,  # validated by _target
+    location: CheckpointLocation,
     *,
     storage_writer: Any,
     planner: Any,
@@ -54,75 +58,32 @@ def _write(
     on_commit: Callable[[], None] | None,
     thread_count: int = 1,
 ) -> None:
-    """The save protocol shared by ``save`` and ``async_save``, on a file system or S3."""
-    if isinstance(checkpoint_id, S3Checkpoint):
-        _write_s3(
-            state_dict,
-            checkpoint_id,
-            storage_writer=storage_writer,
-            planner=planner,
-            participants=participants,
-            info=info,
-            on_commit=on_commit,
-            thread_count=thread_count,
-        )
-        return
-    path = checkpoint_id
-    staging = atomic_dir.staging_path(path)
+    """The save protocol shared by ``save`` and ``async_save``, at any location.
 
-    # 1. Fresh staging directory (a stale one is what an earlier crash left behind) and the
-    # save's id (Note [Commit outcome]).
+    The steps are Note [Commit outcome]'s; what each does to the storage is the location's
+    (Note [Checkpoint commit protocol] in ``atomic_dir``, Note [S3 checkpoint layout] in
+    ``s3_checkpoint``).
+    """
+
+    # 1. The save's id (Note [Commit outcome]; on S3 it names the save's prefix), and the
+    # location readied for it (a fresh staging directory: a stale one is what an earlier
+    # crash left behind).
     def prepare() -> str:
-        atomic_dir.prepare_staging(path)
-        return uuid.uuid4().hex
+        save_id = uuid.uuid4().hex
+        location.prepare(save_id)
+        return save_id
 
-    save_id = participants.run_on_coordinator(prepare, step=f"starting the save of {path}")
-    # 2. Every rank writes its shards, checksumming them on the way (Note [Checkpoint
-    # checksums]); DCP's coordinator writes .metadata last.
-    records = _dcp_write(state_dict, staging, storage_writer, planner, participants, path)
-
-    # 3. Marker and atomic rename on the coordinator, every rank told the outcome; then the
-    # replaced checkpoint's removal and the optional hook (e.g. retention).
-    def commit(recorded: dict[str, tuple[int, str]]) -> None:
-        atomic_dir.commit(
-            staging,
-            path,
-            {**info, "num_ranks": len(participants.ranks), "save_id": save_id},
-            recorded,
-            cleanup=False,
-        )
-
-    def after_commit() -> None:
-        atomic_dir.remove_replaced(path)
-        _run_hook(on_commit, path)
-
-    _commit.publish(participants, path, save_id, records, commit, after_commit)
-
-
-def _write_s3(
-    state_dict: dict[str, Any],
-    location: S3Checkpoint,
-    *,
-    storage_writer: Any,
-    planner: Any,
-    participants: Participants,
-    info: dict[str, Any],
-    on_commit: Callable[[], None] | None,
-    thread_count: int,
-) -> None:
-    """``_write`` on S3: the steps of Note [S3 checkpoint layout] in ``s3_checkpoint``."""
-    # 1. The save's id names the prefix its objects go to.
-    save_id = participants.run_on_coordinator(
-        lambda: uuid.uuid4().hex, step=f"starting the save of {location}"
-    )
-    data_uri = location.data_uri(save_id)
+    save_id = participants.run_on_coordinator(prepare, step=f"starting the save of {location}")
+    root = location.write_root(save_id)
     writer = storage_writer
     if writer is None:
         writer = location.storage_writer(save_id, thread_count)
-    # 2. Every rank uploads its shards, checksumming them as they stream out.
-    records = _dcp_write(state_dict, data_uri, writer, planner, participants, location)
+    # 2. Every rank writes its shards, checksumming them on the way (Note [Checkpoint
+    # checksums]); DCP's coordinator writes .metadata last.
+    records = _dcp_write(state_dict, root, writer, planner, participants, location)
 
-    # 3. The marker, one PUT, commits; 4. the replaced save's objects go.
+    # 3. The commit on the coordinator, every rank told the outcome; then the replaced
+    # checkpoint's removal and the optional hook (e.g. retention).
     def commit(recorded: dict[str, tuple[int, str]]) -> None:
         location.commit(
             save_id, {**info, "num_ranks": len(participants.ranks), "save_id": save_id}, recorded
@@ -133,8 +94,8 @@ def _write_s3(
             location.remove_replaced(save_id)
         except Exception as e:  # noqa: BLE001 - the checkpoint itself is complete
             get_logger().warning(
-                f"checkpoint {location} is complete, but deleting the objects of the save "
-                f"it replaced failed: {type(e).__name__}: {e}"
+                f"checkpoint {location} is complete, but deleting what it replaced "
+                f"failed: {type(e).__name__}: {e}"
             )
         _run_hook(on_commit, location)
 
@@ -147,26 +108,31 @@ def _dcp_write(
     storage_writer: Any,
     planner: Any,
     participants: Participants,
-    where: Any,
+    location: CheckpointLocation,
 ) -> dict[str, tuple[int, str]]:
-    """DCP's save into ``root`` with checksums recorded (Note [Checkpoint checksums])."""
-    with integrity.recording(storage_writer, root) as (writer, recorder):
+    """DCP's save into ``root``, with checksums recorded when the location keeps them."""
+    with contextlib.ExitStack() as stack:
+        recorder = None
+        if location.checksums:
+            storage_writer, recorder = stack.enter_context(
+                integrity.recording(storage_writer, root)
+            )
         try:
             dcp.save(
                 state_dict,
                 checkpoint_id=root,
-                storage_writer=writer,
+                storage_writer=storage_writer,
                 planner=planner,
                 process_group=participants.group,
                 no_dist=not participants.distributed,
             )
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-            raise atomic_dir.CheckpointError(
-                f"writing checkpoint {where} failed ({describe_failure(e)}); a previous "
+            raise CheckpointError(
+                f"writing checkpoint {location} failed ({describe_failure(e)}); a previous "
                 f"checkpoint there is unchanged and the unfinished files stay in {root} until "
                 "the next save."
             ) from e
-    return recorder.records()
+    return recorder.records() if recorder is not None else {}
 
 
 def _run_hook(on_commit: Callable[[], None] | None, where: Any) -> None:
@@ -181,21 +147,19 @@ def _run_hook(on_commit: Callable[[], None] | None, where: Any) -> None:
 
 
 def _target(
-    checkpoint_id: str | os.PathLike[str] | None,
+    checkpoint_id: CheckpointId | None,
     s3_region: str | None,
     s3client_config: Any,
     storage_writer: Any = None,
-) -> Path | S3Checkpoint:
-    """The validated destination: a local directory, or an S3 location for ``s3://`` ids.
+) -> CheckpointLocation:
+    """The validated destination (``location.checkpoint_location``).
 
     Without ``checkpoint_id``, a file-system ``storage_writer``'s ``path`` names it (HyperPod's
     adapter passes only ``storage_writer=DistributedFileSystemWriter(path)``).
     """
     if checkpoint_id is None and storage_writer is not None:
         checkpoint_id = getattr(storage_writer, "path", None)
-    if is_s3_uri(checkpoint_id):
-        return S3Checkpoint(str(checkpoint_id), s3_region, s3client_config)
-    return atomic_dir.checkpoint_path(checkpoint_id)
+    return checkpoint_location(checkpoint_id, s3_region, s3client_config)
 
 
 def describe_failure(e: BaseException) -> str:
@@ -218,7 +182,7 @@ def _info(state_dict: dict[str, Any]) -> dict[str, Any]:
 def save(
     state_dict: dict[str, Any],
     *,
-    checkpoint_id: str | os.PathLike[str] | None = None,
+    checkpoint_id: CheckpointId | None = None,
     storage_writer: Any = None,
     planner: Any = None,
     process_group: dist.ProcessGroup | None = None,
@@ -237,9 +201,11 @@ def save(
 
     Args:
         state_dict: Nested dict of tensors, DTensors, ``Stateful`` objects and picklable values.
-        checkpoint_id: Directory of the checkpoint (replaced atomically if it exists), or an
-            ``s3://bucket/prefix`` URI (Note [S3 checkpoint layout] in ``s3_checkpoint``);
-            may be left out when ``storage_writer`` has a ``path`` (as HyperPod's adapter calls).
+        checkpoint_id: Directory of the checkpoint (replaced atomically if it exists), an
+            ``s3://bucket/prefix`` URI (Note [S3 checkpoint layout] in ``s3_checkpoint``), or
+            a ``checkpoint_location`` (which carries the S3 options and whether checksums
+            are kept); may be left out when ``storage_writer`` has a ``path`` (as HyperPod's
+            adapter calls).
         storage_writer: Optional DCP ``StorageWriter``; it is pointed at the staging directory
             (on S3: the save's prefix).
         planner: Optional DCP ``SavePlanner``.
@@ -275,7 +241,7 @@ def save(
 
 
 class PyTorchDistSaveShardedStrategy:
-    """How ``async_save`` writes: PyTorch DCP through ``DistributedFileSystemWriter``.
+    """How ``async_save`` writes: PyTorch DCP's file-system writer with ``thread_count`` threads.
 
     SMP's default ``sharded_strategy`` (its Megatron-core based "torch_dist" strategy). Here it
     needs no Megatron: DCP does the sharded write, and replicated values are written once
@@ -378,7 +344,7 @@ def _members_only_gloo_group(ranks: tuple[int, ...], generation: int) -> dist.Pr
 def async_save(
     state_dict: dict[str, Any],
     *,
-    checkpoint_id: str | os.PathLike[str] | None = None,
+    checkpoint_id: CheckpointId | None = None,
     storage_writer: Any = None,
     planner: Any = None,
     process_group: dist.ProcessGroup | None = None,
@@ -406,8 +372,8 @@ def async_save(
             background collectives.
         coordinator_rank: As for ``save``.
         queue: The ``AsyncCallsQueue`` to run on; default the module's global queue.
-        sharded_strategy: A ``PyTorchDistSaveShardedStrategy`` (the default) that makes the
-            writer when ``storage_writer`` is ``None``.
+        sharded_strategy: A ``PyTorchDistSaveShardedStrategy`` (the default), whose writer
+            thread count the location's writer takes when ``storage_writer`` is ``None``.
         wait_error_handling: As for ``save``.
         force_check_all_plans: As for ``save``.
         s3_region: As for ``save``.
@@ -427,9 +393,6 @@ def async_save(
             f"sharded_strategy must be a PyTorchDistSaveShardedStrategy, got "
             f"{type(strategy).__name__}."
         )
-    if storage_writer is None and isinstance(target, Path):
-        # On S3 the writer is made per save (its prefix carries the save's id).
-        storage_writer = strategy.storage_writer(target)
     resolved = resolve_stateful(state_dict)
     info = _info(resolved)
     staged = BlockingAsyncStager().stage(resolved)

@@ -22,9 +22,7 @@ RNG states are per rank. After a resume on more ranks the new ranks keep their c
 from __future__ import annotations
 
 import json
-import os
 import random
-from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -38,13 +36,12 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torch_sagemaker.distributed.checkpoint import state_dict_utils as sdu
 from torch_sagemaker.distributed.checkpoint.async_utils import AsyncCallsQueue
-from torch_sagemaker.distributed.checkpoint.retention import limit_num_subdirs
-from torch_sagemaker.distributed.checkpoint.s3_filesystem import (
-    format_s3_path,
-    is_s3_uri,
-    join_s3,
-    parse_s3_uri,
+from torch_sagemaker.distributed.checkpoint.location import (
+    CheckpointId,
+    CheckpointLocation,
+    checkpoint_location,
 )
+from torch_sagemaker.distributed.checkpoint.retention import limit_num_subdirs
 from torch_sagemaker.distributed.checkpoint.state_dict_loader import load, read_metadata
 from torch_sagemaker.distributed.checkpoint.state_dict_saver import async_save, save
 from torch_sagemaker.fp8 import scaling_state as fp8_state
@@ -178,11 +175,8 @@ class TrainingState:
             fp8_state.load_scaling_state_dict(_unwrap_root(self.model), state_dict[fp8_state.ITEM])
 
     # -------------------------------------------------------- save / load
-    def _location(
-        self, checkpoint_id: str | os.PathLike[str], kind: str
-    ) -> tuple[str | Path, Any, int]:
-        """Directory (or ``s3://`` URI), process group and coordinator of this rank's part."""
-        path: str | Path = _as_location(checkpoint_id)
+    def _location(self, path: CheckpointLocation, kind: str) -> tuple[CheckpointLocation, Any, int]:
+        """Location, process group and coordinator of this rank's part of checkpoint ``path``."""
         if kind == "sharded":
             if not _fsdp1_per_rank(self.model):
                 return path, None, 0
@@ -207,10 +201,10 @@ class TrainingState:
                 group = (
                     smp_state.fsdp_shard_process_group
                 )  # the ranks holding this EP rank's experts
-                path = _child(path, f"ep{smp_state.ep_size}-{smp_state.ep_rank}")
+                path = path.child(f"ep{smp_state.ep_size}-{smp_state.ep_rank}")
             else:
                 group = smp_state.dp_process_group
-                path = _child(path, f"tp{smp_state.tp_size}-{smp_state.tp_rank}")
+                path = path.child(f"tp{smp_state.tp_size}-{smp_state.tp_rank}")
             return path, group, min(dist.get_process_group_ranks(group))
 
         # The ranks writing one ``tp{r}_ep{r}_fsdp{r}`` directory: the replicas that hold the
@@ -222,11 +216,11 @@ class TrainingState:
             else None
         )
         ranks = dist.get_process_group_ranks(group) if group is not None else [_rank()]
-        return _child(path, sdu.local_subdir()), group, min(ranks)
+        return path.child(sdu.local_subdir()), group, min(ranks)
 
     def save(
         self,
-        checkpoint_id: str | os.PathLike[str],
+        checkpoint_id: CheckpointId,
         *,
         kind: str = "sharded",
         use_async: bool = False,
@@ -237,8 +231,9 @@ class TrainingState:
         """Saves the training state to the directory ``checkpoint_id`` (all ranks call it).
 
         Args:
-            checkpoint_id: The checkpoint directory (one per step, e.g. ``.../step300``), or
-                an ``s3://`` URI (credentials and endpoint from the AWS variables).
+            checkpoint_id: The checkpoint directory (one per step, e.g. ``.../step300``), an
+                ``s3://`` URI (credentials and endpoint from the AWS variables), or a
+                ``checkpoint_location`` (S3 region and client options, checksums).
             kind: ``"sharded"`` (reshardable) or ``"local"`` (SM-local: one directory per
                 shard ``tp{r}_ep{r}_fsdp{r}``, written by one rank of each replication group).
             use_async: Write in the background (see ``async_save``).
@@ -247,14 +242,16 @@ class TrainingState:
                 directory (sharded kind; see ``limit_num_subdirs``).
             regex: Which sibling directories count for ``num_kept`` (default: all).
         """
-        path, group, coordinator = self._location(checkpoint_id, kind)
-        parent = _parent(checkpoint_id)
+        top = checkpoint_location(checkpoint_id)
+        path, group, coordinator = self._location(top, kind)
+        parent = top.parent()
 
         def retain() -> None:
-            limit_num_subdirs(parent, num_kept, regex=regex)
+            if parent is not None:
+                limit_num_subdirs(parent, num_kept, regex=regex)
 
         # Per-TP-rank directories (FSDP1 + TP) commit separately; one of them prunes.
-        per_rank_dirs = path != _as_location(checkpoint_id) and kind == "sharded"
+        per_rank_dirs = path is not top and kind == "sharded"
         prunes = kind == "sharded" and (not per_rank_dirs or _first_shard_dir())
         on_commit = retain if (num_kept is not None and prunes) else None
         sd = self.state_dict(kind)
@@ -278,7 +275,7 @@ class TrainingState:
 
     def load(
         self,
-        checkpoint_id: str | os.PathLike[str],
+        checkpoint_id: CheckpointId,
         *,
         kind: str = "sharded",
         load_optimizer: bool = True,
@@ -286,7 +283,7 @@ class TrainingState:
         """Loads a checkpoint written by ``save``, resharding to this job's layout (sharded kind).
 
         Args:
-            checkpoint_id: The checkpoint directory.
+            checkpoint_id: The checkpoint directory, ``s3://`` URI or ``checkpoint_location``.
             kind: The kind it was saved with.
             load_optimizer: Also restore the optimizer (and its step counts).
 
@@ -294,7 +291,7 @@ class TrainingState:
             CheckpointError: If the checkpoint is missing, incomplete, corrupt, or does not
                 match the model (the message names the keys and shapes).
         """
-        path, group, coordinator = self._location(checkpoint_id, kind)
+        path, group, coordinator = self._location(checkpoint_location(checkpoint_id), kind)
         sd = self.state_dict(kind)
         if not load_optimizer:
             sd.pop("optimizer", None)
@@ -335,26 +332,6 @@ class TrainingState:
             )
             return
         sd[fp8_state.ITEM] = fp8_state.empty_like_saved(sizes)
-
-
-def _as_location(checkpoint_id: str | os.PathLike[str]) -> str | Path:
-    """``checkpoint_id`` as a normalized ``s3://`` URI or a ``Path``."""
-    if is_s3_uri(checkpoint_id):
-        return format_s3_path(str(checkpoint_id))
-    return Path(checkpoint_id)
-
-
-def _child(path: str | Path, name: str) -> str | Path:
-    return join_s3(path, name) if isinstance(path, str) else path / name
-
-
-def _parent(checkpoint_id: str | os.PathLike[str]) -> str | Path:
-    """The directory (or key prefix) holding the checkpoint, where retention looks."""
-    location = _as_location(checkpoint_id)
-    if isinstance(location, str):
-        bucket, key = parse_s3_uri(location)
-        return format_s3_path(bucket, key.rpartition("/")[0])
-    return location.absolute().parent
 
 
 def _unwrap_root(model: nn.Module) -> nn.Module:
