@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -52,6 +52,7 @@ from torch_sagemaker.tensor_parallel.styles import (
     ExpertsParallel,
     SequenceParallelNorm,
     distribute_params,
+    split_experts,
     to_local_partial_grad,
 )
 
@@ -292,16 +293,7 @@ class BatchedExperts(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        tp = device_mesh.size()
-        num_experts = int(module.num_experts)  # type: ignore[arg-type]
-        if num_experts % tp:
-            raise ValueError(
-                f"{type(module).__name__}: {num_experts} experts cannot be split over "
-                f"tensor_parallel_degree={tp} ranks; use a degree dividing {num_experts}."
-            )
-        distribute_params(module, device_mesh, [Shard(0)], self.src_data_rank)
-        num_local = num_experts // tp
-        first = device_mesh.get_local_rank() * num_local
+        num_experts, first, num_local = split_experts(module, device_mesh, self.src_data_rank)
         forward_impl = type(module).forward
 
         def forward(mod: nn.Module, rows: torch.Tensor) -> torch.Tensor:

@@ -227,6 +227,29 @@ class _LocalExpertsView:
         return value.to_local() if isinstance(value, DTensor) else value
 
 
+def split_experts(
+    module: nn.Module, device_mesh: DeviceMesh, src_data_rank: int | None
+) -> tuple[int, int, int]:
+    """Splits ``module``'s expert parameters whole over the TP ranks (``Shard(0)``).
+
+    Returns:
+        ``(experts, first local expert, local experts)``.
+
+    Raises:
+        ValueError: The TP degree does not divide the module's ``num_experts``.
+    """
+    tp = device_mesh.size()
+    num_experts = int(cast(SupportsInt, module.num_experts))
+    if num_experts % tp:
+        raise ValueError(
+            f"{type(module).__name__}: {num_experts} experts cannot be split over "
+            f"tensor_parallel_degree={tp} ranks; use a degree dividing {num_experts}."
+        )
+    distribute_params(module, device_mesh, [Shard(0)], src_data_rank)
+    num_local = num_experts // tp
+    return num_experts, device_mesh.get_local_rank() * num_local, num_local
+
+
 class ExpertsParallel(ParallelStyle):
     """Fused MoE experts (3-D parameters, expert dimension first) split whole over the TP ranks.
 
@@ -239,16 +262,7 @@ class ExpertsParallel(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        tp = device_mesh.size()
-        num_experts = int(cast(SupportsInt, module.num_experts))
-        if num_experts % tp:
-            raise ValueError(
-                f"{type(module).__name__}: {num_experts} experts cannot be split over "
-                f"tensor_parallel_degree={tp} ranks; use a degree dividing {num_experts}."
-            )
-        distribute_params(module, device_mesh, [Shard(0)], self.src_data_rank)
-        num_local = num_experts // tp
-        first = device_mesh.get_local_rank() * num_local
+        num_experts, first, num_local = split_experts(module, device_mesh, self.src_data_rank)
         forward_impl = type(module).forward
 
         def forward(

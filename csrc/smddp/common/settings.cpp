@@ -51,9 +51,8 @@ const std::vector<SettingInfo> kSettings = {
     {"net_algo", "SMDDP_NET_ALGO", "name", "auto",
      "how collectives cross hosts: mesh (every host sends to every other at once), ring "
      "(each host to the next, from 3 hosts), halving_doubling (log2 H rounds of one peer "
-     "each), or auto (the ring from 3 to 32 hosts, measured; halving_doubling beyond where "
-     "the host count is a power of two, else the mesh); hosts of unequal rank counts take "
-     "the mesh"},
+     "each; only when asked for), or auto (the ring from 3 to 32 hosts, measured; the mesh "
+     "otherwise); hosts of unequal rank counts take the mesh"},
     {"net_reduce_dtype", "SMDDP_NET_REDUCE_DTYPE", "name", "auto",
      "the type bf16/fp16 reductions send their partial sums between hosts in: auto (the "
      "tensor's own, half of fp32's bytes; each host's partial rounded once, sums in fp32) or "
