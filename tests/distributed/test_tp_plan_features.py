@@ -149,7 +149,8 @@ def _offload() -> dict:
     from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
     from tests.distributed.test_offload_parallel import _compare, _step
-    from tests.distributed.test_tp_parity import build, checkpoint_and_shard
+    from tests.distributed.test_tp_parity import build
+    from tools.model_coverage.parity import checkpoint_and_shard
     from torch_sagemaker.offload import get_stats
 
     def model():
