@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
-from tools.ranks import free_port
+from tools.ranks import free_port, set_rank_environment
 
 # Note [Ranks forked from a warm server]: a rank spawned from scratch imports torch and
 # transformers itself, seconds of CPU per rank, and on a busy 2-core machine a fresh 4-rank
@@ -139,16 +139,8 @@ def _worker(
     tasks: Any,
     results: Any,
 ) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS="1",
-        TSM_LOG_LEVEL=os.environ.get("TSM_LOG_LEVEL", "WARNING"),
-    )
+    set_rank_environment(rank, world_size, port, os.environ.get("TSM_LOG_LEVEL", "WARNING"))
+    os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.update(env)
     try:
         import torch
