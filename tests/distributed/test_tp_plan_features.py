@@ -111,7 +111,7 @@ def _checkpoints_and_export(root: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from torch_sagemaker.distributed.checkpoint import TrainingState, save_hf_checkpoint
+    from torch_sagemaker.checkpoint import TrainingState, save_hf_checkpoint
 
     model, optim = _build(seed=1)
     losses = _train(model, optim, range(SAVE_AT))

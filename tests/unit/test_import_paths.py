@@ -88,6 +88,16 @@ def test_wheel_install(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "torch_sagemaker.pth" in names and "_torch_sagemaker_alias.py" in names
     assert "torch_sagemaker/policies/__init__.py" in names
+    # The packages by concern, and SMP's paths that re-export them.
+    assert {
+        "torch_sagemaker/smddp/backend.py",
+        "torch_sagemaker/mesh.py",
+        "torch_sagemaker/launch_env.py",
+        "torch_sagemaker/checkpoint/state_dict_saver.py",
+        "torch_sagemaker/checkpoint/utils.py",
+        "torch_sagemaker/distributed/checkpoint/state_dict_saver.py",
+        "torch_sagemaker/distributed/fsdp/checkpoint.py",
+    } <= set(names)
     assert not any(n.startswith("policies/") for n in names)
     assert any(n.startswith("torch_sagemaker/_C") and n.endswith(".so") for n in names)
     assert "torch_sagemaker/_C.pyi" in names and "torch_sagemaker/py.typed" in names

@@ -331,7 +331,7 @@ def test_llama_flash_attention_with_layer_idx_generates_like_llama_attention():
 def test_file_system_writer_hooks_and_reader_path(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from torch_sagemaker.distributed.checkpoint.filesystem import (
+    from torch_sagemaker.checkpoint.filesystem import (
         DistributedFileSystemReader,
         DistributedFileSystemWriter,
         path_to_file_system,
@@ -359,9 +359,9 @@ def test_file_system_writer_hooks_and_reader_path(tmp_path):
 
 
 def test_load_takes_the_directory_from_storage_reader(tmp_path):
-    from torch_sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemReader
-    from torch_sagemaker.distributed.checkpoint.state_dict_loader import load
-    from torch_sagemaker.distributed.checkpoint.state_dict_saver import save
+    from torch_sagemaker.checkpoint.filesystem import DistributedFileSystemReader
+    from torch_sagemaker.checkpoint.state_dict_loader import load
+    from torch_sagemaker.checkpoint.state_dict_saver import save
 
     path = tmp_path / "llama_v2-3steps"
     save({"w": torch.arange(3.0), "total_steps": 3}, checkpoint_id=path)
@@ -377,8 +377,8 @@ def test_load_takes_the_directory_from_storage_reader(tmp_path):
 
 
 def test_pytorch_dist_save_sharded_strategy_validates():
-    from torch_sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemWriter
-    from torch_sagemaker.distributed.checkpoint.state_dict_saver import (
+    from torch_sagemaker.checkpoint.filesystem import DistributedFileSystemWriter
+    from torch_sagemaker.checkpoint.state_dict_saver import (
         PyTorchDistSaveShardedStrategy,
     )
 
@@ -414,20 +414,20 @@ def test_dcp_patches_are_installed_at_import_and_undone_by_uninstall():
     from torch.distributed.checkpoint import optimizer as dcp_optimizer
     from torch.distributed.checkpoint import utils as dcp_utils
 
-    from torch_sagemaker.distributed.checkpoint import torch_compat
+    from torch_sagemaker.checkpoint import dcp_patches
 
     assert (
         dcp_optimizer.load_sharded_optimizer_state_dict
-        is torch_compat.load_sharded_optimizer_state_dict
+        is dcp_patches.load_sharded_optimizer_state_dict
     )
-    assert dcp.load_sharded_optimizer_state_dict is torch_compat.load_sharded_optimizer_state_dict
-    native = torch_compat.load_sharded_optimizer_state_dict.__tsm_native__
-    torch_compat.uninstall()
+    assert dcp.load_sharded_optimizer_state_dict is dcp_patches.load_sharded_optimizer_state_dict
+    native = dcp_patches.load_sharded_optimizer_state_dict.__tsm_native__
+    dcp_patches.uninstall()
     try:
         assert dcp_optimizer.load_sharded_optimizer_state_dict is native
-        assert dcp_utils._DistWrapper.__init__ is torch_compat._native_wrapper_init
+        assert dcp_utils._DistWrapper.__init__ is dcp_patches._native_wrapper_init
     finally:
-        torch_compat.install()
+        dcp_patches.install()
 
 
 class _Plain(nn.Module):
