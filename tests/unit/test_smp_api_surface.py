@@ -3,18 +3,24 @@ processes)."""
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import logging
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-# (module as SMP's scripts and docs import it, names they use from it)
+# (module as SMP's scripts and docs import it, names they use from it): every module path of
+# reference/smp_api.md. SMDDP's path, smdistributed.dataparallel.torch.torch_smddp, writes the
+# launcher's variables into os.environ when imported, so tests/unit/test_import_paths.py
+# imports it in a fresh interpreter instead.
 SURFACE = [
     ("torch.sagemaker", ["init", "is_initialized", "state", "transform"]),
+    ("torch.sagemaker.state_handler", ["state"]),
     ("torch.sagemaker.utils.utils", ["timeit"]),
     ("torch.sagemaker.utils.process_group_utils", ["get_global_ranks"]),
     ("torch.sagemaker.utils.module_utils", ["empty_module_params", "move_buffers_to_device"]),
@@ -27,6 +33,10 @@ SURFACE = [
     ),
     ("torch.sagemaker.checkpoint.utils", ["SORT_BY_LAST_INT", "limit_num_subdirs"]),
     ("torch.sagemaker.checkpoint.constants", ["SMP_IS_LOAD_INFO_KEY", "SMP_IS_PARTIAL_KEY"]),
+    (
+        "torch.sagemaker.distributed.checkpoint",
+        ["AsyncCallsQueue", "maybe_finalize_async_calls", "save", "async_save", "load"],
+    ),
     (
         "torch.sagemaker.distributed.checkpoint.async_utils",
         ["AsyncCallsQueue", "maybe_finalize_async_calls"],
@@ -158,6 +168,105 @@ def test_deprecated_fsdp_checkpoint_module_warns_on_import():
         FutureWarning, match="deprecated .* use torch.sagemaker.distributed.checkpoint"
     ):
         importlib.reload(shim)
+    # As SMP 2.6.1 fixed it (aws/amazon-sagemaker-examples#4772): the name from the package.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        from torch.sagemaker.distributed.fsdp import checkpoint
+    assert checkpoint.save_model_checkpoint is shim.save_model_checkpoint
+
+
+def test_state_handler_state_is_tsm_state():
+    import torch.sagemaker as tsm
+    from torch.sagemaker.state_handler import state
+
+    assert state is tsm.state
+
+
+# SMP's paths that are not where the code lives: (the path, the module it re-exports).
+REEXPORTS = {
+    "torch_sagemaker.distributed.checkpoint": "torch_sagemaker.checkpoint",
+    **{
+        f"torch_sagemaker.distributed.checkpoint.{name}": f"torch_sagemaker.checkpoint.{name}"
+        for name in (
+            "async_utils",
+            "filesystem",
+            "s3_filesystem",
+            "state_dict_loader",
+            "state_dict_saver",
+            "state_dict_utils",
+        )
+    },
+    "torch_sagemaker.distributed.fsdp.checkpoint": "torch_sagemaker.checkpoint.fsdp1_checkpoint",
+    "torch_sagemaker.checkpoint.utils": "torch_sagemaker.checkpoint.retention",
+    "torch_sagemaker.state_handler": "torch_sagemaker.state",
+}
+PACKAGE = Path(__file__).resolve().parents[2] / "torch_sagemaker"
+
+
+def _module_path(module: str) -> Path:
+    rel = Path(*module.split(".")[1:])
+    return PACKAGE / rel / "__init__.py" if (PACKAGE / rel).is_dir() else PACKAGE / f"{rel}.py"
+
+
+def reexport_problems(path: Path, home: str | None) -> list[str]:
+    """Statements of the module at ``path`` other than its docstring, imports from ``home``,
+    ``__all__`` and the deprecation warning (``import warnings``, ``warnings.warn(...)``)."""
+    found = []
+    body = ast.parse(path.read_text()).body
+    for node in body[1:] if body and isinstance(body[0], ast.Expr) else body:
+        text = ast.unparse(node)
+        if isinstance(node, ast.ImportFrom) and node.module == home and not node.level:
+            continue
+        if isinstance(node, ast.Import) and text == "import warnings":
+            continue
+        if isinstance(node, ast.Assign) and text.startswith("__all__ = "):
+            continue
+        if isinstance(node, ast.Expr) and text.startswith("warnings.warn("):
+            continue
+        found.append(f"{path.name}:{node.lineno}: {text.splitlines()[0]}")
+    return found
+
+
+def test_smp_paths_that_reexport_define_nothing():
+    """No logic in the re-exports, and nothing else under ``distributed/``: every name is the
+    home module's own object, and the ``distributed.checkpoint`` paths export all of it."""
+    under_distributed = {
+        p for p in (PACKAGE / "distributed").rglob("*.py") if p.parent.name != "__pycache__"
+    }
+    assert len(under_distributed) == 10, sorted(under_distributed)  # the walk saw the files
+    for path in under_distributed:
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        module = module.removesuffix(".__init__")
+        if module not in REEXPORTS:  # the packages torch_sagemaker.distributed[.fsdp]
+            assert ast.parse(path.read_text()).body[1:] == [], f"{module} defines something"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        for module, home in REEXPORTS.items():
+            assert reexport_problems(_module_path(module), home) == []
+            shim, real = importlib.import_module(module), importlib.import_module(home)
+            for name in shim.__all__:
+                assert getattr(shim, name) is getattr(real, name), f"{module}.{name}"
+            if module.startswith("torch_sagemaker.distributed."):
+                assert sorted(shim.__all__) == sorted(real.__all__), module
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ('"""Doc."""\nfrom torch_sagemaker.state import state\n__all__ = ["state"]\n', []),
+        ('"""Doc."""\nimport os\n', ["m.py:2: import os"]),
+        ('"""Doc."""\nfrom torch_sagemaker.config import load\n', ["m.py:2: from"]),
+        ('"""Doc."""\ndef state():\n    return 1\n', ["m.py:2: def state():"]),
+        ('"""Doc."""\nX = 1\n', ["m.py:2: X = 1"]),
+    ],
+)
+def test_reexport_check_reports_definitions(tmp_path, source, expected):
+    path = tmp_path / "m.py"
+    path.write_text(source)
+    found = reexport_problems(path, "torch_sagemaker.state")
+    assert len(found) == len(expected) and all(f.startswith(e) for f, e in zip(found, expected)), (
+        found
+    )
 
 
 def _capture_tsm_log():
