@@ -184,6 +184,8 @@ def test_state_handler_state_is_tsm_state():
 
 # SMP's paths that are not where the code lives: (the path, the module it re-exports).
 REEXPORTS = {
+    # Not an SMP path: the backend's names where they lived before torch_sagemaker.smddp.
+    "torch_sagemaker.distributed": "torch_sagemaker.smddp",
     "torch_sagemaker.distributed.checkpoint": "torch_sagemaker.checkpoint",
     **{
         f"torch_sagemaker.distributed.checkpoint.{name}": f"torch_sagemaker.checkpoint.{name}"
@@ -237,7 +239,7 @@ def test_smp_paths_that_reexport_define_nothing():
     for path in under_distributed:
         module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
         module = module.removesuffix(".__init__")
-        if module not in REEXPORTS:  # the packages torch_sagemaker.distributed[.fsdp]
+        if module not in REEXPORTS:  # the package torch_sagemaker.distributed.fsdp
             assert ast.parse(path.read_text()).body[1:] == [], f"{module} defines something"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
