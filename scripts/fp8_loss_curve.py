@@ -115,15 +115,16 @@ def plot(runs: dict[str, list[float]], results: dict[str, dict], path: Path, tit
 
     steps = list(range(1, len(runs["bf16"]) + 1))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    colors = {name: COLORS.get(name, f"C{2 + i}") for i, name in enumerate(runs)}
     for name, losses in runs.items():
-        color = COLORS.get(name, "tab:green")
+        color = colors[name]
         ax1.plot(steps, losses, color=color, alpha=0.2, linewidth=0.8)
         ax1.plot(steps, moving_average(losses), color=color, label=f"{name} (10-step mean)")
     ax1.set(xlabel="step", ylabel="training loss (nats/byte)", title="Loss")
     ax1.legend()
     for name, result in results.items():
         label = f"{name} vs bf16"
-        ax2.plot(steps, [100 * r for r in result["smoothed"]], color=COLORS.get(name), label=label)
+        ax2.plot(steps, [100 * r for r in result["smoothed"]], color=colors[name], label=label)
     ax2.axhline(2.0, color="gray", linestyle="--", linewidth=0.8, label="2%")
     ax2.set(
         xlabel="step", ylabel="|fp8 - bf16| / bf16, %", title="Relative difference (10-step means)"
