@@ -45,6 +45,9 @@ def test_compare_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     s.plot({"bf16": bf16, "bf16 + FP8": fp8}, {"bf16 + FP8": r}, tmp_path / "p.png", "t")
     assert (tmp_path / "p.png").stat().st_size > 1000
+    many = {"bf16": bf16, "fp32": bf16, "a": fp8, "b": fp8}  # the legend goes under the plots
+    s.plot(many, {n: r for n in ("fp32", "a", "b")}, tmp_path / "m.png", "t")
+    assert (tmp_path / "m.png").stat().st_size > 1000
 
 
 def test_quantization_stats_count_what_the_cast_does(tmp_path):
