@@ -16,6 +16,8 @@ mid-training"):
 - ``--fp8-layers attention|mlp``: only the attention projections, or only the MLPs, in FP8;
   the other plan layers compute as ``nn.Linear``.
 - ``--recipe current``: ``Float8CurrentScaling(HYBRID)`` in place of the script's recipe.
+- ``--calibrate``: before step 1, one FP8 forward and backward of step 1's batch whose
+  gradients are dropped; its amaxes set the delayed scales, so no step quantizes at scale 1.
 - ``--noise X,W,DY`` (with ``--fp8 0``): no FP8; each plan layer's input, weight and output
   gradient is multiplied elementwise by ``1 + sigma * N(0, 1)`` with these sigmas, then the
   products run in the activation dtype: unbiased noise of FP8's size (the relative errors
@@ -103,6 +105,7 @@ class _Stats:
         self.step = 0
         self.names: dict[int, str] = {}  # id(LinearScaling) -> layer name
         self.rows: list[dict] = []
+        self.model: nn.Module | None = None
 
     def add(self, state: Any, role: int, t: torch.Tensor, scale: torch.Tensor, dtype) -> None:
         if not self.enabled:
@@ -127,6 +130,7 @@ def _patch_transform(tsm: Any, which: str) -> None:
 
     def transform(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         model = original(model, *args, **kwargs)
+        STATS.model = model  # FSDP2 shards it in place: the same module trains
         kept = dropped = 0
         for name, module in model.named_modules():
             if isinstance(module, Fp8Linear):
@@ -158,17 +162,35 @@ def _patch_stats() -> None:
     linear._Call.scale = scale
 
 
-def _patch_region(train: Any, recipe: str) -> None:
-    """Counts steps (one region per step) and swaps the recipe for ``recipe="current"``."""
+def _patch_region(train: Any, recipe: str, calibrate: bool = False) -> None:
+    """Counts steps (one region per step) and swaps the recipe for ``recipe="current"``.
+
+    With ``calibrate``, before step 1 one FP8 forward and backward of step 1's batch runs and
+    its gradients are dropped: its amaxes set the scales, so no training step uses scale 1.
+    """
     from torch_sagemaker.fp8 import Float8CurrentScaling, Format
 
     original = train.fp8_autocast
+    batches: list[torch.Tensor] = []
+    batch_for_cp_rank = train.data.batch_for_cp_rank
+
+    def keep(batch: torch.Tensor) -> torch.Tensor:
+        batches[:] = [batch_for_cp_rank(batch)]
+        return batches[0]
+
+    train.data.batch_for_cp_rank = keep
 
     @contextlib.contextmanager
     def fp8_autocast(*args: Any, **kwargs: Any) -> Iterator[None]:
         STATS.step += 1
         if recipe == "current":
             kwargs["fp8_recipe"] = Float8CurrentScaling(fp8_format=Format.HYBRID)
+        if calibrate and STATS.step == 1 and kwargs.get("enabled") and STATS.model is not None:
+            with original(*args, **kwargs):
+                b = batches[0]
+                loss = STATS.model(input_ids=b, attention_mask=None, labels=b).loss
+            loss.backward()
+            STATS.model.zero_grad(set_to_none=True)
         with original(*args, **kwargs):
             yield
 
@@ -336,6 +358,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stats", type=Path, default=None)
     p.add_argument("--fp8-layers", choices=("all", "attention", "mlp"), default="all")
     p.add_argument("--recipe", choices=("script", "current"), default="script")
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="one FP8 forward and backward of the first batch before step 1 sets the scales",
+    )
     p.add_argument("--noise", default=None, help="sigmas of x, w, dy, e.g. 0.025,0.025,0.05")
     p.add_argument("--noise-seed", type=int, default=0)
     p.add_argument("--summarize", type=Path, default=None, help="print a stats file's table")
@@ -359,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     import train
 
     _patch_transform(train.tsm, args.fp8_layers)
-    _patch_region(train, args.recipe)
+    _patch_region(train, args.recipe, args.calibrate)
     if args.stats is not None:
         _patch_stats()
     if args.noise is not None:
