@@ -139,10 +139,11 @@ def split(
 
 def table(samples: list[Sample]) -> str:
     """The window's split as a Markdown table, idle time in the heading."""
-    counts, functions = split(window(samples))
+    inside = window(samples)
+    counts, functions = split(inside)
     busy = sum(n for name, n in counts.items() if name != IDLE)
     total = busy + counts[IDLE]
-    span = max(s.time for s in window(samples)) - min(s.time for s in window(samples))
+    span = max(s.time for s in inside) - min(s.time for s in inside)
     lines = [
         f"{span:.2f} s window, {total} samples, {busy / total:.0%} busy",
         "",

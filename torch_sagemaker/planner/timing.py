@@ -269,7 +269,8 @@ def estimate(
     per_flop = 1 / machine.matmul_flops
     compute = flops * per_flop + elementwise
     layer_fwd = [f * per_flop + elementwise / passes / max(1, spec.num_layers) for f in fwd_layers]
-    optimizer = (units.root + sum(units.layer) + sum(units.experts)) * machine.optimizer_seconds
+    elements = units.root + sum(units.layer) + sum(units.experts)  # the rank's, TP/EP-local
+    optimizer = elements * machine.optimizer_seconds
     shard_dense = _fsdp_groups(checked, experts=False)
     optimizer /= max(1, len(shard_dense[0]))
     # Note [Fixed overhead]: every layer, and one FSDP unit per layer and the root (every
@@ -278,7 +279,7 @@ def estimate(
         machine.step_overhead
         + spec.num_layers * machine.layer_overhead * (1 + (1 / 3 if c.checkpointing else 0))
         + (spec.num_layers + 1) * machine.unit_overhead
-        + (units.root + sum(units.layer) + sum(units.experts)) * a * machine.fsdp_byte_seconds
+        + elements * a * machine.fsdp_byte_seconds
     )
     compute += overhead
 
