@@ -195,7 +195,7 @@ def modelled(p: Point) -> bool:
     It claims smddp's rows, and gloo's float32 all_reduce on shaped cables.
 
     gloo's flat ring is priced with smddp's CPU rates, which are not gloo's: where the CPU
-    is the bound (unshaped cables) the model is 24-33% short of it, and its bf16 reduction
+    is the bound (unshaped cables) the model is 21-33% short of it, and its bf16 reduction
     is gloo's own code (Note [Cost model of half precision]).
     """
     if p.algorithm != "flat_ring":

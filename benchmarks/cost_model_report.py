@@ -139,6 +139,11 @@ def plot(
 # --- tables --------------------------------------------------------------------------------
 
 
+def _op(op: str) -> str:
+    """nccl-tests' name: all_gather_into_tensor -> all_gather, reduce_scatter_tensor -> ..."""
+    return op.removesuffix("_into_tensor").removesuffix("_tensor")
+
+
 def _size(n: float) -> str:
     from benchmarks.collectives_report import format_size
 
@@ -241,7 +246,7 @@ def summary_table(rows: list[tuple[cost_model_fit.Point, float, float]]) -> str:
         within = sum(abs(e) <= cost_model_fit.TARGET for _, e in group)
         lines.append(
             f"| {dtype} | {hosts}x{ranks} | {cables} | {len(group)} | {within} | {median:.0%} | "
-            f"{err:+.0%} ({p.op.removesuffix('_tensor')}, {_size(p.size)}, {p.algorithm}) |"
+            f"{err:+.0%} ({_op(p.op)}, {_size(p.size)}, {p.algorithm}) |"
         )
     return "\n".join(lines)
 
@@ -287,7 +292,7 @@ def dtype_table(
     for op in cost_model.OPS:
         for h in hosts:
             cluster = cost_model.Cluster(h, ranks, nic_rate, cores)
-            cells = [op.removesuffix("_into_tensor").removesuffix("_tensor"), str(h)]
+            cells = [_op(op), str(h)]
             for dtype in dtypes:
                 algorithm, t = cost_model.best(costs, cluster, op, size, dtype)
                 w = cost_model.work(cluster, op, size, algorithm, dtype)
