@@ -30,6 +30,12 @@ def model_report(runs: list[dict], args: argparse.Namespace) -> int:
     rows = cost_model_fit.errors(costs, cost_model_fit.fastest(pts))
     print("\nMeasured against the model:")
     print(error_table(rows))
+    print("\nBy dtype and layout:")
+    print(summary_table(rows))
+    pairs = cost_model_fit.half_pairs(pts)
+    if pairs:
+        print("\nbf16/fp16 against float32 in the same jobs (what the half-precision costs fit):")
+        print(pair_table(costs, pairs))
     target = costs
     if args.predict_latency is not None:
         latency = args.predict_latency
@@ -38,7 +44,13 @@ def model_report(runs: list[dict], args: argparse.Namespace) -> int:
         target = dataclasses.replace(target, message=args.predict_message)
     if args.predict_cpu == "none":
         target = dataclasses.replace(
-            target, net_cpu=0.0, reduce_cpu=0.0, shm_reduce_cpu=0.0, copy_cpu=0.0
+            target,
+            net_cpu=0.0,
+            reduce_cpu=0.0,
+            shm_reduce_cpu=0.0,
+            half_reduce_cpu=0.0,
+            half_shm_reduce_cpu=0.0,
+            copy_cpu=0.0,
         )
     nic_rate = args.predict_nics * netns.parse_rate(args.predict_rate) / 8
     cores = args.predict_cores or args.predict_ranks
@@ -61,10 +73,24 @@ def model_report(runs: list[dict], args: argparse.Namespace) -> int:
             "where they decide, so does that assumption"
         )
     print(prediction_table(target, args.predict_ranks, nic_rate, cores, sizes))
+    if args.predict_dtypes != ["float32"]:
+        for s in sizes:
+            print(f"\nS = {_size(s)} in each dtype: algorithm, ms, of NIC, what bounds it")
+            print(
+                dtype_table(
+                    target,
+                    args.predict_ranks,
+                    nic_rate,
+                    cores,
+                    s,
+                    args.predict_dtypes,
+                    [int(h) for h in args.predict_hosts],
+                )
+            )
     if args.plot:
         plot(target, args.predict_ranks, nic_rate, cores, sizes, args.plot)
         print(f"\nwrote {args.plot}")
-    within = all(abs(e) <= cost_model_fit.error_bound(p.algorithm, p.size) for p, _, e in rows)
+    within = all(abs(e) <= _bound(p) for p, _, e in rows)
     return 0 if within else 1
 
 
@@ -113,6 +139,11 @@ def plot(
 # --- tables --------------------------------------------------------------------------------
 
 
+def _op(op: str) -> str:
+    """nccl-tests' name: all_gather_into_tensor -> all_gather, reduce_scatter_tensor -> ..."""
+    return op.removesuffix("_into_tensor").removesuffix("_tensor")
+
+
 def _size(n: float) -> str:
     from benchmarks.collectives_report import format_size
 
@@ -140,8 +171,14 @@ def costs_table(costs: cost_model.Costs) -> str:
         f"| message | {costs.message * 1e6:.0f} us of CPU |"
         if "message" not in blind
         else "| message | not resolved |",
-        f"| reduction (bytes read) | {1e-9 / costs.reduce_cpu:.2f} {per_core} |",
-        f"| shared-memory reduce-scatter (input) | {1e-9 / costs.shm_reduce_cpu:.2f} {per_core} |",
+        f"| reduction (fp32 bytes read) | {1e-9 / costs.reduce_cpu:.2f} {per_core} |",
+        f"| reduction (bf16/fp16 bytes read) | {1e-9 / costs.half_reduce_cpu:.2f} {per_core} "
+        f"({costs.half_reduce_cpu / costs.reduce_cpu:.2f} x fp32's per byte) |",
+        f"| shared-memory reduce-scatter (fp32 input) | {1e-9 / costs.shm_reduce_cpu:.2f} "
+        f"{per_core} |",
+        f"| shared-memory reduce-scatter (bf16/fp16 input) | "
+        f"{1e-9 / costs.half_shm_reduce_cpu:.2f} {per_core} "
+        f"({costs.half_shm_reduce_cpu / costs.shm_reduce_cpu:.2f} x fp32's per byte) |",
         f"| copies | {1e-9 / costs.copy_cpu:.2f} {per_core} |",
         f"| flow skew (NIC time per flow beyond one) | {costs.flow_skew:.3f} |",
         f"| flow latency (per call, per flow beyond one) | {ms('flow_latency')} |",
@@ -149,16 +186,21 @@ def costs_table(costs: cost_model.Costs) -> str:
     return "\n".join(lines)
 
 
+def _bound(p: cost_model_fit.Point) -> float:
+    return cost_model_fit.error_bound(p.algorithm, p.size, p.shaped)
+
+
 def error_table(rows: list[tuple[cost_model_fit.Point, float, float]]) -> str:
-    """Measured and predicted times of every modelled point, with the error."""
+    """Measured and predicted times of every modelled point, with their ratio."""
     lines = [
-        "| layout | op | size | algorithm | measured ms | model ms | error |",
-        "|---|---|---|---|---|---|---|",
+        "| layout | op | size | algorithm | dtype | cables | measured ms | model ms "
+        "| model / measured |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for p, t, err in rows:
         lines.append(
-            f"| {p.hosts}x{p.ranks} | {p.op} | {_size(p.size)} | {p.algorithm} | "
-            f"{p.seconds * 1e3:.1f} | {t * 1e3:.1f} | {err:+.0%} |"
+            f"| {p.hosts}x{p.ranks} | {p.op} | {_size(p.size)} | {p.algorithm} | {p.dtype} | "
+            f"{p.cables} | {p.seconds * 1e3:.1f} | {t * 1e3:.1f} | {1 + err:.2f} |"
         )
     lines.append("")
     smddp = [r for r in rows if r[0].algorithm != "flat_ring"]
@@ -182,12 +224,84 @@ def error_table(rows: list[tuple[cost_model_fit.Point, float, float]]) -> str:
             f"{label}: {within} of {len(group)} within {cost_model_fit.TARGET:.0%}, "
             f"median {median:.0%}, "
             f"largest {abs(err):.0%} ({p.hosts}x{p.ranks} {p.op} {_size(p.size)} "
-            f"{p.algorithm}; claimed bound {cost_model_fit.error_bound(p.algorithm, p.size):.0%})"
+            f"{p.algorithm} {p.dtype}, {p.cables}; claimed bound {_bound(p):.0%})"
+        )
+    return "\n".join(lines)
+
+
+def summary_table(rows: list[tuple[cost_model_fit.Point, float, float]]) -> str:
+    """The error of smddp's points by dtype, layout and cables: count, median, largest."""
+    groups: dict[tuple, list[tuple[cost_model_fit.Point, float]]] = {}
+    for p, _, err in rows:
+        if p.algorithm != "flat_ring":
+            groups.setdefault((p.dtype, p.hosts, p.ranks, p.cables), []).append((p, err))
+    lines = [
+        "| dtype | layout | cables | points | within 15% | median error | largest (op, size, "
+        "algorithm) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (dtype, hosts, ranks, cables), group in sorted(groups.items()):
+        p, err = max(group, key=lambda r: abs(r[1]))
+        median = statistics.median(abs(e) for _, e in group)
+        within = sum(abs(e) <= cost_model_fit.TARGET for _, e in group)
+        lines.append(
+            f"| {dtype} | {hosts}x{ranks} | {cables} | {len(group)} | {within} | {median:.0%} | "
+            f"{err:+.0%} ({_op(p.op)}, {_size(p.size)}, {p.algorithm}) |"
+        )
+    return "\n".join(lines)
+
+
+def pair_table(
+    costs: cost_model.Costs, pairs: list[tuple[cost_model_fit.Point, cost_model_fit.Point]]
+) -> str:
+    """Each half-precision point's time over its float32 twin's, measured and predicted."""
+    lines = [
+        "| layout | cables | op | size | dtype | measured / float32 | model / float32 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for half, full in sorted(
+        pairs, key=lambda x: (x[0].cables, x[0].hosts, x[0].ranks, x[0].op, x[0].size)
+    ):
+        model = cost_model.seconds(costs, half.work()) / cost_model.seconds(costs, full.work())
+        lines.append(
+            f"| {half.hosts}x{half.ranks} | {half.cables} | {half.op} | {_size(half.size)} | "
+            f"{half.dtype} | {half.seconds / full.seconds:.2f} | {model:.2f} |"
         )
     return "\n".join(lines)
 
 
 HOSTS = (8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def dtype_table(
+    costs: cost_model.Costs,
+    ranks: int,
+    nic_rate: float,
+    cores: float,
+    size: int,
+    dtypes: list[str],
+    hosts: list[int],
+) -> str:
+    """Per op and host count, each dtype's best algorithm, time, share of the NIC bound.
+
+    The NIC bound is in the dtype's bytes (S is bytes); the last word is what bounds the
+    time (cost_model.bound).
+    """
+    head = ["op", "hosts"] + dtypes
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for op in cost_model.OPS:
+        for h in hosts:
+            cluster = cost_model.Cluster(h, ranks, nic_rate, cores)
+            cells = [_op(op), str(h)]
+            for dtype in dtypes:
+                algorithm, t = cost_model.best(costs, cluster, op, size, dtype)
+                w = cost_model.work(cluster, op, size, algorithm, dtype)
+                frac = cost_model.nic_bytes("mesh", op, h, ranks, size) / nic_rate / t
+                cells.append(
+                    f"{algorithm} {t * 1e3:.3g} ms {frac:.2f} {cost_model.bound(costs, w)}"
+                )
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def prediction_table(

@@ -555,6 +555,19 @@ def main(argv: list[str] | None = None) -> int:
         help="none: no CPU cost per byte (as if a fabric and accelerators moved and reduced "
         "the bytes)",
     )
+    model.add_argument(
+        "--predict-dtypes",
+        type=comma_list(DTYPES),
+        default=["float32"],
+        help="with more than float32: also each op in each dtype at each size (bytes), with "
+        "what bounds it (Note [Cost model of half precision])",
+    )
+    model.add_argument(
+        "--predict-hosts",
+        type=comma_list(),
+        default=["64", "128", "256", "512", "1024"],
+        help="host counts of the --predict-dtypes table",
+    )
     model.add_argument("--plot", default=None, help="write all_reduce's predicted busbw here")
     args = p.parse_args(argv)
     try:
@@ -563,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         warmups = [-1]
     if any(w < 0 for w in warmups):
         p.error(f"--warmup-largest {','.join(args.warmup_largest)}: counts of calls, 0 or more")
+    if not all(h.isdigit() and int(h) >= 2 for h in args.predict_hosts):
+        p.error(f"--predict-hosts {','.join(args.predict_hosts)}: host counts, 2 or more")
     if args.fit:
         runs = []
         for path in args.fit:

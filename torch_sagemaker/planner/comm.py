@@ -58,6 +58,8 @@ def accelerator_costs() -> Costs:
         message=0.0,
         reduce_cpu=0.0,
         shm_reduce_cpu=0.0,
+        half_reduce_cpu=0.0,
+        half_shm_reduce_cpu=0.0,
         copy_cpu=0.0,
         flow_skew=0.0,
         flow_latency=0.0,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 # Note [Cost model]
@@ -38,7 +39,9 @@ from typing import NamedTuple
 # - CPU work, in core-seconds: every byte a rank sends or receives over TCP (the kernel's
 #   copies and, on the simulated hosts, the virtual cable's shaping and bridging), every
 #   message (system calls, headers, polling), every byte a reduction reads, every byte of
-#   the shared-memory reduce-scatter's inputs, every byte copied. It runs on the rank's
+#   the shared-memory reduce-scatter's inputs, every byte copied; bf16 and fp16 bytes at
+#   their own rates where they are summed (Note [Cost model of half precision]). It runs on
+#   the rank's
 #   share of the cores: min(1, cores / ranks on the machine). On the simulated hosts every
 #   rank of every host shares the one machine's cores, which is why 4x1 and 2x2 are slower
 #   than the NIC allows while 2x1 is not; on real hosts only a host's own ranks share.
@@ -68,15 +71,22 @@ from typing import NamedTuple
 # there too, but its phases' busy time includes waiting for the host's other ranks, so the
 # fit tries it at 0.5, 1 and 2 times that reading (among its starts) and keeps the best. The
 # NIC efficiency, the CPU cost per network byte and per message, alpha, wake, the flow
-# skew and the step latency are fitted on the smddp rows' end-to-end times, mesh and ring
-# together (least squares of the log ratio, a coordinate search from a small grid of
-# starts). gloo's flat_step is then fitted on its all_reduce rows (gloo's reduce_scatter
-# and all_gather are not modelled: the first sends twice the bytes, as the wire counters
-# show, and both are far from a ring's time). Each row says which algorithm ran (the
-# bench's ``algorithm``); with several runs, each point's fastest run counts: the machine's
-# other work only adds time. A latency the fit drives to nothing is not resolved by the
-# runs (benchmarks/cost_model_fit.py:unresolved(): other terms explained the times), and
-# predictions take it from --predict-latency / --predict-message instead.
+# skew and the step latency are fitted on the smddp rows' end-to-end times in float32, mesh
+# and ring, shaped and unshaped cables together (least squares of the log ratio, a
+# coordinate search from a small grid of starts, each run until its step is below 0.1%).
+# The unshaped rows (--rate unlimited), where the CPU is the bound, are what resolve the
+# CPU per TCP byte; with shaped cables the NIC hides it. The bf16/fp16 rates are fitted
+# last, on the half-precision rows against the float32 rows of the same jobs (Note [Cost
+# model of half precision]). gloo's flat_step is fitted on its float32 all_reduce rows on
+# shaped cables (gloo's reduce_scatter and all_gather are not modelled: the first sends
+# twice the bytes, as the wire counters show, and both are far from a ring's time; nor is
+# gloo where the CPU bounds, whose per-byte costs are not smddp's). Each row says which
+# algorithm ran (the bench's ``algorithm``); with several runs, each point's fastest run
+# counts: the machine's other work only adds time; runs on other simulated networks
+# (congestion control, switch queue) are points of their own. A latency the fit drives to
+# nothing is not resolved by the runs (benchmarks/cost_model_fit.py:unresolved(): other
+# terms explained the times), and predictions take it from --predict-latency /
+# --predict-message instead.
 #
 # What it leaves out: incast and the switch beyond the flow skew and latency (H-1 senders
 # into one port at once; the simulated switch has deep queues and dropped nothing up to 8
@@ -87,7 +97,10 @@ from typing import NamedTuple
 # mesh's per-peer state (a socket and a poll entry per peer: it counts per-message work,
 # not per-peer work), and pipeline fill in rings and trees. Its latency terms are fitted
 # on one overloaded 2-core machine, where the scheduler, not the wire, sets them; its CPU
-# costs are that machine's kernel path through virtual cables and shaping. Predictions
+# costs are that machine's kernel path through virtual cables, one rate for shaped and
+# unshaped ones: bare TCP streams spent 1.5-1.7 times the CPU per byte on 4 shaped hosts
+# that they spent on 2 unshaped ones (docs/log/*_2026-11-29), but no shaped row is
+# CPU-bound, so the fit cannot tell the two apart. Predictions
 # for other hosts can override both (--predict-latency, --predict-message, --predict-cpu).
 
 CHUNK_BYTES = 512 * 1024  # SMDDP_NET_CHUNK_BYTES: one network message
@@ -110,8 +123,12 @@ class Costs:
         nic_efficiency: The fraction of the NIC's rate that carries payload.
         net_cpu: Core-seconds per byte a rank sends or receives over TCP.
         message: Core-seconds per message a rank sends or receives.
-        reduce_cpu: Core-seconds per byte a reduction reads.
-        shm_reduce_cpu: Core-seconds per input byte of the shared-memory reduce-scatter.
+        reduce_cpu: Core-seconds per fp32 byte a reduction reads.
+        shm_reduce_cpu: Core-seconds per fp32 input byte of the shared-memory reduce-scatter.
+        half_reduce_cpu: Core-seconds per bf16/fp16 byte a reduction reads (each element
+            widened to fp32; Note [Cost model of half precision]).
+        half_shm_reduce_cpu: Core-seconds per bf16/fp16 input byte of the shared-memory
+            reduce-scatter (summed in fp32; the partials leave rounded once).
         copy_cpu: Core-seconds per byte copied (the shared-memory all-gather's output,
             an all_gather's own part).
         flow_skew: The NIC time's growth per flow beyond one that an exchange waits on
@@ -129,6 +146,8 @@ class Costs:
     message: float = 1e-5
     reduce_cpu: float = 3e-10
     shm_reduce_cpu: float = 1e-9
+    half_reduce_cpu: float = 3e-10
+    half_shm_reduce_cpu: float = 1e-9
     copy_cpu: float = 3e-10
     flow_skew: float = 0.02
     flow_latency: float = 1e-4
@@ -198,6 +217,76 @@ def _chunks(nbytes: float) -> int:
     return max(1, math.ceil(nbytes / CHUNK_BYTES))
 
 
+# Note [Cost model of half precision]
+# A bf16 or fp16 collective of S bytes (S/2 elements) puts on the wire what an fp32 one of S
+# bytes does: smddp sends partial sums between hosts in the tensor's own dtype (Note [Half
+# precision on the wire] in csrc/smddp/algorithms/net_algorithm.h), so the NIC, TCP and
+# message terms count S, cut into CHUNK_BYTES messages of the wire's bytes. With
+# SMDDP_NET_REDUCE_DTYPE=fp32 (``wire="float32"``) a reduction's partials cross in fp32:
+# twice the bytes and messages. An all_gather moves the tensor's bytes whatever the setting.
+# What differs is the CPU's work per byte: twice the elements per byte, each widened to fp32
+# where it is summed. So each byte a reduction reads is priced in the type it is read in:
+#   - the shared-memory reduce-scatter reads S of the tensor's bytes per rank and sums them
+#     in fp32: half_shm_reduce_cpu per input byte. The partials that leave the host are then
+#     rounded to the wire type, (H-1)/N S elements, priced within that rate: it is 1/4 of
+#     the input on 2x2 and 3/8 on 4x2 (where the rate is fitted), 1/8 on hosts of 8 ranks;
+#   - the exchange's reduction reads what arrived in the wire type and the rank's own
+#     partial: the input itself with one rank per host (the tensor's bytes), else the fp32
+#     sums of the shared-memory steps (fp32 bytes, at reduce_cpu); every half-precision
+#     byte costs half_reduce_cpu;
+#   - with one rank per host and fp32 on the wire, the input is first widened into fp32
+#     partials: S of input at half_shm_reduce_cpu;
+#   - copies (the shared-memory all-gather, an all_gather's own part) move bytes whatever
+#     they hold: copy_cpu for every dtype.
+# gloo's flat ring is priced as it is for fp32, its bytes in the tensor's dtype; its bf16
+# reduction is its own code, and its bf16 rows are not claimed (cost_model_fit.modelled).
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ACCUMULATE_BYTES = 4  # bf16/fp16 partial sums are kept in fp32
+
+
+def element_bytes(dtype: str) -> int:
+    """Bytes of one element of ``dtype``.
+
+    Args:
+        dtype: torch's name: ``float32``, ``bfloat16`` or ``float16``.
+
+    Raises:
+        ValueError: Another dtype.
+    """
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(
+            f"dtype={dtype!r}: the cost model prices {', '.join(DTYPE_BYTES)} only; "
+            "pass one of these (torch's names)"
+        )
+    return DTYPE_BYTES[dtype]
+
+
+def wire_bytes(op: str, dtype: str = "float32", wire: str | None = None) -> int:
+    """Bytes per element that ``op`` on ``dtype`` puts on the wire.
+
+    Note [Cost model of half precision] says why.
+
+    Args:
+        op: One of OPS.
+        dtype: The tensor's dtype.
+        wire: The type reductions send partial sums in: None (the tensor's own, smddp's
+            default) or ``float32`` (``SMDDP_NET_REDUCE_DTYPE=fp32``).
+
+    Raises:
+        ValueError: An unknown dtype, or a wire type other than the tensor's own or float32.
+    """
+    own = element_bytes(dtype)
+    if wire is None or op == "all_gather_into_tensor":
+        return own
+    if wire not in (dtype, "float32"):
+        raise ValueError(
+            f"wire={wire!r} for a {dtype} reduction: partial sums cross in the tensor's own "
+            "dtype or in float32 (SMDDP_NET_REDUCE_DTYPE); pass None or 'float32'"
+        )
+    return element_bytes(wire)
+
+
 class Work(NamedTuple):
     """What one call asks of a rank and its NIC, before any cost is put on it."""
 
@@ -209,8 +298,10 @@ class Work(NamedTuple):
     moved: float  # bytes the rank sends plus bytes it receives over TCP between hosts
     looped: float  # bytes it sends plus bytes it receives over TCP inside its host
     messages: float  # messages it sends plus messages it receives
-    reduced: float  # bytes its reductions read
-    shm_input: float  # its shared-memory reduce-scatter's input bytes
+    reduced: float  # fp32 bytes its reductions read
+    reduced_half: float  # bf16/fp16 bytes its reductions read
+    shm_input: float  # its shared-memory reduce-scatter's fp32 input bytes
+    shm_input_half: float  # the same, bf16/fp16 (Note [Cost model of half precision])
     copied: float  # bytes it copies before or after the exchange (serial)
     copied_during: float  # bytes it copies during the exchange (overlapped)
     flows: int  # flows one rank's exchange waits on per NIC direction (the mesh: H-1)
@@ -218,35 +309,50 @@ class Work(NamedTuple):
     oversubscription: float  # Cluster.oversubscription
 
 
-def work(cluster: Cluster, op: str, size: int, algorithm: str = "mesh") -> Work:
+def work(
+    cluster: Cluster,
+    op: str,
+    size: int,
+    algorithm: str = "mesh",
+    dtype: str = "float32",
+    wire: str | None = None,
+) -> Work:
     """What one call of ``op`` on ``size`` bytes asks of each rank (Note [Cost model]).
 
     Args:
         cluster: Hosts, ranks, NIC rate and CPU share.
         op: One of OPS.
-        size: nccl-tests' S in bytes.
+        size: nccl-tests' S in bytes (of ``dtype``).
         algorithm: ``mesh`` (smddp's), ``ring`` (a ring per rail between hosts, shared
             memory inside), ``doubling`` (recursive halving and doubling per rail),
             ``tree`` (a double binary tree per rail; all_reduce only) or ``flat_ring``
             (gloo's: one ring over all ranks, TCP inside a host too).
+        dtype: The tensor's dtype (Note [Cost model of half precision]).
+        wire: The type reductions send partial sums in, as for wire_bytes().
 
     Raises:
-        ValueError: An unknown algorithm, or a tree for another op than all_reduce.
+        ValueError: An unknown algorithm or dtype, a tree for another op than all_reduce,
+            or a wire type other than the tensor's own or float32.
     """
     h, local = cluster.hosts, cluster.ranks
     world = h * local
     part = size / world
     k = nic_factor(op)
     reduces = op != "all_gather_into_tensor"
+    esz = element_bytes(dtype)
+    half = esz < ACCUMULATE_BYTES
+    # Wire bytes per byte of the tensor; gloo sends the tensor as it is.
+    on_wire = 1.0 if algorithm == "flat_ring" else wire_bytes(op, dtype, wire) / esz
     # An all_gather's own part is copied into the output in slices between the exchange's
     # rounds (Note [Own part during the exchange] in comm_hier.cpp); gloo copies it first.
     own = part if op == "all_gather_into_tensor" else 0.0
     copied = own if algorithm == "flat_ring" else 0.0
     copied_during = 0.0 if algorithm == "flat_ring" else own
     flows = h - 1 if algorithm == "mesh" else 1
-    shm = 0.0
     looped = 0.0
     flat_steps = 0
+    # A reduction reads bytes that arrived (`incoming`) and the rank's own partial (`mine`),
+    # both counted in the tensor's bytes here and priced by type below.
     if algorithm == "flat_ring":
         flat_steps = k * (world - 1)
         steps = 0
@@ -256,91 +362,163 @@ def work(cluster: Cluster, op: str, size: int, algorithm: str = "mesh") -> Work:
         moved = (2.0 if local == 1 else 1.0) * flat_steps * part
         looped = 0.0 if local == 1 else flat_steps * part
         messages = 2.0 * flat_steps * _chunks(part)
-        reduced = 2.0 * (world - 1) * part if reduces else 0.0
+        incoming = mine = (world - 1) * part
+    elif algorithm == "mesh":
+        steps = 0
+        moved = 2.0 * k * (h - 1) * part
+        messages = 2.0 * k * (h - 1) * _chunks(part * on_wire)
+        incoming, mine = (h - 1) * part, part
+    elif algorithm == "ring":
+        steps = k * (h - 1)
+        moved = 2.0 * k * (h - 1) * part
+        messages = 2.0 * steps * _chunks(part * on_wire)
+        incoming = mine = (h - 1) * part  # each step: the running sum that came, and mine
+    elif algorithm == "doubling":
+        # Recursive halving (reduce-scatter) and doubling (all-gather) between hosts:
+        # log2 H steps each, the message doubling from S/N; the bytes of a ring.
+        rounds = max(1, math.ceil(math.log2(h)))
+        steps = k * rounds
+        moved = 2.0 * k * (h - 1) * part
+        messages = 2.0 * k * sum(_chunks(part * 2**i * on_wire) for i in range(rounds))
+        incoming = mine = (h - 1) * part
+    elif algorithm == "tree":
+        if op != "all_reduce":
+            raise ValueError("a tree is modelled for all_reduce only")
+        # The rank's rail data D, half through each tree in chunks. In the tree where
+        # it is an inner node it receives two children's halves and sends one up, then
+        # receives one and sends two down (6 messages per chunk, 3 D of bytes);
+        # in the other it is a leaf (2 per chunk, D). It reduces its two children's
+        # halves into its own.
+        rail = size / local
+        steps = 2 * max(1, math.ceil(math.log2(h)))
+        moved = 4.0 * rail if h > 2 else 2.0 * k * (h - 1) * part
+        messages = 8.0 * _chunks(rail / 2 * on_wire)
+        incoming, mine = (rail, 0.5 * rail) if h > 2 else ((h - 1) * part, part)
     else:
-        if algorithm == "mesh":
-            steps = 0
-            moved = 2.0 * k * (h - 1) * part
-            messages = 2.0 * k * (h - 1) * _chunks(part)
-            reduced = h * part if reduces else 0.0
-        elif algorithm == "ring":
-            steps = k * (h - 1)
-            moved = 2.0 * k * (h - 1) * part
-            messages = 2.0 * steps * _chunks(part)
-            reduced = 2.0 * (h - 1) * part if reduces else 0.0  # its own and the incoming
-        elif algorithm == "doubling":
-            # Recursive halving (reduce-scatter) and doubling (all-gather) between hosts:
-            # log2 H steps each, the message doubling from S/N; the bytes of a ring.
-            rounds = max(1, math.ceil(math.log2(h)))
-            steps = k * rounds
-            moved = 2.0 * k * (h - 1) * part
-            messages = 2.0 * k * sum(_chunks(part * 2**i) for i in range(rounds))
-            reduced = 2.0 * (h - 1) * part if reduces else 0.0
-        elif algorithm == "tree":
-            if op != "all_reduce":
-                raise ValueError("a tree is modelled for all_reduce only")
-            # The rank's rail data D, half through each tree in chunks. In the tree where
-            # it is an inner node it receives two children's halves and sends one up, then
-            # receives one and sends two down (6 messages per chunk, 3 D of bytes);
-            # in the other it is a leaf (2 per chunk, D). It reduces its two children's
-            # halves into its own.
-            rail = size / local
-            steps = 2 * max(1, math.ceil(math.log2(h)))
-            moved = 4.0 * rail if h > 2 else 2.0 * k * (h - 1) * part
-            messages = 8.0 * _chunks(rail / 2)
-            reduced = 1.5 * rail if h > 2 else h * part
+        raise ValueError(f"unknown algorithm {algorithm!r}")
+    moved *= on_wire
+    reduced = reduced_half = shm = shm_half = 0.0
+    if reduces:
+        # Note [Cost model of half precision]: what arrived is in the wire's type; my partial
+        # is the input itself with one rank per host (and nothing to widen), else fp32 sums.
+        arrived = incoming * on_wire
+        if esz * on_wire < ACCUMULATE_BYTES:
+            reduced_half += arrived
         else:
-            raise ValueError(f"unknown algorithm {algorithm!r}")
-        if local > 1 and reduces:
-            shm = size  # the shared-memory reduce-scatter reads S per rank
-        if local > 1 and op != "reduce_scatter_tensor":
-            # The shared-memory all-gather: each rank copies the others' parts, beside the
-            # exchange but for the pieces of each of its H parts' last message.
-            gathered = (local - 1) / local * size
-            after = min(gathered, (local - 1) * h * min(part, CHUNK_BYTES))
-            copied += after
-            copied_during += gathered - after
+            reduced += arrived
+        if algorithm == "flat_ring" or (local == 1 and on_wire == 1.0):
+            if half:
+                reduced_half += mine
+            else:
+                reduced += mine
+        else:
+            reduced += mine * ACCUMULATE_BYTES / esz
+            # The shared-memory reduce-scatter reads S per rank (with one rank, it widens it).
+            if half:
+                shm_half = size
+            else:
+                shm = size
+    if local > 1 and op != "reduce_scatter_tensor" and algorithm != "flat_ring":
+        # The shared-memory all-gather: each rank copies the others' parts, beside the
+        # exchange but for the pieces of each of its H parts' last message.
+        gathered = (local - 1) / local * size
+        after = min(gathered, (local - 1) * h * min(part, CHUNK_BYTES / on_wire))
+        copied += after
+        copied_during += gathered - after
     return Work(
-        nic_bytes(algorithm, op, h, local, size),
-        cluster.nic_rate,
-        cluster.burst,
-        steps,
-        flat_steps,
-        moved,
-        looped,
-        messages,
-        reduced,
-        shm,
-        copied,
-        copied_during,
-        flows,
-        cluster.cpu_share,
-        cluster.oversubscription,
+        nic_bytes=nic_bytes(algorithm, op, h, local, size) * on_wire,
+        nic_rate=cluster.nic_rate,
+        burst=cluster.burst,
+        steps=steps,
+        flat_steps=flat_steps,
+        moved=moved,
+        looped=looped,
+        messages=messages,
+        reduced=reduced,
+        reduced_half=reduced_half,
+        shm_input=shm,
+        shm_input_half=shm_half,
+        copied=copied,
+        copied_during=copied_during,
+        flows=flows,
+        share=cluster.cpu_share,
+        oversubscription=cluster.oversubscription,
     )
 
 
-def seconds(costs: Costs, w: Work) -> float:
-    """The time of a call that asks ``w``, at ``costs`` (Note [Cost model])."""
-    wire = max(0.0, w.nic_bytes - w.burst) / (costs.nic_efficiency * w.nic_rate)
+class Parts(NamedTuple):
+    """A call's time in its parts (Note [Cost model]): latency + max(wire, cpu) + serial."""
+
+    latency: float  # alpha, the waits for a core, the steps, the mesh's flow latency
+    wire: float  # the busiest NIC's time
+    cpu: dict[str, float]  # the overlapped CPU work over the CPU share, by what it does
+    serial: float  # the copies before or after the exchange, over the CPU share
+
+
+def parts(costs: Costs, w: Work, maximum: Callable = max) -> Parts:
+    """The parts of the time of a call that asks ``w``, at ``costs``.
+
+    Args:
+        costs: The costs.
+        w: What the call asks (work()); its fields may be arrays of many calls.
+        maximum: The larger of two values: ``max``, or ``numpy.maximum`` for arrays.
+    """
+    wire = maximum(0.0, w.nic_bytes - w.burst) / (costs.nic_efficiency * w.nic_rate)
     wire *= 1.0 + costs.flow_skew * (w.flows - 1)
-    overlapped = (
-        costs.net_cpu * w.moved
-        + costs.copy_cpu * (w.looped + w.copied_during)
-        + costs.message * w.messages
-        + costs.reduce_cpu * w.reduced
-        + costs.shm_reduce_cpu * w.shm_input
-    )
+    cpu = {
+        "TCP bytes": costs.net_cpu * w.moved / w.share,
+        "messages": costs.message * w.messages / w.share,
+        "reduction": (costs.reduce_cpu * w.reduced + costs.half_reduce_cpu * w.reduced_half)
+        / w.share,
+        "shared-memory reduce-scatter": (
+            costs.shm_reduce_cpu * w.shm_input + costs.half_shm_reduce_cpu * w.shm_input_half
+        )
+        / w.share,
+        "copies": costs.copy_cpu * (w.looped + w.copied_during) / w.share,
+    }
     # Every sequential wait (the call's, and one per step) may wait again for a core.
     waits = 1 + w.steps + w.flat_steps
-    fixed = costs.alpha + costs.wake * w.oversubscription * waits
-    fixed += w.steps * costs.step + w.flat_steps * costs.flat_step
-    fixed += costs.flow_latency * (w.flows - 1)
-    return fixed + max(wire, overlapped / w.share) + costs.copy_cpu * w.copied / w.share
+    latency = costs.alpha + costs.wake * w.oversubscription * waits
+    latency += w.steps * costs.step + w.flat_steps * costs.flat_step
+    latency += costs.flow_latency * (w.flows - 1)
+    return Parts(latency, wire, cpu, costs.copy_cpu * w.copied / w.share)
 
 
-def predict(costs: Costs, cluster: Cluster, op: str, size: int, algorithm: str = "mesh") -> float:
+def seconds(costs: Costs, w: Work, maximum: Callable = max) -> float:
+    """The time of a call that asks ``w``, at ``costs``; arguments as for parts()."""
+    p = parts(costs, w, maximum)
+    return p.latency + maximum(p.wire, sum(p.cpu.values())) + p.serial
+
+
+def bound(costs: Costs, w: Work) -> str:
+    """What sets the time of a call that asks ``w``: its largest part.
+
+    Returns:
+        The largest of the NIC's time (``NIC``), the latency (``latency``) and the CPU's
+        work, overlapped and serial, which names the largest of Parts.cpu and its share
+        (``CPU (copies 40%)``; serial copies count as copies).
+    """
+    p = parts(costs, w)
+    cpu = dict(p.cpu)
+    cpu["copies"] += p.serial
+    total = sum(cpu.values())
+    name, most = max(cpu.items(), key=lambda x: x[1])
+    if total >= max(p.wire, p.latency):
+        return f"CPU ({name} {most / total:.0%})"
+    return "NIC" if p.wire >= p.latency else "latency"
+
+
+def predict(
+    costs: Costs,
+    cluster: Cluster,
+    op: str,
+    size: int,
+    algorithm: str = "mesh",
+    dtype: str = "float32",
+    wire: str | None = None,
+) -> float:
     """Seconds for one call of ``op`` on ``size`` bytes; arguments as for work()."""
-    return seconds(costs, work(cluster, op, size, algorithm))
+    return seconds(costs, work(cluster, op, size, algorithm, dtype, wire))
 
 
 def algorithms_for(op: str) -> tuple[str, ...]:
@@ -349,9 +527,16 @@ def algorithms_for(op: str) -> tuple[str, ...]:
     return (*both, "tree") if op == "all_reduce" else both
 
 
-def best(costs: Costs, cluster: Cluster, op: str, size: int) -> tuple[str, float]:
-    """The algorithm with the lowest predicted time, and that time."""
+def best(
+    costs: Costs,
+    cluster: Cluster,
+    op: str,
+    size: int,
+    dtype: str = "float32",
+    wire: str | None = None,
+) -> tuple[str, float]:
+    """The algorithm with the lowest predicted time, and that time; arguments as for work()."""
     return min(
-        ((a, predict(costs, cluster, op, size, a)) for a in algorithms_for(op)),
+        ((a, predict(costs, cluster, op, size, a, dtype, wire)) for a in algorithms_for(op)),
         key=lambda x: x[1],
     )
