@@ -4,6 +4,8 @@
         [--ops all_reduce,all_gather_into_tensor,reduce_scatter_tensor] [--sizes 1M,16M,64M]
         [--dtypes float32,bfloat16] [--switch-queue 2M] [--congestion auto]
         [--slow-start-after-idle 1] [--warmup-largest 5,0]
+        [--train|--train-only] [--train-setups fsdp2,fsdp1_hybrid,fsdp2_hybrid]
+        [--dtype bf16] [--train-steps 3]
 
 Each layout HxL is H simulated hosts (tools/netns.py: namespaces, one bridge as the switch,
 each host's cable shaped to ``--rate`` in both directions, each switch port queueing at most
@@ -45,6 +47,15 @@ it took per GB the op must move between hosts (each rank's user and system time,
 machine's softirq time) and, for smddp, its transport's messages and system calls (Note [CPU
 per byte] in multihost_rank.py).
 
+``--train`` (``--train-only``: without the sweep) trains a small Llama in each layout and on
+one host of as many ranks, with the same mesh shapes: ``--train-setups`` (default ``fsdp2``,
+FSDP2 over every rank; ``fsdp1_hybrid`` as SMP's train.py wraps FSDP1, ``fsdp2_hybrid``:
+HSDP) in ``--dtype`` (float32 by default; bf16 as SMP's recipe). It prints tokens/s, the
+fraction of one host's and of gloo's, the step split into compute and exposed communication
+per op (Note [Exposed communication] in multihost_training.py), and how far each run's losses
+are from one host's (multihost_training_report.py); losses beyond the tolerance make the
+exit code 1.
+
 Without namespaces (no ``unshare``/``ip``/``tc``, or no right to use them) it says why and
 exits with 2.
 
@@ -65,7 +76,8 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks import comma_list, cost_model_report
+from benchmarks import comma_list, cost_model_report, multihost_training_report
+from benchmarks.multihost_training import SETUPS, TRAIN_DTYPES, Run, runs_for
 from tools import netns
 from tools.bare_tcp import BARE_TCP
 from torch_sagemaker.planner.cost_model import nic_factor
@@ -106,6 +118,15 @@ def _layout(text: str) -> tuple[int, int]:
             f"layout {text!r}: write HOSTSxRANKS with at least 2 hosts and 1 rank, e.g. 2x1"
         )
     return hosts, local
+
+
+def _train_dtype(text: str) -> str:
+    name = {"bf16": "bfloat16", "fp32": "float32"}.get(text.lower(), text.lower())
+    if name not in TRAIN_DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"training dtype {text!r}: choose from {', '.join(TRAIN_DTYPES)} (or bf16, fp32)"
+        )
+    return name
 
 
 def min_bytes(op: str, hosts: int, size: int) -> float:
@@ -203,6 +224,9 @@ def run_layout(
     identical: bool = False,
     train_backends: list[str] | None = None,
     train_steps: int = 3,
+    train_runs: list[Run] | None = None,
+    train_dtype: str = "float32",
+    train_model: dict[str, int] | None = None,
     timeline: bool = False,
     congestion: str | None = netns.AUTO_CONGESTION,
     slow_start_after_idle: int | None = None,
@@ -222,8 +246,13 @@ def run_layout(
         iters: Timed calls per op, size and backend.
         timeout_s: Seconds for the whole job.
         identical: Also check that float32 and bfloat16 results agree bit for bit.
-        train_backends: Backends to time FSDP2 training on.
-        train_steps: Training steps per backend.
+        train_backends: Backends to time training on.
+        train_steps: Timed training steps per run and backend (after one untimed).
+        train_runs: The setups and mesh shapes to train (``multihost_training``); default
+            ``fsdp2`` over every rank.
+        train_dtype: The training's element type (``multihost_training.TRAIN_DTYPES``).
+        train_model: Overrides of the model's config, and ``seq``, the sequence length
+            (default: ``multihost_training.training_config()``, 128 tokens).
         timeline: Record each smddp row's phases (SMDDP_TIMELINE).
         congestion: The hosts' TCP congestion control, as ``netns.resolve_congestion``
             takes it: a name, ``auto`` (cubic where the hosts may choose it, else the
@@ -240,7 +269,8 @@ def run_layout(
     Returns:
         ``{"rows": one per op, size and backend, "identical": None, or with ``identical``
         each rank's results of the float32/bfloat16 agreement check (smddp), "training":
-        tokens/s of FSDP2 training per backend in ``train_backends``, "hosts": each host's
+        one record per run and backend in ``train_backends`` (``multihost_training.
+        summarise``), "hosts": each host's
         TCP settings as its kernel reported them (``host_settings``), "congestion_why":
         why the hosts ran that congestion control}``.
 
@@ -262,6 +292,9 @@ def run_layout(
             "identical": identical,
             "train_backends": train_backends or [],
             "train_steps": train_steps,
+            "train_runs": runs_for(["fsdp2"], hosts, local) if train_runs is None else train_runs,
+            "train_dtype": train_dtype,
+            "train_model": train_model,
             "timeline": timeline,
             "warmup_largest": warmup_largest,
             "dtypes": dtypes or ["float32"],
@@ -302,26 +335,6 @@ def ran_setting(per_host: list[dict[str, str]], key: str) -> str:
     if len(set(values)) == 1:
         return f"{values[0]} on every host"
     return ", ".join(f"host {i}: {value}" for i, value in enumerate(values))
-
-
-def training_table(per_layout: dict[str, dict[str, float]]) -> str:
-    """Tokens/s per layout and backend.
-
-    With the fraction of the tokens/s of one host with as many ranks (``1xN``), same backend.
-    """
-    lines = ["| layout | backend | tokens/s | of one host's |", "|---|---|---|---|"]
-    for layout, per in per_layout.items():
-        hosts, local = _layout_numbers(layout)
-        base = per_layout.get(f"1x{hosts * local}", {})
-        for backend, tokens in per.items():
-            frac = f"{tokens / base[backend]:.2f}" if backend in base and hosts > 1 else "-"
-            lines.append(f"| {layout} | {backend} | {tokens:.0f} | {frac} |")
-    return "\n".join(lines)
-
-
-def _layout_numbers(text: str) -> tuple[int, int]:
-    hosts, local = (int(x) for x in text.split("x"))
-    return hosts, local
 
 
 def _ratio(per: dict[str, dict], a: str, b: str) -> str:
@@ -505,10 +518,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--train",
         action="store_true",
-        help="also time FSDP2 training of a small Llama in each layout and in one host of as "
-        "many ranks",
+        help="also time training of a small Llama in each layout and in one host of as "
+        "many ranks, and say where each step's time went",
     )
     p.add_argument("--train-steps", type=int, default=3)
+    p.add_argument(
+        "--train-setups",
+        type=comma_list(SETUPS),
+        default=["fsdp2"],
+        help=f"what --train trains, of {', '.join(SETUPS)} (benchmarks/multihost_training.py)",
+    )
+    p.add_argument(
+        "--train-dtype",
+        "--dtype",
+        type=_train_dtype,
+        default="float32",
+        help="the training's element type: float32, or bfloat16 (bf16) as SMP's recipe",
+    )
+    p.add_argument(
+        "--train-only",
+        action="store_true",
+        help="--train without the collectives' sweep",
+    )
     p.add_argument(
         "--timeline",
         action="store_true",
@@ -563,6 +594,8 @@ def main(argv: list[str] | None = None) -> int:
         warmups = [-1]
     if any(w < 0 for w in warmups):
         p.error(f"--warmup-largest {','.join(args.warmup_largest)}: counts of calls, 0 or more")
+    if args.train_steps < 1:
+        p.error(f"--train-steps {args.train_steps}: at least 1 timed step (after one untimed)")
     if args.fit:
         runs = []
         for path in args.fit:
@@ -587,12 +620,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"multihost: cannot simulate hosts here: {reason}", file=sys.stderr)
         return 2
     layouts = [_layout(x) for x in args.layouts]
-    sizes = [parse_size(s) for s in args.sizes]
+    sizes = [] if args.train_only else [parse_size(s) for s in args.sizes]
+    if args.train_only:
+        warmups = warmups[:1]
     rows: list[dict] = []
-    trained: dict[str, dict[str, float]] = {}
+    trained: dict[str, list[dict]] = {}
     per_host: list[dict[str, str]] = []  # every job's hosts, as their kernels reported
     why = ""
-    train = [b for b in args.backends if b != BARE_TCP] if args.train else []
+    train = [b for b in args.backends if b != BARE_TCP] if args.train or args.train_only else []
     for warmup in warmups:
         for hosts, local in layouts:
             got = run_layout(
@@ -606,6 +641,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.timeout,
                 train_backends=train if warmup == warmups[0] else [],
                 train_steps=args.train_steps,
+                train_runs=runs_for(args.train_setups, hosts, local),
+                train_dtype=args.train_dtype,
                 timeline=args.timeline,
                 congestion=args.congestion,
                 slow_start_after_idle=args.slow_start_after_idle,
@@ -619,6 +656,9 @@ def main(argv: list[str] | None = None) -> int:
             if train and warmup == warmups[0]:
                 trained[f"{hosts}x{local}"] = got["training"]
     for world in sorted({h * loc for h, loc in layouts}) if train else []:
+        # One host's reference for every layout of as many ranks: the same runs, same shapes.
+        same = [(h, loc) for h, loc in layouts if h * loc == world]
+        runs = [r for h, loc in same for r in runs_for(args.train_setups, h, loc)]
         got = run_layout(
             1,
             world,
@@ -630,6 +670,9 @@ def main(argv: list[str] | None = None) -> int:
             args.timeout,
             False,
             train,
+            args.train_steps,
+            train_runs=list(dict.fromkeys(runs)),
+            train_dtype=args.train_dtype,
             congestion=args.congestion,
             slow_start_after_idle=args.slow_start_after_idle,
             switch_queue_bytes=queue,
@@ -646,14 +689,23 @@ def main(argv: list[str] | None = None) -> int:
         f" median of {args.iters} calls, each backend's sweep back to back; warm-up: calls at"
         " the largest size before each op's sweep (0: none)"
     )
-    print(table(rows, rate))
-    print("\nCPU per GB the op must move between hosts (Note [CPU per byte])")
-    print(cpu_table(rows))
+    if rows:
+        print(table(rows, rate))
+        print("\nCPU per GB the op must move between hosts (Note [CPU per byte])")
+        print(cpu_table(rows))
     if args.timeline:
         print(timeline_table(rows))
+    problems = multihost_training_report.loss_problems(trained)
     if trained:
-        print(f"\nFSDP2 training, small Llama, median of {args.train_steps} steps")
-        print(training_table(trained))
+        print(
+            "\n"
+            + multihost_training_report.header(
+                args.train_setups, args.train_dtype, args.train_steps, None
+            )
+        )
+        print(multihost_training_report.training_table(trained))
+        for line in problems:
+            print(f"LOSSES APART: {line}")
     run = {
         "rate_bits": rate,
         "iters": args.iters,
@@ -674,14 +726,19 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "recorded": time.strftime("%Y-%m-%d %H:%M %Z"),
         "rows": rows,
-        "training": trained,
+        "training": trained,  # per layout, one record per run and backend
+        "train": {
+            "setups": args.train_setups,
+            "dtype": args.train_dtype,
+            "steps": args.train_steps,
+        },
     }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(run, f, indent=1)
     if args.model:
         cost_model_report.model_report([run], args)
-    return 0 if all(r["ok"] for r in rows) else 1
+    return 0 if all(r["ok"] for r in rows) and not problems else 1
 
 
 if __name__ == "__main__":

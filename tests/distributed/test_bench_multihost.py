@@ -3,11 +3,14 @@
 It checks what the benchmark's table rests on: every collective's result is right, both
 backends' times respect the NIC's bound (a faster one would mean the shaping failed), the
 NIC counters see at least the bytes the collective must send, and smddp's float32 and
-bfloat16 results agree bit for bit on every rank of both hosts."""
+bfloat16 results agree bit for bit on every rank of both hosts. The same job trains SMP's
+bf16 recipe (``--train-setups fsdp1_hybrid,fsdp2_hybrid --dtype bf16``) on a tiny Llama,
+held against one host of 4 ranks."""
 
 import pytest
 
-from benchmarks import multihost
+from benchmarks import multihost, multihost_training_report
+from benchmarks.multihost_training import runs_for
 from tools import netns
 from torch_sagemaker.smddp import backend
 
@@ -22,13 +25,34 @@ RATE = 10**9
 SIZE = 4 << 20
 BACKENDS = ["smddp", "gloo", "bare-tcp"]
 ALGORITHM = {"smddp": "mesh", "gloo": "flat_ring", "bare-tcp": "bare_ring"}
+TRAINED = ["fsdp1_hybrid", "fsdp2_hybrid"]
+# --train in bf16 on a tiny Llama (2 layers), 2 timed steps: the bookkeeping, not speed.
+TRAINING = {
+    "train_backends": ["smddp", "gloo"],
+    "train_steps": 2,
+    "train_runs": runs_for(TRAINED, 2, 2),
+    "train_dtype": "bfloat16",
+    "train_model": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "vocab_size": 128,
+        "seq": 16,
+    },
+}
+
+
+def _needs_namespaces() -> None:
+    reason = netns.unavailable_reason()
+    if reason:
+        pytest.skip(f"needs Linux network namespaces: {reason}")
 
 
 @pytest.fixture(scope="module")
 def short_run():
-    reason = netns.unavailable_reason()
-    if reason:
-        pytest.skip(f"needs Linux network namespaces: {reason}")
+    _needs_namespaces()
     return multihost.run_layout(
         2,
         2,
@@ -42,7 +66,14 @@ def short_run():
         timeline=True,
         warmup_largest=1,
         dtypes=["float32", "bfloat16"],
+        **TRAINING,
     )
+
+
+@pytest.fixture(scope="module")
+def one_host_training():
+    _needs_namespaces()
+    return multihost.run_layout(1, 4, RATE, [], [], ["smddp", "gloo"], 1, 240, **TRAINING)
 
 
 def test_results_respect_the_nic_and_the_counters(short_run):
@@ -271,3 +302,32 @@ def test_the_local_all_gather_runs_during_the_exchange(short_run):
             starts = [b for phase, b, _, _ in spans if phase == "local all_gather"]
             early += min(starts) < network_end
         assert early >= 2, (r["op"], r["timeline"])
+
+
+def test_smps_bf16_recipe_trains_across_hosts_as_on_one_host(short_run, one_host_training):
+    across, one_host = short_run["training"], one_host_training["training"]
+    ran = [(r["setup"], r["backend"]) for r in across]
+    assert ran == [(s, b) for s in TRAINED for b in ("smddp", "gloo")]
+    assert [(r["setup"], r["backend"]) for r in one_host] == ran
+    wrapped = {"fsdp1_hybrid": "FSDP1 HYBRID_SHARD on (2, 2)", "fsdp2_hybrid": "FSDP2 on (2, 2)"}
+    for r in across + one_host:
+        assert r["wrapped"] == wrapped[r["setup"]] and r["dtype"] == "bfloat16"
+        # Each step, 3 units (2 layers and the root): the forward gathers them all and the
+        # backward the 2 layers again (resharded after forward); each unit reduce-scatters
+        # inside its host and all-reduces across the replicas. Every call is synchronous
+        # (Note [Exposed communication]), and every one of them took time.
+        assert r["calls"] == {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 3}, r
+        assert r["async_calls"] == 0, r
+        assert all(s > 0 for s in r["exposed_s"].values()), r
+        assert 0 < r["compute_s"] < r["step_s"] and sum(r["exposed_s"].values()) < r["step_s"]
+        assert len(r["losses"]) == 4 and all(len(steps) == 3 for steps in r["losses"])
+        assert len({steps[0] for steps in r["losses"]}) == 4  # each rank its own data
+    per_layout = {"2x2": across, "1x4": one_host}
+    assert multihost_training_report.loss_problems(per_layout) == []
+    # gloo's collectives are the same wherever the ranks are: the same losses, bit for bit.
+    for mine, theirs in zip(across, one_host, strict=True):
+        if mine["backend"] == "gloo":
+            assert mine["losses"] == theirs["losses"], mine["setup"]
+    text = multihost_training_report.training_table(per_layout)
+    assert "| 2x2 | fsdp1_hybrid | FSDP1 HYBRID_SHARD on (2, 2) | smddp |" in text
+    assert text.count("\n| 1x4 | ") == 4
