@@ -38,6 +38,11 @@ from tools.bare_tcp import BARE_TCP, BareRing
 
 # smddp groups that force how collectives cross hosts (SMDDPOptions.net_algo).
 FORCED_NET_ALGO = {"smddp-mesh": "mesh", "smddp-ring": "ring", "smddp-hd": "halving_doubling"}
+# What a job can time: the ops, their element types, and the backends (``rank_main`` makes
+# their groups), in the order the tables list them.
+OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+DTYPES = ("float32", "bfloat16", "float16")
+BACKENDS = ("smddp", *FORCED_NET_ALGO, "gloo", BARE_TCP)
 
 
 class Step(NamedTuple):

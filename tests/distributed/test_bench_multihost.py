@@ -9,7 +9,7 @@ held against one host of 4 ranks."""
 
 import pytest
 
-from benchmarks import multihost, multihost_training_report
+from benchmarks import multihost, multihost_report, multihost_training_report
 from benchmarks.multihost_training import runs_for
 from tools import netns
 from torch_sagemaker.smddp import backend
@@ -88,10 +88,10 @@ def test_results_respect_the_nic_and_the_counters(short_run):
         assert r["algorithm"] == ALGORITHM[r["backend"]], r
         # What no call can beat: the bytes beyond the buckets' bursts (96 KiB at each end of
         # the cable, netns.BURST) at the NIC's rate. Faster means the shaping did not hold.
-        floor = (multihost.min_bytes(r["op"], 2, r["bytes"]) - 2 * 96 * 1024) * 8 / RATE
+        floor = (multihost_report.min_bytes(r["op"], 2, r["bytes"]) - 2 * 96 * 1024) * 8 / RATE
         assert r["seconds"] > floor, r
-        assert r["tx_per_call"] >= 0.98 * multihost.min_bytes(r["op"], 2, r["bytes"]), r
-    text = multihost.table(rows, RATE)
+        assert r["tx_per_call"] >= 0.98 * multihost_report.min_bytes(r["op"], 2, r["bytes"]), r
+    text = multihost_report.table(rows, RATE)
     assert "| 2x2 | float32 | 1 | all_reduce | 4 MiB |" in text and "gloo / smddp" in text
     assert "| 2x2 | bfloat16 | 1 | reduce_scatter_tensor | 4 MiB |" in text
     assert "smddp of bare-tcp" in text and "gloo of bare-tcp" in text
@@ -111,8 +111,8 @@ def test_each_case_reports_its_cpu_and_smddp_its_messages(short_run):
         assert t["messages_sent"] >= 4 and t["messages_received"] == t["messages_sent"], r
         assert t["send_calls"] >= t["messages_sent"] and t["recv_calls"] > 0, r
         assert 0 <= t["stashed_bytes"] <= t["bytes_received"], r
-        assert t["bytes_received"] >= multihost.min_bytes(r["op"], 2, r["bytes"]) * 2, r
-    text = multihost.cpu_table(short_run["rows"])
+        assert t["bytes_received"] >= multihost_report.min_bytes(r["op"], 2, r["bytes"]) * 2, r
+    text = multihost_report.cpu_table(short_run["rows"])
     assert "| layout | dtype | op | size | backend | GB/s | CPU s/GB |" in text
     assert text.count("\n| 2x2 |") == len(short_run["rows"])
     assert "| bare-tcp |" in text and "| smddp |" in text
@@ -123,7 +123,7 @@ def test_half_precision_crosses_hosts_in_its_own_bytes(short_run):
     # so its NIC carries the bf16 minimum (headers aside), not fp32's twice that.
     for r in short_run["rows"]:
         if r["backend"] == "smddp" and r["dtype"] == "bfloat16":
-            wire = r["tx_per_call"] / multihost.min_bytes(r["op"], 2, r["bytes"])
+            wire = r["tx_per_call"] / multihost_report.min_bytes(r["op"], 2, r["bytes"])
             assert wire < 1.15, (r["op"], wire)
 
 
@@ -162,7 +162,7 @@ def test_timeline_shows_each_phase_inside_its_call(short_run):
                 assert begin <= b <= e <= end, (r["op"], rank, phase)
     for gloo in (r for r in short_run["rows"] if r["backend"] == "gloo"):
         assert gloo["timeline"] is None
-    text = multihost.timeline_table(short_run["rows"])
+    text = multihost_report.timeline_table(short_run["rows"])
     assert "2x2 smddp (mesh) all_reduce 4 MiB: phases per rank, ms" in text
     assert "| 3 | network |" in text
 
@@ -171,7 +171,7 @@ def test_unshaped_runs_have_no_bound():
     row = {"layout": "2x1", "dtype": "float32", "warmup": 0, "op": "all_reduce"}
     row |= {"bytes": 1 << 20, "backend": "smddp", "ok": True, "seconds": 0.01}
     row |= {"tx_per_call": 1 << 20, "drops": 0}
-    line = multihost.table([row], None).splitlines()[2]
+    line = multihost_report.table([row], None).splitlines()[2]
     assert line.startswith("| 2x1 | float32 | 0 | all_reduce | 1 MiB | - | 10.0 | - |"), line
 
 
@@ -258,9 +258,9 @@ def test_hosts_start_with_the_fallback_and_report_it(monkeypatch):
     assert done.returncode == 0, done.stdout
     assert done.stdout.count(f"] {own[0]}\n") == 2, done.stdout
     per_host = [{"congestion": "bbr", "slow_start_after_idle": "1"}] * 2
-    assert multihost.ran_setting(per_host, "congestion") == "bbr on every host"
+    assert multihost_report.ran_setting(per_host, "congestion") == "bbr on every host"
     mixed = [per_host[0], {"congestion": "cubic", "slow_start_after_idle": "1"}]
-    assert multihost.ran_setting(mixed, "congestion") == "host 0: bbr, host 1: cubic"
+    assert multihost_report.ran_setting(mixed, "congestion") == "host 0: bbr, host 1: cubic"
 
 
 def test_the_record_says_what_every_host_ran(short_run):
