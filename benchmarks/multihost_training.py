@@ -341,6 +341,7 @@ def train(run: Run, backend: str, group, mesh_of: dict[str, Any], spec: dict[str
 
     overrides = dict(spec.get("train_model") or {})
     seq = overrides.pop("seq", TRAINING_SEQ)
+    overrides.setdefault("max_position_embeddings", max(seq, TRAINING_SEQ))
     dtype = spec.get("train_dtype", "float32")
     config = training_config(**overrides)
     torch.manual_seed(0)
