@@ -4,6 +4,8 @@
         [--ops all_reduce,all_gather_into_tensor,reduce_scatter_tensor] [--sizes 1M,16M,64M]
         [--dtypes float32,bfloat16] [--switch-queue 2M] [--congestion auto]
         [--slow-start-after-idle 1] [--warmup-largest 5,0]
+        [--train|--train-only] [--train-setups fsdp2,fsdp1_hybrid,fsdp2_hybrid]
+        [--dtype bf16] [--train-steps 3]
 
 Each layout HxL is H simulated hosts (tools/netns.py: namespaces, one bridge as the switch,
 each host's cable shaped to ``--rate`` in both directions, each switch port queueing at most
@@ -45,6 +47,15 @@ it took per GB the op must move between hosts (each rank's user and system time,
 machine's softirq time) and, for smddp, its transport's messages and system calls (Note [CPU
 per byte] in multihost_rank.py).
 
+``--train`` (``--train-only``: without the sweep) trains a small Llama in each layout and on
+one host of as many ranks, with the same mesh shapes: ``--train-setups`` (default ``fsdp2``,
+FSDP2 over every rank; ``fsdp1_hybrid`` as SMP's train.py wraps FSDP1, ``fsdp2_hybrid``:
+HSDP) in ``--dtype`` (float32 by default; bf16 as SMP's recipe). It prints tokens/s, the
+fraction of one host's and of gloo's, the step split into compute and exposed communication
+per op (Note [Exposed communication] in multihost_training.py), and how far each run's losses
+are from one host's (multihost_training_report.py); losses beyond the tolerance make the
+exit code 1.
+
 Without namespaces (no ``unshare``/``ip``/``tc``, or no right to use them) it says why and
 exits with 2.
 
@@ -57,7 +68,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -65,14 +75,19 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks import comma_list, cost_model_report
+from benchmarks import comma_list, cost_model_report, multihost_training_report
+from benchmarks.multihost_rank import BACKENDS, DTYPES, OPS
+from benchmarks.multihost_report import (
+    cpu_table,
+    queue_text,
+    ran_setting,
+    table,
+    timeline_table,
+)
+from benchmarks.multihost_training import SETUPS, TRAIN_DTYPES, Run, runs_for
 from tools import netns
 from tools.bare_tcp import BARE_TCP
-from torch_sagemaker.planner.cost_model import nic_factor
 
-OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
-DTYPES = ("float32", "bfloat16", "float16")
-BACKENDS = ("smddp", "smddp-mesh", "smddp-ring", "smddp-hd", "gloo", BARE_TCP)
 MASTER_PORT = 29530  # inside the hosts' private network
 
 # Note [Each backend's sweep back to back]
@@ -108,44 +123,13 @@ def _layout(text: str) -> tuple[int, int]:
     return hosts, local
 
 
-def min_bytes(op: str, hosts: int, size: int) -> float:
-    """The bytes each host's NIC must send, at least, for one call on ``size`` bytes."""
-    return nic_factor(op) * (hosts - 1) / hosts * size
-
-
-def timeline_table(rows: list[dict]) -> str:
-    """Where the time of one call went on each rank: its phases, in ms from the call's start.
-
-    The call is the middle timed call; the start is the earliest rank's. Phases that repeat
-    within the call (the reduction of each chunk) are one line: first start, last end, how
-    many, and their total time.
-    """
-    lines = []
-    for r in rows:
-        if not r.get("timeline"):
-            continue
-        from benchmarks.collectives_report import format_size
-
-        lines += [
-            f"\n{r['layout']} {r['backend']} ({r.get('algorithm', 'mesh')}) {r['op']} "
-            f"{format_size(r['bytes'])}: phases per rank, ms",
-            "| rank | phase | start | end | count | busy |",
-            "|---|---|---|---|---|---|",
-        ]
-        t0 = min(b for spans in r["timeline"] for _, b, _, _ in spans)
-        for rank, spans in enumerate(r["timeline"]):
-            merged: dict[str, list[float]] = {}
-            for phase, begin, end, _ in spans:
-                m = merged.setdefault(phase, [begin, end, 0, 0.0])
-                m[0], m[1] = min(m[0], begin), max(m[1], end)
-                m[2] += 1
-                m[3] += end - begin
-            for phase, (begin, end, count, busy) in sorted(merged.items(), key=lambda x: x[1][0]):
-                lines.append(
-                    f"| {rank} | {phase} | {(begin - t0) / 1e6:.2f} | {(end - t0) / 1e6:.2f} | "
-                    f"{count} | {busy / 1e6:.2f} |"
-                )
-    return "\n".join(lines)
+def _train_dtype(text: str) -> str:
+    name = {"bf16": "bfloat16", "fp32": "float32"}.get(text.lower(), text.lower())
+    if name not in TRAIN_DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"training dtype {text!r}: choose from {', '.join(TRAIN_DTYPES)} (or bf16, fp32)"
+        )
+    return name
 
 
 # --- one host: starts its ranks ------------------------------------------------------------
@@ -203,6 +187,9 @@ def run_layout(
     identical: bool = False,
     train_backends: list[str] | None = None,
     train_steps: int = 3,
+    train_runs: list[Run] | None = None,
+    train_dtype: str = "float32",
+    train_model: dict[str, int] | None = None,
     timeline: bool = False,
     congestion: str | None = netns.AUTO_CONGESTION,
     slow_start_after_idle: int | None = None,
@@ -222,8 +209,13 @@ def run_layout(
         iters: Timed calls per op, size and backend.
         timeout_s: Seconds for the whole job.
         identical: Also check that float32 and bfloat16 results agree bit for bit.
-        train_backends: Backends to time FSDP2 training on.
-        train_steps: Training steps per backend.
+        train_backends: Backends to time training on.
+        train_steps: Timed training steps per run and backend (after one untimed).
+        train_runs: The setups and mesh shapes to train (``multihost_training``); default
+            ``fsdp2`` over every rank.
+        train_dtype: The training's element type (``multihost_training.TRAIN_DTYPES``).
+        train_model: Overrides of the model's config, and ``seq``, the sequence length
+            (default: ``multihost_training.training_config()``, 128 tokens).
         timeline: Record each smddp row's phases (SMDDP_TIMELINE).
         congestion: The hosts' TCP congestion control, as ``netns.resolve_congestion``
             takes it: a name, ``auto`` (cubic where the hosts may choose it, else the
@@ -240,7 +232,8 @@ def run_layout(
     Returns:
         ``{"rows": one per op, size and backend, "identical": None, or with ``identical``
         each rank's results of the float32/bfloat16 agreement check (smddp), "training":
-        tokens/s of FSDP2 training per backend in ``train_backends``, "hosts": each host's
+        one record per run and backend in ``train_backends`` (``multihost_training.
+        summarise``), "hosts": each host's
         TCP settings as its kernel reported them (``host_settings``), "congestion_why":
         why the hosts ran that congestion control}``.
 
@@ -262,6 +255,9 @@ def run_layout(
             "identical": identical,
             "train_backends": train_backends or [],
             "train_steps": train_steps,
+            "train_runs": runs_for(["fsdp2"], hosts, local) if train_runs is None else train_runs,
+            "train_dtype": train_dtype,
+            "train_model": train_model,
             "timeline": timeline,
             "warmup_largest": warmup_largest,
             "dtypes": dtypes or ["float32"],
@@ -289,154 +285,6 @@ def run_layout(
                 result["hosts"].append(json.load(f))
         result["congestion_why"] = why
         return result
-
-
-def ran_setting(per_host: list[dict[str, str]], key: str) -> str:
-    """A TCP setting as the hosts reported it: one value on every host, or each host's.
-
-    Args:
-        per_host: ``host_settings`` of each host (``run_layout``'s ``hosts``), jobs in turn.
-        key: ``congestion`` or ``slow_start_after_idle``.
-    """
-    values = [h[key] for h in per_host]
-    if len(set(values)) == 1:
-        return f"{values[0]} on every host"
-    return ", ".join(f"host {i}: {value}" for i, value in enumerate(values))
-
-
-def training_table(per_layout: dict[str, dict[str, float]]) -> str:
-    """Tokens/s per layout and backend.
-
-    With the fraction of the tokens/s of one host with as many ranks (``1xN``), same backend.
-    """
-    lines = ["| layout | backend | tokens/s | of one host's |", "|---|---|---|---|"]
-    for layout, per in per_layout.items():
-        hosts, local = _layout_numbers(layout)
-        base = per_layout.get(f"1x{hosts * local}", {})
-        for backend, tokens in per.items():
-            frac = f"{tokens / base[backend]:.2f}" if backend in base and hosts > 1 else "-"
-            lines.append(f"| {layout} | {backend} | {tokens:.0f} | {frac} |")
-    return "\n".join(lines)
-
-
-def _layout_numbers(text: str) -> tuple[int, int]:
-    hosts, local = (int(x) for x in text.split("x"))
-    return hosts, local
-
-
-def _ratio(per: dict[str, dict], a: str, b: str) -> str:
-    """A's time over b's, or "-" where either did not run."""
-    if a not in per or b not in per:
-        return "-"
-    return f"{per[a]['seconds'] / per[b]['seconds']:.2f}"
-
-
-def table(rows: list[dict], rate_bits: int | None) -> str:
-    """The rows as a markdown table, every backend side by side.
-
-    Two backends get a ratio column; with the bare-TCP ceiling, each other backend gets a
-    column of the ceiling's time over its own.
-    """
-    from benchmarks.collectives_report import format_size
-
-    by_key: dict[tuple, dict[str, dict]] = {}
-    for r in rows:
-        key = (r["layout"], r.get("dtype", "float32"), r.get("warmup"), r["op"], r["bytes"])
-        by_key.setdefault(key, {})[r["backend"]] = r
-    backends = sorted({r["backend"] for r in rows}, key=lambda b: BACKENDS.index(b))
-    head = ["layout", "dtype", "warm-up", "op", "size", "bound ms"]
-    for b in backends:
-        head += [f"{b} ms", f"{b} of bound", f"{b} wire", f"{b} drops"]
-    compared = [b for b in backends if b != BARE_TCP]
-    ceiling = BARE_TCP in backends
-    if len(compared) == 2:
-        head.append(f"{compared[1]} / {compared[0]}")
-    if ceiling:
-        head += [f"{b} of {BARE_TCP}" for b in compared]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for (layout, dtype, warmup, op, size), per in by_key.items():
-        hosts = int(layout.split("x")[0])
-        # Unshaped NICs (--rate unlimited) have no bound: the bare-TCP ceiling is the scale.
-        bound = min_bytes(op, hosts, size) * 8 / rate_bits if rate_bits else math.nan
-        warm = "-" if warmup is None else str(warmup)
-        cells = [layout, dtype, warm, op, format_size(size), _cell(bound * 1e3, ".1f")]
-        for b in backends:
-            if b not in per:
-                cells += ["-"] * 4
-                continue
-            r = per[b]
-            mark = "" if r["ok"] else " WRONG"
-            cells += [
-                f"{r['seconds'] * 1e3:.1f}{mark}",
-                _cell(bound / r["seconds"], ".2f"),
-                f"{r['tx_per_call'] / min_bytes(op, hosts, size):.2f}",
-                str(r["drops"]),
-            ]
-        if len(compared) == 2:
-            cells.append(_ratio(per, compared[1], compared[0]))
-        if ceiling:
-            cells += [_ratio(per, BARE_TCP, b) for b in compared]
-        lines.append("| " + " | ".join(cells) + " |")
-    crossing = {
-        (r["layout"], r["backend"]): r["algorithm"]
-        for r in rows
-        if r["backend"] not in ("gloo", BARE_TCP) and "algorithm" in r
-    }
-    if crossing:
-        lines.append("")
-        lines.append(
-            "Between hosts: "
-            + ", ".join(f"{layout} {b} {a}" for (layout, b), a in crossing.items())
-        )
-    return "\n".join(lines)
-
-
-def _queue_text(queue: int | None, rate: int | None) -> str:
-    from benchmarks.collectives_report import format_size
-
-    if rate is None:
-        return "unshaped"
-    return f"queue {'50 ms' if queue is None else format_size(queue)}"
-
-
-def _cell(value: float, spec: str) -> str:
-    return "-" if math.isnan(value) else format(value, spec)
-
-
-def cpu_table(rows: list[dict]) -> str:
-    """What each case cost the CPU per GB the op must move between hosts (Note [CPU per byte]).
-
-    Columns: the bytes moved per second (all hosts' minimum, by the op), the CPU-seconds per
-    GB of those bytes summed over the ranks and on the busiest rank, the machine's softirq
-    seconds per GB, and for smddp its messages per second (all ranks' sends) with the
-    system calls per message and the share of the bytes it received that were copied twice
-    (read before their receive was posted: stashed).
-    """
-    from benchmarks.collectives_report import format_size
-
-    head = "| layout | dtype | op | size | backend | GB/s | CPU s/GB | busiest rank | softirq s/GB"
-    lines = [head + " | msgs/s | calls/msg | stashed |", "|" + "---|" * 12]
-    for r in rows:
-        if "cpu_per_call" not in r:
-            continue
-        hosts = int(r["layout"].split("x")[0])
-        gb = min_bytes(r["op"], hosts, r["bytes"]) * hosts / 1e9  # per call
-        cells = [r["layout"], r.get("dtype", "float32"), r["op"], format_size(r["bytes"])]
-        cells += [r["backend"], f"{gb / r['seconds']:.2f}"]
-        cells += [f"{sum(r['cpu_per_call']) / gb:.2f}", f"{max(r['cpu_per_call']) / gb:.2f}"]
-        cells.append(f"{r['softirq_per_call'] / gb:.2f}")
-        t = r.get("transport_per_call")
-        if t and t["messages_sent"]:
-            calls = t["send_calls"] + t["recv_calls"] + t["polls"]
-            cells += [
-                f"{t['messages_sent'] / r['seconds']:.0f}",
-                f"{calls / (t['messages_sent'] + t['messages_received']):.1f}",
-                f"{t['stashed_bytes'] / max(t['bytes_received'], 1):.2f}",
-            ]
-        else:
-            cells += ["-"] * 3
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -505,10 +353,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--train",
         action="store_true",
-        help="also time FSDP2 training of a small Llama in each layout and in one host of as "
-        "many ranks",
+        help="also time training of a small Llama in each layout and in one host of as "
+        "many ranks, and say where each step's time went",
     )
     p.add_argument("--train-steps", type=int, default=3)
+    p.add_argument(
+        "--train-setups",
+        type=comma_list(SETUPS),
+        default=["fsdp2"],
+        help=f"what --train trains, of {', '.join(SETUPS)} (benchmarks/multihost_training.py)",
+    )
+    p.add_argument(
+        "--train-dtype",
+        "--dtype",
+        type=_train_dtype,
+        default="float32",
+        help="the training's element type: float32, or bfloat16 (bf16) as SMP's recipe",
+    )
+    p.add_argument(
+        "--train-only",
+        action="store_true",
+        help="--train without the collectives' sweep",
+    )
     p.add_argument(
         "--timeline",
         action="store_true",
@@ -578,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--warmup-largest {','.join(args.warmup_largest)}: counts of calls, 0 or more")
     if not all(h.isdigit() and int(h) >= 2 for h in args.predict_hosts):
         p.error(f"--predict-hosts {','.join(args.predict_hosts)}: host counts, 2 or more")
+    if args.train_steps < 1:
+        p.error(f"--train-steps {args.train_steps}: at least 1 timed step (after one untimed)")
     if args.fit:
         runs = []
         for path in args.fit:
@@ -602,12 +470,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"multihost: cannot simulate hosts here: {reason}", file=sys.stderr)
         return 2
     layouts = [_layout(x) for x in args.layouts]
-    sizes = [parse_size(s) for s in args.sizes]
+    sizes = [] if args.train_only else [parse_size(s) for s in args.sizes]
+    if args.train_only:
+        warmups = warmups[:1]
     rows: list[dict] = []
-    trained: dict[str, dict[str, float]] = {}
+    trained: dict[str, list[dict]] = {}
     per_host: list[dict[str, str]] = []  # every job's hosts, as their kernels reported
     why = ""
-    train = [b for b in args.backends if b != BARE_TCP] if args.train else []
+    train = [b for b in args.backends if b != BARE_TCP] if args.train or args.train_only else []
     for warmup in warmups:
         for hosts, local in layouts:
             got = run_layout(
@@ -621,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.timeout,
                 train_backends=train if warmup == warmups[0] else [],
                 train_steps=args.train_steps,
+                train_runs=runs_for(args.train_setups, hosts, local),
+                train_dtype=args.train_dtype,
                 timeline=args.timeline,
                 congestion=args.congestion,
                 slow_start_after_idle=args.slow_start_after_idle,
@@ -634,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
             if train and warmup == warmups[0]:
                 trained[f"{hosts}x{local}"] = got["training"]
     for world in sorted({h * loc for h, loc in layouts}) if train else []:
+        # One host's reference for every layout of as many ranks: the same runs, same shapes.
+        same = [(h, loc) for h, loc in layouts if h * loc == world]
+        runs = [r for h, loc in same for r in runs_for(args.train_setups, h, loc)]
         got = run_layout(
             1,
             world,
@@ -645,6 +520,9 @@ def main(argv: list[str] | None = None) -> int:
             args.timeout,
             False,
             train,
+            args.train_steps,
+            train_runs=list(dict.fromkeys(runs)),
+            train_dtype=args.train_dtype,
             congestion=args.congestion,
             slow_start_after_idle=args.slow_start_after_idle,
             switch_queue_bytes=queue,
@@ -657,18 +535,27 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"NIC rate {args.rate} per host, both directions; TCP congestion control {ran}{whose};"
         f" slow start after idle {ran_setting(per_host, 'slow_start_after_idle')};"
-        f" switch ports {_queue_text(queue, rate)};"
+        f" switch ports {queue_text(queue, rate)};"
         f" median of {args.iters} calls, each backend's sweep back to back; warm-up: calls at"
         " the largest size before each op's sweep (0: none)"
     )
-    print(table(rows, rate))
-    print("\nCPU per GB the op must move between hosts (Note [CPU per byte])")
-    print(cpu_table(rows))
+    if rows:
+        print(table(rows, rate))
+        print("\nCPU per GB the op must move between hosts (Note [CPU per byte])")
+        print(cpu_table(rows))
     if args.timeline:
         print(timeline_table(rows))
+    problems = multihost_training_report.loss_problems(trained)
     if trained:
-        print(f"\nFSDP2 training, small Llama, median of {args.train_steps} steps")
-        print(training_table(trained))
+        print(
+            "\n"
+            + multihost_training_report.header(
+                args.train_setups, args.train_dtype, args.train_steps, None
+            )
+        )
+        print(multihost_training_report.training_table(trained))
+        for line in problems:
+            print(f"LOSSES APART: {line}")
     run = {
         "rate_bits": rate,
         "iters": args.iters,
@@ -689,14 +576,19 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "recorded": time.strftime("%Y-%m-%d %H:%M %Z"),
         "rows": rows,
-        "training": trained,
+        "training": trained,  # per layout, one record per run and backend
+        "train": {
+            "setups": args.train_setups,
+            "dtype": args.train_dtype,
+            "steps": args.train_steps,
+        },
     }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(run, f, indent=1)
     if args.model:
         cost_model_report.model_report([run], args)
-    return 0 if all(r["ok"] for r in rows) else 1
+    return 0 if all(r["ok"] for r in rows) and not problems else 1
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """One rank of a ``bench multihost`` job (multihost.py starts it on a simulated host).
 
 It creates the groups the job compares (smddp's default group, smddp groups forced to the
-mesh or the ring, gloo), optionally checks bit-identical results and times training, then
+mesh or the ring, gloo), optionally checks bit-identical results and times training
+(``multihost_training``), then
 runs and times every op and size, reads its host's NIC counters and the CPU its calls took,
 and gathers the rows.
 
@@ -37,6 +38,11 @@ from tools.bare_tcp import BARE_TCP, BareRing
 
 # smddp groups that force how collectives cross hosts (SMDDPOptions.net_algo).
 FORCED_NET_ALGO = {"smddp-mesh": "mesh", "smddp-ring": "ring", "smddp-hd": "halving_doubling"}
+# What a job can time: the ops, their element types, and the backends (``rank_main`` makes
+# their groups), in the order the tables list them.
+OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+DTYPES = ("float32", "bfloat16", "float16")
+BACKENDS = ("smddp", *FORCED_NET_ALGO, "gloo", BARE_TCP)
 
 
 class Step(NamedTuple):
@@ -114,64 +120,6 @@ def _identical_results(group) -> dict[str, Any]:
     return out
 
 
-TRAINING_SEQ = 128
-TRAINING_BATCH = 2  # sequences per rank
-
-
-def training_config():
-    """The small Llama ``--train`` trains (hidden 256, 4 layers, vocab 8000)."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=8000,
-        hidden_size=256,
-        intermediate_size=256 * 11 // 4,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        max_position_embeddings=TRAINING_SEQ,
-        attn_implementation="sdpa",
-    )
-
-
-def _training(group, spec: dict[str, Any]) -> float:
-    """Tokens/s of FSDP2 training a small Llama on ``group``'s ranks.
-
-    ``fully_shard`` per decoder layer and on the root, as torchtitan does; the median over
-    the timed steps of the slowest rank.
-    """
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import LlamaForCausalLM
-
-    seq, batch = TRAINING_SEQ, TRAINING_BATCH
-    config = training_config()
-    vocab = config.vocab_size
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).float()
-    mesh = DeviceMesh.from_group(group, "cpu")
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(1 + dist.get_rank(group))
-    steps = []
-    for step in range(1 + spec["train_steps"]):
-        ids = torch.randint(0, vocab, (batch, seq), generator=gen)
-        dist.barrier(group)
-        t0 = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
-        if step:
-            steps.append(took.item())
-    return dist.get_world_size(group) * batch * seq / statistics.median(steps)
-
-
 def rank_main(spec: dict[str, Any]) -> None:
     """One rank of a layout's job: runs every case of ``spec`` and, on rank 0, writes the rows."""
     import torch
@@ -179,6 +127,7 @@ def rank_main(spec: dict[str, Any]) -> None:
 
     import torch_sagemaker  # noqa: F401  (registers smddp)
     from benchmarks import end_rank
+    from benchmarks.multihost_training import train_all
     from torch_sagemaker.smddp.backend import group_layout
     from torch_sagemaker.smddp.options import SMDDPOptions
 
@@ -186,15 +135,19 @@ def rank_main(spec: dict[str, Any]) -> None:
     dist.init_process_group("smddp", timeout=timedelta(seconds=spec["timeout"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = {"smddp": dist.group.WORLD}
+    # How to make more groups of each backend (the training meshes' groups).
+    group_kwargs: dict[str, dict[str, Any]] = {"smddp": {"backend": "smddp"}}
     bare = None
     for name in spec["backends"]:  # in the same order on every rank: new_group is collective
         if name == BARE_TCP:
             bare = BareRing(rank, spec["hosts"], spec["local"], _gather_objects)
         elif name == "gloo":
-            groups[name] = dist.new_group(backend="gloo")
+            group_kwargs[name] = {"backend": "gloo"}
+            groups[name] = dist.new_group(**group_kwargs[name])
         elif name in FORCED_NET_ALGO:
             options = SMDDPOptions(net_algo=FORCED_NET_ALGO[name])
-            groups[name] = dist.new_group(backend="smddp", pg_options=options)
+            group_kwargs[name] = {"backend": "smddp", "pg_options": options}
+            groups[name] = dist.new_group(**group_kwargs[name])
     # What each backend's collectives do between hosts (the cost model's `algorithm`).
     algorithms = {
         name: "flat_ring" if name == "gloo" else group_layout(group)["net_algorithm"]
@@ -204,7 +157,7 @@ def rank_main(spec: dict[str, Any]) -> None:
     identical: list[Any] = [None] * world
     if spec.get("identical"):
         dist.all_gather_object(identical, _identical_results(dist.group.WORLD))
-    training = {name: _training(groups[name], spec) for name in spec.get("train_backends", [])}
+    training = train_all(spec, groups, group_kwargs)
     rows = []
     for step in schedule(spec):
         if step.warmup_calls:

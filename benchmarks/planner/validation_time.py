@@ -239,11 +239,12 @@ def measure_training(args: argparse.Namespace) -> list[dict]:
 
 def measure_multihost(args: argparse.Namespace) -> list[dict]:
     """``bench multihost --train``'s layouts, ``args.runs`` times each (smddp)."""
-    from benchmarks import multihost, multihost_rank
+    from benchmarks import multihost, multihost_training
+    from benchmarks.multihost_training_report import tokens_per_second
     from tools import netns
 
     rate = netns.parse_rate(args.rate)
-    model = _model_dict(multihost_rank.training_config())
+    model = _model_dict(multihost_training.training_config())
     rows = []
     layouts = [tuple(int(x) for x in t.split("x")) for t in args.layouts.split(",") if t]
     for hosts, local in layouts:
@@ -262,9 +263,9 @@ def measure_multihost(args: argparse.Namespace) -> list[dict]:
                 ["smddp"],
                 args.steps,
             )
-            tokens.append(got["training"]["smddp"])
+            tokens.append(tokens_per_second(got["training"], "fsdp2", "smddp"))
         world = hosts * local
-        per_step = world * multihost_rank.TRAINING_BATCH * multihost_rank.TRAINING_SEQ
+        per_step = world * multihost_training.TRAINING_BATCH * multihost_training.TRAINING_SEQ
         rows.append(
             {
                 "source": "bench multihost --train",
@@ -275,8 +276,8 @@ def measure_multihost(args: argparse.Namespace) -> list[dict]:
                 "per_host": local,
                 "processes": world,
                 "hybrid_shard_degree": world,
-                "seq_len": multihost_rank.TRAINING_SEQ,
-                "batch": multihost_rank.TRAINING_BATCH,
+                "seq_len": multihost_training.TRAINING_SEQ,
+                "batch": multihost_training.TRAINING_BATCH,
                 "nic_bits": rate if hosts > 1 else 1e12,
                 "measured": [per_step / t for t in tokens],
             }
@@ -334,7 +335,7 @@ def _mean(before: Any, after: Any) -> Any:
 
 def _planned_rows(args: argparse.Namespace) -> list[dict]:
     """The rows the measurement will produce, without their times (to calibrate first)."""
-    from benchmarks import multihost_rank, training
+    from benchmarks import multihost_training, training
 
     rows = []
     if args.modes:
@@ -345,10 +346,10 @@ def _planned_rows(args: argparse.Namespace) -> list[dict]:
         hosts, local = (int(x) for x in layout.split("x"))
         rows.append(
             {
-                "model": _model_dict(multihost_rank.training_config()),
+                "model": _model_dict(multihost_training.training_config()),
                 "processes": hosts * local,
-                "seq_len": multihost_rank.TRAINING_SEQ,
-                "batch": multihost_rank.TRAINING_BATCH,
+                "seq_len": multihost_training.TRAINING_SEQ,
+                "batch": multihost_training.TRAINING_BATCH,
             }
         )
     return rows

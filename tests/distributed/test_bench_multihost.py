@@ -3,11 +3,14 @@
 It checks what the benchmark's table rests on: every collective's result is right, both
 backends' times respect the NIC's bound (a faster one would mean the shaping failed), the
 NIC counters see at least the bytes the collective must send, and smddp's float32 and
-bfloat16 results agree bit for bit on every rank of both hosts."""
+bfloat16 results agree bit for bit on every rank of both hosts. The same job trains SMP's
+bf16 recipe (``--train-setups fsdp1_hybrid,fsdp2_hybrid --dtype bf16``) on a tiny Llama,
+held against one host of 4 ranks."""
 
 import pytest
 
-from benchmarks import multihost
+from benchmarks import multihost, multihost_report, multihost_training_report
+from benchmarks.multihost_training import runs_for
 from tools import netns
 from torch_sagemaker.smddp import backend
 
@@ -22,13 +25,34 @@ RATE = 10**9
 SIZE = 4 << 20
 BACKENDS = ["smddp", "gloo", "bare-tcp"]
 ALGORITHM = {"smddp": "mesh", "gloo": "flat_ring", "bare-tcp": "bare_ring"}
+TRAINED = ["fsdp1_hybrid", "fsdp2_hybrid"]
+# --train in bf16 on a tiny Llama (2 layers), 2 timed steps: the bookkeeping, not speed.
+TRAINING = {
+    "train_backends": ["smddp", "gloo"],
+    "train_steps": 2,
+    "train_runs": runs_for(TRAINED, 2, 2),
+    "train_dtype": "bfloat16",
+    "train_model": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "vocab_size": 128,
+        "seq": 16,
+    },
+}
+
+
+def _needs_namespaces() -> None:
+    reason = netns.unavailable_reason()
+    if reason:
+        pytest.skip(f"needs Linux network namespaces: {reason}")
 
 
 @pytest.fixture(scope="module")
 def short_run():
-    reason = netns.unavailable_reason()
-    if reason:
-        pytest.skip(f"needs Linux network namespaces: {reason}")
+    _needs_namespaces()
     return multihost.run_layout(
         2,
         2,
@@ -42,7 +66,14 @@ def short_run():
         timeline=True,
         warmup_largest=1,
         dtypes=["float32", "bfloat16"],
+        **TRAINING,
     )
+
+
+@pytest.fixture(scope="module")
+def one_host_training():
+    _needs_namespaces()
+    return multihost.run_layout(1, 4, RATE, [], [], ["smddp", "gloo"], 1, 240, **TRAINING)
 
 
 def test_results_respect_the_nic_and_the_counters(short_run):
@@ -57,10 +88,10 @@ def test_results_respect_the_nic_and_the_counters(short_run):
         assert r["algorithm"] == ALGORITHM[r["backend"]], r
         # What no call can beat: the bytes beyond the buckets' bursts (96 KiB at each end of
         # the cable, netns.BURST) at the NIC's rate. Faster means the shaping did not hold.
-        floor = (multihost.min_bytes(r["op"], 2, r["bytes"]) - 2 * 96 * 1024) * 8 / RATE
+        floor = (multihost_report.min_bytes(r["op"], 2, r["bytes"]) - 2 * 96 * 1024) * 8 / RATE
         assert r["seconds"] > floor, r
-        assert r["tx_per_call"] >= 0.98 * multihost.min_bytes(r["op"], 2, r["bytes"]), r
-    text = multihost.table(rows, RATE)
+        assert r["tx_per_call"] >= 0.98 * multihost_report.min_bytes(r["op"], 2, r["bytes"]), r
+    text = multihost_report.table(rows, RATE)
     assert "| 2x2 | float32 | 1 | all_reduce | 4 MiB |" in text and "gloo / smddp" in text
     assert "| 2x2 | bfloat16 | 1 | reduce_scatter_tensor | 4 MiB |" in text
     assert "smddp of bare-tcp" in text and "gloo of bare-tcp" in text
@@ -80,8 +111,8 @@ def test_each_case_reports_its_cpu_and_smddp_its_messages(short_run):
         assert t["messages_sent"] >= 4 and t["messages_received"] == t["messages_sent"], r
         assert t["send_calls"] >= t["messages_sent"] and t["recv_calls"] > 0, r
         assert 0 <= t["stashed_bytes"] <= t["bytes_received"], r
-        assert t["bytes_received"] >= multihost.min_bytes(r["op"], 2, r["bytes"]) * 2, r
-    text = multihost.cpu_table(short_run["rows"])
+        assert t["bytes_received"] >= multihost_report.min_bytes(r["op"], 2, r["bytes"]) * 2, r
+    text = multihost_report.cpu_table(short_run["rows"])
     assert "| layout | dtype | op | size | backend | GB/s | CPU s/GB |" in text
     assert text.count("\n| 2x2 |") == len(short_run["rows"])
     assert "| bare-tcp |" in text and "| smddp |" in text
@@ -92,7 +123,7 @@ def test_half_precision_crosses_hosts_in_its_own_bytes(short_run):
     # so its NIC carries the bf16 minimum (headers aside), not fp32's twice that.
     for r in short_run["rows"]:
         if r["backend"] == "smddp" and r["dtype"] == "bfloat16":
-            wire = r["tx_per_call"] / multihost.min_bytes(r["op"], 2, r["bytes"])
+            wire = r["tx_per_call"] / multihost_report.min_bytes(r["op"], 2, r["bytes"])
             assert wire < 1.15, (r["op"], wire)
 
 
@@ -131,7 +162,7 @@ def test_timeline_shows_each_phase_inside_its_call(short_run):
                 assert begin <= b <= e <= end, (r["op"], rank, phase)
     for gloo in (r for r in short_run["rows"] if r["backend"] == "gloo"):
         assert gloo["timeline"] is None
-    text = multihost.timeline_table(short_run["rows"])
+    text = multihost_report.timeline_table(short_run["rows"])
     assert "2x2 smddp (mesh) all_reduce 4 MiB: phases per rank, ms" in text
     assert "| 3 | network |" in text
 
@@ -140,7 +171,7 @@ def test_unshaped_runs_have_no_bound():
     row = {"layout": "2x1", "dtype": "float32", "warmup": 0, "op": "all_reduce"}
     row |= {"bytes": 1 << 20, "backend": "smddp", "ok": True, "seconds": 0.01}
     row |= {"tx_per_call": 1 << 20, "drops": 0}
-    line = multihost.table([row], None).splitlines()[2]
+    line = multihost_report.table([row], None).splitlines()[2]
     assert line.startswith("| 2x1 | float32 | 0 | all_reduce | 1 MiB | - | 10.0 | - |"), line
 
 
@@ -227,9 +258,9 @@ def test_hosts_start_with_the_fallback_and_report_it(monkeypatch):
     assert done.returncode == 0, done.stdout
     assert done.stdout.count(f"] {own[0]}\n") == 2, done.stdout
     per_host = [{"congestion": "bbr", "slow_start_after_idle": "1"}] * 2
-    assert multihost.ran_setting(per_host, "congestion") == "bbr on every host"
+    assert multihost_report.ran_setting(per_host, "congestion") == "bbr on every host"
     mixed = [per_host[0], {"congestion": "cubic", "slow_start_after_idle": "1"}]
-    assert multihost.ran_setting(mixed, "congestion") == "host 0: bbr, host 1: cubic"
+    assert multihost_report.ran_setting(mixed, "congestion") == "host 0: bbr, host 1: cubic"
 
 
 def test_the_record_says_what_every_host_ran(short_run):
@@ -271,3 +302,32 @@ def test_the_local_all_gather_runs_during_the_exchange(short_run):
             starts = [b for phase, b, _, _ in spans if phase == "local all_gather"]
             early += min(starts) < network_end
         assert early >= 2, (r["op"], r["timeline"])
+
+
+def test_smps_bf16_recipe_trains_across_hosts_as_on_one_host(short_run, one_host_training):
+    across, one_host = short_run["training"], one_host_training["training"]
+    ran = [(r["setup"], r["backend"]) for r in across]
+    assert ran == [(s, b) for s in TRAINED for b in ("smddp", "gloo")]
+    assert [(r["setup"], r["backend"]) for r in one_host] == ran
+    wrapped = {"fsdp1_hybrid": "FSDP1 HYBRID_SHARD on (2, 2)", "fsdp2_hybrid": "FSDP2 on (2, 2)"}
+    for r in across + one_host:
+        assert r["wrapped"] == wrapped[r["setup"]] and r["dtype"] == "bfloat16"
+        # Each step, 3 units (2 layers and the root): the forward gathers them all and the
+        # backward the 2 layers again (resharded after forward); each unit reduce-scatters
+        # inside its host and all-reduces across the replicas. Every call is synchronous
+        # (Note [Exposed communication]), and every one of them took time.
+        assert r["calls"] == {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 3}, r
+        assert r["async_calls"] == 0, r
+        assert all(s > 0 for s in r["exposed_s"].values()), r
+        assert 0 < r["compute_s"] < r["step_s"] and sum(r["exposed_s"].values()) < r["step_s"]
+        assert len(r["losses"]) == 4 and all(len(steps) == 3 for steps in r["losses"])
+        assert len({steps[0] for steps in r["losses"]}) == 4  # each rank its own data
+    per_layout = {"2x2": across, "1x4": one_host}
+    assert multihost_training_report.loss_problems(per_layout) == []
+    # gloo's collectives are the same wherever the ranks are: the same losses, bit for bit.
+    for mine, theirs in zip(across, one_host, strict=True):
+        if mine["backend"] == "gloo":
+            assert mine["losses"] == theirs["losses"], mine["setup"]
+    text = multihost_training_report.training_table(per_layout)
+    assert "| 2x2 | fsdp1_hybrid | FSDP1 HYBRID_SHARD on (2, 2) | smddp |" in text
+    assert text.count("\n| 1x4 | ") == 4
