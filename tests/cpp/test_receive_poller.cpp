@@ -297,7 +297,7 @@ TEST_CASE(poller_stress_receives_beside_the_lanes) {
   WorkerPool pool;
   Scheduler s(post_to(pool));
   Mailbox box;
-  constexpr int kPerTag = 300;
+  constexpr int kPerTag = 2000;
   constexpr int kTags = 3;
   std::vector<std::vector<int>> got(kTags, std::vector<int>(kPerTag, -1));
   std::vector<OutcomePtr> receives, collectives;
