@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import os
 import queue as queue_module
-import socket
 import sys
 import time
 import traceback
@@ -21,6 +20,8 @@ from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 import torch.multiprocessing as mp
+
+from tools.ranks import free_port, set_rank_environment  # noqa: F401  (benchmarks import them from here)
 
 # name -> (module, one-line description). Add a benchmark by adding a line here.
 BENCHMARKS: dict[str, tuple[str, str]] = {
@@ -64,19 +65,6 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 }
 
 
-def set_rank_environment(rank: int, world: int, port: int, log_level: str = "WARNING") -> None:
-    """Sets torchrun's variables for a benchmark rank spawned on this host (``127.0.0.1:port``)."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        TSM_LOG_LEVEL=log_level,
-    )
-
-
 def end_rank(queue: Any | None = None) -> NoReturn:
     """Ends a spawned benchmark rank at once, after its groups and its results are done with.
 
@@ -107,13 +95,6 @@ def end_rank(queue: Any | None = None) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a benchmark's ranks)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass

@@ -59,8 +59,8 @@ def _disk_cases(root: Path, state: dict, template: dict, threads: int) -> tuple[
     """(save cases, load cases) of the local directory ``root``."""
     import torch.distributed.checkpoint as dcp
 
-    from torch_sagemaker.distributed.checkpoint import checkpoint_location, load, save
-    from torch_sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemWriter
+    from torch_sagemaker.checkpoint import checkpoint_location, load, save
+    from torch_sagemaker.checkpoint.filesystem import DistributedFileSystemWriter
 
     def writer(threads: int = threads) -> DistributedFileSystemWriter:
         return DistributedFileSystemWriter("unused", thread_count=threads)
@@ -89,7 +89,7 @@ def check_markers(root: Path, threads: int) -> None:
     Raises:
         RuntimeError: If a marker is not what its configuration promises.
     """
-    from torch_sagemaker.distributed.checkpoint.constants import COMPLETION_MARKER
+    from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER
 
     for name, checksummed in ((f"off{threads}", False), (f"on{threads}", True)):
         marker = json.loads((root / name / COMPLETION_MARKER).read_text())
@@ -101,8 +101,8 @@ def _s3_cases(root: str, state: dict, template: dict, threads: int) -> tuple[lis
     """(save cases, load cases) of the S3 prefix ``root`` (``s3torchconnector`` throughout)."""
     import torch.distributed.checkpoint as dcp
 
-    from torch_sagemaker.distributed.checkpoint import checkpoint_location, load, save
-    from torch_sagemaker.distributed.checkpoint.s3_checkpoint import S3Checkpoint
+    from torch_sagemaker.checkpoint import checkpoint_location, load, save
+    from torch_sagemaker.checkpoint.s3_checkpoint import S3Checkpoint
 
     # DCP alone: s3torchconnector's writer and reader on a fixed prefix, no marker, no checks.
     plain = S3Checkpoint(f"{root}/dcp{threads}")

@@ -20,7 +20,7 @@ The first iteration of every case is checked for correct values.
 
 --backends lists torch.distributed backends (the first one is the default group's) and
 optionally two peers that run all_reduce only: "smddp-direct", smddp's all-reduce through
-``torch_sagemaker.distributed.all_reduce_direct`` (no torch.distributed dispatch), and
+``torch_sagemaker.smddp.direct.all_reduce_direct`` (no torch.distributed dispatch), and
 "deepspeed": DeepSpeed's CPU shared-memory all-reduce, called directly (install with
 ``DS_ACCELERATOR=cpu pip install deepspeed``). The table has one speed-up column per other
 column: its time / the time of ``--ratio-base`` (default: the first backend).
@@ -319,7 +319,7 @@ def _worker_body(
             peers[b] = ShmAllReduce(world, rank, lambda: dist.barrier(group=ctrl))
             groups[b] = ctrl  # only for the barrier before timing
         elif b == "smddp-direct":
-            from torch_sagemaker.distributed.direct import all_reduce_direct
+            from torch_sagemaker.smddp.direct import all_reduce_direct
 
             g = (
                 dist.group.WORLD
@@ -392,7 +392,7 @@ def _worker_body(
             if rank == 0 and args.verbose:
                 print(format_row(row, args.backends, args.ratio_base), flush=True)
     if args.pool and "smddp" in groups:
-        from torch_sagemaker.distributed.backend import pool_stats
+        from torch_sagemaker.smddp.backend import pool_stats
 
         stats = pool_stats(groups["smddp"])
         if rank == 0:

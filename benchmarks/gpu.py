@@ -113,7 +113,7 @@ class _Rig:
 
     def staged_options(self, chunk_bytes: str | None, timeline: bool = False) -> dict[str, Any]:
         """The staged groups' options by column name, the one the bounds compare first."""
-        from torch_sagemaker.distributed import SMDDPOptions
+        from torch_sagemaker.smddp import SMDDPOptions
 
         common: dict[str, Any] = {"staging_chunk_bytes": chunk_bytes, "timeline": timeline or None}
         if not self.cuda:

@@ -13,7 +13,7 @@ control
 the machine's own, as each host's kernel reports it in the header and the record: Note
 [Simulated hosts run cubic]; whether TCP restarts
 its window after idle gaps ``--slow-start-after-idle``, Linux's default 1 unless told 0: Note
-[Slow start after idle] in distributed/backend.py) with L ranks each. One
+[Slow start after idle] in smddp/backend.py) with L ranks each. One
 job per layout runs every backend: the default group is smddp's, and a gloo group spans the same
 ranks. "smddp-mesh" and "smddp-ring" are further smddp groups over the same ranks that cross
 hosts by the mesh or by a ring whatever SMDDP_NET_ALGO says (``SMDDPOptions(net_algo=...)``;
@@ -82,7 +82,7 @@ MASTER_PORT = 29530  # inside the hosts' private network
 # then warms up at the smallest size too, which each case's own warm-up call covers here).
 # The table then measures collectives that follow each other on connections that have carried
 # the largest size. That is not a training step, whose compute leaves gaps between its
-# collectives (Note [Slow start after idle] in distributed/backend.py).
+# collectives (Note [Slow start after idle] in smddp/backend.py).
 # - The warm-up is what the numbers needed. What smddp's first transfers leave in its
 #   connections lasts: where they were 1 MiB calls (the smallest size first), a host's flows
 #   could ramp unequally and stay so for the whole job. On 2 hosts of 2 ranks, back to back

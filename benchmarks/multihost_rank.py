@@ -179,8 +179,8 @@ def rank_main(spec: dict[str, Any]) -> None:
 
     import torch_sagemaker  # noqa: F401  (registers smddp)
     from benchmarks import end_rank
-    from torch_sagemaker.distributed.backend import group_layout
-    from torch_sagemaker.distributed.options import SMDDPOptions
+    from torch_sagemaker.smddp.backend import group_layout
+    from torch_sagemaker.smddp.options import SMDDPOptions
 
     torch.set_num_threads(1)
     dist.init_process_group("smddp", timeout=timedelta(seconds=spec["timeout"]))

@@ -1,7 +1,7 @@
 // The single pybind11 module of torch_sagemaker: torch_sagemaker._C.
 //
 // Python decides, C++ executes: every function exported here has a Python wrapper with a
-// docstring in torch_sagemaker/ (see torch_sagemaker/distributed/backend.py).
+// docstring in torch_sagemaker/ (see torch_sagemaker/smddp/backend.py).
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
@@ -27,7 +27,7 @@ c10::intrusive_ptr<smddp::ProcessGroupSMDDP> create_backend(
     if (!pg_options.is_none()) {
       if (!py::hasattr(pg_options, "_smddp_overrides")) {
         throw py::type_error(
-            "smddp: pg_options must be a torch_sagemaker.distributed.SMDDPOptions, got " +
+            "smddp: pg_options must be a torch_sagemaker.smddp.SMDDPOptions, got " +
             std::string(py::str(py::type::of(pg_options).attr("__name__"))));
       }
       overrides = pg_options.attr("_smddp_overrides")().cast<std::map<std::string, std::string>>();

@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 5. Export and summary.
     if args.export_dir:
-        from torch.sagemaker.distributed.checkpoint.hf_export import save_hf_checkpoint
+        from torch.sagemaker.distributed.checkpoint import save_hf_checkpoint
 
         save_hf_checkpoint(model, args.export_dir)
         rank0_print(f"[train] exported a Hugging Face model to {args.export_dir}")

@@ -114,23 +114,32 @@ def plot(runs: dict[str, list[float]], results: dict[str, dict], path: Path, tit
     import matplotlib.pyplot as plt
 
     steps = list(range(1, len(runs["bf16"]) + 1))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    many = len(runs) > 3  # more runs (scripts/fp8_diagnostics.py): one legend under the plots
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 5.5 if many else 4))
+    spare = iter(f"C{i}" for i in (2, 4, 1, 5, 6, 8, 9) * 3)  # not the named runs' colours
+    colors = {name: COLORS.get(name) or next(spare) for name in runs}
     for name, losses in runs.items():
-        color = COLORS.get(name, "tab:green")
+        color = colors[name]
         ax1.plot(steps, losses, color=color, alpha=0.2, linewidth=0.8)
         ax1.plot(steps, moving_average(losses), color=color, label=f"{name} (10-step mean)")
     ax1.set(xlabel="step", ylabel="training loss (nats/byte)", title="Loss")
-    ax1.legend()
     for name, result in results.items():
         label = f"{name} vs bf16"
-        ax2.plot(steps, [100 * r for r in result["smoothed"]], color=COLORS.get(name), label=label)
+        ax2.plot(steps, [100 * r for r in result["smoothed"]], color=colors[name], label=label)
     ax2.axhline(2.0, color="gray", linestyle="--", linewidth=0.8, label="2%")
     ax2.set(
-        xlabel="step", ylabel="|fp8 - bf16| / bf16, %", title="Relative difference (10-step means)"
+        xlabel="step", ylabel="|run - bf16| / bf16, %", title="Relative difference (10-step means)"
     )
-    ax2.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
+    if many:
+        handles, labels = ax1.get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
+        fig.suptitle(title)
+        fig.tight_layout(rect=(0, 0.17, 1, 1))
+    else:
+        ax1.legend()
+        ax2.legend()
+        fig.suptitle(title)
+        fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
     plt.close(fig)

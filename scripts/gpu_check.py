@@ -129,7 +129,7 @@ for key in ("CC", "CXX", "LDSHARED", "LDCXXSHARED", "LDFLAGS", "CFLAGS", "CXXFLA
 IMPORTS = r"""
 import torch.sagemaker as tsm
 import torch_sagemaker._C
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 assert backend.is_available(), "smddp extension not registered"
 print("torch.sagemaker", tsm.__version__, "from", tsm.__file__)
 """

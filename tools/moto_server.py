@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,13 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from unittest import mock
 
+from tools.ranks import free_port
+
 REGION = "us-east-1"
-
-
-def _free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -67,7 +62,7 @@ def moto_s3(start_timeout_s: float = 60.0) -> Iterator[S3Server]:
     Raises:
         RuntimeError: If it exits or does not answer in time.
     """
-    port = _free_port()
+    port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],

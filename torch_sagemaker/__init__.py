@@ -10,11 +10,11 @@ from __future__ import annotations
 from torch_sagemaker._init import init, is_initialized
 from torch_sagemaker._transform import transform
 from torch_sagemaker._version import __version__
+from torch_sagemaker.checkpoint import dcp_patches as _dcp_patches
 from torch_sagemaker.config import ConfigError, SMPConfig
-from torch_sagemaker.distributed import fsdp2_buffers as _fsdp2_buffers
-from torch_sagemaker.distributed.backend import register as _register_backend
-from torch_sagemaker.distributed.checkpoint import torch_compat as _dcp_patches
 from torch_sagemaker.offload import offload_wrapper
+from torch_sagemaker.smddp import fsdp2_buffers as _fsdp2_buffers
+from torch_sagemaker.smddp.backend import register as _register_backend
 from torch_sagemaker.state import state
 
 _register_backend()

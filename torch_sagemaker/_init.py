@@ -14,13 +14,12 @@ import torch.distributed as dist
 
 import torch_sagemaker.offload  # noqa: F401  routes torch's offload_wrapper (offload/torch_patch.py)
 from torch_sagemaker import config as config_lib
-from torch_sagemaker import sharding_plan, topology
+from torch_sagemaker import launch_env, sharding_plan, topology
 from torch_sagemaker._torch_compat import c10d as c10d_compat
-from torch_sagemaker.distributed import backend as backend_lib
-from torch_sagemaker.distributed import launch_env
-from torch_sagemaker.distributed.mesh import build_groups
 from torch_sagemaker.logger import log_rank0, warn_once
+from torch_sagemaker.mesh import build_groups
 from torch_sagemaker.sharding import fsdp1, fsdp1_state_dict
+from torch_sagemaker.smddp import backend as backend_lib
 from torch_sagemaker.state import ranks_per_host, state
 
 

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from torch_sagemaker._torch_compat import dtensor as dtensor_compat
 from torch_sagemaker._torch_compat import fsdp1 as fsdp1_compat
-from torch_sagemaker.distributed.direct import all_reduce_direct
+from torch_sagemaker.smddp.direct import all_reduce_direct
 
 
 class _Piece(NamedTuple):

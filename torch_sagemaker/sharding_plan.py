@@ -5,7 +5,7 @@ host and publishes it as ``tsm.state.sharding_plan``. Every FSDP entry point rea
 the FSDP1 constructor patch (``sharding/fsdp1.py``), ``shard_model`` and ``fsdp2_mesh``
 (``sharding/fsdp2.py``) and the expert units (``sharding/experts.py``). No other module
 decides a strategy or a mesh. Meshes are named, not held: ``tsm.state.mesh(name)`` turns a
-name into the DeviceMesh that ``distributed/mesh.py`` built, and ``ShardingPlan.dim_ranks``
+name into the DeviceMesh that ``mesh.py`` built, and ``ShardingPlan.dim_ranks``
 gives the ranks of each of its dimensions by arithmetic, so the unit tests check every
 layout without processes (tests/unit/test_sharding_plan.py), as for ``topology.Layout``.
 
@@ -54,7 +54,7 @@ _ZERO2 = (ShardingStrategy.SHARD_GRAD_OP, fsdp1_compat.HYBRID_SHARD_ZERO2)
 STRATEGIES: tuple[ShardingStrategy, ...] = tuple(ShardingStrategy)
 
 #: The meshes the plan names, by their dimensions, outermost first. A dimension's ranks are
-#: given by ``ShardingPlan.dim_ranks``; ``distributed/mesh.py`` builds the meshes.
+#: given by ``ShardingPlan.dim_ranks``; ``mesh.py`` builds the meshes.
 MESHES: dict[str, tuple[str, ...]] = {
     "fsdp_mesh": ("dp_replicate", "dp_shard_cp"),
     "fsdp_shard_mesh": ("dp_shard_cp",),

@@ -77,7 +77,7 @@ def _clear_dtensor_caches() -> None:
 
 @dataclass
 class _Groups:
-    """Process groups and meshes built by ``torch_sagemaker.distributed.mesh``."""
+    """Process groups and meshes built by ``torch_sagemaker.mesh``."""
 
     device_mesh: Any
     fsdp_mesh: Any
@@ -428,7 +428,7 @@ class State:
     def device_type(self) -> str:
         """``"cuda"`` or ``"cpu"``: the device of the mesh, its collectives and TP's tensors.
 
-        Decided once, by ``tsm.init`` (``distributed.mesh.mesh_device_type``); the one rule
+        Decided once, by ``tsm.init`` (``mesh.mesh_device_type``); the one rule
         for "which device" after init (docs/architecture.md, "Hosts and devices").
         """
         return self.device_mesh.device_type

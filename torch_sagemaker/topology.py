@@ -1,6 +1,6 @@
 """Pure rank-layout arithmetic: parallel degrees -> named mesh axes, coordinates and groups.
 
-No torch.distributed calls here; ``torch_sagemaker.distributed.mesh`` turns a ``Layout`` into
+No torch.distributed calls here; ``torch_sagemaker.mesh`` turns a ``Layout`` into
 a DeviceMesh and process groups, and the unit tests check the arithmetic for many
 (world size, degrees) combinations without processes.
 

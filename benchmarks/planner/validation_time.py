@@ -9,9 +9,12 @@
    simulated hosts of L ranks, each host's NIC shaped to a rate, and one host of as many
    ranks), each ``runs`` times.
 3. Prediction: the planner's time model for the same model, layout and batch, with the
-   calibrated ``Machine`` and the collective costs fitted on the recorded ``bench multihost``
-   runs (``tests/data/multihost``), no overlap (the ranks' collectives take the cores the
-   compute needs).
+   calibrated ``Machine``, no overlap (the ranks' collectives take the cores the compute
+   needs). Collectives inside one host are priced by the lines the calibration measured for
+   the row's backend (smddp's shared memory and gloo's loopback TCP differ several-fold,
+   which one cost model for both missed by up to 45%); between hosts by the cost model
+   fitted on the recorded ``bench multihost`` runs (``tests/data/multihost``), which are
+   smddp's.
 
 ``run`` returns a record holding everything (calibration, costs, measurements, the machine's
 load), so that ``predict_rows`` reproduces the predictions from a record alone:
@@ -34,7 +37,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.planner.calibration import calibrate, machine_of
+from benchmarks.planner.calibration import calibrate, machine_of, one_host_lines
 from torch_sagemaker.planner import comm
 from torch_sagemaker.planner.candidates import Candidate, Rejected, check
 from torch_sagemaker.planner.inputs import Cluster, Workload
@@ -77,8 +80,13 @@ def predict_step(
     costs: comm.Costs,
     nic_bits: float = 1e12,
     cores: float = 0.0,
+    backend: str = "smddp",
 ) -> float:
-    """The planner's step time for an fp32 FSDP2 run on CPU ranks (no overlap)."""
+    """The planner's step time for an fp32 FSDP2 run on CPU ranks (no overlap).
+
+    ``rates`` are a calibration's (``calibration.calibrate``); its measured one-host
+    collectives of ``backend``, if any, price the one-host groups.
+    """
     world = hosts * per_host
     cluster = Cluster(
         hosts=hosts,
@@ -101,6 +109,7 @@ def predict_step(
         costs=costs,
         cores=cores or float(os.cpu_count() or 1),
         machine_ranks=world,  # simulated hosts share this machine's cores
+        one_host=one_host_lines(rates, backend),
     )
     result = evaluate(spec, checked, cluster, workload, machine_of(rates), fabric)
     return result.time.step
@@ -138,9 +147,15 @@ def predict_rows(record: dict) -> list[tuple[dict, float]]:
             costs=costs,
             nic_bits=row.get("nic_bits", 1e12),
             cores=record["cores"],
+            backend=backend_of(row),
         )
         out.append((row, predicted))
     return out
+
+
+def backend_of(row: dict) -> str:
+    """The backend a row ran (records before the field: the first word of its name)."""
+    return row.get("backend") or row["name"].split()[0]
 
 
 @functools.lru_cache(maxsize=16)
@@ -205,6 +220,7 @@ def measure_training(args: argparse.Namespace) -> list[dict]:
             {
                 "source": "bench training",
                 "name": f"{backend} {mode}",
+                "backend": backend,
                 "model": model,
                 "hosts": 1,
                 # Alone, each process trains on its own: one rank, n processes' calibration.
@@ -253,6 +269,7 @@ def measure_multihost(args: argparse.Namespace) -> list[dict]:
             {
                 "source": "bench multihost --train",
                 "name": f"smddp {hosts}x{local} at {args.rate}",
+                "backend": "smddp",
                 "model": model,
                 "hosts": hosts,
                 "per_host": local,
@@ -292,14 +309,27 @@ def errors(record: dict) -> list[tuple[str, float]]:
     ]
 
 
-def _calibrate_all(rows: list[dict]) -> dict[str, dict[str, float]]:
-    calibration: dict[str, dict[str, float]] = {}
+def _calibrate_all(rows: list[dict], backends: list[str]) -> dict[str, dict[str, Any]]:
+    calibration: dict[str, dict[str, Any]] = {}
     for row in rows:
         key = calibration_key(row)
         if key not in calibration:
-            spec = meta_spec(_config(row["model"]))
-            calibration[key] = calibrate(row["processes"], spec, row["seq_len"] * row["batch"])
+            config = _config(row["model"])
+            calibration[key] = calibrate(
+                row["processes"], meta_spec(config), row["seq_len"] * row["batch"], config, backends
+            )
     return calibration
+
+
+def _mean(before: Any, after: Any) -> Any:
+    """The average of two calibrations, nested dictionaries and lists alike."""
+    if isinstance(before, dict):
+        return {k: _mean(before[k], after[k]) for k in before}
+    if isinstance(before, list):
+        return [_mean(b, a) for b, a in zip(before, after)]
+    if isinstance(before, int):
+        return before
+    return (before + after) / 2
 
 
 def _planned_rows(args: argparse.Namespace) -> list[dict]:
@@ -337,16 +367,15 @@ def run(args: argparse.Namespace, costs: comm.Costs) -> dict:
     """
     load_before = os.getloadavg()
     planned = _planned_rows(args)
-    before = _calibrate_all(planned)
+    backends = sorted(set(args.backends.split(",")) - {"none"} | {"smddp"})
+    before = _calibrate_all(planned, backends)
     rows = []
     if args.modes:
         rows += measure_training(args)
     if args.layouts:
         rows += measure_multihost(args)
-    after = _calibrate_all(planned)
-    calibration = {
-        key: {k: (before[key][k] + after[key][k]) / 2 for k in before[key]} for key in before
-    }
+    after = _calibrate_all(planned, backends)
+    calibration = _mean(before, after)
     return {
         "recorded": time.strftime("%Y-%m-%d %H:%M %Z"),
         "load_average": {

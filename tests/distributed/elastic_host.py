@@ -27,7 +27,7 @@ def complete_steps(root: str) -> list[int]:
     """Steps of the complete checkpoints under ``root`` (examples/train.py's naming)."""
     # Imported here, on the one host that kills: the package imports torch, seconds of CPU
     # that the other host (and both hosts of the uninterrupted run) need not spend.
-    from torch_sagemaker.distributed.checkpoint import is_complete
+    from torch_sagemaker.checkpoint import is_complete
 
     if not os.path.isdir(root):
         return []

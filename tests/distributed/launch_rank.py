@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from torch_sagemaker.distributed import launch_env
+from torch_sagemaker import launch_env
 
 # What the launcher gave this process, read before the smddp import exports anything.
 LAUNCHER_ENV = {
@@ -33,7 +33,7 @@ LAUNCHER_INFO = launch_env.detect()
 import torch.sagemaker as tsm  # noqa: E402
 
 import smdistributed.dataparallel.torch.torch_smddp  # noqa: E402, F401  (as SMP's scripts do)
-from torch_sagemaker.distributed import backend  # noqa: E402
+from torch_sagemaker.smddp import backend  # noqa: E402
 
 
 def main() -> None:

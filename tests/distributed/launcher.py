@@ -35,6 +35,8 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
+from tools.ranks import free_port, set_rank_environment
+
 # Note [Ranks forked from a warm server]: a rank spawned from scratch imports torch and
 # transformers itself, seconds of CPU per rank, and on a busy 2-core machine a fresh 4-rank
 # pool took 30-45 s to start (fault tests need a fresh pool each). Ranks are forked instead
@@ -62,13 +64,6 @@ if _START_METHOD == "forkserver":
 
 class DistributedTestError(AssertionError):
     """One or more ranks raised, or the call timed out."""
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -144,16 +139,8 @@ def _worker(
     tasks: Any,
     results: Any,
 ) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS="1",
-        TSM_LOG_LEVEL=os.environ.get("TSM_LOG_LEVEL", "WARNING"),
-    )
+    set_rank_environment(rank, world_size, port, os.environ.get("TSM_LOG_LEVEL", "WARNING"))
+    os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.update(env)
     try:
         import torch

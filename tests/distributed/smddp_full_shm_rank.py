@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-import torch_sagemaker.distributed  # noqa: F401  (registers smddp)
+import torch_sagemaker.smddp  # noqa: F401  (registers smddp)
 
 
 def main() -> None:

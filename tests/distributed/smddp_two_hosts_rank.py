@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import torch_sagemaker  # noqa: F401  (registers the smddp backend)
 from tests.distributed import test_smddp_support as checks
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 PG_TIMEOUT_S = 60
 STAY_ALIVE_S = 30  # at most: each survivor leaves as soon as all three have their error

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from benchmarks import collectives
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 pytestmark = [
     pytest.mark.distributed,

@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks import multihost
 from tools import netns
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 pytestmark = [
     pytest.mark.distributed,
@@ -244,7 +244,7 @@ def test_the_record_says_what_every_host_ran(short_run):
 
 
 def test_each_host_keeps_or_drops_slow_start_after_idle_as_asked():
-    # Note [Slow start after idle] in distributed/backend.py: the hosts' setting is the
+    # Note [Slow start after idle] in smddp/backend.py: the hosts' setting is the
     # benchmark's choice, and a new namespace starts with the kernel's default, 1.
     if netns.unavailable_reason():
         pytest.skip(f"needs Linux network namespaces: {netns.unavailable_reason()}")

@@ -33,7 +33,7 @@ def _save_while_a_rank_dies(root: str, victim: int, after_commit: bool) -> None:
     """Saves v1, then v2 while ``victim`` dies; survivors record what ``save`` raised."""
     import torch.distributed as dist
 
-    from torch_sagemaker.distributed.checkpoint import CheckpointError, atomic_dir, save
+    from torch_sagemaker.checkpoint import CheckpointError, atomic_dir, save
 
     rank = dist.get_rank()
     path = f"{root}/ckpt"
@@ -101,7 +101,7 @@ def _load_tag(path: str, world_size: int) -> tuple[str, float]:
     """The tag and the last rank's value of the checkpoint at ``path``, loaded in this process."""
     import torch
 
-    from torch_sagemaker.distributed.checkpoint import load
+    from torch_sagemaker.checkpoint import load
 
     state = {**{f"w{r}": torch.zeros(256) for r in range(world_size)}, "tag": ""}
     load(state, checkpoint_id=path)

@@ -44,7 +44,7 @@ def _save_then_die(root: str) -> None:
     import torch.sagemaker as tsm
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from torch_sagemaker.distributed.checkpoint import save
+    from torch_sagemaker.checkpoint import save
 
     model = _model()
     save(_state(model), checkpoint_id=f"{root}/ckpt")
@@ -70,7 +70,7 @@ def _check_after_crash(root: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from torch_sagemaker.distributed.checkpoint import CheckpointError, load, save
+    from torch_sagemaker.checkpoint import CheckpointError, load, save
 
     model = _model()
     expected = {k: v.to_local().clone() for k, v in model.state_dict().items()}

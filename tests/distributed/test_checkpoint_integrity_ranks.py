@@ -20,7 +20,7 @@ def _shard_checks(root: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from torch_sagemaker.distributed.checkpoint import CheckpointError, integrity, load, save
+    from torch_sagemaker.checkpoint import CheckpointError, integrity, load, save
 
     rank = dist.get_rank()
     checked: list[str] = []

@@ -150,7 +150,7 @@ def _uninterrupted_run(root: str) -> dict:
     import torch
     import torch.sagemaker as tsm
 
-    from torch_sagemaker.distributed.checkpoint import (
+    from torch_sagemaker.checkpoint import (
         AsyncCallsQueue,
         TrainingState,
         async_save,
@@ -205,7 +205,7 @@ def _uninterrupted_run(root: str) -> dict:
 
 def _resume(root: str, layouts: list[tuple[int, int, str]], kind: str = "sharded") -> dict:
     """Loads the step-3 checkpoint under each (hsd, tp, fsdp) layout and trains to step 6."""
-    from torch_sagemaker.distributed.checkpoint import TrainingState
+    from torch_sagemaker.checkpoint import TrainingState
 
     out = {}
     for hsd, tp, fsdp in layouts:
@@ -233,7 +233,7 @@ def _fsdp1_round_trip(root: str) -> dict:
     """FSDP1 (2 replicas) resumes the FSDP2 checkpoint, trains, saves; FSDP2 loads that save."""
     import torch
 
-    from torch_sagemaker.distributed.checkpoint import TrainingState
+    from torch_sagemaker.checkpoint import TrainingState
 
     model, optim, sched = build(hsd=1, fsdp="fsdp1", seed=INIT_SEED + 1)
     ts = TrainingState(model, optim, sched)
@@ -253,7 +253,7 @@ def _fsdp1_round_trip(root: str) -> dict:
 
 def _local_under_other_layout(root: str) -> str:
     """Loading the SM-local checkpoint with another hybrid_shard_degree must fail clearly."""
-    from torch_sagemaker.distributed.checkpoint import CheckpointError, TrainingState
+    from torch_sagemaker.checkpoint import CheckpointError, TrainingState
 
     model, optim, sched = build(hsd=4)
     try:
@@ -274,8 +274,8 @@ def _tensor_parallel_job(root: str) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from torch_sagemaker.checkpoint import TrainingState
     from torch_sagemaker.delayed_param import DelayedParamIniter
-    from torch_sagemaker.distributed.checkpoint import TrainingState
 
     with torch.device("meta"):
         ref = AutoModelForCausalLM.from_config(LlamaConfig(**CFG))

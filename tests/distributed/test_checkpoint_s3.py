@@ -55,7 +55,7 @@ def _tp_hsd_run(env: dict, root: str) -> dict:
 
 def _tp_hsd_run_in_env(root: str) -> dict:
     from tests.distributed.test_checkpoint_reshard import INIT_SEED, SAVE_AT, STEPS, build, train
-    from torch_sagemaker.distributed.checkpoint import AsyncCallsQueue, TrainingState
+    from torch_sagemaker.checkpoint import AsyncCallsQueue, TrainingState
 
     model, optim, sched = build(hsd=2, tp=2)
     losses = train(model, optim, sched, range(SAVE_AT))
@@ -106,7 +106,7 @@ def _state(scale: float) -> dict:
 
 
 def _loaded(uri: object) -> dict:
-    from torch_sagemaker.distributed.checkpoint import load
+    from torch_sagemaker.checkpoint import load
 
     out = {"w": torch.zeros(4096), "b": torch.zeros(7), "step": 0}
     load(out, checkpoint_id=uri)
@@ -120,7 +120,7 @@ def _assert_state(got: dict, scale: float) -> None:
 
 
 def test_corrupted_truncated_and_missing_objects_are_refused_by_name(s3):
-    from torch_sagemaker.distributed.checkpoint import CheckpointError, save
+    from torch_sagemaker.checkpoint import CheckpointError, save
 
     server, bucket = s3
     client = server.boto3()
@@ -161,7 +161,7 @@ def test_corrupted_truncated_and_missing_objects_are_refused_by_name(s3):
 
 
 def test_checksums_are_an_option_of_the_s3_location(s3):
-    from torch_sagemaker.distributed.checkpoint import CheckpointError, checkpoint_location, save
+    from torch_sagemaker.checkpoint import CheckpointError, checkpoint_location, save
 
     server, bucket = s3
     client = server.boto3()
@@ -194,8 +194,8 @@ def test_checksums_are_an_option_of_the_s3_location(s3):
 
 def _save_then_die_during_upload(env: dict, uri: str, second: str, conn) -> None:
     """Child: a complete save of ``uri``, then a save of ``second`` that stops mid-upload."""
-    from torch_sagemaker.distributed.checkpoint import save
-    from torch_sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemWriter
+    from torch_sagemaker.checkpoint import save
+    from torch_sagemaker.checkpoint.filesystem import DistributedFileSystemWriter
 
     with environment(env):
         save(_state(1.0), checkpoint_id=uri)
@@ -212,7 +212,7 @@ def _save_then_die_during_upload(env: dict, uri: str, second: str, conn) -> None
 
 @pytest.mark.parametrize("second", ["step1", "step2"], ids=["same_name", "next_name"])
 def test_a_save_killed_during_upload_leaves_the_previous_checkpoint(s3, second):
-    from torch_sagemaker.distributed.checkpoint import CheckpointError, is_complete, save
+    from torch_sagemaker.checkpoint import CheckpointError, is_complete, save
 
     server, bucket = s3
     uri, second_uri = f"s3://{bucket}/run/step1", f"s3://{bucket}/run/{second}"
@@ -244,8 +244,8 @@ def test_a_save_killed_during_upload_leaves_the_previous_checkpoint(s3, second):
 
 
 def test_retention_keeps_the_newest_checkpoints_on_s3(s3):
+    from torch_sagemaker.checkpoint import save
     from torch_sagemaker.checkpoint.utils import limit_num_subdirs
-    from torch_sagemaker.distributed.checkpoint import save
 
     server, bucket = s3
     root = f"s3://{bucket}/job"
@@ -280,7 +280,7 @@ def test_retention_keeps_the_newest_checkpoints_on_s3(s3):
 def test_a_transient_error_on_the_commit_is_retried(s3, monkeypatch):
     from s3torchconnector import S3Exception
 
-    from torch_sagemaker.distributed.checkpoint import s3_checkpoint, s3_filesystem, save
+    from torch_sagemaker.checkpoint import s3_checkpoint, s3_filesystem, save
 
     server, bucket = s3
     failures: list[str] = []
@@ -315,8 +315,8 @@ def test_a_transient_error_on_the_commit_is_retried(s3, monkeypatch):
 def test_smp_file_system_reader_reads_the_committed_save(s3):
     import torch.distributed.checkpoint as dcp
 
-    from torch_sagemaker.distributed.checkpoint import load, save
-    from torch_sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemReader
+    from torch_sagemaker.checkpoint import load, save
+    from torch_sagemaker.checkpoint.filesystem import DistributedFileSystemReader
 
     _, bucket = s3
     uri = f"s3://{bucket}/run/step1"

@@ -17,7 +17,7 @@ import pytest
 
 from tests.distributed import cp_cases
 from tests.distributed.launcher import run_distributed
-from torch_sagemaker.distributed.backend import is_available as smddp_available
+from torch_sagemaker.smddp.backend import is_available as smddp_available
 
 pytestmark = pytest.mark.distributed
 
@@ -226,7 +226,7 @@ def test_bad_input_gets_clear_errors():
 
 def _checkpoint_across_degrees(root: str) -> dict[str, list[float]]:
     """Delayed init + cp 2 saves, cp 1 resumes (and saves), cp 2 resumes that: loss curves."""
-    from torch_sagemaker.distributed.checkpoint import TrainingState
+    from torch_sagemaker.checkpoint import TrainingState
 
     def run(cp: int, load: str | None, save: str | None, steps: range) -> list[float]:
         model, optim = cp_cases.delayed_build(cp)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from torch_sagemaker.distributed.backend import is_available as smddp_available
+from torch_sagemaker.smddp.backend import is_available as smddp_available
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")

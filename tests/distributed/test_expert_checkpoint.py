@@ -57,8 +57,8 @@ def _job(root: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from torch_sagemaker.distributed.checkpoint.hf_export import save_hf_checkpoint
-    from torch_sagemaker.distributed.checkpoint.training_state import TrainingState
+    from torch_sagemaker.checkpoint.hf_export import save_hf_checkpoint
+    from torch_sagemaker.checkpoint.training_state import TrainingState
 
     out = {}
     model, optim = _build(ep=2)
@@ -135,7 +135,7 @@ def _fsdp1_job(root: str) -> dict:
     import torch.distributed as dist
     import torch.sagemaker as tsm
 
-    from torch_sagemaker.distributed.checkpoint.training_state import TrainingState
+    from torch_sagemaker.checkpoint.training_state import TrainingState
     from torch_sagemaker.moe.moe_config import MoEConfig
 
     out = {}

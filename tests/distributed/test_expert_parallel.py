@@ -16,7 +16,7 @@ import pytest
 
 from tests.distributed import moe_models as mm
 from tests.distributed.launcher import run_distributed
-from torch_sagemaker.distributed.backend import is_available as smddp_available
+from torch_sagemaker.smddp.backend import is_available as smddp_available
 
 NONE = {"moe_load_balancing": "none", "moe_z_loss_coeff": 0.0}
 ALL_GATHER = {**NONE, "moe_all_to_all_dispatcher": False}

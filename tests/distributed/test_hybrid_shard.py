@@ -18,7 +18,7 @@ from tests.distributed.hf_models import (
     tiny_llama,
 )
 from tests.distributed.launcher import run_distributed
-from torch_sagemaker.distributed.backend import is_available as smddp_available
+from torch_sagemaker.smddp.backend import is_available as smddp_available
 
 STEPS, GLOBAL_BATCH, LR, MAX_NORM = 5, 8, 0.1, 1.0
 BACKENDS = [

@@ -93,7 +93,7 @@ def _init_without_anything():
 
     import torch.sagemaker as tsm
 
-    from torch_sagemaker.distributed import launch_env
+    from torch_sagemaker import launch_env
 
     for var in launch_env.VARIABLES:
         os.environ.pop(var, None)
@@ -111,7 +111,7 @@ def _init_without_anything():
 @pytest.mark.distributed
 def test_init_creates_process_group_from_torchrun_env():
     results = run_distributed(_init_from_torchrun_env, world_size=2, init_process_group=False)
-    from torch_sagemaker.distributed.backend import default_backend
+    from torch_sagemaker.smddp.backend import default_backend
 
     for backend, world, _messages in results:
         assert backend == default_backend() and world == 2

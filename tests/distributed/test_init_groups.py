@@ -174,8 +174,8 @@ def _live_groups_around_init_and_reset(path):
     from torch.distributed.fsdp import ShardingStrategy
 
     from torch_sagemaker._torch_compat import c10d as c10d_compat
-    from torch_sagemaker.distributed.checkpoint.async_utils import maybe_finalize_async_calls
-    from torch_sagemaker.distributed.checkpoint.state_dict_saver import async_save
+    from torch_sagemaker.checkpoint.async_utils import maybe_finalize_async_calls
+    from torch_sagemaker.checkpoint.state_dict_saver import async_save
 
     tsm.state.reset()
     before = len(c10d_compat.live_groups())

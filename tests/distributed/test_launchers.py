@@ -21,7 +21,8 @@ import sys
 import pytest
 
 from tests.distributed import netns_hosts, slurm_cluster
-from torch_sagemaker.distributed import backend, launch_env
+from torch_sagemaker import launch_env
+from torch_sagemaker.smddp import backend
 
 pytestmark = [
     pytest.mark.distributed,

@@ -6,7 +6,7 @@ import pytest
 from tests.distributed import test_smddp_support as checks
 from tests.distributed.launcher import run_distributed
 from torch_sagemaker._torch_compat import c10d as c10d_compat
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 pytestmark = [
     pytest.mark.distributed,
@@ -102,7 +102,7 @@ def _reductions_on_unequal_subgroup():
     import torch
     import torch.distributed as dist
 
-    from torch_sagemaker.distributed import backend as smddp_backend
+    from torch_sagemaker.smddp import backend as smddp_backend
 
     group = dist.new_group([0, 2, 3])
     if dist.get_rank() == 1:

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from tests.distributed.launcher import run_distributed
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 pytestmark = [
     pytest.mark.distributed,

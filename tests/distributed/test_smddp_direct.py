@@ -5,7 +5,7 @@ import pytest
 
 from tests.distributed import test_smddp_support as checks
 from tests.distributed.launcher import DistributedTestError, run_distributed
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 pytestmark = [
     pytest.mark.distributed,
@@ -17,7 +17,7 @@ def _every_dtype_and_op():
     import torch
     import torch.distributed as dist
 
-    from torch_sagemaker.distributed.direct import all_reduce_direct
+    from torch_sagemaker.smddp.direct import all_reduce_direct
 
     rank, world = dist.get_rank(), dist.get_world_size()
     hosts = checks.host_layout()
@@ -84,7 +84,7 @@ def _ordered_with_async_collectives():
     import torch
     import torch.distributed as dist
 
-    from torch_sagemaker.distributed.direct import all_reduce_direct
+    from torch_sagemaker.smddp.direct import all_reduce_direct
 
     rank, world = dist.get_rank(), dist.get_world_size()
     g = dist.new_group(list(range(world)), backend="smddp")
@@ -124,7 +124,7 @@ def _falls_back_where_it_cannot_go_direct():
     import torch
     import torch.distributed as dist
 
-    from torch_sagemaker.distributed import direct
+    from torch_sagemaker.smddp import direct
 
     rank, world = dist.get_rank(), dist.get_world_size()
     total = float(sum(range(world)))
@@ -168,7 +168,7 @@ def _mismatched_direct():
     import torch
     import torch.distributed as dist
 
-    from torch_sagemaker.distributed.direct import all_reduce_direct
+    from torch_sagemaker.smddp.direct import all_reduce_direct
 
     rank = dist.get_rank()
     return checks.runtime_errors(
@@ -196,7 +196,7 @@ def _peer_never_calls():
     import torch
     import torch.distributed as dist
 
-    from torch_sagemaker.distributed.direct import all_reduce_direct
+    from torch_sagemaker.smddp.direct import all_reduce_direct
 
     if dist.get_rank() == 0:
         all_reduce_direct(torch.ones(8))

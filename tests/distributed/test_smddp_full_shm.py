@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 pytestmark = [
     pytest.mark.distributed,

@@ -11,7 +11,7 @@ still finish, and both ranks must see it finish.
 import pytest
 
 from tests.distributed.launcher import run_distributed
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 pytestmark = [
     pytest.mark.distributed,

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed.launcher import run_distributed
-from torch_sagemaker.distributed import backend
-from torch_sagemaker.distributed.options import SMDDPOptions
+from torch_sagemaker.smddp import backend
+from torch_sagemaker.smddp.options import SMDDPOptions
 
 pytestmark = [
     pytest.mark.distributed,
@@ -80,7 +80,7 @@ def _same_everywhere(t: torch.Tensor, group) -> bool:
 
 
 def _check_group(ranks: list[int]) -> dict:
-    from torch_sagemaker.distributed.backend import group_layout
+    from torch_sagemaker.smddp.backend import group_layout
 
     hd = SMDDPOptions(net_algo="halving_doubling")
     group = dist.new_group(ranks, backend="smddp", pg_options=hd)

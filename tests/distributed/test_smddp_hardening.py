@@ -13,7 +13,7 @@ import pytest
 
 from tests.distributed.launcher import run_distributed
 from tests.distributed.test_smddp_support import cpu_backend as _cpu
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 pytestmark = [
     pytest.mark.distributed,
@@ -634,7 +634,7 @@ def _first_message_to_a_stopped_peer(op):
 
     import torch.distributed as dist
 
-    from torch_sagemaker.distributed import SMDDPOptions
+    from torch_sagemaker.smddp import SMDDPOptions
 
     me = dist.get_rank()
     group = dist.new_group([0, 1], pg_options=SMDDPOptions(timeout=60))

@@ -11,7 +11,7 @@ import pytest
 
 from tests.distributed import netns_hosts
 from tests.distributed.smddp_host_faults_rank import FAULT_TIMEOUT_S
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 pytestmark = [
     pytest.mark.distributed,

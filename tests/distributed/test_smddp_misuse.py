@@ -12,7 +12,7 @@ import pytest
 from tests.distributed.launcher import run_distributed
 from tests.distributed.test_smddp_support import await_told, tell
 from tests.distributed.test_smddp_support import cpu_backend as _cpu
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 pytestmark = [
     pytest.mark.distributed,
@@ -267,7 +267,7 @@ def _destroy_during_a_call(mode):
     import torch
     import torch.distributed as dist
 
-    from torch_sagemaker.distributed import SMDDPOptions
+    from torch_sagemaker.smddp import SMDDPOptions
 
     me = dist.get_rank()
     group = dist.new_group([0, 1], pg_options=SMDDPOptions(timeout=30 if mode == "abort" else 3))
@@ -363,7 +363,7 @@ def _abort_on_one_rank():
     import torch
     import torch.distributed as dist
 
-    from torch_sagemaker.distributed import SMDDPOptions
+    from torch_sagemaker.smddp import SMDDPOptions
 
     group = dist.new_group([0, 1], pg_options=SMDDPOptions(timeout=30))
     dist.all_reduce(torch.ones(1), group=group)
@@ -505,7 +505,7 @@ def _callback_waits_for_its_lane(how):
     import torch
     import torch.distributed as dist
 
-    from torch_sagemaker.distributed.direct import all_reduce_direct
+    from torch_sagemaker.smddp.direct import all_reduce_direct
 
     me = dist.get_rank()
     results = []
@@ -646,7 +646,7 @@ def _group_with_timeout(seconds):
     import torch
     import torch.distributed as dist
 
-    from torch_sagemaker.distributed import SMDDPOptions
+    from torch_sagemaker.smddp import SMDDPOptions
 
     group = dist.new_group([0, 1], pg_options=SMDDPOptions(timeout=seconds))
     t = torch.ones(4)

@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from tests.distributed.launcher import run_distributed
 from tests.distributed.test_smddp_support import partition
-from torch_sagemaker.distributed import backend
-from torch_sagemaker.distributed.options import SMDDPOptions
+from torch_sagemaker.smddp import backend
+from torch_sagemaker.smddp.options import SMDDPOptions
 
 pytestmark = [
     pytest.mark.distributed,
@@ -92,7 +92,7 @@ def _errors(group, dtype: torch.dtype, seed: int, hosts: list[list[int]], ring: 
 
 
 def _run_cases(cases):
-    from torch_sagemaker.distributed.backend import group_layout
+    from torch_sagemaker.smddp.backend import group_layout
 
     results = {}
     for name, ranks, options in cases:

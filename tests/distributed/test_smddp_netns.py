@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests.distributed import netns_hosts
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 pytestmark = [
     pytest.mark.distributed,

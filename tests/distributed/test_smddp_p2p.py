@@ -8,7 +8,7 @@ import pytest
 
 from tests.distributed import test_smddp_support as checks
 from tests.distributed.launcher import DistributedTestError, run_distributed
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 pytestmark = [
     pytest.mark.distributed,

@@ -9,7 +9,7 @@ import pytest
 
 from tests.distributed.launcher import run_distributed
 from tests.distributed.test_smddp_support import await_told, tell
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 pytestmark = [
     pytest.mark.distributed,
@@ -25,7 +25,7 @@ TRANSPORTS = [
 def _group():
     import torch.distributed as dist
 
-    from torch_sagemaker.distributed import SMDDPOptions
+    from torch_sagemaker.smddp import SMDDPOptions
 
     return dist.new_group(list(range(dist.get_world_size())), pg_options=SMDDPOptions(timeout=8))
 

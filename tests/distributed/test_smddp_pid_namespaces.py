@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 pytestmark = [
     pytest.mark.distributed,
@@ -26,7 +26,7 @@ RANK = textwrap.dedent("""
     import torch, torch.distributed as dist
     import torch_sagemaker
     from datetime import timedelta
-    from torch_sagemaker.distributed.backend import group_layout
+    from torch_sagemaker.smddp.backend import group_layout
     rank, port = int(sys.argv[1]), sys.argv[2]
     dist.init_process_group("smddp", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=60))

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tests.distributed.launcher import run_distributed
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 pytestmark = [
     pytest.mark.distributed,
@@ -21,8 +21,8 @@ def _options_per_group():
     import torch
     import torch.distributed as dist
 
-    from torch_sagemaker.distributed import SMDDPOptions
-    from torch_sagemaker.distributed.backend import group_settings
+    from torch_sagemaker.smddp import SMDDPOptions
+    from torch_sagemaker.smddp.backend import group_settings
 
     rank = int(os.environ["RANK"])
     dist.init_process_group(
@@ -66,8 +66,7 @@ def test_options_apply_per_group_over_the_environment():
         assert r["plain"]["buffer_bytes"] == str(1 << 20) and r["plain"]["spin_us"] == "3"
         assert r["exact"]
         assert (
-            "pg_options must be a torch_sagemaker.distributed.SMDDPOptions, got dict"
-            in r["type_error"]
+            "pg_options must be a torch_sagemaker.smddp.SMDDPOptions, got dict" in r["type_error"]
         )
 
 

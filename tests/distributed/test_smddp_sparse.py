@@ -5,7 +5,7 @@ gradients against one process."""
 import pytest
 
 from tests.distributed.launcher import run_distributed
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 pytestmark = [
     pytest.mark.distributed,

@@ -15,7 +15,7 @@ import pytest
 
 from tests.distributed.launcher import run_distributed
 from torch_sagemaker._torch_compat.c10d import reduce_scatter_single
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 pytestmark = [
     pytest.mark.distributed,
@@ -29,7 +29,7 @@ SIZES = [0, 1, 7, 1023, 1024, 3 * 1024 + 7, 5000]  # elements
 def _groups():
     import torch.distributed as dist
 
-    from torch_sagemaker.distributed import SMDDPOptions
+    from torch_sagemaker.smddp import SMDDPOptions
 
     ranks = list(range(dist.get_world_size()))
     staged = dist.new_group(
@@ -415,7 +415,7 @@ def _timeline_through_the_seam():
     import torch.distributed as dist
 
     from torch_sagemaker import _C
-    from torch_sagemaker.distributed import SMDDPOptions
+    from torch_sagemaker.smddp import SMDDPOptions
 
     staged, _ = _groups()
     ranks = list(range(dist.get_world_size()))
@@ -499,7 +499,7 @@ def bf16_sums_round_once(device="cpu"):
     import torch
     import torch.distributed as dist
 
-    from torch_sagemaker.distributed import SMDDPOptions
+    from torch_sagemaker.smddp import SMDDPOptions
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if device == "cpu":

@@ -5,7 +5,7 @@ Work still gets one, and the results and their order are those of the asynchrono
 import pytest
 
 from tests.distributed.launcher import run_distributed
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 pytestmark = [
     pytest.mark.distributed,

@@ -12,7 +12,7 @@ import pytest
 
 from tests.distributed.launcher import run_distributed
 from tests.distributed.test_smddp_support import cpu_backend as _cpu_backend
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 pytestmark = [
     pytest.mark.distributed,
@@ -30,7 +30,7 @@ def _in_pool_collectives():
     import torch
     import torch.distributed as dist
 
-    from torch_sagemaker.distributed.backend import pool_stats
+    from torch_sagemaker.smddp.backend import pool_stats
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {"supports": _cpu_backend().supports_tensor_alloc(torch.device("cpu")), "cases": []}
@@ -91,7 +91,7 @@ def _small_or_no_pool():
     import torch
     import torch.distributed as dist
 
-    from torch_sagemaker.distributed.backend import pool_stats
+    from torch_sagemaker.smddp.backend import pool_stats
 
     rank, world = dist.get_rank(), dist.get_world_size()
     be = _cpu_backend()
@@ -129,8 +129,8 @@ def _fsdp2_with_and_without_pool():
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    from torch_sagemaker.distributed.backend import pool_stats
     from torch_sagemaker.sharding.fsdp2 import shard_model
+    from torch_sagemaker.smddp.backend import pool_stats
 
     class Block(torch.nn.Module):
         def __init__(self):

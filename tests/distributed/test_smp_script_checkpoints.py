@@ -90,7 +90,7 @@ def _resume_all_types_in_layout(root: str, moe: bool, s3_root: str | None = None
     from torch.sagemaker.distributed.checkpoint.async_utils import AsyncCallsQueue
 
     from tests.distributed import smp_script_steps as smp
-    from torch_sagemaker.distributed.checkpoint import TrainingState
+    from torch_sagemaker.checkpoint import TrainingState
 
     tsm.init()  # the config comes from SM_HP_MP_PARAMETERS, as on SageMaker
     rep = smp.replication_group()

@@ -13,6 +13,7 @@ import copy
 import pytest
 
 from tests.distributed.launcher import run_distributed
+from tools.model_coverage.parity import checkpoint_and_shard
 
 FAMILIES = ("llama", "mistral", "gpt_neox", "mixtral", "qwen2")
 ATOL = 2e-5
@@ -196,38 +197,6 @@ def _parity_all_families(
         results[family] = r
         torch.manual_seed(0)
     return results
-
-
-def checkpoint_and_shard(model) -> None:
-    """Activation checkpointing on each transformer layer, then FSDP2 over ``tsm.state.fsdp_mesh``.
-
-    The layer class comes from the policy ``tsm.transform`` recorded on the model.
-    """
-    from functools import partial
-
-    import torch.sagemaker as tsm
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl,
-        CheckpointWrapper,
-        apply_activation_checkpointing,
-        checkpoint_wrapper,
-    )
-    from torch.distributed.fsdp import fully_shard
-
-    from torch_sagemaker.policies import transformer_layer_classes
-
-    (layer_cls,) = transformer_layer_classes(model)
-    apply_activation_checkpointing(
-        model,
-        check_fn=lambda m: isinstance(m, layer_cls),
-        checkpoint_wrapper_fn=partial(
-            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
-        ),
-    )
-    for module in model.modules():
-        if isinstance(module, CheckpointWrapper):
-            fully_shard(module, mesh=tsm.state.fsdp_mesh)
-    fully_shard(model, mesh=tsm.state.fsdp_mesh)
 
 
 def check(results: dict, *, curve: bool = True) -> None:

@@ -111,7 +111,7 @@ def _checkpoints_and_export(root: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from torch_sagemaker.distributed.checkpoint import TrainingState, save_hf_checkpoint
+    from torch_sagemaker.checkpoint import TrainingState, save_hf_checkpoint
 
     model, optim = _build(seed=1)
     losses = _train(model, optim, range(SAVE_AT))
@@ -149,7 +149,8 @@ def _offload() -> dict:
     from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
     from tests.distributed.test_offload_parallel import _compare, _step
-    from tests.distributed.test_tp_parity import build, checkpoint_and_shard
+    from tests.distributed.test_tp_parity import build
+    from tools.model_coverage.parity import checkpoint_and_shard
     from torch_sagemaker.offload import get_stats
 
     def model():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.distributed import test_examples as examples
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 pytestmark = [
     pytest.mark.gpu,

@@ -25,7 +25,7 @@ from tests.distributed import test_hybrid_mixed_precision as hmp
 from tests.distributed import test_tp_parity as tpp
 from tests.distributed.hf_models import reference_run, tiny_llama
 from tests.distributed.launcher import run_distributed
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_distributed
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 pytestmark = [
     pytest.mark.gpu,
@@ -222,7 +222,7 @@ def _timeline_on_cuda():
 
     from tests.distributed.test_smddp_staging import check_staged_call, staged_calls
     from torch_sagemaker import _C
-    from torch_sagemaker.distributed import SMDDPOptions
+    from torch_sagemaker.smddp import SMDDPOptions
 
     dev = _device()
     world = dist.get_world_size()

@@ -268,11 +268,7 @@ def part_edges() -> dict[str, set[str]]:
 
     def part(module: str) -> str:
         names = module.split(".")[1:]
-        if not names:
-            return "__init__"
-        if names[0] == "distributed" and len(names) > 1 and names[1] in ("checkpoint", "fsdp"):
-            return f"distributed.{names[1]}"
-        return names[0]
+        return names[0] if names else "__init__"
 
     edges: dict[str, set[str]] = {}
     for module, targets in import_graph().items():

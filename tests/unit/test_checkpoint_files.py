@@ -10,8 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from torch_sagemaker.checkpoint.utils import SORT_BY_LAST_INT, limit_num_subdirs
-from torch_sagemaker.distributed.checkpoint import (
+from torch_sagemaker.checkpoint import (
     AsyncCallsQueue,
     CheckpointError,
     SMStateDictType,
@@ -22,7 +21,8 @@ from torch_sagemaker.distributed.checkpoint import (
     save,
     sm_state_dict_type,
 )
-from torch_sagemaker.distributed.checkpoint.constants import COMPLETION_MARKER
+from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER
+from torch_sagemaker.checkpoint.utils import SORT_BY_LAST_INT, limit_num_subdirs
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

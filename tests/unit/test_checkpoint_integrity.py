@@ -16,7 +16,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter, StorageWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from torch_sagemaker.distributed.checkpoint import (
+from torch_sagemaker.checkpoint import (
     AsyncCallsQueue,
     CheckpointError,
     SMStateDictType,
@@ -26,8 +26,8 @@ from torch_sagemaker.distributed.checkpoint import (
     save,
     sm_state_dict_type,
 )
-from torch_sagemaker.distributed.checkpoint.constants import COMPLETION_MARKER
-from torch_sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemWriter
+from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER
+from torch_sagemaker.checkpoint.filesystem import DistributedFileSystemWriter
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

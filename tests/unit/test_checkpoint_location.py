@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torch_sagemaker.distributed.checkpoint import (
+from torch_sagemaker.checkpoint import (
     CheckpointError,
     CheckpointLocation,
     TrainingState,
@@ -21,9 +21,9 @@ from torch_sagemaker.distributed.checkpoint import (
     load,
     save,
 )
-from torch_sagemaker.distributed.checkpoint.atomic_dir import LocalDirectory
-from torch_sagemaker.distributed.checkpoint.constants import COMPLETION_MARKER
-from torch_sagemaker.distributed.checkpoint.s3_checkpoint import S3Checkpoint
+from torch_sagemaker.checkpoint.atomic_dir import LocalDirectory
+from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER
+from torch_sagemaker.checkpoint.s3_checkpoint import S3Checkpoint
 
 
 def _state(scale: float) -> dict:

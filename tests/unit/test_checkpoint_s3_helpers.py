@@ -12,8 +12,8 @@ import threading
 
 import pytest
 
-from torch_sagemaker.distributed.checkpoint import s3_filesystem as s3
-from torch_sagemaker.distributed.checkpoint.state_dict_utils import (
+from torch_sagemaker.checkpoint import s3_filesystem as s3
+from torch_sagemaker.checkpoint.state_dict_utils import (
     _Interval,
     compute_auto_checkpoint_interval,
 )
@@ -144,7 +144,7 @@ def test_interval_rejects_unusable_measurements(args, match):
 
 # ----------------------------------------------------------------------- AsyncCallsQueue
 def test_async_calls_queue_finalizes_in_order_and_keeps_later_calls_after_a_failure():
-    from torch_sagemaker.distributed.checkpoint import AsyncCallsQueue, CheckpointError
+    from torch_sagemaker.checkpoint import AsyncCallsQueue, CheckpointError
 
     queue = AsyncCallsQueue()
     release = threading.Event()

@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 LIBSTDCXX_OWN = (
     "_ZNSo9_M_insertIlEERSoT_",  # std::ostream::_M_insert<long>

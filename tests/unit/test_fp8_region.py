@@ -181,7 +181,7 @@ def test_scaling_state_is_a_checkpoint_item_of_its_own(tmp_path):
     """TrainingState saves the FP8 layers' histories and scales as an item beside the model
     (whose keys stay nn.Linear's) and loads them into layers that have not run yet, so a
     resumed run quantizes with the scales the run it continues would have used."""
-    from torch_sagemaker.distributed.checkpoint import TrainingState
+    from torch_sagemaker.checkpoint import TrainingState
     from torch_sagemaker.fp8 import load_scaling_state_dict, scaling_state_dict
 
     torch.manual_seed(0)

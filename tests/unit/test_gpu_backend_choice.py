@@ -1,5 +1,5 @@
 """What ``tsm.init`` does on a CUDA machine, with CUDA mocked: the backend string it asks for
-(Note [Backend for CUDA tensors] in torch_sagemaker/distributed/backend.py), the GPU it makes
+(Note [Backend for CUDA tensors] in torch_sagemaker/smddp/backend.py), the GPU it makes
 current, and the chunk plan of the staged all-reduce."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from torch_sagemaker import _init, config
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 needs_ext = pytest.mark.skipif(not backend.is_available(), reason="smddp extension not built")
 

@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 
-from torch_sagemaker.distributed import backend
+from torch_sagemaker.smddp import backend
 
 
 class _Group:

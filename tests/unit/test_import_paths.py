@@ -13,6 +13,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 CHECK = """
 import sys
+# An SMP path that re-exports, as the process's first import of the package.
+from torch.sagemaker.distributed.checkpoint.state_dict_loader import load
+import torch_sagemaker.checkpoint.state_dict_loader
+assert load is torch_sagemaker.checkpoint.state_dict_loader.load
 import torch.sagemaker as tsm
 from torch.sagemaker import state, transform
 import torch.sagemaker.config, torch_sagemaker.config
@@ -88,6 +92,17 @@ def test_wheel_install(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "torch_sagemaker.pth" in names and "_torch_sagemaker_alias.py" in names
     assert "torch_sagemaker/policies/__init__.py" in names
+    # The packages by concern, and SMP's paths that re-export them.
+    assert {
+        "torch_sagemaker/smddp/backend.py",
+        "torch_sagemaker/mesh.py",
+        "torch_sagemaker/launch_env.py",
+        "torch_sagemaker/checkpoint/state_dict_saver.py",
+        "torch_sagemaker/checkpoint/utils.py",
+        "torch_sagemaker/distributed/checkpoint/state_dict_saver.py",
+        "torch_sagemaker/distributed/fsdp/checkpoint.py",
+        "torch_sagemaker/state_handler.py",
+    } <= set(names)
     assert not any(n.startswith("policies/") for n in names)
     assert any(n.startswith("torch_sagemaker/_C") and n.endswith(".so") for n in names)
     assert "torch_sagemaker/_C.pyi" in names and "torch_sagemaker/py.typed" in names

@@ -1,9 +1,9 @@
-"""The launcher's environment (torch_sagemaker/distributed/launch_env.py): each launcher's
+"""The launcher's environment (torch_sagemaker/launch_env.py): each launcher's
 variables, their precedence, SLURM's list syntax, the master address and every error."""
 
 import pytest
 
-from torch_sagemaker.distributed import launch_env as L
+from torch_sagemaker import launch_env as L
 
 OMPI = {
     "OMPI_COMM_WORLD_RANK": "3",

@@ -7,8 +7,8 @@ from datetime import timedelta
 
 import pytest
 
-from torch_sagemaker.distributed import backend
-from torch_sagemaker.distributed.options import (
+from torch_sagemaker.smddp import backend
+from torch_sagemaker.smddp.options import (
     SMDDPOptions,
     resolve,
     setting_table,
@@ -25,7 +25,7 @@ def test_docs_table_is_generated_from_the_backend_table():
     with open(DOCS) as f:
         text = f.read()
     table = text.split(BEGIN, 1)[1].split(END, 1)[0]
-    assert table == settings_markdown(), "regenerate: python -m torch_sagemaker.distributed.options"
+    assert table == settings_markdown(), "regenerate: python -m torch_sagemaker.smddp.options"
 
 
 def test_options_fields_are_the_table_fields():

@@ -3,18 +3,24 @@ processes)."""
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import logging
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-# (module as SMP's scripts and docs import it, names they use from it)
+# (module as SMP's scripts and docs import it, names they use from it): every module path of
+# reference/smp_api.md. SMDDP's path, smdistributed.dataparallel.torch.torch_smddp, writes the
+# launcher's variables into os.environ when imported, so tests/unit/test_import_paths.py
+# imports it in a fresh interpreter instead.
 SURFACE = [
     ("torch.sagemaker", ["init", "is_initialized", "state", "transform"]),
+    ("torch.sagemaker.state_handler", ["state"]),
     ("torch.sagemaker.utils.utils", ["timeit"]),
     ("torch.sagemaker.utils.process_group_utils", ["get_global_ranks"]),
     ("torch.sagemaker.utils.module_utils", ["empty_module_params", "move_buffers_to_device"]),
@@ -27,6 +33,10 @@ SURFACE = [
     ),
     ("torch.sagemaker.checkpoint.utils", ["SORT_BY_LAST_INT", "limit_num_subdirs"]),
     ("torch.sagemaker.checkpoint.constants", ["SMP_IS_LOAD_INFO_KEY", "SMP_IS_PARTIAL_KEY"]),
+    (
+        "torch.sagemaker.distributed.checkpoint",
+        ["AsyncCallsQueue", "maybe_finalize_async_calls", "save", "async_save", "load"],
+    ),
     (
         "torch.sagemaker.distributed.checkpoint.async_utils",
         ["AsyncCallsQueue", "maybe_finalize_async_calls"],
@@ -158,6 +168,107 @@ def test_deprecated_fsdp_checkpoint_module_warns_on_import():
         FutureWarning, match="deprecated .* use torch.sagemaker.distributed.checkpoint"
     ):
         importlib.reload(shim)
+    # As SMP 2.6.1 fixed it (aws/amazon-sagemaker-examples#4772): the name from the package.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        from torch.sagemaker.distributed.fsdp import checkpoint
+    assert checkpoint.save_model_checkpoint is shim.save_model_checkpoint
+
+
+def test_state_handler_state_is_tsm_state():
+    import torch.sagemaker as tsm
+    from torch.sagemaker.state_handler import state
+
+    assert state is tsm.state
+
+
+# SMP's paths that are not where the code lives: (the path, the module it re-exports).
+REEXPORTS = {
+    # Not an SMP path: the backend's names where they lived before torch_sagemaker.smddp.
+    "torch_sagemaker.distributed": "torch_sagemaker.smddp",
+    "torch_sagemaker.distributed.checkpoint": "torch_sagemaker.checkpoint",
+    **{
+        f"torch_sagemaker.distributed.checkpoint.{name}": f"torch_sagemaker.checkpoint.{name}"
+        for name in (
+            "async_utils",
+            "filesystem",
+            "s3_filesystem",
+            "state_dict_loader",
+            "state_dict_saver",
+            "state_dict_utils",
+        )
+    },
+    "torch_sagemaker.distributed.fsdp.checkpoint": "torch_sagemaker.checkpoint.fsdp1_checkpoint",
+    "torch_sagemaker.checkpoint.utils": "torch_sagemaker.checkpoint.retention",
+    "torch_sagemaker.state_handler": "torch_sagemaker.state",
+}
+PACKAGE = Path(__file__).resolve().parents[2] / "torch_sagemaker"
+
+
+def _module_path(module: str) -> Path:
+    rel = Path(*module.split(".")[1:])
+    return PACKAGE / rel / "__init__.py" if (PACKAGE / rel).is_dir() else PACKAGE / f"{rel}.py"
+
+
+def reexport_problems(path: Path, home: str | None) -> list[str]:
+    """Statements of the module at ``path`` other than its docstring, imports from ``home``,
+    ``__all__`` and the deprecation warning (``import warnings``, ``warnings.warn(...)``)."""
+    found = []
+    body = ast.parse(path.read_text()).body
+    for node in body[1:] if body and isinstance(body[0], ast.Expr) else body:
+        text = ast.unparse(node)
+        if isinstance(node, ast.ImportFrom) and node.module == home and not node.level:
+            continue
+        if isinstance(node, ast.Import) and text == "import warnings":
+            continue
+        if isinstance(node, ast.Assign) and text.startswith("__all__ = "):
+            continue
+        if isinstance(node, ast.Expr) and text.startswith("warnings.warn("):
+            continue
+        found.append(f"{path.name}:{node.lineno}: {text.splitlines()[0]}")
+    return found
+
+
+def test_smp_paths_that_reexport_define_nothing():
+    """No logic in the re-exports, and nothing else under ``distributed/``: every name is the
+    home module's own object, and the ``distributed.checkpoint`` paths export all of it."""
+    under_distributed = {
+        p for p in (PACKAGE / "distributed").rglob("*.py") if p.parent.name != "__pycache__"
+    }
+    assert len(under_distributed) == 10, sorted(under_distributed)  # the walk saw the files
+    for path in under_distributed:
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        module = module.removesuffix(".__init__")
+        if module not in REEXPORTS:  # the package torch_sagemaker.distributed.fsdp
+            assert ast.parse(path.read_text()).body[1:] == [], f"{module} defines something"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        for module, home in REEXPORTS.items():
+            assert reexport_problems(_module_path(module), home) == []
+            shim, real = importlib.import_module(module), importlib.import_module(home)
+            for name in shim.__all__:
+                assert getattr(shim, name) is getattr(real, name), f"{module}.{name}"
+            if module.startswith("torch_sagemaker.distributed."):
+                assert sorted(shim.__all__) == sorted(real.__all__), module
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ('"""Doc."""\nfrom torch_sagemaker.state import state\n__all__ = ["state"]\n', []),
+        ('"""Doc."""\nimport os\n', ["m.py:2: import os"]),
+        ('"""Doc."""\nfrom torch_sagemaker.config import load\n', ["m.py:2: from"]),
+        ('"""Doc."""\ndef state():\n    return 1\n', ["m.py:2: def state():"]),
+        ('"""Doc."""\nX = 1\n', ["m.py:2: X = 1"]),
+    ],
+)
+def test_reexport_check_reports_definitions(tmp_path, source, expected):
+    path = tmp_path / "m.py"
+    path.write_text(source)
+    found = reexport_problems(path, "torch_sagemaker.state")
+    assert len(found) == len(expected) and all(f.startswith(e) for f, e in zip(found, expected)), (
+        found
+    )
 
 
 def _capture_tsm_log():
@@ -331,7 +442,7 @@ def test_llama_flash_attention_with_layer_idx_generates_like_llama_attention():
 def test_file_system_writer_hooks_and_reader_path(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from torch_sagemaker.distributed.checkpoint.filesystem import (
+    from torch_sagemaker.checkpoint.filesystem import (
         DistributedFileSystemReader,
         DistributedFileSystemWriter,
         path_to_file_system,
@@ -359,9 +470,9 @@ def test_file_system_writer_hooks_and_reader_path(tmp_path):
 
 
 def test_load_takes_the_directory_from_storage_reader(tmp_path):
-    from torch_sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemReader
-    from torch_sagemaker.distributed.checkpoint.state_dict_loader import load
-    from torch_sagemaker.distributed.checkpoint.state_dict_saver import save
+    from torch_sagemaker.checkpoint.filesystem import DistributedFileSystemReader
+    from torch_sagemaker.checkpoint.state_dict_loader import load
+    from torch_sagemaker.checkpoint.state_dict_saver import save
 
     path = tmp_path / "llama_v2-3steps"
     save({"w": torch.arange(3.0), "total_steps": 3}, checkpoint_id=path)
@@ -377,8 +488,8 @@ def test_load_takes_the_directory_from_storage_reader(tmp_path):
 
 
 def test_pytorch_dist_save_sharded_strategy_validates():
-    from torch_sagemaker.distributed.checkpoint.filesystem import DistributedFileSystemWriter
-    from torch_sagemaker.distributed.checkpoint.state_dict_saver import (
+    from torch_sagemaker.checkpoint.filesystem import DistributedFileSystemWriter
+    from torch_sagemaker.checkpoint.state_dict_saver import (
         PyTorchDistSaveShardedStrategy,
     )
 
@@ -414,20 +525,20 @@ def test_dcp_patches_are_installed_at_import_and_undone_by_uninstall():
     from torch.distributed.checkpoint import optimizer as dcp_optimizer
     from torch.distributed.checkpoint import utils as dcp_utils
 
-    from torch_sagemaker.distributed.checkpoint import torch_compat
+    from torch_sagemaker.checkpoint import dcp_patches
 
     assert (
         dcp_optimizer.load_sharded_optimizer_state_dict
-        is torch_compat.load_sharded_optimizer_state_dict
+        is dcp_patches.load_sharded_optimizer_state_dict
     )
-    assert dcp.load_sharded_optimizer_state_dict is torch_compat.load_sharded_optimizer_state_dict
-    native = torch_compat.load_sharded_optimizer_state_dict.__tsm_native__
-    torch_compat.uninstall()
+    assert dcp.load_sharded_optimizer_state_dict is dcp_patches.load_sharded_optimizer_state_dict
+    native = dcp_patches.load_sharded_optimizer_state_dict.__tsm_native__
+    dcp_patches.uninstall()
     try:
         assert dcp_optimizer.load_sharded_optimizer_state_dict is native
-        assert dcp_utils._DistWrapper.__init__ is torch_compat._native_wrapper_init
+        assert dcp_utils._DistWrapper.__init__ is dcp_patches._native_wrapper_init
     finally:
-        torch_compat.install()
+        dcp_patches.install()
 
 
 class _Plain(nn.Module):

@@ -249,7 +249,7 @@ def test_the_scan_flags(source):
 @pytest.mark.parametrize(
     "source",
     [
-        "from torch_sagemaker.distributed.checkpoint._group import Participants",
+        "from torch_sagemaker.checkpoint._group import Participants",
         "from torch_sagemaker import state\nstate._set()",
         "import torch.sagemaker as tsm\ntsm.state._groups",
         "from torch_sagemaker._torch_compat import fsdp1 as fsdp1_compat\nfsdp1_compat.handle(u)",

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
-import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+
+from tools.ranks import free_port, set_rank_environment
 
 #: Seconds the other ranks get to report the same family after one rank raised.
 GRACE = 20.0
@@ -31,24 +31,10 @@ class _StartError(RuntimeError):
     """A rank could not join the process group or ``tsm.init``."""
 
 
-def _free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(
     rank: int, world: int, port: int, families: list[str], config: dict, timeout: float, out: Any
 ) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        TSM_LOG_LEVEL="ERROR",
-    )
+    set_rank_environment(rank, world, port, "ERROR")
     import logging
     import warnings
 
@@ -95,7 +81,7 @@ def _launch(
     """
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(
             target=_rank_main,

@@ -62,8 +62,12 @@ def _batch(dp_rank: int, vocab: int):
     return torch.randint(0, vocab, (BATCH, SEQ), generator=g)
 
 
-def _checkpoint_and_shard(model) -> None:
-    """Activation checkpointing per transformer layer, then FSDP2, as training scripts do."""
+def checkpoint_and_shard(model) -> None:
+    """Activation checkpointing per transformer layer, then FSDP2, as training scripts do.
+
+    The layer classes come from the policy ``tsm.transform`` recorded on the model; FSDP2
+    shards over ``tsm.state.fsdp_mesh``, each checkpointed layer and then the root.
+    """
     from functools import partial
 
     import torch.sagemaker as tsm
@@ -168,7 +172,7 @@ def family_parity(model_type: str) -> dict:
     model = tsm.transform(copy.deepcopy(ref))
     policy = get_policy(model)
     share = _split_share(model)
-    _checkpoint_and_shard(model)
+    checkpoint_and_shard(model)
 
     out = _forward(model, mine, 0, dp_rank)
     out.loss.backward()

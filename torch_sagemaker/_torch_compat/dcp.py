@@ -2,7 +2,7 @@
 
 ``flatten_state_dict``/``unflatten_state_dict`` are DCP's own (``_nested_dict``), so that keys
 compared or rebuilt by the package are exactly the keys DCP stores. ``DistWrapper`` is the
-class whose ``__init__`` the package patches (``distributed/checkpoint/torch_compat.py``).
+class whose ``__init__`` the package patches (``checkpoint/dcp_patches.py``).
 
 Checked on torch 2.11, 2.13.
 """

@@ -1,7 +1,7 @@
 """Private names of FSDP2 (``fully_shard``): its parameter group class and that group's groups.
 
 ``FSDPParamGroup`` is the class whose ``__init__`` the package wraps
-(``distributed/fsdp2_buffers.py``); every ``fully_shard`` call with parameters builds one.
+(``smddp/fsdp2_buffers.py``); every ``fully_shard`` call with parameters builds one.
 
 Checked on torch 2.11, 2.13.
 """

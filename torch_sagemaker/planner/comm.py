@@ -10,7 +10,9 @@ of each host's NICs is its ranks on the host over the host's ranks (the other gr
 same kind run their collectives at the same time, e.g. one FSDP group per TP rank). Where it
 stays inside one host, accelerators talk over their own links (NVLink), modelled as hosts
 of one rank each whose NIC is the link; CPU ranks talk through shared memory, the cost
-model's one-host case with the fitted CPU costs.
+model's one-host case with the fitted CPU costs, unless the fabric carries a measured
+alpha-beta line for that collective and group size (``Fabric.one_host``: the time
+validation measures one per backend on this machine, benchmarks/planner/calibration.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ _MODEL_OP = {
     "all_reduce": "all_reduce",
     "all_to_all": "all_gather_into_tensor",
 }
+_MEASURED_OP = {op: ("all_gather" if op == "all_to_all" else op) for op in OPS}
 
 
 def accelerator_costs() -> Costs:
@@ -73,6 +76,9 @@ class Fabric:
         costs: The cost model's costs.
         cores: CPU cores the ranks of one machine share (CPU ranks), else 0.
         machine_ranks: Ranks sharing those cores (simulated hosts on one machine), else 0.
+        one_host: Measured collectives inside one host, ``(op, ranks, seconds per call,
+            seconds per byte)`` each (``op`` one of ``OPS``, bytes as nccl-tests' S): they
+            price a one-host group of exactly ``ranks`` ranks instead of the cost model.
     """
 
     per_host: int
@@ -81,6 +87,7 @@ class Fabric:
     costs: Costs
     cores: float = 0.0
     machine_ranks: int = 0
+    one_host: tuple[tuple[str, int, float, float], ...] = ()
 
 
 def span(ranks: Sequence[int], per_host: int) -> tuple[int, int]:
@@ -101,6 +108,10 @@ def seconds(fabric: Fabric, op: str, nbytes: float, ranks: Sequence[int]) -> flo
 @functools.lru_cache(maxsize=65536)
 def _seconds(fabric: Fabric, op: str, nbytes: int, where: tuple[int, int]) -> float:
     hosts, local = where
+    if hosts == 1:
+        for measured_op, ranks, alpha, per_byte in fabric.one_host:
+            if measured_op == _MEASURED_OP[op] and ranks == local:
+                return alpha + per_byte * nbytes
     cores = fabric.cores or float(fabric.per_host)
     if hosts == 1 and fabric.link_rate > 0:
         cluster = cost_model.Cluster(local, 1, fabric.link_rate, cores=float(local))

@@ -12,6 +12,11 @@ Compute, per rank and step:
   more forward with checkpointing), at the memory bandwidth. A rough count, stated as one.
 - The optimizer: AdamW over the rank's parameter shard, ``Machine.optimizer_seconds`` per
   element.
+- Framework overhead that does not grow with the tensors (operator dispatch, autograd,
+  FSDP's hooks and DTensor's dispatch in the optimizer): ``Machine.step_overhead`` per step,
+  ``Machine.layer_overhead`` per transformer layer (a third more with checkpointing, which
+  runs the forward again) and ``Machine.unit_overhead`` per FSDP unit. Measured on CPU ranks
+  (Note [Fixed overhead]); zero for accelerators, whose host runs ahead of their kernels.
 
 Communication (``comm.seconds`` on the cluster's fabric), per layer and step:
 
@@ -59,12 +64,47 @@ class Machine:
         memory_bandwidth: Bytes/s of elementwise work.
         optimizer_seconds: Seconds of AdamW per parameter element.
         host_rate: Bytes/s to host memory, one direction (offloading); 0 for CPU ranks.
+        step_overhead: Seconds per step that no layer accounts for (the embedding's, the
+            head's and the loss's dispatch, the optimizer's start).
+        layer_overhead: Seconds per transformer layer and step (forward, backward and its
+            optimizer step) that do not depend on the tensors' sizes.
+        unit_overhead: Seconds per FSDP unit and step beyond ``layer_overhead`` (hooks,
+            gathered-parameter bookkeeping, DTensor dispatch in the optimizer).
+        fsdp_byte_seconds: Seconds per byte of an FSDP unit's parameters and step that
+            FSDP spends beside its collectives (copies into and out of the gathered buffers,
+            their allocation).
     """
 
     matmul_flops: float
     memory_bandwidth: float
     optimizer_seconds: float
     host_rate: float = 0.0
+    step_overhead: float = 0.0
+    layer_overhead: float = 0.0
+    unit_overhead: float = 0.0
+    fsdp_byte_seconds: float = 0.0
+
+
+# Note [Fixed overhead]
+# ~~~~~~~~~~~~~~~~~~~~~
+# On CPU ranks every operator costs its dispatch (Python, the dispatcher, autograd's
+# bookkeeping) whatever its size, and FSDP2 adds its hooks and, in the optimizer, DTensor's
+# dispatch per parameter. For the small models the benchmarks train this is a third of a
+# step: bench multihost --train's Llama (hidden 256, 4 layers) spent about 95 of its 190 ms
+# outside matrix multiplies on 2 ranks, of which the elementwise passes over its
+# activations explain a few ms. The calibration (benchmarks/planner/calibration.py)
+# measures the three terms on a model of the same family shrunk until its arithmetic is
+# negligible (hidden 64, 8 tokens): one and three layers, with and without FSDP2 over a
+# group of one rank, each with its optimizer step; the differences give the per-layer and
+# per-unit terms and the rest the per-step one. The same difference on wider layers (hidden
+# 512), less the per-unit term, over the layer's parameter bytes is FSDP2's cost per byte
+# beside its collectives: on CPU ranks it copies every gathered parameter out of the
+# gathered buffer and every gradient into the reduction's, and allocates both afresh,
+# which page-faults; on bench training's Llama (234 MB of parameters on 2 ranks) that was
+# about 0.2 s of a 1.3 s step. The backward is taken to cost twice the
+# forward here as in FLOPs, so checkpointing's second forward adds a third of a layer's
+# term. Accelerators launch kernels asynchronously: their host's overhead hides behind the
+# kernels unless a model is tiny, which the planner does not model (terms 0).
 
 
 @dataclass(frozen=True)
@@ -73,7 +113,8 @@ class TimeEstimate:
 
     Attributes:
         flops: Matrix-multiply FLOPs of the rank.
-        compute: Seconds of forward and backward compute (matmuls and elementwise).
+        compute: Seconds of forward and backward compute (matmuls, elementwise work and
+            the fixed overhead of Note [Fixed overhead]).
         optimizer: Seconds of the optimizer step.
         comm: Seconds of each kind of communication (``fsdp``, ``tp``, ``cp``, ``ep``) and,
             with offloading, the copies to the host that the compute does not hide.
@@ -228,9 +269,19 @@ def estimate(
     per_flop = 1 / machine.matmul_flops
     compute = flops * per_flop + elementwise
     layer_fwd = [f * per_flop + elementwise / passes / max(1, spec.num_layers) for f in fwd_layers]
-    optimizer = (units.root + sum(units.layer) + sum(units.experts)) * machine.optimizer_seconds
+    elements = units.root + sum(units.layer) + sum(units.experts)  # the rank's, TP/EP-local
+    optimizer = elements * machine.optimizer_seconds
     shard_dense = _fsdp_groups(checked, experts=False)
     optimizer /= max(1, len(shard_dense[0]))
+    # Note [Fixed overhead]: every layer, and one FSDP unit per layer and the root (every
+    # candidate wraps them so; the per-unit term was measured with FSDP2).
+    overhead = (
+        machine.step_overhead
+        + spec.num_layers * machine.layer_overhead * (1 + (1 / 3 if c.checkpointing else 0))
+        + (spec.num_layers + 1) * machine.unit_overhead
+        + elements * a * machine.fsdp_byte_seconds
+    )
+    compute += overhead
 
     def t(op: str, nbytes: float, ranks: list[int]) -> float:
         return comm.seconds(fabric, op, nbytes, ranks)

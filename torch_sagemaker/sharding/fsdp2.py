@@ -14,11 +14,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from torch_sagemaker.context_parallel import check_prepared
-from torch_sagemaker.distributed.fsdp2_buffers import runs_on_smddp
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.policies import transformer_layer_classes
 from torch_sagemaker.sharding import cache_flush
 from torch_sagemaker.sharding.experts import fully_shard_experts
+from torch_sagemaker.smddp.fsdp2_buffers import runs_on_smddp
 from torch_sagemaker.state import state
 
 

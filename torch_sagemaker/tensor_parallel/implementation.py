@@ -1,7 +1,7 @@
 """The two tensor parallel implementations behind one interface, and the automatic choice.
 
 (``use_backend``/``select_backend`` call them backends, as SMP does; the collective backend
-"smddp" is ``torch_sagemaker.distributed.backend``, unrelated.)
+"smddp" is ``torch_sagemaker.smddp.backend``, unrelated.)
 
 - ``DTensorBackend``: PyTorch-native (``parallelize_module`` with DTensor styles). Runs on
   any device, including CPU; this is what the test suite exercises.

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
-from torch_sagemaker.distributed.direct import all_reduce_direct
+from torch_sagemaker.smddp.direct import all_reduce_direct
 
 
 def vocab_shard_offset(vocab_size: int, num_shards: int, shard: int) -> int:

@@ -45,7 +45,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torch_sagemaker._torch_compat import nn as nn_compat
-from torch_sagemaker.distributed.direct import all_reduce_direct
+from torch_sagemaker.smddp.direct import all_reduce_direct
 
 
 def distribute_params(

@@ -41,7 +41,7 @@ class ProcessGroupSMDDP : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
   // Synchronous in-place all-reduce without a Work or Future, for the direct call path
-  // (torch_sagemaker.distributed.all_reduce_direct); ordered after every collective
+  // (torch_sagemaker.smddp.direct.all_reduce_direct); ordered after every collective
   // issued before it, like a synchronous allreduce.
   void allreduce_direct(const at::Tensor& tensor, const c10d::ReduceOp& op);
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(

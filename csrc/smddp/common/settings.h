@@ -2,13 +2,13 @@
 // group's options here and nowhere else.
 //
 // Note [Settings]
-// Every setting has a field name (the attribute of torch_sagemaker.distributed.SMDDPOptions,
+// Every setting has a field name (the attribute of torch_sagemaker.smddp.SMDDPOptions,
 // passed as `pg_options`), an environment variable (SMDDP_*), a default and a rule. A group
 // takes, per setting, its options' value, else the environment's, else the default; both
 // sources go through the same strict parser, so "12x" or "-1" raise a ValueError naming the
 // variable (or option), the value, the rule and a fix instead of being read as 12 or as
 // 2^64 - 1. kSettings is also the source of the table in docs/collectives.md
-// (torch_sagemaker.distributed.options.settings_markdown(); a unit test keeps them equal).
+// (torch_sagemaker.smddp.options.settings_markdown(); a unit test keeps them equal).
 #pragma once
 
 #include <cstddef>

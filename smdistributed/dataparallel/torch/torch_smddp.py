@@ -7,9 +7,9 @@ launcher (mpirun, srun, torchrun, SageMaker) implies are exported here where uns
 ``init_process_group``'s ``env://`` reads them (docs/launch.md).
 """
 
-from torch_sagemaker.distributed import launch_env
-from torch_sagemaker.distributed.backend import register
+from torch_sagemaker import launch_env
 from torch_sagemaker.logger import warn_once
+from torch_sagemaker.smddp.backend import register
 
 launch_env.export_torch_variables()
 if (warning := launch_env.restart_warning()) is not None:

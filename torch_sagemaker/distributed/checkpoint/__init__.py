@@ -1,39 +1,29 @@
-"""Distributed checkpoints (``torch.sagemaker.distributed.checkpoint``), built on PyTorch DCP.
+"""SMP's package path ``torch.sagemaker.distributed.checkpoint``: a re-export.
 
-- ``save`` / ``async_save`` / ``load``: sharded, reshardable checkpoints that become visible
-  only when complete (``state_dict_saver``, ``state_dict_loader``), at a location
-  (``checkpoint_location``, ``CheckpointLocation``): a directory of a file system
-  (``atomic_dir``) or an ``s3://`` prefix (``s3_checkpoint``, ``s3_filesystem``), with
-  checksums unless the location turns them off (``integrity``).
-- ``maybe_finalize_async_calls`` / ``AsyncCallsQueue``: background saves (``async_utils``).
-- ``sm_state_dict_type`` / ``SMStateDictType``: the SM-local kind (``state_dict_utils``).
-- ``TrainingState``: model, optimizer, LR scheduler, step, data position and RNG in one
-  checkpoint (``training_state``).
-- ``save_hf_checkpoint``: a gathered Hugging Face directory (``hf_export``).
-
-See docs/checkpoint.md for the layouts that reshard and the limits.
+The library's checkpoint code is one package, ``torch_sagemaker.checkpoint``. SMP's scripts
+import this path and its modules ``state_dict_saver``, ``state_dict_loader``,
+``state_dict_utils``, ``async_utils``, ``filesystem`` and ``s3_filesystem``; each is a
+re-export of the module of the same name there, and nothing is defined here.
 """
 
-from torch_sagemaker.distributed.checkpoint.async_utils import (
+from torch_sagemaker.checkpoint import (
     DEFAULT_ASYNC_REQUEST_QUEUE,
     AsyncCallsQueue,
-    maybe_finalize_async_calls,
-)
-from torch_sagemaker.distributed.checkpoint.hf_export import save_hf_checkpoint
-from torch_sagemaker.distributed.checkpoint.location import (
+    CheckpointError,
     CheckpointLocation,
-    checkpoint_location,
-    is_complete,
-)
-from torch_sagemaker.distributed.checkpoint.marker import CheckpointError
-from torch_sagemaker.distributed.checkpoint.state_dict_loader import load, read_metadata
-from torch_sagemaker.distributed.checkpoint.state_dict_saver import async_save, save
-from torch_sagemaker.distributed.checkpoint.state_dict_utils import (
     SMStateDictType,
+    TrainingState,
+    async_save,
+    checkpoint_location,
     init_optim_state,
+    is_complete,
+    load,
+    maybe_finalize_async_calls,
+    read_metadata,
+    save,
+    save_hf_checkpoint,
     sm_state_dict_type,
 )
-from torch_sagemaker.distributed.checkpoint.training_state import TrainingState
 
 __all__ = [
     "DEFAULT_ASYNC_REQUEST_QUEUE",

@@ -1,121 +1,14 @@
-"""File-system storage for checkpoints (``torch.sagemaker.distributed.checkpoint.filesystem``).
+"""SMP's module path: re-exports ``torch_sagemaker.checkpoint.filesystem``.
 
-SMP's scripts load async checkpoints with ``load(..., storage_reader=
-DistributedFileSystemReader(path))``. Both classes here are PyTorch DCP's file-system
-storage with SMP's names and keywords: the reader is DCP's ``FileSystemReader``; the writer
-is DCP's ``FileSystemWriter`` plus SMP's write hooks and ``is_coordinator``. Their ``fs`` is
-the checkpoint location's (``location.checkpoint_location``): for ``s3://`` paths
-``s3_filesystem.S3FileSystem``, and the reader reads the save a checkpoint's completion
-marker names (Note [S3 checkpoint layout] in ``s3_checkpoint``).
+SMP's scripts import ``torch.sagemaker.distributed.checkpoint.filesystem``. The code lives
+in the home module; nothing is defined here (tests/unit/test_smp_api_surface.py checks that
+each name is the home module's own object).
 """
 
-from __future__ import annotations
-
-from collections.abc import Callable, Iterable
-from typing import Any
-
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
-
-from torch_sagemaker.distributed.checkpoint.location import CheckpointId, checkpoint_location
-from torch_sagemaker.distributed.checkpoint.s3_filesystem import path_to_file_system
-
-#: A write hook: called with the writer (``writer.path``, ``writer.is_coordinator``, ``writer.fs``).
-WriteHook = Callable[["DistributedFileSystemWriter"], None]
-
-
-class DistributedFileSystemReader(FileSystemReader):
-    """Reads a checkpoint directory written by DCP (every rank reads the pieces it needs).
-
-    Args:
-        path: The checkpoint directory, ``s3://`` URI or ``checkpoint_location`` (``.path``
-            afterwards, as SMP's loader reads it: the committed files, which on S3 are the
-            save the marker names).
-        s3_region: Region of an ``s3://`` checkpoint's bucket (default as for ``save``).
-        s3client_config: An ``s3torchconnector.S3ClientConfig`` for ``s3://`` paths.
-
-    Raises:
-        CheckpointError: For an ``s3://`` checkpoint that is missing or incomplete.
-    """
-
-    def __init__(
-        self,
-        path: CheckpointId,
-        s3_region: str | None = None,
-        s3client_config: Any = None,
-    ) -> None:
-        location = checkpoint_location(path, s3_region, s3client_config)
-        super().__init__(".")
-        #: The checkpoint this reader reads (``load`` takes it when no checkpoint_id is given;
-        #: DCP's own ``checkpoint_id`` property is ``path``, the committed save on S3).
-        self.source_checkpoint: CheckpointId = path
-        # The committed files, so that DCP used directly (SMP's scripts load the optimizer
-        # state with this reader) reads exactly those (on S3 the marker is read here).
-        self.fs = location.file_system()
-        self.path = self.fs.init_path(location.data_root())
-
-
-class DistributedFileSystemWriter(FileSystemWriter):
-    """DCP's file-system writer with SMP's hooks.
-
-    Args:
-        path: The checkpoint directory, an ``s3://`` URI (``fs`` is then ``S3FileSystem``),
-            or a ``checkpoint_location``.
-        single_file_per_rank: As DCP's ``FileSystemWriter``.
-        sync_files: As DCP's ``FileSystemWriter`` (ignored on S3).
-        thread_count: As DCP's ``FileSystemWriter``.
-        per_thread_copy_ahead: As DCP's ``FileSystemWriter``.
-        cache_staged_state_dict: As DCP's ``FileSystemWriter``.
-        overwrite: As DCP's ``FileSystemWriter``.
-        pre_write_hooks: Called with the writer on every writing rank before it writes its files.
-        post_write_hooks: Called with the writer on every writing rank after its files are written.
-    """
-
-    def __init__(
-        self,
-        path: CheckpointId,
-        single_file_per_rank: bool = True,
-        sync_files: bool = True,
-        thread_count: int = 1,
-        per_thread_copy_ahead: int = 10_000_000,
-        cache_staged_state_dict: bool = False,
-        overwrite: bool = True,
-        pre_write_hooks: Iterable[WriteHook] | None = None,
-        post_write_hooks: Iterable[WriteHook] | None = None,
-    ) -> None:
-        location = checkpoint_location(path)
-        super().__init__(
-            ".",
-            single_file_per_rank=single_file_per_rank,
-            sync_files=sync_files and location.syncs_files,
-            thread_count=thread_count,
-            per_thread_copy_ahead=per_thread_copy_ahead,
-            cache_staged_state_dict=cache_staged_state_dict,
-            overwrite=overwrite,
-        )
-        self.fs = location.file_system()
-        self.path = self.fs.init_path(str(location))
-        self.pre_write_hooks = list(pre_write_hooks or [])
-        self.post_write_hooks = list(post_write_hooks or [])
-        self.is_coordinator = False
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """Records whether this rank is DCP's coordinator (it writes the metadata)."""
-        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
-        self.is_coordinator = is_coordinator
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Runs the pre-write hooks, DCP's write, then the post-write hooks."""
-        for hook in self.pre_write_hooks:
-            hook(self)
-        future = super().write_data(plan, planner)
-        if self.post_write_hooks:
-            future.wait()  # the files must exist before the hooks look at them
-            for hook in self.post_write_hooks:
-                hook(self)
-        return future
-
+from torch_sagemaker.checkpoint.filesystem import (
+    DistributedFileSystemReader,
+    DistributedFileSystemWriter,
+    path_to_file_system,
+)
 
 __all__ = ["DistributedFileSystemReader", "DistributedFileSystemWriter", "path_to_file_system"]

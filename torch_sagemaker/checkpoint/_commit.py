@@ -31,10 +31,10 @@ from collections.abc import Callable
 from typing import Any
 
 from torch_sagemaker._torch_compat import c10d as c10d_compat
-from torch_sagemaker.distributed.checkpoint import integrity
-from torch_sagemaker.distributed.checkpoint._group import Participants
-from torch_sagemaker.distributed.checkpoint.location import CheckpointLocation
-from torch_sagemaker.distributed.checkpoint.marker import CheckpointError
+from torch_sagemaker.checkpoint import integrity
+from torch_sagemaker.checkpoint._group import Participants
+from torch_sagemaker.checkpoint.location import CheckpointLocation
+from torch_sagemaker.checkpoint.marker import CheckpointError
 
 #: How long a rank that lost its peers waits for the coordinator's outcome.
 OUTCOME_WAIT_S = 60.0

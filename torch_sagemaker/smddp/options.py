@@ -2,7 +2,7 @@
 
 Pass them as ``pg_options`` when a group is created::
 
-    from torch_sagemaker.distributed import SMDDPOptions
+    from torch_sagemaker.smddp import SMDDPOptions
     dist.init_process_group("smddp", pg_options=SMDDPOptions(buffer_bytes="4M"))
     g = dist.new_group(ranks, pg_options=SMDDPOptions(spin_us=0))
 

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from torch_sagemaker.distributed.checkpoint import integrity
-from torch_sagemaker.distributed.checkpoint.constants import COMPLETION_MARKER, FORMAT_VERSION
+from torch_sagemaker.checkpoint import integrity
+from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER, FORMAT_VERSION
 
 
 class CheckpointError(RuntimeError):

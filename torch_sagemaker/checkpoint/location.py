@@ -20,9 +20,9 @@ from __future__ import annotations
 import os
 from typing import Any, Protocol, runtime_checkable
 
-from torch_sagemaker.distributed.checkpoint.atomic_dir import LocalDirectory
-from torch_sagemaker.distributed.checkpoint.s3_checkpoint import S3Checkpoint
-from torch_sagemaker.distributed.checkpoint.s3_filesystem import is_s3_uri
+from torch_sagemaker.checkpoint.atomic_dir import LocalDirectory
+from torch_sagemaker.checkpoint.s3_checkpoint import S3Checkpoint
+from torch_sagemaker.checkpoint.s3_filesystem import is_s3_uri
 
 
 @runtime_checkable

@@ -34,16 +34,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from torch_sagemaker.distributed.checkpoint import state_dict_utils as sdu
-from torch_sagemaker.distributed.checkpoint.async_utils import AsyncCallsQueue
-from torch_sagemaker.distributed.checkpoint.location import (
+from torch_sagemaker.checkpoint import state_dict_utils as sdu
+from torch_sagemaker.checkpoint.async_utils import AsyncCallsQueue
+from torch_sagemaker.checkpoint.location import (
     CheckpointId,
     CheckpointLocation,
     checkpoint_location,
 )
-from torch_sagemaker.distributed.checkpoint.retention import limit_num_subdirs
-from torch_sagemaker.distributed.checkpoint.state_dict_loader import load, read_metadata
-from torch_sagemaker.distributed.checkpoint.state_dict_saver import async_save, save
+from torch_sagemaker.checkpoint.retention import limit_num_subdirs
+from torch_sagemaker.checkpoint.state_dict_loader import load, read_metadata
+from torch_sagemaker.checkpoint.state_dict_saver import async_save, save
 from torch_sagemaker.fp8 import scaling_state as fp8_state
 from torch_sagemaker.logger import warn_once
 from torch_sagemaker.state import state as smp_state  # (``state`` names RNG states here)

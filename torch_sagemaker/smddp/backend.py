@@ -10,7 +10,7 @@ CPUs, as SMDDP does; docs/gpu.md), and wraps the few introspection entry points.
 Ranks on one host communicate through POSIX shared memory; hosts talk over an
 authenticated TCP full mesh, with hierarchical collectives (see docs/collectives.md).
 Settings (buffer sizes, spin budgets, the socket address, ...) come from a group's
-``pg_options`` (:class:`torch_sagemaker.distributed.options.SMDDPOptions`), else from the
+``pg_options`` (:class:`torch_sagemaker.smddp.options.SMDDPOptions`), else from the
 ``SMDDP_*`` environment variables of the rank, else from their defaults; the table in
 docs/collectives.md lists them all.
 """

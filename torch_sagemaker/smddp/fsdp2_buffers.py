@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch_sagemaker._torch_compat import c10d as c10d_compat
 from torch_sagemaker._torch_compat import fsdp2 as fsdp2_compat
 from torch_sagemaker._torch_compat.fsdp2 import FSDPParamGroup
-from torch_sagemaker.distributed.backend import BACKEND_NAME
+from torch_sagemaker.smddp.backend import BACKEND_NAME
 
 _original_init: Any = None
 

@@ -28,8 +28,8 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from torch_sagemaker.distributed.checkpoint import atomic_dir
-from torch_sagemaker.distributed.checkpoint._group import Participants
+from torch_sagemaker.checkpoint import atomic_dir
+from torch_sagemaker.checkpoint._group import Participants
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

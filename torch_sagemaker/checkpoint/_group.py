@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from torch_sagemaker.distributed.checkpoint.marker import CheckpointError
+from torch_sagemaker.checkpoint.marker import CheckpointError
 
 T = TypeVar("T")
 

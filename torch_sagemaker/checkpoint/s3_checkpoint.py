@@ -33,16 +33,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from torch_sagemaker.distributed.checkpoint import integrity
-from torch_sagemaker.distributed.checkpoint.constants import COMPLETION_MARKER
-from torch_sagemaker.distributed.checkpoint.marker import (
+from torch_sagemaker.checkpoint import integrity
+from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER
+from torch_sagemaker.checkpoint.marker import (
     CheckpointError,
     check_sizes,
     incomplete_error,
     new_marker,
     read_marker_bytes,
 )
-from torch_sagemaker.distributed.checkpoint.s3_filesystem import (
+from torch_sagemaker.checkpoint.s3_filesystem import (
     format_s3_path,
     make_s3_client,
     parse_s3_uri,

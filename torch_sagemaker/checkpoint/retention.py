@@ -9,7 +9,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from torch_sagemaker.distributed.checkpoint.location import (
+from torch_sagemaker.checkpoint.location import (
     CheckpointId,
     CheckpointLocation,
     checkpoint_location,

@@ -29,13 +29,13 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from torch_sagemaker.distributed.checkpoint import integrity
-from torch_sagemaker.distributed.checkpoint.constants import (
+from torch_sagemaker.checkpoint import integrity
+from torch_sagemaker.checkpoint.constants import (
     COMPLETION_MARKER,
     REPLACED_SUFFIX,
     STAGING_SUFFIX,
 )
-from torch_sagemaker.distributed.checkpoint.marker import (
+from torch_sagemaker.checkpoint.marker import (
     CheckpointError,
     check_sizes,
     corrupt_error,

@@ -1,0 +1,286 @@
+"""Loading checkpoints (``torch.sagemaker.distributed.checkpoint.state_dict_loader``).
+
+``load`` refuses a checkpoint that is missing, unfinished, truncated (its location's
+``read_marker``, ``location``) or whose
+bytes changed since the save (Note [Checkpoint checksums] in ``integrity``), then compares
+what is asked for with what the checkpoint holds and reports every missing key and every
+shape mismatch at once, before PyTorch DCP reads anything. DCP then reads each rank's pieces
+of the saved tensors, whatever layout wrote them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
+
+from torch_sagemaker._torch_compat import dcp as dcp_compat
+from torch_sagemaker.checkpoint import integrity
+from torch_sagemaker.checkpoint._group import Participants
+from torch_sagemaker.checkpoint.location import (
+    CheckpointId,
+    CheckpointLocation,
+    checkpoint_location,
+)
+from torch_sagemaker.checkpoint.marker import CheckpointError, corrupt_error
+from torch_sagemaker.checkpoint.state_dict_saver import describe_failure
+from torch_sagemaker.checkpoint.state_dict_utils import (
+    current_layout,
+    find_local_layout,
+    resolve_stateful,
+    shard_coordinates,
+)
+
+_SHOWN = 20  # how many offending keys an error lists
+_METADATA = ".metadata"  # the file DCP's FileSystemWriter writes its metadata to
+
+
+def read_metadata(
+    checkpoint_id: CheckpointId,
+    s3_region: str | None = None,
+    s3client_config: Any = None,
+) -> Metadata:
+    """DCP metadata (keys, global shapes) of a complete checkpoint.
+
+    Args:
+        checkpoint_id: A directory, an ``s3://`` URI or a ``checkpoint_location``.
+        s3_region: As for ``load``.
+        s3client_config: As for ``load``.
+
+    Raises:
+        CheckpointError: If the checkpoint is missing, incomplete or its metadata is unreadable.
+    """
+    location = checkpoint_location(checkpoint_id, s3_region, s3client_config)
+    return _read_metadata(location, location.read_marker())
+
+
+def _read_metadata(path: CheckpointLocation, marker: dict[str, Any]) -> Metadata:
+    """The metadata of the checkpoint whose ``marker`` was read, after checking its checksum."""
+    problems = path.verify(marker, [_METADATA])
+    if problems:
+        raise corrupt_error(path, problems)
+    try:
+        return path.storage_reader(marker).read_metadata()
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: its DCP metadata is unreadable "
+            f"({type(e).__name__}: {e})."
+        ) from e
+
+
+def _describe(key: str, value: Any, saved: Any) -> str | None:
+    """Why ``value`` cannot be loaded from the saved entry, or ``None`` when it can."""
+    if isinstance(value, torch.Tensor):
+        if not isinstance(saved, TensorStorageMetadata):
+            return (
+                f"{key}: a tensor of shape {tuple(value.shape)} is requested, "
+                "the checkpoint holds a non-tensor"
+            )
+        if tuple(saved.size) != tuple(value.shape):
+            return f"{key}: checkpoint shape {tuple(saved.size)}, requested {tuple(value.shape)}"
+    elif isinstance(saved, TensorStorageMetadata):
+        return (
+            f"{key}: the checkpoint holds a tensor of shape {tuple(saved.size)}, "
+            f"a {type(value).__name__} is requested"
+        )
+    elif not isinstance(saved, BytesStorageMetadata):
+        return f"{key}: unsupported entry {type(saved).__name__}"
+    return None
+
+
+def check_state_dict_matches(
+    state_dict: dict[str, Any], metadata: Metadata, path: object
+) -> list[str]:
+    """Raises if any requested key is missing from the checkpoint or has another shape.
+
+    Returns:
+        The flattened keys of ``state_dict`` (as DCP names them).
+
+    Raises:
+        CheckpointError: Listing the missing keys and the shape or type mismatches.
+    """
+    # DCP's own flattening, so that the keys compared here are exactly the keys DCP stores.
+    flat, _ = dcp_compat.flatten_state_dict(state_dict)
+    saved = metadata.state_dict_metadata
+    missing = sorted(k for k in flat if k not in saved)
+    mismatched = [
+        m
+        for k, v in sorted(flat.items())
+        if k in saved
+        if (m := _describe(k, v, saved[k])) is not None
+    ]
+    if missing or mismatched:
+        parts = [f"checkpoint {path} does not match the state dict being loaded."]
+        if missing:
+            parts.append(f"{len(missing)} keys are missing from the checkpoint: {missing[:_SHOWN]}")
+            extra = sorted(k for k in saved if k not in flat)
+            if extra:
+                parts.append(f"keys it holds that were not requested: {extra[:_SHOWN]}")
+        if mismatched:
+            parts.append(f"{len(mismatched)} keys differ: " + "; ".join(mismatched[:_SHOWN]))
+        raise CheckpointError("\n  ".join(parts))
+    return sorted(flat)
+
+
+def _check_local_layout(marker: dict[str, Any], path: object, state_dict: dict[str, Any]) -> None:
+    """An SM-local checkpoint loads only under the shard layout that wrote it."""
+    saved = marker.get("layout", {})
+    here = {**current_layout(), **shard_coordinates()}
+    keys = (
+        "hybrid_shard_degree",
+        "tensor_parallel_degree",
+        "context_parallel_degree",
+        "expert_parallel_degree",
+        "tp_rank",
+        "ep_rank",
+        "fsdp_rank",
+    )
+    diff = {k: (saved.get(k), here.get(k)) for k in keys if saved.get(k) != here.get(k)}
+    if diff:
+        raise CheckpointError(
+            f"SM-local checkpoint {path} was saved under another shard layout; it loads only "
+            "under the same hybrid_shard_degree, tensor/context/expert parallel degrees and "
+            "from the directory of this rank's shard. Differences (saved, here): "
+            + ", ".join(f"{k}={a}/{b}" for k, (a, b) in diff.items())
+            + ". Save a sharded checkpoint (the default kind) to change the layout."
+        )
+
+
+def _check_files_and_keys(
+    path: CheckpointLocation,
+    marker: dict[str, Any],
+    keys: list[str] | None,
+    participants: Participants,
+) -> None:
+    """Verifies the data files' checksums, split among the ranks, and that ranks agree on keys.
+
+    One all-gather tells every rank every problem, so all of them raise the same error
+    (Note [Checkpoint checksums]). Ranks of one group loading different directories (each
+    rank its own SM-local shard) make the split incomplete; each then checks the rest of its
+    own directory and they agree once more.
+
+    Raises:
+        CheckpointError: Naming each file that differs, or the ranks requesting other keys.
+    """
+    sizes = {n: s for n, s in marker.get("files", {}).items() if n != _METADATA}
+    if not participants.distributed:
+        problems = path.verify(marker, list(sizes))
+        if problems:
+            raise corrupt_error(path, problems)
+        return
+    mine = integrity.assign(
+        sizes, len(participants.ranks), participants.ranks.index(participants.rank)
+    )
+    problems = path.verify(marker, mine)
+    digest = hashlib.sha256("\n".join(keys).encode()).hexdigest() if keys is not None else ""
+    views = participants.all_gather((str(path), digest, problems))
+    if len({v[0] for v in views}) > 1:
+        problems += path.verify(marker, [n for n in sizes if n not in mine])
+        views = participants.all_gather((str(path), digest, problems))
+    corrupt: dict[str, dict[str, None]] = {}  # directory -> problems, ordered, without repeats
+    for where, _, found in views:
+        if found:
+            corrupt.setdefault(where, {}).update(dict.fromkeys(found))
+    if corrupt:
+        where = str(path) if str(path) in corrupt else next(iter(corrupt))
+        raise corrupt_error(where, list(corrupt[where]))
+    digests = [v[1] for v in views]
+    if len(set(digests)) > 1:
+        odd = [r for r, d in zip(participants.ranks, digests) if d != digests[0]]
+        raise CheckpointError(
+            f"loading {path}: ranks {odd} request other keys than rank {participants.ranks[0]}; "
+            "every rank must load the same state dict keys (or pass check_keys_matched=False)."
+        )
+
+
+def _checkpoint_id(checkpoint_id: CheckpointId | None, storage_reader: Any) -> CheckpointId | None:
+    """``checkpoint_id``, or the directory a file-system ``storage_reader`` reads from."""
+    if checkpoint_id is not None or storage_reader is None:
+        return checkpoint_id
+    # DistributedFileSystemReader keeps the checkpoint it was given (on S3, .path is the
+    # committed save's prefix, not the checkpoint).
+    reader_path = getattr(storage_reader, "source_checkpoint", None) or getattr(
+        storage_reader, "path", None
+    )
+    if reader_path is None:
+        raise ValueError(
+            f"load() got a {type(storage_reader).__name__} that does not say which "
+            "directory it reads (no .path) and no checkpoint_id; pass checkpoint_id."
+        )
+    if isinstance(reader_path, CheckpointLocation):
+        return reader_path
+    return os.fspath(reader_path)
+
+
+def load(
+    state_dict: dict[str, Any],
+    *,
+    checkpoint_id: CheckpointId | None = None,
+    storage_reader: Any = None,
+    planner: Any = None,
+    process_group: dist.ProcessGroup | None = None,
+    check_keys_matched: bool = True,
+    coordinator_rank: int = 0,
+    s3_region: str | None = None,
+    s3client_config: Any = None,
+) -> None:
+    """Loads a checkpoint in place into ``state_dict``.
+
+    Fills its tensors, DTensors and ``Stateful`` values.
+
+    Args:
+        state_dict: The template to fill; its DTensors may be sharded differently than at save.
+        checkpoint_id: The checkpoint directory, ``s3://`` URI or ``checkpoint_location``;
+            may be left out when ``storage_reader`` knows it (SMP's scripts pass only
+            ``storage_reader=DistributedFileSystemReader(path)``).
+        storage_reader: Optional DCP ``StorageReader`` (pointed at ``checkpoint_id``). On S3
+            the committed save is read through ``s3torchconnector``'s DCP reader instead.
+        planner: Optional DCP ``LoadPlanner``.
+        process_group: Ranks that load together; default all ranks.
+        check_keys_matched: Verify that every rank of the group requests the same keys.
+        coordinator_rank: Accepted for SMP compatibility.
+        s3_region: Region of an ``s3://`` checkpoint's bucket (default as for ``save``).
+        s3client_config: An ``s3torchconnector.S3ClientConfig`` (default as for ``save``).
+
+    Raises:
+        CheckpointError: Naming the path and the reason: missing, incomplete, corrupt,
+            another SM-local layout, missing keys, mismatched shapes, or ranks disagreeing.
+    """
+    del coordinator_rank
+    path = checkpoint_location(
+        _checkpoint_id(checkpoint_id, storage_reader), s3_region, s3client_config
+    )
+    marker = path.read_marker()
+    metadata = _read_metadata(path, marker)
+    resolved = resolve_stateful(state_dict)
+    if marker.get("kind") == "sm_local" or find_local_layout(resolved) is not None:
+        _check_local_layout(marker, path, resolved)
+    keys = check_state_dict_matches(resolved, metadata, path)
+    participants = Participants(process_group)
+    _check_files_and_keys(path, marker, keys if check_keys_matched else None, participants)
+    try:
+        dcp.load(
+            state_dict,
+            checkpoint_id=path.data_root(marker),
+            storage_reader=path.storage_reader(marker, storage_reader),
+            planner=planner,
+            process_group=participants.group,
+            no_dist=not participants.distributed,
+        )
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+        raise CheckpointError(
+            f"reading checkpoint {path} failed, a file is probably corrupt: {describe_failure(e)}"
+        ) from e
+
+
+__all__ = ["check_state_dict_matches", "load", "read_metadata"]

@@ -1,0 +1,421 @@
+"""Saving checkpoints (``torch.sagemaker.distributed.checkpoint.state_dict_saver``).
+
+``save`` writes a state dict with PyTorch DCP and publishes it only once it is complete, at
+the checkpoint's location (``location.checkpoint_location``): a directory is staged beside
+its name and renamed into place (Note [Checkpoint commit protocol] in ``atomic_dir``); an
+``s3://`` prefix is published by its completion marker (Note [S3 checkpoint layout] in
+``s3_checkpoint``). ``async_save`` copies the state to CPU memory, returns, and runs the
+same save on a background thread over a dedicated gloo process group, so training
+collectives and checkpoint collectives never share a communicator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+from torch_sagemaker._torch_compat import c10d as c10d_compat
+from torch_sagemaker.checkpoint import _commit, integrity
+from torch_sagemaker.checkpoint._group import Participants
+from torch_sagemaker.checkpoint.async_utils import (
+    DEFAULT_ASYNC_REQUEST_QUEUE,
+    AsyncCallsQueue,
+    maybe_finalize_async_calls,
+)
+from torch_sagemaker.checkpoint.filesystem import DistributedFileSystemWriter
+from torch_sagemaker.checkpoint.location import (
+    CheckpointId,
+    CheckpointLocation,
+    checkpoint_location,
+)
+from torch_sagemaker.checkpoint.marker import CheckpointError
+from torch_sagemaker.checkpoint.state_dict_utils import (
+    current_layout,
+    find_local_layout,
+    resolve_stateful,
+)
+from torch_sagemaker.logger import get_logger
+from torch_sagemaker.state import state as tsm_state
+
+
+def _write(
+    state_dict: dict[str, Any],
+    location: CheckpointLocation,
+    *,
+    storage_writer: Any,
+    planner: Any,
+    participants: Participants,
+    info: dict[str, Any],
+    on_commit: Callable[[], None] | None,
+    thread_count: int = 1,
+) -> None:
+    """The save protocol shared by ``save`` and ``async_save``, at any location.
+
+    The steps are Note [Commit outcome]'s; what each does to the storage is the location's
+    (Note [Checkpoint commit protocol] in ``atomic_dir``, Note [S3 checkpoint layout] in
+    ``s3_checkpoint``).
+    """
+
+    # 1. The save's id (Note [Commit outcome]; on S3 it names the save's prefix), and the
+    # location readied for it (a fresh staging directory: a stale one is what an earlier
+    # crash left behind).
+    def prepare() -> str:
+        save_id = uuid.uuid4().hex
+        location.prepare(save_id)
+        return save_id
+
+    save_id = participants.run_on_coordinator(prepare, step=f"starting the save of {location}")
+    root = location.write_root(save_id)
+    writer = storage_writer
+    if writer is None:
+        writer = location.storage_writer(save_id, thread_count)
+    # 2. Every rank writes its shards, checksumming them on the way (Note [Checkpoint
+    # checksums]); DCP's coordinator writes .metadata last.
+    records = _dcp_write(state_dict, root, writer, planner, participants, location)
+
+    # 3. The commit on the coordinator, every rank told the outcome; then the replaced
+    # checkpoint's removal and the optional hook (e.g. retention).
+    def commit(recorded: dict[str, tuple[int, str]]) -> None:
+        location.commit(
+            save_id, {**info, "num_ranks": len(participants.ranks), "save_id": save_id}, recorded
+        )
+
+    def after_commit() -> None:
+        try:
+            location.remove_replaced(save_id)
+        except Exception as e:  # noqa: BLE001 - the checkpoint itself is complete
+            get_logger().warning(
+                f"checkpoint {location} is complete, but deleting what it replaced "
+                f"failed: {type(e).__name__}: {e}"
+            )
+        _run_hook(on_commit, location)
+
+    _commit.publish(participants, location, save_id, records, commit, after_commit)
+
+
+def _dcp_write(
+    state_dict: dict[str, Any],
+    root: Any,
+    storage_writer: Any,
+    planner: Any,
+    participants: Participants,
+    location: CheckpointLocation,
+) -> dict[str, tuple[int, str]]:
+    """DCP's save into ``root``, with checksums recorded when the location keeps them."""
+    with contextlib.ExitStack() as stack:
+        recorder = None
+        if location.checksums:
+            storage_writer, recorder = stack.enter_context(
+                integrity.recording(storage_writer, root)
+            )
+        try:
+            dcp.save(
+                state_dict,
+                checkpoint_id=root,
+                storage_writer=storage_writer,
+                planner=planner,
+                process_group=participants.group,
+                no_dist=not participants.distributed,
+            )
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            raise CheckpointError(
+                f"writing checkpoint {location} failed ({describe_failure(e)}); a previous "
+                f"checkpoint there is unchanged and the unfinished files stay in {root} until "
+                "the next save."
+            ) from e
+    return recorder.records() if recorder is not None else {}
+
+
+def _run_hook(on_commit: Callable[[], None] | None, where: Any) -> None:
+    if on_commit is not None:
+        try:
+            on_commit()
+        except Exception as e:  # noqa: BLE001 - the checkpoint itself is complete
+            get_logger().warning(
+                f"checkpoint {where} is complete, but its on_commit hook "
+                f"failed: {type(e).__name__}: {e}"
+            )
+
+
+def _target(
+    checkpoint_id: CheckpointId | None,
+    s3_region: str | None,
+    s3client_config: Any,
+    storage_writer: Any = None,
+) -> CheckpointLocation:
+    """The validated destination (``location.checkpoint_location``).
+
+    Without ``checkpoint_id``, a file-system ``storage_writer``'s ``path`` names it (HyperPod's
+    adapter passes only ``storage_writer=DistributedFileSystemWriter(path)``).
+    """
+    if checkpoint_id is None and storage_writer is not None:
+        checkpoint_id = getattr(storage_writer, "path", None)
+    return checkpoint_location(checkpoint_id, s3_region, s3client_config)
+
+
+def describe_failure(e: BaseException) -> str:
+    """One line per failing rank of a DCP ``CheckpointException`` (else the exception itself)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        # Values are (exception, traceback summary) pairs.
+        errors = {r: x[0] if isinstance(x, tuple) else x for r, x in failures.items()}
+        return "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in sorted(errors.items()))
+    return f"{type(e).__name__}: {e}"
+
+
+def _info(state_dict: dict[str, Any]) -> dict[str, Any]:
+    local = find_local_layout(state_dict)
+    if local is not None:
+        return {"kind": "sm_local", "layout": local}
+    return {"kind": "sharded", "layout": current_layout()}
+
+
+def save(
+    state_dict: dict[str, Any],
+    *,
+    checkpoint_id: CheckpointId | None = None,
+    storage_writer: Any = None,
+    planner: Any = None,
+    process_group: dist.ProcessGroup | None = None,
+    coordinator_rank: int = 0,
+    wait_error_handling: bool = True,
+    force_check_all_plans: bool = True,
+    s3_region: str | None = None,
+    s3client_config: Any = None,
+    on_commit: Callable[[], None] | None = None,
+) -> None:
+    """Saves ``state_dict`` to the directory ``checkpoint_id``, visible only once complete.
+
+    Every rank of ``process_group`` must call it. DTensor and sharded values are written as
+    shards with their global layout, so the checkpoint loads under another world size or
+    parallel layout; values replicated across ranks are written once.
+
+    Args:
+        state_dict: Nested dict of tensors, DTensors, ``Stateful`` objects and picklable values.
+        checkpoint_id: Directory of the checkpoint (replaced atomically if it exists), an
+            ``s3://bucket/prefix`` URI (Note [S3 checkpoint layout] in ``s3_checkpoint``), or
+            a ``checkpoint_location`` (which carries the S3 options and whether checksums
+            are kept); may be left out when ``storage_writer`` has a ``path`` (as HyperPod's
+            adapter calls).
+        storage_writer: Optional DCP ``StorageWriter``; it is pointed at the staging directory
+            (on S3: the save's prefix).
+        planner: Optional DCP ``SavePlanner``.
+        process_group: Ranks that save together; default all ranks.
+        coordinator_rank: Global rank that publishes the checkpoint; default the group's first.
+        wait_error_handling: Accepted for SMP compatibility; errors always reach every rank.
+        force_check_all_plans: Accepted for SMP compatibility (DCP always checks plans).
+        s3_region: Region of an ``s3://`` checkpoint's bucket; default ``AWS_REGION``, else
+            the bucket's (Note [S3 endpoint and credentials] in ``s3_filesystem``).
+        s3client_config: An ``s3torchconnector.S3ClientConfig``; default 64 MiB parts (and
+            path-style requests when ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL`` is set).
+        on_commit: Called on the coordinator right after the checkpoint became visible.
+
+    Raises:
+        CheckpointError: If any rank failed to write or the checkpoint could not be published;
+            a previous checkpoint at ``checkpoint_id`` then stays as it was. If a rank failed
+            after the commit, the error has ``committed=True``: the checkpoint is complete
+            and loadable (Note [Commit outcome]).
+    """
+    del wait_error_handling, force_check_all_plans
+    target = _target(checkpoint_id, s3_region, s3client_config, storage_writer)
+    participants = Participants(process_group, coordinator_rank)
+    state_dict = resolve_stateful(state_dict)
+    _write(
+        state_dict,
+        target,
+        storage_writer=storage_writer,
+        planner=planner,
+        participants=participants,
+        info=_info(state_dict),
+        on_commit=on_commit,
+    )
+
+
+class PyTorchDistSaveShardedStrategy:
+    """How ``async_save`` writes: PyTorch DCP's file-system writer with ``thread_count`` threads.
+
+    SMP's default ``sharded_strategy`` (its Megatron-core based "torch_dist" strategy). Here it
+    needs no Megatron: DCP does the sharded write, and replicated values are written once
+    (DCP's de-duplication), which is what ``keep_only_main_replica`` asks for.
+
+    Args:
+        backend: Only ``"torch_dist"``.
+        version: Format version; only ``1``.
+        keep_only_main_replica: Must be ``True`` (DCP always writes one copy of replicas).
+        thread_count: Writer threads per rank.
+
+    Raises:
+        ValueError: For another backend, version or ``keep_only_main_replica=False``, or
+            ``thread_count < 1``.
+    """
+
+    def __init__(
+        self,
+        backend: str = "torch_dist",
+        version: int = 1,
+        keep_only_main_replica: bool = True,
+        thread_count: int = 2,
+    ) -> None:
+        if backend != "torch_dist" or version != 1:
+            raise ValueError(
+                f"PyTorchDistSaveShardedStrategy(backend={backend!r}, version={version}): "
+                "only backend='torch_dist', version=1 exist here."
+            )
+        if not keep_only_main_replica:
+            raise ValueError(
+                "keep_only_main_replica=False is not supported: DCP writes every "
+                "replicated value once."
+            )
+        if thread_count < 1:
+            raise ValueError(f"thread_count={thread_count} must be >= 1.")
+        self.backend, self.version, self.thread_count = backend, version, thread_count
+
+    def storage_writer(self, path: str | os.PathLike[str]) -> DistributedFileSystemWriter:
+        """The writer for a checkpoint directory."""
+        return DistributedFileSystemWriter(path, thread_count=self.thread_count)
+
+
+# One dedicated gloo group per rank set, for the background thread (see module docstring and
+# Note [Async save groups]).
+_ASYNC_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_ASYNC_GENERATIONS: dict[tuple[int, ...], int] = {}  # groups made per rank set (their names)
+_ASYNC_GROUPS_LOCK = threading.Lock()
+
+
+def _async_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The gloo group of ``process_group``'s ranks that background saves run on.
+
+    Note [Async save groups]
+        Only the saving ranks call ``async_save`` (SMP's scripts: the replica-0 ranks of each
+        shard group, or one replication group each), so the group must be created by its
+        members alone. PyTorch's ``new_group(use_local_synchronization=True)`` names such a
+        group after its ranks *and the number of groups the calling rank already has*; ranks
+        that took part in different earlier subsets (an ``async_sharded`` save on the shard
+        group, then an ``async_local`` one on the replication group) then compute different
+        names and wait for each other forever. Here the name depends on the ranks alone, and
+        each rank set gets one group per process, so every member finds the same one.
+        ``tsm.state.reset()`` destroys these groups (the state owns every group the library
+        makes); the next one for the same ranks gets a new name, with the number of groups
+        made for that rank set so far, which every member counts alike: gloo would otherwise
+        meet the destroyed group's addresses under the old name in the store.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
+    with _ASYNC_GROUPS_LOCK:
+        group = _ASYNC_GROUPS.get(ranks)
+        if group is None or group not in c10d_compat.live_groups():  # destroyed since
+            generation = _ASYNC_GENERATIONS[ranks] = _ASYNC_GENERATIONS.get(ranks, -1) + 1
+            group = _ASYNC_GROUPS[ranks] = _members_only_gloo_group(ranks, generation)
+        return group
+
+
+def _members_only_gloo_group(ranks: tuple[int, ...], generation: int) -> dist.ProcessGroup:
+    """A gloo group created by its members only, named after its ranks and ``generation``.
+
+    See Note [Async save groups].
+    """
+    name = "tsm_async_save_" + "_".join(map(str, ranks)) + (f"_g{generation}" if generation else "")
+    default_store = c10d_compat.live_groups()[c10d_compat.default_group()][1]
+    # The same helper ``new_group`` uses, with a name every member computes alike.
+    group, _ = c10d_compat.new_process_group_helper(
+        len(ranks),
+        ranks.index(dist.get_rank()),
+        list(ranks),
+        "gloo",
+        default_store,
+        group_name=name,
+        timeout=c10d_compat.default_timeout(dist.Backend("gloo")),
+    )
+    c10d_compat.set_group_ranks(group, {rank: i for i, rank in enumerate(ranks)})
+    tsm_state.adopt_group(group)  # tsm.state.reset() destroys it with the library's other groups
+    return group
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    *,
+    checkpoint_id: CheckpointId | None = None,
+    storage_writer: Any = None,
+    planner: Any = None,
+    process_group: dist.ProcessGroup | None = None,
+    coordinator_rank: int = 0,
+    queue: AsyncCallsQueue | None = None,
+    sharded_strategy: Any = None,
+    wait_error_handling: bool = True,
+    force_check_all_plans: bool = True,
+    s3_region: str | None = None,
+    s3client_config: Any = None,
+    on_commit: Callable[[], None] | None = None,
+) -> int:
+    """Like ``save``, but writes in the background; training may go on meanwhile.
+
+    The state is copied to CPU memory before the call returns, so later updates of the
+    model do not leak into the checkpoint. Call ``maybe_finalize_async_calls`` to collect
+    results (and errors); the checkpoint becomes visible as soon as its write finished.
+
+    Args:
+        state_dict: As for ``save``.
+        checkpoint_id: As for ``save``.
+        storage_writer: As for ``save`` (used from the background thread).
+        planner: As for ``save``.
+        process_group: As for ``save``; a gloo group with the same ranks carries the
+            background collectives.
+        coordinator_rank: As for ``save``.
+        queue: The ``AsyncCallsQueue`` to run on; default the module's global queue.
+        sharded_strategy: A ``PyTorchDistSaveShardedStrategy`` (the default), whose writer
+            thread count the location's writer takes when ``storage_writer`` is ``None``.
+        wait_error_handling: As for ``save``.
+        force_check_all_plans: As for ``save``.
+        s3_region: As for ``save``.
+        s3client_config: As for ``save``.
+        on_commit: As for ``save`` (runs on the background thread).
+
+    Returns:
+        The index of the request in ``queue``.
+    """
+    del wait_error_handling, force_check_all_plans
+    queue = queue if queue is not None else DEFAULT_ASYNC_REQUEST_QUEUE
+    # Fail fast on a bad id, before staging.
+    target = _target(checkpoint_id, s3_region, s3client_config, storage_writer)
+    strategy = sharded_strategy or PyTorchDistSaveShardedStrategy()
+    if not isinstance(strategy, PyTorchDistSaveShardedStrategy):
+        raise TypeError(
+            f"sharded_strategy must be a PyTorchDistSaveShardedStrategy, got "
+            f"{type(strategy).__name__}."
+        )
+    resolved = resolve_stateful(state_dict)
+    info = _info(resolved)
+    staged = BlockingAsyncStager().stage(resolved)
+    participants = Participants(process_group, coordinator_rank)
+    participants.group = _async_group(process_group)
+    return queue.schedule_async_request(
+        lambda: _write(
+            staged,
+            target,
+            storage_writer=storage_writer,
+            planner=planner,
+            participants=participants,
+            info=info,
+            on_commit=on_commit,
+            thread_count=strategy.thread_count,
+        ),
+        description=f"async save of {checkpoint_id}",
+    )
+
+
+__all__ = [
+    "PyTorchDistSaveShardedStrategy",
+    "async_save",
+    "maybe_finalize_async_calls",
+    "save",
+]
