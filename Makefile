@@ -140,7 +140,8 @@ test-cpp: $(CPPTEST_DIR)/plain/smddp_tests
 
 # Both runs must pass; one after the other (their output would interleave under -j).
 # UBSan findings abort (-fno-sanitize-recover); LeakSanitizer is on. TSan checks the threads
-# of one rank (listener, send lane, abort) and the process-global state; it cannot see the
+# of one rank (listener, send lane, abort), the scheduler's lanes, waiters and receive poller
+# (test_scheduler.cpp, test_receive_poller.cpp) and the process-global state; it cannot see the
 # ranks' synchronisation through shared memory, which each rank maps at its own address.
 sanitize:
 	$(MAKE) --no-print-directory sanitize-asan

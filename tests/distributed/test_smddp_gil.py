@@ -1,5 +1,5 @@
 """smddp's worker threads never wait for the GIL (Note [Tensors are released in the caller's
-thread] in csrc/smddp/backend/work.h).
+thread] in csrc/smddp/common/scheduler.h).
 
 In torch 2.13 a tensor with a Python object takes the GIL when its C++ reference count falls
 from 2 to 1, so a thread that drops the last C++ reference to a tensor Python still holds

@@ -2,8 +2,9 @@
 
 ``make test-cpp`` compiles the torch-free part of csrc/smddp with tests/cpp (ranks as threads
 over an in-memory store: every collective on the shared-memory, TCP and hierarchical paths,
-faults, kernels, settings, SHA-256/HMAC known answers) and runs it; ``make sanitize`` runs the
-same under ASan+UBSan and TSan (not run here: their builds take minutes on a 2-core machine).
+faults, kernels, settings, the per-group scheduler's interleavings, SHA-256/HMAC known answers)
+and runs it; ``make sanitize`` runs the same under ASan+UBSan and TSan (not run here: their
+builds take minutes on a 2-core machine).
 Builds are incremental under build/cpptest/.
 """
 

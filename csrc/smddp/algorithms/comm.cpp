@@ -370,7 +370,7 @@ OpCtx Communicator::make_ctx(const char* name, CollDesc desc, OpArgs args, doubl
 
 // Note [Abort tells the peers]
 // An abort fails this rank's calls in flight (the transports' flags), and the work queued
-// behind them never starts (Note [Abort fails the queued work] in work.cpp), so nothing of
+// behind them never starts (Note [Abort fails the queued work] in scheduler.cpp), so nothing of
 // this rank reports the failure to its peers from inside a collective. A peer waiting in,
 // or later entering, a collective of the group then waited for the whole group timeout (on
 // one host; across hosts the closed sockets told it). So the abort itself marks the group

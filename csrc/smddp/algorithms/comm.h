@@ -111,8 +111,8 @@ class Communicator : private NetGroup {
   // peer's group rank (Note [Receive from any rank] in backend_p2p.cpp).
   int recv_any(void* data, size_t bytes, uint32_t tag, OpCtx ctx);
   // One attempt at a receive from `peer` (kAnyPeer: any rank), for receives that wait side
-  // by side (Note [Receives wait side by side] in work.cpp): true when a message with `tag`
-  // was there and was taken (read to its end, and its sender's rank put in `from`); false
+  // by side (Note [Receives wait side by side] in receive_poller.cpp): true when a message with
+  // `tag` was there and was taken (read to its end, and its sender's rank put in `from`); false
   // when none has arrived yet. Raises when the receive's deadline passed, its peer failed,
   // the group was aborted or is broken (checked every 20 ms). Pass the same `ctx` and
   // `poll` to every attempt of one receive: its deadline starts at the first.

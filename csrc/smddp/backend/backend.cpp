@@ -369,9 +369,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupSMDDP::submit(c10::intrusive_ptr<Smdd
     issued_.fetch_add(1);
   }
   if (type == c10d::OpType::SEND) {
-    exec_->submit_send(std::move(fn), work);
+    exec_->submit_send(std::move(fn), SmddpWork::completion(work));
   } else {
-    exec_->submit(std::move(fn), work, async_op || coalescing_);
+    exec_->submit(std::move(fn), SmddpWork::completion(work), async_op || coalescing_);
   }
   return track(work);
 }

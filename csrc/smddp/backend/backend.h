@@ -2,7 +2,7 @@
 //
 // This layer validates tensors (device, dtype, sizes) on the caller's thread, stages
 // non-contiguous tensors, and hands raw pointers to the Communicator through the
-// Executor (Note [Execution order] in work.h). Device tensors go through host mirrors
+// group's Scheduler (Note [Execution order] in scheduler.h). Device tensors go through host mirrors
 // (Note [Device staging] in device_staging.h): each collective's first lines hand them to
 // the Stager, then call the same collective again on the mirrors.
 #pragma once
@@ -148,7 +148,7 @@ class ProcessGroupSMDDP : public c10d::Backend {
   // The communicator; only while an InUse is held.
   Communicator& live_comm() { return *comm_; }
   // Queues a receive into `t` from `src` (kAnyPeer: any rank), which waits beside the
-  // others (Note [Receives wait side by side] in work.cpp); returns its work.
+  // others (Note [Receives wait side by side] in receive_poller.cpp); returns its work.
   c10::intrusive_ptr<c10d::Work> submit_receive(c10::intrusive_ptr<SmddpWork> work,
                                                 const at::Tensor& t, int src, int tag,
                                                 const OpCtx& ctx);
@@ -188,7 +188,7 @@ class ProcessGroupSMDDP : public c10d::Backend {
   bool release_in_destructor_ = false;  // shutdown() could not start its release thread
 
   std::unique_ptr<Communicator> comm_;
-  std::shared_ptr<Executor> exec_ = std::make_shared<Executor>();  // works hold weak refs
+  std::shared_ptr<Scheduler> exec_ = std::make_shared<Scheduler>();  // works hold weak refs
   double timeout_s_;
   std::string group_name_;
   bool coalescing_ = false;

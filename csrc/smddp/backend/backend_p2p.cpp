@@ -9,9 +9,9 @@ using namespace ops;  // NOLINT(build/namespaces): this file's own helpers
 // ring is written in the caller's thread and its Work is complete at once (the tensor may
 // be reused, as after any completed isend); a recv whose message is already complete in the
 // ring is copied out the same way. Anything else is queued: sends on the send lane, receives
-// with the other waiting receives (Note [Receives wait side by side] in work.cpp). Both skip
-// the thread hand-off, which costs tens of microseconds on these VMs, and neither overtakes
-// an operation queued before it (a receive is done at once only while no receive waits).
+// with the other waiting receives (Note [Receives wait side by side] in receive_poller.cpp). Both
+// skip the thread hand-off, which costs tens of microseconds on these VMs, and neither overtakes an
+// operation queued before it (a receive is done at once only while no receive waits).
 WorkPtr ProcessGroupSMDDP::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
   const InUse use = enter();
   check_count(tensors, "send");
@@ -60,7 +60,7 @@ WorkPtr ProcessGroupSMDDP::recv(std::vector<at::Tensor>& tensors, int src, int t
   return submit_receive(make_work(OpType::RECV, tensors), t, src, tag, ctx);
 }
 
-// Note [Receives wait side by side] in work.cpp.
+// Note [Receives wait side by side] in receive_poller.cpp.
 WorkPtr ProcessGroupSMDDP::submit_receive(c10::intrusive_ptr<SmddpWork> work, const at::Tensor& t,
                                           int src, int tag, const OpCtx& ctx) {
   // A staged receive (Note [Device staging]) copies the host mirror to the device once the
@@ -83,7 +83,7 @@ WorkPtr ProcessGroupSMDDP::submit_receive(c10::intrusive_ptr<SmddpWork> work, co
         if (src == kAnyPeer) w->set_source_rank(from);
         return true;
       },
-      work, src, tag, !comm_->p2p_in_shared_memory(src));
+      SmddpWork::completion(work), src, tag, !comm_->p2p_in_shared_memory(src));
   return track(work);
 }
 

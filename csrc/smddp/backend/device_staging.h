@@ -12,7 +12,7 @@
 //  - Issue (caller's thread): an event is recorded on the caller's current stream. Both side
 //    streams (one per copy direction, so device->host and host->device copies run on both
 //    copy engines) wait on it, so the collective sees every kernel queued before it.
-//  - Run (the executor, Note [Execution order] in work.h): device->host copies are queued on
+//  - Run (the executor, Note [Execution order] in scheduler.h): device->host copies are queued on
 //    the d2h stream; the host waits on the event after each chunk, reduces it, and queues
 //    its host->device copy on the h2d stream.
 //  - Completion: the work's future is a device future whose event is recorded on the h2d
@@ -51,7 +51,7 @@
 //   queued                   from then until the executor starts it: the thread hand-off;
 //   run (caller's thread),   the executor's part, in the thread that ran it: the caller's
 //   run (pool thread)        when its wait() took the work first (Note [Waiting runs the
-//                            work] in work.h), else a pool thread. Inside it:
+//                            work] in scheduler.h), else a pool thread. Inside it:
 //     host buffers           allocating a host buffer, with its bytes (the mirrors of the
 //                            whole-message collectives allocate theirs during the issue);
 //     d2h queue              queueing one chunk's device->host copy (one mirror's for the

@@ -152,7 +152,7 @@ class TcpMesh final : public Transport {
   // Takes the next message with `tag` from `peer` into `data` if it has fully arrived,
   // reading what the connection holds (messages with other tags are stashed). Raises, as
   // soon as its header is read, if its length is not `len`. For the receives that wait side
-  // by side (Note [Receives wait side by side] in work.cpp): a message with `tag` is
+  // by side (Note [Receives wait side by side] in receive_poller.cpp): a message with `tag` is
   // awaited by a posted receive, so it is stored outside the budget for messages nobody
   // waits for (Note [TCP trust model]); its length is that receive's. With `data_owner`
   // (which keeps `data` alive; a receive from this one peer, attempted with the same `data`

@@ -441,7 +441,7 @@ namespace smddp {
 
 // Note [Direct receives over TCP]
 // A receive that waits side by side is attempted without blocking, between other work
-// (Note [Receives wait side by side] in work.cpp). Had it stashed its message and copied
+// (Note [Receives wait side by side] in receive_poller.cpp). Had it stashed its message and copied
 // it out at the end, with a pause after every attempt that did not complete it, a 16 MiB
 // ping-pong over TCP took 35-59 ms where a blocking receive took 10 ms. So a receive from
 // one peer claims the first message with its tag that the connection brings (a later
