@@ -87,6 +87,11 @@ def model_report(runs: list[dict], args: argparse.Namespace) -> int:
                     [int(h) for h in args.predict_hosts],
                 )
             )
+    print(
+        f"\nauto's tree rule (Note [The tree rule from the model]), on {TREE_RULE_CLUSTER}, "
+        "at the fitted costs; kTreeRule in csrc/smddp/algorithms/net_algorithm.cpp:"
+    )
+    print(tree_rule_table(costs))
     if args.plot:
         plot(target, args.predict_ranks, nic_rate, cores, sizes, args.plot)
         print(f"\nwrote {args.plot}")
@@ -331,3 +336,33 @@ def prediction_table(
                 )
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+# --- auto's tree rule ----------------------------------------------------------------------
+
+TREE_RULE_RATE = 1e9 / 8  # bytes/s: 1 Gbit/s, the rate of the 16 and 32 host runs
+TREE_RULE_CLUSTER = (
+    "simulated hosts of one rank at 1 Gbit/s, every rank on the machine's 2 cores, "
+    "the cables' burst"
+)
+
+
+def tree_rule_cluster(hosts: int) -> cost_model.Cluster:
+    """The hosts auto's tree rule is derived on.
+
+    ``bench multihost``'s simulated hosts, where the model was fitted and where the tree is
+    measured (Note [When the tree runs] in csrc/smddp/algorithms/net_algorithm.cpp).
+    """
+    return cost_model.Cluster(
+        hosts, 1, TREE_RULE_RATE, cores=2, machine_ranks=hosts, burst=netns.BURST_BYTES
+    )
+
+
+def tree_rule(costs: cost_model.Costs) -> list[tuple[int, int]]:
+    """The sizes of auto's tree rule (cost_model.tree_rule) on tree_rule_cluster, 2-1024 hosts."""
+    return cost_model.tree_rule(costs, tree_rule_cluster)
+
+
+def tree_rule_table(costs: cost_model.Costs) -> str:
+    """tree_rule as the lines of kTreeRule (net_algorithm.cpp)."""
+    return "\n".join(f"    {{{hosts}, {size}}}," for hosts, size in tree_rule(costs))

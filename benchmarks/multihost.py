@@ -17,10 +17,13 @@ the machine's own, as each host's kernel reports it in the header and the record
 its window after idle gaps ``--slow-start-after-idle``, Linux's default 1 unless told 0: Note
 [Slow start after idle] in smddp/backend.py) with L ranks each. One
 job per layout runs every backend: the default group is smddp's, and a gloo group spans the same
-ranks. "smddp-mesh" and "smddp-ring" are further smddp groups over the same ranks that cross
-hosts by the mesh or by a ring whatever SMDDP_NET_ALGO says (``SMDDPOptions(net_algo=...)``;
-hosts of unequal rank counts, and two hosts, always take the mesh); each row records the
-algorithm that ran (``algorithm``: ``mesh``, ``ring``, or ``flat_ring`` for gloo).
+ranks. "smddp-mesh", "smddp-ring", "smddp-hd" and "smddp-tree" are further smddp groups over
+the same ranks that cross hosts by the mesh, a ring, halving-doubling or (all_reduce only;
+the rest as auto) the tree whatever SMDDP_NET_ALGO says (``SMDDPOptions(net_algo=...)``;
+hosts of unequal rank counts, and two hosts but for halving-doubling and the tree, take the
+mesh); each row records the algorithm its calls crossed hosts by, as the group counted them
+(``algorithm``: ``mesh``, ``ring``, ``halving_doubling``, ``tree``, or ``flat_ring`` for
+gloo): under auto a small all_reduce may take the tree.
 "bare-tcp" is no collective but the ceiling the machine allows: the bytes of a ring on the
 ring's flows as bare TCP streams, with no other work (tools/bare_tcp.py, Note [The bare-TCP
 ceiling]); it is not trained and the cost model leaves it out. For every

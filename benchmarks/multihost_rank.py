@@ -37,7 +37,12 @@ from tools import netns
 from tools.bare_tcp import BARE_TCP, BareRing
 
 # smddp groups that force how collectives cross hosts (SMDDPOptions.net_algo).
-FORCED_NET_ALGO = {"smddp-mesh": "mesh", "smddp-ring": "ring", "smddp-hd": "halving_doubling"}
+FORCED_NET_ALGO = {
+    "smddp-mesh": "mesh",
+    "smddp-ring": "ring",
+    "smddp-hd": "halving_doubling",
+    "smddp-tree": "tree",
+}
 # What a job can time: the ops, their element types, and the backends (``rank_main`` makes
 # their groups), in the order the tables list them.
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
@@ -166,11 +171,13 @@ def rank_main(spec: dict[str, Any]) -> None:
                 run()
             del run  # its operands, before the cases allocate theirs
             continue
+        before = _net_ops(groups.get(step.backend))
         mine, actual = _measure(step, rank, world, groups, bare, spec)
+        ran = _ran(before, _net_ops(groups.get(step.backend))) or algorithms[step.backend]
         every: list[Any] = [None] * world
         dist.all_gather_object(every, mine)
         if rank == 0:
-            row = _row(spec, step.op, actual, step.backend, algorithms[step.backend], every)
+            row = _row(spec, step.op, actual, step.backend, ran, every)
             rows.append(dict(row, dtype=step.dtype, warmup=spec.get("warmup_largest", 0)))
     if rank == 0:
         with open(spec["out"], "w") as f:
@@ -186,6 +193,26 @@ def rank_main(spec: dict[str, Any]) -> None:
         bare.close()
     dist.barrier()
     end_rank()
+
+
+def _net_ops(group) -> dict[str, int]:
+    """An smddp group's collectives across hosts so far, per algorithm (empty for others)."""
+    from torch_sagemaker.smddp.backend import group_layout
+
+    try:
+        return group_layout(group)["net_ops"] if group is not None else {}
+    except ValueError:  # not smddp (gloo)
+        return {}
+
+
+def _ran(before: dict[str, int], after: dict[str, int]) -> str:
+    """The algorithm a case's calls crossed hosts by; "" when none did (one host, not smddp).
+
+    An all_reduce may take the tree where the group's algorithm takes the rest (Note [When
+    the tree runs] in csrc/smddp/algorithms/net_algorithm.cpp).
+    """
+    grown = {a: after[a] - before.get(a, 0) for a in after if after[a] > before.get(a, 0)}
+    return max(grown, key=lambda a: grown[a]) if grown else ""
 
 
 def _case(

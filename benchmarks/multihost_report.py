@@ -116,16 +116,19 @@ def table(rows: list[dict], rate_bits: int | None) -> str:
         if ceiling:
             cells += [_ratio(per, BARE_TCP, b) for b in compared]
         lines.append("| " + " | ".join(cells) + " |")
-    crossing = {
-        (r["layout"], r["backend"]): r["algorithm"]
-        for r in rows
-        if r["backend"] not in ("gloo", BARE_TCP) and "algorithm" in r
-    }
+    # Each backend's algorithms in the order its rows ran them (auto: the tree for small
+    # all_reduces, Note [When the tree runs]).
+    crossing: dict[tuple[str, str], list[str]] = {}
+    for r in rows:
+        if r["backend"] not in ("gloo", BARE_TCP) and "algorithm" in r:
+            ran = crossing.setdefault((r["layout"], r["backend"]), [])
+            if r["algorithm"] not in ran:
+                ran.append(r["algorithm"])
     if crossing:
         lines.append("")
         lines.append(
             "Between hosts: "
-            + ", ".join(f"{layout} {b} {a}" for (layout, b), a in crossing.items())
+            + ", ".join(f"{layout} {b} {'+'.join(a)}" for (layout, b), a in crossing.items())
         )
     return "\n".join(lines)
 

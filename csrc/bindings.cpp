@@ -8,6 +8,7 @@
 #include <map>
 #include <string>
 #include <torch/csrc/distributed/c10d/Types.hpp>
+#include <utility>
 
 #include "smddp/algorithms/kernels.h"
 #include "smddp/backend/backend.h"
@@ -74,6 +75,16 @@ py::dict layout_of(const smddp::ProcessGroupSMDDP& pg) {
   d["forced"] = l.forced;
   d["uniform"] = l.uniform;
   d["net_algorithm"] = pg.comm().net_algorithm();
+  d["net_tree_max_bytes"] = pg.comm().net_tree_max_bytes();
+  // The collectives that crossed hosts by each algorithm (Note [When the tree runs]).
+  const std::pair<const char*, smddp::NetAlgo> algorithms[] = {
+      {"mesh", smddp::NetAlgo::MESH},
+      {"ring", smddp::NetAlgo::RING},
+      {"halving_doubling", smddp::NetAlgo::HALVING_DOUBLING},
+      {"tree", smddp::NetAlgo::TREE}};
+  py::dict ops;
+  for (const auto& [name, algo] : algorithms) ops[name] = pg.comm().net_ops(algo);
+  d["net_ops"] = ops;
   d["machine_oversubscribed"] = pg.comm().machine_oversubscribed();
   return d;
 }

@@ -110,17 +110,17 @@ static void collective_timeout(int force_local_size) {
 TEST_CASE(collective_timeout_shm) { collective_timeout(0); }
 TEST_CASE(collective_timeout_tcp) { collective_timeout(1); }
 
-// Halving-doubling on 3 hosts (Note [Halving and doubling between hosts] in
-// net_halving_doubling.cpp): host 2 folds into host 0, which pairs with host 1. Rank 2 never
-// calls until the others gave up: rank 0 times out naming rank 2, the one it waits for in
-// the fold; rank 1, which waits for rank 0 in the first halving round, fails naming rank 0
-// (its failure notice, or its own timeout); and rank 2, when it calls, learns of rank 0's.
-TEST_CASE(halving_doubling_timeout_names_the_peer) {
-  smddp::CommConfig cfg = small_config("hd_hang", 1);
-  cfg.settings.net_algo = smddp::NetAlgo::HALVING_DOUBLING;
+// Halving-doubling and the tree on 3 hosts (Note [Halving and doubling between hosts] in
+// net_halving_doubling.cpp, Note [A tree for small all-reduces] in net_tree.cpp): host 2 folds
+// into host 0, which pairs with host 1. Rank 2 never calls until the others gave up: rank 0
+// times out naming rank 2, the one it waits for in the fold; rank 1, which waits for rank 0
+// in the first round, fails naming rank 0 (its failure notice, or its own timeout); and rank
+// 2, when it calls, learns of rank 0's.
+static void fold_timeout_names_the_peer(smddp::NetAlgo algo, const char* group) {
+  smddp::CommConfig cfg = small_config(group, 1);
+  cfg.settings.net_algo = algo;
   std::atomic<int> gave_up{0};
   run_group(3, cfg, [&](Communicator& c, int rank) {
-    EXPECT(std::string(c.net_algorithm()) == "halving_doubling", "took ", c.net_algorithm());
     std::vector<float> buf(100, 1.0f);
     if (rank == 2) {
       while (gave_up.load() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -131,7 +131,8 @@ TEST_CASE(halving_doubling_timeout_names_the_peer) {
     const double timeout = rank == 0 ? 0.5 : 1.5;
     const std::string message = EXPECT_THROW_WITH(
         c.allreduce(buf.data(), buf.size(), sum_f32(), allreduce_ctx(c, 100, timeout)),
-        "all_reduce (float32, SUM, 100 elements) on group 'hd_hang'");
+        cat("all_reduce (float32, SUM, 100 elements) on group '", group, "'"));
+    EXPECT(c.net_ops(algo) == 1, group, ": the all_reduce did not take the algorithm asked for");
     if (rank == 0) {
       EXPECT(message.find("timed out after 0.5 s") != std::string::npos &&
                  message.find("waiting for ranks [2]") != std::string::npos,
@@ -143,6 +144,13 @@ TEST_CASE(halving_doubling_timeout_names_the_peer) {
     }
     gave_up.fetch_add(1);
   });
+}
+
+TEST_CASE(halving_doubling_timeout_names_the_peer) {
+  fold_timeout_names_the_peer(smddp::NetAlgo::HALVING_DOUBLING, "hd_hang");
+}
+TEST_CASE(tree_timeout_names_the_peer) {
+  fold_timeout_names_the_peer(smddp::NetAlgo::TREE, "tree_hang");
 }
 
 static void abort_from_another_thread(int force_local_size) {

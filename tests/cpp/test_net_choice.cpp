@@ -1,6 +1,7 @@
-// choose_net_algorithm on layouts too large to run as threads (Note [Auto beyond 32 hosts] in
-// net_algorithm.cpp), and SMDDP_NET_ALGO's values: a group that only answers for its layout
-// and settings, which is all the choice reads.
+// choose_net_algorithms on layouts too large to run as threads (Note [Auto beyond 32 hosts] in
+// net_algorithm.cpp), the per-call choice of the tree (Note [When the tree runs]), and
+// SMDDP_NET_ALGO's values: a group that only answers for its layout and settings, which is all
+// the choice reads.
 #include <stdexcept>
 
 #include "harness.h"
@@ -41,7 +42,7 @@ class LayoutOnly final : public smddp::NetGroup {
  private:
   template <typename T>
   static T unused() {
-    throw std::logic_error("choose_net_algorithm read more than the layout and settings");
+    throw std::logic_error("choose_net_algorithms read more than the layout and settings");
   }
   smddp::Layout layout_;
   smddp::Settings settings_;
@@ -50,8 +51,8 @@ class LayoutOnly final : public smddp::NetGroup {
 
 std::string chosen(int hosts, bool uniform, smddp::NetAlgo algo) {
   LayoutOnly g(hosts, uniform, algo);
-  auto a = smddp::choose_net_algorithm(g);
-  return a ? a->name() : "none";
+  smddp::NetAlgorithms a = smddp::choose_net_algorithms(g);
+  return a.main ? a.main->name() : "none";
 }
 
 }  // namespace
@@ -80,6 +81,11 @@ TEST_CASE(net_choice_by_layout_and_setting) {
       {2, true, NetAlgo::HALVING_DOUBLING, "halving_doubling"},
       {6, true, NetAlgo::HALVING_DOUBLING, "halving_doubling"},
       {6, false, NetAlgo::HALVING_DOUBLING, "mesh"},
+      // The tree takes all-reduces only; the rest go as auto sends them.
+      {2, true, NetAlgo::TREE, "mesh"},
+      {5, true, NetAlgo::TREE, "ring"},
+      {64, true, NetAlgo::TREE, "mesh"},
+      {5, false, NetAlgo::TREE, "mesh"},
   };
   for (const Case& c : cases) {
     const std::string got = chosen(c.hosts, c.uniform, c.algo);
@@ -88,14 +94,62 @@ TEST_CASE(net_choice_by_layout_and_setting) {
   }
 }
 
+// Note [When the tree runs]: under auto an all_reduce of at most auto_tree_max_bytes(H) takes
+// the tree, one byte more the group's algorithm, and every other collective the group's;
+// net_algo=tree sends every all_reduce by the tree; the forced others never take it; hosts
+// of unequal rank counts neither. Where the rule says 0 (none), auto keeps no tree.
+TEST_CASE(net_choice_per_call) {
+  using smddp::NetAlgo;
+  int with_tree = 0;
+  for (int hosts : {2, 3, 4, 5, 8, 16, 31, 32, 33, 64, 100, 257, 1024}) {
+    const size_t max = smddp::auto_tree_max_bytes(hosts);
+    LayoutOnly g(hosts, true, NetAlgo::AUTO);
+    const smddp::NetAlgorithms a = smddp::choose_net_algorithms(g);
+    const std::string main = a.main->name();
+    if (max == 0) {
+      EXPECT(!a.tree && a.pick(true, 0).name() == main, hosts, " hosts: a tree the rule has not");
+      continue;
+    }
+    ++with_tree;
+    EXPECT(a.tree_max_bytes == max, hosts, " hosts: the tree up to ", a.tree_max_bytes,
+           " bytes, the rule says ", max);
+    EXPECT(std::string(a.pick(true, 0).name()) == "tree", hosts, " hosts: an empty all_reduce");
+    EXPECT(std::string(a.pick(true, max).name()) == "tree", hosts, " hosts: ", max, " bytes");
+    EXPECT(a.pick(true, max + 1).name() == main, hosts, " hosts: ", max + 1, " bytes took ",
+           a.pick(true, max + 1).name());
+    EXPECT(a.pick(false, 0).name() == main, hosts, " hosts: a small other collective took ",
+           a.pick(false, 0).name());
+    LayoutOnly forced(hosts, true, NetAlgo::TREE);
+    const smddp::NetAlgorithms t = smddp::choose_net_algorithms(forced);
+    EXPECT(std::string(t.pick(true, size_t(1) << 40).name()) == "tree", hosts,
+           " hosts: net_algo=tree, a 1 TiB all_reduce");
+    EXPECT(t.pick(false, 0).name() == main, hosts, " hosts: net_algo=tree, another collective");
+    for (NetAlgo other : {NetAlgo::MESH, NetAlgo::RING, NetAlgo::HALVING_DOUBLING}) {
+      LayoutOnly g2(hosts, true, other);
+      const smddp::NetAlgorithms o = smddp::choose_net_algorithms(g2);
+      EXPECT(!o.tree && o.pick(true, 0).name() != std::string("tree"), hosts, " hosts, net_algo ",
+             int(other), ": the tree taken");
+    }
+    LayoutOnly uneven(hosts, false, NetAlgo::TREE);
+    EXPECT(!smddp::choose_net_algorithms(uneven).tree, hosts, " unequal hosts took the tree");
+  }
+  EXPECT(with_tree >= 10, "auto takes the tree on only ", with_tree, " of 13 host counts");
+  EXPECT(smddp::auto_tree_max_bytes(1) == 0, "one host has a tree");
+  LayoutOnly one(1, true, NetAlgo::AUTO);
+  EXPECT(!smddp::choose_net_algorithms(one).main, "one host crosses nothing");
+}
+
 TEST_CASE(net_algo_setting_values) {
   auto env = [](const char*) -> const char* { return nullptr; };
   const smddp::Settings s = smddp::resolve_settings({{"net_algo", "Halving_Doubling"}}, env);
   EXPECT(s.net_algo == smddp::NetAlgo::HALVING_DOUBLING, "net_algo=halving_doubling not parsed");
   EXPECT(smddp::describe(s).at("net_algo") == "halving_doubling",
          "net_algo=halving_doubling not reported");
-  EXPECT_THROW_WITH(smddp::resolve_settings({{"net_algo", "tree"}}, env), "tree",
-                    "expected auto, mesh, ring or halving_doubling");
+  const smddp::Settings t = smddp::resolve_settings({{"net_algo", "TREE"}}, env);
+  EXPECT(t.net_algo == smddp::NetAlgo::TREE, "net_algo=tree not parsed");
+  EXPECT(smddp::describe(t).at("net_algo") == "tree", "net_algo=tree not reported");
+  EXPECT_THROW_WITH(smddp::resolve_settings({{"net_algo", "binomial"}}, env), "binomial",
+                    "expected auto, mesh, ring, halving_doubling or tree");
 }
 
 }  // namespace smddp_test

@@ -31,7 +31,10 @@ def _every_dtype_and_op():
                 all_reduce_direct(t, op=checks.redop(op))
                 dist.all_reduce(via_dist, op=checks.redop(op))
                 want = checks.reference_reduce(
-                    [checks.make_input(r, n, dtype, salt, op) for r in range(world)], op, hosts
+                    [checks.make_input(r, n, dtype, salt, op) for r in range(world)],
+                    op,
+                    hosts,
+                    tree=checks.tree_takes(t),
                 )
                 assert checks.same(t, want), f"{dtype} {op} n={n}: {t[:8]} != {want[:8]}"
                 assert checks.same(t, via_dist), f"{dtype} {op} n={n}: differs from dist.all_reduce"

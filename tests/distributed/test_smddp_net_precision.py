@@ -2,13 +2,17 @@
 
 Note [Half precision on the wire] in csrc/smddp/algorithms/net_algorithm.h: partials cross
 hosts in the tensor's own dtype, each host's partial rounded once and every sum made in fp32.
-Over random inputs, on 2 hosts (of 1 and of 2 ranks) and 4 hosts (the ring, and the mesh
-asked for), each result is compared with the exact sum (fp64) and with what a ring over every
+Over random inputs, on 2 hosts (of 1 and of 2 ranks: the mesh), 4 hosts (the ring and the
+mesh) and 2 to 4 hosts by the tree (Note [A tree for small all-reduces] in net_tree.cpp), each
+asked for, each result is compared with the exact sum (fp64) and with what a ring over every
 rank that rounds its running sum at each hop (NCCL's) gets on the same inputs. Ours must
 stay within the Note's bound element by element, its mean error may not exceed the per-hop
 one (with one rank per host the ring is NCCL's, bit for bit), and fp32 on the wire
-(SMDDP_NET_REDUCE_DTYPE=fp32) must be at least as close.
+(SMDDP_NET_REDUCE_DTYPE=fp32) must be at least as close. Which algorithm ran is what the
+backend counted (group_layout()["net_ops"]).
 """
+
+import math
 
 import pytest
 import torch
@@ -49,37 +53,43 @@ def _per_hop(xs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def _bound(xs64: list[torch.Tensor], hosts: list[list[int]], ring: bool, u: float):
+def _bound(xs64: list[torch.Tensor], hosts: list[list[int]], algorithm: str, u: float):
     """The Note's bound on |result - exact|, element by element: the result's own rounding,
     every host partial rounded once where it leaves its host (bounded here for all of them),
-    on a ring H-2 running sums rounded (each at most the sum of the partials' magnitudes), and
-    fp32 sums (about N 2^-24 of the inputs' magnitudes each; 2x that). 5% over it for the
-    second-order terms."""
+    on a ring H-2 running sums rounded (each at most the sum of the partials' magnitudes), in
+    the tree each partial inside ceil(log2 H) rounded values in all, and fp32 sums (about N
+    2^-24 of the inputs' magnitudes each; 2x that). 5% over it for the second-order terms."""
     partials = [sum(xs64[r] for r in members) for members in hosts]
     spread = sum(p.abs() for p in partials)
-    bound = sum(partials).abs() * u + spread * u
-    if ring:
-        bound = bound + (len(hosts) - 2) * spread * u
+    h = len(hosts)
+    rounded = {"mesh": 1, "ring": h - 1, "tree": math.ceil(math.log2(h))}[algorithm]
+    bound = sum(partials).abs() * u + rounded * spread * u
     bound = bound + 2 * len(xs64) * 2.0**-24 * sum(x.abs() for x in xs64)
     return 1.05 * bound
 
 
-def _errors(group, dtype: torch.dtype, seed: int, hosts: list[list[int]], ring: bool) -> dict:
+def _errors(group, dtype: torch.dtype, seed: int, hosts: list[list[int]]) -> dict:
+    from torch_sagemaker.smddp.backend import group_layout
+
     ranks = dist.get_process_group_ranks(group)
     me = ranks.index(dist.get_rank())
     mine = _inputs(me, dtype, seed)
     out = mine.clone()
+    before = group_layout(group)["net_ops"]
     dist.all_reduce(out, group=group)
+    after = group_layout(group)["net_ops"]
+    (algorithm,) = [a for a in after if after[a] != before[a]]  # the one that ran
     xs = [_inputs(r, dtype, seed) for r in range(len(ranks))]
     xs64 = [x.double() for x in xs]
     exact = sum(xs64)
     ours = (out.double() - exact).abs()
     hop = (_per_hop(xs, dtype) - exact).abs()
-    bound = _bound(xs64, hosts, ring, UNIT[dtype])
+    bound = _bound(xs64, hosts, algorithm, UNIT[dtype])
     # Every rank must hold the same bits.
     every = [torch.empty_like(out) for _ in ranks]
     dist.all_gather(every, out, group=group)
     return {
+        "algorithm": algorithm,
         "ours_mean": ours.mean().item(),
         "ours_max": ours.max().item(),
         "hop_mean": hop.mean().item(),
@@ -95,18 +105,15 @@ def _run_cases(cases):
     from torch_sagemaker.smddp.backend import group_layout
 
     results = {}
-    for name, ranks, options in cases:
+    for name, ranks, options, algorithm in cases:
         group = dist.new_group(ranks, backend="smddp", pg_options=options)
         if dist.get_rank() not in ranks:
             continue
-        layout = group_layout(group)
-        hosts = layout["members"]
+        hosts = group_layout(group)["members"]
         for dtype in (torch.bfloat16, torch.float16):
             for seed in range(2):
                 results[(name, str(dtype), seed)] = dict(
-                    _errors(group, dtype, seed, hosts, layout["net_algorithm"] == "ring"),
-                    algorithm=layout["net_algorithm"],
-                    hosts=len(hosts),
+                    _errors(group, dtype, seed, hosts), asked=algorithm, hosts=len(hosts)
                 )
     return results
 
@@ -119,24 +126,36 @@ def _check(results: dict, label: str) -> None:
             f"  mean {r['ours_mean']:.3e} vs {r['hop_mean']:.3e}"
             f"  max {r['ours_max']:.3e} vs {r['hop_max']:.3e}"
         )
+        assert r["algorithm"] == r["asked"], (key, r)
         assert r["same_bits"], key
         assert r["over_bound"] == 0, (key, r)
-        assert r["ours_mean"] <= r["hop_mean"], (key, r)
+        # On 3 hosts of one rank the tree rounds one running sum, as the per-hop ring over 3
+        # ranks does (other ones): the two means are as close as the random inputs make them.
+        slack = 1.02 if r["algorithm"] == "tree" else 1.0
+        assert r["ours_mean"] <= slack * r["hop_mean"], (key, r)
         if r["algorithm"] == "ring" and key[0] == "4 hosts":
             # One rank a host: our ring is NCCL's ring, rounding for rounding.
             assert r["ours_max"] == r["hop_max"] and r["ours_mean"] == r["hop_mean"], (key, r)
 
 
+def _options(algo: str, fp32: bool = False) -> SMDDPOptions:
+    return SMDDPOptions(net_algo=algo, net_reduce_dtype="fp32" if fp32 else None)
+
+
 def _four_ranks():
-    fp32 = SMDDPOptions(net_reduce_dtype="fp32")
-    mesh = SMDDPOptions(net_algo="mesh")
+    # Each algorithm asked for: under auto these 64 KiB all_reduces take the tree (Note
+    # [When the tree runs]).
     return _run_cases(
         [
-            ("4 hosts", [0, 1, 2, 3], None),
-            ("4 hosts mesh", [0, 1, 2, 3], mesh),
-            ("4 hosts fp32 wire", [0, 1, 2, 3], SMDDPOptions(net_reduce_dtype="fp32")),
-            ("2 hosts of 1", [0, 2], None),
-            ("2 hosts of 1 fp32", [0, 2], fp32),
+            ("4 hosts", [0, 1, 2, 3], _options("ring"), "ring"),
+            ("4 hosts mesh", [0, 1, 2, 3], _options("mesh"), "mesh"),
+            ("4 hosts fp32 wire", [0, 1, 2, 3], _options("ring", fp32=True), "ring"),
+            ("2 hosts of 1", [0, 2], _options("mesh"), "mesh"),
+            ("2 hosts of 1 fp32", [0, 2], _options("mesh", fp32=True), "mesh"),
+            ("4 hosts tree", [0, 1, 2, 3], _options("tree"), "tree"),
+            ("4 hosts tree fp32", [0, 1, 2, 3], _options("tree", fp32=True), "tree"),
+            ("3 hosts tree", [0, 1, 2], _options("tree"), "tree"),
+            ("2 hosts of 1 tree", [0, 2], _options("tree"), "tree"),
         ]
     )
 
@@ -144,8 +163,9 @@ def _four_ranks():
 def _two_hosts_of_two():
     return _run_cases(
         [
-            ("2 hosts of 2", [0, 1, 2, 3], None),
-            ("2 hosts of 2 fp32", [0, 1, 2, 3], SMDDPOptions(net_reduce_dtype="fp32")),
+            ("2 hosts of 2", [0, 1, 2, 3], _options("mesh"), "mesh"),
+            ("2 hosts of 2 fp32", [0, 1, 2, 3], _options("mesh", fp32=True), "mesh"),
+            ("2 hosts of 2 tree", [0, 1, 2, 3], _options("tree"), "tree"),
         ]
     )
 

@@ -2,7 +2,8 @@
 
 Every check builds each rank's input deterministically, so every rank can compute the
 expected result of a collective directly (in the backend's documented reduction order:
-local ranks in order inside a host, then hosts in order) and compare bit for bit.
+local ranks in order inside a host, then hosts in the order of the algorithm that crossed
+them) and compare bit for bit.
 """
 
 from __future__ import annotations
@@ -82,12 +83,42 @@ def ring_across_hosts(hosts: list[list[int]]) -> bool:
     in net_ring.cpp), which sums each part in its own host order: 3 hosts or more of equal
     rank counts, with SMDDP_NET_ALGO=ring, or auto (unset) up to 32 hosts. Hosts of unequal
     rank counts always take the mesh (Note [Unequal hosts]); SMDDP_NET_ALGO=halving_doubling
-    takes neither (its order is modelled in test_smddp_halving_doubling.py)."""
+    takes neither (its order is modelled in test_smddp_halving_doubling.py). The all_reduces
+    the tree takes (``tree_takes``) sum in its own order."""
     equal = len({len(members) for members in hosts}) == 1
     algo = os.environ.get("SMDDP_NET_ALGO", "auto").strip().lower() or "auto"
     if not equal or len(hosts) < 3:
         return False
     return algo == "ring" or (algo == "auto" and len(hosts) <= 32)
+
+
+def tree_takes(t: torch.Tensor, group=None) -> bool:
+    """Whether an all_reduce of ``t`` on ``group`` (default: the world) crosses hosts by the
+    tree (Note [When the tree runs] in net_algorithm.cpp): the backend says up to which size."""
+    limit = cpu_backend(group)._layout()["net_tree_max_bytes"]
+    return limit > 0 and t.numel() * t.element_size() <= limit
+
+
+def _tree_order(partials: list[torch.Tensor], op: str, leaves) -> torch.Tensor:
+    """The tree's sum (Note [A tree for small all-reduces] in net_tree.cpp), the same for
+    every element: core c < P (the largest power of two <= H) adds its extra c + P's partial,
+    rounded to the wire type, to its own; then at d = 1, 2, ..., P/2 cores c and c ^ d add
+    their running sums, each rounded to the wire type, lower core first."""
+    hosts = len(partials)
+    cores = 1 << (hosts.bit_length() - 1)
+    run = []
+    for c in range(cores):
+        mine = partials[c]
+        if c + cores < hosts:
+            mine = _combine(mine, leaves(partials[c + cores]), op)
+        run.append(leaves(mine))
+    d = 1
+    while d < cores:
+        run = [_combine(run[min(c, c ^ d)], run[max(c, c ^ d)], op) for c in range(cores)]
+        if 2 * d < cores:
+            run = [leaves(v) for v in run]
+        d *= 2
+    return run[0]
 
 
 def partition(n: int, parts: int, i: int, align: int) -> tuple[int, int]:
@@ -101,12 +132,17 @@ def partition(n: int, parts: int, i: int, align: int) -> tuple[int, int]:
 
 
 def reference_reduce(
-    xs: list[torch.Tensor], op: str, hosts: list[list[int]], scatter: bool = False
+    xs: list[torch.Tensor],
+    op: str,
+    hosts: list[list[int]],
+    scatter: bool = False,
+    tree: bool = False,
 ) -> torch.Tensor:
     """Reduces per-rank tensors like the backend: inside each host in rank order, then hosts.
 
     Hosts in order, or, in a ring (``ring_across_hosts``), part p from the host after its
-    owner's round to its owner's. The parts are the reduce_scatter's equal ones when
+    owner's round to its owner's, or, for an all_reduce the tree takes (``tree``, from
+    ``tree_takes``), in the tree's order. The parts are the reduce_scatter's equal ones when
     ``scatter``, else the all_reduce's (``partition``).
     """
     dtype, shape = xs[0].dtype, xs[0].shape
@@ -129,7 +165,20 @@ def reference_reduce(
     def leaves(v: torch.Tensor) -> torch.Tensor:
         return v.to(wire).to(acc)
 
-    world, n = len(xs), partials[0].numel()
+    if tree and not scatter and len(hosts) > 1:
+        total = _tree_order(partials, op, leaves)
+    else:
+        total = _part_by_part(partials, op, hosts, scatter, xs[0].element_size(), leaves)
+    if op == "AVG":
+        total = total / len(xs)
+    return total.to(dtype).reshape(shape)
+
+
+def _part_by_part(
+    partials: list[torch.Tensor], op: str, hosts: list[list[int]], scatter: bool, esz: int, leaves
+) -> torch.Tensor:
+    """Each part summed over the hosts by its owner (the mesh) or around a ring."""
+    world, n = sum(len(m) for m in hosts), partials[0].numel()
     host_of = {r: h for h, members in enumerate(hosts) for r in members}
     ring = ring_across_hosts(hosts)
     total = torch.empty_like(partials[0])
@@ -137,7 +186,7 @@ def reference_reduce(
         if scatter:
             b, e = p * (n // world), (p + 1) * (n // world)
         else:
-            b, e = partition(n, world, p, max(1, 64 // xs[0].element_size()))
+            b, e = partition(n, world, p, max(1, 64 // esz))
         owner = host_of[p]
         if ring:  # from the host after the owner's, round to the owner's
             order = [(owner + 1 + k) % len(hosts) for k in range(len(hosts))]
@@ -152,9 +201,7 @@ def reference_reduce(
                 v = part[b:e] if h == owner else leaves(part[b:e])
                 sum_p = v.clone() if sum_p is None else _combine(sum_p, v, op)
         total[b:e] = sum_p
-    if op == "AVG":
-        total = total / len(xs)
-    return total.to(dtype).reshape(shape)
+    return total
 
 
 def tell(key: str) -> None:
@@ -247,7 +294,10 @@ def check_all_reduce(sizes=SIZES, dtypes=ALL_DTYPES, async_op=False) -> int:
                     work.wait()
                     assert same(work.get_future().value()[0], t)
                 want = reference_reduce(
-                    [make_input(r, n, dtype, salt, op) for r in range(world)], op, hosts
+                    [make_input(r, n, dtype, salt, op) for r in range(world)],
+                    op,
+                    hosts,
+                    tree=tree_takes(t),
                 )
                 assert same(t, want), f"all_reduce {dtype} {op} n={n}: {t[:8]} != {want[:8]}"
                 checked += 1
@@ -444,14 +494,11 @@ def check_coalesced() -> int:
             dist.all_reduce(t)
     # The backend reduces the three as one flat tensor (allreduce_coalesced), so the
     # reference does too: in a ring, the parts are cut from the flat tensor.
-    flat = reference_reduce(
-        [
-            torch.cat([make_input(r, n, torch.float32, 11 + n) for n in (3, 1000, 1)])
-            for r in range(world)
-        ],
-        "SUM",
-        hosts,
-    )
+    xs = [
+        torch.cat([make_input(r, n, torch.float32, 11 + n) for n in (3, 1000, 1)])
+        for r in range(world)
+    ]
+    flat = reference_reduce(xs, "SUM", hosts, tree=tree_takes(xs[0]))
     for t, want in zip(ts, flat.split([3, 1000, 1])):
         assert same(t, want), "all_reduce coalesced"
 
@@ -489,7 +536,8 @@ def check_non_contiguous() -> int:
         base = [make_input(r, 40 * 6, dtype, 9).view(40, 6) for r in range(world)]
         t = base[rank].clone()[:, ::2]  # strided view
         dist.all_reduce(t)
-        want = reference_reduce([b[:, ::2].contiguous() for b in base], "SUM", hosts)
+        cols = [b[:, ::2].contiguous() for b in base]
+        want = reference_reduce(cols, "SUM", hosts, tree=tree_takes(cols[0]))
         assert same(t.contiguous(), want), f"non-contiguous all_reduce {dtype}"
         checked += 1
     base = [make_input(r, 40 * 6, torch.float32, 9).view(40, 6) for r in range(world)]
@@ -522,7 +570,10 @@ def check_back_to_back(iters: int = 300) -> int:
             assert same(
                 t,
                 reference_reduce(
-                    [make_input(r, n, torch.float32, i) for r in range(world)], "SUM", hosts
+                    [make_input(r, n, torch.float32, i) for r in range(world)],
+                    "SUM",
+                    hosts,
+                    tree=tree_takes(t),
                 ),
             ), i
         elif kind == 1:

@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import os
+import re
 
 import pytest
 
@@ -48,6 +49,21 @@ def test_nic_bytes_are_the_textbook_ones(hosts):
     # One ring over all N ranks crosses each host's boundary once per step.
     n = hosts * 8
     assert cm.nic_bytes("flat_ring", "all_reduce", hosts, 8, s) == 2 * (n - 1) / n * s
+    # smddp's tree sends S in each of its log2 H rounds (the mesh's S on two hosts).
+    assert cm.nic_bytes("tree", "all_reduce", hosts, 8, s) == math.log2(hosts) * s
+
+
+@pytest.mark.parametrize(
+    "hosts, rounds, fold", [(2, 1, 0), (3, 1, 1), (4, 2, 0), (5, 2, 1), (7, 2, 1), (1024, 10, 0)]
+)
+def test_the_tree_folds_hosts_beyond_a_power_of_two(hosts, rounds, fold):
+    assert cm.tree_rounds(hosts) == (rounds, fold)
+    # The fold's two hops, S into a core and S out, each its own stage on the NIC and in
+    # the latency steps (a stage starts when the one before ended).
+    s = MIB
+    assert cm.nic_bytes("tree", "all_reduce", hosts, 1, s) == (rounds + 2 * fold) * s
+    w = cm.work(cm.Cluster(hosts, 1, 1e9, 1), "all_reduce", s, "tree")
+    assert w.steps == rounds + 2 * fold and w.flows == 1
 
 
 def test_busbw_is_nccl_tests():
@@ -245,8 +261,8 @@ def test_latency_steps_per_algorithm():
     assert cm.predict(costs, cluster, "all_gather_into_tensor", 1, "ring") == pytest.approx(
         5e-3 + 7e-3
     )
-    # A tree: up and down, log2 H each.
-    assert cm.predict(costs, cluster, "all_reduce", 1, "tree") == pytest.approx(5e-3 + 6e-3)
+    # smddp's tree: log2 H rounds of the whole data (Note [A tree for small all-reduces]).
+    assert cm.predict(costs, cluster, "all_reduce", 1, "tree") == pytest.approx(5e-3 + 3e-3)
     # gloo's flat ring: 2(N-1) steps over all 64 ranks, at its own step cost.
     flat = dataclasses.replace(costs, flat_step=1e-4)
     assert cm.predict(flat, cluster, "all_reduce", 1, "flat_ring") == pytest.approx(5e-3 + 126e-4)
@@ -267,9 +283,11 @@ def test_the_choice_follows_the_costs():
     costs = dataclasses.replace(WIRE_ONLY, alpha=1e-5, step=2e-5, message=5e-6)
     nic = 4 * 100e9 / 8
     # Few hosts: the mesh's one step wins; 1024 hosts and a small all_reduce: the tree's
-    # 2 log2 H steps cost less than the mesh's 4 (H-1) messages.
+    # log2 H steps cost less than halving/doubling's 2 log2 H and the mesh's 4 (H-1)
+    # messages; at 1 MiB the tree's log2 H times the bytes already cost more.
     assert cm.best(costs, cm.Cluster(8, 8, nic, 8), "all_reduce", 64 * MIB)[0] == "mesh"
-    assert cm.best(costs, cm.Cluster(1024, 8, nic, 8), "all_reduce", MIB)[0] == "tree"
+    assert cm.best(costs, cm.Cluster(1024, 8, nic, 8), "all_reduce", 64 * 1024)[0] == "tree"
+    assert cm.best(costs, cm.Cluster(1024, 8, nic, 8), "all_reduce", MIB)[0] == "doubling"
 
 
 def test_the_fit_recovers_the_costs_it_generated():
@@ -403,6 +421,29 @@ def test_the_recorded_fit_is_physical(recorded_fit):
     assert costs.half_shm_reduce_cpu > 1.2 * costs.shm_reduce_cpu
 
 
+def test_the_tree_rule_in_the_backend_is_the_models(recorded_fit):
+    # Note [The tree rule from the model]: kTreeRule in net_algorithm.cpp is what the model
+    # fitted on the recorded runs derives; a refit that moves a crossover must rewrite it
+    # (bench multihost --fit prints the lines).
+    costs, _ = recorded_fit
+    rule = report.tree_rule(costs)
+    source = os.path.join(os.path.dirname(__file__), "..", "..", "csrc", "smddp", "algorithms")
+    with open(os.path.join(source, "net_algorithm.cpp")) as f:
+        text = f.read()
+    table = text[text.index("kTreeRule[] = {") : text.index("};", text.index("kTreeRule[] = {"))]
+    entries = [tuple(int(x) for x in m) for m in re.findall(r"\{(\d+), (\d+)\}", table)]
+    assert entries == rule, report.tree_rule_table(costs)
+    # From 3 hosts on small all_reduces take the tree, below a few MiB; against the ring
+    # the size grows with the hosts, whose 2 (H-1) steps the tree saves.
+    assert rule[0][0] == 2 and all(size <= 16 * MIB for _, size in rule)
+
+    def at(hosts: int) -> int:
+        return [size for first, size in rule if first <= hosts][-1]
+
+    assert all(at(h) > 0 for h in range(3, 1025))
+    assert at(32) > at(4) > 0
+
+
 def test_fit_from_saved_runs_prints_the_tables(tmp_path, capsys, monkeypatch, recorded_fit):
     from benchmarks import multihost
 
@@ -431,4 +472,5 @@ def test_fit_from_saved_runs_prints_the_tables(tmp_path, capsys, monkeypatch, re
     assert "| op | hosts | float32 | bfloat16 |" in out and "| all_reduce | 1024 |" in out
     assert "Predicted: 2 x 100gbit per host, 8 ranks" in out
     assert "| 1024 |" in out and "largest" in out
+    assert "auto's tree rule" in out and "    {2, " in out
     assert plot.stat().st_size > 0

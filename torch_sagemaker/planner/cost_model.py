@@ -201,16 +201,33 @@ def nic_bytes(algorithm: str, op: str, hosts: int, ranks: int, size: int) -> flo
 
     The mesh, the hierarchical ring and recursive halving/doubling send the minimum,
     k (H-1)/H S. A flat ring over all N ranks crosses each host's boundary once per step:
-    k (N-1)/N S. A double binary tree (all_reduce only) makes every host an inner node of
-    one tree and a leaf of the other: about 2 S per host, or the mesh's S with two hosts.
+    k (N-1)/N S. smddp's tree (all_reduce only; Note [A tree for small all-reduces] in
+    net_tree.cpp) sends the rail's whole data in each of its rounds, S per host and round,
+    log2 P rounds (P the largest power of two <= H); off powers of two the fold adds S into
+    a core before them and S out after, and since each stage starts when the one before
+    ended, both count: the NIC time of the stages one after another (the mesh's S with two
+    hosts).
     """
     world = hosts * ranks
     k = nic_factor(op)
     if algorithm == "flat_ring":
         return k * (world - 1) / world * size
-    if algorithm == "tree" and hosts > 2:
-        return 2.0 * size
+    if algorithm == "tree":
+        rounds, fold = tree_rounds(hosts)
+        return (rounds + 2 * fold) * float(size)
     return k * (hosts - 1) / hosts * size
+
+
+def tree_rounds(hosts: int) -> tuple[int, int]:
+    """The shape of smddp's tree on ``hosts`` hosts.
+
+    Returns:
+        Its doubling rounds, log2 P (P the largest power of two <= H), and 1 where H is not a
+        power of two (the fold: an extra host's data goes to its core before the rounds and
+        its result back after them), else 0.
+    """
+    cores = 1 << (max(1, hosts).bit_length() - 1)
+    return cores.bit_length() - 1, int(cores != hosts)
 
 
 def _chunks(nbytes: float) -> int:
@@ -325,8 +342,8 @@ def work(
         size: nccl-tests' S in bytes (of ``dtype``).
         algorithm: ``mesh`` (smddp's), ``ring`` (a ring per rail between hosts, shared
             memory inside), ``doubling`` (recursive halving and doubling per rail),
-            ``tree`` (a double binary tree per rail; all_reduce only) or ``flat_ring``
-            (gloo's: one ring over all ranks, TCP inside a host too).
+            ``tree`` (smddp's recursive doubling of each rail's data; all_reduce only) or
+            ``flat_ring`` (gloo's: one ring over all ranks, TCP inside a host too).
         dtype: The tensor's dtype (Note [Cost model of half precision]).
         wire: The type reductions send partial sums in, as for wire_bytes().
 
@@ -384,16 +401,17 @@ def work(
     elif algorithm == "tree":
         if op != "all_reduce":
             raise ValueError("a tree is modelled for all_reduce only")
-        # The rank's rail data D, half through each tree in chunks. In the tree where
-        # it is an inner node it receives two children's halves and sends one up, then
-        # receives one and sends two down (6 messages per chunk, 3 D of bytes);
-        # in the other it is a leaf (2 per chunk, D). It reduces its two children's
-        # halves into its own.
+        # smddp's tree (net_tree.cpp): the rank's rail data D crosses whole in every round,
+        # one peer a round; a core with an extra host also receives D before the rounds (the
+        # fold) and sends D after them. Each exchange adds what arrived to its own value (in
+        # the wire type: every sum is rounded where it is stored), and the fold's result
+        # goes back unreduced.
         rail = size / local
-        steps = 2 * max(1, math.ceil(math.log2(h)))
-        moved = 4.0 * rail if h > 2 else 2.0 * k * (h - 1) * part
-        messages = 8.0 * _chunks(rail / 2 * on_wire)
-        incoming, mine = (rail, 0.5 * rail) if h > 2 else ((h - 1) * part, part)
+        rounds, fold = tree_rounds(h)
+        steps = rounds + 2 * fold
+        moved = 2.0 * (rounds + fold) * rail
+        messages = 2.0 * (rounds + fold) * _chunks(rail * on_wire)
+        incoming = mine = (rounds + fold) * rail
     else:
         raise ValueError(f"unknown algorithm {algorithm!r}")
     moved *= on_wire
@@ -540,3 +558,73 @@ def best(
         ((a, predict(costs, cluster, op, size, a, dtype, wire)) for a in algorithms_for(op)),
         key=lambda x: x[1],
     )
+
+
+# Note [The tree rule from the model]
+# SMDDP_NET_ALGO=auto sends an all_reduce between H hosts of equal rank counts by smddp's
+# tree when it is at most a size set by H, and by the group's algorithm otherwise (Note
+# [When the tree runs] in csrc/smddp/algorithms/net_algorithm.cpp, whose table kTreeRule
+# holds the sizes). The sizes are the model's: for each H, the largest of TREE_RULE_SIZES up
+# to which the tree is predicted faster than auto's algorithm at every one of them, at the
+# costs fitted on the recorded runs and on a cluster the report names
+# (benchmarks/cost_model_report.py: tree_rule_cluster). `bench multihost --fit` prints the
+# table; tests/unit/test_cost_model.py holds the C++ table to it, so a refit that moves a
+# crossover fails there until the table is rewritten.
+
+# Where auto's ring ends (kAutoRingMaxHosts in net_algorithm.cpp).
+AUTO_RING_MAX_HOSTS = 32
+# The sizes the rule chooses among: powers of two from 1 KiB to 256 MiB.
+TREE_RULE_SIZES = tuple(1 << k for k in range(10, 29))
+
+
+def auto_algorithm(hosts: int) -> str:
+    """What SMDDP_NET_ALGO=auto sends a collective by when the tree does not take it.
+
+    On ``hosts`` hosts of equal rank counts: the ring from 3 to 32 hosts, else the mesh.
+    """
+    return "ring" if 3 <= hosts <= AUTO_RING_MAX_HOSTS else "mesh"
+
+
+def tree_max_bytes(costs: Costs, cluster: Cluster, sizes: tuple[int, ...] = TREE_RULE_SIZES) -> int:
+    """The largest all_reduce auto should send by the tree on ``cluster`` (0: none).
+
+    Args:
+        costs: The fitted costs.
+        cluster: The hosts.
+        sizes: The candidates, ascending.
+
+    Returns:
+        The largest of ``sizes`` at which, and at every smaller one, the tree is predicted
+        faster than auto_algorithm(cluster.hosts); 0 when it is not at the smallest.
+    """
+    best = 0
+    other = auto_algorithm(cluster.hosts)
+    for size in sizes:
+        tree = predict(costs, cluster, "all_reduce", size, "tree")
+        if tree >= predict(costs, cluster, "all_reduce", size, other):
+            break
+        best = size
+    return best
+
+
+def tree_rule(
+    costs: Costs, cluster_of: Callable[[int], Cluster], max_hosts: int = 1024
+) -> list[tuple[int, int]]:
+    """The sizes of auto's tree rule for 2 to ``max_hosts`` hosts, as (hosts, bytes) entries.
+
+    Args:
+        costs: The fitted costs.
+        cluster_of: The cluster of a host count (the rule's reference hosts).
+        max_hosts: The last host count to derive.
+
+    Returns:
+        One entry per run of host counts with the same tree_max_bytes, in order: from that
+        host count up to the next entry's, all_reduces of at most that many bytes take the
+        tree. The last entry holds beyond ``max_hosts``.
+    """
+    rule: list[tuple[int, int]] = []
+    for hosts in range(2, max_hosts + 1):
+        size = tree_max_bytes(costs, cluster_of(hosts))
+        if not rule or rule[-1][1] != size:
+            rule.append((hosts, size))
+    return rule

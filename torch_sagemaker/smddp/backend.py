@@ -234,15 +234,19 @@ def group_layout(group: dist.ProcessGroup | None = None) -> dict:
 
     Returns:
         ``{"hosts", "local_size", "host", "local_rank", "members", "forced", "uniform",
-        "net_algorithm", "machine_oversubscribed"}``: ``members`` lists the group ranks of
-        each host; ``local_size``
+        "net_algorithm", "net_tree_max_bytes", "net_ops", "machine_oversubscribed"}``:
+        ``members`` lists the group ranks of each host; ``local_size``
         is the rank count of this rank's host; ``forced`` is true when
         ``SMDDP_FORCE_LOCAL_SIZE`` shaped the layout; ``uniform`` is false when hosts have
         unequal rank counts (they keep their hierarchy, and cross hosts over the mesh only);
         ``net_algorithm`` is how collectives cross hosts, ``"mesh"``, ``"ring"`` or
         ``"halving_doubling"`` (the
         layout and the group's ``net_algo``, from ``SMDDPOptions`` or ``SMDDP_NET_ALGO``,
-        decide it), or ``"none"`` on one host; ``machine_oversubscribed`` is true when the
+        decide it), or ``"none"`` on one host, but for the all_reduces of at most
+        ``net_tree_max_bytes`` bytes, which cross by the tree (0: none; chosen per call, Note
+        [When the tree runs] in csrc/smddp/algorithms/net_algorithm.cpp); ``net_ops`` counts
+        the collectives that crossed hosts so far by each algorithm (``"mesh"``, ``"ring"``,
+        ``"halving_doubling"``, ``"tree"``); ``machine_oversubscribed`` is true when the
         group's ranks on this machine, of this host and of hosts that are containers or
         namespaces of the same machine, outnumber the CPUs they may run on (their waits
         then yield rather than spin).

@@ -43,8 +43,8 @@ class SMDDPOptions:
         socket_addr: IPv4 address (or name) other hosts reach this rank at.
         socket_ifname: Network interface whose IPv4 address to use instead.
         net_chunk_bytes: Collectives across hosts send each part in messages of this size.
-        net_algo: How collectives cross hosts: "mesh", "ring", "halving_doubling" or
-            "auto".
+        net_algo: How collectives cross hosts: "mesh", "ring", "halving_doubling", "tree"
+            (all_reduce only; other collectives as "auto") or "auto".
         net_reduce_dtype: The type bf16/fp16 reductions send partial sums between hosts in:
             "auto" (their own, half of fp32's bytes) or "fp32".
         timeline: Record when each collective and its phases across hosts began and ended,

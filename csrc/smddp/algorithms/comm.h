@@ -13,8 +13,10 @@
 // (one hop, a full mesh), which reduces them in host order. From 3 hosts with equal rank
 // counts on, the rail may instead pass the partials around a ring (Note [Rail rings] in
 // net_ring.cpp); the group's inter-host algorithm is chosen once (Note [Inter-host algorithms]
-// in net_algorithm.h). All-gather is the mirror image: each rank sends its part to the part's
-// handlers on the other hosts over TCP, then a shared-memory all-gather inside the host.
+// in net_algorithm.h), and small all-reduces may cross by the tree instead, chosen per call
+// (Note [When the tree runs] in net_algorithm.cpp). All-gather is the mirror image: each rank
+// sends its part to the part's handlers on the other hosts over TCP, then a shared-memory
+// all-gather inside the host.
 // All-reduce = reduce-scatter + all-gather over N parts. The reduction order (local ranks in
 // order, then hosts in an order fixed by the algorithm) is fixed, so every rank gets
 // bit-identical results. SMDDP_FORCE_LOCAL_SIZE=k splits each real host into blocks of k
@@ -142,11 +144,18 @@ class Communicator : private NetGroup {
   std::shared_ptr<ShmPool> pool() const { return shm_ ? shm_->pool() : nullptr; }
   // Collectives that read their operands in place from the pools (for tests and stats).
   uint64_t zero_copy_ops() const { return zero_copy_ops_.load(); }
-  // How this group's collectives cross hosts ("mesh", "ring"; "none" on one host), chosen
-  // once at creation (Note [Inter-host algorithms] in net_algorithm.h).
-  const char* net_algorithm() const { return net_algo_ ? net_algo_->name() : "none"; }
-  // Collectives that crossed hosts (with net_algorithm()).
+  // How this group's collectives cross hosts ("mesh", "ring", "halving_doubling"; "none" on
+  // one host), chosen once at creation (Note [Inter-host algorithms] in net_algorithm.h):
+  // every collective but the all_reduces the tree takes (net_tree_max_bytes).
+  const char* net_algorithm() const { return net_algos_.main ? net_algos_.main->name() : "none"; }
+  // All-reduces of at most this many bytes cross hosts by the tree (0: none; Note [When the
+  // tree runs] in net_algorithm.cpp).
+  size_t net_tree_max_bytes() const { return net_algos_.tree ? net_algos_.tree_max_bytes : 0; }
+  // Collectives that crossed hosts: all of them, and those of one algorithm.
   uint64_t net_ops() const { return net_ops_.load(); }
+  uint64_t net_ops(NetAlgo algorithm) const {
+    return net_ops_by_[static_cast<size_t>(algorithm)].load();
+  }
   // Network messages a collective received from a rank of this host (tests: the
   // hierarchical collectives keep those in shared memory; all_to_all does not).
   uint64_t local_net_messages() const { return local_net_messages_.load(); }
@@ -174,6 +183,9 @@ class Communicator : private NetGroup {
                            const Reduction& red, const OpCtx& ctx);
   void hier_allgather(const void* src, void* out, const std::vector<Span>& parts, const OpCtx& ctx);
   void hier_allreduce(void* data, size_t count, const Reduction& red, const OpCtx& ctx);
+  // The algorithm of one collective across hosts (Note [When the tree runs]), counted, and
+  // made the one under way.
+  NetAlgorithm& start_net_op(bool all_reduce, size_t bytes);
   // The largest message of a part across hosts, in bytes (Note [A message per local step] in
   // comm_hier.cpp).
   size_t net_chunk_bytes() const;
@@ -181,7 +193,7 @@ class Communicator : private NetGroup {
   // Starts the shared-memory steps that make this host's partial sums of the parts I handle
   // (or points at the input, where it is them), in the phases the algorithm needs.
   void start_host_partials(HostPartials& hp, const void* in, const std::vector<Span>& parts,
-                           const Reduction& red, const OpCtx& ctx);
+                           const Reduction& red, const OpCtx& ctx, const NetAlgorithm& algo);
   // The shared-memory all-gather inside this host of the parts its ranks handle (spans in
   // bytes of `out`), stepped while those parts arrive (Note [Local all-gather during the
   // exchange] in comm_hier.cpp). With one rank per host it does nothing. `parts` and `ctx`
@@ -275,8 +287,11 @@ class Communicator : private NetGroup {
   size_t oneshot_bytes_ = 0;
   bool zero_copy_ = false;  // every local rank has a pool: try zero-copy AG/RS
   std::atomic<uint64_t> zero_copy_ops_{0};
-  std::unique_ptr<NetAlgorithm> net_algo_;  // null on one host
+  NetAlgorithms net_algos_;  // Note [Inter-host algorithms]; none on one host
+  // The algorithm of the collective across hosts under way (net_chunk_bytes reads it).
+  const NetAlgorithm* net_now_ = nullptr;
   std::atomic<uint64_t> net_ops_{0};
+  std::atomic<uint64_t> net_ops_by_[kNetAlgos] = {};  // by NetAlgo
   std::atomic<uint64_t> local_net_messages_{0};
   std::mutex broken_mu_;                 // guarded() runs on the executor and on the send lane
   std::atomic<uint32_t> poll_round_{0};  // rotates the first peer a receive from any polls

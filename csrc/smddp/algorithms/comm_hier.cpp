@@ -138,7 +138,7 @@ void Communicator::plan_handlers() {
   if (layout_.uniform) {
     for (int h = 0; h < H; ++h) rail_.push_back(members[h][layout_.local_rank]);
   }
-  net_algo_ = choose_net_algorithm(*this);
+  net_algos_ = choose_net_algorithms(*this);
   // The ranks of other hosts this rank exchanges parts with hear of its failures first
   // (Note [Failure notices] in tcp.h): its part's handlers, and the ranks of its parts.
   const int me = layout_.host;
@@ -188,13 +188,21 @@ size_t Communicator::net_chunk_bytes() const {
   if (layout_.hosts < cfg_.size) {
     // The parts one local step carries a chunk of: a ring's phase has one per local rank
     // (Note [Parts in the order the ring needs them] in net_ring.cpp), the mesh's steps all.
-    const size_t ways = net_algo_->parts_per_step();
+    const size_t ways = (net_now_ ? net_now_ : net_algos_.main.get())->parts_per_step();
     // What a step carries of a part is a multiple of 64 bytes (chunk_elems in
     // shm_algos.cpp): a message cut the same way ends where a step does.
     const size_t step = (cfg_.settings.buffer_bytes / ways) & ~size_t{63};
     bytes = std::min(bytes, std::max(kMinNetChunk, step));
   }
   return bytes;
+}
+
+NetAlgorithm& Communicator::start_net_op(bool all_reduce, size_t bytes) {
+  NetAlgorithm& a = net_algos_.pick(all_reduce, bytes);
+  net_now_ = &a;
+  ++net_ops_;
+  ++net_ops_by_[static_cast<size_t>(a.kind())];
+  return a;
 }
 
 std::vector<Span> Communicator::net_chunks(size_t len, size_t esz) const {
@@ -217,7 +225,7 @@ char* Communicator::staging(size_t bytes) {
 
 void Communicator::start_host_partials(HostPartials& hp, const void* in,
                                        const std::vector<Span>& parts, const Reduction& red,
-                                       const OpCtx& ctx) {
+                                       const OpCtx& ctx, const NetAlgorithm& algo) {
   const DType acc = acc_type(red.dtype);
   hp.owned = handled();
   const auto& mine = hp.owned[layout_.local_rank];
@@ -241,20 +249,20 @@ void Communicator::start_host_partials(HostPartials& hp, const void* in,
     buf += parts[mine[k]].len * aesz;
   }
   hp.steps = std::make_unique<shm::ReduceScatterSteps>(*shm_, in, parts, hp.owned, hp.ptr, red,
-                                                       false, ctx, net_algo_->partial_phases());
+                                                       false, ctx, algo.partial_phases());
 }
 
 void Communicator::hier_reduce_scatter(const void* in, const std::vector<Span>& parts, void* dst,
                                        const Reduction& red, const OpCtx& ctx) {
+  NetAlgorithm& algo = start_net_op(false, 0);
   HostPartials hp;
-  start_host_partials(hp, in, parts, red, ctx);
+  start_host_partials(hp, in, parts, red, ctx, algo);
   NetJob job;
   job.parts = &parts;
   job.partials = &hp;
   job.red = &red;
   job.dst = dst;
-  ++net_ops_;
-  net_algo_->run(job, ctx);
+  algo.run(job, ctx);
 }
 
 Communicator::LocalGather::LocalGather(Communicator& comm, char* out,
@@ -324,14 +332,14 @@ void Communicator::hier_allgather(const void* src, void* out, const std::vector<
     std::memmove(base + own.off, src, own.len);
     from = base + own.off;
   }
-  LocalGather gather(*this, base, parts, from, ctx, net_algo_->gather_phases());
+  NetAlgorithm& algo = start_net_op(false, 0);
+  LocalGather gather(*this, base, parts, from, ctx, algo.gather_phases());
   NetJob job;
   job.parts = &parts;
   job.ag_out = base;
   if (copy && from != base + own.off) job.ag_own = from;  // not already copied first
   job.gather = &gather;
-  ++net_ops_;
-  net_algo_->run(job, ctx);
+  algo.run(job, ctx);
   gather.finish();
 }
 
@@ -347,9 +355,11 @@ void Communicator::hier_allreduce(void* data, size_t count, const Reduction& red
   // My part is reduced in place, in order, chunk by chunk, and each reduced chunk goes on to
   // its handlers on the other hosts at once (Note [Pipelined exchanges]); the local all-gather
   // reads it from there as it is made, and the other hosts' reduced chunks land in place.
-  LocalGather gather(*this, base, bytes, nullptr, ctx, net_algo_->gather_phases());
+  // Note [When the tree runs]: count and dtype are the call's, the same on every rank.
+  NetAlgorithm& algo = start_net_op(true, count * esz);
+  LocalGather gather(*this, base, bytes, nullptr, ctx, algo.gather_phases());
   HostPartials hp;
-  start_host_partials(hp, data, parts, red, ctx);
+  start_host_partials(hp, data, parts, red, ctx, algo);
   NetJob job;
   job.parts = &parts;
   job.partials = &hp;
@@ -358,8 +368,7 @@ void Communicator::hier_allreduce(void* data, size_t count, const Reduction& red
   job.ag_out = base;
   job.ag_unit = esz;
   job.gather = &gather;
-  ++net_ops_;
-  net_algo_->run(job, ctx);
+  algo.run(job, ctx);
   gather.finish();
 }
 

@@ -10,13 +10,16 @@
 //   - all-gather: `ag_out` set, the parts arriving into it;
 //   - all-reduce: both, and each reduced chunk of my part goes on as the all-gather's data.
 // The algorithm decides which messages cross and in what order the partials are reduced; it
-// reads the group through NetGroup and nothing else. One algorithm serves a group for its
-// whole life: choose_net_algorithm picks it once, when the group is created, from the layout
-// and settings every rank shares (so every rank picks the same). Today: the mesh
-// (net_mesh.cpp, every host to every other in one hop), the ring (net_ring.cpp, each host
-// to the next) and recursive halving-doubling (net_halving_doubling.cpp, log2 H rounds of
-// one peer each). Another is one new file: a NetAlgorithm subclass, its make_* declared
-// below, and its line in choose_net_algorithm.
+// reads the group through NetGroup and nothing else. choose_net_algorithms picks, when the
+// group is created, from the layout and settings every rank shares, the group's algorithm
+// (every collective's, for its whole life) and whether small all-reduces take the tree
+// instead; NetAlgorithms::pick then chooses per call from what every rank of the call shares
+// (Note [When the tree runs] in net_algorithm.cpp), so every rank picks the same. Today: the
+// mesh (net_mesh.cpp, every host to every other in one hop), the ring (net_ring.cpp, each
+// host to the next), recursive halving-doubling (net_halving_doubling.cpp, log2 H rounds of
+// one peer each) and the tree (net_tree.cpp, all-reduces only: log2 H rounds of the whole
+// data). Another is one new file: a NetAlgorithm subclass, its make_* declared below, and
+// its line in choose_net_algorithms.
 //
 // Note [Half precision on the wire]
 // bf16 and fp16 reductions used to send their partial sums between hosts in fp32, the
@@ -37,8 +40,10 @@
 // over N = H L ranks rounds its running sum at every hop: N-1 roundings, each of a sum of
 // up to N-1 inputs. Ours rounds H-1 partials on the mesh, plus H-2 sums on the ring, so
 // never more often, and each of our rounded values is a sum of L inputs at most where a
-// hop's is up to N-1. tests/distributed/test_smddp_net_precision.py measures both against
-// an fp64 reference. Results stay bit-identical on every rank: the owner's result is what
+// hop's is up to N-1. Halving-doubling and the tree round each partial inside at most
+// ceil(log2 H) values (Note [Halving and doubling between hosts], Note [A tree for small
+// all-reduces]). tests/distributed/test_smddp_net_precision.py measures them against an fp64
+// reference. Results stay bit-identical on every rank: the owner's result is what
 // every rank gets, and the order of every sum is fixed as before.
 // fp16 partials can overflow (65504) where fp32 ones would not, as NCCL's fp16 sums can: a
 // sum of L large gradients before an AVG's division. SMDDP_NET_REDUCE_DTYPE=fp32
@@ -186,6 +191,7 @@ class NetAlgorithm {
   explicit NetAlgorithm(NetGroup& group) : g_(group) {}
   virtual ~NetAlgorithm() = default;
   virtual const char* name() const = 0;
+  virtual NetAlgo kind() const = 0;  // the net_algo value that names it
   // Per group rank's part, the phase in which this host's shared-memory steps make its
   // partial (reduce-scatter) or spread it (all-gather); empty: one phase, every part (Note
   // [Parts in the order the ring needs them] in net_ring.cpp).
@@ -209,8 +215,26 @@ std::unique_ptr<NetAlgorithm> make_mesh(NetGroup& group);  // net_mesh.cpp
 std::unique_ptr<NetAlgorithm> make_ring(NetGroup& group);  // net_ring.cpp
 // net_halving_doubling.cpp (Note [Halving and doubling between hosts]).
 std::unique_ptr<NetAlgorithm> make_halving_doubling(NetGroup& group);
+// net_tree.cpp (Note [A tree for small all-reduces]): all-reduces only.
+std::unique_ptr<NetAlgorithm> make_tree(NetGroup& group);
 
-// The group's algorithm, from its layout and settings (null: one host, nothing crosses).
-std::unique_ptr<NetAlgorithm> choose_net_algorithm(NetGroup& group);
+// The largest all_reduce, in bytes, that auto sends by the tree between `hosts` hosts of
+// equal rank counts (0: none; Note [When the tree runs] in net_algorithm.cpp).
+size_t auto_tree_max_bytes(int hosts);
+
+// What a group may send its collectives across hosts by, chosen once at its creation.
+struct NetAlgorithms {
+  std::unique_ptr<NetAlgorithm> main;  // every collective the tree does not take; null: one host
+  std::unique_ptr<NetAlgorithm> tree;  // all-reduces of at most tree_max_bytes; null: none
+  size_t tree_max_bytes = 0;
+  // The algorithm of one collective across hosts: `bytes` is its tensor's size, the same on
+  // every rank of the call (Note [When the tree runs]).
+  NetAlgorithm& pick(bool all_reduce, size_t bytes) const {
+    return tree && all_reduce && bytes <= tree_max_bytes ? *tree : *main;
+  }
+};
+
+// The group's algorithms, from its layout and settings (Note [Inter-host algorithms]).
+NetAlgorithms choose_net_algorithms(NetGroup& group);
 
 }  // namespace smddp

@@ -16,7 +16,7 @@
 // part (reduce-scatter), every part (all-reduce) or every other part (all-gather). The fold
 // costs the pair one extra transfer of the rail's data each way, so off powers of two the
 // algorithm moves more than the ring; SMDDP_NET_ALGO=auto takes it only where the cost model
-// says it pays (choose_net_algorithm). The other common choice, splitting the extras' data
+// says it pays (choose_net_algorithms). The other common choice, splitting the extras' data
 // among several cores, balances better but needs P-way bookkeeping in every round; the fold
 // keeps every round a single pair.
 //
@@ -98,6 +98,7 @@ class HalvingDoubling final : public NetAlgorithm {
     while (P_ * 2 <= H_) P_ *= 2;
   }
   const char* name() const override { return "halving_doubling"; }
+  NetAlgo kind() const override { return NetAlgo::HALVING_DOUBLING; }
   // One phase: the first round needs half of the parts (all of them in a fold).
   size_t parts_per_step() const override { return static_cast<size_t>(g_.group_size()); }
   void run(const NetJob& job, const OpCtx& ctx) override;

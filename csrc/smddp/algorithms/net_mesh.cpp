@@ -21,6 +21,7 @@ class Mesh final : public NetAlgorithm {
  public:
   using NetAlgorithm::NetAlgorithm;
   const char* name() const override { return "mesh"; }
+  NetAlgo kind() const override { return NetAlgo::MESH; }
   // One phase: the mesh sends every part at once, to every host, and needs no order.
   size_t parts_per_step() const override { return static_cast<size_t>(g_.group_size()); }
   void run(const NetJob& job, const OpCtx& ctx) override;

@@ -1,5 +1,5 @@
 // The rail's exchange between hosts as a ring: the alternative to the mesh (net_mesh.cpp),
-// taken where choose_net_algorithm says so (Note [Inter-host algorithms] in net_algorithm.h).
+// taken where choose_net_algorithms says so (Note [Inter-host algorithms] in net_algorithm.h).
 //
 // Note [Rail rings]
 // The mesh moves a part in one hop: each host sends every other host its partial of that
@@ -16,7 +16,7 @@
 // them since the all-gather copies the owner's result. This is another order than the
 // mesh's (hosts 0..H-1), so mesh and ring results may differ in the last bit; every rank
 // makes the same choice between them (from SMDDP_NET_ALGO, a setting every rank shares, and
-// the host count; choose_net_algorithm), so results stay bit-identical across ranks.
+// the host count; choose_net_algorithms), so results stay bit-identical across ranks.
 // All-gather, H-1 steps: at step t host h passes part h-t on (its own at step 0), and
 // receives part h-t-1 into place.
 //
@@ -123,6 +123,7 @@ class Ring final : public NetAlgorithm {
  public:
   using NetAlgorithm::NetAlgorithm;
   const char* name() const override { return "ring"; }
+  NetAlgo kind() const override { return NetAlgo::RING; }
   // Note [Parts in the order the ring needs them]: host me-1's parts first (sent at the ring's
   // step 0), then me-2's, ..., mine last.
   std::vector<int> partial_phases() const override { return phases(1); }
@@ -149,7 +150,7 @@ void Ring::run(const NetJob& job, const OpCtx& ctx) {
   const Layout& l = g_.layout();
   const int H = l.hosts, me = l.host;
   const std::vector<int>& rail = g_.rail();
-  // Equal hosts only (choose_net_algorithm): the rail is set, and a rank handles one part per
+  // Equal hosts only (choose_net_algorithms): the rail is set, and a rank handles one part per
   // host, so its partials (hp->ptr) are indexed by host.
   const int next = rail[(me + 1) % H], prev = rail[(me + H - 1) % H];
   // The part host `me` handles at step s, `back` hosts behind it (modulo H).

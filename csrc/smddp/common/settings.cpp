@@ -51,8 +51,10 @@ const std::vector<SettingInfo> kSettings = {
     {"net_algo", "SMDDP_NET_ALGO", "name", "auto",
      "how collectives cross hosts: mesh (every host sends to every other at once), ring "
      "(each host to the next, from 3 hosts), halving_doubling (log2 H rounds of one peer "
-     "each; only when asked for), or auto (the ring from 3 to 32 hosts, measured; the mesh "
-     "otherwise); hosts of unequal rank counts take the mesh"},
+     "each; only when asked for), tree (every all_reduce by log2 H rounds of the whole data, "
+     "other collectives as auto sends them), or auto (the ring from 3 to 32 hosts, measured; "
+     "the mesh otherwise; all_reduces below a size set by the host count by the tree); hosts "
+     "of unequal rank counts take the mesh"},
     {"net_reduce_dtype", "SMDDP_NET_REDUCE_DTYPE", "name", "auto",
      "the type bf16/fp16 reductions send their partial sums between hosts in: auto (the "
      "tensor's own, half of fp32's bytes; each host's partial rounded once, sums in fp32) or "
@@ -193,11 +195,13 @@ void apply(Settings& s, const std::string& field, const std::string& source,
     s.net_chunk_bytes = bytes(4 * kKiB, kGiB, false);
   } else if (field == "net_algo") {
     const std::string v = lower(text);
-    SMDDP_CHECK_VALUE(v == "auto" || v == "mesh" || v == "ring" || v == "halving_doubling",
-                      invalid(source, text, "expected auto, mesh, ring or halving_doubling"));
+    SMDDP_CHECK_VALUE(
+        v == "auto" || v == "mesh" || v == "ring" || v == "halving_doubling" || v == "tree",
+        invalid(source, text, "expected auto, mesh, ring, halving_doubling or tree"));
     s.net_algo = v == "mesh"               ? NetAlgo::MESH
                  : v == "ring"             ? NetAlgo::RING
                  : v == "halving_doubling" ? NetAlgo::HALVING_DOUBLING
+                 : v == "tree"             ? NetAlgo::TREE
                                            : NetAlgo::AUTO;
   } else if (field == "net_reduce_dtype") {
     const std::string v = lower(text);
@@ -275,6 +279,7 @@ std::map<std::string, std::string> describe(const Settings& s) {
       {"net_algo", s.net_algo == NetAlgo::MESH               ? "mesh"
                    : s.net_algo == NetAlgo::RING             ? "ring"
                    : s.net_algo == NetAlgo::HALVING_DOUBLING ? "halving_doubling"
+                   : s.net_algo == NetAlgo::TREE             ? "tree"
                                                              : "auto"},
       {"net_reduce_dtype", s.net_reduce_fp32 ? "fp32" : "auto"},
       {"timeline", s.timeline ? "1" : "0"},

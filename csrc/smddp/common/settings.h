@@ -22,7 +22,8 @@
 namespace smddp {
 
 // How collectives cross hosts (Note [Rail rings] in algorithms/net_ring.cpp).
-enum class NetAlgo { AUTO, MESH, RING, HALVING_DOUBLING };
+enum class NetAlgo { AUTO, MESH, RING, HALVING_DOUBLING, TREE };
+constexpr size_t kNetAlgos = 5;
 
 struct Settings {
   size_t buffer_bytes = 1 << 20;
