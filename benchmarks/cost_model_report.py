@@ -13,6 +13,7 @@ import statistics
 from benchmarks import cost_model_fit
 from tools import netns
 from torch_sagemaker.planner import cost_model
+from torch_sagemaker.planner import tree_rule as tree_rule_model
 
 
 def model_report(runs: list[dict], args: argparse.Namespace) -> int:
@@ -359,8 +360,8 @@ def tree_rule_cluster(hosts: int) -> cost_model.Cluster:
 
 
 def tree_rule(costs: cost_model.Costs) -> list[tuple[int, int]]:
-    """The sizes of auto's tree rule (cost_model.tree_rule) on tree_rule_cluster, 2-1024 hosts."""
-    return cost_model.tree_rule(costs, tree_rule_cluster)
+    """The sizes of auto's tree rule (planner.tree_rule) on tree_rule_cluster, 2-1024 hosts."""
+    return tree_rule_model.tree_rule(costs, tree_rule_cluster)
 
 
 def tree_rule_table(costs: cost_model.Costs) -> str:

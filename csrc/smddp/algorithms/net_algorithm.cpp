@@ -38,7 +38,7 @@ constexpr int kAutoRingMaxHosts = 32;
 // layout, so every rank picks the same. net_algo=tree sends every all_reduce by the tree and
 // the rest as auto does; mesh, ring and halving_doubling force theirs for every collective.
 //
-// The sizes are the cost model's (torch_sagemaker/planner/cost_model.py, Note [The tree
+// The sizes are the cost model's (torch_sagemaker/planner/tree_rule.py, Note [The tree
 // rule from the model] there): for each H from 2 to 1024 the largest power of two up to
 // which it predicts the tree faster than the group's algorithm (the ring from 3 to 32 hosts,
 // the mesh on 2 and beyond 32) at every power of two from 1 KiB, at the costs fitted on the
