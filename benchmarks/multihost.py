@@ -4,7 +4,8 @@
         [--ops all_reduce,all_gather_into_tensor,reduce_scatter_tensor] [--sizes 1M,16M,64M]
         [--dtypes float32,bfloat16] [--switch-queue 2M] [--congestion auto]
         [--slow-start-after-idle 1] [--warmup-largest 5,0]
-        [--train|--train-only] [--train-setups fsdp2,fsdp1_hybrid,fsdp2_hybrid]
+        [--train|--train-only]
+        [--train-setups fsdp2,fsdp1_hybrid,fsdp1_overlap,fsdp2_hybrid,fsdp2_overlap]
         [--dtype bf16] [--train-steps 3]
 
 Each layout HxL is H simulated hosts (tools/netns.py: namespaces, one bridge as the switch,
@@ -52,8 +53,10 @@ per byte] in multihost_rank.py).
 
 ``--train`` (``--train-only``: without the sweep) trains a small Llama in each layout and on
 one host of as many ranks, with the same mesh shapes: ``--train-setups`` (default ``fsdp2``,
-FSDP2 over every rank; ``fsdp1_hybrid`` as SMP's train.py wraps FSDP1, ``fsdp2_hybrid``:
-HSDP) in ``--dtype`` (float32 by default; bf16 as SMP's recipe). It prints tokens/s, the
+FSDP2 over every rank; ``fsdp1_hybrid`` as SMP's train.py wraps FSDP1, ``fsdp1_overlap``
+with its replicas' all-reduce during backward, ``fsdp2_hybrid``: HSDP; ``fsdp2_overlap``:
+HSDP's replicas averaged during backward) in ``--dtype`` (float32 by default; bf16 as SMP's
+recipe). It prints tokens/s, the
 fraction of one host's and of gloo's, the step split into compute and exposed communication
 per op (Note [Exposed communication] in multihost_training.py), and how far each run's losses
 are from one host's (multihost_training_report.py); losses beyond the tolerance make the

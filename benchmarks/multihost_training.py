@@ -14,9 +14,18 @@ backend of the job in turn, in the element type ``--dtype`` asks for:
   2-D mesh (replicate across hosts, shard inside a host), or, with one rank per host,
   NO_SHARD over the replicas (PyTorch would turn HYBRID_SHARD over a shard group of one
   into NO_SHARD over that group, and the replicas would never synchronise).
+- ``fsdp1_overlap``: ``fsdp1_hybrid`` with FSDP1's all-reduce across replicas run while
+  backward computes (``torch_sagemaker.sharding.fsdp1_replicas.FSDP1ReplicaReduction``,
+  which ``tsm.init``'s FSDP1 patch attaches to SMP's scripts' models; Note [FSDP1 deferred
+  replica reduction]).
 - ``fsdp2_hybrid``: ``fully_shard`` over the plan's FSDP2 mesh for that config (the same
   2-D mesh: HSDP) with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`` in
   bfloat16.
+- ``fsdp2_overlap``: ``fsdp2_hybrid``'s model, policy and ranks, sharded over the mesh's shard
+  dimension only, with the output embedding a unit of its own and the replicas' gradients
+  averaged while backward computes (``torch_sagemaker.sharding.ReplicaReduction``, what
+  ``shard_model(..., overlap_replica_reduction=True)`` sets up; Note [Deferred replica
+  reduction]).
 
 Every run builds the model from seed 0 and gives rank r the same batches (seed 1 + r) on
 every layout, so a layout's losses can be held against one host's
@@ -40,8 +49,10 @@ not communication. So each step's split is that rank's; the record keeps the med
 the timed steps beside the step's median (the slowest rank's), and compute + exposed is
 close to the step, not equal to it.
 Limits: a call with ``async_op=True`` counts only until it returns, without its wait
-(``async_calls`` counts such calls; there are none in these setups on CPU); communication
-that a backend would run while the caller computes is not seen (none does here); where the
+(``async_calls`` counts such calls; only the ``_overlap`` setups make them: their replicas'
+all-reduces, whose wait at backward's end, the reducer's ``wait_seconds``, is added to the
+exposed all_reduce); communication that runs while the caller computes is not
+exposed, and is not seen otherwise; where the
 ranks share cores, compute includes waiting for a core, and a collective's time includes the
 CPU its copies and reductions take, which an accelerator and its fabric would not spend.
 """
@@ -56,7 +67,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-SETUPS = ("fsdp2", "fsdp1_hybrid", "fsdp2_hybrid")
+SETUPS = ("fsdp2", "fsdp1_hybrid", "fsdp1_overlap", "fsdp2_hybrid", "fsdp2_overlap")
 TRAIN_DTYPES = ("float32", "bfloat16")
 TRAINING_SEQ = 128
 TRAINING_BATCH = 2  # sequences per rank
@@ -287,10 +298,12 @@ def wrap(model, run: Run, mesh_of: dict[str, Any], dtype: str):
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
     from torch_sagemaker.policies import transformer_layer_classes
+    from torch_sagemaker.sharding import ReplicaReduction
+    from torch_sagemaker.sharding.fsdp1_replicas import FSDP1ReplicaReduction
 
     layer_classes = transformer_layer_classes(model)
     half = getattr(torch, dtype) if dtype != "float32" else None
-    if run.setup == "fsdp1_hybrid":
+    if run.setup in ("fsdp1_hybrid", "fsdp1_overlap"):
         placement = _plan(run).fsdp1(ShardingStrategy.HYBRID_SHARD)
         mesh = mesh_of[placement.mesh]
         wrapped = FullyShardedDataParallel(
@@ -311,13 +324,25 @@ def wrap(model, run: Run, mesh_of: dict[str, Any], dtype: str):
             use_orig_params=True,
             device_mesh=mesh,
         )
-        return wrapped, f"FSDP1 {placement.strategy.name} on {tuple(mesh.shape)}"
+        line = f"FSDP1 {placement.strategy.name} on {tuple(mesh.shape)}"
+        if run.setup == "fsdp1_overlap":
+            wrapped.replica_reduction = FSDP1ReplicaReduction(wrapped)  # type: ignore[assignment]
+            line += ", replicas' all-reduce during backward"
+        return wrapped, line
     name = "fsdp_shard_mesh" if run.setup == "fsdp2" else _plan(run).fsdp2_dense
     mesh = mesh_of[name]
+    overlap = run.setup == "fsdp2_overlap" and mesh.ndim == 2
+    if overlap:
+        replicas, mesh = mesh.get_group(0), mesh[mesh.mesh_dim_names[1]]
     policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=half)
     for layer in [m for m in model.modules() if isinstance(m, layer_classes)]:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
+    if overlap:
+        fully_shard(model.lm_head, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    if overlap:
+        model.replica_reduction = ReplicaReduction(model, replicas, reduce_dtype=half)
+        return model, f"FSDP2 on {tuple(mesh.shape)}, replicas averaged during backward"
     return model, f"FSDP2 on {tuple(mesh.shape)}"
 
 
@@ -360,6 +385,9 @@ def train(run: Run, backend: str, group, mesh_of: dict[str, Any], spec: dict[str
             optim.step()
             optim.zero_grad(set_to_none=True)
             seconds = time.perf_counter() - start
+        reducer = getattr(model, "replica_reduction", None)
+        if reducer is not None:  # its wait at backward's end is exposed communication
+            blocked.seconds["all_reduce"] += reducer.wait_seconds
         mine.append(
             {
                 "seconds": seconds,

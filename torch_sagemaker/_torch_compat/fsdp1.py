@@ -258,3 +258,61 @@ __all__ = [
     "uses_orig_params",
     "with_module_classes_to_ignore",
 ]
+
+
+# --- its gradient reduction ------------------------------------------------------------------
+
+#: FSDP1's post-backward hook calls these two module functions of ``_runtime_utils`` by their
+#: global names, ``(state, handle)`` each: the sharded strategies' reduction (reduce-scatter,
+#: the replicas' all-reduce for hybrid strategies, the cast to the parameter dtype and the
+#: accumulation into ``_saved_grad_shard``) and NO_SHARD's (all-reduce in place, then the
+#: cast). Replacing them there replaces them for every unit (``sharding/fsdp1_replicas.py``).
+REDUCE_SHARDED = "_reduce_grad"
+REDUCE_NO_SHARD = "_reduce_grad_no_shard"
+
+
+def reduction_function(name: str) -> Any:
+    """The function FSDP1's post-backward hook calls as ``name`` now."""
+    from torch.distributed.fsdp import _runtime_utils
+
+    return getattr(_runtime_utils, name)
+
+
+def set_reduction_function(name: str, fn: Any) -> None:
+    """Makes FSDP1's post-backward hook call ``fn`` as ``name``."""
+    from torch.distributed.fsdp import _runtime_utils
+
+    setattr(_runtime_utils, name, fn)
+
+
+def inter_node_group_attr() -> str:
+    """The unit attribute holding a hybrid strategy's replica group (``_inter_node_pg``)."""
+    return "_inter_node_pg"
+
+
+def unit_sharding(unit: FullyShardedDataParallel) -> ShardingStrategy:
+    """The unit's sharding strategy (hybrid ones included)."""
+    return unit.sharding_strategy
+
+
+def has_comm_hook(unit: FullyShardedDataParallel) -> bool:
+    """Whether ``register_comm_hook`` gave the unit a communication hook."""
+    return unit._comm_hook is not None
+
+
+def saved_grad_shard(flat_param: FlatParameter) -> Any:
+    """The sharded gradient accumulated since the last optimizer step, or ``None``."""
+    return getattr(flat_param, "_saved_grad_shard", None)
+
+
+def reduce_dtype(flat_handle: FlatParamHandle) -> Any:
+    """The dtype the handle reduces gradients in (``None``: the gradient's own)."""
+    return flat_handle._reduce_dtype
+
+
+def keeps_grads_apart(flat_handle: FlatParamHandle) -> bool:
+    """Whether the handle offloads gradients to CPU or keeps them in low precision.
+
+    Either way the gradient the optimizer reads is a copy made right after the reduction.
+    """
+    return bool(flat_handle._offload_params or flat_handle._keep_low_precision_grads)

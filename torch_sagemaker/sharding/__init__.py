@@ -3,7 +3,9 @@
 - FSDP1: after ``tsm.init()``, ``FullyShardedDataParallel(model, ...)`` follows the config
   (see ``fsdp1``, the only module that changes FSDP defaults); ``exempt(model)`` and an
   explicit ``process_group`` / ``device_mesh`` opt out.
-- FSDP2: ``shard_model(model)`` / ``fully_shard(..., mesh=fsdp2_mesh())``.
+- FSDP2: ``shard_model(model)`` / ``fully_shard(..., mesh=fsdp2_mesh())``; with replicas,
+  ``shard_model(model, overlap_replica_reduction=True)`` averages them during backward
+  (``ReplicaReduction``, for models ``fully_shard`` sharded inside a replica).
 - Which strategy and mesh: ``tsm.state.sharding_plan`` (``torch_sagemaker.sharding_plan``).
 - DDP: ``DistributedDataParallel(model, process_group=tsm.state.dp_process_group)``.
 - Activation checkpointing per transformer layer: ``checkpoint_transformer_layers(model)``
@@ -19,9 +21,11 @@ from torch_sagemaker.sharding.activation_checkpointing import (
 )
 from torch_sagemaker.sharding.fsdp1 import exempt
 from torch_sagemaker.sharding.fsdp2 import fsdp2_mesh, shard_model
+from torch_sagemaker.sharding.replica_reduction import ReplicaReduction
 
 __all__ = [
     "CheckpointImpl",
+    "ReplicaReduction",
     "checkpoint_transformer_layers",
     "exempt",
     "fsdp2_mesh",

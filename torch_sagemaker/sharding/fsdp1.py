@@ -25,6 +25,11 @@ Note [Which FSDP1 instances the patch changes]
     checkpoints would be wrong. Before ``tsm.init`` (and after ``tsm.state.reset()``) every
     instance is left alone.
 
+A root that follows the SMP config and has replicas (HYBRID_SHARD, or NO_SHARD over the
+replicas) gets ``fsdp1_replicas.FSDP1ReplicaReduction``: the all-reduce across replicas runs
+while backward computes (Note [FSDP1 deferred replica reduction]; ``TSM_OVERLAP_REPLICA_
+REDUCTION=0`` keeps FSDP1's synchronous one).
+
 It also accepts SMP's extra keyword ``post_param_init_fn(module)``: called once on the
 module being wrapped after ``param_init_fn`` has materialised its last meta tensor (or
 before wrapping when nothing is on meta), e.g. to re-tie shared weights before FSDP flattens
@@ -53,7 +58,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 from torch_sagemaker.context_parallel import check_prepared
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.moe.experts import is_split
-from torch_sagemaker.sharding import cache_flush, experts, fsdp1_layout, fsdp1_tied
+from torch_sagemaker.sharding import cache_flush, experts, fsdp1_layout, fsdp1_replicas, fsdp1_tied
 from torch_sagemaker.state import state
 
 _original_init = FullyShardedDataParallel.__init__
@@ -189,6 +194,11 @@ def _patched_init(
             fsdp1_layout.adapt(self)
         if follows and depth == 0 and state.fsdp_cache_flush_warnings:
             cache_flush.watch(self)
+        if follows and depth == 0 and fsdp1_replicas.enabled_by_environment():
+            # Note [FSDP1 deferred replica reduction]; a root without replicas gets none.
+            reduction = fsdp1_replicas.FSDP1ReplicaReduction(self)
+            if reduction.units:
+                self.replica_reduction = reduction  # type: ignore[assignment]
     finally:
         _local.depth = depth
 
@@ -207,3 +217,4 @@ def uninstall() -> None:
     """Restores PyTorch's own ``FullyShardedDataParallel.__init__`` and flattening."""
     FullyShardedDataParallel.__init__ = _original_init  # type: ignore[method-assign]
     fsdp1_tied.uninstall()
+    fsdp1_replicas.uninstall()

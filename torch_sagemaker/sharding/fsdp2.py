@@ -18,6 +18,7 @@ from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.policies import transformer_layer_classes
 from torch_sagemaker.sharding import cache_flush
 from torch_sagemaker.sharding.experts import fully_shard_experts
+from torch_sagemaker.sharding.replica_reduction import ReplicaReduction
 from torch_sagemaker.smddp.fsdp2_buffers import runs_on_smddp
 from torch_sagemaker.state import state
 
@@ -40,6 +41,7 @@ def shard_model(
     reshard_after_forward: bool | int = True,
     layer_classes: tuple[type[nn.Module], ...] | None = None,
     comm_buffers_from_backend: bool | None = None,
+    overlap_replica_reduction: bool = False,
     **fully_shard_kwargs: Any,
 ) -> FSDPModule:
     """Applies ``fully_shard`` to every transformer layer of ``model``, then to the root.
@@ -55,6 +57,13 @@ def shard_model(
             buffers from the process group (``set_allocate_memory_from_process_group_for_comm``).
             On smddp they then live in shared memory and the collectives read them in place
             (zero-copy). Default: on when every group of ``mesh`` is served by smddp.
+        overlap_replica_reduction: With a 2-D (replicate x shard) ``mesh``, shard over its
+            shard dimension only and average the gradients across replicas while backward
+            computes (``ReplicaReduction``, Note [Deferred replica reduction]) instead of
+            HSDP's all-reduce inside each unit's post-backward. The output embedding, when
+            not tied to the input's, becomes a unit of its own, so its gradients (backward's
+            first) cross hosts while the layers compute. The reducer is
+            ``model.replica_reduction``. No effect on a 1-D mesh.
         **fully_shard_kwargs: Other ``fully_shard`` arguments (e.g. ``offload_policy``).
 
     Returns:
@@ -66,6 +75,16 @@ def shard_model(
     """
     check_prepared(model, state.cp_size, "shard_model")
     mesh = mesh if mesh is not None else fsdp2_mesh()
+    replicas = None
+    if overlap_replica_reduction and mesh.ndim == 2:
+        if state.ep_size > 1:
+            raise ValueError(
+                f"overlap_replica_reduction=True with expert_parallel_degree={state.ep_size}: "
+                "the experts' replicas are other groups than the dense layers'. Leave "
+                "overlap_replica_reduction off for expert parallel models."
+            )
+        replicas = mesh.get_group(0)
+        mesh = mesh[cast(tuple[str, ...], mesh.mesh_dim_names)[1]]
     classes = layer_classes or transformer_layer_classes(model)
     layers = [m for m in model.modules() if isinstance(m, classes)]
     if not layers:  # only given layer_classes can miss: the default ones come from the model
@@ -83,6 +102,9 @@ def shard_model(
         kwargs["mp_policy"] = mp_policy
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
+    head = _untied_output_embedding(model) if replicas is not None else None
+    if head is not None:
+        fully_shard(head, mesh=mesh, reshard_after_forward=False, **kwargs)  # backward starts there
     fully_shard(model, mesh=mesh, reshard_after_forward=False, **kwargs)
     if state.fsdp_cache_flush_warnings:
         cache_flush.watch(model)
@@ -91,16 +113,36 @@ def shard_model(
     # The setting is per FSDP state: the root's call does not reach the layers. On smddp,
     # fully_shard itself already turned it on (Note [Pool buffers for every FSDP2 user]);
     # setting it here either way makes the argument win.
-    for module in [*inner, *layers, model]:
+    for module in [*inner, *layers, *([head] if head is not None else []), model]:
         cast(FSDPModule, module).set_allocate_memory_from_process_group_for_comm(
             comm_buffers_from_backend
         )
+    if replicas is not None:
+        reduce_dtype = mp_policy and (mp_policy.reduce_dtype or mp_policy.param_dtype)
+        model.replica_reduction = ReplicaReduction(  # type: ignore[assignment]
+            model, replicas, reduce_dtype=reduce_dtype or None
+        )
     log_rank0(
-        f"FSDP2: sharded {len(layers)} x {classes[0].__name__} and the root over mesh "
+        f"FSDP2: sharded {len(layers)} x {classes[0].__name__}"
+        f"{' and the output embedding' if head is not None else ''} and the root over mesh "
         f"{mesh.mesh_dim_names} of shape {tuple(mesh.shape)}"
         f"{'; comm buffers from the backend' if comm_buffers_from_backend else ''}"
+        f"{f'; replicas averaged during backward over {replicas.size()}' if replicas else ''}"
     )
     return cast(FSDPModule, model)  # fully_shard made it an instance of an FSDPModule subclass
+
+
+def _untied_output_embedding(model: nn.Module) -> nn.Module | None:
+    """The output embedding of a Hugging Face model, unless its weight is the input's."""
+    get_out = getattr(model, "get_output_embeddings", None)
+    get_in = getattr(model, "get_input_embeddings", None)
+    out = get_out() if callable(get_out) else None
+    inp = get_in() if callable(get_in) else None
+    if not isinstance(out, nn.Module) or isinstance(out, FSDPModule):
+        return None
+    if inp is not None and any(p is q for p in out.parameters() for q in inp.parameters()):
+        return None
+    return out
 
 
 def _served_by_smddp(mesh: DeviceMesh) -> bool:

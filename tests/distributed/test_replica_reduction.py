@@ -1,0 +1,289 @@
+"""Replicas averaged during backward: FSDP2 (``shard_model(..., overlap_replica_reduction=True)``)
+and FSDP1 (``FSDP1ReplicaReduction``, on by default under ``tsm.init``).
+
+4 ranks, a tiny Llama, SGD with momentum and clipping, 4 steps. With hybrid_shard_degree 2
+(two replicas of two shards) and 1 (four replicas of one rank):
+
+- fp32 against one process on the global batch (``reference_run``), to the tolerance of
+  test_hybrid_shard's FSDP2 cases, and against HSDP (the same model over the 2-D mesh) in
+  the same job: losses, clipped norms and parameters.
+- bf16 mixed precision (reduce in bf16, so bf16 crosses the replicas) against HSDP with the
+  same policy, within bf16 rounding.
+- Accumulation over two microbatches with ``set_requires_gradient_sync(False)`` on the
+  first, and with ``requires_reduction = False`` on the first, against HSDP doing the same.
+- Backward twice into gradients already averaged raises, naming the fix.
+
+Every backward starts one all-reduce per unit (2 layers, the output embedding, the root).
+
+FSDP1, as SMP's scripts wrap it (HYBRID_SHARD with hybrid_shard_degree 2, NO_SHARD over the
+replicas with 1): bit-equal to FSDP1's synchronous reduction (``TSM_OVERLAP_REPLICA_REDUCTION=0``)
+in fp32 and in SMP's bf16 recipe, since its division factors are powers of two, with
+accumulation by ``no_sync()`` and by a backward per microbatch; fp32 also against one process.
+"""
+
+import pytest
+import torch
+
+from tests.distributed.hf_models import (
+    full_params,
+    global_batches,
+    rank_slice,
+    reference_run,
+    tiny_llama,
+)
+from tests.distributed.launcher import run_distributed
+from torch_sagemaker.smddp.backend import is_available as smddp_available
+
+STEPS, GLOBAL_BATCH, LR, MAX_NORM = 4, 8, 0.1, 1.0
+_SMDDP = pytest.mark.skipif(
+    not smddp_available(), reason="torch_sagemaker._C was built without the smddp backend"
+)
+# (backend, hybrid_shard_degree): gloo as a second backend on the hybrid layout only.
+LAYOUTS = [
+    ("gloo", 2),
+    pytest.param("smddp", 2, marks=_SMDDP),
+    pytest.param("smddp", 1, marks=_SMDDP),
+]
+UNITS = 4  # 2 decoder layers, lm_head, the root (embeddings and final norm)
+
+
+def _train(hsd: int, overlap: bool, dtype: str, accumulate: str | None):
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from torch_sagemaker.grad_norm import clip_grad_norm_
+    from torch_sagemaker.sharding import shard_model
+
+    tsm.state.reset()
+    tsm.init({"hybrid_shard_degree": hsd})
+    policy = None
+    if dtype == "bf16":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    model = shard_model(tiny_llama(), mp_policy=policy, overlap_replica_reduction=overlap)
+    optim = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses, norms, calls = [], [], []
+    for batch in global_batches(STEPS, GLOBAL_BATCH):
+        local = rank_slice(batch, tsm.state.dp_rank, tsm.state.dp_size)
+        parts = [local] if accumulate is None else list(local.chunk(2))
+        step_loss, before = 0.0, model.replica_reduction.calls if overlap else 0
+        for i, rows in enumerate(parts):
+            last = i == len(parts) - 1
+            if accumulate == "no_sync":
+                model.set_requires_gradient_sync(last)
+            elif accumulate == "all_reduce_last":
+                if overlap:
+                    model.replica_reduction.requires_reduction = last
+                else:
+                    model.set_requires_all_reduce(last)
+            loss = model(input_ids=rows, labels=rows).loss / len(parts)
+            loss.backward()
+            step_loss += loss.item()
+        if overlap:
+            calls.append(model.replica_reduction.calls - before)
+        norms.append(float(clip_grad_norm_(model, MAX_NORM)))
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        avg = torch.tensor(step_loss)
+        dist.all_reduce(avg)
+        losses.append(avg.item() / dist.get_world_size())
+    return dict(losses=losses, norms=norms, calls=calls, params=full_params(model))
+
+
+def _cases(hsd: int):
+    """Every case on ``hsd``: (overlap, dtype, accumulate) -> result."""
+    keys = [
+        (overlap, dtype, acc)
+        for dtype, acc in [("fp32", None), ("bf16", None), ("fp32", "no_sync")]
+        + [("fp32", "all_reduce_last")]
+        for overlap in (False, True)
+    ]
+    return {key: _train(hsd, *key) for key in keys}
+
+
+def _misuse():
+    import torch.sagemaker as tsm
+
+    from torch_sagemaker.sharding import shard_model
+
+    tsm.state.reset()
+    tsm.init({"hybrid_shard_degree": 2})
+    model = shard_model(tiny_llama(), overlap_replica_reduction=True)
+    rows = rank_slice(global_batches(1, GLOBAL_BATCH)[0], tsm.state.dp_rank, tsm.state.dp_size)
+    model(input_ids=rows, labels=rows).loss.backward()
+    try:
+        model(input_ids=rows, labels=rows).loss.backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def _close(a, b, rtol, where):
+    torch.testing.assert_close(a["losses"], b["losses"], rtol=rtol, atol=0, msg=where)
+    torch.testing.assert_close(a["norms"], b["norms"], rtol=rtol, atol=0, msg=where)
+    for name, value in a["params"].items():
+        torch.testing.assert_close(value, b["params"][name], rtol=rtol, atol=rtol, msg=where)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("backend", "hsd"), LAYOUTS)
+def test_overlap_matches_hsdp_and_one_process(backend, hsd):
+    per_rank = run_distributed(_cases, hsd, world_size=4, backend=backend, timeout=300)
+    ref_losses, ref_norms, ref_params = reference_run(STEPS, GLOBAL_BATCH, LR, MAX_NORM)
+    for rank, results in enumerate(per_rank):
+        for (overlap, dtype, acc), r in results.items():
+            where = f"rank {rank} hsd {hsd} overlap {overlap} {dtype} accumulate {acc}"
+            hsdp = results[(False, dtype, acc)]
+            if overlap:
+                # One all-reduce per unit per step (accumulation: only the last microbatch).
+                assert r["calls"] == [UNITS] * STEPS, where
+                # bf16: one bf16 rounding of each averaged gradient, placed differently.
+                _close(r, hsdp, 1e-5 if dtype == "fp32" else 2e-2, f"{where} vs HSDP")
+            if dtype == "fp32":
+                torch.testing.assert_close(r["losses"], ref_losses, rtol=1e-5, atol=0, msg=where)
+                torch.testing.assert_close(r["norms"], ref_norms, rtol=1e-5, atol=0, msg=where)
+                for name, value in r["params"].items():
+                    torch.testing.assert_close(
+                        value, ref_params[name], rtol=1e-4, atol=1e-5, msg=f"{where} {name}"
+                    )
+
+
+FSDP1_CASES = [(dtype, acc) for dtype in ("fp32", "bf16") for acc in (None, "no_sync", "each")]
+
+
+def _train_fsdp1(hsd: int, overlap: bool, dtype: str, accumulate: str | None):
+    import contextlib
+    import os
+
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from torch_sagemaker.grad_norm import clip_grad_norm_
+
+    os.environ["TSM_OVERLAP_REPLICA_REDUCTION"] = "1" if overlap else "0"
+    tsm.state.reset()
+    tsm.init({"hybrid_shard_degree": hsd})
+    half = torch.bfloat16
+    model = FSDP(
+        tiny_llama(),
+        auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+        sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+        mixed_precision=MixedPrecision(param_dtype=half, reduce_dtype=half, buffer_dtype=half)
+        if dtype == "bf16"
+        else None,
+        device_id=torch.device("cpu"),
+        use_orig_params=True,
+        limit_all_gathers=True,
+    )
+    del os.environ["TSM_OVERLAP_REPLICA_REDUCTION"]
+    reduction = getattr(model, "replica_reduction", None)
+    assert (reduction is not None) == overlap
+    optim = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses, norms, calls, started = [], [], [], 0
+    for batch in global_batches(STEPS, GLOBAL_BATCH):
+        local = rank_slice(batch, tsm.state.dp_rank, tsm.state.dp_size)
+        parts = [local] if accumulate is None else list(local.chunk(2))
+        step_loss, step_calls = 0.0, []
+        for i, rows in enumerate(parts):
+            last = i == len(parts) - 1
+            sync = last or accumulate != "no_sync"
+            with contextlib.nullcontext() if sync else model.no_sync():
+                loss = model(input_ids=rows, labels=rows).loss / len(parts)
+                loss.backward()
+            step_loss += loss.item()
+            if reduction is not None:
+                step_calls.append(reduction.calls - sum(step_calls) - started)
+        started = reduction.calls if reduction is not None else 0
+        calls.append(step_calls)
+        norms.append(float(clip_grad_norm_(model, MAX_NORM)))
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        avg = torch.tensor(step_loss)
+        dist.all_reduce(avg)
+        losses.append(avg.item() / dist.get_world_size())
+    return dict(losses=losses, norms=norms, calls=calls, params=full_params(model))
+
+
+def _fsdp1_cases(hsd: int):
+    return {
+        (overlap, dtype, acc): _train_fsdp1(hsd, overlap, dtype, acc)
+        for dtype, acc in FSDP1_CASES
+        for overlap in (False, True)
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("backend", "hsd"), LAYOUTS)
+def test_fsdp1_overlap_is_bit_equal(backend, hsd):
+    per_rank = run_distributed(_fsdp1_cases, hsd, world_size=4, backend=backend, timeout=300)
+    ref_losses, ref_norms, ref_params = reference_run(STEPS, GLOBAL_BATCH, LR, MAX_NORM)
+    for rank, results in enumerate(per_rank):
+        for (overlap, dtype, acc), r in results.items():
+            where = f"rank {rank} hsd {hsd} overlap {overlap} {dtype} accumulate {acc}"
+            if overlap:
+                sync = results[(False, dtype, acc)]
+                assert r["losses"] == sync["losses"] and r["norms"] == sync["norms"], where
+                for name, value in r["params"].items():
+                    assert torch.equal(value, sync["params"][name]), (where, name)
+                # 3 units (2 layers, the root) deferred per synchronising backward, except a
+                # HYBRID_SHARD backward accumulating into an earlier one's sharded gradient.
+                per_backward = {None: [3], "no_sync": [0, 3], "each": [3, 3 if hsd == 1 else 0]}
+                assert r["calls"] == [per_backward[acc]] * STEPS, (where, r["calls"])
+            if dtype == "fp32" and acc is None:
+                torch.testing.assert_close(r["losses"], ref_losses, rtol=1e-5, atol=0, msg=where)
+                for name, value in r["params"].items():
+                    torch.testing.assert_close(
+                        value, ref_params[name], rtol=1e-4, atol=1e-5, msg=f"{where} {name}"
+                    )
+
+
+def _checkpoint_roundtrip(path: str):
+    """Saves with the deferred reduction (1-D mesh), loads into HSDP (2-D) and back (DCP)."""
+    import torch.distributed.checkpoint as dcp
+    import torch.sagemaker as tsm
+
+    from torch_sagemaker.sharding import shard_model
+
+    tsm.state.reset()
+    tsm.init({"hybrid_shard_degree": 2})
+    trained = shard_model(tiny_llama(), overlap_replica_reduction=True)
+    optim = torch.optim.SGD(trained.parameters(), lr=LR)
+    rows = rank_slice(global_batches(1, GLOBAL_BATCH)[0], tsm.state.dp_rank, tsm.state.dp_size)
+    trained(input_ids=rows, labels=rows).loss.backward()
+    optim.step()
+    dcp.save(trained.state_dict(), checkpoint_id=f"{path}/overlap")
+    hsdp = shard_model(tiny_llama(seed=1))
+    state = hsdp.state_dict()
+    dcp.load(state, checkpoint_id=f"{path}/overlap")
+    hsdp.load_state_dict(state)
+    dcp.save(hsdp.state_dict(), checkpoint_id=f"{path}/hsdp")
+    again = shard_model(tiny_llama(seed=2), overlap_replica_reduction=True)
+    state = again.state_dict()
+    dcp.load(state, checkpoint_id=f"{path}/hsdp")
+    again.load_state_dict(state)
+    return [full_params(m) for m in (trained, hsdp, again)]
+
+
+@pytest.mark.distributed
+def test_checkpoint_reshards_between_overlap_and_hsdp(tmp_path):
+    per_rank = run_distributed(
+        _checkpoint_roundtrip, str(tmp_path), world_size=4, backend="gloo", timeout=120
+    )
+    init = tiny_llama(seed=1).state_dict()
+    for rank, (trained, hsdp, again) in enumerate(per_rank):
+        for name, value in trained.items():
+            assert not torch.equal(value, init[name]), (rank, name)  # trained and loaded over
+            assert torch.equal(hsdp[name], value), (rank, name)
+            assert torch.equal(again[name], value), (rank, name)
+
+
+@pytest.mark.distributed
+def test_averaging_twice_raises():
+    per_rank = run_distributed(_misuse, world_size=4, backend="gloo", timeout=120)
+    for message in per_rank:
+        assert message is not None and "already averaged" in message, message
+        assert "set_requires_gradient_sync(False)" in message, message

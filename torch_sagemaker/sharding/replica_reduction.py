@@ -1,0 +1,226 @@
+"""FSDP2 gradients averaged across replicas while backward computes.
+
+``ReplicaReduction(model, group)`` attaches to a model that ``fully_shard`` sharded over a
+1-D mesh (the ranks of one replica, usually one host) and averages each unit's sharded
+gradients over ``group`` (the replicas: the same shard on every host) with ``async_op=True``
+calls, one per FSDP unit, started as soon as the unit's reduce-scatter has produced them.
+Backward's last step waits for them, so when ``loss.backward()`` returns every gradient is
+the average over all data-parallel ranks, as with HSDP (``fully_shard`` over a 2-D mesh).
+``shard_model(..., overlap_replica_reduction=True)`` sets this up from ``tsm.state``'s mesh.
+
+Note [Deferred replica reduction]
+FSDP2's HSDP reduce-scatters a unit's gradients inside a replica, all-reduces the result
+across replicas and casts it to the parameters' dtype, all in one call of its post-backward
+(``foreach_reduce``). On CPU its streams do nothing, so the all-reduce across hosts, the
+slow part, runs while the rank waits: a step is its compute plus every byte of the
+gradients at line rate. Here FSDP2 only reduce-scatters inside the replica; it then assigns
+the sharded gradients and calls their post-accumulate-grad hooks (part of FSDP2's contract:
+``foreach_reduce`` calls them after assigning ``.grad``). The hook of a unit's last gradient
+copies the unit's gradients into one buffer of ``reduce_dtype`` and starts its all-reduce
+across replicas; the caller goes on with the next units' backward while the backend sends.
+A callback queued on the autograd engine (it runs once backward's own callbacks, FSDP2's
+root reduction among them, are done) starts the units whose gradients were not all
+produced, waits for every call in the order started, and writes each buffer back into the
+gradients, divided by the number of replicas.
+
+Numerics: in a replica FSDP2 reduces in its ``mp_policy.reduce_dtype`` and casts to the
+parameter dtype; the buffer here casts back to that dtype (exact: the values came from it),
+so the bytes crossing hosts are those HSDP sends. The sum over replicas happens in the
+backend (smddp adds half-precision partials in fp32 and rounds once per host's partial),
+then the division by the replica count in the parameter dtype. Only where divisions fall
+differs from HSDP's, so fp32 results agree with HSDP's up to rounding.
+
+Accumulation: ``set_requires_gradient_sync(False)`` (FSDP2's no_sync) on the microbatches
+before the last works as with HSDP: FSDP2 reduces nothing there, so nothing is sent. The
+HSDP pattern of reduce-scattering every microbatch and all-reducing only the last maps to
+``requires_reduction = False`` on the earlier ones. A gradient already averaged over the
+replicas and then accumulated into (``zero_grad(set_to_none=False)``, or backward twice with
+reduction on) would be averaged again, so that raises instead.
+
+Costs against HSDP: a copy of the gradients into the buffer and one back (memory traffic of
+twice the gradient bytes, in the unit's dtypes), the buffer itself (one unit's gradients at a
+time per unit in flight, at most the whole model's), and parameters whose DTensor mesh is
+the 1-D replica mesh, so a sharded checkpoint's shards are those of one replica (DCP writes
+each once and reshards on load).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from torch_sagemaker._torch_compat import autograd as autograd_compat
+
+
+@dataclass
+class _InFlight:
+    """One unit's all-reduce across replicas: its work, its buffer, the gradients it fills."""
+
+    work: Any
+    buffer: torch.Tensor
+    grads: list[torch.Tensor]
+
+
+@dataclass
+class _Unit:
+    """One FSDP unit's own parameters, and those whose gradients arrived in this backward."""
+
+    params: list[nn.Parameter]
+    arrived: list[nn.Parameter] = field(default_factory=list)
+
+
+def fsdp_units(model: nn.Module) -> list[list[nn.Parameter]]:
+    """The parameters of each ``fully_shard`` unit of ``model``, units in module order.
+
+    A unit's parameters are those of an ``FSDPModule`` that no ``FSDPModule`` below it owns.
+
+    Raises:
+        ValueError: If ``model`` has no ``FSDPModule``.
+    """
+    owner: dict[int, int] = {}
+    units: list[list[nn.Parameter]] = []
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise ValueError(
+            f"{type(model).__name__} has no fully_shard unit: ReplicaReduction reduces the "
+            "gradients FSDP2 produced. Call fully_shard (or shard_model) on it first."
+        )
+    # Innermost first, so a parameter belongs to the deepest unit holding it.
+    depth = {id(m): 0 for m in modules}
+    for m in modules:
+        for child in m.modules():
+            if child is not m and id(child) in depth:
+                depth[id(child)] = max(depth[id(child)], depth[id(m)] + 1)
+    for m in sorted(modules, key=lambda m: -depth[id(m)]):
+        mine = [p for p in m.parameters() if id(p) not in owner]
+        for p in mine:
+            owner[id(p)] = len(units)
+        if mine:
+            units.append(mine)
+    return units
+
+
+class ReplicaReduction:
+    """Averages FSDP2's sharded gradients over replicas during backward (module docstring).
+
+    Args:
+        model: A model ``fully_shard`` sharded over a 1-D mesh (one replica's ranks). Every
+            unit's parameters must be sharded the same way on every replica.
+        group: The replicas: the ranks holding the same shards, one per replica.
+        reduce_dtype: The dtype the gradients cross ``group`` in; default their own. Pass
+            the ``mp_policy.reduce_dtype`` FSDP2 reduced in, as HSDP would.
+
+    Attributes:
+        requires_reduction: When False, backward leaves the gradients reduced inside the
+            replica only (for the microbatches before the last; module docstring).
+        wait_seconds: Seconds the last backward waited for the all-reduces at its end.
+        calls: All-reduces started so far (every backward's).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        group: dist.ProcessGroup,
+        *,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.group = group
+        self.replicas = dist.get_world_size(group)
+        self.reduce_dtype = reduce_dtype
+        self.requires_reduction = True
+        self.wait_seconds = 0.0
+        self.calls = 0
+        self._units = [_Unit(params) for params in fsdp_units(model)]
+        self._unit_of = {id(p): u for u in self._units for p in u.params}
+        self._inflight: list[_InFlight] = []
+        self._queued_for = -1  # the backward whose final callback is queued
+        # Each gradient this object averaged, to refuse averaging it again (module docstring).
+        self._averaged: dict[int, weakref.ref] = {}
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._on_gradient)
+            for u in self._units
+            for p in u.params
+        ]
+
+    def remove(self) -> None:
+        """Removes the hooks: later backwards leave the replicas unsynchronised."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        if not self.requires_reduction or self.replicas == 1:
+            return
+        earlier = self._averaged.get(id(param))
+        if earlier is not None and earlier() is param.grad:
+            raise RuntimeError(
+                "ReplicaReduction: a gradient that was already averaged across replicas "
+                "was accumulated into, and would be averaged again. Clear gradients with "
+                "optimizer.zero_grad(set_to_none=True), and accumulate over microbatches "
+                "with model.set_requires_gradient_sync(False) (or requires_reduction = "
+                "False) on all but the last."
+            )
+        task = autograd_compat.current_graph_task_id()
+        if self._queued_for != task:
+            self._queued_for = task
+            autograd_compat.queue_callback(self._finish)
+        unit = self._unit_of[id(param)]
+        unit.arrived.append(param)  # type: ignore[arg-type]
+        if len(unit.arrived) == len(unit.params):
+            self._start(unit)
+
+    def _start(self, unit: _Unit) -> None:
+        """Starts the all-reduce of the gradients of ``unit`` that arrived."""
+        grads = [_local(p.grad) for p in unit.arrived]
+        for p in unit.arrived:
+            self._averaged[id(p)] = weakref.ref(p.grad)
+        unit.arrived = []
+        dtype = self.reduce_dtype or grads[0].dtype
+        buffer = torch.empty(sum(g.numel() for g in grads), dtype=dtype, device=grads[0].device)
+        offset = 0
+        for g in grads:
+            buffer[offset : offset + g.numel()].view_as(g).copy_(g)
+            offset += g.numel()
+        work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        self._inflight.append(_InFlight(work, buffer, grads))
+        self.calls += 1
+
+    def _finish(self) -> None:
+        """Backward's end: starts what is left, waits for every call, writes the averages."""
+        try:
+            for unit in self._units:
+                if unit.arrived:  # some of its parameters got no gradient this time
+                    self._start(unit)
+            start = time.perf_counter()
+            for call in self._inflight:
+                call.work.wait()
+            self.wait_seconds = time.perf_counter() - start
+            for call in self._inflight:
+                offset = 0
+                for g in call.grads:
+                    g.copy_(call.buffer[offset : offset + g.numel()].view_as(g))
+                    g.div_(self.replicas)
+                    offset += g.numel()
+        finally:
+            self._inflight = []
+            self._queued_for = -1
+            for unit in self._units:
+                unit.arrived = []
+
+
+def _local(grad: torch.Tensor | None) -> torch.Tensor:
+    """The local shard of a (DTensor) gradient; writes to it change the gradient."""
+    assert grad is not None  # the hook runs after FSDP2 assigned it
+    with torch.no_grad():
+        return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+__all__ = ["ReplicaReduction", "fsdp_units"]
