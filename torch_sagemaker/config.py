@@ -514,3 +514,34 @@ def cuda_backend(environ: Mapping[str, str] | None = None) -> str:
             f"environment variable {CUDA_BACKEND_ENV_VAR}",
         )
     return value
+
+
+#: ``1``: FSDP1's all-reduce across replicas runs during backward; ``0``: PyTorch's synchronous
+#: call; unset: during backward when the job spans several hosts (sharding/fsdp1_replicas.py).
+OVERLAP_REPLICA_REDUCTION_ENV_VAR = "TSM_OVERLAP_REPLICA_REDUCTION"
+
+
+def overlap_replica_reduction(environ: Mapping[str, str] | None = None) -> bool | None:
+    """``TSM_OVERLAP_REPLICA_REDUCTION``: True (``1``), False (``0``) or None (unset).
+
+    Args:
+        environ: Environment to read (default ``os.environ``).
+
+    Raises:
+        ConfigError: The variable holds another value.
+    """
+    environ = os.environ if environ is None else environ
+    value = environ.get(OVERLAP_REPLICA_REDUCTION_ENV_VAR, "").strip()
+    if not value:
+        return None
+    if value not in ("0", "1"):
+        raise ConfigError(
+            [
+                f"{OVERLAP_REPLICA_REDUCTION_ENV_VAR}={value[:40]!r}: expected 0 (FSDP1's "
+                "synchronous all-reduce across replicas) or 1 (run it while backward "
+                "computes, also on one host); unset, it runs during backward when the job "
+                "spans several hosts"
+            ],
+            f"environment variable {OVERLAP_REPLICA_REDUCTION_ENV_VAR}",
+        )
+    return value == "1"

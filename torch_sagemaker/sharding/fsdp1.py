@@ -25,10 +25,11 @@ Note [Which FSDP1 instances the patch changes]
     checkpoints would be wrong. Before ``tsm.init`` (and after ``tsm.state.reset()``) every
     instance is left alone.
 
-A root that follows the SMP config and has replicas (HYBRID_SHARD, or NO_SHARD over the
-replicas) gets ``fsdp1_replicas.FSDP1ReplicaReduction``: the all-reduce across replicas runs
-while backward computes (Note [FSDP1 deferred replica reduction]; ``TSM_OVERLAP_REPLICA_
-REDUCTION=0`` keeps FSDP1's synchronous one).
+In a job over several hosts, a root that follows the SMP config and has replicas
+(HYBRID_SHARD, or NO_SHARD over the replicas) gets ``fsdp1_replicas.FSDP1ReplicaReduction``:
+the all-reduce across replicas runs while backward computes (Note [FSDP1 deferred replica
+reduction]; ``TSM_OVERLAP_REPLICA_REDUCTION``: ``0`` keeps FSDP1's synchronous one, ``1``
+defers on one host too).
 
 It also accepts SMP's extra keyword ``post_param_init_fn(module)``: called once on the
 module being wrapped after ``param_init_fn`` has materialised its last meta tensor (or
@@ -194,7 +195,8 @@ def _patched_init(
             fsdp1_layout.adapt(self)
         if follows and depth == 0 and state.fsdp_cache_flush_warnings:
             cache_flush.watch(self)
-        if follows and depth == 0 and fsdp1_replicas.enabled_by_environment():
+        several_hosts = state.initialized and state.local_world_size < state.world_size
+        if follows and depth == 0 and fsdp1_replicas.wanted(several_hosts):
             # Note [FSDP1 deferred replica reduction]; a root without replicas gets none.
             reduction = fsdp1_replicas.FSDP1ReplicaReduction(self)
             if reduction.units:

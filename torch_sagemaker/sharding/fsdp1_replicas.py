@@ -6,8 +6,8 @@ reduce-scatter, and NO_SHARD's all-reduce over its group. The calls become async
 are waited for at backward's end, so the network carries one unit's gradients while the
 ranks compute the next units'. When ``loss.backward()`` returns the gradients are what
 FSDP1 would have produced. ``tsm.init``'s FSDP1 patch attaches one to every root that
-follows the SMP config (``sharding/fsdp1.py``); ``TSM_OVERLAP_REPLICA_REDUCTION=0`` turns
-that off.
+follows the SMP config in a job over several hosts (``sharding/fsdp1.py``);
+``TSM_OVERLAP_REPLICA_REDUCTION`` (``wanted``) turns it off, or on for one host too.
 
 Note [FSDP1 deferred replica reduction]
 FSDP1 offers no hook for this: ``register_comm_hook`` refuses hybrid strategies, and its
@@ -40,10 +40,9 @@ HYBRID_SHARD unit accumulating into a gradient kept from an earlier backward wit
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,11 +50,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
+from torch_sagemaker import config
 from torch_sagemaker._torch_compat import autograd as autograd_compat
 from torch_sagemaker._torch_compat import fsdp1 as fsdp1_compat
 
-#: The environment variable that, set to ``0``, keeps FSDP1's synchronous replica all-reduce.
-ENV = "TSM_OVERLAP_REPLICA_REDUCTION"
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, fsdp1_compat.HYBRID_SHARD_ZERO2)
 # Each unit's reduction, by unit; the wrappers do nothing for units not in it.
 _reductions: weakref.WeakKeyDictionary[FullyShardedDataParallel, FSDP1ReplicaReduction] = (
@@ -69,19 +67,23 @@ _alone: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = (
 )
 
 
-def enabled_by_environment(environ: dict[str, str] | None = None) -> bool:
-    """Whether ``TSM_OVERLAP_REPLICA_REDUCTION`` leaves the deferred reduction on.
+def wanted(several_hosts: bool, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``tsm.init``'s FSDP1 patch should attach an ``FSDP1ReplicaReduction``.
+
+    ``TSM_OVERLAP_REPLICA_REDUCTION`` (``config.overlap_replica_reduction``): ``1`` always,
+    ``0`` never, unset: when the job spans several hosts. On one host the replicas'
+    all-reduce goes through shared memory in a few ms, and run beside backward it only
+    competes for the cores (docs/log/multi_node.md, build e50b94d: the one-host runs).
+
+    Args:
+        several_hosts: Whether the job's ranks are on more than one host.
+        environ: The environment; ``os.environ`` by default.
 
     Raises:
-        ValueError: If it is set to anything but ``0`` or ``1``.
+        ConfigError: If the variable is set to anything but ``0`` or ``1``.
     """
-    value = (os.environ if environ is None else environ).get(ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(
-            f"{ENV}={value!r}: expected 0 (FSDP1's synchronous all-reduce across replicas) or "
-            "1 (the default: run it while backward computes). Set it to 0 or 1, or unset it."
-        )
-    return value == "1"
+    setting = config.overlap_replica_reduction(environ)
+    return several_hosts if setting is None else setting
 
 
 @dataclass
@@ -224,4 +226,4 @@ def uninstall() -> None:
     _originals.clear()
 
 
-__all__ = ["ENV", "FSDP1ReplicaReduction", "enabled_by_environment", "uninstall"]
+__all__ = ["FSDP1ReplicaReduction", "uninstall", "wanted"]
