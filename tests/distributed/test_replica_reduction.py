@@ -1,7 +1,7 @@
 """Replicas averaged during backward: FSDP2 (``shard_model(..., overlap_replica_reduction=True)``)
 and FSDP1 (``FSDP1ReplicaReduction``, on by default under ``tsm.init``).
 
-4 ranks, a tiny Llama, SGD with momentum and clipping, 4 steps. With hybrid_shard_degree 2
+4 ranks, a tiny Llama, SGD with momentum and clipping, 3 steps. With hybrid_shard_degree 2
 (two replicas of two shards) and 1 (four replicas of one rank):
 
 - fp32 against one process on the global batch (``reference_run``), to the tolerance of
@@ -34,7 +34,7 @@ from tests.distributed.hf_models import (
 from tests.distributed.launcher import run_distributed
 from torch_sagemaker.smddp.backend import is_available as smddp_available
 
-STEPS, GLOBAL_BATCH, LR, MAX_NORM = 4, 8, 0.1, 1.0
+STEPS, GLOBAL_BATCH, LR, MAX_NORM = 3, 8, 0.1, 1.0
 _SMDDP = pytest.mark.skipif(
     not smddp_available(), reason="torch_sagemaker._C was built without the smddp backend"
 )
@@ -217,7 +217,7 @@ def _fsdp1_cases(hsd: int):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("backend", "hsd"), LAYOUTS)
+@pytest.mark.parametrize(("backend", "hsd"), LAYOUTS[1:])  # bit-equality: one backend is enough
 def test_fsdp1_overlap_is_bit_equal(backend, hsd):
     per_rank = run_distributed(_fsdp1_cases, hsd, world_size=4, backend=backend, timeout=300)
     ref_losses, ref_norms, ref_params = reference_run(STEPS, GLOBAL_BATCH, LR, MAX_NORM)

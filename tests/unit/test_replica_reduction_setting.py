@@ -1,4 +1,4 @@
-"""``TSM_OVERLAP_REPLICA_REDUCTION``: when tsm.init's FSDP1 patch defers the replicas' all-reduce."""
+"""``TSM_OVERLAP_REPLICA_REDUCTION``: when tsm.init's FSDP1 patch defers replicas' all-reduce."""
 
 import pytest
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_sagemaker._torch_compat import PRIVATE_NAMES
+from torch_sagemaker._torch_compat import PRIVATE_NAMES, STATEFUL_NAMES
 
 PACKAGE = Path(__file__).resolve().parents[2] / "torch_sagemaker"
 LAYER = PACKAGE / "_torch_compat"
@@ -115,6 +115,21 @@ def test_every_private_name_exists_on_this_torch():
         f"torch {torch.__version__} lacks {len(missing)} private name(s) that "
         "torch_sagemaker/_torch_compat uses; port the layer's module for them:\n  "
         + "\n  ".join(missing)
+    )
+
+
+def test_every_stateful_name_is_still_set_by_its_module():
+    import importlib
+    import inspect
+
+    missing = [
+        f"{module}: .{attr} ="
+        for module, attr in STATEFUL_NAMES
+        if f".{attr} =" not in inspect.getsource(importlib.import_module(module))
+    ]
+    assert not missing, (
+        f"torch {torch.__version__} no longer sets these attributes where the layer expects; "
+        "port the layer's module for them:\n  " + "\n  ".join(missing)
     )
 
 
@@ -306,6 +321,7 @@ def _layer_private_names(tree: ast.Module) -> list[tuple[int, str, str]]:
 def test_the_registry_lists_every_private_name_the_layer_uses():
     entries = set(PRIVATE_NAMES)
     lasts = {name.rsplit(".", 1)[-1] for name in PRIVATE_NAMES}
+    lasts |= {attr for _, attr in STATEFUL_NAMES}
     unlisted = []
     for path in sorted(LAYER.glob("*.py")):
         for line, what, how in _layer_private_names(ast.parse(path.read_text(), str(path))):

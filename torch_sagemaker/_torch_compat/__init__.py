@@ -29,7 +29,7 @@ a private torch name itself.
 
 from __future__ import annotations
 
-from torch_sagemaker._torch_compat.registry import PRIVATE_NAMES
+from torch_sagemaker._torch_compat.registry import PRIVATE_NAMES, STATEFUL_NAMES
 from torch_sagemaker._torch_compat.version import TORCH_VERSION, torch_at_least
 
-__all__ = ["PRIVATE_NAMES", "TORCH_VERSION", "torch_at_least"]
+__all__ = ["PRIVATE_NAMES", "STATEFUL_NAMES", "TORCH_VERSION", "torch_at_least"]

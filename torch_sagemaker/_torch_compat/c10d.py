@@ -3,7 +3,8 @@
 The package reads c10d's registry of live groups (``_world``), asks a process group for its
 per-device backend (``ProcessGroup._get_backend``) and builds a group with the helper
 ``new_group`` itself uses (``_new_process_group_helper``), so that the group's name can be
-chosen.
+chosen, and makes a finished ``Work`` from a future (``_create_work_from_future``) for groups
+written in Python.
 
 Checked on torch 2.11, 2.13.
 """
@@ -118,3 +119,14 @@ def backend_of(group: dist.ProcessGroup, device: torch.device) -> Any:
 # as deprecated aliases; torch 2.11 has only the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def completed_work(result: Any) -> dist.Work:
+    """A ``Work`` that is already done, its future holding ``result``.
+
+    For process groups written in Python (``dist.ProcessGroup`` subclasses), whose
+    collectives must return a ``Work``.
+    """
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(result)
+    return torch._C._distributed_c10d._create_work_from_future(future)  # type: ignore[attr-defined]

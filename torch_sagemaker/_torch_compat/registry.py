@@ -28,6 +28,8 @@ PRIVATE_NAMES: tuple[str, ...] = (
     f"{_C10D}._get_object_coll_device",
     f"{_C10D}._get_default_store",
     f"{_C10D}._get_default_group",
+    "torch._C._distributed_c10d",
+    "torch._C._distributed_c10d._create_work_from_future",
     f"{_C10D}._get_default_timeout",
     f"{_C10D}._new_process_group_helper",
     f"{_C10D}._world",
@@ -74,12 +76,18 @@ PRIVATE_NAMES: tuple[str, ...] = (
     f"{_FSDP1}.FullyShardedDataParallel._fsdp_extension",
     f"{_FSDP1}.FullyShardedDataParallel._state_dict_type",
     f"{_FSDP1}.FullyShardedDataParallel._state_dict_config",
+    f"{_FSDP1}.FullyShardedDataParallel._comm_hook",
+    f"{_FSDP1}._runtime_utils._reduce_grad",
+    f"{_FSDP1}._runtime_utils._reduce_grad_no_shard",
     f"{_FLAT_PARAM}.FlatParamHandle",
     f"{_FLAT_PARAM}.FlatParamHandle._use_unsharded_views",
     f"{_FLAT_PARAM}.FlatParamHandle._init_flat_param_and_metadata",
     f"{_FLAT_PARAM}.FlatParamHandle._setattr_param",
     f"{_FLAT_PARAM}.FlatParamHandle._use_orig_params",
     f"{_FLAT_PARAM}.FlatParamHandle._fsdp_extension",
+    f"{_FLAT_PARAM}.FlatParamHandle._reduce_dtype",
+    f"{_FLAT_PARAM}.FlatParamHandle._offload_params",
+    f"{_FLAT_PARAM}.FlatParamHandle._keep_low_precision_grads",
     f"{_FLAT_PARAM}.FlatParameter",
     f"{_FLAT_PARAM}.FlatParameter._params",
     f"{_FLAT_PARAM}.FlatParameter._param_infos",
@@ -111,3 +119,13 @@ PRIVATE_NAMES: tuple[str, ...] = (
 )
 
 __all__ = ["PRIVATE_NAMES"]
+
+
+#: Private attributes PyTorch sets on an instance only in some states, which the test's sample
+#: instances do not reach: a hybrid unit's replica group, and a flat parameter's sharded
+#: gradient between its reduction and the end of backward. Each is (the module that sets it,
+#: the attribute); the test looks for the assignment in that module's source.
+STATEFUL_NAMES: tuple[tuple[str, str], ...] = (
+    (f"{_FSDP1}._init_utils", "_inter_node_pg"),
+    (f"{_FSDP1}._runtime_utils", "_saved_grad_shard"),
+)

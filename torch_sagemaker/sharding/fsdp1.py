@@ -201,6 +201,10 @@ def _patched_init(
             reduction = fsdp1_replicas.FSDP1ReplicaReduction(self)
             if reduction.units:
                 self.replica_reduction = reduction  # type: ignore[assignment]
+                log_rank0(
+                    f"FSDP: the all-reduce across replicas runs during backward for "
+                    f"{reduction.units} units (TSM_OVERLAP_REPLICA_REDUCTION=0: synchronous)"
+                )
     finally:
         _local.depth = depth
 

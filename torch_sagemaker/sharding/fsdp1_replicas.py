@@ -16,7 +16,8 @@ call would be read before it finished. So FSDP1's two reduction functions are wr
 (``_torch_compat.fsdp1.REDUCE_SHARDED`` / ``REDUCE_NO_SHARD``), for registered units only:
 
 - The wrapper runs FSDP1's own function with the unit's replica group swapped for a group
-  of this rank alone, where the all-reduce returns its input. Everything else is FSDP1's:
+  of this rank alone, where the all-reduce returns its input (a Python ``ProcessGroup`` that
+  c10d never sees). Everything else is FSDP1's:
   the reduce-scatter inside the host, the division (its factors were fixed at construction
   for the whole data-parallel world: after the sum over replicas the gradient is the mean),
   the cast to the parameter dtype, the gradient views of ``use_orig_params``.
@@ -52,6 +53,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from torch_sagemaker import config
 from torch_sagemaker._torch_compat import autograd as autograd_compat
+from torch_sagemaker._torch_compat import c10d as c10d_compat
 from torch_sagemaker._torch_compat import fsdp1 as fsdp1_compat
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, fsdp1_compat.HYBRID_SHARD_ZERO2)
@@ -60,11 +62,33 @@ _reductions: weakref.WeakKeyDictionary[FullyShardedDataParallel, FSDP1ReplicaRed
     weakref.WeakKeyDictionary()
 )
 _originals: dict[str, Callable[..., Any]] = {}
-# One group of this rank alone per replica group (made once: creating a group costs a store
-# round trip, and only this rank takes part).
-_alone: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = (
-    weakref.WeakKeyDictionary()
-)
+
+
+class _Alone(dist.ProcessGroup):
+    """This rank alone: its all_reduce leaves the tensor as it is (the sum over one rank).
+
+    Written in Python and never registered with c10d, so it is no group the job holds: it
+    allocates nothing, and ``tsm.state.reset()`` has nothing of it to destroy. FSDP1 calls
+    only ``all_reduce`` on the group it stands in for, inside the wrapped function.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(0, 1)  # type: ignore[call-arg]  # (rank, size): no store needed
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+        return c10d_compat.completed_work(tensors)
+
+    def getBackendName(self) -> str:  # noqa: N802 (ProcessGroup's name)
+        return "tsm_alone"
+
+
+_alone: list[_Alone] = []  # made at the first reduction
+
+
+def _alone_group() -> _Alone:
+    if not _alone:
+        _alone.append(_Alone())
+    return _alone[0]
 
 
 def wanted(several_hosts: bool, environ: Mapping[str, str] | None = None) -> bool:
@@ -117,9 +141,6 @@ class FSDP1ReplicaReduction:
             group = _replica_group(unit)
             if group is None or dist.get_world_size(group) == 1:
                 continue
-            if group not in _alone:
-                rank = dist.get_rank()
-                _alone[group] = dist.new_group([rank], use_local_synchronization=True)
             self._groups[id(unit)] = group
             _reductions[unit] = self
             self.units += 1
@@ -191,7 +212,7 @@ def _reduce_sharded(unit: FullyShardedDataParallel, handle: Any) -> None:
     if reduction is None or not hybrid or not reduction._defers(unit, handle):
         return original(unit, handle)
     group = reduction._groups[id(unit)]
-    with _swapped(unit, fsdp1_compat.inter_node_group_attr(), _alone[group]):
+    with _swapped(unit, fsdp1_compat.inter_node_group_attr(), _alone_group()):
         original(unit, handle)
     reduction._start(handle, fsdp1_compat.saved_grad_shard(handle.flat_param), group)
 
@@ -202,7 +223,7 @@ def _reduce_no_shard(unit: FullyShardedDataParallel, handle: Any) -> None:
     if reduction is None or not reduction._defers(unit, handle):
         return original(unit, handle)
     group = reduction._groups[id(unit)]
-    with _swapped(unit, "process_group", _alone[group]):
+    with _swapped(unit, "process_group", _alone_group()):
         original(unit, handle)
     reduction._start(handle, handle.flat_param.grad, group)
 
