@@ -310,9 +310,25 @@ def reduce_dtype(flat_handle: FlatParamHandle) -> Any:
     return flat_handle._reduce_dtype
 
 
-def keeps_grads_apart(flat_handle: FlatParamHandle) -> bool:
-    """Whether the handle offloads gradients to CPU or keeps them in low precision.
+def reads_grad_at_reduction(flat_handle: FlatParamHandle) -> bool:
+    """Whether something reads the handle's gradient right after its reduction.
 
-    Either way the gradient the optimizer reads is a copy made right after the reduction.
+    CPU offload copies it to the CPU, kept low-precision gradients are cast again, and an
+    optimizer in backward steps with it, all inside the reduction function.
     """
-    return bool(flat_handle._offload_params or flat_handle._keep_low_precision_grads)
+    return bool(
+        flat_handle._offload_params
+        or flat_handle._keep_low_precision_grads
+        or getattr(flat_handle, "_has_optim_in_backward", False)
+    )
+
+
+def wait_for_all_reduce_stream(unit: FullyShardedDataParallel) -> None:
+    """Makes the current stream wait for the unit's all-reduce stream (no-op on CPU).
+
+    A hybrid unit's reduction divides and casts the gradient on that stream, then returns to
+    the post-backward stream.
+    """
+    stream = getattr(unit, "_all_reduce_stream", None)
+    if stream is not None:
+        unit._device_handle.current_stream().wait_stream(stream)

@@ -77,6 +77,7 @@ PRIVATE_NAMES: tuple[str, ...] = (
     f"{_FSDP1}.FullyShardedDataParallel._state_dict_type",
     f"{_FSDP1}.FullyShardedDataParallel._state_dict_config",
     f"{_FSDP1}.FullyShardedDataParallel._comm_hook",
+    f"{_FSDP1}.FullyShardedDataParallel._device_handle",
     f"{_FSDP1}._runtime_utils._reduce_grad",
     f"{_FSDP1}._runtime_utils._reduce_grad_no_shard",
     f"{_FLAT_PARAM}.FlatParamHandle",
@@ -104,6 +105,8 @@ PRIVATE_NAMES: tuple[str, ...] = (
     _FSDP2_PARAM_GROUP,
     f"{_FSDP2_PARAM_GROUP}._all_gather_process_group",
     f"{_FSDP2_PARAM_GROUP}._reduce_scatter_process_group",
+    "torch.distributed.fsdp.FSDPModule._get_fsdp_state",
+    "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._fsdp_param_group",
     # nn.py
     "torch.nn.utils.stateless._reparametrize_module",
     "torch.nn.Module._parameters",
@@ -122,10 +125,13 @@ __all__ = ["PRIVATE_NAMES"]
 
 
 #: Private attributes PyTorch sets on an instance only in some states, which the test's sample
-#: instances do not reach: a hybrid unit's replica group, and a flat parameter's sharded
-#: gradient between its reduction and the end of backward. Each is (the module that sets it,
-#: the attribute); the test looks for the assignment in that module's source.
+#: instances do not reach: a hybrid unit's replica group, a root's streams and a handle's
+#: optimizer-in-backward flag (both made at the first forward), and a flat parameter's
+#: sharded gradient between its reduction and the end of backward. Each is (the module that
+#: sets it, the attribute); the test looks for the assignment in that module's source.
 STATEFUL_NAMES: tuple[tuple[str, str], ...] = (
     (f"{_FSDP1}._init_utils", "_inter_node_pg"),
     (f"{_FSDP1}._runtime_utils", "_saved_grad_shard"),
+    (f"{_FSDP1}._runtime_utils", "_all_reduce_stream"),
+    (f"{_FSDP1}._runtime_utils", "_has_optim_in_backward"),
 )

@@ -32,8 +32,12 @@ The bytes crossing hosts are FSDP1's. The only numerical difference is where FSD
 post-division falls: before the sum across replicas instead of after, which changes no bit
 when the factor is a power of two.
 
-Left to FSDP1's synchronous path: a unit with a communication hook, with CPU offload or
-low-precision gradients kept (the optimizer would read a copy taken before the sum), and a
+On a GPU, FSDP1 divides and casts a hybrid unit's gradient on its all-reduce stream; the
+current stream waits for it before the all-reduce starts.
+
+Left to FSDP1's synchronous path: a unit with a communication hook, with CPU offload,
+low-precision gradients kept or an optimizer in backward (each reads the gradient inside the
+reduction function, before the sum), and a
 HYBRID_SHARD unit accumulating into a gradient kept from an earlier backward without
 ``no_sync`` (its ``_saved_grad_shard``: the sum over replicas has to cover only the new part).
 """
@@ -155,7 +159,7 @@ class FSDP1ReplicaReduction:
     def _defers(self, unit: FullyShardedDataParallel, handle: Any) -> bool:
         if handle is None or fsdp1_compat.has_comm_hook(unit):
             return False
-        if fsdp1_compat.keeps_grads_apart(handle):
+        if fsdp1_compat.reads_grad_at_reduction(handle):
             return False
         hybrid = fsdp1_compat.unit_sharding(unit) in _HYBRID
         return not (hybrid and fsdp1_compat.saved_grad_shard(handle.flat_param) is not None)
@@ -163,6 +167,7 @@ class FSDP1ReplicaReduction:
     def _start(self, handle: Any, grad: torch.Tensor, group: dist.ProcessGroup) -> None:
         task = autograd_compat.current_graph_task_id()
         if self._queued_for != task:
+            self._inflight = []  # a backward that raised never ran its callback: dropped
             self._queued_for = task
             autograd_compat.queue_callback(self._finish)
         dtype = fsdp1_compat.reduce_dtype(handle) or grad.dtype
@@ -214,6 +219,7 @@ def _reduce_sharded(unit: FullyShardedDataParallel, handle: Any) -> None:
     group = reduction._groups[id(unit)]
     with _swapped(unit, fsdp1_compat.inter_node_group_attr(), _alone_group()):
         original(unit, handle)
+    fsdp1_compat.wait_for_all_reduce_stream(unit)  # where FSDP1 divided and cast (GPU)
     reduction._start(handle, fsdp1_compat.saved_grad_shard(handle.flat_param), group)
 
 

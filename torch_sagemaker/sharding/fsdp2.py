@@ -83,8 +83,14 @@ def shard_model(
                 "the experts' replicas are other groups than the dense layers'. Leave "
                 "overlap_replica_reduction off for expert parallel models."
             )
+        if mesh.mesh_dim_names is None:
+            raise ValueError(
+                f"overlap_replica_reduction=True needs a mesh with dimension names, got a 2-D "
+                f"mesh of shape {tuple(mesh.shape)} without: build it with mesh_dim_names="
+                "('dp_replicate', 'dp_shard_cp'), or pass tsm.state.fsdp_mesh."
+            )
         replicas = mesh.get_group(0)
-        mesh = mesh[cast(tuple[str, ...], mesh.mesh_dim_names)[1]]
+        mesh = mesh[mesh.mesh_dim_names[1]]
     classes = layer_classes or transformer_layer_classes(model)
     layers = [m for m in model.modules() if isinstance(m, classes)]
     if not layers:  # only given layer_classes can miss: the default ones come from the model

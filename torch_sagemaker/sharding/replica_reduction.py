@@ -24,8 +24,9 @@ produced, waits for every call in the order started, and writes each buffer back
 gradients, divided by the number of replicas.
 
 Numerics: in a replica FSDP2 reduces in its ``mp_policy.reduce_dtype`` and casts to the
-parameter dtype; the buffer here casts back to that dtype (exact: the values came from it),
-so the bytes crossing hosts are those HSDP sends. The sum over replicas happens in the
+parameter dtype; the buffer here casts back to that dtype (exact: the values came from it,
+unless gradients were accumulated in the parameter dtype), so the bytes crossing hosts are
+those HSDP sends. The sum over replicas happens in the
 backend (smddp adds half-precision partials in fp32 and rounds once per host's partial),
 then the division by the replica count in the parameter dtype. Only where divisions fall
 differs from HSDP's, so fp32 results agree with HSDP's up to rounding.
@@ -33,14 +34,16 @@ differs from HSDP's, so fp32 results agree with HSDP's up to rounding.
 Accumulation: ``set_requires_gradient_sync(False)`` (FSDP2's no_sync) on the microbatches
 before the last works as with HSDP: FSDP2 reduces nothing there, so nothing is sent. The
 HSDP pattern of reduce-scattering every microbatch and all-reducing only the last maps to
-``requires_reduction = False`` on the earlier ones. A gradient already averaged over the
-replicas and then accumulated into (``zero_grad(set_to_none=False)``, or backward twice with
-reduction on) would be averaged again, so that raises instead.
+``requires_reduction = False`` on the earlier ones. A backward per microbatch with reduction
+on (or ``zero_grad(set_to_none=False)``) averages a gradient that already holds an average:
+that part is the same on every replica, so its average is itself, and the result is right;
+the sends cover the whole gradient, not only the new part, and with a ``reduce_dtype`` below
+the gradient's that part is rounded to it once more.
 
 Costs against HSDP: a copy of the gradients into the buffer and one back (memory traffic of
 twice the gradient bytes, in the unit's dtypes), the buffer itself (one unit's gradients at a
 time per unit in flight, at most the whole model's), and parameters whose DTensor mesh is
-the 1-D replica mesh, so a sharded checkpoint's shards are those of one replica (DCP writes
+the 1-D shard mesh, so a sharded checkpoint's shards are those of one replica (DCP writes
 each once and reshards on load).
 """
 
@@ -58,6 +61,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from torch_sagemaker._torch_compat import autograd as autograd_compat
+from torch_sagemaker._torch_compat import fsdp2 as fsdp2_compat
 
 
 @dataclass
@@ -78,33 +82,27 @@ class _Unit:
 
 
 def fsdp_units(model: nn.Module) -> list[list[nn.Parameter]]:
-    """The parameters of each ``fully_shard`` unit of ``model``, units in module order.
+    """The trainable sharded parameters of each ``fully_shard`` unit of ``model``.
 
-    A unit's parameters are those of an ``FSDPModule`` that no ``FSDPModule`` below it owns.
+    A unit is one ``FSDPModule``'s parameter group; its parameters are the sharded ones
+    FSDP2 assigns gradients to. Frozen ones (``requires_grad=False``) are left out: FSDP2
+    reduces no gradient for them.
 
     Raises:
         ValueError: If ``model`` has no ``FSDPModule``.
     """
-    owner: dict[int, int] = {}
-    units: list[list[nn.Parameter]] = []
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError(
             f"{type(model).__name__} has no fully_shard unit: ReplicaReduction reduces the "
             "gradients FSDP2 produced. Call fully_shard (or shard_model) on it first."
         )
-    # Innermost first, so a parameter belongs to the deepest unit holding it.
-    depth = {id(m): 0 for m in modules}
-    for m in modules:
-        for child in m.modules():
-            if child is not m and id(child) in depth:
-                depth[id(child)] = max(depth[id(child)], depth[id(m)] + 1)
-    for m in sorted(modules, key=lambda m: -depth[id(m)]):
-        mine = [p for p in m.parameters() if id(p) not in owner]
-        for p in mine:
-            owner[id(p)] = len(units)
-        if mine:
-            units.append(mine)
+    units = []
+    for module in modules:
+        group = fsdp2_compat.param_group_of(module)
+        params = [p for p in fsdp2_compat.sharded_params(group) if p.requires_grad] if group else []
+        if params:
+            units.append(params)
     return units
 
 
@@ -138,38 +136,63 @@ class ReplicaReduction:
         self.requires_reduction = True
         self.wait_seconds = 0.0
         self.calls = 0
-        self._units = [_Unit(params) for params in fsdp_units(model)]
-        self._unit_of = {id(p): u for u in self._units for p in u.params}
+        self._model = model
+        self._units: list[_Unit] = []
+        self._unit_of: dict[int, _Unit] = {}
+        # The hooked parameters (weakly: a replaced one must be freed) and their requires_grad.
+        self._hooked: list[tuple[weakref.ref, bool]] = []
+        self._handles: list[Any] = []
         self._inflight: list[_InFlight] = []
         self._queued_for = -1  # the backward whose final callback is queued
-        # Each gradient this object averaged, to refuse averaging it again (module docstring).
-        self._averaged: dict[int, weakref.ref] = {}
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._on_gradient)
-            for u in self._units
-            for p in u.params
-        ]
+        self._hook_parameters()
+        # FSDP2 replaces its sharded parameters when a state dict is loaded with assign=True
+        # (FSDPParam.reset_sharded_param), and a parameter may be frozen or thawed later: each
+        # forward looks again, so the hooks are on the parameters backward will produce.
+        self._forward_hook = model.register_forward_pre_hook(self._check_parameters, prepend=True)
 
     def remove(self) -> None:
         """Removes the hooks: later backwards leave the replicas unsynchronised."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._forward_hook.remove()
+
+    def _hook_parameters(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._units = [_Unit(params) for params in fsdp_units(self._model)]
+        self._unit_of = {id(p): u for u in self._units for p in u.params}
+        self._hooked = self._sharded()
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._on_gradient)
+            for u in self._units
+            for p in u.params
+        ]
+
+    def _sharded(self) -> list[tuple[weakref.ref, bool]]:
+        return [
+            (weakref.ref(p), p.requires_grad)
+            for m in self._model.modules()
+            if isinstance(m, FSDPModule) and (group := fsdp2_compat.param_group_of(m))
+            for p in fsdp2_compat.sharded_params(group)
+        ]
+
+    def _check_parameters(self, module: nn.Module, args: Any) -> None:
+        now = self._sharded()
+        if len(now) != len(self._hooked) or any(
+            a() is not b() or x != y for (a, x), (b, y) in zip(now, self._hooked)
+        ):
+            self._hook_parameters()
 
     def _on_gradient(self, param: torch.Tensor) -> None:
         if not self.requires_reduction or self.replicas == 1:
             return
-        earlier = self._averaged.get(id(param))
-        if earlier is not None and earlier() is param.grad:
-            raise RuntimeError(
-                "ReplicaReduction: a gradient that was already averaged across replicas "
-                "was accumulated into, and would be averaged again. Clear gradients with "
-                "optimizer.zero_grad(set_to_none=True), and accumulate over microbatches "
-                "with model.set_requires_gradient_sync(False) (or requires_reduction = "
-                "False) on all but the last."
-            )
         task = autograd_compat.current_graph_task_id()
         if self._queued_for != task:
+            # A backward that raised never ran its callback: what it started is dropped.
+            self._inflight = []
+            for unit in self._units:
+                unit.arrived = []
             self._queued_for = task
             autograd_compat.queue_callback(self._finish)
         unit = self._unit_of[id(param)]
@@ -180,8 +203,6 @@ class ReplicaReduction:
     def _start(self, unit: _Unit) -> None:
         """Starts the all-reduce of the gradients of ``unit`` that arrived."""
         grads = [_local(p.grad) for p in unit.arrived]
-        for p in unit.arrived:
-            self._averaged[id(p)] = weakref.ref(p.grad)
         unit.arrived = []
         dtype = self.reduce_dtype or grads[0].dtype
         buffer = torch.empty(sum(g.numel() for g in grads), dtype=dtype, device=grads[0].device)
