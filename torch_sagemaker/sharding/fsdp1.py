@@ -195,8 +195,11 @@ def _patched_init(
             fsdp1_layout.adapt(self)
         if follows and depth == 0 and state.fsdp_cache_flush_warnings:
             cache_flush.watch(self)
-        several_hosts = state.initialized and state.local_world_size < state.world_size
-        if follows and depth == 0 and fsdp1_replicas.wanted(several_hosts):
+        if (
+            follows
+            and depth == 0
+            and fsdp1_replicas.wanted(several_hosts=state.local_world_size < state.world_size)
+        ):
             # Note [FSDP1 deferred replica reduction]; a root without replicas gets none.
             reduction = fsdp1_replicas.FSDP1ReplicaReduction(self)
             if reduction.units:
