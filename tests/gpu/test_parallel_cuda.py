@@ -12,6 +12,8 @@ own (tests/distributed/test_hybrid_mixed_precision.py, test_tp_parity.py) run wi
   trains 4 steps and is compared with the fp32 one-process reference on the global batch:
   losses, gradient norms and each parameter's update, with the CPU test's tolerances for
   bf16 against fp32.
+- FSDP1 HYBRID_SHARD on 4 ranks with the replicas' all-reduce during backward, against its
+  synchronous reduction (``test_replica_reduction.py``'s cases on ``device="cuda"``).
 - Tensor parallelism (DTensor, tp=2) for every model family: logits, loss, every gradient
   and 5 AdamW steps against the untransformed model on the same GPU.
 """
@@ -22,6 +24,7 @@ import pytest
 import torch
 
 from tests.distributed import test_hybrid_mixed_precision as hmp
+from tests.distributed import test_replica_reduction as rr
 from tests.distributed import test_tp_parity as tpp
 from tests.distributed.hf_models import reference_run, tiny_llama
 from tests.distributed.launcher import run_distributed
@@ -58,3 +61,16 @@ def test_tensor_parallel_on_cuda_matches_one_process():
     )
     for results in per_rank:
         tpp.check(results)
+
+
+def test_fsdp1_replicas_all_reduce_during_backward_on_cuda():
+    """FSDP1 HYBRID_SHARD (2 replicas of 2 ranks) with the replicas' all-reduce deferred,
+    against FSDP1's synchronous reduction on the same GPUs: FSDP1 divides and casts on its
+    all-reduce stream, which the deferred all-reduce must wait for
+    (tests/distributed/test_replica_reduction.py; the tolerance allows for GPU kernels, a
+    missed division is off by a factor of 2)."""
+    cases = [("fp32", None), ("bf16", None), ("bf16", "each")]
+    per_rank = run_distributed(
+        rr._fsdp1_cases, 2, cases, "cuda", world_size=4, backend="smddp", timeout=600
+    )
+    rr.check_fsdp1(per_rank, 2, rtol=1e-3)
