@@ -50,7 +50,6 @@ each once and reshards on load).
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +80,12 @@ class _Unit:
     arrived: list[nn.Parameter] = field(default_factory=list)
 
 
+def _group_params(model: nn.Module) -> list[list[nn.Parameter]]:
+    """The sharded parameters of each ``fully_shard`` unit of ``model`` (frozen ones too)."""
+    groups = (fsdp2_compat.param_group_of(m) for m in model.modules() if isinstance(m, FSDPModule))
+    return [fsdp2_compat.sharded_params(g) for g in groups if g is not None]
+
+
 def fsdp_units(model: nn.Module) -> list[list[nn.Parameter]]:
     """The trainable sharded parameters of each ``fully_shard`` unit of ``model``.
 
@@ -91,19 +96,13 @@ def fsdp_units(model: nn.Module) -> list[list[nn.Parameter]]:
     Raises:
         ValueError: If ``model`` has no ``FSDPModule``.
     """
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not modules:
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
         raise ValueError(
             f"{type(model).__name__} has no fully_shard unit: ReplicaReduction reduces the "
             "gradients FSDP2 produced. Call fully_shard (or shard_model) on it first."
         )
-    units = []
-    for module in modules:
-        group = fsdp2_compat.param_group_of(module)
-        params = [p for p in fsdp2_compat.sharded_params(group) if p.requires_grad] if group else []
-        if params:
-            units.append(params)
-    return units
+    units = [[p for p in params if p.requires_grad] for params in _group_params(model)]
+    return [params for params in units if params]
 
 
 class ReplicaReduction:
@@ -139,8 +138,9 @@ class ReplicaReduction:
         self._model = model
         self._units: list[_Unit] = []
         self._unit_of: dict[int, _Unit] = {}
-        # The hooked parameters (weakly: a replaced one must be freed) and their requires_grad.
-        self._hooked: list[tuple[weakref.ref, bool]] = []
+        # Which sharded parameters the hooks were made for: (id, requires_grad) of each. The
+        # ids cannot be reused while the hooked (trainable) ones are held by self._units.
+        self._hooked: list[tuple[int, bool]] = []
         self._handles: list[Any] = []
         self._inflight: list[_InFlight] = []
         self._queued_for = -1  # the backward whose final callback is queued
@@ -169,19 +169,11 @@ class ReplicaReduction:
             for p in u.params
         ]
 
-    def _sharded(self) -> list[tuple[weakref.ref, bool]]:
-        return [
-            (weakref.ref(p), p.requires_grad)
-            for m in self._model.modules()
-            if isinstance(m, FSDPModule) and (group := fsdp2_compat.param_group_of(m))
-            for p in fsdp2_compat.sharded_params(group)
-        ]
+    def _sharded(self) -> list[tuple[int, bool]]:
+        return [(id(p), p.requires_grad) for ps in _group_params(self._model) for p in ps]
 
     def _check_parameters(self, module: nn.Module, args: Any) -> None:
-        now = self._sharded()
-        if len(now) != len(self._hooked) or any(
-            a() is not b() or x != y for (a, x), (b, y) in zip(now, self._hooked)
-        ):
+        if self._sharded() != self._hooked:
             self._hook_parameters()
 
     def _on_gradient(self, param: torch.Tensor) -> None:
@@ -206,10 +198,8 @@ class ReplicaReduction:
         unit.arrived = []
         dtype = self.reduce_dtype or grads[0].dtype
         buffer = torch.empty(sum(g.numel() for g in grads), dtype=dtype, device=grads[0].device)
-        offset = 0
-        for g in grads:
-            buffer[offset : offset + g.numel()].view_as(g).copy_(g)
-            offset += g.numel()
+        for view, g in zip(_views(buffer, grads), grads):
+            view.copy_(g)
         work = dist.all_reduce(buffer, group=self.group, async_op=True)
         self._inflight.append(_InFlight(work, buffer, grads))
         self.calls += 1
@@ -225,16 +215,19 @@ class ReplicaReduction:
                 call.work.wait()
             self.wait_seconds = time.perf_counter() - start
             for call in self._inflight:
-                offset = 0
-                for g in call.grads:
-                    g.copy_(call.buffer[offset : offset + g.numel()].view_as(g))
-                    g.div_(self.replicas)
-                    offset += g.numel()
+                for view, g in zip(_views(call.buffer, call.grads), call.grads):
+                    g.copy_(view).div_(self.replicas)  # divided in the gradient's dtype
         finally:
             self._inflight = []
             self._queued_for = -1
             for unit in self._units:
                 unit.arrived = []
+
+
+def _views(buffer: torch.Tensor, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``buffer`` cut into consecutive pieces shaped like ``grads``."""
+    pieces = buffer.split([g.numel() for g in grads])
+    return [piece.view_as(g) for piece, g in zip(pieces, grads)]
 
 
 def _local(grad: torch.Tensor | None) -> torch.Tensor:
