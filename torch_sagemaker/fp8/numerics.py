@@ -11,6 +11,15 @@ Dequantization multiplies by ``scale_inv = 1 / s`` (computed once in fp32, as Tr
 Engine keeps ``scale_inv``). A product of two FP8 tensors is
 ``(qa * inv_a) @ (qb * inv_b)`` accumulated in fp32 and returned in the activation dtype.
 
+Note [FP8 passes over memory]: without fused kernels each elementwise step reads and writes
+the whole tensor, and on a GPU the FP8 layer's time beside its matrix products is these
+passes. Per element of a bf16 tensor: ``amax`` reads 2 bytes and writes 2 (NaNs zeroed),
+then reads 2 (the infinity norm); ``quantize`` reads 2 and writes 4 (the fp32 product),
+reads 4 and writes 4 (clamp), reads 4 and writes 1 (cast): 25 bytes, where a fused
+amax-and-cast would move 5. Each pass here is kept because it changes a result bit for
+bit otherwise (the product in fp32 before the clamp, NaNs out of the amax).
+docs/fp8.md, "On the GPU", has the measured cost.
+
 Note [FP8 matmul on CPU and CUDA]: ``torch._scaled_mm`` on a CPU without AMX is emulated:
 both operands are converted to fp32, multiplied by their scale, ``mat_b`` made contiguous,
 and one fp32 ``matmul`` follows. That is the definition above, so a quantize-dequantize
@@ -45,15 +54,23 @@ def amax(t: torch.Tensor) -> torch.Tensor:
     in the MAX all-reduce of amaxes gives backend- and order-dependent results, so ranks
     could end with different scales. Infinities count (amax inf).
     """
+    # Two passes over ``t`` (Note [FP8 passes over memory]): NaNs zeroed into a copy, then
+    # the infinity norm, max |t|, which is exact in any order and needs no |t| copy.
     with torch.no_grad():
-        a = t.detach().abs()
-        return a.nan_to_num_(nan=0.0, posinf=float("inf")).amax().float()
+        inf = float("inf")
+        clean = torch.nan_to_num(t.detach(), nan=0.0, posinf=inf, neginf=-inf)
+        return torch.linalg.vector_norm(clean, ord=inf).float()
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` scaled, saturated and cast to ``dtype`` (Note [FP8 numerics])."""
+    """``x`` scaled, saturated and cast to ``dtype`` (Note [FP8 numerics]).
+
+    Three passes (Note [FP8 passes over memory]): the fp32 product, the clamp in place, the
+    cast. ``scale`` as a 1-element tensor takes part in type promotion, so a bf16 ``x``
+    times it is computed in fp32 by one kernel, with no fp32 copy of ``x`` first.
+    """
     limit = fp8_max(dtype)
-    return (x.float() * scale).clamp_(-limit, limit).to(dtype)
+    return torch.mul(x, scale.reshape(1)).clamp_(-limit, limit).to(dtype)
 
 
 def delayed_scales(

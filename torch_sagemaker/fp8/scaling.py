@@ -195,6 +195,21 @@ def _tensors(members: list[LinearScaling], name: str) -> list[torch.Tensor]:
     return out
 
 
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def _constant(device: torch.device, what: str, values: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A small tensor of ``values`` on ``device``, made once.
+
+    Made afresh at each update, it would be a copy from host memory, which on a GPU waits for
+    the device to finish its queued work and so stops the host from running ahead.
+    """
+    key = (device, what, values, dtype)
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.tensor(values, dtype=dtype, device=device)
+    return _CONSTANTS[key]
+
+
 def _update(members: list[LinearScaling], roles: tuple[int, ...]) -> None:
     """Reduces the members' pending amaxes of ``roles`` and applies the rule to them at once."""
     first = members[0]
@@ -202,8 +217,7 @@ def _update(members: list[LinearScaling], roles: tuple[int, ...]) -> None:
     assert recipe is not None
     pending = torch.stack(_tensors(members, "pending"))  # [n, 3]
     device = pending.device
-    wanted = torch.zeros(3, dtype=torch.bool, device=device)
-    wanted[list(roles)] = True
+    wanted = _constant(device, "roles", tuple(r in roles for r in range(3)), torch.bool)
     amaxes = torch.where(wanted, pending, -1.0)
     if first.reduce_group != LOCAL:
         reduce_max(amaxes, first.reduce_group)
@@ -215,8 +229,8 @@ def _update(members: list[LinearScaling], roles: tuple[int, ...]) -> None:
     staged = history.clone()
     staged[0] = torch.where(seen, amaxes, history[0])
     fmt = recipe.fp8_format
-    limits = [fp8_max(fmt.forward_dtype)] * 2 + [fp8_max(fmt.backward_dtype)]
-    max_value = torch.tensor(limits, device=device).expand_as(old)
+    limits = (fp8_max(fmt.forward_dtype),) * 2 + (fp8_max(fmt.backward_dtype),)
+    max_value = _constant(device, "limits", limits, torch.float32).expand_as(old)
     length, n = staged.shape[0], len(members)
     new = delayed_scales(
         staged.reshape(length, 3 * n), old.reshape(-1), max_value.reshape(-1), recipe
