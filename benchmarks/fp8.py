@@ -15,6 +15,16 @@ it times, as medians over ``--iters`` after ``--warmup`` (CUDA events on a GPU):
   product), against ``bf16 fwd`` (``nn.Linear`` in bf16);
 - ``fp8 fwd+bwd`` against ``bf16 fwd+bwd``: forward and backward of the layer.
 
+and, for each tensor an FP8 linear layer quantizes (``--quantize``, on by default), where
+the time beside the products goes (Note [FP8 passes over memory] in
+``torch_sagemaker/fp8/numerics.py``):
+
+- ``eager``: the layer's ``amax`` and ``quantize`` of the tensor, as it runs them;
+- ``compiled``: the same two functions under ``torch.compile`` (fused by Inductor), and
+  whether its FP8 values and amax are bit-identical to eager's;
+- the floors: the bytes each moves (25 per bf16 element eager, 5 fused: read twice, write
+  the FP8 byte once) at the device's copy bandwidth, measured in the same run.
+
 Speed-ups are bf16 time / FP8 time of the same row. FP8 products need an sm_89+ GPU; on a
 CPU the products are emulated in fp32 (Note [FP8 matmul on CPU and CUDA]) and the numbers
 only check the plumbing (``--shapes tiny`` keeps that short).
@@ -26,6 +36,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -46,6 +57,7 @@ SHAPES: dict[str, list[tuple[str, int, int, int]]] = {
     ],
     "tiny": [("tiny", 32, 64, 48)],
 }
+EAGER_BYTES, FUSED_BYTES = 25, 5  # per bf16 element (Note [FP8 passes over memory])
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -54,6 +66,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--quantize",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time amax and quantization per tensor, eager and compiled (--no-quantize: not)",
+    )
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the quantization table's compiled column (--no-compile: eager only)",
+    )
     args = p.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
     unknown = [s for s in args.shapes if s not in SHAPES]
@@ -126,6 +150,89 @@ def _row(
     return row
 
 
+def copy_bandwidth(device: torch.device, args: argparse.Namespace) -> float:
+    """Bytes per second a device-to-device copy of 256 MiB moves (read plus written)."""
+    src = torch.empty(128 * 2**20, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src), device, args.iters, args.warmup)
+    return 2 * src.numel() * src.element_size() / (ms / 1e3)
+
+
+def _tensors(model: str) -> dict[str, tuple[int, int]]:
+    """The distinct shapes a model's FP8 layers quantize: inputs, weights, output gradients."""
+    out: dict[str, tuple[int, int]] = {}
+    for layer, m, k, n in SHAPES[model]:
+        out.setdefault(f"x [{m} x {k}]", (m, k))
+        out.setdefault(f"w {layer}", (n, k))
+        out.setdefault(f"dy [{m} x {n}]", (m, n))
+    return out
+
+
+def quantize_rows(
+    model: str, device: torch.device, bandwidth: float, args: argparse.Namespace
+) -> list[dict]:
+    """Eager and compiled amax-and-quantize of each tensor ``model``'s layers quantize."""
+    from torch_sagemaker.fp8.numerics import amax, quantize
+
+    def both(t: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return amax(t), quantize(t, scale, torch.float8_e4m3fn)
+
+    compiled = torch.compile(both, dynamic=True) if args.compile else None
+    rows = []
+    for name, shape in _tensors(model).items():
+        t = torch.randn(shape, device=device, dtype=torch.bfloat16)
+        scale = torch.tensor(3.0, device=device)
+        row = dict(model=model, tensor=name, elements=t.numel())
+        row["eager"] = _median_ms(partial(both, t, scale), device, args.iters, args.warmup)
+        if compiled is None:
+            row["compiled"], row["same"] = None, "-"
+        else:
+            _time_compiled(row, compiled, both, t, scale, device, args)
+        for what, per in (("eager floor", EAGER_BYTES), ("fused floor", FUSED_BYTES)):
+            row[what] = per * t.numel() / bandwidth * 1e3
+        rows.append(row)
+    return rows
+
+
+def _time_compiled(row: dict, compiled, both, t, scale, device, args) -> None:
+    """Fills ``row``'s compiled time and whether its results equal eager's bit for bit."""
+    try:
+        a, q = compiled(t, scale)
+        ea, eq = both(t, scale)
+        same = torch.equal(a, ea) and torch.equal(q.view(torch.uint8), eq.view(torch.uint8))
+        row["same"] = bool(same)
+        row["compiled"] = _median_ms(partial(compiled, t, scale), device, args.iters, args.warmup)
+    except Exception as e:  # a backend that cannot compile here: said in the table
+        row["compiled"], row["same"] = None, f"{type(e).__name__}"
+
+
+def quantize_table(rows: list[dict], bandwidth: float) -> str:
+    """The quantization table: eager and compiled times against their bytes' floors."""
+    lines = [
+        f"amax + quantize of each tensor (bf16 to e4m3), ms; floors at the copy bandwidth "
+        f"{bandwidth / 1e9:.3g} GB/s: {EAGER_BYTES} bytes per element eager, {FUSED_BYTES} fused",
+        "| model | tensor | elements | eager | eager floor | eager / floor | compiled "
+        "| same bits | fused floor | compiled / fused floor |",
+        "|" + "---|" * 10,
+    ]
+    for r in rows:
+        c = r["compiled"]
+        cells = [
+            r["model"],
+            r["tensor"],
+            f"{r['elements']:,}",
+            f"{r['eager']:.3f}",
+            f"{r['eager floor']:.3f}",
+            f"{r['eager'] / r['eager floor']:.2f}",
+            "-" if c is None else f"{c:.3f}",
+            str(r["same"]),
+            f"{r['fused floor']:.3f}",
+            "-" if c is None else f"{c / r['fused floor']:.2f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     """The printed table: times in ms and the bf16 / FP8 ratios of the same run."""
     head = "| model | layer | M x K x N | bf16 mm | fp8 mm | x | bf16 fwd | fp8 fwd | x |"
@@ -159,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print(f"median of {args.iters} after {args.warmup} warm-up, ms; x = bf16 / fp8")
     print(table(rows))
+    if args.quantize:
+        bandwidth = copy_bandwidth(device, args)
+        q_rows = [r for model in args.shapes for r in quantize_rows(model, device, bandwidth, args)]
+        print(quantize_table(q_rows, bandwidth))
     return 0
 
 

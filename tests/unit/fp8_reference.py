@@ -12,7 +12,8 @@ window and the scale as they were.
 The products follow what the FP8 layer is defined to compute (docs/fp8.md, "Numerics"):
 operands dequantized in fp32 (value times ``1 / scale``), the second operand laid out
 row-major ``[K, N]``, one fp32 ``matmul``. That is also what ``torch._scaled_mm`` does on
-a CPU without AMX, hence bit-for-bit comparisons there.
+the CPUs the package is developed on, hence bit-for-bit comparisons there; ``magnitude``
+and ``differences`` bound the comparison where a kernel sums in its own order.
 """
 
 from __future__ import annotations
@@ -75,6 +76,33 @@ def product(a: np.ndarray, inv_a, b: np.ndarray, inv_b, out_dtype: torch.dtype) 
     return torch.matmul(ta, tb).to(out_dtype)
 
 
+U32 = 2.0**-24  # fp32's unit roundoff
+
+
+def magnitude(a: np.ndarray, inv_a, b: np.ndarray, inv_b) -> np.ndarray:
+    """``|a * inv_a| @ |b * inv_b|`` in float64: the sum of the terms' magnitudes.
+
+    Two computations of the same fp32 sums in different orders differ by less than
+    ``2 * (K - 1) * U32`` times this (each is within ``(K - 1) * U32`` of the exact sum),
+    whatever the order.
+    """
+    return np.abs(a.astype(np.float64) * float(inv_a)) @ np.abs(b.astype(np.float64) * float(inv_b))
+
+
+def differences(got: torch.Tensor, want: torch.Tensor, size: np.ndarray) -> np.ndarray:
+    """``|got - want|`` over ``size`` (``magnitude``) elementwise, less one rounding of the output.
+
+    For a bf16 output the two sides may round to neighbouring bf16 values: one unit in the
+    last place of ``want`` (at most ``2**-7 * |want|``) is taken off first.
+    """
+    g = got.detach().double().cpu().numpy().reshape(size.shape)
+    w = want.detach().double().cpu().numpy().reshape(size.shape)
+    diff = np.abs(g - w)
+    if got.dtype == torch.bfloat16:
+        diff = np.maximum(diff - 2.0**-7 * np.abs(w), 0.0)
+    return diff / np.maximum(size, np.finfo(np.float64).tiny)
+
+
 class DelayedRule:
     """The delayed-scaling rule for one tensor, replayed on a list of past amaxes."""
 
@@ -113,7 +141,7 @@ class EmulatedLinear:
     ) -> dict:
         """Forward and backward of one step with the current scales, then the scale update.
 
-        Returns ``y``, ``dx``, ``dw``, ``db`` and the scales used.
+        Returns ``y``, ``dx``, ``dw``, ``db``, the scales used and each product's operands.
         """
         k, n = x.shape[-1], w.shape[0]
         x2, g2 = x.reshape(-1, k), gy.reshape(-1, n)
@@ -129,7 +157,18 @@ class EmulatedLinear:
         db = gy.sum(dim=tuple(range(gy.ndim - 1))) if b is not None else None
         for rule, t in ((self.x, x2), (self.w, w), (self.g, g2)):
             rule.step(float(t.detach().abs().max()))
-        return dict(y=y, dx=dx, dw=dw, db=db, scales=used)
+        # Each product's FP8 operands and the factors that dequantize them.
+        operands = dict(y=(qx, ix, qw.T, iw), dx=(qg, ig, qw, iw), dw=(qg.T, ig, qx, ix))
+        return dict(y=y, dx=dx, dw=dw, db=db, scales=used, operands=operands)
 
 
-__all__ = ["DelayedRule", "EmulatedLinear", "grid", "quantize", "round_to"]
+__all__ = [
+    "U32",
+    "DelayedRule",
+    "EmulatedLinear",
+    "differences",
+    "grid",
+    "magnitude",
+    "quantize",
+    "round_to",
+]

@@ -96,7 +96,8 @@ def test_quantization_stats_count_what_the_cast_does(tmp_path):
 def test_bench_fp8_prints_its_table(capsys):
     from benchmarks import fp8
 
-    assert fp8.main(["--shapes", "tiny", "--device", "cpu", "--iters", "1", "--warmup", "0"]) == 0
+    argv = ["--shapes", "tiny", "--device", "cpu", "--iters", "1", "--warmup", "0"]
+    assert fp8.main([*argv, "--no-compile"]) == 0  # compiling takes 20 s here
     out = capsys.readouterr().out
     assert "plumbing only" in out  # a CPU run says its times mean nothing
     row = next(line for line in out.splitlines() if line.startswith("| tiny |"))
@@ -112,3 +113,14 @@ def test_bench_fp8_prints_its_table(capsys):
         high = (base + 0.0005) / max(fp8_ms - 0.0005, 1e-9) + 0.005
         assert low <= ratio <= high, (base, fp8_ms, ratio)
     assert fp8.SHAPES["4096"][2] == ("gate/up_proj", 8192, 4096, 14336)
+    # The quantization table: each tensor the layer quantizes once, against its floors.
+    bandwidth = float(out.split("copy bandwidth ")[1].split(" GB/s")[0]) * 1e9
+    rows = [line for line in out.splitlines() if line.startswith("| tiny | ")][1:]
+    tensors = {"x [32 x 64]": 2048, "w tiny": 3072, "dy [32 x 48]": 1536}
+    assert [r.split("|")[2].strip() for r in rows] == list(tensors)
+    for r in rows:
+        cells = [c.strip() for c in r.strip("|").split("|")]
+        elements = tensors[cells[1]]
+        assert cells[2] == f"{elements:,}" and float(cells[3]) > 0 and cells[6:8] == ["-", "-"]
+        floor = fp8.EAGER_BYTES * elements / bandwidth * 1e3
+        assert abs(float(cells[4]) - floor) <= 0.0005 + 0.01 * floor, (cells, floor)
