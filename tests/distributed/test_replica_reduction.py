@@ -315,3 +315,69 @@ def test_replaced_and_frozen_parameters():
             torch.testing.assert_close(value, out["frozen_hsdp"][name], rtol=1e-5, atol=1e-6)
         frozen = "model.embed_tokens.weight"
         assert torch.equal(out["frozen"][frozen], tiny_llama().state_dict()[frozen])
+
+
+def _fsdp1_wrapped_by_hand():
+    """Each decoder layer wrapped in FSDP1 by hand, then the model: gradients of one step,
+    deferred and synchronous, with the deferred run's all-reduces and log lines."""
+    import logging
+    import os
+
+    import torch.sagemaker as tsm
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    from torch_sagemaker.logger import get_logger
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger = get_logger()
+    level = logger.level
+    logger.setLevel(logging.INFO)  # the test ranks log warnings only
+    logger.addHandler(handler)
+    out = {}
+    try:
+        for overlap in (False, True):
+            os.environ["TSM_OVERLAP_REPLICA_REDUCTION"] = "1" if overlap else "0"
+            tsm.state.reset()
+            tsm.init({"hybrid_shard_degree": 2})
+            before = len(records)
+            model = tiny_llama()
+            kwargs = dict(
+                sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                device_id=torch.device("cpu"),
+                use_orig_params=True,
+            )
+            for i, layer in enumerate(model.model.layers):
+                model.model.layers[i] = FSDP(layer, **kwargs)
+            model = FSDP(model, **kwargs)
+            batch = global_batches(1, GLOBAL_BATCH)[0]
+            rows = rank_slice(batch, tsm.state.dp_rank, tsm.state.dp_size)
+            model(input_ids=rows, labels=rows).loss.backward()
+            reduction = getattr(model, "replica_reduction", None)
+            out[overlap] = dict(
+                grads={n: p.grad for n, p in model.named_parameters()},
+                calls=reduction.calls if reduction is not None else 0,
+                logged=[m for m in records[before:] if "runs during backward" in m],
+            )
+    finally:
+        del os.environ["TSM_OVERLAP_REPLICA_REDUCTION"]
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return out
+
+
+@pytest.mark.distributed
+def test_fsdp1_wrapped_layer_by_layer_defers_each_unit_once():
+    # The outer root takes the layers' roots' units over: 3 all-reduces (2 layers, the root),
+    # one log line, and the gradients of the synchronous reduction.
+    per_rank = run_distributed(_fsdp1_wrapped_by_hand, world_size=4, backend="gloo", timeout=120)
+    for rank, r in enumerate(per_rank):
+        assert r[True]["calls"] == 3 and r[False]["calls"] == 0, rank
+        expected = ["FSDP: the all-reduce across replicas runs during backward for 3 units"]
+        logged = [m.split(" (")[0] for m in r[True]["logged"]]
+        assert logged == (expected if rank == 0 else []), (rank, r[True]["logged"])
+        for name, grad in r[True]["grads"].items():
+            sync = r[False]["grads"][name]
+            assert (grad is None and sync is None) or torch.equal(grad, sync), (rank, name)

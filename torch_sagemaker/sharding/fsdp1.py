@@ -202,12 +202,8 @@ def _patched_init(
         ):
             # Note [FSDP1 deferred replica reduction]; a root without replicas gets none.
             reduction = fsdp1_replicas.FSDP1ReplicaReduction(self)
-            if reduction.units:
+            if reduction.units:  # it logs at the first backward
                 self.replica_reduction = reduction  # type: ignore[assignment]
-                log_rank0(
-                    f"FSDP: the all-reduce across replicas runs during backward for "
-                    f"{reduction.units} units (TSM_OVERLAP_REPLICA_REDUCTION=0: synchronous)"
-                )
     finally:
         _local.depth = depth
 

@@ -7,7 +7,9 @@ are waited for at backward's end, so the network carries one unit's gradients wh
 ranks compute the next units'. When ``loss.backward()`` returns the gradients are what
 FSDP1 would have produced. ``tsm.init``'s FSDP1 patch attaches one to every root that
 follows the SMP config in a job over several hosts (``sharding/fsdp1.py``);
-``TSM_OVERLAP_REPLICA_REDUCTION`` (``wanted``) turns it off, or on for one host too.
+``TSM_OVERLAP_REPLICA_REDUCTION`` (``wanted``) turns it off, or on for one host too. A root
+built around roots that have one (a model wrapped layer by layer, then whole) takes their
+units over, so each unit is deferred by one reduction, which logs once at its first backward.
 
 Note [FSDP1 deferred replica reduction]
 FSDP1 offers no hook for this: ``register_comm_hook`` refuses hybrid strategies, and its
@@ -59,6 +61,7 @@ from torch_sagemaker import config
 from torch_sagemaker._torch_compat import autograd as autograd_compat
 from torch_sagemaker._torch_compat import c10d as c10d_compat
 from torch_sagemaker._torch_compat import fsdp1 as fsdp1_compat
+from torch_sagemaker.logger import log_rank0
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, fsdp1_compat.HYBRID_SHARD_ZERO2)
 # Each unit's reduction, by unit; the wrappers do nothing for units not in it.
@@ -141,10 +144,15 @@ class FSDP1ReplicaReduction:
         self._inflight: list[_InFlight] = []
         self._queued_for = -1
         self.units = 0
+        self._announced = False
         for unit in FullyShardedDataParallel.fsdp_modules(root):
             group = _replica_group(unit)
             if group is None or dist.get_world_size(group) == 1:
                 continue
+            earlier = _reductions.get(unit)
+            if earlier is not None:  # wrapped again by an outer root: its units move here
+                del earlier._groups[id(unit)]
+                earlier.units -= 1
             self._groups[id(unit)] = group
             _reductions[unit] = self
             self.units += 1
@@ -165,6 +173,14 @@ class FSDP1ReplicaReduction:
         return not (hybrid and fsdp1_compat.saved_grad_shard(handle.flat_param) is not None)
 
     def _start(self, handle: Any, grad: torch.Tensor, group: dist.ProcessGroup) -> None:
+        if not self._announced:
+            # Said at the first backward, not at construction: a model wrapped layer by layer
+            # builds a root per layer before the outer root takes their units over.
+            self._announced = True
+            log_rank0(
+                f"FSDP: the all-reduce across replicas runs during backward for {self.units} "
+                "units (TSM_OVERLAP_REPLICA_REDUCTION=0: synchronous)"
+            )
         task = autograd_compat.current_graph_task_id()
         if self._queued_for != task:
             self._inflight = []  # a backward that raised never ran its callback: dropped
