@@ -5,8 +5,9 @@ hosts in the tensor's own dtype, each host's partial rounded once and every sum 
 Over random inputs, on 2 hosts (of 1 and of 2 ranks: the mesh), 4 hosts (the ring and the
 mesh) and 2 to 4 hosts by the tree (Note [A tree for small all-reduces] in net_tree.cpp), each
 asked for, each result is compared with the exact sum (fp64) and with what a ring over every
-rank that rounds its running sum at each hop (NCCL's) gets on the same inputs. Ours must
-stay within the Note's bound element by element, its mean error may not exceed the per-hop
+rank that rounds its running sum at each hop (NCCL's) gets on the same inputs. The mesh's
+result must be the Note's rounding for rounding (``_mesh_sum``); every result must stay
+within the Note's bound element by element, its mean error may not exceed the per-hop
 one (with one rank per host the ring is NCCL's, bit for bit), and fp32 on the wire
 (SMDDP_NET_REDUCE_DTYPE=fp32) must be at least as close. Which algorithm ran is what the
 backend counted (group_layout()["net_ops"]).
@@ -68,6 +69,30 @@ def _bound(xs64: list[torch.Tensor], hosts: list[list[int]], algorithm: str, u: 
     return 1.05 * bound
 
 
+def _mesh_sum(
+    xs: list[torch.Tensor], hosts: list[list[int]], dtype: torch.dtype, rounded: bool
+) -> torch.Tensor:
+    """The mesh's all_reduce as the Note defines it, rounding for rounding: part p (cut as
+    smddp cuts it) is owned by rank p; each host's partial of it is the fp32 sum of its
+    ranks' inputs in local order, rounded once to the dtype where it leaves its host when
+    ``rounded`` (fp32 on the wire: not; the owner's host keeps its own in fp32); the owner
+    sums the partials in host order in fp32 and rounds once."""
+    world, out = len(xs), torch.empty(N, dtype=dtype)
+    host_of = {r: h for h, members in enumerate(hosts) for r in members}
+    for p in range(world):
+        b, e = partition(N, world, p, 64 // xs[0].element_size())
+        total = None
+        for h, members in enumerate(hosts):
+            partial = xs[members[0]][b:e].float()
+            for r in members[1:]:
+                partial = partial + xs[r][b:e].float()
+            if rounded and h != host_of[p]:
+                partial = partial.to(dtype).float()
+            total = partial if total is None else total + partial
+        out[b:e] = total.to(dtype)
+    return out
+
+
 def _errors(group, dtype: torch.dtype, seed: int, hosts: list[list[int]]) -> dict:
     from torch_sagemaker.smddp.backend import group_layout
 
@@ -85,6 +110,11 @@ def _errors(group, dtype: torch.dtype, seed: int, hosts: list[list[int]]) -> dic
     ours = (out.double() - exact).abs()
     hop = (_per_hop(xs, dtype) - exact).abs()
     bound = _bound(xs64, hosts, algorithm, UNIT[dtype])
+    as_noted = {  # the mesh's result against its rounding with each wire type
+        wire: torch.equal(out, _mesh_sum(xs, hosts, dtype, rounded=wire == "half"))
+        for wire in ("half", "fp32")
+        if algorithm == "mesh"
+    }
     # Every rank must hold the same bits.
     every = [torch.empty_like(out) for _ in ranks]
     dist.all_gather(every, out, group=group)
@@ -95,6 +125,7 @@ def _errors(group, dtype: torch.dtype, seed: int, hosts: list[list[int]]) -> dic
         "hop_mean": hop.mean().item(),
         "hop_max": hop.max().item(),
         "over_bound": int((ours > bound).sum()),
+        "as_noted": as_noted,
         "same_bits": all(
             torch.equal(e.view(torch.int16), every[0].view(torch.int16)) for e in every
         ),
@@ -129,6 +160,9 @@ def _check(results: dict, label: str) -> None:
         assert r["algorithm"] == r["asked"], (key, r)
         assert r["same_bits"], key
         assert r["over_bound"] == 0, (key, r)
+        # The mesh's rounding is the Note's, bit for bit (fp32 on the wire rounds nothing).
+        if r["as_noted"]:
+            assert r["as_noted"]["fp32" if "fp32" in key[0] else "half"], (key, r)
         # On 3 hosts of one rank the tree rounds one running sum, as the per-hop ring over 3
         # ranks does (other ones): the two means are as close as the random inputs make them.
         slack = 1.02 if r["algorithm"] == "tree" else 1.0

@@ -91,17 +91,23 @@ WirePartials::WirePartials(const HostPartials& hp, DType wire, const Reduction& 
   const std::vector<int>& mine = hp.owned[group.layout().local_rank];
   at_.assign(mine.size(), nullptr);
   leaves_.assign(mine.size(), 0);
-  for (size_t k : leaving) leaves_[k] = 1;
-  if (hp.type == wire) {
-    for (size_t k : leaving) at_[k] = static_cast<char*>(hp.ptr[k]);
-    return;
+  round_.assign(mine.size(), 0);
+  std::vector<size_t> rounded;
+  for (size_t k : leaving) {
+    leaves_[k] = 1;
+    if (hp.type == wire || (!hp.in_wire.empty() && hp.in_wire[k])) {
+      at_[k] = static_cast<char*>(hp.ptr[k]);  // already in the wire type: sent as it is
+    } else {
+      rounded.push_back(k);
+    }
   }
-  // Rounded into the staging buffer chunk by chunk as they leave.
+  // The others are rounded into the staging buffer chunk by chunk as they leave.
   const size_t wsz = dtype_size(wire);
   size_t total = 0;
-  for (size_t k : leaving) total += parts[mine[k]].len * wsz;
-  char* at = group.staging(total);
-  for (size_t k : leaving) {
+  for (size_t k : rounded) total += parts[mine[k]].len * wsz;
+  char* at = rounded.empty() ? nullptr : group.staging(total);
+  for (size_t k : rounded) {
+    round_[k] = 1;
     at_[k] = at;
     at += parts[mine[k]].len * wsz;
   }
@@ -110,7 +116,7 @@ WirePartials::WirePartials(const HostPartials& hp, DType wire, const Reduction& 
 char* WirePartials::chunk(size_t k, Span c) {
   SMDDP_CHECK(leaves_[k], "smddp: a partial that stays on its host was sent (a bug)");
   char* out = at_[k] + c.off * dtype_size(wire_);
-  if (hp_.type != wire_) {
+  if (round_[k]) {
     const void* src = static_cast<const char*>(hp_.ptr[k]) + c.off * dtype_size(hp_.type);
     reduce(hp_.type, wire_, out, &src, 1, c.len, red_, false);
   }

@@ -94,8 +94,11 @@ DType wire_type(DType t, const Settings& s);
 // This host's partial sums of the parts a rank handles (Note [Pipelined exchanges] in
 // comm_hier.cpp): the input itself, or made by shared-memory steps during the exchange.
 struct HostPartials {
-  DType type = DType::F32;                         // of ptr's elements
-  std::vector<void*> ptr;                          // by position in owned[local rank]
+  DType type = DType::F32;  // of ptr's elements
+  std::vector<void*> ptr;   // by position in owned[local rank]
+  // By the same position: made in the wire type instead of `type`, already rounded (Note
+  // [Partials made in the wire type] in comm_hier.cpp); empty: none.
+  std::vector<uint8_t> in_wire;
   std::vector<std::vector<int>> owned;             // local index -> parts it handles
   std::unique_ptr<shm::ReduceScatterSteps> steps;  // null: ptr holds them all already
   // Elements from the start of part `part` (a group rank's part, one this rank handles; not
@@ -122,6 +125,7 @@ class WirePartials {
   const Reduction& red_;
   std::vector<char*> at_;        // per partial: where its chunks leave from
   std::vector<uint8_t> leaves_;  // per partial: whether it leaves (`leaving`)
+  std::vector<uint8_t> round_;   // per partial: whether its chunks are rounded as they leave
 };
 
 // Learns of the parts of an all-gather as they arrive, and spreads them inside the host
@@ -200,6 +204,10 @@ class NetAlgorithm {
   // How many parts one shared-memory step carries a chunk of (Note [A message per local
   // step] in comm_hier.cpp).
   virtual size_t parts_per_step() const = 0;
+  // Whether a reduce-scatter sends the host partials of the parts this rank handles, but
+  // its own, as they are made (nothing added on the way), so the shared-memory steps may make
+  // them in the wire type (Note [Partials made in the wire type] in comm_hier.cpp).
+  virtual bool sends_partials_as_made() const { return false; }
   // Runs the job's exchange: every message of it, and the reductions of what arrived.
   virtual void run(const NetJob& job, const OpCtx& ctx) = 0;
 

@@ -24,6 +24,8 @@ class Mesh final : public NetAlgorithm {
   NetAlgo kind() const override { return NetAlgo::MESH; }
   // One phase: the mesh sends every part at once, to every host, and needs no order.
   size_t parts_per_step() const override { return static_cast<size_t>(g_.group_size()); }
+  // Every partial but my own part's goes to its part's rank as it is (Note [Unequal hosts]).
+  bool sends_partials_as_made() const override { return true; }
   void run(const NetJob& job, const OpCtx& ctx) override;
 
  private:

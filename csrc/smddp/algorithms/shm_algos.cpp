@@ -154,11 +154,10 @@ ReduceScatterSteps::ReduceScatterSteps(ShmComm& c, const void* in, const std::ve
       finish_(finish),
       ctx_(ctx),
       esz_(dtype_size(red.dtype)),
-      out_t_(finish ? red.dtype : acc_type(red.dtype)),
+      out_t_(owned[c.rank()].size(), finish ? red.dtype : acc_type(red.dtype)),
       srcs_(c.size()),
       staged_(parts.size(), 0),
       phases_(std::move(phase_of), parts, {}, "reduce-scatter") {
-  out_esz_ = dtype_size(out_t_);
   // Note [My slice stays home] in shm_algos.h: a part only this rank reduces stays in its
   // input, unless the copy in is where a PREMUL_SUM's factor is applied.
   const bool scaled = red.op == RedOp::PREMUL_SUM && red.premul != 1.0;
@@ -182,6 +181,12 @@ void ReduceScatterSteps::enter(size_t ph) {
   // the pipeline chunk per part so the step's reads stay in cache.
   chunk_ = std::min(chunk_elems(c_.buffer_bytes(), phases_.ways(ph), esz_),
                     chunk_elems(c_.chunk_bytes(), 1, esz_));
+}
+
+void ReduceScatterSteps::set_out_type(size_t k, DType t) {
+  SMDDP_CHECK(!done_ && first_ && k < out_t_.size(),
+              "smddp: a reduce-scatter's output type set after its first step (a bug)");
+  out_t_[k] = t;
 }
 
 size_t ReduceScatterSteps::ready(int p) const {
@@ -212,7 +217,8 @@ void ReduceScatterSteps::step() {
     Span piece = clip(parts_[p], o, chunk_);
     for (int i = 0; i < n; ++i) srcs_[i] = c_.peer(i, s) + slot(p) * chunk_ * esz_;
     if (!staged_[p]) srcs_[me] = src_ + piece.off * esz_;
-    reduce(red_.dtype, out_t_, static_cast<char*>(dst_[k]) + o * out_esz_, srcs_.data(), n,
+    const DType out = out_t_[k];
+    reduce(red_.dtype, out, static_cast<char*>(dst_[k]) + o * dtype_size(out), srcs_.data(), n,
            piece.len, red_, finish_);
   }
   c_.end_step(s);

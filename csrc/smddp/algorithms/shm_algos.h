@@ -120,6 +120,10 @@ class ReduceScatterSteps {
   // Elements from the start of part p, one this rank reduces (in owned[me]), that are final
   // in dst (all of them once done).
   size_t ready(int p) const;
+  // Writes dst[k] (the k-th part of owned[me]) in type t instead of the accumulation type:
+  // each element the sum in the accumulation type rounded once (Note [Partials made in the
+  // wire type] in comm_hier.cpp). Before the first step.
+  void set_out_type(size_t k, DType t);
   void step();
 
  private:
@@ -136,8 +140,8 @@ class ReduceScatterSteps {
   const Reduction& red_;
   bool finish_;
   const OpCtx& ctx_;
-  size_t esz_, out_esz_, next_ = 0, chunk_ = 0, maxlen_ = 0;  // chunk_, maxlen_: the phase's
-  DType out_t_;
+  size_t esz_, next_ = 0, chunk_ = 0, maxlen_ = 0;  // chunk_, maxlen_: the phase's
+  std::vector<DType> out_t_;  // per part of owned[me]: the type dst[k] is written in
   bool first_ = true, done_ = false;
   std::vector<const void*> srcs_;
   // Per part: whether this rank copies it into its buffer: another local rank reduces it, or
