@@ -36,8 +36,11 @@ from typing import Any, NamedTuple
 from tools import netns
 from tools.bare_tcp import BARE_TCP, BareRing
 
-# smddp groups that force how collectives cross hosts (SMDDPOptions.net_algo).
+# smddp groups that force how collectives cross hosts (SMDDPOptions.net_algo), and
+# "smddp-auto", auto's choice in a group of its own: the default group ("smddp") also
+# carries the benchmark's own messages between cases.
 FORCED_NET_ALGO = {
+    "smddp-auto": "auto",
     "smddp-mesh": "mesh",
     "smddp-ring": "ring",
     "smddp-hd": "halving_doubling",
