@@ -19,8 +19,8 @@ its window after idle gaps ``--slow-start-after-idle``, Linux's default 1 unless
 [Slow start after idle] in smddp/backend.py) with L ranks each. One
 job per layout runs every backend: the default group is smddp's, and a gloo group spans the same
 ranks. The default group also carries the benchmark's own barrier before every timed call;
-"smddp-auto" is auto's choice in a group of its own (on 16 hosts at 1 MiB it took 0.67x the
-default group's time in the median of 7 jobs, more in 2 of them: docs/log/multi_node.md,
+"smddp-auto" is auto's choice in a group of its own (on 16 hosts at 1 MiB it took 0.69x the
+default group's time in the median of 7 jobs, 0.50x to 1.28x: docs/log/multi_node.md,
 2026-11-30). "smddp-mesh", "smddp-ring",
 "smddp-hd" and "smddp-tree" are further smddp groups over
 the same ranks that cross hosts by the mesh, a ring, halving-doubling or (all_reduce only;
