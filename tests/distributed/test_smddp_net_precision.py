@@ -228,3 +228,38 @@ def test_half_precision_partials_stay_within_the_bound_and_beat_per_hop_rounding
     # there bf16 on the wire rounds them, fp32 does not.
     key = ("2 hosts of 2", str(torch.bfloat16), 0)
     assert two_per_host[key]["ours_max"] > 0
+
+
+def _mesh_of_odd_lengths(lengths):
+    """bf16 and fp16 all_reduces of odd lengths on 2 hosts of 2 by the mesh, against the Note."""
+    from torch_sagemaker.smddp.backend import group_layout
+
+    global N
+    group = dist.new_group([0, 1, 2, 3], backend="smddp", pg_options=_options("mesh"))
+    hosts = group_layout(group)["members"]
+    same, kept = {}, N
+    try:
+        for n in lengths:
+            N = n  # what _inputs and _mesh_sum cut
+            for dtype in (torch.bfloat16, torch.float16):
+                xs = [_inputs(r, dtype, 3) for r in range(4)]
+                out = xs[dist.get_rank()].clone()
+                dist.all_reduce(out, group=group)
+                same[(n, str(dtype))] = torch.equal(out, _mesh_sum(xs, hosts, dtype, rounded=True))
+    finally:
+        N = kept
+    return same
+
+
+def test_mesh_rounds_as_noted_at_odd_lengths():
+    # The last part of an odd length: its partial, in the wire type beside fp32 ones, must
+    # neither shift the others (each starts on 64 bytes) nor change a bit.
+    per_rank = run_distributed(
+        _mesh_of_odd_lengths,
+        (77, 4099),
+        world_size=4,
+        backend="smddp",
+        env={"SMDDP_FORCE_LOCAL_SIZE": "2"},
+    )
+    for rank, same in enumerate(per_rank):
+        assert same and all(same.values()), (rank, same)

@@ -259,12 +259,17 @@ void Communicator::start_host_partials(HostPartials& hp, const void* in,
     for (size_t k = 0; k < n; ++k) hp.in_wire[k] = mine[k] != cfg_.rank;
   }
   auto type_of = [&](size_t k) { return !hp.in_wire.empty() && hp.in_wire[k] ? wire : acc; };
+  // Each partial starts on 64 bytes: with two element types side by side, a 2-byte partial
+  // of odd length would otherwise leave the next fp32 one misaligned.
+  auto room = [&](size_t k) {
+    return (parts[mine[k]].len * dtype_size(type_of(k)) + 63) & ~size_t{63};
+  };
   size_t total = 0;
-  for (size_t k = 0; k < n; ++k) total += parts[mine[k]].len * dtype_size(type_of(k));
+  for (size_t k = 0; k < n; ++k) total += room(k);
   char* buf = scratch(total);
   for (size_t k = 0; k < n; ++k) {
     hp.ptr[k] = buf;
-    buf += parts[mine[k]].len * dtype_size(type_of(k));
+    buf += room(k);
   }
   hp.steps = std::make_unique<shm::ReduceScatterSteps>(*shm_, in, parts, hp.owned, hp.ptr, red,
                                                        false, ctx, algo.partial_phases());
