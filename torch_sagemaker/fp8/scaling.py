@@ -231,6 +231,8 @@ def _update(members: list[LinearScaling], roles: tuple[int, ...]) -> None:
     fmt = recipe.fp8_format
     limits = (fp8_max(fmt.forward_dtype),) * 2 + (fp8_max(fmt.backward_dtype),)
     max_value = _constant(device, "limits", limits, torch.float32).expand_as(old)
+    if recipe.scaling_factor_compute_algo is not None:
+        max_value = max_value.clone()  # a user's function gets its own, not the cached one
     length, n = staged.shape[0], len(members)
     new = delayed_scales(
         staged.reshape(length, 3 * n), old.reshape(-1), max_value.reshape(-1), recipe
