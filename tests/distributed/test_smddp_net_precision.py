@@ -33,10 +33,10 @@ N = 1 << 15
 UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # unit roundoff of the dtype
 
 
-def _inputs(rank: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+def _inputs(rank: int, dtype: torch.dtype, seed: int, n: int = N) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * seed + rank)
     # Magnitudes over a few decades (gradients are not all alike), signs mixed.
-    x = torch.randn(N, generator=g) * torch.exp(torch.randn(N, generator=g))
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))
     return x.to(dtype)
 
 
@@ -77,10 +77,11 @@ def _mesh_sum(
     ranks' inputs in local order, rounded once to the dtype where it leaves its host when
     ``rounded`` (fp32 on the wire: not; the owner's host keeps its own in fp32); the owner
     sums the partials in host order in fp32 and rounds once."""
-    world, out = len(xs), torch.empty(N, dtype=dtype)
+    world, n = len(xs), xs[0].numel()
+    out = torch.empty(n, dtype=dtype)
     host_of = {r: h for h, members in enumerate(hosts) for r in members}
     for p in range(world):
-        b, e = partition(N, world, p, 64 // xs[0].element_size())
+        b, e = partition(n, world, p, 64 // xs[0].element_size())
         total = None
         for h, members in enumerate(hosts):
             partial = xs[members[0]][b:e].float()
@@ -234,20 +235,15 @@ def _mesh_of_odd_lengths(lengths):
     """bf16 and fp16 all_reduces of odd lengths on 2 hosts of 2 by the mesh, against the Note."""
     from torch_sagemaker.smddp.backend import group_layout
 
-    global N
     group = dist.new_group([0, 1, 2, 3], backend="smddp", pg_options=_options("mesh"))
     hosts = group_layout(group)["members"]
-    same, kept = {}, N
-    try:
-        for n in lengths:
-            N = n  # what _inputs and _mesh_sum cut
-            for dtype in (torch.bfloat16, torch.float16):
-                xs = [_inputs(r, dtype, 3) for r in range(4)]
-                out = xs[dist.get_rank()].clone()
-                dist.all_reduce(out, group=group)
-                same[(n, str(dtype))] = torch.equal(out, _mesh_sum(xs, hosts, dtype, rounded=True))
-    finally:
-        N = kept
+    same = {}
+    for n in lengths:
+        for dtype in (torch.bfloat16, torch.float16):
+            xs = [_inputs(r, dtype, 3, n) for r in range(4)]
+            out = xs[dist.get_rank()].clone()
+            dist.all_reduce(out, group=group)
+            same[(n, str(dtype))] = torch.equal(out, _mesh_sum(xs, hosts, dtype, rounded=True))
     return same
 
 

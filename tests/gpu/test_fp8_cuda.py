@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from tests.unit import fp8_reference as ref
+from torch_sagemaker._torch_compat import float8
 
 pytestmark = [
     pytest.mark.gpu,
@@ -58,9 +59,7 @@ def _scaled_mm_on_device(a, inv_a, b, inv_b, formats, out_dtype):
     """``torch._scaled_mm`` of FP8 values ``a [M, K]``, ``b [K, N]`` (float32 arrays)."""
     ta = torch.from_numpy(np.ascontiguousarray(a)).cuda().to(formats[0])  # row-major
     tb = torch.from_numpy(np.ascontiguousarray(b.T)).cuda().to(formats[1]).t()  # column-major
-    return torch._scaled_mm(
-        ta, tb, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype, use_fast_accum=False
-    )
+    return float8.scaled_mm(ta, tb, inv_a, inv_b, out_dtype)  # torch._scaled_mm, no fast accum
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
