@@ -12,8 +12,8 @@ import statistics
 
 from benchmarks import cost_model_fit
 from tools import netns
+from torch_sagemaker.planner import auto_rule as auto_rule_model
 from torch_sagemaker.planner import cost_model
-from torch_sagemaker.planner import tree_rule as tree_rule_model
 
 
 def model_report(runs: list[dict], args: argparse.Namespace) -> int:
@@ -89,10 +89,12 @@ def model_report(runs: list[dict], args: argparse.Namespace) -> int:
                 )
             )
     print(
-        f"\nauto's tree rule (Note [The tree rule from the model]), on {TREE_RULE_CLUSTER}, "
-        "at the fitted costs; kTreeRule in csrc/smddp/algorithms/net_algorithm.cpp:"
+        f"\nauto's choice by size (Note [The auto rule from the model]), on {RULE_CLUSTER}, "
+        "at the fitted costs; kAutoRule in csrc/smddp/algorithms/net_algorithm.cpp "
+        "(hosts, the tree's largest all_reduce, halving-doubling's largest all_reduce, "
+        "reduce_scatter, all_gather):"
     )
-    print(tree_rule_table(costs))
+    print(auto_rule_table(costs))
     if args.plot:
         plot(target, args.predict_ranks, nic_rate, cores, sizes, args.plot)
         print(f"\nwrote {args.plot}")
@@ -188,6 +190,10 @@ def costs_table(costs: cost_model.Costs) -> str:
         f"| copies | {1e-9 / costs.copy_cpu:.2f} {per_core} |",
         f"| flow skew (NIC time per flow beyond one) | {costs.flow_skew:.3f} |",
         f"| flow latency (per call, per flow beyond one) | {ms('flow_latency')} |",
+        f"| staged rounds: NIC and CPU time not overlapped | {costs.stage_serial:.2f} of the "
+        "smaller |",
+        f"| staged rounds: wait for a core (per round, per rank per core beyond one) | "
+        f"{costs.stage_wake * 1e3:.3f} ms |",
     ]
     return "\n".join(lines)
 
@@ -339,31 +345,36 @@ def prediction_table(
     return "\n".join(lines)
 
 
-# --- auto's tree rule ----------------------------------------------------------------------
+# --- auto's choice by size ------------------------------------------------------------------
 
-TREE_RULE_RATE = 1e9 / 8  # bytes/s: 1 Gbit/s, the rate of the 16 and 32 host runs
-TREE_RULE_CLUSTER = (
+RULE_RATE = 1e9 / 8  # bytes/s: 1 Gbit/s, the rate of the 16 and 32 host runs
+RULE_CLUSTER = (
     "simulated hosts of one rank at 1 Gbit/s, every rank on the machine's 2 cores, "
     "the cables' burst"
 )
 
 
-def tree_rule_cluster(hosts: int) -> cost_model.Cluster:
-    """The hosts auto's tree rule is derived on.
+def rule_cluster(hosts: int) -> cost_model.Cluster:
+    """The hosts auto's choice by size is derived on.
 
-    ``bench multihost``'s simulated hosts, where the model was fitted and where the tree is
-    measured (Note [When the tree runs] in csrc/smddp/algorithms/net_algorithm.cpp).
+    ``bench multihost``'s simulated hosts, where the model was fitted and where the tree and
+    halving-doubling are measured (Note [Auto by size and host count] in
+    csrc/smddp/algorithms/net_algorithm.cpp).
     """
     return cost_model.Cluster(
-        hosts, 1, TREE_RULE_RATE, cores=2, machine_ranks=hosts, burst=netns.BURST_BYTES
+        hosts, 1, RULE_RATE, cores=2, machine_ranks=hosts, burst=netns.BURST_BYTES
     )
 
 
-def tree_rule(costs: cost_model.Costs) -> list[tuple[int, int]]:
-    """The sizes of auto's tree rule (planner.tree_rule) on tree_rule_cluster, 2-1024 hosts."""
-    return tree_rule_model.tree_rule(costs, tree_rule_cluster)
+def auto_rule(costs: cost_model.Costs) -> list[tuple[int, auto_rule_model.AutoBySize]]:
+    """The auto rule (planner.auto_rule) on rule_cluster, 2-1024 hosts."""
+    return auto_rule_model.auto_rule(costs, rule_cluster)
 
 
-def tree_rule_table(costs: cost_model.Costs) -> str:
-    """tree_rule as the lines of kTreeRule (net_algorithm.cpp)."""
-    return "\n".join(f"    {{{hosts}, {size}}}," for hosts, size in tree_rule(costs))
+def auto_rule_table(costs: cost_model.Costs) -> str:
+    """The auto rule as the lines of kAutoRule (net_algorithm.cpp)."""
+    lines = []
+    for hosts, r in auto_rule(costs):
+        doubling = ", ".join(str(d) for d in r.doubling_max_bytes)
+        lines.append(f"    {{{hosts}, {r.tree_max_bytes}, {{{doubling}}}}},")
+    return "\n".join(lines)

@@ -211,8 +211,9 @@ def _net_ops(group) -> dict[str, int]:
 def _ran(before: dict[str, int], after: dict[str, int]) -> str:
     """The algorithm a case's calls crossed hosts by; "" when none did (one host, not smddp).
 
-    An all_reduce may take the tree where the group's algorithm takes the rest (Note [When
-    the tree runs] in csrc/smddp/algorithms/net_algorithm.cpp).
+    A small collective may take the tree or halving-doubling where the group's algorithm
+    takes the rest (Note [Auto by size and host count] in
+    csrc/smddp/algorithms/net_algorithm.cpp).
     """
     grown = {a: after[a] - before.get(a, 0) for a in after if after[a] > before.get(a, 0)}
     return max(grown, key=lambda a: grown[a]) if grown else ""

@@ -117,7 +117,7 @@ def table(rows: list[dict], rate_bits: int | None) -> str:
             cells += [_ratio(per, BARE_TCP, b) for b in compared]
         lines.append("| " + " | ".join(cells) + " |")
     # Each backend's algorithms in the order its rows ran them (auto: the tree for small
-    # all_reduces, Note [When the tree runs]).
+    # all_reduces, Note [Auto by size and host count]).
     crossing: dict[tuple[str, str], list[str]] = {}
     for r in rows:
         if r["backend"] not in ("gloo", BARE_TCP) and "algorithm" in r:

@@ -76,7 +76,13 @@ py::dict layout_of(const smddp::ProcessGroupSMDDP& pg) {
   d["uniform"] = l.uniform;
   d["net_algorithm"] = pg.comm().net_algorithm();
   d["net_tree_max_bytes"] = pg.comm().net_tree_max_bytes();
-  // The collectives that crossed hosts by each algorithm (Note [When the tree runs]).
+  // Note [Auto by size and host count]: the S up to which each kind takes halving-doubling.
+  py::dict doubling;
+  doubling["all_reduce"] = pg.comm().net_doubling_max_bytes(smddp::NetOp::ALL_REDUCE);
+  doubling["reduce_scatter"] = pg.comm().net_doubling_max_bytes(smddp::NetOp::REDUCE_SCATTER);
+  doubling["all_gather"] = pg.comm().net_doubling_max_bytes(smddp::NetOp::ALL_GATHER);
+  d["net_doubling_max_bytes"] = doubling;
+  // The collectives that crossed hosts by each algorithm (Note [Auto by size and host count]).
   const std::pair<const char*, smddp::NetAlgo> algorithms[] = {
       {"mesh", smddp::NetAlgo::MESH},
       {"ring", smddp::NetAlgo::RING},

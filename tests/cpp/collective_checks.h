@@ -20,7 +20,7 @@ struct Topology {
 };
 
 // Every reduction over sizes from empty to several buffers; also that each call crossed hosts
-// by the algorithm the topology says (the tree per call, Note [When the tree runs]).
+// by the algorithm the topology says (the tree per call, Note [Auto by size and host count]).
 void check_allreduce(const Topology& topo);
 void check_reduce_scatter(const Topology& topo);
 void check_allgather(const Topology& topo);  // also in place

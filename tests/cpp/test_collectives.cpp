@@ -165,8 +165,9 @@ std::string expected_algorithm(const Topology& topo, const smddp::Layout& l) {
   return ring ? "ring" : "mesh";
 }
 
-// The largest all_reduce (bytes) the topology sends by the tree (Note [When the tree runs]):
-// every one asked for, up to the rule's size under auto, none otherwise or on unequal hosts.
+// The largest all_reduce (bytes) the topology sends by the tree (Note [Auto by size and host
+// count]): every one asked for, up to the rule's size under auto, none otherwise or on unequal
+// hosts.
 size_t expected_tree_bytes(const Topology& topo, const smddp::Layout& l) {
   if (!l.uniform || l.hosts < 2) return 0;
   if (topo.net_algo == smddp::NetAlgo::TREE) return SIZE_MAX;
@@ -407,7 +408,7 @@ void check_allreduce(const Topology& topo) {
         c.allreduce(buf.data(), count, red, ctx_of(c, "all_reduce", rc.t, int(rc.op), count));
         std::string diff = compare(rc.t, buf.data(), expected_reduction(rc.t, red, n, count, salt));
         EXPECT(diff.empty(), where(topo, "all_reduce", rank, rc.t, rc.op, count), diff);
-        // Each call took the tree exactly where the rule says (Note [When the tree runs]).
+        // Each call took the tree exactly where the rule says (Note [Auto by size and host count]).
         const size_t tree_bytes = expected_tree_bytes(topo, c.layout());
         const bool tree = tree_bytes > 0 && count * smddp::dtype_size(rc.t) <= tree_bytes;
         EXPECT(c.net_ops(smddp::NetAlgo::TREE) - trees == (tree ? 1u : 0u),

@@ -3,7 +3,7 @@
 // halving-doubling (Note [Halving and doubling between hosts]) and the tree (Note [A tree for
 // small all-reduces]). For the tree also: its results against a model of its order of sums
 // and an fp64 reference over random inputs, the same bits on every rank, and the per-call
-// rule that sends small all_reduces by it under auto (Note [When the tree runs]).
+// rule that sends small all_reduces by it under auto (Note [Auto by size and host count]).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -41,7 +41,7 @@ const Topology kHd3x2Fp32{"hd3x2_fp32_wire", 6, 2, 8 << 10, kHd, {}, true};
 // The tree (Note [A tree for small all-reduces] in net_tree.cpp), asked for: 2 to 5 hosts of
 // one rank (3 and 5 fold an extra host into a core), 3 hosts of 2 (the shared-memory steps
 // inside the fold), and 3 hosts of 2 with bf16 partials in fp32 on the wire. Under auto the
-// all_reduces of every equal-hosts topology here take it too (Note [When the tree runs]).
+// all_reduces of every equal-hosts topology here take it too (Note [Auto by size and host count]).
 constexpr smddp::NetAlgo kTree = smddp::NetAlgo::TREE;
 const Topology kTree2{"tree2", 2, 1, 8 << 10, kTree};
 const Topology kTree3{"tree3", 3, 1, 8 << 10, kTree};
@@ -250,55 +250,135 @@ TEST_CASE(tree_precision_4_hosts) { check_tree_precision(4, 1); }
 TEST_CASE(tree_precision_5_hosts) { check_tree_precision(5, 1); }
 TEST_CASE(tree_precision_3_hosts_of_2) { check_tree_precision(3, 2); }
 
-// Note [When the tree runs]: under auto, on 3 hosts, an all_reduce of the rule's size takes
-// the tree and one element more the ring, in fp32 and bf16; reduce_scatter and all_gather
-// take the ring at any size. Every result exact (integer data).
-TEST_CASE(tree_rule_picks_per_call) {
-  run_group(3, tree_config("tree_rule", 1, NetAlgo::AUTO), [&](Communicator& c, int rank) {
-    const size_t max = smddp::auto_tree_max_bytes(3);
-    EXPECT(c.net_tree_max_bytes() == max, "the group's tree takes up to ", c.net_tree_max_bytes(),
-           " bytes, the rule ", max);
+// Note [Auto by size and host count]: under auto, on the fewest hosts (of 3 to 8) where the
+// rule has a tree, an all_reduce of the rule's size takes the tree and one element more the
+// algorithm the rule names above it, in fp32 and bf16; a small reduce_scatter and all_gather
+// take halving-doubling where the rule says so, else the ring. Every result exact (integer
+// data).
+TEST_CASE(auto_rule_picks_per_call) {
+  int H = 3;
+  while (H < 8 && smddp::auto_tree_max_bytes(H) == 0) ++H;
+  const smddp::AutoBySize rule = smddp::auto_by_size(H);
+  EXPECT(rule.tree_max_bytes > 0, "no tree on 3 to 8 hosts");
+  // What a call of `bytes` (its S) of kind `op` should take, by the rule.
+  auto expected = [&](smddp::NetOp op, size_t bytes) {
+    if (op == smddp::NetOp::ALL_REDUCE && bytes <= rule.tree_max_bytes) return NetAlgo::TREE;
+    if (bytes <= rule.doubling_max_bytes[static_cast<size_t>(op)]) {
+      return NetAlgo::HALVING_DOUBLING;
+    }
+    return NetAlgo::RING;
+  };
+  const NetAlgo algos[] = {NetAlgo::RING, NetAlgo::HALVING_DOUBLING, NetAlgo::TREE};
+  run_group(H, tree_config("auto_rule", 1, NetAlgo::AUTO), [&](Communicator& c, int rank) {
+    EXPECT(c.net_tree_max_bytes() == rule.tree_max_bytes, "the group's tree takes up to ",
+           c.net_tree_max_bytes(), " bytes, the rule ", rule.tree_max_bytes);
     EXPECT(std::string(c.net_algorithm()) == "ring", "the group's algorithm is ",
            c.net_algorithm());
+    // One call of kind `op` and S `bytes` took `want` and nothing else.
+    auto took = [&](const std::vector<uint64_t>& before, NetAlgo want, const std::string& what) {
+      for (size_t i = 0; i < 3; ++i) {
+        const uint64_t n = c.net_ops(algos[i]) - before[i];
+        EXPECT(n == (algos[i] == want ? 1u : 0u), what, ": algorithm ", int(algos[i]), " took ", n,
+               " calls, expected ", int(want));
+      }
+    };
+    auto counts = [&] {
+      std::vector<uint64_t> v;
+      for (NetAlgo a : algos) v.push_back(c.net_ops(a));
+      return v;
+    };
     int salt = 700;
     for (DType t : {DType::F32, DType::BF16}) {
-      const size_t at = max / smddp::dtype_size(t);
+      const size_t at = rule.tree_max_bytes / smddp::dtype_size(t);
       for (size_t count : {at, at + 1}) {
         ++salt;
-        const uint64_t trees = c.net_ops(NetAlgo::TREE), rings = c.net_ops(NetAlgo::RING);
+        const std::vector<uint64_t> before = counts();
         Bytes buf = make_input(t, rank, count, salt);
         c.allreduce(buf.data(), count, sum_of(t), sum_ctx(c, t, count));
         const std::string diff =
-            compare(t, buf.data(), expected_reduction(t, sum_of(t), 3, count, salt));
+            compare(t, buf.data(), expected_reduction(t, sum_of(t), H, count, salt));
         EXPECT(diff.empty(), smddp::dtype_name(t), " all_reduce of ", count, ": ", diff);
-        const bool tree = count == at;
-        EXPECT(c.net_ops(NetAlgo::TREE) - trees == (tree ? 1u : 0u) &&
-                   c.net_ops(NetAlgo::RING) - rings == (tree ? 0u : 1u),
-               smddp::dtype_name(t), " all_reduce of ", count * smddp::dtype_size(t),
-               " bytes: expected the ", tree ? "tree" : "ring");
+        const size_t bytes = count * smddp::dtype_size(t);
+        took(before, expected(smddp::NetOp::ALL_REDUCE, bytes),
+             std::string(smddp::dtype_name(t)) + " all_reduce of " + std::to_string(bytes));
       }
     }
-    const uint64_t rings = c.net_ops(NetAlgo::RING), trees = c.net_ops(NetAlgo::TREE);
-    Bytes in = make_input(DType::F32, rank, 3 * 7, 9), out(7 * 4);
+    std::vector<uint64_t> before = counts();
+    Bytes in = make_input(DType::F32, rank, H * 7, 9), out(7 * 4);
     c.reduce_scatter(in.data(), out.data(), 7, sum_of(DType::F32),
                      sum_ctx(c, DType::F32, 7, "reduce_scatter"));
     EXPECT(compare(DType::F32, out.data(),
-                   expected_reduction(DType::F32, sum_of(DType::F32), 3, 7, 9, rank * 7))
+                   expected_reduction(DType::F32, sum_of(DType::F32), H, 7, 9, rank * 7))
                .empty(),
            "reduce_scatter of 7");
-    Bytes mine = make_bytes(rank, 5, 10), all(15);
+    took(before, expected(smddp::NetOp::REDUCE_SCATTER, H * 7 * 4), "reduce_scatter");
+    before = counts();
+    Bytes mine = make_bytes(rank, 5, 10), all(5 * H);
     smddp::CollDesc d;
     d.count = 5;
     smddp::OpArgs a;
     a.dtype = "uint8";
     a.numel = 5;
     c.allgather(mine.data(), all.data(), 5, c.make_ctx("all_gather", d, a, 0));
-    for (int r = 0; r < 3; ++r) {
+    for (int r = 0; r < H; ++r) {
       EXPECT(compare_bytes(all.data() + 5 * r, make_bytes(r, 5, 10)).empty(), "all_gather part ",
              r);
     }
-    EXPECT(c.net_ops(NetAlgo::RING) - rings == 2 && c.net_ops(NetAlgo::TREE) == trees,
-           "reduce_scatter and all_gather did not both take the ring");
+    took(before, expected(smddp::NetOp::ALL_GATHER, 5 * H), "all_gather");
+  });
+}
+
+// Note [Auto by size and host count]: on the fewest hosts where the rule sends a small
+// reduce_scatter and all_gather by halving-doubling, a call of the rule's S takes it and one
+// of twice that S the ring; each call's S is the whole input (reduce_scatter) or output
+// (all_gather), the same on every rank. Every result exact.
+TEST_CASE(auto_rule_takes_halving_doubling_per_call) {
+  using smddp::NetOp;
+  int H = 3;
+  while (H < 32 && smddp::auto_by_size(H).doubling_max_bytes[1] == 0) ++H;
+  const smddp::AutoBySize rule = smddp::auto_by_size(H);
+  const size_t rs_max = rule.doubling_max_bytes[static_cast<size_t>(NetOp::REDUCE_SCATTER)];
+  const size_t ag_max = rule.doubling_max_bytes[static_cast<size_t>(NetOp::ALL_GATHER)];
+  EXPECT(rs_max > 0 && ag_max > 0, "no halving-doubling on 3 to 32 hosts");
+  run_group(H, tree_config("auto_rule_hd", 1, NetAlgo::AUTO), [&](Communicator& c, int rank) {
+    EXPECT(c.net_doubling_max_bytes(NetOp::REDUCE_SCATTER) == rs_max, "the group's rule");
+    int salt = 900;
+    // S = H * count * 4 bytes: count per rank at the rule's S, then twice it.
+    for (size_t count : {rs_max / (4 * H), 2 * rs_max / (4 * H)}) {
+      ++salt;
+      const uint64_t hd = c.net_ops(NetAlgo::HALVING_DOUBLING), ring = c.net_ops(NetAlgo::RING);
+      Bytes in = make_input(DType::F32, rank, H * count, salt), out(count * 4);
+      c.reduce_scatter(in.data(), out.data(), count, sum_of(DType::F32),
+                       sum_ctx(c, DType::F32, count, "reduce_scatter"));
+      EXPECT(
+          compare(DType::F32, out.data(),
+                  expected_reduction(DType::F32, sum_of(DType::F32), H, count, salt, rank * count))
+              .empty(),
+          "reduce_scatter of ", count);
+      const bool small = H * count * 4 <= rs_max;
+      EXPECT(c.net_ops(NetAlgo::HALVING_DOUBLING) - hd == (small ? 1u : 0u) &&
+                 c.net_ops(NetAlgo::RING) - ring == (small ? 0u : 1u),
+             "reduce_scatter of S ", H * count * 4, ": expected ",
+             small ? "halving-doubling" : "the ring");
+    }
+    for (size_t count : {ag_max / H, 2 * ag_max / H}) {
+      const uint64_t hd = c.net_ops(NetAlgo::HALVING_DOUBLING), ring = c.net_ops(NetAlgo::RING);
+      Bytes mine = make_bytes(rank, count, 11), all(count * H);
+      smddp::CollDesc d;
+      d.count = count;
+      smddp::OpArgs a;
+      a.dtype = "uint8";
+      a.numel = static_cast<int64_t>(count);
+      c.allgather(mine.data(), all.data(), count, c.make_ctx("all_gather", d, a, 0));
+      for (int r = 0; r < H; ++r) {
+        EXPECT(compare_bytes(all.data() + count * r, make_bytes(r, count, 11)).empty(),
+               "all_gather part ", r);
+      }
+      const bool small = H * count <= ag_max;
+      EXPECT(c.net_ops(NetAlgo::HALVING_DOUBLING) - hd == (small ? 1u : 0u) &&
+                 c.net_ops(NetAlgo::RING) - ring == (small ? 0u : 1u),
+             "all_gather of S ", H * count, ": expected ", small ? "halving-doubling" : "the ring");
+    }
   });
 }
 

@@ -1,5 +1,5 @@
 // choose_net_algorithms on layouts too large to run as threads (Note [Auto beyond 32 hosts] in
-// net_algorithm.cpp), the per-call choice of the tree (Note [When the tree runs]), and
+// net_algorithm.cpp), the per-call choice of the tree (Note [Auto by size and host count]), and
 // SMDDP_NET_ALGO's values: a group that only answers for its layout and settings, which is all
 // the choice reads.
 #include <stdexcept>
@@ -94,62 +94,95 @@ TEST_CASE(net_choice_by_layout_and_setting) {
   }
 }
 
-// Note [When the tree runs]: under auto an all_reduce of at most auto_tree_max_bytes(H) takes
-// the tree, one byte more the group's algorithm, and every other collective the group's;
-// net_algo=tree sends every all_reduce by the tree; the forced others never take it; hosts
-// of unequal rank counts neither. Where the rule says 0 (none), auto keeps no tree.
+// Note [Auto by size and host count]: under auto an all_reduce of at most
+// auto_tree_max_bytes(H) takes the tree, one byte more halving-doubling where the rule has it
+// there, else the group's algorithm; any collective the tree does not take goes by
+// halving-doubling up to its kind's size and by the group's algorithm above it.
+// net_algo=tree sends every all_reduce by the tree and the rest as auto does; the forced
+// others never take the tree or leave their algorithm; hosts of unequal rank counts neither.
+// Where the rule says 0 (none), auto keeps no tree (no halving-doubling).
 TEST_CASE(net_choice_per_call) {
   using smddp::NetAlgo;
-  int with_tree = 0;
-  for (int hosts : {2, 3, 4, 5, 8, 16, 31, 32, 33, 64, 100, 257, 1024}) {
-    const size_t max = smddp::auto_tree_max_bytes(hosts);
+  using smddp::NetOp;
+  const NetOp kinds[] = {NetOp::ALL_REDUCE, NetOp::REDUCE_SCATTER, NetOp::ALL_GATHER};
+  int with_tree = 0, with_doubling = 0;
+  for (int hosts : {2, 3, 4, 5, 8, 16, 21, 31, 32, 33, 64, 100, 257, 1024}) {
+    const smddp::AutoBySize rule = smddp::auto_by_size(hosts);
+    const size_t max = rule.tree_max_bytes;
+    EXPECT(smddp::auto_tree_max_bytes(hosts) == max, hosts, " hosts: two answers for the tree");
     LayoutOnly g(hosts, true, NetAlgo::AUTO);
     const smddp::NetAlgorithms a = smddp::choose_net_algorithms(g);
     const std::string main = a.main->name();
+    bool doubling = false;
+    for (NetOp op : kinds) {
+      const size_t dmax = rule.doubling_max_bytes[static_cast<size_t>(op)];
+      const size_t above = op == NetOp::ALL_REDUCE ? max : 0;
+      if (dmax <= above) continue;
+      doubling = true;
+      EXPECT(std::string(a.pick(op, dmax).name()) == "halving_doubling", hosts, " hosts, kind ",
+             int(op), ": ", dmax, " bytes took ", a.pick(op, dmax).name());
+      EXPECT(a.pick(op, dmax + 1).name() == main, hosts, " hosts, kind ", int(op), ": ", dmax + 1,
+             " bytes took ", a.pick(op, dmax + 1).name());
+      if (op != NetOp::ALL_REDUCE) {
+        EXPECT(std::string(a.pick(op, 0).name()) == "halving_doubling", hosts, " hosts, kind ",
+               int(op), ": an empty call took ", a.pick(op, 0).name());
+      }
+    }
+    with_doubling += doubling;
+    EXPECT(static_cast<bool>(a.doubling) == doubling, hosts, " hosts: halving-doubling kept ",
+           static_cast<bool>(a.doubling), " where the rule says ", doubling);
+    if (!doubling) {
+      for (NetOp op : {NetOp::REDUCE_SCATTER, NetOp::ALL_GATHER}) {
+        EXPECT(a.pick(op, 0).name() == main, hosts, " hosts: a small other collective took ",
+               a.pick(op, 0).name());
+      }
+    }
+    for (NetAlgo other : {NetAlgo::MESH, NetAlgo::RING, NetAlgo::HALVING_DOUBLING}) {
+      LayoutOnly g2(hosts, true, other);
+      const smddp::NetAlgorithms o = smddp::choose_net_algorithms(g2);
+      for (NetOp op : kinds) {
+        EXPECT(o.pick(op, 0).name() == std::string(o.main->name()), hosts, " hosts, net_algo ",
+               int(other), ": kind ", int(op), " left the forced algorithm");
+      }
+    }
     if (max == 0) {
-      EXPECT(!a.tree && a.pick(true, 0).name() == main, hosts, " hosts: a tree the rule has not");
+      EXPECT(!a.tree && a.pick(NetOp::ALL_REDUCE, 0).name() != std::string("tree"), hosts,
+             " hosts: a tree the rule has not");
       continue;
     }
     ++with_tree;
     EXPECT(a.tree_max_bytes == max, hosts, " hosts: the tree up to ", a.tree_max_bytes,
            " bytes, the rule says ", max);
-    EXPECT(std::string(a.pick(true, 0).name()) == "tree", hosts, " hosts: an empty all_reduce");
-    EXPECT(std::string(a.pick(true, max).name()) == "tree", hosts, " hosts: ", max, " bytes");
-    EXPECT(a.pick(true, max + 1).name() == main, hosts, " hosts: ", max + 1, " bytes took ",
-           a.pick(true, max + 1).name());
-    EXPECT(a.pick(false, 0).name() == main, hosts, " hosts: a small other collective took ",
-           a.pick(false, 0).name());
+    EXPECT(std::string(a.pick(NetOp::ALL_REDUCE, 0).name()) == "tree", hosts,
+           " hosts: an empty all_reduce");
+    EXPECT(std::string(a.pick(NetOp::ALL_REDUCE, max).name()) == "tree", hosts, " hosts: ", max,
+           " bytes");
+    EXPECT(std::string(a.pick(NetOp::ALL_REDUCE, max + 1).name()) != "tree", hosts,
+           " hosts: ", max + 1, " bytes took the tree");
     LayoutOnly forced(hosts, true, NetAlgo::TREE);
     const smddp::NetAlgorithms t = smddp::choose_net_algorithms(forced);
-    EXPECT(std::string(t.pick(true, size_t(1) << 40).name()) == "tree", hosts,
+    EXPECT(std::string(t.pick(NetOp::ALL_REDUCE, size_t(1) << 40).name()) == "tree", hosts,
            " hosts: net_algo=tree, a 1 TiB all_reduce");
-    EXPECT(t.pick(false, 0).name() == main, hosts, " hosts: net_algo=tree, another collective");
-    for (NetAlgo other : {NetAlgo::MESH, NetAlgo::RING, NetAlgo::HALVING_DOUBLING}) {
-      LayoutOnly g2(hosts, true, other);
-      const smddp::NetAlgorithms o = smddp::choose_net_algorithms(g2);
-      EXPECT(!o.tree && o.pick(true, 0).name() != std::string("tree"), hosts, " hosts, net_algo ",
-             int(other), ": the tree taken");
+    for (NetOp op : {NetOp::REDUCE_SCATTER, NetOp::ALL_GATHER}) {
+      EXPECT(t.pick(op, size_t(1) << 40).name() == main, hosts,
+             " hosts: net_algo=tree, a large other collective");
+      EXPECT(std::string(t.pick(op, 0).name()) == a.pick(op, 0).name(), hosts,
+             " hosts: net_algo=tree sends a small other collective as auto does not");
     }
     LayoutOnly uneven(hosts, false, NetAlgo::TREE);
     EXPECT(!smddp::choose_net_algorithms(uneven).tree, hosts, " unequal hosts took the tree");
+    LayoutOnly uneven_auto(hosts, false, NetAlgo::AUTO);
+    EXPECT(!smddp::choose_net_algorithms(uneven_auto).doubling, hosts,
+           " unequal hosts took halving-doubling");
   }
-  EXPECT(with_tree >= 10, "auto takes the tree on only ", with_tree, " of 13 host counts");
+  // The model's rule (tests/unit/test_cost_model.py holds the table to it) takes the tree on
+  // some of these host counts and halving-doubling on others.
+  EXPECT(with_tree >= 4, "auto takes the tree on only ", with_tree, " of 14 host counts");
+  EXPECT(with_doubling >= 2, "auto takes halving-doubling on only ", with_doubling,
+         " of 14 host counts");
   EXPECT(smddp::auto_tree_max_bytes(1) == 0, "one host has a tree");
   LayoutOnly one(1, true, NetAlgo::AUTO);
   EXPECT(!smddp::choose_net_algorithms(one).main, "one host crosses nothing");
-}
-
-TEST_CASE(net_algo_setting_values) {
-  auto env = [](const char*) -> const char* { return nullptr; };
-  const smddp::Settings s = smddp::resolve_settings({{"net_algo", "Halving_Doubling"}}, env);
-  EXPECT(s.net_algo == smddp::NetAlgo::HALVING_DOUBLING, "net_algo=halving_doubling not parsed");
-  EXPECT(smddp::describe(s).at("net_algo") == "halving_doubling",
-         "net_algo=halving_doubling not reported");
-  const smddp::Settings t = smddp::resolve_settings({{"net_algo", "TREE"}}, env);
-  EXPECT(t.net_algo == smddp::NetAlgo::TREE, "net_algo=tree not parsed");
-  EXPECT(smddp::describe(t).at("net_algo") == "tree", "net_algo=tree not reported");
-  EXPECT_THROW_WITH(smddp::resolve_settings({{"net_algo", "binomial"}}, env), "binomial",
-                    "expected auto, mesh, ring, halving_doubling or tree");
 }
 
 }  // namespace smddp_test

@@ -179,7 +179,7 @@ def _options(algo: str, fp32: bool = False) -> SMDDPOptions:
 
 def _four_ranks():
     # Each algorithm asked for: under auto these 64 KiB all_reduces take the tree (Note
-    # [When the tree runs]).
+    # [Auto by size and host count]).
     return _run_cases(
         [
             ("4 hosts", [0, 1, 2, 3], _options("ring"), "ring"),

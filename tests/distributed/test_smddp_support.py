@@ -94,7 +94,8 @@ def ring_across_hosts(hosts: list[list[int]]) -> bool:
 
 def tree_takes(t: torch.Tensor, group=None) -> bool:
     """Whether an all_reduce of ``t`` on ``group`` (default: the world) crosses hosts by the
-    tree (Note [When the tree runs] in net_algorithm.cpp): the backend says up to which size."""
+    tree (Note [Auto by size and host count] in net_algorithm.cpp): the backend says up to
+    which size."""
     limit = cpu_backend(group)._layout()["net_tree_max_bytes"]
     return limit > 0 and t.numel() * t.element_size() <= limit
 

@@ -14,6 +14,7 @@ import pytest
 from benchmarks import cost_model_fit as cf
 from benchmarks import cost_model_report as report
 from torch_sagemaker.planner import cost_model as cm
+from torch_sagemaker.planner.auto_rule import AutoBySize
 
 MIB = 1 << 20
 DATA = os.path.join(os.path.dirname(__file__), "..", "data", "multihost")
@@ -421,27 +422,72 @@ def test_the_recorded_fit_is_physical(recorded_fit):
     assert costs.half_shm_reduce_cpu > 1.2 * costs.shm_reduce_cpu
 
 
-def test_the_tree_rule_in_the_backend_is_the_models(recorded_fit):
-    # Note [The tree rule from the model]: kTreeRule in net_algorithm.cpp is what the model
+def test_the_auto_rule_in_the_backend_is_the_models(recorded_fit):
+    # Note [The auto rule from the model]: kAutoRule in net_algorithm.cpp is what the model
     # fitted on the recorded runs derives; a refit that moves a crossover must rewrite it
     # (bench multihost --fit prints the lines).
     costs, _ = recorded_fit
-    rule = report.tree_rule(costs)
+    rule = report.auto_rule(costs)
     source = os.path.join(os.path.dirname(__file__), "..", "..", "csrc", "smddp", "algorithms")
     with open(os.path.join(source, "net_algorithm.cpp")) as f:
         text = f.read()
-    table = text[text.index("kTreeRule[] = {") : text.index("};", text.index("kTreeRule[] = {"))]
-    entries = [tuple(int(x) for x in m) for m in re.findall(r"\{(\d+), (\d+)\}", table)]
-    assert entries == rule, report.tree_rule_table(costs)
-    # From 3 hosts on small all_reduces take the tree, below a few MiB; against the ring
-    # the size grows with the hosts, whose 2 (H-1) steps the tree saves.
-    assert rule[0][0] == 2 and all(size <= 16 * MIB for _, size in rule)
+    start = text.index("kAutoRule[] = {")
+    table = text[start : text.index("};", start)]
+    entries = [
+        (int(h), AutoBySize(int(t), (int(a), int(r), int(g))))
+        for h, t, a, r, g in re.findall(r"\{(\d+), (\d+), \{(\d+), (\d+), (\d+)\}\}", table)
+    ]
+    assert entries == rule, report.auto_rule_table(costs)
+    # Small collectives only: the tree and halving-doubling below a few MiB, never on 2 hosts,
+    # where the mesh's one exchange is all there is.
+    assert rule[0] == (2, AutoBySize(0, (0, 0, 0)))
+    assert all(r.tree_max_bytes <= 16 * MIB for _, r in rule)
+    assert all(d <= 16 * MIB for _, r in rule for d in r.doubling_max_bytes)
 
-    def at(hosts: int) -> int:
-        return [size for first, size in rule if first <= hosts][-1]
+    def at(hosts: int) -> AutoBySize:
+        return [r for first, r in rule if first <= hosts][-1]
 
-    assert all(at(h) > 0 for h in range(3, 1025))
-    assert at(32) > at(4) > 0
+    # On the 16 and 32 hosts measured, the tree takes the smallest all_reduces.
+    assert at(16).tree_max_bytes > 0 and at(32).tree_max_bytes > 0
+
+
+def test_staged_rounds_add_what_they_do_not_overlap():
+    # Note [Staged algorithms]: the tree and halving/doubling add stage_serial of the smaller
+    # of their NIC and CPU times; the pipelined ring does not.
+    costs = dataclasses.replace(WIRE_ONLY, net_cpu=5e-10, stage_serial=0.5)
+    cluster = cm.Cluster(4, 1, nic_rate=1e9, cores=4)
+    for algorithm in ("doubling", "ring"):
+        w = cm.work(cluster, "reduce_scatter_tensor", 64 * MIB, algorithm)
+        p = cm.parts(costs, w)
+        busy = sum(p.cpu.values())
+        assert p.wire > busy > 0
+        staged = algorithm == "doubling"
+        assert p.unoverlapped == pytest.approx(0.5 * busy if staged else 0.0)
+        assert cm.seconds(costs, w) == pytest.approx(p.wire + p.unoverlapped)
+    # Each round waits for a core where ranks outnumber them: stage_wake per round and unit.
+    late = dataclasses.replace(WIRE_ONLY, stage_wake=1e-3)
+    crowded = cm.Cluster(4, 1, nic_rate=1e18, cores=1, machine_ranks=4)
+    assert cm.predict(late, crowded, "all_reduce", 1, "doubling") == pytest.approx(3 * 2 * 2e-3)
+    assert cm.predict(late, crowded, "all_reduce", 1, "tree") == pytest.approx(3 * 2 * 1e-3)
+    assert cm.predict(late, crowded, "all_reduce", 1, "ring") < 1e-12
+
+
+def test_the_fit_recovers_the_staged_costs_it_generated():
+    truth = dataclasses.replace(
+        WIRE_ONLY, nic_efficiency=0.9, net_cpu=2e-10, wake=1e-5, stage_serial=0.8, stage_wake=3e-4
+    )
+    pts = []
+    for hosts, algorithm, op, size in itertools.product(
+        (8, 16, 32), ("ring", "doubling", "tree"), cm.OPS, (64 << 10, MIB, 16 * MIB)
+    ):
+        if algorithm == "tree" and op != "all_reduce":
+            continue
+        p = cf.Point(hosts, 1, op, size, "smddp", 1.0, 1.25e8, 2, ran=algorithm)
+        pts.append(dataclasses.replace(p, seconds=cm.seconds(truth, p.work())))
+    # The other costs held at the truth's (fit() fits them on the pipelined rows first).
+    fitted = cf.fit_staged(dataclasses.replace(truth, stage_serial=0.0, stage_wake=0.0), pts)
+    assert fitted.stage_serial == pytest.approx(0.8, rel=0.05)
+    assert fitted.stage_wake == pytest.approx(3e-4, rel=0.05)
 
 
 def test_fit_from_saved_runs_prints_the_tables(tmp_path, capsys, monkeypatch, recorded_fit):
@@ -461,8 +507,9 @@ def test_fit_from_saved_runs_prints_the_tables(tmp_path, capsys, monkeypatch, re
     assert "| 2x1 | all_reduce | 64 MiB | mesh | float32 |" in out
     assert "| 8x1 | all_gather_into_tensor | 64 MiB | ring | float32 |" in out
     assert "| 2x2 | reduce_scatter_tensor | 64 MiB | mesh | bfloat16 | unshaped" in out
-    assert "smddp from 16 MiB: 92 of 96 within 15%" in out
-    assert "smddp below 16 MiB: 35 of 36 within 15%" in out
+    # The staged rows of 16 and 32 hosts (8 from 16 MiB, 32 below it) join the pipelined ones.
+    assert "smddp from 16 MiB: 100 of 104 within 15%" in out
+    assert "smddp below 16 MiB: 54 of 68 within 15%" in out
     assert "| bfloat16 | 4x2 | 2 Gbit/s, bbr, 2 MiB queue | 9 | 9 |" in out
     # The pairs the half-precision rates are fitted on, and bf16 beside fp32 at 1024 hosts.
     assert (
@@ -472,5 +519,5 @@ def test_fit_from_saved_runs_prints_the_tables(tmp_path, capsys, monkeypatch, re
     assert "| op | hosts | float32 | bfloat16 |" in out and "| all_reduce | 1024 |" in out
     assert "Predicted: 2 x 100gbit per host, 8 ranks" in out
     assert "| 1024 |" in out and "largest" in out
-    assert "auto's tree rule" in out and "    {2, " in out
+    assert "auto's choice by size" in out and "    {2, 0, {0, 0, 0}}," in out
     assert plot.stat().st_size > 0

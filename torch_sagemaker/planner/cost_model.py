@@ -106,6 +106,26 @@ from typing import NamedTuple
 CHUNK_BYTES = 512 * 1024  # SMDDP_NET_CHUNK_BYTES: one network message
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 ALGORITHMS = ("mesh", "ring", "doubling", "tree", "flat_ring")
+# Note [Staged algorithms]
+# The tree and recursive halving/doubling run in rounds, each of which starts when the one
+# before it ended (net_tree.cpp, net_halving_doubling.cpp): a round's bytes do not exist
+# before the previous round's reduction made them. The mesh and the ring are pipelined: a
+# ring step forwards each chunk as it is reduced, and the mesh posts everything at once.
+# On the simulated hosts, where every rank shares the machine's 2 cores, the staged
+# algorithms' measured times from 1 MiB are the model's NIC time plus its CPU time, not
+# their larger: on 16 and 32 hosts of one rank at 1 Gbit/s, (measured - latency - larger) /
+# smaller was 0.9-1.1 for the tree and halving/doubling from 1 MiB to 4 MiB, where the ring
+# was within 0.2 of 0 on 16 hosts (docs/multi_node.md, "16 and 32 hosts"). In a round every
+# rank sends and receives at once and then reduces, and what the CPU does at a round's
+# start and end waits for a core that every other rank wants too. stage_serial is that
+# fraction (0.71 fitted; 0 for the pipelined algorithms), and stage_wake each round's wait
+# for a core per rank per core beyond one (0.13 ms; like wake, nothing on hosts with a core
+# per rank). Both are fitted last, on the staged rows only, the other costs held
+# (benchmarks/cost_model_fit.py: fit_staged). On hosts with a core per rank nothing measured
+# says what stage_serial is, and predictions for such hosts keep the fitted one. The round
+# wait grows faster than linearly with the ranks per core (16 hosts' rows below 1 MiB come
+# out up to 40% slow, 32 hosts' up to 33% fast), which one linear term cannot follow.
+STAGED = ("doubling", "tree")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +155,12 @@ class Costs:
             (the mesh's H-1 flows per NIC share it unevenly; Note [Cost model]).
         flow_latency: Seconds per call per flow beyond one that an exchange waits on (each
             flow's own start; Note [Cost model]).
+        stage_serial: The fraction of the smaller of a staged algorithm's NIC and CPU times
+            that does not overlap the larger (Note [Staged algorithms]): 0 when they overlap
+            as the pipelined ones' do, 1 when they add.
+        stage_wake: Seconds per round of a staged algorithm per unit of oversubscription,
+            beyond wake: a round waits for its partner's last byte, and so for that rank's
+            turn at a core (Note [Staged algorithms]; none on real hosts).
     """
 
     alpha: float = 1e-3
@@ -151,6 +177,8 @@ class Costs:
     copy_cpu: float = 3e-10
     flow_skew: float = 0.02
     flow_latency: float = 1e-4
+    stage_serial: float = 0.0
+    stage_wake: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,6 +350,7 @@ class Work(NamedTuple):
     copied: float  # bytes it copies before or after the exchange (serial)
     copied_during: float  # bytes it copies during the exchange (overlapped)
     flows: int  # flows one rank's exchange waits on per NIC direction (the mesh: H-1)
+    staged: float  # 1 for the tree and halving/doubling (Note [Staged algorithms]), else 0
     share: float  # its fraction of a core
     oversubscription: float  # Cluster.oversubscription
 
@@ -459,17 +488,22 @@ def work(
         copied=copied,
         copied_during=copied_during,
         flows=flows,
+        staged=1.0 if algorithm in STAGED else 0.0,
         share=cluster.cpu_share,
         oversubscription=cluster.oversubscription,
     )
 
 
 class Parts(NamedTuple):
-    """A call's time in its parts (Note [Cost model]): latency + max(wire, cpu) + serial."""
+    """A call's time in its parts (Note [Cost model]).
+
+    latency + max(wire, cpu) + unoverlapped + serial.
+    """
 
     latency: float  # alpha, the waits for a core, the steps, the mesh's flow latency
     wire: float  # the busiest NIC's time
-    cpu: dict[str, float]  # the overlapped CPU work over the CPU share, by what it does
+    cpu: dict[str, float]  # the CPU work beside the exchange over the CPU share, by what it does
+    unoverlapped: float  # what of the smaller of wire and cpu the larger did not hide
     serial: float  # the copies before or after the exchange, over the CPU share
 
 
@@ -499,13 +533,17 @@ def parts(costs: Costs, w: Work, maximum: Callable = max) -> Parts:
     latency = costs.alpha + costs.wake * w.oversubscription * waits
     latency += w.steps * costs.step + w.flat_steps * costs.flat_step
     latency += costs.flow_latency * (w.flows - 1)
-    return Parts(latency, wire, cpu, costs.copy_cpu * w.copied / w.share)
+    latency += costs.stage_wake * w.staged * w.oversubscription * w.steps
+    busy = sum(cpu.values())
+    smaller = wire + busy - maximum(wire, busy)
+    unoverlapped = costs.stage_serial * w.staged * smaller
+    return Parts(latency, wire, cpu, unoverlapped, costs.copy_cpu * w.copied / w.share)
 
 
 def seconds(costs: Costs, w: Work, maximum: Callable = max) -> float:
     """The time of a call that asks ``w``, at ``costs``; arguments as for parts()."""
     p = parts(costs, w, maximum)
-    return p.latency + maximum(p.wire, sum(p.cpu.values())) + p.serial
+    return p.latency + maximum(p.wire, sum(p.cpu.values())) + p.unoverlapped + p.serial
 
 
 def bound(costs: Costs, w: Work) -> str:
@@ -519,7 +557,7 @@ def bound(costs: Costs, w: Work) -> str:
     p = parts(costs, w)
     cpu = dict(p.cpu)
     cpu["copies"] += p.serial
-    total = sum(cpu.values())
+    total = sum(cpu.values()) + p.unoverlapped
     name, most = max(cpu.items(), key=lambda x: x[1])
     if total >= max(p.wire, p.latency):
         return f"CPU ({name} {most / total:.0%})"

@@ -234,7 +234,8 @@ def group_layout(group: dist.ProcessGroup | None = None) -> dict:
 
     Returns:
         ``{"hosts", "local_size", "host", "local_rank", "members", "forced", "uniform",
-        "net_algorithm", "net_tree_max_bytes", "net_ops", "machine_oversubscribed"}``:
+        "net_algorithm", "net_tree_max_bytes", "net_doubling_max_bytes", "net_ops",
+        "machine_oversubscribed"}``:
         ``members`` lists the group ranks of each host; ``local_size``
         is the rank count of this rank's host; ``forced`` is true when
         ``SMDDP_FORCE_LOCAL_SIZE`` shaped the layout; ``uniform`` is false when hosts have
@@ -243,8 +244,11 @@ def group_layout(group: dist.ProcessGroup | None = None) -> dict:
         ``"halving_doubling"`` (the
         layout and the group's ``net_algo``, from ``SMDDPOptions`` or ``SMDDP_NET_ALGO``,
         decide it), or ``"none"`` on one host, but for the all_reduces of at most
-        ``net_tree_max_bytes`` bytes, which cross by the tree (0: none; chosen per call, Note
-        [When the tree runs] in csrc/smddp/algorithms/net_algorithm.cpp); ``net_ops`` counts
+        ``net_tree_max_bytes`` bytes, which cross by the tree, and the collectives of at most
+        ``net_doubling_max_bytes[kind]`` bytes (``"all_reduce"``, ``"reduce_scatter"``,
+        ``"all_gather"``; nccl-tests' sizes) the tree does not take, which cross by
+        halving-doubling (0: none; chosen per call, Note [Auto by size and host count] in
+        csrc/smddp/algorithms/net_algorithm.cpp); ``net_ops`` counts
         the collectives that crossed hosts so far by each algorithm (``"mesh"``, ``"ring"``,
         ``"halving_doubling"``, ``"tree"``); ``machine_oversubscribed`` is true when the
         group's ranks on this machine, of this host and of hosts that are containers or

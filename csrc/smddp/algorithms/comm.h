@@ -14,8 +14,8 @@
 // counts on, the rail may instead pass the partials around a ring (Note [Rail rings] in
 // net_ring.cpp); the group's inter-host algorithm is chosen once (Note [Inter-host algorithms]
 // in net_algorithm.h), and small all-reduces may cross by the tree instead, chosen per call
-// (Note [When the tree runs] in net_algorithm.cpp). All-gather is the mirror image: each rank
-// sends its part to the part's handlers on the other hosts over TCP, then a shared-memory
+// (Note [Auto by size and host count] in net_algorithm.cpp). All-gather is the mirror image: each
+// rank sends its part to the part's handlers on the other hosts over TCP, then a shared-memory
 // all-gather inside the host.
 // All-reduce = reduce-scatter + all-gather over N parts. The reduction order (local ranks in
 // order, then hosts in an order fixed by the algorithm) is fixed, so every rank gets
@@ -146,11 +146,17 @@ class Communicator : private NetGroup {
   uint64_t zero_copy_ops() const { return zero_copy_ops_.load(); }
   // How this group's collectives cross hosts ("mesh", "ring", "halving_doubling"; "none" on
   // one host), chosen once at creation (Note [Inter-host algorithms] in net_algorithm.h):
-  // every collective but the all_reduces the tree takes (net_tree_max_bytes).
+  // every collective but the small ones the tree or halving-doubling takes
+  // (net_tree_max_bytes, net_doubling_max_bytes).
   const char* net_algorithm() const { return net_algos_.main ? net_algos_.main->name() : "none"; }
-  // All-reduces of at most this many bytes cross hosts by the tree (0: none; Note [When the
-  // tree runs] in net_algorithm.cpp).
+  // All-reduces of at most this many bytes cross hosts by the tree (0: none; Note [Auto by
+  // size and host count] in net_algorithm.cpp).
   size_t net_tree_max_bytes() const { return net_algos_.tree ? net_algos_.tree_max_bytes : 0; }
+  // Collectives of this kind of at most this S cross hosts by halving-doubling, where the
+  // tree does not take them (0: none; the same Note).
+  size_t net_doubling_max_bytes(NetOp op) const {
+    return net_algos_.doubling ? net_algos_.doubling_max_bytes[static_cast<size_t>(op)] : 0;
+  }
   // Collectives that crossed hosts: all of them, and those of one algorithm.
   uint64_t net_ops() const { return net_ops_.load(); }
   uint64_t net_ops(NetAlgo algorithm) const {
@@ -183,9 +189,9 @@ class Communicator : private NetGroup {
                            const Reduction& red, const OpCtx& ctx);
   void hier_allgather(const void* src, void* out, const std::vector<Span>& parts, const OpCtx& ctx);
   void hier_allreduce(void* data, size_t count, const Reduction& red, const OpCtx& ctx);
-  // The algorithm of one collective across hosts (Note [When the tree runs]), counted, and
-  // made the one under way.
-  NetAlgorithm& start_net_op(bool all_reduce, size_t bytes);
+  // The algorithm of one collective across hosts (Note [Auto by size and host count] in
+  // net_algorithm.cpp), counted, and made the one under way: `bytes` is the call's S.
+  NetAlgorithm& start_net_op(NetOp op, size_t bytes);
   // The largest message of a part across hosts, in bytes (Note [A message per local step] in
   // comm_hier.cpp).
   size_t net_chunk_bytes() const;

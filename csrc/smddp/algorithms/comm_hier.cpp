@@ -209,8 +209,8 @@ size_t Communicator::net_chunk_bytes() const {
   return bytes;
 }
 
-NetAlgorithm& Communicator::start_net_op(bool all_reduce, size_t bytes) {
-  NetAlgorithm& a = net_algos_.pick(all_reduce, bytes);
+NetAlgorithm& Communicator::start_net_op(NetOp op, size_t bytes) {
+  NetAlgorithm& a = net_algos_.pick(op, bytes);
   net_now_ = &a;
   ++net_ops_;
   ++net_ops_by_[static_cast<size_t>(a.kind())];
@@ -280,7 +280,11 @@ void Communicator::start_host_partials(HostPartials& hp, const void* in,
 
 void Communicator::hier_reduce_scatter(const void* in, const std::vector<Span>& parts, void* dst,
                                        const Reduction& red, const OpCtx& ctx) {
-  NetAlgorithm& algo = start_net_op(false, 0);
+  // Note [Auto by size and host count]: S is the input, whose parts every rank of the call
+  // shares.
+  size_t elems = 0;
+  for (const Span& p : parts) elems = std::max(elems, p.off + p.len);
+  NetAlgorithm& algo = start_net_op(NetOp::REDUCE_SCATTER, elems * dtype_size(red.dtype));
   HostPartials hp;
   start_host_partials(hp, in, parts, red, ctx, algo);
   NetJob job;
@@ -358,7 +362,8 @@ void Communicator::hier_allgather(const void* src, void* out, const std::vector<
     std::memmove(base + own.off, src, own.len);
     from = base + own.off;
   }
-  NetAlgorithm& algo = start_net_op(false, 0);
+  // Note [Auto by size and host count]: S is the output, `total`.
+  NetAlgorithm& algo = start_net_op(NetOp::ALL_GATHER, total);
   LocalGather gather(*this, base, parts, from, ctx, algo.gather_phases());
   NetJob job;
   job.parts = &parts;
@@ -381,8 +386,9 @@ void Communicator::hier_allreduce(void* data, size_t count, const Reduction& red
   // My part is reduced in place, in order, chunk by chunk, and each reduced chunk goes on to
   // its handlers on the other hosts at once (Note [Pipelined exchanges]); the local all-gather
   // reads it from there as it is made, and the other hosts' reduced chunks land in place.
-  // Note [When the tree runs]: count and dtype are the call's, the same on every rank.
-  NetAlgorithm& algo = start_net_op(true, count * esz);
+  // Note [Auto by size and host count]: count and dtype are the call's, the same on every
+  // rank.
+  NetAlgorithm& algo = start_net_op(NetOp::ALL_REDUCE, count * esz);
   LocalGather gather(*this, base, bytes, nullptr, ctx, algo.gather_phases());
   HostPartials hp;
   start_host_partials(hp, data, parts, red, ctx, algo);

@@ -13,70 +13,92 @@ namespace {
 constexpr int kAutoRingMaxHosts = 32;
 
 // Note [Auto beyond 32 hosts]
-// Past the ring's measured range auto keeps the mesh, and halving-doubling (Note [Halving
-// and doubling between hosts] in net_halving_doubling.cpp) is chosen only when asked for
-// (net_algo=halving_doubling). The cost model (torch_sagemaker/planner/cost_model.py, fitted
-// costs of docs/multi_node.md, a 20 us step latency) ranks "doubling" first among the mesh,
-// the ring and doubling for 64 to 1024 hosts of 8 ranks and 96 cores at 4 x 100 Gbit/s at
-// every size from 64 KiB to 256 MiB and every op, for step latencies of 0 to 1 ms: it moves
-// the ring's bytes in log2 H steps where the ring takes 2 (H-1), in fewer messages, with none
-// of the mesh's H-1 flows per NIC. But the first measurement disagrees where it can be
-// checked: on 16 simulated hosts at 1 Gbit/s, 16 MiB, halving-doubling reached 0.51-0.55 of
-// the NIC bound where the ring reached 0.75-0.86 (docs/collectives.md; a loaded machine, one
-// run each). The model counts no fold and no straggler per round, and nothing beyond 32 hosts
-// is measured, so the default does not follow the model until a quiet measurement on 16 and
-// 32 hosts does. What the model does choose by size is a tree for small all-reduces: Note
-// [When the tree runs].
+// Past the ring's measured range auto keeps the mesh for every size that Note [Auto by size
+// and host count] leaves to the group's algorithm. The cost model (Note [Staged algorithms]
+// in torch_sagemaker/planner/cost_model.py) ranks the ring first there for the largest
+// sizes on the simulated hosts, and halving-doubling on hosts with a core per rank, but
+// nothing beyond 32 hosts is measured, so the group's algorithm does not follow it yet;
+// which small collectives take the tree or halving-doubling instead does (below).
 
-// Note [When the tree runs]
-// Under SMDDP_NET_ALGO=auto a group of hosts with equal rank counts keeps two algorithms:
-// its own (the ring or the mesh, above) and the tree (Note [A tree for small all-reduces] in
-// net_tree.cpp). Each all_reduce picks between them (NetAlgorithms::pick) by its tensor's
-// bytes and the host count: the tree up to auto_tree_max_bytes(H), the group's algorithm
-// above; every other collective takes the group's. Every rank of a call passes the same
-// count and dtype (the call's descriptor, checked in every message) and sees the same
-// layout, so every rank picks the same. net_algo=tree sends every all_reduce by the tree and
-// the rest as auto does; mesh, ring and halving_doubling force theirs for every collective.
+// Note [Auto by size and host count]
+// Under SMDDP_NET_ALGO=auto a group of hosts with equal rank counts keeps up to three
+// algorithms: its own (the ring or the mesh, above), the tree (Note [A tree for small
+// all-reduces] in net_tree.cpp) and halving-doubling (Note [Halving and doubling between
+// hosts] in net_halving_doubling.cpp). Each call picks among them (NetAlgorithms::pick) by
+// its kind, its size S (nccl-tests': an all_reduce's tensor, a reduce_scatter's input, an
+// all_gather's output) and the host count: an all_reduce takes the tree up to
+// auto_by_size(H).tree_max_bytes; any collective the tree does not take goes by
+// halving-doubling up to that kind's doubling_max_bytes; the rest by the group's
+// algorithm. Every rank of a call passes the same S (its count, dtype and parts are the
+// call's, checked in every message) and sees the same layout, so every rank picks the same.
+// net_algo=tree sends every all_reduce by the tree and the rest as auto does; mesh, ring and
+// halving_doubling force theirs for every collective.
 //
-// The sizes are the cost model's (torch_sagemaker/planner/tree_rule.py, Note [The tree
-// rule from the model] there): for each H from 2 to 1024 the largest power of two up to
-// which it predicts the tree faster than the group's algorithm (the ring from 3 to 32 hosts,
-// the mesh on 2 and beyond 32) at every power of two from 1 KiB, at the costs fitted on the
-// recorded runs (tests/data/multihost), on the hosts those runs simulate and the 16- and
-// 32-host runs use: one rank per host at 1 Gbit/s, all ranks on the machine's 2 cores, the
-// cables' 96 KiB burst. `bench multihost --fit tests/data/multihost/*.json` prints the
-// table below, and tests/unit/test_cost_model.py holds it to that: a refit changes the
-// numbers here and nowhere else. What they say: none on 2 hosts (the tree's one round saves
-// nothing the model sees over the mesh's exchange); 32 to 64 KiB on 3 to 7 hosts, rising to
-// 1 MiB at 31 and 32 (the ring's 2 (H-1) waits against the tree's log2 H, and the fold's two
-// stages off powers of two); against the mesh beyond 32 hosts, 128 to 512 KiB. On these
-// hosts every wait of a rank costs it a turn at the shared cores (the fitted wake times the
-// ranks per core), and that is what the tree saves. The fit resolves no step latency and no
-// cost per message (both fit to 0: the recorded rows start at 1 MiB), so on hosts with a
-// core per rank the model sees nothing the tree saves below 33 hosts and never takes it
-// there, at 1 or 4 x 100 Gbit/s alike, while against the mesh beyond 32 it would take it up
-// to 0.5 to 256 MiB. The rule is the simulated hosts' until a fit with smaller sizes
-// resolves a step's latency, and a model's choice until the tree is measured against the
-// mesh and the ring (bench multihost --backends smddp-tree; docs/collectives.md).
-struct TreeRule {
-  int hosts;         // from this many hosts up to the next entry's
-  size_t max_bytes;  // all_reduces of at most this many bytes take the tree
+// The sizes are the cost model's (torch_sagemaker/planner/auto_rule.py, Note [The auto rule
+// from the model] there): for each H from 2 to 1024, per kind, the largest power of two up
+// to which it predicts the tree (then halving-doubling) faster than every algorithm that
+// would otherwise take the call, at every power of two from 1 KiB, at the costs fitted on
+// the recorded runs (tests/data/multihost, the staged rounds in tests/data/multihost/staged)
+// on the hosts the 16- and 32-host runs simulate: one rank per host at 1 Gbit/s, all ranks on
+// the machine's 2 cores, the cables' 96 KiB burst. `bench multihost --fit
+// tests/data/multihost/*.json` prints the table below, and tests/unit/test_cost_model.py
+// holds it to that: a refit changes the numbers here and nowhere else. Measured against it
+// on 16 and 32 such hosts: docs/multi_node.md, "16 and 32 hosts". On these hosts every wait
+// of a rank costs it a turn at the shared cores, which the tree's and halving-doubling's
+// few rounds save, and each of their rounds adds its CPU time to its NIC time where the
+// pipelined ring overlaps them (Note [Staged algorithms]), which is what ends their range.
+struct AutoRule {
+  int hosts;                           // from this many hosts up to the next entry's
+  size_t tree_max_bytes;               // all_reduces of at most this many bytes take the tree
+  size_t doubling_max_bytes[kNetOps];  // all_reduce, reduce_scatter, all_gather
 };
-constexpr TreeRule kTreeRule[] = {
-    {2, 0},       {3, 32768},   {4, 65536},   {5, 32768},    {8, 131072},  {9, 65536},
-    {12, 131072}, {16, 262144}, {17, 131072}, {18, 262144},  {24, 524288}, {31, 1048576},
-    {33, 262144}, {64, 524288}, {65, 262144}, {513, 131072},
+constexpr AutoRule kAutoRule[] = {
+    {2, 0, {0, 0, 0}},
+    {8, 32768, {0, 0, 0}},
+    {9, 0, {0, 0, 0}},
+    {11, 8192, {0, 0, 0}},
+    {12, 16384, {0, 0, 0}},
+    {13, 32768, {0, 0, 0}},
+    {15, 65536, {0, 0, 0}},
+    {16, 131072, {0, 0, 0}},
+    {17, 32768, {0, 0, 0}},
+    {18, 65536, {0, 0, 0}},
+    {21, 65536, {0, 131072, 131072}},
+    {22, 131072, {0, 131072, 131072}},
+    {23, 131072, {262144, 262144, 262144}},
+    {26, 131072, {524288, 524288, 524288}},
+    {30, 131072, {1048576, 1048576, 1048576}},
+    {32, 262144, {1048576, 1048576, 1048576}},
+    {33, 65536, {0, 1048576, 1048576}},
+    {44, 65536, {0, 1048576, 2097152}},
+    {51, 65536, {0, 2097152, 2097152}},
+    {64, 131072, {0, 2097152, 2097152}},
+    {65, 32768, {0, 1048576, 2097152}},
+    {80, 32768, {0, 2097152, 2097152}},
+    {128, 65536, {0, 2097152, 2097152}},
+    {129, 4096, {0, 1048576, 2097152}},
+    {189, 4096, {0, 2097152, 2097152}},
+    {241, 4096, {0, 2097152, 4194304}},
+    {256, 32768, {0, 2097152, 4194304}},
+    {257, 0, {0, 262144, 524288}},
+    {404, 0, {0, 262144, 1048576}},
+    {512, 4096, {0, 262144, 1048576}},
+    {513, 0, {0, 0, 0}},
 };
 
 }  // namespace
 
-size_t auto_tree_max_bytes(int hosts) {
-  size_t bytes = 0;
-  for (const TreeRule& r : kTreeRule) {
-    if (r.hosts <= hosts) bytes = r.max_bytes;
+AutoBySize auto_by_size(int hosts) {
+  AutoBySize out;
+  for (const AutoRule& r : kAutoRule) {
+    if (r.hosts > hosts) break;
+    out.tree_max_bytes = r.tree_max_bytes;
+    for (size_t k = 0; k < kNetOps; ++k) out.doubling_max_bytes[k] = r.doubling_max_bytes[k];
   }
-  return bytes;
+  return out;
 }
+
+size_t auto_tree_max_bytes(int hosts) { return auto_by_size(hosts).tree_max_bytes; }
 
 DType wire_type(DType t, const Settings& s) { return s.net_reduce_fp32 ? acc_type(t) : t; }
 
@@ -135,7 +157,7 @@ NetAlgorithms choose_net_algorithms(NetGroup& group) {
   // (Note [Unequal hosts] in comm_hier.cpp). A ring of 2 hosts is the mesh's one exchange;
   // halving-doubling there is one round each way, taken when asked for. Note [Rail rings],
   // "When": auto is the ring from 3 to 32 hosts; beyond, Note [Auto beyond 32 hosts]; small
-  // all-reduces, Note [When the tree runs].
+  // collectives, Note [Auto by size and host count].
   if (!l.uniform) {
     a.main = make_mesh(group);
     return a;
@@ -157,8 +179,15 @@ NetAlgorithms choose_net_algorithms(NetGroup& group) {
   }
   const bool ring = l.hosts >= 3 && l.hosts <= kAutoRingMaxHosts;
   a.main = ring ? make_ring(group) : make_mesh(group);  // Note [Auto beyond 32 hosts]
-  a.tree_max_bytes = asked == NetAlgo::TREE ? SIZE_MAX : auto_tree_max_bytes(l.hosts);
+  const AutoBySize rule = auto_by_size(l.hosts);
+  a.tree_max_bytes = asked == NetAlgo::TREE ? SIZE_MAX : rule.tree_max_bytes;
   if (a.tree_max_bytes) a.tree = make_tree(group);
+  bool doubling = false;
+  for (size_t k = 0; k < kNetOps; ++k) {
+    a.doubling_max_bytes[k] = rule.doubling_max_bytes[k];
+    doubling = doubling || rule.doubling_max_bytes[k];
+  }
+  if (doubling) a.doubling = make_halving_doubling(group);
   return a;
 }
 

@@ -12,9 +12,10 @@
 // The algorithm decides which messages cross and in what order the partials are reduced; it
 // reads the group through NetGroup and nothing else. choose_net_algorithms picks, when the
 // group is created, from the layout and settings every rank shares, the group's algorithm
-// (every collective's, for its whole life) and whether small all-reduces take the tree
-// instead; NetAlgorithms::pick then chooses per call from what every rank of the call shares
-// (Note [When the tree runs] in net_algorithm.cpp), so every rank picks the same. Today: the
+// (every collective's, for its whole life) and whether small collectives take the tree or
+// halving-doubling instead; NetAlgorithms::pick then chooses per call from what every rank
+// of the call shares (Note [Auto by size and host count] in net_algorithm.cpp), so every
+// rank picks the same. Today: the
 // mesh (net_mesh.cpp, every host to every other in one hop), the ring (net_ring.cpp, each
 // host to the next), recursive halving-doubling (net_halving_doubling.cpp, log2 H rounds of
 // one peer each) and the tree (net_tree.cpp, all-reduces only: log2 H rounds of the whole
@@ -226,19 +227,37 @@ std::unique_ptr<NetAlgorithm> make_halving_doubling(NetGroup& group);
 // net_tree.cpp (Note [A tree for small all-reduces]): all-reduces only.
 std::unique_ptr<NetAlgorithm> make_tree(NetGroup& group);
 
-// The largest all_reduce, in bytes, that auto sends by the tree between `hosts` hosts of
-// equal rank counts (0: none; Note [When the tree runs] in net_algorithm.cpp).
+// The collectives that cross hosts, as auto tells them apart (Note [Auto by size and host
+// count] in net_algorithm.cpp).
+enum class NetOp { ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER };
+constexpr size_t kNetOps = 3;
+
+// What SMDDP_NET_ALGO=auto sends a collective of a given size by between `hosts` hosts of
+// equal rank counts, besides the group's algorithm (Note [Auto by size and host count]).
+// Sizes are nccl-tests' S: an all_reduce's tensor, a reduce_scatter's input, an
+// all_gather's output, in bytes; 0: never.
+struct AutoBySize {
+  size_t tree_max_bytes = 0;                // all-reduces of at most this take the tree
+  size_t doubling_max_bytes[kNetOps] = {};  // the others of at most this, halving-doubling
+};
+AutoBySize auto_by_size(int hosts);
+// auto_by_size(hosts).tree_max_bytes.
 size_t auto_tree_max_bytes(int hosts);
 
 // What a group may send its collectives across hosts by, chosen once at its creation.
 struct NetAlgorithms {
-  std::unique_ptr<NetAlgorithm> main;  // every collective the tree does not take; null: one host
+  std::unique_ptr<NetAlgorithm> main;  // every collective the others do not take; null: one host
   std::unique_ptr<NetAlgorithm> tree;  // all-reduces of at most tree_max_bytes; null: none
   size_t tree_max_bytes = 0;
-  // The algorithm of one collective across hosts: `bytes` is its tensor's size, the same on
-  // every rank of the call (Note [When the tree runs]).
-  NetAlgorithm& pick(bool all_reduce, size_t bytes) const {
-    return tree && all_reduce && bytes <= tree_max_bytes ? *tree : *main;
+  // Collectives of at most doubling_max_bytes[op] the tree does not take; null: none.
+  std::unique_ptr<NetAlgorithm> doubling;
+  size_t doubling_max_bytes[kNetOps] = {};
+  // The algorithm of one collective across hosts: `bytes` is its S (as for AutoBySize), the
+  // same on every rank of the call (Note [Auto by size and host count]).
+  NetAlgorithm& pick(NetOp op, size_t bytes) const {
+    if (tree && op == NetOp::ALL_REDUCE && bytes <= tree_max_bytes) return *tree;
+    if (doubling && bytes <= doubling_max_bytes[static_cast<size_t>(op)]) return *doubling;
+    return *main;
   }
 };
 

@@ -1,6 +1,6 @@
 // The tree between hosts: recursive doubling of the rail's whole data, for small all-reduces
-// (Note [Inter-host algorithms] in net_algorithm.h; when it is taken: Note [When the tree
-// runs] in net_algorithm.cpp).
+// (Note [Inter-host algorithms] in net_algorithm.h; when it is taken: Note [Auto by size
+// and host count] in net_algorithm.cpp).
 //
 // Note [A tree for small all-reduces]
 // The mesh, the ring and halving-doubling all cut the rail's data (the H parts one rank per
@@ -14,7 +14,7 @@
 // binomial tree (reduce to one host, then broadcast) moves as many bytes per NIC but takes
 // 2 log2 H rounds. The price is bytes: each host's NIC sends T in every round, log2 H times
 // the data where the mesh sends 2 (H-1)/H of it, so it pays only below a size that grows
-// with H (Note [When the tree runs]).
+// with H (Note [Auto by size and host count]).
 //
 // Hosts in rail order (equal hosts only, as for the ring) are cut as in Note [Halving and
 // doubling between hosts]: P = the largest power of two <= H cores, and extra host P + c
@@ -29,8 +29,8 @@
 // round i, and after the last round every core holds the same results; an extra gets its
 // core's bits. So results are bit-identical on every rank, in an order fixed by the layout
 // (unlike the mesh's hosts 0..H-1, so the two may differ in the last bit; every rank of a
-// call makes the same choice between them, Note [When the tree runs]). Sums are made in fp32
-// (the accumulation type) and rounded once where they are stored: a core's first sum (its
+// call makes the same choice between them, Note [Auto by size and host count]). Sums are made in
+// fp32 (the accumulation type) and rounded once where they are stored: a core's first sum (its
 // partial plus its extra's, rounded as it left the extra) and every round's sum are stored
 // in the wire type, the last round's result in the tensor's dtype. So each host partial is
 // rounded once where it leaves its host (or where it first enters a sum) and then inside
