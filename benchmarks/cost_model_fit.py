@@ -83,7 +83,7 @@ FITTED_END_TO_END = (
     "step",
 )
 # Fitted last, on the staged algorithms' rows (the tree and halving/doubling, which the runs
-# of 16 and 32 hosts in tests/data/multihost/staged measured), the others held (Note
+# of 16 and 32 hosts measured: tests/data/multihost/*-staged-*.json), the others held (Note
 # [Staged algorithms] in cost_model.py).
 FITTED_STAGED = ("stage_serial", "stage_wake")
 # Fitted afterwards on the bf16/fp16 rows, each against the float32 row of the same jobs
@@ -324,8 +324,8 @@ def _search(
         for name in names:
             for sign in (1.0, -1.0):
                 value = getattr(costs, name) * math.exp(sign * step)
-                if name == "nic_efficiency" and value > 1.0:
-                    continue
+                if name in ("nic_efficiency", "stage_serial") and value > 1.0:
+                    continue  # fractions
                 trial = dataclasses.replace(costs, **{name: value})
                 trial_loss = loss(trial)
                 if trial_loss < best_loss:

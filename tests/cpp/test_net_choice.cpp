@@ -163,6 +163,8 @@ TEST_CASE(net_choice_per_call) {
     const smddp::NetAlgorithms t = smddp::choose_net_algorithms(forced);
     EXPECT(std::string(t.pick(NetOp::ALL_REDUCE, size_t(1) << 40).name()) == "tree", hosts,
            " hosts: net_algo=tree, a 1 TiB all_reduce");
+    EXPECT(t.doubling_max_bytes[static_cast<size_t>(NetOp::ALL_REDUCE)] == 0, hosts,
+           " hosts: net_algo=tree keeps a halving-doubling range for all_reduces");
     for (NetOp op : {NetOp::REDUCE_SCATTER, NetOp::ALL_GATHER}) {
       EXPECT(t.pick(op, size_t(1) << 40).name() == main, hosts,
              " hosts: net_algo=tree, a large other collective");
@@ -183,6 +185,19 @@ TEST_CASE(net_choice_per_call) {
   EXPECT(smddp::auto_tree_max_bytes(1) == 0, "one host has a tree");
   LayoutOnly one(1, true, NetAlgo::AUTO);
   EXPECT(!smddp::choose_net_algorithms(one).main, "one host crosses nothing");
+}
+
+TEST_CASE(net_algo_setting_values) {
+  auto env = [](const char*) -> const char* { return nullptr; };
+  const smddp::Settings s = smddp::resolve_settings({{"net_algo", "Halving_Doubling"}}, env);
+  EXPECT(s.net_algo == smddp::NetAlgo::HALVING_DOUBLING, "net_algo=halving_doubling not parsed");
+  EXPECT(smddp::describe(s).at("net_algo") == "halving_doubling",
+         "net_algo=halving_doubling not reported");
+  const smddp::Settings t = smddp::resolve_settings({{"net_algo", "TREE"}}, env);
+  EXPECT(t.net_algo == smddp::NetAlgo::TREE, "net_algo=tree not parsed");
+  EXPECT(smddp::describe(t).at("net_algo") == "tree", "net_algo=tree not reported");
+  EXPECT_THROW_WITH(smddp::resolve_settings({{"net_algo", "binomial"}}, env), "binomial",
+                    "expected auto, mesh, ring, halving_doubling or tree");
 }
 
 }  // namespace smddp_test

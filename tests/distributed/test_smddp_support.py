@@ -84,7 +84,9 @@ def ring_across_hosts(hosts: list[list[int]]) -> bool:
     rank counts, with SMDDP_NET_ALGO=ring, or auto (unset) up to 32 hosts. Hosts of unequal
     rank counts always take the mesh (Note [Unequal hosts]); SMDDP_NET_ALGO=halving_doubling
     takes neither (its order is modelled in test_smddp_halving_doubling.py). The all_reduces
-    the tree takes (``tree_takes``) sum in its own order."""
+    the tree takes (``tree_takes``) sum in its own order, and so do the small collectives
+    auto sends by halving-doubling from 21 hosts (``group_layout()["net_doubling_max_bytes"]``),
+    more hosts than these tests simulate."""
     equal = len({len(members) for members in hosts}) == 1
     algo = os.environ.get("SMDDP_NET_ALGO", "auto").strip().lower() or "auto"
     if not equal or len(hosts) < 3:

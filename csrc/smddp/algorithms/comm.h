@@ -13,8 +13,9 @@
 // (one hop, a full mesh), which reduces them in host order. From 3 hosts with equal rank
 // counts on, the rail may instead pass the partials around a ring (Note [Rail rings] in
 // net_ring.cpp); the group's inter-host algorithm is chosen once (Note [Inter-host algorithms]
-// in net_algorithm.h), and small all-reduces may cross by the tree instead, chosen per call
-// (Note [Auto by size and host count] in net_algorithm.cpp). All-gather is the mirror image: each
+// in net_algorithm.h), and small all-reduces may cross by the tree and small collectives by
+// halving-doubling instead, chosen per call (Note [Auto by size and host count] in
+// net_algorithm.cpp). All-gather is the mirror image: each
 // rank sends its part to the part's handlers on the other hosts over TCP, then a shared-memory
 // all-gather inside the host.
 // All-reduce = reduce-scatter + all-gather over N parts. The reduction order (local ranks in

@@ -32,13 +32,14 @@ constexpr int kAutoRingMaxHosts = 32;
 // algorithm. Every rank of a call passes the same S (its count, dtype and parts are the
 // call's, checked in every message) and sees the same layout, so every rank picks the same.
 // net_algo=tree sends every all_reduce by the tree and the rest as auto does; mesh, ring and
-// halving_doubling force theirs for every collective.
+// halving_doubling force theirs for every collective. A rooted reduce crosses hosts as a
+// reduce_scatter of the whole tensor (comm_algos.cpp), and so picks as one.
 //
 // The sizes are the cost model's (torch_sagemaker/planner/auto_rule.py, Note [The auto rule
 // from the model] there): for each H from 2 to 1024, per kind, the largest power of two up
 // to which it predicts the tree (then halving-doubling) faster than every algorithm that
 // would otherwise take the call, at every power of two from 1 KiB, at the costs fitted on
-// the recorded runs (tests/data/multihost, the staged rounds in tests/data/multihost/staged)
+// the recorded runs (tests/data/multihost, the staged rounds of 16 and 32 hosts among them)
 // on the hosts the 16- and 32-host runs simulate: one rank per host at 1 Gbit/s, all ranks on
 // the machine's 2 cores, the cables' 96 KiB burst. `bench multihost --fit
 // tests/data/multihost/*.json` prints the table below, and tests/unit/test_cost_model.py
@@ -184,8 +185,10 @@ NetAlgorithms choose_net_algorithms(NetGroup& group) {
   if (a.tree_max_bytes) a.tree = make_tree(group);
   bool doubling = false;
   for (size_t k = 0; k < kNetOps; ++k) {
-    a.doubling_max_bytes[k] = rule.doubling_max_bytes[k];
-    doubling = doubling || rule.doubling_max_bytes[k];
+    // net_algo=tree takes every all_reduce: none is left for halving-doubling.
+    const bool all_reduce = k == static_cast<size_t>(NetOp::ALL_REDUCE);
+    a.doubling_max_bytes[k] = asked == NetAlgo::TREE && all_reduce ? 0 : rule.doubling_max_bytes[k];
+    doubling = doubling || a.doubling_max_bytes[k];
   }
   if (doubling) a.doubling = make_halving_doubling(group);
   return a;
