@@ -68,6 +68,22 @@ def test_three_forced_hosts(algo):
     assert counts["net_algorithm"] == ("mesh" if algo == "mesh" else "ring")
 
 
+@pytest.mark.parametrize("local", [1, 2], ids=["4x1", "4x2"])
+def test_four_forced_hosts_auto_sends_small_collectives_by_halving_doubling(local):
+    # Four "hosts": under auto the ring, with the tree for the smallest all_reduces and
+    # halving-doubling for the small collectives the tree leaves (Note [Auto by size and
+    # host count] in net_algorithm.cpp). The references sum in each call's own order
+    # (tree_takes, doubling_takes), bit for bit.
+    counts = _run(
+        4 * local,
+        env={"SMDDP_FORCE_LOCAL_SIZE": str(local), "SMDDP_NET_CHUNK_BYTES": "4096"},
+        quick=True,
+    )
+    assert counts["net_algorithm"] == "ring"
+    ops = counts["net_ops"]
+    assert ops["halving_doubling"] > 0 and ops["tree"] > 0 and ops["ring"] > 0, ops
+
+
 def test_two_ranks_one_per_forced_host():
     _run(2, env={"SMDDP_FORCE_LOCAL_SIZE": "1", "SMDDP_BUFFER_BYTES": "8192"}, quick=True)
 

@@ -35,6 +35,7 @@ def _every_dtype_and_op():
                     op,
                     hosts,
                     tree=checks.tree_takes(t),
+                    doubling=checks.doubling_takes(t, "all_reduce"),
                 )
                 assert checks.same(t, want), f"{dtype} {op} n={n}: {t[:8]} != {want[:8]}"
                 assert checks.same(t, via_dist), f"{dtype} {op} n={n}: differs from dist.all_reduce"

@@ -85,8 +85,7 @@ def ring_across_hosts(hosts: list[list[int]]) -> bool:
     rank counts always take the mesh (Note [Unequal hosts]); SMDDP_NET_ALGO=halving_doubling
     takes neither (its order is modelled in test_smddp_halving_doubling.py). The all_reduces
     the tree takes (``tree_takes``) sum in its own order, and so do the small collectives
-    auto sends by halving-doubling from 21 hosts (``group_layout()["net_doubling_max_bytes"]``),
-    more hosts than these tests simulate."""
+    auto sends by halving-doubling (``doubling_takes``)."""
     equal = len({len(members) for members in hosts}) == 1
     algo = os.environ.get("SMDDP_NET_ALGO", "auto").strip().lower() or "auto"
     if not equal or len(hosts) < 3:
@@ -100,6 +99,38 @@ def tree_takes(t: torch.Tensor, group=None) -> bool:
     which size."""
     limit = cpu_backend(group)._layout()["net_tree_max_bytes"]
     return limit > 0 and t.numel() * t.element_size() <= limit
+
+
+def doubling_takes(t: torch.Tensor, kind: str, group=None) -> bool:
+    """Whether a collective of kind ``kind`` (``"all_reduce"``, ``"reduce_scatter"``) whose
+    S is ``t``'s bytes (an all_reduce's tensor, a reduce_scatter's or a rooted reduce's
+    input) crosses hosts by halving-doubling under auto (Note [Auto by size and host count]
+    in net_algorithm.cpp; an all_reduce the tree takes does not)."""
+    layout = cpu_backend(group)._layout()
+    limit = layout["net_doubling_max_bytes"][kind]
+    nbytes = t.numel() * t.element_size()
+    if kind == "all_reduce" and tree_takes(t, group):
+        return False
+    return limit > 0 and nbytes <= limit
+
+
+def _doubling_order(partials: list[torch.Tensor], op: str, leaves) -> list[torch.Tensor]:
+    """Halving-doubling's sums (Note [Halving and doubling between hosts] in
+    net_halving_doubling.cpp), for every element: core c < P (the largest power of two <= H)
+    adds its extra c + P's partial, rounded to the wire type, to its own, then at d = P/2,
+    ..., 1 its partner c ^ d's running sum, rounded, its own first. Host h's parts are core
+    h % P's."""
+    hosts = len(partials)
+    cores = 1 << (hosts.bit_length() - 1)
+    run = []
+    for c in range(cores):
+        mine = partials[c].clone()
+        run.append(_combine(mine, leaves(partials[c + cores]), op) if c + cores < hosts else mine)
+    d = cores // 2
+    while d >= 1:
+        run = [_combine(run[c], leaves(run[c ^ d]), op) for c in range(cores)]
+        d //= 2
+    return [run[h % cores] for h in range(hosts)]
 
 
 def _tree_order(partials: list[torch.Tensor], op: str, leaves) -> torch.Tensor:
@@ -140,13 +171,15 @@ def reference_reduce(
     hosts: list[list[int]],
     scatter: bool = False,
     tree: bool = False,
+    doubling: bool = False,
 ) -> torch.Tensor:
     """Reduces per-rank tensors like the backend: inside each host in rank order, then hosts.
 
     Hosts in order, or, in a ring (``ring_across_hosts``), part p from the host after its
     owner's round to its owner's, or, for an all_reduce the tree takes (``tree``, from
-    ``tree_takes``), in the tree's order. The parts are the reduce_scatter's equal ones when
-    ``scatter``, else the all_reduce's (``partition``).
+    ``tree_takes``), in the tree's order, or, for a collective auto sends by
+    halving-doubling (``doubling``, from ``doubling_takes``), in its order. The parts are
+    the reduce_scatter's equal ones when ``scatter``, else the all_reduce's (``partition``).
     """
     dtype, shape = xs[0].dtype, xs[0].shape
     acc = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
@@ -171,16 +204,25 @@ def reference_reduce(
     if tree and not scatter and len(hosts) > 1:
         total = _tree_order(partials, op, leaves)
     else:
-        total = _part_by_part(partials, op, hosts, scatter, xs[0].element_size(), leaves)
+        by_host = _doubling_order(partials, op, leaves) if doubling and len(hosts) > 1 else None
+        total = _part_by_part(partials, op, hosts, scatter, xs[0].element_size(), leaves, by_host)
     if op == "AVG":
         total = total / len(xs)
     return total.to(dtype).reshape(shape)
 
 
 def _part_by_part(
-    partials: list[torch.Tensor], op: str, hosts: list[list[int]], scatter: bool, esz: int, leaves
+    partials: list[torch.Tensor],
+    op: str,
+    hosts: list[list[int]],
+    scatter: bool,
+    esz: int,
+    leaves,
+    by_host: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Each part summed over the hosts by its owner (the mesh) or around a ring."""
+    """Each part summed over the hosts by its owner (the mesh) or around a ring, or, given
+    each host's sums of every element (``by_host``, halving-doubling's), taken from its
+    owner's host."""
     world, n = sum(len(m) for m in hosts), partials[0].numel()
     host_of = {r: h for h, members in enumerate(hosts) for r in members}
     ring = ring_across_hosts(hosts)
@@ -191,6 +233,9 @@ def _part_by_part(
         else:
             b, e = partition(n, world, p, max(1, 64 // esz))
         owner = host_of[p]
+        if by_host is not None:
+            total[b:e] = by_host[owner][b:e]
+            continue
         if ring:  # from the host after the owner's, round to the owner's
             order = [(owner + 1 + k) % len(hosts) for k in range(len(hosts))]
             sum_p = leaves(partials[order[0]][b:e])
@@ -301,6 +346,7 @@ def check_all_reduce(sizes=SIZES, dtypes=ALL_DTYPES, async_op=False) -> int:
                     op,
                     hosts,
                     tree=tree_takes(t),
+                    doubling=doubling_takes(t, "all_reduce"),
                 )
                 assert same(t, want), f"all_reduce {dtype} {op} n={n}: {t[:8]} != {want[:8]}"
                 checked += 1
@@ -324,6 +370,7 @@ def check_reduce_scatter(sizes=(0, 1, 5, 17, 1031, 40000), dtypes=ALL_DTYPES) ->
                     op,
                     hosts,
                     scatter=True,
+                    doubling=doubling_takes(inp, "reduce_scatter"),
                 )
                 want = full[rank * n : (rank + 1) * n]
                 assert same(out, want), f"reduce_scatter_tensor {dtype} {op} n={n}"
@@ -390,7 +437,8 @@ def check_rooted(sizes=(0, 1, 1031), dtypes=(torch.float32, torch.bfloat16, torc
                     t = inputs[rank].clone()
                     dist.reduce(t, root, op=redop(op))
                     if rank == root:
-                        assert same(t, reference_reduce(inputs, op, hosts)), (
+                        via = doubling_takes(t, "reduce_scatter")  # a rooted reduce's S
+                        assert same(t, reference_reduce(inputs, op, hosts, doubling=via)), (
                             f"reduce {dtype} {op} n={n}"
                         )
                     else:  # only read
@@ -501,7 +549,9 @@ def check_coalesced() -> int:
         torch.cat([make_input(r, n, torch.float32, 11 + n) for n in (3, 1000, 1)])
         for r in range(world)
     ]
-    flat = reference_reduce(xs, "SUM", hosts, tree=tree_takes(xs[0]))
+    flat = reference_reduce(
+        xs, "SUM", hosts, tree=tree_takes(xs[0]), doubling=doubling_takes(xs[0], "all_reduce")
+    )
     for t, want in zip(ts, flat.split([3, 1000, 1])):
         assert same(t, want), "all_reduce coalesced"
 
@@ -526,6 +576,7 @@ def check_coalesced() -> int:
             "AVG",
             hosts,
             scatter=True,
+            doubling=doubling_takes(torch.empty(n * world), "reduce_scatter"),
         )
         assert same(o, full[rank * n : (rank + 1) * n]), "reduce_scatter coalesced"
     return 7
@@ -540,7 +591,9 @@ def check_non_contiguous() -> int:
         t = base[rank].clone()[:, ::2]  # strided view
         dist.all_reduce(t)
         cols = [b[:, ::2].contiguous() for b in base]
-        want = reference_reduce(cols, "SUM", hosts, tree=tree_takes(cols[0]))
+        want = reference_reduce(
+            cols, "SUM", hosts, tree=tree_takes(cols[0]), doubling=doubling_takes(t, "all_reduce")
+        )
         assert same(t.contiguous(), want), f"non-contiguous all_reduce {dtype}"
         checked += 1
     base = [make_input(r, 40 * 6, torch.float32, 9).view(40, 6) for r in range(world)]
@@ -556,7 +609,8 @@ def check_non_contiguous() -> int:
     assert not ins[rank].is_contiguous()
     o = torch.empty(40, 6)
     dist.reduce_scatter_tensor(o, ins[rank])
-    full = reference_reduce([x.contiguous() for x in ins], "SUM", hosts, scatter=True)
+    via = doubling_takes(ins[rank], "reduce_scatter")
+    full = reference_reduce([x.contiguous() for x in ins], "SUM", hosts, scatter=True, doubling=via)
     assert same(o, full[rank * 40 : (rank + 1) * 40]), "non-contiguous reduce_scatter input"
     return checked + 3
 
@@ -577,6 +631,7 @@ def check_back_to_back(iters: int = 300) -> int:
                     "SUM",
                     hosts,
                     tree=tree_takes(t),
+                    doubling=doubling_takes(t, "all_reduce"),
                 ),
             ), i
         elif kind == 1:
@@ -679,7 +734,7 @@ def run_all(quick: bool = False) -> dict:
     out["digest"] = result_digest()
     # How the backend says it crosses hosts; the references above checked the order of
     # hosts the collectives really summed in (ring_across_hosts).
-    out["net_algorithm"] = dist.group.WORLD._get_backend(torch.device("cpu"))._layout()[
-        "net_algorithm"
-    ]
+    layout = dist.group.WORLD._get_backend(torch.device("cpu"))._layout()
+    out["net_algorithm"] = layout["net_algorithm"]
+    out["net_ops"] = layout["net_ops"]  # by algorithm: the calls each one took
     return out

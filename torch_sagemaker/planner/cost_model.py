@@ -118,13 +118,17 @@ ALGORITHMS = ("mesh", "ring", "doubling", "tree", "flat_ring")
 # was within 0.2 of 0 on 16 hosts (docs/multi_node.md, "16 and 32 hosts"). In a round every
 # rank sends and receives at once and then reduces, and what the CPU does at a round's
 # start and end waits for a core that every other rank wants too. stage_serial is that
-# fraction (0.71 fitted; 0 for the pipelined algorithms), and stage_wake each round's wait
-# for a core per rank per core beyond one (0.13 ms; like wake, nothing on hosts with a core
-# per rank). Both are fitted last, on the staged rows only, the other costs held
-# (benchmarks/cost_model_fit.py: fit_staged). On hosts with a core per rank nothing measured
-# says what stage_serial is, and predictions for such hosts keep the fitted one. The round
-# wait grows faster than linearly with the ranks per core (16 hosts' rows below 1 MiB come
-# out up to 40% slow, 32 hosts' up to 33% fast), which one linear term cannot follow.
+# fraction (0.70 fitted; 0 for the pipelined algorithms), and stage_wake each round's wait
+# for a core, per round and per squared unit of oversubscription (ranks per core beyond
+# one): 0.012 ms, like wake nothing on hosts with a core per rank. The wait grows with the
+# square: every rank of a round waits for its partner, which waits behind the other ranks
+# of its core, so a rank per core more is both one more to wait behind and one more
+# waiting. Fitted with the oversubscription itself instead, the staged rows came out up to
+# 40% slow on 16 hosts and 33% fast on 32; squared, within 0.82-1.26, with 2.8 times less
+# squared log error (docs/multi_node.md, "16 and 32 hosts"). Both are fitted last, on the
+# staged rows only, the other costs held (benchmarks/cost_model_fit.py: fit_staged). On
+# hosts with a core per rank nothing measured says what stage_serial is, and predictions for
+# such hosts keep the fitted one.
 STAGED = ("doubling", "tree")
 
 
@@ -158,9 +162,9 @@ class Costs:
         stage_serial: The fraction of the smaller of a staged algorithm's NIC and CPU times
             that does not overlap the larger (Note [Staged algorithms]): 0 when they overlap
             as the pipelined ones' do, 1 when they add.
-        stage_wake: Seconds per round of a staged algorithm per unit of oversubscription,
-            beyond wake: a round waits for its partner's last byte, and so for that rank's
-            turn at a core (Note [Staged algorithms]; none on real hosts).
+        stage_wake: Seconds per round of a staged algorithm per squared unit of
+            oversubscription, beyond wake: a round waits for its partner's last byte, and so
+            for that rank's turn at a core (Note [Staged algorithms]; none on real hosts).
     """
 
     alpha: float = 1e-3
@@ -533,7 +537,7 @@ def parts(costs: Costs, w: Work, maximum: Callable = max) -> Parts:
     latency = costs.alpha + costs.wake * w.oversubscription * waits
     latency += w.steps * costs.step + w.flat_steps * costs.flat_step
     latency += costs.flow_latency * (w.flows - 1)
-    latency += costs.stage_wake * w.staged * w.oversubscription * w.steps
+    latency += costs.stage_wake * w.staged * w.oversubscription**2 * w.steps
     busy = sum(cpu.values())
     smaller = wire + busy - maximum(wire, busy)
     unoverlapped = costs.stage_serial * w.staged * smaller

@@ -13,12 +13,14 @@ namespace {
 constexpr int kAutoRingMaxHosts = 32;
 
 // Note [Auto beyond 32 hosts]
-// Past the ring's measured range auto keeps the mesh for every size that Note [Auto by size
-// and host count] leaves to the group's algorithm. The cost model (Note [Staged algorithms]
-// in torch_sagemaker/planner/cost_model.py) ranks the ring first there for the largest
-// sizes on the simulated hosts, and halving-doubling on hosts with a core per rank, but
-// nothing beyond 32 hosts is measured, so the group's algorithm does not follow it yet;
-// which small collectives take the tree or halving-doubling instead does (below).
+// Past the ring's measured range the group's algorithm stays the mesh, for every size that
+// Note [Auto by size and host count] leaves to it. That rule itself reaches beyond 32 hosts:
+// derived with the ranks' crowding of the cores held at the 32 hosts measured, the cost
+// model has halving-doubling take ever larger collectives from the mesh as its H-1 flows
+// grow (on 32 hosts halving-doubling was measured faster than the mesh at every size and
+// kind, docs/multi_node.md, "16 and 32 hosts"), up to every size the rule considers (256 MiB)
+// from about 200 hosts. Nothing beyond 32 hosts is measured: the group's algorithm does not
+// follow the model there yet.
 
 // Note [Auto by size and host count]
 // Under SMDDP_NET_ALGO=auto a group of hosts with equal rank counts keeps up to three
@@ -41,13 +43,14 @@ constexpr int kAutoRingMaxHosts = 32;
 // would otherwise take the call, at every power of two from 1 KiB, at the costs fitted on
 // the recorded runs (tests/data/multihost, the staged rounds of 16 and 32 hosts among them)
 // on the hosts the 16- and 32-host runs simulate: one rank per host at 1 Gbit/s, all ranks on
-// the machine's 2 cores, the cables' 96 KiB burst. `bench multihost --fit
-// tests/data/multihost/*.json` prints the table below, and tests/unit/test_cost_model.py
-// holds it to that: a refit changes the numbers here and nowhere else. Measured against it
-// on 16 and 32 such hosts: docs/multi_node.md, "16 and 32 hosts". On these hosts every wait
-// of a rank costs it a turn at the shared cores, which the tree's and halving-doubling's
-// few rounds save, and each of their rounds adds its CPU time to its NIC time where the
-// pipelined ring overlaps them (Note [Staged algorithms]), which is what ends their range.
+// the machine's 2 cores (beyond 32 hosts, as crowded as 32 were), the cables' 96 KiB burst. `bench
+// multihost --fit tests/data/multihost/*.json` prints the table below, and
+// tests/unit/test_cost_model.py holds it to that: a refit changes the numbers here and nowhere
+// else. Measured against it on 16 and 32 such hosts: docs/multi_node.md, "16 and 32 hosts". On
+// these hosts every wait of a rank costs it a turn at the shared cores, which the tree's and
+// halving-doubling's few rounds save, and each of their rounds adds its CPU time to its NIC time
+// where the pipelined ring overlaps them (Note [Staged algorithms]), which is what ends their
+// range.
 struct AutoRule {
   int hosts;                           // from this many hosts up to the next entry's
   size_t tree_max_bytes;               // all_reduces of at most this many bytes take the tree
@@ -55,36 +58,66 @@ struct AutoRule {
 };
 constexpr AutoRule kAutoRule[] = {
     {2, 0, {0, 0, 0}},
-    {8, 32768, {0, 0, 0}},
-    {9, 0, {0, 0, 0}},
-    {11, 8192, {0, 0, 0}},
-    {12, 16384, {0, 0, 0}},
-    {13, 32768, {0, 0, 0}},
-    {15, 65536, {0, 0, 0}},
-    {16, 131072, {0, 0, 0}},
-    {17, 32768, {0, 0, 0}},
-    {18, 65536, {0, 0, 0}},
-    {21, 65536, {0, 131072, 131072}},
-    {22, 131072, {0, 131072, 131072}},
-    {23, 131072, {262144, 262144, 262144}},
-    {26, 131072, {524288, 524288, 524288}},
-    {30, 131072, {1048576, 1048576, 1048576}},
-    {32, 262144, {1048576, 1048576, 1048576}},
-    {33, 65536, {0, 1048576, 1048576}},
-    {44, 65536, {0, 1048576, 2097152}},
-    {51, 65536, {0, 2097152, 2097152}},
-    {64, 131072, {0, 2097152, 2097152}},
-    {65, 32768, {0, 1048576, 2097152}},
-    {80, 32768, {0, 2097152, 2097152}},
-    {128, 65536, {0, 2097152, 2097152}},
-    {129, 4096, {0, 1048576, 2097152}},
-    {189, 4096, {0, 2097152, 2097152}},
-    {241, 4096, {0, 2097152, 4194304}},
-    {256, 32768, {0, 2097152, 4194304}},
-    {257, 0, {0, 262144, 524288}},
-    {404, 0, {0, 262144, 1048576}},
-    {512, 4096, {0, 262144, 1048576}},
-    {513, 0, {0, 0, 0}},
+    {3, 16384, {0, 0, 0}},
+    {4, 32768, {65536, 131072, 131072}},
+    {5, 16384, {0, 0, 0}},
+    {6, 16384, {65536, 65536, 65536}},
+    {7, 32768, {65536, 131072, 131072}},
+    {8, 32768, {131072, 131072, 131072}},
+    {9, 32768, {0, 65536, 65536}},
+    {10, 32768, {65536, 131072, 131072}},
+    {11, 32768, {131072, 131072, 131072}},
+    {14, 65536, {262144, 262144, 262144}},
+    {16, 131072, {262144, 262144, 262144}},
+    {17, 65536, {0, 131072, 131072}},
+    {18, 65536, {131072, 131072, 131072}},
+    {21, 65536, {262144, 262144, 262144}},
+    {22, 131072, {262144, 262144, 262144}},
+    {27, 131072, {262144, 524288, 524288}},
+    {28, 131072, {524288, 524288, 524288}},
+    {32, 262144, {524288, 524288, 524288}},
+    {33, 16384, {0, 524288, 524288}},
+    {34, 32768, {0, 524288, 1048576}},
+    {35, 32768, {0, 1048576, 1048576}},
+    {37, 65536, {0, 1048576, 1048576}},
+    {39, 65536, {0, 1048576, 2097152}},
+    {42, 65536, {0, 2097152, 2097152}},
+    {44, 131072, {0, 2097152, 2097152}},
+    {49, 131072, {0, 2097152, 4194304}},
+    {54, 131072, {0, 4194304, 4194304}},
+    {55, 131072, {262144, 4194304, 4194304}},
+    {58, 131072, {524288, 4194304, 4194304}},
+    {64, 262144, {1048576, 4194304, 4194304}},
+    {65, 131072, {262144, 4194304, 4194304}},
+    {66, 131072, {524288, 4194304, 4194304}},
+    {70, 131072, {524288, 4194304, 8388608}},
+    {72, 131072, {1048576, 4194304, 8388608}},
+    {78, 131072, {1048576, 8388608, 8388608}},
+    {81, 131072, {2097152, 8388608, 8388608}},
+    {94, 131072, {2097152, 8388608, 16777216}},
+    {96, 131072, {4194304, 8388608, 16777216}},
+    {108, 131072, {4194304, 16777216, 16777216}},
+    {118, 131072, {8388608, 16777216, 16777216}},
+    {122, 131072, {8388608, 16777216, 33554432}},
+    {128, 262144, {8388608, 16777216, 33554432}},
+    {129, 131072, {8388608, 16777216, 33554432}},
+    {144, 131072, {8388608, 33554432, 33554432}},
+    {148, 131072, {16777216, 33554432, 33554432}},
+    {150, 131072, {16777216, 33554432, 67108864}},
+    {170, 131072, {16777216, 33554432, 134217728}},
+    {172, 131072, {33554432, 33554432, 134217728}},
+    {176, 131072, {33554432, 67108864, 134217728}},
+    {183, 131072, {33554432, 67108864, 268435456}},
+    {189, 131072, {67108864, 67108864, 268435456}},
+    {200, 131072, {67108864, 134217728, 268435456}},
+    {201, 131072, {134217728, 134217728, 268435456}},
+    {207, 131072, {268435456, 134217728, 268435456}},
+    {216, 131072, {268435456, 268435456, 268435456}},
+    {256, 262144, {268435456, 268435456, 268435456}},
+    {257, 131072, {268435456, 268435456, 268435456}},
+    {512, 262144, {268435456, 268435456, 268435456}},
+    {513, 131072, {268435456, 268435456, 268435456}},
+    {1024, 262144, {268435456, 268435456, 268435456}},
 };
 
 }  // namespace
