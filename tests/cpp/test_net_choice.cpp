@@ -166,8 +166,8 @@ TEST_CASE(net_choice_per_call) {
     EXPECT(t.doubling_max_bytes[static_cast<size_t>(NetOp::ALL_REDUCE)] == 0, hosts,
            " hosts: net_algo=tree keeps a halving-doubling range for all_reduces");
     for (NetOp op : {NetOp::REDUCE_SCATTER, NetOp::ALL_GATHER}) {
-      EXPECT(t.pick(op, size_t(1) << 40).name() == main, hosts,
-             " hosts: net_algo=tree, a large other collective");
+      EXPECT(std::string(t.pick(op, size_t(1) << 41).name()) == a.pick(op, size_t(1) << 41).name(),
+             hosts, " hosts: net_algo=tree sends a large other collective as auto does not");
       EXPECT(std::string(t.pick(op, 0).name()) == a.pick(op, 0).name(), hosts,
              " hosts: net_algo=tree sends a small other collective as auto does not");
     }
@@ -176,6 +176,23 @@ TEST_CASE(net_choice_per_call) {
     LayoutOnly uneven_auto(hosts, false, NetAlgo::AUTO);
     EXPECT(!smddp::choose_net_algorithms(uneven_auto).doubling, hosts,
            " unequal hosts took halving-doubling");
+  }
+  // A kind without a range keeps the group's algorithm even for an empty call, where another
+  // kind has one (here with the tree taken away, which would take an empty all_reduce).
+  for (int hosts = 3; hosts <= 64; ++hosts) {
+    const smddp::AutoBySize rule = smddp::auto_by_size(hosts);
+    const size_t ar = rule.doubling_max_bytes[static_cast<size_t>(NetOp::ALL_REDUCE)];
+    const size_t rs = rule.doubling_max_bytes[static_cast<size_t>(NetOp::REDUCE_SCATTER)];
+    if (ar != 0 || rs == 0) continue;
+    LayoutOnly g(hosts, true, NetAlgo::AUTO);
+    smddp::NetAlgorithms a = smddp::choose_net_algorithms(g);
+    a.tree.reset();
+    EXPECT(a.pick(NetOp::ALL_REDUCE, 0).name() == std::string(a.main->name()), hosts,
+           " hosts: an empty all_reduce took ", a.pick(NetOp::ALL_REDUCE, 0).name(),
+           " where the rule gives all_reduces no halving-doubling");
+    EXPECT(std::string(a.pick(NetOp::REDUCE_SCATTER, 0).name()) == "halving_doubling", hosts,
+           " hosts: an empty reduce_scatter");
+    break;
   }
   // The model's rule (tests/unit/test_cost_model.py holds the table to it) takes the tree on
   // some of these host counts and halving-doubling on others.

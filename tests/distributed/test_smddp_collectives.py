@@ -53,9 +53,10 @@ def test_four_ranks_two_forced_hosts():
 @pytest.mark.parametrize("algo", ["ring", "auto", "mesh"])
 def test_three_forced_hosts(algo):
     # Three "hosts" of one rank, in 4 KiB network messages so parts cross in several of them.
-    # Asked for and auto, every collective across them goes around a ring (Note [Rail rings]
-    # in net_ring.cpp); the references know each algorithm's order of hosts
-    # (ring_across_hosts), and the ring's differs from the mesh's on this data.
+    # Asked for, every collective across them goes around a ring (Note [Rail rings] in
+    # net_ring.cpp); under auto too, but for the all_reduces the tree takes (Note [Auto by
+    # size and host count]); the references know each algorithm's order of hosts
+    # (ring_across_hosts, tree_takes), and the ring's differs from the mesh's on this data.
     counts = _run(
         3,
         env={
@@ -82,6 +83,9 @@ def test_four_forced_hosts_auto_sends_small_collectives_by_halving_doubling(loca
     assert counts["net_algorithm"] == "ring"
     ops = counts["net_ops"]
     assert ops["halving_doubling"] > 0 and ops["tree"] > 0 and ops["ring"] > 0, ops
+    # all_reduces and reduce_scatters each checked in halving-doubling's order.
+    taken = counts["doubling_taken"]
+    assert taken.get("all_reduce", 0) > 0 and taken.get("reduce_scatter", 0) > 0, taken
 
 
 def test_two_ranks_one_per_forced_host():

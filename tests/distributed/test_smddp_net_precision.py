@@ -178,8 +178,8 @@ def _options(algo: str, fp32: bool = False) -> SMDDPOptions:
 
 
 def _four_ranks():
-    # Each algorithm asked for: under auto these 64 KiB all_reduces take the tree (Note
-    # [Auto by size and host count]).
+    # Each algorithm asked for: under auto these 64 KiB all_reduces would take
+    # halving-doubling on 4 hosts and the ring on 3 (Note [Auto by size and host count]).
     return _run_cases(
         [
             ("4 hosts", [0, 1, 2, 3], _options("ring"), "ring"),

@@ -101,6 +101,11 @@ def tree_takes(t: torch.Tensor, group=None) -> bool:
     return limit > 0 and t.numel() * t.element_size() <= limit
 
 
+# The calls whose reference summed in halving-doubling's order, by kind (tests assert that
+# the path they mean to check was taken).
+DOUBLING_TAKEN: dict[str, int] = {}
+
+
 def doubling_takes(t: torch.Tensor, kind: str, group=None) -> bool:
     """Whether a collective of kind ``kind`` (``"all_reduce"``, ``"reduce_scatter"``) whose
     S is ``t``'s bytes (an all_reduce's tensor, a reduce_scatter's or a rooted reduce's
@@ -111,7 +116,9 @@ def doubling_takes(t: torch.Tensor, kind: str, group=None) -> bool:
     nbytes = t.numel() * t.element_size()
     if kind == "all_reduce" and tree_takes(t, group):
         return False
-    return limit > 0 and nbytes <= limit
+    taken = limit > 0 and nbytes <= limit
+    DOUBLING_TAKEN[kind] = DOUBLING_TAKEN.get(kind, 0) + taken
+    return taken
 
 
 def _doubling_order(partials: list[torch.Tensor], op: str, leaves) -> list[torch.Tensor]:
@@ -708,10 +715,14 @@ def result_digest() -> list[int]:
 
 def run_all(quick: bool = False) -> dict:
     """Runs every check on the default group; returns counts and the digest."""
+    DOUBLING_TAKEN.clear()  # a rank process may have served another test before
     out = {}
     if quick:
+        # 12289 4-byte and 24593 2-byte elements (48 KiB) are all_reduces that auto sends by
+        # halving-doubling on 4 hosts (above the tree's 32 KiB, Note [Auto by size and host
+        # count]).
         out["all_reduce"] = check_all_reduce(
-            sizes=(0, 1, 17, 1031, 70001),
+            sizes=(0, 1, 17, 1031, 12289, 24593, 70001),
             dtypes=[torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.bool],
         )
         out["reduce_scatter"] = check_reduce_scatter(
@@ -737,4 +748,5 @@ def run_all(quick: bool = False) -> dict:
     layout = dist.group.WORLD._get_backend(torch.device("cpu"))._layout()
     out["net_algorithm"] = layout["net_algorithm"]
     out["net_ops"] = layout["net_ops"]  # by algorithm: the calls each one took
+    out["doubling_taken"] = dict(DOUBLING_TAKEN)
     return out

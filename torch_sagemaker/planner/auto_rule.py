@@ -29,8 +29,9 @@ from torch_sagemaker.planner.cost_model import Cluster, Costs, predict
 
 # Where auto's ring ends (kAutoRingMaxHosts in net_algorithm.cpp).
 AUTO_RING_MAX_HOSTS = 32
-# The sizes the rule chooses among: powers of two from 1 KiB to 256 MiB.
-RULE_SIZES = tuple(1 << k for k in range(10, 29))
+# The sizes the rule chooses among: powers of two from 1 KiB to 1 TiB (a range that reaches the
+# last is as good as unbounded: no cliff at a size the candidates happen to end at).
+RULE_SIZES = tuple(1 << k for k in range(10, 41))
 # The kinds of collective, in kAutoRule's order of doubling_max_bytes.
 KINDS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
 

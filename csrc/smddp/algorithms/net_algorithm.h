@@ -256,7 +256,8 @@ struct NetAlgorithms {
   // same on every rank of the call (Note [Auto by size and host count]).
   NetAlgorithm& pick(NetOp op, size_t bytes) const {
     if (tree && op == NetOp::ALL_REDUCE && bytes <= tree_max_bytes) return *tree;
-    if (doubling && bytes <= doubling_max_bytes[static_cast<size_t>(op)]) return *doubling;
+    const size_t dmax = doubling_max_bytes[static_cast<size_t>(op)];
+    if (doubling && dmax && bytes <= dmax) return *doubling;
     return *main;
   }
 };
