@@ -46,6 +46,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "benchmarks.gpu",
         "smddp on CUDA tensors: staged all_reduce vs its bound, bf16, --timeline, kernels",
     ),
+    "cross_memory": (
+        "benchmarks.cross_memory",
+        "copying another process's memory: process_vm_readv against memcpy",
+    ),
     "fp8": (
         "benchmarks.fp8",
         "FP8 vs bf16 matmul and linear-layer time (example model, 4096-wide layer)",

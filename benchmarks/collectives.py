@@ -90,18 +90,18 @@ def make_case(
     all_reduce=None,
     empty=None,
     dtype: torch.dtype = torch.float32,
+    gather_in_place: bool = False,
 ):
     """Returns (run, check, actual_bytes) for one operation at about `nbytes`.
 
     `all_reduce`, if given, replaces dist.all_reduce (an in-place SUM of one tensor).
-    `empty`, if given, allocates the float32 operands (an element count -> a tensor) instead
-    of torch.empty: ``--pool`` takes them from the backend's pool, as FSDP2 does. The sparse
-    case ignores it (a sparse tensor has no pooled storage). `dtype`: the operands' element
-    type (the checks' sums, at most a few hundred, are exact in bf16 and fp16 too); float32
-    only with `empty`.
+    `empty`, if given, allocates the operands (an element count -> a tensor of `dtype`)
+    instead of torch.empty: ``--pool`` takes them from the backend's pool, as FSDP2 does. The
+    sparse case ignores it (a sparse tensor has no pooled storage). `dtype`: the operands'
+    element type (the checks' sums, at most a few hundred, are exact in bf16 and fp16 too).
+    `gather_in_place`: the all-gather's input is this rank's part of its output, as FSDP2
+    passes it.
     """
-    if empty is not None and dtype != torch.float32:
-        raise ValueError(f"make_case: dtype={dtype} with a custom allocator (float32 only)")
     esz = torch.empty(0, dtype=dtype).element_size()
     empty = empty or (lambda n: torch.empty(n, dtype=dtype))
 
@@ -130,7 +130,11 @@ def make_case(
 
         return run, check, count * esz
     if op == "all_gather_into_tensor":
-        inp, out = full(count // world, float(rank + 1)), empty(count)
+        if gather_in_place:
+            out = empty(count)
+            inp = out.narrow(0, rank * (count // world), count // world).fill_(float(rank + 1))
+        else:
+            inp, out = full(count // world, float(rank + 1)), empty(count)
 
         def run():
             c10d_compat.all_gather_single(out, inp, group=group)
@@ -280,15 +284,15 @@ def _timed(run, iters: int, warmup: int, barrier) -> list[float]:
     return times
 
 
-def _pool_empty(group):
-    """An allocator of float32 tensors from the smddp backend's pool.
+def pool_empty(group, dtype: torch.dtype = torch.float32):
+    """An allocator of ``dtype`` tensors from the smddp backend's pool.
 
     FSDP2 takes its all-gather and reduce-scatter buffers from there (Note [Zero-copy
     operands] in shm_algos.h).
     """
     cpu = torch.device("cpu")
     backend = c10d_compat.backend_of(group, cpu)
-    return lambda n: backend.allocate_tensor(n, dtype=torch.float32, device=cpu)
+    return lambda n: backend.allocate_tensor(n, dtype=dtype, device=cpu)
 
 
 def _slowest(times: list[float], ctrl) -> float:
@@ -356,7 +360,7 @@ def _worker_body(
                         rank,
                         groups[b],
                         peers[b].all_reduce if b in peers else None,
-                        _pool_empty(groups[b]) if args.pool and b == "smddp" else None,
+                        pool_empty(groups[b]) if args.pool and b == "smddp" else None,
                     )
                     if not check():
                         raise RuntimeError(f"{b} {op} at {size} bytes produced wrong values")

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from benchmarks.multihost_rank import SMDDP_POOL
 from tools.bare_tcp import BARE_TCP
 from tools.netns import BURST_BYTES
 from torch_sagemaker.planner import cost_model as cm
@@ -148,7 +149,8 @@ def points(runs: Iterable[dict]) -> list[Point]:
     are points of their own (``network``), not runs of one point.
     A file without ``cores`` (written before it was recorded) is taken as a 2-core machine,
     one without ``burst_bytes`` as cables of netns.BURST_BYTES (every run so far), a row
-    without ``dtype`` as float32. Rows of the bare-TCP ceiling are left out. Each point
+    without ``dtype`` as float32. Rows of the bare-TCP ceiling, and of operands in smddp's
+    pool (whose local steps copy less than the model prices), are left out. Each point
     keeps the index of its run (``job``): the half-precision rows are fitted against the
     float32 rows of the same jobs (half_pairs).
     """
@@ -159,6 +161,8 @@ def points(runs: Iterable[dict]) -> list[Point]:
         network = f"{run['congestion']}, {queue_words}" if "congestion" in run else ""
         for r in run["rows"]:
             if r["backend"] == BARE_TCP:  # no collective: the machine's ceiling
+                continue
+            if r["backend"] == SMDDP_POOL:  # copies less than the model prices
                 continue
             dtype = r.get("dtype", "float32")
             hosts, local = (int(x) for x in r["layout"].split("x"))

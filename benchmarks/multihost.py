@@ -28,7 +28,11 @@ the rest as auto) the tree whatever SMDDP_NET_ALGO says (``SMDDPOptions(net_algo
 hosts of unequal rank counts, and two hosts but for halving-doubling and the tree, take the
 mesh); each row records the algorithm its calls crossed hosts by, as the group counted them
 (``algorithm``: ``mesh``, ``ring``, ``halving_doubling``, ``tree``, or ``flat_ring`` for
-gloo): under auto a small all_reduce may take the tree.
+gloo): under auto a small all_reduce may take the tree. "smddp-pool" is an auto group whose
+operands come from its tensor pool, as FSDP2's all-gather and reduce-scatter buffers do (the
+all-gather's input in place in its output): a host's ranks then read each other's all-gather
+parts where they lie (Note [Read from the pool] in csrc/smddp/algorithms/shm_algos.h); the
+cost model leaves its rows out.
 "bare-tcp" is no collective but the ceiling the machine allows: the bytes of a ring on the
 ring's flows as bare TCP streams, with no other work (tools/bare_tcp.py, Note [The bare-TCP
 ceiling]); it is not trained and the cost model leaves it out. For every

@@ -46,11 +46,16 @@ FORCED_NET_ALGO = {
     "smddp-hd": "halving_doubling",
     "smddp-tree": "tree",
 }
+# An auto group whose operands come from its tensor pool, as FSDP2's all-gather and
+# reduce-scatter buffers do (the all-gather's input in place in its output): a host's ranks
+# then read each other's parts where they lie (Note [Read from the pool] in
+# csrc/smddp/algorithms/shm_algos.h).
+SMDDP_POOL = "smddp-pool"
 # What a job can time: the ops, their element types, and the backends (``rank_main`` makes
 # their groups), in the order the tables list them.
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 DTYPES = ("float32", "bfloat16", "float16")
-BACKENDS = ("smddp", *FORCED_NET_ALGO, "gloo", BARE_TCP)
+BACKENDS = ("smddp", *FORCED_NET_ALGO, SMDDP_POOL, "gloo", BARE_TCP)
 
 
 class Step(NamedTuple):
@@ -152,8 +157,8 @@ def rank_main(spec: dict[str, Any]) -> None:
         elif name == "gloo":
             group_kwargs[name] = {"backend": "gloo"}
             groups[name] = dist.new_group(**group_kwargs[name])
-        elif name in FORCED_NET_ALGO:
-            options = SMDDPOptions(net_algo=FORCED_NET_ALGO[name])
+        elif name in FORCED_NET_ALGO or name == SMDDP_POOL:
+            options = SMDDPOptions(net_algo=FORCED_NET_ALGO.get(name, "auto"))
             group_kwargs[name] = {"backend": "smddp", "pg_options": options}
             groups[name] = dist.new_group(**group_kwargs[name])
     # What each backend's collectives do between hosts (the cost model's `algorithm`).
@@ -239,7 +244,7 @@ def _case(
     import torch
     import torch.distributed as dist
 
-    from benchmarks.collectives import make_case
+    from benchmarks.collectives import make_case, pool_empty
 
     dtype = getattr(torch, step.dtype)
     if step.backend == BARE_TCP:
@@ -248,6 +253,12 @@ def _case(
         _, _, actual = make_case(step.op, step.size, world, rank, dist.group.WORLD, dtype=dtype)
         run, check = bare.case(step.op, actual)
         return run, check, actual
+    if step.backend == SMDDP_POOL:
+        group = groups[step.backend]
+        empty = pool_empty(group, dtype)
+        return make_case(
+            step.op, step.size, world, rank, group, empty=empty, dtype=dtype, gather_in_place=True
+        )
     return make_case(step.op, step.size, world, rank, groups[step.backend], dtype=dtype)
 
 

@@ -101,6 +101,8 @@ py::dict pool_stats_of(const smddp::ProcessGroupSMDDP& pg) {
   d["pool_bytes"] = pool ? pool->bytes() : 0;
   d["in_use"] = pool ? pool->in_use() : 0;
   d["zero_copy_ops"] = pg.comm().zero_copy_ops();
+  d["pool_reduce_reads"] = pg.comm().pool_reads(false);
+  d["pool_gather_reads"] = pg.comm().pool_reads(true);
   return d;
 }
 

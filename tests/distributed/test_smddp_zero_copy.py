@@ -204,3 +204,108 @@ def test_fsdp2_with_pool_buffers_equals_staged_and_gloo_also_for_plain_fully_sha
         assert r["same_as_staged"], r
         assert r["gloo_max_diff"] < 1e-6, r
         assert r["losses"] == pytest.approx(r["gloo_losses"], rel=1e-6)
+
+
+def _pool_operands_against_plain(sizes):
+    """Each collective on pool operands, on some ranks' only (mixed), and on plain ones."""
+    import torch
+    import torch.distributed as dist
+
+    from torch_sagemaker.smddp.backend import pool_stats
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    kinds = ("pool_reduce_reads", "pool_gather_reads")
+    before = {k: pool_stats()[k] for k in kinds}
+    differ = []
+    for n, dtype in sizes:
+        dtype = getattr(torch, dtype)
+        x = torch.randn(n * world, generator=torch.Generator().manual_seed(rank * 7 + n)).to(dtype)
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            results = {}
+            for mode in ("plain", "pool", "mixed"):
+                pooled = mode == "pool" or (mode == "mixed" and rank % 2 == 1)
+
+                def new(pooled=pooled, count=n * world, dtype=dtype):
+                    if pooled:
+                        return _alloc(count, dtype)
+                    return torch.empty(count, dtype=dtype)
+
+                src, data, gathered = new().copy_(x), new().copy_(x), new()
+                got = torch.empty(n, dtype=dtype)
+                dist.reduce_scatter_tensor(got, src, op=op)
+                dist.all_reduce(data, op=op)
+                shard = gathered[rank * n : (rank + 1) * n].copy_(x[:n])  # as FSDP2 passes it
+                dist.all_gather_into_tensor(gathered, shard)
+                results[mode] = (got, data, gathered)
+            differ += [
+                (n, str(dtype), str(op), mode, what)
+                for mode in ("pool", "mixed")
+                for what, a, b in zip(("rs", "ar", "ag"), results[mode], results["plain"])
+                if not torch.equal(a, b)
+            ]
+            del results, src, data, gathered, shard  # back to the pool before its stats
+    # A rank that returns may change its operands at once: a peer must have read them by
+    # then (the wait in Note [Read from the pool]). Each rank scribbles over what its peers
+    # read from it the moment its call returns, and checks what it got after that.
+    n = 1 << 16
+    x = torch.arange(n * world, dtype=torch.float32) + rank
+    for _ in range(20):
+        gathered = _alloc(n * world, torch.float32)
+        gathered[rank * n : (rank + 1) * n] = x[:n]
+        dist.all_gather_into_tensor(gathered, gathered[rank * n : (rank + 1) * n])
+        gathered[rank * n : (rank + 1) * n] = -1.0
+        want = torch.cat([torch.arange(n, dtype=torch.float32) + r for r in range(world)])
+        late = [
+            r
+            for r in range(world)
+            if r != rank
+            and not torch.equal(gathered[r * n : (r + 1) * n], want[r * n : (r + 1) * n])
+        ]
+        src = _alloc(n * world, torch.float32).copy_(x)
+        got = torch.empty(n)
+        dist.reduce_scatter_tensor(got, src)
+        src.fill_(-1.0)
+        ref = sum(torch.arange(n * world, dtype=torch.float32) + r for r in range(world))
+        if late or not torch.equal(got, ref[rank * n : (rank + 1) * n]):
+            differ.append(("read after return", late))
+        del gathered, src
+    return {
+        "differ": differ,
+        "reads": {k: pool_stats()[k] - before[k] for k in kinds},
+        "in_use": pool_stats()["in_use"],
+        "pool_bytes": pool_stats()["pool_bytes"],
+    }
+
+
+@pytest.mark.parametrize(
+    "world,env,sizes",
+    [
+        # 2 hosts of 2 (the mesh): sizes below the threshold, odd, bf16 and fp16.
+        (
+            4,
+            {"SMDDP_FORCE_LOCAL_SIZE": "2"},
+            [(7, "float32"), (40_009, "float32"), (65_537, "bfloat16"), (300_001, "float16")],
+        ),
+        # 4 hosts of 2 under auto: 96 KiB takes halving-doubling, 1.3 MB the ring's phases.
+        (8, {"SMDDP_FORCE_LOCAL_SIZE": "2"}, [(3001, "float32"), (40_009, "float32")]),
+    ],
+    ids=["2x2", "4x2"],
+)
+def test_pool_operands_across_forced_hosts_are_read_where_they_lie(world, env, sizes):
+    # Note [Read from the pool]: across hosts a host's ranks read each other's pool operands
+    # in place; results equal those of plain operands bit for bit, also where only some ranks'
+    # operands are in their pools.
+    results = run_distributed(
+        _pool_operands_against_plain,
+        sizes,
+        world_size=world,
+        backend="smddp",
+        env=env,
+        timeout=300,
+    )
+    for r in results:
+        assert r["pool_bytes"] > 0 and r["differ"] == [], r
+        assert r["in_use"] == 0  # every pool tensor went back
+    # Every rank read its peers' pools in both kinds of step (in "pool" mode every peer's
+    # operands are there).
+    assert all(min(r["reads"].values()) > 0 for r in results), [r["reads"] for r in results]

@@ -210,15 +210,19 @@ def pool_stats(group: dist.ProcessGroup | None = None) -> dict:
     ``set_allocate_memory_from_process_group_for_comm(True)``) live in this pool, and
     all-gathers and reduce-scatters whose operands are there on every rank read them in
     place instead of through staging copies. ``SMDDP_POOL_BYTES`` sizes the pool (default
-    1 GiB of address space, committed as it is used; 0 turns it off); groups that span
-    several hosts have none.
+    1 GiB of address space, committed as it is used; 0 turns it off); in a group that spans
+    several hosts, a host of one rank has none, and the ranks of a larger host read each
+    other's all-gather parts from their pools (Note [Read from the pool] in
+    csrc/smddp/algorithms/shm_algos.h).
 
     Args:
         group: A process group whose CPU backend is smddp (default: the default group).
 
     Returns:
-        ``{"pool_bytes", "in_use", "zero_copy_ops"}``: the pool's size, the bytes held by
-        live tensors, and how many collectives ran zero-copy so far.
+        ``{"pool_bytes", "in_use", "zero_copy_ops", "pool_reduce_reads",
+        "pool_gather_reads"}``: the pool's size, the bytes held by live tensors, how many
+        collectives on one host ran zero-copy so far, and how many steps of reduce-scatters
+        and of all-gathers read a local peer's operand in its pool.
 
     Raises:
         ValueError: If the group's CPU backend is not smddp.

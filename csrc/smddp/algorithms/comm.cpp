@@ -317,9 +317,11 @@ void Communicator::setup_shm(KeyValue& kv, const Deadline& dl) {
   sc.move_off_cpu = set.move_off_cpu;
   sc.cpus = local_cpus_;
   sc.machine_oversubscribed = machine_oversubscribed_;
-  // Tensor pools (Note [Zero-copy operands] in shm_algos.h) pay off only where the whole
-  // group shares memory. The region is sparse until used, so the default is generous.
-  if (layout_.hosts == 1) {
+  // Tensor pools (Note [Zero-copy operands] in shm_algos.h): on one host the collectives
+  // read every operand in place; across hosts a host's ranks read each other's all-gather
+  // parts there (Note [Read from the pool]), which needs local peers. The region is
+  // sparse until used, so the default is generous.
+  if (layout_.hosts == 1 || layout_.local_size > 1) {
     sc.pool_bytes = round_up(set.pool_bytes, 4096, "SMDDP_POOL_BYTES rounded to pages");
   }
   zero_copy_ = sc.pool_bytes > 0;

@@ -293,6 +293,7 @@ void Communicator::hier_reduce_scatter(const void* in, const std::vector<Span>& 
   job.red = &red;
   job.dst = dst;
   algo.run(job, ctx);
+  if (hp.steps) hp.steps->finish_reads();  // Note [Read from the pool] in shm_algos.h
 }
 
 Communicator::LocalGather::LocalGather(Communicator& comm, char* out,
@@ -343,7 +344,11 @@ Exchange::Progress Communicator::LocalGather::poll(const shm::ReduceScatterSteps
 }
 
 void Communicator::LocalGather::finish() {
-  if (!steps_ || steps_->done()) return;
+  if (!steps_) return;
+  if (steps_->done()) {
+    steps_->finish();  // Note [Read from the pool]: until the peers have read my parts
+    return;
+  }
   Timeline::Phase phase(comm_.timeline_, ctx_.seq, "local all_gather");
   steps_->finish();
 }
@@ -402,6 +407,7 @@ void Communicator::hier_allreduce(void* data, size_t count, const Reduction& red
   job.gather = &gather;
   algo.run(job, ctx);
   gather.finish();
+  if (hp.steps) hp.steps->finish_reads();  // Note [Read from the pool] in shm_algos.h
 }
 
 }  // namespace smddp

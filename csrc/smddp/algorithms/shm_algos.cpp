@@ -40,6 +40,21 @@ Span clip(const Span& part, size_t o, size_t c) {
   return {part.off + o, std::min(c, part.len - o)};
 }
 
+// Where the parts end: the extent of the buffer they lie in, in their unit.
+size_t extent(const std::vector<Span>& parts) {
+  size_t end = 0;
+  for (const Span& p : parts) end = std::max(end, p.off + p.len);
+  return end;
+}
+
+// Whether [off, off + len) lies in local rank i's pool (Note [Read from the pool]: a peer's
+// offsets come from shared memory, and a wrong one must not send a read astray).
+bool in_pool(const ShmComm& c, int i, int64_t off, size_t len) {
+  const size_t cap = c.pool_bytes();
+  return c.pool_base(i) && off >= 0 && static_cast<size_t>(off) <= cap &&
+         len <= cap - static_cast<size_t>(off);
+}
+
 }  // namespace
 
 void allreduce(ShmComm& c, void* data, size_t count, const Reduction& red, const OpCtx& ctx,
@@ -157,11 +172,17 @@ ReduceScatterSteps::ReduceScatterSteps(ShmComm& c, const void* in, const std::ve
       out_t_(owned[c.rank()].size(), finish ? red.dtype : acc_type(red.dtype)),
       srcs_(c.size()),
       staged_(parts.size(), 0),
-      phases_(std::move(phase_of), parts, {}, "reduce-scatter") {
+      phases_(std::move(phase_of), parts, {}, "reduce-scatter"),
+      peer_in_(c.size(), -1) {
+  const bool scaled = red.op == RedOp::PREMUL_SUM && red.premul != 1.0;
+  // Note [Read from the pool]: an input in my pool is read there by the peers.
+  const size_t bytes = extent(parts) * esz_;
+  if (!scaled && c.pool() && c.size() > 1 && bytes >= kZeroCopyMinBytes) {
+    pool_in_ = c.pool()->offset_of(in, bytes);
+  }
   // Note [My slice stays home] in shm_algos.h: a part only this rank reduces stays in its
   // input, unless the copy in is where a PREMUL_SUM's factor is applied.
-  const bool scaled = red.op == RedOp::PREMUL_SUM && red.premul != 1.0;
-  for (int i = 0; i < c.size(); ++i) {
+  for (int i = 0; i < c.size() && pool_in_ < 0; ++i) {
     for (int p : owned[i]) {
       if (i != c.rank() || scaled) staged_[p] = 1;
     }
@@ -201,7 +222,9 @@ void ReduceScatterSteps::step() {
   const int n = c_.size(), me = c_.rank();
   const size_t o = next_;
   uint64_t s = c_.begin_step(ctx_, first_);
+  const bool first_step = first_;
   first_ = false;
+  if (first_step) c_.my_sources(ctx_).reduce_in = pool_in_;  // Note [Read from the pool]
   // My buffer holds the same chunk of every part of the phase, each at its slot.
   for (size_t p = 0; p < parts_.size(); ++p) {
     if (!staged_[p] || phase(p) != phase_) continue;
@@ -211,20 +234,45 @@ void ReduceScatterSteps::step() {
   }
   c_.post(s, 1);
   c_.wait_all(s, 1, ctx_);
+  if (first_step) learn_sources();
   for (size_t k = 0; k < owned_[me].size(); ++k) {
     const size_t p = static_cast<size_t>(owned_[me][k]);
     if (phase(p) != phase_) continue;
     Span piece = clip(parts_[p], o, chunk_);
-    for (int i = 0; i < n; ++i) srcs_[i] = c_.peer(i, s) + slot(p) * chunk_ * esz_;
+    for (int i = 0; i < n; ++i) {
+      srcs_[i] = peer_in_[i] >= 0 ? c_.pool_base(i) + peer_in_[i] + piece.off * esz_
+                                  : c_.peer(i, s) + slot(p) * chunk_ * esz_;
+    }
     if (!staged_[p]) srcs_[me] = src_ + piece.off * esz_;
     const DType out = out_t_[k];
     reduce(red_.dtype, out, static_cast<char*>(dst_[k]) + o * dtype_size(out), srcs_.data(), n,
            piece.len, red_, finish_);
   }
+  for (int i = 0; i < n; ++i) {
+    if (i == me || peer_in_[i] < 0) continue;
+    // Note [Read from the pool]: a peer that failed may have reused what was read.
+    if (c_.peer_failed(i)) c_.check_peer(i, ctx_, "its reduce-scatter input");  // throws
+    c_.count_pool_read(false);
+  }
   c_.end_step(s);
+  last_s_ = s;
   next_ = o + chunk_;
   if (next_ < maxlen_) return;
   enter(phases_.after(phase_));
+}
+
+void ReduceScatterSteps::learn_sources() {
+  for (int i = 0; i < c_.size(); ++i) {
+    if (i == c_.rank()) continue;
+    peer_in_[i] = c_.sources_of(i, ctx_).reduce_in;
+    SMDDP_CHECK(peer_in_[i] == -1 || in_pool(c_, i, peer_in_[i], extent(parts_) * esz_),
+                "smddp: a local peer published a reduce-scatter input outside its pool (a bug)");
+  }
+}
+
+void ReduceScatterSteps::finish_reads() {
+  if (pool_in_ >= 0 && last_s_) c_.wait_all(last_s_, 3, ctx_);
+  last_s_ = 0;
 }
 
 void reduce_scatter(ShmComm& c, const void* in, const std::vector<Span>& parts,
@@ -232,6 +280,7 @@ void reduce_scatter(ShmComm& c, const void* in, const std::vector<Span>& parts,
                     const Reduction& red, bool finish, const OpCtx& ctx) {
   ReduceScatterSteps steps(c, in, parts, owned, dst, red, finish, ctx);
   while (!steps.done()) steps.step();
+  steps.finish_reads();
 }
 
 AllGatherSteps::AllGatherSteps(ShmComm& c, std::vector<const void*> src, void* out,
@@ -246,11 +295,72 @@ AllGatherSteps::AllGatherSteps(ShmComm& c, std::vector<const void*> src, void* o
       ctx_(ctx),
       ready_(src_.size(), 0),
       read_(c.size(), 0),
-      phases_(std::move(phase_of), parts, owned, "all-gather") {
+      phases_(std::move(phase_of), parts, owned, "all-gather"),
+      peer_out_(c.size(), kUnknown),
+      peer_own_(c.size(), kUnknown) {
   size_t total = 0;
   for (const Span& p : parts) total += p.len;
   stream_ = c.stream_output(total);
+  choose_pool_sources();
   enter(phases_.first());
+}
+
+void AllGatherSteps::choose_pool_sources() {
+  const ShmPool* pool = c_.pool().get();
+  const size_t bytes = extent(parts_);
+  if (!pool || c_.size() < 2 || bytes < kZeroCopyMinBytes) return;
+  const int64_t out = pool->offset_of(out_, bytes);
+  if (out < 0) return;
+  int64_t own = -1;
+  const int me = c_.rank();
+  for (size_t k = 0; k < owned_[me].size(); ++k) {
+    const int p = owned_[me][k];
+    const Span& part = parts_[p];
+    const char* at = static_cast<const char*>(src_[k]);
+    const bool in_place = at == out_ + part.off || !part.len;
+    if (p == c_.group_rank(me)) {
+      own = in_place ? out + static_cast<int64_t>(part.off) : pool->offset_of(at, part.len);
+      if (own < 0) return;
+    } else if (!in_place) {
+      return;  // another rank's part that is not in place: through the buffers
+    }
+  }
+  pool_out_ = out;
+  pool_own_ = own;
+}
+
+void AllGatherSteps::learn_sources(int i) {
+  if (peer_out_[i] != kUnknown) return;
+  const PoolSources& theirs = c_.sources_of(i, ctx_);
+  peer_out_[i] = theirs.gather_out;
+  peer_own_[i] = theirs.gather_own;
+  if (peer_out_[i] < 0) return;
+  // A peer's offsets come from shared memory: a wrong one must not send a read astray.
+  const Span& own = parts_[c_.group_rank(i)];
+  SMDDP_CHECK(in_pool(c_, i, peer_out_[i], extent(parts_)) &&
+                  (peer_own_[i] == -1 || in_pool(c_, i, peer_own_[i], own.len)),
+              "smddp: a local peer published all-gather sources outside its pool (a bug)");
+}
+
+const char* AllGatherSteps::peer_piece(int i, size_t k, size_t o) const {
+  const int p = owned_[i][k];
+  if (peer_out_[i] < 0) return c_.peer(i, s_) + phases_.slot(i, k) * chunk_;
+  const Span& part = parts_[p];
+  if (p == c_.group_rank(i)) {
+    SMDDP_CHECK(peer_own_[i] >= 0, "smddp: a local peer's own part has no source (a bug)");
+    return c_.pool_base(i) + peer_own_[i] + o;
+  }
+  return c_.pool_base(i) + peer_out_[i] + part.off + o;
+}
+
+void AllGatherSteps::finish() {
+  advance(true);
+  // Note [Read from the pool]: my parts were read where they lie; they may change once
+  // every peer has ended my last step.
+  if (pool_out_ >= 0 && last_s_) {
+    c_.wait_all(last_s_, 3, ctx_);
+    last_s_ = 0;
+  }
 }
 
 void AllGatherSteps::enter(size_t ph) {
@@ -291,8 +401,14 @@ bool AllGatherSteps::advance(bool wait) {
         return moved;
       }
       s_ = c_.begin_step(ctx_, first_);
+      const bool first_step = first_;
       first_ = false;
-      for (size_t k = 0; k < owned_[me].size(); ++k) {
+      if (first_step) {
+        PoolSources& mine = c_.my_sources(ctx_);
+        mine.gather_out = pool_out_;
+        mine.gather_own = pool_own_;
+      }
+      for (size_t k = 0; k < owned_[me].size() && pool_out_ < 0; ++k) {
         if (!in_phase(me, k)) continue;
         const Span piece = clip(parts_[owned_[me][k]], o_, chunk_);
         if (piece.len) {
@@ -315,10 +431,17 @@ bool AllGatherSteps::advance(bool wait) {
         ++left;
         continue;
       }
+      learn_sources(i);
       for (size_t k = 0; k < owned_[i].size(); ++k) {
         if (!in_phase(i, k)) continue;
         const Span piece = clip(parts_[owned_[i][k]], o_, chunk_);
-        copy_out(out_ + piece.off, c_.peer(i, s_) + slot(i, k) * chunk_, piece.len, stream_);
+        if (piece.len) copy_out(out_ + piece.off, peer_piece(i, k, o_), piece.len, stream_);
+      }
+      // Note [Read from the pool]: a peer that failed may have returned, and its caller
+      // reused what was read (one that died cannot reuse it: the mapping stays).
+      if (peer_out_[i] >= 0) {
+        if (c_.peer_failed(i)) c_.check_peer(i, ctx_, "its all-gather parts");  // throws
+        c_.count_pool_read(true);
       }
       read_[i] = 1;
       moved = true;
@@ -328,6 +451,7 @@ bool AllGatherSteps::advance(bool wait) {
       return moved;
     }
     c_.end_step(s_);
+    last_s_ = s_;
     s_ = 0;
     o_ += chunk_;
     if (o_ >= maxlen_) enter(phases_.after(phase_));  // one step at least, even with nothing

@@ -125,10 +125,15 @@ class ReduceScatterSteps {
   // wire type] in comm_hier.cpp). Before the first step.
   void set_out_type(size_t k, DType t);
   void step();
+  // Note [Read from the pool]: waits until every peer ended my last step, where peers read
+  // my input in my pool; at once otherwise. Before the input may change.
+  void finish_reads();
 
  private:
   // Enters phase ph (its chunk and longest part), or ends the steps if ph is past the last.
   void enter(size_t ph);
+  // Note [Read from the pool]: where each peer's input lies, once all posted the first step.
+  void learn_sources();
   size_t phase(size_t p) const { return phases_.phase(p); }
   size_t slot(size_t p) const { return phases_.slot(0, p); }  // the one group: every part
 
@@ -149,6 +154,11 @@ class ReduceScatterSteps {
   std::vector<uint8_t> staged_;
   StepPhases phases_;
   size_t phase_ = 0;  // the phase under way
+  // Note [Read from the pool]: my input's offset in my pool (-1: staged), each peer's as it
+  // published it, and my last step.
+  int64_t pool_in_ = -1;
+  std::vector<int64_t> peer_in_;
+  uint64_t last_s_ = 0;
 };
 
 // All-gather over parts given in bytes: local rank i contributes the parts owned[i], this
@@ -165,7 +175,38 @@ void allgather(ShmComm& c, const std::vector<const void*>& src, void* out,
 // without waiting, one step at most, so that its caller gets back to its own work soon: a
 // step starts once the step's pieces of my parts are ready (set_ready) and the buffers are
 // free, and reads each peer as soon as that peer posted. finish() waits for the rest, once
-// every part is ready. The arguments must outlive the object.
+// every part is ready, and must be called before `out` and the sources may change (Note
+// [Read from the pool]). The arguments must outlive the object.
+//
+// Note [Read from the pool]
+// A rank whose operand is in its tensor pool (FSDP2's all-gather output and reduce-scatter
+// input are: Note [Zero-copy operands]) does not copy its pieces into its step buffer: its
+// peers read them where they lie, through their mapping of its pool. For an all-gather the
+// output must be there and its own part's source too (in place in the output, as FSDP2
+// passes it); for a reduce-scatter (or an all-reduce's first half) the input, unless a
+// PREMUL_SUM factor is applied in the copy. The steps, their order and their waits stay as
+// they are (a step is still posted only once its pieces are ready), so only the copies into
+// the segment go: on 2 ranks a host, half the user-space copies of a hierarchical
+// all-gather, whose local step copied every part twice, and all of a reduce-scatter's.
+// Each rank chooses alone, from its own operands, and publishes where its sources lie
+// before the first step's phase 1 of the steps concerned (DescSlot::pooled); a peer reads
+// that after waiting for the phase, so ranks of one host may mix both ways.
+//
+// What it costs: the rank may not return (and its caller may not change the operand)
+// until every peer has read its last step, so finish()/finish_reads() wait for every peer's
+// end of that step; and a peer that failed may have returned, and its caller reused the
+// memory, while this rank still read it, so after reading a peer's pool this rank checks
+// that the peer has not failed (a failing rank marks itself failed before its call
+// returns) and raises if it has. The copies and reductions read the same bytes as through
+// the buffers, in the same order: results do not change. Not used below kZeroCopyMinBytes,
+// where the extra wait would cost more than the copies.
+//
+// In place, an all-reduce's reduce-scatter reads a peer's input where the same
+// collective later writes: a part p of a rank's data is read by p's handler on its host
+// only, and written only by that handler's all-gather pieces of p (which follow the
+// handler's reduction of each chunk, which followed its read) or, where the rank handles p
+// itself, by its own exchange, which no peer reads. So no piece is overwritten before it
+// was read.
 class AllGatherSteps {
  public:
   // phase_of as for ReduceScatterSteps: the steps gather the parts of phase 0 first, each
@@ -184,12 +225,18 @@ class AllGatherSteps {
   // Whether the last poll() that moved nothing stopped for another local rank (a peer's
   // post, or buffers a peer still reads), not for my own parts.
   bool waiting_on_peers() const { return on_peers_; }
-  void finish() { advance(true); }
+  void finish();
 
  private:
   bool advance(bool wait);
   // Enters phase ph (its chunk and longest part), or ends the steps if ph is past the last.
   void enter(size_t ph);
+  // Note [Read from the pool]: where my parts lie in my pool, decided at construction.
+  void choose_pool_sources();
+  // Where local rank i's piece at offset o of its k-th part lies: its step buffer or its pool.
+  const char* peer_piece(int i, size_t k, size_t o) const;
+  // Learns where peer i's parts lie, once it posted the first step.
+  void learn_sources(int i);
 
   ShmComm& c_;
   std::vector<const void*> src_;
@@ -204,6 +251,13 @@ class AllGatherSteps {
   std::vector<uint8_t> read_;  // peers whose pieces of step s_ were copied
   StepPhases phases_;          // groups: owned (each rank's buffer holds its own parts)
   size_t phase_ = 0;           // the phase under way
+  // Note [Read from the pool]: my output's and my own part's offsets in my pool (-1:
+  // my pieces go through my step buffers); each peer's as it published them (kUnknown
+  // until read); the last step, which every peer must end before finish() returns.
+  static constexpr int64_t kUnknown = -2;
+  int64_t pool_out_ = -1, pool_own_ = -1;
+  std::vector<int64_t> peer_out_, peer_own_;
+  uint64_t last_s_ = 0;
 };
 
 // Note [Zero-copy operands]

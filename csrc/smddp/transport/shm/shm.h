@@ -89,11 +89,20 @@
 
 namespace smddp {
 
+// Note [Read from the pool] in shm_algos.h: where a rank's step sources of the current
+// collective lie in its pool (-1: in its step buffers).
+struct PoolSources {
+  int64_t reduce_in = -1;   // a reduce-scatter's input
+  int64_t gather_out = -1;  // an all-gather's output
+  int64_t gather_own = -1;  // an all-gather's own part's source
+};
+
 struct alignas(64) DescSlot {
   std::atomic<uint64_t> seq_plus1{0};  // collective seq + 1 (0 = never written); stored last
   uint64_t first_step = 0;
   CollDesc desc;
   int64_t pool_off = -1;  // Note [Zero-copy operands]: the operand's offset in my pool
+  PoolSources pooled;     // Note [Read from the pool] in shm_algos.h
   CallSummary call;       // what the peer called, for error messages
 };
 
@@ -210,6 +219,20 @@ class ShmComm {
   // pool), published with the first step's phase 1; peers read it after waiting for it.
   void publish_operand(const OpCtx& ctx, int64_t offset);
   int64_t operand_of(int i, const OpCtx& ctx) const;
+  size_t pool_bytes() const { return cfg_.pool_bytes; }
+  // Note [Read from the pool] in shm_algos.h: where this rank's steps of the current
+  // collective leave their sources in its pool, written before the first step's phase 1 of
+  // the steps concerned; peers read them after waiting for it.
+  PoolSources& my_sources(const OpCtx& ctx) { return ctl(rank())->desc[ctx.seq & 1].pooled; }
+  const PoolSources& sources_of(int i, const OpCtx& ctx) const {
+    return ctl(i)->desc[ctx.seq & 1].pooled;
+  }
+  // Steps that read a local peer's sources from its pool, for stats: [0] reduce-scatter
+  // steps, [1] all-gather steps.
+  void count_pool_read(bool gather) { pool_reads_[gather].fetch_add(1, std::memory_order_relaxed); }
+  uint64_t pool_reads(bool gather) const {
+    return pool_reads_[gather].load(std::memory_order_relaxed);
+  }
 
   // Note [Shared-memory point-to-point]: the channel from local rank `from` to `to` (in
   // `from`'s segment) and its ring; only when p2p_bytes() > 0.
@@ -250,6 +273,7 @@ class ShmComm {
   void abort() { aborted_.store(true); }
   bool aborted() const { return aborted_.load(); }
   // Local rank i failed (its flag) or its process is gone (when that can be judged).
+  bool peer_failed(int i) const { return ctl(i)->failed.load(std::memory_order_acquire); }
   bool peer_lost(int i) const {
     return ctl(i)->failed.load(std::memory_order_acquire) || process_gone(i);
   }
@@ -293,6 +317,7 @@ class ShmComm {
   uint64_t current_seq_plus1_ = 0;  // collective whose descriptor was published last
   std::vector<uint8_t> checked_;    // peers whose descriptor matched in this collective
   std::atomic<bool> aborted_{false};
+  std::atomic<uint64_t> pool_reads_[2] = {0, 0};  // count_pool_read()
   bool oversubscribed_ = false;  // more ranks than CPUs here, or on the machine: no busy spin
   int spin_us_ = 200;            // busy-spin budget per wait, caller thread
   int worker_spin_us_ = 20;      // same on worker threads
