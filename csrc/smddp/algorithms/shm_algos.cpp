@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "smddp/algorithms/kernels.h"
+#include "smddp/algorithms/shm_copy.h"
 
 namespace smddp {
 namespace shm {
@@ -17,27 +18,6 @@ void copy_in(void* dst, const void* src, size_t n, const Reduction& red) {
   } else if (n) {  // an empty tensor's pointer may be null, which memcpy must not get
     std::memcpy(dst, src, n * dtype_size(red.dtype));
   }
-}
-
-// Copies into a user output; `stream`: see ShmComm::stream_output.
-void copy_out(void* dst, const void* src, size_t bytes, bool stream) {
-  if (stream) {
-    copy_streaming(dst, src, bytes);
-  } else if (bytes) {  // an empty tensor's pointer may be null, which memcpy must not get
-    std::memcpy(dst, src, bytes);
-  }
-}
-
-// Elements per chunk when `ways` pieces must share one buffer, rounded to 64 bytes.
-size_t chunk_elems(size_t buffer_bytes, size_t ways, size_t esz) {
-  size_t per = buffer_bytes / ways / esz;
-  size_t aligned = per & ~static_cast<size_t>(64 / esz - 1);
-  return aligned ? aligned : std::max<size_t>(per, 1);
-}
-
-Span clip(const Span& part, size_t o, size_t c) {
-  if (o >= part.len) return {part.off + part.len, 0};
-  return {part.off + o, std::min(c, part.len - o)};
 }
 
 // Where the parts end: the extent of the buffer they lie in, in their unit.
@@ -566,75 +546,6 @@ void barrier(ShmComm& c, const OpCtx& ctx) {
   c.post(s, 1);
   c.wait_all(s, 1, ctx);
   c.end_step(s);
-}
-
-void alltoall(ShmComm& c, const void* in, const std::vector<Span>& send, void* out,
-              const std::vector<Span>& recv, const OpCtx& ctx) {
-  const int n = c.size(), me = c.rank();
-  // Step 1: publish my send and receive sizes; every rank reads the whole matrix.
-  uint64_t s = c.begin_step(ctx, true);
-  auto* sizes = reinterpret_cast<uint64_t*>(c.mine(s, 0, 2 * n * sizeof(uint64_t)));
-  for (int j = 0; j < n; ++j) {
-    sizes[j] = send[j].len;
-    sizes[n + j] = recv[j].len;
-  }
-  c.post(s, 1);
-  c.wait_all(s, 1, ctx);
-  std::vector<uint64_t> matrix(static_cast<size_t>(n) * n);  // matrix[i * n + j]: i sends to j
-  for (int i = 0; i < n; ++i) {
-    auto* ps = reinterpret_cast<const uint64_t*>(c.peer(i, s));
-    for (int j = 0; j < n; ++j) matrix[i * n + j] = ps[j];
-  }
-  std::string problem;
-  for (int i = 0; i < n && problem.empty(); ++i) {
-    auto* ps = reinterpret_cast<const uint64_t*>(c.peer(i, s));
-    for (int j = 0; j < n; ++j) {
-      if (ps[n + j] != matrix[j * n + i]) {  // i expects from j what j sends to i
-        problem = "rank " + std::to_string(c.group_rank(i)) + " expects " +
-                  std::to_string(ps[n + j]) + " bytes from rank " +
-                  std::to_string(c.group_rank(j)) + ", which sends it " +
-                  std::to_string(matrix[j * n + i]);
-        break;
-      }
-    }
-  }
-  c.end_step(s);
-  if (!problem.empty()) {
-    throw CommError("smddp: " + ctx.describe() + " on group '" + c.group_name() +
-                    "': input and output split sizes do not match across ranks: " + problem +
-                    " (rank i's output split j must equal rank j's input split i)");
-  }
-  const size_t region = chunk_elems(c.buffer_bytes(), n, 1);
-  uint64_t most = 0;
-  for (int i = 0; i < n; ++i) {
-    for (int j = 0; j < n; ++j) {
-      if (i != j) most = std::max(most, matrix[i * n + j]);
-    }
-  }
-  const char* src = static_cast<const char*>(in);
-  char* dst = static_cast<char*>(out);
-  size_t total = 0;
-  for (const Span& r : recv) total += r.len;
-  const bool stream = c.stream_output(total);
-  if (recv[me].len) std::memmove(dst + recv[me].off, src + send[me].off, recv[me].len);
-  // Region j of my buffer carries the next piece of what I send to local rank j.
-  for (uint64_t o = 0; o < most; o += region) {
-    s = c.begin_step(ctx, false);
-    for (int j = 0; j < n; ++j) {
-      Span piece = clip(send[j], o, region);
-      if (j != me && piece.len)
-        std::memcpy(c.mine(s, j * region, piece.len), src + piece.off, piece.len);
-    }
-    c.post(s, 1);
-    for (int step = 1; step < n; ++step) {
-      int i = (me + step) % n;
-      Span piece = clip(recv[i], o, region);
-      if (o >= matrix[i * n + me] && o > 0) continue;
-      c.wait_one(i, s, 1, ctx);
-      if (piece.len) copy_out(dst + piece.off, c.peer(i, s) + me * region, piece.len, stream);
-    }
-    c.end_step(s);
-  }
 }
 
 }  // namespace shm

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "smddp/algorithms/kernels.h"
+#include "smddp/algorithms/shm_copy.h"
 
 namespace smddp {
 namespace shm {
@@ -11,14 +12,6 @@ namespace {
 
 // Bytes [o, o + c) of a part of `len` bytes, clipped to it.
 size_t piece_len(size_t len, size_t o, size_t c) { return o >= len ? 0 : std::min(c, len - o); }
-
-void copy_out(void* dst, const void* src, size_t bytes, bool stream) {
-  if (stream) {
-    copy_streaming(dst, src, bytes);
-  } else if (bytes) {  // an empty tensor's pointer may be null, which memcpy must not get
-    std::memcpy(dst, src, bytes);
-  }
-}
 
 void copy_in(void* dst, const void* src, size_t n, const Reduction& red) {
   if (red.op == RedOp::PREMUL_SUM && red.premul != 1.0) {
