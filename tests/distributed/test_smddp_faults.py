@@ -197,6 +197,54 @@ def test_dead_rank_on_another_host_fails_every_rank_quickly():
         assert elapsed < 10, section
 
 
+def _dies_while_its_pool_is_read():
+    """Forced hosts [0, 1] and [2, 3], every operand from the pool (Note [Read from the pool]
+    in shm_algos.h): rank 1 dies in the middle of a run of all-gathers and reduce-scatters
+    whose local steps read its pool; the others must raise, not wait for it."""
+    import os
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from tests.distributed.test_smddp_support import cpu_backend
+
+    rank, world, n = dist.get_rank(), dist.get_world_size(), 1 << 20
+    pool = cpu_backend()
+
+    def alloc(count):
+        return pool.allocate_tensor(count, dtype=torch.float32, device=torch.device("cpu"))
+
+    gathered, src, out = alloc(n * world), alloc(n * world).fill_(1.0), torch.empty(n)
+    dist.barrier()
+    if rank == 1:
+        threading.Timer(0.2, os._exit, (3,)).start()
+
+    def calls():
+        for _ in range(10_000):  # far longer than 0.2 s
+            dist.all_gather_into_tensor(gathered, gathered[rank * n : (rank + 1) * n])
+            dist.reduce_scatter_tensor(out, src)
+
+    return checks.raise_with_elapsed(calls)
+
+
+def test_rank_that_dies_while_its_pool_is_read_fails_the_others_quickly():
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(
+            _dies_while_its_pool_is_read,
+            world_size=4,
+            backend="smddp",
+            env={"SMDDP_FORCE_LOCAL_SIZE": "2"},
+            fresh=True,
+            pg_timeout=60,
+        )
+    for rank in (0, 2, 3):
+        section, elapsed = checks.rank_failure(str(info.value), rank)
+        assert "RuntimeError" in section, section
+        assert "rank 1" in section or "[1]" in section, section
+        assert elapsed < 20, section  # long before the 60 s timeout
+
+
 def test_failure_on_this_host_ends_a_wait_over_tcp():
     # Rank 2 is alive but never joins, so no notice can come from it: rank 0, waiting for it
     # over TCP, must notice that rank 1 (same host) failed when rank 3 died.
