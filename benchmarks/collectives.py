@@ -103,6 +103,8 @@ def make_case(
     passes it.
     """
     esz = torch.empty(0, dtype=dtype).element_size()
+    if empty is not None and empty(0).dtype != dtype:
+        raise ValueError(f"make_case: the allocator makes {empty(0).dtype}, the case is {dtype}")
     empty = empty or (lambda n: torch.empty(n, dtype=dtype))
 
     def full(n: int, value: float) -> torch.Tensor:
@@ -140,8 +142,12 @@ def make_case(
             c10d_compat.all_gather_single(out, inp, group=group)
 
         def check():
+            # What a freed block of an earlier case left in `out` must not pass for a result.
+            out.fill_(-1.0)
+            inp.fill_(float(rank + 1))
             run()
-            return bool(all(out[r * (count // world)].item() == r + 1 for r in range(world)))
+            want = torch.arange(1, world + 1, dtype=dtype).repeat_interleave(count // world)
+            return torch.equal(out, want)
 
         return run, check, count * esz
     if op == "reduce_scatter_tensor":
@@ -151,6 +157,7 @@ def make_case(
             c10d_compat.reduce_scatter_single(out, inp, group=group)
 
         def check():
+            out.fill_(-1.0)  # as for all_gather
             run()
             return bool((out == world * (world + 1) / 2).all())
 

@@ -31,8 +31,10 @@ mesh); each row records the algorithm its calls crossed hosts by, as the group c
 gloo): under auto a small all_reduce may take the tree. "smddp-pool" is an auto group whose
 operands come from its tensor pool, as FSDP2's all-gather and reduce-scatter buffers do (the
 all-gather's input in place in its output): a host's ranks then read each other's all-gather
-parts where they lie (Note [Read from the pool] in csrc/smddp/algorithms/shm_algos.h); the
-cost model leaves its rows out.
+parts where they lie (Note [Read from the pool] in csrc/smddp/algorithms/shm_algos.h); its
+rows record how often the timed calls read a peer's pool (``pool_reads``, all ranks: 0 where
+no host has two ranks or the pool could not hold the operands), and the cost model leaves
+them out.
 "bare-tcp" is no collective but the ceiling the machine allows: the bytes of a ring on the
 ring's flows as bare TCP streams, with no other work (tools/bare_tcp.py, Note [The bare-TCP
 ceiling]); it is not trained and the cost model leaves it out. For every

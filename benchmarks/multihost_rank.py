@@ -295,6 +295,7 @@ def _measure(
         _middle_call(group, step.op, 0)
     counted = group is not None and step.backend != "gloo"  # smddp: its transport's counts
     stats = _transport_stats(group) if counted else None
+    pooled = _pool_reads(group) if step.backend == SMDDP_POOL else None
     softirq = machine_softirq_seconds() if rank == 0 else 0.0
     cpu = _cpu_seconds()
     times = []
@@ -312,6 +313,8 @@ def _measure(
     if stats is not None:
         now = _transport_stats(group)
         mine["transport"] = {k: now[k] - stats[k] for k in now}
+    if pooled is not None:  # that the operands really were read in the pools
+        mine["pool_reads"] = _pool_reads(group) - pooled
     if before is not None and after is not None:
         mine["tx"] = after["tx_bytes"] - before["tx_bytes"]
         mine["drops"] = after["drops"] - before["drops"]
@@ -320,6 +323,14 @@ def _measure(
     if timeline:
         mine["timeline"] = _middle_call(group, step.op, spec["iters"])
     return mine, actual
+
+
+def _pool_reads(group) -> int:
+    """Reads of local peers' pooled operands so far (Note [Read from the pool])."""
+    from torch_sagemaker.smddp.backend import pool_stats
+
+    stats = pool_stats(group)
+    return stats["pool_reduce_reads"] + stats["pool_gather_reads"]
 
 
 def _cpu_seconds() -> float:
@@ -397,4 +408,7 @@ def _row(
             if "transport" in every[0]
             else None
         ),
+        # smddp-pool: reads of local peers' pooled operands in the timed calls, all ranks
+        # (0 where no host has two ranks, or the pool could not hold the operands).
+        "pool_reads": sum(r["pool_reads"] for r in every) if "pool_reads" in every[0] else None,
     }

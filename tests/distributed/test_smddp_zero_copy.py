@@ -211,7 +211,7 @@ def _pool_operands_against_plain(sizes):
     import torch
     import torch.distributed as dist
 
-    from torch_sagemaker.smddp.backend import pool_stats
+    from torch_sagemaker.smddp.backend import group_layout, pool_stats
 
     rank, world = dist.get_rank(), dist.get_world_size()
     kinds = ("pool_reduce_reads", "pool_gather_reads")
@@ -272,6 +272,7 @@ def _pool_operands_against_plain(sizes):
     return {
         "differ": differ,
         "reads": {k: pool_stats()[k] - before[k] for k in kinds},
+        "net_ops": group_layout()["net_ops"],
         "in_use": pool_stats()["in_use"],
         "pool_bytes": pool_stats()["pool_bytes"],
     }
@@ -288,8 +289,12 @@ def _pool_operands_against_plain(sizes):
         ),
         # 4 hosts of 2 under auto: 96 KiB takes halving-doubling, 1.3 MB the ring's phases.
         (8, {"SMDDP_FORCE_LOCAL_SIZE": "2"}, [(3001, "float32"), (40_009, "float32")]),
+        # The tree takes the all_reduces (the rest as auto).
+        (8, {"SMDDP_FORCE_LOCAL_SIZE": "2", "SMDDP_NET_ALGO": "tree"}, [(40_009, "float32")]),
+        # Unequal hosts {0, 1} and {2}: rank 2 has no local peer and no pool.
+        (3, {"SMDDP_FORCE_LOCAL_SIZE": "2"}, [(40_009, "float32"), (65_537, "bfloat16")]),
     ],
-    ids=["2x2", "4x2"],
+    ids=["2x2", "4x2", "4x2-tree", "2+1"],
 )
 def test_pool_operands_across_forced_hosts_are_read_where_they_lie(world, env, sizes):
     # Note [Read from the pool]: across hosts a host's ranks read each other's pool operands
@@ -303,9 +308,14 @@ def test_pool_operands_across_forced_hosts_are_read_where_they_lie(world, env, s
         env=env,
         timeout=300,
     )
-    for r in results:
-        assert r["pool_bytes"] > 0 and r["differ"] == [], r
+    for rank, r in enumerate(results):
+        assert r["differ"] == [], r
         assert r["in_use"] == 0  # every pool tensor went back
-    # Every rank read its peers' pools in both kinds of step (in "pool" mode every peer's
-    # operands are there).
-    assert all(min(r["reads"].values()) > 0 for r in results), [r["reads"] for r in results]
+        # A rank with a local peer has a pool and read its peers' pools in both kinds of
+        # step (in "pool" mode every peer's operands are there); one alone on its host
+        # (rank 2 of 2+1) has neither.
+        if env.get("SMDDP_NET_ALGO") == "tree":
+            assert r["net_ops"].get("tree", 0) > 0, r["net_ops"]
+        alone = world == 3 and rank == 2
+        assert (r["pool_bytes"] > 0) != alone, (rank, r)
+        assert (min(r["reads"].values()) > 0) != alone, (rank, r["reads"])

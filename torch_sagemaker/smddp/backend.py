@@ -212,8 +212,8 @@ def pool_stats(group: dist.ProcessGroup | None = None) -> dict:
     place instead of through staging copies. ``SMDDP_POOL_BYTES`` sizes the pool (default
     1 GiB of address space, committed as it is used; 0 turns it off); in a group that spans
     several hosts, a host of one rank has none, and the ranks of a larger host read each
-    other's all-gather parts from their pools (Note [Read from the pool] in
-    csrc/smddp/algorithms/shm_algos.h).
+    other's pooled operands (all-gather outputs, reduce-scatter and all-reduce inputs) in
+    their pools (Note [Read from the pool] in csrc/smddp/algorithms/shm_algos.h).
 
     Args:
         group: A process group whose CPU backend is smddp (default: the default group).
@@ -221,8 +221,9 @@ def pool_stats(group: dist.ProcessGroup | None = None) -> dict:
     Returns:
         ``{"pool_bytes", "in_use", "zero_copy_ops", "pool_reduce_reads",
         "pool_gather_reads"}``: the pool's size, the bytes held by live tensors, how many
-        collectives on one host ran zero-copy so far, and how many steps of reduce-scatters
-        and of all-gathers read a local peer's operand in its pool.
+        collectives on one host ran zero-copy so far, and how many times the steps of
+        reduce-scatters and of all-gathers read a local peer's operand in its pool (once per
+        peer and step).
 
     Raises:
         ValueError: If the group's CPU backend is not smddp.

@@ -318,9 +318,9 @@ void Communicator::setup_shm(KeyValue& kv, const Deadline& dl) {
   sc.cpus = local_cpus_;
   sc.machine_oversubscribed = machine_oversubscribed_;
   // Tensor pools (Note [Zero-copy operands] in shm_algos.h): on one host the collectives
-  // read every operand in place; across hosts a host's ranks read each other's all-gather
-  // parts there (Note [Read from the pool]), which needs local peers. The region is
-  // sparse until used, so the default is generous.
+  // read every operand in place; across hosts a host's ranks read each other's pooled
+  // operands in their local steps (Note [Read from the pool]), which needs local peers. The
+  // region is sparse until used, so the default is generous.
   if (layout_.hosts == 1 || layout_.local_size > 1) {
     sc.pool_bytes = round_up(set.pool_bytes, 4096, "SMDDP_POOL_BYTES rounded to pages");
   }

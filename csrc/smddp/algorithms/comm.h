@@ -145,8 +145,8 @@ class Communicator : private NetGroup {
   std::shared_ptr<ShmPool> pool() const { return shm_ ? shm_->pool() : nullptr; }
   // Collectives that read their operands in place from the pools (for tests and stats).
   uint64_t zero_copy_ops() const { return zero_copy_ops_.load(); }
-  // Note [Read from the pool] in shm_algos.h: reduce-scatter (gather: all-gather) steps
-  // that read a local peer's operand in its pool.
+  // Note [Read from the pool] in shm_algos.h: reads of a local peer's operand in its pool,
+  // one per peer and step, in reduce-scatter (gather: all-gather) steps.
   uint64_t pool_reads(bool gather) const { return shm_ ? shm_->pool_reads(gather) : 0; }
   // How this group's collectives cross hosts ("mesh", "ring", "halving_doubling"; "none" on
   // one host), chosen once at creation (Note [Inter-host algorithms] in net_algorithm.h):

@@ -1,6 +1,7 @@
 #include "smddp/algorithms/shm_algos.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <utility>
 
@@ -230,7 +231,9 @@ void ReduceScatterSteps::step() {
   }
   for (int i = 0; i < n; ++i) {
     if (i == me || peer_in_[i] < 0) continue;
-    // Note [Read from the pool]: a peer that failed may have reused what was read.
+    // Note [Read from the pool]: a peer that failed may have reused what was read. The fence
+    // keeps the reads above before the flag's load (x86 keeps loads in order; Arm does not).
+    std::atomic_thread_fence(std::memory_order_acquire);
     if (c_.peer_failed(i)) c_.check_peer(i, ctx_, "its reduce-scatter input");  // throws
     c_.count_pool_read(false);
   }
@@ -420,6 +423,7 @@ bool AllGatherSteps::advance(bool wait) {
       // Note [Read from the pool]: a peer that failed may have returned, and its caller
       // reused what was read (one that died cannot reuse it: the mapping stays).
       if (peer_out_[i] >= 0) {
+        std::atomic_thread_fence(std::memory_order_acquire);  // as in ReduceScatterSteps::step
         if (c_.peer_failed(i)) c_.check_peer(i, ctx_, "its all-gather parts");  // throws
         c_.count_pool_read(true);
       }

@@ -197,16 +197,17 @@ void allgather(ShmComm& c, const std::vector<const void*>& src, void* out,
 // end of that step; and a peer that failed may have returned, and its caller reused the
 // memory, while this rank still read it, so after reading a peer's pool this rank checks
 // that the peer has not failed (a failing rank marks itself failed before its call
-// returns) and raises if it has. The copies and reductions read the same bytes as through
-// the buffers, in the same order: results do not change. Not used below kZeroCopyMinBytes,
-// where the extra wait would cost more than the copies.
+// returns), after a fence that keeps its reads before that check, and raises if it has. The copies
+// and reductions read the same bytes as through the buffers, in the same order: results do not
+// change. Not used below kZeroCopyMinBytes, where the extra wait would cost more than the copies.
 //
 // In place, an all-reduce's reduce-scatter reads a peer's input where the same
 // collective later writes: a part p of a rank's data is read by p's handler on its host
-// only, and written only by that handler's all-gather pieces of p (which follow the
-// handler's reduction of each chunk, which followed its read) or, where the rank handles p
-// itself, by its own exchange, which no peer reads. So no piece is overwritten before it
-// was read.
+// only, and written only by that handler's all-gather pieces of p or, where the rank
+// handles p itself, by its own exchange, which no peer reads. A handler posts a piece of p
+// only once that chunk of p is final, which needs its host partial of the chunk (the
+// part's own rank's reduction, or another host's, waits for it), which its reduce-scatter
+// step made after reading the chunk. So no piece is overwritten before it was read.
 class AllGatherSteps {
  public:
   // phase_of as for ReduceScatterSteps: the steps gather the parts of phase 0 first, each

@@ -227,8 +227,8 @@ class ShmComm {
   const PoolSources& sources_of(int i, const OpCtx& ctx) const {
     return ctl(i)->desc[ctx.seq & 1].pooled;
   }
-  // Steps that read a local peer's sources from its pool, for stats: [0] reduce-scatter
-  // steps, [1] all-gather steps.
+  // Reads of a local peer's sources in its pool, one per peer and step, for stats: [0] in
+  // reduce-scatter steps, [1] in all-gather steps.
   void count_pool_read(bool gather) { pool_reads_[gather].fetch_add(1, std::memory_order_relaxed); }
   uint64_t pool_reads(bool gather) const {
     return pool_reads_[gather].load(std::memory_order_relaxed);
