@@ -103,12 +103,15 @@ def make_case(
     passes it.
     """
     esz = torch.empty(0, dtype=dtype).element_size()
-    if empty is not None and empty(0).dtype != dtype:
-        raise ValueError(f"make_case: the allocator makes {empty(0).dtype}, the case is {dtype}")
-    empty = empty or (lambda n: torch.empty(n, dtype=dtype))
+
+    def alloc(n: int) -> torch.Tensor:
+        t = torch.empty(n, dtype=dtype) if empty is None else empty(n)
+        if t.dtype != dtype:
+            raise ValueError(f"make_case: the allocator made {t.dtype}, the case is {dtype}")
+        return t
 
     def full(n: int, value: float) -> torch.Tensor:
-        return empty(n).fill_(value)
+        return alloc(n).fill_(value)
 
     count = max(world, nbytes // esz // world * world)
     if op == "sparse_all_reduce":
@@ -133,10 +136,10 @@ def make_case(
         return run, check, count * esz
     if op == "all_gather_into_tensor":
         if gather_in_place:
-            out = empty(count)
+            out = alloc(count)
             inp = out.narrow(0, rank * (count // world), count // world).fill_(float(rank + 1))
         else:
-            inp, out = full(count // world, float(rank + 1)), empty(count)
+            inp, out = full(count // world, float(rank + 1)), alloc(count)
 
         def run():
             c10d_compat.all_gather_single(out, inp, group=group)
@@ -151,7 +154,7 @@ def make_case(
 
         return run, check, count * esz
     if op == "reduce_scatter_tensor":
-        inp, out = full(count, float(rank + 1)), empty(count // world)
+        inp, out = full(count, float(rank + 1)), alloc(count // world)
 
         def run():
             c10d_compat.reduce_scatter_single(out, inp, group=group)
@@ -189,7 +192,7 @@ def make_case(
         return run, check, count * esz
     if op == "gather":
         inp = full(count // world, float(rank + 1))
-        outs = [empty(count // world) for _ in range(world)] if rank == 0 else None
+        outs = [alloc(count // world) for _ in range(world)] if rank == 0 else None
 
         def run():
             dist.gather(inp, outs, group_dst=0, group=group)
@@ -201,7 +204,7 @@ def make_case(
         return run, check, count * esz
     if op == "scatter":
         ins = [full(count // world, float(r + 1)) for r in range(world)] if rank == 0 else None
-        out = empty(count // world)
+        out = alloc(count // world)
 
         def run():
             dist.scatter(out, ins, group_src=0, group=group)
@@ -213,7 +216,7 @@ def make_case(
         return run, check, count * esz
     if op == "sendrecv":
         nxt, prv = (rank + 1) % world, (rank - 1) % world
-        inp, out = full(count, float(rank + 1)), empty(count)
+        inp, out = full(count, float(rank + 1)), alloc(count)
 
         def run():
             ops = [
@@ -229,7 +232,7 @@ def make_case(
             return bool((out[:: max(1, count // 97)] == prv + 1).all())
 
         return run, check, count * esz
-    inp, out = full(count, float(rank + 1)), empty(count)
+    inp, out = full(count, float(rank + 1)), alloc(count)
 
     def run_all_to_all():
         dist.all_to_all_single(out, inp, group=group)

@@ -5,7 +5,6 @@ SIGBUS. The ranks run in a mount namespace of their own with a 1 MiB tmpfs on /d
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -40,12 +39,12 @@ def test_a_full_dev_shm_raises_instead_of_sigbus(size, tmp_path):
     reason = _unavailable_reason()
     if reason:
         pytest.skip(reason)
-    with socket.socket() as s:  # the namespace shares the machine's ports
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # --standalone: torchrun's store listens on a port it chose itself. A port probed here
+    # and handed over could be taken in between (the namespace shares the machine's ports):
+    # EADDRINUSE in one CI run.
     launch = (
         f"mount -t tmpfs -o size={size} tmpfs /dev/shm && exec {sys.executable} -m "
-        f"torch.distributed.run --nproc-per-node 2 --master-port {port} "
+        f"torch.distributed.run --standalone --nproc-per-node 2 "
         f"-m tests.distributed.smddp_full_shm_rank {tmp_path}"
     )
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
