@@ -245,10 +245,11 @@ void ReduceScatterSteps::step() {
 }
 
 void ReduceScatterSteps::learn_sources() {
+  const size_t bytes = extent(parts_) * esz_;
   for (int i = 0; i < c_.size(); ++i) {
     if (i == c_.rank()) continue;
     peer_in_[i] = c_.sources_of(i, ctx_).reduce_in;
-    SMDDP_CHECK(peer_in_[i] == -1 || in_pool(c_, i, peer_in_[i], extent(parts_) * esz_),
+    SMDDP_CHECK(peer_in_[i] == -1 || in_pool(c_, i, peer_in_[i], bytes),
                 "smddp: a local peer published a reduce-scatter input outside its pool (a bug)");
   }
 }
