@@ -9,7 +9,11 @@ all_reduce of its own group, whose timeout is ``FAULT_TIMEOUT_S``:
    ranks wait for them in the collective, then resumed;
 2. ``link``: host 1's link goes down (``ip link set eth0 down`` inside it), and comes back up
    once its ranks have their error;
-3. ``kill``: host 1's ranks are killed (SIGKILL).
+3. ``blip``: host 1's link is down for a moment (BLIP_S) as a new group makes its first
+   connections, in an all_reduce whose timeout is BLIP_TIMEOUT_S: the attempts that find
+   no route to the other host, or no answer from it, are made again, and the all_reduce
+   ends well;
+4. ``kill``: host 1's ranks are killed (SIGKILL).
 
 Each rank records, for each fault, the error its all_reduce raised and how long it took.
 """
@@ -30,6 +34,10 @@ from datetime import timedelta
 FAULT_TIMEOUT_S = 4.0
 STALL_S = 7.0  # host 0 must give up on host 1 first: 3 s past the timeout, for a loaded machine
 RANKS_PER_HOST = 2
+# Longer than the kernel takes to give up on a neighbour that does not answer (3 probes, 1 s
+# apart), so the attempts made meanwhile fail, and far inside the blip group's timeout.
+BLIP_S = 4.5
+BLIP_TIMEOUT_S = 40.0
 
 
 def _spawn_host(host: int, out: str) -> int:
@@ -56,14 +64,18 @@ def _spawn_host(host: int, out: str) -> int:
     return 0 if codes == expected else 1
 
 
-def _timed_all_reduce(group) -> dict:
+def _timed_all_reduce(group, expect: float | None = None) -> dict:
+    """An all_reduce of ones on ``group``: its error or None, its seconds, and whether every
+    element came out ``expect`` (None: not checked)."""
     import torch
     import torch.distributed as dist
 
     start = time.monotonic()
+    t = torch.ones(1 << 18)
     try:
-        dist.all_reduce(torch.ones(1 << 18), group=group)
-        return {"error": None, "seconds": time.monotonic() - start}
+        dist.all_reduce(t, group=group)
+        exact = None if expect is None else bool(torch.all(t == expect))
+        return {"error": None, "seconds": time.monotonic() - start, "exact": exact}
     except RuntimeError as e:
         return {"error": str(e), "seconds": time.monotonic() - start}
 
@@ -85,6 +97,8 @@ def _rank(out: str) -> None:
     groups = {name: dist.new_group(timeout=timeout) for name in ("stall", "link", "kill")}
     for g in groups.values():
         dist.all_reduce(torch.ones(4), group=g)  # every mesh connection exists now
+    # Its connections are made only by its first collective, during the blip.
+    blip = dist.new_group(timeout=timedelta(seconds=BLIP_TIMEOUT_S))
     result: dict = {"pid": os.getpid()}
 
     # 1. Host 1 stalls: both its ranks are stopped before they join the collective that
@@ -123,10 +137,26 @@ def _rank(out: str) -> None:
         if rank == RANKS_PER_HOST:
             subprocess.run(["ip", "link", "set", "eth0", "up"], check=True)
     dist.barrier()  # the default group's connections outlived the link's absence
-    _write(out, rank, result)
-    dist.barrier()  # every rank's first two results are written
 
-    # 3. Host 1's ranks are killed during the collective.
+    # 3. Host 1's link goes down before the blip group's first collective and comes back
+    # BLIP_S later. Every rank starts that collective only once the link is down (through the
+    # file system the hosts share), so each of its connections is first tried without it.
+    down = os.path.join(out, "blip_down")
+    if rank == RANKS_PER_HOST:
+        subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
+        subprocess.Popen(
+            ["sh", "-c", f"sleep {BLIP_S}; ip link set eth0 up"], start_new_session=True
+        )
+        open(down, "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(down) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    result["blip"] = _timed_all_reduce(blip, expect=dist.get_world_size())
+    dist.barrier()
+    _write(out, rank, result)
+    dist.barrier()  # every rank's first three results are written
+
+    # 4. Host 1's ranks are killed during the collective.
     if rank == RANKS_PER_HOST:
         os.kill(pids[RANKS_PER_HOST + 1], signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)

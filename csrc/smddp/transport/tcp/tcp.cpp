@@ -208,10 +208,17 @@ int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
   fill_claim(admit_bytes, rank_, hmac_sha256(secret_, admit_message(rank_, peer)));
   // Note [Admission]: an attempt that ends without the listener's verdict (no challenge in
   // time, or the connection closed midway: a listener only slow, its process stopped or
-  // without a core, or one that dropped the handshake) is made again, after a growing pause,
-  // until the caller's deadline. Only the listener's explicit refusal is final, and a peer
-  // that is gone refuses the connection at once.
+  // without a core, or one that dropped the handshake; or a network that does not carry it
+  // yet) is made again, after a growing pause, until the caller's deadline. Only the
+  // listener's explicit refusal is final, and a peer that is gone refuses the connection at
+  // once.
   std::string last = "its listener did not answer the handshake";
+  // Between attempts: the pause, unless the operation's deadline has passed.
+  auto pause_or_fail = [&](int pause_ms) {
+    if (ctx.deadline.expired() || aborted_.load()) fail_peer(peer, last, ctx);
+    std::this_thread::sleep_for(
+        std::chrono::milliseconds(std::min(pause_ms, std::max(1, ctx.deadline.remaining_ms()))));
+  };
   for (int pause_ms = kRetryFirstMs;; pause_ms = std::min(2 * pause_ms, kRetryMaxMs)) {
     addrinfo hints{}, *res = nullptr;
     hints.ai_family = AF_INET;
@@ -228,22 +235,23 @@ int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
     set_nonblocking(fd, true);
     int r = ::connect(fd, res->ai_addr, res->ai_addrlen);
     freeaddrinfo(res);
-    if (r != 0 && errno != EINPROGRESS) {
-      int e = errno;
-      close(fd);
-      fail_peer(peer, "cannot connect to " + pa.host + ":" + port + ": " + std::strerror(e), ctx);
+    int err = r != 0 && errno != EINPROGRESS ? errno : 0;
+    bool connected = false;
+    if (!err) {
+      pollfd pfd{fd, POLLOUT, 0};
+      const int limit = std::min(ctx.deadline.remaining_ms(), 60000);
+      socklen_t elen = sizeof(err);
+      connected = poll(&pfd, 1, limit) == 1 &&
+                  getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &elen) == 0 && !err;
     }
-    pollfd pfd{fd, POLLOUT, 0};
-    int limit = std::min(ctx.deadline.remaining_ms(), 60000);
-    int err = 0;
-    socklen_t elen = sizeof(err);
-    if (poll(&pfd, 1, limit) != 1 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &elen) != 0 ||
-        err) {
+    if (!connected) {
       close(fd);
-      fail_peer(peer,
-                "cannot connect to " + pa.host + ":" + port + ": " +
-                    (err ? std::strerror(err) : "timed out"),
-                ctx);
+      const std::string what = "cannot connect to " + pa.host + ":" + port + ": " +
+                               (err ? std::strerror(err) : "timed out");
+      if (!unreachable_for_now(err)) fail_peer(peer, what, ctx);
+      last = what;  // Note [Admission]: not a verdict; again after the pause, to the deadline
+      pause_or_fail(pause_ms);
+      continue;
     }
     // Each step also ends with the caller's deadline (a failure notice allows 200 ms).
     auto step_ms = [&] { return std::max(1, std::min(kHandshakeMs, ctx.deadline.remaining_ms())); };
@@ -276,9 +284,7 @@ int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
                 ctx);
     }
     if (verdict) fail_peer(peer, "it refused our credentials (different job secret?)", ctx);
-    if (ctx.deadline.expired() || aborted_.load()) fail_peer(peer, last, ctx);
-    std::this_thread::sleep_for(
-        std::chrono::milliseconds(std::min(pause_ms, std::max(1, ctx.deadline.remaining_ms()))));
+    pause_or_fail(pause_ms);
   }
 }
 

@@ -30,6 +30,13 @@ inline constexpr char kAccepted = 1, kRefused = 0, kDuplicate = 2;
 inline constexpr int kRetryFirstMs = 10,
                      kRetryMaxMs = 500;  // connect_to's backoff between attempts
 
+// Whether connect() failing with `err` says only that the network does not carry the attempt
+// yet (Note [Admission]): no route, a link that is down, no answer to neighbour discovery.
+// A refusal (ECONNREFUSED) or anything else is final.
+inline bool unreachable_for_now(int err) {
+  return err == EHOSTUNREACH || err == ENETUNREACH || err == EHOSTDOWN || err == ENETDOWN;
+}
+
 inline void set_nonblocking(int fd, bool on) {
   int flags = fcntl(fd, F_GETFL, 0);
   fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK));
