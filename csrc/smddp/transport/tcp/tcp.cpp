@@ -247,7 +247,7 @@ int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
     if (!connected) {
       close(fd);
       const std::string what = "cannot connect to " + pa.host + ":" + port + ": " +
-                               (err ? std::strerror(err) : "timed out");
+                               (err ? std::strerror(err) : "no answer");
       if (!unreachable_for_now(err)) fail_peer(peer, what, ctx);
       last = what;  // Note [Admission]: not a verdict; again after the pause, to the deadline
       pause_or_fail(pause_ms);

@@ -46,12 +46,13 @@
 //   doubles from 10 ms to 500 ms, until its operation's deadline: a listener that is only
 //   slow (its process stopped or without a core) or that dropped the attempt must not fail
 //   the operation. A network that does not carry the attempt yet is no verdict either
-//   (unreachable_for_now: no route, no answer to neighbour discovery, a link that is
-//   down): on 48 simulated hosts at 1 Gbit/s the address resolution of a connection the
-//   mesh made during its first 16 MiB all_reduce went unanswered behind the shaped
-//   cables' full queues, and connect() failed with EHOSTUNREACH after the kernel's three
-//   probes, which failed the job. A peer that is gone refuses the connection at once; one
-//   that stays unreachable fails the operation at its deadline. The connecting rank
+//   (unreachable_for_now: no route, a link that is down, no answer to neighbour discovery
+//   or to the connection request): on 48 simulated hosts at 1 Gbit/s, connections the mesh
+//   made during its first 16 MiB all_reduce, behind the shaped cables' full queues, failed
+//   with EHOSTUNREACH (address resolution unanswered after the kernel's three probes) or
+//   had no answer to their SYNs for the 60 s one attempt waits, and either failed the job.
+//   A peer that is gone refuses the connection at once; one that stays unreachable fails
+//   the operation at its deadline. The connecting rank
 //   waits longer for a verdict than the listener's deadline for the handshake, and the
 //   listener expires handshakes past their deadline before it reads them: a listener that
 //   resumes after a stall never accepts an attempt its peer has abandoned (which would

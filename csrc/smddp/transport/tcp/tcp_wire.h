@@ -31,10 +31,12 @@ inline constexpr int kRetryFirstMs = 10,
                      kRetryMaxMs = 500;  // connect_to's backoff between attempts
 
 // Whether connect() failing with `err` says only that the network does not carry the attempt
-// yet (Note [Admission]): no route, a link that is down, no answer to neighbour discovery.
-// A refusal (ECONNREFUSED) or anything else is final.
+// yet (Note [Admission]): no route, a link that is down, no answer to neighbour discovery or
+// to the connection request (ETIMEDOUT; 0: no answer within one attempt's wait). A refusal
+// (ECONNREFUSED) or anything else is final.
 inline bool unreachable_for_now(int err) {
-  return err == EHOSTUNREACH || err == ENETUNREACH || err == EHOSTDOWN || err == ENETDOWN;
+  return err == 0 || err == ETIMEDOUT || err == EHOSTUNREACH || err == ENETUNREACH ||
+         err == EHOSTDOWN || err == ENETDOWN;
 }
 
 inline void set_nonblocking(int fd, bool on) {
