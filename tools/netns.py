@@ -35,6 +35,18 @@ import tempfile
 import time
 
 HOST_ADDRESS = "10.9.0.{}"
+# Host i's cable's MAC address (i from 1, as HOST_ADDRESS): locally administered.
+HOST_MAC = "02:00:0a:09:00:{:02x}"
+# Note [Static neighbours]
+# Each host knows every other host's MAC address from the start (permanent neighbour
+# entries, as /etc/hosts names them), so nothing on the switch resolves addresses. On this
+# 2-core machine every host's first connections to all the others made a broadcast storm:
+# with 48 hosts each ARP request reaches 47 ports, some 100 000 frames that the kernel's
+# per-CPU input queues (net.core.netdev_max_backlog, 1000) dropped by the tens of thousands,
+# so requests went unanswered and connect() failed with EHOSTUNREACH, gloo's group set-up
+# and smddp's first all_reduce alike. A real switch floods those frames to hosts of their
+# own that each take 47 of them; here they all land on the same two cores. What the hosts'
+# own data meets (the queues, the shapers) is unchanged.
 HOST_NAME = "tsm-host-{}"
 SWITCH_PID_VARIABLE = "TSM_NETNS_SWITCH_PID"
 # Whole 64 KiB offload segments must pass the bucket at once, or TCP stalls on a shaped veth.
@@ -83,7 +95,8 @@ _CONGESTION_SYSCTL = "/proc/sys/net/ipv4/tcp_{}congestion_control"
 
 # Run by each host's shell inside its namespaces: waits for the cable, configures it, runs
 # the command. $1 host name, $2 address, $3 TCP congestion control (empty: the machine's),
-# $4 net.ipv4.tcp_slow_start_after_idle (empty: the kernel's default), the rest the command.
+# $4 net.ipv4.tcp_slow_start_after_idle (empty: the kernel's default), $5 the other hosts'
+# neighbour entries as `ip -batch` lines (Note [Static neighbours]), the rest the command.
 _HOST_SETUP = r"""
 set -e
 hostname "$1"
@@ -95,6 +108,7 @@ until ip link show eth0 >/dev/null 2>&1; do
 done
 ip addr add "$2/24" dev eth0
 ip link set eth0 up
+[ -z "$5" ] || printf '%s\n' "$5" | ip -batch -  # Note [Static neighbours]
 if [ -n "$3" ]; then
   printf '%s\n' "$3" 2>/dev/null >/proc/sys/net/ipv4/tcp_congestion_control || {
     echo "TCP congestion control '$3' could not be set in this host's namespace (available:" \
@@ -113,7 +127,7 @@ if [ -n "$4" ] && [ "$(cat "$idle" 2>/dev/null)" != "$4" ]; then
     exit 95
   }
 fi
-shift 4
+shift 5
 exec "$@"
 """
 
@@ -383,8 +397,19 @@ def _private_etc_hosts(stack: contextlib.ExitStack, hosts: int, host_name: str) 
     subprocess.run(["mount", "--bind", f.name, "/etc/hosts"], check=True)
 
 
+def _neighbours(index: int, hosts: int) -> str:
+    """Host ``index``'s permanent entries for the others, as ``ip -batch`` lines."""
+    return "\n".join(
+        f"neigh replace {HOST_ADDRESS.format(k + 1)} lladdr {HOST_MAC.format(k + 1)} "
+        "dev eth0 nud permanent"
+        for k in range(hosts)
+        if k != index
+    )
+
+
 def _start_host(
     index: int,
+    hosts: int,
     command: list[str],
     log,
     host_name: str,
@@ -394,6 +419,7 @@ def _start_host(
     argv = ["unshare", "--net", "--ipc", "--uts", "sh", "-c", _HOST_SETUP, "host-setup"]
     argv += [host_name.format(index), HOST_ADDRESS.format(index + 1), congestion or ""]
     argv += ["" if slow_start_after_idle is None else str(slow_start_after_idle)]
+    argv += [_neighbours(index, hosts)]
     argv += [part.replace("{host}", str(index)) for part in command]
     env = dict(os.environ, **{SWITCH_PID_VARIABLE: str(os.getpid())})
     # Output to a file (an unread pipe could block a host); its own session, so that a
@@ -422,7 +448,7 @@ def _cable(
     port = f"h{index}"
     subprocess.run(
         ["ip", "link", "add", port, "type", "veth", "peer", "name", "eth0"]
-        + ["netns", str(host.pid)],
+        + ["address", HOST_MAC.format(index + 1), "netns", str(host.pid)],
         check=True,
     )
     subprocess.run(["ip", "link", "set", port, "master", "br0", "up"], check=True)
@@ -454,7 +480,7 @@ def _switch(
         subprocess.run(["ip", "link", "set", "br0", "up"], check=True)
         logs = [stack.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in range(hosts)]
         procs = [
-            _start_host(i, command, logs[i], host_name, congestion, slow_start_after_idle)
+            _start_host(i, hosts, command, logs[i], host_name, congestion, slow_start_after_idle)
             for i in range(hosts)
         ]
         why = "set-up failed"
