@@ -81,6 +81,7 @@ FITTED_END_TO_END = (
     "flow_skew",
     "flow_latency",
     "step",
+    "shaper_cpu",
 )
 # Fitted last, on the staged algorithms' rows (the tree and halving/doubling, which the runs
 # of 16 and 32 hosts measured: tests/data/multihost/*-staged-*.json), the others held (Note
@@ -135,7 +136,9 @@ class Point:
     def cluster(self) -> cm.Cluster:
         """The measured machine: all simulated hosts share its cores."""
         machine = self.hosts * self.ranks
-        return cm.Cluster(self.hosts, self.ranks, self.nic_rate, self.cores, machine, self.burst)
+        return cm.Cluster(
+            self.hosts, self.ranks, self.nic_rate, self.cores, machine, self.burst, self.shaped
+        )
 
     def work(self) -> cm.Work:
         """What the measured call asked of each rank (cost_model.work)."""
@@ -370,7 +373,11 @@ def fit(pts: list[Point], timeline: dict[str, float] | None = None) -> cm.Costs:
     fitted = []
     for eta, net, shm in itertools.product((0.7, 0.85, 0.95), (2e-10, 1e-9), (0.5, 1.0, 2.0)):
         trial = dataclasses.replace(
-            start, nic_efficiency=eta, net_cpu=net, shm_reduce_cpu=start.shm_reduce_cpu * shm
+            start,
+            nic_efficiency=eta,
+            net_cpu=net,
+            shaper_cpu=net / 2,
+            shm_reduce_cpu=start.shm_reduce_cpu * shm,
         )
         trial = _search(trial, FITTED_END_TO_END, cases.loss)
         fitted.append((cases.loss(trial), trial))

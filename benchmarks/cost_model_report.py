@@ -91,8 +91,8 @@ def model_report(runs: list[dict], args: argparse.Namespace) -> int:
     print(
         f"\nauto's choice by size (Note [The auto rule from the model]), on {RULE_CLUSTER}, "
         "at the fitted costs; kAutoRule in csrc/smddp/algorithms/net_algorithm.cpp "
-        "(hosts, the tree's largest all_reduce, halving-doubling's largest all_reduce, "
-        "reduce_scatter, all_gather):"
+        "(hosts, the group's algorithm, the tree's largest all_reduce, halving-doubling's "
+        "largest all_reduce, reduce_scatter, all_gather):"
     )
     print(auto_rule_table(costs))
     if args.plot:
@@ -176,6 +176,11 @@ def costs_table(costs: cost_model.Costs) -> str:
         f"| gloo's flat ring step | {ms('flat_step')} |",
         f"| NIC efficiency | {costs.nic_efficiency:.3f} |",
         f"| TCP bytes sent or received | {1e-9 / costs.net_cpu:.2f} {per_core} |",
+        f"| TCP bytes through a shaped simulated cable | "
+        f"{1e-9 / (costs.net_cpu + costs.shaper_cpu):.2f} {per_core} "
+        f"({1 + costs.shaper_cpu / costs.net_cpu:.2f} x unshaped) |"
+        if costs.shaper_cpu > 0
+        else "| TCP bytes through a shaped simulated cable | as unshaped |",
         f"| message | {costs.message * 1e6:.0f} us of CPU |"
         if "message" not in blind
         else "| message | not resolved |",
@@ -381,5 +386,6 @@ def auto_rule_table(costs: cost_model.Costs) -> str:
     lines = []
     for hosts, r in auto_rule(costs):
         doubling = ", ".join(str(d) for d in r.doubling_max_bytes)
-        lines.append(f"    {{{hosts}, {r.tree_max_bytes}, {{{doubling}}}}},")
+        group = f"NetAlgo::{r.group.upper()}"
+        lines.append(f"    {{{hosts}, {group}, {r.tree_max_bytes}, {{{doubling}}}}},")
     return "\n".join(lines)

@@ -1,7 +1,7 @@
-// choose_net_algorithms on layouts too large to run as threads (Note [Auto beyond 32 hosts] in
-// net_algorithm.cpp), the per-call choice of the tree (Note [Auto by size and host count]), and
-// SMDDP_NET_ALGO's values: a group that only answers for its layout and settings, which is all
-// the choice reads.
+// choose_net_algorithms on layouts too large to run as threads (Note [The group's algorithm
+// under auto] in net_algorithm.cpp), the per-call choice of the tree (Note [Auto by size and host
+// count]), and SMDDP_NET_ALGO's values: a group that only answers for its layout and settings,
+// which is all the choice reads.
 #include <stdexcept>
 
 #include "harness.h"
@@ -70,10 +70,12 @@ TEST_CASE(net_choice_by_layout_and_setting) {
       {2, true, NetAlgo::AUTO, "mesh"},
       {3, true, NetAlgo::AUTO, "ring"},
       {32, true, NetAlgo::AUTO, "ring"},
-      {33, true, NetAlgo::AUTO, "mesh"},
-      {48, true, NetAlgo::AUTO, "mesh"},
-      {64, true, NetAlgo::AUTO, "mesh"},
-      {1024, true, NetAlgo::AUTO, "mesh"},
+      // The model's choice beyond the 32 hosts measured (it was the mesh before 2026-11-30).
+      {33, true, NetAlgo::AUTO, "ring"},
+      {48, true, NetAlgo::AUTO, "ring"},
+      {64, true, NetAlgo::AUTO, "ring"},
+      {1024, true, NetAlgo::AUTO, "ring"},
+      {5000, true, NetAlgo::AUTO, "ring"},
       {64, false, NetAlgo::AUTO, "mesh"},
       {2, true, NetAlgo::RING, "mesh"},
       {5, true, NetAlgo::RING, "ring"},
@@ -84,7 +86,7 @@ TEST_CASE(net_choice_by_layout_and_setting) {
       // The tree takes all-reduces only; the rest go as auto sends them.
       {2, true, NetAlgo::TREE, "mesh"},
       {5, true, NetAlgo::TREE, "ring"},
-      {64, true, NetAlgo::TREE, "mesh"},
+      {64, true, NetAlgo::TREE, "ring"},
       {5, false, NetAlgo::TREE, "mesh"},
   };
   for (const Case& c : cases) {
@@ -113,6 +115,10 @@ TEST_CASE(net_choice_per_call) {
     LayoutOnly g(hosts, true, NetAlgo::AUTO);
     const smddp::NetAlgorithms a = smddp::choose_net_algorithms(g);
     const std::string main = a.main->name();
+    // Note [The group's algorithm under auto]: the rule's, a ring only from 3 hosts.
+    const bool ring = rule.group == NetAlgo::RING;
+    EXPECT(main == (ring ? "ring" : "mesh"), hosts, " hosts: the group's algorithm is ", main);
+    EXPECT(ring == (hosts >= 3), hosts, " hosts: the rule's group algorithm is ", int(rule.group));
     bool doubling = false;
     for (NetOp op : kinds) {
       const size_t dmax = rule.doubling_max_bytes[static_cast<size_t>(op)];

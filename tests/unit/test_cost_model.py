@@ -14,7 +14,8 @@ import pytest
 from benchmarks import cost_model_fit as cf
 from benchmarks import cost_model_report as report
 from torch_sagemaker.planner import cost_model as cm
-from torch_sagemaker.planner.auto_rule import AutoBySize
+from torch_sagemaker.planner.auto_rule import GROUP_BYTES as GROUP
+from torch_sagemaker.planner.auto_rule import AutoBySize, group_algorithm
 
 MIB = 1 << 20
 DATA = os.path.join(os.path.dirname(__file__), "..", "data", "multihost")
@@ -434,26 +435,50 @@ def test_the_auto_rule_in_the_backend_is_the_models(recorded_fit):
     start = text.index("kAutoRule[] = {")
     table = text[start : text.index("};", start)]
     entries = [
-        (int(h), AutoBySize(int(t), (int(a), int(r), int(g))))
-        for h, t, a, r, g in re.findall(r"\{(\d+), (\d+), \{(\d+), (\d+), (\d+)\}\}", table)
+        (int(h), AutoBySize(group.lower(), int(t), (int(a), int(r), int(g))))
+        for h, group, t, a, r, g in re.findall(
+            r"\{(\d+), NetAlgo::(MESH|RING), (\d+), \{(\d+), (\d+), (\d+)\}\}", table
+        )
     ]
     assert entries == rule, report.auto_rule_table(costs)
     # Never on 2 hosts, where the mesh's one exchange is all there is; the tree only for small
     # all_reduces.
-    assert rule[0] == (2, AutoBySize(0, (0, 0, 0)))
+    assert rule[0] == (2, AutoBySize("mesh", 0, (0, 0, 0)))
     assert all(r.tree_max_bytes <= 16 * MIB for _, r in rule)
 
     def at(hosts: int) -> AutoBySize:
         return [r for first, r in rule if first <= hosts][-1]
 
-    # Where the ring is the group's algorithm (up to 32 hosts) halving-doubling takes only
-    # small collectives: it was measured behind the ring from 4 MiB on 16 and 32 hosts.
+    # Note [The group's algorithm under auto]: the ring from 3 hosts, where it was measured
+    # ahead of the mesh (16 and 32 hosts) and beyond.
+    assert all(at(h).group == "ring" for h in range(3, 1025))
+    # On the hosts measured halving-doubling takes only small collectives: it was measured
+    # behind the ring from 4 MiB on 16 and 32 hosts.
     assert all(d <= MIB for h in range(3, 33) for d in at(h).doubling_max_bytes)
     # On the 16 and 32 hosts measured, the tree takes the smallest all_reduces and
     # halving-doubling the next ones (docs/multi_node.md, "16 and 32 hosts").
     for hosts in (16, 32):
         r = at(hosts)
         assert r.tree_max_bytes > 0 and all(d > r.tree_max_bytes for d in r.doubling_max_bytes)
+
+
+def test_the_group_algorithm_is_the_faster_of_ring_and_mesh_for_large_calls(recorded_fit):
+    # Note [The auto rule from the model]: the mesh on 2 hosts; from 3, the faster of the
+    # ring and the mesh at GROUP_BYTES, which picks as every size from 16 MiB to 1 GiB would.
+    costs, _ = recorded_fit
+    for hosts in (2, 3, 4, 8, 16, 32, 33, 64, 256, 1024):
+        cluster = report.rule_cluster(hosts)
+        picks = {group_algorithm(costs, cluster, size) for size in (16 * MIB, GROUP, 1 << 30)}
+        assert len(picks) == 1, (hosts, picks)
+        assert picks == {"mesh" if hosts == 2 else "ring"}, (hosts, picks)
+    # Its two terms decide: flows that share a NIC unevenly lose to the ring, and steps that
+    # cost more than the mesh's flows do lose to the mesh.
+    cluster = cm.Cluster(16, 1, nic_rate=1e9, cores=16)
+    skewed = dataclasses.replace(WIRE_ONLY, flow_skew=0.05)
+    assert group_algorithm(skewed, cluster) == "ring"
+    slow_steps = dataclasses.replace(WIRE_ONLY, step=0.05)
+    assert group_algorithm(slow_steps, cluster) == "mesh"
+    assert group_algorithm(slow_steps, cm.Cluster(2, 1, nic_rate=1e9, cores=2)) == "mesh"
 
 
 def test_staged_rounds_add_what_they_do_not_overlap():
@@ -513,9 +538,11 @@ def test_fit_from_saved_runs_prints_the_tables(tmp_path, capsys, monkeypatch, re
     assert "| 2x1 | all_reduce | 64 MiB | mesh | float32 |" in out
     assert "| 8x1 | all_gather_into_tensor | 64 MiB | ring | float32 |" in out
     assert "| 2x2 | reduce_scatter_tensor | 64 MiB | mesh | bfloat16 | unshaped" in out
-    # The staged rows of 16 and 32 hosts (8 from 16 MiB, 32 below it) join the pipelined ones.
-    assert "smddp from 16 MiB: 100 of 104 within 15%" in out
-    assert "smddp below 16 MiB: 60 of 68 within 15%" in out
+    # The staged rows of 16 and 32 hosts (8 from 16 MiB, 32 below it) and their ring rows (6
+    # from 16 MiB, 12 below it) join the pipelined ones.
+    assert "smddp from 16 MiB: 106 of 110 within 15%" in out
+    assert "smddp below 16 MiB: 72 of 80 within 15%" in out
+    assert "| TCP bytes through a shaped simulated cable |" in out
     assert "| bfloat16 | 4x2 | 2 Gbit/s, bbr, 2 MiB queue | 9 | 9 |" in out
     # The pairs the half-precision rates are fitted on, and bf16 beside fp32 at 1024 hosts.
     assert (
@@ -525,5 +552,5 @@ def test_fit_from_saved_runs_prints_the_tables(tmp_path, capsys, monkeypatch, re
     assert "| op | hosts | float32 | bfloat16 |" in out and "| all_reduce | 1024 |" in out
     assert "Predicted: 2 x 100gbit per host, 8 ranks" in out
     assert "| 1024 |" in out and "largest" in out
-    assert "auto's choice by size" in out and "    {2, 0, {0, 0, 0}}," in out
+    assert "auto's choice by size" in out and "    {2, NetAlgo::MESH, 0, {0, 0, 0}}," in out
     assert plot.stat().st_size > 0

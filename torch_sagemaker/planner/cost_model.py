@@ -100,11 +100,25 @@ from torch_sagemaker.planner.cost_model_dtypes import ACCUMULATE_BYTES, element_
 # mesh's per-peer state (a socket and a poll entry per peer: it counts per-message work,
 # not per-peer work), and pipeline fill in rings and trees. Its latency terms are fitted
 # on one overloaded 2-core machine, where the scheduler, not the wire, sets them; its CPU
-# costs are that machine's kernel path through virtual cables, one rate for shaped and
-# unshaped ones: bare TCP streams spent 1.5-1.7 times the CPU per byte on 4 shaped hosts
-# that they spent on 2 unshaped ones (docs/log/*_2026-11-29), but no shaped row is
-# CPU-bound, so the fit cannot tell the two apart. Predictions
-# for other hosts can override both (--predict-latency, --predict-message, --predict-cpu).
+# costs are that machine's kernel path through virtual cables (Note [Shaped cables cost
+# CPU]). Predictions for other hosts can override both (--predict-latency,
+# --predict-message, --predict-cpu).
+
+# Note [Shaped cables cost CPU]
+# On the simulated hosts a shaped cable is a token-bucket filter on a veth pair, run by the
+# kernel on the machine's own cores: every byte through it costs CPU that an unshaped cable
+# does not ask, and a real NIC does not ask of the host at all. Bare TCP streams spent
+# 1.5-1.7 times the CPU per byte on 4 shaped hosts that they spent on 2 unshaped ones
+# (docs/log/*_2026-11-29). While no shaped row was CPU-bound the fit could not tell the two
+# apart and took one rate for both; on 32 hosts of one rank at 1 Gbit/s the whole machine
+# moves 4 GB/s through its shapers, and there the ring's 4 and 16 MiB calls took 1.19-1.45
+# times that model's time (2026-11-30 rounds, BBR, 2 MiB switch queues). So shaper_cpu is
+# the CPU per TCP byte a shaped cable adds to net_cpu (Cluster.shaper), fitted with the
+# other end-to-end costs once those rounds' ring rows joined the recorded runs: 1.52 times
+# net_cpu in all, the bare streams' ratio, found from the collectives' times alone. The
+# ring is then within 0.81-1.14 of those rows, where it was 0.69-1.21, and stage_serial fell
+# from 0.70 to 0.37: the staged rows' unexplained time had been the shapers' in part.
+# Predictions for real hosts (Cluster.shaper False) do not pay it.
 
 CHUNK_BYTES = 512 * 1024  # SMDDP_NET_CHUNK_BYTES: one network message
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
@@ -168,6 +182,9 @@ class Costs:
         stage_wake: Seconds per round of a staged algorithm per squared unit of
             oversubscription, beyond wake: a round waits for its partner's last byte, and so
             for that rank's turn at a core (Note [Staged algorithms]; none on real hosts).
+        shaper_cpu: Core-seconds per byte a rank sends or receives over TCP, beyond net_cpu,
+            where a software shaper paces its cable (Cluster.shaper; Note [Shaped cables
+            cost CPU]).
     """
 
     alpha: float = 1e-3
@@ -186,6 +203,7 @@ class Costs:
     flow_latency: float = 1e-4
     stage_serial: float = 0.0
     stage_wake: float = 0.0
+    shaper_cpu: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +219,8 @@ class Cluster:
             simulated host runs on the same machine. 0 means L.
         burst: Bytes a NIC passes at once above its rate when it has been idle (the
             simulated cables' token buckets); 0 for a real NIC.
+        shaper: Whether a software shaper on these cores paces each NIC (the simulated
+            cables at a rate; Note [Shaped cables cost CPU]); False for a real NIC.
     """
 
     hosts: int
@@ -209,6 +229,7 @@ class Cluster:
     cores: float
     machine_ranks: int = 0
     burst: float = 0.0
+    shaper: bool = False
 
     @property
     def oversubscription(self) -> float:
@@ -288,6 +309,7 @@ class Work(NamedTuple):
     copied_during: float  # bytes it copies during the exchange (overlapped)
     flows: int  # flows one rank's exchange waits on per NIC direction (the mesh: H-1)
     staged: float  # 1 for the tree and halving/doubling (Note [Staged algorithms]), else 0
+    shaper: float  # 1 where a software shaper paces the cables (Cluster.shaper), else 0
     share: float  # its fraction of a core
     oversubscription: float  # Cluster.oversubscription
 
@@ -426,6 +448,7 @@ def work(
         copied_during=copied_during,
         flows=flows,
         staged=1.0 if algorithm in STAGED else 0.0,
+        shaper=1.0 if cluster.shaper else 0.0,
         share=cluster.cpu_share,
         oversubscription=cluster.oversubscription,
     )
@@ -455,7 +478,7 @@ def parts(costs: Costs, w: Work, maximum: Callable = max) -> Parts:
     wire = maximum(0.0, w.nic_bytes - w.burst) / (costs.nic_efficiency * w.nic_rate)
     wire *= 1.0 + costs.flow_skew * (w.flows - 1)
     cpu = {
-        "TCP bytes": costs.net_cpu * w.moved / w.share,
+        "TCP bytes": (costs.net_cpu + costs.shaper_cpu * w.shaper) * w.moved / w.share,
         "messages": costs.message * w.messages / w.share,
         "reduction": (costs.reduce_cpu * w.reduced + costs.half_reduce_cpu * w.reduced_half)
         / w.share,

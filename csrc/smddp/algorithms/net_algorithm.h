@@ -232,11 +232,13 @@ std::unique_ptr<NetAlgorithm> make_tree(NetGroup& group);
 enum class NetOp { ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER };
 constexpr size_t kNetOps = 3;
 
-// What SMDDP_NET_ALGO=auto sends a collective of a given size by between `hosts` hosts of
-// equal rank counts, besides the group's algorithm (Note [Auto by size and host count]).
+// What SMDDP_NET_ALGO=auto sends collectives by between `hosts` hosts of equal rank counts:
+// the group's algorithm (Note [The group's algorithm under auto]) and, by size, the tree and
+// halving-doubling (Note [Auto by size and host count]).
 // Sizes are nccl-tests' S: an all_reduce's tensor, a reduce_scatter's input, an
 // all_gather's output, in bytes; 0: never.
 struct AutoBySize {
+  NetAlgo group = NetAlgo::MESH;            // the group's algorithm: MESH or RING
   size_t tree_max_bytes = 0;                // all-reduces of at most this take the tree
   size_t doubling_max_bytes[kNetOps] = {};  // the others of at most this, halving-doubling
 };

@@ -27,31 +27,30 @@
 // so the sends of each tag are released in step order (OrderedSends) even when a later
 // step's chunk is ready first (a neighbour ahead of us).
 //
-// When: from 3 to 32 hosts of equal rank counts, SMDDP_NET_ALGO=auto takes the ring, on
-// measurement (bench multihost, docs/log/multi_node.md). On 4 simulated hosts of one rank at 2
-// Gbit/s, two rounds each, the ring reached 0.83-0.94 of the NIC bound from 16 MiB (all
-// three ops) against the mesh's 0.80-0.91, and 0.80-0.86 at 1 MiB against 0.47-0.75; on 8
-// hosts at 1 Gbit/s, 0.88-0.94 against 0.76-0.87, and 0.79-0.83 at 1 MiB against 0.31-0.67;
-// on 16 hosts at 500 Mbit/s, three rounds, 0.84-0.94 at 4 and 16 MiB against 0.53-0.78; on
-// 32 hosts at 200 Mbit/s, 0.80-0.94 against 0.24-0.69. There the mesh's incast overflowed
-// the switch ports (tens to hundreds of drops per case on 16 hosts, thousands on 32); the
-// ring dropped nothing. From 64 KiB to 1 MiB on 16 hosts the two were within 15% of each
-// other either way (there 16 ranks share two cores, and the scheduler sets the time). With
-// 2 ranks per host (4x2) the two were level (0.64-0.81 from 16 MiB on hosts running BBR;
-// on cubic the ring 0.81-0.90, the mesh 0.81-0.93). What held 4x2 back at 2 Gbit/s was not
-// the machine's two cores, as first read, but the ring's start-up and spinning waits (Note
-// [Parts in the order the ring needs them]); the ring now reaches 0.88-0.94 there, against
-// 0.92-0.95 for bare TCP streams on its flows (docs/log/multi_node.md). The cause of the mesh's
-// lag, as far as measured: in the mesh each NIC carries H-1 streams each way, which share the link
-// unevenly, so some parts arrive late and an all-reduce's second half, or the call's end, waits for
-// the last (a 4x1 64 MiB mesh all_reduce's ranks finished reducing between 243 and 406 ms); the
-// cost model's flow skew (planner/cost_model.py) puts 1.0% of NIC time on each stream beyond one
-// (1.9% on hosts running BBR). (An earlier measurement had the ring no faster: the sockets' fixed
-// buffers then held both back, Note [Kernel-sized socket buffers] in tcp_wire.h.) Beyond 32 hosts
-// auto keeps the mesh, unmeasured here: a ring's 2(H-1) steps put H-1 message latencies on the
-// critical path of every collective, which small messages on a fast fabric feel first, and the mesh
-// has one; neither is what scales there (the cost model picks recursive halving/doubling, which
-// smddp does not have). SMDDP_NET_ALGO=ring or mesh forces either.
+// When: from 3 hosts of equal rank counts SMDDP_NET_ALGO=auto takes the ring as the group's
+// algorithm (Note [The group's algorithm under auto] in net_algorithm.cpp: the cost model's
+// choice, fitted on these measurements; bench multihost, docs/log/multi_node.md). On 4 simulated
+// hosts of one rank at 2 Gbit/s, two rounds each, the ring reached 0.83-0.94 of the NIC bound from
+// 16 MiB (all three ops) against the mesh's 0.80-0.91, and 0.80-0.86 at 1 MiB against 0.47-0.75; on
+// 8 hosts at 1 Gbit/s, 0.88-0.94 against 0.76-0.87, and 0.79-0.83 at 1 MiB against 0.31-0.67; on 16
+// hosts at 500 Mbit/s, three rounds, 0.84-0.94 at 4 and 16 MiB against 0.53-0.78; on 32 hosts at
+// 200 Mbit/s, 0.80-0.94 against 0.24-0.69. There the mesh's incast overflowed the switch ports
+// (tens to hundreds of drops per case on 16 hosts, thousands on 32); the ring dropped nothing. From
+// 64 KiB to 1 MiB on 16 hosts the two were within 15% of each other either way (there 16 ranks
+// share two cores, and the scheduler sets the time). With 2 ranks per host (4x2) the two were level
+// (0.64-0.81 from 16 MiB on hosts running BBR; on cubic the ring 0.81-0.90, the mesh 0.81-0.93).
+// What held 4x2 back at 2 Gbit/s was not the machine's two cores, as first read, but the ring's
+// start-up and spinning waits (Note [Parts in the order the ring needs them]); the ring now reaches
+// 0.88-0.94 there, against 0.92-0.95 for bare TCP streams on its flows (docs/log/multi_node.md).
+// The cause of the mesh's lag, as far as measured: in the mesh each NIC carries H-1 streams each
+// way, which share the link unevenly, so some parts arrive late and an all-reduce's second half, or
+// the call's end, waits for the last (a 4x1 64 MiB mesh all_reduce's ranks finished reducing
+// between 243 and 406 ms); the cost model's flow skew (planner/cost_model.py) puts 1.0% of NIC time
+// on each stream beyond one (1.9% on hosts running BBR). (An earlier measurement had the ring no
+// faster: the sockets' fixed buffers then held both back, Note [Kernel-sized socket buffers] in
+// tcp_wire.h.) A ring's 2(H-1) steps put H-1 message latencies on the critical path of every
+// collective, which small messages feel first: those go by the tree or halving-doubling (Note [Auto
+// by size and host count]). SMDDP_NET_ALGO=ring or mesh forces either.
 //
 // Buffers: each step's incoming running sums land in the group's incoming buffer, in the wire
 // type, and this rank's partial (unrounded, Note [Half precision on the wire]) is added in

@@ -52,10 +52,9 @@ const std::vector<SettingInfo> kSettings = {
      "how collectives cross hosts: mesh (every host sends to every other at once), ring "
      "(each host to the next, from 3 hosts), halving_doubling (log2 H rounds of one peer "
      "each), tree (every all_reduce by log2 H rounds of the whole data, other collectives as "
-     "auto sends them), or auto (the ring from 3 to 32 hosts, measured; the mesh otherwise; "
-     "small all_reduces by the tree and small collectives by halving_doubling, up to sizes "
-     "the cost model sets by host count and kind); hosts of unequal rank counts take the "
-     "mesh"},
+     "auto sends them), or auto (the cost model's choice by host count and size: the ring "
+     "from 3 hosts, the mesh on 2; small all_reduces by the tree and small collectives by "
+     "halving_doubling); hosts of unequal rank counts take the mesh"},
     {"net_reduce_dtype", "SMDDP_NET_REDUCE_DTYPE", "name", "auto",
      "the type bf16/fp16 reductions send their partial sums between hosts in: auto (the "
      "tensor's own, half of fp32's bytes; each host's partial rounded once, sums in fp32) or "
