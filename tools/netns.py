@@ -46,7 +46,9 @@ HOST_MAC = "02:00:0a:09:00:{:02x}"
 # so requests went unanswered and connect() failed with EHOSTUNREACH, gloo's group set-up
 # and smddp's first all_reduce alike. A real switch floods those frames to hosts of their
 # own that each take 47 of them; here they all land on the same two cores. What the hosts'
-# own data meets (the queues, the shapers) is unchanged.
+# own data meets (the queues, the shapers) is unchanged. A link set down inside a host can drop
+# its entries (the kernel flushes a device's neighbours): after that, it resolves addresses
+# as any host does.
 HOST_NAME = "tsm-host-{}"
 SWITCH_PID_VARIABLE = "TSM_NETNS_SWITCH_PID"
 # Whole 64 KiB offload segments must pass the bucket at once, or TCP stalls on a shaped veth.

@@ -77,8 +77,8 @@ def test_a_host_whose_link_goes_down_fails_every_rank_within_the_timeout(fault_r
 
 
 def test_a_link_that_is_down_as_connections_are_first_made_is_waited_for(fault_run):
-    # Note [Admission] in tcp.h: no route (host 1's own attempts) and no answer to neighbour
-    # discovery (host 0's) are not verdicts: the attempts are made again until the link is
+    # Note [Admission] in tcp.h: no route (host 1's own attempts) and no answer to address
+    # resolution (rank 0's) are not verdicts: the attempts are made again until the link is
     # back, and the collective ends well, long before its timeout.
     results, _ = fault_run
     for rank in range(4):

@@ -13,8 +13,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 
@@ -213,6 +215,8 @@ int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
   // listener's explicit refusal is final, and a peer that is gone refuses the connection at
   // once.
   std::string last = "its listener did not answer the handshake";
+  using Clock = std::chrono::steady_clock;
+  std::optional<Clock::time_point> unreachable_since;  // the first attempt the network lost
   // Between attempts: the pause, unless the operation's deadline has passed.
   auto pause_or_fail = [&](int pause_ms) {
     if (ctx.deadline.expired() || aborted_.load()) fail_peer(peer, last, ctx);
@@ -236,20 +240,36 @@ int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
     int r = ::connect(fd, res->ai_addr, res->ai_addrlen);
     freeaddrinfo(res);
     int err = r != 0 && errno != EINPROGRESS ? errno : 0;
-    bool connected = false;
-    if (!err) {
+    bool answered = err != 0, connected = false;
+    // One attempt waits up to kAttemptMs for the connection, in slices that see an abort.
+    const auto attempt_end = Clock::now() + std::chrono::milliseconds(kAttemptMs);
+    while (!answered && !aborted_.load() && Clock::now() < attempt_end && !ctx.deadline.expired()) {
       pollfd pfd{fd, POLLOUT, 0};
-      const int limit = std::min(ctx.deadline.remaining_ms(), 60000);
-      socklen_t elen = sizeof(err);
-      connected = poll(&pfd, 1, limit) == 1 &&
-                  getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &elen) == 0 && !err;
+      const int n = poll(&pfd, 1, std::max(1, std::min(kSliceMs, ctx.deadline.remaining_ms())));
+      if (n == 1) {
+        socklen_t elen = sizeof(err);
+        if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &elen) != 0) err = errno;
+        answered = true;
+        connected = err == 0;
+      } else if (n < 0 && errno != EINTR) {
+        err = errno;
+        answered = true;
+      }
     }
     if (!connected) {
       close(fd);
       const std::string what = "cannot connect to " + pa.host + ":" + port + ": " +
-                               (err ? std::strerror(err) : "no answer");
-      if (!unreachable_for_now(err)) fail_peer(peer, what, ctx);
-      last = what;  // Note [Admission]: not a verdict; again after the pause, to the deadline
+                               (answered ? std::strerror(err) : "no answer");
+      if (answered && !unreachable_for_now(err)) fail_peer(peer, what, ctx);
+      // Note [Admission]: not a verdict; again after the pause, for kUnreachableMs at most.
+      const auto now = Clock::now();
+      if (!unreachable_since) unreachable_since = now;
+      last = what;
+      if (now - *unreachable_since >= std::chrono::milliseconds(kUnreachableMs)) {
+        fail_peer(peer,
+                  what + " (every attempt for " + std::to_string(kUnreachableMs / 1000) + " s)",
+                  ctx);
+      }
       pause_or_fail(pause_ms);
       continue;
     }

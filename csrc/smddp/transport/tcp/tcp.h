@@ -41,18 +41,20 @@
 //   moment when the process runs out of descriptors instead of spinning on the listener.
 // - The listener ends every handshake it judges with one status byte: accepted, refused
 //   (wrong token or response) or duplicate (the rank is connected). Only those two
-//   refusals are final for the connecting rank. Any other end (no challenge within
-//   kHandshakeMs, a connection closed midway) makes it connect again after a pause that
+//   refusals, and a connect() the network answered with anything but unreachable_for_now's
+//   errors (a refusal, above all), are final for the connecting rank. Any other end (no challenge
+//   within kHandshakeMs, a connection closed midway) makes it connect again after a pause that
 //   doubles from 10 ms to 500 ms, until its operation's deadline: a listener that is only
 //   slow (its process stopped or without a core) or that dropped the attempt must not fail
 //   the operation. A network that does not carry the attempt yet is no verdict either
 //   (unreachable_for_now: no route, a link that is down, no answer to neighbour discovery
-//   or to the connection request): on 48 simulated hosts at 1 Gbit/s, connections the mesh
-//   made during its first 16 MiB all_reduce, behind the shaped cables' full queues, failed
-//   with EHOSTUNREACH (address resolution unanswered after the kernel's three probes) or
-//   had no answer to their SYNs for the 60 s one attempt waits, and either failed the job.
-//   A peer that is gone refuses the connection at once; one that stays unreachable fails
-//   the operation at its deadline. The connecting rank
+//   or to the connection request within kAttemptMs): on 48 simulated hosts at 1 Gbit/s,
+//   connections made in a job's first collective failed with EHOSTUNREACH (address
+//   resolution unanswered after the kernel's three probes, in a storm of them) or had no
+//   answer to their SYNs for the 60 s one attempt then waited, and either failed the job.
+//   Such attempts are made again for kUnreachableMs (60 s) at most, or to the deadline if
+//   it comes first: a host that is gone or cut off for good fails the operation then,
+//   where a refusal (its process gone, its host up) fails it at once. The connecting rank
 //   waits longer for a verdict than the listener's deadline for the handshake, and the
 //   listener expires handshakes past their deadline before it reads them: a listener that
 //   resumes after a stall never accepts an attempt its peer has abandoned (which would

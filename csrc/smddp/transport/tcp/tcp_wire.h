@@ -30,13 +30,17 @@ inline constexpr char kAccepted = 1, kRefused = 0, kDuplicate = 2;
 inline constexpr int kRetryFirstMs = 10,
                      kRetryMaxMs = 500;  // connect_to's backoff between attempts
 
+// connect_to's attempts (Note [Admission]): one waits kAttemptMs at most for the connection,
+// in polls of kSliceMs that see an abort; attempts the network does not carry are made again
+// for kUnreachableMs at most from the first.
+inline constexpr int kAttemptMs = 20000, kSliceMs = 200, kUnreachableMs = 60000;
+
 // Whether connect() failing with `err` says only that the network does not carry the attempt
 // yet (Note [Admission]): no route, a link that is down, no answer to neighbour discovery or
-// to the connection request (ETIMEDOUT; 0: no answer within one attempt's wait). A refusal
-// (ECONNREFUSED) or anything else is final.
+// to the connection request (ETIMEDOUT). A refusal (ECONNREFUSED) or anything else is final.
 inline bool unreachable_for_now(int err) {
-  return err == 0 || err == ETIMEDOUT || err == EHOSTUNREACH || err == ENETUNREACH ||
-         err == EHOSTDOWN || err == ENETDOWN;
+  return err == ETIMEDOUT || err == EHOSTUNREACH || err == ENETUNREACH || err == EHOSTDOWN ||
+         err == ENETDOWN;
 }
 
 inline void set_nonblocking(int fd, bool on) {
