@@ -154,14 +154,16 @@ std::string where(const Topology& topo, const char* what, int rank, DType t, Red
 
 // The algorithm a topology's collectives across hosts must take (choose_net_algorithms) but
 // for the all_reduces the tree takes: equal hosts take halving-doubling where asked for, the
-// ring where asked for or auto (or tree) from 3 to 32 hosts; other layouts (unequal hosts, the
-// mesh asked for, 2 hosts) the mesh.
+// ring where asked for, or under auto (or tree) where the rule's group algorithm is the ring
+// (Note [The group's algorithm under auto]); other layouts (unequal hosts, the mesh asked
+// for, 2 hosts) the mesh.
 std::string expected_algorithm(const Topology& topo, const smddp::Layout& l) {
   if (!l.uniform) return "mesh";
   if (topo.net_algo == smddp::NetAlgo::HALVING_DOUBLING) return "halving_doubling";
   if (l.hosts < 3) return "mesh";
   const bool ring = topo.net_algo == smddp::NetAlgo::RING ||
-                    (topo.net_algo != smddp::NetAlgo::MESH && l.hosts <= 32);
+                    (topo.net_algo != smddp::NetAlgo::MESH &&
+                     smddp::auto_by_size(l.hosts).main == smddp::NetAlgo::RING);
   return ring ? "ring" : "mesh";
 }
 

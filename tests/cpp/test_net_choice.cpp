@@ -116,9 +116,9 @@ TEST_CASE(net_choice_per_call) {
     const smddp::NetAlgorithms a = smddp::choose_net_algorithms(g);
     const std::string main = a.main->name();
     // Note [The group's algorithm under auto]: the rule's, a ring only from 3 hosts.
-    const bool ring = rule.group == NetAlgo::RING;
+    const bool ring = rule.main == NetAlgo::RING;
     EXPECT(main == (ring ? "ring" : "mesh"), hosts, " hosts: the group's algorithm is ", main);
-    EXPECT(ring == (hosts >= 3), hosts, " hosts: the rule's group algorithm is ", int(rule.group));
+    EXPECT(ring == (hosts >= 3), hosts, " hosts: the rule's group algorithm is ", int(rule.main));
     bool doubling = false;
     for (NetOp op : kinds) {
       const size_t dmax = rule.doubling_max_bytes[static_cast<size_t>(op)];

@@ -81,7 +81,8 @@ def _combine(a: torch.Tensor, b: torch.Tensor, op: str) -> torch.Tensor:
 def ring_across_hosts(hosts: list[list[int]]) -> bool:
     """Whether collectives across ``hosts`` pass partials around a ring (Note [Rail rings]
     in net_ring.cpp), which sums each part in its own host order: 3 hosts or more of equal
-    rank counts, with SMDDP_NET_ALGO=ring, or auto (unset) up to 32 hosts. Hosts of unequal
+    rank counts, with SMDDP_NET_ALGO=ring, or auto (unset), whose group algorithm is the ring
+    from 3 hosts (Note [The group's algorithm under auto]). Hosts of unequal
     rank counts always take the mesh (Note [Unequal hosts]); SMDDP_NET_ALGO=halving_doubling
     takes neither (its order is modelled in test_smddp_halving_doubling.py). The all_reduces
     the tree takes (``tree_takes``) sum in its own order, and so do the small collectives
@@ -90,7 +91,7 @@ def ring_across_hosts(hosts: list[list[int]]) -> bool:
     algo = os.environ.get("SMDDP_NET_ALGO", "auto").strip().lower() or "auto"
     if not equal or len(hosts) < 3:
         return False
-    return algo == "ring" or (algo == "auto" and len(hosts) <= 32)
+    return algo in ("ring", "auto")
 
 
 def tree_takes(t: torch.Tensor, group=None) -> bool:

@@ -32,8 +32,8 @@ from torch_sagemaker.planner.cost_model import Cluster, Costs, predict
 
 # The size the group's algorithm is chosen at: what it takes are the calls the size rules
 # leave, and a training step's are of this order (an FSDP unit's gather and reduce-scatter,
-# DDP's 25 MiB gradient buckets). The model picks the same one at every size from 16 MiB to
-# 1 GiB on every host count from 3 to 1024 (tests/unit/test_cost_model.py).
+# DDP's 25 MiB gradient buckets). At the recorded fit the model picks the same one at 16 MiB,
+# 64 MiB and 1 GiB on every host count from 3 to 1024 (tests/unit/test_cost_model.py).
 GROUP_BYTES = 64 << 20
 # The sizes the rule chooses among: powers of two from 1 KiB to 1 TiB (a range that reaches the
 # last is as good as unbounded: no cliff at a size the candidates happen to end at).
@@ -46,13 +46,13 @@ class AutoBySize(NamedTuple):
     """auto's choices on one host count: the group's algorithm, and where it leaves it (0: never).
 
     Attributes:
-        group: The group's algorithm, ``ring`` or ``mesh``: every call the others do not take.
+        main: The group's algorithm, ``ring`` or ``mesh``: every call the others do not take.
         tree_max_bytes: all_reduces of at most this S take the tree.
         doubling_max_bytes: per kind of KINDS, collectives of at most this S that the tree
             does not take go by halving-doubling.
     """
 
-    group: str
+    main: str
     tree_max_bytes: int
     doubling_max_bytes: tuple[int, int, int]
 

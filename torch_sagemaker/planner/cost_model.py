@@ -37,8 +37,8 @@ from torch_sagemaker.planner.cost_model_dtypes import ACCUMULATE_BYTES, element_
 #   parts arrive late, and an all_reduce's second half, or the call's end, waits for the
 #   last (docs/log/multi_node.md, "Mesh or ring": a 4x1 mesh all_reduce's ranks finished their
 #   reductions between 243 and 406 ms). Linear in F is the simplest growth that the 4- and
-#   8-host rows fit; later runs on 16 and 32 hosts (not in the fit) agree with it roughly,
-#   and beyond 32 hosts nothing was measured.
+#   8-host rows fit; later runs on 16, 32 and 48 hosts (the mesh's rows not in the fit)
+#   agree with it roughly, and beyond 48 hosts nothing was measured.
 # - CPU work, in core-seconds: every byte a rank sends or receives over TCP (the kernel's
 #   copies and, on the simulated hosts, the virtual cable's shaping and bridging), every
 #   message (system calls, headers, polling), every byte a reduction reads, every byte of
@@ -124,28 +124,26 @@ CHUNK_BYTES = 512 * 1024  # SMDDP_NET_CHUNK_BYTES: one network message
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 ALGORITHMS = ("mesh", "ring", "doubling", "tree", "flat_ring")
 # Note [Staged algorithms]
-# The tree and recursive halving/doubling run in rounds, each of which starts when the one
-# before it ended (net_tree.cpp, net_halving_doubling.cpp): a round's bytes do not exist
-# before the previous round's reduction made them. The mesh and the ring are pipelined: a
-# ring step forwards each chunk as it is reduced, and the mesh posts everything at once.
-# On the simulated hosts, where every rank shares the machine's 2 cores, the staged
-# algorithms' measured times from 1 MiB are the model's NIC time plus its CPU time, not
-# their larger: on 16 and 32 hosts of one rank at 1 Gbit/s, (measured - latency - larger) /
-# smaller was 0.9-1.1 for the tree and halving/doubling from 1 MiB to 4 MiB, where the ring
-# was within 0.2 of 0 on 16 hosts (docs/multi_node.md, "16 and 32 hosts"). In a round every
-# rank sends and receives at once and then reduces, and what the CPU does at a round's
-# start and end waits for a core that every other rank wants too. stage_serial is that
-# fraction (0.70 fitted; 0 for the pipelined algorithms), and stage_wake each round's wait
-# for a core, per round and per squared unit of oversubscription (ranks per core beyond
-# one): 0.012 ms, like wake nothing on hosts with a core per rank. The wait grows with the
-# square: every rank of a round waits for its partner, which waits behind the other ranks
-# of its core, so a rank per core more is both one more to wait behind and one more
-# waiting. Fitted with the oversubscription itself instead, the staged rows came out up to
-# 40% slow on 16 hosts and 33% fast on 32; squared, within 0.82-1.26, with 2.8 times less
-# squared log error (docs/multi_node.md, "16 and 32 hosts"). Both are fitted last, on the
-# staged rows only, the other costs held (benchmarks/cost_model_fit.py: fit_staged). On
-# hosts with a core per rank nothing measured says what stage_serial is, and predictions for
-# such hosts keep the fitted one.
+# The tree and recursive halving/doubling run in rounds, each of which starts when the one before it
+# ended (net_tree.cpp, net_halving_doubling.cpp): a round's bytes do not exist before the previous
+# round's reduction made them. The mesh and the ring are pipelined: a ring step forwards each chunk
+# as it is reduced, and the mesh posts everything at once. On the simulated hosts, where every rank
+# shares the machine's 2 cores, the staged algorithms' measured times from 1 MiB are the model's NIC
+# time plus its CPU time, not their larger: on 16 and 32 hosts of one rank at 1 Gbit/s, (measured -
+# latency - larger) / smaller was 0.9-1.1 for the tree and halving/doubling from 1 MiB to 4 MiB,
+# where the ring was within 0.2 of 0 on 16 hosts (docs/multi_node.md, "16 and 32 hosts"). In a round
+# every rank sends and receives at once and then reduces, and what the CPU does at a round's start
+# and end waits for a core that every other rank wants too. stage_serial is that fraction (0.37
+# fitted, 0.70 before Note [Shaped cables cost CPU]; 0 for the pipelined algorithms), and stage_wake
+# each round's wait for a core, per round and per squared unit of oversubscription (ranks per core
+# beyond one): 0.012 ms, like wake nothing on hosts with a core per rank. The wait grows with the
+# square: every rank of a round waits for its partner, which waits behind the other ranks of its
+# core, so a rank per core more is both one more to wait behind and one more waiting. Fitted with
+# the oversubscription itself instead, the staged rows came out up to 40% slow on 16 hosts and 33%
+# fast on 32; squared, within 0.82-1.26, with 2.8 times less squared log error (docs/multi_node.md,
+# "16 and 32 hosts"). Both are fitted last, on the staged rows only, the other costs held
+# (benchmarks/cost_model_fit.py: fit_staged). On hosts with a core per rank nothing measured says
+# what stage_serial is, and predictions for such hosts keep the fitted one.
 STAGED = ("doubling", "tree")
 
 

@@ -238,7 +238,7 @@ constexpr size_t kNetOps = 3;
 // Sizes are nccl-tests' S: an all_reduce's tensor, a reduce_scatter's input, an
 // all_gather's output, in bytes; 0: never.
 struct AutoBySize {
-  NetAlgo group = NetAlgo::MESH;            // the group's algorithm: MESH or RING
+  NetAlgo main = NetAlgo::MESH;             // the group's algorithm: MESH or RING
   size_t tree_max_bytes = 0;                // all-reduces of at most this take the tree
   size_t doubling_max_bytes[kNetOps] = {};  // the others of at most this, halving-doubling
 };
