@@ -27,8 +27,8 @@ RANK = textwrap.dedent("""
     import torch_sagemaker
     from datetime import timedelta
     from torch_sagemaker.smddp.backend import group_layout
-    rank, port = int(sys.argv[1]), sys.argv[2]
-    dist.init_process_group("smddp", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    rank, store = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("smddp", init_method=f"file://{store}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=60))
     if rank == 1:
         time.sleep(1.0)
@@ -55,17 +55,17 @@ def test_ranks_in_separate_pid_namespaces_are_one_host_and_not_declared_dead(tmp
     reason = _unshare_works()
     if reason:
         pytest.skip(f"needs Linux user and PID namespaces: {reason}")
-    from tests.distributed.launcher import free_port
-
-    port = free_port()
+    # A file store both namespaces see: a TCP store's port, probed free beforehand, was once
+    # taken by another process before rank 0 listened on it (EADDRINUSE).
+    store = tmp_path / "store"
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     # In its namespace rank 0 runs as pid 2; rank 1 first forks a few processes, so its pid
     # there (about 10) does not exist in rank 0's namespace.
     shells = [
-        f"{sys.executable} {script} 0 {port}",
-        f"for i in 1 2 3 4 5 6 7 8; do /bin/true; done; {sys.executable} {script} 1 {port}",
+        f"{sys.executable} {script} 0 {store}",
+        f"for i in 1 2 3 4 5 6 7 8; do /bin/true; done; {sys.executable} {script} 1 {store}",
     ]
     procs = [
         subprocess.Popen(
