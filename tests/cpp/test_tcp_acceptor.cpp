@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "harness.h"
+#include "smddp/transport/tcp/tcp.h"
 
 using smddp::Communicator;
 using smddp_test::run_group;
@@ -95,4 +96,19 @@ TEST_CASE(more_peers_than_the_handshake_cap_connect_at_once) {
       for (int r = 0; r < kRanks; ++r) EXPECT(got[r] == static_cast<char>(r), "part ", r);
     }
   });
+}
+
+// A peer's mesh record names its listener by a numeric IPv4 address (listen() resolves any
+// name on its own host), so connecting never calls a name resolver, whose temporary failures
+// (EAI_AGAIN) would otherwise fail a connection. A record with a name or a bad port is
+// refused when the group learns its peers, naming the rank and the record.
+TEST_CASE(mesh_records_are_numeric_addresses) {
+  smddp::TcpMesh mesh(0, 3, "secret", "records");
+  mesh.set_peers({"", "127.0.0.1|5000", "10.9.0.2|65535"});  // rank 0: itself, no record
+  EXPECT_THROW_WITH(mesh.set_peers({"", "localhost|5000", "10.9.0.2|1"}),
+                    "malformed mesh record of rank 1", "'localhost|5000'", "IPv4-address|port");
+  EXPECT_THROW_WITH(mesh.set_peers({"", "127.0.0.1|5000", "10.9.0.2|0"}),
+                    "malformed mesh record of rank 2", "'10.9.0.2|0'");
+  EXPECT_THROW_WITH(mesh.set_peers({"", "127.0.0.1|5000", "10.9.0.2"}),
+                    "malformed mesh record of rank 2");
 }

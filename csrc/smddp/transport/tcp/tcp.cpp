@@ -195,11 +195,16 @@ void TcpMesh::set_peers(const std::vector<std::string>& endpoints) {
     char* end = nullptr;
     const long port =
         bar == std::string::npos ? 0 : std::strtol(endpoints[r].c_str() + bar + 1, &end, 10);
-    if (port < 1 || port > 65535 || !end || *end != '\0') {
+    PeerAddr pa{
+        bar == std::string::npos ? "" : endpoints[r].substr(0, bar), static_cast<int>(port), {}};
+    pa.addr.sin_family = AF_INET;
+    pa.addr.sin_port = htons(static_cast<uint16_t>(port));
+    if (port < 1 || port > 65535 || !end || *end != '\0' ||
+        inet_pton(AF_INET, pa.host.c_str(), &pa.addr.sin_addr) != 1) {
       throw CommError("smddp: malformed mesh record of rank " + std::to_string(r) + ": '" +
-                      endpoints[r] + "' (expected address|port)");
+                      endpoints[r] + "' (expected IPv4-address|port)");
     }
-    peers_[r] = {endpoints[r].substr(0, bar), static_cast<int>(port)};
+    peers_[r] = pa;
   }
 }
 
@@ -224,21 +229,12 @@ int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
         std::chrono::milliseconds(std::min(pause_ms, std::max(1, ctx.deadline.remaining_ms()))));
   };
   for (int pause_ms = kRetryFirstMs;; pause_ms = std::min(2 * pause_ms, kRetryMaxMs)) {
-    addrinfo hints{}, *res = nullptr;
-    hints.ai_family = AF_INET;
-    hints.ai_socktype = SOCK_STREAM;
-    if (getaddrinfo(pa.host.c_str(), port.c_str(), &hints, &res) != 0 || !res) {
-      fail_peer(peer, "cannot resolve its address " + pa.host, ctx);
-    }
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) {
-      const int e = errno;
-      freeaddrinfo(res);
-      fail_peer(peer, std::string("cannot open a socket: ") + std::strerror(e), ctx);
+      fail_peer(peer, std::string("cannot open a socket: ") + std::strerror(errno), ctx);
     }
     set_nonblocking(fd, true);
-    int r = ::connect(fd, res->ai_addr, res->ai_addrlen);
-    freeaddrinfo(res);
+    int r = ::connect(fd, reinterpret_cast<const sockaddr*>(&pa.addr), sizeof(pa.addr));
     int err = r != 0 && errno != EINPROGRESS ? errno : 0;
     bool answered = err != 0, connected = false;
     // One attempt waits up to kAttemptMs for the connection, in slices that see an abort.

@@ -101,6 +101,7 @@
 // (collectives, and the send lane for isend) take the connection's write lock per message.
 #pragma once
 
+#include <netinet/in.h>
 #include <poll.h>
 
 #include <atomic>
@@ -120,9 +121,12 @@ namespace smddp {
 
 class Acceptor;
 
+// A peer's listener as its mesh record published it: a numeric IPv4 address (listen() resolves
+// any name once, on its own host), so connecting never waits on a name resolver.
 struct PeerAddr {
-  std::string host;
+  std::string host;  // for messages
   int port = 0;
+  sockaddr_in addr{};
 };
 
 class TcpMesh final : public Transport {
