@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 
 from benchmarks import cost_model_fit
@@ -88,6 +89,11 @@ def model_report(runs: list[dict], args: argparse.Namespace) -> int:
                     [int(h) for h in args.predict_hosts],
                 )
             )
+    print(
+        f"\nUnshaped, {_size(64 << 20)} calls: CPU ms per rank by what it does, and the most of "
+        "bare TCP's throughput smddp can reach where the cores bound it (TCP's share):"
+    )
+    print(cpu_split_table(costs))
     print(
         f"\nauto's choice by size (Note [The auto rule from the model]), on {RULE_CLUSTER}, "
         "at the fitted costs; kAutoRule in csrc/smddp/algorithms/net_algorithm.cpp "
@@ -347,6 +353,40 @@ def prediction_table(
                     f"{bound / t:.2f}"
                 )
             lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cpu_split_table(costs: cost_model.Costs, size: int = 64 << 20) -> str:
+    """Each unshaped 2x1 and 2x2 call's CPU by what it does, and bare TCP's ceiling.
+
+    Where the cores bound a call, bare TCP's streams spend only the "TCP bytes" part, so the
+    TCP bytes' share of smddp's CPU is the most of bare TCP's throughput smddp can reach
+    (docs/multi_node.md, "What bounds smddp against bare TCP"). Ms per call per rank, the
+    mesh (which 2 hosts take), every rank on this machine's 2 cores.
+    """
+    lines = [
+        "| layout | dtype | op | TCP bytes | reduction | shared-memory reduce-scatter | "
+        "copies | TCP's share |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for hosts, ranks in ((2, 1), (2, 2)):
+        cluster = cost_model.Cluster(hosts, ranks, math.inf, cores=2, machine_ranks=hosts * ranks)
+        for dtype in ("float32", "bfloat16"):
+            for op in cost_model.OPS:
+                p = cost_model.parts(costs, cost_model.work(cluster, op, size, "mesh", dtype))
+                copies = p.cpu["copies"] + p.serial
+                total = sum(p.cpu.values()) + p.serial
+                cells = [
+                    p.cpu["TCP bytes"],
+                    p.cpu["reduction"],
+                    p.cpu["shared-memory reduce-scatter"],
+                    copies,
+                ]
+                ms = " | ".join(f"{c * 1e3:.1f}" if c else "-" for c in cells)
+                lines.append(
+                    f"| {hosts}x{ranks} | {dtype} | {_op(op)} | {ms} | "
+                    f"{p.cpu['TCP bytes'] / total:.2f} |"
+                )
     return "\n".join(lines)
 
 

@@ -552,4 +552,24 @@ def test_fit_from_saved_runs_prints_the_tables(tmp_path, capsys, monkeypatch, re
     assert "Predicted: 2 x 100gbit per host, 8 ranks" in out
     assert "| 1024 |" in out and "largest" in out
     assert "auto's choice by size" in out and "    {2, NetAlgo::MESH, 0, {0, 0, 0}}," in out
+    # docs/multi_node.md, "What bounds smddp against bare TCP": the recorded fit's split.
+    assert "| 2x2 | float32 | reduce_scatter | 17.3 | 2.5 | 14.6 | - | 0.50 |" in out
     assert plot.stat().st_size > 0
+
+
+def test_bare_tcps_ceiling_is_the_tcp_bytes_share_of_the_cpu():
+    def shares(costs: cm.Costs) -> dict[tuple[str, str, str], float]:
+        rows = report.cpu_split_table(costs).splitlines()[2:]
+        cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+        return {(c[0], c[1], c[2]): float(c[-1]) for c in cells}
+
+    tcp_only = dataclasses.replace(
+        WIRE_ONLY, net_cpu=1e-9, reduce_cpu=0.0, shm_reduce_cpu=0.0, copy_cpu=0.0
+    )
+    assert set(shares(tcp_only).values()) == {1.0}  # nothing but the TCP path: bare TCP's speed
+    # Copies at the TCP path's cost per byte: a 2x1 all_reduce copies nothing, a 2x2
+    # all_gather copies its parts through the segments.
+    with_copies = dataclasses.replace(tcp_only, copy_cpu=1e-9)
+    got = shares(with_copies)
+    assert got[("2x1", "float32", "all_reduce")] == 1.0
+    assert got[("2x2", "float32", "all_gather")] < got[("2x1", "float32", "all_gather")] < 1.0
