@@ -195,12 +195,15 @@ void TcpMesh::set_peers(const std::vector<std::string>& endpoints) {
     char* end = nullptr;
     const long port =
         bar == std::string::npos ? 0 : std::strtol(endpoints[r].c_str() + bar + 1, &end, 10);
-    PeerAddr pa{
-        bar == std::string::npos ? "" : endpoints[r].substr(0, bar), static_cast<int>(port), {}};
-    pa.addr.sin_family = AF_INET;
-    pa.addr.sin_port = htons(static_cast<uint16_t>(port));
-    if (port < 1 || port > 65535 || !end || *end != '\0' ||
-        inet_pton(AF_INET, pa.host.c_str(), &pa.addr.sin_addr) != 1) {
+    PeerAddr pa;
+    const bool port_ok = port >= 1 && port <= 65535 && end && *end == '\0';
+    if (port_ok) {
+      pa.host = endpoints[r].substr(0, bar);
+      pa.port = static_cast<int>(port);
+      pa.addr.sin_family = AF_INET;
+      pa.addr.sin_port = htons(static_cast<uint16_t>(port));
+    }
+    if (!port_ok || inet_pton(AF_INET, pa.host.c_str(), &pa.addr.sin_addr) != 1) {
       throw CommError("smddp: malformed mesh record of rank " + std::to_string(r) + ": '" +
                       endpoints[r] + "' (expected IPv4-address|port)");
     }
@@ -210,6 +213,7 @@ void TcpMesh::set_peers(const std::vector<std::string>& endpoints) {
 
 int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
   const PeerAddr& pa = peers_.at(peer);
+  if (pa.port == 0) fail_peer(peer, "it published no listener (a bug: no TCP to it expected)", ctx);
   const std::string port = std::to_string(pa.port);
   char admit_bytes[kAdmitBytes];
   fill_claim(admit_bytes, rank_, hmac_sha256(secret_, admit_message(rank_, peer)));
