@@ -49,6 +49,13 @@ HOST_MAC = "02:00:0a:09:00:{:02x}"
 # own data meets (the queues, the shapers) is unchanged. A link set down inside a host can drop
 # its entries (the kernel flushes a device's neighbours): after that, it resolves addresses
 # as any host does.
+# Note [Memory floor]
+# Every simulated host's ranks run on this machine, so a layout of many hosts can use all of
+# its memory: 64 hosts of one rank (bench multihost) took 24 GiB within two minutes, and the
+# kernel's OOM killer then killed the benchmark's own process, leaving the hosts running. So
+# the switch stops every host once the machine's available memory falls below a floor, and
+# says so; their results are lost, the machine is not.
+MEMORY_FLOOR_BYTES = 1 << 30
 HOST_NAME = "tsm-host-{}"
 SWITCH_PID_VARIABLE = "TSM_NETNS_SWITCH_PID"
 # Whole 64 KiB offload segments must pass the bucket at once, or TCP stalls on a shaped veth.
@@ -266,6 +273,7 @@ def run_hosts(
     congestion: str | None = None,
     slow_start_after_idle: int | None = None,
     switch_queue_bytes: int | None = None,
+    memory_floor_bytes: int = MEMORY_FLOOR_BYTES,
 ) -> subprocess.CompletedProcess:
     """Runs ``command`` on ``hosts`` simulated hosts joined by a switch; output is merged.
 
@@ -283,6 +291,8 @@ def run_hosts(
             None: the kernel's default for a new namespace (1).
         switch_queue_bytes: With a rate, the most bytes each switch port queues towards its
             host (Note [Shallow switch ports]); None: QUEUE_LATENCY's worth.
+        memory_floor_bytes: Every host is stopped once the machine's available memory falls
+            below this (Note [Memory floor]).
 
     Returns:
         The finished switch process: ``returncode`` 0 when every host's command succeeded,
@@ -298,6 +308,7 @@ def run_hosts(
     switch = [sys.executable, "-I", os.path.abspath(__file__)]
     argv = ["unshare", *user_ns, "--net", "--mount", *switch]
     argv += ["--hosts", str(hosts), "--timeout", str(timeout_s), "--host-name", host_name]
+    argv += ["--memory-floor", str(memory_floor_bytes)]
     if rate_bits:
         argv += ["--rate-bits", str(rate_bits)]
     if switch_queue_bytes is not None:
@@ -460,6 +471,13 @@ def _cable(
         _shape(upload, "eth0", rate_bits, None)  # its upload
 
 
+def _memory_available() -> tuple[int, int]:
+    """The machine's available and total memory in bytes (/proc/meminfo)."""
+    with open("/proc/meminfo") as f:
+        info = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)}
+    return info["MemAvailable"], info["MemTotal"]
+
+
 def _kill_tree(host: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(host.pid, signal.SIGKILL)
@@ -474,6 +492,7 @@ def _switch(
     congestion: str | None,
     slow_start_after_idle: int | None,
     queue_bytes: int | None = None,
+    memory_floor: int = MEMORY_FLOOR_BYTES,
 ) -> int:
     with contextlib.ExitStack() as stack:
         _private_etc_hosts(stack, hosts, host_name)
@@ -498,16 +517,26 @@ def _switch(
                     if proc.poll() is None:
                         raise
             deadline = time.monotonic() + timeout_s
+            available, total = _memory_available()
             # A host that failed leaves the others waiting for it: stop them all at once.
             while (
                 any(p.poll() is None for p in procs)
                 and time.monotonic() < deadline
                 and not any(p.poll() for p in procs)
+                and available >= memory_floor
             ):
                 time.sleep(0.05)
-            why = (
-                f"timeout ({timeout_s:.0f} s)" if time.monotonic() >= deadline else "a host failed"
-            )
+                available, total = _memory_available()
+            why = "a host failed"
+            if time.monotonic() >= deadline:
+                why = f"timeout ({timeout_s:.0f} s)"
+            elif available < memory_floor:
+                why = (
+                    f"the machine's available memory fell to {available >> 20} MiB of "
+                    f"{total >> 20} MiB, below the floor of {memory_floor >> 20} MiB "
+                    f"(Note [Memory floor] in tools/netns.py): all {hosts} hosts' processes "
+                    "run on this machine; run fewer hosts or ranks, or smaller sizes"
+                )
         finally:
             running = [p.poll() is None for p in procs]
             for p in procs:
@@ -533,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-name", default=HOST_NAME)
     p.add_argument("--congestion", default=None, help="the hosts' TCP congestion control")
     p.add_argument("--queue-bytes", type=int, default=None, help="each switch port's queue")
+    p.add_argument("--memory-floor", type=int, default=MEMORY_FLOOR_BYTES, help="bytes; see Note")
     p.add_argument(
         "--slow-start-after-idle",
         type=int,
@@ -552,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         args.congestion,
         args.slow_start_after_idle,
         args.queue_bytes,
+        args.memory_floor,
     )
 
 

@@ -7,6 +7,8 @@ bfloat16 results agree bit for bit on every rank of both hosts. The same job tra
 bf16 recipe (``--train-setups fsdp1_hybrid,fsdp2_hybrid --dtype bf16``) on a tiny Llama,
 held against one host of 4 ranks."""
 
+import time
+
 import pytest
 
 from benchmarks import multihost, multihost_report, multihost_training_report
@@ -287,6 +289,21 @@ def test_each_host_keeps_or_drops_slow_start_after_idle_as_asked():
     for bad in (2, True):
         with pytest.raises(ValueError, match=f"slow_start_after_idle={bad}: .* is 0 or 1"):
             netns.run_hosts(2, read, 60, slow_start_after_idle=bad)
+
+
+def test_hosts_are_stopped_before_they_exhaust_the_machines_memory():
+    # Note [Memory floor] in tools/netns.py: a floor above what the machine has stops the
+    # hosts at once, with the reason, where they would otherwise sleep for a minute.
+    if netns.unavailable_reason():
+        pytest.skip(f"needs Linux network namespaces: {netns.unavailable_reason()}")
+    start = time.monotonic()
+    done = netns.run_hosts(2, ["sleep", "60"], 90, memory_floor_bytes=1 << 60)
+    assert done.returncode != 0, done.stdout
+    assert done.stdout.count("killed: the machine's available memory fell to") == 2, done.stdout
+    assert "below the floor of 1099511627776 MiB" in done.stdout, done.stdout
+    assert time.monotonic() - start < 30, done.stdout
+    done = netns.run_hosts(2, ["true"], 60)  # the default floor lets a small job run
+    assert done.returncode == 0, done.stdout
 
 
 def test_the_local_all_gather_runs_during_the_exchange(short_run):
