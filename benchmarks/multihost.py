@@ -85,7 +85,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -103,8 +102,6 @@ from benchmarks.multihost_report import (
 from benchmarks.multihost_training import SETUPS, TRAIN_DTYPES, Run, runs_for
 from tools import netns
 from tools.bare_tcp import BARE_TCP
-
-MASTER_PORT = 29530  # inside the hosts' private network
 
 # Note [Each backend's sweep back to back]
 # A job runs one backend's cases (every op, every size) one after the other, then the next
@@ -146,46 +143,6 @@ def _train_dtype(text: str) -> str:
             f"training dtype {text!r}: choose from {', '.join(TRAIN_DTYPES)} (or bf16, fp32)"
         )
     return name
-
-
-# --- one host: starts its ranks ------------------------------------------------------------
-
-
-def host_settings() -> dict[str, str]:
-    """This host's TCP settings that the benchmark sets, read back from its own namespace."""
-    settings = {"congestion": " ".join(netns.congestion_settings())}
-    try:
-        with open("/proc/sys/net/ipv4/tcp_slow_start_after_idle") as f:
-            settings["slow_start_after_idle"] = f.read().strip()
-    except OSError:
-        settings["slow_start_after_idle"] = "unknown"
-    return settings
-
-
-def _host_main(host: int, spec: dict[str, Any]) -> int:
-    # What this host's TCP runs, as the kernel says, for the run's record (Note [Simulated
-    # hosts run cubic]): the driver reads one file per host.
-    with open(f"{spec['out']}.host{host}", "w") as f:
-        json.dump(host_settings(), f)
-    procs = []
-    for local in range(spec["local"]):
-        env = dict(
-            os.environ,
-            RANK=str(host * spec["local"] + local),
-            WORLD_SIZE=str(spec["hosts"] * spec["local"]),
-            LOCAL_RANK=str(local),
-            LOCAL_WORLD_SIZE=str(spec["local"]),
-            MASTER_ADDR=netns.HOST_ADDRESS.format(1),
-            MASTER_PORT=str(MASTER_PORT),
-            OMP_NUM_THREADS="1",
-        )
-        if spec.get("timeline"):
-            env["SMDDP_TIMELINE"] = "1"
-        env.pop("SMDDP_FORCE_LOCAL_SIZE", None)
-        argv = [sys.executable, "-m", __spec__.name, "--rank-spec", json.dumps(spec)]
-        procs.append(subprocess.Popen(argv, env=env))
-    codes = [p.wait() for p in procs]
-    return 0 if not any(codes) else 1
 
 
 # --- the driver ----------------------------------------------------------------------------
@@ -249,9 +206,9 @@ def run_layout(
         ``{"rows": one per op, size and backend, "identical": None, or with ``identical``
         each rank's results of the float32/bfloat16 agreement check (smddp), "training":
         one record per run and backend in ``train_backends`` (``multihost_training.
-        summarise``), "hosts": each host's
-        TCP settings as its kernel reported them (``host_settings``), "congestion_why":
-        why the hosts ran that congestion control}``.
+        summarise``), "hosts": each host's TCP settings as its kernel reported them
+        (``tools.bench_host.host_settings``), "congestion_why": why the hosts ran that
+        congestion control}``.
 
     Raises:
         ValueError: A congestion control the hosts cannot run (``netns.check_congestion``).
@@ -279,9 +236,10 @@ def run_layout(
             "dtypes": dtypes or ["float32"],
             "out": out,
         }
-        command = [sys.executable, "-m", __spec__.name, "--host", "{host}", json.dumps(spec)]
-        # The hosts' processes inherit the environment and working directory, so they import
-        # this package as this process did.
+        # Note [A light host process]: each host's process starts its ranks and waits. The
+        # hosts' processes inherit the environment and working directory, so their ranks
+        # import this package as this process did.
+        command = [sys.executable, "-m", "tools.bench_host", "{host}", json.dumps(spec)]
         done = netns.run_hosts(
             hosts,
             command,
@@ -304,10 +262,8 @@ def run_layout(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the benchmark (or, with the internal --host/--rank-spec, one host or rank)."""
+    """Runs the benchmark (or, with the internal --rank-spec, one rank)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--host"]:
-        return _host_main(int(argv[1]), json.loads(argv[2]))
     if argv[:1] == ["--rank-spec"]:
         from benchmarks.multihost_rank import rank_main
 

@@ -56,7 +56,8 @@ def ran_setting(per_host: list[dict[str, str]], key: str) -> str:
     """A TCP setting as the hosts reported it: one value on every host, or each host's.
 
     Args:
-        per_host: ``host_settings`` of each host (``run_layout``'s ``hosts``), jobs in turn.
+        per_host: ``tools.bench_host.host_settings`` of each host (``run_layout``'s
+            ``hosts``), jobs in turn.
         key: ``congestion`` or ``slow_start_after_idle``.
     """
     values = [h[key] for h in per_host]

@@ -249,7 +249,7 @@ def test_the_default_congestion_control_falls_back_where_cubic_is_not_allowed(mo
 
 def test_hosts_start_with_the_fallback_and_report_it(monkeypatch):
     # The fallback's hosts run and read back the machine's own congestion control, which is
-    # what the benchmark's record and header carry (multihost.host_settings).
+    # what the benchmark's record and header carry (tools.bench_host.host_settings).
     if netns.unavailable_reason():
         pytest.skip(f"needs Linux network namespaces: {netns.unavailable_reason()}")
     own = netns.congestion_settings()
@@ -304,6 +304,20 @@ def test_hosts_are_stopped_before_they_exhaust_the_machines_memory():
     assert time.monotonic() - start < 30, done.stdout
     done = netns.run_hosts(2, ["true"], 60)  # the default floor lets a small job run
     assert done.returncode == 0, done.stdout
+
+
+def test_each_hosts_own_process_does_not_import_torch():
+    # Note [A light host process] in tools/bench_host.py: one runs beside every host's ranks.
+    import subprocess
+    import sys
+
+    probe = "import sys, tools.bench_host; print(sorted(m for m in sys.modules if m == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    # The probe sees torch where it is imported.
+    probe = probe.replace("tools.bench_host", "benchmarks")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['torch']", out.stdout
 
 
 def test_the_local_all_gather_runs_during_the_exchange(short_run):
