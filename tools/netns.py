@@ -51,10 +51,11 @@ HOST_MAC = "02:00:0a:09:00:{:02x}"
 # as any host does.
 # Note [Memory floor]
 # Every simulated host's ranks run on this machine, so a layout of many hosts can use all of
-# its memory: 64 hosts of one rank (bench multihost) took 24 GiB within two minutes, and the
-# kernel's OOM killer then killed the benchmark's own process, leaving the hosts running. So
-# the switch stops every host once the machine's available memory falls below a floor, and
-# says so; their results are lost, the machine is not.
+# its memory: 64 hosts of one rank (bench multihost, before Note [A light host process] in
+# tools/bench_host.py) took 24 GiB within two minutes, and the kernel's OOM killer then killed
+# the benchmark's own process, leaving the hosts running. So the switch stops every host once
+# the machine's available memory falls below a floor, and says so; their results are lost,
+# the machine is not.
 MEMORY_FLOOR_BYTES = 1 << 30
 HOST_NAME = "tsm-host-{}"
 SWITCH_PID_VARIABLE = "TSM_NETNS_SWITCH_PID"
