@@ -49,6 +49,7 @@ HOST_MAC = "02:00:0a:09:00:{:02x}"
 # own data meets (the queues, the shapers) is unchanged. A link set down inside a host can drop
 # its entries (the kernel flushes a device's neighbours): after that, it resolves addresses
 # as any host does.
+
 # Note [Memory floor]
 # Every simulated host's ranks run on this machine, so a layout of many hosts can use all of
 # its memory: 64 hosts of one rank (bench multihost, before Note [A light host process] in
