@@ -12,13 +12,16 @@ import socket
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago.
+    """A TCP port that was free on every local address a moment ago.
 
-    Another process may take it before the caller binds it; callers that start a store on it
-    retry with a new port when the bind fails.
+    Probed on the wildcard address, as c10d's TCPStore binds it: a port free on 127.0.0.1
+    can still be held on another address (an smddp listener binds an ephemeral port on the
+    host's own address), and the store's wildcard bind then fails with EADDRINUSE. Another
+    process may still take the port before the caller binds it; callers that start a store
+    on it retry with a new port when the bind fails.
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 

@@ -329,6 +329,11 @@ def _port_taken(failure: str) -> bool:
     return "EADDRINUSE" in failure
 
 
+def _store_port_taken(failure: str) -> bool:
+    """Whether a call failed because its store could not bind the pool's port."""
+    return _port_taken(failure) and "server socket has failed to listen" in failure
+
+
 def _start_pool(
     world_size: int, backend: str, env: dict[str, str], init_pg: bool, pg_timeout: float
 ) -> _Pool:
@@ -367,7 +372,8 @@ def run_distributed(
         env: Extra environment variables for the ranks (part of the pool key).
         fresh: Use a throw-away pool instead of the shared one.
         init_process_group: Create the default process group before calling ``fn``
-            (False implies ``fresh``).
+            (False implies ``fresh``; where ``fn`` creates it and its store finds the port
+            taken, the call runs again on a new pool, up to three times).
         pg_timeout: Timeout given to ``init_process_group``.
         **kwargs: Keyword arguments for ``fn``.
 
@@ -379,7 +385,19 @@ def run_distributed(
             did not finish in time.
     """
     env = dict(env or {})
-    fresh = fresh or not init_process_group
+    if not init_process_group:
+        # The ranks create their store inside ``fn``, so a port taken meanwhile fails the
+        # call, not the start: the call runs again on a new pool, as _start_pool does.
+        for attempt in range(3):
+            pool = _start_pool(world_size, backend, env, False, pg_timeout)
+            try:
+                return pool.run(fn, args, kwargs, timeout)
+            except DistributedTestError as e:
+                if not _store_port_taken(str(e)) or attempt == 2:
+                    raise
+            finally:
+                pool.shutdown()
+        raise AssertionError("unreachable")
     key = (world_size, backend, tuple(sorted(env.items())), pg_timeout)
     pool = None if fresh else _CACHE.get(key)
     if pool is not None and not pool.alive():
