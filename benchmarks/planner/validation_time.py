@@ -85,7 +85,9 @@ def predict_step(
     """The planner's step time for an fp32 FSDP2 run on CPU ranks (no overlap).
 
     ``rates`` are a calibration's (``calibration.calibrate``); its measured one-host
-    collectives of ``backend``, if any, price the one-host groups.
+    collectives of ``backend``, if any, price the one-host groups. Simulated hosts whose
+    NICs run at a rate (``nic_bits`` below 1e12) have their cables shaped on this machine's
+    cores, and their collectives pay that CPU (Note [Shaped cables cost CPU]).
     """
     world = hosts * per_host
     cluster = Cluster(
@@ -110,6 +112,7 @@ def predict_step(
         cores=cores or float(os.cpu_count() or 1),
         machine_ranks=world,  # simulated hosts share this machine's cores
         one_host=one_host_lines(rates, backend),
+        shaper=hosts > 1 and nic_bits < 1e12,
     )
     result = evaluate(spec, checked, cluster, workload, machine_of(rates), fabric)
     return result.time.step

@@ -170,3 +170,39 @@ def test_measured_one_host_lines_price_their_backend_only():
     # Records written before rows named their backend: the first word of the row's name.
     assert vt.backend_of({"name": "gloo fsdp2_full"}) == "gloo"
     assert vt.backend_of({"name": "x", "backend": "smddp"}) == "smddp"
+
+
+def test_shaped_simulated_hosts_pay_their_shapers_cpu():
+    # Note [Shaped cables cost CPU]: a group across simulated hosts whose cables are shaped
+    # on these cores pays shaper_cpu per TCP byte; one host, or real NICs, do not.
+    import dataclasses
+
+    # A NIC fast enough that the cores, not the NIC, bound the call.
+    costs = dataclasses.replace(comm.Costs(), shaper_cpu=5 * comm.Costs().net_cpu)
+    real = comm.Fabric(2, 1e11, 0.0, costs, 2.0, 4)
+    shaped = dataclasses.replace(real, shaper=True)
+    across, inside = [0, 2], [0, 1]
+    assert comm.seconds(shaped, "all_reduce", 16 << 20, across) > comm.seconds(
+        real, "all_reduce", 16 << 20, across
+    )
+    assert comm.seconds(shaped, "all_reduce", 16 << 20, inside) == comm.seconds(
+        real, "all_reduce", 16 << 20, inside
+    )
+    # The time validation's simulated hosts at a rate are shaped; its one-host rows are not.
+    spec = vt._model_spec(tuple(sorted(MODEL.items())))
+    step = {
+        "spec": spec,
+        "per_host": 2,
+        "hybrid_shard_degree": 4,
+        "seq_len": 32,
+        "batch": 1,
+        "rates": RATES,
+        "cores": 2,
+    }
+    plain = vt.predict_step(hosts=2, costs=comm.Costs(), nic_bits=8e11, **step)
+    dear = vt.predict_step(hosts=2, costs=costs, nic_bits=8e11, **step)
+    assert dear > plain
+    unshaped = [
+        vt.predict_step(hosts=2, costs=c, nic_bits=1e12, **step) for c in (costs, comm.Costs())
+    ]
+    assert unshaped[0] == unshaped[1]

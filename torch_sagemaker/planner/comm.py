@@ -81,6 +81,9 @@ class Fabric:
         one_host: Measured collectives inside one host, ``(op, ranks, seconds per call,
             seconds per byte)`` each (``op`` one of ``OPS``, bytes as nccl-tests' S): they
             price a one-host group of exactly ``ranks`` ranks instead of the cost model.
+        shaper: Whether software shapers on these cores pace the NICs (simulated hosts
+            whose cables run at a rate): groups across hosts then pay their CPU
+            (``cost_model.Cluster.shaper``). False for real NICs.
     """
 
     per_host: int
@@ -90,6 +93,7 @@ class Fabric:
     cores: float = 0.0
     machine_ranks: int = 0
     one_host: tuple[tuple[str, int, float, float], ...] = ()
+    shaper: bool = False
 
 
 def span(ranks: Sequence[int], per_host: int) -> tuple[int, int]:
@@ -121,7 +125,9 @@ def _seconds(fabric: Fabric, op: str, nbytes: int, where: tuple[int, int]) -> fl
         cluster = cost_model.Cluster(1, local, 1e18, cores, fabric.machine_ranks)
     else:
         share = fabric.nic_rate * local / fabric.per_host
-        cluster = cost_model.Cluster(hosts, local, share, cores, fabric.machine_ranks)
+        cluster = cost_model.Cluster(
+            hosts, local, share, cores, fabric.machine_ranks, shaper=fabric.shaper
+        )
     return cost_model.best(fabric.costs, cluster, _MODEL_OP[op], nbytes)[1]
 
 
