@@ -162,7 +162,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                {"recv_calls", t.recv_calls},
                                                {"polls", t.polls},
                                                {"bytes_received", t.bytes_received},
-                                               {"stashed_bytes", t.stashed_bytes}};
+                                               {"stashed_bytes", t.stashed_bytes},
+                                               {"connects_unreachable", t.connects_unreachable},
+                                               {"connects_unanswered", t.connects_unanswered}};
       });
 
   // The store wait inside runs without the GIL so other Python threads keep running.

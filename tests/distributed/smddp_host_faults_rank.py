@@ -9,13 +9,18 @@ all_reduce of its own group, whose timeout is ``FAULT_TIMEOUT_S``:
    ranks wait for them in the collective, then resumed;
 2. ``link``: host 1's link goes down (``ip link set eth0 down`` inside it), and comes back up
    once its ranks have their error;
-3. ``blip``: host 1's link is down for a moment (BLIP_S) as a new group makes its first
-   connections, in an all_reduce whose timeout is BLIP_TIMEOUT_S: the attempts that find
-   no route to the other host (host 1's own) or no answer to address resolution (rank 0's,
-   which has forgotten host 1's address) are made again, and the all_reduce ends well;
-4. ``kill``: host 1's ranks are killed (SIGKILL).
+3. ``silent``: host 1's link is down for a moment (BLIP_S) as a new group makes its first
+   connections, in an all_reduce whose timeout is BLIP_TIMEOUT_S. Host 0 knows host 1's
+   hardware address, so its connection requests go out and get no answer; that group's
+   attempts wait SILENT_ATTEMPT_S each (``connect_attempt_timeout``), and are made again
+   until the link is back. Host 1's own attempts find no route. The all_reduce ends well;
+4. ``blip``: the same with another new group, but rank 0 has forgotten host 1's address:
+   its attempts get no answer to address resolution instead;
+5. ``kill``: host 1's ranks are killed (SIGKILL).
 
-Each rank records, for each fault, the error its all_reduce raised and how long it took.
+Each rank records, for each fault, the error its all_reduce raised and how long it took,
+and for ``silent`` and ``blip`` its group's connection attempts that the network did not
+carry (``connects_unanswered``, ``connects_unreachable``).
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ RANKS_PER_HOST = 2
 # apart), so the attempts made meanwhile fail, and far inside the blip group's timeout.
 BLIP_S = 4.5
 BLIP_TIMEOUT_S = 40.0
+# Far below the default 20 s: a few of these attempts fit in the blip, which the kernel's own
+# retransmissions of one attempt's request (1 s, then 2 s later) would otherwise span.
+SILENT_ATTEMPT_S = 1.0
 BLIP_PEER = "10.9.0.2"  # host 1's address (tools.netns.HOST_ADDRESS)
 
 
@@ -86,6 +94,7 @@ def _rank(out: str) -> None:
     import torch.distributed as dist
 
     import torch_sagemaker  # noqa: F401  (registers the smddp backend)
+    from torch_sagemaker.smddp import SMDDPOptions
 
     torch.set_num_threads(1)
     dist.init_process_group("smddp", timeout=timedelta(seconds=60))
@@ -98,7 +107,11 @@ def _rank(out: str) -> None:
     groups = {name: dist.new_group(timeout=timeout) for name in ("stall", "link", "kill")}
     for g in groups.values():
         dist.all_reduce(torch.ones(4), group=g)  # every mesh connection exists now
-    # Its connections are made only by its first collective, during the blip.
+    # Their connections are made only by their first collectives, during the blips.
+    silent = dist.new_group(
+        timeout=timedelta(seconds=BLIP_TIMEOUT_S),
+        pg_options=SMDDPOptions(connect_attempt_timeout=SILENT_ATTEMPT_S),
+    )
     blip = dist.new_group(timeout=timedelta(seconds=BLIP_TIMEOUT_S))
     result: dict = {"pid": os.getpid()}
 
@@ -139,10 +152,40 @@ def _rank(out: str) -> None:
             subprocess.run(["ip", "link", "set", "eth0", "up"], check=True)
     dist.barrier()  # the default group's connections outlived the link's absence
 
-    # 3. Host 1's link goes down before the blip group's first collective and comes back
-    # BLIP_S later. Every rank starts that collective only once the link is down (through the
-    # file system the hosts share), so each of its connections is first tried without it.
-    down = os.path.join(out, "blip_down")
+    # 3. Host 1's link is down as the silent group's first collective connects. Host 0 knows
+    # host 1's address from the start (Note [Static neighbours] in tools/netns.py), so its
+    # requests go out, and the switch drops them at host 1's port: no answer.
+    _link_down_for_a_blip(out, "silent_down", rank)
+    result["silent"] = _timed_all_reduce(silent, expect=dist.get_world_size())
+    result["silent"].update(_connect_counts(silent))
+    dist.barrier()
+
+    # 4. The same for the blip group, but rank 0's connection to rank 2 must resolve host 1's
+    # address first, which the link's absence leaves unanswered: connect() fails with
+    # EHOSTUNREACH.
+    _link_down_for_a_blip(out, "blip_down", rank)
+    if rank == 0:
+        subprocess.run(["ip", "neigh", "del", BLIP_PEER, "dev", "eth0"], check=True)
+    result["blip"] = _timed_all_reduce(blip, expect=dist.get_world_size())
+    result["blip"].update(_connect_counts(blip))
+    dist.barrier()
+    _write(out, rank, result)
+    dist.barrier()  # every rank's first three results are written
+
+    # 5. Host 1's ranks are killed during the collective.
+    if rank == RANKS_PER_HOST:
+        os.kill(pids[RANKS_PER_HOST + 1], signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+    result["kill"] = _timed_all_reduce(groups["kill"])
+    _write(out, rank, result)
+    os._exit(0)  # the job's other host is gone: skip the collective shutdown
+
+
+def _link_down_for_a_blip(out: str, name: str, rank: int) -> None:
+    """Host 1's link goes down and comes back BLIP_S later; every rank returns once it is
+    down (through the file system the hosts share), so each connection of the collective it
+    starts next is first tried without the link."""
+    down = os.path.join(out, name)
     if rank == RANKS_PER_HOST:
         subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
         subprocess.Popen(
@@ -152,23 +195,16 @@ def _rank(out: str) -> None:
     deadline = time.monotonic() + 60
     while not os.path.exists(down) and time.monotonic() < deadline:
         time.sleep(0.01)
-    if rank == 0:
-        # Host 0 knows host 1's address from the start (Note [Static neighbours] in
-        # tools/netns.py); without it rank 0's connection to rank 2 must resolve it first,
-        # which the link's absence leaves unanswered: connect() fails with EHOSTUNREACH.
-        subprocess.run(["ip", "neigh", "del", BLIP_PEER, "dev", "eth0"], check=True)
-    result["blip"] = _timed_all_reduce(blip, expect=dist.get_world_size())
-    dist.barrier()
-    _write(out, rank, result)
-    dist.barrier()  # every rank's first three results are written
 
-    # 4. Host 1's ranks are killed during the collective.
-    if rank == RANKS_PER_HOST:
-        os.kill(pids[RANKS_PER_HOST + 1], signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)
-    result["kill"] = _timed_all_reduce(groups["kill"])
-    _write(out, rank, result)
-    os._exit(0)  # the job's other host is gone: skip the collective shutdown
+
+def _connect_counts(group) -> dict:
+    """The group's connection attempts that the network did not carry, by how they ended."""
+    import torch
+
+    from torch_sagemaker._torch_compat import c10d as c10d_compat
+
+    stats = c10d_compat.backend_of(group, torch.device("cpu"))._transport_stats()
+    return {k: stats[k] for k in ("connects_unanswered", "connects_unreachable")}
 
 
 def _write(out: str, rank: int, result: dict) -> None:

@@ -2,7 +2,9 @@
 that stalls, a host whose link goes down, a host whose ranks are killed. Every rank of every
 host must raise within its group's timeout, naming the ranks it lost, and nothing of the job
 may stay in /dev/shm. A link that is down for a moment as a group's first connections are
-made is not a fault: the collective must end well. The job is smddp_host_faults_rank.py."""
+made is not a fault: the collective must end well, whether the attempts meanwhile find no
+route, no answer to address resolution, or no answer at all. The job is
+smddp_host_faults_rank.py."""
 
 import json
 import os
@@ -76,16 +78,36 @@ def test_a_host_whose_link_goes_down_fails_every_rank_within_the_timeout(fault_r
         assert fault["seconds"] < FAULT_TIMEOUT_S + SLACK_S, fault
 
 
+def _ended_well(results, fault):
+    for rank in range(4):
+        blip = results[rank][fault]
+        assert blip["error"] is None, (rank, blip)
+        assert blip["exact"], (rank, blip)
+        assert blip["seconds"] < BLIP_TIMEOUT_S - SLACK_S, (rank, blip)
+
+
 def test_a_link_that_is_down_as_connections_are_first_made_is_waited_for(fault_run):
     # Note [Admission] in tcp.h: no route (host 1's own attempts) and no answer to address
     # resolution (rank 0's) are not verdicts: the attempts are made again until the link is
     # back, and the collective ends well, long before its timeout.
     results, _ = fault_run
-    for rank in range(4):
-        blip = results[rank]["blip"]
-        assert blip["error"] is None, (rank, blip)
-        assert blip["exact"], (rank, blip)
-        assert blip["seconds"] < BLIP_TIMEOUT_S - SLACK_S, (rank, blip)
+    _ended_well(results, "blip")
+    # Both paths were taken: some rank of each host had attempts answered "unreachable"
+    # (EHOSTUNREACH after address resolution on host 0, no route on host 1).
+    for host in (HOST0, HOST1):
+        assert sum(results[r]["blip"]["connects_unreachable"] for r in host) >= 1, results
+
+
+def test_connection_requests_nobody_answers_are_made_again(fault_run):
+    # Note [Admission]: an attempt that gets no answer within connect_attempt_timeout (host
+    # 0's, whose requests the switch drops at host 1's port) is made afresh, until the link
+    # is back; host 1's find no route meanwhile.
+    results, _ = fault_run
+    _ended_well(results, "silent")
+    unanswered = [results[r]["silent"]["connects_unanswered"] for r in HOST0]
+    # The link is down for BLIP_S = 4.5 s, attempts end after SILENT_ATTEMPT_S = 1 s.
+    assert max(unanswered) >= 2, results
+    assert sum(results[r]["silent"]["connects_unreachable"] for r in HOST1) >= 1, results
 
 
 def test_a_killed_host_fails_the_other_host_at_once(fault_run):

@@ -62,6 +62,9 @@ def test_environment_and_options_with_units():
         {"SMDDP_BUFFER_BYTES": "4M", "SMDDP_MOVE_OFF_CPU": "1"},
     )
     assert s["buffer_bytes"] == "8192" and s["timeout"] == "2.5" and s["move_off_cpu"] == "0"
+    assert resolve(None, {})["connect_attempt_timeout"] == "20"
+    s = resolve(SMDDPOptions(connect_attempt_timeout=1.5), {"SMDDP_CONNECT_ATTEMPT_TIMEOUT": "3"})
+    assert s["connect_attempt_timeout"] == "1.5"
 
 
 @pytest.mark.parametrize(
@@ -79,6 +82,11 @@ def test_environment_and_options_with_units():
         ({"SMDDP_MOVE_OFF_CPU": "maybe"}, ["SMDDP_MOVE_OFF_CPU=maybe", "1 or 0"]),
         ({"SMDDP_FORCE_LOCAL_SIZE": " 2"}, ["SMDDP_FORCE_LOCAL_SIZE= 2"]),
         ({"SMDDP_SOCKET_ADDR": "10.0.0.1", "SMDDP_SOCKET_IFNAME": "eth0"}, ["set one of them"]),
+        (
+            {"SMDDP_CONNECT_ATTEMPT_TIMEOUT": "0.05"},
+            ["SMDDP_CONNECT_ATTEMPT_TIMEOUT=0.05", "between 0.1 and 600 seconds"],
+        ),
+        ({"SMDDP_CONNECT_ATTEMPT_TIMEOUT": "20s"}, ["positive number of seconds"]),
     ],
 )
 def test_malformed_environment_raises_naming_the_variable(environ, words):

@@ -59,6 +59,10 @@ const std::vector<SettingInfo> kSettings = {
      "the type bf16/fp16 reductions send their partial sums between hosts in: auto (the "
      "tensor's own, half of fp32's bytes; each host's partial rounded once, sums in fp32) or "
      "fp32 (twice the bytes, no rounding before the owner's)"},
+    {"connect_attempt_timeout", "SMDDP_CONNECT_ATTEMPT_TIMEOUT", "seconds", "20",
+     "how long one attempt to connect to a rank on another host waits for the network's "
+     "answer before it is made afresh (0.1 to 600); unanswered attempts go on for 60 s at "
+     "most, or to the operation's timeout"},
     {"timeline", "SMDDP_TIMELINE", "flag", "0",
      "1: record when each collective and each of its phases across hosts began and ended "
      "(bench multihost --timeline prints them), and the phases of staged calls on device "
@@ -166,6 +170,13 @@ void apply(Settings& s, const std::string& field, const std::string& source,
     if (lower(text) == "auto") return -1;
     return static_cast<int64_t>(bytes(lo, hi, zero_ok));
   };
+  auto seconds = [&] {
+    char* end = nullptr;
+    const double v = std::strtod(text.c_str(), &end);
+    SMDDP_CHECK_VALUE(!text.empty() && !*end && std::isfinite(v) && v > 0,
+                      invalid(source, text, "expected a positive number of seconds"));
+    return v;
+  };
   if (field == "buffer_bytes") {
     s.buffer_bytes = bytes(4 * kKiB, kGiB, false);
   } else if (field == "chunk_bytes") {
@@ -219,11 +230,12 @@ void apply(Settings& s, const std::string& field, const std::string& source,
   } else if (field == "stage_cpu") {
     s.stage_cpu = parse_flag(source, text);
   } else if (field == "timeout") {
-    char* end = nullptr;
-    double v = std::strtod(text.c_str(), &end);
-    SMDDP_CHECK_VALUE(!text.empty() && !*end && std::isfinite(v) && v > 0,
-                      invalid(source, text, "expected a positive number of seconds"));
-    s.timeout_s = v;
+    s.timeout_s = seconds();
+  } else if (field == "connect_attempt_timeout") {
+    const double v = seconds();
+    SMDDP_CHECK_VALUE(v >= 0.1 && v <= 600,
+                      invalid(source, text, "must be between 0.1 and 600 seconds"));
+    s.connect_attempt_s = v;
   }
 }
 
@@ -282,6 +294,7 @@ std::map<std::string, std::string> describe(const Settings& s) {
                    : s.net_algo == NetAlgo::TREE             ? "tree"
                                                              : "auto"},
       {"net_reduce_dtype", s.net_reduce_fp32 ? "fp32" : "auto"},
+      {"connect_attempt_timeout", num(s.connect_attempt_s)},
       {"timeline", s.timeline ? "1" : "0"},
       {"staging_chunk_bytes", std::to_string(s.staging_chunk_bytes)},
       {"staging_memory", s.staging_memory},

@@ -48,6 +48,9 @@ struct Settings {
   bool net_reduce_fp32 = false;
   bool timeline = false;  // Note [Timeline] in timeline.h
   double timeout_s = 0;   // 0: the timeout c10d passes (init_process_group / new_group)
+  // One connection attempt to another host's rank waits this long for the network's answer
+  // (Note [Admission] in transport/tcp/tcp.h).
+  double connect_attempt_s = 20;
   // Device tensors (Note [Device staging] in device_staging.h).
   size_t staging_chunk_bytes = 4 << 20;
   std::string staging_memory = "auto";  // "auto", "pinned" or "pool"

@@ -92,6 +92,10 @@ struct TransportStats {
   uint64_t send_calls = 0, recv_calls = 0, polls = 0;  // send(2), recv(2), poll(2) in exchanges
   uint64_t bytes_received = 0;                         // message bodies
   uint64_t stashed_bytes = 0;  // bodies read before their receive was posted: copied again
+  // Connection attempts the network did not carry, made again (Note [Admission] in tcp.h):
+  // connect() answered "unreachable" (no route, address resolution unanswered), or no answer
+  // within the attempt's time.
+  uint64_t connects_unreachable = 0, connects_unanswered = 0;
 };
 
 class Transport {

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -164,6 +165,7 @@ TcpMesh::~TcpMesh() { shutdown(); }
 
 std::string TcpMesh::listen(bool across_hosts, const Settings& settings) {
   const std::string address = across_hosts ? local_address(settings) : "127.0.0.1";
+  attempt_ms_ = static_cast<int>(std::lround(settings.connect_attempt_s * 1000));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = 0;
@@ -241,8 +243,8 @@ int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
     int r = ::connect(fd, reinterpret_cast<const sockaddr*>(&pa.addr), sizeof(pa.addr));
     int err = r != 0 && errno != EINPROGRESS ? errno : 0;
     bool answered = err != 0, connected = false;
-    // One attempt waits up to kAttemptMs for the connection, in slices that see an abort.
-    const auto attempt_end = Clock::now() + std::chrono::milliseconds(kAttemptMs);
+    // One attempt waits up to attempt_ms_ for the connection, in slices that see an abort.
+    const auto attempt_end = Clock::now() + std::chrono::milliseconds(attempt_ms_);
     while (!answered && !aborted_.load() && Clock::now() < attempt_end && !ctx.deadline.expired()) {
       pollfd pfd{fd, POLLOUT, 0};
       const int n = poll(&pfd, 1, std::max(1, std::min(kSliceMs, ctx.deadline.remaining_ms())));
@@ -261,6 +263,8 @@ int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
       const std::string what = "cannot connect to " + pa.host + ":" + port + ": " +
                                (answered ? std::strerror(err) : "no answer");
       if (answered && !unreachable_for_now(err)) fail_peer(peer, what, ctx);
+      (answered ? counts_.connects_unreachable : counts_.connects_unanswered)
+          .fetch_add(1, std::memory_order_relaxed);
       // Note [Admission]: not a verdict; again after the pause, for kUnreachableMs at most.
       const auto now = Clock::now();
       if (!unreachable_since) unreachable_since = now;

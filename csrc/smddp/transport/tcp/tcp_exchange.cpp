@@ -540,6 +540,8 @@ TransportStats TcpMesh::stats() const {
   out.polls = counts_.polls.load(kRelaxed);
   out.bytes_received = counts_.bytes_received.load(kRelaxed);
   out.stashed_bytes = counts_.stashed_bytes.load(kRelaxed);
+  out.connects_unreachable = counts_.connects_unreachable.load(kRelaxed);
+  out.connects_unanswered = counts_.connects_unanswered.load(kRelaxed);
   return out;
 }
 

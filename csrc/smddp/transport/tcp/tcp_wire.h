@@ -30,10 +30,10 @@ inline constexpr char kAccepted = 1, kRefused = 0, kDuplicate = 2;
 inline constexpr int kRetryFirstMs = 10,
                      kRetryMaxMs = 500;  // connect_to's backoff between attempts
 
-// connect_to's attempts (Note [Admission]): one waits kAttemptMs at most for the connection,
-// in polls of kSliceMs that see an abort; attempts the network does not carry are made again
-// for kUnreachableMs at most from the first.
-inline constexpr int kAttemptMs = 20000, kSliceMs = 200, kUnreachableMs = 60000;
+// connect_to's attempts (Note [Admission]): one waits Settings::connect_attempt_s at most for
+// the connection, in polls of kSliceMs that see an abort; attempts the network does not carry
+// are made again for kUnreachableMs at most from the first.
+inline constexpr int kSliceMs = 200, kUnreachableMs = 60000;
 
 // Whether connect() failing with `err` says only that the network does not carry the attempt
 // yet (Note [Admission]): no route, a link that is down, no answer to neighbour discovery or
