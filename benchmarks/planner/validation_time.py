@@ -55,6 +55,9 @@ TRAINING_MODES = {
     "fsdp2_hybrid": lambda n: max(1, n // 2),
     "ddp": lambda n: 1,
 }
+#: A row's NIC rate where no NIC is crossed (one host) or shaped: far above any collective's.
+NO_NIC_BITS = 1e12
+
 #: A CPU as an accelerator: only what the memory model reads; rates come from calibration.
 CPU = Accelerator("cpu", 1 << 40, 1.0, 1.0, 1.0, 0.0)
 
@@ -78,7 +81,7 @@ def predict_step(
     batch: int,
     rates: dict[str, float],
     costs: comm.Costs,
-    nic_bits: float = 1e12,
+    nic_bits: float = NO_NIC_BITS,
     cores: float = 0.0,
     backend: str = "smddp",
 ) -> float:
@@ -86,8 +89,8 @@ def predict_step(
 
     ``rates`` are a calibration's (``calibration.calibrate``); its measured one-host
     collectives of ``backend``, if any, price the one-host groups. Simulated hosts whose
-    NICs run at a rate (``nic_bits`` below 1e12) have their cables shaped on this machine's
-    cores, and their collectives pay that CPU (Note [Shaped cables cost CPU]).
+    NICs run at a rate (``nic_bits`` below NO_NIC_BITS) have their cables shaped on this
+    machine's cores, and their collectives pay that CPU (Note [Shaped cables cost CPU]).
     """
     world = hosts * per_host
     cluster = Cluster(
@@ -112,7 +115,7 @@ def predict_step(
         cores=cores or float(os.cpu_count() or 1),
         machine_ranks=world,  # simulated hosts share this machine's cores
         one_host=one_host_lines(rates, backend),
-        shaper=hosts > 1 and nic_bits < 1e12,
+        shaper=hosts > 1 and nic_bits < NO_NIC_BITS,
     )
     result = evaluate(spec, checked, cluster, workload, machine_of(rates), fabric)
     return result.time.step
@@ -148,7 +151,7 @@ def predict_rows(record: dict) -> list[tuple[dict, float]]:
             batch=row["batch"],
             rates=rates,
             costs=costs,
-            nic_bits=row.get("nic_bits", 1e12),
+            nic_bits=row.get("nic_bits", NO_NIC_BITS),
             cores=record["cores"],
             backend=backend_of(row),
         )
@@ -281,7 +284,7 @@ def measure_multihost(args: argparse.Namespace) -> list[dict]:
                 "hybrid_shard_degree": world,
                 "seq_len": multihost_training.TRAINING_SEQ,
                 "batch": multihost_training.TRAINING_BATCH,
-                "nic_bits": rate if hosts > 1 else 1e12,
+                "nic_bits": rate if hosts > 1 else NO_NIC_BITS,
                 "measured": [per_step / t for t in tokens],
             }
         )

@@ -213,7 +213,7 @@ class _Pool:
         self.world_size = world_size
         self.results = _CTX.Queue()
         self.tasks = [_CTX.Queue() for _ in range(world_size)]
-        port = free_port()
+        self.port = port = free_port()
         self.procs = [
             _CTX.Process(
                 target=_worker,
@@ -289,10 +289,19 @@ class _Pool:
             )
         return [values[r] for r in range(self.world_size)]
 
-    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout_s: float) -> list[Any]:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        timeout_s: float,
+        conclusive: Callable[[str], bool] | None = None,
+    ) -> list[Any]:
         for q in self.tasks:
             q.put((fn, args, kwargs))
-        values = self._collect(timeout_s, what=f"{getattr(fn, '__name__', fn)}")
+        values = self._collect(
+            timeout_s, what=f"{getattr(fn, '__name__', fn)}", conclusive=conclusive
+        )
         for q in self.tasks:  # Note [Groups released between calls]
             q.put(_RELEASE)
         return values
@@ -329,9 +338,13 @@ def _port_taken(failure: str) -> bool:
     return "EADDRINUSE" in failure
 
 
-def _store_port_taken(failure: str) -> bool:
-    """Whether a call failed because its store could not bind the pool's port."""
-    return _port_taken(failure) and "server socket has failed to listen" in failure
+def _store_took_no_port(port: int) -> Callable[[str], bool]:
+    """Whether a rank's failure is its store's bind of ``port`` (the pool's) being refused."""
+    return lambda failure: (
+        _port_taken(failure)
+        and "server socket has failed to listen" in failure
+        and f"port: {port}," in failure
+    )
 
 
 def _start_pool(
@@ -372,8 +385,9 @@ def run_distributed(
         env: Extra environment variables for the ranks (part of the pool key).
         fresh: Use a throw-away pool instead of the shared one.
         init_process_group: Create the default process group before calling ``fn``
-            (False implies ``fresh``; where ``fn`` creates it and its store finds the port
-            taken, the call runs again on a new pool, up to three times).
+            (False implies ``fresh``). Where it is False and the store ``fn`` creates on
+            ``MASTER_PORT`` finds that port taken, ``fn`` runs again on a new pool, up to
+            three times: it must not fail for what a failed attempt left behind.
         pg_timeout: Timeout given to ``init_process_group``.
         **kwargs: Keyword arguments for ``fn``.
 
@@ -390,10 +404,11 @@ def run_distributed(
         # call, not the start: the call runs again on a new pool, as _start_pool does.
         for attempt in range(3):
             pool = _start_pool(world_size, backend, env, False, pg_timeout)
+            taken = _store_took_no_port(pool.port)
             try:
-                return pool.run(fn, args, kwargs, timeout)
+                return pool.run(fn, args, kwargs, timeout, conclusive=taken)
             except DistributedTestError as e:
-                if not _store_port_taken(str(e)) or attempt == 2:
+                if not taken(str(e)) or attempt == 2:
                     raise
             finally:
                 pool.shutdown()

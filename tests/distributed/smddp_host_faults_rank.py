@@ -1,9 +1,10 @@
-"""Faults between two simulated hosts (netns_hosts.py), one job, three faults in turn.
+"""Faults between two simulated hosts (netns_hosts.py), one job, five faults in turn.
 
 ``python -m tests.distributed.smddp_host_faults_rank HOST OUT`` runs on each host and starts
 that host's two ranks (this same module with ``--rank``), which write ``rank<R>.json`` into
 OUT. Ranks 0-1 live on host 0, ranks 2-3 on host 1. Each fault hits host 1 during an
-all_reduce of its own group, whose timeout is ``FAULT_TIMEOUT_S``:
+all_reduce of its own group, whose timeout is ``FAULT_TIMEOUT_S`` (``BLIP_TIMEOUT_S`` for the
+two blips):
 
 1. ``stall``: host 1's ranks are stopped (SIGSTOP) for longer than the timeout while host 0's
    ranks wait for them in the collective, then resumed;
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from typing import Any
 
 # The job waits out the timeout twice (the stall and the link), so it is kept short; it stays
 # above the test's 3 s of slack, so that an error that came at once (the kill) and one that
@@ -40,8 +42,9 @@ FAULT_TIMEOUT_S = 4.0
 STALL_S = 7.0  # host 0 must give up on host 1 first: 3 s past the timeout, for a loaded machine
 RANKS_PER_HOST = 2
 # Longer than the kernel takes to give up on a neighbour that does not answer (3 probes, 1 s
-# apart), so the attempts made meanwhile fail, and far inside the blip group's timeout.
-BLIP_S = 4.5
+# apart), with 3 s to spare for a rank that starts its attempts late on a loaded machine, so
+# the attempts made meanwhile fail; and far inside the blip groups' timeout.
+BLIP_S = 6.0
 BLIP_TIMEOUT_S = 40.0
 # Far below the default 20 s: a few of these attempts fit in the blip, which the kernel's own
 # retransmissions of one attempt's request (1 s, then 2 s later) would otherwise span.
@@ -170,7 +173,7 @@ def _rank(out: str) -> None:
     result["blip"].update(_connect_counts(blip))
     dist.barrier()
     _write(out, rank, result)
-    dist.barrier()  # every rank's first three results are written
+    dist.barrier()  # every rank's first four results are written
 
     # 5. Host 1's ranks are killed during the collective.
     if rank == RANKS_PER_HOST:
@@ -182,9 +185,11 @@ def _rank(out: str) -> None:
 
 
 def _link_down_for_a_blip(out: str, name: str, rank: int) -> None:
-    """Host 1's link goes down and comes back BLIP_S later; every rank returns once it is
-    down (through the file system the hosts share), so each connection of the collective it
-    starts next is first tried without the link."""
+    """Takes host 1's link down for BLIP_S, and returns on every rank once it is down.
+
+    Every rank learns that through the file system the hosts share, so each connection of
+    the collective it starts next is first tried without the link.
+    """
     down = os.path.join(out, name)
     if rank == RANKS_PER_HOST:
         subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
@@ -197,7 +202,7 @@ def _link_down_for_a_blip(out: str, name: str, rank: int) -> None:
         time.sleep(0.01)
 
 
-def _connect_counts(group) -> dict:
+def _connect_counts(group: Any) -> dict:
     """The group's connection attempts that the network did not carry, by how they ended."""
     import torch
 

@@ -90,6 +90,37 @@ def test_a_port_taken_before_the_store_binds_it_starts_the_pool_again(monkeypatc
     assert not ports  # the first pool was given the taken port
 
 
+def _own_store():
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    port = int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=30))
+    store.set(f"rank{rank}", "here")
+    store.wait([f"rank{r}" for r in range(world)])
+    return port
+
+
+def test_a_port_taken_before_a_calls_own_store_binds_it_runs_the_call_again(monkeypatch):
+    # init_process_group=False: the ranks create their store inside the call, which fails on
+    # the taken port and runs again on a new pool and port.
+    from tests.distributed import launcher
+
+    with launcher.taken_port() as taken:
+        ports = [taken]
+        real = launcher.free_port
+        monkeypatch.setattr(launcher, "free_port", lambda: ports.pop() if ports else real())
+        start = time.monotonic()
+        got = run_distributed(_own_store, world_size=2, init_process_group=False)
+        assert not ports  # the first pool was given the taken port
+        assert got[0] == got[1] != taken, got
+        # The failure was conclusive: no grace period for the ranks that waited on the store.
+        assert time.monotonic() - start < 10
+
+
 def test_groups_of_a_call_are_released_before_the_next_call():
     # Note [Groups released between calls]: each gloo group holds three threads, one waking
     # every 10 ms; a pool must not gather them over the suite.

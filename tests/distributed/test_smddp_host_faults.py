@@ -105,7 +105,7 @@ def test_connection_requests_nobody_answers_are_made_again(fault_run):
     results, _ = fault_run
     _ended_well(results, "silent")
     unanswered = [results[r]["silent"]["connects_unanswered"] for r in HOST0]
-    # The link is down for BLIP_S = 4.5 s, attempts end after SILENT_ATTEMPT_S = 1 s.
+    # The link is down for BLIP_S = 6 s, attempts end after SILENT_ATTEMPT_S = 1 s.
     assert max(unanswered) >= 2, results
     assert sum(results[r]["silent"]["connects_unreachable"] for r in HOST1) >= 1, results
 

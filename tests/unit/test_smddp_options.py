@@ -63,6 +63,7 @@ def test_environment_and_options_with_units():
     )
     assert s["buffer_bytes"] == "8192" and s["timeout"] == "2.5" and s["move_off_cpu"] == "0"
     assert resolve(None, {})["connect_attempt_timeout"] == "20"
+    assert resolve(None, {"SMDDP_CONNECT_ATTEMPT_TIMEOUT": "60"})["connect_attempt_timeout"] == "60"
     s = resolve(SMDDPOptions(connect_attempt_timeout=1.5), {"SMDDP_CONNECT_ATTEMPT_TIMEOUT": "3"})
     assert s["connect_attempt_timeout"] == "1.5"
 
@@ -84,9 +85,12 @@ def test_environment_and_options_with_units():
         ({"SMDDP_SOCKET_ADDR": "10.0.0.1", "SMDDP_SOCKET_IFNAME": "eth0"}, ["set one of them"]),
         (
             {"SMDDP_CONNECT_ATTEMPT_TIMEOUT": "0.05"},
-            ["SMDDP_CONNECT_ATTEMPT_TIMEOUT=0.05", "between 0.1 and 600 seconds"],
+            ["SMDDP_CONNECT_ATTEMPT_TIMEOUT=0.05", "between 0.1 and 60 seconds"],
         ),
+        ({"SMDDP_CONNECT_ATTEMPT_TIMEOUT": "60.1"}, ["between 0.1 and 60 seconds"]),
         ({"SMDDP_CONNECT_ATTEMPT_TIMEOUT": "20s"}, ["positive number of seconds"]),
+        ({"SMDDP_CONNECT_ATTEMPT_TIMEOUT": "0x10"}, ["positive number of seconds"]),
+        ({"SMDDP_CONNECT_ATTEMPT_TIMEOUT": " 5"}, ["positive number of seconds"]),
     ],
 )
 def test_malformed_environment_raises_naming_the_variable(environ, words):

@@ -47,8 +47,9 @@ class SMDDPOptions:
             (all_reduce only; other collectives as "auto") or "auto".
         net_reduce_dtype: The type bf16/fp16 reductions send partial sums between hosts in:
             "auto" (their own, half of fp32's bytes) or "fp32".
-        connect_attempt_timeout: Seconds one attempt to connect to a rank on another
-            host waits for the network's answer before it is made afresh (0.1 to 600).
+        connect_attempt_timeout: How long one attempt to connect to another rank over TCP
+            waits for the network's answer before it is made afresh (seconds or
+            timedelta, 0.1 to 60 s).
         timeline: Record when each collective and its phases across hosts began and ended,
             and the phases of staged calls on device tensors.
         staging_chunk_bytes: Device tensors: bytes copied and reduced at a time (4K to 1G).
@@ -74,7 +75,7 @@ class SMDDPOptions:
     net_chunk_bytes: int | str | None = None
     net_algo: str | None = None
     net_reduce_dtype: str | None = None
-    connect_attempt_timeout: float | None = None
+    connect_attempt_timeout: float | timedelta | None = None
     timeline: bool | None = None
     staging_chunk_bytes: int | str | None = None
     staging_memory: str | None = None

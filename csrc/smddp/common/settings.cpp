@@ -60,9 +60,9 @@ const std::vector<SettingInfo> kSettings = {
      "tensor's own, half of fp32's bytes; each host's partial rounded once, sums in fp32) or "
      "fp32 (twice the bytes, no rounding before the owner's)"},
     {"connect_attempt_timeout", "SMDDP_CONNECT_ATTEMPT_TIMEOUT", "seconds", "20",
-     "how long one attempt to connect to a rank on another host waits for the network's "
-     "answer before it is made afresh (0.1 to 600); unanswered attempts go on for 60 s at "
-     "most, or to the operation's timeout"},
+     "how long one attempt to connect to another rank over TCP waits for the network's "
+     "answer before it is made afresh (0.1 to 60); attempts the network does not carry go "
+     "on for 60 s from the first, or to the operation's timeout"},
     {"timeline", "SMDDP_TIMELINE", "flag", "0",
      "1: record when each collective and each of its phases across hosts began and ended "
      "(bench multihost --timeline prints them), and the phases of staged calls on device "
@@ -171,9 +171,13 @@ void apply(Settings& s, const std::string& field, const std::string& source,
     return static_cast<int64_t>(bytes(lo, hi, zero_ok));
   };
   auto seconds = [&] {
+    // A decimal number only: strtod alone would also take leading spaces and hex ("0x10").
+    const bool decimal = !text.empty() &&
+                         (std::isdigit(static_cast<unsigned char>(text[0])) || text[0] == '.') &&
+                         text.find_first_not_of("0123456789.eE+-") == std::string::npos;
     char* end = nullptr;
-    const double v = std::strtod(text.c_str(), &end);
-    SMDDP_CHECK_VALUE(!text.empty() && !*end && std::isfinite(v) && v > 0,
+    const double v = decimal ? std::strtod(text.c_str(), &end) : 0;
+    SMDDP_CHECK_VALUE(decimal && !*end && std::isfinite(v) && v > 0,
                       invalid(source, text, "expected a positive number of seconds"));
     return v;
   };
@@ -233,8 +237,10 @@ void apply(Settings& s, const std::string& field, const std::string& source,
     s.timeout_s = seconds();
   } else if (field == "connect_attempt_timeout") {
     const double v = seconds();
-    SMDDP_CHECK_VALUE(v >= 0.1 && v <= 600,
-                      invalid(source, text, "must be between 0.1 and 600 seconds"));
+    // At most the unreachable window (kUnreachableMs in transport/tcp/tcp_wire.h), which no
+    // attempt outlasts.
+    SMDDP_CHECK_VALUE(v >= 0.1 && v <= 60,
+                      invalid(source, text, "must be between 0.1 and 60 seconds"));
     s.connect_attempt_s = v;
   }
 }

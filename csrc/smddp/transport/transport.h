@@ -93,8 +93,8 @@ struct TransportStats {
   uint64_t bytes_received = 0;                         // message bodies
   uint64_t stashed_bytes = 0;  // bodies read before their receive was posted: copied again
   // Connection attempts the network did not carry, made again (Note [Admission] in tcp.h):
-  // connect() answered "unreachable" (no route, address resolution unanswered), or no answer
-  // within the attempt's time.
+  // connect() answered "unreachable" (no route, address resolution unanswered), or the
+  // request had no answer (within the attempt's time, or before the kernel gave up on it).
   uint64_t connects_unreachable = 0, connects_unanswered = 0;
 };
 

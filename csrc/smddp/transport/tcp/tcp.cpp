@@ -227,7 +227,9 @@ int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
   // once.
   std::string last = "its listener did not answer the handshake";
   using Clock = std::chrono::steady_clock;
-  std::optional<Clock::time_point> unreachable_since;  // the first attempt the network lost
+  // The start of the first attempt the network did not carry: attempts end, and fail the
+  // operation, kUnreachableMs after it.
+  std::optional<Clock::time_point> unreachable_since;
   // Between attempts: the pause, unless the operation's deadline has passed.
   auto pause_or_fail = [&](int pause_ms) {
     if (ctx.deadline.expired() || aborted_.load()) fail_peer(peer, last, ctx);
@@ -243,8 +245,14 @@ int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
     int r = ::connect(fd, reinterpret_cast<const sockaddr*>(&pa.addr), sizeof(pa.addr));
     int err = r != 0 && errno != EINPROGRESS ? errno : 0;
     bool answered = err != 0, connected = false;
-    // One attempt waits up to attempt_ms_ for the connection, in slices that see an abort.
-    const auto attempt_end = Clock::now() + std::chrono::milliseconds(attempt_ms_);
+    // One attempt waits up to attempt_ms_ for the connection, in slices that see an abort,
+    // and not past the end of the unreachable window.
+    const auto attempt_start = Clock::now();
+    auto attempt_end = attempt_start + std::chrono::milliseconds(attempt_ms_);
+    if (unreachable_since) {
+      attempt_end =
+          std::min(attempt_end, *unreachable_since + std::chrono::milliseconds(kUnreachableMs));
+    }
     while (!answered && !aborted_.load() && Clock::now() < attempt_end && !ctx.deadline.expired()) {
       pollfd pfd{fd, POLLOUT, 0};
       const int n = poll(&pfd, 1, std::max(1, std::min(kSliceMs, ctx.deadline.remaining_ms())));
@@ -263,13 +271,14 @@ int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
       const std::string what = "cannot connect to " + pa.host + ":" + port + ": " +
                                (answered ? std::strerror(err) : "no answer");
       if (answered && !unreachable_for_now(err)) fail_peer(peer, what, ctx);
-      (answered ? counts_.connects_unreachable : counts_.connects_unanswered)
+      // The kernel's own end of an unanswered request (ETIMEDOUT) is no answer too.
+      const bool unanswered = !answered || err == ETIMEDOUT;
+      (unanswered ? counts_.connects_unanswered : counts_.connects_unreachable)
           .fetch_add(1, std::memory_order_relaxed);
       // Note [Admission]: not a verdict; again after the pause, for kUnreachableMs at most.
-      const auto now = Clock::now();
-      if (!unreachable_since) unreachable_since = now;
+      if (!unreachable_since) unreachable_since = attempt_start;
       last = what;
-      if (now - *unreachable_since >= std::chrono::milliseconds(kUnreachableMs)) {
+      if (Clock::now() - *unreachable_since >= std::chrono::milliseconds(kUnreachableMs)) {
         fail_peer(peer,
                   what + " (every attempt for " + std::to_string(kUnreachableMs / 1000) + " s)",
                   ctx);

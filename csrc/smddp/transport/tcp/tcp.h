@@ -262,7 +262,8 @@ class TcpMesh final : public Transport {
   std::vector<std::unique_ptr<Conn>> conns_;
   std::mutex in_mu_;  // guards Conn::in_fd (set by the listener thread)
   int listen_fd_ = -1, port_ = 0;
-  int attempt_ms_ = 20000;  // Settings::connect_attempt_s, set by listen()
+  // Settings::connect_attempt_s in ms, set by listen().
+  int attempt_ms_ = static_cast<int>(Settings{}.connect_attempt_s * 1000);
   std::string address_;
   std::vector<Handshake> pending_;           // connections being authenticated (Acceptor thread)
   Clock::time_point accept_paused_until_{};  // Acceptor thread: see accept_new()

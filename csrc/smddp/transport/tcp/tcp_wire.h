@@ -32,7 +32,7 @@ inline constexpr int kRetryFirstMs = 10,
 
 // connect_to's attempts (Note [Admission]): one waits Settings::connect_attempt_s at most for
 // the connection, in polls of kSliceMs that see an abort; attempts the network does not carry
-// are made again for kUnreachableMs at most from the first.
+// are made again, and end, kUnreachableMs after the first of them began.
 inline constexpr int kSliceMs = 200, kUnreachableMs = 60000;
 
 // Whether connect() failing with `err` says only that the network does not carry the attempt
