@@ -1,7 +1,7 @@
 """One rank of the two-host smddp test (run by torchrun on each simulated host; see
 netns_hosts.py). Writes ``rank<R>.json`` into the directory given as its argument.
 
-First every collective check of test_smddp_support runs on the real two-host layout; then
+First every collective check of smddp_checks runs on the real two-host layout; then
 rank 3 (on the second host) exits without a word and the other ranks time how long an
 all_reduce takes to fail.
 """
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import torch_sagemaker  # noqa: F401  (registers the smddp backend)
-from tests.distributed import test_smddp_support as checks
+from tests.distributed import smddp_checks as checks
 from torch_sagemaker.smddp import backend
 
 PG_TIMEOUT_S = 60

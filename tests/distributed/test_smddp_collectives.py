@@ -3,7 +3,9 @@ inter-host paths (TCP mesh and ring) forced on one machine."""
 
 import pytest
 
-from tests.distributed import test_smddp_support as checks
+from tests.distributed import smddp_checks as checks
+from tests.distributed import smddp_rank_helpers as rank_helpers
+from tests.distributed import smddp_reference as reference
 from tests.distributed.launcher import run_distributed
 from torch_sagemaker._torch_compat import c10d as c10d_compat
 from torch_sagemaker.smddp import backend
@@ -28,9 +30,9 @@ def _run(world_size, env=None, quick=False):
 def test_two_ranks_shared_memory():
     counts = _run(2)
     assert counts["net_algorithm"] == "none"
-    assert counts["all_reduce"] == sum(len(checks.ops_for(d)) for d in checks.ALL_DTYPES) * len(
-        checks.SIZES
-    )
+    assert counts["all_reduce"] == sum(
+        len(reference.ops_for(d)) for d in reference.ALL_DTYPES
+    ) * len(reference.SIZES)
 
 
 def test_three_ranks_small_buffers_force_chunking():
@@ -94,7 +96,7 @@ def test_two_ranks_one_per_forced_host():
 
 def _unequal_hosts_run_all():
     """The whole check suite on hosts of unequal rank counts, with the layout it ran on."""
-    return checks.host_layout(), checks.run_all(quick=True)
+    return rank_helpers.host_layout(), checks.run_all(quick=True)
 
 
 def test_three_ranks_on_unequal_forced_hosts():
@@ -136,23 +138,23 @@ def _reductions_on_unequal_subgroup():
         as_int = torch.int32 if dtype == torch.float32 else torch.int16
         for op in ("SUM", "AVG", "PREMUL_SUM"):
             for n in (1, 17, 1031, 40003):
-                salt = checks._salt("unequal", str(dtype), op)
-                xs = [checks.make_input(r, n, dtype, salt, op) for r in range(world)]
+                salt = reference.salt_for("unequal", str(dtype), op)
+                xs = [reference.make_input(r, n, dtype, salt, op) for r in range(world)]
                 t = xs[rank].clone()
-                dist.all_reduce(t, op=checks.redop(op), group=group)
-                want = checks.reference_reduce(xs, op, hosts)
-                assert checks.same(t, want), f"all_reduce {dtype} {op} n={n}"
-                told_apart += not checks.same(want, checks.reference_reduce(xs, op, flat))
+                dist.all_reduce(t, op=reference.redop(op), group=group)
+                want = reference.reference_reduce(xs, op, hosts)
+                assert reference.same(t, want), f"all_reduce {dtype} {op} n={n}"
+                told_apart += not reference.same(want, reference.reference_reduce(xs, op, flat))
                 bits.append(t.view(as_int).tolist())
-                xs = [checks.make_input(r, n * world, dtype, salt, op) for r in range(world)]
+                xs = [reference.make_input(r, n * world, dtype, salt, op) for r in range(world)]
                 out = torch.empty(n, dtype=dtype)
-                dist.reduce_scatter_tensor(out, xs[rank], op=checks.redop(op), group=group)
-                full = checks.reference_reduce(xs, op, hosts, scatter=True)
-                assert checks.same(out, full[rank * n : (rank + 1) * n]), f"reduce_scatter {n}"
+                dist.reduce_scatter_tensor(out, xs[rank], op=reference.redop(op), group=group)
+                full = reference.reference_reduce(xs, op, hosts, scatter=True)
+                assert reference.same(out, full[rank * n : (rank + 1) * n]), f"reduce_scatter {n}"
                 # Every rank's part, all-gathered: the same bits on every rank.
                 parts = torch.empty(n * world, dtype=dtype)
                 dist.all_gather_into_tensor(parts, out, group=group)
-                assert checks.same(parts, full), f"all_gather of reduce_scatter {dtype} {op}"
+                assert reference.same(parts, full), f"all_gather of reduce_scatter {dtype} {op}"
                 bits.append(parts.view(as_int).tolist())
     return hosts, told_apart, bits
 
@@ -179,7 +181,7 @@ def test_unequal_hosts_reduce_in_host_order_with_the_same_bits_everywhere():
 def _layout_and_async():
     import torch.distributed as dist
 
-    layout = checks.host_layout()
+    layout = rank_helpers.host_layout()
     return layout, checks.check_async_two_groups(), dist.get_world_size()
 
 

@@ -3,7 +3,8 @@ dist.all_reduce itself everywhere else."""
 
 import pytest
 
-from tests.distributed import test_smddp_support as checks
+from tests.distributed import smddp_rank_helpers as rank_helpers
+from tests.distributed import smddp_reference as reference
 from tests.distributed.launcher import DistributedTestError, run_distributed
 from torch_sagemaker.smddp import backend
 
@@ -20,25 +21,27 @@ def _every_dtype_and_op():
     from torch_sagemaker.smddp.direct import all_reduce_direct
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    hosts = checks.host_layout()
+    hosts = rank_helpers.host_layout()
     checked = 0
-    for dtype in checks.ALL_DTYPES:
-        for op in checks.ops_for(dtype):
+    for dtype in reference.ALL_DTYPES:
+        for op in reference.ops_for(dtype):
             for n in (0, 1, 7, 17, 1031, 70001):
-                salt = checks._salt(str(dtype), op, "direct")
-                t = checks.make_input(rank, n, dtype, salt, op)
+                salt = reference.salt_for(str(dtype), op, "direct")
+                t = reference.make_input(rank, n, dtype, salt, op)
                 via_dist = t.clone()
-                all_reduce_direct(t, op=checks.redop(op))
-                dist.all_reduce(via_dist, op=checks.redop(op))
-                want = checks.reference_reduce(
-                    [checks.make_input(r, n, dtype, salt, op) for r in range(world)],
+                all_reduce_direct(t, op=reference.redop(op))
+                dist.all_reduce(via_dist, op=reference.redop(op))
+                want = reference.reference_reduce(
+                    [reference.make_input(r, n, dtype, salt, op) for r in range(world)],
                     op,
                     hosts,
-                    tree=checks.tree_takes(t),
-                    doubling=checks.doubling_takes(t, "all_reduce"),
+                    tree=reference.tree_takes(t),
+                    doubling=reference.doubling_takes(t, "all_reduce"),
                 )
-                assert checks.same(t, want), f"{dtype} {op} n={n}: {t[:8]} != {want[:8]}"
-                assert checks.same(t, via_dist), f"{dtype} {op} n={n}: differs from dist.all_reduce"
+                assert reference.same(t, want), f"{dtype} {op} n={n}: {t[:8]} != {want[:8]}"
+                assert reference.same(t, via_dist), (
+                    f"{dtype} {op} n={n}: differs from dist.all_reduce"
+                )
                 checked += 1
     # Non-contiguous: a column of a matrix.
     m = torch.arange(12, dtype=torch.float32).reshape(3, 4) + rank
@@ -81,7 +84,7 @@ def _every_dtype_and_op():
 
 def test_every_dtype_and_op_equals_dist_all_reduce_bit_for_bit():
     counts = run_distributed(_every_dtype_and_op, world_size=3, backend="smddp", timeout=300)
-    assert counts[0] == 6 * sum(len(checks.ops_for(d)) for d in checks.ALL_DTYPES)
+    assert counts[0] == 6 * sum(len(reference.ops_for(d)) for d in reference.ALL_DTYPES)
 
 
 def _ordered_with_async_collectives():
@@ -175,7 +178,7 @@ def _mismatched_direct():
     from torch_sagemaker.smddp.direct import all_reduce_direct
 
     rank = dist.get_rank()
-    return checks.runtime_errors(
+    return rank_helpers.runtime_errors(
         [
             lambda: all_reduce_direct(torch.ones(10 + rank)),
             lambda: (

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from tests.distributed import test_smddp_support as checks
+from tests.distributed import smddp_rank_helpers as rank_helpers
 from tests.distributed.launcher import DistributedTestError, run_distributed
 from torch_sagemaker.smddp import backend
 
@@ -39,7 +39,9 @@ def _mismatches():
         ),
     ]
     # A fresh group per case: a failed collective poisons its group.
-    return checks.runtime_errors([lambda case=case: case(dist.new_group([0, 1])) for case in cases])
+    return rank_helpers.runtime_errors(
+        [lambda case=case: case(dist.new_group([0, 1])) for case in cases]
+    )
 
 
 @pytest.mark.parametrize("transport", ["shared_memory", "tcp"])
@@ -90,7 +92,7 @@ def _hosts_disagree():
             torch.empty(4 * (3 + host)), torch.ones(3 + host), group=g
         ),  # numel
     ]
-    return checks.runtime_errors([lambda case=case: case(dist.new_group()) for case in cases])
+    return rank_helpers.runtime_errors([lambda case=case: case(dist.new_group()) for case in cases])
 
 
 def test_collectives_that_differ_between_hosts_raise_on_every_rank():
@@ -117,14 +119,16 @@ def _dead_peer():
     dist.barrier()
     if dist.get_rank() == 2:
         os._exit(3)
-    return checks.raise_with_elapsed(lambda: dist.all_reduce(torch.ones(1000)))  # rank 2 is gone
+    return rank_helpers.raise_with_elapsed(
+        lambda: dist.all_reduce(torch.ones(1000))
+    )  # rank 2 is gone
 
 
 def test_dead_peer_raises_on_every_other_rank_quickly():
     with pytest.raises(DistributedTestError) as info:
         run_distributed(_dead_peer, world_size=3, backend="smddp", fresh=True, pg_timeout=60)
     for rank in (0, 1):
-        section, elapsed = checks.rank_failure(str(info.value), rank)
+        section, elapsed = rank_helpers.rank_failure(str(info.value), rank)
         assert "RuntimeError" in section and "all_reduce" in section, section
         assert "[2]" in section and "exited" in section, section
         assert elapsed < 20, section  # detected long before the 60 s timeout
@@ -171,7 +175,7 @@ def _dead_rank_on_other_host(absent_rank):
         _wait_for_errors(r for r in (0, 1, 2) if r != absent_rank)
         return "away"
     return _report_error(
-        lambda: checks.raise_with_elapsed(lambda: dist.all_reduce(torch.ones(1000)))
+        lambda: rank_helpers.raise_with_elapsed(lambda: dist.all_reduce(torch.ones(1000)))
     )
 
 
@@ -189,7 +193,7 @@ def test_dead_rank_on_another_host_fails_every_rank_quickly():
             pg_timeout=60,
         )
     for rank in (0, 1, 2):
-        section, elapsed = checks.rank_failure(str(info.value), rank)
+        section, elapsed = rank_helpers.rank_failure(str(info.value), rank)
         assert "RuntimeError" in section and "all_reduce" in section, section
         # "[3]": rank 2 sees its local peer gone (or a rank gets a failure flag); "rank 3": a
         # TCP peer or another rank's notice. Ranks 0 and 1 get whichever comes first.
@@ -207,7 +211,7 @@ def _dies_while_its_pool_is_read():
     import torch
     import torch.distributed as dist
 
-    from tests.distributed.test_smddp_support import cpu_backend
+    from tests.distributed.smddp_rank_helpers import cpu_backend
 
     rank, world, n = dist.get_rank(), dist.get_world_size(), 1 << 20
     pool = cpu_backend()
@@ -225,7 +229,7 @@ def _dies_while_its_pool_is_read():
             dist.all_gather_into_tensor(gathered, gathered[rank * n : (rank + 1) * n])
             dist.reduce_scatter_tensor(out, src)
 
-    return checks.raise_with_elapsed(calls)
+    return rank_helpers.raise_with_elapsed(calls)
 
 
 def test_rank_that_dies_while_its_pool_is_read_fails_the_others_quickly():
@@ -239,7 +243,7 @@ def test_rank_that_dies_while_its_pool_is_read_fails_the_others_quickly():
             pg_timeout=60,
         )
     for rank in (0, 2, 3):
-        section, elapsed = checks.rank_failure(str(info.value), rank)
+        section, elapsed = rank_helpers.rank_failure(str(info.value), rank)
         assert "RuntimeError" in section, section
         assert "rank 1" in section or "[1]" in section, section
         assert elapsed < 20, section  # long before the 60 s timeout
@@ -258,7 +262,7 @@ def test_failure_on_this_host_ends_a_wait_over_tcp():
             fresh=True,
             pg_timeout=60,
         )
-    section, elapsed = checks.rank_failure(str(info.value), 0)
+    section, elapsed = rank_helpers.rank_failure(str(info.value), 0)
     assert "because rank 1 failed" in section and "rank 3" in section, section
     assert elapsed < 10, section
 

@@ -67,7 +67,7 @@ def _result(run: list[torch.Tensor], spans: list[tuple[int, int]], dtype) -> tor
 
 
 def _allreduce_spans(n: int, world: int, esz: int) -> list[tuple[int, int]]:
-    from tests.distributed.test_smddp_support import partition
+    from tests.distributed.smddp_reference import partition
 
     return [partition(n, world, p, 64 // esz) for p in range(world)]
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.distributed.launcher import run_distributed
-from tests.distributed.test_smddp_support import cpu_backend as _cpu
+from tests.distributed.smddp_rank_helpers import cpu_backend as _cpu
 from torch_sagemaker.smddp import backend
 
 pytestmark = [

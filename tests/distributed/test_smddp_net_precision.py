@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed.launcher import run_distributed
-from tests.distributed.test_smddp_support import partition
+from tests.distributed.smddp_reference import partition
 from torch_sagemaker.smddp import backend
 from torch_sagemaker.smddp.options import SMDDPOptions
 

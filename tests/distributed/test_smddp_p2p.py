@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from tests.distributed import test_smddp_support as checks
+from tests.distributed import smddp_rank_helpers as rank_helpers
+from tests.distributed import smddp_reference as reference
 from tests.distributed.launcher import DistributedTestError, run_distributed
 from torch_sagemaker.smddp import backend
 
@@ -17,7 +18,7 @@ pytestmark = [
 
 
 def _payload(src: int, n: int, dtype, salt: int):
-    return checks.make_input(src, n, dtype, salt)
+    return reference.make_input(src, n, dtype, salt)
 
 
 # Set by rank 0 once its send larger than the ring is posted; rank 1 waits for it before
@@ -34,7 +35,7 @@ def _p2p_cases(expect_eager: bool) -> int:
     store = dist.distributed_c10d._get_default_store()
     checked = 0
     # Ring exchange, every dtype, sizes from empty to larger than the default ring (1 MiB + 64 KiB).
-    for dtype in checks.ALL_DTYPES:
+    for dtype in reference.ALL_DTYPES:
         for n in (0, 1, 7, 1031, 300007):
             out = torch.empty(n, dtype=dtype)
             ops = [
@@ -43,7 +44,7 @@ def _p2p_cases(expect_eager: bool) -> int:
             ]
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
-            assert checks.same(out, _payload(prv, n, dtype, n)), (dtype, n)
+            assert reference.same(out, _payload(prv, n, dtype, n)), (dtype, n)
             checked += 1
     # Non-contiguous send and receive tensors.
     src = torch.arange(6000, dtype=torch.float64).reshape(60, 100) + rank
@@ -97,8 +98,8 @@ def _p2p_cases(expect_eager: bool) -> int:
         w_big = dist.irecv(big, 0, tag=1)
         w_small.wait()
         w_big.wait()
-        assert checks.same(small, _payload(0, 5, torch.int64, 2))
-        assert checks.same(big, _payload(0, 700001, torch.float32, 1))
+        assert reference.same(small, _payload(0, 5, torch.int64, 2))
+        assert reference.same(big, _payload(0, 700001, torch.float32, 1))
         for i in range(60):
             got = torch.empty(10000)
             dist.recv(got, 0, tag=3)
@@ -107,7 +108,7 @@ def _p2p_cases(expect_eager: bool) -> int:
         store.delete_key(_LATE_KEY)  # before the final barrier: the pool's next call starts clean
         late = torch.empty(600000)
         dist.recv(late, 0, tag=4)
-        assert checks.same(late, _payload(0, 600000, torch.float32, 4))
+        assert reference.same(late, _payload(0, 600000, torch.float32, 4))
         one = torch.empty(16)
         dist.recv(one, 0, tag=5)
         assert torch.equal(one, torch.ones(16))
@@ -139,7 +140,7 @@ def test_p2p_matches_payload_bit_for_bit(world_size, env, eager):
     results = run_distributed(
         _p2p_cases, eager, world_size=world_size, backend="smddp", env=env, timeout=300
     )
-    assert results[0] == results[1] == 5 * len(checks.ALL_DTYPES) + 1 + 5
+    assert results[0] == results[1] == 5 * len(reference.ALL_DTYPES) + 1 + 5
 
 
 def _any_source_and_coalesced():
@@ -203,7 +204,7 @@ def _p2p_faults():
     groups = [dist.new_group([0, 1], timeout=timedelta(seconds=2)) for _ in range(2)]
     if rank == 0:
         start = time.monotonic()
-        messages += checks.runtime_errors(
+        messages += rank_helpers.runtime_errors(
             [lambda: dist.recv(torch.empty(4), 1, group=groups[0], tag=9)]
         )
         messages.append(time.monotonic() - start)
@@ -211,7 +212,7 @@ def _p2p_faults():
         time.sleep(2.5)  # never sends; rank 0 waits in the recv until its 2 s timeout
     dist.barrier()
     if rank == 0:
-        messages += checks.runtime_errors(
+        messages += rank_helpers.runtime_errors(
             [lambda: dist.recv(torch.empty(4), 1, group=groups[1])]
         )  # size
     else:
@@ -242,12 +243,12 @@ def _p2p_dead_peer():
     if dist.get_rank() == 1:
         time.sleep(0.5)
         os._exit(3)
-    return checks.raise_with_elapsed(lambda: dist.recv(torch.empty(4), 1))  # rank 1 is gone
+    return rank_helpers.raise_with_elapsed(lambda: dist.recv(torch.empty(4), 1))  # rank 1 is gone
 
 
 def test_p2p_dead_peer_raises_quickly():
     with pytest.raises(DistributedTestError) as info:
         run_distributed(_p2p_dead_peer, world_size=2, backend="smddp", fresh=True, pg_timeout=60)
-    section, elapsed = checks.rank_failure(str(info.value), 0)
+    section, elapsed = rank_helpers.rank_failure(str(info.value), 0)
     assert "RuntimeError" in section and "recv" in section and "rank 1 exited" in section, section
     assert elapsed < 20, section

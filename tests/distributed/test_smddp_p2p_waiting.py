@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tests.distributed.launcher import run_distributed
-from tests.distributed.test_smddp_support import await_told, tell
+from tests.distributed.smddp_rank_helpers import await_told, tell
 from torch_sagemaker.smddp import backend
 
 pytestmark = [

@@ -11,7 +11,7 @@ back to staging, and that FSDP2 training with pool buffers equals training witho
 import pytest
 
 from tests.distributed.launcher import run_distributed
-from tests.distributed.test_smddp_support import cpu_backend as _cpu_backend
+from tests.distributed.smddp_rank_helpers import cpu_backend as _cpu_backend
 from torch_sagemaker.smddp import backend
 
 pytestmark = [
