@@ -1,5 +1,6 @@
 """Rank-side helpers of the smddp tests: ordering events across ranks through the store,
-collecting errors with the time they took, and the backend's host layout."""
+collecting errors with the time they took, the backend's host layout, and a store that
+records what it carried (as a reader of the store could)."""
 
 from __future__ import annotations
 
@@ -72,3 +73,58 @@ def host_layout() -> list[list[int]]:
     """The host layout the backend uses for the default group (from its introspection)."""
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
     return backend._layout()["members"]
+
+
+class RecordingStore:
+    """Made at runtime (dist.Store is only importable once torch is): a store that forwards to
+    a TCPStore and remembers every key it set or read, as a reader of the store could."""
+
+    @staticmethod
+    def create(host, port, world_size, is_master, block_on=None):
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        class Recording(dist.Store):
+            def __init__(self):
+                super().__init__()
+                self.inner = dist.TCPStore(
+                    host, port, world_size, is_master, timeout=timedelta(seconds=60)
+                )
+                self.seen = {}
+
+            def set(self, key, value):
+                self.inner.set(key, value)
+                self.seen[key] = bytes(value) if not isinstance(value, str) else value.encode()
+                if block_on and key.endswith(block_on[0]):
+                    block_on[1]()
+
+            def get(self, key):
+                value = self.inner.get(key)
+                self.seen[key] = bytes(value)
+                return value
+
+            def add(self, key, n):
+                return self.inner.add(key, n)
+
+            def check(self, keys):
+                return self.inner.check(keys)
+
+            def wait(self, keys, *args):
+                return self.inner.wait(keys, *args)
+
+            def delete_key(self, key):
+                return self.inner.delete_key(key)
+
+            deleteKey = delete_key  # noqa: N815  (the name torch's Python-store binding calls)
+
+            def compare_set(self, key, expected, desired):
+                return self.inner.compare_set(key, expected, desired)
+
+            def num_keys(self):
+                return self.inner.num_keys()
+
+            def set_timeout(self, timeout):
+                return self.inner.set_timeout(timeout)
+
+        return Recording()
