@@ -48,7 +48,7 @@ struct Settings {
   bool net_reduce_fp32 = false;
   bool timeline = false;  // Note [Timeline] in timeline.h
   double timeout_s = 0;   // 0: the timeout c10d passes (init_process_group / new_group)
-  // One connection attempt to another host's rank waits this long for the network's answer
+  // One connection attempt to another rank over TCP waits this long for the network's answer
   // (Note [Admission] in transport/tcp/tcp.h).
   double connect_attempt_s = 20;
   // Device tensors (Note [Device staging] in device_staging.h).
