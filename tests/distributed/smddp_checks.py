@@ -1,7 +1,9 @@
 """Rank-side checks of the smddp backend, shared by the test_smddp_* modules (no tests here).
 
-Each check runs one kind of collective over sizes, dtypes and ops on the default group and
-compares every result bit for bit with the reference of smddp_reference.py.
+The ``check_*`` functions run smddp's collectives and compare what they return: reductions
+bit for bit with ``smddp_reference.reference_reduce``, the other collectives with the
+inputs they move. ``run_all`` runs them on the default group and returns their counts, a
+digest of result bits every rank must share, and how the backend crossed hosts.
 """
 
 from __future__ import annotations

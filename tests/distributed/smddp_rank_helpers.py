@@ -1,6 +1,7 @@
-"""Rank-side helpers of the smddp tests: ordering events across ranks through the store,
-collecting errors with the time they took, the backend's host layout, and a store that
-records what it carried (as a reader of the store could)."""
+"""Helpers of the smddp tests, rank-side (and ``rank_failure`` for the test side): ordering
+events across ranks through the store, collecting errors with the time they took, the
+backend's host layout, and a store that records what it carried (as a reader of the store
+could)."""
 
 from __future__ import annotations
 
@@ -76,8 +77,8 @@ def host_layout() -> list[list[int]]:
 
 
 class RecordingStore:
-    """Made at runtime (dist.Store is only importable once torch is): a store that forwards to
-    a TCPStore and remembers every key it set or read, as a reader of the store could."""
+    """A store that forwards to a TCPStore and remembers every key it set or read, as a reader
+    of the store could; ``create`` makes one."""
 
     @staticmethod
     def create(host, port, world_size, is_master, block_on=None):

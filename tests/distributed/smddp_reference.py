@@ -4,6 +4,9 @@ Every input is built deterministically from its rank and a salt, so every rank c
 the expected result of a collective directly, in the backend's documented reduction order:
 local ranks in order inside a host, then hosts in the order of the algorithm that crossed
 them (the ring's, halving-doubling's or the tree's, which the predicates below recognise).
+``tree_takes`` and ``doubling_takes`` ask the live backend (a group must exist), and
+``doubling_takes`` counts the calls it says yes to in ``DOUBLING_TAKEN``, which
+``smddp_checks.run_all`` clears first and reports.
 """
 
 from __future__ import annotations
