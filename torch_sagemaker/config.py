@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from torch_sagemaker.logger import get_logger
 from torch_sagemaker.sharding_plan import combination_problems
 
 ENV_VAR = "SM_HP_MP_PARAMETERS"
@@ -109,13 +110,17 @@ _SMP_V1_KEYS = frozenset(
         "microbatches",
         "ddp",
         "ddp_dist_backend",
-        "placement_strategy",
         "optimize",
         "pipeline_parallel_degree",
         "auto_partition",
         "default_partition",
     }
 )
+
+# SMP v1 keys that SageMaker's Python SDK itself puts into SM_HP_MP_PARAMETERS: for GPU
+# training recipes it always adds {"placement_strategy": "cluster"}, which the user cannot
+# remove. SMP v2 places ranks by the launcher's order, so the key is accepted and ignored.
+_SDK_ADDED_KEYS = frozenset({"placement_strategy"})
 
 # FP8 switches of SMP's example scripts and SageMaker's training recipes. SMP v2 has no
 # config key for FP8: its scripts wrap the forward in fp8_autocast (docs/fp8.md).
@@ -442,7 +447,14 @@ def validate(raw: Mapping[str, Any], world_size: int | None = None) -> SMPConfig
     Raises:
         ConfigError: Listing every problem found (unknown keys, types, ranges, degrees).
     """
-    unknown = [k for k in raw if k not in FIELD_TYPES]
+    ignored = [k for k in raw if k in _SDK_ADDED_KEYS]
+    if ignored:
+        get_logger().info(
+            f"SMP config: ignoring {', '.join(f'{k}={show_value(raw[k])}' for k in ignored)} "
+            "(an SMP v1 key SageMaker's SDK adds for training recipes; SMP v2 places ranks in "
+            "the launcher's order)."
+        )
+    unknown = [k for k in raw if k not in FIELD_TYPES and k not in _SDK_ADDED_KEYS]
     problems = [_unknown_key_problem(k) for k in unknown[:_MAX_UNKNOWN_SHOWN]]
     if len(unknown) > _MAX_UNKNOWN_SHOWN:
         problems.append(f"... and {len(unknown) - _MAX_UNKNOWN_SHOWN} more unknown keys.")

@@ -1,6 +1,7 @@
 """SMPConfig loading and validation: every rule, its message, and the source precedence."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -54,6 +55,18 @@ def test_unknown_key_renamed_and_v1_and_unrelated():
     assert any("'tensor_parallel_seed'" in p and "'random_seed'" in p for p in ps)
     assert any("'partitions'" in p and "SMP v1" in p for p in ps)
     assert any("'zzz'" in p and "valid keys are" in p for p in ps)
+
+
+def test_sdk_added_placement_strategy_is_ignored(monkeypatch):
+    """SageMaker's SDK puts {"placement_strategy": "cluster"} in SM_HP_MP_PARAMETERS for GPU
+    training recipes; SMP v2 jobs started that way must not fail in tsm.init."""
+    logged = []
+    logger = SimpleNamespace(info=logged.append)
+    monkeypatch.setattr("torch_sagemaker.config.get_logger", lambda: logger)
+    raw = load_raw(None, environ={ENV_VAR: json.dumps({"placement_strategy": "cluster"})})
+    cfg = validate({**raw, "hybrid_shard_degree": 2}, world_size=4)
+    assert cfg == SMPConfig(hybrid_shard_degree=2)
+    assert len(logged) == 1 and "ignoring placement_strategy='cluster'" in logged[0]
 
 
 def test_fp8_keys_point_to_fp8_autocast():
