@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.sagemaker.distributed.checkpoint import (
     TrainingState,
     checkpoint_location,
+    is_complete,
     maybe_finalize_async_calls,
 )
 from torch.sagemaker.distributed.checkpoint.state_dict_utils import (
@@ -35,7 +36,8 @@ def step_dirs(root: str | None) -> list[tuple[int, str]]:
     found = []
     for name in location.checkpoint_names():
         match = re.match(STEP_DIR, name)
-        if match and location.child(name).is_complete():
+        # is_complete: also a step saved in per-TP-rank parts (FSDP1 with TP), once all are.
+        if match and is_complete(location.child(name)):
             found.append((int(match.group(1)), str(location.child(name))))
     return sorted(found)
 

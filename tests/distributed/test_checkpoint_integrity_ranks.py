@@ -83,3 +83,35 @@ def test_files_are_checked_once_and_corruption_stops_every_rank(tmp_path):
     assert len(errors) == 1, errors  # the very same error on both ranks
     (error,) = errors
     assert f"{tmp_path}/c is corrupt: __1_0.distcp does not match its crc32 checksum" in error
+
+
+def _local_kind_without_tsm(root: str) -> str:
+    import torch
+    from torch import nn
+
+    from torch_sagemaker.checkpoint.training_state import TrainingState
+
+    if tsm_initialized():
+        return "tsm was initialized in this pool"
+    model = nn.Linear(4, 4)
+    state = TrainingState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        state.save(f"{root}/step1", kind="local")
+    except ValueError as e:
+        return str(e)
+    return "saved"
+
+
+def tsm_initialized() -> bool:
+    from torch_sagemaker.state import state
+
+    return state.initialized
+
+
+def test_sm_local_save_without_tsm_init_fails_at_once_on_every_rank(tmp_path):
+    """Without tsm's layout every rank would coordinate its own save over the whole world
+    (each broadcasting from itself): a hang until the group's timeout, not a save."""
+    results = run_distributed(
+        _local_kind_without_tsm, str(tmp_path), world_size=2, timeout=60, fresh=True
+    )
+    assert all("needs torch.sagemaker.init() first" in r for r in results), results

@@ -238,11 +238,13 @@ def test_limit_num_subdirs_before_an_async_save_keeps_the_newest_complete_one(tm
     root = tmp_path / "ckpts"
     for n in (2, 4):
         (root / f"llama_v2-{n}steps").mkdir(parents=True)
+        (root / f"llama_v2-{n}steps" / COMPLETION_MARKER).touch()
     assert limit_num_subdirs(root / "llama_v2-6steps", 1, regex=r"^.*\d+steps$") == [
         str(root / "llama_v2-2steps")
     ]
     assert os.listdir(root) == ["llama_v2-4steps"]
     (root / "llama_v2-6steps").mkdir()
+    (root / "llama_v2-6steps" / COMPLETION_MARKER).touch()
     assert limit_num_subdirs(root / "llama_v2-8steps", 1, regex=r"^.*\d+steps$") == [
         str(root / "llama_v2-4steps")
     ]

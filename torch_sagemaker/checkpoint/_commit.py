@@ -116,8 +116,8 @@ def publish(
     participants: Participants,
     path: CheckpointLocation,
     save_id: str,
-    records: dict[str, tuple[int, str]],
-    commit: Callable[[dict[str, tuple[int, str]]], None],
+    records: integrity.Written | None,
+    commit: Callable[[integrity.Written | None], None],
     after_commit: Callable[[], None],
 ) -> None:
     """Steps A-C of Note [Commit outcome], on every participant.
@@ -126,7 +126,7 @@ def publish(
         participants: The saving ranks.
         path: The checkpoint's location.
         save_id: This save's id (written into the marker by ``commit``).
-        records: This rank's ``integrity.Recorder.records()``.
+        records: This rank's ``integrity.Recorder.records()`` (``None``: not followed).
         commit: Commits the save given every rank's records (coordinator).
         after_commit: Runs on the coordinator after a commit, once the outcome is out.
 

@@ -4,6 +4,8 @@ Note [Checkpoint commit protocol]
     A save of ``<parent>/<name>`` writes into the sibling ``<parent>/.<name>.partial``. When
     every rank has written its files (PyTorch DCP's coordinator writes ``.metadata`` only
     after collecting every rank's write results), the coordinator
+      0. checks that the staging directory holds exactly the files the ranks wrote, with
+         ``.metadata`` among them (Note [Commit what was written] in ``integrity``),
       1. writes the completion marker (format, layout, the size and checksum of every file,
          Note [Checkpoint checksums] in ``integrity``, and the save's id) and fsyncs it,
       2. renames an existing ``<name>`` out of the way to ``.<name>.replaced``,
@@ -32,6 +34,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch_sagemaker.checkpoint import integrity
 from torch_sagemaker.checkpoint.constants import (
     COMPLETION_MARKER,
+    DCP_METADATA,
     REPLACED_SUFFIX,
     STAGING_SUFFIX,
 )
@@ -100,7 +103,7 @@ def commit(
     staging: Path,
     path: Path,
     info: dict[str, Any],
-    recorded: dict[str, tuple[int, str]] | None = None,
+    recorded: integrity.Written | None = None,
     *,
     cleanup: bool = True,
     checksums: bool = True,
@@ -111,15 +114,24 @@ def commit(
         staging: The fully written staging directory.
         path: The final checkpoint directory.
         info: JSON-serializable facts stored in the marker (kind, layout, ...).
-        recorded: Checksums computed while writing (``integrity.Recorder``); files missing
-            from it are read once here.
+        recorded: Every file the save wrote, with the checksums computed while writing
+            (``integrity.merge``); the staging directory must hold exactly these (Note
+            [Commit what was written]). Checksums missing from it are read once here.
+            ``None``: not known (nothing is compared).
         cleanup: Delete the replaced previous checkpoint now (else call ``remove_replaced``).
         checksums: Record every file's checksum in the marker; ``False`` writes sizes only.
+
+    Raises:
+        CheckpointError: If the staging directory does not hold what ``recorded`` lists.
     """
     for f in staging.rglob("*"):
         if f.is_file():
             _fsync(f)
     sizes = _file_sizes(staging)
+    if recorded is not None:
+        problems = integrity.not_as_written(sizes, recorded)
+        if problems:
+            raise not_as_written_error(path, staging, problems)
     table = integrity.checksums_for(staging, sizes, recorded or {}) if checksums else None
     marker_file = staging / COMPLETION_MARKER
     marker_file.write_bytes(new_marker(sizes, table, info))
@@ -132,6 +144,20 @@ def commit(
     _fsync(path.parent)
     if cleanup:
         remove_replaced(path)
+
+
+def not_as_written_error(where: Any, staging: Any, problems: list[str]) -> CheckpointError:
+    """The error of a commit whose staging area differs from what its save wrote."""
+    shown = "; ".join(problems[:5]) + (
+        f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+    )
+    return CheckpointError(
+        f"checkpoint {where} was not committed: {staging} does not hold what this save wrote "
+        f"({shown}). Another save of the same checkpoint wrote there at the same time (a "
+        "second job, or a save started before the last one finished), or something else "
+        "changed it; give each job's checkpoints names of their own. A previous checkpoint "
+        "there is unchanged."
+    )
 
 
 def remove_replaced(path: Path) -> None:
@@ -240,9 +266,21 @@ class LocalDirectory:
         return FileSystemWriter(self.write_root(save_id), thread_count=thread_count)
 
     def commit(
-        self, save_id: str, info: dict[str, Any], recorded: dict[str, tuple[int, str]]
+        self, save_id: str, info: dict[str, Any], recorded: integrity.Written | None
     ) -> None:
-        """Steps 1-3 of the commit (coordinator): marker, then the atomic rename."""
+        """Steps 1-3 of the commit (coordinator): marker, then the atomic rename.
+
+        Raises:
+            CheckpointError: If DCP left no ``.metadata``, or the staging directory does
+                not hold what the save wrote (Note [Commit what was written]).
+        """
+        staging = self.write_root(save_id)
+        if not (staging / DCP_METADATA).is_file():
+            raise CheckpointError(
+                f"checkpoint {self.path}: the save's staging directory {staging} has no "
+                f"{DCP_METADATA} after DCP finished (another save of the same checkpoint may "
+                "have removed it); not committing it. A previous checkpoint there is unchanged."
+            )
         commit(
             self.write_root(save_id),
             self.path,

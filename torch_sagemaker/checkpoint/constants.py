@@ -13,5 +13,7 @@ COMPLETION_MARKER = ".sm_checkpoint_complete.json"
 # Suffixes of the directories a save uses on the way (siblings of the final directory).
 STAGING_SUFFIX = ".partial"
 REPLACED_SUFFIX = ".replaced"
+# The file in which PyTorch DCP's coordinator writes the checkpoint's metadata, last.
+DCP_METADATA = ".metadata"
 # Version of the marker's contents: 1 = file sizes; 2 = sizes and checksums.
 FORMAT_VERSION = 2

@@ -65,15 +65,16 @@ def file_checksum(path: Path) -> str:
 class _CrcStream:
     """A write stream that keeps the CRC of every byte written through it, in order.
 
-    Anything that writes out of order (a seek away from the end) marks the CRC unusable;
-    the file is then checksummed from disk instead.
+    Anything that writes out of order (a seek away from the end) marks the CRC and the size
+    unusable; the file is then checksummed from disk instead.
     """
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, checksum: bool = True) -> None:
         self._raw = raw
         self.crc = 0
         self.size = 0
-        self.valid = True
+        self.valid = checksum  # False: no CRC (not asked for, or not followed)
+        self.in_order = True  # False: ``size`` is not the file's size
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
@@ -91,7 +92,7 @@ class _CrcStream:
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
         position = self._raw.seek(offset, whence)
         if position != self.size:
-            self.valid = False
+            self.valid = self.in_order = False
         return position
 
     def writable(self) -> bool:
@@ -101,17 +102,29 @@ class _CrcStream:
         return getattr(self._raw, name)
 
 
+#: What one rank wrote in one save: file name -> (size, checksum); a size of -1 and a
+#: checksum of ``None`` where they could not be followed.
+Written = dict[str, tuple[int, str | None]]
+
+
 class Recorder:
     """What one rank wrote during one save: file name (relative to ``root``) -> size, CRC.
 
     Args:
         root: The directory the save writes (the staging directory).
+        checksums: Also compute each file's checksum (else sizes only).
+
+    Attributes:
+        following: Whether the writer's files pass through this recorder (set by
+            ``recording``); a writer without a ``FileSystem`` cannot be followed.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, checksums: bool = True) -> None:
         self.root = Path(root)
+        self.checksums = checksums
+        self.following = False
         self._lock = threading.Lock()  # DCP's writer threads finish files concurrently
-        self._files: dict[str, tuple[int, str] | None] = {}
+        self._files: Written = {}
 
     def _name(self, path: Any) -> str | None:
         rel = os.path.relpath(os.fspath(path), self.root)
@@ -121,12 +134,10 @@ class Recorder:
         """Records a file whose stream was closed (``None``: its content is unknown)."""
         name = self._name(path)
         if name is not None:
+            size = stream.size if stream is not None and stream.in_order else -1
+            crc = format_checksum(stream.crc) if stream is not None and stream.valid else None
             with self._lock:
-                self._files[name] = (
-                    None
-                    if stream is None or not stream.valid
-                    else (stream.size, format_checksum(stream.crc))
-                )
+                self._files[name] = (size, crc)
 
     def renamed(self, old: Any, new: Any) -> None:
         """Follows a rename (DCP writes ``.metadata.tmp`` and renames it)."""
@@ -134,12 +145,12 @@ class Recorder:
         with self._lock:
             record = self._files.pop(old_name, None) if old_name is not None else None
             if new_name is not None:
-                self._files[new_name] = record
+                self._files[new_name] = record if record is not None else (-1, None)
 
-    def records(self) -> dict[str, tuple[int, str]]:
-        """``{name: (size, checksum)}`` of the files whose checksum is known."""
+    def records(self) -> Written:
+        """``{name: (size, checksum)}`` of every file written (``Written``)."""
         with self._lock:
-            return {n: r for n, r in self._files.items() if r is not None}
+            return dict(self._files)
 
 
 class _RecordingFileSystem:
@@ -157,7 +168,7 @@ class _RecordingFileSystem:
                 if "a" in mode or "+" in mode:
                     self._recorder.finished(path, None)
                 return
-            stream = _CrcStream(raw)
+            stream = _CrcStream(raw, self._recorder.checksums)
             yield stream
         self._recorder.finished(path, stream)
 
@@ -170,22 +181,26 @@ class _RecordingFileSystem:
 
 
 @contextmanager
-def recording(storage_writer: Any, root: Path) -> Iterator[tuple[Any, Recorder]]:
-    """Yields ``(writer, recorder)``: the writer to pass to DCP, recording checksums meanwhile.
+def recording(
+    storage_writer: Any, root: Path, checksums: bool = True
+) -> Iterator[tuple[Any, Recorder]]:
+    """Yields ``(writer, recorder)``: the writer to pass to DCP, recording its files meanwhile.
 
     Args:
         storage_writer: The caller's DCP ``StorageWriter``, or ``None`` for DCP's
             ``FileSystemWriter`` (what ``dcp.save`` would pick for a local path).
         root: The directory the save writes.
+        checksums: Record each file's checksum as well as its size.
     """
     from torch.distributed.checkpoint import FileSystemWriter
 
     writer = storage_writer if storage_writer is not None else FileSystemWriter(root)
-    recorder = Recorder(root)
+    recorder = Recorder(root, checksums)
     fs = getattr(writer, "fs", None)
     if fs is None or not callable(getattr(fs, "create_stream", None)):
         yield writer, recorder  # nothing to follow: the coordinator reads the files instead
         return
+    recorder.following = True
     writer.fs = _RecordingFileSystem(fs, recorder)
     try:
         yield writer, recorder
@@ -193,29 +208,61 @@ def recording(storage_writer: Any, root: Path) -> Iterator[tuple[Any, Recorder]]
         writer.fs = fs  # the caller's writer is left as it was given
 
 
-def merge(records: Iterable[dict[str, tuple[int, str]] | None]) -> dict[str, tuple[int, str]]:
-    """One table from every rank's ``Recorder.records`` (ranks write disjoint files)."""
-    merged: dict[str, tuple[int, str]] = {}
+def merge(records: Iterable[Written | None]) -> Written | None:
+    """One table from every rank's ``Recorder.records`` (ranks write disjoint files).
+
+    ``None`` where a rank's part is ``None``: its writer could not be followed, so which
+    files the save wrote is not known.
+    """
+    merged: Written = {}
     for part in records:
-        merged.update(part or {})
+        if part is None:
+            return None
+        merged.update(part)
     return merged
 
 
-def checksums_for(
-    directory: Path, sizes: dict[str, int], recorded: dict[str, tuple[int, str]]
-) -> dict[str, str]:
+def recorded_checksum(record: tuple[int, str | None] | None, size: int) -> str | None:
+    """The checksum of ``record`` if it covered all ``size`` bytes of the file, else ``None``."""
+    if record is None or record[0] != size:
+        return None
+    return record[1]
+
+
+def checksums_for(directory: Path, sizes: dict[str, int], recorded: Written) -> dict[str, str]:
     """The checksum of every file in ``sizes``: recorded ones, else read from ``directory``.
 
     A recorded checksum is used only if the bytes it covered are the file's whole size.
     """
     out: dict[str, str] = {}
     for name, size in sizes.items():
-        record = recorded.get(name)
-        if record is not None and record[0] == size:  # a (size, checksum) tuple or JSON list
-            out[name] = record[1]
-        else:
-            out[name] = file_checksum(directory / name)
+        crc = recorded_checksum(recorded.get(name), size)
+        out[name] = crc if crc is not None else file_checksum(directory / name)
     return out
+
+
+def not_as_written(found: dict[str, int], written: Written) -> list[str]:
+    """How the files a save's storage holds (``found``: name -> size) differ from ``written``.
+
+    Note [Commit what was written]: a commit certifies the files the save's ranks wrote,
+    and no others. Another save writing the same staging area at the same time (a second
+    job, or a save started before the last one finished) can delete, replace or add files
+    between the writes and the commit; so can anything else. The commit refuses then,
+    instead of writing a marker over bytes this save never wrote.
+
+    Returns:
+        One line per file that is missing, was not written by this save, or has another
+        size; empty when they agree.
+    """
+    problems = [f"{n}: not written by this save" for n in sorted(found.keys() - written.keys())]
+    problems += [
+        f"{n}: written by this save, now missing" for n in sorted(written.keys() - found.keys())
+    ]
+    for name in sorted(found.keys() & written.keys()):
+        size = written[name][0]
+        if size >= 0 and size != found[name]:
+            problems.append(f"{name}: {found[name]} bytes where this save wrote {size}")
+    return problems
 
 
 def verify(directory: Path, names: Iterable[str], checksums: dict[str, str]) -> list[str]:
@@ -284,10 +331,13 @@ __all__ = [
     "ALGORITHM",
     "Recorder",
     "assign",
+    "Written",
     "checksums_for",
     "file_checksum",
     "format_checksum",
     "merge",
+    "not_as_written",
+    "recorded_checksum",
     "recording",
     "verify",
     "verify_with",

@@ -21,6 +21,8 @@ import os
 from typing import Any, Protocol, runtime_checkable
 
 from torch_sagemaker.checkpoint.atomic_dir import LocalDirectory
+from torch_sagemaker.checkpoint.completeness import is_complete_checkpoint
+from torch_sagemaker.checkpoint.integrity import Written
 from torch_sagemaker.checkpoint.s3_checkpoint import S3Checkpoint
 from torch_sagemaker.checkpoint.s3_filesystem import is_s3_uri
 
@@ -62,15 +64,18 @@ class CheckpointLocation(Protocol):
         """The DCP writer used when the caller passes none."""
         ...
 
-    def commit(
-        self, save_id: str, info: dict[str, Any], recorded: dict[str, tuple[int, str]]
-    ) -> None:
+    def commit(self, save_id: str, info: dict[str, Any], recorded: Written | None) -> None:
         """Writes the completion marker and makes save ``save_id`` the checkpoint (coordinator).
 
         Args:
             save_id: The save that wrote ``write_root(save_id)``.
             info: Facts for the marker (kind, layout, ...).
-            recorded: Checksums every rank computed while writing (``integrity.merge``).
+            recorded: Every file the ranks wrote, with the checksums computed while writing
+                (``integrity.merge``); ``None`` where a writer could not be followed.
+
+        Raises:
+            CheckpointError: If the save's files are not what the ranks wrote (Note
+                [Commit what was written] in ``integrity``).
         """
         ...
 
@@ -171,8 +176,12 @@ def checkpoint_location(
 
 
 def is_complete(checkpoint_id: CheckpointId) -> bool:
-    """Whether ``checkpoint_id`` (a directory, an ``s3://`` URI or a location) is complete."""
-    return checkpoint_location(checkpoint_id).is_complete()
+    """Whether ``checkpoint_id`` (a directory, an ``s3://`` URI or a location) is complete.
+
+    A ``TrainingState`` checkpoint saved in per-TP/EP-rank parts (FSDP1 with tensor or
+    expert parallelism) is complete once every part is (``completeness``).
+    """
+    return is_complete_checkpoint(checkpoint_location(checkpoint_id))
 
 
 __all__ = ["CheckpointId", "CheckpointLocation", "checkpoint_location", "is_complete"]

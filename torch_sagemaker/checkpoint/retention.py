@@ -9,6 +9,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from torch_sagemaker.checkpoint.completeness import is_complete_checkpoint
 from torch_sagemaker.checkpoint.location import (
     CheckpointId,
     CheckpointLocation,
@@ -62,9 +63,10 @@ def limit_num_subdirs(
     once. The ``sharded`` type calls it right after the save; the async types call it just
     before writing the new checkpoint, whose folder does not exist yet: a checkpoint named
     by ``path`` counts as one of the ``num_kept`` whether or not it exists, so that either
-    way ``num_kept`` checkpoints remain once the save is done. The newest complete checkpoint
-    is never deleted before the new one exists (with ``num_kept=1`` the async types keep two
-    until their next call), so a save that fails still leaves one to resume from.
+    way ``num_kept`` checkpoints remain once the save is done. Neither that checkpoint nor
+    the newest complete one (``is_complete``) is ever deleted (Note [What retention keeps]):
+    with ``num_kept=1`` the async types keep two until their next call, so a save that
+    fails still leaves one to resume from.
 
     Which checkpoints count is the location's (``CheckpointLocation.checkpoint_names``). In a
     directory, hidden directories (a save in progress or interrupted, ``.<name>.partial``)
@@ -100,9 +102,36 @@ def limit_num_subdirs(
         return []
     pattern = re.compile(regex) if regex is not None else None
     root, upcoming = _checkpoint_root(checkpoint_location(path, container=True), pattern)
+    return _prune(root, upcoming, num_kept, sort_fn, pattern)
+
+
+def prune_beside(
+    checkpoint: CheckpointLocation, num_kept: int | None, regex: str | None = None
+) -> list[str]:
+    """``limit_num_subdirs`` of ``checkpoint``'s siblings, never deleting ``checkpoint`` itself.
+
+    ``TrainingState.save`` calls it after a save (the rank that commits).
+    """
+    root = checkpoint.parent()
+    if num_kept is None or root is None:
+        return []
+    if num_kept < 0:
+        raise ValueError(f"num_kept={num_kept} must be >= 0 (or None to keep everything).")
+    pattern = re.compile(regex) if regex is not None else None
+    return _prune(root, checkpoint.name, num_kept, SORT_BY_LAST_INT, pattern)
+
+
+def _prune(
+    root: CheckpointLocation,
+    upcoming: str | None,
+    num_kept: int,
+    sort_fn: Callable[[str], SupportsRichComparison],
+    pattern: re.Pattern[str] | None,
+) -> list[str]:
     names = {n for n in root.checkpoint_names() if pattern is None or pattern.match(n)}
     deleted = []
-    for name in _doomed(names, upcoming, num_kept, sort_fn):
+    complete = lambda name: is_complete_checkpoint(root.child(name))  # noqa: E731
+    for name in _doomed(names, upcoming, num_kept, sort_fn, complete):
         victim = root.child(name)
         victim.remove()
         deleted.append(str(victim))
@@ -115,17 +144,28 @@ def _doomed(
     upcoming: str | None,
     num_kept: int,
     sort_fn: Callable[[str], SupportsRichComparison],
+    complete: Callable[[str], bool],
 ) -> list[str]:
-    """The checkpoints to delete among ``names`` (see ``limit_num_subdirs``)."""
-    keep = set()
-    if upcoming is not None and upcoming not in names:
-        # About to be written (async types): it counts as kept, and the newest complete
-        # checkpoint stays until it is, so that a failed save never leaves none.
-        existing = sorted(names, key=sort_fn)
-        keep = {upcoming, *existing[-1:]}
+    """The checkpoints to delete among ``names`` (see ``limit_num_subdirs``).
+
+    Note [What retention keeps]: the newest ``num_kept`` by ``sort_fn`` stay, and two more
+    whatever their rank: the checkpoint being saved (``upcoming``: it counts as kept whether
+    or not it exists yet, so async saves, which prune before writing, end with ``num_kept``),
+    and the newest *complete* checkpoint (``complete``). So a save that fails, one whose
+    per-rank parts other groups are still committing, a directory a crashed run left
+    unfinished under a higher step, or a resumed run that rolled back past newer
+    checkpoints never leaves the job without one to resume from, and never deletes what it
+    just saved.
+    """
+    if upcoming is not None:
         names = {*names, upcoming}
     ordered = sorted(names, key=sort_fn)
-    return [name for name in ordered[: max(len(ordered) - num_kept, 0)] if name not in keep]
+    doomed = ordered[: max(len(ordered) - num_kept, 0)]
+    if not doomed:
+        return []
+    newest_complete = next((n for n in reversed(ordered) if complete(n)), None)
+    keep = {upcoming, newest_complete}
+    return [name for name in doomed if name not in keep]
 
 
-__all__ = ["SORT_BY_LAST_INT", "limit_num_subdirs", "sort_by_last_int"]
+__all__ = ["SORT_BY_LAST_INT", "limit_num_subdirs", "prune_beside", "sort_by_last_int"]

@@ -34,7 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from torch_sagemaker.checkpoint import integrity
-from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER
+from torch_sagemaker.checkpoint.atomic_dir import not_as_written_error
+from torch_sagemaker.checkpoint.completeness import is_complete_checkpoint
+from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER, DCP_METADATA
 from torch_sagemaker.checkpoint.marker import (
     CheckpointError,
     check_sizes,
@@ -55,7 +57,6 @@ from torch_sagemaker.checkpoint.s3_filesystem import (
 VERIFY_THREADS = 4
 _SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
 _CHUNK = 8 << 20  # read size when checksumming an object
-_METADATA = ".metadata"
 
 
 class S3Checkpoint:
@@ -254,24 +255,32 @@ class S3Checkpoint:
         return reader
 
     # --------------------------------------------------------------- protocol
-    def commit(self, save_id: str, info: dict[str, Any], recorded: dict[str, Any]) -> None:
-        """Step 3: writes the marker over the objects of ``save_id`` (the coordinator)."""
+    def commit(
+        self, save_id: str, info: dict[str, Any], recorded: integrity.Written | None
+    ) -> None:
+        """Step 3: writes the marker over the objects of ``save_id`` (the coordinator).
+
+        Raises:
+            CheckpointError: If DCP left no ``.metadata`` object, or the save's objects are
+                not what its ranks wrote (Note [Commit what was written] in ``integrity``).
+        """
         prefix = f"{self.key}/{save_id}/"
         sizes = {k[len(prefix) :]: s for k, s in sorted(self.list_objects(prefix).items())}
-        if _METADATA not in sizes:
+        if DCP_METADATA not in sizes:
             raise CheckpointError(
-                f"checkpoint {self.uri}: save {save_id} has no {_METADATA} object after DCP "
+                f"checkpoint {self.uri}: save {save_id} has no {DCP_METADATA} object after DCP "
                 "finished; not committing it."
             )
+        if recorded is not None:
+            problems = integrity.not_as_written(sizes, recorded)
+            if problems:
+                raise not_as_written_error(self.uri, f"{self.uri}/{save_id}/", problems)
         checksums: dict[str, str] | None = None
         if self.checksums:
             checksums = {}
             for name, size in sizes.items():
-                record = recorded.get(name)
-                if record is not None and record[0] == size:  # all bytes seen while writing
-                    checksums[name] = record[1]
-                else:
-                    checksums[name] = self.checksum(prefix + name)
+                crc = integrity.recorded_checksum((recorded or {}).get(name), size)
+                checksums[name] = crc if crc is not None else self.checksum(prefix + name)
         self._put(self.marker_key, new_marker(sizes, checksums, {"data": save_id, **info}))
 
     def remove_replaced(self, save_id: str) -> None:
@@ -372,10 +381,11 @@ class S3Checkpoint:
         """The complete checkpoints right under this prefix (hidden names left out).
 
         A prefix without its completion marker is a save that failed or is still running
-        (on a file system it would be a hidden staging directory): it does not count.
+        (on a file system it would be a hidden staging directory): it does not count; one
+        of per-rank parts counts once they are all complete (``completeness``).
         """
         names = [n for n in self.subdirs() if not n.startswith(".")]
-        return {n for n in names if self.child(n).is_complete()}
+        return {n for n in names if is_complete_checkpoint(self.child(n))}
 
     def remove(self) -> None:
         """Deletes every object of the checkpoint, completion markers first."""

@@ -84,7 +84,7 @@ def _write(
 
     # 3. The commit on the coordinator, every rank told the outcome; then the replaced
     # checkpoint's removal and the optional hook (e.g. retention).
-    def commit(recorded: dict[str, tuple[int, str]]) -> None:
+    def commit(recorded: integrity.Written | None) -> None:
         location.commit(
             save_id, {**info, "num_ranks": len(participants.ranks), "save_id": save_id}, recorded
         )
@@ -109,14 +109,15 @@ def _dcp_write(
     planner: Any,
     participants: Participants,
     location: CheckpointLocation,
-) -> dict[str, tuple[int, str]]:
-    """DCP's save into ``root``, with checksums recorded when the location keeps them."""
+) -> integrity.Written | None:
+    """DCP's save into ``root``, recording the files written (``None``: not followed).
+
+    Their checksums are recorded too when the location keeps them.
+    """
     with contextlib.ExitStack() as stack:
-        recorder = None
-        if location.checksums:
-            storage_writer, recorder = stack.enter_context(
-                integrity.recording(storage_writer, root)
-            )
+        storage_writer, recorder = stack.enter_context(
+            integrity.recording(storage_writer, root, checksums=location.checksums)
+        )
         try:
             dcp.save(
                 state_dict,
@@ -132,7 +133,7 @@ def _dcp_write(
                 f"checkpoint there is unchanged and the unfinished files stay in {root} until "
                 "the next save."
             ) from e
-    return recorder.records() if recorder is not None else {}
+    return recorder.records() if recorder.following else None
 
 
 def _run_hook(on_commit: Callable[[], None] | None, where: Any) -> None:

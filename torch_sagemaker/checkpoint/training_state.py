@@ -41,7 +41,7 @@ from torch_sagemaker.checkpoint.location import (
     CheckpointLocation,
     checkpoint_location,
 )
-from torch_sagemaker.checkpoint.retention import limit_num_subdirs
+from torch_sagemaker.checkpoint.retention import prune_beside
 from torch_sagemaker.checkpoint.state_dict_loader import load, read_metadata
 from torch_sagemaker.checkpoint.state_dict_saver import async_save, save
 from torch_sagemaker.fp8 import scaling_state as fp8_state
@@ -207,6 +207,19 @@ class TrainingState:
                 path = path.child(f"tp{smp_state.tp_size}-{smp_state.tp_rank}")
             return path, group, min(dist.get_process_group_ranks(group))
 
+        if (
+            not smp_state.initialized
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size() > 1
+        ):
+            # Without tsm's layout there are no replication groups to write each shard's
+            # directory once; every rank would coordinate a save of the whole world.
+            raise ValueError(
+                f"TrainingState kind='local' in a job of {dist.get_world_size()} ranks needs "
+                "torch.sagemaker.init() first: SM-local checkpoints are laid out by its "
+                "shards and replicas. Call tsm.init() before saving, or save kind='sharded'."
+            )
         # The ranks writing one ``tp{r}_ep{r}_fsdp{r}`` directory: the replicas that hold the
         # same shard *and the same experts* (with expert parallelism, replicas of different EP
         # ranks hold different experts; without it this is the whole replicate group).
@@ -239,16 +252,15 @@ class TrainingState:
             use_async: Write in the background (see ``async_save``).
             queue: Queue for ``use_async``; default the global one.
             num_kept: After the save, keep only this many checkpoints in the parent
-                directory (sharded kind; see ``limit_num_subdirs``).
+                directory (sharded kind; see ``limit_num_subdirs``); never this one, nor the
+                newest complete one (Note [What retention keeps] in ``retention``).
             regex: Which sibling directories count for ``num_kept`` (default: all).
         """
         top = checkpoint_location(checkpoint_id)
         path, group, coordinator = self._location(top, kind)
-        parent = top.parent()
 
         def retain() -> None:
-            if parent is not None:
-                limit_num_subdirs(parent, num_kept, regex=regex)
+            prune_beside(top, num_kept, regex=regex)
 
         # Per-TP-rank directories (FSDP1 + TP) commit separately; one of them prunes.
         per_rank_dirs = path is not top and kind == "sharded"

@@ -1,0 +1,128 @@
+"""A second save of the same checkpoint while one runs: the commit certifies only its own files.
+
+Every save of ``<name>`` stages in ``.<name>.partial``. A second job (or a save begun before
+the last one finished) that starts there meanwhile removes and rewrites that directory. Each
+case below plays the second save's part at a chosen moment of the first one's, in one
+process, and checks that the first save refuses to commit (Note [Commit what was written] in
+``integrity``) and that the previous checkpoint is still what loads.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from torch_sagemaker.checkpoint import CheckpointError, integrity, load, save
+from torch_sagemaker.checkpoint.atomic_dir import prepare_staging, staging_path
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _other_saves_shards(tmp_path: Path) -> Path:
+    """Shard files of another save of the checkpoint: other values, another size."""
+    out = tmp_path / "other"
+    dcp.save(
+        {"w": torch.full((1000,), 2.0), "extra": torch.ones(500)},
+        storage_writer=FileSystemWriter(out),
+        no_dist=True,
+    )
+    return out
+
+
+def _run_during_finish(monkeypatch, checkpoint: Path, before, after=None) -> None:
+    """Runs ``before``/``after`` around DCP's ``.metadata`` write of saves into ``checkpoint``."""
+    finish = FileSystemWriter.finish
+
+    def finish_with_another_save(self, metadata, results):
+        mine = Path(self.path) == staging_path(checkpoint)
+        if mine and before is not None:
+            before()
+        out = finish(self, metadata, results)
+        if mine and after is not None:
+            after()
+        return out
+
+    monkeypatch.setattr(FileSystemWriter, "finish", finish_with_another_save)
+
+
+def _previous_checkpoint(checkpoint: Path) -> None:
+    save({"w": torch.full((1000,), 1.0)}, checkpoint_id=checkpoint)
+
+
+def _loads_previous(checkpoint: Path) -> None:
+    got = {"w": torch.zeros(1000)}
+    load(got, checkpoint_id=checkpoint)
+    assert torch.equal(got["w"], torch.full((1000,), 1.0))
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+def test_shards_replaced_by_another_save_are_not_committed(tmp_path, monkeypatch, checksums):
+    """The other save restarts the staging directory after this one's ranks wrote their shards
+    and writes its own shard of another size before this save's ``.metadata`` is written."""
+    checkpoint = tmp_path / "step300"
+    _previous_checkpoint(checkpoint)
+    other = _other_saves_shards(tmp_path)
+
+    def other_save_starts():
+        prepare_staging(checkpoint)
+        for name in os.listdir(other):
+            if name.endswith(".distcp"):
+                shutil.copy(other / name, staging_path(checkpoint) / name)
+
+    _run_during_finish(monkeypatch, checkpoint, before=other_save_starts)
+    from torch_sagemaker.checkpoint import checkpoint_location
+
+    location = checkpoint_location(checkpoint, checksums=checksums)
+    with pytest.raises(
+        CheckpointError,
+        match=r"was not committed: .* does not hold what this "
+        r"save wrote \(__0_0\.distcp: \d+ bytes where this save wrote \d+\)",
+    ):
+        save({"w": torch.full((1000,), 3.0)}, checkpoint_id=location)
+    monkeypatch.undo()
+    _loads_previous(checkpoint)
+
+
+def test_metadata_removed_by_another_save_is_not_committed(tmp_path, monkeypatch):
+    """The other save restarts the staging directory after this save's ``.metadata``."""
+    checkpoint = tmp_path / "step300"
+    _previous_checkpoint(checkpoint)
+    _run_during_finish(
+        monkeypatch, checkpoint, before=None, after=lambda: prepare_staging(checkpoint)
+    )
+    with pytest.raises(CheckpointError, match=r"has no \.metadata after DCP finished"):
+        save({"w": torch.full((1000,), 3.0)}, checkpoint_id=checkpoint)
+    monkeypatch.undo()
+    _loads_previous(checkpoint)
+
+
+def test_a_file_added_to_the_staging_directory_is_not_committed(tmp_path, monkeypatch):
+    checkpoint = tmp_path / "step300"
+    _previous_checkpoint(checkpoint)
+
+    def add_file():
+        (staging_path(checkpoint) / "__1_0.distcp").write_bytes(b"x" * 10)
+
+    _run_during_finish(monkeypatch, checkpoint, before=add_file)
+    with pytest.raises(CheckpointError, match=r"__1_0\.distcp: not written by this save"):
+        save({"w": torch.full((1000,), 3.0)}, checkpoint_id=checkpoint)
+    monkeypatch.undo()
+    _loads_previous(checkpoint)
+
+
+def test_not_as_written_lists_every_difference():
+    written = {"a": (3, "x"), "b": (5, None), "c": (-1, None), "gone": (1, None)}
+    found = {"a": 3, "b": 6, "c": 9, "new": 2}
+    assert integrity.not_as_written(found, written) == [
+        "new: not written by this save",
+        "gone: written by this save, now missing",
+        "b: 6 bytes where this save wrote 5",  # "c": its size was not followed
+    ]
+    assert integrity.not_as_written({"a": 3}, {"a": (3, "x")}) == []
+    assert integrity.merge([{"a": (3, "x")}, None]) is None  # a rank's files not followed

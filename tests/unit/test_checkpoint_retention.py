@@ -1,0 +1,93 @@
+"""What retention never deletes (Note [What retention keeps] in ``retention``).
+
+Checkpoints here are directories with or without a completion marker (``is_complete``
+looks at nothing else); per-rank parts (``tp{d}-{r}``) are what ``TrainingState`` writes for
+FSDP1 with tensor parallelism, and ``tp{r}_ep{r}_fsdp{r}`` what SM-local saves write.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from torch_sagemaker.checkpoint import checkpoint_location, is_complete
+from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER
+from torch_sagemaker.checkpoint.retention import prune_beside
+from torch_sagemaker.checkpoint.utils import limit_num_subdirs
+
+STEPS = r"^.*\d+steps$"
+
+
+def _checkpoint(root: Path, name: str, parts: tuple[str, ...] = (), complete: bool = True) -> Path:
+    """A checkpoint directory; with ``parts``, one committed directory per part instead."""
+    path = root / name
+    path.mkdir(parents=True)
+    for part in parts:
+        (path / part).mkdir()
+        (path / part / COMPLETION_MARKER).touch()
+    if complete and not parts:
+        (path / COMPLETION_MARKER).touch()
+    return path
+
+
+def test_an_unfinished_checkpoint_of_a_later_step_does_not_cost_the_one_just_saved(tmp_path):
+    """A crashed run left step 300 unfinished; the resumed run saves 200, then 250."""
+    _checkpoint(tmp_path, "llama-300steps", complete=False)
+    _checkpoint(tmp_path, "llama-200steps")
+    new = _checkpoint(tmp_path, "llama-250steps")
+    deleted = prune_beside(checkpoint_location(new), 1, regex=STEPS)
+    assert deleted == [str(tmp_path / "llama-200steps")]
+    assert sorted(os.listdir(tmp_path)) == ["llama-250steps", "llama-300steps"]
+    # SMP's scripts' own call (the new checkpoint's folder, regex) keeps it too.
+    _checkpoint(tmp_path, "llama-260steps")
+    limit_num_subdirs(tmp_path / "llama-260steps", 1, regex=STEPS)
+    assert sorted(os.listdir(tmp_path)) == ["llama-260steps", "llama-300steps"]
+
+
+def test_a_run_rolled_back_keeps_its_new_checkpoint_and_the_newest_complete_one(tmp_path):
+    _checkpoint(tmp_path, "llama-400steps")
+    _checkpoint(tmp_path, "llama-200steps")
+    new = _checkpoint(tmp_path, "llama-250steps")
+    prune_beside(checkpoint_location(new), 1, regex=STEPS)
+    assert sorted(os.listdir(tmp_path)) == ["llama-250steps", "llama-400steps"]
+
+
+def test_per_rank_parts_not_all_committed_keep_the_previous_checkpoint(tmp_path):
+    """FSDP1 + TP: each TP rank's group commits its own part; the group that prunes may
+    finish first, or another part's save may fail."""
+    _checkpoint(tmp_path, "llama-200steps", parts=("tp2-0", "tp2-1"))
+    new = _checkpoint(tmp_path, "llama-300steps", parts=("tp2-0",))
+    assert not is_complete(new) and is_complete(tmp_path / "llama-200steps")
+    assert prune_beside(checkpoint_location(new), 1, regex=STEPS) == []
+    (new / "tp2-1").mkdir()
+    assert not is_complete(new)  # the part's directory exists, its commit has not happened
+    (new / "tp2-1" / COMPLETION_MARKER).touch()
+    assert is_complete(new)
+    assert prune_beside(checkpoint_location(new), 1, regex=STEPS) == [
+        str(tmp_path / "llama-200steps")
+    ]
+
+
+def test_parts_of_two_degrees_are_not_one_checkpoint(tmp_path):
+    path = _checkpoint(tmp_path, "llama-100steps", parts=("tp2-0", "tp2-1", "tp4-0"))
+    assert not is_complete(path)
+
+
+def test_an_sm_local_checkpoint_counts_when_its_shards_are_committed(tmp_path):
+    """Before an async SM-local save (num_kept=1) the newest complete one stays."""
+    _checkpoint(tmp_path, "llama-2steps", parts=("tp0_ep0_fsdp0", "tp0_ep0_fsdp1"))
+    _checkpoint(tmp_path, "llama-4steps", parts=("tp0_ep0_fsdp0", "tp0_ep0_fsdp1"))
+    assert is_complete(tmp_path / "llama-4steps")
+    limit_num_subdirs(tmp_path / "llama-6steps" / "tp0_ep0_fsdp1", 1, regex=STEPS)
+    assert os.listdir(tmp_path) == ["llama-4steps"]
+
+
+def test_the_examples_latest_finds_a_checkpoint_in_per_rank_parts(tmp_path, monkeypatch):
+    """``--resume_from_checkpoint latest`` with FSDP1 + TP: the step directory has no marker
+    of its own, only its parts do."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "examples"))
+    from train_lib.checkpoints import step_dirs
+
+    _checkpoint(tmp_path, "llama-5steps", parts=("tp2-0", "tp2-1"))
+    _checkpoint(tmp_path, "llama-7steps", parts=("tp2-0",))  # a part's save failed
+    assert step_dirs(str(tmp_path)) == [(5, str(tmp_path / "llama-5steps"))]
