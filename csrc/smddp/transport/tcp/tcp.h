@@ -223,12 +223,16 @@ class TcpMesh final : public Transport {
     std::deque<Stashed> stash;
     size_t stash_bytes = 0;  // declared lengths of the stashed messages (kStashBytes)
     // The error that ended a read of this connection midway (a refused header, a closed
-    // socket, a failure notice): the frame state above is then inconsistent, so every
-    // later use raises it again (rethrow_if_failed).
+    // socket, a failure notice, or an exchange that failed while a message for one of its
+    // receives was arriving: Note [A failed exchange's frames] in tcp_exchange.cpp): the frame
+    // state above is then inconsistent, so every later use raises it again
+    // (rethrow_if_failed).
     std::exception_ptr failure;
   };
   struct Handshake;  // an incoming connection being authenticated (tcp.cpp)
 
+  // exchange() without its clean-up of a failure (Note [A failed exchange's frames]).
+  void exchange_rounds(Exchange& x, const OpCtx& ctx);
   template <class Route>
   void read_frames(int peer, int fd, Route& route, const OpCtx& ctx);
   template <class Route>

@@ -155,7 +155,43 @@ void TcpMesh::read_frames_of(Conn& c, int peer, int fd, Route& route, const OpCt
   }
 }
 
+// Note [A failed exchange's frames]
+// exchange() reads a message for one of its receives straight into that receive's buffer,
+// and a frame may span reads: the connection remembers where its body goes (Conn::body,
+// Conn::target_op). When exchange() leaves by an exception that no read of that connection
+// raised (the deadline, an abort, health(), another peer's failure, the algorithm's
+// callbacks), the frame is still arriving, and its destination is a buffer of a call that
+// has ended: the caller may free it, and the next read of the connection (a receive that
+// waits side by side, TcpMesh::take) would write the rest of the message there and report it
+// delivered to a receive of another call. So such a connection fails for good: its
+// remaining bytes cannot be skipped without reading them, and the group is broken anyway
+// (the caller marks it so). Every later use of it raises this error (Conn::failure), which
+// also covers a take() that runs before the group is marked broken.
 void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
+  try {
+    exchange_rounds(x, ctx);
+  } catch (...) {
+    std::string why = "an unknown error";
+    try {
+      throw;
+    } catch (const std::exception& e) {
+      why = e.what();
+    } catch (...) {
+    }
+    for (int peer = 0; peer < size_; ++peer) {
+      Conn& c = *conns_[peer];
+      // A frame whose body goes to one of this call's receives (target_op >= 0) is arriving.
+      if (c.failure || c.hdr_got != sizeof(c.hdr) || c.target_op < 0) continue;
+      c.failure = std::make_exception_ptr(CommError(
+          "smddp: group '" + group_name_ + "': the connection from rank " + std::to_string(peer) +
+          " is unusable: a message from it was arriving into the buffer of " + ctx.describe() +
+          " when that call failed: " + why));
+    }
+    throw;
+  }
+}
+
+void TcpMesh::exchange_rounds(Exchange& x, const OpCtx& ctx) {
   std::vector<Op>& sends = x.sends;
   const std::vector<Op>& recvs = x.recvs;
   const std::function<void()>& health = x.health;
