@@ -84,6 +84,12 @@
 // sending side. A peer waiting for data from it raises at once with that reason, instead
 // of waiting out the timeout for a rank that is alive but has left the group. A connection
 // that carries a partly written message cannot frame a notice; it is only closed.
+// The notices go out also after abort() (Note [Abort tells the peers] in comm.cpp), which
+// sets the flag that ends this rank's waits before the group is marked failed: the
+// connections made for notices ignore that flag; they share the notice's deadline (kNoticeMs)
+// and each notice's write has as long, so an abort still returns promptly. Before, a rank that
+// aborted before it had a connection to a peer told it nothing, and the peer waited out
+// the group timeout.
 //
 // Note [Mismatches across hosts]
 // A message header carries, besides tag, length and check, a summary of the call that sent
@@ -253,7 +259,9 @@ class TcpMesh final : public Transport {
   // Keeps the newest of the admitted handshakes that claim the same rank.
   static void drop_superseded(std::vector<Handshake>& pending);
   void accept_authenticated(int fd, int from);
-  int connect_to(int peer, const OpCtx& ctx);
+  // Connects to `peer` by ctx's deadline; an abort() ends the attempts unless !abortable (a
+  // failure notice's, which its own short deadline bounds: Note [Failure notices]).
+  int connect_to(int peer, const OpCtx& ctx, bool abortable = true);
   int in_fd(int peer);
   [[noreturn]] void fail_peer(int peer, const std::string& what, const OpCtx& ctx);
   // Throws for a message from `peer` that belongs to another collective, or to another
