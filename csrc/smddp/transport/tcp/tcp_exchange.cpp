@@ -371,6 +371,7 @@ void TcpMesh::exchange_rounds(Exchange& x, const OpCtx& ctx) {
                   std::string("send failed: ") + std::strerror(errno) + " (process exited?)", ctx);
       }
       st.done += static_cast<size_t>(r);
+      c.partial = true;  // until its last byte is written: no notice can follow it
     }
     counts_.sent.fetch_add(1, std::memory_order_relaxed);
     st.finished = true;
@@ -422,7 +423,6 @@ void TcpMesh::exchange_rounds(Exchange& x, const OpCtx& ctx) {
         }
         ss[i].locked = true;
         if (c.out_fd < 0) c.out_fd = connect_to(peer, ctx);
-        c.partial = true;  // until its last byte is written
       }
       pump_out(i);
       if (!ss[i].finished) blocked[peer] = 1;
