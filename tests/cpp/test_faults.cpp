@@ -180,6 +180,34 @@ static void abort_from_another_thread(int force_local_size) {
 TEST_CASE(abort_shm) { abort_from_another_thread(0); }
 TEST_CASE(abort_tcp) { abort_from_another_thread(1); }
 
+// Note [Abort tells the peers] (comm.cpp): a rank on its own host aborts before it has a
+// connection to anyone; the notices of its abort still reach the ranks on the other hosts
+// (Note [Failure notices] in tcp.h), whose all_reduce fails at once. Before, the abort's flag
+// ended the notices' connection attempts, and the peers waited out their timeout.
+TEST_CASE(abort_tells_peers_it_has_no_connection_to) {
+  std::atomic<bool> aborted{false};
+  std::atomic<int> peers_done{0};
+  run_group(3, small_config("aborted_unconnected", 1), [&](Communicator& c, int rank) {
+    if (rank == 0) {
+      auto t0 = steady_clock::now();
+      c.abort();
+      EXPECT(seconds_since(t0) < 1.0, "the abort took ", seconds_since(t0), " s");
+      aborted.store(true);
+      // Stays in the group until the peers are done: its closing sockets must not tell them.
+      while (peers_done.load() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      return;
+    }
+    while (!aborted.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::vector<float> buf(100, 1.0f);
+    auto t0 = steady_clock::now();
+    EXPECT_THROW_WITH(c.allreduce(buf.data(), buf.size(), sum_f32(), allreduce_ctx(c, 100, 5)),
+                      "all_reduce", "aborted on rank 0");
+    EXPECT(seconds_since(t0) < 2.0, "rank ", rank, " learned of the abort after ",
+           seconds_since(t0), " s");
+    peers_done.fetch_add(1);
+  });
+}
+
 static void mismatch(int force_local_size) {
   run_group(2, small_config("mismatch", force_local_size), [&](Communicator& c, int rank) {
     const size_t count = rank == 0 ? 10 : 11;

@@ -377,7 +377,9 @@ OpCtx Communicator::make_ctx(const char* name, CollDesc desc, OpArgs args, doubl
 // or later entering, a collective of the group then waited for the whole group timeout (on
 // one host; across hosts the closed sockets told it). So the abort itself marks the group
 // failed, as any failure does (Note [Failure notices]): the peers' collectives on it fail
-// at once, naming the rank that aborted.
+// at once, naming the rank that aborted. That comes after net_->abort(), so the notices to
+// peers this rank has no connection to yet connect in spite of the abort (Note [Failure
+// notices] in tcp.h).
 void Communicator::abort() {
   shm_->abort();
   net_->abort();

@@ -317,6 +317,9 @@ class ShmComm {
   uint64_t current_seq_plus1_ = 0;  // collective whose descriptor was published last
   std::vector<uint8_t> checked_;    // peers whose descriptor matched in this collective
   std::atomic<bool> aborted_{false};
+  // mark_failed() claimed my control block's message: threads of this rank that fail at once
+  // (a collective and a receive) must not write it together while a peer may read it.
+  std::atomic<bool> failing_{false};
   std::atomic<uint64_t> pool_reads_[2] = {0, 0};  // count_pool_read()
   bool oversubscribed_ = false;  // more ranks than CPUs here, or on the machine: no busy spin
   int spin_us_ = 200;            // busy-spin budget per wait, caller thread

@@ -306,7 +306,7 @@ void ShmComm::check_desc(int i, const OpCtx& ctx) {
 
 void ShmComm::mark_failed(const std::string& message) {
   RankControl* me = ctl(rank());
-  if (!me || me->failed.load()) return;
+  if (!me || failing_.exchange(true)) return;  // the first failure's message stays
   std::strncpy(me->message, message.c_str(), sizeof(me->message) - 1);
   me->failed.store(1, std::memory_order_release);
   futex_wake(low_word(&me->progress));

@@ -213,7 +213,7 @@ void TcpMesh::set_peers(const std::vector<std::string>& endpoints) {
   }
 }
 
-int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
+int TcpMesh::connect_to(int peer, const OpCtx& ctx, bool abortable) {
   const PeerAddr& pa = peers_.at(peer);
   if (pa.port == 0) fail_peer(peer, "it published no listener (a bug: no TCP to it expected)", ctx);
   const std::string port = std::to_string(pa.port);
@@ -232,7 +232,7 @@ int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
   std::optional<Clock::time_point> unreachable_since;
   // Between attempts: the pause, unless the operation's deadline has passed.
   auto pause_or_fail = [&](int pause_ms) {
-    if (ctx.deadline.expired() || aborted_.load()) fail_peer(peer, last, ctx);
+    if (ctx.deadline.expired() || (abortable && aborted_.load())) fail_peer(peer, last, ctx);
     std::this_thread::sleep_for(
         std::chrono::milliseconds(std::min(pause_ms, std::max(1, ctx.deadline.remaining_ms()))));
   };
@@ -245,15 +245,16 @@ int TcpMesh::connect_to(int peer, const OpCtx& ctx) {
     int r = ::connect(fd, reinterpret_cast<const sockaddr*>(&pa.addr), sizeof(pa.addr));
     int err = r != 0 && errno != EINPROGRESS ? errno : 0;
     bool answered = err != 0, connected = false;
-    // One attempt waits up to attempt_ms_ for the connection, in slices that see an abort,
-    // and not past the end of the unreachable window.
+    // One attempt waits up to attempt_ms_ for the connection, in slices that see an abort
+    // (where `abortable`), and not past the end of the unreachable window.
     const auto attempt_start = Clock::now();
     auto attempt_end = attempt_start + std::chrono::milliseconds(attempt_ms_);
     if (unreachable_since) {
       attempt_end =
           std::min(attempt_end, *unreachable_since + std::chrono::milliseconds(kUnreachableMs));
     }
-    while (!answered && !aborted_.load() && Clock::now() < attempt_end && !ctx.deadline.expired()) {
+    while (!answered && !(abortable && aborted_.load()) && Clock::now() < attempt_end &&
+           !ctx.deadline.expired()) {
       pollfd pfd{fd, POLLOUT, 0};
       const int n = poll(&pfd, 1, std::max(1, std::min(kSliceMs, ctx.deadline.remaining_ms())));
       if (n == 1) {
@@ -355,7 +356,8 @@ void TcpMesh::announce_failure(const std::string& why, const std::vector<int>& a
     if (c.out_fd < 0 && peer != rank_ &&
         std::find(also_tell.begin(), also_tell.end(), peer) != also_tell.end()) {
       try {
-        c.out_fd = connect_to(peer, notice);
+        // Also after abort() (Note [Failure notices]): the notice's deadline bounds it.
+        c.out_fd = connect_to(peer, notice, /*abortable=*/false);
       } catch (const std::exception&) {  // best effort: the peer may be gone
       }
     }

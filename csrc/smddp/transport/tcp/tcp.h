@@ -76,7 +76,10 @@
 // a message for a posted receive must have exactly the expected length, checked before a
 // byte of it is stored; a message nobody waits for yet is stored only as its bytes arrive
 // and only up to a per-connection budget (kStashBytes), so a header claiming a huge length
-// costs nothing. Without a trusted store, use a private network.
+// costs nothing. Each such message counts against the budget with its length and a fixed
+// kStashEntryBytes (256) for its keeping (its stash entry, 168 bytes, and the allocator's
+// share): counting the length alone let a flood of empty messages grow the stash without
+// bound. Without a trusted store, use a private network.
 //
 // Note [Failure notices]
 // A rank whose group failed (a peer died, a timeout, a mismatch) sends each peer it has a
@@ -84,6 +87,12 @@
 // sending side. A peer waiting for data from it raises at once with that reason, instead
 // of waiting out the timeout for a rank that is alive but has left the group. A connection
 // that carries a partly written message cannot frame a notice; it is only closed.
+// The notices go out also after abort() (Note [Abort tells the peers] in comm.cpp), which
+// sets the flag that ends this rank's waits before the group is marked failed: the
+// connections made for notices ignore that flag; they share the notice's deadline (kNoticeMs)
+// and each notice's write has as long, so an abort still returns promptly. Before, a rank that
+// aborted before it had a connection to a peer told it nothing, and the peer waited out
+// the group timeout.
 //
 // Note [Mismatches across hosts]
 // A message header carries, besides tag, length and check, a summary of the call that sent
@@ -188,6 +197,9 @@ class TcpMesh final : public Transport {
   // before replying are not counted (TcpMesh::progress).
   uint64_t rejected_connections() const override { return rejected_.load(); }
   TransportStats stats() const override;
+  // The budget of each connection for messages nobody waits for yet (kStashBytes; tests set a
+  // smaller one before any traffic).
+  void set_stash_budget(size_t bytes) { stash_budget_ = bytes; }
 
  private:
   static constexpr uint64_t kFailureTag = ~0ull;  // no collective or user tag reaches it
@@ -197,6 +209,7 @@ class TcpMesh final : public Transport {
   static constexpr size_t kAcceptsPerPass = 64;  // accept4 calls between handshake progress
   static constexpr int kAcceptPauseMs = 100;     // no accept4 after running out of descriptors
   static constexpr size_t kStashBytes = size_t(1) << 30;  // Note [TCP trust model]
+  static constexpr size_t kStashEntryBytes = 256;         // per message, in kStashBytes
   static constexpr int kDirectSliceMs = 20;               // Note [Direct receives over TCP]
   static constexpr int kNotice = -2;                      // Conn::target_op of a notice being read
   static constexpr int kAwaited = -3;  // Route::target: stash it, a posted receive awaits it
@@ -221,19 +234,29 @@ class TcpMesh final : public Transport {
     int target_op = -1;        // index of the recv op it belongs to, -1 (stash), kNotice, kDirect
     std::vector<char> notice;  // body of a failure notice being read
     std::deque<Stashed> stash;
-    size_t stash_bytes = 0;  // declared lengths of the stashed messages (kStashBytes)
+    // What the stashed messages nobody awaits count against the budget: their declared
+    // lengths and kStashEntryBytes each (Note [TCP trust model]).
+    size_t stash_bytes = 0;
     // The error that ended a read of this connection midway (a refused header, a closed
-    // socket, a failure notice): the frame state above is then inconsistent, so every
-    // later use raises it again (rethrow_if_failed).
+    // socket, a failure notice, or an exchange that failed while a message for one of its
+    // receives was arriving: Note [A failed exchange's frames] in tcp_exchange.cpp): the frame
+    // state above is then inconsistent, so every later use raises it again
+    // (rethrow_if_failed).
     std::exception_ptr failure;
   };
   struct Handshake;  // an incoming connection being authenticated (tcp.cpp)
 
+  // exchange() without its clean-up of a failure (Note [A failed exchange's frames]).
+  void exchange_rounds(Exchange& x, const OpCtx& ctx);
   template <class Route>
   void read_frames(int peer, int fd, Route& route, const OpCtx& ctx);
   template <class Route>
   void read_frames_of(Conn& c, int peer, int fd, Route& route, const OpCtx& ctx);
   static bool stash_in_flight(const Conn& c);  // the last stash entry is still arriving
+  // What a stashed message counts against the budget (Note [TCP trust model]).
+  static size_t stash_cost(const Stashed& m) {
+    return m.awaited ? 0 : m.hdr.len + kStashEntryBytes;
+  }
   static void rethrow_if_failed(const Conn& c);
   friend class Acceptor;
   // For the process's Acceptor thread (Note [One transport per process] in work.h): the
@@ -249,7 +272,9 @@ class TcpMesh final : public Transport {
   // Keeps the newest of the admitted handshakes that claim the same rank.
   static void drop_superseded(std::vector<Handshake>& pending);
   void accept_authenticated(int fd, int from);
-  int connect_to(int peer, const OpCtx& ctx);
+  // Connects to `peer` by ctx's deadline; an abort() ends the attempts unless !abortable (a
+  // failure notice's, which its own short deadline bounds: Note [Failure notices]).
+  int connect_to(int peer, const OpCtx& ctx, bool abortable = true);
   int in_fd(int peer);
   [[noreturn]] void fail_peer(int peer, const std::string& what, const OpCtx& ctx);
   // Throws for a message from `peer` that belongs to another collective, or to another
@@ -268,6 +293,7 @@ class TcpMesh final : public Transport {
   std::vector<Handshake> pending_;           // connections being authenticated (Acceptor thread)
   Clock::time_point accept_paused_until_{};  // Acceptor thread: see accept_new()
   bool registered_ = false;                  // with the Acceptor
+  size_t stash_budget_ = kStashBytes;
   std::atomic<bool> aborted_{false};
   std::atomic<bool> announced_{false};
   std::atomic<uint64_t> rejected_{0};

@@ -93,22 +93,23 @@ void TcpMesh::read_frames_of(Conn& c, int peer, int fd, Route& route, const OpCt
       if (c.target_op == -1 || c.target_op == kDirect) {
         // Note [TCP trust model]: a message nobody waits for yet is kept within a budget,
         // and its buffer grows only as its bytes arrive.
-        if (!awaited && c.hdr.len > kStashBytes - c.stash_bytes) {
+        const size_t room = stash_budget_ - std::min(stash_budget_, c.stash_bytes);
+        if (!awaited && (c.hdr.len > room || room - c.hdr.len < kStashEntryBytes)) {
           fail_peer(peer,
                     "sent a message of " + std::to_string(c.hdr.len) + " bytes (tag " +
                         std::to_string(c.hdr.tag) +
-                        ") that no receive here expects yet, "
-                        "while " +
-                        std::to_string(c.stash_bytes) +
-                        " bytes of earlier such "
-                        "messages wait; a connection holds at most " +
-                        std::to_string(kStashBytes) +
-                        " bytes for receives not yet posted "
-                        "(post the receives in the order of the sends)",
+                        ") that no receive here expects yet, while earlier such messages "
+                        "waiting here count " +
+                        std::to_string(c.stash_bytes) + " bytes; a connection holds at most " +
+                        std::to_string(stash_budget_) +
+                        " bytes for receives not yet posted, counting each message's length "
+                        "and " +
+                        std::to_string(kStashEntryBytes) +
+                        " bytes for its keeping (post the receives in the order of the sends)",
                     ctx);
         }
-        if (!awaited) c.stash_bytes += c.hdr.len;
         c.stash.push_back({c.hdr, {}, awaited, nullptr, nullptr});
+        c.stash_bytes += stash_cost(c.stash.back());
         if (c.target_op == kDirect) {
           c.stash.back().direct_to = c.body;
           c.stash.back().direct_owner = route.owner();
@@ -155,7 +156,43 @@ void TcpMesh::read_frames_of(Conn& c, int peer, int fd, Route& route, const OpCt
   }
 }
 
+// Note [A failed exchange's frames]
+// exchange() reads a message for one of its receives straight into that receive's buffer,
+// and a frame may span reads: the connection remembers where its body goes (Conn::body,
+// Conn::target_op). When exchange() leaves by an exception that no read of that connection
+// raised (the deadline, an abort, health(), another peer's failure, the algorithm's
+// callbacks), the frame is still arriving, and its destination is a buffer of a call that
+// has ended: the caller may free it, and the next read of the connection (a receive that
+// waits side by side, TcpMesh::take) would write the rest of the message there and report it
+// delivered to a receive of another call. So such a connection fails for good: its
+// remaining bytes cannot be skipped without reading them, and the group is broken anyway
+// (the caller marks it so). Every later use of it raises this error (Conn::failure), which
+// also covers a take() that runs before the group is marked broken.
 void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
+  try {
+    exchange_rounds(x, ctx);
+  } catch (...) {
+    std::string why = "an unknown error";
+    try {
+      throw;
+    } catch (const std::exception& e) {
+      why = e.what();
+    } catch (...) {
+    }
+    for (int peer = 0; peer < size_; ++peer) {
+      Conn& c = *conns_[peer];
+      // A frame whose body goes to one of this call's receives (target_op >= 0) is arriving.
+      if (c.failure || c.hdr_got != sizeof(c.hdr) || c.target_op < 0) continue;
+      c.failure = std::make_exception_ptr(CommError(
+          "smddp: group '" + group_name_ + "': the connection from rank " + std::to_string(peer) +
+          " is unusable: a message from it was arriving into the buffer of " + ctx.describe() +
+          " when that call failed: " + why));
+    }
+    throw;
+  }
+}
+
+void TcpMesh::exchange_rounds(Exchange& x, const OpCtx& ctx) {
   std::vector<Op>& sends = x.sends;
   const std::vector<Op>& recvs = x.recvs;
   const std::function<void()>& health = x.health;
@@ -235,30 +272,39 @@ void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
       adopt_sends();
     }
   };
-  // A complete stashed message satisfies the oldest matching receive.
+  // A complete stashed message satisfies the oldest matching receive; returns whether the
+  // k-th entry of the peer's stash did (and is gone).
+  auto match_entry = [&](int peer, size_t k) {
+    Conn& c = *conns_[peer];
+    const Stashed& m = c.stash[k];
+    if (m.direct_to) return false;
+    for (size_t i = 0; i < recvs.size(); ++i) {
+      const Op& r = recvs[i];
+      if (rdone[i] || rtargeted[i] || r.peer != peer || r.tag != m.hdr.tag) continue;
+      check_match(peer, r, m.hdr);
+      if (r.len) std::memcpy(r.data, m.data.data(), r.len);
+      finish_recv(i);
+      c.stash_bytes -= stash_cost(m);
+      c.stash.erase(c.stash.begin() + static_cast<std::ptrdiff_t>(k));
+      return true;
+    }
+    return false;
+  };
+  // Once, at the start. Receives are only ever completed during the exchange, never added,
+  // so an entry that matches none now never will: each message that completes into the
+  // stash later is matched on its own (Route::stashed), and n queued messages cost O(n), not
+  // a rescan of the stash for each (O(n^2)).
   auto match_stash = [&](int peer) {
     Conn& c = *conns_[peer];
     rethrow_if_failed(c);
     // The last entry may still be arriving (a frame started in an earlier exchange).
     size_t complete = c.stash.size() - (stash_in_flight(c) ? 1 : 0);
     for (size_t k = 0; k < complete;) {
-      const Stashed& m = c.stash[k];
-      bool used = false;
-      for (size_t i = 0; i < recvs.size() && !used && !m.direct_to; ++i) {
-        const Op& r = recvs[i];
-        if (rdone[i] || rtargeted[i] || r.peer != peer || r.tag != m.hdr.tag) continue;
-        check_match(peer, r, m.hdr);
-        if (r.len) std::memcpy(r.data, m.data.data(), r.len);
-        finish_recv(i);
-        used = true;
-      }
-      if (!used) {
+      if (match_entry(peer, k)) {
+        --complete;
+      } else {
         ++k;
-        continue;
       }
-      if (!m.awaited) c.stash_bytes -= m.hdr.len;
-      c.stash.erase(c.stash.begin() + static_cast<std::ptrdiff_t>(k));
-      --complete;
     }
   };
   for (int peer : from_peers) match_stash(peer);
@@ -274,7 +320,7 @@ void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
     const decltype(wants_from)& wants_peer;
     const decltype(check_match)& check;
     const decltype(finish_recv)& finish;
-    const decltype(match_stash)& rematch;
+    const decltype(match_entry)& match;
     const OpCtx& ctx;
     TcpMesh& mesh;
     bool wants() { return wants_peer(peer); }
@@ -295,12 +341,13 @@ void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
       return nullptr;
     }
     void delivered(int op) { finish(static_cast<size_t>(op)); }
-    void stashed() { rematch(peer); }
+    // The message that just completed is the stash's last entry.
+    void stashed() { match(peer, mesh.conns_[peer]->stash.size() - 1); }
     std::shared_ptr<void> owner() const { return nullptr; }  // it claims no frame directly
   };
   auto pump_in = [&](int peer, int fd) {
     Route route{peer,        recvs,       rdone,       rtargeted, wants_from,
-                check_match, finish_recv, match_stash, ctx,       *this};
+                check_match, finish_recv, match_entry, ctx,       *this};
     read_frames(peer, fd, route, ctx);
   };
 
@@ -324,6 +371,7 @@ void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
                   std::string("send failed: ") + std::strerror(errno) + " (process exited?)", ctx);
       }
       st.done += static_cast<size_t>(r);
+      c.partial = true;  // until its last byte is written: no notice can follow it
     }
     counts_.sent.fetch_add(1, std::memory_order_relaxed);
     st.finished = true;
@@ -375,7 +423,6 @@ void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
         }
         ss[i].locked = true;
         if (c.out_fd < 0) c.out_fd = connect_to(peer, ctx);
-        c.partial = true;  // until its last byte is written
       }
       pump_out(i);
       if (!ss[i].finished) blocked[peer] = 1;
@@ -525,7 +572,7 @@ bool TcpMesh::take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& 
         "another receive");
   }
   if (len && !m.direct_to) std::memcpy(data, m.data.data(), len);
-  if (!m.awaited) c.stash_bytes -= m.hdr.len;
+  c.stash_bytes -= stash_cost(m);
   c.stash.erase(c.stash.begin() + k);
   return true;
 }
