@@ -115,3 +115,26 @@ def test_sm_local_save_without_tsm_init_fails_at_once_on_every_rank(tmp_path):
         _local_kind_without_tsm, str(tmp_path), world_size=2, timeout=60, fresh=True
     )
     assert all("needs torch.sagemaker.init() first" in r for r in results), results
+
+
+def _one_rank_asks_for_another_shape(root: str) -> str:
+    import torch
+    import torch.distributed as dist
+
+    from torch_sagemaker.checkpoint import CheckpointError, load, save
+
+    save({"w": torch.ones(8)}, checkpoint_id=f"{root}/c")
+    shape = 8 if dist.get_rank() == 0 else 9  # rank 1's script differs
+    try:
+        load({"w": torch.zeros(shape)}, checkpoint_id=f"{root}/c")
+    except CheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_a_load_that_fails_its_checks_on_one_rank_fails_on_every_rank_at_once(tmp_path):
+    """Rank 1's checks fail before any collective; rank 0 must not wait for it in the next
+    one until the group's timeout."""
+    results = run_distributed(_one_rank_asks_for_another_shape, str(tmp_path), timeout=60)
+    assert "checkpoint shape (8,), requested (9,)" in results[1]
+    assert "rank 1 could not load it" in results[0] and "requested (9,)" in results[0]

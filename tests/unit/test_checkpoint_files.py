@@ -101,6 +101,22 @@ def test_mismatched_keys_and_shapes_are_listed(tmp_path):
     assert "model.w: checkpoint shape (8, 4), requested (4, 8)" in msg
 
 
+def test_another_dtype_is_refused_not_cast(tmp_path):
+    """DCP would round a saved float32 into a bf16 template, or a float into an int."""
+    saved = {"w": torch.tensor([1.0001, 2.5, -3.7]), "n": torch.tensor([7.9])}
+    save(saved, checkpoint_id=tmp_path / "c")
+    wrong = {"w": torch.zeros(3, dtype=torch.bfloat16), "n": torch.zeros(1, dtype=torch.int64)}
+    with pytest.raises(CheckpointError) as e:
+        load(wrong, checkpoint_id=tmp_path / "c")
+    msg = str(e.value)
+    assert "w: checkpoint dtype torch.float32, requested torch.bfloat16" in msg
+    assert "n: checkpoint dtype torch.float32, requested torch.int64" in msg
+    assert float(wrong["w"][0]) == 0.0  # nothing was read
+    right = {"w": torch.zeros(3), "n": torch.zeros(1)}
+    load(right, checkpoint_id=tmp_path / "c")
+    assert all(torch.equal(right[k], saved[k]) for k in saved)
+
+
 def test_failed_save_keeps_previous_checkpoint(tmp_path):
     from torch.distributed.checkpoint import FileSystemWriter
 

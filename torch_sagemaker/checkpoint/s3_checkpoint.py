@@ -163,13 +163,18 @@ class S3Checkpoint:
         return retry_with_jitter(lambda: self.client.get_object(self.bucket, key).read())
 
     def _exists(self, key: str) -> bool:
-        try:
-            self.client.head_object(self.bucket, key)
-        except Exception as e:  # noqa: BLE001 - S3Exception: not found, or no access
-            if "NotFound" in str(e) or "NoSuchKey" in str(e) or "not found" in str(e).lower():
-                return False
-            raise
-        return True
+        def head() -> bool:
+            try:
+                self.client.head_object(self.bucket, key)
+            except Exception as e:  # noqa: BLE001 - S3Exception: not found, or no access
+                if "NotFound" in str(e) or "NoSuchKey" in str(e) or "not found" in str(e).lower():
+                    return False
+                raise
+            return True
+
+        # "Not found" is an answer; anything else (throttling, a dropped connection) is retried
+        # as the other requests are.
+        return retry_with_jitter(head)
 
     def list_objects(self, prefix: str) -> dict[str, int]:
         """``{key: size}`` of every object under ``prefix``."""

@@ -88,6 +88,14 @@ def _describe(key: str, value: Any, saved: Any) -> str | None:
             )
         if tuple(saved.size) != tuple(value.shape):
             return f"{key}: checkpoint shape {tuple(saved.size)}, requested {tuple(value.shape)}"
+        saved_dtype = saved.properties.dtype
+        if saved_dtype is not None and saved_dtype != value.dtype:
+            # DCP would cast while copying (a float32 weight rounded to bf16, a float to an
+            # int): the values loaded would not be the values saved.
+            return (
+                f"{key}: checkpoint dtype {saved_dtype}, requested {value.dtype} (load into a "
+                f"{saved_dtype} tensor and convert it afterwards to change the dtype)"
+            )
     elif isinstance(saved, TensorStorageMetadata):
         return (
             f"{key}: the checkpoint holds a tensor of shape {tuple(saved.size)}, "
@@ -203,6 +211,29 @@ def _check_files_and_keys(
         )
 
 
+def _raise_if_a_rank_failed(
+    path: CheckpointLocation, participants: Participants, failure: Exception | None
+) -> None:
+    """Raises on every rank when one could not start the load (its checks before the data).
+
+    A rank whose checks failed alone (a transient storage error, a state dict that differs
+    from its peers') would otherwise leave the others waiting in the next collective until
+    the group's timeout. One all-gather of the failures: a failed rank raises its own
+    error, the others one naming it.
+    """
+    if participants.distributed:
+        errors = participants.all_gather(None if failure is None else str(failure))
+    else:
+        errors = [None]
+    if failure is not None:
+        raise failure
+    failed = [(r, e) for r, e in zip(participants.ranks, errors) if e is not None]
+    if failed:
+        rank, error = failed[0]
+        others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+        raise CheckpointError(f"loading {path}: rank {rank}{others} could not load it: {error}")
+
+
 def _checkpoint_id(checkpoint_id: CheckpointId | None, storage_reader: Any) -> CheckpointId | None:
     """``checkpoint_id``, or the directory a file-system ``storage_reader`` reads from."""
     if checkpoint_id is not None or storage_reader is None:
@@ -260,13 +291,18 @@ def load(
     path = checkpoint_location(
         _checkpoint_id(checkpoint_id, storage_reader), s3_region, s3client_config
     )
-    marker = path.read_marker()
-    metadata = _read_metadata(path, marker)
-    resolved = resolve_stateful(state_dict)
-    if marker.get("kind") == "sm_local" or find_local_layout(resolved) is not None:
-        _check_local_layout(marker, path, resolved)
-    keys = check_state_dict_matches(resolved, metadata, path)
     participants = Participants(process_group)
+    failure: Exception | None = None
+    try:
+        marker = path.read_marker()
+        metadata = _read_metadata(path, marker)
+        resolved = resolve_stateful(state_dict)
+        if marker.get("kind") == "sm_local" or find_local_layout(resolved) is not None:
+            _check_local_layout(marker, path, resolved)
+        keys = check_state_dict_matches(resolved, metadata, path)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it first (below)
+        failure = e
+    _raise_if_a_rank_failed(path, participants, failure)
     _check_files_and_keys(path, marker, keys if check_keys_matched else None, participants)
     try:
         dcp.load(
