@@ -132,9 +132,14 @@ def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> No
     plan = _resolve_plan(cfg, dist.get_world_size(), ranks_per_host(dist.get_world_size()))
     layout = plan.layout
     groups = build_groups(plan)
+    # With degree 0 and TP 1 on several hosts, the one-host candidate too (Note [Degree 0
+    # with a hybrid strategy] in sharding_plan.py): the first FSDP1 root picks one.
+    host = None
+    if plan.host_plan is not None:
+        host = (plan.host_plan, build_groups(plan.host_plan))
     # 7. Publish the state, make FSDP1 follow it (and accept SMP's translate_on_save), and log
     # the layout and the plan once.
-    state._set(cfg, plan, groups)
+    state._set(cfg, plan, groups, host)
     fsdp1.install()
     fsdp1_state_dict.install()
     log_rank0(

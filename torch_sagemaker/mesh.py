@@ -32,7 +32,7 @@ def build_groups(plan: ShardingPlan) -> _Groups:
 
     Every group the library uses for training is made here, up front, and listed in
     ``_Groups.owned`` so that ``tsm.state.reset()`` can destroy it; none is created later on
-    demand (the host mesh of HYBRID_SHARD with ``hybrid_shard_degree=0`` included).
+    demand (``tsm.init`` calls this for ``plan.host_plan`` too, when there is one).
 
     Args:
         plan: The sharding plan; ``plan.layout.world_size`` must equal the default group's size.
@@ -70,11 +70,6 @@ def build_groups(plan: ShardingPlan) -> _Groups:
         ep_mesh.get_group(),
         edp_mesh.get_group(),
     ]
-    host_mesh = None
-    if plan.needs_host_mesh:
-        host_root = _host_root_mesh(plan)
-        host_mesh = host_root["host_replicate", "host_shard"]
-        owned += host_root.get_all_groups()
     world = dist.group.WORLD
     owned = [g for g in dict.fromkeys(owned) if g is not world]
     return _Groups(
@@ -94,23 +89,7 @@ def build_groups(plan: ShardingPlan) -> _Groups:
         dp=dp.get_group(),
         replicate_mesh=mesh["dp_replicate"],
         expert_replicate_mesh=expert_fsdp_mesh["edp_replicate"],
-        host_mesh=host_mesh,
         owned=owned,
-    )
-
-
-def _host_root_mesh(plan: ShardingPlan) -> DeviceMesh:
-    """(host_replicate, host_shard, host_tp): FSDP1's HYBRID_SHARD with hybrid_shard_degree=0.
-
-    Shards within a host (``plan.host_shard`` ranks), replicates across hosts; TP stays
-    innermost, so its ranks match ``ShardingPlan.dim_ranks``.
-    """
-    layout = plan.layout
-    replicas = layout.world_size // (layout.tp * plan.host_shard)
-    return init_device_mesh(
-        mesh_device_type(),
-        (replicas, plan.host_shard, layout.tp),
-        mesh_dim_names=("host_replicate", "host_shard", "host_tp"),
     )
 
 

@@ -15,9 +15,9 @@ FSDP1, by the configured ``hybrid_shard_degree`` and the strategy the script ask
 - 0, FULL_SHARD / SHARD_GRAD_OP / NO_SHARD: that strategy over every data-parallel rank
   (``fsdp_shard_mesh``; ``dp_mesh`` with expert parallelism). Experts: the same strategy
   over ``fsdp_shard_mesh``, which holds every rank with the same experts here.
-- 0, HYBRID_SHARD / _HYBRID_SHARD_ZERO2: that strategy, sharded within a host and
-  replicated across hosts (``host_mesh``; ``fsdp_mesh`` when a host holds exactly one
-  shard group). Experts: FULL_SHARD / SHARD_GRAD_OP over ``fsdp_shard_mesh``.
+- 0, HYBRID_SHARD / _HYBRID_SHARD_ZERO2: that strategy over ``fsdp_mesh``, of the one-host
+  layout (``host_plan``) where there is one, else of this layout (see Note [Degree 0 with a
+  hybrid strategy]). Experts: FULL_SHARD / SHARD_GRAD_OP over ``fsdp_shard_mesh``.
 - 1, any: NO_SHARD over ``replicate_mesh``. Experts: NO_SHARD over ``expert_replicate_mesh``.
 - k >= 2, any: HYBRID_SHARD (_HYBRID_SHARD_ZERO2 if asked) over ``fsdp_mesh``. Experts:
   the same over ``expert_fsdp_mesh``, or FULL_SHARD (SHARD_GRAD_OP) over
@@ -27,6 +27,22 @@ FSDP2 takes a mesh only: ``fsdp_mesh`` (2-D, HSDP) when there are replicas, else
 ``fsdp_shard_mesh``; with ``hybrid_shard_degree=0`` and expert parallelism ``dp_mesh``, as
 FSDP1's FULL_SHARD. Experts: ``expert_fsdp_mesh`` with same-expert replicas, else
 ``fsdp_shard_mesh``.
+
+Note [Degree 0 with a hybrid strategy]
+    SMP's rule for ``hybrid_shard_degree=0`` (docs/config.md): with TP 1 the script's strategy
+    decides, FULL_SHARD shards over every rank and HYBRID_SHARD over one host (replicas across
+    hosts); with TP > 1 the degree is the largest possible, ``world / (tp * ep)``, whatever the
+    strategy. ``tsm.init`` resolves the layout before the script picks its strategy, so for
+    TP 1 on several hosts there are two candidate layouts: this one (every rank in one shard
+    group) and ``host_plan``'s (``topology.resolve`` with the degree of one host, as if it had
+    been configured). ``tsm.init`` builds the groups of both; the first FSDP1 root that
+    follows the config settles which one ``tsm.state`` describes (``State.settle_degree_zero``):
+    a hybrid strategy switches to ``host_plan``, so FSDP1's shard and replica groups, the
+    ranker, ``rep_rank_process_group`` and ``hybrid_shard_degree`` all say one host per shard
+    group. ``host_plan`` is ``None`` on one host, with TP > 1 (the largest degree is this
+    layout's), with expert parallelism (the EP groups, fixed by ``tsm.transform`` before the
+    wrap, differ between the two layouts; the largest degree ``world / ep`` is used) and where
+    a host does not hold whole context parallel groups.
 
 Note [Combinations the sharding supports]
     ``combination_problems`` holds the rules between degrees that no single degree breaks:
@@ -49,6 +65,8 @@ from torch_sagemaker._torch_compat import fsdp1 as fsdp1_compat
 from torch_sagemaker.topology import Layout
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, fsdp1_compat.HYBRID_SHARD_ZERO2)
+#: The hybrid strategies (shard within a group, replicate across groups).
+HYBRID_STRATEGIES: tuple[ShardingStrategy, ...] = _HYBRID
 _ZERO2 = (ShardingStrategy.SHARD_GRAD_OP, fsdp1_compat.HYBRID_SHARD_ZERO2)
 #: Every strategy a script may ask FSDP1 for.
 STRATEGIES: tuple[ShardingStrategy, ...] = tuple(ShardingStrategy)
@@ -62,7 +80,6 @@ MESHES: dict[str, tuple[str, ...]] = {
     "replicate_mesh": ("dp_replicate",),
     "expert_fsdp_mesh": ("edp_replicate", "dp_shard_cp"),
     "expert_replicate_mesh": ("edp_replicate",),
-    "host_mesh": ("host_replicate", "host_shard"),
 }
 
 
@@ -107,7 +124,7 @@ class Placement:
 
 
 def host_shard_size(layout: Layout, ranks_per_host: int) -> int:
-    """Shard-group size of ``host_mesh``: the ranks of one host without the TP axis.
+    """Shard-group size of one host: the ranks of one host without the TP axis.
 
     Falls back to every FSDP rank (``world / tp``) when a host's ranks do not tile them in
     whole context parallel groups (a host smaller than a TP group, or ranks split unevenly).
@@ -127,7 +144,9 @@ class ShardingPlan:
         layout: The rank layout.
         ranks_per_host: Ranks on one host (``LOCAL_WORLD_SIZE``); the one definition of a host
             on the Python side (docs/architecture.md, "Hosts and devices").
-        host_shard: Shard-group size of ``host_mesh``.
+        host_plan: The plan of the one-host layout that FSDP1's hybrid strategies settle
+            ``hybrid_shard_degree=0`` to (Note [Degree 0 with a hybrid strategy]); ``None``
+            where they use this layout.
         fsdp1_dense: Placement of dense parameters, by the strategy the script asked.
         fsdp1_experts: Placement of split experts, by the strategy the script asked.
         fsdp2_dense: Mesh name for ``fully_shard`` of dense parameters.
@@ -136,21 +155,16 @@ class ShardingPlan:
 
     layout: Layout
     ranks_per_host: int
-    host_shard: int
     fsdp1_dense: Mapping[ShardingStrategy, Placement]
     fsdp1_experts: Mapping[ShardingStrategy, Placement]
     fsdp2_dense: str
     fsdp2_experts: str
+    host_plan: ShardingPlan | None = None
 
     def fsdp1(self, asked: ShardingStrategy | None, *, experts: bool = False) -> Placement:
         """FSDP1's placement for the strategy a script asked for (``None``: FULL_SHARD)."""
         table = self.fsdp1_experts if experts else self.fsdp1_dense
         return table[asked or ShardingStrategy.FULL_SHARD]
-
-    @property
-    def needs_host_mesh(self) -> bool:
-        """Whether some placement uses ``host_mesh`` (then ``tsm.init`` builds it)."""
-        return any(p.mesh == "host_mesh" for p in self.fsdp1_dense.values())
 
     @property
     def meshes(self) -> list[str]:
@@ -197,15 +211,6 @@ class ShardingPlan:
         if dim == "edp_replicate":
             replicas = self.dim_ranks("dp_replicate", rank)
             return replicas[layout.ep_rank(rank) :: layout.ep]
-        if dim in ("host_shard", "host_replicate"):
-            tp_rank, index = rank % layout.tp, rank // layout.tp
-            fsdp_ranks = layout.world_size // layout.tp
-            if dim == "host_shard":
-                first = index - index % self.host_shard
-                indices = range(first, first + self.host_shard)
-            else:
-                indices = range(index % self.host_shard, fsdp_ranks, self.host_shard)
-            return [i * layout.tp + tp_rank for i in indices]
         raise ValueError(f"unknown mesh dimension {dim!r}; known: {sorted(_DIMS)}.")
 
     def mesh_ranks(self, mesh: str, rank: int) -> list[list[int]]:
@@ -221,6 +226,12 @@ class ShardingPlan:
             for d, e in [(self.fsdp1_dense[s], self.fsdp1_experts[s])]
         ]
         rows.append(f"  FSDP2: {self.fsdp2_dense}; experts {self.fsdp2_experts}")
+        if self.host_plan is not None:
+            rows.append(
+                "  hybrid_shard_degree=0 with FSDP1 HYBRID_SHARD / _HYBRID_SHARD_ZERO2: one host "
+                f"per shard group (degree {self.host_plan.layout.hybrid_shard_degree}, "
+                f"{self.host_plan.layout.dp_replicate} replicas); tsm.state follows at the wrap"
+            )
         return "\n".join(rows)
 
 
@@ -233,11 +244,12 @@ _LAYOUT_DIMS = {
 }
 
 
-def _fsdp1_dense(layout: Layout, host_mesh: str, asked: ShardingStrategy) -> Placement:
+def _fsdp1_dense(layout: Layout, asked: ShardingStrategy) -> Placement:
     requested = layout.requested_hybrid_shard_degree
     if requested == 0:
         if asked in _HYBRID:
-            return Placement(asked, host_mesh)
+            # This layout's shard groups; on several hosts with TP 1 FSDP1 takes host_plan's.
+            return Placement(asked, "fsdp_mesh")
         # With expert parallelism the shard group is one of ``ep`` replicas; the other
         # parameters are sharded over every data-parallel rank.
         return Placement(asked, "fsdp_shard_mesh" if layout.dp_replicate == 1 else "dp_mesh")
@@ -288,22 +300,38 @@ def resolve(layout: Layout, ranks_per_host: int) -> ShardingPlan:
         raise ValueError(
             f"{' '.join(problems)} Validate the config with torch_sagemaker.config.validate first."
         )
-    host_shard = host_shard_size(layout, ranks_per_host)
-    # The host mesh is the FSDP mesh when a host holds exactly one shard group: no new groups.
-    host_mesh = "fsdp_mesh" if host_shard == layout.hybrid_shard_degree else "host_mesh"
-    dense = {s: _fsdp1_dense(layout, host_mesh, s) for s in STRATEGIES}
+    dense = {s: _fsdp1_dense(layout, s) for s in STRATEGIES}
     return ShardingPlan(
         layout=layout,
         ranks_per_host=ranks_per_host,
-        host_shard=host_shard,
         fsdp1_dense=dense,
         fsdp1_experts={s: _fsdp1_experts(layout, dense[s]) for s in STRATEGIES},
         fsdp2_dense=_fsdp2_dense(layout),
         fsdp2_experts="expert_fsdp_mesh" if layout.edp_replicate > 1 else "fsdp_shard_mesh",
+        host_plan=_host_plan(layout, ranks_per_host),
     )
 
 
+def _host_plan(layout: Layout, ranks_per_host: int) -> ShardingPlan | None:
+    """The one-host plan of Note [Degree 0 with a hybrid strategy], or ``None``."""
+    if layout.requested_hybrid_shard_degree != 0 or layout.tp > 1 or layout.ep > 1:
+        return None
+    shard = host_shard_size(layout, ranks_per_host)
+    if shard == layout.hybrid_shard_degree:
+        return None  # one host, or a host that does not hold whole CP groups
+    host = Layout(
+        world_size=layout.world_size,
+        tp=layout.tp,
+        cp=layout.cp,
+        ep=layout.ep,
+        hybrid_shard_degree=shard,
+        requested_hybrid_shard_degree=0,
+    )
+    return resolve(host, ranks_per_host)
+
+
 __all__ = [
+    "HYBRID_STRATEGIES",
     "MESHES",
     "STRATEGIES",
     "Placement",

@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from torch_sagemaker.config import FIELD_NAMES, SMPConfig
-from torch_sagemaker.sharding_plan import MESHES, ShardingPlan
+from torch_sagemaker.sharding_plan import HYBRID_STRATEGIES, MESHES, ShardingPlan
 from torch_sagemaker.topology import Layout
 
 # SMP's short aliases, mapped to the config keys they stand for.
@@ -95,7 +95,6 @@ class _Groups:
     expert_fsdp_mesh: Any = None
     replicate_mesh: Any = None
     expert_replicate_mesh: Any = None
-    host_mesh: Any = None  # only when the plan needs one (ShardingPlan.needs_host_mesh)
     owned: list[Any] = field(default_factory=list)
 
 
@@ -140,6 +139,11 @@ class State:
     _config: SMPConfig | None
     _plan: ShardingPlan | None
     _groups: _Groups | None
+    # hybrid_shard_degree=0 on several hosts with TP 1 (Note [Degree 0 with a hybrid strategy]
+    # in sharding_plan.py): the other candidate (plan, groups), and whether the first FSDP1
+    # root settled on a hybrid strategy (None: not settled yet).
+    _other: tuple[ShardingPlan, _Groups] | None
+    _settled_hybrid: bool | None
     _adopted: list[Any]  # groups created after init on the library's behalf (adopt_group)
     _rng_tracker: Any  # a tensor_parallel.random.RNGStatesTracker, made on first use
 
@@ -152,13 +156,71 @@ class State:
         object.__setattr__(self, "_config", None)
         object.__setattr__(self, "_plan", None)
         object.__setattr__(self, "_groups", None)
+        object.__setattr__(self, "_other", None)
+        object.__setattr__(self, "_settled_hybrid", None)
         object.__setattr__(self, "_rng_tracker", None)
 
     # ----------------------------------------------------------- life cycle
-    def _set(self, config: SMPConfig, plan: ShardingPlan, groups: _Groups) -> None:
+    def _set(
+        self,
+        config: SMPConfig,
+        plan: ShardingPlan,
+        groups: _Groups,
+        host: tuple[ShardingPlan, _Groups] | None = None,
+    ) -> None:
+        """Publishes what ``tsm.init`` resolved; ``host``: ``plan.host_plan`` and its groups."""
         object.__setattr__(self, "_config", config)
         object.__setattr__(self, "_plan", plan)
         object.__setattr__(self, "_groups", groups)
+        object.__setattr__(self, "_other", host)
+
+    def settle_degree_zero(self, strategy: Any, *, keep_settled: bool = False) -> None:
+        """Settles ``hybrid_shard_degree=0`` for an FSDP1 root wrapped with ``strategy``.
+
+        Called by the FSDP1 patch for every root that follows the config, before it reads
+        the plan. With degree 0 and TP 1 on several hosts, the first such root decides what
+        the state describes (Note [Degree 0 with a hybrid strategy] in ``sharding_plan.py``):
+        a hybrid strategy switches the layout, the plan and the groups to one host per shard
+        group; any other strategy keeps every rank in one shard group. Elsewhere it does
+        nothing.
+
+        Args:
+            strategy: The FSDP1 ``ShardingStrategy`` (``None``: FULL_SHARD, FSDP1's default).
+            keep_settled: Keep an earlier settlement instead of raising (FSDP2's mesh, which
+                follows whichever layout the state describes).
+
+        Raises:
+            ValueError: A later root asks for a hybrid strategy where an earlier one did not,
+                or the other way round: the state cannot describe both.
+        """
+        if self._other is None:
+            return
+        hybrid = strategy in HYBRID_STRATEGIES
+        settled = self._settled_hybrid
+        if settled is not None and keep_settled:
+            return
+        if settled is None:
+            if hybrid:
+                # The candidate this rank does not use stays in _other, for reset() to destroy.
+                assert self._plan is not None and self._groups is not None
+                other = (self._plan, self._groups)
+                plan, groups = self._other
+                object.__setattr__(self, "_plan", plan)
+                object.__setattr__(self, "_groups", groups)
+                object.__setattr__(self, "_other", other)
+            object.__setattr__(self, "_settled_hybrid", hybrid)
+        elif settled != hybrid:
+            name = getattr(strategy, "name", "FULL_SHARD")
+            raise ValueError(
+                f"FSDP(sharding_strategy={name}) with hybrid_shard_degree=0 on "
+                f"{self.world_size // self.local_world_size} hosts: an earlier FSDP root "
+                f"{'used a hybrid strategy' if settled else 'did not use a hybrid strategy'}, "
+                f"so tsm.state describes {self.hybrid_shard_degree}-rank shard groups and "
+                "cannot describe this one's too. Use the same kind of strategy for every "
+                "model that follows the SMP config, set hybrid_shard_degree explicitly (the "
+                "ranks of one host for HYBRID_SHARD, the world size for FULL_SHARD), or give "
+                "the other model its own process_group or device_mesh."
+            )
 
     def adopt_group(self, group: Any) -> None:
         """Records a process group the library created, so that ``reset()`` destroys it.
@@ -186,6 +248,8 @@ class State:
         """
         groups = self._groups
         owned = [*(groups.owned if groups is not None else []), *self._adopted]
+        if self._other is not None:
+            owned += [g for g in self._other[1].owned if g not in owned]
         if owned and dist.is_initialized():
             for group in owned:
                 try:
@@ -278,7 +342,12 @@ class State:
     # --------------------------------------------------------------- degrees
     @property
     def hybrid_shard_degree(self) -> int:
-        """Resolved FSDP shard-group size (after init), else the configured value."""
+        """Resolved FSDP shard-group size (after init), else the configured value.
+
+        With ``hybrid_shard_degree=0``: ``world / (tp * ep)``, or one host's ranks once an
+        FSDP1 root with TP 1 on several hosts asked for a hybrid strategy
+        (``settle_degree_zero``).
+        """
         if self._plan is not None:
             return self._plan.layout.hybrid_shard_degree
         return self._config_value("hybrid_shard_degree")

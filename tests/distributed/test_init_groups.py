@@ -126,7 +126,8 @@ def test_groups_on_four_ranks():
 
 
 # (hybrid_shard_degree, tp, ep) on 4 ranks in two "hosts" of 2 (LOCAL_WORLD_SIZE=2): with
-# degree 0 the host mesh differs from the FSDP mesh, so tsm.init builds it.
+# degree 0 and tp 1 the one-host plan differs from the layout's, so tsm.init builds its groups
+# too (Note [Degree 0 with a hybrid strategy] in sharding_plan.py).
 PLAN_LAYOUTS = [(0, 1, 1), (0, 2, 1), (2, 1, 1), (1, 1, 1), (0, 1, 2), (1, 1, 2), (2, 1, 2)]
 
 
@@ -146,7 +147,7 @@ def _plan_meshes(layouts):
             mesh = tsm.state.mesh(name)
             got = [dist.get_process_group_ranks(mesh.get_group(i)) for i in range(mesh.ndim)]
             built[name] = (got, plan.mesh_ranks(name, rank))
-        out[(hsd, tp, ep)] = (plan.needs_host_mesh, tsm.state.local_world_size, built)
+        out[(hsd, tp, ep)] = (plan.host_plan is not None, tsm.state.local_world_size, built)
     tsm.state.reset()
     return out
 
@@ -158,8 +159,10 @@ def test_plan_meshes_are_the_groups_built():
         _plan_meshes, PLAN_LAYOUTS, world_size=4, timeout=300, env={"LOCAL_WORLD_SIZE": "2"}
     )
     for out in per_rank:
-        # Degree 0: a host of 2 holds a shard group of 2 (tp 1) or 1 (tp 2), not all 4.
-        assert out[(0, 1, 1)][0] and out[(0, 2, 1)][0] and not out[(2, 1, 1)][0]
+        # Degree 0: with tp 1 a hybrid strategy shards within a host of 2; with tp 2 (and
+        # with ep 2) the largest degree is used for every strategy, no second plan.
+        assert out[(0, 1, 1)][0] and not out[(0, 2, 1)][0] and not out[(0, 1, 2)][0]
+        assert not out[(2, 1, 1)][0]
         for layout, (_, local_world_size, built) in out.items():
             assert local_world_size == 2
             for name, (got, planned) in built.items():
@@ -181,7 +184,8 @@ def _live_groups_around_init_and_reset(path):
     before = len(c10d_compat.live_groups())
     tsm.init({"hybrid_shard_degree": 0})
     after_init = len(c10d_compat.live_groups())
-    # HYBRID_SHARD with degree 0 on two hosts: the host mesh (built by tsm.init, not here).
+    # HYBRID_SHARD with degree 0 on two hosts: one host per shard group (its groups built by
+    # tsm.init, not here).
     model = FSDP(
         torch.nn.Linear(4, 4),
         sharding_strategy=ShardingStrategy.HYBRID_SHARD,
@@ -223,7 +227,7 @@ def test_reset_destroys_every_group_the_library_created(tmp_path):
     for rank, out in enumerate(per_rank):
         assert out["host_shard"] == [rank - rank % 2, rank - rank % 2 + 1]
         assert out["after_init"] > out["before"]
-        assert out["after_fsdp"] == out["after_init"]  # host groups exist up front
+        assert out["after_fsdp"] == out["after_init"]  # the one-host groups exist up front
         assert out["after_save"] == out["after_fsdp"] + 1  # the async save's gloo group
         assert out["after_reset"] == out["before"], out
 

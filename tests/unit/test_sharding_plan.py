@@ -16,6 +16,7 @@ from tests.unit.test_topology import LAYOUTS
 from torch_sagemaker._torch_compat.fsdp1 import HYBRID_SHARD_ZERO2
 from torch_sagemaker.config import ConfigError, validate
 from torch_sagemaker.sharding_plan import MESHES, STRATEGIES, combination_problems, resolve
+from torch_sagemaker.state import Ranker
 from torch_sagemaker.topology import Layout
 from torch_sagemaker.topology import resolve as resolve_layout
 
@@ -80,9 +81,7 @@ def test_plan_invariants(world, hsd, tp, cp, ep, per_host):
     plan = _plan(*key)
     layout = plan.layout
     assert set(plan.meshes) <= set(MESHES)
-    assert plan.needs_host_mesh == ("host_mesh" in plan.meshes)
-    if hsd != 0:
-        assert not plan.needs_host_mesh  # the host mesh exists for HYBRID_SHARD with degree 0 only
+    _check_host_plan(plan)
     same_experts = {r: g for g in layout.expert_dp_groups() for r in g}
     for mesh in plan.meshes:
         for dim in MESHES[mesh]:
@@ -130,29 +129,88 @@ def test_degree_one_replicates_and_degree_k_shards_over_k():
     assert plan.fsdp2_dense == "fsdp_mesh"
 
 
-def test_degree_zero_keeps_the_strategy_and_shards_hybrid_within_a_host():
-    # Two hosts of 4 ranks, tp 2: HYBRID_SHARD shards over a host's 2 TP-peer ranks.
+def _check_host_plan(plan):
+    """The one-host plan of degree 0 (Note [Degree 0 with a hybrid strategy]), where there is one.
+
+    It exists with degree 0, TP 1, no EP, on several hosts whose ranks hold whole CP groups;
+    its hybrid placement shards over exactly one host's ranks and replicates across hosts, and
+    its ranker says so; the data-parallel and context parallel ranks stay those of ``plan``.
+    """
+    layout, host = plan.layout, plan.host_plan
+    per_host = plan.ranks_per_host
+    world = layout.world_size
+    applies = (
+        layout.requested_hybrid_shard_degree == 0
+        and layout.tp == 1
+        and layout.ep == 1
+        and per_host < world
+        and world % per_host == 0
+        and per_host % layout.cp == 0
+    )
+    assert (host is not None) == applies
+    if host is None:
+        return
+    assert host.host_plan is None
+    assert host.layout.hybrid_shard_degree == per_host
+    assert host.layout.groups(("dp_shard", "cp")) == [
+        list(range(first, first + per_host)) for first in range(0, world, per_host)
+    ]
+    assert host.layout.groups("cp") == layout.groups("cp")
+    ranker = Ranker(host.layout)
+    for rank in range(world):
+        assert host.layout.dp_rank(rank) == layout.dp_rank(rank)
+        for asked in HYBRID:
+            placement = host.fsdp1(asked)
+            assert (placement.strategy, placement.mesh) == (asked, "fsdp_mesh")
+            replicas, shard = host.mesh_ranks("fsdp_mesh", rank)
+            assert shard == [r for r in range(world) if r // per_host == rank // per_host]
+            assert replicas == [r for r in range(world) if r % per_host == rank % per_host]
+            assert ranker.get_rep_rank(rank) == rank // per_host
+            assert replicas in ranker.get_rep_groups()
+
+
+def test_degree_zero_with_tp_shards_hybrid_over_the_largest_degree():
+    # Two hosts of 4 ranks, tp 2: SMP uses the largest degree, world / tp = 4, whatever the
+    # strategy; HYBRID_SHARD gets the FSDP mesh (one replica), not one host's 2 ranks.
     plan = resolve(_layout(8, 0, 2, 1, 1), 4)
+    assert plan.layout.hybrid_shard_degree == 4 and plan.host_plan is None
     assert plan.fsdp1(ShardingStrategy.SHARD_GRAD_OP).strategy is ShardingStrategy.SHARD_GRAD_OP
     assert plan.fsdp1(None).mesh == "fsdp_shard_mesh" == plan.fsdp2_dense
     hybrid = plan.fsdp1(ShardingStrategy.HYBRID_SHARD)
-    assert (hybrid.strategy, hybrid.mesh) == (ShardingStrategy.HYBRID_SHARD, "host_mesh")
-    assert plan.needs_host_mesh and plan.host_shard == 2
-    assert plan.mesh_ranks("host_mesh", 1) == [[1, 5], [1, 3]]
-    # On one host the host mesh is the FSDP mesh: no groups of its own.
-    one_host = resolve(_layout(8, 0, 2, 1, 1), 8)
-    assert one_host.fsdp1(ShardingStrategy.HYBRID_SHARD).mesh == "fsdp_mesh"
-    assert not one_host.needs_host_mesh
+    assert (hybrid.strategy, hybrid.mesh) == (ShardingStrategy.HYBRID_SHARD, "fsdp_mesh")
+    assert plan.mesh_ranks("fsdp_mesh", 1) == [[1], [1, 3, 5, 7]]
+    # Two hosts of 2 ranks, tp 2 (the 2 x 2 case): a shard group of 2, not 1 (NO_SHARD).
+    plan = resolve(_layout(4, 0, 2, 1, 1), 2)
+    assert plan.host_plan is None
+    assert plan.mesh_ranks("fsdp_mesh", 2) == [[2], [0, 2]]
 
 
-def test_host_mesh_keeps_context_parallel_groups_whole():
-    # 4 ranks per host, cp 2: a host holds 2 whole CP groups (the old code built a mesh over
-    # world / cp ranks here, which init_device_mesh refuses).
+def test_degree_zero_with_tp_1_shards_hybrid_within_a_host():
+    # Two hosts of 2 ranks: FULL_SHARD over all 4, HYBRID_SHARD over one host (host_plan).
+    plan = resolve(_layout(4, 0, 1, 1, 1), 2)
+    assert plan.fsdp1(ShardingStrategy.FULL_SHARD).mesh == "fsdp_shard_mesh"
+    assert plan.mesh_ranks("fsdp_shard_mesh", 2) == [[0, 1, 2, 3]]
+    assert Ranker(plan.layout).get_rep_groups() == [[0], [1], [2], [3]]
+    host = plan.host_plan
+    assert host is not None and host.layout.hybrid_shard_degree == 2
+    assert host.mesh_ranks("fsdp_mesh", 2) == [[0, 2], [2, 3]]
+    assert Ranker(host.layout).get_rep_groups() == [[0, 2], [1, 3]]
+    assert Ranker(host.layout).get_rep_rank(2) == 1
+    # On one host the plan is the only one.
+    assert resolve(_layout(8, 0, 1, 1, 1), 8).host_plan is None
+    # With expert parallelism the largest degree, world / ep, for every strategy.
+    ep_plan = resolve(_layout(8, 0, 1, 1, 2), 2)
+    assert ep_plan.host_plan is None
+    assert ep_plan.fsdp1(ShardingStrategy.HYBRID_SHARD).mesh == "fsdp_mesh"
+
+
+def test_host_plan_keeps_context_parallel_groups_whole():
+    # 4 ranks per host, cp 2: a host holds 2 whole CP groups.
     plan = resolve(_layout(8, 0, 1, 2, 1), 4)
-    assert plan.host_shard == 4
-    assert plan.mesh_ranks("host_mesh", 5) == [[1, 5], [4, 5, 6, 7]]
+    assert plan.host_plan is not None and plan.host_plan.layout.hybrid_shard_degree == 4
+    assert plan.host_plan.mesh_ranks("fsdp_mesh", 5) == [[1, 5], [4, 5, 6, 7]]
     # A host smaller than a CP group cannot hold one: shard over every rank.
-    assert resolve(_layout(8, 0, 1, 2, 1), 1).host_shard == 8
+    assert resolve(_layout(8, 0, 1, 2, 1), 1).host_plan is None
 
 
 def test_expert_parallel_placements():

@@ -174,6 +174,8 @@ def _patched_init(
         if follows:
             if depth == 0:
                 check_prepared(module, state.cp_size, "FSDP")
+                # hybrid_shard_degree=0 on several hosts: the strategy picks the layout.
+                state.settle_degree_zero(sharding_strategy)
             if depth == 0 and experts.check_ready(module):
                 experts.fsdp1_root_kwargs(module, kwargs)  # experts and fp32 routers as own units
             # Auto-wrapped children get the root's resolved strategy, which the plan maps to

@@ -28,8 +28,11 @@ def fsdp2_mesh() -> DeviceMesh:
 
     2-D (HSDP) with replicas, else the 1-D shard mesh; with ``hybrid_shard_degree=0`` and
     expert parallelism (whose replicas hold different experts), the 1-D mesh over every
-    data-parallel rank, as FSDP1's FULL_SHARD.
+    data-parallel rank, as FSDP1's FULL_SHARD. With ``hybrid_shard_degree=0`` on several hosts
+    this settles ``tsm.state`` on every rank in one shard group, as an FSDP1 FULL_SHARD root
+    does (``State.settle_degree_zero``), unless an FSDP1 HYBRID_SHARD root came first.
     """
+    state.settle_degree_zero(None, keep_settled=True)
     return state.mesh(state.sharding_plan.fsdp2_dense)
 
 
