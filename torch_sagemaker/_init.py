@@ -117,7 +117,8 @@ def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> No
         )
     except config_lib.ConfigError as e:
         cfg, error = None, e
-    _same_on_every_rank(cfg, error)
+    hosts_of = ranks_per_host(dist.get_world_size())
+    _same_on_every_rank(cfg, error, hosts_of)
     assert cfg is not None  # _same_on_every_rank raised this rank's error
     if state.initialized:
         if cfg == state.config:
@@ -129,7 +130,7 @@ def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> No
         )
     # 5. Resolve the layout and the sharding plan (pure), then 6. build every group the plan
     # uses, host-local ones included (collective).
-    plan = _resolve_plan(cfg, dist.get_world_size(), ranks_per_host(dist.get_world_size()))
+    plan = _resolve_plan(cfg, dist.get_world_size(), hosts_of)
     layout = plan.layout
     groups = build_groups(plan)
     # With degree 0 and TP 1 on several hosts, the one-host candidate too (Note [Degree 0
@@ -208,21 +209,29 @@ def dry_run(
     return cfg, _resolve_plan(cfg, world_size, ranks_per_host or world_size)
 
 
-def _same_on_every_rank(
-    cfg: config_lib.SMPConfig | None, error: config_lib.ConfigError | None
-) -> None:
-    """Raises on every rank unless every rank validated the same config.
+#: The key under which ``_same_on_every_rank`` compares the ranks per host.
+_LOCAL_SIZE = "LOCAL_WORLD_SIZE"
 
-    One all-gather of a 64-bit digest of this rank's config (or of its problems); only when
-    the digests differ are the configs themselves gathered, to name the ranks and keys.
+
+def _same_on_every_rank(
+    cfg: config_lib.SMPConfig | None, error: config_lib.ConfigError | None, local_size: int
+) -> None:
+    """Raises on every rank unless every rank validated the same config on equal hosts.
+
+    One all-gather of a 64-bit digest of this rank's config (or of its problems) and of its
+    host's rank count (``LOCAL_WORLD_SIZE``); only when the digests differ are the configs
+    themselves gathered, to name the ranks and keys. The layout has one number of ranks per
+    host: ranks that disagree on it (``srun -n 10 -N 3`` puts 4, 4 and 2 on the hosts) would
+    build different sharding plans and run mismatched collectives.
 
     Raises:
         ConfigError: This rank's own problems; or, on a rank whose config is valid, which
-            ranks have an invalid one or which keys differ between ranks.
+            ranks have an invalid one, which keys differ between ranks, or that hosts hold
+            different numbers of ranks.
     """
     # Exactly one of cfg and error is set.
     mine = (
-        cfg.to_dict()
+        {**cfg.to_dict(), _LOCAL_SIZE: local_size}
         if cfg is not None
         else {"problems": cast(config_lib.ConfigError, error).problems}
     )
@@ -253,7 +262,7 @@ def _same_on_every_rank(
             "SMP config across ranks",
         )
     problems = []
-    for key in config_lib.FIELD_NAMES:
+    for key in (*config_lib.FIELD_NAMES, _LOCAL_SIZE):
         ranks_by_value: dict[Any, list[int]] = {}
         for r, v in enumerate(views):
             ranks_by_value.setdefault(v[key], []).append(r)
@@ -262,6 +271,14 @@ def _same_on_every_rank(
                 f"{config_lib.show_value(value)} on ranks {ranks}"
                 for value, ranks in ranks_by_value.items()
             )
+            if key == _LOCAL_SIZE:
+                problems.append(
+                    f"hosts hold different numbers of ranks ({_LOCAL_SIZE}: {spread}): "
+                    "tsm's layout needs the same number on every host. Start as many "
+                    "processes on each host (torchrun --nproc-per-node, srun "
+                    "--ntasks-per-node, mpirun -npernode)."
+                )
+                continue
             problems.append(
                 f"{key} differs across ranks: {spread}. Every rank must call tsm.init "
                 "with the same config (the same dict or file, and the same "

@@ -156,7 +156,8 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchInfo | None:
 def export_torch_variables(environ: MutableMapping[str, str] | None = None) -> LaunchInfo | None:
     """Writes the torchrun variables this rank's launcher implies, where they are unset.
 
-    Variables already set are never changed, so nothing changes for torchrun users.
+    Variables already set are never changed, so nothing changes for torchrun users; a
+    blank one (``mpirun -x MASTER_ADDR`` of an empty shell variable) counts as unset.
 
     Args:
         environ: The environment to read and update (default ``os.environ``).
@@ -171,7 +172,8 @@ def export_torch_variables(environ: MutableMapping[str, str] | None = None) -> L
     info = detect(target)
     if info is not None:
         for name, value in info.torch_variables().items():
-            target.setdefault(name, value)
+            if not target.get(name, "").strip():  # a blank value is unset (as detect reads it)
+                target[name] = value
     return info
 
 
@@ -221,10 +223,13 @@ def _torchrun(env: Mapping[str, str]) -> LaunchInfo:
     world = _count(env, "WORLD_SIZE", launcher, minimum=1)
     sources = {"rank": "RANK", "world_size": "WORLD_SIZE"}
     local_rank = local_world = node = None
-    if "LOCAL_RANK" in env or "LOCAL_WORLD_SIZE" in env:
+    # Either of the local pair may come alone (DeepSpeed's launcher sets LOCAL_RANK only).
+    if "LOCAL_RANK" in env:
         local_rank = _count(env, "LOCAL_RANK", launcher)
+        sources["local_rank"] = "LOCAL_RANK"
+    if "LOCAL_WORLD_SIZE" in env:
         local_world = _count(env, "LOCAL_WORLD_SIZE", launcher, minimum=1)
-        sources.update(local_rank="LOCAL_RANK", local_world_size="LOCAL_WORLD_SIZE")
+        sources["local_world_size"] = "LOCAL_WORLD_SIZE"
     if "GROUP_RANK" in env:
         node = _count(env, "GROUP_RANK", launcher)
         sources["node_rank"] = "GROUP_RANK"
@@ -366,6 +371,8 @@ def _master_addr(
             return env[var].strip(), var
     if first_host is not None:
         return first_host, "the first host of the SLURM node list"
+    if world == 1:
+        return LOCAL_HOST_ADDRESS, "a single rank"
     sagemaker_hosts = _sagemaker_hosts(env) if "SM_HOSTS" in env else []
     if len(sagemaker_hosts) > 1:
         return sagemaker_hosts[0], "the first host of SM_HOSTS"

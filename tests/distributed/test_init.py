@@ -172,6 +172,34 @@ def test_ranks_with_different_configs_all_fail_naming_the_difference():
         assert hsd == 2
 
 
+def _init_on_hosts_of_different_sizes():
+    import os
+
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+
+    tsm.state.reset()
+    # What `srun -n 3 -N 2` gives: two ranks on the first host, one on the second.
+    os.environ["LOCAL_WORLD_SIZE"] = "2" if dist.get_rank() < 2 else "1"
+    try:
+        tsm.init({"hybrid_shard_degree": 0})
+    except ValueError as e:
+        return str(e)
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_hosts_with_different_numbers_of_ranks_are_refused_on_every_rank():
+    """Each rank would resolve its own sharding plan from its host's rank count."""
+    for message in run_distributed(_init_on_hosts_of_different_sizes, world_size=3, fresh=True):
+        assert "hosts hold different numbers of ranks (LOCAL_WORLD_SIZE: 2 on ranks [0, 1], " in (
+            message
+        ), message
+        assert "1 on ranks [2]" in message and "--nproc-per-node" in message
+
+
 def _dtensor_caches_after_destroy_then_reset():
     import torch
     import torch.distributed as dist

@@ -57,6 +57,22 @@ def test_env_launch_without_local_variables_leaves_them_unknown():
     assert "LOCAL_RANK" not in info.torch_variables()
 
 
+def test_either_local_variable_may_come_alone():
+    """DeepSpeed's launcher exports LOCAL_RANK without LOCAL_WORLD_SIZE."""
+    info = L.detect({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h"})
+    assert (info.local_rank, info.local_world_size) == (1, None)
+    info = L.detect({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
+    assert (info.local_rank, info.local_world_size) == (None, 2)
+    assert info.master_addr == L.LOCAL_HOST_ADDRESS  # every rank on this host
+
+
+def test_a_single_rank_needs_no_address():
+    info = L.detect({"RANK": "0", "WORLD_SIZE": "1"})
+    assert (
+        info.master_addr == L.LOCAL_HOST_ADDRESS and info.sources["master_addr"] == "a single rank"
+    )
+
+
 def test_openmpi_on_several_hosts_needs_an_address():
     with pytest.raises(L.LaunchEnvError, match="MASTER_ADDR is not set.*2 of 4 ranks"):
         L.detect(OMPI)
@@ -186,6 +202,11 @@ def test_export_fills_only_what_is_unset():
     L.export_torch_variables(env2)
     assert env2["MASTER_PORT"] == "7777" and env2["RANK"] == "1"
     assert L.export_torch_variables({}) is None
+    # A blank variable (`mpirun -x MASTER_ADDR` of an empty shell variable) is unset.
+    env3 = {**OMPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "MASTER_ADDR": " ", "MASTER_PORT": ""}
+    L.export_torch_variables(env3)
+    assert env3["MASTER_ADDR"] == L.LOCAL_HOST_ADDRESS
+    assert env3["MASTER_PORT"] == str(L.DEFAULT_MASTER_PORT)
 
 
 @pytest.mark.parametrize(
