@@ -189,3 +189,35 @@ def test_torch_offload_wrapper_is_native_before_init():
     assert torch_patch.is_installed()
     assert not tsm.is_initialized()
     assert type(cw.offload_wrapper(Stack("linear"))) is OffloadWrapper
+
+
+class _FailingBlock(nn.Module):
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.l1, self.l2, self.fail = nn.Linear(width, width), nn.Linear(width, width), False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.l1(x))
+        if self.fail:
+            h.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom")))
+        return x + self.l2(h)
+
+
+def test_a_backward_that_raised_does_not_stop_later_backwards_releasing_their_copies():
+    """A backward that raises never runs its end-of-backward callback; the next backwards
+    must still queue theirs (a training loop that skips a batch after an error goes on)."""
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*(_FailingBlock() for _ in range(6)))
+    model = PrefetchOffloadWrapper(blocks, horizon=1, layers=lambda m: isinstance(m, _FailingBlock))
+
+    def resident_after_backward_keeping_the_graph() -> int:
+        loss = model(torch.randn(8, 32, 64)).sum()  # an input without grad, as a batch
+        loss.backward(retain_graph=True)
+        return get_stats(model).resident_bytes
+
+    assert resident_after_backward_keeping_the_graph() == 0
+    blocks[2].fail = True
+    with pytest.raises(RuntimeError, match="boom"):
+        model(torch.randn(8, 32, 64)).sum().backward()
+    blocks[2].fail = False
+    assert resident_after_backward_keeping_the_graph() == 0

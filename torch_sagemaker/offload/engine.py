@@ -89,7 +89,10 @@ class OffloadEngine:
         self._device_type: str | None = None
         self._stash: deque[StorageRecord] = deque()  # records whose offload copy is in flight
         self._stash_bytes = 0
-        self._callback_queued = False
+        # The backward pass (autograd graph task id) whose end _backward_finished is queued
+        # for, -1 for none. A backward that raises never runs its callbacks: keyed by the pass,
+        # the next backward queues its own instead of finding a stale flag set.
+        self._callback_task = -1
 
     # ------------------------------------------------------------------ wiring
     def attach(self, layers: Iterable[nn.Module]) -> list[Any]:
@@ -359,16 +362,14 @@ class OffloadEngine:
             self._release_unit(pass_record, released, "release")
 
     def _queue_backward_callback(self) -> None:
-        if self._callback_queued:
-            return
-        try:
-            autograd_compat.queue_callback(self._backward_finished)
-        except RuntimeError:
-            return  # unpacked outside a backward pass: nothing will finish
-        self._callback_queued = True
+        task = autograd_compat.current_graph_task_id()
+        if task == -1 or task == self._callback_task:
+            return  # unpacked outside a backward pass (nothing will finish), or queued already
+        autograd_compat.queue_callback(self._backward_finished)
+        self._callback_task = task
 
     def _backward_finished(self) -> None:
-        self._callback_queued = False
+        self._callback_task = -1
         self._log("backward_finished")
         pending = []
         for pass_record in self._live_passes():
