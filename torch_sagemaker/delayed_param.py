@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torch_sagemaker._torch_compat import nn as nn_compat
+from torch_sagemaker._torch_compat import tensor as tensor_compat
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.utils.module_utils import (
     default_device,
@@ -311,6 +312,9 @@ class DelayedParamIniter:
         }
         shadows: dict[str, dict[str, torch.Tensor]] = {"parameter": {}, "buffer": {}}
         checked: list[tuple[str, torch.Tensor]] = []
+        # Integer and bool tensors have no NaN to tell "never written": their writes are
+        # counted instead (a causal mask made on the meta device must be made again).
+        counted: list[tuple[str, torch.Tensor, int]] = []
         for kind, tensors in real.items():
             for n, t in tensors.items():
                 saved = snapshot.get((id(module), n)) if snapshot and kind == "buffer" else None
@@ -323,6 +327,10 @@ class DelayedParamIniter:
                         checked.append((f"{kind} {n}", shadow))
                     else:
                         shadow.zero_()
+                        if kind == "buffer":
+                            counted.append(
+                                (f"buffer {n}", shadow, tensor_compat.write_count(shadow))
+                            )
                 if kind == "parameter":
                     shadow = nn.Parameter(shadow, requires_grad=False)
                 shadows[kind][n] = shadow
@@ -339,6 +347,7 @@ class DelayedParamIniter:
             for kind in real:
                 _OWN_TENSORS[kind](module).update(real[kind])
         bad = [what for what, s in checked if torch.isnan(s).any()]
+        bad += [what for what, s, v in counted if tensor_compat.write_count(s) == v]
         if bad:
             raise RuntimeError(
                 f"delayed init of module {name!r} ({type(module).__name__}) left {bad} "

@@ -117,6 +117,33 @@ def test_uninitializable_tensor_raises_with_its_name():
         initer.init_model()
 
 
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+        self.register_buffer("causal", torch.tril(torch.ones(4, 4, dtype=torch.bool)), False)
+
+
+def test_an_integer_or_bool_buffer_no_init_writes_raises_with_its_name():
+    """No NaN marks an unwritten bool or integer buffer: a causal mask built on the meta
+    device would come out all False if nothing wrote it."""
+    with torch.device("meta"):
+        model = _Masked()
+    with pytest.raises(RuntimeError, match=r"left \['buffer causal'\] uninitialized"):
+        DelayedParamIniter(model, device="cpu").init_model()
+
+    def remake_mask(module: nn.Module) -> None:
+        if isinstance(module, _Masked):
+            module.causal.copy_(torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+        elif isinstance(module, nn.Linear):
+            module.reset_parameters()
+
+    with torch.device("meta"):
+        model = _Masked()
+    DelayedParamIniter(model, init_method_using_config=remake_mask, device="cpu").init_model()
+    assert torch.equal(model.causal, torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+
+
 def test_validation_and_custom_init():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))

@@ -118,6 +118,7 @@ PRIVATE_NAMES: tuple[str, ...] = (
     # tensor.py
     "torch.Tensor._base",
     "torch.Tensor._values",
+    "torch.Tensor._version",
     "torch.distributed.tensor.DTensor._local_tensor",
 )
 
