@@ -55,6 +55,48 @@ def _mixtral_split() -> dict:
     return out
 
 
+def _given_embeddings() -> dict:
+    """``inputs_embeds`` instead of ``input_ids`` (prompt tuning, multimodal inputs), with
+    an odd sequence length and a gradient for the embeddings themselves."""
+    import torch
+    import torch.sagemaker as tsm
+
+    from tests.distributed.test_tp_parity import max_diff
+
+    ref = build("llama", num_key_value_heads=1)
+    model = tsm.transform(copy.deepcopy(ref))
+    ids = batch(0, vocab=ref.config.vocab_size)[:, :13]
+    given = ref.get_input_embeddings()(ids).detach()
+    mine, theirs = given.clone().requires_grad_(), given.clone().requires_grad_()
+    out = model(inputs_embeds=mine, labels=ids, use_cache=False)
+    out.loss.backward()
+    expected = ref(inputs_embeds=theirs, labels=ids, use_cache=False)
+    expected.loss.backward()
+    return dict(
+        logits=max_diff(out.logits, expected.logits),
+        loss=abs(float(out.loss.detach() - expected.loss.detach())),
+        # The input embedding takes no part: its weight has no gradient on either side.
+        grads={
+            n: max_diff(p.grad, q.grad) if p.grad is not None else float(q.grad is not None)
+            for (n, p), q in zip(model.named_parameters(), ref.parameters())
+        },
+        embeds_grad=float((mine.grad - theirs.grad).abs().max()),
+    )
+
+
+def _greedy_generation() -> tuple[list, list]:
+    """``generate()`` with a KV cache: the tokens one process picks, step after step."""
+    import torch
+    import torch.sagemaker as tsm
+
+    ref = build("llama", num_key_value_heads=1).eval()
+    model = tsm.transform(copy.deepcopy(ref)).eval()
+    ids = batch(0, vocab=ref.config.vocab_size)[:, :6]
+    mask = torch.ones_like(ids)
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    return model.generate(ids, **kwargs).tolist(), ref.generate(ids, **kwargs).tolist()
+
+
 def _features() -> dict:
     import torch
     import torch.sagemaker as tsm
@@ -69,6 +111,8 @@ def _features() -> dict:
     out["vocab_odd_tied"] = _parity("qwen2", vocab_size=127)
     out["mixtral_eager"] = _parity("mixtral", _experts_implementation="eager")
     out["mixtral_split"] = _mixtral_split()
+    out["inputs_embeds"] = _given_embeddings()
+    out["generate"] = _greedy_generation()
     # Tied weights stay one parameter.
     qwen = tsm.transform(build("qwen2"))
     out["tied"] = qwen.lm_head.weight is qwen.model.embed_tokens.weight
@@ -144,6 +188,21 @@ def test_edge_case_parity(features, case):
     """kv_heads=1 < tp (replicated kv head), vocab 127 (uneven shards), eager experts."""
     for rank_result in features:
         _assert_parity(rank_result[case], case)
+
+
+@pytest.mark.distributed
+def test_inputs_embeds_enter_as_the_embedding_output_would(features):
+    for rank_result in features:
+        r = rank_result["inputs_embeds"]
+        assert r["logits"] < ATOL and r["loss"] < ATOL and r["embeds_grad"] < ATOL, r
+        assert not {n: d for n, d in r["grads"].items() if d > ATOL}, r
+
+
+@pytest.mark.distributed
+def test_generate_picks_the_tokens_one_process_picks(features):
+    for rank_result in features:
+        tp, ref = rank_result["generate"]
+        assert tp == ref and len(tp[0]) == 11, (tp, ref)
 
 
 @pytest.mark.distributed

@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from torch_sagemaker.policies import HeadSplit, ModelPolicy
 from torch_sagemaker.policies.transformers_plan import attention_head_dim
+from torch_sagemaker.tensor_parallel.generation import gather_logits_in_generate
 from torch_sagemaker.tensor_parallel.loss import causal_lm_loss
 from torch_sagemaker.tensor_parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker
 from torch_sagemaker.tensor_parallel.replicated_styles import (
@@ -28,7 +29,7 @@ from torch_sagemaker.tensor_parallel.replicated_styles import (
     STYLE_ATTR,
     make_replicated_style,
 )
-from torch_sagemaker.tensor_parallel.styles import make_style
+from torch_sagemaker.tensor_parallel.styles import make_style, shard_given_embeddings
 
 #: Styles that name a bare parameter (``self_attn.sinks``), not a module.
 PARAMETER_STYLES = ("param_colwise", "param_rowwise")
@@ -219,6 +220,10 @@ def apply_tp_plan(
             module = model.get_submodule(name)
             parallelize_module(module, tp_mesh, style, src_data_rank=src_data_rank)
             setattr(module, STYLE_ATTR, style_name)
+            if style_name == "vocab_embedding" and "." in name:
+                shard_given_embeddings(model.get_submodule(name.rsplit(".", 1)[0]), tp_mesh)
+            if style_name == "lm_head":
+                gather_logits_in_generate(model, module)
         counts[style_name] = counts.get(style_name, 0) + len(names)
     _retie(tied)
     for _, attention in policy.attention_modules(model):

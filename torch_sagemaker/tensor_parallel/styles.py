@@ -95,6 +95,28 @@ class AllReduceGrad(torch.autograd.Function):
         return grad, None
 
 
+def shard_given_embeddings(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Makes ``inputs_embeds`` passed to ``model`` enter as the embedding's output would.
+
+    ``model`` is the module that owns the ``vocab_embedding``-styled embedding (a Hugging
+    Face base model, whose ``forward`` takes ``input_ids`` or ``inputs_embeds``). From
+    ``input_ids`` the embedding returns the sequence-sharded DTensor that the layers'
+    ``SequenceParallelNorm`` and residual adds expect; embeddings given directly (prompt
+    tuning, multimodal inputs) skip it, and the first norm would read the whole sequence as
+    this rank's shard. A forward pre-hook shards them the same way: the same values in the
+    same layout, and their gradient all-gathered back to the whole sequence.
+    """
+
+    def shard(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        given = kwargs.get("inputs_embeds")
+        if isinstance(given, torch.Tensor) and not isinstance(given, DTensor):
+            whole = DTensor.from_local(given, mesh, [Replicate()], run_check=False)
+            kwargs = {**kwargs, "inputs_embeds": whole.redistribute(placements=[Shard(1)])}
+        return args, kwargs
+
+    model.register_forward_pre_hook(shard, with_kwargs=True)
+
+
 class SequenceParallelNorm(ParallelStyle):
     """A norm computed on a sequence shard, its output all-gathered for the next parallel region.
 
@@ -429,5 +451,6 @@ __all__ = [
     "distribute_params",
     "make_style",
     "param_split_dim",
+    "shard_given_embeddings",
     "to_local_partial_grad",
 ]

@@ -1,0 +1,51 @@
+"""``generate()`` on a tensor-parallel model: the logits it reads are whole, not vocab shards.
+
+The ``lm_head`` style returns the logits as a DTensor split over the vocabulary, which the
+loss reads without gathering them (docs/tensor_parallel.md). Hugging Face's generation loop
+instead mixes the logits with plain tensors (``next_tokens * unfinished_sequences``), which
+DTensor refuses. During ``generate`` the output head gathers its logits (one all-gather of
+the last positions' vocabulary shards per step); training and plain forwards keep the
+sharded logits.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+_FLAG = "_tsm_whole_logits"  # on the output head: gather its logits (set during generate)
+
+
+def _gather_when_generating(head: nn.Module, _args: tuple, output: Any) -> Any:
+    if getattr(head, _FLAG, False) and isinstance(output, DTensor):
+        return output.full_tensor()
+    return output
+
+
+def _generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``GenerationMixin.generate`` with the output head gathering its logits."""
+    head = self.get_output_embeddings()  # type: ignore[operator]
+    before = getattr(head, _FLAG, False)
+    setattr(head, _FLAG, True)
+    try:
+        return type(self).generate(self, *args, **kwargs)  # type: ignore[attr-defined]
+    finally:
+        setattr(head, _FLAG, before)
+
+
+def gather_logits_in_generate(model: nn.Module, head: nn.Module) -> None:
+    """Makes ``model.generate`` read whole logits from ``head`` (its ``lm_head``-styled layer).
+
+    A model without ``generate`` (not a generation model) is left alone. The state lives on
+    the model and the head themselves, so a deep copy of the model generates on its own.
+    """
+    if not callable(getattr(type(model), "generate", None)):
+        return
+    head.register_forward_hook(_gather_when_generating)
+    model.generate = types.MethodType(_generate, model)  # type: ignore[method-assign]
+
+
+__all__ = ["gather_logits_in_generate"]
