@@ -143,6 +143,10 @@ def _falls_back_where_it_cannot_go_direct():
     p = torch.nn.Parameter(torch.full((4,), float(rank)), requires_grad=False)
     direct.all_reduce_direct(p)  # a tensor subclass: through dist.all_reduce
     assert torch.equal(p.data, torch.full((4,), total))
+    # A sparse tensor: through dist.all_reduce, which sums it.
+    sparse = torch.sparse_coo_tensor([[rank]], [1.0], (world,))
+    direct.all_reduce_direct(sparse)
+    assert torch.equal(sparse.to_dense(), torch.ones(world))
     # A rank outside the group: dist.all_reduce's rule (nothing happens, with a warning).
     sub = dist.new_group([0, 2])
     s = torch.full((2,), float(rank))
@@ -163,7 +167,7 @@ def _falls_back_where_it_cannot_go_direct():
     return True
 
 
-def test_falls_back_to_dist_all_reduce_for_other_backends_subclasses_and_outsiders():
+def test_falls_back_to_dist_all_reduce_for_other_backends_subclasses_sparse_and_outsiders():
     assert all(
         run_distributed(
             _falls_back_where_it_cannot_go_direct, world_size=3, backend="smddp", timeout=120

@@ -56,8 +56,8 @@ def all_reduce_direct(
 
     On a group whose CPU backend is smddp, the collective runs in this thread without
     torch.distributed's dispatch (no Work, no Future; see the module docstring). Anything
-    else (another backend, a non-CPU tensor, a tensor subclass such as DTensor,
-    a rank outside the group) goes through ``dist.all_reduce`` with the same
+    else (another backend, a non-CPU tensor, a sparse tensor, a tensor subclass such as
+    DTensor, a rank outside the group) goes through ``dist.all_reduce`` with the same
     arguments, so the call is always correct and only sometimes faster.
 
     Args:
@@ -78,7 +78,12 @@ def all_reduce_direct(
     backend = _backends.get(group, _UNRESOLVED)
     if backend is _UNRESOLVED:
         backend = _resolve(group)
-    if backend is None or type(tensor) is not torch.Tensor or not tensor.is_cpu:
+    if (
+        backend is None
+        or type(tensor) is not torch.Tensor
+        or not tensor.is_cpu
+        or tensor.layout is not torch.strided
+    ):
         dist.all_reduce(tensor, op=op, group=group)
     elif op is _SUM:
         backend._all_reduce_direct(tensor)
