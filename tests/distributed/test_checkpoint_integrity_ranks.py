@@ -138,3 +138,33 @@ def test_a_load_that_fails_its_checks_on_one_rank_fails_on_every_rank_at_once(tm
     results = run_distributed(_one_rank_asks_for_another_shape, str(tmp_path), timeout=60)
     assert "checkpoint shape (8,), requested (9,)" in results[1]
     assert "rank 1 could not load it" in results[0] and "requested (9,)" in results[0]
+
+
+def _ranks_at_other_data_positions(root: str) -> list[str]:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from torch_sagemaker.checkpoint.training_state import TrainingState
+
+    model = nn.Linear(4, 4)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank = dist.get_rank()
+    messages = []
+    for step, position in ((3, {"samples": 96 + rank}), (3 + rank, {"samples": 96})):
+        try:
+            TrainingState(model, optim, step=step, data_position=position).save(f"{root}/s")
+            messages.append("saved")
+        except ValueError as e:
+            messages.append(str(e))
+    TrainingState(model, optim, step=3, data_position={"samples": 96}).save(f"{root}/s")
+    return messages
+
+
+def test_ranks_saving_different_steps_or_data_positions_are_refused(tmp_path):
+    """A sharded checkpoint keeps one copy of them: the resumed run would take one rank's."""
+    for messages in run_distributed(_ranks_at_other_data_positions, str(tmp_path), timeout=60):
+        assert all(
+            "ranks [1] save another step or data position than rank 0" in m for m in messages
+        )
+    assert (tmp_path / "s" / ".sm_checkpoint_complete.json").is_file()

@@ -51,6 +51,31 @@ from torch_sagemaker.state import state as smp_state  # (``state`` names RNG sta
 _KINDS = ("sharded", "local")
 
 
+def _same_progress_on_every_rank(step: int, data_position: str) -> None:
+    """Raises on every rank unless all ranks save the same step and data position.
+
+    A sharded checkpoint holds one copy of each (DCP writes a value every rank has once), so
+    ranks that disagree would resume from one rank's value, silently. One small all-gather.
+
+    Raises:
+        ValueError: Naming the ranks whose step or data position differs from rank 0's.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    views: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (step, data_position))
+    odd = [r for r, view in enumerate(views) if view != views[0]]
+    if odd:
+        r = odd[0]
+        raise ValueError(
+            f"TrainingState.save: ranks {odd} save another step or data position than rank "
+            f"0 (rank 0: step {views[0][0]}, data_position {views[0][1]}; rank {r}: step "
+            f"{views[r][0]}, data_position {views[r][1]}). A sharded checkpoint keeps one copy "
+            "of each: give every rank the same values (e.g. the global count of consumed "
+            "samples), or keep per-rank positions in the model's or your own state."
+        )
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -267,6 +292,8 @@ class TrainingState:
         prunes = kind == "sharded" and (not per_rank_dirs or _first_shard_dir())
         on_commit = retain if (num_kept is not None and prunes) else None
         sd = self.state_dict(kind)
+        if kind == "sharded":
+            _same_progress_on_every_rank(sd["step"], sd["data_position"])
         if use_async:
             async_save(
                 sd,
