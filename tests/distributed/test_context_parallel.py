@@ -203,6 +203,11 @@ def _errors() -> dict[str, str]:
     plain.config._attn_implementation = "tsm_context_parallel"
     record("attention_without_transform", lambda: plain(input_ids=local))
     record("comm_type", lambda: tsm.transform(copy.deepcopy(ref), cp_comm_type="ring"))
+    from torch_sagemaker.context_parallel.attention import context_parallel_attention
+
+    q = torch.zeros(1, 2, 4, 8)
+    attention = model.model.layers[0].self_attn
+    record("softcap", lambda: context_parallel_attention(attention, q, q, q, None, softcap=30.0))
     return out
 
 
@@ -222,6 +227,7 @@ def test_bad_input_gets_clear_errors():
             assert "did not go through tsm.transform" in out[key], (key, out)
         assert "was not prepared by tsm.transform" in out["attention_without_transform"], out
         assert "cp_comm_type='ring'" in out["comm_type"], out
+        assert "does not apply ['softcap']" in out["softcap"], out
 
 
 def _checkpoint_across_degrees(root: str) -> dict[str, list[float]]:

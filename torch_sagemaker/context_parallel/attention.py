@@ -65,6 +65,12 @@ class ContextParallelAttention:
         return AllGatherAttention.apply(q, k, v, self.group, scale)
 
 
+#: Keywords of Hugging Face's attention interface that change the scores or the softmax
+#: (Gemma 2's logit soft-cap, gpt-oss's attention sinks); the others (positions, causality
+#: flags) this attention has no use for.
+_SCORE_KEYWORDS = ("softcap", "s_aux")
+
+
 def context_parallel_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -88,14 +94,16 @@ def context_parallel_attention(
         scaling: Score scale; default ``1 / sqrt(d)``.
         dropout: Attention dropout; only 0 is supported.
         sliding_window: Must be ``None``.
-        **kwargs: Other Hugging Face keywords (``position_ids``, ...), ignored.
+        **kwargs: Other Hugging Face keywords (``position_ids``, ...), ignored; a soft-cap
+            or attention sinks (``_SCORE_KEYWORDS``) are refused.
 
     Returns:
         ``(output (b, local_len, heads, d), None)``; attention weights are never formed.
 
     Raises:
         RuntimeError: If ``module`` was not prepared by ``tsm.transform``.
-        ValueError: For a mask, dropout, a sliding window or non-causal attention.
+        ValueError: For a mask, dropout, a sliding window, non-causal attention, a soft-cap
+            or attention sinks.
     """
     plan: ContextParallelAttention | None = getattr(module, CP_ATTR, None)
     if plan is None:
@@ -122,6 +130,13 @@ def context_parallel_attention(
         )
     if kwargs.get("is_causal") is False:
         raise ValueError("context parallel attention is causal; is_causal=False is not supported.")
+    changing = {k: kwargs[k] for k in _SCORE_KEYWORDS if kwargs.get(k) is not None}
+    if changing:
+        raise ValueError(
+            f"context parallel attention does not apply {sorted(changing)}: it computes plain "
+            "softmax attention. Models whose attention uses a logit soft-cap (softcap) or "
+            "attention sinks (s_aux) are not supported with context_parallel_degree > 1."
+        )
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     out = plan.attend(query, key, value, scale)
     return out.transpose(1, 2), None
