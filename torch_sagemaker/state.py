@@ -22,6 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from torch_sagemaker.config import FIELD_NAMES, SMPConfig
+from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.sharding_plan import HYBRID_STRATEGIES, MESHES, ShardingPlan
 from torch_sagemaker.topology import Layout
 
@@ -208,6 +209,12 @@ class State:
                 object.__setattr__(self, "_plan", plan)
                 object.__setattr__(self, "_groups", groups)
                 object.__setattr__(self, "_other", other)
+                # tsm.init's layout line described the other candidate.
+                log_rank0(
+                    f"hybrid_shard_degree=0 with FSDP {getattr(strategy, 'name', strategy)}: "
+                    f"shard groups of one host ({plan.layout.hybrid_shard_degree} ranks), "
+                    f"{plan.layout.dp_replicate} replicas across hosts; tsm.state follows."
+                )
             object.__setattr__(self, "_settled_hybrid", hybrid)
         elif settled != hybrid:
             name = getattr(strategy, "name", "FULL_SHARD")
