@@ -58,7 +58,6 @@ def _mixtral_split() -> dict:
 def _given_embeddings() -> dict:
     """``inputs_embeds`` instead of ``input_ids`` (prompt tuning, multimodal inputs), with
     an odd sequence length and a gradient for the embeddings themselves."""
-    import torch
     import torch.sagemaker as tsm
 
     from tests.distributed.test_tp_parity import max_diff

@@ -45,7 +45,7 @@ def gather_logits_in_generate(model: nn.Module, head: nn.Module) -> None:
     if not callable(getattr(type(model), "generate", None)):
         return
     head.register_forward_hook(_gather_when_generating)
-    model.generate = types.MethodType(_generate, model)  # type: ignore[method-assign]
+    model.generate = types.MethodType(_generate, model)  # type: ignore[assignment]
 
 
 __all__ = ["gather_logits_in_generate"]
