@@ -35,8 +35,11 @@
 // device->host copies are queued at once, each followed by an event; then chunk i is
 // reduced as soon as its event completes and its host->device copy is queued, so the copy of
 // chunk i+1 overlaps the reduction of chunk i, and the copy back of chunk i overlaps the
-// reduction of chunk i+1. Every chunk is its own numbered collective with its own count
-// (ranks with different chunk sizes fail the cross-rank check instead of mixing chunks).
+// reduction of chunk i+1. Every chunk is its own numbered collective; its descriptor names the
+// whole call and the chunk's place in it (Note [Chunks carry the whole call] in
+// device_staging.cpp), so ranks that disagree on the call, or cut it into other chunks, fail
+// the cross-rank check on every rank instead of mixing chunks. A zero-element call is one
+// empty chunk, which still joins one collective (Note [Empty staged calls] there).
 //
 // CPU tensors take this same code when SMDDP_STAGE_CPU=1 (tests): "streams" are no-ops, the
 // copies are memcpys, and each step is appended to a trace the tests read back.
@@ -106,7 +109,8 @@ struct ChunkRange {
   int64_t count = 0;
 };
 
-// [0, numel) in chunks of `chunk_elems` (the last one shorter); none for numel == 0.
+// [0, numel) in chunks of `chunk_elems` (the last one shorter); one empty chunk for numel == 0
+// (Note [Empty staged calls] in device_staging.cpp).
 std::vector<ChunkRange> plan_chunks(int64_t numel, int64_t chunk_elems);
 
 class Stager;
