@@ -614,3 +614,41 @@ def test_staged_calls_the_ranks_disagree_on_raise_on_every_rank():
     assert "all_reduce (Float, SUM, 2048 elements)" in results[0][0], results[0][0]
     assert "all_reduce (Float, SUM, 0 elements)" in results[0][1], results[0][1]
 
+
+def _expanded_outputs():
+    """all_reduce, broadcast and recv into an expand()ed tensor (stride 0), staged and plain:
+    the base tensors' values, or the error."""
+    import torch
+    import torch.distributed as dist
+
+    staged, plain = _groups()
+    me = dist.get_rank()
+    out = {}
+    for name, group in (("staged", staged), ("plain", plain)):
+        for op in ("all_reduce", "broadcast", "recv"):
+            base = torch.full((2, 1), float(me + 1))
+            try:
+                if op == "all_reduce":
+                    dist.all_reduce(base.expand(2, 3), group=group)
+                elif op == "broadcast":
+                    dist.broadcast(base.expand(2, 3), 0, group=group)
+                elif me == 0:
+                    dist.send(torch.arange(6.0).view(2, 3), 1, group=group)
+                else:
+                    dist.recv(base.expand(2, 3), 0, group=group)
+                out[(name, op)] = base.flatten().tolist()
+            except RuntimeError as e:
+                out[(name, op)] = str(e)
+        _trace(staged)
+    return out
+
+
+def test_staged_outputs_that_share_memory_take_the_result_as_the_plain_path():
+    # Before: the staged copy out refused them with torch's "more than one element of the
+    # written-to tensor refers to a single memory location", after the collective had run.
+    for rank, out in enumerate(run_distributed(_expanded_outputs, backend="smddp")):
+        for op in ("all_reduce", "broadcast", "recv"):
+            assert out[("staged", op)] == out[("plain", op)], (rank, op, out)
+        assert out[("staged", "all_reduce")] == [3.0, 3.0]
+        if rank == 1:
+            assert out[("staged", "recv")] == [2.0, 5.0]

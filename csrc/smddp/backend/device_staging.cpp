@@ -2,6 +2,7 @@
 #include "smddp/backend/device_staging.h"
 
 #include <ATen/DeviceAccelerator.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
@@ -27,6 +28,18 @@ std::vector<ChunkRange> plan_chunks(int64_t numel, int64_t chunk_elems) {
     out.push_back({b, std::min(chunk_elems, numel - b)});
   }
   return out;
+}
+
+std::pair<at::Tensor, at::Tensor> distinct_parts(const at::Tensor& dst, const at::Tensor& src) {
+  if (at::has_internal_overlap(dst) != at::MemOverlap::Yes) return {dst, src};
+  at::Tensor d = dst, s = src;
+  for (int64_t k = 0; k < dst.dim(); ++k) {
+    if (dst.stride(k) == 0 && dst.size(k) > 1) {
+      d = d.narrow(k, dst.size(k) - 1, 1);
+      s = s.narrow(k, dst.size(k) - 1, 1);
+    }
+  }
+  return {d, s};
 }
 
 namespace {
@@ -313,8 +326,11 @@ void StagedOp::copy_out() {
     for (size_t k = 0; k < mirrors_.size(); ++k) {
       if (!mirrors_[k].out) continue;
       Timeline::Phase phase(tl, call_, "h2d queue", mirrors_[k].host.nbytes());
-      copy(mirrors_[k].dev, mirrors_[k].host,
-           h2d_.value_or(c10::Stream(c10::Stream::DEFAULT, device_)));
+      // An expand()ed output takes the result as the plain path's copy_back gives it (Note
+      // [Outputs that share memory] in op_helpers.h); Tensor::copy_ refused it, after the
+      // collective had run, with a message that named neither smddp nor the rule.
+      auto parts = distinct_parts(mirrors_[k].dev, mirrors_[k].host);
+      copy(parts.first, parts.second, h2d_.value_or(c10::Stream(c10::Stream::DEFAULT, device_)));
       trace("h2d mirror " + std::to_string(k));
     }
   } catch (...) {

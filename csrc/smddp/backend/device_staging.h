@@ -92,6 +92,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "smddp/common/settings.h"
@@ -112,6 +113,13 @@ struct ChunkRange {
 // [0, numel) in chunks of `chunk_elems` (the last one shorter); one empty chunk for numel == 0
 // (Note [Empty staged calls] in device_staging.cpp).
 std::vector<ChunkRange> plan_chunks(int64_t numel, int64_t chunk_elems);
+
+// Note [Outputs that share memory] in op_helpers.h: `dst` and `src` narrowed to the last index
+// along every dimension where `dst` repeats one location (stride 0, size > 1), so a copy from
+// `src` into `dst` writes each location once, with the value an element-by-element write
+// leaves there; both as they are when `dst` has no such dimension. The plain path's copy_back
+// and the staging copies out both copy through it.
+std::pair<at::Tensor, at::Tensor> distinct_parts(const at::Tensor& dst, const at::Tensor& src);
 
 class Stager;
 
