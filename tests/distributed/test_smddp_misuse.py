@@ -224,6 +224,32 @@ def test_coalescing_two_dtypes_names_the_rule():
         assert after == [2.0, 2.0]
 
 
+def _all_to_all_two_dtypes():
+    """ProcessGroup.alltoall (below dist.all_to_all's own dtype check) with float32 and float64
+    pieces, each input of its output's dtype: the error, then whether the group still works."""
+    import torch
+    import torch.distributed as dist
+
+    ins = [torch.tensor([1.5, 2.5]), torch.tensor([7.0], dtype=torch.float64)]
+    outs = [torch.zeros(2), torch.zeros(1, dtype=torch.float64)]
+    try:
+        dist.group.WORLD.alltoall(outs, ins, dist.AllToAllOptions()).wait()
+        message = f"no error: outputs {[o.tolist() for o in outs]}"
+    except TypeError as e:
+        message = str(e)
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    return message, t.tolist()
+
+
+def test_all_to_all_of_two_dtypes_names_the_rule():
+    # Before: the pieces were concatenated with at::cat, which promoted them all to float64
+    # while the byte spans came from each piece's own size: wrong outputs and no error.
+    for message, after in run_distributed(_all_to_all_two_dtypes, backend="smddp"):
+        assert "inputs[0] is Float and inputs[1] is Double" in message, message
+        assert after == [2.0, 2.0]
+
+
 def _wait_with_timeout_on_a_late_peer():
     """Rank 0 waits 1 s for an all_reduce that rank 1 makes only after that wait returned
     (or, if it never does, after 20 s: then rank 0's wait returns late and the test fails)."""

@@ -543,3 +543,112 @@ def test_staged_bf16_accumulates_in_fp32_against_an_fp64_reference():
     # 4 ranks: with 2, one addition rounds once whatever the accumulator.
     for failures in run_distributed(bf16_sums_round_once, world_size=4, backend="smddp"):
         assert not failures, failures
+
+
+# --- ranks that disagree: an error on every rank, never mixed data -----------------------------
+
+
+def _staged_group(timeout_s, chunk=CHUNK):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from torch_sagemaker.smddp import SMDDPOptions
+
+    return dist.new_group(
+        [0, 1],
+        backend="smddp",
+        timeout=timedelta(seconds=timeout_s),
+        pg_options=SMDDPOptions(stage_cpu=True, staging_chunk_bytes=chunk),
+    )
+
+
+def _staged_mismatches():
+    """Calls the ranks disagree on, each in a group of its own (a failed collective poisons its
+    group): what every rank raised, or None. Where a rank's chunks could pair with the other
+    rank's separate calls, it makes those calls too."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    big, small = 2 * CHUNK // 4, CHUNK // 4  # float32: 2 chunks, 1 chunk
+
+    def all_reduce(n):
+        return lambda g: dist.all_reduce(torch.ones(n), group=g)
+
+    def all_gather(n):
+        return lambda g: dist.all_gather_into_tensor(torch.zeros(2 * n), torch.ones(n), group=g)
+
+    def reduce_scatter(n):
+        return lambda g: dist.reduce_scatter_tensor(torch.zeros(n), torch.ones(2 * n), group=g)
+
+    def error(calls, chunk=CHUNK):
+        g = _staged_group(timeout_s=10, chunk=chunk)
+        try:
+            for call in calls:
+                call(g)
+        except RuntimeError as e:
+            return str(e)
+        finally:
+            _trace(g)
+        return None
+
+    errors = []
+    for op in (all_reduce, all_gather, reduce_scatter):
+        # Note [Chunks carry the whole call]: rank 0's two chunks against two calls of rank 1.
+        errors.append(error([op(big), op(small)] if rank == 0 else [op(small), op(small)]))
+        # Note [Empty staged calls]: an empty call against one of 4 elements.
+        errors.append(error([op(0 if rank == 0 else 4), op(4)]))
+    # One call cut into other chunks: 2 chunks on rank 0, one on rank 1.
+    errors.append(error([all_reduce(big)], chunk=CHUNK if rank == 0 else 2 * CHUNK))
+    return errors
+
+
+def test_staged_calls_the_ranks_disagree_on_raise_on_every_rank():
+    # Before: rank 0's chunks paired with rank 1's separate calls, and an empty call joined no
+    # collective, so the next call paired with the peer's: mixed data and no error.
+    results = run_distributed(_staged_mismatches, backend="smddp", fresh=True, pg_timeout=30)
+    for rank, errors in enumerate(results):
+        for case, message in enumerate(errors):
+            assert message is not None and "mismatched collectives" in message, (rank, case, errors)
+    assert "all_reduce (Float, SUM, 2048 elements)" in results[0][0], results[0][0]
+    assert "all_reduce (Float, SUM, 0 elements)" in results[0][1], results[0][1]
+
+
+def _expanded_outputs():
+    """all_reduce, broadcast and recv into an expand()ed tensor (stride 0), staged and plain:
+    the base tensors' values, or the error."""
+    import torch
+    import torch.distributed as dist
+
+    staged, plain = _groups()
+    me = dist.get_rank()
+    out = {}
+    for name, group in (("staged", staged), ("plain", plain)):
+        for op in ("all_reduce", "broadcast", "recv"):
+            base = torch.full((2, 1), float(me + 1))
+            try:
+                if op == "all_reduce":
+                    dist.all_reduce(base.expand(2, 3), group=group)
+                elif op == "broadcast":
+                    dist.broadcast(base.expand(2, 3), 0, group=group)
+                elif me == 0:
+                    dist.send(torch.arange(6.0).view(2, 3), 1, group=group)
+                else:
+                    dist.recv(base.expand(2, 3), 0, group=group)
+                out[(name, op)] = base.flatten().tolist()
+            except RuntimeError as e:
+                out[(name, op)] = str(e)
+        _trace(staged)
+    return out
+
+
+def test_staged_outputs_that_share_memory_take_the_result_as_the_plain_path():
+    # Before: the staged copy out refused them with torch's "more than one element of the
+    # written-to tensor refers to a single memory location", after the collective had run.
+    for rank, out in enumerate(run_distributed(_expanded_outputs, backend="smddp")):
+        for op in ("all_reduce", "broadcast", "recv"):
+            assert out[("staged", op)] == out[("plain", op)], (rank, op, out)
+        assert out[("staged", "all_reduce")] == [3.0, 3.0]
+        if rank == 1:
+            assert out[("staged", "recv")] == [2.0, 5.0]

@@ -111,7 +111,7 @@ def test_init_creates_the_group_with_the_chosen_backend(monkeypatch):
 @pytest.mark.parametrize(
     ("numel", "chunk", "expected"),
     [
-        (0, 4, []),
+        (0, 4, [(0, 0)]),  # Note [Empty staged calls]: one empty collective
         (1, 4, [(0, 1)]),
         (4, 4, [(0, 4)]),
         (9, 4, [(0, 4), (4, 4), (8, 1)]),

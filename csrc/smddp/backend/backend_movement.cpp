@@ -321,6 +321,19 @@ WorkPtr ProcessGroupSMDDP::alltoall(std::vector<at::Tensor>& outputs,
   TORCH_CHECK_VALUE(
       static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_,
       "smddp: all_to_all needs world_size (", size_, ") inputs and outputs");
+  // One dtype for every tensor of both lists, as gloo requires: the pieces travel as one
+  // buffer, whose byte spans come from each tensor's own element size, while flat_cat
+  // (at::cat) promoted mixed pieces to a common dtype, so the bytes sent did not match the
+  // spans and a rank's outputs came back wrong without an error.
+  const at::ScalarType dtype = inputs[0].scalar_type();
+  for (int r = 0; r < size_; ++r) {
+    for (const auto* list : {&inputs, &outputs}) {
+      const char* what = list == &inputs ? "inputs" : "outputs";
+      TORCH_CHECK_TYPE((*list)[r].scalar_type() == dtype, "smddp: all_to_all takes tensors of one ",
+                       "dtype, but inputs[0] is ", dtype, " and ", what, "[", r, "] is ",
+                       (*list)[r].scalar_type(), "; every input and output must have one dtype");
+    }
+  }
   if (auto op = stage(all_of({&inputs, &outputs}), "all_to_all")) {
     std::vector<at::Tensor> hin = op->mirror(inputs, true, false);
     std::vector<at::Tensor> hout = op->mirror(outputs, false, true);
@@ -331,7 +344,6 @@ WorkPtr ProcessGroupSMDDP::alltoall(std::vector<at::Tensor>& outputs,
   for (int r = 0; r < size_; ++r) {
     check_cpu(inputs[r], "all_to_all", "an input");
     check_cpu(outputs[r], "all_to_all", "an output");
-    check_same_dtype(inputs[r], outputs[r], "all_to_all");
     send[r] = {so, size_t(inputs[r].numel() * inputs[r].element_size())};
     recv[r] = {ro, size_t(outputs[r].numel() * outputs[r].element_size())};
     so += send[r].len;

@@ -23,7 +23,9 @@ WorkPtr ProcessGroupSMDDP::send(std::vector<at::Tensor>& tensors, int dst, int t
     return staged(op, [&] { return send(host, dst, tag); });
   }
   check_single(tensors, "send");
-  TORCH_CHECK_VALUE(dst >= 0 && dst < size_ && dst != rank_, "smddp: send to invalid rank ", dst);
+  TORCH_CHECK_VALUE(dst >= 0 && dst < size_ && dst != rank_, "smddp: send to invalid rank ", dst,
+                    " from rank ", rank_, ": a rank cannot send to itself; peers are 0..",
+                    size_ - 1, " except this rank");
   at::Tensor t = tensors[0];
   at::Tensor c = t.contiguous();
   const size_t bytes = c.numel() * c.element_size();
@@ -47,7 +49,9 @@ WorkPtr ProcessGroupSMDDP::recv(std::vector<at::Tensor>& tensors, int src, int t
     return staged(op, [&] { return recv(host, src, tag); });
   }
   check_single(tensors, "recv");
-  TORCH_CHECK_VALUE(src >= 0 && src < size_ && src != rank_, "smddp: recv from invalid rank ", src);
+  TORCH_CHECK_VALUE(src >= 0 && src < size_ && src != rank_, "smddp: recv from invalid rank ", src,
+                    " on rank ", rank_, ": a rank cannot receive from itself; peers are 0..",
+                    size_ - 1, " except this rank");
   at::Tensor t = tensors[0];
   if (t.is_contiguous() && exec_->try_receive_now([&] {
         return comm_->try_recv_now(t.data_ptr(), t.numel() * t.element_size(), src,

@@ -2,6 +2,7 @@
 #include "smddp/backend/device_staging.h"
 
 #include <ATen/DeviceAccelerator.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
@@ -11,15 +12,64 @@
 
 namespace smddp {
 
+// Note [Empty staged calls]
+// A zero-element call is one empty chunk, not none: the plain path runs an empty collective
+// for it, with its descriptor, and so must the pipeline. With no chunk it joined no
+// collective at all, so a rank that passed an empty tensor where its peers passed elements
+// returned at once, and its next call paired with theirs: a wrong result on that rank
+// without an error, and a timeout on the others. Now its empty chunk meets their first
+// chunk and the descriptors (count 0 against n) fail the cross-rank check on every rank.
 std::vector<ChunkRange> plan_chunks(int64_t numel, int64_t chunk_elems) {
   TORCH_CHECK_VALUE(numel >= 0 && chunk_elems > 0, "smddp: plan_chunks(", numel, ", ", chunk_elems,
                     "): needs numel >= 0 and chunk_elems > 0");
+  if (numel == 0) return {{0, 0}};
   std::vector<ChunkRange> out;
   for (int64_t b = 0; b < numel; b += std::min(chunk_elems, numel - b)) {
     out.push_back({b, std::min(chunk_elems, numel - b)});
   }
   return out;
 }
+
+std::pair<at::Tensor, at::Tensor> distinct_parts(const at::Tensor& dst, const at::Tensor& src) {
+  if (at::has_internal_overlap(dst) != at::MemOverlap::Yes) return {dst, src};
+  at::Tensor d = dst, s = src;
+  for (int64_t k = 0; k < dst.dim(); ++k) {
+    if (dst.stride(k) == 0 && dst.size(k) > 1) {
+      d = d.narrow(k, dst.size(k) - 1, 1);
+      s = s.narrow(k, dst.size(k) - 1, 1);
+    }
+  }
+  return {d, s};
+}
+
+namespace {
+
+uint64_t mix64(uint64_t x) {  // splitmix64's finalizer
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Note [Chunks carry the whole call]
+// Every chunk of a pipelined call is its own numbered collective (Note [Staging pipeline]), and
+// the cross-rank check compares one chunk's descriptor at a time. A chunk used to describe only
+// itself (its count), so it matched any call of that size on another rank: rank 0's all_reduce
+// of 2048 floats in two chunks of 1024 paired with two all_reduce calls of 1024 floats on rank
+// 1, and both ranks returned mixed data without an error, where the plain path raises. So a
+// chunk's descriptor keeps the whole call's (its count is the call's total, as in the plain
+// path: ranks that disagree on the call fail at its first chunk), and where the chunk lies, its
+// begin and length, is folded into `extra`, hashed as the name is: ranks that cut one call
+// differently (another SMDDP_STAGING_CHUNK_BYTES) fail too instead of mixing chunks. A chunk
+// that is the whole call adds nothing, so a call of one chunk has the plain path's descriptor.
+OpCtx chunk_ctx(const OpCtx& call, const ChunkRange& c, int64_t numel) {
+  OpCtx ctx = call;
+  if (c.begin != 0 || c.count != numel) {
+    ctx.desc.extra ^= mix64(mix64(static_cast<uint64_t>(c.begin)) ^ static_cast<uint64_t>(c.count));
+  }
+  return ctx;
+}
+
+}  // namespace
 
 Stager::Stager(const Settings& settings, std::shared_ptr<ShmPool> pool)
     : stage_cpu_(settings.stage_cpu),
@@ -276,8 +326,11 @@ void StagedOp::copy_out() {
     for (size_t k = 0; k < mirrors_.size(); ++k) {
       if (!mirrors_[k].out) continue;
       Timeline::Phase phase(tl, call_, "h2d queue", mirrors_[k].host.nbytes());
-      copy(mirrors_[k].dev, mirrors_[k].host,
-           h2d_.value_or(c10::Stream(c10::Stream::DEFAULT, device_)));
+      // An expand()ed output takes the result as the plain path's copy_back gives it (Note
+      // [Outputs that share memory] in op_helpers.h); Tensor::copy_ refused it, after the
+      // collective had run, with a message that named neither smddp nor the rule.
+      auto parts = distinct_parts(mirrors_[k].dev, mirrors_[k].host);
+      copy(parts.first, parts.second, h2d_.value_or(c10::Stream(c10::Stream::DEFAULT, device_)));
       trace("h2d mirror " + std::to_string(k));
     }
   } catch (...) {
@@ -356,9 +409,8 @@ void StagedOp::allreduce(Communicator& comm, const at::Tensor& t, const Reductio
         copy(host.narrow(0, c.begin, c.count), flat.narrow(0, c.begin, c.count), s);
       },
       [&](const ChunkRange& c) {
-        OpCtx chunk_ctx = ctx;
-        chunk_ctx.desc.count = static_cast<uint64_t>(c.count);
-        comm.allreduce(base + c.begin * esz, static_cast<size_t>(c.count), red, chunk_ctx);
+        comm.allreduce(base + c.begin * esz, static_cast<size_t>(c.count), red,
+                       chunk_ctx(ctx, c, flat.numel()));
       },
       [&](const ChunkRange& c, const c10::Stream& s) {
         copy(flat.narrow(0, c.begin, c.count), host.narrow(0, c.begin, c.count), s);
@@ -382,10 +434,8 @@ void StagedOp::allgather(Communicator& comm, const at::Tensor& input, const at::
         copy(host_in.narrow(0, c.begin, c.count), in.narrow(0, c.begin, c.count), s);
       },
       [&](const ChunkRange& c) {
-        OpCtx chunk_ctx = ctx;
-        chunk_ctx.desc.count = static_cast<uint64_t>(c.count * esz);
         comm.allgather(hi + c.begin * esz, ho + world * c.begin * esz,
-                       static_cast<size_t>(c.count * esz), chunk_ctx);
+                       static_cast<size_t>(c.count * esz), chunk_ctx(ctx, c, n));
       },
       [&](const ChunkRange& c, const c10::Stream& s) {
         for (int64_t r = 0; r < world; ++r) {
@@ -412,10 +462,8 @@ void StagedOp::reduce_scatter(Communicator& comm, const at::Tensor& input, const
         }
       },
       [&](const ChunkRange& c) {
-        OpCtx chunk_ctx = ctx;
-        chunk_ctx.desc.count = static_cast<uint64_t>(c.count);
         comm.reduce_scatter(hi + world * c.begin * esz, ho + c.begin * esz,
-                            static_cast<size_t>(c.count), red, chunk_ctx);
+                            static_cast<size_t>(c.count), red, chunk_ctx(ctx, c, n));
       },
       [&](const ChunkRange& c, const c10::Stream& s) {
         copy(out.narrow(0, c.begin, c.count), host_out.narrow(0, c.begin, c.count), s);

@@ -35,8 +35,11 @@
 // device->host copies are queued at once, each followed by an event; then chunk i is
 // reduced as soon as its event completes and its host->device copy is queued, so the copy of
 // chunk i+1 overlaps the reduction of chunk i, and the copy back of chunk i overlaps the
-// reduction of chunk i+1. Every chunk is its own numbered collective with its own count
-// (ranks with different chunk sizes fail the cross-rank check instead of mixing chunks).
+// reduction of chunk i+1. Every chunk is its own numbered collective; its descriptor names the
+// whole call and the chunk's place in it (Note [Chunks carry the whole call] in
+// device_staging.cpp), so ranks that disagree on the call, or cut it into other chunks, fail
+// the cross-rank check on every rank instead of mixing chunks. A zero-element call is one
+// empty chunk, which still joins one collective (Note [Empty staged calls] there).
 //
 // CPU tensors take this same code when SMDDP_STAGE_CPU=1 (tests): "streams" are no-ops, the
 // copies are memcpys, and each step is appended to a trace the tests read back.
@@ -89,6 +92,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "smddp/common/settings.h"
@@ -106,8 +110,16 @@ struct ChunkRange {
   int64_t count = 0;
 };
 
-// [0, numel) in chunks of `chunk_elems` (the last one shorter); none for numel == 0.
+// [0, numel) in chunks of `chunk_elems` (the last one shorter); one empty chunk for numel == 0
+// (Note [Empty staged calls] in device_staging.cpp).
 std::vector<ChunkRange> plan_chunks(int64_t numel, int64_t chunk_elems);
+
+// Note [Outputs that share memory] in op_helpers.h: `dst` and `src` narrowed to the last index
+// along every dimension where `dst` repeats one location (stride 0, size > 1), so a copy from
+// `src` into `dst` writes each location once, with the value an element-by-element write
+// leaves there; both as they are when `dst` has no such dimension. The plain path's copy_back
+// and the staging copies out both copy through it.
+std::pair<at::Tensor, at::Tensor> distinct_parts(const at::Tensor& dst, const at::Tensor& src);
 
 class Stager;
 

@@ -26,21 +26,12 @@ inline at::Tensor contiguous_out(const at::Tensor& t) {
 // that names neither smddp nor the rule. gloo writes every element through, so the last
 // write to a location wins; copying only the last index along each stride-0 dimension
 // gives the same values. (Tensor::copy_ reports overlap only for stride 0, so that is the
-// only layout that needs this.)
+// only layout that needs this.) distinct_parts (device_staging.h) does the narrowing; the
+// staging copies out use it too, so a staged call writes such an output as this path does.
 inline void copy_back(const at::Tensor& staged, const at::Tensor& t) {
   if (staged.is_same(t)) return;
-  if (at::has_internal_overlap(t) != at::MemOverlap::Yes) {
-    t.copy_(staged);
-    return;
-  }
-  at::Tensor dst = t, src = staged;
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    if (t.stride(d) == 0 && t.size(d) > 1) {
-      dst = dst.narrow(d, t.size(d) - 1, 1);
-      src = src.narrow(d, t.size(d) - 1, 1);
-    }
-  }
-  dst.copy_(src);
+  auto parts = distinct_parts(t, staged);
+  parts.first.copy_(parts.second);
 }
 
 // Turns `flag` (ProcessGroupSMDDP::coalescing_) off for a scope and restores it on exit,
