@@ -157,7 +157,7 @@ def export_torch_variables(environ: MutableMapping[str, str] | None = None) -> L
     """Writes the torchrun variables this rank's launcher implies, where they are unset.
 
     Variables already set are never changed, so nothing changes for torchrun users; a
-    blank one (``mpirun -x MASTER_ADDR`` of an empty shell variable) counts as unset.
+    blank one (``mpirun -x MASTER_ADDR`` of an empty shell variable) is filled in.
 
     Args:
         environ: The environment to read and update (default ``os.environ``).
@@ -172,7 +172,7 @@ def export_torch_variables(environ: MutableMapping[str, str] | None = None) -> L
     info = detect(target)
     if info is not None:
         for name, value in info.torch_variables().items():
-            if not target.get(name, "").strip():  # a blank value is unset (as detect reads it)
+            if not target.get(name, "").strip():  # blank: unset (as MASTER_* are read)
                 target[name] = value
     return info
 
@@ -223,13 +223,12 @@ def _torchrun(env: Mapping[str, str]) -> LaunchInfo:
     world = _count(env, "WORLD_SIZE", launcher, minimum=1)
     sources = {"rank": "RANK", "world_size": "WORLD_SIZE"}
     local_rank = local_world = node = None
-    # Either of the local pair may come alone (DeepSpeed's launcher sets LOCAL_RANK only).
-    if "LOCAL_RANK" in env:
+    # Both or neither: a LOCAL_RANK alone (DeepSpeed's launcher on several hosts) would leave
+    # the ranks per host unknown, and the layout would take the whole job for one host.
+    if "LOCAL_RANK" in env or "LOCAL_WORLD_SIZE" in env:
         local_rank = _count(env, "LOCAL_RANK", launcher)
-        sources["local_rank"] = "LOCAL_RANK"
-    if "LOCAL_WORLD_SIZE" in env:
         local_world = _count(env, "LOCAL_WORLD_SIZE", launcher, minimum=1)
-        sources["local_world_size"] = "LOCAL_WORLD_SIZE"
+        sources.update(local_rank="LOCAL_RANK", local_world_size="LOCAL_WORLD_SIZE")
     if "GROUP_RANK" in env:
         node = _count(env, "GROUP_RANK", launcher)
         sources["node_rank"] = "GROUP_RANK"

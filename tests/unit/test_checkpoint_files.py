@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -101,20 +102,25 @@ def test_mismatched_keys_and_shapes_are_listed(tmp_path):
     assert "model.w: checkpoint shape (8, 4), requested (4, 8)" in msg
 
 
-def test_another_dtype_is_refused_not_cast(tmp_path):
-    """DCP would round a saved float32 into a bf16 template, or a float into an int."""
+def test_another_dtype_is_cast_with_a_warning_naming_the_tensors(tmp_path, monkeypatch):
+    """DCP casts on load, as SMP's loads do (a bf16 model for inference from a float32
+    checkpoint); the values loaded then differ from those saved, which the log says."""
     saved = {"w": torch.tensor([1.0001, 2.5, -3.7]), "n": torch.tensor([7.9])}
     save(saved, checkpoint_id=tmp_path / "c")
-    wrong = {"w": torch.zeros(3, dtype=torch.bfloat16), "n": torch.zeros(1, dtype=torch.int64)}
-    with pytest.raises(CheckpointError) as e:
-        load(wrong, checkpoint_id=tmp_path / "c")
-    msg = str(e.value)
-    assert "w: checkpoint dtype torch.float32, requested torch.bfloat16" in msg
-    assert "n: checkpoint dtype torch.float32, requested torch.int64" in msg
-    assert float(wrong["w"][0]) == 0.0  # nothing was read
-    right = {"w": torch.zeros(3), "n": torch.zeros(1)}
-    load(right, checkpoint_id=tmp_path / "c")
-    assert all(torch.equal(right[k], saved[k]) for k in saved)
+    warned: list[str] = []
+    monkeypatch.setattr(
+        "torch_sagemaker.checkpoint.state_dict_loader.get_logger",
+        lambda: SimpleNamespace(warning=warned.append),
+    )
+    other = {"w": torch.zeros(3, dtype=torch.bfloat16), "n": torch.zeros(1, dtype=torch.int64)}
+    load(other, checkpoint_id=tmp_path / "c")
+    assert len(warned) == 1, warned
+    assert "n (torch.float32 -> torch.int64)" in warned[0]
+    assert "w (torch.float32 -> torch.bfloat16)" in warned[0]
+    assert torch.equal(other["w"], saved["w"].to(torch.bfloat16)) and int(other["n"]) == 7
+    same = {"w": torch.zeros(3), "n": torch.zeros(1)}
+    load(same, checkpoint_id=tmp_path / "c")
+    assert len(warned) == 1 and all(torch.equal(same[k], saved[k]) for k in saved)
 
 
 def test_failed_save_keeps_previous_checkpoint(tmp_path):

@@ -57,13 +57,10 @@ def test_env_launch_without_local_variables_leaves_them_unknown():
     assert "LOCAL_RANK" not in info.torch_variables()
 
 
-def test_either_local_variable_may_come_alone():
-    """DeepSpeed's launcher exports LOCAL_RANK without LOCAL_WORLD_SIZE."""
-    info = L.detect({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h"})
-    assert (info.local_rank, info.local_world_size) == (1, None)
-    info = L.detect({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
-    assert (info.local_rank, info.local_world_size) == (None, 2)
-    assert info.master_addr == L.LOCAL_HOST_ADDRESS  # every rank on this host
+def test_a_local_rank_without_the_local_size_is_refused():
+    """Ranks per host unknown: the layout would take a job on several hosts for one host."""
+    with pytest.raises(L.LaunchEnvError, match="LOCAL_WORLD_SIZE is not set"):
+        L.detect({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h"})
 
 
 def test_a_single_rank_needs_no_address():

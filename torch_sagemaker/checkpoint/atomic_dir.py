@@ -4,8 +4,8 @@ Note [Checkpoint commit protocol]
     A save of ``<parent>/<name>`` writes into the sibling ``<parent>/.<name>.partial``. When
     every rank has written its files (PyTorch DCP's coordinator writes ``.metadata`` only
     after collecting every rank's write results), the coordinator
-      0. checks that the staging directory holds exactly the files the ranks wrote, with
-         ``.metadata`` among them (Note [Commit what was written] in ``integrity``),
+      0. checks that the staging directory still holds the files the ranks wrote, at the
+         sizes they wrote (Note [Commit what was written] in ``integrity``),
       1. writes the completion marker (format, layout, the size and checksum of every file,
          Note [Checkpoint checksums] in ``integrity``, and the save's id) and fsyncs it,
       2. renames an existing ``<name>`` out of the way to ``.<name>.replaced``,
@@ -34,7 +34,6 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch_sagemaker.checkpoint import integrity
 from torch_sagemaker.checkpoint.constants import (
     COMPLETION_MARKER,
-    DCP_METADATA,
     REPLACED_SUFFIX,
     STAGING_SUFFIX,
 )
@@ -46,6 +45,7 @@ from torch_sagemaker.checkpoint.marker import (
     new_marker,
     read_marker_bytes,
 )
+from torch_sagemaker.logger import get_logger
 
 
 def checkpoint_path(checkpoint_id: str | os.PathLike[str] | None) -> Path:
@@ -129,9 +129,7 @@ def commit(
             _fsync(f)
     sizes = _file_sizes(staging)
     if recorded is not None:
-        problems = integrity.not_as_written(sizes, recorded)
-        if problems:
-            raise not_as_written_error(path, staging, problems)
+        check_as_written(path, staging, sizes, recorded)
     table = integrity.checksums_for(staging, sizes, recorded or {}) if checksums else None
     marker_file = staging / COMPLETION_MARKER
     marker_file.write_bytes(new_marker(sizes, table, info))
@@ -146,18 +144,35 @@ def commit(
         remove_replaced(path)
 
 
-def not_as_written_error(where: Any, staging: Any, problems: list[str]) -> CheckpointError:
-    """The error of a commit whose staging area differs from what its save wrote."""
-    shown = "; ".join(problems[:5]) + (
-        f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
-    )
-    return CheckpointError(
-        f"checkpoint {where} was not committed: {staging} does not hold what this save wrote "
-        f"({shown}). Another save of the same checkpoint wrote there at the same time (a "
-        "second job, or a save started before the last one finished), or something else "
-        "changed it; give each job's checkpoints names of their own. A previous checkpoint "
-        "there is unchanged."
-    )
+def check_as_written(
+    where: Any, staging: Any, found: dict[str, int], recorded: integrity.Written
+) -> None:
+    """Refuses a commit whose staging area lost or changed a file the save wrote.
+
+    Note [Commit what was written] in ``integrity``; files the save did not write are
+    logged and committed.
+
+    Raises:
+        CheckpointError: Naming the files missing or of another size.
+    """
+    problems, extras = integrity.not_as_written(found, recorded)
+    if extras:
+        get_logger().warning(
+            f"checkpoint {where}: committing files this save did not write through DCP: "
+            f"{extras[:5]}{' ...' if len(extras) > 5 else ''} (a post-write hook's files, or "
+            "another save of the same checkpoint)."
+        )
+    if problems:
+        shown = "; ".join(problems[:5]) + (
+            f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+        )
+        raise CheckpointError(
+            f"checkpoint {where} was not committed: {staging} no longer holds what this save "
+            f"wrote ({shown}). Something changed it while the save ran, such as another save "
+            "of the same checkpoint (a second job, or a save started before the last one "
+            "finished); give each job's checkpoints names of their own. A previous "
+            "checkpoint there is unchanged."
+        )
 
 
 def remove_replaced(path: Path) -> None:
@@ -271,16 +286,9 @@ class LocalDirectory:
         """Steps 1-3 of the commit (coordinator): marker, then the atomic rename.
 
         Raises:
-            CheckpointError: If DCP left no ``.metadata``, or the staging directory does
-                not hold what the save wrote (Note [Commit what was written]).
+            CheckpointError: If the staging directory lost or changed a file the save
+                wrote (Note [Commit what was written]).
         """
-        staging = self.write_root(save_id)
-        if not (staging / DCP_METADATA).is_file():
-            raise CheckpointError(
-                f"checkpoint {self.path}: the save's staging directory {staging} has no "
-                f"{DCP_METADATA} after DCP finished (another save of the same checkpoint may "
-                "have removed it); not committing it. A previous checkpoint there is unchanged."
-            )
         commit(
             self.write_root(save_id),
             self.path,

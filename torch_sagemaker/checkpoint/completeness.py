@@ -24,7 +24,13 @@ def is_complete_checkpoint(location: Any) -> bool:
     saved again under another layout) are not one checkpoint. An SM-local checkpoint (one
     ``tp{r}_ep{r}_fsdp{r}`` directory per shard, each committed alone, no marker over the
     set) counts when every shard directory it holds is committed: how many there should be
-    is not recorded.
+    is not checked.
+
+    Args:
+        location: A ``CheckpointLocation``.
+
+    Returns:
+        Whether it is complete.
     """
     if location.is_complete():
         return True

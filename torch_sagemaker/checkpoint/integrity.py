@@ -168,6 +168,10 @@ class _RecordingFileSystem:
                 if "a" in mode or "+" in mode:
                     self._recorder.finished(path, None)
                 return
+            if "b" not in mode:  # text: the characters written are not its bytes
+                yield raw
+                self._recorder.finished(path, None)
+                return
             stream = _CrcStream(raw, self._recorder.checksums)
             yield stream
         self._recorder.finished(path, stream)
@@ -241,28 +245,30 @@ def checksums_for(directory: Path, sizes: dict[str, int], recorded: Written) -> 
     return out
 
 
-def not_as_written(found: dict[str, int], written: Written) -> list[str]:
+def not_as_written(found: dict[str, int], written: Written) -> tuple[list[str], list[str]]:
     """How the files a save's storage holds (``found``: name -> size) differ from ``written``.
 
-    Note [Commit what was written]: a commit certifies the files the save's ranks wrote,
-    and no others. Another save writing the same staging area at the same time (a second
-    job, or a save started before the last one finished) can delete, replace or add files
-    between the writes and the commit; so can anything else. The commit refuses then,
-    instead of writing a marker over bytes this save never wrote.
+    Note [Commit what was written]: a commit certifies the files the save's ranks wrote.
+    Another save writing the same staging area at the same time (a second job, or a save
+    started before the last one finished) can delete or replace them between the writes
+    and the commit; so can anything else. The commit then refuses, instead of writing a
+    marker over bytes this save never wrote. Files the ranks did not write through DCP's
+    file system (a post-write hook's side file, another save's extra shard) cannot change
+    what DCP's metadata reads: they are reported, and committed with the rest.
 
     Returns:
-        One line per file that is missing, was not written by this save, or has another
-        size; empty when they agree.
+        ``(problems, extras)``: one line per file that is missing or has another size than
+        written, and the names of files this save did not write.
     """
-    problems = [f"{n}: not written by this save" for n in sorted(found.keys() - written.keys())]
-    problems += [
+    extras = sorted(found.keys() - written.keys())
+    problems = [
         f"{n}: written by this save, now missing" for n in sorted(written.keys() - found.keys())
     ]
     for name in sorted(found.keys() & written.keys()):
         size = written[name][0]
         if size >= 0 and size != found[name]:
             problems.append(f"{name}: {found[name]} bytes where this save wrote {size}")
-    return problems
+    return problems, extras
 
 
 def verify(directory: Path, names: Iterable[str], checksums: dict[str, str]) -> list[str]:

@@ -111,6 +111,17 @@ def prune_beside(
     """``limit_num_subdirs`` of ``checkpoint``'s siblings, never deleting ``checkpoint`` itself.
 
     ``TrainingState.save`` calls it after a save (the rank that commits).
+
+    Args:
+        checkpoint: The checkpoint just saved.
+        num_kept: How many to keep (``None``: all).
+        regex: Names of the siblings that count (``re.match``; default: all).
+
+    Returns:
+        The deleted checkpoints.
+
+    Raises:
+        ValueError: If ``num_kept`` is negative.
     """
     root = checkpoint.parent()
     if num_kept is None or root is None:
@@ -130,7 +141,10 @@ def _prune(
 ) -> list[str]:
     names = {n for n in root.checkpoint_names() if pattern is None or pattern.match(n)}
     deleted = []
-    complete = lambda name: is_complete_checkpoint(root.child(name))  # noqa: E731
+
+    def complete(name: str) -> bool:
+        return is_complete_checkpoint(root.child(name))
+
     for name in _doomed(names, upcoming, num_kept, sort_fn, complete):
         victim = root.child(name)
         victim.remove()
@@ -155,7 +169,9 @@ def _doomed(
     per-rank parts other groups are still committing, a directory a crashed run left
     unfinished under a higher step, or a resumed run that rolled back past newer
     checkpoints never leaves the job without one to resume from, and never deletes what it
-    just saved.
+    just saved. One gap: an SM-local step counts as complete once the shard directories it
+    holds are committed, since how many it should hold is not checked
+    (``completeness``), so a step whose other shards are still being written can count.
     """
     if upcoming is not None:
         names = {*names, upcoming}

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from torch_sagemaker.checkpoint import integrity
-from torch_sagemaker.checkpoint.atomic_dir import not_as_written_error
+from torch_sagemaker.checkpoint.atomic_dir import check_as_written
 from torch_sagemaker.checkpoint.completeness import is_complete_checkpoint
 from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER, DCP_METADATA
 from torch_sagemaker.checkpoint.marker import (
@@ -266,8 +266,9 @@ class S3Checkpoint:
         """Step 3: writes the marker over the objects of ``save_id`` (the coordinator).
 
         Raises:
-            CheckpointError: If DCP left no ``.metadata`` object, or the save's objects are
-                not what its ranks wrote (Note [Commit what was written] in ``integrity``).
+            CheckpointError: If DCP left no ``.metadata`` object, or the save lost or
+                changed an object its ranks wrote (Note [Commit what was written] in
+                ``integrity``).
         """
         prefix = f"{self.key}/{save_id}/"
         sizes = {k[len(prefix) :]: s for k, s in sorted(self.list_objects(prefix).items())}
@@ -277,9 +278,7 @@ class S3Checkpoint:
                 "finished; not committing it."
             )
         if recorded is not None:
-            problems = integrity.not_as_written(sizes, recorded)
-            if problems:
-                raise not_as_written_error(self.uri, f"{self.uri}/{save_id}/", problems)
+            check_as_written(self.uri, f"{self.uri}/{save_id}/", sizes, recorded)
         checksums: dict[str, str] | None = None
         if self.checksums:
             checksums = {}

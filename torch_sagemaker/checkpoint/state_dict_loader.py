@@ -40,6 +40,7 @@ from torch_sagemaker.checkpoint.state_dict_utils import (
     resolve_stateful,
     shard_coordinates,
 )
+from torch_sagemaker.logger import get_logger
 
 _SHOWN = 20  # how many offending keys an error lists
 _METADATA = ".metadata"  # the file DCP's FileSystemWriter writes its metadata to
@@ -88,14 +89,6 @@ def _describe(key: str, value: Any, saved: Any) -> str | None:
             )
         if tuple(saved.size) != tuple(value.shape):
             return f"{key}: checkpoint shape {tuple(saved.size)}, requested {tuple(value.shape)}"
-        saved_dtype = saved.properties.dtype
-        if saved_dtype is not None and saved_dtype != value.dtype:
-            # DCP would cast while copying (a float32 weight rounded to bf16, a float to an
-            # int): the values loaded would not be the values saved.
-            return (
-                f"{key}: checkpoint dtype {saved_dtype}, requested {value.dtype} (load into a "
-                f"{saved_dtype} tensor and convert it afterwards to change the dtype)"
-            )
     elif isinstance(saved, TensorStorageMetadata):
         return (
             f"{key}: the checkpoint holds a tensor of shape {tuple(saved.size)}, "
@@ -127,6 +120,22 @@ def check_state_dict_matches(
         if k in saved
         if (m := _describe(k, v, saved[k])) is not None
     ]
+    cast = []
+    for k, v in sorted(flat.items()):
+        entry = saved.get(k)
+        if (
+            isinstance(v, torch.Tensor)
+            and isinstance(entry, TensorStorageMetadata)
+            and entry.properties.dtype not in (None, v.dtype)
+        ):
+            cast.append(f"{k} ({entry.properties.dtype} -> {v.dtype})")
+    if cast:
+        # DCP casts while it copies, as SMP's loads do (a bf16 model for inference from a
+        # float32 checkpoint); the values loaded are then not the values saved, so say so.
+        get_logger().warning(
+            f"loading {path}: {len(cast)} tensors are cast from the saved dtype: "
+            f"{cast[:_SHOWN]}{' ...' if len(cast) > _SHOWN else ''}."
+        )
     if missing or mismatched:
         parts = [f"checkpoint {path} does not match the state dict being loaded."]
         if missing:

@@ -63,7 +63,8 @@ def _same_progress_on_every_rank(step: int, data_position: str) -> None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return
     views: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (step, data_position))
+    # Compared as values: equal dicts built in another key order on another rank agree.
+    dist.all_gather_object(views, (step, json.dumps(json.loads(data_position), sort_keys=True)))
     odd = [r for r, view in enumerate(views) if view != views[0]]
     if odd:
         r = odd[0]
@@ -243,7 +244,7 @@ class TrainingState:
             raise ValueError(
                 f"TrainingState kind='local' in a job of {dist.get_world_size()} ranks needs "
                 "torch.sagemaker.init() first: SM-local checkpoints are laid out by its "
-                "shards and replicas. Call tsm.init() before saving, or save kind='sharded'."
+                "shards and replicas. Call tsm.init() first, or use kind='sharded'."
             )
         # The ranks writing one ``tp{r}_ep{r}_fsdp{r}`` directory: the replicas that hold the
         # same shard *and the same experts* (with expert parallelism, replicas of different EP

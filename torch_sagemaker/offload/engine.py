@@ -89,10 +89,9 @@ class OffloadEngine:
         self._device_type: str | None = None
         self._stash: deque[StorageRecord] = deque()  # records whose offload copy is in flight
         self._stash_bytes = 0
-        # The backward pass (autograd graph task id) whose end _backward_finished is queued
-        # for, -1 for none. A backward that raises never runs its callbacks: keyed by the pass,
-        # the next backward queues its own instead of finding a stale flag set.
-        self._callback_task = -1
+        # _backward_finished is queued for the running backward. A backward that raises never
+        # runs its callbacks, so a forward outside any backward clears a flag left set.
+        self._callback_queued = False
 
     # ------------------------------------------------------------------ wiring
     def attach(self, layers: Iterable[nn.Module]) -> list[Any]:
@@ -124,6 +123,8 @@ class OffloadEngine:
 
     # ----------------------------------------------------------------- forward
     def _begin_forward(self, root: nn.Module) -> PassRecord:
+        if autograd_compat.current_graph_task_id() == -1:
+            self._callback_queued = False  # a backward that raised left it set
         for pass_record in self._live_passes():
             for unit in pass_record.schedule.on_new_forward():
                 self._release_unit(pass_record, unit, "evict")
@@ -362,14 +363,16 @@ class OffloadEngine:
             self._release_unit(pass_record, released, "release")
 
     def _queue_backward_callback(self) -> None:
-        task = autograd_compat.current_graph_task_id()
-        if task == -1 or task == self._callback_task:
-            return  # unpacked outside a backward pass (nothing will finish), or queued already
-        autograd_compat.queue_callback(self._backward_finished)
-        self._callback_task = task
+        if self._callback_queued:
+            return
+        try:
+            autograd_compat.queue_callback(self._backward_finished)
+        except RuntimeError:
+            return  # unpacked outside a backward pass: nothing will finish
+        self._callback_queued = True
 
     def _backward_finished(self) -> None:
-        self._callback_task = -1
+        self._callback_queued = False
         self._log("backward_finished")
         pending = []
         for pass_record in self._live_passes():

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 _FLAG = "_tsm_whole_logits"  # on the output head: gather its logits (set during generate)
+_HEAD = "_tsm_logits_head"  # on the model: the output head's name in it
 
 
 def _gather_when_generating(head: nn.Module, _args: tuple, output: Any) -> Any:
@@ -27,7 +28,7 @@ def _gather_when_generating(head: nn.Module, _args: tuple, output: Any) -> Any:
 
 def _generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``GenerationMixin.generate`` with the output head gathering its logits."""
-    head = self.get_output_embeddings()  # type: ignore[operator]
+    head = self.get_submodule(getattr(self, _HEAD))
     before = getattr(head, _FLAG, False)
     setattr(head, _FLAG, True)
     try:
@@ -36,15 +37,20 @@ def _generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         setattr(head, _FLAG, before)
 
 
-def gather_logits_in_generate(model: nn.Module, head: nn.Module) -> None:
-    """Makes ``model.generate`` read whole logits from ``head`` (its ``lm_head``-styled layer).
+def gather_logits_in_generate(model: nn.Module, head_name: str) -> None:
+    """Makes ``model.generate`` read whole logits from its ``lm_head``-styled layer.
 
     A model without ``generate`` (not a generation model) is left alone. The state lives on
     the model and the head themselves, so a deep copy of the model generates on its own.
+
+    Args:
+        model: The tensor-parallel model (a Hugging Face generation model).
+        head_name: The output layer's name in ``model`` (``get_submodule``).
     """
     if not callable(getattr(type(model), "generate", None)):
         return
-    head.register_forward_hook(_gather_when_generating)
+    model.get_submodule(head_name).register_forward_hook(_gather_when_generating)
+    setattr(model, _HEAD, head_name)
     model.generate = types.MethodType(_generate, model)  # type: ignore[assignment]
 
 

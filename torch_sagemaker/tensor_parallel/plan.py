@@ -223,7 +223,7 @@ def apply_tp_plan(
             if style_name == "vocab_embedding" and "." in name:
                 shard_given_embeddings(model.get_submodule(name.rsplit(".", 1)[0]), tp_mesh)
             if style_name == "lm_head":
-                gather_logits_in_generate(model, module)
+                gather_logits_in_generate(model, name)
         counts[style_name] = counts.get(style_name, 0) + len(names)
     _retie(tied)
     for _, attention in policy.attention_modules(model):

@@ -105,6 +105,10 @@ def shard_given_embeddings(model: nn.Module, mesh: DeviceMesh) -> None:
     tuning, multimodal inputs) skip it, and the first norm would read the whole sequence as
     this rank's shard. A forward pre-hook shards them the same way: the same values in the
     same layout, and their gradient all-gathered back to the whole sequence.
+
+    Args:
+        model: The module whose ``forward`` takes ``inputs_embeds`` as a keyword.
+        mesh: The 1-D tensor parallel mesh.
     """
 
     def shard(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
