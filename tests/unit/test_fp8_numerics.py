@@ -212,6 +212,18 @@ def test_outside_fp8_autocast_the_layer_is_nn_linear():
     assert layer.fp8_scaling.history is None  # never ran in FP8: no state, nothing to reduce
 
 
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()], ids=repr)
+def test_an_empty_batch_passes_as_through_nn_linear(recipe):
+    """0 rows (a data-parallel rank's empty last batch): nothing to quantize, no crash."""
+    layer = to_fp8_linear(nn.Linear(16, 8))
+    x = torch.randn(0, 16, requires_grad=True)
+    with fp8_autocast(fp8_recipe=recipe):
+        y = layer(x)
+    y.sum().backward()
+    assert y.shape == (0, 8) and x.grad.shape == (0, 16)
+    assert torch.equal(layer.weight.grad, torch.zeros_like(layer.weight))
+
+
 def test_a_trained_layer_copies_without_its_groups():
     """``copy.deepcopy`` (and pickling) of a model after FP8 steps: the scaling state comes
     along, the process groups it last reduced over (which cannot be copied) do not."""
@@ -478,6 +490,19 @@ def test_transformer_engine_recipe_objects_are_read():
 )
 def test_unsupported_recipe_options_are_named(make, named):
     with pytest.raises(ValueError, match=named):
+        make()
+
+
+@pytest.mark.parametrize(
+    "make,named",
+    [
+        (lambda: DelayedScaling(reduce_amax="no"), "reduce_amax='no'"),  # truthy: would reduce
+        (lambda: DelayedScaling(scaling_factor_compute_algo=3), "scaling_factor_compute_algo=3"),
+        (lambda: Float8CurrentScaling(use_power_2_scales="x"), "use_power_2_scales='x'"),
+    ],
+)
+def test_recipe_options_of_the_wrong_type_are_named(make, named):
+    with pytest.raises(TypeError, match=named):
         make()
 
 

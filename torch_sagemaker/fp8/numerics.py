@@ -57,6 +57,8 @@ def amax(t: torch.Tensor) -> torch.Tensor:
     # Two passes over ``t`` (Note [FP8 passes over memory]): NaNs zeroed into a copy, then
     # the infinity norm, max |t|, which is exact in any order and needs no |t| copy.
     with torch.no_grad():
+        if t.numel() == 0:  # an empty batch: nothing to scale (the inf norm has no identity)
+            return torch.zeros((), dtype=torch.float32, device=t.device)
         inf = float("inf")
         clean = torch.nan_to_num(t.detach(), nan=0.0, posinf=inf, neginf=-inf)
         return torch.linalg.vector_norm(clean, ord=inf).float()

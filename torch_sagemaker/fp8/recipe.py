@@ -149,6 +149,14 @@ class DelayedScaling:
                 f"{name}(amax_compute_algo={algo!r}): use 'max', 'most_recent' or a function "
                 "of the amax history."
             )
+        if not isinstance(self.reduce_amax, bool):
+            raise TypeError(f"{name}(reduce_amax={self.reduce_amax!r}): expected True or False.")
+        compute = self.scaling_factor_compute_algo
+        if compute is not None and not callable(compute):
+            raise TypeError(
+                f"{name}(scaling_factor_compute_algo={compute!r}): expected None or a "
+                "function fn(amax, old_scale, fp8_max, recipe) -> scale."
+            )
         if self.interval != 1:
             raise _unsupported(name, "interval", self.interval, "scales are updated at every step")
         if tuple(self.override_linear_precision) != (False, False, False):
@@ -178,6 +186,7 @@ class Float8CurrentScaling:
 
     Raises:
         ValueError: For an unsupported option (named).
+        TypeError: For a value of the wrong type.
     """
 
     fp8_format: Format = Format.HYBRID
@@ -190,6 +199,10 @@ class Float8CurrentScaling:
         name = "Float8CurrentScaling"
         _check_format(name, self.fp8_format)
         _check_common(name, self.fp8_dpa, self.fp8_mha, self.backward_override)
+        if not isinstance(self.use_power_2_scales, bool):
+            raise TypeError(
+                f"{name}(use_power_2_scales={self.use_power_2_scales!r}): expected True or False."
+            )
 
 
 Recipe = DelayedScaling | Float8CurrentScaling
