@@ -112,6 +112,13 @@ def _features() -> dict:
     out["mixtral_split"] = _mixtral_split()
     out["inputs_embeds"] = _given_embeddings()
     out["generate"] = _greedy_generation()
+    ids = batch(0)
+    labels = ids.clone()
+    labels[0, 3] = 200  # outside the 128-token vocabulary
+    try:
+        tsm.transform(build("llama"))(input_ids=ids, labels=labels)
+    except ValueError as e:
+        out["label_outside"] = str(e)
     # Tied weights stay one parameter.
     qwen = tsm.transform(build("qwen2"))
     out["tied"] = qwen.lm_head.weight is qwen.model.embed_tokens.weight
@@ -195,6 +202,12 @@ def test_inputs_embeds_enter_as_the_embedding_output_would(features):
         r = rank_result["inputs_embeds"]
         assert r["logits"] < ATOL and r["loss"] < ATOL and r["embeds_grad"] < ATOL, r
         assert not {n: d for n, d in r["grads"].items() if d > ATOL}, r
+
+
+@pytest.mark.distributed
+def test_a_label_outside_the_vocabulary_is_refused_as_cross_entropy_refuses_it(features):
+    for rank_result in features:
+        assert "target 200 is outside the vocabulary [0, 128)" in rank_result["label_outside"]
 
 
 @pytest.mark.distributed

@@ -96,8 +96,8 @@ def vocab_parallel_cross_entropy(
         The loss as a plain tensor, identical on every TP rank.
 
     Raises:
-        ValueError: If ``logits`` is not sharded on its last dim over one mesh axis, or the
-            reduction is unknown.
+        ValueError: If ``logits`` is not sharded on its last dim over one mesh axis, a target
+            is outside the vocabulary (and not ``ignore_index``), or the reduction is unknown.
     """
     placements = logits.placements
     if len(placements) != 1 or placements[0] != Shard(logits.ndim - 1):
@@ -107,6 +107,17 @@ def vocab_parallel_cross_entropy(
         )
     mesh = logits.device_mesh
     offset = vocab_shard_offset(logits.shape[-1], mesh.size(), mesh.get_local_rank())
+    vocab = logits.shape[-1]
+    # A target outside [0, V) would be "mine" on no rank: a finite, wrong loss, where
+    # F.cross_entropy raises. One reduction of the targets (a sync on an accelerator).
+    outside = (target != ignore_index) & ((target < 0) | (target >= vocab))
+    if bool(outside.any()):
+        bad = int(target[outside][0])
+        raise ValueError(
+            f"cross entropy target {bad} is outside the vocabulary [0, {vocab}) and is not "
+            f"ignore_index={ignore_index}: label padding with {ignore_index} (or check that "
+            "the tokenizer's vocabulary matches the model's)."
+        )
     local = logits.to_local()
     loss = _VocabParallelCrossEntropy.apply(local, target, offset, ignore_index, mesh.get_group())
     if reduction == "none":
