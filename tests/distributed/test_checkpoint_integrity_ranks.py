@@ -168,3 +168,59 @@ def test_ranks_saving_different_steps_or_data_positions_are_refused(tmp_path):
             "ranks [1] save another step or data position than rank 0" in m for m in messages
         )
     assert (tmp_path / "s" / ".sm_checkpoint_complete.json").is_file()
+
+
+def _hf_export_written_by_rank_1_of_a_rank_0_gather(root: str) -> list:
+    """What ``cpu_offload`` does on CUDA (the full state dict on global rank 0 only),
+    played on the CPU: the writing rank must not commit an empty model, and a
+    ``translate_fn`` runs on the writing rank only (elsewhere it would find no keys)."""
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from torch_sagemaker.checkpoint import CheckpointError, hf_export
+
+    gather = hf_export.get_model_state_dict
+    hf_export.get_model_state_dict = lambda m, options: gather(m) if dist.get_rank() == 0 else {}
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=2,
+        )
+    )  # fmt: skip
+    out = []
+    seen: list = []
+
+    def translate(sd: dict) -> dict:
+        seen.append(sd["lm_head.weight"].shape)
+        return sd
+
+    for coordinator in (1, 0):
+        seen.clear()
+        try:
+            hf_export.save_hf_checkpoint(
+                model,
+                f"{root}/hf{coordinator}",
+                coordinator_rank=coordinator,
+                translate_fn=translate,
+            )
+            out.append(("saved", len(seen)))
+        except CheckpointError as e:
+            out.append((str(e), len(seen)))
+    hf_export.get_model_state_dict = gather
+    del torch
+    return out
+
+
+def test_an_hf_export_never_commits_an_empty_model_nor_translates_where_it_does_not_write(
+    tmp_path,
+):
+    results = run_distributed(
+        _hf_export_written_by_rank_1_of_a_rank_0_gather, str(tmp_path), timeout=120
+    )
+    for rank, (by_1, by_0) in enumerate(results):
+        assert "the gathered state dict is empty on the writing rank" in by_1[0], by_1
+        assert by_1[1] == 0  # rank 1 wrote, and its dict is empty: translate_fn never ran
+        assert by_0 == ("saved", 1 if rank == 0 else 0), by_0
+    assert not (tmp_path / "hf1").exists()
+    assert (tmp_path / "hf0" / "model.safetensors").is_file()

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from torch_sagemaker.checkpoint import atomic_dir
 from torch_sagemaker.checkpoint._group import Participants
+from torch_sagemaker.checkpoint.marker import CheckpointError
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -93,15 +94,17 @@ def save_hf_checkpoint(
         output_dir: Target directory (replaced atomically if it exists).
         config: A ``PretrainedConfig``; default the model's own ``config``.
         translate_fn: Optional ``fn(state_dict) -> state_dict`` applied to the gathered
-            state dict, for models whose parallel form renames or fuses tensors (a
-            transformed model keeps its Hugging Face names and needs none).
+            state dict on the writing rank, for models whose parallel form renames or fuses
+            tensors (a transformed model keeps its Hugging Face names and needs none).
         max_shard_size: Largest safetensors file; bigger models get several plus an index.
         process_group: Ranks that hold the model; default all ranks.
         coordinator_rank: Global rank that writes; default the group's first rank.
 
     Raises:
-        ValueError: If no config is given and the model has none.
-        CheckpointError: If writing failed on the coordinator (on every rank).
+        ValueError: If no config is given and the model has none, the directory is an S3
+            URI, or CUDA parameters are to be written by a rank other than global rank 0.
+        CheckpointError: If writing failed on the coordinator (on every rank), an empty
+            state dict included.
     """
     inner = _unwrap(model)
     config = config if config is not None else getattr(inner, "config", None)
@@ -109,24 +112,35 @@ def save_hf_checkpoint(
         raise ValueError(
             f"{type(inner).__name__} has no .config; pass config=PretrainedConfig(...)."
         )
+    path = atomic_dir.checkpoint_path(output_dir)  # refused before the gather
     participants = Participants(process_group, coordinator_rank)
     # On CPU every rank gathers (FSDP1's CPU offload of full state dicts crashes on CPU-only
-    # jobs); with CUDA tensors the gather offloads to CPU on rank 0 only.
+    # jobs); with CUDA tensors the gather offloads to CPU on global rank 0 only, and every
+    # other rank gets an empty dict: rank 0 must be the one that writes.
     on_cuda = any(p.is_cuda for p in model.parameters())
+    if on_cuda and participants.distributed and participants.coordinator != 0:
+        raise ValueError(
+            f"save_hf_checkpoint with CUDA parameters gathers the full model on global rank 0 "
+            f"only, but rank {participants.coordinator} would write it: pass "
+            "coordinator_rank=0 and a process_group that holds rank 0 (default: all ranks)."
+        )
     options = StateDictOptions(full_state_dict=True, cpu_offload=on_cuda)
     # A model's state dict holds tensors only (ValueType also covers optimizer states).
     full = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
-    if translate_fn is not None:
-        full = translate_fn(full)
-    path = atomic_dir.checkpoint_path(output_dir)
 
     def write() -> None:
+        if not full:
+            raise CheckpointError(
+                f"save_hf_checkpoint {path}: the gathered state dict is empty on the writing "
+                "rank; nothing was written."
+            )
+        weights = full if translate_fn is None else translate_fn(full)  # the writer's only
         staging = atomic_dir.prepare_staging(path)
         config.save_pretrained(staging)
         generation_config = getattr(inner, "generation_config", None)
         if generation_config is not None:
             generation_config.save_pretrained(staging)
-        weights = _drop_shared({k: v.detach().cpu() for k, v in full.items()})
+        weights = _drop_shared({k: v.detach().cpu() for k, v in weights.items()})
         _write_weights(weights, staging, max_shard_size)
         atomic_dir.commit(staging, path, {"kind": "hugging_face", "keys": len(weights)})
 
