@@ -7,9 +7,9 @@ argument names, on a tiny Llama and CPU ranks: ``tsm.init()`` reading
 ``DelayedParamIniter`` feeding FSDP1's ``param_init_fn``/``post_param_init_fn``, FSDP1 with
 ``use_orig_params=True`` and an auto-wrap policy on ``TransformerLayer``, bf16 mixed
 precision with fp32 buffers, reentrant activation checkpointing on ``TransformerLayer``,
-PyTorch's ``offload_wrapper`` import path, and the three sharded checkpoint types with their
-directory layouts. Only what CPU needs differs: ``device_id`` is the CPU and
-``FullStateDictConfig(offload_to_cpu=False)``.
+PyTorch's ``offload_wrapper`` import path, the sharded checkpoint types with their directory
+layouts, and the ``local`` type (PyTorch's ``LOCAL_STATE_DICT``). Only what CPU needs differs:
+``device_id`` is the CPU and ``FullStateDictConfig(offload_to_cpu=False)``.
 """
 
 from __future__ import annotations
@@ -446,6 +446,44 @@ def load_async_local(model, optimizer, scheduler, path, rep):
             storage_reader=reader,
         )
     scheduler.load_state_dict(state_dict["scheduler"])
+    return state_dict["total_steps"]
+
+
+# -------------------------------------------------------------------- checkpoint type "local"
+def save_local(model, optimizer, scheduler, path, user):
+    """PyTorch's ``LOCAL_STATE_DICT``: each rank ``torch.save``s its own ``{rank}.pt``."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    os.makedirs(path, exist_ok=True)
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        state_dict = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+        } | user
+    torch.save(state_dict, os.path.join(path, f"{dist.get_rank()}.pt"))
+
+
+def load_local(model, optimizer, scheduler, path):
+    """Reads this rank's ``{rank}.pt`` back under the FSDP shard group, then loads it.
+
+    The scripts call ``torch.load`` with its default, which became ``weights_only=True`` in
+    PyTorch 2.6 and refuses their files (``ShardedTensor``, the model config); on such
+    versions users set ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``, which this spells out.
+    """
+    import torch.distributed as dist
+    from torch.distributed._shard.api import load_with_process_group
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    with load_with_process_group(model.process_group):
+        state_dict = torch.load(os.path.join(path, f"{dist.get_rank()}.pt"), weights_only=False)
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        model.load_state_dict(state_dict["model"])
+        scheduler.load_state_dict(state_dict["scheduler"])
+        optimizer.load_state_dict(state_dict["optimizer"])
     return state_dict["total_steps"]
 
 

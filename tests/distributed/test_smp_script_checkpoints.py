@@ -3,8 +3,9 @@
 Every rank runs the scripts' sequence (``tests/distributed/smp_script_steps.py``):
 ``tsm.init()`` from ``SM_HP_MP_PARAMETERS``, delayed init, FSDP1 with ``use_orig_params=True``,
 bf16 mixed precision, activation checkpointing and offloading. An uninterrupted run of
-STEPS steps saves the sharded checkpoint types (``sharded``, ``async_sharded``,
-``async_local``, and SMP 2.5.0's ``use_pg_with_util``) after RESUME_AT steps; each type is
+STEPS steps saves the checkpoint types (``sharded``, ``async_sharded``, ``async_local``,
+SMP 2.5.0's ``use_pg_with_util``, and ``local``: PyTorch's ``LOCAL_STATE_DICT``, one file per
+rank) after RESUME_AT steps; each type is
 then loaded into a fresh model, and the resumed steps must give exactly the uninterrupted
 run's losses. Layouts: tensor parallelism
 2 x hybrid_shard_degree 2, hybrid_shard_degree 2 with two replicas (no TP), and SMP's Mixtral
@@ -27,7 +28,7 @@ import torch
 from tests.distributed.launcher import run_distributed
 
 STEPS, RESUME_AT = 4, 2
-TYPES = ("sharded", "async_sharded", "async_local", "use_pg_with_util")
+TYPES = ("sharded", "async_sharded", "async_local", "use_pg_with_util", "local")
 
 
 def _fresh(smp, moe):
@@ -110,6 +111,7 @@ def _resume_all_types_in_layout(root: str, moe: bool, s3_root: str | None = None
                 model, optimizer, scheduler, f"{root}/async_local", user, queue, rep
             )
             smp.save_with_util(model, optimizer, scheduler, f"{root}/use_pg_with_util", meta, user)
+            smp.save_local(model, optimizer, scheduler, f"{root}/local", user)
             TrainingState(model, optimizer, scheduler, step=step + 1).save(f"{root}/training_state")
             if s3_root is not None:
                 smp.save_sharded_s3(model, optimizer, scheduler, f"{s3_root}/sharded", meta, user)
@@ -129,6 +131,7 @@ def _resume_all_types_in_layout(root: str, moe: bool, s3_root: str | None = None
         "use_pg_with_util": lambda m, o, s: smp.load_with_util(
             m, o, s, f"{root}/use_pg_with_util", smp.pg_metadata(m)
         ),
+        "local": lambda m, o, s: smp.load_local(m, o, s, f"{root}/local"),
     }
 
     def load_training_state(m, o, s):

@@ -285,6 +285,47 @@ def set_reduction_function(name: str, fn: Any) -> None:
     setattr(_runtime_utils, name, fn)
 
 
+# --- its state dicts ---------------------------------------------------------------------------
+
+#: FSDP1's state-dict and load-state-dict pre-hooks call this module function of
+#: ``_state_dict_utils`` by its global name, ``(state)``: it turns on DTensor state dicts for a
+#: unit built with a ``device_mesh``, and refuses ``LOCAL_STATE_DICT`` for such a unit.
+#: Replacing it there replaces it for every unit (``sharding/fsdp1_local_state_dict.py``).
+SET_USE_DTENSOR = "_set_use_dtensor"
+
+#: FSDP1's local state-dict post-hook builds each unit's ``ShardedTensor`` by calling this
+#: (public) function under its name in ``_state_dict_utils``.
+INIT_FROM_LOCAL_SHARDS = "init_from_local_shards"
+
+
+def shard_placed_on(shard: Any, rank: int) -> Any:
+    """A copy of a ``ShardedTensor`` local ``Shard`` placed on global ``rank``, same data."""
+    from torch.distributed._shard.sharded_tensor import Shard
+
+    offsets = list(shard.metadata.shard_offsets)
+    return Shard.from_tensor_and_offsets(shard.tensor, offsets, rank)
+
+
+def shard_placement_rank(shard: Any) -> int | None:
+    """The rank a ``ShardedTensor`` local ``Shard``'s metadata places it on."""
+    placement = shard.metadata.placement
+    return None if placement is None else placement.rank()
+
+
+def state_dict_function(name: str) -> Any:
+    """The function of FSDP1's ``_state_dict_utils`` its state-dict hooks call as ``name`` now."""
+    from torch.distributed.fsdp import _state_dict_utils
+
+    return getattr(_state_dict_utils, name)
+
+
+def set_state_dict_function(name: str, fn: Any) -> None:
+    """Makes FSDP1's state-dict hooks call ``fn`` as ``name``."""
+    from torch.distributed.fsdp import _state_dict_utils
+
+    setattr(_state_dict_utils, name, fn)
+
+
 def inter_node_group_attr() -> str:
     """The unit attribute holding a hybrid strategy's replica group (``_inter_node_pg``)."""
     return "_inter_node_pg"

@@ -59,7 +59,14 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 from torch_sagemaker.context_parallel import check_prepared
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.moe.experts import is_split
-from torch_sagemaker.sharding import cache_flush, experts, fsdp1_layout, fsdp1_replicas, fsdp1_tied
+from torch_sagemaker.sharding import (
+    cache_flush,
+    experts,
+    fsdp1_layout,
+    fsdp1_local_state_dict,
+    fsdp1_replicas,
+    fsdp1_tied,
+)
 from torch_sagemaker.state import state
 
 _original_init = FullyShardedDataParallel.__init__
@@ -195,6 +202,7 @@ def _patched_init(
         _original_init(self, module, process_group, sharding_strategy, *args, **kwargs)
         if state.initialized and not _local.exempt and kwargs.get("device_mesh") is not None:
             fsdp1_layout.adapt(self)
+            fsdp1_local_state_dict.allow(self)  # Note [LOCAL_STATE_DICT on SMP's meshes]
         if follows and depth == 0 and state.fsdp_cache_flush_warnings:
             cache_flush.watch(self)
         if (
@@ -214,14 +222,17 @@ def install() -> None:
     """Makes ``FullyShardedDataParallel(...)`` follow the SMP config (idempotent).
 
     Also makes FSDP1 keep tied tensor-parallel parameters tied (Note [Tied DTensor
-    parameters under FSDP1] in ``fsdp1_tied``).
+    parameters under FSDP1] in ``fsdp1_tied``) and lets its units give local state dicts
+    (Note [LOCAL_STATE_DICT on SMP's meshes] in ``fsdp1_local_state_dict``).
     """
     FullyShardedDataParallel.__init__ = _patched_init  # type: ignore[method-assign]
     fsdp1_tied.install()
+    fsdp1_local_state_dict.install()
 
 
 def uninstall() -> None:
     """Restores PyTorch's own ``FullyShardedDataParallel.__init__`` and flattening."""
     FullyShardedDataParallel.__init__ = _original_init  # type: ignore[method-assign]
     fsdp1_tied.uninstall()
+    fsdp1_local_state_dict.uninstall()
     fsdp1_replicas.uninstall()
