@@ -7,6 +7,12 @@ max) to a bucket keyed by the groups it is *sharded* over; each bucket is summed
 exactly those groups (replicated axes are not summed, so nothing is counted twice), and the
 buckets are added up. Every rank issues the same collectives in the same (sorted) order.
 
+Note [Norm on the device]: the per-piece norms stay on the gradients' device, accumulated in
+float64 (``vector_norm(..., dtype=float64)``, no float64 copy of a gradient), and only the
+few bucket scalars are reduced. Bringing each piece's norm to the CPU, as this once did,
+waited for the device once per parameter on a GPU. The coefficient that scales the gradients
+is computed on the device too, so the step never waits for the norm.
+
 | model | gradients | sharded over |
 |-----------------------------|-----------------------------------|-----------------------------------------|
 | FSDP2 / HSDP (+ TP) | DTensors, Shard on shard/tp axes | the mesh axes with a ``Shard``
@@ -84,21 +90,32 @@ def _piece(grad: torch.Tensor) -> _Piece:
     return _Piece(grad.to_local(), key, groups)
 
 
+def _device_of(pieces: list[_Piece]) -> torch.device:
+    """Where the norm is accumulated: the first gradient's device (Note [Norm on the device])."""
+    return next((p.local.device for p in pieces if p.local.numel()), torch.device("cpu"))
+
+
 def _reduce(pieces: list[_Piece], norm_type: float) -> torch.Tensor:
     """Total p-norm of ``pieces``; each bucket is reduced over its groups (see module doc)."""
     is_inf = math.isinf(norm_type)
-    buckets: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+    device = _device_of(pieces)
+    buckets: dict[tuple, torch.Tensor] = defaultdict(
+        lambda: torch.zeros((), dtype=torch.float64, device=device)
+    )
     groups: dict[tuple, tuple] = {}
     for piece in pieces:
         groups[piece.key] = piece.groups
-        values = piece.local.detach().to(torch.float64)
+        values = piece.local.detach()
         if values.numel() == 0:
             buckets[piece.key] += 0  # the bucket must exist: its peers reduce it
         elif is_inf:
-            buckets[piece.key] = torch.maximum(buckets[piece.key], values.abs().max().cpu())
+            largest = values.abs().max().to(device=device, dtype=torch.float64)
+            buckets[piece.key] = torch.maximum(buckets[piece.key], largest)
         else:
-            buckets[piece.key] += torch.linalg.vector_norm(values, norm_type).cpu() ** norm_type
-    result = torch.zeros((), dtype=torch.float64)
+            # Accumulated in float64 without a float64 copy of the gradient.
+            norm = torch.linalg.vector_norm(values, norm_type, dtype=torch.float64)
+            buckets[piece.key] += norm.to(device) ** norm_type
+    result = torch.zeros((), dtype=torch.float64, device=device)
     for key in sorted(buckets):
         value = buckets[key]
         for group in groups[key]:
@@ -178,14 +195,21 @@ def clip_grad_norm_(
         error_if_nonfinite: Raise if the total norm is nan or inf.
 
     Returns:
-        The total norm before clipping (float64, same value on every rank).
+        The total norm before clipping: a float64 scalar on the gradients' device, the same
+        value on every rank.
 
     Raises:
         RuntimeError: If ``error_if_nonfinite`` and the norm is not finite.
+        ValueError: If ``norm_type`` is not positive.
 
     Example:
         >>> norm = tsm.grad_norm.clip_grad_norm_(model, 1.0)
     """
+    if not norm_type > 0:
+        raise ValueError(
+            f"clip_grad_norm_(norm_type={norm_type}): the norm must be a p-norm with p > 0 or "
+            "float('inf'); pass 2.0 (the default) for the Euclidean norm."
+        )
     pieces = list(_fsdp1_pieces(model))
     managed = _fsdp1_managed(model) if pieces else set()
     grads = [p.grad for p in model.parameters() if id(p) not in managed and p.grad is not None]
@@ -202,5 +226,5 @@ def clip_grad_norm_(
     targets += [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     for local in targets:
         if local.numel():
-            local.mul_(coef.to(local.dtype))
+            local.mul_(coef.to(device=local.device, dtype=local.dtype))
     return norm
