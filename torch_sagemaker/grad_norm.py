@@ -11,7 +11,8 @@ Note [Norm on the device]: the per-piece norms stay on the gradients' device, ac
 float64 (``vector_norm(..., dtype=float64)``, no float64 copy of a gradient), and only the
 few bucket scalars are reduced. Bringing each piece's norm to the CPU, as this once did,
 waited for the device once per parameter on a GPU. The coefficient that scales the gradients
-is computed on the device too, so the step never waits for the norm.
+is computed on the device too: the only waits left are those of the bucket reductions' backend
+(none with NCCL; smddp stages a CUDA tensor through the host).
 
 | model | gradients | sharded over |
 |-----------------------------|-----------------------------------|-----------------------------------------|
