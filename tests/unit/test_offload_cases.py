@@ -221,3 +221,36 @@ def test_a_backward_that_raised_does_not_stop_later_backwards_releasing_their_co
         model(torch.randn(8, 32, 64)).sum().backward()
     blocks[2].fail = False
     assert resident_after_backward_keeping_the_graph() == 0
+
+
+class WritesSavedInput(nn.Module):
+    """Saves ``h`` (sin saves its input), then writes ``h`` in place: autograd must refuse.
+
+    It keeps ``h`` alive (as a cache would): an offloaded tensor is held weakly, so a write
+    to one freed before backward is not seen (Note [In-place writes to saved activations]).
+    """
+
+    def forward(self, x):
+        h = x * 2
+        y = h.sin()
+        h.mul_(3)  # the saved input of sin changes before backward reads it
+        self.kept = h
+        return y
+
+
+@pytest.mark.parametrize("min_offload_bytes", [0, 1 << 20], ids=["offloaded", "kept"])
+def test_an_in_place_write_to_a_saved_activation_raises_as_in_autograd(min_offload_bytes):
+    # Note [In-place writes to saved activations]: without the check, the kept tensor gave
+    # backward the written values and the offloaded one the old ones, with no error.
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        WritesSavedInput()(x).sum().backward()  # autograd's own check
+    model = PrefetchOffloadWrapper(
+        nn.Sequential(WritesSavedInput()),
+        horizon=1,
+        min_offload_bytes=min_offload_bytes,
+        layers=lambda m: isinstance(m, WritesSavedInput),
+    )
+    loss = model(x).sum()
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation.*version 1; exp"):
+        loss.backward()

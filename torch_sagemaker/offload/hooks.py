@@ -8,6 +8,16 @@ storage the engine makes resident, so two saved views of one storage still alias
 round trip, and a DTensor is rebuilt around its local shard with its original mesh,
 placements, shape and stride.
 
+Note [In-place writes to saved activations]
+    Autograd raises when a tensor it saved was written in place before backward reads it
+    (its version counter moved). With ``saved_tensors_hooks`` that check is the hooks' job:
+    autograd holds only what ``pack`` returned. Without it, a tensor kept on the device gave
+    backward its new values (wrong gradients, no error), and an offloaded one gave the old
+    values or, with the copy still in flight on a GPU, a mix. So ``pack`` records the
+    tensor's version and ``unpack`` compares it, raising autograd's error. An offloaded
+    tensor is held weakly: one freed before backward can no longer be written, and a write
+    between its save and its release is not seen (autograd would have raised).
+
 The hooks talk to the engine through ``SavedTensorSink``, a protocol defined here: the
 engine (``engine.OffloadEngine``) installs the hooks and implements the protocol, and this
 module never imports the engine, so the two import one way.
@@ -123,10 +133,12 @@ class SavedRef:
     """What autograd keeps instead of a saved tensor of a wrapped layer.
 
     Holding it keeps the pass (and so the host copies) alive; see ``records.py``.
-    ``tensor`` is set when the original stays on the device and is returned as is.
+    ``tensor`` is set when the original stays on the device and is returned as is;
+    ``original`` is a weak reference to it otherwise. ``version`` is its write count when it
+    was saved (Note [In-place writes to saved activations]).
     """
 
-    __slots__ = ("pass_record", "record", "unit", "view", "tensor")
+    __slots__ = ("pass_record", "record", "unit", "view", "tensor", "original", "version")
 
     def __init__(
         self,
@@ -134,13 +146,36 @@ class SavedRef:
         record: StorageRecord,
         unit: int,
         view: ViewSpec,
-        tensor: torch.Tensor | None,
+        saved: torch.Tensor,
+        keep: bool,
     ) -> None:
         self.pass_record = pass_record
         self.record = record
         self.unit = unit
         self.view = view
-        self.tensor = tensor
+        self.tensor = saved if keep else None
+        self.original = None if keep else weakref.ref(saved)
+        self.version = tensor_compat.write_count(saved)
+
+    def check_unmodified(self) -> None:
+        """Raises as autograd does if the saved tensor was written in place since it was saved.
+
+        Raises:
+            RuntimeError: The tensor (or another view of its storage) was modified in place.
+        """
+        saved = self.tensor if self.tensor is not None else cast(Any, self.original)()
+        if saved is None:  # freed since: the original can no longer be written
+            return
+        now = tensor_compat.write_count(saved)
+        if now != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{saved.dtype} {list(saved.shape)}] saved by wrapped layer "
+                f"{self.unit} is at version {now}; expected version {self.version} instead. "
+                "The offload wrapper checks this as autograd does without it: make the "
+                "operation that writes it out-of-place (for example `x = x + y` instead of "
+                "`x += y`), or clone the tensor before writing to it."
+            )
 
 
 def split_dtensor(tensor: torch.Tensor) -> tuple[torch.Tensor, DTensorMeta | None]:
@@ -238,11 +273,7 @@ def _pack(engine: SavedTensorSink | None, tensor: torch.Tensor) -> Any:
         return tensor  # a buffer (or a view of one): the module keeps it alive anyway
     record, keep_original = engine.save_storage(unit, local, tensor, key)
     return SavedRef(
-        engine.active_pass(),
-        record,
-        unit.index,
-        view_spec(local, meta),
-        tensor if keep_original else None,
+        engine.active_pass(), record, unit.index, view_spec(local, meta), tensor, keep_original
     )
 
 
@@ -254,6 +285,7 @@ def _unpack(engine: SavedTensorSink | None, packed: Any) -> torch.Tensor:
             "An offloaded activation was unpacked after its offload wrapper was deleted; keep "
             "the wrapped model alive until backward has run."
         )
+    packed.check_unmodified()
     engine.note_backward(packed.pass_record, packed.unit)
     if packed.tensor is not None:
         return packed.tensor
