@@ -139,3 +139,26 @@ def test_not_as_written_lists_every_difference():
     )
     assert integrity.not_as_written({"a": 3}, {"a": (3, "x")}) == ([], [])
     assert integrity.merge([{"a": (3, "x")}, None]) is None  # a rank's files not followed
+
+
+def test_a_save_committed_during_a_load_fails_the_load(monkeypatch, tmp_path):
+    # Note [A save that replaces a checkpoint being loaded]: the second save commits after
+    # the load checked the first one's files and before it read them. Its values (3.0) have
+    # the first's sizes, so without the check the load returns them with no error.
+    checkpoint = tmp_path / "ckpt"
+    _previous_checkpoint(checkpoint)
+    from torch_sagemaker.checkpoint import state_dict_loader
+
+    real_load = state_dict_loader.dcp.load
+
+    def load_after_another_save(*args, **kwargs):
+        save({"w": torch.full((1000,), 3.0)}, checkpoint_id=checkpoint)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(state_dict_loader.dcp, "load", load_after_another_save)
+    state = {"w": torch.zeros(1000)}
+    with pytest.raises(CheckpointError, match="another save committed over this checkpoint"):
+        load(state, checkpoint_id=checkpoint)
+    monkeypatch.setattr(state_dict_loader.dcp, "load", real_load)
+    load(state, checkpoint_id=checkpoint)  # loading again reads the new save whole
+    assert torch.equal(state["w"], torch.full((1000,), 3.0))

@@ -302,6 +302,7 @@ def load(
     )
     participants = Participants(process_group)
     failure: Exception | None = None
+    save_id = path.marker_save_id()  # Note [A save that replaces a checkpoint being loaded]
     try:
         marker = path.read_marker()
         metadata = _read_metadata(path, marker)
@@ -326,6 +327,38 @@ def load(
         raise CheckpointError(
             f"reading checkpoint {path} failed, a file is probably corrupt: {describe_failure(e)}"
         ) from e
+    _raise_if_replaced(path, save_id, participants)
+
+
+def _raise_if_replaced(
+    path: CheckpointLocation, save_id: str | None, participants: Participants
+) -> None:
+    """Raises on every rank if a save committed over ``path`` while it was being loaded.
+
+    Note [A save that replaces a checkpoint being loaded]
+        A save of the same name (another job, or this one's next save under a fixed name)
+        commits by renaming its staging directory over the checkpoint (Note [Checkpoint
+        commit protocol]). A load that started before reads the old marker, checks the old
+        files, then opens files by name: some of the old save, some of the new one, possibly
+        of the same sizes. Nothing else would notice the mix. So the load reads the save id
+        in the marker before anything else and again after the data: a different id (or none)
+        means another save committed meanwhile, and every rank raises (one all-gather, so the
+        ranks agree) rather than train from a mix. Loading again reads the new save whole.
+
+    Raises:
+        CheckpointError: The checkpoint's save id changed during the load.
+    """
+    now = path.marker_save_id()
+    replaced = now != save_id
+    if participants.distributed:
+        replaced = any(participants.all_gather(replaced))
+    if replaced:
+        raise CheckpointError(
+            f"loading {path}: another save committed over this checkpoint while it was being "
+            f"read (save id {save_id} before, {now} after), so the loaded values may mix the "
+            "two saves. Load it again, and do not save under a name that is being loaded "
+            "(give each save its own directory, e.g. one per step)."
+        )
 
 
 __all__ = ["check_state_dict_matches", "load", "read_metadata"]
