@@ -3,7 +3,9 @@
 // the interleavings that a fix of the executor was about, with ManualPost where the test must
 // decide which thread runs the lane, and a WorkerPool where the race is the point.
 #include <atomic>
+#include <cerrno>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -458,4 +460,31 @@ TEST_CASE(scheduler_stress_inline_pool_and_waiters) {
   s.shutdown();
   EXPECT(overlaps.load() == 0, overlaps.load(), " overlapping executions");
   EXPECT(order == iota(kOps), "the items ran out of issue order");
+}
+
+// Note [A lane whose thread could not start]: a post that throws (no thread could be
+// started) fails its item with the reason and leaves the lane unscheduled, so the next item
+// posts a drain again and shutdown returns.
+TEST_CASE(scheduler_item_fails_when_no_thread_can_start) {
+  WorkerPool pool;
+  std::atomic<bool> refuse{true};
+  Scheduler s([&](std::function<void()> task) {
+    if (refuse.load()) {
+      throw std::system_error(EAGAIN, std::generic_category(), "Resource temporarily unavailable");
+    }
+    pool.post(std::move(task));
+  });
+  auto refused = outcome();
+  s.submit([] {}, sink_for(refused), true);
+  EXPECT(refused->wait(), "the refused item never completed");
+  EXPECT(refused->error_text().find("could not start a thread to run test_op") != std::string::npos,
+         "error: ", refused->error_text());
+  EXPECT(s.pending(Lane::kMain) == 0, "the refused item still counts as pending");
+  refuse = false;
+  bool ran = false;
+  auto later = outcome();
+  s.submit([&] { ran = true; }, sink_for(later), true);
+  EXPECT(later->wait(), "the next item never ran: the lane stayed marked scheduled");
+  EXPECT(ran && later->error_text().empty(), "the next item failed: ", later->error_text());
+  s.shutdown();
 }

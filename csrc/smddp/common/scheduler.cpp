@@ -79,7 +79,14 @@ void Scheduler::submit_send(Fn fn, CompletionPtr done) {
   enqueue(send_, Item{std::move(fn), std::move(done)});
 }
 
+// Note [A lane whose thread could not start]
+// Posting the lane's drain can fail: the pool starts a thread when none is idle, and the
+// system may refuse one (EAGAIN at the thread limit). The lane used to stay marked scheduled
+// with the item queued: no later item posted a drain, and shutdown waited for the lane for
+// ever. The post is now undone (the queue held only this item: an unscheduled lane has an
+// empty queue) and the item fails with the reason, as a shut-down group's items do.
 void Scheduler::enqueue(Lane& lane, Item item) {
+  std::exception_ptr error;
   {
     std::vector<Item> dead;  // destroyed after the lock (Note [Tensors are released in ...])
     std::lock_guard<std::mutex> g(mu_);
@@ -87,16 +94,29 @@ void Scheduler::enqueue(Lane& lane, Item item) {
     if (!stop_) {
       lane.queue.push_back(std::move(item));
       ++lane.pending;
-      if (!lane.scheduled) {
-        lane.scheduled = true;
+      if (lane.scheduled) return;
+      lane.scheduled = true;
+      try {
         post_([this, &lane] { drain(lane); });
+        return;
+      } catch (const std::exception& e) {
+        item = std::move(lane.queue.back());  // the only item: the lane was not scheduled
+        lane.queue.pop_back();
+        --lane.pending;
+        lane.scheduled = false;
+        idle_cv_.notify_all();
+        error = std::make_exception_ptr(std::runtime_error(
+            std::string("smddp: could not start a thread to run ") + item.done->name() + ": " +
+            e.what() +
+            ". The process is at its thread limit (ulimit -u, or the container's "
+            "pids limit); raise it or run fewer threads."));
       }
-      return;
+    } else {
+      error = std::make_exception_ptr(std::runtime_error("smddp: the process group was shut down"));
     }
   }
   // Outside the lock: the completion may run callbacks that call in again.
-  item.done->complete(
-      std::make_exception_ptr(std::runtime_error("smddp: the process group was shut down")));
+  item.done->complete(error);
 }
 
 bool Scheduler::run_next(LaneId id) {

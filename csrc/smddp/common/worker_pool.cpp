@@ -34,7 +34,13 @@ void WorkerPool::post(std::function<void()> task) {
   if (tasks_.size() > static_cast<size_t>(idle_)) {
     // Every idle thread will take one of the tasks ahead: this one needs a new thread.
     ++threads_;
-    std::thread([this] { loop(); }).detach();
+    try {
+      std::thread([this] { loop(); }).detach();
+    } catch (...) {  // no thread (EAGAIN): nothing posted, the caller learns why
+      --threads_;
+      tasks_.pop_back();
+      throw;
+    }
   } else {
     cv_.notify_one();
   }

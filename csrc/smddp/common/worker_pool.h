@@ -25,6 +25,8 @@ class WorkerPool {
 
   // The pool of this process (a forked child gets a new one: it inherits no threads).
   static WorkerPool& instance();
+  // Runs `task` on a pool thread. Throws std::system_error when it needs a new thread and the
+  // system refuses one; nothing is queued then.
   void post(std::function<void()> task);
   // Threads the pool holds now (busy or idle), and those of them waiting for a task.
   int threads();
