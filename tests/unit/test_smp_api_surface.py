@@ -541,6 +541,27 @@ def test_dcp_patches_are_installed_at_import_and_undone_by_uninstall():
         dcp_patches.install()
 
 
+def test_dcp_patches_uninstall_restores_pytorch_after_a_reload():
+    # A reload finds the patches installed; uninstall must still restore PyTorch's functions.
+    import importlib
+
+    from torch.distributed.checkpoint import optimizer as dcp_optimizer
+    from torch.distributed.checkpoint import utils as dcp_utils
+
+    from torch_sagemaker.checkpoint import dcp_patches
+
+    torch_init = dcp_patches._native_wrapper_init
+    torch_load = dcp_patches.load_sharded_optimizer_state_dict.__tsm_native__
+    reloaded = importlib.reload(dcp_patches)
+    reloaded.install()
+    reloaded.uninstall()
+    try:
+        assert dcp_utils._DistWrapper.__init__ is torch_init
+        assert dcp_optimizer.load_sharded_optimizer_state_dict is torch_load
+    finally:
+        reloaded.install()
+
+
 class _Plain(nn.Module):
     def __init__(self):
         super().__init__()

@@ -49,7 +49,10 @@ _native_load_sharded = getattr(
     "__tsm_native__",
     _dcp_optimizer.load_sharded_optimizer_state_dict,
 )
-_native_wrapper_init = dcp_compat.DistWrapper.__init__
+# A reload of this module finds its own patches installed: keep the functions they replaced.
+_native_wrapper_init = getattr(
+    dcp_compat.DistWrapper.__init__, "__tsm_native__", dcp_compat.DistWrapper.__init__
+)
 
 
 def _allocate_like(template: Any, meta: TensorStorageMetadata) -> torch.Tensor:
@@ -124,6 +127,9 @@ def _dist_wrapper_init(
         if coordinator_rank in members:
             coordinator_rank = members.index(coordinator_rank)
     _native_wrapper_init(self, group, use_dist, coordinator_rank)
+
+
+_dist_wrapper_init.__tsm_native__ = _native_wrapper_init  # type: ignore[attr-defined]
 
 
 def install() -> None:
