@@ -25,7 +25,7 @@ from torch_sagemaker.moe import apply as moe_apply
 from torch_sagemaker.moe.moe_config import MoEConfig
 from torch_sagemaker.policies import POLICY_ATTR, HeadSplit, ModelPolicy, check_model, lookup_policy
 from torch_sagemaker.state import state
-from torch_sagemaker.tensor_parallel import loading, transformer
+from torch_sagemaker.tensor_parallel import full_state_dict, loading, transformer
 from torch_sagemaker.tensor_parallel.implementation import forced_backend, select_backend
 
 _CP_COMM_TYPES = ("p2p", "all_gather")
@@ -277,8 +277,10 @@ def transform(
         target = torch.device(device) if device is not None else _default_device()
         loading.broadcast_from_rank0(model, rank0_state, target)
     # 5. Record the policy, and mark the layers as SMP's TransformerLayer (wrap and checkpoint
-    # unit).
+    # unit). A full (Hugging Face) state dict loads into the DTensor parameters.
     setattr(model, POLICY_ATTR, policy)
+    if tp > 1:
+        full_state_dict.accept_full_tensors(model)
     layer_cls = policy.layer_cls(model)
     num_layers = transformer.mark(model, layer_cls)
     log_rank0(
