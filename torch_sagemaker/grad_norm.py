@@ -7,12 +7,16 @@ max) to a bucket keyed by the groups it is *sharded* over; each bucket is summed
 exactly those groups (replicated axes are not summed, so nothing is counted twice), and the
 buckets are added up. Every rank issues the same collectives in the same (sorted) order.
 
-Note [Norm on the device]: the per-piece norms stay on the gradients' device, accumulated in
-float64 (``vector_norm(..., dtype=float64)``, no float64 copy of a gradient), and only the
-few bucket scalars are reduced. Bringing each piece's norm to the CPU, as this once did,
-waited for the device once per parameter on a GPU. The coefficient that scales the gradients
-is computed on the device too: the only waits left are those of the bucket reductions' backend
-(none with NCCL; smddp stages a CUDA tensor through the host).
+Note [Norm on the device]: the per-piece norms stay on the parameters' device and only the
+few bucket scalars are reduced; bringing each piece's norm to the CPU, as this once did,
+waited for the device once per parameter on a GPU. Every rank picks that device from its
+parameters, not from its gradients: a rank whose shards hold no gradient (frozen weights)
+must reduce its buckets on the same device as its peers. Each piece's norm is taken as
+PyTorch's ``clip_grad_norm_`` takes it, in float32 for half-precision gradients (on CUDA
+without a copy; ``dtype=float64`` would copy the whole piece to float64 first) and in the
+gradient's own dtype otherwise, and the pieces are summed in float64. The coefficient that
+scales the gradients is computed on the device too: the only waits left are those of the
+bucket reductions' backend (none with NCCL; smddp stages a CUDA tensor through the host).
 
 | model | gradients | sharded over |
 |-----------------------------|-----------------------------------|-----------------------------------------|
@@ -91,15 +95,23 @@ def _piece(grad: torch.Tensor) -> _Piece:
     return _Piece(grad.to_local(), key, groups)
 
 
-def _device_of(pieces: list[_Piece]) -> torch.device:
-    """Where the norm is accumulated: the first gradient's device (Note [Norm on the device])."""
-    return next((p.local.device for p in pieces if p.local.numel()), torch.device("cpu"))
+def _device_of(model: nn.Module) -> torch.device:
+    """Where the norm is accumulated: the first parameter's (Note [Norm on the device])."""
+    for param in model.parameters():
+        return (param.to_local() if isinstance(param, DTensor) else param).device
+    return torch.device("cpu")
 
 
-def _reduce(pieces: list[_Piece], norm_type: float) -> torch.Tensor:
+def _piece_norm(values: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """The p-norm of one piece, as PyTorch's ``clip_grad_norm_`` takes it (float32 at least)."""
+    if values.dtype in (torch.float16, torch.bfloat16):
+        return torch.linalg.vector_norm(values, norm_type, dtype=torch.float32)
+    return torch.linalg.vector_norm(values, norm_type)
+
+
+def _reduce(pieces: list[_Piece], norm_type: float, device: torch.device) -> torch.Tensor:
     """Total p-norm of ``pieces``; each bucket is reduced over its groups (see module doc)."""
     is_inf = math.isinf(norm_type)
-    device = _device_of(pieces)
     buckets: dict[tuple, torch.Tensor] = defaultdict(
         lambda: torch.zeros((), dtype=torch.float64, device=device)
     )
@@ -113,9 +125,8 @@ def _reduce(pieces: list[_Piece], norm_type: float) -> torch.Tensor:
             largest = values.abs().max().to(device=device, dtype=torch.float64)
             buckets[piece.key] = torch.maximum(buckets[piece.key], largest)
         else:
-            # Accumulated in float64 without a float64 copy of the gradient.
-            norm = torch.linalg.vector_norm(values, norm_type, dtype=torch.float64)
-            buckets[piece.key] += norm.to(device) ** norm_type
+            norm = _piece_norm(values, norm_type).to(device=device, dtype=torch.float64)
+            buckets[piece.key] += norm**norm_type
     result = torch.zeros((), dtype=torch.float64, device=device)
     for key in sorted(buckets):
         value = buckets[key]
@@ -196,7 +207,7 @@ def clip_grad_norm_(
         error_if_nonfinite: Raise if the total norm is nan or inf.
 
     Returns:
-        The total norm before clipping: a float64 scalar on the gradients' device, the same
+        The total norm before clipping: a float64 scalar on the parameters' device, the same
         value on every rank.
 
     Raises:
@@ -214,7 +225,7 @@ def clip_grad_norm_(
     pieces = list(_fsdp1_pieces(model))
     managed = _fsdp1_managed(model) if pieces else set()
     grads = [p.grad for p in model.parameters() if id(p) not in managed and p.grad is not None]
-    norm = _reduce(pieces + [_piece(g) for g in grads], norm_type)
+    norm = _reduce(pieces + [_piece(g) for g in grads], norm_type, _device_of(model))
     if error_if_nonfinite and not torch.isfinite(norm):
         raise RuntimeError(
             f"the total gradient norm is {norm.item()}; gradients contain nan or inf. Lower the "
