@@ -198,11 +198,22 @@ def _parse_json(text: str, source: str) -> dict[str, Any]:
         raise ConfigError(
             [
                 f'{source} must hold a JSON object like {{"tensor_parallel_degree": 2}}, '
-                f"got a JSON {type(value).__name__}."
+                f"got {json.dumps(value)[:40]} (a JSON {_json_kind(value)})."
             ],
             source,
         )
     return value
+
+
+def _json_kind(value: Any) -> str:
+    """JSON's name for the kind of a decoded value (``null``, string, array, ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", list: "array"}.get(type(value), type(value).__name__)
 
 
 def _from_argument(config: str | os.PathLike[str] | Mapping[str, Any] | None) -> dict[str, Any]:

@@ -144,11 +144,15 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchInfo | None:
     if "OMPI_COMM_WORLD_RANK" in env:
         return _mpi(env, OPENMPI, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")  # fmt: skip
-    if "PMI_RANK" in env:
+    # Without a step id the process is the batch script itself, not a task srun started
+    # (sbatch sets SLURM_PROCID=0 there too): it is a single process, as under no launcher.
+    srun_task = "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env)
+    # srun's PMI-2 plugin (--mpi=pmi2, or MpiDefault=pmi2) sets PMI_RANK and PMI_SIZE in every
+    # task too, without Hydra's MPI_LOCALRANKID: such a task is srun's, read from SLURM's
+    # variables. Hydra (mpiexec) sets MPI_LOCALRANKID, also when it starts its proxies with srun.
+    if "PMI_RANK" in env and not (srun_task and "MPI_LOCALRANKID" not in env):
         return _mpi(env, MPICH, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
-    if "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
-        # Without a step id the process is the batch script itself, not a task srun started
-        # (sbatch sets SLURM_PROCID=0 there too): it is a single process, as under no launcher.
+    if srun_task:
         return _slurm(env)
     return None
 

@@ -34,17 +34,18 @@ _ALIASES = {
 }
 
 
-def _launcher_int(name: str, text: str | None, default: int) -> int:
-    """The non-negative integer ``text`` of the launcher's variable ``name``, else ``default``."""
+def _launcher_int(name: str, text: str | None, default: int, minimum: int = 0) -> int:
+    """The integer ``text`` (at least ``minimum``) of the launcher's ``name``, else ``default``."""
     if text is None:
         return default
     try:
         value = int(text.strip())
     except ValueError:
-        value = -1
-    if value < 0:
+        value = minimum - 1
+    if value < minimum:
+        what = "a positive" if minimum == 1 else "a non-negative"
         raise ValueError(
-            f"{name}={text[:40]!r}: the launcher's {name} must be a non-negative "
+            f"{name}={text[:40]!r}: the launcher's {name} must be {what} "
             f"integer; unset it or launch with torchrun, which sets it."
         )
     return value
@@ -60,6 +61,7 @@ def ranks_per_host(world_size: int) -> int:
         "LOCAL_WORLD_SIZE",
         os.environ.get("LOCAL_WORLD_SIZE"),  # noqa: TID251
         world_size,
+        minimum=1,
     )
 
 

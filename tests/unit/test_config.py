@@ -209,8 +209,14 @@ def test_malformed_env_names_variable_and_position():
 
 
 def test_json_must_be_an_object(tmp_path):
-    with pytest.raises(ConfigError, match="must hold a JSON object"):
+    with pytest.raises(
+        ConfigError, match=r"must hold a JSON object.*got \[1, 2\] \(a JSON array\)"
+    ):
         load_raw(None, environ={ENV_VAR: "[1, 2]"})
+    with pytest.raises(ConfigError, match=r"got null \(a JSON null\)"):
+        load_raw(None, environ={ENV_VAR: "null"})
+    with pytest.raises(ConfigError, match=r'got "tp" \(a JSON string\)'):
+        load_raw(None, environ={ENV_VAR: '"tp"'})
 
 
 def test_missing_file_and_wrong_argument_type(tmp_path):

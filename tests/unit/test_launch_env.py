@@ -148,6 +148,15 @@ def test_slurm_variables_that_disagree():
         L.detect({**SLURM, "SLURM_STEP_NODELIST": "node[01-03"})
 
 
+def test_srun_with_pmi2_is_read_from_slurm_variables():
+    # srun --mpi=pmi2 (or MpiDefault=pmi2) sets PMI_RANK/PMI_SIZE/PMI_FD in every task but not
+    # Hydra's MPI_LOCALRANKID; those tasks are srun's, not an MPICH launch.
+    info = L.detect({**SLURM, "PMI_RANK": "5", "PMI_SIZE": "7"})
+    assert (info.launcher, info.rank, info.local_world_size) == (L.SLURM, 5, 2)
+    # Hydra's mpiexec inside an allocation sets MPI_LOCALRANKID: still MPICH.
+    assert L.detect({**SLURM, **MPICH, "MASTER_ADDR": "h0"}).launcher == L.MPICH
+
+
 @pytest.mark.parametrize(
     "outer, inner, expected",
     [
@@ -261,3 +270,29 @@ def test_restart_warning_names_the_fix():
     assert L.restart_warning({**env, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
     assert L.restart_warning({"TORCHELASTIC_MAX_RESTARTS": "3"}) is None
     assert L.restart_warning({**env, "TORCHELASTIC_MAX_RESTARTS": "x"}) is None
+
+
+def test_smddp_import_tolerates_partial_variables_of_a_script_that_builds_its_group():
+    # A stray WORLD_SIZE (exported in a batch script) reads as a torchrun launch without RANK.
+    # The import warns; the script's own init_process_group with explicit ranks still works.
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import socket\n"
+        "import smdistributed.dataparallel.torch.torch_smddp\n"
+        "import torch.distributed as dist\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
+        "dist.init_process_group('smddp', init_method=f'tcp://127.0.0.1:{port}', rank=0, "
+        "world_size=1)\n"
+        "print('group', dist.get_world_size())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in L.VARIABLES}
+    env["WORLD_SIZE"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "group 1" in done.stdout
+    assert "RANK is not set" in done.stderr  # the warning names what is missing

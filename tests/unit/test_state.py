@@ -101,3 +101,14 @@ def test_unknown_log_level_is_named(monkeypatch):
         _level_from_env()
     monkeypatch.setenv("TSM_LOG_LEVEL", "warning")
     assert _level_from_env() == "WARNING"
+
+
+def test_zero_ranks_per_host_is_refused(monkeypatch):
+    # LOCAL_WORLD_SIZE=0 used to pass tsm.init and divide by zero in tsm.state.local_rank.
+    from torch_sagemaker.state import ranks_per_host
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "0")
+    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE='0'.*positive integer"):
+        ranks_per_host(4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert ranks_per_host(4) == 2

@@ -11,7 +11,15 @@ from torch_sagemaker import launch_env
 from torch_sagemaker.logger import warn_once
 from torch_sagemaker.smddp.backend import register
 
-launch_env.export_torch_variables()
+try:
+    launch_env.export_torch_variables()
+except launch_env.LaunchEnvError as error:
+    # A script that creates its group with explicit rank and world size is not held to the
+    # launcher's variables (tsm.init raises the same error if it has to use them).
+    warn_once(
+        f"{error} (read when importing torch_smddp; init_process_group('smddp') with "
+        "env:// needs these variables)"
+    )
 if (warning := launch_env.restart_warning()) is not None:
     warn_once(warning)
 
