@@ -213,7 +213,9 @@ def _json_kind(value: Any) -> str:
         return "boolean"
     if isinstance(value, (int, float)):
         return "number"
-    return {str: "string", list: "array"}.get(type(value), type(value).__name__)
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else type(value).__name__
 
 
 def _from_argument(config: str | os.PathLike[str] | Mapping[str, Any] | None) -> dict[str, Any]:
