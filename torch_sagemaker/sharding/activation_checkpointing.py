@@ -12,7 +12,10 @@ wrapped in place by ``torch.distributed.algorithms._checkpoint.checkpoint_wrappe
 reentrant by default: the non-reentrant implementation (``torch.utils.checkpoint`` with
 ``use_reentrant=False``) accepts keyword arguments (Hugging Face layers take
 ``position_embeddings=``, ``attention_mask=``), composes with FSDP's hooks and DTensor, and
-reproduces the forward bit for bit when it recomputes it.
+reproduces the forward bit for bit when it recomputes it; with tensor parallelism it also
+replays the TP regions' dropout draws (``context_fn``, Note [TP-region RNG and activation
+checkpointing]), which the reentrant implementation cannot (it raises, Note [Unreplayed
+TP-region draws]).
 
 Order: after ``tsm.transform`` and before or after FSDP1 ``FSDP(...)``; before FSDP2
 ``shard_model`` (which then finds the layers inside the wrappers); before ``offload_wrapper``.
@@ -22,12 +25,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
 from torch_sagemaker._torch_compat import checkpoint_wrapper as _cw
 from torch_sagemaker.logger import warn_once
 from torch_sagemaker.policies import transformer_layer_classes
+from torch_sagemaker.state import state
 
 CheckpointImpl = _cw.CheckpointImpl
 
@@ -100,10 +105,15 @@ def checkpoint_transformer_layers(
             "filled in forward would be filled again by the recomputation)"
         )
         config.use_cache = False
+    replay: dict[str, Any] = {}
+    if checkpoint_impl is CheckpointImpl.NO_REENTRANT and state.initialized and state.tp_size > 1:
+        # The recompute replays the TP regions' dropout draws (Note [TP-region RNG and
+        # activation checkpointing] in tensor_parallel/random.py).
+        replay["context_fn"] = state.get_rng_state_tracker().checkpoint_context_fn
     _cw.apply_activation_checkpointing(
         model,
         checkpoint_wrapper_fn=functools.partial(
-            _cw.checkpoint_wrapper, checkpoint_impl=checkpoint_impl
+            _cw.checkpoint_wrapper, checkpoint_impl=checkpoint_impl, **replay
         ),
         check_fn=lambda m: id(m) in targets,
     )

@@ -21,6 +21,15 @@ backward must replay the same numbers. Transformer Engine's checkpoint saves and
 the tracker's states itself. ``torch.utils.checkpoint`` only restores the default
 generators, so pass ``context_fn=tracker.checkpoint_context_fn`` (non-reentrant mode) when a
 TP region draws random numbers (attention dropout > 0) under activation checkpointing.
+
+Note [Unreplayed TP-region draws]: without that (reentrant ``torch.utils.checkpoint``, the
+``CheckpointImpl.REENTRANT`` of SMP's scripts, or non-reentrant without ``context_fn``), the
+recompute drew other dropout masks than the forward, and the gradients were silently wrong
+(a tiny Llama at tp 2 with attention dropout 0.3: 0.25 off). A forked region that draws while
+a backward pass runs is a recompute; unless the tracker's states were set during that
+backward (``checkpoint_context_fn``'s recompute does it, as does Transformer Engine's
+checkpoint), the region raises instead. Regions that draw nothing (dropout 0, the usual
+setting) are not affected.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from torch_sagemaker._torch_compat import autograd as autograd_compat
 
 #: Name of the stream of tensor-parallel regions (Megatron's name for the same thing).
 MODEL_PARALLEL_RNG = "model-parallel-rng"
@@ -62,6 +73,8 @@ class RNGStatesTracker:
         self.device_type = device_type or _device_type()
         self._states: dict[str, torch.Tensor] = {}
         self._seeds: set[int] = set()
+        # The backward pass during which set_states last ran (Note [Unreplayed TP-region draws]).
+        self._states_set_in = -1
 
     @classmethod
     def for_state(cls, state: Any) -> RNGStatesTracker:
@@ -90,6 +103,7 @@ class RNGStatesTracker:
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
         """Replaces the stream states with ``states`` (from ``get_states``)."""
         self._states = {name: s.clone() for name, s in states.items()}
+        self._states_set_in = autograd_compat.current_graph_task_id()
 
     def add(self, name: str, seed: int) -> None:
         """Creates the stream ``name`` seeded with ``seed``.
@@ -120,12 +134,30 @@ class RNGStatesTracker:
         if name not in self._states:
             raise KeyError(f"RNG stream {name!r} does not exist; known: {sorted(self._states)}.")
         saved = _get_rng_state(self.device_type)
-        _set_rng_state(self._states[name], self.device_type)
+        before = self._states[name]
+        _set_rng_state(before, self.device_type)
         try:
             yield
         finally:
-            self._states[name] = _get_rng_state(self.device_type)
+            after = _get_rng_state(self.device_type)
+            self._states[name] = after
             _set_rng_state(saved, self.device_type)
+        self._check_replayed(name, before, after)
+
+    def _check_replayed(self, name: str, before: torch.Tensor, after: torch.Tensor) -> None:
+        """Raises if the region drew during a backward pass that did not replay its states."""
+        task = autograd_compat.current_graph_task_id()
+        if task == -1 or task == self._states_set_in or torch.equal(before, after):
+            return
+        raise RuntimeError(
+            f"A tensor parallel region drew random numbers from the {name!r} stream while "
+            "backward recomputed it (activation checkpointing), without replaying the "
+            "stream: its dropout masks would differ from the forward's and the gradients "
+            "would be wrong. Checkpoint with torch.utils.checkpoint(..., use_reentrant=False, "
+            "context_fn=tsm.state.get_rng_state_tracker().checkpoint_context_fn), or "
+            "torch_sagemaker's checkpoint_transformer_layers(model), or set the attention "
+            "dropout to 0 (Note [Unreplayed TP-region draws] in tensor_parallel/random.py)."
+        )
 
     def checkpoint_context_fn(
         self,
