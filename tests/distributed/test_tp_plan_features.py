@@ -16,7 +16,8 @@ One launch of 2 ranks runs every case, each under its own ``tsm.init``:
   ``MoEConfig(smp_moe=False)``) against one process (``moe_models``);
 - a module the plan leaves out that computes on split activations (Qwen3's per-head
   norms, dropped from the plan) is caught on first use on every rank, not replicated;
-- one key/value head under tensor parallelism 2 (replicated per rank) matches one process.
+- one key/value head under tensor parallelism 2 (replicated per rank) matches one process;
+- sequence and token classification heads keep their own losses, equal to one process's.
 """
 
 from __future__ import annotations
@@ -195,6 +196,31 @@ def _dropped_norms() -> str:
     return f"no error; q_norm weight type {type(model.model.layers[0].self_attn.q_norm.weight)}"
 
 
+def _classification_heads() -> dict:
+    """Sequence and token classification heads on the plan: each keeps its own loss."""
+    import torch
+    import torch.sagemaker as tsm
+    import transformers as tf
+
+    from tests.distributed.test_tp_parity import build
+
+    config = build(FAMILY).config
+    config.num_labels, config.pad_token_id = 3, 0
+    ids = torch.tensor([[5, 64, 70, 64, 3, 100, 7, 64]])
+    out = {}
+    for head, labels in (
+        (tf.AutoModelForSequenceClassification, torch.tensor([2])),
+        (tf.AutoModelForTokenClassification, torch.tensor([[0, 1, 2, 1, 0, 2, 1, 0]])),
+    ):
+        torch.manual_seed(0)
+        ref = head.from_config(config).float().eval()
+        model = tsm.transform(copy.deepcopy(ref)).eval()
+        got = model(input_ids=ids, labels=labels).loss
+        got = got.full_tensor() if hasattr(got, "full_tensor") else got
+        out[head.__name__] = abs(got.item() - ref(input_ids=ids, labels=labels).loss.item())
+    return out
+
+
 def _all(root: str) -> dict:
     from tests.distributed.test_delayed_param import fresh_layout
 
@@ -205,6 +231,7 @@ def _all(root: str) -> dict:
     out["offload"] = _offload()
     out["dropped_norms"] = _dropped_norms()
     out["one_kv_head"] = _one_kv_head()
+    out["classification"] = _classification_heads()
     fresh_layout({"context_parallel_degree": 2})
     out["cp"] = cp_cases.run_case(FAMILY, "p2p", "fsdp2")
     fresh_layout({"expert_parallel_degree": 2})
@@ -278,3 +305,14 @@ def test_replicated_module_on_split_activations_is_caught(results):
         message = r["dropped_norms"]
         assert "model.layers.0.self_attn.q_norm" in message, message
         assert "differs between those ranks" in message and "model.tp_plan" in message, message
+
+
+def test_classification_heads_keep_their_own_loss(results):
+    # Only a vocabulary-parallel LM head gets the vocabulary-parallel loss; a classification
+    # head's loss used to be replaced by the causal-LM loss, which raised.
+    for r in results:
+        assert set(r["classification"]) == {
+            "AutoModelForSequenceClassification",
+            "AutoModelForTokenClassification",
+        }
+        assert max(r["classification"].values()) < 1e-6, r["classification"]

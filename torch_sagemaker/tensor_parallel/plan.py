@@ -237,7 +237,10 @@ def apply_tp_plan(
             f"{' ...' if len(left) > 6 else ''}; add a TP plan entry for their modules "
             "(use 'replicate' for small replicated modules)."
         )
-    cast("PreTrainedModel", model).loss_function = causal_lm_loss  # an HF causal LM (see Args)
+    if counts.get("lm_head"):
+        # Vocabulary-parallel logits need the vocabulary-parallel loss. Other heads (sequence
+        # or token classification) give replicated logits, and the model's own loss applies.
+        cast("PreTrainedModel", model).loss_function = causal_lm_loss
     return TPReport(modules=counts, heads=heads)
 
 
