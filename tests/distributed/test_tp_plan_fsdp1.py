@@ -1,0 +1,91 @@
+"""FSDP1 (SMP's scripts' wrapper) around a model sharded by its transformers TP plan (4 ranks).
+
+Qwen3 has no policy: ``tsm.transform`` shards it by its own plan, whose norms are
+``ReplicatedLocal`` modules. Under FSDP1 with ``use_orig_params=True`` the first forward used
+to fail ("mixed torch.Tensor and DTensor", Note [Replicated parameters under FSDP1]). Here
+tp 2 x hybrid_shard_degree 2, HYBRID_SHARD, trains 3 SGD steps against one process on the
+global batch: losses and every parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+from tests.distributed.launcher import run_distributed
+from tests.distributed.test_tp_parity import ATOL, batch, build
+
+STEPS = 3
+
+
+def _reference(family: str) -> tuple[list[float], dict]:
+    ref = build(family)
+    optim = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for _ in range(STEPS):
+        optim.zero_grad()
+        step = []
+        for dp_rank in range(2):  # the global batch: both data-parallel ranks' batches
+            ids = batch(dp_rank)
+            loss = ref(input_ids=ids, labels=ids).loss
+            (loss / 2).backward()
+            step.append(loss.item())
+        optim.step()
+        losses.append(sum(step) / 2)
+    return losses, {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+
+def _fsdp1_on_plan(family: str) -> tuple[list[float], dict]:
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from torch.sagemaker.tensor_parallel.transformer import TransformerLayer
+
+    tsm.init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2})
+    model = FSDP(
+        tsm.transform(copy.deepcopy(build(family))),
+        auto_wrap_policy=functools.partial(
+            transformer_auto_wrap_policy, transformer_layer_cls={TransformerLayer}
+        ),
+        sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+        device_id=torch.device("cpu"),
+        use_orig_params=True,
+    )
+    optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ids = batch(tsm.state.dp_rank)
+    losses = []
+    for _ in range(STEPS):
+        optim.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optim.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+    with FSDP.summon_full_params(model):
+        params = {
+            n.replace("_fsdp_wrapped_module.", ""): (
+                p.full_tensor() if hasattr(p, "full_tensor") else p
+            )
+            .detach()
+            .clone()
+            for n, p in model.named_parameters()
+        }
+    return losses, params
+
+
+@pytest.mark.distributed
+def test_fsdp1_trains_a_plan_sharded_model_like_one_process():
+    ref_losses, ref_params = _reference("qwen3")
+    for rank, (losses, params) in enumerate(
+        run_distributed(_fsdp1_on_plan, "qwen3", world_size=4, timeout=300)
+    ):
+        torch.testing.assert_close(losses, ref_losses, rtol=0, atol=ATOL, msg=f"rank {rank}")
+        assert params.keys() == ref_params.keys()
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref_params[name], rtol=0, atol=1e-5, msg=name)
