@@ -61,6 +61,8 @@ def tiny_config(family: str, **overrides):
         )
     elif family == "qwen3":  # no policy: its transformers TP plan (q/k norms per head)
         cfg = tf.Qwen3Config(**common, num_key_value_heads=2, head_dim=16)
+    elif family == "gemma":  # no policy; its embedding scales by a buffer (embed_scale)
+        cfg = tf.GemmaConfig(**common, num_key_value_heads=2, head_dim=16)
     elif family == "gpt_neox":
         cfg = tf.GPTNeoXConfig(**common, hidden_dropout=0.0, use_parallel_residual=True)
     else:

@@ -17,8 +17,14 @@ from typing import TYPE_CHECKING, Any, cast
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
+from torch_sagemaker._torch_compat import nn as nn_compat
 from torch_sagemaker.policies import HeadSplit, ModelPolicy
 from torch_sagemaker.policies.transformers_plan import attention_head_dim
 from torch_sagemaker.tensor_parallel.generation import gather_logits_in_generate
@@ -27,6 +33,7 @@ from torch_sagemaker.tensor_parallel.random import MODEL_PARALLEL_RNG, RNGStates
 from torch_sagemaker.tensor_parallel.replicated_styles import (
     REPLICATED_STYLES,
     STYLE_ATTR,
+    OwnedOutput,
     make_replicated_style,
 )
 from torch_sagemaker.tensor_parallel.styles import make_style, shard_given_embeddings
@@ -159,6 +166,36 @@ def _head_dim(model: nn.Module, name: str, attention: list[str]) -> int:
     return attention_head_dim(module, model.config)
 
 
+def _replicates_buffers(style: Any) -> bool:
+    """Whether applying ``style`` replicates its module's buffers with ``distribute_module``.
+
+    PyTorch's column-, row- and sequence-parallel styles (and ours built on them) do; the
+    replicated-layout styles swap parameters only and leave buffers plain.
+    """
+    inner = style.inner if isinstance(style, OwnedOutput) else style
+    return isinstance(inner, (ColwiseParallel, RowwiseParallel, SequenceParallel))
+
+
+def _replicate_buffers_locally(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Makes the plain buffers under ``module`` ``Replicate`` DTensors, with no communication.
+
+    ``parallelize_module`` replicates every buffer its style leaves plain with PyTorch's
+    ``distribute_module``, which broadcasts from rank 0 whatever ``src_data_rank`` it was
+    given. With a local split (``src_data_rank=None``: rank-0 loading, where the other ranks
+    hold meta tensors) only rank 0 entered that broadcast, and the next collective paired
+    the wrong messages: loading Gemma (its embedding's ``embed_scale`` buffer) from rank 0
+    failed with a collective mismatch. Rank 0's buffer values reach the others afterwards,
+    with the parameters (``loading.broadcast_from_rank0``).
+    """
+    for sub in module.modules():
+        buffers = nn_compat.own_buffers(sub)
+        for key, buffer in buffers.items():
+            if buffer is not None and not isinstance(buffer, DTensor):
+                buffers[key] = distribute_tensor(
+                    buffer, mesh, [Replicate()] * mesh.ndim, src_data_rank=None
+                )
+
+
 def apply_tp_plan(
     model: nn.Module,
     tp_mesh: DeviceMesh,
@@ -218,6 +255,8 @@ def apply_tp_plan(
                 style = make_style(style_name, head_dim=head_dim, kv_head=kv_head)
             # parallelize_module sets the style's src_data_rank from its own argument.
             module = model.get_submodule(name)
+            if src_data_rank is None and _replicates_buffers(style):
+                _replicate_buffers_locally(module, tp_mesh)
             parallelize_module(module, tp_mesh, style, src_data_rank=src_data_rank)
             setattr(module, STYLE_ATTR, style_name)
             if style_name == "vocab_embedding" and "." in name:
