@@ -275,6 +275,61 @@ def test_command_line_refuses_bad_input(tmp_path, capsys):
         accelerator("V100")
 
 
+def _exit_code(argv: list[str]) -> int | str | None:
+    try:
+        return cli.main(argv)
+    except SystemExit as e:  # argparse refuses what its type converters refuse
+        return e.code
+
+
+@pytest.mark.parametrize(
+    "bad, named",
+    [
+        (["--hosts", "0"], "hosts=0"),
+        (["--seq-len", "infk"], "'infk' is not a count"),
+        (["--global-batch-tokens", "1e400k"], "'1e400k' is not a count"),
+        (["--seq-len", "nanM"], "'nanM' is not a count"),
+        (["--memory-gib", "inf", "--bf16-tflops", "100"], "--memory-gib inf"),
+        (["--memory-gib", "nan", "--bf16-tflops", "100"], "--memory-gib nan"),
+        (["--memory-gib", "-80", "--bf16-tflops", "100"], "--memory-gib -80"),
+        (["--memory-gib", "80", "--bf16-tflops", "0"], "--bf16-tflops 0"),
+        (["--memory-gib", "80", "--bf16-tflops", "-5"], "--bf16-tflops -5"),
+        (["--memory-gib", "80", "--bf16-tflops", "1e300"], "bf16_flops=inf"),
+        (["--per-host", "0"], "per_host (accelerators per host)=0"),
+        (["--nics", "0"], "nics=0"),
+        (["--nics", "-2"], "nics=-2"),
+        (["--top", "-1"], "--top -1"),
+        (["--max-horizon", "0"], "max_horizon=0"),
+        (["--efficiency", "0"], "efficiency=0"),
+        (["--usable-memory", "inf"], "usable_memory=inf"),
+        (["--nic-rate", "inf"], "nic_bits (NIC rate)=inf"),
+    ],
+)
+def test_command_line_refuses_absurd_numbers_as_it_refuses_hosts_0(tmp_path, capsys, bad, named):
+    # Each gives exit status 2 and one line naming the value, never a traceback, and none is
+    # silently replaced by a default.
+    config = str(_write(tmp_path, "qwen2", QWEN2_SMALL))
+    argv = [config, "--seq-len", "4096", "--global-batch-tokens", "64Ki", "--hosts", "1"]
+    argv += ["--limit", "tensor_parallel_degree=1", "--limit", "context_parallel_degree=1"]
+    argv += ["--limit", "activation_offloading=false", "--limit", "hybrid_shard_degree=8"]
+    assert _exit_code([*argv, *bad]) == 2
+    err = capsys.readouterr().err
+    assert named in err, err
+    assert "Traceback" not in err
+
+
+def test_an_accelerator_without_memory_or_flops_is_refused():
+    from torch_sagemaker.planner.presets import Accelerator
+
+    with pytest.raises(ValueError, match="bf16_flops=0"):
+        Accelerator("x", 80 << 30, 0.0, 1e12, 1e12, 1e11)
+    with pytest.raises(ValueError, match="memory_bytes=-1"):
+        Accelerator("x", -1, 1e12, 1e12, 1e12, 1e11)
+    with pytest.raises(ValueError, match="memory_bandwidth=inf"):
+        Accelerator("x", 80 << 30, 1e12, 1e12, float("inf"), 1e11)
+    Accelerator("cpu", 1 << 40, 1.0, 1.0, 1.0, 0.0)  # no links between ranks: allowed
+
+
 def test_published_configurations_are_valid_and_fit():
     from benchmarks.planner import public_configs
 
