@@ -220,6 +220,43 @@ def test_limits_are_obeyed_and_checked():
         Workload(4096, 5000)
 
 
+@pytest.mark.parametrize(
+    "name, values, named",
+    [
+        ("fsdp", (3,), "3 is not one of the values fsdp takes (1 or 2)"),
+        ("activation_checkpointing", ("no",), "'no' is not one of the values"),
+        ("activation_offloading", (1,), "(True or False)"),
+        ("tensor_parallel_degree", 2, "(got int)"),
+        ("tensor_parallel_degree", "24", "(got str)"),
+        ("tensor_parallel_degree", (True,), "True is not one of the values"),
+        ("context_parallel_degree", (0,), "(integers >= 1)"),
+        ("hybrid_shard_degree", (-1,), "(integers >= 0)"),
+        ("activation_loading_horizon", (1.5,), "1.5 is not one of the values"),
+        ("moe", (), "at least one value"),
+    ],
+)
+def test_limits_check_their_values(tmp_path, capsys, name, values, named):
+    with pytest.raises(ValueError, match=f"limit {name}=") as raised:
+        Limits(allowed={name: values})
+    assert named in str(raised.value), raised.value
+    config = _write(tmp_path, "qwen2", QWEN2_SMALL)
+    with pytest.raises(ValueError, match=f"limit {name}="):
+        plan(config, seq_len=1024, global_batch_tokens=8192, hosts=1, limits={name: values})
+
+
+def test_limits_are_kept_as_tuples_and_the_command_line_refuses_bad_ones(tmp_path, capsys):
+    limits = Limits(allowed={"tensor_parallel_degree": [1, 2, 2], "moe": {False}})
+    assert limits.allowed == {"tensor_parallel_degree": (1, 2), "moe": (False,)}
+    assert Limits(allowed={"hybrid_shard_degree": range(0, 2)}).allowed == {
+        "hybrid_shard_degree": (0, 1)
+    }
+    config = str(_write(tmp_path, "qwen2", QWEN2_SMALL))
+    common = ["--seq-len", "1024", "--global-batch-tokens", "8Ki", "--hosts", "1"]
+    for bad in ("fsdp=3", "activation_checkpointing=1", "tensor_parallel_degree=0"):
+        assert cli.main([config, *common, "--limit", bad]) == 2, bad
+        assert f"limit {bad.partition('=')[0]}=" in capsys.readouterr().err
+
+
 def test_command_line_writes_the_best_config_json_and_plot(tmp_path, capsys):
     config = _write(tmp_path, "qwen2", QWEN2_SMALL)
     best, out_json, png = tmp_path / "best.json", tmp_path / "plan.json", tmp_path / "mem.png"

@@ -240,7 +240,7 @@ def plan(
             "(docs/planner.md)."
         )
     if limits is not None and not isinstance(limits, Limits):
-        limits = Limits(allowed={k: tuple(v) for k, v in limits.items()})
+        limits = Limits(allowed=dict(limits))  # Limits checks and normalizes the values
     machine = accelerator_machine(acc, dtype, efficiency)
     return search(spec, cluster, workload, machine, limits)
 
