@@ -257,6 +257,31 @@ def test_limits_are_kept_as_tuples_and_the_command_line_refuses_bad_ones(tmp_pat
         assert f"limit {bad.partition('=')[0]}=" in capsys.readouterr().err
 
 
+def test_a_horizon_limit_names_the_horizons_tried_beyond_max_horizon(tmp_path, capsys):
+    from torch_sagemaker.planner.candidates import enumerate_candidates
+
+    spec = load_model(_write(tmp_path, "qwen2", QWEN2_SMALL))
+    cluster = Cluster(hosts=1, per_host=8, accelerator=accelerator("H100"))
+    fixed = {"tensor_parallel_degree": (1,), "context_parallel_degree": (1,)}
+
+    def horizons(limits):
+        return sorted({c.horizon for c in enumerate_candidates(spec, cluster, limits) if c.offload})
+
+    assert horizons(Limits(allowed=fixed)) == [1, 2, 3, 4]  # 1 to max_horizon by default
+    assert horizons(Limits(allowed=fixed, max_horizon=2)) == [1, 2]
+    named = {**fixed, "activation_loading_horizon": (2, 6)}
+    assert horizons(Limits(allowed=named)) == [2, 6]  # 6 > max_horizon=4: tried all the same
+    assert horizons(Limits(allowed=named, max_horizon=1)) == [2, 6]
+    # And through the command line: the horizon-6 configurations are ranked.
+    argv = [str(_write(tmp_path, "q", QWEN2_SMALL)), "--seq-len", "4096"]
+    argv += ["--global-batch-tokens", "32Ki", "--hosts", "1", "--json", "-"]
+    argv += ["--limit", "tensor_parallel_degree=1", "--limit", "context_parallel_degree=1"]
+    argv += ["--limit", "activation_offloading=true", "--limit", "activation_loading_horizon=6"]
+    assert cli.main(argv) in (0, 1)
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    assert ranked and {r["smp_config"]["activation_loading_horizon"] for r in ranked} == {6}
+
+
 def test_command_line_writes_the_best_config_json_and_plot(tmp_path, capsys):
     config = _write(tmp_path, "qwen2", QWEN2_SMALL)
     best, out_json, png = tmp_path / "best.json", tmp_path / "plan.json", tmp_path / "mem.png"

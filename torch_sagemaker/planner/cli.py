@@ -138,7 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SETTING=V1,V2",
         help=f"values to try for a setting ({', '.join(SETTINGS)}); repeatable",
     )
-    p.add_argument("--max-horizon", type=int, default=4, help="largest loading horizon tried")
+    p.add_argument(
+        "--max-horizon",
+        type=int,
+        default=4,
+        help="largest loading horizon tried (1 to it) unless --limit "
+        "activation_loading_horizon=... names the horizons: then exactly those",
+    )
     p.add_argument(
         "--efficiency",
         type=float,

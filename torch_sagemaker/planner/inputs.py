@@ -198,7 +198,8 @@ class Limits:
             (``hybrid_shard_degree`` from 0, the others from 1), ``fsdp`` is 1 or 2, the
             switches (``activation_checkpointing``, ``activation_offloading``, ``moe``)
             ``True``/``False``.
-        max_horizon: Largest ``activation_loading_horizon`` tried when offloading.
+        max_horizon: Largest ``activation_loading_horizon`` tried when offloading (horizons 1
+            to it), unless ``allowed`` names the horizons: then exactly those, larger ones too.
     """
 
     allowed: dict[str, tuple] = field(default_factory=dict)
