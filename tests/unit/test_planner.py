@@ -282,6 +282,24 @@ def test_a_horizon_limit_names_the_horizons_tried_beyond_max_horizon(tmp_path, c
     assert ranked and {r["smp_config"]["activation_loading_horizon"] for r in ranked} == {6}
 
 
+def test_the_rejection_summary_gives_one_example_of_every_rule():
+    # docs/planner.md: "the table lists one example per rule". Mixtral on 2 x p4de.24xlarge
+    # meets nine rules; the summary once stopped at eight.
+    from types import SimpleNamespace
+
+    rejected = [
+        Rejected(Candidate(k), "tsm.init", f"rule {chr(ord('a') + k)}: degree {n}")
+        for k in range(12)
+        for n in range(k + 1)
+    ]
+    text = report.rejected_summary(SimpleNamespace(rejected=rejected))
+    lines = text.splitlines()
+    assert lines[0].startswith("78 invalid (78 at tsm.init); one example of each rule")
+    assert len(lines) == 1 + 12
+    assert lines[1].startswith("- 12 like hsd11 ") and lines[-1].startswith("- 1 like hsd0 ")
+    assert all(f"rule {chr(ord('a') + k)}: degree 0" in text for k in range(12))
+
+
 def test_command_line_writes_the_best_config_json_and_plot(tmp_path, capsys):
     config = _write(tmp_path, "qwen2", QWEN2_SMALL)
     best, out_json, png = tmp_path / "best.json", tmp_path / "plan.json", tmp_path / "mem.png"
