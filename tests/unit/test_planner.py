@@ -300,6 +300,58 @@ def test_the_rejection_summary_gives_one_example_of_every_rule():
     assert all(f"rule {chr(ord('a') + k)}: degree 0" in text for k in range(12))
 
 
+def test_optimizer_time_under_expert_parallelism_counts_the_experts_shard(tmp_path):
+    # Mixtral-shaped, 16 ranks, hybrid_shard_degree=0, EP 8: the dense units shard over all
+    # 16 ranks, each rank's one expert per layer over the 2 ranks that hold it. FSDP1 gives
+    # each of them half of the flat experts; FSDP2 cuts the expert dim (1 row) in 1-row chunks,
+    # so rank 0 holds all of it. The time model once divided the experts by 16 as well.
+    h, inter, layers, vocab = 1024, 3584, 8, 32000
+    dense = 2 * vocab * h + h + layers * (2 * h * h + 2 * 256 * h + 2 * h + 8 * h)
+    experts_per_rank = layers * 3 * h * inter  # one expert of each layer
+    p = plan(
+        _write(tmp_path, "mixtral", MIXTRAL),
+        seq_len=2048,
+        global_batch_tokens=2048 * 64,
+        hosts=2,
+        instance_type="p4de.24xlarge",
+        limits={
+            "hybrid_shard_degree": (0,),
+            "expert_parallel_degree": (8,),
+            "tensor_parallel_degree": (1,),
+            "context_parallel_degree": (1,),
+            "moe": (True,),
+            "activation_offloading": (False,),
+            "activation_checkpointing": (True,),
+        },
+    )
+    per_element = p.machine.optimizer_seconds
+    got = {e.candidate.fsdp: e.time.optimizer for e in p.ranked}
+    assert got[1] == pytest.approx((dense / 16 + experts_per_rank / 2) * per_element, rel=1e-3)
+    assert got[2] == pytest.approx((dense / 16 + experts_per_rank) * per_element, rel=1e-3)
+    # Without an MoEConfig the experts are one (8, ...) weight of each layer unit: FSDP1
+    # flattens the unit and shards it evenly over the 16 ranks, FSDP2 cuts dim 0 into 1-row
+    # chunks, so ranks 0-7 hold one expert each (and the others none).
+    dense_plan = plan(
+        p.model,
+        seq_len=2048,
+        global_batch_tokens=2048 * 64,
+        hosts=2,
+        instance_type="p4de.24xlarge",
+        limits={
+            "hybrid_shard_degree": (16,),
+            "tensor_parallel_degree": (1,),
+            "context_parallel_degree": (1,),
+            "moe": (False,),
+            "activation_offloading": (False,),
+            "activation_checkpointing": (True,),
+        },
+    )
+    got = {e.candidate.fsdp: e.time.optimizer for e in dense_plan.ranked}
+    all_experts = 8 * experts_per_rank
+    assert got[1] == pytest.approx((dense + all_experts) / 16 * per_element, rel=1e-3)
+    assert got[2] == pytest.approx((dense / 16 + all_experts / 8) * per_element, rel=1e-3)
+
+
 def test_command_line_writes_the_best_config_json_and_plot(tmp_path, capsys):
     config = _write(tmp_path, "qwen2", QWEN2_SMALL)
     best, out_json, png = tmp_path / "best.json", tmp_path / "plan.json", tmp_path / "mem.png"

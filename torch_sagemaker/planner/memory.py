@@ -39,7 +39,7 @@ from torch_sagemaker.planner.activations import ActivationShape, activation_byte
 from torch_sagemaker.planner.candidates import Checked
 from torch_sagemaker.planner.inputs import Workload
 from torch_sagemaker.planner.model import ROOT, ModelSpec
-from torch_sagemaker.planner.shards import Sharding, local_shape, state_bytes
+from torch_sagemaker.planner.shards import Sharding, cached_state_bytes, local_shape
 from torch_sagemaker.sharding_plan import MESHES
 
 
@@ -137,13 +137,7 @@ def estimate(
     """
     c = checked.candidate
     s = sharding(spec, checked, workload)
-    key = ("state", checked.plan.layout, checked.plan.ranks_per_host, c.fsdp, c.moe)
-    if cache is None or key not in cache:
-        state = state_bytes(spec, s)
-        if cache is not None:
-            cache[key] = state
-    else:
-        state = cache[key]
+    state = cached_state_bytes(spec, s, cache)
     act = activation_bytes(
         spec,
         activation_shape(checked, workload),
