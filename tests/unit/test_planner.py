@@ -220,6 +220,138 @@ def test_limits_are_obeyed_and_checked():
         Workload(4096, 5000)
 
 
+@pytest.mark.parametrize(
+    "name, values, named",
+    [
+        ("fsdp", (3,), "3 is not one of the values fsdp takes (1 or 2)"),
+        ("activation_checkpointing", ("no",), "'no' is not one of the values"),
+        ("activation_offloading", (1,), "(True or False)"),
+        ("tensor_parallel_degree", 2, "(got int)"),
+        ("tensor_parallel_degree", "24", "(got str)"),
+        ("tensor_parallel_degree", (True,), "True is not one of the values"),
+        ("context_parallel_degree", (0,), "(integers >= 1)"),
+        ("hybrid_shard_degree", (-1,), "(integers >= 0)"),
+        ("activation_loading_horizon", (1.5,), "1.5 is not one of the values"),
+        ("moe", (), "at least one value"),
+    ],
+)
+def test_limits_check_their_values(tmp_path, capsys, name, values, named):
+    with pytest.raises(ValueError, match=f"limit {name}=") as raised:
+        Limits(allowed={name: values})
+    assert named in str(raised.value), raised.value
+    config = _write(tmp_path, "qwen2", QWEN2_SMALL)
+    with pytest.raises(ValueError, match=f"limit {name}="):
+        plan(config, seq_len=1024, global_batch_tokens=8192, hosts=1, limits={name: values})
+
+
+def test_limits_are_kept_as_tuples_and_the_command_line_refuses_bad_ones(tmp_path, capsys):
+    limits = Limits(allowed={"tensor_parallel_degree": [1, 2, 2], "moe": {False}})
+    assert limits.allowed == {"tensor_parallel_degree": (1, 2), "moe": (False,)}
+    assert Limits(allowed={"hybrid_shard_degree": range(0, 2)}).allowed == {
+        "hybrid_shard_degree": (0, 1)
+    }
+    config = str(_write(tmp_path, "qwen2", QWEN2_SMALL))
+    common = ["--seq-len", "1024", "--global-batch-tokens", "8Ki", "--hosts", "1"]
+    for bad in ("fsdp=3", "activation_checkpointing=1", "tensor_parallel_degree=0"):
+        assert cli.main([config, *common, "--limit", bad]) == 2, bad
+        assert f"limit {bad.partition('=')[0]}=" in capsys.readouterr().err
+
+
+def test_a_horizon_limit_names_the_horizons_tried_beyond_max_horizon(tmp_path, capsys):
+    from torch_sagemaker.planner.candidates import enumerate_candidates
+
+    spec = load_model(_write(tmp_path, "qwen2", QWEN2_SMALL))
+    cluster = Cluster(hosts=1, per_host=8, accelerator=accelerator("H100"))
+    fixed = {"tensor_parallel_degree": (1,), "context_parallel_degree": (1,)}
+
+    def horizons(limits):
+        return sorted({c.horizon for c in enumerate_candidates(spec, cluster, limits) if c.offload})
+
+    assert horizons(Limits(allowed=fixed)) == [1, 2, 3, 4]  # 1 to max_horizon by default
+    assert horizons(Limits(allowed=fixed, max_horizon=2)) == [1, 2]
+    named = {**fixed, "activation_loading_horizon": (2, 6)}
+    assert horizons(Limits(allowed=named)) == [2, 6]  # 6 > max_horizon=4: tried all the same
+    assert horizons(Limits(allowed=named, max_horizon=1)) == [2, 6]
+    # And through the command line: the horizon-6 configurations are ranked.
+    argv = [str(_write(tmp_path, "q", QWEN2_SMALL)), "--seq-len", "4096"]
+    argv += ["--global-batch-tokens", "32Ki", "--hosts", "1", "--json", "-"]
+    argv += ["--limit", "tensor_parallel_degree=1", "--limit", "context_parallel_degree=1"]
+    argv += ["--limit", "activation_offloading=true", "--limit", "activation_loading_horizon=6"]
+    assert cli.main(argv) in (0, 1)
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    assert ranked and {r["smp_config"]["activation_loading_horizon"] for r in ranked} == {6}
+
+
+def test_the_rejection_summary_gives_one_example_of_every_rule():
+    # docs/planner.md: "the table lists one example per rule". Mixtral on 2 x p4de.24xlarge
+    # meets nine rules; the summary once stopped at eight.
+    from types import SimpleNamespace
+
+    rejected = [
+        Rejected(Candidate(k), "tsm.init", f"rule {chr(ord('a') + k)}: degree {n}")
+        for k in range(12)
+        for n in range(k + 1)
+    ]
+    text = report.rejected_summary(SimpleNamespace(rejected=rejected))
+    lines = text.splitlines()
+    assert lines[0].startswith("78 invalid (78 at tsm.init); one example of each rule")
+    assert len(lines) == 1 + 12
+    assert lines[1].startswith("- 12 like hsd11 ") and lines[-1].startswith("- 1 like hsd0 ")
+    assert all(f"rule {chr(ord('a') + k)}: degree 0" in text for k in range(12))
+
+
+def test_optimizer_time_under_expert_parallelism_counts_the_experts_shard(tmp_path):
+    # Mixtral-shaped, 16 ranks, hybrid_shard_degree=0, EP 8: the dense units shard over all
+    # 16 ranks, each rank's one expert per layer over the 2 ranks that hold it. FSDP1 gives
+    # each of them half of the flat experts; FSDP2 cuts the expert dim (1 row) in 1-row chunks,
+    # so rank 0 holds all of it. The time model once divided the experts by 16 as well.
+    h, inter, layers, vocab = 1024, 3584, 8, 32000
+    dense = 2 * vocab * h + h + layers * (2 * h * h + 2 * 256 * h + 2 * h + 8 * h)
+    experts_per_rank = layers * 3 * h * inter  # one expert of each layer
+    p = plan(
+        _write(tmp_path, "mixtral", MIXTRAL),
+        seq_len=2048,
+        global_batch_tokens=2048 * 64,
+        hosts=2,
+        instance_type="p4de.24xlarge",
+        limits={
+            "hybrid_shard_degree": (0,),
+            "expert_parallel_degree": (8,),
+            "tensor_parallel_degree": (1,),
+            "context_parallel_degree": (1,),
+            "moe": (True,),
+            "activation_offloading": (False,),
+            "activation_checkpointing": (True,),
+        },
+    )
+    per_element = p.machine.optimizer_seconds
+    got = {e.candidate.fsdp: e.time.optimizer for e in p.ranked}
+    assert got[1] == pytest.approx((dense / 16 + experts_per_rank / 2) * per_element, rel=1e-3)
+    assert got[2] == pytest.approx((dense / 16 + experts_per_rank) * per_element, rel=1e-3)
+    # Without an MoEConfig the experts are one (8, ...) weight of each layer unit: FSDP1
+    # flattens the unit and shards it evenly over the 16 ranks, FSDP2 cuts dim 0 into 1-row
+    # chunks, so ranks 0-7 hold one expert each (and the others none).
+    dense_plan = plan(
+        p.model,
+        seq_len=2048,
+        global_batch_tokens=2048 * 64,
+        hosts=2,
+        instance_type="p4de.24xlarge",
+        limits={
+            "hybrid_shard_degree": (16,),
+            "tensor_parallel_degree": (1,),
+            "context_parallel_degree": (1,),
+            "moe": (False,),
+            "activation_offloading": (False,),
+            "activation_checkpointing": (True,),
+        },
+    )
+    got = {e.candidate.fsdp: e.time.optimizer for e in dense_plan.ranked}
+    all_experts = 8 * experts_per_rank
+    assert got[1] == pytest.approx((dense + all_experts) / 16 * per_element, rel=1e-3)
+    assert got[2] == pytest.approx((dense / 16 + all_experts / 8) * per_element, rel=1e-3)
+
+
 def test_command_line_writes_the_best_config_json_and_plot(tmp_path, capsys):
     config = _write(tmp_path, "qwen2", QWEN2_SMALL)
     best, out_json, png = tmp_path / "best.json", tmp_path / "plan.json", tmp_path / "mem.png"
@@ -273,6 +405,61 @@ def test_command_line_refuses_bad_input(tmp_path, capsys):
     assert "does not describe what its layers save" in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown accelerator"):
         accelerator("V100")
+
+
+def _exit_code(argv: list[str]) -> int | str | None:
+    try:
+        return cli.main(argv)
+    except SystemExit as e:  # argparse refuses what its type converters refuse
+        return e.code
+
+
+@pytest.mark.parametrize(
+    "bad, named",
+    [
+        (["--hosts", "0"], "hosts=0"),
+        (["--seq-len", "infk"], "'infk' is not a count"),
+        (["--global-batch-tokens", "1e400k"], "'1e400k' is not a count"),
+        (["--seq-len", "nanM"], "'nanM' is not a count"),
+        (["--memory-gib", "inf", "--bf16-tflops", "100"], "--memory-gib inf"),
+        (["--memory-gib", "nan", "--bf16-tflops", "100"], "--memory-gib nan"),
+        (["--memory-gib", "-80", "--bf16-tflops", "100"], "--memory-gib -80"),
+        (["--memory-gib", "80", "--bf16-tflops", "0"], "--bf16-tflops 0"),
+        (["--memory-gib", "80", "--bf16-tflops", "-5"], "--bf16-tflops -5"),
+        (["--memory-gib", "80", "--bf16-tflops", "1e300"], "bf16_flops=inf"),
+        (["--per-host", "0"], "per_host (accelerators per host)=0"),
+        (["--nics", "0"], "nics=0"),
+        (["--nics", "-2"], "nics=-2"),
+        (["--top", "-1"], "--top -1"),
+        (["--max-horizon", "0"], "max_horizon=0"),
+        (["--efficiency", "0"], "efficiency=0"),
+        (["--usable-memory", "inf"], "usable_memory=inf"),
+        (["--nic-rate", "inf"], "nic_bits (NIC rate)=inf"),
+    ],
+)
+def test_command_line_refuses_absurd_numbers_as_it_refuses_hosts_0(tmp_path, capsys, bad, named):
+    # Each gives exit status 2 and one line naming the value, never a traceback, and none is
+    # silently replaced by a default.
+    config = str(_write(tmp_path, "qwen2", QWEN2_SMALL))
+    argv = [config, "--seq-len", "4096", "--global-batch-tokens", "64Ki", "--hosts", "1"]
+    argv += ["--limit", "tensor_parallel_degree=1", "--limit", "context_parallel_degree=1"]
+    argv += ["--limit", "activation_offloading=false", "--limit", "hybrid_shard_degree=8"]
+    assert _exit_code([*argv, *bad]) == 2
+    err = capsys.readouterr().err
+    assert named in err, err
+    assert "Traceback" not in err
+
+
+def test_an_accelerator_without_memory_or_flops_is_refused():
+    from torch_sagemaker.planner.presets import Accelerator
+
+    with pytest.raises(ValueError, match="bf16_flops=0"):
+        Accelerator("x", 80 << 30, 0.0, 1e12, 1e12, 1e11)
+    with pytest.raises(ValueError, match="memory_bytes=-1"):
+        Accelerator("x", -1, 1e12, 1e12, 1e12, 1e11)
+    with pytest.raises(ValueError, match="memory_bandwidth=inf"):
+        Accelerator("x", 80 << 30, 1e12, 1e12, float("inf"), 1e11)
+    Accelerator("cpu", 1 << 40, 1.0, 1.0, 1.0, 0.0)  # no links between ranks: allowed
 
 
 def test_published_configurations_are_valid_and_fit():
@@ -333,3 +520,42 @@ def test_a_tied_head_is_counted_once_under_tp_with_both_fsdp_versions(tmp_path):
         assert two.parameters - one.parameters == head * 4, fsdp
         assert two.gradients - one.gradients == head * 4, fsdp
         assert two.optimizer - one.optimizer == 2 * head * 4 + 4, fsdp  # moments and step
+
+
+def test_fsdp2_over_a_shard_group_of_one_rank_holds_unsharded_buffers(tmp_path):
+    # FSDP2 with hybrid_shard_degree=1 still copies each unit's shard into a separate
+    # unsharded parameter (the root's stays from forward to backward) and passes gradients
+    # through its reduce-scatter buffers; only its prefetch allocates nothing there. FSDP1
+    # over one rank is NO_SHARD and, in fp32, computes in its flat parameter: no buffer.
+    from torch_sagemaker.planner import memory
+
+    llama = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 512,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "head_dim": 16,  # as measured: the benchmark's tiny config widened after its heads
+        "vocab_size": 256,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": False,
+    }
+    spec = load_model(_write(tmp_path, "llama_tiny", llama))
+    root = 2 * 256 * 512 + 512  # embedding, head, final norm
+    layer = 4 * 64 * 512 + 3 * 512 * 2048 + 2 * 512  # attention, MLP, norms
+    cluster = Cluster(hosts=1, per_host=2, accelerator=accelerator("H100"))
+    workload = Workload(8, 16, "float32")
+    estimates = {}
+    for hsd, fsdp in ((1, 2), (1, 1), (2, 2)):
+        checked = check(Candidate(hsd, fsdp=fsdp), spec, cluster, workload)
+        assert isinstance(checked, Checked), checked
+        estimates[hsd, fsdp] = memory.estimate(spec, checked, workload)
+    assert estimates[1, 2].buffers == (root + layer + layer) * 4
+    assert estimates[2, 2].buffers == (root + 2 * layer + layer) * 4
+    assert estimates[1, 1].buffers == 0
+    # Two CPU ranks training this model (sequence 8, one per rank, checkpointing), step 2:
+    # the peak of the allocations a TorchDispatchMode saw over the census of the model state.
+    measured = 240_932_684
+    assert abs(estimates[1, 2].peak - measured) < 0.02 * measured, estimates[1, 2]

@@ -187,7 +187,8 @@ def enumerate_candidates(spec: ModelSpec, cluster: Cluster, limits: Limits) -> I
 
     Degrees run over the divisors of the world size (and 0 for ``hybrid_shard_degree``);
     offloading is tried with activation checkpointing (SMP's documented use) at horizons
-    1 to ``limits.max_horizon``; expert parallelism and MoE settings only for MoE models.
+    1 to ``limits.max_horizon``, or at exactly those an ``activation_loading_horizon`` limit
+    names (above ``max_horizon`` too); expert parallelism and MoE settings only for MoE models.
     """
     world = cluster.world_size
     degrees = divisors(world)
@@ -208,8 +209,10 @@ def enumerate_candidates(spec: ModelSpec, cluster: Cluster, limits: Limits) -> I
     }
     offloads = [(False, 2)]
     if limits.allows("activation_offloading", True):
-        horizons = range(1, limits.max_horizon + 1)
-        offloads += [(True, h) for h in horizons if limits.allows("activation_loading_horizon", h)]
+        # A limit names the horizons to try; max_horizon bounds only the default range.
+        named = limits.allowed.get("activation_loading_horizon")
+        horizons = named if named is not None else range(1, limits.max_horizon + 1)
+        offloads += [(True, h) for h in horizons]
     if not limits.allows("activation_offloading", False):
         offloads = offloads[1:]
     for tp, cp, ep, hsd, fsdp, ac, moe in itertools.product(

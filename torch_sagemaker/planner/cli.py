@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from torch_sagemaker.planner import report
@@ -29,7 +30,7 @@ def parse_count(text: str) -> int:
         if t.endswith(suffix):
             try:
                 return int(float(t[: -len(suffix)]) * _UNITS[suffix])
-            except ValueError:
+            except (ValueError, OverflowError):  # not a number, or inf / nan
                 break
     try:
         return int(t)
@@ -77,11 +78,18 @@ def parse_limit(text: str) -> tuple[str, tuple]:
     return name, tuple(parsed)
 
 
+def _positive_option(option: str, value: float) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{option} {value!r}: must be a positive, finite number.")
+
+
 def _accelerator(args: argparse.Namespace) -> Accelerator | str | None:
     if args.memory_gib is None and args.bf16_tflops is None:
         return args.accelerator
     if args.memory_gib is None or args.bf16_tflops is None:
         raise SystemExit("give both --memory-gib and --bf16-tflops for your own accelerator")
+    _positive_option("--memory-gib", args.memory_gib)
+    _positive_option("--bf16-tflops", args.bf16_tflops)
     base = accelerator(args.accelerator or "H100")
     return Accelerator(
         name=args.accelerator or "custom",
@@ -112,9 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accelerator", help=f"a preset: {', '.join(ACCELERATORS)} (default H100)")
     p.add_argument("--memory-gib", type=float, help="your accelerator's memory, GiB")
     p.add_argument("--bf16-tflops", type=float, help="your accelerator's dense bf16 TFLOP/s")
-    p.add_argument("--per-host", type=int, help="accelerators per host (default 8)")
-    p.add_argument("--nics", type=int, help="NICs per host")
-    p.add_argument("--nic-rate", type=parse_rate, help="each NIC's rate, e.g. 100gbit")
+    p.add_argument(
+        "--per-host", type=int, help="accelerators per host (default: the instance's, else 8)"
+    )
+    p.add_argument("--nics", type=int, help="NICs per host (default: the instance's, else 1)")
+    p.add_argument(
+        "--nic-rate",
+        type=parse_rate,
+        help="each NIC's rate, e.g. 100gbit (default: the instance's, else 100gbit)",
+    )
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument(
         "--limit",
@@ -124,7 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SETTING=V1,V2",
         help=f"values to try for a setting ({', '.join(SETTINGS)}); repeatable",
     )
-    p.add_argument("--max-horizon", type=int, default=4, help="largest loading horizon tried")
+    p.add_argument(
+        "--max-horizon",
+        type=int,
+        default=4,
+        help="largest loading horizon tried (1 to it) unless --limit "
+        "activation_loading_horizon=... names the horizons: then exactly those",
+    )
     p.add_argument(
         "--efficiency",
         type=float,
@@ -132,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="fraction of peak FLOP/s the compute reaches",
     )
     p.add_argument("--usable-memory", type=float, default=0.9, help="fraction of device memory")
-    p.add_argument("--top", type=int, default=10, help="rows of the table")
+    p.add_argument("--top", type=int, default=10, help="rows of the table (0: none)")
     p.add_argument("--json", help="write the plan as JSON here ('-' for stdout, no table)")
     p.add_argument("--write-config", help="write the best configuration's SMP JSON here")
     p.add_argument("--plot", help="draw the top configurations' memory to this PNG")
@@ -158,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.top < 0:
+        raise ValueError(f"--top {args.top}: rows of the table, 0 or more.")
     limits = Limits(allowed=dict(args.limit), max_horizon=args.max_horizon)
     result = plan(
         args.config,

@@ -138,14 +138,68 @@ SETTINGS = (
     "moe",
 )
 
+#: What each setting's values may be: the smallest integer, or ``bool`` for a switch and
+#: ``(1, 2)`` for the FSDP version.
+_LIMIT_VALUES: dict[str, int | type | tuple[int, ...]] = {
+    "hybrid_shard_degree": 0,
+    "tensor_parallel_degree": 1,
+    "context_parallel_degree": 1,
+    "expert_parallel_degree": 1,
+    "activation_loading_horizon": 1,
+    "fsdp": (1, 2),
+    "activation_checkpointing": bool,
+    "activation_offloading": bool,
+    "moe": bool,
+}
+
+
+def _limit_values(name: str, values: object) -> tuple:
+    """``values`` as the tuple the search tries, or a ``ValueError`` naming what is wrong."""
+    rule = _LIMIT_VALUES[name]
+    if rule is bool:
+        allowed = "True or False"
+    elif isinstance(rule, tuple):
+        allowed = " or ".join(map(str, rule))
+    else:
+        allowed = f"integers >= {rule}"
+    if not isinstance(values, (tuple, list, set, frozenset, range)):
+        example = "(True,)" if rule is bool else "(2,)"
+        raise ValueError(
+            f"limit {name}={values!r}: give the values to try as a tuple or list of "
+            f"{allowed}, e.g. {name}={example} (got {type(values).__name__})."
+        )
+    if not values:
+        raise ValueError(f"limit {name}={values!r}: give at least one value ({allowed}).")
+    for value in values:
+        if rule is bool:
+            ok = isinstance(value, bool)
+        else:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+            if ok and isinstance(rule, tuple):
+                ok = value in rule
+            elif ok:
+                assert isinstance(rule, int)
+                ok = value >= rule
+        if not ok:
+            raise ValueError(
+                f"limit {name}={values!r}: {value!r} is not one of the values {name} takes "
+                f"({allowed})."
+            )
+    return tuple(dict.fromkeys(values))  # in the order given, each once
+
 
 @dataclass(frozen=True)
 class Limits:
     """The values the search tries for each setting (``None``: every value that can work).
 
     Attributes:
-        allowed: Setting name (one of ``SETTINGS``) -> the values allowed.
-        max_horizon: Largest ``activation_loading_horizon`` tried when offloading.
+        allowed: Setting name (one of ``SETTINGS``) -> the values allowed (a tuple, list or
+            set; kept as a tuple). Degrees and ``activation_loading_horizon`` are integers
+            (``hybrid_shard_degree`` from 0, the others from 1), ``fsdp`` is 1 or 2, the
+            switches (``activation_checkpointing``, ``activation_offloading``, ``moe``)
+            ``True``/``False``.
+        max_horizon: Largest ``activation_loading_horizon`` tried when offloading (horizons 1
+            to it), unless ``allowed`` names the horizons: then exactly those, larger ones too.
     """
 
     allowed: dict[str, tuple] = field(default_factory=dict)
@@ -155,6 +209,8 @@ class Limits:
         unknown = sorted(set(self.allowed) - set(SETTINGS))
         if unknown:
             raise ValueError(f"unknown settings {unknown} to limit; known: {', '.join(SETTINGS)}.")
+        checked = {name: _limit_values(name, values) for name, values in self.allowed.items()}
+        object.__setattr__(self, "allowed", checked)
         _positive_int("max_horizon", self.max_horizon)
 
     def allows(self, name: str, value: object) -> bool:

@@ -10,7 +10,14 @@
   backward (``shard_model`` gives it ``reshard_after_forward=False``; FSDP1 does not reshard
   its root), a transformer layer's parameters are gathered while it runs and the next
   one's are prefetched (two layers), and one layer's unsharded gradients wait for their
-  reduce-scatter. Without sharding (one rank per shard group, fp32) nothing is gathered.
+  reduce-scatter. FSDP2 does the same over a shard group of one rank
+  (``hybrid_shard_degree=1``): its unsharded parameters are copies of the shards, and its
+  gradients pass through the reduce-scatter buffers all the same; only its prefetch
+  allocates nothing there (the copy is made when the unit runs), so one layer is gathered,
+  not two (measured on two CPU ranks, tests/unit/test_planner.py). FSDP1 over one rank
+  is NO_SHARD (PyTorch switches a group of one to it): it computes in its flat parameter
+  itself, which in fp32 is no buffer at all; under mixed precision each unit's
+  low-precision copy (``_mp_shard``) is counted as gathered.
 - Transient: the largest short-lived allocation of a step, either at the loss (the logits,
   their float32 copy and its gradient) or during one layer's backward (with checkpointing its
   recomputed activations, and the activation gradients, taken as four residual-stream tensors).
@@ -32,7 +39,8 @@ from torch_sagemaker.planner.activations import ActivationShape, activation_byte
 from torch_sagemaker.planner.candidates import Checked
 from torch_sagemaker.planner.inputs import Workload
 from torch_sagemaker.planner.model import ROOT, ModelSpec
-from torch_sagemaker.planner.shards import Sharding, local_shape, state_bytes
+from torch_sagemaker.planner.shards import Sharding, cached_state_bytes, local_shape
+from torch_sagemaker.sharding_plan import MESHES
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,21 @@ def _unit_bytes(spec: ModelSpec, s: Sharding) -> dict[str, int]:
     return units
 
 
+def _dense_group(checked: Checked) -> tuple[int, bool]:
+    """(ranks of rank 0's shard group of the dense units, whether FSDP gathers them).
+
+    FSDP1 gathers nothing under NO_SHARD, which it also uses for any group of one rank.
+    """
+    plan = checked.plan
+    if checked.candidate.fsdp == 2:
+        mesh, no_shard = plan.fsdp2_dense, False
+    else:
+        placement = plan.fsdp1(None)
+        mesh, no_shard = placement.mesh, placement.strategy.name == "NO_SHARD"
+    size = len(plan.dim_ranks(MESHES[mesh][-1], 0))
+    return size, not no_shard and (checked.candidate.fsdp == 2 or size > 1)
+
+
 def estimate(
     spec: ModelSpec, checked: Checked, workload: Workload, cache: dict | None = None
 ) -> MemoryEstimate:
@@ -114,13 +137,7 @@ def estimate(
     """
     c = checked.candidate
     s = sharding(spec, checked, workload)
-    key = ("state", checked.plan.layout, checked.plan.ranks_per_host, c.fsdp, c.moe)
-    if cache is None or key not in cache:
-        state = state_bytes(spec, s)
-        if cache is not None:
-            cache[key] = state
-    else:
-        state = cache[key]
+    state = cached_state_bytes(spec, s, cache)
     act = activation_bytes(
         spec,
         activation_shape(checked, workload),
@@ -138,9 +155,18 @@ def estimate(
         units = cache[ukey]
     layer_units = [n for u, n in units.items() if u != ROOT]
     largest = max(layer_units, default=0)
-    gathered = units.get(ROOT, 0) + 2 * largest
-    sharded = checked.plan.layout.hybrid_shard_degree > 1
-    buffers = (gathered * a if (sharded or a != 4) else 0) + (largest * a if sharded else 0)
+    gkey = ("dense group", checked.plan.layout, checked.plan.ranks_per_host, c.fsdp)
+    if cache is None or gkey not in cache:
+        group = _dense_group(checked)
+        if cache is not None:
+            cache[gkey] = group
+    else:
+        group = cache[gkey]
+    size, gathers = group
+    if gathers:  # the root, the running and the prefetched layer, one layer's gradients
+        buffers = (units.get(ROOT, 0) + (2 if size > 1 else 1) * largest + largest) * a
+    else:  # FSDP1 NO_SHARD: the low-precision copies under mixed precision, else nothing
+        buffers = (units.get(ROOT, 0) + 2 * largest) * a if a != 4 else 0
     shape = activation_shape(checked, workload)
     tokens = shape.micro_batch * workload.seq_len // checked.plan.layout.cp
     residual = 4 * tokens * spec.dim("hidden_size") * a

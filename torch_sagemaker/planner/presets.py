@@ -12,6 +12,7 @@ Dense figures only: NVIDIA's datasheets print the bf16 Tensor Core rate "with sp
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 GIB = 1 << 30
@@ -42,6 +43,25 @@ class Accelerator:
     memory_bandwidth: float
     link_rate: float
     host_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        """Refuses what no accelerator has: no memory, no FLOP/s, infinite or negative rates."""
+        rates = {
+            "memory_bytes": (self.memory_bytes, True),
+            "bf16_flops": (self.bf16_flops, True),
+            "fp32_flops": (self.fp32_flops, True),
+            "memory_bandwidth": (self.memory_bandwidth, True),
+            "link_rate": (self.link_rate, False),  # 0: no link between a host's ranks (CPU)
+            "host_rate": (self.host_rate, False),  # 0: no offloading copies to price
+        }
+        for key, (value, positive) in rates.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"accelerator {self.name!r}: {key}={value!r} must be a number.")
+            if not math.isfinite(value) or value < 0 or (positive and value == 0):
+                raise ValueError(
+                    f"accelerator {self.name!r}: {key}={value!r} must be a "
+                    f"{'positive' if positive else 'non-negative'}, finite number."
+                )
 
     def flops(self, dtype: str) -> float:
         """Peak matrix-multiply rate in ``dtype`` (``"bfloat16"`` or ``"float32"``)."""

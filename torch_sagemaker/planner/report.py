@@ -49,8 +49,12 @@ def table(plan: Plan, top: int = 10) -> str:
     return "\n".join(lines)
 
 
-def rejected_summary(plan: Plan, examples: int = 8) -> str:
-    """How many configurations were invalid, by stage, and a few reasons verbatim."""
+def rejected_summary(plan: Plan) -> str:
+    """How many configurations were invalid, by stage, and one example of every rule verbatim.
+
+    A rule is a reason with its numbers blanked out; the rules are listed most frequent first,
+    every one of them (``to_json`` lists every invalid configuration).
+    """
     if not plan.rejected:
         return "No configuration was invalid."
     counts = Counter(r.stage for r in plan.rejected)
@@ -60,7 +64,7 @@ def rejected_summary(plan: Plan, examples: int = 8) -> str:
     for r in plan.rejected:
         rules.setdefault(re.sub(r"\d+", "#", r.reason), []).append(r)
     lines = [f"{len(plan.rejected)} invalid ({head}); one example of each rule:"]
-    for same in sorted(rules.values(), key=len, reverse=True)[:examples]:
+    for same in sorted(rules.values(), key=len, reverse=True):
         r = same[0]
         lines.append(f"- {len(same)} like {r.candidate.label()} ({r.stage}): {r.reason}")
     return "\n".join(lines)

@@ -221,12 +221,13 @@ def plan(
     host = instance(instance_type) if instance_type else None
     acc = accelerator_name or (host.accelerator if host else "H100")
     acc = accelerator(acc) if isinstance(acc, str) else acc
+    # None means the default; any value given (0 included) is the user's, checked by Cluster.
     cluster = Cluster(
         hosts=hosts,
-        per_host=per_host or (host.per_host if host else 8),
+        per_host=per_host if per_host is not None else (host.per_host if host else 8),
         accelerator=acc,
-        nics=nics or (host.nics if host else 1),
-        nic_bits=nic_bits or (host.nic_bits if host else 100e9),
+        nics=nics if nics is not None else (host.nics if host else 1),
+        nic_bits=nic_bits if nic_bits is not None else (host.nic_bits if host else 100e9),
         usable_memory=usable_memory,
     )
     workload = Workload(seq_len, global_batch_tokens, dtype)
@@ -239,7 +240,7 @@ def plan(
             "(docs/planner.md)."
         )
     if limits is not None and not isinstance(limits, Limits):
-        limits = Limits(allowed={k: tuple(v) for k, v in limits.items()})
+        limits = Limits(allowed=dict(limits))  # Limits checks and normalizes the values
     machine = accelerator_machine(acc, dtype, efficiency)
     return search(spec, cluster, workload, machine, limits)
 

@@ -54,11 +54,13 @@ class StateBytes:
         parameters: Parameter storages.
         gradients: Gradient storages.
         optimizer: AdamW state.
+        updated: Parameter elements AdamW updates on this rank (the length of its moments).
     """
 
     parameters: int
     gradients: int
     optimizer: int
+    updated: int
 
     @property
     def total(self) -> int:
@@ -140,16 +142,18 @@ def _group(s: Sharding, mesh: str) -> tuple[int, int]:
 
 
 def _fsdp2(units: dict[str, list[tuple[int, ...]]], s: Sharding) -> StateBytes:
-    params = optimizer = 0
+    params = optimizer = updated = 0
     for unit, shapes in units.items():
         mesh = s.plan.fsdp2_experts if unit.startswith("experts.") else s.plan.fsdp2_dense
         size, index = _group(s, mesh)
         for shape in shapes:
             rows, rest = shape[0], _numel(shape[1:])
             params += math.ceil(rows / size) * rest * FP32
-            optimizer += 2 * chunk(rows, size, index) * rest * FP32 + STEP_BYTES
+            mine = chunk(rows, size, index) * rest
+            updated += mine
+            optimizer += 2 * mine * FP32 + STEP_BYTES
     # One reduce-scatter buffer per unit: the padded chunks again.
-    return StateBytes(params, params, optimizer)
+    return StateBytes(params, params, optimizer, updated)
 
 
 def _flat_layout(shapes: list[tuple[int, ...]], align: int, pad_to: int) -> tuple[list[int], int]:
@@ -166,7 +170,7 @@ def _flat_layout(shapes: list[tuple[int, ...]], align: int, pad_to: int) -> tupl
 
 
 def _fsdp1(units: dict[str, list[tuple[int, ...]]], s: Sharding) -> StateBytes:
-    params = optimizer = 0
+    params = optimizer = updated = 0
     align = ALIGN_BYTES // s.compute_bytes
     for unit, shapes in units.items():
         experts = unit.startswith("experts.")
@@ -174,6 +178,7 @@ def _fsdp1(units: dict[str, list[tuple[int, ...]]], s: Sharding) -> StateBytes:
             # Left out of FSDP1 (Note [FSDP1 experts on one rank]): plain local DTensors.
             local = sum(_numel(shape) for shape in shapes)
             params += local * FP32
+            updated += local
             optimizer += sum(2 * _numel(sh) * FP32 + STEP_BYTES for sh in shapes)
             continue
         placement = s.plan.fsdp1(None, experts=experts)
@@ -186,8 +191,9 @@ def _fsdp1(units: dict[str, list[tuple[int, ...]]], s: Sharding) -> StateBytes:
         for offset, shape in zip(offsets, shapes, strict=True):
             mine = max(0, min(offset + _numel(shape), start + length) - max(offset, start))
             if mine:
+                updated += mine
                 optimizer += 2 * mine * FP32 + STEP_BYTES
-    return StateBytes(params, params, optimizer)
+    return StateBytes(params, params, optimizer, updated)
 
 
 def state_bytes(spec: ModelSpec, s: Sharding) -> StateBytes:
@@ -210,4 +216,27 @@ def state_bytes(spec: ModelSpec, s: Sharding) -> StateBytes:
     return _fsdp2(units, s) if s.fsdp == 2 else _fsdp1(units, s)
 
 
-__all__ = ["Sharding", "StateBytes", "chunk", "local_shape", "state_bytes"]
+def cached_state_bytes(spec: ModelSpec, s: Sharding, cache: dict | None) -> StateBytes:
+    """``state_bytes``, remembered in ``cache`` (a dict shared by the candidates of one search).
+
+    Within a search (one model) the model state depends on the layout, the FSDP version and
+    the MoE setting, not on checkpointing or offloading.
+    """
+    key = (
+        "state",
+        s.plan.layout,
+        s.plan.ranks_per_host,
+        s.rank,
+        s.fsdp,
+        s.experts_split,
+        s.compute_bytes,
+        s.heads.kv_replicated,
+    )
+    if cache is None:
+        return state_bytes(spec, s)
+    if key not in cache:
+        cache[key] = state_bytes(spec, s)
+    return cache[key]
+
+
+__all__ = ["Sharding", "StateBytes", "cached_state_bytes", "chunk", "local_shape", "state_bytes"]

@@ -11,7 +11,9 @@ Compute, per rank and step:
   the activations: four passes over what the layers would save without checkpointing (one
   more forward with checkpointing), at the memory bandwidth. A rough count, stated as one.
 - The optimizer: AdamW over the rank's parameter shard, ``Machine.optimizer_seconds`` per
-  element.
+  element: every element its AdamW state covers (``shards.state_bytes``), the dense units'
+  shard of their group and the experts' shard of theirs, which under expert parallelism is
+  another, smaller group (and FSDP2's dim-0 chunks can leave rank 0 a whole expert).
 - Framework overhead that does not grow with the tensors (operator dispatch, autograd,
   FSDP's hooks and DTensor's dispatch in the optimizer): ``Machine.step_overhead`` per step,
   ``Machine.layer_overhead`` per transformer layer (a third more with checkpointing, which
@@ -49,7 +51,7 @@ from torch_sagemaker.planner.activations import ActivationShape, activation_byte
 from torch_sagemaker.planner.candidates import Checked
 from torch_sagemaker.planner.inputs import Workload
 from torch_sagemaker.planner.model import ROOT, ModelSpec
-from torch_sagemaker.planner.shards import Sharding, chunk, local_shape
+from torch_sagemaker.planner.shards import Sharding, cached_state_bytes, chunk, local_shape
 from torch_sagemaker.sharding_plan import MESHES
 from torch_sagemaker.sharding_plan import resolve as resolve_plan
 from torch_sagemaker.topology import AXES, Layout
@@ -270,9 +272,8 @@ def estimate(
     compute = flops * per_flop + elementwise
     layer_fwd = [f * per_flop + elementwise / passes / max(1, spec.num_layers) for f in fwd_layers]
     elements = units.root + sum(units.layer) + sum(units.experts)  # the rank's, TP/EP-local
-    optimizer = elements * machine.optimizer_seconds
+    optimizer = cached_state_bytes(spec, s, cache).updated * machine.optimizer_seconds
     shard_dense = _fsdp_groups(checked, experts=False)
-    optimizer /= max(1, len(shard_dense[0]))
     # Note [Fixed overhead]: every layer, and one FSDP unit per layer and the root (every
     # candidate wraps them so; the per-unit term was measured with FSDP2).
     overhead = (
