@@ -35,7 +35,7 @@ MIXTRAL = ModelPolicy(
     tp_plan={
         **llama_style_plan(mlp=False),
         "model.layers.*.mlp": "reduce_scatter_output",
-        "model.layers.*.mlp.gate": "replicate",
+        "model.layers.*.mlp.gate": "router",
         "model.layers.*.mlp.experts": "experts",
     },
     num_experts_attr="num_local_experts",

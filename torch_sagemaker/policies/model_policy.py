@@ -30,6 +30,10 @@ STYLES: Mapping[str, str] = {
     "sequence_parallel_norm": "norm computed on a sequence shard; output all-gathered",
     "sequence_parallel_dropout": "dropout on a sequence shard, drawing the unsharded model's mask",
     "replicate": "every parameter replicated (e.g. an MoE router)",
+    "router": (
+        "an MoE router returning (logits, weights, indices), replicated; its logits plain, "
+        "for the auxiliary load-balancing loss"
+    ),
     "experts": "fused MoE experts (expert dim 0) split over the TP ranks",
     "reduce_scatter_output": "module output summed over TP ranks and split over the sequence",
     # The replicated-activation layout of transformers' own plans (policies built from a

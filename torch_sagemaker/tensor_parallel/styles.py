@@ -198,6 +198,14 @@ class ReplicateParallel(ParallelStyle):
     itself runs on the local values of the inputs and parameters (Note [Replicated modules
     compute locally]).
 
+    Args:
+        plain_outputs: Positions of tuple outputs returned as plain tensors instead: outputs
+            the module's caller discards and Hugging Face records for a loss computed alike
+            on every TP rank (an MoE router's logits for the auxiliary load-balancing loss,
+            which mixes them with plain tensors). Their gradient is complete on every rank,
+            as a replicated parameter's must be; an output whose consumers split work over
+            the TP ranks (the routing weights) must stay a DTensor, whose backward sums it.
+
     Note [Replicated modules compute locally]: every TP rank computes the same values, so
     the local computation is the DTensor one without dispatch; gradients flow back through
     ``to_local`` as ``Replicate``, which they are (every rank's are equal). Computing on
@@ -206,9 +214,14 @@ class ReplicateParallel(ParallelStyle):
     refuses ("aten.scatter.src got mixed torch.Tensor and DTensor").
     """
 
+    def __init__(self, plain_outputs: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.plain_outputs = plain_outputs
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         distribute_params(module, device_mesh, [Replicate()], self.src_data_rank)
         forward_impl = type(module).forward
+        plain = self.plain_outputs
 
         def local(x: Any) -> Any:
             if isinstance(x, DTensor):
@@ -229,7 +242,7 @@ class ReplicateParallel(ParallelStyle):
                     mod, *(local(a) for a in args), **{k: local(v) for k, v in kwargs.items()}
                 )
             if isinstance(out, (tuple, list)):  # a router returns (logits, scores, indices)
-                return type(out)(replicated(o) for o in out)
+                return type(out)(o if i in plain else replicated(o) for i, o in enumerate(out))
             return replicated(out)
 
         module.forward = types.MethodType(forward, module)
@@ -377,6 +390,8 @@ def make_style(name: str, *, head_dim: int = 0, kv_head: int | None = None) -> P
         style = SequenceParallelDropout()
     elif name == "replicate":
         style = ReplicateParallel()
+    elif name == "router":
+        style = ReplicateParallel(plain_outputs=(0,))
     elif name == "experts":
         style = ExpertsParallel()
     elif name == "reduce_scatter_output":
@@ -404,6 +419,7 @@ PARAM_SPLIT_DIMS: dict[str, dict[str, int | None]] = {
     "sequence_parallel_norm": {"*": None},
     "sequence_parallel_dropout": {"*": None},
     "replicate": {"*": None},
+    "router": {"*": None},
     "experts": {"*": 0},
     "reduce_scatter_output": {"*": None},
     # The replicated-activation layout (replicated_styles, plans built from transformers').
