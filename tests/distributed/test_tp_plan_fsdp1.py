@@ -1,10 +1,11 @@
-"""FSDP1 (SMP's scripts' wrapper) around a model sharded by its transformers TP plan (4 ranks).
+"""FSDP1 (SMP's scripts' wrapper) around models with locally computed replicated modules.
 
 Qwen3 has no policy: ``tsm.transform`` shards it by its own plan, whose norms are
-``ReplicatedLocal`` modules. Under FSDP1 with ``use_orig_params=True`` the first forward used
-to fail ("mixed torch.Tensor and DTensor", Note [Replicated parameters under FSDP1]). Here
+``ReplicatedLocal`` modules; Mixtral's policy computes its router locally
+(``ReplicateParallel``). Under FSDP1 with ``use_orig_params=True`` both first forwards used to
+fail ("mixed torch.Tensor and DTensor", Note [Replicated parameters under FSDP1]). Here
 tp 2 x hybrid_shard_degree 2, HYBRID_SHARD, trains 3 SGD steps against one process on the
-global batch: losses and every parameter.
+global batch (4 ranks): losses and every parameter.
 """
 
 from __future__ import annotations
@@ -80,10 +81,11 @@ def _fsdp1_on_plan(family: str) -> tuple[list[float], dict]:
 
 
 @pytest.mark.distributed
-def test_fsdp1_trains_a_plan_sharded_model_like_one_process():
-    ref_losses, ref_params = _reference("qwen3")
+@pytest.mark.parametrize("family", ["qwen3", "mixtral"])
+def test_fsdp1_trains_a_tensor_parallel_model_like_one_process(family):
+    ref_losses, ref_params = _reference(family)
     for rank, (losses, params) in enumerate(
-        run_distributed(_fsdp1_on_plan, "qwen3", world_size=4, timeout=300)
+        run_distributed(_fsdp1_on_plan, family, world_size=4, timeout=300)
     ):
         torch.testing.assert_close(losses, ref_losses, rtol=0, atol=ATOL, msg=f"rank {rank}")
         assert params.keys() == ref_params.keys()

@@ -30,9 +30,7 @@ its rank's part: its parameter gradients are summed explicitly (``ReplicatedPart
 
 from __future__ import annotations
 
-import contextlib
 import types
-from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -49,6 +47,7 @@ from torch.distributed.tensor.parallel import (
 
 from torch_sagemaker._torch_compat import nn as nn_compat
 from torch_sagemaker.tensor_parallel import consistency
+from torch_sagemaker.tensor_parallel.local_parameters import local_parameters, parameter_names
 from torch_sagemaker.tensor_parallel.styles import (
     AllReduceGrad,
     ExpertsParallel,
@@ -101,18 +100,19 @@ def _replicate_plain(
         distribute_params(owner, mesh, [Replicate()], src_data_rank, plain)
 
 
-def _swap_forward(module: nn.Module, params: Any, mesh: DeviceMesh) -> None:
-    """Runs ``module``'s forward on plain inputs with ``params(module)`` as its parameters."""
+def _swap_forward(
+    module: nn.Module, names: list[str], mesh: DeviceMesh, local_of: Any = None
+) -> None:
+    """Runs ``module``'s forward on plain inputs with local values of parameters ``names``.
+
+    ``local_of(param)``: the value that stands for a DTensor parameter (default: its local
+    tensor).
+    """
     forward_impl = type(module).forward
+    swap = {"local_of": local_of} if local_of is not None else {}
 
     def forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        values = params(mod)
-        shadowed = {n: v for n, v in values.items() if _is_instance_attribute(mod, n)}
-        registered = {n: v for n, v in values.items() if n not in shadowed}
-        with (
-            nn_compat.parameters_swapped(mod, registered),
-            _instance_attributes_swapped(mod, shadowed),
-        ):
+        with local_parameters(mod, names, **swap):
             return forward_impl(
                 mod,
                 *(_local(a, mesh) for a in args),
@@ -120,57 +120,6 @@ def _swap_forward(module: nn.Module, params: Any, mesh: DeviceMesh) -> None:
             )
 
     module.forward = types.MethodType(forward, module)
-
-
-def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
-    owner, _, leaf = name.rpartition(".")
-    return (module.get_submodule(owner) if owner else module), leaf
-
-
-def _is_instance_attribute(module: nn.Module, name: str) -> bool:
-    """Whether ``name`` is set on its module's instance (FSDP1's view), hiding the parameter."""
-    owner, leaf = _owner(module, name)
-    return leaf in vars(owner)
-
-
-@contextlib.contextmanager
-def _instance_attributes_swapped(
-    module: nn.Module, values: dict[str, torch.Tensor]
-) -> Iterator[None]:
-    """Replaces instance attributes (Note [Replicated parameters under FSDP1]) for the block.
-
-    The registered parameter under the same name is not what attribute lookup finds, so
-    ``parameters_swapped`` would swap it without effect.
-    """
-    saved = []
-    try:
-        for name, value in values.items():
-            owner, leaf = _owner(module, name)
-            saved.append((owner, leaf, vars(owner)[leaf]))
-            vars(owner)[leaf] = value
-        yield
-    finally:
-        for owner, leaf, original in reversed(saved):
-            vars(owner)[leaf] = original
-
-
-def _local_values(module: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
-    """The local values of ``module``'s DTensor parameters ``names``, read as attributes.
-
-    Note [Replicated parameters under FSDP1]: for its forward, FSDP1 with
-    ``use_orig_params=True`` sets each unsharded parameter as an instance attribute of its
-    module (a DTensor for a TP parameter), which attribute lookup finds before the
-    registered parameter of the same name (a stale sharded view). Outside FSDP the lookup
-    finds the registered parameter itself. Reading attributes covers both; swapping covers
-    both too (``_instance_attributes_swapped``).
-    """
-    out = {}
-    for name in names:
-        owner, leaf = _owner(module, name)
-        value = getattr(owner, leaf, None)
-        if isinstance(value, DTensor):
-            out[name] = value.to_local()
-    return out
 
 
 class OwnedOutput(ParallelStyle):
@@ -210,11 +159,8 @@ class ReplicatedLocal(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _replicate_plain(module, device_mesh, self.src_data_rank, recurse=True)
-        # Looked up as attributes at each call: under FSDP1 (use_orig_params=True) the forward
-        # reads instance attributes that hide the registered parameters, so swapping those
-        # left the forward with DTensor weights (Note [Replicated parameters under FSDP1]).
-        names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
-        _swap_forward(module, lambda mod: _local_values(mod, names), device_mesh)
+        # Named now, read at each call (Note [Replicated parameters under FSDP1]).
+        _swap_forward(module, parameter_names(module), device_mesh)
         consistency.install(module, self.name or type(module).__name__, device_mesh)
         return module
 
@@ -234,12 +180,9 @@ class ReplicatedPartialGrad(ParallelStyle):
         group = device_mesh.get_group()
         _swap_forward(
             module,
-            lambda mod: {
-                n: AllReduceGrad.apply(p.to_local(), group)
-                for n, p in mod.named_parameters(recurse=False)
-                if isinstance(p, DTensor)
-            },
+            [n for n, _ in module.named_parameters(recurse=False)],
             device_mesh,
+            lambda p: AllReduceGrad.apply(p.to_local(), group),
         )
         return module
 

@@ -44,8 +44,8 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
 )
 
-from torch_sagemaker._torch_compat import nn as nn_compat
 from torch_sagemaker.smddp.direct import all_reduce_direct
+from torch_sagemaker.tensor_parallel.local_parameters import local_parameters, parameter_names
 
 
 def distribute_params(
@@ -233,11 +233,10 @@ class ReplicateParallel(ParallelStyle):
                 return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
             return x
 
+        names = parameter_names(module)  # Note [Replicated parameters under FSDP1]
+
         def forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            params = {
-                name: p.to_local() for name, p in mod.named_parameters() if isinstance(p, DTensor)
-            }
-            with nn_compat.parameters_swapped(mod, params):
+            with local_parameters(mod, names):
                 out = forward_impl(
                     mod, *(local(a) for a in args), **{k: local(v) for k, v in kwargs.items()}
                 )
