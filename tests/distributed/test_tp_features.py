@@ -119,6 +119,12 @@ def _features() -> dict:
         tsm.transform(build("llama"))(input_ids=ids, labels=labels)
     except ValueError as e:
         out["label_outside"] = str(e)
+    twice = tsm.transform(build("llama"))(input_ids=ids, labels=ids).loss
+    twice.backward(retain_graph=True)
+    try:
+        twice.backward()
+    except RuntimeError as e:
+        out["second_backward"] = str(e)
     # Tied weights stay one parameter.
     qwen = tsm.transform(build("qwen2"))
     out["tied"] = qwen.lm_head.weight is qwen.model.embed_tokens.weight
@@ -208,6 +214,14 @@ def test_inputs_embeds_enter_as_the_embedding_output_would(features):
 def test_a_label_outside_the_vocabulary_is_refused_as_cross_entropy_refuses_it(features):
     for rank_result in features:
         assert "target 200 is outside the vocabulary [0, 128)" in rank_result["label_outside"]
+
+
+@pytest.mark.distributed
+def test_a_second_backward_through_the_loss_is_refused_by_name(features):
+    # The backward reuses the saved softmax as the gradient (memory); a retained graph's
+    # second backward used to fail with autograd's in-place message.
+    for rank_result in features:
+        assert "back-propagated twice" in rank_result["second_backward"]
 
 
 @pytest.mark.distributed

@@ -73,6 +73,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple:
+        # The saved softmax becomes the gradient in place: one (rows x local vocab) buffer
+        # fewer than F.cross_entropy's backward holds, as Megatron's loss does. So a second
+        # backward through the same graph (retain_graph=True) has nothing left to read.
+        if getattr(ctx, "softmax_used", False):
+            raise RuntimeError(
+                "the vocabulary-parallel cross entropy was back-propagated twice "
+                "(retain_graph=True): its backward turns the saved softmax into the gradient "
+                "in place to save memory. Compute the loss again for each backward pass, or "
+                "sum the losses and call backward once."
+            )
+        ctx.softmax_used = True
         softmax, safe, mine, ignored = ctx.saved_tensors
         grad = softmax
         if grad.shape[-1]:
