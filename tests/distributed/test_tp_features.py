@@ -119,6 +119,14 @@ def _features() -> dict:
         tsm.transform(build("llama"))(input_ids=ids, labels=labels)
     except ValueError as e:
         out["label_outside"] = str(e)
+    ref = build("llama")
+    ref.set_attn_implementation("eager")  # the implementation that returns weights
+    weights = tsm.transform(copy.deepcopy(ref))(input_ids=ids, output_attentions=True).attentions
+    expected = ref(input_ids=ids, output_attentions=True).attentions
+    out["attentions"] = (
+        [tuple(w.shape) for w in weights] == [tuple(w.shape) for w in expected],
+        max((a - b).abs().max().item() for a, b in zip(weights, expected)),
+    )
     twice = tsm.transform(build("llama"))(input_ids=ids, labels=ids).loss
     twice.backward(retain_graph=True)
     try:
@@ -214,6 +222,14 @@ def test_inputs_embeds_enter_as_the_embedding_output_would(features):
 def test_a_label_outside_the_vocabulary_is_refused_as_cross_entropy_refuses_it(features):
     for rank_result in features:
         assert "target 200 is outside the vocabulary [0, 128)" in rank_result["label_outside"]
+
+
+@pytest.mark.distributed
+def test_output_attentions_returns_every_head(features):
+    # Each rank computes its heads' weights; they used to be returned as they were.
+    for rank_result in features:
+        same_shapes, diff = rank_result["attentions"]
+        assert same_shapes and diff < ATOL, rank_result["attentions"]
 
 
 @pytest.mark.distributed

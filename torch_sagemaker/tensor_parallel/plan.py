@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any, cast
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
@@ -159,6 +160,27 @@ def install_rng_region(module: nn.Module, tracker: RNGStatesTracker) -> None:
     module.register_forward_hook(leave, always_call=True)
 
 
+def gather_attention_weights(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Makes an attention module whose heads are split return every head's weights.
+
+    With ``output_attentions=True`` Hugging Face attention returns ``(output, weights)``,
+    the weights of this rank's heads (``batch, local heads, queries, keys``): the model's
+    ``attentions`` silently held a fraction of the heads. They are all-gathered over the TP
+    ranks in head order (rank r holds heads ``[r * h / tp, (r + 1) * h / tp)``).
+    """
+
+    def gather(_mod: nn.Module, _args: Any, out: Any) -> Any:
+        if not (isinstance(out, tuple) and len(out) > 1 and isinstance(out[1], torch.Tensor)):
+            return out
+        weights = out[1]
+        if isinstance(weights, DTensor) or weights.dim() != 4:
+            return out
+        heads = DTensor.from_local(weights.contiguous(), tp_mesh, [Shard(1)], run_check=False)
+        return (out[0], heads.full_tensor(), *out[2:])
+
+    module.register_forward_hook(gather)
+
+
 def _head_dim(model: nn.Module, name: str, attention: list[str]) -> int:
     """Head size for the module ``name``: that of the attention module holding it."""
     owner = next((a for a in attention if name.startswith(f"{a}.")), None)
@@ -269,6 +291,7 @@ def apply_tp_plan(
         if policy.heads_split and _splits_heads(attention):
             _set_head_counts(attention, heads)
             install_rng_region(attention, tracker)
+            gather_attention_weights(attention, tp_mesh)
     left = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if left:
         raise ValueError(
