@@ -8,7 +8,7 @@ Launches (several cases each, tiny models, 3 AdamW steps per case):
 - cp 2 with hybrid_shard_degree 4 (two data-parallel ranks, different data), cp 2 with
   replicas (hybrid_shard_degree 2) and cp 4, on 4 ranks over smddp;
 - DCP checkpoints across context parallel degrees with delayed initialisation;
-- clear errors for bad input.
+- clear errors for bad input and for models whose layers are not softmax attention alone.
 """
 
 from __future__ import annotations
@@ -152,6 +152,15 @@ def test_cp_hybrid_shard_replicas_and_cp4_on_four_ranks():
             assert curves[0] != curves[2], (i, "data-parallel ranks should see different data")
 
 
+#: Families whose layers mix positions outside softmax attention, and what the refusal names.
+NOT_ATTENTION_ONLY = {
+    "lfm2_moe": "'conv'",
+    "falcon_h1": "'hybrid'",
+    "deepseek_v32": "'indexed_attention'",
+    "llama4_text": "'chunked_attention'",
+}
+
+
 def _errors() -> dict[str, str]:
     """Each kind of bad input, with the message it raised (``"no error"`` otherwise)."""
     import copy
@@ -203,6 +212,10 @@ def _errors() -> dict[str, str]:
     plain.config._attn_implementation = "tsm_context_parallel"
     record("attention_without_transform", lambda: plain(input_ids=local))
     record("comm_type", lambda: tsm.transform(copy.deepcopy(ref), cp_comm_type="ring"))
+    from tools.model_coverage.tiny import build
+
+    for family in NOT_ATTENTION_ONLY:  # hybrid, sparse (DSA) and chunked attention
+        record(family, lambda family=family: tsm.transform(build(family)))
     from torch_sagemaker.context_parallel.attention import context_parallel_attention
 
     q = torch.zeros(1, 2, 4, 8)
@@ -228,6 +241,10 @@ def test_bad_input_gets_clear_errors():
         assert "was not prepared by tsm.transform" in out["attention_without_transform"], out
         assert "cp_comm_type='ring'" in out["comm_type"], out
         assert "does not apply ['softcap']" in out["softcap"], out
+        for family, kind in NOT_ATTENTION_ONLY.items():
+            message = out[family]
+            assert "is not supported with context parallelism" in message, (family, message)
+            assert kind in message and "context_parallel_degree=1" in message, (family, message)
 
 
 def _checkpoint_across_degrees(root: str) -> dict[str, list[float]]:
