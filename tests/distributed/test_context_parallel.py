@@ -152,6 +152,43 @@ def test_cp_hybrid_shard_replicas_and_cp4_on_four_ranks():
             assert curves[0] != curves[2], (i, "data-parallel ranks should see different data")
 
 
+def _router_aux_loss(how: str) -> dict[str, tuple[float, float] | float]:
+    """Mixtral's router auxiliary loss under cp 2 (FSDP2) against one process."""
+    import copy
+
+    import torch.sagemaker as tsm
+
+    tsm.init(CP2)
+    cp, rank = tsm.state.cp_size, tsm.state.cp_rank
+    in_config = how == "config"
+    ref = cp_cases.tiny_model("mixtral", output_router_logits=in_config, router_aux_loss_coef=0.5)
+    model = cp_cases.wrap(tsm.transform(copy.deepcopy(ref)), "fsdp2")
+    call = {} if in_config else {"output_router_logits": True}
+    ids = cp_cases.sequences(0)
+    local = cp_cases.smp_split(ids, rank, cp)
+    out = model(input_ids=local, labels=local, **call)
+    out.loss.backward()
+    want = ref(input_ids=ids, labels=ids, **call)
+    want.loss.backward()
+    ref_grads = {cp_cases.clean(n): p.grad for n, p in ref.named_parameters()}
+    grads = cp_cases.max_diffs(cp_cases.full_grads(model), ref_grads)
+    return {
+        "loss": (cp_cases.cp_mean(out.loss), float(want.loss)),
+        "aux": (cp_cases.cp_mean(out.aux_loss), float(want.aux_loss)),
+        "grad": max(grads.values()),
+    }
+
+
+@pytest.mark.parametrize("how", ["config", "call"])
+def test_router_aux_loss_covers_the_whole_sequences(how):
+    """Note [Context parallel router auxiliary loss]: CP mean and gradients as one process."""
+    for r in run_distributed(_router_aux_loss, how, world_size=2, timeout=120):
+        for key in ("loss", "aux"):
+            got, want = r[key]
+            assert abs(got - want) < 1e-5, (key, r)
+        assert r["grad"] < 2e-5, r
+
+
 #: Families whose layers mix positions outside softmax attention, and what the refusal names.
 NOT_ATTENTION_ONLY = {
     "lfm2_moe": "'conv'",

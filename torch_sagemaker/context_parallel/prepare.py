@@ -10,7 +10,9 @@ tensor parallelism, delayed initialisation, FSDP and checkpoints unchanged):
    (Note [Context parallel input check]) and supplies the global positions of the local
    tokens as ``position_ids``, from which every family computes RoPE; Hugging Face would
    otherwise number the local tokens ``0 .. 2c-1``;
-3. the model's loss function is wrapped (Note [Context parallel loss]);
+3. the model's loss function is wrapped (Note [Context parallel loss]), and a forward hook
+   recomputes a mixture of experts' router auxiliary loss over the whole sequences
+   (Note [Context parallel router auxiliary loss]);
 4. the model records that it is context parallel (``MODEL_ATTR``), which the FSDP entry
    points check.
 
@@ -41,7 +43,7 @@ from torch import nn
 from torch_sagemaker.context_parallel import attention
 from torch_sagemaker.context_parallel.comm import all_gather_stacked
 from torch_sagemaker.context_parallel.layout import check_local_length, local_positions
-from torch_sagemaker.context_parallel.loss import context_parallel_loss
+from torch_sagemaker.context_parallel.loss import RouterAuxLoss, context_parallel_loss
 from torch_sagemaker.policies import ModelPolicy
 
 if TYPE_CHECKING:
@@ -394,6 +396,7 @@ def prepare_model(
         )
     decoder.register_forward_pre_hook(InputCheck(group), with_kwargs=True)
     hf.loss_function = context_parallel_loss(hf.loss_function, group)
+    model.register_forward_hook(RouterAuxLoss(group), with_kwargs=True)
     setattr(model, MODEL_ATTR, plan)
 
 
