@@ -226,6 +226,8 @@ def _errors() -> dict[str, str]:
     record("odd_length", lambda: model(input_ids=ids[:, :7], labels=ids[:, :7]))
     record("split_length", lambda: split_sequence(ids[:, :14]))
     record("unsplit", lambda: model(input_ids=ids, labels=ids))
+    periodic = torch.tensor([[5, 9] * 8])  # every rank gets [5, 9, 5, 9, 5, 9, 5, 9]
+    record("periodic", lambda: model(input_ids=split_sequence(periodic)))
     local = cp_cases.smp_split(ids, rank, 2)
     record(
         "one_rank_bad_mask",
@@ -266,6 +268,7 @@ def test_bad_input_gets_clear_errors():
         assert "not divisible by 2 * context_parallel_degree = 4" in out["odd_length"], out
         assert "14" in out["split_length"] and "multiple of 4" in out["split_length"], out
         assert "looks unsplit" in out["unsplit"], out
+        assert out["periodic"] == "no error", out  # split correctly, its chunks repeat
         # Rank 1 passed the mask and names the rule; rank 0 names the rank that refused.
         bad_mask = ["context parallel rank(s) [1] of this group rejected", "supports no padding"]
         assert bad_mask[rank] in out["one_rank_bad_mask"], (rank, out)

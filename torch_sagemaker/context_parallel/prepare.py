@@ -22,9 +22,12 @@ the local length, a fingerprint of the local token ids, whether they are all equ
 whether the rank found a problem with its own input (an odd local length, i.e. a
 sequence that does not split into ``2 * cp`` chunks; a KV cache; a padding mask).
 Unequal lengths mean the ranks were given different shapes; identical fingerprints on
-every rank (for non-constant tokens) mean every rank got the same, unsplit sequences,
-as when the batch was not passed through ``split_sequence``/SMP's
-``get_batch_for_cp_rank``. All of these would silently train on garbage, so they raise,
+every rank mean every rank got the same, unsplit sequences, as when the batch was not
+passed through ``split_sequence``/SMP's ``get_batch_for_cp_rank``, unless each rank's two
+chunks are equal too: a correctly split sequence whose ``2 * cp`` chunks all repeat (constant
+or periodic tokens, e.g. a period dividing ``S / (2 * cp)``) gives every rank the same tokens,
+and is accepted (an unsplit batch of such sequences then goes unnoticed; natural text does
+not repeat chunk for chunk). All of these would silently train on garbage, so they raise,
 and on every rank of the group at once (a rank raising alone would leave the others
 waiting in the attention's first collective until the timeout). The cost is one tiny
 collective per forward pass, not per layer.
@@ -248,11 +251,17 @@ def unsupported_mixers(model: nn.Module, policy: ModelPolicy) -> list[tuple[str,
 
 
 def _fingerprint(ids: torch.Tensor) -> tuple[int, int]:
-    """A position-weighted checksum of token ids and whether they are all equal."""
+    """A position-weighted checksum of token ids and whether their two chunks are equal.
+
+    Equal chunks (every row's first half equal to its second: constant or periodic tokens)
+    are what a correctly split sequence whose chunks all repeat gives every rank, so the
+    identical fingerprints of such input prove nothing (Note [Context parallel input check]).
+    """
     weights = torch.arange(1, ids.numel() + 1, device=ids.device, dtype=torch.int64)
     flat = ids.reshape(-1).to(torch.int64)
-    constant = bool(flat.numel() == 0 or bool((flat == flat[0]).all()))
-    return int((flat * weights).sum()), int(constant)
+    half = ids.shape[1] // 2
+    repeating = ids.shape[1] % 2 == 0 and bool(torch.equal(ids[:, :half], ids[:, half:]))
+    return int((flat * weights).sum()), int(repeating)
 
 
 class InputCheck:
@@ -328,9 +337,9 @@ class InputCheck:
 
     def _check_group(self, local_len: int, ids: torch.Tensor | None, problem: str | None) -> None:
         """Note [Context parallel input check]."""
-        fingerprint, constant = _fingerprint(ids) if ids is not None else (self.rank, 1)
+        fingerprint, repeating = _fingerprint(ids) if ids is not None else (self.rank, 1)
         mine = torch.tensor(
-            [local_len, fingerprint, constant, problem is not None], dtype=torch.int64
+            [local_len, fingerprint, repeating, problem is not None], dtype=torch.int64
         )
         if ids is not None:
             mine = mine.to(ids.device)
