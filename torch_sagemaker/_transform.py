@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_sagemaker.context_parallel import prepare_model
-from torch_sagemaker.context_parallel.prepare import check_config_supported
+from torch_sagemaker.context_parallel.prepare import check_config_supported, check_supported
 from torch_sagemaker.fp8.prepare import prepare_linears
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.moe import apply as moe_apply
@@ -238,6 +238,8 @@ def transform(
         cp_comm_type=cp_comm_type,
         model_name=type(model).__name__,
     )
+    if state.cp_size > 1:
+        check_supported(model, policy)  # the modules too, before anything changes
     # 2. Placement before sharding (parameter identity, hence weight tying, is kept).
     _check_placement(device, dtype)
     _tie_as_configured(model)

@@ -8,7 +8,7 @@ Launches (several cases each, tiny models, 3 AdamW steps per case):
 - cp 2 with hybrid_shard_degree 4 (two data-parallel ranks, different data), cp 2 with
   replicas (hybrid_shard_degree 2) and cp 4, on 4 ranks over smddp;
 - DCP checkpoints across context parallel degrees with delayed initialisation;
-- clear errors for bad input.
+- clear errors for bad input and for models whose layers are not softmax attention alone.
 """
 
 from __future__ import annotations
@@ -152,6 +152,52 @@ def test_cp_hybrid_shard_replicas_and_cp4_on_four_ranks():
             assert curves[0] != curves[2], (i, "data-parallel ranks should see different data")
 
 
+def _router_aux_loss(how: str) -> dict[str, tuple[float, float] | float]:
+    """Mixtral's router auxiliary loss under cp 2 (FSDP2) against one process."""
+    import copy
+
+    import torch.sagemaker as tsm
+
+    tsm.init(CP2)
+    cp, rank = tsm.state.cp_size, tsm.state.cp_rank
+    in_config = how == "config"
+    ref = cp_cases.tiny_model("mixtral", output_router_logits=in_config, router_aux_loss_coef=0.5)
+    model = cp_cases.wrap(tsm.transform(copy.deepcopy(ref)), "fsdp2")
+    call = {} if in_config else {"output_router_logits": True}
+    ids = cp_cases.sequences(0)
+    local = cp_cases.smp_split(ids, rank, cp)
+    out = model(input_ids=local, labels=local, **call)
+    out.loss.backward()
+    want = ref(input_ids=ids, labels=ids, **call)
+    want.loss.backward()
+    ref_grads = {cp_cases.clean(n): p.grad for n, p in ref.named_parameters()}
+    grads = cp_cases.max_diffs(cp_cases.full_grads(model), ref_grads)
+    return {
+        "loss": (cp_cases.cp_mean(out.loss), float(want.loss)),
+        "aux": (cp_cases.cp_mean(out.aux_loss), float(want.aux_loss)),
+        "grad": max(grads.values()),
+    }
+
+
+@pytest.mark.parametrize("how", ["config", "call"])
+def test_router_aux_loss_covers_the_whole_sequences(how):
+    """Note [Context parallel router auxiliary loss]: CP mean and gradients as one process."""
+    for r in run_distributed(_router_aux_loss, how, world_size=2, timeout=120):
+        for key in ("loss", "aux"):
+            got, want = r[key]
+            assert abs(got - want) < 1e-5, (key, r)
+        assert r["grad"] < 2e-5, r
+
+
+#: Families whose layers mix positions outside softmax attention, and what the refusal names.
+NOT_ATTENTION_ONLY = {
+    "lfm2_moe": "'conv'",
+    "falcon_h1": "'hybrid'",
+    "deepseek_v32": "'indexed_attention'",
+    "llama4_text": "'chunked_attention'",
+}
+
+
 def _errors() -> dict[str, str]:
     """Each kind of bad input, with the message it raised (``"no error"`` otherwise)."""
     import copy
@@ -180,6 +226,8 @@ def _errors() -> dict[str, str]:
     record("odd_length", lambda: model(input_ids=ids[:, :7], labels=ids[:, :7]))
     record("split_length", lambda: split_sequence(ids[:, :14]))
     record("unsplit", lambda: model(input_ids=ids, labels=ids))
+    periodic = torch.tensor([[5, 9] * 8])  # every rank gets [5, 9, 5, 9, 5, 9, 5, 9]
+    record("periodic", lambda: model(input_ids=split_sequence(periodic)))
     local = cp_cases.smp_split(ids, rank, 2)
     record(
         "one_rank_bad_mask",
@@ -203,6 +251,10 @@ def _errors() -> dict[str, str]:
     plain.config._attn_implementation = "tsm_context_parallel"
     record("attention_without_transform", lambda: plain(input_ids=local))
     record("comm_type", lambda: tsm.transform(copy.deepcopy(ref), cp_comm_type="ring"))
+    from tools.model_coverage.tiny import build
+
+    for family in NOT_ATTENTION_ONLY:  # hybrid, sparse (DSA) and chunked attention
+        record(family, lambda family=family: tsm.transform(build(family)))
     from torch_sagemaker.context_parallel.attention import context_parallel_attention
 
     q = torch.zeros(1, 2, 4, 8)
@@ -216,6 +268,7 @@ def test_bad_input_gets_clear_errors():
         assert "not divisible by 2 * context_parallel_degree = 4" in out["odd_length"], out
         assert "14" in out["split_length"] and "multiple of 4" in out["split_length"], out
         assert "looks unsplit" in out["unsplit"], out
+        assert out["periodic"] == "no error", out  # split correctly, its chunks repeat
         # Rank 1 passed the mask and names the rule; rank 0 names the rank that refused.
         bad_mask = ["context parallel rank(s) [1] of this group rejected", "supports no padding"]
         assert bad_mask[rank] in out["one_rank_bad_mask"], (rank, out)
@@ -228,6 +281,10 @@ def test_bad_input_gets_clear_errors():
         assert "was not prepared by tsm.transform" in out["attention_without_transform"], out
         assert "cp_comm_type='ring'" in out["comm_type"], out
         assert "does not apply ['softcap']" in out["softcap"], out
+        for family, kind in NOT_ATTENTION_ONLY.items():
+            message = out[family]
+            assert "is not supported with context parallelism" in message, (family, message)
+            assert kind in message and "context_parallel_degree=1" in message, (family, message)
 
 
 def _checkpoint_across_degrees(root: str) -> dict[str, list[float]]:

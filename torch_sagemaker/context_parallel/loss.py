@@ -33,11 +33,12 @@ normalisation is applied.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from torch_sagemaker.context_parallel.comm import all_gather_stacked
 from torch_sagemaker.context_parallel.layout import (
@@ -128,4 +129,117 @@ def context_parallel_loss(
     return loss
 
 
-__all__ = ["context_parallel_loss", "shift_labels_across_ranks"]
+def _router_sums(
+    router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Per expert: top-k assignments and routing probabilities summed over every layer's rows.
+
+    The sums of Hugging Face's ``load_balancing_loss_func`` (Mixtral's and its copies), in
+    the same dtypes: ``(counts (E,) fp32, probability sums (E,) fp32 with grad, rows)``.
+    """
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
+    probs = torch.zeros_like(counts)
+    rows = 0
+    for gate in router_logits:
+        weights = torch.nn.functional.softmax(gate.to(counts.device), dim=-1)
+        _, selected = torch.topk(weights, top_k, dim=-1)
+        counts = counts + torch.bincount(selected.reshape(-1), minlength=num_experts).float()
+        probs = probs + weights.float().sum(dim=0)
+        rows += weights.shape[0]
+    return counts, probs, rows
+
+
+class RouterAuxLoss:
+    """Forward hook of the causal LM: the router auxiliary loss over the whole sequences.
+
+    Note [Context parallel router auxiliary loss]
+    With ``output_router_logits`` a mixture-of-experts model adds
+    ``coef * aux`` to its loss, ``aux = E * sum_e (T_e / N) * (P_e / N)`` (Switch
+    Transformer load balancing: ``T_e`` the top-k assignments to expert ``e``, ``P_e`` its
+    summed routing probabilities, ``N`` the routed rows of every layer). Computed by the
+    model on a context parallel rank, ``T``, ``P`` and ``N`` cover only the rank's tokens,
+    so the CP mean of the losses, and the gradients, are not the single-process ones. The
+    hook replaces it, in the convention of Note [Context parallel loss], with
+
+        aux_r = E * sum_e (T_e / N)_group * (P_e / N)_rank
+
+    ``T`` summed over the context parallel group (one all-reduce of ``E + 1`` numbers;
+    assignments carry no gradient), ``P`` the rank's own: every rank has as many rows (the
+    input check), so the mean of ``aux_r`` over the group is the single-process ``aux`` and,
+    after FSDP's averaging, so are its gradients. ``output.loss`` becomes
+    ``loss + coef * (aux_r - aux)`` and ``output.aux_loss`` ``aux_r``.
+
+    The hook first recomputes the model's own ``aux`` from the rank's router logits. If it
+    does not match (a family whose auxiliary loss is another formula), every rank of the
+    group raises (the mismatch travels in the all-reduce), instead of training on a wrong
+    auxiliary loss.
+
+    Args:
+        group: The context parallel group.
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
+        """``output`` with the group's ``aux_loss`` and loss, or ``None`` (no auxiliary loss).
+
+        Raises:
+            ValueError: On every rank, for an auxiliary loss this hook cannot recompute.
+        """
+        enabled = kwargs.get("output_router_logits")
+        if enabled is None:
+            enabled = getattr(getattr(module, "config", None), "output_router_logits", False)
+        if not enabled:
+            return None
+        name = type(module).__name__
+        if not isinstance(output, MutableMapping):
+            raise ValueError(
+                f"{name} with output_router_logits and context parallelism must return its "
+                "output as a ModelOutput (return_dict=True): the router auxiliary loss is "
+                "recomputed over the whole sequences from output.router_logits."
+            )
+        aux = output.get("aux_loss")
+        if not isinstance(aux, torch.Tensor):
+            return None
+        router_logits = output.get("router_logits")
+        num_experts = getattr(module, "num_experts", None)
+        top_k = getattr(module, "num_experts_per_tok", None)
+        coef = getattr(module, "router_aux_loss_coef", None)
+        if (
+            not isinstance(router_logits, tuple)
+            or num_experts is None
+            or top_k is None
+            or coef is None
+        ):
+            raise ValueError(
+                f"{name} computes a router auxiliary loss (output_router_logits=True) that "
+                "context parallelism cannot recompute over the whole sequences (it needs "
+                "output.router_logits and the model's num_experts, num_experts_per_tok and "
+                "router_aux_loss_coef). Set output_router_logits=False (config or call), or "
+                "use context_parallel_degree=1."
+            )
+        counts, probs, rows = _router_sums(router_logits, int(num_experts), int(top_k))
+        local = num_experts * torch.sum((counts / rows) * (probs / rows))
+        same = torch.allclose(local.detach(), aux.detach().float(), rtol=1e-3, atol=1e-6)
+        packet = torch.cat([counts, torch.tensor([float(not same)], device=counts.device)])
+        dist.all_reduce(packet, group=self.group)
+        if packet[-1].item() > 0:
+            raise ValueError(
+                f"{name}'s router auxiliary loss is not the Switch Transformer load-balancing "
+                "loss context parallelism recomputes over the whole sequences (on some rank "
+                "of the group it differs from that formula), so it would be computed on each "
+                "rank's tokens alone. Set output_router_logits=False (config or call), or "
+                "use context_parallel_degree=1."
+            )
+        cp = dist.get_world_size(self.group)
+        mine = num_experts * torch.sum((packet[:-1] / (cp * rows)) * (probs / rows))
+        mine = mine.to(aux.dtype)
+        loss = output.get("loss")
+        if loss is not None:
+            output["loss"] = loss + coef * (mine - aux).to(loss.device)
+        output["aux_loss"] = mine
+        return output
+
+
+__all__ = ["RouterAuxLoss", "context_parallel_loss", "shift_labels_across_ranks"]

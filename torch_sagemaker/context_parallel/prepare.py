@@ -10,7 +10,9 @@ tensor parallelism, delayed initialisation, FSDP and checkpoints unchanged):
    (Note [Context parallel input check]) and supplies the global positions of the local
    tokens as ``position_ids``, from which every family computes RoPE; Hugging Face would
    otherwise number the local tokens ``0 .. 2c-1``;
-3. the model's loss function is wrapped (Note [Context parallel loss]);
+3. the model's loss function is wrapped (Note [Context parallel loss]), and a forward hook
+   recomputes a mixture of experts' router auxiliary loss over the whole sequences
+   (Note [Context parallel router auxiliary loss]);
 4. the model records that it is context parallel (``MODEL_ATTR``), which the FSDP entry
    points check.
 
@@ -20,9 +22,12 @@ the local length, a fingerprint of the local token ids, whether they are all equ
 whether the rank found a problem with its own input (an odd local length, i.e. a
 sequence that does not split into ``2 * cp`` chunks; a KV cache; a padding mask).
 Unequal lengths mean the ranks were given different shapes; identical fingerprints on
-every rank (for non-constant tokens) mean every rank got the same, unsplit sequences,
-as when the batch was not passed through ``split_sequence``/SMP's
-``get_batch_for_cp_rank``. All of these would silently train on garbage, so they raise,
+every rank mean every rank got the same, unsplit sequences, as when the batch was not
+passed through ``split_sequence``/SMP's ``get_batch_for_cp_rank``, unless each rank's two
+chunks are equal too: a correctly split sequence whose ``2 * cp`` chunks all repeat (constant
+or periodic tokens, e.g. a period dividing ``S / (2 * cp)``) gives every rank the same tokens,
+and is accepted (an unsplit batch of such sequences then goes unnoticed; natural text does
+not repeat chunk for chunk). All of these would silently train on garbage, so they raise,
 and on every rank of the group at once (a rank raising alone would leave the others
 waiting in the attention's first collective until the timeout). The cost is one tiny
 collective per forward pass, not per layer.
@@ -30,6 +35,8 @@ collective per forward pass, not per layer.
 
 from __future__ import annotations
 
+import inspect
+import re
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -39,7 +46,7 @@ from torch import nn
 from torch_sagemaker.context_parallel import attention
 from torch_sagemaker.context_parallel.comm import all_gather_stacked
 from torch_sagemaker.context_parallel.layout import check_local_length, local_positions
-from torch_sagemaker.context_parallel.loss import context_parallel_loss
+from torch_sagemaker.context_parallel.loss import RouterAuxLoss, context_parallel_loss
 from torch_sagemaker.policies import ModelPolicy
 
 if TYPE_CHECKING:
@@ -49,13 +56,56 @@ if TYPE_CHECKING:
 MODEL_ATTR = "_tsm_context_parallel_model"
 
 
+#: ``layer_types`` entries context parallelism runs exactly: softmax attention over the whole
+#: causal sequence (a sliding window is refused on its own, by ``sliding_window_attr``) and
+#: layers that mix no positions. Every other kind (``linear_attention``, ``conv``, ``hybrid``,
+#: ``indexed_attention``, ``chunked_attention``, ...) is refused (Note [Context parallel
+#: sequence mixers]).
+SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "mlp", "moe"})
+
+_FIX = (
+    "Use context_parallel_degree=1 for this model (tensor or data parallelism split it "
+    "without splitting the sequence)."
+)
+
+
 def check_supported(model: nn.Module, policy: ModelPolicy) -> None:
-    """Refuses model configurations context parallel attention cannot run exactly.
+    """Refuses models context parallel attention cannot run exactly.
+
+    The config checks of ``check_config_supported``, then the model's own modules
+    (Note [Context parallel sequence mixers]).
 
     Raises:
-        ValueError: For a sliding-window configuration, naming the attribute and the fix.
+        ValueError: For a sliding-window configuration or a layer that mixes positions other
+            than through the attention modules context parallelism prepares, naming the
+            attribute or the modules and the fix.
     """
-    check_config_supported(model.config, policy, type(model).__name__)
+    name = type(model).__name__
+    check_config_supported(model.config, policy, name)
+    found = unsupported_mixers(model, policy)
+    if found:
+        listed = "; ".join(f"{n} ({kind}: {why})" for n, kind, why in found[:6])
+        more = f"; and {len(found) - 6} more" if len(found) > 6 else ""
+        raise ValueError(
+            f"{name} is not supported with context parallelism: its decoder layers mix "
+            "sequence positions in modules that are not the softmax attention context "
+            f"parallelism splits over the ranks: {listed}{more}. Each rank would run them on "
+            f"its part of the sequence alone. {_FIX}"
+        )
+
+
+def _text_configs(config: Any) -> list[Any]:
+    """``config`` and, for a multimodal one, its text config (where the layers are)."""
+    configs = [config]
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        try:
+            text = get_text()
+        except Exception:  # a config that refuses to name one: only itself
+            text = None
+        if text is not None and text is not config:
+            configs.append(text)
+    return configs
 
 
 def check_config_supported(config: Any, policy: ModelPolicy, model_name: str) -> None:
@@ -67,7 +117,9 @@ def check_config_supported(config: Any, policy: ModelPolicy, model_name: str) ->
         model_name: The model's class name, for the message.
 
     Raises:
-        ValueError: For a sliding-window configuration, naming the attribute and the fix.
+        ValueError: For a sliding-window configuration, or layer types, chunked attention or
+            a sparse attention indexer context parallelism cannot split (Note [Context
+            parallel sequence mixers]), naming the attribute and the fix.
     """
     attr = policy.sliding_window_attr
     window = getattr(config, attr, None) if attr else None
@@ -78,14 +130,138 @@ def check_config_supported(config: Any, policy: ModelPolicy, model_name: str) ->
             f"{attr} = None before building the model (full causal attention), or use "
             "context_parallel_degree=1."
         )
+    for cfg in _text_configs(config):
+        layer_types = getattr(cfg, "layer_types", None)
+        if isinstance(layer_types, (list, tuple)):
+            bad: dict[str, list[int]] = {}
+            for i, kind in enumerate(layer_types):
+                if kind not in SUPPORTED_LAYER_TYPES:
+                    bad.setdefault(str(kind), []).append(i)
+            if bad:
+                listed = ", ".join(f"{k!r} (layers {v})" for k, v in bad.items())
+                raise ValueError(
+                    f"{model_name} is not supported with context parallelism: its config's "
+                    f"layer_types include {listed}. Context parallelism splits only softmax "
+                    "attention over the whole causal sequence (layer types "
+                    f"{sorted(SUPPORTED_LAYER_TYPES)}); recurrent, linear-attention, "
+                    "convolution, state-space, chunked or sparse (indexed) attention layers "
+                    f"would run on each rank's part of the sequence alone. {_FIX}"
+                )
+        chunk = getattr(cfg, "attention_chunk_size", None)
+        if chunk is not None:
+            raise ValueError(
+                f"{model_name} has attention_chunk_size={chunk}: chunked attention is not "
+                f"supported with context parallelism (it attends over the whole causal "
+                f"sequence). {_FIX}"
+            )
+        topk = getattr(cfg, "index_topk", None)
+        if topk is not None:
+            raise ValueError(
+                f"{model_name} has index_topk={topk}: sparse attention whose keys a lightning "
+                "indexer selects (DeepSeek sparse attention) is not supported with context "
+                f"parallelism (the indexer scores only the rank's own tokens). {_FIX}"
+            )
+
+
+def _uses_attention_interface(module: nn.Module) -> bool | None:
+    """Whether ``module``'s forward dispatches through Hugging Face's attention interface.
+
+    ``None`` when its source cannot be read (then nothing is claimed).
+    """
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return None
+    return any(
+        word in source
+        for word in ("ALL_ATTENTION_FUNCTIONS", "AttentionInterface", "_attn_implementation")
+    )
+
+
+def _sequence_mixing(module: nn.Module, attention: set[int]) -> str | None:
+    """Why ``module`` (inside a decoder layer) mixes positions CP would not see, or ``None``."""
+    named_attention = re.search(r"(Attention|Attn)$", type(module).__name__) is not None
+    if id(module) in attention and named_attention and _uses_attention_interface(module) is False:
+        return (
+            "an attention module that computes its own (linear or recurrent) attention "
+            "instead of calling Hugging Face's AttentionInterface"
+        )
+    for name, child in module.named_modules():
+        if name and id(child) in attention:
+            continue
+        if isinstance(child, nn.Conv1d) and child.kernel_size[0] > 1:
+            where = f"{name}: " if name else ""
+            return (
+                f"a convolution over the sequence ({where}Conv1d, kernel "
+                f"{child.kernel_size[0]}), as in state-space, short-convolution and "
+                "delta-rule layers"
+            )
+        if type(child).__name__.endswith("Indexer"):
+            return f"a sparse attention indexer ({name}: {type(child).__name__})"
+    return None
+
+
+def unsupported_mixers(model: nn.Module, policy: ModelPolicy) -> list[tuple[str, str, str]]:
+    """Modules of ``model``'s decoder layers that mix positions outside CP's attention.
+
+    Note [Context parallel sequence mixers]
+    Context parallelism splits every sequence over the ranks and makes exactly one kind of
+    module see the whole of it: the attention modules of the policy, whose forward calls
+    the function registered in Hugging Face's ``AttentionInterface`` (causal softmax
+    attention). Every other module must act on each position alone. Hybrid models break
+    this (lfm2_moe's short convolutions, falcon_h1/nemotron_h/bamba's Mamba mixers,
+    qwen3_next/olmo_hybrid's gated delta nets, minimax's lightning attention, kimi_linear
+    and bailing_hybrid's delta attention), and so do attention kinds the function does not
+    compute (DeepSeek sparse attention's indexer, llama4's chunked attention): run on a
+    rank's part of the sequence they silently give other numbers, or crash. Two checks
+    refuse them at transform time:
+
+    - the config (``check_config_supported``, which the planner also runs): every entry of
+      ``layer_types`` must be in ``SUPPORTED_LAYER_TYPES``, and ``attention_chunk_size``
+      and ``index_topk`` must be unset;
+    - the modules (this function, for configs that do not describe their layers): inside
+      every decoder layer, a module of the policy's attention must call the attention
+      interface (read from its forward's source) if its class is named ``...Attention`` or
+      ``...Attn`` (a pattern may also match a hybrid layer's MLP); no module may hold an
+      ``...Indexer`` (sparse attention's key selection) or an ``nn.Conv1d`` with a kernel
+      longer than 1 (a convolution along the sequence, which every state-space,
+      short-convolution and delta-rule mixer of transformers has).
+
+    Args:
+        model: The model (any device, meta included).
+        policy: Its policy (the attention modules and the decoder layer class).
+
+    Returns:
+        ``(module name, class name, why)`` of each offending module, first per layer child.
+    """
+    attention = {id(m) for _, m in policy.attention_modules(model)}
+    try:
+        layer_cls = policy.layer_cls(model)
+    except ValueError:
+        return []
+    found = []
+    for layer_name, layer in model.named_modules():
+        if not isinstance(layer, layer_cls):
+            continue
+        for child_name, child in layer.named_children():
+            why = _sequence_mixing(child, attention)
+            if why is not None:
+                found.append((f"{layer_name}.{child_name}", type(child).__name__, why))
+    return found
 
 
 def _fingerprint(ids: torch.Tensor) -> tuple[int, int]:
-    """A position-weighted checksum of token ids and whether they are all equal."""
+    """A position-weighted checksum of token ids and whether their two chunks are equal.
+
+    Equal chunks (every row's first half equal to its second: constant or periodic tokens)
+    are what a correctly split sequence whose chunks all repeat gives every rank, so the
+    identical fingerprints of such input prove nothing (Note [Context parallel input check]).
+    """
     weights = torch.arange(1, ids.numel() + 1, device=ids.device, dtype=torch.int64)
     flat = ids.reshape(-1).to(torch.int64)
-    constant = bool(flat.numel() == 0 or bool((flat == flat[0]).all()))
-    return int((flat * weights).sum()), int(constant)
+    half = ids.shape[1] // 2
+    repeating = ids.shape[1] % 2 == 0 and bool(torch.equal(ids[:, :half], ids[:, half:]))
+    return int((flat * weights).sum()), int(repeating)
 
 
 class InputCheck:
@@ -161,9 +337,9 @@ class InputCheck:
 
     def _check_group(self, local_len: int, ids: torch.Tensor | None, problem: str | None) -> None:
         """Note [Context parallel input check]."""
-        fingerprint, constant = _fingerprint(ids) if ids is not None else (self.rank, 1)
+        fingerprint, repeating = _fingerprint(ids) if ids is not None else (self.rank, 1)
         mine = torch.tensor(
-            [local_len, fingerprint, constant, problem is not None], dtype=torch.int64
+            [local_len, fingerprint, repeating, problem is not None], dtype=torch.int64
         )
         if ids is not None:
             mine = mine.to(ids.device)
@@ -229,6 +405,7 @@ def prepare_model(
         )
     decoder.register_forward_pre_hook(InputCheck(group), with_kwargs=True)
     hf.loss_function = context_parallel_loss(hf.loss_function, group)
+    model.register_forward_hook(RouterAuxLoss(group), with_kwargs=True)
     setattr(model, MODEL_ATTR, plan)
 
 
@@ -258,6 +435,7 @@ def check_prepared(module: nn.Module, cp_size: int, where: str) -> None:
 
 
 __all__ = [
+    "SUPPORTED_LAYER_TYPES",
     "InputCheck",
     "MODEL_ATTR",
     "check_config_supported",
@@ -265,4 +443,5 @@ __all__ = [
     "check_supported",
     "is_context_parallel",
     "prepare_model",
+    "unsupported_mixers",
 ]
