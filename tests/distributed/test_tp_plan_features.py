@@ -17,7 +17,8 @@ One launch of 2 ranks runs every case, each under its own ``tsm.init``:
 - a module the plan leaves out that computes on split activations (Qwen3's per-head
   norms, dropped from the plan) is caught on first use on every rank, not replicated;
 - one key/value head under tensor parallelism 2 (replicated per rank) matches one process;
-- sequence and token classification heads keep their own losses, equal to one process's.
+- sequence and token classification heads keep their own losses, equal to one process's;
+- StarCoder2's residual dropout inside attention draws one process's masks.
 """
 
 from __future__ import annotations
@@ -221,6 +222,38 @@ def _classification_heads() -> dict:
     return out
 
 
+def _residual_dropout_inside_attention() -> dict:
+    """StarCoder2 drops out the projected attention output inside its attention module."""
+    import torch
+    import torch.sagemaker as tsm
+    import transformers as tf
+
+    from tests.distributed.test_tp_parity import gradient_diffs
+
+    config = tf.Starcoder2Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        residual_dropout=0.2,
+        attention_dropout=0.0,
+        embedding_dropout=0.0,
+    )
+    torch.manual_seed(0)
+    ref = tf.AutoModelForCausalLM.from_config(config).float().train()
+    model = tsm.transform(copy.deepcopy(ref)).train()
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for m in (model, ref):  # the same draws from the shared stream: the same masks
+        torch.manual_seed(9)
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
+    return {"loss": abs(losses[0] - losses[1]), "grads": max(gradient_diffs(model, ref).values())}
+
+
 def _all(root: str) -> dict:
     from tests.distributed.test_delayed_param import fresh_layout
 
@@ -232,6 +265,7 @@ def _all(root: str) -> dict:
     out["dropped_norms"] = _dropped_norms()
     out["one_kv_head"] = _one_kv_head()
     out["classification"] = _classification_heads()
+    out["residual_dropout"] = _residual_dropout_inside_attention()
     fresh_layout({"context_parallel_degree": 2})
     out["cp"] = cp_cases.run_case(FAMILY, "p2p", "fsdp2")
     fresh_layout({"expert_parallel_degree": 2})
@@ -316,3 +350,13 @@ def test_classification_heads_keep_their_own_loss(results):
             "AutoModelForTokenClassification",
         }
         assert max(r["classification"].values()) < 1e-6, r["classification"]
+
+
+def test_residual_dropout_inside_attention_draws_the_shared_mask(results):
+    # Note [Residual dropout inside attention]: the TP region used to cover it, so each rank
+    # drew its own mask for a replicated activation and the first-use check refused the model.
+    from tests.distributed.test_tp_parity import ATOL
+
+    for r in results:
+        case = r["residual_dropout"]
+        assert case["loss"] < ATOL and case["grads"] < ATOL, case

@@ -143,8 +143,17 @@ def _set_head_counts(attention: nn.Module, heads: HeadSplit) -> None:
                 setattr(attention, attr, local)
 
 
-def install_rng_region(module: nn.Module, tracker: RNGStatesTracker) -> None:
-    """Runs ``module``'s forward inside ``tracker.fork()`` (a TP region: per-rank random draws)."""
+def install_rng_region(
+    module: nn.Module, tracker: RNGStatesTracker, ends_at: tuple[nn.Module, ...] = ()
+) -> None:
+    """Runs ``module``'s forward inside ``tracker.fork()`` (a TP region: per-rank random draws).
+
+    Args:
+        module: The attention module.
+        tracker: The TP ranks' random streams.
+        ends_at: Submodules whose input is where the region ends (Note [Residual dropout
+            inside attention]): the rest of the forward draws from the shared stream.
+    """
     stack: list[Any] = []
 
     def enter(_mod: nn.Module, _args: Any) -> None:
@@ -152,12 +161,36 @@ def install_rng_region(module: nn.Module, tracker: RNGStatesTracker) -> None:
         ctx.__enter__()
         stack.append(ctx)
 
-    def leave(_mod: nn.Module, _args: Any, _out: Any) -> None:
+    def leave(*_: Any) -> None:
         if stack:
             stack.pop().__exit__(None, None, None)
 
     module.register_forward_pre_hook(enter)
     module.register_forward_hook(leave, always_call=True)
+    for end in ends_at:
+        end.register_forward_pre_hook(leave)
+
+
+#: Row-parallel styles whose output is whole on every rank (the replicated layout).
+_WHOLE_OUTPUT_ROWWISE = ("rowwise_allreduce", "rowwise_split_input")
+
+
+def _whole_output_projections(attention: nn.Module) -> tuple[nn.Module, ...]:
+    """The attention's output projections after which every TP rank holds the whole output.
+
+    Note [Residual dropout inside attention]: the TP region (per-rank draws, for the
+    attention probabilities of this rank's heads) used to span the whole attention forward.
+    Some models drop out the projected output inside it too (StarCoder2's
+    ``residual_dropout``, GPT-J's and CodeGen's ``resid_pdrop``): a replicated activation,
+    which must get the same mask on every rank. It got a different one, and the first-use
+    check blamed the next norm's plan entry (or, had the check passed, the replicated
+    parameters trained apart). On the replicated layout the region now ends where the
+    all-reduced output projection starts. The policies' sequence-parallel layout splits
+    that output over the sequence instead; no policy model drops out inside attention.
+    """
+    return tuple(
+        m for m in attention.modules() if getattr(m, STYLE_ATTR, None) in _WHOLE_OUTPUT_ROWWISE
+    )
 
 
 def gather_attention_weights(module: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -290,7 +323,7 @@ def apply_tp_plan(
     for _, attention in policy.attention_modules(model):
         if policy.heads_split and _splits_heads(attention):
             _set_head_counts(attention, heads)
-            install_rng_region(attention, tracker)
+            install_rng_region(attention, tracker, ends_at=_whole_output_projections(attention))
             gather_attention_weights(attention, tp_mesh)
     left = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if left:
