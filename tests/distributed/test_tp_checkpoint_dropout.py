@@ -4,8 +4,9 @@ Each TP rank draws its heads' dropout masks from its own stream (tensor_parallel
 A recompute must draw the forward's masks again: ``checkpoint_transformer_layers`` (non
 reentrant, with the tracker's ``context_fn``) gives exactly the gradients of the run without
 checkpointing; reentrant checkpointing cannot replay the stream and raises instead of
-returning wrong gradients (Note [Unreplayed TP-region draws]). With dropout 0 reentrant
-checkpointing runs as before.
+returning wrong gradients (Note [Unreplayed TP-region draws]). A second backward through a
+retained graph recomputes and replays again. With dropout 0 reentrant checkpointing runs as
+before.
 """
 
 from __future__ import annotations
@@ -62,6 +63,22 @@ def _checkpointed_dropout() -> dict:
         want = _gradients(plain, tracker, states, ids)
         got = _gradients(ours, tracker, states, ids)
         out[("ours", dropout)] = max((want[n] - g).abs().max().item() for n, g in got.items())
+        # Recomputed twice (a retained graph's second backward): the replay context is
+        # entered once per recompute, and both replay the forward's masks. (The loss refuses
+        # a second backward itself; a plain function of the logits does not.)
+        grads = []
+        for passes in (1, 2):
+            ours.zero_grad()
+            tracker.set_states(states)
+            torch.manual_seed(5)
+            objective = ours(input_ids=ids).logits.to_local().square().mean()
+            for i in range(passes):
+                objective.backward(retain_graph=i + 1 < passes)
+            grads.append({n: p.grad.to_local().clone() for n, p in ours.named_parameters()})
+        once, twice = grads
+        out[("twice", dropout)] = max(
+            (2 * once[n] - g).abs().max().item() for n, g in twice.items()
+        )
         try:
             got = _gradients(reentrant, tracker, states, ids)
             out[("reentrant", dropout)] = max(
@@ -78,3 +95,4 @@ def test_checkpointed_tp_dropout_replays_or_raises():
         assert out[("ours", 0.3)] == 0.0, (rank, out)
         assert "without replaying the stream" in str(out[("reentrant", 0.3)]), (rank, out)
         assert out[("ours", 0.0)] == 0.0 and out[("reentrant", 0.0)] == 0.0, (rank, out)
+        assert out[("twice", 0.3)] < 1e-6 and out[("twice", 0.0)] < 1e-6, (rank, out)

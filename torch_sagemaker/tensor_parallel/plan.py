@@ -10,6 +10,7 @@ become DTensors on the TP mesh, so ``state_dict()`` keeps Hugging Face's keys an
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any, cast
@@ -163,7 +164,9 @@ def install_rng_region(
 
     def leave(*_: Any) -> None:
         if stack:
-            stack.pop().__exit__(None, None, None)
+            # An always_call hook runs while the forward's exception (if any) is in flight:
+            # the region learns of it (Note [Unreplayed TP-region draws]).
+            stack.pop().__exit__(*sys.exc_info())
 
     module.register_forward_pre_hook(enter)
     module.register_forward_hook(leave, always_call=True)

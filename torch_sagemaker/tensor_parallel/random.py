@@ -26,15 +26,19 @@ Note [Unreplayed TP-region draws]: without that (reentrant ``torch.utils.checkpo
 ``CheckpointImpl.REENTRANT`` of SMP's scripts, or non-reentrant without ``context_fn``), the
 recompute drew other dropout masks than the forward, and the gradients were silently wrong
 (a tiny Llama at tp 2 with attention dropout 0.3: 0.25 off). A forked region that draws while
-a backward pass runs is a recompute; unless the tracker's states were set during that
-backward (``checkpoint_context_fn``'s recompute does it, as does Transformer Engine's
-checkpoint), the region raises instead. Regions that draw nothing (dropout 0, the usual
-setting) are not affected.
+a backward pass runs is a recompute. It is replayed when it runs inside
+``checkpoint_context_fn``'s recompute context, or when someone else set the tracker's states
+during that backward (Transformer Engine's checkpoint does, before each recompute);
+otherwise the backward raises. When the region ends by an exception (non-reentrant
+checkpointing stops a recompute early by raising once it has what it needs, possibly inside
+the region), the error is raised when the backward pass ends instead, through the engine's
+final callback. Regions that draw nothing (dropout 0, the usual setting) are not affected.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -73,8 +77,11 @@ class RNGStatesTracker:
         self.device_type = device_type or _device_type()
         self._states: dict[str, torch.Tensor] = {}
         self._seeds: set[int] = set()
-        # The backward pass during which set_states last ran (Note [Unreplayed TP-region draws]).
+        # Note [Unreplayed TP-region draws]: the backward pass during which a caller other
+        # than checkpoint_context_fn set the states, and how many of its recompute contexts
+        # are open.
         self._states_set_in = -1
+        self._replaying = 0
 
     @classmethod
     def for_state(cls, state: Any) -> RNGStatesTracker:
@@ -104,6 +111,10 @@ class RNGStatesTracker:
         """Replaces the stream states with ``states`` (from ``get_states``)."""
         self._states = {name: s.clone() for name, s in states.items()}
         self._states_set_in = autograd_compat.current_graph_task_id()
+
+    def _restore(self, states: dict[str, torch.Tensor]) -> None:
+        """``set_states`` for the tracker's own replay (it does not mark the backward pass)."""
+        self._states = {name: s.clone() for name, s in states.items()}
 
     def add(self, name: str, seed: int) -> None:
         """Creates the stream ``name`` seeded with ``seed``.
@@ -136,20 +147,29 @@ class RNGStatesTracker:
         saved = _get_rng_state(self.device_type)
         before = self._states[name]
         _set_rng_state(before, self.device_type)
+        completed = False
         try:
             yield
+            completed = True
         finally:
             after = _get_rng_state(self.device_type)
             self._states[name] = after
             _set_rng_state(saved, self.device_type)
-        self._check_replayed(name, before, after)
+            problem = self._unreplayed(name, before, after)
+            if problem is not None and not completed:
+                # Possibly a recompute stopped early: say it when the backward pass ends.
+                autograd_compat.queue_callback(functools.partial(_raise, problem))
+        if problem is not None:
+            raise RuntimeError(problem)
 
-    def _check_replayed(self, name: str, before: torch.Tensor, after: torch.Tensor) -> None:
-        """Raises if the region drew during a backward pass that did not replay its states."""
+    def _unreplayed(self, name: str, before: torch.Tensor, after: torch.Tensor) -> str | None:
+        """Why the region's draws cannot be the forward's, or None (Note [Unreplayed ...])."""
         task = autograd_compat.current_graph_task_id()
-        if task == -1 or task == self._states_set_in or torch.equal(before, after):
-            return
-        raise RuntimeError(
+        if task == -1 or self._replaying or task == self._states_set_in:
+            return None
+        if torch.equal(before, after):
+            return None
+        return (
             f"A tensor parallel region drew random numbers from the {name!r} stream while "
             "backward recomputed it (activation checkpointing), without replaying the "
             "stream: its dropout masks would differ from the forward's and the gradients "
@@ -169,22 +189,46 @@ class RNGStatesTracker:
         from them and then puts back the states the real forward left.
         """
         recorded: dict[str, torch.Tensor] = {}
+        return _Recording(self, recorded), _Replay(self, recorded)
 
-        @contextlib.contextmanager
-        def forward_ctx() -> Iterator[None]:
-            recorded.update(self.get_states())
-            yield
 
-        @contextlib.contextmanager
-        def recompute_ctx() -> Iterator[None]:
-            after_forward = self.get_states()
-            self.set_states(recorded)
-            try:
-                yield
-            finally:
-                self.set_states(after_forward)
+def _raise(message: str) -> None:
+    raise RuntimeError(message)
 
-        return forward_ctx(), recompute_ctx()
+
+class _Recording:
+    """The forward context of ``checkpoint_context_fn``: records the states at the start."""
+
+    def __init__(self, tracker: RNGStatesTracker, recorded: dict[str, torch.Tensor]) -> None:
+        self.tracker, self.recorded = tracker, recorded
+
+    def __enter__(self) -> None:
+        self.recorded.update(self.tracker.get_states())
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class _Replay:
+    """The recompute context of ``checkpoint_context_fn``: replays from the recorded states.
+
+    Entered once per recompute, so as often as the block is recomputed (a second backward
+    through a retained graph, or a gradient of a gradient): a one-shot generator context
+    failed the second time.
+    """
+
+    def __init__(self, tracker: RNGStatesTracker, recorded: dict[str, torch.Tensor]) -> None:
+        self.tracker, self.recorded = tracker, recorded
+        self.after_forward: list[dict[str, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        self.after_forward.append(self.tracker.get_states())
+        self.tracker._restore(self.recorded)
+        self.tracker._replaying += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        self.tracker._replaying -= 1
+        self.tracker._restore(self.after_forward.pop())
 
 
 __all__ = ["MODEL_PARALLEL_RNG", "RNGStatesTracker"]
