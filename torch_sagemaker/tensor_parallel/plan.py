@@ -38,7 +38,11 @@ from torch_sagemaker.tensor_parallel.replicated_styles import (
     OwnedOutput,
     make_replicated_style,
 )
-from torch_sagemaker.tensor_parallel.styles import make_style, shard_given_embeddings
+from torch_sagemaker.tensor_parallel.styles import (
+    SequenceParallelNorm,
+    make_style,
+    shard_given_embeddings,
+)
 
 #: Styles that name a bare parameter (``self_attn.sinks``), not a module.
 PARAMETER_STYLES = ("param_colwise", "param_rowwise")
@@ -227,11 +231,14 @@ def _head_dim(model: nn.Module, name: str, attention: list[str]) -> int:
 def _replicates_buffers(style: Any) -> bool:
     """Whether applying ``style`` replicates its module's buffers with ``distribute_module``.
 
-    PyTorch's column-, row- and sequence-parallel styles (and ours built on them) do; the
-    replicated-layout styles swap parameters only and leave buffers plain.
+    PyTorch's column-, row- and sequence-parallel styles, ours built on them and our
+    sequence-parallel norms do; the replicated-layout styles swap parameters only and leave
+    buffers plain.
     """
     inner = style.inner if isinstance(style, OwnedOutput) else style
-    return isinstance(inner, (ColwiseParallel, RowwiseParallel, SequenceParallel))
+    return isinstance(
+        inner, (ColwiseParallel, RowwiseParallel, SequenceParallel, SequenceParallelNorm)
+    )
 
 
 def _replicate_buffers_locally(module: nn.Module, mesh: DeviceMesh) -> None:
