@@ -169,10 +169,10 @@ class RouterAuxLoss:
     after FSDP's averaging, so are its gradients. ``output.loss`` becomes
     ``loss + coef * (aux_r - aux)`` and ``output.aux_loss`` ``aux_r``.
 
-    The hook first recomputes the model's own ``aux`` from the rank's router logits. If it
-    does not match (a family whose auxiliary loss is another formula), every rank of the
-    group raises (the mismatch travels in the all-reduce), instead of training on a wrong
-    auxiliary loss.
+    On its first call the hook recomputes the model's own ``aux`` from the rank's router
+    logits (once: the comparison waits for the device). If it does not match (a family
+    whose auxiliary loss is another formula), every rank of the group raises (the mismatch
+    travels in the all-reduce), instead of training on a wrong auxiliary loss.
 
     Args:
         group: The context parallel group.
@@ -180,6 +180,7 @@ class RouterAuxLoss:
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
+        self.checked = False  # the formula check ran (on the first call only: it syncs)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
         """``output`` with the group's ``aux_loss`` and loss, or ``None`` (no auxiliary loss).
@@ -220,11 +221,16 @@ class RouterAuxLoss:
                 "use context_parallel_degree=1."
             )
         counts, probs, rows = _router_sums(router_logits, int(num_experts), int(top_k))
-        local = num_experts * torch.sum((counts / rows) * (probs / rows))
-        same = torch.allclose(local.detach(), aux.detach().float(), rtol=1e-3, atol=1e-6)
-        packet = torch.cat([counts, torch.tensor([float(not same)], device=counts.device)])
+        # The model's formula does not change between steps: it is checked once, since the
+        # comparison waits for the device.
+        check = not self.checked
+        packet = counts
+        if check:
+            local = num_experts * torch.sum((counts / rows) * (probs / rows))
+            same = torch.allclose(local.detach(), aux.detach().float(), rtol=1e-3, atol=1e-6)
+            packet = torch.cat([counts, torch.tensor([float(not same)], device=counts.device)])
         dist.all_reduce(packet, group=self.group)
-        if packet[-1].item() > 0:
+        if check and packet[-1].item() > 0:
             raise ValueError(
                 f"{name}'s router auxiliary loss is not the Switch Transformer load-balancing "
                 "loss context parallelism recomputes over the whole sequences (on some rank "
@@ -232,8 +238,9 @@ class RouterAuxLoss:
                 "rank's tokens alone. Set output_router_logits=False (config or call), or "
                 "use context_parallel_degree=1."
             )
+        self.checked = True
         cp = dist.get_world_size(self.group)
-        mine = num_experts * torch.sum((packet[:-1] / (cp * rows)) * (probs / rows))
+        mine = num_experts * torch.sum((packet[:num_experts] / (cp * rows)) * (probs / rows))
         mine = mine.to(aux.dtype)
         loss = output.get("loss")
         if loss is not None:
