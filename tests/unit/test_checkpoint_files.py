@@ -193,6 +193,18 @@ def test_sm_local_state_dict_round_trip(tmp_path):
         other.load_state_dict({**template["model"], "0.weight": torch.zeros(2, 2)})
 
 
+def test_sm_local_state_dict_from_another_shard_is_refused():
+    # Equal shapes, another shard: loading it would be silently wrong.
+    model = nn.Sequential(nn.Linear(4, 3))
+    with sm_state_dict_type(model, SMStateDictType.SM_LOCAL_STATE_DICT):
+        sd = model.state_dict()
+        model.load_state_dict(sd)  # its own layout loads
+        sd.layout = {**sd.layout, "fsdp_rank": 1, "tensor_parallel_degree": 2}
+        with pytest.raises(ValueError, match="tensor_parallel_degree=2/None, fsdp_rank=1/0"):
+            model.load_state_dict(sd)
+        model.load_state_dict(dict(sd))  # a plain dict has no layout to check
+
+
 def test_init_optim_state_creates_zero_state_without_moving_params():
     model = nn.Linear(4, 3)
     before = [p.detach().clone() for p in model.parameters()]

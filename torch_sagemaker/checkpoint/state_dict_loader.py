@@ -35,10 +35,9 @@ from torch_sagemaker.checkpoint.location import (
 from torch_sagemaker.checkpoint.marker import CheckpointError, corrupt_error
 from torch_sagemaker.checkpoint.state_dict_saver import describe_failure
 from torch_sagemaker.checkpoint.state_dict_utils import (
-    current_layout,
     find_local_layout,
+    local_layout_differences,
     resolve_stateful,
-    shard_coordinates,
 )
 from torch_sagemaker.logger import get_logger
 
@@ -151,18 +150,7 @@ def check_state_dict_matches(
 
 def _check_local_layout(marker: dict[str, Any], path: object, state_dict: dict[str, Any]) -> None:
     """An SM-local checkpoint loads only under the shard layout that wrote it."""
-    saved = marker.get("layout", {})
-    here = {**current_layout(), **shard_coordinates()}
-    keys = (
-        "hybrid_shard_degree",
-        "tensor_parallel_degree",
-        "context_parallel_degree",
-        "expert_parallel_degree",
-        "tp_rank",
-        "ep_rank",
-        "fsdp_rank",
-    )
-    diff = {k: (saved.get(k), here.get(k)) for k in keys if saved.get(k) != here.get(k)}
+    diff = local_layout_differences(marker.get("layout", {}))
     if diff:
         raise CheckpointError(
             f"SM-local checkpoint {path} was saved under another shard layout; it loads only "

@@ -73,6 +73,27 @@ def shard_coordinates() -> dict[str, int]:
     }
 
 
+# What must match for an SM-local shard to load: the degrees that shape a shard and this rank's
+# place among the shards. The world size may differ (replicas can change).
+LOCAL_LAYOUT_KEYS = (
+    "hybrid_shard_degree",
+    "tensor_parallel_degree",
+    "context_parallel_degree",
+    "expert_parallel_degree",
+    "tp_rank",
+    "ep_rank",
+    "fsdp_rank",
+)
+
+
+def local_layout_differences(saved: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The keys of ``LOCAL_LAYOUT_KEYS`` where ``saved`` differs from this rank: (saved, here)."""
+    here = {**current_layout(), **shard_coordinates()}
+    return {
+        k: (saved.get(k), here.get(k)) for k in LOCAL_LAYOUT_KEYS if saved.get(k) != here.get(k)
+    }
+
+
 def local_subdir() -> str:
     """SMP's directory name of this rank's SM-local shard: ``tp{r}_ep{r}_fsdp{r}``."""
     c = shard_coordinates()
@@ -97,9 +118,26 @@ def load_local_state_dict(
 ) -> None:
     """Copies a ``local_state_dict`` back into ``model`` (same shard layout required).
 
+    A state dict that carries its ``layout`` (as ``local_state_dict`` returns it) must have
+    been saved by a rank with this rank's shard layout: shards of equal shapes from another TP
+    rank or FSDP shard rank would otherwise load silently.
+
     Raises:
-        ValueError: Naming the missing, unexpected and wrongly shaped keys.
+        ValueError: Naming the layout differences, or the missing, unexpected and wrongly
+            shaped keys.
     """
+    saved_layout = getattr(state_dict, "layout", None)
+    if isinstance(saved_layout, dict):
+        diff = local_layout_differences(saved_layout)
+        if diff:
+            raise ValueError(
+                "SM-local state dict was saved under another shard layout; it loads only "
+                "under the same hybrid_shard_degree, tensor/context/expert parallel degrees "
+                "and on the rank of the same shard. Differences (saved, here): "
+                + ", ".join(f"{k}={a}/{b}" for k, (a, b) in diff.items())
+                + ". Load each rank's own state dict, or save a sharded checkpoint (the "
+                "default kind) to change the layout."
+            )
     targets = dict([*model.named_parameters(), *model.named_buffers()])
     missing = sorted(set(targets) - set(state_dict)) if strict else []
     unexpected = sorted(set(state_dict) - set(targets)) if strict else []
