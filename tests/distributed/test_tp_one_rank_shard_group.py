@@ -103,6 +103,8 @@ def _train_both_apis_in_layout():
             local = rank_slice(batch, tsm.state.dp_rank, tsm.state.dp_size)
             loss = model(input_ids=local, labels=local).loss
             loss.backward()
+            if api == "fsdp1" and not losses:
+                results["summoned_grads"] = _summoned_grads_differ(model)
             clip_grad_norm_(model, 1.0)
             optim.step()
             optim.zero_grad(set_to_none=True)
@@ -112,6 +114,25 @@ def _train_both_apis_in_layout():
         params = _fsdp1_full_state_dict(model) if api == "fsdp1" else full_params(model)
         results[api] = (strategy, losses, params)
     return results
+
+
+def _summoned_grads_differ(model) -> dict[str, float]:
+    """``summon_full_params(with_grads=True)`` under NO_SHARD: each gradient equals the one
+    outside it (the TP-local gradient); reading them used to crash the process (Note [FSDP1
+    NO_SHARD with DTensor parameters])."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    def clean(name: str) -> str:
+        return name.replace("_fsdp_wrapped_module.", "")
+
+    outside = {clean(n): p.grad.clone() for n, p in model.named_parameters()}
+    with FSDP.summon_full_params(model, with_grads=True):
+        return {
+            n: float((p.grad.clone() - outside[clean(n)]).abs().max())
+            if p.grad.shape == outside[clean(n)].shape
+            else float("inf")
+            for n, p in model.named_parameters()
+        }
 
 
 LAYOUTS = {  # name: (world size, SMP config)
@@ -129,6 +150,8 @@ def test_tp_with_one_rank_shard_group_trains_like_one_process(layout):
     )
     ref_losses, ref_params = _reference()
     for rank, per_api in enumerate(results):
+        summoned = per_api.pop("summoned_grads")
+        assert summoned and max(summoned.values()) == 0.0, (rank, summoned)
         for api, (strategy, losses, params) in per_api.items():
             assert strategy in ("NO_SHARD", "fsdp2"), strategy
             torch.testing.assert_close(

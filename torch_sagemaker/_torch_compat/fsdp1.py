@@ -1,8 +1,9 @@
 """Private names of FSDP1 (``FullyShardedDataParallel``): its per-unit state and flat parameters.
 
 What the package reads or replaces on a unit (``_handle``, ``_fsdp_extension``, the state dict
-type and config), on its ``FlatParamHandle`` (``_use_unsharded_views``, which the package wraps
-per handle, ``_setattr_param``, ``_use_orig_params``) and on the handle's ``FlatParameter``
+type and config), on its ``FlatParamHandle`` (``_use_unsharded_views`` and
+``_use_unsharded_grad_views``, which the package wraps per handle, ``_get_unflat_views``,
+``_setattr_param``, ``_use_orig_params``) and on the handle's ``FlatParameter``
 (the per-parameter records ``_params``, ``_param_infos``, ``_shard_param_infos``,
 ``_param_extensions``, ``_fqns``, and the shared-parameter records ``_shared_param_infos``,
 ``_shared_params``, ``_modules``), the handle method that builds the flat parameter
@@ -55,6 +56,20 @@ or_policy = _or_policy
 #: modules; the package wraps it on single handles, so it is named here for ``getattr`` and
 #: ``setattr`` on a handle.
 USE_UNSHARDED_VIEWS = "_use_unsharded_views"
+
+#: The ``FlatParamHandle`` method that points the original parameters' ``.grad`` at views of
+#: the unsharded flat gradient (``summon_full_params(with_grads=True)``); wrapped like
+#: ``USE_UNSHARDED_VIEWS``.
+USE_UNSHARDED_GRAD_VIEWS = "_use_unsharded_grad_views"
+
+
+def unflat_views(flat_handle: FlatParamHandle, tensor: Any) -> list[Any]:
+    """Views of an unsharded flat ``tensor``, one per original parameter, as the handle makes them.
+
+    Tensor-parallel parameters' views are DTensors.
+    """
+    return list(flat_handle._get_unflat_views(tensor))
+
 
 #: The ``FlatParamHandle`` method that walks a unit's modules and builds its flat parameter
 #: and the per-parameter records, shared parameters included (called once, from the

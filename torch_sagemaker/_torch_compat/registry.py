@@ -85,6 +85,8 @@ PRIVATE_NAMES: tuple[str, ...] = (
     "torch.distributed._shard.sharded_tensor.Shard",
     f"{_FLAT_PARAM}.FlatParamHandle",
     f"{_FLAT_PARAM}.FlatParamHandle._use_unsharded_views",
+    f"{_FLAT_PARAM}.FlatParamHandle._use_unsharded_grad_views",
+    f"{_FLAT_PARAM}.FlatParamHandle._get_unflat_views",
     f"{_FLAT_PARAM}.FlatParamHandle._init_flat_param_and_metadata",
     f"{_FLAT_PARAM}.FlatParamHandle._setattr_param",
     f"{_FLAT_PARAM}.FlatParamHandle._use_orig_params",

@@ -46,6 +46,13 @@ flattens the layers' parameters a second time. We register FSDP's own parameter 
 instead (``flat_param._params``, the TP-local tensors), pointing their data at the new views,
 which is what FSDP does for plain tensors and what the sharded strategies expose between
 steps (local shards, not DTensors). Forward and backward still see DTensor views.
+
+``summon_full_params(with_grads=True)`` needs the same for gradients. PyTorch points each
+parameter's ``.grad`` at a view of the flat gradient; a DTensor view has the TP global shape,
+unlike our TP-local parameter, and for that case PyTorch assigns ``param.grad.data = view``,
+which on a plain tensor took the DTensor's global shape without its memory: reading the
+gradient then crashed the process (SIGSEGV). The gradient is set to the view's local tensor
+instead, which has the parameter's shape.
 """
 
 from __future__ import annotations
@@ -126,7 +133,36 @@ def _register_local_parameters(handle: Any) -> None:
         # under FSDP1] in fsdp1_tied).
         fsdp1_tied.point_shared_names(handle)
 
+    use_unsharded_grad_views = getattr(handle, fsdp1_compat.USE_UNSHARDED_GRAD_VIEWS)
+
+    def use_unsharded_grad_views_of_local_parameters() -> None:
+        grad = flat_param.grad
+        views = [] if grad is None else fsdp1_compat.unflat_views(handle, grad)
+        if not any(isinstance(v, DTensor) for v in views):
+            use_unsharded_grad_views()  # no gradient, or no DTensor view: PyTorch's is right
+            return
+        # PyTorch's, with the DTensor views' local tensors (Note [FSDP1 NO_SHARD with
+        # DTensor parameters]).
+        infos = fsdp1_compat.param_infos(flat_param)
+        for view, (name, module, _) in zip(views, infos, strict=True):
+            param = getattr(module, name)
+            local = tensor_compat.local_tensor(view) if isinstance(view, DTensor) else view
+            if (param.shape, param.dtype, param.device) == (local.shape, local.dtype, local.device):
+                param.grad = local
+            else:  # a low-precision gradient (no_sync under mixed precision), as PyTorch does
+                if param.grad is None:
+                    param.grad = torch.empty_like(param)
+                param.grad.data = local
+        for info in fsdp1_compat.shared_param_infos(flat_param):
+            param = getattr(info.module, info.param_name)
+            primary = getattr(info.prim_module, info.prim_param_name)
+            if param is not primary:
+                param.grad = primary.grad
+
     setattr(handle, fsdp1_compat.USE_UNSHARDED_VIEWS, use_unsharded_views_keeping_parameters)
+    setattr(
+        handle, fsdp1_compat.USE_UNSHARDED_GRAD_VIEWS, use_unsharded_grad_views_of_local_parameters
+    )
     # FSDP registered fresh DTensor parameters at the end of its constructor; swap them now.
     use_unsharded_views_keeping_parameters(True)
 
