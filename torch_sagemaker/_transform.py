@@ -11,6 +11,8 @@ model for FSDP wrapping, activation checkpointing, offloading and checkpointing
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,6 +31,30 @@ from torch_sagemaker.tensor_parallel import full_state_dict, loading, transforme
 from torch_sagemaker.tensor_parallel.implementation import forced_backend, select_backend
 
 _CP_COMM_TYPES = ("p2p", "all_gather")
+
+# Note [Transform under init_empty_weights]: SMP's scripts call ``transform`` inside
+# accelerate's ``init_empty_weights()`` for MoE models with delayed initialization. That
+# context replaces ``nn.Module.register_parameter`` with a version that rebuilds each new
+# parameter on the meta device as ``type(param)(param.to(device), **param.__dict__)``, which
+# fails for the DTensor parameters PyTorch's tensor parallel styles register. The model's
+# parameters are meta already, so the replacement adds nothing there: the TP step registers
+# with PyTorch's own method (captured when this module is imported) and the context's comes
+# back right after.
+_TORCH_REGISTER_PARAMETER = nn.Module.register_parameter
+
+
+@contextlib.contextmanager
+def _torch_register_parameter() -> Iterator[None]:
+    """PyTorch's own ``register_parameter`` inside (Note [Transform under init_empty_weights])."""
+    current = nn.Module.register_parameter
+    if current is _TORCH_REGISTER_PARAMETER:
+        yield
+        return
+    nn.Module.register_parameter = _TORCH_REGISTER_PARAMETER  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = current  # type: ignore[method-assign]
 
 
 def check_model_config(
@@ -63,7 +89,8 @@ def check_model_config(
     Raises:
         TypeError: If ``config`` is neither ``None`` nor a ``MoEConfig``.
         ValueError: For a degree the model's heads, experts or split sizes do not allow, an
-            MoEConfig on a dense model or with TP or CP, expert parallelism without one,
+            MoEConfig on a dense model, with CP, or with TP on a plan that does not split
+            the experts, expert parallelism without one,
             sliding-window attention with CP, or an unknown ``cp_comm_type``.
     """
     name = model_name or policy.model_classes[0]
@@ -74,6 +101,8 @@ def check_model_config(
     if moe_config is not None:
         moe_apply.check_experts(policy, model_config, ep, name)
         moe_apply.check_policy(policy, moe_config)
+        if tp > 1:
+            moe_apply.check_tp_experts(policy, name, tp)
     if cp > 1:
         check_config_supported(model_config, policy, name)
     return moe_config, heads
@@ -249,15 +278,17 @@ def transform(
     # 3. Tensor parallelism on the "tp" mesh axis.
     backend = select_backend(policy)
     if tp > 1:
-        backend.apply(
-            model,
-            policy,
-            heads,
-            tp_mesh=state.tp_mesh,
-            tracker=state.get_rng_state_tracker(),
-            src_data_rank=None if local_split else 0,
-        )
-    # 3b. Expert parallelism and MoELayer (MoEConfig; never together with TP or CP).
+        with _torch_register_parameter():
+            backend.apply(
+                model,
+                policy,
+                heads,
+                tp_mesh=state.tp_mesh,
+                tracker=state.get_rng_state_tracker(),
+                src_data_rank=None if local_split else 0,
+            )
+    # 3b. Expert parallelism and MoELayer (MoEConfig; never with CP; with TP the plan has
+    # split the experts, Note [MoELayer under tensor parallelism]).
     moe_report = None
     if moe_config is not None:
         moe_report = moe_apply.apply_moe(
@@ -266,6 +297,7 @@ def transform(
             moe_config,
             ep_mesh=state.ep_mesh,
             src_data_rank=None if local_split else 0,
+            tp=tp,
         )
     # 3c. Context parallelism over the "cp" mesh axis (attention, positions, loss).
     if state.cp_size > 1:

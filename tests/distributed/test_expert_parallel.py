@@ -22,6 +22,7 @@ NONE = {"moe_load_balancing": "none", "moe_z_loss_coeff": 0.0}
 ALL_GATHER = {**NONE, "moe_all_to_all_dispatcher": False}
 AUX = {"moe_load_balancing": "aux_loss", "moe_aux_loss_coeff": 0.05, "moe_z_loss_coeff": 0.01}
 EP2 = {"expert_parallel_degree": 2}
+TP2_HSD2 = {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}
 
 
 def _case(name, family, api, moe, extra=None, smp=None):
@@ -139,6 +140,19 @@ FOUR_RANK_CASES = [
     # ep 2 x hybrid_shard_degree 1: two replicas hold each expert (FSDP2 HSDP on the expert mesh).
     _case(
         "ep2-hsd1-mixtral-fsdp2", "mixtral", "fsdp2", NONE, smp={**EP2, "hybrid_shard_degree": 1}
+    ),
+    # MoEConfig with tensor parallelism (expert parallel degree 1), as SMP's scripts run Mixtral
+    # with --moe 1 and tp 2: the TP plan splits the experts, MoELayer routes (Note [MoELayer
+    # under tensor parallelism]). FSDP1 HYBRID_SHARD with aux and z losses; Sinkhorn routing
+    # under reentrant checkpointing of the layers.
+    _case("tp2-hsd2-mixtral-fsdp1-aux", "mixtral", "fsdp1", AUX, smp=TP2_HSD2),
+    _case(
+        "tp2-hsd2-mixtral-fsdp1-sinkhorn-ckpt",
+        "mixtral",
+        "fsdp1",
+        {"moe_load_balancing": "sinkhorn"},
+        {"moe_ref": True, "checkpoint": "layer", "router_logits": False},
+        smp=TP2_HSD2,
     ),
     # ep 4: one expert per rank.
     _case("ep4-mixtral-fsdp1", "mixtral", "fsdp1", NONE, smp={"expert_parallel_degree": 4}),

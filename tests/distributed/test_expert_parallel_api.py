@@ -46,7 +46,11 @@ def _bad_inputs():
     out["unknown_option"] = _error(lambda: MoEConfig(moe_load_balancing="switch"))
     tsm.state.reset()
     tsm.init({"tensor_parallel_degree": 2})
+    # Mixtral's plan splits its experts over the TP ranks; Qwen3-MoE's policy has no TP plan.
     out["with_tp"] = _error(lambda: tsm.transform(mm.tiny_moe("mixtral"), config=MoEConfig()))
+    out["with_tp_no_plan"] = _error(
+        lambda: tsm.transform(mm.tiny_moe("qwen3_moe"), config=MoEConfig())
+    )
     tsm.state.reset()
     out["ep_tp_config"] = _error(
         lambda: tsm.init({"expert_parallel_degree": 2, "tensor_parallel_degree": 2})
@@ -73,9 +77,11 @@ def test_bad_input_gets_clear_errors():
         "wrong_type"
     ]
     assert "moe_load_balancing='switch'" in out["unknown_option"], out["unknown_option"]
-    assert "tensor_parallel_degree=2" in out["with_tp"] and "do not compose" in out["with_tp"], out[
-        "with_tp"
-    ]
+    assert out["with_tp"] == "no error", out["with_tp"]
+    assert (
+        "tensor_parallel_degree=2" in out["with_tp_no_plan"]
+        and "does not split the experts" in out["with_tp_no_plan"]
+    ), out["with_tp_no_plan"]
     assert "not compatible with tensor parallelism" in out["ep_tp_config"], out["ep_tp_config"]
 
 
@@ -135,6 +141,7 @@ def _delayed_init_smp_style():
     """SMP's pattern: meta model, transform under init_empty_weights, FSDP1 with param_init_fn."""
     import torch.sagemaker as tsm
     from accelerate import init_empty_weights
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
@@ -142,7 +149,12 @@ def _delayed_init_smp_style():
     from torch_sagemaker.moe.moe_config import MoEConfig
 
     results = {}
-    for smp in ({"expert_parallel_degree": 2}, {"expert_parallel_degree": 1}):
+    # The last layout: an MoEConfig with TP (Note [Transform under init_empty_weights]).
+    for smp in (
+        {"expert_parallel_degree": 2},
+        {"expert_parallel_degree": 1},
+        {"tensor_parallel_degree": 2},
+    ):
         tsm.state.reset()
         tsm.init(smp)
         with init_empty_weights():
@@ -165,23 +177,33 @@ def _delayed_init_smp_style():
         ids = mm.batch(tsm.state.dp_rank)
         loss = fsdp(input_ids=ids, labels=ids).loss
         loss.backward()
-        with FSDP.summon_full_params(fsdp):
-            params = {mm.clean(n): mm.full(p).detach().clone() for n, p in fsdp.named_parameters()}
-        results[smp["expert_parallel_degree"]] = (params, float(loss))
+        with FSDP.state_dict_type(
+            fsdp,
+            StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(rank0_only=False, offload_to_cpu=False),
+        ):
+            params = {
+                k: mm.full(v).clone() for k, v in fsdp.state_dict().items() if "rotary" not in k
+            }
+        results["tp2" if "tensor_parallel_degree" in smp else smp["expert_parallel_degree"]] = (
+            params,
+            float(loss),
+        )
     return results
 
 
 @pytest.mark.distributed
 def test_delayed_init_as_smp_scripts_do_it():
     for results in run_distributed(_delayed_init_smp_style, world_size=2, timeout=300):
-        ep2, ep1 = results[2][0], results[1][0]
-        assert ep2.keys() == ep1.keys()
+        ep2, ep1, tp2 = results[2][0], results[1][0], results["tp2"][0]
+        assert ep2.keys() == ep1.keys() == tp2.keys()
         experts = ep2["model.layers.0.mlp.experts.gate_up_proj"]
         assert experts.shape == (4, 96, 32)
         assert abs(float(experts.std()) - 0.02) < 0.003  # initializer_range
         for name, value in ep2.items():  # layout-independent initialization
             torch.testing.assert_close(value, ep1[name], rtol=0, atol=0, msg=name)
-        assert torch.isfinite(torch.tensor(results[2][1]))
+            torch.testing.assert_close(tp2[name], ep1[name], rtol=0, atol=0, msg=name)
+        assert torch.isfinite(torch.tensor([results[k][1] for k in results])).all()
 
 
 def _rank0_loading():

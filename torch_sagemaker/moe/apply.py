@@ -4,7 +4,8 @@
 ``apply_moe`` then, for every sparse MoE block the model's policy names:
 
 1. splits the block's fused experts over ``tsm.state.ep_mesh`` and makes them dispatch
-   tokens (``experts.split_experts``; both ``smp_moe`` settings);
+   tokens (``experts.split_experts``; both ``smp_moe`` settings); under tensor parallelism
+   (expert parallel degree 1) the TP plan has split them over the TP ranks already;
 2. with ``smp_moe=True``, replaces the block by a ``MoELayer`` (routing with load balancing,
    token shuffle, fp32 router, auxiliary losses); with ``smp_moe=False`` the Hugging Face
    block and its router stay, and the MoEConfig options that only ``MoELayer`` implements
@@ -42,7 +43,9 @@ def check_config(config: Any, *, tp: int, cp: int, ep: int) -> MoEConfig | None:
     Raises:
         TypeError: If ``config`` is neither ``None`` nor a ``MoEConfig``.
         ValueError: For expert parallelism without a MoEConfig, or an MoEConfig together
-            with tensor or context parallelism.
+            with context parallelism. (With tensor parallelism the experts are split over the
+            TP ranks instead, Note [MoELayer under tensor parallelism]; expert and tensor
+            parallelism together are refused by ``tsm.init``.)
     """
     if config is not None and not isinstance(config, MoEConfig):
         raise TypeError(
@@ -57,13 +60,6 @@ def check_config(config: Any, *, tp: int, cp: int, ep: int) -> MoEConfig | None:
                 "split; or set expert_parallel_degree=1."
             )
         return None
-    if tp > 1:
-        raise ValueError(
-            f"tsm.transform got an MoEConfig with tensor_parallel_degree={tp}: MoELayer and "
-            "expert parallelism do not compose with tensor parallelism (as in SMP v2). Use "
-            "expert_parallel_degree with tensor_parallel_degree=1, or pass config=None to "
-            "split Mixtral's experts over the tensor parallel ranks."
-        )
     if cp > 1:
         # expert_parallel_degree > 1 with cp > 1 never gets here: tsm.init refuses it
         # (sharding_plan.combination_problems). This is the MoE layer itself with CP.
@@ -126,7 +122,13 @@ def check_experts(policy: Any, config: Any, ep: int, model_name: str) -> None:
 
 
 def apply_moe(
-    model: nn.Module, policy: Any, config: MoEConfig, *, ep_mesh: Any, src_data_rank: int | None
+    model: nn.Module,
+    policy: Any,
+    config: MoEConfig,
+    *,
+    ep_mesh: Any,
+    src_data_rank: int | None,
+    tp: int = 1,
 ) -> MoEReport:
     """Expert parallelism (and ``MoELayer`` when ``config.smp_moe``) for ``model``, in place.
 
@@ -136,6 +138,8 @@ def apply_moe(
         config: The MoEConfig.
         ep_mesh: 1-D mesh of this rank's expert parallel group.
         src_data_rank: EP rank whose weights are authoritative; ``None`` for a local split.
+        tp: tensor_parallel_degree. Above 1 (the expert parallel degree is then 1) the TP
+            plan has split the experts already (Note [MoELayer under tensor parallelism]).
 
     Raises:
         ValueError: If the model has no mixture of experts, or its expert count is not
@@ -156,12 +160,13 @@ def apply_moe(
     _warn_no_effect(config, ep)
     generator = torch.Generator().manual_seed(config.random_seed + ep_mesh.get_local_rank())
     for name, block in blocks:
-        split_experts(
-            getattr(block, spec.experts),
-            ep_mesh,
-            all_to_all=config.moe_all_to_all_dispatcher,
-            src_data_rank=src_data_rank,
-        )
+        if tp == 1:
+            split_experts(
+                getattr(block, spec.experts),
+                ep_mesh,
+                all_to_all=config.moe_all_to_all_dispatcher,
+                src_data_rank=src_data_rank,
+            )
         if not config.smp_moe:
             continue
         shuffle = (
@@ -184,8 +189,27 @@ def apply_moe(
     return MoEReport(
         blocks=len(blocks),
         num_experts=num_experts,
-        local_experts=num_experts // ep,
+        local_experts=num_experts // (ep * tp),
         layer="MoELayer" if config.smp_moe else spec.block_class,
+    )
+
+
+def check_tp_experts(policy: Any, model_name: str, tp: int) -> None:
+    """Under tensor parallelism an MoEConfig needs a plan that splits experts and routers.
+
+    Raises:
+        ValueError: If the policy's TP plan does not split the experts whole (``experts``)
+            or does not replicate the router with plain logits (``router``).
+    """
+    spec = policy.moe
+    styles = set(policy.tp_plan.values())
+    if {"experts", "router"} <= styles and spec is not None:
+        return
+    raise ValueError(
+        f"tsm.transform got an MoEConfig with tensor_parallel_degree={tp}, but the TP plan of "
+        f"policy {policy.name!r} ({model_name}) does not split the experts over the TP ranks "
+        "(styles 'experts' and 'router'). Use expert_parallel_degree with "
+        "tensor_parallel_degree=1 for this model."
     )
 
 
@@ -219,4 +243,11 @@ def _warn_no_effect(config: MoEConfig, ep: int) -> None:
         )
 
 
-__all__ = ["MoEReport", "apply_moe", "check_config", "check_experts", "check_policy"]
+__all__ = [
+    "MoEReport",
+    "apply_moe",
+    "check_config",
+    "check_experts",
+    "check_policy",
+    "check_tp_experts",
+]

@@ -39,6 +39,18 @@ from torch_sagemaker.moe.token_shuffle import TokenShuffle
 # (gradient accumulation) set ``set_aux_loss_scale`` to the same factor.
 _AUX_LOSS_SCALE = [1.0]
 
+# Note [MoELayer under tensor parallelism]: with tensor_parallel_degree > 1 (and expert
+# parallel degree 1) the TP plan has already split the experts whole over the TP ranks
+# (style ``experts``: each rank runs its experts for every token and returns a ``Partial``
+# sum) and replicated the router (style ``router``: plain logits, computed alike on every
+# rank). The layer's input is then a ``Replicate`` DTensor, and the layer routes, as in one
+# process, on every TP rank alike. The gating weights it passes to the experts are plain
+# tensors whose gradient on a rank covers only that rank's experts; the ``experts`` style
+# takes a plain input as replicated and sums its gradient over the TP ranks, so the router's
+# replicated parameters get the whole gradient on every rank. The auxiliary terms are
+# computed alike on every rank from the plain logits, so their gradient is whole already.
+# tests/distributed/test_expert_parallel.py checks this against one process.
+
 
 def set_aux_loss_scale(scale: float) -> None:
     """Scale of the auxiliary losses' gradient (Note [Auxiliary losses in backward])."""
