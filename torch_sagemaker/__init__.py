@@ -1,12 +1,14 @@
 """torch_sagemaker: SageMaker model parallelism v2 (``import torch.sagemaker as tsm``) on PyTorch.
 
 Public surface: ``init``, ``is_initialized``, ``state``, ``transform``, ``offload_wrapper``,
-``SMPConfig`` and ``__version__``. Importing the package registers the native "smddp"
+``SMPConfig``, ``__version__`` and the submodule ``grad_norm`` (``tsm.grad_norm.clip_grad_norm_``,
+as SMP's documentation writes it). Importing the package registers the native "smddp"
 collective backend with torch.distributed when it was compiled.
 """
 
 from __future__ import annotations
 
+from torch_sagemaker import grad_norm
 from torch_sagemaker._init import init, is_initialized
 from torch_sagemaker._transform import transform
 from torch_sagemaker._version import __version__
@@ -28,6 +30,7 @@ __all__ = [
     "ConfigError",
     "SMPConfig",
     "__version__",
+    "grad_norm",
     "init",
     "is_initialized",
     "offload_wrapper",

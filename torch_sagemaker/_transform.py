@@ -123,14 +123,17 @@ def _check_placement(device: Any, dtype: Any) -> None:
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         name = str(dtype).removeprefix("torch.")
-        fix = (
-            f"pass dtype=torch.{name}"
-            if isinstance(getattr(torch, name, None), torch.dtype)
-            else "pass e.g. dtype=torch.bfloat16, or None to keep the model's dtype"
+        named = getattr(torch, name, None)
+        if isinstance(named, torch.dtype) and named.is_floating_point:  # a string such as "float16"
+            fix = f"pass dtype=torch.{name}"
+        else:  # a non-floating dtype, or anything else
+            fix = "pass a floating dtype such as torch.bfloat16, or None to keep the model's dtype"
+        kind = (
+            "a non-floating torch.dtype" if isinstance(dtype, torch.dtype) else type(dtype).__name__
         )
         raise TypeError(
             f"tsm.transform(dtype={dtype!r}): dtype must be a floating torch.dtype "
-            f"(it casts the floating parameters), got {type(dtype).__name__}; {fix}."
+            f"(it casts the floating parameters), got {kind}; {fix}."
         )
     if device is not None:
         try:

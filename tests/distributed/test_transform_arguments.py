@@ -141,6 +141,9 @@ def test_transform_argument_errors_are_early_clear_and_on_every_rank():
         ), out
         assert "pass dtype=torch.float16" in out["dtype"], out
         assert "dtype must be a floating torch.dtype" in out["int_dtype"], out
+        # The fix names a floating dtype, not the integer one given.
+        assert "pass dtype=torch.int8" not in out["int_dtype"], out
+        assert "torch.bfloat16" in out["int_dtype"], out
         assert out["device"].startswith("ValueError: tsm.transform(device='gpu0') is not a device")
         assert (
             "tensor_parallel_degree=2 does not divide intermediate_size=129" in out["intermediate"]

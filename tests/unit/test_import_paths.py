@@ -22,6 +22,8 @@ from torch.sagemaker import state, transform
 import torch.sagemaker.config, torch_sagemaker.config
 assert torch.sagemaker.config is torch_sagemaker.config, "module imported twice"
 assert tsm.state is state and callable(transform)
+# As SMP's documentation and our README write it, with no import of the submodule.
+assert callable(tsm.grad_norm.clip_grad_norm_)
 import torch_sagemaker.policies
 assert 'policies' not in sys.modules, "policies must not be a top-level package"
 import smdistributed.dataparallel.torch.torch_smddp
