@@ -5,7 +5,8 @@ PyTorch's ``clip_grad_norm_`` cannot mix DTensors of different meshes (FSDP2 + T
 only knows its own group. Here every gradient piece contributes ``||local||_p^p`` (or its
 max) to a bucket keyed by the groups it is *sharded* over; each bucket is summed over
 exactly those groups (replicated axes are not summed, so nothing is counted twice), and the
-buckets are added up. Every rank issues the same collectives in the same (sorted) order.
+buckets are added up. Every rank reduces its groups in one shared order (Note [One order of
+groups on every rank]).
 
 Note [Norm on the device]: the per-piece norms stay on the parameters' device and only the
 few bucket scalars are reduced; bringing each piece's norm to the CPU, as this once did,
@@ -127,13 +128,34 @@ def _reduce(pieces: list[_Piece], norm_type: float, device: torch.device) -> tor
         else:
             norm = _piece_norm(values, norm_type).to(device=device, dtype=torch.float64)
             buckets[piece.key] += norm**norm_type
+    # Note [One order of groups on every rank]: a bucket is reduced over its groups in the
+    # order of its key (FSDP's shard group, then TP or EP): the groups of its ranks form a
+    # grid, and a rank that summed over the EP group before its peers summed over their shard
+    # group would get a partial sum. The reductions run in phases, one per position in the
+    # keys; in a phase each group is reduced once, for every bucket that has it at that
+    # position, and the groups go in one order that every rank shares: sorted by their ranks
+    # (then axis name). Walking the buckets in the order of their keys instead deadlocked: a
+    # key names a rank's own groups, so with experts sharded over (0, 1) on ranks 0-1 and
+    # over (2, 3) on ranks 2-3, ranks 0-1 reduced the expert bucket first and ranks 2-3 the
+    # world's, and each waited for the other (FSDP1 FULL_SHARD with EP 2).
+    op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
+    for position in range(max((len(k) for k in groups), default=0)):
+        by_group: dict[tuple, dist.ProcessGroup] = {}
+        users: dict[tuple, list[tuple]] = defaultdict(list)
+        for key, bucket_groups in groups.items():
+            if position < len(key):
+                axis, ranks = key[position]
+                by_group[(ranks, axis)] = bucket_groups[position]
+                users[(ranks, axis)].append(key)
+        for group_id in sorted(by_group):
+            keys = users[group_id]
+            values = torch.stack([buckets[k] for k in keys])
+            all_reduce_direct(values, op=op, group=by_group[group_id])
+            for k, value in zip(keys, values.unbind(), strict=True):
+                buckets[k] = value
     result = torch.zeros((), dtype=torch.float64, device=device)
     for key in sorted(buckets):
         value = buckets[key]
-        for group in groups[key]:
-            all_reduce_direct(
-                value, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group
-            )
         result = torch.maximum(result, value) if is_inf else result + value
     return result if is_inf else result ** (1.0 / norm_type)
 

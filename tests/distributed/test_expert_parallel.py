@@ -137,6 +137,12 @@ FOUR_RANK_CASES = [
     _case(
         "ep2-hsd2-mixtral-fsdp2-aux", "mixtral", "fsdp2", AUX, smp={**EP2, "hybrid_shard_degree": 2}
     ),
+    # ep 2, hybrid_shard_degree 0 (FSDP1 FULL_SHARD): the dense shard group is the world,
+    # the experts' is half of it; the gradient norm once deadlocked here (Note [One order of
+    # groups on every rank] in grad_norm.py).
+    _case(
+        "ep2-hsd0-mixtral-fsdp1-aux", "mixtral", "fsdp1", AUX, smp={**EP2, "hybrid_shard_degree": 0}
+    ),
     # ep 2 x hybrid_shard_degree 1: two replicas hold each expert (FSDP2 HSDP on the expert mesh).
     _case(
         "ep2-hsd1-mixtral-fsdp2", "mixtral", "fsdp2", NONE, smp={**EP2, "hybrid_shard_degree": 1}
