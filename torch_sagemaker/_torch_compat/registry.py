@@ -24,6 +24,8 @@ PRIVATE_NAMES: tuple[str, ...] = (
     # autograd.py
     "torch._C._current_graph_task_id",
     "torch.autograd.Variable._execution_engine",
+    # compile.py
+    "torch._check",
     # c10d.py
     f"{_C10D}._get_object_coll_device",
     f"{_C10D}._get_default_store",

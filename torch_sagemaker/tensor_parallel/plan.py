@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torch_sagemaker._torch_compat import compile as compile_compat
 from torch_sagemaker._torch_compat import nn as nn_compat
 from torch_sagemaker.policies import HeadSplit, ModelPolicy
 from torch_sagemaker.policies.transformers_plan import attention_head_dim
@@ -148,6 +149,50 @@ def _set_head_counts(attention: nn.Module, heads: HeadSplit) -> None:
                 setattr(attention, attr, local)
 
 
+# Note [TP regions under torch.compile]: a TP region swaps the default generator's state
+# (``RNGStatesTracker.fork``), which Dynamo cannot trace: it breaks the graph there. A graph
+# break inside a compiled layer of DTensors made PyTorch's compiled autograd return wrong
+# gradients (a tiny Llama at tp 2 with compiled decoder layers: the input norm's gradient
+# 127% off) or fail ("'Tensor' object has no attribute 'elem'"). While compiling, a region
+# that draws nothing (the module in eval mode, or every dropout rate it or its config names
+# at 0, SMP's setting for its models) is therefore skipped: it would only have swapped the
+# states back and forth. A region that may draw raises instead, naming the fixes: its
+# per-rank streams cannot be compiled. Eager execution is unchanged.
+_DROPOUT_MODULES = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
+_DROPOUT_NAMES = (
+    "attention_dropout",
+    "attn_dropout",
+    "attn_pdrop",
+    "attention_probs_dropout_prob",
+    "dropout",
+)
+
+
+def region_may_draw(module: nn.Module) -> bool:
+    """Whether a TP region around ``module`` can draw random numbers in its forward.
+
+    True in training mode unless every dropout rate the module holds (``nn.Dropout``
+    submodules, float attributes named like ``attention_dropout``) or its ``config`` names
+    is 0, and when no rate is found at all (nothing says the region draws nothing).
+    """
+    if not module.training:
+        return False
+    rates = [m.p for m in module.modules() if isinstance(m, _DROPOUT_MODULES)]
+    for owner in (module, getattr(module, "config", None)):
+        for name in _DROPOUT_NAMES:
+            value = getattr(owner, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                rates.append(float(value))
+    return not rates or any(rate > 0 for rate in rates)
+
+
 def install_rng_region(
     module: nn.Module, tracker: RNGStatesTracker, ends_at: tuple[nn.Module, ...] = ()
 ) -> None:
@@ -158,19 +203,39 @@ def install_rng_region(
         tracker: The TP ranks' random streams.
         ends_at: Submodules whose input is where the region ends (Note [Residual dropout
             inside attention]): the rest of the forward draws from the shared stream.
+
+    Raises:
+        RuntimeError: In a forward that ``torch.compile`` traces, when the region may draw
+            random numbers (Note [TP regions under torch.compile]).
     """
     stack: list[Any] = []
 
-    def enter(_mod: nn.Module, _args: Any) -> None:
+    def enter(mod: nn.Module, _args: Any) -> None:
+        if torch.compiler.is_compiling():
+            if region_may_draw(mod):
+                # Not a raise: Dynamo would break the graph there and run this hook eagerly,
+                # where it would not raise.
+                compile_compat.fail_compilation(
+                    lambda: (
+                        f"torch.compile of {type(mod).__name__} under tensor parallelism: it "
+                        "may apply dropout, whose per-rank random streams (a TP region) cannot "
+                        "be compiled. Set its dropout rates to 0 (SMP's setting), compile it in "
+                        "eval mode, or leave the attention uncompiled."
+                    )
+                )
+            stack.append(None)  # draws nothing: no swap (Note [TP regions under torch.compile])
+            return
         ctx = tracker.fork(MODEL_PARALLEL_RNG)
         ctx.__enter__()
         stack.append(ctx)
 
     def leave(*_: Any) -> None:
         if stack:
-            # An always_call hook runs while the forward's exception (if any) is in flight:
-            # the region learns of it (Note [Unreplayed TP-region draws]).
-            stack.pop().__exit__(*sys.exc_info())
+            ctx = stack.pop()
+            if ctx is not None:
+                # An always_call hook runs while the forward's exception (if any) is in
+                # flight: the region learns of it (Note [Unreplayed TP-region draws]).
+                ctx.__exit__(*sys.exc_info())
 
     module.register_forward_pre_hook(enter)
     module.register_forward_hook(leave, always_call=True)
