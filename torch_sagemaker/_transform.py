@@ -318,6 +318,7 @@ def transform(
     setattr(model, POLICY_ATTR, policy)
     if tp > 1:
         full_state_dict.accept_full_tensors(model)
+        _refuse_resizing(model, tp)
     layer_cls = policy.layer_cls(model)
     num_layers = transformer.mark(model, layer_cls)
     log_rank0(
@@ -333,6 +334,28 @@ def transform(
         )
     )
     return model
+
+
+def _refuse_resizing(model: nn.Module, tp: int) -> None:
+    """Makes ``model.resize_token_embeddings`` raise, naming the fix.
+
+    Hugging Face resizes by building new full-size embeddings and copying the old rows in,
+    which fails inside DTensor with an operator error ("aten._is_all_true.default does not
+    have a sharding strategy", or "mixed torch.Tensor and DTensor") once the vocabulary is
+    split over the TP ranks.
+    """
+    if not callable(getattr(model, "resize_token_embeddings", None)):
+        return
+
+    def resize_token_embeddings(*_args: Any, **_kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"{type(model).__name__}.resize_token_embeddings after tsm.transform with "
+            f"tensor_parallel_degree={tp}: the vocabulary is split over the TP ranks and cannot "
+            "be resized in place. Resize before tsm.transform (then transform splits the new "
+            "size), or resize the untransformed model and load its weights."
+        )
+
+    model.resize_token_embeddings = resize_token_embeddings  # type: ignore[method-assign]
 
 
 def _default_device() -> torch.device:

@@ -126,6 +126,11 @@ def _errors() -> dict:
     out["tied"] = tied.lm_head.weight is tied.model.embed_tokens.weight
     want = tiny_llama(seed=6, tie_word_embeddings=True).model.embed_tokens.weight
     out["tied_loaded"] = bool(torch.equal(tied.model.embed_tokens.weight.full_tensor(), want))
+    try:  # Hugging Face's resize fails inside DTensor; the error says what to do instead
+        tied.resize_token_embeddings(160)
+        out["resize"] = "no error"
+    except RuntimeError as e:
+        out["resize"] = str(e)
     layers = 2 if dist.get_rank() == 0 else 3
     attempt(
         "different", lambda: tiny_llama(num_hidden_layers=layers), load_state_dict_from_rank0=True
@@ -143,6 +148,7 @@ def test_transform_argument_errors_are_early_clear_and_on_every_rank():
         assert "dtype must be a floating torch.dtype" in out["int_dtype"], out
         # The fix names a floating dtype, not the integer one given.
         assert "pass dtype=torch.int8" not in out["int_dtype"], out
+        assert "Resize before tsm.transform" in out["resize"], out["resize"]
         assert "torch.bfloat16" in out["int_dtype"], out
         assert out["device"].startswith("ValueError: tsm.transform(device='gpu0') is not a device")
         assert (
