@@ -198,6 +198,7 @@ def run_case(
     checkpointing: bool = False,
     mixed: bool = False,
     offload: bool = False,
+    autocast: bool = False,
     steps: int = STEPS,
 ) -> dict[str, Any]:
     """One parity case under the current ``tsm.init``; returns the differences to the reference.
@@ -206,15 +207,24 @@ def run_case(
         ``loss``/``logits``: max abs differences at the first step; ``grads``: per-parameter
         max abs differences over all steps (after clipping); ``curve``: (got, reference)
         losses per step; ``params``: per-parameter differences after ``steps`` steps;
-        with ``mixed`` (bf16), logits, gradients (first step only) and parameters are
-        relative differences;
+        with ``mixed`` (bf16) or ``autocast`` (both forwards under CPU bf16 autocast, fp32
+        parameters), logits, gradients (first step only) and parameters are relative
+        differences;
         ``grad_scale``: the largest reference gradient (to show gradients are not trivial).
     """
+    import contextlib
+
     import torch.sagemaker as tsm
 
     from torch_sagemaker.context_parallel import gather_sequence
     from torch_sagemaker.grad_norm import clip_grad_norm_
 
+    def region():
+        if autocast:
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    low_precision = mixed or autocast
     ref = tiny_model(family)
     model = tsm.transform(copy.deepcopy(ref), cp_comm_type=comm)
     model = wrap(model, api, checkpointing=checkpointing, mixed=mixed)
@@ -230,7 +240,8 @@ def run_case(
     for step in range(steps):
         ids = sequences(dp_rank)
         local = smp_split(ids, cp_rank, cp)
-        res = model(input_ids=local, attention_mask=None, labels=local)
+        with region():
+            res = model(input_ids=local, attention_mask=None, labels=local)
         res["loss"].backward()
         norm = float(clip_grad_norm_(model, MAX_NORM))
         # Reference: the mean over every data-parallel rank's sequences.
@@ -242,7 +253,8 @@ def run_case(
                     c.copy_(m)
             compute = ref_compute
         for d in range(dp_size):
-            r = compute(input_ids=sequences(d), labels=sequences(d), use_cache=False)
+            with region():
+                r = compute(input_ids=sequences(d), labels=sequences(d), use_cache=False)
             (r.loss / dp_size).backward()
             ref_losses.append(r.loss.detach())
             if d == dp_rank:
@@ -253,15 +265,15 @@ def run_case(
                 c.grad = None
         ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM))
         got_loss = cp_mean(res["loss"])
-        diffs = rel_diffs if mixed else max_diffs
-        if step == 0 or not mixed:  # bf16: AdamW amplifies rounding after the first step
+        diffs = rel_diffs if low_precision else max_diffs
+        if step == 0 or not low_precision:  # bf16: AdamW amplifies rounding after the first step
             grads = diffs(full_grads(model), {n: p.grad for n, p in ref.named_parameters()})
             out["grads"] = {n: max(d, out.get("grads", {}).get(n, 0.0)) for n, d in grads.items()}
         if step == 0:
             out["loss"] = abs(got_loss - float(ref_losses[dp_rank]))
             logits = gather_sequence(res["logits"]).float()
             out["logits"] = float((logits - ref_logits.float()).abs().max())
-            if mixed:
+            if low_precision:
                 out["logits"] /= float(ref_logits.float().abs().max())
             out["norm"] = (norm, ref_norm)
             out["grad_scale"] = max(float(p.grad.abs().max()) for p in ref.parameters())

@@ -4,7 +4,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torch_sagemaker.context_parallel.blocks import block_backward, block_forward, merge_into
+from torch_sagemaker.context_parallel.blocks import (
+    attention_inputs,
+    autocast_off,
+    block_backward,
+    block_forward,
+    merge_into,
+)
 from torch_sagemaker.context_parallel.layout import (
     check_local_length,
     chunks_of_rank,
@@ -117,6 +123,27 @@ def test_merged_blocks_equal_whole_attention(kernel, monkeypatch):
         dv[:, :, cut] += g[2]
     for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_inputs_compute_as_sdpa_under_autocast():
+    """Note [Context parallel attention under autocast]: RoPE leaves q and k in fp32, v bf16."""
+    q, k, v = _qkv()
+    v = v.to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        cq, ck, cv = attention_inputs(q, k, v)
+        with autocast_off("cpu"):
+            assert not torch.is_autocast_enabled("cpu")
+            out, _ = block_forward(cq, ck, cv, causal=True, scale=q.shape[-1] ** -0.5)
+    assert {t.dtype for t in (cq, ck, cv)} == {torch.bfloat16} and out.dtype == want.dtype
+    torch.testing.assert_close(out, want, atol=1e-2, rtol=1e-2)
+    # Outside autocast: inputs of one dtype are untouched, mixed ones promoted.
+    q, k, v = _qkv()
+    assert all(a is b for a, b in zip(attention_inputs(q, k, v), (q, k, v)))
+    mixed = attention_inputs(q, k, v.to(torch.bfloat16))
+    assert {t.dtype for t in mixed} == {torch.float32}
+    with autocast_off("meta"):  # a device type autocast does not know: nothing to turn off
+        pass
 
 
 def test_sliding_window_config_is_refused():

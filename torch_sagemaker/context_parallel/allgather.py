@@ -19,7 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_sagemaker.context_parallel.blocks import block_backward, block_forward, merge_into
+from torch_sagemaker.context_parallel.blocks import (
+    autocast_off,
+    block_backward,
+    block_forward,
+    merge_into,
+)
 from torch_sagemaker.context_parallel.comm import all_gather_stacked, reduce_scatter_stacked
 from torch_sagemaker.context_parallel.layout import chunks_of_rank, merge_locals, split_local
 
@@ -131,8 +136,13 @@ class AllGatherAttention(torch.autograd.Function):
         group: dist.ProcessGroup,
         scale: float,
     ) -> torch.Tensor:
-        """Attention output of the local queries; saves what backward needs."""
-        out, lse = allgather_forward(q, k, v, group, scale)
+        """Attention output of the local queries; saves what backward needs.
+
+        ``q``, ``k`` and ``v`` share one dtype (``blocks.attention_inputs``); autocast is off
+        inside (Note [Context parallel attention under autocast]).
+        """
+        with autocast_off(q.device.type):
+            out, lse = allgather_forward(q, k, v, group, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale = group, scale
         return out
@@ -141,7 +151,10 @@ class AllGatherAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor) -> tuple:
         """Gradients of ``q``, ``k``, ``v`` (none for ``group`` and ``scale``)."""
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = allgather_backward(dout.contiguous(), q, k, v, out, lse, ctx.group, ctx.scale)
+        with autocast_off(q.device.type):
+            dq, dk, dv = allgather_backward(
+                dout.contiguous(), q, k, v, out, lse, ctx.group, ctx.scale
+            )
         return dq, dk, dv, None, None
 
 

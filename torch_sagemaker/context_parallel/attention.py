@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_sagemaker.context_parallel.allgather import AllGatherAttention
+from torch_sagemaker.context_parallel.blocks import attention_inputs
 from torch_sagemaker.context_parallel.comm import Ring
 from torch_sagemaker.context_parallel.ring import RingAttention
 
@@ -59,7 +60,13 @@ class ContextParallelAttention:
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """Causal attention of local ``(b, h, 2c, d)`` queries over the whole sequence."""
+        """Causal attention of local ``(b, h, 2c, d)`` queries over the whole sequence.
+
+        The inputs are first brought to the dtype the model's own attention would compute in
+        (Note [Context parallel attention under autocast] in ``blocks``), which is also the
+        dtype of the output.
+        """
+        q, k, v = attention_inputs(q, k, v)
         if self._ring is not None:
             return RingAttention.apply(q, k, v, self._ring, scale)
         return AllGatherAttention.apply(q, k, v, self.group, scale)

@@ -33,9 +33,32 @@ final output), ``dQ += dS_b K_b * scale`` and ``dK_b = dS_b^T Q * scale``. These
 what a flash-attention backward computes when it is given the final ``O`` and ``lse``
 instead of the block's own, so each block's backward is one kernel call and the block
 gradients simply add up. No block result needs to be kept from the forward pass.
+
+Note [Context parallel attention under autocast]
+Under ``torch.autocast`` the attention inputs a Hugging Face module produces have mixed
+dtypes: the projections run in the autocast dtype, but RoPE multiplies queries and keys by
+``cos``/``sin`` in the dtype of the hidden states, which autocast leaves in fp32, so ``q``
+and ``k`` come out fp32 while ``v`` stays bf16. The model's own attention copes because
+autocast handles it: ``F.scaled_dot_product_attention`` is on autocast's lower-precision
+list (on CPU and CUDA), so all three are cast to the autocast dtype and the kernel runs in
+it; the eager implementation runs both of its matmuls in that dtype too (with an fp32
+softmax). The kernels here are called as ``aten`` ops inside an ``autograd.Function``, which
+autocast does not rewrite, and the CPU flash kernel refuses mixed dtypes. So
+``attention_inputs`` does what autocast does for SDPA, before the ``autograd.Function``: with
+autocast enabled for the inputs' device, every input is cast to autocast's dtype; otherwise
+the inputs are cast to their promoted dtype, which leaves inputs of one dtype untouched (the
+fp32 path and FSDP's bf16 mixed precision are unchanged, bit for bit). The casts are
+recorded by autograd, so the gradients reach q, k and v in their own dtypes. Inside the
+forward and backward of the ``autograd.Function`` autocast is turned off (``autocast_off``):
+the math kernel's explicit fp32 scores would otherwise be computed in bf16 by autocast's
+``matmul``, and a backward run inside an autocast region would not use the dtypes the
+forward used.
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
 
 import torch
 
@@ -43,6 +66,34 @@ from torch_sagemaker._torch_compat import aten
 
 _FLASH_CPU = aten.FLASH_ATTENTION_CPU
 _FLASH_CPU_BACKWARD = aten.FLASH_ATTENTION_CPU_BACKWARD
+
+
+def attention_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q``, ``k`` and ``v`` in the one dtype the model's own attention would compute in.
+
+    Note [Context parallel attention under autocast]: autocast's dtype for the inputs'
+    device when autocast is enabled there, else the promoted dtype of the three. Inputs
+    already in that dtype are returned as they are.
+    """
+    device_type = q.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    else:
+        dtype = functools.reduce(torch.promote_types, (k.dtype, v.dtype), q.dtype)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """A context in which autocast leaves ``device_type``'s ops alone.
+
+    Used around the block computations (Note [Context parallel attention under autocast]);
+    a device type autocast does not know (``meta``) gets a no-op context.
+    """
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _use_flash(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -144,4 +195,10 @@ def merge_into(
     lse.copy_(new_lse)
 
 
-__all__ = ["block_backward", "block_forward", "merge_into"]
+__all__ = [
+    "attention_inputs",
+    "autocast_off",
+    "block_backward",
+    "block_forward",
+    "merge_into",
+]

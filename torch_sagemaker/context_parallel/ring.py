@@ -46,7 +46,12 @@ from typing import Any
 
 import torch
 
-from torch_sagemaker.context_parallel.blocks import block_backward, block_forward, merge_into
+from torch_sagemaker.context_parallel.blocks import (
+    autocast_off,
+    block_backward,
+    block_forward,
+    merge_into,
+)
 from torch_sagemaker.context_parallel.comm import Ring, Transfer
 
 _KV_TAG = 17
@@ -173,8 +178,13 @@ class RingAttention(torch.autograd.Function):
     def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float
     ) -> torch.Tensor:
-        """Attention output of the local queries; saves what backward needs."""
-        out, lse = ring_forward(q, k, v, ring, scale)
+        """Attention output of the local queries; saves what backward needs.
+
+        ``q``, ``k`` and ``v`` share one dtype (``blocks.attention_inputs``); autocast is off
+        inside (Note [Context parallel attention under autocast]).
+        """
+        with autocast_off(q.device.type):
+            out, lse = ring_forward(q, k, v, ring, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.scale = ring, scale
         return out
@@ -183,7 +193,8 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor) -> tuple:
         """Gradients of ``q``, ``k``, ``v`` (none for ``ring`` and ``scale``)."""
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.ring, ctx.scale)
+        with autocast_off(q.device.type):
+            dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.ring, ctx.scale)
         return dq, dk, dv, None, None
 
 
