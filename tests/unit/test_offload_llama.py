@@ -183,6 +183,26 @@ def test_host_buffers_are_reused_across_steps():
     second = get_stats(model)
     assert first.host_pool_bytes == second.host_pool_bytes > 0
     assert second.bytes_offloaded == first.bytes_offloaded
+    assert first.host_pool_new_bytes == first.bytes_offloaded
+    assert second.host_pool_new_bytes == 0  # every block of the second step was reused
+
+
+def test_host_pool_stays_bounded_when_the_sequence_length_varies():
+    """Note [Host pool trimming]: a new length every step used to add blocks for good."""
+    model = wrap(build(), 2)
+    g = torch.Generator().manual_seed(0)
+    for step in range(12):
+        ids = torch.randint(0, 128, (2, 8 + step), generator=g)
+        loss_of(model, ids).backward()
+        stats = get_stats(model, reset=True)
+        # One pass is one cycle of the pool and its footprint is what it offloaded; the
+        # lengths grow, so the largest recent footprint is this step's.
+        assert 0 < stats.host_pool_bytes <= 2 * stats.bytes_offloaded, (step, stats)
+    pool_bytes = stats.host_pool_bytes
+    for _ in range(3):  # the same length again: reused, nothing new, nothing dropped
+        loss_of(model, ids).backward()
+        stats = get_stats(model, reset=True)
+        assert stats.host_pool_new_bytes == 0 and stats.host_pool_bytes == pool_bytes, stats
 
 
 def test_retained_graph_backward_twice():

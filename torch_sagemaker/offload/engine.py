@@ -291,7 +291,10 @@ class OffloadEngine:
         transfer = self._transfers.get(device)
         if transfer is None:
             transfer = make_transfer(
-                device, self._pools, on_wait=lambda s: self.stats.add("wait_seconds", s)
+                device,
+                self._pools,
+                on_wait=lambda s: self.stats.add("wait_seconds", s),
+                on_allocate=lambda n: self.stats.add("host_pool_new_bytes", n),
             )
             self._transfers[device] = transfer
         return transfer

@@ -40,7 +40,14 @@ class OffloadStats:
         wait_seconds: Host time spent blocked waiting for copies (on the synchronous path,
             the copies made on demand).
         copy_seconds: Host time spent issuing copies (all of it is copying on the CPU).
-        host_pool_bytes: Bytes owned by the host buffer pools (in use and free).
+        host_pool_bytes: Bytes owned by the host buffer pools now (in use and free). Free
+            blocks are trimmed whenever a pool becomes idle (after each forward/backward
+            pair) to at most twice the bytes the largest of the last 4 such cycles used
+            (Note [Host pool trimming] in ``buffers.py``), so it stays bounded when shapes
+            vary.
+        host_pool_new_bytes: Bytes of host blocks allocated since the reset (pinned on
+            CUDA). 0 after the first step at fixed shapes; under shapes that vary it counts
+            the sizes the pool could not reuse.
     """
 
     forward_passes: int = 0
@@ -60,6 +67,7 @@ class OffloadStats:
     wait_seconds: float = 0.0
     copy_seconds: float = 0.0
     host_pool_bytes: int = 0
+    host_pool_new_bytes: int = 0
 
     def as_dict(self) -> dict[str, float]:
         """The counters as a flat dict (for loggers such as TensorBoard or wandb)."""

@@ -247,6 +247,7 @@ def make_transfer(
     device: torch.device,
     pools: dict[bool, HostBufferPool],
     on_wait: Callable[[float], None] | None = None,
+    on_allocate: Callable[[int], None] | None = None,
 ) -> SyncTransfer | CudaStreamTransfer:
     """Picks the transfer for ``device``: CUDA streams on CUDA, synchronous copies elsewhere.
 
@@ -254,8 +255,12 @@ def make_transfer(
         device: The device the saved activations live on.
         pools: Pools by ``pin_memory``; the one needed is created on first use.
         on_wait: Called with the seconds the host spent blocked in a wait.
+        on_allocate: Given to a pool created here: called with the size of each new block.
     """
-    if device.type == "cuda":
-        pool = pools.setdefault(True, HostBufferPool(pin_memory=True))
+    pin = device.type == "cuda"
+    pool = pools.get(pin)
+    if pool is None:
+        pool = pools[pin] = HostBufferPool(pin_memory=pin, on_allocate=on_allocate)
+    if pin:
         return CudaStreamTransfer(pool, device, on_wait)
-    return SyncTransfer(pools.setdefault(False, HostBufferPool(pin_memory=False)))
+    return SyncTransfer(pool)
