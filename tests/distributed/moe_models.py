@@ -204,6 +204,7 @@ def parity_case(
     offload: bool = False,
     router_logits: bool = True,
     moe_ref: bool = False,
+    microbatches: int = 1,
 ) -> dict:
     """One expert parallel run against one process on the concatenated batch (run on every rank).
 
@@ -213,6 +214,8 @@ def parity_case(
     rank's router sees other ranks' tokens, and the model's own aux loss would differ).
     ``moe_ref=True`` makes the reference's blocks ``MoELayer`` without expert parallelism
     (``moe_reference``), for the routing options; it adds its own auxiliary terms.
+    ``microbatches=2`` runs two forwards (other batches) and one backward of their summed
+    losses per step, as gradient accumulation in one graph does.
     """
     import torch.distributed as dist
     import torch.sagemaker as tsm
@@ -223,7 +226,8 @@ def parity_case(
 
     cfg = MoEConfig(**moe_kwargs)
     dp_rank, dp_size = tsm.state.dp_rank, tsm.state.dp_size
-    batches = [batch(d) for d in range(dp_size)]
+    # batches[m][d]: micro-batch m of DP rank d (micro-batch 0 is batch(d)).
+    batches = [[batch(d + m * dp_size) for d in range(dp_size)] for m in range(microbatches)]
     ref = tiny_moe(family)
     model = tsm.transform(copy.deepcopy(ref), config=cfg)
     if moe_ref:
@@ -242,32 +246,36 @@ def parity_case(
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     out = {"loss": [], "ref_loss": [], "logits": [], "grads": [], "norm": [], "grad_scale": []}
     for _ in range(steps):
-        ids = batches[dp_rank]
-        res = model(input_ids=ids, labels=ids, output_router_logits=router_logits)
-        res.loss.backward()
+        res = [
+            model(input_ids=ids, labels=ids, output_router_logits=router_logits)
+            for ids in (b[dp_rank] for b in batches)
+        ]
+        sum(r.loss for r in res).backward()
         ref_opt.zero_grad()
         # The reference divides each rank's loss by dp_size before backward, so MoELayer's
         # attached aux terms take the same factor (Note [Auxiliary losses in backward]).
         set_aux_loss_scale(1.0 / dp_size)
-        for d, ref_ids in enumerate(batches):
-            r = ref(input_ids=ref_ids, labels=ref_ids, output_router_logits=True)
-            loss = (
-                r.loss if router_logits else r.loss - r.aux_loss * ref.router_aux_loss_coef
-            ) + reference_aux(r.router_logits, num_experts, top_k, aux_coeff, z_coeff)
-            (loss / dp_size).backward()
-            if d == dp_rank:
-                out["ref_loss"].append(
-                    float(loss.detach())
-                    - float(reference_aux(r.router_logits, num_experts, top_k, aux_coeff, z_coeff))
-                )
-                out["logits"].append(
-                    max(
-                        float((a - b).abs().max())
-                        for a, b in zip(res.router_logits, r.router_logits, strict=True)
-                    )
-                    if router_logits
-                    else 0.0
-                )
+        ref_loss, logits_diff = 0.0, 0.0
+        for m, micro in enumerate(batches):
+            for d, ref_ids in enumerate(micro):
+                r = ref(input_ids=ref_ids, labels=ref_ids, output_router_logits=True)
+                aux = reference_aux(r.router_logits, num_experts, top_k, aux_coeff, z_coeff)
+                loss = (
+                    r.loss if router_logits else r.loss - r.aux_loss * ref.router_aux_loss_coef
+                ) + aux
+                (loss / dp_size).backward()
+                if d == dp_rank:
+                    ref_loss += float(loss.detach()) - float(aux.detach())
+                    if router_logits:
+                        logits_diff = max(
+                            logits_diff,
+                            *(
+                                float((a - b).abs().max())
+                                for a, b in zip(res[m].router_logits, r.router_logits, strict=True)
+                            ),
+                        )
+        out["ref_loss"].append(ref_loss)
+        out["logits"].append(logits_diff)
         set_aux_loss_scale(1.0)
         grads = full_grads(model)
         ref_grads = {n: p.grad for n, p in ref.named_parameters()}
@@ -279,7 +287,7 @@ def parity_case(
         norm = clip_grad_norm_(model, 1e9)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
         out["norm"].append(abs(float(norm) - float(ref_norm)))
-        out["loss"].append(float(res.loss))
+        out["loss"].append(sum(float(r.loss) for r in res))
         opt.step()
         ref_opt.step()
         opt.zero_grad()

@@ -72,8 +72,10 @@ TWO_RANK_CASES = [
     # smp_moe=False: the Hugging Face block and router stay, only the experts are split.
     _case("mixtral-fsdp1-hf-block", "mixtral", "fsdp1", {**NONE, "smp_moe": False}),
     # Composition: checkpointing of decoder layers (reentrant, as SMP's scripts) or of MoELayer
-    # (non-reentrant, with the shuffle, whose recomputation must reuse the permutation), and
-    # the offload wrapper.
+    # (non-reentrant), and the offload wrapper. With the shuffle, two forwards run before one
+    # backward: each recompute must deal out its own forward's tokens again (Note [Token
+    # shuffle under recomputation]; test_expert_parallel_api.py compares per-rank gradients
+    # with and without checkpointing for both kinds).
     # (Reentrant checkpointing runs the first forward without grad, so the logits Hugging Face
     # records for output_router_logits carry no gradient and its own aux loss would not
     # train the router: that case runs without output_router_logits.)
@@ -85,11 +87,11 @@ TWO_RANK_CASES = [
         {"checkpoint": "layer", "offload": True, "router_logits": False},
     ),
     _case(
-        "mixtral-fsdp2-ckpt-moe-shuffle",
+        "mixtral-fsdp2-ckpt-moe-shuffle-2fwd",
         "mixtral",
         "fsdp2",
         {**NONE, "global_token_shuffle": True},
-        {"checkpoint": "moe", "router_logits": False},
+        {"checkpoint": "moe", "router_logits": False, "microbatches": 2},
     ),
 ]
 

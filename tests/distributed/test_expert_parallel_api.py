@@ -252,3 +252,51 @@ def _fsdp1_no_shard_refused():
 def test_fsdp1_no_shard_with_replicated_experts_is_refused():
     out = run_distributed(_fsdp1_no_shard_refused, world_size=4, timeout=300)[0]
     assert "hybrid_shard_degree=1 (NO_SHARD)" in out and "FSDP2" in out, out
+
+
+def _shuffle_under_recomputation(balancings):
+    """Two forwards, then one backward of the summed losses, with the token shuffle: per-rank
+    gradients with checkpointing against the same model without it (same seeds, same data)."""
+    import torch.sagemaker as tsm
+
+    from torch_sagemaker.moe.moe_config import MoEConfig
+
+    tsm.init({"expert_parallel_degree": 2})
+    rank = tsm.state.dp_rank
+    # Micro-batches of 16 and 24 tokens: a recompute of the first one must not replay the
+    # second one's permutation (nor draw a fresh one).
+    batches = [mm.batch(rank, rows=2), mm.batch(rank + 2, rows=3)]
+    base = mm.tiny_moe("mixtral")
+    out = {}
+    for balancing in balancings:
+        cfg = MoEConfig(moe_load_balancing=balancing, global_token_shuffle=True)
+        for target in ("layer", "moe"):  # reentrant on decoder layers, non-reentrant on MoELayer
+            grads = []
+            for checkpoint in (False, True):
+                model = tsm.transform(copy.deepcopy(base), config=cfg)
+                if checkpoint:
+                    mm.apply_checkpointing(model, target)
+                torch.manual_seed(0)  # the permutations come from the global CPU generator
+                sum(model(input_ids=b, labels=b).loss for b in batches).backward()
+                grads.append(
+                    {
+                        mm.clean(n): p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                        for n, p in model.named_parameters()
+                    }
+                )
+            plain, ckpt = grads
+            assert plain.keys() == ckpt.keys()
+            out[(balancing, target)] = max(
+                float((g - ckpt[n]).abs().max()) for n, g in plain.items()
+            )
+    return out
+
+
+@pytest.mark.distributed
+def test_token_shuffle_under_recomputation_of_several_forwards():
+    """Note [Token shuffle under recomputation]: the recompute of each forward deals out that
+    forward's tokens again, for reentrant and non-reentrant checkpointing."""
+    for out in run_distributed(
+        _shuffle_under_recomputation, ["none", "sinkhorn"], world_size=2, timeout=300
+    ):
+        assert len(out) == 4 and max(out.values()) < 1e-6, out

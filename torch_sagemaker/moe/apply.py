@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from torch_sagemaker.logger import warn_once
@@ -158,7 +157,7 @@ def apply_moe(
             "module; the model has no sparse MoE layer (num_experts=0?)."
         )
     _warn_no_effect(config, ep)
-    generator = torch.Generator().manual_seed(config.random_seed + ep_mesh.get_local_rank())
+    seed = config.random_seed + ep_mesh.get_local_rank()
     for name, block in blocks:
         if tp == 1:
             split_experts(
@@ -170,7 +169,7 @@ def apply_moe(
         if not config.smp_moe:
             continue
         shuffle = (
-            TokenShuffle(ep_mesh.get_group(), generator)
+            TokenShuffle(ep_mesh.get_group(), seed)
             if config.global_token_shuffle and ep > 1
             else None
         )

@@ -29,7 +29,9 @@ class MoEConfig:
             the load balancing below, expert parallel dispatch). ``False`` keeps the
             Hugging Face block and its router and only splits the experts over the
             ``expert_parallel_degree`` ranks.
-        random_seed: Seed of the token shuffle; each rank draws from ``random_seed + ep_rank``.
+        random_seed: Seed of the token shuffle; each rank's permutations come from
+            ``random_seed + ep_rank`` and a number drawn from torch's global CPU generator
+            (Note [Token shuffle under recomputation]).
         moe_load_balancing: ``"sinkhorn"`` (experts chosen on Sinkhorn-balanced scores while
             training), ``"aux_loss"`` (Switch Transformer auxiliary loss, coefficient
             ``moe_aux_loss_coeff``), ``"balanced"`` (balanced assignment: every expert gets
