@@ -72,6 +72,15 @@ def batch(dp_rank: int, rows: int = 2, seq: int = 8) -> torch.Tensor:
     return torch.randint(0, VOCAB, (rows, seq), generator=g)
 
 
+def left_padding(ids: torch.Tensor, dp_rank: int) -> torch.Tensor:
+    """An attention mask that pads row ``i`` of ``ids`` on the left by ``(i + dp_rank) %
+    (seq // 2)`` tokens."""
+    mask = torch.ones_like(ids)
+    for i in range(ids.shape[0]):
+        mask[i, : (i + dp_rank) % (ids.shape[1] // 2)] = 0
+    return mask
+
+
 def layer_class(model):
     from torch_sagemaker.policies import transformer_layer_classes
 
@@ -205,17 +214,21 @@ def parity_case(
     router_logits: bool = True,
     moe_ref: bool = False,
     microbatches: int = 1,
+    mask: bool = False,
+    rows: tuple[int, ...] | None = None,
 ) -> dict:
     """One expert parallel run against one process on the concatenated batch (run on every rank).
 
     Returns per step the max differences of the loss, the router logits, every gradient and the
     gradient norm (``tsm.grad_norm.clip_grad_norm_`` against PyTorch's on the reference).
-    ``router_logits=False`` runs without ``output_router_logits`` (with the token shuffle a
-    rank's router sees other ranks' tokens, and the model's own aux loss would differ).
+    ``router_logits=False`` runs without ``output_router_logits`` (the model's loss then has
+    no Hugging Face auxiliary loss).
     ``moe_ref=True`` makes the reference's blocks ``MoELayer`` without expert parallelism
     (``moe_reference``), for the routing options; it adds its own auxiliary terms.
     ``microbatches=2`` runs two forwards (other batches) and one backward of their summed
-    losses per step, as gradient accumulation in one graph does.
+    losses per step, as gradient accumulation in one graph does. ``mask=True`` pads the rows
+    on the left (``left_padding``; the labels ignore the padding), which Hugging Face's
+    auxiliary loss then leaves out; ``rows`` gives each DP rank's batch rows (2 by default).
     """
     import torch.distributed as dist
     import torch.sagemaker as tsm
@@ -226,8 +239,20 @@ def parity_case(
 
     cfg = MoEConfig(**moe_kwargs)
     dp_rank, dp_size = tsm.state.dp_rank, tsm.state.dp_size
+
+    def inputs(d: int, m: int) -> dict:
+        ids = batch(d + m * dp_size, rows=rows[d] if rows else 2)
+        if not mask:
+            return {"input_ids": ids, "labels": ids}
+        attention = left_padding(ids, d)
+        return {
+            "input_ids": ids,
+            "attention_mask": attention,
+            "labels": ids.masked_fill(attention == 0, -100),
+        }
+
     # batches[m][d]: micro-batch m of DP rank d (micro-batch 0 is batch(d)).
-    batches = [[batch(d + m * dp_size) for d in range(dp_size)] for m in range(microbatches)]
+    batches = [[inputs(d, m) for d in range(dp_size)] for m in range(microbatches)]
     ref = tiny_moe(family)
     model = tsm.transform(copy.deepcopy(ref), config=cfg)
     if moe_ref:
@@ -246,10 +271,7 @@ def parity_case(
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     out = {"loss": [], "ref_loss": [], "logits": [], "grads": [], "norm": [], "grad_scale": []}
     for _ in range(steps):
-        res = [
-            model(input_ids=ids, labels=ids, output_router_logits=router_logits)
-            for ids in (b[dp_rank] for b in batches)
-        ]
+        res = [model(**b[dp_rank], output_router_logits=router_logits) for b in batches]
         sum(r.loss for r in res).backward()
         ref_opt.zero_grad()
         # The reference divides each rank's loss by dp_size before backward, so MoELayer's
@@ -257,8 +279,8 @@ def parity_case(
         set_aux_loss_scale(1.0 / dp_size)
         ref_loss, logits_diff = 0.0, 0.0
         for m, micro in enumerate(batches):
-            for d, ref_ids in enumerate(micro):
-                r = ref(input_ids=ref_ids, labels=ref_ids, output_router_logits=True)
+            for d, ref_inputs in enumerate(micro):
+                r = ref(**ref_inputs, output_router_logits=True)
                 aux = reference_aux(r.router_logits, num_experts, top_k, aux_coeff, z_coeff)
                 loss = (
                     r.loss if router_logits else r.loss - r.aux_loss * ref.router_aux_loss_coef

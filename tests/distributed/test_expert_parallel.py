@@ -61,13 +61,16 @@ TWO_RANK_CASES = [
         {"moe_load_balancing": "balanced", "moe_all_to_all_dispatcher": False},
         {"moe_ref": True},
     ),
-    # The shuffle changes no token's result with "none" balancing.
+    # The shuffle changes no token's result with "none" balancing, and the router logits that
+    # Hugging Face records (and its aux loss) are the rank's own tokens in order (Note [Router
+    # logits and the token shuffle]), also against a padding mask with other counts per rank.
+    _case("mixtral-fsdp2-shuffle", "mixtral", "fsdp2", {**NONE, "global_token_shuffle": True}),
     _case(
-        "mixtral-fsdp2-shuffle",
-        "mixtral",
-        "fsdp2",
+        "qwen2_moe-fsdp1-shuffle-mask-uneven",
+        "qwen2_moe",
+        "fsdp1",
         {**NONE, "global_token_shuffle": True},
-        {"router_logits": False},
+        {"mask": True, "rows": (3, 2)},
     ),
     # smp_moe=False: the Hugging Face block and router stay, only the experts are split.
     _case("mixtral-fsdp1-hf-block", "mixtral", "fsdp1", {**NONE, "smp_moe": False}),

@@ -6,10 +6,12 @@ under their own names (``gate``, ``experts``, and e.g. ``shared_expert``), so pa
 names and checkpoint keys stay Hugging Face's. Its forward:
 
 1. optional multiplicative router jitter (Mixtral's ``router_jitter_noise``), as the model;
-2. ``global_token_shuffle``: the EP group's tokens dealt out randomly (``token_shuffle``);
-3. router logits in fp32: the router is called on fp32 input and its weight is kept in fp32
-   under mixed precision by the FSDP integration (``torch_sagemaker.sharding.experts``); its
-   output is what ``output_router_logits=True`` returns;
+2. router logits in fp32 of the rank's own tokens: the router is called on fp32 input and
+   its weight is kept in fp32 under mixed precision by the FSDP integration
+   (``torch_sagemaker.sharding.experts``); its output is what ``output_router_logits=True``
+   returns;
+3. ``global_token_shuffle``: the EP group's tokens, with their router logits, dealt out
+   randomly (``token_shuffle``; Note [Router logits and the token shuffle]);
 4. routing with the configured load balancing (``routing.route``);
 5. the experts (split over the EP ranks by ``experts.split_experts``, tokens dispatched);
 6. shared experts (Qwen2-MoE: ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``);
@@ -38,6 +40,19 @@ from torch_sagemaker.moe.token_shuffle import TokenShuffle
 # (``torch_sagemaker.moe.aux_losses(model)``). Scripts that divide the loss before backward
 # (gradient accumulation) set ``set_aux_loss_scale`` to the same factor.
 _AUX_LOSS_SCALE = [1.0]
+
+# Note [Router logits and the token shuffle]: Hugging Face's models record the router's output
+# for ``output_router_logits=True`` with a forward hook on the router module (an
+# ``OutputRecorder``) and compute their load-balancing loss from it, row by row against the
+# attention mask of the rank's batch. So the router runs on the rank's own tokens, in their
+# order, before the shuffle, and the logits then travel with the token rows
+# (``TokenShuffle.move``: same permutation and counts). Running the router on the received
+# rows instead recorded other ranks' tokens in shuffled order and count: with a padding mask
+# the model's loss crashed on the shapes or, with equal counts, weighed the wrong tokens. The
+# router is replicated over the EP group and works row by row, so routing on the received
+# logits equals routing computed on the received rows, and the gradients of the logits return
+# to their tokens' rank by the reverse all-to-all. The cost is one more all-to-all per layer,
+# of ``num_experts`` fp32 values per token.
 
 # Note [MoELayer under tensor parallelism]: with tensor_parallel_degree > 1 (and expert
 # parallel degree 1) the TP plan has already split the experts whole over the TP ranks
@@ -135,10 +150,13 @@ class MoELayer(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         if self.training and self.jitter_noise > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        # Before the shuffle: the logits Hugging Face records (Note [Router logits and the
+        # token shuffle]).
+        logits = self._router_logits(x)
         shuffled = None
         if self.shuffle is not None:
             x, shuffled = self.shuffle.shuffle(x)
-        logits = self._router_logits(x)
+            logits = self.shuffle.move(logits, shuffled)
         r = routing.route(
             logits,
             self.top_k,

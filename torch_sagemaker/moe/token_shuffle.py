@@ -92,8 +92,18 @@ class TokenShuffle:
         recv_rows = coll.checked_counts(
             coll.exchange_counts(counts, self.group), "shuffled token counts"
         )
-        y = coll.all_to_all_rows(x[perm], recv_rows, send_rows, self.group)
-        return y, Shuffled(perm, send_rows, recv_rows)
+        shuffled = Shuffled(perm, send_rows, recv_rows)
+        return self.move(x, shuffled), shuffled
+
+    def move(self, t: torch.Tensor, shuffled: Shuffled) -> torch.Tensor:
+        """Rows of ``t`` (N, ...) sent where ``shuffle`` sent the rows of its ``x``.
+
+        Row ``i`` of the result belongs to the same token as row ``i`` of the rows that
+        ``shuffle`` returned; the gradient goes back to ``t`` by the reverse exchange.
+        """
+        return coll.all_to_all_rows(
+            t[shuffled.perm], shuffled.recv_rows, shuffled.send_rows, self.group
+        )
 
     def unshuffle(self, y: torch.Tensor, shuffled: Shuffled) -> torch.Tensor:
         """Inverse of ``shuffle`` for the outputs of the received rows."""
