@@ -239,7 +239,8 @@ def transform(
     0's weights (and its error, if any) to every rank, as it must.
 
     Raises:
-        RuntimeError: If ``tsm.init`` was not called.
+        RuntimeError: If ``tsm.init`` was not called, or, with rank-0 loading, if the
+            ranks' tensors differ only after sharding (e.g. in dtype; raised on every rank).
         TypeError: If ``dtype`` is not a floating ``torch.dtype`` (e.g. the string "float16").
         ValueError: For an unsupported model (listing the supported ones and how to register
             a policy), a degree that does not divide the heads, experts or MLP width

@@ -13,6 +13,11 @@
   transform]), and models that differ across ranks stop every rank with the same error.
 - With tp = cp = ep = 1, ``transform`` made an all-reduce on the world group (to agree on
   meta weights that nothing then read); now it makes no collective call at all.
+- A tied model loaded from rank 0 with tensor parallel degree 1 hung: the other ranks'
+  ``to_empty`` untied the head from the embedding again (one parameter more than rank 0
+  sends). Now the tie survives the allocation, and tensor lists that still differ when the
+  weights are sent (here: another dtype on one rank) stop every rank with the same error
+  (Note [One tensor list for the broadcast]).
 """
 
 from __future__ import annotations
@@ -188,3 +193,82 @@ def _world_calls_without_model_parallelism() -> dict:
 def test_transform_makes_no_world_collective_without_model_parallelism():
     for out in run_distributed(_world_calls_without_model_parallelism, world_size=2, timeout=300):
         assert out == {"real": [], "meta": []}, out
+
+
+def _tied_rank0_load_without_tp() -> dict:
+    """A tied model from rank 0 with tensor parallel degree 1: replicated, then FSDP2-sharded."""
+    import torch
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+    from accelerate import init_empty_weights
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.distributed.hf_models import tiny_llama
+    from torch_sagemaker.policies import transformer_layer_classes
+
+    ref = tiny_llama(seed=6, tie_word_embeddings=True)
+    want = {n: t for n, t in [*ref.named_parameters(), *ref.named_buffers()]}
+    ids = torch.arange(16).reshape(2, 8) % 100
+    with torch.no_grad():
+        want_loss = float(ref(input_ids=ids, labels=ids).loss)
+
+    def load(dtype=torch.float32):
+        if dist.get_rank() == 0:
+            model = tiny_llama(seed=6, tie_word_embeddings=True)
+        else:
+            with init_empty_weights():
+                model = tiny_llama(seed=9, tie_word_embeddings=True).to(dtype)
+        return tsm.transform(model, load_state_dict_from_rank0=True)
+
+    def loaded(model) -> dict:
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        return {
+            "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+            "names": [n for n, _ in tensors],
+            "equal": [n for n, t in tensors if torch.equal(t.detach(), want[n])],
+        }
+
+    out = {}
+    tsm.init({"hybrid_shard_degree": 1})
+    try:  # another dtype on rank 1 only: caught before the first weight is sent
+        load(torch.bfloat16)
+        out["dtype"] = "no error"
+    except RuntimeError as e:
+        out["dtype"] = str(e)
+    out["replicated"] = loaded(load())  # the group is in step after the error
+    tsm.state.reset()
+    tsm.init({"hybrid_shard_degree": 2})
+    model = load()
+    out["before_fsdp2"] = loaded(model)
+    layer_classes = transformer_layer_classes(model)
+    for module in model.modules():
+        if isinstance(module, layer_classes):
+            fully_shard(module, mesh=tsm.state.fsdp_mesh)
+    fully_shard(model, mesh=tsm.state.fsdp_mesh)
+    out["fsdp2_tied"] = model.lm_head.weight is model.model.embed_tokens.weight
+    out["fsdp2_embed"] = torch.equal(
+        model.model.embed_tokens.weight.full_tensor(), want["model.embed_tokens.weight"]
+    )
+    with torch.no_grad():
+        out["fsdp2_loss"] = abs(float(model(input_ids=ids, labels=ids).loss) - want_loss)
+    out["want_names"] = list(want)
+    return out
+
+
+def test_tied_model_from_rank0_without_tensor_parallelism_keeps_the_tie():
+    results = run_distributed(_tied_rank0_load_without_tp, world_size=2, timeout=240)
+    for rank, out in enumerate(results):
+        assert out["dtype"].startswith(
+            "load_state_dict_from_rank0=True: the tensors rank 0 broadcasts and those the "
+            "other ranks receive do not pair up after sharding (tensor 0 is "
+            "model.embed_tokens.weight [256, 64] bfloat16 on rank 1 and "
+            "model.embed_tokens.weight [256, 64] float32 on rank 0"
+        ), (rank, out["dtype"])
+        for layout in ("replicated", "before_fsdp2"):
+            r = out[layout]
+            assert r["tied"], (rank, layout)
+            assert r["names"] == out["want_names"], (rank, layout, r["names"])  # 20 + 1 buffer
+            assert r["equal"] == out["want_names"], (rank, layout)  # rank 0's weights
+        assert out["fsdp2_tied"] and out["fsdp2_embed"], (rank, out)
+        assert out["fsdp2_loss"] < 1e-5, (rank, out["fsdp2_loss"])
+    assert results[0]["dtype"] == results[1]["dtype"]

@@ -7,7 +7,11 @@ import torch
 from torch import nn
 
 from torch_sagemaker.delayed_param import DelayedParamIniter
-from torch_sagemaker.utils.module_utils import empty_module_params, move_buffers_to_device
+from torch_sagemaker.utils.module_utils import (
+    empty_module_params,
+    move_buffers_to_device,
+    to_empty_keeping_ties,
+)
 from torch_sagemaker.utils.process_group_utils import get_global_ranks
 
 CFG = dict(
@@ -184,6 +188,22 @@ def test_module_utils_materialize_non_recursively_and_keep_ties():
     b.weight = a.weight
     empty_module_params(nn.ModuleList([a, b]), "cpu", recurse=True)
     assert a.weight is b.weight and not a.weight.is_meta
+
+
+def test_to_empty_keeping_ties_keeps_shared_tensors_shared():
+    """``nn.Module.to_empty`` makes a tied pair two parameters; the rank-0 broadcast then
+    expected one tensor more on the receiving ranks than rank 0 sent."""
+    with torch.device("meta"):
+        a, b = nn.Linear(2, 3), nn.Linear(2, 3)
+        a.register_buffer("scale", torch.ones(3))
+    b.weight = a.weight
+    b.register_buffer("scale", a.scale)
+    model = nn.ModuleList([a, b])
+    to_empty_keeping_ties(model, "cpu")
+    assert a.weight is b.weight and a.scale is b.scale
+    assert a.bias is not b.bias
+    assert len(list(model.parameters())) == 3 and not any(t.is_meta for t in model.parameters())
+    assert not a.scale.is_meta
 
 
 def test_get_global_ranks_needs_a_process_group():

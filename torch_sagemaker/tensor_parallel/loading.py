@@ -7,11 +7,13 @@ Order of operations (see ``_transform.transform``):
 2. The TP plan is applied on every rank with ``src_data_rank=None`` (a local split, no
    communication): rank 0's parameters become real local shards of its weights, the other
    ranks' parameters meta shards.
-3. ``broadcast_from_rank0``: the other ranks allocate their shards (``to_empty``); then,
-   one tensor at a time, rank 0 broadcasts the full value and every rank copies its own
-   shard out of it. Peak extra memory on a receiving rank is one full tensor, not the
-   model. Buffers are broadcast too: non-persistent ones such as RoPE's ``inv_freq`` are
-   not in any checkpoint and would otherwise stay uninitialized after ``to_empty``.
+3. ``broadcast_from_rank0``: the other ranks allocate their shards (``to_empty``, keeping
+   tied weights tied); the ranks check that they hold the same tensors (Note [One tensor
+   list for the broadcast]); then, one tensor at a time, rank 0 broadcasts the full value
+   and every rank copies its own shard out of it. Peak extra memory on a receiving rank is
+   one full tensor, not the model. Buffers are broadcast too: non-persistent ones such as
+   RoPE's ``inv_freq`` are not in any checkpoint and would otherwise stay uninitialized
+   after ``to_empty``.
 
 Broadcasting to every rank (rather than only to rank 0's TP group) makes FSDP1's
 ``sync_module_states`` unnecessary and works the same with FSDP2, which has no such option.
@@ -23,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from torch_sagemaker.utils.module_utils import to_empty_keeping_ties
 
 
 def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -79,15 +83,75 @@ def capture_rank0_state(model: nn.Module) -> dict[str, torch.Tensor] | None:
 
 
 def _first_difference(
-    mine: list[tuple[str, tuple[int, ...]]], rank0: list[tuple[str, tuple[int, ...]]]
+    mine: list[tuple], rank0: list[tuple], here: str = "here", there: str = "on rank 0"
 ) -> str | None:
-    """Where this rank's tensors (name, shape; in order) first differ from rank 0's."""
+    """Where this rank's tensors (name, shape[, dtype]; in order) first differ from rank 0's.
+
+    ``here`` and ``there`` say where each list comes from, for the message.
+    """
+
+    def describe(entry: tuple) -> str:
+        return " ".join([entry[0], str(list(entry[1])), *entry[2:]])
+
     for i, (a, b) in enumerate(zip(mine, rank0)):
         if a != b:
-            return f"tensor {i} is {a[0]} {list(a[1])} here and {b[0]} {list(b[1])} on rank 0"
+            return f"tensor {i} is {describe(a)} {here} and {describe(b)} {there}"
     if len(mine) != len(rank0):
-        return f"{len(mine)} tensors here and {len(rank0)} on rank 0"
+        return f"{len(mine)} tensors {here} and {len(rank0)} {there}"
     return None
+
+
+def _entry(name: str, tensor: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
+    """(name, global shape, dtype): what a broadcast of ``tensor`` must agree on."""
+    return name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")
+
+
+def _check_broadcast_pairs(
+    named: list[tuple[str, torch.Tensor]], rank0_state: dict[str, torch.Tensor] | None
+) -> None:
+    """Raises on every rank unless every rank will receive what rank 0 sends, tensor by tensor.
+
+    Note [One tensor list for the broadcast]: ``broadcast_from_rank0`` makes one broadcast
+    per tensor of ``_named_tensors``, paired by position only. If one rank's list is longer
+    (a tie lost on some ranks: ``to_empty`` once untied ``lm_head.weight`` from
+    ``embed_tokens.weight`` on the receiving ranks with tensor parallel degree 1), the
+    ranks with more tensors wait forever for a broadcast rank 0 never makes; if a shape or
+    dtype differs, a broadcast pairs buffers of different sizes. ``capture_rank0_state``
+    compares the models before TP, but TP, EP and the receivers' allocation all come after
+    it, so the lists are compared again right before the first broadcast: one all-gather of
+    (name, shape, dtype) per tensor, with rank 0's source tensors checked against its own
+    list too (a name TP renamed would fail on rank 0 alone, in the middle of the loop). Every
+    rank sees all the lists and so raises the same error, or none.
+    """
+    layout = [_entry(name, t) for name, t in named]
+    source_problem = None
+    if dist.get_rank() == 0:
+        assert rank0_state is not None  # capture_rank0_state's result on rank 0
+        missing = [name for name, _ in named if name not in rank0_state]
+        if missing:
+            source_problem = f"no weight captured for {missing[:4]}"
+        else:
+            source = [_entry(name, rank0_state[name]) for name, _ in named]
+            source_problem = _first_difference(
+                source, layout, "in its captured weights", "in its model"
+            )
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (layout, source_problem))
+    rank0_layout, source_problem = every[0]
+    problems = []
+    if source_problem is not None:
+        problems.append(f"on rank 0, {source_problem}")
+    for rank, (other, _) in enumerate(every):
+        difference = _first_difference(other, rank0_layout, f"on rank {rank}")
+        if difference is not None:
+            problems.append(difference)
+    if problems:
+        raise RuntimeError(
+            "load_state_dict_from_rank0=True: the tensors rank 0 broadcasts and those the other "
+            f"ranks receive do not pair up after sharding ({'; '.join(problems[:4])}); no "
+            "weights were sent. Build the model from the same config and dtype on every rank "
+            "(Note [One tensor list for the broadcast])."
+        )
 
 
 def broadcast_from_rank0(
@@ -99,12 +163,18 @@ def broadcast_from_rank0(
         model: The model after TP (DTensor or plain parameters).
         rank0_state: ``capture_rank0_state`` on rank 0; ignored elsewhere.
         device: Where the receiving ranks allocate their tensors.
+
+    Raises:
+        RuntimeError: On every rank, before any weight is sent, if some rank's tensors
+            (names, shapes, dtypes, in order) differ from rank 0's.
     """
     is_src = dist.get_rank() == 0
     if not is_src:
-        model.to_empty(device=device)
+        to_empty_keeping_ties(model, device)
+    named = _named_tensors(model)
+    _check_broadcast_pairs(named, rank0_state)
     with torch.no_grad():
-        for name, tensor in _named_tensors(model):
+        for name, tensor in named:
             if is_src:
                 assert rank0_state is not None  # capture_rank0_state's result on rank 0
                 full = rank0_state[name].to(tensor.device).contiguous()

@@ -84,6 +84,41 @@ def empty_module_params(
     return module
 
 
+def to_empty_keeping_ties(module: nn.Module, device: torch.device | str) -> nn.Module:
+    """``module.to_empty(device=device)``, but a tensor several modules share stays shared.
+
+    ``nn.Module.to_empty`` replaces each module's plain (non-DTensor) parameters one module
+    at a time, so a parameter held by two modules (``lm_head.weight`` tied to
+    ``embed_tokens.weight``) comes out as two parameters. Here every alias after the first
+    is set aside while ``to_empty`` runs (it skips ``None`` entries, so the shared tensor is
+    allocated once) and then pointed at the first holder's new tensor: the model keeps as
+    many parameters as it had, and ``to_empty``'s own handling of each tensor is unchanged.
+
+    Args:
+        module: The module to give uninitialized storage, recursively.
+        device: Where the storage goes.
+
+    Returns:
+        ``module`` (modified in place).
+    """
+    # (own-tensor dictionary getter, alias's module, its name, first holder, its name)
+    aliases: list[tuple[Callable[[nn.Module], dict], nn.Module, str, nn.Module, str]] = []
+    for kind in (nn_compat.own_parameters, nn_compat.own_buffers):
+        first: dict[int, tuple[nn.Module, str]] = {}
+        for owner, name, tensor in _owners(module, True, kind):
+            holder, holder_name = first.setdefault(id(tensor), (owner, name))
+            if holder is not owner or holder_name != name:
+                aliases.append((kind, owner, name, holder, holder_name))
+    for kind, owner, name, _, _ in aliases:
+        kind(owner)[name] = None
+    try:
+        module.to_empty(device=device)
+    finally:
+        for kind, owner, name, holder, holder_name in aliases:
+            kind(owner)[name] = kind(holder)[holder_name]
+    return module
+
+
 def move_buffers_to_device(
     module: nn.Module, device: torch.device | str | None, recurse: bool = False
 ) -> nn.Module:
@@ -109,4 +144,9 @@ def move_buffers_to_device(
     return module
 
 
-__all__ = ["default_device", "empty_module_params", "move_buffers_to_device"]
+__all__ = [
+    "default_device",
+    "empty_module_params",
+    "move_buffers_to_device",
+    "to_empty_keeping_ties",
+]
