@@ -17,7 +17,33 @@ Note [Layout-independent init]
     The values therefore depend on the seed and the module names only, never on the world
     size, the shard or TP degree, or the order FSDP visits modules in. They are not the
     values ``from_config`` would draw (that consumes one global RNG stream), but they follow
-    the same distributions. The cost is one full-size temporary per module at a time.
+    the same distributions, parents' rules for their children included (Note [Rules a
+    parent applies to its children]). The cost is one full-size temporary per module at a
+    time.
+
+Note [Rules a parent applies to its children]
+    Hugging Face calls ``_init_weights`` on every module, children before their parent
+    (``PreTrainedModel.initialize_weights``), and a parent's call may write its children's
+    tensors: GPT-2's ``GPT2Attention`` and ``GPT2MLP`` draw ``c_proj.weight`` again with std
+    ``initializer_range / sqrt(2 * n_layer)``, after ``c_proj``'s own call drew it with
+    ``initializer_range``. Initializing each module on its own tensors alone would keep the
+    child's draw and lose the parent's rule. So, once, when the initer is built, every
+    module's ``_init_weights`` call runs with every tensor of the model replaced by an empty
+    meta-device stand-in, and records which stand-ins it touched (any torch function given
+    one: ``init.normal_``, ``.data``, indexing, even reading the shape). Touched, not
+    written: writes cannot be seen on meta (``trunc_normal_`` and ``orthogonal_`` return
+    early for meta tensors, and a write through ``.data`` bumps no version counter), and a
+    call that only read a tensor does no harm when it runs again. When a module's tensors
+    are initialized, its own call and every other call that touched one of them run on its
+    shadows, in Hugging Face's order; the other tensors those calls touch are meta
+    stand-ins again, so no call writes into memory another module owns. Each tensor thus
+    ends as the last of Hugging Face's calls left it, still one module's tensors at a time,
+    under that module's seed: nothing is materialized beyond one module's tensors, and the
+    values stay independent of the layout. A tied tensor is decided by the calls that reach
+    it through its first holder (the input embedding, whose value ``tie_weights`` keeps, as
+    in Hugging Face); the stand-ins are per holder, so a call through another holder is no
+    writer of it. Recording costs one call per module, on meta, and a call that touched no
+    other module's tensors runs later for its own module only.
 
 Note [Buffers after delayed init]
     Non-persistent buffers (rotary ``inv_freq``) of a meta model have no values, and
@@ -37,6 +63,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.overrides import TorchFunctionMode
 
 from torch_sagemaker._torch_compat import nn as nn_compat
 from torch_sagemaker._torch_compat import tensor as tensor_compat
@@ -53,6 +80,85 @@ _OWN_TENSORS: dict[str, Callable[[nn.Module], dict[str, Any]]] = {
     "parameter": nn_compat.own_parameters,
     "buffer": nn_compat.own_buffers,
 }
+
+
+# A tensor's place: (id of the module holding it, "parameter" or "buffer", attribute name).
+_Slot = tuple[int, str, str]
+# The same with the module itself, to reach its dictionaries.
+_SlotRef = tuple[nn.Module, str, str]
+
+
+def _slot(ref: _SlotRef) -> _Slot:
+    return id(ref[0]), ref[1], ref[2]
+
+
+def _post_order(model: nn.Module) -> list[nn.Module]:
+    """Every module once, children before their parent: Hugging Face's order of init calls."""
+    order: dict[int, nn.Module] = {}
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            visit(child)
+        order.setdefault(id(module), module)
+
+    visit(model)
+    return list(order.values())
+
+
+def _stand_in(tensor: torch.Tensor, kind: str) -> torch.Tensor:
+    """An empty meta-device tensor of ``tensor``'s global shape and dtype (a Parameter for one)."""
+    empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+    return nn.Parameter(empty, requires_grad=False) if kind == "parameter" else empty
+
+
+class _Touches(TorchFunctionMode):
+    """Records which of the watched tensors any torch function is given while it is active."""
+
+    def __init__(self, watched: dict[int, _SlotRef]) -> None:
+        super().__init__()
+        self._watched = watched
+        self.touched: dict[_Slot, _SlotRef] = {}  # in the order first touched
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        self._note(args)
+        self._note(kwargs.values())
+        return func(*args, **kwargs)
+
+    def _note(self, values: Any) -> None:
+        for value in values:
+            if isinstance(value, (list, tuple)):
+                self._note(value)
+            elif isinstance(value, dict):
+                self._note(value.values())
+            else:
+                ref = self._watched.get(id(value))
+                if ref is not None:
+                    self.touched.setdefault(_slot(ref), ref)
+
+
+@contextlib.contextmanager
+def _installed(tensors: dict[_SlotRef, torch.Tensor]) -> Iterator[None]:
+    """Puts each tensor in its slot for the block, then puts back what was there."""
+    saved = []
+    try:
+        for (module, kind, name), tensor in tensors.items():
+            own = _OWN_TENSORS[kind](module)
+            # An entry FSDP1 removed since (a flattened unit's) is left alone: a call that
+            # reaches it then fails on the missing attribute instead of writing into it.
+            if name in own:
+                saved.append((own, name, own[name]))
+                own[name] = tensor
+        yield
+    finally:
+        for own, name, old in reversed(saved):
+            own[name] = old
 
 
 def _module_seed(base_seed: int, name: str) -> int:
@@ -101,10 +207,16 @@ class DelayedParamIniter:
         model: The model, built on the meta device or under ``init_empty_weights``.
         init_method_using_config: Optional ``fn(module)`` replacing the default init; it must
             materialize and fill the module's own tensors (``empty_module_params``, init by
-            type, ``move_buffers_to_device``). It runs under the per-module seed.
+            type, ``move_buffers_to_device``). It runs under the per-module seed, once per
+            module: rules a parent applies to its children are then the fn's to apply.
         verbose: Log every initialized module on rank 0.
         device: Where to materialize; default the current CUDA device, else CPU.
         seed: Base seed; default ``torch.initial_seed()`` (the last ``torch.manual_seed``).
+
+    Raises:
+        RuntimeError: If the model's ``_init_weights`` fails on meta-device stand-ins, which
+            the initer runs it on to learn which tensors each call writes (Note [Rules a
+            parent applies to its children]).
 
     Example:
         >>> with torch.device("meta"):
@@ -136,6 +248,15 @@ class DelayedParamIniter:
             for p in m.parameters(recurse=False):
                 self._canonical_owner.setdefault(id(p), m)
         self._init_owner = self._find_init_owners(model)
+        # Note [Rules a parent applies to its children]: what each init call touches, and
+        # the calls besides a slot's own module's that touch it. A custom init function
+        # replaces the model's init calls, so nothing is recorded for it.
+        self._order = {id(m): i for i, m in enumerate(_post_order(model))}
+        self._touched: dict[int, dict[_Slot, _SlotRef]] = {}
+        self._writers: dict[_Slot, list[nn.Module]] = {}
+        self._stand_ins: dict[_Slot, torch.Tensor] = {}
+        if init_method_using_config is None:
+            self._record_init_calls(model)
         self._total_numel = sum(p.numel() for p in self._unique_params(model))
         self._materialized: dict[int, nn.Parameter] = {}  # id(meta param) -> its replacement
         self._done_modules: set[int] = set()
@@ -161,6 +282,71 @@ class DelayedParamIniter:
 
         visit(model, None)
         return owners
+
+    def _record_init_calls(self, model: nn.Module) -> None:
+        """Runs every module's init call once on meta stand-ins, recording what it touches.
+
+        See Note [Rules a parent applies to its children].
+
+        Raises:
+            RuntimeError: Naming the module, if its init call fails on the stand-ins.
+        """
+        refs: list[_SlotRef] = [
+            (m, kind, n)
+            for m in model.modules()
+            for kind, own in _OWN_TENSORS.items()
+            for n, t in own(m).items()
+            if t is not None
+        ]
+        stand_ins = {
+            _slot(ref): _stand_in(_OWN_TENSORS[ref[1]](ref[0])[ref[2]], ref[1]) for ref in refs
+        }
+        watched = {id(stand_ins[_slot(ref)]): ref for ref in refs}
+        with _installed({ref: stand_ins[_slot(ref)] for ref in refs}):
+            for module in _post_order(model):
+                owner = self._init_owner.get(id(module))
+                if owner is None:
+                    continue
+                recorder = _Touches(watched)
+                try:
+                    with torch.random.fork_rng(devices=[]), torch.no_grad(), recorder:
+                        cast(Callable[[nn.Module], None], owner._init_weights)(module)
+                except Exception as e:
+                    name = self._names.get(id(module), type(module).__name__)
+                    raise RuntimeError(
+                        f"delayed init could not run {type(owner).__name__}._init_weights on "
+                        f"module {name!r} ({type(module).__name__}) with meta-device stand-ins "
+                        f"for its tensors ({type(e).__name__}: {e}), which it does to find the "
+                        "tensors each call writes (Note [Rules a parent applies to its "
+                        "children]). Pass DelayedParamIniter(model, init_method_using_config="
+                        "fn) with an fn that initializes each module's own tensors."
+                    ) from e
+                self._touched[id(module)] = recorder.touched
+                for slot in recorder.touched:
+                    self._stand_ins[slot] = stand_ins[slot]
+                    if slot[0] != id(module):
+                        self._writers.setdefault(slot, []).append(module)
+
+    def _run_init_calls(self, module: nn.Module, shadowed: list[_Slot]) -> list[nn.Module]:
+        """Runs the init calls that decide ``module``'s shadowed tensors, in Hugging Face's order.
+
+        ``module``'s shadows are in place; every other tensor a call touches is a meta
+        stand-in during that call (Note [Rules a parent applies to its children]).
+
+        Returns:
+            The modules whose calls ran besides ``module``'s own.
+        """
+        calls = {id(module): module}
+        for slot in shadowed:
+            calls.update({id(m): m for m in self._writers.get(slot, ())})
+        mine = set(shadowed)
+        for caller in sorted(calls.values(), key=lambda m: self._order.get(id(m), -1)):
+            owner = cast(nn.Module, self._init_owner[id(caller)])
+            touched = self._touched.get(id(caller), {})
+            stand_ins = {ref: self._stand_ins[s] for s, ref in touched.items() if s not in mine}
+            with _installed(stand_ins):
+                cast(Callable[[nn.Module], None], owner._init_weights)(caller)
+        return [m for m in calls.values() if m is not module]
 
     def count_num_params(self, module: nn.Module, *args: object) -> int:
         """Number of elements in ``module``'s own parameters (each tied tensor once).
@@ -335,17 +521,24 @@ class DelayedParamIniter:
                     shadow = nn.Parameter(shadow, requires_grad=False)
                 shadows[kind][n] = shadow
         owner = self._init_owner.get(id(module))
+        parents: list[nn.Module] = []
         try:
             for kind in shadows:
                 _OWN_TENSORS[kind](module).update(shadows[kind])
             with torch.no_grad():
                 if owner is not None:
-                    cast(Callable[[nn.Module], None], owner._init_weights)(module)
+                    shadowed = [(id(module), kind, n) for kind in shadows for n in shadows[kind]]
+                    parents = self._run_init_calls(module, shadowed)
                 else:
                     _generic_init(module, self._std(None))
         finally:
             for kind in real:
                 _OWN_TENSORS[kind](module).update(real[kind])
+        if self.verbose and parents:
+            log_rank0(
+                f"delayed init: {name} also by the init calls of "
+                f"{[self._names.get(id(m), type(m).__name__) for m in parents]}"
+            )
         bad = [what for what, s in checked if torch.isnan(s).any()]
         bad += [what for what, s, v in counted if tensor_compat.write_count(s) == v]
         if bad:

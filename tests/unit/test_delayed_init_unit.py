@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -104,6 +106,127 @@ def test_init_empty_weights_model_is_retied_by_post_init_fn():
     assert model.lm_head.weight is model.model.embed_tokens.weight
     logits = model(torch.randint(0, 128, (1, 8))).logits
     assert torch.isfinite(logits).all()
+
+
+def _gpt2(n_layer: int, meta: bool = True):
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    config = GPT2Config(
+        vocab_size=128, n_embd=128, n_layer=n_layer, n_head=4, n_positions=64, bos_token_id=0
+    )
+    config.eos_token_id = 0
+    if not meta:
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("n_layer", [2, 12])
+def test_gpt2_scaled_residual_init_set_by_the_parent_module(n_layer):
+    """GPT-2's ``_init_weights`` on ``GPT2Attention`` / ``GPT2MLP`` draws their child
+    ``c_proj.weight`` again with std 0.02 / sqrt(2 * n_layer); delayed init kept the child's
+    own draw (std 0.02: 0.0201 against 0.00998 for 2 layers, 0.00407 for 12)."""
+    eager = _gpt2(n_layer, meta=False)
+    by_path = {}
+    model = _gpt2(n_layer)
+    DelayedParamIniter(model, seed=1, device="cpu").init_model()
+    by_path["init_model"] = model
+    model = _gpt2(n_layer)
+    initer = DelayedParamIniter(model, seed=1, device="cpu")
+    with initer.validate_params_and_buffers_inited():
+        _bfs(model, initer.get_param_init_fn())  # FSDP1 visits the parent before c_proj
+    by_path["param_init_fn"] = model
+    model = _gpt2(n_layer)
+    init_fn = DelayedParamIniter(model, seed=1, device="cpu").get_param_init_fn()
+    for module in reversed(list(model.modules())):  # c_proj before its parent
+        init_fn(module)
+    by_path["reversed"] = model
+    scaled = 0.02 / (2 * n_layer) ** 0.5
+    want = dict(eager.named_parameters())
+    for path, model in by_path.items():
+        got = dict(model.named_parameters())
+        for layer in (0, n_layer - 1):
+            for name, std in (
+                (f"transformer.h.{layer}.attn.c_proj.weight", scaled),
+                (f"transformer.h.{layer}.mlp.c_proj.weight", scaled),
+                (f"transformer.h.{layer}.attn.c_attn.weight", 0.02),  # no parent rule
+                (f"transformer.h.{layer}.mlp.c_fc.weight", 0.02),
+            ):
+                hf = want[name].std().item()
+                assert abs(hf - std) < 0.05 * std, (name, hf)  # the rule as HF applies it
+                assert abs(got[name].std().item() - hf) < 0.05 * std, (path, name, hf)
+                assert abs(got[name].mean().item()) < 0.05 * std, (path, name)
+        for name, p in got.items():  # the rest as before: biases zero, norms one
+            if name.endswith("bias") or name.endswith("ln_1.weight"):
+                assert torch.equal(p, want[name]), (path, name)
+    for name, p in by_path["init_model"].named_parameters():  # layout-independent values
+        assert torch.equal(p, dict(by_path["param_init_fn"].named_parameters())[name]), name
+        assert torch.equal(p, dict(by_path["reversed"].named_parameters())[name]), name
+
+
+class _Outer(nn.Module):
+    """A model whose init calls on parents write their descendants' tensors, in every way
+    Hugging Face models do: a torch init function, ``.data``, one that skips meta tensors
+    (``trunc_normal_``), an indexed write, a buffer, and a grandparent's rule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(initializer_range=0.02)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+        self.block[1].register_buffer("scale", torch.ones(3))
+        self.head = nn.Linear(16, 4)
+
+    def _init_weights(self, module: nn.Module) -> None:  # children before parents
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=1.0)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Sequential):
+            module[0].weight.data.mul_(0.0).add_(2.0)
+            nn.init.trunc_normal_(module[0].bias, mean=5.5, std=0.2, a=5.0, b=6.0)
+            module[1].weight[0].fill_(-1.0)
+            module[1].scale.fill_(4.0)
+        elif module is self:
+            nn.init.constant_(self.block[1].bias, 7.0)
+            self.head.weight.data.fill_(8.0)
+
+
+def _hf_walk(model: nn.Module) -> None:
+    """Hugging Face's order: every module's call, children first (``initialize_weights``)."""
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            visit(child)
+        model._init_weights(module)
+
+    with torch.no_grad():
+        visit(model)
+
+
+def test_any_rule_a_parent_applies_to_descendants_is_kept():
+    eager = _Outer()
+    _hf_walk(eager)
+    models = []
+    for path in ("init_model", "param_init_fn"):
+        with torch.device("meta"):
+            model = _Outer()
+        initer = DelayedParamIniter(model, seed=2, device="cpu")
+        with initer.validate_params_and_buffers_inited():
+            if path == "init_model":
+                initer.init_model()
+            else:
+                _bfs(model, initer.get_param_init_fn())
+        models.append(model)
+        block = model.block
+        assert torch.equal(block[0].weight, eager.block[0].weight), path  # all 2.0
+        assert ((block[0].bias >= 5.0) & (block[0].bias <= 6.0)).all(), path
+        assert torch.equal(block[1].weight[0], eager.block[1].weight[0]), path  # -1.0
+        assert 0.5 < block[1].weight[1:].std().item() < 1.5, path  # its own draw elsewhere
+        assert torch.equal(block[1].scale, eager.block[1].scale), path
+        assert torch.equal(block[1].bias, eager.block[1].bias), path  # the grandparent's 7.0
+        assert torch.equal(model.head.weight, eager.head.weight), path  # the root's 8.0
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
 
 
 def test_uninitializable_tensor_raises_with_its_name():
