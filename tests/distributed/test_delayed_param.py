@@ -2,7 +2,8 @@
 
 Every layout must produce exactly the values of an unsharded delayed init with the same seed
 (gathered full state dicts are compared bit for bit), the rotary buffers must equal a fresh
-eager computation, and the values must have the Hugging Face init statistics.
+eager computation, and the values must have the Hugging Face init statistics. GPT-2 on 2
+ranks checks the same for init rules a parent module applies to its children.
 """
 
 from __future__ import annotations
@@ -161,3 +162,69 @@ def test_every_layout_matches_unsharded_init(results, layout):
     # Each rank holds about 1/(hsd * tp) of the parameters (FSDP pads the last shard).
     assert sum(r[layout]["local_numel"] for r in results[: hsd * tp]) >= total
     assert results[0][layout]["local_numel"] <= total // (hsd * tp) + 1024
+
+
+def _gpt2_meta(n_layer: int):
+    import torch
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    config = GPT2Config(vocab_size=128, n_embd=64, n_layer=n_layer, n_head=4, n_positions=64)
+    config.bos_token_id = config.eos_token_id = 0
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _gpt2_parent_rules(n_layer: int) -> dict:
+    """GPT-2, whose attention and MLP modules set their child ``c_proj``'s std (Note [Rules a
+    parent applies to its children]), under FSDP1 with flattened parameters and FSDP2."""
+    import torch
+    import torch.sagemaker as tsm
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from torch_sagemaker.delayed_param import DelayedParamIniter
+
+    ref = _gpt2_meta(n_layer)
+    DelayedParamIniter(ref, seed=SEED, device="cpu").init_model()
+    ref_state = ref.state_dict()
+    out = {"c_proj": [], "c_attn": []}
+    for layer in range(n_layer):
+        for name in ("attn.c_proj", "mlp.c_proj", "attn.c_attn"):
+            weight = ref_state[f"transformer.h.{layer}.{name}.weight"]
+            out["c_attn" if name == "attn.c_attn" else "c_proj"].append(weight.std().item())
+    fresh_layout({"hybrid_shard_degree": 2})
+    for fsdp in ("fsdp1", "fsdp2"):
+        model = _gpt2_meta(n_layer)
+        initer = DelayedParamIniter(model, seed=SEED, device="cpu")
+        with initer.validate_params_and_buffers_inited():
+            if fsdp == "fsdp1":
+                wrapped = FSDP(
+                    model,
+                    auto_wrap_policy=ModuleWrapPolicy({GPT2Block}),
+                    param_init_fn=initer.get_param_init_fn(),
+                    post_param_init_fn=initer.get_post_param_init_fn(),
+                    use_orig_params=False,
+                    device_id=torch.device("cpu"),
+                )
+            else:
+                for block in model.transformer.h:
+                    fully_shard(block, mesh=tsm.state.fsdp_mesh)
+                wrapped = fully_shard(model, mesh=tsm.state.fsdp_mesh)
+                initer.init_model()
+        full = get_model_state_dict(
+            wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=False)
+        )
+        out[fsdp] = sorted(k for k, v in ref_state.items() if not torch.equal(full[k], v))
+    return out
+
+
+def test_gpt2_parent_rules_under_fsdp1_and_fsdp2():
+    n_layer = 6
+    scaled = 0.02 / (2 * n_layer) ** 0.5
+    for rank, r in enumerate(run_distributed(_gpt2_parent_rules, n_layer, timeout=300)):
+        assert all(abs(std - scaled) < 0.1 * scaled for std in r["c_proj"]), (rank, r["c_proj"])
+        assert all(abs(std - 0.02) < 0.002 for std in r["c_attn"]), (rank, r["c_attn"])
+        assert r["fsdp1"] == [] and r["fsdp2"] == [], (rank, r)  # the unsharded values
