@@ -356,7 +356,9 @@ def _refuse_resizing(model: nn.Module, tp: int) -> None:
             "size), or resize the untransformed model and load its weights."
         )
 
-    model.resize_token_embeddings = resize_token_embeddings  # type: ignore[method-assign]
+    # An instance attribute shadows the class's method (object.__setattr__: nn.Module's own
+    # __setattr__ is typed for tensors and modules).
+    object.__setattr__(model, "resize_token_embeddings", resize_token_embeddings)
 
 
 def _default_device() -> torch.device:

@@ -15,12 +15,16 @@ module and expects it to touch that module's own tensors only.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torch_sagemaker._torch_compat import nn as nn_compat
+
+#: A getter of a module's own parameter or buffer dictionary.
+_OwnTensors = Callable[[nn.Module], dict[str, Any]]
 
 
 def default_device() -> torch.device:
@@ -102,20 +106,21 @@ def to_empty_keeping_ties(module: nn.Module, device: torch.device | str) -> nn.M
         ``module`` (modified in place).
     """
     # (own-tensor dictionary getter, alias's module, its name, first holder, its name)
-    aliases: list[tuple[Callable[[nn.Module], dict], nn.Module, str, nn.Module, str]] = []
-    for kind in (nn_compat.own_parameters, nn_compat.own_buffers):
+    getters: tuple[_OwnTensors, _OwnTensors] = (nn_compat.own_parameters, nn_compat.own_buffers)
+    aliases: list[tuple[_OwnTensors, nn.Module, str, nn.Module, str]] = []
+    for getter in getters:
         first: dict[int, tuple[nn.Module, str]] = {}
-        for owner, name, tensor in _owners(module, True, kind):
+        for owner, name, tensor in _owners(module, True, getter):
             holder, holder_name = first.setdefault(id(tensor), (owner, name))
             if holder is not owner or holder_name != name:
-                aliases.append((kind, owner, name, holder, holder_name))
-    for kind, owner, name, _, _ in aliases:
-        kind(owner)[name] = None
+                aliases.append((getter, owner, name, holder, holder_name))
+    for getter, owner, name, _, _ in aliases:
+        getter(owner)[name] = None
     try:
         module.to_empty(device=device)
     finally:
-        for kind, owner, name, holder, holder_name in aliases:
-            kind(owner)[name] = kind(holder)[holder_name]
+        for getter, owner, name, holder, holder_name in aliases:
+            getter(owner)[name] = getter(holder)[holder_name]
     return module
 
 
