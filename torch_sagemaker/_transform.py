@@ -38,18 +38,36 @@ _CP_COMM_TYPES = ("p2p", "all_gather")
 # parameter on the meta device as ``type(param)(param.to(device), **param.__dict__)``, which
 # fails for the DTensor parameters PyTorch's tensor parallel styles register. The model's
 # parameters are meta already, so the replacement adds nothing there: the TP step registers
-# with PyTorch's own method (captured when this module is imported) and the context's comes
-# back right after.
+# with PyTorch's own method (captured when this module is imported, if it was PyTorch's then)
+# and the context's comes back right after. A method is PyTorch's when it is defined in
+# ``torch.nn.modules.module``; one captured inside such a context is not, and is never used.
+_TORCH_MODULE = "torch.nn.modules.module"
 _TORCH_REGISTER_PARAMETER = nn.Module.register_parameter
+
+
+def _is_torchs(method: Any) -> bool:
+    return getattr(method, "__module__", None) == _TORCH_MODULE
 
 
 @contextlib.contextmanager
 def _torch_register_parameter() -> Iterator[None]:
-    """PyTorch's own ``register_parameter`` inside (Note [Transform under init_empty_weights])."""
+    """PyTorch's own ``register_parameter`` inside (Note [Transform under init_empty_weights]).
+
+    Raises:
+        RuntimeError: If the method is replaced and PyTorch's own was never seen (the package
+            was first imported inside ``init_empty_weights``).
+    """
     current = nn.Module.register_parameter
-    if current is _TORCH_REGISTER_PARAMETER:
+    if _is_torchs(current):
         yield
         return
+    if not _is_torchs(_TORCH_REGISTER_PARAMETER):
+        raise RuntimeError(
+            "tsm.transform with tensor parallelism inside accelerate's init_empty_weights() "
+            "needs PyTorch's own nn.Module.register_parameter, which that context replaces; "
+            "torch.sagemaker was first imported inside such a context, so it never saw "
+            "PyTorch's. Import torch.sagemaker before entering init_empty_weights()."
+        )
     nn.Module.register_parameter = _TORCH_REGISTER_PARAMETER  # type: ignore[method-assign]
     try:
         yield
@@ -338,22 +356,35 @@ def transform(
 
 
 def _refuse_resizing(model: nn.Module, tp: int) -> None:
-    """Makes ``model.resize_token_embeddings`` raise, naming the fix.
+    """Makes ``model.resize_token_embeddings`` raise when it would change the size, naming the fix.
 
     Hugging Face resizes by building new full-size embeddings and copying the old rows in,
     which fails inside DTensor with an operator error ("aten._is_all_true.default does not
     have a sharding strategy", or "mixed torch.Tensor and DTensor") once the vocabulary is
-    split over the TP ranks.
+    split over the TP ranks. Calls that keep the size (``None``, or the current size, as
+    scripts call it with ``len(tokenizer)``) go to Hugging Face's method, which returns the
+    embedding unchanged.
     """
-    if not callable(getattr(model, "resize_token_embeddings", None)):
+    original = getattr(model, "resize_token_embeddings", None)
+    embeddings = getattr(model, "get_input_embeddings", None)
+    if not callable(original) or not callable(embeddings):
         return
 
-    def resize_token_embeddings(*_args: Any, **_kwargs: Any) -> Any:
+    def resize_token_embeddings(
+        new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, **kwargs: Any
+    ) -> Any:
+        current = embeddings().weight.shape[0]  # a DTensor's shape is the global one
+        wanted = new_num_tokens
+        if wanted is not None and pad_to_multiple_of:
+            wanted = -(-wanted // pad_to_multiple_of) * pad_to_multiple_of
+        if wanted is None or wanted == current:
+            return original(new_num_tokens, pad_to_multiple_of, **kwargs)
         raise RuntimeError(
-            f"{type(model).__name__}.resize_token_embeddings after tsm.transform with "
-            f"tensor_parallel_degree={tp}: the vocabulary is split over the TP ranks and cannot "
-            "be resized in place. Resize before tsm.transform (then transform splits the new "
-            "size), or resize the untransformed model and load its weights."
+            f"{type(model).__name__}.resize_token_embeddings({new_num_tokens}) after "
+            f"tsm.transform with tensor_parallel_degree={tp}: the vocabulary ({current}) is "
+            "split over the TP ranks and cannot be resized in place. Resize before "
+            "tsm.transform (then transform splits the new size), or resize the untransformed "
+            "model and load its weights."
         )
 
     # An instance attribute shadows the class's method (object.__setattr__: nn.Module's own

@@ -131,6 +131,9 @@ def _errors() -> dict:
     out["tied"] = tied.lm_head.weight is tied.model.embed_tokens.weight
     want = tiny_llama(seed=6, tie_word_embeddings=True).model.embed_tokens.weight
     out["tied_loaded"] = bool(torch.equal(tied.model.embed_tokens.weight.full_tensor(), want))
+    # A resize that keeps the size (scripts call it with len(tokenizer)) works as before.
+    kept = tied.resize_token_embeddings(tied.config.vocab_size)
+    out["same_size_resize"] = kept is tied.model.embed_tokens
     try:  # Hugging Face's resize fails inside DTensor; the error says what to do instead
         tied.resize_token_embeddings(160)
         out["resize"] = "no error"
@@ -154,6 +157,7 @@ def test_transform_argument_errors_are_early_clear_and_on_every_rank():
         # The fix names a floating dtype, not the integer one given.
         assert "pass dtype=torch.int8" not in out["int_dtype"], out
         assert "Resize before tsm.transform" in out["resize"], out["resize"]
+        assert out["same_size_resize"], out
         assert "torch.bfloat16" in out["int_dtype"], out
         assert out["device"].startswith("ValueError: tsm.transform(device='gpu0') is not a device")
         assert (
