@@ -166,30 +166,27 @@ _DROPOUT_MODULES = (
     nn.AlphaDropout,
     nn.FeatureAlphaDropout,
 )
-_DROPOUT_NAMES = (
-    "attention_dropout",
-    "attn_dropout",
-    "attn_pdrop",
-    "attention_probs_dropout_prob",
-    "dropout",
-)
 
 
 def region_may_draw(module: nn.Module) -> bool:
     """Whether a TP region around ``module`` can draw random numbers in its forward.
 
-    True in training mode unless every dropout rate the module holds (``nn.Dropout``
-    submodules, float attributes named like ``attention_dropout``) or its ``config`` names
-    is 0, and when no rate is found at all (nothing says the region draws nothing).
+    True in training mode unless every dropout rate found is 0: ``nn.Dropout`` submodules,
+    numbers in the module's attributes whose name holds "drop" (``attention_dropout``,
+    ``resid_pdrop``), and in its ``config``'s attention and residual ones
+    (``attention_dropout``, ``attn_pdrop``, ``resid_pdrop``); also True when no rate is found
+    at all (nothing says the region draws nothing).
     """
     if not module.training:
         return False
     rates = [m.p for m in module.modules() if isinstance(m, _DROPOUT_MODULES)]
-    for owner in (module, getattr(module, "config", None)):
-        for name in _DROPOUT_NAMES:
-            value = getattr(owner, name, None)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                rates.append(float(value))
+    config = getattr(module, "config", None)
+    named = [(n, v) for n, v in vars(module).items() if "drop" in n]
+    if config is not None:  # the config's attention and residual rates, not the model's others
+        named += [
+            (n, v) for n, v in vars(config).items() if "drop" in n and ("att" in n or "resid" in n)
+        ]
+    rates += [float(v) for _, v in named if isinstance(v, (int, float)) and not isinstance(v, bool)]
     return not rates or any(rate > 0 for rate in rates)
 
 
