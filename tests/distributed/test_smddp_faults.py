@@ -245,7 +245,12 @@ def test_rank_that_dies_while_its_pool_is_read_fails_the_others_quickly():
     for rank in (0, 2, 3):
         section, elapsed = rank_helpers.rank_failure(str(info.value), rank)
         assert "RuntimeError" in section, section
-        assert "rank 1" in section or "[1]" in section, section
+        # Rank 0 shares rank 1's host and names it. Ranks 2 and 3, on the other host, learn
+        # of the failure from whichever reaches them first: a notice naming rank 1, or rank
+        # 0's connection closing once rank 0 has raised (seen once in a clean CI run on a
+        # loaded machine: "rank 0: closed its connection ... after an error" after 0.21 s).
+        named = ("rank 1", "[1]") if rank == 0 else ("rank 1", "[1]", "rank 0: closed")
+        assert any(n in section for n in named), section
         assert elapsed < 20, section  # long before the 60 s timeout
 
 
