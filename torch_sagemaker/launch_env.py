@@ -181,6 +181,24 @@ def export_torch_variables(environ: MutableMapping[str, str] | None = None) -> L
     return info
 
 
+def export_smddp_variables(environ: MutableMapping[str, str] | None = None) -> None:
+    """Writes ``SMDATAPARALLEL_LOCAL_RANK`` from ``LOCAL_RANK`` where it is unset.
+
+    SMDDP's launcher sets it, and Hugging Face's ``Trainer`` reads it when SageMaker's data
+    parallelism is on (``SM_FRAMEWORK_PARAMS`` with ``sagemaker_distributed_dataparallel_enabled``):
+    it wraps the model as ``DDP(model, device_ids=[int(os.getenv("SMDATAPARALLEL_LOCAL_RANK"))])``
+    and failed with a ``TypeError`` on ``None`` under any other launcher. Call after
+    ``export_torch_variables``, which writes ``LOCAL_RANK`` for mpirun and srun.
+
+    Args:
+        environ: The environment to read and update (default ``os.environ``).
+    """
+    target = os.environ if environ is None else environ
+    local_rank = target.get("LOCAL_RANK", "").strip()
+    if local_rank and not target.get("SMDATAPARALLEL_LOCAL_RANK", "").strip():
+        target["SMDATAPARALLEL_LOCAL_RANK"] = local_rank
+
+
 def restart_warning(environ: Mapping[str, str] | None = None) -> str | None:
     """Why torchrun's restarts would fail in this job, or None when they can work.
 

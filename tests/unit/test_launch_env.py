@@ -296,3 +296,23 @@ def test_smddp_import_tolerates_partial_variables_of_a_script_that_builds_its_gr
     assert done.returncode == 0, done.stderr[-2000:]
     assert "group 1" in done.stdout
     assert "RANK is not set" in done.stderr  # the warning names what is missing
+
+
+def test_smddp_local_rank_follows_local_rank_where_unset():
+    # Hugging Face's Trainer reads SMDATAPARALLEL_LOCAL_RANK under SageMaker's data parallelism.
+    env = {"LOCAL_RANK": "3"}
+    L.export_smddp_variables(env)
+    assert env["SMDATAPARALLEL_LOCAL_RANK"] == "3"
+    kept = {"LOCAL_RANK": "3", "SMDATAPARALLEL_LOCAL_RANK": "1"}
+    L.export_smddp_variables(kept)
+    assert kept["SMDATAPARALLEL_LOCAL_RANK"] == "1"
+    alone: dict[str, str] = {}
+    L.export_smddp_variables(alone)
+    assert alone == {}
+    # Under mpirun, LOCAL_RANK comes from export_torch_variables first.
+    mpi = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1"}  # fmt: skip
+    L.export_torch_variables(mpi)
+    L.export_smddp_variables(mpi)
+    assert mpi["SMDATAPARALLEL_LOCAL_RANK"] == "1"

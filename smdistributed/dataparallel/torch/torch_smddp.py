@@ -13,6 +13,7 @@ from torch_sagemaker.smddp.backend import register
 
 try:
     launch_env.export_torch_variables()
+    launch_env.export_smddp_variables()  # Hugging Face's Trainer reads SMDDP's local rank
 except launch_env.LaunchEnvError as error:
     # A script that creates its group with explicit rank and world size is not held to the
     # launcher's variables (tsm.init raises the same error if it has to use them).
