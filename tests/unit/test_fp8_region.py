@@ -212,3 +212,41 @@ def test_scaling_state_is_a_checkpoint_item_of_its_own(tmp_path):
         assert torch.equal(model(x), fresh(x))
     with pytest.raises(ValueError, match="'0'.*another model"):
         load_scaling_state_dict(plain, scaling_state_dict(model))
+
+
+@pytest.mark.parametrize("nesting", ["inference_mode_outside", "inference_mode_inside"])
+def test_an_inference_mode_evaluation_leaves_training_as_no_grad_does(nesting):
+    # Note [Scaling state outside inference mode]: the state made under inference mode was
+    # inference tensors, and the next training step failed on its in-place amax record.
+    recipe = DelayedScaling(amax_history_len=4)
+
+    def run(evaluation):
+        torch.manual_seed(0)
+        layer = to_fp8_linear(nn.Linear(16, 16))
+        x = torch.randn(4, 16)
+        for step in range(3):
+            if step == 1:
+                with evaluation():
+                    layer(x)
+            with fp8_autocast(fp8_recipe=recipe):
+                y = layer(x.clone().requires_grad_())
+            y.sum().backward()
+        return layer.fp8_scaling.scale.clone(), layer.fp8_scaling.history.clone()
+
+    @contextlib.contextmanager
+    def no_grad_eval():
+        with torch.no_grad(), fp8_autocast(fp8_recipe=recipe):
+            yield
+
+    @contextlib.contextmanager
+    def inference_eval():
+        if nesting == "inference_mode_outside":
+            with torch.inference_mode(), fp8_autocast(fp8_recipe=recipe):
+                yield
+        else:
+            with fp8_autocast(fp8_recipe=recipe), torch.inference_mode():
+                yield
+
+    (scale, history), (ref_scale, ref_history) = run(inference_eval), run(no_grad_eval)
+    assert not scale.is_inference() and not history.is_inference()
+    assert torch.equal(scale, ref_scale) and torch.equal(history, ref_history)

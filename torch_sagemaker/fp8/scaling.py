@@ -64,6 +64,14 @@ X, W, G = 0, 1, 2  # roles: input, weight, output gradient
 ROLES = ("input", "weight", "grad_output")
 LOCAL = "local"  # reduce_group of a layer whose recipe says reduce_amax=False
 
+# Note [Scaling state outside inference mode]: a forward under ``torch.inference_mode()``
+# (Lightning's default for validation) around ``fp8_autocast`` allocated or updated the
+# scaling state there, which made it inference tensors; the next training step's in-place
+# ``record`` then failed ("Inplace update to inference tensor outside InferenceMode"). The
+# functions that create or replace the state run with inference mode off, so the state is
+# always an ordinary tensor; the amaxes of an inference forward are read as inputs, which
+# is allowed. Such a forward records amaxes and updates the forward scales, as under
+# ``torch.no_grad()``.
 _LIVE: weakref.WeakValueDictionary[int, LinearScaling] = weakref.WeakValueDictionary()
 _ORDER = itertools.count()
 
@@ -105,6 +113,7 @@ class LinearScaling:
         state["dirty_forward"] = state["dirty_backward"] = False
         return state
 
+    @torch.inference_mode(False)  # Note [Scaling state outside inference mode]
     def prepare(
         self, device: torch.device, recipe: DelayedScaling, group: Any, tp_group: Any
     ) -> None:
@@ -130,6 +139,7 @@ class LinearScaling:
             self._order = next(_ORDER)
             _LIVE[self._order] = self
 
+    @torch.inference_mode(False)  # Note [Scaling state outside inference mode]
     def load(self, history: torch.Tensor, scale: torch.Tensor) -> None:
         """Takes a saved history and scales (``scaling_state.py``), nothing pending.
 
@@ -158,6 +168,7 @@ class LinearScaling:
         assert self.scale is not None, "prepare() first"
         return self.scale[role]
 
+    @torch.inference_mode(False)  # Note [Scaling state outside inference mode]
     def record(self, role: int, value: torch.Tensor) -> None:
         """Folds an amax of ``role`` into this step's pending maximum.
 
@@ -198,6 +209,7 @@ def _tensors(members: list[LinearScaling], name: str) -> list[torch.Tensor]:
 _CONSTANTS: dict[tuple, torch.Tensor] = {}
 
 
+@torch.inference_mode(False)  # Note [Scaling state outside inference mode]
 def _constant(device: torch.device, what: str, values: tuple, dtype: torch.dtype) -> torch.Tensor:
     """A small tensor of ``values`` on ``device``, made once.
 
@@ -210,6 +222,7 @@ def _constant(device: torch.device, what: str, values: tuple, dtype: torch.dtype
     return _CONSTANTS[key]
 
 
+@torch.inference_mode(False)  # Note [Scaling state outside inference mode]
 def _update(members: list[LinearScaling], roles: tuple[int, ...]) -> None:
     """Reduces the members' pending amaxes of ``roles`` and applies the rule to them at once."""
     first = members[0]
