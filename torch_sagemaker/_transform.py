@@ -25,10 +25,17 @@ from torch_sagemaker.fp8.prepare import prepare_linears
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.moe import apply as moe_apply
 from torch_sagemaker.moe.moe_config import MoEConfig
-from torch_sagemaker.policies import POLICY_ATTR, HeadSplit, ModelPolicy, check_model, lookup_policy
+from torch_sagemaker.policies import (
+    POLICY_ATTR,
+    HeadSplit,
+    ModelPolicy,
+    check_model,
+    lookup_policy,
+)
 from torch_sagemaker.state import state
 from torch_sagemaker.tensor_parallel import full_state_dict, loading, transformer
 from torch_sagemaker.tensor_parallel.implementation import forced_backend, select_backend
+from torch_sagemaker.utils.hf_config import text_config
 
 _CP_COMM_TYPES = ("p2p", "all_gather")
 
@@ -281,7 +288,7 @@ def transform(
     tp = state.tp_size
     moe_config, heads = check_model_config(
         policy,
-        model.config,
+        text_config(model),
         tp=tp,
         cp=state.cp_size,
         ep=state.ep_size,

@@ -2,8 +2,9 @@
 
 The full sweep over transformers' causal-LM registry is long and its output is committed
 (docs/model_coverage.md); here the command runs end to end on two families, one through
-its plan and one through a policy that takes its TP plan from transformers, plus one it
-skips, and must write their rows.
+its plan and one through a policy that takes its TP plan from transformers, a multimodal
+one whose plan and head counts are on its text sub-config (Gemma 3), plus one it skips, and
+must write their rows.
 """
 
 from __future__ import annotations
@@ -18,10 +19,17 @@ def test_coverage_command_runs_families_and_writes_the_table(tmp_path):
     from tools.model_coverage.__main__ import main
 
     out = tmp_path / "coverage.md"
-    rows = {r.family: r for r in main(["--families", "qwen3,qwen3_moe,gpt2", "--output", str(out)])}
+    rows = {
+        r.family: r
+        for r in main(["--families", "qwen3,qwen3_moe,gemma3,gpt2", "--output", str(out)])
+    }
     assert rows["qwen3"].path == "plan" and rows["qwen3"].result == "pass", rows["qwen3"]
     moe = rows["qwen3_moe"]
     assert moe.path == "policy `qwen3_moe`, TP from the plan" and moe.result == "pass", moe
+    gemma3 = rows["gemma3"]  # Gemma3ForConditionalGeneration: a vision tower, replicated
+    assert gemma3.path == "plan" and gemma3.result == "pass", gemma3
+    assert all(parity.passed(r)[0] for r in gemma3.per_rank)
+    assert 0.2 < gemma3.per_rank[0]["split_share"] < 0.9  # the text model's share
     assert rows["gpt2"].result == "skip" and "no base_model_tp_plan" in rows["gpt2"].detail
     for family in ("qwen3", "qwen3_moe"):
         per_rank = rows[family].per_rank

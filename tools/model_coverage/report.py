@@ -53,7 +53,12 @@ def classify(family: str, model_class: str) -> Row:
     except Exception as e:  # noqa: BLE001 - reported in the table
         row.result, row.detail = "skip", f"no config class: {error_summary(e)}"
         return row
-    row.has_plan = bool(getattr(config_cls, "base_model_tp_plan", None))
+    # A multimodal family's plan is on its text sub-config (transformers merges it into
+    # model.tp_plan under the text model's prefix).
+    row.has_plan = any(
+        getattr(c, "base_model_tp_plan", None)
+        for c in [config_cls, *(getattr(config_cls, "sub_configs", None) or {}).values()]
+    )
     if not by_policy and not row.has_plan:
         row.path, row.result = "none", "skip"
         row.detail = "no policy, and transformers ships no base_model_tp_plan for it"

@@ -91,8 +91,11 @@ def _shrunk_kwargs(cls: type, extra: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, int) and value >= COMMON["vocab_size"]:
             kwargs[key] = COMMON["vocab_size"] - 1 - TOKEN_IDS.index(key)
     for name, sub_cls in (getattr(cls, "sub_configs", None) or {}).items():
-        if isinstance(sub_cls, type):
-            kwargs[name] = sub_cls(**_shrunk_kwargs(sub_cls, {})).to_dict()
+        if sub_cls.__name__ == "AutoConfig":  # the class is the default sub-config's own
+            sub_cls = type(getattr(default, name, None))
+        if isinstance(sub_cls, type) and sub_cls is not type(None):
+            extra = OVERRIDES.get(getattr(sub_cls, "model_type", ""), {})
+            kwargs[name] = sub_cls(**_shrunk_kwargs(sub_cls, extra)).to_dict()
     if "qk_rope_head_dim" in kwargs:  # latent attention: the config derives its head_dim,
         kwargs.pop("head_dim", None)  # and keys and values get one head per query head
         if "num_key_value_heads" in kwargs:
@@ -118,14 +121,25 @@ def tiny_config(model_type: str):
 
 
 def attention_for(cfg: Any) -> str:
-    """``"sdpa"`` where the family's model supports it, else ``"eager"``."""
+    """``"sdpa"`` where the family's model supports it, else ``"eager"``.
+
+    A multimodal model supports it only where every tower does (each sub-model's class says).
+    """
+    import torch
     from transformers import AutoModelForCausalLM
 
     try:
         cls = AutoModelForCausalLM._model_mapping[type(cfg)]
     except KeyError:
-        cls = None
-    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+        return "eager"
+    if not getattr(cls, "_supports_sdpa", False):
+        return "eager"
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    except ValueError:  # a tower without it (transformers raises naming the tower)
+        return "eager"
+    return "sdpa"
 
 
 def build(model_type: str, seed: int = 0, device: str | None = None):

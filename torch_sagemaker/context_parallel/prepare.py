@@ -48,6 +48,7 @@ from torch_sagemaker.context_parallel.comm import all_gather_stacked
 from torch_sagemaker.context_parallel.layout import check_local_length, local_positions
 from torch_sagemaker.context_parallel.loss import RouterAuxLoss, context_parallel_loss
 from torch_sagemaker.policies import ModelPolicy
+from torch_sagemaker.utils.hf_config import text_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -81,7 +82,7 @@ def check_supported(model: nn.Module, policy: ModelPolicy) -> None:
             attribute or the modules and the fix.
     """
     name = type(model).__name__
-    check_config_supported(model.config, policy, name)
+    check_config_supported(text_config(model), policy, name)
     found = unsupported_mixers(model, policy)
     if found:
         listed = "; ".join(f"{n} ({kind}: {why})" for n, kind, why in found[:6])

@@ -24,6 +24,7 @@ from torch_sagemaker.moe.experts import split_experts
 from torch_sagemaker.moe.moe_config import MoEConfig
 from torch_sagemaker.moe.moe_layer import MoELayer
 from torch_sagemaker.moe.token_shuffle import TokenShuffle
+from torch_sagemaker.utils.hf_config import text_config
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ def apply_moe(
         ValueError: If the model has no mixture of experts, or its expert count is not
             divisible by the expert parallel degree (``check_experts``).
     """
-    cfg = model.config
+    cfg = text_config(model)
     ep = ep_mesh.size()
     check_experts(policy, cfg, ep, type(model).__name__)
     spec = policy.moe

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from torch_sagemaker.policies import ModelPolicy, lookup_policy
+from torch_sagemaker.utils.hf_config import text_config
 
 ROOT = "root"
 
@@ -222,7 +223,7 @@ def describe(model: nn.Module, policy: ModelPolicy, source: str = "") -> ModelSp
         name=type(model).__name__,
         source=source,
         policy=policy,
-        config=model.config,
+        config=text_config(model),
         params=tuple(params),
         layer_units=tuple(f"layers.{i}" for i in range(len(layers))),
         embedding=embedding,

@@ -40,7 +40,12 @@ from typing import Any
 
 from torch import nn
 
-from torch_sagemaker.policies.model_policy import ModelPolicy, MoESpec, config_value
+from torch_sagemaker.policies.model_policy import (
+    ModelPolicy,
+    MoESpec,
+    config_value,
+)
+from torch_sagemaker.utils.hf_config import text_config
 
 #: transformers' styles whose module must be an ``nn.Linear``, and ours for them.
 _LINEAR_STYLES = {
@@ -156,7 +161,7 @@ class _Translation:
         self.modules = dict(model.named_modules())
         self.styles: dict[str, str] = {}  # concrete module or parameter name -> our style
         self.experts: dict[str, int] = {}  # experts module name -> expert count
-        config = model.config
+        config = text_config(model)
         self.heads = int(config_value(config, "num_attention_heads", 0) or 0)
         self.kv_heads = int(config_value(config, "num_key_value_heads") or self.heads)
         get_output = getattr(model, "get_output_embeddings", None)
@@ -181,7 +186,7 @@ class _Translation:
         parent = name.rpartition(".")[0]
         if parent not in self.modules or not self.is_attention(parent):
             return False
-        head_dim = attention_head_dim(self.modules[parent], self.model.config)
+        head_dim = attention_head_dim(self.modules[parent], text_config(self.model))
         return 0 < self.kv_heads < self.heads and module.out_features == self.kv_heads * head_dim
 
     def module_style(self, name: str, module: nn.Module, style: str) -> str:
@@ -410,7 +415,7 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
         for n in t.modules
         if n.startswith(f"{a}.")
     )
-    config = model.config
+    config = text_config(model)
     moe = None
     num_experts_attr = None
     if t.experts:

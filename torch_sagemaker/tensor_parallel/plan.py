@@ -44,6 +44,7 @@ from torch_sagemaker.tensor_parallel.styles import (
     make_style,
     shard_given_embeddings,
 )
+from torch_sagemaker.utils.hf_config import text_config
 
 #: Styles that name a bare parameter (``self_attn.sinks``), not a module.
 PARAMETER_STYLES = ("param_colwise", "param_rowwise")
@@ -287,7 +288,7 @@ def _head_dim(model: nn.Module, name: str, attention: list[str]) -> int:
     """Head size for the module ``name``: that of the attention module holding it."""
     owner = next((a for a in attention if name.startswith(f"{a}.")), None)
     module = model.get_submodule(owner) if owner is not None else model
-    return attention_head_dim(module, model.config)
+    return attention_head_dim(module, text_config(model))
 
 
 def _replicates_buffers(style: Any) -> bool:
@@ -374,7 +375,7 @@ def apply_tp_plan(
                 style = make_replicated_style(
                     style_name,
                     module_name=name,
-                    config=model.config,
+                    config=text_config(model),
                     layer_class=policy.layer_class,
                 )
             else:
