@@ -169,6 +169,40 @@ def test_model_without_policy_or_plan_is_refused_with_the_way_out():
     assert "base_model_tp_plan" in str(err.value) and "register_policy" in str(err.value)
 
 
+#: A plan for OPT, which transformers ships none for, as a user writes it: no input embedding.
+OPT_PLAN = {
+    **{f"model.decoder.layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"},
+    "model.decoder.layers.*.self_attn.out_proj": "rowwise",
+    "model.decoder.layers.*.fc1": "colwise",
+    "model.decoder.layers.*.fc2": "rowwise",
+    "lm_head": "colwise_gather_output",
+}
+
+
+def test_a_plan_the_user_sets_splits_the_tied_input_embedding_like_the_head():
+    """transformers adds the input embedding only to the plans it builds from a config; a
+    user's plan that splits the tied output embedding gets it too (tied weights split alike)."""
+    model = meta("OPTConfig", word_embed_proj_dim=64, ffn_dim=128)
+    assert not model.tp_plan  # transformers ships no plan for OPT
+    model.tp_plan = OPT_PLAN
+    policy = lookup_policy(model)
+    assert policy.tp_plan["model.decoder.embed_tokens"] == "vocab_embedding_allreduce"
+    assert policy.tp_plan["model.decoder.layers.*.self_attn.q_proj"] == "colwise"
+    assert policy.tp_plan["lm_head"] == "lm_head"  # colwise_gather_output on the output embedding
+    assert policy.heads_split
+
+    untied = meta("OPTConfig", word_embed_proj_dim=64, ffn_dim=128, tie_word_embeddings=False)
+    untied.tp_plan = OPT_PLAN
+    plan = lookup_policy(untied).tp_plan  # left out, so replicated as any other module
+    assert plan["model.decoder.embed_tokens"] == "replicate_local", plan
+
+
+def test_a_model_without_a_plan_is_refused_naming_the_plan_setter():
+    with pytest.raises(ValueError) as err:
+        lookup_policy(meta("OPTConfig", word_embed_proj_dim=64, ffn_dim=128))
+    assert "model.tp_plan = {" in str(err.value), err.value
+
+
 def test_a_split_module_that_computes_more_than_its_weight_is_refused():
     """Splitting the vocabulary of an embedding that normalizes its lookup (Inkling) would
     normalize partial sums."""

@@ -111,13 +111,44 @@ def transformers_plan(model: nn.Module) -> dict[str, str]:
     """
     plan = getattr(model, "tp_plan", None)
     if isinstance(plan, dict):
-        return dict(plan)
+        return _with_tied_input_embedding(model, dict(plan))
     merged = dict(getattr(type(model), "_tp_plan", None) or {})
     base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
     prefix = getattr(model, "base_model_prefix", "")
     inner = prefix if prefix and hasattr(model, prefix) else ""
     merged.update({f"{inner}.{k}" if inner else k: v for k, v in base.items()})
-    return merged
+    return _with_tied_input_embedding(model, merged)
+
+
+def _with_tied_input_embedding(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``plan``, with the input embedding split like the tied output embedding it splits.
+
+    Added only where the plan says nothing of the input embedding. transformers adds that
+    entry to the plans it builds from a config, but not to a plan the user sets
+    (``model.tp_plan = {...}`` on a family it ships none for); tied weights must be split
+    alike, so the one layout that can go with the output embedding's is added.
+    """
+    get_input = getattr(model, "get_input_embeddings", None)
+    get_output = getattr(model, "get_output_embeddings", None)
+    if not (callable(get_input) and callable(get_output)):
+        return plan
+    try:
+        embedding, head = get_input(), get_output()
+    except NotImplementedError:  # transformers' default on a model that has none
+        return plan
+    if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear):
+        return plan
+    if embedding.weight is not head.weight:
+        return plan
+    names = {id(m): n for n, m in model.named_modules()}
+    head_name, embedding_name = names.get(id(head)), names.get(id(embedding))
+    if head_name is None or embedding_name is None:
+        return plan
+    if not any(fnmatchcase(head_name, k) for k in plan):
+        return plan
+    if any(fnmatchcase(embedding_name, k) for k in plan):
+        return plan
+    return {embedding_name: "embedding_rowwise", **plan}
 
 
 def attention_head_dim(attention: nn.Module, config: Any) -> int:

@@ -241,6 +241,16 @@ def install_rng_region(
         end.register_forward_pre_hook(leave)
 
 
+# Note [Nested attention modules]: some models wrap their attention in another module that a
+# plan also names as attention (GPT-Neo's GPTNeoAttention holds GPTNeoSelfAttention). Each got
+# a TP region ending at the same output projection, so the two regions were left out of
+# order: the default generator was left holding this rank's TP stream, and every later
+# shared draw (residual dropout) differed between the TP ranks; under activation
+# checkpointing the backward raised as if a region had drawn unreplayed. The head counts are
+# set on every level (either may reshape with them); the region and the gathering of
+# attention weights belong to the outermost attention module only.
+
+
 #: Row-parallel styles whose output is whole on every rank (the replicated layout).
 _WHOLE_OUTPUT_ROWWISE = ("rowwise_allreduce", "rowwise_split_input")
 
@@ -393,9 +403,13 @@ def apply_tp_plan(
                 gather_logits_in_generate(model, name)
         counts[style_name] = counts.get(style_name, 0) + len(names)
     _retie(tied)
-    for _, attention in policy.attention_modules(model):
+    attention_modules = policy.attention_modules(model)
+    outer = {n for n, _ in attention_modules}
+    for name, attention in attention_modules:
         if policy.heads_split and _splits_heads(attention):
             _set_head_counts(attention, heads)
+            if any(name.startswith(f"{o}.") for o in outer):
+                continue  # Note [Nested attention modules]
             install_rng_region(attention, tracker, ends_at=_whole_output_projections(attention))
             gather_attention_weights(attention, tp_mesh)
     left = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
