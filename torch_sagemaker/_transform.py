@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torch_sagemaker.context_parallel import prepare_model
 from torch_sagemaker.context_parallel.prepare import check_config_supported, check_supported
@@ -345,6 +346,7 @@ def transform(
     if tp > 1:
         full_state_dict.accept_full_tensors(model)
         _refuse_resizing(model, tp)
+        _refuse_saving_shards(model, tp)
     layer_cls = policy.layer_cls(model)
     num_layers = transformer.mark(model, layer_cls)
     log_rank0(
@@ -397,6 +399,40 @@ def _refuse_resizing(model: nn.Module, tp: int) -> None:
     # An instance attribute shadows the class's method (object.__setattr__: nn.Module's own
     # __setattr__ is typed for tensors and modules).
     object.__setattr__(model, "resize_token_embeddings", resize_token_embeddings)
+
+
+def _refuse_saving_shards(model: nn.Module, tp: int) -> None:
+    """Makes ``model.save_pretrained`` raise, naming the fix, when it would write TP shards.
+
+    Hugging Face's ``save_pretrained`` knows only the tensor parallelism transformers set up
+    itself: given this model's DTensor parameters it handed them to safetensors, which
+    failed on rank 0 ("invalid python storage", a ``config.json`` and no weights) while the
+    other ranks returned having written nothing. Gathering instead is collective, and scripts
+    often save on rank 0 alone, which would hang. A ``state_dict`` of plain tensors (what
+    accelerate and the ``Trainer`` pass under FSDP) goes to Hugging Face's method.
+    """
+    original = getattr(model, "save_pretrained", None)
+    if not callable(original):
+        return
+
+    def save_pretrained(save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        given = kwargs.get("state_dict")
+        tensors = (
+            given.values() if isinstance(given, dict) else [*model.parameters(), *model.buffers()]
+        )
+        if any(isinstance(t, DTensor) for t in tensors):
+            raise RuntimeError(
+                f"{type(model).__name__}.save_pretrained({str(save_directory)!r}) after "
+                f"tsm.transform with tensor_parallel_degree={tp}: its weights are split over "
+                "the TP ranks. Call torch_sagemaker.checkpoint.save_hf_checkpoint(model, "
+                "directory) on every rank (it gathers and writes the same files), or pass "
+                "save_pretrained a state_dict of full tensors (torch.distributed.checkpoint."
+                "state_dict.get_model_state_dict(model, options=StateDictOptions("
+                "full_state_dict=True)), gathered on every rank)."
+            )
+        return original(save_directory, *args, **kwargs)
+
+    object.__setattr__(model, "save_pretrained", save_pretrained)
 
 
 def _default_device() -> torch.device:

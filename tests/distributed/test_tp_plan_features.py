@@ -28,6 +28,7 @@ One launch of 2 ranks runs every case, each under its own ``tsm.init``:
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
@@ -147,6 +148,8 @@ def _checkpoints_and_export(root: str) -> dict:
         hf = AutoModelForCausalLM.from_pretrained(f"{root}/hf")
         with torch.no_grad():
             out["exported"] = hf(input_ids=probe).logits
+        with open(f"{root}/hf/config.json") as f:
+            out["exported_config"] = json.load(f)
     return out
 
 
@@ -384,6 +387,10 @@ def test_hf_export_reloads_with_the_same_logits(results):
     c = results[0]["checkpoints"]
     torch.testing.assert_close(c["exported"], c["logits"], rtol=1e-5, atol=1e-5)
     assert c["logits"].abs().max() > 0
+    # What save_pretrained writes too: the class serving stacks pick, and the weights' dtype.
+    config = c["exported_config"]
+    assert config["architectures"] == ["Qwen3ForCausalLM"], config.get("architectures")
+    assert config["dtype"] == "float32", config.get("dtype")
 
 
 def test_offload_wrapper_is_bit_identical(results):

@@ -22,6 +22,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.distributed.launcher import run_distributed
@@ -139,6 +141,22 @@ def _errors() -> dict:
         out["resize"] = "no error"
     except RuntimeError as e:
         out["resize"] = str(e)
+    # save_pretrained of the split weights is refused on the calling rank, naming the fix;
+    # a state dict of full tensors saves (rank 0 alone calls it, as scripts do).
+    import tempfile
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    directory = tempfile.mkdtemp()
+    try:
+        tied.save_pretrained(f"{directory}/shards")
+        out["save_pretrained"] = "no error"
+    except RuntimeError as e:
+        out["save_pretrained"] = str(e)
+    full = get_model_state_dict(tied, options=StateDictOptions(full_state_dict=True))
+    if dist.get_rank() == 0:
+        tied.save_pretrained(f"{directory}/full", state_dict=full)
+        out["saved_full"] = sorted(os.listdir(f"{directory}/full"))
     layers = 2 if dist.get_rank() == 0 else 3
     attempt(
         "different", lambda: tiny_llama(num_hidden_layers=layers), load_state_dict_from_rank0=True
@@ -158,6 +176,8 @@ def test_transform_argument_errors_are_early_clear_and_on_every_rank():
         assert "pass dtype=torch.int8" not in out["int_dtype"], out
         assert "Resize before tsm.transform" in out["resize"], out["resize"]
         assert out["same_size_resize"], out
+        assert "save_hf_checkpoint(model, directory) on every rank" in out["save_pretrained"], out
+        assert "model.safetensors" in out.get("saved_full", ["model.safetensors"]), out
         assert "torch.bfloat16" in out["int_dtype"], out
         assert out["device"].startswith("ValueError: tsm.transform(device='gpu0') is not a device")
         assert (

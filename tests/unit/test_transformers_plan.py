@@ -203,6 +203,19 @@ def test_a_model_without_a_plan_is_refused_naming_the_plan_setter():
     assert "model.tp_plan = {" in str(err.value), err.value
 
 
+def test_a_multimodal_models_layer_class_is_the_one_its_plan_splits():
+    """Gemma 3's vision tower has as many layers as its text model here (a tie of counts):
+    FSDP units, checkpointing and offloading go on the decoder layers the plan splits."""
+    from tools.model_coverage.tiny import build
+
+    model = build("gemma3", device="meta")
+    counts = {}
+    for m in model.modules():
+        counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
+    assert counts["SiglipEncoderLayer"] == counts["Gemma3DecoderLayer"] == 2, counts
+    assert lookup_policy(model).layer_class == "Gemma3DecoderLayer"
+
+
 def test_a_split_module_that_computes_more_than_its_weight_is_refused():
     """Splitting the vocabulary of an embedding that normalizes its lookup (Inkling) would
     normalize partial sums."""

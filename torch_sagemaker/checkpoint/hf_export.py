@@ -15,6 +15,7 @@ and publishes it atomically; ``AutoModelForCausalLM.from_pretrained(dir)`` loads
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 
 from torch_sagemaker.checkpoint import atomic_dir
 from torch_sagemaker.checkpoint._group import Participants
@@ -136,7 +138,7 @@ def save_hf_checkpoint(
             )
         weights = full if translate_fn is None else translate_fn(full)  # the writer's only
         staging = atomic_dir.prepare_staging(path)
-        config.save_pretrained(staging)
+        _described(config, _model_class_name(inner), weights).save_pretrained(staging)
         generation_config = getattr(inner, "generation_config", None)
         if generation_config is not None:
             generation_config.save_pretrained(staging)
@@ -145,6 +147,31 @@ def save_hf_checkpoint(
         atomic_dir.commit(staging, path, {"kind": "hugging_face", "keys": len(weights)})
 
     participants.run_on_coordinator(write)
+
+
+def _model_class_name(module: nn.Module) -> str:
+    """The model's own class name (FSDP2 swaps in a subclass named ``FSDP<class>``)."""
+    name = type(module).__name__
+    return name.removeprefix("FSDP") if isinstance(module, FSDPModule) else name
+
+
+def _described(config: Any, model_class: str, weights: dict[str, torch.Tensor]) -> Any:
+    """A copy of ``config`` saying what the export holds, as ``save_pretrained`` writes it.
+
+    ``architectures`` (the class serving stacks and ``AutoModel`` pick; kept when the given
+    config names one already) and ``dtype`` (the floating dtype most of the written weights
+    have). The caller's config is not changed.
+    """
+    described = copy.deepcopy(config)
+    if not getattr(described, "architectures", None):
+        described.architectures = [model_class]
+    counts: dict[torch.dtype, int] = {}
+    for tensor in weights.values():
+        if tensor.is_floating_point():
+            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + tensor.numel()
+    if counts:
+        described.dtype = max(counts, key=lambda d: counts[d])
+    return described
 
 
 __all__ = ["save_hf_checkpoint"]

@@ -401,12 +401,24 @@ def _compact(styles: dict[str, str], all_names: set[str]) -> dict[str, str]:
     return out
 
 
-def _layer_class(model: nn.Module) -> str:
+def _layer_class(model: nn.Module, plan: dict[str, str]) -> str:
+    """The transformer layer: of the ``_no_split_modules`` classes, the one the plan splits.
+
+    A multimodal model names its vision tower's layers there too; those the plan reaches (the
+    text model's) come first, then the most repeated class.
+    """
     names = set(getattr(model, "_no_split_modules", None) or ())
     counts: dict[str, int] = {}
-    for module in model.modules():
-        if type(module).__name__ in names:
-            counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
+    planned: set[str] = set()
+    modules = list(model.named_modules())
+    in_plan = [n for n, _ in modules if any(fnmatchcase(n, key) for key in plan)]
+    for name, module in modules:
+        cls = type(module).__name__
+        if cls not in names:
+            continue
+        counts[cls] = counts.get(cls, 0) + 1
+        if cls not in planned and any(n.startswith(f"{name}.") for n in in_plan):
+            planned.add(cls)
     if not counts:
         raise ValueError(
             f"tsm.transform: {type(model).__name__} has a transformers TP plan but its "
@@ -414,7 +426,7 @@ def _layer_class(model: nn.Module) -> str:
             "is no transformer layer to wrap, checkpoint and offload. Register a "
             "torch_sagemaker.policies.ModelPolicy naming its layer class (docs/tensor_parallel.md)."
         )
-    return max(counts, key=lambda n: counts[n])  # the repeated decoder layer
+    return max(counts, key=lambda n: (n in planned, counts[n]))  # the repeated decoder layer
 
 
 def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
@@ -434,7 +446,7 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
     plan = transformers_plan(model)
     if not plan or not hasattr(model, "config"):
         return None
-    layer_class = _layer_class(model)
+    layer_class = _layer_class(model, plan)
     t = _Translation(model, plan, layer_class)
     t.translate()
     t.replicate_the_rest()
