@@ -263,13 +263,28 @@ def _classification_heads() -> dict:
     return out
 
 
+def _with_the_same_draws(model, ref) -> dict:
+    """Loss and gradient differences of ``model`` and ``ref`` from one seed of the shared stream
+    (so the same dropout masks where both draw alike)."""
+    import torch
+
+    from tests.distributed.test_tp_parity import gradient_diffs
+
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for m in (model, ref):
+        torch.manual_seed(9)
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
+    return {"loss": abs(losses[0] - losses[1]), "grads": max(gradient_diffs(model, ref).values())}
+
+
 def _residual_dropout_inside_attention() -> dict:
     """StarCoder2 drops out the projected attention output inside its attention module."""
     import torch
     import torch.sagemaker as tsm
     import transformers as tf
-
-    from tests.distributed.test_tp_parity import gradient_diffs
 
     config = tf.Starcoder2Config(
         vocab_size=128,
@@ -285,14 +300,7 @@ def _residual_dropout_inside_attention() -> dict:
     torch.manual_seed(0)
     ref = tf.AutoModelForCausalLM.from_config(config).float().train()
     model = tsm.transform(copy.deepcopy(ref)).train()
-    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
-    losses = []
-    for m in (model, ref):  # the same draws from the shared stream: the same masks
-        torch.manual_seed(9)
-        loss = m(input_ids=ids, labels=ids).loss
-        loss.backward()
-        losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
-    return {"loss": abs(losses[0] - losses[1]), "grads": max(gradient_diffs(model, ref).values())}
+    return _with_the_same_draws(model, ref)
 
 
 def _nested_attention() -> dict:
@@ -300,8 +308,6 @@ def _nested_attention() -> dict:
     import torch
     import torch.sagemaker as tsm
     import transformers as tf
-
-    from tests.distributed.test_tp_parity import gradient_diffs
 
     config = tf.GPTNeoConfig(
         vocab_size=128,
@@ -327,14 +333,7 @@ def _nested_attention() -> dict:
         "lm_head": "colwise_gather_output",
     }
     model = tsm.transform(model).train()
-    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
-    losses = []
-    for m in (model, ref):  # the same draws from the shared stream: the same masks
-        torch.manual_seed(9)
-        loss = m(input_ids=ids, labels=ids).loss
-        loss.backward()
-        losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
-    return {"loss": abs(losses[0] - losses[1]), "grads": max(gradient_diffs(model, ref).values())}
+    return _with_the_same_draws(model, ref)
 
 
 def _all(root: str) -> dict:
