@@ -9,6 +9,10 @@ One launch of 2 ranks runs every case, each under its own ``tsm.init``:
   losses equal the uninterrupted run's.
   The trained model's Hugging Face export reloads with ``from_pretrained`` and gives its
   logits;
+- the same layout, steps 1-2 fed embeddings (``inputs_embeds``): the input embedding gets no
+  gradient, so AdamW has no state for it in the step-2 sharded and SM-local checkpoints; a
+  fresh model resumes from each without inventing that state and trains steps 3-4 on token
+  ids (the embedding's first gradient) exactly as the uninterrupted run;
 - the same layout with the offload wrapper: loss and every gradient bit-identical to the
   run without it;
 - context parallelism 2 (standard attention) against one process (``cp_cases``);
@@ -150,6 +154,60 @@ def _checkpoints_and_export(root: str) -> dict:
             out["exported"] = hf(input_ids=probe).logits
         with open(f"{root}/hf/config.json") as f:
             out["exported_config"] = json.load(f)
+    return out
+
+
+def _unused_until_resumed(root: str) -> dict:
+    """Steps 1-2 on embeddings, saves, resumes on token ids (see the module docstring).
+
+    Note [Parameters without optimizer state] in ``torch_sagemaker/checkpoint/training_state.py``.
+    """
+    import torch
+
+    from tests.distributed.test_tp_parity import batch, full
+    from torch_sagemaker.checkpoint import CheckpointError, TrainingState
+
+    def train(model, optim, steps) -> list[float]:
+        losses = []
+        for step in steps:
+            ids = batch(step)
+            if step < SAVE_AT:  # embeddings from elsewhere: embed_tokens gets no gradient
+                g = torch.Generator().manual_seed(step)
+                inputs = {"inputs_embeds": torch.randn(*ids.shape, 64, generator=g)}
+            else:
+                inputs = {"input_ids": ids}
+            loss = model(**inputs, labels=ids, use_cache=False).loss
+            loss.backward()
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+        return losses
+
+    def stateless(model, optim) -> list[str]:
+        return [n for n, p in model.named_parameters() if p not in optim.state]
+
+    model, optim = _build(seed=1)
+    losses = train(model, optim, range(SAVE_AT))
+    out: dict = {"saved_without_state": stateless(model, optim)}
+    for kind in ("sharded", "local"):
+        TrainingState(model, optim, step=SAVE_AT).save(f"{root}/unused_{kind}", kind=kind)
+    out["losses"] = losses + train(model, optim, range(SAVE_AT, STEPS))
+    params = {n: full(p).detach().clone() for n, p in model.named_parameters()}
+    for kind in ("sharded", "local"):
+        model, optim = _build(seed=3)
+        try:  # raised on every rank alike; only this case's test fails
+            TrainingState(model, optim).load(f"{root}/unused_{kind}", kind=kind)
+        except CheckpointError as e:
+            out[kind] = {"error": str(e)}
+            continue
+        out[kind] = {
+            "loaded_without_state": stateless(model, optim),
+            "losses": train(model, optim, range(SAVE_AT, STEPS)),
+            "param_diff": max(
+                float((full(p).detach() - params[n]).abs().max())
+                for n, p in model.named_parameters()
+            ),
+        }
     return out
 
 
@@ -342,6 +400,7 @@ def _all(root: str) -> dict:
     out = {}
     fresh_layout({"tensor_parallel_degree": 2})
     out["checkpoints"] = _checkpoints_and_export(root)
+    out["unused_until_resumed"] = _unused_until_resumed(root)
     fresh_layout({"tensor_parallel_degree": 2, "activation_loading_horizon": 2})
     out["offload"] = _offload()
     out["dropped_norms"] = _dropped_norms()
@@ -378,6 +437,25 @@ def test_sharded_and_full_checkpoints_resume_exactly(results):
         assert step == SAVE_AT
         torch.testing.assert_close(sharded, expected, rtol=1e-6, atol=1e-6, msg=f"rank {rank}")
         torch.testing.assert_close(c["full"], expected, rtol=1e-6, atol=1e-6, msg=f"rank {rank}")
+
+
+def test_parameters_without_optimizer_state_resume_exactly(results):
+    # The checkpoints hold no AdamW state for the embedding (no gradient before the save):
+    # the load used to ask for it and fail; loading zero state created for the template
+    # would change the embedding's first update after the resume.
+    import torch
+
+    for rank, r in enumerate(results):
+        c = r["unused_until_resumed"]
+        assert c["saved_without_state"] == ["model.embed_tokens.weight"], c
+        for kind in ("sharded", "local"):
+            got = c[kind]
+            assert "error" not in got, (kind, got)
+            assert got["loaded_without_state"] == ["model.embed_tokens.weight"], (kind, got)
+            torch.testing.assert_close(
+                got["losses"], c["losses"][SAVE_AT:], rtol=1e-6, atol=1e-6, msg=f"{kind} {rank}"
+            )
+            assert got["param_diff"] <= 1e-6, (kind, rank, got["param_diff"])
 
 
 def test_hf_export_reloads_with_the_same_logits(results):

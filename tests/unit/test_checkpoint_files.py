@@ -102,6 +102,27 @@ def test_mismatched_keys_and_shapes_are_listed(tmp_path):
     assert "model.w: checkpoint shape (8, 4), requested (4, 8)" in msg
 
 
+def test_optimizer_state_missing_for_another_reason_is_refused(tmp_path):
+    # Note [Parameters without optimizer state]: only parameters of the saved optimizer may
+    # lack state; the other missing keys are still a mismatch.
+    from torch_sagemaker.checkpoint import TrainingState
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    optim = torch.optim.AdamW(model[0].parameters())  # the second layer is not optimized
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    model.zero_grad(set_to_none=True)
+    TrainingState(model, optim, save_rng=False).save(tmp_path / "c")
+    over_all = TrainingState(model, torch.optim.AdamW(model.parameters()), save_rng=False)
+    with pytest.raises(CheckpointError, match=r"did not hold 2 of its parameters.*'1\.weight'"):
+        over_all.load(tmp_path / "c")
+    other = TrainingState(
+        model, torch.optim.SGD(model[0].parameters(), momentum=0.9), save_rng=False
+    )
+    with pytest.raises(CheckpointError, match=r"missing.*optimizer\.state\.0\.bias\.momentum"):
+        other.load(tmp_path / "c")
+
+
 def test_another_dtype_is_cast_with_a_warning_naming_the_tensors(tmp_path, monkeypatch):
     """DCP casts on load, as SMP's loads do (a bf16 model for inference from a float32
     checkpoint); the values loaded then differ from those saved, which the log says."""

@@ -17,6 +17,22 @@ checkpoint keys (sharded kind)      | what
 
 RNG states are per rank. After a resume on more ranks the new ranks keep their current RNG
 (a warning says so); parity of dropout-free models does not depend on it.
+
+Note [Parameters without optimizer state]
+-----------------------------------------
+Optimizers such as Adam create a parameter's state at its first gradient, so a parameter that
+has had none yet (the vision tower of a multimodal model fine-tuned on text only) has no
+``optimizer.state.<fqn>.*`` keys in the checkpoint. The template that ``load`` fills, however,
+gives a fresh optimizer state for every parameter (``get_state_dict``, or ``init_optim_state``
+for the SM-local kind: one step with zero gradients, so ``step`` 1 and zero moments): DCP
+would ask for keys that were never saved, and loading that made-up state would change the
+parameter's later updates. ``load`` therefore reads the checkpoint's metadata: a parameter
+with no state key at all under its name (or index) is left out of the load and ends up
+without state, as in the run that saved it; its state is created at its first gradient.
+After the read, every such parameter must be one of the saved optimizer's parameters
+(``param_groups``), else the optimizer differs from the saved one and ``load`` raises. A
+parameter with only some of its state keys, or with another optimizer's, is a mismatch that
+the key check reports as before.
 """
 
 from __future__ import annotations
@@ -31,7 +47,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
-    set_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 
 from torch_sagemaker.checkpoint import state_dict_utils as sdu
@@ -41,6 +58,7 @@ from torch_sagemaker.checkpoint.location import (
     CheckpointLocation,
     checkpoint_location,
 )
+from torch_sagemaker.checkpoint.marker import CheckpointError
 from torch_sagemaker.checkpoint.retention import prune_beside
 from torch_sagemaker.checkpoint.state_dict_loader import load, read_metadata
 from torch_sagemaker.checkpoint.state_dict_saver import async_save, save
@@ -183,13 +201,17 @@ class TrainingState:
             if self.optimizer is not None and "optimizer" in state_dict:
                 sdu.load_local_optim_state_dict(self.optimizer, state_dict["optimizer"])
         else:
-            optims = [self.optimizer] if self.optimizer is not None else []
-            set_state_dict(
-                _unwrap_root(self.model),
-                optims,
-                model_state_dict=state_dict["model"],
-                optim_state_dict=state_dict.get("optimizer", {}),
-            )
+            model = _unwrap_root(self.model)
+            if self.optimizer is not None and "optimizer" in state_dict:
+                # Not strict: parameters that had no state when saved stay without state
+                # (Note [Parameters without optimizer state]); ``load`` checked the rest.
+                set_optimizer_state_dict(
+                    model,
+                    self.optimizer,
+                    state_dict["optimizer"],
+                    options=StateDictOptions(strict=False),
+                )
+            set_model_state_dict(model, state_dict["model"])
         if self.lr_scheduler is not None and "lr_scheduler" in state_dict:
             self.lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
         self.step = int(state_dict["step"])
@@ -327,15 +349,21 @@ class TrainingState:
             kind: The kind it was saved with.
             load_optimizer: Also restore the optimizer (and its step counts).
 
+        Parameters without optimizer state in the checkpoint (no gradient yet when it was
+        saved) end up without state (Note [Parameters without optimizer state]).
+
         Raises:
             CheckpointError: If the checkpoint is missing, incomplete, corrupt, or does not
-                match the model (the message names the keys and shapes).
+                match the model (the message names the keys and shapes), or its optimizer
+                did not hold a parameter of this one (found after the read, which has filled
+                the model's tensors in place; nothing else is set).
         """
         path, group, coordinator = self._location(checkpoint_location(checkpoint_id), kind)
         sd = self.state_dict(kind)
         if not load_optimizer:
             sd.pop("optimizer", None)
         saved = read_metadata(path).state_dict_metadata
+        stateless = _drop_state_never_saved(sd.get("optimizer"), saved)
         self._expect_saved_fp8_state(sd, saved, path)
         rng_key = f"rng_rank{_rank()}"
         if rng_key in sd and rng_key not in saved:
@@ -352,6 +380,8 @@ class TrainingState:
             coordinator_rank=coordinator,
             check_keys_matched=False,
         )
+        if stateless:
+            _expect_saved_optimizer_params(sd["optimizer"], stateless, path)
         self.load_state_dict(sd, kind)
 
     def _expect_saved_fp8_state(self, sd: dict[str, Any], saved: Any, path: Any) -> None:
@@ -372,6 +402,56 @@ class TrainingState:
             )
             return
         sd[fp8_state.ITEM] = fp8_state.empty_like_saved(sizes)
+
+
+def _drop_state_never_saved(optim_sd: dict[str, Any] | None, saved: dict[str, Any]) -> list[Any]:
+    """Removes from ``optim_sd`` the state of parameters that have none in the checkpoint.
+
+    Note [Parameters without optimizer state].
+
+    Args:
+        optim_sd: The optimizer part of the template to load (keyed by parameter name, or by
+            index for the SM-local kind); ``None`` when the optimizer is not loaded.
+        saved: The checkpoint's ``state_dict_metadata``.
+
+    Returns:
+        The keys of the parameters whose state was removed.
+    """
+    if not optim_sd:
+        return []
+    # Every dotted prefix of ``<key>.<state name>`` in ``optimizer.state.<key>.<state name>``
+    # (one pass over the checkpoint's keys; a name may hold dots, a state name may be nested).
+    held: set[str] = set()
+    for name in saved:
+        if name.startswith("optimizer.state."):
+            parts = name[len("optimizer.state.") :].split(".")
+            held.update(".".join(parts[:n]) for n in range(1, len(parts)))
+    dropped = [key for key in optim_sd["state"] if str(key) not in held]
+    for key in dropped:
+        del optim_sd["state"][key]
+    return dropped
+
+
+def _expect_saved_optimizer_params(
+    optim_sd: dict[str, Any], stateless: list[Any], path: Any
+) -> None:
+    """Raises unless the saved optimizer held every parameter that has no state in it.
+
+    ``optim_sd["param_groups"]`` is what the checkpoint holds once loaded (Note [Parameters
+    without optimizer state]).
+
+    Raises:
+        CheckpointError: Naming the parameters the saved optimizer did not hold.
+    """
+    held = {p for group in optim_sd["param_groups"] for p in group["params"]}
+    foreign = [key for key in stateless if key not in held]
+    if foreign:
+        raise CheckpointError(
+            f"checkpoint {path} does not match the optimizer being loaded: the saved "
+            f"optimizer did not hold {len(foreign)} of its parameters, which have no state "
+            f"in the checkpoint: {foreign[:20]}. Load it into an optimizer over the same "
+            "parameters as the one that saved it."
+        )
 
 
 def _unwrap_root(model: nn.Module) -> nn.Module:
