@@ -1,8 +1,10 @@
 """Prefetching offload under FSDP2, FSDP1, tensor parallelism (tp=2) and DTensor saves.
 
 Every case builds the same model twice on each rank, once with offloading and once without,
-and requires the loss and every (full) gradient to be bit-identical. All cases run in one
-launch of 2 ranks over gloo to keep start-up cost down.
+and requires the loss and every (full) gradient to be bit-identical. PyTorch's
+offload-everything wrapper (``sm_activation_offloading`` false, or a model without layers to
+prefetch for) is held to the same under tensor parallelism and on DTensor saves. All cases
+run in one launch of 2 ranks over gloo to keep start-up cost down.
 """
 
 from __future__ import annotations
@@ -156,7 +158,8 @@ def _dtensor_case() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from torch_sagemaker.offload import get_stats
+    import torch_sagemaker as tsm
+    from torch_sagemaker.offload import NativeOffloadWrapper, get_stats
 
     class Layer(nn.Module):
         def forward(self, x):
@@ -174,37 +177,41 @@ def _dtensor_case() -> dict:
 
     mesh = init_device_mesh("cpu", (2,))
     results = []
-    for offload in (True, False):
+    for offload in ("prefetch", "fallback", None):
         full = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
         x = distribute_tensor(full, mesh, [Shard(0)]).requires_grad_()
         model = Stack()
-        if offload:
+        if offload == "prefetch":
             model = _offload(model, layers=lambda m: isinstance(m, Layer))
+        elif offload == "fallback":  # no layers it knows: PyTorch's wrapper, saving DTensors
+            model = tsm.offload_wrapper(model)
         out = model(x)
         out.sum().backward()
         results.append(
             (
                 out.full_tensor(),
                 x.grad.full_tensor(),
-                get_stats(model).bytes_offloaded if offload else 0,
+                get_stats(model).bytes_offloaded if offload == "prefetch" else type(model),
             )
         )
-    (out_on, grad_on, offloaded), (out_off, grad_off, _) = results
+    (out_on, grad_on, offloaded), (out_fb, grad_fb, fallback), (out_off, grad_off, _) = results
     return dict(
         out_equal=torch.equal(out_on, out_off),
         grad_equal=torch.equal(grad_on, grad_off),
         offloaded=offloaded,
         local_bytes=3 * 4 * 16 * 4,
+        fallback_native=fallback is NativeOffloadWrapper,
+        fallback_equal=torch.equal(out_fb, out_off) and torch.equal(grad_fb, grad_off),
     )
 
 
 def _tp_case(rank: int) -> dict:
     """tsm.init(tp=2) + tsm.transform, offload_wrapper imported from PyTorch's module."""
-    import torch
     import torch.sagemaker as tsm
     from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
-    from torch_sagemaker.offload import PrefetchOffloadWrapper, get_stats
+    from tests.distributed.test_delayed_param import fresh_layout
+    from torch_sagemaker.offload import NativeOffloadWrapper, PrefetchOffloadWrapper, get_stats
 
     tsm.init({"tensor_parallel_degree": 2, "activation_loading_horizon": 2})
 
@@ -227,10 +234,13 @@ def _tp_case(rank: int) -> dict:
     bf16_off = _step(build(), 0, autocast=True)
     bf16 = _compare(_step(cw.offload_wrapper(build()), 0, autocast=True), bf16_off)
     result["bf16_unequal"] = bf16["unequal"] + ([] if bf16["loss_equal"] else ["loss"])
-    # With offloading switched off in the config, PyTorch's own wrapper comes back.
-    tsm.state.reset()
-    tsm.init({"sm_activation_offloading": False})
-    result["native_when_off"] = type(cw.offload_wrapper(torch.nn.Linear(2, 2))) is cw.OffloadWrapper
+    # With offloading switched off in the config, PyTorch's wrapper comes back, as a subclass
+    # that also saves DTensors (PyTorch's own failed on them at the first forward: Note
+    # [DTensors under PyTorch's offload wrapper]).
+    fresh_layout({"tensor_parallel_degree": 2, "sm_activation_offloading": False})
+    native = cw.offload_wrapper(build())
+    result["native_when_off"] = type(native) is NativeOffloadWrapper
+    result["native"] = _compare(_step(native, 0), off)
     return result
 
 
@@ -260,7 +270,10 @@ def test_offload_is_bit_identical_under_fsdp_tp_and_dtensor():
         dt = r["dtensor"]
         assert dt["out_equal"] and dt["grad_equal"], dt
         assert dt["offloaded"] == dt["local_bytes"], dt  # the local shards, not full tensors
+        assert dt["fallback_native"] and dt["fallback_equal"], dt
         tp = r["tp"]
         assert tp["prefetching"] and tp["horizon"] == 2 and tp["demand"] == 0, tp
         assert tp["lead"] == 2 and tp["bf16_unequal"] == [], tp
         assert tp["native_when_off"], tp
+        native = tp["native"]
+        assert native["loss_equal"] and native["unequal"] == [] and native["nonzero"], native

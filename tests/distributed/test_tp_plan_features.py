@@ -13,8 +13,8 @@ One launch of 2 ranks runs every case, each under its own ``tsm.init``:
   gradient, so AdamW has no state for it in the step-2 sharded and SM-local checkpoints; a
   fresh model resumes from each without inventing that state and trains steps 3-4 on token
   ids (the embedding's first gradient) exactly as the uninterrupted run;
-- the same layout with the offload wrapper: loss and every gradient bit-identical to the
-  run without it;
+- the same layout with the offload wrapper, prefetching and (``sm_activation_offloading``
+  false) PyTorch's: loss and every gradient bit-identical to the run without it;
 - context parallelism 2 (standard attention) against one process (``cp_cases``);
 - expert parallelism 2 on OLMoE (experts named by its plan, the model's own router:
   ``MoEConfig(smp_moe=False)``) against one process (``moe_models``);
@@ -215,6 +215,7 @@ def _offload() -> dict:
     import torch.sagemaker as tsm
     from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
+    from tests.distributed.test_delayed_param import fresh_layout
     from tests.distributed.test_offload_parallel import _compare, _step
     from tests.distributed.test_tp_parity import build
     from tools.model_coverage.parity import checkpoint_and_shard
@@ -229,6 +230,12 @@ def _offload() -> dict:
     wrapped = cw.offload_wrapper(model())  # the SMP script path
     result = _compare(_step(wrapped, 0), off)
     result["offloaded"] = get_stats(wrapped).bytes_offloaded
+    # The flag off: PyTorch's wrapper, which must save the DTensors of the TP layout too
+    # (Note [DTensors under PyTorch's offload wrapper]). The layout stays for the next cases.
+    fresh_layout({"tensor_parallel_degree": 2, "sm_activation_offloading": False})
+    native = cw.offload_wrapper(model())
+    result["native_type"] = type(native).__name__
+    result["native"] = _compare(_step(native, 0), off)
     return result
 
 
@@ -476,6 +483,9 @@ def test_offload_wrapper_is_bit_identical(results):
         assert case["loss_equal"] and case["names_equal"], case
         assert case["unequal"] == [] and case["nonzero"], case
         assert case["offloaded"] > 0, case
+        native = case["native"]
+        assert case["native_type"] == "NativeOffloadWrapper", case
+        assert native["loss_equal"] and native["unequal"] == [] and native["nonzero"], native
 
 
 def test_context_parallel_matches_one_process(results):

@@ -12,7 +12,12 @@ import torch.sagemaker as tsm
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import OffloadWrapper
 
-from torch_sagemaker.offload import PrefetchOffloadWrapper, get_stats, offload_wrapper
+from torch_sagemaker.offload import (
+    NativeOffloadWrapper,
+    PrefetchOffloadWrapper,
+    get_stats,
+    offload_wrapper,
+)
 
 ALIASING_SEEN: list[bool] = []
 
@@ -176,7 +181,7 @@ def test_tsm_offload_wrapper_follows_sm_activation_offloading():
         assert offload_wrapper(Stack("linear"), **layers)._offload_engine.horizon == 5
         tsm.state.sm_activation_offloading = False
         native = tsm.offload_wrapper(Stack("linear"))
-        assert type(native) is OffloadWrapper
+        assert type(native) is NativeOffloadWrapper and isinstance(native, OffloadWrapper)
     finally:
         tsm.state.reset()
 
@@ -189,6 +194,21 @@ def test_torch_offload_wrapper_is_native_before_init():
     assert torch_patch.is_installed()
     assert not tsm.is_initialized()
     assert type(cw.offload_wrapper(Stack("linear"))) is OffloadWrapper
+
+
+@pytest.mark.parametrize("kind", ["view", "linear"])
+def test_native_wrapper_offloads_plain_tensors_as_pytorchs_does(kind):
+    """Without DTensors, ``NativeOffloadWrapper`` is PyTorch's ``OffloadWrapper``."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    results = []
+    for wrap in (NativeOffloadWrapper, OffloadWrapper):
+        model = wrap(Stack(kind))
+        inp = x.clone().requires_grad_()
+        loss = model(inp)
+        loss.backward()
+        results.append([loss] + [p.grad for p in model.parameters()] + [inp.grad])
+    for got, want in zip(*results, strict=True):
+        assert (got is None and want is None) or torch.equal(got, want)
 
 
 class _FailingBlock(nn.Module):

@@ -9,7 +9,8 @@ Modules, one concern each:
 * ``hooks``      the ``saved_tensors_hooks`` glue (views, DTensors, what is never moved);
 * ``engine``     follows forward and backward and carries out the schedule;
 * ``stats``      the counters; ``wrapper`` the public wrapper; ``torch_patch`` the routing
-  of PyTorch's ``offload_wrapper``.
+  of PyTorch's ``offload_wrapper``;
+* ``native``     PyTorch's offload-everything wrapper, able to save DTensors (the flag off).
 
 Importing this package installs ``torch_patch`` (a no-op until ``tsm.init()``). Imports go
 one way: ``wrapper`` -> ``engine`` -> ``hooks``/``records``/``streams``/``buffers``/``schedule``;
@@ -17,6 +18,7 @@ one way: ``wrapper`` -> ``engine`` -> ``hooks``/``records``/``streams``/``buffer
 """
 
 from torch_sagemaker.offload import torch_patch
+from torch_sagemaker.offload.native import NativeOffloadWrapper
 from torch_sagemaker.offload.schedule import PrefetchSchedule
 from torch_sagemaker.offload.stats import OffloadStats
 from torch_sagemaker.offload.wrapper import (
@@ -31,6 +33,7 @@ torch_patch.install(offload_wrapper)
 
 __all__ = [
     "DEFAULT_MIN_OFFLOAD_BYTES",
+    "NativeOffloadWrapper",
     "OffloadStats",
     "PrefetchOffloadWrapper",
     "PrefetchSchedule",

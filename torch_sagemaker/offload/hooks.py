@@ -60,6 +60,23 @@ class DTensorMeta:
     shape: torch.Size
     stride: tuple[int, ...]
 
+    def wrap(self, local: torch.Tensor, stride: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The DTensor around ``local``: this mesh, placements and shape.
+
+        Args:
+            local: The local shard.
+            stride: The global stride, if not the recorded one (the shard's layout changed).
+        """
+        with torch.no_grad():  # wrapping only; no graph edge from the shard to the DTensor
+            return _dtensor_class().from_local(
+                local,
+                self.mesh,
+                self.placements,
+                run_check=False,
+                shape=self.shape,
+                stride=self.stride if stride is None else stride,
+            )
+
 
 @dataclass(frozen=True)
 class ViewSpec:
@@ -75,18 +92,7 @@ class ViewSpec:
         """The saved tensor as a view of ``flat`` (a ``uint8`` tensor over a whole storage)."""
         local = torch.empty(0, dtype=self.dtype, device=flat.device)
         local.set_(flat.untyped_storage(), self.storage_offset, self.size, self.stride)
-        if self.dtensor is None:
-            return local
-        meta = self.dtensor
-        with torch.no_grad():  # wrapping only; no graph edge from the shard to the DTensor
-            return _dtensor_class().from_local(
-                local,
-                meta.mesh,
-                meta.placements,
-                run_check=False,
-                shape=meta.shape,
-                stride=meta.stride,
-            )
+        return local if self.dtensor is None else self.dtensor.wrap(local)
 
 
 class SavedTensorSink(Protocol):

@@ -6,7 +6,9 @@ offloader once SMP is initialized. This module is the one place that reproduces 
 replaces the module attribute with a dispatcher that decides *at call time*:
 
 * ``tsm.init()`` has run and ``sm_activation_offloading`` is true: ``PrefetchOffloadWrapper``;
-* otherwise: PyTorch's own function, unchanged.
+* ``tsm.init()`` has run and the flag is false: ``NativeOffloadWrapper``, PyTorch's wrapper
+  able to save DTensors (Note [DTensors under PyTorch's offload wrapper] in ``native.py``);
+* before ``tsm.init()``: PyTorch's own function, unchanged.
 
 The patch is installed when ``torch_sagemaker`` is imported (``torch_sagemaker/_init.py``
 imports this package), so a script must import ``torch.sagemaker`` (or ``torch_sagemaker``)
@@ -28,6 +30,7 @@ from typing import Any
 from torch import nn
 
 from torch_sagemaker._torch_compat import checkpoint_wrapper as cw_compat
+from torch_sagemaker.offload.native import NativeOffloadWrapper
 from torch_sagemaker.state import state
 
 # ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``, the owner of the attribute.
@@ -40,11 +43,6 @@ _native = getattr(_torch_module.offload_wrapper, "__tsm_native__", _torch_module
 _route: Callable[..., nn.Module] | None = None
 
 
-def native_offload_wrapper(module: nn.Module) -> nn.Module:
-    """PyTorch's ``offload_wrapper``, whatever the patch state."""
-    return _native(module)
-
-
 def _use_prefetching() -> bool:
     return _route is not None and state.initialized and bool(state.sm_activation_offloading)
 
@@ -54,6 +52,8 @@ def _dispatching_offload_wrapper(module: nn.Module, *args: Any, **kwargs: Any) -
     if _use_prefetching():
         assert _route is not None
         return _route(module, *args, **kwargs)
+    if state.initialized:  # tensor parallelism may be on: PyTorch's wrapper fails on DTensors
+        return NativeOffloadWrapper(module, *args, **kwargs)
     return _native(module, *args, **kwargs)
 
 

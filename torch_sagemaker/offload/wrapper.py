@@ -26,8 +26,8 @@ from torch import nn
 from torch_sagemaker._torch_compat.checkpoint_wrapper import CheckpointWrapper, OffloadWrapper
 from torch_sagemaker.logger import warn_once
 from torch_sagemaker.offload.engine import DEFAULT_MAX_STASH_BYTES, OffloadEngine
+from torch_sagemaker.offload.native import NativeOffloadWrapper
 from torch_sagemaker.offload.stats import OffloadStats
-from torch_sagemaker.offload.torch_patch import native_offload_wrapper
 from torch_sagemaker.policies import registered_policies
 from torch_sagemaker.state import state
 from torch_sagemaker.tensor_parallel.transformer import TransformerLayer
@@ -176,11 +176,12 @@ def offload_wrapper(
     """Wraps the root module for activation offloading, as ``sm_activation_offloading`` says.
 
     With ``tsm.state.sm_activation_offloading`` true (the default) this returns a
-    ``PrefetchOffloadWrapper``; otherwise PyTorch's native ``OffloadWrapper``, which
-    offloads every saved tensor and fetches each one only when backward needs it. Without
-    ``layers``, the units are the checkpointed layers, else the transformer layers (Note
-    [Offloading without checkpointing]); a model with neither gets PyTorch's wrapper and a
-    one-time warning, as SMP's scripts wrap every model by default.
+    ``PrefetchOffloadWrapper``; otherwise PyTorch's ``OffloadWrapper`` (as
+    ``NativeOffloadWrapper``, which can also save DTensors: Note [DTensors under PyTorch's
+    offload wrapper]), which offloads every saved tensor and fetches each one only when
+    backward needs it. Without ``layers``, the units are the checkpointed layers, else the
+    transformer layers (Note [Offloading without checkpointing]); a model with neither gets
+    PyTorch's wrapper and a one-time warning, as SMP's scripts wrap every model by default.
 
     Args:
         module: The root module, after activation checkpointing (and FSDP).
@@ -199,7 +200,7 @@ def offload_wrapper(
         >>> print(torch_sagemaker.offload.get_stats(model, reset=True).summary())
     """
     if not state.sm_activation_offloading:
-        return native_offload_wrapper(module)
+        return NativeOffloadWrapper(module)
     if layers is None:
         layers = default_layers(module)
         if not layers:
@@ -209,7 +210,7 @@ def offload_wrapper(
                 "tensor offloaded, fetched when backward needs it). Apply activation "
                 "checkpointing or pass layers=[...] to get prefetching."
             )
-            return native_offload_wrapper(module)
+            return NativeOffloadWrapper(module)
     horizon = (
         state.activation_loading_horizon
         if activation_loading_horizon is None
