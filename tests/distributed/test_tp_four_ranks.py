@@ -1,5 +1,9 @@
-"""Four-rank tensor parallel cases: loading from rank 0 across TP and data-parallel groups, and
-tp=4 on a GQA model with two kv heads (each kv head replicated on two ranks)."""
+"""Four-rank tensor parallel cases: loading from rank 0 across TP and data-parallel groups,
+tp=4 on a GQA model with two kv heads (each kv head replicated on two ranks), and a multimodal
+model (Gemma 3 with an image) under tp 2 x FSDP2 2: ``generate`` with pixel values, before any
+forward and after a training step, gives one process's tokens, and its replicated vision
+tower called outside the root's forward while FSDP2 holds it sharded refuses, naming the fix
+(Note [Parameters still sharded by FSDP])."""
 
 from __future__ import annotations
 
@@ -67,11 +71,73 @@ def _gqa_tp4() -> dict:
     )
 
 
+def _gemma3_with_image():
+    """Tiny Gemma3ForConditionalGeneration (a replicated SigLIP vision tower) and its inputs."""
+    import torch
+    from transformers import Gemma3ForConditionalGeneration
+
+    from tools.model_coverage.tiny import tiny_config
+
+    cfg = tiny_config("gemma3")
+    cfg.image_token_index, cfg.boi_token_index, cfg.eoi_token_index = 127, 125, 126
+    cfg.mm_tokens_per_image = 4
+    cfg.vision_config.image_size, cfg.vision_config.patch_size = 32, 8
+    cfg.vision_config.vision_use_head = False  # as in Gemma 3's configs
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration._from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():  # zero-initialized weights would hide the image from the tokens
+        for p in model.parameters():
+            if p.is_floating_point() and not p.any():
+                p.normal_(0.0, 0.1)
+    g = torch.Generator().manual_seed(55)
+    ids = torch.randint(0, 120, (2, 14), generator=g)
+    ids[:, 2], ids[:, 3:7], ids[:, 7] = 125, 127, 126  # begin, 4 image tokens, end
+    inputs = dict(
+        input_ids=ids,
+        pixel_values=torch.randn(2, 3, 32, 32, generator=g),
+        token_type_ids=(ids == 127).long(),
+    )
+    return model.float(), inputs
+
+
+def _multimodal_outside_forward() -> dict:
+    """Gemma 3 with an image under tp 2 x FSDP2 2 (Note [Generation under FSDP2])."""
+    import torch
+    import torch.sagemaker as tsm
+
+    from torch_sagemaker.sharding import shard_model
+
+    ref, inputs = _gemma3_with_image()
+    ref.eval()
+    model = tsm.transform(copy.deepcopy(ref))
+    shard_model(model)
+    tokens = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    out = {}
+    with torch.no_grad():
+        want = ref.generate(**inputs, **tokens)
+        out["before_forward"] = torch.equal(model.generate(**inputs, **tokens), want)
+    model.train()
+    labels = inputs["input_ids"].masked_fill(inputs["input_ids"] == 127, -100)
+    model(**inputs, labels=labels).loss.backward()  # leaves the root's parameters sharded
+    model.zero_grad()
+    model.eval()
+    try:
+        with torch.no_grad():
+            model.model.get_image_features(inputs["pixel_values"])
+        out["refusal"] = "no error"
+    except Exception as e:  # before the check: an IndexError inside SigLIP
+        out["refusal"] = f"{type(e).__name__}: {e}"
+    with torch.no_grad():
+        out["after_training"] = torch.equal(model.generate(**inputs, **tokens), want)
+    return out
+
+
 def _four_rank_cases(families) -> dict:
     import torch.sagemaker as tsm
 
     tsm.init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2})
     out = {"rank0": {family: _rank0_load(family) for family in families}}
+    out["multimodal"] = _multimodal_outside_forward()
     tsm.state.reset()
     tsm.init({"tensor_parallel_degree": 4})
     out["gqa_tp4"] = _gqa_tp4()
@@ -103,3 +169,16 @@ def test_gqa_with_fewer_kv_heads_than_tp_ranks(four_ranks):
         assert r["logits"] < ATOL and r["loss"] < ATOL, (rank, r["logits"])
         bad = {n: d for n, d in r["grads"].items() if d > ATOL}
         assert not bad, (rank, bad)
+
+
+@pytest.mark.distributed
+def test_multimodal_generate_and_replicated_modules_outside_the_fsdp2_forward(four_ranks):
+    for rank, result in enumerate(four_ranks):
+        r = result["multimodal"]
+        assert r["before_forward"] and r["after_training"], (rank, r)
+        refusal = r["refusal"]
+        assert refusal.startswith("RuntimeError: SiglipVisionModel ran outside the forward"), (
+            rank,
+            refusal,
+        )
+        assert "model.unshard()" in refusal and "summon_full_params" in refusal, refusal

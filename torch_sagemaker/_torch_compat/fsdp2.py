@@ -3,7 +3,9 @@
 ``FSDPParamGroup`` is the class whose ``__init__`` the package wraps
 (``smddp/fsdp2_buffers.py``); every ``fully_shard`` call with parameters builds one. A
 module's group is reached through ``FSDPModule._get_fsdp_state()._fsdp_param_group``
-(``sharding/replica_reduction.py`` hooks its sharded parameters).
+(``sharding/replica_reduction.py`` hooks its sharded parameters). ``FSDPState._lazy_init``
+is what the root's first forward runs first (``tensor_parallel/generation.py`` runs it before
+``generate``).
 
 Checked on torch 2.11, 2.13.
 """
@@ -31,6 +33,16 @@ def param_group_of(module: Any) -> FSDPParamGroup | None:
     return module._get_fsdp_state()._fsdp_param_group
 
 
+def lazy_init_root(module: Any) -> None:
+    """What the first forward of ``module`` runs first: FSDP2's lazy initialization.
+
+    With no forward run yet, ``module`` becomes the root and the ``fully_shard`` modules
+    below it are initialized as not roots. A no-op once any forward through ``module`` (or a
+    root above it) has run.
+    """
+    module._get_fsdp_state()._lazy_init()
+
+
 def sharded_params(param_group: FSDPParamGroup) -> list[Any]:
     """The group's sharded parameters: the objects whose ``.grad`` its reduction assigns.
 
@@ -43,6 +55,7 @@ def sharded_params(param_group: FSDPParamGroup) -> list[Any]:
 __all__ = [
     "FSDPParamGroup",
     "all_gather_process_group",
+    "lazy_init_root",
     "param_group_of",
     "reduce_scatter_process_group",
     "sharded_params",

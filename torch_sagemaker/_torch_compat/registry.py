@@ -114,6 +114,7 @@ PRIVATE_NAMES: tuple[str, ...] = (
     f"{_FSDP2_PARAM_GROUP}._reduce_scatter_process_group",
     "torch.distributed.fsdp.FSDPModule._get_fsdp_state",
     "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._fsdp_param_group",
+    "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._lazy_init",
     # nn.py
     "torch.nn.utils.stateless._reparametrize_module",
     "torch.nn.Module._parameters",

@@ -6,6 +6,20 @@ instead mixes the logits with plain tensors (``next_tokens * unfinished_sequence
 DTensor refuses. During ``generate`` the output head gathers its logits (one all-gather of
 the last positions' vocabulary shards per step); training and plain forwards keep the
 sharded logits.
+
+Note [Generation under FSDP2]: Hugging Face's ``generate`` may call parts of the model before
+the first forward of the root: a multimodal model computes its image features (Gemma 3's
+``get_image_features`` runs the vision tower) while preparing the inputs. Under FSDP2 the
+root's parameters are sharded then (after a training step), and the replicated vision tower
+refuses to compute with this rank's shard (Note [Parameters still sharded by FSDP] in
+``local_parameters.py``). So ``generate`` gathers the root's parameters first
+(``unshard()``), as the root's first forward would; nested FSDP units gather their own in
+their forwards. Before any forward, FSDP2 has not yet decided which module is the root: the
+first ``fully_shard`` module called would take itself for it (a vision encoder layer, whose
+parameters the replicated tower has swapped for plain tensors, then failed in FSDP's lazy
+initialization), so the root's lazy initialization runs first, as in its first forward. The
+root keeps its parameters after a forward anyway (``shard_model`` does not reshard the root
+after forward), so nothing is resharded afterwards.
 """
 
 from __future__ import annotations
@@ -14,7 +28,10 @@ import types
 from typing import Any
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+from torch_sagemaker._torch_compat import fsdp2 as fsdp2_compat
 
 _FLAG = "_tsm_whole_logits"  # on the output head: gather its logits (set during generate)
 _HEAD = "_tsm_logits_head"  # on the model: the output head's name in it
@@ -27,8 +44,14 @@ def _gather_when_generating(head: nn.Module, _args: tuple, output: Any) -> Any:
 
 
 def _generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``GenerationMixin.generate`` with the output head gathering its logits."""
+    """``GenerationMixin.generate`` with the output head gathering its logits.
+
+    An FSDP2 root gathers its parameters first (Note [Generation under FSDP2]).
+    """
     head = self.get_submodule(getattr(self, _HEAD))
+    if isinstance(self, FSDPModule):  # Note [Generation under FSDP2]
+        fsdp2_compat.lazy_init_root(self)
+        self.unshard()
     before = getattr(head, _FLAG, False)
     setattr(head, _FLAG, True)
     try:

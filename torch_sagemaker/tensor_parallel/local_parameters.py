@@ -13,6 +13,24 @@ torch.Tensor and DTensor": Qwen3 and Gemma on their transformers plans, Mixtral'
 So the parameters are named once, when the style is applied, then read as attributes at
 each call, and an instance attribute is swapped in the instance's dictionary. Outside FSDP
 the attribute is the registered parameter itself, swapped as before.
+
+Note [Parameters still sharded by FSDP]: FSDP2 keeps a tensor-parallel parameter, between
+the forwards of the unit that owns it, as a DTensor on the mesh (data-parallel dimensions,
+then the TP one) with a ``Shard`` (or ``_StridedShard``) placement on a data-parallel
+dimension; the unit's forward swaps in the unsharded parameter, a DTensor on the 1-D TP
+mesh. The styles here take the local value for the weight the module computes with (the
+whole weight for a replicated module). A module called outside the forward of the FSDP
+unit that owns its parameters (Gemma 3's ``generate`` computes the image features before
+the first forward of the root) took this rank's FSDP shard instead: an index error in a
+vision embedding, or silently wrong values where the indices fit in the shard (a position
+embedding). PyTorch's DTensor computation refuses the same call ("mixed torch.Tensor and
+DTensor"); ``check_unsharded`` raises and names the module and the fix. A parameter of an
+FSDP unit nested below the module is let through: a replicated module swaps its whole
+subtree, so those are still sharded when it starts, and the nested unit's own forward
+swaps in its unsharded parameters before they are used. Inside the forward the test is one
+look at the number of placements (one: the TP layout alone); the full test runs only for a
+parameter on a larger mesh. FSDP1 is not detected here: outside its forward it leaves plain
+tensors (1-D slices of its flat shard), not DTensors, which fail on their shapes instead.
 """
 
 from __future__ import annotations
@@ -22,6 +40,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from torch_sagemaker._torch_compat import nn as nn_compat
@@ -41,6 +60,68 @@ def _to_local(param: DTensor) -> torch.Tensor:
     return param.to_local()
 
 
+def _in_nested_fsdp_unit(module: nn.Module, name: str) -> bool:
+    """Whether parameter ``name`` of ``module`` belongs to an FSDP2 unit below ``module``.
+
+    Such a unit unshards it in its own forward, before it is used: a replicated module swaps
+    its whole subtree, nested units' parameters included, still sharded at that point.
+    """
+    owner = module
+    for part in name.split(".")[:-1]:
+        owner = owner.get_submodule(part)
+        if isinstance(owner, FSDPModule):
+            return True
+    return False
+
+
+def check_unsharded(module: nn.Module, name: str, param: DTensor) -> None:
+    """Raises if ``param`` is still sharded by FSDP (Note [Parameters still sharded by FSDP]).
+
+    Args:
+        module: The module about to compute with the parameter (named in the error).
+        name: The parameter's name in ``module``.
+        param: The parameter, a DTensor that a TP style put on the 1-D TP mesh.
+
+    Raises:
+        RuntimeError: ``param`` is split over a data-parallel mesh dimension: ``module`` runs
+            outside the forward of the FSDP unit that owns it.
+    """
+    placements = param.placements
+    if len(placements) == 1:  # the TP layout alone: inside the forward, or no FSDP
+        return
+    mesh = param.device_mesh
+    # The TP dimension is the last one; a Replicate on the others is a replica, not a shard.
+    sharded = any(not p.is_replicate() and mesh.size(i) > 1 for i, p in enumerate(placements[:-1]))
+    if not sharded or _in_nested_fsdp_unit(module, name):
+        return
+    dims: tuple[object, ...] = mesh.mesh_dim_names or tuple(range(mesh.ndim))
+    raise RuntimeError(
+        f"{type(module).__name__} ran outside the forward of the FSDP module that owns its "
+        f"parameters, while they are sharded: its parameter {name!r} is this rank's FSDP "
+        f"shard {tuple(param.to_local().shape)} of the {tuple(param.shape)} parameter "
+        f"(placements {tuple(placements)} on mesh dimensions {dims}), not the value the "
+        "module computes with. Call it from inside the model's forward, or gather the "
+        "parameters first: for FSDP2, unshard() on the fully_shard module that owns them "
+        "(model.unshard() for the root's), for FSDP1, "
+        "FullyShardedDataParallel.summon_full_params(model)."
+    )
+
+
+def local_value(module: nn.Module, name: str, param: DTensor) -> torch.Tensor:
+    """``param.to_local()``, refusing an FSDP shard (Note [Parameters still sharded by FSDP]).
+
+    Args:
+        module: The module that computes with the parameter (named in the error).
+        name: The parameter's name in ``module``.
+        param: The parameter, a DTensor that a TP style put on the 1-D TP mesh.
+
+    Raises:
+        RuntimeError: ``param`` is still sharded by FSDP (``check_unsharded``).
+    """
+    check_unsharded(module, name, param)
+    return param.to_local()
+
+
 @contextlib.contextmanager
 def local_parameters(
     module: nn.Module,
@@ -56,6 +137,10 @@ def local_parameters(
         module: The module whose forward runs in the block.
         names: Its parameters' names (``parameter_names``, taken when the style was applied).
         local_of: The tensor that stands for a DTensor parameter (default: its local tensor).
+
+    Raises:
+        RuntimeError: A parameter is still sharded by FSDP: ``module`` runs outside the
+            forward of the FSDP unit that owns it (Note [Parameters still sharded by FSDP]).
     """
     registered: dict[str, torch.Tensor] = {}
     shadowed: list[tuple[nn.Module, str, DTensor]] = []
@@ -64,6 +149,7 @@ def local_parameters(
         value = getattr(owner, leaf, None)
         if not isinstance(value, DTensor):
             continue
+        check_unsharded(module, name, value)
         if leaf in vars(owner):  # FSDP1's instance attribute hides the registered parameter
             shadowed.append((owner, leaf, value))
         else:
@@ -78,4 +164,4 @@ def local_parameters(
                 vars(owner)[leaf] = value
 
 
-__all__ = ["local_parameters", "parameter_names"]
+__all__ = ["check_unsharded", "local_parameters", "local_value", "parameter_names"]

@@ -47,7 +47,11 @@ from torch.distributed.tensor.parallel import (
 
 from torch_sagemaker._torch_compat import nn as nn_compat
 from torch_sagemaker.tensor_parallel import consistency
-from torch_sagemaker.tensor_parallel.local_parameters import local_parameters, parameter_names
+from torch_sagemaker.tensor_parallel.local_parameters import (
+    local_parameters,
+    local_value,
+    parameter_names,
+)
 from torch_sagemaker.tensor_parallel.styles import (
     AllReduceGrad,
     ExpertsParallel,
@@ -209,7 +213,7 @@ class LocalParams(ParallelStyle):
     def _reachable(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Plain values of own DTensor parameters and of reachable replicated subtrees."""
         found = {
-            n: p.to_local()
+            n: local_value(module, n, p)
             for n, p in module.named_parameters(recurse=False)
             if isinstance(p, DTensor)
         }
@@ -221,7 +225,7 @@ class LocalParams(ParallelStyle):
             style = getattr(child, STYLE_ATTR, None)
             if style == "replicate_local":
                 found.update(
-                    (f"{name}.{n}", p.to_local())
+                    (f"{name}.{n}", local_value(module, f"{name}.{n}", p))
                     for n, p in child.named_parameters()
                     if isinstance(p, DTensor)
                 )
@@ -305,7 +309,10 @@ class BatchedExperts(ParallelStyle):
                 )
             per_expert = rows.shape[0] // num_experts
             mine = rows[first * per_expert : (first + num_local) * per_expert]
-            local = {n: cast(DTensor, p).to_local() for n, p in mod.named_parameters(recurse=False)}
+            local = {
+                n: local_value(mod, n, cast(DTensor, p))
+                for n, p in mod.named_parameters(recurse=False)
+            }
             with nn_compat.parameters_swapped(mod, local):
                 out = forward_impl(mod, mine)
             after = (num_experts - first - num_local) * per_expert
@@ -348,8 +355,10 @@ class MlaKvAProjection(ParallelStyle):
         group, rope = device_mesh.get_group(), self.rope_dim
 
         def forward(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-            weight = cast(DTensor, mod.weight).to_local()
-            bias = cast(DTensor, mod.bias).to_local() if mod.bias is not None else None
+            weight = local_value(mod, "weight", cast(DTensor, mod.weight))
+            bias = None
+            if mod.bias is not None:
+                bias = local_value(mod, "bias", cast(DTensor, mod.bias))
             out = F.linear(_local(x, device_mesh), weight, bias)
             latent, rotary = out.split([out.shape[-1] - rope, rope], dim=-1)
             return torch.cat([latent, AllReduceGrad.apply(rotary, group)], dim=-1)

@@ -45,7 +45,11 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torch_sagemaker.smddp.direct import all_reduce_direct
-from torch_sagemaker.tensor_parallel.local_parameters import local_parameters, parameter_names
+from torch_sagemaker.tensor_parallel.local_parameters import (
+    local_parameters,
+    local_value,
+    parameter_names,
+)
 
 
 def distribute_params(
@@ -262,7 +266,7 @@ class _LocalExpertsView:
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._module, name)
-        return value.to_local() if isinstance(value, DTensor) else value
+        return local_value(self._module, name, value) if isinstance(value, DTensor) else value
 
 
 def split_experts(
@@ -347,10 +351,14 @@ class ReplicatedKVColwise(ParallelStyle):
 
         def forward(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             x = to_local_partial_grad(x, device_mesh)
-            weight = AllReduceGrad.apply(cast(DTensor, mod.weight).to_local(), group)[rows]
+            weight = AllReduceGrad.apply(
+                local_value(mod, "weight", cast(DTensor, mod.weight)), group
+            )[rows]
             bias = None
             if mod.bias is not None:
-                bias = AllReduceGrad.apply(cast(DTensor, mod.bias).to_local(), group)[rows]
+                bias = AllReduceGrad.apply(
+                    local_value(mod, "bias", cast(DTensor, mod.bias)), group
+                )[rows]
             return F.linear(x, weight, bias)
 
         # A per-instance forward (nn.Module calls it like its own); mypy forbids method assignment.
