@@ -12,6 +12,9 @@ model for FSDP wrapping, activation checkpointing, offloading and checkpointing
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -209,11 +212,8 @@ def _tie_as_configured(model: nn.Module) -> None:
     must see one model on every rank, and the one the config describes: so transform ties
     first. A model whose config ties nothing is left as it is.
     """
-    config = getattr(model, "config", None)
-    get_text_config = getattr(config, "get_text_config", None)
-    text_config = get_text_config() if callable(get_text_config) else config
     tie = getattr(model, "tie_weights", None)
-    if getattr(text_config, "tie_word_embeddings", False) and callable(tie):
+    if getattr(text_config(model), "tie_word_embeddings", False) and callable(tie):
         tie()
 
 
@@ -345,8 +345,9 @@ def transform(
     setattr(model, POLICY_ATTR, policy)
     if tp > 1:
         full_state_dict.accept_full_tensors(model)
-        _refuse_resizing(model, tp)
-        _refuse_saving_shards(model, tp)
+        _refuse_resizing(model)
+    if any(isinstance(p, DTensor) for p in model.parameters()):  # TP, or experts split (EP)
+        _refuse_saving_shards(model)
     layer_cls = policy.layer_cls(model)
     num_layers = transformer.mark(model, layer_cls)
     log_rank0(
@@ -364,7 +365,7 @@ def transform(
     return model
 
 
-def _refuse_resizing(model: nn.Module, tp: int) -> None:
+def _refuse_resizing(model: nn.Module) -> None:
     """Makes ``model.resize_token_embeddings`` raise when it would change the size, naming the fix.
 
     Hugging Face resizes by building new full-size embeddings and copying the old rows in,
@@ -372,36 +373,15 @@ def _refuse_resizing(model: nn.Module, tp: int) -> None:
     have a sharding strategy", or "mixed torch.Tensor and DTensor") once the vocabulary is
     split over the TP ranks. Calls that keep the size (``None``, or the current size, as
     scripts call it with ``len(tokenizer)``) go to Hugging Face's method, which returns the
-    embedding unchanged.
+    embedding unchanged. (Note [Methods replaced on the instance])
     """
-    original = getattr(model, "resize_token_embeddings", None)
-    embeddings = getattr(model, "get_input_embeddings", None)
-    if not callable(original) or not callable(embeddings):
-        return
-
-    def resize_token_embeddings(
-        new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, **kwargs: Any
-    ) -> Any:
-        current = embeddings().weight.shape[0]  # a DTensor's shape is the global one
-        wanted = new_num_tokens
-        if wanted is not None and pad_to_multiple_of:
-            wanted = -(-wanted // pad_to_multiple_of) * pad_to_multiple_of
-        if wanted is None or wanted == current:
-            return original(new_num_tokens, pad_to_multiple_of, **kwargs)
-        raise RuntimeError(
-            f"{type(model).__name__}.resize_token_embeddings({new_num_tokens}) after "
-            f"tsm.transform with tensor_parallel_degree={tp}: the vocabulary ({current}) is "
-            "split over the TP ranks and cannot be resized in place. Resize before "
-            "tsm.transform (then transform splits the new size), or resize the untransformed "
-            "model and load its weights."
-        )
-
-    # An instance attribute shadows the class's method (object.__setattr__: nn.Module's own
-    # __setattr__ is typed for tensors and modules).
-    object.__setattr__(model, "resize_token_embeddings", resize_token_embeddings)
+    if callable(getattr(model, "resize_token_embeddings", None)) and callable(
+        getattr(model, "get_input_embeddings", None)
+    ):
+        _replace_method(model, "resize_token_embeddings", _resize_token_embeddings)
 
 
-def _refuse_saving_shards(model: nn.Module, tp: int) -> None:
+def _refuse_saving_shards(model: nn.Module) -> None:
     """Makes ``model.save_pretrained`` raise, naming the fix, when it would write TP shards.
 
     Hugging Face's ``save_pretrained`` knows only the tensor parallelism transformers set up
@@ -410,29 +390,66 @@ def _refuse_saving_shards(model: nn.Module, tp: int) -> None:
     other ranks returned having written nothing. Gathering instead is collective, and scripts
     often save on rank 0 alone, which would hang. A ``state_dict`` of plain tensors (what
     accelerate and the ``Trainer`` pass under FSDP) goes to Hugging Face's method.
+    (Note [Methods replaced on the instance])
     """
-    original = getattr(model, "save_pretrained", None)
-    if not callable(original):
-        return
+    if callable(getattr(model, "save_pretrained", None)):
+        _replace_method(model, "save_pretrained", _save_pretrained)
 
-    def save_pretrained(save_directory: Any, *args: Any, **kwargs: Any) -> Any:
-        given = kwargs.get("state_dict")
-        tensors = (
-            given.values() if isinstance(given, dict) else [*model.parameters(), *model.buffers()]
+
+# Note [Methods replaced on the instance]: a few Hugging Face methods cannot work on the
+# split weights and get an instance attribute that shadows the class's method: a bound method
+# of a module-level function, which ``copy.deepcopy`` rebinds to the copy (a closure would
+# keep acting on the original), calling the class's method when the call is fine. The
+# arguments are read through the class method's own signature, positional ones included.
+def _replace_method(model: nn.Module, name: str, function: Any) -> None:
+    @functools.wraps(getattr(type(model), name))
+    def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return function(self, *args, **kwargs)
+
+    # object.__setattr__: nn.Module's own __setattr__ is typed for tensors and modules.
+    object.__setattr__(model, name, types.MethodType(method, model))
+
+
+def _arguments(model: nn.Module, name: str, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The call's arguments by name, as the class's method ``name`` would bind them."""
+    signature = inspect.signature(getattr(type(model), name))
+    return signature.bind_partial(model, *args, **kwargs).arguments
+
+
+def _resize_token_embeddings(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    bound = _arguments(self, "resize_token_embeddings", args, kwargs)
+    new_num_tokens = bound.get("new_num_tokens")
+    pad_to_multiple_of = bound.get("pad_to_multiple_of")
+    current = self.get_input_embeddings().weight.shape[0]  # type: ignore[operator]
+    wanted = new_num_tokens
+    if wanted is not None and pad_to_multiple_of:
+        wanted = -(-wanted // pad_to_multiple_of) * pad_to_multiple_of
+    if wanted is None or wanted == current:
+        return type(self).resize_token_embeddings(self, *args, **kwargs)  # type: ignore[attr-defined]
+    raise RuntimeError(
+        f"{type(self).__name__}.resize_token_embeddings({new_num_tokens}) after "
+        f"tsm.transform with tensor_parallel_degree={state.tp_size}: the vocabulary "
+        f"({current}) is split over the TP ranks and cannot be resized in place. Resize "
+        "before tsm.transform (then transform splits the new size), or resize the "
+        "untransformed model and load its weights."
+    )
+
+
+def _save_pretrained(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    bound = _arguments(self, "save_pretrained", args, kwargs)
+    given = bound.get("state_dict")
+    tensors = given.values() if isinstance(given, dict) else [*self.parameters(), *self.buffers()]
+    if any(isinstance(t, DTensor) for t in tensors):
+        raise RuntimeError(
+            f"{type(self).__name__}.save_pretrained({str(bound.get('save_directory'))!r}) "
+            "after tsm.transform: its weights are split over the tensor or expert parallel "
+            "ranks. Call torch_sagemaker.checkpoint.save_hf_checkpoint(model, directory) on "
+            "every rank (it gathers and writes the same files), or pass save_pretrained a "
+            "state_dict of full tensors (torch.distributed.checkpoint.state_dict."
+            "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)), "
+            "gathered on every rank)."
         )
-        if any(isinstance(t, DTensor) for t in tensors):
-            raise RuntimeError(
-                f"{type(model).__name__}.save_pretrained({str(save_directory)!r}) after "
-                f"tsm.transform with tensor_parallel_degree={tp}: its weights are split over "
-                "the TP ranks. Call torch_sagemaker.checkpoint.save_hf_checkpoint(model, "
-                "directory) on every rank (it gathers and writes the same files), or pass "
-                "save_pretrained a state_dict of full tensors (torch.distributed.checkpoint."
-                "state_dict.get_model_state_dict(model, options=StateDictOptions("
-                "full_state_dict=True)), gathered on every rank)."
-            )
-        return original(save_directory, *args, **kwargs)
-
-    object.__setattr__(model, "save_pretrained", save_pretrained)
+    return type(self).save_pretrained(self, *args, **kwargs)  # type: ignore[attr-defined]
 
 
 def _default_device() -> torch.device:

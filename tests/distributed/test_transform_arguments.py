@@ -143,6 +143,8 @@ def _errors() -> dict:
         out["resize"] = str(e)
     # save_pretrained of the split weights is refused on the calling rank, naming the fix;
     # a state dict of full tensors saves (rank 0 alone calls it, as scripts do).
+    import copy
+    import shutil
     import tempfile
 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -155,8 +157,15 @@ def _errors() -> dict:
         out["save_pretrained"] = str(e)
     full = get_model_state_dict(tied, options=StateDictOptions(full_state_dict=True))
     if dist.get_rank() == 0:
-        tied.save_pretrained(f"{directory}/full", state_dict=full)
-        out["saved_full"] = sorted(os.listdir(f"{directory}/full"))
+        # (Hugging Face's save_pretrained empties the dict it is given: one copy per call.)
+        tied.save_pretrained(f"{directory}/full", state_dict=dict(full))
+        tied.save_pretrained(f"{directory}/positional", True, dict(full))  # by position
+        out["saved"] = [sorted(os.listdir(f"{directory}/{d}")) for d in ("full", "positional")]
+    shutil.rmtree(directory)
+    clone = copy.deepcopy(tied)  # the replaced methods act on the copy
+    out["rebound"] = [
+        getattr(clone, m).__self__ is clone for m in ("save_pretrained", "resize_token_embeddings")
+    ]
     layers = 2 if dist.get_rank() == 0 else 3
     attempt(
         "different", lambda: tiny_llama(num_hidden_layers=layers), load_state_dict_from_rank0=True
@@ -177,7 +186,7 @@ def test_transform_argument_errors_are_early_clear_and_on_every_rank():
         assert "Resize before tsm.transform" in out["resize"], out["resize"]
         assert out["same_size_resize"], out
         assert "save_hf_checkpoint(model, directory) on every rank" in out["save_pretrained"], out
-        assert "model.safetensors" in out.get("saved_full", ["model.safetensors"]), out
+        assert out["rebound"] == [True, True], out
         assert "torch.bfloat16" in out["int_dtype"], out
         assert out["device"].startswith("ValueError: tsm.transform(device='gpu0') is not a device")
         assert (
@@ -195,6 +204,8 @@ def test_transform_argument_errors_are_early_clear_and_on_every_rank():
         assert "broadcast" in out["tp2_world_calls"], out["tp2_world_calls"]
     assert results[0]["rank0_meta"] == results[1]["rank0_meta"]
     assert results[0]["different"] == results[1]["different"]
+    # Rank 0 alone saved the full tensors, positional state_dict included.
+    assert all("model.safetensors" in files for files in results[0]["saved"]), results[0]
 
 
 def _world_calls_without_model_parallelism() -> dict:

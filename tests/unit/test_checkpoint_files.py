@@ -320,3 +320,23 @@ def test_bucket_only_s3_and_missing_ids_are_rejected(tmp_path):
         save(_state(), checkpoint_id="s3://bucket", s3_region="us-east-1")
     with pytest.raises(ValueError, match="checkpoint_id is required"):
         save(_state())
+
+
+def test_the_hf_export_names_the_model_class_under_wrappers():
+    """config.json's ``architectures`` is the Hugging Face class, not a wrapper passing
+    ``config`` through (activation checkpointing, torch.compile; FSDP1 the same way)."""
+    import transformers
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from torch_sagemaker.checkpoint.hf_export import _model_class_name
+
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=2,
+        )
+    )  # fmt: skip
+    wrapped = checkpoint_wrapper(model)
+    assert wrapped.config is model.config  # the attribute passes through the wrapper
+    for m in (model, wrapped, torch.compile(model), torch.compile(wrapped)):
+        assert _model_class_name(m) == "LlamaForCausalLM", type(m)

@@ -196,6 +196,11 @@ def test_a_plan_the_user_sets_splits_the_tied_input_embedding_like_the_head():
     plan = lookup_policy(untied).tp_plan  # left out, so replicated as any other module
     assert plan["model.decoder.embed_tokens"] == "replicate_local", plan
 
+    whole_head = meta("OPTConfig", word_embed_proj_dim=64, ffn_dim=128)
+    whole_head.tp_plan = {**OPT_PLAN, "lm_head": "replicate"}  # the vocabulary stays whole
+    plan = lookup_policy(whole_head).tp_plan
+    assert plan["model.decoder.embed_tokens"] == plan["lm_head"] == "replicate_local", plan
+
 
 def test_a_model_without_a_plan_is_refused_naming_the_plan_setter():
     with pytest.raises(ValueError) as err:
@@ -214,6 +219,8 @@ def test_a_multimodal_models_layer_class_is_the_one_its_plan_splits():
         counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
     assert counts["SiglipEncoderLayer"] == counts["Gemma3DecoderLayer"] == 2, counts
     assert lookup_policy(model).layer_class == "Gemma3DecoderLayer"
+    # Gemma 4's plan splits its vision layers too: the text decoder's class is still chosen.
+    assert lookup_policy(build("gemma4", device="meta")).layer_class == "Gemma4TextDecoderLayer"
 
 
 def test_a_split_module_that_computes_more_than_its_weight_is_refused():

@@ -94,8 +94,8 @@ def _shrunk_kwargs(cls: type, extra: dict[str, Any]) -> dict[str, Any]:
         if sub_cls.__name__ == "AutoConfig":  # the class is the default sub-config's own
             sub_cls = type(getattr(default, name, None))
         if isinstance(sub_cls, type) and sub_cls is not type(None):
-            extra = OVERRIDES.get(getattr(sub_cls, "model_type", ""), {})
-            kwargs[name] = sub_cls(**_shrunk_kwargs(sub_cls, extra)).to_dict()
+            sub_extra = OVERRIDES.get(getattr(sub_cls, "model_type", ""), {})
+            kwargs[name] = sub_cls(**_shrunk_kwargs(sub_cls, sub_extra)).to_dict()
     if "qk_rope_head_dim" in kwargs:  # latent attention: the config derives its head_dim,
         kwargs.pop("head_dim", None)  # and keys and values get one head per query head
         if "num_key_value_heads" in kwargs:

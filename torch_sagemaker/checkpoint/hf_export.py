@@ -109,6 +109,7 @@ def save_hf_checkpoint(
             state dict included.
     """
     inner = _unwrap(model)
+    own_config = config is None
     config = config if config is not None else getattr(inner, "config", None)
     if config is None:
         raise ValueError(
@@ -138,7 +139,8 @@ def save_hf_checkpoint(
             )
         weights = full if translate_fn is None else translate_fn(full)  # the writer's only
         staging = atomic_dir.prepare_staging(path)
-        _described(config, _model_class_name(inner), weights).save_pretrained(staging)
+        described = _described(config, _model_class_name(model), weights, own=own_config)
+        described.save_pretrained(staging)
         generation_config = getattr(inner, "generation_config", None)
         if generation_config is not None:
             generation_config.save_pretrained(staging)
@@ -149,21 +151,30 @@ def save_hf_checkpoint(
     participants.run_on_coordinator(write)
 
 
-def _model_class_name(module: nn.Module) -> str:
-    """The model's own class name (FSDP2 swaps in a subclass named ``FSDP<class>``)."""
+def _model_class_name(model: nn.Module) -> str:
+    """The Hugging Face model's class name under any wrappers.
+
+    The outermost module holding a ``config`` of its own: FSDP1, activation-checkpointing
+    and ``torch.compile`` wrappers only pass the attribute through. FSDP2 swaps in a
+    subclass named ``FSDP<class>``.
+    """
+    module = next((m for m in model.modules() if "config" in vars(m)), model)
     name = type(module).__name__
     return name.removeprefix("FSDP") if isinstance(module, FSDPModule) else name
 
 
-def _described(config: Any, model_class: str, weights: dict[str, torch.Tensor]) -> Any:
+def _described(
+    config: Any, model_class: str, weights: dict[str, torch.Tensor], *, own: bool
+) -> Any:
     """A copy of ``config`` saying what the export holds, as ``save_pretrained`` writes it.
 
-    ``architectures`` (the class serving stacks and ``AutoModel`` pick; kept when the given
-    config names one already) and ``dtype`` (the floating dtype most of the written weights
-    have). The caller's config is not changed.
+    ``architectures`` (the class serving stacks and ``AutoModel`` pick: the model's, as
+    ``save_pretrained`` sets it; a config the caller passed keeps the one it names) and
+    ``dtype`` (the floating dtype most of the written weights have). The caller's config is
+    not changed.
     """
     described = copy.deepcopy(config)
-    if not getattr(described, "architectures", None):
+    if own or not getattr(described, "architectures", None):
         described.architectures = [model_class]
     counts: dict[torch.dtype, int] = {}
     for tensor in weights.values():

@@ -356,7 +356,8 @@ class TrainingState:
             CheckpointError: If the checkpoint is missing, incomplete, corrupt, or does not
                 match the model (the message names the keys and shapes), or its optimizer
                 did not hold a parameter of this one (found after the read, which has filled
-                the model's tensors in place; nothing else is set).
+                the model's and the optimizer's tensors in place: after this error, build
+                them anew rather than train on).
         """
         path, group, coordinator = self._location(checkpoint_location(checkpoint_id), kind)
         sd = self.state_dict(kind)

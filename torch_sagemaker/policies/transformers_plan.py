@@ -74,6 +74,8 @@ _MODULE_STYLES = {
 _PARAMETER_STYLES = {"colwise": "param_colwise", "rowwise": "param_rowwise"}
 #: transformers' styles on the parameters of fused experts (the ``experts`` style splits them).
 _EXPERT_PARAMETER_STYLES = {"packed_colwise", "packed_rowwise", "colwise", "rowwise"}
+#: transformers' styles that split an output embedding over the vocabulary.
+_VOCAB_SPLITTING_HEAD_STYLES = ("colwise", "colwise_rep", "colwise_gather_output")
 #: Our styles whose output is this rank's part of the features (heads, MLP columns).
 _SPLIT_OUTPUT = {"colwise", "kv_colwise"}
 #: Config attributes that may hold the expert count.
@@ -123,7 +125,8 @@ def transformers_plan(model: nn.Module) -> dict[str, str]:
 def _with_tied_input_embedding(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """``plan``, with the input embedding split like the tied output embedding it splits.
 
-    Added only where the plan says nothing of the input embedding. transformers adds that
+    Added only where the plan splits the output embedding over the vocabulary and says
+    nothing of the input embedding. transformers adds that
     entry to the plans it builds from a config, but not to a plan the user sets
     (``model.tp_plan = {...}`` on a family it ships none for); tied weights must be split
     alike, so the one layout that can go with the output embedding's is added.
@@ -144,9 +147,9 @@ def _with_tied_input_embedding(model: nn.Module, plan: dict[str, str]) -> dict[s
     head_name, embedding_name = names.get(id(head)), names.get(id(embedding))
     if head_name is None or embedding_name is None:
         return plan
-    if not any(fnmatchcase(head_name, k) for k in plan):
+    if plan.get(wildcard(head_name)) not in _VOCAB_SPLITTING_HEAD_STYLES:
         return plan
-    if any(fnmatchcase(embedding_name, k) for k in plan):
+    if wildcard(embedding_name) in plan:
         return plan
     return {embedding_name: "embedding_rowwise", **plan}
 
@@ -192,7 +195,7 @@ class _Translation:
         self.modules = dict(model.named_modules())
         self.styles: dict[str, str] = {}  # concrete module or parameter name -> our style
         self.experts: dict[str, int] = {}  # experts module name -> expert count
-        config = text_config(model)
+        config = self.config = text_config(model)
         self.heads = int(config_value(config, "num_attention_heads", 0) or 0)
         self.kv_heads = int(config_value(config, "num_key_value_heads") or self.heads)
         get_output = getattr(model, "get_output_embeddings", None)
@@ -217,7 +220,7 @@ class _Translation:
         parent = name.rpartition(".")[0]
         if parent not in self.modules or not self.is_attention(parent):
             return False
-        head_dim = attention_head_dim(self.modules[parent], text_config(self.model))
+        head_dim = attention_head_dim(self.modules[parent], self.config)
         return 0 < self.kv_heads < self.heads and module.out_features == self.kv_heads * head_dim
 
     def module_style(self, name: str, module: nn.Module, style: str) -> str:
@@ -402,21 +405,26 @@ def _compact(styles: dict[str, str], all_names: set[str]) -> dict[str, str]:
 
 
 def _layer_class(model: nn.Module, plan: dict[str, str]) -> str:
-    """The transformer layer: of the ``_no_split_modules`` classes, the one the plan splits.
+    """The transformer layer: of the ``_no_split_modules`` classes, the text decoder's.
 
-    A multimodal model names its vision tower's layers there too; those the plan reaches (the
-    text model's) come first, then the most repeated class.
+    A multimodal model names its vision tower's layers there too. Classes with layers in the
+    text decoder (``get_decoder()``) come first, then those the plan splits, then the most
+    repeated one.
     """
     names = set(getattr(model, "_no_split_modules", None) or ())
     counts: dict[str, int] = {}
     planned: set[str] = set()
+    in_decoder: set[str] = set()
     modules = list(model.named_modules())
     in_plan = [n for n, _ in modules if any(fnmatchcase(n, key) for key in plan)]
+    decoder = _decoder_name(model, modules)
     for name, module in modules:
         cls = type(module).__name__
         if cls not in names:
             continue
         counts[cls] = counts.get(cls, 0) + 1
+        if decoder and name.startswith(f"{decoder}."):
+            in_decoder.add(cls)
         if cls not in planned and any(n.startswith(f"{name}.") for n in in_plan):
             planned.add(cls)
     if not counts:
@@ -426,7 +434,18 @@ def _layer_class(model: nn.Module, plan: dict[str, str]) -> str:
             "is no transformer layer to wrap, checkpoint and offload. Register a "
             "torch_sagemaker.policies.ModelPolicy naming its layer class (docs/tensor_parallel.md)."
         )
-    return max(counts, key=lambda n: (n in planned, counts[n]))  # the repeated decoder layer
+    # the repeated decoder layer
+    return max(counts, key=lambda n: (n in in_decoder, n in planned, counts[n]))
+
+
+def _decoder_name(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> str:
+    """The name of the text decoder below ``model`` (``get_decoder()``), or ``""``."""
+    get_decoder = getattr(model, "get_decoder", None)
+    try:
+        decoder = get_decoder() if callable(get_decoder) else None
+    except (AttributeError, NotImplementedError, ValueError):
+        return ""
+    return next((n for n, m in modules if m is decoder and n), "")
 
 
 def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
@@ -470,7 +489,7 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
         block, _, child = first.rpartition(".")
         moe = MoESpec(block_class=type(t.modules[block]).__name__, experts=child, replaceable=False)
     return ModelPolicy(
-        name=f"{getattr(config, 'model_type', type(model).__name__)} (transformers plan)",
+        name=f"{getattr(model.config, 'model_type', type(model).__name__)} (transformers plan)",
         model_classes=(type(model).__name__,),
         layer_class=layer_class,
         attention=_patterns(attention),
