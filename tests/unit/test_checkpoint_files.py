@@ -123,6 +123,29 @@ def test_optimizer_state_missing_for_another_reason_is_refused(tmp_path):
         other.load(tmp_path / "c")
 
 
+def test_loading_without_the_optimizer_leaves_a_fresh_one_fresh(tmp_path):
+    """``load(load_optimizer=False)``: the model's weights, and an optimizer with no state, so
+    its first step is a first step (no invented step count or moments)."""
+    from torch_sagemaker.checkpoint import TrainingState
+
+    model = nn.Linear(4, 4)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    TrainingState(model, optim, save_rng=False).save(tmp_path / "c")
+    for kind in ("sharded", "local"):
+        if kind == "local":
+            TrainingState(model, optim, save_rng=False).save(tmp_path / "l", kind="local")
+        fresh = nn.Linear(4, 4)
+        fresh_optim = torch.optim.AdamW(fresh.parameters())
+        path = tmp_path / ("c" if kind == "sharded" else "l")
+        TrainingState(fresh, fresh_optim, save_rng=False).load(
+            path, kind=kind, load_optimizer=False
+        )
+        assert torch.equal(fresh.weight, model.weight), kind
+        assert not fresh_optim.state, (kind, fresh_optim.state)
+
+
 def test_another_dtype_is_cast_with_a_warning_naming_the_tensors(tmp_path, monkeypatch):
     """DCP casts on load, as SMP's loads do (a bf16 model for inference from a float32
     checkpoint); the values loaded then differ from those saved, which the log says."""

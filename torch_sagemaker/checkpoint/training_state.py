@@ -169,21 +169,26 @@ class TrainingState:
     # ------------------------------------------------------------ Stateful
     def state_dict(self, kind: str = "sharded") -> dict[str, Any]:
         """The checkpoint content (see the module docstring); tensors are not copied."""
+        return self._state_dict(kind, with_optimizer=True)
+
+    def _state_dict(self, kind: str, *, with_optimizer: bool) -> dict[str, Any]:
+        """``state_dict``, without the optimizer's part (nor creating its state) if asked."""
         if kind not in _KINDS:
             raise ValueError(f"kind={kind!r}; expected one of {_KINDS}.")
         sd: dict[str, Any] = {"step": self.step, "data_position": json.dumps(self.data_position)}
+        optimizer = self.optimizer if with_optimizer else None
         if kind == "local":
             sd["model"] = sdu.local_state_dict(self.model)
-            if self.optimizer is not None:
-                sdu.init_optim_state(self.optimizer)
-                sd["optimizer"] = sdu.local_optim_state_dict(self.optimizer)
+            if optimizer is not None:
+                sdu.init_optim_state(optimizer)
+                sd["optimizer"] = sdu.local_optim_state_dict(optimizer)
         else:
-            optims = [self.optimizer] if self.optimizer is not None else []
+            optims = [optimizer] if optimizer is not None else []
             model_sd, optim_sd = get_state_dict(
                 _unwrap_root(self.model), optims, options=StateDictOptions()
             )
             sd["model"] = model_sd
-            if self.optimizer is not None:
+            if optimizer is not None:
                 sd["optimizer"] = optim_sd
         if self.lr_scheduler is not None:
             sd["lr_scheduler"] = self.lr_scheduler.state_dict()
@@ -347,7 +352,8 @@ class TrainingState:
         Args:
             checkpoint_id: The checkpoint directory, ``s3://`` URI or ``checkpoint_location``.
             kind: The kind it was saved with.
-            load_optimizer: Also restore the optimizer (and its step counts).
+            load_optimizer: Also restore the optimizer (and its step counts). Without it
+                the optimizer is left as it is (a fresh one keeps no state).
 
         Parameters without optimizer state in the checkpoint (no gradient yet when it was
         saved) end up without state (Note [Parameters without optimizer state]).
@@ -360,9 +366,9 @@ class TrainingState:
                 them anew rather than train on).
         """
         path, group, coordinator = self._location(checkpoint_location(checkpoint_id), kind)
-        sd = self.state_dict(kind)
-        if not load_optimizer:
-            sd.pop("optimizer", None)
+        # Without the optimizer, its template is not even built: building it creates state
+        # (one step with zero gradients) that a fresh optimizer must not carry on.
+        sd = self._state_dict(kind, with_optimizer=load_optimizer)
         saved = read_metadata(path).state_dict_metadata
         stateless = _drop_state_never_saved(sd.get("optimizer"), saved)
         self._expect_saved_fp8_state(sd, saved, path)
