@@ -127,9 +127,9 @@ def check_config_supported(config: Any, policy: ModelPolicy, model_name: str) ->
     if window is not None:
         raise ValueError(
             f"{model_name} has {attr}={window}: sliding-window attention is not "
-            "supported with context parallelism (as in SMP). Set config."
-            f"{attr} = None before building the model (full causal attention), or use "
-            "context_parallel_degree=1."
+            f"supported with context parallelism (as in SMP). Set {attr} = None in the "
+            "model's config (a multimodal model's text_config) before building the model "
+            "(full causal attention), or use context_parallel_degree=1."
         )
     for cfg in _text_configs(config):
         layer_types = getattr(cfg, "layer_types", None)
