@@ -37,6 +37,22 @@ class Row:
     per_rank: Any = field(default=None, repr=False)
 
 
+def _config_classes(config_cls: Any) -> list[Any]:
+    """The family's config class and its sub-configs' classes.
+
+    For an ``AutoConfig`` entry, the class of the default config's own sub-config.
+    """
+    classes = [config_cls]
+    for name, sub in (getattr(config_cls, "sub_configs", None) or {}).items():
+        if getattr(sub, "__name__", "") == "AutoConfig":
+            try:
+                sub = type(getattr(config_cls(), name, None))
+            except Exception:  # noqa: BLE001 - a config that cannot be built by default
+                continue
+        classes.append(sub)
+    return classes
+
+
 def classify(family: str, model_class: str) -> Row:
     """Decides in the parent, without ranks, whether ``family`` runs, and by which path."""
     from transformers import CONFIG_MAPPING
@@ -55,10 +71,7 @@ def classify(family: str, model_class: str) -> Row:
         return row
     # A multimodal family's plan is on its text sub-config (transformers merges it into
     # model.tp_plan under the text model's prefix).
-    row.has_plan = any(
-        getattr(c, "base_model_tp_plan", None)
-        for c in [config_cls, *(getattr(config_cls, "sub_configs", None) or {}).values()]
-    )
+    row.has_plan = any(getattr(c, "base_model_tp_plan", None) for c in _config_classes(config_cls))
     if not by_policy and not row.has_plan:
         row.path, row.result = "none", "skip"
         row.detail = "no policy, and transformers ships no base_model_tp_plan for it"
