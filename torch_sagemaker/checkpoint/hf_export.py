@@ -36,7 +36,15 @@ from torch_sagemaker.checkpoint.marker import CheckpointError
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    """The Hugging Face model inside FSDP1 / DDP wrappers (FSDP2 keeps the object)."""
+    """The Hugging Face model inside any wrappers (FSDP2 keeps the object).
+
+    The outermost module holding a ``config`` of its own: FSDP1, activation-checkpointing
+    and ``torch.compile`` wrappers only pass the attribute through. A model without one is
+    taken from inside FSDP1 / DDP wrappers.
+    """
+    found = next((m for m in model.modules() if "config" in vars(m)), None)
+    if found is not None:
+        return found
     while (
         hasattr(model, "module")
         and isinstance(model.module, nn.Module)
@@ -152,13 +160,11 @@ def save_hf_checkpoint(
 
 
 def _model_class_name(model: nn.Module) -> str:
-    """The Hugging Face model's class name under any wrappers.
+    """The Hugging Face model's class name under any wrappers (``_unwrap``).
 
-    The outermost module holding a ``config`` of its own: FSDP1, activation-checkpointing
-    and ``torch.compile`` wrappers only pass the attribute through. FSDP2 swaps in a
-    subclass named ``FSDP<class>``.
+    FSDP2 swaps in a subclass named ``FSDP<class>``.
     """
-    module = next((m for m in model.modules() if "config" in vars(m)), model)
+    module = _unwrap(model)
     name = type(module).__name__
     return name.removeprefix("FSDP") if isinstance(module, FSDPModule) else name
 
