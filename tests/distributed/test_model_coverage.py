@@ -3,8 +3,9 @@
 The full sweep over transformers' causal-LM registry is long and its output is committed
 (docs/model_coverage.md); here the command runs end to end on two families, one through
 its plan and one through a policy that takes its TP plan from transformers, a multimodal
-one whose plan and head counts are on its text sub-config (Gemma 3), plus one it skips, and
-must write their rows.
+one whose plan and head counts are on its text sub-config (Gemma 3), one transformers ships
+no plan for and ``shipped_plans`` does (BART's decoder: its own loss, so gathered logits),
+plus one it skips, and must write their rows.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def test_coverage_command_runs_families_and_writes_the_table(tmp_path):
     out = tmp_path / "coverage.md"
     rows = {
         r.family: r
-        for r in main(["--families", "qwen3,qwen3_moe,gemma3,gpt2", "--output", str(out)])
+        for r in main(["--families", "qwen3,qwen3_moe,gemma3,bart,gpt2", "--output", str(out)])
     }
     assert rows["qwen3"].path == "plan" and rows["qwen3"].result == "pass", rows["qwen3"]
     moe = rows["qwen3_moe"]
@@ -30,6 +31,10 @@ def test_coverage_command_runs_families_and_writes_the_table(tmp_path):
     assert gemma3.path == "plan" and gemma3.result == "pass", gemma3
     assert all(parity.passed(r)[0] for r in gemma3.per_rank)
     assert 0.2 < gemma3.per_rank[0]["split_share"] < 0.9  # the text model's share
+    bart = rows["bart"]
+    assert bart.path == "shipped plan" and bart.result == "pass", bart
+    assert all(parity.passed(r)[0] for r in bart.per_rank) and len(bart.per_rank) == 4
+    assert bart.per_rank[0]["split_share"] > 0.9
     assert rows["gpt2"].result == "skip" and "no base_model_tp_plan" in rows["gpt2"].detail
     for family in ("qwen3", "qwen3_moe"):
         per_rank = rows[family].per_rank
@@ -39,4 +44,5 @@ def test_coverage_command_runs_families_and_writes_the_table(tmp_path):
         assert per_rank[0]["losses"]["tp"] != per_rank[2]["losses"]["tp"]  # two dp batches
     text = out.read_text()
     assert "| qwen3 | Qwen3ForCausalLM | plan | pass |" in text, text
+    assert "| bart | BartForCausalLM | shipped plan | pass |" in text, text
     assert "| gpt2 | GPT2LMHeadModel | none | skip |" in text, text

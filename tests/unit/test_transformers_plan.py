@@ -203,9 +203,67 @@ def test_a_plan_the_user_sets_splits_the_tied_input_embedding_like_the_head():
 
 
 def test_a_model_without_a_plan_is_refused_naming_the_plan_setter():
+    import transformers
+
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config)  # no plan, none shipped ([q|k|v] blocks)
     with pytest.raises(ValueError) as err:
-        lookup_policy(meta("OPTConfig", word_embed_proj_dim=64, ffn_dim=128))
+        lookup_policy(model)
     assert "model.tp_plan = {" in str(err.value), err.value
+
+
+def test_a_family_transformers_ships_no_plan_for_gets_the_shipped_one():
+    """OPT: transformers' plan is empty, so ``shipped_plans`` gives it one (names from the
+    model root, the tied input embedding split with the head); a plan the user sets wins."""
+    model = meta("OPTConfig", word_embed_proj_dim=64, ffn_dim=128)
+    assert not model.tp_plan
+    policy = lookup_policy(model)
+    assert policy.name == "opt (shipped plan)", policy.name
+    layer = "model.decoder.layers.*"
+    assert policy.tp_plan[f"{layer}.self_attn.q_proj"] == "colwise"
+    assert policy.tp_plan[f"{layer}.self_attn.out_proj"] == "rowwise_allreduce"
+    assert policy.tp_plan[f"{layer}.fc1"] == "colwise"
+    assert policy.tp_plan["model.decoder.embed_tokens"] == "vocab_embedding_allreduce"
+    assert policy.tp_plan["lm_head"] == "lm_head"  # OPT's loss goes through loss_function
+    assert policy.heads_split
+
+    mine = meta("OPTConfig", word_embed_proj_dim=64, ffn_dim=128)
+    mine.tp_plan = {k: v for k, v in OPT_PLAN.items() if "fc" not in k}  # the MLP left whole
+    policy = lookup_policy(mine)
+    assert policy.name == "opt (transformers plan)"
+    assert policy.tp_plan[f"{layer}.fc1"] == "replicate_local", policy.tp_plan
+
+
+def test_a_model_that_computes_its_own_loss_gets_gathered_logits():
+    """BART's decoder calls CrossEntropyLoss in its forward rather than ``loss_function``:
+    vocabulary-split logits would reach it as a DTensor, so its head gathers them."""
+    import transformers
+
+    config = transformers.BartConfig(
+        vocab_size=128, d_model=64, decoder_layers=2, encoder_layers=2,
+        decoder_attention_heads=4, encoder_attention_heads=4, decoder_ffn_dim=128,
+        encoder_ffn_dim=128,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.BartForCausalLM(config)
+    policy = lookup_policy(model)
+    assert policy.name == "bart (shipped plan)"
+    assert policy.tp_plan["lm_head"] == "colwise_gather", policy.tp_plan
+    assert lookup_policy(meta("Qwen3Config")).tp_plan["lm_head"] == "lm_head"
+
+
+def test_without_no_split_modules_the_layer_is_the_list_element_the_plan_splits():
+    import transformers
+
+    config = transformers.BioGptConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.BioGptForCausalLM(config)
+    assert not model._no_split_modules
+    assert lookup_policy(model).layer_class == "BioGptDecoderLayer"
 
 
 def test_a_multimodal_models_layer_class_is_the_one_its_plan_splits():

@@ -33,6 +33,7 @@ class Row:
     result: str = ""
     detail: str = ""
     has_plan: bool = False
+    shipped: bool = False
     runs: bool = False
     per_rank: Any = field(default=None, repr=False)
 
@@ -60,6 +61,7 @@ def classify(family: str, model_class: str) -> Row:
     from tools.model_coverage.parity import error_summary
     from tools.model_coverage.tiny import build, tiny_config
     from torch_sagemaker.policies import lookup_policy, registered_policies
+    from torch_sagemaker.policies.shipped_plans import SHIPPED_PLANS
     from torch_sagemaker.policies.transformers_plan import PLAN_TP_NOTE
 
     row = Row(family, model_class)
@@ -72,29 +74,36 @@ def classify(family: str, model_class: str) -> Row:
     # A multimodal family's plan is on its text sub-config (transformers merges it into
     # model.tp_plan under the text model's prefix).
     row.has_plan = any(getattr(c, "base_model_tp_plan", None) for c in _config_classes(config_cls))
-    if not by_policy and not row.has_plan:
+    row.shipped = family in SHIPPED_PLANS
+    if not by_policy and not row.has_plan and not row.shipped:
         row.path, row.result = "none", "skip"
-        row.detail = "no policy, and transformers ships no base_model_tp_plan for it"
+        row.detail = (
+            "no policy; transformers ships no base_model_tp_plan for it, and torch_sagemaker "
+            "no plan"
+        )
         return row
+    plan_path = "plan" if row.has_plan or not row.shipped else "shipped plan"
     try:
         config = tiny_config(family)
         row.has_plan = row.has_plan or bool(getattr(config, "base_model_tp_plan", None))
         model = build(family, device="meta")
     except Exception as e:  # noqa: BLE001 - reported in the table
-        row.path = "policy" if by_policy else "plan"
+        row.path = "policy" if by_policy else plan_path
         row.result, row.detail = "fail", f"the tiny config does not build: {error_summary(e)}"
         return row
     try:
         policy = lookup_policy(model)
     except ValueError as e:
-        row.path, row.result, row.detail = "plan", "refused", error_summary(e)
+        row.path, row.result, row.detail = plan_path, "refused", error_summary(e)
         return row
     except Exception as e:  # noqa: BLE001 - a defect of the translation, reported as such
-        row.path, row.result = "plan", "fail"
+        row.path, row.result = plan_path, "fail"
         row.detail = f"the plan translation raised {error_summary(e)}"
         return row
     if policy.name.endswith("(transformers plan)"):
         row.path = "plan"
+    elif policy.name.endswith("(shipped plan)"):
+        row.path = "shipped plan"
     elif PLAN_TP_NOTE in policy.notes:
         row.path = f"policy `{policy.name}`, TP from the plan"
     else:
@@ -141,6 +150,8 @@ def markdown(rows: list[Row], command: str, versions: dict[str, str]) -> str:
         counts[row.result] = counts.get(row.result, 0) + 1
     planned = [r for r in rows if r.has_plan]
     plan_pass = sum(r.result == "pass" for r in planned)
+    shipped = [r for r in rows if r.path == "shipped plan"]
+    shipped_pass = sum(r.result == "pass" for r in shipped)
     required = {r.family: r.result for r in rows if r.family in REQUIRED}
     lines = [
         "# Model coverage: tensor parallelism over transformers' causal-LM families",
@@ -163,14 +174,16 @@ def markdown(rows: list[Row], command: str, versions: dict[str, str]) -> str:
         "for parameters after the steps.",
         "",
         "- **path**: `policy` (a shipped policy covers the class and wins), `plan` (the model's "
-        "own `base_model_tp_plan`, docs/tensor_parallel.md), `none`.",
+        "own `base_model_tp_plan`, docs/tensor_parallel.md), `shipped plan` (transformers ships "
+        "none; `torch_sagemaker/policies/shipped_plans.py` gives the family one), `none`.",
         "- **result**: `pass`; `fail` (with the first rank's reason); `refused` (`tsm.transform` "
         "refuses the model with the error shown, before any rank runs); `skip` (nothing to run).",
         "",
         "Summary: "
         + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
         + f" of {len(rows)} families; {plan_pass} of the {len(planned)} families whose config "
-        "carries a `base_model_tp_plan` pass. Required families: "
+        f"carries a `base_model_tp_plan` pass; {shipped_pass} of the {len(shipped)} with a "
+        "shipped plan pass. Required families: "
         + ", ".join(f"{f} {required.get(f, 'not run')}" for f in REQUIRED)
         + ".",
         "",

@@ -65,6 +65,28 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     },
     "gemma4_text": {"vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 16},
+    # its config checks that attention_types spans num_layers
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+    # sequence-to-sequence families: sizes per stack
+    **{
+        f: {
+            "encoder_attention_heads": 4,
+            "decoder_attention_heads": 4,
+            "encoder_ffn_dim": 128,
+            "decoder_ffn_dim": 128,
+            "d_model": 64,
+        }
+        for f in (
+            "bart",
+            "mbart",
+            "marian",
+            "pegasus",
+            "blenderbot",
+            "blenderbot-small",
+            "plbart",
+            "bigbird_pegasus",
+        )
+    },
 }
 
 #: A tiny model above this many parameters means a size the shrinking did not reach.

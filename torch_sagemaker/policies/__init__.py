@@ -7,11 +7,14 @@
   of the package (``mistral``/``qwen2``/``mixtral`` reuse ``llama``'s plan builder).
 - ``transformers_plan``: ``policy_from_plan``, the policy a model's own transformers TP plan
   (``base_model_tp_plan``) gives when no policy covers it (Note [Plan-driven layout]).
+- ``shipped_plans``: plans in transformers' terms for families transformers ships none
+  for (OPT, StableLM, BART's decoder, ...), used where the model's own plan is empty.
 - ``registry``: ``POLICIES`` (the shipped ones, listed explicitly), ``register_policy`` for
   a user's own, and the lookups (``lookup_policy``: a registered policy, else the plan's;
   ``get_policy``, ``transformer_layer_classes``) the rest of the library uses.
 
-Imports go one way: families and ``transformers_plan`` -> ``model_policy``; ``registry`` ->
+Imports go one way: families and ``transformers_plan`` -> ``model_policy``;
+``transformers_plan`` -> ``shipped_plans``; ``registry`` ->
 families, ``transformers_plan`` and ``model_policy``; this file re-exports. Generic machinery
 (``tensor_parallel``, ``sharding``, ``offload``) imports from here; nothing here imports it.
 

@@ -45,6 +45,7 @@ from torch_sagemaker.policies.model_policy import (
     MoESpec,
     config_value,
 )
+from torch_sagemaker.policies.shipped_plans import embedding_modules, shipped_plan
 from torch_sagemaker.utils.hf_config import text_config
 
 #: transformers' styles whose module must be an ``nn.Linear``, and ours for them.
@@ -83,6 +84,8 @@ _EXPERT_COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts", "
 
 #: In the notes of a policy whose TP plan is its model's transformers plan.
 PLAN_TP_NOTE = "Tensor parallel plan: the model's transformers plan."
+#: In the notes of a policy whose TP plan is the one ``shipped_plans`` gives its family.
+SHIPPED_PLAN_NOTE = "Tensor parallel plan: torch_sagemaker's shipped plan for its family."
 
 _FIX = (
     "To shard {model} anyway, register a torch_sagemaker.policies.ModelPolicy for it "
@@ -240,7 +243,9 @@ class _Translation:
             if module is self.output_embedding and style != "rowwise":
                 # Vocabulary-parallel logits and loss (tensor_parallel/loss.py) rather than
                 # gathering the logits: the same values, without the vocabulary all-gather.
-                return "lm_head"
+                # Only where the model's loss goes through the loss_function that TP replaces
+                # (Note [Vocabulary-parallel logits need the model's loss_function]).
+                return "lm_head" if _loss_through_loss_function(self.model) else "colwise_gather"
             if style == "colwise" and self.is_kv_projection(name, module):
                 return "kv_colwise"
             return _LINEAR_STYLES[style]
@@ -385,6 +390,26 @@ class _Translation:
                 self.styles[name] = "local_params"
 
 
+def _loss_through_loss_function(model: nn.Module) -> bool:
+    """Whether ``model``'s forward computes its loss with ``self.loss_function``.
+
+    Note [Vocabulary-parallel logits need the model's loss_function]: the ``lm_head`` style
+    leaves the logits split over the vocabulary, and ``apply_tp_plan`` installs the
+    vocabulary-parallel loss as the model's ``loss_function``. Most causal LMs of
+    transformers compute their loss through that attribute; older ones (BART's decoder and
+    its relatives) call ``CrossEntropyLoss`` in their own forward, which split logits would
+    reach as a DTensor and fail on. For those the output projection gathers its logits
+    (``colwise_gather``): the same values, at the cost of an all-gather of the vocabulary.
+    Read from the forward's source; where there is none, the gathering style, which is
+    right for any forward.
+    """
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return False
+    return "self.loss_function" in source
+
+
 def _patterns(names: list[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(wildcard(n) for n in names))
 
@@ -409,7 +434,8 @@ def _layer_class(model: nn.Module, plan: dict[str, str]) -> str:
 
     A multimodal model names its vision tower's layers there too. Classes with layers in the
     text decoder (``get_decoder()``) come first, then those the plan splits, then the most
-    repeated one.
+    repeated one. A model whose ``_no_split_modules`` names none of its modules (older
+    families) gets the class of the ``nn.ModuleList`` elements that hold planned modules.
     """
     names = set(getattr(model, "_no_split_modules", None) or ())
     counts: dict[str, int] = {}
@@ -427,6 +453,17 @@ def _layer_class(model: nn.Module, plan: dict[str, str]) -> str:
             in_decoder.add(cls)
         if cls not in planned and any(n.startswith(f"{name}.") for n in in_plan):
             planned.add(cls)
+    if not counts:  # no _no_split_modules: the repeated list element the plan splits
+        for name, module in modules:
+            if isinstance(module, nn.ModuleList):
+                for child_name, child in module.named_children():
+                    full = f"{name}.{child_name}" if name else child_name
+                    if any(n.startswith(f"{full}.") for n in in_plan):
+                        cls = type(child).__name__
+                        counts[cls] = counts.get(cls, 0) + 1
+                        planned.add(cls)
+                        if decoder and full.startswith(f"{decoder}."):
+                            in_decoder.add(cls)
     if not counts:
         raise ValueError(
             f"tsm.transform: {type(model).__name__} has a transformers TP plan but its "
@@ -451,6 +488,9 @@ def _decoder_name(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> str
 def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
     """The policy transformers' TP plan of ``model`` gives, or ``None`` if it has no plan.
 
+    Where transformers' plan is empty (a family it ships none for, and no plan set by the
+    user), the plan ``shipped_plans`` gives the family is used instead, if there is one.
+
     Args:
         model: A Hugging Face model (real or meta device), not yet transformed.
 
@@ -462,8 +502,13 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
             the plan that may compute on split activations; naming the module, the style
             and the fix.
     """
+    if not hasattr(model, "config"):
+        return None
     plan = transformers_plan(model)
-    if not plan or not hasattr(model, "config"):
+    ours = shipped_plan(model, text_config(model)) if _only_embeddings(model, plan) else {}
+    shipped = bool(ours)
+    plan = {**ours, **plan}
+    if not plan:
         return None
     layer_class = _layer_class(model, plan)
     t = _Translation(model, plan, layer_class)
@@ -488,8 +533,9 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
         first = next(iter(t.experts))
         block, _, child = first.rpartition(".")
         moe = MoESpec(block_class=type(t.modules[block]).__name__, experts=child, replaceable=False)
+    source = "shipped plan" if shipped else "transformers plan"
     return ModelPolicy(
-        name=f"{getattr(model.config, 'model_type', type(model).__name__)} (transformers plan)",
+        name=f"{getattr(model.config, 'model_type', type(model).__name__)} ({source})",
         model_classes=(type(model).__name__,),
         layer_class=layer_class,
         attention=_patterns(attention),
@@ -501,12 +547,24 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
         moe=moe,
         sliding_window_attr="sliding_window" if hasattr(config, "sliding_window") else None,
         heads_split=heads_split,
-        notes=f"Built from its transformers TP plan (Note [Plan-driven layout]). {PLAN_TP_NOTE}",
+        notes=f"Built from its {source} (Note [Plan-driven layout]). "
+        f"{SHIPPED_PLAN_NOTE if shipped else PLAN_TP_NOTE}",
     )
+
+
+def _only_embeddings(model: nn.Module, plan: dict[str, str]) -> bool:
+    """Whether ``plan`` says nothing beyond the input and output embeddings (or nothing).
+
+    That is transformers' plan for a family it ships none for: empty, or only a class-level
+    ``lm_head`` entry and the tied input embedding added for it.
+    """
+    embeddings = {wildcard(n) for n in embedding_modules(model)}
+    return all(key in embeddings for key in plan)
 
 
 __all__ = [
     "PLAN_TP_NOTE",
+    "SHIPPED_PLAN_NOTE",
     "attention_head_dim",
     "expert_count",
     "policy_from_plan",

@@ -68,7 +68,8 @@ class ReplicationCheck:
         """The error for ``what`` (input, output gradient) differing between the ranks."""
         return ValueError(
             f"tsm.transform: {self.name} is replicated over the tensor parallel ranks because "
-            f"the model's transformers TP plan leaves it out, but {what} differs between those "
+            f"the model's TP plan (transformers', the user's or the one shipped for its family) "
+            f"leaves it out, but {what} differs between those "
             "ranks: it computes on split activations (Note [Replicated module check]), so "
             "replicating it would give wrong gradients. Give it a style in the plan (e.g. "
             "'replicated_with_grad_allreduce' for a module applied to this rank's heads) by "

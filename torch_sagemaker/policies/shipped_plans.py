@@ -1,0 +1,169 @@
+"""TP plans in transformers' terms for families transformers ships none for.
+
+transformers puts a ``base_model_tp_plan`` on most decoder configs; older families (OPT,
+StableLM, Persimmon, BioGPT, GPT-Neo, ...) have none, and ``tsm.transform`` would refuse
+them at ``tensor_parallel_degree > 1``. For those whose layers are plain projections, this
+module gives the plan a user would otherwise write (docs/tensor_parallel.md, "A model
+without a plan"), keyed like ``base_model_tp_plan``: module names below the base model,
+``*`` for layer numbers, transformers' style names. ``transformers_plan.transformers_plan``
+uses one only where the model's own plan is empty, so a plan from transformers or from the
+user (``model.tp_plan = {...}``) always wins. The plans then go through the same
+translation and checks as transformers' own (Note [Plan-driven layout]).
+
+Note [Which families get a shipped plan]: a family is listed only after its tiny model
+passed ``python -m tools.model_coverage`` (tensor parallel 2 x hybrid shard 2 against one
+process: logits, loss, gradients and parameters over 3 steps). What keeps the others out,
+checked on that harness:
+
+- a fused query/key/value projection laid out as ``[q | k | v]`` blocks (GPT-2's
+  ``Conv1D``, MPT's ``Wqkv``, Falcon and GPT-BigCode under multi-query attention): a
+  column split would hand each rank whole blocks, not heads;
+- attention biases built from the full head count outside the attention module (BLOOM's
+  and MPT's ALiBi);
+- a norm over the full hidden width between the split projections (BitNet's sub-norms);
+- reshapes by a full-width attribute the translation does not rescale (XGLM's, MVP's and
+  TrOCR's ``embed_dim``; Whisper's decoder fails the same way at its first forward);
+- a tied bias the plan cannot split with the head (the BERT family's
+  ``cls.predictions.bias``), or no repeated layer to find (CTRL).
+
+The output embedding, where it is an ``nn.Linear``, is split over the vocabulary
+(``colwise_gather_output``, which the translation computes as vocabulary-parallel logits and
+loss); the input embedding is split over the vocabulary too, as transformers does for the
+plans it builds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+#: A self-attention block of separate q/k/v projections and an output projection ``out``.
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def _attention(prefix: str, out: str, qkv: tuple[str, ...] = _QKV) -> dict[str, str]:
+    return {
+        **{f"{prefix}.{p}": "colwise" for p in qkv},
+        f"{prefix}.{out}": "rowwise",
+    }
+
+
+def _mlp(up: tuple[str, ...], down: str) -> dict[str, str]:
+    return {**{u: "colwise" for u in up}, down: "rowwise"}
+
+
+def _bart_like_decoder() -> dict[str, str]:
+    """The decoder stack of a sequence-to-sequence family, as its ``*ForCausalLM`` builds it.
+
+    (Its cross-attention runs only with encoder states; it is split like self-attention.)
+    """
+    layer = "decoder.layers.*"
+    return {
+        **_attention(f"{layer}.self_attn", "out_proj"),
+        **_attention(f"{layer}.encoder_attn", "out_proj"),
+        **_mlp((f"{layer}.fc1",), f"{layer}.fc2"),
+    }
+
+
+_BART_LIKE = (
+    "bart",
+    "mbart",
+    "marian",
+    "pegasus",
+    "blenderbot",
+    "blenderbot-small",
+    "plbart",
+    "bigbird_pegasus",
+)
+
+#: model_type -> plan below the base model (like ``config.base_model_tp_plan``).
+SHIPPED_PLANS: dict[str, dict[str, str]] = {
+    **{f: _bart_like_decoder() for f in _BART_LIKE},
+    "gpt_neox_japanese": {
+        # The attention returns its output bias for the layer to add after the output
+        # projection's all-reduce: a parameter of its own, used on whole activations.
+        **_attention("layers.*.attention", "dense", ("query_key_value",)),
+        "layers.*.attention": "local_params",
+        **_mlp(("layers.*.mlp.dense_h_to_4h",), "layers.*.mlp.dense_4h_to_h"),
+    },
+    "opt": {
+        **_attention("decoder.layers.*.self_attn", "out_proj"),
+        **_mlp(("decoder.layers.*.fc1",), "decoder.layers.*.fc2"),
+    },
+    "biogpt": {
+        **_attention("layers.*.self_attn", "out_proj"),
+        **_mlp(("layers.*.fc1",), "layers.*.fc2"),
+    },
+    "stablelm": {
+        **_attention("layers.*.self_attn", "o_proj"),
+        **_mlp(("layers.*.mlp.gate_proj", "layers.*.mlp.up_proj"), "layers.*.mlp.down_proj"),
+    },
+    "persimmon": {
+        # query_key_value is head-major (each head's q, k, v together): a column split
+        # keeps whole heads. The q/k norms act on one head's width with weights shared by
+        # all heads, so each rank's heads give part of their gradient.
+        **_attention("layers.*.self_attn", "dense", ("query_key_value",)),
+        "layers.*.self_attn.q_layernorm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.k_layernorm": "replicated_with_grad_allreduce",
+        **_mlp(("layers.*.mlp.dense_h_to_4h",), "layers.*.mlp.dense_4h_to_h"),
+    },
+    "gpt_neo": {
+        **_attention("h.*.attn.attention", "out_proj"),
+        **_mlp(("h.*.mlp.c_fc",), "h.*.mlp.c_proj"),
+    },
+}
+
+
+def embedding_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's input and output embeddings, by module name, where it has them.
+
+    Args:
+        model: A Hugging Face model (``get_input_embeddings`` / ``get_output_embeddings``).
+
+    Returns:
+        Module name -> module, for each embedding that is one of the model's modules.
+    """
+    found = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        get = getattr(model, getter, None)
+        try:
+            module = get() if callable(get) else None
+        except NotImplementedError:  # transformers' default on a model that has none
+            module = None
+        if module is not None:
+            found.append(module)
+    return {n: m for n, m in model.named_modules() if n and any(m is f for f in found)}
+
+
+def _embedding_entries(model: nn.Module) -> dict[str, str]:
+    """Vocabulary splits for the model's input and output embeddings."""
+    entries = {}
+    for name, module in embedding_modules(model).items():
+        if isinstance(module, nn.Embedding):
+            entries[name] = "embedding_rowwise"
+        elif isinstance(module, nn.Linear):
+            entries[name] = "colwise_gather_output"
+    return entries
+
+
+def shipped_plan(model: nn.Module, config: Any) -> dict[str, str]:
+    """The shipped plan for ``model``, keyed from the model root, or ``{}`` if none.
+
+    Args:
+        model: A Hugging Face model whose own transformers plan is empty.
+        config: Its text config (where ``model_type`` names the family).
+
+    Returns:
+        The plan in transformers' terms (names from the model root, ``*`` for layer numbers).
+    """
+    base = SHIPPED_PLANS.get(getattr(config, "model_type", None) or "")
+    if base is None:
+        return {}
+    prefix = getattr(model, "base_model_prefix", "")
+    inner = prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+    plan = {f"{inner}.{k}" if inner else k: v for k, v in base.items()}
+    return {**_embedding_entries(model), **plan}
+
+
+__all__ = ["SHIPPED_PLANS", "embedding_modules", "shipped_plan"]
