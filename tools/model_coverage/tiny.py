@@ -67,6 +67,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma4_text": {"vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 16},
     # its config checks that attention_types spans num_layers
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+    "roc_bert": {"pronunciation_embed_dim": 16, "shape_embed_dim": 16},
     # sequence-to-sequence families: sizes per stack
     **{
         f: {

@@ -1,8 +1,9 @@
 """TP plans in transformers' terms for families transformers ships none for.
 
 transformers puts a ``base_model_tp_plan`` on most decoder configs; older families (OPT,
-StableLM, Persimmon, BioGPT, GPT-Neo, ...) have none, and ``tsm.transform`` would refuse
-them at ``tensor_parallel_degree > 1``. For those whose layers are plain projections, this
+StableLM, Persimmon, BioGPT, GPT-Neo, BART's decoder, RoBERTa, ...) have none, and
+``tsm.transform`` would refuse them at ``tensor_parallel_degree > 1``. For those whose
+layers are plain projections, this
 module gives the plan a user would otherwise write (docs/tensor_parallel.md, "A model
 without a plan"), keyed like ``base_model_tp_plan``: module names below the base model,
 ``*`` for layer numbers, transformers' style names. ``transformers_plan.transformers_plan``
@@ -22,9 +23,9 @@ checked on that harness:
   and MPT's ALiBi);
 - a norm over the full hidden width between the split projections (BitNet's sub-norms);
 - reshapes by a full-width attribute the translation does not rescale (XGLM's, MVP's and
-  TrOCR's ``embed_dim``; Whisper's decoder fails the same way at its first forward);
-- a tied bias the plan cannot split with the head (the BERT family's
-  ``cls.predictions.bias``), or no repeated layer to find (CTRL).
+  TrOCR's ``embed_dim``, Megatron-BERT's, RoFormer's and RemBERT's ``all_head_size``;
+  Whisper's decoder fails the same way at its first forward);
+- inputs the harness does not give (X-MOD's language), or no repeated layer to find (CTRL).
 
 The output embedding, where it is an ``nn.Linear``, is split over the vocabulary
 (``colwise_gather_output``, which the translation computes as vocabulary-parallel logits and
@@ -77,8 +78,34 @@ _BART_LIKE = (
     "bigbird_pegasus",
 )
 
+
+def _bert_like() -> dict[str, str]:
+    """The encoder stack of the BERT family, as its ``*ForCausalLM`` (``is_decoder``) uses it."""
+    layer = "encoder.layer.*"
+    qkv = ("self.query", "self.key", "self.value")
+    return {
+        **_attention(f"{layer}.attention", "output.dense", qkv),
+        **_mlp((f"{layer}.intermediate.dense",), f"{layer}.output.dense"),
+    }
+
+
+_BERT_LIKE = (
+    "bert",
+    "bert-generation",
+    "camembert",
+    "data2vec-text",
+    "electra",
+    "ernie",
+    "roberta",
+    "roberta-prelayernorm",
+    "roc_bert",
+    "xlm-roberta",
+    "xlm-roberta-xl",
+)
+
 #: model_type -> plan below the base model (like ``config.base_model_tp_plan``).
 SHIPPED_PLANS: dict[str, dict[str, str]] = {
+    **{f: _bert_like() for f in _BERT_LIKE},
     **{f: _bart_like_decoder() for f in _BART_LIKE},
     "gpt_neox_japanese": {
         # The attention returns its output bias for the layer to add after the output

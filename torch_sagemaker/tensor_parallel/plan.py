@@ -81,13 +81,34 @@ def _tied_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
 
 
 def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
-    """Points every member of each tied group at the first member's (parallelized) parameter."""
-    for (first_module, first_name), *others in groups:
+    """Points every member of each tied group at one (parallelized) parameter.
+
+    Note [Tied parameters of parameter holders]: a module styled ``local_params`` only holds
+    parameters (its own forward sees their plain values); the ones no entry split are
+    replicated. One of them may be tied to a parameter that a child's style splits:
+    RoBERTa's ``lm_head.bias`` is its ``lm_head.decoder.bias``, split with the vocabulary.
+    That parameter is split by an entry after all, so the child's split one wins. Any other
+    two members given different layouts are an error: the plan must split tied parameters
+    alike.
+    """
+    for group in groups:
+        holders = [getattr(m, STYLE_ATTR, None) == "local_params" for m, _ in group]
+        first_module, first_name = next(
+            (
+                (m, n)
+                for (m, n), holder in zip(group, holders, strict=True)
+                if not holder and isinstance(getattr(m, n), DTensor)
+            ),
+            group[0],
+        )
         param = getattr(first_module, first_name)
-        for module, name in others:
+        for (module, name), holder in zip(group, holders, strict=True):
+            if module is first_module and name == first_name:
+                continue
             current = getattr(module, name)
             if (
-                isinstance(current, DTensor)
+                not holder
+                and isinstance(current, DTensor)
                 and isinstance(param, DTensor)
                 and current.placements != param.placements
             ):
