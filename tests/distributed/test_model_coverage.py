@@ -5,7 +5,8 @@ The full sweep over transformers' causal-LM registry is long and its output is c
 its plan and one through a policy that takes its TP plan from transformers, a multimodal
 one whose plan and head counts are on its text sub-config (Gemma 3), one transformers ships
 no plan for and ``shipped_plans`` does (BART's decoder: its own loss, so gathered logits;
-RoBERTa: a head bias its parent holds too, Note [Tied parameters of parameter holders]),
+RoBERTa: a head bias its parent holds too, Note [Tied parameters of parameter holders];
+RoFormer: attention that reshapes by its full ``all_head_size``),
 plus one it skips, and must write their rows.
 """
 
@@ -24,7 +25,12 @@ def test_coverage_command_runs_families_and_writes_the_table(tmp_path):
     rows = {
         r.family: r
         for r in main(
-            ["--families", "qwen3,qwen3_moe,gemma3,bart,roberta,gpt2", "--output", str(out)]
+            [
+                "--families",
+                "qwen3,qwen3_moe,gemma3,bart,roberta,roformer,gpt2",
+                "--output",
+                str(out),
+            ]
         )
     }
     assert rows["qwen3"].path == "plan" and rows["qwen3"].result == "pass", rows["qwen3"]
@@ -34,7 +40,7 @@ def test_coverage_command_runs_families_and_writes_the_table(tmp_path):
     assert gemma3.path == "plan" and gemma3.result == "pass", gemma3
     assert all(parity.passed(r)[0] for r in gemma3.per_rank)
     assert 0.2 < gemma3.per_rank[0]["split_share"] < 0.9  # the text model's share
-    for family in ("bart", "roberta"):
+    for family in ("bart", "roberta", "roformer"):
         row = rows[family]
         assert row.path == "shipped plan" and row.result == "pass", row
         assert all(parity.passed(r)[0] for r in row.per_rank) and len(row.per_rank) == 4

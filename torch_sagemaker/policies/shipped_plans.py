@@ -22,9 +22,12 @@ checked on that harness:
 - attention biases built from the full head count outside the attention module (BLOOM's
   and MPT's ALiBi);
 - a norm over the full hidden width between the split projections (BitNet's sub-norms);
-- reshapes by a full-width attribute the translation does not rescale (XGLM's, MVP's and
-  TrOCR's ``embed_dim``, Megatron-BERT's, RoFormer's and RemBERT's ``all_head_size``;
-  Whisper's decoder fails the same way at its first forward);
+- reshapes by a full width the translation does not rescale: XGLM's and MVP's
+  ``embed_dim`` (rescaling that attribute in general gave CodeGen wrong values: it means
+  something else there), TrOCR's taken from its input's size; Whisper's decoder fails with
+  a shape error at its first forward. The BERT family's ``all_head_size`` is rescaled
+  (``tensor_parallel.plan._set_head_counts``), which lets Megatron-BERT, RoFormer and
+  RemBERT in;
 - inputs the harness does not give (X-MOD's language), or no repeated layer to find (CTRL).
 
 The output embedding, where it is an ``nn.Linear``, is split over the vocabulary
@@ -92,6 +95,9 @@ def _bert_like() -> dict[str, str]:
 _BERT_LIKE = (
     "bert",
     "bert-generation",
+    "megatron-bert",
+    "rembert",
+    "roformer",
     "camembert",
     "data2vec-text",
     "electra",

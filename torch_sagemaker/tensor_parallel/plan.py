@@ -169,6 +169,14 @@ def _set_head_counts(attention: nn.Module, heads: HeadSplit) -> None:
         for attr in attrs:
             if getattr(attention, attr, None) == full:
                 setattr(attention, attr, local)
+    # Older BERT-style attention reshapes the heads' concatenation by ``all_head_size`` rather
+    # than by -1: that width is per rank too. (Not ``embed_dim``, which looks alike in XGLM:
+    # CodeGen divides it into its own fused layout's blocks, and rescaling it gave wrong
+    # values there.)
+    size = getattr(attention, "attention_head_size", None)
+    width = getattr(attention, "all_head_size", None)
+    if isinstance(size, int) and size > 0 and width == heads.num_heads * size:
+        attention.all_head_size = heads.local_heads * size  # type: ignore[assignment]
 
 
 # Note [TP regions under torch.compile]: a TP region swaps the default generator's state
