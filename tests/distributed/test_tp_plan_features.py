@@ -287,6 +287,30 @@ def _user_plan() -> dict:
     return result
 
 
+def _conflicting_tied_plan() -> str:
+    """OPT's tied head made a parameter holder beside a vocabulary-split input embedding."""
+    import torch.sagemaker as tsm
+    import transformers as tf
+
+    from tests.unit.test_transformers_plan import OPT_PLAN
+
+    config = tf.OPTConfig(
+        vocab_size=128, hidden_size=64, word_embed_proj_dim=64, ffn_dim=128,
+        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+    )  # fmt: skip
+    model = tf.AutoModelForCausalLM.from_config(config)
+    model.tp_plan = {
+        **OPT_PLAN,
+        "model.decoder.embed_tokens": "embedding_rowwise",
+        "lm_head": "local_params",
+    }
+    try:
+        tsm.transform(model)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def _dropped_norms() -> str:
     import torch.sagemaker as tsm
 
@@ -413,6 +437,7 @@ def _all(root: str) -> dict:
     out["dropped_norms"] = _dropped_norms()
     out["one_kv_head"] = _one_kv_head()
     out["user_plan"] = _user_plan()
+    out["conflicting_tied_plan"] = _conflicting_tied_plan()
     out["classification"] = _classification_heads()
     out["residual_dropout"] = _residual_dropout_inside_attention()
     out["nested_attention"] = _nested_attention()
@@ -519,6 +544,15 @@ def test_a_plan_the_user_sets_on_a_model_without_one(results):
         assert case["logits"] < ATOL and case["loss"] < ATOL, case
         bad = {n: d for n, d in case["grads"].items() if d > ATOL}
         assert not bad and case["grad_scale"] > 1e-4, bad
+
+
+def test_tied_parameters_split_unalike_are_refused(results):
+    # A parameter holder follows a tied split only for a module below it (RoBERTa's head
+    # bias, Note [Tied parameters of parameter holders]); here the head and the embedding
+    # are apart, and a whole head beside a split embedding would compute half the logits.
+    for r in results:
+        message = r["conflicting_tied_plan"]
+        assert "tied parameters" in message and "different TP layouts" in message, message
 
 
 def test_replicated_module_on_split_activations_is_caught(results):

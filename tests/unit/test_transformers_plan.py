@@ -234,6 +234,38 @@ def test_a_family_transformers_ships_no_plan_for_gets_the_shipped_one():
     assert policy.name == "opt (transformers plan)"
     assert policy.tp_plan[f"{layer}.fc1"] == "replicate_local", policy.tp_plan
 
+    head_only = meta("OPTConfig", word_embed_proj_dim=64, ffn_dim=128)
+    head_only.tp_plan = {"lm_head": "colwise_gather_output"}  # the user's, layers whole
+    policy = lookup_policy(head_only)
+    assert policy.name == "opt (transformers plan)" and not policy.heads_split
+    assert not {"colwise", "kv_colwise"} & set(policy.tp_plan.values()), policy.tp_plan
+
+
+def test_a_shipped_plan_that_names_no_module_of_the_model_is_not_used():
+    """Fuyu's language model is Persimmon's, under another prefix: Persimmon's shipped plan
+    would split nothing there, so Fuyu is refused as before rather than left whole."""
+    from tools.model_coverage.tiny import build
+
+    fuyu = build("fuyu", device="meta")
+    assert fuyu.config.get_text_config().model_type == "persimmon"
+    with pytest.raises(ValueError, match="base_model_tp_plan"):
+        lookup_policy(fuyu)
+
+
+def test_the_layer_class_is_the_outermost_layer_stack_element():
+    """mBART's _no_split_modules names its attention too, which outnumbers its layers."""
+    import transformers
+
+    config = transformers.MBartConfig(
+        vocab_size=128, d_model=64, decoder_layers=2, encoder_layers=2,
+        decoder_attention_heads=4, encoder_attention_heads=4, decoder_ffn_dim=128,
+        encoder_ffn_dim=128,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.MBartForCausalLM(config)
+    assert "MBartAttention" in model._no_split_modules
+    assert lookup_policy(model).layer_class == "MBartDecoderLayer"
+
 
 def test_a_model_that_computes_its_own_loss_gets_gathered_logits():
     """BART's decoder calls CrossEntropyLoss in its forward rather than ``loss_function``:

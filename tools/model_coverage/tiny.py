@@ -76,6 +76,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
             "encoder_ffn_dim": 128,
             "decoder_ffn_dim": 128,
             "d_model": 64,
+            "encoder_layers": 2,
+            "decoder_layers": 2,
         }
         for f in (
             "bart",

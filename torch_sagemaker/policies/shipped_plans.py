@@ -6,10 +6,11 @@ StableLM, Persimmon, BioGPT, GPT-Neo, BART's decoder, RoBERTa, ...) have none, a
 layers are plain projections, this
 module gives the plan a user would otherwise write (docs/tensor_parallel.md, "A model
 without a plan"), keyed like ``base_model_tp_plan``: module names below the base model,
-``*`` for layer numbers, transformers' style names. ``transformers_plan.transformers_plan``
+``*`` for layer numbers, transformers' style names. ``transformers_plan.policy_from_plan``
 uses one only where the model's own plan is empty, so a plan from transformers or from the
-user (``model.tp_plan = {...}``) always wins. The plans then go through the same
-translation and checks as transformers' own (Note [Plan-driven layout]).
+user (``model.tp_plan = {...}``, even one naming only the embeddings) always wins. The
+plans then go through the same translation and checks as transformers' own (Note
+[Plan-driven layout]).
 
 Note [Which families get a shipped plan]: a family is listed only after its tiny model
 passed ``python -m tools.model_coverage`` (tensor parallel 2 x hybrid shard 2 against one
@@ -148,35 +149,20 @@ SHIPPED_PLANS: dict[str, dict[str, str]] = {
 }
 
 
-def embedding_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """The model's input and output embeddings, by module name, where it has them.
-
-    Args:
-        model: A Hugging Face model (``get_input_embeddings`` / ``get_output_embeddings``).
-
-    Returns:
-        Module name -> module, for each embedding that is one of the model's modules.
-    """
-    found = []
-    for getter in ("get_input_embeddings", "get_output_embeddings"):
+def _embedding_entries(model: nn.Module) -> dict[str, str]:
+    """Vocabulary splits for the model's input and output embeddings, by module name."""
+    entries: dict[str, str] = {}
+    for getter, style, kind in (
+        ("get_input_embeddings", "embedding_rowwise", nn.Embedding),
+        ("get_output_embeddings", "colwise_gather_output", nn.Linear),
+    ):
         get = getattr(model, getter, None)
         try:
             module = get() if callable(get) else None
         except NotImplementedError:  # transformers' default on a model that has none
             module = None
-        if module is not None:
-            found.append(module)
-    return {n: m for n, m in model.named_modules() if n and any(m is f for f in found)}
-
-
-def _embedding_entries(model: nn.Module) -> dict[str, str]:
-    """Vocabulary splits for the model's input and output embeddings."""
-    entries = {}
-    for name, module in embedding_modules(model).items():
-        if isinstance(module, nn.Embedding):
-            entries[name] = "embedding_rowwise"
-        elif isinstance(module, nn.Linear):
-            entries[name] = "colwise_gather_output"
+        if isinstance(module, kind):
+            entries.update({n: style for n, m in model.named_modules() if n and m is module})
     return entries
 
 
@@ -185,7 +171,7 @@ def shipped_plan(model: nn.Module, config: Any) -> dict[str, str]:
 
     Args:
         model: A Hugging Face model whose own transformers plan is empty.
-        config: Its text config (where ``model_type`` names the family).
+        config: Its config (``model_type`` names the family).
 
     Returns:
         The plan in transformers' terms (names from the model root, ``*`` for layer numbers).
@@ -199,4 +185,4 @@ def shipped_plan(model: nn.Module, config: Any) -> dict[str, str]:
     return {**_embedding_entries(model), **plan}
 
 
-__all__ = ["SHIPPED_PLANS", "embedding_modules", "shipped_plan"]
+__all__ = ["SHIPPED_PLANS", "shipped_plan"]

@@ -45,7 +45,7 @@ from torch_sagemaker.policies.model_policy import (
     MoESpec,
     config_value,
 )
-from torch_sagemaker.policies.shipped_plans import embedding_modules, shipped_plan
+from torch_sagemaker.policies.shipped_plans import shipped_plan
 from torch_sagemaker.utils.hf_config import text_config
 
 #: transformers' styles whose module must be an ``nn.Linear``, and ours for them.
@@ -114,15 +114,20 @@ def transformers_plan(model: nn.Module) -> dict[str, str]:
     ``base_model_tp_plan`` under the base model's prefix and the input embedding into
     ``model.tp_plan``; an older model gets the class entries and the prefixed config plan.
     """
+    return _with_tied_input_embedding(model, _own_plan(model))
+
+
+def _own_plan(model: nn.Module) -> dict[str, str]:
+    """``model.tp_plan`` (transformers' or the user's), or what an older transformers merges."""
     plan = getattr(model, "tp_plan", None)
     if isinstance(plan, dict):
-        return _with_tied_input_embedding(model, dict(plan))
+        return dict(plan)
     merged = dict(getattr(type(model), "_tp_plan", None) or {})
     base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
     prefix = getattr(model, "base_model_prefix", "")
     inner = prefix if prefix and hasattr(model, prefix) else ""
     merged.update({f"{inner}.{k}" if inner else k: v for k, v in base.items()})
-    return _with_tied_input_embedding(model, merged)
+    return merged
 
 
 def _with_tied_input_embedding(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
@@ -432,47 +437,50 @@ def _compact(styles: dict[str, str], all_names: set[str]) -> dict[str, str]:
 def _layer_class(model: nn.Module, plan: dict[str, str]) -> str:
     """The transformer layer: of the ``_no_split_modules`` classes, the text decoder's.
 
-    A multimodal model names its vision tower's layers there too. Classes with layers in the
-    text decoder (``get_decoder()``) come first, then those the plan splits, then the most
-    repeated one. A model whose ``_no_split_modules`` names none of its modules (older
-    families) gets the class of the ``nn.ModuleList`` elements that hold planned modules.
+    Only classes whose modules are elements of an ``nn.ModuleList`` count (a layer stack),
+    and of those the outermost: ``_no_split_modules`` may name a layer's attention too
+    (mBART), which can outnumber the layers. A multimodal model names its vision tower's
+    layers there too. Classes with layers in the text decoder (``get_decoder()``) come first,
+    then those the plan splits, then the most repeated one. A model whose
+    ``_no_split_modules`` names no layer stack (older families) gets the class of the
+    outermost list elements that hold planned modules.
     """
     names = set(getattr(model, "_no_split_modules", None) or ())
-    counts: dict[str, int] = {}
-    planned: set[str] = set()
-    in_decoder: set[str] = set()
     modules = list(model.named_modules())
     in_plan = [n for n, _ in modules if any(fnmatchcase(n, key) for key in plan)]
     decoder = _decoder_name(model, modules)
-    for name, module in modules:
-        cls = type(module).__name__
-        if cls not in names:
-            continue
-        counts[cls] = counts.get(cls, 0) + 1
-        if decoder and name.startswith(f"{decoder}."):
-            in_decoder.add(cls)
-        if cls not in planned and any(n.startswith(f"{name}.") for n in in_plan):
-            planned.add(cls)
-    if not counts:  # no _no_split_modules: the repeated list element the plan splits
-        for name, module in modules:
-            if isinstance(module, nn.ModuleList):
-                for child_name, child in module.named_children():
-                    full = f"{name}.{child_name}" if name else child_name
-                    if any(n.startswith(f"{full}.") for n in in_plan):
-                        cls = type(child).__name__
-                        counts[cls] = counts.get(cls, 0) + 1
-                        planned.add(cls)
-                        if decoder and full.startswith(f"{decoder}."):
-                            in_decoder.add(cls)
-    if not counts:
+    elements = [  # (name, class name) of every module that is a layer stack's element
+        (f"{name}.{child}" if name else child, type(module).__name__)
+        for name, stack in modules
+        if isinstance(stack, nn.ModuleList)
+        for child, module in stack.named_children()
+    ]
+    named = [(n, c) for n, c in elements if c in names]
+    holding = [(n, c) for n, c in elements if any(p.startswith(f"{n}.") for p in in_plan)]
+    candidates = _outermost(named) or _outermost(holding)
+    if not candidates:
         raise ValueError(
             f"tsm.transform: {type(model).__name__} has a transformers TP plan but its "
             f"_no_split_modules ({sorted(names) or 'none'}) name none of its modules, so there "
             "is no transformer layer to wrap, checkpoint and offload. Register a "
             "torch_sagemaker.policies.ModelPolicy naming its layer class (docs/tensor_parallel.md)."
         )
+    counts: dict[str, int] = {}
+    planned: set[str] = set()
+    in_decoder: set[str] = set()
+    for name, cls in candidates:
+        counts[cls] = counts.get(cls, 0) + 1
+        if decoder and name.startswith(f"{decoder}."):
+            in_decoder.add(cls)
+        if any(n.startswith(f"{name}.") for n in in_plan):
+            planned.add(cls)
     # the repeated decoder layer
     return max(counts, key=lambda n: (n in in_decoder, n in planned, counts[n]))
+
+
+def _outermost(elements: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The ``(name, class)`` pairs not inside another pair's module."""
+    return [(n, c) for n, c in elements if not any(n.startswith(f"{o}.") for o, _ in elements)]
 
 
 def _decoder_name(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> str:
@@ -488,8 +496,9 @@ def _decoder_name(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> str
 def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
     """The policy transformers' TP plan of ``model`` gives, or ``None`` if it has no plan.
 
-    Where transformers' plan is empty (a family it ships none for, and no plan set by the
-    user), the plan ``shipped_plans`` gives the family is used instead, if there is one.
+    Where the model's plan is empty (a family transformers ships none for, and no plan set
+    by the user), the plan ``shipped_plans`` gives the family (``config.model_type``) is used
+    instead, if there is one and every key of it names a module of the model.
 
     Args:
         model: A Hugging Face model (real or meta device), not yet transformed.
@@ -504,10 +513,9 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
     """
     if not hasattr(model, "config"):
         return None
-    plan = transformers_plan(model)
-    ours = shipped_plan(model, text_config(model)) if _only_embeddings(model, plan) else {}
-    shipped = bool(ours)
-    plan = {**ours, **plan}
+    own = _own_plan(model)
+    shipped = not own and _fits(model, ours := shipped_plan(model, model.config))
+    plan = _with_tied_input_embedding(model, ours if shipped else own)
     if not plan:
         return None
     layer_class = _layer_class(model, plan)
@@ -552,14 +560,15 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
     )
 
 
-def _only_embeddings(model: nn.Module, plan: dict[str, str]) -> bool:
-    """Whether ``plan`` says nothing beyond the input and output embeddings (or nothing).
+def _fits(model: nn.Module, plan: dict[str, str]) -> bool:
+    """Whether every key of a shipped ``plan`` names some module of ``model``.
 
-    That is transformers' plan for a family it ships none for: empty, or only a class-level
-    ``lm_head`` entry and the tied input embedding added for it.
+    (Not so for a model that holds the family's model under another prefix: Fuyu's language
+    model is Persimmon's, under ``model.language_model``; or a compiled one, under
+    ``_orig_mod``. The shipped plan is not used there.)
     """
-    embeddings = {wildcard(n) for n in embedding_modules(model)}
-    return all(key in embeddings for key in plan)
+    names = [n for n, _ in model.named_modules() if n]
+    return bool(plan) and all(any(fnmatchcase(n, key) for n in names) for key in plan)
 
 
 __all__ = [

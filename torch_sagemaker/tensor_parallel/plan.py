@@ -85,29 +85,27 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
 
     Note [Tied parameters of parameter holders]: a module styled ``local_params`` only holds
     parameters (its own forward sees their plain values); the ones no entry split are
-    replicated. One of them may be tied to a parameter that a child's style splits:
+    replicated. One of them may be tied to a parameter that a module below it splits:
     RoBERTa's ``lm_head.bias`` is its ``lm_head.decoder.bias``, split with the vocabulary.
-    That parameter is split by an entry after all, so the child's split one wins. Any other
-    two members given different layouts are an error: the plan must split tied parameters
+    That parameter is split by an entry after all, so the split one wins there. Anywhere
+    else two members given different layouts are an error (a holder elsewhere would compute
+    with a split value where it expects the whole): the plan must split tied parameters
     alike.
     """
     for group in groups:
-        holders = [getattr(m, STYLE_ATTR, None) == "local_params" for m, _ in group]
-        first_module, first_name = next(
-            (
-                (m, n)
-                for (m, n), holder in zip(group, holders, strict=True)
-                if not holder and isinstance(getattr(m, n), DTensor)
-            ),
-            group[0],
+        split = next(
+            ((m, n) for m, n in group if not _is_holder(m) and isinstance(getattr(m, n), DTensor)),
+            None,
         )
+        first_module, first_name = split if split is not None else group[0]
         param = getattr(first_module, first_name)
-        for (module, name), holder in zip(group, holders, strict=True):
+        for module, name in group:
             if module is first_module and name == first_name:
                 continue
             current = getattr(module, name)
+            above_split = _is_holder(module) and any(m is first_module for m in module.modules())
             if (
-                not holder
+                not above_split
                 and isinstance(current, DTensor)
                 and isinstance(param, DTensor)
                 and current.placements != param.placements
@@ -118,6 +116,11 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
                     "split tied parameters the same way (e.g. vocab_embedding with lm_head)."
                 )
             module.register_parameter(name, param)
+
+
+def _is_holder(module: nn.Module) -> bool:
+    """Whether ``module`` is styled ``local_params`` (it only holds parameters)."""
+    return getattr(module, STYLE_ATTR, None) == "local_params"
 
 
 def matching_modules(model: nn.Module, pattern: str) -> list[str]:
