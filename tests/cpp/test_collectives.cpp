@@ -446,6 +446,31 @@ void check_reduce_scatter(const Topology& topo) {
         EXPECT(compare(rc.t, in.data(), make_input(rc.t, rank, count * n, salt)).empty(),
                where(topo, "reduce_scatter", rank, rc.t, rc.op, count), "changed its input");
       }
+      // Parts of different sizes (Note [Reduce-scatter of unequal parts] in comm_algos.cpp):
+      // empty, one element, odd, and longer than a buffer, each rank's part differing by round.
+      const size_t kinds[] = {0, 1, 7, 1001, 5003};
+      for (int round = 0; round < 2; ++round) {
+        ++salt;
+        std::vector<size_t> counts(n);
+        size_t total = 0, first = 0;
+        for (int p = 0; p < n; ++p) {
+          counts[p] = kinds[(p * 2 + round + salt) % 5];
+          if (p < rank) first += counts[p];
+          total += counts[p];
+        }
+        const size_t count = counts[rank], esz = smddp::dtype_size(rc.t);
+        Bytes in = make_input(rc.t, rank, total, salt);
+        Bytes out(count * esz + 1, '\x5a');
+        Reduction red = reduction(rc.t, rc.op, n);
+        c.reduce_scatter(in.data(), out.data(), counts, red,
+                         ctx_of(c, "reduce_scatter (unequal parts)", rc.t, int(rc.op), total));
+        std::string diff =
+            compare(rc.t, out.data(), expected_reduction(rc.t, red, n, count, salt, first));
+        EXPECT(diff.empty(), where(topo, "unequal reduce_scatter", rank, rc.t, rc.op, count), diff);
+        EXPECT(out.back() == '\x5a',
+               where(topo, "unequal reduce_scatter", rank, rc.t, rc.op, count),
+               "wrote past its output");
+      }
     }
     expect_ring_used(topo, c);
     expect_hierarchy(topo, c);

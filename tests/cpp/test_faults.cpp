@@ -222,6 +222,33 @@ static void mismatch(int force_local_size) {
 TEST_CASE(mismatch_shm) { mismatch(0); }
 TEST_CASE(mismatch_tcp) { mismatch(1); }
 
+// Note [Reduce-scatter of unequal parts] in comm_algos.cpp: ranks that disagree on a part's
+// size raise, though their calls' descriptors are otherwise the same: rank 0 says rank 1's
+// part has 5 elements and rank 1 says 6; then parts [4, 6] against [6, 4] (the same total,
+// each rank's own part 4); then [0, 0] against [0, 1].
+static void unequal_parts_mismatch(int force_local_size) {
+  const std::vector<std::vector<std::vector<size_t>>> cases = {
+      {{4, 5}, {4, 6}}, {{4, 6}, {6, 4}}, {{0, 0}, {0, 1}}};
+  for (size_t k = 0; k < cases.size(); ++k) {
+    const std::string group = "unequal_mismatch_" + std::to_string(k);
+    run_group(2, small_config(group.c_str(), force_local_size), [&](Communicator& c, int rank) {
+      const std::vector<size_t>& counts = cases[k][rank];
+      std::vector<float> in(counts[0] + counts[1], 1.0f), out(counts[rank] + 1);
+      smddp::CollDesc d;
+      d.dtype_op = (static_cast<uint32_t>(DType::F32) << 8) | static_cast<uint32_t>(RedOp::SUM);
+      auto t0 = steady_clock::now();
+      EXPECT_THROW_WITH(c.reduce_scatter(in.data(), out.data(), counts, sum_f32(),
+                                         c.make_ctx("reduce_scatter", d, smddp::OpArgs{}, 0)),
+                        "mismatched collectives on group '" + group + "'");
+      EXPECT(seconds_since(t0) < 2.0, "case ", k, ": the mismatch was found after ",
+             seconds_since(t0), " s");
+    });
+  }
+}
+
+TEST_CASE(unequal_parts_mismatch_shm) { unequal_parts_mismatch(0); }
+TEST_CASE(unequal_parts_mismatch_tcp) { unequal_parts_mismatch(1); }
+
 TEST_CASE(zero_copy_from_the_pools) {
   // Note [Zero-copy operands] in shm_algos.h: operands allocated from every rank's pool are
   // read in place; one rank with an operand outside its pool makes all take the staged path.

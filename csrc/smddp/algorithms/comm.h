@@ -94,6 +94,11 @@ class Communicator : private NetGroup {
   // Collectives. Each call is numbered (OpCtx::seq) and its deadline starts when it runs.
   void allreduce(void* data, size_t count, const Reduction& red, OpCtx ctx);
   void reduce_scatter(const void* in, void* out, size_t count, const Reduction& red, OpCtx ctx);
+  // Reduce-scatter of parts of different sizes: counts[p] elements for group rank p, the parts
+  // one after the other in `in`; `out` gets counts[rank]. The counts join the call's
+  // descriptor (Note [Reduce-scatter of unequal parts] in comm_algos.cpp).
+  void reduce_scatter(const void* in, void* out, const std::vector<size_t>& counts,
+                      const Reduction& red, OpCtx ctx);
   void allgather(const void* in, void* out, size_t bytes, OpCtx ctx);
   void broadcast(void* data, size_t bytes, int root, OpCtx ctx);
   // Rooted collectives (Note [Rooted collectives] in shm_rooted.h). reduce: `data` is the

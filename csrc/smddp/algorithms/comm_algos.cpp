@@ -112,6 +112,67 @@ void Communicator::reduce_scatter(const void* in, void* out, size_t count, const
   });
 }
 
+// Note [Reduce-scatter of unequal parts]
+// c10d's list form of reduce_scatter takes input_list[p] as the part rank p receives, shaped
+// like rank p's output, so parts may differ in size (gloo and NCCL reduce them; some may be
+// empty). Every rank passes all the sizes. The parts are spans of the concatenated input, as
+// in the call above but each of its own length, and the same algorithms take them: on one
+// host the shared-memory reduce-scatter, across hosts hier_reduce_scatter with the group's
+// inter-host algorithm, chosen by the input's size S as for any reduce-scatter. So every
+// element is reduced in the order every reduce-scatter follows (local ranks in order, then
+// hosts in the algorithm's order; Note [Hierarchical collectives] in comm.h), by its part's
+// rank alone: exact, and the same bits as an equal-size call over the same data would give.
+//
+// Cost: that of a reduce-scatter of the concatenation, without padding (each element is
+// moved and reduced once, as in the equal call), and with two differences. The zero-copy path
+// (Note [Zero-copy operands] in shm_algos.h) is not tried: it reads equal blocks. And each
+// shared-memory step carries a chunk of every part, so the steps number as many as the
+// longest part needs: where one part holds nearly all of the input, up to world_size times
+// the steps of an equal split of the same input, each carrying that much less. That part is
+// reduced by its rank alone, as any part of a reduce-scatter is.
+//
+// Mismatches: ranks that disagree on a size would cut the input differently, so the sizes'
+// digest joins the call's descriptor (CollDesc::extra), which local ranks compare at the
+// first step, before reading any peer's data (Note [Mismatch detection] in shm.h), and which
+// every message between hosts carries in its check (Note [Mismatches across hosts] in
+// tcp.h): a disagreement raises "mismatched collectives" on every rank, as a different count
+// does. Each step of the digest is a bijection of its state for a given size, so lists that
+// differ in one size always differ in digest; lists that differ in several collide with
+// probability 2^-64.
+namespace {
+uint64_t parts_digest(const std::vector<size_t>& counts) {
+  uint64_t h = 0x243f6a8885a308d3ull;
+  for (size_t c : counts) {
+    h ^= static_cast<uint64_t>(c);  // then splitmix64's finaliser, a bijection
+    h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
+    h = (h ^ (h >> 27)) * 0x94d049bb133111ebull;
+    h ^= h >> 31;
+  }
+  return h;
+}
+}  // namespace
+
+void Communicator::reduce_scatter(const void* in, void* out, const std::vector<size_t>& counts,
+                                  const Reduction& red, OpCtx ctx) {
+  ctx.desc.extra ^= parts_digest(counts);
+  guarded(ctx, true, [&] {
+    SMDDP_CHECK_VALUE(counts.size() == static_cast<size_t>(cfg_.size), "smddp: ", ctx.describe(),
+                      " got ", counts.size(), " part sizes for a group of ", cfg_.size, " ranks");
+    std::vector<Span> parts(cfg_.size);
+    size_t total = 0;
+    for (int p = 0; p < cfg_.size; ++p) {
+      parts[p] = {total, counts[p]};
+      total = checked_add(total, counts[p], "the elements of a reduce_scatter's parts");
+    }
+    checked_mul(total, dtype_size(red.dtype), "the bytes of a reduce_scatter's input");
+    if (layout_.hosts == 1) {
+      shm::reduce_scatter(*shm_, in, parts, handled(), {out}, red, true, ctx);
+      return;
+    }
+    hier_reduce_scatter(in, parts, out, red, ctx);
+  });
+}
+
 void Communicator::allgather(const void* in, void* out, size_t bytes, OpCtx ctx) {
   guarded(ctx, true, [&] {
     std::vector<Span> parts(cfg_.size);
