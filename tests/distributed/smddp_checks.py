@@ -66,8 +66,9 @@ def check_reduce_scatter(sizes=(0, 1, 5, 17, 1031, 40000), dtypes=ALL_DTYPES) ->
                 inp = make_input(rank, n * world, dtype, salt, op)
                 out = torch.empty(n, dtype=dtype)
                 dist.reduce_scatter_tensor(out, inp, op=redop(op))
+                xs = [make_input(r, n * world, dtype, salt, op) for r in range(world)]
                 full = reference_reduce(
-                    [make_input(r, n * world, dtype, salt, op) for r in range(world)],
+                    xs,
                     op,
                     hosts,
                     scatter=True,
@@ -83,7 +84,24 @@ def check_reduce_scatter(sizes=(0, 1, 5, 17, 1031, 40000), dtypes=ALL_DTYPES) ->
                     op=redop(op),
                 )
                 assert same(out2, want), f"reduce_scatter (list) {dtype} {op} n={n}"
-                checked += 2
+                # The list form with parts of different sizes, input_list[p] being rank p's
+                # part (some empty), cut from the front of the same inputs: each element
+                # reduced as in the equal form.
+                parts = [max(0, n - 3 * ((p + n) % world)) for p in range(world)]
+                total = sum(parts)
+                out3 = torch.empty(parts[rank], dtype=dtype)
+                dist.reduce_scatter(out3, list(inp[:total].split(parts)), op=redop(op))
+                full = reference_reduce(
+                    [x[:total] for x in xs],
+                    op,
+                    hosts,
+                    scatter=parts,
+                    doubling=doubling_takes(inp[:total], "reduce_scatter"),
+                )
+                begin = sum(parts[:rank])
+                want = full[begin : begin + parts[rank]]
+                assert same(out3, want), f"reduce_scatter (list, parts {parts}) {dtype} {op}"
+                checked += 3
     return checked
 
 

@@ -175,7 +175,7 @@ def reference_reduce(
     xs: list[torch.Tensor],
     op: str,
     hosts: list[list[int]],
-    scatter: bool = False,
+    scatter: bool | list[int] = False,
     tree: bool = False,
     doubling: bool = False,
 ) -> torch.Tensor:
@@ -185,7 +185,9 @@ def reference_reduce(
     owner's round to its owner's, or, for an all_reduce the tree takes (``tree``, from
     ``tree_takes``), in the tree's order, or, for a collective auto sends by
     halving-doubling (``doubling``, from ``doubling_takes``), in its order. The parts are
-    the reduce_scatter's equal ones when ``scatter``, else the all_reduce's (``partition``).
+    the reduce_scatter's equal ones when ``scatter`` is True, the given part sizes in rank
+    order when it is a list (the list form of reduce_scatter with parts of different sizes),
+    else the all_reduce's (``partition``).
     """
     dtype, shape = xs[0].dtype, xs[0].shape
     acc = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
@@ -221,7 +223,7 @@ def _part_by_part(
     partials: list[torch.Tensor],
     op: str,
     hosts: list[list[int]],
-    scatter: bool,
+    scatter: bool | list[int],
     esz: int,
     leaves,
     by_host: list[torch.Tensor] | None = None,
@@ -234,7 +236,10 @@ def _part_by_part(
     ring = ring_across_hosts(hosts)
     total = torch.empty_like(partials[0])
     for p in range(world):
-        if scatter:
+        if isinstance(scatter, list):
+            b = sum(scatter[:p])
+            e = b + scatter[p]
+        elif scatter:
             b, e = p * (n // world), (p + 1) * (n // world)
         else:
             b, e = partition(n, world, p, max(1, 64 // esz))

@@ -288,3 +288,86 @@ def test_complex_reductions_equal_gloos():
                 assert torch.allclose(
                     out[("smddp", dtype, case)], out[("gloo", dtype, case)], rtol=1e-5, atol=1e-6
                 ), (dtype, case)
+
+
+def _reduce_scatter_unequal_parts():
+    """The list form of reduce_scatter with parts of different sizes: input_list[p] is the
+    part rank p receives, shaped like rank p's output, so outputs differ between ranks and
+    some are empty. Every op on fp32, bf16, int32 and bool, against the reference bit for bit
+    (random data), and against gloo on integer-valued data, whose every reduction is exact
+    in any order, so gloo's results must be the same bits. Returns the failures and the
+    number of calls checked."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    hosts = rank_helpers.host_layout()
+    # Part shapes by destination rank; the last case crosses several 512 KiB steps.
+    cases = [
+        [(5,), (0,), (1031,)],
+        [(0,), (0,), (1,)],
+        [(2, 3), (0, 3), (4, 3)],
+        [(1,), (150001,), (7,)],
+    ]
+    failures, checked = [], 0
+    for dtype in (torch.float32, torch.bfloat16, torch.int32, torch.bool):
+        for op in reference.ops_for(dtype):
+            for k, shapes in enumerate(cases):
+                sizes = [torch.Size(s).numel() for s in shapes]
+                salt = reference.salt_for("rs_unequal", str(dtype), op, str(k))
+                xs = [reference.make_input(r, sum(sizes), dtype, salt, op) for r in range(world)]
+                ins = [p.reshape(s) for p, s in zip(xs[rank].split(sizes), shapes)]
+                out = torch.empty(shapes[rank], dtype=dtype)
+                if k == 2:  # a non-contiguous output
+                    out = torch.empty(tuple(reversed(shapes[rank])), dtype=dtype).t()
+                dist.reduce_scatter(out, ins, op=reference.redop(op))
+                begin = sum(sizes[:rank])
+                full = reference.reference_reduce(xs, op, hosts, scatter=sizes)
+                want = full[begin : begin + sizes[rank]].reshape(shapes[rank])
+                if not reference.same(out, want):
+                    failures.append(f"{dtype} {op} parts {sizes}: not the reference")
+                checked += 1
+                if op in ("AVG", "PREMUL_SUM"):
+                    continue  # gloo has neither
+                # Integer values in [-3, 3] (1 to 3 for PRODUCT): exact sums and products.
+                g = torch.Generator().manual_seed(salt + 31 * rank)
+                lo, hi = (1, 4) if op == "PRODUCT" else (-3, 4)
+                ints = [torch.randint(lo, hi, s, generator=g).to(dtype) for s in shapes]
+                # Contiguous outputs: gloo writes a non-contiguous one in storage order.
+                got = torch.empty(shapes[rank], dtype=dtype)
+                ref = torch.empty(shapes[rank], dtype=dtype)
+                dist.reduce_scatter(got, [t.clone() for t in ints], op=reference.redop(op))
+                dist.reduce_scatter(
+                    ref, [t.clone() for t in ints], op=reference.redop(op), group=gloo
+                )
+                if not reference.same(got, ref):
+                    failures.append(f"{dtype} {op} parts {sizes}: not gloo's")
+                checked += 1
+    # Async, with this rank's input as its output (in place).
+    ins = [torch.full((2 + 3 * p,), float(rank + p)) for p in range(world)]
+    work = dist.reduce_scatter(ins[rank], ins, async_op=True)
+    work.wait()
+    want = torch.full((2 + 3 * rank,), float(sum(r + rank for r in range(world))))
+    if not torch.equal(ins[rank], want):
+        failures.append(f"async in place: {ins[rank]} != {want}")
+    # Parts whose bytes add up past 64 bits (expand()ed views cost nothing): refused on
+    # every rank before anything is allocated or sent.
+    huge = torch.empty(1).expand(2**62)
+    ins = [torch.empty(1)] + [huge] * (world - 1)
+    try:
+        dist.reduce_scatter(ins[rank], ins)
+        failures.append("parts of 2^62 elements: no error")
+    except ValueError as e:
+        if "more bytes than a tensor can hold" not in str(e):
+            failures.append(f"parts of 2^62 elements: {e}")
+    return failures, checked
+
+
+def test_reduce_scatter_list_with_unequal_parts_equals_reference_and_gloo():
+    # Before: "smddp: reduce_scatter: every input must have N elements like the output".
+    for failures, checked in run_distributed(
+        _reduce_scatter_unequal_parts, world_size=3, backend="smddp", timeout=300
+    ):
+        assert not failures, failures[:10]
+        assert checked == 4 * (6 + 6 + 7 + 7) + 4 * (4 + 4 + 7 + 7), checked

@@ -37,6 +37,19 @@ def _mismatches():
         lambda g: dist.all_to_all_single(
             torch.empty(2 + rank), torch.ones(2), [1 + rank, 1], [1, 1], group=g
         ),
+        # reduce_scatter's list form, parts of different sizes: rank 0 says rank 1's part has
+        # 5 elements, rank 1 says 6.
+        lambda g: dist.reduce_scatter(
+            torch.empty([4, 5 + rank][rank]), [torch.ones(4), torch.ones(5 + rank)], group=g
+        ),
+        # Parts [4, 6] against [6, 4]: the same total, and each rank's own part has 4.
+        lambda g: dist.reduce_scatter(
+            torch.empty(4), [torch.ones([4, 6][rank]), torch.ones([6, 4][rank])], group=g
+        ),
+        # Parts [0, 0] (equal, every part empty) against [0, 1].
+        lambda g: dist.reduce_scatter(
+            torch.empty(rank), [torch.empty(0), torch.empty(rank)], group=g
+        ),
     ]
     # A fresh group per case: a failed collective poisons its group.
     return rank_helpers.runtime_errors(
@@ -53,8 +66,10 @@ def test_mismatched_collectives_raise_on_every_rank(transport):
         _mismatches, world_size=2, backend="smddp", env=env, fresh=True, pg_timeout=30
     )
     for per_rank in results:
-        assert all(m is not None and "mismatched collectives" in m for m in per_rank[:4]), per_rank
+        mismatched = per_rank[:4] + per_rank[5:]
+        assert all(m is not None and "mismatched collectives" in m for m in mismatched), per_rank
         assert per_rank[4] is not None and "sizes" in per_rank[4], per_rank
+        assert all("reduce_scatter" in m for m in per_rank[5:]), per_rank
     assert "all_reduce (Float, SUM, 10 elements)" in results[0][0]
     assert "broadcast (Float, 4 elements, root 0)" in results[0][3] + results[1][3]
     sizes = results[1][4]

@@ -236,6 +236,17 @@ def _other_collectives():
         dist.reduce_scatter(out, [_data(n, torch.float32, rank, r) for r in range(world)], group=g)
         return [out]
 
+    def reduce_scatter_unequal_parts(g):
+        # input_list[p] is rank p's part: n + 5 p elements; then parts empty but rank 0's.
+        sizes = [n + 5 * p for p in range(world)]
+        out = torch.zeros(sizes[rank], dtype=torch.bfloat16)
+        ins = [_data(m, torch.bfloat16, rank, p) for p, m in enumerate(sizes)]
+        dist.reduce_scatter(out, ins, op=dist.ReduceOp.MAX, group=g)
+        out2 = torch.zeros(0) if rank else torch.zeros(7)
+        ins2 = [torch.full((7,), float(rank))] + [torch.zeros(0)] * (world - 1)
+        dist.reduce_scatter(out2, ins2, group=g)
+        return [out, out2]
+
     def reduce_scatter_tensor(g):
         out = torch.zeros(n, dtype=torch.bfloat16)
         dist.reduce_scatter_tensor(out, _data(world * n, torch.bfloat16, rank), group=g)
@@ -284,6 +295,7 @@ def _other_collectives():
         all_gather,
         all_gather_into_tensor,
         reduce_scatter,
+        reduce_scatter_unequal_parts,
         reduce_scatter_tensor,
         gather,
         scatter,

@@ -156,6 +156,12 @@ class ProcessGroupSMDDP : public c10d::Backend {
   // Note [Sparse all-reduce] in backend_sparse.cpp.
   c10::intrusive_ptr<c10d::Work> allreduce_sparse(const at::Tensor& t,
                                                   const c10d::AllreduceOptions& opts);
+  // reduce_scatter's list form when the parts differ in size (Note [Reduce-scatter of unequal
+  // parts] in comm_algos.cpp); the inputs are checked CPU tensors of the output's dtype.
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_unequal(const at::Tensor& out,
+                                                        const std::vector<at::Tensor>& ins,
+                                                        const Reduction& red,
+                                                        const c10d::ReduceScatterOptions& opts);
   double timeout_of(std::chrono::milliseconds t) const;
   Reduction reduction_of(const c10d::ReduceOp& op, const at::Tensor& t, const char* name) const;
   // Records works issued between startCoalescing and endCoalescing.

@@ -3,6 +3,8 @@
 // pointers for the executor; non-contiguous tensors are staged through a contiguous copy. The
 // other collectives are in backend_movement.cpp, point-to-point in backend_p2p.cpp, the
 // all_reduce of sparse tensors in backend_sparse.cpp.
+#include <limits>
+
 #include "smddp/backend/op_helpers.h"
 
 namespace smddp {
@@ -194,13 +196,14 @@ WorkPtr ProcessGroupSMDDP::reduce_scatter(std::vector<at::Tensor>& outputs,
   TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_,
                     "smddp: reduce_scatter needs a list of world_size (", size_, ") inputs");
   at::Tensor out = outputs[0];
+  bool equal = true;
   for (const auto& i : inputs[0]) {
     check_cpu(i, "reduce_scatter", "an input");
     check_same_dtype(i, out, "reduce_scatter");
-    TORCH_CHECK_VALUE(i.numel() == out.numel(), "smddp: reduce_scatter: every input must have ",
-                      out.numel(), " elements like the output, got ", i.numel());
+    equal = equal && i.numel() == out.numel();
   }
   Reduction red = reduction_of(opts.reduceOp, out, "reduce_scatter");
+  if (!equal) return reduce_scatter_unequal(out, inputs[0], red, opts);
   OpCtx ctx = live_comm().make_ctx("reduce_scatter", desc_of(out, int(red.op), out.numel()),
                                    args_of(out, redop_name(red.op)), timeout_of(opts.timeout));
   auto ins = inputs[0];
@@ -208,6 +211,45 @@ WorkPtr ProcessGroupSMDDP::reduce_scatter(std::vector<at::Tensor>& outputs,
     at::Tensor flat = flat_cat(ins);
     at::Tensor o = contiguous_out(out);
     comm_->reduce_scatter(flat.data_ptr(), o.data_ptr(), o.numel(), red, ctx);
+    copy_back(o, out);
+  });
+}
+
+// Note [Reduce-scatter of unequal parts] in comm_algos.cpp: input_list[p] is the part rank p
+// receives, shaped like its output, so the parts may differ in size between ranks. The
+// inputs are concatenated as in the equal-size form (one copy of the input); the parts'
+// sizes, which every rank passes alike, cut the concatenation and join the descriptor.
+WorkPtr ProcessGroupSMDDP::reduce_scatter_unequal(const at::Tensor& out,
+                                                  const std::vector<at::Tensor>& ins,
+                                                  const Reduction& red,
+                                                  const c10d::ReduceScatterOptions& opts) {
+  const char* name = "reduce_scatter";
+  TORCH_CHECK_VALUE(ins[rank_].numel() == out.numel(), "smddp: ", name, ": the output has ",
+                    out.numel(), " elements but input ", rank_, ", this rank's part, has ",
+                    ins[rank_].numel(), "; input_list[i] is the part rank i receives");
+  // Sizes come from tensors that exist, but expand()ed views are large at no cost: their sum
+  // and its bytes must fit before anything is allocated for them.
+  const int64_t esz = out.element_size();
+  std::vector<size_t> counts(size_);
+  int64_t total = 0;
+  for (int p = 0; p < size_; ++p) {
+    const int64_t n = ins[p].numel();
+    TORCH_CHECK_VALUE(!__builtin_add_overflow(total, n, &total) &&
+                          total <= std::numeric_limits<int64_t>::max() / esz,
+                      "smddp: ", name, ": the inputs add up to more bytes than a tensor ",
+                      "can hold (input ", p, " has ", n, " elements)");
+    counts[p] = static_cast<size_t>(n);
+  }
+  OpArgs args = args_of(out, redop_name(red.op));
+  args.numel = total;  // the whole input: what sets calls of unequal parts apart in messages
+  OpCtx ctx = live_comm().make_ctx("reduce_scatter (unequal parts)",
+                                   desc_of(out, int(red.op), static_cast<uint64_t>(total)), args,
+                                   timeout_of(opts.timeout));
+  std::vector<at::Tensor> outs = {out};
+  return submit(OpType::REDUCE_SCATTER, outs, opts.asyncOp, [this, ins, out, counts, red, ctx] {
+    at::Tensor flat = flat_cat(ins);
+    at::Tensor o = contiguous_out(out);
+    comm_->reduce_scatter(flat.data_ptr(), o.data_ptr(), counts, red, ctx);
     copy_back(o, out);
   });
 }
