@@ -119,9 +119,11 @@ void Communicator::reduce_scatter(const void* in, void* out, size_t count, const
 // in the call above but each of its own length, and the same algorithms take them: on one
 // host the shared-memory reduce-scatter, across hosts hier_reduce_scatter with the group's
 // inter-host algorithm, chosen by the input's size S as for any reduce-scatter. So every
-// element is reduced in the order every reduce-scatter follows (local ranks in order, then
-// hosts in the algorithm's order; Note [Hierarchical collectives] in comm.h), by its part's
-// rank alone: exact, and the same bits as an equal-size call over the same data would give.
+// element is reduced as any reduce-scatter reduces an element of its part's rank: by that
+// rank alone, over the local ranks in order, then the hosts in the order the algorithm takes
+// for that rank's part (Note [Hierarchical collectives] in comm.h): exact and deterministic,
+// its bits set by its values, that rank and the algorithm S selects, not by how the other
+// parts are cut or by timing.
 //
 // Cost: that of a reduce-scatter of the concatenation, without padding (each element is
 // moved and reduced once, as in the equal call), and with two differences. The zero-copy path
