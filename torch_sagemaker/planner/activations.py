@@ -11,9 +11,13 @@ as the library implements them:
   region heads, MLP columns and the vocabulary are split; an MoE block's rows are its tokens
   times the experts each token picks (balanced routing assumed: with expert parallelism a
   rank receives, on average, as many rows as its tokens chose).
+- Sliding windows: a layer whose window is no longer than the sequence gets an explicit
+  mask, which makes its attention save more (the profile's ``masked_attention``; Note
+  [Masked attention saves more] in ``torch_sagemaker/policies/activations.py``).
 - Checkpointing (``checkpoint_transformer_layers``, non-reentrant): a layer keeps only its
   input, the residual stream (sequence-split under TP); the rotary tables then travel in the
-  checkpoint's closure, not as saved tensors.
+  checkpoint's closure, not as saved tensors, and so does a sliding window's boolean mask,
+  which is counted (Note [A checkpoint's closure keeps the mask]).
 - Offloading (``offload_wrapper``): each layer's saved storages go to the host as they are
   saved; at most ``activation_loading_horizon + 1`` layers are back on the device at once
   (the schedule, docs/offload.md). What the layers' surroundings save stays on the device.
@@ -145,6 +149,8 @@ class _Sizer:
         }
         top_k = spec.policy.moe.top_k(spec.config) if spec.policy.moe else 0
         self.rows["routed"] = self.tokens * top_k
+        # A mask row spans every key of the sequence; context parallelism, which would cut
+        # the keys, refuses sliding windows (the only masks modelled).
         num_heads, num_kv = heads.num_heads, heads.num_kv_heads
         expert_mlp = spec.dim("moe_intermediate_size", 0) or spec.dim("intermediate_size", 0)
         self.whole = {
@@ -159,6 +165,7 @@ class _Sizer:
             "topk": top_k,
             "expert_mlp": expert_mlp,
             "shared_mlp": spec.dim("shared_expert_intermediate_size", 0),
+            "keys": shape.seq_len,
         }
         self.split = dict(self.whole)
         self.split.update(
@@ -186,6 +193,28 @@ def _rotary_width(spec: ModelSpec, profile: ActivationProfile) -> int:
     return int(spec.head_dim * fraction)
 
 
+def masked_layers(spec: ModelSpec, seq_len: int) -> set[int]:
+    """Indices of the layers whose attention gets an explicit mask at ``seq_len`` tokens.
+
+    Those with a sliding window no longer than the sequence (Note [Masked attention saves
+    more]): every layer of a family with the window (Mistral, Mixtral), or the config's
+    ``layer_types`` marked ``"sliding_attention"`` where it lists them (Qwen2 with
+    ``use_sliding_window``, from ``max_window_layers`` on). Empty when the policy names no
+    window attribute, the config sets none or the profile has no ``masked_attention``.
+    """
+    attr = spec.policy.sliding_window_attr
+    window = getattr(spec.config, attr, None) if attr else None
+    profile = spec.policy.activations
+    if window is None or profile is None or not profile.masked_attention:
+        return set()
+    if seq_len < int(window):  # transformers skips the mask: the causal flag suffices
+        return set()
+    types = getattr(spec.config, "layer_types", None)
+    if types is None:
+        return set(range(spec.num_layers))
+    return {i for i, kind in enumerate(types[: spec.num_layers]) if kind == "sliding_attention"}
+
+
 def sparse_layers(spec: ModelSpec) -> set[int]:
     """Indices of the layers with an MoE block (those holding expert weights)."""
     return {int(p.unit.partition(".")[2]) for p in spec.params if p.expert}
@@ -210,10 +239,15 @@ def activation_bytes(
     moe_terms = profile.moe
     if shape.moe_layer:  # the block's norm, then the library's layer
         moe_terms = tuple(t for t in profile.mlp if t.size in ("hidden", "one")) + MOE_LAYER
-    dense_layer = size.bytes(profile.attention + profile.mlp)
-    sparse_layer = size.bytes(profile.attention + moe_terms) if sparse else 0
+    masked = masked_layers(spec, shape.seq_len)
+    attention = {False: size.bytes(profile.attention)}
+    if masked:
+        attention[True] = size.bytes(profile.masked_attention)
+    dense_mlp = size.bytes(profile.mlp)
+    sparse_mlp = size.bytes(moe_terms) if sparse else 0
     per_layer = [
-        sparse_layer if index in sparse else dense_layer for index in range(spec.num_layers)
+        attention[index in masked] + (sparse_mlp if index in sparse else dense_mlp)
+        for index in range(spec.num_layers)
     ]
     layer_input = size.bytes((Saved("hidden", "compute", "sequence"),))
     kept = [layer_input] * spec.num_layers if checkpointing else per_layer
@@ -222,6 +256,15 @@ def activation_bytes(
     if not checkpointing:
         rotary = 2 * size.rows["positions"] * _rotary_width(spec, profile) * shape.compute_bytes
         outside += rotary
+    elif masked:
+        # Note [A checkpoint's closure keeps the mask]
+        #     Under non-reentrant checkpointing a layer's arguments stay referenced by its
+        #     recomputation until its backward, so the boolean sliding-window mask that the
+        #     model builds once, a [1, 1, s, s] tensor expanded over the batch (s * s bytes),
+        #     lives from the forward to the first layer's backward (a weak reference to it
+        #     dies after the forward without checkpointing and survives it with). A
+        #     saved_tensors_hooks does not see it, so the validation's count is lower by it.
+        outside += shape.seq_len * shape.seq_len
     offloaded = 0
     layers = sum(kept)
     if offload:
@@ -245,5 +288,6 @@ __all__ = [
     "MOE_LAYER",
     "VOCAB_PARALLEL_LOSS",
     "activation_bytes",
+    "masked_layers",
     "sparse_layers",
 ]

@@ -4,7 +4,10 @@
   byte for FSDP's sharding (tests/distributed/test_planner_memory.py compares them with the
   live storages).
 - Saved activations (``activations.activation_bytes``): within 10% of what a
-  ``saved_tensors_hooks`` counts, with and without checkpointing and offloading (same test).
+  ``saved_tensors_hooks`` counts, with and without checkpointing and offloading (same test;
+  sliding windows in tests/unit/test_planner_memory_terms.py). With checkpointing, a sliding
+  window's boolean mask, which the checkpoint's closure keeps and no hook sees, is counted on
+  top (Note [A checkpoint's closure keeps the mask]).
 - Communication buffers: what FSDP holds unsharded while a unit computes, in the compute
   dtype. The root unit (embedding, final norm, head) stays unsharded from its forward to its
   backward (``shard_model`` gives it ``reshard_after_forward=False``; FSDP1 does not reshard

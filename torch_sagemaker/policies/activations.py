@@ -15,6 +15,10 @@ storage once); the parallelism planner multiplies them by the tokens a rank hold
   key and value after rotary embedding, the output and a float32 log-sum-exp per head;
   grouped-query attention passes the key/value heads unrepeated. The output projection
   reads the output itself.
+- ``SDPA_MASKED``: the same call when Hugging Face passes an explicit mask (a sliding
+  window no longer than the sequence): the key and value are repeated to every query head
+  first, and the kernel also saves the mask, converted to the compute dtype, per call
+  (Note [Masked attention saves more]).
 - ``GATED_MLP``: ``down(act(gate(x)) * up(x))`` saves the gate's output (the activation's
   input), the activation's output, the up projection's output and their product.
 - ``PLAIN_MLP``: ``fc2(act(fc1(x)))`` saves fc1's output and the activation's output.
@@ -39,11 +43,35 @@ SDPA: tuple[Saved, ...] = (
     Saved("heads", "float32"),
     Saved("q"),
 )
+# Note [Masked attention saves more]
+#     Transformers 5 passes SDPA an explicit mask only where the causal flag cannot express
+#     the pattern: for a sliding window, whenever the keys are at least as many as the window
+#     (``masking_utils._ignore_causal_mask_sdpa``; at ``window == seq_len`` the mask is
+#     all-causal but built all the same). With a mask, ``use_gqa_in_sdpa`` is false on CUDA
+#     and CPU, so ``sdpa_attention_forward`` repeats the key and value to every query head
+#     (``repeat_kv``) and the kernel saves the repeated ones. The boolean mask itself is a
+#     ``[1, 1, s, s]`` tensor expanded over the batch; SDPA converts it to an additive mask
+#     in the query's dtype for each call, ``[b, 1, s, s]``, and saves that. Measured with a
+#     ``saved_tensors_hooks`` on CPU (Mistral and Qwen2 with 16 heads, 4 kv heads, seq 512,
+#     windows 128, 511, 512 and 513, float32 and bfloat16): the layers with the window save
+#     two ``[b, heads, s, d]`` tensors instead of two ``[b, kv_heads, s, d]`` ones, and one
+#     ``[b, 1, s, s]`` mask each; a window of 513 saves what no window saves. CUDA's
+#     memory-efficient kernel pads the mask's last dimension to a multiple of 16, which this
+#     leaves out.
+SDPA_MASKED: tuple[Saved, ...] = (
+    Saved("q"),
+    Saved("q", count=2),
+    Saved("heads", "float32"),
+    Saved("q"),
+    Saved("keys", region="gathered"),
+)
 GATED_MLP: tuple[Saved, ...] = (Saved("mlp", count=4),)
 PLAIN_MLP: tuple[Saved, ...] = (Saved("mlp", count=2),)
 
 #: A Llama-shaped decoder layer's attention half, and its dense MLP half.
 LLAMA_ATTENTION: tuple[Saved, ...] = RMS_NORM + NORM_OUTPUT + SDPA
+#: The attention half when a sliding window makes Hugging Face pass a mask.
+LLAMA_ATTENTION_MASKED: tuple[Saved, ...] = RMS_NORM + NORM_OUTPUT + SDPA_MASKED
 LLAMA_MLP: tuple[Saved, ...] = RMS_NORM + NORM_OUTPUT + GATED_MLP
 LLAMA_FINAL: tuple[Saved, ...] = RMS_NORM + NORM_OUTPUT
 
@@ -72,11 +100,13 @@ __all__ = [
     "LAYER_NORM_INPUT",
     "LAYER_NORM_STATS",
     "LLAMA_ATTENTION",
+    "LLAMA_ATTENTION_MASKED",
     "LLAMA_FINAL",
     "LLAMA_MLP",
     "NORM_OUTPUT",
     "PLAIN_MLP",
     "RMS_NORM",
     "SDPA",
+    "SDPA_MASKED",
     "TOPK_ROUTER",
 ]

@@ -9,7 +9,12 @@ head, and sequence parallelism for the norms between the parallel regions. RoPE 
 
 from __future__ import annotations
 
-from torch_sagemaker.policies.activations import LLAMA_ATTENTION, LLAMA_FINAL, LLAMA_MLP
+from torch_sagemaker.policies.activations import (
+    LLAMA_ATTENTION,
+    LLAMA_ATTENTION_MASKED,
+    LLAMA_FINAL,
+    LLAMA_MLP,
+)
 from torch_sagemaker.policies.model_policy import ActivationProfile, ModelPolicy
 
 
@@ -50,8 +55,15 @@ def llama_style_plan(base: str = "model", mlp: bool = True) -> dict[str, str]:
 LLAMA_SPLIT_SIZES = {"intermediate_size": "the MLP's columns (gate/up colwise, down rowwise)"}
 
 #: What a Llama-shaped decoder saves for backward (shared by Mistral and Qwen2, whose layers
-#: are Llama's with other defaults; q/k/v biases save nothing more).
-LLAMA_ACTIVATIONS = ActivationProfile(attention=LLAMA_ATTENTION, mlp=LLAMA_MLP, final=LLAMA_FINAL)
+#: are Llama's with other defaults; q/k/v biases save nothing more). Their sliding windows
+#: (Mistral; Qwen2 with ``use_sliding_window``) make the attention save a mask and repeated
+#: key/value heads (Note [Masked attention saves more]).
+LLAMA_ACTIVATIONS = ActivationProfile(
+    attention=LLAMA_ATTENTION,
+    mlp=LLAMA_MLP,
+    final=LLAMA_FINAL,
+    masked_attention=LLAMA_ATTENTION_MASKED,
+)
 
 LLAMA = ModelPolicy(
     name="llama",

@@ -18,6 +18,7 @@ from __future__ import annotations
 from torch_sagemaker.policies.activations import (
     GROUPED_EXPERTS,
     LLAMA_ATTENTION,
+    LLAMA_ATTENTION_MASKED,
     LLAMA_FINAL,
     LLAMA_MLP,
     NORM_OUTPUT,
@@ -46,6 +47,7 @@ MIXTRAL = ModelPolicy(
         mlp=LLAMA_MLP,
         moe=RMS_NORM + NORM_OUTPUT + TOPK_ROUTER + GROUPED_EXPERTS,
         final=LLAMA_FINAL,
+        masked_attention=LLAMA_ATTENTION_MASKED,
     ),
     notes="Experts split whole over the TP ranks (degree must divide num_local_experts).",
 )

@@ -149,6 +149,7 @@ SAVED_SIZES = (
     "topk",  # experts per token
     "expert_mlp",  # one expert's intermediate size
     "shared_mlp",  # a shared expert's intermediate size
+    "keys",  # the keys a query is scored against (the whole sequence): an attention mask's row
 )
 #: Where a saved tensor lives, which decides how parallelism divides it.
 SAVED_REGIONS = (
@@ -200,6 +201,9 @@ class ActivationProfile:
         moe: A sparse layer's MLP half with the model's own MoE block (router, experts), or
             empty for dense families.
         final: The final norm and the LM head's input.
+        masked_attention: A layer's attention half when Hugging Face passes its attention an
+            explicit mask (a sliding window no longer than the sequence), or empty where the
+            family never does (then ``attention`` is used).
         rotary_fraction_attr: Config attribute with the fraction of each head that rotary
             embeddings rotate (``None``: all of it).
     """
@@ -208,6 +212,7 @@ class ActivationProfile:
     mlp: tuple[Saved, ...]
     final: tuple[Saved, ...]
     moe: tuple[Saved, ...] = ()
+    masked_attention: tuple[Saved, ...] = ()
     rotary_fraction_attr: str | None = None
 
 

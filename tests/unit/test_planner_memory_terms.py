@@ -1,0 +1,96 @@
+"""Terms of the planner's memory model checked against the model they describe, in one process:
+the saved activations of sliding-window attention, FSDP's gathered buffers of MoE layers.
+
+The multi-rank validation of the whole memory model is tests/distributed/test_planner_memory.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from benchmarks.planner import measure
+from torch_sagemaker.planner import activations
+from torch_sagemaker.planner.candidates import Candidate, check
+from torch_sagemaker.planner.inputs import Cluster, Workload
+from torch_sagemaker.planner.memory import activation_shape
+from torch_sagemaker.planner.model import describe
+from torch_sagemaker.planner.presets import accelerator
+from torch_sagemaker.policies import lookup_policy
+from torch_sagemaker.sharding import checkpoint_transformer_layers
+
+SEQ, BATCH = 64, 2
+
+
+def _windowed(family: str, window: int | None) -> transformers.PreTrainedConfig:
+    shape = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    if family == "mistral":
+        return transformers.MistralConfig(sliding_window=window, **shape)
+    # Qwen2 windows the layers from max_window_layers on: here the second one only.
+    return transformers.Qwen2Config(
+        sliding_window=window or 256,
+        use_sliding_window=window is not None,
+        max_window_layers=1,
+        **shape,
+    )
+
+
+def _measured_and_predicted(config, checkpointing: bool) -> tuple[int, int]:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    spec = describe(model, lookup_policy(model))
+    if checkpointing:
+        checkpoint_transformer_layers(model)
+    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
+    counter = measure.SavedActivations(model)
+    with counter:
+        loss = model(input_ids=ids, labels=ids).loss
+    measured = counter.bytes
+    del loss
+    workload = Workload(SEQ, SEQ * BATCH, "float32")
+    cluster = Cluster(hosts=1, per_host=1, accelerator=accelerator("H100"))
+    checked = check(Candidate(1, checkpointing=checkpointing, fsdp=2), spec, cluster, workload)
+    predicted = activations.activation_bytes(
+        spec,
+        activation_shape(checked, workload),
+        checkpointing=checkpointing,
+        offload=False,
+        horizon=1,
+    ).saved
+    return measured, predicted
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_a_sliding_window_no_longer_than_the_sequence_is_predicted_to_the_storage(family):
+    # A window of SEQ or less makes transformers pass a mask: the attention saves it and
+    # key/value heads repeated to every query head (Note [Masked attention saves more]).
+    # The saved_tensors_hooks count is the validation's, bar its 4-byte loss weight.
+    unmasked = None
+    for window in (None, SEQ + 1, SEQ, SEQ // 4):
+        measured, predicted = _measured_and_predicted(_windowed(family, window), False)
+        assert predicted == pytest.approx(measured, abs=8), (family, window)
+        if window is None:
+            unmasked = measured
+        elif window > SEQ:
+            assert measured == unmasked  # no mask below the window's length
+        else:
+            assert measured > unmasked
+
+
+def test_a_checkpointed_sliding_window_keeps_its_boolean_mask_in_the_closure():
+    # Checkpointing keeps each layer's input; the mask travels in the checkpoint's closure,
+    # which the hook does not see (Note [A checkpoint's closure keeps the mask]).
+    plain, plain_predicted = _measured_and_predicted(_windowed("mistral", None), True)
+    measured, predicted = _measured_and_predicted(_windowed("mistral", SEQ // 4), True)
+    assert measured == plain and plain_predicted == pytest.approx(plain, abs=8)
+    assert predicted == pytest.approx(measured + SEQ * SEQ, abs=8)
