@@ -94,3 +94,45 @@ def test_a_checkpointed_sliding_window_keeps_its_boolean_mask_in_the_closure():
     measured, predicted = _measured_and_predicted(_windowed("mistral", SEQ // 4), True)
     assert measured == plain and plain_predicted == pytest.approx(plain, abs=8)
     assert predicted == pytest.approx(measured + SEQ * SEQ, abs=8)
+
+
+MIXTRAL_TINY = {
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "vocab_size": 128,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_fsdp_buffers_of_an_moe_layer_include_its_experts(tmp_path, moe):
+    # Running a layer holds its experts unsharded with the rest of it: in the layer's own
+    # FSDP unit without an MoEConfig, in a nested unit with one (Note [A layer gathers its
+    # experts]). Buffers: the root, the running and the prefetched layer, one layer's grads.
+    import json
+
+    from torch_sagemaker.planner import memory
+    from torch_sagemaker.planner.candidates import Checked
+    from torch_sagemaker.planner.model import load_model
+
+    path = tmp_path / "mixtral.json"
+    path.write_text(json.dumps(MIXTRAL_TINY))
+    spec = load_model(path)
+    root = 2 * 128 * 64 + 64  # embedding, head, final norm
+    dense = 2 * 64 * 64 + 2 * 64 * 32 + 2 * 64 + 4 * 64  # q, o, k, v, norms, router
+    experts = 4 * 2 * 96 * 64 + 4 * 64 * 96  # fused gate/up and down of 4 experts
+    ep = 2 if moe else 1
+    candidate = Candidate(4 // ep, expert_parallel_degree=ep, moe=moe)
+    cluster = Cluster(hosts=1, per_host=4, accelerator=accelerator("H100"))
+    workload = Workload(16, 64, "float32")
+    checked = check(candidate, spec, cluster, workload)
+    assert isinstance(checked, Checked), checked
+    layer = dense + experts // ep
+    assert memory.estimate(spec, checked, workload).buffers == (root + 3 * layer) * 4

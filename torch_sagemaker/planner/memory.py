@@ -103,7 +103,19 @@ def activation_shape(checked: Checked, workload: Workload, rank: int = 0) -> Act
 
 
 def _unit_bytes(spec: ModelSpec, s: Sharding) -> dict[str, int]:
-    """Elements of each FSDP unit's local (TP/EP-cut, unsharded) parameters."""
+    """Elements of the local (TP/EP-cut, unsharded) parameters FSDP gathers together.
+
+    The root's, and each transformer layer's with its experts (Note [A layer gathers its
+    experts]).
+    """
+    # Note [A layer gathers its experts]
+    #     ``Param.unit`` names a layer's experts ``experts.<i>`` apart from ``layers.<i>``, but
+    #     what FSDP holds unsharded while a layer runs is all of them. Without an MoEConfig
+    #     the experts are in the layer's own FSDP unit (``shards._unit_of``,
+    #     ``sharding/fsdp2.py``); with one they (and, under mixed precision, the router) are
+    #     units of their own nested in the layer, which its forward gathers too, and its
+    #     backward reduce-scatters their gradients with the layer's. So the buffers are sized
+    #     by whole layers, keyed ``layers.<i>``.
     units: dict[str, int] = {}
     for p in spec.params:
         if p.tied_to is not None:
@@ -111,7 +123,8 @@ def _unit_bytes(spec: ModelSpec, s: Sharding) -> dict[str, int]:
         n = 1
         for d in local_shape(p, s):
             n *= d
-        units[p.unit] = units.get(p.unit, 0) + n
+        key = ROOT if p.unit == ROOT else f"layers.{p.unit.partition('.')[2]}"
+        units[key] = units.get(key, 0) + n
     return units
 
 
