@@ -15,6 +15,9 @@ each valid or invalid with the library's own checks, in the order a job meets th
    global batch must split into whole sequences over the data-parallel ranks.
 
 Nothing here restates a rule: an invalid candidate carries the message the library raised.
+Two rules are the planner's own, checked first (stage ``planner``): offloading is tried only
+with activation checkpointing (SMP's documented use), and expert parallelism only for models
+with experts.
 """
 
 from __future__ import annotations
@@ -134,6 +137,9 @@ def check(
 ) -> Checked | Rejected:
     """Rules ``candidate`` valid or invalid with the library's checks (module docstring)."""
     c = candidate
+    problem = _planner_problem(c, spec)
+    if problem:
+        return Rejected(c, "planner", problem)
     world = cluster.world_size
     try:
         _, plan = _init.dry_run(
@@ -182,6 +188,38 @@ def check(
     return Checked(c, plan, heads, workload.sequences // dp)
 
 
+def _planner_problem(c: Candidate, spec: ModelSpec) -> str | None:
+    """Why the planner itself does not plan ``c`` (its own rules, not the library's), or None."""
+    if c.offload and not c.checkpointing:
+        return (
+            "sm_activation_offloading=True without activation checkpointing: the planner "
+            "tries offloading only with checkpointing, as SMP documents it (each "
+            "checkpointed layer's input is what goes to the host). Allow "
+            "activation_checkpointing=true or activation_offloading=false."
+        )
+    if c.expert_parallel_degree > 1 and spec.num_experts == 0:
+        return (
+            f"expert_parallel_degree={c.expert_parallel_degree}: {spec.name} has no experts "
+            "to split (a dense model). Use expert_parallel_degree=1."
+        )
+    return None
+
+
+def _settings(c: Candidate) -> dict[str, Any]:
+    """The value of each limitable setting (``inputs.SETTINGS``) in a candidate."""
+    return {
+        "hybrid_shard_degree": c.hybrid_shard_degree,
+        "tensor_parallel_degree": c.tensor_parallel_degree,
+        "context_parallel_degree": c.context_parallel_degree,
+        "expert_parallel_degree": c.expert_parallel_degree,
+        "activation_loading_horizon": c.horizon,
+        "fsdp": c.fsdp,
+        "activation_checkpointing": c.checkpointing,
+        "activation_offloading": c.offload,
+        "moe": c.moe,
+    }
+
+
 def enumerate_candidates(spec: ModelSpec, cluster: Cluster, limits: Limits) -> Iterator[Candidate]:
     """Every combination of settings ``limits`` allows (valid or not: ``check`` decides).
 
@@ -189,6 +227,51 @@ def enumerate_candidates(spec: ModelSpec, cluster: Cluster, limits: Limits) -> I
     offloading is tried with activation checkpointing (SMP's documented use) at horizons
     1 to ``limits.max_horizon``, or at exactly those an ``activation_loading_horizon`` limit
     names (above ``max_horizon`` too); expert parallelism and MoE settings only for MoE models.
+    Combinations that cannot work are left out (Note [What the enumeration leaves out]),
+    unless a value a limit names would then appear in no candidate at all.
+    """
+    # Note [What the enumeration leaves out]
+    #     The default ranges combine freely, so most combinations of large degrees exceed the
+    #     world, and offloading without checkpointing or EP without an MoEConfig are never
+    #     planned: listing each as invalid would bury the table's rules under ones nobody
+    #     asked about, so they are skipped. A value the user named in a limit is different:
+    #     if every combination with it is skipped, the search would answer "0 valid, none
+    #     invalid" with no reason. Those combinations are yielded after all, and ``check``
+    #     rejects them with the library's message (tensor_parallel_degree=16 on 8 ranks:
+    #     "must divide world_size=8") or the planner's own (``_planner_problem``). Only
+    #     those whose every reason to skip involves the named setting: with
+    #     tensor_parallel_degree=16 the combinations that also offload without
+    #     checkpointing stay out, so the rejections name the value asked about.
+    kept: list[Candidate] = []
+    skipped: list[tuple[Candidate, tuple[frozenset[str], ...]]] = []
+    for candidate, reasons in _combinations(spec, cluster, limits):
+        if reasons:
+            skipped.append((candidate, reasons))
+        else:
+            kept.append(candidate)
+    yield from kept
+    used: dict[str, set[Any]] = {}
+    for candidate in kept:
+        for name, value in _settings(candidate).items():
+            used.setdefault(name, set()).add(value)
+    unused = {
+        (name, value)
+        for name, values in limits.allowed.items()
+        for value in values
+        if value not in used.get(name, set())
+    }
+    for candidate, reasons in skipped:
+        named = {name for name, value in _settings(candidate).items() if (name, value) in unused}
+        if any(all(name in reason for reason in reasons) for name in named):
+            yield candidate
+
+
+def _combinations(
+    spec: ModelSpec, cluster: Cluster, limits: Limits
+) -> Iterator[tuple[Candidate, tuple[frozenset[str], ...]]]:
+    """Every combination of the allowed values, with why the enumeration leaves it out.
+
+    Each reason is the set of settings it involves; a combination without one is tried.
     """
     world = cluster.world_size
     degrees = divisors(world)
@@ -224,16 +307,25 @@ def enumerate_candidates(spec: ModelSpec, cluster: Cluster, limits: Limits) -> I
         values["activation_checkpointing"],
         values["moe"],
     ):
-        if tp * cp > world or tp * ep > world or (ep > 1 and not moe):
-            continue  # the product of the degrees cannot exceed the ranks; EP needs MoEConfig
         if hsd == 0 and ep == 1 and "hybrid_shard_degree" not in limits.allowed:
             # 0 means world // tp here, which the explicit degree also says (and means under
-            # FSDP1 whatever sharding_strategy the script asks for).
+            # FSDP1 whatever sharding_strategy the script asks for): not even a rejection.
             continue
+        # The product of the degrees cannot exceed the ranks; EP needs an MoEConfig.
+        reasons = []
+        if tp * cp > world:
+            reasons.append(frozenset({"tensor_parallel_degree", "context_parallel_degree"}))
+        if tp * ep > world:
+            reasons.append(frozenset({"tensor_parallel_degree", "expert_parallel_degree"}))
+        if ep > 1 and not moe:
+            reasons.append(frozenset({"expert_parallel_degree", "moe"}))
         for offload, horizon in offloads:
+            candidate = Candidate(hsd, tp, cp, ep, fsdp, ac, offload, horizon, moe)
             if offload and not ac:
-                continue
-            yield Candidate(hsd, tp, cp, ep, fsdp, ac, offload, horizon, moe)
+                ckpt = frozenset({"activation_offloading", "activation_checkpointing"})
+                yield candidate, (*reasons, ckpt)
+            else:
+                yield candidate, tuple(reasons)
 
 
 __all__ = ["Candidate", "Checked", "Rejected", "check", "divisors", "enumerate_candidates"]

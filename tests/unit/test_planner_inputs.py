@@ -1,0 +1,80 @@
+"""The planner's answers to inputs that leave it nothing to plan, or that it cannot use: every
+one gets a reason, as a rejection or a one-line error, never a silent empty table or a
+traceback.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from torch_sagemaker.planner import plan
+
+LLAMA_TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.fixture
+def llama(tmp_path):
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(LLAMA_TINY))
+    return path
+
+
+@pytest.mark.parametrize(
+    "limits, stage, named",
+    [
+        ({"tensor_parallel_degree": (16,)}, "tsm.init", "tensor_parallel_degree=16: must divide"),
+        ({"context_parallel_degree": (16,)}, "tsm.init", "context_parallel_degree=16: must divide"),
+        ({"expert_parallel_degree": (2,)}, "planner", "has no experts to split"),
+        (
+            {"activation_offloading": (True,), "activation_checkpointing": (False,)},
+            "planner",
+            "without activation checkpointing",
+        ),
+        (
+            {"tensor_parallel_degree": (8,), "context_parallel_degree": (8,)},
+            "tsm.init",
+            "",
+        ),
+    ],
+)
+def test_limits_that_exclude_every_candidate_say_why(llama, limits, stage, named):
+    result = plan(
+        llama, seq_len=512, global_batch_tokens=8 * 512, hosts=1, per_host=8, limits=limits
+    )
+    assert not result.ranked
+    assert result.rejected, "no configuration and no reason"
+    assert {r.stage for r in result.rejected} == {stage}
+    assert all(named in r.reason for r in result.rejected)
+
+
+def test_a_limit_value_no_candidate_can_use_is_rejected_beside_the_valid_ones(llama):
+    result = plan(
+        llama,
+        seq_len=512,
+        global_batch_tokens=8 * 512,
+        hosts=1,
+        per_host=8,
+        limits={"tensor_parallel_degree": (2, 16), "fsdp": (2,), "activation_offloading": (False,)},
+    )
+    assert {e.candidate.tensor_parallel_degree for e in result.ranked} == {2}
+    sixteen = [r for r in result.rejected if r.candidate.tensor_parallel_degree == 16]
+    assert sixteen and all("must divide world_size=8" in r.reason for r in sixteen)
+    # Combinations the default ranges make impossible stay out (tp2 with cp8 on 8 ranks).
+    assert not [
+        r
+        for r in result.rejected
+        if r.candidate.tensor_parallel_degree == 2 and r.candidate.context_parallel_degree == 8
+    ]
