@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from torch_sagemaker.planner import plan
+from torch_sagemaker.planner import cli, plan
 
 LLAMA_TINY = {
     "architectures": ["LlamaForCausalLM"],
@@ -78,3 +78,35 @@ def test_a_limit_value_no_candidate_can_use_is_rejected_beside_the_valid_ones(ll
         for r in result.rejected
         if r.candidate.tensor_parallel_degree == 2 and r.candidate.context_parallel_degree == 8
     ]
+
+
+def _cli(config, *extra: str) -> list[str]:
+    common = ["--seq-len", "512", "--global-batch-tokens", "4Ki", "--hosts", "1"]
+    return [
+        str(config),
+        *common,
+        "--limit",
+        "fsdp=2",
+        "--limit",
+        "activation_offloading=false",
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize(
+    "values, named",
+    [
+        ({"hidden_size": 4096, "num_attention_heads": 48}, "is not a multiple of the number"),
+        ({"hidden_size": "abc"}, "'hidden_size' expected int, got str"),
+        ({"hidden_size": -64}, "hidden_size=-64 must be a positive integer"),
+        ({"head_dim": 0}, "head_dim=0 must be a positive integer"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers=0 must be a positive integer"),
+    ],
+)
+def test_inconsistent_config_values_are_one_line_errors(tmp_path, capsys, values, named):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"model_type": "llama", **values}))
+    assert cli.main(_cli(path)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"planner: model config {str(path)!r}: ") and named in err, err
+    assert "\n" not in err and err.endswith("Fix the config.")

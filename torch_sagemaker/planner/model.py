@@ -20,6 +20,11 @@ import torch
 from torch import nn
 
 from torch_sagemaker.policies import ModelPolicy, lookup_policy
+
+try:  # transformers' config validation raises these (huggingface_hub is its dependency)
+    from huggingface_hub.errors import StrictDataclassError
+except ImportError:  # an older huggingface_hub: transformers raises ValueError itself
+    StrictDataclassError = ValueError  # type: ignore[misc,assignment]
 from torch_sagemaker.utils.hf_config import text_config
 
 ROOT = "root"
@@ -133,7 +138,8 @@ def read_config(path: str | os.PathLike[str]) -> Any:
     Only the local file is read; nothing is downloaded.
 
     Raises:
-        ValueError: If the file is missing, is not JSON, or names no known ``model_type``.
+        ValueError: If the file is missing, is not JSON, names no known ``model_type``, or
+            holds values transformers refuses or sizes that are not positive integers.
     """
     from transformers import AutoConfig
 
@@ -157,9 +163,64 @@ def read_config(path: str | os.PathLike[str]) -> Any:
     data = dict(data)
     model_type = data.pop("model_type")
     try:
-        return AutoConfig.for_model(model_type, **data)
-    except ValueError as e:
-        raise ValueError(f"model config {path!r}: {e}") from None
+        config = AutoConfig.for_model(model_type, **data)
+    except (ValueError, TypeError, StrictDataclassError) as e:
+        # transformers validates its configs' fields and architecture with huggingface_hub's
+        # strict dataclasses, whose errors span lines ("Validation error for field ...:\n
+        # TypeError: ..."): the last line is the rule broken.
+        raise ValueError(f"model config {path!r}: {_last_line(e)} Fix the config.") from None
+    _check_sizes(config, path)
+    return config
+
+
+def _last_line(error: Exception) -> str:
+    """The rule an error reports, one sentence: its last line, without an exception name."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    line = lines[-1].strip()
+    name, sep, rest = line.partition(": ")
+    if sep and name.endswith("Error") and name.isidentifier():
+        line = rest
+    return line if line.endswith(".") else line + "."
+
+
+#: Sizes the planner and the model's constructor read: each, where the config has it, a
+#: positive integer (``head_dim`` may also be unset; transformers then derives it).
+_SIZES = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "head_dim",
+)
+
+
+def _check_sizes(config: Any, path: str) -> None:
+    """Refuses sizes a model cannot be built or planned with (transformers accepts some).
+
+    Raises:
+        ValueError: Naming the attribute, its value and the rule.
+    """
+    getter = getattr(config, "get_text_config", None)
+    configs = [config]
+    try:
+        text = getter(decoder=True) if callable(getter) else None
+    except ValueError:  # several text configs: the top-level one is all there is to check
+        text = None
+    if text is not None and text is not config:
+        configs.append(text)
+    for c in configs:
+        for attr in _SIZES:
+            value = getattr(c, attr, None)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                why = " (the planner plans its layers)" if attr == "num_hidden_layers" else ""
+                raise ValueError(
+                    f"model config {path!r}: {attr}={value!r} must be a positive integer{why}."
+                    " Fix the config."
+                )
 
 
 def _model_class(config: Any) -> type[nn.Module]:
@@ -234,13 +295,21 @@ def load_model(path: str | os.PathLike[str]) -> ModelSpec:
     """Reads ``path`` and describes the model (built on the meta device, nothing allocated).
 
     Raises:
-        ValueError: For an unreadable config, or a model no policy covers (as
-            ``tsm.transform`` would refuse it).
+        ValueError: For an unreadable or inconsistent config (one the model cannot be built
+            from), or a model no policy covers (as ``tsm.transform`` would refuse it).
     """
     config = read_config(path)
     cls = _model_class(config)
-    with torch.device("meta"):
-        model = cls(config)
+    try:
+        with torch.device("meta"):
+            model = cls(config)
+    except (RuntimeError, ValueError, TypeError, ArithmeticError) as e:
+        # Sizes that pass transformers' and _check_sizes's checks but not the layers' own
+        # arithmetic (an inconsistent rope setting, a split that does not divide).
+        raise ValueError(
+            f"model config {os.fspath(path)!r}: {cls.__name__} cannot be built from it "
+            f"({type(e).__name__}: {e}). Fix the config's sizes."
+        ) from None
     return describe(model, lookup_policy(model), os.fspath(path))
 
 
