@@ -110,3 +110,24 @@ def test_inconsistent_config_values_are_one_line_errors(tmp_path, capsys, values
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"planner: model config {str(path)!r}: ") and named in err, err
     assert "\n" not in err and err.endswith("Fix the config.")
+
+
+@pytest.mark.parametrize("option", ["--json", "--write-config", "--plot"])
+def test_output_paths_are_checked_before_the_search(llama, tmp_path, capsys, option):
+    for path, named in (
+        (tmp_path / "missing" / "out", "the directory"),
+        (tmp_path, "it is a directory"),
+    ):
+        assert cli.main(_cli(llama, option, str(path))) == 2
+        out, err = capsys.readouterr()
+        assert not out  # refused before the search printed anything
+        assert err.startswith(f"planner: cannot write {option} {str(path)!r}: {named}"), err
+
+
+def test_json_on_stdout_is_all_of_stdout(llama, tmp_path, capsys):
+    best, png = tmp_path / "best.json", tmp_path / "memory.png"
+    code = cli.main(_cli(llama, "--json", "-", "--write-config", str(best), "--plot", str(png)))
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert json.loads(out)["ranked"]  # nothing after the JSON
+    assert f"wrote {best}" in err and f"wrote {png}" in err

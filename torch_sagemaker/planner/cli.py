@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+from collections.abc import Callable
 
 from torch_sagemaker.planner import report
 from torch_sagemaker.planner.inputs import SETTINGS, Limits
@@ -177,9 +179,46 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _check_output(option: str, path: str | None) -> None:
+    """Refuses an output path that cannot be written, before the search spends its time.
+
+    Raises:
+        ValueError: ``cannot write ...``, naming the option, the path and the fix.
+    """
+    if path is None or (option == "--json" and path == "-"):
+        return
+    if os.path.isdir(path):
+        raise ValueError(f"cannot write {option} {path!r}: it is a directory; give a file name.")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(
+            f"cannot write {option} {path!r}: the directory {folder!r} does not exist; "
+            "create it or choose another path."
+        )
+    if not os.access(folder, os.W_OK):
+        raise ValueError(
+            f"cannot write {option} {path!r}: the directory {folder!r} is not writable; "
+            "choose another path."
+        )
+
+
+def _write(option: str, path: str, write: Callable[[str], None]) -> None:
+    """Runs ``write(path)``; an OS error is the one-line ``cannot write ...`` (exit 2)."""
+    try:
+        write(path)
+    except OSError as e:
+        raise ValueError(f"cannot write {option} {path!r}: {e.strerror or e}.") from None
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.top < 0:
         raise ValueError(f"--top {args.top}: rows of the table, 0 or more.")
+    for option, path in (
+        ("--json", args.json),
+        ("--write-config", args.write_config),
+        ("--plot", args.plot),
+    ):
+        _check_output(option, path)
     limits = Limits(allowed=dict(args.limit), max_horizon=args.max_horizon)
     result = plan(
         args.config,
@@ -196,13 +235,19 @@ def _run(args: argparse.Namespace) -> int:
         efficiency=args.efficiency,
         usable_memory=args.usable_memory,
     )
+    # With the JSON on stdout, stdout carries nothing else: the notices go to stderr.
+    notices = sys.stderr if args.json == "-" else sys.stdout
     if args.json:
         text = json.dumps(report.to_json(result), indent=1)
         if args.json == "-":
             print(text)
         else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+
+            def write_json(path: str) -> None:
+                with open(path, "w") as f:
+                    f.write(text + "\n")
+
+            _write("--json", args.json, write_json)
     if args.json != "-":
         print(report.describe_inputs(result))
         print(
@@ -217,14 +262,17 @@ def _run(args: argparse.Namespace) -> int:
         if best is None:
             print("no configuration fits; nothing written", file=sys.stderr)
             return 1
-        report.write_smp_config(best, args.write_config)
+        _write(
+            "--write-config", args.write_config, lambda path: report.write_smp_config(best, path)
+        )
         print(
             f"\nwrote {args.write_config}: {json.dumps(best.candidate.smp_config())} "
-            f"(script: {json.dumps(best.candidate.script())})"
+            f"(script: {json.dumps(best.candidate.script())})",
+            file=notices,
         )
     if args.plot:
-        report.plot(result, args.plot)
-        print(f"wrote {args.plot}")
+        _write("--plot", args.plot, lambda path: report.plot(result, path))
+        print(f"wrote {args.plot}", file=notices)
     return 0 if best is not None else 1
 
 
