@@ -419,7 +419,7 @@ def _exit_code(argv: list[str]) -> int | str | None:
     [
         (["--hosts", "0"], "hosts=0"),
         (["--seq-len", "infk"], "'infk' is not a count"),
-        (["--global-batch-tokens", "1e400k"], "'1e400k' is not a count"),
+        (["--global-batch-tokens", "1e400k"], "'1e400k' is too large a count"),
         (["--seq-len", "nanM"], "'nanM' is not a count"),
         (["--memory-gib", "inf", "--bf16-tflops", "100"], "--memory-gib inf"),
         (["--memory-gib", "nan", "--bf16-tflops", "100"], "--memory-gib nan"),

@@ -5,6 +5,7 @@ traceback.
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -131,3 +132,23 @@ def test_json_on_stdout_is_all_of_stdout(llama, tmp_path, capsys):
     assert code == 0
     assert json.loads(out)["ranked"]  # nothing after the JSON
     assert f"wrote {best}" in err and f"wrote {png}" in err
+
+
+@pytest.mark.parametrize(
+    "text, count", [("4.1M", 4_100_000), ("0.5Ki", 512), ("1e3", 1000), ("4Mi", 4 * 2**20)]
+)
+def test_counts_are_read_exactly(text, count):
+    assert cli.parse_count(text) == count
+
+
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        ("1.0001k", "is 1000.1, not a whole count"),
+        ("2.5", "not a whole count"),
+        ("1e400", "too large"),
+    ],
+)
+def test_counts_that_are_not_whole_are_refused(text, named):
+    with pytest.raises(argparse.ArgumentTypeError, match=named):
+        cli.parse_count(text)

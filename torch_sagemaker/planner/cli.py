@@ -16,6 +16,8 @@ import math
 import os
 import sys
 from collections.abc import Callable
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 
 from torch_sagemaker.planner import report
 from torch_sagemaker.planner.inputs import SETTINGS, Limits
@@ -26,20 +28,38 @@ _UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2*
 
 
 def parse_count(text: str) -> int:
-    """``4096``, ``4M``, ``2Mi``, ``512k`` -> an integer (decimal or binary suffixes)."""
+    """``4096``, ``4M``, ``2Mi``, ``512k``, ``4.1M`` -> an integer (decimal or binary suffixes).
+
+    The number is read exactly (``Decimal``), so ``4.1M`` is 4,100,000, not a float's
+    4,099,999.
+
+    Raises:
+        argparse.ArgumentTypeError: For text that is not a number, or a count that is not whole
+            (``1.0001k``).
+    """
     t = text.strip().lower()
+    scale = 1
     for suffix in sorted(_UNITS, key=len, reverse=True):
         if t.endswith(suffix):
-            try:
-                return int(float(t[: -len(suffix)]) * _UNITS[suffix])
-            except (ValueError, OverflowError):  # not a number, or inf / nan
-                break
+            t, scale = t[: -len(suffix)], _UNITS[suffix]
+            break
     try:
-        return int(t)
-    except ValueError:
+        number = Decimal(t)
+    except InvalidOperation:
+        number = Decimal("nan")
+    if not number.is_finite():
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a count; write e.g. 4096, 4M (4e6) or 4Mi (4 x 2^20)"
-        ) from None
+        )
+    if number and number.adjusted() > 18:  # before any arithmetic on a huge exponent
+        raise argparse.ArgumentTypeError(f"{text!r} is too large a count; give one below 1e19.")
+    value = Fraction(number) * scale  # exact: Decimal's own arithmetic rounds to 28 digits
+    if value.denominator != 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is {float(value):.10g}, not a whole count; give a whole number "
+            "(e.g. 4096, 4M, 4Mi)"
+        )
+    return int(value)
 
 
 def parse_rate(text: str) -> float:
