@@ -1,9 +1,10 @@
 """The search: every candidate checked, sized and timed, then ranked.
 
 ``plan`` is the planner's Python API (``torch_sagemaker.planner.plan``); the command line
-(``python -m torch_sagemaker.planner``) builds the same arguments. Ranking: configurations
-whose predicted peak fits the usable memory first, by predicted tokens/s (ties: less peak
-memory); then those that do not fit, by peak.
+(``python -m torch_sagemaker.planner``) builds the same arguments. Ranking (``rank``):
+configurations whose predicted peak fits the usable memory first, by predicted tokens/s
+(within 0.1% of the fastest of a group they tie, and the simpler layout goes first; Note
+[Ties]); then those that do not fit, by peak.
 """
 
 from __future__ import annotations
@@ -154,25 +155,55 @@ def search(
             rejected.append(result)
             continue
         evaluated.append(evaluate(spec, result, cluster, workload, machine, fabric, cache))
-    # Fitting first, fastest first; at equal speed (to 0.1%) the simpler configuration (no
-    # offloading, no checkpointing, fewer model-parallel ranks), then the one with more
-    # memory to spare, then FSDP2.
-    evaluated.sort(
-        key=lambda e: (
-            not e.fits,
-            -round(e.time.tokens_per_second, -max(0, len(str(int(e.time.tokens_per_second))) - 3))
-            if e.fits
-            else e.memory.peak,
-            e.candidate.offload,
-            e.candidate.checkpointing,
-            e.candidate.tensor_parallel_degree
-            * e.candidate.context_parallel_degree
-            * e.candidate.expert_parallel_degree,
-            e.memory.peak,
-            -e.candidate.fsdp,
-        )
+    return Plan(spec, cluster, workload, machine, rank(evaluated), rejected)
+
+
+#: Configurations within this fraction of a faster one's tokens/s tie with it (Note [Ties]).
+TIE_TOLERANCE = 1e-3
+
+
+def _tie_break(e: Evaluated) -> tuple:
+    """Order among ties: the simpler layout first, then more memory to spare, then FSDP2.
+
+    Simpler: no offloading, no checkpointing, fewer model-parallel ranks.
+    """
+    c = e.candidate
+    return (
+        c.offload,
+        c.checkpointing,
+        c.tensor_parallel_degree * c.context_parallel_degree * c.expert_parallel_degree,
+        e.memory.peak,
+        -c.fsdp,
     )
-    return Plan(spec, cluster, workload, machine, evaluated, rejected)
+
+
+def rank(evaluated: list[Evaluated]) -> list[Evaluated]:
+    """Fitting configurations first, fastest first with ties broken; then the rest by peak.
+
+    Note [Ties]
+        Predicted step times that differ by less than the model's own precision should not
+        decide between a simple and a complicated layout, so configurations tie when they
+        are within ``TIE_TOLERANCE`` (0.1%) of the fastest of their group: fitting ones are
+        sorted by tokens/s, a group starts at the fastest one not yet placed and takes every
+        one within 0.1% of it, and a group is ordered by ``_tie_break``. The first
+        configuration is therefore never more than 0.1% slower than the fastest that fits.
+        (A key that rounds tokens/s to significant digits would tie 100,499 with 100,000 but
+        not 100,500 with 100,499: bands of up to 1%, cut at arbitrary places.)
+    """
+    fitting = sorted((e for e in evaluated if e.fits), key=lambda e: -e.time.tokens_per_second)
+    ranked: list[Evaluated] = []
+    start = 0
+    while start < len(fitting):
+        floor = fitting[start].time.tokens_per_second * (1 - TIE_TOLERANCE)
+        end = start + 1
+        while end < len(fitting) and fitting[end].time.tokens_per_second >= floor:
+            end += 1
+        ranked += sorted(fitting[start:end], key=_tie_break)
+        start = end
+    rest = sorted(
+        (e for e in evaluated if not e.fits), key=lambda e: (e.memory.peak, _tie_break(e))
+    )
+    return ranked + rest
 
 
 def plan(
@@ -254,5 +285,6 @@ __all__ = [
     "evaluate",
     "fabric_of",
     "plan",
+    "rank",
     "search",
 ]
