@@ -152,3 +152,17 @@ def test_counts_are_read_exactly(text, count):
 def test_counts_that_are_not_whole_are_refused(text, named):
     with pytest.raises(argparse.ArgumentTypeError, match=named):
         cli.parse_count(text)
+
+
+def test_default_horizons_stop_at_the_layer_count_minus_one(llama):
+    # Beyond num_layers - 1 every layer is back on the device: the same configuration.
+    from torch_sagemaker.planner.candidates import enumerate_candidates
+    from torch_sagemaker.planner.inputs import Cluster, Limits
+    from torch_sagemaker.planner.model import load_model
+    from torch_sagemaker.planner.presets import accelerator
+
+    spec = load_model(llama)  # 4 layers
+    cluster = Cluster(hosts=1, per_host=2, accelerator=accelerator("H100"))
+    limits = Limits(allowed={"tensor_parallel_degree": (1,)}, max_horizon=10**6)
+    found = {c.horizon for c in enumerate_candidates(spec, cluster, limits) if c.offload}
+    assert found == {1, 2, 3}

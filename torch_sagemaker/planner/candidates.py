@@ -225,8 +225,9 @@ def enumerate_candidates(spec: ModelSpec, cluster: Cluster, limits: Limits) -> I
 
     Degrees run over the divisors of the world size (and 0 for ``hybrid_shard_degree``);
     offloading is tried with activation checkpointing (SMP's documented use) at horizons
-    1 to ``limits.max_horizon``, or at exactly those an ``activation_loading_horizon`` limit
-    names (above ``max_horizon`` too); expert parallelism and MoE settings only for MoE models.
+    1 to ``limits.max_horizon`` (at most ``num_layers - 1``, beyond which horizons are all
+    equivalent), or at exactly those an ``activation_loading_horizon`` limit names (above
+    ``max_horizon`` too); expert parallelism and MoE settings only for MoE models.
     Combinations that cannot work are left out (Note [What the enumeration leaves out]),
     unless a value a limit names would then appear in no candidate at all.
     """
@@ -292,9 +293,12 @@ def _combinations(
     }
     offloads = [(False, 2)]
     if limits.allows("activation_offloading", True):
-        # A limit names the horizons to try; max_horizon bounds only the default range.
+        # A limit names the horizons to try; max_horizon bounds only the default range, which
+        # also stops at num_layers - 1: from there on every layer is back on the device at
+        # once, so larger horizons are the same configuration (and would only cost time).
         named = limits.allowed.get("activation_loading_horizon")
-        horizons = named if named is not None else range(1, limits.max_horizon + 1)
+        top = min(limits.max_horizon, max(1, spec.num_layers - 1))
+        horizons = named if named is not None else range(1, top + 1)
         offloads += [(True, h) for h in horizons]
     if not limits.allows("activation_offloading", False):
         offloads = offloads[1:]
