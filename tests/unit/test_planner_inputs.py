@@ -166,3 +166,32 @@ def test_default_horizons_stop_at_the_layer_count_minus_one(llama):
     limits = Limits(allowed={"tensor_parallel_degree": (1,)}, max_horizon=10**6)
     found = {c.horizon for c in enumerate_candidates(spec, cluster, limits) if c.offload}
     assert found == {1, 2, 3}
+
+
+def test_own_accelerator_figures_take_the_rest_from_the_instance():
+    from torch_sagemaker.planner.presets import accelerator
+
+    common = ["x.json", "--seq-len", "4096", "--global-batch-tokens", "64Ki", "--hosts", "1"]
+    a100 = accelerator("A100-40GB")
+    args = cli.build_parser().parse_args(
+        [*common, "--instance", "p4d.24xlarge", "--memory-gib", "48", "--bf16-tflops", "400"]
+    )
+    own = cli._accelerator(args)
+    assert (own.memory_bytes, own.bf16_flops) == (48 * 2**30, 400e12)
+    rates = ("memory_bandwidth", "link_rate", "host_rate")
+    assert [getattr(own, r) for r in rates] == [getattr(a100, r) for r in rates]
+    # One figure alone: the other is the base accelerator's too.
+    args = cli.build_parser().parse_args(
+        [*common, "--instance", "p4d.24xlarge", "--memory-gib", "48"]
+    )
+    own = cli._accelerator(args)
+    assert (own.memory_bytes, own.bf16_flops, own.fp32_flops) == (
+        48 * 2**30,
+        a100.bf16_flops,
+        a100.fp32_flops,
+    )
+
+
+def test_a_bad_accelerator_figure_is_a_one_line_error(llama, capsys):
+    assert cli.main(_cli(llama, "--memory-gib", "-80")) == 2
+    assert capsys.readouterr().err.startswith("planner: --memory-gib -80.0: must be a positive")

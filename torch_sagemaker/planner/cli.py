@@ -21,7 +21,13 @@ from fractions import Fraction
 
 from torch_sagemaker.planner import report
 from torch_sagemaker.planner.inputs import SETTINGS, Limits
-from torch_sagemaker.planner.presets import ACCELERATORS, INSTANCES, Accelerator, accelerator
+from torch_sagemaker.planner.presets import (
+    ACCELERATORS,
+    INSTANCES,
+    Accelerator,
+    accelerator,
+    instance,
+)
 from torch_sagemaker.planner.search import DEFAULT_EFFICIENCY, plan
 
 _UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
@@ -106,18 +112,36 @@ def _positive_option(option: str, value: float) -> None:
 
 
 def _accelerator(args: argparse.Namespace) -> Accelerator | str | None:
+    """The accelerator the options describe: a preset name, or one with your own numbers.
+
+    ``--memory-gib`` and ``--bf16-tflops`` replace those figures of a base accelerator (the
+    ``--accelerator`` preset, else the ``--instance``'s, else H100), which gives everything
+    not given: memory bandwidth, NVLink and PCIe rates, and the other figure.
+
+    Raises:
+        ValueError: For a figure that is not positive and finite, or an unknown preset.
+    """
     if args.memory_gib is None and args.bf16_tflops is None:
         return args.accelerator
-    if args.memory_gib is None or args.bf16_tflops is None:
-        raise SystemExit("give both --memory-gib and --bf16-tflops for your own accelerator")
-    _positive_option("--memory-gib", args.memory_gib)
-    _positive_option("--bf16-tflops", args.bf16_tflops)
-    base = accelerator(args.accelerator or "H100")
+    if args.accelerator:
+        base = accelerator(args.accelerator)
+    elif args.instance:
+        base = accelerator(instance(args.instance).accelerator)
+    else:
+        base = accelerator("H100")
+    memory_bytes, bf16, fp32 = base.memory_bytes, base.bf16_flops, base.fp32_flops
+    if args.memory_gib is not None:
+        _positive_option("--memory-gib", args.memory_gib)
+        memory_bytes = int(args.memory_gib * 2**30)
+    if args.bf16_tflops is not None:
+        _positive_option("--bf16-tflops", args.bf16_tflops)
+        bf16 = args.bf16_tflops * 1e12
+        fp32 = bf16 / 2  # half the bf16 rate, as every preset has it
     return Accelerator(
-        name=args.accelerator or "custom",
-        memory_bytes=int(args.memory_gib * 2**30),
-        bf16_flops=args.bf16_tflops * 1e12,
-        fp32_flops=args.bf16_tflops * 1e12 / 2,
+        name=f"custom ({base.name}-based)",
+        memory_bytes=memory_bytes,
+        bf16_flops=bf16,
+        fp32_flops=fp32,
         memory_bandwidth=base.memory_bandwidth,
         link_rate=base.link_rate,
         host_rate=base.host_rate,
@@ -140,8 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hosts", type=int, required=True)
     p.add_argument("--instance", choices=sorted(INSTANCES), help="a host preset")
     p.add_argument("--accelerator", help=f"a preset: {', '.join(ACCELERATORS)} (default H100)")
-    p.add_argument("--memory-gib", type=float, help="your accelerator's memory, GiB")
-    p.add_argument("--bf16-tflops", type=float, help="your accelerator's dense bf16 TFLOP/s")
+    p.add_argument(
+        "--memory-gib",
+        type=float,
+        help="your accelerator's memory, GiB (the rest from --accelerator, the instance's or H100)",
+    )
+    p.add_argument(
+        "--bf16-tflops",
+        type=float,
+        help="your accelerator's dense bf16 TFLOP/s (the rest as for --memory-gib)",
+    )
     p.add_argument(
         "--per-host", type=int, help="accelerators per host (default: the instance's, else 8)"
     )
