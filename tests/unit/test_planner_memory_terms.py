@@ -136,3 +136,23 @@ def test_fsdp_buffers_of_an_moe_layer_include_its_experts(tmp_path, moe):
     assert isinstance(checked, Checked), checked
     layer = dense + experts // ep
     assert memory.estimate(spec, checked, workload).buffers == (root + 3 * layer) * 4
+
+
+def test_partial_rotary_tables_are_sized_from_rope_parameters():
+    # Transformers 5 folds GPT-NeoX's rotary_pct into rope_parameters["partial_rotary_factor"];
+    # the rotary tables (cos, sin per position) are that fraction of a head wide.
+    config = transformers.GPTNeoXConfig(
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=96,
+        rotary_pct=0.25,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["GPTNeoXForCausalLM"]
+    assert config.rope_parameters["partial_rotary_factor"] == 0.25
+    measured, predicted = _measured_and_predicted(config, False)
+    assert predicted == pytest.approx(measured, abs=8)

@@ -187,9 +187,19 @@ class _Sizer:
 
 
 def _rotary_width(spec: ModelSpec, profile: ActivationProfile) -> int:
+    """The rotary tables' width per position: the part of a head that rotary rotates.
+
+    Transformers 5 keeps the fraction in ``rope_parameters["partial_rotary_factor"]``
+    (GPT-NeoX's ``rotary_pct`` is folded into it and no longer an attribute); older configs
+    keep it in the profile's ``rotary_fraction_attr``. Either, in that order, else all of it.
+    """
     fraction = 1.0
-    if profile.rotary_fraction_attr:
-        fraction = float(getattr(spec.config, profile.rotary_fraction_attr, 1.0))
+    rope = getattr(spec.config, "rope_parameters", None)
+    if isinstance(rope, dict) and rope.get("partial_rotary_factor") is not None:
+        fraction = float(rope["partial_rotary_factor"])
+    elif profile.rotary_fraction_attr:
+        value = getattr(spec.config, profile.rotary_fraction_attr, None)
+        fraction = 1.0 if value is None else float(value)
     return int(spec.head_dim * fraction)
 
 
