@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 
@@ -195,3 +196,18 @@ def test_own_accelerator_figures_take_the_rest_from_the_instance():
 def test_a_bad_accelerator_figure_is_a_one_line_error(llama, capsys):
     assert cli.main(_cli(llama, "--memory-gib", "-80")) == 2
     assert capsys.readouterr().err.startswith("planner: --memory-gib -80.0: must be a positive")
+
+
+@pytest.mark.parametrize(
+    "argument, named",
+    [
+        ({"efficiency": "0.5"}, "efficiency='0.5': must be a number"),
+        ({"efficiency": None}, "efficiency=None: must be a number"),
+        ({"accelerator_name": 42}, "accelerator_name=42: give a preset name"),
+        ({"instance_type": 5}, "instance_type=5: give an instance preset name"),
+        ({"limits": 5}, "limits=5: give a dict"),
+    ],
+)
+def test_python_api_type_errors_name_the_argument(llama, argument, named):
+    with pytest.raises(TypeError, match=re.escape(named)):
+        plan(llama, seq_len=512, global_batch_tokens=4096, hosts=1, **argument)

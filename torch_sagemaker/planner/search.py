@@ -24,7 +24,13 @@ from torch_sagemaker.planner.candidates import (
 )
 from torch_sagemaker.planner.inputs import Cluster, Limits, Workload
 from torch_sagemaker.planner.model import ModelSpec, load_model
-from torch_sagemaker.planner.presets import Accelerator, accelerator, instance
+from torch_sagemaker.planner.presets import (
+    ACCELERATORS,
+    INSTANCES,
+    Accelerator,
+    accelerator,
+    instance,
+)
 
 #: Fraction of peak FLOP/s the compute reaches by default on accelerators (docs/planner.md).
 DEFAULT_EFFICIENCY = 0.5
@@ -90,6 +96,11 @@ class Plan:
 
 def accelerator_machine(acc: Accelerator, dtype: str, efficiency: float) -> timing.Machine:
     """The compute rates of an accelerator preset at ``efficiency`` of its peak."""
+    if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)):
+        raise TypeError(
+            f"efficiency={efficiency!r}: must be a number, the fraction of peak FLOP/s the "
+            "compute reaches (e.g. 0.5)."
+        )
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency={efficiency}: a fraction of peak FLOP/s in (0, 1].")
     return timing.Machine(
@@ -206,6 +217,36 @@ def rank(evaluated: list[Evaluated]) -> list[Evaluated]:
     return ranked + rest
 
 
+def _check_types(config: Any, accelerator_name: Any, instance_type: Any, limits: Any) -> None:
+    """Refuses arguments of ``plan`` of the wrong type, naming them.
+
+    The numbers are checked by ``Cluster``, ``Workload`` and ``accelerator_machine``.
+
+    Raises:
+        TypeError: Naming the argument, its value and what to give.
+    """
+    if not isinstance(config, (str, os.PathLike, ModelSpec)):
+        raise TypeError(
+            f"config={config!r}: give the path of a Hugging Face config.json (or its "
+            "directory), or a ModelSpec."
+        )
+    if accelerator_name is not None and not isinstance(accelerator_name, (str, Accelerator)):
+        raise TypeError(
+            f"accelerator_name={accelerator_name!r}: give a preset name "
+            f"({', '.join(ACCELERATORS)}) or an Accelerator with your own numbers."
+        )
+    if instance_type is not None and not isinstance(instance_type, str):
+        raise TypeError(
+            f"instance_type={instance_type!r}: give an instance preset name "
+            f"({', '.join(INSTANCES)})."
+        )
+    if limits is not None and not isinstance(limits, (Mapping, Limits)):
+        raise TypeError(
+            f"limits={limits!r}: give a dict of setting -> allowed values, e.g. "
+            '{"tensor_parallel_degree": (1, 2)}, or a Limits.'
+        )
+
+
 def plan(
     config: str | os.PathLike[str] | ModelSpec,
     *,
@@ -248,7 +289,9 @@ def plan(
 
     Raises:
         ValueError: For an unreadable config, an unknown preset, or an input out of range.
+        TypeError: For an argument of the wrong type, naming it.
     """
+    _check_types(config, accelerator_name, instance_type, limits)
     host = instance(instance_type) if instance_type else None
     acc = accelerator_name or (host.accelerator if host else "H100")
     acc = accelerator(acc) if isinstance(acc, str) else acc
