@@ -31,17 +31,12 @@ checked on that harness:
   RemBERT in;
 - inputs the harness does not give (X-MOD's language), or no repeated layer to find (CTRL).
 
-The output embedding, where it is an ``nn.Linear``, is split over the vocabulary
-(``colwise_gather_output``, which the translation computes as vocabulary-parallel logits and
-loss); the input embedding is split over the vocabulary too, as transformers does for the
-plans it builds.
+The plans name only the layers. ``transformers_plan`` adds the embeddings, split over the
+vocabulary as transformers does in the plans it builds: the output one, where it is an
+``nn.Linear``, ``colwise_gather_output``; the input one ``embedding_rowwise``.
 """
 
 from __future__ import annotations
-
-from typing import Any
-
-from torch import nn
 
 #: A self-attention block of separate q/k/v projections and an output projection ``out``.
 _QKV = ("q_proj", "k_proj", "v_proj")
@@ -149,40 +144,16 @@ SHIPPED_PLANS: dict[str, dict[str, str]] = {
 }
 
 
-def _embedding_entries(model: nn.Module) -> dict[str, str]:
-    """Vocabulary splits for the model's input and output embeddings, by module name."""
-    entries: dict[str, str] = {}
-    for getter, style, kind in (
-        ("get_input_embeddings", "embedding_rowwise", nn.Embedding),
-        ("get_output_embeddings", "colwise_gather_output", nn.Linear),
-    ):
-        get = getattr(model, getter, None)
-        try:
-            module = get() if callable(get) else None
-        except NotImplementedError:  # transformers' default on a model that has none
-            module = None
-        if isinstance(module, kind):
-            entries.update({n: style for n, m in model.named_modules() if n and m is module})
-    return entries
-
-
-def shipped_plan(model: nn.Module, config: Any) -> dict[str, str]:
-    """The shipped plan for ``model``, keyed from the model root, or ``{}`` if none.
+def shipped_plan(model_type: str) -> dict[str, str]:
+    """The plan shipped for the family ``model_type``, keyed below the base model, or ``{}``.
 
     Args:
-        model: A Hugging Face model whose own transformers plan is empty.
-        config: Its config (``model_type`` names the family).
+        model_type: The family (``config.model_type``).
 
     Returns:
-        The plan in transformers' terms (names from the model root, ``*`` for layer numbers).
+        The plan in transformers' terms (as ``config.base_model_tp_plan`` keys it).
     """
-    base = SHIPPED_PLANS.get(getattr(config, "model_type", None) or "")
-    if base is None:
-        return {}
-    prefix = getattr(model, "base_model_prefix", "")
-    inner = prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
-    plan = {f"{inner}.{k}" if inner else k: v for k, v in base.items()}
-    return {**_embedding_entries(model), **plan}
+    return dict(SHIPPED_PLANS.get(model_type, {}))
 
 
 __all__ = ["SHIPPED_PLANS", "shipped_plan"]

@@ -124,10 +124,49 @@ def _own_plan(model: nn.Module) -> dict[str, str]:
         return dict(plan)
     merged = dict(getattr(type(model), "_tp_plan", None) or {})
     base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    merged.update(_from_root(model, base))
+    return merged
+
+
+def _from_root(model: nn.Module, base: dict[str, str]) -> dict[str, str]:
+    """A plan keyed below the base model (``base_model_tp_plan``), keyed from the root."""
     prefix = getattr(model, "base_model_prefix", "")
     inner = prefix if prefix and hasattr(model, prefix) else ""
-    merged.update({f"{inner}.{k}" if inner else k: v for k, v in base.items()})
-    return merged
+    return {f"{inner}.{k}" if inner else k: v for k, v in base.items()}
+
+
+def _embeddings(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    """The model's input and output embeddings (``get_input/output_embeddings``), or None."""
+    found: list[nn.Module | None] = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        get = getattr(model, getter, None)
+        try:
+            module = get() if callable(get) else None
+        except NotImplementedError:  # transformers' default on a model that has none
+            module = None
+        found.append(module if isinstance(module, nn.Module) else None)
+    return found[0], found[1]
+
+
+def _shipped(model: nn.Module) -> dict[str, str]:
+    """The family's shipped plan keyed from the root, with vocabulary-split embeddings.
+
+    The input embedding (an ``nn.Embedding``) gets ``embedding_rowwise`` and the output one
+    (an ``nn.Linear``) ``colwise_gather_output``, as transformers gives them in the plans it
+    builds; ``{}`` where nothing is shipped for ``config.model_type``.
+    """
+    base = shipped_plan(getattr(model.config, "model_type", None) or "")
+    if not base:
+        return {}
+    entries: dict[str, str] = {}
+    embedding, head = _embeddings(model)
+    for module, style in (
+        (embedding if isinstance(embedding, nn.Embedding) else None, "embedding_rowwise"),
+        (head if isinstance(head, nn.Linear) else None, "colwise_gather_output"),
+    ):
+        if module is not None:
+            entries.update({n: style for n, m in model.named_modules() if n and m is module})
+    return {**entries, **_from_root(model, base)}
 
 
 def _with_tied_input_embedding(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
@@ -139,14 +178,7 @@ def _with_tied_input_embedding(model: nn.Module, plan: dict[str, str]) -> dict[s
     (``model.tp_plan = {...}`` on a family it ships none for); tied weights must be split
     alike, so the one layout that can go with the output embedding's is added.
     """
-    get_input = getattr(model, "get_input_embeddings", None)
-    get_output = getattr(model, "get_output_embeddings", None)
-    if not (callable(get_input) and callable(get_output)):
-        return plan
-    try:
-        embedding, head = get_input(), get_output()
-    except NotImplementedError:  # transformers' default on a model that has none
-        return plan
+    embedding, head = _embeddings(model)
     if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear):
         return plan
     if embedding.weight is not head.weight:
@@ -206,8 +238,7 @@ class _Translation:
         config = self.config = text_config(model)
         self.heads = int(config_value(config, "num_attention_heads", 0) or 0)
         self.kv_heads = int(config_value(config, "num_key_value_heads") or self.heads)
-        get_output = getattr(model, "get_output_embeddings", None)
-        self.output_embedding = get_output() if callable(get_output) else None
+        self.output_embedding = _embeddings(model)[1]
 
     def error(self, name: str, style: str | None, why: str) -> ValueError:
         """The refusal of ``name``'s entry (``style``), or of leaving it out (``None``)."""
@@ -514,7 +545,7 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
     if not hasattr(model, "config"):
         return None
     own = _own_plan(model)
-    shipped = not own and _fits(model, ours := shipped_plan(model, model.config))
+    shipped = not own and _fits(model, ours := _shipped(model))
     plan = _with_tied_input_embedding(model, ours if shipped else own)
     if not plan:
         return None
