@@ -108,6 +108,22 @@ CASES: tuple[MemoryCase, ...] = (
     MemoryCase(
         "gpt_neox hsd4 FSDP1 bf16", "gpt_neox", {"hybrid_shard_degree": 4}, fsdp=1, bf16=True
     ),
+    # Families whose policy comes from transformers' TP plan, with activations the planner
+    # measures on reduced copies (torch_sagemaker/planner/probe.py).
+    MemoryCase(
+        "qwen3 tp2 hsd2 (probed)", "qwen3", {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}
+    ),
+    MemoryCase(
+        "phi3 tp2 hsd2 bf16 (probed)",
+        "phi3",
+        {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2},
+        bf16=True,
+    ),
+    MemoryCase(
+        "gemma3 tp2 sliding (probed)",
+        "gemma3_text",
+        {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2},
+    ),
     MemoryCase(
         "llama offload h1",
         "llama",
@@ -152,8 +168,19 @@ def tiny_config(family: str, layers: int = 2, **overrides: Any) -> Any:
         )
     elif family == "gpt_neox":
         cfg = tf.GPTNeoXConfig(**common, hidden_dropout=0.0)
+    elif family == "qwen3":  # per-head query and key norms
+        cfg = tf.Qwen3Config(**common, num_key_value_heads=2, head_dim=16)
+    elif family == "phi3":  # fused QKV and gate/up projections
+        cfg = tf.Phi3Config(
+            **common, num_key_value_heads=2, pad_token_id=None, eos_token_id=None, resid_pdrop=0.0
+        )
+    elif family == "gemma3_text":  # a window shorter than SEQ: masked attention, 2 rotary bases
+        cfg = tf.Gemma3TextConfig(**common, num_key_value_heads=2, head_dim=16, sliding_window=8)
     else:
-        raise ValueError(f"unknown family {family!r}; use llama, qwen2, mixtral or gpt_neox.")
+        raise ValueError(
+            f"unknown family {family!r}; use llama, qwen2, mixtral, gpt_neox, qwen3, phi3 or "
+            "gemma3_text."
+        )
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg
@@ -209,7 +236,9 @@ def predict(case: MemoryCase, spec: Any, world: int, rank: int) -> dict[str, int
     from torch_sagemaker.planner.inputs import Cluster, Workload
     from torch_sagemaker.planner.memory import activation_shape, sharding
     from torch_sagemaker.planner.presets import accelerator
+    from torch_sagemaker.planner.probe import with_activations
 
+    spec = with_activations(spec)
     smp = case.smp
     candidate = Candidate(
         hybrid_shard_degree=smp.get("hybrid_shard_degree", 0),

@@ -141,14 +141,17 @@ class _Sizer:
         tp, head_dim = layout.tp, spec.head_dim
         local_seq = shape.seq_len // layout.cp
         self.tokens = shape.micro_batch * local_seq
+        # Plans that all-reduce region outputs (transformers' own) keep the stream whole.
+        seq_parts = tp if spec.policy.sequence_parallel else 1
         self.rows = {
-            "sequence": shape.micro_batch * _chunk(local_seq, tp, shape.tp_rank),
+            "sequence": shape.micro_batch * _chunk(local_seq, seq_parts, shape.tp_rank),
             "gathered": self.tokens,
             "split": self.tokens,
             "positions": local_seq,
         }
         top_k = spec.policy.moe.top_k(spec.config) if spec.policy.moe else 0
         self.rows["routed"] = self.tokens * top_k
+        self.rows["local"] = self.tokens
         # A mask row spans every key of the sequence; context parallelism, which would cut
         # the keys, refuses sliding windows (the only masks modelled).
         num_heads, num_kv = heads.num_heads, heads.num_kv_heads
@@ -166,63 +169,85 @@ class _Sizer:
             "expert_mlp": expert_mlp,
             "shared_mlp": spec.dim("shared_expert_intermediate_size", 0),
             "keys": shape.seq_len,
+            "kv_heads": num_kv,
+            "scores": num_heads * shape.seq_len,
         }
         self.split = dict(self.whole)
         self.split.update(
             q=heads.local_heads * head_dim,
             kv=heads.local_kv_heads * head_dim,
             heads=heads.local_heads,
-            mlp=_chunk(self.whole["mlp"], tp, shape.tp_rank),
+            kv_heads=heads.local_kv_heads,
+            scores=heads.local_heads * shape.seq_len,
+            mlp=_chunk(self.whole["mlp"], tp if spec.policy.mlp_split else 1, shape.tp_rank),
             vocab=_chunk(self.whole["vocab"], tp, shape.tp_rank),
         )
+        self.local = {k: _chunk(v, tp, shape.tp_rank) for k, v in self.whole.items()}
         self.compute_bytes = shape.compute_bytes
 
     def bytes(self, terms: tuple[Saved, ...]) -> int:
         total = 0
         for t in terms:
-            size = (self.split if t.region == "split" else self.whole)[t.size]
+            sizes = {"split": self.split, "local": self.local}.get(t.region, self.whole)
+            size = sizes[t.size]
             width = self.compute_bytes if t.dtype == "compute" else DTYPE_BYTES[t.dtype]
             total += t.count * self.rows[t.region] * size * width
         return total
 
 
-def _rotary_width(spec: ModelSpec, profile: ActivationProfile) -> int:
+def rotary_width(spec: ModelSpec, fraction_attr: str | None = None) -> int:
     """The rotary tables' width per position: the part of a head that rotary rotates.
 
     Transformers 5 keeps the fraction in ``rope_parameters["partial_rotary_factor"]``
     (GPT-NeoX's ``rotary_pct`` is folded into it and no longer an attribute); older configs
-    keep it in the profile's ``rotary_fraction_attr``. Either, in that order, else all of it.
+    keep it in ``fraction_attr`` (a profile's ``rotary_fraction_attr``). Either, in that order,
+    else all of it.
     """
     fraction = 1.0
     rope = getattr(spec.config, "rope_parameters", None)
     if isinstance(rope, dict) and rope.get("partial_rotary_factor") is not None:
         fraction = float(rope["partial_rotary_factor"])
-    elif profile.rotary_fraction_attr:
-        value = getattr(spec.config, profile.rotary_fraction_attr, None)
+    elif fraction_attr:
+        value = getattr(spec.config, fraction_attr, None)
         fraction = 1.0 if value is None else float(value)
     return int(spec.head_dim * fraction)
 
 
-def masked_layers(spec: ModelSpec, seq_len: int) -> set[int]:
-    """Indices of the layers whose attention gets an explicit mask at ``seq_len`` tokens.
+def window_layers(spec: ModelSpec, seq_len: int) -> set[int]:
+    """Indices of the layers with a sliding window no longer than ``seq_len`` tokens.
 
-    Those with a sliding window no longer than the sequence (Note [Masked attention saves
-    more]): every layer of a family with the window (Mistral, Mixtral), or the config's
+    Every layer of a family with the window (Mistral, Mixtral), or the config's
     ``layer_types`` marked ``"sliding_attention"`` where it lists them (Qwen2 with
     ``use_sliding_window``, from ``max_window_layers`` on). Empty when the policy names no
-    window attribute, the config sets none or the profile has no ``masked_attention``.
+    window attribute or the config sets none.
     """
     attr = spec.policy.sliding_window_attr
     window = getattr(spec.config, attr, None) if attr else None
-    profile = spec.policy.activations
-    if window is None or profile is None or not profile.masked_attention:
-        return set()
-    if seq_len < int(window):  # transformers skips the mask: the causal flag suffices
+    if window is None or seq_len < int(window):  # transformers skips the mask then
         return set()
     types = getattr(spec.config, "layer_types", None)
     if types is None:
         return set(range(spec.num_layers))
     return {i for i, kind in enumerate(types[: spec.num_layers]) if kind == "sliding_attention"}
+
+
+def masked_layers(spec: ModelSpec, seq_len: int) -> set[int]:
+    """Indices of the layers whose attention gets an explicit mask at ``seq_len`` tokens.
+
+    The ``window_layers`` (Note [Masked attention saves more]), where the profile describes
+    masked attention (``masked_attention``); empty otherwise.
+    """
+    profile = spec.policy.activations
+    if profile is None or not profile.masked_attention:
+        return set()
+    return window_layers(spec, seq_len)
+
+
+def rotary_bytes(spec: ModelSpec, positions: int, compute_bytes: int) -> int:
+    """The rotary tables' bytes: cos and sin for ``positions`` positions, saved once."""
+    profile = _profile(spec)
+    width = rotary_width(spec, profile.rotary_fraction_attr)
+    return profile.rotary_tables * 2 * positions * width * compute_bytes
 
 
 def sparse_layers(spec: ModelSpec) -> set[int]:
@@ -248,7 +273,10 @@ def activation_bytes(
     sparse = sparse_layers(spec)
     moe_terms = profile.moe
     if shape.moe_layer:  # the block's norm, then the library's layer
-        moe_terms = tuple(t for t in profile.mlp if t.size in ("hidden", "one")) + MOE_LAYER
+        # The block's norm: the MLP half's terms between the parallel regions (a dense
+        # layer's, or a sparse one's where every layer is sparse), and the norm's output.
+        norm = tuple(t for t in (profile.mlp or profile.moe) if t.region == "sequence")
+        moe_terms = norm + (Saved("hidden", "compute", "gathered"),) + MOE_LAYER
     masked = masked_layers(spec, shape.seq_len)
     attention = {False: size.bytes(profile.attention)}
     if masked:
@@ -261,11 +289,11 @@ def activation_bytes(
     ]
     layer_input = size.bytes((Saved("hidden", "compute", "sequence"),))
     kept = [layer_input] * spec.num_layers if checkpointing else per_layer
-    loss = VOCAB_PARALLEL_LOSS if shape.layout.tp > 1 else HF_LOSS
+    vocab_parallel = shape.layout.tp > 1 and spec.policy.vocab_parallel_logits
+    loss = VOCAB_PARALLEL_LOSS if vocab_parallel else HF_LOSS
     outside = size.bytes(EMBEDDING + profile.final + loss)
     if not checkpointing:
-        rotary = 2 * size.rows["positions"] * _rotary_width(spec, profile) * shape.compute_bytes
-        outside += rotary
+        outside += rotary_bytes(spec, size.rows["positions"], shape.compute_bytes)
     elif masked:
         # Note [A checkpoint's closure keeps the mask]
         #     Under non-reentrant checkpointing a layer's arguments stay referenced by its
@@ -281,7 +309,9 @@ def activation_bytes(
         resident = sorted(kept, reverse=True)[: horizon + 1]
         offloaded = layers
         layers = sum(resident)
-    logits = size.tokens * size.split["vocab"] * shape.compute_bytes
+    logits = (
+        size.tokens * (size.split if vocab_parallel else size.whole)["vocab"] * shape.compute_bytes
+    )
     return ActivationBytes(
         layer=max(per_layer) if per_layer else 0,
         layers=layers,
@@ -299,5 +329,8 @@ __all__ = [
     "VOCAB_PARALLEL_LOSS",
     "activation_bytes",
     "masked_layers",
+    "rotary_bytes",
+    "rotary_width",
     "sparse_layers",
+    "window_layers",
 ]

@@ -223,7 +223,12 @@ def _check_sizes(config: Any, path: str) -> None:
                 )
 
 
-def _model_class(config: Any) -> type[nn.Module]:
+def model_class(config: Any) -> type[nn.Module]:
+    """The causal LM class transformers builds from ``config`` (its ``architectures`` first).
+
+    Raises:
+        ValueError: If transformers has no causal LM class for its ``model_type``.
+    """
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -299,11 +304,11 @@ def load_model(path: str | os.PathLike[str]) -> ModelSpec:
             from), or a model no policy covers (as ``tsm.transform`` would refuse it).
     """
     config = read_config(path)
-    cls = _model_class(config)
+    cls = model_class(config)
     try:
         with torch.device("meta"):
             model = cls(config)
-    except (RuntimeError, ValueError, TypeError, ArithmeticError) as e:
+    except (RuntimeError, ValueError, TypeError, ArithmeticError, AssertionError) as e:
         # Sizes that pass transformers' and _check_sizes's checks but not the layers' own
         # arithmetic (an inconsistent rope setting, a split that does not divide).
         raise ValueError(
@@ -313,4 +318,4 @@ def load_model(path: str | os.PathLike[str]) -> ModelSpec:
     return describe(model, lookup_policy(model), os.fspath(path))
 
 
-__all__ = ["ROOT", "ModelSpec", "Param", "describe", "load_model", "read_config"]
+__all__ = ["ROOT", "ModelSpec", "Param", "describe", "load_model", "model_class", "read_config"]

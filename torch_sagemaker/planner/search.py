@@ -31,6 +31,7 @@ from torch_sagemaker.planner.presets import (
     accelerator,
     instance,
 )
+from torch_sagemaker.planner.probe import with_activations
 
 #: Fraction of peak FLOP/s the compute reaches by default on accelerators (docs/planner.md).
 DEFAULT_EFFICIENCY = 0.5
@@ -306,13 +307,7 @@ def plan(
     )
     workload = Workload(seq_len, global_batch_tokens, dtype)
     spec = config if isinstance(config, ModelSpec) else load_model(config)
-    if spec.policy.activations is None:
-        raise ValueError(
-            f"{spec.name}: policy {spec.policy.name!r} does not describe what its layers save "
-            "for backward (ModelPolicy.activations), so the planner cannot size its "
-            "activations. Families it plans: those whose policy has an ActivationProfile "
-            "(docs/planner.md)."
-        )
+    spec = with_activations(spec)  # measured on reduced copies where the policy is silent
     if limits is not None and not isinstance(limits, Limits):
         limits = Limits(allowed=dict(limits))  # Limits checks and normalizes the values
     machine = accelerator_machine(acc, dtype, efficiency)

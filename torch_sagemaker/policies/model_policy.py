@@ -150,6 +150,8 @@ SAVED_SIZES = (
     "expert_mlp",  # one expert's intermediate size
     "shared_mlp",  # a shared expert's intermediate size
     "keys",  # the keys a query is scored against (the whole sequence): an attention mask's row
+    "kv_heads",  # the key/value heads (one per head: a per-head norm's statistics of the keys)
+    "scores",  # attention scores of every head against every key (eager attention)
 )
 #: Where a saved tensor lives, which decides how parallelism divides it.
 SAVED_REGIONS = (
@@ -158,6 +160,7 @@ SAVED_REGIONS = (
     "split",  # inside a parallel region: every token, heads/columns/vocabulary split over TP
     "routed",  # per (token, chosen expert) row of an MoE block: tokens x topk rows, whole
     "positions",  # per position, not per sequence (rotary tables)
+    "local",  # a rank's slice of a whole activation it splits itself: divided over TP always
 )
 
 
@@ -206,6 +209,11 @@ class ActivationProfile:
             family never does (then ``attention`` is used).
         rotary_fraction_attr: Config attribute with the fraction of each head that rotary
             embeddings rotate (``None``: all of it).
+        rotary_tables: How many pairs of rotary tables (cos and sin per position, saved once
+            for all layers) the layers save: 0 without rotary embeddings, 2 where local and
+            global layers rotate with different bases (Gemma 3).
+        probed: Whether the profile was measured on reduced copies of the model
+            (``torch_sagemaker/planner/probe.py``) rather than written for the family.
     """
 
     attention: tuple[Saved, ...]
@@ -214,6 +222,12 @@ class ActivationProfile:
     moe: tuple[Saved, ...] = ()
     masked_attention: tuple[Saved, ...] = ()
     rotary_fraction_attr: str | None = None
+    rotary_tables: int = 1
+    probed: bool = False
+
+
+#: Styles whose output leaves a parallel region split over the sequence.
+_SEQUENCE_SPLITTING_STYLES = ("rowwise", "reduce_scatter_output")
 
 
 @dataclass(frozen=True)
@@ -272,6 +286,36 @@ class ModelPolicy:
                 f"policy {self.name!r}: unknown TP styles {unknown}; "
                 f"known styles: {', '.join(STYLES)}."
             )
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the plan splits the residual stream over the TP ranks.
+
+        Sequence parallelism: region outputs reduce-scattered over the sequence, rather than
+        all-reduced whole onto every rank between parallel regions.
+        """
+        return any(s in _SEQUENCE_SPLITTING_STYLES for s in self.tp_plan.values())
+
+    @property
+    def mlp_split(self) -> bool:
+        """Whether the MLP's intermediate activations are split over the TP ranks.
+
+        ``False`` where the plan gathers the outputs of projections outside attention
+        (``colwise_gather``; every rank then computes the whole MLP).
+        """
+        patterns = (self.attention,) if isinstance(self.attention, str) else self.attention
+        return not any(
+            style == "colwise_gather" and not any(fnmatchcase(pattern, f"{a}.*") for a in patterns)
+            for pattern, style in self.tp_plan.items()
+        )
+
+    @property
+    def vocab_parallel_logits(self) -> bool:
+        """Whether the plan keeps the logits split over the vocabulary.
+
+        Style ``lm_head``, with the vocabulary-parallel loss, rather than gathered whole.
+        """
+        return "lm_head" in self.tp_plan.values()
 
     def matches(self, model: nn.Module) -> bool:
         """Whether ``model`` is (a subclass of) one of ``model_classes``."""

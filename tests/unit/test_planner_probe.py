@@ -1,0 +1,102 @@
+"""The planner's measured activation profiles (torch_sagemaker/planner/probe.py).
+
+The probe must find, on its own, what the hand-written profiles say (those are checked
+against real multi-rank steps in tests/distributed/test_planner_memory.py, which also checks
+probed families under TP), explain widths only by the model's sizes, and let the planner
+plan families whose policy comes from transformers' plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from torch_sagemaker.planner import plan
+from torch_sagemaker.planner.model import load_model
+from torch_sagemaker.planner.probe import ProbeError, _solve, probe_activations
+
+SMALL = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 512,
+}
+
+
+def _spec(tmp_path, model_type, **extra):
+    path = tmp_path / f"{model_type}.json"
+    path.write_text(json.dumps({"model_type": model_type, **SMALL, **extra}))
+    return load_model(path)
+
+
+def _counts(terms):
+    merged: dict[tuple[str, str, str], int] = {}
+    for t in terms:
+        key = (t.size, t.dtype, t.region)
+        merged[key] = merged.get(key, 0) + t.count
+    return merged
+
+
+def _without_profile(spec):
+    policy = dataclasses.replace(spec.policy, activations=None)
+    return dataclasses.replace(spec, policy=policy)
+
+
+@pytest.mark.parametrize(
+    "model_type, extra",
+    [
+        ("llama", {}),
+        # every layer sparse: the MoE block (masked attention: Gemma 3 in the memory test)
+        ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    ],
+)
+def test_the_probe_finds_what_the_hand_written_profiles_say(tmp_path, model_type, extra):
+    spec = _spec(tmp_path, model_type, **extra)
+    hand = spec.policy.activations
+    probed = probe_activations(_without_profile(spec))
+    assert probed.probed and not hand.probed
+    for part in ("attention", "final", "moe"):
+        assert _counts(getattr(probed, part)) == _counts(getattr(hand, part)), part
+    if probed.mlp:  # Mixtral has no dense layer to measure
+        assert _counts(probed.mlp) == _counts(hand.mlp)
+    assert probed.rotary_tables == hand.rotary_tables == 1
+
+
+def test_widths_are_explained_by_the_fewest_sizes_or_refused():
+    values = [
+        {"one": 1, "q": q, "kv": kv, "hidden": h, "keys": s}
+        for q, kv, h, s in [
+            (96, 32, 80, 26),
+            (192, 32, 80, 26),
+            (96, 48, 80, 26),
+            (96, 32, 128, 34),
+        ]
+    ]
+    assert _solve([v["q"] + 2 * v["kv"] for v in values], values, ("one", "q", "kv")) == {
+        "q": 1,
+        "kv": 2,
+    }
+    assert _solve([v["keys"] for v in values], values, ("one", "q", "keys")) == {"keys": 1}
+    assert _solve([3, 3, 3, 3], values, ("one", "q")) == {"one": 3}
+    # q x keys (eager scores of a size the names lack) is no whole-multiple sum of them
+    assert _solve([v["q"] * v["keys"] for v in values], values, ("one", "q", "kv", "keys")) == {}
+
+
+def test_families_split_by_transformers_plan_are_planned(tmp_path):
+    for model_type, extra in (("qwen3", {"head_dim": 16}), ("phi3", {"pad_token_id": None})):
+        spec = _spec(tmp_path, model_type, **extra)
+        assert spec.policy.activations is None, spec.policy.name
+        result = plan(spec, seq_len=512, global_batch_tokens=8 * 512, hosts=1, per_host=4)
+        assert result.best is not None, model_type
+        assert result.best.memory.activations > 0
+
+
+def test_a_family_the_probe_cannot_describe_is_refused_naming_why(tmp_path):
+    # Gemma 2 runs eager attention with per-position storages the sizes do not explain.
+    spec = _spec(tmp_path, "gemma2", head_dim=16)
+    with pytest.raises(ProbeError, match="measuring it on a reduced model failed: .*position"):
+        probe_activations(spec)
