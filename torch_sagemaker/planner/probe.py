@@ -281,8 +281,9 @@ def _run(spec: ModelSpec, sizes: _Sizes, window: int | None) -> tuple[list[_Reco
     # (whose scores per head and key are the ``scores`` size).
     config._attn_implementation = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
     try:
-        torch.manual_seed(0)
-        model = cls(config).to(torch.bfloat16)
+        with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
+            torch.manual_seed(0)
+            model = cls(config).to(torch.bfloat16)
     except Exception as e:  # noqa: BLE001 - any failure to build is the probe's refusal
         raise ProbeError(
             f"cannot build a reduced {spec.name} to measure ({type(e).__name__}: {e})"
