@@ -100,3 +100,46 @@ def test_a_family_the_probe_cannot_describe_is_refused_naming_why(tmp_path):
     spec = _spec(tmp_path, "gemma2", head_dim=16)
     with pytest.raises(ProbeError, match="measuring it on a reduced model failed: .*position"):
         probe_activations(spec)
+
+
+def test_plans_without_sequence_parallelism_size_every_tp_rank_alike(tmp_path):
+    # transformers' plans all-reduce region outputs: the residual stream stays whole, and a
+    # rank other than 0 holds as much as rank 0 (a dimension split over one part is whole).
+    from torch_sagemaker.planner.activations import ActivationShape, activation_bytes
+    from torch_sagemaker.policies import split_heads
+    from torch_sagemaker.topology import resolve
+
+    spec = _spec(tmp_path, "qwen3", head_dim=16)
+    assert not spec.policy.sequence_parallel and spec.policy.mlp_split
+    spec = dataclasses.replace(
+        spec, policy=dataclasses.replace(spec.policy, activations=probe_activations(spec))
+    )
+    heads = split_heads(8, 4, 2)
+    layout = resolve(2, tensor_parallel_degree=2)
+    sizes = [
+        activation_bytes(
+            spec,
+            ActivationShape(layout, heads, 1, 64, 2, tp_rank=rank),
+            checkpointing=checkpointing,
+            offload=False,
+            horizon=0,
+        ).saved
+        for checkpointing in (False, True)
+        for rank in (0, 1)
+    ]
+    assert sizes[0] == sizes[1] > 0 and sizes[2] == sizes[3] > 0, sizes
+
+
+def test_a_gathered_output_embedding_leaves_the_mlp_split(tmp_path):
+    spec = _spec(tmp_path, "qwen3", head_dim=16)
+    policy = spec.policy
+    assert policy.mlp_split and policy.vocab_parallel_logits
+    gathered_head = dataclasses.replace(
+        policy, tp_plan={**policy.tp_plan, "lm_head": "colwise_gather"}
+    )
+    assert gathered_head.mlp_split and not gathered_head.vocab_parallel_logits
+    mlp = {p: s for p, s in policy.tp_plan.items() if p.endswith(("gate_proj", "up_proj"))}
+    gathered_mlp = dataclasses.replace(
+        policy, tp_plan={**policy.tp_plan, **dict.fromkeys(mlp, "colwise_gather")}
+    )
+    assert not gathered_mlp.mlp_split

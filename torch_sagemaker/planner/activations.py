@@ -122,6 +122,11 @@ def _chunk(size: int, parts: int, index: int) -> int:
     return max(0, min(step, size - index * step))
 
 
+def _part(size: int, parts: int, index: int, split: bool) -> int:
+    """A rank's part of ``size``: its chunk where the plan splits it, else all of it."""
+    return _chunk(size, parts, index) if split else size
+
+
 def _profile(spec: ModelSpec) -> ActivationProfile:
     profile = spec.policy.activations
     if profile is None:
@@ -142,9 +147,10 @@ class _Sizer:
         local_seq = shape.seq_len // layout.cp
         self.tokens = shape.micro_batch * local_seq
         # Plans that all-reduce region outputs (transformers' own) keep the stream whole.
-        seq_parts = tp if spec.policy.sequence_parallel else 1
+        policy = spec.policy
+        stream = _chunk(local_seq, tp, shape.tp_rank) if policy.sequence_parallel else local_seq
         self.rows = {
-            "sequence": shape.micro_batch * _chunk(local_seq, seq_parts, shape.tp_rank),
+            "sequence": shape.micro_batch * stream,
             "gathered": self.tokens,
             "split": self.tokens,
             "positions": local_seq,
@@ -179,8 +185,8 @@ class _Sizer:
             heads=heads.local_heads,
             kv_heads=heads.local_kv_heads,
             scores=heads.local_heads * shape.seq_len,
-            mlp=_chunk(self.whole["mlp"], tp if spec.policy.mlp_split else 1, shape.tp_rank),
-            vocab=_chunk(self.whole["vocab"], tp, shape.tp_rank),
+            mlp=_part(self.whole["mlp"], tp, shape.tp_rank, policy.mlp_split),
+            vocab=_part(self.whole["vocab"], tp, shape.tp_rank, policy.vocab_parallel_logits),
         )
         self.local = {k: _chunk(v, tp, shape.tp_rank) for k, v in self.whole.items()}
         self.compute_bytes = shape.compute_bytes

@@ -40,29 +40,29 @@ import torch
 from torch import nn
 
 from torch_sagemaker.planner.model import ModelSpec, describe, model_class
-from torch_sagemaker.policies import lookup_policy
 from torch_sagemaker.policies.model_policy import ActivationProfile, Saved
 
 # Note [Probing what a family saves]
-#     A saved storage's width per token (or per routed row) is a sum of the model's sizes
-#     with small whole multiples: a fused QKV output is q + 2 kv, a fused gate/up output
-#     2 mlp, a float32 log-sum-exp the heads. One run cannot tell which sizes make a width
-#     (a hidden size of 64 and four heads of 16 look alike), so the probe runs the reduced
-#     model once with base sizes and once more per size, changed alone, and solves each
-#     storage's width over the runs by least squares; a width the sizes do not explain
-#     exactly, with non-negative whole multiples, is refused rather than guessed. Sizes that
-#     are equal in every run (the hidden size and the heads' total when the config has no
+#     A saved storage's width per token (or per routed row, or per position) is a sum of the
+#     model's sizes with small whole multiples: a fused QKV output is q + 2 kv, a fused
+#     gate/up output 2 mlp, a float32 log-sum-exp the heads. One run cannot tell which sizes
+#     make a width (a hidden size of 64 and four heads of 16 look alike), so the probe runs
+#     the reduced model once with base sizes, once more per size changed alone, and a few
+#     times with several changed at once (the heads' widths are products, and the last run
+#     leaves the system over-determined). Each storage's widths over the runs are then
+#     explained by the fewest sizes, at most three, with whole multiples of at least 1 that
+#     fit every run exactly; a width no such sum explains is refused rather than guessed.
+#     Sizes equal in every run (the hidden size and the heads' total when the config has no
 #     head size of its own; the key/value heads and the heads in multi-head attention) are
-#     one size for the solve, named by where the storage lives: inside a parallel region
-#     the split size, at a norm or a module's input the hidden one. Both give the same bytes
-#     on every layout, since the real model has them equal too. Storages are matched across
-#     runs by the order autograd saves them, and the runs must save as many, with the same
-#     dtypes, in the same places; a family whose code path changes with a size (a dimension
-#     that must be divisible, a kernel chosen by size) fails that check with a clear error.
-#     The sizes of the base run are chosen so that no two of them are equal unless the
-#     family ties them, and head sizes are multiples of 8 so that partial rotary fractions
-#     keep an even width, and every size a multiple of 8 (bfloat16 grouped GEMMs need rows
-#     of 16 bytes).
+#     one size for the solve, named by where the storage lives: inside a parallel region the
+#     split size, at a norm or a module's input the hidden one. Both give the same bytes on
+#     every layout, since the real model has them equal too. Storages are matched across
+#     runs by the order autograd saves them, and the runs must save as many, of the same
+#     kinds and dtypes, in the same places; a family whose code path changes with a size (a
+#     dimension that must be divisible, a kernel chosen by size) fails that check with a
+#     clear error. Head sizes are multiples of 8 (partial rotary fractions keep an even
+#     width) and so are the hidden and MLP sizes (bfloat16 grouped GEMMs need rows of 16
+#     bytes).
 
 #: Widths that tensor parallelism splits inside a parallel region.
 _SPLIT_SIZES = (
@@ -276,23 +276,26 @@ def _storage_key(tensor: torch.Tensor) -> int:
 def _run(spec: ModelSpec, sizes: _Sizes, window: int | None) -> tuple[list[_Record], Any]:
     """One forward pass of the reduced model; its saved storages in order, and its spec."""
     config = _reduced_config(spec, sizes, window)
-    cls = model_class(config)
-    # The kernel the model runs by default: SDPA where the family supports it, else eager
-    # (whose scores per head and key are the ``scores`` size).
-    config._attn_implementation = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+    # The reduced model is the same family, so the spec's own policy (the user's plan, where
+    # they gave one) names its modules; regions and styles come from it.
+    policy = spec.policy
     try:
+        cls = model_class(config)
+        # The kernel the model runs by default: SDPA where the family supports it, else
+        # eager (whose scores per head and key are the ``scores`` size).
+        sdpa = getattr(cls, "_supports_sdpa", False)
+        config._attn_implementation = "sdpa" if sdpa else "eager"
         with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
             torch.manual_seed(0)
             model = cls(config).to(torch.bfloat16)
+        small = describe(model, policy)
+        attention = {name for name, _ in policy.attention_modules(model)}
     except Exception as e:  # noqa: BLE001 - any failure to build is the probe's refusal
         raise ProbeError(
             f"cannot build a reduced {spec.name} to measure ({type(e).__name__}: {e})"
         ) from None
     model.train()
-    policy = lookup_policy(model)
-    small = describe(model, policy)
     layer_names = [n for n, m in model.named_modules() if type(m).__name__ == policy.layer_class]
-    attention = {name for name, _ in policy.attention_modules(model)}
     regions = _region_modules(model, policy, layer_names)
     styles = {name: _planned_style(policy, name) for name, _ in model.named_modules()}
     ignored = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
@@ -372,7 +375,10 @@ def _run(spec: ModelSpec, sizes: _Sizes, window: int | None) -> tuple[list[_Reco
     ids = torch.randint(0, sizes.vocab, (batch, seq), generator=generator)
     seen.add(_storage_key(ids))  # the embedding's saved ids are the planner's own term
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with (
+            torch.random.fork_rng(devices=[]),  # dropout draws leave the caller's state alone
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
             model(input_ids=ids)
     except ProbeError:
         raise
@@ -442,10 +448,18 @@ def _solve(widths: list[int], values: list[dict[str, int]], order: tuple[str, ..
     return {}
 
 
+def _matched(runs: list[list[_Record]], where: str) -> Iterator[tuple[_Record, ...]]:
+    """The records of the runs, matched by order; every run must have as many."""
+    if len({len(records) for records in runs}) > 1:
+        counts = ", ".join(str(len(records)) for records in runs)
+        raise ProbeError(f"the runs save different numbers of storages in {where} ({counts})")
+    return zip(*runs, strict=True)
+
+
 def _terms(runs: list[list[_Record]], values: list[dict[str, int]], where: str) -> list[Saved]:
     """``Saved`` terms of matched records across runs."""
     terms: list[Saved] = []
-    for matched in zip(*runs, strict=True):
+    for matched in _matched(runs, where):
         first = matched[0]
         if first.rows == "constant":
             continue
@@ -527,7 +541,10 @@ def _measure(
     for sizes in _variations(base):
         records, small = _run(spec, sizes, window)
         runs.append(records)
-        values.append(_values(sizes, small))
+        try:
+            values.append(_values(sizes, small))
+        except ValueError as e:
+            raise ProbeError(f"the reduced {spec.name}'s sizes cannot be read ({e})") from None
         smalls.append(small)
     for i, records in enumerate(runs[1:], 1):
         if len(records) != len(runs[0]):
@@ -608,7 +625,7 @@ def _positions(
 
     terms: list[Saved] = []
     rest = [0] * len(values)
-    for matched in zip(*matched_runs, strict=True):
+    for matched in _matched(matched_runs, "per-position storages"):
         # Masks (a row of keys per position) and integer ids; anything else per position
         # that is not rotary tables is refused rather than sized by a coincidence.
         allowed = {"keys"} | ({"one"} if matched[0].dtype in ("int64", "int32", "bool") else set())
@@ -621,7 +638,7 @@ def _positions(
     counts = set()
     for measured, small in zip(rest, smalls, strict=True):
         pair = 2 * rotary_width(small) * 2  # cos and sin, bfloat16
-        if measured % pair:
+        if not pair or measured % pair:
             raise ProbeError(
                 f"it saves {measured} bytes per position that are not rotary tables (pairs "
                 f"of {pair}) nor explained by its sizes"
@@ -648,7 +665,8 @@ def probe_activations(spec: ModelSpec) -> ActivationProfile:
         ProbeError: If the reduced model cannot be built or run, or what it saves is not
             explained by its sizes (the message says which).
     """
-    key = spec.config.to_json_string()
+    policy = spec.policy
+    key = f"{spec.config.to_json_string()}|{policy.name}|{sorted(policy.tp_plan.items())}"
     if key not in _CACHE:
         try:
             _CACHE[key] = _probe(spec)

@@ -300,12 +300,16 @@ class ModelPolicy:
     def mlp_split(self) -> bool:
         """Whether the MLP's intermediate activations are split over the TP ranks.
 
-        ``False`` where the plan gathers the outputs of projections outside attention
-        (``colwise_gather``; every rank then computes the whole MLP).
+        ``False`` where the plan gathers the outputs of a layer's projections outside
+        attention (``colwise_gather`` on a pattern with a wildcard, which names a module of
+        every layer; every rank then computes the whole MLP). A gathered output embedding
+        (``lm_head``, named without one) does not count.
         """
         patterns = (self.attention,) if isinstance(self.attention, str) else self.attention
         return not any(
-            style == "colwise_gather" and not any(fnmatchcase(pattern, f"{a}.*") for a in patterns)
+            style == "colwise_gather"
+            and "*" in pattern
+            and not any(fnmatchcase(pattern, f"{a}.*") for a in patterns)
             for pattern, style in self.tp_plan.items()
         )
 
