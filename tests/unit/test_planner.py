@@ -401,9 +401,9 @@ def test_command_line_refuses_bad_input(tmp_path, capsys):
     assert cli.main([str(tmp_path / "missing.json"), *common]) == 2
     assert "cannot read model config" in capsys.readouterr().err
     # no ActivationProfile, and the probe cannot measure one (tests/unit/test_planner_probe.py)
-    no_profile = {"model_type": "gemma2", "hidden_size": 128, "intermediate_size": 256}
-    no_profile.update(num_hidden_layers=2, num_attention_heads=8, head_dim=16, vocab_size=512)
-    assert cli.main([str(_write(tmp_path, "gemma2", no_profile)), *common]) == 2
+    no_profile = {"model_type": "diffllama", "hidden_size": 128, "intermediate_size": 256}
+    no_profile.update(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4)
+    assert cli.main([str(_write(tmp_path, "diffllama", no_profile)), *common]) == 2
     assert "measuring it on a reduced model failed" in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown accelerator"):
         accelerator("V100")

@@ -96,10 +96,12 @@ def test_families_split_by_transformers_plan_are_planned(tmp_path):
 
 
 def test_a_family_the_probe_cannot_describe_is_refused_naming_why(tmp_path):
-    # Gemma 2 runs eager attention with per-position storages the sizes do not explain.
-    spec = _spec(tmp_path, "gemma2", head_dim=16)
-    with pytest.raises(ProbeError, match="measuring it on a reduced model failed: .*position"):
+    # DiffLlama needs an even number of key/value heads, which the probe's run with three
+    # of them breaks: the refusal names the reduced model and the error.
+    spec = _spec(tmp_path, "diffllama")
+    with pytest.raises(ProbeError, match="measuring it on a reduced model failed: cannot build"):
         probe_activations(spec)
+    # (A width the sizes do not explain: test_widths_are_explained_by_the_fewest_sizes...)
 
 
 def test_plans_without_sequence_parallelism_size_every_tp_rank_alike(tmp_path):

@@ -33,7 +33,7 @@ from torch_sagemaker.policies import HeadSplit
 from torch_sagemaker.policies.model_policy import ActivationProfile, Saved
 from torch_sagemaker.topology import Layout
 
-DTYPE_BYTES = {"float32": 4, "int64": 8, "int32": 4, "bool": 1}
+DTYPE_BYTES = {"float32": 4, "int64": 8, "int32": 4, "bool": 1, "complex64": 8}
 
 #: Hugging Face's causal LM loss without TP: the float32 log-softmax over the vocabulary, the
 #: shifted labels, a float32 scalar weight.

@@ -90,7 +90,10 @@ _LOCAL_INPUT_STYLES = ("rowwise_split_input",)
 #: Styles of modules that make their parent (within a layer) a parallel region.
 _REGION_STYLE_WORDS = ("colwise", "rowwise", "experts", "router", "lm_head")
 
-_BATCH = 3
+#: Sequences per probe run: 7 divides none of the probe's sizes, so a storage holds whole
+#: tokens (a multiple of 7 x the sequence) only if it is per token; eager attention flattens
+#: the batch with the heads, so the shape alone cannot say.
+_BATCH = 7
 _SEQ = 26
 _WINDOW = 8
 _MAX_LAYERS = 6
@@ -100,6 +103,7 @@ _DTYPE_NAMES = {
     torch.int64: "int64",
     torch.int32: "int32",
     torch.bool: "bool",
+    torch.complex64: "complex64",  # rotary frequencies kept as complex numbers (Llama 4)
 }
 
 
@@ -179,7 +183,7 @@ def _variations(base: _Sizes) -> Iterator[_Sizes]:
         ("mlp", 104),
         ("experts", 8),
         ("top_k", 3),
-        ("expert_mlp", 56),
+        ("expert_mlp", 48),
         ("shared_mlp", 64),
     ):
         if getattr(base, field) is not None:
@@ -231,10 +235,10 @@ def _reduced_config(spec: ModelSpec, sizes: _Sizes, window: int | None) -> Any:
         config.head_dim = sizes.head_dim
     _set(config, "intermediate_size", sizes.mlp)
     config.vocab_size = sizes.vocab
-    for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):
+    for attr in [a for a in vars(config) if a.endswith("_token_id")]:
         value = getattr(config, attr, None)
-        if isinstance(value, int) and value >= sizes.vocab:
-            setattr(config, attr, None)
+        if isinstance(value, int) and value >= sizes.vocab:  # an id the vocabulary lost
+            setattr(config, attr, 0)
     _set(config, policy.num_experts_attr, sizes.experts)
     if policy.moe is not None:
         _set(config, policy.moe.top_k_attr, sizes.top_k)
@@ -275,11 +279,11 @@ def _storage_key(tensor: torch.Tensor) -> int:
 
 def _run(spec: ModelSpec, sizes: _Sizes, window: int | None) -> tuple[list[_Record], Any]:
     """One forward pass of the reduced model; its saved storages in order, and its spec."""
-    config = _reduced_config(spec, sizes, window)
     # The reduced model is the same family, so the spec's own policy (the user's plan, where
     # they gave one) names its modules; regions and styles come from it.
     policy = spec.policy
     try:
+        config = _reduced_config(spec, sizes, window)
         cls = model_class(config)
         # The kernel the model runs by default: SDPA where the family supports it, else
         # eager (whose scores per head and key are the ``scores`` size).
@@ -341,14 +345,16 @@ def _run(spec: ModelSpec, sizes: _Sizes, window: int | None) -> tuple[list[_Reco
         # over the batch keeps one sequence's storage: per position).
         kinds = [
             ("routed", routed, routed is not None and routed in shape),
-            ("token", tokens, tokens in shape or (batch in shape and seq in shape)),
+            ("token", tokens, tokens in shape or seq in shape),
             ("position", seq, seq in shape),
         ]
         rows, count = next(
             ((k, n) for k, n, shown in kinds if shown and n and elements % n == 0),
             ("constant", 1),
         )
-        if rows == "constant" and any(shown for _, _, shown in kinds):
+        # A storage smaller than one element per token, expanded (a cast weight), is not
+        # an activation; a larger one that no row kind divides is not understood.
+        if rows == "constant" and any(shown for _, _, shown in kinds) and elements >= tokens:
             rows = "unexplained"
         if tensor.dtype not in _DTYPE_NAMES or rows == "unexplained":
             raise ProbeError(
@@ -626,11 +632,11 @@ def _positions(
     terms: list[Saved] = []
     rest = [0] * len(values)
     for matched in _matched(matched_runs, "per-position storages"):
-        # Masks (a row of keys per position) and integer ids; anything else per position
-        # that is not rotary tables is refused rather than sized by a coincidence.
-        allowed = {"keys"} | ({"one"} if matched[0].dtype in ("int64", "int32", "bool") else set())
+        # Masks (a row of keys per position), ids and per-position scales, and widths no run
+        # changes (rotary tables as wide as a config's own fixed rotary dimension): the
+        # tables the planner sizes change with the head size, which no run keeps.
         multiples = _solve([r.width for r in matched], values, ("one", "keys"))
-        if multiples and set(multiples) <= allowed:
+        if multiples:
             terms += [Saved(n, matched[0].dtype, "positions", c) for n, c in multiples.items()]
             continue
         for i, r in enumerate(matched):

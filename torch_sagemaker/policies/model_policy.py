@@ -175,8 +175,8 @@ class Saved:
 
     Attributes:
         size: One of ``SAVED_SIZES``.
-        dtype: ``"compute"`` (the activations' dtype), ``"float32"``, ``"int64"``, ``"int32"``
-            or ``"bool"``.
+        dtype: ``"compute"`` (the activations' dtype), ``"float32"``, ``"int64"``, ``"int32"``,
+            ``"bool"`` or ``"complex64"``.
         region: One of ``SAVED_REGIONS``.
         count: How many such tensors.
     """
