@@ -144,7 +144,11 @@ CASES: tuple[MemoryCase, ...] = (
 
 
 def tiny_config(family: str, layers: int = 2, **overrides: Any) -> Any:
-    """A tiny Hugging Face config: hidden 64, 4 heads, vocab 128, no dropout."""
+    """A tiny Hugging Face config: hidden 64, 4 heads, vocab 128, no dropout.
+
+    Llama, Qwen2, Mixtral, GPT-NeoX, Qwen3, Phi-3 and Gemma 3 as the cases need them; any
+    other ``model_type`` as transformers builds it with these sizes (2 key/value heads).
+    """
     import transformers as tf
 
     common: dict[str, Any] = dict(
@@ -176,11 +180,21 @@ def tiny_config(family: str, layers: int = 2, **overrides: Any) -> Any:
         )
     elif family == "gemma3_text":  # a window shorter than SEQ: masked attention, 2 rotary bases
         cfg = tf.Gemma3TextConfig(**common, num_key_value_heads=2, head_dim=16, sliding_window=8)
-    else:
-        raise ValueError(
-            f"unknown family {family!r}; use llama, qwen2, mixtral, gpt_neox, qwen3, phi3 or "
-            "gemma3_text."
-        )
+    else:  # any other family: transformers' config with the same sizes
+        from transformers import AutoConfig
+
+        from torch_sagemaker.planner.model import mlp_size_attr
+
+        default = AutoConfig.for_model(family)
+        known = {k: v for k, v in common.items() if hasattr(default, k)}
+        mlp_attr = mlp_size_attr(default)  # OPT's ffn_dim, BART's decoder_ffn_dim
+        if mlp_attr:
+            known[mlp_attr] = common["intermediate_size"]
+        cfg = AutoConfig.for_model(family, **known, num_key_value_heads=2)
+        for attr in [a for a in vars(cfg) if a.endswith("_token_id")]:
+            value = getattr(cfg, attr)
+            if isinstance(value, int) and value >= VOCAB:
+                setattr(cfg, attr, 0)
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg
@@ -289,7 +303,7 @@ def run_case(case: MemoryCase) -> dict[str, Any]:
     from benchmarks.planner import measure
     from torch_sagemaker.moe.moe_config import MoEConfig
     from torch_sagemaker.offload import get_stats
-    from torch_sagemaker.planner.model import describe
+    from torch_sagemaker.planner.model import describe, model_class
     from torch_sagemaker.policies import lookup_policy
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -297,7 +311,10 @@ def run_case(case: MemoryCase) -> dict[str, Any]:
     tsm.init(case.smp)
     torch.manual_seed(0)
     config = tiny_config(case.family, case.layers, **case.overrides)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
+    # SDPA where the family supports it, else eager, as the planner's probe runs it.
+    sdpa = getattr(model_class(config), "_supports_sdpa", False)
+    attention = "sdpa" if sdpa else "eager"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).float()
     policy = lookup_policy(model)
     spec = describe(model, policy)
     model = tsm.transform(model, config=MoEConfig() if case.moe else None)

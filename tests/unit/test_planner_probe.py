@@ -145,3 +145,19 @@ def test_a_gathered_output_embedding_leaves_the_mlp_split(tmp_path):
         policy, tp_plan={**policy.tp_plan, **dict.fromkeys(mlp, "colwise_gather")}
     )
     assert not gathered_mlp.mlp_split
+
+
+def test_sizes_a_config_names_its_own_way_are_shrunk_and_a_constant_width_is_refused(tmp_path):
+    # OPT's MLP is ffn_dim and its head reads word_embed_proj_dim (equal to the hidden size):
+    # both shrink and change with the runs, so the MLP's widths are the MLP size.
+    spec = _spec(tmp_path, "opt", ffn_dim=256, word_embed_proj_dim=128)
+    assert spec.mlp_size == 256
+    probed = probe_activations(spec)
+    assert _counts(probed.mlp).get(("mlp", "compute", "split"), 0) >= 1
+    # A width per token that no run changes is a size the probe did not vary: refused.
+    from torch_sagemaker.planner.probe import _Record, _terms
+
+    record = _Record(0, False, "token", 64, "compute", True, False, False, False)
+    values = [{"one": 1, "hidden": h} for h in (80, 128, 80)]
+    with pytest.raises(ProbeError, match="64 wide per token in every run"):
+        _terms([[record]] * 3, values, "layer 0's mlp")

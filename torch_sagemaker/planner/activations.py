@@ -161,13 +161,13 @@ class _Sizer:
         # A mask row spans every key of the sequence; context parallelism, which would cut
         # the keys, refuses sliding windows (the only masks modelled).
         num_heads, num_kv = heads.num_heads, heads.num_kv_heads
-        expert_mlp = spec.dim("moe_intermediate_size", 0) or spec.dim("intermediate_size", 0)
+        expert_mlp = spec.dim("moe_intermediate_size", 0) or spec.mlp_size
         self.whole = {
             "hidden": spec.dim("hidden_size"),
             "q": num_heads * head_dim,
             "kv": num_kv * head_dim,
             "heads": num_heads,
-            "mlp": spec.dim("intermediate_size", 0),
+            "mlp": spec.mlp_size,
             "one": 1,
             "vocab": spec.dim("vocab_size"),
             "experts": spec.num_experts,

@@ -116,6 +116,16 @@ class ModelSpec:
         return int(value)
 
     @property
+    def mlp_size(self) -> int:
+        """A dense MLP's intermediate size (0 where the config names none).
+
+        ``intermediate_size``, or the name the family's config uses instead
+        (``MLP_SIZE_ATTRS``: BART-like decoders' ``decoder_ffn_dim``, OPT's ``ffn_dim``).
+        """
+        attr = mlp_size_attr(self.config)
+        return self.dim(attr, 0) if attr else 0
+
+    @property
     def heads(self) -> tuple[int, int]:
         """(query heads, key/value heads)."""
         return self.policy.head_counts(self.config)
@@ -130,6 +140,37 @@ class ModelSpec:
     def num_experts(self) -> int:
         """Experts per MoE layer (0 for dense models)."""
         return self.policy.num_experts(self.config)
+
+
+#: Config attributes holding a dense MLP's intermediate size, in the order they are read.
+MLP_SIZE_ATTRS = ("intermediate_size", "decoder_ffn_dim", "ffn_dim", "n_inner")
+
+
+def mlp_size_attr(config: Any) -> str | None:
+    """The first of ``MLP_SIZE_ATTRS`` that ``config``'s class defines and ``config`` sets.
+
+    A name the class does not define is a stray key the model never reads (a config
+    written with ``intermediate_size`` for OPT, whose MLP is ``ffn_dim``).
+    """
+    known = _class_attrs(type(config))
+    return next(
+        (a for a in MLP_SIZE_ATTRS if a in known and getattr(config, a, None) is not None), None
+    )
+
+
+_CLASS_ATTRS: dict[type, frozenset[str]] = {}
+
+
+def _class_attrs(cls: type) -> frozenset[str]:
+    """Which of ``MLP_SIZE_ATTRS`` a config class defines (on its default instance)."""
+    if cls not in _CLASS_ATTRS:
+        try:
+            default = cls()
+        except Exception:  # noqa: BLE001 - a class without defaults: trust the instance
+            _CLASS_ATTRS[cls] = frozenset(MLP_SIZE_ATTRS)
+        else:
+            _CLASS_ATTRS[cls] = frozenset(a for a in MLP_SIZE_ATTRS if hasattr(default, a))
+    return _CLASS_ATTRS[cls]
 
 
 def read_config(path: str | os.PathLike[str]) -> Any:
@@ -318,4 +359,14 @@ def load_model(path: str | os.PathLike[str]) -> ModelSpec:
     return describe(model, lookup_policy(model), os.fspath(path))
 
 
-__all__ = ["ROOT", "ModelSpec", "Param", "describe", "load_model", "model_class", "read_config"]
+__all__ = [
+    "MLP_SIZE_ATTRS",
+    "ROOT",
+    "ModelSpec",
+    "Param",
+    "describe",
+    "load_model",
+    "mlp_size_attr",
+    "model_class",
+    "read_config",
+]

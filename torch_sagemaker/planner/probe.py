@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torch_sagemaker.planner.model import ModelSpec, describe, model_class
+from torch_sagemaker.planner.model import ModelSpec, describe, mlp_size_attr, model_class
 from torch_sagemaker.policies.model_policy import ActivationProfile, Saved
 
 # Note [Probing what a family saves]
@@ -94,6 +94,9 @@ _REGION_STYLE_WORDS = ("colwise", "rowwise", "experts", "router", "lm_head")
 #: tokens (a multiple of 7 x the sequence) only if it is per token; eager attention flattens
 #: the batch with the heads, so the shape alone cannot say.
 _BATCH = 7
+#: The widest storage per token the probe accepts as the same in every run (a norm's
+#: statistics, a gate's score); wider, it is a size the probe does not vary.
+_MAX_CONSTANT_WIDTH = 4
 _SEQ = 26
 _WINDOW = 8
 _MAX_LAYERS = 6
@@ -160,7 +163,7 @@ def _base_sizes(spec: ModelSpec) -> _Sizes:
         heads=6,
         kv_heads=kv_heads,
         head_dim=16 if explicit_head_dim else None,
-        mlp=88 if getattr(config, "intermediate_size", None) else None,
+        mlp=88 if spec.mlp_size else None,
         vocab=200,
         seq=_SEQ,
         experts=6 if experts else None,
@@ -226,6 +229,13 @@ def _reduced_config(spec: ModelSpec, sizes: _Sizes, window: int | None) -> Any:
     types = getattr(config, "layer_types", None)
     if types is not None:
         config.layer_types = list(types[:layers])
+    # Sizes the config keeps under other names equal to the hidden size (OPT's
+    # word_embed_proj_dim) follow it, so that they shrink and change with it.
+    hidden = spec.dim("hidden_size")
+    for attr, value in list(vars(config).items()):
+        named = any(word in attr for word in ("dim", "size", "embed"))
+        if named and attr != "hidden_size" and type(value) is int and value == hidden:
+            setattr(config, attr, sizes.hidden)
     config.hidden_size = sizes.hidden
     setattr(config, policy.num_heads_attr, sizes.heads)
     if policy.num_kv_heads_attr:
@@ -233,7 +243,7 @@ def _reduced_config(spec: ModelSpec, sizes: _Sizes, window: int | None) -> Any:
         _set(config, policy.num_kv_heads_attr, kv)
     if sizes.head_dim is not None:
         config.head_dim = sizes.head_dim
-    _set(config, "intermediate_size", sizes.mlp)
+    _set(config, mlp_size_attr(config), sizes.mlp)
     config.vocab_size = sizes.vocab
     for attr in [a for a in vars(config) if a.endswith("_token_id")]:
         value = getattr(config, attr, None)
@@ -409,7 +419,7 @@ def _values(sizes: _Sizes, small: ModelSpec) -> dict[str, int]:
         "kv": kv * head_dim,
         "heads": heads,
         "kv_heads": kv,
-        "mlp": small.dim("intermediate_size", 0),
+        "mlp": small.mlp_size,
         "vocab": small.dim("vocab_size"),
         "keys": sizes.seq,
         "scores": heads * sizes.seq,
@@ -479,6 +489,12 @@ def _terms(runs: list[list[_Record]], values: list[dict[str, int]], where: str) 
         )
         order = _SPLIT_FIRST if split_first else _WHOLE_FIRST
         multiples = _solve([r.width for r in matched], values, order)
+        if multiples.get("one", 0) > _MAX_CONSTANT_WIDTH:
+            raise ProbeError(
+                f"a {first.dtype} tensor saved in {where} is {multiples['one']} wide per "
+                f"{'token' if first.rows == 'token' else 'row'} in every run: a size of the "
+                "config's own that the probe does not shrink, which it cannot place"
+            )
         if not multiples:
             widths = ", ".join(str(r.width) for r in matched)
             raise ProbeError(
