@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -331,14 +332,23 @@ def _run(spec: ModelSpec, sizes: _Sizes, window: int | None) -> tuple[list[_Reco
     batch, seq = _BATCH, sizes.seq
     tokens = batch * seq
     routed = tokens * sizes.top_k if sizes.top_k else None
-    seen: set[int] = set()
+    # Note [Storages the forward frees]: autograd frees the saved tensors of graph parts no
+    # output reaches (an MoE router's auxiliary scores) while the forward still runs, and
+    # the allocator hands their addresses to later storages. A storage is the one already
+    # seen at its address only while a tensor saved with it lives; the records whose saved
+    # tensors all died before the forward returned are dropped, as they hold no memory then.
+    seen: dict[int, list[tuple[weakref.ref, int]]] = {}
     records: list[_Record] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         key = _storage_key(tensor)
-        if key in ignored or key in seen or tensor.untyped_storage().nbytes() == 0:
+        if key in ignored or tensor.untyped_storage().nbytes() == 0:
             return tensor
-        seen.add(key)
+        alive = [(ref, i) for ref, i in seen.get(key, []) if ref() is not None]
+        if alive:  # one more tensor of a storage already recorded
+            seen[key] = [*alive, (weakref.ref(tensor), alive[0][1])]
+            return tensor
+        seen[key] = [(weakref.ref(tensor), len(records))]
         names = [n for n, _ in stack]
         layer = next((i for i, n in enumerate(layer_names) if n in names), None)
         planned = next(((n, k) for n, k in reversed(stack) if styles.get(n)), None)
@@ -389,13 +399,15 @@ def _run(spec: ModelSpec, sizes: _Sizes, window: int | None) -> tuple[list[_Reco
 
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, sizes.vocab, (batch, seq), generator=generator)
-    seen.add(_storage_key(ids))  # the embedding's saved ids are the planner's own term
+    ignored.add(_storage_key(ids))  # the embedding's saved ids are the planner's own term
     try:
         with (
             torch.random.fork_rng(devices=[]),  # dropout draws leave the caller's state alone
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
         ):
-            model(input_ids=ids)
+            output = model(input_ids=ids)  # held while the records' liveness is read
+        held = {i for refs in seen.values() for ref, i in refs if ref() is not None}
+        del output
     except ProbeError:
         raise
     except Exception as e:  # noqa: BLE001 - any failure of the forward is the refusal
@@ -405,7 +417,7 @@ def _run(spec: ModelSpec, sizes: _Sizes, window: int | None) -> tuple[list[_Reco
     finally:
         for handle in handles:
             handle.remove()
-    return records, small
+    return [r for i, r in enumerate(records) if i in held], small
 
 
 def _values(sizes: _Sizes, small: ModelSpec) -> dict[str, int]:
