@@ -25,6 +25,7 @@ forward and autograd saves DTensor views of it, which the hook cannot tell from 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -243,7 +244,9 @@ def _batch(rank: int, tp: int, cp: int) -> torch.Tensor:
     return split_local(ids, (rank // tp) % cp, cp) if cp > 1 else ids
 
 
-def predict(case: MemoryCase, spec: Any, world: int, rank: int) -> dict[str, int]:
+def predict(
+    case: MemoryCase, spec: Any, world: int, rank: int, profile: Any = None
+) -> dict[str, int]:
     """What the planner predicts for ``rank`` of ``case`` on ``world`` ranks (one host)."""
     from torch_sagemaker.planner import activations, shards
     from torch_sagemaker.planner.candidates import Candidate, Rejected, check
@@ -252,6 +255,10 @@ def predict(case: MemoryCase, spec: Any, world: int, rank: int) -> dict[str, int
     from torch_sagemaker.planner.presets import accelerator
     from torch_sagemaker.planner.probe import with_activations
 
+    if profile is not None and spec.policy.activations is None:  # measured by the caller
+        spec = dataclasses.replace(
+            spec, policy=dataclasses.replace(spec.policy, activations=profile)
+        )
     spec = with_activations(spec)
     smp = case.smp
     candidate = Candidate(
@@ -289,7 +296,7 @@ def predict(case: MemoryCase, spec: Any, world: int, rank: int) -> dict[str, int
     }
 
 
-def run_case(case: MemoryCase) -> dict[str, Any]:
+def run_case(case: MemoryCase, profile: Any = None) -> dict[str, Any]:
     """Trains ``case`` on this rank's job (a process group exists) and counts; see the module.
 
     Returns:
@@ -341,14 +348,44 @@ def run_case(case: MemoryCase) -> dict[str, Any]:
         "optimizer": counted.optimizer,
         "activations": saved,
     }
-    result = {"measured": measured, "predicted": predict(case, spec, world, rank)}
+    result = {"measured": measured, "predicted": predict(case, spec, world, rank, profile)}
     tsm.state.reset()
     return result
 
 
-def run_cases(cases: tuple[MemoryCase, ...] = CASES) -> list[dict[str, Any]]:
-    """``run_case`` for each case in turn (every rank calls it)."""
-    return [run_case(case) for case in cases]
+def run_cases(
+    cases: tuple[MemoryCase, ...] = CASES, profiles: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """``run_case`` for each case in turn (every rank calls it).
+
+    ``profiles`` (``probed_profiles``) saves every rank measuring the same families again.
+    """
+    return [run_case(case, (profiles or {}).get(case.family)) for case in cases]
+
+
+def probed_profiles(cases: tuple[MemoryCase, ...] = CASES) -> dict[str, Any]:
+    """The measured ``ActivationProfile`` of each case's family whose policy has none.
+
+    The probe's result depends on the family's config and plan, not on the layout, so one
+    process measures it for every rank (``run_cases``).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from torch_sagemaker.planner.model import describe
+    from torch_sagemaker.planner.probe import probe_activations
+    from torch_sagemaker.policies import lookup_policy
+
+    profiles = {}
+    for case in cases:
+        if case.family in profiles:
+            continue
+        config = tiny_config(case.family, case.layers, **case.overrides)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        spec = describe(model, lookup_policy(model))
+        if spec.policy.activations is None:
+            profiles[case.family] = probe_activations(spec)
+    return profiles
 
 
 def compare(case: MemoryCase, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -416,6 +453,7 @@ __all__ = [
     "compare",
     "predict",
     "run_case",
+    "probed_profiles",
     "run_cases",
     "table",
     "tiny_config",
