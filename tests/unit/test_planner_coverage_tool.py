@@ -7,11 +7,11 @@ from tools.model_coverage import planner
 
 def test_the_page_sorts_families_by_how_the_planner_sizes_them(tmp_path):
     out = tmp_path / "planner_coverage.md"
-    rows = planner.main(["--families", "llama,qwen3,diffllama,ctrl", "--output", str(out)])
+    rows = planner.main(["--families", "llama,phi,diffllama,ctrl", "--output", str(out)])
     results = {r.family: r.result for r in rows}
     assert results == {
         "llama": "written",
-        "qwen3": "measured",
+        "phi": "measured",
         "diffllama": "refused",
         "ctrl": "not planned",
     }
