@@ -46,6 +46,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.compat)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # Note [C++ tests built while the suite runs] in tests/unit/test_cpp_core.py.
+    if any(
+        item.nodeid.endswith("test_cpp_core.py::test_cpp_core_tests_pass") for item in session.items
+    ):
+        from tests.unit import test_cpp_core
+
+        test_cpp_core.start_background_build()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    import sys
+
+    module = sys.modules.get("tests.unit.test_cpp_core")
+    if module is not None:
+        module.stop_background_build()
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """moto's S3 server on 127.0.0.1 (a free port), shared by the session, stopped after.
