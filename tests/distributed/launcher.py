@@ -95,6 +95,28 @@ def _reset_after_call() -> None:
 # collective on.
 _RELEASE = "release-groups"
 
+# Note [Pools that keep released groups]: a group's threads stop only when its last reference
+# goes, and some calls leave references that the release cannot drop (autograd graphs whose
+# collectives hold their groups in C++, out of the garbage collector's sight). The shared
+# 4-rank gloo pool had kept 108 gloo groups a rank (326 threads) by the middle of the suite,
+# and idle, its ranks took a fifth of a core from every later test. So each rank answers the
+# release with its thread count, and a pool with a rank above _MAX_IDLE_THREADS (about 40
+# gloo groups kept) is shut down before its next call, which starts a fresh one (a second or
+# two). A rank that kept nothing has 3 to 14 threads.
+_MAX_IDLE_THREADS = 128
+
+
+def _thread_count() -> int:
+    """This process's threads (Linux); 0 where /proc cannot tell."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Threads:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
 
 def _release_groups() -> None:
     """Destroys every process group but the default one, and the last references to them."""
@@ -181,6 +203,7 @@ def _worker(
             except BaseException:
                 # The next call on this pool still runs; its own groups are new ones.
                 traceback.print_exc()
+            results.put((rank, True, _thread_count()))  # Note [Pools that keep released groups]
             continue
         fn, args, kwargs = task
         try:
@@ -214,6 +237,7 @@ class _Pool:
         self.results = _CTX.Queue()
         self.tasks = [_CTX.Queue() for _ in range(world_size)]
         self.port = port = free_port()
+        self.releasing = False  # the ranks' answers to the last release are still to be read
         self.procs = [
             _CTX.Process(
                 target=_worker,
@@ -238,6 +262,19 @@ class _Pool:
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
+
+    def keeps_released_groups(self) -> bool:
+        """Reads the ranks' answers to the last release: True when a rank kept more than
+        _MAX_IDLE_THREADS threads (Note [Pools that keep released groups]), or did not answer
+        (then the pool is shut down already)."""
+        if not self.releasing:
+            return False
+        self.releasing = False
+        try:
+            threads = self._collect(120, what="the release of the last call's groups")
+        except DistributedTestError:
+            return True
+        return max(threads) > _MAX_IDLE_THREADS
 
     def _collect(
         self, timeout_s: float, what: str, conclusive: Callable[[str], bool] | None = None
@@ -304,6 +341,7 @@ class _Pool:
         )
         for q in self.tasks:  # Note [Groups released between calls]
             q.put(_RELEASE)
+        self.releasing = True
         return values
 
     def shutdown(self, force: bool = False) -> None:
@@ -417,6 +455,9 @@ def run_distributed(
     pool = None if fresh else _CACHE.get(key)
     if pool is not None and not pool.alive():
         pool.shutdown(force=True)
+        pool = None
+    if pool is not None and pool.keeps_released_groups():
+        pool.shutdown()
         pool = None
     if pool is None:
         pool = _start_pool(world_size, backend, env, init_process_group, pg_timeout)
