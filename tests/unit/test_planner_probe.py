@@ -15,7 +15,8 @@ import pytest
 
 from torch_sagemaker.planner import plan
 from torch_sagemaker.planner.model import load_model
-from torch_sagemaker.planner.probe import ProbeError, _solve, probe_activations
+from torch_sagemaker.planner.probe import ProbeError, probe_activations
+from torch_sagemaker.planner.probe_widths import solve
 
 SMALL = {
     "hidden_size": 128,
@@ -76,14 +77,14 @@ def test_widths_are_explained_by_the_fewest_sizes_or_refused():
             (96, 32, 128, 34),
         ]
     ]
-    assert _solve([v["q"] + 2 * v["kv"] for v in values], values, ("one", "q", "kv")) == {
+    assert solve([v["q"] + 2 * v["kv"] for v in values], values, ("one", "q", "kv")) == {
         "q": 1,
         "kv": 2,
     }
-    assert _solve([v["keys"] for v in values], values, ("one", "q", "keys")) == {"keys": 1}
-    assert _solve([3, 3, 3, 3], values, ("one", "q")) == {"one": 3}
+    assert solve([v["keys"] for v in values], values, ("one", "q", "keys")) == {"keys": 1}
+    assert solve([3, 3, 3, 3], values, ("one", "q")) == {"one": 3}
     # q x keys (eager scores of a size the names lack) is no whole-multiple sum of them
-    assert _solve([v["q"] * v["keys"] for v in values], values, ("one", "q", "kv", "keys")) == {}
+    assert solve([v["q"] * v["keys"] for v in values], values, ("one", "q", "kv", "keys")) == {}
 
 
 def test_families_split_by_transformers_plan_are_planned(tmp_path):
@@ -155,9 +156,10 @@ def test_sizes_a_config_names_its_own_way_are_shrunk_and_a_constant_width_is_ref
     probed = probe_activations(spec)
     assert _counts(probed.mlp).get(("mlp", "compute", "split"), 0) >= 1
     # A width per token that no run changes is a size the probe did not vary: refused.
-    from torch_sagemaker.planner.probe import _Record, _terms
+    from torch_sagemaker.planner.probe_runs import Record
+    from torch_sagemaker.planner.probe_widths import solved_terms
 
-    record = _Record(0, False, "token", 64, "compute", True, False, False, False)
+    record = Record(0, False, "token", 64, "compute", True, False, False, False)
     values = [{"one": 1, "hidden": h} for h in (80, 128, 80)]
     with pytest.raises(ProbeError, match="64 wide per token in every run"):
-        _terms([[record]] * 3, values, "layer 0's mlp")
+        solved_terms([[record]] * 3, values, "layer 0's mlp")

@@ -1,0 +1,384 @@
+"""The probe's runs: reduced copies of a model, and the storages each forward pass saves.
+
+``run_reduced(spec, sizes, window)`` builds the model's own class from its config with the
+sizes of one run (``variations``: the base sizes, then each changed alone), runs one bfloat16
+forward pass under a ``saved_tensors_hooks`` and returns a ``Record`` per saved storage: its
+rows (per token, routed, per position), its width, its dtype and where it was saved. What the
+widths are made of is ``probe_widths``'s concern (Note [Probing what a family saves] in
+``probe.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from torch_sagemaker.planner.model import ModelSpec, describe, mlp_size_attr, model_class
+
+#: Styles whose module's input arrives split over the TP ranks (the rest take it whole).
+_SPLIT_INPUT_STYLES = ("rowwise", "rowwise_allreduce")
+#: Styles whose module takes its input whole and saves its own slice of it (a copy): that
+#: input is divided over the TP ranks even where the plan computes every head on every rank.
+_LOCAL_INPUT_STYLES = ("rowwise_split_input",)
+#: Styles of modules that make their parent (within a layer) a parallel region.
+_REGION_STYLE_WORDS = ("colwise", "rowwise", "experts", "router", "lm_head")
+
+#: Sequences per probe run: 7 divides none of the probe's sizes, so a storage holds whole
+#: tokens (a multiple of 7 x the sequence) only if it is per token; eager attention flattens
+#: the batch with the heads, so the shape alone cannot say.
+_BATCH = 7
+#: Tokens per sequence of the base run, and the sliding window of the windowed runs.
+SEQ = 26
+WINDOW = 8
+_MAX_LAYERS = 6
+_DTYPE_NAMES = {
+    torch.bfloat16: "compute",
+    torch.float32: "float32",
+    torch.int64: "int64",
+    torch.int32: "int32",
+    torch.bool: "bool",
+    torch.complex64: "complex64",  # rotary frequencies kept as complex numbers (Llama 4)
+}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The sizes of one probe run (``None``: the config has no such size)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int | None
+    head_dim: int | None
+    mlp: int | None
+    vocab: int
+    seq: int
+    experts: int | None
+    top_k: int | None
+    expert_mlp: int | None
+    shared_mlp: int | None
+
+
+@dataclass
+class Record:
+    """One saved storage of a run."""
+
+    layer: int | None  # None: outside the layers
+    attention: bool  # saved inside the layer's attention module
+    rows: str  # "token", "routed", "position" or "constant"
+    width: int  # elements per row
+    dtype: str
+    inside: bool  # in a parallel region, or a planned module's input
+    whole_input: bool  # the input of a planned module that takes it whole (gathered)
+    split_input: bool  # the input of a projection whose input is split
+    local_input: bool  # the input of a projection that saves its own slice of it
+
+
+class ProbeError(ValueError):
+    """The probe cannot describe what the family saves (the message says why)."""
+
+
+def base_sizes(spec: ModelSpec) -> Sizes:
+    """The first run's sizes: small, distinct, and only those the config has."""
+    config = spec.config
+    heads, kv = spec.heads
+    explicit_head_dim = getattr(config, "head_dim", None) is not None
+    if kv == heads:
+        kv_heads: int | None = None  # multi-head attention: kv heads follow the heads
+    elif kv == 1:
+        kv_heads = 1
+    else:
+        kv_heads = 2
+    experts = spec.num_experts or None
+    moe = spec.policy.moe
+    return Sizes(
+        hidden=80 if explicit_head_dim else 96,
+        heads=6,
+        kv_heads=kv_heads,
+        head_dim=16 if explicit_head_dim else None,
+        mlp=88 if spec.mlp_size else None,
+        vocab=200,
+        seq=SEQ,
+        experts=6 if experts else None,
+        top_k=2 if experts and moe is not None else None,
+        expert_mlp=40 if getattr(config, "moe_intermediate_size", None) else None,
+        shared_mlp=72 if getattr(config, "shared_expert_intermediate_size", None) else None,
+    )
+
+
+def variations(base: Sizes) -> Iterator[Sizes]:
+    """The base sizes, then each size changed alone."""
+    yield base
+    yield dataclasses.replace(base, hidden=base.hidden + 48)
+    yield dataclasses.replace(base, heads=12)  # kv heads 2 and 1 divide 12
+    if base.head_dim is not None:
+        yield dataclasses.replace(base, head_dim=24)
+    if base.kv_heads == 2:  # not 1: repeating a single kv head is a view, not a copy
+        yield dataclasses.replace(base, kv_heads=3)
+    for field, value in (
+        ("mlp", 104),
+        ("experts", 8),
+        ("top_k", 3),
+        ("expert_mlp", 48),
+        ("shared_mlp", 64),
+    ):
+        if getattr(base, field) is not None:
+            yield dataclasses.replace(base, **{field: value})
+    # The widths of heads are products (heads x head size): with each size changed alone,
+    # the heads, the key/value heads and their widths would be linearly dependent over the
+    # runs, so one run changes them all.
+    yield dataclasses.replace(
+        base,
+        hidden=base.hidden + 96,  # without a head size of its own: 192 / 12 heads = 16
+        heads=12,
+        kv_heads=3 if base.kv_heads == 2 else base.kv_heads,
+        head_dim=24 if base.head_dim is not None else None,
+    )
+    yield dataclasses.replace(base, vocab=232)
+    yield dataclasses.replace(base, seq=34)
+    # One more run than there are sizes, changing several at once, so that a width the
+    # sizes do not make cannot be fitted exactly by chance.
+    yield dataclasses.replace(
+        base,
+        mlp=base.mlp and 120,
+        vocab=264,
+        seq=30,
+        experts=base.experts and 4,
+        expert_mlp=base.expert_mlp and 64,
+        shared_mlp=base.shared_mlp and 88,
+    )
+
+
+def _set(config: Any, attr: str | None, value: Any) -> None:
+    if attr and getattr(config, attr, None) is not None:
+        setattr(config, attr, value)
+
+
+def _reduced_config(spec: ModelSpec, sizes: Sizes, window: int | None) -> Any:
+    config = copy.deepcopy(spec.config)
+    policy = spec.policy
+    layers = min(spec.num_layers, _MAX_LAYERS)
+    config.num_hidden_layers = layers
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        config.layer_types = list(types[:layers])
+    # Sizes the config keeps under other names equal to the hidden size (OPT's
+    # word_embed_proj_dim) follow it, so that they shrink and change with it.
+    hidden = spec.dim("hidden_size")
+    for attr, value in list(vars(config).items()):
+        named = any(word in attr for word in ("dim", "size", "embed"))
+        if named and attr != "hidden_size" and type(value) is int and value == hidden:
+            setattr(config, attr, sizes.hidden)
+    config.hidden_size = sizes.hidden
+    setattr(config, policy.num_heads_attr, sizes.heads)
+    if policy.num_kv_heads_attr:
+        kv = sizes.kv_heads if sizes.kv_heads is not None else sizes.heads
+        _set(config, policy.num_kv_heads_attr, kv)
+    if sizes.head_dim is not None:
+        config.head_dim = sizes.head_dim
+    _set(config, mlp_size_attr(config), sizes.mlp)
+    config.vocab_size = sizes.vocab
+    for attr in [a for a in vars(config) if a.endswith("_token_id")]:
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value >= sizes.vocab:  # an id the vocabulary lost
+            setattr(config, attr, 0)
+    _set(config, policy.num_experts_attr, sizes.experts)
+    if policy.moe is not None:
+        _set(config, policy.moe.top_k_attr, sizes.top_k)
+    _set(config, "moe_intermediate_size", sizes.expert_mlp)
+    _set(config, "shared_expert_intermediate_size", sizes.shared_mlp)
+    if policy.sliding_window_attr and getattr(config, policy.sliding_window_attr, None):
+        setattr(config, policy.sliding_window_attr, window)
+    if getattr(config, "max_position_embeddings", None) is not None:
+        config.max_position_embeddings = max(int(config.max_position_embeddings), 64)
+    return config
+
+
+def _region_modules(model: nn.Module, policy: Any, layer_names: list[str]) -> set[str]:
+    """Modules within a layer that are parallel regions.
+
+    Attention modules, and the parents of planned projections.
+    """
+    regions = {name for name, _ in policy.attention_modules(model)}
+    for name, _ in model.named_modules():
+        style = _planned_style(policy, name)
+        if style is None or not any(word in style for word in _REGION_STYLE_WORDS):
+            continue
+        parent = name.rpartition(".")[0]
+        if any(parent.startswith(layer + ".") for layer in layer_names):
+            regions.add(parent)
+    return regions
+
+
+def _planned_style(policy: Any, name: str) -> str | None:
+    from fnmatch import fnmatchcase
+
+    return next((s for p, s in policy.tp_plan.items() if fnmatchcase(name, p)), None)
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def run_reduced(spec: ModelSpec, sizes: Sizes, window: int | None) -> tuple[list[Record], Any]:
+    """One forward pass of the reduced model; its saved storages in order, and its spec."""
+    # The reduced model is the same family, so the spec's own policy (the user's plan, where
+    # they gave one) names its modules; regions and styles come from it.
+    policy = spec.policy
+    try:
+        config = _reduced_config(spec, sizes, window)
+        cls = model_class(config)
+        # The kernel the model runs by default: SDPA where the family supports it, else
+        # eager (whose scores per head and key are the ``scores`` size).
+        sdpa = getattr(cls, "_supports_sdpa", False)
+        config._attn_implementation = "sdpa" if sdpa else "eager"
+        with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
+            torch.manual_seed(0)
+            model = cls(config).to(torch.bfloat16)
+        small = describe(model, policy)
+        attention = {name for name, _ in policy.attention_modules(model)}
+    except Exception as e:  # noqa: BLE001 - any failure to build is the probe's refusal
+        raise ProbeError(
+            f"cannot build a reduced {spec.name} to measure ({type(e).__name__}: {e})"
+        ) from None
+    model.train()
+    layer_names = [n for n, m in model.named_modules() if type(m).__name__ == policy.layer_class]
+    regions = _region_modules(model, policy, layer_names)
+    styles = {name: _planned_style(policy, name) for name, _ in model.named_modules()}
+    ignored = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
+
+    stack: list[tuple[str, set[int]]] = []
+    handles = []
+    for name, module in model.named_modules():
+
+        def pre(_m: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
+            inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            stack.append((name, {_storage_key(a) for a in inputs}))
+
+        def post(_m: nn.Module, _args: tuple, _out: Any) -> None:
+            stack.pop()
+
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(module.register_forward_hook(post))
+
+    batch, seq = _BATCH, sizes.seq
+    tokens = batch * seq
+    routed = tokens * sizes.top_k if sizes.top_k else None
+    # Note [Storages the forward frees]: autograd frees the saved tensors of graph parts no
+    # output reaches (an MoE router's auxiliary scores) while the forward still runs, and
+    # the allocator hands their addresses to later storages. A storage is the one already
+    # seen at its address only while a tensor saved with it lives; the records whose saved
+    # tensors all died before the forward returned are dropped, as they hold no memory then.
+    seen: dict[int, list[tuple[weakref.ref, int]]] = {}
+    records: list[Record] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(tensor)
+        if key in ignored or tensor.untyped_storage().nbytes() == 0:
+            return tensor
+        alive = [(ref, i) for ref, i in seen.get(key, []) if ref() is not None]
+        if alive:  # one more tensor of a storage already recorded
+            seen[key] = [*alive, (weakref.ref(tensor), alive[0][1])]
+            return tensor
+        seen[key] = [(weakref.ref(tensor), len(records))]
+        names = [n for n, _ in stack]
+        layer = next((i for i, n in enumerate(layer_names) if n in names), None)
+        planned = next(((n, k) for n, k in reversed(stack) if styles.get(n)), None)
+        style = styles[planned[0]] if planned else None
+        # A norm's input is the residual stream's; a projection's is gathered or split.
+        is_input = (
+            planned is not None
+            and key in planned[1]
+            and any(word in str(style) for word in _REGION_STYLE_WORDS)
+        )
+        elements = tensor.untyped_storage().nbytes() // tensor.element_size()
+        shape = tuple(tensor.shape)
+        # The first row kind the shape shows and the storage divides into (a tensor expanded
+        # over the batch keeps one sequence's storage: per position).
+        kinds = [
+            ("routed", routed, routed is not None and routed in shape),
+            ("token", tokens, tokens in shape or seq in shape),
+            ("position", seq, seq in shape),
+        ]
+        rows, count = next(
+            ((k, n) for k, n, shown in kinds if shown and n and elements % n == 0),
+            ("constant", 1),
+        )
+        # A storage smaller than one element per token, expanded (a cast weight), is not
+        # an activation; a larger one that no row kind divides is not understood.
+        if rows == "constant" and any(shown for _, _, shown in kinds) and elements >= tokens:
+            rows = "unexplained"
+        if tensor.dtype not in _DTYPE_NAMES or rows == "unexplained":
+            raise ProbeError(
+                f"a saved {tensor.dtype} tensor of shape {shape} (storage of {elements} "
+                f"elements) in {names[-1] if names else 'the model'} is not a whole number "
+                "of elements per token, routed row or position"
+            )
+        records.append(
+            Record(
+                layer=layer,
+                attention=any(n in attention for n in names),
+                rows=rows,
+                width=elements // count,
+                dtype=_DTYPE_NAMES[tensor.dtype],
+                inside=any(n in regions for n in names) or is_input,
+                whole_input=is_input and style not in _SPLIT_INPUT_STYLES,
+                split_input=is_input and style in _SPLIT_INPUT_STYLES,
+                local_input=is_input and style in _LOCAL_INPUT_STYLES,
+            )
+        )
+        return tensor
+
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, sizes.vocab, (batch, seq), generator=generator)
+    ignored.add(_storage_key(ids))  # the embedding's saved ids are the planner's own term
+    try:
+        with (
+            torch.random.fork_rng(devices=[]),  # dropout draws leave the caller's state alone
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
+            output = model(input_ids=ids)  # held while the records' liveness is read
+        held = {i for refs in seen.values() for ref, i in refs if ref() is not None}
+        del output
+    except ProbeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of the forward is the refusal
+        raise ProbeError(
+            f"the reduced {spec.name} fails its forward pass ({type(e).__name__}: {e})"
+        ) from None
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [r for i, r in enumerate(records) if i in held], small
+
+
+def size_values(sizes: Sizes, small: ModelSpec) -> dict[str, int]:
+    """Each size name's value in a run, as the planner's sizer reads it from the config."""
+    heads, kv = small.heads
+    head_dim = small.head_dim
+    top_k = sizes.top_k or 0
+    values = {
+        "hidden": small.dim("hidden_size"),
+        "q": heads * head_dim,
+        "kv": kv * head_dim,
+        "heads": heads,
+        "kv_heads": kv,
+        "mlp": small.mlp_size,
+        "vocab": small.dim("vocab_size"),
+        "keys": sizes.seq,
+        "scores": heads * sizes.seq,
+        "one": 1,
+    }
+    if sizes.experts:
+        values["experts"] = small.num_experts
+        values["topk"] = top_k
+        values["expert_mlp"] = small.dim("moe_intermediate_size", 0) or values["mlp"]
+    if sizes.shared_mlp:
+        values["shared_mlp"] = small.dim("shared_expert_intermediate_size", 0)
+    return values
