@@ -45,7 +45,13 @@ from torch_sagemaker.policies.model_policy import (
     MoESpec,
     config_value,
 )
-from torch_sagemaker.policies.shipped_plans import shipped_plan
+from torch_sagemaker.policies.plan_sources import (
+    embeddings,
+    own_plan,
+    shipped_from_root,
+    wildcard,
+    with_tied_input_embedding,
+)
 from torch_sagemaker.utils.hf_config import text_config
 
 #: transformers' styles whose module must be an ``nn.Linear``, and ours for them.
@@ -75,8 +81,6 @@ _MODULE_STYLES = {
 _PARAMETER_STYLES = {"colwise": "param_colwise", "rowwise": "param_rowwise"}
 #: transformers' styles on the parameters of fused experts (the ``experts`` style splits them).
 _EXPERT_PARAMETER_STYLES = {"packed_colwise", "packed_rowwise", "colwise", "rowwise"}
-#: transformers' styles that split an output embedding over the vocabulary.
-_VOCAB_SPLITTING_HEAD_STYLES = ("colwise", "colwise_rep", "colwise_gather_output")
 #: Our styles whose output is this rank's part of the features (heads, MLP columns).
 _SPLIT_OUTPUT = {"colwise", "kv_colwise"}
 #: Config attributes that may hold the expert count.
@@ -100,98 +104,6 @@ _FIX_LEFT_OUT = (
     "parameters, 'replicated_with_grad_allreduce' for parameters used on this rank's heads), "
     "or register a torch_sagemaker.policies.ModelPolicy for it (docs/tensor_parallel.md)."
 )
-
-
-def wildcard(name: str) -> str:
-    """A module or parameter name with its layer numbers as ``*`` (how transformers keys plans)."""
-    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
-
-
-def transformers_plan(model: nn.Module) -> dict[str, str]:
-    """The model's full TP plan as transformers keys it (names from the model root).
-
-    transformers 5 merges the class's entries (``lm_head``), the config's
-    ``base_model_tp_plan`` under the base model's prefix and the input embedding into
-    ``model.tp_plan``; an older model gets the class entries and the prefixed config plan.
-    """
-    return _with_tied_input_embedding(model, _own_plan(model))
-
-
-def _own_plan(model: nn.Module) -> dict[str, str]:
-    """``model.tp_plan`` (transformers' or the user's), or what an older transformers merges."""
-    plan = getattr(model, "tp_plan", None)
-    if isinstance(plan, dict):
-        return dict(plan)
-    merged = dict(getattr(type(model), "_tp_plan", None) or {})
-    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
-    merged.update(_from_root(model, base))
-    return merged
-
-
-def _from_root(model: nn.Module, base: dict[str, str]) -> dict[str, str]:
-    """A plan keyed below the base model (``base_model_tp_plan``), keyed from the root."""
-    prefix = getattr(model, "base_model_prefix", "")
-    inner = prefix if prefix and hasattr(model, prefix) else ""
-    return {f"{inner}.{k}" if inner else k: v for k, v in base.items()}
-
-
-def _embeddings(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
-    """The model's input and output embeddings (``get_input/output_embeddings``), or None."""
-    found: list[nn.Module | None] = []
-    for getter in ("get_input_embeddings", "get_output_embeddings"):
-        get = getattr(model, getter, None)
-        try:
-            module = get() if callable(get) else None
-        except NotImplementedError:  # transformers' default on a model that has none
-            module = None
-        found.append(module if isinstance(module, nn.Module) else None)
-    return found[0], found[1]
-
-
-def _shipped(model: nn.Module) -> dict[str, str]:
-    """The family's shipped plan keyed from the root, with vocabulary-split embeddings.
-
-    The input embedding (an ``nn.Embedding``) gets ``embedding_rowwise`` and the output one
-    (an ``nn.Linear``) ``colwise_gather_output``, as transformers gives them in the plans it
-    builds; ``{}`` where nothing is shipped for ``config.model_type``.
-    """
-    base = shipped_plan(getattr(model.config, "model_type", None) or "")
-    if not base:
-        return {}
-    entries: dict[str, str] = {}
-    embedding, head = _embeddings(model)
-    for module, style in (
-        (embedding if isinstance(embedding, nn.Embedding) else None, "embedding_rowwise"),
-        (head if isinstance(head, nn.Linear) else None, "colwise_gather_output"),
-    ):
-        if module is not None:
-            entries.update({n: style for n, m in model.named_modules() if n and m is module})
-    return {**entries, **_from_root(model, base)}
-
-
-def _with_tied_input_embedding(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
-    """``plan``, with the input embedding split like the tied output embedding it splits.
-
-    Added only where the plan splits the output embedding over the vocabulary and says
-    nothing of the input embedding. transformers adds that
-    entry to the plans it builds from a config, but not to a plan the user sets
-    (``model.tp_plan = {...}`` on a family it ships none for); tied weights must be split
-    alike, so the one layout that can go with the output embedding's is added.
-    """
-    embedding, head = _embeddings(model)
-    if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear):
-        return plan
-    if embedding.weight is not head.weight:
-        return plan
-    names = {id(m): n for n, m in model.named_modules()}
-    head_name, embedding_name = names.get(id(head)), names.get(id(embedding))
-    if head_name is None or embedding_name is None:
-        return plan
-    if plan.get(wildcard(head_name)) not in _VOCAB_SPLITTING_HEAD_STYLES:
-        return plan
-    if wildcard(embedding_name) in plan:
-        return plan
-    return {embedding_name: "embedding_rowwise", **plan}
 
 
 def attention_head_dim(attention: nn.Module, config: Any) -> int:
@@ -238,7 +150,7 @@ class _Translation:
         config = self.config = text_config(model)
         self.heads = int(config_value(config, "num_attention_heads", 0) or 0)
         self.kv_heads = int(config_value(config, "num_key_value_heads") or self.heads)
-        self.output_embedding = _embeddings(model)[1]
+        self.output_embedding = embeddings(model)[1]
 
     def error(self, name: str, style: str | None, why: str) -> ValueError:
         """The refusal of ``name``'s entry (``style``), or of leaving it out (``None``)."""
@@ -544,9 +456,9 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
     """
     if not hasattr(model, "config"):
         return None
-    own = _own_plan(model)
-    shipped = not own and _fits(model, ours := _shipped(model))
-    plan = _with_tied_input_embedding(model, ours if shipped else own)
+    own = own_plan(model)
+    shipped = not own and _fits(model, ours := shipped_from_root(model))
+    plan = with_tied_input_embedding(model, ours if shipped else own)
     if not plan:
         return None
     layer_class = _layer_class(model, plan)
@@ -608,6 +520,5 @@ __all__ = [
     "attention_head_dim",
     "expert_count",
     "policy_from_plan",
-    "transformers_plan",
     "wildcard",
 ]

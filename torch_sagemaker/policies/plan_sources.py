@@ -1,0 +1,110 @@
+"""Where a model's TP plan comes from: its own (transformers' or the user's), or a shipped one.
+
+``own_plan(model)`` is the plan the model carries (``model.tp_plan``, transformers' or the
+user's, or what an older transformers merges); ``shipped_from_root(model)`` the plan
+``shipped_plans`` gives a family transformers ships none for, keyed from the model root;
+``with_tied_input_embedding`` adds the input embedding a tied, vocabulary-split output
+embedding needs. ``transformers_plan.policy_from_plan`` turns the plan into a policy.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from torch_sagemaker.policies.shipped_plans import shipped_plan
+
+#: Styles of an output embedding that split the vocabulary over the TP ranks.
+_VOCAB_SPLITTING_HEAD_STYLES = ("colwise", "colwise_rep", "colwise_gather_output")
+
+
+def wildcard(name: str) -> str:
+    """A module or parameter name with its layer numbers as ``*`` (how transformers keys plans)."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+
+
+def own_plan(model: nn.Module) -> dict[str, str]:
+    """``model.tp_plan`` (transformers' or the user's), or what an older transformers merges."""
+    plan = getattr(model, "tp_plan", None)
+    if isinstance(plan, dict):
+        return dict(plan)
+    merged = dict(getattr(type(model), "_tp_plan", None) or {})
+    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    merged.update(_from_root(model, base))
+    return merged
+
+
+def _from_root(model: nn.Module, base: dict[str, str]) -> dict[str, str]:
+    """A plan keyed below the base model (``base_model_tp_plan``), keyed from the root."""
+    prefix = getattr(model, "base_model_prefix", "")
+    inner = prefix if prefix and hasattr(model, prefix) else ""
+    return {f"{inner}.{k}" if inner else k: v for k, v in base.items()}
+
+
+def embeddings(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    """The model's input and output embeddings (``get_input/output_embeddings``), or None."""
+    found: list[nn.Module | None] = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        get = getattr(model, getter, None)
+        try:
+            module = get() if callable(get) else None
+        except NotImplementedError:  # transformers' default on a model that has none
+            module = None
+        found.append(module if isinstance(module, nn.Module) else None)
+    return found[0], found[1]
+
+
+def shipped_from_root(model: nn.Module) -> dict[str, str]:
+    """The family's shipped plan keyed from the root, with vocabulary-split embeddings.
+
+    The input embedding (an ``nn.Embedding``) gets ``embedding_rowwise`` and the output one
+    (an ``nn.Linear``) ``colwise_gather_output``, as transformers gives them in the plans it
+    builds; ``{}`` where nothing is shipped for ``config.model_type``.
+    """
+    base = shipped_plan(getattr(model.config, "model_type", None) or "")
+    if not base:
+        return {}
+    entries: dict[str, str] = {}
+    embedding, head = embeddings(model)
+    for module, style in (
+        (embedding if isinstance(embedding, nn.Embedding) else None, "embedding_rowwise"),
+        (head if isinstance(head, nn.Linear) else None, "colwise_gather_output"),
+    ):
+        if module is not None:
+            entries.update({n: style for n, m in model.named_modules() if n and m is module})
+    return {**entries, **_from_root(model, base)}
+
+
+def with_tied_input_embedding(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``plan``, with the input embedding split like the tied output embedding it splits.
+
+    Added only where the plan splits the output embedding over the vocabulary and says
+    nothing of the input embedding. transformers adds that
+    entry to the plans it builds from a config, but not to a plan the user sets
+    (``model.tp_plan = {...}`` on a family it ships none for); tied weights must be split
+    alike, so the one layout that can go with the output embedding's is added.
+    """
+    embedding, head = embeddings(model)
+    if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear):
+        return plan
+    if embedding.weight is not head.weight:
+        return plan
+    names = {id(m): n for n, m in model.named_modules()}
+    head_name, embedding_name = names.get(id(head)), names.get(id(embedding))
+    if head_name is None or embedding_name is None:
+        return plan
+    if plan.get(wildcard(head_name)) not in _VOCAB_SPLITTING_HEAD_STYLES:
+        return plan
+    if wildcard(embedding_name) in plan:
+        return plan
+    return {embedding_name: "embedding_rowwise", **plan}
+
+
+__all__ = [
+    "embeddings",
+    "own_plan",
+    "shipped_from_root",
+    "with_tied_input_embedding",
+    "wildcard",
+]
