@@ -82,6 +82,7 @@ TIMELINE_RUNS = (
 BENCH_FP8 = ["-m", "benchmarks", "fp8", "--iters", "20"]
 CPU_STAGING_TESTS = [
     "tests/distributed/test_smddp_staging.py",
+    "tests/distributed/test_smddp_staging_timeline.py",
     "tests/distributed/test_bench_gpu.py",
     "tests/unit/test_gpu_bench_report.py",
     "tests/unit/test_gpu_backend_choice.py",

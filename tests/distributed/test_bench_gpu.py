@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import gpu
 from benchmarks.gpu_report import STAGES, staging_bounds
-from tests.distributed.test_smddp_staging import RUN
+from tests.distributed.test_smddp_staging_timeline import RUN
 from torch_sagemaker.smddp import backend
 
 pytestmark = [

@@ -14,7 +14,12 @@ covered by tests/gpu/test_smddp_cuda.py.
 import pytest
 
 from tests.distributed.launcher import run_distributed
-from torch_sagemaker._torch_compat.c10d import reduce_scatter_single
+from tests.distributed.staging_common import (
+    CHUNK,
+    distinct_data,
+    staged_and_plain_groups,
+    staging_trace,
+)
 from torch_sagemaker.smddp import backend
 
 pytestmark = [
@@ -22,42 +27,7 @@ pytestmark = [
     pytest.mark.skipif(not backend.is_available(), reason="smddp extension not built"),
 ]
 
-CHUNK = 4096  # bytes: the smallest staging_chunk_bytes
 SIZES = [0, 1, 7, 1023, 1024, 3 * 1024 + 7, 5000]  # elements
-
-
-def _groups():
-    import torch.distributed as dist
-
-    from torch_sagemaker.smddp import SMDDPOptions
-
-    ranks = list(range(dist.get_world_size()))
-    staged = dist.new_group(
-        ranks,
-        backend="smddp",
-        pg_options=SMDDPOptions(stage_cpu=True, staging_chunk_bytes=CHUNK),
-    )
-    plain = dist.new_group(ranks, backend="smddp")
-    return staged, plain
-
-
-def _trace(group):
-    import torch
-
-    return list(group._get_backend(torch.device("cpu"))._staging_trace())
-
-
-def _data(n, dtype, rank, salt=0):
-    """Distinct values per element and rank (misplaced chunks change the result)."""
-    import torch
-
-    i = torch.arange(n, dtype=torch.int64)
-    if dtype == torch.bool:
-        return ((i * 7 + rank + salt) % 3) == 0
-    v = (i * 31 + rank * 17 + salt) % 23 - (0 if dtype == torch.uint8 else 11)
-    if dtype.is_floating_point:
-        return (v.to(torch.float64) / 4 + 0.5).to(dtype)
-    return v.to(dtype)
 
 
 def _expected_allreduce_trace(n, esz):
@@ -75,7 +45,7 @@ def _all_reduce_every_dtype_and_op():
     import torch.distributed as dist
     from torch.distributed import ReduceOp
 
-    staged, plain = _groups()
+    staged, plain = staged_and_plain_groups()
     rank, world = dist.get_rank(), dist.get_world_size()
     dtypes = [
         torch.float32,
@@ -104,7 +74,7 @@ def _all_reduce_every_dtype_and_op():
     for dtype in dtypes:
         for name, op in ops.items():
             for n in SIZES:
-                mine = _data(n, dtype, rank)
+                mine = distinct_data(n, dtype, rank)
                 ref = mine.clone()
                 try:
                     dist.all_reduce(ref, op=op, group=plain)
@@ -116,7 +86,7 @@ def _all_reduce_every_dtype_and_op():
                         failures.append(f"{dtype} {name} n={n}: staged ran, plain raised {e}")
                     except (ValueError, TypeError, RuntimeError):
                         pass
-                    _trace(staged)
+                    staging_trace(staged)
                     continue
                 got = mine.clone()
                 dist.all_reduce(got, op=op, group=staged)
@@ -124,16 +94,16 @@ def _all_reduce_every_dtype_and_op():
                 if not torch.equal(got, ref):
                     bad = (got != ref).nonzero().flatten()[:5].tolist()
                     failures.append(f"{dtype} {name} n={n}: differs at {bad}")
-                trace = _trace(staged)
+                trace = staging_trace(staged)
                 want = _expected_allreduce_trace(n, mine.element_size())
                 if trace != want:
                     failures.append(f"{dtype} {name} n={n}: trace {trace[:8]} != {want[:8]}")
     # SUM against a reference computed here from every rank's data.
     for dtype in (torch.float64, torch.int64):
         n = 3 * 1024 + 7
-        got = _data(n, dtype, rank)
+        got = distinct_data(n, dtype, rank)
         dist.all_reduce(got, group=staged)
-        want = sum(_data(n, dtype, r) for r in range(world))
+        want = sum(distinct_data(n, dtype, r) for r in range(world))
         if not torch.equal(got, want):
             failures.append(f"{dtype} SUM differs from the reference")
     return failures, ran
@@ -154,7 +124,7 @@ def _gather_and_scatter_pipelines():
     import torch.distributed as dist
     from torch.distributed import ReduceOp
 
-    staged, plain = _groups()
+    staged, plain = staged_and_plain_groups()
     rank, world = dist.get_rank(), dist.get_world_size()
     failures, ran = [], 0
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8):
@@ -162,32 +132,34 @@ def _gather_and_scatter_pipelines():
             esz = torch.empty(0, dtype=dtype).element_size()
             # all_gather_into_tensor: every rank's part, in rank order.
             out = torch.zeros(world * n, dtype=dtype)
-            dist.all_gather_into_tensor(out, _data(n, dtype, rank), group=staged)
-            want = torch.cat([_data(n, dtype, r) for r in range(world)])
+            dist.all_gather_into_tensor(out, distinct_data(n, dtype, rank), group=staged)
+            want = torch.cat([distinct_data(n, dtype, r) for r in range(world)])
             if not torch.equal(out, want):
                 failures.append(f"all_gather_into_tensor {dtype} n={n}")
-            if _trace(staged) != _expected_pipeline_trace(n, esz, "gather"):
+            if staging_trace(staged) != _expected_pipeline_trace(n, esz, "gather"):
                 failures.append(f"all_gather_into_tensor {dtype} n={n}: trace")
             ops = [ReduceOp.SUM, ReduceOp.MAX]
             if dtype.is_floating_point:
                 ops.append(ReduceOp.AVG)
             for op in ops:
-                mine = _data(world * n, dtype, rank)
+                mine = distinct_data(world * n, dtype, rank)
                 got, ref = torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=dtype)
                 dist.reduce_scatter_tensor(got, mine, op=op, group=staged)
                 dist.reduce_scatter_tensor(ref, mine.clone(), op=op, group=plain)
                 ran += 1
                 if not torch.equal(got, ref):
                     failures.append(f"reduce_scatter_tensor {dtype} {op} n={n}")
-                if _trace(staged) != _expected_pipeline_trace(n, esz, "reduce"):
+                if staging_trace(staged) != _expected_pipeline_trace(n, esz, "reduce"):
                     failures.append(f"reduce_scatter_tensor {dtype} {op} n={n}: trace")
         # SUM against a reference computed here.
         if dtype in (torch.float32, torch.int64):
             n = 5000
             got = torch.zeros(n, dtype=dtype)
-            dist.reduce_scatter_tensor(got, _data(world * n, dtype, rank), group=staged)
-            _trace(staged)
-            want = sum(_data(world * n, dtype, r) for r in range(world))[rank * n : (rank + 1) * n]
+            dist.reduce_scatter_tensor(got, distinct_data(world * n, dtype, rank), group=staged)
+            staging_trace(staged)
+            want = sum(distinct_data(world * n, dtype, r) for r in range(world))[
+                rank * n : (rank + 1) * n
+            ]
             if not torch.equal(got, want):
                 failures.append(f"reduce_scatter_tensor {dtype} SUM vs reference")
     return failures, ran
@@ -197,7 +169,7 @@ def _other_collectives():
     import torch
     import torch.distributed as dist
 
-    staged, plain = _groups()
+    staged, plain = staged_and_plain_groups()
     rank, world = dist.get_rank(), dist.get_world_size()
     n = 3 * 1024 + 7
     failures = []
@@ -207,40 +179,42 @@ def _other_collectives():
         for g, r in zip(got, ref, strict=True):
             if not torch.equal(g, r):
                 failures.append(f"{name}: differs from the plain path")
-        trace = _trace(staged)
+        trace = staging_trace(staged)
         if not trace or trace[0] != "issue" or not any(s.startswith(("d2h", "h2d")) for s in trace):
             failures.append(f"{name}: not staged (trace {trace})")
 
     def bcast(g):
-        t = _data(n, torch.float32, rank)
+        t = distinct_data(n, torch.float32, rank)
         dist.broadcast(t, src=1, group=g)
         return [t]
 
     def reduce(g):
-        t = _data(n, torch.float32, rank)
+        t = distinct_data(n, torch.float32, rank)
         dist.reduce(t, dst=0, group=g)
         return [t]
 
     def all_gather(g):
         outs = [torch.zeros(n) for _ in range(world)]
-        dist.all_gather(outs, _data(n, torch.float32, rank), group=g)
+        dist.all_gather(outs, distinct_data(n, torch.float32, rank), group=g)
         return outs
 
     def all_gather_into_tensor(g):
         out = torch.zeros(world * n, dtype=torch.bfloat16)
-        dist.all_gather_into_tensor(out, _data(n, torch.bfloat16, rank), group=g)
+        dist.all_gather_into_tensor(out, distinct_data(n, torch.bfloat16, rank), group=g)
         return [out]
 
     def reduce_scatter(g):
         out = torch.zeros(n)
-        dist.reduce_scatter(out, [_data(n, torch.float32, rank, r) for r in range(world)], group=g)
+        dist.reduce_scatter(
+            out, [distinct_data(n, torch.float32, rank, r) for r in range(world)], group=g
+        )
         return [out]
 
     def reduce_scatter_unequal_parts(g):
         # input_list[p] is rank p's part: n + 5 p elements; then parts empty but rank 0's.
         sizes = [n + 5 * p for p in range(world)]
         out = torch.zeros(sizes[rank], dtype=torch.bfloat16)
-        ins = [_data(m, torch.bfloat16, rank, p) for p, m in enumerate(sizes)]
+        ins = [distinct_data(m, torch.bfloat16, rank, p) for p, m in enumerate(sizes)]
         dist.reduce_scatter(out, ins, op=dist.ReduceOp.MAX, group=g)
         out2 = torch.zeros(0) if rank else torch.zeros(7)
         ins2 = [torch.full((7,), float(rank))] + [torch.zeros(0)] * (world - 1)
@@ -249,37 +223,39 @@ def _other_collectives():
 
     def reduce_scatter_tensor(g):
         out = torch.zeros(n, dtype=torch.bfloat16)
-        dist.reduce_scatter_tensor(out, _data(world * n, torch.bfloat16, rank), group=g)
+        dist.reduce_scatter_tensor(out, distinct_data(world * n, torch.bfloat16, rank), group=g)
         return [out]
 
     def gather(g):
         outs = [torch.zeros(n) for _ in range(world)] if rank == 0 else None
-        dist.gather(_data(n, torch.float32, rank), outs, dst=0, group=g)
+        dist.gather(distinct_data(n, torch.float32, rank), outs, dst=0, group=g)
         return outs or []
 
     def scatter(g):
         out = torch.zeros(n)
-        ins = [_data(n, torch.float32, 0, r) for r in range(world)] if rank == 0 else None
+        ins = [distinct_data(n, torch.float32, 0, r) for r in range(world)] if rank == 0 else None
         dist.scatter(out, ins, src=0, group=g)
         return [out]
 
     def all_to_all_single(g):
         out = torch.zeros(world * n, dtype=torch.int32)
-        dist.all_to_all_single(out, _data(world * n, torch.int32, rank), group=g)
+        dist.all_to_all_single(out, distinct_data(world * n, torch.int32, rank), group=g)
         return [out]
 
     def all_to_all(g):
         outs = [torch.zeros(n, dtype=torch.int64) for _ in range(world)]
-        dist.all_to_all(outs, [_data(n, torch.int64, rank, r) for r in range(world)], group=g)
+        dist.all_to_all(
+            outs, [distinct_data(n, torch.int64, rank, r) for r in range(world)], group=g
+        )
         return outs
 
     def non_contiguous_all_reduce(g):
-        t = _data(2 * n, torch.float32, rank).view(n, 2).t()  # strided: the mirror path
+        t = distinct_data(2 * n, torch.float32, rank).view(n, 2).t()  # strided: the mirror path
         dist.all_reduce(t, group=g)
         return [t]
 
     def send_recv(g):
-        t = _data(n, torch.float64, rank)
+        t = distinct_data(n, torch.float64, rank)
         peer = 1 - rank
         if rank == 0:
             dist.send(t, dst=dist.get_global_rank(g, peer), group=g)
@@ -308,20 +284,20 @@ def _other_collectives():
 
     # Async collectives queued back to back on one tensor run in issue order, each on the
     # result of the one before: sum, then the sum of the sums.
-    t = _data(n, torch.float64, rank)
+    t = distinct_data(n, torch.float64, rank)
     works = [dist.all_reduce(t, group=staged, async_op=True) for _ in range(3)]
     for w in works:
         w.wait()
-    want = sum(_data(n, torch.float64, r) for r in range(world)) * world**2
+    want = sum(distinct_data(n, torch.float64, r) for r in range(world)) * world**2
     if not torch.equal(t, want):
         failures.append("three queued async all_reduces: wrong result")
     # The future reports the caller's tensor, not a host mirror.
-    t = _data(n, torch.float32, rank)
+    t = distinct_data(n, torch.float32, rank)
     fut = dist.all_reduce(t, group=staged, async_op=True).get_future()
     (value,) = fut.wait()
     if value.data_ptr() != t.data_ptr():
         failures.append("the future's value is not the caller's tensor")
-    _trace(staged)
+    staging_trace(staged)
     return failures
 
 
@@ -339,221 +315,6 @@ def test_staged_all_gather_and_reduce_scatter_pipelines():
 
 def test_every_other_collective_through_the_staging_mirrors():
     for failures in run_distributed(_other_collectives, backend="smddp"):
-        assert not failures, failures
-
-
-# --- where a staged call's time goes (Note [Staging timeline]) ---------------------------------
-
-RUN = ("run (caller's thread)", "run (pool thread)")
-
-
-def check_staged_call(spans, chunks_in, chunks_out, mirrored=False, pageable=True, buffers=1):
-    """What is wrong with one staged call's spans ``[(phase, begin, end, bytes)]``, as a list.
-
-    Every phase of Note [Staging timeline] must be there, the per-chunk ones once per chunk with
-    that chunk's bytes (``chunks_in``: bytes copied in per chunk, ``chunks_out``: out), nested in
-    the call, in order. ``mirrored``: a whole-message collective (one "chunk" per mirror copied
-    in or out, none for a side it does not copy), whose host buffers come during the issue and
-    whose CPU collective is one span. ``pageable``: host memory whose copies the host must wait
-    for (always so on CPU). ``buffers``: the host buffers the call allocates.
-    """
-    by = {}
-    for phase, begin, end, nbytes in sorted(spans, key=lambda s: (s[1], -s[2])):
-        by.setdefault(phase, []).append((begin, end, nbytes))
-    bad = []
-    runs = [p for p in RUN if p in by]
-    ins, outs = len(chunks_in), len(chunks_out)
-    want = {"call": 1, "issue": 1, "queued": 1, "complete": 1, "wait": 1, "host buffers": buffers}
-    want["host collective"] = 1 if mirrored else ins
-    if ins:
-        want.update({"d2h queue": ins, "issue event wait": 1, "d2h wait": 1 if mirrored else ins})
-    if outs:
-        want["h2d queue"] = outs
-        if pageable:
-            want["copies wait"] = 1
-    got = {p: len(v) for p, v in by.items() if p not in RUN}
-    if got != want or len(runs) != 1 or len(by[runs[0]]) != 1:
-        return [f"phases {sorted(got.items())} and runs {runs}, want {sorted(want.items())}"]
-    (call,) = by["call"]
-    (run,) = by[runs[0]]
-    for phase, found in by.items():
-        for begin, end, _ in found:
-            if not (call[0] <= begin <= end <= call[1]):
-                bad.append(f"{phase} [{begin}, {end}] outside the call {call[:2]}")
-    (issue,), (queued,) = by["issue"], by["queued"]
-    if issue[0] != call[0] or not (issue[1] <= queued[0] <= queued[1] <= run[0]):
-        bad.append(f"issue {issue[:2]}, queued {queued[:2]}, run {run[:2]} out of order")
-    # The executor's part, one after the other: host buffers (pipelines), every copy in, the
-    # issue event, then per chunk its wait, its collective and its copy out.
-    steps = [] if mirrored else [("host buffers", k) for k in range(buffers)]
-    steps += [("d2h queue", k) for k in range(ins)] + ([("issue event wait", 0)] if ins else [])
-    if mirrored:
-        steps += [("d2h wait", 0)] if ins else []
-        steps += [("host collective", 0)] + [("h2d queue", k) for k in range(outs)]
-    else:
-        for k in range(ins):
-            steps += [("d2h wait", k), ("host collective", k), ("h2d queue", k)]
-    if outs and pageable:
-        steps.append(("copies wait", 0))
-    last = run[0]
-    for phase, k in steps:
-        begin, end, _ = by[phase][k]
-        if begin < last or end > run[1]:
-            bad.append(f"{phase} #{k} [{begin}, {end}] not after {last} inside the run")
-        last = end
-    if mirrored and not all(issue[0] <= b <= e <= issue[1] for b, e, _ in by["host buffers"]):
-        bad.append("a mirror's host buffer was not allocated during the issue")
-    for phase, sizes in (("d2h queue", chunks_in), ("h2d queue", chunks_out)):
-        if [nbytes for _, _, nbytes in by.get(phase, [])] != sizes:
-            bad.append(f"{phase} bytes {[b for *_, b in by.get(phase, [])]} != {sizes}")
-    if not mirrored and [b for *_, b in by["host collective"]] != chunks_in:
-        bad.append(f"host collective bytes {[b for *_, b in by['host collective']]}")
-    (complete,), (wait,) = by["complete"], by["wait"]
-    if complete[0] < run[1] or complete[1] > wait[1] or wait[1] != call[1]:
-        bad.append(f"run {run[:2]}, complete {complete[:2]}, wait {wait[:2]}, call {call[:2]}")
-    return bad
-
-
-def staged_calls(pg):
-    """The staged calls recorded since the last look, by call number: [(phase, b, e, bytes)]."""
-    calls = {}
-    for seq, phase, begin, end, nbytes in pg._staging_timeline():
-        calls.setdefault(seq, []).append((phase, begin, end, nbytes))
-    return calls
-
-
-def _timeline_through_the_seam():
-    import torch
-    import torch.distributed as dist
-
-    from torch_sagemaker import _C
-    from torch_sagemaker.smddp import SMDDPOptions
-
-    staged, _ = _groups()
-    ranks = list(range(dist.get_world_size()))
-    recorded = dist.new_group(
-        ranks,
-        backend="smddp",
-        pg_options=SMDDPOptions(stage_cpu=True, staging_chunk_bytes=CHUNK, timeline=True),
-    )
-    pg = recorded._get_backend(torch.device("cpu"))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    n = 3 * 1024 + 7  # float32: chunks of 1024 elements, the last of 7
-    chunks = [c * 4 for _, c in _C._plan_chunks(n, CHUNK // 4)]
-    failures, runs = [], []
-
-    def check(name, *args, **kwargs):
-        calls = staged_calls(pg)
-        if len(calls) != 1:
-            failures.append(f"{name}: {len(calls)} staged calls recorded, want 1")
-            return None
-        ((seq, spans),) = calls.items()
-        failures.extend(f"{name}: {b}" for b in check_staged_call(spans, *args, **kwargs))
-        runs.extend(p for p, *_ in spans if p in RUN)
-        return seq
-
-    seqs = []
-    t = _data(n, torch.float32, rank)
-    dist.all_reduce(t, group=recorded, async_op=True).wait()
-    seqs.append(check("async all_reduce", chunks, chunks))
-    dist.all_reduce(t, group=recorded)  # synchronous: the Python layer waits on the work
-    seqs.append(check("all_reduce", chunks, chunks))
-    one = _data(1, torch.bfloat16, rank)
-    dist.all_reduce(one, group=recorded)
-    seqs.append(check("one-element bf16 all_reduce", [2], [2]))
-    out = torch.zeros(n, dtype=torch.float32)
-    reduce_scatter_single(out, _data(world * n, torch.float32, rank), group=recorded)
-    seqs.append(check("reduce_scatter_tensor", [world * c for c in chunks], chunks, buffers=2))
-    b = _data(n, torch.float32, rank)
-    dist.broadcast(b, src=0, group=recorded)
-    root = rank == 0  # the root copies its tensor in, the others copy the result out
-    seqs.append(check("broadcast", [4 * n] * root, [4 * n] * (not root), mirrored=True))
-    strided = _data(2 * n, torch.float64, rank).view(n, 2).t()  # in and out mirrors
-    dist.all_reduce(strided, group=recorded)
-    seqs.append(check("strided all_reduce", [16 * n], [16 * n], mirrored=True))
-    # Not recorded where the timeline is off.
-    dist.all_reduce(_data(n, torch.float32, rank), group=staged)
-    if list(staged._get_backend(torch.device("cpu"))._staging_timeline()):
-        failures.append("a group without the timeline recorded phases")
-    _trace(staged)
-    _trace(recorded)
-    return failures, seqs, runs
-
-
-def test_staged_calls_record_every_phase_nested_in_order_per_chunk():
-    results = run_distributed(_timeline_through_the_seam, backend="smddp")
-    for failures, _, runs in results:
-        assert not failures, failures[:10]
-        assert len(runs) == 6
-    # One call, one number, on every rank: counted at issue.
-    assert results[0][1] == results[1][1] == list(range(results[0][1][0], results[0][1][0] + 6))
-
-
-# --- bf16, the dtype SMP's scripts reduce in ----------------------------------------------------
-
-
-def bf16_inputs(n, rank):
-    """bf16 values k/8, |k| < 256: exact in bf16, while a sum of 4 needs 10 bits (bf16 has 8)."""
-    import torch
-
-    k = (torch.arange(n, dtype=torch.int64) * 37 + rank * 101 + 13) % 511 - 255
-    return (k.to(torch.float64) / 8).to(torch.bfloat16)
-
-
-def bf16_sums_round_once(device="cpu"):
-    """Staged bf16 reductions against an fp64 reference, rounded once: what is wrong, as a list.
-
-    Sums of ``bf16_inputs`` over 4 ranks are exact in fp32, so accumulating in fp32 and
-    rounding once gives exactly the fp64 sum rounded to bf16; accumulating in bf16 (a partial
-    sum rounded before the next rank's value is added) does not, and the check first makes
-    sure it would not on these values. ``device``: "cpu" (the staging seam) or "cuda".
-    """
-    import torch
-    import torch.distributed as dist
-
-    from torch_sagemaker.smddp import SMDDPOptions
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if device == "cpu":
-        options = SMDDPOptions(stage_cpu=True, staging_chunk_bytes=CHUNK)
-    else:
-        dev = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(dev)
-        options = SMDDPOptions(staging_memory="pinned", staging_chunk_bytes=CHUNK)
-    staged = dist.new_group(list(range(world)), backend="smddp", pg_options=options)
-    failures = []
-    for n in (1, 2047, 5000):  # bf16: chunks of 2048 elements
-        inputs = [bf16_inputs(n, r) for r in range(world)]
-        exact = sum(x.to(torch.float64) for x in inputs)
-        partial = inputs[0]
-        for x in inputs[1:]:
-            partial = (partial.float() + x.float()).to(torch.bfloat16)
-        if n > 1000 and torch.equal(partial, exact.to(torch.bfloat16)):
-            failures.append(f"n={n}: the data cannot tell bf16 partial sums from fp32 ones")
-        for name, op, want in (
-            ("SUM", dist.ReduceOp.SUM, exact),
-            ("AVG", dist.ReduceOp.AVG, exact / world),
-        ):
-            got = inputs[rank].to(device, copy=True)
-            dist.all_reduce(got, op=op, group=staged)
-            bad = (got.cpu() != want.to(torch.bfloat16)).sum().item()
-            if bad:
-                failures.append(f"all_reduce {name} n={n}: {bad} elements not the rounded sum")
-        mine = torch.cat([bf16_inputs(n, world * rank + r) for r in range(world)])
-        out = torch.zeros(n, dtype=torch.bfloat16, device=device)
-        reduce_scatter_single(out, mine.to(device), group=staged)
-        want = sum(bf16_inputs(n, world * r + rank).to(torch.float64) for r in range(world))
-        bad = (out.cpu() != want.to(torch.bfloat16)).sum().item()
-        if bad:
-            failures.append(f"reduce_scatter_tensor n={n}: {bad} elements not the rounded sum")
-    if device == "cpu":
-        _trace(staged)
-    return failures
-
-
-def test_staged_bf16_accumulates_in_fp32_against_an_fp64_reference():
-    # 4 ranks: with 2, one addition rounds once whatever the accumulator.
-    for failures in run_distributed(bf16_sums_round_once, world_size=4, backend="smddp"):
         assert not failures, failures
 
 
@@ -602,7 +363,7 @@ def _staged_mismatches():
         except RuntimeError as e:
             return str(e)
         finally:
-            _trace(g)
+            staging_trace(g)
         return None
 
     errors = []
@@ -633,7 +394,7 @@ def _expanded_outputs():
     import torch
     import torch.distributed as dist
 
-    staged, plain = _groups()
+    staged, plain = staged_and_plain_groups()
     me = dist.get_rank()
     out = {}
     for name, group in (("staged", staged), ("plain", plain)):
@@ -651,7 +412,7 @@ def _expanded_outputs():
                 out[(name, op)] = base.flatten().tolist()
             except RuntimeError as e:
                 out[(name, op)] = str(e)
-        _trace(staged)
+        staging_trace(staged)
     return out
 
 

@@ -1,7 +1,7 @@
 """smddp on CUDA tensors: 2 ranks sharing one GPU (NCCL refuses that; the staged path does not).
 
 Skipped without CUDA. Covers what the CPU tests of the staging path
-(tests/distributed/test_smddp_staging.py) cannot: the copies between device and host, the
+(tests/distributed/test_smddp_staging*.py) cannot: the copies between device and host, the
 stream ordering with real streams and events (Note [Device staging] in
 csrc/smddp/backend/device_staging.h), training on CUDA parameters over smddp against one process on
 the global batch, and the absence of kernels besides copies.
@@ -220,7 +220,7 @@ def _timeline_on_cuda():
     """A staged call's phases with real streams and events (Note [Staging timeline])."""
     import torch.distributed as dist
 
-    from tests.distributed.test_smddp_staging import check_staged_call, staged_calls
+    from tests.distributed.test_smddp_staging_timeline import check_staged_call, staged_calls
     from torch_sagemaker import _C
     from torch_sagemaker.smddp import SMDDPOptions
 
@@ -326,7 +326,7 @@ def test_staged_call_records_its_phases_and_pinned_calls_do_not_wait():
 
 
 def test_bf16_on_cuda_accumulates_in_fp32_against_an_fp64_reference():
-    from tests.distributed.test_smddp_staging import bf16_sums_round_once
+    from tests.distributed.test_smddp_staging_timeline import bf16_sums_round_once
 
     # 4 ranks on the GPU(s): with 2, one addition rounds once whatever the accumulator.
     for failures in run_distributed(bf16_sums_round_once, "cuda", world_size=4, backend="smddp"):
