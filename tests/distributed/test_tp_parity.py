@@ -243,3 +243,26 @@ def test_tp2_with_hybrid_sharding_and_checkpointing_on_four_ranks():
         curves = [r[family]["tp_losses"] for r in per_rank]
         assert curves[0] == curves[1] and curves[2] == curves[3], (family, curves)
         assert curves[0] != curves[2], (family, "dp groups should see different batches")
+
+
+def _deepcopy_of_a_transformed_model() -> dict:
+    import torch
+    import torch.sagemaker as tsm
+
+    tsm.init({"tensor_parallel_degree": 2})
+    model = tsm.transform(build("llama"))
+    ids = batch(0)
+    twin = copy.deepcopy(model)
+    same = torch.equal(full(model(input_ids=ids).logits), full(twin(input_ids=ids).logits))
+    before = {n: full(p).clone() for n, p in model.named_parameters()}
+    # The copy trains on its own parameters: the original's stay as they were.
+    train_losses(twin, [ids], 0, steps=2)
+    moved = max_diff(model(input_ids=ids).logits, twin(input_ids=ids).logits)
+    untouched = all(torch.equal(full(p), before[n]) for n, p in model.named_parameters())
+    return {"same": same, "moved": moved, "untouched": untouched}
+
+
+@pytest.mark.distributed
+def test_deepcopy_of_a_tp_model_computes_alike_and_trains_on_its_own_parameters():
+    for r in run_distributed(_deepcopy_of_a_transformed_model, world_size=2):
+        assert r["same"] and r["untouched"] and r["moved"] > 1e-3, r
