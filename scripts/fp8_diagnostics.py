@@ -3,8 +3,8 @@
     torchrun --standalone --nproc_per_node 2 scripts/fp8_diagnostics.py [options] \
         -- [examples/train.py flags]
 
-Runs ``examples/train.py`` unchanged in one of these forms (docs/fp8.md, "Why the runs part
-mid-training"):
+Runs ``examples/train.py`` unchanged in one of these forms (docs/log/fp8.md, "2026-11-29: why
+the 200-step runs part mid-training"):
 
 - ``--stats FILE`` (with ``--fp8 1``): for every step, FP8 layer and tensor (input ``x``,
   weight ``w``, output gradient ``dy``) on rank 0, what its quantization did: the amax, the
