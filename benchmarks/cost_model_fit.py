@@ -27,7 +27,7 @@ from torch_sagemaker.planner import cost_model as cm
 # 2-core machine is most of a call; since the unshaped rows joined the fit (they set the CPU
 # per TCP byte, which the shaped rows left loose), the 4x2 mesh all_gather of build acc023f
 # there is 16% long, so 1 MiB claims 20% (it was 15%). On unshaped cables the CPU is the
-# bound and a point's three runs differed by up to 1.6x (docs/multi_node.md, "At the
+# bound and a point's three runs differed by up to 1.6x (docs/log/multi_node.md, "At the
 # machine's own rate"): the 2x1 all_gather is 17-29% long in both dtypes (the model's copy
 # of its own part costs more than it did there), so they claim 35%. For gloo's flat ring the
 # model is 30-37% off at 1 MiB on 2 and 4 hosts (its 1 MiB all_reduce calls on 4x2 took

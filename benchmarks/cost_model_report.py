@@ -361,7 +361,7 @@ def cpu_split_table(costs: cost_model.Costs, size: int = 64 << 20) -> str:
 
     Where the cores bound a call, bare TCP's streams spend only the "TCP bytes" part, so the
     TCP bytes' share of smddp's CPU is the most of bare TCP's throughput smddp can reach
-    (docs/multi_node.md, "What bounds smddp against bare TCP"). Ms per call per rank, the
+    (docs/log/multi_node.md, "What bounds smddp against bare TCP"). Ms per call per rank, the
     mesh (which 2 hosts take), every rank on this machine's 2 cores.
     """
     lines = [

@@ -14,7 +14,7 @@ the rate of each (median of ``--repeat``):
 
 Each with the buffers on 4 KiB pages and, where the kernel gives them, on transparent huge
 pages. Whether cross-memory attach could replace the segment's two copies for ordinary
-tensors is the question it answers: multi_node.md, "At the machine's own rate".
+tensors is the question it answers: docs/log/multi_node.md, "At the machine's own rate".
 """
 
 from __future__ import annotations

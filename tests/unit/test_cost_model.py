@@ -455,7 +455,7 @@ def test_the_auto_rule_in_the_backend_is_the_models(recorded_fit):
     # behind the ring from 4 MiB on 16 and 32 hosts.
     assert all(d <= MIB for h in range(3, 33) for d in at(h).doubling_max_bytes)
     # On the 16 and 32 hosts measured, the tree takes the smallest all_reduces and
-    # halving-doubling the next ones (docs/multi_node.md, "16 and 32 hosts").
+    # halving-doubling the next ones (docs/log/multi_node.md, "16 and 32 hosts").
     for hosts in (16, 32):
         r = at(hosts)
         assert r.tree_max_bytes > 0 and all(d > r.tree_max_bytes for d in r.doubling_max_bytes)
@@ -552,7 +552,7 @@ def test_fit_from_saved_runs_prints_the_tables(tmp_path, capsys, monkeypatch, re
     assert "Predicted: 2 x 100gbit per host, 8 ranks" in out
     assert "| 1024 |" in out and "largest" in out
     assert "auto's choice by size" in out and "    {2, NetAlgo::MESH, 0, {0, 0, 0}}," in out
-    # docs/multi_node.md, "What bounds smddp against bare TCP": the recorded fit's split.
+    # docs/log/multi_node.md, "What bounds smddp against bare TCP": the recorded fit's split.
     assert "| 2x2 | float32 | reduce_scatter | 17.3 | 2.5 | 14.6 | - | 0.50 |" in out
     assert plot.stat().st_size > 0
 

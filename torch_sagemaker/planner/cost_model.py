@@ -131,19 +131,19 @@ ALGORITHMS = ("mesh", "ring", "doubling", "tree", "flat_ring")
 # shares the machine's 2 cores, the staged algorithms' measured times from 1 MiB are the model's NIC
 # time plus its CPU time, not their larger: on 16 and 32 hosts of one rank at 1 Gbit/s, (measured -
 # latency - larger) / smaller was 0.9-1.1 for the tree and halving/doubling from 1 MiB to 4 MiB,
-# where the ring was within 0.2 of 0 on 16 hosts (docs/multi_node.md, "16 and 32 hosts"). In a round
-# every rank sends and receives at once and then reduces, and what the CPU does at a round's start
-# and end waits for a core that every other rank wants too. stage_serial is that fraction (0.37
-# fitted, 0.70 before Note [Shaped cables cost CPU]; 0 for the pipelined algorithms), and stage_wake
-# each round's wait for a core, per round and per squared unit of oversubscription (ranks per core
-# beyond one): 0.012 ms, like wake nothing on hosts with a core per rank. The wait grows with the
-# square: every rank of a round waits for its partner, which waits behind the other ranks of its
-# core, so a rank per core more is both one more to wait behind and one more waiting. Fitted with
-# the oversubscription itself instead, the staged rows came out up to 40% slow on 16 hosts and 33%
-# fast on 32; squared, within 0.82-1.26, with 2.8 times less squared log error (docs/multi_node.md,
-# "16 and 32 hosts"). Both are fitted last, on the staged rows only, the other costs held
-# (benchmarks/cost_model_fit.py: fit_staged). On hosts with a core per rank nothing measured says
-# what stage_serial is, and predictions for such hosts keep the fitted one.
+# where the ring was within 0.2 of 0 on 16 hosts (docs/log/multi_node.md, "16 and 32 hosts"). In a
+# round every rank sends and receives at once and then reduces, and what the CPU does at a round's
+# start and end waits for a core that every other rank wants too. stage_serial is that fraction
+# (0.37 fitted, 0.70 before Note [Shaped cables cost CPU]; 0 for the pipelined algorithms), and
+# stage_wake each round's wait for a core, per round and per squared unit of oversubscription (ranks
+# per core beyond one): 0.012 ms, like wake nothing on hosts with a core per rank. The wait grows
+# with the square: every rank of a round waits for its partner, which waits behind the other ranks
+# of its core, so a rank per core more is both one more to wait behind and one more waiting. Fitted
+# with the oversubscription itself instead, the staged rows came out up to 40% slow on 16 hosts and
+# 33% fast on 32; squared, within 0.82-1.26, with 2.8 times less squared log error
+# (docs/log/multi_node.md, "16 and 32 hosts"). Both are fitted last, on the staged rows only, the
+# other costs held (benchmarks/cost_model_fit.py: fit_staged). On hosts with a core per rank nothing
+# measured says what stage_serial is, and predictions for such hosts keep the fitted one.
 STAGED = ("doubling", "tree")
 
 

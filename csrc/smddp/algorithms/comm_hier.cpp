@@ -171,7 +171,7 @@ std::vector<std::vector<int>> Communicator::handled() const {
 // sum of the local ranks' inputs, rounded once, the value the separate rounding gave, so
 // results do not change by a bit. Per rank on 2 hosts of 2 ranks that saves, in a bf16
 // reduce-scatter of S bytes, 0.5 S read and 0.5 S written of 4.75 S moved in user space
-// (docs/multi_node.md, "Every pass over memory on 2x2"). The ring and halving-doubling add
+// (docs/log/multi_node.md, "Every pass over memory on 2x2"). The ring and halving-doubling add
 // this host's unrounded partial to what arrives before anything leaves, and keep fp32.
 
 // Note [A message per local step]

@@ -15,16 +15,16 @@ namespace {
 // kAutoRule below: the mesh on 2 hosts, where a ring is the mesh's one exchange; from 3 hosts,
 // whichever of the ring and the mesh the model predicts faster for one 64 MiB call of each
 // kind. On every host count from 3 to 1024 that is the ring, at every size from 16 MiB to
-// 1 GiB: its one flow per NIC keeps the link's rate where the mesh's H-1 flows share it
-// unevenly (flow_skew, flow_latency). Measured, the ring took 0.64-0.88 of the mesh's time from
-// 4 MiB on 16 and 32 hosts, and 0.66-0.92 from 1 MiB on 48 (docs/multi_node.md, "16 and 32
-// hosts", "48 hosts"), where the mesh's incast dropped hundreds to thousands of packets per
-// 16 MiB case; beyond 48 hosts nothing is measured, and what the ring's 2(H-1) steps cost there
-// is the model's (its step latency is not resolved by these runs, so it prices a step by the
-// wake-ups of the crowded cores: Note [Staged algorithms]). Until 2026-11-30 auto kept the ring
-// to 32 hosts only, the last host count then measured, and the mesh beyond. The rule's hosts
-// leave out the simulated cables' own CPU (benchmarks/cost_model_report.py: rule_cluster says
-// why: with it the model would pick the mesh on 23 to 148 hosts, against the 32 and 48 measured).
+// 1 GiB: its one flow per NIC keeps the link's rate where the mesh's H-1 flows share it unevenly
+// (flow_skew, flow_latency). Measured, the ring took 0.64-0.88 of the mesh's time from 4 MiB on 16
+// and 32 hosts, and 0.66-0.92 from 1 MiB on 48 (docs/log/multi_node.md, "16 and 32 hosts", "48
+// hosts"), where the mesh's incast dropped hundreds to thousands of packets per 16 MiB case; beyond
+// 48 hosts nothing is measured, and what the ring's 2(H-1) steps cost there is the model's (its
+// step latency is not resolved by these runs, so it prices a step by the wake-ups of the crowded
+// cores: Note [Staged algorithms]). Until 2026-11-30 auto kept the ring to 32 hosts only, the last
+// host count then measured, and the mesh beyond. The rule's hosts leave out the simulated cables'
+// own CPU (benchmarks/cost_model_report.py: rule_cluster says why: with it the model would pick the
+// mesh on 23 to 148 hosts, against the 32 and 48 measured).
 
 // Note [Auto by size and host count]
 // Under SMDDP_NET_ALGO=auto a group of hosts with equal rank counts keeps up to three
