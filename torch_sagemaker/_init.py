@@ -18,7 +18,7 @@ from torch_sagemaker import launch_env, sharding_plan, topology
 from torch_sagemaker._torch_compat import c10d as c10d_compat
 from torch_sagemaker.logger import log_rank0, warn_once
 from torch_sagemaker.mesh import build_groups
-from torch_sagemaker.sharding import fsdp1, fsdp1_state_dict
+from torch_sagemaker.sharding import ddp, fsdp1, fsdp1_state_dict
 from torch_sagemaker.smddp import backend as backend_lib
 from torch_sagemaker.state import ranks_per_host, state
 
@@ -138,11 +138,13 @@ def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> No
     host = None
     if plan.host_plan is not None:
         host = (plan.host_plan, build_groups(plan.host_plan))
-    # 7. Publish the state, make FSDP1 follow it (and accept SMP's translate_on_save), and log
-    # the layout and the plan once.
+    # 7. Publish the state, make FSDP1 follow it (and accept SMP's translate_on_save), make
+    # DDP refuse split experts (Note [DDP and expert parallelism]), and log the layout and the
+    # plan once.
     state._set(cfg, plan, groups, host)
     fsdp1.install()
     fsdp1_state_dict.install()
+    ddp.install()
     log_rank0(
         f"tsm.init on backend {dist.get_backend()!r}:\n{layout.describe()}\n{plan.describe()}"
     )

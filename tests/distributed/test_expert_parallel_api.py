@@ -24,6 +24,7 @@ def _error(fn) -> str:
 def _bad_inputs():
     import torch.sagemaker as tsm
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     from tests.distributed.hf_models import tiny_llama
     from torch_sagemaker.moe.moe_config import MoEConfig
@@ -44,6 +45,10 @@ def _bad_inputs():
         lambda: tsm.transform(mm.tiny_moe("mixtral"), config={"smp_moe": True})
     )
     out["unknown_option"] = _error(lambda: MoEConfig(moe_load_balancing="switch"))
+    split = tsm.transform(mm.tiny_moe("mixtral"), config=MoEConfig())
+    out["ddp"] = _error(lambda: DDP(split))
+    out["ddp_dp_group"] = _error(lambda: DDP(split, process_group=tsm.state.dp_process_group))
+    out["ddp_dense"] = _error(lambda: DDP(tiny_llama()))
     tsm.state.reset()
     tsm.init({"tensor_parallel_degree": 2})
     # Mixtral's plan splits its experts over the TP ranks; Qwen3-MoE's policy has no TP plan.
@@ -77,6 +82,15 @@ def test_bad_input_gets_clear_errors():
         "wrong_type"
     ]
     assert "moe_load_balancing='switch'" in out["unknown_option"], out["unknown_option"]
+    # Note [DDP and expert parallelism]: refused before DDP's own DTensor error.
+    for key in ("ddp", "ddp_dp_group"):
+        assert (
+            out[key].startswith("ValueError: DistributedDataParallel(MixtralForCausalLM)")
+            and "model.layers.0.mlp.experts" in out[key]
+            and "same experts" in out[key]
+            and "shard_model" in out[key]
+        ), out[key]
+    assert out["ddp_dense"] == "no error", out["ddp_dense"]
     assert out["with_tp"] == "no error", out["with_tp"]
     assert (
         "tensor_parallel_degree=2" in out["with_tp_no_plan"]
