@@ -3,7 +3,8 @@ tp=4 on a GQA model with two kv heads (each kv head replicated on two ranks), an
 model (Gemma 3 with an image) under tp 2 x FSDP2 2: ``generate`` with pixel values, before any
 forward and after a training step, gives one process's tokens, and its replicated vision
 tower called outside the root's forward while FSDP2 holds it sharded refuses, naming the fix
-(Note [Parameters still sharded by FSDP])."""
+(Note [Parameters still sharded by FSDP]); under FSDP1 (``use_orig_params=True``) too, and
+the fix it names (``summon_full_params``) gives one process's image features."""
 
 from __future__ import annotations
 
@@ -132,12 +133,52 @@ def _multimodal_outside_forward() -> dict:
     return out
 
 
+def _multimodal_outside_fsdp1_forward() -> dict:
+    """Gemma 3's vision tower called after a training step under tp 2 x FSDP1 2, wrapped as
+    SMP's scripts wrap models (``use_orig_params=True``, one unit per decoder layer)."""
+    import functools
+
+    import torch
+    import torch.sagemaker as tsm
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    from torch_sagemaker.policies import transformer_layer_classes
+
+    ref, inputs = _gemma3_with_image()
+    model = tsm.transform(copy.deepcopy(ref))
+    policy = functools.partial(
+        transformer_auto_wrap_policy, transformer_layer_cls=set(transformer_layer_classes(model))
+    )
+    fsdp = FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=True)
+    labels = inputs["input_ids"].masked_fill(inputs["input_ids"] == 127, -100)
+    fsdp(**inputs, labels=labels).loss.backward()  # leaves the root's parameters sharded
+    fsdp.zero_grad()
+    out = {}
+    try:
+        with torch.no_grad():
+            model.model.get_image_features(inputs["pixel_values"])
+        out["refusal"] = "no error"
+    except Exception as e:  # before the check: "weight should have at least three dimensions"
+        out["refusal"] = f"{type(e).__name__}: {e}"
+    with torch.no_grad(), FSDP.summon_full_params(fsdp, writeback=False):
+        features = model.model.get_image_features(inputs["pixel_values"])
+    with torch.no_grad():
+        want = ref.model.get_image_features(inputs["pixel_values"])
+    out["summoned"] = max(  # the vision tower's states and the projected features
+        float((a - b).abs().max())
+        for a, b in zip(features.to_tuple(), want.to_tuple(), strict=True)
+    )
+    return out
+
+
 def _four_rank_cases(families) -> dict:
     import torch.sagemaker as tsm
 
     tsm.init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2})
     out = {"rank0": {family: _rank0_load(family) for family in families}}
     out["multimodal"] = _multimodal_outside_forward()
+    out["multimodal_fsdp1"] = _multimodal_outside_fsdp1_forward()
     tsm.state.reset()
     tsm.init({"tensor_parallel_degree": 4})
     out["gqa_tp4"] = _gqa_tp4()
@@ -182,3 +223,17 @@ def test_multimodal_generate_and_replicated_modules_outside_the_fsdp2_forward(fo
             refusal,
         )
         assert "model.unshard()" in refusal and "summon_full_params" in refusal, refusal
+
+
+@pytest.mark.distributed
+def test_replicated_modules_outside_the_fsdp1_forward(four_ranks):
+    for rank, result in enumerate(four_ranks):
+        r = result["multimodal_fsdp1"]
+        refusal = r["refusal"]
+        assert refusal.startswith("RuntimeError: SiglipVisionModel ran outside the forward"), (
+            rank,
+            refusal,
+        )
+        assert "slice of FSDP1's flat shard" in refusal, refusal
+        assert "summon_full_params" in refusal, refusal
+        assert r["summoned"] < 1e-5, (rank, r["summoned"])

@@ -8,8 +8,9 @@ type and config), on its ``FlatParamHandle`` (``_use_unsharded_views`` and
 ``_param_extensions``, ``_fqns``, and the shared-parameter records ``_shared_param_infos``,
 ``_shared_params``, ``_modules``), the handle method that builds the flat parameter
 (``_init_flat_param_and_metadata``, which the package wraps), plus the auto-wrap policy base
-class, the private sharding strategy ``_HYBRID_SHARD_ZERO2`` and ``MixedPrecision``'s
-``_module_classes_to_ignore``.
+class, the private sharding strategy ``_HYBRID_SHARD_ZERO2``, ``MixedPrecision``'s
+``_module_classes_to_ignore`` and the mark FSDP1 sets on the parameters it flattened
+(``_is_fsdp_flattened``).
 
 Checked on torch 2.11, 2.13.
 """
@@ -29,7 +30,11 @@ from torch.distributed.fsdp import (
     StateDictConfig,
     StateDictType,
 )
-from torch.distributed.fsdp._common_utils import FSDP_PREFIX, clean_tensor_name
+from torch.distributed.fsdp._common_utils import (
+    FSDP_PREFIX,
+    _is_fsdp_flattened,
+    clean_tensor_name,
+)
 from torch.distributed.fsdp._flat_param import (
     FlatParameter,
     FlatParamHandle,
@@ -241,6 +246,16 @@ def add_shared_param(
         flat_param._shared_params.append(param)
 
 
+def is_flattened(tensor: Any) -> bool:
+    """Whether FSDP1 flattened ``tensor`` into a ``FlatParameter`` (an original parameter).
+
+    Outside the forward of its unit, such a parameter with ``use_orig_params=True`` and a
+    sharded strategy holds a 1-D slice of this rank's shard (empty where the shard has none
+    of it).
+    """
+    return _is_fsdp_flattened(tensor)
+
+
 __all__ = [
     "HYBRID_SHARD_ZERO2",
     "INIT_FLAT_PARAM_AND_METADATA",
@@ -256,6 +271,7 @@ __all__ = [
     "fqns",
     "fsdp_extension",
     "handle",
+    "is_flattened",
     "module_classes_to_ignore",
     "or_policy",
     "original_params",

@@ -69,6 +69,7 @@ PRIVATE_NAMES: tuple[str, ...] = (
     # fsdp1.py
     f"{_FSDP1}._common_utils.clean_tensor_name",
     f"{_FSDP1}._common_utils.FSDP_PREFIX",
+    f"{_FSDP1}._common_utils._is_fsdp_flattened",
     f"{_FSDP1}.ShardingStrategy._HYBRID_SHARD_ZERO2",
     f"{_FSDP1}.MixedPrecision._module_classes_to_ignore",
     f"{_FSDP1}.wrap._Policy",

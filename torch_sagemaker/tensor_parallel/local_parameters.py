@@ -29,8 +29,21 @@ FSDP unit nested below the module is let through: a replicated module swaps its 
 subtree, so those are still sharded when it starts, and the nested unit's own forward
 swaps in its unsharded parameters before they are used. Inside the forward the test is one
 look at the number of placements (one: the TP layout alone); the full test runs only for a
-parameter on a larger mesh. FSDP1 is not detected here: outside its forward it leaves plain
-tensors (1-D slices of its flat shard), not DTensors, which fail on their shapes instead.
+parameter on a larger mesh.
+
+FSDP1 (``use_orig_params=True``, a sharded strategy) leaves no DTensor outside the forward of
+the unit: each original parameter holds a 1-D slice of this rank's flat shard (empty where
+the shard has none of it), a plain tensor that failed on its shape deep inside the module
+("weight should have at least three dimensions" in SigLIP's patch embedding). So the
+styles record, when they are applied, the shape of each parameter's local value
+(``parameter_shapes``); a plain parameter that FSDP1 flattened (``fsdp1.is_flattened`` in
+the compatibility layer) and whose shape differs from that raises the same error. One
+that has its shape is whole (NO_SHARD keeps whole local tensors between steps, Note [FSDP1
+NO_SHARD with DTensor parameters] in ``sharding/fsdp1_layout.py``; inside
+``summon_full_params`` every parameter is whole) and is computed with. A 1-D parameter that
+lies wholly in one rank's shard has its shape on that rank, which then does not raise for
+it; the module's other parameters, and the other ranks, do. Parameters of a nested FSDP1
+unit are let through as for FSDP2.
 """
 
 from __future__ import annotations
@@ -40,15 +53,30 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
+from torch_sagemaker._torch_compat import fsdp1 as fsdp1_compat
 from torch_sagemaker._torch_compat import nn as nn_compat
+from torch_sagemaker._torch_compat import tensor as tensor_compat
+
+_GATHER_FIRST = (
+    "Call it from inside the model's forward, or gather the parameters first: for FSDP2, "
+    "unshard() on the fully_shard module that owns them (model.unshard() for the root's), "
+    "for FSDP1, FullyShardedDataParallel.summon_full_params(model)."
+)
 
 
-def parameter_names(module: nn.Module) -> list[str]:
-    """Every name of ``module``'s parameters (tied ones under each of their names)."""
-    return [n for n, _ in module.named_parameters(remove_duplicate=False)]
+def parameter_shapes(module: nn.Module, recurse: bool = True) -> dict[str, torch.Size]:
+    """Every name of ``module``'s parameters (tied ones under each name) with its local shape.
+
+    The local shape is that of the value the module computes with (a DTensor's local tensor).
+    ``recurse=False``: the module's own parameters only.
+    """
+    return {
+        n: tensor_compat.local_tensor_or_self(p).shape
+        for n, p in module.named_parameters(recurse=recurse, remove_duplicate=False)
+    }
 
 
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -61,7 +89,7 @@ def _to_local(param: DTensor) -> torch.Tensor:
 
 
 def _in_nested_fsdp_unit(module: nn.Module, name: str) -> bool:
-    """Whether parameter ``name`` of ``module`` belongs to an FSDP2 unit below ``module``.
+    """Whether parameter ``name`` of ``module`` belongs to an FSDP unit below ``module``.
 
     Such a unit unshards it in its own forward, before it is used: a replicated module swaps
     its whole subtree, nested units' parameters included, still sharded at that point.
@@ -69,7 +97,7 @@ def _in_nested_fsdp_unit(module: nn.Module, name: str) -> bool:
     owner = module
     for part in name.split(".")[:-1]:
         owner = owner.get_submodule(part)
-        if isinstance(owner, FSDPModule):
+        if isinstance(owner, (FSDPModule, FullyShardedDataParallel)):
             return True
     return False
 
@@ -100,10 +128,36 @@ def check_unsharded(module: nn.Module, name: str, param: DTensor) -> None:
         f"parameters, while they are sharded: its parameter {name!r} is this rank's FSDP "
         f"shard {tuple(param.to_local().shape)} of the {tuple(param.shape)} parameter "
         f"(placements {tuple(placements)} on mesh dimensions {dims}), not the value the "
-        "module computes with. Call it from inside the model's forward, or gather the "
-        "parameters first: for FSDP2, unshard() on the fully_shard module that owns them "
-        "(model.unshard() for the root's), for FSDP1, "
-        "FullyShardedDataParallel.summon_full_params(model)."
+        f"module computes with. {_GATHER_FIRST}"
+    )
+
+
+def check_not_fsdp1_shard(
+    module: nn.Module, name: str, param: torch.Tensor, shape: torch.Size
+) -> None:
+    """Raises if plain ``param`` is FSDP1's shard of a parameter of local shape ``shape``.
+
+    Note [Parameters still sharded by FSDP].
+
+    Args:
+        module: The module about to compute with the parameter (named in the error).
+        name: The parameter's name in ``module``.
+        param: The parameter as the module finds it now (not a DTensor).
+        shape: The shape of its local value when the style was applied.
+
+    Raises:
+        RuntimeError: FSDP1 flattened ``param`` and it does not have ``shape``: ``module``
+            runs outside the forward of the FSDP1 unit that owns it.
+    """
+    if param.shape == shape or not fsdp1_compat.is_flattened(param):
+        return
+    if _in_nested_fsdp_unit(module, name):
+        return
+    raise RuntimeError(
+        f"{type(module).__name__} ran outside the forward of the FSDP module that owns its "
+        f"parameters, while they are sharded: its parameter {name!r} is this rank's "
+        f"{tuple(param.shape)} slice of FSDP1's flat shard, not the {tuple(shape)} value "
+        f"the module computes with. {_GATHER_FIRST}"
     )
 
 
@@ -125,17 +179,18 @@ def local_value(module: nn.Module, name: str, param: DTensor) -> torch.Tensor:
 @contextlib.contextmanager
 def local_parameters(
     module: nn.Module,
-    names: list[str],
+    shapes: dict[str, torch.Size],
     local_of: Callable[[DTensor], torch.Tensor] = _to_local,
 ) -> Iterator[None]:
-    """``module``'s DTensor parameters ``names`` are their local tensors inside the block.
+    """``module``'s DTensor parameters named in ``shapes`` are their local tensors in the block.
 
     Autograd flows from the local tensors into the DTensors. Note [Replicated parameters
     under FSDP1].
 
     Args:
         module: The module whose forward runs in the block.
-        names: Its parameters' names (``parameter_names``, taken when the style was applied).
+        shapes: Its parameters' names and local shapes (``parameter_shapes``, taken when the
+            style was applied).
         local_of: The tensor that stands for a DTensor parameter (default: its local tensor).
 
     Raises:
@@ -144,10 +199,12 @@ def local_parameters(
     """
     registered: dict[str, torch.Tensor] = {}
     shadowed: list[tuple[nn.Module, str, DTensor]] = []
-    for name in names:
+    for name, shape in shapes.items():
         owner, leaf = _owner(module, name)
         value = getattr(owner, leaf, None)
         if not isinstance(value, DTensor):
+            if isinstance(value, torch.Tensor):
+                check_not_fsdp1_shard(module, name, value, shape)
             continue
         check_unsharded(module, name, value)
         if leaf in vars(owner):  # FSDP1's instance attribute hides the registered parameter
@@ -164,4 +221,10 @@ def local_parameters(
                 vars(owner)[leaf] = value
 
 
-__all__ = ["check_unsharded", "local_parameters", "local_value", "parameter_names"]
+__all__ = [
+    "check_not_fsdp1_shard",
+    "check_unsharded",
+    "local_parameters",
+    "local_value",
+    "parameter_shapes",
+]

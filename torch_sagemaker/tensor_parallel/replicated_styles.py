@@ -50,7 +50,7 @@ from torch_sagemaker.tensor_parallel import consistency
 from torch_sagemaker.tensor_parallel.local_parameters import (
     local_parameters,
     local_value,
-    parameter_names,
+    parameter_shapes,
 )
 from torch_sagemaker.tensor_parallel.styles import (
     AllReduceGrad,
@@ -105,18 +105,18 @@ def _replicate_plain(
 
 
 def _swap_forward(
-    module: nn.Module, names: list[str], mesh: DeviceMesh, local_of: Any = None
+    module: nn.Module, shapes: dict[str, torch.Size], mesh: DeviceMesh, local_of: Any = None
 ) -> None:
-    """Runs ``module``'s forward on plain inputs with local values of parameters ``names``.
+    """Runs ``module``'s forward on plain inputs with local values of the named parameters.
 
-    ``local_of(param)``: the value that stands for a DTensor parameter (default: its local
-    tensor).
+    ``shapes``: their names and local shapes (``parameter_shapes``). ``local_of(param)``:
+    the value that stands for a DTensor parameter (default: its local tensor).
     """
     forward_impl = type(module).forward
     swap = {"local_of": local_of} if local_of is not None else {}
 
     def forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        with local_parameters(mod, names, **swap):
+        with local_parameters(mod, shapes, **swap):
             return forward_impl(
                 mod,
                 *(_local(a, mesh) for a in args),
@@ -164,7 +164,7 @@ class ReplicatedLocal(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _replicate_plain(module, device_mesh, self.src_data_rank, recurse=True)
         # Named now, read at each call (Note [Replicated parameters under FSDP1]).
-        _swap_forward(module, parameter_names(module), device_mesh)
+        _swap_forward(module, parameter_shapes(module), device_mesh)
         consistency.install(module, self.name or type(module).__name__, device_mesh)
         return module
 
@@ -184,7 +184,7 @@ class ReplicatedPartialGrad(ParallelStyle):
         group = device_mesh.get_group()
         _swap_forward(
             module,
-            [n for n, _ in module.named_parameters(recurse=False)],
+            parameter_shapes(module, recurse=False),
             device_mesh,
             lambda p: AllReduceGrad.apply(p.to_local(), group),
         )

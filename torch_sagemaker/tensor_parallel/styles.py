@@ -48,7 +48,7 @@ from torch_sagemaker.smddp.direct import all_reduce_direct
 from torch_sagemaker.tensor_parallel.local_parameters import (
     local_parameters,
     local_value,
-    parameter_names,
+    parameter_shapes,
 )
 
 
@@ -237,10 +237,10 @@ class ReplicateParallel(ParallelStyle):
                 return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
             return x
 
-        names = parameter_names(module)  # Note [Replicated parameters under FSDP1]
+        shapes = parameter_shapes(module)  # Note [Replicated parameters under FSDP1]
 
         def forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            with local_parameters(mod, names):
+            with local_parameters(mod, shapes):
                 out = forward_impl(
                     mod, *(local(a) for a in args), **{k: local(v) for k, v in kwargs.items()}
                 )
