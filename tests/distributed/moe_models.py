@@ -153,15 +153,57 @@ def clean(name: str) -> str:
     return name[len("module.") :] if name.startswith("module.") else name
 
 
-def full_grads(model) -> dict[str, torch.Tensor]:
-    """Every parameter's unsharded gradient under its Hugging Face name."""
+def dtensor_layouts(model) -> dict[str, tuple]:
+    """(mesh, placements, shape, stride) of every DTensor parameter, by Hugging Face name."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        clean(n): (p.device_mesh, p.placements, p.shape, p.stride())
+        for n, p in model.named_parameters()
+        if isinstance(p, DTensor)
+    }
+
+
+def full_grads(model, layouts: dict[str, tuple] | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter's unsharded gradient under its Hugging Face name.
+
+    ``layouts`` (``dtensor_layouts`` before wrapping): FSDP1 NO_SHARD leaves the gradients of
+    tensor-parallel parameters as plain local tensors, even when summoned (Note [FSDP1
+    NO_SHARD with DTensor parameters]); they are gathered with their parameter's layout.
+    """
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.tensor import DTensor
+
+    def whole(name: str, grad: torch.Tensor) -> torch.Tensor:
+        if isinstance(grad, DTensor) or not layouts or name not in layouts:
+            return full(grad).detach().clone()
+        mesh, placements, shape, stride = layouts[name]
+        if grad.shape == shape:
+            return grad.detach().clone()
+        local = DTensor.from_local(grad, mesh, placements, shape=shape, stride=stride)
+        return local.full_tensor().detach().clone()
 
     units = FSDP.fsdp_modules(model)
     if units:  # summon from the outermost unit (the model may sit inside the offload wrapper)
         with FSDP.summon_full_params(units[0], with_grads=True):
-            return {clean(n): full(p.grad).detach().clone() for n, p in model.named_parameters()}
-    return {clean(n): full(p.grad).detach().clone() for n, p in model.named_parameters()}
+            return {clean(n): whole(clean(n), p.grad) for n, p in model.named_parameters()}
+    return {clean(n): whole(clean(n), p.grad) for n, p in model.named_parameters()}
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    """Every parameter's whole value under its Hugging Face name (FSDP1: its full state dict,
+    gathered over the TP ranks too)."""
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    units = FSDP.fsdp_modules(model)
+    if not units:
+        return {clean(n): full(p).detach().clone() for n, p in model.named_parameters()}
+    config = FullStateDictConfig(rank0_only=False, offload_to_cpu=False)
+    with FSDP.state_dict_type(units[0], StateDictType.FULL_STATE_DICT, config):
+        state = units[0].state_dict()
+    names = {clean(n) for n, _ in model.named_parameters()}
+    return {clean(k): full(v).detach().clone() for k, v in state.items() if clean(k) in names}
 
 
 def reference_aux(router_logits, num_experts: int, top_k: int, aux_coeff: float, z_coeff: float):
@@ -220,7 +262,8 @@ def parity_case(
     """One expert parallel run against one process on the concatenated batch (run on every rank).
 
     Returns per step the max differences of the loss, the router logits, every gradient and the
-    gradient norm (``tsm.grad_norm.clip_grad_norm_`` against PyTorch's on the reference).
+    gradient norm (``tsm.grad_norm.clip_grad_norm_`` against PyTorch's on the reference), and
+    every parameter's after the last AdamW step (``params``).
     ``router_logits=False`` runs without ``output_router_logits`` (the model's loss then has
     no Hugging Face auxiliary loss).
     ``moe_ref=True`` makes the reference's blocks ``MoELayer`` without expert parallelism
@@ -259,6 +302,7 @@ def parity_case(
         ref = moe_reference(ref, cfg)
     if checkpoint:
         apply_checkpointing(model, checkpoint)
+    layouts = dtensor_layouts(model)
     model = wrap(model, api)
     if offload:
         model = tsm.offload_wrapper(model)
@@ -299,7 +343,7 @@ def parity_case(
         out["ref_loss"].append(ref_loss)
         out["logits"].append(logits_diff)
         set_aux_loss_scale(1.0)
-        grads = full_grads(model)
+        grads = full_grads(model, layouts)
         ref_grads = {n: p.grad for n, p in ref.named_parameters()}
         assert grads.keys() == ref_grads.keys(), sorted(set(grads) ^ set(ref_grads))
         out["grads"].append({n: float((g - ref_grads[n]).abs().max()) for n, g in grads.items()})
@@ -313,6 +357,10 @@ def parity_case(
         opt.step()
         ref_opt.step()
         opt.zero_grad()
+    params = full_params(model)
+    ref_params = dict(ref.named_parameters())
+    assert params.keys() == ref_params.keys(), sorted(set(params) ^ set(ref_params))
+    out["params"] = {n: float((p - ref_params[n]).abs().max()) for n, p in params.items()}
     out["local_experts"] = sorted(
         {
             tuple(p.to_local().shape)
@@ -369,3 +417,5 @@ def check(results: dict, atol: float = 2e-5) -> None:
         for step, grads in enumerate(r["grads"]):
             bad = {n: d for n, d in grads.items() if d > atol}
             assert not bad, (name, step, bad)
+        bad = {n: d for n, d in r["params"].items() if d > 1e-4}  # after the last step
+        assert not bad, (name, "params", bad)

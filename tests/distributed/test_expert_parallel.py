@@ -7,7 +7,8 @@ policy, ``use_orig_params=True``, HYBRID_SHARD/FULL_SHARD, prefetching) or FSDP2
 (``shard_model``), while every rank also trains an untransformed copy on every rank's batch.
 Per step: the loss, the router logits (``output_router_logits=True``), every parameter's
 unsharded gradient and the gradient norm of ``tsm.grad_norm.clip_grad_norm_`` must equal the
-reference within fp32 tolerance. Several cases share one launch (``moe_models.run_cases``).
+reference within fp32 tolerance, and after the last step every parameter. Several cases share
+one launch (``moe_models.run_cases``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ ALL_GATHER = {**NONE, "moe_all_to_all_dispatcher": False}
 AUX = {"moe_load_balancing": "aux_loss", "moe_aux_loss_coeff": 0.05, "moe_z_loss_coeff": 0.01}
 EP2 = {"expert_parallel_degree": 2}
 TP2_HSD2 = {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}
+TP2_HSD1 = {"tensor_parallel_degree": 2, "hybrid_shard_degree": 1}
 
 
 def _case(name, family, api, moe, extra=None, smp=None):
@@ -113,6 +115,18 @@ def test_ep2_on_two_ranks_matches_one_process():
 
 
 @pytest.mark.distributed
+def test_moe_config_with_tp_over_all_ranks_under_fsdp1_no_shard_matches_one_process():
+    """MoEConfig with tp 2 over both ranks, as SMP's scripts run Mixtral with --moe 1 and TP on
+    a world of tp ranks: a shard group of one rank, so FSDP1 runs NO_SHARD (Note [FSDP1
+    NO_SHARD with DTensor parameters]); the 4-rank cases run it with replicas."""
+    case = _case(
+        "tp2-mixtral-fsdp1-no-shard-aux", "mixtral", "fsdp1", AUX, smp={"tensor_parallel_degree": 2}
+    )
+    for results in run_distributed(mm.run_cases, [case], world_size=2, timeout=600):
+        mm.check(results)
+
+
+@pytest.mark.distributed
 @pytest.mark.skipif(
     not smddp_available(), reason="torch_sagemaker._C was built without the smddp backend"
 )
@@ -165,6 +179,8 @@ FOUR_RANK_CASES = [
         {"moe_ref": True, "checkpoint": "layer", "router_logits": False},
         smp=TP2_HSD2,
     ),
+    # The same with hybrid_shard_degree 1: FSDP1 NO_SHARD over two replicas.
+    _case("tp2-hsd1-mixtral-fsdp1-no-shard-aux", "mixtral", "fsdp1", AUX, smp=TP2_HSD1),
     # ep 4: one expert per rank.
     _case("ep4-mixtral-fsdp1", "mixtral", "fsdp1", NONE, smp={"expert_parallel_degree": 4}),
     _case(
