@@ -147,8 +147,12 @@ def _multimodal_outside_fsdp1_forward() -> dict:
 
     ref, inputs = _gemma3_with_image()
     model = tsm.transform(copy.deepcopy(ref))
+    # The vision encoder's layers too: units nested in the replicated tower, still sharded
+    # when the tower's forward starts, which must not be refused.
+    vision_layer = type(model.model.vision_tower.encoder.layers[0])
     policy = functools.partial(
-        transformer_auto_wrap_policy, transformer_layer_cls=set(transformer_layer_classes(model))
+        transformer_auto_wrap_policy,
+        transformer_layer_cls={*transformer_layer_classes(model), vision_layer},
     )
     fsdp = FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=True)
     labels = inputs["input_ids"].masked_fill(inputs["input_ids"] == 127, -100)
