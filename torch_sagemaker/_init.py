@@ -139,8 +139,8 @@ def init(config: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> No
     if plan.host_plan is not None:
         host = (plan.host_plan, build_groups(plan.host_plan))
     # 7. Publish the state, make FSDP1 follow it (and accept SMP's translate_on_save), make
-    # DDP refuse split experts (Note [DDP and expert parallelism]), and log the layout and the
-    # plan once.
+    # DDP refuse DTensor parameters (Note [DDP and DTensor parameters]), and log the layout
+    # and the plan once.
     state._set(cfg, plan, groups, host)
     fsdp1.install()
     fsdp1_state_dict.install()

@@ -82,7 +82,7 @@ def test_bad_input_gets_clear_errors():
         "wrong_type"
     ]
     assert "moe_load_balancing='switch'" in out["unknown_option"], out["unknown_option"]
-    # Note [DDP and expert parallelism]: refused before DDP's own DTensor error.
+    # Note [DDP and DTensor parameters]: refused before DDP's own DTensor error.
     for key in ("ddp", "ddp_dp_group"):
         assert (
             out[key].startswith("ValueError: DistributedDataParallel(MixtralForCausalLM)")

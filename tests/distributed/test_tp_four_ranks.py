@@ -4,7 +4,9 @@ model (Gemma 3 with an image) under tp 2 x FSDP2 2: ``generate`` with pixel valu
 forward and after a training step, gives one process's tokens, and its replicated vision
 tower called outside the root's forward while FSDP2 holds it sharded refuses, naming the fix
 (Note [Parameters still sharded by FSDP]); under FSDP1 (``use_orig_params=True``) too, and
-the fix it names (``summon_full_params``) gives one process's image features."""
+the fix it names (``summon_full_params``) gives one process's image features. DDP around a
+TP model (policy path, plan path, tied weights), on the data-parallel group or the world,
+refuses with an error naming FSDP (Note [DDP and DTensor parameters])."""
 
 from __future__ import annotations
 
@@ -176,11 +178,31 @@ def _multimodal_outside_fsdp1_forward() -> dict:
     return out
 
 
+def _ddp_refused() -> dict:
+    """DDP around TP models (policy path, plan path, tied weights): the error it raises."""
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = {}
+    for family in ("llama", "qwen3", "qwen2"):
+        model = tsm.transform(build(family))
+        for group in ("dp", "world"):
+            pg = tsm.state.dp_process_group if group == "dp" else dist.group.WORLD
+            try:
+                DDP(model, process_group=pg)
+                out[family, group] = "no error"
+            except Exception as e:  # PyTorch's own error, where the check is missing
+                out[family, group] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def _four_rank_cases(families) -> dict:
     import torch.sagemaker as tsm
 
     tsm.init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2})
-    out = {"rank0": {family: _rank0_load(family) for family in families}}
+    out = {"ddp": _ddp_refused()}
+    out["rank0"] = {family: _rank0_load(family) for family in families}
     out["multimodal"] = _multimodal_outside_forward()
     out["multimodal_fsdp1"] = _multimodal_outside_fsdp1_forward()
     tsm.state.reset()
@@ -204,6 +226,18 @@ def test_load_state_dict_from_rank0_equals_loading_everywhere(four_ranks):
             assert r["shards_equal"], (rank, family)
             assert r["buffers_equal"], (rank, family)  # RoPE inv_freq reached the meta ranks
             assert r["logits"] < ATOL and r["grads"] < ATOL, (rank, family, r)
+
+
+@pytest.mark.distributed
+def test_ddp_refuses_a_tensor_parallel_model(four_ranks):
+    """Note [DDP and DTensor parameters]: a clear error before DDP's own DTensor failure."""
+    for rank, result in enumerate(four_ranks):
+        assert len(result["ddp"]) == 6, result["ddp"].keys()  # 3 families x (dp group, world)
+        for case, error in result["ddp"].items():
+            assert error.startswith("ValueError: DistributedDataParallel("), (rank, case, error)
+            assert "are DTensors (first: model.embed_tokens.weight" in error, (case, error)
+            assert "tensor_parallel_degree > 1" in error, error
+            assert "shard_model(model)" in error and "hybrid_shard_degree=1" in error, error
 
 
 @pytest.mark.distributed
