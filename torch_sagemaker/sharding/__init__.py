@@ -7,9 +7,10 @@
   ``shard_model(model, overlap_replica_reduction=True)`` averages them during backward
   (``ReplicaReduction``, for models ``fully_shard`` sharded inside a replica).
 - Which strategy and mesh: ``tsm.state.sharding_plan`` (``torch_sagemaker.sharding_plan``).
-- DDP: ``DistributedDataParallel(model, process_group=tsm.state.dp_process_group)``; refused
-  for a model whose experts ``tsm.transform`` split (``ddp``, Note [DDP and expert
-  parallelism]).
+- DDP: ``DistributedDataParallel(model, process_group=tsm.state.dp_process_group)`` for a
+  model without DTensor parameters (``tensor_parallel_degree=1``, experts not split); a model
+  that ``tsm.transform`` left with DTensor parameters is refused with an error naming FSDP
+  (``ddp``, Note [DDP and DTensor parameters]).
 - Activation checkpointing per transformer layer: ``checkpoint_transformer_layers(model)``
   (non-reentrant ``checkpoint_wrapper``), before FSDP2 / before or after FSDP1.
 - The layer classes of a model (the unit of all three): ``transformer_layer_classes(model)``,
