@@ -50,6 +50,8 @@ each once and reshards on load).
 from __future__ import annotations
 
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,10 +165,9 @@ class ReplicaReduction:
         self._units = [_Unit(params) for params in fsdp_units(self._model)]
         self._unit_of = {id(p): u for u in self._units for p in u.params}
         self._hooked = self._sharded()
+        hook = _weak_hook(self)  # Note [Gradient hooks that hold their owner weakly]
         self._handles = [
-            p.register_post_accumulate_grad_hook(self._on_gradient)
-            for u in self._units
-            for p in u.params
+            p.register_post_accumulate_grad_hook(hook) for u in self._units for p in u.params
         ]
 
     def _sharded(self) -> list[tuple[int, bool]]:
@@ -222,6 +223,25 @@ class ReplicaReduction:
             self._queued_for = -1
             for unit in self._units:
                 unit.arrived = []
+
+
+# Note [Gradient hooks that hold their owner weakly]: PyTorch keeps a tensor's
+# post-accumulate-grad hooks in C++ and does not show them to Python's garbage collector, so a
+# cycle parameter -> hook -> ReplicaReduction -> parameter is never freed, and with it the
+# model, its DTensors' meshes and every process group of those meshes (a gloo group keeps
+# three threads and its sockets). The hooks therefore hold the reduction weakly; the model's
+# forward pre-hook (an ordinary module hook, which the collector sees) keeps it alive as long
+# as the model, and the user's reference as long as they keep it.
+def _weak_hook(reduction: ReplicaReduction) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook that calls ``reduction._on_gradient`` while it lives."""
+    method = weakref.WeakMethod(reduction._on_gradient)
+
+    def hook(param: torch.Tensor) -> None:
+        on_gradient = method()
+        if on_gradient is not None:
+            on_gradient(param)
+
+    return hook
 
 
 def _views(buffer: torch.Tensor, grads: list[torch.Tensor]) -> list[torch.Tensor]:
