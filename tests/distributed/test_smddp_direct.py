@@ -128,6 +128,9 @@ def test_runs_after_queued_async_collectives_of_its_group():
 
 
 def _falls_back_where_it_cannot_go_direct():
+    import gc
+    import weakref
+
     import torch
     import torch.distributed as dist
 
@@ -139,7 +142,8 @@ def _falls_back_where_it_cannot_go_direct():
     t = torch.full((9,), float(rank))
     direct.all_reduce_direct(t, group=gloo)
     assert torch.equal(t, torch.full((9,), total))
-    assert direct._backends[gloo] is None  # resolved once: not smddp
+    # Resolved once: not smddp; remembered weakly (Note [Groups the direct path remembers]).
+    assert gloo in direct._elsewhere and gloo not in direct._backends
     p = torch.nn.Parameter(torch.full((4,), float(rank)), requires_grad=False)
     direct.all_reduce_direct(p)  # a tensor subclass: through dist.all_reduce
     assert torch.equal(p.data, torch.full((4,), total))
@@ -164,6 +168,11 @@ def _falls_back_where_it_cannot_go_direct():
     dist.destroy_process_group(fresh)
     dist.destroy_process_group(gloo)
     dist.destroy_process_group(sub)
+    # A destroyed gloo group goes, threads and all, once its caller drops it.
+    gloo_ref = weakref.ref(gloo)
+    del gloo
+    gc.collect()
+    assert gloo_ref() is None
     return True
 
 

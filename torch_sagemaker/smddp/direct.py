@@ -12,6 +12,7 @@ and timeouts, no Work. DeepSpeed's ``inference_all_reduce`` takes the same short
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -24,14 +25,21 @@ _SUM = dist.ReduceOp.SUM
 # Bound once: the module attribute lookup would add to every call of the fast path.
 _default_group_or_none = c10d_compat.default_group_or_none
 
-# group -> its smddp CPU backend, or None when the group's CPU backend is something else.
-# Entries of destroyed groups are dropped at the next miss.
-# (A group's CPU backend is a torch_sagemaker._C.ProcessGroupSMDDP, typed Any.)
+# Note [Groups the direct path remembers]: a group whose CPU backend is smddp -> that backend
+# (a torch_sagemaker._C.ProcessGroupSMDDP, typed Any), looked up on every call. Entries of
+# destroyed groups are dropped at the next miss; until then they keep little, since
+# destroy_process_group shuts an smddp backend down (its calls then raise). Other groups are
+# remembered weakly, in _elsewhere: a gloo group frees its threads and sockets only when its
+# last reference goes, and a strong entry here kept every such group the grad norm or a
+# tensor-parallel loss had reduced over alive after tsm.state.reset() destroyed it.
 _backends: dict[dist.ProcessGroup | None, Any] = {}
+_elsewhere: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
 _UNRESOLVED = object()
 
 
 def _resolve(group: dist.ProcessGroup | None) -> Any:
+    if group in _elsewhere:
+        return None
     live = set(c10d_compat.live_groups())
     for stale in [g for g in _backends if g not in live]:
         del _backends[stale]
@@ -42,7 +50,8 @@ def _resolve(group: dist.ProcessGroup | None) -> Any:
     except RuntimeError:  # the group has no CPU backend
         backend = None
     if not hasattr(backend, "_all_reduce_direct"):
-        backend = None
+        _elsewhere.add(group)
+        return None
     _backends[group] = backend
     return backend
 
