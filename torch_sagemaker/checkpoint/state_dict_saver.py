@@ -15,6 +15,7 @@ import contextlib
 import os
 import threading
 import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -286,8 +287,12 @@ class PyTorchDistSaveShardedStrategy:
 
 
 # One dedicated gloo group per rank set, for the background thread (see module docstring and
-# Note [Async save groups]).
-_ASYNC_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+# Note [Async save groups]). Held weakly: tsm.state owns these groups (adopt_group), and a gloo
+# group frees its threads and sockets only when its last reference goes, so a strong entry
+# kept the group that tsm.state.reset() destroyed alive until the next save on those ranks.
+_ASYNC_GROUPS: weakref.WeakValueDictionary[tuple[int, ...], dist.ProcessGroup] = (
+    weakref.WeakValueDictionary()
+)
 _ASYNC_GENERATIONS: dict[tuple[int, ...], int] = {}  # groups made per rank set (their names)
 _ASYNC_GROUPS_LOCK = threading.Lock()
 
