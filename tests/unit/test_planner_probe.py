@@ -163,3 +163,73 @@ def test_sizes_a_config_names_its_own_way_are_shrunk_and_a_constant_width_is_ref
     values = [{"one": 1, "hidden": h} for h in (80, 128, 80)]
     with pytest.raises(ProbeError, match="64 wide per token in every run"):
         solved_terms([[record]] * 3, values, "layer 0's mlp")
+
+
+def test_what_follows_a_row_parallel_projection_is_not_split_and_unused_parameters_are_found(
+    tmp_path,
+):
+    # BERT's attention.output and output modules hold the row-parallel projection, then a
+    # dropout and a LayerNorm over its all-reduced output: whole hidden-wide storages, which
+    # the solve cannot tell from the query width (equal in BERT) unless their region says.
+    spec = _spec(tmp_path, "bert", tie_word_embeddings=False)
+    probed = probe_activations(spec)
+    attention, mlp = _counts(probed.attention), _counts(probed.mlp)
+    assert attention[("q", "compute", "split")] == 1  # the output projection's input
+    assert attention[("hidden", "compute", "sequence")] == 2  # dropout mask, LayerNorm input
+    assert mlp[("hidden", "compute", "sequence")] == 2
+    assert ("q", "compute", "split") not in mlp
+    # Untied, the head's decoder has its own bias and cls.predictions.bias is never used.
+    assert probed.no_gradient == ("cls.predictions.bias",)
+    tied = probe_activations(_spec(tmp_path, "bert", tie_word_embeddings=True))
+    assert tied.no_gradient == ()
+
+
+def test_fsdp2_gives_an_unused_parameter_no_gradient_nor_state_and_fsdp1_does(tmp_path):
+    from torch_sagemaker.planner.candidates import Candidate, Checked, check
+    from torch_sagemaker.planner.inputs import Cluster, Workload
+    from torch_sagemaker.planner.memory import sharding
+    from torch_sagemaker.planner.presets import accelerator
+    from torch_sagemaker.planner.shards import state_bytes
+
+    spec = _spec(tmp_path, "bert", tie_word_embeddings=False)
+    spec = dataclasses.replace(
+        spec, policy=dataclasses.replace(spec.policy, activations=probe_activations(spec))
+    )
+    assert spec.untrained == {"cls.predictions.bias"}
+    all_trained = dataclasses.replace(
+        spec,
+        policy=dataclasses.replace(
+            spec.policy, activations=dataclasses.replace(spec.policy.activations, no_gradient=())
+        ),
+    )
+    cluster = Cluster(hosts=1, per_host=2, accelerator=accelerator("H100"))
+    workload = Workload(512, 512 * 2)
+    bias = SMALL["vocab_size"] // 2 * 4  # its half on each of 2 FSDP ranks, float32
+    for fsdp in (1, 2):
+        checked = check(Candidate(2, fsdp=fsdp), spec, cluster, workload)
+        assert isinstance(checked, Checked), checked
+        found, every = (state_bytes(s, sharding(s, checked, workload)) for s in (spec, all_trained))
+        assert found.parameters == every.parameters
+        if fsdp == 2:
+            assert every.gradients - found.gradients == bias
+            assert every.optimizer - found.optimizer == 2 * bias + 4  # moments and step
+        else:  # its flat parameter's gradient covers the whole slice
+            assert found == every
+
+
+def test_a_locally_split_input_saved_before_and_float32_rotary_tables_are_found(tmp_path):
+    # OLMo 2's plan gathers q/k/v and splits the output projection's whole input locally:
+    # the projection saves its own slice under TP, even though on the CPU its input is the
+    # attention kernel's saved output (the reshape between them copies nothing). Its rotary
+    # tables stay float32 under bfloat16 compute: one pair, which a float32 run keeps too.
+    from torch_sagemaker.planner.activations import rotary_bytes
+
+    spec = _spec(tmp_path, "olmo2")
+    assert spec.policy.tp_plan["model.layers.*.self_attn.o_proj"] == "rowwise_split_input"
+    probed = probe_activations(spec)
+    assert _counts(probed.attention)[("q", "compute", "local")] == 1
+    assert (probed.rotary_tables, probed.rotary_dtype) == (1, "float32")
+    spec = dataclasses.replace(spec, policy=dataclasses.replace(spec.policy, activations=probed))
+    width = SMALL["hidden_size"] // SMALL["num_attention_heads"]
+    for compute_bytes in (2, 4):
+        assert rotary_bytes(spec, 64, compute_bytes) == 2 * 64 * width * 4

@@ -253,7 +253,9 @@ def rotary_bytes(spec: ModelSpec, positions: int, compute_bytes: int) -> int:
     """The rotary tables' bytes: cos and sin for ``positions`` positions, saved once."""
     profile = _profile(spec)
     width = rotary_width(spec, profile.rotary_fraction_attr)
-    return profile.rotary_tables * 2 * positions * width * compute_bytes
+    dtype = profile.rotary_dtype
+    dtype_bytes = compute_bytes if dtype == "compute" else DTYPE_BYTES[dtype]
+    return profile.rotary_tables * 2 * positions * width * dtype_bytes
 
 
 def sparse_layers(spec: ModelSpec) -> set[int]:

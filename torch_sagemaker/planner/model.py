@@ -141,6 +141,19 @@ class ModelSpec:
         """Experts per MoE layer (0 for dense models)."""
         return self.policy.num_experts(self.config)
 
+    @property
+    def untrained(self) -> frozenset[str]:
+        """Names of the parameters no output of the forward reaches: they get no gradient.
+
+        Those the policy's ``ActivationProfile.no_gradient`` names (measured by the probe
+        for families without a written profile); none where the policy has no profile.
+        """
+        profile = self.policy.activations
+        patterns = profile.no_gradient if profile is not None else ()
+        return frozenset(
+            p.name for p in self.params if any(fnmatchcase(p.name, pat) for pat in patterns)
+        )
+
 
 #: Config attributes holding a dense MLP's intermediate size, in the order they are read.
 MLP_SIZE_ATTRS = ("intermediate_size", "decoder_ffn_dim", "ffn_dim", "n_inner")

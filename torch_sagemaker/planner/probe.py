@@ -20,11 +20,18 @@ saved and the policy's plan:
   vocabulary) are ``split``;
 - rows of an MoE block's chosen experts (a first dimension of tokens x top-k) are ``routed``;
 - other widths (hidden, per token) are ``gathered`` inside a parallel region (an attention
-  module, the parent of planned projections within a layer) or as a planned module's input,
-  and ``sequence`` elsewhere (norms and the residual stream, which sequence parallelism
-  splits);
+  module, the parent of planned projections within a layer, until its reducing projection
+  returns: Note [A region ends at its reducing projection] in ``probe_runs.py``) or as a
+  planned module's input, and ``sequence`` elsewhere (norms and the residual stream, which
+  sequence parallelism splits);
+- a projection that splits its whole input itself saves its own slice (``local``), also
+  where that input was saved before;
 - storages per position and not per sequence are the rotary tables, which the planner sizes
-  itself; the probe checks that they are what it assumes.
+  itself; the probe checks that they are what it assumes, and reads their dtype.
+
+Parameters that no run's outputs reach, in any layer, get no gradient
+(``ActivationProfile.no_gradient``; the memory model gives them no gradient and no AdamW
+state under FSDP2).
 """
 
 import dataclasses
@@ -74,12 +81,20 @@ from torch_sagemaker.policies.model_policy import ActivationProfile, Saved
 
 def _measure(
     spec: ModelSpec, window: int | None
-) -> tuple[list[list[Record]], list[dict[str, int]], list[ModelSpec]]:
-    """The probe runs: each run's saved storages, its sizes by name, and its reduced spec."""
+) -> tuple[list[list[Record]], list[dict[str, int]], list[ModelSpec], tuple[str, ...]]:
+    """The probe runs: their saved storages, sizes by name, reduced specs; and the untrained.
+
+    The last are the parameters no run's outputs reach in any layer
+    (``ActivationProfile.no_gradient``).
+    """
     base = base_sizes(spec)
     runs, values, smalls = [], [], []
+    reached: set[str] = set()
+    unreached: set[str] = set()
     for sizes in variations(base):
-        records, small = run_reduced(spec, sizes, window)
+        records, small, reach = run_reduced(spec, sizes, window)
+        reached |= reach.reached
+        unreached |= reach.unreached
         runs.append(records)
         try:
             values.append(size_values(sizes, small))
@@ -92,7 +107,7 @@ def _measure(
                 f"the reduced {spec.name} saves {len(runs[0])} storages with the base sizes "
                 f"and {len(records)} in run {i}"
             )
-    return runs, values, smalls
+    return runs, values, smalls, tuple(sorted(unreached - reached))
 
 
 def _probe(spec: ModelSpec) -> ActivationProfile:
@@ -101,7 +116,7 @@ def _probe(spec: ModelSpec) -> ActivationProfile:
     window_attr = spec.policy.sliding_window_attr
     windowed = bool(window_attr and getattr(spec.config, window_attr, None))
     # Unmasked: a window longer than every probe sequence (transformers then passes no mask).
-    runs, values, smalls = _measure(spec, 4096 if windowed else None)
+    runs, values, smalls, no_gradient = _measure(spec, 4096 if windowed else None)
     parts, small = parts_of(runs), smalls[0]
     sparse = sparse_layers(small)
     dense = set(range(small.num_layers)) - sparse
@@ -109,7 +124,7 @@ def _probe(spec: ModelSpec) -> ActivationProfile:
         raise ProbeError(f"the first {small.num_layers} layers of {spec.name} have no experts")
     masked_attention: tuple[Saved, ...] = ()
     if windowed:
-        masked_runs, masked_values, masked_smalls = _measure(spec, WINDOW)
+        masked_runs, masked_values, masked_smalls, _ = _measure(spec, WINDOW)
         masked = window_layers(masked_smalls[0], SEQ)
         if masked:
             masked_attention = layer_terms(
@@ -119,7 +134,7 @@ def _probe(spec: ModelSpec) -> ActivationProfile:
     final = merged(
         solved_terms(parts.get((None, "final"), [[] for _ in values]), values, "the head")
     )
-    positions, rotary_tables = position_terms(
+    positions, rotary_tables, rotary_dtype = position_terms(
         parts.get((None, "positions"), [[] for _ in values]), values, smalls
     )
     return ActivationProfile(
@@ -129,6 +144,8 @@ def _probe(spec: ModelSpec) -> ActivationProfile:
         final=merged([*final, *positions]),
         masked_attention=masked_attention,
         rotary_tables=rotary_tables,
+        rotary_dtype=rotary_dtype,
+        no_gradient=no_gradient,
         probed=True,
     )
 

@@ -3,8 +3,9 @@
 ``run_reduced(spec, sizes, window)`` builds the model's own class from its config with the
 sizes of one run (``variations``: the base sizes, then each changed alone), runs one bfloat16
 forward pass under a ``saved_tensors_hooks`` and returns a ``Record`` per saved storage: its
-rows (per token, routed, per position), its width, its dtype and where it was saved. What the
-widths are made of is ``probe_widths``'s concern (Note [Probing what a family saves] in
+rows (per token, routed, per position), its width, its dtype and where it was saved; and the
+parameters the outputs reach through autograd (``Reach``: the others get no gradient). What
+the widths are made of is ``probe_widths``'s concern (Note [Probing what a family saves] in
 ``probe.py``).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +31,19 @@ _SPLIT_INPUT_STYLES = ("rowwise", "rowwise_allreduce")
 _LOCAL_INPUT_STYLES = ("rowwise_split_input",)
 #: Styles of modules that make their parent (within a layer) a parallel region.
 _REGION_STYLE_WORDS = ("colwise", "rowwise", "experts", "router", "lm_head")
+#: Words of styles whose module computes split widths: running one (re)opens its regions.
+_SPLITTING_STYLE_WORDS = ("colwise", "experts", "router", "lm_head")
+#: Styles whose module's output leaves the parallel region: all-reduced or reduce-scattered
+#: (Note [A region ends at its reducing projection]).
+_REDUCING_STYLES = (
+    "rowwise",
+    "rowwise_allreduce",
+    "rowwise_split_input",
+    "reduce_output",
+    "reduce_scatter_output",
+    "experts_allreduce",
+    "experts_batched",
+)
 
 #: Sequences per probe run: 7 divides none of the probe's sizes, so a storage holds whole
 #: tokens (a multiple of 7 x the sequence) only if it is per token; eager attention flattens
@@ -222,12 +237,110 @@ def _planned_style(policy: Any, name: str) -> str | None:
     return next((s for p, s in policy.tp_plan.items() if fnmatchcase(name, p)), None)
 
 
+@dataclass(frozen=True)
+class Reach:
+    """Which parameters a forward's outputs reach, by name (a layer's number as ``*``).
+
+    A name is in both where some layers' parameter is reached and others' is not.
+    """
+
+    reached: frozenset[str]
+    unreached: frozenset[str]
+
+
+def _reach(model: nn.Module, output: Any, layer_names: list[str]) -> Reach:
+    """The parameters autograd would give a gradient from ``output``'s tensors."""
+    values = output.values() if hasattr(output, "values") else output
+    tensors = [t for t in values if isinstance(t, torch.Tensor)]
+    nodes: list[Any] = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    visited: set[Any] = set()
+    leaves: set[int] = set()
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad's leaf
+        if variable is not None:
+            leaves.add(id(variable))
+        nodes.extend(next_node for next_node, _ in node.next_functions)
+    reached: set[str] = set()
+    unreached: set[str] = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        layer = next((n for n in layer_names if name.startswith(n + ".")), None)
+        if layer is not None:
+            name = f"{layer.rpartition('.')[0]}.*{name[len(layer) :]}"
+        (reached if id(param) in leaves else unreached).add(name)
+    return Reach(frozenset(reached), frozenset(unreached))
+
+
 def _storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
-def run_reduced(spec: ModelSpec, sizes: Sizes, window: int | None) -> tuple[list[Record], Any]:
-    """One forward pass of the reduced model; its saved storages in order, and its spec."""
+# Note [A region ends at its reducing projection]
+#     A parallel region is a module (an attention module, the parent of planned projections),
+#     but not all that runs inside it is split: the BERT family's ``attention.output`` and
+#     ``output`` modules hold the row-parallel projection, then a dropout and a LayerNorm
+#     over its all-reduced, whole output. Within a region, what is saved after a reducing
+#     projection (``_REDUCING_STYLES``) has returned, and before a splitting one starts
+#     again, is outside the region: the residual stream's (``sequence``), never a split
+#     width. (Sizes the solve cannot tell apart are named by the region: BERT's query width
+#     equals its hidden size, and its four hidden-wide storages per layer after the
+#     projections were taken for split query widths, half their size under TP 2.)
+
+
+class _Modules:
+    """The modules running as a storage is saved, and which regions are open."""
+
+    def __init__(self, model: nn.Module, regions: set[str], styles: dict) -> None:
+        self.regions, self.styles = regions, styles
+        # (name, storages of its inputs, storages it sliced itself), innermost last.
+        self.stack: list[tuple[str, set[int], set[int]]] = []
+        self.closed: set[str] = set()
+        self.handles = []
+        for name, module in model.named_modules():
+            pre = functools.partial(self._pre, name)
+            self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self._post))
+
+    def _pre(self, name: str, _m: nn.Module, args: tuple, kwargs: dict) -> None:
+        inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        style = str(self.styles.get(name))
+        if name in self.regions:
+            self.closed.discard(name)
+        if any(word in style for word in _SPLITTING_STYLE_WORDS):
+            self.closed.difference_update(n for n, *_ in self.stack)
+        self.stack.append((name, {_storage_key(a) for a in inputs}, set()))
+
+    def _post(self, _m: nn.Module, _args: tuple, _out: Any) -> None:
+        name = self.stack.pop()[0]
+        if self.styles.get(name) in _REDUCING_STYLES:
+            self.closed.update(n for n, *_ in self.stack if n in self.regions)
+
+    @property
+    def names(self) -> list[str]:
+        """The running modules, outermost first."""
+        return [n for n, *_ in self.stack]
+
+    def inside(self) -> bool:
+        """Whether an open region is running."""
+        return any(n in self.regions and n not in self.closed for n in self.names)
+
+    def remove(self) -> None:
+        """Removes the hooks."""
+        for handle in self.handles:
+            handle.remove()
+
+
+def run_reduced(
+    spec: ModelSpec, sizes: Sizes, window: int | None
+) -> tuple[list[Record], Any, Reach]:
+    """One forward pass of the reduced model.
+
+    Returns its saved storages in order, its spec, and which of its parameters the outputs
+    reach.
+    """
     # The reduced model is the same family, so the spec's own policy (the user's plan, where
     # they gave one) names its modules; regions and styles come from it.
     policy = spec.policy
@@ -253,20 +366,7 @@ def run_reduced(spec: ModelSpec, sizes: Sizes, window: int | None) -> tuple[list
     styles = {name: _planned_style(policy, name) for name, _ in model.named_modules()}
     ignored = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
 
-    stack: list[tuple[str, set[int]]] = []
-    handles = []
-    for name, module in model.named_modules():
-
-        def pre(_m: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
-            inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-            stack.append((name, {_storage_key(a) for a in inputs}))
-
-        def post(_m: nn.Module, _args: tuple, _out: Any) -> None:
-            stack.pop()
-
-        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(module.register_forward_hook(post))
-
+    modules = _Modules(model, regions, styles)
     batch, seq = _BATCH, sizes.seq
     tokens = batch * seq
     routed = tokens * sizes.top_k if sizes.top_k else None
@@ -282,14 +382,8 @@ def run_reduced(spec: ModelSpec, sizes: Sizes, window: int | None) -> tuple[list
         key = _storage_key(tensor)
         if key in ignored or tensor.untyped_storage().nbytes() == 0:
             return tensor
-        alive = [(ref, i) for ref, i in seen.get(key, []) if ref() is not None]
-        if alive:  # one more tensor of a storage already recorded
-            seen[key] = [*alive, (weakref.ref(tensor), alive[0][1])]
-            return tensor
-        seen[key] = [(weakref.ref(tensor), len(records))]
-        names = [n for n, _ in stack]
-        layer = next((i for i, n in enumerate(layer_names) if n in names), None)
-        planned = next(((n, k) for n, k in reversed(stack) if styles.get(n)), None)
+        names = modules.names
+        planned = next((e for e in reversed(modules.stack) if styles.get(e[0])), None)
         style = styles[planned[0]] if planned else None
         # A norm's input is the residual stream's; a projection's is gathered or split.
         is_input = (
@@ -297,6 +391,20 @@ def run_reduced(spec: ModelSpec, sizes: Sizes, window: int | None) -> tuple[list
             and key in planned[1]
             and any(word in str(style) for word in _REGION_STYLE_WORDS)
         )
+        alive = [(ref, i) for ref, i in seen.get(key, []) if ref() is not None]
+        # A projection that splits its whole input itself saves its own slice, a storage
+        # of its own under TP, even where the input was saved before (OLMo 2's: the
+        # attention kernel's output, which the CPU kernel lays out so that the reshape
+        # before the projection copies nothing).
+        slices = planned[2] if planned is not None and style in _LOCAL_INPUT_STYLES else None
+        sliced = is_input and slices is not None and key not in slices
+        if alive and not sliced:  # one more tensor of a storage already recorded
+            seen[key] = [*alive, (weakref.ref(tensor), alive[0][1])]
+            return tensor
+        if sliced and slices is not None:
+            slices.add(key)
+        seen[key] = [*alive, (weakref.ref(tensor), len(records))]
+        layer = next((i for i, n in enumerate(layer_names) if n in names), None)
         elements = tensor.untyped_storage().nbytes() // tensor.element_size()
         shape = tuple(tensor.shape)
         # The first row kind the shape shows and the storage divides into (a tensor expanded
@@ -327,7 +435,7 @@ def run_reduced(spec: ModelSpec, sizes: Sizes, window: int | None) -> tuple[list
                 rows=rows,
                 width=elements // count,
                 dtype=_DTYPE_NAMES[tensor.dtype],
-                inside=any(n in regions for n in names) or is_input,
+                inside=modules.inside() or is_input,
                 whole_input=is_input and style not in _SPLIT_INPUT_STYLES,
                 split_input=is_input and style in _SPLIT_INPUT_STYLES,
                 local_input=is_input and style in _LOCAL_INPUT_STYLES,
@@ -345,6 +453,7 @@ def run_reduced(spec: ModelSpec, sizes: Sizes, window: int | None) -> tuple[list
         ):
             output = model(input_ids=ids)  # held while the records' liveness is read
         held = {i for refs in seen.values() for ref, i in refs if ref() is not None}
+        reach = _reach(model, output, layer_names)
         del output
     except ProbeError:
         raise
@@ -353,9 +462,8 @@ def run_reduced(spec: ModelSpec, sizes: Sizes, window: int | None) -> tuple[list
             f"the reduced {spec.name} fails its forward pass ({type(e).__name__}: {e})"
         ) from None
     finally:
-        for handle in handles:
-            handle.remove()
-    return [r for i, r in enumerate(records) if i in held], small
+        modules.remove()
+    return [r for i, r in enumerate(records) if i in held], small, reach
 
 
 def size_values(sizes: Sizes, small: ModelSpec) -> dict[str, int]:

@@ -185,16 +185,19 @@ def layer_terms(
 
 def position_terms(
     matched_runs: list[list[Record]], values: list[dict[str, int]], smalls: list[ModelSpec]
-) -> tuple[tuple[Saved, ...], int]:
+) -> tuple[tuple[Saved, ...], int, str]:
     """Per-position storages: the terms the sizes explain, and the rotary tables.
 
-    Returns the ``positions`` terms (masks, ids) and how many pairs of rotary tables the rest
-    are.
+    Returns the ``positions`` terms (masks, ids), how many pairs of rotary tables the rest
+    are, and their dtype.
 
     The rest must be a whole number of the pairs the planner sizes itself
     (``activations.rotary_bytes``: cos and sin, as wide as the part of a head rotary
     rotates), the same number in every run; the rotary width is a fraction of the head size,
-    not a sum of sizes, so the solve leaves it over.
+    not a sum of sizes, so the solve leaves it over. Tables all of one dtype are pairs of
+    that dtype (OLMo 2 keeps them in float32 under bfloat16 compute: one pair, not two of
+    bfloat16, which a float32 run would halve); of several dtypes, they are counted in
+    pairs of the compute dtype.
 
     Raises:
         ProbeError: If per-position storages are saved that are neither.
@@ -203,6 +206,7 @@ def position_terms(
 
     terms: list[Saved] = []
     rest = [0] * len(values)
+    dtypes = set()
     for matched in matched_records(matched_runs, "per-position storages"):
         # Masks (a row of keys per position), ids and per-position scales, and widths no run
         # changes (rotary tables as wide as a config's own fixed rotary dimension): the
@@ -211,11 +215,14 @@ def position_terms(
         if multiples:
             terms += [Saved(n, matched[0].dtype, "positions", c) for n, c in multiples.items()]
             continue
+        dtypes.add(matched[0].dtype)
         for i, r in enumerate(matched):
             rest[i] += r.width * (2 if r.dtype == "compute" else DTYPE_BYTES[r.dtype])
+    dtype = dtypes.pop() if len(dtypes) == 1 else "compute"
+    table_bytes = 2 if dtype == "compute" else DTYPE_BYTES[dtype]  # compute: bfloat16
     counts = set()
     for measured, small in zip(rest, smalls, strict=True):
-        pair = 2 * rotary_width(small) * 2  # cos and sin, bfloat16
+        pair = 2 * rotary_width(small) * table_bytes  # cos and sin
         if not pair or measured % pair:
             raise ProbeError(
                 f"it saves {measured} bytes per position that are not rotary tables (pairs "
@@ -224,4 +231,4 @@ def position_terms(
         counts.add(measured // pair)
     if len(counts) != 1:
         raise ProbeError(f"its rotary tables change with its sizes ({sorted(counts)} pairs)")
-    return merged(terms), counts.pop()
+    return merged(terms), counts.pop(), dtype

@@ -17,6 +17,10 @@ the EP ranks with an MoEConfig), then sharded as the FSDP version shards it over
 - AdamW: ``exp_avg`` and ``exp_avg_sq`` like each parameter's local (unpadded) part, and a
   4-byte float32 ``step``, for every parameter with a gradient on this rank (FSDP1 gives the
   parameters that do not reach into a rank's slice no gradient, so they get no state there).
+- Parameters no output of the forward reaches (``ModelSpec.untrained``): FSDP2 gives them
+  no gradient (its reduce-scatter holds only the parameters that have one), so no AdamW
+  state either; FSDP1's flat gradient covers its whole slice, so they get a zero gradient
+  and state there like the others.
 
 Precision: parameters, gradients and optimizer state are float32 (FSDP mixed precision
 keeps fp32 masters and casts to bf16 for compute and reduction, as SMP's examples run).
@@ -141,19 +145,23 @@ def _group(s: Sharding, mesh: str) -> tuple[int, int]:
     return _group_of(s.plan.layout, s.plan.ranks_per_host, s.rank, mesh)
 
 
-def _fsdp2(units: dict[str, list[tuple[int, ...]]], s: Sharding) -> StateBytes:
-    params = optimizer = updated = 0
+def _fsdp2(units: dict[str, list[tuple[tuple[int, ...], bool]]], s: Sharding) -> StateBytes:
+    params = grads = optimizer = updated = 0
     for unit, shapes in units.items():
         mesh = s.plan.fsdp2_experts if unit.startswith("experts.") else s.plan.fsdp2_dense
         size, index = _group(s, mesh)
-        for shape in shapes:
+        for shape, trained in shapes:
             rows, rest = shape[0], _numel(shape[1:])
-            params += math.ceil(rows / size) * rest * FP32
+            padded = math.ceil(rows / size) * rest * FP32
+            params += padded
+            if not trained:
+                continue
+            # One reduce-scatter buffer per unit: the padded chunks of those with a gradient.
+            grads += padded
             mine = chunk(rows, size, index) * rest
             updated += mine
             optimizer += 2 * mine * FP32 + STEP_BYTES
-    # One reduce-scatter buffer per unit: the padded chunks again.
-    return StateBytes(params, params, optimizer, updated)
+    return StateBytes(params, grads, optimizer, updated)
 
 
 def _flat_layout(shapes: list[tuple[int, ...]], align: int, pad_to: int) -> tuple[list[int], int]:
@@ -169,10 +177,11 @@ def _flat_layout(shapes: list[tuple[int, ...]], align: int, pad_to: int) -> tupl
     return offsets, total
 
 
-def _fsdp1(units: dict[str, list[tuple[int, ...]]], s: Sharding) -> StateBytes:
+def _fsdp1(units: dict[str, list[tuple[tuple[int, ...], bool]]], s: Sharding) -> StateBytes:
     params = optimizer = updated = 0
     align = ALIGN_BYTES // s.compute_bytes
-    for unit, shapes in units.items():
+    for unit, entries in units.items():
+        shapes = [shape for shape, _ in entries]  # all get a (zero) gradient: module docstring
         experts = unit.startswith("experts.")
         if experts and s.plan.expert_group_size == 1:
             # Left out of FSDP1 (Note [FSDP1 experts on one rank]): plain local DTensors.
@@ -203,7 +212,8 @@ def state_bytes(spec: ModelSpec, s: Sharding) -> StateBytes:
     (``hybrid_shard_degree`` then decides), each transformer layer (and each split experts
     module) a unit.
     """
-    units: dict[str, list[tuple[int, ...]]] = {}
+    units: dict[str, list[tuple[tuple[int, ...], bool]]] = {}
+    untrained = spec.untrained
     # Note [Tied parameters count once]: a tied parameter (a head tied to the embedding) is
     # one parameter under every layout, so it is counted under its first name only. FSDP2
     # keeps the module's own (tied) parameters; FSDP1 flattens it once and records its other
@@ -212,7 +222,8 @@ def state_bytes(spec: ModelSpec, s: Sharding) -> StateBytes:
     # own copy). The validation case "qwen2 tp2 no-shard FSDP1" measures it to the byte.
     for param in spec.params:
         if param.tied_to is None:
-            units.setdefault(_unit_of(param, s), []).append(local_shape(param, s))
+            trained = param.name not in untrained
+            units.setdefault(_unit_of(param, s), []).append((local_shape(param, s), trained))
     return _fsdp2(units, s) if s.fsdp == 2 else _fsdp1(units, s)
 
 

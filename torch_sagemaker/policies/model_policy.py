@@ -212,6 +212,13 @@ class ActivationProfile:
         rotary_tables: How many pairs of rotary tables (cos and sin per position, saved once
             for all layers) the layers save: 0 without rotary embeddings, 2 where local and
             global layers rotate with different bases (Gemma 3).
+        rotary_dtype: The tables' dtype: ``"compute"``, or ``"float32"`` where the family
+            keeps them in float32 whatever the activations' dtype (OLMo 2).
+        no_gradient: Parameters no output of the forward reaches, as ``fnmatch`` patterns of
+            their names (``*`` for a layer's number): they get no gradient, and no AdamW
+            state where the gradient is the parameter's own (FSDP2). A head's own bias that
+            the untied output projection does not use (the BERT family's
+            ``cls.predictions.bias`` with ``tie_word_embeddings`` false) is one.
         probed: Whether the profile was measured on reduced copies of the model
             (``torch_sagemaker/planner/probe.py``) rather than written for the family.
     """
@@ -223,6 +230,8 @@ class ActivationProfile:
     masked_attention: tuple[Saved, ...] = ()
     rotary_fraction_attr: str | None = None
     rotary_tables: int = 1
+    rotary_dtype: str = "compute"
+    no_gradient: tuple[str, ...] = ()
     probed: bool = False
 
 
