@@ -561,3 +561,13 @@ def test_fsdp2_over_a_shard_group_of_one_rank_holds_unsharded_buffers(tmp_path):
     # the peak of the allocations a TorchDispatchMode saw over the census of the model state.
     measured = 240_932_684
     assert abs(estimates[1, 2].peak - measured) < 0.02 * measured, estimates[1, 2]
+
+
+def test_a_tied_parameter_is_split_where_any_of_its_names_is_split(tmp_path):
+    # BERT tied: cls.predictions.bias is the decoder's bias, which the head splits over the
+    # vocabulary; tsm.transform splits it there (Note [Tied parameters of parameter holders]).
+    bert = {"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 1, "vocab_size": 128}
+    spec = load_model(_write(tmp_path, "bert", dict(bert, num_attention_heads=4)))
+    styles = {p.name: p.style for p in spec.params}
+    assert spec.params[[p.name for p in spec.params].index("cls.predictions.decoder.bias")].tied_to
+    assert styles["cls.predictions.bias"] == styles["cls.predictions.decoder.bias"] is not None

@@ -10,6 +10,7 @@ the dimensions.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -336,6 +337,7 @@ def describe(model: nn.Module, policy: ModelPolicy, source: str = "") -> ModelSp
                 tied_to=tied_to if tied_to != name else None,
             )
         )
+    params = _tied_follow_the_split(params)
     get_embeddings = getattr(model, "get_input_embeddings", None)
     weight = getattr(get_embeddings(), "weight", None) if callable(get_embeddings) else None
     embedding = next((n for n, p in model.named_parameters() if p is weight), "")
@@ -348,6 +350,28 @@ def describe(model: nn.Module, policy: ModelPolicy, source: str = "") -> ModelSp
         layer_units=tuple(f"layers.{i}" for i in range(len(layers))),
         embedding=embedding,
     )
+
+
+def _tied_follow_the_split(params: list[Param]) -> list[Param]:
+    """``params`` with a tied parameter split as the name of it that a split style names.
+
+    The memory model cuts a tied parameter under its first name; ``tsm.transform`` splits it
+    where any of its names is split (Note [Tied parameters of parameter holders] in
+    ``torch_sagemaker/tensor_parallel/plan.py``): BERT's ``cls.predictions.bias``, tied to
+    the vocabulary-split ``cls.predictions.decoder.bias``.
+    """
+    from torch_sagemaker.tensor_parallel.styles import param_split_dim
+
+    def splits(p: Param) -> bool:
+        return p.style is not None and param_split_dim(p.style, p.leaf) is not None
+
+    index = {p.name: i for i, p in enumerate(params)}
+    params = list(params)
+    for p in params:
+        first = params[index[p.tied_to]] if p.tied_to is not None else None
+        if first is not None and splits(p) and not splits(first) and p.leaf == first.leaf:
+            params[index[first.name]] = dataclasses.replace(first, style=p.style)
+    return params
 
 
 def load_model(path: str | os.PathLike[str]) -> ModelSpec:
