@@ -194,10 +194,9 @@ def position_terms(
     The rest must be a whole number of the pairs the planner sizes itself
     (``activations.rotary_bytes``: cos and sin, as wide as the part of a head rotary
     rotates), the same number in every run; the rotary width is a fraction of the head size,
-    not a sum of sizes, so the solve leaves it over. Tables all of one dtype are pairs of
-    that dtype (OLMo 2 keeps them in float32 under bfloat16 compute: one pair, not two of
-    bfloat16, which a float32 run would halve); of several dtypes, they are counted in
-    pairs of the compute dtype.
+    not a sum of sizes, so the solve leaves it over. Tables all in float32 are float32
+    pairs (OLMo 2 keeps them so under bfloat16 compute: one pair, not two of bfloat16, which
+    a float32 run would halve); others are counted in pairs of the compute dtype.
 
     Raises:
         ProbeError: If per-position storages are saved that are neither.
@@ -218,7 +217,8 @@ def position_terms(
         dtypes.add(matched[0].dtype)
         for i, r in enumerate(matched):
             rest[i] += r.width * (2 if r.dtype == "compute" else DTYPE_BYTES[r.dtype])
-    dtype = dtypes.pop() if len(dtypes) == 1 else "compute"
+    # Complex frequencies (Llama 4's, half as many elements of 8 bytes) are a compute pair.
+    dtype = "float32" if dtypes == {"float32"} else "compute"
     table_bytes = 2 if dtype == "compute" else DTYPE_BYTES[dtype]  # compute: bfloat16
     counts = set()
     for measured, small in zip(rest, smalls, strict=True):
