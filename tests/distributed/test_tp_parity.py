@@ -1,5 +1,8 @@
 """Tensor parallel parity: every family, tp=2 on 2 ranks and tp=2 x hybrid_shard_degree=2 on 4.
 
+The families: the five policies' and GPT-2 (its shipped plan: transformers' Conv1D, with
+the packed [q | k | v] projection split block by block).
+
 Each rank builds the tiny model from a seed, keeps an untransformed copy as the reference,
 transforms the other and runs the same batch through both: logits, loss and every
 parameter gradient (gathered to full) must match within fp32 tolerance, and 5 AdamW steps
@@ -15,7 +18,7 @@ import pytest
 from tests.distributed.launcher import run_distributed
 from tools.model_coverage.parity import checkpoint_and_shard
 
-FAMILIES = ("llama", "mistral", "gpt_neox", "mixtral", "qwen2")
+FAMILIES = ("llama", "mistral", "gpt_neox", "mixtral", "qwen2", "gpt2")
 ATOL = 2e-5
 # Parameters after STEPS AdamW steps at lr 1e-2. Each step moves a weight by up to ~lr, and
 # Adam's normalisation turns rounding-level gradient differences into larger step differences
@@ -63,6 +66,17 @@ def tiny_config(family: str, **overrides):
         cfg = tf.Qwen3Config(**common, num_key_value_heads=2, head_dim=16)
     elif family == "gemma":  # no policy; its embedding scales by a buffer (embed_scale)
         cfg = tf.GemmaConfig(**common, num_key_value_heads=2, head_dim=16)
+    elif family == "gpt2":  # no policy: its shipped plan (Conv1D, packed [q | k | v])
+        cfg = tf.GPT2Config(
+            vocab_size=128,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
     elif family == "gpt_neox":
         cfg = tf.GPTNeoXConfig(**common, hidden_dropout=0.0, use_parallel_residual=True)
     else:

@@ -205,9 +205,9 @@ def test_a_plan_the_user_sets_splits_the_tied_input_embedding_like_the_head():
 def test_a_model_without_a_plan_is_refused_naming_the_plan_setter():
     import transformers
 
-    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128)
+    config = transformers.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=128)
     with torch.device("meta"):
-        model = transformers.GPT2LMHeadModel(config)  # no plan, none shipped ([q|k|v] blocks)
+        model = transformers.BloomForCausalLM(config)  # no plan, none shipped (ALiBi)
     with pytest.raises(ValueError) as err:
         lookup_policy(model)
     assert "model.tp_plan = {" in str(err.value), err.value
@@ -239,6 +239,46 @@ def test_a_family_transformers_ships_no_plan_for_gets_the_shipped_one():
     policy = lookup_policy(head_only)
     assert policy.name == "opt (transformers plan)" and not policy.heads_split
     assert not {"colwise", "kv_colwise"} & set(policy.tp_plan.values()), policy.tp_plan
+
+
+def _gpt2(**overrides):
+    import transformers
+
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, **overrides)
+    with torch.device("meta"):
+        return transformers.GPT2LMHeadModel(config)
+
+
+def test_gpt2s_conv1d_projections_get_the_conv1d_styles():
+    """GPT-2 (and GPT-SW3, the same classes): its shipped plan on transformers' Conv1D, the
+    packed [q | k | v] projection split block by block, the tied embeddings by vocabulary."""
+    policy = lookup_policy(_gpt2())
+    assert policy.name == "gpt2 (shipped plan)", policy.name
+    layer = "transformer.h.*"
+    assert policy.tp_plan[f"{layer}.attn.c_attn"] == "conv1d_packed_colwise"
+    assert policy.tp_plan[f"{layer}.attn.c_proj"] == "conv1d_rowwise_allreduce"
+    assert policy.tp_plan[f"{layer}.mlp.c_fc"] == "conv1d_colwise"
+    assert policy.tp_plan[f"{layer}.mlp.c_proj"] == "conv1d_rowwise_allreduce"
+    assert policy.tp_plan["transformer.wte"] == "vocab_embedding_allreduce"
+    assert policy.tp_plan["lm_head"] == "lm_head"
+    assert policy.tp_plan["transformer.wpe"] == "replicate_local"
+    assert policy.heads_split and policy.layer_class == "GPT2Block"
+    assert {s for s in policy.tp_plan.values()} <= set(STYLES)
+
+
+def test_a_conv1d_under_a_linear_only_style_is_refused_naming_its_styles():
+    model = _gpt2()
+    model.tp_plan = {"transformer.h.*.mlp.c_fc": "colwise_gather_output"}
+    with pytest.raises(ValueError, match=r"c_fc \(Conv1D\).*nn.Linear.*'packed_colwise'"):
+        policy_from_plan(model)
+
+
+def test_a_packed_conv1d_not_made_of_head_blocks_is_refused():
+    """A user plan calling GPT-2's cross-attention query (one head-width block) packed."""
+    model = _gpt2(add_cross_attention=True)
+    model.tp_plan = {"transformer.h.*.crossattention.q_attn": "packed_colwise"}
+    with pytest.raises(ValueError, match=r"q_attn.*'packed_colwise'.*not a whole number"):
+        policy_from_plan(model)
 
 
 def test_a_shipped_plan_that_names_no_module_of_the_model_is_not_used():

@@ -25,7 +25,7 @@ from torch import nn
 from torch_sagemaker.planner.model import ModelSpec, describe, mlp_size_attr, model_class
 
 #: Styles whose module's input arrives split over the TP ranks (the rest take it whole).
-_SPLIT_INPUT_STYLES = ("rowwise", "rowwise_allreduce")
+_SPLIT_INPUT_STYLES = ("rowwise", "rowwise_allreduce", "conv1d_rowwise_allreduce")
 #: Styles whose module takes its input whole and saves its own slice of it (a copy): that
 #: input is divided over the TP ranks even where the plan computes every head on every rank.
 _LOCAL_INPUT_STYLES = ("rowwise_split_input",)

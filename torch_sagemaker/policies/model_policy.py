@@ -61,6 +61,12 @@ STYLES: Mapping[str, str] = {
     ),
     "mla_kv_a_proj": "latent attention's shared kv down-projection; rotary slice's grad summed",
     "sequence_parallel_local": "norm on a sequence slice of its whole input; output gathered",
+    "conv1d_colwise": "colwise on transformers' Conv1D (weight stored transposed)",
+    "conv1d_packed_colwise": (
+        "Conv1D whose output is equal packed blocks ([q | k | v]), each split by output "
+        "features: every rank keeps its part of every block"
+    ),
+    "conv1d_rowwise_allreduce": "rowwise_allreduce on transformers' Conv1D",
     "param_colwise": "a bare parameter split on its output dimension (e.g. one entry per head)",
     "param_rowwise": "a bare parameter split on its last dimension (1-D ones replicated)",
 }

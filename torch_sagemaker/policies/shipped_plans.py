@@ -17,9 +17,11 @@ passed ``python -m tools.model_coverage`` (tensor parallel 2 x hybrid shard 2 ag
 process: logits, loss, gradients and parameters over 3 steps). What keeps the others out,
 checked on that harness:
 
-- a fused query/key/value projection laid out as ``[q | k | v]`` blocks (GPT-2's
-  ``Conv1D``, MPT's ``Wqkv``, Falcon and GPT-BigCode under multi-query attention): a
-  column split would hand each rank whole blocks, not heads;
+- a fused query/key/value projection laid out as ``[q | k | v]`` blocks that
+  ``packed_colwise`` does not split (Note [Packed projections] in
+  ``tensor_parallel/projection_styles.py``): MPT's ``Wqkv``, an ``nn.Linear``; Falcon's and
+  GPT-BigCode's under multi-query attention, blocks of unequal widths. (GPT-2's, on
+  ``Conv1D``, is split block by block.);
 - attention biases built from the full head count outside the attention module (BLOOM's
   and MPT's ALiBi);
 - a norm over the full hidden width between the split projections (BitNet's sub-norms);
@@ -136,6 +138,13 @@ SHIPPED_PLANS: dict[str, dict[str, str]] = {
         "layers.*.self_attn.q_layernorm": "replicated_with_grad_allreduce",
         "layers.*.self_attn.k_layernorm": "replicated_with_grad_allreduce",
         **_mlp(("layers.*.mlp.dense_h_to_4h",), "layers.*.mlp.dense_4h_to_h"),
+    },
+    "gpt2": {
+        # transformers' Conv1D projections (weights stored transposed); c_attn packs
+        # [q | k | v], split block by block (Note [Packed projections]).
+        "h.*.attn.c_attn": "packed_colwise",
+        "h.*.attn.c_proj": "rowwise",
+        **_mlp(("h.*.mlp.c_fc",), "h.*.mlp.c_proj"),
     },
     "gpt_neo": {
         **_attention("h.*.attn.attention", "out_proj"),

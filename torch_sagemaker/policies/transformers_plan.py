@@ -53,6 +53,7 @@ from torch_sagemaker.policies.plan_sources import (
     with_tied_input_embedding,
 )
 from torch_sagemaker.utils.hf_config import text_config
+from torch_sagemaker.utils.projections import conv1d_features, is_conv1d
 
 #: transformers' styles whose module must be an ``nn.Linear``, and ours for them.
 _LINEAR_STYLES = {
@@ -62,6 +63,12 @@ _LINEAR_STYLES = {
     "colwise_rep": "colwise_gather",
     "rowwise_split_input": "rowwise_split_input",
     "rowwise_rep": "rowwise_split_input",
+}
+#: transformers' styles on a transformers ``Conv1D`` (a Linear stored transposed), and ours.
+_CONV1D_STYLES = {
+    "colwise": "conv1d_colwise",
+    "rowwise": "conv1d_rowwise_allreduce",
+    "packed_colwise": "conv1d_packed_colwise",
 }
 #: transformers' styles whose module must be an ``nn.Embedding``, and ours for them.
 _EMBEDDING_STYLES = {
@@ -82,7 +89,7 @@ _PARAMETER_STYLES = {"colwise": "param_colwise", "rowwise": "param_rowwise"}
 #: transformers' styles on the parameters of fused experts (the ``experts`` style splits them).
 _EXPERT_PARAMETER_STYLES = {"packed_colwise", "packed_rowwise", "colwise", "rowwise"}
 #: Our styles whose output is this rank's part of the features (heads, MLP columns).
-_SPLIT_OUTPUT = {"colwise", "kv_colwise"}
+_SPLIT_OUTPUT = {"colwise", "kv_colwise", "conv1d_colwise", "conv1d_packed_colwise"}
 #: Config attributes that may hold the expert count.
 _EXPERT_COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
@@ -139,6 +146,35 @@ def expert_count(module: nn.Module) -> int | None:
     return count
 
 
+def packed_blocks(model: nn.Module, name: str, attention: list[str]) -> int:
+    """How many equal blocks the output of the packed ``Conv1D`` ``name`` holds.
+
+    Inside an attention module (one of ``attention``): its output width over the heads'
+    (``num_attention_heads`` x the module's head size), 3 for ``[q | k | v]``. Elsewhere 2,
+    transformers' meaning of ``packed_colwise`` (a fused ``[gate | up]``). Note [Packed
+    projections] in ``tensor_parallel/projection_styles.py``.
+
+    Raises:
+        ValueError: The output is not a whole number (at least 2) of the heads' widths:
+            blocks of unequal widths (keys and values of fewer heads than the queries, as
+            under multi-query attention), which a block-by-block split cannot keep whole.
+    """
+    owner = next((a for a in attention if name.startswith(f"{a}.")), None)
+    if owner is None:
+        return 2
+    config = text_config(model)
+    heads = int(config_value(config, "num_attention_heads", 0) or 0)
+    width = heads * attention_head_dim(model.get_submodule(owner), config)
+    features = conv1d_features(model.get_submodule(name))[1]
+    if width <= 0 or features % width or features // width < 2:
+        raise ValueError(
+            f"its {features} output features are not a whole number of blocks of the "
+            f"{heads} heads' width {width}, so a block-by-block split would not keep the heads "
+            "of each block whole"
+        )
+    return features // width
+
+
 class _Translation:
     """One model's plan translated entry by entry (``policy_from_plan`` builds it)."""
 
@@ -185,9 +221,18 @@ class _Translation:
                 f"the module computes more than its own weight's product: its child modules "
                 f"hold parameters {inner}, which would run on this rank's partial result",
             )
+        if style in _CONV1D_STYLES and is_conv1d(module):
+            if style == "packed_colwise":
+                self.check_packed(name, module, style)
+            return _CONV1D_STYLES[style]
         if style in _LINEAR_STYLES:
             if not isinstance(module, nn.Linear):
-                raise self.error(name, style, "the style splits an nn.Linear's weight")
+                raise self.error(
+                    name,
+                    style,
+                    "the style splits an nn.Linear's weight (on a transformers Conv1D: "
+                    f"{sorted(_CONV1D_STYLES)})",
+                )
             if module is self.output_embedding and style != "rowwise":
                 # Vocabulary-parallel logits and loss (tensor_parallel/loss.py) rather than
                 # gathering the logits: the same values, without the vocabulary all-gather.
@@ -207,8 +252,17 @@ class _Translation:
             name,
             style,
             "the plan-driven path has no equivalent for this style (it implements "
-            f"{sorted({*_LINEAR_STYLES, *_EMBEDDING_STYLES, *_MODULE_STYLES, 'moe_tp_experts'})})",
+            f"{sorted({*_LINEAR_STYLES, *_CONV1D_STYLES, *_EMBEDDING_STYLES, *_MODULE_STYLES})}"
+            " and 'moe_tp_experts')",
         )
+
+    def check_packed(self, name: str, module: nn.Module, style: str) -> None:
+        """Refuses a packed projection whose blocks are not equal (``packed_blocks``)."""
+        attention = [n for n in self.modules if n and self.is_attention(n)]
+        try:
+            packed_blocks(self.model, name, attention)
+        except ValueError as e:
+            raise self.error(name, style, str(e)) from None
 
     def experts_style(self, name: str, module: nn.Module, style: str) -> str:
         count = expert_count(module)
@@ -519,6 +573,7 @@ __all__ = [
     "SHIPPED_PLAN_NOTE",
     "attention_head_dim",
     "expert_count",
+    "packed_blocks",
     "policy_from_plan",
     "wildcard",
 ]

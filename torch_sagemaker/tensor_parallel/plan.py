@@ -29,9 +29,13 @@ from torch.distributed.tensor.parallel import (
 from torch_sagemaker._torch_compat import compile as compile_compat
 from torch_sagemaker._torch_compat import nn as nn_compat
 from torch_sagemaker.policies import HeadSplit, ModelPolicy
-from torch_sagemaker.policies.transformers_plan import attention_head_dim
+from torch_sagemaker.policies.transformers_plan import attention_head_dim, packed_blocks
 from torch_sagemaker.tensor_parallel.generation import gather_logits_in_generate
 from torch_sagemaker.tensor_parallel.loss import causal_lm_loss
+from torch_sagemaker.tensor_parallel.projection_styles import (
+    PROJECTION_STYLES,
+    make_projection_style,
+)
 from torch_sagemaker.tensor_parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker
 from torch_sagemaker.tensor_parallel.replicated_styles import (
     REPLICATED_STYLES,
@@ -53,6 +57,8 @@ PARAMETER_STYLES = ("param_colwise", "param_rowwise")
 # with them instead of -1); scaled to the per-rank counts when the plan splits the heads.
 _HEAD_ATTRS = ("num_heads", "num_attention_heads")
 _KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads")
+# Attributes holding the width of all heads together, scaled to this rank's heads likewise.
+_FULL_WIDTH_ATTRS = ("all_head_size", "split_size")
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -173,13 +179,16 @@ def _set_head_counts(attention: nn.Module, heads: HeadSplit) -> None:
             if getattr(attention, attr, None) == full:
                 setattr(attention, attr, local)
     # Older BERT-style attention reshapes the heads' concatenation by ``all_head_size`` rather
-    # than by -1: that width is per rank too. (Not ``embed_dim``, which looks alike in XGLM:
-    # CodeGen divides it into its own fused layout's blocks, and rescaling it gave wrong
-    # values there.)
-    size = getattr(attention, "attention_head_size", None)
-    width = getattr(attention, "all_head_size", None)
-    if isinstance(size, int) and size > 0 and width == heads.num_heads * size:
-        attention.all_head_size = heads.local_heads * size  # type: ignore[assignment]
+    # than by -1, and GPT-2's splits its packed [q | k | v] output by ``split_size`` (Note
+    # [Packed projections]): those widths are per rank too. (Not ``embed_dim``, which looks
+    # alike in XGLM: CodeGen divides it into its own fused layout's blocks, and rescaling it
+    # gave wrong values there.)
+    size = getattr(attention, "attention_head_size", None) or getattr(attention, "head_dim", None)
+    if not isinstance(size, int) or size <= 0:
+        return
+    for attr in _FULL_WIDTH_ATTRS:
+        if getattr(attention, attr, None) == heads.num_heads * size:
+            setattr(attention, attr, heads.local_heads * size)
 
 
 # Note [TP regions under torch.compile]: a TP region swaps the default generator's state
@@ -284,7 +293,7 @@ def install_rng_region(
 
 
 #: Row-parallel styles whose output is whole on every rank (the replicated layout).
-_WHOLE_OUTPUT_ROWWISE = ("rowwise_allreduce", "rowwise_split_input")
+_WHOLE_OUTPUT_ROWWISE = ("rowwise_allreduce", "rowwise_split_input", "conv1d_rowwise_allreduce")
 
 
 def _whole_output_projections(attention: nn.Module) -> tuple[nn.Module, ...]:
@@ -413,7 +422,12 @@ def apply_tp_plan(
             if style_name in PARAMETER_STYLES:
                 _split_parameter(model, name, style_name, tp_mesh, src_data_rank)
                 continue
-            if style_name in REPLICATED_STYLES:
+            if style_name in PROJECTION_STYLES:
+                blocks = 1
+                if "packed" in style_name:
+                    blocks = packed_blocks(model, name, attention_names)
+                style = make_projection_style(style_name, blocks=blocks)
+            elif style_name in REPLICATED_STYLES:
                 style = make_replicated_style(
                     style_name,
                     module_name=name,

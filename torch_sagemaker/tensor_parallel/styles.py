@@ -443,6 +443,11 @@ PARAM_SPLIT_DIMS: dict[str, dict[str, int | None]] = {
     "experts_batched": {"*": 0},
     "mla_kv_a_proj": {"*": None},
     "sequence_parallel_local": {"*": None},
+    # transformers' Conv1D (projection_styles) holds its weight transposed; a packed one's
+    # blocks are split one by one (the same bytes per rank), its bias replicated.
+    "conv1d_colwise": {"weight": 1, "*": 0},
+    "conv1d_packed_colwise": {"weight": 1, "*": None},
+    "conv1d_rowwise_allreduce": {"weight": 0, "*": None},
     "param_colwise": {"*": 0},  # the 1-D and 2-D bare parameters plans name
     "param_rowwise": {"*": -1},  # (a 1-D one is replicated)
 }
