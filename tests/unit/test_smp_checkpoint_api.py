@@ -92,6 +92,7 @@ def test_dcp_patches_are_installed_at_import_and_undone_by_uninstall():
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import optimizer as dcp_optimizer
     from torch.distributed.checkpoint import utils as dcp_utils
+    from torch.distributed.tensor import DTensor
 
     from torch_sagemaker.checkpoint import dcp_patches
 
@@ -101,10 +102,13 @@ def test_dcp_patches_are_installed_at_import_and_undone_by_uninstall():
     )
     assert dcp.load_sharded_optimizer_state_dict is dcp_patches.load_sharded_optimizer_state_dict
     native = dcp_patches.load_sharded_optimizer_state_dict.__tsm_native__
+    hook = DTensor.__get_tensor_shard__  # Note [Packed shards in checkpoints]
+    assert hook is not hook.__tsm_native__
     dcp_patches.uninstall()
     try:
         assert dcp_optimizer.load_sharded_optimizer_state_dict is native
         assert dcp_utils._DistWrapper.__init__ is dcp_patches._native_wrapper_init
+        assert DTensor.__get_tensor_shard__ is hook.__tsm_native__
     finally:
         dcp_patches.install()
 

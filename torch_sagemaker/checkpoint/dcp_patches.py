@@ -13,6 +13,9 @@ SMP ships a patched PyTorch, and its example scripts rely on two of the patches:
    rank of the group but is the global rank of a member is translated; every other value
    keeps PyTorch's meaning.
 
+``install()`` also installs ``strided_shards``' checkpoint hooks of DTensors split block by
+block (Note [Packed shards in checkpoints]), which PyTorch's DCP cannot save.
+
 ``install()`` runs when ``torch_sagemaker`` is imported, because the scripts bind
 ``load_sharded_optimizer_state_dict`` at import time, before ``tsm.init``. Both patches only
 widen what PyTorch accepts; ``uninstall()`` restores PyTorch's objects.
@@ -43,6 +46,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.tensor import DTensor
 
 from torch_sagemaker._torch_compat import dcp as dcp_compat
+from torch_sagemaker.checkpoint import strided_shards
 
 _native_load_sharded = getattr(
     _dcp_optimizer.load_sharded_optimizer_state_dict,
@@ -133,17 +137,19 @@ _dist_wrapper_init.__tsm_native__ = _native_wrapper_init  # type: ignore[attr-de
 
 
 def install() -> None:
-    """Installs both patches (idempotent)."""
+    """Installs both patches and the block-by-block DTensor hooks (idempotent)."""
     _dcp_optimizer.load_sharded_optimizer_state_dict = load_sharded_optimizer_state_dict
     _dcp.load_sharded_optimizer_state_dict = load_sharded_optimizer_state_dict
     dcp_compat.DistWrapper.__init__ = _dist_wrapper_init  # type: ignore[method-assign]
+    strided_shards.install()
 
 
 def uninstall() -> None:
-    """Restores PyTorch's ``load_sharded_optimizer_state_dict`` and coordinator handling."""
+    """Restores PyTorch's optimizer loading, coordinator handling and DTensor hooks."""
     _dcp_optimizer.load_sharded_optimizer_state_dict = _native_load_sharded
     _dcp.load_sharded_optimizer_state_dict = _native_load_sharded
     dcp_compat.DistWrapper.__init__ = _native_wrapper_init  # type: ignore[method-assign]
+    strided_shards.uninstall()
 
 
 __all__ = ["install", "load_sharded_optimizer_state_dict", "uninstall"]

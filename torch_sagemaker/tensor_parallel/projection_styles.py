@@ -19,7 +19,9 @@ with the head counts: ``plan._set_head_counts``). The weight is a DTensor with P
 ``_StridedShard(1, split_factor=blocks)``, the placement of exactly that layout
 (transformers uses it for its packed styles too): ``full_tensor()``, ``distribute_tensor``
 (full state dicts, rank-0 loading) and FSDP2, which shards the other dimension, see the
-model's own layout; the values are not reordered. The bias stays replicated (one row of
+model's own layout; the values are not reordered. PyTorch's distributed checkpoint cannot
+save that placement by itself (Note [Packed shards in checkpoints] in
+``checkpoint/strided_shards.py``). The bias stays replicated (one row of
 ``3 x embed_dim``), each rank adding its part and summing the gradients of the parts:
 FSDP2 shards dimension 0 too, and its placement for a second split of the dimension
 ``_StridedShard`` already splits (``(_StridedShard(0, 2), _StridedShard(0, 3))`` on a 2 x 2

@@ -1,0 +1,102 @@
+"""Checkpoints of a model with a packed projection split block by block (GPT-2's ``c_attn``).
+
+One 4-rank job: GPT-2 at tensor parallel 2 x hybrid shard 2 (FSDP2, AdamW) trains 2 steps,
+saves a sharded checkpoint (``TrainingState``; the packed weight and its optimizer state
+are ``_StridedShard`` DTensors, Note [Packed shards in checkpoints]) and trains 2 more.
+Fresh models of another seed load it under the same layout and without tensor
+parallelism (hybrid shard 4): their full model and optimizer state equal the saved one, and
+their next 2 steps give the uninterrupted run's losses. The Hugging Face export of the
+trained model reloads with ``from_pretrained`` and gives its logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.launcher import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+SAVE_AT, STEPS = 2, 4
+
+
+def _build(hsd: int, tp: int, seed: int):
+    """GPT-2 (its shipped plan at ``tp`` > 1), FSDP2, AdamW, under a fresh layout."""
+    import torch
+    import torch.sagemaker as tsm
+
+    from tests.distributed.test_delayed_param import fresh_layout
+    from tests.distributed.test_tp_parity import build
+    from torch_sagemaker.sharding import shard_model
+
+    fresh_layout({"hybrid_shard_degree": hsd, "tensor_parallel_degree": tp})
+    model = build("gpt2", seed=seed)
+    if tp > 1:
+        model = tsm.transform(model)
+    shard_model(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0)
+    return model, optim, sched
+
+
+def _job(root: str) -> dict:
+    import torch
+    import torch.sagemaker as tsm
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from tests.distributed.test_checkpoint_reshard import SEQ, _full_state, full_logits, train
+    from torch_sagemaker.checkpoint import TrainingState, save_hf_checkpoint
+
+    model, optim, sched = _build(hsd=2, tp=2, seed=0)
+    c_attn = model.transformer.h[0].attn.c_attn.weight
+    strided = isinstance(c_attn, DTensor) and any(
+        isinstance(p, _StridedShard) for p in c_attn.placements
+    )
+    losses = train(model, optim, sched, range(SAVE_AT))
+    TrainingState(model, optim, sched, step=SAVE_AT, data_position={}).save(f"{root}/step")
+    saved = _full_state(model, optim)
+    losses += train(model, optim, sched, range(SAVE_AT, STEPS))
+    logits = full_logits(model)
+    save_hf_checkpoint(model, f"{root}/hf")
+    hf_logits = None
+    if tsm.state.rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(f"{root}/hf")
+        probe = torch.arange(1, 1 + 2 * SEQ).reshape(2, SEQ) % 128
+        with torch.no_grad():
+            hf_logits = hf(input_ids=probe).logits
+    resumed = {}
+    for hsd, tp in ((2, 2), (4, 1)):
+        model, optim, sched = _build(hsd=hsd, tp=tp, seed=1)
+        TrainingState(model, optim, sched).load(f"{root}/step")
+        loaded = _full_state(model, optim)
+        resumed[(hsd, tp)] = dict(
+            same=sorted(k for k in saved if k in loaded and torch.equal(saved[k], loaded[k])),
+            losses=train(model, optim, sched, range(SAVE_AT, STEPS)),
+        )
+    return dict(
+        strided=strided,
+        keys=sorted(saved),
+        losses=losses,
+        logits=logits,
+        hf_logits=hf_logits,
+        resumed=resumed,
+    )
+
+
+def test_packed_projection_checkpoints_resume_under_other_layouts(tmp_path):
+    import torch
+
+    out = run_distributed(_job, str(tmp_path), world_size=4, timeout=400)
+    first = out[0]
+    assert first["strided"]  # the packed weight is split block by block
+    assert any("c_attn.weight" in k and "exp_avg" in k for k in first["keys"]), first["keys"]
+    for rank, r in enumerate(out):
+        for layout, got in r["resumed"].items():
+            assert got["same"] == r["keys"], (rank, layout, set(r["keys"]) - set(got["same"]))
+            torch.testing.assert_close(
+                got["losses"], r["losses"][SAVE_AT:], rtol=0, atol=1e-5, msg=str(layout)
+            )
+    torch.testing.assert_close(first["hf_logits"], first["logits"], rtol=0, atol=1e-5)
