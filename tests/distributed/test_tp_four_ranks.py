@@ -214,7 +214,10 @@ def _four_rank_cases(families) -> dict:
 @pytest.fixture(scope="module")
 def four_ranks():
     return run_distributed(
-        _four_rank_cases, ("llama", "mixtral", "gpt_neox", "gemma"), world_size=4, timeout=400
+        _four_rank_cases,
+        ("llama", "mixtral", "gpt_neox", "gemma", "gpt2"),
+        world_size=4,
+        timeout=400,
     )
 
 

@@ -6,7 +6,9 @@ are ``_StridedShard`` DTensors, Note [Packed shards in checkpoints]) and trains 
 Fresh models of another seed load it under the same layout and without tensor
 parallelism (hybrid shard 4): their full model and optimizer state equal the saved one, and
 their next 2 steps give the uninterrupted run's losses. The Hugging Face export of the
-trained model reloads with ``from_pretrained`` and gives its logits.
+trained model reloads with ``from_pretrained`` and gives its logits. And a meta-device
+GPT-2, transformed, sharded and initialized late, equals an unsharded delayed
+initialization of the same seed.
 """
 
 from __future__ import annotations
@@ -37,6 +39,32 @@ def _build(hsd: int, tp: int, seed: int):
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0)
     return model, optim, sched
+
+
+def _delayed_init_equals_unsharded() -> bool:
+    """On the meta device: transform, FSDP2, then delayed initialization; the full values
+    equal an unsharded delayed initialization of the same seed."""
+    import torch
+    import torch.sagemaker as tsm
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from tests.distributed.test_delayed_param import fresh_layout
+    from tests.distributed.test_tp_parity import tiny_config
+    from torch_sagemaker.delayed_param import DelayedParamIniter
+    from torch_sagemaker.sharding import shard_model
+
+    fresh_layout({"hybrid_shard_degree": 2, "tensor_parallel_degree": 2})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("gpt2"))
+        ref = AutoModelForCausalLM.from_config(tiny_config("gpt2"))
+    model = tsm.transform(model)
+    initer = DelayedParamIniter(model, seed=3, device="cpu")
+    shard_model(model)
+    initer.init_model()
+    DelayedParamIniter(ref, seed=3, device="cpu").init_model()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return all(torch.equal(full[k], v) for k, v in ref.state_dict().items())
 
 
 def _job(root: str) -> dict:
@@ -77,6 +105,7 @@ def _job(root: str) -> dict:
             losses=train(model, optim, sched, range(SAVE_AT, STEPS)),
         )
     return dict(
+        delayed_equal=_delayed_init_equals_unsharded(),
         strided=strided,
         keys=sorted(saved),
         losses=losses,
@@ -91,6 +120,7 @@ def test_packed_projection_checkpoints_resume_under_other_layouts(tmp_path):
 
     out = run_distributed(_job, str(tmp_path), world_size=4, timeout=400)
     first = out[0]
+    assert all(r["delayed_equal"] for r in out)
     assert first["strided"]  # the packed weight is split block by block
     assert any("c_attn.weight" in k and "exp_avg" in k for k in first["keys"]), first["keys"]
     for rank, r in enumerate(out):
