@@ -125,6 +125,10 @@ CASES: tuple[MemoryCase, ...] = (
         "gemma3_text",
         {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2},
     ),
+    # A shipped plan on transformers' Conv1D, its packed [q | k | v] split block by block.
+    MemoryCase(
+        "gpt2 tp2 hsd2 (probed)", "gpt2", {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}
+    ),
     MemoryCase(
         "llama offload h1",
         "llama",

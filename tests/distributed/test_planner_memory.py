@@ -1,11 +1,12 @@
 """The planner's memory model against real steps on 4 CPU ranks (one launch, every case).
 
 Each case of ``benchmarks/planner/validation_memory.py`` trains two AdamW steps of a
-tiny model (dense Llama, Qwen2 with grouped-query attention, Mixtral, GPT-NeoX; and Qwen3,
-Phi-3 and Gemma 3, split by transformers' plan, whose saved activations the planner measures
-on reduced copies) in its layout; parameters, gradients and optimizer state must match the
-prediction to the byte on every rank, and saved activations (a ``saved_tensors_hooks``
-count, or the offload engine's resident peak) within 10%.
+tiny model (dense Llama, Qwen2 with grouped-query attention, Mixtral, GPT-NeoX; Qwen3,
+Phi-3 and Gemma 3, split by transformers' plan, and GPT-2, by its shipped one, whose saved
+activations the planner measures on reduced copies) in its layout; parameters, gradients
+and optimizer state must match the prediction to the byte on every rank, and saved
+activations (a ``saved_tensors_hooks`` count, or the offload engine's resident peak) within
+10%.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def test_the_cases_cover_the_families_and_layouts():
         "qwen3",
         "phi3",
         "gemma3_text",
+        "gpt2",  # a shipped plan: Conv1D styles
     }
     assert {c.fsdp for c in cases} == {1, 2}
     for key in ("tensor_parallel_degree", "context_parallel_degree", "expert_parallel_degree"):
