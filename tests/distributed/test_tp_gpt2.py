@@ -1,4 +1,5 @@
-"""Checkpoints of a model with a packed projection split block by block (GPT-2's ``c_attn``).
+"""GPT-2 through its shipped plan: checkpoints of its packed ``c_attn`` split block by block,
+delayed initialization, and residual dropout inside its attention.
 
 One 4-rank job: GPT-2 at tensor parallel 2 x hybrid shard 2 (FSDP2, AdamW) trains 2 steps,
 saves a sharded checkpoint (``TrainingState``; the packed weight and its optimizer state
@@ -8,10 +9,14 @@ parallelism (hybrid shard 4): their full model and optimizer state equal the sav
 their next 2 steps give the uninterrupted run's losses. The Hugging Face export of the
 trained model reloads with ``from_pretrained`` and gives its logits. And a meta-device
 GPT-2, transformed, sharded and initialized late, equals an unsharded delayed
-initialization of the same seed.
+initialization of the same seed. With residual and embedding dropout (attention dropout 0),
+the TP model draws the masks of one process: its attention drops out the output of the
+row-parallel ``c_proj`` after the TP region (Note [Residual dropout inside attention]).
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 
@@ -67,6 +72,22 @@ def _delayed_init_equals_unsharded() -> bool:
     return all(torch.equal(full[k], v) for k, v in ref.state_dict().items())
 
 
+def _residual_dropout() -> dict:
+    """Loss and gradient differences to one process, with GPT-2's residual dropout on."""
+    import torch
+    import torch.sagemaker as tsm
+
+    from tests.distributed.test_delayed_param import fresh_layout
+    from tests.distributed.test_tp_parity import build
+    from tests.distributed.test_tp_plan_features import _with_the_same_draws
+
+    fresh_layout({"hybrid_shard_degree": 2, "tensor_parallel_degree": 2})
+    ref = build("gpt2", seed=0, resid_pdrop=0.2, embd_pdrop=0.1).train()
+    model = tsm.transform(copy.deepcopy(ref)).train()
+    torch.manual_seed(0)
+    return _with_the_same_draws(model, ref)
+
+
 def _job(root: str) -> dict:
     import torch
     import torch.sagemaker as tsm
@@ -106,6 +127,7 @@ def _job(root: str) -> dict:
         )
     return dict(
         delayed_equal=_delayed_init_equals_unsharded(),
+        dropout=_residual_dropout(),
         strided=strided,
         keys=sorted(saved),
         losses=losses,
@@ -115,12 +137,14 @@ def _job(root: str) -> dict:
     )
 
 
-def test_packed_projection_checkpoints_resume_under_other_layouts(tmp_path):
+def test_gpt2_checkpoints_delayed_init_and_residual_dropout(tmp_path):
     import torch
 
     out = run_distributed(_job, str(tmp_path), world_size=4, timeout=400)
     first = out[0]
     assert all(r["delayed_equal"] for r in out)
+    for r in out:
+        assert r["dropout"]["loss"] < 2e-5 and r["dropout"]["grads"] < 2e-5, r["dropout"]
     assert first["strided"]  # the packed weight is split block by block
     assert any("c_attn.weight" in k and "exp_avg" in k for k in first["keys"]), first["keys"]
     for rank, r in enumerate(out):
