@@ -57,8 +57,9 @@ PARAMETER_STYLES = ("param_colwise", "param_rowwise")
 # with them instead of -1); scaled to the per-rank counts when the plan splits the heads.
 _HEAD_ATTRS = ("num_heads", "num_attention_heads")
 _KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads")
-# Attributes holding the width of all heads together, scaled to this rank's heads likewise.
-_FULL_WIDTH_ATTRS = ("all_head_size", "split_size")
+# Attributes holding the width of all heads together (with the attribute of one head's size
+# next to it), scaled to this rank's heads likewise.
+_FULL_WIDTH_ATTRS = (("all_head_size", "attention_head_size"), ("split_size", "head_dim"))
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -183,11 +184,13 @@ def _set_head_counts(attention: nn.Module, heads: HeadSplit) -> None:
     # [Packed projections]): those widths are per rank too. (Not ``embed_dim``, which looks
     # alike in XGLM: CodeGen divides it into its own fused layout's blocks, and rescaling it
     # gave wrong values there.)
-    size = getattr(attention, "attention_head_size", None) or getattr(attention, "head_dim", None)
-    if not isinstance(size, int) or size <= 0:
-        return
-    for attr in _FULL_WIDTH_ATTRS:
-        if getattr(attention, attr, None) == heads.num_heads * size:
+    for attr, size_attr in _FULL_WIDTH_ATTRS:
+        size = getattr(attention, size_attr, None)
+        if (
+            isinstance(size, int)
+            and size > 0
+            and getattr(attention, attr, None) == heads.num_heads * size
+        ):
             setattr(attention, attr, heads.local_heads * size)
 
 
@@ -424,7 +427,7 @@ def apply_tp_plan(
                 continue
             if style_name in PROJECTION_STYLES:
                 blocks = 1
-                if "packed" in style_name:
+                if style_name == "conv1d_packed_colwise":
                     blocks = packed_blocks(model, name, attention_names)
                 style = make_projection_style(style_name, blocks=blocks)
             elif style_name in REPLICATED_STYLES:
