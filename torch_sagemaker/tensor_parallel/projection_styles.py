@@ -88,19 +88,14 @@ class Conv1DColwise(ParallelStyle):
         distribute_params(module, device_mesh, [weight], self.src_data_rank, ["weight"])
         bias = Shard(0) if blocks == 1 else Replicate()
         distribute_params(module, device_mesh, [bias], self.src_data_rank, ["bias"])
-        # This rank's part of each block of a replicated (packed) bias.
-        part, rank = width // (blocks * tp), device_mesh.get_local_rank()
-        mine = torch.cat(
-            [torch.arange(part) + b * (width // blocks) + rank * part for b in range(blocks)]
-        )
-        group = device_mesh.get_group()
+        rank, group = device_mesh.get_local_rank(), device_mesh.get_group()
 
         def forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
             x = to_local_partial_grad(x, device_mesh)  # its gradient summed over the ranks
             w = local_value(mod, "weight", cast(DTensor, mod.weight))
             b = local_value(mod, "bias", cast(DTensor, mod.bias))
-            if blocks > 1:  # each rank's part of the gradient, summed
-                b = AllReduceGrad.apply(b, group)[mine.to(b.device)]
+            if blocks > 1:  # this rank's part of each block; the parts' gradients summed
+                b = AllReduceGrad.apply(b, group).view(blocks, tp, -1)[:, rank].reshape(-1)
             return _product(x, w, b)
 
         module.forward = types.MethodType(forward, module)
