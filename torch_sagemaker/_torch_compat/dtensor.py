@@ -1,4 +1,4 @@
-"""Private DTensor names: the ``_StridedShard`` placement and DTensor's caches.
+"""Private DTensor names: the ``_StridedShard`` placement, shard offsets, DTensor's caches.
 
 A DTensor's ``_local_tensor`` is read through ``tensor.py``, which does not import
 ``torch.distributed.tensor`` (a heavy import the offload hooks put off).
@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
 #: The placement FSDP2 gives a dimension that is already sharded (TP or EP ``Shard(0)``);
-#: not a ``Shard``, and its ``is_shard()`` is false.
+#: not a ``Shard``, and its ``is_shard()`` is false. Also the TP placement of a packed
+#: projection split block by block (``tensor_parallel/projection_styles.py``).
 StridedShard = _StridedShard
+
+#: ``(local shape, global offset)`` of this rank's shard of a DTensor of a given shape,
+#: mesh and placements (what DCP records for a DTensor).
+local_shape_and_offset = compute_local_shape_and_global_offset
 
 
 def clear_caches() -> None:
@@ -36,4 +42,4 @@ def clear_caches() -> None:
             clear()
 
 
-__all__ = ["StridedShard", "clear_caches"]
+__all__ = ["StridedShard", "clear_caches", "local_shape_and_offset"]

@@ -64,6 +64,7 @@ PRIVATE_NAMES: tuple[str, ...] = (
     "torch.distributed.tensor._redistribute._gen_transform_infos",
     "torch.distributed.tensor._collective_utils.MeshTopoInfo.build_from_mesh",
     "torch.distributed.tensor.placement_types._StridedShard",
+    "torch.distributed.tensor._utils.compute_local_shape_and_global_offset",
     # float8.py
     "torch._scaled_mm",
     # fsdp1.py

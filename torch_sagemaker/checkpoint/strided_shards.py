@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from torch_sagemaker._torch_compat.dtensor import StridedShard, local_shape_and_offset
 
 _NATIVE = {
     name: getattr(getattr(DTensor, name), "__tsm_native__", getattr(DTensor, name))
@@ -52,12 +52,12 @@ def _block_chunks(tensor: DTensor) -> list[tuple[ChunkStorageMetadata, int, int,
         block's piece starts in the local tensor and how long it is along that dimension.
     """
     placements = tensor.placements
-    strided = [i for i, p in enumerate(placements) if isinstance(p, _StridedShard)]
+    strided = [i for i, p in enumerate(placements) if isinstance(p, StridedShard)]
     if len(strided) != 1:
         return None
     axis = strided[0]
     placement = placements[axis]
-    assert isinstance(placement, _StridedShard)
+    assert isinstance(placement, StridedShard)
     dim, blocks = placement.dim, int(placement.split_factor)
     if any(isinstance(p, Shard) and p.dim == dim for i, p in enumerate(placements) if i != axis):
         return None  # another split of the same dimension (FSDP2's own layouts): PyTorch's
@@ -66,7 +66,7 @@ def _block_chunks(tensor: DTensor) -> list[tuple[ChunkStorageMetadata, int, int,
     if coordinate is None or int(tensor.shape[dim]) % (blocks * mesh.size(axis)):
         return None
     contiguous = [Shard(dim) if i == axis else p for i, p in enumerate(placements)]
-    sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, contiguous)
+    sizes, offsets = local_shape_and_offset(tensor.shape, mesh, contiguous)
     piece = sizes[dim] // blocks
     chunks = []
     for block in range(blocks):

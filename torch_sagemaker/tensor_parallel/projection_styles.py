@@ -40,8 +40,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from torch_sagemaker._torch_compat.dtensor import StridedShard
 from torch_sagemaker.tensor_parallel.local_parameters import local_value
 from torch_sagemaker.tensor_parallel.replicated_styles import _local, _replicated_output
 from torch_sagemaker.tensor_parallel.styles import (
@@ -84,7 +84,7 @@ class Conv1DColwise(ParallelStyle):
                 f"{type(module).__name__}: {width} output features in {blocks} packed "
                 f"block(s) cannot be split over tensor_parallel_degree={tp} ranks."
             )
-        weight: Placement = Shard(1) if blocks == 1 else _StridedShard(1, split_factor=blocks)
+        weight: Placement = Shard(1) if blocks == 1 else StridedShard(1, split_factor=blocks)
         distribute_params(module, device_mesh, [weight], self.src_data_rank, ["weight"])
         bias = Shard(0) if blocks == 1 else Replicate()
         distribute_params(module, device_mesh, [bias], self.src_data_rank, ["bias"])
