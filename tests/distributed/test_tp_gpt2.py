@@ -1,5 +1,6 @@
-"""GPT-2 through its shipped plan: checkpoints of its packed ``c_attn`` split block by block,
-delayed initialization, and residual dropout inside its attention.
+"""GPT-2 through its shipped plan: checkpoints, delayed initialization, residual dropout.
+
+Checkpoints of its packed ``c_attn``, split block by block; dropout inside its attention.
 
 One 4-rank job: GPT-2 at tensor parallel 2 x hybrid shard 2 (FSDP2, AdamW) trains 2 steps,
 saves a sharded checkpoint (``TrainingState``; the packed weight and its optimizer state
@@ -47,8 +48,10 @@ def _build(hsd: int, tp: int, seed: int):
 
 
 def _delayed_init_equals_unsharded() -> bool:
-    """On the meta device: transform, FSDP2, then delayed initialization; the full values
-    equal an unsharded delayed initialization of the same seed."""
+    """Transform, FSDP2 and delayed initialization on the meta device, as one unsharded.
+
+    The full values equal an unsharded delayed initialization of the same seed.
+    """
     import torch
     import torch.sagemaker as tsm
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -92,7 +95,7 @@ def _job(root: str) -> dict:
     import torch
     import torch.sagemaker as tsm
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch_sagemaker._torch_compat.dtensor import StridedShard
 
     from tests.distributed.test_checkpoint_reshard import SEQ, _full_state, full_logits, train
     from torch_sagemaker.checkpoint import TrainingState, save_hf_checkpoint
@@ -100,7 +103,7 @@ def _job(root: str) -> dict:
     model, optim, sched = _build(hsd=2, tp=2, seed=0)
     c_attn = model.transformer.h[0].attn.c_attn.weight
     strided = isinstance(c_attn, DTensor) and any(
-        isinstance(p, _StridedShard) for p in c_attn.placements
+        isinstance(p, StridedShard) for p in c_attn.placements
     )
     losses = train(model, optim, sched, range(SAVE_AT))
     TrainingState(model, optim, sched, step=SAVE_AT, data_position={}).save(f"{root}/step")

@@ -20,8 +20,8 @@ checked on that harness:
 - a fused query/key/value projection laid out as ``[q | k | v]`` blocks that
   ``packed_colwise`` does not split (Note [Packed projections] in
   ``tensor_parallel/projection_styles.py``): MPT's ``Wqkv``, an ``nn.Linear``; Falcon's and
-  GPT-BigCode's under multi-query attention, blocks of unequal widths. (GPT-2's, on
-  ``Conv1D``, is split block by block.);
+  GPT-BigCode's under multi-query attention, blocks of unequal widths (GPT-2's, on
+  ``Conv1D``, is split block by block);
 - attention biases built from the full head count outside the attention module (BLOOM's
   and MPT's ALiBi);
 - a norm over the full hidden width between the split projections (BitNet's sub-norms);

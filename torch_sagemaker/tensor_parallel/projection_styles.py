@@ -38,12 +38,12 @@ from typing import cast
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from torch_sagemaker._torch_compat.dtensor import StridedShard
 from torch_sagemaker.tensor_parallel.local_parameters import local_value
-from torch_sagemaker.tensor_parallel.replicated_styles import _local, _replicated_output
+from torch_sagemaker.tensor_parallel.replicated_styles import whole_local
 from torch_sagemaker.tensor_parallel.styles import (
     AllReduceGrad,
     distribute_params,
@@ -117,8 +117,12 @@ class Conv1DRowwise(ParallelStyle):
 
         def forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
             w = local_value(mod, "weight", cast(DTensor, mod.weight))
-            out = _replicated_output(_product(_local(x, device_mesh), w, None), device_mesh)
-            return out + local_value(mod, "bias", cast(DTensor, mod.bias))
+            partial = _product(whole_local(x, device_mesh), w, None)
+            summed = DTensor.from_local(partial, device_mesh, [Partial()], run_check=False)
+            # The bias add makes the output a tensor of its own (Note [Outputs of the
+            # replicated layout]): no copy of the sum first, as summed_output makes.
+            bias = local_value(mod, "bias", cast(DTensor, mod.bias))
+            return summed.redistribute(device_mesh, [Replicate()]).to_local() + bias
 
         module.forward = types.MethodType(forward, module)
         return module

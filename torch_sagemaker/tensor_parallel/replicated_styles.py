@@ -65,7 +65,7 @@ from torch_sagemaker.tensor_parallel.styles import (
 STYLE_ATTR = "_tsm_tp_style"
 
 
-def _local(x: Any, mesh: DeviceMesh) -> Any:
+def whole_local(x: Any, mesh: DeviceMesh) -> Any:
     """The plain value of a DTensor activation (made whole first); anything else as is."""
     if isinstance(x, DTensor):
         if x.placements != (Replicate(),):
@@ -81,10 +81,10 @@ def _owned(out: Any) -> Any:
     return out
 
 
-def _replicated_output(x: Any, mesh: DeviceMesh) -> Any:
+def summed_output(x: Any, mesh: DeviceMesh) -> Any:
     """A partial-sum output (plain tensor, or tuple of them) summed over the TP ranks."""
     if isinstance(x, (tuple, list)):
-        return type(x)(_replicated_output(o, mesh) for o in x)
+        return type(x)(summed_output(o, mesh) for o in x)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         return x
     if not isinstance(x, DTensor):
@@ -119,8 +119,8 @@ def _swap_forward(
         with local_parameters(mod, shapes, **swap):
             return forward_impl(
                 mod,
-                *(_local(a, mesh) for a in args),
-                **{k: _local(v, mesh) for k, v in kwargs.items()},
+                *(whole_local(a, mesh) for a in args),
+                **{k: whole_local(v, mesh) for k, v in kwargs.items()},
             )
 
     module.forward = types.MethodType(forward, module)
@@ -255,7 +255,7 @@ class ReduceOutput(LocalParams):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         super()._apply(module, device_mesh)
-        module.register_forward_hook(lambda _m, _a, out: _replicated_output(out, device_mesh))
+        module.register_forward_hook(lambda _m, _a, out: summed_output(out, device_mesh))
         return module
 
 
@@ -277,9 +277,7 @@ class ReplicatedExperts(ExpertsParallel):
             top_k_index: torch.Tensor,
             top_k_weights: torch.Tensor,
         ) -> torch.Tensor:
-            return _replicated_output(
-                sharded_forward(hidden, top_k_index, top_k_weights), device_mesh
-            )
+            return summed_output(sharded_forward(hidden, top_k_index, top_k_weights), device_mesh)
 
         module.forward = types.MethodType(forward, module)
         return module
@@ -323,7 +321,7 @@ class BatchedExperts(ParallelStyle):
                     out.new_zeros((after, *out.shape[1:])),
                 ]
             )
-            return _replicated_output(full, device_mesh)
+            return summed_output(full, device_mesh)
 
         module.forward = types.MethodType(forward, module)
         return module
@@ -359,7 +357,7 @@ class MlaKvAProjection(ParallelStyle):
             bias = None
             if mod.bias is not None:
                 bias = local_value(mod, "bias", cast(DTensor, mod.bias))
-            out = F.linear(_local(x, device_mesh), weight, bias)
+            out = F.linear(whole_local(x, device_mesh), weight, bias)
             latent, rotary = out.split([out.shape[-1] - rope, rope], dim=-1)
             return torch.cat([latent, AllReduceGrad.apply(rotary, group)], dim=-1)
 
@@ -386,7 +384,7 @@ class LocalSequenceParallelNorm(SequenceParallelNorm):
 
         # Runs before distribute_module's input hook, which then takes the sequence slice.
         module.register_forward_pre_hook(whole_to_slice, prepend=True)
-        module.register_forward_hook(lambda _m, _a, out: _local(out, device_mesh))
+        module.register_forward_hook(lambda _m, _a, out: whole_local(out, device_mesh))
         return module
 
 
@@ -466,4 +464,6 @@ __all__ = [
     "ReplicatedLocal",
     "ReplicatedPartialGrad",
     "make_replicated_style",
+    "summed_output",
+    "whole_local",
 ]
