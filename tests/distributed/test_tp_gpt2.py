@@ -95,9 +95,9 @@ def _job(root: str) -> dict:
     import torch
     import torch.sagemaker as tsm
     from torch.distributed.tensor import DTensor
-    from torch_sagemaker._torch_compat.dtensor import StridedShard
 
     from tests.distributed.test_checkpoint_reshard import SEQ, _full_state, full_logits, train
+    from torch_sagemaker._torch_compat.dtensor import StridedShard
     from torch_sagemaker.checkpoint import TrainingState, save_hf_checkpoint
 
     model, optim, sched = _build(hsd=2, tp=2, seed=0)
