@@ -132,3 +132,32 @@ def test_dcp_patches_uninstall_restores_pytorch_after_a_reload():
         assert dcp_optimizer.load_sharded_optimizer_state_dict is torch_load
     finally:
         reloaded.install()
+
+
+def test_block_split_checkpoint_hooks_take_only_whole_strided_dtensors():
+    # The package's DCP hooks describe a tensor split block by block (GPT-2's packed c_attn)
+    # one chunk per block; a partial sum, or any other layout, stays PyTorch's.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    from torch_sagemaker._torch_compat.dtensor import StridedShard
+    from torch_sagemaker.checkpoint.strided_shards import _block_chunks
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        local = torch.arange(12.0).reshape(2, 6)
+        packed = DTensor.from_local(local, mesh, [StridedShard(1, split_factor=3)])
+        chunks = _block_chunks(packed)
+        assert chunks is not None
+        assert [tuple(c.offsets) for c, *_ in chunks] == [(0, 0), (0, 2), (0, 4)]
+        assert _block_chunks(DTensor.from_local(local, mesh, [Shard(1)])) is None
+        square = init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
+        partial = DTensor.from_local(local, square, [StridedShard(1, split_factor=3), Partial()])
+        assert _block_chunks(partial) is None
+    finally:
+        if owned:
+            dist.destroy_process_group()

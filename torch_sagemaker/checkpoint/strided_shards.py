@@ -55,6 +55,10 @@ def _block_chunks(tensor: DTensor) -> list[tuple[ChunkStorageMetadata, int, int,
     strided = [i for i, p in enumerate(placements) if isinstance(p, StridedShard)]
     if len(strided) != 1:
         return None
+    # PyTorch's hooks refuse partial sums and hand a tensor subclass (a quantized or float8
+    # local tensor) to that subclass's own hooks: such tensors stay theirs.
+    if any(p.is_partial() for p in placements) or type(tensor.to_local()) is not torch.Tensor:
+        return None
     axis = strided[0]
     placement = placements[axis]
     assert isinstance(placement, StridedShard)
