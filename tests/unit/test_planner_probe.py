@@ -233,3 +233,19 @@ def test_a_locally_split_input_saved_before_and_float32_rotary_tables_are_found(
     width = SMALL["hidden_size"] // SMALL["num_attention_heads"]
     for compute_bytes in (2, 4):
         assert rotary_bytes(spec, 64, compute_bytes) == 2 * 64 * width * 4
+
+
+def test_a_conv1d_row_projection_ends_its_region(tmp_path):
+    # GPT-2 (its shipped plan, on transformers' Conv1D): the residual dropout after each
+    # row-parallel Conv1D runs on the all-reduced, whole output, in the residual stream.
+    path = tmp_path / "gpt2.json"
+    path.write_text(
+        json.dumps(
+            {"model_type": "gpt2", "n_embd": 128, "n_layer": 2, "n_head": 8, "vocab_size": 512}
+        )
+    )
+    probed = probe_activations(load_model(path))  # GPT-2's default dropout rates (0.1)
+    attention, mlp = _counts(probed.attention), _counts(probed.mlp)
+    assert attention[("hidden", "compute", "sequence")] == 2  # the dropout mask, the residual
+    assert attention[("q", "compute", "split")] == 1  # the row projection's input
+    assert mlp[("hidden", "compute", "sequence")] == 2

@@ -38,6 +38,7 @@ _SPLITTING_STYLE_WORDS = ("colwise", "experts", "router", "lm_head")
 _REDUCING_STYLES = (
     "rowwise",
     "rowwise_allreduce",
+    "conv1d_rowwise_allreduce",
     "rowwise_split_input",
     "reduce_output",
     "reduce_scatter_output",
