@@ -126,7 +126,7 @@ CASES: tuple[MemoryCase, ...] = (
         {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2},
     ),
     # A shipped plan on transformers' Conv1D, its packed [q | k | v] split block by block;
-    # with GPT-2's default dropout (0.1 everywhere), the one case that trains with dropout.
+    # with GPT-2's default dropout (0.1 everywhere).
     MemoryCase(
         "gpt2 tp2 hsd2 (probed)",
         "gpt2",
@@ -152,10 +152,11 @@ CASES: tuple[MemoryCase, ...] = (
 
 
 def tiny_config(family: str, layers: int = 2, **overrides: Any) -> Any:
-    """A tiny Hugging Face config: hidden 64, 4 heads, vocab 128, no dropout.
+    """A tiny Hugging Face config: hidden 64, 4 heads, vocab 128.
 
-    Llama, Qwen2, Mixtral, GPT-NeoX, Qwen3, Phi-3 and Gemma 3 as the cases need them; any
-    other ``model_type`` as transformers builds it with these sizes (2 key/value heads).
+    Llama, Qwen2, Mixtral, GPT-NeoX, Qwen3, Phi-3 and Gemma 3 as the cases need them, without
+    dropout; any other ``model_type`` as transformers builds it with these sizes (2
+    key/value heads) and its own dropout rates (BERT's, OPT's and GPT-2's are 0.1).
     """
     import transformers as tf
 
