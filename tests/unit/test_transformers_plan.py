@@ -281,6 +281,19 @@ def test_a_packed_conv1d_not_made_of_head_blocks_is_refused():
         policy_from_plan(model)
 
 
+def test_a_packed_conv1d_whose_attention_cannot_scale_its_split_width_is_refused():
+    """OpenAI-GPT splits its packed output by ``split_size`` with no ``head_dim`` beside it:
+    each rank would cut its part at the whole width (a shape error on the first forward)."""
+    import transformers
+
+    config = transformers.OpenAIGPTConfig(n_embd=64, n_layer=2, n_head=4, vocab_size=128)
+    with torch.device("meta"):
+        model = transformers.OpenAIGPTLMHeadModel(config)
+    model.tp_plan = {"transformer.h.*.attn.c_attn": "packed_colwise"}
+    with pytest.raises(ValueError, match=r"c_attn.*'split_size' \(64\) without a 'head_dim'"):
+        policy_from_plan(model)
+
+
 def test_a_shipped_plan_that_names_no_module_of_the_model_is_not_used():
     """Fuyu's language model is Persimmon's, under another prefix: Persimmon's shipped plan
     would split nothing there, so Fuyu is refused as before rather than left whole."""

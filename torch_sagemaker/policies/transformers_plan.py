@@ -146,6 +146,11 @@ def expert_count(module: nn.Module) -> int | None:
     return count
 
 
+#: Attention attributes holding the width of all heads together, each with the attribute of
+#: one head's size next to it: ``tensor_parallel.plan`` scales them to this rank's heads.
+FULL_WIDTH_ATTRS = (("all_head_size", "attention_head_size"), ("split_size", "head_dim"))
+
+
 def packed_blocks(model: nn.Module, name: str, attention: list[str]) -> int:
     """How many equal blocks the output of the packed ``Conv1D`` ``name`` holds.
 
@@ -257,12 +262,33 @@ class _Translation:
         )
 
     def check_packed(self, name: str, module: nn.Module, style: str) -> None:
-        """Refuses a packed projection whose blocks are not equal (``packed_blocks``)."""
+        """Refuses a packed projection whose blocks are not equal (``packed_blocks``).
+
+        Also one whose attention module splits the packed output by a full width it has no
+        head size to scale by (``FULL_WIDTH_ATTRS``): each rank would cut its own part at
+        the whole model's block width.
+        """
         attention = [n for n in self.modules if n and self.is_attention(n)]
         try:
-            packed_blocks(self.model, name, attention)
+            blocks = packed_blocks(self.model, name, attention)
         except ValueError as e:
             raise self.error(name, style, str(e)) from None
+        owner = next((a for a in attention if name.startswith(f"{a}.")), None)
+        if owner is None:
+            return
+        width = conv1d_features(module)[1] // blocks
+        for attr, size_attr in FULL_WIDTH_ATTRS:
+            value = getattr(self.modules[owner], attr, None)
+            if value == width and not isinstance(
+                getattr(self.modules[owner], size_attr, None), int
+            ):
+                raise self.error(
+                    name,
+                    style,
+                    f"its attention module {owner} holds the blocks' full width in {attr!r} "
+                    f"({value}) without a {size_attr!r} to scale it to this rank's heads, so "
+                    "its forward would cut this rank's part at the whole width",
+                )
 
     def experts_style(self, name: str, module: nn.Module, style: str) -> str:
         count = expert_count(module)
@@ -573,6 +599,7 @@ __all__ = [
     "SHIPPED_PLAN_NOTE",
     "attention_head_dim",
     "expert_count",
+    "FULL_WIDTH_ATTRS",
     "packed_blocks",
     "policy_from_plan",
     "wildcard",

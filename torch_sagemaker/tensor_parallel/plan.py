@@ -29,7 +29,11 @@ from torch.distributed.tensor.parallel import (
 from torch_sagemaker._torch_compat import compile as compile_compat
 from torch_sagemaker._torch_compat import nn as nn_compat
 from torch_sagemaker.policies import HeadSplit, ModelPolicy
-from torch_sagemaker.policies.transformers_plan import attention_head_dim, packed_blocks
+from torch_sagemaker.policies.transformers_plan import (
+    FULL_WIDTH_ATTRS,
+    attention_head_dim,
+    packed_blocks,
+)
 from torch_sagemaker.tensor_parallel.generation import gather_logits_in_generate
 from torch_sagemaker.tensor_parallel.loss import causal_lm_loss
 from torch_sagemaker.tensor_parallel.projection_styles import (
@@ -57,9 +61,7 @@ PARAMETER_STYLES = ("param_colwise", "param_rowwise")
 # with them instead of -1); scaled to the per-rank counts when the plan splits the heads.
 _HEAD_ATTRS = ("num_heads", "num_attention_heads")
 _KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads")
-# Attributes holding the width of all heads together (with the attribute of one head's size
-# next to it), scaled to this rank's heads likewise.
-_FULL_WIDTH_ATTRS = (("all_head_size", "attention_head_size"), ("split_size", "head_dim"))
+# The widths of all heads together are scaled likewise (``FULL_WIDTH_ATTRS``).
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -184,7 +186,7 @@ def _set_head_counts(attention: nn.Module, heads: HeadSplit) -> None:
     # [Packed projections]): those widths are per rank too. (Not ``embed_dim``, which looks
     # alike in XGLM: CodeGen divides it into its own fused layout's blocks, and rescaling it
     # gave wrong values there.)
-    for attr, size_attr in _FULL_WIDTH_ATTRS:
+    for attr, size_attr in FULL_WIDTH_ATTRS:
         size = getattr(attention, size_attr, None)
         if (
             isinstance(size, int)
