@@ -28,7 +28,7 @@ What is read from the model besides the plan, all generic: module types (``nn.Li
 value projections are the attention projections of ``num_key_value_heads * head_dim``
 outputs; they are replicated when there are fewer kv heads than ranks), the classes named
 by ``_no_split_modules`` (the transformer layer), attention modules by their class names
-(``...Attention``), and fused experts by their layout (``replicated_styles.expert_count``).
+(``...Attention``), and fused experts by their layout (``module_layout.expert_count``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from __future__ import annotations
 import inspect
 import re
 from fnmatch import fnmatchcase
-from typing import Any
 
 from torch import nn
 
@@ -44,6 +43,12 @@ from torch_sagemaker.policies.model_policy import (
     ModelPolicy,
     MoESpec,
     config_value,
+)
+from torch_sagemaker.policies.module_layout import (
+    FULL_WIDTH_ATTRS,
+    attention_head_dim,
+    expert_count,
+    packed_blocks,
 )
 from torch_sagemaker.policies.plan_sources import (
     embeddings,
@@ -111,73 +116,6 @@ _FIX_LEFT_OUT = (
     "parameters, 'replicated_with_grad_allreduce' for parameters used on this rank's heads), "
     "or register a torch_sagemaker.policies.ModelPolicy for it (docs/tensor_parallel.md)."
 )
-
-
-def attention_head_dim(attention: nn.Module, config: Any) -> int:
-    """The head size of one attention module: its own ``head_dim``, else the config's.
-
-    (Per module: a heterogeneous config may give layers different head sizes.)
-    """
-    own = getattr(attention, "head_dim", None)
-    if isinstance(own, int) and own > 0:
-        return own
-    head_dim = config_value(config, "head_dim")
-    if head_dim:
-        return int(head_dim)
-    heads = int(config_value(config, "num_attention_heads", 0) or 0)
-    return int(config_value(config, "hidden_size", 0) or 0) // heads if heads else 0
-
-
-def expert_count(module: nn.Module) -> int | None:
-    """The expert count of fused experts stored the way expert splitting needs, or None.
-
-    The layout: an integer ``num_experts``, no child module with parameters, and only
-    parameters whose first dimension is that count (transformers 5's fused
-    ``gate_up_proj``/``down_proj`` and their biases). A list of expert modules is not it.
-    """
-    count = getattr(module, "num_experts", None)
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        return None
-    params = list(module.parameters(recurse=False))
-    if not params or any(True for c in module.children() for _ in c.parameters()):
-        return None  # (children without parameters, an activation function, are fine)
-    if any(p.ndim < 2 or p.shape[0] != count for p in params):
-        return None
-    return count
-
-
-#: Attention attributes holding the width of all heads together, each with the attribute of
-#: one head's size next to it: ``tensor_parallel.plan`` scales them to this rank's heads.
-FULL_WIDTH_ATTRS = (("all_head_size", "attention_head_size"), ("split_size", "head_dim"))
-
-
-def packed_blocks(model: nn.Module, name: str, attention: list[str]) -> int:
-    """How many equal blocks the output of the packed ``Conv1D`` ``name`` holds.
-
-    Inside an attention module (one of ``attention``): its output width over the heads'
-    (``num_attention_heads`` x the module's head size), 3 for ``[q | k | v]``. Elsewhere 2,
-    transformers' meaning of ``packed_colwise`` (a fused ``[gate | up]``). Note [Packed
-    projections] in ``tensor_parallel/projection_styles.py``.
-
-    Raises:
-        ValueError: The output is not a whole number (at least 2) of the heads' widths:
-            blocks of unequal widths (keys and values of fewer heads than the queries, as
-            under multi-query attention), which a block-by-block split cannot keep whole.
-    """
-    owner = next((a for a in attention if name.startswith(f"{a}.")), None)
-    if owner is None:
-        return 2
-    config = text_config(model)
-    heads = int(config_value(config, "num_attention_heads", 0) or 0)
-    width = heads * attention_head_dim(model.get_submodule(owner), config)
-    features = conv1d_features(model.get_submodule(name))[1]
-    if width <= 0 or features % width or features // width < 2:
-        raise ValueError(
-            f"its {features} output features are not a whole number of blocks of the "
-            f"{heads} heads' width {width}, so a block-by-block split would not keep the heads "
-            "of each block whole"
-        )
-    return features // width
 
 
 class _Translation:
@@ -597,10 +535,6 @@ def _fits(model: nn.Module, plan: dict[str, str]) -> bool:
 __all__ = [
     "PLAN_TP_NOTE",
     "SHIPPED_PLAN_NOTE",
-    "attention_head_dim",
-    "expert_count",
-    "FULL_WIDTH_ATTRS",
-    "packed_blocks",
     "policy_from_plan",
     "wildcard",
 ]

@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import (
 from torch_sagemaker._torch_compat import compile as compile_compat
 from torch_sagemaker._torch_compat import nn as nn_compat
 from torch_sagemaker.policies import HeadSplit, ModelPolicy
-from torch_sagemaker.policies.transformers_plan import (
+from torch_sagemaker.policies.module_layout import (
     FULL_WIDTH_ATTRS,
     attention_head_dim,
     packed_blocks,
