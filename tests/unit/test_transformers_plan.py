@@ -205,9 +205,9 @@ def test_a_plan_the_user_sets_splits_the_tied_input_embedding_like_the_head():
 def test_a_model_without_a_plan_is_refused_naming_the_plan_setter():
     import transformers
 
-    config = transformers.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=128)
+    config = transformers.MptConfig(d_model=64, n_layers=2, n_heads=4, vocab_size=128)
     with torch.device("meta"):
-        model = transformers.BloomForCausalLM(config)  # no plan, none shipped (ALiBi)
+        model = transformers.MptForCausalLM(config)  # no plan, none shipped (packed Wqkv)
     with pytest.raises(ValueError) as err:
         lookup_policy(model)
     assert "model.tp_plan = {" in str(err.value), err.value
@@ -380,3 +380,33 @@ def test_a_split_module_that_computes_more_than_its_weight_is_refused():
         model.model.embed_tokens = NormedEmbedding(128, 64)
     with pytest.raises(ValueError, match=r"model.embed_tokens.*embed_norm.weight"):
         policy_from_plan(model)
+
+
+def test_shipped_plans_check_the_fused_layout_of_the_config():
+    """BLOOM and Falcon: the policy names the layouts a column split cannot divide."""
+    bloom = lookup_policy(meta("BloomConfig", n_head=4, n_layer=2))
+    assert bloom.name == "bloom (shipped plan)"
+    assert bloom.tp_plan["transformer.h.*.self_attention"] == "head_inputs"
+    check_model(bloom, bloom_config := meta("BloomConfig", n_head=4).config, 2)
+    bloom_config.pretraining_tp, bloom_config.slow_but_exact = 2, True
+    with pytest.raises(ValueError, match="slow_but_exact"):
+        check_model(bloom, bloom_config, 2)
+
+    def falcon(**layout):
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        sizes = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+        with torch.device("meta"):  # (its config computes head_dim; it takes none)
+            return AutoModelForCausalLM.from_config(transformers.FalconConfig(**sizes, **layout))
+
+    grouped = falcon(new_decoder_architecture=True, num_kv_heads=2)
+    policy = lookup_policy(grouped)
+    assert policy.num_kv_heads_attr == "num_kv_heads"  # Falcon's name, scaled per rank
+    assert check_model(policy, grouped.config, 2).local_kv_heads == 1
+    with pytest.raises(ValueError, match="num_kv_heads.*tensor_parallel_degree 4"):
+        check_model(policy, grouped.config, 4)  # 2 groups, no replicating packed kv heads
+    seven_b = falcon(multi_query=True, new_decoder_architecture=False)
+    with pytest.raises(ValueError, match="multi_query=True"):
+        check_model(lookup_policy(seven_b), seven_b.config, 2)
+    check_model(lookup_policy(seven_b), seven_b.config, 1)  # no split, nothing to refuse

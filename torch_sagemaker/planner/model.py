@@ -157,7 +157,13 @@ class ModelSpec:
 
 
 #: Config attributes holding a dense MLP's intermediate size, in the order they are read.
-MLP_SIZE_ATTRS = ("intermediate_size", "decoder_ffn_dim", "ffn_dim", "n_inner")
+MLP_SIZE_ATTRS = (
+    "intermediate_size",
+    "decoder_ffn_dim",
+    "ffn_dim",
+    "n_inner",
+    "ffn_hidden_size",  # Falcon
+)
 
 
 def mlp_size_attr(config: Any) -> str | None:

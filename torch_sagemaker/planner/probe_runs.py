@@ -104,7 +104,10 @@ def base_sizes(spec: ModelSpec) -> Sizes:
     """The first run's sizes: small, distinct, and only those the config has."""
     config = spec.config
     heads, kv = spec.heads
-    explicit_head_dim = getattr(config, "head_dim", None) is not None
+    # (Falcon's config computes head_dim from the hidden size: a property, not a size of its own)
+    explicit_head_dim = getattr(config, "head_dim", None) is not None and not isinstance(
+        getattr(type(config), "head_dim", None), property
+    )
     if kv == heads:
         kv_heads: int | None = None  # multi-head attention: kv heads follow the heads
     elif kv == 1:

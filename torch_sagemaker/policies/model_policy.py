@@ -11,7 +11,7 @@ lists them and finds the one covering a model. Nothing here imports a family mod
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
@@ -61,6 +61,7 @@ STYLES: Mapping[str, str] = {
     ),
     "mla_kv_a_proj": "latent attention's shared kv down-projection; rotary slice's grad summed",
     "sequence_parallel_local": "norm on a sequence slice of its whole input; output gathered",
+    "head_inputs": "attention whose ALiBi inputs (alibi, a per-head mask) are cut to its heads",
     "conv1d_colwise": "colwise on transformers' Conv1D (weight stored transposed)",
     "conv1d_packed_colwise": (
         "Conv1D whose output is equal packed blocks ([q | k | v]), each split by output "
@@ -276,6 +277,10 @@ class ModelPolicy:
             (``colwise_gather``) and every rank computes every head.
         activations: What the family saves for backward (the parallelism planner's memory
             model), or ``None`` where it is not described.
+        layout_check: For families whose variants lay out a fused projection differently:
+            ``(config, tp) -> reason`` why the plan cannot split that config's model at
+            degree ``tp`` (naming the config attribute), ``""`` where it can;
+            ``check_model`` raises with the reason.
         notes: Free text shown in the docs (limits, choices).
     """
 
@@ -292,6 +297,7 @@ class ModelPolicy:
     sliding_window_attr: str | None = None
     activations: ActivationProfile | None = None
     heads_split: bool = True
+    layout_check: Callable[[Any, int], str] | None = None
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -451,6 +457,12 @@ def check_model(policy: ModelPolicy, config: Any, tp: int) -> HeadSplit:
             f"tensor_parallel_degree={tp} cannot split {type(config).__name__}'s model "
             f"({policy.notes}). Use tensor_parallel_degree=1 (expert parallelism, "
             "expert_parallel_degree, works), or register a policy with a tp_plan."
+        )
+    reason = policy.layout_check(config, tp) if policy.layout_check and tp > 1 else ""
+    if reason:
+        raise ValueError(
+            f"{policy.name}: tensor_parallel_degree={tp} cannot split this "
+            f"{type(config).__name__}'s model: {reason}."
         )
     if policy.heads_split:
         heads = split_heads(*policy.head_counts(config), tp)

@@ -19,11 +19,11 @@ checked on that harness:
 
 - a fused query/key/value projection laid out as ``[q | k | v]`` blocks that
   ``packed_colwise`` does not split (Note [Packed projections] in
-  ``tensor_parallel/projection_styles.py``): MPT's ``Wqkv``, an ``nn.Linear``; Falcon's and
-  GPT-BigCode's under multi-query attention, blocks of unequal widths (GPT-2's, on
-  ``Conv1D``, is split block by block);
-- attention biases built from the full head count outside the attention module (BLOOM's
-  and MPT's ALiBi);
+  ``tensor_parallel/projection_styles.py``): MPT's ``Wqkv``, an ``nn.Linear``; Falcon's
+  (Falcon-7B's ``multi_query`` layout, refused by ``layout_check``) and GPT-BigCode's under
+  multi-query attention, blocks of unequal widths (GPT-2's, on ``Conv1D``, is split block
+  by block). BLOOM's and Falcon's other layouts are head- or group-major: a plain column
+  split keeps whole heads, and their ALiBi biases are cut per rank (``head_inputs``);
 - a norm over the full hidden width between the split projections (BitNet's sub-norms);
 - reshapes by a full width the translation does not rescale: XGLM's and MVP's
   ``embed_dim`` (rescaling that attribute in general gave CodeGen wrong values: it means
@@ -39,6 +39,9 @@ vocabulary as transformers does in the plans it builds: the output one, where it
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 #: A self-attention block of separate q/k/v projections and an output projection ``out``.
 _QKV = ("q_proj", "k_proj", "v_proj")
@@ -146,11 +149,77 @@ SHIPPED_PLANS: dict[str, dict[str, str]] = {
         "h.*.attn.c_proj": "rowwise",
         **_mlp(("h.*.mlp.c_fc",), "h.*.mlp.c_proj"),
     },
+    # query_key_value is head-major in BLOOM (each head's q, k, v together) and in Falcon
+    # without multi-query attention; grouped by key/value head under Falcon's new decoder
+    # architecture (each group's queries, then its k and v): a column split keeps whole
+    # heads and groups. Their ALiBi biases come from outside the attention, one per head of
+    # all ranks (Note [Head-indexed inputs]).
+    "bloom": {
+        **_attention("h.*.self_attention", "dense", ("query_key_value",)),
+        "h.*.self_attention": "head_inputs",
+        **_mlp(("h.*.mlp.dense_h_to_4h",), "h.*.mlp.dense_4h_to_h"),
+    },
+    "falcon": {
+        **_attention("h.*.self_attention", "dense", ("query_key_value",)),
+        "h.*.self_attention": "head_inputs",
+        **_mlp(("h.*.mlp.dense_h_to_4h",), "h.*.mlp.dense_4h_to_h"),
+    },
     "gpt_neo": {
         **_attention("h.*.attn.attention", "out_proj"),
         **_mlp(("h.*.mlp.c_fc",), "h.*.mlp.c_proj"),
     },
 }
+
+
+def _falcon_layout(config: Any, tp_degree: int) -> str:
+    if getattr(config, "new_decoder_architecture", False):
+        kv = int(getattr(config, "num_kv_heads", 0) or 0)
+        if kv % tp_degree:
+            return (
+                f"its query_key_value packs {kv} key/value head groups (num_kv_heads), which "
+                f"do not divide over tensor_parallel_degree {tp_degree}; choose a degree that "
+                f"divides {kv}"
+            )
+    elif getattr(config, "multi_query", False):
+        return (
+            "with multi_query=True (as Falcon-7B) its query_key_value holds every query head "
+            "and then one key and one value head shared by all, which a column split cannot "
+            "divide into whole heads per rank; Falcon's new_decoder_architecture (Falcon-40B, "
+            "-180B) and multi_query=False layouts are supported"
+        )
+    return ""
+
+
+def _bloom_layout(config: Any, tp_degree: int) -> str:
+    if int(getattr(config, "pretraining_tp", 1) or 1) > 1 and getattr(
+        config, "slow_but_exact", False
+    ):
+        return (
+            "slow_but_exact=True with pretraining_tp > 1 slices the projections' weights by "
+            "the full hidden width inside the model's code; set slow_but_exact=False"
+        )
+    return ""
+
+
+#: model_type -> why a config's layout cannot take the family's plan ("" when it can).
+_LAYOUT_CHECKS: dict[str, Callable[[Any, int], str]] = {
+    "falcon": _falcon_layout,
+    "bloom": _bloom_layout,
+}
+
+
+def layout_check(model_type: str) -> Callable[[Any, int], str] | None:
+    """The check of a config's layout against the shipped plan of ``model_type``, if any.
+
+    Args:
+        model_type: The family (``config.model_type``).
+
+    Returns:
+        ``(config, tp_degree) -> reason`` (``ModelPolicy.layout_check``): why the plan cannot
+        split that config's model, naming the attribute and what is supported; ``""`` where
+        it can. ``None`` for families whose plan fits every config.
+    """
+    return _LAYOUT_CHECKS.get(model_type)
 
 
 def shipped_plan(model_type: str) -> dict[str, str]:
@@ -165,4 +234,4 @@ def shipped_plan(model_type: str) -> dict[str, str]:
     return dict(SHIPPED_PLANS.get(model_type, {}))
 
 
-__all__ = ["SHIPPED_PLANS", "shipped_plan"]
+__all__ = ["SHIPPED_PLANS", "layout_check", "shipped_plan"]

@@ -57,6 +57,7 @@ from torch_sagemaker.policies.plan_sources import (
     wildcard,
     with_tied_input_embedding,
 )
+from torch_sagemaker.policies.shipped_plans import layout_check
 from torch_sagemaker.utils.hf_config import text_config
 from torch_sagemaker.utils.projections import conv1d_features, is_conv1d
 
@@ -88,6 +89,8 @@ _MODULE_STYLES = {
     "local_params": "local_params",
     "sequence_parallel": "sequence_parallel_local",
     "mla_kv_a_proj": "mla_kv_a_proj",
+    # ours, not transformers': Note [Head-indexed inputs]
+    "head_inputs": "head_inputs",
 }
 #: transformers' styles on a bare parameter, and ours for them.
 _PARAMETER_STYLES = {"colwise": "param_colwise", "rowwise": "param_rowwise"}
@@ -95,6 +98,8 @@ _PARAMETER_STYLES = {"colwise": "param_colwise", "rowwise": "param_rowwise"}
 _EXPERT_PARAMETER_STYLES = {"packed_colwise", "packed_rowwise", "colwise", "rowwise"}
 #: Our styles whose output is this rank's part of the features (heads, MLP columns).
 _SPLIT_OUTPUT = {"colwise", "kv_colwise", "conv1d_colwise", "conv1d_packed_colwise"}
+#: Config attributes that may hold the key/value head count (Falcon's: ``num_kv_heads``).
+_KV_HEADS_ATTRS = ("num_key_value_heads", "num_kv_heads")
 #: Config attributes that may hold the expert count.
 _EXPERT_COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
@@ -503,19 +508,19 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
         block, _, child = first.rpartition(".")
         moe = MoESpec(block_class=type(t.modules[block]).__name__, experts=child, replaceable=False)
     source = "shipped plan" if shipped else "transformers plan"
+    model_type = getattr(model.config, "model_type", None) or ""
     return ModelPolicy(
-        name=f"{getattr(model.config, 'model_type', type(model).__name__)} ({source})",
+        name=f"{model_type or type(model).__name__} ({source})",
         model_classes=(type(model).__name__,),
         layer_class=layer_class,
         attention=_patterns(attention),
         tp_plan=_compact(t.styles, names),
-        num_kv_heads_attr="num_key_value_heads"
-        if config_value(config, "num_key_value_heads")
-        else None,
+        num_kv_heads_attr=next((a for a in _KV_HEADS_ATTRS if config_value(config, a)), None),
         num_experts_attr=num_experts_attr,
         moe=moe,
         sliding_window_attr="sliding_window" if hasattr(config, "sliding_window") else None,
         heads_split=heads_split,
+        layout_check=layout_check(model_type) if shipped else None,
         notes=f"Built from its {source} (Note [Plan-driven layout]). "
         f"{SHIPPED_PLAN_NOTE if shipped else PLAN_TP_NOTE}",
     )

@@ -47,6 +47,7 @@ from torch.distributed.tensor.parallel import (
 
 from torch_sagemaker._torch_compat import nn as nn_compat
 from torch_sagemaker.tensor_parallel import consistency
+from torch_sagemaker.tensor_parallel.head_inputs import HeadInputs
 from torch_sagemaker.tensor_parallel.local_parameters import (
     local_parameters,
     local_value,
@@ -396,8 +397,8 @@ def make_replicated_style(
     Args:
         name: Style name (``REPLICATED_STYLES``).
         module_name: The module's name in the model (messages).
-        config: The model's config (``mla_kv_a_proj`` reads ``qk_rope_head_dim`` from it, as
-            transformers' style of that name does).
+        config: The model's (text) config (``mla_kv_a_proj`` reads ``qk_rope_head_dim`` from
+            it, as transformers' style of that name does; ``head_inputs`` the head count).
         layer_class: The transformer layer class name (``local_params`` stops there).
 
     Raises:
@@ -429,6 +430,9 @@ def make_replicated_style(
         style = MlaKvAProjection(rope_dim=int(getattr(config, "qk_rope_head_dim", 0) or 0))
     elif name == "sequence_parallel_local":
         style = LocalSequenceParallelNorm()
+    elif name == "head_inputs":
+        heads = int(getattr(config, "num_attention_heads", 0) or 0)
+        style = HeadInputs(heads, name=module_name)
     else:
         raise ValueError(f"unknown replicated-layout style {name!r}.")
     return style
@@ -449,6 +453,7 @@ REPLICATED_STYLES = (
     "experts_batched",
     "mla_kv_a_proj",
     "sequence_parallel_local",
+    "head_inputs",
 )
 
 __all__ = [

@@ -1,0 +1,156 @@
+"""BLOOM and Falcon through their shipped plans: fused head-major projections, ALiBi biases.
+
+Both pack queries, keys and values into one ``query_key_value`` projection, head by head
+(BLOOM; Falcon without multi-query attention) or key/value group by group (Falcon's new
+decoder architecture), so a column split keeps whole heads. BLOOM and Falcon's ALiBi
+variant build their per-head biases outside the attention module, for every head: the
+``head_inputs`` style cuts them to each rank's heads (Note [Head-indexed inputs]). Without
+the cut BLOOM fails with a shape error, and a cut taking the wrong heads fails the logits.
+
+Each variant runs at tp 2 on 2 ranks against the same model in one process: logits, loss,
+every gradient, and 5 SGD steps' losses and parameters. The batch is left-padded (its
+attention mask has zeros), so ALiBi's positions come from the mask. Falcon's multi-query
+layout (Falcon-7B), which no column split divides, is refused at ``tsm.transform`` with the
+config attribute named, as are key/value groups the degree does not divide.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from tests.distributed.launcher import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+#: variant -> (config class, its attributes, attention implementation).
+VARIANTS = {
+    "bloom": ("BloomConfig", {"n_embed": 64, "n_layer": 2, "n_head": 4}, "eager"),
+    "falcon_new": (
+        "FalconConfig",
+        {"new_decoder_architecture": True, "num_kv_heads": 2, "num_ln_in_parallel_attn": 2},
+        "sdpa",
+    ),
+    "falcon_alibi_eager": (
+        "FalconConfig",
+        {"alibi": True, "multi_query": False, "parallel_attn": False, "bias": True},
+        "eager",
+    ),
+    "falcon_alibi_sdpa": (
+        "FalconConfig",
+        {"alibi": True, "multi_query": False, "parallel_attn": False, "bias": True},
+        "sdpa",
+    ),
+}
+FALCON_SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+
+
+def _build(variant: str, seed: int = 0, **overrides):
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    name, attrs, attention = VARIANTS[variant]
+    sizes = FALCON_SIZES if name == "FalconConfig" else {}
+    cfg = getattr(transformers, name)(
+        vocab_size=128,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **sizes,
+        **{**attrs, **overrides},
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attention).float()
+
+
+def _padded_batch():
+    """Ids, attention mask (row 0 left-padded by 3) and labels (-100 on the padding)."""
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 128, (2, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels
+
+
+def _parity() -> dict:
+    import torch
+    import torch.sagemaker as tsm
+
+    from tests.distributed.test_tp_parity import full, gradient_diffs, max_diff, parameter_diffs
+
+    tsm.init({"tensor_parallel_degree": 2})
+    ids, mask, labels = _padded_batch()
+    results = {}
+    for variant in VARIANTS:
+        ref = _build(variant)
+        model = tsm.transform(copy.deepcopy(ref))
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+        out.loss.backward()
+        expected = ref(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+        expected.loss.backward()
+        r = {
+            # (rows at padded positions attend to nothing real; the loss skips them)
+            "logits": max_diff(full(out.logits)[mask.bool()], expected.logits[mask.bool()]),
+            "loss": abs(float(out.loss.detach() - expected.loss.detach())),
+            "grads": max(gradient_diffs(model, ref).values()),
+            "grad_scale": max(float(p.grad.abs().max()) for p in ref.parameters()),
+        }
+        curves = []
+        for m in (model, ref):
+            m.zero_grad()
+            # SGD: under AdamW the key bias (exactly zero gradient: softmax ignores it)
+            # moves by +-lr on rounding noise, differently per process.
+            opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+            losses = []
+            for _ in range(5):
+                opt.zero_grad()
+                loss = m(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+                loss.backward()
+                opt.step()
+                losses.append(float(loss))
+            curves.append(losses)
+        r["curves"] = curves
+        r["params"] = max(parameter_diffs(model, ref).values())
+        r["split"] = type(model.transformer.h[0].self_attention.query_key_value.weight).__name__
+        results[variant] = r
+    return results
+
+
+def test_bloom_and_falcon_layouts_match_one_process_at_tp2():
+    for results in run_distributed(_parity, world_size=2, timeout=300):
+        for variant, r in results.items():
+            assert r["split"] == "DTensor", variant
+            assert r["logits"] < 2e-5 and r["loss"] < 2e-5, (variant, r)
+            assert r["grad_scale"] > 1e-4 and r["grads"] < 2e-5, (variant, r)
+            tp, ref = r["curves"]
+            assert tp[-1] < tp[0] - 0.1, (variant, tp)
+            assert max(abs(a - b) for a, b in zip(tp, ref)) < 1e-4, (variant, tp, ref)
+            assert r["params"] < 1e-5, (variant, r["params"])
+
+
+def _refusals() -> dict:
+    import torch.sagemaker as tsm
+
+    tsm.init({"tensor_parallel_degree": 2})
+    found = {}
+    for variant, overrides in (
+        ("falcon_alibi_sdpa", {"alibi": False, "multi_query": True}),  # Falcon-7B's layout
+        ("falcon_new", {"num_kv_heads": 1}),
+    ):
+        try:
+            tsm.transform(_build(variant, **overrides))
+            found[variant] = ""
+        except ValueError as e:
+            found[variant] = str(e)
+    return found
+
+
+def test_layouts_no_column_split_divides_are_refused_naming_the_attribute():
+    for found in run_distributed(_refusals, world_size=2, timeout=120):
+        assert "multi_query=True" in found["falcon_alibi_sdpa"], found
+        assert "num_kv_heads" in found["falcon_new"], found
+        assert "tensor_parallel_degree 2" in found["falcon_new"], found

@@ -1,0 +1,98 @@
+"""A style for attention modules whose inputs are indexed by head (ALiBi biases).
+
+Note [Head-indexed inputs]: most attention modules get everything per head from their own
+projections, which the plan splits, so a rank computes its heads from its own slices.
+ALiBi families (BLOOM, Falcon's ALiBi variant) instead build one bias per head *outside*
+the attention module, from the full head count, and pass it in: ``alibi`` of shape
+``[batch x heads, 1, keys]`` (batch-major, head-minor rows; BLOOM) or ``[batch, heads, 1,
+keys]`` (Falcon), and Falcon also folds it into a 4-D ``attention_mask`` of shape
+``[batch, heads, queries, keys]``. A rank that computes
+heads ``[r x H/T, (r + 1) x H/T)`` (a column split keeps each rank's heads contiguous and
+in order) must add those heads' biases, so this style cuts both inputs to them before the
+module's forward: the ``alibi`` rows of the rank's heads within each batch element, and
+``attention_mask``'s head dimension where it has one (a broadcast mask, size 1 there, is
+left alone). The biases carry no gradient.
+
+The batch size comes from the module's first input (the hidden states), so ``alibi``'s
+rows are split without guessing. Inputs passed by position are not cut: BLOOM and Falcon
+pass both by keyword; an ``alibi`` given any other way fails the shape check in the model
+(as it would without this style), not silently.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
+
+
+def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The hidden states: the first positional tensor, else ``hidden_states``."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    hidden = kwargs.get("hidden_states")
+    return hidden if isinstance(hidden, torch.Tensor) else None
+
+
+class HeadInputs(ParallelStyle):
+    """Cuts an attention module's head-indexed inputs to this rank's heads.
+
+    Note [Head-indexed inputs]. The module's own projections are split by their entries.
+
+    Args:
+        num_heads: The model's query head count (all ranks together).
+        name: The module's name (messages).
+    """
+
+    def __init__(self, num_heads: int, *, name: str = "") -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.name = name
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        ranks = device_mesh.size()
+        if self.num_heads <= 0 or self.num_heads % ranks:
+            raise ValueError(
+                f"tsm.transform: {self.name or type(module).__name__} takes per-head inputs "
+                f"(ALiBi biases) for {self.num_heads} heads, which do not divide over "
+                f"tensor_parallel_degree {ranks}: each rank must hold whole heads. Choose a "
+                f"tensor_parallel_degree that divides {self.num_heads}."
+            )
+        local = self.num_heads // ranks
+        start = device_mesh.get_local_rank() * local
+        heads = self.num_heads
+        name = self.name or type(module).__name__
+
+        def cut_alibi(alibi: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+            batch = hidden.shape[0] if hidden is not None else -1
+            if alibi.shape[0] == batch * heads:  # [batch x heads, ...]
+                rows = alibi.view(batch, heads, *alibi.shape[1:])
+                return rows[:, start : start + local].reshape(-1, *alibi.shape[1:])
+            if alibi.dim() > 1 and alibi.shape[:2] == (batch, heads):  # [batch, heads, ...]
+                return alibi[:, start : start + local]
+            raise ValueError(
+                f"{name}: its alibi input of shape {tuple(alibi.shape)} is not laid out as "
+                f"[batch x {heads} heads, ...] or [batch, {heads} heads, ...] for a batch of "
+                f"{batch} (the hidden states, its first input), so it cannot be cut to this "
+                f"rank's heads over {ranks} tensor parallel ranks (Note [Head-indexed inputs])."
+            )
+
+        def cut(
+            _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            alibi = kwargs.get("alibi")
+            if isinstance(alibi, torch.Tensor):
+                kwargs["alibi"] = cut_alibi(alibi, _first_tensor(args, kwargs))
+            mask = kwargs.get("attention_mask")
+            if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == heads:
+                kwargs["attention_mask"] = mask[:, start : start + local]
+            return args, kwargs
+
+        module.register_forward_pre_hook(cut, with_kwargs=True)
+        return module
+
+
+__all__ = ["HeadInputs"]
