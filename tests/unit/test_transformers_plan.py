@@ -410,3 +410,38 @@ def test_shipped_plans_check_the_fused_layout_of_the_config():
     with pytest.raises(ValueError, match="multi_query=True"):
         check_model(lookup_policy(seven_b), seven_b.config, 2)
     check_model(lookup_policy(seven_b), seven_b.config, 1)  # no split, nothing to refuse
+
+
+def test_plan_keys_may_name_numbered_members_below_a_layer_number():
+    """CTRL's MLP is an ``nn.Sequential``: ``h.*.ffn.0`` names its first member (``*`` is the
+    layer number, ``0`` itself), not every member as ``h.*.ffn.*`` would."""
+    import transformers
+
+    config = transformers.CTRLConfig(n_embd=64, n_layer=2, n_head=4, dff=128, vocab_size=128)
+    with torch.device("meta"):
+        model = transformers.CTRLLMHeadModel(config)
+    plan = lookup_policy(model).tp_plan  # (concrete names: ffn.* would reach the ReLU)
+    for layer in (0, 1):
+        assert plan[f"transformer.h.{layer}.ffn.0"] == "colwise", plan
+        assert plan[f"transformer.h.{layer}.ffn.2"] == "rowwise_allreduce", plan
+        assert f"transformer.h.{layer}.ffn.1" not in plan, plan
+    assert lookup_policy(model).width_attrs == (("d_model_size", "depth"),)
+
+
+def test_sequence_to_sequence_decoders_count_the_decoders_heads():
+    """``num_attention_heads`` is the encoder's in BART-like configs; the causal LM is the
+    decoder, whose head count may differ."""
+    whisper = meta(
+        "WhisperConfig",
+        d_model=64,
+        encoder_attention_heads=2,
+        decoder_attention_heads=4,
+        num_key_value_heads=2,
+        num_attention_heads=2,
+    )
+    policy = lookup_policy(whisper)
+    assert policy.num_heads_attr == "decoder_attention_heads" and not policy.num_kv_heads_attr
+    assert policy.head_counts(whisper.config) == (4, 4)
+    assert check_model(policy, whisper.config, 4).local_heads == 1
+    xglm = lookup_policy(meta("XGLMConfig", d_model=64, attention_heads=4))
+    assert xglm.width_attrs == (("embed_dim", "head_dim"),)

@@ -54,6 +54,17 @@ COMMON: dict[str, Any] = {
 #: Token-id attributes kept inside the tiny vocabulary.
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 
+#: A sequence-to-sequence family's sizes per stack.
+SEQ2SEQ: dict[str, Any] = {
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "d_model": 64,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+}
+
 #: Per family: attributes beyond COMMON (its config ties other sizes to them).
 OVERRIDES: dict[str, dict[str, Any]] = {
     "dots1": {"n_shared_experts": 1},
@@ -74,15 +85,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "roc_bert": {"pronunciation_embed_dim": 16, "shape_embed_dim": 16},
     # sequence-to-sequence families: sizes per stack
     **{
-        f: {
-            "encoder_attention_heads": 4,
-            "decoder_attention_heads": 4,
-            "encoder_ffn_dim": 128,
-            "decoder_ffn_dim": 128,
-            "d_model": 64,
-            "encoder_layers": 2,
-            "decoder_layers": 2,
-        }
+        f: SEQ2SEQ
         for f in (
             "bart",
             "mbart",
@@ -92,8 +95,14 @@ OVERRIDES: dict[str, dict[str, Any]] = {
             "blenderbot-small",
             "plbart",
             "bigbird_pegasus",
+            "mvp",
         )
     },
+    # Whisper's config maps num_key_value_heads to its encoder's head count: 2 heads there
+    # against the decoder's 4 (the causal LM is the decoder: its own count is used)
+    "whisper": SEQ2SEQ,
+    # X-MOD's layers pick a language adapter: the inputs' or the config's default
+    "xmod": {"default_language": "en_XX"},
 }
 
 #: A tiny model above this many parameters means a size the shrinking did not reach.

@@ -163,6 +163,7 @@ MLP_SIZE_ATTRS = (
     "ffn_dim",
     "n_inner",
     "ffn_hidden_size",  # Falcon
+    "dff",  # CTRL
 )
 
 

@@ -277,6 +277,10 @@ class ModelPolicy:
             (``colwise_gather``) and every rank computes every head.
         activations: What the family saves for backward (the parallelism planner's memory
             model), or ``None`` where it is not described.
+        width_attrs: Attention attributes holding the width of all heads together that this
+            family reshapes by, each with the attribute of one head's size, beyond
+            ``module_layout.FULL_WIDTH_ATTRS`` (XGLM's ``("embed_dim", "head_dim")``; the same
+            name means something else in other families): scaled to the rank's heads.
         layout_check: For families whose variants lay out a fused projection differently:
             ``(config, tp) -> reason`` why the plan cannot split that config's model at
             degree ``tp`` (naming the config attribute), ``""`` where it can;
@@ -297,6 +301,7 @@ class ModelPolicy:
     sliding_window_attr: str | None = None
     activations: ActivationProfile | None = None
     heads_split: bool = True
+    width_attrs: tuple[tuple[str, str], ...] = ()
     layout_check: Callable[[Any, int], str] | None = None
     notes: str = ""
 

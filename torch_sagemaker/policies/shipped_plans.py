@@ -25,13 +25,15 @@ checked on that harness:
   by block). BLOOM's and Falcon's other layouts are head- or group-major: a plain column
   split keeps whole heads, and their ALiBi biases are cut per rank (``head_inputs``);
 - a norm over the full hidden width between the split projections (BitNet's sub-norms);
-- reshapes by a full width the translation does not rescale: XGLM's and MVP's
-  ``embed_dim`` (rescaling that attribute in general gave CodeGen wrong values: it means
-  something else there), TrOCR's taken from its input's size; Whisper's decoder fails with
-  a shape error at its first forward. The BERT family's ``all_head_size`` is rescaled
-  (``tensor_parallel.plan._set_head_counts``), which lets Megatron-BERT, RoFormer and
-  RemBERT in;
-- inputs the harness does not give (X-MOD's language), or no repeated layer to find (CTRL).
+- reshapes by a full width taken from the input's size (TrOCR's attention), which no
+  attribute scales. Full widths held in attributes are scaled: the BERT family's
+  ``all_head_size`` and GPT-2's ``split_size`` generically
+  (``tensor_parallel.plan._set_head_counts``), and per family where a name means that only
+  there (``width_attrs``: XGLM's and MVP's ``embed_dim``, which in CodeGen means something
+  else; CTRL's ``d_model_size``).
+
+Sequence-to-sequence configs count the encoder's heads as ``num_attention_heads``; their
+causal LMs are the decoder, whose own count is used (``heads_attr``: Whisper's may differ).
 
 The plans name only the layers. ``transformers_plan`` adds the embeddings, split over the
 vocabulary as transformers does in the plans it builds: the output one, where it is an
@@ -72,6 +74,7 @@ def _bart_like_decoder() -> dict[str, str]:
 
 
 _BART_LIKE = (
+    "whisper",
     "bart",
     "mbart",
     "marian",
@@ -108,6 +111,8 @@ _BERT_LIKE = (
     "roc_bert",
     "xlm-roberta",
     "xlm-roberta-xl",
+    "big_bird",
+    "xmod",
 )
 
 #: model_type -> plan below the base model (like ``config.base_model_tp_plan``).
@@ -164,11 +169,60 @@ SHIPPED_PLANS: dict[str, dict[str, str]] = {
         "h.*.self_attention": "head_inputs",
         **_mlp(("h.*.mlp.dense_h_to_4h",), "h.*.mlp.dense_4h_to_h"),
     },
+    "mvp": _bart_like_decoder(),
+    "xglm": {
+        **_attention("layers.*.self_attn", "out_proj"),
+        **_mlp(("layers.*.fc1",), "layers.*.fc2"),
+    },
+    "ctrl": {
+        **_attention("h.*.multi_head_attention", "dense", ("Wq", "Wk", "Wv")),
+        **_mlp(("h.*.ffn.0",), "h.*.ffn.2"),
+    },
     "gpt_neo": {
         **_attention("h.*.attn.attention", "out_proj"),
         **_mlp(("h.*.mlp.c_fc",), "h.*.mlp.c_proj"),
     },
 }
+
+
+#: model_type -> attention attributes holding all heads' width that the family reshapes by,
+#: each with its one-head size attribute (``ModelPolicy.width_attrs``), beyond the generic
+#: ``module_layout.FULL_WIDTH_ATTRS``: names that mean this only in these families.
+_WIDTH_ATTRS: dict[str, tuple[tuple[str, str], ...]] = {
+    "xglm": (("embed_dim", "head_dim"),),
+    "mvp": (("embed_dim", "head_dim"),),
+    "ctrl": (("d_model_size", "depth"),),
+}
+
+
+#: model_type -> the config attribute of the decoder's head count, for sequence-to-sequence
+#: families whose ``num_attention_heads`` is the encoder's (their ``*ForCausalLM`` is the
+#: decoder; its attention is multi-head).
+_HEADS_ATTRS = {f: "decoder_attention_heads" for f in (*_BART_LIKE, "mvp")}
+
+
+def heads_attr(model_type: str) -> str | None:
+    """The config attribute of the planned stack's head count, where not ``num_attention_heads``.
+
+    Args:
+        model_type: The family (``config.model_type``).
+
+    Returns:
+        The attribute (``ModelPolicy.num_heads_attr``), or ``None``.
+    """
+    return _HEADS_ATTRS.get(model_type)
+
+
+def width_attrs(model_type: str) -> tuple[tuple[str, str], ...]:
+    """The full-width attention attributes the shipped plan of ``model_type`` scales.
+
+    Args:
+        model_type: The family (``config.model_type``).
+
+    Returns:
+        ``(width attribute, head size attribute)`` pairs (``ModelPolicy.width_attrs``).
+    """
+    return _WIDTH_ATTRS.get(model_type, ())
 
 
 def _falcon_layout(config: Any, tp_degree: int) -> str:
@@ -234,4 +288,4 @@ def shipped_plan(model_type: str) -> dict[str, str]:
     return dict(SHIPPED_PLANS.get(model_type, {}))
 
 
-__all__ = ["SHIPPED_PLANS", "layout_check", "shipped_plan"]
+__all__ = ["SHIPPED_PLANS", "heads_attr", "layout_check", "shipped_plan", "width_attrs"]

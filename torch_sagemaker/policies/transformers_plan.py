@@ -57,7 +57,7 @@ from torch_sagemaker.policies.plan_sources import (
     wildcard,
     with_tied_input_embedding,
 )
-from torch_sagemaker.policies.shipped_plans import layout_check
+from torch_sagemaker.policies.shipped_plans import heads_attr, layout_check, width_attrs
 from torch_sagemaker.utils.hf_config import text_config
 from torch_sagemaker.utils.projections import conv1d_features, is_conv1d
 
@@ -126,14 +126,24 @@ _FIX_LEFT_OUT = (
 class _Translation:
     """One model's plan translated entry by entry (``policy_from_plan`` builds it)."""
 
-    def __init__(self, model: nn.Module, plan: dict[str, str], layer_class: str) -> None:
+    def __init__(
+        self, model: nn.Module, plan: dict[str, str], layer_class: str, heads_attr: str | None
+    ) -> None:
         self.model, self.plan, self.layer_class = model, plan, layer_class
+        # Keys naming a numbered child below a layer number ("h.*.ffn.0", a Sequential's
+        # member): ``*`` stands for a layer number, the other numbers for themselves.
+        self.numbered_keys = [
+            (re.compile(".".join(r"\d+" if p == "*" else re.escape(p) for p in k.split("."))), k)
+            for k in plan
+            if wildcard(k) != k
+        ]
         self.modules = dict(model.named_modules())
         self.styles: dict[str, str] = {}  # concrete module or parameter name -> our style
         self.experts: dict[str, int] = {}  # experts module name -> expert count
         config = self.config = text_config(model)
-        self.heads = int(config_value(config, "num_attention_heads", 0) or 0)
-        self.kv_heads = int(config_value(config, "num_key_value_heads") or self.heads)
+        self.heads = int(config_value(config, heads_attr or "num_attention_heads", 0) or 0)
+        kv_heads = next((v for a in _KV_HEADS_ATTRS if (v := config_value(config, a))), None)
+        self.kv_heads = self.heads if heads_attr else int(kv_heads or self.heads)
         self.output_embedding = embeddings(model)[1]
 
     def error(self, name: str, style: str | None, why: str) -> ValueError:
@@ -254,10 +264,18 @@ class _Translation:
         self.experts[name] = count
         return "experts_allreduce" if arity == 3 else "experts_batched"
 
+    def style_of(self, name: str) -> str | None:
+        """The plan's style for the module or parameter ``name``, or ``None``."""
+        style = self.plan.get(wildcard(name))
+        if style is None:
+            key = next((k for rx, k in self.numbered_keys if rx.fullmatch(name)), None)
+            style = self.plan[key] if key is not None else None
+        return style
+
     def translate(self) -> None:
         module_styles = {}
         for name, module in self.modules.items():
-            style = self.plan.get(wildcard(name)) if name else None
+            style = self.style_of(name) if name else None
             if style is not None:
                 module_styles[name] = self.module_style(name, module, style)
         # Bare parameters first: an owner's local_params / reduce_output (applied after) uses
@@ -270,7 +288,7 @@ class _Translation:
         for name, module in self.modules.items():
             for pname, _ in module.named_parameters(recurse=False):
                 full = f"{name}.{pname}" if name else pname
-                style = self.plan.get(wildcard(full))
+                style = self.style_of(full)
                 if style is None:
                     continue
                 if name in self.experts:
@@ -485,7 +503,10 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
     if not plan:
         return None
     layer_class = _layer_class(model, plan)
-    t = _Translation(model, plan, layer_class)
+    model_type = getattr(model.config, "model_type", None) or ""
+    # (a decoder's own head count where the family's config has one per stack)
+    decoder_heads = heads_attr(model_type) if shipped else None
+    t = _Translation(model, plan, layer_class, decoder_heads)
     t.translate()
     t.replicate_the_rest()
     names = {n for n in t.modules if n} | {n for n, _ in model.named_parameters()}
@@ -508,18 +529,21 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
         block, _, child = first.rpartition(".")
         moe = MoESpec(block_class=type(t.modules[block]).__name__, experts=child, replaceable=False)
     source = "shipped plan" if shipped else "transformers plan"
-    model_type = getattr(model.config, "model_type", None) or ""
     return ModelPolicy(
         name=f"{model_type or type(model).__name__} ({source})",
         model_classes=(type(model).__name__,),
         layer_class=layer_class,
         attention=_patterns(attention),
         tp_plan=_compact(t.styles, names),
-        num_kv_heads_attr=next((a for a in _KV_HEADS_ATTRS if config_value(config, a)), None),
+        num_heads_attr=decoder_heads or "num_attention_heads",
+        num_kv_heads_attr=None
+        if decoder_heads
+        else next((a for a in _KV_HEADS_ATTRS if config_value(config, a)), None),
         num_experts_attr=num_experts_attr,
         moe=moe,
         sliding_window_attr="sliding_window" if hasattr(config, "sliding_window") else None,
         heads_split=heads_split,
+        width_attrs=width_attrs(model_type) if shipped else (),
         layout_check=layout_check(model_type) if shipped else None,
         notes=f"Built from its {source} (Note [Plan-driven layout]). "
         f"{SHIPPED_PLAN_NOTE if shipped else PLAN_TP_NOTE}",

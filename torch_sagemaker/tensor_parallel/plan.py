@@ -165,7 +165,9 @@ def _splits_heads(attention: nn.Module) -> bool:
     )
 
 
-def _set_head_counts(attention: nn.Module, heads: HeadSplit) -> None:
+def _set_head_counts(
+    attention: nn.Module, heads: HeadSplit, width_attrs: tuple[tuple[str, str], ...] = ()
+) -> None:
     """Per-rank head bookkeeping on one attention module (Hugging Face's attributes)."""
     # Hugging Face attention infers the head count from the shapes (view(..., -1, head_dim));
     # the query-per-kv grouping is stored, and it changes only when kv heads are replicated
@@ -185,8 +187,8 @@ def _set_head_counts(attention: nn.Module, heads: HeadSplit) -> None:
     # than by -1, and GPT-2's splits its packed [q | k | v] output by ``split_size`` (Note
     # [Packed projections]): those widths are per rank too. (Not ``embed_dim``, which looks
     # alike in XGLM: CodeGen divides it into its own fused layout's blocks, and rescaling it
-    # gave wrong values there.)
-    for attr, size_attr in FULL_WIDTH_ATTRS:
+    # gave wrong values there; a policy names it where it means that: ``width_attrs``.)
+    for attr, size_attr in (*FULL_WIDTH_ATTRS, *width_attrs):
         size = getattr(attention, size_attr, None)
         if (
             isinstance(size, int)
@@ -458,7 +460,7 @@ def apply_tp_plan(
     outer = {n for n, _ in attention_modules}
     for name, attention in attention_modules:
         if policy.heads_split and _splits_heads(attention):
-            _set_head_counts(attention, heads)
+            _set_head_counts(attention, heads, policy.width_attrs)
             if any(name.startswith(f"{o}.") for o in outer):
                 continue  # Note [Nested attention modules]
             install_rng_region(attention, tracker, ends_at=_whole_output_projections(attention))
