@@ -445,3 +445,16 @@ def test_sequence_to_sequence_decoders_count_the_decoders_heads():
     assert check_model(policy, whisper.config, 4).local_heads == 1
     xglm = lookup_policy(meta("XGLMConfig", d_model=64, attention_heads=4))
     assert xglm.width_attrs == (("embed_dim", "head_dim"),)
+
+
+def test_transformers_plans_missing_a_split_module_get_the_entry_users_plans_do_not():
+    """Apertus's plan leaves out its xIELU activation (learned scalars on this rank's MLP
+    columns): added with summed gradients. A plan changing transformers' entries (here
+    gathering the MLP's columns, so the activation sees whole inputs) is taken as written."""
+    model = meta("ApertusConfig", hidden_act="xielu")
+    plan = lookup_policy(model).tp_plan
+    assert plan["model.layers.*.mlp.act_fn"] == "replicate_partial_grad", plan
+    model = meta("ApertusConfig", hidden_act="xielu")
+    model.tp_plan = {**model.tp_plan, "model.layers.*.mlp.up_proj": "colwise_rep"}
+    plan = lookup_policy(model).tp_plan
+    assert plan.get("model.layers.*.mlp.act_fn") != "replicate_partial_grad", plan

@@ -13,7 +13,7 @@ import re
 
 from torch import nn
 
-from torch_sagemaker.policies.shipped_plans import shipped_plan
+from torch_sagemaker.policies.shipped_plans import plan_additions, shipped_plan
 
 #: Styles of an output embedding that split the vocabulary over the TP ranks.
 _VOCAB_SPLITTING_HEAD_STYLES = ("colwise", "colwise_rep", "colwise_gather_output")
@@ -29,10 +29,29 @@ def own_plan(model: nn.Module) -> dict[str, str]:
     plan = getattr(model, "tp_plan", None)
     if isinstance(plan, dict):
         return dict(plan)
+    return transformers_plan(model)
+
+
+def transformers_plan(model: nn.Module) -> dict[str, str]:
+    """The plan transformers gives ``model``: its class's ``_tp_plan`` and its config's."""
     merged = dict(getattr(type(model), "_tp_plan", None) or {})
     base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
     merged.update(_from_root(model, base))
     return merged
+
+
+def with_additions(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` with the family's additions if it is the plan transformers gives the model.
+
+    Note [Additions to transformers' plans] in ``shipped_plans``. A plan that changes or
+    drops an entry of transformers' (the user's) is returned as is.
+    """
+    additions = plan_additions(getattr(model.config, "model_type", None) or "")
+    # (transformers' own plan, or one built on it: every entry kept as transformers gives
+    # it; transformers itself adds the input embedding to the model's)
+    if not additions or not transformers_plan(model).items() <= plan.items():
+        return plan
+    return {**_from_root(model, additions), **plan}
 
 
 def _from_root(model: nn.Module, base: dict[str, str]) -> dict[str, str]:
@@ -105,6 +124,8 @@ __all__ = [
     "embeddings",
     "own_plan",
     "shipped_from_root",
+    "transformers_plan",
+    "with_additions",
     "with_tied_input_embedding",
     "wildcard",
 ]

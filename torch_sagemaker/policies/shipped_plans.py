@@ -276,6 +276,37 @@ def layout_check(model_type: str) -> Callable[[Any, int], str] | None:
     return _LAYOUT_CHECKS.get(model_type)
 
 
+# Note [Additions to transformers' plans]: some of transformers' own plans leave out a module
+# with parameters that computes on split activations: Apertus's xIELU activation (two
+# learned scalars, applied to this rank's MLP columns), SarvamMoE's per-head query and key
+# norms. ``tsm.transform`` refuses such a plan (Note [Replicated module check]): replicated
+# as the plan implies, each rank would train its copy on its own part of the gradient. For
+# these families the missing entries are added, summing those gradients over the ranks
+# (``replicated_with_grad_allreduce``), but only to a plan that keeps every entry
+# transformers gives the model: a plan that changes one is taken as written (it may gather
+# those activations, where summing would count the gradient once per rank).
+#: model_type -> entries added to transformers' own plan (keyed like ``base_model_tp_plan``).
+PLAN_ADDITIONS: dict[str, dict[str, str]] = {
+    "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
+    "apertus1p5_text": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
+    "sarvam_moe": {
+        "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+    },
+}
+
+
+def plan_additions(model_type: str) -> dict[str, str]:
+    """Entries added to transformers' own plan of ``model_type``, or ``{}``.
+
+    Note [Additions to transformers' plans]; keyed below the base model.
+
+    Args:
+        model_type: The family (``config.model_type``).
+    """
+    return dict(PLAN_ADDITIONS.get(model_type, {}))
+
+
 def shipped_plan(model_type: str) -> dict[str, str]:
     """The plan shipped for the family ``model_type``, keyed below the base model, or ``{}``.
 
@@ -288,4 +319,12 @@ def shipped_plan(model_type: str) -> dict[str, str]:
     return dict(SHIPPED_PLANS.get(model_type, {}))
 
 
-__all__ = ["SHIPPED_PLANS", "heads_attr", "layout_check", "shipped_plan", "width_attrs"]
+__all__ = [
+    "PLAN_ADDITIONS",
+    "SHIPPED_PLANS",
+    "heads_attr",
+    "layout_check",
+    "plan_additions",
+    "shipped_plan",
+    "width_attrs",
+]

@@ -55,6 +55,7 @@ from torch_sagemaker.policies.plan_sources import (
     own_plan,
     shipped_from_root,
     wildcard,
+    with_additions,
     with_tied_input_embedding,
 )
 from torch_sagemaker.policies.shipped_plans import heads_attr, layout_check, width_attrs
@@ -497,7 +498,7 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
     """
     if not hasattr(model, "config"):
         return None
-    own = own_plan(model)
+    own = with_additions(model, own_plan(model))
     shipped = not own and _fits(model, ours := shipped_from_root(model))
     plan = with_tied_input_embedding(model, ours if shipped else own)
     if not plan:
