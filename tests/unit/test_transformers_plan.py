@@ -383,7 +383,8 @@ def test_a_split_module_that_computes_more_than_its_weight_is_refused():
 
 
 def test_shipped_plans_check_the_fused_layout_of_the_config():
-    """BLOOM and Falcon: the policy names the layouts a column split cannot divide."""
+    """BLOOM and Falcon: the plan follows the config's fused layout, and the policy names
+    the layouts it cannot split."""
     bloom = lookup_policy(meta("BloomConfig", n_head=4, n_layer=2))
     assert bloom.name == "bloom (shipped plan)"
     assert bloom.tp_plan["transformer.h.*.self_attention"] == "head_inputs"
@@ -407,9 +408,12 @@ def test_shipped_plans_check_the_fused_layout_of_the_config():
     with pytest.raises(ValueError, match="num_kv_heads.*tensor_parallel_degree 4"):
         check_model(policy, grouped.config, 4)  # 2 groups, no replicating packed kv heads
     seven_b = falcon(multi_query=True, new_decoder_architecture=False)
-    with pytest.raises(ValueError, match="multi_query=True"):
-        check_model(lookup_policy(seven_b), seven_b.config, 2)
-    check_model(lookup_policy(seven_b), seven_b.config, 1)  # no split, nothing to refuse
+    plan = lookup_policy(seven_b).tp_plan  # one shared key/value head: split by queries
+    assert plan["transformer.h.*.self_attention.query_key_value"] == "shared_kv_colwise"
+    assert (
+        lookup_policy(grouped).tp_plan["transformer.h.*.self_attention.query_key_value"]
+        == "colwise"
+    )
 
 
 def test_plan_keys_may_name_numbered_members_below_a_layer_number():

@@ -78,10 +78,6 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma4_text": {"vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 16},
     # its config checks that attention_types spans num_layers
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
-    # the default is Falcon-7B's multi-query layout, which no column split divides (refused
-    # with its reason); the larger Falcons' grouped layout (tests/distributed/test_tp_alibi.py
-    # covers the others)
-    "falcon": {"new_decoder_architecture": True, "num_kv_heads": 2},
     "roc_bert": {"pronunciation_embed_dim": 16, "shape_embed_dim": 16},
     # sequence-to-sequence families: sizes per stack
     **{

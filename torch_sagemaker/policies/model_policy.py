@@ -62,6 +62,10 @@ STYLES: Mapping[str, str] = {
     "mla_kv_a_proj": "latent attention's shared kv down-projection; rotary slice's grad summed",
     "sequence_parallel_local": "norm on a sequence slice of its whole input; output gathered",
     "head_inputs": "attention whose ALiBi inputs (alibi, a per-head mask) are cut to its heads",
+    "shared_kv_colwise": (
+        "fused [q | k | v] Linear of multi-query attention: weight whole, each rank computes "
+        "its query heads and the shared k/v; gradient summed"
+    ),
     "conv1d_colwise": "colwise on transformers' Conv1D (weight stored transposed)",
     "conv1d_packed_colwise": (
         "Conv1D whose output is equal packed blocks ([q | k | v]), each split by output "

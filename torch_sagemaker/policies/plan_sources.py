@@ -14,6 +14,7 @@ import re
 from torch import nn
 
 from torch_sagemaker.policies.shipped_plans import plan_additions, shipped_plan
+from torch_sagemaker.utils.hf_config import text_config
 
 #: Styles of an output embedding that split the vocabulary over the TP ranks.
 _VOCAB_SPLITTING_HEAD_STYLES = ("colwise", "colwise_rep", "colwise_gather_output")
@@ -81,7 +82,7 @@ def shipped_from_root(model: nn.Module) -> dict[str, str]:
     (an ``nn.Linear``) ``colwise_gather_output``, as transformers gives them in the plans it
     builds; ``{}`` where nothing is shipped for ``config.model_type``.
     """
-    base = shipped_plan(getattr(model.config, "model_type", None) or "")
+    base = shipped_plan(getattr(model.config, "model_type", None) or "", text_config(model))
     if not base:
         return {}
     entries: dict[str, str] = {}

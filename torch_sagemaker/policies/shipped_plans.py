@@ -17,13 +17,13 @@ passed ``python -m tools.model_coverage`` (tensor parallel 2 x hybrid shard 2 ag
 process: logits, loss, gradients and parameters over 3 steps). What keeps the others out,
 checked on that harness:
 
-- a fused query/key/value projection laid out as ``[q | k | v]`` blocks that
-  ``packed_colwise`` does not split (Note [Packed projections] in
-  ``tensor_parallel/projection_styles.py``): MPT's ``Wqkv``, an ``nn.Linear``; Falcon's
-  (Falcon-7B's ``multi_query`` layout, refused by ``layout_check``) and GPT-BigCode's under
-  multi-query attention, blocks of unequal widths (GPT-2's, on ``Conv1D``, is split block
-  by block). BLOOM's and Falcon's other layouts are head- or group-major: a plain column
-  split keeps whole heads, and their ALiBi biases are cut per rank (``head_inputs``);
+- a fused query/key/value projection laid out as ``[q | k | v]`` blocks of equal widths
+  on an ``nn.Linear`` (MPT's ``Wqkv``), which ``packed_colwise`` does not split (Note
+  [Packed projections] in ``tensor_parallel/projection_styles.py``; GPT-2's, on
+  ``Conv1D``, is split block by block). BLOOM's and Falcon's layouts are head- or
+  group-major (a plain column split keeps whole heads; their ALiBi biases are cut per rank,
+  ``head_inputs``), and under multi-query attention Falcon's and GPT-BigCode's end with one
+  shared key/value head (``shared_kv_colwise``, chosen per config: ``_VARIANTS``);
 - a norm over the full hidden width between the split projections (BitNet's sub-norms);
 - reshapes by a full width taken from the input's size (TrOCR's attention), which no
   attribute scales. Full widths held in attributes are scaled: the BERT family's
@@ -178,6 +178,13 @@ SHIPPED_PLANS: dict[str, dict[str, str]] = {
         **_attention("h.*.multi_head_attention", "dense", ("Wq", "Wk", "Wv")),
         **_mlp(("h.*.ffn.0",), "h.*.ffn.2"),
     },
+    # c_attn is head-major ([q, k, v] per head) without multi-query attention; with it (the
+    # default, StarCoder's), see _VARIANTS
+    "gpt_bigcode": {
+        "h.*.attn.c_attn": "colwise",
+        "h.*.attn.c_proj": "rowwise",
+        **_mlp(("h.*.mlp.c_fc",), "h.*.mlp.c_proj"),
+    },
     "gpt_neo": {
         **_attention("h.*.attn.attention", "out_proj"),
         **_mlp(("h.*.mlp.c_fc",), "h.*.mlp.c_proj"),
@@ -192,6 +199,7 @@ _WIDTH_ATTRS: dict[str, tuple[tuple[str, str], ...]] = {
     "xglm": (("embed_dim", "head_dim"),),
     "mvp": (("embed_dim", "head_dim"),),
     "ctrl": (("d_model_size", "depth"),),
+    "gpt_bigcode": (("embed_dim", "head_dim"),),  # the query block's width in c_attn's output
 }
 
 
@@ -234,13 +242,6 @@ def _falcon_layout(config: Any, tp_degree: int) -> str:
                 f"do not divide over tensor_parallel_degree {tp_degree}; choose a degree that "
                 f"divides {kv}"
             )
-    elif getattr(config, "multi_query", False):
-        return (
-            "with multi_query=True (as Falcon-7B) its query_key_value holds every query head "
-            "and then one key and one value head shared by all, which a column split cannot "
-            "divide into whole heads per rank; Falcon's new_decoder_architecture (Falcon-40B, "
-            "-180B) and multi_query=False layouts are supported"
-        )
     return ""
 
 
@@ -307,16 +308,38 @@ def plan_additions(model_type: str) -> dict[str, str]:
     return dict(PLAN_ADDITIONS.get(model_type, {}))
 
 
-def shipped_plan(model_type: str) -> dict[str, str]:
+def _multi_query(config: Any) -> bool:
+    """One key/value head shared by every query head, in Falcon's and GPT-BigCode's configs."""
+    return bool(getattr(config, "multi_query", False)) and not getattr(
+        config, "new_decoder_architecture", False
+    )
+
+
+#: model_type -> (entries a config variant changes, whether the config is that variant):
+#: multi-query attention's fused projection holds one key and one value head after all
+#: the query heads (Note [Shared key/value heads in a fused projection]).
+_VARIANTS: dict[str, tuple[dict[str, str], Callable[[Any], bool]]] = {
+    "falcon": ({"h.*.self_attention.query_key_value": "shared_kv_colwise"}, _multi_query),
+    "gpt_bigcode": ({"h.*.attn.c_attn": "shared_kv_colwise"}, _multi_query),
+}
+
+
+def shipped_plan(model_type: str, config: Any = None) -> dict[str, str]:
     """The plan shipped for the family ``model_type``, keyed below the base model, or ``{}``.
 
     Args:
         model_type: The family (``config.model_type``).
+        config: The model's config, where the family's variants differ (Falcon's and
+            GPT-BigCode's multi-query attention); ``None``: the family's default layout.
 
     Returns:
         The plan in transformers' terms (as ``config.base_model_tp_plan`` keys it).
     """
-    return dict(SHIPPED_PLANS.get(model_type, {}))
+    plan = dict(SHIPPED_PLANS.get(model_type, {}))
+    changes, applies = _VARIANTS.get(model_type, ({}, lambda _config: False))
+    if config is not None and applies(config):
+        plan.update(changes)
+    return plan
 
 
 __all__ = [

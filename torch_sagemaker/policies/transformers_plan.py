@@ -70,6 +70,8 @@ _LINEAR_STYLES = {
     "colwise_rep": "colwise_gather",
     "rowwise_split_input": "rowwise_split_input",
     "rowwise_rep": "rowwise_split_input",
+    # ours, not transformers': Note [Shared key/value heads in a fused projection]
+    "shared_kv_colwise": "shared_kv_colwise",
 }
 #: transformers' styles on a transformers ``Conv1D`` (a Linear stored transposed), and ours.
 _CONV1D_STYLES = {
@@ -98,7 +100,13 @@ _PARAMETER_STYLES = {"colwise": "param_colwise", "rowwise": "param_rowwise"}
 #: transformers' styles on the parameters of fused experts (the ``experts`` style splits them).
 _EXPERT_PARAMETER_STYLES = {"packed_colwise", "packed_rowwise", "colwise", "rowwise"}
 #: Our styles whose output is this rank's part of the features (heads, MLP columns).
-_SPLIT_OUTPUT = {"colwise", "kv_colwise", "conv1d_colwise", "conv1d_packed_colwise"}
+_SPLIT_OUTPUT = {
+    "colwise",
+    "kv_colwise",
+    "conv1d_colwise",
+    "conv1d_packed_colwise",
+    "shared_kv_colwise",
+}
 #: Config attributes that may hold the key/value head count (Falcon's: ``num_kv_heads``).
 _KV_HEADS_ATTRS = ("num_key_value_heads", "num_kv_heads")
 #: Config attributes that may hold the expert count.

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -47,6 +48,7 @@ from torch_sagemaker.tensor_parallel.replicated_styles import (
     OwnedOutput,
     make_replicated_style,
 )
+from torch_sagemaker.tensor_parallel.shared_kv import SharedKVColwise
 from torch_sagemaker.tensor_parallel.styles import (
     SequenceParallelNorm,
     make_style,
@@ -429,7 +431,11 @@ def apply_tp_plan(
             if style_name in PARAMETER_STYLES:
                 _split_parameter(model, name, style_name, tp_mesh, src_data_rank)
                 continue
-            if style_name in PROJECTION_STYLES:
+            style: ParallelStyle
+            if style_name == "shared_kv_colwise":  # one key and one value head
+                kv_width = 2 * _head_dim(model, name, attention_names)
+                style = SharedKVColwise(kv_width=kv_width, name=name)
+            elif style_name in PROJECTION_STYLES:
                 blocks = 1
                 if style_name == "conv1d_packed_colwise":
                     blocks = packed_blocks(model, name, attention_names)

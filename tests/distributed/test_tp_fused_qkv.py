@@ -1,17 +1,19 @@
-"""BLOOM and Falcon through their shipped plans: fused head-major projections, ALiBi biases.
+"""Fused query/key/value projections through shipped plans: BLOOM, Falcon, GPT-BigCode.
 
-Both pack queries, keys and values into one ``query_key_value`` projection, head by head
-(BLOOM; Falcon without multi-query attention) or key/value group by group (Falcon's new
-decoder architecture), so a column split keeps whole heads. BLOOM and Falcon's ALiBi
+Each packs queries, keys and values into one projection. Head by head (BLOOM; Falcon and
+GPT-BigCode without multi-query attention) or key/value group by group (Falcon's new
+decoder architecture), a column split keeps whole heads. Under multi-query attention
+(Falcon-7B, StarCoder) the projection ends with one key and one value head that every
+query head shares: its weight stays whole and each rank computes its query rows and the
+shared ones (Note [Shared key/value heads in a fused projection]). BLOOM and Falcon's ALiBi
 variant build their per-head biases outside the attention module, for every head: the
 ``head_inputs`` style cuts them to each rank's heads (Note [Head-indexed inputs]). Without
 the cut BLOOM fails with a shape error, and a cut taking the wrong heads fails the logits.
 
 Each variant runs at tp 2 on 2 ranks against the same model in one process: logits, loss,
 every gradient, and 5 SGD steps' losses and parameters. The batch is left-padded (its
-attention mask has zeros), so ALiBi's positions come from the mask. Falcon's multi-query
-layout (Falcon-7B), which no column split divides, is refused at ``tsm.transform`` with the
-config attribute named, as are key/value groups the degree does not divide.
+attention mask has zeros), so ALiBi's positions come from the mask. Key/value groups the
+degree does not divide are refused at ``tsm.transform``, naming the attribute.
 """
 
 from __future__ import annotations
@@ -42,8 +44,20 @@ VARIANTS = {
         {"alibi": True, "multi_query": False, "parallel_attn": False, "bias": True},
         "sdpa",
     ),
+    "falcon_multi_query": ("FalconConfig", {"multi_query": True}, "sdpa"),
+    "bigcode_multi_query": ("GPTBigCodeConfig", {"multi_query": True}, "eager"),
+    "bigcode_multi_head": ("GPTBigCodeConfig", {"multi_query": False}, "sdpa"),
 }
-FALCON_SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+SIZES = {
+    "FalconConfig": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4},
+    "GPTBigCodeConfig": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64},
+}
+#: The fused projection of each config class.
+FUSED = {
+    "BloomConfig": "self_attention.query_key_value",
+    "FalconConfig": "self_attention.query_key_value",
+    "GPTBigCodeConfig": "attn.c_attn",
+}
 
 
 def _build(variant: str, seed: int = 0, **overrides):
@@ -52,13 +66,12 @@ def _build(variant: str, seed: int = 0, **overrides):
     from transformers import AutoModelForCausalLM
 
     name, attrs, attention = VARIANTS[variant]
-    sizes = FALCON_SIZES if name == "FalconConfig" else {}
+    dropout = {  # none: the reference draws other masks than the TP ranks' regions
+        k: 0.0
+        for k in ("hidden_dropout", "attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")
+    }
     cfg = getattr(transformers, name)(
-        vocab_size=128,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        **sizes,
-        **{**attrs, **overrides},
+        vocab_size=128, **dropout, **SIZES.get(name, {}), **{**attrs, **overrides}
     )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation=attention).float()
@@ -115,7 +128,9 @@ def _parity() -> dict:
             curves.append(losses)
         r["curves"] = curves
         r["params"] = max(parameter_diffs(model, ref).values())
-        r["split"] = type(model.transformer.h[0].self_attention.query_key_value.weight).__name__
+        fused = model.transformer.h[0].get_submodule(FUSED[VARIANTS[variant][0]]).weight
+        r["fused"] = str(fused.placements)
+        r["dtensors"] = all(type(p).__name__ == "DTensor" for p in model.parameters())
         results[variant] = r
     return results
 
@@ -123,7 +138,9 @@ def _parity() -> dict:
 def test_bloom_and_falcon_layouts_match_one_process_at_tp2():
     for results in run_distributed(_parity, world_size=2, timeout=300):
         for variant, r in results.items():
-            assert r["split"] == "DTensor", variant
+            assert r["dtensors"], variant
+            whole = "multi_query" in variant  # the shared key/value heads' projection
+            assert r["fused"] == ("(Replicate(),)" if whole else "(Shard(dim=0),)"), (variant, r)
             assert r["logits"] < 2e-5 and r["loss"] < 2e-5, (variant, r)
             assert r["grad_scale"] > 1e-4 and r["grads"] < 2e-5, (variant, r)
             tp, ref = r["curves"]
@@ -137,10 +154,7 @@ def _refusals() -> dict:
 
     tsm.init({"tensor_parallel_degree": 2})
     found = {}
-    for variant, overrides in (
-        ("falcon_alibi_sdpa", {"alibi": False, "multi_query": True}),  # Falcon-7B's layout
-        ("falcon_new", {"num_kv_heads": 1}),
-    ):
+    for variant, overrides in (("falcon_new", {"num_kv_heads": 1}),):
         try:
             tsm.transform(_build(variant, **overrides))
             found[variant] = ""
@@ -149,8 +163,7 @@ def _refusals() -> dict:
     return found
 
 
-def test_layouts_no_column_split_divides_are_refused_naming_the_attribute():
+def test_key_value_groups_the_degree_does_not_divide_are_refused_naming_the_attribute():
     for found in run_distributed(_refusals, world_size=2, timeout=120):
-        assert "multi_query=True" in found["falcon_alibi_sdpa"], found
         assert "num_kv_heads" in found["falcon_new"], found
         assert "tensor_parallel_degree 2" in found["falcon_new"], found
