@@ -77,6 +77,15 @@ def tiny_config(family: str, **overrides):
             embd_pdrop=0.0,
             attn_pdrop=0.0,
         )
+    elif family == "falcon":  # no policy: its shipped plan (Falcon-7B's multi-query layout)
+        cfg = tf.FalconConfig(
+            vocab_size=128,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )
     elif family == "gpt_neox":
         cfg = tf.GPTNeoXConfig(**common, hidden_dropout=0.0, use_parallel_residual=True)
     else:
