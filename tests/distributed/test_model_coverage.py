@@ -10,7 +10,8 @@ RoFormer: attention that reshapes by its full ``all_head_size``; GPT-2: transfor
 Conv1D, its packed [q | k | v] split block by block; BLOOM: ALiBi biases cut per rank;
 CTRL: plan keys naming a Sequential's numbered members, and a full width of its own;
 XGLM: ``embed_dim``, a full width in that family only; Whisper: the decoder's own head
-count, here unlike the encoder's), plus one it skips, and must write their rows.
+count, here unlike the encoder's; MPT: its fused ``Wqkv`` computed by rows, and ALiBi),
+plus one it skips, and must write their rows.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def test_coverage_command_runs_families_and_writes_the_table(tmp_path):
         for r in main(
             [
                 "--families",
-                "qwen3,qwen3_moe,gemma3,bart,roberta,roformer,gpt2,bloom,ctrl,xglm,whisper,mpt",
+                "qwen3,qwen3_moe,gemma3,bart,roberta,roformer,gpt2,bloom,ctrl,xglm,whisper,mpt,rwkv",
                 "--output",
                 str(out),
             ]
@@ -43,12 +44,13 @@ def test_coverage_command_runs_families_and_writes_the_table(tmp_path):
     assert gemma3.path == "plan" and gemma3.result == "pass", gemma3
     assert all(parity.passed(r)[0] for r in gemma3.per_rank)
     assert 0.2 < gemma3.per_rank[0]["split_share"] < 0.9  # the text model's share
-    for family in ("bart", "roberta", "roformer", "gpt2", "bloom", "ctrl", "xglm", "whisper"):
+    for family in ("bart", "roberta", "roformer", "gpt2", "bloom", "ctrl", "xglm", "whisper", "mpt"):
         row = rows[family]
         assert row.path == "shipped plan" and row.result == "pass", row
         assert all(parity.passed(r)[0] for r in row.per_rank) and len(row.per_rank) == 4
-        assert row.per_rank[0]["split_share"] > 0.75  # (Whisper: 0.78, its positions whole)
-    assert rows["mpt"].result == "skip" and "no base_model_tp_plan" in rows["mpt"].detail
+        # (Whisper: 0.78, its positions whole; MPT: 0.77, its fused Wqkv whole on each rank)
+        assert row.per_rank[0]["split_share"] > 0.75
+    assert rows["rwkv"].result == "skip" and "no base_model_tp_plan" in rows["rwkv"].detail
     for family in ("qwen3", "qwen3_moe"):
         per_rank = rows[family].per_rank
         assert len(per_rank) == 4 and all(parity.passed(r)[0] for r in per_rank)
@@ -58,4 +60,4 @@ def test_coverage_command_runs_families_and_writes_the_table(tmp_path):
     text = out.read_text()
     assert "| qwen3 | Qwen3ForCausalLM | plan | pass |" in text, text
     assert "| bart | BartForCausalLM | shipped plan | pass |" in text, text
-    assert "| mpt | MptForCausalLM | none | skip |" in text, text
+    assert "| rwkv | RwkvForCausalLM | none | skip |" in text, text

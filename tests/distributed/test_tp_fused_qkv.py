@@ -1,12 +1,12 @@
-"""Fused query/key/value projections through shipped plans: BLOOM, Falcon, GPT-BigCode.
+"""Fused query/key/value projections through shipped plans: BLOOM, Falcon, GPT-BigCode, MPT.
 
 Each packs queries, keys and values into one projection. Head by head (BLOOM; Falcon and
 GPT-BigCode without multi-query attention) or key/value group by group (Falcon's new
 decoder architecture), a column split keeps whole heads. Under multi-query attention
 (Falcon-7B, StarCoder) the projection ends with one key and one value head that every
-query head shares: its weight stays whole and each rank computes its query rows and the
-shared ones (Note [Shared key/value heads in a fused projection]). BLOOM and Falcon's ALiBi
-variant build their per-head biases outside the attention module, for every head: the
+query head shares, and MPT's is ``[q | k | v]`` blocks: the weight stays whole and each
+rank computes its rows (Note [Fused projections computed by rows]). BLOOM, MPT and Falcon's
+ALiBi variant build their per-head biases outside the attention module, for every head: the
 ``head_inputs`` style cuts them to each rank's heads (Note [Head-indexed inputs]). Without
 the cut BLOOM fails with a shape error, and a cut taking the wrong heads fails the logits.
 
@@ -47,16 +47,19 @@ VARIANTS = {
     "falcon_multi_query": ("FalconConfig", {"multi_query": True}, "sdpa"),
     "bigcode_multi_query": ("GPTBigCodeConfig", {"multi_query": True}, "eager"),
     "bigcode_multi_head": ("GPTBigCodeConfig", {"multi_query": False}, "sdpa"),
+    "mpt": ("MptConfig", {}, "eager"),
 }
 SIZES = {
     "FalconConfig": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4},
     "GPTBigCodeConfig": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64},
+    "MptConfig": {"d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 64},
 }
 #: The fused projection of each config class.
 FUSED = {
     "BloomConfig": "self_attention.query_key_value",
     "FalconConfig": "self_attention.query_key_value",
     "GPTBigCodeConfig": "attn.c_attn",
+    "MptConfig": "attn.Wqkv",
 }
 
 
@@ -128,7 +131,8 @@ def _parity() -> dict:
             curves.append(losses)
         r["curves"] = curves
         r["params"] = max(parameter_diffs(model, ref).values())
-        fused = model.transformer.h[0].get_submodule(FUSED[VARIANTS[variant][0]]).weight
+        layers = model.transformer.blocks if variant == "mpt" else model.transformer.h
+        fused = layers[0].get_submodule(FUSED[VARIANTS[variant][0]]).weight
         r["fused"] = str(fused.placements)
         r["dtensors"] = all(type(p).__name__ == "DTensor" for p in model.parameters())
         results[variant] = r
@@ -139,7 +143,8 @@ def test_bloom_and_falcon_layouts_match_one_process_at_tp2():
     for results in run_distributed(_parity, world_size=2, timeout=300):
         for variant, r in results.items():
             assert r["dtensors"], variant
-            whole = "multi_query" in variant  # the shared key/value heads' projection
+            # multi-query's shared key/value heads and MPT's [q | k | v] blocks: whole weights
+            whole = "multi_query" in variant or variant == "mpt"
             assert r["fused"] == ("(Replicate(),)" if whole else "(Shard(dim=0),)"), (variant, r)
             assert r["logits"] < 2e-5 and r["loss"] < 2e-5, (variant, r)
             assert r["grad_scale"] > 1e-4 and r["grads"] < 2e-5, (variant, r)

@@ -6,7 +6,7 @@ Qwen3 has no policy: ``tsm.transform`` shards it by its own plan, whose norms ar
 fail ("mixed torch.Tensor and DTensor", Note [Replicated parameters under FSDP1]). GPT-2's
 shipped plan splits its packed ``c_attn`` block by block (``_StridedShard``) under FSDP1's
 flat parameters; Falcon-7B's computes its query rows of a replicated fused projection
-(Note [Shared key/value heads in a fused projection]). Here
+(Note [Fused projections computed by rows]). Here
 tp 2 x hybrid_shard_degree 2, HYBRID_SHARD, trains 3 SGD steps against one process on the
 global batch (4 ranks): losses and every parameter.
 """

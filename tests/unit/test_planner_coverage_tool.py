@@ -7,13 +7,13 @@ from tools.model_coverage import planner
 
 def test_the_page_sorts_families_by_how_the_planner_sizes_them(tmp_path):
     out = tmp_path / "planner_coverage.md"
-    rows = planner.main(["--families", "llama,phi,diffllama,mpt", "--output", str(out)])
+    rows = planner.main(["--families", "llama,phi,diffllama,rwkv", "--output", str(out)])
     results = {r.family: r.result for r in rows}
     assert results == {
         "llama": "written",
         "phi": "measured",
         "diffllama": "refused",
-        "mpt": "not planned",
+        "rwkv": "not planned",
     }
     text = out.read_text()
     assert "Of 4 causal-LM families, 2 are planned" in text

@@ -62,6 +62,10 @@ STYLES: Mapping[str, str] = {
     "mla_kv_a_proj": "latent attention's shared kv down-projection; rotary slice's grad summed",
     "sequence_parallel_local": "norm on a sequence slice of its whole input; output gathered",
     "head_inputs": "attention whose ALiBi inputs (alibi, a per-head mask) are cut to its heads",
+    "linear_packed_colwise": (
+        "fused [q | k | v] (or [gate | up]) nn.Linear: weight whole, each rank computes its "
+        "part of each block; gradient summed"
+    ),
     "shared_kv_colwise": (
         "fused [q | k | v] Linear of multi-query attention: weight whole, each rank computes "
         "its query heads and the shared k/v; gradient summed"

@@ -14,7 +14,7 @@ from torch import nn
 
 from torch_sagemaker.policies.model_policy import config_value
 from torch_sagemaker.utils.hf_config import text_config
-from torch_sagemaker.utils.projections import conv1d_features
+from torch_sagemaker.utils.projections import out_features
 
 
 def attention_head_dim(attention: nn.Module, config: Any) -> int:
@@ -56,12 +56,13 @@ FULL_WIDTH_ATTRS = (("all_head_size", "attention_head_size"), ("split_size", "he
 
 
 def packed_blocks(model: nn.Module, name: str, attention: list[str]) -> int:
-    """How many equal blocks the output of the packed ``Conv1D`` ``name`` holds.
+    """How many equal blocks the output of the packed projection ``name`` holds.
 
     Inside an attention module (one of ``attention``): its output width over the heads'
     (``num_attention_heads`` x the module's head size), 3 for ``[q | k | v]``. Elsewhere 2,
     transformers' meaning of ``packed_colwise`` (a fused ``[gate | up]``). Note [Packed
-    projections] in ``tensor_parallel/projection_styles.py``.
+    projections] in ``tensor_parallel/projection_styles.py`` (a ``Conv1D``), Note [Fused
+    projections computed by rows] in ``tensor_parallel/fused_rows.py`` (an ``nn.Linear``).
 
     Raises:
         ValueError: The output is not a whole number (at least 2) of the heads' widths:
@@ -74,7 +75,7 @@ def packed_blocks(model: nn.Module, name: str, attention: list[str]) -> int:
     config = text_config(model)
     heads = int(config_value(config, "num_attention_heads", 0) or 0)
     width = heads * attention_head_dim(model.get_submodule(owner), config)
-    features = conv1d_features(model.get_submodule(name))[1]
+    features = out_features(model.get_submodule(name))
     if width <= 0 or features % width or features // width < 2:
         raise ValueError(
             f"its {features} output features are not a whole number of blocks of the "

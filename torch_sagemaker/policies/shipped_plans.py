@@ -17,13 +17,6 @@ passed ``python -m tools.model_coverage`` (tensor parallel 2 x hybrid shard 2 ag
 process: logits, loss, gradients and parameters over 3 steps). What keeps the others out,
 checked on that harness:
 
-- a fused query/key/value projection laid out as ``[q | k | v]`` blocks of equal widths
-  on an ``nn.Linear`` (MPT's ``Wqkv``), which ``packed_colwise`` does not split (Note
-  [Packed projections] in ``tensor_parallel/projection_styles.py``; GPT-2's, on
-  ``Conv1D``, is split block by block). BLOOM's and Falcon's layouts are head- or
-  group-major (a plain column split keeps whole heads; their ALiBi biases are cut per rank,
-  ``head_inputs``), and under multi-query attention Falcon's and GPT-BigCode's end with one
-  shared key/value head (``shared_kv_colwise``, chosen per config: ``_VARIANTS``);
 - a norm over the full hidden width between the split projections (BitNet's sub-norms);
 - reshapes by a full width taken from the input's size (TrOCR's attention), which no
   attribute scales. Full widths held in attributes are scaled: the BERT family's
@@ -31,6 +24,12 @@ checked on that harness:
   (``tensor_parallel.plan._set_head_counts``), and per family where a name means that only
   there (``width_attrs``: XGLM's and MVP's ``embed_dim``, which in CodeGen means something
   else; CTRL's ``d_model_size``).
+
+Fused query/key/value projections are in: BLOOM's and Falcon's are head- or group-major,
+so a plain column split keeps whole heads; MPT's ``Wqkv`` is ``[q | k | v]`` blocks,
+``packed_colwise``; under multi-query attention Falcon's and GPT-BigCode's end with one
+shared key/value head, ``shared_kv_colwise``, chosen per config in ``_VARIANTS``. ALiBi
+biases built outside the attention are cut per rank, ``head_inputs``.
 
 Sequence-to-sequence configs count the encoder's heads as ``num_attention_heads``; their
 causal LMs are the decoder, whose own count is used (``heads_attr``: Whisper's may differ).
@@ -185,6 +184,15 @@ SHIPPED_PLANS: dict[str, dict[str, str]] = {
         "h.*.attn.c_proj": "rowwise",
         **_mlp(("h.*.mlp.c_fc",), "h.*.mlp.c_proj"),
     },
+    # Wqkv is [q | k | v]: each rank computes its part of every block (Note [Fused
+    # projections computed by rows]); ALiBi from outside the attention (Note [Head-indexed
+    # inputs])
+    "mpt": {
+        "blocks.*.attn.Wqkv": "packed_colwise",
+        "blocks.*.attn.out_proj": "rowwise",
+        "blocks.*.attn": "head_inputs",
+        **_mlp(("blocks.*.ffn.up_proj",), "blocks.*.ffn.down_proj"),
+    },
     "gpt_neo": {
         **_attention("h.*.attn.attention", "out_proj"),
         **_mlp(("h.*.mlp.c_fc",), "h.*.mlp.c_proj"),
@@ -317,7 +325,7 @@ def _multi_query(config: Any) -> bool:
 
 #: model_type -> (entries a config variant changes, whether the config is that variant):
 #: multi-query attention's fused projection holds one key and one value head after all
-#: the query heads (Note [Shared key/value heads in a fused projection]).
+#: the query heads (Note [Fused projections computed by rows]).
 _VARIANTS: dict[str, tuple[dict[str, str], Callable[[Any], bool]]] = {
     "falcon": ({"h.*.self_attention.query_key_value": "shared_kv_colwise"}, _multi_query),
     "gpt_bigcode": ({"h.*.attn.c_attn": "shared_kv_colwise"}, _multi_query),

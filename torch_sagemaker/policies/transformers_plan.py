@@ -60,7 +60,7 @@ from torch_sagemaker.policies.plan_sources import (
 )
 from torch_sagemaker.policies.shipped_plans import heads_attr, layout_check, width_attrs
 from torch_sagemaker.utils.hf_config import text_config
-from torch_sagemaker.utils.projections import conv1d_features, is_conv1d
+from torch_sagemaker.utils.projections import is_conv1d, out_features
 
 #: transformers' styles whose module must be an ``nn.Linear``, and ours for them.
 _LINEAR_STYLES = {
@@ -70,7 +70,9 @@ _LINEAR_STYLES = {
     "colwise_rep": "colwise_gather",
     "rowwise_split_input": "rowwise_split_input",
     "rowwise_rep": "rowwise_split_input",
-    # ours, not transformers': Note [Shared key/value heads in a fused projection]
+    # weight whole, each rank its rows of each block: Note [Fused projections computed by rows]
+    "packed_colwise": "linear_packed_colwise",
+    # ours, not transformers': the same note
     "shared_kv_colwise": "shared_kv_colwise",
 }
 #: transformers' styles on a transformers ``Conv1D`` (a Linear stored transposed), and ours.
@@ -106,6 +108,7 @@ _SPLIT_OUTPUT = {
     "conv1d_colwise",
     "conv1d_packed_colwise",
     "shared_kv_colwise",
+    "linear_packed_colwise",
 }
 #: Config attributes that may hold the key/value head count (Falcon's: ``num_kv_heads``).
 _KV_HEADS_ATTRS = ("num_key_value_heads", "num_kv_heads")
@@ -208,6 +211,8 @@ class _Translation:
                 return "lm_head" if _loss_through_loss_function(self.model) else "colwise_gather"
             if style == "colwise" and self.is_kv_projection(name, module):
                 return "kv_colwise"
+            if style == "packed_colwise":
+                self.check_packed(name, module, style)
             return _LINEAR_STYLES[style]
         if style in _EMBEDDING_STYLES:
             if not isinstance(module, nn.Embedding):
@@ -238,7 +243,7 @@ class _Translation:
         owner = next((a for a in attention if name.startswith(f"{a}.")), None)
         if owner is None:
             return
-        width = conv1d_features(module)[1] // blocks
+        width = out_features(module) // blocks
         for attr, size_attr in FULL_WIDTH_ATTRS:
             value = getattr(self.modules[owner], attr, None)
             if value == width and not isinstance(

@@ -2,10 +2,11 @@
 
 Note [Head-indexed inputs]: most attention modules get everything per head from their own
 projections, which the plan splits, so a rank computes its heads from its own slices.
-ALiBi families (BLOOM, Falcon's ALiBi variant) instead build one bias per head *outside*
+ALiBi families (BLOOM, MPT, Falcon's ALiBi variant) instead build one bias per head *outside*
 the attention module, from the full head count, and pass it in: ``alibi`` of shape
 ``[batch x heads, 1, keys]`` (batch-major, head-minor rows; BLOOM) or ``[batch, heads, 1,
-keys]`` (Falcon), and Falcon also folds it into a 4-D ``attention_mask`` of shape
+keys]`` (Falcon), MPT's ``position_bias`` of shape ``[heads, 1, keys]`` for every batch
+element, and Falcon also folds it into a 4-D ``attention_mask`` of shape
 ``[batch, heads, queries, keys]``. A rank that computes
 heads ``[r x H/T, (r + 1) x H/T)`` (a column split keeps each rank's heads contiguous and
 in order) must add those heads' biases, so this style cuts both inputs to them before the
@@ -27,6 +28,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
+
+#: Keyword inputs holding per-head biases: BLOOM's and Falcon's ``alibi``, MPT's
+#: ``position_bias``.
+_BIASES = ("alibi", "position_bias")
 
 
 def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -68,14 +73,18 @@ class HeadInputs(ParallelStyle):
 
         def cut_alibi(alibi: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
             batch = hidden.shape[0] if hidden is not None else -1
+            # (in this order: a batch as large as the head count is read as a batch)
+            if alibi.dim() > 1 and alibi.shape[:2] == (batch, heads):  # [batch, heads, ...]
+                return alibi[:, start : start + local]
             if alibi.shape[0] == batch * heads:  # [batch x heads, ...]
                 rows = alibi.view(batch, heads, *alibi.shape[1:])
                 return rows[:, start : start + local].reshape(-1, *alibi.shape[1:])
-            if alibi.dim() > 1 and alibi.shape[:2] == (batch, heads):  # [batch, heads, ...]
-                return alibi[:, start : start + local]
+            if alibi.shape[0] == heads:  # [heads, ...] for every batch element (MPT's)
+                return alibi[start : start + local]
             raise ValueError(
-                f"{name}: its alibi input of shape {tuple(alibi.shape)} is not laid out as "
-                f"[batch x {heads} heads, ...] or [batch, {heads} heads, ...] for a batch of "
+                f"{name}: its ALiBi input of shape {tuple(alibi.shape)} is not laid out as "
+                f"[{heads} heads, ...], [batch x {heads} heads, ...] or [batch, {heads} heads, "
+                "...] for a batch of "
                 f"{batch} (the hidden states, its first input), so it cannot be cut to this "
                 f"rank's heads over {ranks} tensor parallel ranks (Note [Head-indexed inputs])."
             )
@@ -83,9 +92,10 @@ class HeadInputs(ParallelStyle):
         def cut(
             _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-            alibi = kwargs.get("alibi")
-            if isinstance(alibi, torch.Tensor):
-                kwargs["alibi"] = cut_alibi(alibi, _first_tensor(args, kwargs))
+            for key in _BIASES:
+                bias = kwargs.get(key)
+                if isinstance(bias, torch.Tensor):
+                    kwargs[key] = cut_alibi(bias, _first_tensor(args, kwargs))
             mask = kwargs.get("attention_mask")
             if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == heads:
                 kwargs["attention_mask"] = mask[:, start : start + local]

@@ -35,6 +35,7 @@ from torch_sagemaker.policies.module_layout import (
     attention_head_dim,
     packed_blocks,
 )
+from torch_sagemaker.tensor_parallel.fused_rows import FusedRowsColwise
 from torch_sagemaker.tensor_parallel.generation import gather_logits_in_generate
 from torch_sagemaker.tensor_parallel.loss import causal_lm_loss
 from torch_sagemaker.tensor_parallel.projection_styles import (
@@ -48,7 +49,6 @@ from torch_sagemaker.tensor_parallel.replicated_styles import (
     OwnedOutput,
     make_replicated_style,
 )
-from torch_sagemaker.tensor_parallel.shared_kv import SharedKVColwise
 from torch_sagemaker.tensor_parallel.styles import (
     SequenceParallelNorm,
     make_style,
@@ -61,7 +61,7 @@ PARAMETER_STYLES = ("param_colwise", "param_rowwise")
 
 # Attributes Hugging Face attention modules may keep head counts in (older code reshapes
 # with them instead of -1); scaled to the per-rank counts when the plan splits the heads.
-_HEAD_ATTRS = ("num_heads", "num_attention_heads")
+_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads")
 _KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads")
 # The widths of all heads together are scaled likewise (``FULL_WIDTH_ATTRS``).
 
@@ -433,8 +433,11 @@ def apply_tp_plan(
                 continue
             style: ParallelStyle
             if style_name == "shared_kv_colwise":  # one key and one value head
-                kv_width = 2 * _head_dim(model, name, attention_names)
-                style = SharedKVColwise(kv_width=kv_width, name=name)
+                shared = 2 * _head_dim(model, name, attention_names)
+                style = FusedRowsColwise(shared=shared, name=name)
+            elif style_name == "linear_packed_colwise":
+                blocks = packed_blocks(model, name, attention_names)
+                style = FusedRowsColwise(blocks=blocks, name=name)
             elif style_name in PROJECTION_STYLES:
                 blocks = 1
                 if style_name == "conv1d_packed_colwise":

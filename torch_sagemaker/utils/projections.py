@@ -29,4 +29,11 @@ def conv1d_features(module: nn.Module) -> tuple[int, int]:
     return int(weight.shape[0]), int(weight.shape[1])
 
 
-__all__ = ["conv1d_features", "is_conv1d"]
+def out_features(module: nn.Module) -> int:
+    """The output features of an ``nn.Linear`` or a transformers ``Conv1D``."""
+    if isinstance(module, nn.Linear):
+        return int(module.out_features)
+    return conv1d_features(module)[1]
+
+
+__all__ = ["conv1d_features", "is_conv1d", "out_features"]

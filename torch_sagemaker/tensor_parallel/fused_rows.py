@@ -1,0 +1,127 @@
+"""Fused ``nn.Linear`` projections kept whole, each rank computing the rows it needs.
+
+Note [Fused projections computed by rows]: some models compute queries, keys and values in
+one ``nn.Linear`` whose output rows are not laid out head by head, so no contiguous split of
+the rows gives every rank whole heads:
+
+- ``[q | k | v]`` blocks of equal widths (MPT's ``Wqkv``; transformers' ``packed_colwise``
+  on an ``nn.Linear``): rank ``r`` needs its part of each block, ``[q_r | k_r | v_r]``.
+  On a ``Conv1D`` that part is a DTensor of its own (``_StridedShard``, Note [Packed
+  projections]), but an ``nn.Linear`` keeps its output features on dimension 0, which
+  FSDP2 shards too, and PyTorch 2.13 describes that double split wrongly;
+- under multi-query attention (Falcon-7B's ``query_key_value``, GPT-BigCode's ``c_attn``),
+  every query head and then one key and one value head that all query heads share:
+  every rank needs the shared key and value, ``[q_r | k | v]`` (``shared_kv_colwise``).
+
+So the weight and bias stay whole on the tensor parallel ranks (``Replicate`` DTensors:
+FSDP shards them over the data-parallel ranks like any replicated parameter; checkpoints,
+exports and resharding see the model's own layout), and each rank computes only its rows.
+Its gradient covers those rows (for shared rows, its query heads' share); summed over the
+TP ranks (``AllReduceGrad``), that is the whole gradient, the same on every rank. The
+input is the whole activation; its gradient, a partial sum on each rank, is summed at the
+DTensor boundary like a column split's.
+
+What this costs against a split weight: every TP rank holds the projection whole (MPT's
+``3 x hidden x hidden`` per layer, a quarter of its layer; Falcon-7B's about 9% of its
+parameters), and its gradient is all-reduced over the TP ranks each step. The compute is
+split.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from torch_sagemaker.tensor_parallel.local_parameters import local_value
+from torch_sagemaker.tensor_parallel.styles import (
+    AllReduceGrad,
+    distribute_params,
+    to_local_partial_grad,
+)
+
+
+def fused_rows(out_features: int, blocks: int, shared: int, rank: int, tp: int) -> torch.Tensor:
+    """The output rows that rank ``rank`` of ``tp`` computes.
+
+    Its part of each of ``blocks`` equal blocks, then the last ``shared`` rows (Note [Fused
+    projections computed by rows]).
+
+    Raises:
+        ValueError: The blocks do not divide evenly over the ranks.
+    """
+    split = out_features - shared
+    if blocks < 1 or shared < 0 or split <= 0 or split % (blocks * tp):
+        raise ValueError(
+            f"{out_features} output features, {shared} of them shared, leave {split} in "
+            f"{blocks} block(s), which do not divide over tensor_parallel_degree={tp}: each "
+            "rank computes whole heads (Note [Fused projections computed by rows])."
+        )
+    width = split // blocks
+    local = width // tp
+    parts = [
+        torch.arange(b * width + rank * local, b * width + (rank + 1) * local)
+        for b in range(blocks)
+    ]
+    return torch.cat([*parts, torch.arange(split, out_features)])
+
+
+class FusedRowsColwise(ParallelStyle):
+    """A fused ``nn.Linear`` kept whole; each rank computes its rows of it.
+
+    Note [Fused projections computed by rows].
+
+    Args:
+        blocks: Equal blocks of the split part of the output (3 for ``[q | k | v]``), each
+            split over the ranks.
+        shared: Output features at the end that every rank computes (the shared key and
+            value of multi-query attention); 0 for none.
+        name: The module's name (messages).
+    """
+
+    def __init__(self, *, blocks: int = 1, shared: int = 0, name: str = "") -> None:
+        super().__init__()
+        self.blocks, self.shared, self.name = blocks, shared, name
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        name = self.name or type(module).__name__
+        if not isinstance(module, nn.Linear):
+            raise TypeError(
+                f"{name}: a fused projection style applies to nn.Linear, not {type(module)}."
+            )
+        try:
+            rows = fused_rows(
+                module.out_features,
+                self.blocks,
+                self.shared,
+                device_mesh.get_local_rank(),
+                device_mesh.size(),
+            )
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        distribute_params(module, device_mesh, [Replicate()], self.src_data_rank)
+        group = device_mesh.get_group()
+
+        def mine(mod: nn.Module, pname: str) -> torch.Tensor | None:
+            param = getattr(mod, pname)
+            if param is None:
+                return None
+            whole = AllReduceGrad.apply(local_value(mod, pname, cast(DTensor, param)), group)
+            return whole.index_select(0, rows.to(whole.device))
+
+        def forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            x = to_local_partial_grad(x, device_mesh)  # its gradient summed over the ranks
+            return F.linear(x, cast(torch.Tensor, mine(mod, "weight")), mine(mod, "bias"))
+
+        styled: nn.Module = module  # (a Linear's forward is a method of its class)
+        styled.forward = types.MethodType(forward, module)
+        return styled
+
+
+__all__ = ["FusedRowsColwise", "fused_rows"]
