@@ -193,6 +193,13 @@ SHIPPED_PLANS: dict[str, dict[str, str]] = {
         "blocks.*.attn": "head_inputs",
         **_mlp(("blocks.*.ffn.up_proj",), "blocks.*.ffn.down_proj"),
     },
+    # Wi packs [input | gate]: each rank computes its part of both (Note [Fused projections
+    # computed by rows])
+    "modernbert-decoder": {
+        **_attention("layers.*.attn", "Wo"),
+        **_mlp(("layers.*.mlp.Wi",), "layers.*.mlp.Wo"),
+        "layers.*.mlp.Wi": "packed_colwise",
+    },
     "gpt_neo": {
         **_attention("h.*.attn.attention", "out_proj"),
         **_mlp(("h.*.mlp.c_fc",), "h.*.mlp.c_proj"),
