@@ -6,6 +6,11 @@ attention swaps the generator's state, Dynamo broke the graph there, and PyTorch
 DTensor autograd went wrong at the break (Note [TP regions under torch.compile] in
 ``tensor_parallel/plan.py``). A region that draws nothing is skipped while compiling; one
 that may draw (attention dropout in training) raises and names the fixes.
+
+Styles whose backward sums a gradient over the TP ranks (``AllReduceGrad``: a kv projection
+with fewer heads than ranks, Falcon-7B's fused projection computed by rows) failed to
+compile at all: Dynamo cannot trace the direct all-reduce (Note [Gradient all-reduce under
+torch.compile] in ``tensor_parallel/styles.py``).
 """
 
 from __future__ import annotations
@@ -61,3 +66,50 @@ def test_compiled_tp_attention_with_dropout_is_refused():
     for out in run_distributed(_compiled_tp, 0.1, world_size=2, timeout=600):
         assert "error" in out, "a compiled TP region with dropout must not run"
         assert "cannot be compiled" in out["error"] and "dropout" in out["error"], out["error"]
+
+
+def _compiled_summed_gradients() -> dict:
+    """Compiled layers of a Llama with one kv head and of Falcon-7B's layout, at tp 2."""
+    import copy
+
+    import torch.sagemaker as tsm
+
+    from tests.distributed.test_tp_fused_qkv import _build, _padded_batch
+    from tests.distributed.test_tp_parity import full
+
+    tsm.init({"tensor_parallel_degree": 2})
+    ids, mask, labels = _padded_batch()
+    out = {}
+    for name in ("llama", "falcon_multi_query"):
+        if name == "llama":
+            ref = tiny_llama(attn_implementation="sdpa", num_key_value_heads=1)
+        else:
+            ref = _build(name)
+        model = tsm.transform(copy.deepcopy(ref))
+        layers = model.model.layers if name == "llama" else model.transformer.h
+        for i, layer in enumerate(layers):
+            layers[i] = torch.compile(layer)
+        try:
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            continue
+        expected = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
+        expected.backward()
+        grads = {n.replace("._orig_mod", ""): full(p.grad) for n, p in model.named_parameters()}
+        out[name] = {
+            "loss": abs(float(loss) - float(expected)),
+            "grads": max(float((grads[n] - p.grad).abs().max()) for n, p in ref.named_parameters()),
+            "grad_scale": max(float(p.grad.abs().max()) for p in ref.parameters()),
+        }
+    return out
+
+
+@pytest.mark.distributed
+def test_compiled_layers_with_summed_gradients_match_one_process():
+    for out in run_distributed(_compiled_summed_gradients, world_size=2, timeout=600):
+        for name, r in out.items():
+            assert "error" not in r, (name, r)
+            assert r["loss"] < 1e-5 and r["grad_scale"] > 1e-4, (name, r)
+            assert r["grads"] < 1e-5, (name, r)

@@ -4,7 +4,8 @@ The package reads c10d's registry of live groups (``_world``), asks a process gr
 per-device backend (``ProcessGroup._get_backend``) and builds a group with the helper
 ``new_group`` itself uses (``_new_process_group_helper``), so that the group's name can be
 chosen, and makes a finished ``Work`` from a future (``_create_work_from_future``) for groups
-written in Python.
+written in Python. Code that ``torch.compile`` traces sums over a group with the functional
+all-reduce (``_functional_collectives.all_reduce``), which Dynamo records in the graph.
 
 Checked on torch 2.11, 2.13.
 """
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import _functional_collectives as _funcol
 from torch.distributed import distributed_c10d as _c10d
 
 
@@ -119,6 +121,16 @@ def backend_of(group: dist.ProcessGroup, device: torch.device) -> Any:
 # as deprecated aliases; torch 2.11 has only the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def traceable_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``tensor`` summed over ``group``, a new tensor, in an op Dynamo traces into a graph.
+
+    Dynamo cannot trace ``dist.all_reduce`` or a group's backend object (an opaque object
+    whose members it does not know); the functional collective is what DTensor itself uses
+    in compiled code.
+    """
+    return _funcol.all_reduce(tensor, "sum", group)
 
 
 def completed_work(result: Any) -> dist.Work:

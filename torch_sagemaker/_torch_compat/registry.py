@@ -39,6 +39,7 @@ PRIVATE_NAMES: tuple[str, ...] = (
     f"{_C10D}._world.pg_map",
     f"{_C10D}._world.pg_group_ranks",
     "torch.distributed.ProcessGroup._get_backend",
+    "torch.distributed._functional_collectives.all_reduce",
     # checkpoint_wrapper.py
     _CHECKPOINT_WRAPPER,
     f"{_CHECKPOINT_WRAPPER}.ActivationWrapper",

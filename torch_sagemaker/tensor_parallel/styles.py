@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
 )
 
+from torch_sagemaker._torch_compat import c10d as c10d_compat
 from torch_sagemaker.smddp.direct import all_reduce_direct
 from torch_sagemaker.tensor_parallel.local_parameters import (
     local_parameters,
@@ -82,6 +83,12 @@ def to_local_partial_grad(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return x.to_local(grad_placements=[Partial()])
 
 
+# Note [Gradient all-reduce under torch.compile]: Dynamo traces an autograd.Function's backward
+# with its forward. The direct all-reduce (``all_reduce_direct``) asks the group for its
+# backend object, which Dynamo cannot trace: compiling a layer that held such a style (a kv
+# projection with fewer heads than ranks, the fused projections computed by rows) failed
+# with "Attempted to access unregistered member on an OpaqueObject". While compiling, the
+# gradient is summed by the functional all-reduce instead, which the graph records.
 class AllReduceGrad(torch.autograd.Function):
     """Identity forward; all-reduce of the gradient over ``group`` in backward (Megatron's f)."""
 
@@ -95,6 +102,8 @@ class AllReduceGrad(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         """The gradient summed over the group."""
         grad = grad.contiguous()
+        if torch.compiler.is_compiling():  # Note [Gradient all-reduce under torch.compile]
+            return c10d_compat.traceable_all_reduce(grad, ctx.group), None
         all_reduce_direct(grad, group=ctx.group)
         return grad, None
 
