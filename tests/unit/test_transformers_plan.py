@@ -416,6 +416,20 @@ def test_shipped_plans_check_the_fused_layout_of_the_config():
     )
 
 
+def test_big_birds_block_sparse_attention_is_refused_naming_the_attribute():
+    """BigBird swaps each layer's attention module for one counting every head when it leaves
+    block_sparse at forward time (short sequences, a cache): at tp 2 its first forward failed
+    on a reshape."""
+    sparse = meta("BigBirdConfig", is_decoder=True)  # block_sparse: BigBirdConfig's default
+    policy = lookup_policy(sparse)
+    assert policy.name == "big_bird (shipped plan)"
+    with pytest.raises(ValueError, match="attention_type='original_full'"):
+        check_model(policy, sparse.config, 2)
+    check_model(policy, sparse.config, 1)  # nothing split
+    full = meta("BigBirdConfig", is_decoder=True, attention_type="original_full")
+    assert check_model(lookup_policy(full), full.config, 2).local_heads == 2
+
+
 def test_plan_keys_may_name_numbered_members_below_a_layer_number():
     """CTRL's MLP is an ``nn.Sequential``: ``h.*.ffn.0`` names its first member (``*`` is the
     layer number, ``0`` itself), not every member as ``h.*.ffn.*`` would."""

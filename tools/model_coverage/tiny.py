@@ -97,6 +97,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # Whisper's config maps num_key_value_heads to its encoder's head count: 2 heads there
     # against the decoder's 4 (the causal LM is the decoder: its own count is used)
     "whisper": SEQ2SEQ,
+    # BigBird's default block_sparse attention is refused at tp > 1 (shipped_plans'
+    # layout check): the decoder's supported layout
+    "big_bird": {"attention_type": "original_full"},
     # X-MOD's layers pick a language adapter: the inputs' or the config's default
     "xmod": {"default_language": "en_XX"},
 }

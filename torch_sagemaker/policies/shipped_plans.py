@@ -271,10 +271,26 @@ def _bloom_layout(config: Any, tp_degree: int) -> str:
     return ""
 
 
+def _big_bird_layout(config: Any, tp_degree: int) -> str:
+    # BigBirdModel replaces each layer's attention module at forward time when it leaves
+    # block_sparse (a sequence too short for its blocks, or a cache): the new module keeps the
+    # split projections but counts every head, and the first forward fails on a reshape.
+    # block_sparse itself draws its random blocks per head from the head count, so a rank's
+    # heads would not attend as the same heads of the whole model do.
+    if getattr(config, "attention_type", "original_full") != "original_full":
+        return (
+            f"attention_type={config.attention_type!r} swaps in a new attention module at "
+            "forward time that counts every head (and draws block_sparse's random blocks per "
+            "head count); set config.attention_type='original_full' before building the model"
+        )
+    return ""
+
+
 #: model_type -> why a config's layout cannot take the family's plan ("" when it can).
 _LAYOUT_CHECKS: dict[str, Callable[[Any, int], str]] = {
     "falcon": _falcon_layout,
     "bloom": _bloom_layout,
+    "big_bird": _big_bird_layout,
 }
 
 
