@@ -169,7 +169,9 @@ def family_parity(model_type: str) -> dict:
         expected = _forward(ref, mine, 0, dp_rank)
     except Exception as e:
         raise ReferenceModelError(f"the untransformed model fails: {error_summary(e)}") from e
-    model = tsm.transform(copy.deepcopy(ref))
+    # (a copy from before the reference's first forward: some models change their own
+    # modules there, BigBird's attention, and a user transforms a model that has not run)
+    model = tsm.transform(copy.deepcopy(untrained))
     policy = get_policy(model)
     share = _split_share(model)
     checkpoint_and_shard(model)
