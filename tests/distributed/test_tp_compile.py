@@ -87,8 +87,7 @@ def _compiled_summed_gradients() -> dict:
             ref = _build(name)
         model = tsm.transform(copy.deepcopy(ref))
         layers = model.model.layers if name == "llama" else model.transformer.h
-        for i, layer in enumerate(layers):
-            layers[i] = torch.compile(layer)
+        layers[0] = torch.compile(layers[0])  # (one compiled layer shows it; each costs seconds)
         try:
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             loss.backward()

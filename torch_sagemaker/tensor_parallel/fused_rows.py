@@ -107,13 +107,17 @@ class FusedRowsColwise(ParallelStyle):
             raise ValueError(f"{name}: {e}") from None
         distribute_params(module, device_mesh, [Replicate()], self.src_data_rank)
         group = device_mesh.get_group()
+        on_device: dict[torch.device, torch.Tensor] = {}  # (no copy to a GPU per forward)
 
         def mine(mod: nn.Module, pname: str) -> torch.Tensor | None:
             param = getattr(mod, pname)
             if param is None:
                 return None
             whole = AllReduceGrad.apply(local_value(mod, pname, cast(DTensor, param)), group)
-            return whole.index_select(0, rows.to(whole.device))
+            index = on_device.get(whole.device)
+            if index is None:
+                index = on_device[whole.device] = rows.to(whole.device)
+            return whole.index_select(0, index)
 
         def forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
             x = to_local_partial_grad(x, device_mesh)  # its gradient summed over the ranks
