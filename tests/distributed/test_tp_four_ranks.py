@@ -1,5 +1,6 @@
 """Four-rank tensor parallel cases: loading from rank 0 across TP and data-parallel groups
-(Falcon's fused projection computed by rows among the families), tp=4 on a GQA model with two kv heads (each kv head replicated on two ranks), and a multimodal
+(Falcon's fused projection computed by rows among the families), tp=4 on a GQA model with
+two kv heads (each kv head replicated on two ranks), and a multimodal
 model (Gemma 3 with an image) under tp 2 x FSDP2 2: ``generate`` with pixel values, before any
 forward and after a training step, gives one process's tokens, and its replicated vision
 tower called outside the root's forward while FSDP2 holds it sharded refuses, naming the fix

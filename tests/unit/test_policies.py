@@ -268,3 +268,13 @@ def test_intermediate_size_must_divide(family):
     assert check_model(lookup_policy(model), model.config, 1).local_heads == 4
     model.config.intermediate_size = 130
     assert check_model(lookup_policy(model), model.config, 2).local_heads == 2
+
+
+def test_the_planner_knows_how_every_style_splits_its_parameters():
+    """The planner sizes each rank's shards from ``PARAM_SPLIT_DIMS``: a style missing there
+    made planning a model that uses it fail (the fused projections computed by rows)."""
+    from torch_sagemaker.tensor_parallel.styles import PARAM_SPLIT_DIMS
+
+    assert set(policies.STYLES) <= set(PARAM_SPLIT_DIMS), set(policies.STYLES) - set(
+        PARAM_SPLIT_DIMS
+    )

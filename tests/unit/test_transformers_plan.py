@@ -476,15 +476,3 @@ def test_transformers_plans_missing_a_split_module_get_the_entry_users_plans_do_
     model.tp_plan = {**model.tp_plan, "model.layers.*.mlp.up_proj": "colwise_rep"}
     plan = lookup_policy(model).tp_plan
     assert plan.get("model.layers.*.mlp.act_fn") != "replicate_partial_grad", plan
-
-
-def test_fused_rows_are_each_ranks_part_of_every_block_then_the_shared_ones():
-    from torch_sagemaker.tensor_parallel.fused_rows import fused_rows
-
-    # [q | k | v] blocks of 4 over 2 ranks: rank 1 computes rows 2-3, 6-7, 10-11
-    assert fused_rows(12, 3, 0, 1, 2).tolist() == [2, 3, 6, 7, 10, 11]
-    # multi-query: 8 query rows split, the last 4 (one key and one value head) shared
-    assert fused_rows(12, 1, 4, 0, 2).tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
-    assert fused_rows(12, 1, 4, 1, 2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
-    with pytest.raises(ValueError, match="do not divide over tensor_parallel_degree=8"):
-        fused_rows(12, 3, 0, 0, 8)

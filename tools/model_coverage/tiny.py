@@ -94,6 +94,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
             "mvp",
         )
     },
+    # its multi-query attention (the default) has one key/value head, whatever
+    # num_key_value_heads says; the planner reads that attribute
+    "gpt_bigcode": {"num_key_value_heads": 1},
     # Whisper's config maps num_key_value_heads to its encoder's head count: 2 heads there
     # against the decoder's 4 (the causal LM is the decoder: its own count is used)
     "whisper": SEQ2SEQ,

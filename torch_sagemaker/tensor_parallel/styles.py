@@ -457,6 +457,10 @@ PARAM_SPLIT_DIMS: dict[str, dict[str, int | None]] = {
     "conv1d_colwise": {"weight": 1, "*": 0},
     "conv1d_packed_colwise": {"weight": 1, "*": None},
     "conv1d_rowwise_allreduce": {"weight": 0, "*": None},
+    # Fused nn.Linear projections computed by rows (fused_rows): whole on every TP rank.
+    "linear_packed_colwise": {"*": None},
+    "shared_kv_colwise": {"*": None},
+    "head_inputs": {"*": None},  # an attention module's own inputs; no parameters of its own
     "param_colwise": {"*": 0},  # the 1-D and 2-D bare parameters plans name
     "param_rowwise": {"*": -1},  # (a 1-D one is replicated)
 }
