@@ -153,9 +153,14 @@ class _Translation:
         self.styles: dict[str, str] = {}  # concrete module or parameter name -> our style
         self.experts: dict[str, int] = {}  # experts module name -> expert count
         config = self.config = text_config(model)
-        self.heads = int(config_value(config, heads_attr or "num_attention_heads", 0) or 0)
-        kv_heads = next((v for a in _KV_HEADS_ATTRS if (v := config_value(config, a))), None)
-        self.kv_heads = self.heads if heads_attr else int(kv_heads or self.heads)
+        self.heads_attr = heads_attr or "num_attention_heads"
+        self.heads = int(config_value(config, self.heads_attr, 0) or 0)
+        # (a decoder's own count is of multi-head attention: as many kv heads as heads)
+        self.kv_heads_attr = None
+        if heads_attr is None:
+            self.kv_heads_attr = next((a for a in _KV_HEADS_ATTRS if config_value(config, a)), None)
+        kv_heads = config_value(config, self.kv_heads_attr) if self.kv_heads_attr else None
+        self.kv_heads = int(kv_heads or self.heads)
         self.output_embedding = embeddings(model)[1]
 
     def error(self, name: str, style: str | None, why: str) -> ValueError:
@@ -549,10 +554,8 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
         layer_class=layer_class,
         attention=_patterns(attention),
         tp_plan=_compact(t.styles, names),
-        num_heads_attr=decoder_heads or "num_attention_heads",
-        num_kv_heads_attr=None
-        if decoder_heads
-        else next((a for a in _KV_HEADS_ATTRS if config_value(config, a)), None),
+        num_heads_attr=t.heads_attr,
+        num_kv_heads_attr=t.kv_heads_attr,
         num_experts_attr=num_experts_attr,
         moe=moe,
         sliding_window_attr="sliding_window" if hasattr(config, "sliding_window") else None,

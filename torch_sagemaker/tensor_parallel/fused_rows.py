@@ -25,11 +25,12 @@ The product runs in ``_RowsLinear``, which saves the whole weight (the parameter
 no new storage) and selects the rows again in backward: autograd through
 ``weight[rows]`` kept a copy of the selected rows alive from each layer's forward to its
 backward, a weight-sized activation per layer (measured: 20% of a tiny Falcon's saved
-activations; Falcon-7B's layout at tp 2 in bf16 would keep about 22 MB per layer).
+activations; by arithmetic, a 4544-wide multi-query layout like Falcon-7B's at tp 2 in bf16
+would keep about 22 MB per layer).
 
 What this costs against a split weight: every TP rank holds the projection whole (MPT's
-``3 x hidden x hidden`` per layer, a quarter of its layer; Falcon-7B's about 9% of its
-parameters), and its gradient is all-reduced over the TP ranks each step. The compute is
+``3 x hidden x hidden`` per layer, a quarter of its layer; Falcon-7B's, by its sizes, about
+9% of its parameters), and its gradient is all-reduced over the TP ranks each step. The compute is
 split.
 """
 
