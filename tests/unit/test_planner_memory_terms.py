@@ -17,6 +17,7 @@ from torch_sagemaker.planner.inputs import Cluster, Workload
 from torch_sagemaker.planner.memory import activation_shape
 from torch_sagemaker.planner.model import describe
 from torch_sagemaker.planner.presets import accelerator
+from torch_sagemaker.planner.probe import with_activations
 from torch_sagemaker.policies import lookup_policy
 from torch_sagemaker.sharding import checkpoint_transformer_layers
 
@@ -156,3 +157,30 @@ def test_partial_rotary_tables_are_sized_from_rope_parameters():
     assert config.rope_parameters["partial_rotary_factor"] == 0.25
     measured, predicted = _measured_and_predicted(config, False)
     assert predicted == pytest.approx(measured, abs=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cast_saved_beside_its_source_is_one_storage_under_float32(dtype):
+    # BLOOM saves its attention's float32 softmax and the softmax cast back to the compute
+    # dtype: two storages under bfloat16, one under float32, where the cast returns its
+    # input (Saved.cast). The probe runs in bfloat16 and must say which terms are such casts.
+    config = transformers.BloomConfig(
+        vocab_size=96, hidden_size=64, n_layer=2, n_head=8, hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+    spec = with_activations(describe(model, lookup_policy(model)))
+    assert any(t.cast for t in spec.policy.activations.attention)
+    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
+    counter = measure.SavedActivations(model)
+    with counter:
+        loss = model(input_ids=ids, labels=ids).loss
+    del loss
+    workload = Workload(SEQ, SEQ * BATCH, "float32" if dtype == torch.float32 else "bfloat16")
+    cluster = Cluster(hosts=1, per_host=1, accelerator=accelerator("H100"))
+    checked = check(Candidate(1, fsdp=2), spec, cluster, workload)
+    predicted = activations.activation_bytes(
+        spec, activation_shape(checked, workload), checkpointing=False, offload=False, horizon=1
+    ).saved
+    assert predicted == pytest.approx(counter.bytes, abs=8)

@@ -197,6 +197,8 @@ class _Sizer:
             sizes = {"split": self.split, "local": self.local}.get(t.region, self.whole)
             size = sizes[t.size]
             width = self.compute_bytes if t.dtype == "compute" else DTYPE_BYTES[t.dtype]
+            if t.cast and self.compute_bytes == DTYPE_BYTES["float32"]:
+                continue  # the cast returned its source, counted in its own term
             total += t.count * self.rows[t.region] * size * width
         return total
 

@@ -94,6 +94,7 @@ class Record:
     whole_input: bool  # the input of a planned module that takes it whole (gathered)
     split_input: bool  # the input of a projection whose input is split
     local_input: bool  # the input of a projection that saves its own slice of it
+    cast: bool = False  # a compute <-> float32 cast of another saved storage (Saved.cast)
 
 
 class ProbeError(ValueError):
@@ -282,6 +283,58 @@ def _storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
+#: Tensor methods that cast to a dtype and return their input when it has that dtype already.
+_CASTS = frozenset(
+    {
+        torch.Tensor.to,
+        torch.Tensor.type_as,
+        torch.Tensor.float,
+        torch.Tensor.bfloat16,
+        torch.Tensor.half,
+    }
+)
+
+
+class _Casts(torch.overrides.TorchFunctionMode):
+    """Records each cast between the compute dtype and float32 in the run (``_CASTS``).
+
+    Under float32 compute such a cast returns its input (``Saved.cast``): where both are
+    saved, a float32 model saves one storage where the bfloat16 run saved two.
+    """
+
+    def __init__(self, records: list[Record]) -> None:
+        super().__init__()
+        self._records = records
+        #: the cast's storage -> (the cast, its source's storage, the source, records then)
+        self.made: dict[int, tuple[weakref.ref, int, weakref.ref, int]] = {}
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        result = func(*args, **(kwargs or {}))
+        source = args[0] if args else None
+        if (
+            func in _CASTS
+            and isinstance(source, torch.Tensor)
+            and isinstance(result, torch.Tensor)
+            and {source.dtype, result.dtype} == {torch.bfloat16, torch.float32}
+        ):
+            self.made[_storage_key(result)] = (
+                weakref.ref(result),
+                _storage_key(source),
+                weakref.ref(source),
+                len(self._records),
+            )
+        return result
+
+    def of(self, tensor: torch.Tensor) -> tuple[int, weakref.ref, int] | None:
+        """``tensor``'s cast, while it lives: its source's storage, the source, records then."""
+        made = self.made.get(_storage_key(tensor))
+        if made is None or made[0]() is None:
+            return None
+        return made[1], made[2], made[3]
+
+
 # Note [A region ends at its reducing projection]
 #     A parallel region is a module (an attention module, the parent of planned projections),
 #     but not all that runs inside it is split: the BERT family's ``attention.output`` and
@@ -381,6 +434,13 @@ def run_reduced(
     # tensors all died before the forward returned are dropped, as they hold no memory then.
     seen: dict[int, list[tuple[weakref.ref, int]]] = {}
     records: list[Record] = []
+    casts = _Casts(records)
+    # Note [Casts that float32 compute skips]: a saved cast is paired with its saved source
+    # (record indices) when the source's storage is provably the one cast: a record of that
+    # storage made before the cast and alive since, or the source tensor itself, alive when
+    # its storage is saved after the cast. An address reused by another storage pairs nothing.
+    cast_pairs: list[tuple[int, int]] = []  # (the cast's record, its source's record)
+    waiting: dict[int, list[tuple[int, weakref.ref]]] = {}  # source storage -> casts saved
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         key = _storage_key(tensor)
@@ -432,6 +492,19 @@ def run_reduced(
                 f"elements) in {names[-1] if names else 'the model'} is not a whole number "
                 "of elements per token, routed row or position"
             )
+        index = len(records)
+        made = casts.of(tensor)
+        if made is not None:
+            source_key, source, made_at = made
+            earlier = [i for ref, i in seen.get(source_key, []) if ref() is not None]
+            if earlier and earlier[0] < made_at:
+                cast_pairs.append((index, earlier[0]))
+            else:
+                waiting.setdefault(source_key, []).append((index, source))
+        for cast_index, source in waiting.pop(key, []):
+            origin = source()
+            if origin is not None and _storage_key(origin) == key:  # the very source
+                cast_pairs.append((cast_index, index))
         records.append(
             Record(
                 layer=layer,
@@ -454,9 +527,13 @@ def run_reduced(
         with (
             torch.random.fork_rng(devices=[]),  # dropout draws leave the caller's state alone
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            casts,
         ):
             output = model(input_ids=ids)  # held while the records' liveness is read
         held = {i for refs in seen.values() for ref, i in refs if ref() is not None}
+        for cast_index, source_index in cast_pairs:
+            if cast_index in held and source_index in held:  # one storage under float32
+                records[cast_index] = dataclasses.replace(records[cast_index], cast=True)
         reach = _reach(model, output, layer_names)
         del output
     except ProbeError:

@@ -121,17 +121,17 @@ def solved_terms(runs: list[list[Record]], values: list[dict[str, int]], where: 
                 region = "split"
             else:
                 region = "gathered" if first.inside else "sequence"
-            terms.append(Saved(name, first.dtype, region, count))
+            terms.append(Saved(name, first.dtype, region, count, first.cast))
     return terms
 
 
 def merged(terms: list[Saved]) -> tuple[Saved, ...]:
-    """``terms`` with those of the same size, dtype and region added up."""
-    counts: dict[tuple[str, str, str], int] = {}
+    """``terms`` with those of the same size, dtype, region and ``cast`` added up."""
+    counts: dict[tuple[str, str, str, bool], int] = {}
     for t in terms:
-        key = (t.size, t.dtype, t.region)
+        key = (t.size, t.dtype, t.region, t.cast)
         counts[key] = counts.get(key, 0) + t.count
-    return tuple(Saved(s, d, r, c) for (s, d, r), c in counts.items())
+    return tuple(Saved(s, d, r, c, cast) for (s, d, r, cast), c in counts.items())
 
 
 def parts_of(

@@ -194,12 +194,17 @@ class Saved:
             ``"bool"`` or ``"complex64"``.
         region: One of ``SAVED_REGIONS``.
         count: How many such tensors.
+        cast: Each is a cast of another saved tensor between the compute dtype and float32
+            (``softmax(..., dtype=float32).to(x.dtype)``): a storage of its own under
+            bfloat16 compute, the same storage as its source under float32 compute, where
+            the cast returns its input.
     """
 
     size: str
     dtype: str = "compute"
     region: str = "split"
     count: int = 1
+    cast: bool = False
 
     def __post_init__(self) -> None:
         if self.size not in SAVED_SIZES or self.region not in SAVED_REGIONS:
