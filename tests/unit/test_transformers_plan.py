@@ -281,17 +281,42 @@ def test_a_packed_conv1d_not_made_of_head_blocks_is_refused():
         policy_from_plan(model)
 
 
-def test_a_packed_conv1d_whose_attention_cannot_scale_its_split_width_is_refused():
-    """OpenAI-GPT splits its packed output by ``split_size`` with no ``head_dim`` beside it:
-    each rank would cut its part at the whole width (a shape error on the first forward)."""
+def _openai_gpt():
     import transformers
 
     config = transformers.OpenAIGPTConfig(n_embd=64, n_layer=2, n_head=4, vocab_size=128)
     with torch.device("meta"):
-        model = transformers.OpenAIGPTLMHeadModel(config)
+        return transformers.OpenAIGPTLMHeadModel(config)
+
+
+def test_a_packed_conv1d_whose_attention_cannot_scale_its_split_width_is_refused():
+    """OpenAI-GPT splits its packed output by ``split_size`` with no ``head_dim`` beside it:
+    under a user's plan, which says nothing of that width, each rank would cut its part at
+    the whole width (a shape error on the first forward)."""
+    model = _openai_gpt()
     model.tp_plan = {"transformer.h.*.attn.c_attn": "packed_colwise"}
     with pytest.raises(ValueError, match=r"c_attn.*'split_size' \(64\) without a 'head_dim'"):
         policy_from_plan(model)
+
+
+def test_openai_gpts_shipped_plan_scales_its_split_width_by_the_share_of_heads():
+    """Its shipped plan names ``split_size`` as a width with no head size (``width_attrs``),
+    which ``tsm.transform`` scales by the rank's share of the heads (the 4-rank parity run:
+    tests/distributed/test_model_coverage.py)."""
+    from torch_sagemaker.policies import HeadSplit
+    from torch_sagemaker.tensor_parallel.plan import _set_head_counts
+
+    model = _openai_gpt()
+    policy = lookup_policy(model)
+    assert policy.name == "openai-gpt (shipped plan)", policy.name
+    assert policy.tp_plan["transformer.h.*.attn.c_attn"] == "conv1d_packed_colwise"
+    assert policy.width_attrs == (("split_size", None),)
+    attention = model.transformer.h[0].attn
+    heads = HeadSplit(
+        num_heads=4, num_kv_heads=4, tp=2, local_heads=2, local_kv_heads=2, kv_replicated=False
+    )
+    _set_head_counts(attention, heads, policy.width_attrs)
+    assert (attention.n_head, attention.split_size) == (2, 32)
 
 
 def test_a_shipped_plan_that_names_no_module_of_the_model_is_not_used():

@@ -293,7 +293,9 @@ class ModelPolicy:
         width_attrs: Attention attributes holding the width of all heads together that this
             family reshapes by, each with the attribute of one head's size, beyond
             ``module_layout.FULL_WIDTH_ATTRS`` (XGLM's ``("embed_dim", "head_dim")``; the same
-            name means something else in other families): scaled to the rank's heads.
+            name means something else in other families): scaled to the rank's heads. The
+            head size attribute is ``None`` where the module keeps none (OpenAI-GPT's
+            ``split_size``): the width is then scaled by the rank's share of the heads.
         layout_check: For families whose variants lay out a fused projection differently:
             ``(config, tp) -> reason`` why the plan cannot split that config's model at
             degree ``tp`` (naming the config attribute), ``""`` where it can;
@@ -314,7 +316,7 @@ class ModelPolicy:
     sliding_window_attr: str | None = None
     activations: ActivationProfile | None = None
     heads_split: bool = True
-    width_attrs: tuple[tuple[str, str], ...] = ()
+    width_attrs: tuple[tuple[str, str | None], ...] = ()
     layout_check: Callable[[Any, int], str] | None = None
     notes: str = ""
 

@@ -23,7 +23,8 @@ checked on that harness:
   ``all_head_size`` and GPT-2's ``split_size`` generically
   (``tensor_parallel.plan._set_head_counts``), and per family where a name means that only
   there (``width_attrs``: XGLM's and MVP's ``embed_dim``, which in CodeGen means something
-  else; CTRL's ``d_model_size``).
+  else; CTRL's ``d_model_size``; OpenAI-GPT's ``split_size``, which has no head size beside
+  it and is scaled by the rank's share of the heads).
 
 Fused query/key/value projections are in: BLOOM's and Falcon's are head- or group-major,
 so a plain column split keeps whole heads; MPT's ``Wqkv`` is ``[q | k | v]`` blocks,
@@ -153,6 +154,13 @@ SHIPPED_PLANS: dict[str, dict[str, str]] = {
         "h.*.attn.c_proj": "rowwise",
         **_mlp(("h.*.mlp.c_fc",), "h.*.mlp.c_proj"),
     },
+    # GPT-2's layout; its attention cuts c_attn's output at split_size, a full width without
+    # a head size beside it (width_attrs)
+    "openai-gpt": {
+        "h.*.attn.c_attn": "packed_colwise",
+        "h.*.attn.c_proj": "rowwise",
+        **_mlp(("h.*.mlp.c_fc",), "h.*.mlp.c_proj"),
+    },
     # query_key_value is head-major in BLOOM (each head's q, k, v together) and in Falcon
     # without multi-query attention; grouped by key/value head under Falcon's new decoder
     # architecture (each group's queries, then its k and v): a column split keeps whole
@@ -210,11 +218,12 @@ SHIPPED_PLANS: dict[str, dict[str, str]] = {
 #: model_type -> attention attributes holding all heads' width that the family reshapes by,
 #: each with its one-head size attribute (``ModelPolicy.width_attrs``), beyond the generic
 #: ``module_layout.FULL_WIDTH_ATTRS``: names that mean this only in these families.
-_WIDTH_ATTRS: dict[str, tuple[tuple[str, str], ...]] = {
+_WIDTH_ATTRS: dict[str, tuple[tuple[str, str | None], ...]] = {
     "xglm": (("embed_dim", "head_dim"),),
     "mvp": (("embed_dim", "head_dim"),),
     "ctrl": (("d_model_size", "depth"),),
     "gpt_bigcode": (("embed_dim", "head_dim"),),  # the query block's width in c_attn's output
+    "openai-gpt": (("split_size", None),),  # c_attn's block width; no head size kept
 }
 
 
@@ -236,7 +245,7 @@ def heads_attr(model_type: str) -> str | None:
     return _HEADS_ATTRS.get(model_type)
 
 
-def width_attrs(model_type: str) -> tuple[tuple[str, str], ...]:
+def width_attrs(model_type: str) -> tuple[tuple[str, str | None], ...]:
     """The full-width attention attributes the shipped plan of ``model_type`` scales.
 
     Args:

@@ -139,9 +139,15 @@ class _Translation:
     """One model's plan translated entry by entry (``policy_from_plan`` builds it)."""
 
     def __init__(
-        self, model: nn.Module, plan: dict[str, str], layer_class: str, heads_attr: str | None
+        self,
+        model: nn.Module,
+        plan: dict[str, str],
+        layer_class: str,
+        heads_attr: str | None,
+        width_attrs: tuple[tuple[str, str | None], ...] = (),
     ) -> None:
         self.model, self.plan, self.layer_class = model, plan, layer_class
+        self.width_attrs = width_attrs  # the family's own (ModelPolicy.width_attrs)
         # Keys naming a numbered child below a layer number ("h.*.ffn.0", a Sequential's
         # member): ``*`` stands for a layer number, the other numbers for themselves.
         self.numbered_keys = [
@@ -237,8 +243,8 @@ class _Translation:
         """Refuses a packed projection whose blocks are not equal (``packed_blocks``).
 
         Also one whose attention module splits the packed output by a full width it has no
-        head size to scale by (``FULL_WIDTH_ATTRS``): each rank would cut its own part at
-        the whole model's block width.
+        head size to scale by (``FULL_WIDTH_ATTRS``), unless the family's ``width_attrs``
+        scale it: each rank would cut its own part at the whole model's block width.
         """
         attention = [n for n in self.modules if n and self.is_attention(n)]
         try:
@@ -249,7 +255,10 @@ class _Translation:
         if owner is None:
             return
         width = out_features(module) // blocks
+        scaled = {attr for attr, _ in self.width_attrs}
         for attr, size_attr in FULL_WIDTH_ATTRS:
+            if attr in scaled:
+                continue
             value = getattr(self.modules[owner], attr, None)
             if value == width and not isinstance(
                 getattr(self.modules[owner], size_attr, None), int
@@ -525,7 +534,8 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
     model_type = getattr(model.config, "model_type", None) or ""
     # (a decoder's own head count where the family's config has one per stack)
     decoder_heads = heads_attr(model_type) if shipped else None
-    t = _Translation(model, plan, layer_class, decoder_heads)
+    widths = width_attrs(model_type) if shipped else ()
+    t = _Translation(model, plan, layer_class, decoder_heads, widths)
     t.translate()
     t.replicate_the_rest()
     names = {n for n in t.modules if n} | {n for n, _ in model.named_parameters()}
@@ -560,7 +570,7 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
         moe=moe,
         sliding_window_attr="sliding_window" if hasattr(config, "sliding_window") else None,
         heads_split=heads_split,
-        width_attrs=width_attrs(model_type) if shipped else (),
+        width_attrs=widths,
         layout_check=layout_check(model_type) if shipped else None,
         notes=f"Built from its {source} (Note [Plan-driven layout]). "
         f"{SHIPPED_PLAN_NOTE if shipped else PLAN_TP_NOTE}",

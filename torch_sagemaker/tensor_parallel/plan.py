@@ -61,7 +61,7 @@ PARAMETER_STYLES = ("param_colwise", "param_rowwise")
 
 # Attributes Hugging Face attention modules may keep head counts in (older code reshapes
 # with them instead of -1); scaled to the per-rank counts when the plan splits the heads.
-_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads")
+_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
 _KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads")
 # The widths of all heads together are scaled likewise (``FULL_WIDTH_ATTRS``).
 
@@ -168,7 +168,7 @@ def _splits_heads(attention: nn.Module) -> bool:
 
 
 def _set_head_counts(
-    attention: nn.Module, heads: HeadSplit, width_attrs: tuple[tuple[str, str], ...] = ()
+    attention: nn.Module, heads: HeadSplit, width_attrs: tuple[tuple[str, str | None], ...] = ()
 ) -> None:
     """Per-rank head bookkeeping on one attention module (Hugging Face's attributes)."""
     # Hugging Face attention infers the head count from the shapes (view(..., -1, head_dim));
@@ -191,6 +191,11 @@ def _set_head_counts(
     # alike in XGLM: CodeGen divides it into its own fused layout's blocks, and rescaling it
     # gave wrong values there; a policy names it where it means that: ``width_attrs``.)
     for attr, size_attr in (*FULL_WIDTH_ATTRS, *width_attrs):
+        width = getattr(attention, attr, None)
+        if size_attr is None:  # (a policy's width without a head size: by the heads' share)
+            if isinstance(width, int) and width > 0 and width % heads.num_heads == 0:
+                setattr(attention, attr, width // heads.num_heads * heads.local_heads)
+            continue
         size = getattr(attention, size_attr, None)
         if (
             isinstance(size, int)
