@@ -320,14 +320,24 @@ def test_openai_gpts_shipped_plan_scales_its_split_width_by_the_share_of_heads()
 
 
 def test_a_shipped_plan_that_names_no_module_of_the_model_is_not_used():
-    """Fuyu's language model is Persimmon's, under another prefix: Persimmon's shipped plan
-    would split nothing there, so Fuyu is refused as before rather than left whole."""
+    """A compiled Persimmon holds its modules under ``_orig_mod``: Persimmon's shipped plan
+    would split nothing there, so the model is refused rather than left whole."""
     from tools.model_coverage.tiny import build
 
-    fuyu = build("fuyu", device="meta")
-    assert fuyu.config.get_text_config().model_type == "persimmon"
+    compiled = torch.compile(build("persimmon", device="meta"))
+    assert compiled.config.model_type == "persimmon"
     with pytest.raises(ValueError, match="base_model_tp_plan"):
-        lookup_policy(fuyu)
+        lookup_policy(compiled)
+
+
+def test_fuyus_shipped_plan_is_persimmons_under_its_language_model():
+    from tools.model_coverage.tiny import build
+
+    policy = lookup_policy(build("fuyu", device="meta"))
+    assert policy.name == "fuyu (shipped plan)", policy.name
+    qkv = "model.language_model.layers.*.self_attn.query_key_value"
+    assert policy.tp_plan[qkv] == "colwise"
+    assert policy.tp_plan["model.vision_embed_tokens"] == "replicate_local", policy.tp_plan
 
 
 def test_the_layer_class_is_the_outermost_layer_stack_element():

@@ -115,6 +115,16 @@ _BERT_LIKE = (
     "xmod",
 )
 
+#: query_key_value is head-major (each head's q, k, v together): a column split keeps whole
+#: heads. The q/k norms act on one head's width with weights shared by all heads, so each
+#: rank's heads give part of their gradient.
+_PERSIMMON = {
+    **_attention("layers.*.self_attn", "dense", ("query_key_value",)),
+    "layers.*.self_attn.q_layernorm": "replicated_with_grad_allreduce",
+    "layers.*.self_attn.k_layernorm": "replicated_with_grad_allreduce",
+    **_mlp(("layers.*.mlp.dense_h_to_4h",), "layers.*.mlp.dense_4h_to_h"),
+}
+
 #: model_type -> plan below the base model (like ``config.base_model_tp_plan``).
 SHIPPED_PLANS: dict[str, dict[str, str]] = {
     **{f: _bert_like() for f in _BERT_LIKE},
@@ -138,15 +148,7 @@ SHIPPED_PLANS: dict[str, dict[str, str]] = {
         **_attention("layers.*.self_attn", "o_proj"),
         **_mlp(("layers.*.mlp.gate_proj", "layers.*.mlp.up_proj"), "layers.*.mlp.down_proj"),
     },
-    "persimmon": {
-        # query_key_value is head-major (each head's q, k, v together): a column split
-        # keeps whole heads. The q/k norms act on one head's width with weights shared by
-        # all heads, so each rank's heads give part of their gradient.
-        **_attention("layers.*.self_attn", "dense", ("query_key_value",)),
-        "layers.*.self_attn.q_layernorm": "replicated_with_grad_allreduce",
-        "layers.*.self_attn.k_layernorm": "replicated_with_grad_allreduce",
-        **_mlp(("layers.*.mlp.dense_h_to_4h",), "layers.*.mlp.dense_4h_to_h"),
-    },
+    "persimmon": _PERSIMMON,
     "gpt2": {
         # transformers' Conv1D projections (weights stored transposed); c_attn packs
         # [q | k | v], split block by block (Note [Packed projections]).
@@ -176,6 +178,8 @@ SHIPPED_PLANS: dict[str, dict[str, str]] = {
         "h.*.self_attention": "head_inputs",
         **_mlp(("h.*.mlp.dense_h_to_4h",), "h.*.mlp.dense_4h_to_h"),
     },
+    # Fuyu's language model is Persimmon's
+    "fuyu": {f"language_model.{k}": v for k, v in _PERSIMMON.items()},
     "mvp": _bart_like_decoder(),
     "xglm": {
         **_attention("layers.*.self_attn", "out_proj"),

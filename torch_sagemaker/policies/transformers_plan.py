@@ -580,9 +580,9 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
 def _fits(model: nn.Module, plan: dict[str, str]) -> bool:
     """Whether every key of a shipped ``plan`` names some module of ``model``.
 
-    (Not so for a model that holds the family's model under another prefix: Fuyu's language
-    model is Persimmon's, under ``model.language_model``; or a compiled one, under
-    ``_orig_mod``. The shipped plan is not used there.)
+    (Not so for a model that holds the family's model under another prefix, a compiled one
+    under ``_orig_mod``: the shipped plan is not used there. A family built around another's
+    model gets a plan of its own: Fuyu's, Persimmon's under ``language_model``.)
     """
     names = [n for n, _ in model.named_modules() if n]
     return bool(plan) and all(any(fnmatchcase(n, key) for n in names) for key in plan)
