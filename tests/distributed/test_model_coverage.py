@@ -33,7 +33,7 @@ def test_coverage_command_runs_families_and_writes_the_table(tmp_path):
             [
                 "--families",
                 "qwen3,qwen3_moe,gemma3,bart,roberta,roformer,gpt2,openai-gpt,bloom,ctrl,xglm,"
-                "whisper,mpt,modernbert-decoder,rwkv",
+                "whisper,mpt,mllama,modernbert-decoder,rwkv",
                 "--output",
                 str(out),
             ]
@@ -47,7 +47,7 @@ def test_coverage_command_runs_families_and_writes_the_table(tmp_path):
     assert all(parity.passed(r)[0] for r in gemma3.per_rank)
     assert 0.2 < gemma3.per_rank[0]["split_share"] < 0.9  # the text model's share
     shipped = ("bart", "roberta", "roformer", "gpt2", "openai-gpt", "bloom", "ctrl", "xglm")
-    shipped += ("whisper", "mpt")
+    shipped += ("whisper", "mpt", "mllama")
     for family in (*shipped, "modernbert-decoder"):
         row = rows[family]
         assert row.path == "shipped plan" and row.result == "pass", row

@@ -511,3 +511,30 @@ def test_transformers_plans_missing_a_split_module_get_the_entry_users_plans_do_
     model.tp_plan = {**model.tp_plan, "model.layers.*.mlp.up_proj": "colwise_rep"}
     plan = lookup_policy(model).tp_plan
     assert plan.get("model.layers.*.mlp.act_fn") != "replicate_partial_grad", plan
+
+
+def test_mllamas_cross_attention_layers_get_entries_only_where_the_config_has_them():
+    """MllamaForCausalLM keeps its text model under ``model`` although its class names
+    ``language_model`` as the base model; its cross-attention layers (by number) own the
+    tanh gates that scale their all-reduced outputs (the 4-rank parity run with image
+    states: tests/distributed/test_model_coverage.py)."""
+    import transformers
+
+    def policy(cross):
+        config = transformers.MllamaTextConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, cross_attention_layers=cross,
+            pad_token_id=0,
+        )  # fmt: skip
+        with torch.device("meta"):
+            return lookup_policy(transformers.MllamaForCausalLM(config))
+
+    with_cross = policy([1, 8])  # (layer 8 is beyond the 3 layers)
+    assert with_cross.name == "mllama_text_model (shipped plan)", with_cross.name
+    assert with_cross.tp_plan["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert with_cross.tp_plan["model.layers.*.cross_attn.k_proj"] == "kv_colwise"
+    assert with_cross.tp_plan["model.layers.*.cross_attn.q_norm"] == "replicate_partial_grad"
+    assert with_cross.tp_plan["model.layers.1"] == "local_params"
+    assert "model.layers.8" not in with_cross.tp_plan
+    text_only = policy([8])
+    assert not any("cross_attn" in k for k in text_only.tp_plan), text_only.tp_plan

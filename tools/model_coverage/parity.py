@@ -122,8 +122,10 @@ def _forward(model, ids, step: int, data_rank: int):
     """
     import torch
 
+    from tools.model_coverage.tiny import extra_inputs
+
     torch.manual_seed(7 + 1000 * step + data_rank)
-    return model(input_ids=ids, labels=ids, use_cache=False)
+    return model(input_ids=ids, labels=ids, use_cache=False, **extra_inputs(model, len(ids)))
 
 
 def _train(model, data: dict, losses: list, dp_rank: int) -> None:

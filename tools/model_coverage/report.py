@@ -75,8 +75,11 @@ def classify(family: str, model_class: str) -> Row:
     # model.tp_plan under the text model's prefix).
     row.has_plan = any(getattr(c, "base_model_tp_plan", None) for c in _config_classes(config_cls))
     # (A family may share another's config class, whose model_type the library reads:
-    # gpt-sw3's is GPT2Config, model_type "gpt2".)
-    row.shipped = family in SHIPPED_PLANS or getattr(config_cls, "model_type", "") in SHIPPED_PLANS
+    # gpt-sw3's is GPT2Config, model_type "gpt2"; or build its causal LM from a sub-config:
+    # mllama's MllamaForCausalLM, from its "mllama_text_model".)
+    row.shipped = family in SHIPPED_PLANS or any(
+        getattr(c, "model_type", "") in SHIPPED_PLANS for c in _config_classes(config_cls)
+    )
     if not by_policy and not row.has_plan and not row.shipped:
         row.path, row.result = "none", "skip"
         row.detail = (

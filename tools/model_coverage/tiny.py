@@ -106,7 +106,26 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "big_bird": {"attention_type": "original_full"},
     # X-MOD's layers pick a language adapter: the inputs' or the config's default
     "xmod": {"default_language": "en_XX"},
+    # Mllama's text model: its second layer attends to image states (``extra_inputs``)
+    "mllama_text_model": {"cross_attention_layers": [1]},
 }
+
+
+def extra_inputs(model: Any, batch: int) -> dict[str, Any]:
+    """Inputs besides the token ids that a family's forward needs to run all its layers.
+
+    Mllama's cross-attention layers run only with image states (a text-only forward skips
+    them): 5 positions of random states, the same for every batch and rank.
+    """
+    import torch
+
+    config = model.config
+    if getattr(config, "model_type", "") == "mllama_text_model":
+        generator = torch.Generator().manual_seed(5)
+        states = torch.randn(batch, 5, config.hidden_size, generator=generator)
+        return {"cross_attention_states": states}
+    return {}
+
 
 #: A tiny model above this many parameters means a size the shrinking did not reach.
 MAX_PARAMETERS = 20_000_000

@@ -56,9 +56,17 @@ def with_additions(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
 
 
 def _from_root(model: nn.Module, base: dict[str, str]) -> dict[str, str]:
-    """A plan keyed below the base model (``base_model_tp_plan``), keyed from the root."""
+    """A plan keyed below the base model (``base_model_tp_plan``), keyed from the root.
+
+    The base model is the child named by ``base_model_prefix``; where the class names one it
+    does not have (MllamaForCausalLM's ``language_model``; its text model is ``model``), the
+    one child that is a model with a config of its own.
+    """
     prefix = getattr(model, "base_model_prefix", "")
     inner = prefix if prefix and hasattr(model, prefix) else ""
+    if not inner:
+        models = [n for n, c in model.named_children() if hasattr(c, "config")]
+        inner = models[0] if len(models) == 1 else ""
     return {f"{inner}.{k}" if inner else k: v for k, v in base.items()}
 
 

@@ -216,6 +216,11 @@ SHIPPED_PLANS: dict[str, dict[str, str]] = {
         **_attention("h.*.attn.attention", "out_proj"),
         **_mlp(("h.*.mlp.c_fc",), "h.*.mlp.c_proj"),
     },
+    # MllamaForCausalLM, Llama 3.2 Vision's text model; its cross-attention layers: _VARIANTS
+    "mllama_text_model": {
+        **_attention("layers.*.self_attn", "o_proj"),
+        **_mlp(("layers.*.mlp.gate_proj", "layers.*.mlp.up_proj"), "layers.*.mlp.down_proj"),
+    },
 }
 
 
@@ -359,12 +364,40 @@ def _multi_query(config: Any) -> bool:
     )
 
 
-#: model_type -> (entries a config variant changes, whether the config is that variant):
-#: multi-query attention's fused projection holds one key and one value head after all
-#: the query heads (Note [Fused projections computed by rows]).
-_VARIANTS: dict[str, tuple[dict[str, str], Callable[[Any], bool]]] = {
-    "falcon": ({"h.*.self_attention.query_key_value": "shared_kv_colwise"}, _multi_query),
-    "gpt_bigcode": ({"h.*.attn.c_attn": "shared_kv_colwise"}, _multi_query),
+def _shared_kv(key: str) -> Callable[[Any], dict[str, str]]:
+    """The entry of ``key`` under multi-query attention, where the config has it.
+
+    The fused projection then holds one key and one value head after all the query heads
+    (Note [Fused projections computed by rows]).
+    """
+    return lambda config: {key: "shared_kv_colwise"} if _multi_query(config) else {}
+
+
+def _mllama_cross_layers(config: Any) -> dict[str, str]:
+    """Mllama's cross-attention layers, where the config places some among its layers.
+
+    Their attention is split like self-attention (keys and values of the image states,
+    which every rank holds whole); the per-head q/k norms' weights are shared by the
+    heads; the layer's own tanh gates scale the all-reduced outputs (``local_params`` on
+    those layers only, by number). A text-only forward skips these layers.
+    """
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    cross = [i for i in getattr(config, "cross_attention_layers", None) or () if i < layers]
+    if not cross:
+        return {}
+    return {
+        **_attention("layers.*.cross_attn", "o_proj"),
+        "layers.*.cross_attn.q_norm": "replicated_with_grad_allreduce",
+        "layers.*.cross_attn.k_norm": "replicated_with_grad_allreduce",
+        **{f"layers.{i}": "local_params" for i in cross},
+    }
+
+
+#: model_type -> the entries a config changes or adds to the family's plan.
+_VARIANTS: dict[str, Callable[[Any], dict[str, str]]] = {
+    "falcon": _shared_kv("h.*.self_attention.query_key_value"),
+    "gpt_bigcode": _shared_kv("h.*.attn.c_attn"),
+    "mllama_text_model": _mllama_cross_layers,
 }
 
 
@@ -380,9 +413,9 @@ def shipped_plan(model_type: str, config: Any = None) -> dict[str, str]:
         The plan in transformers' terms (as ``config.base_model_tp_plan`` keys it).
     """
     plan = dict(SHIPPED_PLANS.get(model_type, {}))
-    changes, applies = _VARIANTS.get(model_type, ({}, lambda _config: False))
-    if config is not None and applies(config):
-        plan.update(changes)
+    variant = _VARIANTS.get(model_type)
+    if plan and variant is not None and config is not None:
+        plan.update(variant(config))
     return plan
 
 
