@@ -10,6 +10,7 @@ embedding needs. ``transformers_plan.policy_from_plan`` turns the plan into a po
 from __future__ import annotations
 
 import re
+from fnmatch import fnmatchcase
 
 from torch import nn
 
@@ -58,15 +59,22 @@ def with_additions(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
 def _from_root(model: nn.Module, base: dict[str, str]) -> dict[str, str]:
     """A plan keyed below the base model (``base_model_tp_plan``), keyed from the root.
 
-    The base model is the child named by ``base_model_prefix``; where the class names one it
-    does not have (MllamaForCausalLM's ``language_model``; its text model is ``model``), the
-    one child that is a model with a config of its own.
+    The base model is the child named by ``base_model_prefix``. Where the class names one it
+    does not have (MllamaForCausalLM's ``language_model``; its text model is ``model``), it
+    is the one child that is a model with a config of its own, if the plan names modules
+    below that child and none from the root.
     """
     prefix = getattr(model, "base_model_prefix", "")
     inner = prefix if prefix and hasattr(model, prefix) else ""
-    if not inner:
-        models = [n for n, c in model.named_children() if hasattr(c, "config")]
-        inner = models[0] if len(models) == 1 else ""
+    models = [n for n, c in model.named_children() if hasattr(c, "config")]
+    if not inner and len(models) == 1:
+        names = [n for n, _ in model.named_modules() if n]
+
+        def names_some(keys: list[str]) -> bool:
+            return any(fnmatchcase(n, k) for k in keys for n in names)
+
+        if names_some([f"{models[0]}.{k}" for k in base]) and not names_some(list(base)):
+            inner = models[0]
     return {f"{inner}.{k}" if inner else k: v for k, v in base.items()}
 
 
