@@ -288,6 +288,9 @@ def _check_sizes(config: Any, path: str) -> None:
 def model_class(config: Any) -> type[nn.Module]:
     """The causal LM class transformers builds from ``config`` (its ``architectures`` first).
 
+    Else the class transformers maps its ``model_type`` to, or else a causal LM class built
+    from its config class (a multimodal family's text model: ``MllamaForCausalLM``).
+
     Raises:
         ValueError: If transformers has no causal LM class for its ``model_type``.
     """
@@ -299,6 +302,15 @@ def model_class(config: Any) -> type[nn.Module]:
         if cls is not None and name.endswith("ForCausalLM"):
             return cls
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    if name is None:  # a sub-config's causal LM (Mllama's text model): by its config class
+        name = next(
+            (
+                n
+                for n in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+                if getattr(getattr(transformers, n, None), "config_class", None) is type(config)
+            ),
+            None,
+        )
     if name is None:
         raise ValueError(
             f"model_type {config.model_type!r} has no causal LM class in transformers; the "
