@@ -249,3 +249,15 @@ def test_a_conv1d_row_projection_ends_its_region(tmp_path):
     assert attention[("hidden", "compute", "sequence")] == 2  # the dropout mask, the residual
     assert attention[("q", "compute", "split")] == 1  # the row projection's input
     assert mlp[("hidden", "compute", "sequence")] == 2
+
+
+def test_a_text_config_without_a_causal_lm_of_its_model_type_finds_its_class():
+    """Mllama's text config (``mllama_text_model``) has no entry of its own in transformers'
+    causal-LM mapping; ``MllamaForCausalLM`` is built from it."""
+    import transformers
+
+    from torch_sagemaker.planner.model import model_class
+
+    assert model_class(transformers.MllamaTextConfig()) is transformers.MllamaForCausalLM
+    with pytest.raises(ValueError, match="has no causal LM class"):
+        model_class(transformers.CLIPVisionConfig())
