@@ -261,3 +261,23 @@ def test_a_text_config_without_a_causal_lm_of_its_model_type_finds_its_class():
     assert model_class(transformers.MllamaTextConfig()) is transformers.MllamaForCausalLM
     with pytest.raises(ValueError, match="has no causal LM class"):
         model_class(transformers.CLIPVisionConfig())
+
+
+def test_a_multimodal_models_text_layers_are_measured_under_their_own_plan(tmp_path):
+    """Fuyu's plan names ``model.language_model.layers``; the probe builds the causal LM of
+    its text config (Persimmon's), whose layers are ``model.layers``: the plan is moved
+    there, and Fuyu saves what Persimmon with the same sizes saves. (Before, no attention
+    module matched and the split widths were counted whole: +29% at tp 2.)"""
+    import transformers
+
+    from tools.model_coverage.tiny import tiny_config
+
+    fuyu = tiny_config("fuyu")
+    text = {k: v for k, v in fuyu.get_text_config().to_dict().items() if k != "model_type"}
+    specs = []
+    for name, config in (("fuyu", fuyu), ("persimmon", transformers.PersimmonConfig(**text))):
+        config.to_json_file(tmp_path / f"{name}.json")
+        specs.append(_without_profile(load_model(tmp_path / f"{name}.json")))
+    fuyu_profile, persimmon_profile = (probe_activations(s) for s in specs)
+    assert fuyu_profile.attention and fuyu_profile.attention == persimmon_profile.attention
+    assert fuyu_profile.mlp == persimmon_profile.mlp

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from torch_sagemaker.planner.model import ModelSpec, describe, mlp_size_attr, model_class
+from torch_sagemaker.policies.model_policy import ModelPolicy
 
 #: Styles whose module's input arrives split over the TP ranks (the rest take it whole).
 _SPLIT_INPUT_STYLES = ("rowwise", "rowwise_allreduce", "conv1d_rowwise_allreduce")
@@ -283,16 +284,10 @@ def _storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
-#: Tensor methods that cast to a dtype and return their input when it has that dtype already.
-_CASTS = frozenset(
-    {
-        torch.Tensor.to,
-        torch.Tensor.type_as,
-        torch.Tensor.float,
-        torch.Tensor.bfloat16,
-        torch.Tensor.half,
-    }
-)
+#: Tensor methods that cast to a dtype and return their input when it has that dtype already
+#: (not ``.bfloat16()``: a fixed target, a copy under float32 compute too; nor ``.to(...,
+#: copy=True)``).
+_CASTS = frozenset({torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.float})
 
 
 class _Casts(torch.overrides.TorchFunctionMode):
@@ -315,6 +310,8 @@ class _Casts(torch.overrides.TorchFunctionMode):
         source = args[0] if args else None
         if (
             func in _CASTS
+            and not (kwargs or {}).get("copy", False)
+            and not any(a is True for a in args[1:])  # .to(dtype, non_blocking, copy)
             and isinstance(source, torch.Tensor)
             and isinstance(result, torch.Tensor)
             and {source.dtype, result.dtype} == {torch.bfloat16, torch.float32}
@@ -390,6 +387,39 @@ class _Modules:
             handle.remove()
 
 
+def _rekeyed(policy: ModelPolicy, model: nn.Module) -> ModelPolicy:
+    """``policy`` with its module names moved to where ``model`` holds its layer stack.
+
+    A multimodal model's text model is built on its own from the text config, so its
+    layers sit below another prefix than in the whole model (Fuyu's, Gemma 3's
+    ``model.language_model.layers`` are ``model.layers`` in the causal LM of their text
+    config): the plan's entries below the whole model's base are moved to the reduced
+    model's. Unchanged where the prefixes agree or no layer stack is found.
+    """
+    layers = [n for n, m in model.named_modules() if type(m).__name__ == policy.layer_class]
+    stack = next((k.split(".*.")[0] for k in policy.tp_plan if ".*." in k), "")
+    if not layers or not stack:
+        return policy
+    here = layers[0].rpartition(".")[0]  # "model.layers"
+    if here == stack or here.rpartition(".")[2] != stack.rpartition(".")[2]:
+        return policy
+    old, new = stack.rpartition(".")[0], here.rpartition(".")[0]
+    if not old:
+        return policy
+
+    def moved(name: str) -> str:
+        if not name.startswith(f"{old}."):
+            return name
+        return f"{new}.{name[len(old) + 1 :]}" if new else name[len(old) + 1 :]
+
+    patterns = (policy.attention,) if isinstance(policy.attention, str) else policy.attention
+    return dataclasses.replace(
+        policy,
+        tp_plan={moved(k): v for k, v in policy.tp_plan.items()},
+        attention=tuple(moved(p) for p in patterns),
+    )
+
+
 def run_reduced(
     spec: ModelSpec, sizes: Sizes, window: int | None
 ) -> tuple[list[Record], Any, Reach]:
@@ -398,9 +428,6 @@ def run_reduced(
     Returns its saved storages in order, its spec, and which of its parameters the outputs
     reach.
     """
-    # The reduced model is the same family, so the spec's own policy (the user's plan, where
-    # they gave one) names its modules; regions and styles come from it.
-    policy = spec.policy
     try:
         config = _reduced_config(spec, sizes, window)
         cls = model_class(config)
@@ -411,12 +438,21 @@ def run_reduced(
         with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
             torch.manual_seed(0)
             model = cls(config).to(torch.bfloat16)
+        # The reduced model is the same family, so the spec's own policy (the user's plan,
+        # where they gave one) names its modules; regions and styles come from it.
+        policy = _rekeyed(spec.policy, model)
         small = describe(model, policy)
         attention = {name for name, _ in policy.attention_modules(model)}
     except Exception as e:  # noqa: BLE001 - any failure to build is the probe's refusal
         raise ProbeError(
             f"cannot build a reduced {spec.name} to measure ({type(e).__name__}: {e})"
         ) from None
+    if spec.policy.attention and not attention:
+        raise ProbeError(
+            f"the policy names no attention module of the reduced {type(model).__name__} "
+            f"(its patterns: {spec.policy.attention}), so it cannot say where what the "
+            "model saves lives under tensor parallelism"
+        )
     model.train()
     layer_names = [n for n, m in model.named_modules() if type(m).__name__ == policy.layer_class]
     regions = _region_modules(model, policy, layer_names)
@@ -438,7 +474,9 @@ def run_reduced(
     # Note [Casts that float32 compute skips]: a saved cast is paired with its saved source
     # (record indices) when the source's storage is provably the one cast: a record of that
     # storage made before the cast and alive since, or the source tensor itself, alive when
-    # its storage is saved after the cast. An address reused by another storage pairs nothing.
+    # either is saved. An address reused by another storage pairs nothing. The pair counts
+    # once under float32 only where both records are alike but for the dtype (same layer
+    # part, rows, width and region).
     cast_pairs: list[tuple[int, int]] = []  # (the cast's record, its source's record)
     waiting: dict[int, list[tuple[int, weakref.ref]]] = {}  # source storage -> casts saved
 
@@ -497,7 +535,10 @@ def run_reduced(
         if made is not None:
             source_key, source, made_at = made
             earlier = [i for ref, i in seen.get(source_key, []) if ref() is not None]
-            if earlier and earlier[0] < made_at:
+            origin = source()
+            # (saved before the cast was made, or since, while the source itself lives)
+            very = origin is not None and _storage_key(origin) == source_key
+            if earlier and (earlier[0] < made_at or very):
                 cast_pairs.append((index, earlier[0]))
             else:
                 waiting.setdefault(source_key, []).append((index, source))
@@ -532,8 +573,12 @@ def run_reduced(
             output = model(input_ids=ids)  # held while the records' liveness is read
         held = {i for refs in seen.values() for ref, i in refs if ref() is not None}
         for cast_index, source_index in cast_pairs:
-            if cast_index in held and source_index in held:  # one storage under float32
-                records[cast_index] = dataclasses.replace(records[cast_index], cast=True)
+            cast, source = records[cast_index], records[source_index]
+            # (one storage under float32, if both are held and sized alike: the same layer
+            # part and region, where sequence parallelism would split one and not the other)
+            alike = dataclasses.replace(cast, dtype="") == dataclasses.replace(source, dtype="")
+            if cast_index in held and source_index in held and alike:
+                records[cast_index] = dataclasses.replace(cast, cast=True)
         reach = _reach(model, output, layer_names)
         del output
     except ProbeError:
