@@ -317,6 +317,10 @@ def test_openai_gpts_shipped_plan_scales_its_split_width_by_the_share_of_heads()
     )
     _set_head_counts(attention, heads, policy.width_attrs)
     assert (attention.n_head, attention.split_size) == (2, 32)
+    # a width both the generic pairs and a family's name is scaled once (GPT-2's split_size)
+    gpt2_attention = _gpt2().transformer.h[0].attn
+    _set_head_counts(gpt2_attention, heads, (("split_size", None),))
+    assert gpt2_attention.split_size == 32
 
 
 def test_a_shipped_plan_that_names_no_module_of_the_model_is_not_used():

@@ -135,8 +135,10 @@ MAX_PARAMETERS = 20_000_000
 # uniformly, and a wrong split of the heads barely changes the output. Measured on
 # OpenAI-GPT with its head count left whole on each rank (so each rank cut its 2 heads of
 # 16 as 4 of 8): logits 2.7e-5 off, inside the tolerance, a "pass". ``build`` therefore
-# scales the matrices of the attention modules by ``ATTENTION_SCALE``: scores of about +-1,
-# and the same mistake is 1.6e-3 off, a failure, while the correct split stays at 1.5e-7.
+# scales the weights of the attention modules' projections (``nn.Linear``, transformers'
+# ``Conv1D``) by ``ATTENTION_SCALE``: queries and keys 3x, scores 9x, about +-1; the same
+# mistake is then 1.6e-3 off, a failure, while the correct split stays at 1.5e-7. (Families
+# with per-head q/k norms undo the scale; their scores are about +-1 already.)
 ATTENTION_SCALE = 3.0
 
 
@@ -218,6 +220,7 @@ def build(model_type: str, seed: int = 0, device: str | None = None):
         ValueError: If the model is not tiny (a size the shrinking did not reach).
     """
     import torch
+    from torch import nn
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_config(model_type)
@@ -239,13 +242,14 @@ def build(model_type: str, seed: int = 0, device: str | None = None):
         for p in model.parameters():
             if p.is_floating_point() and not p.any():
                 p.normal_(0.0, 0.1)
-        # (Note [Peaked attention in the tiny models]; each matrix once, where modules nest)
+        # (Note [Peaked attention in the tiny models]; the projections' weights, each once
+        # where attention modules nest)
         matrices = {
-            id(p): p
+            id(p.weight): p.weight
             for m in model.modules()
             if re.search(r"(Attention|Attn)$", type(m).__name__)
-            for p in m.parameters()
-            if p.is_floating_point() and p.ndim >= 2
+            for p in m.modules()
+            if isinstance(p, nn.Linear) or type(p).__name__ == "Conv1D"
         }
         for p in matrices.values():
             p.mul_(ATTENTION_SCALE)

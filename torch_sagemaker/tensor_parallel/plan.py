@@ -190,19 +190,22 @@ def _set_head_counts(
     # [Packed projections]): those widths are per rank too. (Not ``embed_dim``, which looks
     # alike in XGLM: CodeGen divides it into its own fused layout's blocks, and rescaling it
     # gave wrong values there; a policy names it where it means that: ``width_attrs``.)
+    # (Once per module, as the plan is applied: a width without a head size is scaled by
+    # the heads' share whatever its value, so each attribute is scaled at most once here.)
+    scaled: set[str] = set()
     for attr, size_attr in (*FULL_WIDTH_ATTRS, *width_attrs):
         width = getattr(attention, attr, None)
+        if attr in scaled or not isinstance(width, int) or width <= 0:
+            continue
         if size_attr is None:  # (a policy's width without a head size: by the heads' share)
-            if isinstance(width, int) and width > 0 and width % heads.num_heads == 0:
+            if width % heads.num_heads == 0:
                 setattr(attention, attr, width // heads.num_heads * heads.local_heads)
+                scaled.add(attr)
             continue
         size = getattr(attention, size_attr, None)
-        if (
-            isinstance(size, int)
-            and size > 0
-            and getattr(attention, attr, None) == heads.num_heads * size
-        ):
+        if isinstance(size, int) and size > 0 and width == heads.num_heads * size:
             setattr(attention, attr, heads.local_heads * size)
+            scaled.add(attr)
 
 
 # Note [TP regions under torch.compile]: a TP region swaps the default generator's state
