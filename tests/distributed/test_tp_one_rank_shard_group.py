@@ -160,10 +160,14 @@ def test_tp_with_one_rank_shard_group_trains_like_one_process(layout):
             assert params.keys() == ref_params.keys(), (api, sorted(params)[:3])
             for name, value in params.items():
                 assert type(value) is torch.Tensor, (api, name)  # gathered, not a TP half
+                # (AdamW normalises each element's step: an element whose gradient is near
+                # zero moves by a share of lr that rounding decides. Measured on one CPU
+                # model: 1 element of 4096 off by 1.47e-5 after 3 steps of lr 1e-2, where
+                # TP sums in another order; a wrong gradient moves elements by ~lr)
                 torch.testing.assert_close(
                     value,
                     ref_params[name],
                     rtol=1e-4,
-                    atol=1e-5,
+                    atol=5e-5,
                     msg=f"{layout} {api} rank {rank} {name}",
                 )
