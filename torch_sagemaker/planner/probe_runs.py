@@ -475,8 +475,8 @@ def run_reduced(
     # (record indices) when the source's storage is provably the one cast: a record of that
     # storage made before the cast and alive since, or the source tensor itself, alive when
     # either is saved. An address reused by another storage pairs nothing. The pair counts
-    # once under float32 only where both records are alike but for the dtype (same layer
-    # part, rows, width and region).
+    # once under float32 only where both records are alike but for the dtype and width (same
+    # layer part, rows and region; a cast of a slice is narrower than its source).
     cast_pairs: list[tuple[int, int]] = []  # (the cast's record, its source's record)
     waiting: dict[int, list[tuple[int, weakref.ref]]] = {}  # source storage -> casts saved
 
@@ -574,9 +574,12 @@ def run_reduced(
         held = {i for refs in seen.values() for ref, i in refs if ref() is not None}
         for cast_index, source_index in cast_pairs:
             cast, source = records[cast_index], records[source_index]
-            # (one storage under float32, if both are held and sized alike: the same layer
-            # part and region, where sequence parallelism would split one and not the other)
-            alike = dataclasses.replace(cast, dtype="") == dataclasses.replace(source, dtype="")
+            # (one storage under float32, if both are held and saved alike: the same layer
+            # part, rows and region, where sequence parallelism would split one and not the
+            # other; the widths may differ, a cast of part of its source: Flint's sinks)
+            alike = dataclasses.replace(cast, dtype="", width=0) == dataclasses.replace(
+                source, dtype="", width=0
+            )
             if cast_index in held and source_index in held and alike:
                 records[cast_index] = dataclasses.replace(cast, cast=True)
         reach = _reach(model, output, layer_names)
