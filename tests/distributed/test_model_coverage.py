@@ -6,13 +6,14 @@ its plan and one through a policy that takes its TP plan from transformers, a mu
 one whose plan and head counts are on its text sub-config (Gemma 3), one transformers ships
 no plan for and ``shipped_plans`` does (BART's decoder: its own loss, so gathered logits;
 RoBERTa: a head bias its parent holds too, Note [Tied parameters of parameter holders];
-RoFormer: attention that reshapes by its full ``all_head_size``; GPT-2: transformers'
-Conv1D, its packed [q | k | v] split block by block; BLOOM: ALiBi biases cut per rank;
-CTRL: plan keys naming a Sequential's numbered members, and a full width of its own;
+RoFormer: attention that reshapes by its full ``all_head_size``; OpenAI-GPT: transformers'
+Conv1D, its packed [q | k | v] split block by block and cut at a full width without a head
+size; CTRL: plan keys naming a Sequential's numbered members, and a full width of its own;
 XGLM: ``embed_dim``, a full width in that family only; Whisper: the decoder's own head
-count, here unlike the encoder's; MPT: its fused ``Wqkv`` computed by rows, and ALiBi;
-ModernBERT's decoder: a fused [input | gate] computed by rows outside attention),
-plus one it skips, and must write their rows.
+count, here unlike the encoder's; Mllama's text model: cross-attention layers run on image
+states, keyed by number; ModernBERT's decoder: a fused [input | gate] computed by rows
+outside attention), plus one it skips, and must write their rows. (GPT-2, BLOOM and MPT
+have parity tests of their own: test_tp_gpt2.py, test_tp_fused_qkv.py.)
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ def test_coverage_command_runs_families_and_writes_the_table(tmp_path):
         for r in main(
             [
                 "--families",
-                "qwen3,qwen3_moe,gemma3,bart,roberta,roformer,gpt2,openai-gpt,bloom,ctrl,xglm,"
-                "whisper,mpt,mllama,modernbert-decoder,rwkv",
+                "qwen3,qwen3_moe,gemma3,bart,roberta,roformer,openai-gpt,ctrl,xglm,whisper,"
+                "mllama,modernbert-decoder,rwkv",
                 "--output",
                 str(out),
             ]
@@ -46,14 +47,13 @@ def test_coverage_command_runs_families_and_writes_the_table(tmp_path):
     assert gemma3.path == "plan" and gemma3.result == "pass", gemma3
     assert all(parity.passed(r)[0] for r in gemma3.per_rank)
     assert 0.2 < gemma3.per_rank[0]["split_share"] < 0.9  # the text model's share
-    shipped = ("bart", "roberta", "roformer", "gpt2", "openai-gpt", "bloom", "ctrl", "xglm")
-    shipped += ("whisper", "mpt", "mllama")
+    shipped = ("bart", "roberta", "roformer", "openai-gpt", "ctrl", "xglm", "whisper", "mllama")
     for family in (*shipped, "modernbert-decoder"):
         row = rows[family]
         assert row.path == "shipped plan" and row.result == "pass", row
         assert all(parity.passed(r)[0] for r in row.per_rank) and len(row.per_rank) == 4
-        # (Whisper: 0.78, its positions whole; MPT: 0.77, its fused Wqkv whole on each rank;
-        # ModernBERT: 0.61, its fused [input | gate] whole)
+        # (Whisper: 0.78, its positions whole; ModernBERT: 0.61, its fused [input | gate]
+        # whole)
         assert row.per_rank[0]["split_share"] > (0.6 if family == "modernbert-decoder" else 0.75)
     assert rows["rwkv"].result == "skip" and "no base_model_tp_plan" in rows["rwkv"].detail
     for family in ("qwen3", "qwen3_moe"):

@@ -69,7 +69,11 @@ def test_compiled_tp_attention_with_dropout_is_refused():
 
 
 def _compiled_summed_gradients() -> dict:
-    """Compiled layers of a Llama with one kv head and of Falcon-7B's layout, at tp 2."""
+    """A compiled layer of Falcon-7B's layout at tp 2: its fused projection computed by rows.
+
+    (The same gradient all-reduce as a kv projection with fewer heads than ranks, a Llama
+    with one kv head: that one is left out for the suite's time, as it adds a compile.)
+    """
     import copy
 
     import torch.sagemaker as tsm
@@ -80,7 +84,7 @@ def _compiled_summed_gradients() -> dict:
     tsm.init({"tensor_parallel_degree": 2})
     ids, mask, labels = _padded_batch()
     out = {}
-    for name in ("llama", "falcon_multi_query"):
+    for name in ("falcon_multi_query",):
         if name == "llama":
             ref = tiny_llama(attn_implementation="sdpa", num_key_value_heads=1)
         else:
