@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from torch_sagemaker.planner.model import ModelSpec, describe, mlp_size_attr, model_class
+from torch_sagemaker.planner.probe_casts import Casts, storage_key
 from torch_sagemaker.policies.model_policy import ModelPolicy
 
 #: Styles whose module's input arrives split over the TP ranks (the rest take it whole).
@@ -280,58 +281,6 @@ def _reach(model: nn.Module, output: Any, layer_names: list[str]) -> Reach:
     return Reach(frozenset(reached), frozenset(unreached))
 
 
-def _storage_key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
-
-
-#: Tensor methods that cast to a dtype and return their input when it has that dtype already
-#: (not ``.bfloat16()``: a fixed target, a copy under float32 compute too; nor ``.to(...,
-#: copy=True)``).
-_CASTS = frozenset({torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.float})
-
-
-class _Casts(torch.overrides.TorchFunctionMode):
-    """Records each cast between the compute dtype and float32 in the run (``_CASTS``).
-
-    Under float32 compute such a cast returns its input (``Saved.cast``): where both are
-    saved, a float32 model saves one storage where the bfloat16 run saved two.
-    """
-
-    def __init__(self, records: list[Record]) -> None:
-        super().__init__()
-        self._records = records
-        #: the cast's storage -> (the cast, its source's storage, the source, records then)
-        self.made: dict[int, tuple[weakref.ref, int, weakref.ref, int]] = {}
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        result = func(*args, **(kwargs or {}))
-        source = args[0] if args else None
-        if (
-            func in _CASTS
-            and not (kwargs or {}).get("copy", False)
-            and not any(a is True for a in args[1:])  # .to(dtype, non_blocking, copy)
-            and isinstance(source, torch.Tensor)
-            and isinstance(result, torch.Tensor)
-            and {source.dtype, result.dtype} == {torch.bfloat16, torch.float32}
-        ):
-            self.made[_storage_key(result)] = (
-                weakref.ref(result),
-                _storage_key(source),
-                weakref.ref(source),
-                len(self._records),
-            )
-        return result
-
-    def of(self, tensor: torch.Tensor) -> tuple[int, weakref.ref, int] | None:
-        """``tensor``'s cast, while it lives: its source's storage, the source, records then."""
-        made = self.made.get(_storage_key(tensor))
-        if made is None or made[0]() is None:
-            return None
-        return made[1], made[2], made[3]
-
-
 # Note [A region ends at its reducing projection]
 #     A parallel region is a module (an attention module, the parent of planned projections),
 #     but not all that runs inside it is split: the BERT family's ``attention.output`` and
@@ -365,7 +314,7 @@ class _Modules:
             self.closed.discard(name)
         if any(word in style for word in _SPLITTING_STYLE_WORDS):
             self.closed.difference_update(n for n, *_ in self.stack)
-        self.stack.append((name, {_storage_key(a) for a in inputs}, set()))
+        self.stack.append((name, {storage_key(a) for a in inputs}, set()))
 
     def _post(self, _m: nn.Module, _args: tuple, _out: Any) -> None:
         name = self.stack.pop()[0]
@@ -457,7 +406,7 @@ def run_reduced(
     layer_names = [n for n, m in model.named_modules() if type(m).__name__ == policy.layer_class]
     regions = _region_modules(model, policy, layer_names)
     styles = {name: _planned_style(policy, name) for name, _ in model.named_modules()}
-    ignored = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
+    ignored = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
 
     modules = _Modules(model, regions, styles)
     batch, seq = _BATCH, sizes.seq
@@ -470,7 +419,7 @@ def run_reduced(
     # tensors all died before the forward returned are dropped, as they hold no memory then.
     seen: dict[int, list[tuple[weakref.ref, int]]] = {}
     records: list[Record] = []
-    casts = _Casts(records)
+    casts = Casts(records)
     # Note [Casts that float32 compute skips]: a saved cast is paired with its saved source
     # (record indices) when the source's storage is provably the one cast: a record of that
     # storage made before the cast and alive since, or the source tensor itself, alive when
@@ -481,7 +430,7 @@ def run_reduced(
     waiting: dict[int, list[tuple[int, weakref.ref]]] = {}  # source storage -> casts saved
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         if key in ignored or tensor.untyped_storage().nbytes() == 0:
             return tensor
         names = modules.names
@@ -537,14 +486,14 @@ def run_reduced(
             earlier = [i for ref, i in seen.get(source_key, []) if ref() is not None]
             origin = source()
             # (saved before the cast was made, or since, while the source itself lives)
-            very = origin is not None and _storage_key(origin) == source_key
+            very = origin is not None and storage_key(origin) == source_key
             if earlier and (earlier[0] < made_at or very):
                 cast_pairs.append((index, earlier[0]))
             else:
                 waiting.setdefault(source_key, []).append((index, source))
         for cast_index, source in waiting.pop(key, []):
             origin = source()
-            if origin is not None and _storage_key(origin) == key:  # the very source
+            if origin is not None and storage_key(origin) == key:  # the very source
                 cast_pairs.append((cast_index, index))
         records.append(
             Record(
@@ -563,7 +512,7 @@ def run_reduced(
 
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, sizes.vocab, (batch, seq), generator=generator)
-    ignored.add(_storage_key(ids))  # the embedding's saved ids are the planner's own term
+    ignored.add(storage_key(ids))  # the embedding's saved ids are the planner's own term
     try:
         with (
             torch.random.fork_rng(devices=[]),  # dropout draws leave the caller's state alone
