@@ -19,10 +19,21 @@ Note [Counting storages]
     key storages by (device, data pointer) and add each one's ``nbytes`` once. A tensor
     subclass that wraps another (a DTensor's local shard, a functional collective's waited
     result) is looked through to the tensor that owns the storage.
+
+Note [Saved tensors the forward frees]
+    Autograd frees the saved tensors of graph parts that no output reaches (an MoE router's
+    group selection, which only picks indices; auxiliary scores nothing uses) while the
+    forward still runs. Such storages hold no memory between forward and backward, which is
+    what the planner predicts (its probe drops them the same way: Note [Storages the forward
+    frees] in ``torch_sagemaker/planner/probe_runs.py``). ``SavedActivations`` keeps a weak
+    reference to every tensor it saw saved and counts a storage only while autograd still
+    holds one of them; it holds the storages themselves, so no later storage takes a freed
+    one's address.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -129,6 +140,9 @@ class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
         # freed after the forward (a view of an all-gathered parameter) counts as what it
         # holds then.
         self.storages: dict[tuple[Any, ...], torch.UntypedStorage] = {}
+        # The saved tensors of each storage: one that autograd no longer holds any of when
+        # asked was freed during the forward (Note [Saved tensors the forward frees]).
+        self._saved: dict[tuple[Any, ...], list[weakref.ref]] = {}
 
         def pack(tensor: torch.Tensor) -> Any:
             self._record(tensor)
@@ -152,7 +166,9 @@ class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
             # finds it under the address and counts it once.
             aside = (*key, "freed", len(self.storages))
             self.storages[aside] = self.storages.pop(key)
+            self._saved[aside] = self._saved.pop(key, [])
         self.storages.setdefault(key, local.untyped_storage())
+        self._saved.setdefault(key, []).append(weakref.ref(tensor))
 
     @property
     def bytes(self) -> int:
@@ -163,7 +179,11 @@ class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
         DTensor views of it that do not look like parameters.
         """
         state = _state_storages(self._model)
-        return sum(s.nbytes() for k, s in self.storages.items() if k[:2] not in state)
+        return sum(
+            s.nbytes()
+            for k, s in self.storages.items()
+            if k[:2] not in state and any(ref() is not None for ref in self._saved[k])
+        )
 
 
 __all__ = ["Census", "SavedActivations", "census", "storage_bytes", "storage_owner"]
