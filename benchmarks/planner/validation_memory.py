@@ -319,6 +319,7 @@ def run_case(case: MemoryCase, profile: Any = None) -> dict[str, Any]:
     from torch_sagemaker.moe.moe_config import MoEConfig
     from torch_sagemaker.offload import get_stats
     from torch_sagemaker.planner.model import describe, model_class
+    from torch_sagemaker.planner.probe_attention import FusedAttention
     from torch_sagemaker.policies import lookup_policy
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -340,7 +341,7 @@ def run_case(case: MemoryCase, profile: Any = None) -> dict[str, Any]:
         if case.offload and step == 1:
             get_stats(model, reset=True)  # the second step's peak only
         counter = measure.SavedActivations(model)
-        with counter:
+        with counter, FusedAttention():  # the kernel the probe assumes (its Note)
             loss = model(input_ids=ids, labels=ids).loss
         saved = counter.bytes
         loss.backward()

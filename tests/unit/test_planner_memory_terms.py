@@ -18,6 +18,7 @@ from torch_sagemaker.planner.memory import activation_shape
 from torch_sagemaker.planner.model import describe
 from torch_sagemaker.planner.presets import accelerator
 from torch_sagemaker.planner.probe import with_activations
+from torch_sagemaker.planner.probe_attention import FusedAttention
 from torch_sagemaker.policies import lookup_policy
 from torch_sagemaker.sharding import checkpoint_transformer_layers
 
@@ -186,3 +187,57 @@ def test_a_cast_saved_beside_its_source_is_one_storage_under_float32(dtype):
     ).saved
     assert predicted == pytest.approx(measured, abs=8)
 
+
+def _latent_attention_config() -> transformers.PreTrainedConfig:
+    # Query/key heads of 16 + 8 and value heads of 32 (DeepSeek V3: 128 + 64 and 128);
+    # the second layer is an MoE layer.
+    return transformers.DeepseekV3Config(
+        vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=32, max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_attention_is_predicted_to_the_storage(dtype):
+    # Multi-head latent attention's own sizes (ranks, rotary and value head sizes) are probed
+    # and sized (Note [Latent attention's sizes]); SDPA with unequal head sizes runs as the
+    # fused kernel the prediction assumes (Note [Attention with unequal head sizes]).
+    config = _latent_attention_config()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = model.to(dtype)
+    spec = with_activations(describe(model, lookup_policy(model)))
+    assert spec.qk_v_head_dims == (24, 32)  # the attention FLOPs' head sizes (timing.py)
+    sizes = {t.size for t in spec.policy.activations.attention}
+    assert {"q_lora", "kv_lora", "rope", "heads_nope", "heads_v"} & sizes == {
+        "q_lora", "kv_lora", "heads_nope", "heads_v"
+    }  # fmt: skip
+    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
+    counter = measure.SavedActivations(model)
+    with counter, FusedAttention():
+        loss = model(input_ids=ids, labels=ids).loss
+    measured = counter.bytes  # while the graph holds what it saved
+    del loss
+    workload = Workload(SEQ, SEQ * BATCH, "float32" if dtype == torch.float32 else "bfloat16")
+    cluster = Cluster(hosts=1, per_host=1, accelerator=accelerator("H100"))
+    checked = check(Candidate(1, fsdp=2), spec, cluster, workload)
+    predicted = activations.activation_bytes(
+        spec, activation_shape(checked, workload), checkpointing=False, offload=False, horizon=1
+    ).saved
+    # What the planner leaves out, exactly: the loss's 4-byte weight and, in the MoE layer,
+    # the experts' int32 token counts and (bfloat16) the router weight's float32 copy, which
+    # are per layer, not per token. Under float32 two casts return their input: the router's
+    # cast of its input is then the MoE block's input, which the prediction counts twice
+    # (the two are saved as different kinds of inputs, so the probe does not pair them),
+    # and the key/value latent's norm saves its input with the rotary part beside it.
+    experts, hidden, tokens = config.n_routed_experts, config.hidden_size, BATCH * SEQ
+    left_out = 4 + 4 * experts
+    if dtype == torch.bfloat16:
+        left_out += 4 * experts * hidden
+    else:
+        left_out += 4 * tokens * (config.qk_rope_head_dim * config.num_hidden_layers - hidden)
+    assert measured - predicted == left_out

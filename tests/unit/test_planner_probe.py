@@ -281,3 +281,51 @@ def test_a_multimodal_models_text_layers_are_measured_under_their_own_plan(tmp_p
     fuyu_profile, persimmon_profile = (probe_activations(s) for s in specs)
     assert fuyu_profile.attention and fuyu_profile.attention == persimmon_profile.attention
     assert fuyu_profile.mlp == persimmon_profile.mlp
+
+
+@pytest.mark.parametrize("mask", ["causal", "bool", "none"])
+def test_attention_with_narrower_values_saves_what_a_fused_kernel_saves(mask):
+    # Note [Attention with unequal head sizes]: SDPA's CPU math path saves every head's
+    # float32 scores for unequal query and value head sizes; the probe's stand-in saves the
+    # inputs, the output and the per-query log-sum-exp, and computes SDPA's values.
+    import torch
+
+    from torch_sagemaker.planner.probe_attention import FusedAttention
+
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 10, 24, dtype=torch.float64, requires_grad=True).unbind(0)
+    v = torch.randn(4, 10, 16, dtype=torch.float64, requires_grad=True)
+    kwargs: dict = {"scale": 0.3}
+    keep = torch.rand(10, 10) > 0.3
+    keep.fill_diagonal_(True)
+    if mask == "causal":
+        kwargs["is_causal"] = True
+    elif mask == "bool":
+        kwargs["attn_mask"] = keep
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), FusedAttention():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+    shapes = sorted(tuple(t.shape) for t in saved)
+    expected = [(4, 10), (4, 10, 16), (4, 10, 16), (4, 10, 24), (4, 10, 24)]
+    if mask == "bool":
+        expected.append((10, 10))
+    assert shapes == expected and not any(t.shape == (4, 10, 10) for t in saved)
+    # The reference, written out: softmax(q k^T x scale, masked) v.
+    scores = q @ k.transpose(-2, -1) * 0.3
+    allowed = {"causal": torch.ones(10, 10, dtype=torch.bool).tril(), "bool": keep}.get(mask)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    reference = torch.softmax(scores, dim=-1) @ v
+    lse = next(t for t in saved if t.shape == (4, 10))
+    assert lse.dtype == torch.float32
+    assert torch.allclose(lse.double(), torch.logsumexp(scores, dim=-1), atol=1e-5)
+    assert torch.allclose(out, reference, atol=1e-12)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(reference, (q, k, v), grad)
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(got, want, strict=True))

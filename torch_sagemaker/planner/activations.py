@@ -178,7 +178,12 @@ class _Sizer:
             "kv_heads": num_kv,
             "scores": num_heads * shape.seq_len,
         }
+        latent = spec.latent
+        if latent is not None:
+            self.whole.update(latent.size_values(num_heads))
         self.split = dict(self.whole)
+        if latent is not None:
+            self.split.update(latent.size_values(heads.local_heads))
         self.split.update(
             q=heads.local_heads * head_dim,
             kv=heads.local_kv_heads * head_dim,

@@ -70,6 +70,55 @@ class Param:
         return n
 
 
+#: Multi-head latent attention's config attributes (DeepSeek V2/V3 and the families built on
+#: them), in ``LatentAttention``'s field order.
+LATENT_ATTRS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """The sizes of multi-head latent attention (MLA).
+
+    Queries are projected to ``q_lora`` (or directly, when ``None``), keys and values to one
+    shared latent of ``kv_lora`` plus a key part of ``rope`` that rotary rotates and every head
+    shares; each head then expands the latent to its key part of ``nope`` and its value of
+    ``v_head``. A query/key head is ``nope + rope`` wide.
+    """
+
+    q_lora: int | None
+    kv_lora: int
+    rope: int
+    nope: int
+    v_head: int
+
+    def size_values(self, heads: int) -> dict[str, int]:
+        """The size names of its widths in saved activations (``Saved.size``), for ``heads``.
+
+        The ranks and the rotary part every head shares are whole under tensor parallelism;
+        ``heads_nope`` and ``heads_v`` are per head (pass a rank's heads for its part).
+        """
+        values = {
+            "kv_lora": self.kv_lora,
+            "rope": self.rope,
+            "heads_nope": heads * self.nope,
+            "heads_v": heads * self.v_head,
+        }
+        if self.q_lora:
+            values["q_lora"] = self.q_lora
+        return values
+
+
+def latent_attention(config: Any) -> LatentAttention | None:
+    """``config``'s multi-head latent attention sizes, or ``None`` where it has none."""
+    q_lora, *sizes = (getattr(config, attr, None) for attr in LATENT_ATTRS)
+    ints = [v for v in sizes if isinstance(v, int) and not isinstance(v, bool)]
+    if len(ints) != len(sizes):
+        return None
+    kv_lora, rope, nope, v_head = ints
+    q_rank = q_lora if isinstance(q_lora, int) and q_lora > 0 else None
+    return LatentAttention(q_rank, kv_lora, rope, nope, v_head)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A model's parameters and the dimensions the planner's models read.
@@ -136,6 +185,19 @@ class ModelSpec:
         """Size of one attention head."""
         explicit = getattr(self.config, "head_dim", None)
         return int(explicit) if explicit else self.dim("hidden_size") // self.heads[0]
+
+    @property
+    def latent(self) -> LatentAttention | None:
+        """Multi-head latent attention's sizes (DeepSeek V2/V3), ``None`` for other attention."""
+        return latent_attention(self.config)
+
+    @property
+    def qk_v_head_dims(self) -> tuple[int, int]:
+        """(a query/key head's size, a value head's size): both ``head_dim`` but under MLA."""
+        latent = self.latent
+        if latent is None:
+            return self.head_dim, self.head_dim
+        return latent.nope + latent.rope, latent.v_head
 
     @property
     def num_experts(self) -> int:

@@ -37,13 +37,12 @@ state under FSDP2).
 import dataclasses
 
 from torch_sagemaker.planner.model import ModelSpec
-from torch_sagemaker.planner.probe_runs import (
+from torch_sagemaker.planner.probe_runs import Record, run_reduced
+from torch_sagemaker.planner.probe_sizes import (
     SEQ,
     WINDOW,
     ProbeError,
-    Record,
     base_sizes,
-    run_reduced,
     size_values,
     variations,
 )

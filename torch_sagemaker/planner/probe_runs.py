@@ -11,19 +11,19 @@ the widths are made of is ``probe_widths``'s concern (Note [Probing what a famil
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from torch_sagemaker.planner.model import ModelSpec, describe, mlp_size_attr, model_class
+from torch_sagemaker.planner.model import ModelSpec, describe, model_class
+from torch_sagemaker.planner.probe_attention import FusedAttention
 from torch_sagemaker.planner.probe_casts import Casts, storage_key
+from torch_sagemaker.planner.probe_sizes import ProbeError, Sizes, reduced_config
 from torch_sagemaker.policies.model_policy import ModelPolicy
 
 #: Styles whose module's input arrives split over the TP ranks (the rest take it whole).
@@ -52,10 +52,6 @@ _REDUCING_STYLES = (
 #: tokens (a multiple of 7 x the sequence) only if it is per token; eager attention flattens
 #: the batch with the heads, so the shape alone cannot say.
 _BATCH = 7
-#: Tokens per sequence of the base run, and the sliding window of the windowed runs.
-SEQ = 26
-WINDOW = 8
-_MAX_LAYERS = 6
 _DTYPE_NAMES = {
     torch.bfloat16: "compute",
     torch.float32: "float32",
@@ -64,23 +60,6 @@ _DTYPE_NAMES = {
     torch.bool: "bool",
     torch.complex64: "complex64",  # rotary frequencies kept as complex numbers (Llama 4)
 }
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """The sizes of one probe run (``None``: the config has no such size)."""
-
-    hidden: int
-    heads: int
-    kv_heads: int | None
-    head_dim: int | None
-    mlp: int | None
-    vocab: int
-    seq: int
-    experts: int | None
-    top_k: int | None
-    expert_mlp: int | None
-    shared_mlp: int | None
 
 
 @dataclass
@@ -97,129 +76,6 @@ class Record:
     split_input: bool  # the input of a projection whose input is split
     local_input: bool  # the input of a projection that saves its own slice of it
     cast: bool = False  # a compute <-> float32 cast of another saved storage (Saved.cast)
-
-
-class ProbeError(ValueError):
-    """The probe cannot describe what the family saves (the message says why)."""
-
-
-def base_sizes(spec: ModelSpec) -> Sizes:
-    """The first run's sizes: small, distinct, and only those the config has."""
-    config = spec.config
-    heads, kv = spec.heads
-    # (Falcon's config computes head_dim from the hidden size: a property, not a size of its own)
-    explicit_head_dim = getattr(config, "head_dim", None) is not None and not isinstance(
-        getattr(type(config), "head_dim", None), property
-    )
-    if kv == heads:
-        kv_heads: int | None = None  # multi-head attention: kv heads follow the heads
-    elif kv == 1:
-        kv_heads = 1
-    else:
-        kv_heads = 2
-    experts = spec.num_experts or None
-    moe = spec.policy.moe
-    return Sizes(
-        hidden=80 if explicit_head_dim else 96,
-        heads=6,
-        kv_heads=kv_heads,
-        head_dim=16 if explicit_head_dim else None,
-        mlp=88 if spec.mlp_size else None,
-        vocab=200,
-        seq=SEQ,
-        experts=6 if experts else None,
-        top_k=2 if experts and moe is not None else None,
-        expert_mlp=40 if getattr(config, "moe_intermediate_size", None) else None,
-        shared_mlp=72 if getattr(config, "shared_expert_intermediate_size", None) else None,
-    )
-
-
-def variations(base: Sizes) -> Iterator[Sizes]:
-    """The base sizes, then each size changed alone."""
-    yield base
-    yield dataclasses.replace(base, hidden=base.hidden + 48)
-    yield dataclasses.replace(base, heads=12)  # kv heads 2 and 1 divide 12
-    if base.head_dim is not None:
-        yield dataclasses.replace(base, head_dim=24)
-    if base.kv_heads == 2:  # not 1: repeating a single kv head is a view, not a copy
-        yield dataclasses.replace(base, kv_heads=3)
-    for field, value in (
-        ("mlp", 104),
-        ("experts", 8),
-        ("top_k", 3),
-        ("expert_mlp", 48),
-        ("shared_mlp", 64),
-    ):
-        if getattr(base, field) is not None:
-            yield dataclasses.replace(base, **{field: value})
-    # The widths of heads are products (heads x head size): with each size changed alone,
-    # the heads, the key/value heads and their widths would be linearly dependent over the
-    # runs, so one run changes them all.
-    yield dataclasses.replace(
-        base,
-        hidden=base.hidden + 96,  # without a head size of its own: 192 / 12 heads = 16
-        heads=12,
-        kv_heads=3 if base.kv_heads == 2 else base.kv_heads,
-        head_dim=24 if base.head_dim is not None else None,
-    )
-    yield dataclasses.replace(base, vocab=232)
-    yield dataclasses.replace(base, seq=34)
-    # One more run than there are sizes, changing several at once, so that a width the
-    # sizes do not make cannot be fitted exactly by chance.
-    yield dataclasses.replace(
-        base,
-        mlp=base.mlp and 120,
-        vocab=264,
-        seq=30,
-        experts=base.experts and 4,
-        expert_mlp=base.expert_mlp and 64,
-        shared_mlp=base.shared_mlp and 88,
-    )
-
-
-def _set(config: Any, attr: str | None, value: Any) -> None:
-    if attr and getattr(config, attr, None) is not None:
-        setattr(config, attr, value)
-
-
-def _reduced_config(spec: ModelSpec, sizes: Sizes, window: int | None) -> Any:
-    config = copy.deepcopy(spec.config)
-    policy = spec.policy
-    layers = min(spec.num_layers, _MAX_LAYERS)
-    config.num_hidden_layers = layers
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        config.layer_types = list(types[:layers])
-    # Sizes the config keeps under other names equal to the hidden size (OPT's
-    # word_embed_proj_dim) follow it, so that they shrink and change with it.
-    hidden = spec.dim("hidden_size")
-    for attr, value in list(vars(config).items()):
-        named = any(word in attr for word in ("dim", "size", "embed"))
-        if named and attr != "hidden_size" and type(value) is int and value == hidden:
-            setattr(config, attr, sizes.hidden)
-    config.hidden_size = sizes.hidden
-    setattr(config, policy.num_heads_attr, sizes.heads)
-    if policy.num_kv_heads_attr:
-        kv = sizes.kv_heads if sizes.kv_heads is not None else sizes.heads
-        _set(config, policy.num_kv_heads_attr, kv)
-    if sizes.head_dim is not None:
-        config.head_dim = sizes.head_dim
-    _set(config, mlp_size_attr(config), sizes.mlp)
-    config.vocab_size = sizes.vocab
-    for attr in [a for a in vars(config) if a.endswith("_token_id")]:
-        value = getattr(config, attr, None)
-        if isinstance(value, int) and value >= sizes.vocab:  # an id the vocabulary lost
-            setattr(config, attr, 0)
-    _set(config, policy.num_experts_attr, sizes.experts)
-    if policy.moe is not None:
-        _set(config, policy.moe.top_k_attr, sizes.top_k)
-    _set(config, "moe_intermediate_size", sizes.expert_mlp)
-    _set(config, "shared_expert_intermediate_size", sizes.shared_mlp)
-    if policy.sliding_window_attr and getattr(config, policy.sliding_window_attr, None):
-        setattr(config, policy.sliding_window_attr, window)
-    if getattr(config, "max_position_embeddings", None) is not None:
-        config.max_position_embeddings = max(int(config.max_position_embeddings), 64)
-    return config
 
 
 def _region_modules(model: nn.Module, policy: Any, layer_names: list[str]) -> set[str]:
@@ -378,7 +234,7 @@ def run_reduced(
     reach.
     """
     try:
-        config = _reduced_config(spec, sizes, window)
+        config = reduced_config(spec, sizes, window)
         cls = model_class(config)
         # The kernel the model runs by default: SDPA where the family supports it, else
         # eager (whose scores per head and key are the ``scores`` size).
@@ -518,6 +374,7 @@ def run_reduced(
             torch.random.fork_rng(devices=[]),  # dropout draws leave the caller's state alone
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
             casts,
+            FusedAttention(),  # Note [Attention with unequal head sizes]
         ):
             output = model(input_ids=ids)  # held while the records' liveness is read
         held = {i for refs in seen.values() for ref, i in refs if ref() is not None}
@@ -542,29 +399,3 @@ def run_reduced(
     finally:
         modules.remove()
     return [r for i, r in enumerate(records) if i in held], small, reach
-
-
-def size_values(sizes: Sizes, small: ModelSpec) -> dict[str, int]:
-    """Each size name's value in a run, as the planner's sizer reads it from the config."""
-    heads, kv = small.heads
-    head_dim = small.head_dim
-    top_k = sizes.top_k or 0
-    values = {
-        "hidden": small.dim("hidden_size"),
-        "q": heads * head_dim,
-        "kv": kv * head_dim,
-        "heads": heads,
-        "kv_heads": kv,
-        "mlp": small.mlp_size,
-        "vocab": small.dim("vocab_size"),
-        "keys": sizes.seq,
-        "scores": heads * sizes.seq,
-        "one": 1,
-    }
-    if sizes.experts:
-        values["experts"] = small.num_experts
-        values["topk"] = top_k
-        values["expert_mlp"] = small.dim("moe_intermediate_size", 0) or values["mlp"]
-    if sizes.shared_mlp:
-        values["shared_mlp"] = small.dim("shared_expert_intermediate_size", 0)
-    return values

@@ -16,7 +16,8 @@ from collections.abc import Iterator
 import torch
 
 from torch_sagemaker.planner.model import ModelSpec
-from torch_sagemaker.planner.probe_runs import ProbeError, Record
+from torch_sagemaker.planner.probe_runs import Record
+from torch_sagemaker.planner.probe_sizes import ProbeError
 from torch_sagemaker.policies.model_policy import Saved
 
 #: Widths that tensor parallelism splits inside a parallel region.
@@ -30,13 +31,27 @@ _SPLIT_SIZES = (
     "expert_mlp",
     "shared_mlp",
     "vocab",
+    "heads_nope",  # latent attention's per-head widths (Note [Latent attention's sizes])
+    "heads_v",
 )
+#: Latent attention's whole sizes: the query's and key/value latent's ranks, and the rotary
+#: part of a key that every head shares.
+_LATENT_WHOLE = ("q_lora", "kv_lora", "rope")
 #: Order in which equal sizes are named: a storage inside a parallel region that is not a
 #: gathering projection's input takes the split names first, any other the whole ones.
 #: A width that no run changes is a constant ("one") first: with as many sizes as runs, any
 #: size would otherwise absorb it.
-_SPLIT_FIRST = ("one", *_SPLIT_SIZES, "hidden", "keys", "experts", "topk")
-_WHOLE_FIRST = ("one", "hidden", "keys", "experts", "topk", "expert_mlp", *_SPLIT_SIZES)
+_SPLIT_FIRST = ("one", *_SPLIT_SIZES, "hidden", "keys", "experts", "topk", *_LATENT_WHOLE)
+_WHOLE_FIRST = (
+    "one",
+    "hidden",
+    "keys",
+    "experts",
+    "topk",
+    *_LATENT_WHOLE,
+    "expert_mlp",
+    *_SPLIT_SIZES,
+)
 _BATCH = 7
 #: The widest storage per token the probe accepts as the same in every run (a norm's
 #: statistics, a gate's score); wider, it is a size the probe does not vary.

@@ -4,7 +4,8 @@ Compute, per rank and step:
 
 - Matrix multiplies: each weight matrix a token passes through costs 2 FLOPs per element
   in forward (the embedding none, an expert only for the rows routed to it), attention
-  ``2 x b x s^2 x heads x head_dim / cp`` (causal); backward twice forward; checkpointing
+  ``b x s^2 x heads x (qk + v) / cp`` (causal; ``qk`` and ``v`` the query/key and value
+  head sizes, both ``head_dim`` but under latent attention); backward twice forward; checkpointing
   runs each layer's forward again. At ``Machine.matmul_flops`` (peak times the stated
   efficiency, or a measured rate).
 - Elementwise work (norms, activations, softmax, residual adds, the loss) reads and writes
@@ -250,14 +251,14 @@ def estimate(
     a = workload.compute_bytes
     b, seq = checked.micro_batch, workload.seq_len
     tokens = b * seq // layout.cp
-    heads_local, head_dim = checked.heads.local_heads, spec.head_dim
+    heads_local, (qk_dim, v_dim) = checked.heads.local_heads, spec.qk_v_head_dims
     top_k = spec.policy.moe.top_k(spec.config) if spec.policy.moe else 0
     experts_total = spec.num_experts or 1
     sparse = sparse_layers(spec)
     # Rows each expert this rank holds computes: its share of the tokens' picks, from every
     # EP rank's tokens with an MoEConfig (TP ranks each see their own experts' picks only).
     expert_rows = tokens * top_k / experts_total * (layout.ep if c.moe else 1)
-    attention = 2 * b * seq * seq * heads_local * head_dim / layout.cp
+    attention = b * seq * seq * heads_local * (qk_dim + v_dim) / layout.cp
     fwd_layers = [
         2 * tokens * units.matmul_dense[i] + 2 * expert_rows * units.experts[i] + attention
         for i in range(spec.num_layers)
@@ -303,7 +304,7 @@ def estimate(
     ep_group = _axis_ranks(layout, "dp_replicate", layout.ep)  # ep consecutive replicas
     residual = tokens * spec.dim("hidden_size") * a
     tp_layer = 4 * t("all_gather", residual, tp_group) if layout.tp > 1 else 0.0
-    kv = 2 * tokens * checked.heads.local_kv_heads * head_dim * a * layout.cp
+    kv = tokens * checked.heads.local_kv_heads * (qk_dim + v_dim) * a * layout.cp
     cp_fwd = t("all_gather", kv, cp_group)
     cp_bwd = cp_fwd + t("reduce_scatter", kv, cp_group)
     ep_rows = tokens * top_k * spec.dim("hidden_size") * a

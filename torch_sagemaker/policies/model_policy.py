@@ -167,6 +167,12 @@ SAVED_SIZES = (
     "keys",  # the keys a query is scored against (the whole sequence): an attention mask's row
     "kv_heads",  # the key/value heads (one per head: a per-head norm's statistics of the keys)
     "scores",  # attention scores of every head against every key (eager attention)
+    # Multi-head latent attention's (DeepSeek V2/V3; planner/model.py, LatentAttention):
+    "q_lora",  # the query's latent rank
+    "kv_lora",  # the key/value latent's rank
+    "rope",  # the rotary part of a key, which every head shares
+    "heads_nope",  # query heads x a key head's part without rotary
+    "heads_v",  # query heads x a value head
 )
 #: Where a saved tensor lives, which decides how parallelism divides it.
 SAVED_REGIONS = (
