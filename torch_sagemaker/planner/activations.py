@@ -191,6 +191,10 @@ class _Sizer:
             kv_heads=heads.local_kv_heads,
             scores=heads.local_heads * shape.seq_len,
             mlp=_part(self.whole["mlp"], tp, shape.tp_rank, policy.mlp_split),
+            # a shared expert's columns, split like a dense MLP's (routed experts' rows are
+            # sized whole: TP splits the experts, not their columns)
+            expert_mlp=_part(self.whole["expert_mlp"], tp, shape.tp_rank, policy.mlp_split),
+            shared_mlp=_part(self.whole["shared_mlp"], tp, shape.tp_rank, policy.mlp_split),
             vocab=_part(self.whole["vocab"], tp, shape.tp_rank, policy.vocab_parallel_logits),
         )
         self.local = {k: _chunk(v, tp, shape.tp_rank) for k, v in self.whole.items()}

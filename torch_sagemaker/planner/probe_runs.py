@@ -33,6 +33,8 @@ _SPLIT_INPUT_STYLES = ("rowwise", "rowwise_allreduce", "conv1d_rowwise_allreduce
 _LOCAL_INPUT_STYLES = ("rowwise_split_input",)
 #: Styles of modules that make their parent (within a layer) a parallel region.
 _REGION_STYLE_WORDS = ("colwise", "rowwise", "experts", "router", "lm_head")
+#: Styles of subtrees that compute whole, on whole activations, inside a region.
+_WHOLE_BLOCK_STYLES = ("replicate_local", "replicate", "router")
 #: Words of styles whose module computes split widths: running one (re)opens its regions.
 _SPLITTING_STYLE_WORDS = ("colwise", "experts", "router", "lm_head")
 #: Styles whose module's output leaves the parallel region: all-reduced or reduce-scattered
@@ -76,6 +78,7 @@ class Record:
     split_input: bool  # the input of a projection whose input is split
     local_input: bool  # the input of a projection that saves its own slice of it
     cast: bool = False  # a compute <-> float32 cast of another saved storage (Saved.cast)
+    whole_block: bool = False  # in a region's block that the plan leaves whole (a router)
 
 
 def _region_modules(model: nn.Module, policy: Any, layer_names: list[str]) -> set[str]:
@@ -149,6 +152,18 @@ def _reach(model: nn.Module, output: Any, layer_names: list[str]) -> Reach:
 #     projections were taken for split query widths, half their size under TP 2.)
 
 
+# Note [Blocks a region leaves whole]
+#     Inside a parallel region not everything is split: an MoE block is a region (its
+#     experts are planned), but its router, and a shared expert the plan does not name
+#     (Qwen2-MoE's), run whole on every rank; the translated plan marks such subtrees
+#     (``_WHOLE_BLOCK_STYLES``: ``replicate_local``, computed on whole activations). A storage
+#     saved while one runs inside the innermost region is whole (``Record.whole_block``):
+#     named by whole sizes first where sizes are equal in every run (a router's input, hidden
+#     wide, is the query heads' width too where the config has no head size of its own), and
+#     never split. Before, Qwen2-MoE's shared expert was sized split under TP, and a router's
+#     input could be.
+
+
 class _Modules:
     """The modules running as a storage is saved, and which regions are open."""
 
@@ -158,7 +173,10 @@ class _Modules:
         self.stack: list[tuple[str, set[int], set[int]]] = []
         self.closed: set[str] = set()
         self.handles = []
-        for name, module in model.named_modules():
+        named = dict(model.named_modules())
+        # Note [Blocks a region leaves whole]
+        self.whole_blocks = {n for n in named if styles.get(n) in _WHOLE_BLOCK_STYLES}
+        for name, module in named.items():
             pre = functools.partial(self._pre, name)
             self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post))
@@ -185,6 +203,12 @@ class _Modules:
     def inside(self) -> bool:
         """Whether an open region is running."""
         return any(n in self.regions and n not in self.closed for n in self.names)
+
+    def in_whole_block(self) -> bool:
+        """Whether a block the plan keeps whole runs inside the innermost region."""
+        names = self.names
+        opened = [i for i, n in enumerate(names) if n in self.regions]
+        return bool(opened) and any(n in self.whole_blocks for n in names[opened[-1] + 1 :])
 
     def remove(self) -> None:
         """Removes the hooks."""
@@ -362,6 +386,7 @@ def run_reduced(
                 whole_input=is_input and style not in _SPLIT_INPUT_STYLES,
                 split_input=is_input and style in _SPLIT_INPUT_STYLES,
                 local_input=is_input and style in _LOCAL_INPUT_STYLES,
+                whole_block=modules.in_whole_block(),
             )
         )
         return tensor

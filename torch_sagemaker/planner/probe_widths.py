@@ -106,7 +106,7 @@ def solved_terms(runs: list[list[Record]], values: list[dict[str, int]], where: 
         key = dataclasses.astuple(dataclasses.replace(first, width=0))
         if any(dataclasses.astuple(dataclasses.replace(r, width=0)) != key for r in matched):
             raise ProbeError(f"the runs save different tensors in {where}")
-        split_first = (
+        split_first = not first.whole_block and (
             first.split_input
             or first.local_input
             or (first.inside and not first.whole_input and first.rows == "token")
@@ -132,7 +132,7 @@ def solved_terms(runs: list[list[Record]], values: list[dict[str, int]], where: 
                 region = "routed"
             elif first.local_input:
                 region = "local"
-            elif name in _SPLIT_SIZES:
+            elif name in _SPLIT_SIZES and not first.whole_block:
                 region = "split"
             else:
                 region = "gathered" if first.inside else "sequence"
