@@ -293,7 +293,8 @@ def test_attention_with_narrower_values_saves_what_a_fused_kernel_saves(mask):
     from torch_sagemaker.planner.probe_attention import FusedAttention
 
     torch.manual_seed(0)
-    q, k = torch.randn(2, 4, 10, 24, dtype=torch.float64, requires_grad=True).unbind(0)
+    q, k = torch.randn(2, 4, 10, 24, dtype=torch.float64).unbind(0)
+    q, k = q.requires_grad_(), k.requires_grad_()
     v = torch.randn(4, 10, 16, dtype=torch.float64, requires_grad=True)
     kwargs: dict = {"scale": 0.3}
     keep = torch.rand(10, 10) > 0.3
@@ -313,7 +314,8 @@ def test_attention_with_narrower_values_saves_what_a_fused_kernel_saves(mask):
     shapes = sorted(tuple(t.shape) for t in saved)
     expected = [(4, 10), (4, 10, 16), (4, 10, 16), (4, 10, 24), (4, 10, 24)]
     if mask == "bool":
-        expected.append((10, 10))
+        expected.append((10, 10))  # as an additive mask of the query's dtype, as SDPA saves it
+        assert next(t for t in saved if t.shape == (10, 10)).dtype == torch.float64
     assert shapes == expected and not any(t.shape == (4, 10, 10) for t in saved)
     # The reference, written out: softmax(q k^T x scale, masked) v.
     scores = q @ k.transpose(-2, -1) * 0.3

@@ -50,15 +50,16 @@ VOCAB_PARALLEL_LOSS: tuple[Saved, ...] = (
 )
 #: The embedding's saved input: the token ids.
 EMBEDDING: tuple[Saved, ...] = (Saved("one", "int64", "gathered"),)
-#: ``MoELayer`` (``tsm.transform`` with an MoEConfig) after its norm: the model's router
-#: (its own softmax and top-k), the library's routing again in float32 and its z-loss; per
+#: ``MoELayer`` (``tsm.transform`` with an MoEConfig) after its norm: the model's router's
+#: softmax (its top-k and their renormalisation, which ``MoELayer`` does not use, autograd
+#: frees during the forward), the library's routing again in float32 and its z-loss; per
 #: row, the dispatch and combine indices, the received and returned rows, the experts'
 #: grouped GEMMs (as in the model's block) and the weights that scale the rows.
 MOE_LAYER: tuple[Saved, ...] = (
     Saved("experts", "float32", "gathered", 3),
-    Saved("topk", "int64", "gathered", 2),
-    Saved("one", "float32", "gathered", 3),
-    Saved("topk", "float32", "gathered", 2),
+    Saved("topk", "int64", "gathered"),
+    Saved("one", "float32", "gathered", 2),
+    Saved("topk", "float32", "gathered"),
     Saved("one", "int64", "routed", 4),
     Saved("one", "bool", "routed"),
     Saved("hidden", "compute", "routed", 3),

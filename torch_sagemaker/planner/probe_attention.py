@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 
 def _attend(
@@ -37,7 +38,8 @@ def _log_sum_exp(query: torch.Tensor, key: torch.Tensor, mask: Any, options: dic
     """The float32 log-sum-exp of each query's scaled scores (what fused kernels keep)."""
     if options.get("enable_gqa") and key.shape[-3] != query.shape[-3]:
         key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
-    scale = options.get("scale") or query.shape[-1] ** -0.5
+    scale = options.get("scale")
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
     scores = query.float() @ key.float().transpose(-2, -1) * scale
     if options.get("is_causal"):
         causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
@@ -45,7 +47,7 @@ def _log_sum_exp(query: torch.Tensor, key: torch.Tensor, mask: Any, options: dic
     if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
     elif mask is not None:
-        scores = scores + mask
+        scores = scores + mask.to(scores.dtype)
     return torch.logsumexp(scores, dim=-1)
 
 
@@ -61,7 +63,12 @@ class _FusedKernel(torch.autograd.Function):
         mask: torch.Tensor | None,
         options: dict,
     ) -> torch.Tensor:
-        out = _attend(query, key, value, mask, options).contiguous()
+        # Laid out (batch, query, head, feature), as the fused kernels write it: the model's
+        # transpose back to (batch, query, features) is then a view, not a copy.
+        out = _attend(query, key, value, mask, options)
+        out = (
+            out.transpose(1, 2).contiguous().transpose(1, 2) if out.dim() == 4 else out.contiguous()
+        )
         lse = _log_sum_exp(query, key, mask, options)
         ctx.options = options
         ctx.has_mask = mask is not None
@@ -69,6 +76,7 @@ class _FusedKernel(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         query, key, value, _out, _lse, *mask = ctx.saved_tensors
         with torch.enable_grad():
@@ -90,12 +98,23 @@ class FusedAttention(torch.overrides.TorchFunctionMode):
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
         bound = {**dict(zip(names, args)), **kwargs}
         query, key, value = bound["query"], bound["key"], bound["value"]
-        if query.shape[-1] == value.shape[-1] or bound.get("dropout_p", 0.0):
+        mask = bound.get("attn_mask")
+        if (
+            query.shape[-1] == value.shape[-1]
+            or bound.get("dropout_p", 0.0)
+            or (mask is not None and mask.requires_grad)
+        ):
             return func(*args, **kwargs)
         options = {
             k: bound[k] for k in ("is_causal", "scale", "enable_gqa") if bound.get(k) is not None
         }
-        return _FusedKernel.apply(query, key, value, bound.get("attn_mask"), options)
+        if mask is not None and mask.dtype == torch.bool:
+            # SDPA turns a boolean mask into an additive one of the query's dtype, which is
+            # what its kernels save.
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(
+                ~mask, float("-inf")
+            )
+        return _FusedKernel.apply(query, key, value, mask, options)
 
 
 __all__ = ["FusedAttention"]
