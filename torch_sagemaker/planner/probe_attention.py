@@ -12,7 +12,11 @@ Note [Attention with unequal head sizes]
     scores. So ``FusedAttention`` runs SDPA with unequal head sizes as a function that saves
     what the fused kernels save, computing the same output (SDPA over the values padded to
     the query's head size, the output cut back to the value's), and the memory validation
-    runs the same function, so that both count one kernel. Equal head sizes run SDPA itself.
+    runs the same function, so that both count one kernel. As the kernels do, it writes its
+    output laid out by query and then head (the model's transpose back to one row per token
+    is then a view, and the output projection saves that storage, not a copy), and saves a
+    boolean mask as SDPA hands it to them, additive in the query's dtype. Equal head sizes
+    run SDPA itself. Which kernel a GPU picks for these shapes was not checked on a GPU.
 """
 
 from __future__ import annotations
