@@ -160,6 +160,26 @@ def test_partial_rotary_tables_are_sized_from_rope_parameters():
     assert predicted == pytest.approx(measured, abs=8)
 
 
+def _one_forward(model, spec, vocab_size: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(saved bytes counted in one forward of BATCH x SEQ tokens, the planner's figure).
+
+    The forward runs SDPA with unequal head sizes as the probe assumes (FusedAttention).
+    """
+    ids = torch.randint(0, vocab_size, (BATCH, SEQ))
+    counter = measure.SavedActivations(model)
+    with counter, FusedAttention():
+        loss = model(input_ids=ids, labels=ids).loss
+    measured = counter.bytes  # while the graph holds what it saved
+    del loss
+    workload = Workload(SEQ, SEQ * BATCH, "float32" if dtype == torch.float32 else "bfloat16")
+    cluster = Cluster(hosts=1, per_host=1, accelerator=accelerator("H100"))
+    checked = check(Candidate(1, fsdp=2), spec, cluster, workload)
+    predicted = activations.activation_bytes(
+        spec, activation_shape(checked, workload), checkpointing=False, offload=False, horizon=1
+    ).saved
+    return measured, predicted
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_cast_saved_beside_its_source_is_one_storage_under_float32(dtype):
     # BLOOM saves its attention's float32 softmax and the softmax cast back to the compute
@@ -173,18 +193,7 @@ def test_a_cast_saved_beside_its_source_is_one_storage_under_float32(dtype):
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
     spec = with_activations(describe(model, lookup_policy(model)))
     assert any(t.cast for t in spec.policy.activations.attention)
-    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
-    counter = measure.SavedActivations(model)
-    with counter:
-        loss = model(input_ids=ids, labels=ids).loss
-    measured = counter.bytes  # while the graph holds what it saved
-    del loss
-    workload = Workload(SEQ, SEQ * BATCH, "float32" if dtype == torch.float32 else "bfloat16")
-    cluster = Cluster(hosts=1, per_host=1, accelerator=accelerator("H100"))
-    checked = check(Candidate(1, fsdp=2), spec, cluster, workload)
-    predicted = activations.activation_bytes(
-        spec, activation_shape(checked, workload), checkpointing=False, offload=False, horizon=1
-    ).saved
+    measured, predicted = _one_forward(model, spec, config.vocab_size, dtype)
     assert predicted == pytest.approx(measured, abs=8)
 
 
@@ -216,18 +225,7 @@ def test_latent_attention_is_predicted_to_the_storage(dtype):
     assert {"q_lora", "kv_lora", "rope", "heads_nope", "heads_v"} & sizes == {
         "q_lora", "kv_lora", "heads_nope", "heads_v"
     }  # fmt: skip
-    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
-    counter = measure.SavedActivations(model)
-    with counter, FusedAttention():
-        loss = model(input_ids=ids, labels=ids).loss
-    measured = counter.bytes  # while the graph holds what it saved
-    del loss
-    workload = Workload(SEQ, SEQ * BATCH, "float32" if dtype == torch.float32 else "bfloat16")
-    cluster = Cluster(hosts=1, per_host=1, accelerator=accelerator("H100"))
-    checked = check(Candidate(1, fsdp=2), spec, cluster, workload)
-    predicted = activations.activation_bytes(
-        spec, activation_shape(checked, workload), checkpointing=False, offload=False, horizon=1
-    ).saved
+    measured, predicted = _one_forward(model, spec, config.vocab_size, dtype)
     # What the planner leaves out, exactly: the loss's 4-byte weight and, in the MoE layer,
     # the experts' int32 token counts and (bfloat16) the router weight's float32 copy, which
     # are per layer, not per token. Under float32 two casts return their input: the router's
