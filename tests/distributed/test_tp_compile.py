@@ -30,8 +30,9 @@ def _compiled_tp(attention_dropout: float) -> dict:
     model = tsm.transform(
         tiny_llama(attn_implementation="sdpa", attention_dropout=attention_dropout)
     )
-    for i, layer in enumerate(model.model.layers):
-        model.model.layers[i] = torch.compile(layer)
+    # One compiled layer: the other is the same code on the same kind of input (a compile
+    # of it adds about 8 s on 2 cores and checks nothing more).
+    model.model.layers[0] = torch.compile(model.model.layers[0])
     try:
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
@@ -91,7 +92,8 @@ def _compiled_summed_gradients() -> dict:
             ref = _build(name)
         model = tsm.transform(copy.deepcopy(ref))
         layers = model.model.layers if name == "llama" else model.transformer.h
-        layers[0] = torch.compile(layers[0])  # (one compiled layer shows it; each costs seconds)
+        # (one compiled layer shows it; Dynamo and AOTAutograd are what failed, so no codegen)
+        layers[0] = torch.compile(layers[0], backend="aot_eager")
         try:
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             loss.backward()
