@@ -2,8 +2,9 @@
 
 A ``Candidate`` is one SMP config (the four degrees, offloading and its horizon) plus what
 the training script chooses (FSDP1 or FSDP2, activation checkpointing, an MoEConfig for MoE
-models). ``enumerate_candidates`` walks every combination the limits allow; ``check`` rules
-each valid or invalid with the library's own checks, in the order a job meets them:
+models, the micro-batches a step). ``enumerate_candidates`` walks every combination the
+limits allow; ``check`` rules each valid or invalid with the library's own checks, in the
+order a job meets them:
 
 1. ``tsm.init``: ``torch_sagemaker/_init.py:dry_run`` (``config.validate`` and the sharding
    plan, on the cluster's world size and ranks per host);
@@ -11,8 +12,9 @@ each valid or invalid with the library's own checks, in the order a job meets th
    and split sizes against the degrees, MoEConfig against TP/CP, sliding windows with CP);
 3. FSDP1's expert units (``ShardingPlan.fsdp1_expert_problem``, as FSDP1's constructor asks);
 4. the batch: context parallelism cuts each sequence into ``2 x cp`` chunks
-   (``context_parallel/layout.py:check_local_length``, the forward's input check), and the
-   global batch must split into whole sequences over the data-parallel ranks.
+   (``context_parallel/layout.py:check_local_length``, the forward's input check), the
+   global batch must split into whole sequences over the data-parallel ranks, and each
+   rank's sequences into whole micro-batches (``gradient_accumulation_steps``).
 
 Nothing here restates a rule: an invalid candidate carries the message the library raised.
 Two rules are the planner's own, checked first (stage ``planner``): offloading is tried only
@@ -53,6 +55,11 @@ class Candidate:
         horizon: ``activation_loading_horizon``.
         moe: Whether ``tsm.transform`` gets an ``MoEConfig`` (``MoELayer``, experts over the EP
             ranks); without one an MoE model keeps its own block (experts split over TP).
+        accumulation_steps: Micro-batches per optimizer step (gradient accumulation), each a
+            forward and a backward that reduce-scatters its gradients into the shards; the
+            replicas' all-reduce runs after the last one only under FSDP2
+            (``set_requires_all_reduce(False)`` on the others), after each under FSDP1 (Note
+            [Accumulation the planner plans]).
     """
 
     hybrid_shard_degree: int
@@ -64,6 +71,7 @@ class Candidate:
     offload: bool = False
     horizon: int = 2
     moe: bool = False
+    accumulation_steps: int = 1
 
     def smp_config(self) -> dict[str, Any]:
         """The SMP config (``tsm.init``'s argument, or ``SM_HP_MP_PARAMETERS``)."""
@@ -83,6 +91,7 @@ class Candidate:
             "activation_checkpointing": self.checkpointing,
             "offload_wrapper": self.offload,
             "transform_config": "MoEConfig()" if self.moe else None,
+            "gradient_accumulation_steps": self.accumulation_steps,
         }
 
     def label(self) -> str:
@@ -98,7 +107,34 @@ class Candidate:
         parts.append("ac" if self.checkpointing else "no-ac")
         if self.offload:
             parts.append(f"offload{self.horizon}")
+        if self.accumulation_steps > 1:
+            parts.append(f"ga{self.accumulation_steps}")
         return " ".join(parts)
+
+
+# Note [Accumulation the planner plans]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A step of k micro-batches (``Candidate.accumulation_steps``) runs k forwards and backwards of
+# ``Checked.micro_batch`` sequences each, then one optimizer step. Each backward
+# reduce-scatters its gradients and adds them to the sharded gradients, FSDP's default. The
+# alternative, ``no_sync()`` (FSDP1) or ``set_requires_gradient_sync(False)`` (FSDP2), keeps
+# every unit's gradients unsharded until the last micro-batch: the whole model's gradients
+# on every rank, and FSDP1's ``no_sync`` fails under TP (docs/training.md). So:
+# - Memory: from the second micro-batch on, the sharded gradients are held through forward
+#   and backward, so the peak adds them to the saved activations (memory.estimate).
+# - Communication: every micro-batch gathers each unit's parameters for its forward and its
+#   backward and reduce-scatters its gradients, as a step of one micro-batch does. The
+#   all-reduce over the replicas (HSDP) runs once per step under FSDP2, whose
+#   ``set_requires_all_reduce(False)`` on all but the last micro-batch leaves the partial
+#   sums in the shards (tests/distributed/test_replica_reduction.py checks that recipe
+#   against HSDP), and after every micro-batch under FSDP1, which has no such switch.
+# - Compute: the FLOPs of all the sequences, the fixed overheads once per micro-batch; the
+#   optimizer once (timing.estimate).
+# With the rest of a configuration fixed, more micro-batches never predict a shorter step
+# (each collective but FSDP2's all-reduce is repeated, and compute hides less of each), and
+# from two on they never predict more memory. So the fewest that fit is the fastest choice
+# for a configuration, which is what the search picks when no limit names the steps
+# (search.fewest_steps_that_fit).
 
 
 @dataclass(frozen=True)
@@ -109,7 +145,8 @@ class Checked:
         candidate: The configuration.
         plan: The sharding plan ``tsm.init`` resolves.
         heads: The head split ``tsm.transform`` computes.
-        micro_batch: Sequences each data-parallel rank trains per step.
+        micro_batch: Sequences each data-parallel rank trains per forward: its share of the
+            global batch over ``candidate.accumulation_steps``.
     """
 
     candidate: Candidate
@@ -185,7 +222,16 @@ def check(
             f"tokens) does not split over the {dp} data-parallel ranks (world / (tp * cp)); "
             f"use a multiple of {dp} sequences.",
         )
-    return Checked(c, plan, heads, workload.sequences // dp)
+    per_rank, steps = workload.sequences // dp, c.accumulation_steps
+    if per_rank % steps:
+        return Rejected(
+            c,
+            "input",
+            f"the {per_rank} sequences each data-parallel rank trains per step do not split "
+            f"into gradient_accumulation_steps={steps} micro-batches; use a divisor of "
+            f"{per_rank}.",
+        )
+    return Checked(c, plan, heads, per_rank // steps)
 
 
 def _planner_problem(c: Candidate, spec: ModelSpec) -> str | None:
@@ -217,6 +263,7 @@ def _settings(c: Candidate) -> dict[str, Any]:
         "activation_checkpointing": c.checkpointing,
         "activation_offloading": c.offload,
         "moe": c.moe,
+        "gradient_accumulation_steps": c.accumulation_steps,
     }
 
 
@@ -291,6 +338,9 @@ def _combinations(
     values = {
         k: list(limits.allowed[k]) if k in limits.allowed else vs for k, vs in settings.items()
     }
+    # Without a limit every candidate starts at one micro-batch, and the search adds the
+    # fewest more that make it fit (search.fewest_steps_that_fit).
+    steps_tried = limits.allowed.get("gradient_accumulation_steps", (1,))
     offloads = [(False, 2)]
     if limits.allows("activation_offloading", True):
         # A limit names the horizons to try; max_horizon bounds only the default range, which
@@ -323,8 +373,8 @@ def _combinations(
             reasons.append(frozenset({"tensor_parallel_degree", "expert_parallel_degree"}))
         if ep > 1 and not moe:
             reasons.append(frozenset({"expert_parallel_degree", "moe"}))
-        for offload, horizon in offloads:
-            candidate = Candidate(hsd, tp, cp, ep, fsdp, ac, offload, horizon, moe)
+        for (offload, horizon), steps in itertools.product(offloads, steps_tried):
+            candidate = Candidate(hsd, tp, cp, ep, fsdp, ac, offload, horizon, moe, steps)
             if offload and not ac:
                 ckpt = frozenset({"activation_offloading", "activation_checkpointing"})
                 yield candidate, (*reasons, ckpt)

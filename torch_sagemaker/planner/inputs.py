@@ -136,6 +136,7 @@ SETTINGS = (
     "activation_checkpointing",
     "activation_offloading",
     "moe",
+    "gradient_accumulation_steps",
 )
 
 #: What each setting's values may be: the smallest integer, or ``bool`` for a switch and
@@ -150,6 +151,7 @@ _LIMIT_VALUES: dict[str, int | type | tuple[int, ...]] = {
     "activation_checkpointing": bool,
     "activation_offloading": bool,
     "moe": bool,
+    "gradient_accumulation_steps": 1,
 }
 
 
@@ -197,7 +199,9 @@ class Limits:
             set; kept as a tuple). Degrees and ``activation_loading_horizon`` are integers
             (``hybrid_shard_degree`` from 0, the others from 1), ``fsdp`` is 1 or 2, the
             switches (``activation_checkpointing``, ``activation_offloading``, ``moe``)
-            ``True``/``False``.
+            ``True``/``False``. ``gradient_accumulation_steps`` (integers from 1) names the
+            micro-batches per step to try; without it each configuration gets the fewest
+            that fit (``search.fewest_steps_that_fit``).
         max_horizon: Largest ``activation_loading_horizon`` tried when offloading (horizons 1
             to it), unless ``allowed`` names the horizons: then exactly those, larger ones too.
     """

@@ -27,7 +27,9 @@
 - Peak: parameters + optimizer state + buffers + the larger of (saved activations + the
   transient) and (gradients + one layer's transient). SMP's scripts zero gradients with
   ``set_to_none=True``, so a step starts backward with its activations and no gradients,
-  and ends it the other way round.
+  and ends it the other way round. With gradient accumulation every micro-batch after the
+  first runs with the sharded gradients held: gradients + saved activations + the transient
+  (Note [Accumulation the planner plans] in ``candidates.py``).
 
 Not modelled (docs/planner.md): the caching allocator's fragmentation and rounding, the CUDA
 context and the communication library's own buffers (``Cluster.usable_memory`` leaves room
@@ -189,12 +191,11 @@ def estimate(
     layer_transient = residual + (act.layer if c.checkpointing else 0)
     loss_transient = act.logits * (1 + (4 + 4) // a)  # logits, their fp32 copy and gradient
     transient = max(layer_transient, loss_transient)
-    peak = (
-        state.parameters
-        + state.optimizer
-        + buffers
-        + max(act.saved + transient, state.gradients + layer_transient)
-    )
+    if c.accumulation_steps > 1:  # Note [Accumulation the planner plans]
+        during_backward = state.gradients + act.saved + transient
+    else:
+        during_backward = max(act.saved + transient, state.gradients + layer_transient)
+    peak = state.parameters + state.optimizer + buffers + during_backward
     return MemoryEstimate(
         parameters=state.parameters,
         gradients=state.gradients,

@@ -139,9 +139,10 @@ def write_smp_config(e: Evaluated, path: str | os.PathLike[str]) -> None:
 def plot(plan: Plan, path: str | os.PathLike[str], top: int = 5) -> None:
     """A stacked bar per top configuration: its per-rank memory when backward starts.
 
-    Parameters, optimizer state, FSDP's buffers, saved activations and the transient (no
-    gradients yet: they fill in as backward frees the activations); a dot marks the predicted
-    peak, a dashed line the usable memory.
+    Parameters, optimizer state, FSDP's buffers, saved activations and the transient; no
+    gradients yet (they fill in as backward frees the activations) but with gradient
+    accumulation, whose later micro-batches start backward with them. A dot marks the
+    predicted peak, a dashed line the usable memory.
     """
     import matplotlib
 
@@ -149,12 +150,17 @@ def plot(plan: Plan, path: str | os.PathLike[str], top: int = 5) -> None:
     import matplotlib.pyplot as plt
 
     rows = plan.ranked[:top]
-    parts = ("parameters", "optimizer", "buffers", "activations", "transient")
+    parts = ("parameters", "optimizer", "gradients", "buffers", "activations", "transient")
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows) + 2), 4.5))
     labels = [e.candidate.label().replace(" ", "\n") for e in rows]
     bottom = [0.0] * len(rows)
     for part in parts:
-        values = [getattr(e.memory, part) / GIB for e in rows]
+        values = [
+            0.0
+            if part == "gradients" and e.candidate.accumulation_steps == 1
+            else getattr(e.memory, part) / GIB
+            for e in rows
+        ]
         ax.bar(labels, values, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.plot(labels, [e.memory.peak / GIB for e in rows], "ko", label="predicted peak")

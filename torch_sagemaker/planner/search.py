@@ -9,6 +9,7 @@ configurations whose predicted peak fits the usable memory first, by predicted t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from torch_sagemaker.planner.candidates import (
     Checked,
     Rejected,
     check,
+    divisors,
     enumerate_candidates,
 )
 from torch_sagemaker.planner.inputs import Cluster, Limits, Workload
@@ -161,13 +163,60 @@ def search(
     fabric = fabric_of(cluster)
     evaluated, rejected = [], []
     cache: dict = {}
+    # A limit names the micro-batch counts to try; without one each configuration gets the
+    # fewest that fit.
+    accumulate = "gradient_accumulation_steps" not in limits.allowed
     for candidate in enumerate_candidates(spec, cluster, limits):
         result = check(candidate, spec, cluster, workload)
         if isinstance(result, Rejected):
             rejected.append(result)
             continue
-        evaluated.append(evaluate(spec, result, cluster, workload, machine, fabric, cache))
+        e = evaluate(spec, result, cluster, workload, machine, fabric, cache)
+        if accumulate and not e.fits:
+            e = fewest_steps_that_fit(e, spec, cluster, workload, machine, fabric, cache)
+        evaluated.append(e)
     return Plan(spec, cluster, workload, machine, rank(evaluated), rejected)
+
+
+def fewest_steps_that_fit(
+    e: Evaluated,
+    spec: ModelSpec,
+    cluster: Cluster,
+    workload: Workload,
+    machine: timing.Machine,
+    fabric: comm.Fabric,
+    cache: dict | None = None,
+) -> Evaluated:
+    """``e``'s configuration with the fewest micro-batches a step that fit.
+
+    Where none fits, the most (one sequence per forward, the least memory). ``e`` is
+    evaluated with all of a rank's sequences in one micro-batch; the counts tried are the
+    divisors of that number. From two micro-batches on, the predicted peak only falls as
+    they grow (Note [Accumulation the planner plans]), so the fewest that fit are found by
+    bisection.
+    """
+    per_rank = e.checked.micro_batch * e.candidate.accumulation_steps
+    counts = [k for k in divisors(per_rank) if k > 1]
+
+    def at(steps: int) -> Evaluated:
+        candidate = dataclasses.replace(e.candidate, accumulation_steps=steps)
+        checked = dataclasses.replace(e.checked, candidate=candidate, micro_batch=per_rank // steps)
+        return evaluate(spec, checked, cluster, workload, machine, fabric, cache)
+
+    if not counts:
+        return e
+    low, high = 0, len(counts) - 1
+    best = at(counts[high])
+    if not best.fits:
+        return best
+    while low < high:  # counts[high] fits; find the first that does
+        middle = (low + high) // 2
+        tried = at(counts[middle])
+        if tried.fits:
+            high, best = middle, tried
+        else:
+            low = middle + 1
+    return best
 
 
 #: Configurations within this fraction of a faster one's tokens/s tie with it (Note [Ties]).
@@ -322,6 +371,7 @@ __all__ = [
     "accelerator_machine",
     "evaluate",
     "fabric_of",
+    "fewest_steps_that_fit",
     "plan",
     "rank",
     "search",

@@ -34,6 +34,11 @@ Communication (``comm.seconds`` on the cluster's fabric), per layer and step:
 - EP: each MoE layer's dispatch and combine (all-to-all of the rows) in forward and
   backward.
 
+With gradient accumulation (``Candidate.accumulation_steps`` micro-batches a step) all of
+the above is per micro-batch and repeats for each, but the optimizer and, under FSDP2, the
+replicas' all-reduce run once a step (Note [Accumulation the planner plans] in
+``candidates.py``).
+
 What compute hides, where the cluster overlaps (``Cluster.overlap``): FSDP's collectives run
 beside the compute of the layer before (prefetch), so each layer exposes only what exceeds
 its compute, plus the first all-gather and the last reduction; CP's ring runs beside the
@@ -289,14 +294,15 @@ def estimate(
         return comm.seconds(fabric, op, nbytes, ranks)
 
     def fsdp_unit(elements: int, groups: tuple[list[int], list[int], bool], root: bool):
+        """(forward, backward, replicas' all-reduce) seconds of one unit per micro-batch."""
         shard, replicate, sharded = groups
         size = elements * a
         if not sharded:
-            return 0.0, t("all_reduce", size, replicate)
+            return 0.0, 0.0, t("all_reduce", size, replicate)
         gather = t("all_gather", size, shard)
         reduce = t("reduce_scatter", size, shard)
-        reduce += t("all_reduce", size / max(1, len(shard)), replicate)
-        return gather, (0.0 if root else gather) + reduce
+        all_reduce = t("all_reduce", size / max(1, len(shard)), replicate)
+        return gather, (0.0 if root else gather) + reduce, all_reduce
 
     shard_experts = _fsdp_groups(checked, experts=True) if c.moe else shard_dense
     tp_group = _axis_ranks(layout, "tp", layout.tp)
@@ -310,39 +316,48 @@ def estimate(
     ep_rows = tokens * top_k * spec.dim("hidden_size") * a
     ep_layer = 2 * t("all_to_all", ep_rows, ep_group) if c.moe and layout.ep > 1 else 0.0
     recompute = 1 if c.checkpointing else 0
+    # Note [Accumulation the planner plans] in candidates.py: what follows is per
+    # micro-batch, `steps` of them a step; `reducing` of them all-reduce over the replicas.
+    steps = c.accumulation_steps
+    reducing = steps if c.fsdp == 1 else 1
     totals = {"fsdp": 0.0, "tp": 0.0, "cp": 0.0, "ep": 0.0}
     exposed = 0.0
-    root_fwd, root_bwd = fsdp_unit(units.root, shard_dense, root=True)
-    totals["fsdp"] += root_fwd + root_bwd
-    exposed += root_fwd + root_bwd  # the first gather and the last reduction wait
+    root_fwd, root_bwd, root_ar = fsdp_unit(units.root, shard_dense, root=True)
+    root = steps * (root_fwd + root_bwd) + reducing * root_ar
+    totals["fsdp"] += root
+    exposed += root  # the first gather and the last reduction wait
     # Layers alike in what they hold and compute cost alike: each kind is priced once.
     kinds: dict[tuple[int, int, bool, float], int] = {}
     for i in range(spec.num_layers):
         kind = (units.layer[i], units.experts[i], i in sparse, layer_fwd[i])
         kinds[kind] = kinds.get(kind, 0) + 1
     for (dense_elements, expert_elements, is_sparse, c_fwd), count in kinds.items():
-        fwd, bwd = fsdp_unit(dense_elements, shard_dense, root=False)
+        fwd, bwd, ar = fsdp_unit(dense_elements, shard_dense, root=False)
         if expert_elements:
-            e_fwd, e_bwd = fsdp_unit(expert_elements, shard_experts, root=False)
-            fwd, bwd = fwd + e_fwd, bwd + e_bwd
+            e_fwd, e_bwd, e_ar = fsdp_unit(expert_elements, shard_experts, root=False)
+            fwd, bwd, ar = fwd + e_fwd, bwd + e_bwd, ar + e_ar
         c_bwd = (2 + recompute) * c_fwd
         tp = tp_layer * (2 + recompute)
         cp_t = (cp_fwd * (1 + recompute) + cp_bwd) if layout.cp > 1 else 0.0
         ep = ep_layer * (2 + recompute) if is_sparse else 0.0
-        totals["fsdp"] += count * (fwd + bwd)
-        totals["tp"] += count * tp
-        totals["cp"] += count * cp_t
-        totals["ep"] += count * ep
+        totals["fsdp"] += count * (steps * (fwd + bwd) + reducing * ar)
+        totals["tp"] += count * steps * tp
+        totals["cp"] += count * steps * cp_t
+        totals["ep"] += count * steps * ep
         if overlap:
             attn = attention * per_flop * (3 + recompute)
-            hidden = max(0.0, fwd - c_fwd) + max(0.0, bwd - c_bwd) + max(0.0, cp_t - attn)
-            exposed += count * (hidden + tp + ep)
+            behind = (
+                steps * max(0.0, fwd - c_fwd)
+                + reducing * max(0.0, bwd + ar - c_bwd)
+                + (steps - reducing) * max(0.0, bwd - c_bwd)
+            )
+            exposed += count * (behind + steps * (max(0.0, cp_t - attn) + tp + ep))
         else:
-            exposed += count * (fwd + bwd + tp + cp_t + ep)
+            exposed += count * (steps * (fwd + bwd + tp + cp_t + ep) + reducing * ar)
     if layout.tp > 1:
         edges = 2 * 2 * t("all_gather", residual, tp_group)  # embedding and head, both ways
-        totals["tp"] += edges
-        exposed += edges
+        totals["tp"] += steps * edges
+        exposed += steps * edges
     # Offloading copies each offloaded byte to the host in forward and back in backward:
     # on their own streams beside the compute on accelerators, by the CPU itself otherwise.
     offloaded = 0.0
@@ -355,12 +370,12 @@ def estimate(
             offloaded = max(0.0, 2 * kept.offloaded / copy_rate - compute)
         else:
             offloaded = 2 * kept.offloaded / machine.memory_bandwidth
-        totals["offload"] = offloaded
-        exposed += offloaded
-    step = compute + optimizer + exposed
+        totals["offload"] = steps * offloaded
+        exposed += steps * offloaded
+    step = steps * compute + optimizer + exposed
     return TimeEstimate(
-        flops=flops,
-        compute=compute,
+        flops=steps * flops,
+        compute=steps * compute,
         optimizer=optimizer,
         comm=totals,
         exposed=exposed,
