@@ -8,6 +8,8 @@
   a quiet machine: the record keeps the load average before and after.
 - ``public``: the published SMP and HyperPod configurations (``public_configs``) through the
   planner: valid, memory, step time, next to what the source publishes.
+- ``peak``: the predicted peak with 1, 2 and 4 micro-batches a step against each rank's
+  resident-set high-water mark, on 2 CPU ranks (``validation_peak``), within 10%.
 
 Exit status 1 when a prediction is outside its tolerance.
 """
@@ -93,6 +95,39 @@ def validate_time(args: argparse.Namespace) -> int:
     return 1 if off else 0
 
 
+def _peak_rank(rank: int, world: int, port: int, queue: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks import end_rank, set_rank_environment
+    from benchmarks.planner import validation_peak as vp
+
+    set_rank_environment(rank, world, port, "ERROR")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=10))
+    mine = vp.run_cases()
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine)
+    if rank == 0:
+        queue.put(every)
+    end_rank(queue)
+
+
+def validate_peak() -> int:
+    """Runs the peak cases on 2 ranks and prints each rank's table; 1 if a row is off."""
+    from benchmarks import run_ranks
+    from benchmarks.planner import validation_peak as vp
+
+    per_rank = run_ranks(_peak_rank, 2)[0]
+    bad = []
+    for rank, rows in enumerate(per_rank):
+        print(f"rank {rank}:\n{vp.table(rows)}\n")
+        bad += [f"{r[0]} x{r[1]}" for r in rows if not vp.within(r)]
+    if bad:
+        print(f"outside {vp.PEAK_TOLERANCE:.0%}: {', '.join(bad)}")
+    return 1 if bad else 0
+
+
 def validate_public() -> int:
     """Prints the published configurations' table; 1 if one is invalid or does not fit."""
     from benchmarks.planner import public_configs
@@ -112,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="what", required=True)
     sub.add_parser("memory", help="model state exact, activations within 10%%, on 4 CPU ranks")
     sub.add_parser("public", help="the published SMP and HyperPod configurations")
+    sub.add_parser("peak", help="predicted peaks with gradient accumulation, on 2 CPU ranks")
     t = sub.add_parser("time", help="calibrate, measure, compare step times")
     t.add_argument("--runs", type=int, default=3, help="passes of each measurement")
     t.add_argument("--nprocs", type=int, default=2, help="bench training's ranks")
@@ -151,7 +187,16 @@ def main(argv: list[str] | None = None) -> int:
         return validate_memory()
     if args.what == "public":
         return validate_public()
+    if args.what == "peak":
+        return validate_peak()
     return validate_time(args)
 
 
-__all__ = ["build_parser", "main", "validate_memory", "validate_public", "validate_time"]
+__all__ = [
+    "build_parser",
+    "main",
+    "validate_memory",
+    "validate_peak",
+    "validate_public",
+    "validate_time",
+]
