@@ -1,13 +1,15 @@
 """The FP8 linear layer against an independent emulation, bit for bit on CPU.
 
 ``tests/unit/fp8_reference.py`` rebuilds e4m3/e5m2 from their bit layouts and replays
-Transformer Engine's documented delayed-scaling rule on lists of amaxes. On the CPUs the
-package is developed on, ``torch._scaled_mm`` is one fp32 matmul of the dequantized
-operands, which is the layer's definition, so outputs, input and weight gradients and scales
-must be equal, not close. Where a machine's kernel sums in its own order (``_EXACT``:
-oneDNN's FP8 kernel with AMX; the GPU machine's CPU under torch 2.11), they must agree to
-fp32 rounding of the sums instead. Also: recomputation under activation checkpointing, the
-layer outside ``fp8_autocast``, calibration, and the errors for unsupported recipe options.
+Transformer Engine's documented delayed-scaling rule on lists of amaxes. On the CPU the
+layer's products are written out as their definition, one fp32 matmul of the dequantized
+operands (Note [FP8 matmul on CPU and CUDA]), as the emulation computes them, so outputs,
+input and weight gradients and scales must be equal, not close, on any CPU. torch's own
+``torch._scaled_mm`` is checked against that product: equal where it is the definition
+(``_EXACT``), within fp32 rounding of the sums where its kernel sums in its own order
+(oneDNN's with AMX; the GPU machine's CPU under torch 2.11). Also: recomputation under
+activation checkpointing, the layer outside ``fp8_autocast``, calibration, and the errors
+for unsupported recipe options.
 """
 
 from __future__ import annotations
@@ -57,9 +59,10 @@ def _scaled_mm_is_the_definition() -> bool:
 _EXACT = _scaled_mm_is_the_definition()
 
 
-def _same(got: torch.Tensor, want: torch.Tensor, operands: tuple) -> bool:
-    """``got`` equals ``want`` bit for bit, or where the kernel sums in its own order
-    (``_EXACT`` false), to fp32 rounding of the sums (``fp8_reference.magnitude``)."""
+def _same_as_the_op(got: torch.Tensor, want: torch.Tensor, operands: tuple) -> bool:
+    """``got`` equals ``torch._scaled_mm``'s ``want`` bit for bit, or where the op's kernel
+    sums in its own order (``_EXACT`` false), to fp32 rounding of the sums
+    (``fp8_reference.magnitude``)."""
     if _EXACT:
         return torch.equal(got, want)
     size = ref.magnitude(*operands)
@@ -98,10 +101,9 @@ def _steps(layer, emu, recipe, dtype, steps=5):
         y.backward(gy)
         e = emu.step(x, layer.weight, layer.bias, gy)
         assert [np.float32(s) for s in got_scales] == [e["scales"][k] for k in "xwg"], step
-        ops = e["operands"]
-        assert _same(y, e["y"], ops["y"]), (step, "output")
-        assert _same(x.grad, e["dx"], ops["dx"]), (step, "input gradient")
-        assert _same(layer.weight.grad, e["dw"], ops["dw"]), (step, "weight gradient")
+        assert torch.equal(y, e["y"]), (step, "output")
+        assert torch.equal(x.grad, e["dx"]), (step, "input gradient")
+        assert torch.equal(layer.weight.grad, e["dw"]), (step, "weight gradient")
         assert torch.equal(layer.bias.grad, e["db"]), (step, "bias gradient")
         with torch.no_grad():
             layer.weight -= 0.5 * layer.weight.grad
@@ -134,6 +136,27 @@ def test_delayed_scaling_matches_emulation_over_steps(history, margin, algo, fmt
     if newest:
         expected = torch.tensor([r.amaxes[-newest:] for r in (emu.x, emu.w, emu.g)]).T
         assert torch.equal(state.history[history - newest :], expected)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_product_is_torchs_scaled_mm(out_dtype):
+    # Note [FP8 matmul on CPU and CUDA]: the CPU path writes out the definition, far faster
+    # than torch's op there: equal to the op where it is the definition (_EXACT), within
+    # fp32 rounding of the sums where its kernel sums in its own order (oneDNN's with AMX).
+    # A row-major and a transposed (column-major) second operand.
+    from torch_sagemaker.fp8.numerics import scaled_matmul
+
+    gen = torch.Generator().manual_seed(3)
+    a = (torch.randn(24, 40, generator=gen) * 30).to(torch.float8_e4m3fn)
+    w = (torch.randn(56, 40, generator=gen) * 30).to(torch.float8_e5m2)
+    inv_a, inv_b = torch.tensor(0.013), torch.tensor(2.7)
+    for b in (w.t(), w.t().contiguous()):
+        got = scaled_matmul(a, b, inv_a, inv_b, out_dtype)
+        fp32 = scaled_matmul(a, b, inv_a, inv_b, torch.float32)
+        assert got.dtype == out_dtype and torch.equal(got, fp32.to(out_dtype))
+        want = float8.scaled_mm(a, b, inv_a, inv_b, torch.float32)
+        operands = (a.float().numpy(), float(inv_a), b.float().numpy(), float(inv_b))
+        assert _same_as_the_op(fp32, want, operands)
 
 
 def test_fp8_is_within_the_formats_precision_of_fp32():
@@ -188,7 +211,7 @@ def test_current_scaling_matches_emulation():
         (x.grad, (qg, inv["g"], qw, inv["w"]), 0),
         (layer.weight.grad, (qg.T, inv["g"], qx, inv["x"]), 0),
     ):
-        assert _same(got, ref.product(a, ia, b, ib, torch.float32) + bias, (a, ia, b, ib))
+        assert torch.equal(got, ref.product(a, ia, b, ib, torch.float32) + bias)
     assert layer.fp8_scaling.history is None  # current scaling keeps no state
 
 

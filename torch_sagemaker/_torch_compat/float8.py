@@ -12,7 +12,8 @@ What each device does with it (Note [FP8 matmul on CPU and CUDA] in
 ``matmul(mat_a.float() * scale_a, mat_b.contiguous().float() * scale_b)`` in fp32, any
 shape and layout; on CUDA (sm_89 and later) it runs cuBLASLt's FP8 GEMM and requires
 ``mat_a`` row-major, ``mat_b`` column-major, both inner dimensions divisible by 16, and not
-both operands e5m2.
+both operands e5m2. On the CPU the op is far slower than its arithmetic, and the FP8
+layers write its definition out instead of calling it (``numerics.scaled_matmul``).
 """
 
 from __future__ import annotations
