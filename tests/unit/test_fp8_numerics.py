@@ -154,6 +154,9 @@ def test_the_cpu_product_is_torchs_scaled_mm(out_dtype):
         got = scaled_matmul(a, b, inv_a, inv_b, out_dtype)
         fp32 = scaled_matmul(a, b, inv_a, inv_b, torch.float32)
         assert got.dtype == out_dtype and torch.equal(got, fp32.to(out_dtype))
+        # torch.autocast does not round the product's fp32 operands, as it does not the op's.
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(scaled_matmul(a, b, inv_a, inv_b, out_dtype), got)
         want = float8.scaled_mm(a, b, inv_a, inv_b, torch.float32)
         operands = (a.float().numpy(), float(inv_a), b.float().numpy(), float(inv_b))
         assert _same_as_the_op(fp32, want, operands)

@@ -27,10 +27,12 @@ emulation that does the same steps matches it bit for bit (tests/unit/test_fp8_n
 But the op itself is slow there, far beyond its arithmetic: on torch 2.13's CPU build, one
 thread, a 128 x 64 x 128 product took 95 ms against 0.15 ms for the same steps written
 out, and 512 x 512 x 512 took 11.9 s against 5.6 ms, with equal results. So on the CPU
-``scaled_matmul`` writes the steps out itself: the same bits where the op is the
-definition, and the definition everywhere (a CPU whose oneDNN kernel sums in its own order
-gets the definition's order instead). A 4-step FP8 run of examples/train.py on 4 ranks
-spent 11.6 of its 17.7 s in the op before.
+``scaled_matmul`` writes the steps out itself (outside ``torch.autocast``, which the op
+ignores): for the layers' output dtypes (fp32, bf16, fp16) the same bits where the op is
+the definition, and the definition everywhere (a CPU whose oneDNN kernel sums in its own
+order gets the definition's order instead). An FP8 output is not one the layers ask for:
+there the cast saturates where the op gives NaN. A 4-step FP8 run of examples/train.py
+on 4 ranks spent 11.6 of its 17.7 s in the op before.
 On CUDA it is cuBLASLt's FP8 GEMM (sm_89+): same products, exact in fp32, summed in the
 kernel's own order, so results agree with the CPU to fp32 rounding of the sums. cuBLASLt
 needs ``mat_a`` row-major, ``mat_b`` column-major and the inner dimensions divisible by 16;
@@ -144,6 +146,23 @@ def _cuda_shapes_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0
 
 
+def _definition(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    inv_a: torch.Tensor,
+    inv_b: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(a * inv_a) @ (b * inv_b)`` in fp32, as the CPU's ``torch._scaled_mm`` computes it.
+
+    Outside any ``torch.autocast`` region, which would round the fp32 operands of the
+    ``matmul`` to its lower precision (the op itself is not autocast).
+    """
+    with torch.autocast(a.device.type, enabled=False):
+        product = torch.matmul(a.float() * inv_a, (b.float() * inv_b).contiguous())
+    return product.to(out_dtype)
+
+
 def scaled_matmul(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -159,7 +178,7 @@ def scaled_matmul(
     """
     a = a.contiguous()
     if a.device.type == "cpu":
-        return torch.matmul(a.float() * inv_a, (b.float() * inv_b).contiguous()).to(out_dtype)
+        return _definition(a, b, inv_a, inv_b, out_dtype)
     if a.is_cuda:
         if not _cuda_shapes_ok(a, b):
             warn_once(
@@ -167,7 +186,7 @@ def scaled_matmul(
                 "dimensions divisible by 16; computed in fp32 from the FP8 values instead (no "
                 "FP8 speed-up for this layer)."
             )
-            return torch.matmul(a.float() * inv_a, b.float() * inv_b).to(out_dtype)
+            return _definition(a, b, inv_a, inv_b, out_dtype)
         if b.stride(0) != 1:  # not column-major
             b = b.t().contiguous().t()
     return float8.scaled_mm(a, b, inv_a, inv_b, out_dtype)
