@@ -63,6 +63,7 @@ CASES = (
     PeakCase("FSDP2 two replicas", 1),
     PeakCase("FSDP1 full shard", 2, fsdp=1),
     PeakCase("FSDP2 full shard bf16", 2, bf16=True),
+    PeakCase("FSDP2 two replicas bf16", 1, bf16=True),
 )
 STEPS = (1, 2, 4)
 

@@ -59,13 +59,24 @@ def test_the_cases_cover_the_families_and_layouts():
 
 def test_the_peak_with_two_micro_batches_holds_the_gradients():
     # benchmarks/planner/validation_peak.py: the second step's resident-set high-water mark
-    # above the model state, on 2 ranks, FSDP2, one sequence per micro-batch. From the second
-    # micro-batch on the sharded gradients are held (Note [Accumulation the planner plans]);
-    # the prediction without them is off by more than the tolerance.
-    case = vp.PeakCase("FSDP2 full shard", 2, per_rank=2, layers=2)
-    per_rank = run_distributed(vp.run_cases, (case,), (2,), world_size=2, fresh=True, timeout=600)
-    gradients = vp.estimate(case, 2).gradients
-    for [row] in per_rank:
-        _, _, measured, predicted = row
-        assert vp.within(row), row
-        assert abs(predicted - gradients - measured) > vp.PEAK_TOLERANCE * measured, row
+    # above the model state, on 2 ranks, 2 layers, one sequence per micro-batch.
+    # - FSDP2 full shard, float32: from the second micro-batch on the sharded gradients are
+    #   held (Note [Accumulation the planner plans]);
+    # - FSDP2 two replicas, bf16: the end of the last backward holds the fp32 gradients and
+    #   every unit's bf16 all-reduce buffer (Note [FSDP2's all-reduce buffers]).
+    # Each prediction is within the tolerance, and without its term it is not.
+    cases = (
+        vp.PeakCase("FSDP2 full shard", 2, per_rank=2, layers=2),
+        vp.PeakCase("FSDP2 two replicas bf16", 1, bf16=True, per_rank=2, layers=2),
+    )
+    per_rank = run_distributed(vp.run_cases, cases, (2,), world_size=2, fresh=True, timeout=600)
+    full, replicas = (vp.estimate(case, 2) for case in cases)
+    assert replicas.peak - replicas.parameters - replicas.optimizer - replicas.buffers > (
+        replicas.held_gradients + replicas.activations + replicas.transient
+    )  # the end of backward is the peak
+    for rows in per_rank:
+        for row, m in zip(rows, (full, replicas), strict=True):
+            _, _, measured, predicted = row
+            assert vp.within(row), row
+            # Without the held gradients; without the all-reduce buffers (as many bytes).
+            assert abs(predicted - m.held_gradients - measured) > vp.PEAK_TOLERANCE * measured

@@ -102,11 +102,22 @@ def test_the_search_gives_each_configuration_the_fewest_micro_batches_that_fit(l
     assert small.checked.micro_batch == 4 and "ga" not in small.candidate.label()
 
 
-def test_where_nothing_fits_the_configuration_shown_is_one_sequence_per_forward(llama):
-    # TP 1 and 16 ranks per shard group: the model state alone exceeds 80 GiB.
-    p = _plan(llama, 32 * 256 * 4096, hybrid_shard_degree=(16,))
-    (e,) = p.ranked
-    assert not e.fits and e.checked.micro_batch == 1 and e.candidate.accumulation_steps == 32
+def test_where_nothing_fits_the_count_shown_needs_the_least_memory(llama):
+    # TP 1 and 16 ranks per shard group: the model state alone exceeds 80 GiB. With 32
+    # sequences a rank, one sequence per forward needs the least; with 2 under FSDP1, holding
+    # the fp32 gradients through a second micro-batch costs more than its activations save,
+    # and one micro-batch is shown.
+    for sequences, fsdp, steps in ((32, 2, 32), (2, 1, 1)):
+        limits = {"hybrid_shard_degree": (16,), "fsdp": (fsdp,)}
+        p = _plan(llama, sequences * 256 * 4096, **limits)
+        (e,) = p.ranked
+        assert not e.fits and e.candidate.accumulation_steps == steps, sequences
+        alone = [
+            _plan(llama, sequences * 256 * 4096, **limits, gradient_accumulation_steps=(k,))
+            .ranked[0].memory.peak
+            for k in divisors(sequences)
+        ]  # fmt: skip
+        assert e.memory.peak == min(alone), sequences
 
 
 def _cases(tmp_path):
@@ -127,6 +138,12 @@ def _cases(tmp_path):
         cases.append((mixtral, cluster, Workload(2048, 2048 * 8 * 16), Candidate(2, 1, 1, 8, fsdp,
                       moe=True)))  # fmt: skip
     return cases
+
+
+def _case_of(tmp_path, candidate):
+    """The (spec, cluster, workload, candidate) of ``_cases`` with this candidate."""
+    (case,) = [case for case in _cases(tmp_path) if case[3] == candidate]
+    return case
 
 
 def _at(spec, cluster, workload, candidate, steps):
@@ -154,13 +171,25 @@ def test_more_micro_batches_never_predict_a_faster_step_nor_from_two_on_more_mem
 
 
 def test_later_micro_batches_hold_the_gradients_and_fsdp2_all_reduces_once(tmp_path):
-    all_reduces = {}
+    all_reduces, held = {}, {}
     for spec, cluster, workload, candidate in _cases(tmp_path):
         one, two, four = (_at(spec, cluster, workload, candidate, k) for k in (1, 2, 4))
         m = two.memory
-        assert m.peak == (
-            m.parameters + m.optimizer + m.buffers + m.gradients + m.activations + m.transient
-        )
+        # The gradients held through later micro-batches: the fp32 shards, or under FSDP2
+        # with replicas the partial sums in the reduction's dtype (bf16 here); the peak is
+        # at least those with the activations, or the end of the last backward.
+        held[candidate] = m.held_gradients
+        assert one.memory.held_gradients == 0
+        assert m.held_gradients in (m.gradients, m.gradients // 2), candidate
+        state = m.parameters + m.optimizer + m.buffers
+        during = m.peak - state
+        assert during >= m.held_gradients + m.activations + m.transient, candidate
+        # The end of the last backward: the gradients, and FSDP2's bf16 all-reduce buffers
+        # where it has replicas (as many bytes as the partial sums).
+        partial = m.held_gradients if m.held_gradients < m.gradients else 0
+        assert during == m.held_gradients + m.activations + m.transient or (
+            during > m.gradients + partial
+        ), candidate
         # FSDP's collectives: G per micro-batch (gathers and reduce-scatters), and the
         # all-reduce over the replicas, A: once a step under FSDP2, per micro-batch under FSDP1.
         f1, f2, f4 = (e.time.comm["fsdp"] for e in (one, two, four))
@@ -177,6 +206,14 @@ def test_later_micro_batches_hold_the_gradients_and_fsdp2_all_reduces_once(tmp_p
     assert all_reduces[Candidate(4, 2, 1, 1, 2, True, False, 2)] > 0.01
     assert all_reduces[Candidate(1, 1, 1, 1, 2, True, False, 2)] == pytest.approx(1.0)
     assert all_reduces[Candidate(16, 1, 1, 1, 2, True, False, 2)] == pytest.approx(0.0, abs=1e-12)
+    # Partial sums are held exactly where FSDP2 all-reduces over replicas (the dense units
+    # here; Mixtral's experts over EP 8 have none, and its gradients count whole).
+    for candidate, fraction in all_reduces.items():
+        replicas = fraction > 1e-9 and not candidate.moe
+        gradients = _at(*_case_of(tmp_path, candidate), 2).memory.gradients
+        assert held[candidate] == (gradients // 2 if replicas else gradients), candidate
+    assert all(held[c] == _at(*_case_of(tmp_path, c), 2).memory.gradients
+               for c in held if c.fsdp == 1)  # fmt: skip
 
 
 def test_a_micro_batch_count_that_does_not_divide_a_ranks_sequences_is_refused(tmp_path, capsys):

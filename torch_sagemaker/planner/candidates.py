@@ -121,15 +121,23 @@ class Candidate:
 # every unit's gradients unsharded until the last micro-batch: the whole model's gradients
 # on every rank, and FSDP1's ``no_sync`` fails under TP (docs/training.md). So:
 # - Memory: from the second micro-batch on, the sharded gradients are held through forward
-#   and backward, so the peak adds them to the saved activations (memory.estimate).
+#   and backward, so the peak adds them to the saved activations (memory.estimate). Under
+#   FSDP2 with replicas they are partial sums in the reduction's dtype: with
+#   ``set_requires_all_reduce(False)`` FSDP2 keeps each reduce-scatter's output as it is
+#   and adds it to the fp32 gradients only after the last micro-batch's all-reduce, so
+#   the fp32 gradients appear at the end of the last backward, which may be the peak where
+#   the micro-batches are short. (Where some units have replicas and others not, an MoE
+#   model's experts over EP, all count fp32: a little high.)
 # - Communication: every micro-batch gathers each unit's parameters for its forward and its
 #   backward and reduce-scatters its gradients, as a step of one micro-batch does. The
 #   all-reduce over the replicas (HSDP) runs once per step under FSDP2, whose
 #   ``set_requires_all_reduce(False)`` on all but the last micro-batch leaves the partial
 #   sums in the shards (tests/distributed/test_replica_reduction.py checks that recipe
-#   against HSDP), and after every micro-batch under FSDP1, which has no such switch.
+#   against one process), and after every micro-batch under FSDP1, which has no such switch.
 # - Compute: the FLOPs of all the sequences, the fixed overheads once per micro-batch; the
-#   optimizer once (timing.estimate).
+#   optimizer once (timing.estimate). On CPU ranks the overheads were calibrated on whole
+#   steps, the optimizer's dispatch included, so there the prediction is high by that share
+#   for each micro-batch after the first (accelerators have none).
 # With the rest of a configuration fixed, more micro-batches never predict a shorter step
 # (each collective but FSDP2's all-reduce is repeated, and compute hides less of each), and
 # from two on they never predict more memory. So the fewest that fit is the fastest choice

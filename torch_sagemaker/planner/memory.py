@@ -25,11 +25,25 @@
   their float32 copy and its gradient) or during one layer's backward (with checkpointing its
   recomputed activations, and the activation gradients, taken as four residual-stream tensors).
 - Peak: parameters + optimizer state + buffers + the larger of (saved activations + the
-  transient) and (gradients + one layer's transient). SMP's scripts zero gradients with
+  transient) and (gradients + one layer's transient), the end of backward, where FSDP2 with
+  replicas and a low-precision reduction also still holds every unit's all-reduce buffer
+  (Note [FSDP2's all-reduce buffers]). SMP's scripts zero gradients with
   ``set_to_none=True``, so a step starts backward with its activations and no gradients,
   and ends it the other way round. With gradient accumulation every micro-batch after the
-  first runs with the sharded gradients held: gradients + saved activations + the transient
-  (Note [Accumulation the planner plans] in ``candidates.py``).
+  first runs with the sharded gradients held (FSDP2 with replicas: its partial sums, in the
+  reduction's dtype), so the first term adds them (Note [Accumulation the planner plans]
+  in ``candidates.py``).
+
+Note [FSDP2's all-reduce buffers]
+    With replicas (HSDP), FSDP2 all-reduces each unit's reduce-scattered gradients in the
+    reduction's dtype and keeps that buffer until backward ends (torch 2.13's
+    ``FSDPParamGroup`` holds it across units, so that the caching allocator cannot hand it
+    to the next unit's reduce-scatter while the all-reduce may still run). Under a bf16
+    reduction the fp32 gradients are copies, so the end of backward holds both: measured
+    on 2 CPU ranks with four micro-batches (``python -m benchmarks planner peak``), the
+    resident set rose by a unit's fp32 gradients at each unit's reduction and fell by
+    every bf16 buffer only when backward ended. Under an fp32 reduction the gradients are
+    views of the buffers: nothing more.
 
 Not modelled (docs/planner.md): the caching allocator's fragmentation and rounding, the CUDA
 context and the communication library's own buffers (``Cluster.usable_memory`` leaves room
@@ -61,6 +75,8 @@ class MemoryEstimate:
         transient: The largest short-lived allocation.
         peak: The predicted peak.
         offloaded: Activations offloading keeps in host memory.
+        held_gradients: What gradient accumulation holds through every micro-batch after
+            the first (the sharded gradients, or FSDP2's partial sums); 0 with one.
     """
 
     parameters: int
@@ -71,6 +87,7 @@ class MemoryEstimate:
     transient: int
     peak: int
     offloaded: int
+    held_gradients: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """The fields as a plain dict."""
@@ -145,6 +162,20 @@ def _dense_group(checked: Checked) -> tuple[int, bool]:
     return size, not no_shard and (checked.candidate.fsdp == 2 or size > 1)
 
 
+def _fsdp2_replicas(checked: Checked) -> bool:
+    """Whether every FSDP2 unit all-reduces its gradients over replicas (HSDP).
+
+    Then FSDP2 keeps each unit's all-reduce buffer to the end of backward (Note [FSDP2's
+    all-reduce buffers]), and accumulation holds partial sums (Note [Accumulation the
+    planner plans] in ``candidates.py``).
+    """
+    plan, c = checked.plan, checked.candidate
+    if c.fsdp != 2:
+        return False
+    meshes = [plan.fsdp2_dense, *([plan.fsdp2_experts] if c.moe else [])]
+    return all(len(MESHES[m]) > 1 and len(plan.dim_ranks(MESHES[m][0], 0)) > 1 for m in meshes)
+
+
 def estimate(
     spec: ModelSpec, checked: Checked, workload: Workload, cache: dict | None = None
 ) -> MemoryEstimate:
@@ -191,10 +222,13 @@ def estimate(
     layer_transient = residual + (act.layer if c.checkpointing else 0)
     loss_transient = act.logits * (1 + (4 + 4) // a)  # logits, their fp32 copy and gradient
     transient = max(layer_transient, loss_transient)
+    replicas = _fsdp2_replicas(checked)
+    reduce_buffers = state.gradients * a // 4 if replicas and a < 4 else 0
+    end_of_backward = state.gradients + reduce_buffers + layer_transient
+    held = 0
     if c.accumulation_steps > 1:  # Note [Accumulation the planner plans]
-        during_backward = state.gradients + act.saved + transient
-    else:
-        during_backward = max(act.saved + transient, state.gradients + layer_transient)
+        held = state.gradients * a // 4 if replicas else state.gradients
+    during_backward = max(held + act.saved + transient, end_of_backward)
     peak = state.parameters + state.optimizer + buffers + during_backward
     return MemoryEstimate(
         parameters=state.parameters,
@@ -205,6 +239,7 @@ def estimate(
         transient=transient,
         peak=peak,
         offloaded=act.offloaded,
+        held_gradients=held,
     )
 
 

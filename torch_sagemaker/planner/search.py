@@ -189,11 +189,12 @@ def fewest_steps_that_fit(
 ) -> Evaluated:
     """``e``'s configuration with the fewest micro-batches a step that fit.
 
-    Where none fits, the most (one sequence per forward, the least memory). ``e`` is
-    evaluated with all of a rank's sequences in one micro-batch; the counts tried are the
-    divisors of that number. From two micro-batches on, the predicted peak only falls as
+    ``e`` is evaluated with all of a rank's sequences in one micro-batch; the counts tried are
+    the divisors of that number. From two micro-batches on, the predicted peak only falls as
     they grow (Note [Accumulation the planner plans]), so the fewest that fit are found by
-    bisection.
+    bisection. Where none fits, the one of least memory: the most micro-batches, or ``e``
+    itself where holding the gradients through later micro-batches costs more than the
+    activations they save.
     """
     per_rank = e.checked.micro_batch * e.candidate.accumulation_steps
     counts = [k for k in divisors(per_rank) if k > 1]
@@ -208,7 +209,7 @@ def fewest_steps_that_fit(
     low, high = 0, len(counts) - 1
     best = at(counts[high])
     if not best.fits:
-        return best
+        return min((e, best), key=lambda x: x.memory.peak)
     while low < high:  # counts[high] fits; find the first that does
         middle = (low + high) // 2
         tried = at(counts[middle])
@@ -226,13 +227,14 @@ TIE_TOLERANCE = 1e-3
 def _tie_break(e: Evaluated) -> tuple:
     """Order among ties: the simpler layout first, then more memory to spare, then FSDP2.
 
-    Simpler: no offloading, no checkpointing, fewer model-parallel ranks.
+    Simpler: no offloading, no checkpointing, fewer model-parallel ranks, fewer micro-batches.
     """
     c = e.candidate
     return (
         c.offload,
         c.checkpointing,
         c.tensor_parallel_degree * c.context_parallel_degree * c.expert_parallel_degree,
+        c.accumulation_steps,
         e.memory.peak,
         -c.fsdp,
     )
