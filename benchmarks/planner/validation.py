@@ -32,16 +32,18 @@ from benchmarks.planner import validation_time as vt
 MULTIHOST_RUNS = os.path.join("tests", "data", "multihost", "*.json")
 
 
-def _memory_rank(rank: int, world: int, port: int, queue: Any) -> None:
+def _cases_rank(rank: int, world: int, port: int, what: str, queue: Any) -> None:
+    """A spawned rank: joins a gloo group, runs ``what``'s cases, rank 0 sends every rank's."""
     import torch
     import torch.distributed as dist
 
     from benchmarks import end_rank, set_rank_environment
+    from benchmarks.planner import validation_peak as vp
 
     set_rank_environment(rank, world, port, "ERROR")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=10))
-    mine = vm.run_cases()
+    mine = vm.run_cases() if what == "memory" else vp.run_cases()
     every: list[Any] = [None] * world
     dist.all_gather_object(every, mine)
     if rank == 0:
@@ -53,7 +55,7 @@ def validate_memory() -> int:
     """Runs the memory cases on 4 ranks and prints the table; 1 if a case is off."""
     from benchmarks import run_ranks
 
-    per_rank = run_ranks(_memory_rank, 4)[0]
+    per_rank = run_ranks(_cases_rank, 4, "memory")[0]
     verdicts = [vm.compare(case, [r[i] for r in per_rank]) for i, case in enumerate(vm.CASES)]
     print(vm.table(vm.CASES, verdicts, [r for r in per_rank[0]]))
     bad = [
@@ -95,30 +97,12 @@ def validate_time(args: argparse.Namespace) -> int:
     return 1 if off else 0
 
 
-def _peak_rank(rank: int, world: int, port: int, queue: Any) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from benchmarks import end_rank, set_rank_environment
-    from benchmarks.planner import validation_peak as vp
-
-    set_rank_environment(rank, world, port, "ERROR")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=10))
-    mine = vp.run_cases()
-    every: list[Any] = [None] * world
-    dist.all_gather_object(every, mine)
-    if rank == 0:
-        queue.put(every)
-    end_rank(queue)
-
-
 def validate_peak() -> int:
     """Runs the peak cases on 2 ranks and prints each rank's table; 1 if a row is off."""
     from benchmarks import run_ranks
     from benchmarks.planner import validation_peak as vp
 
-    per_rank = run_ranks(_peak_rank, 2)[0]
+    per_rank = run_ranks(_cases_rank, 2, "peak")[0]
     bad = []
     for rank, rows in enumerate(per_rank):
         print(f"rank {rank}:\n{vp.table(rows)}\n")

@@ -14,6 +14,7 @@ import json
 
 import pytest
 
+from tests.unit.test_planner import LLAMA_70B, MIXTRAL
 from torch_sagemaker.planner import cli, plan, report
 from torch_sagemaker.planner.candidates import Candidate, Checked, Rejected, check, divisors
 from torch_sagemaker.planner.inputs import Cluster, Workload
@@ -21,30 +22,6 @@ from torch_sagemaker.planner.model import load_model
 from torch_sagemaker.planner.presets import accelerator
 from torch_sagemaker.planner.search import accelerator_machine, evaluate, fabric_of
 
-LLAMA_70B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 8192,
-    "intermediate_size": 28672,
-    "num_hidden_layers": 80,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "max_position_embeddings": 8192,
-    "tie_word_embeddings": False,
-}
-MIXTRAL = {
-    "architectures": ["MixtralForCausalLM"],
-    "model_type": "mixtral",
-    "hidden_size": 1024,
-    "intermediate_size": 3584,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 4,
-    "num_local_experts": 8,
-    "num_experts_per_tok": 2,
-    "vocab_size": 32000,
-}
 # Llama 70B, one layout: every rank in one shard group, TP 1, checkpointing, FSDP2.
 ONE_LAYOUT = {
     "hybrid_shard_degree": (256,),
