@@ -27,10 +27,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch.sagemaker as tsm  # noqa: E402
 from torch.sagemaker.fp8 import DelayedScaling, Format, Fp8Linear, fp8_autocast  # noqa: E402
 from torch.sagemaker.grad_norm import clip_grad_norm_  # noqa: E402
+from torch.sagemaker.moe import set_aux_loss_scale  # noqa: E402
 from train_lib import checkpoints, data, metrics  # noqa: E402
 from train_lib.arguments import parse_args, smp_config  # noqa: E402
 from train_lib.model import build_config, build_model, moe_config  # noqa: E402
-from train_lib.parallel import apply_parallelism  # noqa: E402
+from train_lib.parallel import apply_parallelism, reduce_over_replicas  # noqa: E402
 from train_lib.schedule import param_groups, warmup_cosine  # noqa: E402
 
 
@@ -141,6 +142,12 @@ def main(argv: list[str] | None = None) -> dict:
         rank0_print(f"[train] FP8: {layers} linear layers per rank under {fp8_recipe}")
 
     # 4. Train.
+    if args.gradient_accumulation_steps > 1:
+        set_aux_loss_scale(1 / args.gradient_accumulation_steps)
+        rank0_print(
+            f"[train] gradient accumulation: {args.gradient_accumulation_steps} micro-batches "
+            f"of {args.train_batch_size // args.gradient_accumulation_steps} sequences a step"
+        )
     writer = metrics.MetricsWriter(args.output_dir, enabled=dist.get_rank() == 0)
     global_batch = args.train_batch_size * state.dp_size
     steps_per_epoch = len(loader)
@@ -175,20 +182,27 @@ def main(argv: list[str] | None = None) -> dict:
                 break
             t0 = time.perf_counter()
             batch = data.batch_for_cp_rank(batch)  # whole sequences unless cp > 1
-            with fp8_autocast(
-                enabled=args.fp8, fp8_recipe=fp8_recipe, fp8_group=state.world_process_group
-            ):
-                loss = model(
-                    input_ids=batch, attention_mask=None, labels=batch
-                ).loss  # bf16 via FSDP MP
-            loss.backward()
+            # Gradient accumulation: a forward and backward per micro-batch, the loss divided
+            # by their number (the MoE layers' auxiliary losses alike, set_aux_loss_scale).
+            micro_batches = batch.chunk(args.gradient_accumulation_steps)
+            parts = []
+            for j, micro in enumerate(micro_batches):
+                reduce_over_replicas(model, last=j == len(micro_batches) - 1)
+                with fp8_autocast(
+                    enabled=args.fp8, fp8_recipe=fp8_recipe, fp8_group=state.world_process_group
+                ):
+                    micro_loss = model(
+                        input_ids=micro, attention_mask=None, labels=micro
+                    ).loss / len(micro_batches)  # bf16 via FSDP MP
+                micro_loss.backward()
+                parts.append(micro_loss.detach().float())
             grad_norm = clip_grad_norm_(model, args.grad_clip)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             train_state.step += 1
             step = train_state.step
-            reduced = loss.detach().float().clone()
+            reduced = torch.stack(parts).sum()
             dist.all_reduce(reduced)
             reduced = reduced.item() / dist.get_world_size()
             step_time = time.perf_counter() - t0

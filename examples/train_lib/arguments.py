@@ -83,6 +83,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--corpus-mb", type=float, default=4.0, help="size of the stdlib corpus")
     g.add_argument("--max-context-width", type=int, default=128, help="sequence length")
     g.add_argument("--train-batch-size", type=int, default=8, help="per data-parallel rank")
+    g.add_argument(
+        "--gradient-accumulation-steps",
+        type=int,
+        default=1,
+        help="micro-batches the train batch is split into, a forward and backward each, before "
+        "one optimizer step (as the planner plans them: docs/planner.md)",
+    )
     g.add_argument("--val-batch-size", type=int, default=8)
     g.add_argument("--validation-freq", type=int, default=50)
     g.add_argument("--validation-batches", type=int, default=4)
@@ -169,6 +176,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="context parallel attention: ring of K/V blocks (p2p) or all-gather",
     )
     args, _unknown = p.parse_known_args(argv)
+    steps = args.gradient_accumulation_steps
+    if steps < 1 or args.train_batch_size % steps:
+        p.error(
+            f"--gradient-accumulation-steps {steps}: must be a positive divisor of "
+            f"--train-batch-size {args.train_batch_size} (each micro-batch is "
+            "train-batch-size / gradient-accumulation-steps sequences)."
+        )
     return args
 
 

@@ -94,3 +94,18 @@ def apply_parallelism(
 
         model = offload_wrapper(model)
     return model
+
+
+def reduce_over_replicas(model: torch.nn.Module, last: bool) -> None:
+    """Whether this micro-batch's backward all-reduces the gradients over the replicas.
+
+    FSDP2 with replicas (HSDP) accumulates partial sums until the last micro-batch
+    (``set_requires_all_reduce``); its reduce-scatter runs every time. FSDP1 has no such
+    switch and reduces every micro-batch (its ``no_sync`` would keep whole unsharded
+    gradients, and fails under tensor parallelism: docs/training.md).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    root = next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
+    if root is not None:
+        root.set_requires_all_reduce(last)
