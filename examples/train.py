@@ -31,7 +31,7 @@ from torch.sagemaker.moe import set_aux_loss_scale  # noqa: E402
 from train_lib import checkpoints, data, metrics  # noqa: E402
 from train_lib.arguments import parse_args, smp_config  # noqa: E402
 from train_lib.model import build_config, build_model, moe_config  # noqa: E402
-from train_lib.parallel import apply_parallelism, reduce_over_replicas  # noqa: E402
+from train_lib.parallel import apply_parallelism, fsdp2_root  # noqa: E402
 from train_lib.schedule import param_groups, warmup_cosine  # noqa: E402
 
 
@@ -142,8 +142,10 @@ def main(argv: list[str] | None = None) -> dict:
         rank0_print(f"[train] FP8: {layers} linear layers per rank under {fp8_recipe}")
 
     # 4. Train.
+    # The MoE layers' auxiliary losses are divided as the loss is (1 without accumulation).
+    set_aux_loss_scale(1 / args.gradient_accumulation_steps)
+    accumulating = fsdp2_root(model) if args.gradient_accumulation_steps > 1 else None
     if args.gradient_accumulation_steps > 1:
-        set_aux_loss_scale(1 / args.gradient_accumulation_steps)
         rank0_print(
             f"[train] gradient accumulation: {args.gradient_accumulation_steps} micro-batches "
             f"of {args.train_batch_size // args.gradient_accumulation_steps} sequences a step"
@@ -183,11 +185,12 @@ def main(argv: list[str] | None = None) -> dict:
             t0 = time.perf_counter()
             batch = data.batch_for_cp_rank(batch)  # whole sequences unless cp > 1
             # Gradient accumulation: a forward and backward per micro-batch, the loss divided
-            # by their number (the MoE layers' auxiliary losses alike, set_aux_loss_scale).
+            # by their number; FSDP2 all-reduces over its replicas after the last only.
             micro_batches = batch.chunk(args.gradient_accumulation_steps)
             parts = []
             for j, micro in enumerate(micro_batches):
-                reduce_over_replicas(model, last=j == len(micro_batches) - 1)
+                if accumulating is not None:
+                    accumulating.set_requires_all_reduce(j == len(micro_batches) - 1)
                 with fp8_autocast(
                     enabled=args.fp8, fp8_recipe=fp8_recipe, fp8_group=state.world_process_group
                 ):

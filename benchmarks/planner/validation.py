@@ -21,6 +21,7 @@ import glob
 import json
 import os
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -43,7 +44,8 @@ def _cases_rank(rank: int, world: int, port: int, what: str, queue: Any) -> None
     set_rank_environment(rank, world, port, "ERROR")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=10))
-    mine = vm.run_cases() if what == "memory" else vp.run_cases()
+    run_cases: dict[str, Callable[[], list[Any]]] = {"memory": vm.run_cases, "peak": vp.run_cases}
+    mine = run_cases[what]()
     every: list[Any] = [None] * world
     dist.all_gather_object(every, mine)
     if rank == 0:

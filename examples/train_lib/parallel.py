@@ -96,16 +96,16 @@ def apply_parallelism(
     return model
 
 
-def reduce_over_replicas(model: torch.nn.Module, last: bool) -> None:
-    """Whether this micro-batch's backward all-reduces the gradients over the replicas.
+def fsdp2_root(model: torch.nn.Module):
+    """The root FSDP2 module (inside an offload wrapper too), or None under FSDP1.
 
-    FSDP2 with replicas (HSDP) accumulates partial sums until the last micro-batch
-    (``set_requires_all_reduce``); its reduce-scatter runs every time. FSDP1 has no such
-    switch and reduces every micro-batch (its ``no_sync`` would keep whole unsharded
-    gradients, and fails under tensor parallelism: docs/training.md).
+    With gradient accumulation the training loop calls its ``set_requires_all_reduce(last)``
+    each micro-batch: FSDP2 with replicas (HSDP) then keeps partial sums until the last one,
+    and its reduce-scatter runs every time. FSDP1 has no such switch and reduces every
+    micro-batch (its ``no_sync`` would keep whole unsharded gradients, and fails under tensor
+    parallelism: docs/training.md). ``modules()`` walks parents first, and ``shard_model``
+    shards the root last, around everything else.
     """
     from torch.distributed.fsdp import FSDPModule
 
-    root = next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
-    if root is not None:
-        root.set_requires_all_reduce(last)
+    return next((m for m in model.modules() if isinstance(m, FSDPModule)), None)

@@ -219,7 +219,8 @@ MAX_STEPS, CHECKPOINT_FREQ, KILL_AFTER = 12, 2, 4
 def _train_args(work) -> list[str]:
     """examples/train.py's arguments for the job in ``work``."""
     return [
-        "--smp-config", "examples/configs/hybrid.json", "--max-steps", str(MAX_STEPS),
+        "--smp-config", os.path.join(REPO, "examples", "configs", "hybrid.json"),
+        "--max-steps", str(MAX_STEPS),
         "--checkpoint-dir", str(work / "ckpt"), "--checkpoint-freq", str(CHECKPOINT_FREQ),
         "--num-kept-checkpoints", "2", "--resume", "auto", "--output-dir", str(work / "out"),
         *TINY,
