@@ -98,31 +98,6 @@ def _config(layers: int) -> Any:
     )
 
 
-def _wrap(model: Any, case: PeakCase) -> Any:
-    from torch.distributed.fsdp import (
-        FullyShardedDataParallel,
-        MixedPrecision,
-        MixedPrecisionPolicy,
-    )
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    from torch_sagemaker.sharding import shard_model
-
-    bf16 = torch.bfloat16
-    if case.fsdp == 2:
-        mp = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) if case.bf16 else None
-        return shard_model(model, mp_policy=mp)
-    mp1 = MixedPrecision(param_dtype=bf16, reduce_dtype=bf16) if case.bf16 else None
-    return FullyShardedDataParallel(
-        model,
-        auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
-        use_orig_params=True,
-        device_id=torch.device("cpu"),
-        mixed_precision=mp1,
-    )
-
-
 def measure(case: PeakCase, steps: int) -> int:
     """Bytes a step adds to this rank's resident set at its highest.
 
@@ -132,14 +107,19 @@ def measure(case: PeakCase, steps: int) -> int:
     from transformers import LlamaForCausalLM
 
     import torch_sagemaker as tsm
+    from benchmarks.planner import validation_memory as vm
     from benchmarks.planner.measure import census
+    from torch_sagemaker.policies import lookup_policy
 
     if ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 64 * 1024) != 1:
         raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: the resident set cannot be read")
     tsm.state.reset()
     tsm.init({"hybrid_shard_degree": case.hybrid_shard_degree})
     torch.manual_seed(0)
-    model = _wrap(LlamaForCausalLM(_config(case.layers)), case)
+    # FSDP as the memory validation wraps it (no checkpointing, no offloading).
+    layout = vm.MemoryCase(case.name, "llama", {}, fsdp=case.fsdp, bf16=case.bf16)
+    model = LlamaForCausalLM(_config(case.layers))
+    model = vm._wrap(model, layout, lookup_policy(model))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.Generator().manual_seed(dist.get_rank())
     above = 0

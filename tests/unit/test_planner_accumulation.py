@@ -117,12 +117,6 @@ def _cases(tmp_path):
     return cases
 
 
-def _case_of(tmp_path, candidate):
-    """The (spec, cluster, workload, candidate) of ``_cases`` with this candidate."""
-    (case,) = [case for case in _cases(tmp_path) if case[3] == candidate]
-    return case
-
-
 def _at(spec, cluster, workload, candidate, steps):
     checked = check(dataclasses.replace(candidate, accumulation_steps=steps), spec, cluster,
                     workload)  # fmt: skip
@@ -148,14 +142,14 @@ def test_more_micro_batches_never_predict_a_faster_step_nor_from_two_on_more_mem
 
 
 def test_later_micro_batches_hold_the_gradients_and_fsdp2_all_reduces_once(tmp_path):
-    all_reduces, held = {}, {}
+    all_reduces, held, gradients = {}, {}, {}
     for spec, cluster, workload, candidate in _cases(tmp_path):
         one, two, four = (_at(spec, cluster, workload, candidate, k) for k in (1, 2, 4))
         m = two.memory
         # The gradients held through later micro-batches: the fp32 shards, or under FSDP2
         # with replicas the partial sums in the reduction's dtype (bf16 here); the peak is
         # at least those with the activations, or the end of the last backward.
-        held[candidate] = m.held_gradients
+        held[candidate], gradients[candidate] = m.held_gradients, m.gradients
         assert one.memory.held_gradients == 0
         assert m.held_gradients in (m.gradients, m.gradients // 2), candidate
         state = m.parameters + m.optimizer + m.buffers
@@ -187,10 +181,9 @@ def test_later_micro_batches_hold_the_gradients_and_fsdp2_all_reduces_once(tmp_p
     # here; Mixtral's experts over EP 8 have none, and its gradients count whole).
     for candidate, fraction in all_reduces.items():
         replicas = fraction > 1e-9 and not candidate.moe
-        gradients = _at(*_case_of(tmp_path, candidate), 2).memory.gradients
-        assert held[candidate] == (gradients // 2 if replicas else gradients), candidate
-    assert all(held[c] == _at(*_case_of(tmp_path, c), 2).memory.gradients
-               for c in held if c.fsdp == 1)  # fmt: skip
+        whole = gradients[candidate]
+        assert held[candidate] == (whole // 2 if replicas else whole), candidate
+    assert all(held[c] == gradients[c] for c in held if c.fsdp == 1)
 
 
 def test_a_micro_batch_count_that_does_not_divide_a_ranks_sequences_is_refused(tmp_path, capsys):
