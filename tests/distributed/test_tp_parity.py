@@ -88,6 +88,10 @@ def tiny_config(family: str, **overrides):
         )
     elif family == "gpt_neox":
         cfg = tf.GPTNeoXConfig(**common, hidden_dropout=0.0, use_parallel_residual=True)
+    elif family == "dbrx":  # no policy: its shipped plan (grouped [q | k | v], experts)
+        from tools.model_coverage.tiny import tiny_config as coverage_config
+
+        cfg = coverage_config("dbrx")
     else:
         raise ValueError(family)
     for key, value in overrides.items():

@@ -6,7 +6,8 @@ Qwen3 has no policy: ``tsm.transform`` shards it by its own plan, whose norms ar
 fail ("mixed torch.Tensor and DTensor", Note [Replicated parameters under FSDP1]). GPT-2's
 shipped plan splits its packed ``c_attn`` block by block (``_StridedShard``) under FSDP1's
 flat parameters; Falcon-7B's computes its query rows of a replicated fused projection
-(Note [Fused projections computed by rows]). Here
+(Note [Fused projections computed by rows]); DBRX's, its grouped-query [q | k | v], and its
+experts run on this rank's choices only (Note [Experts that run every index]). Here
 tp 2 x hybrid_shard_degree 2, HYBRID_SHARD, trains 3 SGD steps against one process on the
 global batch (4 ranks): losses and every parameter.
 """
@@ -84,7 +85,7 @@ def _fsdp1_on_plan(family: str) -> tuple[list[float], dict]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("family", ["qwen3", "mixtral", "gpt2", "falcon"])
+@pytest.mark.parametrize("family", ["qwen3", "mixtral", "gpt2", "falcon", "dbrx"])
 def test_fsdp1_trains_a_tensor_parallel_model_like_one_process(family):
     ref_losses, ref_params = _reference(family)
     for rank, (losses, params) in enumerate(

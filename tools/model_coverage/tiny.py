@@ -76,6 +76,14 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "cohere_compass_text": {
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     },
+    # transformers' DBRX reads attn_config.rope_theta, which its default sub-config lacks,
+    # and clamps q/k/v by clip_qkv, which fails at None (DBRX's released config sets both);
+    # and its config copies d_model into ffn_config before hidden_size (an alias) sets it
+    "dbrx": {
+        "d_model": 64,
+        "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
+        "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
+    },
     "gemma4_text": {"vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 16},
     # its config checks that attention_types spans num_layers
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},

@@ -132,6 +132,14 @@ def split_experts(
             f"{type(module).__name__}: {num_experts} experts cannot be split over "
             f"expert_parallel_degree={ep} ranks; use a degree that divides {num_experts}."
         )
+    holders = [n for n, c in module.named_children() if any(True for _ in c.parameters())]
+    if holders:  # (DBRX's experts keep (experts x ffn, hidden) weights on a child)
+        raise ValueError(
+            f"{type(module).__name__} keeps expert weights on its child module(s) {holders}; "
+            "expert parallelism splits fused (num_experts, ...) parameters the experts module "
+            "holds itself. Split these experts with tensor_parallel_degree instead (whole "
+            "experts per rank), or set expert_parallel_degree=1."
+        )
     for name, param in list(module.named_parameters(recurse=False)):
         if param.dim() == 0 or param.shape[0] != num_experts:
             raise ValueError(

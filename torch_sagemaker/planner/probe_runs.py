@@ -47,6 +47,7 @@ _REDUCING_STYLES = (
     "reduce_output",
     "reduce_scatter_output",
     "experts_allreduce",
+    "experts_allreduce_local_slots",
     "experts_batched",
 )
 

@@ -56,6 +56,9 @@ STYLES: Mapping[str, str] = {
     ),
     "local_params": "module computes with the local slices of its own split parameters",
     "experts_allreduce": "fused MoE experts split whole (dim 0); output all-reduced",
+    "experts_allreduce_local_slots": (
+        "experts_allreduce run on this rank's (token, choice) pairs only (DBRX's experts)"
+    ),
     "experts_batched": (
         "experts run on expert-major row blocks (Llama 4), split whole; output all-reduced"
     ),

@@ -42,6 +42,18 @@ def transformers_plan(model: nn.Module) -> dict[str, str]:
     return merged
 
 
+def only_the_class_head(model: nn.Module, plan: dict[str, str]) -> bool:
+    """Whether ``plan`` is only the output-embedding entry of the model class's ``_tp_plan``.
+
+    Some causal-LM classes declare ``_tp_plan = {"lm_head": ...}`` while their config has no
+    ``base_model_tp_plan`` (DBRX in transformers 5): transformers then ships no plan for the
+    layers, and a shipped plan may give one (which splits that head the same way).
+    """
+    declared = dict(getattr(type(model), "_tp_plan", None) or {})
+    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    return bool(plan) and plan == declared and not base
+
+
 def with_additions(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """``plan`` with the family's additions if it is the plan transformers gives the model.
 
@@ -139,6 +151,7 @@ def with_tied_input_embedding(model: nn.Module, plan: dict[str, str]) -> dict[st
 
 __all__ = [
     "embeddings",
+    "only_the_class_head",
     "own_plan",
     "shipped_from_root",
     "transformers_plan",

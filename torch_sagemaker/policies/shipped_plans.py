@@ -29,7 +29,9 @@ checked on that harness:
 Fused query/key/value projections are in: BLOOM's and Falcon's are head- or group-major,
 so a plain column split keeps whole heads; MPT's ``Wqkv`` is ``[q | k | v]`` blocks,
 ``packed_colwise``; under multi-query attention Falcon's and GPT-BigCode's end with one
-shared key/value head, ``shared_kv_colwise``, chosen per config in ``_VARIANTS``. ALiBi
+shared key/value head, ``shared_kv_colwise``, chosen per config in ``_VARIANTS``; DBRX's
+``Wqkv`` is ``[q | k | v]`` of grouped-query attention, narrower keys and values, also
+``packed_colwise`` (``module_layout.packed_blocks`` reads the widths). ALiBi
 biases built outside the attention are cut per rank, ``head_inputs``.
 
 Sequence-to-sequence configs count the encoder's heads as ``num_attention_heads``; their
@@ -217,6 +219,11 @@ SHIPPED_PLANS: dict[str, dict[str, str]] = {
         **_mlp(("h.*.mlp.c_fc",), "h.*.mlp.c_proj"),
     },
     # MllamaForCausalLM, Llama 3.2 Vision's text model; its cross-attention layers: _VARIANTS
+    "dbrx": {
+        "blocks.*.norm_attn_norm.attn.Wqkv": "packed_colwise",
+        "blocks.*.norm_attn_norm.attn.out_proj": "rowwise",
+        "blocks.*.ffn.experts": "moe_tp_experts",
+    },
     "mllama_text_model": {
         **_attention("layers.*.self_attn", "o_proj"),
         **_mlp(("layers.*.mlp.gate_proj", "layers.*.mlp.up_proj"), "layers.*.mlp.down_proj"),
@@ -229,6 +236,7 @@ SHIPPED_PLANS: dict[str, dict[str, str]] = {
 #: ``module_layout.FULL_WIDTH_ATTRS``: names that mean this only in these families.
 _WIDTH_ATTRS: dict[str, tuple[tuple[str, str | None], ...]] = {
     "xglm": (("embed_dim", "head_dim"),),
+    "dbrx": (("hidden_size", "head_dim"),),
     "mvp": (("embed_dim", "head_dim"),),
     "ctrl": (("d_model_size", "depth"),),
     "gpt_bigcode": (("embed_dim", "head_dim"),),  # the query block's width in c_attn's output
@@ -346,6 +354,21 @@ PLAN_ADDITIONS: dict[str, dict[str, str]] = {
 }
 
 
+#: Families whose experts' forward indexes every expert it is given, the sentinel of other
+#: ranks' experts included (Note [Experts that run every index] in
+#: ``tensor_parallel/styles.py``): transformers 5.24's DBRX.
+_EXPERTS_WITHOUT_SENTINEL = frozenset({"dbrx"})
+
+
+def experts_without_sentinel(model_type: str) -> bool:
+    """Whether the experts of ``model_type`` must see only this rank's choices.
+
+    Args:
+        model_type: The family (``config.model_type``).
+    """
+    return model_type in _EXPERTS_WITHOUT_SENTINEL
+
+
 def plan_additions(model_type: str) -> dict[str, str]:
     """Entries added to transformers' own plan of ``model_type``, or ``{}``.
 
@@ -422,6 +445,7 @@ def shipped_plan(model_type: str, config: Any = None) -> dict[str, str]:
 __all__ = [
     "PLAN_ADDITIONS",
     "SHIPPED_PLANS",
+    "experts_without_sentinel",
     "heads_attr",
     "layout_check",
     "plan_additions",

@@ -49,18 +49,25 @@ from torch_sagemaker.policies.module_layout import (
     attention_head_dim,
     expert_count,
     packed_blocks,
+    transformer_layer_class,
 )
 from torch_sagemaker.policies.plan_sources import (
     embeddings,
+    only_the_class_head,
     own_plan,
     shipped_from_root,
     wildcard,
     with_additions,
     with_tied_input_embedding,
 )
-from torch_sagemaker.policies.shipped_plans import heads_attr, layout_check, width_attrs
+from torch_sagemaker.policies.shipped_plans import (
+    experts_without_sentinel,
+    heads_attr,
+    layout_check,
+    width_attrs,
+)
 from torch_sagemaker.utils.hf_config import text_config
-from torch_sagemaker.utils.projections import is_conv1d, out_features
+from torch_sagemaker.utils.projections import is_conv1d
 
 #: transformers' styles whose module must be an ``nn.Linear``, and ours for them.
 _LINEAR_STYLES = {
@@ -240,7 +247,7 @@ class _Translation:
         )
 
     def check_packed(self, name: str, module: nn.Module, style: str) -> None:
-        """Refuses a packed projection whose blocks are not equal (``packed_blocks``).
+        """Refuses a packed projection whose blocks are not heads' blocks (``packed_blocks``).
 
         Also one whose attention module splits the packed output by a full width it has no
         head size to scale by (``FULL_WIDTH_ATTRS``), unless the family's ``width_attrs``
@@ -251,10 +258,14 @@ class _Translation:
             blocks = packed_blocks(self.model, name, attention)
         except ValueError as e:
             raise self.error(name, style, str(e)) from None
+        if is_conv1d(module) and len(set(blocks)) > 1:
+            raise self.error(
+                name, style, f"a packed Conv1D splits equal blocks only, not {list(blocks)}"
+            )
         owner = next((a for a in attention if name.startswith(f"{a}.")), None)
         if owner is None:
             return
-        width = out_features(module) // blocks
+        width = blocks[0]  # (the query block's: the heads' width)
         scaled = {attr for attr, _ in self.width_attrs}
         for attr, size_attr in FULL_WIDTH_ATTRS:
             if attr in scaled:
@@ -290,7 +301,12 @@ class _Translation:
                 "routed experts interface, nor (rows), one block of rows per expert",
             )
         self.experts[name] = count
-        return "experts_allreduce" if arity == 3 else "experts_batched"
+        if arity == 1:
+            return "experts_batched"
+        model_type = getattr(self.config, "model_type", None) or ""
+        if experts_without_sentinel(model_type):
+            return "experts_allreduce_local_slots"
+        return "experts_allreduce"
 
     def style_of(self, name: str) -> str | None:
         """The plan's style for the module or parameter ``name``, or ``None``."""
@@ -446,65 +462,6 @@ def _compact(styles: dict[str, str], all_names: set[str]) -> dict[str, str]:
     return out
 
 
-def _layer_class(model: nn.Module, plan: dict[str, str]) -> str:
-    """The transformer layer: of the ``_no_split_modules`` classes, the text decoder's.
-
-    Only classes whose modules are elements of an ``nn.ModuleList`` count (a layer stack),
-    and of those the outermost: ``_no_split_modules`` may name a layer's attention too
-    (mBART), which can outnumber the layers. A multimodal model names its vision tower's
-    layers there too. Classes with layers in the text decoder (``get_decoder()``) come first,
-    then those the plan splits, then the most repeated one. A model whose
-    ``_no_split_modules`` names no layer stack (older families) gets the class of the
-    outermost list elements that hold planned modules.
-    """
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    modules = list(model.named_modules())
-    in_plan = [n for n, _ in modules if any(fnmatchcase(n, key) for key in plan)]
-    decoder = _decoder_name(model, modules)
-    elements = [  # (name, class name) of every module that is a layer stack's element
-        (f"{name}.{child}" if name else child, type(module).__name__)
-        for name, stack in modules
-        if isinstance(stack, nn.ModuleList)
-        for child, module in stack.named_children()
-    ]
-    named = [(n, c) for n, c in elements if c in names]
-    holding = [(n, c) for n, c in elements if any(p.startswith(f"{n}.") for p in in_plan)]
-    candidates = _outermost(named) or _outermost(holding)
-    if not candidates:
-        raise ValueError(
-            f"tsm.transform: {type(model).__name__} has a transformers TP plan but its "
-            f"_no_split_modules ({sorted(names) or 'none'}) name none of its modules, so there "
-            "is no transformer layer to wrap, checkpoint and offload. Register a "
-            "torch_sagemaker.policies.ModelPolicy naming its layer class (docs/tensor_parallel.md)."
-        )
-    counts: dict[str, int] = {}
-    planned: set[str] = set()
-    in_decoder: set[str] = set()
-    for name, cls in candidates:
-        counts[cls] = counts.get(cls, 0) + 1
-        if decoder and name.startswith(f"{decoder}."):
-            in_decoder.add(cls)
-        if any(n.startswith(f"{name}.") for n in in_plan):
-            planned.add(cls)
-    # the repeated decoder layer
-    return max(counts, key=lambda n: (n in in_decoder, n in planned, counts[n]))
-
-
-def _outermost(elements: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """The ``(name, class)`` pairs not inside another pair's module."""
-    return [(n, c) for n, c in elements if not any(n.startswith(f"{o}.") for o, _ in elements)]
-
-
-def _decoder_name(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> str:
-    """The name of the text decoder below ``model`` (``get_decoder()``), or ``""``."""
-    get_decoder = getattr(model, "get_decoder", None)
-    try:
-        decoder = get_decoder() if callable(get_decoder) else None
-    except (AttributeError, NotImplementedError, ValueError):
-        return ""
-    return next((n for n, m in modules if m is decoder and n), "")
-
-
 def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
     """The policy transformers' TP plan of ``model`` gives, or ``None`` if it has no plan.
 
@@ -526,11 +483,13 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
     if not hasattr(model, "config"):
         return None
     own = with_additions(model, own_plan(model))
-    shipped = not own and _fits(model, ours := shipped_from_root(model))
+    shipped = (not own or only_the_class_head(model, own)) and _fits(
+        model, ours := shipped_from_root(model)
+    )
     plan = with_tied_input_embedding(model, ours if shipped else own)
     if not plan:
         return None
-    layer_class = _layer_class(model, plan)
+    layer_class = transformer_layer_class(model, plan)
     model_type = getattr(model.config, "model_type", None) or ""
     # (a decoder's own head count where the family's config has one per stack)
     decoder_heads = heads_attr(model_type) if shipped else None

@@ -4,8 +4,9 @@ Note [Fused projections computed by rows]: some models compute queries, keys and
 one ``nn.Linear`` whose output rows are not laid out head by head, so no contiguous split of
 the rows gives every rank whole heads:
 
-- ``[q | k | v]`` blocks of equal widths (MPT's ``Wqkv``; transformers' ``packed_colwise``
-  on an ``nn.Linear``): rank ``r`` needs its part of each block, ``[q_r | k_r | v_r]``.
+- ``[q | k | v]`` blocks (MPT's ``Wqkv``, of equal widths; DBRX's, whose keys and values
+  have fewer heads than its queries; transformers' ``packed_colwise`` on an ``nn.Linear``):
+  rank ``r`` needs its part of each block, ``[q_r | k_r | v_r]``.
   On a ``Conv1D`` that part is a DTensor of its own (``_StridedShard``, Note [Packed
   projections]), but an ``nn.Linear`` keeps its output features on dimension 0, which
   FSDP2 shards too, and PyTorch 2.13 describes that double split wrongly;
@@ -37,6 +38,7 @@ split.
 from __future__ import annotations
 
 import types
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
@@ -54,28 +56,47 @@ from torch_sagemaker.tensor_parallel.styles import (
 )
 
 
-def fused_rows(out_features: int, blocks: int, shared: int, rank: int, tp: int) -> torch.Tensor:
+def fused_rows(
+    out_features: int, blocks: int | Sequence[int], shared: int, rank: int, tp: int
+) -> torch.Tensor:
     """The output rows that rank ``rank`` of ``tp`` computes.
 
-    Its part of each of ``blocks`` equal blocks, then the last ``shared`` rows (Note [Fused
-    projections computed by rows]).
+    Its part of each block, then the last ``shared`` rows (Note [Fused projections computed
+    by rows]).
+
+    Args:
+        out_features: The projection's output features.
+        blocks: The count of equal blocks before the shared rows, or the blocks' widths
+            (``[q | k | v]`` of grouped-query attention: the keys and values narrower).
+        shared: Output features at the end that every rank computes.
+        rank: This rank among the TP ranks.
+        tp: The TP degree.
 
     Raises:
-        ValueError: The blocks do not divide evenly over the ranks.
+        ValueError: The blocks do not fill the split part, or one does not divide evenly
+            over the ranks.
     """
     split = out_features - shared
-    if blocks < 1 or shared < 0 or split <= 0 or split % (blocks * tp):
+    if isinstance(blocks, int):
+        widths = [split // blocks] * blocks if blocks >= 1 and split % blocks == 0 else []
+    else:
+        widths = list(blocks)
+    if shared < 0 or split <= 0 or not widths or sum(widths) != split:
+        raise ValueError(
+            f"{out_features} output features, {shared} of them shared, do not hold the "
+            f"blocks {blocks} (Note [Fused projections computed by rows])."
+        )
+    if any(w <= 0 or w % tp for w in widths):
         raise ValueError(
             f"{out_features} output features, {shared} of them shared, leave {split} in "
-            f"{blocks} block(s), which do not divide over tensor_parallel_degree={tp}: each "
-            "rank computes whole heads (Note [Fused projections computed by rows])."
+            f"blocks of widths {widths}, which do not divide over tensor_parallel_degree={tp}: "
+            "each rank computes whole heads (Note [Fused projections computed by rows])."
         )
-    width = split // blocks
-    local = width // tp
-    parts = [
-        torch.arange(b * width + rank * local, b * width + (rank + 1) * local)
-        for b in range(blocks)
-    ]
+    parts, start = [], 0
+    for width in widths:
+        local = width // tp
+        parts.append(torch.arange(start + rank * local, start + (rank + 1) * local))
+        start += width
     return torch.cat([*parts, torch.arange(split, out_features)])
 
 
@@ -121,14 +142,15 @@ class FusedRowsColwise(ParallelStyle):
     Note [Fused projections computed by rows].
 
     Args:
-        blocks: Equal blocks of the split part of the output (3 for ``[q | k | v]``), each
+        blocks: Equal blocks of the split part of the output (3 for ``[q | k | v]``), or
+            their widths where they differ (grouped-query ``[q | k | v]``); each block is
             split over the ranks.
         shared: Output features at the end that every rank computes (the shared key and
             value of multi-query attention); 0 for none.
         name: The module's name (messages).
     """
 
-    def __init__(self, *, blocks: int = 1, shared: int = 0, name: str = "") -> None:
+    def __init__(self, *, blocks: int | Sequence[int] = 1, shared: int = 0, name: str = "") -> None:
         super().__init__()
         self.blocks, self.shared, self.name = blocks, shared, name
 

@@ -444,12 +444,25 @@ def apply_tp_plan(
                 shared = 2 * _head_dim(model, name, attention_names)
                 style = FusedRowsColwise(shared=shared, name=name)
             elif style_name == "linear_packed_colwise":
-                blocks = packed_blocks(model, name, attention_names)
-                style = FusedRowsColwise(blocks=blocks, name=name)
+                widths = packed_blocks(model, name, attention_names)
+                if len(set(widths)) > 1 and kv_head is not None:
+                    raise ValueError(
+                        f"{name}: its [q | k | v] blocks {widths} hold {heads.num_kv_heads} "
+                        f"key/value heads, fewer than tensor_parallel_degree="
+                        f"{tp_mesh.size()}, so the key and value blocks do not split into "
+                        "whole heads; choose a degree that divides the key/value heads."
+                    )
+                style = FusedRowsColwise(blocks=widths, name=name)
             elif style_name in PROJECTION_STYLES:
                 blocks = 1
                 if style_name == "conv1d_packed_colwise":
-                    blocks = packed_blocks(model, name, attention_names)
+                    widths = packed_blocks(model, name, attention_names)
+                    if len(set(widths)) > 1:
+                        raise ValueError(
+                            f"{name}: a packed Conv1D projection splits equal blocks only, "
+                            f"not {widths} (Note [Packed projections])."
+                        )
+                    blocks = len(widths)
                 style = make_projection_style(style_name, blocks=blocks)
             elif style_name in REPLICATED_STYLES:
                 style = make_replicated_style(

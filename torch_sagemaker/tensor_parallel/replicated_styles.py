@@ -424,6 +424,8 @@ def make_replicated_style(
         style = LocalParams(layer_class=layer_class)
     elif name == "experts_allreduce":
         style = ReplicatedExperts()
+    elif name == "experts_allreduce_local_slots":
+        style = ReplicatedExperts(local_slots=True)
     elif name == "experts_batched":
         style = BatchedExperts()
     elif name == "mla_kv_a_proj":
@@ -450,6 +452,7 @@ REPLICATED_STYLES = (
     "reduce_output",
     "local_params",
     "experts_allreduce",
+    "experts_allreduce_local_slots",
     "experts_batched",
     "mla_kv_a_proj",
     "sequence_parallel_local",

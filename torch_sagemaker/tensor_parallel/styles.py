@@ -261,21 +261,39 @@ class ReplicateParallel(ParallelStyle):
         return module
 
 
-class _LocalExpertsView:
-    """Attribute view of an experts module with local parameters and the local expert count.
+class _LocalView:
+    """Attribute view of a module whose DTensor parameters read as their local tensors.
+
+    A child module holding parameters reads as such a view too; calling the view runs the
+    module's own forward on it (DBRX's experts compute with their child's weights).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._module, name)
+        if isinstance(value, DTensor):
+            return local_value(self._module, name, value)
+        if isinstance(value, nn.Module) and any(True for _ in value.parameters()):
+            return _LocalView(value)
+        return value
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return type(self._module).forward(self, *args, **kwargs)
+
+
+class _LocalExpertsView(_LocalView):
+    """An experts module's local view (``_LocalView``) with the local expert count.
 
     ``_is_expert_parallel`` tells Hugging Face's expert kernels that indices may hold the
     sentinel (they then zero the rows their grouped GEMMs leave uninitialized for it).
     """
 
     def __init__(self, module: nn.Module, num_local: int) -> None:
-        self._module = module
+        super().__init__(module)
         self.num_experts = num_local
         self._is_expert_parallel = True
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._module, name)
-        return local_value(self._module, name, value) if isinstance(value, DTensor) else value
 
 
 def split_experts(
@@ -296,13 +314,14 @@ def split_experts(
             f"{type(module).__name__}: {num_experts} experts cannot be split over "
             f"tensor_parallel_degree={tp} ranks; use a degree dividing {num_experts}."
         )
-    distribute_params(module, device_mesh, [Shard(0)], src_data_rank)
+    for holder in module.modules():  # (DBRX's experts keep their weights on a child)
+        distribute_params(holder, device_mesh, [Shard(0)], src_data_rank)
     num_local = num_experts // tp
     return num_experts, device_mesh.get_local_rank() * num_local, num_local
 
 
 class ExpertsParallel(ParallelStyle):
-    """Fused MoE experts (3-D parameters, expert dimension first) split whole over the TP ranks.
+    """Fused MoE experts (expert dimension first) split whole over the TP ranks.
 
     Rank ``r`` keeps experts ``[r * E / tp, (r + 1) * E / tp)`` (``Shard(0)``). Its forward
     remaps the router's expert indices to local ones, marks tokens routed elsewhere with
@@ -310,11 +329,21 @@ class ExpertsParallel(ParallelStyle):
     convention as their expert parallelism), runs the module's own forward on local
     parameters and returns a ``Partial`` DTensor: the sum over ranks is the MoE output.
     The module must have ``num_experts`` and take ``(hidden, top_k_index, top_k_weights)``.
+
+    Args:
+        local_slots: For a forward that does not skip the sentinel (DBRX's): it runs on
+            this rank's (token, choice) pairs only, one choice a row, and the rows' outputs
+            are summed back onto their tokens (Note [Experts that run every index]).
     """
+
+    def __init__(self, *, local_slots: bool = False) -> None:
+        super().__init__()
+        self.local_slots = local_slots
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         num_experts, first, num_local = split_experts(module, device_mesh, self.src_data_rank)
         forward_impl = type(module).forward
+        local_slots = self.local_slots
 
         def forward(
             mod: nn.Module,
@@ -327,13 +356,52 @@ class ExpertsParallel(ParallelStyle):
             index = top_k_index.to_local() if isinstance(top_k_index, DTensor) else top_k_index
             local = index - first
             elsewhere = (local < 0) | (local >= num_local)
-            local = local.masked_fill(elsewhere, num_local)
-            weights = weights.masked_fill(elsewhere, 0.0)
-            out = forward_impl(_LocalExpertsView(mod, num_local), hidden, local, weights)
+            view = _LocalExpertsView(mod, num_local)
+            if local_slots:
+                out = _run_local_slots(forward_impl, view, hidden, local, weights, elsewhere)
+            else:
+                local = local.masked_fill(elsewhere, num_local)
+                weights = weights.masked_fill(elsewhere, 0.0)
+                out = forward_impl(view, hidden, local, weights)
             return DTensor.from_local(out, device_mesh, [Partial()], run_check=False)
 
         module.forward = types.MethodType(forward, module)
         return module
+
+
+# Note [Experts that run every index]: ``ExpertsParallel`` marks a token's choice of another
+# rank's expert with the sentinel index ``E / tp``; transformers' expert loops skip it (the
+# index one past their experts) and its grouped kernels zero its rows. DBRX's loop
+# (transformers 5.24) skips nothing: it would index its weights with the sentinel. For such
+# experts the forward sees only this rank's choices, each (token, choice) pair a row of its
+# own with one choice (``top_k`` 1), so no index is foreign; the rows' outputs are summed back
+# onto their tokens. The same products, and no other work: a token that chose two of this
+# rank's experts is two rows, as it was two choices. Which families need it is model
+# knowledge: ``policies.shipped_plans.experts_without_sentinel``.
+def _run_local_slots(
+    forward_impl: Any,
+    view: _LocalExpertsView,
+    hidden: torch.Tensor,
+    local: torch.Tensor,
+    weights: torch.Tensor,
+    elsewhere: torch.Tensor,
+) -> torch.Tensor:
+    """The experts' output for this rank's (token, choice) pairs, summed onto the tokens."""
+    width = hidden.shape[-1]
+    tokens = hidden.reshape(-1, width)
+    choices = local.shape[-1]
+    mine = (~elsewhere).reshape(-1).nonzero().squeeze(1)  # flat (token, choice) indices
+    owner = mine // choices
+    out = tokens.new_zeros(tokens.shape)
+    if mine.numel():
+        rows = forward_impl(
+            view,
+            tokens.index_select(0, owner),
+            local.reshape(-1, 1).index_select(0, mine),
+            weights.reshape(-1, 1).index_select(0, mine),
+        )
+        out = out.index_add(0, owner, rows.reshape(mine.numel(), width))
+    return out.reshape(hidden.shape)
 
 
 class ReplicatedKVColwise(ParallelStyle):
@@ -449,6 +517,7 @@ PARAM_SPLIT_DIMS: dict[str, dict[str, int | None]] = {
     "reduce_output": {"*": None},  # its bare parameters are split by entries of their own
     "local_params": {"*": None},  # likewise
     "experts_allreduce": {"*": 0},
+    "experts_allreduce_local_slots": {"*": 0},
     "experts_batched": {"*": 0},
     "mla_kv_a_proj": {"*": None},
     "sequence_parallel_local": {"*": None},
