@@ -116,6 +116,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "xmod": {"default_language": "en_XX"},
     # Mllama's text model: its second layer attends to image states (``extra_inputs``)
     "mllama_text_model": {"cross_attention_layers": [1]},
+    # its default init_std of 1.0 gives the tiny model a loss of 20 that moves by 4e-4 when
+    # the weights move by 1e-7: rounding would decide the comparison, not TP
+    "cpmant": {"init_std": 0.02},
+    # GIT's loss skips the image's tokens, with or without an image (``extra_inputs``): a
+    # small one, of 5 tokens
+    "git_vision_model": {"image_size": 32, "patch_size": 16},
 }
 
 
@@ -123,15 +129,20 @@ def extra_inputs(model: Any, batch: int) -> dict[str, Any]:
     """Inputs besides the token ids that a family's forward needs to run all its layers.
 
     Mllama's cross-attention layers run only with image states (a text-only forward skips
-    them): 5 positions of random states, the same for every batch and rank.
+    them): 5 positions of random states, the same for every batch and rank. GIT's loss
+    skips its image's tokens, which it counts whether or not an image is given: a random
+    image, the same everywhere.
     """
     import torch
 
     config = model.config
+    generator = torch.Generator().manual_seed(5)
     if getattr(config, "model_type", "") == "mllama_text_model":
-        generator = torch.Generator().manual_seed(5)
         states = torch.randn(batch, 5, config.hidden_size, generator=generator)
         return {"cross_attention_states": states}
+    if getattr(config, "model_type", "") == "git":  # its image's tokens come first
+        size = config.vision_config.image_size
+        return {"pixel_values": torch.randn(batch, 3, size, size, generator=generator)}
     return {}
 
 

@@ -219,6 +219,23 @@ SHIPPED_PLANS: dict[str, dict[str, str]] = {
         **_mlp(("h.*.mlp.c_fc",), "h.*.mlp.c_proj"),
     },
     # MllamaForCausalLM, Llama 3.2 Vision's text model; its cross-attention layers: _VARIANTS
+    # its relative-position biases are built outside the attention, one per head of all
+    # ranks, by a learned table each rank then uses its heads' part of (gradients summed)
+    "cpmant": {
+        "position_bias": "replicated_with_grad_allreduce",
+        **_attention(
+            "encoder.layers.*.self_att.self_attention",
+            "attention_out",
+            ("project_q", "project_k", "project_v"),
+        ),
+        "encoder.layers.*.self_att.self_attention": "head_inputs",
+        **_mlp(
+            ("encoder.layers.*.ffn.ffn.w_in.w_0", "encoder.layers.*.ffn.ffn.w_in.w_1"),
+            "encoder.layers.*.ffn.ffn.w_out",
+        ),
+    },
+    # GIT's text decoder is BERT's encoder stack (its image tower stays whole)
+    "git": _bert_like(),
     "dbrx": {
         "blocks.*.norm_attn_norm.attn.Wqkv": "packed_colwise",
         "blocks.*.norm_attn_norm.attn.out_proj": "rowwise",

@@ -15,13 +15,16 @@ module's forward: the ``alibi`` rows of the rank's heads within each batch eleme
 left alone). The biases carry no gradient.
 
 The batch size comes from the module's first input (the hidden states), so ``alibi``'s
-rows are split without guessing. Inputs passed by position are not cut: BLOOM and Falcon
-pass both by keyword; an ``alibi`` given any other way fails the shape check in the model
-(as it would without this style), not silently.
+rows are split without guessing. A bias is found by its parameter's name in the module's
+forward, passed by keyword (BLOOM, Falcon, MPT) or by position (CPM-Ant's
+``position_bias``, ``[batch, heads, queries, keys]``); the attention mask by keyword only.
+An ``alibi`` given any other way fails the shape check in the model (as it would without
+this style), not silently.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -29,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-#: Keyword inputs holding per-head biases: BLOOM's and Falcon's ``alibi``, MPT's
+#: Inputs holding per-head biases: BLOOM's and Falcon's ``alibi``, MPT's and CPM-Ant's
 #: ``position_bias``.
 _BIASES = ("alibi", "position_bias")
 
@@ -89,13 +92,23 @@ class HeadInputs(ParallelStyle):
                 f"rank's heads over {ranks} tensor parallel ranks (Note [Head-indexed inputs])."
             )
 
+        # (the forward's parameter names, to find a bias passed by position: CPM-Ant's)
+        positional = list(inspect.signature(module.forward).parameters)
+
         def cut(
             _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            hidden = _first_tensor(args, kwargs)
+            args = tuple(
+                cut_alibi(a, hidden)
+                if i < len(positional) and positional[i] in _BIASES and torch.is_tensor(a)
+                else a
+                for i, a in enumerate(args)
+            )
             for key in _BIASES:
                 bias = kwargs.get(key)
                 if isinstance(bias, torch.Tensor):
-                    kwargs[key] = cut_alibi(bias, _first_tensor(args, kwargs))
+                    kwargs[key] = cut_alibi(bias, hidden)
             mask = kwargs.get("attention_mask")
             if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == heads:
                 kwargs["attention_mask"] = mask[:, start : start + local]
