@@ -17,10 +17,16 @@ from torch_sagemaker.policies import lookup_policy
 from torch_sagemaker.policies.module_layout import expert_count, packed_blocks
 
 
-def _dbrx():
-    from tools.model_coverage.tiny import build
+def _dbrx(kv_heads: int = 2):
+    import transformers
+    from transformers import AutoModelForCausalLM
 
-    return build("dbrx", device="meta")
+    from tools.model_coverage.tiny import tiny_config
+
+    config = tiny_config("dbrx").to_dict()
+    config["attn_config"]["kv_n_heads"] = config["num_key_value_heads"] = kv_heads
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(transformers.DbrxConfig(**config))
 
 
 def test_dbrx_gets_its_shipped_plan_though_its_class_declares_the_heads_entry():
@@ -39,6 +45,31 @@ def test_dbrx_gets_its_shipped_plan_though_its_class_declares_the_heads_entry():
     mine.tp_plan = {"lm_head": "colwise_gather_output", "transformer.wte": "embedding_rowwise"}
     policy = lookup_policy(mine)
     assert policy.name == "dbrx (transformers plan)" and not policy.heads_split
+
+
+def test_dbrx_with_one_key_value_head_shares_it_on_every_rank():
+    policy = lookup_policy(_dbrx(kv_heads=1))  # DbrxConfig's default attn_config
+    wqkv = "transformer.blocks.*.norm_attn_norm.attn.Wqkv"
+    assert policy.tp_plan[wqkv] == "shared_kv_colwise", policy.tp_plan
+
+
+def test_a_plan_for_the_layers_in_the_config_keeps_a_head_only_plan_the_users(monkeypatch):
+    """Only a class's own head entry, with no plan in the config, gives way to a shipped one."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from torch_sagemaker.policies import shipped_plans
+
+    monkeypatch.setitem(shipped_plans.SHIPPED_PLANS, "qwen3", {"layers.*.mlp.up_proj": "colwise"})
+    config = transformers.Qwen3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model.tp_plan = dict(type(model)._tp_plan)  # the class's head entry alone
+    policy = lookup_policy(model)
+    assert policy.name == "qwen3 (transformers plan)" and not policy.heads_split, policy.name
 
 
 def test_grouped_query_qkv_is_read_as_q_k_v_before_equal_blocks():
@@ -61,13 +92,27 @@ def test_expert_count_takes_expert_major_rows_and_refuses_a_list_of_experts():
 
     assert expert_count(Experts(4 * 6)) == 4
     assert expert_count(Experts(4 * 6 + 2)) is None  # not whole experts
+    assert expert_count(Experts(4)) is None  # one row an expert: a router's (E, hidden)
     listed = nn.Module()
     listed.num_experts = 4
-    listed.experts = nn.ModuleList(nn.Linear(8, 16) for _ in range(4))  # 16 rows: 4 x 4
+    listed.experts = nn.ModuleList(nn.Linear(8, 16, bias=False) for _ in range(4))  # 4 x 4
     assert expert_count(listed) is None
+    block = nn.Module()  # a whole MoE block: its own (E, hidden) router weight is fine,
+    block.num_experts = 4  # the child's fused (E, ...) experts are not rows
+    block.weight = nn.Parameter(torch.empty(4, 8))
+    block.experts = nn.Module()
+    block.experts.gate_up_proj = nn.Parameter(torch.empty(4, 16, 8))
+    assert expert_count(block) is None
+    fused = nn.Module()  # transformers 5's fused experts: their own (E, ...) parameters
+    fused.num_experts = 4
+    fused.gate_up_proj = nn.Parameter(torch.empty(4, 16, 8))
+    fused.down_proj = nn.Parameter(torch.empty(4, 8, 8))
+    assert expert_count(fused) == 4
+    fused.bias = nn.Parameter(torch.empty(8, 8))  # 8 rows on the module itself: not it
+    assert expert_count(fused) is None
 
 
-def test_a_kv_block_narrower_than_the_ranks_heads_is_refused_at_transform():
+def test_each_rank_computes_whole_heads_of_each_block():
     from torch_sagemaker.tensor_parallel.fused_rows import fused_rows
 
     # [q | k | v] of widths 64, 32, 32 on rank 1 of 2: its half of each block
@@ -77,6 +122,10 @@ def test_a_kv_block_narrower_than_the_ranks_heads_is_refused_at_transform():
         fused_rows(128, (64, 32, 32), 0, 0, 64)
     with pytest.raises(ValueError, match="do not hold the blocks"):
         fused_rows(128, (64, 32), 0, 0, 2)
+    # 2 key/value heads of 16 over 4 ranks: half a head each, refused
+    assert len(fused_rows(128, (64, 32, 32), 0, 3, 2, head_dim=16)) == 64
+    with pytest.raises(ValueError, match=r"heads of 16 of widths \[64, 32, 32\]"):
+        fused_rows(128, (64, 32, 32), 0, 0, 4, head_dim=16)
 
 
 def test_expert_parallelism_refuses_experts_kept_on_a_child_naming_tensor_parallelism():

@@ -38,19 +38,26 @@ def expert_count(module: nn.Module) -> int | None:
     """The expert count of fused experts stored the way expert splitting needs, or None.
 
     The layout: an integer ``num_experts``, no list of modules below (a list of expert
-    modules is not it), and only parameters whose first dimension holds the experts one
-    after another: the count itself (transformers 5's fused ``gate_up_proj``/``down_proj``
-    and their biases), or a multiple of it, each expert's rows together (DBRX's ``w1``,
-    ``v1``, ``w2`` of shape ``(experts x ffn, hidden)`` on a child module). A contiguous
-    split of that dimension then gives each rank whole experts.
+    modules is not it), parameters of the module itself whose first dimension is the count
+    (transformers 5's fused ``gate_up_proj``/``down_proj`` and their biases), and on child
+    modules only parameters whose first dimension holds several rows per expert, each
+    expert's together (DBRX's ``w1``, ``v1``, ``w2`` of shape ``(experts x ffn, hidden)``
+    on ``experts.mlp``). A contiguous split of that dimension gives each rank whole
+    experts. (A child with one row per expert, a router's ``(experts, hidden)`` weight in a
+    whole MoE block, is not it.)
     """
     count = getattr(module, "num_experts", None)
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         return None
-    params = list(module.parameters())
-    if not params or any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) for m in module.modules()):
+    if any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) for m in module.modules()):
         return None
-    if any(p.ndim < 2 or p.shape[0] % count for p in params):
+    own = list(module.parameters(recurse=False))
+    below = [p for c in module.children() for p in c.parameters()]
+    if not own and not below:
+        return None
+    if any(p.ndim < 2 or p.shape[0] != count for p in own):
+        return None
+    if any(p.ndim < 2 or p.shape[0] % count or p.shape[0] == count for p in below):
         return None
     return count
 

@@ -218,9 +218,8 @@ SHIPPED_PLANS: dict[str, dict[str, str]] = {
         **_attention("h.*.attn.attention", "out_proj"),
         **_mlp(("h.*.mlp.c_fc",), "h.*.mlp.c_proj"),
     },
-    # MllamaForCausalLM, Llama 3.2 Vision's text model; its cross-attention layers: _VARIANTS
     # its relative-position biases are built outside the attention, one per head of all
-    # ranks, by a learned table each rank then uses its heads' part of (gradients summed)
+    # ranks, by a learned table each rank then uses its heads' columns of (gradients summed)
     "cpmant": {
         "position_bias": "replicated_with_grad_allreduce",
         **_attention(
@@ -241,6 +240,7 @@ SHIPPED_PLANS: dict[str, dict[str, str]] = {
         "blocks.*.norm_attn_norm.attn.out_proj": "rowwise",
         "blocks.*.ffn.experts": "moe_tp_experts",
     },
+    # MllamaForCausalLM, Llama 3.2 Vision's text model; its cross-attention layers: _VARIANTS
     "mllama_text_model": {
         **_attention("layers.*.self_attn", "o_proj"),
         **_mlp(("layers.*.mlp.gate_proj", "layers.*.mlp.up_proj"), "layers.*.mlp.down_proj"),
@@ -433,8 +433,20 @@ def _mllama_cross_layers(config: Any) -> dict[str, str]:
     }
 
 
+def _dbrx_multi_query(config: Any) -> dict[str, str]:
+    """DBRX's ``Wqkv`` with one key/value head (``attn_config.kv_n_heads=1``, the default).
+
+    It is then ``[q | k | v]`` with one key and one value head shared by every query head.
+    """
+    # (attn_config's count is what the attention modules are built with)
+    if int(getattr(getattr(config, "attn_config", None), "kv_n_heads", 0) or 0) != 1:
+        return {}
+    return {"blocks.*.norm_attn_norm.attn.Wqkv": "shared_kv_colwise"}
+
+
 #: model_type -> the entries a config changes or adds to the family's plan.
 _VARIANTS: dict[str, Callable[[Any], dict[str, str]]] = {
+    "dbrx": _dbrx_multi_query,
     "falcon": _shared_kv("h.*.self_attention.query_key_value"),
     "gpt_bigcode": _shared_kv("h.*.attn.c_attn"),
     "mllama_text_model": _mllama_cross_layers,
@@ -446,8 +458,9 @@ def shipped_plan(model_type: str, config: Any = None) -> dict[str, str]:
 
     Args:
         model_type: The family (``config.model_type``).
-        config: The model's config, where the family's variants differ (Falcon's and
-            GPT-BigCode's multi-query attention); ``None``: the family's default layout.
+        config: The model's config, where the family's variants differ (Falcon's,
+            GPT-BigCode's and DBRX's multi-query attention); ``None``: the family's default
+            layout.
 
     Returns:
         The plan in transformers' terms (as ``config.base_model_tp_plan`` keys it).

@@ -290,7 +290,8 @@ class _Translation:
                 style,
                 "its experts are not stored the way expert splitting needs (an integer "
                 "num_experts and only fused parameters of shape (num_experts, ...), like "
-                "transformers 5's gate_up_proj/down_proj)",
+                "transformers 5's gate_up_proj/down_proj, or expert-major rows "
+                "(num_experts x rows, ...) on a child module, like DBRX's)",
             )
         arity = len(inspect.signature(type(module).forward).parameters) - 1
         if arity not in (1, 3):

@@ -57,7 +57,12 @@ from torch_sagemaker.tensor_parallel.styles import (
 
 
 def fused_rows(
-    out_features: int, blocks: int | Sequence[int], shared: int, rank: int, tp: int
+    out_features: int,
+    blocks: int | Sequence[int],
+    shared: int,
+    rank: int,
+    tp: int,
+    head_dim: int = 1,
 ) -> torch.Tensor:
     """The output rows that rank ``rank`` of ``tp`` computes.
 
@@ -71,10 +76,12 @@ def fused_rows(
         shared: Output features at the end that every rank computes.
         rank: This rank among the TP ranks.
         tp: The TP degree.
+        head_dim: The head size: each rank's part of a block must be whole heads (1: any
+            even split).
 
     Raises:
-        ValueError: The blocks do not fill the split part, or one does not divide evenly
-            over the ranks.
+        ValueError: The blocks do not fill the split part, or one does not split into whole
+            heads over the ranks.
     """
     split = out_features - shared
     if isinstance(blocks, int):
@@ -86,11 +93,14 @@ def fused_rows(
             f"{out_features} output features, {shared} of them shared, do not hold the "
             f"blocks {blocks} (Note [Fused projections computed by rows])."
         )
-    if any(w <= 0 or w % tp for w in widths):
+    if any(w <= 0 or w % (tp * head_dim) for w in widths):
+        heads = f" of heads of {head_dim}" if head_dim > 1 else ""
         raise ValueError(
             f"{out_features} output features, {shared} of them shared, leave {split} in "
-            f"blocks of widths {widths}, which do not divide over tensor_parallel_degree={tp}: "
-            "each rank computes whole heads (Note [Fused projections computed by rows])."
+            f"blocks{heads} of widths {widths}, which do not divide over "
+            f"tensor_parallel_degree={tp}: each rank computes whole heads of each block "
+            "(Note [Fused projections computed by rows]); choose a degree that divides the "
+            "heads of every block."
         )
     parts, start = [], 0
     for width in widths:
@@ -147,12 +157,21 @@ class FusedRowsColwise(ParallelStyle):
             split over the ranks.
         shared: Output features at the end that every rank computes (the shared key and
             value of multi-query attention); 0 for none.
+        head_dim: The head size, where the blocks are heads: each rank's part of a block
+            must be whole heads (1: any even split).
         name: The module's name (messages).
     """
 
-    def __init__(self, *, blocks: int | Sequence[int] = 1, shared: int = 0, name: str = "") -> None:
+    def __init__(
+        self,
+        *,
+        blocks: int | Sequence[int] = 1,
+        shared: int = 0,
+        head_dim: int = 1,
+        name: str = "",
+    ) -> None:
         super().__init__()
-        self.blocks, self.shared, self.name = blocks, shared, name
+        self.blocks, self.shared, self.head_dim, self.name = blocks, shared, head_dim, name
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         name = self.name or type(module).__name__
@@ -167,6 +186,7 @@ class FusedRowsColwise(ParallelStyle):
                 self.shared,
                 device_mesh.get_local_rank(),
                 device_mesh.size(),
+                self.head_dim,
             )
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None

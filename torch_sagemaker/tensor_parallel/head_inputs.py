@@ -65,8 +65,9 @@ class HeadInputs(ParallelStyle):
         if self.num_heads <= 0 or self.num_heads % ranks:
             raise ValueError(
                 f"tsm.transform: {self.name or type(module).__name__} takes per-head inputs "
-                f"(ALiBi biases) for {self.num_heads} heads, which do not divide over "
-                f"tensor_parallel_degree {ranks}: each rank must hold whole heads. Choose a "
+                f"(ALiBi or relative-position biases) for {self.num_heads} heads, which do "
+                f"not divide over tensor_parallel_degree {ranks}: each rank must hold whole "
+                "heads. Choose a "
                 f"tensor_parallel_degree that divides {self.num_heads}."
             )
         local = self.num_heads // ranks

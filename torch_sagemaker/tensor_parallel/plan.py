@@ -445,14 +445,11 @@ def apply_tp_plan(
                 style = FusedRowsColwise(shared=shared, name=name)
             elif style_name == "linear_packed_colwise":
                 widths = packed_blocks(model, name, attention_names)
-                if len(set(widths)) > 1 and kv_head is not None:
-                    raise ValueError(
-                        f"{name}: its [q | k | v] blocks {widths} hold {heads.num_kv_heads} "
-                        f"key/value heads, fewer than tensor_parallel_degree="
-                        f"{tp_mesh.size()}, so the key and value blocks do not split into "
-                        "whole heads; choose a degree that divides the key/value heads."
-                    )
-                style = FusedRowsColwise(blocks=widths, name=name)
+                # (inside attention each rank's part of each block must be whole heads:
+                # refused where the key/value heads do not divide over the degree)
+                inside = any(name.startswith(f"{a}.") for a in attention_names)
+                head_dim = _head_dim(model, name, attention_names) if inside else 1
+                style = FusedRowsColwise(blocks=widths, head_dim=head_dim, name=name)
             elif style_name in PROJECTION_STYLES:
                 blocks = 1
                 if style_name == "conv1d_packed_colwise":
