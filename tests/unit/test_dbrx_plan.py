@@ -137,3 +137,49 @@ def test_expert_parallelism_refuses_experts_kept_on_a_child_naming_tensor_parall
     mesh = SimpleNamespace(size=lambda: 2)  # (refused before the mesh is used)
     with pytest.raises(ValueError, match=r"child module\(s\) \['mlp'\].*tensor_parallel_degree"):
         split_experts(experts, mesh, all_to_all=True)
+
+
+def _experts_and_choices():
+    import transformers
+
+    from tools.model_coverage.tiny import tiny_config
+
+    torch.manual_seed(0)
+    experts = transformers.DbrxForCausalLM(tiny_config("dbrx")).transformer.blocks[0].ffn.experts
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0.0, 0.2)
+    hidden = torch.randn(2, 5, 64, requires_grad=True)
+    index = torch.tensor([[0, 1], [1, 1], [2, 3], [3, 0], [1, 2]] * 2)  # (tokens, top-k)
+    weights = torch.rand(10, 2, requires_grad=True)
+    return experts, hidden, index, weights
+
+
+def test_experts_on_this_ranks_choices_alone_compute_what_the_module_does():
+    """One rank holding every expert: the local-slots path against the module's own forward."""
+    from torch_sagemaker.tensor_parallel.styles import _LocalExpertsView, _run_local_slots
+
+    experts, hidden, index, weights = _experts_and_choices()
+    want = type(experts).forward(experts, hidden, index, weights)
+    want.square().sum().backward()
+    expected = [t.grad.clone() for t in (hidden, weights, *experts.parameters())]
+    for t in (hidden, weights, *experts.parameters()):
+        t.grad = None
+    view = _LocalExpertsView(experts, 4)
+    got = _run_local_slots(type(experts).forward, view, hidden, index, weights, index < 0)
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-6)
+    got.square().sum().backward()
+    for g, e in zip((hidden.grad, weights.grad, *(p.grad for p in experts.parameters())), expected):
+        assert torch.allclose(g, e, atol=1e-5)
+
+
+def test_a_rank_without_choices_still_gives_its_experts_zero_gradients():
+    from torch_sagemaker.tensor_parallel.styles import _LocalExpertsView, _run_local_slots
+
+    experts, hidden, index, weights = _experts_and_choices()
+    view = _LocalExpertsView(experts, 4)
+    out = _run_local_slots(type(experts).forward, view, hidden, index, weights, index >= 0)
+    assert not out.any()
+    out.sum().backward()
+    for p in experts.parameters():  # (FSDP reduces the same parameters on every rank)
+        assert p.grad is not None and not p.grad.any()

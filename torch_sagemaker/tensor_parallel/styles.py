@@ -401,6 +401,12 @@ def _run_local_slots(
             weights.reshape(-1, 1).index_select(0, mine),
         )
         out = out.index_add(0, owner, rows.reshape(mine.numel(), width))
+    elif tokens.shape[0]:
+        # No pair is this rank's: one zero row through its first expert, weighted 0, still
+        # gives its experts' weights (zero) gradients. FSDP reduce-scatters only parameters
+        # that have one, so a rank without them would reduce another set than its peers.
+        rows = forward_impl(view, tokens[:1] * 0, local.new_zeros(1, 1), weights.new_zeros(1, 1))
+        out = out + rows.sum() * 0
     return out.reshape(hidden.shape)
 
 
