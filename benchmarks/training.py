@@ -1,6 +1,7 @@
 """Training-step benchmark: FSDP2 (shard_model, plain fully_shard, hybrid) and DDP, smddp vs gloo.
 
     python -m benchmarks training [--nprocs 2] [--steps 4] [--repeat 3] [--plot x.png]
+        [--batch 4 --accumulation 4]
 
 A Llama of about 50M parameters (hidden 512, 8 layers, vocab 32000, sequence 256) is trained
 for a few steps in each mode on each backend; every number is the median over the timed
@@ -17,11 +18,16 @@ steps of the slowest rank. Ranks use one intra-op thread each. The same run meas
 The rows run one after another, and on a shared machine its speed drifts between them by
 more than the differences measured. ``--repeat R`` runs the whole sequence R times and
 reports medians over the passes, each ratio computed within its own pass, with its range.
+
+``--accumulation K`` splits each rank's ``--batch`` into K micro-batches per optimizer step;
+the forward and backward columns sum over them, and replicas (``fsdp2_hybrid``, DDP) reduce
+their gradients on the last one only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from datetime import timedelta
@@ -110,20 +116,42 @@ def _time_steps(
             dist.barrier()
         elif barrier is not None:
             barrier.wait()
-        t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        t1 = time.perf_counter()
-        loss.backward()
+        forward = backward = 0.0
+        micro = ids.chunk(args.accumulation)
+        for i, part in enumerate(micro):
+            last = i == len(micro) - 1
+            with _replicas_reduced(model, last):
+                t0 = time.perf_counter()
+                loss = model(input_ids=part, labels=part).loss / len(micro)
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+            forward, backward = forward + t1 - t0, backward + t2 - t1
         t2 = time.perf_counter()
         optim.step()
         optim.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
-        times = torch.tensor([t1 - t0, t2 - t1, t3 - t2], dtype=torch.float64)
+        times = torch.tensor([forward, backward, t3 - t2], dtype=torch.float64)
         if distributed:
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
         if step >= args.warmup:
             out.append(tuple(times.tolist()))
     return out
+
+
+def _replicas_reduced(model, last: bool) -> contextlib.AbstractContextManager:
+    """Replicas' gradients reduced on the step's last micro-batch only.
+
+    FSDP2 keeps reduce-scattering every micro-batch into the shards and all-reduces over
+    the replicas on the last (``set_requires_all_reduce``); DDP skips its all-reduce
+    (``no_sync``) until then. What the planner assumes of accumulation (Note [Accumulation
+    the planner plans]).
+    """
+    if hasattr(model, "set_requires_all_reduce"):
+        model.set_requires_all_reduce(last)
+    elif hasattr(model, "no_sync") and not last:
+        return model.no_sync()
+    return contextlib.nullcontext()
 
 
 def _rank_main(
@@ -301,6 +329,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=1, help="sequences per rank")
     p.add_argument(
+        "--accumulation",
+        type=_positive,
+        default=1,
+        help="micro-batches per optimizer step (gradient accumulation); divides --batch",
+    )
+    p.add_argument(
         "--repeat",
         type=_positive,
         default=1,
@@ -313,6 +347,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     """Runs the benchmark and prints the table (``--help`` for options)."""
     args = parser().parse_args(argv)
+    if args.batch % args.accumulation:
+        raise SystemExit(
+            f"--accumulation {args.accumulation} does not divide --batch {args.batch}: each "
+            "micro-batch is whole sequences; use a divisor of the batch."
+        )
     with torch.device("meta"):
         args.params_m = sum(t.numel() for t in _model(args).parameters()) / 1e6
     table, by_key = _table([_run(args) for _ in range(args.repeat)], args)

@@ -72,6 +72,13 @@ def validate_memory() -> int:
 
 def validate_time(args: argparse.Namespace) -> int:
     """Calibrates, measures, prints the table and optionally records; 1 if a row is off."""
+    if args.accumulation < 1 or args.batch % args.accumulation:
+        print(
+            f"--accumulation {args.accumulation} does not divide --batch {args.batch}: each "
+            "micro-batch is whole sequences; use a divisor of the batch.",
+            file=sys.stderr,
+        )
+        return 2
     runs = []
     for path in sorted(glob.glob(args.costs_from)):
         with open(path) as f:
@@ -149,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--layers", type=int, default=8)
     t.add_argument("--vocab", type=int, default=32000)
     t.add_argument("--seq", type=int, default=256)
+    t.add_argument("--batch", type=int, default=1, help="bench training's sequences per rank")
+    t.add_argument(
+        "--accumulation",
+        type=int,
+        default=1,
+        help="bench training's micro-batches per step (divides --batch)",
+    )
     t.add_argument(
         "--layouts",
         default="2x1,2x2,1x2,1x4",

@@ -84,8 +84,11 @@ def predict_step(
     nic_bits: float = NO_NIC_BITS,
     cores: float = 0.0,
     backend: str = "smddp",
+    accumulation: int = 1,
 ) -> float:
     """The planner's step time for an fp32 FSDP2 run on CPU ranks (no overlap).
+
+    ``batch`` is each rank's sequences a step, in ``accumulation`` micro-batches.
 
     ``rates`` are a calibration's (``calibration.calibrate``); its measured one-host
     collectives of ``backend``, if any, price the one-host groups. Simulated hosts whose
@@ -103,7 +106,9 @@ def predict_step(
         cores_per_host=cores,
     )
     workload = Workload(seq_len, seq_len * batch * world, "float32")
-    candidate = Candidate(hybrid_shard_degree, fsdp=2, checkpointing=False)
+    candidate = Candidate(
+        hybrid_shard_degree, fsdp=2, checkpointing=False, accumulation_steps=accumulation
+    )
     checked = check(candidate, spec, cluster, workload)
     if isinstance(checked, Rejected):
         raise ValueError(f"the planner rejects the measured layout: {checked.reason}")
@@ -122,12 +127,13 @@ def predict_step(
 
 
 def calibration_key(row: dict) -> str:
-    """Which calibration a row uses: its process count and its model's GEMM shapes."""
+    """Which calibration a row uses: its process count and its model's GEMM shapes.
+
+    The shapes are one forward's: a micro-batch's tokens where the row accumulates.
+    """
     m = row["model"]
-    return (
-        f"{row['processes']} processes, hidden {m['hidden_size']}, "
-        f"{row['seq_len'] * row['batch']} tokens"
-    )
+    tokens = row["seq_len"] * row["batch"] // row.get("accumulation", 1)
+    return f"{row['processes']} processes, hidden {m['hidden_size']}, {tokens} tokens"
 
 
 def costs_from(record: dict) -> comm.Costs:
@@ -154,6 +160,7 @@ def predict_rows(record: dict) -> list[tuple[dict, float]]:
             nic_bits=row.get("nic_bits", NO_NIC_BITS),
             cores=record["cores"],
             backend=backend_of(row),
+            accumulation=row.get("accumulation", 1),
         )
         out.append((row, predicted))
     return out
@@ -213,6 +220,10 @@ def measure_training(args: argparse.Namespace) -> list[dict]:
             str(args.vocab),
             "--seq",
             str(args.seq),
+            "--batch",
+            str(args.batch),
+            "--accumulation",
+            str(args.accumulation),
             "--repeat",
             str(args.runs),
         ]
@@ -236,7 +247,8 @@ def measure_training(args: argparse.Namespace) -> list[dict]:
                 "hybrid_shard_degree": 1 if alone else TRAINING_MODES[mode](n),
                 "alone": alone,
                 "seq_len": args.seq,
-                "batch": 1,
+                "batch": args.batch,
+                "accumulation": args.accumulation,
                 "measured": seconds,
             }
         )
@@ -322,9 +334,9 @@ def _calibrate_all(rows: list[dict], backends: list[str]) -> dict[str, dict[str,
         key = calibration_key(row)
         if key not in calibration:
             config = _config(row["model"])
-            calibration[key] = calibrate(
-                row["processes"], meta_spec(config), row["seq_len"] * row["batch"], config, backends
-            )
+            tokens = row["seq_len"] * row["batch"] // row.get("accumulation", 1)
+            spec = meta_spec(config)
+            calibration[key] = calibrate(row["processes"], spec, tokens, config, backends)
     return calibration
 
 
@@ -347,7 +359,15 @@ def _planned_rows(args: argparse.Namespace) -> list[dict]:
     if args.modes:
         model = _model_dict(training.model_config(args))
         for n in sorted({1, args.nprocs}):
-            rows.append({"model": model, "processes": n, "seq_len": args.seq, "batch": 1})
+            rows.append(
+                {
+                    "model": model,
+                    "processes": n,
+                    "seq_len": args.seq,
+                    "batch": args.batch,
+                    "accumulation": args.accumulation,
+                }
+            )
     for layout in filter(None, args.layouts.split(",")):
         hosts, local = (int(x) for x in layout.split("x"))
         rows.append(
