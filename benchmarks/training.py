@@ -311,6 +311,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def accumulation_problem(batch: int, accumulation: int) -> str:
+    """Why ``--accumulation`` cannot split ``--batch`` into micro-batches, or ``""``."""
+    if accumulation >= 1 and batch % accumulation == 0:
+        return ""
+    return (
+        f"--accumulation {accumulation} does not divide --batch {batch}: each micro-batch is "
+        "whole sequences; use a divisor of the batch."
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     """The benchmark's arguments."""
     p = argparse.ArgumentParser(
@@ -347,11 +357,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     """Runs the benchmark and prints the table (``--help`` for options)."""
     args = parser().parse_args(argv)
-    if args.batch % args.accumulation:
-        raise SystemExit(
-            f"--accumulation {args.accumulation} does not divide --batch {args.batch}: each "
-            "micro-batch is whole sequences; use a divisor of the batch."
-        )
+    problem = accumulation_problem(args.batch, args.accumulation)
+    if problem:
+        raise SystemExit(problem)
     with torch.device("meta"):
         args.params_m = sum(t.numel() for t in _model(args).parameters()) / 1e6
     table, by_key = _table([_run(args) for _ in range(args.repeat)], args)

@@ -72,12 +72,11 @@ def validate_memory() -> int:
 
 def validate_time(args: argparse.Namespace) -> int:
     """Calibrates, measures, prints the table and optionally records; 1 if a row is off."""
-    if args.accumulation < 1 or args.batch % args.accumulation:
-        print(
-            f"--accumulation {args.accumulation} does not divide --batch {args.batch}: each "
-            "micro-batch is whole sequences; use a divisor of the batch.",
-            file=sys.stderr,
-        )
+    from benchmarks.training import accumulation_problem
+
+    problem = accumulation_problem(args.batch, args.accumulation)
+    if problem:
+        print(problem, file=sys.stderr)
         return 2
     runs = []
     for path in sorted(glob.glob(args.costs_from)):
