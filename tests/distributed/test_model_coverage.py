@@ -13,9 +13,8 @@ XGLM: ``embed_dim``, a full width in that family only; Whisper: the decoder's ow
 count, here unlike the encoder's; Mllama's text model: cross-attention layers run on image
 states, keyed by number; ModernBERT's decoder: a fused [input | gate] computed by rows
 outside attention; DBRX: grouped-query [q | k | v] computed by rows, and experts that see
-only this rank's choices, Note [Experts that run every index]; CPM-Ant: per-head biases
-passed by position from a learned table outside the attention, Note [Head-indexed
-inputs]), plus one it skips, and must write their rows. (GPT-2, BLOOM and MPT
+only this rank's choices, Note [Experts that run every index]), plus one it skips, and
+must write their rows. (GPT-2, BLOOM and MPT
 have parity tests of their own: test_tp_gpt2.py, test_tp_fused_qkv.py.)
 """
 
@@ -37,7 +36,7 @@ def test_coverage_command_runs_families_and_writes_the_table(tmp_path):
             [
                 "--families",
                 "qwen3,qwen3_moe,gemma3,bart,roberta,roformer,openai-gpt,ctrl,xglm,whisper,"
-                "mllama,modernbert-decoder,dbrx,cpmant,rwkv",
+                "mllama,modernbert-decoder,dbrx,rwkv",
                 "--output",
                 str(out),
             ]
@@ -52,7 +51,7 @@ def test_coverage_command_runs_families_and_writes_the_table(tmp_path):
     assert 0.2 < gemma3.per_rank[0]["split_share"] < 0.9  # the text model's share
     shipped = (
         *("bart", "roberta", "roformer", "openai-gpt", "ctrl", "xglm", "whisper", "mllama"),
-        *("dbrx", "cpmant"),
+        "dbrx",
     )
     for family in (*shipped, "modernbert-decoder"):
         row = rows[family]

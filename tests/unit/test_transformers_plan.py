@@ -542,3 +542,16 @@ def test_mllamas_cross_attention_layers_get_entries_only_where_the_config_has_th
     assert "model.layers.8" not in with_cross.tp_plan
     text_only = policy([8])
     assert not any("cross_attn" in k for k in text_only.tp_plan), text_only.tp_plan
+
+
+def test_cpmants_shipped_plan_cuts_its_biases_and_sums_their_tables_gradient():
+    """Its per-head biases come from a learned table outside the attention (parity on 4
+    ranks: docs/model_coverage.md; the cut itself: tests/unit/test_head_inputs.py)."""
+    from tools.model_coverage.tiny import build
+
+    policy = lookup_policy(build("cpmant", device="meta"))
+    assert policy.name == "cpmant (shipped plan)"
+    attention = "cpmant.encoder.layers.*.self_att.self_attention"
+    assert policy.tp_plan[attention] == "head_inputs"
+    assert policy.tp_plan[f"{attention}.project_q"] == "colwise"
+    assert policy.tp_plan["cpmant.position_bias"] == "replicate_partial_grad"
