@@ -375,9 +375,10 @@ class ExpertsParallel(ParallelStyle):
 # (transformers 5.24) skips nothing: it would index its weights with the sentinel. For such
 # experts the forward sees only this rank's choices, each (token, choice) pair a row of its
 # own with one choice (``top_k`` 1), so no index is foreign; the rows' outputs are summed back
-# onto their tokens. The same products, and no other work: a token that chose two of this
-# rank's experts is two rows, as it was two choices. Which families need it is model
-# knowledge: ``policies.shipped_plans.experts_without_sentinel``.
+# onto their tokens. The same products (a token that chose two of this rank's experts is
+# two rows, as it was two choices); beyond them, a gather of those rows and a sum back, and
+# on an accelerator one wait per layer for the count of this rank's pairs (``nonzero``).
+# Which families need it is model knowledge: ``policies.shipped_plans.experts_without_sentinel``.
 def _run_local_slots(
     forward_impl: Any,
     view: _LocalExpertsView,
