@@ -109,17 +109,20 @@ def _example_main(argv):
 # cores. What each job checks is the same: its own fresh processes and process group (a
 # resumed run reads the checkpoint in other processes than the ones that wrote it), the same
 # arguments, metrics.json and rank 0's output. Starting examples/train.py under torchrun
-# stays covered by the S3 test below (full_shard, 2 ranks, twice), by the accelerate example
+# stays covered by the S3 test below (full_shard, 2 ranks, its first run), by the accelerate example
 # (accelerate launch) and by tests/distributed/test_launchers.py (hybrid.json on 4 ranks
 # over two hosts, killed and resumed).
-def _forked_train(tmp_path, ranks, *flags, name="run"):
-    """``_train``'s job in ranks forked from the launcher's server; (summary, rank 0's output)."""
+def _forked_train(tmp_path, ranks, *flags, name="run", env=None):
+    """``_train``'s job in ranks forked from the launcher's server; (summary, rank 0's output).
+
+    ``env``: variables the ranks get besides the launcher's (the S3 server's endpoint).
+    """
     from tests.distributed.launcher import run_distributed
 
     out = tmp_path / name
     argv = ["--distributed-backend", BACKEND, "--output-dir", str(out), *TINY, *flags]
     printed = run_distributed(
-        _example_main, argv, world_size=ranks, init_process_group=False, timeout=600
+        _example_main, argv, world_size=ranks, init_process_group=False, timeout=600, env=env
     )
     with open(out / "metrics.json") as f:
         return json.load(f)["summary"], printed[0]
@@ -280,9 +283,12 @@ def test_s3_checkpoint_dir_with_auto_interval_saves_and_resumes(tmp_path, s3_ser
     ]
     with environment(s3_server.env):  # torchrun's ranks inherit the endpoint and credentials
         _, stdout = _train(tmp_path, ranks, *common, "--max-steps", "5", name="first")
-        second, resumed = _train(
-            tmp_path, ranks, *common, "--max-steps", "6", "--resume", "latest", name="second"
-        )
+    # The resumed run in forked ranks (Note [Example runs in forked ranks]): other processes
+    # than the ones that saved, given the endpoint and credentials as their environment.
+    second, resumed = _forked_train(
+        tmp_path, ranks, *common, "--max-steps", "6", "--resume", "latest", name="second",
+        env=s3_server.env,
+    )  # fmt: skip
     assert "auto checkpoint interval:" in stdout, stdout[-2000:]
     keys = [o["Key"] for o in s3_server.boto3().list_objects_v2(Bucket=bucket)["Contents"]]
     markers = sorted(k for k in keys if k.endswith(".sm_checkpoint_complete.json"))
