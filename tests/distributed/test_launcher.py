@@ -101,6 +101,12 @@ def _own_store():
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=30))
     store.set(f"rank{rank}", "here")
     store.wait([f"rank{r}" for r in range(world)])
+    # Rank 0's store serves the others: it must outlive their waits. Returning first ended it
+    # while rank 1's wait was still being answered ("Failed to recv, got 0 bytes"), seen once
+    # on a loaded machine.
+    store.set(f"done{rank}", "")
+    if rank == 0:
+        store.wait([f"done{r}" for r in range(world)])
     return port
 
 
