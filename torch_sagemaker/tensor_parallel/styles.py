@@ -51,6 +51,10 @@ from torch_sagemaker.tensor_parallel.local_parameters import (
     local_value,
     parameter_shapes,
 )
+from torch_sagemaker.tensor_parallel.unused_experts import (
+    may_leave_weights_unused,
+    zero_depending_on,
+)
 
 
 def distribute_params(
@@ -360,9 +364,11 @@ class ExpertsParallel(ParallelStyle):
             if local_slots:
                 out = _run_local_slots(forward_impl, view, hidden, local, weights, elsewhere)
             else:
+                nothing_here = may_leave_weights_unused(mod) and bool(elsewhere.all())
                 local = local.masked_fill(elsewhere, num_local)
-                weights = weights.masked_fill(elsewhere, 0.0)
-                out = forward_impl(view, hidden, local, weights)
+                out = forward_impl(view, hidden, local, weights.masked_fill(elsewhere, 0.0))
+                if nothing_here:  # Note [Experts without a token on this rank]
+                    out = out + zero_depending_on(view, mod, hidden, weights).to(out.dtype)
             return DTensor.from_local(out, device_mesh, [Partial()], run_check=False)
 
         module.forward = types.MethodType(forward, module)
@@ -402,12 +408,9 @@ def _run_local_slots(
             weights.reshape(-1, 1).index_select(0, mine),
         )
         out = out.index_add(0, owner, rows.reshape(mine.numel(), width))
-    elif tokens.shape[0]:
-        # No pair is this rank's: one zero row through its first expert, weighted 0, still
-        # gives its experts' weights (zero) gradients. FSDP reduce-scatters only parameters
-        # that have one, so a rank without them would reduce another set than its peers.
-        rows = forward_impl(view, tokens[:1] * 0, local.new_zeros(1, 1), weights.new_zeros(1, 1))
-        out = out + rows.sum() * 0
+    else:  # Note [Experts without a token on this rank]
+        zero = zero_depending_on(view, view._module, hidden, weights)
+        out = out + zero.to(out.dtype)
     return out.reshape(hidden.shape)
 
 
