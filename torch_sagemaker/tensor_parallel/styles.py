@@ -53,7 +53,7 @@ from torch_sagemaker.tensor_parallel.local_parameters import (
 )
 from torch_sagemaker.tensor_parallel.unused_experts import (
     may_leave_weights_unused,
-    zero_depending_on,
+    tie_to,
 )
 
 
@@ -368,7 +368,7 @@ class ExpertsParallel(ParallelStyle):
                 local = local.masked_fill(elsewhere, num_local)
                 out = forward_impl(view, hidden, local, weights.masked_fill(elsewhere, 0.0))
                 if nothing_here:  # Note [Experts without a token on this rank]
-                    out = out + zero_depending_on(view, mod, hidden, weights).to(out.dtype)
+                    out = tie_to(out, view, mod, hidden, weights)
             return DTensor.from_local(out, device_mesh, [Partial()], run_check=False)
 
         module.forward = types.MethodType(forward, module)
@@ -409,8 +409,7 @@ def _run_local_slots(
         )
         out = out.index_add(0, owner, rows.reshape(mine.numel(), width))
     else:  # Note [Experts without a token on this rank]
-        zero = zero_depending_on(view, view._module, hidden, weights)
-        out = out + zero.to(out.dtype)
+        out = tie_to(out, view, view._module, hidden, weights)
     return out.reshape(hidden.shape)
 
 
