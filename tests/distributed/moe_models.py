@@ -220,6 +220,28 @@ def reference_aux(router_logits, num_experts: int, top_k: int, aux_coeff: float,
     return total
 
 
+def first_experts_only_hook(experts, dp_rank):
+    """Routes every choice to experts 0 and 1, EP rank 0's at ep 2 of 4 experts.
+
+    DP rank 0 sends all to expert 0; rank 1 half its tokens to expert 1. The other EP rank's
+    experts get no token (Note [Experts without a token on this rank]). ``dp_rank()`` says
+    whose batch runs.
+    """
+
+    def pre(module, args):
+        hidden, index, weights = args
+        index = torch.zeros_like(index)
+        if dp_rank() == 1:
+            index[: index.shape[0] // 2] = 1
+        return hidden, index, weights
+
+    return experts.register_forward_pre_hook(pre)
+
+
+def _experts_modules(model) -> list:
+    return [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
+
+
 def moe_reference(model, cfg):
     """``model`` (plain, one process) with its sparse blocks replaced by ``MoELayer`` without any
     expert parallelism: the reference for the routing options (Sinkhorn, balanced), which
@@ -258,6 +280,8 @@ def parity_case(
     microbatches: int = 1,
     mask: bool = False,
     rows: tuple[int, ...] | None = None,
+    implementation: str | None = None,
+    first_experts_only: bool = False,
 ) -> dict:
     """One expert parallel run against one process on the concatenated batch (run on every rank).
 
@@ -272,6 +296,9 @@ def parity_case(
     losses per step, as gradient accumulation in one graph does. ``mask=True`` pads the rows
     on the left (``left_padding``; the labels ignore the padding), which Hugging Face's
     auxiliary loss then leaves out; ``rows`` gives each DP rank's batch rows (2 by default).
+    ``implementation`` sets ``config._experts_implementation`` (e.g. ``"eager"``);
+    ``first_experts_only=True`` overrides every choice (``first_experts_only``), in the model
+    and the reference alike, so the last EP rank's experts get no token.
     """
     import torch.distributed as dist
     import torch.sagemaker as tsm
@@ -297,9 +324,18 @@ def parity_case(
     # batches[m][d]: micro-batch m of DP rank d (micro-batch 0 is batch(d)).
     batches = [[inputs(d, m) for d in range(dp_size)] for m in range(microbatches)]
     ref = tiny_moe(family)
+    if implementation:
+        ref.config._experts_implementation = implementation
     model = tsm.transform(copy.deepcopy(ref), config=cfg)
+    routed = {"dp_rank": dp_rank}  # whose batch the reference runs
+    if first_experts_only:
+        for experts in _experts_modules(model):
+            first_experts_only_hook(experts, lambda: dp_rank)
     if moe_ref:
         ref = moe_reference(ref, cfg)
+    if first_experts_only:
+        for experts in _experts_modules(ref):
+            first_experts_only_hook(experts, lambda: routed["dp_rank"])
     if checkpoint:
         apply_checkpointing(model, checkpoint)
     layouts = dtensor_layouts(model)
@@ -324,6 +360,7 @@ def parity_case(
         ref_loss, logits_diff = 0.0, 0.0
         for m, micro in enumerate(batches):
             for d, ref_inputs in enumerate(micro):
+                routed["dp_rank"] = d
                 r = ref(**ref_inputs, output_router_logits=True)
                 aux = reference_aux(r.router_logits, num_experts, top_k, aux_coeff, z_coeff)
                 loss = (

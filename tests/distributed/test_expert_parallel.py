@@ -25,6 +25,7 @@ AUX = {"moe_load_balancing": "aux_loss", "moe_aux_loss_coeff": 0.05, "moe_z_loss
 EP2 = {"expert_parallel_degree": 2}
 TP2_HSD2 = {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}
 TP2_HSD1 = {"tensor_parallel_degree": 2, "hybrid_shard_degree": 1}
+IDLE = {"implementation": "eager", "first_experts_only": True}
 
 
 def _case(name, family, api, moe, extra=None, smp=None):
@@ -74,6 +75,13 @@ TWO_RANK_CASES = [
         {**NONE, "global_token_shuffle": True},
         {"mask": True, "rows": (3, 2)},
     ),
+    # transformers' eager expert loop with every choice on EP rank 0's experts: EP rank 1
+    # still gives its experts and inputs gradients, so both ranks run the same collectives
+    # (Note [Experts without a token on this rank]; without it, each of these hung).
+    _case("mixtral-fsdp1-eager-idle-a2a", "mixtral", "fsdp1", NONE, IDLE),
+    _case("mixtral-fsdp2-eager-idle-allgather", "mixtral", "fsdp2", ALL_GATHER, IDLE),
+    _case("qwen2_moe-fsdp2-eager-idle-a2a", "qwen2_moe", "fsdp2", NONE, IDLE),
+    _case("qwen3_moe-fsdp1-eager-idle-allgather", "qwen3_moe", "fsdp1", ALL_GATHER, IDLE),
     # smp_moe=False: the Hugging Face block and router stay, only the experts are split.
     _case("mixtral-fsdp1-hf-block", "mixtral", "fsdp1", {**NONE, "smp_moe": False}),
     # Composition: checkpointing of decoder layers (reentrant, as SMP's scripts) or of MoELayer

@@ -1,6 +1,6 @@
 """A TP rank whose experts no token chose, under FSDP2 hybrid sharding, against one process.
 
-Note [Experts without a token on this rank] (``tensor_parallel/unused_experts.py``): with
+Note [Experts without a token on this rank] (``moe/unused_experts.py``): with
 transformers' eager expert loop, such a rank used to compute nothing that backward could
 reach, and its collectives no longer matched its TP and data-parallel peers' (gloo aborted
 the job). Tiny Mixtral (4 experts, 2 per TP rank) at tp 2 x hybrid shard 2: data-parallel

@@ -1,13 +1,14 @@
-"""Note [Experts without a token on this rank] (``tensor_parallel/unused_experts.py``): the tie
-and which of transformers' expert implementations need it. The 4-rank run is
-tests/distributed/test_tp_experts_without_tokens.py."""
+"""Note [Experts without a token on this rank] (``moe/unused_experts.py``): the tie
+and which of transformers' expert implementations need it. The multi-rank runs are
+tests/distributed/test_tp_experts_without_tokens.py (tensor parallelism) and the ``idle``
+cases of tests/distributed/test_expert_parallel.py (expert parallelism)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from torch_sagemaker.tensor_parallel.unused_experts import may_leave_weights_unused, tie_to
+from torch_sagemaker.moe.unused_experts import may_leave_weights_unused, tie_to
 
 
 def test_the_tie_passes_the_output_through_and_gives_exact_zero_gradients():
@@ -38,12 +39,25 @@ def _mixtral_experts(implementation: str):
     return experts
 
 
+def test_an_empty_input_is_tied_whole():
+    """Expert parallelism's all-to-all may bring a rank no row: the empty rows still get a
+    gradient, so the all-to-all that made them runs its backward."""
+    module = torch.nn.Linear(4, 3)
+    rows = torch.empty(0, 4, requires_grad=True)
+    tie_to(torch.zeros(0, 4), module, module, rows).sum().backward()
+    assert rows.grad is not None and rows.grad.shape == (0, 4)
+    assert module.weight.grad is not None and not module.weight.grad.any()
+
+
+@pytest.mark.parametrize("rows", [6, 0])
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
-def test_which_implementations_reach_their_weights_when_no_choice_is_local(implementation):
+def test_which_implementations_reach_their_weights_when_no_choice_is_local(implementation, rows):
+    """Every choice another rank's expert (the sentinel, as tensor parallelism and EP's
+    all-gather pass them), or no row at all (EP's all-to-all)."""
     experts = _mixtral_experts(implementation)
-    hidden = torch.randn(6, 16, requires_grad=True)
-    weights = torch.rand(6, 2, requires_grad=True)
-    sentinel = torch.full((6, 2), 4)  # every choice is another rank's expert
+    hidden = torch.randn(rows, 16, requires_grad=True)
+    weights = torch.rand(rows, 2, requires_grad=True)
+    sentinel = torch.full((rows, 2), 4)
     out = experts(hidden, sentinel, weights)
     assert not out.any()
     if out.requires_grad:

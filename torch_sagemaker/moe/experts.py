@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch_sagemaker._torch_compat import c10d as c10d_compat
 from torch_sagemaker._torch_compat import nn as nn_compat
 from torch_sagemaker.moe import collectives as coll
+from torch_sagemaker.moe.unused_experts import may_leave_weights_unused, tie_to
 
 #: Attribute set on an experts module that ``split_experts`` prepared (the sharding looks for it).
 EXPERTS_ATTR = "_tsm_expert_parallel"
@@ -203,6 +204,9 @@ def _dispatch_all_to_all(
     )
     ones = torch.ones((x.shape[0], 1), dtype=weights.dtype, device=x.device)
     y = run_local(local_view, x, local_index[:, None], ones)
+    if not x.shape[0] and may_leave_weights_unused(local_view._module):
+        # Note [Experts without a token on this rank]: no row came here.
+        y = tie_to(y, local_view, local_view._module, x)
     back = coll.all_to_all_rows(y, send_rows, recv_rows, group)
     weighted = (back * weights.reshape(-1)[order][:, None]).to(hidden.dtype)
     return torch.zeros_like(hidden).index_add(0, token, weighted)
@@ -231,6 +235,10 @@ def _dispatch_all_gather(
     local = local.masked_fill(elsewhere, num_local)  # the sentinel: skipped by the kernels
     all_weights = all_weights.masked_fill(elsewhere, 0.0)
     y = run_local(local_view, x, local, all_weights)
+    module = local_view._module
+    if may_leave_weights_unused(module) and bool(elsewhere.all()):
+        # Note [Experts without a token on this rank]: every choice is another rank's.
+        y = tie_to(y, local_view, module, x, all_weights)
     return coll.reduce_scatter_rows(y, rows, group)
 
 

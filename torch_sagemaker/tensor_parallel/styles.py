@@ -45,15 +45,12 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torch_sagemaker._torch_compat import c10d as c10d_compat
+from torch_sagemaker.moe.unused_experts import may_leave_weights_unused, tie_to
 from torch_sagemaker.smddp.direct import all_reduce_direct
 from torch_sagemaker.tensor_parallel.local_parameters import (
     local_parameters,
     local_value,
     parameter_shapes,
-)
-from torch_sagemaker.tensor_parallel.unused_experts import (
-    may_leave_weights_unused,
-    tie_to,
 )
 
 
