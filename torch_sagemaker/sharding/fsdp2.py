@@ -45,6 +45,7 @@ def shard_model(
     layer_classes: tuple[type[nn.Module], ...] | None = None,
     comm_buffers_from_backend: bool | None = None,
     overlap_replica_reduction: bool = False,
+    reduce_scatter_unused_params: bool = True,
     **fully_shard_kwargs: Any,
 ) -> FSDPModule:
     """Applies ``fully_shard`` to every transformer layer of ``model``, then to the root.
@@ -67,6 +68,13 @@ def shard_model(
             not tied to the input's, becomes a unit of its own, so its gradients (backward's
             first) cross hosts while the layers compute. The reducer is
             ``model.replica_reduction``. No effect on a 1-D mesh.
+        reduce_scatter_unused_params: Reduce zeros for the trainable parameters that got no
+            gradient on this rank (FSDP2's ``set_reduce_scatter_unused_params``), so a rank
+            whose batch left some unused (a text-only batch of an image-text model) runs
+            the same collectives as its peers; they then get gradients (their peers'
+            average, or zeros), as under FSDP1. ``False``: FSDP2's own behaviour, where
+            they keep ``None`` and every rank must use the same parameters (Note [Parameters
+            unused on some ranks]).
         **fully_shard_kwargs: Other ``fully_shard`` arguments (e.g. ``offload_policy``).
 
     Returns:
@@ -126,6 +134,7 @@ def shard_model(
         cast(FSDPModule, module).set_allocate_memory_from_process_group_for_comm(
             comm_buffers_from_backend
         )
+    _reduce_unused(model, reduce_scatter_unused_params)
     if replicas is not None:
         reduce_dtype = mp_policy and (mp_policy.reduce_dtype or mp_policy.param_dtype)
         model.replica_reduction = ReplicaReduction(  # type: ignore[assignment]
@@ -139,6 +148,28 @@ def shard_model(
         f"{f'; replicas averaged during backward over {replicas.size()}' if replicas else ''}"
     )
     return cast(FSDPModule, model)  # fully_shard made it an instance of an FSDPModule subclass
+
+
+# Note [Parameters unused on some ranks]: FSDP2 reduce-scatters, in each unit's post-backward,
+# only the parameters that got a gradient on this rank. A batch that leaves parameters unused
+# on one rank only (a text-only batch of an image-text model skips the vision tower) then
+# makes that rank's reduce-scatter smaller than its peers': gloo aborts on the sizes
+# ("Received data size doesn't match expected size"), NCCL hangs or sums the wrong bytes.
+# FSDP1 reduces its whole flat parameter, zeros included, so SMP's scripts never see this.
+# ``shard_model`` turns on FSDP2's reduction of zeros for such parameters on every unit (the
+# root's call recurses), at the cost of reducing zeros for parameters no rank used, which
+# then get zero gradients rather than ``None`` (as under FSDP1). Torch versions without the
+# setter keep FSDP2's behaviour. ReplicaReduction keeps its calls alike across replicas on
+# its own (Note [Deferred replica reduction]).
+def _reduce_unused(model: nn.Module, enabled: bool) -> None:
+    setter = getattr(model, "set_reduce_scatter_unused_params", None)
+    if setter is not None:
+        setter(enabled)
+    elif enabled:
+        log_rank0(
+            "FSDP2 of this torch has no set_reduce_scatter_unused_params: every rank's batch "
+            "must use the same parameters (Note [Parameters unused on some ranks])"
+        )
 
 
 def _untied_output_embedding(model: nn.Module) -> nn.Module | None:

@@ -23,6 +23,16 @@ root reduction among them, are done) starts the units whose gradients were not a
 produced, waits for every call in the order started, and writes each buffer back into the
 gradients, divided by the number of replicas.
 
+Every replica makes the same calls in the same order, whatever its batch left unused (a
+text-only batch of an image-text model leaves the vision tower without gradients): a unit's
+buffer holds all its trainable parameters, zeros for those without a gradient on this rank
+(which then get one: the average of their peers'), and the units start in one fixed order,
+the reverse of the model's (backward's usual order). A unit whose gradients are all there
+waits for the units before it in that order, as DDP's buckets do. Starting units as they
+completed, as this did first, let a rank whose batch skipped parameters start that unit only
+at the end, and the replicas' all-reduces no longer matched (gloo aborted on their sizes;
+equal sizes would have summed other units' gradients).
+
 Numerics: in a replica FSDP2 reduces in its ``mp_policy.reduce_dtype`` and casts to the
 parameter dtype; the buffer here casts back to that dtype (exact: the values came from it,
 unless gradients were accumulated in the parameter dtype), so the bytes crossing hosts are
@@ -76,10 +86,10 @@ class _InFlight:
 
 @dataclass
 class _Unit:
-    """One FSDP unit's own parameters, and those whose gradients arrived in this backward."""
+    """One FSDP unit's own parameters, and the ids of those whose gradients arrived."""
 
     params: list[nn.Parameter]
-    arrived: list[nn.Parameter] = field(default_factory=list)
+    arrived: set[int] = field(default_factory=set)
 
 
 def _group_params(model: nn.Module) -> list[list[nn.Parameter]]:
@@ -138,8 +148,9 @@ class ReplicaReduction:
         self.wait_seconds = 0.0
         self.calls = 0
         self._model = model
-        self._units: list[_Unit] = []
+        self._units: list[_Unit] = []  # in the order their all-reduces start
         self._unit_of: dict[int, _Unit] = {}
+        self._next = 0  # the first unit of self._units not started in this backward
         # Which sharded parameters the hooks were made for: (id, requires_grad) of each. The
         # ids cannot be reused while the hooked (trainable) ones are held by self._units.
         self._hooked: list[tuple[int, bool]] = []
@@ -162,7 +173,8 @@ class ReplicaReduction:
     def _hook_parameters(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._units = [_Unit(params) for params in fsdp_units(self._model)]
+        # Backward's usual order: the reverse of the model's (the root last).
+        self._units = [_Unit(params) for params in reversed(fsdp_units(self._model))]
         self._unit_of = {id(p): u for u in self._units for p in u.params}
         self._hooked = self._sharded()
         hook = _weak_hook(self)  # Note [Gradient hooks that hold their owner weakly]
@@ -183,20 +195,32 @@ class ReplicaReduction:
         task = autograd_compat.current_graph_task_id()
         if self._queued_for != task:
             # A backward that raised never ran its callback: what it started is dropped.
-            self._inflight = []
-            for unit in self._units:
-                unit.arrived = []
+            self._reset()
             self._queued_for = task
             autograd_compat.queue_callback(self._finish)
-        unit = self._unit_of[id(param)]
-        unit.arrived.append(param)  # type: ignore[arg-type]
-        if len(unit.arrived) == len(unit.params):
+        self._unit_of[id(param)].arrived.add(id(param))
+        # Note [Deferred replica reduction]: complete units start in the fixed order only.
+        while self._next < len(self._units):
+            unit = self._units[self._next]
+            if len(unit.arrived) < len(unit.params):
+                break
             self._start(unit)
 
+    def _reset(self) -> None:
+        self._inflight = []
+        self._next = 0
+        for unit in self._units:
+            unit.arrived = set()
+
     def _start(self, unit: _Unit) -> None:
-        """Starts the all-reduce of the gradients of ``unit`` that arrived."""
-        grads = [_local(p.grad) for p in unit.arrived]
-        unit.arrived = []
+        """Starts the all-reduce of ``unit``'s gradients, zeros where none arrived."""
+        assert unit is self._units[self._next]
+        self._next += 1
+        with torch.no_grad():
+            for p in unit.params:
+                if p.grad is None:  # unused by this rank's batch: its peers' average
+                    p.grad = torch.zeros_like(p)
+        grads = [_local(p.grad) for p in unit.params]
         dtype = self.reduce_dtype or grads[0].dtype
         buffer = torch.empty(sum(g.numel() for g in grads), dtype=dtype, device=grads[0].device)
         for view, g in zip(_views(buffer, grads), grads):
@@ -208,9 +232,8 @@ class ReplicaReduction:
     def _finish(self) -> None:
         """Backward's end: starts what is left, waits for every call, writes the averages."""
         try:
-            for unit in self._units:
-                if unit.arrived:  # some of its parameters got no gradient this time
-                    self._start(unit)
+            while self._next < len(self._units):  # some of their parameters got no gradient
+                self._start(self._units[self._next])
             start = time.perf_counter()
             for call in self._inflight:
                 call.work.wait()
@@ -219,10 +242,8 @@ class ReplicaReduction:
                 for view, g in zip(_views(call.buffer, call.grads), call.grads):
                     g.copy_(view).div_(self.replicas)  # divided in the gradient's dtype
         finally:
-            self._inflight = []
+            self._reset()
             self._queued_for = -1
-            for unit in self._units:
-                unit.arrived = []
 
 
 # Note [Gradient hooks that hold their owner weakly]: PyTorch keeps a tensor's
