@@ -252,6 +252,38 @@ def test_load_state_dict_from_rank0():
     assert run_distributed(_rank0_loading, world_size=2, timeout=300) == [0.0, 0.0]
 
 
+def _generate_until_every_rank_is_done() -> dict:
+    """EP 2 without FSDP (inference): each rank decodes its own prompt, and the EOS token is
+    rank 0's first greedy token, so rank 0 is done after one step while rank 1 goes on
+    (Note [Generation with experts on other ranks]; it hung)."""
+    import torch.distributed as dist
+    import torch.sagemaker as tsm
+
+    from torch_sagemaker.moe.moe_config import MoEConfig
+
+    tsm.init({"expert_parallel_degree": 2})
+    ref = mm.tiny_moe("mixtral").eval()
+    prompts = [mm.batch(d, rows=1, seq=6) for d in range(2)]
+    greedy = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        eos = int(ref.generate(prompts[0], **greedy)[0, 6])
+        model = tsm.transform(copy.deepcopy(ref), config=MoEConfig(moe_load_balancing="none"))
+        model.eval()
+        mine = prompts[dist.get_rank()]
+        got = model.generate(mine, eos_token_id=eos, **greedy)
+        want = ref.generate(mine, eos_token_id=eos, **greedy)
+    return {"got": got.tolist(), "want": want.tolist()}
+
+
+@pytest.mark.distributed
+def test_generate_runs_until_every_rank_is_done():
+    per_rank = run_distributed(_generate_until_every_rank_is_done, world_size=2, timeout=120)
+    for rank, r in enumerate(per_rank):
+        assert r["got"] == r["want"], (rank, r)
+    # Rank 0 stopped at its EOS; rank 1 decoded all six tokens.
+    assert len(per_rank[0]["got"][0]) == 7 and len(per_rank[1]["got"][0]) == 12, per_rank
+
+
 def _fsdp1_no_shard_refused():
     import torch.sagemaker as tsm
 

@@ -10,6 +10,9 @@
    token shuffle, fp32 router, auxiliary losses); with ``smp_moe=False`` the Hugging Face
    block and its router stay, and the MoEConfig options that only ``MoELayer`` implements
    are reported as having no effect.
+
+With expert parallelism it also makes the model's ``generate`` decode on every rank until
+all are done (``generation.sync_generation``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch import nn
 
 from torch_sagemaker.logger import warn_once
 from torch_sagemaker.moe.experts import split_experts
+from torch_sagemaker.moe.generation import sync_generation
 from torch_sagemaker.moe.moe_config import MoEConfig
 from torch_sagemaker.moe.moe_layer import MoELayer
 from torch_sagemaker.moe.token_shuffle import TokenShuffle
@@ -186,6 +190,8 @@ def apply_moe(
         layer.train(block.training)
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
+    if ep > 1:  # Note [Generation with experts on other ranks]
+        sync_generation(model)
     return MoEReport(
         blocks=len(blocks),
         num_experts=num_experts,
