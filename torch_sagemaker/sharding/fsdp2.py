@@ -73,7 +73,8 @@ def shard_model(
             whose batch left some unused (a text-only batch of an image-text model) runs
             the same collectives as its peers; they then get gradients (their peers'
             average, or zeros), as under FSDP1. ``False``: FSDP2's own behaviour, where
-            they keep ``None`` and every rank must use the same parameters (Note [Parameters
+            they keep ``None`` and every rank must use the same parameters, except under
+            ``overlap_replica_reduction``, which sends every unit whole (Note [Parameters
             unused on some ranks]).
         **fully_shard_kwargs: Other ``fully_shard`` arguments (e.g. ``offload_policy``).
 

@@ -33,6 +33,20 @@ completed, as this did first, let a rank whose batch skipped parameters start th
 at the end, and the replicas' all-reduces no longer matched (gloo aborted on their sizes;
 equal sizes would have summed other units' gradients).
 
+Note [Backward's end under reentrant checkpointing]: a reentrant checkpoint (SMP's scripts
+checkpoint their layers so) recomputes a layer inside backward and runs that layer's backward
+as a nested backward, a graph task of its own; FSDP2's post-backward of the layer's unit, and
+so the gradient hooks here, run inside it. A callback queued from there runs when the nested
+task ends, long before the model's backward does. So the callback is queued from a hook on
+the model's outputs, whose gradients backward computes first, in its outermost task; the
+gradient hooks queue it only for a backward that did not start at the model's outputs. (Keyed
+on the running task's id, as this was first, each nested task dropped the calls in flight,
+whose averages were then never written, and gave wrong gradients.) The forward pre-hook
+drops what a backward that raised left behind. Order matters: FSDP2's root registers its own
+hook on the same outputs in its post-forward, which ``fully_shard`` installed before this
+one, so its final callback (the root unit's reduction among others) is queued, and runs,
+first.
+
 Numerics: in a replica FSDP2 reduces in its ``mp_policy.reduce_dtype`` and casts to the
 parameter dtype; the buffer here casts back to that dtype (exact: the values came from it,
 unless gradients were accumulated in the parameter dtype), so the bytes crossing hosts are
@@ -73,6 +87,7 @@ from torch.distributed.tensor import DTensor
 
 from torch_sagemaker._torch_compat import autograd as autograd_compat
 from torch_sagemaker._torch_compat import fsdp2 as fsdp2_compat
+from torch_sagemaker._torch_compat.pytree import tree_leaves
 
 
 @dataclass
@@ -162,6 +177,8 @@ class ReplicaReduction:
         # (FSDPParam.reset_sharded_param), and a parameter may be frozen or thawed later: each
         # forward looks again, so the hooks are on the parameters backward will produce.
         self._forward_hook = model.register_forward_pre_hook(self._check_parameters, prepend=True)
+        # Note [Backward's end under reentrant checkpointing]
+        self._output_hook = model.register_forward_hook(self._hook_outputs)
 
     def remove(self) -> None:
         """Removes the hooks: later backwards leave the replicas unsynchronised."""
@@ -169,6 +186,7 @@ class ReplicaReduction:
             handle.remove()
         self._handles.clear()
         self._forward_hook.remove()
+        self._output_hook.remove()
 
     def _hook_parameters(self) -> None:
         for handle in self._handles:
@@ -177,7 +195,7 @@ class ReplicaReduction:
         self._units = [_Unit(params) for params in reversed(fsdp_units(self._model))]
         self._unit_of = {id(p): u for u in self._units for p in u.params}
         self._hooked = self._sharded()
-        hook = _weak_hook(self)  # Note [Gradient hooks that hold their owner weakly]
+        hook = _weak_hook(self._on_gradient)  # Note [Gradient hooks that hold their owner weakly]
         self._handles = [
             p.register_post_accumulate_grad_hook(hook) for u in self._units for p in u.params
         ]
@@ -186,18 +204,38 @@ class ReplicaReduction:
         return [(id(p), p.requires_grad) for ps in _group_params(self._model) for p in ps]
 
     def _check_parameters(self, module: nn.Module, args: Any) -> None:
+        stale = self._queued_for != -1 and autograd_compat.current_graph_task_id() == -1
+        if stale:  # a backward that raised never ran its callback: what it started is dropped
+            self._reset()
+            self._queued_for = -1
         if self._sharded() != self._hooked:
             self._hook_parameters()
+
+    def _hook_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        hook = _weak_hook(self._on_backward_start)
+        for leaf in tree_leaves(output):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(hook)
+
+    def _on_backward_start(self, grad: torch.Tensor) -> None:
+        """A gradient of the model's output: backward has begun, in its outermost task."""
+        task = autograd_compat.current_graph_task_id()
+        # Another task's callback pending: a backward that raised left it (no forward since).
+        if self._queued_for != task and self.requires_reduction and self.replicas > 1:
+            self._queue_finish()
+
+    def _queue_finish(self) -> None:
+        self._reset()
+        self._queued_for = autograd_compat.current_graph_task_id()
+        autograd_compat.queue_callback(self._finish)
 
     def _on_gradient(self, param: torch.Tensor) -> None:
         if not self.requires_reduction or self.replicas == 1:
             return
-        task = autograd_compat.current_graph_task_id()
-        if self._queued_for != task:
-            # A backward that raised never ran its callback: what it started is dropped.
-            self._reset()
-            self._queued_for = task
-            autograd_compat.queue_callback(self._finish)
+        if self._queued_for == -1:  # a backward that did not start at the model's output
+            self._queue_finish()
         self._unit_of[id(param)].arrived.add(id(param))
         # Note [Deferred replica reduction]: complete units start in the fixed order only.
         while self._next < len(self._units):
@@ -232,8 +270,10 @@ class ReplicaReduction:
     def _finish(self) -> None:
         """Backward's end: starts what is left, waits for every call, writes the averages."""
         try:
-            while self._next < len(self._units):  # some of their parameters got no gradient
-                self._start(self._units[self._next])
+            # No gradient at all: FSDP2 reduced nothing (no_sync), so neither does this.
+            if any(unit.arrived for unit in self._units) or self._inflight:
+                while self._next < len(self._units):  # some parameters got no gradient
+                    self._start(self._units[self._next])
             start = time.perf_counter()
             for call in self._inflight:
                 call.work.wait()
@@ -253,14 +293,14 @@ class ReplicaReduction:
 # three threads and its sockets). The hooks therefore hold the reduction weakly; the model's
 # forward pre-hook (an ordinary module hook, which the collector sees) keeps it alive as long
 # as the model, and the user's reference as long as they keep it.
-def _weak_hook(reduction: ReplicaReduction) -> Callable[[torch.Tensor], None]:
-    """A post-accumulate-grad hook that calls ``reduction._on_gradient`` while it lives."""
-    method = weakref.WeakMethod(reduction._on_gradient)
+def _weak_hook(bound: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """A tensor hook that calls the method ``bound`` while its object lives."""
+    method = weakref.WeakMethod(bound)
 
-    def hook(param: torch.Tensor) -> None:
-        on_gradient = method()
-        if on_gradient is not None:
-            on_gradient(param)
+    def hook(tensor: torch.Tensor) -> None:
+        call = method()
+        if call is not None:
+            call(tensor)
 
     return hook
 
