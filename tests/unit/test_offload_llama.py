@@ -214,6 +214,28 @@ def test_retained_graph_backward_twice():
     assert_bit_identical(model, ref)
 
 
+def test_a_forward_without_backward_frees_its_pass():
+    """Note [Saved tensors handed back without their graph]: a training forward whose loss
+    is dropped (a step skipped on a non-finite loss) left its pass alive for good: the loss's
+    saved ``log_softmax`` output held the graph that held it."""
+    import gc
+
+    for impl in IMPLS:
+        inner = build(impl)
+        inner.config.use_cache = False  # the KV cache would hold its own graph
+        model = wrap(inner, 1)
+        engine = model._offload_engine
+        for step in range(3):
+            loss = loss_of(model, batch(20 + step))
+            del loss
+            gc.collect()
+            assert engine._live_passes() == [], (impl, step)
+        pool = next(iter(engine._pools.values()))
+        assert pool.in_use_bytes == 0, (impl, pool.in_use_bytes)
+        loss_of(model, batch(30)).backward()  # a normal step after them still trains
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
 def test_no_grad_and_eval_are_untouched():
     model = wrap(build(), 1)
     ref = build()

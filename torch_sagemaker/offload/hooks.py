@@ -18,6 +18,18 @@ Note [In-place writes to saved activations]
     tensor is held weakly: one freed before backward can no longer be written, and a write
     between its save and its release is not seen (autograd would have raised).
 
+Note [Saved tensors handed back without their graph]
+    What ``pack`` returns, autograd keeps in the graph. A tensor that is the output of the
+    operation saving it (``log_softmax``'s result, saved by its own backward) holds that
+    graph through its ``grad_fn``: handing it back as is made a cycle graph -> tensor ->
+    graph through C++, which Python's collector cannot see. The graph of a forward whose
+    backward never ran (a step skipped on a non-finite loss, a validation loss computed in
+    training mode) then lived for good, and with it its pass: device activations and host
+    buffers, every such step. Without the hooks autograd saves such outputs without their
+    ``grad_fn``; ``pack`` now hands back a tensor kept as it is ``detach()``ed (same
+    storage, same version counter, so the in-place check stands) and autograd restores the
+    gradient edges when it unpacks.
+
 The hooks talk to the engine through ``SavedTensorSink``, a protocol defined here: the
 engine (``engine.OffloadEngine``) installs the hooks and implements the protocol, and this
 module never imports the engine, so the two import one way.
@@ -159,7 +171,7 @@ class SavedRef:
         self.record = record
         self.unit = unit
         self.view = view
-        self.tensor = saved if keep else None
+        self.tensor = _without_graph(saved) if keep else None
         self.original = None if keep else weakref.ref(saved)
         self.version = tensor_compat.write_count(saved)
 
@@ -261,19 +273,24 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(pack, unpack)
 
 
+def _without_graph(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as autograd may keep it (Note [Saved tensors handed back without their graph])."""
+    return tensor.detach() if tensor.grad_fn is not None else tensor
+
+
 def _pack(engine: SavedTensorSink | None, tensor: torch.Tensor) -> Any:
     unit = engine.current_unit() if engine is not None else None
     if unit is None:
         if engine is not None:
             engine.stats.add("bytes_outside_layers", tensor_bytes(tensor))
-        return tensor
+        return _without_graph(tensor)
     assert engine is not None  # the unit came from it
     local, meta = split_dtensor(tensor)
     if is_parameter_like(tensor) or is_parameter_like(local):
-        return tensor
+        return _without_graph(tensor)
     if not is_movable(local) or not engine.on_compute_device(local):
         engine.stats.add("bytes_kept", tensor_bytes(tensor))
-        return tensor
+        return _without_graph(tensor)
     key = storage_key(local)
     if engine.is_module_state(key):
         return tensor  # a buffer (or a view of one): the module keeps it alive anyway
