@@ -159,3 +159,20 @@ def test_moe_config_defaults_and_errors():
         MoEConfig(random_seed="x")
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.smp_moe = False
+
+
+def test_aux_losses_keep_the_last_training_forwards_values():
+    """An eval forward (a validation pass between steps) used to empty ``aux_losses``."""
+    from tests.distributed.moe_models import batch, moe_reference, tiny_moe
+    from torch_sagemaker.moe import aux_losses
+
+    cfg = MoEConfig(moe_load_balancing="aux_loss", moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+    model = moe_reference(tiny_moe("mixtral"), cfg).train()
+    ids = batch(0)
+    model(input_ids=ids, labels=ids)
+    trained = aux_losses(model)
+    assert len(trained) == 2 and all(float(v) > 0 for v in trained.values()), trained
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=batch(1))
+    assert aux_losses(model) == trained

@@ -180,7 +180,8 @@ class MoELayer(nn.Module):
             aux = z if aux is None else aux + z
         if aux is not None and torch.is_grad_enabled():
             out = _AttachAuxLoss.apply(out, aux)
-        self.aux_loss = None if aux is None else aux.detach()
+        if self.training:  # aux_losses(model): the last training forward's, not an eval's None
+            self.aux_loss = None if aux is None else aux.detach()
         if shuffled is not None:
             assert self.shuffle is not None  # it shuffled x above
             out = self.shuffle.unshuffle(out, shuffled)
