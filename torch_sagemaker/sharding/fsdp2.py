@@ -21,6 +21,7 @@ from torch_sagemaker.sharding.experts import fully_shard_experts
 from torch_sagemaker.sharding.replica_reduction import ReplicaReduction
 from torch_sagemaker.smddp.fsdp2_buffers import runs_on_smddp
 from torch_sagemaker.state import state
+from torch_sagemaker.utils.hf_config import text_config
 
 
 def fsdp2_mesh() -> DeviceMesh:
@@ -45,7 +46,7 @@ def shard_model(
     layer_classes: tuple[type[nn.Module], ...] | None = None,
     comm_buffers_from_backend: bool | None = None,
     overlap_replica_reduction: bool = False,
-    reduce_scatter_unused_params: bool = True,
+    reduce_scatter_unused_params: bool | None = None,
     **fully_shard_kwargs: Any,
 ) -> FSDPModule:
     """Applies ``fully_shard`` to every transformer layer of ``model``, then to the root.
@@ -74,8 +75,9 @@ def shard_model(
             the same collectives as its peers; they then get gradients (their peers'
             average, or zeros), as under FSDP1. ``False``: FSDP2's own behaviour, where
             they keep ``None`` and every rank must use the same parameters, except under
-            ``overlap_replica_reduction``, which sends every unit whole (Note [Parameters
-            unused on some ranks]).
+            ``overlap_replica_reduction``, which sends every unit whole. Default: on for a
+            model whose config holds a text config beside others (image-text models), off
+            otherwise (Note [Parameters unused on some ranks]).
         **fully_shard_kwargs: Other ``fully_shard`` arguments (e.g. ``offload_policy``).
 
     Returns:
@@ -135,6 +137,8 @@ def shard_model(
         cast(FSDPModule, module).set_allocate_memory_from_process_group_for_comm(
             comm_buffers_from_backend
         )
+    if reduce_scatter_unused_params is None:
+        reduce_scatter_unused_params = _multimodal(model)
     _reduce_unused(model, reduce_scatter_unused_params)
     if replicas is not None:
         reduce_dtype = mp_policy and (mp_policy.reduce_dtype or mp_policy.param_dtype)
@@ -157,11 +161,19 @@ def shard_model(
 # makes that rank's reduce-scatter smaller than its peers': gloo aborts on the sizes
 # ("Received data size doesn't match expected size"), NCCL hangs or sums the wrong bytes.
 # FSDP1 reduces its whole flat parameter, zeros included, so SMP's scripts never see this.
-# ``shard_model`` turns on FSDP2's reduction of zeros for such parameters on every unit (the
-# root's call recurses), at the cost of reducing zeros for parameters no rank used, which
-# then get zero gradients rather than ``None`` (as under FSDP1). Torch versions without the
+# FSDP2 has the remedy, a reduction of zeros for such parameters on every unit (the root's
+# call recurses), at a cost: parameters no rank used then get zero gradients rather than
+# ``None`` (as under FSDP1), which an optimizer with momentum or weight decay applies where
+# one process would skip them (a model trained on ``inputs_embeds`` for a while moves its
+# unused input embedding). So ``shard_model`` turns it on by default only where a batch
+# decides which parts run: a model whose config holds a text config beside others (an
+# image-text model; ``text_config``); any model when asked. Torch versions without the
 # setter keep FSDP2's behaviour. ReplicaReduction keeps its calls alike across replicas on
 # its own (Note [Deferred replica reduction]).
+def _multimodal(model: nn.Module) -> bool:
+    return text_config(model) is not getattr(model, "config", None)
+
+
 def _reduce_unused(model: nn.Module, enabled: bool) -> None:
     setter = getattr(model, "set_reduce_scatter_unused_params", None)
     if setter is not None:
