@@ -95,7 +95,8 @@ def _replicas_skipping_a_middle_unit() -> dict:
     unit completes mid-backward on rank 0 and only at the end on rank 1. Sending only the
     gradients that arrived made the sizes differ (gloo aborted); with whole units but started
     as they completed, rank 0's middle unit met rank 1's first (equal sizes: no error, other
-    units' gradients summed, 0.14 off). Gradients against the average of both ranks'."""
+    units' gradients summed, 0.14 off). Gradients against the average of both ranks'; a
+    parameter neither rank used keeps ``None``, as in one process."""
     import torch
     import torch.distributed as dist
     import torch.sagemaker as tsm
@@ -117,6 +118,7 @@ def _replicas_skipping_a_middle_unit() -> dict:
         def __init__(self) -> None:
             super().__init__()
             self.blocks = nn.ModuleList(Block() for _ in range(3))
+            self.unused = nn.Linear(4, 4)  # in the root unit; no rank's batch reaches it
 
         def forward(self, x: torch.Tensor, skip: int | None) -> torch.Tensor:
             for i, block in enumerate(self.blocks):
@@ -146,7 +148,10 @@ def _replicas_skipping_a_middle_unit() -> dict:
         "grads": {
             n: float((p.grad.full_tensor() - ref_grads[n].grad).abs().max())
             for n, p in model.named_parameters()
+            if not n.startswith("unused.")
         },
+        # As in one process: no gradient where no replica's batch used the parameter.
+        "unused_grads": [p.grad is None for p in model.unused.parameters()],
     }
 
 
@@ -166,9 +171,10 @@ def _cases() -> dict:
 def test_a_rank_without_images_trains_as_one_process():
     for rank, results in enumerate(run_distributed(_cases, world_size=2, timeout=240)):
         middle = results.pop("middle_unit")
-        assert middle["calls"] == 3, (rank, middle)  # every unit but the parameterless root
+        assert middle["calls"] == 4, (rank, middle)  # every unit
         bad = {n: d for n, d in middle["grads"].items() if d > 1e-6}
         assert len(middle["grads"]) == 12 and not bad, (rank, middle["grads"])
+        assert middle["unused_grads"] == [True, True], (rank, middle)
         for case, r in results.items():
             where = (rank, case)
             for got, want in zip(r["loss"], r["ref_loss"], strict=True):

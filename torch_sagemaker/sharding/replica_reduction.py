@@ -26,7 +26,9 @@ gradients, divided by the number of replicas.
 Every replica makes the same calls in the same order, whatever its batch left unused (a
 text-only batch of an image-text model leaves the vision tower without gradients): a unit's
 buffer holds all its trainable parameters, zeros for those without a gradient on this rank
-(which then get one: the average of their peers'), and the units start in one fixed order,
+(which then get one: the average of their peers'; a parameter no replica's batch used keeps
+``None``, as in one process, told by one flag per parameter that rides at the end of the
+buffer, 1 where the rank had the gradient), and the units start in one fixed order,
 the reverse of the model's (backward's usual order). A unit whose gradients are all there
 waits for the units before it in that order, as DDP's buckets do. Starting units as they
 completed, as this did first, let a rank whose batch skipped parameters start that unit only
@@ -92,11 +94,17 @@ from torch_sagemaker._torch_compat.pytree import tree_leaves
 
 @dataclass
 class _InFlight:
-    """One unit's all-reduce across replicas: its work, its buffer, the gradients it fills."""
+    """One unit's all-reduce across replicas: its work, its buffer, the gradients it fills.
+
+    ``buffer`` holds the gradients, then one flag per parameter (1 where this rank had its
+    gradient); ``filled`` indexes the parameters given a zero gradient here.
+    """
 
     work: Any
     buffer: torch.Tensor
     grads: list[torch.Tensor]
+    params: list[nn.Parameter]
+    filled: list[int]
 
 
 @dataclass
@@ -254,17 +262,20 @@ class ReplicaReduction:
         """Starts the all-reduce of ``unit``'s gradients, zeros where none arrived."""
         assert unit is self._units[self._next]
         self._next += 1
+        filled = [i for i, p in enumerate(unit.params) if p.grad is None]
         with torch.no_grad():
-            for p in unit.params:
-                if p.grad is None:  # unused by this rank's batch: its peers' average
-                    p.grad = torch.zeros_like(p)
+            for i in filled:  # unused by this rank's batch: its peers' average
+                unit.params[i].grad = torch.zeros_like(unit.params[i])
         grads = [_local(p.grad) for p in unit.params]
         dtype = self.reduce_dtype or grads[0].dtype
-        buffer = torch.empty(sum(g.numel() for g in grads), dtype=dtype, device=grads[0].device)
-        for view, g in zip(_views(buffer, grads), grads):
+        n = sum(g.numel() for g in grads)
+        buffer = torch.empty(n + len(grads), dtype=dtype, device=grads[0].device)
+        for view, g in zip(_views(buffer[:n], grads), grads):
             view.copy_(g)
+        buffer[n:] = 1.0  # the flags: which parameters this rank's batch used
+        buffer[[n + i for i in filled]] = 0.0
         work = dist.all_reduce(buffer, group=self.group, async_op=True)
-        self._inflight.append(_InFlight(work, buffer, grads))
+        self._inflight.append(_InFlight(work, buffer, grads, unit.params, filled))
         self.calls += 1
 
     def _finish(self) -> None:
@@ -279,8 +290,14 @@ class ReplicaReduction:
                 call.work.wait()
             self.wait_seconds = time.perf_counter() - start
             for call in self._inflight:
-                for view, g in zip(_views(call.buffer, call.grads), call.grads):
+                n = call.buffer.numel() - len(call.grads)
+                for view, g in zip(_views(call.buffer[:n], call.grads), call.grads):
                     g.copy_(view).div_(self.replicas)  # divided in the gradient's dtype
+                if call.filled:  # used by no replica's batch: no gradient, as in one process
+                    unused = (call.buffer[n:] == 0).tolist()
+                    for i in call.filled:
+                        if unused[i]:
+                            call.params[i].grad = None
         finally:
             self._reset()
             self._queued_for = -1
