@@ -405,6 +405,24 @@ def test_a_multimodal_models_layer_class_is_the_one_its_plan_splits():
     assert lookup_policy(build("gemma4", device="meta")).layer_class == "Gemma4TextDecoderLayer"
 
 
+def test_gemma4_with_per_layer_embeddings_is_refused_before_any_rank_runs():
+    """Note [Gemma 4's per-layer embeddings]: its multimodal forward reads a row of the text
+    embedding's weight itself; TP would fail there mid-forward, so the policy refuses it,
+    naming the attribute and the fix. Without per-layer embeddings it is split."""
+    from tools.model_coverage.tiny import build
+
+    model = build("gemma4", device="meta")
+    policy = lookup_policy(model)
+    text = model.config.text_config
+    assert text.hidden_size_per_layer_input
+    for config in (model.config, text):  # (tsm.transform passes the text config)
+        with pytest.raises(ValueError, match=r"hidden_size_per_layer_input=\d+.*degree=1"):
+            check_model(policy, config, 2)
+    check_model(policy, text, 1)
+    text.hidden_size_per_layer_input = 0
+    check_model(policy, text, 2)
+
+
 def test_a_split_module_that_computes_more_than_its_weight_is_refused():
     """Splitting the vocabulary of an embedding that normalizes its lookup (Inkling) would
     normalize partial sums."""

@@ -113,6 +113,11 @@ def classify(family: str, model_class: str) -> Row:
         row.path = f"policy `{policy.name}`, TP from the plan"
     else:
         row.path = f"policy `{policy.name}`"
+    # A config the plan cannot split is refused by tsm.transform, as a plan is above.
+    reason = policy.layout_check(model.config, parity.TP) if policy.layout_check else ""
+    if reason:
+        row.result, row.detail = "refused", f"{policy.name}: {reason}".replace("|", "/")
+        return row
     row.runs = True
     return row
 

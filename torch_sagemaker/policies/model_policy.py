@@ -305,7 +305,8 @@ class ModelPolicy:
             name means something else in other families): scaled to the rank's heads. The
             head size attribute is ``None`` where the module keeps none (OpenAI-GPT's
             ``split_size``): the width is then scaled by the rank's share of the heads.
-        layout_check: For families whose variants lay out a fused projection differently:
+        layout_check: For families some of whose configs the plan cannot split (a fused
+            projection laid out differently, model code that reads a split weight directly):
             ``(config, tp) -> reason`` why the plan cannot split that config's model at
             degree ``tp`` (naming the config attribute), ``""`` where it can;
             ``check_model`` raises with the reason.

@@ -329,16 +329,41 @@ def _big_bird_layout(config: Any, tp_degree: int) -> str:
     return ""
 
 
-#: model_type -> why a config's layout cannot take the family's plan ("" when it can).
+def _gemma4_layout(config: Any, tp_degree: int) -> str:
+    # Note [Gemma 4's per-layer embeddings]: with per-layer embeddings (the E2B and E4B
+    # models), Gemma4Model.forward reads the row of pad_token_id straight from the text
+    # embedding's weight, outside the embedding's forward, and mixes it with plain
+    # activations. Under TP that weight is a DTensor (split by vocabulary, as the tied
+    # lm_head is): PyTorch all-gathers the whole table for the one row, then refuses the mix
+    # ("mixed torch.Tensor and DTensor"), mid-forward. The row is used only in calls that pass
+    # inputs_embeds, so computing it cheaply would still need transformers' line to take a
+    # DTensor. Without per-layer embeddings the family passes parity at TP 2 (measured on
+    # the tiny config with hidden_size_per_layer_input=0).
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    per_layer = getattr(text, "hidden_size_per_layer_input", 0) or 0
+    if per_layer:
+        return (
+            f"text_config.hidden_size_per_layer_input={per_layer} (per-layer embeddings) makes "
+            "Gemma4Model.forward read a row of the text embedding's weight directly, outside "
+            "the embedding's forward, where tensor parallelism holds that weight as a DTensor; "
+            "use tensor_parallel_degree=1 (FSDP still shards it), or tensor parallelism on "
+            "its text model alone (Gemma4ForCausalLM)"
+        )
+    return ""
+
+
+#: model_type -> why a config's layout cannot take the family's plan ("" when it can): the
+#: plan torch_sagemaker ships, or, for Gemma 4, transformers' own.
 _LAYOUT_CHECKS: dict[str, Callable[[Any, int], str]] = {
     "falcon": _falcon_layout,
     "bloom": _bloom_layout,
     "big_bird": _big_bird_layout,
+    "gemma4": _gemma4_layout,
 }
 
 
 def layout_check(model_type: str) -> Callable[[Any, int], str] | None:
-    """The check of a config's layout against the shipped plan of ``model_type``, if any.
+    """The check of a config's layout against the TP plan of ``model_type``, if any.
 
     Args:
         model_type: The family (``config.model_type``).

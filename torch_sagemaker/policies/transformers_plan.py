@@ -531,7 +531,7 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
         sliding_window_attr="sliding_window" if hasattr(config, "sliding_window") else None,
         heads_split=heads_split,
         width_attrs=widths,
-        layout_check=layout_check(model_type) if shipped else None,
+        layout_check=layout_check(model_type),
         notes=f"Built from its {source} (Note [Plan-driven layout]). "
         f"{SHIPPED_PLAN_NOTE if shipped else PLAN_TP_NOTE}",
     )
