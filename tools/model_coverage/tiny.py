@@ -85,6 +85,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
     },
     "gemma4_text": {"vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 16},
+    # its vision embedder's widths are sizes of its own (3840 wide, 1120 positions)
+    "gemma4_unified_vision": {"mm_embed_dim": 64, "output_proj_dims": 64, "mm_posemb_size": 32},
     # its config checks that attention_types spans num_layers
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
     "roc_bert": {"pronunciation_embed_dim": 16, "shape_embed_dim": 16},
