@@ -337,8 +337,10 @@ def _gemma4_layout(config: Any, tp_degree: int) -> str:
     # lm_head is): PyTorch all-gathers the whole table for the one row, then refuses the mix
     # ("mixed torch.Tensor and DTensor"), mid-forward. The row is used only in calls that pass
     # inputs_embeds, so computing it cheaply would still need transformers' line to take a
-    # DTensor. Without per-layer embeddings the family passes parity at TP 2 (measured on
-    # the tiny config with hidden_size_per_layer_input=0).
+    # DTensor. Without per-layer embeddings the family passed parity at TP 2 (the coverage
+    # tool's tiny config with hidden_size_per_layer_input=0, run once). The text model
+    # (gemma4_text, not refused) reads the same weight only when called with inputs_embeds
+    # and no input_ids, to recover the ids: such a call fails under TP the same way.
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     per_layer = getattr(text, "hidden_size_per_layer_input", 0) or 0
     if per_layer:
@@ -347,7 +349,7 @@ def _gemma4_layout(config: Any, tp_degree: int) -> str:
             "Gemma4Model.forward read a row of the text embedding's weight directly, outside "
             "the embedding's forward, where tensor parallelism holds that weight as a DTensor; "
             "use tensor_parallel_degree=1 (FSDP still shards it), or tensor parallelism on "
-            "its text model alone (Gemma4ForCausalLM)"
+            "its text model alone (Gemma4ForCausalLM, called with input_ids)"
         )
     return ""
 
