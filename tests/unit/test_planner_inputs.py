@@ -211,3 +211,101 @@ def test_a_bad_accelerator_figure_is_a_one_line_error(llama, capsys):
 def test_python_api_type_errors_name_the_argument(llama, argument, named):
     with pytest.raises(TypeError, match=re.escape(named)):
         plan(llama, seq_len=512, global_batch_tokens=4096, hosts=1, **argument)
+
+
+def _written_by_transformers(tmp_path, config):
+    """``config`` as a checkpoint holds it: written by transformers' own writer."""
+    path = tmp_path / "config.json"
+    config.to_json_file(str(path))
+    return path
+
+
+_TEXT_SIZES = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+}
+
+
+def test_a_config_transformers_wrote_with_an_infinite_value_loads(tmp_path):
+    # transformers writes an infinite float as {"__float__": "Infinity"} (Bamba's, Falcon-H1's,
+    # Nemotron-H's time_step_limit); only its own reader turns that back into a float.
+    import math
+
+    import transformers
+
+    from torch_sagemaker.planner.model import load_model
+
+    config = transformers.BambaConfig(
+        **_TEXT_SIZES, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, attn_layer_indices=[1]
+    )
+    assert config.time_step_limit[1] == math.inf
+    spec = load_model(_written_by_transformers(tmp_path, config))
+    assert spec.name == "BambaForCausalLM"
+    assert tuple(spec.config.time_step_limit) == (0.0, math.inf)
+
+
+def test_an_image_text_checkpoints_config_is_planned_as_its_causal_lm(tmp_path):
+    # A Qwen 3.5 checkpoint's config.json is the image-text config, architecture
+    # Qwen3_5ForConditionalGeneration; its causal LM is built from the text config, as
+    # AutoModelForCausalLM.from_config builds it.
+    import torch
+    import transformers
+
+    from torch_sagemaker.planner.model import load_model
+
+    config = transformers.Qwen3_5Config(
+        text_config={**_TEXT_SIZES, "head_dim": 16},
+        vision_config={"depth": 1, "hidden_size": 32, "num_heads": 2, "out_hidden_size": 64},
+        architectures=["Qwen3_5ForConditionalGeneration"],
+    )
+    spec = load_model(_written_by_transformers(tmp_path, config))
+    assert spec.name == "Qwen3_5ForCausalLM"
+    with torch.device("meta"):
+        direct = transformers.Qwen3_5ForCausalLM(config.text_config)
+    assert spec.num_params == sum(p.numel() for p in direct.parameters())
+    assert spec.num_layers == 2 and spec.dim("hidden_size") == 64
+
+
+def _gemma4_text():
+    import transformers
+
+    # Its full-attention layer (the sixth) gets global_head_dim: a per-layer override.
+    return transformers.Gemma4TextConfig(
+        **dict(_TEXT_SIZES, num_hidden_layers=6),
+        head_dim=16,
+        global_head_dim=32,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=256,
+    )
+
+
+def _gemma3n_text():
+    import transformers
+
+    return transformers.Gemma3nTextConfig(
+        **dict(_TEXT_SIZES, intermediate_size=[128, 256]),
+        head_dim=16,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=256,
+        num_kv_shared_layers=0,
+    )
+
+
+@pytest.mark.parametrize(
+    "make, named",
+    [
+        (_gemma4_text, "Gemma4TextConfig gives head_dim (16 or 32) per layer (per_layer_config)"),
+        (_gemma3n_text, "Gemma3nTextConfig gives intermediate_size per layer ([128, 256])"),
+    ],
+)
+def test_sizes_given_per_layer_are_one_line_refusals_naming_them(tmp_path, capsys, make, named):
+    # Note [One size per layer]: any one value would size every layer wrongly.
+    path = _written_by_transformers(tmp_path, make())
+    assert cli.main(_cli(path)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"planner: model config {str(path)!r}: ") and named in err, err
+    assert "\n" not in err and "largest value for every layer" in err, err

@@ -284,10 +284,12 @@ def read_config(path: str | os.PathLike[str]) -> Any:
             f"model config {path!r} has no model_type; give a Hugging Face config.json "
             '(e.g. {"model_type": "llama", "hidden_size": ...}).'
         )
-    data = dict(data)
-    model_type = data.pop("model_type")
     try:
-        config = AutoConfig.for_model(model_type, **data)
+        # transformers' own reader, as from_pretrained reads a checkpoint: it decodes what
+        # its writer encodes (an infinite float as {"__float__": "Infinity"}: Bamba's,
+        # Falcon-H1's and Nemotron-H's time_step_limit), which keyword arguments to the
+        # config class do not. The path is a local file, so nothing is downloaded.
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, TypeError, StrictDataclassError) as e:
         # transformers validates its configs' fields and architecture with huggingface_hub's
         # strict dataclasses, whose errors span lines ("Validation error for field ...:\n
@@ -320,6 +322,44 @@ _SIZES = (
 )
 
 
+# Note [One size per layer]: the memory and time models size one layer and count it
+# num_hidden_layers times (layer_types aside: sliding-window layers keep a window of
+# scores). transformers 5.24 lets a config give some sizes layer by layer: its per-layer
+# overrides (``per_layer_config``; Gemma 4's full-attention layers have heads twice as wide)
+# or a list (Gemma 3n's ``intermediate_size``). Reading such a config's global value raises
+# in transformers, and any one value would size every layer wrongly, so the planner refuses
+# these configs, naming the sizes, rather than guess.
+_ONE_SIZE_PER_LAYER = (
+    "the planner sizes models whose layers share their sizes (Note [One size per layer]) and "
+    "cannot plan this one; to bound it, plan a copy of the config with the largest value for "
+    "every layer."
+)
+
+
+def _check_one_size_per_layer(config: Any, path: str) -> None:
+    """Refuses a config with transformers' per-layer overrides (Note [One size per layer]).
+
+    Raises:
+        ValueError: Naming each size given per layer and its values.
+    """
+    varying = sorted(getattr(config, "per_layer_attributes", None) or ())
+    if not varying:
+        return
+    layers: Any = getattr(config, "per_layer_config", None)
+    count = getattr(config, "num_hidden_layers", 0)
+    described = []
+    for attr in varying:
+        try:
+            values = sorted({repr(getattr(layers[i], attr)) for i in range(count)})
+        except Exception:  # noqa: BLE001 - the names alone still say why
+            values = []
+        described.append(f"{attr} ({' or '.join(values)})" if values else attr)
+    raise ValueError(
+        f"model config {path!r}: {type(config).__name__} gives {', '.join(described)} per layer "
+        f"(per_layer_config); {_ONE_SIZE_PER_LAYER}"
+    )
+
+
 def _check_sizes(config: Any, path: str) -> None:
     """Refuses sizes a model cannot be built or planned with (transformers accepts some).
 
@@ -335,10 +375,16 @@ def _check_sizes(config: Any, path: str) -> None:
     if text is not None and text is not config:
         configs.append(text)
     for c in configs:
+        _check_one_size_per_layer(c, path)
         for attr in _SIZES:
             value = getattr(c, attr, None)
             if value is None:
                 continue
+            if isinstance(value, (list, tuple)):
+                raise ValueError(
+                    f"model config {path!r}: {type(c).__name__} gives {attr} per layer "
+                    f"({list(value)!r}); {_ONE_SIZE_PER_LAYER}"
+                )
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 why = " (the planner plans its layers)" if attr == "num_hidden_layers" else ""
                 raise ValueError(
@@ -379,6 +425,23 @@ def model_class(config: Any) -> type[nn.Module]:
             "planner plans causal LMs that tsm.transform supports."
         )
     return getattr(transformers, name)
+
+
+def _config_for(cls: type[nn.Module], config: Any) -> Any:
+    """The config ``cls`` is built from: ``config``, or its text config where ``cls`` takes that.
+
+    A composite checkpoint's causal LM is built from its text config, as
+    ``AutoModelForCausalLM.from_config`` builds Qwen 3.5's or Llama 4's from the image-text one.
+    """
+    wanted = getattr(cls, "config_class", None)
+    if not isinstance(wanted, type) or isinstance(config, wanted):
+        return config
+    getter = getattr(config, "get_text_config", None)
+    try:
+        text = getter(decoder=True) if callable(getter) else None
+    except ValueError:  # several text configs: transformers refuses to choose, and so do we
+        return config
+    return text if isinstance(text, wanted) else config
 
 
 def _style(policy: ModelPolicy, module: str) -> str | None:
@@ -466,7 +529,7 @@ def load_model(path: str | os.PathLike[str]) -> ModelSpec:
     cls = model_class(config)
     try:
         with torch.device("meta"):
-            model = cls(config)
+            model = cls(_config_for(cls, config))
     except (RuntimeError, ValueError, TypeError, ArithmeticError, AssertionError) as e:
         # Sizes that pass transformers' and _check_sizes's checks but not the layers' own
         # arithmetic (an inconsistent rope setting, a split that does not divide).
