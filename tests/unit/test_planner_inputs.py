@@ -299,7 +299,10 @@ def _gemma3n_text():
     "make, named",
     [
         (_gemma4_text, "Gemma4TextConfig gives head_dim (16 or 32) per layer (per_layer_config)"),
-        (_gemma3n_text, "Gemma3nTextConfig gives intermediate_size per layer ([128, 256])"),
+        (
+            _gemma3n_text,
+            "Gemma3nTextConfig gives intermediate_size as a list, one per layer (128 or 256)",
+        ),
     ],
 )
 def test_sizes_given_per_layer_are_one_line_refusals_naming_them(tmp_path, capsys, make, named):
@@ -308,4 +311,4 @@ def test_sizes_given_per_layer_are_one_line_refusals_naming_them(tmp_path, capsy
     assert cli.main(_cli(path)) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"planner: model config {str(path)!r}: ") and named in err, err
-    assert "\n" not in err and "largest value for every layer" in err, err
+    assert "\n" not in err and "counts it for every layer" in err, err

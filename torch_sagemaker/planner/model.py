@@ -326,14 +326,29 @@ _SIZES = (
 # num_hidden_layers times (layer_types aside: sliding-window layers keep a window of
 # scores). transformers 5.24 lets a config give some sizes layer by layer: its per-layer
 # overrides (``per_layer_config``; Gemma 4's full-attention layers have heads twice as wide)
-# or a list (Gemma 3n's ``intermediate_size``). Reading such a config's global value raises
-# in transformers, and any one value would size every layer wrongly, so the planner refuses
-# these configs, naming the sizes, rather than guess.
+# or a list (Gemma 3n's ``intermediate_size``). Reading an overridden size's global value
+# raises in transformers, and any one value would size the other layers wrongly; a list, even
+# of equal values, is a form the planner's sizes do not read. So the planner refuses these
+# configs in one line naming the sizes and their values, rather than guess.
 _ONE_SIZE_PER_LAYER = (
-    "the planner sizes models whose layers share their sizes (Note [One size per layer]) and "
-    "cannot plan this one; to bound it, plan a copy of the config with the largest value for "
-    "every layer."
+    "the planner sizes one layer and counts it for every layer (Note [One size per layer]), "
+    "so it cannot plan this config"
 )
+
+
+def _values(values: list[Any]) -> str:
+    """Distinct per-layer values, in words: ``"256 or 512"``, ``"16384 on all 35 layers"``."""
+    distinct: list[Any] = []
+    for v in values:
+        if v not in distinct:
+            distinct.append(v)
+    try:
+        distinct.sort()
+    except TypeError:  # values without an order: as the layers give them
+        pass
+    if len(distinct) == 1:
+        return f"{distinct[0]!r} on all {len(values)} layers"
+    return " or ".join(repr(v) for v in distinct)
 
 
 def _check_one_size_per_layer(config: Any, path: str) -> None:
@@ -350,13 +365,15 @@ def _check_one_size_per_layer(config: Any, path: str) -> None:
     described = []
     for attr in varying:
         try:
-            values = sorted({repr(getattr(layers[i], attr)) for i in range(count)})
-        except Exception:  # noqa: BLE001 - the names alone still say why
-            values = []
-        described.append(f"{attr} ({' or '.join(values)})" if values else attr)
+            described.append(
+                f"{attr} ({_values([getattr(layers[i], attr) for i in range(count)])})"
+            )
+        except Exception:  # noqa: BLE001 - the name alone still says why
+            described.append(attr)
     raise ValueError(
         f"model config {path!r}: {type(config).__name__} gives {', '.join(described)} per layer "
-        f"(per_layer_config); {_ONE_SIZE_PER_LAYER}"
+        f"(per_layer_config); {_ONE_SIZE_PER_LAYER}. To bound the model, plan a copy without "
+        "per_layer_config whose global value is the largest of those."
     )
 
 
@@ -382,8 +399,8 @@ def _check_sizes(config: Any, path: str) -> None:
                 continue
             if isinstance(value, (list, tuple)):
                 raise ValueError(
-                    f"model config {path!r}: {type(c).__name__} gives {attr} per layer "
-                    f"({list(value)!r}); {_ONE_SIZE_PER_LAYER}"
+                    f"model config {path!r}: {type(c).__name__} gives {attr} as a list, one "
+                    f"per layer ({_values(list(value))}); {_ONE_SIZE_PER_LAYER}."
                 )
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 why = " (the planner plans its layers)" if attr == "num_hidden_layers" else ""
