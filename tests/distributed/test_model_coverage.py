@@ -15,7 +15,9 @@ states, keyed by number; ModernBERT's decoder: a fused [input | gate] computed b
 outside attention; DBRX: grouped-query [q | k | v] computed by rows, and experts that see
 only this rank's choices, Note [Experts that run every index]), plus one it skips, and
 must write their rows. (GPT-2, BLOOM and MPT
-have parity tests of their own: test_tp_gpt2.py, test_tp_fused_qkv.py.)
+have parity tests of their own: test_tp_gpt2.py, test_tp_fused_qkv.py.) The tool's parity
+also runs Gemma 4's image-text model at tensor_parallel_degree 1 x hybrid shard 2, the route
+its TP refusal advises.
 """
 
 from __future__ import annotations
@@ -71,3 +73,24 @@ def test_coverage_command_runs_families_and_writes_the_table(tmp_path):
     assert "| qwen3 | Qwen3ForCausalLM | plan | pass |" in text, text
     assert "| bart | BartForCausalLM | shipped plan | pass |" in text, text
     assert "| rwkv | RwkvForCausalLM | none | skip |" in text, text
+
+
+def test_gemma4_with_per_layer_embeddings_trains_as_its_refusal_advises():
+    # Tensor parallelism refuses Gemma 4's image-text model with per-layer embeddings
+    # (Note [Gemma 4's per-layer embeddings]) and advises tensor_parallel_degree=1, where
+    # FSDP still shards the embedding: that route must match one process.
+    from tools.model_coverage import launch, parity
+    from tools.model_coverage.tiny import tiny_config
+
+    assert tiny_config("gemma4").text_config.hidden_size_per_layer_input > 0
+    per_rank = launch.run_families(
+        ["gemma4"],
+        world=2,
+        config={"tensor_parallel_degree": 1, "hybrid_shard_degree": 2},
+        timeout=300,
+    )["gemma4"]
+    assert isinstance(per_rank, list) and len(per_rank) == 2, per_rank
+    for result in per_rank:
+        assert parity.passed(result)[0], parity.passed(result)[1]
+        assert result["grad_scale"] > 1e-3  # the gradients are not trivial
+    assert per_rank[0]["losses"]["tp"] != per_rank[1]["losses"]["tp"]  # two dp batches
