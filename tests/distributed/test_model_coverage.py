@@ -77,8 +77,8 @@ def test_coverage_command_runs_families_and_writes_the_table(tmp_path):
 
 def test_gemma4_with_per_layer_embeddings_trains_as_its_refusal_advises():
     # Tensor parallelism refuses Gemma 4's image-text model with per-layer embeddings
-    # (Note [Gemma 4's per-layer embeddings]) and advises tensor_parallel_degree=1, where
-    # FSDP still shards the embedding: that route must match one process.
+    # (Note [Gemma 4's per-layer embeddings]) and advises tensor_parallel_degree=1 (FSDP
+    # alone): that route must match one process.
     from tools.model_coverage import launch, parity
     from tools.model_coverage.tiny import tiny_config
 

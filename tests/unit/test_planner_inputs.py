@@ -103,15 +103,23 @@ def _cli(config, *extra: str) -> list[str]:
         ({"hidden_size": -64}, "hidden_size=-64 must be a positive integer"),
         ({"head_dim": 0}, "head_dim=0 must be a positive integer"),
         ({"num_hidden_layers": 0}, "num_hidden_layers=0 must be a positive integer"),
+        # not transformers' pip advice, and no prompt to run an auto_map's code
+        ({"model_type": "foo_bar"}, "model_type='foo_bar' is not a family transformers"),
+        (
+            {"model_type": "foo_bar", "auto_map": {"AutoConfig": "configuration_foo.FooConfig"}},
+            "model_type='foo_bar' is not a family transformers",
+        ),
     ],
 )
 def test_inconsistent_config_values_are_one_line_errors(tmp_path, capsys, values, named):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"model_type": "llama", **values}))
     assert cli.main(_cli(path)) == 2
-    err = capsys.readouterr().err.strip()
+    out, err = capsys.readouterr()
+    err = err.strip()
     assert err.startswith(f"planner: model config {str(path)!r}: ") and named in err, err
     assert "\n" not in err and err.endswith("Fix the config.")
+    assert not out, out  # nothing on stdout: no prompt, no partial table
 
 
 @pytest.mark.parametrize("option", ["--json", "--write-config", "--plot"])
@@ -298,7 +306,7 @@ def _gemma3n_text():
 @pytest.mark.parametrize(
     "make, named",
     [
-        (_gemma4_text, "Gemma4TextConfig gives head_dim (16 or 32) per layer (per_layer_config)"),
+        (_gemma4_text, "Gemma4TextConfig sets head_dim (16 or 32) per layer (per_layer_config)"),
         (
             _gemma3n_text,
             "Gemma3nTextConfig gives intermediate_size as a list, one per layer (128 or 256)",
@@ -311,4 +319,4 @@ def test_sizes_given_per_layer_are_one_line_refusals_naming_them(tmp_path, capsy
     assert cli.main(_cli(path)) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"planner: model config {str(path)!r}: ") and named in err, err
-    assert "\n" not in err and "counts it for every layer" in err, err
+    assert "\n" not in err and "Note [One size per layer]" in err, err
