@@ -92,6 +92,11 @@ def classify(family: str, model_class: str) -> Row:
         config = tiny_config(family)
         row.has_plan = row.has_plan or bool(getattr(config, "base_model_tp_plan", None))
         model = build(family, device="meta")
+    except ImportError as e:  # a package the family needs and this machine lacks (timm)
+        row.path = "policy" if by_policy else plan_path
+        row.result = "skip"
+        row.detail = f"needs a package not installed here: {error_summary(e)}"
+        return row
     except Exception as e:  # noqa: BLE001 - reported in the table
         row.path = "policy" if by_policy else plan_path
         row.result, row.detail = "fail", f"the tiny config does not build: {error_summary(e)}"
@@ -187,7 +192,8 @@ def markdown(rows: list[Row], command: str, versions: dict[str, str]) -> str:
         "own `base_model_tp_plan`, docs/tensor_parallel.md), `shipped plan` (transformers ships "
         "none; `torch_sagemaker/policies/shipped_plans.py` gives the family one), `none`.",
         "- **result**: `pass`; `fail` (with the first rank's reason); `refused` (`tsm.transform` "
-        "refuses the model with the error shown, before any rank runs); `skip` (nothing to run).",
+        "refuses the model with the error shown, before any rank runs); `skip` (nothing to run, "
+        "or a package the family needs is not installed).",
         "",
         "Summary: "
         + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
