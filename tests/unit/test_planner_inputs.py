@@ -278,28 +278,26 @@ def test_an_image_text_checkpoints_config_is_planned_as_its_causal_lm(tmp_path):
     assert spec.num_layers == 2 and spec.dim("hidden_size") == 64
 
 
-def _gemma4_text():
+def _per_layer_config(name: str, **sizes):
+    """A small text config of ``name`` with per-layer input embeddings."""
     import transformers
 
-    # Its full-attention layer (the sixth) gets global_head_dim: a per-layer override.
-    return transformers.Gemma4TextConfig(
-        **dict(_TEXT_SIZES, num_hidden_layers=6),
+    return getattr(transformers, name)(
+        **{**_TEXT_SIZES, **sizes},
         head_dim=16,
-        global_head_dim=32,
         hidden_size_per_layer_input=8,
         vocab_size_per_layer_input=256,
     )
 
 
-def _gemma3n_text():
-    import transformers
+def _gemma4_text():
+    # Its full-attention layer (the sixth) gets global_head_dim: a per-layer override.
+    return _per_layer_config("Gemma4TextConfig", num_hidden_layers=6, global_head_dim=32)
 
-    return transformers.Gemma3nTextConfig(
-        **dict(_TEXT_SIZES, intermediate_size=[128, 256]),
-        head_dim=16,
-        hidden_size_per_layer_input=8,
-        vocab_size_per_layer_input=256,
-        num_kv_shared_layers=0,
+
+def _gemma3n_text():
+    return _per_layer_config(
+        "Gemma3nTextConfig", intermediate_size=[128, 256], num_kv_shared_layers=0
     )
 
 

@@ -92,14 +92,16 @@ def classify(family: str, model_class: str) -> Row:
         config = tiny_config(family)
         row.has_plan = row.has_plan or bool(getattr(config, "base_model_tp_plan", None))
         model = build(family, device="meta")
-    except ImportError as e:  # a package the family needs and this machine lacks (timm)
-        row.path = "policy" if by_policy else plan_path
-        row.result = "skip"
-        row.detail = f"needs a package not installed here: {error_summary(e)}"
-        return row
     except Exception as e:  # noqa: BLE001 - reported in the table
         row.path = "policy" if by_policy else plan_path
-        row.result, row.detail = "fail", f"the tiny config does not build: {error_summary(e)}"
+        if isinstance(e, ImportError):  # a package the family needs is missing here (timm)
+            row.result, row.detail = (
+                "skip",
+                f"needs a package not installed here: {error_summary(e)}",
+            )
+        else:
+            row.result = "fail"
+            row.detail = f"the tiny config does not build: {error_summary(e)}"
         return row
     try:
         policy = lookup_policy(model)

@@ -335,9 +335,9 @@ def _gemma4_layout(config: Any, tp_degree: int) -> str:
     # embedding's weight, outside the embedding's forward, and mixes it with plain
     # activations. Under TP that weight is a DTensor (split by vocabulary, as the tied
     # lm_head is): PyTorch all-gathers the whole table for the one row, then refuses the mix
-    # ("mixed torch.Tensor and DTensor"), mid-forward. The row is used only in calls that pass
-    # inputs_embeds, so computing it cheaply would still need transformers' line to take a
-    # DTensor. Without per-layer embeddings the family passed parity at TP 2 (the coverage
+    # ("mixed torch.Tensor and DTensor"), mid-forward. The row is read on every call (it
+    # stands in for image, video and audio tokens), so only a change to transformers' line
+    # could avoid it. Without per-layer embeddings the family passed parity at TP 2 (the coverage
     # tool's tiny config with hidden_size_per_layer_input=0, run once). The text model
     # (gemma4_text, not refused) reads the same weight only when called with inputs_embeds
     # and no input_ids, to recover the ids: such a call fails under TP the same way.
