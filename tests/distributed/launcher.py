@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
@@ -168,6 +169,10 @@ def _worker(
     tasks: Any,
     results: Any,
 ) -> None:
+    # A rank that dies of a signal (a crash in native code) prints every thread's Python and
+    # C++ stacks to stderr, which pytest shows with the failing test; otherwise only its exit
+    # code is known.
+    faulthandler.enable(all_threads=True)
     set_rank_environment(rank, world_size, port, os.environ.get("TSM_LOG_LEVEL", "WARNING"))
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.update(env)
@@ -177,6 +182,9 @@ def _worker(
 
         torch.set_num_threads(1)
         import torch_sagemaker  # noqa: F401  (registers the smddp backend)
+        from torch_sagemaker._torch_compat.signals import print_native_stacks_on_fatal_signal
+
+        print_native_stacks_on_fatal_signal()  # and faulthandler the Python ones, above
 
         if init_pg:
             # The store gets a start-up allowance of its own: a test's short collective timeout

@@ -178,10 +178,14 @@ def _broadcast_outputs():
     gloo = dist.new_group(backend="gloo")
     out = {}
     for name, group in (("smddp", None), ("gloo", gloo)):
-        base = torch.full((1,), float(me + 1))
+        # gloo reads and writes an expanded tensor's numel() elements from its first one, past
+        # the end of a storage sized for the base (a heap overflow that glibc's malloc check
+        # reports as "free(): invalid pointer"), so each base is the head of a storage that
+        # holds them all, filled with the same value.
+        base = torch.full((4,), float(me + 1))[:1]
         dist.all_reduce(base.expand(4), group=group)
         out[(name, "all_reduce")] = base.item()
-        base = torch.full((2, 1), float(me + 1))
+        base = torch.full((6,), float(me + 1))[:2].view(2, 1)
         dist.broadcast(base.expand(2, 3), 0, group=group)
         out[(name, "broadcast")] = base.flatten().tolist()
     # The list all_gather copies into each output itself (gloo refuses expanded outputs).

@@ -19,6 +19,7 @@ versions it was checked and what it does where versions differ.
 | ``fsdp2`` | FSDP2: ``FSDPParamGroup`` |
 | ``nn`` | ``nn.Module`` internals, parameter swapping |
 | ``pytree`` | ``torch.utils._pytree`` |
+| ``signals`` | c10's fatal-signal handler (native stacks on a crash) |
 | ``tensor`` | ``Tensor._base``, ``Tensor._values``, DTensor's local tensor |
 
 The layer imports only torch, so any module of the package may import it. ``PRIVATE_NAMES``

@@ -126,6 +126,8 @@ PRIVATE_NAMES: tuple[str, ...] = (
     "torch.nn.Module._register_state_dict_hook",
     # pytree.py
     "torch.utils._pytree.tree_leaves",
+    # signals.py
+    "torch._C._set_print_stack_traces_on_fatal_signal",
     # tensor.py
     "torch.Tensor._base",
     "torch.Tensor._values",
