@@ -1,6 +1,6 @@
 """c10's fatal-signal handler: native stacks of every thread when a process crashes.
 
-Checked on torch 2.11, 2.13.
+Checked on torch 2.13.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ def print_native_stacks_on_fatal_signal() -> None:
 
     c10 prints them to stderr and then calls the handler installed before it (Python's
     ``faulthandler``, for the Python stacks, when that was enabled first), so the process
-    still ends as it would have. Where a torch lacks the switch, nothing changes.
+    still ends as it would have.
     """
-    switch = getattr(torch._C, "_set_print_stack_traces_on_fatal_signal", None)
-    if switch is not None:
-        switch(True)
+    torch._C._set_print_stack_traces_on_fatal_signal(True)
