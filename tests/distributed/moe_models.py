@@ -454,5 +454,10 @@ def check(results: dict, atol: float = 2e-5) -> None:
         for step, grads in enumerate(r["grads"]):
             bad = {n: d for n, d in grads.items() if d > atol}
             assert not bad, (name, step, bad)
-        bad = {n: d for n, d in r["params"].items() if d > 1e-4}  # after the last step
+        # After the last step. AdamW (lr 1e-2) divides each gradient by its running RMS, so an
+        # element whose gradient is small against the fp32 differences allowed above moves by
+        # up to lr * atol / |grad| more or less than the reference's: with ATen limited to AVX2
+        # kernels one Mixtral expert element ended 1.45e-4 off. A misplaced or missed update
+        # moves elements by about lr per step, 20x this limit.
+        bad = {n: d for n, d in r["params"].items() if d > 5e-4}
         assert not bad, (name, "params", bad)
