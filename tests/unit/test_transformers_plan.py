@@ -99,6 +99,36 @@ def test_expert_parallel_policies_take_tp_from_the_plan():
     assert policy.tp_plan["model.layers.*.mlp.gate"] == "replicate_local"
 
 
+def test_experts_named_only_in_the_ep_plan_are_split_as_before():
+    """Note [Experts named only in the EP plan]: transformers 5.25's plans leave the routed
+    experts to the EP plan; they are split over the TP ranks as 5.24's plans split them. Here a
+    config whose TP plan has no expert entry stands for 5.25's on any transformers."""
+
+    def without_experts(model_type: str, **sizes):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = AutoConfig.for_model(model_type, **{**SIZES, **sizes})
+        plan = {k: v for k, v in cfg.base_model_tp_plan.items() if ".experts" not in k}
+        cfg.base_model_tp_plan = plan  # (the instance's, over the class's)
+        assert cfg.base_model_ep_plan["layers.*.mlp.experts"] == "ep_dispatch_experts"
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(cfg)
+
+    experts = "model.layers.*.mlp.experts"
+    for model_type in ("qwen3_moe", "olmoe"):  # a policy taking TP from the plan; the plan's
+        model = without_experts(model_type, num_experts=4, num_experts_per_tok=2)
+        assert not any(".experts" in k for k in model.tp_plan), model.tp_plan
+        policy = lookup_policy(model)
+        assert policy.tp_plan[experts] == "experts_allreduce", (model_type, policy.tp_plan)
+        assert policy.moe is not None and policy.moe.experts == "experts"
+    # A plan the user sets (one that leaves out an entry of transformers') is taken as
+    # written: the experts stay whole on every rank.
+    model = without_experts("olmoe", num_experts=4, num_experts_per_tok=2)
+    model.tp_plan = {k: v for k, v in model.tp_plan.items() if "self_attn" in k}
+    policy = policy_from_plan(model)
+    assert policy is not None and experts not in policy.tp_plan and policy.moe is None
+
+
 def test_plan_moe_allows_expert_parallelism_with_the_models_own_router_only():
     policy = lookup_policy(meta("OlmoeConfig", num_experts=4, num_experts_per_tok=2))
     assert policy.moe is not None and policy.moe.block_class == "OlmoeSparseMoeBlock"
@@ -110,13 +140,15 @@ def test_plan_moe_allows_expert_parallelism_with_the_models_own_router_only():
 
 def test_entry_without_equivalent_names_module_style_and_fix():
     model = meta("Qwen3Config")
-    model.tp_plan = {**model.tp_plan, "model.layers.*.mlp.up_proj": "moe_identity_expert"}
+    # (a style transformers registers, 5.24 to 5.25, that the translation does not take on a
+    # Linear: transformers gives it to fused experts' parameters only)
+    model.tp_plan = {**model.tp_plan, "model.layers.*.mlp.up_proj": "packed_rowwise"}
     with pytest.raises(ValueError) as err:
         policy_from_plan(model)
     message = str(err.value)
     for part in (
         "model.layers.0.mlp.up_proj",
-        "'moe_identity_expert'",
+        "'packed_rowwise'",
         "model.tp_plan",
         "ModelPolicy",
     ):
@@ -140,9 +172,12 @@ def test_own_parameters_beside_split_projections_are_not_replicated_silently():
 
 
 def test_planless_subtrees_are_replicated_at_their_root():
-    """Bamba's plan names only the embedding: each decoder layer is one replicated subtree;
-    the decoder stack reads the final norm only (layers are FSDP units of their own)."""
-    policy = lookup_policy(meta("BambaConfig", attn_layer_indices=[1], mamba_n_heads=8))
+    """A plan that names only Bamba's embedding (transformers' up to 5.24; 5.25 also splits its
+    attention and MLP): each decoder layer is one replicated subtree; the decoder stack reads
+    the final norm only (layers are FSDP units of their own)."""
+    model = meta("BambaConfig", attn_layer_indices=[1], mamba_n_heads=8)
+    model.tp_plan = {"model.embed_tokens": "embedding_rowwise"}
+    policy = lookup_policy(model)
     assert policy.tp_plan["model.embed_tokens"] == "vocab_embedding_allreduce"
     assert policy.tp_plan["model.layers.0"] == "replicate_local"
     assert not any(k.startswith("model.layers.0.") for k in policy.tp_plan)
@@ -460,7 +495,9 @@ def test_shipped_plans_check_the_fused_layout_of_the_config():
 
     grouped = falcon(new_decoder_architecture=True, num_kv_heads=2)
     policy = lookup_policy(grouped)
-    assert policy.num_kv_heads_attr == "num_kv_heads"  # Falcon's name, scaled per rank
+    # Falcon's own name, or the one transformers 5.25 derives from it (equal here)
+    assert policy.num_kv_heads_attr in ("num_kv_heads", "num_key_value_heads")
+    assert policy.head_counts(grouped.config) == (4, 2)
     assert check_model(policy, grouped.config, 2).local_kv_heads == 1
     with pytest.raises(ValueError, match="num_kv_heads.*tensor_parallel_degree 4"):
         check_model(policy, grouped.config, 4)  # 2 groups, no replicating packed kv heads

@@ -68,6 +68,38 @@ def with_additions(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     return {**_from_root(model, additions), **plan}
 
 
+def with_plan_experts(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` with the routed experts transformers' EP plan names split as its TP plans did.
+
+    Note [Experts named only in the EP plan]
+        transformers 5.25 took the routed experts out of every TP plan it ships (their style,
+        ``moe_tp_experts``, is deprecated there) and names them in the EP plan only
+        (``base_model_ep_plan``: the experts module as ``ep_dispatch_experts``). Read as it
+        stands, a 5.25 plan leaves the experts whole on every TP rank, and every rank computes
+        every expert on the same tokens: the same result as 5.24's plan, for tensor-parallel-
+        degree times the experts' memory and compute. torch_sagemaker splits them on every
+        transformers version: where the plan is transformers' own and names neither the
+        experts module nor anything below it, the module gets ``moe_tp_experts`` (this rank's
+        experts, the outputs summed over the TP ranks: ``experts_allreduce``), as 5.24's plan
+        said. Expert parallelism (``expert_parallel_degree``) finds the experts it moves from
+        the same entry. A plan the user set is taken as written.
+    """
+    if not plan or not transformers_plan(model).items() <= plan.items():
+        return plan
+    names = [n for n, _ in model.named_modules() if n]
+    added: dict[str, str] = {}
+    for prefix, module in model.named_modules():
+        ep_plan = getattr(getattr(module, "config", None), "base_model_ep_plan", None) or {}
+        for key, style in ep_plan.items():
+            if style != "ep_dispatch_experts":
+                continue
+            pattern = f"{prefix}.{key}" if prefix else key
+            covered = any(k == pattern or k.startswith(f"{pattern}.") for k in plan)
+            if not covered and any(fnmatchcase(n, pattern) for n in names):
+                added[pattern] = "moe_tp_experts"
+    return {**plan, **added}
+
+
 def _from_root(model: nn.Module, base: dict[str, str]) -> dict[str, str]:
     """A plan keyed below the base model (``base_model_tp_plan``), keyed from the root.
 

@@ -58,6 +58,7 @@ from torch_sagemaker.policies.plan_sources import (
     shipped_from_root,
     wildcard,
     with_additions,
+    with_plan_experts,
     with_tied_input_embedding,
 )
 from torch_sagemaker.policies.shipped_plans import (
@@ -483,7 +484,7 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
     """
     if not hasattr(model, "config"):
         return None
-    own = with_additions(model, own_plan(model))
+    own = with_additions(model, with_plan_experts(model, own_plan(model)))
     shipped = (not own or only_the_class_head(model, own)) and _fits(
         model, ours := shipped_from_root(model)
     )
