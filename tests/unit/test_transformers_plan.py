@@ -84,6 +84,26 @@ def test_gathered_projections_do_not_split_heads():
     assert (heads.local_heads, heads.local_kv_heads) == (4, 4)  # 8 does not divide 4 heads
 
 
+def test_whole_head_styles_translate_as_colwise_and_rowwise():
+    """transformers 5.25's unit_colwise / unit_rowwise (MiniCPM5-MoE's key and value
+    projections): kv_colwise on the key/value projections (replicated below the degree)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("qwen3", **SIZES)
+    plan = dict(cfg.base_model_tp_plan)
+    for key in ("k_proj", "v_proj", "q_proj"):
+        plan[f"layers.*.self_attn.{key}"] = "unit_colwise"
+    plan["layers.*.self_attn.o_proj"] = "unit_rowwise"
+    cfg.base_model_tp_plan = plan  # (the instance's: transformers 5.24 registers neither)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    styles = lookup_policy(model).tp_plan
+    layer = "model.layers.*.self_attn"
+    assert styles[f"{layer}.k_proj"] == styles[f"{layer}.v_proj"] == "kv_colwise"
+    assert styles[f"{layer}.q_proj"] == "colwise"
+    assert styles[f"{layer}.o_proj"] == "rowwise_allreduce"
+
+
 def test_a_policy_wins_over_the_plan():
     model = meta("LlamaConfig")
     assert model.tp_plan  # transformers ships one

@@ -82,6 +82,12 @@ _LINEAR_STYLES = {
     "packed_colwise": "linear_packed_colwise",
     # ours, not transformers': the same note
     "shared_kv_colwise": "shared_kv_colwise",
+    # transformers 5.25's whole-head styles (MiniCPM5-MoE's key and value projections): each
+    # rank keeps whole heads, repeated over ranks when there are fewer heads than ranks. That
+    # is what ours do: a key/value projection's colwise is kv_colwise (kv heads replicated
+    # below the degree), and tsm.transform requires query heads the degree divides.
+    "unit_colwise": "colwise",
+    "unit_rowwise": "rowwise_allreduce",
 }
 #: transformers' styles on a transformers ``Conv1D`` (a Linear stored transposed), and ours.
 _CONV1D_STYLES = {
@@ -228,7 +234,7 @@ class _Translation:
                 # Only where the model's loss goes through the loss_function that TP replaces
                 # (Note [Vocabulary-parallel logits need the model's loss_function]).
                 return "lm_head" if _loss_through_loss_function(self.model) else "colwise_gather"
-            if style == "colwise" and self.is_kv_projection(name, module):
+            if style in ("colwise", "unit_colwise") and self.is_kv_projection(name, module):
                 return "kv_colwise"
             if style == "packed_colwise":
                 self.check_packed(name, module, style)
