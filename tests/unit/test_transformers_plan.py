@@ -521,6 +521,9 @@ def test_shipped_plans_check_the_fused_layout_of_the_config():
     assert check_model(policy, grouped.config, 2).local_kv_heads == 1
     with pytest.raises(ValueError, match="num_kv_heads.*tensor_parallel_degree 4"):
         check_model(policy, grouped.config, 4)  # 2 groups, no replicating packed kv heads
+    contradicting = falcon(multi_query=True, new_decoder_architecture=False, num_key_value_heads=2)
+    with pytest.raises(ValueError, match="num_key_value_heads=2 contradicts the 1 key/value"):
+        check_model(lookup_policy(contradicting), contradicting.config, 2)
     seven_b = falcon(multi_query=True, new_decoder_architecture=False)
     plan = lookup_policy(seven_b).tp_plan  # one shared key/value head: split by queries
     assert plan["transformer.h.*.self_attention.query_key_value"] == "shared_kv_colwise"

@@ -108,6 +108,11 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # its multi-query attention (the default) has one key/value head, whatever
     # num_key_value_heads says; the planner reads that attribute
     "gpt_bigcode": {"num_key_value_heads": 1},
+    # likewise (the default is Falcon-7B's multi-query layout); transformers 5.25 derives the
+    # attribute from multi_query, but takes a value given to it over its own
+    "falcon": {"num_key_value_heads": 1},
+    # GLM-4.5's per-head query and key norms (the config's default leaves them out)
+    "glm4_moe": {"use_qk_norm": True},
     # Whisper's config maps num_key_value_heads to its encoder's head count: 2 heads there
     # against the decoder's 4 (the causal LM is the decoder: its own count is used)
     "whisper": SEQ2SEQ,

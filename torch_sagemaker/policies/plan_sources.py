@@ -65,7 +65,13 @@ def with_additions(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     # it; transformers itself adds the input embedding to the model's)
     if not additions or not transformers_plan(model).items() <= plan.items():
         return plan
-    return {**_from_root(model, additions), **plan}
+    names = [n for n, _ in model.named_modules() if n]
+    added = {
+        key: style
+        for key, style in _from_root(model, additions).items()
+        if any(fnmatchcase(n, key) for n in names)  # (a module the config may leave out)
+    }
+    return {**added, **plan}
 
 
 def with_plan_experts(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:

@@ -292,6 +292,21 @@ def width_attrs(model_type: str) -> tuple[tuple[str, str | None], ...]:
 
 
 def _falcon_layout(config: Any, tp_degree: int) -> str:
+    # Falcon's attention has num_kv_heads key/value heads (groups), or one with multi_query
+    # (Falcon-7B's layout); transformers 5.25 also derives num_key_value_heads from them, and
+    # its attention repeats the key/value heads by the ratio. A config that states another
+    # count (given explicitly, over transformers' own) would have the heads split by it.
+    grouped = getattr(config, "new_decoder_architecture", False) or not getattr(
+        config, "multi_query", True
+    )
+    heads = int(getattr(config, "num_kv_heads", 0) or 0) if grouped else 1
+    stated = getattr(config, "num_key_value_heads", None)
+    if heads and stated is not None and stated != heads:
+        return (
+            f"num_key_value_heads={stated} contradicts the {heads} key/value head(s) its "
+            "attention has (num_kv_heads, multi_query, new_decoder_architecture); set "
+            f"num_key_value_heads={heads}"
+        )
     if getattr(config, "new_decoder_architecture", False):
         kv = int(getattr(config, "num_kv_heads", 0) or 0)
         if kv % tp_degree:
@@ -381,19 +396,24 @@ def layout_check(model_type: str) -> Callable[[Any, int], str] | None:
 # Note [Additions to transformers' plans]: some of transformers' own plans leave out a module
 # with parameters that computes on split activations: Apertus's xIELU activation (two
 # learned scalars, applied to this rank's MLP columns), SarvamMoE's per-head query and key
-# norms. ``tsm.transform`` refuses such a plan (Note [Replicated module check]): replicated
-# as the plan implies, each rank would train its copy on its own part of the gradient. For
-# these families the missing entries are added, summing those gradients over the ranks
-# (``replicated_with_grad_allreduce``), but only to a plan that keeps every entry
-# transformers gives the model: a plan that changes one is taken as written (it may gather
-# those activations, where summing would count the gradient once per rank).
+# norms, and GLM-4-MoE's (with ``use_qk_norm``, as GLM-4.5 sets it; Param2MoE, built on it,
+# sets it by default). ``tsm.transform`` refuses such a plan (Note [Replicated module
+# check]): replicated as the plan implies, each rank would train its copy on its own part of
+# the gradient. For these families the missing entries are added, summing those gradients
+# over the ranks (``replicated_with_grad_allreduce``), but only to a plan that keeps every
+# entry transformers gives the model: a plan that changes one is taken as written (it may
+# gather those activations, where summing would count the gradient once per rank). An entry
+# that names no module of the model (GLM-4-MoE without ``use_qk_norm``) is not added.
 #: model_type -> entries added to transformers' own plan (keyed like ``base_model_tp_plan``).
 PLAN_ADDITIONS: dict[str, dict[str, str]] = {
     "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
     "apertus1p5_text": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
-    "sarvam_moe": {
-        "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
-        "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+    **{
+        family: {
+            "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+            "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+        }
+        for family in ("sarvam_moe", "glm4_moe", "param2moe")
     },
 }
 
