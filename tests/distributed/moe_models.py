@@ -54,6 +54,11 @@ def tiny_moe(family: str, seed: int = 0, **overrides):
         cfg = tf.OlmoeConfig(
             **common, intermediate_size=24, num_experts=4, norm_topk_prob=False, head_dim=8
         )
+    elif family == "gpt_oss":  # no policy; transformers' plan splits only the embedding, and
+        # its EP plan names the experts (biased: gate_up_proj_bias, down_proj_bias)
+        cfg = tf.GptOssConfig(
+            **common, intermediate_size=24, num_local_experts=4, head_dim=8, sliding_window=8
+        )
     else:
         raise ValueError(family)
     for key, value in overrides.items():

@@ -447,6 +447,9 @@ def _all(root: str) -> dict:
     out["ep"] = moe_models.parity_case(
         "olmoe", "fsdp2", {"smp_moe": False, "moe_load_balancing": "none"}
     )
+    out["ep_gpt_oss"] = moe_models.parity_case(
+        "gpt_oss", "fsdp2", {"smp_moe": False, "moe_load_balancing": "none"}
+    )
     return out
 
 
@@ -522,6 +525,14 @@ def test_expert_parallel_on_plan_experts_matches_one_process(results):
     for r in results:
         assert r["ep"]["local_experts"] == [(2, 32, 24), (2, 48, 32)], r["ep"]  # 2 of 4 experts
         moe_models.check({f"olmoe rank {rank}": r["ep"] for rank, r in enumerate(results)})
+
+
+def test_expert_parallel_on_experts_named_only_in_the_ep_plan(results):
+    """GPT-OSS: its TP plan names only the embedding, its EP plan the (biased) experts (Note
+    [Experts named only in the EP plan]): each rank holds 2 of the 4 experts, biases too."""
+    for r in results:
+        assert r["ep_gpt_oss"]["local_experts"] == [(2, 24, 32), (2, 32), (2, 32, 48), (2, 48)]
+    moe_models.check({f"gpt_oss rank {rank}": r["ep_gpt_oss"] for rank, r in enumerate(results)})
 
 
 def test_fewer_kv_heads_than_ranks(results):
