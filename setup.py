@@ -149,7 +149,7 @@ setup(
         "editable_wheel": EditableWheelWithPth,
     },
     # The tested range (docs/compatibility.md).
-    install_requires=["torch>=2.11,<2.15"],
+    install_requires=["torch>=2.11,<2.16"],
     extras_require={
         "hf": ["transformers>=5", "accelerate", "safetensors"],
         "examples": ["tqdm", "matplotlib"],

@@ -1,6 +1,6 @@
 """Private ATen operators (``torch.ops.aten._*``), called directly.
 
-Checked on torch 2.11, 2.13.
+Checked on torch 2.11, 2.13, 2.15.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ chosen, and makes a finished ``Work`` from a future (``_create_work_from_future`
 written in Python. Code that ``torch.compile`` traces sums over a group with the functional
 all-reduce (``_functional_collectives.all_reduce``), which Dynamo records in the graph.
 
-Checked on torch 2.11, 2.13.
+Checked on torch 2.11, 2.13, 2.15.
 """
 
 from __future__ import annotations

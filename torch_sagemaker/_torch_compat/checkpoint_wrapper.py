@@ -6,7 +6,7 @@ module of a wrapper (``_checkpoint_wrapped_module``). ``TORCH_MODULE`` is the mo
 the package replaces its ``offload_wrapper`` attribute (``offload/torch_patch.py``), so that
 function is not re-exported here (a name bound at import would miss the patch).
 
-Checked on torch 2.11, 2.13.
+Checked on torch 2.11, 2.13, 2.15.
 """
 
 from __future__ import annotations

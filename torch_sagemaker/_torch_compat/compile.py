@@ -1,6 +1,6 @@
 """Private names of ``torch.compile``: failing a compilation from traced code.
 
-Checked on torch 2.13.
+Checked on torch 2.13, 2.15.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 compared or rebuilt by the package are exactly the keys DCP stores. ``DistWrapper`` is the
 class whose ``__init__`` the package patches (``checkpoint/dcp_patches.py``).
 
-Checked on torch 2.11, 2.13.
+Checked on torch 2.11, 2.13, 2.15.
 """
 
 from __future__ import annotations

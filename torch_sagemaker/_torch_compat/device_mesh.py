@@ -1,6 +1,6 @@
 """Private ``DeviceMesh`` methods: ``_concatenate``, ``_unflatten`` and ``_flatten``.
 
-Checked on torch 2.11, 2.13.
+Checked on torch 2.11, 2.13, 2.15.
 """
 
 from __future__ import annotations

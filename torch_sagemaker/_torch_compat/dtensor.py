@@ -3,7 +3,7 @@
 A DTensor's ``_local_tensor`` is read through ``tensor.py``, which does not import
 ``torch.distributed.tensor`` (a heavy import the offload hooks put off).
 
-Checked on torch 2.11, 2.13.
+Checked on torch 2.11, 2.13, 2.15.
 """
 
 from __future__ import annotations

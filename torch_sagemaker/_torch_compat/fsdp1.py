@@ -12,7 +12,7 @@ class, the private sharding strategy ``_HYBRID_SHARD_ZERO2``, ``MixedPrecision``
 ``_module_classes_to_ignore`` and the mark FSDP1 sets on the parameters it flattened
 (``_is_fsdp_flattened``).
 
-Checked on torch 2.11, 2.13.
+Checked on torch 2.11, 2.13, 2.15.
 """
 
 from __future__ import annotations

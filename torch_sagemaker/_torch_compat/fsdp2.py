@@ -7,7 +7,7 @@ module's group is reached through ``FSDPModule._get_fsdp_state()._fsdp_param_gro
 is what the root's first forward runs first (``tensor_parallel/generation.py`` runs it before
 ``generate``).
 
-Checked on torch 2.11, 2.13.
+Checked on torch 2.11, 2.13, 2.15.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A module's own parameter and buffer dictionaries, its ``state_dict`` hooks, and
 ``_reparametrize_module``.
 
-Checked on torch 2.11, 2.13.
+Checked on torch 2.11, 2.13, 2.15.
 """
 
 from __future__ import annotations

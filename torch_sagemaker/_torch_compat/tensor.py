@@ -5,7 +5,7 @@ coalesced or not), ``_version`` (the count of in-place writes to a tensor) and D
 ``_local_tensor`` slot. The last is here rather than in ``dtensor.py`` because reading it
 needs no import of ``torch.distributed.tensor``, which the offload hooks put off.
 
-Checked on torch 2.11, 2.13.
+Checked on torch 2.11, 2.13, 2.15.
 """
 
 from __future__ import annotations
