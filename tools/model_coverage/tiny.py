@@ -113,6 +113,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "falcon": {"num_key_value_heads": 1},
     # GLM-4.5's per-head query and key norms (the config's default leaves them out)
     "glm4_moe": {"use_qk_norm": True},
+    # (transformers 5.25) its sparse-attention indexer has at most one head per query head of
+    # a key head (2 here; 12 by default)
+    "kolibri1_1": {"index_num_heads": 2},
     # Whisper's config maps num_key_value_heads to its encoder's head count: 2 heads there
     # against the decoder's 4 (the causal LM is the decoder: its own count is used)
     "whisper": SEQ2SEQ,
