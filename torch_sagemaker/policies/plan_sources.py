@@ -61,17 +61,32 @@ def with_additions(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     drops an entry of transformers' (the user's) is returned as is.
     """
     additions = plan_additions(getattr(model.config, "model_type", None) or "")
-    # (transformers' own plan, or one built on it: every entry kept as transformers gives
-    # it; transformers itself adds the input embedding to the model's)
-    if not additions or not transformers_plan(model).items() <= plan.items():
+    if not additions or not _keeps_transformers_plan(model, plan):
         return plan
-    names = [n for n, _ in model.named_modules() if n]
+    names = _module_names(model)
     added = {
         key: style
         for key, style in _from_root(model, additions).items()
-        if any(fnmatchcase(n, key) for n in names)  # (a module the config may leave out)
+        if _names_some(names, key)  # (a module the config may leave out)
     }
     return {**added, **plan}
+
+
+def _keeps_transformers_plan(model: nn.Module, plan: dict[str, str]) -> bool:
+    """Whether ``plan`` is transformers' own, or built on it.
+
+    Every entry is kept as transformers gives it (transformers itself adds the input
+    embedding to the model's).
+    """
+    return transformers_plan(model).items() <= plan.items()
+
+
+def _module_names(model: nn.Module) -> list[str]:
+    return [n for n, _ in model.named_modules() if n]
+
+
+def _names_some(names: list[str], pattern: str) -> bool:
+    return any(fnmatchcase(n, pattern) for n in names)
 
 
 def with_plan_experts(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
@@ -92,9 +107,9 @@ def with_plan_experts(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
         split, parity unchanged). Expert parallelism (``expert_parallel_degree``) finds the
         experts it moves from the same entry. A plan the user set is taken as written.
     """
-    if not plan or not transformers_plan(model).items() <= plan.items():
+    if not plan or not _keeps_transformers_plan(model, plan):
         return plan
-    names = [n for n, _ in model.named_modules() if n]
+    names = _module_names(model)
     added: dict[str, str] = {}
     for prefix, module in model.named_modules():
         ep_plan = getattr(getattr(module, "config", None), "base_model_ep_plan", None) or {}
@@ -103,7 +118,7 @@ def with_plan_experts(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
                 continue
             pattern = f"{prefix}.{key}" if prefix else key
             covered = any(k == pattern or k.startswith(f"{pattern}.") for k in plan)
-            if not covered and any(fnmatchcase(n, pattern) for n in names):
+            if not covered and _names_some(names, pattern):
                 added[pattern] = "moe_tp_experts"
     return {**plan, **added}
 
@@ -120,12 +135,9 @@ def _from_root(model: nn.Module, base: dict[str, str]) -> dict[str, str]:
     inner = prefix if prefix and hasattr(model, prefix) else ""
     models = [n for n, c in model.named_children() if hasattr(c, "config")]
     if not inner and len(models) == 1:
-        names = [n for n, _ in model.named_modules() if n]
-
-        def names_some(keys: list[str]) -> bool:
-            return any(fnmatchcase(n, k) for k in keys for n in names)
-
-        if names_some([f"{models[0]}.{k}" for k in base]) and not names_some(list(base)):
+        names = _module_names(model)
+        below = any(_names_some(names, f"{models[0]}.{k}") for k in base)
+        if below and not any(_names_some(names, k) for k in base):
             inner = models[0]
     return {f"{inner}.{k}" if inner else k: v for k, v in base.items()}
 
