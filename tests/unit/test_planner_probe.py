@@ -346,3 +346,26 @@ def test_a_router_and_a_shared_expert_the_plan_keeps_whole_are_sized_whole(tmp_p
     assert {t.size for t in terms if t.region == "split"} == set(), terms
     assert ("shared_mlp", "compute", "gathered") in {(t.size, t.dtype, t.region) for t in terms}
     assert ("hidden", "compute", "gathered") in {(t.size, t.dtype, t.region) for t in terms}
+
+
+def test_half_width_rotary_tables_are_found(tmp_path):
+    # GPT-OSS rotates a head's two halves with one cos and one sin per pair of channels:
+    # its tables are half the rotary width, which full-width pairs do not divide (the probe
+    # refused it before). Its memory against real steps: docs/planner.md, "Validation".
+    from torch_sagemaker.planner.activations import rotary_bytes
+
+    spec = _spec(
+        tmp_path,
+        "gpt_oss",
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    probed = probe_activations(spec)
+    assert (probed.rotary_tables, probed.rotary_half_width) == (1, True)
+    spec = dataclasses.replace(spec, policy=dataclasses.replace(spec.policy, activations=probed))
+    assert rotary_bytes(spec, 64, 2) == 2 * 64 * (16 // 2) * 2  # cos and sin, bfloat16
+    # Llama's tables repeat each value over both halves: full width.
+    llama = probe_activations(_without_profile(_spec(tmp_path, "llama")))
+    assert (llama.rotary_tables, llama.rotary_half_width) == (1, False)

@@ -265,6 +265,8 @@ def rotary_bytes(spec: ModelSpec, positions: int, compute_bytes: int) -> int:
     """The rotary tables' bytes: cos and sin for ``positions`` positions, saved once."""
     profile = _profile(spec)
     width = rotary_width(spec, profile.rotary_fraction_attr)
+    if profile.rotary_half_width:
+        width //= 2
     dtype = profile.rotary_dtype
     dtype_bytes = compute_bytes if dtype == "compute" else DTYPE_BYTES[dtype]
     return profile.rotary_tables * 2 * positions * width * dtype_bytes

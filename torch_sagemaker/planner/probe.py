@@ -133,7 +133,7 @@ def _probe(spec: ModelSpec) -> ActivationProfile:
     final = merged(
         solved_terms(parts.get((None, "final"), [[] for _ in values]), values, "the head")
     )
-    positions, rotary_tables, rotary_dtype = position_terms(
+    positions, rotary_tables, rotary_dtype, half_width = position_terms(
         parts.get((None, "positions"), [[] for _ in values]), values, smalls
     )
     return ActivationProfile(
@@ -144,6 +144,7 @@ def _probe(spec: ModelSpec) -> ActivationProfile:
         masked_attention=masked_attention,
         rotary_tables=rotary_tables,
         rotary_dtype=rotary_dtype,
+        rotary_half_width=half_width,
         no_gradient=no_gradient,
         probed=True,
     )

@@ -200,18 +200,20 @@ def layer_terms(
 
 def position_terms(
     matched_runs: list[list[Record]], values: list[dict[str, int]], smalls: list[ModelSpec]
-) -> tuple[tuple[Saved, ...], int, str]:
+) -> tuple[tuple[Saved, ...], int, str, bool]:
     """Per-position storages: the terms the sizes explain, and the rotary tables.
 
     Returns the ``positions`` terms (masks, ids), how many pairs of rotary tables the rest
-    are, and their dtype.
+    are, their dtype, and whether they are half-width (``ActivationProfile.rotary_half_width``).
 
     The rest must be a whole number of the pairs the planner sizes itself
     (``activations.rotary_bytes``: cos and sin, as wide as the part of a head rotary
     rotates), the same number in every run; the rotary width is a fraction of the head size,
     not a sum of sizes, so the solve leaves it over. Tables all in float32 are float32
     pairs (OLMo 2 keeps them so under bfloat16 compute: one pair, not two of bfloat16, which
-    a float32 run would halve); others are counted in pairs of the compute dtype.
+    a float32 run would halve); others are counted in pairs of the compute dtype. Pairs of
+    half the width are tables of one value per rotated pair of channels (GPT-OSS's), where
+    full-width pairs do not divide the bytes.
 
     Raises:
         ProbeError: If per-position storages are saved that are neither.
@@ -235,15 +237,18 @@ def position_terms(
     # Complex frequencies (Llama 4's, half as many elements of 8 bytes) are a compute pair.
     dtype = "float32" if dtypes == {"float32"} else "compute"
     table_bytes = 2 if dtype == "compute" else DTYPE_BYTES[dtype]  # compute: bfloat16
-    counts = set()
-    for measured, small in zip(rest, smalls, strict=True):
-        pair = 2 * rotary_width(small) * table_bytes  # cos and sin
-        if not pair or measured % pair:
-            raise ProbeError(
-                f"it saves {measured} bytes per position that are not rotary tables (pairs "
-                f"of {pair}) nor explained by its sizes"
-            )
-        counts.add(measured // pair)
+    # Full-width tables first; then tables of one value per rotated pair (GPT-OSS's).
+    for half in (False, True):
+        pairs = [2 * (rotary_width(small) // (2 if half else 1)) * table_bytes for small in smalls]
+        if all(pair and measured % pair == 0 for measured, pair in zip(rest, pairs, strict=True)):
+            break
+    else:
+        raise ProbeError(
+            f"it saves {rest[0]} bytes per position that are not rotary tables (pairs of "
+            f"{2 * rotary_width(smalls[0]) * table_bytes}, or of half the width) nor "
+            "explained by its sizes"
+        )
+    counts = {measured // pair for measured, pair in zip(rest, pairs, strict=True)}
     if len(counts) != 1:
         raise ProbeError(f"its rotary tables change with its sizes ({sorted(counts)} pairs)")
-    return merged(terms), counts.pop(), dtype
+    return merged(terms), counts.pop(), dtype, half

@@ -243,6 +243,9 @@ class ActivationProfile:
             global layers rotate with different bases (Gemma 3).
         rotary_dtype: The tables' dtype: ``"compute"``, or ``"float32"`` where the family
             keeps them in float32 whatever the activations' dtype (OLMo 2).
+        rotary_half_width: Each table holds one value per rotated pair of channels, half
+            the rotary width (GPT-OSS rotates the two halves of a head with one cos and one
+            sin per pair), not the values repeated over both halves (Llama).
         no_gradient: Parameters no output of the forward reaches, as ``fnmatch`` patterns of
             their names (``*`` for a layer's number): they get no gradient, and no AdamW
             state where the gradient is the parameter's own (FSDP2). A head's own bias that
@@ -260,6 +263,7 @@ class ActivationProfile:
     rotary_fraction_attr: str | None = None
     rotary_tables: int = 1
     rotary_dtype: str = "compute"
+    rotary_half_width: bool = False
     no_gradient: tuple[str, ...] = ()
     probed: bool = False
 
