@@ -92,10 +92,12 @@ def tiny_config(family: str, **overrides):
         )
     elif family == "gpt_neox":
         cfg = tf.GPTNeoXConfig(**common, hidden_dropout=0.0, use_parallel_residual=True)
-    elif family == "dbrx":  # no policy: its shipped plan (grouped [q | k | v], experts)
+    elif family in ("dbrx", "llama4_text"):
+        # no policy: DBRX's shipped plan (grouped [q | k | v], experts); Llama 4's own plan
+        # (experts run on every token, one block of rows per expert)
         from tools.model_coverage.tiny import tiny_config as coverage_config
 
-        cfg = coverage_config("dbrx")
+        cfg = coverage_config(family)
     else:
         raise ValueError(family)
     for key, value in overrides.items():

@@ -298,6 +298,7 @@ class BatchedExperts(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         num_experts, first, num_local = split_experts(module, device_mesh, self.src_data_rank)
         forward_impl = type(module).forward
+        shapes = parameter_shapes(module, recurse=False)  # Note [Replicated parameters under FSDP1]
 
         def forward(mod: nn.Module, rows: torch.Tensor) -> torch.Tensor:
             rows = to_local_partial_grad(rows, device_mesh)
@@ -308,11 +309,7 @@ class BatchedExperts(ParallelStyle):
                 )
             per_expert = rows.shape[0] // num_experts
             mine = rows[first * per_expert : (first + num_local) * per_expert]
-            local = {
-                n: local_value(mod, n, cast(DTensor, p))
-                for n, p in mod.named_parameters(recurse=False)
-            }
-            with nn_compat.parameters_swapped(mod, local):
+            with local_parameters(mod, shapes):
                 out = forward_impl(mod, mine)
             after = (num_experts - first - num_local) * per_expert
             full = torch.cat(
