@@ -92,7 +92,7 @@ def tiny_config(family: str, **overrides):
         )
     elif family == "gpt_neox":
         cfg = tf.GPTNeoXConfig(**common, hidden_dropout=0.0, use_parallel_residual=True)
-    elif family in ("dbrx", "llama4_text"):
+    elif family in ("dbrx", "llama4_text", "gpt_oss"):
         # no policy: DBRX's shipped plan (grouped [q | k | v], experts); Llama 4's own plan
         # (experts run on every token, one block of rows per expert)
         from tools.model_coverage.tiny import tiny_config as coverage_config
@@ -110,10 +110,15 @@ def build(family: str, seed: int = 0, **overrides):
     rank)."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     torch.manual_seed(seed)
     cfg = tiny_config(family, **overrides)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float()
+    # SDPA where the family has it (GPT-OSS's attention sinks need eager)
+    sdpa = getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)], "_supports_sdpa", False)
+    return AutoModelForCausalLM.from_config(
+        cfg, attn_implementation="sdpa" if sdpa else "eager"
+    ).float()
 
 
 def batch(dp_rank: int, vocab: int = 128, size: tuple[int, int] = (2, 12)):

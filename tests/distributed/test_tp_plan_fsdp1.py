@@ -9,9 +9,9 @@ flat parameters; Falcon-7B's computes its query rows of a replicated fused proje
 (Note [Fused projections computed by rows]); DBRX's, its grouped-query [q | k | v], and its
 experts run on this rank's choices only (Note [Experts that run every index]); Llama 4's
 experts, each rank's experts on their block of rows (``experts_batched``), used to fail their
-first forward as Qwen3's norms did. Here
-tp 2 x hybrid_shard_degree 2, HYBRID_SHARD, trains 3 SGD steps against one process on the
-global batch (4 ranks): losses and every parameter.
+first forward as Qwen3's norms did; GPT-OSS runs eager attention with sinks. Here tp 2 x
+hybrid_shard_degree 2, HYBRID_SHARD, trains 3 SGD steps against one process on the global
+batch (4 ranks): losses and every parameter.
 """
 
 from __future__ import annotations
@@ -87,7 +87,9 @@ def _fsdp1_on_plan(family: str) -> tuple[list[float], dict]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("family", ["qwen3", "mixtral", "gpt2", "falcon", "dbrx", "llama4_text"])
+@pytest.mark.parametrize(
+    "family", ["qwen3", "mixtral", "gpt2", "falcon", "dbrx", "llama4_text", "gpt_oss"]
+)
 def test_fsdp1_trains_a_tensor_parallel_model_like_one_process(family):
     ref_losses, ref_params = _reference(family)
     for rank, (losses, params) in enumerate(

@@ -369,3 +369,87 @@ def test_half_width_rotary_tables_are_found(tmp_path):
     # Llama's tables repeat each value over both halves: full width.
     llama = probe_activations(_without_profile(_spec(tmp_path, "llama")))
     assert (llama.rotary_tables, llama.rotary_half_width) == (1, False)
+
+
+def _llama4(tmp_path, layers: int, no_rope: list[int], step: int = 2):
+    return _spec(
+        tmp_path,
+        "llama4_text",
+        num_hidden_layers=layers,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        intermediate_size=64,  # the experts' (expert_mlp_attr)
+        intermediate_size_mlp=192,  # the dense layers'
+        interleave_moe_layer_step=step,
+        no_rope_layers=no_rope,
+        layer_types=["chunked_attention" if r else "full_attention" for r in no_rope],
+    )
+
+
+def test_llama4_layer_kinds_and_experts_on_every_token_are_measured(tmp_path):
+    # Llama 4 (refused before): its every-fourth layer has no rotary embedding and no
+    # query/key norm (Note [Layer kinds]), and its MoE block runs every expert on every token
+    # (Note [Experts on every token]). Its memory against real steps: docs/planner.md.
+    from torch_sagemaker.planner.activations import experts_on_every_token
+
+    spec = _llama4(tmp_path, 4, [1, 1, 1, 0])
+    assert (spec.mlp_size, spec.dim("intermediate_size")) == (192, 64)
+    probed = probe_activations(spec)
+    kinds = dict(probed.attention_by_kind)
+    rope = kinds[(("layer_types", "chunked_attention"), ("no_rope_layers", 1))]
+    nope = kinds[(("layer_types", "full_attention"), ("no_rope_layers", 0))]
+    assert ("q", "float32", "split") in _counts(rope)  # the float32 query norm
+    assert ("q", "float32", "split") not in _counts(nope)
+    moe = _counts(probed.moe)
+    assert moe[("hidden", "compute", "every_expert")] == 2  # the repeated input, scaled
+    assert moe[("expert_mlp", "compute", "own_experts")] == 4  # gate/up, activation, product
+    assert _counts(probed.mlp)[("mlp", "compute", "split")] == 4  # dense layers, their size
+    spec = dataclasses.replace(spec, policy=dataclasses.replace(spec.policy, activations=probed))
+    assert experts_on_every_token(spec)
+
+
+def test_a_layer_kind_beyond_the_reduced_copy_is_measured(tmp_path):
+    # A pattern longer than the copy's 6 layers: the copy takes the rotary-free layer 7.
+    spec = _llama4(tmp_path, 8, [1] * 7 + [0], step=1)
+    kinds = dict(probe_activations(spec).attention_by_kind)
+    assert len(kinds) == 2
+
+
+def test_experts_on_every_token_compute_every_token(tmp_path, monkeypatch):
+    # The time model gives each of Llama 4's experts every token's rows, not its share of
+    # the picks: the matmul FLOPs grow by the experts' weights times the tokens not routed.
+    from torch_sagemaker.planner import timing
+
+    spec = _llama4(tmp_path, 4, [1, 1, 1, 0])
+    one = {"tensor_parallel_degree": [1], "hybrid_shard_degree": [2], "fsdp": [2]}
+    one |= {"activation_checkpointing": [False], "gradient_accumulation_steps": [1]}
+
+    def flops() -> float:
+        result = plan(spec, seq_len=64, global_batch_tokens=2 * 64, hosts=1, per_host=2, limits=one)
+        (row,) = result.ranked
+        return row.time.flops
+
+    every = flops()
+    monkeypatch.setattr(timing, "experts_on_every_token", lambda _spec: False)
+    routed = flops()
+    tokens, top_k, experts = 64, 1, 4  # one sequence a rank
+    expert_elements = sum(p.numel for p in spec.params if p.expert)
+    expected = 3 * 2 * tokens * (1 - top_k / experts) * expert_elements
+    assert every - routed == pytest.approx(expected, rel=1e-9)
+
+
+def test_layers_that_are_not_softmax_attention_are_refused(tmp_path):
+    # MiniMax's lightning attention works in blocks of 256 tokens, which the probe's short
+    # sequences never fill: its layers save different tensors, but sizing them by kind
+    # would scale a block's scores with the whole sequence. Refused, naming the type.
+    spec = _spec(
+        tmp_path,
+        "minimax",
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention"],
+    )
+    with pytest.raises(ProbeError, match="'linear_attention' \\(layers \\[0\\]\\)"):
+        probe_activations(spec)

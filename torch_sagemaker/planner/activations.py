@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from torch_sagemaker.planner.model import ModelSpec
+from torch_sagemaker.planner.model import ModelSpec, expert_mlp_attr, layer_kind
 from torch_sagemaker.policies import HeadSplit
 from torch_sagemaker.policies.model_policy import ActivationProfile, Saved
 from torch_sagemaker.topology import Layout
@@ -158,11 +158,16 @@ class _Sizer:
         }
         top_k = spec.policy.moe.top_k(spec.config) if spec.policy.moe else 0
         self.rows["routed"] = self.tokens * top_k
+        # Note [Experts on every token] in probe_runs.py: TP splits such experts whole.
+        experts = spec.num_experts or 0
+        self.rows["every_expert"] = self.tokens * experts
+        self.rows["own_experts"] = self.tokens * _chunk(experts, tp, shape.tp_rank)
         self.rows["local"] = self.tokens
         # A mask row spans every key of the sequence; context parallelism, which would cut
         # the keys, refuses sliding windows (the only masks modelled).
         num_heads, num_kv = heads.num_heads, heads.num_kv_heads
-        expert_mlp = spec.dim("moe_intermediate_size", 0) or spec.mlp_size
+        expert_attr = expert_mlp_attr(spec.config)
+        expert_mlp = (spec.dim(expert_attr, 0) if expert_attr else 0) or spec.mlp_size
         self.whole = {
             "hidden": spec.dim("hidden_size"),
             "q": num_heads * head_dim,
@@ -272,6 +277,17 @@ def rotary_bytes(spec: ModelSpec, positions: int, compute_bytes: int) -> int:
     return profile.rotary_tables * 2 * positions * width * dtype_bytes
 
 
+def experts_on_every_token(spec: ModelSpec) -> bool:
+    """Whether the model's own MoE blocks run every expert on every token (Llama 4's).
+
+    Read from what the profile says they save (Note [Experts on every token] in
+    ``probe_runs.py``).
+    """
+    profile = spec.policy.activations
+    every = ("every_expert", "own_experts")
+    return profile is not None and any(t.region in every for t in profile.moe)
+
+
 def sparse_layers(spec: ModelSpec) -> set[int]:
     """Indices of the layers with an MoE block (those holding expert weights)."""
     return {int(p.unit.partition(".")[2]) for p in spec.params if p.expert}
@@ -300,13 +316,21 @@ def activation_bytes(
         norm = tuple(t for t in (profile.mlp or profile.moe) if t.region == "sequence")
         moe_terms = norm + (Saved("hidden", "compute", "gathered"),) + MOE_LAYER
     masked = masked_layers(spec, shape.seq_len)
-    attention = {False: size.bytes(profile.attention)}
-    if masked:
-        attention[True] = size.bytes(profile.masked_attention)
+    masked_bytes = size.bytes(profile.masked_attention) if masked else 0
+    # Note [Layer kinds] in model.py: a layer's attention by its kind, where kinds differ.
+    by_kind = {kind: size.bytes(terms) for kind, terms in profile.attention_by_kind}
+    unmasked = size.bytes(profile.attention)
     dense_mlp = size.bytes(profile.mlp)
     sparse_mlp = size.bytes(moe_terms) if sparse else 0
     per_layer = [
-        attention[index in masked] + (sparse_mlp if index in sparse else dense_mlp)
+        (
+            masked_bytes
+            if index in masked
+            else by_kind.get(layer_kind(spec.config, index), unmasked)
+            if by_kind
+            else unmasked
+        )
+        + (sparse_mlp if index in sparse else dense_mlp)
         for index in range(spec.num_layers)
     ]
     layer_input = size.bytes((Saved("hidden", "compute", "sequence"),))
@@ -350,6 +374,7 @@ __all__ = [
     "MOE_LAYER",
     "VOCAB_PARALLEL_LOSS",
     "activation_bytes",
+    "experts_on_every_token",
     "masked_layers",
     "rotary_bytes",
     "rotary_width",

@@ -220,6 +220,7 @@ class ModelSpec:
 
 #: Config attributes holding a dense MLP's intermediate size, in the order they are read.
 MLP_SIZE_ATTRS = (
+    "intermediate_size_mlp",  # Llama 4's dense layers (its experts': ``expert_mlp_attr``)
     "intermediate_size",
     "decoder_ffn_dim",
     "ffn_dim",
@@ -239,6 +240,20 @@ def mlp_size_attr(config: Any) -> str | None:
     return next(
         (a for a in MLP_SIZE_ATTRS if a in known and getattr(config, a, None) is not None), None
     )
+
+
+def expert_mlp_attr(config: Any) -> str | None:
+    """The config attribute with one routed expert's intermediate size, where it has its own.
+
+    ``moe_intermediate_size`` (Qwen2-MoE, DeepSeek, ...), or ``intermediate_size`` where the
+    dense MLP's size is another attribute (Llama 4's ``intermediate_size_mlp``); ``None``
+    where the experts are as wide as the dense MLP.
+    """
+    if getattr(config, "moe_intermediate_size", None) is not None:
+        return "moe_intermediate_size"
+    if mlp_size_attr(config) == "intermediate_size_mlp":
+        return "intermediate_size"
+    return None
 
 
 _CLASS_ATTRS: dict[type, frozenset[str]] = {}
@@ -317,6 +332,33 @@ def _last_line(error: Exception) -> str:
     if sep and name.endswith("Error") and name.isidentifier():
         line = rest
     return line if line.endswith(".") else line + "."
+
+
+# Note [Layer kinds]
+#     Some families build layers of more than one kind: Llama 4 applies no rotary embedding
+#     in every fourth layer (``no_rope_layers``), and ``layer_types`` names each layer's
+#     attention (sliding, chunked, full). Where the kinds save different tensors for
+#     backward, the probe measures each kind's attention on the reduced copy's layers of that
+#     kind, and the planner sizes every layer of the real model by its kind
+#     (``ActivationProfile.attention_by_kind``). A layer's kind is its value in each of
+#     ``LAYER_KIND_ATTRS``, the config's lists of one entry per layer; a kind the reduced
+#     copy's layers do not hold is refused, not guessed. Sizes that change layer by layer are
+#     another matter (Note [One size per layer]).
+#: Config attributes that list one value per layer and change what the layer saves.
+LAYER_KIND_ATTRS = ("layer_types", "no_rope_layers")
+
+
+def layer_kind(config: Any, index: int) -> tuple[tuple[str, Any], ...]:
+    """Layer ``index``'s kind: its entry in each of the config's ``LAYER_KIND_ATTRS``.
+
+    Note [Layer kinds]; empty where the config lists none.
+    """
+    kind = []
+    for attr in LAYER_KIND_ATTRS:
+        values = getattr(config, attr, None)
+        if isinstance(values, list | tuple) and index < len(values):
+            kind.append((attr, values[index]))
+    return tuple(kind)
 
 
 #: Sizes the planner and the model's constructor read: each, where the config has it, a
@@ -591,6 +633,7 @@ __all__ = [
     "describe",
     "load_model",
     "mlp_size_attr",
+    "expert_mlp_attr",
     "model_class",
     "read_config",
 ]

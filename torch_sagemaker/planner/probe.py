@@ -36,7 +36,7 @@ state under FSDP2).
 
 import dataclasses
 
-from torch_sagemaker.planner.model import ModelSpec
+from torch_sagemaker.planner.model import ModelSpec, layer_kind
 from torch_sagemaker.planner.probe_runs import Record, run_reduced
 from torch_sagemaker.planner.probe_sizes import (
     SEQ,
@@ -47,6 +47,8 @@ from torch_sagemaker.planner.probe_sizes import (
     variations,
 )
 from torch_sagemaker.planner.probe_widths import (
+    _kind_words,
+    kind_terms,
     layer_terms,
     merged,
     parts_of,
@@ -109,8 +111,36 @@ def _measure(
     return runs, values, smalls, tuple(sorted(unreached - reached))
 
 
+#: Layer types whose attention is softmax attention over the sequence (a window, chunk or
+#: selection of it): what they save grows with the sequence as the probe's runs show it.
+#: Linear, recurrent and convolution layers hold blocks or state of sizes the short runs do
+#: not reach (MiniMax's lightning attention works in blocks of 256 tokens), so a config with
+#: any other type is refused (Note [Layer kinds] in model.py).
+SIZED_LAYER_TYPES = (
+    "full_attention",
+    "sliding_attention",
+    "chunked_attention",
+    "indexed_attention",
+)
+
+
+def _check_layer_types(spec: ModelSpec) -> None:
+    types = getattr(spec.config, "layer_types", None) or ()
+    other = sorted({t for t in types if t not in SIZED_LAYER_TYPES}, key=str)
+    if other:
+        layers = [i for i, t in enumerate(types) if t == other[0]]
+        raise ProbeError(
+            f"its layer_types include {other[0]!r} (layers {layers[:8]}"
+            f"{', ...' if len(layers) > 8 else ''}), not softmax attention over the sequence "
+            f"({', '.join(SIZED_LAYER_TYPES)}): what such a layer saves depends on block or "
+            "state sizes that the probe's short sequences do not reach"
+        )
+
+
 def _probe(spec: ModelSpec) -> ActivationProfile:
     from torch_sagemaker.planner.activations import sparse_layers, window_layers
+
+    _check_layer_types(spec)
 
     window_attr = spec.policy.sliding_window_attr
     windowed = bool(window_attr and getattr(spec.config, window_attr, None))
@@ -130,6 +160,18 @@ def _probe(spec: ModelSpec) -> ActivationProfile:
                 parts_of(masked_runs), masked_values, masked, "attention", "sliding-window"
             )
     everything = set(range(small.num_layers))
+    # Note [Layer kinds]: one set of attention terms, or one per kind where kinds differ.
+    kinds = {i: layer_kind(small.config, i) for i in everything}
+    attention, attention_by_kind = kind_terms(parts, values, kinds, "attention", "attention")
+    if attention_by_kind:
+        measured = dict(attention_by_kind)
+        missing = {layer_kind(spec.config, i) for i in range(spec.num_layers)} - set(measured)
+        if missing:
+            raise ProbeError(
+                f"its layers' attention saves different tensors by kind, and the reduced "
+                f"copy's {small.num_layers} layers hold no layer of kind "
+                f"{_kind_words(sorted(missing)[0])}"
+            )
     final = merged(
         solved_terms(parts.get((None, "final"), [[] for _ in values]), values, "the head")
     )
@@ -137,7 +179,8 @@ def _probe(spec: ModelSpec) -> ActivationProfile:
         parts.get((None, "positions"), [[] for _ in values]), values, smalls
     )
     return ActivationProfile(
-        attention=layer_terms(parts, values, everything, "attention", "attention"),
+        attention=attention,
+        attention_by_kind=attention_by_kind,
         mlp=layer_terms(parts, values, dense, "mlp", "dense") if dense else (),
         moe=layer_terms(parts, values, sparse, "mlp", "sparse") if sparse else (),
         final=merged([*final, *positions]),

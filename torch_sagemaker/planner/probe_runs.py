@@ -3,10 +3,10 @@
 ``run_reduced(spec, sizes, window)`` builds the model's own class from its config with the
 sizes of one run (``variations``: the base sizes, then each changed alone), runs one bfloat16
 forward pass under a ``saved_tensors_hooks`` and returns a ``Record`` per saved storage: its
-rows (per token, routed, per position), its width, its dtype and where it was saved; and the
-parameters the outputs reach through autograd (``Reach``: the others get no gradient). What
-the widths are made of is ``probe_widths``'s concern (Note [Probing what a family saves] in
-``probe.py``).
+rows (per token, routed, per expert, per position), its width, its dtype and where it was
+saved; and the parameters the outputs reach through autograd (``Reach``: the others get no
+gradient). What the widths are made of is ``probe_widths``'s concern (Note [Probing what a
+family saves] in ``probe.py``).
 """
 
 from __future__ import annotations
@@ -51,6 +51,20 @@ _REDUCING_STYLES = (
     "experts_batched",
 )
 
+#: Styles of experts modules that compute every token for the experts each TP rank holds
+#: (Note [Experts on every token]).
+_EXPERT_SPLIT_STYLES = ("experts_batched",)
+
+# Note [Experts on every token]
+#     Llama 4's MoE block runs every expert on every token: it repeats its input once per
+#     expert, scales each copy by the router's score (zero for the experts a token did not
+#     pick) and hands the experts one block of rows per expert. What it saves is per (token,
+#     expert) row, tokens x experts rows, not per routed row: ``every_expert`` in the block,
+#     and ``own_experts`` inside the experts module, which under TP
+#     (``experts_batched``) computes only the experts its rank holds on their rows. The
+#     probe knows such a storage by its shape: tokens x experts rows, or experts then
+#     tokens as its first dimensions. The time model gives each expert every token's rows.
+
 #: Sequences per probe run: 7 divides none of the probe's sizes, so a storage holds whole
 #: tokens (a multiple of 7 x the sequence) only if it is per token; eager attention flattens
 #: the batch with the heads, so the shape alone cannot say.
@@ -71,7 +85,7 @@ class Record:
 
     layer: int | None  # None: outside the layers
     attention: bool  # saved inside the layer's attention module
-    rows: str  # "token", "routed", "position" or "constant"
+    rows: str  # "token", "routed", "every_expert", "position" or "constant"
     width: int  # elements per row
     dtype: str
     inside: bool  # in a parallel region, or a planned module's input
@@ -80,6 +94,7 @@ class Record:
     local_input: bool  # the input of a projection that saves its own slice of it
     cast: bool = False  # a compute <-> float32 cast of another saved storage (Saved.cast)
     whole_block: bool = False  # in a region's block that the plan leaves whole (a router)
+    own_experts: bool = False  # computed by an experts module that TP splits by experts
 
 
 def _region_modules(model: nn.Module, policy: Any, layer_names: list[str]) -> set[str]:
@@ -293,6 +308,7 @@ def run_reduced(
     batch, seq = _BATCH, sizes.seq
     tokens = batch * seq
     routed = tokens * sizes.top_k if sizes.top_k else None
+    every = tokens * sizes.experts if sizes.experts else None  # Note [Experts on every token]
     # Note [Storages the forward frees]: autograd frees the saved tensors of graph parts no
     # output reaches (an MoE router's auxiliary scores) while the forward still runs, and
     # the allocator hands their addresses to later storages. A storage is the one already
@@ -341,8 +357,12 @@ def run_reduced(
         shape = tuple(tensor.shape)
         # The first row kind the shape shows and the storage divides into (a tensor expanded
         # over the batch keeps one sequence's storage: per position).
+        expert_major = every is not None and (
+            every in shape or shape[:2] == (sizes.experts, tokens)
+        )
         kinds = [
             ("routed", routed, routed is not None and routed in shape),
+            ("every_expert", every, expert_major),
             ("token", tokens, tokens in shape or seq in shape),
             ("position", seq, seq in shape),
         ]
@@ -388,6 +408,7 @@ def run_reduced(
                 split_input=is_input and style in _SPLIT_INPUT_STYLES,
                 local_input=is_input and style in _LOCAL_INPUT_STYLES,
                 whole_block=modules.in_whole_block(),
+                own_experts=style in _EXPERT_SPLIT_STYLES and not is_input,
             )
         )
         return tensor

@@ -15,7 +15,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from torch_sagemaker.planner.model import LatentAttention, ModelSpec, mlp_size_attr
+from torch_sagemaker.planner.model import (
+    LAYER_KIND_ATTRS,
+    LatentAttention,
+    ModelSpec,
+    expert_mlp_attr,
+    layer_kind,
+    mlp_size_attr,
+)
 
 #: Tokens per sequence of the base run, and the sliding window of the windowed runs.
 SEQ = 26
@@ -77,7 +84,7 @@ def base_sizes(spec: ModelSpec) -> Sizes:
         seq=SEQ,
         experts=6 if experts else None,
         top_k=2 if experts and moe is not None else None,
-        expert_mlp=40 if getattr(config, "moe_intermediate_size", None) else None,
+        expert_mlp=40 if expert_mlp_attr(config) else None,
         shared_mlp=72 if getattr(config, "shared_expert_intermediate_size", None) else None,
         latent=latent,
     )
@@ -149,15 +156,37 @@ def _set(config: Any, attr: str | None, value: Any) -> None:
         setattr(config, attr, value)
 
 
+def _kind_layers(spec: ModelSpec, layers: int) -> list[int]:
+    """The real layers whose kinds the reduced copy's ``layers`` layers take, in order.
+
+    The first ``layers``, but where a kind appears only later (a pattern longer than the
+    copy), the last of them give way to the first layer of each such kind (Note [Layer
+    kinds]).
+    """
+    kinds = [layer_kind(spec.config, i) for i in range(spec.num_layers)]
+    chosen = list(range(layers))
+    seen = {kinds[i] for i in chosen}
+    missing: list[int] = []
+    for index, kind in enumerate(kinds):
+        if kind not in seen:
+            seen.add(kind)
+            missing.append(index)
+    if missing and len(missing) < layers:
+        chosen = chosen[: layers - len(missing)] + missing
+    return chosen
+
+
 def reduced_config(spec: ModelSpec, sizes: Sizes, window: int | None) -> Any:
     """A copy of ``spec``'s config with ``sizes`` (and ``window``) written into it."""
     config = copy.deepcopy(spec.config)
     policy = spec.policy
     layers = min(spec.num_layers, _MAX_LAYERS)
     config.num_hidden_layers = layers
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        config.layer_types = list(types[:layers])
+    chosen = _kind_layers(spec, layers)
+    for attr in LAYER_KIND_ATTRS:  # one entry per layer (Note [Layer kinds])
+        values = getattr(config, attr, None)
+        if isinstance(values, list | tuple):
+            setattr(config, attr, [values[i] for i in chosen if i < len(values)])
     # Sizes the config keeps under other names equal to the hidden size (OPT's
     # word_embed_proj_dim) follow it, so that they shrink and change with it.
     hidden = spec.dim("hidden_size")
@@ -183,7 +212,7 @@ def reduced_config(spec: ModelSpec, sizes: Sizes, window: int | None) -> Any:
     _set(config, policy.num_experts_attr, sizes.experts)
     if policy.moe is not None:
         _set(config, policy.moe.top_k_attr, sizes.top_k)
-    _set(config, "moe_intermediate_size", sizes.expert_mlp)
+    _set(config, expert_mlp_attr(config), sizes.expert_mlp)
     # Group-limited routing (DeepSeek V3's experts in n_group groups, of which topk_group are
     # searched) divides the experts into groups; one group of the probe's experts keeps the
     # division whole. It only picks indices, and autograd frees what that saves during the
@@ -259,7 +288,8 @@ def size_values(sizes: Sizes, small: ModelSpec) -> dict[str, int]:
     if sizes.experts:
         values["experts"] = small.num_experts
         values["topk"] = top_k
-        values["expert_mlp"] = small.dim("moe_intermediate_size", 0) or values["mlp"]
+        attr = expert_mlp_attr(small.config)
+        values["expert_mlp"] = (small.dim(attr, 0) if attr else 0) or values["mlp"]
     if sizes.shared_mlp:
         values["shared_mlp"] = small.dim("shared_expert_intermediate_size", 0)
     latent = small.latent

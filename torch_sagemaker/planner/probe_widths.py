@@ -130,6 +130,8 @@ def solved_terms(runs: list[list[Record]], values: list[dict[str, int]], where: 
                 region = "positions"
             elif first.rows == "routed":
                 region = "routed"
+            elif first.rows == "every_expert":  # Note [Experts on every token]
+                region = "own_experts" if first.own_experts else "every_expert"
             elif first.local_input:
                 region = "local"
             elif name in _SPLIT_SIZES and not first.whole_block:
@@ -196,6 +198,41 @@ def layer_terms(
         elif sorted(map(repr, terms)) != sorted(map(repr, found)):
             raise ProbeError(f"the reduced model's {what} layers save different tensors")
     return found or ()
+
+
+def kind_terms(
+    parts: dict, values: list[dict[str, int]], kinds: dict[int, tuple], half: str, what: str
+) -> tuple[tuple[Saved, ...], tuple[tuple[tuple, tuple[Saved, ...]], ...]]:
+    """The terms of one half of the layers ``kinds`` maps to their kind (Note [Layer kinds]).
+
+    Returns the first layer's terms, and, where layers save different terms, each kind's
+    (empty where all agree).
+
+    Raises:
+        ProbeError: If two layers of one kind save different terms.
+    """
+    per_layer = {
+        layer: merged(
+            solved_terms(
+                parts.get((layer, half), [[] for _ in values]), values, f"layer {layer}'s {half}"
+            )
+        )
+        for layer in sorted(kinds)
+    }
+    first = per_layer[min(kinds)]
+    if all(sorted(map(repr, t)) == sorted(map(repr, first)) for t in per_layer.values()):
+        return first, ()
+    by_kind: dict[tuple, tuple[Saved, ...]] = {}
+    for layer, terms in per_layer.items():
+        kind = kinds[layer]
+        if sorted(map(repr, by_kind.setdefault(kind, terms))) != sorted(map(repr, terms)):
+            alike = f" of one kind ({_kind_words(kind)})" if kind else ""
+            raise ProbeError(f"the reduced model's {what} layers{alike} save different tensors")
+    return first, tuple(by_kind.items())
+
+
+def _kind_words(kind: tuple) -> str:
+    return ", ".join(f"{attr} {value!r}" for attr, value in kind)
 
 
 def position_terms(

@@ -53,7 +53,12 @@ import functools
 from dataclasses import dataclass
 
 from torch_sagemaker.planner import comm
-from torch_sagemaker.planner.activations import ActivationShape, activation_bytes, sparse_layers
+from torch_sagemaker.planner.activations import (
+    ActivationShape,
+    activation_bytes,
+    experts_on_every_token,
+    sparse_layers,
+)
 from torch_sagemaker.planner.candidates import Checked
 from torch_sagemaker.planner.inputs import Workload
 from torch_sagemaker.planner.model import ROOT, ModelSpec
@@ -263,6 +268,8 @@ def estimate(
     # Rows each expert this rank holds computes: its share of the tokens' picks, from every
     # EP rank's tokens with an MoEConfig (TP ranks each see their own experts' picks only).
     expert_rows = tokens * top_k / experts_total * (layout.ep if c.moe else 1)
+    if not c.moe and experts_on_every_token(spec):  # Note [Experts on every token]
+        expert_rows = tokens
     attention = b * seq * seq * heads_local * (qk_dim + v_dim) / layout.cp
     fwd_layers = [
         2 * tokens * units.matmul_dense[i] + 2 * expert_rows * units.experts[i] + attention

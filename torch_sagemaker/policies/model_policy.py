@@ -183,6 +183,9 @@ SAVED_REGIONS = (
     "gathered",  # the all-gathered input of a parallel region: every token, whole
     "split",  # inside a parallel region: every token, heads/columns/vocabulary split over TP
     "routed",  # per (token, chosen expert) row of an MoE block: tokens x topk rows, whole
+    # per (token, expert) row of a block whose experts compute every token (Llama 4's):
+    "every_expert",  # tokens x experts rows, whole (the block's input repeated per expert)
+    "own_experts",  # tokens x the experts this TP rank holds (inside its experts module)
     "positions",  # per position, not per sequence (rotary tables)
     "local",  # a rank's slice of a whole activation it splits itself: divided over TP always
 )
@@ -233,6 +236,10 @@ class ActivationProfile:
         moe: A sparse layer's MLP half with the model's own MoE block (router, experts), or
             empty for dense families.
         final: The final norm and the LM head's input.
+        attention_by_kind: A layer's attention half by the layer's kind, where kinds save
+            different tensors (``planner.model.layer_kind``: Llama 4's layers without rotary
+            embeddings), as ``(kind, terms)`` pairs; a layer whose kind is not listed uses
+            ``attention``.
         masked_attention: A layer's attention half when Hugging Face passes its attention an
             explicit mask (a sliding window no longer than the sequence), or empty where the
             family never does (then ``attention`` is used).
@@ -260,6 +267,7 @@ class ActivationProfile:
     final: tuple[Saved, ...]
     moe: tuple[Saved, ...] = ()
     masked_attention: tuple[Saved, ...] = ()
+    attention_by_kind: tuple[tuple[tuple[tuple[str, Any], ...], tuple[Saved, ...]], ...] = ()
     rotary_fraction_attr: str | None = None
     rotary_tables: int = 1
     rotary_dtype: str = "compute"
