@@ -12,7 +12,12 @@ Swapping those left the forward with DTensor weights and plain activations ("mix
 torch.Tensor and DTensor": Qwen3 and Gemma on their transformers plans, Mixtral's router).
 So the parameters are named once, when the style is applied, then read as attributes at
 each call, and an instance attribute is swapped in the instance's dictionary. Outside FSDP
-the attribute is the registered parameter itself, swapped as before.
+the attribute is the registered parameter itself, swapped as before. Names read again at a
+call miss more: in the forward that activation checkpointing recomputes during backward (as
+SMP's scripts apply it, after FSDP1), ``named_parameters()`` lists none of the unit's
+parameters, so styles that listed them at each call (``local_params`` owners: attention
+sinks, GPT-NeoX-Japanese's output bias, Qwen 3.5's convolution weight; Llama 4's and DBRX's
+experts) computed with DTensor weights there.
 
 Note [Parameters still sharded by FSDP]: FSDP2 keeps a tensor-parallel parameter, between
 the forwards of the unit that owns it, as a DTensor on the mesh (data-parallel dimensions,

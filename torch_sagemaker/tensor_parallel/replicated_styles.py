@@ -45,7 +45,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torch_sagemaker._torch_compat import nn as nn_compat
 from torch_sagemaker.tensor_parallel import consistency
 from torch_sagemaker.tensor_parallel.head_inputs import HeadInputs
 from torch_sagemaker.tensor_parallel.local_parameters import (
@@ -211,13 +210,9 @@ class LocalParams(ParallelStyle):
         super().__init__()
         self.layer_class = layer_class
 
-    def _reachable(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """Plain values of own DTensor parameters and of reachable replicated subtrees."""
-        found = {
-            n: local_value(module, n, p)
-            for n, p in module.named_parameters(recurse=False)
-            if isinstance(p, DTensor)
-        }
+    def _reachable(self, module: nn.Module) -> list[str]:
+        """Paths of the replicated subtrees below ``module`` that its forward reaches."""
+        paths = []
         todo = [(name, child) for name, child in module.named_children()]
         while todo:
             name, child = todo.pop()
@@ -225,21 +220,23 @@ class LocalParams(ParallelStyle):
                 continue  # its own FSDP unit; its forward does this for its subtree
             style = getattr(child, STYLE_ATTR, None)
             if style == "replicate_local":
-                found.update(
-                    (f"{name}.{n}", local_value(module, f"{name}.{n}", p))
-                    for n, p in child.named_parameters()
-                    if isinstance(p, DTensor)
-                )
+                paths.append(name)
             elif style is None:
                 todo.extend((f"{name}.{n}", c) for n, c in child.named_children())
-        return found
+        return paths
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _replicate_plain(module, device_mesh, self.src_data_rank)
         forward_impl = type(module).forward
+        # Every parameter below, named as applied: in its forward and its backward FSDP1 may
+        # hold a parameter as an instance attribute, not a registered parameter (Note
+        # [Replicated parameters under FSDP1]), so names are not read again at each call.
+        shapes = parameter_shapes(module)
 
         def forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            with nn_compat.parameters_swapped(mod, self._reachable(mod)):
+            paths = tuple(f"{p}." for p in self._reachable(mod))
+            reachable = {n: s for n, s in shapes.items() if "." not in n or n.startswith(paths)}
+            with local_parameters(mod, reachable):
                 return forward_impl(mod, *args, **kwargs)
 
         module.forward = types.MethodType(forward, module)

@@ -262,6 +262,21 @@ class ReplicateParallel(ParallelStyle):
         return module
 
 
+def _holds_parameters(module: nn.Module) -> bool:
+    """Whether ``module`` or a module below it holds parameters, as FSDP1 may hold them.
+
+    In FSDP1's forward and backward a parameter may be an instance attribute (a tensor in
+    the module's ``__dict__``) rather than a registered one (Note [Replicated parameters
+    under FSDP1] in ``local_parameters.py``); in DBRX's recomputed forward its experts'
+    child registered none, and its weights were read whole, as DTensors.
+    """
+    return any(
+        any(True for _ in m.parameters(recurse=False))
+        or any(isinstance(v, torch.Tensor) for v in vars(m).values())
+        for m in module.modules()
+    )
+
+
 class _LocalView:
     """Attribute view of a module whose DTensor parameters read as their local tensors.
 
@@ -276,7 +291,7 @@ class _LocalView:
         value = getattr(self._module, name)
         if isinstance(value, DTensor):
             return local_value(self._module, name, value)
-        if isinstance(value, nn.Module) and any(True for _ in value.parameters()):
+        if isinstance(value, nn.Module) and _holds_parameters(value):
             return _LocalView(value)
         return value
 
