@@ -199,9 +199,10 @@ def _patched_init(
                     f"{mesh.mesh_dim_names} of shape {tuple(mesh.shape)} (hybrid_shard_degree="
                     f"{state.layout.requested_hybrid_shard_degree})"
                 )
+        frozen = fsdp1_layout.frozen_parameters(module)  # (before FSDP1 flattens them)
         _original_init(self, module, process_group, sharding_strategy, *args, **kwargs)
         if state.initialized and not _local.exempt and kwargs.get("device_mesh") is not None:
-            fsdp1_layout.adapt(self)
+            fsdp1_layout.adapt(self, frozen)
             fsdp1_local_state_dict.allow(self)  # Note [LOCAL_STATE_DICT on SMP's meshes]
         if follows and depth == 0 and state.fsdp_cache_flush_warnings:
             cache_flush.watch(self)

@@ -57,6 +57,7 @@ instead, which has the parameter's shape.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any, cast
 
 import torch
@@ -167,11 +168,43 @@ def _register_local_parameters(handle: Any) -> None:
     use_unsharded_views_keeping_parameters(True)
 
 
-def adapt(fsdp_module: FullyShardedDataParallel) -> None:
-    """Applies this module's two fixes to a freshly built FSDP1 unit on an SMP mesh.
+def frozen_parameters(module: nn.Module) -> set[tuple[int, str]]:
+    """``(id(owner), name)`` of each parameter below ``module`` that requires no gradient.
+
+    Read before FSDP1 flattens ``module`` (Note [Frozen DTensor parameters under FSDP1]).
+    """
+    return {
+        (id(owner), name)
+        for owner in module.modules()
+        for name, param in nn_compat.own_parameters(owner).items()
+        if param is not None and not param.requires_grad
+    }
+
+
+# Note [Frozen DTensor parameters under FSDP1]
+#     With ``use_orig_params=True`` FSDP1 keeps one parameter object per original parameter
+#     (``flat_param._params``). For a tensor-parallel (DTensor) parameter it flattens the
+#     local tensor, a plain tensor, and wraps it in a new ``nn.Parameter``, which requires a
+#     gradient whatever the original did. A frozen parameter of a TP model (Marian's and
+#     Pegasus's sinusoidal positions, RoFormer's) then got a gradient and was trained, or was
+#     refused by the replicated-gradient check. The flags read before the constructor
+#     (``frozen_parameters``) are put back on FSDP1's objects.
+def _keep_frozen(handle: Any, frozen: Collection[tuple[int, str]]) -> None:
+    flat_param = handle.flat_param
+    params = fsdp1_compat.original_params(flat_param)
+    if not frozen or params is None:
+        return
+    for param, (name, owner, _) in zip(params, fsdp1_compat.param_infos(flat_param), strict=True):
+        if (id(owner), name) in frozen:
+            param.requires_grad_(False)
+
+
+def adapt(fsdp_module: FullyShardedDataParallel, frozen: Collection[tuple[int, str]] = ()) -> None:
+    """Applies this module's fixes to a freshly built FSDP1 unit on an SMP mesh.
 
     Args:
         fsdp_module: The unit just constructed (its children were adapted when they were built).
+        frozen: ``frozen_parameters`` of the module it wraps, read before it was built.
     """
     extension = fsdp1_compat.fsdp_extension(fsdp_module)
     if isinstance(extension, DTensorExtensions) and not isinstance(extension, SMPFSDPExtensions):
@@ -189,6 +222,8 @@ def adapt(fsdp_module: FullyShardedDataParallel) -> None:
     fsdp1_tied.attach(fsdp_module)
     handle = fsdp1_compat.handle(fsdp_module)
     assert handle is not None  # _flattens_dtensors found its flat parameter
+    if fsdp1_compat.uses_orig_params(handle):
+        _keep_frozen(handle, frozen)  # Note [Frozen DTensor parameters under FSDP1]
     if (
         fsdp_module.sharding_strategy is ShardingStrategy.NO_SHARD
         and fsdp1_compat.uses_orig_params(handle)
@@ -205,4 +240,4 @@ def _flattens_dtensors(fsdp_module: FullyShardedDataParallel) -> bool:
     )
 
 
-__all__ = ["SMPFSDPExtensions", "adapt"]
+__all__ = ["SMPFSDPExtensions", "adapt", "frozen_parameters"]

@@ -12,7 +12,11 @@ the first backward a fingerprint of its output's gradient. Replicated activation
 bit-identical across TP ranks (all-reduces and all-gathers give every rank the same bytes),
 split ones differ; a difference raises on every rank of the group at once (they compare
 the same gathered values), naming the module and the fix. The check costs one tiny
-all-gather per module, once per direction.
+all-gather per module, once per direction. The output's gradient is compared only where it
+reaches something: a parameter of the module that requires a gradient, or an input that
+does. A frozen module on positions (RoFormer's sinusoidal embedding) has neither; under
+FSDP1 its output still requires a gradient (its weight is a view of the unit's flat
+parameter), whose differing values train nothing.
 """
 
 from __future__ import annotations
@@ -60,9 +64,11 @@ class ReplicationCheck:
         mesh: The TP mesh.
     """
 
-    def __init__(self, name: str, mesh: DeviceMesh) -> None:
+    def __init__(self, name: str, mesh: DeviceMesh, trainable: bool = True) -> None:
         self.name, self.mesh = name, mesh
         self.input_checked = self.grad_hooked = False
+        # whether a gradient of the output reaches a parameter or an input (module docstring)
+        self.reaches = trainable
 
     def error(self, what: str) -> ValueError:
         """The error for ``what`` (input, output gradient) differing between the ranks."""
@@ -83,12 +89,15 @@ class ReplicationCheck:
             return
         x = _first_tensor(args) if args else _first_tensor(list(kwargs.values()))
         self.input_checked = True
+        self.reaches = self.reaches or any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (*args, *kwargs.values())
+        )
         if x is not None and _differs(x, self.mesh):
             raise self.error("its input")
 
     def on_output(self, output: Any) -> None:
         """Hooks the first floating output that needs a gradient, to compare that gradient."""
-        if self.grad_hooked:
+        if self.grad_hooked or not self.reaches:
             return
         y = _first_tensor(output)
         if y is None or not y.requires_grad:
@@ -104,7 +113,8 @@ class ReplicationCheck:
 
 def install(module: nn.Module, name: str, mesh: DeviceMesh) -> None:
     """Adds the check to ``module``'s forward (hooks; removed by nothing, they run once)."""
-    check = ReplicationCheck(name, mesh)
+    trainable = any(p.requires_grad for p in module.parameters())
+    check = ReplicationCheck(name, mesh, trainable)
     module.register_forward_pre_hook(
         lambda _m, args, kwargs: check.on_input(args, kwargs), with_kwargs=True
     )
