@@ -92,9 +92,11 @@ def tiny_config(family: str, **overrides):
         )
     elif family == "gpt_neox":
         cfg = tf.GPTNeoXConfig(**common, hidden_dropout=0.0, use_parallel_residual=True)
-    elif family in ("dbrx", "llama4_text", "gpt_oss"):
-        # no policy: DBRX's shipped plan (grouped [q | k | v], experts); Llama 4's own plan
-        # (experts run on every token, one block of rows per expert)
+    elif family in ("dbrx", "llama4_text", "qwen3_next", "granite_swa", "marian", "roformer"):
+        # no policy: DBRX's shipped plan (grouped [q | k | v], experts); the others' own plans
+        # (Llama 4's experts run on every token, one block of rows per expert; Qwen3-Next's
+        # linear attention convolves with its child's weight; Granite SWA's attention sinks;
+        # Marian's and RoFormer's frozen sinusoidal positions)
         from tools.model_coverage.tiny import tiny_config as coverage_config
 
         cfg = coverage_config(family)

@@ -9,9 +9,15 @@ flat parameters; Falcon-7B's computes its query rows of a replicated fused proje
 (Note [Fused projections computed by rows]); DBRX's, its grouped-query [q | k | v], and its
 experts run on this rank's choices only (Note [Experts that run every index]); Llama 4's
 experts, each rank's experts on their block of rows (``experts_batched``), used to fail their
-first forward as Qwen3's norms did; GPT-OSS runs eager attention with sinks. Here tp 2 x
-hybrid_shard_degree 2, HYBRID_SHARD, trains 3 SGD steps against one process on the global
-batch (4 ranks): losses and every parameter.
+first forward as Qwen3's norms did. Marian's frozen sinusoidal positions were trained under
+FSDP1 x TP, and RoFormer's refused by the replicated-module check (Note [Frozen DTensor
+parameters under FSDP1]). Activation
+checkpointing is applied after FSDP1, as SMP's scripts apply it: in the forward it
+recomputes during backward, FSDP1 registers none of a unit's parameters, and the modules
+that computed with parameters they named at each call (Qwen3-Next's convolution, Granite
+SWA's sinks, Llama 4's and DBRX's experts) got DTensor weights (Note [Replicated parameters
+under FSDP1]). Here tp 2 x hybrid_shard_degree 2, HYBRID_SHARD, trains 3 SGD steps against
+one process on the global batch (4 ranks): losses and every parameter.
 """
 
 from __future__ import annotations
@@ -48,6 +54,11 @@ def _reference(family: str) -> tuple[list[float], dict]:
 def _fsdp1_on_plan(family: str) -> tuple[list[float], dict]:
     import torch.distributed as dist
     import torch.sagemaker as tsm
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
@@ -63,12 +74,20 @@ def _fsdp1_on_plan(family: str) -> tuple[list[float], dict]:
         device_id=torch.device("cpu"),
         use_orig_params=True,
     )
+    apply_activation_checkpointing(
+        model,
+        check_fn=lambda m: isinstance(m, TransformerLayer),
+        checkpoint_wrapper_fn=functools.partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+        ),
+    )
+    assert any(type(m).__name__ == "CheckpointWrapper" for m in model.modules())
     optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ids = batch(tsm.state.dp_rank)
     losses = []
     for _ in range(STEPS):
         optim.zero_grad()
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss  # (checkpointing)
         loss.backward()
         optim.step()
         mean = loss.detach().clone()
@@ -76,7 +95,7 @@ def _fsdp1_on_plan(family: str) -> tuple[list[float], dict]:
         losses.append(mean.item() / dist.get_world_size())
     with FSDP.summon_full_params(model):
         params = {
-            n.replace("_fsdp_wrapped_module.", ""): (
+            n.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""): (
                 p.full_tensor() if hasattr(p, "full_tensor") else p
             )
             .detach()
@@ -88,7 +107,11 @@ def _fsdp1_on_plan(family: str) -> tuple[list[float], dict]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "family", ["qwen3", "mixtral", "gpt2", "falcon", "dbrx", "llama4_text", "gpt_oss"]
+    "family",
+    [
+        *("qwen3", "mixtral", "gpt2", "falcon", "dbrx", "llama4_text"),
+        *("qwen3_next", "granite_swa", "marian", "roformer"),
+    ],
 )
 def test_fsdp1_trains_a_tensor_parallel_model_like_one_process(family):
     ref_losses, ref_params = _reference(family)

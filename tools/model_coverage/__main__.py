@@ -38,6 +38,13 @@ def main(argv: list[str] | None = None) -> list[report.Row]:
     parser.add_argument("--families", help="comma-separated model types (default: every one)")
     parser.add_argument("--output", default=DEFAULT_OUTPUT, help="markdown file to write")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per family")
+    parser.add_argument(
+        "--fsdp",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="FSDP2 (fully_shard, the default) or FSDP1 as SMP's example scripts wrap",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -53,15 +60,21 @@ def main(argv: list[str] | None = None) -> list[report.Row]:
         config={"tensor_parallel_degree": parity.TP, "hybrid_shard_degree": parity.HYBRID_SHARD},
         timeout=args.timeout,
         log=lambda line: print(line, file=sys.stderr, flush=True),
+        fsdp=args.fsdp,
     )
     for row in rows:
         if row.runs:
             report.settle(row, outcomes[row.family])
-    command = "python -m tools.model_coverage" + (
-        f" --families {args.families}" if args.families else ""
+    command = (
+        "python -m tools.model_coverage"
+        + (f" --families {args.families}" if args.families else "")
+        + (" --fsdp 1" if args.fsdp == 1 else "")
     )
     text = report.markdown(
-        rows, command, {"transformers": transformers.__version__, "torch": torch.__version__}
+        rows,
+        command,
+        {"transformers": transformers.__version__, "torch": torch.__version__},
+        fsdp=args.fsdp,
     )
     with open(args.output, "w") as f:
         f.write(text)

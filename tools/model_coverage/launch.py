@@ -32,7 +32,14 @@ class _StartError(RuntimeError):
 
 
 def _rank_main(
-    rank: int, world: int, port: int, families: list[str], config: dict, timeout: float, out: Any
+    rank: int,
+    world: int,
+    port: int,
+    families: list[str],
+    config: dict,
+    timeout: float,
+    out: Any,
+    fsdp: int,
 ) -> None:
     set_rank_environment(rank, world, port, "ERROR")
     import logging
@@ -61,7 +68,7 @@ def _rank_main(
     out.put(("ready", rank, None, None, None))
     for family in families:
         try:
-            result = family_parity(family)
+            result = family_parity(family, fsdp)
         except BaseException as e:  # noqa: BLE001 - reported to the parent
             out.put(("error", rank, family, error_summary(e), traceback.format_exc()))
             return
@@ -71,7 +78,12 @@ def _rank_main(
 
 
 def _launch(
-    families: list[str], world: int, config: dict, timeout: float, log: Callable[[str], None]
+    families: list[str],
+    world: int,
+    config: dict,
+    timeout: float,
+    log: Callable[[str], None],
+    fsdp: int = 2,
 ) -> tuple[dict[str, Any], list[str]]:
     """One launch of ``world`` ranks over ``families``, in order.
 
@@ -85,7 +97,7 @@ def _launch(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(r, world, port, families, config, timeout, out),
+            args=(r, world, port, families, config, timeout, out, fsdp),
             daemon=True,
         )
         for r in range(world)
@@ -157,8 +169,11 @@ def run_families(
     config: dict,
     timeout: float,
     log: Callable[[str], None] = print,
+    fsdp: int = 2,
 ) -> dict[str, Any]:
     """Runs ``families`` on ``world`` forked ranks, as many launches as failures need.
+
+    ``fsdp``: the FSDP version each family is wrapped in (``parity.family_parity``).
 
     Returns:
         By family: a list of per-rank results, or the error that ended it.
@@ -169,7 +184,7 @@ def run_families(
     while remaining:
         log(f"launch of {world} ranks for {len(remaining)} families")
         try:
-            done, remaining = _launch(remaining, world, config, timeout, log)
+            done, remaining = _launch(remaining, world, config, timeout, log, fsdp)
         except _StartError as e:
             failed_starts += 1
             if failed_starts == START_ATTEMPTS:

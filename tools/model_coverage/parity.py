@@ -52,7 +52,7 @@ def _full(t: Any) -> Any:
 
 
 def _clean(name: str) -> str:
-    return name.replace("_checkpoint_wrapped_module.", "")
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
 
 
 def _batch(dp_rank: int, vocab: int):
@@ -93,6 +93,54 @@ def checkpoint_and_shard(model) -> None:
         if isinstance(module, CheckpointWrapper):
             fully_shard(module, mesh=tsm.state.fsdp_mesh)
     fully_shard(model, mesh=tsm.state.fsdp_mesh)
+
+
+def shard_fsdp1(model):
+    """FSDP1 as SMP's example scripts wrap a model: the wrapped model.
+
+    Each transformer layer an FSDP1 unit, HYBRID_SHARD, ``use_orig_params=True``, and
+    activation checkpointing applied to the wrapped model's layers.
+    """
+    from functools import partial
+
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    from torch_sagemaker.policies import transformer_layer_classes
+
+    classes = transformer_layer_classes(model)
+    wrapped = FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=partial(transformer_auto_wrap_policy, transformer_layer_cls=set(classes)),
+        sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+        device_id=torch.device("cpu"),
+        use_orig_params=True,
+    )
+    apply_activation_checkpointing(
+        wrapped,
+        check_fn=lambda m: isinstance(m, classes),
+        checkpoint_wrapper_fn=partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+        ),
+    )
+    return wrapped
+
+
+def _whole(model, fsdp: int, grads: bool = False):
+    """A context in which FSDP1's parameters (and gradients) are whole; none for FSDP2."""
+    import contextlib
+
+    if fsdp != 1:
+        return contextlib.nullcontext()
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel.summon_full_params(model, with_grads=grads)
 
 
 def _split_share(model) -> float:
@@ -153,8 +201,12 @@ def _diff(a: Any, b: Any) -> tuple[float, float]:
     return float((a - b).abs().max()), float(b.abs().max())
 
 
-def family_parity(model_type: str) -> dict:
-    """Runs the comparison for ``model_type`` on this rank; returns the measured differences."""
+def family_parity(model_type: str, fsdp: int = 2) -> dict:
+    """Runs the comparison for ``model_type`` on this rank; returns the measured differences.
+
+    ``fsdp``: 2 (``fully_shard`` per checkpointed layer) or 1 (``shard_fsdp1``, as SMP's
+    example scripts wrap).
+    """
     import torch
     import torch.sagemaker as tsm
 
@@ -176,7 +228,10 @@ def family_parity(model_type: str) -> dict:
     model = tsm.transform(copy.deepcopy(untrained))
     policy = get_policy(model)
     share = _split_share(model)
-    checkpoint_and_shard(model)
+    if fsdp == 1:
+        model = shard_fsdp1(model)
+    else:
+        checkpoint_and_shard(model)
 
     out = _forward(model, mine, 0, dp_rank)
     out.loss.backward()
@@ -186,17 +241,24 @@ def family_parity(model_type: str) -> dict:
         (_forward(ref, ids, 0, d).loss / dp_size).backward()
     ref_params = dict(ref.named_parameters())
     grads = {}
-    for n, p in model.named_parameters():
-        want = ref_params[_clean(n)].grad
-        if p.grad is None or want is None:
-            grads[_clean(n)] = (float("inf") if (p.grad is None) != (want is None) else 0.0, 0.0)
-        else:
-            grads[_clean(n)] = _diff(p.grad, want)
+    with _whole(model, fsdp, grads=True):
+        for n, p in model.named_parameters():
+            want = ref_params[_clean(n)].grad
+            if fsdp == 1 and want is None and p.grad is not None:
+                # FSDP1's flat gradient covers every parameter of its unit: one the loss does
+                # not reach gets zeros where the reference has none (compared as zeros)
+                want = torch.zeros_like(_full(p.grad))
+            if p.grad is None or want is None:
+                missing = (p.grad is None) != (want is None)
+                grads[_clean(n)] = (float("inf") if missing else 0.0, 0.0)
+            else:
+                grads[_clean(n)] = _diff(p.grad, want)
 
     losses: dict[str, list[float]] = {"tp": [], "reference": []}
     _train(model, {dp_rank: mine}, losses["tp"], dp_rank)
     _train(ref, dict(enumerate(batches)), losses["reference"], dp_rank)
-    params = {_clean(n): _diff(p, ref_params[_clean(n)]) for n, p in model.named_parameters()}
+    with _whole(model, fsdp):
+        params = {_clean(n): _diff(p, ref_params[_clean(n)]) for n, p in model.named_parameters()}
     curve = max(abs(a - b) for a, b in zip(losses["tp"], losses["reference"]))
     grad_scale = max((s for _, s in grads.values()), default=0.0)
     worst_params = _worst(params, PARAM_ATOL, 0.0)

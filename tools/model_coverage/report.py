@@ -160,8 +160,8 @@ def settle(row: Row, outcome: Any) -> None:
         )
 
 
-def markdown(rows: list[Row], command: str, versions: dict[str, str]) -> str:
-    """docs/model_coverage.md."""
+def markdown(rows: list[Row], command: str, versions: dict[str, str], fsdp: int = 2) -> str:
+    """docs/model_coverage.md (``fsdp``: the FSDP version the families were wrapped in)."""
     counts: dict[str, int] = {}
     for row in rows:
         counts[row.result] = counts.get(row.result, 0) + 1
@@ -181,8 +181,15 @@ def markdown(rows: list[Row], command: str, versions: dict[str, str]) -> str:
         "gets a tiny config built locally (hidden 64, 2 layers, 4 heads of 16, 2 kv heads, "
         "vocabulary 128, 4 experts; `tools/model_coverage/tiny.py`) and runs with "
         f"`tensor_parallel_degree={parity.TP}`, `hybrid_shard_degree={parity.HYBRID_SHARD}` "
-        "on 4 CPU ranks (gloo), with activation checkpointing and FSDP2 on the transformer "
-        "layers, against the same model in one process: logits and loss of each rank's batch, "
+        "on 4 CPU ranks (gloo), with activation checkpointing and "
+        + (
+            "FSDP1 as SMP's example scripts wrap (`HYBRID_SHARD`, `use_orig_params=True`, "
+            "one unit per transformer layer; gradients and parameters compared whole, inside "
+            "`summon_full_params`)"
+            if fsdp == 1
+            else "FSDP2 on the transformer layers"
+        )
+        + ", against the same model in one process: logits and loss of each rank's batch, "
         f"every gradient, the loss at each of {parity.STEPS} SGD steps (lr {parity.LR}, momentum "
         f"{parity.MOMENTUM}; why not AdamW: `tools/model_coverage/parity.py`) and every "
         "parameter after them. Tolerances: |difference| <= "
