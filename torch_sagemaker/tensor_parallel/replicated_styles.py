@@ -236,6 +236,12 @@ class LocalParams(ParallelStyle):
         def forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
             paths = tuple(f"{p}." for p in self._reachable(mod))
             reachable = {n: s for n, s in shapes.items() if "." not in n or n.startswith(paths)}
+            # and names the module holds now (a module wrapped after the style: a LoRA layer)
+            reachable.update(
+                (n, s)
+                for n, s in parameter_shapes(mod).items()
+                if n not in reachable and ("." not in n or n.startswith(paths))
+            )
             with local_parameters(mod, reachable):
                 return forward_impl(mod, *args, **kwargs)
 
