@@ -28,7 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from torch_sagemaker.planner.model import ModelSpec, expert_mlp_attr, layer_kind
+from torch_sagemaker.planner.layer_kinds import layer_kind
+from torch_sagemaker.planner.model import ModelSpec, expert_mlp_attr
 from torch_sagemaker.policies import HeadSplit
 from torch_sagemaker.policies.model_policy import ActivationProfile, Saved
 from torch_sagemaker.topology import Layout
@@ -317,7 +318,7 @@ def activation_bytes(
         moe_terms = norm + (Saved("hidden", "compute", "gathered"),) + MOE_LAYER
     masked = masked_layers(spec, shape.seq_len)
     masked_bytes = size.bytes(profile.masked_attention) if masked else 0
-    # Note [Layer kinds] in model.py: a layer's attention by its kind, where kinds differ.
+    # Note [Layer kinds] in layer_kinds.py: a layer's attention by its kind, where kinds differ.
     by_kind = {kind: size.bytes(terms) for kind, terms in profile.attention_by_kind}
     unmasked = size.bytes(profile.attention)
     dense_mlp = size.bytes(profile.mlp)

@@ -36,7 +36,8 @@ state under FSDP2).
 
 import dataclasses
 
-from torch_sagemaker.planner.model import ModelSpec, layer_kind
+from torch_sagemaker.planner.layer_kinds import layer_kind
+from torch_sagemaker.planner.model import ModelSpec
 from torch_sagemaker.planner.probe_runs import Record, run_reduced
 from torch_sagemaker.planner.probe_sizes import (
     SEQ,
@@ -115,7 +116,7 @@ def _measure(
 #: selection of it): what they save grows with the sequence as the probe's runs show it.
 #: Linear, recurrent and convolution layers hold blocks or state of sizes the short runs do
 #: not reach (MiniMax's lightning attention works in blocks of 256 tokens), so a config with
-#: any other type is refused (Note [Layer kinds] in model.py).
+#: any other type is refused (Note [Layer kinds] in layer_kinds.py).
 SIZED_LAYER_TYPES = (
     "full_attention",
     "sliding_attention",

@@ -15,14 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from torch_sagemaker.planner.model import (
-    LAYER_KIND_ATTRS,
-    LatentAttention,
-    ModelSpec,
-    expert_mlp_attr,
-    layer_kind,
-    mlp_size_attr,
-)
+from torch_sagemaker.planner.layer_kinds import LAYER_KIND_ATTRS, layer_kind
+from torch_sagemaker.planner.model import LatentAttention, ModelSpec, expert_mlp_attr, mlp_size_attr
 
 #: Tokens per sequence of the base run, and the sliding window of the windowed runs.
 SEQ = 26

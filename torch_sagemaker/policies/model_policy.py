@@ -237,7 +237,7 @@ class ActivationProfile:
             empty for dense families.
         final: The final norm and the LM head's input.
         attention_by_kind: A layer's attention half by the layer's kind, where kinds save
-            different tensors (``planner.model.layer_kind``: Llama 4's layers without rotary
+            different tensors (``planner.layer_kinds.layer_kind``: Llama 4's layers without rotary
             embeddings), as ``(kind, terms)`` pairs; a layer whose kind is not listed uses
             ``attention``.
         masked_attention: A layer's attention half when Hugging Face passes its attention an
