@@ -122,3 +122,78 @@ def test_fsdp1_trains_a_tensor_parallel_model_like_one_process(family):
         assert params.keys() == ref_params.keys()
         for name, value in params.items():
             torch.testing.assert_close(value, ref_params[name], rtol=0, atol=1e-5, msg=name)
+
+
+def _reference_accumulating(family: str) -> dict:
+    ref = build(family)
+    optim = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(STEPS):
+        optim.zero_grad()
+        for micro in range(2):
+            for dp_rank in range(2):
+                ids = batch(2 * dp_rank + micro)
+                (ref(input_ids=ids, labels=ids).loss / 4).backward()
+        optim.step()
+    return {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+
+def _fsdp1_accumulating(family: str, strategy: str) -> dict:
+    import torch.sagemaker as tsm
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from torch.distributed.tensor import DTensor
+    from torch.sagemaker.tensor_parallel.transformer import TransformerLayer
+
+    tsm.init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2})
+    model = FSDP(
+        tsm.transform(copy.deepcopy(build(family))),
+        auto_wrap_policy=functools.partial(
+            transformer_auto_wrap_policy, transformer_layer_cls={TransformerLayer}
+        ),
+        sharding_strategy=ShardingStrategy[strategy],
+        device_id=torch.device("cpu"),
+        use_orig_params=True,
+    )
+    optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(STEPS):
+        optim.zero_grad()
+        ids = batch(2 * tsm.state.dp_rank)
+        with model.no_sync():  # the first micro-batch accumulates locally
+            (model(input_ids=ids, labels=ids).loss / 2).backward()
+        # What a user's gradient clipping or logging reads between micro-batches.
+        for name, param in model.named_parameters():
+            grad = param.grad
+            assert grad is not None and not isinstance(grad, DTensor), name
+            assert bool(torch.isfinite(grad).all()), name
+        ids = batch(2 * tsm.state.dp_rank + 1)
+        (model(input_ids=ids, labels=ids).loss / 2).backward()
+        optim.step()
+    with FSDP.summon_full_params(model):
+        return {
+            n.replace("_fsdp_wrapped_module.", ""): (
+                p.full_tensor() if hasattr(p, "full_tensor") else p
+            )
+            .detach()
+            .clone()
+            for n, p in model.named_parameters()
+        }
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "FULL_SHARD"])
+def test_fsdp1_tensor_parallel_accumulates_gradients_under_no_sync(strategy):
+    """Gradient accumulation with ``no_sync`` under a sharded strategy, as FSDP1 users write it.
+
+    After a backward inside ``no_sync`` FSDP1 exposes each parameter's unsharded gradient; for
+    a TP parameter PyTorch put the DTensor view there with ``.data``, and reading the gradient
+    crashed the process (SIGSEGV). Here the gradients are read between micro-batches, and the
+    parameters after 3 steps of 2 micro-batches match one process on the global batch.
+    """
+    ref_params = _reference_accumulating("llama")
+    for rank, params in enumerate(
+        run_distributed(_fsdp1_accumulating, "llama", strategy, world_size=4, timeout=300)
+    ):
+        assert params.keys() == ref_params.keys(), f"rank {rank}"
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref_params[name], rtol=0, atol=1e-5, msg=name)

@@ -47,12 +47,14 @@ instead (``flat_param._params``, the TP-local tensors), pointing their data at t
 which is what FSDP does for plain tensors and what the sharded strategies expose between
 steps (local shards, not DTensors). Forward and backward still see DTensor views.
 
-``summon_full_params(with_grads=True)`` needs the same for gradients. PyTorch points each
-parameter's ``.grad`` at a view of the flat gradient; a DTensor view has the TP global shape,
-unlike our TP-local parameter, and for that case PyTorch assigns ``param.grad.data = view``,
-which on a plain tensor took the DTensor's global shape without its memory: reading the
-gradient then crashed the process (SIGSEGV). The gradient is set to the view's local tensor
-instead, which has the parameter's shape.
+Unsharded gradients need the same, under every strategy: ``summon_full_params(with_grads=
+True)``, ``NO_SHARD``'s gradients, and a sharded strategy's after a backward inside
+``no_sync()`` (gradient accumulation). PyTorch points each parameter's ``.grad`` at a view of
+the flat gradient. A DTensor view has the TP global shape, unlike our TP-local parameter (or
+the flat shard a sharded strategy registers), and for that case PyTorch assigns
+``param.grad.data = view``, which on a plain tensor took the DTensor's global shape without
+its memory: reading the gradient then crashed the process (SIGSEGV). The gradient is set to
+the view's local tensor instead, which has the parameter's shape.
 """
 
 from __future__ import annotations
@@ -134,6 +136,19 @@ def _register_local_parameters(handle: Any) -> None:
         # under FSDP1] in fsdp1_tied).
         fsdp1_tied.point_shared_names(handle)
 
+    setattr(handle, fsdp1_compat.USE_UNSHARDED_VIEWS, use_unsharded_views_keeping_parameters)
+    # FSDP registered fresh DTensor parameters at the end of its constructor; swap them now.
+    use_unsharded_views_keeping_parameters(True)
+
+
+def _unsharded_gradients_as_local_tensors(handle: Any) -> None:
+    """Points each parameter's unsharded gradient at the TP-local tensor of FSDP's view.
+
+    FSDP1 exposes unsharded gradients under ``NO_SHARD`` and, with the sharded strategies,
+    after a backward inside ``no_sync()`` (gradient accumulation). See Note [FSDP1 NO_SHARD
+    with DTensor parameters].
+    """
+    flat_param = handle.flat_param
     use_unsharded_grad_views = getattr(handle, fsdp1_compat.USE_UNSHARDED_GRAD_VIEWS)
 
     def use_unsharded_grad_views_of_local_parameters() -> None:
@@ -142,15 +157,23 @@ def _register_local_parameters(handle: Any) -> None:
         if not any(isinstance(v, DTensor) for v in views):
             use_unsharded_grad_views()  # no gradient, or no DTensor view: PyTorch's is right
             return
-        # PyTorch's, with the DTensor views' local tensors (Note [FSDP1 NO_SHARD with
-        # DTensor parameters]).
+        # PyTorch's, with the DTensor views' local tensors for the plain parameters FSDP keeps
+        # registered; a DTensor parameter (``summon_full_params`` registers the views) keeps
+        # its DTensor gradient.
         infos = fsdp1_compat.param_infos(flat_param)
         for view, (name, module, _) in zip(views, infos, strict=True):
             param = getattr(module, name)
-            local = tensor_compat.local_tensor(view) if isinstance(view, DTensor) else view
+            local = (
+                tensor_compat.local_tensor(view)
+                if isinstance(view, DTensor) and not isinstance(param, DTensor)
+                else view
+            )
             if (param.shape, param.dtype, param.device) == (local.shape, local.dtype, local.device):
                 param.grad = local
-            else:  # a low-precision gradient (no_sync under mixed precision), as PyTorch does
+            else:
+                # A sharded parameter (no_sync under a sharded strategy) or a low-precision
+                # gradient (no_sync under mixed precision): PyTorch's ``.data`` swap, which
+                # sidesteps the gradient's shape and dtype check, with a plain tensor.
                 if param.grad is None:
                     param.grad = torch.empty_like(param)
                 param.grad.data = local
@@ -158,14 +181,16 @@ def _register_local_parameters(handle: Any) -> None:
             param = getattr(info.module, info.param_name)
             primary = getattr(info.prim_module, info.prim_param_name)
             if param is not primary:
-                param.grad = primary.grad
+                if param.shape == primary.grad.shape and param.dtype == primary.grad.dtype:
+                    param.grad = primary.grad
+                else:
+                    if param.grad is None:
+                        param.grad = torch.empty_like(param)
+                    param.grad.data = primary.grad
 
-    setattr(handle, fsdp1_compat.USE_UNSHARDED_VIEWS, use_unsharded_views_keeping_parameters)
     setattr(
         handle, fsdp1_compat.USE_UNSHARDED_GRAD_VIEWS, use_unsharded_grad_views_of_local_parameters
     )
-    # FSDP registered fresh DTensor parameters at the end of its constructor; swap them now.
-    use_unsharded_views_keeping_parameters(True)
 
 
 def frozen_parameters(module: nn.Module) -> set[tuple[int, str]]:
@@ -224,6 +249,7 @@ def adapt(fsdp_module: FullyShardedDataParallel, frozen: Collection[tuple[int, s
     assert handle is not None  # _flattens_dtensors found its flat parameter
     if fsdp1_compat.uses_orig_params(handle):
         _keep_frozen(handle, frozen)  # Note [Frozen DTensor parameters under FSDP1]
+        _unsharded_gradients_as_local_tensors(handle)
     if (
         fsdp_module.sharding_strategy is ShardingStrategy.NO_SHARD
         and fsdp1_compat.uses_orig_params(handle)
