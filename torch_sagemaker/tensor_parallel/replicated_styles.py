@@ -216,8 +216,10 @@ class LocalParams(ParallelStyle):
         todo = [(name, child) for name, child in module.named_children()]
         while todo:
             name, child = todo.pop()
-            if type(child).__name__ == self.layer_class:
-                continue  # its own FSDP unit; its forward does this for its subtree
+            if any(cls.__name__ == self.layer_class for cls in type(child).__mro__):
+                # Its own FSDP unit; its forward does this for its subtree. (The class's
+                # ancestors: FSDP2's ``fully_shard`` swaps in a subclass named FSDP<class>.)
+                continue
             style = getattr(child, STYLE_ATTR, None)
             if style == "replicate_local":
                 paths.append(name)
