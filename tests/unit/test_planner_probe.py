@@ -453,3 +453,29 @@ def test_layers_that_are_not_softmax_attention_are_refused(tmp_path):
     )
     with pytest.raises(ProbeError, match="'linear_attention' \\(layers \\[0\\]\\)"):
         probe_activations(spec)
+
+
+def test_dbrx_sizes_are_read_from_its_nested_configs_and_its_expert_loop_is_refused(tmp_path):
+    # DBRX keeps its experts, their width, the experts per token (ffn_config) and its
+    # key/value heads (attn_config) in nested configs; the probe writes its sizes there
+    # too (its router reads ffn_config.hidden_size, which follows the hidden size).
+    path = tmp_path / "dbrx.json"
+    config = {
+        "model_type": "dbrx",  # as DBRX's config.json names its sizes
+        **{"d_model": 128, "n_heads": 8, "n_layers": 2, "vocab_size": 512},
+        "attn_config": {"kv_n_heads": 4, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"ffn_hidden_size": 192, "moe_num_experts": 4, "moe_top_k": 2},
+    }
+    path.write_text(json.dumps(config))
+    spec = load_model(path)
+    ffn = spec.config.ffn_config
+    assert (spec.num_experts, spec.mlp_size, spec.heads) == (4, 192, (8, 4))
+    assert spec.num_experts == ffn.moe_num_experts
+    assert spec.mlp_size == ffn.ffn_hidden_size
+    assert spec.policy.moe is not None
+    assert spec.policy.moe.top_k(spec.config) == ffn.moe_top_k
+    assert spec.heads[1] == spec.config.attn_config.kv_n_heads
+    # Its experts run one by one over those the tokens chose: what it saves grows with the
+    # experts, which the probe's per-storage terms cannot size.
+    with pytest.raises(ProbeError, match=r"in run \d+ \(experts \d+\): the number of tensors"):
+        probe_activations(spec)

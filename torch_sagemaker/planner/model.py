@@ -21,6 +21,7 @@ from torch import nn
 
 from torch_sagemaker.planner.config_file import read_config
 from torch_sagemaker.policies import ModelPolicy, lookup_policy
+from torch_sagemaker.policies.model_policy import config_value
 from torch_sagemaker.utils.hf_config import text_config
 
 ROOT = "root"
@@ -153,7 +154,7 @@ class ModelSpec:
         Raises:
             ValueError: If the config has no such attribute and no default was given.
         """
-        value = getattr(self.config, attr, None)
+        value = config_value(self.config, attr)
         if value is None:
             if default is None:
                 raise ValueError(f"{self.name} config ({self.source}) has no {attr}.")
@@ -222,6 +223,7 @@ MLP_SIZE_ATTRS = (
     "n_inner",
     "ffn_hidden_size",  # Falcon
     "dff",  # CTRL
+    "ffn_config.ffn_hidden_size",  # DBRX's nested MoE config (its experts are its MLPs)
 )
 
 
@@ -233,7 +235,7 @@ def mlp_size_attr(config: Any) -> str | None:
     """
     known = _class_attrs(type(config))
     return next(
-        (a for a in MLP_SIZE_ATTRS if a in known and getattr(config, a, None) is not None), None
+        (a for a in MLP_SIZE_ATTRS if a in known and config_value(config, a) is not None), None
     )
 
 
@@ -254,6 +256,13 @@ def expert_mlp_attr(config: Any) -> str | None:
 _CLASS_ATTRS: dict[type, frozenset[str]] = {}
 
 
+def _defines(config: Any, path: str) -> bool:
+    """Whether ``config`` has the attribute ``path`` names (dotted: in a nested config)."""
+    outer, _, last = path.rpartition(".")
+    owner = config_value(config, outer) if outer else config
+    return owner is not None and hasattr(owner, last)
+
+
 def _class_attrs(cls: type) -> frozenset[str]:
     """Which of ``MLP_SIZE_ATTRS`` a config class defines (on its default instance)."""
     if cls not in _CLASS_ATTRS:
@@ -262,7 +271,7 @@ def _class_attrs(cls: type) -> frozenset[str]:
         except Exception:  # noqa: BLE001 - a class without defaults: trust the instance
             _CLASS_ATTRS[cls] = frozenset(MLP_SIZE_ATTRS)
         else:
-            _CLASS_ATTRS[cls] = frozenset(a for a in MLP_SIZE_ATTRS if hasattr(default, a))
+            _CLASS_ATTRS[cls] = frozenset(a for a in MLP_SIZE_ATTRS if _defines(default, a))
     return _CLASS_ATTRS[cls]
 
 

@@ -93,7 +93,8 @@ def _measure(
     runs, values, smalls = [], [], []
     reached: set[str] = set()
     unreached: set[str] = set()
-    for sizes in variations(base):
+    sizes_of = list(variations(base))
+    for sizes in sizes_of:
         records, small, reach = run_reduced(spec, sizes, window)
         reached |= reach.reached
         unreached |= reach.unreached
@@ -105,9 +106,17 @@ def _measure(
         smalls.append(small)
     for i, records in enumerate(runs[1:], 1):
         if len(records) != len(runs[0]):
+            # The sizes that run changed: a count that grows with the experts is a model that
+            # runs its experts one by one (DBRX's loop over the experts tokens chose).
+            changed = ", ".join(
+                f"{field.name} {getattr(sizes_of[i], field.name)}"
+                for field in dataclasses.fields(sizes_of[i])
+                if getattr(sizes_of[i], field.name) != getattr(sizes_of[0], field.name)
+            )
             raise ProbeError(
                 f"the reduced {spec.name} saves {len(runs[0])} storages with the base sizes "
-                f"and {len(records)} in run {i}"
+                f"and {len(records)} in run {i} ({changed}): the number of tensors it saves "
+                "must not depend on the sizes"
             )
     return runs, values, smalls, tuple(sorted(unreached - reached))
 

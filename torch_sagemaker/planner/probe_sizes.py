@@ -17,6 +17,7 @@ from typing import Any
 
 from torch_sagemaker.planner.layer_kinds import LAYER_KIND_ATTRS, layer_kind
 from torch_sagemaker.planner.model import LatentAttention, ModelSpec, expert_mlp_attr, mlp_size_attr
+from torch_sagemaker.policies.model_policy import config_value
 
 #: Tokens per sequence of the base run, and the sliding window of the windowed runs.
 SEQ = 26
@@ -146,8 +147,18 @@ def _with_latent(sizes: Sizes, **changes: int) -> Sizes:
 
 
 def _set(config: Any, attr: str | None, value: Any) -> None:
-    if attr and getattr(config, attr, None) is not None:
-        setattr(config, attr, value)
+    """Sets ``attr`` (dotted: in a nested config) where the config gives it a value."""
+    if not attr or config_value(config, attr) is None:
+        return
+    outer, _, last = attr.rpartition(".")
+    setattr(config_value(config, outer) if outer else config, last, value)
+
+
+def _nested_configs(config: Any) -> list[Any]:
+    """``config`` and the configs it holds as attributes (DBRX's ``ffn_config``)."""
+    from transformers import PretrainedConfig
+
+    return [config] + [v for v in vars(config).values() if isinstance(v, PretrainedConfig)]
 
 
 def _kind_layers(spec: ModelSpec, layers: int) -> list[int]:
@@ -183,11 +194,14 @@ def reduced_config(spec: ModelSpec, sizes: Sizes, window: int | None) -> Any:
             setattr(config, attr, [values[i] for i in chosen if i < len(values)])
     # Sizes the config keeps under other names equal to the hidden size (OPT's
     # word_embed_proj_dim) follow it, so that they shrink and change with it.
+    # So do a nested config's (DBRX's ffn_config.hidden_size, its router's input width).
     hidden = spec.dim("hidden_size")
-    for attr, value in list(vars(config).items()):
-        named = any(word in attr for word in ("dim", "size", "embed"))
-        if named and attr != "hidden_size" and type(value) is int and value == hidden:
-            setattr(config, attr, sizes.hidden)
+    for owner in _nested_configs(config):
+        for attr, value in list(vars(owner).items()):
+            named = any(word in attr for word in ("dim", "size", "embed"))
+            top_hidden = owner is config and attr == "hidden_size"
+            if named and not top_hidden and type(value) is int and value == hidden:
+                setattr(owner, attr, sizes.hidden)
     config.hidden_size = sizes.hidden
     setattr(config, policy.num_heads_attr, sizes.heads)
     if policy.num_kv_heads_attr:

@@ -88,11 +88,16 @@ def config_value(config: Any, attr: str, default: Any = None) -> Any:
     """``config.<attr>``, also on a heterogeneous transformers config (per-layer values).
 
     Such a config refuses to read an attribute that may vary per layer; the value is then
-    read from every layer's config and returned when the layers agree.
+    read from every layer's config and returned when the layers agree. A dotted ``attr``
+    reads a nested config (DBRX's ``ffn_config.moe_num_experts``).
 
     Raises:
         ValueError: If the layers disagree (naming the attribute and the values).
     """
+    if "." in attr:
+        outer, _, rest = attr.partition(".")
+        nested = config_value(config, outer)
+        return default if nested is None else config_value(nested, rest, default)
     try:
         return getattr(config, attr, default)
     except AttributeError:
@@ -121,7 +126,8 @@ class MoESpec:
             (N, E) logits (or a tuple starting with them) and has a ``weight``.
         experts: Child holding the fused experts (3-D parameters, expert dimension first),
             called as ``experts(hidden, top_k_index, top_k_weights)``.
-        top_k_attr: Config attribute with the number of experts per token.
+        top_k_attr: Config attribute with the number of experts per token (dotted for a
+            nested config: ``ffn_config.moe_top_k``).
         normalize_top_k: ``True``/``False``, or the config attribute saying whether the
             top-k gating weights are renormalized to sum to one.
         shared_expert: Child holding an always-active expert (Qwen2-MoE), or ``None``.
@@ -145,7 +151,7 @@ class MoESpec:
 
     def top_k(self, config: Any) -> int:
         """Experts per token."""
-        return int(getattr(config, self.top_k_attr))
+        return int(config_value(config, self.top_k_attr))
 
     def normalize(self, config: Any) -> bool:
         """Whether the top-k weights are renormalized."""
@@ -419,7 +425,7 @@ class ModelPolicy:
 
     def num_experts(self, config: Any) -> int:
         """Number of MoE experts (0 for dense models)."""
-        return int(getattr(config, self.num_experts_attr)) if self.num_experts_attr else 0
+        return int(config_value(config, self.num_experts_attr)) if self.num_experts_attr else 0
 
 
 @dataclass(frozen=True)

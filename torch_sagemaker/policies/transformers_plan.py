@@ -125,9 +125,18 @@ _SPLIT_OUTPUT = {
     "linear_packed_colwise",
 }
 #: Config attributes that may hold the key/value head count (Falcon's: ``num_kv_heads``).
-_KV_HEADS_ATTRS = ("num_key_value_heads", "num_kv_heads")
+# DBRX's attention reads its nested attn_config.kv_n_heads (num_key_value_heads is a copy).
+_KV_HEADS_ATTRS = ("attn_config.kv_n_heads", "num_key_value_heads", "num_kv_heads")
 #: Config attributes that may hold the expert count.
-_EXPERT_COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_EXPERT_COUNT_ATTRS = (
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+    "moe_num_experts",
+    "ffn_config.moe_num_experts",  # DBRX's nested MoE config
+)
+#: Where configs keep the experts each token is routed to.
+_TOP_K_ATTRS = ("num_experts_per_tok", "ffn_config.moe_top_k")
 
 #: In the notes of a policy whose TP plan is its model's transformers plan.
 PLAN_TP_NOTE = "Tensor parallel plan: the model's transformers plan."
@@ -523,7 +532,15 @@ def policy_from_plan(model: nn.Module) -> ModelPolicy | None:
         )
         first = next(iter(t.experts))
         block, _, child = first.rpartition(".")
-        moe = MoESpec(block_class=type(t.modules[block]).__name__, experts=child, replaceable=False)
+        top_k_attr = next(
+            (a for a in _TOP_K_ATTRS if config_value(config, a) is not None), _TOP_K_ATTRS[0]
+        )
+        moe = MoESpec(
+            block_class=type(t.modules[block]).__name__,
+            experts=child,
+            top_k_attr=top_k_attr,
+            replaceable=False,
+        )
     source = "shipped plan" if shipped else "transformers plan"
     return ModelPolicy(
         name=f"{model_type or type(model).__name__} ({source})",
