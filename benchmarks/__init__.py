@@ -17,6 +17,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable
+from multiprocessing import reduction as mp_reduction
 from typing import Any, NoReturn
 
 import torch.multiprocessing as mp
@@ -120,7 +121,51 @@ _NOTHING = object()  # no result yet
 _PORT_ATTEMPTS = 3
 
 
-def _rank_entry(target: Callable[..., None], rank: int, nprocs: int, port: int, args, queue):
+# Note [Benchmark ranks forked from a warm server]: the ranks used to be spawned, and each
+# imported torch (and, for the training benchmarks, transformers' model machinery) itself:
+# seconds of CPU per rank before its first measurement, on a 2-core machine while its peers
+# were starting too. They are forked instead from multiprocessing's fork server, which
+# imports those libraries once per parent process (six test files of the benchmarks: 111 s
+# before, 32 s after, run back to back). Nothing is measured before a rank has started, so the
+# figures do not change. The server holds no per-run setting: a forked rank inherits the
+# server's environment, not the parent's of the moment, so _rank_entry first puts back the
+# parent's environment as it was at start (what a spawned rank inherited), and its standard
+# output and error: the server's are those of the moment it started (under pytest, an
+# earlier test's capture). torch_sagemaker is not preloaded: it reads its settings (log
+# level, SMDDP_*) when imported.
+_PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.modeling_utils"]
+
+
+class _ParentFd:
+    """The parent's file descriptor ``fd``, sent to a forked rank as it starts."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        # Pickled while the rank starts, when multiprocessing can pass descriptors along.
+        return (_received_fd, (mp_reduction.DupFd(self.fd),))
+
+
+def _received_fd(dup: Any) -> int:
+    return dup.detach()
+
+
+def rank_context() -> Any:
+    """The multiprocessing context the benchmark ranks start in (a fork server)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _rank_entry(
+    target: Callable[..., None], rank: int, nprocs: int, port: int, args, queue, environ, fds
+):
+    os.environ.clear()
+    os.environ.update(environ)
+    for fd, parents in zip((1, 2), fds):
+        os.dup2(parents, fd)
+        os.close(parents)
     try:
         target(rank, nprocs, port, *args, queue)
     except BaseException:
@@ -140,7 +185,8 @@ def run_ranks(
 ) -> list[Any]:
     """Spawns ``nprocs`` ranks running ``target(rank, nprocs, port, *args, queue)``.
 
-    The ranks are fresh processes (spawned), with ``port`` a free port on 127.0.0.1 for their
+    The ranks are fresh processes (forked from a fork server that imported torch, Note
+    [Benchmark ranks forked from a warm server]), with ``port`` a free port on 127.0.0.1 for their
     store. While waiting the caller watches the ranks, so a rank that fails, or dies without a
     word, ends the run at once with its traceback or exit code, instead of leaving the caller
     waiting on the queue; every wait (each result, then the ranks' exit) is bounded by
@@ -172,11 +218,14 @@ def run_ranks(
 
 
 def _run_once(target, nprocs, args, results, on_result, result_timeout_s) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     queue = ctx.Queue()
     port = free_port()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    start = (dict(os.environ), (_ParentFd(1), _ParentFd(2)))
     procs = [
-        ctx.Process(target=_rank_entry, args=(target, r, nprocs, port, args, queue))
+        ctx.Process(target=_rank_entry, args=(target, r, nprocs, port, args, queue, *start))
         for r in range(nprocs)
     ]
     for p in procs:

@@ -33,9 +33,8 @@ import time
 from datetime import timedelta
 
 import torch
-import torch.multiprocessing as mp
 
-from benchmarks import comma_list, end_rank, run_ranks, set_rank_environment
+from benchmarks import comma_list, end_rank, rank_context, run_ranks, set_rank_environment
 
 MODES = ("fsdp2_full", "fsdp2_plain", "fsdp2_hybrid", "ddp", "fsdp2_plain_staged")
 # fsdp2_plain_staged: the plain script with the pool turned off again, i.e. what such a
@@ -182,7 +181,7 @@ def _single_rank(
 
 def _ranks_alone(args: argparse.Namespace) -> tuple[str, str, list]:
     """``args.nprocs`` processes training at once without communication; the slowest per step."""
-    barrier = mp.get_context("spawn").Barrier(args.nprocs)
+    barrier = rank_context().Barrier(args.nprocs)
     per_rank = [
         r[2] for r in run_ranks(_single_rank, args.nprocs, args, barrier, results=args.nprocs)
     ]
