@@ -16,7 +16,13 @@ all-gather per module, once per direction. The output's gradient is compared onl
 reaches something: a parameter of the module that requires a gradient, or an input that
 does. A frozen module on positions (RoFormer's sinusoidal embedding) has neither; under
 FSDP1 its output still requires a gradient (its weight is a view of the unit's flat
-parameter), whose differing values train nothing.
+parameter), whose differing values train nothing. Whether the module's parameters require
+a gradient is read at its first call with gradients, not when the check is installed: a
+user may freeze a module after ``tsm.transform`` (or FSDP2 may have replaced its
+parameters by then). Where the module shows no ``nn.Parameter`` at that call (during its
+forward FSDP1 registers plain-tensor views of its flat parameter, which require a gradient
+whenever anything in the flat parameter trains), those it had when the check was
+installed decide.
 """
 
 from __future__ import annotations
@@ -62,13 +68,28 @@ class ReplicationCheck:
     Args:
         name: The module's name in the model (for the message).
         mesh: The TP mesh.
+        params: The module's parameters when the check is installed; None checks the
+            output's gradient wherever it needs one.
     """
 
-    def __init__(self, name: str, mesh: DeviceMesh, trainable: bool = True) -> None:
+    def __init__(
+        self, name: str, mesh: DeviceMesh, params: list[nn.Parameter] | None = None
+    ) -> None:
         self.name, self.mesh = name, mesh
         self.input_checked = self.grad_hooked = False
+        # the module's parameters when the check was installed (module docstring)
+        self.installed_params = params
         # whether a gradient of the output reaches a parameter or an input (module docstring)
-        self.reaches = trainable
+        self.reaches = params is None
+
+    def _trainable(self, module: nn.Module | None) -> bool:
+        params: list[torch.Tensor] = []
+        if module is not None:
+            # FSDP1 registers plain-tensor views of its flat parameter during the forward
+            params = [p for p in module.parameters() if isinstance(p, nn.Parameter)]
+        if not params:
+            params = list(self.installed_params or [])
+        return any(p.requires_grad for p in params)
 
     def error(self, what: str) -> ValueError:
         """The error for ``what`` (input, output gradient) differing between the ranks."""
@@ -83,14 +104,24 @@ class ReplicationCheck:
             "torch_sagemaker.policies.ModelPolicy for the model (docs/tensor_parallel.md)."
         )
 
-    def on_input(self, args: tuple, kwargs: dict) -> None:
-        """Compares the first floating input over the TP group (first call with gradients)."""
+    def on_input(self, args: tuple, kwargs: dict, module: nn.Module | None = None) -> None:
+        """Compares the first floating input over the TP group (first call with gradients).
+
+        Args:
+            args: The module's positional inputs.
+            kwargs: Its keyword inputs.
+            module: The module, whose parameters' ``requires_grad`` are read now.
+        """
         if self.input_checked or not torch.is_grad_enabled():
             return
         x = _first_tensor(args) if args else _first_tensor(list(kwargs.values()))
         self.input_checked = True
-        self.reaches = self.reaches or any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in (*args, *kwargs.values())
+        self.reaches = (
+            self.reaches
+            or self._trainable(module)
+            or any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in (*args, *kwargs.values())
+            )
         )
         if x is not None and _differs(x, self.mesh):
             raise self.error("its input")
@@ -113,10 +144,9 @@ class ReplicationCheck:
 
 def install(module: nn.Module, name: str, mesh: DeviceMesh) -> None:
     """Adds the check to ``module``'s forward (hooks; removed by nothing, they run once)."""
-    trainable = any(p.requires_grad for p in module.parameters())
-    check = ReplicationCheck(name, mesh, trainable)
+    check = ReplicationCheck(name, mesh, list(module.parameters()))
     module.register_forward_pre_hook(
-        lambda _m, args, kwargs: check.on_input(args, kwargs), with_kwargs=True
+        lambda m, args, kwargs: check.on_input(args, kwargs, m), with_kwargs=True
     )
     module.register_forward_hook(lambda _m, _a, out: check.on_output(out))
 
