@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from multiprocessing import reduction as mp_reduction
 from typing import Any, NoReturn
 
+import torch
 import torch.multiprocessing as mp
 
 from tools.ranks import free_port, set_rank_environment  # noqa: F401  (benchmarks import them from here)
@@ -71,7 +72,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 
 
 def end_rank(queue: Any | None = None) -> NoReturn:
-    """Ends a spawned benchmark rank at once, after its groups and its results are done with.
+    """Ends a benchmark rank at once, after its groups and its results are done with.
 
     It destroys the rank's process groups, delivers what it put on ``queue`` and exits
     without shutting the interpreter down.
@@ -152,7 +153,13 @@ def _received_fd(dup: Any) -> int:
 
 
 def rank_context() -> Any:
-    """The multiprocessing context the benchmark ranks start in (a fork server)."""
+    """The multiprocessing context the benchmark ranks start in (a fork server on CPU).
+
+    Where CUDA is available the ranks are spawned, as before: the server's imports may
+    initialize CUDA's driver, which a forked process cannot use.
+    """
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
@@ -183,13 +190,13 @@ def run_ranks(
     on_result: Callable[[Any], None] | None = None,
     result_timeout_s: float = 3600.0,
 ) -> list[Any]:
-    """Spawns ``nprocs`` ranks running ``target(rank, nprocs, port, *args, queue)``.
+    """Starts ``nprocs`` ranks running ``target(rank, nprocs, port, *args, queue)``.
 
-    The ranks are fresh processes (forked from a fork server that imported torch, Note
-    [Benchmark ranks forked from a warm server]), with ``port`` a free port on 127.0.0.1 for their
-    store. While waiting the caller watches the ranks, so a rank that fails, or dies without a
-    word, ends the run at once with its traceback or exit code, instead of leaving the caller
-    waiting on the queue; every wait (each result, then the ranks' exit) is bounded by
+    The ranks are fresh processes (on CPU, forked from a fork server that imported torch, Note
+    [Benchmark ranks forked from a warm server]), with ``port`` a free port on 127.0.0.1 for
+    their store. While waiting the caller watches the ranks, so a rank that fails, or dies
+    without a word, ends the run at once with its traceback or exit code, instead of leaving the
+    caller waiting on the queue; every wait (each result, then the ranks' exit) is bounded by
     ``result_timeout_s``. When rank 0's store could not bind ``port`` because another process
     took it first, the ranks start again on a new port (up to three tries).
 

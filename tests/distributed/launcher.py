@@ -50,23 +50,31 @@ from tools.ranks import free_port, set_rank_environment
 # The server also imports transformers' model machinery (modeling_utils, which imports
 # torch._dynamo through masking_utils) and the Llama model most tests build: otherwise each
 # rank paid about 2.4 CPU-seconds to import it, at its first model (5 distributed test files:
-# 239 s before, 198 s after, measured back to back on the same machine).
+# 239 s before, 198 s after, measured back to back on the same machine). Not where CUDA is
+# available: a process forked after CUDA's driver was initialized cannot use it, and the GPU
+# tests have not run with that machinery imported before the fork.
 # TSM_TEST_START_METHOD=spawn goes back to spawning, to rule the fork server out.
 _START_METHOD = os.environ.get("TSM_TEST_START_METHOD", "forkserver")
 _CTX = mp.get_context(_START_METHOD)
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "transformers",
+]
+_MODEL_PRELOAD = ["transformers.modeling_utils", "transformers.models.llama.modeling_llama"]
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 if _START_METHOD == "forkserver":
-    _CTX.set_forkserver_preload(
-        [
-            "torch",
-            "torch.distributed",
-            "torch.distributed.fsdp",
-            "torch.distributed.tensor",
-            "torch.distributed.checkpoint",
-            "transformers",
-            "transformers.modeling_utils",
-            "transformers.models.llama.modeling_llama",
-        ]
-    )
+    _CTX.set_forkserver_preload(_PRELOAD + ([] if _cuda_available() else _MODEL_PRELOAD))
 
 
 class DistributedTestError(AssertionError):
