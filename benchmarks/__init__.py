@@ -171,8 +171,9 @@ def _rank_entry(
     os.environ.clear()
     os.environ.update(environ)
     for fd, parents in zip((1, 2), fds):
-        os.dup2(parents, fd)
-        os.close(parents)
+        if parents != fd:  # a spawned rank receives the parent's number itself
+            os.dup2(parents, fd)
+            os.close(parents)
     try:
         target(rank, nprocs, port, *args, queue)
     except BaseException:
