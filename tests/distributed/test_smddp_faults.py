@@ -91,6 +91,7 @@ def _hosts_disagree():
     import torch.distributed as dist
 
     host = dist.get_rank() // 2
+    dtype = [torch.float32, torch.int32][host]
     cases = [
         lambda g: (
             dist.all_reduce(torch.ones(4), group=g)
@@ -106,6 +107,20 @@ def _hosts_disagree():
         lambda g: dist.all_gather_into_tensor(
             torch.empty(4 * (3 + host)), torch.ones(3 + host), group=g
         ),  # numel
+        # The same bytes in another dtype: all_to_all's messages carry its dtype too.
+        lambda g: dist.all_to_all_single(
+            torch.empty(4, dtype=dtype), torch.ones(4, dtype=dtype), group=g
+        ),
+        # Each host names one of its own ranks as the root: the roots only send, and the
+        # receivers' acknowledgements show the mismatch (Note [Roots that disagree across
+        # hosts] in comm_algos.cpp).
+        lambda g: dist.broadcast(torch.ones(4), 2 * host, group=g),
+        lambda g: dist.scatter(
+            torch.empty(1),
+            [torch.ones(1)] * 4 if dist.get_rank() == 2 * host else None,
+            src=2 * host,
+            group=g,
+        ),
     ]
     return rank_helpers.runtime_errors([lambda case=case: case(dist.new_group()) for case in cases])
 
@@ -123,6 +138,11 @@ def test_collectives_that_differ_between_hosts_raise_on_every_rank():
         assert all(m is not None and "mismatched collectives" in m for m in per_rank), per_rank
     assert "called broadcast (Float, 4 elements, root 0)" in results[2][0]
     assert "called all_reduce (Float, MAX, 4 elements)" in results[0][1]
+    assert "all_to_all_single (Int, 4 elements)" in results[0][4] + results[1][4], results
+    roots = " ".join(per_rank[5] for per_rank in results)
+    assert "broadcast (Float, 4 elements, root 0)" in roots
+    assert "broadcast (Float, 4 elements, root 2)" in roots
+    assert "scatter (Float, 1 elements, root 2)" in " ".join(r[6] for r in results)
 
 
 def _dead_peer():

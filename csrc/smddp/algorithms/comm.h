@@ -253,6 +253,9 @@ class Communicator : private NetGroup {
   void exchange(const std::vector<TransportOp>& sends, const std::vector<TransportOp>& recvs,
                 const OpCtx& ctx);
   static uint64_t check_of(const OpCtx& ctx);  // the collective's descriptor, for messages
+  // The tag stage of a receiver's acknowledgement to a broadcast's or scatter's root (Note
+  // [Roots that disagree across hosts] in comm_algos.cpp); stages 1-7 carry data.
+  static constexpr int kRootAck = 8;
   char* scratch(size_t bytes);
   // NetGroup (net_algorithm.h).
   int group_rank() const override { return cfg_.rank; }

@@ -207,14 +207,18 @@ void Communicator::broadcast(void* data, size_t bytes, int root, OpCtx ctx) {
       std::vector<TransportOp> sends, recvs;
       const uint64_t chk = check_of(ctx);
       char* p = static_cast<char*>(data);
+      // Note [Roots that disagree across hosts]: each receiver also acknowledges the root.
       if (cfg_.rank == root) {
         for (int h = 0; h < layout_.hosts; ++h) {
           if (h != root_host) {
-            sends.push_back({layout_.members[h][entry(h)], tag(ctx, 3), p, bytes, chk});
+            const int peer = layout_.members[h][entry(h)];
+            sends.push_back({peer, tag(ctx, 3), p, bytes, chk});
+            recvs.push_back({peer, tag(ctx, kRootAck), nullptr, 0, chk});
           }
         }
       } else {
         recvs.push_back({root, tag(ctx, 3), p, bytes, chk});
+        sends.push_back({root, tag(ctx, kRootAck), nullptr, 0, chk});
       }
       exchange(sends, recvs, ctx);
     }
@@ -222,6 +226,18 @@ void Communicator::broadcast(void* data, size_t bytes, int root, OpCtx ctx) {
   });
 }
 
+// Note [Roots that disagree across hosts]: where the hosts disagree on a broadcast's or a
+// scatter's root, each host's root only sends and nobody receives, so no message's check is
+// ever compared: every rank would return its own host's data without an error (the
+// mismatch surfaced only at the group's next collective, if any). So every rank that
+// receives from the root over TCP also sends it an empty acknowledgement carrying the
+// collective's check, posted with its receive, and the root waits for them. A root that
+// disagrees then meets the other root's data where it waits for an acknowledgement, and
+// raises naming both calls (Note [Mismatches across hosts] in tcp.h); where the roots'
+// rails do not meet, the roots wait for acknowledgements that never come and time out. On
+// agreement the acknowledgements cross while the data is sent: the root's call ends at most
+// one one-way latency later, the receivers' not at all.
+//
 // Note [Rooted collectives] in shm_rooted.h. Across hosts, the ranks of other hosts send
 // to (gather) or receive from (scatter) the root over TCP directly, one message each; the
 // ranks of the root's host run the shared-memory algorithm. reduce is a hierarchical
@@ -257,18 +273,22 @@ void Communicator::rooted_scatter(const std::vector<const char*>& src,
                                   const OpCtx& ctx) {
   const int root_host = host_of(root);
   const uint64_t chk = check_of(ctx);
+  // Note [Roots that disagree across hosts]: each receiver also acknowledges the root.
   if (layout_.host != root_host) {
-    exchange({}, {{root, tag(ctx, 7), static_cast<char*>(out), lens[cfg_.rank], chk}}, ctx);
+    exchange({{root, tag(ctx, kRootAck), nullptr, 0, chk}},
+             {{root, tag(ctx, 7), static_cast<char*>(out), lens[cfg_.rank], chk}}, ctx);
     return;
   }
   if (cfg_.rank == root && layout_.hosts > 1) {
-    std::vector<TransportOp> sends;
+    std::vector<TransportOp> sends, acks;
     for (int h = 0; h < layout_.hosts; ++h) {
       if (h == root_host) continue;
-      for (int r : layout_.members[h])
+      for (int r : layout_.members[h]) {
         sends.push_back({r, tag(ctx, 7), const_cast<char*>(src[r]), lens[r], chk});
+        acks.push_back({r, tag(ctx, kRootAck), nullptr, 0, chk});
+      }
     }
-    exchange(sends, {}, ctx);
+    exchange(sends, acks, ctx);
   }
   shm::scatter(*shm_, local_of(src), local_of(lens), out, local_index(root), ctx);
 }
@@ -341,12 +361,13 @@ void Communicator::alltoall(const void* in, const std::vector<Span>& send, void*
     const char* src = static_cast<const char*>(in);
     char* dst = static_cast<char*>(out);
     std::vector<TransportOp> sends, recvs;
+    // The check is the collective's kind and dtype (the descriptor of an all_to_all carries
+    // no count): sizes are checked per message instead (len must match).
+    const uint64_t chk = check_of(ctx);
     for (int j = 0; j < cfg_.size; ++j) {
       if (j == cfg_.rank) continue;
-      // The check carries no size: sizes are checked per message (len must match).
-      sends.push_back(
-          {j, tag(ctx, 5), const_cast<char*>(src + send[j].off), send[j].len, ctx.desc.kind});
-      recvs.push_back({j, tag(ctx, 5), dst + recv[j].off, recv[j].len, ctx.desc.kind});
+      sends.push_back({j, tag(ctx, 5), const_cast<char*>(src + send[j].off), send[j].len, chk});
+      recvs.push_back({j, tag(ctx, 5), dst + recv[j].off, recv[j].len, chk});
     }
     if (recv[cfg_.rank].len != send[cfg_.rank].len) {
       throw CommError("smddp: " + ctx.describe() + ": this rank sends " +
