@@ -91,3 +91,28 @@ def test_the_examples_latest_finds_a_checkpoint_in_per_rank_parts(tmp_path, monk
     _checkpoint(tmp_path, "llama-5steps", parts=("tp2-0", "tp2-1"))
     _checkpoint(tmp_path, "llama-7steps", parts=("tp2-0",))  # a part's save failed
     assert step_dirs(str(tmp_path)) == [(5, str(tmp_path / "llama-5steps"))]
+
+
+def test_folders_that_are_not_checkpoints_are_neither_deleted_nor_counted(tmp_path):
+    """No regex: a run's other output beside its checkpoints stays, and costs no place."""
+    for other in ("tensorboard", "hf_export"):
+        (tmp_path / other).mkdir()
+        (tmp_path / other / "events.log").write_text("kept")
+    _checkpoint(tmp_path, "step1")
+    _checkpoint(tmp_path, "step2")
+    new = _checkpoint(tmp_path, "step3")
+    assert prune_beside(checkpoint_location(new), 2) == [str(tmp_path / "step1")]
+    assert sorted(os.listdir(tmp_path)) == ["hf_export", "step2", "step3", "tensorboard"]
+    assert (tmp_path / "tensorboard" / "events.log").read_text() == "kept"
+
+
+def test_an_unfinished_later_step_takes_none_of_the_places_kept(tmp_path):
+    """num_kept=2 leaves two complete checkpoints to resume from, whatever a crash left."""
+    _checkpoint(tmp_path, "llama-300steps", complete=False)
+    _checkpoint(tmp_path, "llama-200steps")
+    _checkpoint(tmp_path, "llama-210steps")
+    new = _checkpoint(tmp_path, "llama-220steps")
+    assert prune_beside(checkpoint_location(new), 2, regex=STEPS) == [
+        str(tmp_path / "llama-200steps")
+    ]
+    assert sorted(os.listdir(tmp_path)) == ["llama-210steps", "llama-220steps", "llama-300steps"]

@@ -102,13 +102,15 @@ def limit_num_subdirs(
         return []
     pattern = re.compile(regex) if regex is not None else None
     root, upcoming = _checkpoint_root(checkpoint_location(path, container=True), pattern)
-    return _prune(root, upcoming, num_kept, sort_fn, pattern)
+    return _prune(root, upcoming, num_kept, sort_fn, pattern, only_complete=False)
 
 
 def prune_beside(
     checkpoint: CheckpointLocation, num_kept: int | None, regex: str | None = None
 ) -> list[str]:
-    """``limit_num_subdirs`` of ``checkpoint``'s siblings, never deleting ``checkpoint`` itself.
+    """``limit_num_subdirs`` of ``checkpoint``'s complete siblings, never deleting ``checkpoint``.
+
+    Only complete checkpoints count, and only they are deleted (Note [What retention keeps]).
 
     ``TrainingState.save`` calls it after a save (the rank that commits).
 
@@ -129,7 +131,7 @@ def prune_beside(
     if num_kept < 0:
         raise ValueError(f"num_kept={num_kept} must be >= 0 (or None to keep everything).")
     pattern = re.compile(regex) if regex is not None else None
-    return _prune(root, checkpoint.name, num_kept, SORT_BY_LAST_INT, pattern)
+    return _prune(root, checkpoint.name, num_kept, SORT_BY_LAST_INT, pattern, only_complete=True)
 
 
 def _prune(
@@ -138,13 +140,15 @@ def _prune(
     num_kept: int,
     sort_fn: Callable[[str], SupportsRichComparison],
     pattern: re.Pattern[str] | None,
+    only_complete: bool,
 ) -> list[str]:
-    names = {n for n in root.checkpoint_names() if pattern is None or pattern.match(n)}
-    deleted = []
-
     def complete(name: str) -> bool:
         return is_complete_checkpoint(root.child(name))
 
+    names = {n for n in root.checkpoint_names() if pattern is None or pattern.match(n)}
+    if only_complete:  # Note [What retention keeps]
+        names = {n for n in names if complete(n)}
+    deleted = []
     for name in _doomed(names, upcoming, num_kept, sort_fn, complete):
         victim = root.child(name)
         victim.remove()
@@ -169,9 +173,20 @@ def _doomed(
     per-rank parts other groups are still committing, a directory a crashed run left
     unfinished under a higher step, or a resumed run that rolled back past newer
     checkpoints never leaves the job without one to resume from, and never deletes what it
-    just saved. One gap: an SM-local step counts as complete once the shard directories it
-    holds are committed, since how many it should hold is not checked
-    (``completeness``), so a step whose other shards are still being written can count.
+    just saved. Which directories are candidates depends on the caller:
+
+    - ``TrainingState.save(..., num_kept)`` (``prune_beside``) writes only checkpoints with
+      markers, so only complete ones count and can be deleted: a directory that is not a
+      checkpoint (a ``tensorboard/`` beside them, with no ``regex`` to exclude it) is never
+      deleted, and an unfinished one takes none of the ``num_kept`` places (it would leave
+      fewer checkpoints to resume from than asked for).
+    - ``limit_num_subdirs``, SMP's function, counts every subdirectory ``regex`` matches (or
+      every one, without it), as SMP does: SMP's scripts call it for their ``full`` and
+      ``local`` checkpoints too, which ``torch.save`` writes without a marker.
+
+    One gap: an SM-local step counts as complete once the shard directories it
+    holds are committed, since how many it should hold is not checked (``completeness``),
+    so a step whose other shards are still being written can count.
     """
     if upcoming is not None:
         names = {*names, upcoming}
