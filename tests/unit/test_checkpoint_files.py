@@ -186,6 +186,32 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path):
     assert got["step"] == 30 and not (tmp_path / ".c.partial").exists()
 
 
+def test_a_save_replaces_only_a_checkpoint(tmp_path):
+    """Note [Saves replace only checkpoints]: a commit replaces the directory at its path."""
+    out = tmp_path / "job"
+    (out / "tensorboard").mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"holds config.json, tensorboard.*not a checkpoint"):
+        save(_state(1.0), checkpoint_id=out)
+    assert sorted(os.listdir(out)) == ["config.json", "tensorboard"]
+    assert not (tmp_path / ".job.partial").exists() or not os.listdir(tmp_path / ".job.partial")
+    # The directory holding checkpoints, passed instead of one of them.
+    save(_state(1.0), checkpoint_id=out / "step1")
+    with pytest.raises(CheckpointError, match="step1"):
+        save(_state(2.0), checkpoint_id=out)
+    assert is_complete(out / "step1")
+    # An empty directory, and an earlier checkpoint of the same name, are replaced.
+    (tmp_path / "empty").mkdir()
+    save(_state(2.0), checkpoint_id=tmp_path / "empty")
+    save(_state(3.0), checkpoint_id=out / "step1")
+    got = _template()
+    load(got, checkpoint_id=out / "step1")
+    assert got["step"] == 30
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="a file is there"):
+        save(_state(1.0), checkpoint_id=tmp_path / "file")
+
+
 def test_async_save_snapshots_state_and_reports_errors(tmp_path):
     queue = AsyncCallsQueue()
     state = _state()

@@ -75,8 +75,50 @@ def replaced_path(path: Path) -> Path:
     return path.parent / f".{path.name}{REPLACED_SUFFIX}"
 
 
+def check_replaceable(path: Path) -> None:
+    """Refuses a save to ``path`` where something other than a checkpoint is there.
+
+    Note [Saves replace only checkpoints]: a commit replaces whatever directory is at
+    ``path`` (step 2 of Note [Checkpoint commit protocol]), which is right for an earlier
+    checkpoint of the same name and wrong for anything else: a job's output directory, or
+    the directory that holds its checkpoints (``save(root)`` instead of ``save(root/step)``),
+    would be deleted whole. So the target must not exist, be an empty directory, or hold a
+    complete checkpoint (its marker). Checked before the save writes anything, and again at
+    the commit.
+
+    Raises:
+        CheckpointError: Naming the path, what is there, and the fix.
+    """
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_dir():
+        raise CheckpointError(
+            f"cannot save checkpoint {path}: a file is there, and a checkpoint is a directory. "
+            "Pass a path that does not exist yet, or remove the file."
+        )
+    if is_complete(path):
+        return
+    entries = sorted(os.listdir(path))
+    if entries:
+        shown = ", ".join(entries[:5]) + (
+            f" and {len(entries) - 5} more" if len(entries) > 5 else ""
+        )
+        raise CheckpointError(
+            f"cannot save checkpoint {path}: the directory holds {shown}, and it is not a "
+            "checkpoint (no completion marker), so saving would delete it (a save replaces "
+            "the whole directory). Save each checkpoint to a directory of its own, such as "
+            f"{path / 'step-100'}, or remove what is there."
+        )
+
+
 def prepare_staging(path: Path) -> Path:
-    """Removes a stale staging directory of ``path`` and creates an empty one (coordinator only)."""
+    """Removes a stale staging directory of ``path`` and creates an empty one (coordinator only).
+
+    Raises:
+        CheckpointError: If something other than a checkpoint is at ``path``
+            (``check_replaceable``).
+    """
+    check_replaceable(path)
     staging = staging_path(path)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -122,7 +164,8 @@ def commit(
         checksums: Record every file's checksum in the marker; ``False`` writes sizes only.
 
     Raises:
-        CheckpointError: If the staging directory does not hold what ``recorded`` lists.
+        CheckpointError: If the staging directory does not hold what ``recorded`` lists, or
+            something other than a checkpoint is at ``path`` (``check_replaceable``).
     """
     for f in staging.rglob("*"):
         if f.is_file():
@@ -131,6 +174,7 @@ def commit(
     if recorded is not None:
         check_as_written(path, staging, sizes, recorded)
     table = integrity.checksums_for(staging, sizes, recorded or {}) if checksums else None
+    check_replaceable(path)  # something may have appeared there since the save started
     marker_file = staging / COMPLETION_MARKER
     marker_file.write_bytes(new_marker(sizes, table, info))
     _fsync(marker_file)
@@ -368,6 +412,7 @@ __all__ = [
     "CheckpointError",
     "LocalDirectory",
     "check_sizes",
+    "check_replaceable",
     "checkpoint_path",
     "commit",
     "corrupt_error",
