@@ -146,6 +146,48 @@ def test_loading_without_the_optimizer_leaves_a_fresh_one_fresh(tmp_path):
         assert not fresh_optim.state, (kind, fresh_optim.state)
 
 
+@pytest.mark.parametrize("when", ["before_any_backward", "mid_accumulation"])
+@pytest.mark.parametrize("kind", ["sharded", "local"])
+def test_a_save_before_the_first_step_does_not_change_the_run(tmp_path, kind, when):
+    """Note [Saving creates no optimizer state]: saved before any step (before the first
+    backward, or between two accumulated micro-batches), the run goes on as without the
+    save, and a run resumed from it trains the same."""
+    from torch_sagemaker.checkpoint import TrainingState
+
+    def trainer():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    def steps(model, optim, save_at=None):
+        for step in range(3):
+            for micro in range(2):
+                if step == micro == 0 and save_at is not None and when == "before_any_backward":
+                    save_at(model, optim)
+                x = torch.full((3, 4), 1.0 + step + micro)
+                model(x).square().sum().backward()
+                if step == micro == 0 and save_at is not None and when == "mid_accumulation":
+                    save_at(model, optim)
+            optim.step()
+            optim.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    def save(model, optim):
+        TrainingState(model, optim, save_rng=False).save(tmp_path / "s", kind=kind)
+        assert not optim.state, "the save created optimizer state"
+
+    reference = steps(*trainer())
+    assert all(torch.equal(a, b) for a, b in zip(reference, steps(*trainer(), save)))
+    model, optim = trainer()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the load must bring the saved values back
+    TrainingState(model, optim, save_rng=False).load(tmp_path / "s", kind=kind)
+    assert not optim.state  # as when it was saved
+    # The resumed run starts again at the first micro-batch (the saved one was not stepped).
+    assert all(torch.equal(a, b) for a, b in zip(reference, steps(model, optim)))
+
+
 def test_another_dtype_is_cast_with_a_warning_naming_the_tensors(tmp_path, monkeypatch):
     """DCP casts on load, as SMP's loads do (a bf16 model for inference from a float32
     checkpoint); the values loaded then differ from those saved, which the log says."""

@@ -18,6 +18,18 @@ checkpoint keys (sharded kind)      | what
 RNG states are per rank. After a resume on more ranks the new ranks keep their current RNG
 (a warning says so); parity of dropout-free models does not depend on it.
 
+Note [Saving creates no optimizer state]
+---------------------------------------
+An optimizer that has not stepped yet has no state. Building a state dict with one makes
+it (``get_state_dict`` and ``init_optim_state`` run one step at learning rate 0), which
+leaves the parameters as they are but not the training: Adam's ``step`` becomes 1 with zero
+moments, so the first real step is bias-corrected as the second, and a save between
+gradient accumulations would add the gradients so far to the moments. A save (a checkpoint
+at step 0, or after a resume before stepping) must not change the run, so ``state_dict``
+gives such an optimizer's ``param_groups`` and no per-parameter state, and drops what
+``get_state_dict`` made; loading it leaves every parameter without state, as in the run that
+saved it (Note [Parameters without optimizer state]). Only ``load``'s template creates state.
+
 Note [Parameters without optimizer state]
 -----------------------------------------
 Optimizers such as Adam create a parameter's state at its first gradient, so a parameter that
@@ -169,18 +181,25 @@ class TrainingState:
     # ------------------------------------------------------------ Stateful
     def state_dict(self, kind: str = "sharded") -> dict[str, Any]:
         """The checkpoint content (see the module docstring); tensors are not copied."""
-        return self._state_dict(kind, with_optimizer=True)
+        return self._state_dict(kind, with_optimizer=True, template=False)
 
-    def _state_dict(self, kind: str, *, with_optimizer: bool) -> dict[str, Any]:
-        """``state_dict``, without the optimizer's part (nor creating its state) if asked."""
+    def _state_dict(self, kind: str, *, with_optimizer: bool, template: bool) -> dict[str, Any]:
+        """``state_dict``, without the optimizer's part (nor creating its state) if asked.
+
+        ``template``: the state dict ``load`` fills, with optimizer state for every
+        parameter; otherwise the state as it is, and an optimizer that has none yet gets none
+        (Note [Saving creates no optimizer state]).
+        """
         if kind not in _KINDS:
             raise ValueError(f"kind={kind!r}; expected one of {_KINDS}.")
         sd: dict[str, Any] = {"step": self.step, "data_position": json.dumps(self.data_position)}
         optimizer = self.optimizer if with_optimizer else None
+        fresh = optimizer is not None and not optimizer.state
         if kind == "local":
             sd["model"] = sdu.local_state_dict(self.model)
             if optimizer is not None:
-                sdu.init_optim_state(optimizer)
+                if template:
+                    sdu.init_optim_state(optimizer)
                 sd["optimizer"] = sdu.local_optim_state_dict(optimizer)
         else:
             optims = [optimizer] if optimizer is not None else []
@@ -189,6 +208,10 @@ class TrainingState:
             )
             sd["model"] = model_sd
             if optimizer is not None:
+                if fresh and not template:
+                    # get_state_dict made state (one step at learning rate 0): drop it.
+                    optimizer.state.clear()
+                    optim_sd["state"] = {}
                 sd["optimizer"] = optim_sd
         if self.lr_scheduler is not None:
             sd["lr_scheduler"] = self.lr_scheduler.state_dict()
@@ -368,7 +391,7 @@ class TrainingState:
         path, group, coordinator = self._location(checkpoint_location(checkpoint_id), kind)
         # Without the optimizer, its template is not even built: building it creates state
         # (one step with zero gradients) that a fresh optimizer must not carry on.
-        sd = self._state_dict(kind, with_optimizer=load_optimizer)
+        sd = self._state_dict(kind, with_optimizer=load_optimizer, template=True)
         saved = read_metadata(path).state_dict_metadata
         stateless = _drop_state_never_saved(sd.get("optimizer"), saved)
         self._expect_saved_fp8_state(sd, saved, path)
