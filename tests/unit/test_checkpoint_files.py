@@ -431,3 +431,18 @@ def test_the_hf_export_names_the_model_class_under_wrappers():
     assert wrapped.config is model.config  # the attribute passes through the wrapper
     for m in (model, wrapped, torch.compile(model), torch.compile(wrapped)):
         assert _model_class_name(m) == "LlamaForCausalLM", type(m)
+
+
+def test_a_data_position_that_would_not_load_back_equal_is_refused(tmp_path):
+    from torch_sagemaker.checkpoint import TrainingState
+
+    model = nn.Linear(2, 2)
+    for bad in ({1: 5}, {"order": (1, 2)}, {"seen": {3}}):
+        with pytest.raises(ValueError, match="data_position="):
+            TrainingState(model, data_position=bad, save_rng=False).save(tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+    good = {"samples": 5, "order": [1, 2], "by_rank": {"0": 3}}
+    TrainingState(model, data_position=good, save_rng=False).save(tmp_path / "c")
+    loaded = TrainingState(model, save_rng=False)
+    loaded.load(tmp_path / "c")
+    assert loaded.data_position == good

@@ -112,3 +112,14 @@ def test_bench_checkpoint_baseline_is_the_checksums_off_location(tmp_path):
     assert configs == {
         (op, c) for op in ("save", "load") for c in ("DCP alone", "tsm, no checksums", "tsm, crc32")
     }
+
+
+@pytest.mark.parametrize("given", [Path("s3://bucket/run/step1"), "S3://bucket/run/step1"])
+def test_text_that_only_looks_like_an_s3_uri_is_refused(tmp_path, monkeypatch, given):
+    """A pathlib.Path of an URI keeps one slash; written locally it would land in ./s3:."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="looks like an S3 URI but is not one"):
+        checkpoint_location(given)
+    with pytest.raises(ValueError, match="looks like an S3 URI"):
+        save({"w": torch.ones(2)}, checkpoint_id=given)
+    assert list(tmp_path.iterdir()) == []

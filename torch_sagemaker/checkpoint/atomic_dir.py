@@ -52,7 +52,9 @@ def checkpoint_path(checkpoint_id: str | os.PathLike[str] | None) -> Path:
     """Validates ``checkpoint_id`` and returns it as an absolute local path.
 
     Raises:
-        ValueError: If it is ``None`` or an S3 URI (not supported here).
+        ValueError: If it is ``None``, an S3 URI (not supported here), or text that only
+            looks like one (``S3://``, or a ``pathlib.Path`` of an URI, which keeps one
+            slash): written here, it would land on local disk under ``./s3:``.
     """
     if checkpoint_id is None:
         raise ValueError("checkpoint_id is required: pass the checkpoint directory.")
@@ -61,6 +63,13 @@ def checkpoint_path(checkpoint_id: str | os.PathLike[str] | None) -> Path:
         raise ValueError(
             f"checkpoint_id={text!r}: S3 paths are not supported; save to a local or shared "
             "file system path and upload the directory afterwards."
+        )
+    if text[:4].lower() == "s3:/":
+        raise ValueError(
+            f"checkpoint_id={checkpoint_id!r} looks like an S3 URI but is not one, so it "
+            "would be a local directory named 's3:'. Pass the URI as a str that starts with "
+            "'s3://' in lower case (a pathlib.Path turns 's3://bucket/key' into "
+            "'s3:/bucket/key')."
         )
     return Path(text).absolute()
 

@@ -81,6 +81,34 @@ from torch_sagemaker.state import state as smp_state  # (``state`` names RNG sta
 _KINDS = ("sharded", "local")
 
 
+def _data_position_json(data_position: Any, *, check: bool) -> str:
+    """``data_position`` as the JSON text a checkpoint keeps.
+
+    Args:
+        data_position: The position in the data.
+        check: Refuse a value that would not load back equal (a save).
+
+    Raises:
+        ValueError: If ``check`` and JSON cannot hold ``data_position`` as it is: not
+            serializable, or changed by the round trip (integer keys come back as strings,
+            tuples as lists), so a loop indexing it by the same keys would fail after a resume.
+    """
+    try:
+        text = json.dumps(data_position)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"data_position={data_position!r} cannot be saved: {e}. It is kept as JSON: use "
+            "numbers, strings, bools, None, lists and dicts with string keys."
+        ) from None
+    if check and json.loads(text) != data_position:
+        raise ValueError(
+            f"data_position={data_position!r} would load back as {json.loads(text)!r}: it is "
+            "kept as JSON, which has only string keys and lists. Use string keys and lists, "
+            "so that a resumed run reads the position it saved."
+        )
+    return text
+
+
 def _same_progress_on_every_rank(step: int, data_position: str) -> None:
     """Raises on every rank unless all ranks save the same step and data position.
 
@@ -192,7 +220,10 @@ class TrainingState:
         """
         if kind not in _KINDS:
             raise ValueError(f"kind={kind!r}; expected one of {_KINDS}.")
-        sd: dict[str, Any] = {"step": self.step, "data_position": json.dumps(self.data_position)}
+        sd: dict[str, Any] = {
+            "step": self.step,
+            "data_position": _data_position_json(self.data_position, check=not template),
+        }
         optimizer = self.optimizer if with_optimizer else None
         fresh = optimizer is not None and not optimizer.state
         if kind == "local":
