@@ -27,6 +27,8 @@ import difflib
 import json
 import os
 import reprlib
+import select
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -39,6 +41,8 @@ MAX_SEED = 2**63 - 1
 MAX_COUNT = 2**31 - 1  # bound of the degrees and the horizon (counts of ranks or layers)
 #: Largest config file or environment value read (an SMP config is a few hundred bytes).
 MAX_CONFIG_BYTES = 1 << 20
+#: Seconds a config path that is a pipe may take to deliver its text (``<(...)`` in bash).
+CONFIG_PIPE_WAIT_S = 10.0
 _MAX_UNKNOWN_SHOWN = 20  # unknown keys listed one by one; the rest are counted
 
 
@@ -226,17 +230,66 @@ def _from_argument(config: str | os.PathLike[str] | Mapping[str, Any] | None) ->
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
         try:
-            with open(path, "rb") as f:
-                data = f.read(MAX_CONFIG_BYTES + 1)
+            data = _read_bounded(path, MAX_CONFIG_BYTES + 1, CONFIG_PIPE_WAIT_S)
+        except TimeoutError:  # (an OSError)
+            raise ConfigError(
+                [
+                    f"config file {path!r} is a pipe that gave no end of text within "
+                    f"{CONFIG_PIPE_WAIT_S:g} s. Pass the path of a JSON file."
+                ],
+                "tsm.init config",
+            ) from None
         except OSError as e:
             raise ConfigError(
                 [f"cannot read config file {path!r}: {e.strerror}."], "tsm.init config"
+            ) from None
+        except ValueError:  # the path itself is not one the OS takes
+            raise ConfigError(
+                [
+                    f"cannot read config file {path!r}: the path contains a NUL byte. Pass "
+                    "the path of the JSON file with the SMP parameters."
+                ],
+                "tsm.init config",
             ) from None
         return _parse_json(_decode(data, f"config file {path!r}"), f"config file {path!r}")
     raise TypeError(
         "tsm.init(config=...) takes a dict, a path to a JSON file or None, "
         f"got {type(config).__name__}."
     )
+
+
+def _read_bounded(path: str, limit: int, wait_s: float) -> bytes:
+    """Up to ``limit`` bytes of ``path``, never waiting on it without a bound.
+
+    Opened without blocking: a FIFO nobody writes to reads as empty at once (a plain
+    ``open`` would wait for a writer forever); a pipe that is being written to (bash's
+    ``<(...)``) gets ``wait_s`` to deliver its text.
+
+    Raises:
+        OSError: If the path cannot be opened or read (a directory, a missing file).
+        ValueError: If the path contains a NUL byte.
+        TimeoutError: If a pipe gave neither data nor its end within ``wait_s``.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        chunks: list[bytes] = []
+        total = 0
+        deadline = time.monotonic() + wait_s
+        while total < limit:
+            try:
+                chunk = os.read(fd, limit - total)
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([fd], [], [], left)[0]:
+                    raise TimeoutError(path) from None
+                continue
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _decode(data: bytes, source: str) -> str:
@@ -304,6 +357,17 @@ def load_raw(
 # ------------------------------------------------------------------------- validation
 
 
+def _type_name(value: Any) -> str:
+    """The type's name, with its module where it is not a builtin.
+
+    ``numpy.bool_``'s ``__name__`` alone, ``bool``, would read as the type asked for.
+    """
+    cls = type(value)
+    return (
+        cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+    )
+
+
 def _type_problem(key: str, value: Any) -> str | None:
     expected = FIELD_TYPES[key]
     if expected is bool:
@@ -311,13 +375,13 @@ def _type_problem(key: str, value: Any) -> str | None:
             return None
         return (
             f"{key}={show_value(value)}: must be a boolean (true or false), "
-            f"got {type(value).__name__}."
+            f"got {_type_name(value)}."
         )
     if isinstance(value, bool) or not isinstance(value, int):
         hint = " (booleans are not integers)" if isinstance(value, bool) else ""
         return (
-            f"{key}={show_value(value)}: must be an integer{hint}, got {type(value).__name__}. "
-            f"Write e.g. {key}=2."
+            f"{key}={show_value(value)}: must be an integer{hint}, got "
+            f"{_type_name(value)}. Write e.g. {key}=2."
         )
     return None
 

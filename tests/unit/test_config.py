@@ -224,3 +224,52 @@ def test_missing_file_and_wrong_argument_type(tmp_path):
         load_raw(str(tmp_path / "nope.json"), environ={})
     with pytest.raises(TypeError, match="takes a dict, a path to a JSON file or None"):
         load_raw(42, environ={})
+    with pytest.raises(ConfigError, match="contains a NUL byte"):
+        load_raw(str(tmp_path / "a\x00.json"), environ={})
+
+
+def test_config_paths_that_are_pipes_are_read_within_a_bound(tmp_path, monkeypatch):
+    import os
+    import threading
+
+    from torch_sagemaker import config
+
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)
+    # Nobody writes: read as empty at once (open() waited for a writer forever).
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_raw(str(fifo), environ={})
+
+    # A pipe whose writer is slow, as bash's <(...) may be, is waited for.
+    read_end, write_end = os.pipe()
+
+    def write() -> None:
+        os.write(write_end, b'{"hybrid_shard_degree": 2}')
+        os.close(write_end)
+
+    writer = threading.Timer(0.2, write)
+    writer.start()
+    try:
+        assert load_raw(f"/proc/self/fd/{read_end}", environ={}) == {"hybrid_shard_degree": 2}
+    finally:
+        writer.join()
+        os.close(read_end)
+    # A writer that never ends its text: an error within the bound.
+    monkeypatch.setattr(config, "CONFIG_PIPE_WAIT_S", 0.3)
+    read_end = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    write_end = os.open(fifo, os.O_WRONLY)
+    try:
+        with pytest.raises(ConfigError, match="gave no end of text within 0.3 s"):
+            load_raw(str(fifo), environ={})
+    finally:
+        os.close(write_end)
+        os.close(read_end)
+
+
+def test_a_numpy_value_is_named_by_its_module():
+    # numpy.bool_'s own name is "bool", which read as the type asked for.
+    np = pytest.importorskip("numpy")
+    (problem,) = problems({"sm_activation_offloading": np.bool_(True)})
+    assert "must be a boolean (true or false), got numpy.bool" in problem, problem
+    (problem,) = problems({"tensor_parallel_degree": np.int64(2)})
+    assert "must be an integer, got numpy.int64" in problem, problem
