@@ -166,13 +166,22 @@ def _check_placement(device: Any, dtype: Any) -> None:
         )
     if device is not None:
         try:
-            torch.device(device)
+            target = torch.device(device)
         except (RuntimeError, TypeError) as e:
             raise ValueError(
                 f"tsm.transform(device={device!r}) is not a device ({e}); pass e.g. "
                 "device=torch.device('cuda', local_rank), 'cpu', or None to keep the "
                 "model where it is (a dtype goes in dtype=)."
             ) from None
+        if target.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count == 0 or (target.index is not None and target.index >= count):
+                present = f"GPUs 0-{count - 1}" if count else "no GPU"
+                raise ValueError(
+                    f"tsm.transform(device={device!r}): this process sees {present}; pass "
+                    "device=torch.device('cuda', local_rank) for a GPU it has, 'cpu', or "
+                    "None to keep the model where it is."
+                )
 
 
 def _place(model: nn.Module, device: torch.device | str | None, dtype: torch.dtype | None) -> None:

@@ -108,6 +108,8 @@ def _errors() -> dict:
     attempt("dtype", tiny_llama, dtype="float16")
     attempt("int_dtype", tiny_llama, dtype=torch.int8)
     attempt("device", tiny_llama, device="gpu0")
+    # A GPU this process does not have (none on a CPU machine; past the count on a GPU one).
+    attempt("missing_gpu", tiny_llama, device=f"cuda:{torch.cuda.device_count() + 7}")
     attempt("intermediate", lambda: tiny_llama(intermediate_size=129))
     with init_empty_weights():  # meta weights on every rank, rank 0 included
         attempt("rank0_meta", tiny_llama, load_state_dict_from_rank0=True)
@@ -189,6 +191,8 @@ def test_transform_argument_errors_are_early_clear_and_on_every_rank():
         assert out["rebound"] == [True, True], out
         assert "torch.bfloat16" in out["int_dtype"], out
         assert out["device"].startswith("ValueError: tsm.transform(device='gpu0') is not a device")
+        assert out["missing_gpu"].startswith("ValueError: tsm.transform(device='cuda:"), out
+        assert "this process sees" in out["missing_gpu"], out
         assert (
             "tensor_parallel_degree=2 does not divide intermediate_size=129" in out["intermediate"]
         ), out
