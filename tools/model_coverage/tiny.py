@@ -72,6 +72,21 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "gemma3n_text": {"num_kv_shared_layers": 0, "vocab_size_per_layer_input": 128},
     "dots3_note_text": {"num_key_value_heads": 4},
+    # its vision encoder's default routes experts by a 42-layer pyramid, one entry per layer
+    # its vision encoder's default routes experts by a 42-layer pyramid, one entry per layer;
+    # its adapters' widths to the text model are sizes of their own
+    "dots3_note_vision_encoder": {
+        "pyramid_num_routed": [-1, 4],
+        "adapter_in_dim": 64,
+        "adapter_out_dim": 64,
+        "moe_intermediate_size": 32,
+    },
+    "dots3_note_audio_encoder": {
+        "adapter_input_size": 64,
+        "adapter_out_dim": 64,
+        "downsample_hidden_size": 32,
+        "feature_size": 16,
+    },
     # its default config has no rope parameters for its (per-layer keyed) layer types
     "cohere_compass_text": {
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
