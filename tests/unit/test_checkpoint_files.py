@@ -446,3 +446,26 @@ def test_a_data_position_that_would_not_load_back_equal_is_refused(tmp_path):
     loaded = TrainingState(model, save_rng=False)
     loaded.load(tmp_path / "c")
     assert loaded.data_position == good
+
+
+def test_loading_as_another_kind_names_the_kind_it_was_saved_as(tmp_path):
+    """A complete checkpoint of one kind, loaded as another, is not called incomplete."""
+    from torch_sagemaker.checkpoint import TrainingState
+    from torch_sagemaker.checkpoint.atomic_dir import read_marker
+
+    model = nn.Linear(2, 2)
+    TrainingState(model, save_rng=False).save(tmp_path / "local", kind="local")
+    TrainingState(model, save_rng=False).save(tmp_path / "sharded")
+    with pytest.raises(CheckpointError, match="holds an SM-local checkpoint.*kind='local'"):
+        TrainingState(model, save_rng=False).load(tmp_path / "local")
+    with pytest.raises(CheckpointError, match=r"is itself a complete checkpoint.*kind='sharded'"):
+        TrainingState(model, save_rng=False).load(tmp_path / "sharded", kind="local")
+    for r in range(2):  # what FSDP1 with tensor parallelism writes
+        (tmp_path / "parts" / f"tp2-{r}").mkdir(parents=True)
+        (tmp_path / "parts" / f"tp2-{r}" / COMPLETION_MARKER).touch()
+    with pytest.raises(CheckpointError, match=r"per-rank parts \(tp2-<r>\).*under FSDP1"):
+        read_marker(tmp_path / "parts")
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "__0_0.distcp").touch()
+    with pytest.raises(CheckpointError, match="is incomplete"):
+        read_marker(tmp_path / "half")

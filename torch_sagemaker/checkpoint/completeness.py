@@ -51,4 +51,20 @@ def is_complete_checkpoint(location: Any) -> bool:
     )
 
 
-__all__ = ["is_complete_checkpoint"]
+def part_layout(names: list[str]) -> str | None:
+    """How a directory with the subdirectories ``names`` is split into committed parts.
+
+    Returns:
+        ``"sm_local"`` (``tp{r}_ep{r}_fsdp{r}`` shard directories), ``"tp{d}"`` or ``"ep{d}"``
+        (the per-rank parts of one degree ``d``), or ``None`` (none of these).
+    """
+    if any(_SM_LOCAL_SHARD.match(n) for n in names):
+        return "sm_local"
+    degrees = {(m[1], int(m[2])) for n in names if (m := _PART.match(n))}
+    if len(degrees) == 1:
+        ((family, degree),) = degrees
+        return f"{family}{degree}"
+    return None
+
+
+__all__ = ["is_complete_checkpoint", "part_layout"]
