@@ -116,3 +116,18 @@ def test_an_unfinished_later_step_takes_none_of_the_places_kept(tmp_path):
         str(tmp_path / "llama-200steps")
     ]
     assert sorted(os.listdir(tmp_path)) == ["llama-210steps", "llama-220steps", "llama-300steps"]
+
+
+def test_a_deletion_cut_short_leaves_no_checkpoint_that_looks_complete(tmp_path, monkeypatch):
+    import shutil
+
+    from torch_sagemaker.checkpoint.completeness import is_complete_checkpoint
+
+    whole = _checkpoint(tmp_path, "llama-100steps")
+    parts = _checkpoint(tmp_path, "llama-200steps", parts=("tp2-0", "tp2-1"))
+    monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: None)  # the deletion stops here
+    for path in (whole, parts):
+        location = checkpoint_location(path)
+        assert is_complete_checkpoint(location)
+        location.remove()
+        assert path.is_dir() and not is_complete_checkpoint(location)

@@ -445,7 +445,16 @@ class LocalDirectory:
         return {p.name for p in self.path.iterdir() if p.is_dir() and not p.name.startswith(".")}
 
     def remove(self) -> None:
-        """Deletes the checkpoint, and what an unfinished save of it left."""
+        """Deletes the checkpoint, and what an unfinished save of it left.
+
+        Its completion markers go first (its own, and its parts'), as on S3: a deletion cut
+        short then leaves a checkpoint that is incomplete, never one that looks complete
+        over missing files.
+        """
+        if self.path.is_dir():
+            for marker in sorted(self.path.rglob(COMPLETION_MARKER), key=lambda p: len(p.parts)):
+                marker.unlink(missing_ok=True)
+            _fsync(self.path)
         for victim in (self.path, staging_path(self.path), replaced_path(self.path)):
             if victim.exists():
                 shutil.rmtree(victim, ignore_errors=True)
