@@ -469,3 +469,13 @@ def test_loading_as_another_kind_names_the_kind_it_was_saved_as(tmp_path):
     (tmp_path / "half" / "__0_0.distcp").touch()
     with pytest.raises(CheckpointError, match="is incomplete"):
         read_marker(tmp_path / "half")
+
+
+def test_num_kept_with_the_local_kind_is_refused_not_ignored(tmp_path):
+    from torch_sagemaker.checkpoint import TrainingState
+
+    with pytest.raises(ValueError, match=r"kind='local', num_kept=2.*limit_num_subdirs"):
+        TrainingState(nn.Linear(2, 2), save_rng=False).save(
+            tmp_path / "s", kind="local", num_kept=2
+        )
+    assert not (tmp_path / "s").exists()

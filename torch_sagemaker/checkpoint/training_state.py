@@ -361,8 +361,21 @@ class TrainingState:
             num_kept: After the save, keep only this many checkpoints in the parent
                 directory (sharded kind; see ``limit_num_subdirs``); never this one, nor the
                 newest complete one (Note [What retention keeps] in ``retention``).
-            regex: Which sibling directories count for ``num_kept`` (default: all).
+            regex: Which sibling directories count for ``num_kept`` (default: every
+                complete checkpoint).
+
+        Raises:
+            ValueError: If ``num_kept`` is given with ``kind="local"``: its shard directories
+                are committed by separate groups, none of which knows when the step is whole.
         """
+        if num_kept is not None and kind == "local":
+            raise ValueError(
+                f"TrainingState.save(kind='local', num_kept={num_kept}): retention runs for "
+                "the sharded kind only (an SM-local step's shard directories are committed "
+                "by separate groups). Pass num_kept=None, and after every rank's save (a "
+                "barrier) call torch.sagemaker.checkpoint.utils.limit_num_subdirs(parent, "
+                f"{num_kept}) on one rank."
+            )
         top = checkpoint_location(checkpoint_id)
         path, group, coordinator = self._location(top, kind)
 
