@@ -48,6 +48,7 @@ class PeakCase:
         bf16: FSDP mixed precision (bf16 compute and reduction, fp32 parameters).
         per_rank: Sequences each rank trains per step.
         layers: Decoder layers.
+        seq: Tokens a sequence holds.
     """
 
     name: str
@@ -56,6 +57,7 @@ class PeakCase:
     bf16: bool = False
     per_rank: int = PER_RANK
     layers: int = LAYERS
+    seq: int = SEQ
 
 
 CASES = (
@@ -124,7 +126,7 @@ def measure(case: PeakCase, steps: int) -> int:
     ids = torch.Generator().manual_seed(dist.get_rank())
     above = 0
     for step in range(2):
-        batch = torch.randint(0, VOCAB, (case.per_rank, SEQ), generator=ids)
+        batch = torch.randint(0, VOCAB, (case.per_rank, case.seq), generator=ids)
         if step == 1:
             gc.collect()
             # FSDP1 keeps each unit's sharded flat gradient past zero_grad(set_to_none=True),
@@ -156,7 +158,9 @@ def estimate(case: PeakCase, steps: int) -> Any:
         case.hybrid_shard_degree, fsdp=case.fsdp, checkpointing=False, accumulation_steps=steps
     )
     cluster = Cluster(hosts=1, per_host=2, accelerator=accelerator("H100"))
-    workload = Workload(SEQ, SEQ * case.per_rank * 2, "bfloat16" if case.bf16 else "float32")
+    workload = Workload(
+        case.seq, case.seq * case.per_rank * 2, "bfloat16" if case.bf16 else "float32"
+    )
     checked = check(candidate, spec, cluster, workload)
     if isinstance(checked, Rejected):
         raise ValueError(f"{case.name}: the planner rejects it: {checked.reason}")
