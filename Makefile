@@ -73,8 +73,17 @@ launchers:
 	fi
 
 # --durations: the 25 slowest tests in every run (CI included), to keep the suite's time in view.
+# Two xdist workers: the tests that start ranks in order on one, the single-process ones beside
+# them (Note [Two workers, one of them for ranks] in tests/conftest.py). TEST_WORKERS=0 runs
+# everything in one process.
+TEST_WORKERS ?= 2
+ifeq ($(TEST_WORKERS),0)
+TEST_DIST :=
+else
+TEST_DIST := -n $(TEST_WORKERS)
+endif
 test: build launchers
-	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q $(TEST_DIST) --durations=25 $(PYTEST_ARGS) tests
 
 # The fast tier: no spawned ranks, no builds (tests/conftest.py marks tests by directory).
 test-fast: build

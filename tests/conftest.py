@@ -12,7 +12,9 @@ supported torch.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,6 +36,41 @@ COMPAT_FILES = frozenset(
 _TESTS = Path(__file__).resolve().parent
 
 
+# Note [Two workers, one of them for ranks]: `make test` runs pytest-xdist's two workers. Every
+# test that starts ranks, simulated hosts or smddp groups (tests/distributed, tests/gpu and
+# SHARED_MACHINE_UNIT_FILES) is one unit of work, RANKS_GROUP, which runs in order on one
+# worker, as in a run without workers: those tests assume a machine of their own (fixed
+# namespace and host names, /dev/shm segments counted before and after, a 4-rank pool per 2
+# cores). The other worker runs the single-process tests beside them, on CPU the ranks leave
+# idle: the suite kept 0.78 of the 2 cores busy without workers (docs/log/suite.md). The
+# grouping is our scheduler's, by path: xdist's own `--dist loadgroup` marks tests by
+# rewriting their node ids, which pytest 9 no longer reads (every test went to either worker).
+RANKS_GROUP = "ranks"
+SHARED_MACHINE_UNIT_FILES = frozenset({"test_launch_env.py"})
+
+
+def shares_the_machine(nodeid: str) -> bool:
+    """Whether the test of ``nodeid`` runs in RANKS_GROUP (Note [Two workers, one of them for
+    ranks])."""
+    path = nodeid.split("::", 1)[0]
+    return path.startswith(("tests/distributed/", "tests/gpu/")) or (
+        path.rsplit("/", 1)[-1] in SHARED_MACHINE_UNIT_FILES
+    )
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, absent without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RanksApart(LoadScopeScheduling):
+        """Each test its own unit of work, but RANKS_GROUP's tests one unit together."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return RANKS_GROUP if shares_the_machine(nodeid) else nodeid
+
+    return RanksApart(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         try:
@@ -47,7 +84,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    # Note [C++ tests built while the suite runs] in tests/unit/test_cpp_core.py.
+    # Note [C++ tests built while the suite runs] in tests/unit/test_cpp_core.py. Not in an
+    # xdist worker: every worker collects every test, and the test already runs beside the
+    # ranks there (Note [Two workers, one of them for ranks]).
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     if any(
         item.nodeid.endswith("test_cpp_core.py::test_cpp_core_tests_pass") for item in session.items
     ):
