@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import torch_sagemaker.offload  # noqa: F401  routes torch's offload_wrapper (offload/torch_patch.py)
 from torch_sagemaker import config as config_lib
-from torch_sagemaker import launch_env, sharding_plan, topology
+from torch_sagemaker import env_settings, launch_env, sharding_plan, topology
 from torch_sagemaker._torch_compat import c10d as c10d_compat
 from torch_sagemaker.logger import log_rank0, warn_once
 from torch_sagemaker.mesh import build_groups
@@ -56,7 +56,7 @@ def _ensure_process_group(info: launch_env.LaunchInfo | None) -> None:
             "or srun (SLURM_PROCID); none of these variables is set here. docs/launch.md "
             "lists each way to start a job."
         )
-    backend = backend_lib.default_backend(config_lib.cuda_backend())
+    backend = backend_lib.default_backend(env_settings.cuda_backend())
     dist.init_process_group(backend, timeout=timedelta(minutes=30))
     log_rank0(
         f"tsm.init: created the default process group on backend {backend!r} from "

@@ -1,9 +1,10 @@
-"""SMP v2 configuration: the frozen ``SMPConfig``, where it comes from, and its validation.
+"""SMP v2 configuration: the frozen ``SMPConfig`` and its validation.
 
-This module owns every read of configuration input: the argument given to ``tsm.init``
-(a dict or a JSON file path) and the environment variable ``SM_HP_MP_PARAMETERS`` that
-SageMaker sets from the estimator's ``mp_parameters``. Nothing else in the package reads
-the environment for configuration.
+Its input, the argument given to ``tsm.init`` (a dict or a JSON file path) and the
+environment variable ``SM_HP_MP_PARAMETERS`` that SageMaker sets from the estimator's
+``mp_parameters``, is read by ``config_input.py`` (``load_raw``, re-exported here with
+``ConfigError``); nothing else in the package reads SMP's config. The package's own
+``TSM_*`` switches are in ``env_settings.py``.
 
 Precedence, lowest to highest (as on SageMaker, the launcher wins over the script):
 defaults < ``tsm.init(config)`` < ``SM_HP_MP_PARAMETERS`` < assignments made on
@@ -14,35 +15,32 @@ Validation never rewrites the config: it either returns an ``SMPConfig`` or rais
 Derived values (the resolved shard degree, the replicate degree) live in
 ``torch_sagemaker.topology.Layout``.
 
-No input escapes as a raw Python error: files are read in bounded size and decoded as JSON
-text (UTF-8, or UTF-16/32 as ``json`` detects them), and integers too long to convert,
-nesting too deep to parse, non-string keys and values too large to print all become
-``ConfigError`` problems (values are shown through ``show_value``).
+No input escapes as a raw Python error: non-string keys and values too large to print
+become ``ConfigError`` problems (values are shown through ``show_value``), as do the
+reading problems ``config_input.py`` finds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import os
-import reprlib
-import select
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from torch_sagemaker.config_input import (
+    ENV_VAR,
+    MAX_CONFIG_BYTES,
+    ConfigError,
+    load_raw,
+    show_value,
+)
 from torch_sagemaker.logger import get_logger
 from torch_sagemaker.sharding_plan import combination_problems
 
-ENV_VAR = "SM_HP_MP_PARAMETERS"
 MAX_SEED = 2**63 - 1
 MAX_COUNT = 2**31 - 1  # bound of the degrees and the horizon (counts of ranks or layers)
-#: Largest config file or environment value read (an SMP config is a few hundred bytes).
-MAX_CONFIG_BYTES = 1 << 20
-#: Seconds a config path that is a pipe may take to deliver its text (``<(...)`` in bash).
-CONFIG_PIPE_WAIT_S = 10.0
 _MAX_UNKNOWN_SHOWN = 20  # unknown keys listed one by one; the rest are counted
 
 
@@ -129,229 +127,6 @@ _SDK_ADDED_KEYS = frozenset({"placement_strategy"})
 # FP8 switches of SMP's example scripts and SageMaker's training recipes. SMP v2 has no
 # config key for FP8: its scripts wrap the forward in fp8_autocast (docs/fp8.md).
 _FP8_SCRIPT_KEYS = frozenset({"fp8", "fp8_amax_history_len", "fp8_amax_compute_algo"})
-
-
-class ConfigError(ValueError):
-    """Raised with every configuration problem at once.
-
-    Attributes:
-        problems: One human-readable line per problem.
-    """
-
-    def __init__(self, problems: list[str], source: str = "SMP config") -> None:
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"Invalid {source} ({len(problems)} problem(s)):\n{lines}")
-
-
-class _ValueRepr(reprlib.Repr):
-    """``repr`` bounded in length and depth, and safe for integers of any size."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.maxlevel, self.maxstring, self.maxother, self.maxlong = 3, 60, 60, 40
-
-    def repr_int(self, x: int, level: int) -> str:
-        if x.bit_length() > 128:  # repr() itself refuses ints of more than 4300 digits
-            return f"<an integer of {x.bit_length()} bits>"
-        return super().repr_int(x, level)
-
-
-_VALUE_REPR = _ValueRepr()
-
-
-def show_value(value: Any) -> str:
-    """How an error message shows a config value: its ``repr``, shortened if huge or deep."""
-    if isinstance(value, bool):
-        return repr(value)
-    return _VALUE_REPR.repr(value)
-
-
-# --------------------------------------------------------------------------- loading
-
-
-def _parse_json(text: str, source: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(
-            [
-                f"{source} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno} "
-                f"(character {e.pos}). Fix the JSON there, e.g. quote keys and drop trailing "
-                "commas."
-            ],
-            source,
-        ) from None
-    except RecursionError:
-        raise ConfigError(
-            [
-                f"{source} nests arrays or objects too deeply to parse. An SMP config is one flat "
-                'JSON object like {"tensor_parallel_degree": 2}; remove the nesting.'
-            ],
-            source,
-        ) from None
-    except ValueError as e:  # int() refuses integers of more than sys.get_int_max_str_digits()
-        raise ConfigError(
-            [
-                f"{source} holds a number too long to read ({e}). Every SMP parameter is a small "
-                "integer or a boolean; fix the value."
-            ],
-            source,
-        ) from None
-    if not isinstance(value, dict):
-        raise ConfigError(
-            [
-                f'{source} must hold a JSON object like {{"tensor_parallel_degree": 2}}, '
-                f"got {json.dumps(value)[:40]} (a JSON {_json_kind(value)})."
-            ],
-            source,
-        )
-    return value
-
-
-def _json_kind(value: Any) -> str:
-    """JSON's name for the kind of a decoded value (``null``, string, array, ...)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    return "array" if isinstance(value, list) else type(value).__name__
-
-
-def _from_argument(config: str | os.PathLike[str] | Mapping[str, Any] | None) -> dict[str, Any]:
-    if config is None:
-        return {}
-    if isinstance(config, Mapping):
-        return dict(config)
-    if isinstance(config, (str, os.PathLike)):
-        path = os.fspath(config)
-        try:
-            data = _read_bounded(path, MAX_CONFIG_BYTES + 1, CONFIG_PIPE_WAIT_S)
-        except TimeoutError:  # (an OSError)
-            raise ConfigError(
-                [
-                    f"config file {path!r} is a pipe that gave no end of text within "
-                    f"{CONFIG_PIPE_WAIT_S:g} s. Pass the path of a JSON file."
-                ],
-                "tsm.init config",
-            ) from None
-        except OSError as e:
-            raise ConfigError(
-                [f"cannot read config file {path!r}: {e.strerror}."], "tsm.init config"
-            ) from None
-        except ValueError:  # the path itself is not one the OS takes
-            raise ConfigError(
-                [
-                    f"cannot read config file {path!r}: the path contains a NUL byte. Pass "
-                    "the path of the JSON file with the SMP parameters."
-                ],
-                "tsm.init config",
-            ) from None
-        return _parse_json(_decode(data, f"config file {path!r}"), f"config file {path!r}")
-    raise TypeError(
-        "tsm.init(config=...) takes a dict, a path to a JSON file or None, "
-        f"got {type(config).__name__}."
-    )
-
-
-def _read_bounded(path: str, limit: int, wait_s: float) -> bytes:
-    """Up to ``limit`` bytes of ``path``, never waiting on it without a bound.
-
-    Opened without blocking: a FIFO nobody writes to reads as empty at once (a plain
-    ``open`` would wait for a writer forever); a pipe that is being written to (bash's
-    ``<(...)``) gets ``wait_s`` to deliver its text.
-
-    Raises:
-        OSError: If the path cannot be opened or read (a directory, a missing file).
-        ValueError: If the path contains a NUL byte.
-        TimeoutError: If a pipe gave neither data nor its end within ``wait_s``.
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        chunks: list[bytes] = []
-        total = 0
-        deadline = time.monotonic() + wait_s
-        while total < limit:
-            try:
-                chunk = os.read(fd, limit - total)
-            except BlockingIOError:
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([fd], [], [], left)[0]:
-                    raise TimeoutError(path) from None
-                continue
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def _decode(data: bytes, source: str) -> str:
-    """The JSON text of a config file: bounded, UTF-8 (with or without BOM), UTF-16 or UTF-32."""
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError(
-            [
-                f"{source} is larger than {MAX_CONFIG_BYTES} bytes; an SMP config is a "
-                "small JSON object. Pass the JSON file with the SMP parameters."
-            ],
-            source,
-        )
-    encoding = json.detect_encoding(data)
-    try:
-        return data.decode(encoding)
-    except UnicodeDecodeError as e:
-        raise ConfigError(
-            [
-                f"{source} is not JSON text: byte {data[e.start]:#04x} at position {e.start} "
-                "is not "
-                f"valid {encoding} (is it a binary file?). Save the config as a UTF-8 JSON file."
-            ],
-            source,
-        ) from None
-
-
-def load_raw(
-    config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
-    *,
-    environ: Mapping[str, str] | None = None,
-    overrides: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Merges the config sources into one raw dict, without validating values.
-
-    Args:
-        config: The argument of ``tsm.init``: a dict, a JSON file path, or ``None``.
-        environ: Environment to read ``SM_HP_MP_PARAMETERS`` from (default ``os.environ``).
-        overrides: Values assigned on ``tsm.state`` before ``tsm.init()``; they win.
-
-    Returns:
-        The merged dict (may contain unknown keys; ``validate`` reports them).
-
-    Raises:
-        ConfigError: If the file or the environment value is not a JSON object.
-        TypeError: If ``config`` is of an unsupported type.
-    """
-    environ = os.environ if environ is None else environ
-    merged = _from_argument(config)
-    env_text = environ.get(ENV_VAR)
-    if env_text is not None and env_text.strip():
-        source = f"environment variable {ENV_VAR}"
-        if len(env_text) > MAX_CONFIG_BYTES:
-            raise ConfigError(
-                [
-                    f"{source} is longer than {MAX_CONFIG_BYTES} characters; it should "
-                    "hold a small JSON object of SMP parameters."
-                ],
-                source,
-            )
-        merged.update(_parse_json(env_text, source))
-    merged.update(overrides or {})
-    return merged
 
 
 # ------------------------------------------------------------------------- validation
@@ -575,62 +350,15 @@ def load(
     return validate(load_raw(config, environ=environ, overrides=overrides), world_size)
 
 
-#: Which collective backend ``tsm.init`` gives CUDA tensors when it creates the process group.
-CUDA_BACKEND_ENV_VAR = "TSM_CUDA_BACKEND"
-CUDA_BACKENDS = ("smddp", "nccl")
-
-
-def cuda_backend(environ: Mapping[str, str] | None = None) -> str:
-    """The backend for CUDA tensors ``tsm.init`` asks for: ``TSM_CUDA_BACKEND``, else "smddp".
-
-    "smddp" stages CUDA tensors through host memory and reduces on the CPUs
-    (docs/gpu.md); "nccl" reduces on the GPUs, with smddp kept for CPU tensors.
-
-    Args:
-        environ: Environment to read (default ``os.environ``).
-
-    Raises:
-        ConfigError: The variable holds another value.
-    """
-    environ = os.environ if environ is None else environ
-    value = environ.get(CUDA_BACKEND_ENV_VAR, "").strip().lower() or "smddp"
-    if value not in CUDA_BACKENDS:
-        raise ConfigError(
-            [
-                f"{CUDA_BACKEND_ENV_VAR}={environ[CUDA_BACKEND_ENV_VAR]!r} is not a backend for "
-                f"CUDA tensors; expected one of {', '.join(CUDA_BACKENDS)} (or unset: smddp)"
-            ],
-            f"environment variable {CUDA_BACKEND_ENV_VAR}",
-        )
-    return value
-
-
-#: ``1``: FSDP1's all-reduce across replicas runs during backward; ``0``: PyTorch's synchronous
-#: call; unset: during backward when the job spans several hosts (sharding/fsdp1_replicas.py).
-OVERLAP_REPLICA_REDUCTION_ENV_VAR = "TSM_OVERLAP_REPLICA_REDUCTION"
-
-
-def overlap_replica_reduction(environ: Mapping[str, str] | None = None) -> bool | None:
-    """``TSM_OVERLAP_REPLICA_REDUCTION``: True (``1``), False (``0``) or None (unset).
-
-    Args:
-        environ: Environment to read (default ``os.environ``).
-
-    Raises:
-        ConfigError: The variable holds another value.
-    """
-    environ = os.environ if environ is None else environ
-    value = environ.get(OVERLAP_REPLICA_REDUCTION_ENV_VAR, "").strip()
-    if not value:
-        return None
-    if value not in ("0", "1"):
-        raise ConfigError(
-            [
-                f"{OVERLAP_REPLICA_REDUCTION_ENV_VAR}={value[:40]!r}: expected 0 (FSDP1's "
-                "synchronous all-reduce across replicas) or 1 (run it while backward "
-                "computes, also on one host); unset, it runs during backward when the job "
-                "spans several hosts"
-            ],
-            f"environment variable {OVERLAP_REPLICA_REDUCTION_ENV_VAR}",
-        )
-    return value == "1"
+__all__ = [
+    "ENV_VAR",
+    "FIELD_NAMES",
+    "FIELD_TYPES",
+    "MAX_CONFIG_BYTES",
+    "ConfigError",
+    "SMPConfig",
+    "load",
+    "load_raw",
+    "show_value",
+    "validate",
+]

@@ -232,7 +232,7 @@ def test_config_paths_that_are_pipes_are_read_within_a_bound(tmp_path, monkeypat
     import os
     import threading
 
-    from torch_sagemaker import config
+    from torch_sagemaker import config_input
 
     fifo = tmp_path / "config.json"
     os.mkfifo(fifo)
@@ -255,7 +255,7 @@ def test_config_paths_that_are_pipes_are_read_within_a_bound(tmp_path, monkeypat
         writer.join()
         os.close(read_end)
     # A writer that never ends its text: an error within the bound.
-    monkeypatch.setattr(config, "CONFIG_PIPE_WAIT_S", 0.3)
+    monkeypatch.setattr(config_input, "CONFIG_PIPE_WAIT_S", 0.3)
     read_end = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
     write_end = os.open(fifo, os.O_WRONLY)
     try:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torch_sagemaker import _init, config
+from torch_sagemaker import _init, env_settings
 from torch_sagemaker.smddp import backend
 
 needs_ext = pytest.mark.skipif(not backend.is_available(), reason="smddp extension not built")
@@ -53,12 +53,12 @@ def test_default_backend_rejects_unknown_choice():
     [({}, "smddp"), ({"TSM_CUDA_BACKEND": "NCCL"}, "nccl"), ({"TSM_CUDA_BACKEND": ""}, "smddp")],
 )
 def test_cuda_backend_from_environment(environ, expected):
-    assert config.cuda_backend(environ) == expected
+    assert env_settings.cuda_backend(environ) == expected
 
 
 def test_cuda_backend_rejects_unknown_value():
-    with pytest.raises(config.ConfigError, match="TSM_CUDA_BACKEND='gloo'.*smddp, nccl"):
-        config.cuda_backend({"TSM_CUDA_BACKEND": "gloo"})
+    with pytest.raises(env_settings.ConfigError, match="TSM_CUDA_BACKEND='gloo'.*smddp, nccl"):
+        env_settings.cuda_backend({"TSM_CUDA_BACKEND": "gloo"})
 
 
 @pytest.mark.parametrize(

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
-from torch_sagemaker import config
+from torch_sagemaker import env_settings
 from torch_sagemaker._torch_compat import autograd as autograd_compat
 from torch_sagemaker._torch_compat import c10d as c10d_compat
 from torch_sagemaker._torch_compat import fsdp1 as fsdp1_compat
@@ -101,7 +101,7 @@ def _alone_group() -> _Alone:
 def wanted(several_hosts: bool, environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``tsm.init``'s FSDP1 patch should attach an ``FSDP1ReplicaReduction``.
 
-    ``TSM_OVERLAP_REPLICA_REDUCTION`` (``config.overlap_replica_reduction``): ``1`` always,
+    ``TSM_OVERLAP_REPLICA_REDUCTION`` (``env_settings.overlap_replica_reduction``): ``1`` always,
     ``0`` never, unset: when the job spans several hosts. On one host the replicas'
     all-reduce goes through shared memory in a few ms, and run beside backward it only
     competes for the cores (docs/log/multi_node.md, build e50b94d: the one-host runs).
@@ -113,7 +113,7 @@ def wanted(several_hosts: bool, environ: Mapping[str, str] | None = None) -> boo
     Raises:
         ConfigError: If the variable is set to anything but ``0`` or ``1``.
     """
-    setting = config.overlap_replica_reduction(environ)
+    setting = env_settings.overlap_replica_reduction(environ)
     return several_hosts if setting is None else setting
 
 

@@ -164,7 +164,7 @@ def default_backend(cuda_backend: str = BACKEND_NAME, cuda: bool | None = None) 
     says how to measure it). Without the native backend: gloo (and nccl for CUDA).
 
     Args:
-        cuda_backend: "smddp" or "nccl" (``config.cuda_backend()`` reads it from
+        cuda_backend: "smddp" or "nccl" (``env_settings.cuda_backend()`` reads it from
             ``TSM_CUDA_BACKEND``).
         cuda: Whether CUDA is usable here (default: ``torch.cuda.is_available()``).
 
