@@ -31,7 +31,7 @@ from torch_sagemaker.planner import cost_model as cm
 # machine's own rate"): the 2x1 all_gather is 17-29% long in both dtypes (the model's copy
 # of its own part costs more than it did there), so they claim 35%. For gloo's flat ring the
 # model is 30-37% off at 1 MiB on 2 and 4 hosts (its 1 MiB all_reduce calls on 4x2 took
-# anywhere from 14 to 43 ms). docs/multi_node.md ("Cost model") gives the points.
+# anywhere from 14 to 43 ms). docs/cost_model.md gives the points.
 TARGET = 0.15
 ERROR_BOUND = TARGET
 ERROR_BOUND_SMALL = 0.20

@@ -65,7 +65,7 @@ from torch_sagemaker.planner.cost_model_dtypes import ACCUMULATE_BYTES, element_
 #   exchange waits on (F as for the flow skew): each flow's own start, its first window and
 #   its turn at the ports it shares with the others, costs latency that no byte explains.
 #   Without it the fit had to trade alpha between the algorithms: at 1 MiB it made every
-#   ring point 10-24% slow and the mesh's up to 24% fast (docs/multi_node.md, "Cost model").
+#   ring point 10-24% slow and the mesh's up to 24% fast (docs/cost_model.md).
 # - The simulated cables pass a burst (their token buckets' size) above the rate when idle:
 #   the NIC time counts only the bytes beyond it (Cluster.burst; 0 for a real NIC).
 #
