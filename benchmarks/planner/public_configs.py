@@ -3,7 +3,7 @@
 Each entry is a configuration as its source states it: the model's shape, the instances, the
 SMP degrees, checkpointing and offloading, the per-rank batch and the sequence length. The
 planner must find each valid (the library's own checks) and within device memory;
-``python -m benchmarks planner public`` prints the table of docs/planner.md and
+``python -m benchmarks planner public`` prints the table of docs/planner_validation.md and
 tests/unit/test_planner.py checks the verdicts.
 
 Sources (reference/smp_api.md has the keys):

@@ -20,7 +20,7 @@ for that rank:
 
 FSDP1 with TP is checked for model state only: its root unit stays unsharded through the
 forward and autograd saves DTensor views of it, which the hook cannot tell from activations
-(docs/planner.md).
+(docs/planner_validation.md).
 """
 
 from __future__ import annotations

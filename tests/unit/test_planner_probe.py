@@ -351,7 +351,7 @@ def test_a_router_and_a_shared_expert_the_plan_keeps_whole_are_sized_whole(tmp_p
 def test_half_width_rotary_tables_are_found(tmp_path):
     # GPT-OSS rotates a head's two halves with one cos and one sin per pair of channels:
     # its tables are half the rotary width, which full-width pairs do not divide (the probe
-    # refused it before). Its memory against real steps: docs/planner.md, "Validation".
+    # refused it before). Its memory against real steps: docs/planner_validation.md.
     from torch_sagemaker.planner.activations import rotary_bytes
 
     spec = _spec(

@@ -7,7 +7,7 @@ predictions are recomputed here with the current model, so a change that moves o
 its tolerance fails, as tests/unit/test_cost_model.py does for the collectives.
 
 - tests/data/planner/*.json: records taken on a quiet machine; every row must be within
-  ``TIME_TOLERANCE`` (20%) of its median run (docs/planner.md, "Time, against measured
+  ``TIME_TOLERANCE`` (20%) of its median run (docs/planner_validation.md, "Time, against measured
   steps", has the table and the command that makes one).
 - tests/data/planner/loaded/*.json: records taken while other work held this shared
   machine (their notes and load averages say so). They are not evidence of the model's

@@ -7,7 +7,7 @@ for backward: written in its policy, or measured on reduced copies of the model
 (``tools/model_coverage/tiny.py``), loads it as the planner does and measures where the
 policy is silent. Writes docs/planner_coverage.md (or ``--output``); a few minutes on
 2 cores. A measured profile is what the probe explains exactly; the memory validation
-(docs/planner.md, "Validation") compares some of them with real multi-rank steps.
+(docs/planner_validation.md) compares some of them with real multi-rank steps.
 """
 
 from __future__ import annotations
