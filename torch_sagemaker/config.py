@@ -3,8 +3,9 @@
 Its input, the argument given to ``tsm.init`` (a dict or a JSON file path) and the
 environment variable ``SM_HP_MP_PARAMETERS`` that SageMaker sets from the estimator's
 ``mp_parameters``, is read by ``config_input.py`` (``load_raw``, re-exported here with
-``ConfigError``); nothing else in the package reads SMP's config. The package's own
-``TSM_*`` switches are in ``env_settings.py``.
+``ConfigError``); nothing else in the package reads SMP's config. ``TSM_CUDA_BACKEND`` and
+``TSM_OVERLAP_REPLICA_REDUCTION``, the package's own switches, are read in
+``env_settings.py`` (``TSM_LOG_LEVEL`` in ``logger.py``).
 
 Precedence, lowest to highest (as on SageMaker, the launcher wins over the script):
 defaults < ``tsm.init(config)`` < ``SM_HP_MP_PARAMETERS`` < assignments made on

@@ -1,4 +1,7 @@
-"""The package's own switches in the environment, ``TSM_*``: not SMP config keys.
+"""Two of the package's own switches in the environment: not SMP config keys.
+
+``TSM_CUDA_BACKEND`` and ``TSM_OVERLAP_REPLICA_REDUCTION``. (``TSM_LOG_LEVEL`` is read by
+``logger.py``, which every layer imports.)
 
 SMP's config (``tsm.init``'s argument and ``SM_HP_MP_PARAMETERS``) is read by
 ``config_input.py`` and judged by ``config.py``. The variables here choose how the
