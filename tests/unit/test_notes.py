@@ -33,11 +33,13 @@ def tracked_files() -> list[Path]:
     out = subprocess.run(
         ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
-    return [
+    this = Path(__file__).resolve()  # its own samples name Notes that do not exist
+    paths = [
         ROOT / name
         for name in out.splitlines()
         if name.endswith(SUFFIXES) or Path(name).name == "Makefile"
     ]
+    return [p for p in paths if p.resolve() != this]
 
 
 def definitions(text: str) -> list[str]:
