@@ -42,7 +42,7 @@ _TESTS = Path(__file__).resolve().parent
 # worker, as in a run without workers: those tests assume a machine of their own (fixed
 # namespace and host names, /dev/shm segments counted before and after, a 4-rank pool per 2
 # cores). The other worker runs the single-process tests beside them, on CPU the ranks leave
-# idle: the suite kept 0.78 of the 2 cores busy without workers (docs/log/suite.md). The
+# idle: the suite kept 0.80 of the 2 cores busy without workers (docs/log/suite.md). The
 # grouping is our scheduler's, by path: xdist's own `--dist loadgroup` marks tests by
 # rewriting their node ids, which pytest 9 no longer reads (every test went to either worker).
 RANKS_GROUP = "ranks"
