@@ -398,7 +398,14 @@ class _Pool:
                 del _CACHE[key]
 
 
-_CACHE: dict[tuple, _Pool] = {}
+# Note [Idle pools]: a cached pool's ranks are not idle in the CPU's sense. Each keeps its
+# default group, and a gloo group's loop thread wakes every 10 ms (Note [Groups released
+# between calls]); ranks that ran tensor- or expert-parallel calls keep more. Every pool a
+# test session had started stayed alive to its end, so the later tests shared the two cores
+# with all of them. Only the _MAX_POOLS pools used last stay; starting one again costs a
+# fork per rank from the warm server (Note [Ranks forked from a warm server]).
+_MAX_POOLS = 3
+_CACHE: dict[tuple, _Pool] = {}  # in the order of their last use, the latest last
 
 
 @atexit.register
@@ -498,9 +505,14 @@ def run_distributed(
         pool.shutdown()
         pool = None
     if pool is None:
+        if not fresh:
+            while len(_CACHE) >= _MAX_POOLS:  # Note [Idle pools]
+                next(iter(_CACHE.values())).shutdown()
         pool = _start_pool(world_size, backend, env, init_process_group, pg_timeout)
         if not fresh:
             _CACHE[key] = pool
+    else:
+        _CACHE[key] = _CACHE.pop(key)  # now the latest used
     try:
         return pool.run(fn, args, kwargs, timeout)
     finally:

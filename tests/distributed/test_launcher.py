@@ -1,9 +1,11 @@
 """The test harness itself: results by rank, failures with tracebacks, timeouts."""
 
+import os
 import time
 
 import pytest
 
+from tests.distributed import launcher
 from tests.distributed.launcher import DistributedTestError, run_distributed
 
 
@@ -58,6 +60,12 @@ def _groups_and_threads(bounds):
 
 def _sleep_forever():
     time.sleep(3600)
+
+
+def _pid():
+    import os
+
+    return os.getpid()
 
 
 def test_results_come_back_by_rank():
@@ -140,3 +148,18 @@ def test_groups_of_a_call_are_released_before_the_next_call():
     for bound, (groups, threads_after) in zip(bounds, after):
         assert groups == 1, after  # the default group alone
         assert threads_after <= bound, (during, after)
+
+
+def test_only_the_pools_used_last_stay():
+    # Note [Idle pools]: the pool used longest ago goes when another must start.
+    def pids(key):
+        return run_distributed(_pid, env={"TSM_TEST_POOL": str(key)})
+
+    oldest, second = pids(0), pids(1)
+    for key in range(2, launcher._MAX_POOLS):
+        pids(key)
+    assert pids(0) == oldest  # reused, and now the latest used
+    pids(launcher._MAX_POOLS)  # a new pool: the one of key 1 goes, not key 0's
+    assert len(launcher._CACHE) == launcher._MAX_POOLS
+    assert pids(0) == oldest
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in second), second
