@@ -39,7 +39,11 @@ STEPS, GLOBAL_BATCH, LR, MAX_NORM = 3, 8, 0.1, 1.0
 _SMDDP = pytest.mark.skipif(
     not smddp_available(), reason="torch_sagemaker._C was built without the smddp backend"
 )
-# (backend, hybrid_shard_degree): gloo as a second backend on the hybrid layout only.
+# (backend, hybrid_shard_degree): smddp on both layouts, gloo as a second backend on the
+# hybrid one. The FSDP2 overlap test takes the smddp layouts only: on gloo it cost more than
+# either smddp layout (18.8 CPU-s against 13.4 and 12.2, docs/log/suite.md), and gloo still
+# runs the FSDP2 reduction's resharded, replaced, frozen and re-entrant cases below and
+# FSDP1's deferral.
 LAYOUTS = [
     ("gloo", 2),
     pytest.param("smddp", 2, marks=_SMDDP),
@@ -136,7 +140,7 @@ def _close(a, b, rtol, where):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("backend", "hsd"), LAYOUTS)
+@pytest.mark.parametrize(("backend", "hsd"), LAYOUTS[1:])
 def test_overlap_matches_hsdp_and_one_process(backend, hsd):
     per_rank = run_distributed(_cases, hsd, world_size=4, backend=backend, timeout=300)
     ref_losses, ref_norms, ref_params = reference_run(STEPS, GLOBAL_BATCH, LR, MAX_NORM)
