@@ -11,6 +11,7 @@ error, kills the ranks and starts a fresh launch with the families that remain.
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing as mp
 import queue
 import time
@@ -65,6 +66,11 @@ def _rank_main(
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         out.put(("error", rank, None, f"{type(e).__name__}: {e}", traceback.format_exc()))
         return
+    # The rank is a fork of the process that launched it and holds all its objects (a test
+    # session's, or the command's imports). Frozen, no garbage collection walks them again,
+    # as in the distributed tests' ranks (Note [Start-up objects frozen] in
+    # tests/distributed/launcher.py).
+    gc.freeze()
     out.put(("ready", rank, None, None, None))
     for family in families:
         try:

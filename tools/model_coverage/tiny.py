@@ -235,26 +235,25 @@ def tiny_config(model_type: str):
     return cls(**_shrunk_kwargs(cls, OVERRIDES.get(model_type, {})))
 
 
-def attention_for(cfg: Any) -> str:
-    """``"sdpa"`` where the family's model supports it, else ``"eager"``.
+def _on_meta(cfg: Any) -> tuple[Any, str]:
+    """The model of ``cfg`` on the meta device, and the attention it was built with.
 
-    A multimodal model supports it only where every tower does (each sub-model's class says).
+    The attention is ``"sdpa"`` where the family's model supports it, else ``"eager"``. A
+    multimodal model supports it only where every tower does (each sub-model's class says,
+    and building it raises naming a tower without it). The one meta build serves both the
+    choice and the size check, in every rank of every family.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
-    try:
-        cls = AutoModelForCausalLM._model_mapping[type(cfg)]
-    except KeyError:
-        return "eager"
-    if not getattr(cls, "_supports_sdpa", False):
-        return "eager"
-    try:
-        with torch.device("meta"):
-            AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    except ValueError:  # a tower without it (transformers raises naming the tower)
-        return "eager"
-    return "sdpa"
+    cls = AutoModelForCausalLM._model_mapping.get(type(cfg), None)
+    with torch.device("meta"):
+        if cls is not None and getattr(cls, "_supports_sdpa", False):
+            try:
+                return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"), "sdpa"
+            except ValueError:  # a tower without it (transformers raises naming the tower)
+                pass
+        return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager"), "eager"
 
 
 def build(model_type: str, seed: int = 0, device: str | None = None):
@@ -268,8 +267,7 @@ def build(model_type: str, seed: int = 0, device: str | None = None):
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_config(model_type)
-    with torch.device("meta"):
-        probe = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention_for(cfg))
+    probe, attention = _on_meta(cfg)
     count = sum(p.numel() for p in probe.parameters())
     if count > MAX_PARAMETERS:
         raise ValueError(
@@ -279,7 +277,7 @@ def build(model_type: str, seed: int = 0, device: str | None = None):
     if device == "meta":
         return probe
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention_for(cfg))
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention)
     with torch.no_grad():
         # Zero-initialised parameters (routers, gates, biases) would make every expert tie
         # and hide a bias handled wrongly: give them values, the same on every rank.
