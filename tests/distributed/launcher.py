@@ -399,14 +399,15 @@ class _Pool:
 
 
 # Note [Idle pools]: a cached pool's ranks are not quite idle. Each keeps its default group,
-# and a gloo group's loop thread wakes every 10 ms (Note [Groups released between calls]);
-# ranks that ran tensor- or expert-parallel calls keep more (24 groups: 0.024 of a core).
-# With every pool kept to the end of the session, a run of tests/distributed started 28 of
-# them and ended with about 100 rank processes, which took 0.11 of a core while idle.
-# Only the _MAX_POOLS pools used last stay. Replaying that run's calls: 6 pools kept means 37
-# starts instead of 28 (a fork per rank from the warm server, about 0.4 s a start, Note [Ranks
-# forked from a warm server]) and 17 ranks alive on average instead of 51; 3 pools kept
-# would mean 56 starts.
+# and a gloo group's loop thread wakes every 10 ms (Note [Groups released between calls]):
+# 0.001-0.002 of a core a rank. Ranks that ran tensor- or expert-parallel calls keep more
+# (70 threads, about 20 gloo groups: 0.02 of a core). With every pool kept to the end of the
+# session, a run of tests/distributed started 28 distinct pools and ended with about 100
+# rank processes, whose ten busiest took 0.09 of a core while idle. Only the _MAX_POOLS pools
+# used last stay. Replaying that run's calls in cached pools: 6 pools kept means 37 starts
+# instead of 28 (a fork per rank from the warm server, about 0.4 s a start, Note [Ranks
+# forked from a warm server]) and 17 ranks alive at a call on average instead of 51; 3 pools
+# kept would mean 56 starts.
 _MAX_POOLS = 6
 _CACHE: dict[tuple, _Pool] = {}  # in the order of their last use, the latest last
 

@@ -108,8 +108,8 @@ def _train(cases):
 @pytest.mark.distributed
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_parity_with_single_process(backend):
-    # smddp runs every degree and DDP; gloo, a second backend, the hybrid degree only (it
-    # took twice smddp's CPU for all of them: 15.1 CPU-s against 7.1, docs/log/suite.md).
+    # smddp runs every degree and DDP; gloo, a second backend, hybrid_shard_degree 2 only
+    # (all of them took 10.5 CPU-s on gloo, docs/log/suite.md).
     degrees = (0, 1, 2, 4) if backend == "smddp" else (2,)
     cases = [(api, hsd) for api in ("fsdp1", "fsdp2") for hsd in degrees]
     if backend == "smddp":

@@ -63,8 +63,6 @@ def _sleep_forever():
 
 
 def _pid():
-    import os
-
     return os.getpid()
 
 

@@ -223,11 +223,11 @@ def _parity_all_families(
         model = tsm.transform(copy.deepcopy(ref))
         if compose:
             checkpoint_and_shard(model)
-        ids = batches[dp_rank]
-        out = model(input_ids=ids, labels=ids, use_cache=False)
+        mine = batches[dp_rank]
+        out = model(input_ids=mine, labels=mine, use_cache=False)
         out.loss.backward()
         with torch.no_grad():
-            expected = ref(input_ids=ids, labels=ids, use_cache=False)
+            expected = ref(input_ids=mine, labels=mine, use_cache=False)
         r = dict(
             logits=max_diff(out.logits, expected.logits),
             loss=abs(float(out.loss.detach() - expected.loss)),

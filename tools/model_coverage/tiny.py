@@ -240,8 +240,11 @@ def _on_meta(cfg: Any) -> tuple[Any, str]:
 
     The attention is ``"sdpa"`` where the family's model supports it, else ``"eager"``. A
     multimodal model supports it only where every tower does (each sub-model's class says,
-    and building it raises naming a tower without it). The one meta build serves both the
-    choice and the size check, in every rank of every family.
+    and building it raises naming a tower without it). The model built for the choice is the
+    one ``build`` checks the size of.
+
+    Returns:
+        ``(model on the meta device, "sdpa" or "eager")``.
     """
     import torch
     from transformers import AutoModelForCausalLM
