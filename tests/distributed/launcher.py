@@ -91,6 +91,18 @@ def taken_port() -> Iterator[int]:
         yield s.getsockname()[1]
 
 
+def _check_collectives_waited(fn: Callable[..., Any], left: int) -> None:
+    """Fails a call that left functional collectives never waited for: each one's Work and
+    output stay in c10d's registry for the life of the process, a leak in a training loop
+    (Note [Collectives nobody waits for] in torch_sagemaker/_torch_compat/c10d.py)."""
+    if left > 0:
+        raise AssertionError(
+            f"{getattr(fn, '__qualname__', fn)} left {left} functional collective(s) that "
+            "nothing waited for (their results were never used): see Note [Collectives nobody "
+            "waits for] in torch_sagemaker/_torch_compat/c10d.py."
+        )
+
+
 def _reset_after_call() -> None:
     import sys
 
@@ -196,6 +208,7 @@ def _worker(
 
         torch.set_num_threads(1)
         import torch_sagemaker  # noqa: F401  (registers the smddp backend)
+        from torch_sagemaker._torch_compat.c10d import unwaited_collectives
         from torch_sagemaker._torch_compat.signals import print_native_stacks_on_fatal_signal
 
         print_native_stacks_on_fatal_signal()  # and faulthandler the Python ones, above
@@ -245,7 +258,9 @@ def _worker(
             continue
         fn, args, kwargs = task
         try:
+            before = unwaited_collectives()
             value = fn(*args, **kwargs)
+            _check_collectives_waited(fn, unwaited_collectives() - before)
             results.put((rank, True, value))
         except BaseException:
             results.put((rank, False, traceback.format_exc()))

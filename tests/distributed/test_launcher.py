@@ -78,6 +78,21 @@ def test_failing_rank_traceback_is_reported():
     assert run_distributed(_rank_and_sum, 0, world_size=2) == [(0, 1.0), (1, 1.0)]
 
 
+def _drop_a_collective(wait: bool):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import _functional_collectives as funcol
+
+    summed = funcol.all_reduce(torch.ones(4), "sum", dist.group.WORLD)
+    return summed.tolist() if wait else None  # unused: never waited for
+
+
+def test_a_call_that_leaves_a_collective_unwaited_fails():
+    with pytest.raises(DistributedTestError, match="left 1 functional collective"):
+        run_distributed(_drop_a_collective, False, world_size=2, fresh=True)
+    assert run_distributed(_drop_a_collective, True, world_size=2, fresh=True) == [[2.0] * 4] * 2
+
+
 def test_timeout_kills_ranks():
     start = time.monotonic()
     with pytest.raises(DistributedTestError, match="did not finish within 3 s"):

@@ -5,13 +5,16 @@ per-device backend (``ProcessGroup._get_backend``) and builds a group with the h
 ``new_group`` itself uses (``_new_process_group_helper``), so that the group's name can be
 chosen, and makes a finished ``Work`` from a future (``_create_work_from_future``) for groups
 written in Python. Code that ``torch.compile`` traces sums over a group with the functional
-all-reduce (``_functional_collectives.all_reduce``), which Dynamo records in the graph.
+all-reduce (``_functional_collectives.all_reduce``), which Dynamo records in the graph. A
+functional collective's result (``AsyncCollectiveTensor``) that nobody uses is waited for
+when it is dropped (``wait_when_dropped``).
 
 Checked on torch 2.11, 2.13, 2.15.
 """
 
 from __future__ import annotations
 
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -19,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import _functional_collectives as _funcol
 from torch.distributed import distributed_c10d as _c10d
+
+from torch_sagemaker._torch_compat.tensor import local_tensor_or_self
 
 
 def object_collective_device() -> str:
@@ -131,6 +136,45 @@ def traceable_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torc
     in compiled code.
     """
     return _funcol.all_reduce(tensor, "sum", group)
+
+
+# Note [Collectives nobody waits for]
+#
+# A functional collective (what DTensor's redistribute runs) registers its Work in c10d's
+# registry and returns an ``AsyncCollectiveTensor``; the first op that uses it waits, which
+# takes the Work out of the registry. One that no op ever uses is never waited for, and its
+# Work, holding the output tensor, stays in the registry for the life of the process.
+# Non-reentrant activation checkpointing makes such results every step: the recompute stops
+# at the last tensor the backward needs (its early stop), after the layer issued collectives
+# whose results only the rest of the forward would have used. GPT-NeoX's parallel residual
+# (the attention's reduce-scatter, summed only after the MLP) leaked one activation-sized
+# Work per layer and step under tensor parallelism, until out of memory. Turning the early
+# stop off (what torchtitan does) would recompute the rest of every layer, its collectives
+# included, for every model; a finalizer on the unused result waits for the collective when
+# the result dies, which is when the recompute stops. A result that was waited for already
+# has nothing left in the registry, so the finalizer's wait returns at once.
+def wait_when_dropped(tensor: Any) -> None:
+    """Makes sure the functional collective behind ``tensor`` is waited for, used or not.
+
+    Note [Collectives nobody waits for]. Anything that is not a pending functional
+    collective's result (or a DTensor whose local tensor is one) is left as it is.
+
+    Args:
+        tensor: A tensor, DTensor, or any other value.
+    """
+    local = local_tensor_or_self(tensor) if isinstance(tensor, torch.Tensor) else tensor
+    if isinstance(local, _funcol.AsyncCollectiveTensor) and not local.completed:
+        finalizer = weakref.finalize(local, _funcol.wait_tensor, local.elem)
+        # At exit the process groups may be gone; a collective left then stays unwaited.
+        finalizer.atexit = False
+
+
+def unwaited_collectives() -> int:
+    """How many functional collectives of this process are still registered, never waited for.
+
+    Note [Collectives nobody waits for].
+    """
+    return torch._C._distributed_c10d._get_work_registry_size()
 
 
 def completed_work(result: Any) -> dist.Work:

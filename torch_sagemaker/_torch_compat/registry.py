@@ -40,6 +40,11 @@ PRIVATE_NAMES: tuple[str, ...] = (
     f"{_C10D}._world.pg_group_ranks",
     "torch.distributed.ProcessGroup._get_backend",
     "torch.distributed._functional_collectives.all_reduce",
+    "torch.distributed._functional_collectives.wait_tensor",
+    "torch._C._distributed_c10d._get_work_registry_size",
+    "torch.distributed._functional_collectives.AsyncCollectiveTensor",
+    "torch.distributed._functional_collectives.AsyncCollectiveTensor.completed",
+    "torch.distributed._functional_collectives.AsyncCollectiveTensor.elem",
     # checkpoint_wrapper.py
     _CHECKPOINT_WRAPPER,
     f"{_CHECKPOINT_WRAPPER}.ActivationWrapper",

@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torch_sagemaker._torch_compat import c10d as c10d_compat
 from torch_sagemaker._torch_compat import compile as compile_compat
 from torch_sagemaker._torch_compat import nn as nn_compat
 from torch_sagemaker.policies import HeadSplit, ModelPolicy
@@ -372,6 +373,18 @@ def _replicates_buffers(style: Any) -> bool:
     )
 
 
+def _wait_when_dropped(_module: nn.Module, _args: Any, output: Any) -> None:
+    """Forward hook: the collectives behind ``output`` are waited for even if nothing uses it.
+
+    A row-parallel output's reduce-scatter that a checkpointed layer's recompute never uses
+    stayed registered for good (Note [Collectives nobody waits for] in _torch_compat/c10d.py).
+    """
+    if torch.compiler.is_compiling():
+        return  # a compiled graph waits for its collectives itself
+    for value in output if isinstance(output, (tuple, list)) else (output,):
+        c10d_compat.wait_when_dropped(value)
+
+
 def _replicate_buffers_locally(module: nn.Module, mesh: DeviceMesh) -> None:
     """Makes the plain buffers under ``module`` ``Replicate`` DTensors, with no communication.
 
@@ -476,6 +489,7 @@ def apply_tp_plan(
             if src_data_rank is None and _replicates_buffers(style):
                 _replicate_buffers_locally(module, tp_mesh)
             parallelize_module(module, tp_mesh, style, src_data_rank=src_data_rank)
+            module.register_forward_hook(_wait_when_dropped)
             setattr(module, STYLE_ATTR, style_name)
             if style_name == "vocab_embedding" and "." in name:
                 shard_given_embeddings(model.get_submodule(name.rsplit(".", 1)[0]), tp_mesh)
