@@ -6,7 +6,8 @@
 - A corrupted, truncated or missing object, or a missing marker, is refused by name.
 - A save killed during its upload (SIGKILL while its objects are being written) leaves the
   previous checkpoint loadable, and the next save removes what it left.
-- Retention (``limit_num_subdirs``) keeps the newest checkpoints on S3, as SMP's scripts call it.
+- Retention (``limit_num_subdirs``) keeps the newest checkpoints on S3, as SMP's scripts call it,
+  and ``num_kept`` never deletes a Hugging Face export beside them.
 - A transient S3 error on the commit is retried; SMP's file-system writer and reader work
   on ``s3://`` paths.
 
@@ -275,6 +276,25 @@ def test_retention_keeps_the_newest_checkpoints_on_s3(s3):
     _assert_state(_loaded(f"{root}/llama-400steps"), 400)
     # A whole bucket may be the root: its only prefix, job/, is no checkpoint, so nothing goes.
     assert limit_num_subdirs(f"s3://{bucket}", 1) == []
+
+
+def test_retention_on_s3_never_deletes_a_hugging_face_export(s3):
+    """Note [Retention deletes only training checkpoints]: an export synced to S3 with its
+    directory (SageMaker uploads the checkpoint directory) keeps its completion marker."""
+    from torch_sagemaker.checkpoint import TrainingState
+    from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER
+
+    server, bucket = s3
+    marker = {"kind": "hugging_face", "files": {"model.safetensors": 1}}
+    server.boto3().put_object(Bucket=bucket, Key="job/hf_export/model.safetensors", Body=b"w")
+    server.boto3().put_object(
+        Bucket=bucket, Key=f"job/hf_export/{COMPLETION_MARKER}", Body=json.dumps(marker)
+    )
+    state = TrainingState(torch.nn.Linear(2, 2), save_rng=False)
+    for step in (1, 2):
+        state.step = step
+        state.save(f"s3://{bucket}/job/llama-{step}steps", num_kept=1)
+    assert {k.split("/")[1] for k in _keys(server, bucket)} == {"hf_export", "llama-2steps"}
 
 
 def test_a_transient_error_on_the_commit_is_retried(s3, monkeypatch):

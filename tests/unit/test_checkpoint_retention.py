@@ -1,14 +1,19 @@
 """What retention never deletes (Note [What retention keeps] in ``retention``).
 
-Checkpoints here are directories with or without a completion marker (``is_complete``
-looks at nothing else); per-rank parts (``tp{d}-{r}``) are what ``TrainingState`` writes for
-FSDP1 with tensor parallelism, and ``tp{r}_ep{r}_fsdp{r}`` what SM-local saves write.
+Checkpoints here are directories with or without a completion marker that names only the
+kind the saver writes (``is_complete`` looks at nothing but the marker's existence,
+retention at its kind too: Note [Retention deletes only training checkpoints]); per-rank
+parts (``tp{d}-{r}``) are what ``TrainingState`` writes for FSDP1 with tensor parallelism,
+and ``tp{r}_ep{r}_fsdp{r}`` what SM-local saves write.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+
+import pytest
 
 from torch_sagemaker.checkpoint import checkpoint_location, is_complete
 from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER
@@ -18,15 +23,25 @@ from torch_sagemaker.checkpoint.utils import limit_num_subdirs
 STEPS = r"^.*\d+steps$"
 
 
-def _checkpoint(root: Path, name: str, parts: tuple[str, ...] = (), complete: bool = True) -> Path:
+def _mark(path: Path, kind: str) -> None:
+    (path / COMPLETION_MARKER).write_text(json.dumps({"kind": kind, "files": {}}))
+
+
+def _checkpoint(
+    root: Path,
+    name: str,
+    parts: tuple[str, ...] = (),
+    complete: bool = True,
+    kind: str = "sharded",
+) -> Path:
     """A checkpoint directory; with ``parts``, one committed directory per part instead."""
     path = root / name
     path.mkdir(parents=True)
     for part in parts:
         (path / part).mkdir()
-        (path / part / COMPLETION_MARKER).touch()
+        _mark(path / part, "sm_local" if "_fsdp" in part else "sharded")
     if complete and not parts:
-        (path / COMPLETION_MARKER).touch()
+        _mark(path, kind)
     return path
 
 
@@ -61,7 +76,7 @@ def test_per_rank_parts_not_all_committed_keep_the_previous_checkpoint(tmp_path)
     assert prune_beside(checkpoint_location(new), 1, regex=STEPS) == []
     (new / "tp2-1").mkdir()
     assert not is_complete(new)  # the part's directory exists, its commit has not happened
-    (new / "tp2-1" / COMPLETION_MARKER).touch()
+    _mark(new / "tp2-1", "sharded")
     assert is_complete(new)
     assert prune_beside(checkpoint_location(new), 1, regex=STEPS) == [
         str(tmp_path / "llama-200steps")
@@ -104,6 +119,45 @@ def test_folders_that_are_not_checkpoints_are_neither_deleted_nor_counted(tmp_pa
     assert prune_beside(checkpoint_location(new), 2) == [str(tmp_path / "step1")]
     assert sorted(os.listdir(tmp_path)) == ["hf_export", "step2", "step3", "tensorboard"]
     assert (tmp_path / "tensorboard" / "events.log").read_text() == "kept"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_hugging_face_export_beside_the_checkpoints_is_never_deleted(tmp_path):
+    """Note [Retention deletes only training checkpoints]: ``save_hf_checkpoint`` commits its
+    export with a completion marker too, and ``hf_export`` (no number) would sort oldest."""
+    import transformers
+
+    from torch_sagemaker.checkpoint import TrainingState, save_hf_checkpoint
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
+    model = transformers.GPT2LMHeadModel(config)
+    save_hf_checkpoint(model, tmp_path / "hf_export")
+    state = TrainingState(model, save_rng=False)
+    for step in (100, 200, 300):
+        state.step = step
+        state.save(tmp_path / f"llama-{step}steps", num_kept=2)  # no regex: every sibling
+    assert sorted(os.listdir(tmp_path)) == ["hf_export", "llama-200steps", "llama-300steps"]
+    # SMP's function too, even where its regex matches the export's name; a checkpoint
+    # whose marker names no kind is not deleted by TrainingState.save (when unsure, keep).
+    _checkpoint(tmp_path, "hf-400steps", kind="hugging_face")
+    (tmp_path / "llama-50steps").mkdir()
+    (tmp_path / "llama-50steps" / COMPLETION_MARKER).touch()
+    assert limit_num_subdirs(tmp_path / "llama-500steps", 1, regex=STEPS) == [
+        str(tmp_path / "llama-50steps"),
+        str(tmp_path / "llama-200steps"),
+    ]
+    assert sorted(os.listdir(tmp_path)) == ["hf-400steps", "hf_export", "llama-300steps"]
+    (tmp_path / "llama-50steps").mkdir()
+    (tmp_path / "llama-50steps" / COMPLETION_MARKER).touch()
+    state.step = 600
+    state.save(tmp_path / "llama-600steps", num_kept=1)
+    assert sorted(os.listdir(tmp_path)) == [
+        "hf-400steps",
+        "hf_export",
+        "llama-50steps",
+        "llama-600steps",
+    ]
+    assert (tmp_path / "hf_export" / "model.safetensors").is_file()
 
 
 def test_an_unfinished_later_step_takes_none_of_the_places_kept(tmp_path):

@@ -397,6 +397,14 @@ class LocalDirectory:
         except (OSError, ValueError, AttributeError):
             return None
 
+    def marker_kind(self) -> str | None:
+        """The kind the marker names, if there is a readable marker that names one."""
+        try:
+            kind = json.loads((self.path / COMPLETION_MARKER).read_text()).get("kind")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return kind if isinstance(kind, str) else None
+
     def is_complete(self) -> bool:
         """Whether the directory holds a committed checkpoint."""
         return is_complete(self.path)

@@ -15,6 +15,14 @@ from typing import Any
 _PART = re.compile(r"^(tp|ep)(\d+)-(\d+)$")
 _SM_LOCAL_SHARD = re.compile(r"^tp\d+_ep\d+_fsdp\d+$")
 
+TRAINING_KINDS = frozenset({"sharded", "sm_local"})
+"""The marker kinds of training checkpoints (``state_dict_saver``), the ones retention manages.
+
+A per-rank part (``tp{d}-{r}``, ``ep{d}-{r}``) is a sharded checkpoint of its own; a
+``save_hf_checkpoint`` export is ``"hugging_face"`` (Note [Retention deletes only training
+checkpoints] in ``retention``).
+"""
+
 
 def is_complete_checkpoint(location: Any) -> bool:
     """Whether ``location`` (a ``CheckpointLocation``) holds a complete checkpoint.
@@ -51,6 +59,33 @@ def is_complete_checkpoint(location: Any) -> bool:
     )
 
 
+def checkpoint_kind(location: Any) -> str | None:
+    """The kind of checkpoint ``location`` (a ``CheckpointLocation``) holds, as its markers say.
+
+    Its own marker's kind; for a checkpoint in committed parts (per-TP/EP-rank parts, or
+    SM-local shard directories), the kind of its first committed part, since one save wrote
+    them all. Only markers are read, not the files they list.
+
+    Args:
+        location: A ``CheckpointLocation``.
+
+    Returns:
+        ``"sharded"``, ``"sm_local"``, ``"hugging_face"`` (``TRAINING_KINDS`` are the first
+        two), or ``None``: no marker (a directory that is not a committed checkpoint, such as
+        SMP's ``torch.save`` checkpoints), or one that is unreadable or names no kind.
+    """
+    if location.is_complete():  # checked first: on S3, reading a missing marker is retried
+        return location.marker_kind()
+    names = location.checkpoint_names()
+    shards = sorted(n for n in names if _SM_LOCAL_SHARD.match(n))
+    parts = shards or sorted(n for n in names if _PART.match(n))
+    for name in parts:
+        part = location.child(name)
+        if part.is_complete():
+            return part.marker_kind()
+    return None
+
+
 def part_layout(names: list[str]) -> str | None:
     """How a directory with the subdirectories ``names`` is split into committed parts.
 
@@ -67,4 +102,4 @@ def part_layout(names: list[str]) -> str | None:
     return None
 
 
-__all__ = ["is_complete_checkpoint", "part_layout"]
+__all__ = ["TRAINING_KINDS", "checkpoint_kind", "is_complete_checkpoint", "part_layout"]

@@ -87,6 +87,13 @@ class CheckpointLocation(Protocol):
         """The save id in the marker, if there is a readable one."""
         ...
 
+    def marker_kind(self) -> str | None:
+        """The kind its marker names (``"sharded"``, ``"sm_local"``, ``"hugging_face"``).
+
+        ``None`` without a readable marker, or one that names no kind.
+        """
+        ...
+
     def is_complete(self) -> bool:
         """Whether a committed checkpoint is there."""
         ...

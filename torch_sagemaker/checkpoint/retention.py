@@ -9,7 +9,11 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from torch_sagemaker.checkpoint.completeness import is_complete_checkpoint
+from torch_sagemaker.checkpoint.completeness import (
+    TRAINING_KINDS,
+    checkpoint_kind,
+    is_complete_checkpoint,
+)
 from torch_sagemaker.checkpoint.location import (
     CheckpointId,
     CheckpointLocation,
@@ -70,7 +74,10 @@ def limit_num_subdirs(
 
     Which checkpoints count is the location's (``CheckpointLocation.checkpoint_names``). In a
     directory, hidden directories (a save in progress or interrupted, ``.<name>.partial``)
-    are never counted; those of deleted checkpoints go too. ``path`` may be an ``s3://`` URI:
+    are never counted; those of deleted checkpoints go too. A directory whose completion
+    marker names another kind than a training checkpoint (a ``save_hf_checkpoint`` export)
+    is never counted nor deleted, whatever ``regex`` matches (Note [Retention deletes only
+    training checkpoints]). ``path`` may be an ``s3://`` URI:
     the checkpoints are then the complete key prefixes under the root (a prefix without its
     marker is a save that failed or is running), and a deleted checkpoint loses its
     completion marker first, so that a deletion cut short never leaves a checkpoint that
@@ -110,7 +117,8 @@ def prune_beside(
 ) -> list[str]:
     """``limit_num_subdirs`` of ``checkpoint``'s complete siblings, never deleting ``checkpoint``.
 
-    Only complete checkpoints count, and only they are deleted (Note [What retention keeps]).
+    Only complete training checkpoints count, and only they are deleted (Note [What retention
+    keeps], Note [Retention deletes only training checkpoints]).
 
     ``TrainingState.save`` calls it after a save (the rank that commits).
 
@@ -142,12 +150,36 @@ def _prune(
     pattern: re.Pattern[str] | None,
     only_complete: bool,
 ) -> list[str]:
+    """Deletes what ``_doomed`` picks among the checkpoints under ``root``.
+
+    Note [Retention deletes only training checkpoints]: a directory beside the checkpoints
+    may itself carry a completion marker without being one of them: ``save_hf_checkpoint``
+    commits its export the same way (kind ``"hugging_face"``), and its name, with no
+    number in it, sorts oldest. Counted, it would be the first deleted (the only copy of
+    the model in Hugging Face form) and take one of the ``num_kept`` places. So the
+    marker's kind decides (``completeness.checkpoint_kind``):
+
+    - ``prune_beside`` counts a sibling only if it is complete and its kind is one of
+      ``TRAINING_KINDS``; a marker that is unreadable or names no kind does not count
+      either: when unsure, keep.
+    - ``limit_num_subdirs`` counts directories without a marker, as SMP does (its scripts'
+      ``full`` and ``local`` checkpoints have none), but never one whose marker names a kind
+      that is not a training checkpoint, even where ``regex`` matches its name.
+
+    Checked the same way on S3 (one marker read per candidate). ``is_complete`` is left
+    as it is: an export is complete, it is just not retention's to delete.
+    """
+
     def complete(name: str) -> bool:
         return is_complete_checkpoint(root.child(name))
 
     names = {n for n in root.checkpoint_names() if pattern is None or pattern.match(n)}
     if only_complete:  # Note [What retention keeps]
-        names = {n for n in names if complete(n)}
+        names = {
+            n for n in names if complete(n) and checkpoint_kind(root.child(n)) in TRAINING_KINDS
+        }
+    else:
+        names = {n for n in names if checkpoint_kind(root.child(n)) in (None, *TRAINING_KINDS)}
     deleted = []
     for name in _doomed(names, upcoming, num_kept, sort_fn, complete):
         victim = root.child(name)
@@ -176,13 +208,16 @@ def _doomed(
     just saved. Which directories are candidates depends on the caller:
 
     - ``TrainingState.save(..., num_kept)`` (``prune_beside``) writes only checkpoints with
-      markers, so only complete ones count and can be deleted: a directory that is not a
-      checkpoint (a ``tensorboard/`` beside them, with no ``regex`` to exclude it) is never
-      deleted, and an unfinished one takes none of the ``num_kept`` places (it would leave
-      fewer checkpoints to resume from than asked for).
+      markers, so only complete training checkpoints count and can be deleted: a directory
+      that is not a checkpoint (a ``tensorboard/`` beside them, with no ``regex`` to exclude
+      it) or is another kind of one (a Hugging Face export) is never deleted, and an
+      unfinished one takes none of the ``num_kept`` places (it would leave fewer
+      checkpoints to resume from than asked for).
     - ``limit_num_subdirs``, SMP's function, counts every subdirectory ``regex`` matches (or
       every one, without it), as SMP does: SMP's scripts call it for their ``full`` and
-      ``local`` checkpoints too, which ``torch.save`` writes without a marker.
+      ``local`` checkpoints too, which ``torch.save`` writes without a marker. Only a
+      directory whose marker names another kind is left out (Note [Retention deletes only
+      training checkpoints]).
 
     One gap: an SM-local step counts as complete once the shard directories it
     holds are committed, since how many it should hold is not checked (``completeness``),

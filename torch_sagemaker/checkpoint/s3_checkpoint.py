@@ -304,6 +304,14 @@ class S3Checkpoint:
         except Exception:  # noqa: BLE001 - no marker, or unreadable: no committed save
             return None
 
+    def marker_kind(self) -> str | None:
+        """The kind the marker names, if there is a readable marker that names one."""
+        try:
+            kind = json.loads(self._get(self.marker_key)).get("kind")
+        except Exception:  # noqa: BLE001 - no marker, or unreadable: no kind known
+            return None
+        return kind if isinstance(kind, str) else None
+
     def is_complete(self) -> bool:
         """Whether the location holds a committed checkpoint (it has a marker)."""
         return self._exists(self.marker_key)
