@@ -123,6 +123,56 @@ def test_optimizer_state_missing_for_another_reason_is_refused(tmp_path):
         other.load(tmp_path / "c")
 
 
+@pytest.mark.parametrize("kind", ["sharded", "local"])
+def test_a_bigger_model_or_another_optimizer_is_refused_not_half_loaded(
+    tmp_path, kind, monkeypatch
+):
+    """Note [A checkpoint that loads is the checkpoint that was saved]: keys the checkpoint
+    holds beyond what the model and optimizer ask for are refused before anything is read;
+    ``strict=False`` loads the overlap and names what it left behind."""
+    from torch_sagemaker.checkpoint import TrainingState
+
+    big = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    optim = torch.optim.AdamW(big.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: 1.0)  # adds initial_lr
+    big(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    TrainingState(big, optim, sched, step=5, save_rng=False).save(tmp_path / "c", kind=kind)
+
+    small = nn.Sequential(nn.Linear(4, 4))
+    before = small[0].weight.detach().clone()
+    with pytest.raises(
+        CheckpointError, match=r"holds 4 model keys .*'model\.1\.bias'.*strict=False"
+    ):
+        TrainingState(small, save_rng=False).load(tmp_path / "c", kind=kind)
+    assert torch.equal(small[0].weight, before)  # refused before the read
+    warned: list[str] = []
+    monkeypatch.setattr(
+        "torch_sagemaker.checkpoint.training_state.get_logger",
+        lambda: SimpleNamespace(warning=warned.append),
+    )
+    part = TrainingState(small, save_rng=False)
+    part.load(tmp_path / "c", kind=kind, strict=False)
+    assert torch.equal(small[0].weight, big[0].weight) and part.step == 5
+    assert len(warned) == 1 and "4 model keys of the checkpoint are left behind" in warned[0]
+
+    # The same model with an optimizer over fewer parameters: the others' state (2 layers x
+    # 2 tensors x 3 states) is left behind.
+    fewer = torch.optim.AdamW(big[0].parameters())
+    with pytest.raises(CheckpointError, match=r"holds 12 optimizer-state keys that"):
+        TrainingState(big, fewer, save_rng=False).load(tmp_path / "c", kind=kind)
+    # Not mismatches: the items not asked for (no scheduler, no optimizer, or
+    # load_optimizer=False), and the hyper-parameters the scheduler added.
+    TrainingState(big, save_rng=False).load(tmp_path / "c", kind=kind)
+    TrainingState(big, fewer, save_rng=False).load(tmp_path / "c", kind=kind, load_optimizer=False)
+    # A fresh optimizer over parameters that still hold gradients gets the saved state.
+    assert all(p.grad is not None for p in big.parameters())
+    fresh = torch.optim.AdamW(big.parameters())
+    TrainingState(big, fresh, save_rng=False).load(tmp_path / "c", kind=kind)
+    for p in big.parameters():
+        assert torch.equal(fresh.state[p]["exp_avg"], optim.state[p]["exp_avg"])
+
+
 def test_loading_without_the_optimizer_leaves_a_fresh_one_fresh(tmp_path):
     """``load(load_optimizer=False)``: the model's weights, and an optimizer with no state, so
     its first step is a first step (no invented step count or moments)."""

@@ -45,6 +45,36 @@ After the read, every such parameter must be one of the saved optimizer's parame
 (``param_groups``), else the optimizer differs from the saved one and ``load`` raises. A
 parameter with only some of its state keys, or with another optimizer's, is a mismatch that
 the key check reports as before.
+
+Note [A checkpoint that loads is the checkpoint that was saved]
+--------------------------------------------------------------
+DCP loads what the template asks for and ignores the rest of the checkpoint, and the key
+check of ``state_dict_loader.load`` (SMP's function, which SMP's scripts call with part of
+a checkpoint: the model first, the optimizer state later) refuses missing keys only. So a
+bigger model's checkpoint (a 3-layer model's into a 1-layer one, a model with a head into
+one without) loaded silently: the overlap was copied, the rest dropped, and training went
+on from a state that was never saved. ``TrainingState`` always asks for the whole model and,
+unless ``load_optimizer=False``, the whole optimizer, so ``load`` refuses a checkpoint
+whose ``model.*`` or ``optimizer.state.*`` keys are not all requested, before anything is
+read (``strict=False`` loads the overlap, with a warning naming what is left behind).
+What is not a mismatch, and stays allowed:
+
+- the other items: another rank's ``rng_rank<r>`` (saved by more ranks), ``fp8.*`` (a
+  model without FP8 layers warns and skips it), ``lr_scheduler.*`` without a scheduler,
+  the optimizer's keys with ``load_optimizer=False`` or no optimizer, and
+  ``optimizer.param_groups.*`` (hyper-parameters: a scheduler adds ``initial_lr``, PyTorch
+  versions add others; groups are matched to parameters by name when set);
+- optimizer state the template lacks because the checkpoint has none for a parameter
+  (Note [Parameters without optimizer state]): that is fewer saved keys, not more;
+- FSDP1 and FSDP2, DTensor TP and per-TP/EP-rank directories: ``get_state_dict`` names
+  the keys of every layout alike, and each per-rank directory holds what that rank's
+  template asks for;
+- a fresh optimizer over parameters that still hold gradients: ``get_state_dict`` builds
+  its template state only when no parameter has a gradient, so the saved state would all
+  be left behind (before this check, silently: the optimizer resumed without it); the
+  template makes the state itself (``init_optim_state``) instead.
+
+When keys are also missing, the loader's key check raises instead, listing both.
 """
 
 from __future__ import annotations
@@ -63,6 +93,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from torch_sagemaker._torch_compat import dcp as dcp_compat
 from torch_sagemaker.checkpoint import state_dict_utils as sdu
 from torch_sagemaker.checkpoint.async_utils import AsyncCallsQueue
 from torch_sagemaker.checkpoint.location import (
@@ -75,10 +106,11 @@ from torch_sagemaker.checkpoint.retention import prune_beside
 from torch_sagemaker.checkpoint.state_dict_loader import load, read_metadata
 from torch_sagemaker.checkpoint.state_dict_saver import async_save, save
 from torch_sagemaker.fp8 import scaling_state as fp8_state
-from torch_sagemaker.logger import warn_once
+from torch_sagemaker.logger import get_logger, warn_once
 from torch_sagemaker.state import state as smp_state  # (``state`` names RNG states here)
 
 _KINDS = ("sharded", "local")
+_SHOWN = 10  # how many keys an error or warning names
 
 
 def _data_position_json(data_position: Any, *, check: bool) -> str:
@@ -233,6 +265,10 @@ class TrainingState:
                     sdu.init_optim_state(optimizer)
                 sd["optimizer"] = sdu.local_optim_state_dict(optimizer)
         else:
+            if optimizer is not None and template and fresh and _holds_gradients(optimizer):
+                # get_state_dict creates the template's state only when no parameter holds a
+                # gradient; without state the saved one would not be loaded at all.
+                sdu.init_optim_state(optimizer, skip_empty_param=False)
             optims = [optimizer] if optimizer is not None else []
             model_sd, optim_sd = get_state_dict(
                 _unwrap_root(self.model), optims, options=StateDictOptions()
@@ -362,7 +398,7 @@ class TrainingState:
                 directory (sharded kind; see ``limit_num_subdirs``); never this one, nor the
                 newest complete one (Note [What retention keeps] in ``retention``).
             regex: Which sibling directories count for ``num_kept`` (default: every
-                complete checkpoint).
+                complete training checkpoint; never a Hugging Face export).
 
         Raises:
             ValueError: If ``num_kept`` is given with ``kind="local"``: its shard directories
@@ -413,6 +449,7 @@ class TrainingState:
         *,
         kind: str = "sharded",
         load_optimizer: bool = True,
+        strict: bool = True,
     ) -> None:
         """Loads a checkpoint written by ``save``, resharding to this job's layout (sharded kind).
 
@@ -421,16 +458,22 @@ class TrainingState:
             kind: The kind it was saved with.
             load_optimizer: Also restore the optimizer (and its step counts). Without it
                 the optimizer is left as it is (a fresh one keeps no state).
+            strict: Refuse a checkpoint holding model or optimizer-state keys that this
+                model or optimizer does not have (a bigger model's, another optimizer's).
+                ``False`` loads the keys both have and leaves the others behind, with a
+                warning naming them; keys this model asks for must be in the checkpoint
+                either way (Note [A checkpoint that loads is the checkpoint that was saved]).
 
         Parameters without optimizer state in the checkpoint (no gradient yet when it was
         saved) end up without state (Note [Parameters without optimizer state]).
 
         Raises:
             CheckpointError: If the checkpoint is missing, incomplete, corrupt, or does not
-                match the model (the message names the keys and shapes), or its optimizer
-                did not hold a parameter of this one (found after the read, which has filled
-                the model's and the optimizer's tensors in place: after this error, build
-                them anew rather than train on).
+                match the model (the message names the keys and shapes), holds model or
+                optimizer-state keys this one does not request (with ``strict``; checked
+                before anything is read), or its optimizer did not hold a parameter of this
+                one (found after the read, which has filled the model's and the optimizer's
+                tensors in place: after this error, build them anew rather than train on).
         """
         path, group, coordinator = self._location(checkpoint_location(checkpoint_id), kind)
         # Without the optimizer, its template is not even built: building it creates state
@@ -446,6 +489,7 @@ class TrainingState:
                 "fewer ranks); ranks without one keep their current RNG state."
             )
             sd.pop(rng_key)
+        _refuse_keys_left_behind(sd, saved, path, strict=strict)
         # Ranks may differ in the RNG key only, so the key-set agreement check is skipped.
         load(
             sd,
@@ -476,6 +520,50 @@ class TrainingState:
             )
             return
         sd[fp8_state.ITEM] = fp8_state.empty_like_saved(sizes)
+
+
+def _refuse_keys_left_behind(
+    sd: dict[str, Any], saved: dict[str, Any], path: Any, *, strict: bool
+) -> None:
+    """Raises if the checkpoint holds model or optimizer-state keys ``sd`` does not request.
+
+    Note [A checkpoint that loads is the checkpoint that was saved].
+
+    Args:
+        sd: The template ``load`` fills (``TrainingState._state_dict``).
+        saved: The checkpoint's ``state_dict_metadata``.
+        path: The checkpoint, for the message.
+        strict: Raise; ``False`` logs a warning instead.
+
+    Raises:
+        CheckpointError: With ``strict``, naming the keys left behind and the two fixes.
+    """
+    # DCP's own flattening: the keys compared are exactly those DCP stores.
+    flat, _ = dcp_compat.flatten_state_dict(sdu.resolve_stateful(sd))
+    if any(key not in saved for key in flat):
+        return  # the loader's key check raises, naming the missing keys and these
+    checked = ("model.", "optimizer.state.") if "optimizer" in sd else ("model.",)
+    left = sorted(k for k in saved if k.startswith(checked) and k not in flat)
+    if not left:
+        return
+    model_keys = sum(k.startswith("model.") for k in left)
+    counts = [(model_keys, "model"), (len(left) - model_keys, "optimizer-state")]
+    what = " and ".join(f"{n} {name} keys" for n, name in counts if n)
+    shown = f"{left[:_SHOWN]}{f' and {len(left) - _SHOWN} more' if len(left) > _SHOWN else ''}"
+    if not strict:
+        get_logger().warning(
+            f"loading {path} with strict=False: {what} of the checkpoint are left behind "
+            f"(this model and optimizer have no such keys): {shown}."
+        )
+        return
+    raise CheckpointError(
+        f"checkpoint {path} does not match the state being loaded: it holds {what} that this "
+        f"model and optimizer do not have: {shown}. A checkpoint loads whole, so that what "
+        "loads is what was saved; this one was saved from a bigger or different model, or "
+        "another optimizer. Build the model and optimizer as the job that saved it did, or "
+        "pass strict=False to load only the keys both have (load_optimizer=False leaves the "
+        "optimizer out)."
+    )
 
 
 def _drop_state_never_saved(optim_sd: dict[str, Any] | None, saved: dict[str, Any]) -> list[Any]:
@@ -526,6 +614,11 @@ def _expect_saved_optimizer_params(
             f"in the checkpoint: {foreign[:20]}. Load it into an optimizer over the same "
             "parameters as the one that saved it."
         )
+
+
+def _holds_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a parameter of ``optimizer`` holds a gradient."""
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
 
 def _unwrap_root(model: nn.Module) -> nn.Module:
