@@ -57,17 +57,32 @@ def finish() -> None:
 def resume(state: TrainingState, root: str | None, target: str) -> str | None:
     """Loads ``target`` (a path, or 'latest'/'auto' under ``root``) into ``state``.
 
+    'latest' is chosen on rank 0 and sent to the others: ranks listing ``root`` themselves
+    could see different newest checkpoints (a save committing, or retention deleting, between
+    their listings) and resume from different steps; the loader would refuse that
+    (Note [The ranks of a load read one checkpoint]), this way it does not arise.
+
     Returns:
         The path loaded, or None when 'latest'/'auto' found no complete checkpoint.
     """
-    path = target
+    path: str | None = target
     if target in ("latest", "auto"):
-        dirs = step_dirs(root)
-        if not dirs:
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        dirs = step_dirs(root) if rank0 else []
+        path = _from_rank_0(dirs[-1][1] if dirs else None)
+        if path is None:
             return None
-        path = dirs[-1][1]
     state.load(path)
     return path
+
+
+def _from_rank_0(value: str | None) -> str | None:
+    """Rank 0's ``value`` on every rank (``value`` itself without a process group)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 class AutoInterval:

@@ -3,8 +3,10 @@
 Two ranks save a checkpoint (one shard file each). Loading it checks each data file on one
 rank only; after one rank's shard is changed, both ranks refuse the load with the same
 ``CheckpointError`` naming that file (the rank that did not read it too, instead of entering
-DCP's load alone). Ranks of one group loading different directories (SM-local style) still
-get every file of their own directory checked. Note [Checkpoint checksums].
+DCP's load alone). Ranks of one group loading different directories (each its SM-local
+shard's) still get every file of their own directory checked. Note [Checkpoint checksums].
+Ranks naming different checkpoints of any other kind are refused (Note [The ranks of a load
+read one checkpoint]), and the example's 'latest' is rank 0's choice.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ pytestmark = pytest.mark.distributed
 def _shard_checks(root: str) -> dict:
     import torch
     import torch.distributed as dist
+    from torch import nn
 
     from torch_sagemaker.checkpoint import CheckpointError, integrity, load, save
+    from torch_sagemaker.checkpoint.state_dict_utils import local_state_dict
 
     rank = dist.get_rank()
     checked: list[str] = []
@@ -39,15 +43,16 @@ def _shard_checks(root: str) -> dict:
         load(template, checkpoint_id=f"{root}/c", check_keys_matched=False)
         clean = {"checked": sorted(checked), "value": float(template[f"w{rank}"][0])}
 
-        # Each rank saves its own directory with the whole group, then loads it (both groups'
-        # files are then checked on their own ranks, since the directories differ).
+        # Each rank saves its own SM-local shard, then the whole group loads them, each rank
+        # its own directory (each directory's files are then checked on its own rank).
+        shard = nn.Linear(8, 8)
         save(
-            {"w": torch.full((64,), float(rank))},
+            {"model": local_state_dict(shard)},
             checkpoint_id=f"{root}/own{rank}",
             process_group=dist.new_group([rank]),
         )
         checked.clear()
-        load({"w": torch.zeros(64)}, checkpoint_id=f"{root}/own{rank}")
+        load({"model": local_state_dict(nn.Linear(8, 8))}, checkpoint_id=f"{root}/own{rank}")
         own = sorted(checked)
 
         dist.barrier()
@@ -83,6 +88,118 @@ def test_files_are_checked_once_and_corruption_stops_every_rank(tmp_path):
     assert len(errors) == 1, errors  # the very same error on both ranks
     (error,) = errors
     assert f"{tmp_path}/c is corrupt: __1_0.distcp does not match its crc32 checksum" in error
+
+
+def _ranks_naming_other_checkpoints(root: str) -> list[str]:
+    import torch
+    import torch.distributed as dist
+
+    from torch_sagemaker.checkpoint import CheckpointError, load, save
+    from torch_sagemaker.checkpoint.atomic_dir import LocalDirectory
+
+    rank = dist.get_rank()
+    for name, step in (("a", 7), ("b", 9)):
+        save({"w": torch.full((4,), float(step)), "step": step}, checkpoint_id=f"{root}/{name}")
+    out = []
+    template = {"w": torch.zeros(4), "step": 0}
+    try:  # each rank resolved "latest" itself, and a save committed in between
+        load(template, checkpoint_id=f"{root}/{'a' if rank == 0 else 'b'}")
+        out.append(f"loaded step {template['step']}")
+    except CheckpointError as e:
+        out.append(str(e))
+    # One name, but rank 1 read the marker of a save that committed over it meanwhile.
+    real = LocalDirectory.marker_save_id
+    if rank == 1:
+        LocalDirectory.marker_save_id = lambda self: "f" * 32
+    try:
+        load(template, checkpoint_id=f"{root}/a")
+        out.append(f"loaded step {template['step']}")
+    except CheckpointError as e:
+        out.append(str(e))
+    finally:
+        LocalDirectory.marker_save_id = real
+    load(template, checkpoint_id=f"{root}/b")  # the same checkpoint on every rank loads
+    out.append(f"loaded step {template['step']}")
+    return out
+
+
+def test_ranks_naming_different_checkpoints_are_refused_on_every_rank(tmp_path):
+    """Before, rank 0 resumed at step 7 and rank 1 at step 9, silently."""
+    results = run_distributed(_ranks_naming_other_checkpoints, str(tmp_path), timeout=60)
+    other, resaved = results[0][0], results[0][1]
+    assert [r[:2] for r in results] == [[other, resaved]] * 2, results  # one error everywhere
+    assert "the ranks loading together name different checkpoints" in other, other
+    assert f"rank 0: {tmp_path}/a (save id " in other and f"rank 1: {tmp_path}/b" in other
+    assert "pass the same checkpoint_id on every rank" in other
+    assert "read different saves of one checkpoint" in resaved, resaved
+    assert f"rank 1: {tmp_path}/a (save id {'f' * 32})" in resaved and "Load it again" in resaved
+    assert [r[2] for r in results] == ["loaded step 9"] * 2
+
+
+def _training_state_kind_full_without_tsm(root: str) -> list[str]:
+    from torch import nn
+
+    from torch_sagemaker.checkpoint.training_state import TrainingState
+
+    if tsm_initialized():
+        return ["tsm was initialized in this pool"]
+    state = TrainingState(nn.Linear(4, 4), save_rng=False)
+    state.save(f"{root}/step1")
+    out = []
+    for call in (
+        lambda: state.load(f"{root}/step1", kind="full"),
+        lambda: state.save(f"{root}/step2", kind="full"),
+    ):
+        try:
+            call()
+            out.append("no error")
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def test_an_unknown_training_state_kind_is_named_in_a_job_without_tsm_init(tmp_path):
+    """kind='full' (a type of SMP's scripts) was told that kind='local' needs tsm.init()."""
+    results = run_distributed(_training_state_kind_full_without_tsm, str(tmp_path), timeout=60)
+    for messages in results:
+        assert len(messages) == 2, messages
+        for m in messages:
+            assert "kind='full'): kind must be one of ('sharded', 'local')" in m, m
+            assert "save_hf_checkpoint" in m and "init()" not in m, m
+
+
+def _the_examples_latest(examples: str, root: str) -> list:
+    import sys
+
+    import torch.distributed as dist
+
+    sys.path.insert(0, examples)
+    from train_lib import checkpoints
+
+    rank = dist.get_rank()
+    real = checkpoints.step_dirs
+    loaded: list = []
+    stub = type("State", (), {"load": lambda self, path: loaded.append(path)})()
+    try:
+        # A save committed between the ranks' listings: rank 1 would see a newer step.
+        newest = {0: [(5, f"{root}/m-5steps")], 1: [(5, f"{root}/m-5steps"), (6, "six")]}
+        checkpoints.step_dirs = lambda _root: newest[rank]
+        out = [checkpoints.resume(stub, root, "latest")]
+        newest = {0: [], 1: [(6, "six")]}  # rank 0 found none: no rank resumes
+        out.append(checkpoints.resume(stub, root, "auto"))
+    finally:
+        checkpoints.step_dirs = real
+        sys.path.remove(examples)
+    return [out, loaded]
+
+
+def test_the_examples_latest_checkpoint_is_rank_0s_choice_on_every_rank(tmp_path):
+    from pathlib import Path
+
+    examples = str(Path(__file__).resolve().parents[2] / "examples")
+    results = run_distributed(_the_examples_latest, examples, str(tmp_path), timeout=60)
+    want = f"{tmp_path}/m-5steps"
+    assert results == [[[want, None], [want]]] * 2, results
 
 
 def _local_kind_without_tsm(root: str) -> str:

@@ -161,6 +161,26 @@ def test_corrupted_truncated_and_missing_objects_are_refused_by_name(s3):
         _loaded(f"s3://{bucket}/run/step9")
 
 
+def test_loading_as_another_kind_on_s3_names_the_kind_it_was_saved_as(s3):
+    """As on a file system: a checkpoint in per-rank parts or SM-local shards, each with its
+    own marker, was reported incomplete ("load an earlier checkpoint"); a whole checkpoint
+    loaded as parts was only said not to exist."""
+    from torch_sagemaker.checkpoint import CheckpointError, save
+
+    _, bucket = s3
+    root = f"s3://{bucket}/run"
+    for part in ("tp2-0", "tp2-1"):  # what FSDP1 with tensor parallelism writes
+        save(_state(1.0), checkpoint_id=f"{root}/parts/{part}")
+    save(_state(1.0), checkpoint_id=f"{root}/local/tp0_ep0_fsdp0")
+    save(_state(1.0), checkpoint_id=f"{root}/whole")
+    with pytest.raises(CheckpointError, match=r"parts holds the per-rank parts \(tp2-<r>\)"):
+        _loaded(f"{root}/parts")
+    with pytest.raises(CheckpointError, match=r"local holds an SM-local checkpoint.*kind='local'"):
+        _loaded(f"{root}/local")
+    with pytest.raises(CheckpointError, match=r"whole is itself a complete checkpoint.*FSDP2"):
+        _loaded(f"{root}/whole/tp2-0")
+
+
 def test_checksums_are_an_option_of_the_s3_location(s3):
     from torch_sagemaker.checkpoint import CheckpointError, checkpoint_location, save
 

@@ -521,6 +521,72 @@ def test_loading_as_another_kind_names_the_kind_it_was_saved_as(tmp_path):
         read_marker(tmp_path / "half")
 
 
+def test_a_per_rank_part_looked_for_inside_a_whole_checkpoint_is_explained(tmp_path):
+    """FSDP1 with tensor parallelism loads ``<checkpoint>/tp2-<r>``; inside an FSDP2 (whole
+    model) checkpoint it was told that tp2-0 is an SM-local directory and to use
+    kind='sharded', the kind it had used."""
+    save(_state(), checkpoint_id=tmp_path / "c")
+    with pytest.raises(CheckpointError) as e:
+        load(_template(), checkpoint_id=tmp_path / "c" / "tp2-0")
+    message = str(e.value)
+    assert "of the whole model, not one saved in per-rank parts" in message, message
+    assert "tp2-0 is the part an FSDP1 model with tensor or expert parallelism reads" in message
+    assert "FSDP2 (torch_sagemaker.sharding.shard_model)" in message
+    assert "SM-local" not in message and "kind='sharded'" not in message
+    with pytest.raises(CheckpointError, match=r"shard directory an SM-local load.*'sharded'"):
+        load(_template(), checkpoint_id=tmp_path / "c" / "tp0_ep0_fsdp0")
+
+
+@pytest.fixture
+def hf_export(tmp_path):
+    """A Hugging Face export of a tiny model (its marker's kind: ``hugging_face``)."""
+    import transformers
+
+    from torch_sagemaker.checkpoint import save_hf_checkpoint
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
+    save_hf_checkpoint(transformers.GPT2LMHeadModel(config), tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+def test_loading_a_hugging_face_export_names_its_kind_not_corruption(hf_export):
+    from torch_sagemaker.checkpoint import TrainingState, read_metadata
+
+    expected = r"is a Hugging Face export .*kind is 'hugging_face'.*from_pretrained"
+    with pytest.raises(CheckpointError, match=expected) as e:
+        load(_template(), checkpoint_id=hf_export)
+    assert "corrupt" not in str(e.value)
+    with pytest.raises(CheckpointError, match=expected):
+        read_metadata(hf_export)
+    with pytest.raises(CheckpointError, match=expected):
+        TrainingState(nn.Linear(2, 2), save_rng=False).load(hf_export)
+    # Inside it, as FSDP1 with TP or an SM-local load look: the export is named too.
+    with pytest.raises(CheckpointError, match=r"hf is a Hugging Face export"):
+        TrainingState(nn.Linear(2, 2), save_rng=False).load(hf_export, kind="local")
+
+
+@pytest.mark.parametrize(
+    ("kind", "hint"),
+    [("full", "save_hf_checkpoint"), ("sm_local", "pass kind='local'"), ("SHARDED", "")],
+)
+def test_an_unknown_training_state_kind_is_refused_first_by_name(tmp_path, kind, hint):
+    """Every method checks the kind before anything depends on it (a multi-rank job without
+    tsm.init was told that kind='local' needs it: tests/distributed)."""
+    from torch_sagemaker.checkpoint import TrainingState
+
+    state = TrainingState(nn.Linear(2, 2), save_rng=False)
+    for call in (
+        lambda: state.save(tmp_path / "s", kind=kind, num_kept=2),
+        lambda: state.load(tmp_path / "s", kind=kind),
+        lambda: state.state_dict(kind),
+        lambda: state.load_state_dict({}, kind),
+    ):
+        with pytest.raises(ValueError, match=rf"kind={kind!r}\): kind must be one of") as e:
+            call()
+        assert "'sharded' (the default" in str(e.value) and hint in str(e.value)
+    assert not (tmp_path / "s").exists()
+
+
 def test_num_kept_with_the_local_kind_is_refused_not_ignored(tmp_path):
     from torch_sagemaker.checkpoint import TrainingState
 

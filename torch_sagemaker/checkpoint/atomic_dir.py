@@ -32,7 +32,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from torch_sagemaker.checkpoint import integrity
-from torch_sagemaker.checkpoint.completeness import part_layout
+from torch_sagemaker.checkpoint.completeness import inside_checkpoint_hint, parts_description
 from torch_sagemaker.checkpoint.constants import (
     COMPLETION_MARKER,
     REPLACED_SUFFIX,
@@ -252,11 +252,8 @@ def read_marker(path: Path) -> dict[str, Any]:
         elif staging_path(path).is_dir():
             hint = f" Only an unfinished save exists ({staging_path(path)})."
         elif is_complete(path.parent):
-            hint = (
-                f" {path.parent} is itself a complete checkpoint, of another kind than the "
-                f"one asked for ({path.name} is what an SM-local load looks for in its "
-                "directory): load it with the kind it was saved as (kind='sharded')."
-            )
+            parent_kind = LocalDirectory(path.parent).marker_kind()
+            hint = inside_checkpoint_hint(path.parent, parent_kind, path.name)
         raise CheckpointError(f"checkpoint {path} does not exist.{hint}")
     marker_file = path / COMPLETION_MARKER
     if not marker_file.is_file():
@@ -274,23 +271,9 @@ def _kind_of_unmarked(path: Path) -> str | None:
 
     Returns:
         The sentence, where it is a checkpoint of another kind whose parts carry the
-        markers; ``None`` otherwise.
+        markers (``completeness.parts_description``); ``None`` otherwise.
     """
-    layout = part_layout([p.name for p in path.iterdir() if p.is_dir()])
-    if layout == "sm_local":
-        return (
-            "holds an SM-local checkpoint (one tp<r>_ep<r>_fsdp<r> directory per shard, "
-            "each committed alone), which has no marker of its own: load it with "
-            "kind='local', on the layout that saved it."
-        )
-    if layout is not None:
-        return (
-            f"holds the per-rank parts ({layout}-<r>) that TrainingState writes for an FSDP1 "
-            "model with tensor or expert parallelism: load it under FSDP1 with the same "
-            "tensor (or expert) parallel degree, and the parts are found; to change the "
-            "layout, save it from FSDP2 (torch_sagemaker.sharding.shard_model) instead."
-        )
-    return None
+    return parts_description([p.name for p in path.iterdir() if p.is_dir()])
 
 
 def verify_files(path: Path, marker: dict[str, Any], names: list[str]) -> list[str]:

@@ -102,4 +102,88 @@ def part_layout(names: list[str]) -> str | None:
     return None
 
 
-__all__ = ["TRAINING_KINDS", "checkpoint_kind", "is_complete_checkpoint", "part_layout"]
+def parts_description(names: list[str]) -> str | None:
+    """What a location without a marker of its own holds, when its parts carry the markers.
+
+    The words after "checkpoint <path>" in the error of a load that looked for a marker at
+    the top: a checkpoint saved in parts is not incomplete, it is of another kind than the
+    one asked for. The same on a file system and on S3.
+
+    Args:
+        names: The location's subdirectories (on S3, key prefixes).
+
+    Returns:
+        The sentence, naming the kind and how to load it; ``None`` when ``names`` are not
+        the parts of a checkpoint (``part_layout``).
+    """
+    layout = part_layout(names)
+    if layout == "sm_local":
+        return (
+            "holds an SM-local checkpoint (one tp<r>_ep<r>_fsdp<r> directory per shard, "
+            "each committed alone), which has no marker of its own: load it with "
+            "kind='local', on the layout that saved it."
+        )
+    if layout is not None:
+        return (
+            f"holds the per-rank parts ({layout}-<r>) that TrainingState writes for an FSDP1 "
+            "model with tensor or expert parallelism: load it under FSDP1 with the same "
+            "tensor (or expert) parallel degree, and the parts are found; to change the "
+            "layout, save it from FSDP2 (torch_sagemaker.sharding.shard_model) instead."
+        )
+    return None
+
+
+def inside_checkpoint_hint(parent: object, parent_kind: str | None, name: str) -> str:
+    """Why a load found no checkpoint ``name`` inside the complete checkpoint ``parent``.
+
+    A load looks inside the checkpoint it is given in two cases: an FSDP1 model with tensor
+    or expert parallelism reads its rank's part ``tp{d}-{r}`` (or ``ep{d}-{r}``), and an
+    SM-local load reads its shard's directory ``tp{r}_ep{r}_fsdp{r}``. Either way the
+    checkpoint given was saved whole, so the fix depends on which of the two looked.
+
+    Args:
+        parent: The complete checkpoint (for the message).
+        parent_kind: The kind its marker names (``None`` if it names none).
+        name: What the load looked for inside it.
+
+    Returns:
+        The sentence to append to "checkpoint <parent>/<name> does not exist.".
+    """
+    if parent_kind == "hugging_face":
+        return (
+            f" {parent} is a Hugging Face export (save_hf_checkpoint), not a training "
+            "checkpoint: read it with transformers' from_pretrained, and resume training "
+            "from a checkpoint of TrainingState.save."
+        )
+    if parent_kind == "sm_local":
+        return (
+            f" {parent} is itself the directory of one shard of an SM-local checkpoint: load "
+            "the directory that holds the shard directories, with kind='local'."
+        )
+    what = "a complete checkpoint" + (f" (kind {parent_kind!r})" if parent_kind else "")
+    if _PART.match(name):
+        return (
+            f" {parent} is itself {what} of the whole model, not one saved in per-rank parts: "
+            f"{name} is the part an FSDP1 model with tensor or expert parallelism reads (its "
+            "shards hold TP-/EP-local tensors, so it loads only the parts saved under the "
+            f"same degree). Load {parent} into a model sharded by FSDP2 "
+            "(torch_sagemaker.sharding.shard_model), which reads any layout, or under FSDP1 "
+            "without tensor and expert parallelism."
+        )
+    if _SM_LOCAL_SHARD.match(name):
+        return (
+            f" {parent} is itself {what}, not an SM-local one: {name} is the shard directory "
+            "an SM-local load looks for. Load it with the kind it was saved as "
+            "(kind='sharded', the default)."
+        )
+    return f" {parent} is itself {what}: load {parent} instead."
+
+
+__all__ = [
+    "TRAINING_KINDS",
+    "checkpoint_kind",
+    "inside_checkpoint_hint",
+    "is_complete_checkpoint",
+    "part_layout",
+    "parts_description",
+]

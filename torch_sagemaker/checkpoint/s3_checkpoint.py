@@ -35,7 +35,11 @@ from typing import Any
 
 from torch_sagemaker.checkpoint import integrity
 from torch_sagemaker.checkpoint.atomic_dir import check_as_written
-from torch_sagemaker.checkpoint.completeness import is_complete_checkpoint
+from torch_sagemaker.checkpoint.completeness import (
+    inside_checkpoint_hint,
+    is_complete_checkpoint,
+    parts_description,
+)
 from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER, DCP_METADATA
 from torch_sagemaker.checkpoint.marker import (
     CheckpointError,
@@ -331,8 +335,17 @@ class S3Checkpoint:
         """
         if not self._exists(self.marker_key):
             if self.list_objects(f"{self.key}/"):
+                # As on a file system (``atomic_dir.read_marker``): a checkpoint saved in
+                # parts, each with its marker, is of another kind, not incomplete.
+                other = parts_description(self.subdirs())
+                if other is not None:
+                    raise CheckpointError(f"checkpoint {self.uri} {other}")
                 raise incomplete_error(self.uri)
-            raise CheckpointError(f"checkpoint {self.uri} does not exist.")
+            hint = ""
+            parent = self.parent()
+            if parent is not None and parent.key and parent.is_complete():
+                hint = inside_checkpoint_hint(parent, parent.marker_kind(), self.name)
+            raise CheckpointError(f"checkpoint {self.uri} does not exist.{hint}")
         source = f"s3://{self.bucket}/{self.marker_key}"
 
         def read() -> bytes:

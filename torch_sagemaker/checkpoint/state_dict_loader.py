@@ -2,7 +2,8 @@
 
 ``load`` refuses a checkpoint that is missing, unfinished, truncated (its location's
 ``read_marker``, ``location``) or whose
-bytes changed since the save (Note [Checkpoint checksums] in ``integrity``), then compares
+bytes changed since the save (Note [Checkpoint checksums] in ``integrity``), or that ranks
+of one load name differently (Note [The ranks of a load read one checkpoint]), then compares
 what is asked for with what the checkpoint holds and reports every missing key and every
 shape mismatch at once, before PyTorch DCP reads anything. DCP then reads each rank's pieces
 of the saved tensors, whatever layout wrote them.
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch_sagemaker._torch_compat import dcp as dcp_compat
 from torch_sagemaker.checkpoint import integrity
 from torch_sagemaker.checkpoint._group import Participants
+from torch_sagemaker.checkpoint.completeness import TRAINING_KINDS
 from torch_sagemaker.checkpoint.location import (
     CheckpointId,
     CheckpointLocation,
@@ -65,7 +67,15 @@ def read_metadata(
 
 
 def _read_metadata(path: CheckpointLocation, marker: dict[str, Any]) -> Metadata:
-    """The metadata of the checkpoint whose ``marker`` was read, after checking its checksum."""
+    """The metadata of the checkpoint whose ``marker`` was read, after checking its checksum.
+
+    Raises:
+        CheckpointError: If the marker names a kind DCP cannot read (a Hugging Face export),
+            or the metadata is corrupt or unreadable.
+    """
+    kind = marker.get("kind")
+    if kind is not None and (not isinstance(kind, str) or kind not in TRAINING_KINDS):
+        raise _not_a_training_checkpoint(path, kind)
     problems = path.verify(marker, [_METADATA])
     if problems:
         raise corrupt_error(path, problems)
@@ -76,6 +86,23 @@ def _read_metadata(path: CheckpointLocation, marker: dict[str, Any]) -> Metadata
             f"checkpoint {path} is corrupt: its DCP metadata is unreadable "
             f"({type(e).__name__}: {e})."
         ) from e
+
+
+def _not_a_training_checkpoint(path: CheckpointLocation, kind: object) -> CheckpointError:
+    """The error for a complete checkpoint whose marker names a kind ``load`` does not read."""
+    if kind == "hugging_face":
+        return CheckpointError(
+            f"checkpoint {path} is a Hugging Face export (its marker's kind is "
+            "'hugging_face': config.json and safetensors written by save_hf_checkpoint), not "
+            "a checkpoint of save() or TrainingState.save, so load() cannot read it. Read it "
+            "with transformers' AutoModelForCausalLM.from_pretrained (a local copy of it), "
+            "and resume training from a checkpoint of TrainingState.save."
+        )
+    return CheckpointError(
+        f"checkpoint {path} is of kind {kind!r} (its marker says so), which load() does not "
+        f"read: it reads the kinds {sorted(TRAINING_KINDS)} that save() and "
+        "TrainingState.save write. Load a checkpoint of one of those kinds."
+    )
 
 
 def _describe(key: str, value: Any, saved: Any) -> str | None:
@@ -166,13 +193,14 @@ def _check_files_and_keys(
     marker: dict[str, Any],
     keys: list[str] | None,
     participants: Participants,
+    own_directories: bool,
 ) -> None:
     """Verifies the data files' checksums, split among the ranks, and that ranks agree on keys.
 
     One all-gather tells every rank every problem, so all of them raise the same error
     (Note [Checkpoint checksums]). Ranks of one group loading different directories (each
-    rank its own SM-local shard) make the split incomplete; each then checks the rest of its
-    own directory and they agree once more.
+    rank its own SM-local shard, ``own_directories``) cannot split the files; each checks
+    every file of its own directory.
 
     Raises:
         CheckpointError: Naming each file that differs, or the ranks requesting other keys.
@@ -183,15 +211,16 @@ def _check_files_and_keys(
         if problems:
             raise corrupt_error(path, problems)
         return
-    mine = integrity.assign(
-        sizes, len(participants.ranks), participants.ranks.index(participants.rank)
+    mine = (
+        list(sizes)
+        if own_directories
+        else integrity.assign(
+            sizes, len(participants.ranks), participants.ranks.index(participants.rank)
+        )
     )
     problems = path.verify(marker, mine)
     digest = hashlib.sha256("\n".join(keys).encode()).hexdigest() if keys is not None else ""
     views = participants.all_gather((str(path), digest, problems))
-    if len({v[0] for v in views}) > 1:
-        problems += path.verify(marker, [n for n in sizes if n not in mine])
-        views = participants.all_gather((str(path), digest, problems))
     corrupt: dict[str, dict[str, None]] = {}  # directory -> problems, ordered, without repeats
     for where, _, found in views:
         if found:
@@ -208,27 +237,100 @@ def _check_files_and_keys(
         )
 
 
-def _raise_if_a_rank_failed(
-    path: CheckpointLocation, participants: Participants, failure: Exception | None
-) -> None:
-    """Raises on every rank when one could not start the load (its checks before the data).
+def _agree_to_load(
+    path: CheckpointLocation,
+    participants: Participants,
+    failure: Exception | None,
+    save_id: str | None,
+    kind: str | None,
+) -> bool:
+    """Raises on every rank unless every rank can start loading one and the same checkpoint.
 
     A rank whose checks failed alone (a transient storage error, a state dict that differs
     from its peers') would otherwise leave the others waiting in the next collective until
-    the group's timeout. One all-gather of the failures: a failed rank raises its own
-    error, the others one naming it.
+    the group's timeout. One all-gather of each rank's failure and of the checkpoint it
+    names (Note [The ranks of a load read one checkpoint]): a failed rank raises its own
+    error, the others one naming it; ranks naming other checkpoints all raise one error
+    naming them.
+
+    Args:
+        path: This rank's checkpoint.
+        participants: The ranks loading together.
+        failure: This rank's error in its checks, if any.
+        save_id: The save id in this rank's marker (``marker_save_id``).
+        kind: The kind its marker names (``None`` when it could not be read).
+
+    Returns:
+        Whether the ranks load different directories (each its own SM-local shard).
+
+    Raises:
+        CheckpointError: A rank failed its checks, or the ranks name other checkpoints.
     """
-    if participants.distributed:
-        errors = participants.all_gather(None if failure is None else str(failure))
-    else:
-        errors = [None]
+    mine = (None if failure is None else str(failure), str(path), save_id, kind)
+    views = participants.all_gather(mine)  # [mine] without a process group
     if failure is not None:
         raise failure
-    failed = [(r, e) for r, e in zip(participants.ranks, errors) if e is not None]
+    failed = [(r, v[0]) for r, v in zip(participants.ranks, views) if v[0] is not None]
     if failed:
         rank, error = failed[0]
         others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
         raise CheckpointError(f"loading {path}: rank {rank}{others} could not load it: {error}")
+    _raise_if_other_checkpoints(participants.ranks, views)
+    return len({v[1] for v in views}) > 1
+
+
+def _raise_if_other_checkpoints(ranks: list[int], views: list[tuple[Any, str, Any, Any]]) -> None:
+    """Raises unless the ranks name one checkpoint, as one save wrote it.
+
+    Note [The ranks of a load read one checkpoint]
+        DCP loads whatever directory each rank names, and a sharded checkpoint keeps one
+        copy of the step, the data position and every replicated value: ranks that name
+        different checkpoints (each resolving "latest" itself while a save commits, a path
+        built from a rank-local variable) would each load their own, and train on from two
+        steps at once, silently. So the ranks of a load agree on (checkpoint, save id from
+        its marker), in the all-gather that already tells them of each other's failures:
+        no extra round trip. The name counts as well as the id: a copy elsewhere has the
+        same id, but all ranks share one file system, so two names for one load are a
+        mistake even where the bytes agree. Only SM-local shards, each rank reading its
+        shard's own directory (every rank's marker names kind ``sm_local``), may differ in
+        the directory; ranks naming the same directory must still have read the same save.
+        One name with two save ids means a save committed over it while the ranks read its
+        marker (Note [A save that replaces a checkpoint being loaded]).
+
+    Args:
+        ranks: The global ranks of the load, in the order of ``views``.
+        views: Each rank's (error, checkpoint, save id, kind), as ``_agree_to_load`` gathers.
+
+    Raises:
+        CheckpointError: On every rank alike, naming each checkpoint and its ranks.
+    """
+    named: dict[tuple[str, Any], list[int]] = {}  # (checkpoint, save id) -> ranks
+    for rank, (_, where, save_id, _kind) in zip(ranks, views):
+        named.setdefault((where, save_id), []).append(rank)
+    if len(named) == 1:
+        return
+    own_shards = all(v[3] == "sm_local" for v in views)
+    directories = {where for where, _ in named}
+    if own_shards and len(directories) == len(named):
+        return  # each rank its SM-local shard's directory, each directory one save
+    shown = "; ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {where} (save id {sid})"
+        for (where, sid), rs in list(named.items())[:_SHOWN]
+    )
+    if not own_shards and len(directories) > 1:
+        raise CheckpointError(
+            f"the ranks loading together name different checkpoints ({shown}), so each "
+            "would resume from another one. Every rank of a load must load the same "
+            "checkpoint (only SM-local shards are read from one directory per rank): pass "
+            "the same checkpoint_id on every rank, e.g. choose it on one rank and send it to "
+            "the others with torch.distributed.broadcast_object_list."
+        )
+    raise CheckpointError(
+        f"the ranks loading together read different saves of one checkpoint ({shown}): "
+        "another save committed over it while they read its marker. Load it again, and do "
+        "not save under a name that is being loaded (give each save its own directory, e.g. "
+        "one per step)."
+    )
 
 
 def _checkpoint_id(checkpoint_id: CheckpointId | None, storage_reader: Any) -> CheckpointId | None:
@@ -282,7 +384,9 @@ def load(
 
     Raises:
         CheckpointError: Naming the path and the reason: missing, incomplete, corrupt,
-            another SM-local layout, missing keys, mismatched shapes, or ranks disagreeing.
+            not a training checkpoint (a Hugging Face export), another SM-local layout,
+            missing keys, mismatched shapes, or ranks disagreeing (on the keys, or on the
+            checkpoint: Note [The ranks of a load read one checkpoint]).
     """
     del coordinator_rank
     path = checkpoint_location(
@@ -291,8 +395,10 @@ def load(
     participants = Participants(process_group)
     failure: Exception | None = None
     save_id = path.marker_save_id()  # Note [A save that replaces a checkpoint being loaded]
+    kind: str | None = None
     try:
         marker = path.read_marker()
+        kind = marker.get("kind")
         metadata = _read_metadata(path, marker)
         resolved = resolve_stateful(state_dict)
         if marker.get("kind") == "sm_local" or find_local_layout(resolved) is not None:
@@ -300,8 +406,10 @@ def load(
         keys = check_state_dict_matches(resolved, metadata, path)
     except Exception as e:  # noqa: BLE001 - every rank learns of it first (below)
         failure = e
-    _raise_if_a_rank_failed(path, participants, failure)
-    _check_files_and_keys(path, marker, keys if check_keys_matched else None, participants)
+    own_directories = _agree_to_load(path, participants, failure, save_id, kind)
+    _check_files_and_keys(
+        path, marker, keys if check_keys_matched else None, participants, own_directories
+    )
     try:
         dcp.load(
             state_dict,

@@ -167,6 +167,35 @@ def _same_progress_on_every_rank(step: int, data_position: str) -> None:
         )
 
 
+def _check_kind(kind: object, method: str) -> None:
+    """Raises unless ``kind`` is one of ``TrainingState``'s kinds.
+
+    Checked first: every step after it (where the checkpoint is, which ranks take part)
+    depends on the kind, and an unknown one would fail there with an error about another
+    kind (``kind="full"`` in a multi-rank job without ``tsm.init()`` would be told that
+    kind='local' needs it).
+
+    Raises:
+        ValueError: Naming the value, the kinds and, for names of other APIs, the fix.
+    """
+    if kind in _KINDS:
+        return
+    hints = {
+        "full": (
+            " 'full' is a checkpoint type of SMP's scripts (one torch.save of the gathered "
+            "model); for a full model that from_pretrained reads, call save_hf_checkpoint."
+        ),
+        "sm_local": " 'sm_local' is the kind's name in the checkpoint's marker; pass kind='local'.",
+        "hugging_face": " A Hugging Face export is save_hf_checkpoint's, read by from_pretrained.",
+    }
+    hint = hints.get(kind, "") if isinstance(kind, str) else ""
+    raise ValueError(
+        f"TrainingState.{method}(kind={kind!r}): kind must be one of {_KINDS}: 'sharded' (the "
+        "default; reshardable to any layout) or 'local' (SM-local: one directory per shard, "
+        f"loads under the same layout only).{hint}"
+    )
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -250,8 +279,7 @@ class TrainingState:
         parameter; otherwise the state as it is, and an optimizer that has none yet gets none
         (Note [Saving creates no optimizer state]).
         """
-        if kind not in _KINDS:
-            raise ValueError(f"kind={kind!r}; expected one of {_KINDS}.")
+        _check_kind(kind, "state_dict")
         sd: dict[str, Any] = {
             "step": self.step,
             "data_position": _data_position_json(self.data_position, check=not template),
@@ -290,7 +318,12 @@ class TrainingState:
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any], kind: str = "sharded") -> None:
-        """Applies a (loaded) ``state_dict()`` to the model, optimizer, scheduler and RNG."""
+        """Applies a (loaded) ``state_dict()`` to the model, optimizer, scheduler and RNG.
+
+        Raises:
+            ValueError: If ``kind`` is not ``"sharded"`` or ``"local"``.
+        """
+        _check_kind(kind, "load_state_dict")
         if kind == "local":
             sdu.load_local_state_dict(self.model, state_dict["model"])
             if self.optimizer is not None and "optimizer" in state_dict:
@@ -401,9 +434,11 @@ class TrainingState:
                 complete training checkpoint; never a Hugging Face export).
 
         Raises:
-            ValueError: If ``num_kept`` is given with ``kind="local"``: its shard directories
-                are committed by separate groups, none of which knows when the step is whole.
+            ValueError: If ``kind`` is not ``"sharded"`` or ``"local"``, or ``num_kept`` is
+                given with ``kind="local"``: its shard directories are committed by separate
+                groups, none of which knows when the step is whole.
         """
+        _check_kind(kind, "save")
         if num_kept is not None and kind == "local":
             raise ValueError(
                 f"TrainingState.save(kind='local', num_kept={num_kept}): retention runs for "
@@ -468,6 +503,7 @@ class TrainingState:
         saved) end up without state (Note [Parameters without optimizer state]).
 
         Raises:
+            ValueError: If ``kind`` is not ``"sharded"`` or ``"local"``.
             CheckpointError: If the checkpoint is missing, incomplete, corrupt, or does not
                 match the model (the message names the keys and shapes), holds model or
                 optimizer-state keys this one does not request (with ``strict``; checked
@@ -475,6 +511,7 @@ class TrainingState:
                 one (found after the read, which has filled the model's and the optimizer's
                 tensors in place: after this error, build them anew rather than train on).
         """
+        _check_kind(kind, "load")
         path, group, coordinator = self._location(checkpoint_location(checkpoint_id), kind)
         # Without the optimizer, its template is not even built: building it creates state
         # (one step with zero gradients) that a fresh optimizer must not carry on.
