@@ -1,6 +1,7 @@
 // Faults with ranks as threads: a rank that never joins the group or a collective (an error
-// naming what timed out, within the deadline), abort() from another thread, mismatched
-// collectives, and the zero-copy path of the tensor pools.
+// naming what timed out, within the deadline), a step buffer too small for the group,
+// abort() from another thread, mismatched collectives, and the zero-copy path of the tensor
+// pools.
 //
 // Not covered here: a rank whose process dies. Ranks as threads share one pid, so the
 // liveness checks (Note [Exits are not failures] in shm.h) cannot see a thread end; the
@@ -9,6 +10,9 @@
 
 #include "data.h"
 #include "harness.h"
+#include "smddp/algorithms/shm_algos.h"
+#include "smddp/algorithms/shm_copy.h"
+#include "smddp/algorithms/shm_rooted.h"
 
 namespace smddp_test {
 namespace {
@@ -63,6 +67,66 @@ TEST_CASE(group_creation_times_out_naming_the_missing_rank) {
                     "timed out after 0.5 s", "ranks [1] never arrived");
   const double took = seconds_since(t0);
   EXPECT(took >= 0.45 && took < 2.5, "gave up after ", took, " s");
+}
+
+// Note [Step buffer minimum] in shm_algos.h: 65 ranks on one host need 65 scatter slots of 64
+// bytes, more than the least buffer the settings allow (4K). Before, the group was created,
+// and a scatter's root wrote its last slot past the end of its buffer.
+TEST_CASE(a_buffer_too_small_for_the_ranks_on_a_host_is_refused_at_creation) {
+  constexpr int kRanks = 65;
+  smddp::CommConfig cfg = small_config("small_buffer", 0);
+  cfg.settings.buffer_bytes = 4 << 10;
+  cfg.settings.pool_bytes = 0;
+  cfg.settings.p2p_bytes = 0;
+  MemKV kv;
+  std::atomic<int> refused{0};
+  run_threads(kRanks, [&](int rank) {
+    smddp::CommConfig c = cfg;
+    c.rank = rank;
+    c.size = kRanks;
+    try {
+      Communicator comm(kv, c);
+      EXPECT(false, "rank ", rank, " created the group");
+    } catch (const std::invalid_argument& e) {
+      ++refused;
+      const std::string m = e.what();
+      for (const char* part : {"creating group 'small_buffer'",
+                               "SMDDP_BUFFER_BYTES (SMDDPOptions buffer_bytes) is "
+                               "4096 bytes, too small for a group of 65 ranks with 65 on one host",
+                               "at least 4160 bytes", "set SMDDP_BUFFER_BYTES to 8192 or more"}) {
+        EXPECT(m.find(part) != std::string::npos, "rank ", rank, ": '", m, "' lacks '", part, "'");
+      }
+    }
+  });
+  EXPECT(refused.load() == kRanks, refused.load(), " of ", kRanks, " ranks refused the group");
+}
+
+TEST_CASE(step_buffer_minimum_and_the_algorithms_checks) {
+  using smddp::shm::min_buffer_bytes;
+  EXPECT(min_buffer_bytes(4, 4) == 256, min_buffer_bytes(4, 4));         // 64 per local rank
+  EXPECT(min_buffer_bytes(64, 512) == 4096, min_buffer_bytes(64, 512));  // the settings' least
+  EXPECT(min_buffer_bytes(1, 1024) == 8192, min_buffer_bytes(1, 1024));  // 8 per group rank
+  EXPECT(min_buffer_bytes(65, 65) == 4160, min_buffer_bytes(65, 65));
+  // The backstops behind the creation check: a buffer without room for what one step puts
+  // there raises instead of writing past its end.
+  EXPECT(smddp::shm::chunk_elems(160, 20, 8) == 1, smddp::shm::chunk_elems(160, 20, 8));
+  EXPECT_THROW_WITH(smddp::shm::chunk_elems(159, 20, 8),
+                    "a step buffer of 159 bytes cannot hold 20 pieces of 8-byte elements");
+  smddp::ShmConfig sc;  // never created: the checks come before any step
+  sc.group_name = "backstop";
+  sc.group_ranks = {0, 1, 2};
+  sc.buffer_bytes = 191;
+  smddp::ShmComm three(sc);
+  smddp::OpCtx ctx;
+  ctx.name = "scatter";
+  EXPECT_THROW_WITH(
+      smddp::shm::scatter(three, {}, {1, 1, 1}, nullptr, 0, ctx),
+      "a step buffer of 191 bytes cannot hold a 64-byte slot for each of 3 local ranks");
+  sc.buffer_bytes = 47;
+  smddp::ShmComm tiny(sc);
+  ctx.name = "all_to_all";
+  EXPECT_THROW_WITH(smddp::shm::alltoall(tiny, nullptr, {}, nullptr, {}, ctx),
+                    "a step buffer of 47 bytes cannot hold the split sizes of 3 local ranks");
 }
 
 static void collective_timeout(int force_local_size) {

@@ -2,6 +2,7 @@
 // a failed exchange leaves on its connections, and the stash for messages nobody waits for
 // yet.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <string>
 #include <thread>
@@ -81,6 +82,57 @@ TEST_CASE(a_failed_exchange_leaves_no_message_arriving_into_its_buffer) {
   p.a.shutdown();
   sender.join();
   EXPECT(!sender_error.empty(), "the sender's exchange completed");
+}
+
+// Note [Receive state belongs to the reader] (tcp_exchange.cpp): a send that fails (the send
+// lane's exchange, outside the exclusive lock) while a collective on another thread receives
+// a message leaves that collective's connection alone. Before, the failed send walked every
+// connection without a lock (a data race with the collective's reads) and marked unusable the
+// one whose message was arriving for the collective, which then failed with the send's error.
+TEST_CASE(a_failed_send_leaves_a_concurrent_receive_alone) {
+  Pair p("failed_send");
+  const size_t n = size_t(64) << 20;  // more than the socket buffers hold
+  std::vector<char> src(n, 'x'), buf(n, 0);
+  // Rank 1 sends rank 0 the message rank 0's collective receives.
+  std::thread peer([&] {
+    try {
+      p.b.exchange({{0, 5, src.data(), n, 0}}, {}, ctx_for("send", 30));
+    } catch (const std::exception&) {  // reported by rank 0's receive
+    }
+  });
+  // Rank 0's send lane sends rank 1 a message that rank 1 never receives, so it times out;
+  // it starts once the collective has read part of its message, and the collective reads
+  // on only after the send failed: the order that broke the collective, every time.
+  std::atomic<bool> begun{false}, send_over{false};
+  std::string send_error;
+  std::thread send_lane([&] {
+    while (!begun.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    try {
+      p.a.exchange({{1, 6, src.data(), n, 0}}, {}, ctx_for("send", 1));
+    } catch (const std::exception& e) {
+      send_error = e.what();
+    }
+    send_over.store(true);
+  });
+  std::string recv_error;
+  try {
+    p.a.exchange({}, {{1, 5, buf.data(), n, 0}}, ctx_for("all_reduce", 30), [&] {
+      if (begun.load() || p.a.stats().bytes_received == 0) return;
+      begun.store(true);  // the message is half read
+      while (!send_over.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    });
+  } catch (const std::exception& e) {
+    recv_error = e.what();
+  }
+  send_lane.join();
+  EXPECT(send_error.find("timed out") != std::string::npos, "the send did not time out: '",
+         send_error, "'");
+  EXPECT(recv_error.empty(), "the collective's receive failed: ", recv_error);
+  EXPECT(std::count(buf.begin(), buf.end(), 'x') == static_cast<std::ptrdiff_t>(n),
+         "the collective's receive did not get the whole message");
+  p.a.shutdown();
+  p.b.shutdown();
+  peer.join();
 }
 
 namespace {

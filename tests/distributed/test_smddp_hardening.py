@@ -56,6 +56,38 @@ def test_split_sizes_and_allocations_that_overflow_raise_on_every_rank():
         assert r["after"] == [3.0, 3.0]
 
 
+def _roots_past_int32():
+    import torch
+    import torch.distributed as dist
+
+    root = 2**32 + 1  # narrowed to int before it was checked: rank 1
+    calls = {
+        "broadcast": lambda: dist.broadcast(torch.ones(2), src=root),
+        "reduce": lambda: dist.reduce(torch.ones(2), dst=root),
+        "gather": lambda: dist.gather(torch.ones(2), dst=root),
+        "scatter": lambda: dist.scatter(torch.empty(2), src=root),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "returned"
+        except ValueError as e:
+            out[name] = str(e)
+    t = torch.ones(2)
+    dist.all_reduce(t)  # the group is still usable
+    out["after"] = t.tolist()
+    return out
+
+
+def test_a_root_past_int32_is_refused_not_narrowed_to_a_rank():
+    for r in run_distributed(_roots_past_int32, world_size=2, backend="smddp"):
+        for name in ("broadcast", "reduce", "gather", "scatter"):
+            assert f"smddp: {name} root 4294967297 is not a rank" in r[name], r
+            assert "(valid: 0..1)" in r[name], r
+        assert r["after"] == [2.0, 2.0], r
+
+
 def _huge_buffer_setting():
     from datetime import timedelta
 

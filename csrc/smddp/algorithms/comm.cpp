@@ -13,6 +13,7 @@
 #include <sstream>
 #include <thread>
 
+#include "smddp/algorithms/shm_algos.h"
 #include "smddp/transport/shm/shm_names.h"
 
 namespace smddp {
@@ -102,6 +103,31 @@ void wait_keys(KeyValue& kv, const std::vector<std::string>& keys, const std::ve
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::microseconds(20000));
   }
+}
+
+// Note [Step buffer minimum] in shm_algos.h: refuses a step buffer too small for the group,
+// naming the setting, the minimum and the fix. Every rank computes it from the same records
+// (the most ranks any host has), so every rank of the group raises, before any segment exists.
+void check_buffer_bytes(const std::string& group, size_t requested,
+                        const std::vector<std::vector<int>>& members, size_t group_size) {
+  size_t most_local = 0;
+  for (const auto& m : members) most_local = std::max(most_local, m.size());
+  const char* what = "SMDDP_BUFFER_BYTES rounded to pages";
+  const size_t buffer = round_up(requested, 4096, what);  // as setup_shm sizes the segments
+  const size_t least = shm::min_buffer_bytes(most_local, group_size);
+  if (buffer >= least) return;
+  const std::string rounded =
+      buffer == requested ? "" : " (" + std::to_string(buffer) + " once rounded up to pages)";
+  throw std::invalid_argument(
+      "smddp: creating group '" + group + "': SMDDP_BUFFER_BYTES (SMDDPOptions buffer_bytes) is " +
+      std::to_string(requested) + " bytes" + rounded + ", too small for a group of " +
+      std::to_string(group_size) + " ranks with " + std::to_string(most_local) +
+      " on one host: each shared-memory step buffer needs at least " + std::to_string(least) +
+      " bytes (" + std::to_string(shm::kScatterSlotMin) + " per rank on the host and " +
+      std::to_string(shm::kLargestElement) +
+      " per rank of the group, whichever is more); set SMDDP_BUFFER_BYTES to " +
+      std::to_string(round_up(least, 4096, what)) +
+      " or more, alike on every rank (the default is 1M)");
 }
 
 }  // namespace
@@ -256,6 +282,8 @@ void Communicator::discover(KeyValue& kv, const Deadline& dl) {
     }
   }
   layout_.local_size = static_cast<int>(layout_.members[layout_.host].size());
+  check_buffer_bytes(cfg_.group_name, cfg_.settings.buffer_bytes, layout_.members,
+                     static_cast<size_t>(cfg_.size));
   plan_handlers();
   p2p_bytes_ = layout_.local_size > 1 ? p2p : 0;
   local_cpus_ = 0;

@@ -38,6 +38,12 @@ bool in_pool(const ShmComm& c, int i, int64_t off, size_t len) {
 
 }  // namespace
 
+size_t min_buffer_bytes(size_t local_size, size_t group_size) {
+  // Note [Step buffer minimum]; the all-gather steps' N bytes are within 8 N.
+  return std::max({kScatterSlotMin * local_size, kAlltoallTableEntry * local_size,
+                   kLargestElement * group_size});
+}
+
 void allreduce(ShmComm& c, void* data, size_t count, const Reduction& red, const OpCtx& ctx,
                size_t oneshot_bytes) {
   const int n = c.size(), me = c.rank();

@@ -295,5 +295,29 @@ void barrier(ShmComm& c, const OpCtx& ctx);
 void alltoall(ShmComm& c, const void* in, const std::vector<Span>& send, void* out,
               const std::vector<Span>& recv, const OpCtx& ctx);
 
+// Note [Step buffer minimum]
+// A step buffer (SMDDP_BUFFER_BYTES rounded up to pages; a segment has two) must hold what
+// one step of each shared-memory algorithm puts there, for L ranks on a host and N ranks in
+// the group:
+// - scatter: a slot of at least 64 bytes (a cache line) per local rank: 64 L;
+// - all_to_all: its first step, a table of two 8-byte sizes per local rank: 16 L;
+// - the reduce-scatter steps (reduce_scatter, and the local half of the hierarchical
+//   collectives): one element, 8 bytes at most, of each part, and there is a part per rank
+//   of the group, on every host: 8 N;
+// - the all-gather steps: one byte of each part a local rank contributes: N at most;
+// - the others (all_reduce on one host, reduce, gather, broadcast) move at most a pipeline
+//   chunk per step, and a chunk is at most the buffer.
+// Below that, scatter wrote its slots past the end of the buffer, all_to_all its table, and
+// chunk_elems fell back to one element per part, whose slots then ended past it too: into the
+// other step buffer, or beyond the mapping. So group creation refuses such a buffer
+// (Communicator::discover) with L the most ranks any host has, which every rank of the group
+// computes alike, so all of them raise; and the algorithms check again before they write (a
+// failure there is a bug). The least value the settings allow (4K) is enough for 64 ranks on
+// a host in a group of up to 512 ranks; the default (1M) for 16384 on a host.
+constexpr size_t kScatterSlotMin = 64;      // bytes per local rank
+constexpr size_t kAlltoallTableEntry = 16;  // bytes per local rank
+constexpr size_t kLargestElement = 8;       // bytes (dtype_size's largest)
+size_t min_buffer_bytes(size_t local_size, size_t group_size);
+
 }  // namespace shm
 }  // namespace smddp

@@ -13,6 +13,11 @@ namespace shm {
 void alltoall(ShmComm& c, const void* in, const std::vector<Span>& send, void* out,
               const std::vector<Span>& recv, const OpCtx& ctx) {
   const int n = c.size(), me = c.rank();
+  // Note [Step buffer minimum] in shm_algos.h makes room for the table of sizes.
+  SMDDP_CHECK(c.buffer_bytes() / n >= kAlltoallTableEntry, "smddp: ", ctx.describe(),
+              ": a step buffer of ", c.buffer_bytes(), " bytes cannot hold the split sizes of ", n,
+              " local ranks (a bug: group creation should have refused this "
+              "SMDDP_BUFFER_BYTES)");
   // Step 1: publish my send and receive sizes; every rank reads the whole matrix.
   uint64_t s = c.begin_step(ctx, true);
   auto* sizes = reinterpret_cast<uint64_t*>(c.mine(s, 0, 2 * n * sizeof(uint64_t)));

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "smddp/algorithms/kernels.h"
+#include "smddp/algorithms/shm_algos.h"
 #include "smddp/algorithms/shm_copy.h"
 
 namespace smddp {
@@ -67,9 +68,14 @@ void scatter(ShmComm& c, const std::vector<const char*>& src, const std::vector<
              void* out, int root, const OpCtx& ctx) {
   const int n = c.size(), me = c.rank();
   char* dst = static_cast<char*>(out);
-  // One chunk of every peer's part per step, in slots of the root's buffer.
-  size_t slot = std::min(c.buffer_bytes() / n, c.chunk_bytes()) & ~size_t(63);
-  slot = std::max<size_t>(slot, 64);
+  // One chunk of every peer's part per step, in slots of the root's buffer, of at least a
+  // cache line each: Note [Step buffer minimum] in shm_algos.h makes room for them.
+  SMDDP_CHECK(c.buffer_bytes() / n >= kScatterSlotMin, "smddp: ", ctx.describe(),
+              ": a step buffer of ", c.buffer_bytes(), " bytes cannot hold a ", kScatterSlotMin,
+              "-byte slot for each of ", n,
+              " local ranks (a bug: group creation should have refused this "
+              "SMDDP_BUFFER_BYTES)");
+  const size_t slot = std::min(c.buffer_bytes() / n, c.chunk_bytes()) & ~(kScatterSlotMin - 1);
   const size_t longest = max_len(lens);
   const bool stream = c.stream_output(lens[me]);
   if (me == root && lens[me] && src[me] != dst) copy_out(dst, src[me], lens[me], stream);

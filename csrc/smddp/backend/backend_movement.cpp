@@ -176,8 +176,7 @@ WorkPtr ProcessGroupSMDDP::broadcast(std::vector<at::Tensor>& tensors,
   }
   check_single(tensors, "broadcast");
   at::Tensor t = tensors[0];
-  int root = static_cast<int>(opts.rootRank);
-  check_root(root, size_, "broadcast");
+  const int root = checked_root(opts.rootRank, size_, "broadcast");
   const size_t bytes = t.numel() * t.element_size();
   OpCtx ctx = live_comm().make_ctx("broadcast", desc_of(t, 0, bytes, root),
                                    rooted(args_of(t), root), timeout_of(opts.timeout));
@@ -199,8 +198,7 @@ WorkPtr ProcessGroupSMDDP::gather(std::vector<std::vector<at::Tensor>>& outputs,
     return staged(op, [&] { return gather(hout, hin, opts); });
   }
   check_single(inputs, "gather");
-  int root = static_cast<int>(opts.rootRank);
-  check_root(root, size_, "gather");
+  const int root = checked_root(opts.rootRank, size_, "gather");
   at::Tensor in = inputs[0];
   std::vector<at::Tensor> outs = root_list(outputs, in, rank_ == root, size_, "gather", true);
   const size_t bytes = in.numel() * in.element_size();
@@ -232,8 +230,7 @@ WorkPtr ProcessGroupSMDDP::scatter(std::vector<at::Tensor>& outputs,
     return staged(op, [&] { return scatter(hout, hin, opts); });
   }
   check_single(outputs, "scatter");
-  int root = static_cast<int>(opts.rootRank);
-  check_root(root, size_, "scatter");
+  const int root = checked_root(opts.rootRank, size_, "scatter");
   at::Tensor out = outputs[0];
   std::vector<at::Tensor> ins = root_list(inputs, out, rank_ == root, size_, "scatter", false);
   const size_t bytes = out.numel() * out.element_size() * size_;

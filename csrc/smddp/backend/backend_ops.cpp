@@ -116,8 +116,7 @@ WorkPtr ProcessGroupSMDDP::reduce(std::vector<at::Tensor>& tensors,
   }
   check_single(tensors, "reduce");
   at::Tensor t = tensors[0];
-  int root = static_cast<int>(opts.rootRank);
-  check_root(root, size_, "reduce");
+  const int root = checked_root(opts.rootRank, size_, "reduce");
   Reduction red = reduction_of(opts.reduceOp, t, "reduce");
   OpCtx ctx =
       live_comm().make_ctx("reduce", desc_of(t, int(red.op), t.numel(), root),

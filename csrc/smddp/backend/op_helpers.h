@@ -94,9 +94,13 @@ inline OpArgs args_of(const at::Tensor& t, const char* op = nullptr) {
   return a;
 }
 
-inline void check_root(int root, int size, const char* name) {
+// The root of a rooted collective as an int, once its int64 value (c10d's rootRank) is known
+// to be a rank of the group: narrowed first, a root of 2^32 + 1 became rank 1.
+inline int checked_root(int64_t root, int size, const char* name) {
   TORCH_CHECK_VALUE(root >= 0 && root < size, "smddp: ", name, " root ", root,
-                    " is not a rank of this group of ", size, " ranks (valid: 0..", size - 1, ")");
+                    " is not a rank of this group of ", size, " ranks (valid: 0..", size - 1,
+                    "); pass the root's rank in this group");
+  return static_cast<int>(root);
 }
 
 inline OpArgs rooted(OpArgs a, int root) {

@@ -107,9 +107,10 @@
 // so a peer stuck because of a mismatch is most likely one of them.
 //
 // Messages are framed as a Header + payload. Only the thread that executes
-// collectives reads sockets (so no reader locking); a message that arrives for a tag
-// nobody waits for yet (e.g. a user send overtaking a collective) is stashed. Writers
-// (collectives, and the send lane for isend) take the connection's write lock per message.
+// collectives reads sockets (so no reader locking; Note [Receive state belongs to the
+// reader] in tcp_exchange.cpp); a message that arrives for a tag nobody waits for yet (e.g. a
+// user send overtaking a collective) is stashed. Writers (collectives, and the send lane for
+// isend) take the connection's write lock per message.
 #pragma once
 
 #include <netinet/in.h>

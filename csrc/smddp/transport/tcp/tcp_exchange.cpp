@@ -168,10 +168,24 @@ void TcpMesh::read_frames_of(Conn& c, int peer, int fd, Route& route, const OpCt
 // remaining bytes cannot be skipped without reading them, and the group is broken anyway
 // (the caller marks it so). Every later use of it raises this error (Conn::failure), which
 // also covers a take() that runs before the group is marked broken.
+//
+// Note [Receive state belongs to the reader]
+// A connection's receive state (Conn::hdr_got, body, target_op, stash, failure) has no lock:
+// only the thread that reads sockets touches it (tcp.h), that is an exchange with receives
+// (a collective, on the main lane) or a take() (a receive waiting side by side), both under
+// the scheduler's exclusive lock (Note [Scheduler] in scheduler.h). A send (isend) runs its
+// exchange on the send lane, outside that lock, while a collective may be reading the same
+// connections. So the clean-up above is done only by an exchange with receives, and only
+// on the connections it reads: a frame can be arriving for one of its receives only from a
+// peer it receives from. Before, a send that failed (its deadline, a dead peer, an abort)
+// walked every connection: it raced with the collective's reads of that state, and could
+// mark unusable a connection whose message was arriving for the collective, failing it.
 void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
   try {
     exchange_rounds(x, ctx);
   } catch (...) {
+    // Note [Receive state belongs to the reader]: a send-only exchange reads no connection.
+    if (x.recvs.empty()) throw;
     std::string why = "an unknown error";
     try {
       throw;
@@ -179,7 +193,10 @@ void TcpMesh::exchange(Exchange& x, const OpCtx& ctx) {
       why = e.what();
     } catch (...) {
     }
+    std::vector<uint8_t> reads_from(static_cast<size_t>(size_), 0);
+    for (const Op& r : x.recvs) reads_from[r.peer] = 1;
     for (int peer = 0; peer < size_; ++peer) {
+      if (!reads_from[peer]) continue;
       Conn& c = *conns_[peer];
       // A frame whose body goes to one of this call's receives (target_op >= 0) is arriving.
       if (c.failure || c.hdr_got != sizeof(c.hdr) || c.target_op < 0) continue;
