@@ -69,6 +69,32 @@ TEST_CASE(group_creation_times_out_naming_the_missing_rank) {
   EXPECT(took >= 0.45 && took < 2.5, "gave up after ", took, " s");
 }
 
+// A peer record whose process id is not a positive integer (a rank of another smddp version,
+// or something else writing the group's keys) raises at creation, naming the rank, the field
+// and the record. Before, std::stoi raised a bare "stoi" for some, and took "12x" as pid 12.
+TEST_CASE(a_peer_record_with_a_malformed_pid_is_refused_at_creation) {
+  for (const char* pid : {"12x", "", "0", "-5", "99999999999"}) {
+    MemKV kv;
+    smddp::CommConfig cfg = small_config("bad_pid", 0);
+    cfg.rank = 0;
+    cfg.size = 2;
+    cfg.timeout_s = 3;  // without the check, "12x" and "0" waited for rank 1 until then
+    std::thread fake([&] {
+      // Rank 1's record: rank 0's, with the pid replaced.
+      std::string record = kv.get("smddp/peer/0");
+      size_t at = 0;
+      for (int k = 0; k < 3; ++k) at = record.find('|', at) + 1;
+      record.replace(at, record.find('|', at) - at, pid);
+      kv.set("smddp/peer/1", record);
+    });
+    EXPECT_THROW_WITH(Communicator comm(kv, cfg), "creating group 'bad_pid'",
+                      "the peer record of rank 1 (store key smddp/peer/1) has the process id '" +
+                          std::string(pid) + "', not a positive integer",
+                      "every rank must run the same version of smddp");
+    fake.join();
+  }
+}
+
 // Note [Step buffer minimum] in shm_algos.h: 65 ranks on one host need 65 scatter slots of 64
 // bytes, more than the least buffer the settings allow (4K). Before, the group was created,
 // and a scatter's root wrote its last slot past the end of its buffer.

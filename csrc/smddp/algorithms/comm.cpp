@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <climits>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
@@ -237,13 +239,26 @@ void Communicator::discover(KeyValue& kv, const Deadline& dl) {
   constexpr size_t kFields = 7;  // before the shared settings
   std::vector<std::string> boot_ids(cfg_.size), masks(cfg_.size);
   for (int r = 0; r < cfg_.size; ++r) {
-    auto f = split(kv.get(keys[r]), '|');
+    const std::string record = kv.get(keys[r]);
+    auto f = split(record, '|');
     if (f.size() != kFields + shared.size()) {
       throw CommError("smddp: malformed peer record of rank " + std::to_string(r));
     }
     peers_[r].real_host = f[1];
     peers_[r].pid_ns = f[2];
-    peers_[r].pid = std::stoi(f[3]);
+    // The pid decides whether the peer is alive during set-up (check_local_peers_alive):
+    // unlike the CPU count below, a wrong one has no safe default, so it raises.
+    char* end = nullptr;
+    errno = 0;
+    const long pid = std::strtol(f[3].c_str(), &end, 10);
+    if (f[3].empty() || *end || errno || pid < 1 || pid > INT_MAX) {
+      throw CommError("smddp: creating group '" + cfg_.group_name + "': the peer record of rank " +
+                      std::to_string(cfg_.global_ranks[r]) + " (store key " + keys[r] +
+                      ") has the process id '" + f[3] + "', not a positive integer: '" + record +
+                      "' (every rank must run the same version of smddp, and nothing else may "
+                      "write the store's smddp/ keys of this group)");
+    }
+    peers_[r].pid = static_cast<int>(pid);
     // strtol saturates where atoi is undefined; a CPU count outside [1, 1M] is treated as 1.
     const long cpus = std::strtol(f[4].c_str(), nullptr, 10);
     peers_[r].cpus = cpus >= 1 && cpus <= (1 << 20) ? static_cast<int>(cpus) : 1;

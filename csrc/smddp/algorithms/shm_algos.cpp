@@ -487,6 +487,13 @@ uint64_t exchange_operands(ShmComm& c, const void* operand, size_t bytes, const 
       c.end_step(s);
       return 0;
     }
+    // Note [Read from the pool]: the offset comes from shared memory, and the callers read
+    // `bytes` from it, so one outside the peer's pool must not send those reads astray.
+    SMDDP_CHECK(in_pool(c, i, offsets[i], bytes), "smddp: ", ctx.describe(), ": local rank ", i,
+                " (group rank ", c.group_rank(i), ") published an operand of ", bytes,
+                " bytes at offset ", offsets[i], " of its tensor pool, which holds ",
+                c.pool_bytes(), " bytes (a bug: an operand in the pool lies wholly inside it; ",
+                "please report it)");
   }
   return s;
 }

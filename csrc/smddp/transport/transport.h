@@ -83,6 +83,14 @@ inline uint64_t collective_tag(uint64_t seq, int stage) {
 inline bool is_collective_tag(uint64_t tag) { return tag >> 63; }
 inline uint64_t seq_of_tag(uint64_t tag) { return (tag & ~(1ull << 63)) >> 4; }
 
+// The budget for messages that arrive before anyone waits for them (a send whose tag no
+// posted receive has yet), per pair of ranks: kStashBytes, of which each such message counts
+// its length and kStashEntryBytes for its keeping. The TCP mesh applies it per connection
+// (Note [TCP trust model] in tcp/tcp.h), the shared-memory rings per channel (Note [Stash
+// budget in shared memory] in shm/shm_p2p.cpp): one rule and one limit on either path.
+constexpr size_t kStashBytes = size_t(1) << 30;
+constexpr size_t kStashEntryBytes = 256;
+
 // What a transport did, counted from its creation: the messages it moved and the system calls
 // that moved them, for benchmarks (bench multihost's CPU columns, Note [CPU per byte] in
 // benchmarks/multihost_rank.py). Read between calls; each count is exact once the

@@ -31,6 +31,22 @@ void ring_read(char* dst, const char* ring, size_t cap, uint64_t pos, size_t n) 
 
 }  // namespace
 
+// Note [Stash budget in shared memory]
+// A receive for one tag reads past the messages with other tags at the head of its ring
+// and keeps them aside (Note [Shared-memory point-to-point] in shm.h). Each such message
+// counts against a budget per channel, kStashBytes (1 GiB), with its length and
+// kStashEntryBytes for its keeping: the rule, limit and wording of the TCP mesh (Note [TCP
+// trust model] in tcp/tcp.h), so a program behaves the same whichever path its messages
+// take. The local ranks are trusted (one user's processes), so the budget is not a defence
+// but a diagnosis: a send whose tag the receiver never posts (a tag mismatch) used to be set
+// aside whole, allocated at once from its header's length, and a large one got the receiver
+// killed by the OOM killer or a bare std::bad_alloc, far from the cause. Now the receive
+// raises, naming both tags, the sizes and the limit, before it consumes the header: the
+// ring is left as it was. A message within the budget is kept in a buffer that grows as
+// its bytes arrive, as over TCP, so a sender that stops midway costs only what it wrote.
+// Only messages nobody waits for are counted, as over TCP: a message with the receive's
+// own tag goes straight into its buffer, never aside.
+
 ShmP2P::ShmP2P(ShmComm& shm)
     : shm_(shm), cap_(shm.p2p_bytes()), in_(shm.size()), out_(shm.size()) {}
 
@@ -122,27 +138,52 @@ bool ShmP2P::read_next(int from, uint32_t tag, void* data, size_t bytes, const O
   std::memcpy(&h, ring + pos % cap_, sizeof(h));
   const bool mine = h.tag == tag;
   if (mine && h.bytes != bytes) size_mismatch(tag, h.bytes, bytes, ctx);
+  if (!mine) {
+    // Note [Stash budget in shared memory]: checked before the header is consumed.
+    const size_t room = stash_budget_ - std::min(stash_budget_, in.stash_bytes);
+    if (h.bytes > room || room - h.bytes < kStashEntryBytes) {
+      over_budget(from, tag, h.bytes, h.tag, in.stash_bytes, ctx);
+    }
+  }
   pos += kHeader;
   ShmComm::publish(ch->tail, ch->tail_sleepers, pos);
-  char* dst = static_cast<char*>(data);
+  std::vector<char>* aside = nullptr;  // grows as the bytes arrive
   if (!mine) {
-    in.stash.push_back({h.tag, std::vector<char>(h.bytes)});
-    dst = in.stash.back().data.data();
+    in.stash.push_back({h.tag, {}});
+    in.stash_bytes += h.bytes + kStashEntryBytes;
+    aside = &in.stash.back().data;
   }
-  for (size_t done = 0; done < h.bytes;) {
-    uint64_t head = ch->head.load(std::memory_order_acquire);
-    if (head <= pos) {
-      wait_data(pos + 1);
-      continue;
+  try {
+    for (size_t done = 0; done < h.bytes;) {
+      uint64_t head = ch->head.load(std::memory_order_acquire);
+      if (head <= pos) {
+        wait_data(pos + 1);
+        continue;
+      }
+      // Freed space is published every piece, so a waiting sender sees progress while it
+      // still spins (one 1 MiB copy before publishing put it to sleep: 16 MiB ping-pong
+      // 2.5 -> 16 ms).
+      size_t piece = std::min<uint64_t>({head - pos, h.bytes - done, cap_ - pos % cap_, kPiece});
+      char* dst = static_cast<char*>(data);
+      if (aside) {
+        if (aside->size() < done + piece) {
+          aside->resize(std::min<uint64_t>(
+              h.bytes, std::max<uint64_t>({2 * aside->size(), done + piece, kPiece})));
+        }
+        dst = aside->data();
+      }
+      std::memcpy(dst + done, ring + pos % cap_, piece);
+      pos += piece;
+      done += piece;
+      ShmComm::publish(ch->tail, ch->tail_sleepers, pos);
     }
-    // Freed space is published every piece, so a waiting sender sees progress while it
-    // still spins (one 1 MiB copy before publishing put it to sleep: 16 MiB ping-pong
-    // 2.5 -> 16 ms).
-    size_t piece = std::min<uint64_t>({head - pos, h.bytes - done, cap_ - pos % cap_, kPiece});
-    std::memcpy(dst + done, ring + pos % cap_, piece);
-    pos += piece;
-    done += piece;
-    ShmComm::publish(ch->tail, ch->tail_sleepers, pos);
+  } catch (...) {
+    // The stash keeps whole messages only (take_stashed copies them out as they are).
+    if (aside) {
+      in.stash_bytes -= h.bytes + kStashEntryBytes;
+      in.stash.pop_back();
+    }
+    throw;
   }
   return mine;
 }
@@ -195,6 +236,7 @@ bool ShmP2P::take_stashed(Inbox& in, uint32_t tag, void* data, size_t bytes, con
       size_mismatch(tag, it->data.size(), bytes, *ctx);
     }
     if (bytes) std::memcpy(data, it->data.data(), bytes);
+    in.stash_bytes -= it->data.size() + kStashEntryBytes;
     in.stash.erase(it);
     return true;
   }
@@ -207,6 +249,24 @@ void ShmP2P::size_mismatch(uint32_t tag, size_t got, size_t want, const OpCtx& c
                   std::to_string(want) +
                   " (send and recv must use tensors of the same size "
                   "and dtype)");
+}
+
+void ShmP2P::over_budget(int from, uint32_t tag, uint64_t got_bytes, uint32_t got_tag, size_t held,
+                         const OpCtx& ctx) const {
+  const std::string sent = "rank " + std::to_string(shm_.group_rank(from)) + " sent a message of " +
+                           std::to_string(got_bytes) + " bytes (tag " + std::to_string(got_tag) +
+                           ") that no receive here expects yet (this one waits for tag " +
+                           std::to_string(tag) + ")";
+  const std::string waiting =
+      "earlier such messages waiting here count " + std::to_string(held) + " bytes";
+  const std::string limit = "a pair of ranks on one host holds at most " +
+                            std::to_string(stash_budget_) +
+                            " bytes for receives not yet posted, counting each message's "
+                            "length and " +
+                            std::to_string(kStashEntryBytes) + " bytes for its keeping";
+  throw CommError("smddp: " + ctx.describe() + ": " + sent + ", while " + waiting + "; " + limit +
+                  " (post the receives in the order of the sends, and check that send and "
+                  "recv use the same tag)");
 }
 
 }  // namespace smddp

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "smddp/transport/shm/shm.h"
+#include "smddp/transport/transport.h"
 
 namespace smddp {
 
@@ -33,6 +34,10 @@ class ShmP2P {
   // to begin (but finishes reading one that has begun).
   bool probe(int from, uint32_t tag, const OpCtx& ctx);
 
+  // The budget of each channel for messages nobody waits for yet (kStashBytes; Note [Stash
+  // budget in shared memory] in shm_p2p.cpp). Tests set a smaller one before any traffic.
+  void set_stash_budget(size_t bytes) { stash_budget_ = bytes; }
+
  private:
   struct Stashed {
     uint32_t tag;
@@ -41,6 +46,9 @@ class ShmP2P {
   struct Inbox {
     std::mutex mu;              // one reader at a time
     std::deque<Stashed> stash;  // messages read past while looking for another tag
+    // What the stashed messages count against the budget: their lengths and
+    // kStashEntryBytes each (Note [Stash budget in shared memory]).
+    size_t stash_bytes = 0;
   };
   struct Outbox {
     std::mutex mu;         // one writer at a time
@@ -53,12 +61,16 @@ class ShmP2P {
   // raises, without it the message stays and false is returned.
   bool take_stashed(Inbox& in, uint32_t tag, void* data, size_t bytes, const OpCtx* ctx);
   // Reads the next message from local rank `from` (inbox lock held): into `data` when its
-  // tag is `tag` (returns true), into the stash otherwise (returns false).
+  // tag is `tag` (returns true), into the stash otherwise (returns false). Raises, before
+  // consuming the message, when it would not fit the stash budget.
   bool read_next(int from, uint32_t tag, void* data, size_t bytes, const OpCtx& ctx);
   [[noreturn]] static void size_mismatch(uint32_t tag, size_t got, size_t want, const OpCtx& ctx);
+  [[noreturn]] void over_budget(int from, uint32_t tag, uint64_t got_bytes, uint32_t got_tag,
+                                size_t held, const OpCtx& ctx) const;
 
   ShmComm& shm_;
   size_t cap_;  // ring bytes
+  size_t stash_budget_ = kStashBytes;
   std::vector<Inbox> in_;
   std::vector<Outbox> out_;
 };

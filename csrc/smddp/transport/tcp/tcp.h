@@ -75,11 +75,11 @@
 // that no input crashes or exhausts a rank: nothing is allocated before authentication;
 // a message for a posted receive must have exactly the expected length, checked before a
 // byte of it is stored; a message nobody waits for yet is stored only as its bytes arrive
-// and only up to a per-connection budget (kStashBytes), so a header claiming a huge length
-// costs nothing. Each such message counts against the budget with its length and a fixed
-// kStashEntryBytes (256) for its keeping (its stash entry, 168 bytes, and the allocator's
-// share): counting the length alone let a flood of empty messages grow the stash without
-// bound. Without a trusted store, use a private network.
+// and only up to a per-connection budget (kStashBytes in transport.h, as for the shared-memory
+// rings), so a header claiming a huge length costs nothing. Each such message counts against
+// the budget with its length and a fixed kStashEntryBytes (256) for its keeping (its stash
+// entry, 168 bytes, and the allocator's share): counting the length alone let a flood of empty
+// messages grow the stash without bound. Without a trusted store, use a private network.
 //
 // Note [Failure notices]
 // A rank whose group failed (a peer died, a timeout, a mismatch) sends each peer it has a
@@ -209,10 +209,8 @@ class TcpMesh final : public Transport {
   static constexpr size_t kMaxHandshakes = 64;   // not admitted (Note [Admission])
   static constexpr size_t kAcceptsPerPass = 64;  // accept4 calls between handshake progress
   static constexpr int kAcceptPauseMs = 100;     // no accept4 after running out of descriptors
-  static constexpr size_t kStashBytes = size_t(1) << 30;  // Note [TCP trust model]
-  static constexpr size_t kStashEntryBytes = 256;         // per message, in kStashBytes
-  static constexpr int kDirectSliceMs = 20;               // Note [Direct receives over TCP]
-  static constexpr int kNotice = -2;                      // Conn::target_op of a notice being read
+  static constexpr int kDirectSliceMs = 20;      // Note [Direct receives over TCP]
+  static constexpr int kNotice = -2;             // Conn::target_op of a notice being read
   static constexpr int kAwaited = -3;  // Route::target: stash it, a posted receive awaits it
   static constexpr int kDirect = -4;   // Route::target: into the awaiting receive's buffer
   struct Stashed {
