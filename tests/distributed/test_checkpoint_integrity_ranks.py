@@ -341,3 +341,95 @@ def test_an_hf_export_never_commits_an_empty_model_nor_translates_where_it_does_
         assert by_0 == ("saved", 1 if rank == 0 else 0), by_0
     assert not (tmp_path / "hf1").exists()
     assert (tmp_path / "hf0" / "model.safetensors").is_file()
+
+
+def _parts_of_two_saves(root: str) -> list:
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from torch_sagemaker.checkpoint import CheckpointError, save
+    from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER
+    from torch_sagemaker.checkpoint.location import checkpoint_location
+    from torch_sagemaker.checkpoint.training_state import TrainingState, _agree_on_parts
+
+    rank = dist.get_rank()
+    TrainingState(nn.Linear(2, 2), save_rng=False).save(f"{root}/whole")
+    from pathlib import Path
+
+    marker = json.loads(Path(f"{root}/whole/{COMPLETION_MARKER}").read_text())
+    out: list = [(len(marker["whole_save_id"]), marker["num_parts"])]
+    own = dist.new_group([rank])  # each rank's part is committed by its own group
+    top = checkpoint_location(f"{root}/step")
+    for whole_id in ("a" * 32, "b" * 32 if rank == 0 else None):  # rank 1 died before its commit
+        if whole_id is not None:
+            save(
+                {"w": torch.full((4,), float(rank))},
+                checkpoint_id=f"{root}/step/tp2-{rank}",
+                process_group=own,
+                marker_info={"whole_save_id": whole_id, "num_parts": 2},
+            )
+        dist.barrier()
+        try:  # what TrainingState.load of an FSDP1 + TP model runs before its group's load
+            _agree_on_parts(top, top.child(f"tp2-{rank}"))
+            out.append("agreed")
+        except CheckpointError as e:
+            out.append(str(e))
+    return out
+
+
+def test_parts_of_two_saves_are_refused_on_every_rank(tmp_path):
+    """Before, each TP rank's group loaded its own part: half the model from each save."""
+    results = run_distributed(_parts_of_two_saves, str(tmp_path), timeout=60)
+    assert results[0] == results[1], results
+    assert results[0][:2] == [(32, 1), "agreed"], results
+    message = results[0][2]
+    assert f"checkpoint {tmp_path}/step holds parts written by different saves" in message
+    assert f"tp2-0 (save {'b' * 32})" in message, message
+    assert f"tp2-1 (save {'a' * 32})" in message and "save it again" in message
+
+
+def _tp_local_shards_over_tp_ranks(root: str) -> list:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from torch_sagemaker.checkpoint import load, save
+    from torch_sagemaker.sharding import fsdp1_layout
+
+    rank = dist.get_rank()
+    # What FSDP1 gives under TP=2, hybrid_shard_degree 1: each TP rank's TP-local tensor on
+    # FSDP's one-rank mesh, under the same key (SMPFSDPExtensions.chunk_dtensor notes the mesh).
+    mesh = DeviceMesh("cpu", [rank])
+    fsdp1_layout.note_tp_local_mesh(mesh)
+    try:
+        shard = DTensor.from_local(torch.full((4,), rank + 1.0), mesh, [Shard(0)], run_check=False)
+        out = []
+        try:
+            save({"model": {"w": shard}}, checkpoint_id=f"{root}/whole")
+            out.append("saved")
+        except ValueError as e:
+            out.append(str(e))
+        # One directory per TP rank, each over its own ranks (SMP's scripts, TrainingState).
+        own = dist.new_group([rank])
+        save({"w": shard}, checkpoint_id=f"{root}/tp2-{rank}", process_group=own)
+        back = {"w": DTensor.from_local(torch.zeros(4), mesh, [Shard(0)], run_check=False)}
+        load(back, checkpoint_id=f"{root}/tp2-{rank}", process_group=own)
+        out.append(back["w"].to_local().tolist())
+        return out
+    finally:
+        fsdp1_layout._TP_LOCAL_MESHES.clear()
+
+
+def test_fsdp1_tp_local_shards_saved_over_tp_ranks_are_refused(tmp_path):
+    """Before, rank 1's shard was dropped by DCP's deduplication: both ranks loaded rank 0's."""
+    results = run_distributed(_tp_local_shards_over_tp_ranks, str(tmp_path), timeout=60)
+    for rank, (error, loaded) in enumerate(results):
+        assert "model.w is an FSDP1 shard of a model with tensor or expert parallelism" in error
+        assert f"(its mesh: ranks [{rank}])" in error and "spans ranks [0, 1]" in error, error
+        assert "tp{degree}-{rank}" in error and "TrainingState.save" in error
+        assert loaded == [rank + 1.0] * 4
+    assert not (tmp_path / "whole").exists()

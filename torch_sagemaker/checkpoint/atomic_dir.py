@@ -388,6 +388,20 @@ class LocalDirectory:
             return None
         return kind if isinstance(kind, str) else None
 
+    def marker_entries(self) -> dict[str, Any]:
+        """The marker's fields as written (its file table unchecked); ``{}`` without one."""
+        try:
+            marker = json.loads((self.path / COMPLETION_MARKER).read_text())
+        except (OSError, ValueError):
+            return {}
+        return marker if isinstance(marker, dict) else {}
+
+    def subdirs(self) -> list[str]:
+        """The names of the directories in it (hidden ones too: saves staged there), sorted."""
+        if not self.path.is_dir():
+            return []
+        return sorted(p.name for p in self.path.iterdir() if p.is_dir())
+
     def is_complete(self) -> bool:
         """Whether the directory holds a committed checkpoint."""
         return is_complete(self.path)

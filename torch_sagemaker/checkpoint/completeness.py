@@ -5,6 +5,26 @@ protocol] in ``atomic_dir``). ``TrainingState`` of an FSDP1 model with tensor or
 parallelism instead writes one checkpoint per TP or EP rank inside the step's directory
 (``tp{d}-{r}`` or ``ep{d}-{r}``, as SMP's scripts do), each committed by its own group: the
 step's directory is complete once all ``d`` of them are.
+
+Note [The parts of one checkpoint come from one save]
+-----------------------------------------------------
+Each part (a ``tp{d}-{r}``/``ep{d}-{r}`` part, an SM-local ``tp*_ep*_fsdp*`` shard
+directory) is committed by its own group, with a save id of its own. A step saved again
+under the same name (after a rollback, or a fixed name such as "latest") in which one group
+committed and another died before its commit holds parts of two saves, each with a marker:
+by markers alone the step is complete, and each group would load its own part, half the
+model from one save and half from the other. So ``TrainingState.save`` agrees on one id for
+the whole save over the world before any part is written, and every part's marker records
+it (``WHOLE_SAVE_ID``) with the number of parts the save writes (``NUM_PARTS``).
+``parts_problem`` refuses parts whose ids differ, a count that differs from the parts
+found, and a directory holding both a whole checkpoint and parts (a save of one layout
+into a directory committed by a save of the other: each load would pick one of the two,
+maybe the stale one). ``is_complete_checkpoint`` then says "not complete", so "latest" and
+retention pass it by, and ``TrainingState.load`` raises on every rank naming the parts.
+Markers written before these fields existed carry neither: a set of parts none of whose
+markers has ``WHOLE_SAVE_ID`` is judged as before (every part committed; the count of
+SM-local shards unchecked), so those checkpoints still load. A set in which only some
+parts carry one mixes an old save with a new one, and is refused.
 """
 
 from __future__ import annotations
@@ -14,6 +34,17 @@ from typing import Any
 
 _PART = re.compile(r"^(tp|ep)(\d+)-(\d+)$")
 _SM_LOCAL_SHARD = re.compile(r"^tp\d+_ep\d+_fsdp\d+$")
+
+WHOLE_SAVE_ID = "whole_save_id"
+"""Marker field: the id ``TrainingState.save`` shares among all parts of one save."""
+NUM_PARTS = "num_parts"
+"""Marker field: how many parts (directories committed separately) that save writes."""
+
+PARTS_FIX = (
+    "Load an earlier checkpoint; to use this one, save it again (every rank) under a fresh "
+    "name, or delete the stale directories."
+)
+"""The fix that errors about parts of different saves name."""
 
 TRAINING_KINDS = frozenset({"sharded", "sm_local"})
 """The marker kinds of training checkpoints (``state_dict_saver``), the ones retention manages.
@@ -31,8 +62,10 @@ def is_complete_checkpoint(location: Any) -> bool:
     one degree ``d``, every ``r`` in ``0 .. d-1`` committed. Parts of two degrees (a step
     saved again under another layout) are not one checkpoint. An SM-local checkpoint (one
     ``tp{r}_ep{r}_fsdp{r}`` directory per shard, each committed alone, no marker over the
-    set) counts when every shard directory it holds is committed: how many there should be
-    is not checked.
+    set) counts when every shard directory it holds is committed and, where the markers
+    record them, all come from one save and are as many as it wrote. Parts of two saves, or
+    parts beside a whole checkpoint, are not complete (Note [The parts of one checkpoint
+    come from one save]).
 
     Args:
         location: A ``CheckpointLocation``.
@@ -40,23 +73,87 @@ def is_complete_checkpoint(location: Any) -> bool:
     Returns:
         Whether it is complete.
     """
-    if location.is_complete():
-        return True
-    names = location.checkpoint_names()
-    shards = [n for n in names if _SM_LOCAL_SHARD.match(n)]
-    if shards:
-        return all(location.child(n).is_complete() for n in shards)
-    degrees: dict[tuple[str, int], set[int]] = {}
-    for name in names:
-        match = _PART.match(name)
-        if match:
-            degrees.setdefault((match[1], int(match[2])), set()).add(int(match[3]))
-    if len(degrees) != 1:
+    whole = location.is_complete()
+    # The subdirectories as listed, not ``checkpoint_names`` (which on S3 asks each one
+    # whether it is complete): a whole checkpoint is listed too, for parts beside it.
+    parts = part_names(location.subdirs())
+    if whole:
+        # A whole checkpoint with committed parts beside it holds two saves.
+        return not any(location.child(n).is_complete() for n in parts)
+    if not parts:
         return False
-    (((family, degree), ranks),) = degrees.items()
-    return ranks == set(range(degree)) and all(
-        location.child(f"{family}{degree}-{r}").is_complete() for r in range(degree)
-    )
+    if not any(_SM_LOCAL_SHARD.match(n) for n in parts):
+        degrees = {(m[1], int(m[2])) for n in parts if (m := _PART.match(n))}
+        if len(degrees) != 1:
+            return False
+        ((family, degree),) = degrees
+        if set(parts) != {f"{family}{degree}-{r}" for r in range(degree)}:
+            return False
+    if not all(location.child(n).is_complete() for n in parts):
+        return False
+    return parts_problem(location, parts) is None
+
+
+def part_names(names: set[str] | list[str]) -> list[str]:
+    """The parts among a location's subdirectories ``names``, sorted.
+
+    The SM-local shard directories if there are any, else the per-TP/EP-rank parts.
+    """
+    shards = sorted(n for n in names if _SM_LOCAL_SHARD.match(n))
+    return shards or sorted(n for n in names if _PART.match(n))
+
+
+def parts_problem(location: Any, parts: list[str] | None = None) -> str | None:
+    """Why the committed parts in ``location`` are not one save's, or ``None`` if they are.
+
+    Note [The parts of one checkpoint come from one save]. Reads the markers of the
+    committed parts (one read each) and whether ``location`` itself is committed.
+
+    Args:
+        location: A ``CheckpointLocation`` holding a checkpoint in parts.
+        parts: Its part names (``part_names``); default: listed here.
+
+    Returns:
+        The words after "checkpoint <location>" in an error (they name the parts, their
+        save ids and the fix), or ``None``.
+    """
+    if parts is None:
+        parts = part_names(location.subdirs())
+    found = {}
+    for name in parts:
+        child = location.child(name)
+        if child.is_complete():
+            marker = child.marker_entries()
+            found[name] = (marker.get(WHOLE_SAVE_ID), marker.get(NUM_PARTS))
+    if not found:
+        return None
+    fix = PARTS_FIX
+    if location.is_complete():
+        return (
+            f"holds both a complete checkpoint of the whole model and per-rank parts "
+            f"{sorted(found)}, from two saves of different layouts: a load of either kind "
+            f"could read the stale one. {fix}"
+        )
+    ids = {whole_id for whole_id, _ in found.values()}
+    if ids == {None}:
+        return None  # written before whole-save ids: judged by the markers alone, as before
+    if len(ids) > 1:
+        shown = ", ".join(
+            f"{n} (save {i or 'of an older version, without an id'})"
+            for n, (i, _) in sorted(found.items())
+        )
+        return (
+            f"holds parts written by different saves ({shown}): a save of this name stopped "
+            "after some parts were committed, so the others are an older save's, and "
+            f"loading them together would mix the two. {fix}"
+        )
+    counts = {count for _, count in found.values()}
+    if len(counts) == 1 and isinstance(count := next(iter(counts)), int) and count != len(found):
+        return (
+            f"holds {len(found)} committed parts {sorted(found)} of save {ids.pop()}, "
+            f"which wrote {count}: the others were not committed, or were deleted. {fix}"
+        )
+    return None
 
 
 def checkpoint_kind(location: Any) -> str | None:
@@ -180,10 +277,15 @@ def inside_checkpoint_hint(parent: object, parent_kind: str | None, name: str) -
 
 
 __all__ = [
+    "NUM_PARTS",
+    "PARTS_FIX",
     "TRAINING_KINDS",
+    "WHOLE_SAVE_ID",
     "checkpoint_kind",
     "inside_checkpoint_hint",
     "is_complete_checkpoint",
     "part_layout",
+    "part_names",
+    "parts_problem",
     "parts_description",
 ]

@@ -94,6 +94,14 @@ class CheckpointLocation(Protocol):
         """
         ...
 
+    def marker_entries(self) -> dict[str, Any]:
+        """The marker's fields as written (its file table unchecked); ``{}`` without one."""
+        ...
+
+    def subdirs(self) -> list[str]:
+        """The names of the directories (on S3, key prefixes) right under it, sorted."""
+        ...
+
     def is_complete(self) -> bool:
         """Whether a committed checkpoint is there."""
         ...

@@ -219,9 +219,9 @@ def _doomed(
       directory whose marker names another kind is left out (Note [Retention deletes only
       training checkpoints]).
 
-    One gap: an SM-local step counts as complete once the shard directories it
-    holds are committed, since how many it should hold is not checked (``completeness``),
-    so a step whose other shards are still being written can count.
+    One gap: an SM-local step written before markers recorded their save's number of parts
+    counts as complete once the shard directories it holds are committed, however many
+    there should be (``completeness``); newer ones are counted against ``num_parts``.
     """
     if upcoming is not None:
         names = {*names, upcoming}

@@ -316,6 +316,14 @@ class S3Checkpoint:
             return None
         return kind if isinstance(kind, str) else None
 
+    def marker_entries(self) -> dict[str, Any]:
+        """The marker's fields as written (its object table unchecked); ``{}`` without one."""
+        try:
+            marker = json.loads(self._get(self.marker_key))
+        except Exception:  # noqa: BLE001 - no marker, or unreadable
+            return {}
+        return marker if isinstance(marker, dict) else {}
+
     def is_complete(self) -> bool:
         """Whether the location holds a committed checkpoint (it has a marker)."""
         return self._exists(self.marker_key)

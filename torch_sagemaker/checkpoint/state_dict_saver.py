@@ -181,6 +181,62 @@ def _info(state_dict: dict[str, Any]) -> dict[str, Any]:
     return {"kind": "sharded", "layout": current_layout()}
 
 
+def _leaves(value: Any, key: str = "") -> Any:
+    """(dotted key, value) of every leaf of a nested state dict."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaves(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _leaves(v, f"{key}.{i}")
+    else:
+        yield key, value
+
+
+def _refuse_tp_local_shards_across_ranks(
+    state_dict: dict[str, Any], process_group: dist.ProcessGroup | None, where: object
+) -> None:
+    """Raises if ``state_dict``'s TP-/EP-local FSDP1 shards would be saved over TP/EP ranks.
+
+    Note [FSDP1 shards are saved per TP/EP rank]
+        FSDP1's sharded state dict of a model with tensor or expert parallelism holds
+        DTensors on FSDP's own mesh whose global shape is the TP-/EP-local one (Note [FSDP1
+        sharded state dict layout] in ``sharding/fsdp1_layout.py``): every TP rank has the
+        same keys, shapes and offsets, with other values. DCP's planner keeps one copy of
+        equal (key, offset) items across the saving ranks, so a save over ranks of several
+        TP ranks writes one TP rank's shards and drops the others', without an error. So
+        a save whose group reaches beyond such a DTensor's mesh is refused before anything
+        is written. FSDP2 (DTensors over the TP mesh too) and the per-TP-rank saves of SMP's
+        scripts and ``TrainingState`` (each over ranks of one TP rank) are not affected.
+
+    Raises:
+        ValueError: Naming the key, the mesh's ranks, the group's ranks and the fix.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    from torch.distributed.tensor import DTensor
+
+    from torch_sagemaker.sharding.fsdp1_layout import is_tp_local_mesh
+
+    group = set(dist.get_process_group_ranks(process_group or dist.group.WORLD))
+    for key, value in _leaves(state_dict):
+        if not isinstance(value, DTensor) or not is_tp_local_mesh(value.device_mesh):
+            continue
+        mesh = sorted(value.device_mesh.mesh.flatten().tolist())
+        if group <= set(mesh):
+            continue
+        raise ValueError(
+            f"save({where}): {key} is an FSDP1 shard of a model with tensor or expert "
+            f"parallelism, whose tensors are local to this rank's TP/EP rank (its mesh: ranks "
+            f"{mesh}), but the save's process group spans ranks {sorted(group)}, of other "
+            "TP/EP ranks with the same keys: DCP would keep one TP rank's shards and drop the "
+            "others'. Save one directory per TP/EP rank, <checkpoint>/tp{degree}-{rank} (or "
+            "ep{degree}-{rank}), with process_group=model.process_group, as SMP's scripts "
+            "do; or use TrainingState.save, which does that; or shard with FSDP2 "
+            "(torch_sagemaker.sharding.shard_model) for one reshardable checkpoint."
+        )
+
+
 def save(
     state_dict: dict[str, Any],
     *,
@@ -194,6 +250,7 @@ def save(
     s3_region: str | None = None,
     s3client_config: Any = None,
     on_commit: Callable[[], None] | None = None,
+    marker_info: dict[str, Any] | None = None,
 ) -> None:
     """Saves ``state_dict`` to the directory ``checkpoint_id``, visible only once complete.
 
@@ -220,8 +277,14 @@ def save(
         s3client_config: An ``s3torchconnector.S3ClientConfig``; default 64 MiB parts (and
             path-style requests when ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL`` is set).
         on_commit: Called on the coordinator right after the checkpoint became visible.
+        marker_info: More JSON-able fields for the completion marker (``TrainingState``
+            records its whole-save id there: Note [The parts of one checkpoint come from one
+            save] in ``completeness``).
 
     Raises:
+        ValueError: If ``state_dict`` holds an FSDP1 model's shards with tensor or expert
+            parallelism and ``process_group`` spans several TP/EP ranks (Note [FSDP1 shards
+            are saved per TP/EP rank]); nothing is written.
         CheckpointError: If any rank failed to write or the checkpoint could not be published;
             a previous checkpoint at ``checkpoint_id`` then stays as it was. If a rank failed
             after the commit, the error has ``committed=True``: the checkpoint is complete
@@ -231,13 +294,14 @@ def save(
     target = _target(checkpoint_id, s3_region, s3client_config, storage_writer)
     participants = Participants(process_group, coordinator_rank)
     state_dict = resolve_stateful(state_dict)
+    _refuse_tp_local_shards_across_ranks(state_dict, process_group, target)
     _write(
         state_dict,
         target,
         storage_writer=storage_writer,
         planner=planner,
         participants=participants,
-        info=_info(state_dict),
+        info={**_info(state_dict), **(marker_info or {})},
         on_commit=on_commit,
     )
 
@@ -362,6 +426,7 @@ def async_save(
     s3_region: str | None = None,
     s3client_config: Any = None,
     on_commit: Callable[[], None] | None = None,
+    marker_info: dict[str, Any] | None = None,
 ) -> int:
     """Like ``save``, but writes in the background; training may go on meanwhile.
 
@@ -385,6 +450,7 @@ def async_save(
         s3_region: As for ``save``.
         s3client_config: As for ``save``.
         on_commit: As for ``save`` (runs on the background thread).
+        marker_info: As for ``save``.
 
     Returns:
         The index of the request in ``queue``.
@@ -400,7 +466,8 @@ def async_save(
             f"{type(strategy).__name__}."
         )
     resolved = resolve_stateful(state_dict)
-    info = _info(resolved)
+    _refuse_tp_local_shards_across_ranks(resolved, process_group, target)
+    info = {**_info(resolved), **(marker_info or {})}
     staged = BlockingAsyncStager().stage(resolved)
     participants = Participants(process_group, coordinator_rank)
     participants.group = _async_group(process_group)

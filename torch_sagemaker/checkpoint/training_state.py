@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import json
 import random
+import uuid
 from typing import Any, cast
 
 import torch
@@ -96,6 +97,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch_sagemaker._torch_compat import dcp as dcp_compat
 from torch_sagemaker.checkpoint import state_dict_utils as sdu
 from torch_sagemaker.checkpoint.async_utils import AsyncCallsQueue
+from torch_sagemaker.checkpoint.completeness import (
+    NUM_PARTS,
+    PARTS_FIX,
+    WHOLE_SAVE_ID,
+    parts_problem,
+)
 from torch_sagemaker.checkpoint.location import (
     CheckpointId,
     CheckpointLocation,
@@ -141,30 +148,96 @@ def _data_position_json(data_position: Any, *, check: bool) -> str:
     return text
 
 
-def _same_progress_on_every_rank(step: int, data_position: str) -> None:
-    """Raises on every rank unless all ranks save the same step and data position.
+def _agree_on_save(part: str, progress: tuple[int, str] | None) -> dict[str, Any]:
+    """One all-gather over the world before a save: its whole-save id and number of parts.
 
-    A sharded checkpoint holds one copy of each (DCP writes a value every rank has once), so
-    ranks that disagree would resume from one rank's value, silently. One small all-gather.
+    Rank 0 proposes the id; every rank records it in its part's marker (Note [The parts of
+    one checkpoint come from one save] in ``completeness``). The number of parts is the
+    number of distinct directories the ranks write. The same gather checks that every rank
+    saves the same step and data position (``progress``, sharded kind only): a sharded
+    checkpoint holds one copy of each, so ranks that disagree would resume from one rank's
+    value, silently.
+
+    Args:
+        part: The directory this rank writes (its part, or the checkpoint itself).
+        progress: ``(step, data position JSON)`` to compare, or ``None``.
+
+    Returns:
+        The marker fields ``WHOLE_SAVE_ID`` and ``NUM_PARTS``.
 
     Raises:
         ValueError: Naming the ranks whose step or data position differs from rank 0's.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return
-    views: list[Any] = [None] * dist.get_world_size()
     # Compared as values: equal dicts built in another key order on another rank agree.
-    dist.all_gather_object(views, (step, json.dumps(json.loads(data_position), sort_keys=True)))
-    odd = [r for r, view in enumerate(views) if view != views[0]]
+    compared = None
+    if progress is not None:
+        compared = (progress[0], json.dumps(json.loads(progress[1]), sort_keys=True))
+    mine = (compared, uuid.uuid4().hex, part)
+    views: list[Any] = [mine]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        views = [None] * dist.get_world_size()
+        dist.all_gather_object(views, mine)
+    odd = [r for r, view in enumerate(views) if view[0] != views[0][0]]
     if odd:
         r = odd[0]
         raise ValueError(
             f"TrainingState.save: ranks {odd} save another step or data position than rank "
-            f"0 (rank 0: step {views[0][0]}, data_position {views[0][1]}; rank {r}: step "
-            f"{views[r][0]}, data_position {views[r][1]}). A sharded checkpoint keeps one copy "
-            "of each: give every rank the same values (e.g. the global count of consumed "
-            "samples), or keep per-rank positions in the model's or your own state."
+            f"0 (rank 0: step {views[0][0][0]}, data_position {views[0][0][1]}; rank {r}: "
+            f"step {views[r][0][0]}, data_position {views[r][0][1]}). A sharded checkpoint "
+            "keeps one copy of each: give every rank the same values (e.g. the global count "
+            "of consumed samples), or keep per-rank positions in the model's or your own state."
         )
+    return {WHOLE_SAVE_ID: views[0][1], NUM_PARTS: len({view[2] for view in views})}
+
+
+def _agree_on_parts(top: CheckpointLocation, part: CheckpointLocation) -> None:
+    """Raises on every rank unless the parts the ranks load come from one save.
+
+    Note [The parts of one checkpoint come from one save] in ``completeness``. Each part is
+    loaded by its own group, which compares only its own ranks, so one all-gather over the
+    world compares the parts' whole-save ids and counts; rank 0 also checks the step's
+    directory itself (parts beside a whole checkpoint, or parts no rank loads). A whole
+    checkpoint loaded by every rank needs no gather: the loader's own agreement spans the
+    world. Markers without a whole-save id (written before it existed) pass as before.
+
+    Raises:
+        CheckpointError: Naming the parts, their save ids and the fix.
+    """
+    entries = part.marker_entries()
+    mine = (
+        str(part),
+        entries.get(WHOLE_SAVE_ID),
+        entries.get(NUM_PARTS) if entries else -1,
+        parts_problem(top) if _rank() == 0 and part is not top else None,
+    )
+    views: list[Any] = [mine]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        views = [None] * dist.get_world_size()
+        dist.all_gather_object(views, mine)
+    problem = views[0][3]
+    # A part without a readable marker is left to its group's load, which names it.
+    parts = {where: (whole_id, count) for where, whole_id, count, _ in views if count != -1}
+    ids = {whole_id for whole_id, _ in parts.values()}
+    counts = {count for _, count in parts.values()}
+    if problem is not None or ids <= {None}:
+        pass  # rank 0's finding; or parts written before whole-save ids: loaded as before
+    elif len(ids) > 1:
+        shown = ", ".join(
+            f"{where} (save {whole_id or 'of an older version, without an id'})"
+            for where, (whole_id, _) in sorted(parts.items())
+        )
+        problem = (
+            f"holds parts written by different saves ({shown}): a save of this name stopped "
+            "after some parts were committed, so the others are an older save's, and loading "
+            f"them together would mix the two. {PARTS_FIX}"
+        )
+    elif len(parts) == len({v[0] for v in views}) and counts != {len(parts)}:
+        problem = (
+            f"was saved in {sorted(counts, key=str)} parts, but the ranks of this job load "
+            f"{len(parts)} ({sorted(parts)}): load it under the layout that saved it."
+        )
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {top} {problem}")
 
 
 def _check_kind(kind: object, method: str) -> None:
@@ -458,8 +531,9 @@ class TrainingState:
         prunes = kind == "sharded" and (not per_rank_dirs or _first_shard_dir())
         on_commit = retain if (num_kept is not None and prunes) else None
         sd = self.state_dict(kind)
-        if kind == "sharded":
-            _same_progress_on_every_rank(sd["step"], sd["data_position"])
+        # Before any part is written (Note [The parts of one checkpoint come from one save]).
+        progress = (sd["step"], sd["data_position"]) if kind == "sharded" else None
+        marker_info = _agree_on_save(str(path), progress)
         if use_async:
             async_save(
                 sd,
@@ -468,6 +542,7 @@ class TrainingState:
                 coordinator_rank=coordinator,
                 queue=queue,
                 on_commit=on_commit,
+                marker_info=marker_info,
             )
         else:
             save(
@@ -476,6 +551,7 @@ class TrainingState:
                 process_group=group,
                 coordinator_rank=coordinator,
                 on_commit=on_commit,
+                marker_info=marker_info,
             )
 
     def load(
@@ -504,7 +580,9 @@ class TrainingState:
 
         Raises:
             ValueError: If ``kind`` is not ``"sharded"`` or ``"local"``.
-            CheckpointError: If the checkpoint is missing, incomplete, corrupt, or does not
+            CheckpointError: If the checkpoint is missing, incomplete, corrupt, in parts
+                that different saves wrote (or beside a whole checkpoint; Note [The parts of
+                one checkpoint come from one save]), or does not
                 match the model (the message names the keys and shapes), holds model or
                 optimizer-state keys this one does not request (with ``strict``; checked
                 before anything is read), or its optimizer did not hold a parameter of this
@@ -512,7 +590,14 @@ class TrainingState:
                 tensors in place: after this error, build them anew rather than train on).
         """
         _check_kind(kind, "load")
-        path, group, coordinator = self._location(checkpoint_location(checkpoint_id), kind)
+        top = checkpoint_location(checkpoint_id)
+        path, group, coordinator = self._location(top, kind)
+        if path is not top:
+            _agree_on_parts(top, path)  # in parts: each group's load compares only its own
+        elif (problem := parts_problem(top)) is not None:
+            # Parts of another save beside the whole checkpoint: every rank lists the same
+            # directory, so every rank raises (one listing; markers read only if parts exist).
+            raise CheckpointError(f"checkpoint {top} {problem}")
         # Without the optimizer, its template is not even built: building it creates state
         # (one step with zero gradients) that a fresh optimizer must not carry on.
         sd = self._state_dict(kind, with_optimizer=load_optimizer, template=True)

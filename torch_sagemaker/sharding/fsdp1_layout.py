@@ -97,6 +97,8 @@ class SMPFSDPExtensions(DTensorExtensions):
         """
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         local = local.detach().clone()
+        if isinstance(tensor, DTensor) or _tp_or_ep():
+            note_tp_local_mesh(device_mesh)
         replicated = [Replicate()] * device_mesh.ndim
         sharded = [*replicated[:-1], Shard(0)]
         return DTensor.from_local(local, device_mesh, replicated, run_check=False).redistribute(
@@ -107,6 +109,30 @@ class SMPFSDPExtensions(DTensorExtensions):
         """Gathers a ``chunk_dtensor`` DTensor back into the TP-local tensor (for loading)."""
         mesh = tensor.device_mesh
         return tensor.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+
+
+_TP_LOCAL_MESHES: set[tuple[int, ...]] = set()
+"""The ranks of every mesh that holds TP-/EP-local tensors as its "global" ones."""
+
+
+def _tp_or_ep() -> bool:
+    from torch_sagemaker.state import state
+
+    return state.initialized and (state.tp_size > 1 or state.ep_size > 1)
+
+
+def note_tp_local_mesh(device_mesh: DeviceMesh) -> None:
+    """Records that DTensors on ``device_mesh`` hold TP-/EP-local tensors (for ``save``)."""
+    _TP_LOCAL_MESHES.add(tuple(device_mesh.mesh.flatten().tolist()))
+
+
+def is_tp_local_mesh(device_mesh: DeviceMesh) -> bool:
+    """Whether FSDP1 put TP-/EP-local tensors on ``device_mesh`` in this process.
+
+    Note [FSDP1 sharded state dict layout]: every TP (or EP) rank then holds the same keys,
+    shapes and offsets with other values, so they are saved one directory per TP/EP rank.
+    """
+    return tuple(device_mesh.mesh.flatten().tolist()) in _TP_LOCAL_MESHES
 
 
 def _register_local_parameters(handle: Any) -> None:
