@@ -66,8 +66,6 @@ def write_conf(work_dir: str) -> str:
     names = [netns_hosts.HOST_NAME.format(i) for i in range(2)]
     path = os.path.join(work_dir, "slurm.conf")
     os.makedirs(os.path.join(work_dir, "state"), exist_ok=True)
-    for name in names:  # where each slurmd's step daemons put their sockets
-        os.makedirs(os.path.join(work_dir, f"spool-{name}"), exist_ok=True)
     with open(path, "w") as f:
         f.write(_CONF.format(controller=names[0], dir=work_dir, nodes=",".join(names)))
     return path
@@ -93,45 +91,14 @@ def main(host: int, work_dir: str, sruns: list[list[str]]) -> int:
             _wait_idle(env, daemons)
             status = 0
             for args in sruns:
-                code = _srun(args, env, work_dir)
+                code = subprocess.run(["srun", *args], env=env).returncode
+                print(f"srun {' '.join(args)}: exit status {code}", flush=True)
                 status = status or code
             return status
         finally:
             open(done, "w").close()
     finally:
         _stop(daemons)
-
-
-# Note [Step daemons that did not start]: once in a full suite run (and not in the runs
-# before or since), every `srun` of this cluster failed with "Task launch ... failed:
-# Unspecified error" because slurmd's step daemon, slurmstepd, died before reporting that it
-# had started ("_forkexec_slurmstepd: slurmstepd failed to send return code got 0"), on both
-# hosts, before any rank ran. The launcher under test never started; SLURM's own daemon did
-# not. So a step whose daemons did not start runs once more, said so in the output, and the
-# logs of the step daemons are printed for the record.
-_STEPD_FAILED = "slurmstepd failed to send return code"
-
-
-def _srun(args: list[str], env: dict[str, str], work_dir: str) -> int:
-    """Runs ``srun args``; once more if SLURM's step daemon did not start (Note above)."""
-    logs = [os.path.join(work_dir, f"slurmd-{netns_hosts.HOST_NAME.format(i)}.log") for i in (0, 1)]
-    for attempt in (1, 2):
-        seen = sum(_count(log, _STEPD_FAILED) for log in logs)
-        code = subprocess.run(["srun", *args], env=env).returncode
-        print(f"srun {' '.join(args)}: exit status {code}", flush=True)
-        if code == 0 or sum(_count(log, _STEPD_FAILED) for log in logs) == seen or attempt == 2:
-            return code
-        print("slurmstepd did not start (Note [Step daemons that did not start]); "
-              "running the step once more", flush=True)  # fmt: skip
-    return code
-
-
-def _count(path: str, text: str) -> int:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read().count(text)
-    except FileNotFoundError:
-        return 0
 
 
 def _stop(daemons: list[subprocess.Popen]) -> None:
