@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 from tests.distributed import netns_hosts
@@ -34,7 +35,7 @@ SlurmdUser=root
 AuthType=auth/none
 CredType=cred/none
 StateSaveLocation={dir}/state
-SlurmdSpoolDir={dir}/spool-%n
+SlurmdSpoolDir={spool}/%n
 SlurmctldPidFile={dir}/slurmctld.pid
 SlurmdPidFile={dir}/slurmd-%n.pid
 SlurmctldLogFile={dir}/slurmctld.log
@@ -61,14 +62,38 @@ def unavailable_reason() -> str | None:
     return netns_hosts.unavailable_reason()
 
 
+# Note [A short spool path]: each job step's daemon (slurmstepd) listens on a Unix socket in
+# SlurmdSpoolDir, and a socket's path holds at most 108 bytes. Under pytest's temporary
+# directory it took 109 once the machine's pytest session counter reached three digits
+# (/tmp/pytest-of-root/pytest-117/popen-gw0/test_real_srun_one_and_two_hos0/spool-smddp-
+# host-0/smddp-host-0_1.0): every step's daemon then exited at start-up ("_create_socket:
+# Unix socket path ... is too long" in the slurmd log, "slurmstepd failed to send return
+# code" on the console) and srun failed, in full runs under xdist only (a test run alone has
+# no popen-gw0 in its path). So the spool directories live in a short directory of their own.
+_SPOOL_FILE = "spool_root"  # in DIR: where write_conf put the spool directories
+
+
 def write_conf(work_dir: str) -> str:
-    """Writes ``DIR/slurm.conf`` for the two hosts; returns its path."""
+    """Writes ``DIR/slurm.conf`` for the two hosts; returns its path.
+
+    The slurmd spool directories go to a short new directory under the system's temporary
+    directory (Note [A short spool path]); ``remove_spool(DIR)`` deletes it.
+    """
     names = [netns_hosts.HOST_NAME.format(i) for i in range(2)]
     path = os.path.join(work_dir, "slurm.conf")
     os.makedirs(os.path.join(work_dir, "state"), exist_ok=True)
+    spool = tempfile.mkdtemp(prefix="slurm-")
+    with open(os.path.join(work_dir, _SPOOL_FILE), "w") as f:
+        f.write(spool)
     with open(path, "w") as f:
-        f.write(_CONF.format(controller=names[0], dir=work_dir, nodes=",".join(names)))
+        f.write(_CONF.format(controller=names[0], dir=work_dir, spool=spool, nodes=",".join(names)))
     return path
+
+
+def remove_spool(work_dir: str) -> None:
+    """Deletes the spool directories ``write_conf(work_dir)`` made."""
+    with open(os.path.join(work_dir, _SPOOL_FILE)) as f:
+        shutil.rmtree(f.read(), ignore_errors=True)
 
 
 def main(host: int, work_dir: str, sruns: list[list[str]]) -> int:

@@ -191,7 +191,10 @@ def test_real_srun_one_and_two_hosts(tmp_path):
     command = [sys.executable, "-m", "tests.distributed.slurm_cluster", "{host}", str(tmp_path),
                "--", "-N", "1", "-n", "4", "-w", netns_hosts.HOST_NAME.format(0), *RANK_SCRIPT,
                str(one), "---", "-N", "2", "-n", "4", *RANK_SCRIPT, str(two)]  # fmt: skip
-    done = netns_hosts.run_on_two_hosts(command, timeout_s=480, env=_clean_env(), cwd=REPO)
+    try:
+        done = netns_hosts.run_on_two_hosts(command, timeout_s=480, env=_clean_env(), cwd=REPO)
+    finally:
+        slurm_cluster.remove_spool(str(tmp_path))
     assert done.returncode == 0, done.stdout[-8000:]
     results = _results(one, 4)
     _check_job(results, launch_env.SLURM, [[0, 1, 2, 3]])
