@@ -353,7 +353,8 @@ def _parts_of_two_saves(root: str) -> list:
     from torch_sagemaker.checkpoint import CheckpointError, save
     from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER
     from torch_sagemaker.checkpoint.location import checkpoint_location
-    from torch_sagemaker.checkpoint.training_state import TrainingState, _agree_on_parts
+    from torch_sagemaker.checkpoint.training_state import TrainingState
+    from torch_sagemaker.checkpoint.training_state_checks import agree_on_parts
 
     rank = dist.get_rank()
     TrainingState(nn.Linear(2, 2), save_rng=False).save(f"{root}/whole")
@@ -373,7 +374,7 @@ def _parts_of_two_saves(root: str) -> list:
             )
         dist.barrier()
         try:  # what TrainingState.load of an FSDP1 + TP model runs before its group's load
-            _agree_on_parts(top, top.child(f"tp2-{rank}"))
+            agree_on_parts(top, top.child(f"tp2-{rank}"))
             out.append("agreed")
         except CheckpointError as e:
             out.append(str(e))

@@ -148,7 +148,7 @@ def test_a_bigger_model_or_another_optimizer_is_refused_not_half_loaded(
     assert torch.equal(small[0].weight, before)  # refused before the read
     warned: list[str] = []
     monkeypatch.setattr(
-        "torch_sagemaker.checkpoint.training_state.get_logger",
+        "torch_sagemaker.checkpoint.training_state_checks.get_logger",
         lambda: SimpleNamespace(warning=warned.append),
     )
     part = TrainingState(small, save_rng=False)

@@ -30,58 +30,13 @@ gives such an optimizer's ``param_groups`` and no per-parameter state, and drops
 ``get_state_dict`` made; loading it leaves every parameter without state, as in the run that
 saved it (Note [Parameters without optimizer state]). Only ``load``'s template creates state.
 
-Note [Parameters without optimizer state]
------------------------------------------
-Optimizers such as Adam create a parameter's state at its first gradient, so a parameter that
-has had none yet (the vision tower of a multimodal model fine-tuned on text only) has no
-``optimizer.state.<fqn>.*`` keys in the checkpoint. The template that ``load`` fills, however,
-gives a fresh optimizer state for every parameter (``get_state_dict``, or ``init_optim_state``
-for the SM-local kind: one step with zero gradients, so ``step`` 1 and zero moments): DCP
-would ask for keys that were never saved, and loading that made-up state would change the
-parameter's later updates. ``load`` therefore reads the checkpoint's metadata: a parameter
-with no state key at all under its name (or index) is left out of the load and ends up
-without state, as in the run that saved it; its state is created at its first gradient.
-After the read, every such parameter must be one of the saved optimizer's parameters
-(``param_groups``), else the optimizer differs from the saved one and ``load`` raises. A
-parameter with only some of its state keys, or with another optimizer's, is a mismatch that
-the key check reports as before.
-
-Note [A checkpoint that loads is the checkpoint that was saved]
---------------------------------------------------------------
-DCP loads what the template asks for and ignores the rest of the checkpoint, and the key
-check of ``state_dict_loader.load`` (SMP's function, which SMP's scripts call with part of
-a checkpoint: the model first, the optimizer state later) refuses missing keys only. So a
-bigger model's checkpoint (a 3-layer model's into a 1-layer one, a model with a head into
-one without) loaded silently: the overlap was copied, the rest dropped, and training went
-on from a state that was never saved. ``TrainingState`` always asks for the whole model and,
-unless ``load_optimizer=False``, the whole optimizer, so ``load`` refuses a checkpoint
-whose ``model.*`` or ``optimizer.state.*`` keys are not all requested, before anything is
-read (``strict=False`` loads the overlap, with a warning naming what is left behind).
-What is not a mismatch, and stays allowed:
-
-- the other items: another rank's ``rng_rank<r>`` (saved by more ranks), ``fp8.*`` (a
-  model without FP8 layers warns and skips it), ``lr_scheduler.*`` without a scheduler,
-  the optimizer's keys with ``load_optimizer=False`` or no optimizer, and
-  ``optimizer.param_groups.*`` (hyper-parameters: a scheduler adds ``initial_lr``, PyTorch
-  versions add others; groups are matched to parameters by name when set);
-- optimizer state the template lacks because the checkpoint has none for a parameter
-  (Note [Parameters without optimizer state]): that is fewer saved keys, not more;
-- FSDP1 and FSDP2, DTensor TP and per-TP/EP-rank directories: ``get_state_dict`` names
-  the keys of every layout alike, and each per-rank directory holds what that rank's
-  template asks for;
-- a fresh optimizer over parameters that still hold gradients: ``get_state_dict`` builds
-  its template state only when no parameter has a gradient, so the saved state would all
-  be left behind (before this check, silently: the optimizer resumed without it); the
-  template makes the state itself (``init_optim_state``) instead.
-
-When keys are also missing, the loader's key check raises instead, listing both.
+The checks against the checkpoint and across ranks are in ``training_state_checks``.
 """
 
 from __future__ import annotations
 
 import json
 import random
-import uuid
 from typing import Any, cast
 
 import torch
@@ -94,13 +49,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from torch_sagemaker._torch_compat import dcp as dcp_compat
 from torch_sagemaker.checkpoint import state_dict_utils as sdu
+from torch_sagemaker.checkpoint import training_state_checks as checks
 from torch_sagemaker.checkpoint.async_utils import AsyncCallsQueue
 from torch_sagemaker.checkpoint.completeness import (
-    NUM_PARTS,
-    PARTS_FIX,
-    WHOLE_SAVE_ID,
     parts_problem,
 )
 from torch_sagemaker.checkpoint.location import (
@@ -113,11 +65,8 @@ from torch_sagemaker.checkpoint.retention import prune_beside
 from torch_sagemaker.checkpoint.state_dict_loader import load, read_metadata
 from torch_sagemaker.checkpoint.state_dict_saver import async_save, save
 from torch_sagemaker.fp8 import scaling_state as fp8_state
-from torch_sagemaker.logger import get_logger, warn_once
+from torch_sagemaker.logger import warn_once
 from torch_sagemaker.state import state as smp_state  # (``state`` names RNG states here)
-
-_KINDS = ("sharded", "local")
-_SHOWN = 10  # how many keys an error or warning names
 
 
 def _data_position_json(data_position: Any, *, check: bool) -> str:
@@ -146,131 +95,6 @@ def _data_position_json(data_position: Any, *, check: bool) -> str:
             "so that a resumed run reads the position it saved."
         )
     return text
-
-
-def _agree_on_save(part: str, progress: tuple[int, str] | None) -> dict[str, Any]:
-    """One all-gather over the world before a save: its whole-save id and number of parts.
-
-    Rank 0 proposes the id; every rank records it in its part's marker (Note [The parts of
-    one checkpoint come from one save] in ``completeness``). The number of parts is the
-    number of distinct directories the ranks write. The same gather checks that every rank
-    saves the same step and data position (``progress``, sharded kind only): a sharded
-    checkpoint holds one copy of each, so ranks that disagree would resume from one rank's
-    value, silently.
-
-    Args:
-        part: The directory this rank writes (its part, or the checkpoint itself).
-        progress: ``(step, data position JSON)`` to compare, or ``None``.
-
-    Returns:
-        The marker fields ``WHOLE_SAVE_ID`` and ``NUM_PARTS``.
-
-    Raises:
-        ValueError: Naming the ranks whose step or data position differs from rank 0's.
-    """
-    # Compared as values: equal dicts built in another key order on another rank agree.
-    compared = None
-    if progress is not None:
-        compared = (progress[0], json.dumps(json.loads(progress[1]), sort_keys=True))
-    mine = (compared, uuid.uuid4().hex, part)
-    views: list[Any] = [mine]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        views = [None] * dist.get_world_size()
-        dist.all_gather_object(views, mine)
-    odd = [r for r, view in enumerate(views) if view[0] != views[0][0]]
-    if odd:
-        r = odd[0]
-        raise ValueError(
-            f"TrainingState.save: ranks {odd} save another step or data position than rank "
-            f"0 (rank 0: step {views[0][0][0]}, data_position {views[0][0][1]}; rank {r}: "
-            f"step {views[r][0][0]}, data_position {views[r][0][1]}). A sharded checkpoint "
-            "keeps one copy of each: give every rank the same values (e.g. the global count "
-            "of consumed samples), or keep per-rank positions in the model's or your own state."
-        )
-    return {WHOLE_SAVE_ID: views[0][1], NUM_PARTS: len({view[2] for view in views})}
-
-
-def _agree_on_parts(top: CheckpointLocation, part: CheckpointLocation) -> None:
-    """Raises on every rank unless the parts the ranks load come from one save.
-
-    Note [The parts of one checkpoint come from one save] in ``completeness``. Each part is
-    loaded by its own group, which compares only its own ranks, so one all-gather over the
-    world compares the parts' whole-save ids and counts; rank 0 also checks the step's
-    directory itself (parts beside a whole checkpoint, or parts no rank loads). A whole
-    checkpoint loaded by every rank needs no gather: the loader's own agreement spans the
-    world. Markers without a whole-save id (written before it existed) pass as before.
-
-    Raises:
-        CheckpointError: Naming the parts, their save ids and the fix.
-    """
-    entries = part.marker_entries()
-    mine = (
-        str(part),
-        entries.get(WHOLE_SAVE_ID),
-        entries.get(NUM_PARTS) if entries else -1,
-        parts_problem(top) if _rank() == 0 and part is not top else None,
-    )
-    views: list[Any] = [mine]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        views = [None] * dist.get_world_size()
-        dist.all_gather_object(views, mine)
-    problem = views[0][3]
-    # A part without a readable marker is left to its group's load, which names it.
-    parts = {where: (whole_id, count) for where, whole_id, count, _ in views if count != -1}
-    ids = {whole_id for whole_id, _ in parts.values()}
-    counts = {count for _, count in parts.values()}
-    if problem is not None or ids <= {None}:
-        pass  # rank 0's finding; or parts written before whole-save ids: loaded as before
-    elif len(ids) > 1:
-        shown = ", ".join(
-            f"{where} (save {whole_id or 'of an older version, without an id'})"
-            for where, (whole_id, _) in sorted(parts.items())
-        )
-        problem = (
-            f"holds parts written by different saves ({shown}): a save of this name stopped "
-            "after some parts were committed, so the others are an older save's, and loading "
-            f"them together would mix the two. {PARTS_FIX}"
-        )
-    elif len(parts) == len({v[0] for v in views}) and counts != {len(parts)}:
-        problem = (
-            f"was saved in {sorted(counts, key=str)} parts, but the ranks of this job load "
-            f"{len(parts)} ({sorted(parts)}): load it under the layout that saved it."
-        )
-    if problem is not None:
-        raise CheckpointError(f"checkpoint {top} {problem}")
-
-
-def _check_kind(kind: object, method: str) -> None:
-    """Raises unless ``kind`` is one of ``TrainingState``'s kinds.
-
-    Checked first: every step after it (where the checkpoint is, which ranks take part)
-    depends on the kind, and an unknown one would fail there with an error about another
-    kind (``kind="full"`` in a multi-rank job without ``tsm.init()`` would be told that
-    kind='local' needs it).
-
-    Raises:
-        ValueError: Naming the value, the kinds and, for names of other APIs, the fix.
-    """
-    if kind in _KINDS:
-        return
-    hints = {
-        "full": (
-            " 'full' is a checkpoint type of SMP's scripts (one torch.save of the gathered "
-            "model); for a full model that from_pretrained reads, call save_hf_checkpoint."
-        ),
-        "sm_local": " 'sm_local' is the kind's name in the checkpoint's marker; pass kind='local'.",
-        "hugging_face": " A Hugging Face export is save_hf_checkpoint's, read by from_pretrained.",
-    }
-    hint = hints.get(kind, "") if isinstance(kind, str) else ""
-    raise ValueError(
-        f"TrainingState.{method}(kind={kind!r}): kind must be one of {_KINDS}: 'sharded' (the "
-        "default; reshardable to any layout) or 'local' (SM-local: one directory per shard, "
-        f"loads under the same layout only).{hint}"
-    )
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def rng_state_json() -> str:
@@ -352,7 +176,7 @@ class TrainingState:
         parameter; otherwise the state as it is, and an optimizer that has none yet gets none
         (Note [Saving creates no optimizer state]).
         """
-        _check_kind(kind, "state_dict")
+        checks.check_kind(kind, "state_dict")
         sd: dict[str, Any] = {
             "step": self.step,
             "data_position": _data_position_json(self.data_position, check=not template),
@@ -387,7 +211,7 @@ class TrainingState:
         if fp8:
             sd[fp8_state.ITEM] = fp8
         if self.save_rng:
-            sd[f"rng_rank{_rank()}"] = rng_state_json()
+            sd[f"rng_rank{checks.world_rank()}"] = rng_state_json()
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any], kind: str = "sharded") -> None:
@@ -396,7 +220,7 @@ class TrainingState:
         Raises:
             ValueError: If ``kind`` is not ``"sharded"`` or ``"local"``.
         """
-        _check_kind(kind, "load_state_dict")
+        checks.check_kind(kind, "load_state_dict")
         if kind == "local":
             sdu.load_local_state_dict(self.model, state_dict["model"])
             if self.optimizer is not None and "optimizer" in state_dict:
@@ -417,7 +241,7 @@ class TrainingState:
             self.lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
         self.step = int(state_dict["step"])
         self.data_position = json.loads(state_dict["data_position"])
-        rng = state_dict.get(f"rng_rank{_rank()}")
+        rng = state_dict.get(f"rng_rank{checks.world_rank()}")
         if rng is not None:
             set_rng_state_json(rng)
         if fp8_state.ITEM in state_dict:
@@ -477,7 +301,7 @@ class TrainingState:
             if smp_state.initialized
             else None
         )
-        ranks = dist.get_process_group_ranks(group) if group is not None else [_rank()]
+        ranks = dist.get_process_group_ranks(group) if group is not None else [checks.world_rank()]
         return path.child(sdu.local_subdir()), group, min(ranks)
 
     def save(
@@ -511,7 +335,7 @@ class TrainingState:
                 given with ``kind="local"``: its shard directories are committed by separate
                 groups, none of which knows when the step is whole.
         """
-        _check_kind(kind, "save")
+        checks.check_kind(kind, "save")
         if num_kept is not None and kind == "local":
             raise ValueError(
                 f"TrainingState.save(kind='local', num_kept={num_kept}): retention runs for "
@@ -533,7 +357,7 @@ class TrainingState:
         sd = self.state_dict(kind)
         # Before any part is written (Note [The parts of one checkpoint come from one save]).
         progress = (sd["step"], sd["data_position"]) if kind == "sharded" else None
-        marker_info = _agree_on_save(str(path), progress)
+        marker_info = checks.agree_on_save(str(path), progress)
         if use_async:
             async_save(
                 sd,
@@ -589,11 +413,11 @@ class TrainingState:
                 one (found after the read, which has filled the model's and the optimizer's
                 tensors in place: after this error, build them anew rather than train on).
         """
-        _check_kind(kind, "load")
+        checks.check_kind(kind, "load")
         top = checkpoint_location(checkpoint_id)
         path, group, coordinator = self._location(top, kind)
         if path is not top:
-            _agree_on_parts(top, path)  # in parts: each group's load compares only its own
+            checks.agree_on_parts(top, path)  # in parts: each group's load compares only its own
         elif (problem := parts_problem(top)) is not None:
             # Parts of another save beside the whole checkpoint: every rank lists the same
             # directory, so every rank raises (one listing; markers read only if parts exist).
@@ -602,16 +426,16 @@ class TrainingState:
         # (one step with zero gradients) that a fresh optimizer must not carry on.
         sd = self._state_dict(kind, with_optimizer=load_optimizer, template=True)
         saved = read_metadata(path).state_dict_metadata
-        stateless = _drop_state_never_saved(sd.get("optimizer"), saved)
+        stateless = checks.drop_state_never_saved(sd.get("optimizer"), saved)
         self._expect_saved_fp8_state(sd, saved, path)
-        rng_key = f"rng_rank{_rank()}"
+        rng_key = f"rng_rank{checks.world_rank()}"
         if rng_key in sd and rng_key not in saved:
             warn_once(
-                f"checkpoint {path} has no RNG state for rank {_rank()} (it was saved by "
-                "fewer ranks); ranks without one keep their current RNG state."
+                f"checkpoint {path} has no RNG state for rank {checks.world_rank()} (it was "
+                "saved by fewer ranks); ranks without one keep their current RNG state."
             )
             sd.pop(rng_key)
-        _refuse_keys_left_behind(sd, saved, path, strict=strict)
+        checks.refuse_keys_left_behind(sd, saved, path, strict=strict)
         # Ranks may differ in the RNG key only, so the key-set agreement check is skipped.
         load(
             sd,
@@ -621,7 +445,7 @@ class TrainingState:
             check_keys_matched=False,
         )
         if stateless:
-            _expect_saved_optimizer_params(sd["optimizer"], stateless, path)
+            checks.expect_saved_optimizer_params(sd["optimizer"], stateless, path)
         self.load_state_dict(sd, kind)
 
     def _expect_saved_fp8_state(self, sd: dict[str, Any], saved: Any, path: Any) -> None:
@@ -642,100 +466,6 @@ class TrainingState:
             )
             return
         sd[fp8_state.ITEM] = fp8_state.empty_like_saved(sizes)
-
-
-def _refuse_keys_left_behind(
-    sd: dict[str, Any], saved: dict[str, Any], path: Any, *, strict: bool
-) -> None:
-    """Raises if the checkpoint holds model or optimizer-state keys ``sd`` does not request.
-
-    Note [A checkpoint that loads is the checkpoint that was saved].
-
-    Args:
-        sd: The template ``load`` fills (``TrainingState._state_dict``).
-        saved: The checkpoint's ``state_dict_metadata``.
-        path: The checkpoint, for the message.
-        strict: Raise; ``False`` logs a warning instead.
-
-    Raises:
-        CheckpointError: With ``strict``, naming the keys left behind and the two fixes.
-    """
-    # DCP's own flattening: the keys compared are exactly those DCP stores.
-    flat, _ = dcp_compat.flatten_state_dict(sdu.resolve_stateful(sd))
-    if any(key not in saved for key in flat):
-        return  # the loader's key check raises, naming the missing keys and these
-    checked = ("model.", "optimizer.state.") if "optimizer" in sd else ("model.",)
-    left = sorted(k for k in saved if k.startswith(checked) and k not in flat)
-    if not left:
-        return
-    model_keys = sum(k.startswith("model.") for k in left)
-    counts = [(model_keys, "model"), (len(left) - model_keys, "optimizer-state")]
-    what = " and ".join(f"{n} {name} keys" for n, name in counts if n)
-    shown = f"{left[:_SHOWN]}{f' and {len(left) - _SHOWN} more' if len(left) > _SHOWN else ''}"
-    if not strict:
-        get_logger().warning(
-            f"loading {path} with strict=False: {what} of the checkpoint are left behind "
-            f"(this model and optimizer have no such keys): {shown}."
-        )
-        return
-    raise CheckpointError(
-        f"checkpoint {path} does not match the state being loaded: it holds {what} that this "
-        f"model and optimizer do not have: {shown}. A checkpoint loads whole, so that what "
-        "loads is what was saved; this one was saved from a bigger or different model, or "
-        "another optimizer. Build the model and optimizer as the job that saved it did, or "
-        "pass strict=False to load only the keys both have (load_optimizer=False leaves the "
-        "optimizer out)."
-    )
-
-
-def _drop_state_never_saved(optim_sd: dict[str, Any] | None, saved: dict[str, Any]) -> list[Any]:
-    """Removes from ``optim_sd`` the state of parameters that have none in the checkpoint.
-
-    Note [Parameters without optimizer state].
-
-    Args:
-        optim_sd: The optimizer part of the template to load (keyed by parameter name, or by
-            index for the SM-local kind); ``None`` when the optimizer is not loaded.
-        saved: The checkpoint's ``state_dict_metadata``.
-
-    Returns:
-        The keys of the parameters whose state was removed.
-    """
-    if not optim_sd:
-        return []
-    # Every dotted prefix of ``<key>.<state name>`` in ``optimizer.state.<key>.<state name>``
-    # (one pass over the checkpoint's keys; a name may hold dots, a state name may be nested).
-    held: set[str] = set()
-    for name in saved:
-        if name.startswith("optimizer.state."):
-            parts = name[len("optimizer.state.") :].split(".")
-            held.update(".".join(parts[:n]) for n in range(1, len(parts)))
-    dropped = [key for key in optim_sd["state"] if str(key) not in held]
-    for key in dropped:
-        del optim_sd["state"][key]
-    return dropped
-
-
-def _expect_saved_optimizer_params(
-    optim_sd: dict[str, Any], stateless: list[Any], path: Any
-) -> None:
-    """Raises unless the saved optimizer held every parameter that has no state in it.
-
-    ``optim_sd["param_groups"]`` is what the checkpoint holds once loaded (Note [Parameters
-    without optimizer state]).
-
-    Raises:
-        CheckpointError: Naming the parameters the saved optimizer did not hold.
-    """
-    held = {p for group in optim_sd["param_groups"] for p in group["params"]}
-    foreign = [key for key in stateless if key not in held]
-    if foreign:
-        raise CheckpointError(
-            f"checkpoint {path} does not match the optimizer being loaded: the saved "
-            f"optimizer did not hold {len(foreign)} of its parameters, which have no state "
-            f"in the checkpoint: {foreign[:20]}. Load it into an optimizer over the same "
-            "parameters as the one that saved it."
-        )
 
 
 def _holds_gradients(optimizer: torch.optim.Optimizer) -> bool:
