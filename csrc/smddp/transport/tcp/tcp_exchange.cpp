@@ -11,12 +11,10 @@
 #include <utility>
 
 #include "smddp/transport/tcp/tcp.h"
+#include "smddp/transport/tcp/tcp_frames.h"
 
 namespace smddp {
 namespace {
-
-constexpr const char* kClosed =
-    "closed its connection (its process exited, or it left the group after an error)";
 
 // The longest a round sleeps while Exchange::background waits for other local ranks (which
 // no socket reports): a local rank's step is about one network chunk apart (512 KiB: 2 ms at
@@ -39,121 +37,6 @@ void TcpMesh::rethrow_if_failed(const Conn& c) {
 bool TcpMesh::stash_in_flight(const Conn& c) {
   return c.hdr_got == sizeof(c.hdr) && (c.target_op == -1 || c.target_op == kDirect) &&
          c.body_got < c.hdr.len;
-}
-
-// Reads the frames available on `peer`'s connection while `route.wants()`, one at a time,
-// and returns when the socket has nothing more. A frame goes where `route.target` says (an
-// operation's buffer, after it checked the header), to a waiting receive's buffer, which
-// `route.owner()` keeps alive (Note [Direct receives over TCP]), or to the stash (Note [TCP
-// trust model]); failure notices end the wait with the peer's reason. A frame may span
-// calls: its state lives in the connection.
-template <class Route>
-void TcpMesh::read_frames(int peer, int fd, Route& route, const OpCtx& ctx) {
-  Conn& c = *conns_[peer];
-  rethrow_if_failed(c);
-  try {
-    read_frames_of(c, peer, fd, route, ctx);
-  } catch (...) {
-    c.failure = std::current_exception();
-    throw;
-  }
-}
-
-template <class Route>
-void TcpMesh::read_frames_of(Conn& c, int peer, int fd, Route& route, const OpCtx& ctx) {
-  auto read_some = [&](char* dst, size_t n) -> bool {
-    ssize_t r = ::recv(fd, dst, n, 0);
-    counts_.recv_calls.fetch_add(1, std::memory_order_relaxed);
-    if (r == 0) fail_peer(peer, kClosed, ctx);
-    if (r < 0) {
-      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return false;
-      fail_peer(peer, std::string("connection error: ") + std::strerror(errno), ctx);
-    }
-    (c.hdr_got < sizeof(c.hdr) ? c.hdr_got : c.body_got) += static_cast<size_t>(r);
-    return true;
-  };
-  while (route.wants()) {
-    if (c.hdr_got < sizeof(c.hdr)) {
-      if (!read_some(reinterpret_cast<char*>(&c.hdr) + c.hdr_got, sizeof(c.hdr) - c.hdr_got))
-        return;
-      if (c.hdr_got < sizeof(c.hdr)) continue;
-      c.body_got = 0;
-      c.target_op = -1;
-      c.body = nullptr;
-      if (c.hdr.tag == kFailureTag) {  // Note [Failure notices]
-        c.target_op = kNotice;
-        c.notice.assign(std::min<uint64_t>(c.hdr.len, kMaxNotice), 0);
-        c.hdr.len = c.notice.size();
-        c.body = c.notice.data();
-      } else {
-        c.body = route.target(c.hdr, c.target_op);
-      }
-      const bool awaited = c.target_op == kAwaited || c.target_op == kDirect;
-      if (c.target_op == kAwaited) c.target_op = -1;
-      if (c.target_op == -1 || c.target_op == kDirect) {
-        // Note [TCP trust model]: a message nobody waits for yet is kept within a budget,
-        // and its buffer grows only as its bytes arrive.
-        const size_t room = stash_budget_ - std::min(stash_budget_, c.stash_bytes);
-        if (!awaited && (c.hdr.len > room || room - c.hdr.len < kStashEntryBytes)) {
-          fail_peer(peer,
-                    "sent a message of " + std::to_string(c.hdr.len) + " bytes (tag " +
-                        std::to_string(c.hdr.tag) +
-                        ") that no receive here expects yet, while earlier such messages "
-                        "waiting here count " +
-                        std::to_string(c.stash_bytes) + " bytes; a connection holds at most " +
-                        std::to_string(stash_budget_) +
-                        " bytes for receives not yet posted, counting each message's length "
-                        "and " +
-                        std::to_string(kStashEntryBytes) +
-                        " bytes for its keeping (post the receives in the order of the sends)",
-                    ctx);
-        }
-        c.stash.push_back({c.hdr, {}, awaited, nullptr, nullptr});
-        c.stash_bytes += stash_cost(c.stash.back());
-        if (c.target_op == kDirect) {
-          c.stash.back().direct_to = c.body;
-          c.stash.back().direct_owner = route.owner();
-        }
-      }
-    }
-    if (c.body_got < c.hdr.len) {
-      char* dst = nullptr;
-      size_t room = c.hdr.len - c.body_got;
-      if (c.target_op != -1) {
-        dst = c.body + c.body_got;
-      } else {
-        std::vector<char>& data = c.stash.back().data;
-        if (data.size() == c.body_got) {
-          data.resize(std::min<size_t>(c.hdr.len, std::max<size_t>(2 * data.size(), 64 << 10)));
-        }
-        dst = data.data() + c.body_got;
-        room = data.size() - c.body_got;
-      }
-      const size_t before = c.body_got;
-      if (!read_some(dst, room)) return;
-      counts_.bytes_received.fetch_add(c.body_got - before, std::memory_order_relaxed);
-      if (c.target_op == -1) {
-        counts_.stashed_bytes.fetch_add(c.body_got - before, std::memory_order_relaxed);
-      }
-      if (c.body_got < c.hdr.len) continue;
-    }
-    // Frame complete.
-    counts_.received.fetch_add(1, std::memory_order_relaxed);
-    c.hdr_got = 0;
-    const int op = c.target_op;
-    c.target_op = -1;
-    if (op == kNotice) {
-      fail_peer(
-          peer,
-          "left the group after its own error: " + std::string(c.notice.begin(), c.notice.end()),
-          ctx);
-    }
-    if (op >= 0) {
-      route.delivered(op);
-    } else {
-      route.stashed();
-    }
-  }
 }
 
 // Note [A failed exchange's frames]
@@ -502,97 +385,6 @@ void TcpMesh::exchange_rounds(Exchange& x, const OpCtx& ctx) {
 }  // namespace smddp
 
 namespace smddp {
-
-// Note [Direct receives over TCP]
-// A receive that waits side by side is attempted without blocking, between other work
-// (Note [Receives wait side by side] in receive_poller.cpp). Had it stashed its message and copied
-// it out at the end, with a pause after every attempt that did not complete it, a 16 MiB
-// ping-pong over TCP took 35-59 ms where a blocking receive took 10 ms. So a receive from
-// one peer claims the first message with its tag that the connection brings (a later
-// receive for the same peer and tag is not attempted before it: posting order), and its
-// body is read straight into the receive's buffer, by this or any later read of the
-// connection (a collective's exchange() continues a frame it finds begun). Once the
-// message has begun, its sender is in the middle of writing it, so take() waits for the
-// rest (holding exec_mu_, as a blocking receive held its lane), in slices of at most
-// kDirectSliceMs without data, after which the caller checks its deadline and peers. The
-// buffer must outlive the message, also when the receive ends without it (an error, or
-// cancellation at shutdown, while queued collectives may still read the connection): the
-// message's stash entry holds the buffer's owner until it is taken or the mesh is
-// destroyed. A receive from any rank cannot claim that way (it could complete from
-// another peer meanwhile), so it stashes.
-bool TcpMesh::take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& ctx,
-                   const std::shared_ptr<void>& data_owner) {
-  const bool direct = data_owner != nullptr;
-  int fd = in_fd(peer);
-  if (fd < 0) return false;
-  Conn& c = *conns_[peer];
-  rethrow_if_failed(c);
-  auto find = [&]() -> int {
-    size_t complete = c.stash.size() - (stash_in_flight(c) ? 1 : 0);
-    for (size_t k = 0; k < complete; ++k) {
-      if (c.stash[k].hdr.tag == tag) return static_cast<int>(k);
-    }
-    return -1;
-  };
-  auto check_length = [&](const Header& h) {
-    if (h.len != len) {
-      fail_peer(peer,
-                "sent " + std::to_string(h.len) + " bytes with tag " + std::to_string(tag) +
-                    " where this rank expects " + std::to_string(len) +
-                    " (send and recv must use tensors of the same size and dtype)",
-                ctx);
-    }
-  };
-  // Reads until a message with the tag is complete or the socket has nothing more. The
-  // first message with the tag is the one this receive gets (none with it is stashed yet,
-  // or find() would have returned it): its length is checked before a byte is stored.
-  bool claimed = find() >= 0 || stash_in_flight(c);
-  struct Stashing {
-    const decltype(find)& found;
-    const decltype(check_length)& check;
-    uint64_t tag;
-    bool& claimed;
-    char* direct;
-    const std::shared_ptr<void>& data_owner;
-    bool wants() { return found() < 0; }
-    const std::shared_ptr<void>& owner() const { return data_owner; }
-    char* target(const Header& h, int& op) {
-      op = -1;
-      if (h.tag == tag && !claimed) {
-        check(h);
-        claimed = true;
-        op = direct ? kDirect : kAwaited;
-        return direct;
-      }
-      return nullptr;
-    }
-    void delivered(int) {}
-    void stashed() {}
-  } route{find, check_length, tag, claimed, direct ? data : nullptr, data_owner};
-  read_frames(peer, fd, route, ctx);
-  while (direct && c.target_op == kDirect && c.body == data) {  // our message is arriving
-    if (aborted_.load() || ctx.deadline.expired()) break;
-    pollfd pfd{fd, POLLIN, 0};
-    counts_.polls.fetch_add(1, std::memory_order_relaxed);
-    if (::poll(&pfd, 1, std::min(kDirectSliceMs, ctx.deadline.remaining_ms() + 1)) <= 0) break;
-    read_frames(peer, fd, route, ctx);
-  }
-  int k = find();
-  if (k < 0) return false;
-  const Stashed& m = c.stash[static_cast<size_t>(k)];
-  check_length(m.hdr);
-  // A direct entry whose receive ended without it stays (its owner with it); no later
-  // receive may get it, and none asks: that receive's end broke the group or shut it down.
-  if (m.direct_to && m.direct_to != data) {
-    throw CommError(
-        "smddp: internal error: a message over TCP was read into the buffer of "
-        "another receive");
-  }
-  if (len && !m.direct_to) std::memcpy(data, m.data.data(), len);
-  c.stash_bytes -= stash_cost(m);
-  c.stash.erase(c.stash.begin() + k);
-  return true;
-}
 
 TransportStats TcpMesh::stats() const {
   constexpr auto kRelaxed = std::memory_order_relaxed;
