@@ -32,7 +32,11 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from torch_sagemaker.checkpoint import integrity
-from torch_sagemaker.checkpoint.completeness import inside_checkpoint_hint, parts_description
+from torch_sagemaker.checkpoint.completeness import (
+    inside_checkpoint_hint,
+    marker_kind,
+    parts_description,
+)
 from torch_sagemaker.checkpoint.constants import (
     COMPLETION_MARKER,
     REPLACED_SUFFIX,
@@ -252,7 +256,7 @@ def read_marker(path: Path) -> dict[str, Any]:
         elif staging_path(path).is_dir():
             hint = f" Only an unfinished save exists ({staging_path(path)})."
         elif is_complete(path.parent):
-            parent_kind = LocalDirectory(path.parent).marker_kind()
+            parent_kind = marker_kind(LocalDirectory(path.parent))
             hint = inside_checkpoint_hint(path.parent, parent_kind, path.name)
         raise CheckpointError(f"checkpoint {path} does not exist.{hint}")
     marker_file = path / COMPLETION_MARKER
@@ -379,14 +383,6 @@ class LocalDirectory:
             return json.loads((self.path / COMPLETION_MARKER).read_text()).get("save_id")
         except (OSError, ValueError, AttributeError):
             return None
-
-    def marker_kind(self) -> str | None:
-        """The kind the marker names, if there is a readable marker that names one."""
-        try:
-            kind = json.loads((self.path / COMPLETION_MARKER).read_text()).get("kind")
-        except (OSError, ValueError, AttributeError):
-            return None
-        return kind if isinstance(kind, str) else None
 
     def marker_entries(self) -> dict[str, Any]:
         """The marker's fields as written (its file table unchecked); ``{}`` without one."""

@@ -156,6 +156,16 @@ def parts_problem(location: Any, parts: list[str] | None = None) -> str | None:
     return None
 
 
+def marker_kind(location: Any) -> str | None:
+    """The kind ``location``'s own marker names.
+
+    ``"sharded"``, ``"sm_local"`` or ``"hugging_face"``; ``None`` without a readable marker, or
+    one that names no kind.
+    """
+    kind = location.marker_entries().get("kind")
+    return kind if isinstance(kind, str) else None
+
+
 def checkpoint_kind(location: Any) -> str | None:
     """The kind of checkpoint ``location`` (a ``CheckpointLocation``) holds, as its markers say.
 
@@ -172,14 +182,14 @@ def checkpoint_kind(location: Any) -> str | None:
         SMP's ``torch.save`` checkpoints), or one that is unreadable or names no kind.
     """
     if location.is_complete():  # checked first: on S3, reading a missing marker is retried
-        return location.marker_kind()
+        return marker_kind(location)
     names = location.checkpoint_names()
     shards = sorted(n for n in names if _SM_LOCAL_SHARD.match(n))
     parts = shards or sorted(n for n in names if _PART.match(n))
     for name in parts:
         part = location.child(name)
         if part.is_complete():
-            return part.marker_kind()
+            return marker_kind(part)
     return None
 
 
@@ -277,6 +287,7 @@ def inside_checkpoint_hint(parent: object, parent_kind: str | None, name: str) -
 
 
 __all__ = [
+    "marker_kind",
     "NUM_PARTS",
     "PARTS_FIX",
     "TRAINING_KINDS",

@@ -87,13 +87,6 @@ class CheckpointLocation(Protocol):
         """The save id in the marker, if there is a readable one."""
         ...
 
-    def marker_kind(self) -> str | None:
-        """The kind its marker names (``"sharded"``, ``"sm_local"``, ``"hugging_face"``).
-
-        ``None`` without a readable marker, or one that names no kind.
-        """
-        ...
-
     def marker_entries(self) -> dict[str, Any]:
         """The marker's fields as written (its file table unchecked); ``{}`` without one."""
         ...

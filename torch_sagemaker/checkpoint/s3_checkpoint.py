@@ -38,6 +38,7 @@ from torch_sagemaker.checkpoint.atomic_dir import check_as_written
 from torch_sagemaker.checkpoint.completeness import (
     inside_checkpoint_hint,
     is_complete_checkpoint,
+    marker_kind,
     parts_description,
 )
 from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER, DCP_METADATA
@@ -308,14 +309,6 @@ class S3Checkpoint:
         except Exception:  # noqa: BLE001 - no marker, or unreadable: no committed save
             return None
 
-    def marker_kind(self) -> str | None:
-        """The kind the marker names, if there is a readable marker that names one."""
-        try:
-            kind = json.loads(self._get(self.marker_key)).get("kind")
-        except Exception:  # noqa: BLE001 - no marker, or unreadable: no kind known
-            return None
-        return kind if isinstance(kind, str) else None
-
     def marker_entries(self) -> dict[str, Any]:
         """The marker's fields as written (its object table unchecked); ``{}`` without one."""
         try:
@@ -352,7 +345,7 @@ class S3Checkpoint:
             hint = ""
             parent = self.parent()
             if parent is not None and parent.key and parent.is_complete():
-                hint = inside_checkpoint_hint(parent, parent.marker_kind(), self.name)
+                hint = inside_checkpoint_hint(parent, marker_kind(parent), self.name)
             raise CheckpointError(f"checkpoint {self.uri} does not exist.{hint}")
         source = f"s3://{self.bucket}/{self.marker_key}"
 
