@@ -74,8 +74,10 @@ def _set_cuda_device() -> None:
     """
     if not torch.cuda.is_available():
         return
-    local_rank = os.environ.get("LOCAL_RANK")  # noqa: TID251  set by torchrun, not a config
-    if local_rank is None or not local_rank.isdigit():
+    local_rank = os.environ.get("LOCAL_RANK", "")  # noqa: TID251  set by torchrun, not a config
+    # ASCII digits, at most as many as launch_env takes: isdigit() alone also takes "²", which
+    # int() refused with a raw ValueError, as it refuses more than 4300 digits.
+    if not (local_rank.isascii() and local_rank.isdigit() and len(local_rank) <= 10):
         return
     torch.cuda.set_device(int(local_rank) % torch.cuda.device_count())
 
@@ -197,13 +199,22 @@ def dry_run(
 
     Raises:
         ConfigError: Every problem in the config at once, as ``init`` raises it.
-        ValueError: If ``world_size`` or ``ranks_per_host`` is not a positive integer.
+        TypeError: If ``world_size`` or ``ranks_per_host`` is not an integer.
+        ValueError: If ``world_size`` or ``ranks_per_host`` is not in [1, 2**31 - 1], or
+            ``ranks_per_host`` exceeds ``world_size``.
     """
     for name, value in (("world_size", world_size), ("ranks_per_host", ranks_per_host)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"dry_run({name}={value!r}): must be an integer.")
-        if value is not None and value < 1:
-            raise ValueError(f"dry_run({name}={value}): must be at least 1.")
+        if value is not None and not 1 <= value <= config_lib.MAX_COUNT:
+            raise ValueError(
+                f"dry_run({name}={config_lib.show_value(value)}): must be in [1, 2**31 - 1]."
+            )
+    if ranks_per_host is not None and ranks_per_host > world_size:
+        raise ValueError(
+            f"dry_run(ranks_per_host={ranks_per_host}): must be at most world_size={world_size} "
+            "(the ranks of one host are ranks of the job)."
+        )
     cfg = config_lib.validate(
         config_lib.load_raw(config, environ=environ, overrides=state.overrides),
         world_size=world_size,

@@ -47,6 +47,9 @@ MAX_COUNT = 2**31 - 1
 #: Most hosts a SLURM node list may expand to (a typo like ``node[0-99999999]`` must not
 #: allocate gigabytes).
 MAX_NODELIST_HOSTS = 1 << 20
+#: Longest host name a SLURM node list may expand to: DNS's limit for a whole name. Without
+#: it a few kilobytes of prefix or zero padding times a million hosts took gigabytes.
+MAX_HOST_NAME = 253
 
 #: Every variable this module reads (docs/config.md lists each).
 VARIABLES = (
@@ -292,7 +295,7 @@ def _slurm(env: Mapping[str, str]) -> LaunchInfo:
     tasks = _parsed(env, tasks_var, launcher, parse_tasks_per_node)
     if len(tasks) != len(hosts) or sum(tasks) != world:
         raise LaunchEnvError(
-            f"{tasks_var}={env[tasks_var]!r} gives {len(tasks)} hosts and {sum(tasks)} tasks, "
+            f"{tasks_var}={_show(env[tasks_var])} gives {len(tasks)} hosts and {sum(tasks)} tasks, "
             f"but {nodes_var} lists {len(hosts)} hosts and {size_var}={world}: the {launcher} "
             "variables disagree. Start the ranks with srun inside the allocation, which sets "
             "them together."
@@ -334,7 +337,7 @@ def _sagemaker_hosts(env: Mapping[str, str]) -> list[str]:
     text = env["SM_HOSTS"]
     try:
         hosts = json.loads(text) if len(text) <= 1 << 20 else None
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: arrays nested thousands deep
         hosts = None
     if not isinstance(hosts, list) or not hosts or not all(isinstance(h, str) for h in hosts):
         raise LaunchEnvError(
@@ -460,7 +463,13 @@ def _parsed(env: Mapping[str, str], var: str, launcher: str, parse) -> list:
 
 # ------------------------------------------------------------------- SLURM syntax
 
-_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+# ASCII digits only: ``\d`` also matches other scripts' digits, which ``int`` would read.
+_RANGE = re.compile(r"^([0-9]+)(?:-([0-9]+))?$")
+
+
+def _show(text: str) -> str:
+    """``text`` as messages quote it: its ``repr``, cut short (a variable may be 128 KiB)."""
+    return repr(text) if len(text) <= 100 else f"{text[:100]!r}... ({len(text)} characters)"
 
 
 def parse_nodelist(text: str) -> list[str]:
@@ -479,15 +488,16 @@ def parse_nodelist(text: str) -> list[str]:
 
     Raises:
         ValueError: Unbalanced brackets, an empty entry or group, a range with ``lo > hi``,
-            or more than ``MAX_NODELIST_HOSTS`` hosts; the message names the value.
+            more than ``MAX_NODELIST_HOSTS`` hosts or a host name longer than
+            ``MAX_HOST_NAME``; the message names the value.
     """
     hosts: list[str] = []
     for entry in _split_top_level(text):
         if not entry:
-            raise ValueError(f"{text!r} has an empty host entry (a stray comma)")
+            raise ValueError(f"{_show(text)} has an empty host entry (a stray comma)")
         hosts.extend(_expand_entry(entry, text, MAX_NODELIST_HOSTS - len(hosts)))
     if not hosts:
-        raise ValueError(f"{text!r} lists no host")
+        raise ValueError(f"{_show(text)} lists no host")
     return hosts
 
 
@@ -497,34 +507,47 @@ def _split_top_level(text: str) -> list[str]:
     for i, ch in enumerate(text):
         if ch == "[":
             if depth:
-                raise ValueError(f"{text!r} nests brackets at position {i}")
+                raise ValueError(f"{_show(text)} nests brackets at position {i}")
             depth = 1
         elif ch == "]":
             if not depth:
-                raise ValueError(f"{text!r} closes a bracket it never opened at position {i}")
+                raise ValueError(f"{_show(text)} closes a bracket it never opened at position {i}")
             depth = 0
         elif ch == "," and not depth:
             entries.append(text[start:i].strip())
             start = i + 1
     if depth:
-        raise ValueError(f"{text!r} leaves a bracket open")
+        raise ValueError(f"{_show(text)} leaves a bracket open")
     entries.append(text[start:].strip())
     return entries
 
 
 def _expand_entry(entry: str, text: str, room: int) -> list[str]:
-    """All hosts of one entry (no top-level comma); at most ``room`` of them."""
-    open_at = entry.find("[")
-    if open_at < 0:
-        return [entry]
-    close_at = entry.index("]", open_at)
-    prefix, group, rest = entry[:open_at], entry[open_at + 1 : close_at], entry[close_at + 1 :]
-    values = _expand_group(group, text, room)
-    # Each value repeats the whole expansion of what follows it.
-    tails = _expand_entry(rest, text, max(1, room // len(values))) if rest else [""]
-    if len(values) * len(tails) > room:
-        raise ValueError(f"{text!r} expands to more than {MAX_NODELIST_HOSTS} hosts")
-    return [f"{prefix}{v}{t}" for v in values for t in tails]
+    """All hosts of one entry (no top-level comma); at most ``room`` of them.
+
+    Built one bracketed group at a time, the left group outermost, in a loop: an entry of
+    thousands of groups meets the host-name bound below instead of Python's recursion limit.
+    """
+    names, longest, rest = [""], 0, entry
+    while rest:
+        open_at = rest.find("[")
+        if open_at < 0:
+            literal, values, rest = rest, [""], ""
+        else:
+            close_at = rest.index("]", open_at)
+            literal = rest[:open_at]
+            values = _expand_group(rest[open_at + 1 : close_at], text, room // len(names))
+            rest = rest[close_at + 1 :]
+        if len(names) * len(values) > room:
+            raise ValueError(f"{_show(text)} expands to more than {MAX_NODELIST_HOSTS} hosts")
+        longest += len(literal) + max(len(v) for v in values)
+        if longest > MAX_HOST_NAME:
+            raise ValueError(
+                f"{_show(text)} expands to a host name longer than {MAX_HOST_NAME} characters "
+                "(DNS's limit); check the variable's value"
+            )
+        names = [f"{n}{literal}{v}" for n in names for v in values]
+    return names
 
 
 def _expand_group(group: str, text: str, room: int) -> list[str]:
@@ -533,20 +556,26 @@ def _expand_group(group: str, text: str, room: int) -> list[str]:
         match = _RANGE.match(part.strip())
         if not match:
             raise ValueError(
-                f"{text!r} has {part!r} inside brackets: expected a number or a range lo-hi"
+                f"{_show(text)} has {_show(part)} inside brackets: expected a number or a "
+                "range lo-hi"
             )
         lo_text, hi_text = match.group(1), match.group(2) or match.group(1)
+        if max(len(lo_text), len(hi_text)) > MAX_HOST_NAME:  # before int(), which refuses 4301
+            raise ValueError(
+                f"{_show(text)} has a number of more than {MAX_HOST_NAME} digits, longer than a "
+                "host name may be"
+            )
         lo, hi = int(lo_text), int(hi_text)
         if lo > hi:
-            raise ValueError(f"{text!r} has the range {part!r} with lo > hi")
+            raise ValueError(f"{_show(text)} has the range {_show(part)} with lo > hi")
         if hi - lo + 1 > room - len(values):
-            raise ValueError(f"{text!r} expands to more than {MAX_NODELIST_HOSTS} hosts")
+            raise ValueError(f"{_show(text)} expands to more than {MAX_NODELIST_HOSTS} hosts")
         width = len(lo_text) if lo_text.startswith("0") else 0
         values.extend(str(v).zfill(width) for v in range(lo, hi + 1))
     return values
 
 
-_TASKS = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+_TASKS = re.compile(r"^([0-9]+)(?:\(x([0-9]+)\))?$")
 
 
 def parse_tasks_per_node(text: str) -> list[int]:
@@ -566,9 +595,9 @@ def parse_tasks_per_node(text: str) -> list[int]:
     for part in text.split(","):
         match = _TASKS.match(part.strip())
         if not match or len(part) > 24:
-            raise ValueError(f"{text!r} has {part!r}: expected a count n or n(xk)")
+            raise ValueError(f"{_show(text)} has {_show(part)}: expected a count n or n(xk)")
         count, repeat = int(match.group(1)), int(match.group(2) or 1)
         if repeat < 1 or repeat > MAX_NODELIST_HOSTS - len(counts) or count > MAX_COUNT:
-            raise ValueError(f"{text!r} has {part!r}: out of range")
+            raise ValueError(f"{_show(text)} has {_show(part)}: out of range")
         counts.extend([count] * repeat)
     return counts

@@ -22,6 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from torch_sagemaker.config import FIELD_NAMES, SMPConfig
+from torch_sagemaker.launch_env import MAX_COUNT
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.sharding_plan import HYBRID_STRATEGIES, MESHES, ShardingPlan
 from torch_sagemaker.topology import Layout
@@ -38,15 +39,16 @@ def _launcher_int(name: str, text: str | None, default: int, minimum: int = 0) -
     """The integer ``text`` (at least ``minimum``) of the launcher's ``name``, else ``default``."""
     if text is None:
         return default
-    try:
-        value = int(text.strip())
-    except ValueError:
-        value = minimum - 1
-    if value < minimum:
+    digits = text.strip()
+    # The rule launch_env applies to the launcher's counts: ASCII digits, at most 2**31 - 1.
+    # int() alone also took "1_000", "+4" and other scripts' digits.
+    ok = digits.isascii() and digits.isdigit() and len(digits) <= 10
+    value = int(digits) if ok else minimum - 1
+    if not minimum <= value <= MAX_COUNT:
         what = "a positive" if minimum == 1 else "a non-negative"
         raise ValueError(
             f"{name}={text[:40]!r}: the launcher's {name} must be {what} "
-            f"integer; unset it or launch with torchrun, which sets it."
+            f"integer of at most 2**31 - 1; unset it or launch with torchrun, which sets it."
         )
     return value
 

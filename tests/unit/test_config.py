@@ -121,6 +121,20 @@ def test_degree_must_divide_world(key):
     assert any(f"{key}=3: must divide world_size=8" in p and "1, 2, 4, 8" in p for p in ps)
 
 
+@pytest.mark.timeout(10)  # listing the divisors by trying every number up to it took minutes
+def test_divisors_of_the_largest_world_are_listed_at_once():
+    (p,) = problems({"tensor_parallel_degree": 2}, world_size=2**31 - 1)
+    assert p.endswith("Use one of 1, 2147483647.")
+    (p,) = problems({"tensor_parallel_degree": 5}, world_size=36)
+    assert p.endswith("Use one of 1, 2, 3, 4, 6, 9, 12, 18, 36.")
+
+
+@pytest.mark.parametrize("world_size", [0, 2**31, 10**30])
+def test_world_size_out_of_range_is_the_callers_error(world_size):
+    with pytest.raises(ValueError, match=r"world_size=.*: must be in \[1, 2\*\*31 - 1\]"):
+        validate({}, world_size)
+
+
 def test_hybrid_shard_degree_rules():
     (p,) = problems({"hybrid_shard_degree": 3}, world_size=8)
     assert (

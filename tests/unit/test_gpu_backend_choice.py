@@ -68,6 +68,8 @@ def test_cuda_backend_rejects_unknown_value():
         (True, "9", 8, 1),  # more local ranks than GPUs (ranks share GPUs)
         (True, None, 8, None),  # no LOCAL_RANK: the script's choice stands
         (True, "x", 8, None),
+        (True, "\u00b2", 8, None),  # "²".isdigit(), but int() raised on it
+        (True, "1" * 5000, 8, None),  # more digits than int() takes
         (False, "1", 0, None),
     ],
 )

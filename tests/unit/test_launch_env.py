@@ -188,6 +188,10 @@ def test_precedence(outer, inner, expected):
         ),
         ({**TORCHRUN, "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a TCP port"),
         ({**TORCHRUN, "MASTER_PORT": "x"}, "MASTER_PORT='x' is not a non-negative integer"),
+        (
+            {**OMPI, "SM_HOSTS": "[" * 100_000 + "]" * 100_000, "SM_CURRENT_HOST": "a"},
+            "SM_HOSTS=.* is not a JSON list of host names",
+        ),
     ],
 )
 def test_errors_name_the_variable(env, message):
@@ -246,6 +250,14 @@ def test_parse_nodelist(text, hosts):
         ("a[]", "expected a number or a range"),
         ("a[0-9999999999]", "more than 1048576 hosts"),
         ("a[0-1023]b[0-1023]c[0-1]", "more than 1048576 hosts"),
+        # Host names are bounded: a long prefix or zero padding times many hosts took
+        # gigabytes, and thousands of groups Python's recursion limit.
+        ("a" * 300 + "[1-2]", "host name longer than 253 characters"),
+        ("n[" + "0" * 300 + "1-2]", "more than 253 digits"),
+        ("n" + "[1]" * 5000, "host name longer than 253 characters"),
+        ("a[\u0661-\u0662]", "expected a number or a range"),  # Arabic-Indic digits
+        # A long value is quoted cut short.
+        ("a[" + "x" * 5000 + "]", r"^'a\[x{98}'\.\.\. \(5003 characters\) has 'x{100}'\.\.\. "),
     ],
 )
 def test_parse_nodelist_errors(text, message):
@@ -257,7 +269,7 @@ def test_parse_tasks_per_node():
     assert L.parse_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
     assert L.parse_tasks_per_node("8") == [8]
     assert L.parse_tasks_per_node("1,2(x2)") == [1, 2, 2]
-    for bad in ("", "2(x)", "x", "2(x0)", "2(x99999999)", "1(x3)2"):
+    for bad in ("", "2(x)", "x", "2(x0)", "2(x99999999)", "1(x3)2", "\u0662"):
         with pytest.raises(ValueError):
             L.parse_tasks_per_node(bad)
 

@@ -393,6 +393,25 @@ def test_command_line_writes_the_best_config_json_and_plot(tmp_path, capsys):
     _init.dry_run(str(best), world_size=8, environ={})
 
 
+@pytest.mark.parametrize(
+    "world_size, ranks_per_host, message",
+    [
+        (0, None, r"dry_run\(world_size=0\): must be in \[1, 2\*\*31 - 1\]"),
+        (10**30, None, r"dry_run\(world_size=10{30}\): must be in"),
+        (8, 16, r"dry_run\(ranks_per_host=16\): must be at most world_size=8"),
+    ],
+)
+@pytest.mark.timeout(10)  # a degree not dividing a huge world listed its divisors for hours
+def test_dry_run_refuses_a_world_out_of_range(world_size, ranks_per_host, message):
+    with pytest.raises(ValueError, match=message):
+        _init.dry_run(
+            {"tensor_parallel_degree": 3},
+            world_size=world_size,
+            ranks_per_host=ranks_per_host,
+            environ={},
+        )
+
+
 def test_command_line_refuses_bad_input(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main([str(tmp_path / "x.json"), "--seq-len", "4096"])  # missing arguments

@@ -104,3 +104,10 @@ def test_malformed_options_raise_naming_the_option():
         resolve(SMDDPOptions(chunk_bytes=12), {})
     with pytest.raises(ValueError, match="SMDDPOptions.timeout=-1"):
         resolve(SMDDPOptions(timeout=-1), {})
+    # True is an int in Python, but only the flags take it (as 1); it was read as spin_us=1.
+    with pytest.raises(ValueError, match="SMDDPOptions.spin_us=True is invalid: expected a whole"):
+        resolve(SMDDPOptions(spin_us=True), {})
+    with pytest.raises(ValueError, match="SMDDPOptions.buffer_bytes=True is invalid: expected a"):
+        resolve(SMDDPOptions(buffer_bytes=True), {})
+    flags = resolve(SMDDPOptions(move_off_cpu=True, timeline=True, stage_cpu=True), {})
+    assert flags["move_off_cpu"] == flags["timeline"] == flags["stage_cpu"] == "1"

@@ -83,7 +83,9 @@ def test_ranker_replication_groups_hold_identical_shards():
     assert small.get_rep_groups() == [[0], [1], [2], [3]]
 
 
-@pytest.mark.parametrize("text", ["x", "-1", "1.5", ""])
+@pytest.mark.parametrize(
+    "text", ["x", "-1", "1.5", "", "1_000", "+4", "\u0664", "4294967296", "1" * 5000]
+)
 def test_launcher_variables_that_are_not_integers_are_named(text):
     from torch_sagemaker.state import _launcher_int
 

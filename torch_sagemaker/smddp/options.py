@@ -91,10 +91,16 @@ class SMDDPOptions:
                 continue
             if isinstance(value, timedelta):
                 value = value.total_seconds()
-            if isinstance(value, bool):
+            if isinstance(value, bool) and field.name in _FLAGS:
                 value = int(value)
             out[field.name] = str(value)
         return out
+
+
+# The flags (fields typed ``bool | None``) are the fields where True and False mean 1 and 0.
+# Elsewhere a bool is a mistake: its text ("True") reaches the backend's parser, which names
+# the field and the rule, instead of being read as the count or size 1.
+_FLAGS = frozenset(f.name for f in dataclasses.fields(SMDDPOptions) if f.type == "bool | None")
 
 
 def setting_table() -> list[dict[str, str]]:
