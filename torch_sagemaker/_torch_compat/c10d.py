@@ -1,7 +1,8 @@
 """Private ``torch.distributed.distributed_c10d`` names: the world's bookkeeping and helpers.
 
 The package reads c10d's registry of live groups (``_world``), asks a process group for its
-per-device backend (``ProcessGroup._get_backend``) and builds a group with the helper
+per-device backend (``ProcessGroup._get_backend``) and the timeout a backend keeps in its
+options (``options._timeout``: gloo, NCCL), builds a group with the helper
 ``new_group`` itself uses (``_new_process_group_helper``), so that the group's name can be
 chosen, and makes a finished ``Work`` from a future (``_create_work_from_future``) for groups
 written in Python. Code that ``torch.compile`` traces sums over a group with the functional
@@ -57,6 +58,36 @@ def default_group_or_none() -> dist.ProcessGroup | None:
 def default_timeout(backend: dist.Backend) -> timedelta:
     """The timeout a new group of ``backend`` gets when none is given."""
     return _c10d._get_default_timeout(backend)
+
+
+def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
+    """The timeout of ``group``'s collectives, where its backend object keeps it; else ``None``.
+
+    gloo's and NCCL's backends keep it in their options (``options._timeout``): what
+    ``init_process_group`` or ``new_group`` gave the group (torch's default for the backend
+    when they were given none: ``new_group`` does not inherit the default group's), or what
+    ``ProcessGroup.set_timeout`` set since. Backends without such options, smddp among them
+    (``torch_sagemaker.smddp.backend.group_timeout``), give ``None``. The backend of CPU
+    tensors is asked first, then that of CUDA tensors; torch gives every backend of a group
+    the same timeout.
+
+    Checked on torch 2.13 (``Backend.Options._timeout``, ``ProcessGroupGloo.options``).
+
+    Args:
+        group: A process group this rank is a member of.
+
+    Returns:
+        The timeout, or ``None`` where no backend of the group keeps one in its options.
+    """
+    for device in ("cpu", "cuda"):
+        try:
+            backend = group._get_backend(torch.device(device))
+        except RuntimeError:  # no backend for that device type
+            continue
+        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
 
 
 def live_groups() -> dict[dist.ProcessGroup, tuple[str, dist.Store]]:

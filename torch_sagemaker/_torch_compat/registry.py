@@ -39,6 +39,7 @@ PRIVATE_NAMES: tuple[str, ...] = (
     f"{_C10D}._world.pg_map",
     f"{_C10D}._world.pg_group_ranks",
     "torch.distributed.ProcessGroup._get_backend",
+    "torch._C._distributed_c10d.Backend.Options._timeout",
     "torch.distributed._functional_collectives.all_reduce",
     "torch.distributed._functional_collectives.wait_tensor",
     "torch._C._distributed_c10d._get_work_registry_size",

@@ -17,6 +17,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -45,6 +46,7 @@ from torch_sagemaker.checkpoint.state_dict_utils import (
     resolve_stateful,
 )
 from torch_sagemaker.logger import get_logger
+from torch_sagemaker.smddp import backend as smddp_backend
 from torch_sagemaker.state import state as tsm_state
 
 
@@ -361,8 +363,13 @@ _ASYNC_GENERATIONS: dict[tuple[int, ...], int] = {}  # groups made per rank set 
 _ASYNC_GROUPS_LOCK = threading.Lock()
 
 
-def _async_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+def _async_group(
+    process_group: dist.ProcessGroup | None, timeout: timedelta
+) -> dist.ProcessGroup | None:
     """The gloo group of ``process_group``'s ranks that background saves run on.
+
+    A group made here gets ``timeout``; one made earlier keeps its own until the worker
+    thread sets the save's (Note [Async save timeout]).
 
     Note [Async save groups]
         Only the saving ranks call ``async_save`` (SMP's scripts: the replica-0 ranks of each
@@ -385,14 +392,59 @@ def _async_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup |
         group = _ASYNC_GROUPS.get(ranks)
         if group is None or group not in c10d_compat.live_groups():  # destroyed since
             generation = _ASYNC_GENERATIONS[ranks] = _ASYNC_GENERATIONS.get(ranks, -1) + 1
-            group = _ASYNC_GROUPS[ranks] = _members_only_gloo_group(ranks, generation)
+            group = _ASYNC_GROUPS[ranks] = _members_only_gloo_group(ranks, generation, timeout)
         return group
 
 
-def _members_only_gloo_group(ranks: tuple[int, ...], generation: int) -> dist.ProcessGroup:
+def _mirrored_timeout(process_group: dist.ProcessGroup | None) -> timedelta:
+    """The timeout of ``process_group`` (default: the default group), for its async group.
+
+    Note [Async save timeout]
+        The async group's collectives wait as long as those of the group the save mirrors
+        (``process_group``, else the default group): the job's timeout, what
+        ``init_process_group(..., timeout=...)`` or ``new_group`` gave, not gloo's default of
+        30 minutes. A saving rank that stops answering (its host died or hangs) then fails
+        the others' background save within about that timeout, as it fails their training
+        collectives. (A group from ``new_group`` without a timeout has torch's default for
+        its backend, 30 minutes for gloo and smddp, not the default group's; so have
+        ``tsm.init``'s groups of fewer ranks than the world, and so then do their async
+        groups.) With gloo's default, on 3 CPU ranks whose default group had a 10 s
+        timeout and one rank stopped (SIGSTOP) in its write, the others' save had not failed
+        after 90 s, and a rank whose main thread had raised meanwhile (its training
+        collective timed out after 10 s) did not exit either: Python joins the queue's worker
+        thread at exit. With the default group's timeout both others' save failed after 10 s,
+        and the rank whose collective timed out exited as it raised, 13 s after the save
+        began. (A rank killed on a live host closes its sockets, and gloo fails its peers'
+        save at once either way: 0.0-0.1 s, before and after.)
+        The worker stays a non-daemon thread: a daemon one would be stopped at exit in the
+        middle of a save that was about to complete (its files written, the commit not yet
+        made), losing that checkpoint. With every wait of the save bounded, exit waits at
+        most for the save in progress and those queued after it, each failing within the
+        timeout when its peers are gone: each of DCP's collectives and the commit's gather
+        and broadcast wait up to the timeout, and a rank whose commit collectives failed then
+        polls up to ``OUTCOME_WAIT_S`` for the outcome (Note [Commit outcome]).
+        A timeout is found where the group's backend keeps one: gloo's and NCCL's options
+        (``c10d_compat.group_timeout``), smddp's record (Note [smddp group timeouts]).
+        Failing that, the default group's; failing that too (a backend registered from
+        elsewhere, which keeps it nowhere Python can read), gloo's default, as before.
+        One async group serves every save over the same ranks, whose groups may have other
+        timeouts: the worker thread sets the save's on it before the save, so it never
+        changes under a collective of the group (only that thread runs them).
+    """
+    default = c10d_compat.default_group()
+    for group in (process_group or default, default):
+        timeout = c10d_compat.group_timeout(group) or smddp_backend.group_timeout(group)
+        if timeout is not None:
+            return timeout
+    return c10d_compat.default_timeout(dist.Backend("gloo"))
+
+
+def _members_only_gloo_group(
+    ranks: tuple[int, ...], generation: int, timeout: timedelta
+) -> dist.ProcessGroup:
     """A gloo group created by its members only, named after its ranks and ``generation``.
 
-    See Note [Async save groups].
+    See Note [Async save groups]; ``timeout``: Note [Async save timeout].
     """
     name = "tsm_async_save_" + "_".join(map(str, ranks)) + (f"_g{generation}" if generation else "")
     default_store = c10d_compat.live_groups()[c10d_compat.default_group()][1]
@@ -404,7 +456,7 @@ def _members_only_gloo_group(ranks: tuple[int, ...], generation: int) -> dist.Pr
         "gloo",
         default_store,
         group_name=name,
-        timeout=c10d_compat.default_timeout(dist.Backend("gloo")),
+        timeout=timeout,
     )
     c10d_compat.set_group_ranks(group, {rank: i for i, rank in enumerate(ranks)})
     tsm_state.adopt_group(group)  # tsm.state.reset() destroys it with the library's other groups
@@ -470,9 +522,17 @@ def async_save(
     info = {**_info(resolved), **(marker_info or {})}
     staged = BlockingAsyncStager().stage(resolved)
     participants = Participants(process_group, coordinator_rank)
-    participants.group = _async_group(process_group)
-    return queue.schedule_async_request(
-        lambda: _write(
+    timeout: timedelta | None = None
+    if participants.distributed:
+        timeout = _mirrored_timeout(process_group)
+        participants.group = _async_group(process_group, timeout)
+
+    def write() -> None:
+        # On the worker thread, the only one that runs the group's collectives (Note [Async
+        # save timeout]).
+        if participants.group is not None and timeout is not None:
+            participants.group.set_timeout(timeout)
+        _write(
             staged,
             target,
             storage_writer=storage_writer,
@@ -481,9 +541,9 @@ def async_save(
             info=info,
             on_commit=on_commit,
             thread_count=strategy.thread_count,
-        ),
-        description=f"async save of {checkpoint_id}",
-    )
+        )
+
+    return queue.schedule_async_request(write, description=f"async save of {checkpoint_id}")
 
 
 __all__ = [
