@@ -126,6 +126,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("tensor"), py::call_guard<py::gil_scoped_release>())
       .def("_all_reduce_direct", &smddp::ProcessGroupSMDDP::allreduce_direct, py::arg("tensor"),
            py::arg("op"), py::call_guard<py::gil_scoped_release>())
+      // torch binds `options` for gloo and NCCL only; the same property here lets callers read
+      // any group's timeout alike (getBackendOptions in backend.h).
+      .def_property_readonly("options", &smddp::ProcessGroupSMDDP::getBackendOptions)
       .def("_settings",
            [](const smddp::ProcessGroupSMDDP& pg) {
              return smddp::describe(pg.comm().config().settings);

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from torch_sagemaker._torch_compat import c10d as c10d_compat
 from torch_sagemaker._torch_compat import device_mesh as mesh_compat
 from torch_sagemaker.sharding_plan import ShardingPlan
 from torch_sagemaker.state import _Groups
@@ -72,6 +73,7 @@ def build_groups(plan: ShardingPlan) -> _Groups:
     ]
     world = dist.group.WORLD
     owned = [g for g in dict.fromkeys(owned) if g is not world]
+    _give_the_default_timeout(owned)
     return _Groups(
         device_mesh=mesh,
         fsdp_mesh=fsdp_mesh,
@@ -91,6 +93,26 @@ def build_groups(plan: ShardingPlan) -> _Groups:
         expert_replicate_mesh=expert_fsdp_mesh["edp_replicate"],
         owned=owned,
     )
+
+
+def _give_the_default_timeout(groups: list[dist.ProcessGroup]) -> None:
+    """Sets the default group's timeout on ``groups``.
+
+    ``init_device_mesh`` makes its groups with ``new_group``, which gives a group torch's
+    default for its backend (30 minutes for gloo and smddp), not the timeout the job gave
+    ``init_process_group``: a dead rank failed a TP or replica collective only after 30
+    minutes while the world's failed within the job's timeout. torchtitan sets its mesh's
+    timeouts after creating it the same way. A backend that reports no timeout, or cannot set
+    one (torch's base class raises), keeps its own.
+    """
+    timeout = c10d_compat.group_timeout(c10d_compat.default_group())
+    if timeout is None:
+        return
+    for group in groups:
+        try:
+            group.set_timeout(timeout)
+        except RuntimeError:  # a backend without setTimeout
+            pass
 
 
 __all__ = ["DeviceMesh", "build_groups", "mesh_device_type"]

@@ -256,3 +256,35 @@ def test_init_refuses_expert_with_context_parallel_before_building_groups():
         assert any(
             "expert_parallel_degree=2 with context_parallel_degree=2" in p for p in out["error"]
         ), out
+
+
+def _group_timeouts(layout):
+    import torch.sagemaker as tsm
+
+    from torch_sagemaker._torch_compat import c10d as c10d_compat
+
+    tsm.state.reset()
+    hsd, tp = layout
+    tsm.init({"hybrid_shard_degree": hsd, "tensor_parallel_degree": tp})
+    s = tsm.state
+    groups = {
+        "world": s.world_process_group,
+        "tp": s.tp_process_group,
+        "cp": s.cp_process_group,
+        "ep": s.ep_process_group,
+        "shard": s.fsdp_shard_process_group,
+        "replicate": s.fsdp_replicate_process_group,
+        "replica": s.rep_rank_process_group,
+        "dp": s.dp_process_group,
+    }
+    out = {name: c10d_compat.group_timeout(g).total_seconds() for name, g in groups.items()}
+    tsm.state.reset()
+    return out
+
+
+@pytest.mark.parametrize("backend", ["gloo", "smddp"])
+def test_every_group_waits_as_long_as_the_default_group(backend):
+    # new_group gives a group torch's default for its backend (30 minutes), not the job's: a
+    # dead rank failed a TP or replica collective only after it (mesh.py).
+    for out in run_distributed(_group_timeouts, (2, 2), world_size=4, backend=backend):
+        assert set(out.values()) == {120.0}, out

@@ -1,8 +1,8 @@
 """Private ``torch.distributed.distributed_c10d`` names: the world's bookkeeping and helpers.
 
 The package reads c10d's registry of live groups (``_world``), asks a process group for its
-per-device backend (``ProcessGroup._get_backend``) and the timeout a backend keeps in its
-options (``options._timeout``: gloo, NCCL), builds a group with the helper
+per-device backend (``ProcessGroup._get_backend``) and the timeout a backend reports in its
+options (``options._timeout``), builds a group with the helper
 ``new_group`` itself uses (``_new_process_group_helper``), so that the group's name can be
 chosen, and makes a finished ``Work`` from a future (``_create_work_from_future``) for groups
 written in Python. Code that ``torch.compile`` traces sums over a group with the functional
@@ -63,15 +63,15 @@ def default_timeout(backend: dist.Backend) -> timedelta:
 def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
     """The timeout of ``group``'s collectives, where its backend object keeps it; else ``None``.
 
-    gloo's and NCCL's backends keep it in their options (``options._timeout``): what
-    ``init_process_group`` or ``new_group`` gave the group (torch's default for the backend
-    when they were given none: ``new_group`` does not inherit the default group's), or what
-    ``ProcessGroup.set_timeout`` set since. Backends without such options, smddp among them
-    (``torch_sagemaker.smddp.backend.group_timeout``), give ``None``. The backend of CPU
-    tensors is asked first, then that of CUDA tensors; torch gives every backend of a group
-    the same timeout.
+    A backend reports it in its options (``Backend.options._timeout``, its C++
+    ``getBackendOptions``): gloo, NCCL and smddp do. It is what ``init_process_group`` or
+    ``new_group`` gave the group (torch's default for the backend when they were given
+    none: ``new_group`` does not inherit the default group's), or what
+    ``ProcessGroup.set_timeout`` set since. A backend without options (torch's base class
+    raises) gives ``None``. The backend of CPU tensors is asked first, then that of CUDA
+    tensors; torch gives every backend of a group the same timeout.
 
-    Checked on torch 2.13 (``Backend.Options._timeout``, ``ProcessGroupGloo.options``).
+    Checked on torch 2.13 (``Backend.options``, ``Backend.Options._timeout``).
 
     Args:
         group: A process group this rank is a member of.
@@ -84,7 +84,10 @@ def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
             backend = group._get_backend(torch.device(device))
         except RuntimeError:  # no backend for that device type
             continue
-        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+        try:
+            timeout = backend.options._timeout
+        except (AttributeError, RuntimeError):  # a backend that implements no options
+            continue
         if isinstance(timeout, timedelta):
             return timeout
     return None

@@ -46,7 +46,6 @@ from torch_sagemaker.checkpoint.state_dict_utils import (
     resolve_stateful,
 )
 from torch_sagemaker.logger import get_logger
-from torch_sagemaker.smddp import backend as smddp_backend
 from torch_sagemaker.state import state as tsm_state
 
 
@@ -406,11 +405,10 @@ def _mirrored_timeout(process_group: dist.ProcessGroup | None) -> timedelta:
         30 minutes. A saving rank that stops answering (its host died or hangs) then fails
         the others' background save within about that timeout, as it fails their training
         collectives. (A group from ``new_group`` without a timeout has torch's default for
-        its backend, 30 minutes for gloo and smddp, not the default group's; so have
-        ``tsm.init``'s groups of fewer ranks than the world, and so then do their async
-        groups.) With gloo's default, on 3 CPU ranks whose default group had a 10 s
-        timeout and one rank stopped (SIGSTOP) in its write, the others' save had not failed
-        after 90 s, and a rank whose main thread had raised meanwhile (its training
+        its backend, 30 minutes for gloo and smddp, not the default group's, and so has its
+        async group; ``tsm.init``'s groups are given the default group's, ``mesh.py``.)
+        With gloo's default, on 3 CPU ranks whose default group had a 10 s timeout and one
+        rank stopped (SIGSTOP) in its write, the others' save had not failed after 90 s, and a rank whose main thread had raised meanwhile (its training
         collective timed out after 10 s) did not exit either: Python joins the queue's worker
         thread at exit. With the default group's timeout both others' save failed after 10 s,
         and the rank whose collective timed out exited as it raised, 13 s after the save
@@ -423,17 +421,17 @@ def _mirrored_timeout(process_group: dist.ProcessGroup | None) -> timedelta:
         timeout when its peers are gone: each of DCP's collectives and the commit's gather
         and broadcast wait up to the timeout, and a rank whose commit collectives failed then
         polls up to ``OUTCOME_WAIT_S`` for the outcome (Note [Commit outcome]).
-        A timeout is found where the group's backend keeps one: gloo's and NCCL's options
-        (``c10d_compat.group_timeout``), smddp's record (Note [smddp group timeouts]).
-        Failing that, the default group's; failing that too (a backend registered from
-        elsewhere, which keeps it nowhere Python can read), gloo's default, as before.
+        A timeout is found in the options of the group's backend (``c10d_compat.
+        group_timeout``: gloo, NCCL and smddp report it there). Failing that, the default
+        group's; failing that too (a backend registered from elsewhere that reports no
+        options), gloo's default, as before.
         One async group serves every save over the same ranks, whose groups may have other
         timeouts: the worker thread sets the save's on it before the save, so it never
         changes under a collective of the group (only that thread runs them).
     """
     default = c10d_compat.default_group()
     for group in (process_group or default, default):
-        timeout = c10d_compat.group_timeout(group) or smddp_backend.group_timeout(group)
+        timeout = c10d_compat.group_timeout(group)
         if timeout is not None:
             return timeout
     return c10d_compat.default_timeout(dist.Backend("gloo"))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import warnings
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -61,7 +60,6 @@ def register() -> bool:
 
     def create_backend(*args):
         created = _C.create_backend(*args)
-        _record_timeout(args[0], created)
         _warn_if_ring_unused(created)
         _warn_if_idle_restarts(created)
         return created
@@ -74,47 +72,6 @@ def register() -> bool:
     # [Shutdown from the group's own thread] in csrc/smddp/backend/backend.cpp).
     atexit.register(_C._wait_for_deferred_releases, 60.0)
     return True
-
-
-# Note [smddp group timeouts]
-#     torch keeps a group's timeout where Python can read it only in gloo's and NCCL's backend
-#     options (``c10d_compat.group_timeout``); smddp's backend holds it in C++ alone. So the
-#     creator records, under the group's name, the timeout the group's collectives wait when
-#     they are given none: its ``SMDDPOptions(timeout=...)`` if set, which replaces c10d's as
-#     in the backend's constructor, else the one ``init_process_group`` or ``new_group``
-#     passed. Read from Python, not added to the extension: a binding would cost a rebuild of
-#     the extension for one number the creator already sees. A group made again under the
-#     same name replaces its entry; a destroyed group's entry stays (a name and a timedelta).
-#     Not followed: ``ProcessGroup.set_timeout`` on a live smddp group.
-_TIMEOUTS: dict[str, timedelta] = {}
-
-
-def _record_timeout(backend_options, created) -> None:
-    """Records the timeout of the group ``created`` serves (Note [smddp group timeouts])."""
-    configured = created._settings().get("timeout", "")
-    _TIMEOUTS[str(backend_options.group_id)] = (
-        timedelta(seconds=float(configured)) if configured else backend_options.timeout
-    )
-
-
-def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
-    """The timeout of ``group``'s smddp collectives that are given none of their own.
-
-    Note [smddp group timeouts].
-
-    Args:
-        group: A process group (default: the default group).
-
-    Returns:
-        The timeout, or ``None`` if the group's CPU backend is not smddp.
-    """
-    group = group or dist.group.WORLD
-    assert group is not None, "the default process group is not initialized"
-    try:
-        _smddp_backend(group)
-    except (ValueError, RuntimeError):  # another backend, or none for CPU tensors
-        return None
-    return _TIMEOUTS.get(group.group_name)
 
 
 _RING_WARNED = False

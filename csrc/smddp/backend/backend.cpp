@@ -4,6 +4,7 @@
 #include <Python.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <system_error>
 #include <thread>
@@ -266,6 +267,15 @@ void ProcessGroupSMDDP::abort() {
     if (comm_) comm_->abort();
   }
   shutdown();
+}
+
+c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupSMDDP::getBackendOptions() {
+  // Bounded below 2^63 ms: a timeout of 1e300 s is legal (it never expires), its cast is not.
+  const double ms = std::min(timeout_s_ * 1e3, 9e18);
+  auto options = c10::make_intrusive<Options>(getBackendName(),
+                                              std::chrono::milliseconds(static_cast<int64_t>(ms)));
+  options->group_name = group_name_;
+  return options;
 }
 
 double ProcessGroupSMDDP::timeout_of(std::chrono::milliseconds t) const {

@@ -35,6 +35,10 @@ class ProcessGroupSMDDP : public c10d::Backend {
   void setTimeout(std::chrono::milliseconds timeout) override {
     timeout_s_ = timeout.count() / 1e3;
   }
+  // The group's timeout (what setTimeout set last, else the constructor's), read from Python
+  // as `backend.options._timeout`, where torch keeps gloo's and NCCL's: callers that must wait
+  // as long as a group does (the async-save group, tsm.init's groups) ask every backend alike.
+  c10::intrusive_ptr<Options> getBackendOptions() override;
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
