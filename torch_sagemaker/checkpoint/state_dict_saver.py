@@ -408,12 +408,13 @@ def _mirrored_timeout(process_group: dist.ProcessGroup | None) -> timedelta:
         its backend, 30 minutes for gloo and smddp, not the default group's, and so has its
         async group; ``tsm.init``'s groups are given the default group's, ``mesh.py``.)
         With gloo's default, on 3 CPU ranks whose default group had a 10 s timeout and one
-        rank stopped (SIGSTOP) in its write, the others' save had not failed after 90 s, and a rank whose main thread had raised meanwhile (its training
-        collective timed out after 10 s) did not exit either: Python joins the queue's worker
-        thread at exit. With the default group's timeout both others' save failed after 10 s,
-        and the rank whose collective timed out exited as it raised, 13 s after the save
-        began. (A rank killed on a live host closes its sockets, and gloo fails its peers'
-        save at once either way: 0.0-0.1 s, before and after.)
+        rank stopped (SIGSTOP) in its write, the others' save had not failed after 90 s,
+        and a rank whose main thread had raised meanwhile (its training collective timed out
+        after 10 s) did not exit either: Python joins the queue's worker thread at exit. With
+        the default group's timeout both others' save failed after 10 s, and the rank whose
+        collective timed out exited as it raised, 13 s after the save began. (A rank killed on
+        a live host closes its sockets, and gloo fails its peers' save at once either way:
+        0.0-0.1 s, before and after.)
         The worker stays a non-daemon thread: a daemon one would be stopped at exit in the
         middle of a save that was about to complete (its files written, the commit not yet
         made), losing that checkpoint. With every wait of the save bounded, exit waits at
