@@ -434,3 +434,39 @@ def test_fsdp1_tp_local_shards_saved_over_tp_ranks_are_refused(tmp_path):
         assert "tp{degree}-{rank}" in error and "TrainingState.save" in error
         assert loaded == [rank + 1.0] * 4
     assert not (tmp_path / "whole").exists()
+
+
+def _dcp_load_of_a_changed_shard(root: str) -> str:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from torch_sagemaker.checkpoint import save
+    from torch_sagemaker.checkpoint.filesystem import DistributedFileSystemReader
+
+    rank = dist.get_rank()
+    save({f"w{rank}": torch.full((4096,), float(rank + 1))}, checkpoint_id=f"{root}/c")
+    dist.barrier()
+    if rank == 0:  # a bit inside rank 1's tensor, which only rank 1 reads
+        with open(f"{root}/c/__1_0.distcp", "r+b") as f:
+            middle = f.seek(0, 2) // 2
+            f.seek(middle)
+            byte = f.read(1)[0]
+            f.seek(middle)
+            f.write(bytes([byte ^ 0x01]))
+    dist.barrier()
+    try:  # as SMP's scripts load optimizer states: DCP's load with SMP's reader
+        dcp.load(
+            {f"w{rank}": torch.zeros(4096)},
+            storage_reader=DistributedFileSystemReader(f"{root}/c"),
+        )
+        return "no error"
+    except CheckpointException as e:
+        return str(e)
+
+
+def test_dcp_load_through_the_smp_reader_stops_every_rank_on_a_changed_shard(tmp_path):
+    errors = run_distributed(_dcp_load_of_a_changed_shard, str(tmp_path), world_size=2)
+    for error in errors:  # rank 0, which read only its own intact file, too
+        assert "__1_0.distcp does not match its crc32 checksum" in error, errors

@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemWriter, StorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from torch_sagemaker.checkpoint import (
@@ -211,3 +212,66 @@ def test_crc_stream_gives_up_on_out_of_order_writes(tmp_path):
         "x": (11, integrity.file_checksum(tmp_path / "x")),
         "y": (-1, None),  # written, but neither its size nor its checksum is known
     }
+
+
+# DCP's own load through SMP's reader (SMP's scripts load optimizer states so): Note [What DCP
+# reads through DistributedFileSystemReader].
+
+
+def _dcp_load_through_smp_reader(state: dict, directory) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from torch_sagemaker.checkpoint.filesystem import DistributedFileSystemReader
+
+    dcp.load(state, storage_reader=DistributedFileSystemReader(directory), no_dist=True)
+
+
+def test_dcp_load_through_the_smp_reader_refuses_a_changed_shard(tmp_path):
+    want = _two_tensors()
+    save(want, checkpoint_id=tmp_path / "c")
+    intact = {"a": torch.zeros(64, 16), "b": torch.zeros(64, 16)}
+    _dcp_load_through_smp_reader(intact, tmp_path / "c")
+    assert all(torch.equal(intact[k], want[k]) for k in want)
+    shard = _flip_byte_inside(tmp_path / "c", want["a"])
+    got = {"a": torch.zeros(64, 16), "b": torch.zeros(64, 16)}
+    # DCP's load raises its own CheckpointException, quoting each rank's error.
+    with pytest.raises(CheckpointException, match=rf"{shard.name} does not match its crc32"):
+        _dcp_load_through_smp_reader(got, tmp_path / "c")
+    assert float(got["a"].abs().sum()) == 0.0, "nothing may be read from a changed file"
+
+
+def test_dcp_load_through_the_smp_reader_refuses_a_truncated_shard_or_garbled_metadata(tmp_path):
+    from torch_sagemaker.checkpoint.filesystem import DistributedFileSystemReader
+
+    save(_two_tensors(), checkpoint_id=tmp_path / "t")
+    (shard,) = _data_files(tmp_path / "t")
+    shard.write_bytes(shard.read_bytes()[:-8])
+    with pytest.raises(CheckpointError, match=rf"{shard.name}"):
+        DistributedFileSystemReader(tmp_path / "t")
+    save(_two_tensors(), checkpoint_id=tmp_path / "m")
+    meta = tmp_path / "m" / ".metadata"
+    meta.write_bytes(b"\0" * meta.stat().st_size)
+    with pytest.raises(CheckpointException, match=r"\.metadata does not match its crc32"):
+        _dcp_load_through_smp_reader({"a": torch.zeros(64, 16)}, tmp_path / "m")
+
+
+def test_dcp_load_through_the_smp_reader_reads_a_plain_dcp_checkpoint(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    want = _two_tensors()
+    dcp.save(want, storage_writer=FileSystemWriter(tmp_path / "plain"), no_dist=True)
+    got = {"a": torch.zeros(64, 16), "b": torch.zeros(64, 16)}
+    _dcp_load_through_smp_reader(got, tmp_path / "plain")  # no marker: read as DCP reads it
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_load_with_the_smp_reader_checks_each_file_once(tmp_path, monkeypatch):
+    from torch_sagemaker.checkpoint.filesystem import DistributedFileSystemReader
+
+    save(_two_tensors(), checkpoint_id=tmp_path / "c")
+    checked: list[str] = []
+    real = integrity.file_checksum
+    monkeypatch.setattr(integrity, "file_checksum", lambda p: checked.append(p.name) or real(p))
+    got = {"a": torch.zeros(64, 16), "b": torch.zeros(64, 16)}
+    load(got, storage_reader=DistributedFileSystemReader(tmp_path / "c"))
+    assert sorted(checked) == sorted([".metadata", *(p.name for p in _data_files(tmp_path / "c"))])

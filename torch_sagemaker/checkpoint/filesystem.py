@@ -2,11 +2,13 @@
 
 SMP's scripts load async checkpoints with ``load(..., storage_reader=
 DistributedFileSystemReader(path))``. Both classes here are PyTorch DCP's file-system
-storage with SMP's names and keywords: the reader is DCP's ``FileSystemReader``; the writer
-is DCP's ``FileSystemWriter`` plus SMP's write hooks and ``is_coordinator``. Their ``fs`` is
-the checkpoint location's (``location.checkpoint_location``): for ``s3://`` paths
-``s3_filesystem.S3FileSystem``, and the reader reads the save a checkpoint's completion
-marker names (Note [S3 checkpoint layout] in ``s3_checkpoint``).
+storage with SMP's names and keywords: the reader is DCP's ``FileSystemReader`` that checks
+what it reads against the checkpoint's completion marker (Note [What DCP reads through
+DistributedFileSystemReader]); the writer is DCP's ``FileSystemWriter`` plus SMP's write
+hooks and ``is_coordinator``. Their ``fs`` is the checkpoint location's
+(``location.checkpoint_location``): for ``s3://`` paths ``s3_filesystem.S3FileSystem``, and
+the reader reads the save a checkpoint's completion marker names (Note [S3 checkpoint
+layout] in ``s3_checkpoint``).
 """
 
 from __future__ import annotations
@@ -15,19 +17,42 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from torch_sagemaker.checkpoint.constants import DCP_METADATA
 from torch_sagemaker.checkpoint.location import CheckpointId, checkpoint_location
+from torch_sagemaker.checkpoint.marker import corrupt_error, not_a_training_checkpoint
 from torch_sagemaker.checkpoint.s3_filesystem import path_to_file_system
 
 #: A write hook: called with the writer (``writer.path``, ``writer.is_coordinator``, ``writer.fs``).
 WriteHook = Callable[["DistributedFileSystemWriter"], None]
 
 
+# Note [What DCP reads through DistributedFileSystemReader]
+#     SMP's scripts call DCP's ``load`` (and torch's ``load_sharded_optimizer_state_dict``)
+#     with this reader directly, not through our ``load``, which checks every file against the
+#     checkpoint's completion marker. So the reader checks what it reads itself: when it is
+#     made, that the checkpoint is complete and every file the marker lists has its size
+#     (``read_marker``); the metadata's checksum before DCP reads it; and, before each
+#     ``read_data``, the checksums of the files this rank's plan reads, each file once per
+#     reader. A mismatch raises ``CheckpointError`` naming the files. In ``read_data`` it
+#     fails that rank's step of DCP's load, whose gather raises on every rank, so no rank
+#     waits for another. Cost: each file a rank reads is read once more for its checksum, as
+#     ``load`` does (docs/checkpoint.md, "Integrity"). A directory without a marker (written
+#     by DCP's own ``save``) is read unchecked, as DCP reads it; a marker without checksums
+#     (``checksums=False``, or written before them) is checked by size only. Our ``load``
+#     checks the files before DCP reads them and tells the reader so (``mark_verified``):
+#     nothing is checked twice.
+
+
 class DistributedFileSystemReader(FileSystemReader):
     """Reads a checkpoint directory written by DCP (every rank reads the pieces it needs).
+
+    What it reads is checked against the checkpoint's completion marker, where there is one
+    (Note [What DCP reads through DistributedFileSystemReader]).
 
     Args:
         path: The checkpoint directory, ``s3://`` URI or ``checkpoint_location`` (``.path``
@@ -37,7 +62,8 @@ class DistributedFileSystemReader(FileSystemReader):
         s3client_config: An ``s3torchconnector.S3ClientConfig`` for ``s3://`` paths.
 
     Raises:
-        CheckpointError: For an ``s3://`` checkpoint that is missing or incomplete.
+        CheckpointError: For an ``s3://`` checkpoint that is missing or incomplete, or a
+            checkpoint with a marker whose files are missing or have other sizes.
     """
 
     def __init__(
@@ -51,10 +77,55 @@ class DistributedFileSystemReader(FileSystemReader):
         #: The checkpoint this reader reads (``load`` takes it when no checkpoint_id is given;
         #: DCP's own ``checkpoint_id`` property is ``path``, the committed save on S3).
         self.source_checkpoint: CheckpointId = path
+        self._location = location
+        self._marker = location.read_marker() if location.is_complete() else None
+        self._checked: set[str] = set()  # files whose checksum matched (or need no check)
         # The committed files, so that DCP used directly (SMP's scripts load the optimizer
-        # state with this reader) reads exactly those (on S3 the marker is read here).
+        # state with this reader) reads exactly those (on S3 the marker names them).
         self.fs = location.file_system()
-        self.path = self.fs.init_path(location.data_root())
+        root = location.data_root(self._marker) if self._marker else location.data_root()
+        self.path = self.fs.init_path(root)
+
+    def mark_verified(self) -> None:
+        """Records that every file was checked already (``load`` does before DCP reads)."""
+        self._marker = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's metadata, after checking the marker's kind and the metadata's checksum.
+
+        Raises:
+            CheckpointError: A Hugging Face export (or another kind DCP cannot read), or
+                metadata whose bytes changed since the save.
+        """
+        if self._marker is not None:
+            kind = self._marker.get("kind")
+            problem = not_a_training_checkpoint(self._location, kind)
+            if problem is not None:
+                raise problem
+            self._check([DCP_METADATA])
+        return super().read_metadata(*args, **kwargs)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Checks the files ``plan`` reads against the marker, then reads them as DCP does.
+
+        Raises:
+            CheckpointError: Naming each file whose bytes changed since the save.
+        """
+        if self._marker is not None:
+            files = {self.storage_data[item.storage_index].relative_path for item in plan.items}
+            self._check(sorted(files))
+        return super().read_data(plan, planner)
+
+    def _check(self, names: list[str]) -> None:
+        """Raises ``CheckpointError`` for the files of ``names`` that differ from the save's."""
+        assert self._marker is not None
+        todo = [n for n in names if n not in self._checked]
+        unlisted = [n for n in todo if n not in self._marker.get("files", {})]
+        problems = [f"{n}: not a file this save wrote" for n in unlisted]
+        problems += self._location.verify(self._marker, [n for n in todo if n not in unlisted])
+        if problems:
+            raise corrupt_error(self._location, problems)
+        self._checked.update(todo)
 
 
 class DistributedFileSystemWriter(FileSystemWriter):

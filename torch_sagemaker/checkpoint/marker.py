@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch_sagemaker.checkpoint import integrity
+from torch_sagemaker.checkpoint.completeness import TRAINING_KINDS
 from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER, FORMAT_VERSION
 
 
@@ -110,6 +111,28 @@ def check_sizes(
             problems.append(f"{prefix}{name} has {actual[name]} bytes, {size} were written")
     if problems:
         raise CheckpointError(f"checkpoint {where} is corrupt: " + "; ".join(problems) + ".")
+
+
+def not_a_training_checkpoint(where: object, kind: object) -> CheckpointError | None:
+    """The error for a complete checkpoint whose marker's ``kind`` DCP's readers cannot read.
+
+    ``None`` for the training kinds (and for markers written before kinds, without one).
+    """
+    if kind is None or (isinstance(kind, str) and kind in TRAINING_KINDS):
+        return None
+    if kind == "hugging_face":
+        return CheckpointError(
+            f"checkpoint {where} is a Hugging Face export (its marker's kind is "
+            "'hugging_face': config.json and safetensors written by save_hf_checkpoint), not "
+            "a checkpoint of save() or TrainingState.save, so load() cannot read it. Read it "
+            "with transformers' AutoModelForCausalLM.from_pretrained (a local copy of it), "
+            "and resume training from a checkpoint of TrainingState.save."
+        )
+    return CheckpointError(
+        f"checkpoint {where} is of kind {kind!r} (its marker says so), which load() does not "
+        f"read: it reads the kinds {sorted(TRAINING_KINDS)} that save() and "
+        "TrainingState.save write. Load a checkpoint of one of those kinds."
+    )
 
 
 def corrupt_error(where: object, problems: list[str]) -> CheckpointError:

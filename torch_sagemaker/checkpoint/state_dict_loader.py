@@ -28,13 +28,17 @@ from torch.distributed.checkpoint.metadata import (
 from torch_sagemaker._torch_compat import dcp as dcp_compat
 from torch_sagemaker.checkpoint import integrity
 from torch_sagemaker.checkpoint._group import Participants
-from torch_sagemaker.checkpoint.completeness import TRAINING_KINDS
+from torch_sagemaker.checkpoint.filesystem import DistributedFileSystemReader
 from torch_sagemaker.checkpoint.location import (
     CheckpointId,
     CheckpointLocation,
     checkpoint_location,
 )
-from torch_sagemaker.checkpoint.marker import CheckpointError, corrupt_error
+from torch_sagemaker.checkpoint.marker import (
+    CheckpointError,
+    corrupt_error,
+    not_a_training_checkpoint,
+)
 from torch_sagemaker.checkpoint.state_dict_saver import describe_failure
 from torch_sagemaker.checkpoint.state_dict_utils import (
     find_local_layout,
@@ -73,9 +77,9 @@ def _read_metadata(path: CheckpointLocation, marker: dict[str, Any]) -> Metadata
         CheckpointError: If the marker names a kind DCP cannot read (a Hugging Face export),
             or the metadata is corrupt or unreadable.
     """
-    kind = marker.get("kind")
-    if kind is not None and (not isinstance(kind, str) or kind not in TRAINING_KINDS):
-        raise _not_a_training_checkpoint(path, kind)
+    problem = not_a_training_checkpoint(path, marker.get("kind"))
+    if problem is not None:
+        raise problem
     problems = path.verify(marker, [_METADATA])
     if problems:
         raise corrupt_error(path, problems)
@@ -86,23 +90,6 @@ def _read_metadata(path: CheckpointLocation, marker: dict[str, Any]) -> Metadata
             f"checkpoint {path} is corrupt: its DCP metadata is unreadable "
             f"({type(e).__name__}: {e})."
         ) from e
-
-
-def _not_a_training_checkpoint(path: CheckpointLocation, kind: object) -> CheckpointError:
-    """The error for a complete checkpoint whose marker names a kind ``load`` does not read."""
-    if kind == "hugging_face":
-        return CheckpointError(
-            f"checkpoint {path} is a Hugging Face export (its marker's kind is "
-            "'hugging_face': config.json and safetensors written by save_hf_checkpoint), not "
-            "a checkpoint of save() or TrainingState.save, so load() cannot read it. Read it "
-            "with transformers' AutoModelForCausalLM.from_pretrained (a local copy of it), "
-            "and resume training from a checkpoint of TrainingState.save."
-        )
-    return CheckpointError(
-        f"checkpoint {path} is of kind {kind!r} (its marker says so), which load() does not "
-        f"read: it reads the kinds {sorted(TRAINING_KINDS)} that save() and "
-        "TrainingState.save write. Load a checkpoint of one of those kinds."
-    )
 
 
 def _describe(key: str, value: Any, saved: Any) -> str | None:
@@ -410,11 +397,14 @@ def load(
     _check_files_and_keys(
         path, marker, keys if check_keys_matched else None, participants, own_directories
     )
+    reader = path.storage_reader(marker, storage_reader)
+    if isinstance(reader, DistributedFileSystemReader):
+        reader.mark_verified()  # checked above, split among the ranks
     try:
         dcp.load(
             state_dict,
             checkpoint_id=path.data_root(marker),
-            storage_reader=path.storage_reader(marker, storage_reader),
+            storage_reader=reader,
             planner=planner,
             process_group=participants.group,
             no_dist=not participants.distributed,
