@@ -18,6 +18,15 @@ from tests.distributed.launcher import run_distributed
 pytestmark = pytest.mark.distributed
 
 
+def _flip_a_bit_in_the_middle(path: str) -> None:
+    with open(path, "r+b") as f:
+        middle = f.seek(0, 2) // 2
+        f.seek(middle)
+        byte = f.read(1)[0]
+        f.seek(middle)
+        f.write(bytes([byte ^ 0x01]))
+
+
 def _shard_checks(root: str) -> dict:
     import torch
     import torch.distributed as dist
@@ -57,12 +66,7 @@ def _shard_checks(root: str) -> dict:
 
         dist.barrier()
         if rank == 0:
-            with open(f"{root}/c/__1_0.distcp", "r+b") as f:  # a bit inside rank 1's tensor
-                middle = f.seek(0, 2) // 2
-                f.seek(middle)
-                byte = f.read(1)[0]
-                f.seek(middle)
-                f.write(bytes([byte ^ 0x01]))
+            _flip_a_bit_in_the_middle(f"{root}/c/__1_0.distcp")  # inside rank 1's tensor
         dist.barrier()
         try:
             load(
@@ -448,13 +452,8 @@ def _dcp_load_of_a_changed_shard(root: str) -> str:
     rank = dist.get_rank()
     save({f"w{rank}": torch.full((4096,), float(rank + 1))}, checkpoint_id=f"{root}/c")
     dist.barrier()
-    if rank == 0:  # a bit inside rank 1's tensor, which only rank 1 reads
-        with open(f"{root}/c/__1_0.distcp", "r+b") as f:
-            middle = f.seek(0, 2) // 2
-            f.seek(middle)
-            byte = f.read(1)[0]
-            f.seek(middle)
-            f.write(bytes([byte ^ 0x01]))
+    if rank == 0:  # inside rank 1's tensor, which only rank 1 reads
+        _flip_a_bit_in_the_middle(f"{root}/c/__1_0.distcp")
     dist.barrier()
     try:  # as SMP's scripts load optimizer states: DCP's load with SMP's reader
         dcp.load(
