@@ -369,3 +369,31 @@ def test_smp_file_system_reader_reads_the_committed_save(s3):
     out = {"w": torch.zeros(4096), "b": torch.zeros(7), "step": 0}
     load(out, storage_reader=DistributedFileSystemReader(uri))  # no checkpoint_id
     _assert_state(out, 2.0)
+
+
+def test_dcp_load_through_the_smp_reader_refuses_a_changed_object(s3):
+    """DCP's load with SMP's reader checks the objects it reads against the marker."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from torch_sagemaker.checkpoint import save
+    from torch_sagemaker.checkpoint.filesystem import DistributedFileSystemReader
+
+    server, bucket = s3
+    client = server.boto3()
+    uri = f"s3://{bucket}/run/step1"
+    save(_state(1.0), checkpoint_id=uri)
+    out = {"w": torch.zeros(4096), "b": torch.zeros(7), "step": 0}
+    # Given the checkpoint's URI as its checkpoint_id too, DCP still reads the committed save
+    # (before, DCP's reset pointed the reader at the checkpoint's prefix: no .metadata there).
+    dcp.load(out, checkpoint_id=uri, storage_reader=DistributedFileSystemReader(uri), no_dist=True)
+    _assert_state(out, 1.0)
+    (victim,) = [k for k in _keys(server, bucket) if k.endswith(".distcp")]
+    flipped = bytearray(client.get_object(Bucket=bucket, Key=victim)["Body"].read())
+    flipped[len(flipped) // 2] ^= 0x10
+    client.put_object(Bucket=bucket, Key=victim, Body=bytes(flipped))
+    name = victim.split("/", 2)[2]  # <save id>/__0_0.distcp
+    out = {"w": torch.zeros(4096), "b": torch.zeros(7), "step": 0}
+    with pytest.raises(CheckpointException, match=rf"{re.escape(name)} does not match its crc32"):
+        dcp.load(out, storage_reader=DistributedFileSystemReader(uri), no_dist=True)
+    assert float(out["w"].abs().sum()) == 0.0

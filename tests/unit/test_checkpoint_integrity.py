@@ -275,3 +275,93 @@ def test_load_with_the_smp_reader_checks_each_file_once(tmp_path, monkeypatch):
     got = {"a": torch.zeros(64, 16), "b": torch.zeros(64, 16)}
     load(got, storage_reader=DistributedFileSystemReader(tmp_path / "c"))
     assert sorted(checked) == sorted([".metadata", *(p.name for p in _data_files(tmp_path / "c"))])
+
+
+def test_the_smp_reader_raises_checkpoint_error_itself_for_metadata_or_kind(tmp_path):
+    """As load_sharded_optimizer_state_dict calls it, before DCP's load wraps anything."""
+    from torch_sagemaker.checkpoint.filesystem import DistributedFileSystemReader
+
+    save(_two_tensors(), checkpoint_id=tmp_path / "m")
+    meta = tmp_path / "m" / ".metadata"
+    data = bytearray(meta.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    meta.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"corrupt: \.metadata does not match its crc32"):
+        DistributedFileSystemReader(tmp_path / "m").read_metadata()
+    save(_two_tensors(), checkpoint_id=tmp_path / "hf")
+    marker_file = tmp_path / "hf" / COMPLETION_MARKER
+    marker = json.loads(marker_file.read_text())
+    marker_file.write_text(json.dumps({**marker, "kind": "hugging_face"}))
+    with pytest.raises(CheckpointError, match="is a Hugging Face export"):
+        DistributedFileSystemReader(tmp_path / "hf").read_metadata()
+    with pytest.raises(CheckpointException, match="is a Hugging Face export"):
+        _dcp_load_through_smp_reader({"a": torch.zeros(64, 16)}, tmp_path / "hf")
+
+
+def test_dcp_load_through_the_smp_reader_checks_sizes_only_without_checksums(tmp_path):
+    """A format-1 marker is checked by size, as load checks it."""
+    from torch_sagemaker.checkpoint.filesystem import DistributedFileSystemReader
+
+    want = _two_tensors()
+    save(want, checkpoint_id=tmp_path / "c")
+    marker_file = tmp_path / "c" / COMPLETION_MARKER
+    marker = json.loads(marker_file.read_text())
+    for key in ("checksums", "checksum_algorithm"):
+        marker.pop(key)
+    marker_file.write_text(json.dumps({**marker, "format_version": 1}))
+    got = {"a": torch.zeros(64, 16), "b": torch.zeros(64, 16)}
+    _dcp_load_through_smp_reader(got, tmp_path / "c")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    (shard,) = _data_files(tmp_path / "c")
+    shard.write_bytes(shard.read_bytes() + b"\0")
+    with pytest.raises(CheckpointError, match=rf"{shard.name} has"):
+        DistributedFileSystemReader(tmp_path / "c")
+
+
+def test_the_smp_reader_checks_each_file_once_and_again_after_load(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    from torch_sagemaker.checkpoint.filesystem import DistributedFileSystemReader
+
+    want = _two_tensors()
+    save(want, checkpoint_id=tmp_path / "c")
+    files = sorted([".metadata", *(p.name for p in _data_files(tmp_path / "c"))])
+    checked: list[str] = []
+    real = integrity.file_checksum
+    monkeypatch.setattr(integrity, "file_checksum", lambda p: checked.append(p.name) or real(p))
+    reader = DistributedFileSystemReader(tmp_path / "c")
+    reader.read_metadata()  # as load_sharded_optimizer_state_dict does before DCP's load
+    dcp.load({"a": torch.zeros(64, 16), "b": torch.zeros(64, 16)}, storage_reader=reader)
+    assert sorted(checked) == files
+    # A reader given to load(), then to DCP's load (the model, then the optimizer state):
+    # load() checks without it, and it checks what DCP reads through it afterwards.
+    reader = DistributedFileSystemReader(tmp_path / "c")
+    load({"a": torch.zeros(64, 16), "b": torch.zeros(64, 16)}, storage_reader=reader)
+    shard = _flip_byte_inside(tmp_path / "c", want["b"])
+    with pytest.raises(CheckpointException, match=rf"{shard.name} does not match its crc32"):
+        dcp.load({"a": torch.zeros(64, 16), "b": torch.zeros(64, 16)}, storage_reader=reader)
+
+
+def test_dcp_load_with_another_checkpoint_id_checks_that_checkpoint(tmp_path):
+    """DCP's load given a checkpoint_id resets the reader to it: that checkpoint is checked,
+    against its own marker. Before, the reader's own directory was checked instead."""
+    import torch.distributed.checkpoint as dcp
+
+    from torch_sagemaker.checkpoint.filesystem import DistributedFileSystemReader
+
+    save(_two_tensors(), checkpoint_id=tmp_path / "a")
+    want = {k: v + 1 for k, v in _two_tensors().items()}
+    save(want, checkpoint_id=tmp_path / "b")
+    got = {"a": torch.zeros(64, 16), "b": torch.zeros(64, 16)}
+    reader = DistributedFileSystemReader(tmp_path / "a")
+    dcp.load(got, checkpoint_id=tmp_path / "b", storage_reader=reader, no_dist=True)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    shard = _flip_byte_inside(tmp_path / "b", want["b"])
+    reader = DistributedFileSystemReader(tmp_path / "a")
+    with pytest.raises(CheckpointException, match=rf"{tmp_path / 'b'} is corrupt: {shard.name}"):
+        dcp.load(
+            {"a": torch.zeros(64, 16), "b": torch.zeros(64, 16)},
+            checkpoint_id=tmp_path / "b",
+            storage_reader=reader,
+            no_dist=True,
+        )

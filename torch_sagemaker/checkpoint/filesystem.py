@@ -13,7 +13,9 @@ layout] in ``s3_checkpoint``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import os
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -23,7 +25,11 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from torch_sagemaker.checkpoint.constants import DCP_METADATA
-from torch_sagemaker.checkpoint.location import CheckpointId, checkpoint_location
+from torch_sagemaker.checkpoint.location import (
+    CheckpointId,
+    CheckpointLocation,
+    checkpoint_location,
+)
 from torch_sagemaker.checkpoint.marker import corrupt_error, not_a_training_checkpoint
 from torch_sagemaker.checkpoint.s3_filesystem import path_to_file_system
 
@@ -44,15 +50,22 @@ WriteHook = Callable[["DistributedFileSystemWriter"], None]
 #     ``load`` does (docs/checkpoint.md, "Integrity"). A directory without a marker (written
 #     by DCP's own ``save``) is read unchecked, as DCP reads it; a marker without checksums
 #     (``checksums=False``, or written before them) is checked by size only. Our ``load``
-#     checks the files before DCP reads them and tells the reader so (``mark_verified``):
-#     nothing is checked twice.
+#     checks the files before DCP reads them and reads through the reader it was given in
+#     ``checked_elsewhere``: nothing is checked twice, and the reader checks again when the
+#     caller uses it afterwards. DCP's ``load`` given a ``checkpoint_id`` resets the reader
+#     to it (``reset``): another checkpoint's marker is then read, so that checkpoint's files
+#     are checked against their own marker (the old one named other files, in another
+#     directory); the reader's own checkpoint, named either way, keeps the committed files.
 
 
 class DistributedFileSystemReader(FileSystemReader):
     """Reads a checkpoint directory written by DCP (every rank reads the pieces it needs).
 
     What it reads is checked against the checkpoint's completion marker, where there is one
-    (Note [What DCP reads through DistributedFileSystemReader]).
+    (Note [What DCP reads through DistributedFileSystemReader]): sizes when it is made, then
+    the checksums of the metadata and of each file a rank reads. A checkpoint without a
+    marker (written by DCP's own ``save``) is read unchecked, as DCP's ``FileSystemReader``
+    reads it; one whose marker has no checksums, by size only.
 
     Args:
         path: The checkpoint directory, ``s3://`` URI or ``checkpoint_location`` (``.path``
@@ -72,55 +85,95 @@ class DistributedFileSystemReader(FileSystemReader):
         s3_region: str | None = None,
         s3client_config: Any = None,
     ) -> None:
-        location = checkpoint_location(path, s3_region, s3client_config)
         super().__init__(".")
         #: The checkpoint this reader reads (``load`` takes it when no checkpoint_id is given;
         #: DCP's own ``checkpoint_id`` property is ``path``, the committed save on S3).
         self.source_checkpoint: CheckpointId = path
+        self._s3_options = (s3_region, s3client_config)  # for another checkpoint (``reset``)
+        self._checks = True  # False while the caller has checked the files (``load``)
+        self._open(checkpoint_location(path, s3_region, s3client_config))
+
+    def _open(self, location: CheckpointLocation) -> None:
+        """Reads ``location``'s marker (``None`` without one) and points ``path`` at its files."""
         self._location = location
-        self._marker = location.read_marker() if location.is_complete() else None
+        # Read once per checkpoint: every check of this reader compares with this marker.
+        self._marker: dict[str, Any] | None = (
+            location.read_marker() if location.is_complete() else None
+        )
         self._checked: set[str] = set()  # files whose checksum matched (or need no check)
         # The committed files, so that DCP used directly (SMP's scripts load the optimizer
         # state with this reader) reads exactly those (on S3 the marker names them).
         self.fs = location.file_system()
-        root = location.data_root(self._marker) if self._marker else location.data_root()
-        self.path = self.fs.init_path(root)
+        self.path = self.fs.init_path(location.data_root(self._marker))
+        self._root = str(self.path)
 
-    def mark_verified(self) -> None:
-        """Records that every file was checked already (``load`` does before DCP reads)."""
-        self._marker = None
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """DCP's ``reset``: a ``checkpoint_id`` naming another checkpoint is read instead.
+
+        DCP's ``load`` calls it with its own ``checkpoint_id``, when given one. This
+        reader's checkpoint, named by its committed files or by the checkpoint itself (on S3
+        DCP alone would then read the checkpoint's prefix, not the save under it), keeps
+        ``path`` and the marker read; another checkpoint's marker is read, as when the
+        reader is made (Note [What DCP reads through DistributedFileSystemReader]).
+        """
+        if checkpoint_id is not None and str(self.fs.init_path(checkpoint_id)) != self._root:
+            region, config = self._s3_options
+            location = checkpoint_location(checkpoint_id, region, config)
+            if str(location) != str(self._location):
+                self._open(location)
+        super().reset()  # a new load id; ``path`` stays the committed files
+
+    @contextmanager
+    def checked_elsewhere(self) -> Iterator[None]:
+        """Within it, the reader reads without checking: the caller checked every file.
+
+        ``load`` checks the files (split among the ranks) before DCP reads them through the
+        reader it was given; afterwards the reader checks again.
+        """
+        before, self._checks = self._checks, False
+        try:
+            yield
+        finally:
+            self._checks = before
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """DCP's metadata, after checking the marker's kind and the metadata's checksum.
+        """DCP's metadata, after checking the marker's kind and the metadata file's checksum.
 
         Raises:
             CheckpointError: A Hugging Face export (or another kind DCP cannot read), or
                 metadata whose bytes changed since the save.
         """
-        if self._marker is not None:
-            kind = self._marker.get("kind")
-            problem = not_a_training_checkpoint(self._location, kind)
+        if self._checks and self._marker is not None:
+            problem = not_a_training_checkpoint(self._location, self._marker.get("kind"))
             if problem is not None:
                 raise problem
-            self._check([DCP_METADATA])
+            # Where the global metadata fails, DCP asks for a rank's own
+            # (``read_metadata(rank=r)``, ``__{r}.metadata``). A checkpoint of ``save`` has
+            # none: a file the marker does not list is left to DCP, which finds it missing.
+            rank = kwargs.get("rank")
+            name = DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"
+            if name in self._marker["files"]:
+                self._check([name])
         return super().read_metadata(*args, **kwargs)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Checks the files ``plan`` reads against the marker, then reads them as DCP does.
 
         Raises:
-            CheckpointError: Naming each file whose bytes changed since the save.
+            CheckpointError: Naming each of those files whose bytes changed since the save.
         """
-        if self._marker is not None:
-            files = {self.storage_data[item.storage_index].relative_path for item in plan.items}
-            self._check(sorted(files))
+        if self._checks and self._marker is not None:
+            # DCP's reader groups the plan's items by file (``relative_path``): these are
+            # the files this rank opens, each checked whole once.
+            names = {self.storage_data[item.storage_index].relative_path for item in plan.items}
+            self._check(sorted(names))
         return super().read_data(plan, planner)
 
     def _check(self, names: list[str]) -> None:
         """Raises ``CheckpointError`` for the files of ``names`` that differ from the save's."""
         assert self._marker is not None
         todo = [n for n in names if n not in self._checked]
-        unlisted = [n for n in todo if n not in self._marker.get("files", {})]
+        unlisted = [n for n in todo if n not in self._marker["files"]]
         problems = [f"{n}: not a file this save wrote" for n in unlisted]
         problems += self._location.verify(self._marker, [n for n in todo if n not in unlisted])
         if problems:

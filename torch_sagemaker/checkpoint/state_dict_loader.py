@@ -11,6 +11,7 @@ of the saved tensors, whatever layout wrote them.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from typing import Any
@@ -398,17 +399,23 @@ def load(
         path, marker, keys if check_keys_matched else None, participants, own_directories
     )
     reader = path.storage_reader(marker, storage_reader)
-    if isinstance(reader, DistributedFileSystemReader):
-        reader.mark_verified()  # checked above, split among the ranks
+    # Checked above, split among the ranks: the caller's DistributedFileSystemReader need not
+    # check again in this load (it does when the caller uses it afterwards).
+    unchecked = (
+        reader.checked_elsewhere()
+        if isinstance(reader, DistributedFileSystemReader)
+        else contextlib.nullcontext()
+    )
     try:
-        dcp.load(
-            state_dict,
-            checkpoint_id=path.data_root(marker),
-            storage_reader=reader,
-            planner=planner,
-            process_group=participants.group,
-            no_dist=not participants.distributed,
-        )
+        with unchecked:
+            dcp.load(
+                state_dict,
+                checkpoint_id=path.data_root(marker),
+                storage_reader=reader,
+                planner=planner,
+                process_group=participants.group,
+                no_dist=not participants.distributed,
+            )
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         raise CheckpointError(
             f"reading checkpoint {path} failed, a file is probably corrupt: {describe_failure(e)}"
