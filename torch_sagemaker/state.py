@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from torch_sagemaker.config import FIELD_NAMES, SMPConfig
-from torch_sagemaker.launch_env import MAX_COUNT
+from torch_sagemaker.launch_syntax import MAX_COUNT
 from torch_sagemaker.logger import log_rank0
 from torch_sagemaker.sharding_plan import HYBRID_STRATEGIES, MESHES, ShardingPlan
 from torch_sagemaker.topology import Layout
