@@ -101,9 +101,11 @@ def _give_the_default_timeout(groups: list[dist.ProcessGroup]) -> None:
     ``init_device_mesh`` makes its groups with ``new_group``, which gives a group torch's
     default for its backend (30 minutes for gloo and smddp), not the timeout the job gave
     ``init_process_group``: a dead rank failed a TP or replica collective only after 30
-    minutes while the world's failed within the job's timeout. torchtitan sets its mesh's
-    timeouts after creating it the same way. A backend that reports no timeout, or cannot set
-    one (torch's base class raises), keeps its own.
+    minutes while the world's failed within the job's timeout. torchtitan also sets every
+    group of its mesh to one timeout, after its first step and behind a barrier, so that no
+    rank's collective in flight sees it change; here the groups are new, with none in
+    flight. A backend that reports no timeout, or cannot set one (torch's base class
+    raises), keeps its own.
     """
     timeout = c10d_compat.group_timeout(c10d_compat.default_group())
     if timeout is None:
