@@ -376,6 +376,14 @@ def _finish(
                 f"{size_var}={world} disagree: the {launcher} variables must satisfy "
                 "local rank < local size <= world size."
             )
+    # Every host runs at least one rank, so a host index is below the world size. (Its value
+    # only travels on, as GROUP_RANK, to tools that index by host.)
+    if node is not None and node >= world:
+        raise LaunchEnvError(
+            f"{sources['node_rank']}={node} is not below {size_var}={world}: the {launcher} "
+            "variables disagree (every host runs at least one rank, so a host index must be in "
+            "[0, world size))."
+        )
     addr, addr_source = _master_addr(env, launcher, world, local_world, first_host)
     port, port_source = _master_port(env, launcher)
     sources.update(master_addr=addr_source, master_port=port_source)

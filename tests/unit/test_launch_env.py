@@ -183,6 +183,10 @@ def test_precedence(outer, inner, expected):
         ({"RANK": "\u0663", "WORLD_SIZE": "4"}, "RANK=.* is not a non-negative integer"),
         ({"RANK": "4", "WORLD_SIZE": "4"}, "RANK=4 is not below WORLD_SIZE=4"),
         (
+            {"RANK": "0", "WORLD_SIZE": "2", "GROUP_RANK": "2"},
+            r"GROUP_RANK=2 is not below WORLD_SIZE=2: the torchrun variables disagree",
+        ),
+        (
             {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"},
             "local rank < local size <= world size",
         ),

@@ -95,7 +95,7 @@ ProcessGroupSMDDP::ProcessGroupSMDDP(const c10::intrusive_ptr<c10d::Store>& stor
   cfg.size = size;
   for (auto g : global_ranks) cfg.global_ranks.push_back(static_cast<int>(g));
   cfg.group_name = group_name_;
-  cfg.timeout_s = timeout_s_;
+  cfg.timeout_s = timeout_s();
   StoreKV kv(store);
   comm_ = std::make_unique<Communicator>(kv, cfg);
   stager_ = std::make_unique<Stager>(settings, comm_->pool());
@@ -271,7 +271,7 @@ void ProcessGroupSMDDP::abort() {
 
 c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupSMDDP::getBackendOptions() {
   // Bounded below 2^63 ms: a timeout of 1e300 s is legal (it never expires), its cast is not.
-  const double ms = std::min(timeout_s_ * 1e3, 9e18);
+  const double ms = std::min(timeout_s() * 1e3, 9e18);
   auto options = c10::make_intrusive<Options>(getBackendName(),
                                               std::chrono::milliseconds(static_cast<int64_t>(ms)));
   options->group_name = group_name_;
@@ -279,7 +279,7 @@ c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupSMDDP::getBackendOptions(
 }
 
 double ProcessGroupSMDDP::timeout_of(std::chrono::milliseconds t) const {
-  return t.count() > 0 ? t.count() / 1e3 : timeout_s_;
+  return t.count() > 0 ? t.count() / 1e3 : timeout_s();
 }
 
 Reduction ProcessGroupSMDDP::reduction_of(const c10d::ReduceOp& op, const at::Tensor& t,

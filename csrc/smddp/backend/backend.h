@@ -33,7 +33,7 @@ class ProcessGroupSMDDP : public c10d::Backend {
 
   const std::string getBackendName() const override { return "smddp"; }
   void setTimeout(std::chrono::milliseconds timeout) override {
-    timeout_s_ = timeout.count() / 1e3;
+    timeout_s_.store(timeout.count() / 1e3, std::memory_order_relaxed);
   }
   // The group's timeout (what setTimeout set last, else the constructor's), read from Python
   // as `backend.options._timeout`, where torch keeps gloo's and NCCL's: callers that must wait
@@ -199,7 +199,10 @@ class ProcessGroupSMDDP : public c10d::Backend {
 
   std::unique_ptr<Communicator> comm_;
   std::shared_ptr<Scheduler> exec_ = std::make_shared<Scheduler>();  // works hold weak refs
-  double timeout_s_;
+  // Atomic: Python may call setTimeout on one thread while another enqueues a collective,
+  // which reads it (a value on its own: nothing else is published with it, hence relaxed).
+  std::atomic<double> timeout_s_;
+  double timeout_s() const { return timeout_s_.load(std::memory_order_relaxed); }
   std::string group_name_;
   bool coalescing_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;

@@ -60,7 +60,7 @@ void ProcessGroupSMDDP::allreduce_direct(const at::Tensor& tensor, const c10d::R
   if (t.is_complex()) t = real_views({t}, op, "all_reduce")[0];  // Note [Complex reductions]
   Reduction red = reduction_of(op, t, "all_reduce");
   OpCtx ctx = live_comm().make_ctx("all_reduce", desc_of(t, int(red.op), t.numel()),
-                                   args_of(t, redop_name(red.op)), timeout_s_);
+                                   args_of(t, redop_name(red.op)), timeout_s());
   exec_->run_now([&] { allreduce_tensor(*comm_, t, red, ctx); });
 }
 

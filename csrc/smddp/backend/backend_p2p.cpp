@@ -35,7 +35,7 @@ WorkPtr ProcessGroupSMDDP::send(std::vector<at::Tensor>& tensors, int dst, int t
     return completed(OpType::SEND, tensors);
   }
   OpCtx ctx = live_comm().make_ctx("send", desc_of(t, 0, t.numel()), peer_args_of(t, dst, true),
-                                   timeout_s_);
+                                   timeout_s());
   return submit(OpType::SEND, tensors, true, [this, c, bytes, dst, tag, ctx] {
     comm_->send(c.data_ptr(), bytes, dst, static_cast<uint32_t>(tag), ctx);
   });
@@ -60,7 +60,7 @@ WorkPtr ProcessGroupSMDDP::recv(std::vector<at::Tensor>& tensors, int src, int t
     return completed(OpType::RECV, tensors);
   }
   OpCtx ctx = live_comm().make_ctx("recv", desc_of(t, 0, t.numel()), peer_args_of(t, src, false),
-                                   timeout_s_);
+                                   timeout_s());
   return submit_receive(make_work(OpType::RECV, tensors), t, src, tag, ctx);
 }
 
@@ -104,7 +104,7 @@ WorkPtr ProcessGroupSMDDP::recvAnysource(std::vector<at::Tensor>& tensors, int t
   check_single(tensors, "recv");
   at::Tensor t = tensors[0];
   OpCtx ctx = live_comm().make_ctx("recv", desc_of(t, 0, t.numel()),
-                                   peer_args_of(t, kAnyPeer, false), timeout_s_);
+                                   peer_args_of(t, kAnyPeer, false), timeout_s());
   return submit_receive(make_work(OpType::RECVANYSOURCE, tensors), t, kAnyPeer, tag, ctx);
 }
 
