@@ -196,10 +196,10 @@ def export_smddp_variables(environ: MutableMapping[str, str] | None = None) -> N
     Args:
         environ: The environment to read and update (default ``os.environ``).
     """
-    target = os.environ if environ is None else environ
-    local_rank = target.get("LOCAL_RANK", "").strip()
-    if local_rank and not target.get("SMDATAPARALLEL_LOCAL_RANK", "").strip():
-        target["SMDATAPARALLEL_LOCAL_RANK"] = local_rank
+    environ = os.environ if environ is None else environ
+    local_rank = environ.get("LOCAL_RANK", "").strip()
+    if local_rank and not environ.get("SMDATAPARALLEL_LOCAL_RANK", "").strip():
+        environ["SMDATAPARALLEL_LOCAL_RANK"] = local_rank
 
 
 def restart_warning(environ: Mapping[str, str] | None = None) -> str | None:
