@@ -1,5 +1,9 @@
 #include "harness.h"
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstring>
 #include <exception>
 
 namespace smddp_test {
@@ -95,8 +99,30 @@ void run_group(int n, const smddp::CommConfig& cfg,
 
 }  // namespace smddp_test
 
+namespace {
+
+// A case that hangs must not hang the run: each case gets kCaseLimitS, after which the run
+// names the case and exits with status 3 (the suite then fails at once, with the name, instead
+// of waiting out its own timeout with the output lost). The longest case takes a few seconds
+// on a loaded 2-core machine.
+constexpr unsigned kCaseLimitS = 120;
+const char* volatile g_case = "";
+
+void on_case_limit(int) {
+  // Only async-signal-safe calls here.
+  const char head[] = "\nFAIL the case ";
+  const char tail[] = " ran past the per-case limit (kCaseLimitS): stopped as hung\n";
+  (void)!write(STDOUT_FILENO, head, sizeof(head) - 1);
+  (void)!write(STDOUT_FILENO, g_case, strlen(g_case));
+  (void)!write(STDOUT_FILENO, tail, sizeof(tail) - 1);
+  _exit(3);
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   using namespace smddp_test;
+  signal(SIGALRM, on_case_limit);
   int failed = 0, ran = 0;
   auto t_all = std::chrono::steady_clock::now();
   for (const Case& c : registry()) {
@@ -106,11 +132,14 @@ int main(int argc, char** argv) {
     if (!selected) continue;
     ++ran;
     auto t0 = std::chrono::steady_clock::now();
+    g_case = c.name;
+    alarm(kCaseLimitS);
     try {
       c.fn();
     } catch (const std::exception& e) {
       failures().add(__FILE__, __LINE__, std::string("the case raised: ") + e.what());
     }
+    alarm(0);
     auto list = failures().take();
     std::printf("%-4s %-40s %6.2f s\n", list.empty() ? "ok" : "FAIL", c.name, seconds_since(t0));
     for (size_t i = 0; i < list.size() && i < 20; ++i) std::printf("     %s\n", list[i].c_str());
