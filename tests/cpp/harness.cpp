@@ -3,8 +3,8 @@
 #include <signal.h>
 #include <unistd.h>
 
-#include <cstring>
 #include <exception>
+#include <string>
 
 namespace smddp_test {
 
@@ -106,15 +106,11 @@ namespace {
 // of waiting out its own timeout with the output lost). The longest case takes a few seconds
 // on a loaded 2-core machine.
 constexpr unsigned kCaseLimitS = 120;
-const char* volatile g_case = "";
+std::string g_hung_message;  // written before each case: the handler only writes it out
 
 void on_case_limit(int) {
   // Only async-signal-safe calls here.
-  const char head[] = "\nFAIL the case ";
-  const char tail[] = " ran past the per-case limit (kCaseLimitS): stopped as hung\n";
-  (void)!write(STDOUT_FILENO, head, sizeof(head) - 1);
-  (void)!write(STDOUT_FILENO, g_case, strlen(g_case));
-  (void)!write(STDOUT_FILENO, tail, sizeof(tail) - 1);
+  (void)!write(STDOUT_FILENO, g_hung_message.data(), g_hung_message.size());
   _exit(3);
 }
 
@@ -132,7 +128,8 @@ int main(int argc, char** argv) {
     if (!selected) continue;
     ++ran;
     auto t0 = std::chrono::steady_clock::now();
-    g_case = c.name;
+    g_hung_message = std::string("\nFAIL the case ") + c.name + " ran past the per-case limit of " +
+                     std::to_string(kCaseLimitS) + " s: stopped as hung\n";
     alarm(kCaseLimitS);
     try {
       c.fn();
