@@ -287,6 +287,7 @@ def parity_case(
     rows: tuple[int, ...] | None = None,
     implementation: str | None = None,
     first_experts_only: bool = False,
+    foreach: bool | None = None,
 ) -> dict:
     """One expert parallel run against one process on the concatenated batch (run on every rank).
 
@@ -304,6 +305,7 @@ def parity_case(
     ``implementation`` sets ``config._experts_implementation`` (e.g. ``"eager"``);
     ``first_experts_only=True`` overrides every choice (``first_experts_only``), in the model
     and the reference alike, so the last EP rank's experts get no token.
+    ``foreach=True``: both AdamWs take their list (``foreach``) path, CUDA's default.
     """
     import torch.distributed as dist
     import torch.sagemaker as tsm
@@ -352,8 +354,8 @@ def parity_case(
         cfg.moe_aux_loss_coeff if cfg.moe_load_balancing == "aux_loss" and not moe_ref else 0.0
     )
     z_coeff = cfg.moe_z_loss_coeff if cfg.smp_moe and not moe_ref else 0.0
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=foreach)
     out = {"loss": [], "ref_loss": [], "logits": [], "grads": [], "norm": [], "grad_scale": []}
     for _ in range(steps):
         res = [model(**b[dp_rank], output_router_logits=router_logits) for b in batches]

@@ -82,6 +82,11 @@ TWO_RANK_CASES = [
     _case("mixtral-fsdp2-eager-idle-allgather", "mixtral", "fsdp2", ALL_GATHER, IDLE),
     _case("qwen2_moe-fsdp2-eager-idle-a2a", "qwen2_moe", "fsdp2", NONE, IDLE),
     _case("qwen3_moe-fsdp1-eager-idle-allgather", "qwen3_moe", "fsdp1", ALL_GATHER, IDLE),
+    # AdamW's foreach path, CUDA's default: under FSDP1 the experts stay DTensors beside plain
+    # parameters (Note [Optimizer steps over DTensor and plain parameters]); under FSDP2 the
+    # experts' DTensors are on another mesh than the rest.
+    _case("mixtral-fsdp1-a2a-foreach", "mixtral", "fsdp1", NONE, {"foreach": True}),
+    _case("qwen3_moe-fsdp2-a2a-foreach", "qwen3_moe", "fsdp2", NONE, {"foreach": True}),
     # smp_moe=False: the Hugging Face block and router stay, only the experts are split.
     _case("mixtral-fsdp1-hf-block", "mixtral", "fsdp1", {**NONE, "smp_moe": False}),
     # Composition: checkpointing of decoder layers (reentrant, as SMP's scripts) or of MoELayer

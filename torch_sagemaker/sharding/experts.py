@@ -33,6 +33,7 @@ from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 from torch_sagemaker._torch_compat import fsdp1 as fsdp1_compat
 from torch_sagemaker.moe.experts import is_split
 from torch_sagemaker.moe.moe_layer import MoELayer
+from torch_sagemaker.sharding import mixed_step
 from torch_sagemaker.state import state
 
 
@@ -110,6 +111,9 @@ def fsdp1_root_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> None:
         for module in targets:
             if init_fn is not None and any(p.is_meta for p in module.parameters()):
                 init_fn(module)
+        # After the initialization, which may replace them. Note [Optimizer steps over DTensor
+        # and plain parameters] in mixed_step.py.
+        mixed_step.register([p for module in targets for p in module.parameters()])
         targets = []
     ids = {id(m) for m in targets}
     policy = kwargs.get("auto_wrap_policy")
