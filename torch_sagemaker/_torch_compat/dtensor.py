@@ -1,4 +1,4 @@
-"""Private DTensor names: the ``_StridedShard`` placement, shard offsets, DTensor's caches.
+"""Private DTensor names: ``_StridedShard``, shard offsets, caches, implicit replication.
 
 A DTensor's ``_local_tensor`` is read through ``tensor.py``, which does not import
 ``torch.distributed.tensor`` (a heavy import the offload hooks put off).
@@ -42,4 +42,23 @@ def clear_caches() -> None:
             clear()
 
 
-__all__ = ["StridedShard", "clear_caches", "local_shape_and_offset"]
+def implicit_replication_allowed() -> bool:
+    """Whether DTensor now treats plain tensors as replicated (this thread's setting)."""
+    return bool(DTensor._op_dispatcher._allow_implicit_replication)
+
+
+def allow_implicit_replication(value: bool) -> None:
+    """Sets what ``torch.distributed.tensor.experimental.implicit_replication`` sets.
+
+    Unlike that context manager, which always leaves it off, a caller can put back what was.
+    """
+    DTensor._op_dispatcher._allow_implicit_replication = value
+
+
+__all__ = [
+    "StridedShard",
+    "allow_implicit_replication",
+    "clear_caches",
+    "implicit_replication_allowed",
+    "local_shape_and_offset",
+]

@@ -111,9 +111,8 @@ def fsdp1_root_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> None:
         for module in targets:
             if init_fn is not None and any(p.is_meta for p in module.parameters()):
                 init_fn(module)
-        # After the initialization, which may replace them. Note [Optimizer steps over DTensor
-        # and plain parameters] in mixed_step.py.
-        mixed_step.register([p for module in targets for p in module.parameters()])
+        # Note [Optimizer steps over DTensor and plain parameters] in mixed_step.py.
+        mixed_step.install()
         targets = []
     ids = {id(m) for m in targets}
     policy = kwargs.get("auto_wrap_policy")
