@@ -67,6 +67,7 @@ PRIVATE_NAMES: tuple[str, ...] = (
     # dtensor.py
     "torch._C._clear_DTensor_sharding_propagator_cache",
     "torch.distributed.tensor.DTensor._op_dispatcher",
+    "torch.distributed.tensor.DTensor._op_dispatcher._allow_implicit_replication",
     "torch.distributed.tensor._redistribute.clear_redistribute_planner_cache",
     "torch.distributed.tensor._redistribute._gen_transform_infos",
     "torch.distributed.tensor._collective_utils.MeshTopoInfo.build_from_mesh",
