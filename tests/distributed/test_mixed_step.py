@@ -23,10 +23,10 @@ def _steps() -> dict:
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
     from torch.distributed.tensor.experimental import implicit_replication
 
+    from torch_sagemaker._torch_compat.dtensor import implicit_replication_allowed as allowed
     from torch_sagemaker.sharding import mixed_step
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    allowed = lambda: DTensor._op_dispatcher._allow_implicit_replication  # noqa: E731
 
     def params(seed: int) -> list[torch.nn.Parameter]:
         torch.manual_seed(seed)
