@@ -110,8 +110,8 @@ def _example_main(argv):
 # resumed run reads the checkpoint in other processes than the ones that wrote it), the same
 # arguments, metrics.json and rank 0's output. Starting examples/train.py under torchrun
 # stays covered by the S3 test below (full_shard, 2 ranks, its first run), by the accelerate example
-# (accelerate launch) and by tests/distributed/test_launchers.py (hybrid.json on 4 ranks
-# over two hosts, killed and resumed).
+# (accelerate launch) and by tests/distributed/test_launchers.py (full_shard.json on two
+# hosts of one rank, killed and resumed).
 def _forked_train(tmp_path, ranks, *flags, name="run", env=None):
     """``_train``'s job in ranks forked from the launcher's server; (summary, rank 0's output).
 
