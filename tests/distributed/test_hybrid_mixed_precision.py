@@ -138,9 +138,11 @@ def _train(cases, device="cpu"):
     if device == "cuda":  # the ranks share the GPUs round-robin (tests/gpu)
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     results = {}
+    # One init for every case, as a job that builds models one after another: DTensor's
+    # sharding caches stay warm (tsm.state.reset() empties them).
+    tsm.state.reset()
+    tsm.init({"hybrid_shard_degree": HSD})
     for api, ac in cases:
-        tsm.state.reset()
-        tsm.init({"hybrid_shard_degree": HSD})
         model = _wrap(tiny_llama(), api, ac, device)
         seen = {"layer_calls": 0, "activations": set(), "weights": set(), "inv_freq": set()}
         _probe(model, seen)

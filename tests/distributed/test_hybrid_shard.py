@@ -1,6 +1,6 @@
 """Hybrid sharding on 4 ranks against a single-process reference (issue: hybrid sharding).
 
-A tiny Llama is trained 5 steps with hybrid_shard_degree in {0, 1, 2, 4} on smddp (on gloo,
+A tiny Llama is trained 3 steps with hybrid_shard_degree in {0, 1, 2, 4} on smddp (on gloo,
 2 only), through the FSDP1 API (as SMP scripts call it) and through FSDP2 (``shard_model``),
 plus DDP; losses, clipped gradient norms and final parameters must equal a single process
 trained on the concatenated global batch. FSDP1 over a DTensor tensor-parallel model (tp=2)
@@ -21,7 +21,7 @@ from tests.distributed.hf_models import (
 from tests.distributed.launcher import run_distributed
 from torch_sagemaker.smddp.backend import is_available as smddp_available
 
-STEPS, GLOBAL_BATCH, LR, MAX_NORM = 5, 8, 0.1, 1.0
+STEPS, GLOBAL_BATCH, LR, MAX_NORM = 3, 8, 0.1, 1.0
 BACKENDS = [
     "gloo",
     pytest.param(
@@ -95,10 +95,12 @@ def _train_steps(model):
 def _train(cases):
     import torch.sagemaker as tsm
 
-    results = {}
+    results, current = {}, None
     for api, hsd in cases:
-        tsm.state.reset()
-        tsm.init({"hybrid_shard_degree": hsd})
+        if hsd != current:  # consecutive cases of one degree share an init and its caches
+            tsm.state.reset()
+            tsm.init({"hybrid_shard_degree": hsd})
+            current = hsd
         model = _wrap(tiny_llama(), api)
         losses, norms = _train_steps(model)
         results[(api, hsd)] = (losses, norms, full_params(model))
@@ -108,12 +110,12 @@ def _train(cases):
 @pytest.mark.distributed
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_parity_with_single_process(backend):
-    # smddp runs every degree and DDP; gloo, a second backend, hybrid_shard_degree 2 only
+    # smddp runs every degree and DDP (beside degree 1, its layout, to share its init); gloo, a
+    # second backend, hybrid_shard_degree 2 only
     # (all of them took 10.5 CPU-s on gloo, docs/log/suite.md).
     degrees = (0, 1, 2, 4) if backend == "smddp" else (2,)
-    cases = [(api, hsd) for api in ("fsdp1", "fsdp2") for hsd in degrees]
-    if backend == "smddp":
-        cases.append(("ddp", 1))
+    apis = {1: ("fsdp1", "fsdp2", "ddp")} if backend == "smddp" else {}
+    cases = [(api, hsd) for hsd in degrees for api in apis.get(hsd, ("fsdp1", "fsdp2"))]
     per_rank = run_distributed(_train, cases, world_size=4, backend=backend, timeout=600)
     ref_losses, ref_norms, ref_params = reference_run(STEPS, GLOBAL_BATCH, LR, MAX_NORM)
     for case in cases:
@@ -133,7 +135,7 @@ def test_parity_with_single_process(backend):
 
 
 def _fsdp1_tensor_parallel():
-    """tp=2 inside FSDP1 (hybrid_shard_degree=2): losses and clipped norms over 5 steps."""
+    """tp=2 inside FSDP1 (hybrid_shard_degree=2): losses and clipped norms over STEPS steps."""
     import torch.sagemaker as tsm
 
     tsm.init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2})
