@@ -65,12 +65,12 @@ def test_the_peak_with_two_micro_batches_holds_the_gradients():
     # - FSDP2 two replicas, bf16: the end of the last backward holds the fp32 gradients and
     #   every unit's bf16 all-reduce buffer (Note [FSDP2's all-reduce buffers]).
     # Each prediction is within the tolerance, and without its term it is not.
-    # The bf16 case trains 64-token sequences: its terms are the parameters' sizes (the
+    # The bf16 case trains 32-token sequences: its terms are the parameters' sizes (the
     # gradients, the all-reduce buffers), and bf16 matrix products are slow on CPUs without
     # bf16 instructions (6x the fp32 step here at 256 tokens: 30 s a rank of the test's 39 s).
     cases = (
         vp.PeakCase("FSDP2 full shard", 2, per_rank=2, layers=2),
-        vp.PeakCase("FSDP2 two replicas bf16", 1, bf16=True, per_rank=2, layers=2, seq=64),
+        vp.PeakCase("FSDP2 two replicas bf16", 1, bf16=True, per_rank=2, layers=2, seq=32),
     )
     per_rank = run_distributed(vp.run_cases, cases, (2,), world_size=2, fresh=True, timeout=600)
     full, replicas = (vp.estimate(case, 2) for case in cases)

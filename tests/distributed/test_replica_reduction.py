@@ -5,13 +5,13 @@ and FSDP1 (``FSDP1ReplicaReduction``, on by default under ``tsm.init``).
 (two replicas of two shards) and 1 (four replicas of one rank):
 
 - fp32 against one process on the global batch (``reference_run``), to the tolerance of
-  test_hybrid_shard's FSDP2 cases, and against HSDP (the same model over the 2-D mesh) in
-  the same job: losses, clipped norms and parameters.
+  test_hybrid_shard's FSDP2 cases: losses, clipped norms and parameters.
 - bf16 mixed precision (reduce in bf16, so bf16 crosses the replicas) against HSDP with the
   same policy, within bf16 rounding.
 - Accumulation over two microbatches with ``set_requires_gradient_sync(False)`` on the
-  first, and with ``requires_reduction = False`` on the first, against HSDP doing the same.
-- A backward per microbatch, each averaging (the averaged part again: no change), against HSDP.
+  first, and with ``requires_reduction = False`` on the first, against one process.
+- A backward per microbatch, each averaging (the averaged part again: no change), against one
+  process.
 - FSDP2 replacing its parameters (``load_state_dict(..., assign=True)``) and a frozen parameter.
 
 Every backward starts one all-reduce per unit (2 layers, the output embedding, the root).
@@ -97,12 +97,15 @@ def _train(hsd: int, overlap: bool, dtype: str, accumulate: str | None):
 
 
 def _cases(hsd: int):
-    """Every case on ``hsd``: (overlap, dtype, accumulate) -> result."""
-    keys = [
-        (overlap, dtype, acc)
+    """Every case on ``hsd``: (overlap, dtype, accumulate) -> result.
+
+    HSDP without the overlap runs only in bf16, the one comparison the reference cannot
+    make: the fp32 runs are held against one process, a check that HSDP's would only repeat.
+    """
+    keys = [(False, "bf16", None)] + [
+        (True, dtype, acc)
         for dtype, acc in [("fp32", None), ("bf16", None), ("fp32", "no_sync")]
         + [("fp32", "all_reduce_last"), ("fp32", "each")]
-        for overlap in (False, True)
     ]
     return {key: _train(hsd, *key) for key in keys}
 
@@ -148,13 +151,13 @@ def test_overlap_matches_hsdp_and_one_process(backend, hsd):
     for rank, results in enumerate(per_rank):
         for (overlap, dtype, acc), r in results.items():
             where = f"rank {rank} hsd {hsd} overlap {overlap} {dtype} accumulate {acc}"
-            hsdp = results[(False, dtype, acc)]
             if overlap:
                 # One all-reduce per unit per reducing backward: every microbatch's with
                 # "each" (averaging the already averaged part again changes nothing).
                 assert r["calls"] == [UNITS * (2 if acc == "each" else 1)] * STEPS, where
-                # bf16: one bf16 rounding of each averaged gradient, placed differently.
-                _close(r, hsdp, 1e-5 if dtype == "fp32" else 2e-2, f"{where} vs HSDP")
+            if overlap and dtype == "bf16":
+                # One bf16 rounding of each averaged gradient, placed differently.
+                _close(r, results[(False, dtype, acc)], 2e-2, f"{where} vs HSDP")
             if dtype == "fp32":
                 torch.testing.assert_close(r["losses"], ref_losses, rtol=1e-5, atol=0, msg=where)
                 torch.testing.assert_close(r["norms"], ref_norms, rtol=1e-5, atol=0, msg=where)
