@@ -110,9 +110,9 @@ def _train(cases):
 @pytest.mark.distributed
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_parity_with_single_process(backend):
-    # smddp runs every degree and DDP (beside degree 1, its layout, to share its init); gloo, a
-    # second backend, hybrid_shard_degree 2 only
-    # (all of them took 10.5 CPU-s on gloo, docs/log/suite.md).
+    # smddp runs every degree and DDP (beside degree 1, its layout, to share its init); gloo,
+    # a second backend, hybrid_shard_degree 2 only (all of them took 10.5 CPU-s on gloo,
+    # docs/log/suite.md).
     degrees = (0, 1, 2, 4) if backend == "smddp" else (2,)
     apis = {1: ("fsdp1", "fsdp2", "ddp")} if backend == "smddp" else {}
     cases = [(api, hsd) for hsd in degrees for api in apis.get(hsd, ("fsdp1", "fsdp2"))]
