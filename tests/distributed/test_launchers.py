@@ -9,8 +9,9 @@ RANK or WORLD_SIZE. Each job is checked the same way: every rank's ranks in
 ``torch.distributed`` and ``tsm.state`` equal what its launcher said, the hybrid groups are
 the expected ones, smddp found the expected hosts, and the all_reduce sum is exact.
 Launchers' jobs on one host start 2 ranks (their variables are what they check; each rank is
-a fresh interpreter, seconds of CPU); the four processes with srun's variables and every job
-across hosts start 4, so hybrid groups with replicas are checked on one host and across two.
+a fresh interpreter, seconds of CPU); the four processes with srun's variables and the jobs
+across hosts start 4, so hybrid groups with replicas are checked on one host and across two
+(the kill-and-resume job runs one rank per host: what it tests is a host lost).
 """
 
 from __future__ import annotations
