@@ -304,8 +304,11 @@ def predict(
     }
 
 
-def run_case(case: MemoryCase, profile: Any = None) -> dict[str, Any]:
+def run_case(case: MemoryCase, profile: Any = None, init: bool = True) -> dict[str, Any]:
     """Trains ``case`` on this rank's job (a process group exists) and counts; see the module.
+
+    ``init=False``: under the ``tsm.init`` in place, which must be ``case.smp``'s, and left
+    in place after (``run_cases``).
 
     Returns:
         ``{"measured": {...}, "predicted": {...}}`` for this rank, with the keys
@@ -323,8 +326,9 @@ def run_case(case: MemoryCase, profile: Any = None) -> dict[str, Any]:
     from torch_sagemaker.policies import lookup_policy
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    tsm.state.reset()
-    tsm.init(case.smp)
+    if init:
+        tsm.state.reset()
+        tsm.init(case.smp)
     torch.manual_seed(0)
     config = tiny_config(case.family, case.layers, **case.overrides)
     # SDPA where the family supports it, else eager, as the planner's probe runs it.
@@ -358,18 +362,36 @@ def run_case(case: MemoryCase, profile: Any = None) -> dict[str, Any]:
         "activations": saved,
     }
     result = {"measured": measured, "predicted": predict(case, spec, world, rank, profile)}
-    tsm.state.reset()
+    if init:
+        tsm.state.reset()
     return result
 
 
 def run_cases(
     cases: tuple[MemoryCase, ...] = CASES, profiles: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
-    """``run_case`` for each case in turn (every rank calls it).
+    """``run_case`` for each case (every rank calls it); the results in ``cases``' order.
 
-    ``profiles`` (``probed_profiles``) saves every rank measuring the same families again.
+    The cases of one SMP config run one after another under one ``tsm.init``, as models
+    built in turn in a job do: its groups stay, and so do DTensor's sharding caches, which a
+    reset empties (what is counted does not depend on them). ``profiles``
+    (``probed_profiles``) saves every rank measuring the same families again.
     """
-    return [run_case(case, (profiles or {}).get(case.family)) for case in cases]
+    import torch_sagemaker as tsm
+
+    configs: list[dict[str, Any]] = []
+    for case in cases:
+        if case.smp not in configs:
+            configs.append(case.smp)
+    results: dict[int, dict[str, Any]] = {}
+    for config in configs:
+        tsm.state.reset()
+        tsm.init(config)
+        for i, case in enumerate(cases):
+            if case.smp == config:
+                results[i] = run_case(case, (profiles or {}).get(case.family), init=False)
+    tsm.state.reset()
+    return [results[i] for i in range(len(cases))]
 
 
 def probed_profiles(cases: tuple[MemoryCase, ...] = CASES) -> dict[str, Any]:

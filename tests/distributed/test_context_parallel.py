@@ -28,11 +28,11 @@ NEEDS_SMDDP = pytest.mark.skipif(not smddp_available(), reason="smddp extension 
 
 def _cases(cases: list[tuple[dict, str, str, str, dict]]) -> dict:
     """Runs ``cp_cases.run_case`` for each (config, family, comm, api, options) on this rank."""
-    from tests.distributed.test_delayed_param import fresh_layout
+    from tests.distributed.test_delayed_param import layout_for
 
-    out = {}
+    out, current = {}, None
     for i, (config, family, comm, api, options) in enumerate(cases):
-        fresh_layout(config)
+        current = layout_for(config, current)
         out[i] = cp_cases.run_case(family, comm, api, **options)
     return out
 

@@ -52,6 +52,7 @@ def _reference(family: str) -> tuple[list[float], dict]:
 
 
 def _fsdp1_on_plan(family: str) -> tuple[list[float], dict]:
+    """One family under FSDP1 HYBRID_SHARD, in the ``tsm.init`` in place; (losses, params)."""
     import torch.distributed as dist
     import torch.sagemaker as tsm
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -64,7 +65,6 @@ def _fsdp1_on_plan(family: str) -> tuple[list[float], dict]:
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from torch.sagemaker.tensor_parallel.transformer import TransformerLayer
 
-    tsm.init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2})
     model = FSDP(
         tsm.transform(copy.deepcopy(build(family))),
         auto_wrap_policy=functools.partial(
@@ -105,19 +105,41 @@ def _fsdp1_on_plan(family: str) -> tuple[list[float], dict]:
     return losses, params
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize(
-    "family",
-    [
-        *("qwen3", "mixtral", "gpt2", "falcon", "dbrx", "llama4_text"),
-        *("qwen3_next", "granite_swa", "marian", "roformer"),
-    ],
+FAMILIES = (
+    *("qwen3", "mixtral", "gpt2", "falcon", "dbrx", "llama4_text"),
+    *("qwen3_next", "granite_swa", "marian", "roformer"),
 )
-def test_fsdp1_trains_a_tensor_parallel_model_like_one_process(family):
+
+
+def _fsdp1_on_plan_each(families: tuple[str, ...]) -> dict:
+    """``_fsdp1_on_plan`` for each family in turn, under one ``tsm.init`` (as a job that
+    builds models one after another); a family that raised gets its traceback."""
+    import traceback
+
+    import torch.sagemaker as tsm
+
+    tsm.init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2})
+    out: dict = {}
+    for family in families:
+        try:
+            out[family] = _fsdp1_on_plan(family)
+        except Exception:  # noqa: BLE001 - reported by that family's test
+            out[family] = traceback.format_exc()
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp1_runs() -> list[dict]:
+    return run_distributed(_fsdp1_on_plan_each, FAMILIES, world_size=4, timeout=600)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fsdp1_trains_a_tensor_parallel_model_like_one_process(family, fsdp1_runs):
     ref_losses, ref_params = _reference(family)
-    for rank, (losses, params) in enumerate(
-        run_distributed(_fsdp1_on_plan, family, world_size=4, timeout=300)
-    ):
+    for rank, per_family in enumerate(fsdp1_runs):
+        assert not isinstance(per_family[family], str), f"rank {rank}: {per_family[family]}"
+        losses, params = per_family[family]
         torch.testing.assert_close(losses, ref_losses, rtol=0, atol=ATOL, msg=f"rank {rank}")
         assert params.keys() == ref_params.keys()
         for name, value in params.items():
