@@ -4,9 +4,10 @@
 TP, CP, EP, FSDP1 and FSDP2, checkpointing, offloading, float32 and bf16 mixed precision) on
 four model families: dense Llama (multi-head), Qwen2 (grouped-query attention, tied
 embeddings), Mixtral (MoE: its own block split over TP, and ``MoELayer`` over EP) and
-GPT-NeoX. ``run_case`` runs on every rank of a job (``tests/distributed/launcher.py``'s
-``run_distributed`` in the tests, ``validation.main`` otherwise): it builds the tiny model,
-applies ``tsm.init``/``tsm.transform``/checkpointing/FSDP/offloading as a script does, trains
+GPT-NeoX. ``run_cases`` runs on every rank of a job (``tests/distributed/launcher.py``'s
+``run_distributed`` in the tests, ``validation.main`` otherwise), each SMP config's cases
+under one ``tsm.init``; ``run_case`` builds the tiny model, applies
+``tsm.transform``/checkpointing/FSDP/offloading as a script does, trains
 two steps with AdamW, and returns what ``measure`` counted next to what the planner predicts
 for that rank:
 
@@ -329,6 +330,8 @@ def run_case(case: MemoryCase, profile: Any = None, init: bool = True) -> dict[s
     if init:
         tsm.state.reset()
         tsm.init(case.smp)
+    elif not tsm.state.initialized:
+        raise RuntimeError(f"{case.name}: run_case(init=False) needs tsm.init(case.smp) first")
     torch.manual_seed(0)
     config = tiny_config(case.family, case.layers, **case.overrides)
     # SDPA where the family supports it, else eager, as the planner's probe runs it.

@@ -113,9 +113,11 @@ FAMILIES = (
 
 def _fsdp1_on_plan_each(families: tuple[str, ...]) -> dict:
     """``_fsdp1_on_plan`` for each family in turn, under one ``tsm.init`` (as a job that
-    builds models one after another); a family that raised gets its traceback."""
-    import traceback
+    builds models one after another).
 
+    A family that raises ends the call at once, naming the family: its ranks may have
+    stopped at different collectives, so the families after it could not run in step.
+    """
     import torch.sagemaker as tsm
 
     tsm.init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2})
@@ -123,8 +125,8 @@ def _fsdp1_on_plan_each(families: tuple[str, ...]) -> dict:
     for family in families:
         try:
             out[family] = _fsdp1_on_plan(family)
-        except Exception:  # noqa: BLE001 - reported by that family's test
-            out[family] = traceback.format_exc()
+        except Exception as e:
+            raise RuntimeError(f"FSDP1 over the TP plan of {family!r} failed") from e
     return out
 
 
@@ -138,7 +140,6 @@ def fsdp1_runs() -> list[dict]:
 def test_fsdp1_trains_a_tensor_parallel_model_like_one_process(family, fsdp1_runs):
     ref_losses, ref_params = _reference(family)
     for rank, per_family in enumerate(fsdp1_runs):
-        assert not isinstance(per_family[family], str), f"rank {rank}: {per_family[family]}"
         losses, params = per_family[family]
         torch.testing.assert_close(losses, ref_losses, rtol=0, atol=ATOL, msg=f"rank {rank}")
         assert params.keys() == ref_params.keys()
