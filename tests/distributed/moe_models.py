@@ -439,19 +439,13 @@ def apply_checkpointing(model, target: str) -> None:
 def run_cases(cases: list[tuple]) -> dict:
     """``parity_case`` for each (name, family, api, moe_kwargs, extra, smp_config).
 
-    Consecutive cases with the same SMP config share one ``tsm.init``, as models built one
-    after another in a job do: its groups and meshes stay, and so do DTensor's sharding
-    caches, which ``tsm.state.reset()`` must empty (docs/log/suite.md: their misses on each
-    case's first step were 28% of a rank's CPU in the two-rank test).
+    Consecutive cases with the same SMP config share one ``tsm.init`` (``layout_for``).
     """
-    import torch.sagemaker as tsm
+    from tests.distributed.test_delayed_param import layout_for
 
     results, current = {}, None
     for name, family, api, moe_kwargs, extra, smp_config in cases:
-        if smp_config != current:
-            tsm.state.reset()
-            tsm.init(smp_config)
-            current = smp_config
+        current = layout_for(smp_config, current)
         results[name] = parity_case(family, api, moe_kwargs, **extra)
     return results
 

@@ -53,8 +53,8 @@ def make_input(rank: int, n: int, dtype: torch.dtype, salt: int, op: str = "SUM"
     if dtype.is_floating_point:
         if op == "PRODUCT":
             return (torch.rand(n, generator=g, dtype=torch.float64) + 0.5).to(dtype)
-        # Drawn in float32 below float64: half the generator's time, which on 8 ranks each
-        # drawing every rank's inputs was most of a check's CPU.
+        # Drawn in float32 rather than float64: half the generator's time, which on 8 ranks
+        # each drawing every rank's inputs was most of a check's CPU.
         wide = torch.float64 if dtype == torch.float64 else torch.float32
         return (torch.randn(n, generator=g, dtype=wide) * 3).to(dtype)
     lo, hi = (1, 3) if op == "PRODUCT" else ((0, 10) if dtype == torch.uint8 else (-5, 6))

@@ -93,14 +93,11 @@ def _train_steps(model):
 
 
 def _train(cases):
-    import torch.sagemaker as tsm
+    from tests.distributed.test_delayed_param import layout_for
 
     results, current = {}, None
     for api, hsd in cases:
-        if hsd != current:  # consecutive cases of one degree share an init and its caches
-            tsm.state.reset()
-            tsm.init({"hybrid_shard_degree": hsd})
-            current = hsd
+        current = layout_for({"hybrid_shard_degree": hsd}, current)
         model = _wrap(tiny_llama(), api)
         losses, norms = _train_steps(model)
         results[(api, hsd)] = (losses, norms, full_params(model))
