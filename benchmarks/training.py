@@ -1,4 +1,4 @@
-"""Training-step benchmark: FSDP2 (shard_model, plain fully_shard, hybrid) and DDP, smddp vs gloo.
+"""Training-step benchmark: FSDP2, FSDP1 as SMP wraps it, and DDP, smddp vs gloo.
 
     python -m benchmarks training [--nprocs 2] [--steps 4] [--repeat 3] [--plot x.png]
         [--batch 4 --accumulation 4]
@@ -36,10 +36,12 @@ import torch
 
 from benchmarks import comma_list, end_rank, rank_context, run_ranks, set_rank_environment
 
-MODES = ("fsdp2_full", "fsdp2_plain", "fsdp2_hybrid", "ddp", "fsdp2_plain_staged")
+MODES = ("fsdp2_full", "fsdp2_plain", "fsdp2_hybrid", "ddp", "fsdp1", "fsdp2_plain_staged")
+# fsdp1: FSDP1 FULL_SHARD wrapped as SMP's example scripts wrap it (a unit per decoder
+# layer, use_orig_params=True, backward prefetch, forward prefetch, limited all-gathers).
 # fsdp2_plain_staged: the plain script with the pool turned off again, i.e. what such a
 # script got before Note [Pool buffers for every FSDP2 user]; a baseline, not run by default.
-DEFAULT_MODES = MODES[:4]
+DEFAULT_MODES = MODES[:5]
 
 
 def model_config(args: argparse.Namespace):
@@ -87,6 +89,8 @@ def _wrap(model, mode: str, world: int):
             for unit in units:
                 unit.set_allocate_memory_from_process_group_for_comm(False)
         return units[-1]
+    if mode == "fsdp1":
+        return _fsdp1(model)
     if mode == "ddp":
         tsm.init({"hybrid_shard_degree": 1})
         from torch.nn.parallel import DistributedDataParallel
@@ -94,6 +98,32 @@ def _wrap(model, mode: str, world: int):
         return DistributedDataParallel(model, process_group=tsm.state.dp_process_group)
     tsm.init({"hybrid_shard_degree": 0 if mode == "fsdp2_full" else max(1, world // 2)})
     return shard_model(model)
+
+
+def _fsdp1(model):
+    """``model`` in FSDP1 FULL_SHARD after ``tsm.init``, as SMP's train.py wraps it (fp32)."""
+    import functools
+
+    import torch.sagemaker as tsm
+    from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    from torch_sagemaker.policies import transformer_layer_classes
+
+    tsm.init({"hybrid_shard_degree": 0})
+    policy = functools.partial(
+        transformer_auto_wrap_policy, transformer_layer_cls=set(transformer_layer_classes(model))
+    )
+    return FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=policy,
+        sharding_strategy=ShardingStrategy.FULL_SHARD,
+        backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+        forward_prefetch=True,
+        limit_all_gathers=True,
+        device_id=torch.device("cpu"),
+        use_orig_params=True,
+    )
 
 
 def _time_steps(

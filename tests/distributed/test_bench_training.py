@@ -15,7 +15,7 @@ TINY += ["--seq", "16"]
 
 @pytest.fixture(scope="module")
 def two_passes():
-    """One run of ``main`` with two passes over both backends and two modes.
+    """One run of ``main`` with two passes over both backends and three modes.
 
     The first pass spawns its ranks (1 rank, 2 ranks alone, then 2 ranks per backend), so
     one run serves both tests: the printed table is the two passes' (medians and ranges), and
@@ -37,7 +37,7 @@ def two_passes():
         return passes[-1]
 
     out = io.StringIO()
-    argv = ["--nprocs", "2", "--backends", "smddp,gloo", "--modes", "fsdp2_plain,ddp"]
+    argv = ["--nprocs", "2", "--backends", "smddp,gloo", "--modes", "fsdp2_plain,ddp,fsdp1"]
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
         mp.setattr(training, "_run", recording_run)
         training.main([*argv, "--repeat", "2", *TINY])
@@ -66,22 +66,25 @@ def test_benchmark_prints_every_row_with_its_baselines(two_passes):
         ("none", "2 ranks alone"),
         ("smddp", "fsdp2_plain"),
         ("smddp", "ddp"),
+        ("smddp", "fsdp1"),
         ("gloo", "fsdp2_plain"),
         ("gloo", "ddp"),
+        ("gloo", "fsdp1"),
     ]
     assert "passes" not in out  # one pass: plain medians, no ranges
     assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)  # tokens/s, step ms
     assert rows[1][9].strip() and not rows[1][10].strip()  # alone: scaling, no "vs alone"
     for r in rows[2:]:
         assert float(r[9]) > 0 and float(r[10]) > 0  # vs 2 x 1 rank, vs 2 alone
-    assert all(r[8].strip().endswith("x") for r in rows[2:4])  # smddp vs gloo
+    assert all(r[8].strip().endswith("x") for r in rows[2:5])  # smddp vs gloo
 
 
 def test_repeated_passes_print_each_ratio_with_its_range(two_passes):
     _, out = two_passes
     assert "2 passes: medians over the passes" in out
     rows = _rows(out)
-    assert [r[1].strip() for r in rows] == ["1 rank", "2 ranks alone"] + ["fsdp2_plain", "ddp"] * 2
+    modes = ["fsdp2_plain", "ddp", "fsdp1"]
+    assert [r[1].strip() for r in rows] == ["1 rank", "2 ranks alone", *modes, *modes]
     smddp = rows[2]
     for cell in (smddp[8].replace("x", ""), smddp[9], smddp[10]):  # vs gloo, scaling, vs alone
         median, spread = cell.strip().split(" (")
