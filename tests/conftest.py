@@ -12,6 +12,7 @@ supported torch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,37 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         from tests.unit import test_cpp_core
 
         test_cpp_core.start_background_build()
+
+
+def machine_line() -> str:
+    """The CPU the tests ran on, for the end of every run (Note [The suite's time is the CPU's]).
+
+    Returns:
+        For example ``"machine: 2 CPUs, AMD EPYC (family 23, model 1), torch kernels AVX2"``.
+    """
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+            if not line.strip():  # the first CPU's block is enough
+                break
+    cpu = fields.get("model name", "unknown CPU")
+    if "cpu family" in fields:
+        cpu += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
+    import torch
+
+    kernels = torch.backends.cpu.get_cpu_capability()
+    return f"machine: {os.cpu_count()} CPUs, {cpu}, torch kernels {kernels}"
+
+
+# Note [The suite's time is the CPU's]: the machines this suite runs on are not one model. The
+# same tests took 864.9 s under `.ci/run` on 2026-12-04 and 1593.1 s on 2026-12-05; a training
+# step of the 58M Llama alone took 1.30-1.38 s on 2026-11-21 (that week's logs name AVX-512) and
+# 2.92 s on a first-generation EPYC (family 23, model 1: AVX2 on 128-bit units) on 2026-12-05.
+# So every run ends with the CPU it had, and a suite time is read beside it.
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    terminalreporter.write_line(machine_line())
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
