@@ -288,15 +288,13 @@ def wrap(model, run: Run, mesh_of: dict[str, Any], dtype: str):
     """
     import torch
     from torch.distributed.fsdp import (
-        BackwardPrefetch,
-        FullyShardedDataParallel,
         MixedPrecision,
         MixedPrecisionPolicy,
         ShardingStrategy,
         fully_shard,
     )
-    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
+    from benchmarks.smp_fsdp1 import wrap_as_smp
     from torch_sagemaker.policies import transformer_layer_classes
     from torch_sagemaker.sharding import ReplicaReduction
     from torch_sagemaker.sharding.fsdp1_replicas import FSDP1ReplicaReduction
@@ -306,24 +304,8 @@ def wrap(model, run: Run, mesh_of: dict[str, Any], dtype: str):
     if run.setup in ("fsdp1_hybrid", "fsdp1_overlap"):
         placement = _plan(run).fsdp1(ShardingStrategy.HYBRID_SHARD)
         mesh = mesh_of[placement.mesh]
-        wrapped = FullyShardedDataParallel(
-            model,
-            auto_wrap_policy=functools.partial(
-                transformer_auto_wrap_policy, transformer_layer_cls=set(layer_classes)
-            ),
-            mixed_precision=(
-                MixedPrecision(param_dtype=half, reduce_dtype=half, buffer_dtype=half)
-                if half
-                else None
-            ),
-            sharding_strategy=placement.strategy,
-            backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
-            forward_prefetch=True,
-            limit_all_gathers=True,
-            device_id=torch.device("cpu"),
-            use_orig_params=True,
-            device_mesh=mesh,
-        )
+        mixed = MixedPrecision(param_dtype=half, reduce_dtype=half, buffer_dtype=half)
+        wrapped = wrap_as_smp(model, placement.strategy, mixed if half else None, device_mesh=mesh)
         line = f"FSDP1 {placement.strategy.name} on {tuple(mesh.shape)}"
         if run.setup == "fsdp1_overlap":
             wrapped.replica_reduction = FSDP1ReplicaReduction(wrapped)  # type: ignore[assignment]

@@ -102,28 +102,13 @@ def _wrap(model, mode: str, world: int):
 
 def _fsdp1(model):
     """``model`` in FSDP1 FULL_SHARD after ``tsm.init``, as SMP's train.py wraps it (fp32)."""
-    import functools
-
     import torch.sagemaker as tsm
-    from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, ShardingStrategy
-    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from torch.distributed.fsdp import ShardingStrategy
 
-    from torch_sagemaker.policies import transformer_layer_classes
+    from benchmarks.smp_fsdp1 import wrap_as_smp
 
     tsm.init({"hybrid_shard_degree": 0})
-    policy = functools.partial(
-        transformer_auto_wrap_policy, transformer_layer_cls=set(transformer_layer_classes(model))
-    )
-    return FullyShardedDataParallel(
-        model,
-        auto_wrap_policy=policy,
-        sharding_strategy=ShardingStrategy.FULL_SHARD,
-        backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
-        forward_prefetch=True,
-        limit_all_gathers=True,
-        device_id=torch.device("cpu"),
-        use_orig_params=True,
-    )
+    return wrap_as_smp(model, ShardingStrategy.FULL_SHARD)
 
 
 def _time_steps(
