@@ -54,8 +54,10 @@ bool TcpMesh::take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& 
   };
   // Reads until a message with the tag is complete or the socket has nothing more. The
   // first message with the tag is the one this receive gets (none with it is stashed yet,
-  // or find() would have returned it): its length is checked before a byte is stored.
-  bool claimed = find() >= 0 || stash_in_flight(c);
+  // or find() would have returned it): its length is checked before a byte is stored. A
+  // message still arriving is this receive's only if it has the tag; one with another tag
+  // (a later receive's, or nobody's yet) leaves the next header with the tag to be claimed.
+  bool claimed = find() >= 0 || (stash_in_flight(c) && c.stash.back().hdr.tag == tag);
   struct Stashing {
     const decltype(find)& found;
     const decltype(check_length)& check;
