@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -67,22 +68,40 @@ def resume(state: TrainingState, root: str | None, target: str) -> str | None:
     """
     path: str | None = target
     if target in ("latest", "auto"):
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        dirs = step_dirs(root) if rank0 else []
-        path = _from_rank_0(dirs[-1][1] if dirs else None)
+        path = _from_rank_0(lambda: _newest(root), f"listing the checkpoints under {root}")
         if path is None:
             return None
     state.load(path)
     return path
 
 
-def _from_rank_0(value: str | None) -> str | None:
-    """Rank 0's ``value`` on every rank (``value`` itself without a process group)."""
+def _newest(root: str | None) -> str | None:
+    """The newest complete checkpoint under ``root``, or None."""
+    dirs = step_dirs(root)
+    return dirs[-1][1] if dirs else None
+
+
+def _from_rank_0(choose: Callable[[], str | None], what: str) -> str | None:
+    """``choose()`` run on rank 0, its result on every rank (run here without a process group).
+
+    Its error, too: raised on rank 0 alone, it would leave the others waiting in the
+    broadcast until the group's timeout.
+    """
     if not dist.is_initialized():
-        return value
-    box = [value]
+        return choose()
+    box: list = [(None, None)]
+    if dist.get_rank() == 0:
+        try:
+            box = [(choose(), None)]
+        except Exception as e:  # noqa: BLE001 - sent to every rank, then raised
+            box = [(None, f"{type(e).__name__}: {e}")]
+            dist.broadcast_object_list(box, src=0)
+            raise
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    value, error = box[0]
+    if error is not None:
+        raise RuntimeError(f"rank 0 failed {what}: {error}")
+    return value
 
 
 class AutoInterval:

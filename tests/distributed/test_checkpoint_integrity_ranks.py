@@ -191,6 +191,15 @@ def _the_examples_latest(examples: str, root: str) -> list:
         out = [checkpoints.resume(stub, root, "latest")]
         newest = {0: [], 1: [(6, "six")]}  # rank 0 found none: no rank resumes
         out.append(checkpoints.resume(stub, root, "auto"))
+
+        def unlistable(_root):  # rank 0's listing fails (storage unreachable)
+            raise OSError(5, "Input/output error")
+
+        checkpoints.step_dirs = unlistable
+        try:
+            checkpoints.resume(stub, root, "latest")
+        except (OSError, RuntimeError) as e:  # before, rank 1 waited in the broadcast
+            out.append(f"{type(e).__name__}: {e}")
     finally:
         checkpoints.step_dirs = real
         sys.path.remove(examples)
@@ -203,7 +212,12 @@ def test_the_examples_latest_checkpoint_is_rank_0s_choice_on_every_rank(tmp_path
     examples = str(Path(__file__).resolve().parents[2] / "examples")
     results = run_distributed(_the_examples_latest, examples, str(tmp_path), timeout=60)
     want = f"{tmp_path}/m-5steps"
-    assert results == [[[want, None], [want]]] * 2, results
+    assert [[r[0][:2], r[1]] for r in results] == [[[want, None], [want]]] * 2, results
+    assert results[0][0][2] == "OSError: [Errno 5] Input/output error", results
+    assert results[1][0][2] == (
+        f"RuntimeError: rank 0 failed listing the checkpoints under {tmp_path}: "
+        "OSError: [Errno 5] Input/output error"
+    ), results
 
 
 def _local_kind_without_tsm(root: str) -> str:
@@ -469,3 +483,49 @@ def test_dcp_load_through_the_smp_reader_stops_every_rank_on_a_changed_shard(tmp
     errors = run_distributed(_dcp_load_of_a_changed_shard, str(tmp_path), world_size=2)
     for error in errors:  # rank 0, which read only its own intact file, too
         assert "__1_0.distcp does not match its crc32 checksum" in error, errors
+
+
+def _training_state_load_failing_on_one_rank(root: str) -> dict:
+    import time
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from torch_sagemaker.checkpoint import CheckpointError, TrainingState, training_state
+
+    rank = dist.get_rank()
+    model = nn.Linear(4, 4)
+    TrainingState(model, step=3, save_rng=False).save(f"{root}/c")
+    real = training_state.read_metadata
+
+    def unreadable_on_rank_1(path):
+        if rank == 1:  # a transient storage error on one host
+            raise OSError(5, "Input/output error", str(path))
+        return real(path)
+
+    training_state.read_metadata = unreadable_on_rank_1
+    start = time.monotonic()
+    try:
+        TrainingState(nn.Linear(4, 4), save_rng=False).load(f"{root}/c")
+        error = "no error"
+    except (CheckpointError, OSError) as e:
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        training_state.read_metadata = real
+    seconds = time.monotonic() - start
+    loader = TrainingState(nn.Linear(4, 4), save_rng=False)
+    loader.load(f"{root}/c")  # the group is still usable
+    return {"error": error, "seconds": seconds, "step": loader.step}
+
+
+def test_a_training_state_check_failing_on_one_rank_fails_every_rank_at_once(tmp_path):
+    """Before, rank 1 raised alone and rank 0 waited in the load's first collective until the
+    group's timeout (120 s here)."""
+    results = run_distributed(
+        _training_state_load_failing_on_one_rank, str(tmp_path), timeout=90, pg_timeout=60
+    )
+    assert results[1]["error"].startswith("OSError: [Errno 5] Input/output error"), results
+    assert results[0]["error"].startswith(f"CheckpointError: loading {tmp_path}/c: rank 1 could")
+    assert "Input/output error" in results[0]["error"]
+    assert all(r["seconds"] < 20 for r in results), results  # not the group's timeout
+    assert [r["step"] for r in results] == [3, 3]

@@ -162,3 +162,135 @@ def test_a_save_committed_during_a_load_fails_the_load(monkeypatch, tmp_path):
     monkeypatch.setattr(state_dict_loader.dcp, "load", real_load)
     load(state, checkpoint_id=checkpoint)  # loading again reads the new save whole
     assert torch.equal(state["w"], torch.full((1000,), 3.0))
+
+
+def _save_step(checkpoint: Path, value: float) -> None:
+    """A checkpoint of a model weight and its optimizer state, all ``value``."""
+    save(
+        {
+            "model": {"w": torch.full((1000,), value)},
+            "optimizer": {"m": torch.full((1000,), value)},
+        },
+        checkpoint_id=checkpoint,
+    )
+
+
+def test_a_save_committed_while_the_reader_reads_fails_the_read(monkeypatch, tmp_path):
+    # SMP's scripts hand DistributedFileSystemReader to DCP directly. The second save commits
+    # after the reader checked the first one's files and before DCP opens them by name: the
+    # values read are then the second save's (same sizes), and before, nothing noticed.
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from torch_sagemaker.checkpoint.filesystem import DistributedFileSystemReader
+
+    checkpoint = tmp_path / "ckpt"
+    _save_step(checkpoint, 1.0)
+    real_read = FileSystemReader.read_data
+
+    def read_after_another_save(self, plan, planner):
+        monkeypatch.setattr(FileSystemReader, "read_data", real_read)  # once
+        _save_step(checkpoint, 3.0)
+        return real_read(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemReader, "read_data", read_after_another_save)
+    state = {"optimizer": {"m": torch.zeros(1000)}}
+    with pytest.raises(CheckpointException, match="another save committed over this checkpoint"):
+        dcp.load(state, storage_reader=DistributedFileSystemReader(checkpoint), no_dist=True)
+    # Made before the save, checked after it: the id it began with is gone.
+    reader = DistributedFileSystemReader(checkpoint)
+    _save_step(checkpoint, 4.0)
+    with pytest.raises(CheckpointException, match=r"another save committed.*save id \w+ before"):
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    dcp.load(state, storage_reader=DistributedFileSystemReader(checkpoint), no_dist=True)
+    assert torch.equal(state["optimizer"]["m"], torch.full((1000,), 4.0))
+
+
+def test_training_state_reads_metadata_and_data_of_one_save(monkeypatch, tmp_path):
+    # TrainingState.load decides from the metadata which keys to read (state never saved,
+    # RNG states, FP8 sizes), then reads them; a save committed in between would have those
+    # decisions of one save applied to the other's data.
+    from torch import nn
+
+    from torch_sagemaker.checkpoint import TrainingState, training_state
+
+    checkpoint = tmp_path / "ckpt"
+    model = nn.Linear(4, 4)
+    TrainingState(model, step=1, save_rng=False).save(checkpoint)
+    real_read_metadata = training_state.read_metadata
+
+    def read_metadata_then_another_save(path):
+        out = real_read_metadata(path)
+        TrainingState(model, step=2, save_rng=False).save(checkpoint)
+        return out
+
+    monkeypatch.setattr(training_state, "read_metadata", read_metadata_then_another_save)
+    loader = TrainingState(nn.Linear(4, 4), save_rng=False)
+    with pytest.raises(CheckpointError, match="another save committed over this checkpoint"):
+        loader.load(checkpoint)
+    monkeypatch.setattr(training_state, "read_metadata", real_read_metadata)
+    loader.load(checkpoint)
+    assert loader.step == 2
+
+
+def test_a_failed_load_leaves_a_fresh_optimizer_without_state(tmp_path):
+    # The optimizer's template is built before the checks (it may take collectives); a
+    # fresh optimizer must not keep the zero-step state it created when the load fails.
+    from torch import nn
+
+    from torch_sagemaker.checkpoint import TrainingState
+
+    model = nn.Linear(4, 4)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(CheckpointError, match="does not exist|missing|no completion marker"):
+        TrainingState(model, optimizer, save_rng=False).load(tmp_path / "nothing-here")
+    assert not optimizer.state
+
+
+def test_fsdp1_model_and_optimizer_are_read_from_one_save(monkeypatch, tmp_path):
+    # SMP's deprecated load_model_checkpoint reads the model, then the optimizer through a
+    # second reader: a save committed in between gave a model of one save and an optimizer
+    # of the other, silently.
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    from torch_sagemaker.checkpoint import fsdp1_checkpoint as util
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = FSDP(nn.Linear(8, 8), device_id=torch.device("cpu"), use_orig_params=True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        meta = (None, 0, True)
+
+        def step_and_save(path):
+            model(torch.randn(2, 8)).sum().backward()
+            optimizer.step()
+            util.save_model_checkpoint(
+                model, StateDictType.SHARDED_STATE_DICT, path, None, meta, optimizer=optimizer
+            )
+
+        checkpoint = tmp_path / "ckpt"
+        step_and_save(checkpoint)
+        real_reader = util.DistributedFileSystemReader
+
+        def reader_after_another_save(path):
+            monkeypatch.setattr(util, "DistributedFileSystemReader", real_reader)  # once
+            step_and_save(checkpoint)
+            return real_reader(path)
+
+        monkeypatch.setattr(util, "DistributedFileSystemReader", reader_after_another_save)
+        with pytest.raises(CheckpointError, match="another save committed over this checkpoint"):
+            util.load_model_checkpoint(
+                model, StateDictType.SHARDED_STATE_DICT, checkpoint, None, meta, optimizer=optimizer
+            )
+        util.load_model_checkpoint(
+            model, StateDictType.SHARDED_STATE_DICT, checkpoint, None, meta, optimizer=optimizer
+        )
+    finally:
+        if owned:
+            dist.destroy_process_group()

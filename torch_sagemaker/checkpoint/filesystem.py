@@ -30,7 +30,11 @@ from torch_sagemaker.checkpoint.location import (
     CheckpointLocation,
     checkpoint_location,
 )
-from torch_sagemaker.checkpoint.marker import corrupt_error, not_a_training_checkpoint
+from torch_sagemaker.checkpoint.marker import (
+    corrupt_error,
+    not_a_training_checkpoint,
+    replaced_error,
+)
 from torch_sagemaker.checkpoint.s3_filesystem import path_to_file_system
 
 #: A write hook: called with the writer (``writer.path``, ``writer.is_coordinator``, ``writer.fs``).
@@ -44,11 +48,17 @@ WriteHook = Callable[["DistributedFileSystemWriter"], None]
 #     made, that the checkpoint is complete and every file the marker lists has its size
 #     (``read_marker``); the metadata's checksum before DCP reads it; and, before each
 #     ``read_data``, the checksums of the files this rank's plan reads, each file once per
-#     reader. A mismatch raises ``CheckpointError`` naming the files. In ``read_data`` it
-#     fails that rank's step of DCP's load, whose gather raises on every rank, so no rank
-#     waits for another. Cost: each file a rank reads is read once more for its checksum, as
-#     ``load`` does (docs/checkpoint.md, "Integrity"). A directory without a marker (written
-#     by DCP's own ``save``) is read unchecked, as DCP reads it; a marker without checksums
+#     reader. A mismatch raises ``CheckpointError`` naming the files. Each check, and the
+#     end of each ``read_data``, also compares the save id in the marker with the one read
+#     when the reader was made: DCP opens files by name, so a save committed over the
+#     checkpoint meanwhile would otherwise be read in part, or by some ranks and not others,
+#     each consistent with the marker it read (Note [A save that replaces a checkpoint being
+#     loaded] in ``state_dict_loader``); a changed id raises ``CheckpointError`` saying so.
+#     In ``read_data`` either error fails that rank's step of DCP's load, whose gather
+#     raises on every rank, so no rank waits for another. Cost: each file a rank reads is
+#     read once more for its checksum, as ``load`` does (docs/checkpoint.md, "Integrity"),
+#     and the marker once per check. A directory without a marker (written by DCP's own
+#     ``save``) is read unchecked, as DCP reads it; a marker without checksums
 #     (``checksums=False``, or written before them) is checked by size only. Our ``load``
 #     checks the files before DCP reads them and reads through the reader it was given in
 #     ``checked_elsewhere``: nothing is checked twice, and the reader checks again when the
@@ -96,6 +106,9 @@ class DistributedFileSystemReader(FileSystemReader):
     def _open(self, location: CheckpointLocation) -> None:
         """Reads ``location``'s marker (``None`` without one) and points ``path`` at its files."""
         self._location = location
+        # The save id first: a save committing between the two reads then fails the first
+        # check as a replacement, rather than passing the id check with the other's marker.
+        self._save_id = location.marker_save_id()
         # Read once per checkpoint: every check of this reader compares with this marker.
         self._marker: dict[str, Any] | None = (
             location.read_marker() if location.is_complete() else None
@@ -167,11 +180,16 @@ class DistributedFileSystemReader(FileSystemReader):
             # the files this rank opens, each checked whole once.
             names = {self.storage_data[item.storage_index].relative_path for item in plan.items}
             self._check(sorted(names))
+            future = super().read_data(plan, planner)
+            future.wait()  # DCP's file-system reader reads before it returns: a no-op there
+            self._check_not_replaced()  # the files opened by name may be another save's
+            return future
         return super().read_data(plan, planner)
 
     def _check(self, names: list[str]) -> None:
         """Raises ``CheckpointError`` for the files of ``names`` that differ from the save's."""
         assert self._marker is not None
+        self._check_not_replaced()
         todo = [n for n in names if n not in self._checked]
         unlisted = [n for n in todo if n not in self._marker["files"]]
         problems = [f"{n}: not a file this save wrote" for n in unlisted]
@@ -179,6 +197,12 @@ class DistributedFileSystemReader(FileSystemReader):
         if problems:
             raise corrupt_error(self._location, problems)
         self._checked.update(todo)
+
+    def _check_not_replaced(self) -> None:
+        """Raises ``CheckpointError`` if a save committed over the checkpoint since ``_open``."""
+        now = self._location.marker_save_id()
+        if now != self._save_id:
+            raise replaced_error(self._location, self._save_id, now)
 
 
 class DistributedFileSystemWriter(FileSystemWriter):

@@ -18,9 +18,11 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import StateDictType
 
+from torch_sagemaker.checkpoint._group import Participants
 from torch_sagemaker.checkpoint.dcp_patches import load_sharded_optimizer_state_dict
 from torch_sagemaker.checkpoint.filesystem import DistributedFileSystemReader
-from torch_sagemaker.checkpoint.state_dict_loader import load
+from torch_sagemaker.checkpoint.location import checkpoint_location
+from torch_sagemaker.checkpoint.state_dict_loader import load, raise_if_replaced
 from torch_sagemaker.checkpoint.state_dict_saver import save
 from torch_sagemaker.logger import get_logger
 from torch_sagemaker.state import state
@@ -133,12 +135,21 @@ def load_model_checkpoint(
         scheduler, EXPORT_KEY_IDENTITY: {name: value, ...}}``; the identity holds the
         ``extra_imports`` read back, and ``epoch`` (0 when it was not saved, which SMP 2.5.0's
         script reads but does not save).
+
+    Raises:
+        CheckpointError: As ``load``; also when another save committed over the checkpoint
+            between the model's read and the optimizer's (the objects given then hold values
+            of either save: load again).
     """
     del sharding_strategy
     _check_type(state_dict_type)
     process_group, _, _ = checkpointing_pg_metadata
     checkpoint_dir = _model_parallel_dir(checkpoint_dir)
     extra = dict(extra_imports or {})
+    # Two reads, the model's and the optimizer's: both must be of the save the first one
+    # began with (Note [A save that replaces a checkpoint being loaded]).
+    location = checkpoint_location(checkpoint_dir)
+    save_id = location.marker_save_id()
     with FSDP.state_dict_type(model, state_dict_type):
         model_state = model.state_dict()
         template: dict[str, Any] = {EXPORT_KEY_MODEL: model_state, **extra}
@@ -156,6 +167,7 @@ def load_model_checkpoint(
             optimizer.load_state_dict(
                 FSDP.optim_state_dict_to_load(model, optimizer, loaded[EXPORT_KEY_OPTIMIZER])
             )
+    raise_if_replaced(location, save_id, Participants(process_group))
     if scheduler is not None:
         scheduler.load_state_dict(template[EXPORT_KEY_SCHEDULER])
     identity = {"epoch": 0, **{key: template[key] for key in extra}}

@@ -135,6 +135,24 @@ def not_a_training_checkpoint(where: object, kind: object) -> CheckpointError | 
     )
 
 
+def replaced_error(where: object, before: str | None, after: str | None) -> CheckpointError:
+    """The error for a checkpoint another save committed over while it was being read.
+
+    Note [A save that replaces a checkpoint being loaded] in ``state_dict_loader``.
+
+    Args:
+        where: The checkpoint.
+        before: The save id its marker named when the read began.
+        after: The save id it names now (``None``: no readable marker).
+    """
+    return CheckpointError(
+        f"loading {where}: another save committed over this checkpoint while it was being "
+        f"read (save id {before} before, {after} after), so the loaded values may mix the "
+        "two saves. Load it again, and do not save under a name that is being loaded "
+        "(give each save its own directory, e.g. one per step)."
+    )
+
+
 def corrupt_error(where: object, problems: list[str]) -> CheckpointError:
     """The error for files whose checksum no longer matches (``where``: the checkpoint)."""
     return CheckpointError(
@@ -150,4 +168,5 @@ __all__ = [
     "incomplete_error",
     "new_marker",
     "read_marker_bytes",
+    "replaced_error",
 ]

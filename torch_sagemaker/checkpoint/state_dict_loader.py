@@ -39,6 +39,7 @@ from torch_sagemaker.checkpoint.marker import (
     CheckpointError,
     corrupt_error,
     not_a_training_checkpoint,
+    replaced_error,
 )
 from torch_sagemaker.checkpoint.state_dict_saver import describe_failure
 from torch_sagemaker.checkpoint.state_dict_utils import (
@@ -225,7 +226,7 @@ def _check_files_and_keys(
         )
 
 
-def _agree_to_load(
+def agree_to_load(
     path: CheckpointLocation,
     participants: Participants,
     failure: Exception | None,
@@ -287,7 +288,7 @@ def _raise_if_other_checkpoints(ranks: list[int], views: list[tuple[Any, str, An
 
     Args:
         ranks: The global ranks of the load, in the order of ``views``.
-        views: Each rank's (error, checkpoint, save id, kind), as ``_agree_to_load`` gathers.
+        views: Each rank's (error, checkpoint, save id, kind), as ``agree_to_load`` gathers.
 
     Raises:
         CheckpointError: On every rank alike, naming each checkpoint and its ranks.
@@ -394,7 +395,7 @@ def load(
         keys = check_state_dict_matches(resolved, metadata, path)
     except Exception as e:  # noqa: BLE001 - every rank learns of it first (below)
         failure = e
-    own_directories = _agree_to_load(path, participants, failure, save_id, kind)
+    own_directories = agree_to_load(path, participants, failure, save_id, kind)
     _check_files_and_keys(
         path, marker, keys if check_keys_matched else None, participants, own_directories
     )
@@ -420,13 +421,13 @@ def load(
         raise CheckpointError(
             f"reading checkpoint {path} failed, a file is probably corrupt: {describe_failure(e)}"
         ) from e
-    _raise_if_replaced(path, save_id, participants)
+    raise_if_replaced(path, save_id, participants)
 
 
-def _raise_if_replaced(
+def raise_if_replaced(
     path: CheckpointLocation, save_id: str | None, participants: Participants
 ) -> None:
-    """Raises on every rank if a save committed over ``path`` while it was being loaded.
+    """Raises on every rank if a save committed over ``path`` since ``save_id`` was read.
 
     Note [A save that replaces a checkpoint being loaded]
         A save of the same name (another job, or this one's next save under a fixed name)
@@ -437,21 +438,27 @@ def _raise_if_replaced(
         in the marker before anything else and again after the data: a different id (or none)
         means another save committed meanwhile, and every rank raises (one all-gather, so the
         ranks agree) rather than train from a mix. Loading again reads the new save whole.
+        A load in several reads (``TrainingState.load`` reads the metadata first; SMP's
+        FSDP1 ``load_model_checkpoint`` reads the model, then the optimizer through a second
+        reader) takes the id before its first read and checks it after its last, so its
+        reads are of one save too. ``DistributedFileSystemReader``, which SMP's scripts hand
+        to DCP directly, checks its own reads in the same way (Note [What DCP reads through
+        DistributedFileSystemReader]).
+
+    Args:
+        path: The checkpoint.
+        save_id: The save id its marker named before the first read (``marker_save_id``).
+        participants: The ranks loading together.
 
     Raises:
-        CheckpointError: The checkpoint's save id changed during the load.
+        CheckpointError: The checkpoint's save id changed since ``save_id`` was read.
     """
     now = path.marker_save_id()
     replaced = now != save_id
     if participants.distributed:
         replaced = any(participants.all_gather(replaced))
     if replaced:
-        raise CheckpointError(
-            f"loading {path}: another save committed over this checkpoint while it was being "
-            f"read (save id {save_id} before, {now} after), so the loaded values may mix the "
-            "two saves. Load it again, and do not save under a name that is being loaded "
-            "(give each save its own directory, e.g. one per step)."
-        )
+        raise replaced_error(path, save_id, now)
 
 
 __all__ = ["check_state_dict_matches", "load", "read_metadata"]

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torch_sagemaker.checkpoint import state_dict_utils as sdu
 from torch_sagemaker.checkpoint import training_state_checks as checks
+from torch_sagemaker.checkpoint._group import Participants
 from torch_sagemaker.checkpoint.async_utils import AsyncCallsQueue
 from torch_sagemaker.checkpoint.completeness import (
     parts_problem,
@@ -62,7 +63,12 @@ from torch_sagemaker.checkpoint.location import (
 )
 from torch_sagemaker.checkpoint.marker import CheckpointError
 from torch_sagemaker.checkpoint.retention import prune_beside
-from torch_sagemaker.checkpoint.state_dict_loader import load, read_metadata
+from torch_sagemaker.checkpoint.state_dict_loader import (
+    agree_to_load,
+    load,
+    raise_if_replaced,
+    read_metadata,
+)
 from torch_sagemaker.checkpoint.state_dict_saver import async_save, save
 from torch_sagemaker.fp8 import scaling_state as fp8_state
 from torch_sagemaker.logger import warn_once
@@ -416,15 +422,67 @@ class TrainingState:
         checks.check_kind(kind, "load")
         top = checkpoint_location(checkpoint_id)
         path, group, coordinator = self._location(top, kind)
+        participants = Participants(group)
+        # Before the first read: the metadata read here and the data ``load`` reads must be
+        # of one save (Note [A save that replaces a checkpoint being loaded]).
+        save_id = path.marker_save_id()
+        # Without the optimizer, its template is not even built: building it creates state
+        # (one step with zero gradients) that a fresh optimizer must not carry on, so it is
+        # dropped again when the checks fail. Built on every rank before any check can fail
+        # on one: it may take collectives.
+        fresh = load_optimizer and self.optimizer is not None and not self.optimizer.state
+        sd = self._state_dict(kind, with_optimizer=load_optimizer, template=True)
+        failure: Exception | None = None
+        stateless: Any = None
+        try:
+            stateless = self._check_before_load(top, path, sd, strict)
+        except Exception as e:  # noqa: BLE001 - every rank learns of it first (below)
+            failure = e
+        # One rank's failure (a transient read error, a save committing between the ranks'
+        # reads) raises on every rank here, rather than leaving the others in ``load``'s
+        # first collective until the group's timeout.
+        try:
+            agree_to_load(path, participants, failure, save_id, path.marker_entries().get("kind"))
+        except Exception:
+            if fresh and self.optimizer is not None:
+                self.optimizer.state.clear()
+            raise
+        # Ranks may differ in the RNG key only, so the key-set agreement check is skipped.
+        load(
+            sd,
+            checkpoint_id=path,
+            process_group=group,
+            coordinator_rank=coordinator,
+            check_keys_matched=False,
+        )
+        raise_if_replaced(path, save_id, participants)
+        if stateless:
+            checks.expect_saved_optimizer_params(sd["optimizer"], stateless, path)
+        self.load_state_dict(sd, kind)
+
+    def _check_before_load(
+        self, top: CheckpointLocation, path: CheckpointLocation, sd: dict[str, Any], strict: bool
+    ) -> Any:
+        """``load``'s checks of checkpoint ``path`` (in ``top``) against template ``sd``.
+
+        Drops from ``sd`` what the checkpoint does not hold and need not (state of
+        parameters that never had any, this rank's RNG state when fewer ranks saved) and
+        sizes its FP8 item as saved.
+
+        Returns:
+            The optimizer's parameters that were saved without state
+            (``checks.drop_state_never_saved``).
+
+        Raises:
+            CheckpointError: Parts of different saves, a checkpoint that cannot be read, or
+                keys left behind (with ``strict``).
+        """
         if path is not top:
             checks.agree_on_parts(top, path)  # in parts: each group's load compares only its own
         elif (problem := parts_problem(top)) is not None:
             # Parts of another save beside the whole checkpoint: every rank lists the same
             # directory, so every rank raises (one listing; markers read only if parts exist).
             raise CheckpointError(f"checkpoint {top} {problem}")
-        # Without the optimizer, its template is not even built: building it creates state
-        # (one step with zero gradients) that a fresh optimizer must not carry on.
-        sd = self._state_dict(kind, with_optimizer=load_optimizer, template=True)
         saved = read_metadata(path).state_dict_metadata
         stateless = checks.drop_state_never_saved(sd.get("optimizer"), saved)
         self._expect_saved_fp8_state(sd, saved, path)
@@ -436,17 +494,7 @@ class TrainingState:
             )
             sd.pop(rng_key)
         checks.refuse_keys_left_behind(sd, saved, path, strict=strict)
-        # Ranks may differ in the RNG key only, so the key-set agreement check is skipped.
-        load(
-            sd,
-            checkpoint_id=path,
-            process_group=group,
-            coordinator_rank=coordinator,
-            check_keys_matched=False,
-        )
-        if stateless:
-            checks.expect_saved_optimizer_params(sd["optimizer"], stateless, path)
-        self.load_state_dict(sd, kind)
+        return stateless
 
     def _expect_saved_fp8_state(self, sd: dict[str, Any], saved: Any, path: Any) -> None:
         """Makes ``sd``'s FP8 item what the checkpoint holds, allocated to the saved sizes.
