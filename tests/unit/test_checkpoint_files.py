@@ -278,6 +278,53 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path):
     assert got["step"] == 30 and not (tmp_path / ".c.partial").exists()
 
 
+@pytest.mark.parametrize("fails", ["the rename", "the rename and its undoing", "the sync"])
+def test_a_commit_failing_after_the_previous_checkpoint_moved_aside(tmp_path, monkeypatch, fails):
+    """Note [Checkpoint commit protocol], steps 2-3: the previous checkpoint was renamed to
+    ``.c.replaced`` when the rename of the new one fails. Before, it was left there (and
+    the error said the previous checkpoint was unchanged); a failed directory sync after
+    both renames failed a save that was committed."""
+    from torch_sagemaker.checkpoint import atomic_dir
+
+    save(_state(1.0), checkpoint_id=tmp_path / "c")
+    real_replace, real_fsync, calls = os.replace, atomic_dir._fsync, []
+
+    def replace(src, dst):
+        calls.append(src)
+        if fails == "the sync":
+            return real_replace(src, dst)
+        if len(calls) == 2 or (len(calls) == 3 and fails == "the rename and its undoing"):
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst)
+
+    def fsync(path):
+        if os.path.isdir(path) and fails == "the sync":
+            raise OSError(5, "Input/output error")
+        return real_fsync(path)
+
+    monkeypatch.setattr(atomic_dir.os, "replace", replace)
+    monkeypatch.setattr(atomic_dir, "_fsync", fsync)
+    got = _template()
+    if fails == "the sync":
+        save(_state(2.0), checkpoint_id=tmp_path / "c")  # committed: not an error
+        load(got, checkpoint_id=tmp_path / "c")
+        assert got["step"] == 20
+        return
+    with pytest.raises(OSError, match="No space left"):
+        save(_state(2.0), checkpoint_id=tmp_path / "c")
+    monkeypatch.undo()
+    if fails == "the rename":
+        load(got, checkpoint_id=tmp_path / "c")  # the previous checkpoint, where it was
+        assert got["step"] == 10 and not (tmp_path / ".c.replaced").exists()
+    else:  # it stays complete aside, and a load says where
+        assert is_complete(tmp_path / ".c.replaced")
+        with pytest.raises(CheckpointError, match=r"\.c\.replaced"):
+            load(got, checkpoint_id=tmp_path / "c")
+    save(_state(3.0), checkpoint_id=tmp_path / "c")  # the next save commits as usual
+    load(got, checkpoint_id=tmp_path / "c")
+    assert got["step"] == 30
+
+
 def test_a_save_replaces_only_a_checkpoint(tmp_path):
     """Note [Saves replace only checkpoints]: a commit replaces the directory at its path."""
     out = tmp_path / "job"

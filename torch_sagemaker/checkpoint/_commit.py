@@ -103,7 +103,7 @@ def _report(
     if outcome is not None:
         return CheckpointError(
             f"checkpoint {path} was not saved: rank {coordinator} reported '{outcome}', and the "
-            f"group failed: {cause}. A previous checkpoint there is unchanged."
+            f"group failed: {cause}. Now {path.where()}."
         )
     return CheckpointError(
         f"checkpoint {path}: a rank of the group failed after writing ({cause}) and rank "
@@ -167,8 +167,7 @@ def publish(
         if outcome != COMMITTED:
             raise CheckpointError(
                 f"rank {participants.coordinator} failed to finish the "
-                f"checkpoint {path}: {outcome}; a previous checkpoint there "
-                "is unchanged."
+                f"checkpoint {path}: {outcome}. Now {path.where()}."
             )
         return
     if not known:

@@ -13,15 +13,19 @@ Note [Checkpoint commit protocol]
       4. deletes the replaced directory.
     A crash before step 3 leaves the previous ``<name>`` untouched; the next save removes the
     stale staging directory. A crash between steps 2 and 3 leaves the previous checkpoint
-    complete under ``.<name>.replaced``, and loading ``<name>`` says so. Loading requires the
-    marker and checks the recorded file sizes and checksums, so a partial, truncated or
-    garbled checkpoint is reported instead of read. All ranks must see one shared file
-    system (as DCP requires). What each rank reports when a peer fails around step 3 is
-    Note [Commit outcome] in ``_commit``.
+    complete under ``.<name>.replaced``, and loading ``<name>`` says so; a step 3 that fails
+    without a crash renames it back first. A failed sync of the parent directory after step
+    3 is a warning, not a failed save: the checkpoint is committed, only whether the rename
+    survives a power loss is unknown (after one, a load finds the previous checkpoint, or
+    names where it is). Loading requires the marker and checks the recorded file sizes and
+    checksums, so a partial, truncated or garbled checkpoint is reported instead of read.
+    All ranks must see one shared file system (as DCP requires). What each rank reports
+    when a peer fails around step 3 is Note [Commit outcome] in ``_commit``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -193,11 +197,29 @@ def commit(
     marker_file.write_bytes(new_marker(sizes, table, info))
     _fsync(marker_file)
     old = replaced_path(path)
-    if path.exists():
+    moved_aside = path.exists()
+    if moved_aside:
         shutil.rmtree(old, ignore_errors=True)
         os.replace(path, old)
-    os.replace(staging, path)
-    _fsync(path.parent)
+    try:
+        os.replace(staging, path)
+    except OSError:
+        if moved_aside:
+            # Step 2 undone, so the previous checkpoint stays where loads look for it. If
+            # this fails too, it stays complete under ``old`` (the error's ``where``).
+            with contextlib.suppress(OSError):
+                os.replace(old, path)
+        raise
+    try:
+        _fsync(path.parent)
+    except OSError as e:
+        # Both renames happened: the checkpoint is committed and loadable. Only whether the
+        # rename survives a power loss is unknown; a load after one finds the previous
+        # checkpoint (at ``path`` or ``old``) and says so. Not a failed save.
+        get_logger().warning(
+            f"checkpoint {path} is committed, but syncing its directory {path.parent} failed "
+            f"({type(e).__name__}: {e}): the rename may not survive a power loss."
+        )
     if cleanup:
         remove_replaced(path)
 
