@@ -287,3 +287,85 @@ TEST_CASE(a_posted_receive_behind_a_message_still_arriving_keeps_its_claim) {
     if (!error.empty()) break;
   }
 }
+
+// Note [Claims of a receive from any rank] (tcp_take.cpp): a receive from any rank whose take()
+// on one peer claimed a message still arriving, and that completed from another peer,
+// releases the claim; the message then counts against the budget for messages nobody waits
+// for. Before, it stayed outside the budget until a later receive took it. Here rank 1's
+// message is claimed by a take() into `claimer`, released, and completed into the stash:
+// a second message nobody waits for that fits the budget only without the first is refused;
+// in a second run the first is taken after the release, and a message that needs the whole
+// budget is then accepted (the release's charge went with it).
+namespace {
+
+// One try; false, having checked nothing, when the first take() read the whole message (no
+// claim was left to release).
+bool released_claim_counts_against_the_budget(int attempt, bool take_it_first) {
+  // Large enough that the socket cannot hold it: the reader catches up with the sender.
+  const size_t big = size_t(48) << 20, budget = size_t(64) << 20;
+  Pair p(std::string("release_") + (take_it_first ? "take_" : "keep_") + std::to_string(attempt));
+  p.a.set_stash_budget(budget);
+  std::vector<char> first(big, 1), claimer(big, 0), other(1, 0);
+  std::thread sender([&] {
+    try {
+      p.b.exchange({{0, 5, first.data(), big, 0}}, {}, ctx_for("send", 30));
+    } catch (const std::exception&) {  // reported by rank 0's side
+    }
+  });
+  const smddp::OpCtx ctx = ctx_for("recv", 30);
+  bool claimed = false;
+  while (!claimed) {
+    if (p.a.take(1, 5, claimer.data(), big, ctx, nullptr)) break;  // all of it in one call
+    claimed = p.a.stats().bytes_received > 0;  // its header read, its body not all there
+  }
+  if (!claimed) {
+    sender.join();
+    p.a.shutdown();
+    return false;
+  }
+  p.a.release_claims(claimer.data());  // as if the receive had completed from another rank
+  while (p.a.stats().messages_received < 1) p.a.take(1, 99, other.data(), 1, ctx, nullptr);
+  sender.join();
+  std::vector<char> got(big, 0);
+  if (take_it_first) {
+    EXPECT(p.a.take(1, 5, got.data(), big, ctx, nullptr), "the released message is still there");
+    EXPECT(got == first, "the released message kept its bytes");
+  }
+  // Fits the budget (with its entry's keeping) only while the first message is not counted.
+  const size_t second = take_it_first ? budget - 1024 : size_t(24) << 20;
+  std::vector<char> more(second, 2);
+  std::thread sender2([&] {
+    try {
+      p.b.exchange({{0, 7, more.data(), second, 0}}, {}, ctx_for("send", 30));
+    } catch (const std::exception&) {  // rank 0 refused it and closed
+    }
+  });
+  std::string error;
+  try {
+    while (p.a.stats().messages_received < 2) p.a.take(1, 99, other.data(), 1, ctx, nullptr);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  p.a.shutdown();
+  sender2.join();
+  if (take_it_first) {
+    EXPECT(error.empty(), "the budget was charged for a message already taken: ", error);
+  } else {
+    EXPECT(error.find("no receive here expects yet") != std::string::npos,
+           "the released message was not counted: ", error.empty() ? "no error" : error);
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE(a_receive_from_any_rank_releases_what_it_claimed_from_other_peers) {
+  bool kept = false, taken = false;
+  for (int attempt = 0; attempt < 4 * kTries && !kept; ++attempt) {
+    kept = released_claim_counts_against_the_budget(attempt, false);
+  }
+  for (int attempt = 0; attempt < 4 * kTries && !taken; ++attempt) {
+    taken = released_claim_counts_against_the_budget(attempt, true);
+  }
+  EXPECT(kept && taken, "no try found the message still arriving after a take()");
+}

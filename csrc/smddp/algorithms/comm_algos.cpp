@@ -457,6 +457,8 @@ bool Communicator::poll_recv(void* data, size_t bytes, int peer, uint32_t tag, O
                      : net_->take(r, tag, static_cast<char*>(data), bytes, ctx,
                                   peer == kAnyPeer ? kNoOwner : poll.data_owner)) {
         if (local >= 0) p2p_->recv(local, tag, data, bytes, ctx);
+        // Note [Claims of a receive from any rank] in tcp_take.cpp.
+        if (peer == kAnyPeer && net_) net_->release_claims(static_cast<const char*>(data));
         *from = r;
         return true;
       }

@@ -135,6 +135,9 @@ class Transport {
   // blocks past what one message's arrival needs (TcpMesh::take in tcp/tcp.h).
   virtual bool take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& ctx,
                     const std::shared_ptr<void>& data_owner) = 0;
+  // A receive from any rank that took its message: what its take() calls claimed from the
+  // other peers (those called with `data`) is awaited by nobody now (TcpMesh::release_claims).
+  virtual void release_claims(const char* data) { (void)data; }
 
   // Tells the peers this rank's group failed (Note [Failure notices] in tcp/tcp.h): those it
   // has talked to, and `also_tell`. The first call does it; later ones return.

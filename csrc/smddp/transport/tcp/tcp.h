@@ -185,6 +185,9 @@ class TcpMesh final : public Transport {
   // take() waits for the rest (Note [Direct receives over TCP]); otherwise it never waits.
   bool take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& ctx,
             const std::shared_ptr<void>& data_owner) override;
+  // Note [Claims of a receive from any rank] in tcp_take.cpp: the messages take() calls with
+  // `data` claimed and did not take count against the budget from now on.
+  void release_claims(const char* data) override;
 
   // Sends the failure notice (Note [Failure notices]) on every outgoing connection and on
   // new ones to `also_tell` (ranks without one yet), then closes them; the first call does
@@ -219,6 +222,7 @@ class TcpMesh final : public Transport {
     bool awaited = false;                // a posted receive's (take): not in Conn::stash_bytes
     char* direct_to = nullptr;           // kDirect: its body went there, `data` is empty
     std::shared_ptr<void> direct_owner;  // keeps direct_to alive
+    const char* claimed_by = nullptr;    // awaited, not direct: the claiming take()'s `data`
   };
   struct Conn {
     std::mutex write_mu;   // held by the writer of one whole message

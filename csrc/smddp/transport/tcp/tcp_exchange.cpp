@@ -244,6 +244,7 @@ void TcpMesh::exchange_rounds(Exchange& x, const OpCtx& ctx) {
     // The message that just completed is the stash's last entry.
     void stashed() { match(peer, mesh.conns_[peer]->stash.size() - 1); }
     std::shared_ptr<void> owner() const { return nullptr; }  // it claims no frame directly
+    const char* claimer() const { return nullptr; }          // nor for a receive
   };
   auto pump_in = [&](int peer, int fd) {
     Route route{peer,        recvs,       rdone,       rtargeted, wants_from,

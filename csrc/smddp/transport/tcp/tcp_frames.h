@@ -22,7 +22,8 @@ inline constexpr const char* kClosed =
 // and returns when the socket has nothing more. A frame goes where `route.target` says (an
 // operation's buffer, after it checked the header), to a waiting receive's buffer, which
 // `route.owner()` keeps alive (Note [Direct receives over TCP]), or to the stash (Note [TCP
-// trust model]); failure notices end the wait with the peer's reason. A frame may span
+// trust model]), awaited by the receive `route.claimer()` names or by nobody yet; failure
+// notices end the wait with the peer's reason. A frame may span
 // calls: its state lives in the connection.
 template <class Route>
 void TcpMesh::read_frames(int peer, int fd, Route& route, const OpCtx& ctx) {
@@ -65,8 +66,9 @@ void TcpMesh::read_frames_of(Conn& c, int peer, int fd, Route& route, const OpCt
       } else {
         c.body = route.target(c.hdr, c.target_op);
       }
-      const bool awaited = c.target_op == kAwaited || c.target_op == kDirect;
-      if (c.target_op == kAwaited) c.target_op = -1;
+      const bool claimed = c.target_op == kAwaited;
+      const bool awaited = claimed || c.target_op == kDirect;
+      if (claimed) c.target_op = -1;
       if (c.target_op == -1 || c.target_op == kDirect) {
         // Note [TCP trust model]: a message nobody waits for yet is kept within a budget,
         // and its buffer grows only as its bytes arrive.
@@ -85,7 +87,8 @@ void TcpMesh::read_frames_of(Conn& c, int peer, int fd, Route& route, const OpCt
                         " bytes for its keeping (post the receives in the order of the sends)",
                     ctx);
         }
-        c.stash.push_back({c.hdr, {}, awaited, nullptr, nullptr});
+        c.stash.push_back(
+            {c.hdr, {}, awaited, nullptr, nullptr, claimed ? route.claimer() : nullptr});
         c.stash_bytes += stash_cost(c.stash.back());
         if (c.target_op == kDirect) {
           c.stash.back().direct_to = c.body;

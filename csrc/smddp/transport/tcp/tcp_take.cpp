@@ -65,8 +65,10 @@ bool TcpMesh::take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& 
     bool& claimed;
     char* direct;
     const std::shared_ptr<void>& data_owner;
+    const char* claim_id;
     bool wants() { return found() < 0; }
     const std::shared_ptr<void>& owner() const { return data_owner; }
+    const char* claimer() const { return claim_id; }
     char* target(const Header& h, int& op) {
       op = -1;
       if (h.tag == tag && !claimed) {
@@ -79,7 +81,7 @@ bool TcpMesh::take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& 
     }
     void delivered(int) {}
     void stashed() {}
-  } route{find, check_length, tag, claimed, direct ? data : nullptr, data_owner};
+  } route{find, check_length, tag, claimed, direct ? data : nullptr, data_owner, data};
   read_frames(peer, fd, route, ctx);
   while (direct && c.target_op == kDirect && c.body == data) {  // our message is arriving
     if (aborted_.load() || ctx.deadline.expired()) break;
@@ -103,6 +105,30 @@ bool TcpMesh::take(int peer, uint64_t tag, char* data, size_t len, const OpCtx& 
   c.stash_bytes -= stash_cost(m);
   c.stash.erase(c.stash.begin() + k);
   return true;
+}
+
+// Note [Claims of a receive from any rank]
+// A receive from any rank attempts take() on each peer in turn, with the same buffer. A
+// message with its tag that one peer's take() finds arriving is claimed for it (stashed as
+// awaited, outside the budget for messages nobody waits for, so a large receive is not
+// refused for its own message), and the receive may then complete from another peer. The
+// message it claimed is then awaited by nobody; left marked, it stayed outside the budget
+// until some later receive took it, and each such receive could leave one per peer. So
+// the receive, once complete, releases its claims: each message still marked with its
+// buffer counts against the budget from then on, as a message that arrived before its
+// receive does (an over-budget total then refuses the next such message, not this one).
+// A later receive for it takes it as any stashed message.
+void TcpMesh::release_claims(const char* data) {
+  for (int peer = 0; peer < size_; ++peer) {
+    if (!conns_[peer]) continue;
+    Conn& c = *conns_[peer];
+    for (Stashed& m : c.stash) {
+      if (!m.awaited || m.direct_to || m.claimed_by != data) continue;
+      m.awaited = false;
+      m.claimed_by = nullptr;
+      c.stash_bytes += stash_cost(m);
+    }
+  }
 }
 
 }  // namespace smddp
