@@ -1,4 +1,4 @@
-"""FSDP1 as SMP's example scripts wrap a model, for the benchmarks that time it."""
+"""FSDP1 as SMP's example scripts wrap a model, for the benchmarks that time it and the tests."""
 
 from __future__ import annotations
 

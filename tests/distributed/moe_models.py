@@ -96,15 +96,9 @@ def layer_class(model):
 def wrap(model, api: str, mixed_precision: bool = False):
     """FSDP1 exactly as SMP's scripts call it, or FSDP2 through ``shard_model``."""
     import torch.sagemaker as tsm
-    from torch.distributed.fsdp import (
-        BackwardPrefetch,
-        MixedPrecision,
-        MixedPrecisionPolicy,
-        ShardingStrategy,
-    )
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
 
+    from benchmarks.smp_fsdp1 import wrap_as_smp
     from torch_sagemaker.sharding import shard_model
 
     if api == "fsdp2":
@@ -114,9 +108,6 @@ def wrap(model, api: str, mixed_precision: bool = False):
             else None
         )
         return shard_model(model, mp_policy=mp)
-    policy = functools.partial(
-        transformer_auto_wrap_policy, transformer_layer_cls={layer_class(model)}
-    )
     mp = (
         MixedPrecision(
             param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.float32
@@ -129,17 +120,7 @@ def wrap(model, api: str, mixed_precision: bool = False):
         if tsm.state.layout.requested_hybrid_shard_degree
         else ShardingStrategy.FULL_SHARD
     )
-    return FSDP(
-        model,
-        auto_wrap_policy=policy,
-        mixed_precision=mp,
-        sharding_strategy=strategy,
-        backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
-        forward_prefetch=True,
-        limit_all_gathers=True,
-        device_id=torch.device("cpu"),
-        use_orig_params=True,
-    )
+    return wrap_as_smp(model, strategy, mp)
 
 
 def full(t):
