@@ -70,10 +70,11 @@ def _save_while_a_rank_dies(root: str, victim: int, after_commit: bool) -> None:
         real_commit = atomic_dir.commit
 
         def commit_then_wait(*args, **kwargs):
-            real_commit(*args, **kwargs)
+            durable = real_commit(*args, **kwargs)
             while not os.path.exists(dying):
                 time.sleep(0.01)
             time.sleep(0.5)
+            return durable
 
         atomic_dir.commit = commit_then_wait
     started = time.monotonic()

@@ -529,3 +529,155 @@ def test_a_training_state_check_failing_on_one_rank_fails_every_rank_at_once(tmp
     assert "Input/output error" in results[0]["error"]
     assert all(r["seconds"] < 20 for r in results), results  # not the group's timeout
     assert [r["step"] for r in results] == [3, 3]
+
+
+def _a_load_in_parts_failing_in_one_part(root: str) -> dict:
+    import json
+    import time
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from torch_sagemaker.checkpoint import TrainingState, save, training_state
+    from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER
+
+    rank = dist.get_rank()
+    own = [dist.new_group([0]), dist.new_group([1])]
+
+    def one_part_per_rank(self, path, kind):  # as for FSDP1 with TP 2: a group per part
+        return path.child(f"tp2-{rank}"), own[rank], rank
+
+    real_location, real_read = TrainingState._location, training_state.read_metadata
+    TrainingState._location = one_part_per_rank
+    out: dict = {}
+
+    def load_as(name: str) -> None:
+        start = time.monotonic()
+        try:
+            state = TrainingState(nn.Linear(4, 4), save_rng=False)
+            state.load(f"{root}/c")
+            out[name] = f"loaded step {state.step}"
+        except Exception as e:  # noqa: BLE001 - reported
+            out[name] = f"{type(e).__name__}: {e}"
+        out[name + " s"] = time.monotonic() - start
+
+    try:
+        TrainingState(nn.Linear(4, 4), step=3, save_rng=False).save(f"{root}/c")
+        dist.barrier()  # each part commits on its own: both are there before the load
+
+        def unreadable_on_rank_1(path):
+            if rank == 1:
+                raise OSError(5, "Input/output error", str(path))
+            return real_read(path)
+
+        training_state.read_metadata = unreadable_on_rank_1
+        load_as("read error")
+        dist.barrier()
+        part = json.loads(Path(f"{root}/c/tp2-1/{COMPLETION_MARKER}").read_text())
+
+        def part_1_saved_again_meanwhile(path):
+            metadata = real_read(path)
+            if rank == 1:
+                again = TrainingState(nn.Linear(4, 4), step=4, save_rng=False).state_dict()
+                info = {k: part[k] for k in ("whole_save_id", "num_parts")}
+                save(again, checkpoint_id=path, process_group=own[1], marker_info=info)
+            return metadata
+
+        training_state.read_metadata = part_1_saved_again_meanwhile
+        load_as("replaced")
+    finally:
+        training_state.read_metadata = real_read
+        TrainingState._location = real_location
+    return out
+
+
+def test_a_load_in_parts_fails_every_part_when_one_fails(tmp_path):
+    """Each part's group agrees within itself; before, the other parts' ranks returned with
+    their parts loaded and waited for the failed ones in the next collective."""
+    results = run_distributed(
+        _a_load_in_parts_failing_in_one_part, str(tmp_path), timeout=120, pg_timeout=60, fresh=True
+    )
+    mine, other = results[1], results[0]
+    assert mine["read error"].startswith("OSError: [Errno 5]"), results
+    assert mine["replaced"].startswith(f"CheckpointError: loading {tmp_path}/c/tp2-1: another")
+    for case in ("read error", "replaced"):
+        assert other[case].startswith(
+            f"CheckpointError: loading checkpoint {tmp_path}/c: the part of rank 1 failed"
+        ), other
+        assert other[case + " s"] < 20 and mine[case + " s"] < 20, results
+
+
+def _fsdp1_optimizer_readers_made_around_a_save(root: str) -> dict:
+    import json
+    import os
+    import shutil
+    import time
+    import uuid
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    from torch_sagemaker.checkpoint import fsdp1_checkpoint as util
+    from torch_sagemaker.checkpoint.constants import COMPLETION_MARKER
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = FSDP(nn.Linear(8, 8), device_id=torch.device("cpu"), use_orig_params=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    meta, c = (None, 0, True), f"{root}/ckpt"
+    kind = StateDictType.SHARDED_STATE_DICT
+    util.save_model_checkpoint(model, kind, c, None, meta, optimizer=optimizer)
+    real = util.DistributedFileSystemReader
+
+    def another_save_commits() -> None:  # the same bytes under a new save id
+        shutil.copytree(c, c + ".new")
+        marker_file = Path(f"{c}.new/{COMPLETION_MARKER}")
+        marker = json.loads(marker_file.read_text())
+        marker["save_id"] = uuid.uuid4().hex
+        marker_file.write_text(json.dumps(marker))
+        os.replace(c, c + ".old")
+        os.replace(c + ".new", c)
+
+    def reader(path):  # rank 1 makes its reader before the save commits, rank 0 after
+        if rank == 1:
+            made = real(path)
+            another_save_commits()
+            dist.barrier()
+            return made
+        dist.barrier()
+        return real(path)
+
+    util.DistributedFileSystemReader = reader
+    start = time.monotonic()
+    try:
+        util.load_model_checkpoint(model, kind, c, None, meta, optimizer=optimizer)
+        result = "loaded"
+    except Exception as e:  # noqa: BLE001 - reported
+        result = f"{type(e).__name__}: {e}"
+    finally:
+        util.DistributedFileSystemReader = real
+    return {"result": result, "seconds": time.monotonic() - start}
+
+
+def test_fsdp1_optimizer_readers_of_different_saves_fail_every_rank_at_once(tmp_path):
+    """Rank 1's reader fails its check when the optimizer's metadata is read, outside DCP's
+    collectives; before, rank 0 waited in the load's first collective until the timeout."""
+    results = run_distributed(
+        _fsdp1_optimizer_readers_made_around_a_save,
+        str(tmp_path),
+        timeout=120,
+        pg_timeout=60,
+        fresh=True,
+    )
+    assert "another save committed over this checkpoint" in results[1]["result"], results
+    assert results[0]["result"].startswith(
+        "CheckpointError: reading the optimizer's checkpoint failed on rank 1: "
+    ), results
+    assert all(r["seconds"] < 20 for r in results), results

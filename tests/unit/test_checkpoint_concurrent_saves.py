@@ -202,8 +202,14 @@ def test_a_save_committed_while_the_reader_reads_fails_the_read(monkeypatch, tmp
     _save_step(checkpoint, 4.0)
     with pytest.raises(CheckpointException, match=r"another save committed.*save id \w+ before"):
         dcp.load(state, storage_reader=reader, no_dist=True)
-    dcp.load(state, storage_reader=DistributedFileSystemReader(checkpoint), no_dist=True)
+    reader = DistributedFileSystemReader(checkpoint)
+    dcp.load(state, storage_reader=reader, no_dist=True)
     assert torch.equal(state["optimizer"]["m"], torch.full((1000,), 4.0))
+    # A reader used again after a load reads the checkpoint as it is then (this job saved
+    # it again in between): not a save during the read.
+    _save_step(checkpoint, 5.0)
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    assert torch.equal(state["optimizer"]["m"], torch.full((1000,), 5.0))
 
 
 def test_training_state_reads_metadata_and_data_of_one_save(monkeypatch, tmp_path):

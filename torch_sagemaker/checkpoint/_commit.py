@@ -89,6 +89,14 @@ def _await_outcome(path: CheckpointLocation, save_id: str) -> str | None:
         time.sleep(_POLL_S)
 
 
+def _holds(path: CheckpointLocation) -> str:
+    """``path.where()``, or why it could not be told: an error's own message must not fail."""
+    try:
+        return path.where()
+    except Exception as e:  # noqa: BLE001 - the storage that failed the commit may fail this too
+        return f"what {path} holds could not be read ({type(e).__name__}: {e})"
+
+
 def _report(
     path: CheckpointLocation, coordinator: int, outcome: str | None, failure: BaseException
 ) -> CheckpointError:
@@ -103,12 +111,12 @@ def _report(
     if outcome is not None:
         return CheckpointError(
             f"checkpoint {path} was not saved: rank {coordinator} reported '{outcome}', and the "
-            f"group failed: {cause}. Now {path.where()}."
+            f"group failed: {cause}. Now {_holds(path)}."
         )
     return CheckpointError(
         f"checkpoint {path}: a rank of the group failed after writing ({cause}) and rank "
         f"{coordinator}, which commits, did not report within {OUTCOME_WAIT_S:.0f} s whether "
-        f"it committed; this save is not in {path}. Now {path.where()}."
+        f"it committed; this save is not in {path}. Now {_holds(path)}."
     )
 
 
@@ -167,7 +175,7 @@ def publish(
         if outcome != COMMITTED:
             raise CheckpointError(
                 f"rank {participants.coordinator} failed to finish the "
-                f"checkpoint {path}: {outcome}. Now {path.where()}."
+                f"checkpoint {path}: {outcome}. Now {_holds(path)}."
             )
         return
     if not known:

@@ -16,11 +16,12 @@ Note [Checkpoint commit protocol]
     complete under ``.<name>.replaced``, and loading ``<name>`` says so; a step 3 that fails
     without a crash renames it back first. A failed sync of the parent directory after step
     3 is a warning, not a failed save: the checkpoint is committed, only whether the rename
-    survives a power loss is unknown (after one, a load finds the previous checkpoint, or
-    names where it is). Loading requires the marker and checks the recorded file sizes and
-    checksums, so a partial, truncated or garbled checkpoint is reported instead of read.
-    All ranks must see one shared file system (as DCP requires). What each rank reports
-    when a peer fails around step 3 is Note [Commit outcome] in ``_commit``.
+    survives a power loss is unknown, so the previous one is kept under
+    ``.<name>.replaced`` until the next save of the name. Loading requires the marker and
+    checks the recorded file sizes and checksums, so a partial, truncated or garbled
+    checkpoint is reported instead of read. All ranks must see one shared file system (as
+    DCP requires). What each rank reports when a peer fails around step 3 is
+    Note [Commit outcome] in ``_commit``.
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ def commit(
     *,
     cleanup: bool = True,
     checksums: bool = True,
-) -> None:
+) -> bool:
     """Marks ``staging`` complete and renames it to ``path`` (Note [Checkpoint commit protocol]).
 
     Args:
@@ -180,6 +181,10 @@ def commit(
             ``None``: not known (nothing is compared).
         cleanup: Delete the replaced previous checkpoint now (else call ``remove_replaced``).
         checksums: Record every file's checksum in the marker; ``False`` writes sizes only.
+
+    Returns:
+        Whether the commit is durable: ``False`` when syncing the parent directory failed
+        after the renames (the previous checkpoint is then kept, whatever ``cleanup`` says).
 
     Raises:
         CheckpointError: If the staging directory does not hold what ``recorded`` lists, or
@@ -214,14 +219,17 @@ def commit(
         _fsync(path.parent)
     except OSError as e:
         # Both renames happened: the checkpoint is committed and loadable. Only whether the
-        # rename survives a power loss is unknown; a load after one finds the previous
-        # checkpoint (at ``path`` or ``old``) and says so. Not a failed save.
+        # renames survive a power loss is unknown, so the previous checkpoint is kept aside
+        # (the next save of this name removes it). Not a failed save.
         get_logger().warning(
             f"checkpoint {path} is committed, but syncing its directory {path.parent} failed "
-            f"({type(e).__name__}: {e}): the rename may not survive a power loss."
+            f"({type(e).__name__}: {e}): the rename may not survive a power loss; the "
+            f"previous checkpoint stays at {old} until the next save of {path.name}."
         )
+        return False
     if cleanup:
         remove_replaced(path)
+    return True
 
 
 def check_as_written(
@@ -338,6 +346,7 @@ class LocalDirectory:
     def __init__(self, path: str | os.PathLike[str], *, checksums: bool = True) -> None:
         self.path = checkpoint_path(path)
         self.checksums = checksums
+        self._keep_replaced = False  # the last commit's renames may not be durable
 
     def __str__(self) -> str:
         return str(self.path)
@@ -385,7 +394,7 @@ class LocalDirectory:
             CheckpointError: If the staging directory lost or changed a file the save
                 wrote (Note [Commit what was written]).
         """
-        commit(
+        self._keep_replaced = not commit(
             self.write_root(save_id),
             self.path,
             info,
@@ -395,9 +404,13 @@ class LocalDirectory:
         )
 
     def remove_replaced(self, save_id: str) -> None:
-        """Step 4 (coordinator): deletes the previous checkpoint moved aside by the commit."""
+        """Step 4 (coordinator): deletes the previous checkpoint moved aside by the commit.
+
+        Kept when the commit's renames may not be durable (``commit`` returned ``False``).
+        """
         del save_id
-        remove_replaced(self.path)
+        if not self._keep_replaced:
+            remove_replaced(self.path)
 
     def marker_save_id(self) -> str | None:
         """The save id the marker names, if there is a readable marker."""

@@ -47,6 +47,8 @@ from torch.distributed.tensor import DTensor
 
 from torch_sagemaker._torch_compat import dcp as dcp_compat
 from torch_sagemaker.checkpoint import strided_shards
+from torch_sagemaker.checkpoint._group import Participants
+from torch_sagemaker.checkpoint.marker import CheckpointError
 
 _native_load_sharded = getattr(
     _dcp_optimizer.load_sharded_optimizer_state_dict,
@@ -102,7 +104,7 @@ def load_sharded_optimizer_state_dict(
     """
     if process_group is None:
         return _native_load_sharded(model_state_dict, optimizer_key, storage_reader, planner)
-    metadata = storage_reader.read_metadata()
+    metadata = _read_metadata_on_every_rank(storage_reader, process_group)
     flat: dict[str, Any] = {}
     for key, meta in metadata.state_dict_metadata.items():
         path = metadata.planner_data[key]
@@ -118,6 +120,30 @@ def load_sharded_optimizer_state_dict(
     return dcp_compat.unflatten_state_dict(
         flat, {k: v for k, v in metadata.planner_data.items() if k in flat}
     )
+
+
+def _read_metadata_on_every_rank(reader: StorageReader, group: dist.ProcessGroup) -> Any:
+    """``reader.read_metadata()``, or its error on every rank of ``group`` if it fails on one.
+
+    Read outside DCP's collectives, a check of ``DistributedFileSystemReader`` that fails on
+    one rank (a changed file, a save committed since its reader was made) would otherwise
+    leave the others in the load's first collective until the group's timeout.
+    """
+    failure: Exception | None = None
+    metadata = None
+    try:
+        metadata = reader.read_metadata()
+    except Exception as e:  # noqa: BLE001 - every rank learns of it first (below)
+        failure = e
+    participants = Participants(group)
+    failures = participants.all_gather(None if failure is None else str(failure))
+    if failure is not None:
+        raise failure
+    failed = [(r, f) for r, f in zip(participants.ranks, failures) if f]
+    if failed:
+        rank, error = failed[0]
+        raise CheckpointError(f"reading the optimizer's checkpoint failed on rank {rank}: {error}")
+    return metadata
 
 
 load_sharded_optimizer_state_dict.__tsm_native__ = _native_load_sharded  # type: ignore[attr-defined]

@@ -54,6 +54,8 @@ WriteHook = Callable[["DistributedFileSystemWriter"], None]
 #     checkpoint meanwhile would otherwise be read in part, or by some ranks and not others,
 #     each consistent with the marker it read (Note [A save that replaces a checkpoint being
 #     loaded] in ``state_dict_loader``); a changed id raises ``CheckpointError`` saying so.
+#     A reader used again for a new load (its first ``read_metadata`` after a ``read_data``)
+#     reads the marker again first: the checkpoint as it is then, as DCP's reader would.
 #     In ``read_data`` either error fails that rank's step of DCP's load, whose gather
 #     raises on every rank, so no rank waits for another. Cost: each file a rank reads is
 #     read once more for its checksum, as ``load`` does (docs/checkpoint.md, "Integrity"),
@@ -114,6 +116,7 @@ class DistributedFileSystemReader(FileSystemReader):
             location.read_marker() if location.is_complete() else None
         )
         self._checked: set[str] = set()  # files whose checksum matched (or need no check)
+        self._read_done = False  # a load through this reader has read its data
         # The committed files, so that DCP used directly (SMP's scripts load the optimizer
         # state with this reader) reads exactly those (on S3 the marker names them).
         self.fs = location.file_system()
@@ -156,6 +159,10 @@ class DistributedFileSystemReader(FileSystemReader):
             CheckpointError: A Hugging Face export (or another kind DCP cannot read), or
                 metadata whose bytes changed since the save.
         """
+        if self._read_done:
+            # A new load through a reader used before: it reads the checkpoint as it is now
+            # (another save of it, by this job, may have committed since the last load).
+            self._open(self._location)
         if self._checks and self._marker is not None:
             problem = not_a_training_checkpoint(self._location, self._marker.get("kind"))
             if problem is not None:
@@ -183,8 +190,10 @@ class DistributedFileSystemReader(FileSystemReader):
             future = super().read_data(plan, planner)
             future.wait()  # DCP's file-system reader reads before it returns: a no-op there
             self._check_not_replaced()  # the files opened by name may be another save's
-            return future
-        return super().read_data(plan, planner)
+        else:
+            future = super().read_data(plan, planner)
+        self._read_done = True
+        return future
 
     def _check(self, names: list[str]) -> None:
         """Raises ``CheckpointError`` for the files of ``names`` that differ from the save's."""

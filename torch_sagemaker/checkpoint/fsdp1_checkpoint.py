@@ -149,6 +149,7 @@ def load_model_checkpoint(
     # Two reads, the model's and the optimizer's: both must be of the save the first one
     # began with (Note [A save that replaces a checkpoint being loaded]).
     location = checkpoint_location(checkpoint_dir)
+    participants = Participants(process_group)
     save_id = location.marker_save_id()
     with FSDP.state_dict_type(model, state_dict_type):
         model_state = model.state_dict()
@@ -158,16 +159,20 @@ def load_model_checkpoint(
         load(template, checkpoint_id=checkpoint_dir, process_group=process_group)
         model.load_state_dict(template[EXPORT_KEY_MODEL])
         if optimizer is not None:
+            # The model's read was of that save on every rank. The readers made now check
+            # theirs against the save they find (on every rank together: the world's group
+            # takes the same path as SMP's groups), and the last check below covers both.
+            raise_if_replaced(location, save_id, participants)
             loaded = load_sharded_optimizer_state_dict(
                 model_state,
                 EXPORT_KEY_OPTIMIZER,
                 DistributedFileSystemReader(checkpoint_dir),
-                process_group=process_group,
+                process_group=process_group if process_group is not None else dist.group.WORLD,
             )
             optimizer.load_state_dict(
                 FSDP.optim_state_dict_to_load(model, optimizer, loaded[EXPORT_KEY_OPTIMIZER])
             )
-    raise_if_replaced(location, save_id, Participants(process_group))
+    raise_if_replaced(location, save_id, participants)
     if scheduler is not None:
         scheduler.load_state_dict(template[EXPORT_KEY_SCHEDULER])
     identity = {"epoch": 0, **{key: template[key] for key in extra}}

@@ -145,11 +145,16 @@ def replaced_error(where: object, before: str | None, after: str | None) -> Chec
         before: The save id its marker named when the read began.
         after: The save id it names now (``None``: no readable marker).
     """
+    now = (
+        f"{after} after"
+        if after is not None
+        else "no readable marker after: a save replacing it, or a read error"
+    )
     return CheckpointError(
         f"loading {where}: another save committed over this checkpoint while it was being "
-        f"read (save id {before} before, {after} after), so the loaded values may mix the "
-        "two saves. Load it again, and do not save under a name that is being loaded "
-        "(give each save its own directory, e.g. one per step)."
+        f"read (save id {before} before, {now}), so the loaded values may mix the two saves. "
+        "Load it again, and do not save under a name that is being loaded (give each save "
+        "its own directory, e.g. one per step)."
     )
 
 

@@ -416,21 +416,56 @@ class TrainingState:
                 match the model (the message names the keys and shapes), holds model or
                 optimizer-state keys this one does not request (with ``strict``; checked
                 before anything is read), or its optimizer did not hold a parameter of this
-                one (found after the read, which has filled the model's and the optimizer's
-                tensors in place: after this error, build them anew rather than train on).
+                one, or another save committed over it during the load, or (in parts) the
+                load of another part failed (all found after the read, which has filled the
+                model's and the optimizer's tensors in place: after these errors, build them
+                anew rather than train on).
         """
         checks.check_kind(kind, "load")
         top = checkpoint_location(checkpoint_id)
         path, group, coordinator = self._location(top, kind)
+        # Without the optimizer, its template is not even built: building it creates state
+        # (one step with zero gradients) that a fresh optimizer must not carry on, so it is
+        # dropped again when the load fails.
+        fresh = load_optimizer and self.optimizer is not None and not self.optimizer.state
+        failure: Exception | None = None
+        sd: dict[str, Any] = {}
+        try:
+            sd = self._read(top, path, group, coordinator, kind, load_optimizer, strict)
+        except Exception as e:  # noqa: BLE001 - raised below, on every rank of the parts
+            failure = e
+        try:
+            if path is not top:
+                # Each part's group agreed within itself; the other parts' ranks must learn.
+                checks.agree_across_parts(top, failure)
+            elif failure is not None:
+                raise failure
+        except Exception:
+            if fresh and self.optimizer is not None:
+                self.optimizer.state.clear()
+            raise
+        self.load_state_dict(sd, kind)
+
+    def _read(
+        self,
+        top: CheckpointLocation,
+        path: CheckpointLocation,
+        group: Any,
+        coordinator: int,
+        kind: str,
+        load_optimizer: bool,
+        strict: bool,
+    ) -> dict[str, Any]:
+        """Reads this rank's part ``path`` of checkpoint ``top`` into a new template (``load``).
+
+        Every rank of ``group`` raises together: the checks are agreed before the read, and
+        the read is checked to be of one save.
+        """
         participants = Participants(group)
         # Before the first read: the metadata read here and the data ``load`` reads must be
         # of one save (Note [A save that replaces a checkpoint being loaded]).
         save_id = path.marker_save_id()
-        # Without the optimizer, its template is not even built: building it creates state
-        # (one step with zero gradients) that a fresh optimizer must not carry on, so it is
-        # dropped again when the checks fail. Built on every rank before any check can fail
-        # on one: it may take collectives.
-        fresh = load_optimizer and self.optimizer is not None and not self.optimizer.state
+        # Built on every rank before any check can fail on one: it may take collectives.
         sd = self._state_dict(kind, with_optimizer=load_optimizer, template=True)
         failure: Exception | None = None
         stateless: Any = None
@@ -441,12 +476,7 @@ class TrainingState:
         # One rank's failure (a transient read error, a save committing between the ranks'
         # reads) raises on every rank here, rather than leaving the others in ``load``'s
         # first collective until the group's timeout.
-        try:
-            agree_to_load(path, participants, failure, save_id, path.marker_entries().get("kind"))
-        except Exception:
-            if fresh and self.optimizer is not None:
-                self.optimizer.state.clear()
-            raise
+        agree_to_load(path, participants, failure, save_id, path.marker_entries().get("kind"))
         # Ranks may differ in the RNG key only, so the key-set agreement check is skipped.
         load(
             sd,
@@ -458,7 +488,7 @@ class TrainingState:
         raise_if_replaced(path, save_id, participants)
         if stateless:
             checks.expect_saved_optimizer_params(sd["optimizer"], stateless, path)
-        self.load_state_dict(sd, kind)
+        return sd
 
     def _check_before_load(
         self, top: CheckpointLocation, path: CheckpointLocation, sd: dict[str, Any], strict: bool

@@ -138,11 +138,17 @@ def agree_on_parts(top: CheckpointLocation, part: CheckpointLocation) -> None:
         CheckpointError: Naming the parts, their save ids and the fix.
     """
     entries = part.marker_entries()
+    problem: str | None = None
+    if world_rank() == 0 and part is not top:
+        try:
+            problem = parts_problem(top)
+        except Exception as e:  # noqa: BLE001 - sent to every rank in the gather below
+            problem = f"could not be listed to compare its parts ({type(e).__name__}: {e})"
     mine = (
         str(part),
         entries.get(WHOLE_SAVE_ID),
         entries.get(NUM_PARTS) if entries else -1,
-        parts_problem(top) if world_rank() == 0 and part is not top else None,
+        problem,
     )
     views = _world_all_gather(mine)
     problem = views[0][3]
@@ -169,6 +175,29 @@ def agree_on_parts(top: CheckpointLocation, part: CheckpointLocation) -> None:
         )
     if problem is not None:
         raise CheckpointError(f"checkpoint {top} {problem}")
+
+
+def agree_across_parts(top: CheckpointLocation, failure: BaseException | None) -> None:
+    """Raises on every rank if the load of any part failed (one all-gather over the world).
+
+    Each part is loaded by its own group, whose ranks agree among themselves; the ranks of
+    the other parts would otherwise return with their parts loaded and wait for the failed
+    ones in the job's next collective until the group's timeout.
+
+    Raises:
+        BaseException: This rank's own ``failure``.
+        CheckpointError: Naming a rank whose part failed, on the others.
+    """
+    views = _world_all_gather(None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    failed = [(rank, error) for rank, error in enumerate(views) if error is not None]
+    if failed:
+        rank, error = failed[0]
+        raise CheckpointError(
+            f"loading checkpoint {top}: the part of rank {rank} failed ({error}), so the parts "
+            "loaded here were loaded without it; load the checkpoint again once that is fixed."
+        )
 
 
 def check_kind(kind: object, method: str) -> None:
