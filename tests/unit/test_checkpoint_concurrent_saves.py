@@ -205,10 +205,12 @@ def test_a_save_committed_while_the_reader_reads_fails_the_read(monkeypatch, tmp
     reader = DistributedFileSystemReader(checkpoint)
     dcp.load(state, storage_reader=reader, no_dist=True)
     assert torch.equal(state["optimizer"]["m"], torch.full((1000,), 4.0))
-    # A reader used again after a load reads the checkpoint as it is then (this job saved
-    # it again in between): not a save during the read.
+    # One reader may serve the model's load and then the optimizer's: a save committed in
+    # between (even this job's own) is refused, with the fix, rather than mixed in.
     _save_step(checkpoint, 5.0)
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with pytest.raises(CheckpointException, match="Load it again with a new DistributedFile"):
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    dcp.load(state, storage_reader=DistributedFileSystemReader(checkpoint), no_dist=True)
     assert torch.equal(state["optimizer"]["m"], torch.full((1000,), 5.0))
 
 

@@ -104,7 +104,7 @@ def load_sharded_optimizer_state_dict(
     """
     if process_group is None:
         return _native_load_sharded(model_state_dict, optimizer_key, storage_reader, planner)
-    metadata = _read_metadata_on_every_rank(storage_reader, process_group)
+    metadata = read_metadata_on_every_rank(storage_reader, process_group)
     flat: dict[str, Any] = {}
     for key, meta in metadata.state_dict_metadata.items():
         path = metadata.planner_data[key]
@@ -122,7 +122,7 @@ def load_sharded_optimizer_state_dict(
     )
 
 
-def _read_metadata_on_every_rank(reader: StorageReader, group: dist.ProcessGroup) -> Any:
+def read_metadata_on_every_rank(reader: StorageReader, group: dist.ProcessGroup | None) -> Any:
     """``reader.read_metadata()``, or its error on every rank of ``group`` if it fails on one.
 
     Read outside DCP's collectives, a check of ``DistributedFileSystemReader`` that fails on
@@ -136,10 +136,10 @@ def _read_metadata_on_every_rank(reader: StorageReader, group: dist.ProcessGroup
     except Exception as e:  # noqa: BLE001 - every rank learns of it first (below)
         failure = e
     participants = Participants(group)
-    failures = participants.all_gather(None if failure is None else str(failure))
+    failures = participants.all_gather(None if failure is None else repr(failure))
     if failure is not None:
         raise failure
-    failed = [(r, f) for r, f in zip(participants.ranks, failures) if f]
+    failed = [(r, f) for r, f in zip(participants.ranks, failures) if f is not None]
     if failed:
         rank, error = failed[0]
         raise CheckpointError(f"reading the optimizer's checkpoint failed on rank {rank}: {error}")

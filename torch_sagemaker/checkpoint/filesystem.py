@@ -54,8 +54,9 @@ WriteHook = Callable[["DistributedFileSystemWriter"], None]
 #     checkpoint meanwhile would otherwise be read in part, or by some ranks and not others,
 #     each consistent with the marker it read (Note [A save that replaces a checkpoint being
 #     loaded] in ``state_dict_loader``); a changed id raises ``CheckpointError`` saying so.
-#     A reader used again for a new load (its first ``read_metadata`` after a ``read_data``)
-#     reads the marker again first: the checkpoint as it is then, as DCP's reader would.
+#     A reader used again after another save committed raises too, even when that save is
+#     the job's own: one reader may serve the model's and then the optimizer's load, which
+#     must read one save; a new load of the new save takes a new reader.
 #     In ``read_data`` either error fails that rank's step of DCP's load, whose gather
 #     raises on every rank, so no rank waits for another. Cost: each file a rank reads is
 #     read once more for its checksum, as ``load`` does (docs/checkpoint.md, "Integrity"),
@@ -116,7 +117,6 @@ class DistributedFileSystemReader(FileSystemReader):
             location.read_marker() if location.is_complete() else None
         )
         self._checked: set[str] = set()  # files whose checksum matched (or need no check)
-        self._read_done = False  # a load through this reader has read its data
         # The committed files, so that DCP used directly (SMP's scripts load the optimizer
         # state with this reader) reads exactly those (on S3 the marker names them).
         self.fs = location.file_system()
@@ -159,10 +159,6 @@ class DistributedFileSystemReader(FileSystemReader):
             CheckpointError: A Hugging Face export (or another kind DCP cannot read), or
                 metadata whose bytes changed since the save.
         """
-        if self._read_done:
-            # A new load through a reader used before: it reads the checkpoint as it is now
-            # (another save of it, by this job, may have committed since the last load).
-            self._open(self._location)
         if self._checks and self._marker is not None:
             problem = not_a_training_checkpoint(self._location, self._marker.get("kind"))
             if problem is not None:
@@ -190,10 +186,8 @@ class DistributedFileSystemReader(FileSystemReader):
             future = super().read_data(plan, planner)
             future.wait()  # DCP's file-system reader reads before it returns: a no-op there
             self._check_not_replaced()  # the files opened by name may be another save's
-        else:
-            future = super().read_data(plan, planner)
-        self._read_done = True
-        return future
+            return future
+        return super().read_data(plan, planner)
 
     def _check(self, names: list[str]) -> None:
         """Raises ``CheckpointError`` for the files of ``names`` that differ from the save's."""
@@ -211,7 +205,7 @@ class DistributedFileSystemReader(FileSystemReader):
         """Raises ``CheckpointError`` if a save committed over the checkpoint since ``_open``."""
         now = self._location.marker_save_id()
         if now != self._save_id:
-            raise replaced_error(self._location, self._save_id, now)
+            raise replaced_error(self._location, self._save_id, now, reader=True)
 
 
 class DistributedFileSystemWriter(FileSystemWriter):

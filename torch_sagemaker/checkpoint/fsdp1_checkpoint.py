@@ -19,7 +19,10 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import StateDictType
 
 from torch_sagemaker.checkpoint._group import Participants
-from torch_sagemaker.checkpoint.dcp_patches import load_sharded_optimizer_state_dict
+from torch_sagemaker.checkpoint.dcp_patches import (
+    load_sharded_optimizer_state_dict,
+    read_metadata_on_every_rank,
+)
 from torch_sagemaker.checkpoint.filesystem import DistributedFileSystemReader
 from torch_sagemaker.checkpoint.location import checkpoint_location
 from torch_sagemaker.checkpoint.state_dict_loader import load, raise_if_replaced
@@ -160,14 +163,15 @@ def load_model_checkpoint(
         model.load_state_dict(template[EXPORT_KEY_MODEL])
         if optimizer is not None:
             # The model's read was of that save on every rank. The readers made now check
-            # theirs against the save they find (on every rank together: the world's group
-            # takes the same path as SMP's groups), and the last check below covers both.
+            # theirs against the save they find, on every rank together (PyTorch's own
+            # function, taken without a process group, reads the metadata alone), and the
+            # last check below covers both reads.
             raise_if_replaced(location, save_id, participants)
+            reader = DistributedFileSystemReader(checkpoint_dir)
+            if process_group is None and dist.is_initialized():
+                read_metadata_on_every_rank(reader, None)  # every rank
             loaded = load_sharded_optimizer_state_dict(
-                model_state,
-                EXPORT_KEY_OPTIMIZER,
-                DistributedFileSystemReader(checkpoint_dir),
-                process_group=process_group if process_group is not None else dist.group.WORLD,
+                model_state, EXPORT_KEY_OPTIMIZER, reader, process_group=process_group
             )
             optimizer.load_state_dict(
                 FSDP.optim_state_dict_to_load(model, optimizer, loaded[EXPORT_KEY_OPTIMIZER])

@@ -135,7 +135,9 @@ def not_a_training_checkpoint(where: object, kind: object) -> CheckpointError | 
     )
 
 
-def replaced_error(where: object, before: str | None, after: str | None) -> CheckpointError:
+def replaced_error(
+    where: object, before: str | None, after: str | None, *, reader: bool = False
+) -> CheckpointError:
     """The error for a checkpoint another save committed over while it was being read.
 
     Note [A save that replaces a checkpoint being loaded] in ``state_dict_loader``.
@@ -144,6 +146,7 @@ def replaced_error(where: object, before: str | None, after: str | None) -> Chec
         where: The checkpoint.
         before: The save id its marker named when the read began.
         after: The save id it names now (``None``: no readable marker).
+        reader: Raised by a ``DistributedFileSystemReader`` (made before that save).
     """
     now = (
         f"{after} after"
@@ -153,8 +156,9 @@ def replaced_error(where: object, before: str | None, after: str | None) -> Chec
     return CheckpointError(
         f"loading {where}: another save committed over this checkpoint while it was being "
         f"read (save id {before} before, {now}), so the loaded values may mix the two saves. "
-        "Load it again, and do not save under a name that is being loaded (give each save "
-        "its own directory, e.g. one per step)."
+        f"Load it again{' with a new DistributedFileSystemReader' if reader else ''}, and do "
+        "not save under a name that is being loaded (give each save its own directory, e.g. "
+        "one per step)."
     )
 
 
